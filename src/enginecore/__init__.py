@@ -1,0 +1,44 @@
+"""enginecore: the engine loop of a stage process, exact, typed and tested.
+
+The public API is re-exported here; everything in ``enginecore._*`` is private.
+"""
+
+from __future__ import annotations
+
+from ._engine import CountdownEngine, Engine
+from ._exceptions import EngineCoreError, LoopAlreadyRunError
+from ._loop import EngineCoreLoop
+from ._messages import (
+    Abort,
+    Add,
+    Event,
+    FatalEvent,
+    Message,
+    OutputEvent,
+    ShutdownEvent,
+    Utility,
+    UtilityEvent,
+    Wakeup,
+)
+from ._signals import shutdown_on_signals
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "Abort",
+    "Add",
+    "CountdownEngine",
+    "Engine",
+    "EngineCoreError",
+    "EngineCoreLoop",
+    "Event",
+    "FatalEvent",
+    "LoopAlreadyRunError",
+    "Message",
+    "OutputEvent",
+    "ShutdownEvent",
+    "Utility",
+    "UtilityEvent",
+    "Wakeup",
+    "shutdown_on_signals",
+]

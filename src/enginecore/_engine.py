@@ -1,0 +1,100 @@
+"""The :class:`Engine` protocol that a user implements, and :class:`CountdownEngine`, the toy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["CountdownEngine", "Engine"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What :class:`~enginecore.EngineCoreLoop` drives.
+
+    Only the loop's thread ever calls these methods (single writer), so an implementation needs
+    no locks of its own. Exceptions from :meth:`has_work`, :meth:`add`, :meth:`abort` and
+    :meth:`step` are fatal to the loop; an exception from :meth:`utility` is reported for that
+    one call and the loop goes on.
+    """
+
+    def has_work(self) -> bool:
+        """Whether :meth:`step` has anything to do. Called often: keep it O(1)."""
+        ...
+
+    def add(self, req_id: str, data: Any) -> None:
+        """Admit request *req_id*. Raising here is fatal to the loop."""
+        ...
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        """Drop the requests *req_ids*; unknown ids should be ignored."""
+        ...
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        """Run an out-of-band call (*args* is one tuple). Raising affects only this call."""
+        ...
+
+    def step(self) -> Iterable[Any]:
+        """Advance every live request once and return the outputs, in order."""
+        ...
+
+
+class CountdownEngine:
+    """A toy engine for tests, examples and benchmarks.
+
+    ``add(rid, k)``: the request needs *k* more steps (*k* must be a positive ``int``).
+    :meth:`step` decrements every live request and returns ``[(rid, remaining), ...]`` in
+    insertion order; a request that reaches 0 is reported and removed. :meth:`abort` removes
+    requests and ignores unknown ids. ``utility("div", (a, b))`` returns ``a / b``;
+    ``utility("num_requests", ())`` returns the number of live requests.
+
+    An output ``(rid, remaining)`` is the request's last one exactly when ``remaining == 0``;
+    :meth:`is_finished` says so, which is how the stage runtime ends per-request streams.
+    """
+
+    def __init__(self) -> None:
+        # Insertion-ordered: step() reports requests in the order they were added.
+        self._remaining: dict[str, int] = {}
+
+    def has_work(self) -> bool:
+        return bool(self._remaining)
+
+    def add(self, req_id: str, data: Any) -> None:
+        if isinstance(data, bool) or not isinstance(data, int) or data < 1:
+            raise ValueError(f"CountdownEngine.add({req_id!r}, {data!r}): need an int >= 1")
+        if req_id in self._remaining:
+            raise ValueError(f"CountdownEngine.add: request {req_id!r} is already live")
+        self._remaining[req_id] = data
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        remaining = self._remaining
+        for rid in req_ids:
+            remaining.pop(rid, None)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "div":
+            a, b = args
+            return a / b
+        if name == "num_requests":
+            return len(self._remaining)
+        raise ValueError(f"CountdownEngine has no utility {name!r}; known: 'div', 'num_requests'")
+
+    def step(self) -> list[tuple[str, int]]:
+        outputs: list[tuple[str, int]] = []
+        finished: list[str] = []
+        remaining = self._remaining
+        for rid, k in remaining.items():
+            left = k - 1
+            outputs.append((rid, left))
+            if left:
+                remaining[rid] = left
+            else:
+                finished.append(rid)
+        for rid in finished:
+            del remaining[rid]
+        return outputs
+
+    @staticmethod
+    def is_finished(output: tuple[str, int]) -> bool:
+        """Whether *output* is the last one of its request."""
+        return output[1] == 0

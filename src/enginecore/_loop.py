@@ -1,0 +1,310 @@
+"""EngineCoreLoop: the busy loop of a stage process.
+
+The whole contract lives in this file (``docs/contract.md`` restates it with the test that
+proves each rule):
+
+1. Idle means blocked: with no work the loop blocks in ``input_queue.get()``, no timeout.
+2. The message taken by that blocking ``get()`` is processed like any other.
+3. Before every step, every message already queued is applied, in queue order.
+4. The drain is bounded: it takes a snapshot of what is queued when it begins.
+5. Dispatch: Add -> ``engine.add``, Abort -> ``engine.abort``, Utility -> ``engine.utility``
+   (``args`` as one tuple), Wakeup -> nothing; anything else is logged and skipped.
+6. After the drain: if shutdown was requested, stop without stepping; otherwise step only if
+   ``has_work()`` is still true.
+7. Events are tuples: ``("output", out)``, ``("utility", call_id, result, err)``,
+   ``("shutdown",)``, ``("fatal", repr(exc))``; exactly one of the last two ends every run.
+8. Utility exceptions are reported and the loop goes on; any other exception is fatal.
+9. ``request_shutdown()`` sets the flag *and* enqueues a Wakeup; idempotent, never waits.
+10. ``request_shutdown()`` never takes the queue's mutex in a way that could deadlock when it
+    runs inside a signal handler.
+11. Single writer: only the thread in ``run()`` touches the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ._engine import Engine
+from ._exceptions import LoopAlreadyRunError
+from ._messages import Abort, Add, Event, Message, Utility, Wakeup
+
+__all__ = ["EngineCoreLoop"]
+
+logger = logging.getLogger("enginecore")
+
+_WAKEUP = Wakeup()
+_MESSAGE_TYPES = (Add, Abort, Utility, Wakeup)
+
+# Bytes on the waker pipe (see _forward_wakeups).
+_KICK = b"w"
+_QUIT = b"q"
+
+
+class EngineCoreLoop:
+    """Runs ``schedule -> execute -> update`` (``engine.step()``) for one stage.
+
+    *engine* is driven only from the thread that calls :meth:`run`. *emit* receives every
+    event, on that same thread, in order; it should hand events off (for example to an output
+    queue) rather than do slow work.
+
+    Producers (IO threads) put :data:`~enginecore.Message` objects on :attr:`input_queue`, or
+    call :meth:`submit`. Any thread, or a signal handler, may call :meth:`request_shutdown`.
+
+    Errors: an exception from ``engine.utility`` becomes that call's ``"utility"`` event and the
+    loop goes on. An exception from ``has_work``, ``add``, ``abort``, ``step`` or from *emit*
+    itself is fatal: it is logged with its traceback, ``("fatal", repr(exc))`` is emitted and
+    :meth:`run` returns. If emitting the fatal event fails too, :meth:`run` raises that second
+    exception (chained to the first) so the failure can never pass unnoticed.
+    ``KeyboardInterrupt`` and ``SystemExit`` are reported the same way and then re-raised.
+    """
+
+    # Concurrency invariants:
+    # - _engine and _emit are touched only by the thread inside run() (single writer).
+    # - _shutdown goes False -> True once and never back. Writers: request_shutdown() from any
+    #   thread or a signal handler. Reader: the loop, after each drain. Setting it before the
+    #   Wakeup is enqueued means whoever wakes up already sees it.
+    # - input_queue.mutex guards input_queue.queue. The loop holds it only to snapshot-and-clear
+    #   the deque (bounded, O(n) memcpy); request_shutdown() only ever *tries* to take it.
+    # - _wake_w is -1 until run() starts the waker thread, then a pipe fd that stays open for
+    #   the life of this object (closed by a weakref finalizer, never reused while reachable).
+
+    __slots__ = (
+        "__weakref__",
+        "_emit",
+        "_engine",
+        "_run_lock",
+        "_shutdown",
+        "_started",
+        "_wake_w",
+        "input_queue",
+    )
+
+    def __init__(self, engine: Engine, emit: Callable[[Event], object]) -> None:
+        if not isinstance(engine, Engine):
+            missing = [
+                name
+                for name in ("has_work", "add", "abort", "utility", "step")
+                if not callable(getattr(engine, name, None))
+            ]
+            raise TypeError(
+                f"engine must implement the enginecore.Engine protocol; "
+                f"{type(engine).__name__} lacks {', '.join(missing)}"
+            )
+        if not callable(emit):
+            raise TypeError(f"emit must be callable, got {type(emit).__name__}")
+        self._engine = engine
+        self._emit = emit
+        self.input_queue: queue.Queue[Any] = queue.Queue()
+        """The loop's input. Producers ``put()`` messages here, in the order they must apply.
+
+        The loop owns it: do not ``get()`` from it, and do not replace it.
+        """
+        self._shutdown = False
+        self._started = False
+        self._run_lock = threading.Lock()
+        self._wake_w = -1
+
+    # -- producer side -----------------------------------------------------------------------
+
+    def submit(self, message: Message) -> None:
+        """Queue *message* for the loop: ``input_queue.put(message)``, with a type check.
+
+        Raises :class:`TypeError` for an object that is not a message. Never blocks (the queue
+        is unbounded); thread-safe; **not** safe in a signal handler (use
+        :meth:`request_shutdown` there). After shutdown the message is queued but never applied.
+        """
+        if not isinstance(message, _MESSAGE_TYPES):
+            raise TypeError(
+                f"submit() takes Add, Abort, Utility or Wakeup, got {type(message).__name__}"
+            )
+        self.input_queue.put(message)
+
+    def request_shutdown(self) -> None:
+        """Ask the loop to stop; it emits ``("shutdown",)`` and :meth:`run` returns.
+
+        Sets the shutdown flag and wakes a loop blocked in ``get()`` at once. Messages that
+        were queued before the call are still applied (the loop drains, then sees the flag);
+        no ``step()`` starts after the loop has seen it. Called before :meth:`run`, that run
+        emits only ``("shutdown",)``.
+
+        Never blocks, never raises, idempotent. Thread-safe and **safe inside a signal
+        handler**: it only ever *tries* to take ``input_queue.mutex`` (the interrupted thread
+        may be holding it); if the mutex is busy, the Wakeup is handed to a helper thread
+        through a pipe with one ``os.write``. Has no effect on a loop that already ended.
+        """
+        if self._shutdown:
+            return
+        self._shutdown = True
+        q = self.input_queue
+        mutex = q.mutex
+        if mutex.acquire(blocking=False):
+            try:
+                # Exactly what Queue.put does, minus the blocking acquire.
+                q.queue.append(_WAKEUP)
+                q.unfinished_tasks += 1
+                q.not_empty.notify()
+            finally:
+                mutex.release()
+            return
+        # The mutex is held: by another thread (briefly), or by the very thread this signal
+        # handler interrupted, which would deadlock on a blocking acquire. Either way let the
+        # waker thread do a normal put(). Before run() there is no waker, and none is needed:
+        # run() reads the flag after it starts the waker.
+        w = self._wake_w
+        if w >= 0:
+            # The pipe holds 64 KiB and is written at most twice, so this cannot fail.
+            with contextlib.suppress(OSError):
+                os.write(w, _KICK)
+
+    @property
+    def shutdown_requested(self) -> bool:
+        """Whether :meth:`request_shutdown` has been called. Never blocks."""
+        return self._shutdown
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run the loop in the calling thread until shutdown or a fatal error.
+
+        Blocks for the life of the loop. Returns after emitting ``("shutdown",)`` or
+        ``("fatal", ...)``. A loop runs once: a second call raises
+        :class:`~enginecore.LoopAlreadyRunError`. ``KeyboardInterrupt``/``SystemExit`` raised
+        inside the loop are emitted as ``("fatal", ...)`` and then propagate.
+        """
+        with self._run_lock:
+            if self._started:
+                raise LoopAlreadyRunError("this EngineCoreLoop has already run; build a new one")
+            self._started = True
+        self._start_waker()
+        try:
+            self._run()
+        finally:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, _QUIT)
+
+    def _start_waker(self) -> None:
+        r, w = os.pipe()
+        os.set_blocking(w, False)  # a signal handler must never block on a full pipe
+        try:
+            threading.Thread(
+                target=_forward_wakeups,
+                args=(r, self.input_queue),
+                name="enginecore-waker",
+                daemon=True,
+            ).start()
+        except BaseException:
+            os.close(r)
+            os.close(w)
+            raise
+        # The read end belongs to the thread from here on; the write end lives as long as this
+        # object, so a late request_shutdown() can never write into a reused descriptor.
+        weakref.finalize(self, os.close, w)
+        self._wake_w = w
+
+    def _run(self) -> None:
+        emit = self._emit
+        if self._shutdown:
+            emit(("shutdown",))
+            return
+        engine = self._engine
+        has_work = engine.has_work
+        step = engine.step
+        apply = self._apply
+        q = self.input_queue
+        get = q.get
+        pending = q.queue
+        mutex = q.mutex
+        try:
+            while True:
+                # Unlocked peek: a deque's truth value is read atomically under the GIL, and a
+                # message that lands just after it is seen on the next iteration.
+                if pending:
+                    with mutex:
+                        # The snapshot is the drain's bound: a producer that outpaces us can
+                        # delay a step but never starve it or the shutdown check.
+                        batch = list(pending)
+                        pending.clear()
+                    apply(batch)
+                if self._shutdown:
+                    break
+                if has_work():
+                    for out in step():
+                        emit(("output", out))
+                else:
+                    # The only blocking call: no timeout, so an idle loop costs no CPU.
+                    # request_shutdown() enqueues a Wakeup to end it.
+                    apply((get(),))
+        except BaseException as exc:
+            self._die(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        emit(("shutdown",))
+
+    def _apply(self, batch: list[Any] | tuple[Any]) -> None:
+        engine = self._engine
+        for msg in batch:
+            cls = msg.__class__
+            if cls is Add:
+                engine.add(msg.req_id, msg.data)
+            elif cls is Abort:
+                engine.abort(msg.req_ids)
+            elif cls is Utility:
+                self._call_utility(msg)
+            elif cls is not Wakeup:
+                self._apply_unusual(msg)
+
+    def _apply_unusual(self, msg: object) -> None:
+        # Subclasses of the message types are honoured; anything else is a producer bug that
+        # must not take the stage down.
+        if isinstance(msg, Add):
+            self._engine.add(msg.req_id, msg.data)
+        elif isinstance(msg, Abort):
+            self._engine.abort(msg.req_ids)
+        elif isinstance(msg, Utility):
+            self._call_utility(msg)
+        elif not isinstance(msg, Wakeup):
+            logger.error(
+                "enginecore: ignoring an object of type %s on input_queue; "
+                "expected Add, Abort, Utility or Wakeup: %.200r",
+                type(msg).__name__,
+                msg,
+            )
+
+    def _call_utility(self, msg: Utility) -> None:
+        try:
+            result = self._engine.utility(msg.name, msg.args)
+        except Exception as exc:
+            event: Event = ("utility", msg.call_id, None, repr(exc))
+        else:
+            event = ("utility", msg.call_id, result, None)
+        # Outside the try: an emit failure is fatal, not this call's error.
+        self._emit(event)
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("enginecore: fatal error in the engine loop", exc_info=exc)
+        try:
+            self._emit(("fatal", repr(exc)))
+        except BaseException as emit_exc:
+            logger.error("enginecore: emit failed for the fatal event", exc_info=emit_exc)
+            raise
+
+
+def _forward_wakeups(r: int, q: queue.Queue[Any]) -> None:
+    """Waker thread: turns a signal-safe ``os.write`` into a ``q.put(Wakeup())``."""
+    try:
+        while True:
+            data = os.read(r, 64)
+            if _KICK in data:
+                q.put(_WAKEUP)
+            if not data or _QUIT in data:
+                return
+    finally:
+        os.close(r)

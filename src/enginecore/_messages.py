@@ -1,0 +1,92 @@
+"""Input messages and output events of the loop.
+
+Messages go *into* :attr:`EngineCoreLoop.input_queue`; events come *out* through ``emit``.
+Both are part of the public contract (see ``docs/contract.md``), so their shapes are exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+__all__ = [
+    "Abort",
+    "Add",
+    "Event",
+    "FatalEvent",
+    "Message",
+    "OutputEvent",
+    "ShutdownEvent",
+    "Utility",
+    "UtilityEvent",
+    "Wakeup",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    """Add request *req_id* with *data* to the engine: ``engine.add(req_id, data)``."""
+
+    req_id: str
+    data: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Abort the requests *req_ids*: ``engine.abort(req_ids)``.
+
+    Raises :class:`TypeError` if *req_ids* is a single ``str``: ``Abort("r1")`` would otherwise
+    abort the requests ``"r"`` and ``"1"``. Pass ``Abort(["r1"])``.
+    """
+
+    req_ids: Sequence[str]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.req_ids, (str, bytes)):
+            raise TypeError(
+                f"Abort(req_ids) takes a sequence of request ids, not a single "
+                f"{type(self.req_ids).__name__}; write Abort([{self.req_ids!r}])"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Utility:
+    """Call ``engine.utility(name, args)``; the result comes back as a ``"utility"`` event.
+
+    *args* is passed to the engine as one tuple, never splatted. Raises :class:`TypeError` if
+    it is not a tuple.
+    """
+
+    call_id: int
+    name: str
+    args: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.args, tuple):
+            raise TypeError(
+                f"Utility(args) must be a tuple, got {type(self.args).__name__}; "
+                f"write Utility(call_id, name, tuple(args))"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Wakeup:
+    """Does nothing to the engine; wakes a loop that is blocked waiting for input."""
+
+
+Message: TypeAlias = Add | Abort | Utility | Wakeup
+"""Anything the loop accepts from :attr:`EngineCoreLoop.input_queue`."""
+
+# Events are plain tuples: cheap to build on the hot path, and equal to what the design card
+# specifies. The aliases below exist for type checkers and readers.
+OutputEvent: TypeAlias = tuple[Literal["output"], Any]
+"""``("output", out)``: one element of what ``engine.step()`` returned."""
+UtilityEvent: TypeAlias = tuple[Literal["utility"], int, Any, str | None]
+"""``("utility", call_id, result, None)`` or ``("utility", call_id, None, repr(exc))``."""
+ShutdownEvent: TypeAlias = tuple[Literal["shutdown"]]
+"""``("shutdown",)``: the last event of a run that stopped because shutdown was requested."""
+FatalEvent: TypeAlias = tuple[Literal["fatal"], str]
+"""``("fatal", repr(exc))``: the last event of a run that an exception ended."""
+Event: TypeAlias = OutputEvent | UtilityEvent | ShutdownEvent | FatalEvent
+"""Anything the loop passes to ``emit``."""
