@@ -3,8 +3,6 @@
 The public API is re-exported here; everything in ``enginecore._*`` is private.
 """
 
-from __future__ import annotations
-
 from ._engine import CountdownEngine, Engine
 from ._exceptions import EngineCoreError, LoopAlreadyRunError
 from ._loop import EngineCoreLoop

@@ -1,0 +1,540 @@
+"""EngineCoreLoop: one behaviour-named test (at least) for each rule of the contract.
+
+The rule numbers match the docstring of ``enginecore/_loop.py`` and ``docs/contract.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from enginecore import (
+    Abort,
+    Add,
+    CountdownEngine,
+    EngineCoreLoop,
+    LoopAlreadyRunError,
+    Utility,
+    Wakeup,
+)
+
+from .conftest import EventLog, LoopThread, RecordingEngine
+
+
+def _blocked_in_get(loop: EngineCoreLoop) -> bool:
+    # The loop is parked in input_queue.get() when it is a waiter on the queue's condition.
+    # Reading the waiter list is the only way to observe "blocked" without a sleep.
+    return bool(loop.input_queue.not_empty._waiters)  # type: ignore[attr-defined]
+
+
+def _wait_until_blocked(loop: EngineCoreLoop, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _blocked_in_get(loop):
+        if time.monotonic() > deadline:
+            raise AssertionError("the loop never blocked in input_queue.get()")
+        time.sleep(0.001)
+
+
+class TestReferenceTrace:
+    def test_design_card_trace_is_emitted_exactly(self) -> None:
+        log = EventLog()
+        loop = EngineCoreLoop(CountdownEngine(), log)
+        for msg in (
+            Add("a", 2),
+            Add("b", 1),
+            Utility(7, "div", (1, 0)),
+            Abort(["b"]),
+            Utility(8, "div", (6, 3)),
+        ):
+            loop.input_queue.put(msg)
+
+        def feeder() -> None:
+            time.sleep(0.2)
+            loop.input_queue.put(Add("c", 1))
+            time.sleep(0.2)
+            loop.request_shutdown()
+
+        t = threading.Thread(target=feeder)
+        t.start()
+        loop.run()
+        t.join()
+        assert log.events == [
+            ("utility", 7, None, "ZeroDivisionError('division by zero')"),
+            ("utility", 8, 2.0, None),
+            ("output", ("a", 1)),
+            ("output", ("a", 0)),
+            ("output", ("c", 0)),
+            ("shutdown",),
+        ]
+
+
+class TestRule1IdleBlocks:
+    @pytest.mark.slow
+    def test_idle_loop_calls_has_work_a_handful_of_times_and_uses_no_cpu(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, running: LoopThread
+    ) -> None:
+        _wait_until_blocked(loop)
+        clock = time.pthread_getcpuclockid(running.thread.ident or 0)
+        calls_before = engine.has_work_calls
+        thread_cpu_before = time.clock_gettime(clock)
+        process_cpu_before = time.process_time()
+        time.sleep(1.0)  # the idle period being measured, not a synchronisation guess
+        thread_cpu = time.clock_gettime(clock) - thread_cpu_before
+        process_cpu = time.process_time() - process_cpu_before
+        assert engine.has_work_calls - calls_before == 0
+        assert engine.has_work_calls < 10
+        assert engine.steps == 0
+        # A get(timeout=0.01) poll would cost ~10 ms here and 100 has_work() calls; a spin ~1 s.
+        assert thread_cpu < 0.005, f"idle loop thread used {thread_cpu:.4f} s of CPU"
+        assert process_cpu < 0.05, f"idle process used {process_cpu:.4f} s of CPU"
+
+    def test_add_after_idle_runs_to_completion(
+        self, loop: EngineCoreLoop, log: EventLog, running: LoopThread
+    ) -> None:
+        _wait_until_blocked(loop)
+        loop.submit(Add("r", 3))
+        log.wait_for(lambda ev: ("output", ("r", 0)) in ev)
+        assert log.outputs() == [("r", 2), ("r", 1), ("r", 0)]
+
+
+class TestRule2BlockingGetMessageIsProcessed:
+    def test_first_message_after_idle_is_not_lost(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog, running: LoopThread
+    ) -> None:
+        _wait_until_blocked(loop)
+        loop.input_queue.put(Add("only", 1))  # the one message the blocking get() returns
+        log.wait_for(lambda ev: len(ev) == 1)
+        assert engine.calls[0] == ("add", "only", 1)
+        assert log.events == [("output", ("only", 0))]
+
+
+class TestRule3FifoBeforeEveryStep:
+    def test_prequeued_add_abort_add_reach_engine_in_order(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
+    ) -> None:
+        engine.on_idle = lambda: loop.request_shutdown() if engine.steps else None
+        for msg in (Add("r1", 2), Abort(["r1"]), Add("r2", 1)):
+            loop.input_queue.put(msg)
+        loop.run()
+        assert engine.calls == [
+            ("add", "r1", 2),
+            ("abort", ("r1",)),
+            ("add", "r2", 1),
+            ("step",),
+        ]
+        # r1 was aborted before the step that would have run it: not a single output.
+        assert log.events == [("output", ("r2", 0)), ("shutdown",)]
+
+    def test_messages_queued_during_a_step_all_apply_before_the_next_step(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
+    ) -> None:
+        def during_step(n: int) -> None:
+            if n == 1:  # a producer puts these while step 1 runs
+                for msg in (Add("x", 1), Abort(["a", "x"]), Utility(1, "div", (4, 2))):
+                    loop.input_queue.put(msg)
+
+        engine.on_step = during_step
+        engine.on_idle = lambda: loop.request_shutdown() if engine.steps else None
+        loop.input_queue.put(Add("a", 5))
+        loop.run()
+        assert engine.calls == [
+            ("add", "a", 5),
+            ("step",),
+            ("add", "x", 1),
+            ("abort", ("a", "x")),
+            ("utility", "div", (4, 2)),
+        ]
+        # Both requests were aborted before step 2 could run them, so there was no step 2.
+        assert log.events == [("output", ("a", 4)), ("utility", 1, 2.0, None), ("shutdown",)]
+
+
+class TestRule4BoundedDrain:
+    def test_self_refilling_queue_cannot_starve_step(self) -> None:
+        """An add() that enqueues another Add models a producer faster than the loop.
+
+        A drain "until Empty" would never return; the snapshot drain steps after each batch.
+        """
+        engine, log = RecordingEngine(), EventLog()
+        loop = EngineCoreLoop(engine, log)
+        original_add = engine.add
+        counter = iter(range(1_000_000))
+
+        def add(req_id: str, data: Any) -> None:
+            original_add(req_id, data)
+            loop.input_queue.put(Add(f"r{next(counter)}", 1))
+
+        engine.add = add  # type: ignore[method-assign]
+        engine.on_step = lambda n: loop.request_shutdown() if n == 3 else None
+        loop.input_queue.put(Add("seed", 1))
+        lt = LoopThread(loop).start()
+        lt.join(timeout=10)
+        assert engine.steps == 3
+        assert log.events[-1] == ("shutdown",)
+
+    @pytest.mark.slow
+    def test_flood_from_many_producers_still_steps_and_shuts_down_promptly(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
+    ) -> None:
+        stop = threading.Event()
+
+        def producer(tag: int) -> None:
+            i = 0
+            put = loop.input_queue.put
+            while not stop.is_set():
+                put(Add(f"p{tag}-{i}", 2))
+                put(Abort([f"p{tag}-{i}"]))
+                i += 1
+
+        producers = [threading.Thread(target=producer, args=(t,)) for t in range(3)]
+        for p in producers:
+            p.start()
+        try:
+            loop.input_queue.put(Add("steady", 10**9))  # always has work
+            lt = LoopThread(loop).start()
+            for _ in range(5):  # the loop keeps stepping under the flood
+                engine.stepped.clear()
+                assert engine.stepped.wait(5), "step() starved by the flood"
+            started = time.monotonic()
+            loop.request_shutdown()
+            lt.join(timeout=5)
+            elapsed = time.monotonic() - started
+        finally:
+            stop.set()
+            for p in producers:
+                p.join()
+        assert log.events[-1] == ("shutdown",)
+        assert elapsed < 5
+
+
+class TestRule5Dispatch:
+    def test_utility_args_are_passed_as_one_tuple(self) -> None:
+        seen: list[tuple[Any, ...]] = []
+
+        class Echo(CountdownEngine):
+            def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+                seen.append(args)
+                return args
+
+        log = EventLog()
+        loop = EngineCoreLoop(Echo(), log)
+        loop.input_queue.put(Utility(1, "echo", (1, 2, 3)))
+        loop.input_queue.put(Utility(2, "echo", ()))
+        loop.input_queue.put(Utility(3, "echo", ((1, 2),)))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: len(ev) == 3)
+        loop.request_shutdown()
+        lt.join()
+        assert seen == [(1, 2, 3), (), ((1, 2),)]
+        assert log.events[:3] == [
+            ("utility", 1, (1, 2, 3), None),
+            ("utility", 2, (), None),
+            ("utility", 3, ((1, 2),), None),
+        ]
+
+    def test_wakeup_does_nothing_to_the_engine(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog, running: LoopThread
+    ) -> None:
+        for _ in range(3):
+            loop.input_queue.put(Wakeup())
+        loop.input_queue.put(Utility(1, "num_requests", ()))
+        log.wait_for(lambda ev: len(ev) == 1)
+        assert engine.calls == [("utility", "num_requests", ())]
+        assert engine.steps == 0
+
+    def test_non_message_is_logged_and_skipped(
+        self,
+        loop: EngineCoreLoop,
+        log: EventLog,
+        running: LoopThread,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            loop.input_queue.put(("add", "r", 1))
+            loop.input_queue.put(None)
+            loop.input_queue.put(Add("r", 1))
+            log.wait_for(lambda ev: ("output", ("r", 0)) in ev)
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 2
+        assert "tuple" in errors[0].getMessage()
+        assert "NoneType" in errors[1].getMessage()
+
+    def test_message_subclasses_are_dispatched(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog, running: LoopThread
+    ) -> None:
+        class TracedAdd(Add):
+            __slots__ = ()
+
+        loop.input_queue.put(TracedAdd("t", 1))
+        log.wait_for(lambda ev: ev == [("output", ("t", 0))])
+        assert engine.calls[0] == ("add", "t", 1)
+
+
+class TestRule6AfterTheDrain:
+    def test_drain_of_only_wakeup_abort_utility_does_not_step(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog, running: LoopThread
+    ) -> None:
+        for msg in (Wakeup(), Abort(["nope"]), Utility(1, "div", (1, 1))):
+            loop.input_queue.put(msg)
+        log.wait_for(lambda ev: len(ev) == 1)
+        _wait_until_blocked(loop)
+        assert engine.steps == 0
+
+    def test_no_step_after_shutdown_is_seen(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
+    ) -> None:
+        engine.on_step = lambda n: loop.request_shutdown() if n == 2 else None
+        loop.input_queue.put(Add("long", 100))
+        loop.run()
+        assert engine.steps == 2
+        assert log.events == [("output", ("long", 99)), ("output", ("long", 98)), ("shutdown",)]
+
+    def test_messages_queued_before_shutdown_are_still_applied(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
+    ) -> None:
+        def during_step(n: int) -> None:
+            loop.input_queue.put(Utility(5, "div", (1, 2)))
+            loop.request_shutdown()
+
+        engine.on_step = during_step
+        loop.input_queue.put(Add("a", 10))
+        loop.run()
+        assert log.events == [("output", ("a", 9)), ("utility", 5, 0.5, None), ("shutdown",)]
+
+
+class TestRule7EventShapes:
+    def test_shutdown_event_is_a_one_element_tuple(
+        self, loop: EngineCoreLoop, log: EventLog
+    ) -> None:
+        loop.request_shutdown()
+        loop.run()
+        assert log.events == [("shutdown",)]
+        assert type(log.events[0]) is tuple
+        assert len(log.events[0]) == 1
+
+    def test_each_output_of_a_step_is_one_event_in_order(
+        self, loop: EngineCoreLoop, log: EventLog, engine: RecordingEngine
+    ) -> None:
+        engine.on_idle = loop.request_shutdown
+        for rid in "abc":
+            loop.input_queue.put(Add(rid, 1))
+        loop.run()
+        assert log.events == [
+            ("output", ("a", 0)),
+            ("output", ("b", 0)),
+            ("output", ("c", 0)),
+            ("shutdown",),
+        ]
+
+
+class _Boom(Exception):
+    pass
+
+
+class TestRule8Errors:
+    def test_utility_error_is_reported_for_its_call_and_the_loop_goes_on(
+        self, loop: EngineCoreLoop, log: EventLog, running: LoopThread
+    ) -> None:
+        loop.input_queue.put(Utility(1, "no-such-utility", ()))
+        loop.input_queue.put(Utility(2, "div", (1, 0)))
+        loop.input_queue.put(Add("after", 1))
+        log.wait_for(lambda ev: ("output", ("after", 0)) in ev)
+        first = log.events[0]
+        assert first[:3] == ("utility", 1, None)
+        assert "no-such-utility" in str(first[-1])
+        assert log.events[1] == ("utility", 2, None, "ZeroDivisionError('division by zero')")
+
+    @pytest.mark.parametrize("where", ["step", "add", "abort", "has_work"])
+    def test_engine_exception_is_fatal_and_ends_the_run(
+        self, where: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        class Failing(RecordingEngine):
+            def has_work(self) -> bool:
+                if where == "has_work" and self.calls:
+                    raise _Boom("has_work")
+                return super().has_work()
+
+            def abort(self, req_ids: Any) -> None:
+                if where == "abort":
+                    raise _Boom("abort")
+                super().abort(req_ids)
+
+            def add(self, req_id: str, data: Any) -> None:
+                if where == "add":
+                    raise _Boom("add")
+                super().add(req_id, data)
+
+            def step(self) -> list[tuple[str, int]]:
+                if where == "step":
+                    raise _Boom("step")
+                return super().step()
+
+        engine, log = Failing(), EventLog()
+        loop = EngineCoreLoop(engine, log)
+        loop.input_queue.put(Abort(["x"]))
+        loop.input_queue.put(Add("a", 3))
+        loop.input_queue.put(Utility(9, "div", (1, 1)))
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            loop.run()  # returns: a fatal error is reported, not raised
+        assert log.events[-1] == ("fatal", repr(_Boom(where)))
+        assert ("shutdown",) not in log.events
+        if where in ("add", "abort"):
+            # Messages after the failing one are never processed.
+            assert not any(e[0] == "utility" for e in log.events)
+        assert any("fatal error" in r.getMessage() for r in caplog.records)
+
+    def test_messages_queued_after_fatal_are_never_processed(self) -> None:
+        engine, log = RecordingEngine(), EventLog()
+        loop = EngineCoreLoop(engine, log)
+
+        def blow_up(n: int) -> None:
+            loop.input_queue.put(Utility(1, "div", (1, 1)))
+            raise _Boom("step")
+
+        engine.on_step = blow_up
+        loop.input_queue.put(Add("a", 1))
+        loop.run()
+        assert log.events == [("fatal", "_Boom('step')")]
+        assert not loop.input_queue.empty()
+
+    def test_emit_failure_is_fatal(self, caplog: pytest.LogCaptureFixture) -> None:
+        events: list[Any] = []
+
+        def emit(event: Any) -> None:
+            if event[0] == "output":
+                raise _Boom("emit")
+            events.append(event)
+
+        loop = EngineCoreLoop(CountdownEngine(), emit)
+        loop.input_queue.put(Add("a", 1))
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            loop.run()
+        assert events == [("fatal", "_Boom('emit')")]
+
+    def test_emit_failing_for_the_fatal_event_too_raises_from_run(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        def emit(event: Any) -> None:
+            raise _Boom(event[0])
+
+        loop = EngineCoreLoop(CountdownEngine(), emit)
+        loop.input_queue.put(Add("a", 1))
+        with caplog.at_level(logging.ERROR, logger="enginecore"), pytest.raises(_Boom) as info:
+            loop.run()
+        assert info.value.args == ("fatal",)
+        assert isinstance(info.value.__context__, _Boom)
+        assert info.value.__context__.args == ("output",)
+
+    def test_keyboard_interrupt_in_step_is_reported_then_propagates(
+        self,
+        loop: EngineCoreLoop,
+        engine: RecordingEngine,
+        log: EventLog,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        def interrupt(n: int) -> None:
+            raise KeyboardInterrupt
+
+        engine.on_step = interrupt
+        loop.input_queue.put(Add("a", 1))
+        with caplog.at_level(logging.ERROR, logger="enginecore"), pytest.raises(KeyboardInterrupt):
+            loop.run()
+        assert log.events == [("fatal", "KeyboardInterrupt()")]
+
+
+class TestRule9RequestShutdown:
+    def test_wakes_an_idle_loop_from_another_thread(
+        self, loop: EngineCoreLoop, log: EventLog
+    ) -> None:
+        lt = LoopThread(loop).start()
+        _wait_until_blocked(loop)
+        loop.request_shutdown()
+        lt.join(timeout=0.5)
+        assert log.events == [("shutdown",)]
+
+    def test_is_idempotent(self, loop: EngineCoreLoop, log: EventLog) -> None:
+        lt = LoopThread(loop).start()
+        _wait_until_blocked(loop)
+        for _ in range(5):
+            loop.request_shutdown()
+        lt.join()
+        loop.request_shutdown()  # after the end: no effect, no error
+        assert log.events == [("shutdown",)]
+        assert loop.shutdown_requested
+
+    def test_before_run_emits_only_shutdown(self, engine: RecordingEngine, log: EventLog) -> None:
+        loop = EngineCoreLoop(engine, log)
+        loop.input_queue.put(Add("a", 1))
+        loop.input_queue.put(Utility(1, "div", (1, 1)))
+        loop.request_shutdown()
+        loop.run()
+        assert log.events == [("shutdown",)]
+        assert engine.calls == []
+
+    def test_never_blocks_on_a_held_queue_mutex_and_still_wakes_the_loop(
+        self, loop: EngineCoreLoop, log: EventLog
+    ) -> None:
+        """The signal-handler situation without a signal: the caller holds the mutex.
+
+        A request_shutdown() built on ``Queue.put`` deadlocks right here (the mutex is not
+        reentrant); ours hands the Wakeup to the waker thread and returns.
+        """
+        lt = LoopThread(loop).start()
+        _wait_until_blocked(loop)
+        returned = threading.Event()
+        with loop.input_queue.mutex:
+            loop.request_shutdown()
+            returned.set()
+        assert returned.is_set()
+        lt.join(timeout=2)
+        assert log.events == [("shutdown",)]
+
+    def test_run_twice_raises(self, loop: EngineCoreLoop) -> None:
+        loop.request_shutdown()
+        loop.run()
+        with pytest.raises(LoopAlreadyRunError, match="already run"):
+            loop.run()
+
+
+class TestRule11SingleWriter:
+    def test_only_the_loop_thread_touches_the_engine(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
+    ) -> None:
+        lt = LoopThread(loop).start()
+
+        def produce(t: int) -> None:
+            for i in range(200):
+                for m in (Add(f"{t}-{i}", 2), Abort([f"{t}-{i}"]), Utility(i, "div", (i, 1))):
+                    loop.input_queue.put(m)
+
+        producers = [threading.Thread(target=produce, args=(t,)) for t in range(3)]
+        for p in producers:
+            p.start()
+        for p in producers:
+            p.join()
+        loop.request_shutdown()
+        lt.join()
+        assert engine.threads == {lt.thread.ident}
+        assert sum(1 for e in log.events if e[0] == "utility") == 600
+
+
+class TestConstruction:
+    def test_rejects_an_object_that_is_not_an_engine(self) -> None:
+        class Half:
+            def has_work(self) -> bool:
+                return False
+
+        with pytest.raises(TypeError, match="lacks add, abort, utility, step"):
+            EngineCoreLoop(Half(), print)  # type: ignore[arg-type]
+
+    def test_rejects_a_non_callable_emit(self) -> None:
+        with pytest.raises(TypeError, match="emit must be callable"):
+            EngineCoreLoop(CountdownEngine(), [])  # type: ignore[arg-type]
+
+    def test_submit_rejects_non_messages(self, loop: EngineCoreLoop) -> None:
+        with pytest.raises(TypeError, match="got tuple"):
+            loop.submit(("add", "r", 1))  # type: ignore[arg-type]
+        assert loop.input_queue.empty()

@@ -1,0 +1,37 @@
+"""Messages: exact positional shapes, frozen, slotted, and clear errors for misuse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from enginecore import Abort, Add, Utility, Wakeup
+
+
+class TestShapes:
+    def test_positional_field_order(self) -> None:
+        assert Add("r", 3) == Add(req_id="r", data=3)
+        assert Abort(["r"]).req_ids == ["r"]
+        u = Utility(7, "div", (1, 2))
+        assert (u.call_id, u.name, u.args) == (7, "div", (1, 2))
+        assert Utility(1, "x").args == ()
+        assert Wakeup() == Wakeup()
+
+    @pytest.mark.parametrize("msg", [Add("r", 1), Abort(["r"]), Utility(1, "x", ()), Wakeup()])
+    def test_messages_are_frozen_and_slotted(self, msg: object) -> None:
+        assert not hasattr(msg, "__dict__")
+        field = next(iter(dataclasses.fields(msg)), None)  # type: ignore[arg-type]
+        if field is not None:
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(msg, field.name, None)
+
+
+class TestValidation:
+    def test_abort_of_a_bare_string_is_rejected(self) -> None:
+        with pytest.raises(TypeError, match=r"Abort\(\['r1'\]\)"):
+            Abort("r1")
+
+    def test_utility_args_must_be_a_tuple(self) -> None:
+        with pytest.raises(TypeError, match="must be a tuple, got list"):
+            Utility(1, "div", [1, 2])  # type: ignore[arg-type]

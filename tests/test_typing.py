@@ -1,0 +1,101 @@
+"""Typing is part of the API: mypy accepts a user's engine as an Engine and rejects a wrong one."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+mypy_api = pytest.importorskip("mypy.api")
+
+_GOOD = """
+from collections.abc import Sequence
+from typing import Any
+
+from enginecore import Add, EngineCoreLoop, Event
+
+
+class MyEngine:
+    def __init__(self) -> None:
+        self.live: dict[str, int] = {}
+
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.live[req_id] = int(data)
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            self.live.pop(rid, None)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        return len(self.live)
+
+    def step(self) -> list[str]:
+        done = list(self.live)
+        self.live.clear()
+        return done
+
+
+def emit(event: Event) -> None:
+    print(event)
+
+
+loop = EngineCoreLoop(MyEngine(), emit)
+loop.submit(Add("r", 1))
+"""
+
+_BAD = """
+from typing import Any
+
+from enginecore import EngineCoreLoop
+
+
+class NoStep:
+    def has_work(self) -> bool:
+        return False
+
+    def add(self, req_id: str, data: Any) -> None: ...
+    def abort(self, req_ids: list[str]) -> None: ...
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any: ...
+
+
+class WrongHasWork:
+    def has_work(self, now: float) -> bool:
+        return False
+
+    def add(self, req_id: str, data: Any) -> None: ...
+    def abort(self, req_ids: list[str]) -> None: ...
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any: ...
+    def step(self) -> list[Any]:
+        return []
+
+
+EngineCoreLoop(NoStep(), print)
+EngineCoreLoop(WrongHasWork(), print)
+"""
+
+
+def _mypy(tmp_path: Path, source: str) -> tuple[str, int]:
+    path = tmp_path / "user_engine.py"
+    path.write_text(textwrap.dedent(source))
+    stdout, stderr, status = mypy_api.run(
+        ["--strict", "--no-incremental", "--config-file=", "--cache-dir=/dev/null", str(path)]
+    )
+    return stdout + stderr, status
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+class TestEngineProtocolUnderMypy:
+    def test_a_user_engine_is_accepted(self, tmp_path: Path) -> None:
+        out, status = _mypy(tmp_path, _GOOD)
+        assert status == 0, out
+
+    def test_engines_missing_or_mistyping_a_method_are_rejected(self, tmp_path: Path) -> None:
+        out, status = _mypy(tmp_path, _BAD)
+        assert status == 1, out
+        assert 'Argument 1 to "EngineCoreLoop" has incompatible type "NoStep"' in out
+        assert 'Argument 1 to "EngineCoreLoop" has incompatible type "WrongHasWork"' in out
