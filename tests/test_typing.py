@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -99,3 +100,10 @@ class TestEngineProtocolUnderMypy:
         assert status == 1, out
         assert 'Argument 1 to "EngineCoreLoop" has incompatible type "NoStep"' in out
         assert 'Argument 1 to "EngineCoreLoop" has incompatible type "WrongHasWork"' in out
+
+    def test_the_readme_example_type_checks(self, tmp_path: Path) -> None:
+        readme = (Path(__file__).parent.parent / "README.md").read_text()
+        blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+        assert blocks, "README.md lost its example"
+        out, status = _mypy(tmp_path, blocks[0])
+        assert status == 0, out
