@@ -1,0 +1,146 @@
+"""Run every benchmark and print one table: enginecore next to its raw baseline, same run.
+
+Usage::
+
+    python -m benchmarks                    # full run, a few minutes
+    python -m benchmarks --quick            # smoke run for CI (never gates on a time)
+    python -m benchmarks --json out.json --chart docs/performance.png --markdown out.md
+    python -m benchmarks --only throughput,wake_latency
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from ._harness import Record, Skipped, format_table, write_json
+
+MODULES = (
+    "bench_idle_cpu",
+    "bench_throughput",
+    "bench_overhead",
+    "bench_wake_latency",
+    "bench_shutdown_latency",
+    "bench_gil_release",
+)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{platform.system()} {platform.release()}, {os.cpu_count()} CPUs ({cpu}), "
+        f"{platform.python_implementation()} {platform.python_version()}, "
+        f"switch interval {sys.getswitchinterval() * 1e3:g} ms"
+    )
+
+
+def write_chart(path: str, records: Sequence[Record]) -> bool:
+    """One small panel per metric: baseline and enginecore bars, titled with the ratio."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("chart skipped: needs matplotlib (pip install -e '.[bench]')", file=sys.stderr)
+        return False
+    cols = 3
+    rows = (len(records) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.1 * rows), squeeze=False)
+    for ax, r in zip(axes.flat, records, strict=False):
+        colors = ["#9e9e9e", "#2e7d32" if r.met else "#c62828"]
+        ax.bar(
+            ["baseline", "enginecore"],
+            [r.baseline, r.value],
+            yerr=[r.baseline_spread, r.spread],
+            color=colors,
+            capsize=4,
+        )
+        ratio = "inf" if r.ratio == float("inf") else f"{r.ratio:.2f}x"
+        ax.set_title(
+            f"{r.name}\n{ratio}, goal {r.goal}: {'met' if r.met else 'MISSED'}", fontsize=8
+        )
+        ax.set_ylabel(r.unit, fontsize=8)
+        ax.tick_params(labelsize=8)
+    for ax in list(axes.flat)[len(records) :]:
+        ax.set_visible(False)
+    fig.suptitle(f"enginecore vs raw baselines, same run\n{machine()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="enginecore benchmarks, each side by side with its raw baseline.",
+    )
+    parser.add_argument("--quick", action="store_true", help="small smoke run (< 1 min)")
+    parser.add_argument("--json", metavar="PATH", help="write one JSON object per metric")
+    parser.add_argument("--chart", metavar="PATH", help="write a PNG chart (needs matplotlib)")
+    parser.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
+    parser.add_argument(
+        "--only",
+        metavar="NAMES",
+        help=f"comma-separated subset of: {', '.join(m.removeprefix('bench_') for m in MODULES)}",
+    )
+    args = parser.parse_args(argv)
+
+    selected = list(MODULES)
+    if args.only:
+        wanted = {n.strip().removeprefix("bench_") for n in args.only.split(",") if n.strip()}
+        unknown = wanted - {m.removeprefix("bench_") for m in MODULES}
+        if unknown:
+            parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+        selected = [m for m in MODULES if m.removeprefix("bench_") in wanted]
+
+    header = f"{'quick' if args.quick else 'full'} run on {machine()}"
+    print(header, flush=True)
+    records: list[Record] = []
+    t_all = time.perf_counter()
+    for name in selected:
+        mod = importlib.import_module(f"{__package__}.{name}")
+        run: Callable[[bool], list[Record]] = mod.run
+        t0 = time.perf_counter()
+        try:
+            got = run(args.quick)
+        except Skipped as exc:
+            print(f"  {name}: skipped: {exc}", file=sys.stderr, flush=True)
+            continue
+        records.extend(got)
+        print(f"  {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    table = format_table(records)
+    print()
+    print(table)
+    missed = [r.name for r in records if not r.met]
+    print(f"\n{len(records) - len(missed)}/{len(records)} goals met", end="")
+    print(f"; missed: {', '.join(missed)}" if missed else "", end="")
+    print(f" ({time.perf_counter() - t_all:.0f} s)")
+
+    if args.json:
+        write_json(args.json, records, args.quick)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(f"{header}\n\n{table}\n")
+    if args.chart:
+        write_chart(args.chart, records)
+    # Timing never fails the command: CI runs --quick as a smoke test only.
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
