@@ -49,7 +49,9 @@ class CountdownEngine:
     ``utility("num_requests", ())`` returns the number of live requests.
 
     An output ``(rid, remaining)`` is the request's last one exactly when ``remaining == 0``;
-    :meth:`is_finished` says so, which is how the stage runtime ends per-request streams.
+    :meth:`is_finished` says so. :meth:`route_output` is the stage runtime's routing hook
+    (``enginecore.stage``, see ``docs/stage.md``): it sends each output to its request's
+    stream with the payload ``remaining`` and ends the stream on the last one.
     """
 
     def __init__(self) -> None:
@@ -98,3 +100,12 @@ class CountdownEngine:
     def is_finished(output: tuple[str, int]) -> bool:
         """Whether *output* is the last one of its request."""
         return output[1] == 0
+
+    @staticmethod
+    def route_output(output: tuple[str, int]) -> tuple[str, bool, int]:
+        """The stage runtime's routing hook: ``(req_id, finished, payload)`` for *output*.
+
+        The payload is the remaining step count, so a request's stream yields ``k-1, ..., 0``.
+        """
+        rid, left = output
+        return rid, left == 0, left

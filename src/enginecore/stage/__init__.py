@@ -1,0 +1,62 @@
+"""enginecore.stage: the stage process around an :class:`~enginecore.EngineCoreLoop`.
+
+A child process runs the loop on its main thread with two ZMQ IO threads; a client in the
+parent (:class:`StageClient`, blocking, or :class:`AsyncStageClient`, asyncio) talks to it
+over msgpack frames (``docs/wire.md``). ``docs/stage.md`` is the guide. Needs the ``zmq``
+extra: ``pip install 'enginecore[zmq]'``.
+"""
+
+from __future__ import annotations
+
+try:
+    import msgspec  # noqa: F401
+    import zmq  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        f"enginecore.stage needs pyzmq and msgspec ({_exc}); "
+        f"install them with: pip install 'enginecore[zmq]'"
+    ) from _exc
+
+from ._aclient import AsyncRequestStream, AsyncStageClient
+from ._client import RequestStream, StageClient
+from ._errors import (
+    EngineDeadError,
+    ProtocolError,
+    RequestError,
+    StageClosedError,
+    StageStartupError,
+    UtilityError,
+)
+from ._wire import (
+    PROTOCOL_VERSION,
+    Aborted,
+    ErrorReport,
+    Fatal,
+    Output,
+    Shutdown,
+    StageEvent,
+    UtilityResult,
+    check_encodable,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Aborted",
+    "AsyncRequestStream",
+    "AsyncStageClient",
+    "EngineDeadError",
+    "ErrorReport",
+    "Fatal",
+    "Output",
+    "ProtocolError",
+    "RequestError",
+    "RequestStream",
+    "Shutdown",
+    "StageClient",
+    "StageClosedError",
+    "StageEvent",
+    "StageStartupError",
+    "UtilityError",
+    "UtilityResult",
+    "check_encodable",
+]

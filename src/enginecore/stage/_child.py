@@ -1,0 +1,506 @@
+"""The stage process: the engine loop on the main thread, plus two ZMQ IO threads.
+
+::
+
+    client --(ROUTER, input thread)--> input_queue --> EngineCoreLoop (main thread)
+    client <--(PUSH, output thread)--- SimpleQueue <-- emit()
+
+The input thread blocks in ``recv`` (no timeout), decodes and validates each frame and puts
+typed messages on ``loop.input_queue`` in arrival order. A frame it cannot use becomes an
+``error`` event (request- or call-scoped when an id can be recovered) and never reaches the
+engine. The output thread blocks on its queue, drains everything waiting and sends it as one
+frame. Shutdown: when the loop returns, the output thread sends the last frame (it holds the
+terminal event), then ``ctx.term()`` wakes the input thread with ``ETERM``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final
+
+import msgspec
+import zmq
+
+from .._engine import Engine
+from .._loop import EngineCoreLoop
+from .._messages import Abort, Add, Event, Utility
+from .._signals import shutdown_on_signals
+from . import _wire
+
+__all__ = ["import_factory", "run_launched", "serve"]
+
+logger = logging.getLogger("enginecore.stage")
+
+# Exit codes of a stage process.
+EXIT_OK: Final = 0  # clean shutdown
+EXIT_FATAL: Final = 1  # the engine loop died of an exception (or startup failed)
+EXIT_IO_FAILED: Final = 2  # an IO thread failed; the stage could no longer talk
+EXIT_ORPHANED: Final = 3  # the parent died and a graceful shutdown did not finish in time
+
+# How long the output socket may take to deliver the last frames when the process ends.
+_OUTPUT_LINGER_MS: Final = 1000
+# Upper bound on one output frame, in events: keeps frames (and latency) bounded under load.
+_MAX_BATCH: Final = 512
+
+_STOP: Final = ("stop",)  # output-thread sentinel (never sent)
+
+
+def import_factory(spec: str) -> Callable[..., Any]:
+    """Resolve ``"pkg.module:attr"`` (``attr`` may be dotted) to a callable.
+
+    Raises :class:`ValueError` for a malformed string, :class:`ImportError` /
+    :class:`AttributeError` if it does not resolve, :class:`TypeError` if not callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"engine factory must look like 'pkg.module:factory', got {spec!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"engine factory {spec!r} is a {type(obj).__name__}, not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def build_engine(spec: str, kwargs: dict[str, Any]) -> Engine:
+    """Call the factory; check that it returned an :class:`~enginecore.Engine`."""
+    engine = import_factory(spec)(**kwargs)
+    if not isinstance(engine, Engine):
+        raise TypeError(
+            f"engine factory {spec!r} returned a {type(engine).__name__}, which does not "
+            f"implement the enginecore.Engine protocol"
+        )
+    return engine
+
+
+# -- output routing -------------------------------------------------------------------------
+
+Route = Callable[[Any], "tuple[str | None, bool, Any]"]
+
+
+def make_router(engine: object) -> Route:
+    """Build ``out -> (req_id, finished, payload)`` for *engine* (see docs/stage.md).
+
+    An engine may define ``route_output(out)`` returning that triple. Otherwise an output that
+    is a 2-tuple/list ``(req_id: str, payload)`` is routed to ``req_id`` with that payload,
+    and it is finished when the engine's optional ``is_finished(out)`` says so. Any other
+    output is not routed: ``(None, False, out)``.
+    """
+    hook = getattr(engine, "route_output", None)
+    if callable(hook):
+
+        def route(out: Any) -> tuple[str | None, bool, Any]:
+            triple = hook(out)
+            if (
+                type(triple) is not tuple
+                or len(triple) != 3
+                or not (triple[0] is None or type(triple[0]) is str)
+                or type(triple[1]) is not bool
+            ):
+                raise TypeError(
+                    f"{type(engine).__name__}.route_output() must return "
+                    f"(req_id: str | None, finished: bool, payload), got {triple!r:.200}"
+                )
+            return triple
+
+        return route
+
+    is_finished = getattr(engine, "is_finished", None)
+    if not callable(is_finished):
+        is_finished = None
+
+    def default_route(out: Any) -> tuple[str | None, bool, Any]:
+        t = type(out)
+        if (t is tuple or t is list) and len(out) == 2 and type(out[0]) is str:
+            finished = False
+            if is_finished is not None:
+                finished = bool(is_finished(out))
+            return out[0], finished, out[1]
+        return None, False, out
+
+    return default_route
+
+
+class _StageEngine:
+    """The user's engine, plus one thing: after ``abort()`` returns, an ``aborted`` event.
+
+    That event is emitted on the loop thread, so it is ordered with the outputs: none of the
+    aborted requests' outputs follows it. Every other method is the engine's own bound
+    method, stored as an attribute, so the hot path pays nothing.
+    """
+
+    def __init__(self, engine: Engine, put: Callable[[Any], None]) -> None:
+        self.has_work = engine.has_work
+        self.add = engine.add
+        self.step = engine.step
+        self.utility = engine.utility
+        self._abort = engine.abort
+        self._put = put
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        self._abort(req_ids)
+        self._put(("aborted", list(req_ids)))
+
+
+# -- the runtime ----------------------------------------------------------------------------
+
+
+class StageRuntime:
+    """Sockets, IO threads and loop of one stage process. Single use: ``run()`` once."""
+
+    # Threads and what they own:
+    # - main thread: the loop (engine, emit, routing). Calls ctx.term() at the very end.
+    # - input thread: self._in (ROUTER) and the session fields; reads nothing else.
+    # - output thread: self._out (PUSH); records self.terminal.
+    # self._outq is the only hand-off from the loop and the input thread to the output thread.
+
+    def __init__(
+        self,
+        engine: Engine,
+        input_address: str,
+        output_address: str,
+        *,
+        engine_name: str,
+        session_timeout: float = 10.0,
+        handle_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+    ) -> None:
+        self._engine_name = engine_name
+        self._session_timeout = session_timeout
+        self._signals = tuple(handle_signals)
+        self._outq: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.loop = EngineCoreLoop(_StageEngine(engine, self._outq.put), self._make_emit(engine))
+        self.terminal: str | None = None
+        self.io_failed = False
+        self.finished = threading.Event()
+        self._ctx = zmq.Context()
+        try:
+            self._in = self._ctx.socket(zmq.ROUTER)
+            self._in.setsockopt(zmq.LINGER, 0)
+            self._out = self._ctx.socket(zmq.PUSH)
+            self._out.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
+            for sock in (self._in, self._out):
+                # ZMTP heartbeats drop a TCP peer that vanished without closing its connection.
+                sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+            self._in.bind(input_address)
+            self._out.bind(output_address)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self.input_address: str = self._in.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.output_address: str = self._out.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Input-thread state: the attached client's routing id and when it was last heard.
+        self._session: bytes | None = None
+        self._session_seen = 0.0
+
+    def _make_emit(self, engine: Engine) -> Callable[[Event], None]:
+        route = make_router(engine)
+        put = self._outq.put
+
+        def emit(event: Event) -> None:
+            # Runs on the loop thread: routing must see the output before the engine can
+            # reuse it; everything else is a hand-off. An exception here is fatal to the loop.
+            if event[0] == "output":
+                rid, finished, payload = route(event[1])
+                put(("output", rid, finished, payload))
+            else:
+                put(event)
+
+        return emit
+
+    def run(self) -> int:
+        """Run until shutdown or a fatal error; return the process exit code. Blocks."""
+        threads = [
+            threading.Thread(target=self._input_main, name="enginecore-input", daemon=True),
+            threading.Thread(target=self._output_main, name="enginecore-output", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        try:
+            with shutdown_on_signals(self.loop, self._signals):
+                self.loop.run()
+        finally:
+            # The terminal event is already queued unless emit itself failed; _STOP ends the
+            # output thread either way, after it has sent everything before it.
+            self._outq.put(_STOP)
+            threads[1].join(timeout=_OUTPUT_LINGER_MS / 1000)
+            # Wakes the input thread (and an output thread stuck on a peer that is gone) with
+            # ETERM; returns once both closed their sockets (output: after its linger).
+            self._ctx.term()
+            for t in threads:
+                t.join()
+            self.finished.set()
+        if self.io_failed:
+            return EXIT_IO_FAILED
+        return EXIT_OK if self.terminal == "shutdown" else EXIT_FATAL
+
+    # -- input thread ------------------------------------------------------------------------
+
+    def _input_main(self) -> None:
+        sock = self._in
+        try:
+            while True:
+                try:
+                    parts = sock.recv_multipart()  # blocks; no timeout: ctx.term() ends it
+                except zmq.ContextTerminated:
+                    return
+                try:
+                    self._handle_frame(parts)
+                except Exception as exc:  # a bug here must not kill the thread
+                    logger.exception("enginecore: error while handling an input frame")
+                    self._outq.put(("error", None, f"stage failed to handle a frame: {exc!r}"))
+        except BaseException:
+            logger.exception("enginecore: the input thread failed; shutting the stage down")
+            self.io_failed = True
+            self.loop.request_shutdown()
+        finally:
+            sock.close(linger=0)
+
+    def _handle_frame(self, parts: list[bytes]) -> None:
+        ident = parts[0]
+        if len(parts) != 2:
+            self._outq.put(
+                ("error", None, f"expected one frame per message, got {len(parts) - 1} frames")
+            )
+            return
+        frame = parts[1]
+        try:
+            msg = _wire.client_msg_decoder.decode(frame)
+        except msgspec.DecodeError as exc:
+            self._report_bad_frame(frame, exc)
+            return
+        if ident == self._session:
+            self._session_seen = time.monotonic()
+        put = self.loop.input_queue.put
+        if type(msg) is _wire.AddMsg:
+            put(Add(msg.req_id, msg.data))
+        elif type(msg) is _wire.AbortMsg:
+            put(Abort(msg.req_ids))
+        elif type(msg) is _wire.UtilityMsg:
+            put(Utility(msg.call_id, msg.name, tuple(msg.args)))
+        elif type(msg) is _wire.PingMsg:
+            self._outq.put(("pong", msg.seq))
+        elif type(msg) is _wire.ShutdownMsg:
+            self.loop.request_shutdown()
+        elif type(msg) is _wire.HelloMsg:
+            self._hello(ident, msg)
+        elif type(msg) is _wire.ByeMsg and ident == self._session:
+            self._session = None
+
+    def _hello(self, ident: bytes, msg: _wire.HelloMsg) -> None:
+        reply: _wire.WelcomeMsg | _wire.RejectMsg
+        now = time.monotonic()
+        if msg.version != _wire.PROTOCOL_VERSION:
+            reply = _wire.RejectMsg(
+                _wire.PROTOCOL_VERSION,
+                f"protocol version {msg.version} is not supported; this stage speaks "
+                f"version {_wire.PROTOCOL_VERSION}",
+            )
+        elif (
+            self._session is not None
+            and self._session != ident
+            and now - self._session_seen < self._session_timeout
+        ):
+            reply = _wire.RejectMsg(
+                _wire.PROTOCOL_VERSION, "another client is attached to this stage"
+            )
+        else:
+            self._session = ident
+            self._session_seen = now
+            reply = _wire.WelcomeMsg(
+                _wire.PROTOCOL_VERSION, self.output_address, os.getpid(), self._engine_name
+            )
+        self._in.send_multipart([ident, msgspec.msgpack.encode(reply)])
+
+    def _report_bad_frame(self, frame: bytes, exc: Exception) -> None:
+        # Recover an id if the frame is valid msgpack with a recognisable head, so the error
+        # reaches the one request or call it concerns instead of hanging it.
+        head: Any = None
+        with contextlib.suppress(msgspec.DecodeError):
+            head = _wire.any_decoder.decode(frame)
+        what = f"invalid message ({len(frame)} bytes): {exc}"
+        if type(head) is list and len(head) >= 2:
+            if head[0] == "add" and type(head[1]) is str:
+                self._outq.put(("error", head[1], what))
+                return
+            if head[0] == "utility" and type(head[1]) is int:
+                self._outq.put(("utility", head[1], None, f"ProtocolError({what!r})"))
+                return
+        self._outq.put(("error", None, what))
+
+    # -- output thread -----------------------------------------------------------------------
+
+    def _output_main(self) -> None:
+        sock = self._out
+        get = self._outq.get
+        encoder = _wire.new_encoder()
+        try:
+            while True:
+                batch = [get()]  # blocks; no timeout: _STOP or the terminal event ends it
+                with contextlib.suppress(queue.Empty):
+                    while len(batch) < _MAX_BATCH:
+                        batch.append(get(block=False))
+                events, done = self._prepare(batch)
+                if events:
+                    try:
+                        frame = encoder.encode(events)
+                    except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+                        frame = encoder.encode(self._encode_one_by_one(encoder, events))
+                    sock.send(frame, copy=False)
+                if done:
+                    return
+        except zmq.ContextTerminated:
+            # The process is ending and the client stopped reading: drop what is left.
+            sock.setsockopt(zmq.LINGER, 0)
+        except BaseException:
+            logger.exception("enginecore: the output thread failed; shutting the stage down")
+            self.io_failed = True
+            sock.setsockopt(zmq.LINGER, 0)
+            self.loop.request_shutdown()
+        finally:
+            sock.close()
+
+    def _prepare(self, batch: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], bool]:
+        """Check payloads; turn unencodable ones into error reports. Returns (events, done)."""
+        events: list[tuple[Any, ...]] = []
+        for ev in batch:
+            kind = ev[0]
+            if kind == "output":
+                try:
+                    _wire.check_encodable(ev[3], "output payload")
+                except TypeError as exc:
+                    events.append(self._bad_output(ev, exc))
+                    continue
+            elif kind == "utility":
+                try:
+                    _wire.check_encodable(ev[2], "utility result")
+                except TypeError as exc:
+                    events.append(("utility", ev[1], None, repr(exc)))
+                    continue
+            elif kind == "stop":
+                return events, True
+            elif kind in ("shutdown", "fatal"):
+                self.terminal = kind
+                events.append(ev)
+                return events, True
+            events.append(ev)
+        return events, False
+
+    def _bad_output(self, ev: tuple[Any, ...], exc: TypeError) -> tuple[Any, ...]:
+        rid = ev[1]
+        logger.error("enginecore: dropping an output that cannot be encoded: %s", exc)
+        if rid is None:
+            return ("error", None, f"an unrouted engine output cannot be encoded: {exc}")
+        # The client ends this request's stream with the error; stop the engine working on it.
+        self.loop.input_queue.put(Abort([rid]))
+        return ("error", rid, f"output cannot be encoded, request aborted: {exc}")
+
+    @staticmethod
+    def _encode_one_by_one(
+        encoder: msgspec.msgpack.Encoder, events: Iterable[tuple[Any, ...]]
+    ) -> list[Any]:
+        # Only reached if check_encodable let something through that msgspec refuses.
+        good: list[Any] = []
+        for ev in events:
+            try:
+                encoder.encode(ev)
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+                good.append(("error", None, f"event {ev[0]!r} cannot be encoded: {exc!r}"))
+            else:
+                good.append(ev)
+        return good
+
+
+# -- process entry points -------------------------------------------------------------------
+
+
+def _report(conn: Any, *message: Any) -> None:
+    with contextlib.suppress(OSError):
+        conn.send_bytes(msgspec.msgpack.encode(message))
+
+
+def run_launched(
+    factory: str,
+    kwargs_frame: bytes,
+    input_address: str,
+    output_address: str,
+    conn: Any,
+    ipc_dir: str,
+) -> None:
+    """Target of the spawned stage process (see ``_launch.launch_process``).
+
+    *conn* is this end of a duplex pipe: the child reports ``["ready", pid]`` or
+    ``["error", repr, traceback]`` on it, then waits on it for EOF, which means the parent
+    died. Ends the process with the stage's exit code.
+    """
+    # The parent owns this process's lifecycle: a terminal Ctrl-C goes to the parent, whose
+    # client shuts the stage down; should the parent die instead, the pipe says so.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    holder: list[StageRuntime] = []
+    threading.Thread(
+        target=_watch_parent, args=(conn, holder, ipc_dir), name="enginecore-parent", daemon=True
+    ).start()
+    try:
+        kwargs = msgspec.msgpack.decode(kwargs_frame)
+        engine = build_engine(factory, kwargs)
+        runtime = StageRuntime(
+            engine,
+            input_address,
+            output_address,
+            engine_name=factory,
+            handle_signals=(signal.SIGTERM,),
+        )
+    except BaseException as exc:
+        _report(conn, "error", repr(exc), traceback.format_exc())
+        sys.exit(EXIT_FATAL)
+    holder.append(runtime)
+    _report(conn, "ready", os.getpid())
+    code = runtime.run()
+    sys.exit(code)
+
+
+def _watch_parent(conn: Any, holder: list[StageRuntime], ipc_dir: str) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        conn.recv_bytes()  # the parent never sends: this returns or raises only at EOF
+    if holder and holder[0].finished.is_set():
+        return
+    logger.error("enginecore: the parent process is gone; shutting the stage down")
+    if holder:
+        holder[0].loop.request_shutdown()
+        if holder[0].finished.wait(1.5):
+            return
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+    os._exit(EXIT_ORPHANED)
+
+
+def serve(
+    factory: str,
+    kwargs: dict[str, Any],
+    bind: str,
+    output_bind: str,
+    *,
+    session_timeout: float,
+    ready: Callable[[StageRuntime], None],
+) -> int:
+    """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
+
+    Calls *ready* once the sockets are bound; returns the exit code. SIGTERM and SIGINT shut
+    it down gracefully.
+    """
+    engine = build_engine(factory, kwargs)
+    runtime = StageRuntime(
+        engine, bind, output_bind, engine_name=factory, session_timeout=session_timeout
+    )
+    ready(runtime)
+    return runtime.run()

@@ -1,0 +1,119 @@
+"""The stage runtime's exceptions. All derive from :class:`enginecore.EngineCoreError`."""
+
+from __future__ import annotations
+
+import signal
+
+from .._exceptions import EngineCoreError
+
+__all__ = [
+    "EngineDeadError",
+    "ProtocolError",
+    "RequestError",
+    "StageClosedError",
+    "StageStartupError",
+    "UtilityError",
+    "describe_exit",
+]
+
+
+def describe_exit(exit_code: int | None) -> str:
+    """``"exited with code 1"``, ``"was killed by SIGKILL"``, or ``"exit code unknown"``.
+
+    *exit_code* follows :attr:`multiprocessing.Process.exitcode`: ``-N`` means signal ``N``.
+    """
+    if exit_code is None:
+        return "exit code unknown"
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return f"was killed by {name}"
+    return f"exited with code {exit_code}"
+
+
+class StageStartupError(EngineCoreError, RuntimeError):
+    """Raised by ``StageClient.launch()`` / ``AsyncStageClient.launch()`` when the stage
+    process could not start.
+
+    Causes: the engine factory raised (:attr:`child_traceback` holds the child's formatted
+    traceback, also included in the message), the child exited before it reported ready
+    (:attr:`exit_code` says how), the child did not report ready within ``startup_timeout``
+    seconds (it is then killed), or the protocol handshake failed. No process is left behind.
+    """
+
+    def __init__(
+        self, message: str, *, child_traceback: str | None = None, exit_code: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.child_traceback = child_traceback
+        """The child's formatted traceback when the factory raised, else ``None``."""
+        self.exit_code = exit_code
+        """The child's exit code (``-N`` for signal ``N``) if it exited, else ``None``."""
+
+
+class EngineDeadError(EngineCoreError, RuntimeError):
+    """Raised by every pending and later call of a stage client, and by every waiting
+    iterator, when the stage is gone without this client having closed it.
+
+    Causes: the stage process exited or was killed (its exit code or signal is in the
+    message and in :attr:`exit_code`), the engine loop hit a fatal error (the remote
+    ``repr`` is in :attr:`fatal`), the stage shut down at someone else's request, or a
+    connected stage stopped answering heartbeats. The same error object is raised to every
+    waiter; when a local exception caused it, that exception is its ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, exit_code: int | None = None, fatal: str | None = None):
+        super().__init__(message)
+        self.exit_code = exit_code
+        """The stage process's exit code (``-N``: killed by signal ``N``); ``None`` if unknown
+        (a connected stage, or a process that has not been reaped yet)."""
+        self.fatal = fatal
+        """The ``repr`` of the exception that ended the remote engine loop, if one was sent."""
+
+
+class StageClosedError(EngineCoreError, RuntimeError):
+    """Raised by a stage client's methods, pending calls and waiting iterators when *this
+    client* was closed (``close()``, ``shutdown()`` or leaving its ``with`` block).
+
+    Distinct from :class:`EngineDeadError`: nothing went wrong, you closed it.
+    """
+
+
+class UtilityError(EngineCoreError):
+    """Raised by ``call_utility()`` when the engine's ``utility()`` raised in the stage.
+
+    The remote exception cannot cross the wire as an object; :attr:`remote_repr` holds its
+    ``repr`` (also the message). The stage keeps running.
+    """
+
+    def __init__(self, name: str, remote_repr: str) -> None:
+        super().__init__(f"utility {name!r} failed in the stage: {remote_repr}")
+        self.name = name
+        """The utility's name."""
+        self.remote_repr = remote_repr
+        """``repr()`` of the exception raised in the stage."""
+
+
+class RequestError(EngineCoreError):
+    """Raised by a request's output iterator when the stage reported an error for that
+    request: its ``add`` frame could not be decoded or validated (the engine never saw it),
+    or one of its outputs could not be encoded (the stage then aborts it).
+
+    The request's stream ends with this error; the stage keeps serving other requests.
+    """
+
+    def __init__(self, req_id: str, message: str) -> None:
+        super().__init__(f"request {req_id!r}: {message}")
+        self.req_id = req_id
+        """The request's id."""
+        self.message = message
+        """The stage's description of the problem."""
+
+
+class ProtocolError(EngineCoreError):
+    """Raised by ``StageClient.connect()`` (and ``launch()``) when the handshake fails: the
+    stage speaks another protocol version, rejected this client (another client is
+    attached), or answered with something that is not a valid handshake reply.
+    """

@@ -1,0 +1,151 @@
+"""Launching a stage process: spawn, the startup handshake over a pipe, and cleanup."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from . import _child, _wire
+from ._errors import StageStartupError, describe_exit
+
+__all__ = ["Launched", "launch_process"]
+
+# sun_path is 108 bytes on Linux, including the terminating NUL.
+_MAX_IPC_PATH: Final = 107
+
+
+@dataclass
+class Launched:
+    """A stage process that reported ready. The client takes ownership of all of it."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection  # parent end of the death pipe: keep open
+    ipc_dir: str
+    input_address: str
+
+    def kill_and_clean(self) -> None:
+        """SIGKILL the process if alive, reap it, close the pipe, remove the ipc dir."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.conn.close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _validate_factory(factory: str) -> None:
+    module, sep, attr = factory.partition(":")
+    if not isinstance(factory, str) or not sep or not module or not attr:
+        raise ValueError(f"engine factory must look like 'pkg.module:factory', got {factory!r}")
+
+
+def launch_process(
+    factory: str, kwargs: dict[str, Any] | None, startup_timeout: float, name: str | None
+) -> Launched:
+    """Spawn a stage process and wait until it is ready. Blocks up to *startup_timeout*.
+
+    Raises :class:`StageStartupError` (no process left behind) if the factory raised, the child
+    died, or it was not ready in time; :class:`ValueError` / :class:`TypeError` for bad
+    arguments, before anything is started.
+    """
+    _validate_factory(factory)
+    kwargs = dict(kwargs or {})
+    _wire.check_encodable(kwargs, "factory kwargs")
+    if not all(type(k) is str for k in kwargs):
+        raise TypeError("factory kwargs must have str keys")
+    kwargs_frame = msgspec.msgpack.encode(kwargs)
+
+    ipc_dir = tempfile.mkdtemp(prefix="enginecore-")  # mode 0700: only this user can connect
+    input_path = os.path.join(ipc_dir, "in")
+    if len(input_path) + 1 > _MAX_IPC_PATH:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise StageStartupError(
+            f"ipc socket path {input_path!r} is too long for a Unix socket; "
+            f"set TMPDIR to a shorter directory"
+        )
+    input_address = f"ipc://{input_path}"
+    output_address = f"ipc://{os.path.join(ipc_dir, 'out')}"
+
+    ctx = multiprocessing.get_context("spawn")  # fork + threads is unsafe
+    parent_conn, child_conn = ctx.Pipe(duplex=True)
+    process = ctx.Process(
+        target=_child.run_launched,
+        args=(factory, kwargs_frame, input_address, output_address, child_conn, ipc_dir),
+        name=name or f"enginecore-stage[{factory}]",
+        daemon=False,
+    )
+    launched = Launched(process, parent_conn, ipc_dir, input_address)
+    try:
+        process.start()
+    except BaseException:
+        child_conn.close()
+        parent_conn.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise
+    child_conn.close()  # else the child could never see EOF from our side, nor we from its
+    try:
+        _wait_ready(launched, factory, startup_timeout)
+    except BaseException:
+        launched.kill_and_clean()
+        raise
+    return launched
+
+
+def _wait_ready(launched: Launched, factory: str, startup_timeout: float) -> None:
+    process = launched.process
+    conn = launched.conn
+    deadline = time.monotonic() + startup_timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise StageStartupError(
+                f"stage {factory!r} (pid {process.pid}) did not report ready within "
+                f"{startup_timeout} s; it was killed"
+            )
+        ready = multiprocessing.connection.wait([conn, process.sentinel], remaining)
+        if conn in ready:
+            try:
+                report = msgspec.msgpack.decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                # The child closed its end: it is exiting. Its exit code tells why.
+                process.join(timeout=5)
+                raise StageStartupError(
+                    f"stage {factory!r} (pid {process.pid}) {describe_exit(process.exitcode)} "
+                    f"during startup (see its stderr)",
+                    exit_code=process.exitcode,
+                ) from None
+            if report[0] == "ready":
+                return
+            _, err_repr, tb = report
+            process.join(timeout=5)
+            raise StageStartupError(
+                f"engine factory {factory!r} failed in the stage process: {err_repr}\n\n"
+                f"Child traceback:\n{tb}",
+                child_traceback=tb,
+                exit_code=process.exitcode,
+            )
+        if process.sentinel in ready:
+            # Drain a report that raced with the exit.
+            if conn.poll(0):
+                continue
+            process.join()
+            raise StageStartupError(
+                f"stage {factory!r} (pid {process.pid}) {describe_exit(process.exitcode)} "
+                f"during startup (see its stderr)",
+                exit_code=process.exitcode,
+            )
+
+
+def remove_dir(path: str | None) -> None:
+    """Remove an ipc dir, ignoring errors (the child may have removed it already)."""
+    if path:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(path)

@@ -1,0 +1,145 @@
+"""Engines and factories for tests, examples and demos of stage processes.
+
+A stage process is started with *spawn*: it imports its engine factory by name in a fresh
+interpreter, so the factory must live in an importable module. A test suite's own
+``tests/`` directory usually is not one, hence these ship with the library, like
+:class:`~enginecore.CountdownEngine`. They are for tests and demos, not for production.
+
+Factories (``"enginecore.stage.testing:NAME"``):
+
+- ``countdown`` -> a :class:`~enginecore.CountdownEngine`.
+- ``scripted`` -> a :class:`ScriptedEngine` (a CountdownEngine with test utilities).
+- ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
+- ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
+- ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .._engine import CountdownEngine
+
+__all__ = [
+    "ScriptedEngine",
+    "countdown",
+    "exiting_factory",
+    "failing_factory",
+    "scripted",
+    "sleeping_factory",
+]
+
+
+class Unencodable:
+    """An output payload that no wire can carry."""
+
+    def __repr__(self) -> str:
+        return "Unencodable()"
+
+
+class ScriptedEngine(CountdownEngine):
+    """:class:`~enginecore.CountdownEngine` plus utilities that script failures.
+
+    Utilities, besides ``div`` and ``num_requests``:
+
+    - ``log`` -> the list of ``"add <rid>"`` / ``"abort <rid>"`` calls seen, in order.
+    - ``echo`` -> its arguments, as a list.
+    - ``fail_next_step`` -> the next ``step()`` raises ``RuntimeError("scripted step failure")``.
+    - ``exit(code)`` -> the process ends at once with ``os._exit(code)``.
+    - ``unencodable_result`` -> returns a ``set``, which the wire refuses.
+    - ``poison(rid)`` -> the next output of *rid* carries an unencodable payload.
+    - ``unrouted(value)`` -> the next ``step()`` also returns the bare *value* (no request id).
+    - ``sleep(seconds)`` -> blocks the loop that long.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+        self._fail_next = False
+        self._poisoned: set[str] = set()
+        self._unrouted: list[Any] = []
+
+    def has_work(self) -> bool:
+        return super().has_work() or self._fail_next or bool(self._unrouted)
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.log.append(f"add {req_id}")
+        super().add(req_id, data)
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        self.log.extend(f"abort {rid}" for rid in req_ids)
+        super().abort(req_ids)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "log":
+            return list(self.log)
+        if name == "echo":
+            return list(args)
+        if name == "fail_next_step":
+            self._fail_next = True
+            return None
+        if name == "exit":
+            os._exit(args[0])
+        if name == "unencodable_result":
+            return {1, 2, 3}
+        if name == "poison":
+            self._poisoned.add(args[0])
+            return None
+        if name == "unrouted":
+            self._unrouted.append(args[0])
+            return None
+        if name == "sleep":
+            time.sleep(args[0])
+            return None
+        return super().utility(name, args)
+
+    def step(self) -> list[Any]:
+        if self._fail_next:
+            raise RuntimeError("scripted step failure")
+        outputs: list[Any] = list(super().step())
+        if self._poisoned:
+            for i, (rid, _) in enumerate(outputs):
+                if rid in self._poisoned:
+                    self._poisoned.discard(rid)
+                    outputs[i] = (rid, Unencodable())
+        if self._unrouted:
+            outputs.extend(self._unrouted)
+            self._unrouted.clear()
+        return outputs
+
+    @staticmethod
+    def route_output(output: Any) -> tuple[str | None, bool, Any]:  # type: ignore[override]
+        if type(output) is tuple and type(output[1]) is int:
+            return CountdownEngine.route_output(output)
+        if type(output) is tuple:
+            return output[0], False, output[1]
+        return None, False, output
+
+
+def countdown() -> CountdownEngine:
+    """Factory: a fresh :class:`~enginecore.CountdownEngine`."""
+    return CountdownEngine()
+
+
+def scripted() -> ScriptedEngine:
+    """Factory: a fresh :class:`ScriptedEngine`."""
+    return ScriptedEngine()
+
+
+def failing_factory(message: str = "factory failed on purpose") -> CountdownEngine:
+    """Factory that raises ``RuntimeError(message)``."""
+    raise RuntimeError(message)
+
+
+def exiting_factory(code: int = 3) -> CountdownEngine:
+    """Factory that ends the process with ``os._exit(code)``, reporting nothing."""
+    os._exit(code)
+
+
+def sleeping_factory(seconds: float = 3600.0) -> CountdownEngine:
+    """Factory that sleeps *seconds*, then returns a CountdownEngine."""
+    time.sleep(seconds)
+    return CountdownEngine()
