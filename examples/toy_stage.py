@@ -28,19 +28,19 @@ def main() -> int:
     expected = {"r1", "r3"}  # r2 gets aborted
 
     def emit(event: Event) -> None:
-        kind = event[0]
-        if kind == "output":
-            rid, remaining = event[1]
-            print(f"  output   {rid}: {remaining} step(s) left")
-            if remaining == 0:
-                finished.add(rid)
-                if finished >= expected:
-                    all_done.set()
-        elif kind == "utility":
-            _, call_id, result, error = event
-            print(f"  utility  #{call_id} -> " + (f"error {error}" if error else repr(result)))
-        else:
-            print(f"  {kind:8} {event[1:] or ''}".rstrip())
+        match event:
+            case ("output", (rid, remaining)):
+                print(f"  output   {rid}: {remaining} step(s) left")
+                if remaining == 0:
+                    finished.add(rid)
+                    if finished >= expected:
+                        all_done.set()
+            case ("utility", call_id, result, None):
+                print(f"  utility  #{call_id} -> {result!r}")
+            case ("utility", call_id, _, error):
+                print(f"  utility  #{call_id} -> error {error}")
+            case _:
+                print(f"  {event}")
 
     loop = EngineCoreLoop(CountdownEngine(), emit)
 
@@ -57,7 +57,6 @@ def main() -> int:
             loop.submit(msg)
         all_done.wait(timeout=10)
         loop.submit(Utility(3, "num_requests", ()))
-        print("submit     request_shutdown()")
         loop.request_shutdown()
 
     threading.Thread(target=feeder, name="feeder", daemon=True).start()
