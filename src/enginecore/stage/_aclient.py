@@ -23,7 +23,7 @@ from ._errors import (
     StageStartupError,
     UtilityError,
 )
-from ._launch import Launched, launch_process, remove_dir
+from ._launch import Launched, launch_process
 from ._wire import Aborted, ErrorReport, Fatal, Output, Pong, Shutdown, StageEvent, UtilityResult
 
 __all__ = ["AsyncRequestStream", "AsyncStageClient"]
@@ -439,8 +439,7 @@ class AsyncStageClient:
             self._pull.close(linger=0)
             self._ctx.term()
             if launched is not None:
-                launched.conn.close()
-                remove_dir(launched.ipc_dir)
+                launched.release()
             self._closed_done = True
             return self.exit_code
 
@@ -516,7 +515,7 @@ class AsyncStageClient:
                         pid=self._pid,
                         exit_code=None,
                         fatal=None,
-                        reason=f"no heartbeat from {self._address} for {timeout} s",
+                        reason=f"no heartbeat from {self._address} for {timeout} s; presumed dead",
                     )
                 )
                 return
@@ -606,7 +605,7 @@ class AsyncStageClient:
                             exit_code=None,
                             fatal=self._fatal,
                             remote_shutdown=self._fatal is None,
-                            reason=None if self._fatal is None else "its engine loop failed",
+                            reason=None if self._fatal is None else "its engine loop died",
                         )
                     )
 

@@ -345,6 +345,7 @@ class StageRuntime:
         sock = self._out
         get = self._outq.get
         encoder = _wire.new_encoder()
+        linger: int | None = None  # the socket's own: deliver the last frames
         try:
             while True:
                 batch = [get()]  # blocks; no timeout: _STOP or the terminal event ends it
@@ -361,15 +362,16 @@ class StageRuntime:
                 if done:
                     return
         except zmq.ContextTerminated:
-            # The process is ending and the client stopped reading: drop what is left.
-            sock.setsockopt(zmq.LINGER, 0)
+            # The process is ending and no client is reading (none attached, or it is gone):
+            # what is left cannot be delivered.
+            linger = 0
         except BaseException:
             logger.exception("enginecore: the output thread failed; shutting the stage down")
             self.io_failed = True
-            sock.setsockopt(zmq.LINGER, 0)
+            linger = 0
             self.loop.request_shutdown()
         finally:
-            sock.close()
+            sock.close(linger=linger)
 
     def _prepare(self, batch: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], bool]:
         """Check payloads; turn unencodable ones into error reports. Returns (events, done)."""

@@ -19,7 +19,7 @@ import zmq
 
 from . import _common, _wire
 from ._errors import EngineDeadError, StageClosedError, StageStartupError, UtilityError
-from ._launch import Launched, launch_process, remove_dir
+from ._launch import Launched, launch_process
 from ._wire import Aborted, ErrorReport, Fatal, Output, Pong, Shutdown, StageEvent, UtilityResult
 
 __all__ = ["RequestStream", "StageClient"]
@@ -494,8 +494,7 @@ class StageClient:
             os.close(self._wake_r)
             os.close(self._wake_w)
             if launched is not None:
-                launched.conn.close()
-                remove_dir(launched.ipc_dir)
+                launched.release()
             self._closed_done = True
             return self.exit_code
 
@@ -587,7 +586,9 @@ class StageClient:
                         pid=self._pid,
                         exit_code=None,
                         fatal=None,
-                        reason=f"no heartbeat from {self._address} for {heartbeat[1]} s",
+                        reason=(
+                            f"no heartbeat from {self._address} for {heartbeat[1]} s; presumed dead"
+                        ),
                     )
                 )
                 return
@@ -693,7 +694,7 @@ class StageClient:
                             exit_code=None,
                             fatal=self._fatal,
                             remote_shutdown=self._fatal is None,
-                            reason=None if self._fatal is None else "its engine loop failed",
+                            reason=None if self._fatal is None else "its engine loop died",
                         )
                     )
         return terminal

@@ -101,7 +101,7 @@ def dead_error(
     """The one :class:`EngineDeadError` every waiter gets; the message says all we know."""
     who = f"stage process {pid}" if pid is not None else "the stage"
     if reason is not None:
-        msg = f"{who} is dead: {reason}"
+        msg = f"{who}: {reason}"
     elif exit_code is not None:
         msg = f"{who} {describe_exit(exit_code)}"
     else:

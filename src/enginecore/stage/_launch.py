@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -23,7 +24,7 @@ __all__ = ["Launched", "launch_process"]
 _MAX_IPC_PATH: Final = 107
 
 
-@dataclass
+@dataclass(eq=False)
 class Launched:
     """A stage process that reported ready. The client takes ownership of all of it."""
 
@@ -32,13 +33,39 @@ class Launched:
     ipc_dir: str
     input_address: str
 
+    def release(self) -> None:
+        """After the process has exited: close the pipe, remove the ipc dir. Idempotent."""
+        self.conn.close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        _live.discard(self)
+
     def kill_and_clean(self) -> None:
         """SIGKILL the process if alive, reap it, close the pipe, remove the ipc dir."""
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
-        self.conn.close()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self.release()
+
+
+# Stages whose client has not closed them yet. A program that exits without closing its
+# client must not hang: multiprocessing's own exit hook joins non-daemon children forever
+# (and a stage only ends when told to, or when its parent is gone). Stages are not daemonic,
+# so an engine may start worker processes of its own; instead this hook, which runs before
+# multiprocessing's (atexit is LIFO and multiprocessing.util is imported above), stops them.
+_live: set[Launched] = set()
+
+
+def _stop_live_stages_at_exit() -> None:
+    stages = list(_live)
+    for stage in stages:
+        if stage.process.is_alive():
+            stage.process.terminate()
+    for stage in stages:
+        stage.process.join(2.0)
+        stage.kill_and_clean()
+
+
+atexit.register(_stop_live_stages_at_exit)
 
 
 def _validate_factory(factory: str) -> None:
@@ -85,6 +112,7 @@ def launch_process(
     launched = Launched(process, parent_conn, ipc_dir, input_address)
     try:
         process.start()
+        _live.add(launched)
     except BaseException:
         child_conn.close()
         parent_conn.close()
@@ -142,10 +170,3 @@ def _wait_ready(launched: Launched, factory: str, startup_timeout: float) -> Non
                 f"during startup (see its stderr)",
                 exit_code=process.exitcode,
             )
-
-
-def remove_dir(path: str | None) -> None:
-    """Remove an ipc dir, ignoring errors (the child may have removed it already)."""
-    if path:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(path)

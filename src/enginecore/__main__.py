@@ -1,0 +1,152 @@
+"""``python -m enginecore serve``: run a headless stage process.
+
+Usage::
+
+    python -m enginecore serve --engine pkg.module:factory --bind tcp://127.0.0.1:5570
+
+The stage binds its input socket at ``--bind`` and its output socket at ``--output-bind``
+(default: a free port on the same host, or ``<path>.out`` for ``ipc://``), prints one line
+``enginecore serve: listening on <address> ...`` to stdout, and serves one client at a time
+(``StageClient.connect(address)``) until SIGTERM / SIGINT or a client's ``shutdown()``.
+TCP binds to loopback only, unless ``--allow-remote`` is given: the protocol has no
+authentication. Exit code: 0 after a clean shutdown, 1 after a fatal error or a failed
+start, 2 for bad arguments or a failed IO thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+_LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m enginecore", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="run a headless stage process",
+        description="Run a stage process on its own; attach with StageClient.connect(address).",
+    )
+    serve.add_argument("--engine", required=True, metavar="MODULE:FACTORY", help="engine factory")
+    serve.add_argument(
+        "--kwargs", default="{}", metavar="JSON", help="factory keyword arguments, a JSON object"
+    )
+    serve.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:5570",
+        metavar="ADDRESS",
+        help="input address, tcp://HOST:PORT (PORT may be *) or ipc://PATH (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--output-bind",
+        metavar="ADDRESS",
+        help="output address (default: same host, any free port; ipc: PATH.out)",
+    )
+    serve.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow binding TCP to a non-loopback address (no authentication!)",
+    )
+    serve.add_argument(
+        "--session-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a new client may take over once the attached one has been silent this long "
+        "(default: %(default)s)",
+    )
+    return parser
+
+
+def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: bool) -> None:
+    if address.startswith("ipc://"):
+        if len(address) <= len("ipc://"):
+            parser.error(f"empty ipc path in {address!r}")
+        return
+    if not address.startswith("tcp://"):
+        parser.error(f"address must start with tcp:// or ipc://, got {address!r}")
+    rest = address[len("tcp://") :]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not (port == "*" or port.isdigit()):
+        parser.error(f"tcp address must look like tcp://HOST:PORT, got {address!r}")
+    host = host.strip("[]")
+    if allow_remote:
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host in _LOOPBACK_NAMES
+    if not loopback:
+        parser.error(
+            f"refusing to bind {address!r}: not a loopback address and the protocol has no "
+            f"authentication; pass --allow-remote to do it anyway"
+        )
+
+
+def _default_output(bind: str) -> str:
+    if bind.startswith("ipc://"):
+        return bind + ".out"
+    host = bind[len("tcp://") :].rpartition(":")[0]
+    return f"tcp://{host}:*"
+
+
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        from .stage import _child, _wire
+    except ImportError as exc:
+        print(f"python -m enginecore serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        kwargs: Any = json.loads(args.kwargs)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--kwargs is not valid JSON: {exc}")
+    if not isinstance(kwargs, dict):
+        parser.error("--kwargs must be a JSON object")
+    _check_address(parser, args.bind, args.allow_remote)
+    output = args.output_bind or _default_output(args.bind)
+    _check_address(parser, output, args.allow_remote)
+    _wire.check_encodable(kwargs, "--kwargs")
+
+    def ready(runtime: _child.StageRuntime) -> None:
+        print(
+            f"enginecore serve: listening on {runtime.input_address} "
+            f"(output {runtime.output_address}, engine {args.engine}, "
+            f"protocol {_wire.PROTOCOL_VERSION})",
+            flush=True,
+        )
+
+    try:
+        return _child.serve(
+            args.engine,
+            kwargs,
+            args.bind,
+            output,
+            session_timeout=args.session_timeout,
+            ready=ready,
+        )
+    except Exception:
+        print("python -m enginecore serve: the stage failed to start:", file=sys.stderr)
+        traceback.print_exc()
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m enginecore``; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(parser, args)
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse checks
+
+
+if __name__ == "__main__":
+    sys.exit(main())
