@@ -428,6 +428,15 @@ class TestRule8Errors:
         assert isinstance(info.value.__context__, _Boom)
         assert info.value.__context__.args == ("output",)
 
+    def test_emit_failing_for_the_shutdown_event_raises_from_run(self) -> None:
+        def emit(event: Any) -> None:
+            raise _Boom(event[0])
+
+        loop = EngineCoreLoop(CountdownEngine(), emit)
+        loop.request_shutdown()
+        with pytest.raises(_Boom, match="shutdown"):
+            loop.run()
+
     def test_keyboard_interrupt_in_step_is_reported_then_propagates(
         self,
         loop: EngineCoreLoop,

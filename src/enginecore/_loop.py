@@ -60,8 +60,9 @@ class EngineCoreLoop:
     Errors: an exception from ``engine.utility`` becomes that call's ``"utility"`` event and the
     loop goes on. An exception from ``has_work``, ``add``, ``abort``, ``step`` or from *emit*
     itself is fatal: it is logged with its traceback, ``("fatal", repr(exc))`` is emitted and
-    :meth:`run` returns. If emitting the fatal event fails too, :meth:`run` raises that second
-    exception (chained to the first) so the failure can never pass unnoticed.
+    :meth:`run` returns. If emitting the final event itself fails (``("fatal", ...)`` or
+    ``("shutdown",)``), :meth:`run` raises that exception, chained to the first one if any, so
+    the failure can never pass unnoticed.
     ``KeyboardInterrupt`` and ``SystemExit`` are reported the same way and then re-raised.
     """
 
