@@ -47,7 +47,8 @@ class Skipped(Exception):
 class Record:
     """One metric from one run: enginecore's value next to its baseline from the same run.
 
-    ``ratio`` is always ``value / baseline``. ``spread`` and ``baseline_spread`` are the
+    ``ratio`` is ``value / baseline``, except for paired rounds where it is the median of the
+    per-round ratios (see :func:`higher_is_better`). ``spread`` and ``baseline_spread`` are the
     half-range of the per-round results (same unit as the value). ``note`` says how the goal
     was judged when that is not just the ratio.
     """
@@ -85,12 +86,19 @@ def higher_is_better(
     min_ratio: float,
     note: str = "",
 ) -> Record:
-    """A throughput-like metric whose goal is ``median(values)/median(baselines) >= min_ratio``."""
+    """A throughput-like metric from paired rounds; goal ``ratio >= min_ratio``.
+
+    ``values[i]`` and ``baselines[i]`` ran back to back in round *i*, so they saw the same
+    machine. The ratio is the median of the per-round ratios, which cancels the drift between
+    rounds that a ratio of two medians would keep.
+    """
     v, b = statistics.median(values), statistics.median(baselines)
-    r = ratio(v, b)
+    ratios = sorted(x / y for x, y in zip(values, baselines, strict=True))
+    r = statistics.median(ratios)
+    paired = f"per-round ratios {ratios[0]:.2f}..{ratios[-1]:.2f}"
     return Record(
         name, v, unit, b, r, f">= {min_ratio:g}x", r >= min_ratio,
-        spread(values), spread(baselines), note,
+        spread(values), spread(baselines), f"{note}; {paired}" if note else paired,
     )  # fmt: skip
 
 

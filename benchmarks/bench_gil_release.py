@@ -9,6 +9,9 @@ thread, as on a GPU server) and returns one output.
   every ~1 ms it puts 10 ``Add`` and 10 ``Abort`` (oldest first) messages.
 * baseline: the same engine, prefilled with 1,000 requests, stepped by the bare
   ``for _ in range(N): for o in step(): emit(o)`` with no messages and no feeder.
+* reference (in the note, no goal): the bare loop while the same feeder thread puts the same
+  messages into a queue that nobody reads. The gap between it and the bare loop is what the
+  feeder thread itself costs the steps, whatever consumes its messages.
 
 Rounds interleave; result is steps per second. Goal: enginecore >= 0.9x bare.
 Needs NumPy (``pip install -e '.[bench]'``); skipped with a message without it.
@@ -17,9 +20,11 @@ Needs NumPy (``pip install -e '.[bench]'``); skipped with a message without it.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +98,17 @@ def calibrate(np: Any) -> int:
         n = max(n + 8, min(int(n * (STEP_MS / ms) ** (1 / 3) * 0.98), n * 2))
 
 
+def _feed(put: Any, done: threading.Event) -> None:
+    oldest, nxt = 0, IN_FLIGHT
+    while not done.is_set():
+        for _ in range(BURST):
+            put(Add(f"r{nxt}", None))
+            put(Abort([f"r{oldest}"]))
+            nxt += 1
+            oldest += 1
+        time.sleep(0.001)
+
+
 def run_loop(np: Any, n: int, steps: int) -> float:
     engine = _MatmulEngine(np, n, steps)
     loop = EngineCoreLoop(engine, sink())
@@ -101,19 +117,7 @@ def run_loop(np: Any, n: int, steps: int) -> float:
     for i in range(IN_FLIGHT):
         q.put(Add(f"r{i}", None))
     done = threading.Event()
-
-    def feed() -> None:
-        oldest, nxt = 0, IN_FLIGHT
-        put = q.put
-        while not done.is_set():
-            for _ in range(BURST):
-                put(Add(f"r{nxt}", None))
-                put(Abort([f"r{oldest}"]))
-                nxt += 1
-                oldest += 1
-            time.sleep(0.001)
-
-    feeder = threading.Thread(target=feed, name="bench-feeder")
+    feeder = threading.Thread(target=_feed, args=(q.put, done), name="bench-feeder")
     feeder.start()
     t0 = time.perf_counter()
     loop.run()
@@ -122,6 +126,23 @@ def run_loop(np: Any, n: int, steps: int) -> float:
     feeder.join()
     assert engine.left == 0
     return steps / (t1 - t0)
+
+
+def run_bare_with_feeder(np: Any, n: int, steps: int) -> float:
+    """Reference: the bare loop while the same feeder fills a queue that nobody reads.
+
+    This isolates what the feeder thread itself costs the steps (its CPU time and its turns
+    holding the GIL) from what the loop adds by applying the messages.
+    """
+    sink_q: deque[Any] = deque(maxlen=4096)
+    done = threading.Event()
+    feeder = threading.Thread(target=_feed, args=(sink_q.append, done), name="bench-feeder")
+    feeder.start()
+    try:
+        return run_bare(np, n, steps)
+    finally:
+        done.set()
+        feeder.join()
 
 
 def run_bare(np: Any, n: int, steps: int) -> float:
@@ -143,9 +164,14 @@ def run(quick: bool) -> list[Record]:
     n = calibrate(np)
     steps = 60 if quick else 500
     res = interleave(
-        {"loop": lambda: run_loop(np, n, steps), "bare": lambda: run_bare(np, n, steps)},
-        rounds=2 if quick else 6,
+        {
+            "loop": lambda: run_loop(np, n, steps),
+            "bare": lambda: run_bare(np, n, steps),
+            "feeder": lambda: run_bare_with_feeder(np, n, steps),
+        },
+        rounds=2 if quick else 8,
     )
+    ref = statistics.median(f / b for f, b in zip(res["feeder"], res["bare"], strict=True))
     return [
         higher_is_better(
             "GIL-releasing engine, steps/s",
@@ -154,7 +180,8 @@ def run(quick: bool) -> list[Record]:
             "steps/s",
             GOAL,
             note=f"{n}x{n} matmul per step; {IN_FLIGHT} in flight, "
-            f"{BURST} Add+Abort pairs per ~1 ms",
+            f"{BURST} Add+Abort pairs per ~1 ms; bare + the same feeder into an unread "
+            f"queue: {statistics.median(res['feeder']):.0f} steps/s ({ref:.2f}x)",
         )
     ]
 
