@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m enginecore", description=__doc__.split("\n")[0]
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
         help="run a headless stage process",

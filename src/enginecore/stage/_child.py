@@ -240,6 +240,11 @@ class StageRuntime:
             self._ctx.term()
             for t in threads:
                 t.join()
+            # libzmq leaves the socket files of bound ipc endpoints behind; remove ours.
+            for address in (self.input_address, self.output_address):
+                if address.startswith("ipc://"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(address[len("ipc://") :])
             self.finished.set()
         if self.io_failed:
             return EXIT_IO_FAILED
@@ -450,8 +455,12 @@ def run_launched(
     # client shuts the stage down; should the parent die instead, the pipe says so.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     holder: list[StageRuntime] = []
+    parent_gone = threading.Event()
     threading.Thread(
-        target=_watch_parent, args=(conn, holder, ipc_dir), name="enginecore-parent", daemon=True
+        target=_watch_parent,
+        args=(conn, holder, parent_gone, ipc_dir),
+        name="enginecore-parent",
+        daemon=True,
     ).start()
     try:
         kwargs = msgspec.msgpack.decode(kwargs_frame)
@@ -469,14 +478,20 @@ def run_launched(
     holder.append(runtime)
     _report(conn, "ready", os.getpid())
     code = runtime.run()
+    if parent_gone.is_set():
+        # Nobody else is left to remove the socket directory.
+        shutil.rmtree(ipc_dir, ignore_errors=True)
     sys.exit(code)
 
 
-def _watch_parent(conn: Any, holder: list[StageRuntime], ipc_dir: str) -> None:
+def _watch_parent(
+    conn: Any, holder: list[StageRuntime], parent_gone: threading.Event, ipc_dir: str
+) -> None:
     with contextlib.suppress(EOFError, OSError):
         conn.recv_bytes()  # the parent never sends: this returns or raises only at EOF
     if holder and holder[0].finished.is_set():
         return
+    parent_gone.set()
     logger.error("enginecore: the parent process is gone; shutting the stage down")
     if holder:
         holder[0].loop.request_shutdown()

@@ -1,0 +1,105 @@
+"""Launching: the startup handshake, its failures, and the no-orphan guarantee."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from enginecore.stage import StageClient, StageStartupError
+
+from .conftest import COUNTDOWN, pid_gone, wait_until
+
+
+class TestStartup:
+    def test_failing_factory_reports_the_child_traceback(self) -> None:
+        with pytest.raises(StageStartupError) as info:
+            StageClient.launch(
+                "enginecore.stage.testing:failing_factory", {"message": "no model here"}
+            )
+        err = info.value
+        assert "RuntimeError('no model here')" in str(err)
+        assert err.child_traceback is not None
+        assert "Traceback (most recent call last)" in err.child_traceback
+        assert "failing_factory" in err.child_traceback
+        assert err.child_traceback in str(err)
+        assert err.exit_code == 1
+
+    def test_missing_module_is_a_startup_error(self) -> None:
+        with pytest.raises(StageStartupError, match="ModuleNotFoundError"):
+            StageClient.launch("no_such_module_anywhere:factory")
+
+    def test_factory_returning_a_non_engine_is_a_startup_error(self) -> None:
+        with pytest.raises(StageStartupError, match=r"does not implement the enginecore\.Engine"):
+            StageClient.launch("builtins:dict")
+
+    def test_child_exiting_during_startup_is_an_error_not_a_hang(self) -> None:
+        start = time.monotonic()
+        with pytest.raises(StageStartupError, match="exited with code 3 during startup") as info:
+            StageClient.launch("enginecore.stage.testing:exiting_factory", {"code": 3})
+        assert info.value.exit_code == 3
+        assert time.monotonic() - start < 10
+
+    def test_startup_timeout_kills_the_child(self) -> None:
+        start = time.monotonic()
+        with pytest.raises(StageStartupError, match=r"did not report ready within 0.5 s"):
+            StageClient.launch(
+                "enginecore.stage.testing:sleeping_factory", {"seconds": 60}, startup_timeout=0.5
+            )
+        assert time.monotonic() - start < 5
+
+    def test_malformed_factory_string_is_refused_before_starting(self) -> None:
+        with pytest.raises(ValueError, match=r"pkg\.module:factory"):
+            StageClient.launch("enginecore.stage.testing.countdown")
+
+    def test_unencodable_factory_kwargs_are_refused(self) -> None:
+        with pytest.raises(TypeError, match="factory kwargs"):
+            StageClient.launch(COUNTDOWN, {"x": object()})
+
+    def test_pid_is_the_stage_process(self) -> None:
+        with StageClient.launch(COUNTDOWN) as client:
+            assert client.pid != os.getpid()
+            assert not pid_gone(client.pid)
+        assert pid_gone(client.pid)
+
+
+_HARNESS = """
+import sys, time
+from enginecore.stage import StageClient
+client = StageClient.launch("enginecore.stage.testing:countdown")
+stream = client.add("r", 10**9)
+next(stream)
+print(client.pid, client.address, flush=True)
+time.sleep(60)
+"""
+
+
+class TestNoOrphans:
+    @pytest.mark.slow
+    def test_stage_exits_within_2s_after_the_parent_is_sigkilled(self, no_leftovers: str) -> None:
+        env = dict(os.environ, TMPDIR=no_leftovers)
+        harness = subprocess.Popen(
+            [sys.executable, "-c", _HARNESS], stdout=subprocess.PIPE, text=True, env=env
+        )
+        try:
+            assert harness.stdout is not None
+            pid_text, address = harness.stdout.readline().split()
+            stage_pid = int(pid_text)
+            assert not pid_gone(stage_pid)
+            harness.send_signal(signal.SIGKILL)
+            harness.wait()
+            killed_at = time.monotonic()
+            assert wait_until(lambda: pid_gone(stage_pid), 2.0), "stage outlived its parent"
+            assert time.monotonic() - killed_at < 2.0
+            ipc_dir = os.path.dirname(address.removeprefix("ipc://"))
+            assert wait_until(lambda: not os.path.exists(ipc_dir), 1.0)
+        finally:
+            if harness.poll() is None:
+                harness.kill()
+                harness.wait()
+            assert harness.stdout is not None
+            harness.stdout.close()

@@ -1,0 +1,140 @@
+"""Headless mode: ``python -m enginecore serve`` plus ``connect()``, and its heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from enginecore.stage import (
+    AsyncStageClient,
+    EngineDeadError,
+    ProtocolError,
+    StageClient,
+    StageClosedError,
+)
+
+from .conftest import SCRIPTED, Server
+
+
+class TestServe:
+    def test_connect_round_trip_and_detach(self, server: Server) -> None:
+        with StageClient.connect(server.address) as client:
+            assert client.add("a", 3).collect(timeout=5) == [2, 1, 0]
+            assert client.call_utility("div", 3, 4, timeout=5) == 0.75
+        # close() only detached: the stage keeps serving the next client.
+        with StageClient.connect(server.address) as client:
+            assert client.call_utility("log", timeout=5) == ["add a"]
+        assert server.proc.poll() is None
+
+    def test_second_client_is_rejected_while_one_is_attached(self, server: Server) -> None:
+        with StageClient.connect(server.address) as client:
+            with pytest.raises(ProtocolError, match="another client is attached"):
+                StageClient.connect(server.address)
+            assert client.call_utility("echo", 1, timeout=5) == [1]
+
+    def test_shutdown_from_the_client_stops_the_server(self, server: Server) -> None:
+        client = StageClient.connect(server.address)
+        client.add("r", 1).collect(timeout=5)
+        assert client.shutdown() is None  # no process to read an exit code from
+        assert server.proc.wait(5) == 0
+        with pytest.raises(StageClosedError):
+            client.add("x", 1)
+
+    def test_sigterm_to_the_server_is_seen_as_death(self, server: Server) -> None:
+        with StageClient.connect(server.address) as client:
+            stream = client.add("r", 1_000_000_000)
+            stream.get(5)
+            server.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(EngineDeadError, match="not at this client's request"):
+                stream.collect(timeout=5)
+        assert server.proc.wait(5) == 0
+
+    @pytest.mark.slow
+    def test_silent_peer_is_detected_by_heartbeats(self, server: Server) -> None:
+        with StageClient.connect(
+            server.address, heartbeat_interval=0.1, heartbeat_timeout=0.5
+        ) as client:
+            stream = client.add("r", 1_000_000_000)
+            stream.get(5)
+            future = client.call_utility_future("echo", 1)
+            future.result(5)
+            pending = None
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                stopped_at = time.monotonic()
+                pending = client.call_utility_future("echo", 2)
+                with pytest.raises(EngineDeadError, match="no heartbeat"):
+                    stream.collect(timeout=5)
+                with pytest.raises(EngineDeadError):
+                    pending.result(5)
+                assert time.monotonic() - stopped_at < 2.0
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+        # Once the stage is back and the session timeout (1 s) has passed, a new client may
+        # attach; until then the silent session still holds the stage.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                with StageClient.connect(server.address) as client:
+                    assert client.call_utility("echo", 3, timeout=5) == [3]
+                break
+            except ProtocolError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+
+    def test_async_connect(self, server: Server) -> None:
+        async def main() -> None:
+            async with await AsyncStageClient.connect(server.address) as client:
+                stream = await client.add("a", 2)
+                assert await stream.collect(timeout=5) == [1, 0]
+                assert await client.call_utility("echo", "x", timeout=5) == ["x"]
+
+        asyncio.run(main())
+
+    def test_connect_to_nothing_times_out(self) -> None:
+        with pytest.raises(TimeoutError, match="no handshake reply"):
+            StageClient.connect("tcp://127.0.0.1:9", timeout=0.3)
+
+
+class TestServeCommandLine:
+    def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "enginecore", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def test_non_loopback_bind_is_refused(self) -> None:
+        result = self._run("serve", "--engine", SCRIPTED, "--bind", "tcp://0.0.0.0:5999")
+        assert result.returncode == 2
+        assert "--allow-remote" in result.stderr
+
+    def test_bad_factory_fails_with_a_traceback(self) -> None:
+        result = self._run("serve", "--engine", "no_such_mod:f", "--bind", "tcp://127.0.0.1:*")
+        assert result.returncode == 1
+        assert "ModuleNotFoundError" in result.stderr
+
+    def test_bad_kwargs_json(self) -> None:
+        result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
+        assert result.returncode == 2
+        assert "JSON object" in result.stderr
+
+    def test_missing_command_prints_usage(self) -> None:
+        result = self._run()
+        assert result.returncode == 2
+        assert "serve" in result.stderr
+
+    def test_ipc_bind(self, no_leftovers: str) -> None:
+        srv = Server("--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/stage")
+        try:
+            with StageClient.connect(srv.address) as client:
+                assert client.add("a", 1).collect(timeout=5) == [0]
+        finally:
+            assert srv.stop() == 0

@@ -1,0 +1,163 @@
+"""The wire format's building blocks, without processes: payload checks and message shapes."""
+
+from __future__ import annotations
+import __future__
+
+import dataclasses
+import subprocess
+import sys
+import types
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import enginecore.stage
+from enginecore.stage import (
+    PROTOCOL_VERSION,
+    Aborted,
+    ErrorReport,
+    Fatal,
+    Output,
+    Shutdown,
+    UtilityResult,
+    _wire,
+    check_encodable,
+)
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text()
+    | st.binary()
+)
+values = st.recursive(
+    scalars,
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text() | st.integers(-100, 100), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def _as_received(value: Any) -> Any:
+    """What the other side decodes: tuples arrive as lists."""
+    if isinstance(value, (list, tuple)):
+        return [_as_received(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_received(v) for k, v in value.items()}
+    return value
+
+
+class TestCheckEncodable:
+    @given(values)
+    def test_accepted_values_round_trip_unchanged_but_for_tuples(self, value: Any) -> None:
+        check_encodable(value)
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(value)) == _as_received(value)
+
+    @dataclasses.dataclass
+    class Point:
+        x: int
+
+    @pytest.mark.parametrize(
+        ("value", "where"),
+        [
+            ({1}, "value: builtins.set"),
+            ([1, {"a": object()}], "value[1]['a']: builtins.object"),
+            ((1, Point(1)), "value[1]"),
+            (2**64, "outside the msgpack range"),
+            ({1.5: 1}, "dict key 1.5"),
+            (types.SimpleNamespace(), "SimpleNamespace"),
+            (bytearray(b"x"), "bytearray"),
+        ],
+    )
+    def test_refused_values_name_where_they_are(self, value: object, where: str) -> None:
+        with pytest.raises(TypeError, match=r"not wire-encodable|outside|dict key") as info:
+            check_encodable(value)
+        assert where in str(info.value)
+
+    def test_subclasses_are_refused(self) -> None:
+        class MyStr(str):
+            pass
+
+        with pytest.raises(TypeError, match="MyStr"):
+            check_encodable(["ok", MyStr("no")])
+
+    def test_depth_is_bounded(self) -> None:
+        deep: list[Any] = []
+        for _ in range(100):
+            deep = [deep]
+        with pytest.raises(TypeError, match="nested deeper"):
+            check_encodable(deep)
+
+
+class TestShapes:
+    def test_events_encode_as_tagged_arrays(self) -> None:
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(Output("r", True, 0))) == [
+            "output",
+            "r",
+            True,
+            0,
+        ]
+        batch = [
+            ("output", "r", False, [1]),
+            ("utility", 3, None, "ValueError('x')"),
+            ("aborted", ["a"]),
+            ("error", None, "m"),
+            ("shutdown",),
+            ("fatal", "E()"),
+        ]
+        assert _wire.event_batch_decoder.decode(msgspec.msgpack.encode(batch)) == [
+            Output("r", False, [1]),
+            UtilityResult(3, None, "ValueError('x')"),
+            Aborted(["a"]),
+            ErrorReport(None, "m"),
+            Shutdown(),
+            Fatal("E()"),
+        ]
+
+    def test_protocol_version(self) -> None:
+        assert PROTOCOL_VERSION == 1
+
+
+class TestPublicApi:
+    def test_all_is_sorted_and_complete(self) -> None:
+        # isort-style, as ruff's RUF022 keeps it: CONSTANTS, then Classes, then functions.
+        def key(name: str) -> tuple[int, str]:
+            return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
+
+        assert list(enginecore.stage.__all__) == sorted(set(enginecore.stage.__all__), key=key)
+        public = {
+            name
+            for name, obj in vars(enginecore.stage).items()
+            if not name.startswith("_")
+            and not isinstance(obj, (types.ModuleType, __future__._Feature))
+        }
+        assert public == set(enginecore.stage.__all__)
+
+    def test_exceptions_derive_from_the_root(self) -> None:
+        for name in enginecore.stage.__all__:
+            obj = getattr(enginecore.stage, name)
+            if isinstance(obj, type) and issubclass(obj, BaseException):
+                assert issubclass(obj, enginecore.EngineCoreError), name
+
+    def test_clear_import_error_without_the_extra(self) -> None:
+        code = (
+            "import sys\n"
+            "sys.modules['zmq'] = None\n"
+            "import enginecore\n"
+            "try:\n"
+            "    import enginecore.stage\n"
+            "except ImportError as exc:\n"
+            "    print(exc)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        assert "pip install 'enginecore[zmq]'" in out
