@@ -1,69 +1,103 @@
-"""A CountdownEngine driven by EngineCoreLoop on the main thread, fed by another thread.
+"""A real stage process: a CountdownEngine in a child process, driven through StageClient.
 
 Run it:  python examples/toy_stage.py     (Ctrl-C ends it early, cleanly)
 
-The main thread runs the loop under ``shutdown_on_signals``, as a stage process would. A
-feeder thread plays the input IO thread: it submits requests, aborts one, calls utilities,
-waits for the work to finish, then asks the loop to shut down.
+The parent launches the stage (multiprocessing spawn; the engine loop runs on the child's
+main thread, with ZMQ IO threads around it), submits about a thousand requests of random
+length, aborts some of them mid-stream, calls a few utilities, reads the ordered event
+stream until every request has finished or been aborted, prints a summary and shuts the
+stage down. Exit code 0 when the stage shut down cleanly.
 """
 
 from __future__ import annotations
 
-import threading
+import random
+import sys
+import time
 
-from enginecore import (
-    Abort,
-    Add,
-    CountdownEngine,
-    EngineCoreLoop,
-    Event,
-    Utility,
-    shutdown_on_signals,
-)
+from enginecore.stage import Aborted, Output, StageClient, UtilityError
+
+N_REQUESTS = 1000
+ABORT_FRACTION = 0.1
+SEED = 2024
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, round(q * (len(sorted_values) - 1)))
+    return sorted_values[index]
 
 
 def main() -> int:
-    finished: set[str] = set()
-    all_done = threading.Event()
-    expected = {"r1", "r3"}  # r2 gets aborted
+    rng = random.Random(SEED)
+    started = time.perf_counter()
+    # "enginecore:CountdownEngine" is the import string of the factory: the class itself.
+    with StageClient.launch("enginecore:CountdownEngine", ordered_events=True) as client:
+        print(f"stage up in {time.perf_counter() - started:.2f} s (pid {client.pid})")
 
-    def emit(event: Event) -> None:
-        match event:
-            case ("output", (rid, remaining)):
-                print(f"  output   {rid}: {remaining} step(s) left")
-                if remaining == 0:
-                    finished.add(rid)
-                    if finished >= expected:
-                        all_done.set()
-            case ("utility", call_id, result, None):
-                print(f"  utility  #{call_id} -> {result!r}")
-            case ("utility", call_id, _, error):
-                print(f"  utility  #{call_id} -> error {error}")
-            case _:
-                print(f"  {event}")
+        # One request consumed through its own iterator.
+        hello = client.add("hello", 4)
+        print(f"request 'hello' streamed {list(hello)}, finished={hello.finished}")
 
-    loop = EngineCoreLoop(CountdownEngine(), emit)
+        # A thousand more, consumed through the ordered event stream.
+        t0 = time.perf_counter()
+        added_at: dict[str, float] = {}
+        for i in range(N_REQUESTS):
+            rid = f"req-{i}"
+            added_at[rid] = time.perf_counter()
+            client.add(rid, rng.randint(1, 64))
+        to_abort = rng.sample(sorted(added_at), int(N_REQUESTS * ABORT_FRACTION))
+        live_now = client.call_utility_future("num_requests")
+        third = client.call_utility_future("div", 1, 3)
+        by_zero = client.call_utility_future("div", 1, 0)
 
-    def feeder() -> None:
-        for msg in (
-            Add("r1", 3),
-            Add("r2", 5),
-            Utility(1, "num_requests", ()),
-            Abort(["r2"]),
-            Add("r3", 2),
-            Utility(2, "div", (1, 0)),
-        ):
-            print(f"submit     {msg}")
-            loop.submit(msg)
-        all_done.wait(timeout=10)
-        loop.submit(Utility(3, "num_requests", ()))
-        loop.request_shutdown()
+        latencies: list[float] = []
+        completed: set[str] = set()
+        aborted: set[str] = set()
+        outputs = 0
+        abort_after = 2000  # outputs seen before the abort batch goes out
+        while len(completed) + len(aborted) < N_REQUESTS:
+            event = client.get_event(timeout=30)
+            if isinstance(event, Output) and event.req_id in added_at:
+                outputs += 1
+                if event.finished:
+                    completed.add(event.req_id)
+                    latencies.append(time.perf_counter() - added_at[event.req_id])
+                if outputs == abort_after:
+                    client.abort(to_abort)
+            elif isinstance(event, Aborted):
+                # Ids that had already finished are reported too; they stay completed.
+                aborted.update(rid for rid in event.req_ids if rid not in completed)
+        elapsed = time.perf_counter() - t0
 
-    threading.Thread(target=feeder, name="feeder", daemon=True).start()
-    with shutdown_on_signals(loop):
-        loop.run()
-    return 0
+        print(f"utility num_requests -> {live_now.result(5)}")
+        print(f"utility div(1, 3)    -> {third.result(5):.4f}")
+        try:
+            by_zero.result(5)
+        except UtilityError as exc:
+            print(f"utility div(1, 0)    -> error {exc.remote_repr}")
+        exit_code = client.shutdown()
+
+    latencies.sort()
+    print()
+    print(f"requests   {N_REQUESTS}: {len(completed)} completed, {len(aborted)} aborted")
+    print(f"outputs    {outputs} in {elapsed:.2f} s")
+    print(
+        f"throughput {len(completed) / elapsed:,.0f} requests/s, {outputs / elapsed:,.0f} outputs/s"
+    )
+    print(
+        f"latency    p50 {percentile(latencies, 0.5) * 1e3:.1f} ms, "
+        f"p99 {percentile(latencies, 0.99) * 1e3:.1f} ms (add -> finished)"
+    )
+    print(f"stage      exited with code {exit_code}")
+    return 0 if exit_code == 0 else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        # Leaving the with block above already shut the stage down.
+        print("\ninterrupted; the stage was shut down", file=sys.stderr)
+        sys.exit(130)
