@@ -18,7 +18,13 @@ import msgspec
 import zmq
 
 from . import _common, _wire
-from ._errors import EngineDeadError, StageClosedError, StageStartupError, UtilityError
+from ._errors import (
+    EngineDeadError,
+    RequestError,
+    StageClosedError,
+    StageStartupError,
+    UtilityError,
+)
 from ._launch import Launched, launch_process
 from ._wire import Aborted, ErrorReport, Fatal, Output, Pong, Shutdown, StageEvent, UtilityResult
 
@@ -701,8 +707,6 @@ class StageClient:
 
     def _on_error_report(self, ev: ErrorReport) -> None:
         # Called with _lock held.
-        from ._errors import RequestError
-
         if ev.req_id is None:
             logger.warning("enginecore: the stage reported a protocol error: %s", ev.message)
             return

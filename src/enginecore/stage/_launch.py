@@ -69,8 +69,10 @@ atexit.register(_stop_live_stages_at_exit)
 
 
 def _validate_factory(factory: str) -> None:
+    if not isinstance(factory, str):
+        raise TypeError(f"engine factory must be an import string, got {type(factory).__name__}")
     module, sep, attr = factory.partition(":")
-    if not isinstance(factory, str) or not sep or not module or not attr:
+    if not sep or not module or not attr:
         raise ValueError(f"engine factory must look like 'pkg.module:factory', got {factory!r}")
 
 
