@@ -217,6 +217,13 @@ class TestClose:
         assert codes == [0, 0, 0]
         assert client.exit_code == 0
 
+    def test_shutdown_applies_everything_sent_before_it(self) -> None:
+        # Sent right after launch, racing the stage's start: still all applied, in order.
+        with StageClient.launch(COUNTDOWN) as client:
+            futures = [client.call_utility_future("div", i, 1) for i in range(20)]
+            assert client.shutdown() == 0
+        assert [f.result(0) for f in futures] == [float(i) for i in range(20)]
+
     def test_waiters_get_closed_error(self, client: StageClient) -> None:
         stream = client.add("long", 10_000_000)
         stream.get(5)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
@@ -297,7 +298,7 @@ class AsyncStageClient:
     @property
     def exit_code(self) -> int | None:
         """A launched stage's exit code once it has exited, else ``None``. Never blocks."""
-        return None if self._launched is None else self._launched.process.exitcode
+        return None if self._launched is None else self._launched.reap()
 
     @property
     def closed(self) -> bool:
@@ -416,16 +417,15 @@ class AsyncStageClient:
                     )
             launched = self._launched
             if launched is not None:
-                process = launched.process
                 if not await self._wait_exit(timeout):
-                    logger.warning("enginecore: stage %s ignored shutdown; SIGTERM", process.pid)
-                    process.terminate()
+                    logger.warning("enginecore: stage %s ignored shutdown; SIGTERM", self._pid)
+                    launched.send_signal(signal.SIGTERM)
                 if not await self._wait_exit(1.0):
-                    logger.warning("enginecore: stage %s ignored SIGTERM; SIGKILL", process.pid)
-                    process.kill()
+                    logger.warning("enginecore: stage %s ignored SIGTERM; SIGKILL", self._pid)
+                    launched.send_signal(signal.SIGKILL)
                     await self._wait_exit(None)
-                self._loop.remove_reader(process.sentinel)
-                process.join()
+                self._loop.remove_reader(launched.process.sentinel)
+                launched.reap()
             elif stop_stage and alive:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._terminal.wait(), timeout)
@@ -435,7 +435,7 @@ class AsyncStageClient:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             self._fail(StageClosedError("this stage client is closed"))
-            self._dealer.close(linger=0)
+            self._dealer.close(linger=500 if alive else 0)
             self._pull.close(linger=0)
             self._ctx.term()
             if launched is not None:
@@ -531,15 +531,14 @@ class AsyncStageClient:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._terminal.wait(), _EXIT_GRACE_S)
         assert self._launched is not None
-        process = self._launched.process
-        process.join()  # the sentinel fired: this does not block
+        exit_code = self._launched.reap()  # the sentinel fired: the process has exited
         if self._closing:
             self._fail(StageClosedError("this stage client is closed"))
         else:
             self._fail(
                 _common.dead_error(
                     pid=self._pid,
-                    exit_code=process.exitcode,
+                    exit_code=exit_code,
                     fatal=self._fatal,
                     remote_shutdown=self._terminal.is_set(),
                 )

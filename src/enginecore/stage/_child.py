@@ -132,25 +132,52 @@ def make_router(engine: object) -> Route:
     return default_route
 
 
-class _StageEngine:
-    """The user's engine, plus one thing: after ``abort()`` returns, an ``aborted`` event.
+class _ShutdownCallId(int):
+    """The call id of the in-band shutdown utility; its ``utility`` event is not sent."""
 
-    That event is emitted on the loop thread, so it is ordered with the outputs: none of the
-    aborted requests' outputs follows it. Every other method is the engine's own bound
-    method, stored as an attribute, so the hot path pays nothing.
+
+# A wire message can never carry this object, so only the stage itself can make this call.
+_SHUTDOWN_TOKEN: Final = object()
+
+
+def shutdown_message() -> Utility:
+    """The ``input_queue`` message for a client's ``shutdown``.
+
+    A shutdown that comes over the wire is applied *in order*: everything the client sent
+    before it is applied first, exactly like a message. (``request_shutdown()`` called from
+    the input thread would not be: called before ``run()`` has started, it makes the run
+    skip what is already queued.) The loop thread then calls ``request_shutdown()`` itself.
+    """
+    return Utility(_ShutdownCallId(0), "shutdown", (_SHUTDOWN_TOKEN,))
+
+
+class _StageEngine:
+    """The user's engine, plus two things the stage needs on the loop's thread.
+
+    After ``abort()`` returns, an ``aborted`` event: emitted on the loop thread, it is ordered
+    with the outputs, so none of the aborted requests' outputs follows it. And the in-band
+    shutdown (see :func:`shutdown_message`). ``has_work``, ``add`` and ``step`` are the
+    engine's own bound methods, stored as attributes, so the hot path pays nothing.
     """
 
     def __init__(self, engine: Engine, put: Callable[[Any], None]) -> None:
         self.has_work = engine.has_work
         self.add = engine.add
         self.step = engine.step
-        self.utility = engine.utility
+        self._utility = engine.utility
         self._abort = engine.abort
         self._put = put
+        self.request_shutdown: Callable[[], None] = lambda: None  # set to the loop's
 
     def abort(self, req_ids: Sequence[str]) -> None:
         self._abort(req_ids)
         self._put(("aborted", list(req_ids)))
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if args and args[0] is _SHUTDOWN_TOKEN:
+            self.request_shutdown()
+            return None
+        return self._utility(name, args)
 
 
 # -- the runtime ----------------------------------------------------------------------------
@@ -179,7 +206,9 @@ class StageRuntime:
         self._session_timeout = session_timeout
         self._signals = tuple(handle_signals)
         self._outq: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self.loop = EngineCoreLoop(_StageEngine(engine, self._outq.put), self._make_emit(engine))
+        stage_engine = _StageEngine(engine, self._outq.put)
+        self.loop = EngineCoreLoop(stage_engine, self._make_emit(engine))
+        stage_engine.request_shutdown = self.loop.request_shutdown
         self.terminal: str | None = None
         self.io_failed = False
         self.finished = threading.Event()
@@ -214,7 +243,7 @@ class StageRuntime:
             if event[0] == "output":
                 rid, finished, payload = route(event[1])
                 put(("output", rid, finished, payload))
-            else:
+            elif event[0] != "utility" or type(event[1]) is not _ShutdownCallId:
                 put(event)
 
         return emit
@@ -297,7 +326,7 @@ class StageRuntime:
         elif type(msg) is _wire.PingMsg:
             self._outq.put(("pong", msg.seq))
         elif type(msg) is _wire.ShutdownMsg:
-            self.loop.request_shutdown()
+            put(shutdown_message())
         elif type(msg) is _wire.HelloMsg:
             self._hello(ident, msg)
         elif type(msg) is _wire.ByeMsg and ident == self._session:

@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -173,6 +174,7 @@ class StageClient:
         self._sockets_closed = False
         self._fatal: str | None = None
         self._terminal = threading.Event()  # a Shutdown or Fatal event has arrived
+        self._over = threading.Event()  # _terminal is set, or _failure is
         self._events: queue.SimpleQueue[Any] | None = (
             queue.SimpleQueue() if _ordered_events else None
         )
@@ -311,7 +313,7 @@ class StageClient:
         ``None``; always ``None`` for a connected stage. Never blocks."""
         if self._launched is None:
             return None
-        return self._launched.process.exitcode
+        return self._launched.reap()
 
     @property
     def closed(self) -> bool:
@@ -477,24 +479,23 @@ class StageClient:
                 with contextlib.suppress(zmq.ZMQError):
                     self._send_raw(_common.SHUTDOWN_FRAME if stop_stage else _common.BYE_FRAME)
             if launched is not None:
-                process = launched.process
-                process.join(timeout)
-                if process.is_alive():
-                    logger.warning("enginecore: stage %s ignored shutdown; SIGTERM", process.pid)
-                    process.terminate()
-                    process.join(1.0)
-                if process.is_alive():
-                    logger.warning("enginecore: stage %s ignored SIGTERM; SIGKILL", process.pid)
-                    process.kill()
-                    process.join()
+                if not launched.wait_exit(timeout):
+                    logger.warning("enginecore: stage %s ignored shutdown; SIGTERM", self._pid)
+                    launched.send_signal(signal.SIGTERM)
+                if not launched.wait_exit(1.0):
+                    logger.warning("enginecore: stage %s ignored SIGTERM; SIGKILL", self._pid)
+                    launched.send_signal(signal.SIGKILL)
+                    launched.wait_exit(None)
+                launched.reap()
             elif stop_stage and alive:
-                self._terminal.wait(timeout)
+                self._over.wait(timeout)
             os.write(self._wake_w, b"x")
             self._rx.join()
             self._fail(StageClosedError("this stage client is closed"))
             with self._send_lock:
                 self._sockets_closed = True
-                self._dealer.close(linger=0)
+                # A bye or shutdown to a live stage deserves a moment to leave the queue.
+                self._dealer.close(linger=500 if alive else 0)
             self._pull.close(linger=0)
             self._ctx.term()
             os.close(self._wake_r)
@@ -530,6 +531,7 @@ class StageClient:
             if self._failure is not None:
                 return
             self._failure = exc
+            self._over.set()
             streams = list(self._streams.values())
             self._streams.clear()
             calls = list(self._calls.values())
@@ -609,15 +611,14 @@ class StageClient:
                 break
             self._drain()
         assert self._launched is not None
-        process = self._launched.process
-        process.join()
+        exit_code = self._launched.reap()
         if self._closing:
             self._fail(StageClosedError("this stage client is closed"))
         else:
             self._fail(
                 _common.dead_error(
                     pid=self._pid,
-                    exit_code=process.exitcode,
+                    exit_code=exit_code,
                     fatal=self._fatal,
                     remote_shutdown=self._terminal.is_set(),
                 )
@@ -689,6 +690,7 @@ class StageClient:
                     future.set_exception(exc)
         if terminal:
             self._terminal.set()
+            self._over.set()
             if self._launched is None:
                 # No process to watch: the terminal event is the end.
                 if self._closing:

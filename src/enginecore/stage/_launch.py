@@ -8,9 +8,11 @@ import multiprocessing.connection
 import multiprocessing.util
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
@@ -26,12 +28,37 @@ _MAX_IPC_PATH: Final = 107
 
 @dataclass(eq=False)
 class Launched:
-    """A stage process that reported ready. The client takes ownership of all of it."""
+    """A stage process that reported ready. The client takes ownership of all of it.
+
+    The process may be waited for from two threads at once (a client's receiver thread and
+    its closer). Waiting uses only the sentinel; reaping (``waitpid``) and signalling happen
+    under :attr:`lock`, so a signal can never reach a pid that was reaped and reused.
+    """
 
     process: multiprocessing.process.BaseProcess
     conn: multiprocessing.connection.Connection  # parent end of the death pipe: keep open
     ipc_dir: str
     input_address: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def wait_exit(self, timeout: float | None) -> bool:
+        """Block until the process has exited (not reaped), at most *timeout* s."""
+        return bool(multiprocessing.connection.wait([self.process.sentinel], timeout))
+
+    def reap(self) -> int | None:
+        """Reap the process if it has exited; return its exit code (``None``: still alive)."""
+        with self.lock:
+            # The sentinel (a pipe) reaches EOF a moment before the process turns into a
+            # zombie, so once it has, wait for real; it takes microseconds.
+            if self.wait_exit(0):
+                self.process.join()
+            return self.process.exitcode
+
+    def send_signal(self, sig: signal.Signals) -> None:
+        """Send *sig* unless the process has already exited and been reaped."""
+        with self.lock:
+            if self.process.exitcode is None:
+                os.kill(self.process.pid, sig)  # type: ignore[arg-type]
 
     def release(self) -> None:
         """After the process has exited: close the pipe, remove the ipc dir. Idempotent."""
@@ -41,9 +68,9 @@ class Launched:
 
     def kill_and_clean(self) -> None:
         """SIGKILL the process if alive, reap it, close the pipe, remove the ipc dir."""
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
+        self.send_signal(signal.SIGKILL)
+        self.wait_exit(None)
+        self.reap()
         self.release()
 
 
@@ -58,10 +85,9 @@ _live: set[Launched] = set()
 def _stop_live_stages_at_exit() -> None:
     stages = list(_live)
     for stage in stages:
-        if stage.process.is_alive():
-            stage.process.terminate()
+        stage.send_signal(signal.SIGTERM)
     for stage in stages:
-        stage.process.join(2.0)
+        stage.wait_exit(2.0)
         stage.kill_and_clean()
 
 
