@@ -62,13 +62,19 @@ def write_chart(path: str, records: Sequence[Record]) -> bool:
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.1 * rows), squeeze=False)
     for ax, r in zip(axes.flat, records, strict=False):
         colors = ["#9e9e9e", "#2e7d32" if r.met else "#c62828"]
+        heights = [r.baseline, r.value]
+        spreads = [r.baseline_spread, r.spread]
+        # A bar cannot go below zero; clip the lower half of the spread.
+        lower = [min(sp, h) for sp, h in zip(spreads, heights, strict=True)]
         ax.bar(
             ["baseline", "enginecore"],
-            [r.baseline, r.value],
-            yerr=[r.baseline_spread, r.spread],
+            heights,
+            yerr=[lower, spreads],
             color=colors,
             capsize=4,
         )
+        if not any(heights):
+            ax.set_ylim(0, 1)
         ratio = "inf" if r.ratio == float("inf") else f"{r.ratio:.2f}x"
         ax.set_title(
             f"{r.name}\n{ratio}, goal {r.goal}: {'met' if r.met else 'MISSED'}", fontsize=8
