@@ -153,6 +153,17 @@ class TestAsyncDeath:
 
         asyncio.run(main())
 
+    def test_cancelled_launch_leaves_no_stage_behind(self) -> None:
+        # The fixture checks that no child process or socket file is left.
+        async def main() -> None:
+            task = asyncio.ensure_future(AsyncStageClient.launch(SCRIPTED))
+            await asyncio.sleep(0.05)  # the spawn is under way in a worker thread
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(main())  # returns after the worker thread finished and cleaned up
+
     def test_shutdown_waiters_get_closed_error(self) -> None:
         async def main() -> None:
             client = await AsyncStageClient.launch(SCRIPTED)

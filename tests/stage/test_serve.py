@@ -87,6 +87,27 @@ class TestServe:
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
 
+    @pytest.mark.slow
+    def test_async_silent_peer_is_detected_by_heartbeats(self, server: Server) -> None:
+        async def main() -> None:
+            async with await AsyncStageClient.connect(
+                server.address, heartbeat_interval=0.1, heartbeat_timeout=0.5
+            ) as client:
+                stream = await client.add("r", 1_000_000_000)
+                await stream.get(5)
+                server.proc.send_signal(signal.SIGSTOP)
+                try:
+                    stopped_at = time.monotonic()
+                    with pytest.raises(EngineDeadError, match="no heartbeat"):
+                        await stream.collect(timeout=5)
+                    with pytest.raises(EngineDeadError):
+                        await client.call_utility("echo", 1)
+                    assert time.monotonic() - stopped_at < 2.0
+                finally:
+                    server.proc.send_signal(signal.SIGCONT)
+
+        asyncio.run(main())
+
     def test_async_connect(self, server: Server) -> None:
         async def main() -> None:
             async with await AsyncStageClient.connect(server.address) as client:
