@@ -79,7 +79,6 @@ time.sleep(60)
 
 
 class TestNoOrphans:
-    @pytest.mark.slow
     def test_stage_exits_within_2s_after_the_parent_is_sigkilled(self, no_leftovers: str) -> None:
         env = dict(os.environ, TMPDIR=no_leftovers)
         harness = subprocess.Popen(

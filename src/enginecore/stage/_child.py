@@ -211,6 +211,9 @@ class StageRuntime:
         stage_engine.request_shutdown = self.loop.request_shutdown
         self.terminal: str | None = None
         self.io_failed = False
+        # How long the last frames may take to leave. Zero once the parent is known dead:
+        # nobody is left to read them, and an orphan must go quickly.
+        self.flush_timeout = _OUTPUT_LINGER_MS / 1000
         self.finished = threading.Event()
         self._ctx = zmq.Context()
         try:
@@ -263,7 +266,7 @@ class StageRuntime:
             # The terminal event is already queued unless emit itself failed; _STOP ends the
             # output thread either way, after it has sent everything before it.
             self._outq.put(_STOP)
-            threads[1].join(timeout=_OUTPUT_LINGER_MS / 1000)
+            threads[1].join(timeout=self.flush_timeout)
             # Wakes the input thread (and an output thread stuck on a peer that is gone) with
             # ETERM; returns once both closed their sockets (output: after its linger).
             self._ctx.term()
@@ -523,6 +526,7 @@ def _watch_parent(
     parent_gone.set()
     logger.error("enginecore: the parent process is gone; shutting the stage down")
     if holder:
+        holder[0].flush_timeout = 0.0
         holder[0].loop.request_shutdown()
         if holder[0].finished.wait(1.5):
             return
