@@ -27,7 +27,6 @@ import logging
 import os
 import queue
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,10 +40,6 @@ logger = logging.getLogger("enginecore")
 
 _WAKEUP = Wakeup()
 _MESSAGE_TYPES = (Add, Abort, Utility, Wakeup)
-
-# Bytes on the waker pipe (see _forward_wakeups).
-_KICK = b"w"
-_QUIT = b"q"
 
 
 class EngineCoreLoop:
@@ -73,8 +68,8 @@ class EngineCoreLoop:
     #   Wakeup is enqueued means whoever wakes up already sees it.
     # - input_queue.mutex guards input_queue.queue. The loop holds it only to snapshot-and-clear
     #   the deque (bounded, O(n) memcpy); request_shutdown() only ever *tries* to take it.
-    # - _wake_w is -1 until run() starts the waker thread, then a pipe fd that stays open for
-    #   the life of this object (closed by a weakref finalizer, never reused while reachable).
+    # - _token is b"" until run() registers input_queue with the process-wide waker, then an
+    #   8-byte id; run() unregisters it on the way out, so a late token is simply ignored.
 
     __slots__ = (
         "__weakref__",
@@ -83,7 +78,7 @@ class EngineCoreLoop:
         "_run_lock",
         "_shutdown",
         "_started",
-        "_wake_w",
+        "_token",
         "input_queue",
     )
 
@@ -110,7 +105,7 @@ class EngineCoreLoop:
         self._shutdown = False
         self._started = False
         self._run_lock = threading.Lock()
-        self._wake_w = -1
+        self._token = b""
 
     # -- producer side -----------------------------------------------------------------------
 
@@ -156,13 +151,13 @@ class EngineCoreLoop:
             return
         # The mutex is held: by another thread (briefly), or by the very thread this signal
         # handler interrupted, which would deadlock on a blocking acquire. Either way let the
-        # waker thread do a normal put(). Before run() there is no waker, and none is needed:
-        # run() reads the flag after it starts the waker.
-        w = self._wake_w
-        if w >= 0:
-            # The pipe holds 64 KiB and is written at most twice, so this cannot fail.
+        # waker thread do a normal put(). Before run() there is no token, and none is needed:
+        # run() reads the flag after it registers.
+        token, w = self._token, _WAKER.w
+        if token and w >= 0:
+            # One atomic 8-byte write; the waker drains the pipe, so it cannot fill up.
             with contextlib.suppress(OSError):
-                os.write(w, _KICK)
+                os.write(w, token)
 
     @property
     def shutdown_requested(self) -> bool:
@@ -183,31 +178,13 @@ class EngineCoreLoop:
             if self._started:
                 raise LoopAlreadyRunError("this EngineCoreLoop has already run; build a new one")
             self._started = True
-        self._start_waker()
+        self._token = _WAKER.register(self.input_queue)
         try:
             self._run()
         finally:
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, _QUIT)
-
-    def _start_waker(self) -> None:
-        r, w = os.pipe()
-        os.set_blocking(w, False)  # a signal handler must never block on a full pipe
-        try:
-            threading.Thread(
-                target=_forward_wakeups,
-                args=(r, self.input_queue),
-                name="enginecore-waker",
-                daemon=True,
-            ).start()
-        except BaseException:
-            os.close(r)
-            os.close(w)
-            raise
-        # The read end belongs to the thread from here on; the write end lives as long as this
-        # object, so a late request_shutdown() can never write into a reused descriptor.
-        weakref.finalize(self, os.close, w)
-        self._wake_w = w
+            # No write to the waker here: waking a blocked thread costs ~10-40 µs on a VM,
+            # and it would sit on every run()'s way out (docs/performance.md, shutdown).
+            _WAKER.unregister(self._token)
 
     def _run(self) -> None:
         emit = self._emit
@@ -298,14 +275,74 @@ class EngineCoreLoop:
             raise
 
 
-def _forward_wakeups(r: int, q: queue.Queue[Any]) -> None:
-    """Waker thread: turns a signal-safe ``os.write`` into a ``q.put(Wakeup())``."""
-    try:
+class _Waker:
+    """One helper thread per process: turns a signal-safe ``os.write`` into ``q.put(Wakeup())``.
+
+    request_shutdown() writes a loop's 8-byte token to the pipe when it cannot take the queue's
+    mutex; the thread looks the token up and does a normal ``put``. The thread is started by
+    the first run() in a process, is a daemon, and then sleeps in ``os.read`` for the life of
+    the process at no CPU cost. Being shared, it never has to be woken just to be told to
+    exit, which kept ~40 µs (p50) on every run()'s way out when each run had its own.
+    """
+
+    # Lock rules: _lock guards _queues, _next and the (re)start; a signal handler never takes
+    # it, it only reads w and calls os.write. w is -1 until the thread runs, then a pipe fd
+    # that is never closed in this process (so it is never a reused descriptor).
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[bytes, queue.Queue[Any]] = {}
+        self._next = 0
+        self.w = -1
+
+    def register(self, q: queue.Queue[Any]) -> bytes:
+        with self._lock:
+            if self.w < 0:
+                r, w = os.pipe()
+                os.set_blocking(w, False)  # a signal handler must never block on a full pipe
+                try:
+                    threading.Thread(
+                        target=self._forward, args=(r,), name="enginecore-waker", daemon=True
+                    ).start()
+                except BaseException:
+                    os.close(r)
+                    os.close(w)
+                    raise
+                self.w = w
+            self._next += 1
+            token = self._next.to_bytes(8, "little")
+            self._queues[token] = q
+            return token
+
+    def unregister(self, token: bytes) -> None:
+        with self._lock:
+            self._queues.pop(token, None)
+
+    def after_fork_in_child(self) -> None:
+        # The thread did not survive the fork; the inherited pipe still leads to the parent's.
+        w, self.w = self.w, -1
+        self._lock = threading.Lock()
+        self._queues = {}
+        if w >= 0:
+            with contextlib.suppress(OSError):
+                os.close(w)
+
+    def _forward(self, r: int) -> None:
+        pending = b""
         while True:
-            data = os.read(r, 64)
-            if _KICK in data:
-                q.put(_WAKEUP)
-            if not data or _QUIT in data:
+            data = os.read(r, 4096)
+            if not data:
                 return
-    finally:
-        os.close(r)
+            pending += data
+            # Writes of 8 bytes are atomic on a pipe, so tokens never interleave.
+            while len(pending) >= 8:
+                token, pending = pending[:8], pending[8:]
+                with self._lock:
+                    q = self._queues.get(token)
+                if q is not None:
+                    q.put(_WAKEUP)
+
+
+_WAKER = _Waker()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WAKER.after_fork_in_child)
