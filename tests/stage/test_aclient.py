@@ -145,6 +145,19 @@ class TestAsyncDeath:
 
         run_with_stage(body)
 
+    def test_lingering_process_after_fatal(self) -> None:
+        async def main() -> None:
+            client = await AsyncStageClient.launch(SCRIPTED)
+            await client.call_utility("linger", 30, timeout=5)
+            stream = await client.add("r", 10_000_000)
+            await stream.get(5)
+            await client.call_utility("fail_next_step", timeout=5)
+            with pytest.raises(EngineDeadError, match="has not exited"):
+                await stream.collect(timeout=5)
+            assert await client.shutdown(timeout=0.1) == -signal.SIGTERM
+
+        asyncio.run(main())
+
     def test_failing_factory(self) -> None:
         async def main() -> None:
             with pytest.raises(StageStartupError, match="RuntimeError") as info:

@@ -39,6 +39,22 @@ class TestFatal:
         assert events[-1] == Fatal("RuntimeError('scripted step failure')")
         assert client.shutdown() == 1
 
+    def test_a_process_that_lingers_after_its_fatal_error_fails_waiters_anyway(
+        self, client: StageClient
+    ) -> None:
+        client.call_utility("linger", 30, timeout=5)  # a non-daemon thread: exit will hang
+        stream = client.add("r", 10_000_000)
+        stream.get(5)
+        client.call_utility("fail_next_step", timeout=5)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="has not exited") as info:
+            stream.collect(timeout=5)
+        assert time.monotonic() - started < 2.0
+        assert info.value.fatal == "RuntimeError('scripted step failure')"
+        assert info.value.exit_code is None
+        # shutdown() still ends it: SIGTERM (the loop's handler is gone by now) kills it.
+        assert client.shutdown(timeout=0.1) == -signal.SIGTERM
+
 
 class TestProcessDeath:
     @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])

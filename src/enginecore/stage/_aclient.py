@@ -32,6 +32,7 @@ __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 logger = logging.getLogger("enginecore.stage")
 
 _EXIT_GRACE_S: Final = 0.3
+_EXIT_AFTER_LAST_EVENT_S: Final = 1.0
 
 
 class _End:
@@ -544,6 +545,24 @@ class AsyncStageClient:
                 )
             )
 
+    async def _expect_exit(self) -> None:
+        # After the last event the process should exit at once; if it lingers (an engine
+        # thread keeping the interpreter alive, say), nothing more will be answered.
+        if await self._wait_exit(_EXIT_AFTER_LAST_EVENT_S):
+            return  # _on_sentinel takes it from here
+        if self._closing:
+            self._fail(StageClosedError("this stage client is closed"))
+        else:
+            self._fail(
+                _common.dead_error(
+                    pid=self._pid,
+                    exit_code=None,
+                    fatal=self._fatal,
+                    remote_shutdown=True,
+                    reason="its engine loop ended, but the process has not exited",
+                )
+            )
+
     def _dispatch(self, batch: list[Any]) -> None:
         streams = self._streams
         events = self._events
@@ -594,19 +613,20 @@ class AsyncStageClient:
                 events.put_nowait(ev)
         if terminal:
             self._terminal.set()
-            if self._launched is None:
-                if self._closing:
-                    self._fail(StageClosedError("this stage client is closed"))
-                else:
-                    self._fail(
-                        _common.dead_error(
-                            pid=self._pid,
-                            exit_code=None,
-                            fatal=self._fatal,
-                            remote_shutdown=self._fatal is None,
-                            reason=None if self._fatal is None else "its engine loop died",
-                        )
+            if self._launched is not None:
+                self._tasks.append(asyncio.ensure_future(self._expect_exit()))
+            elif self._closing:
+                self._fail(StageClosedError("this stage client is closed"))
+            else:
+                self._fail(
+                    _common.dead_error(
+                        pid=self._pid,
+                        exit_code=None,
+                        fatal=self._fatal,
+                        remote_shutdown=self._fatal is None,
+                        reason=None if self._fatal is None else "its engine loop died",
                     )
+                )
 
 
 def _kill_if_launched(fut: asyncio.Future[Launched]) -> None:

@@ -513,7 +513,29 @@ def run_launched(
     if parent_gone.is_set():
         # Nobody else is left to remove the socket directory.
         shutil.rmtree(ipc_dir, ignore_errors=True)
+    exit_soon(code)
     sys.exit(code)
+
+
+# How long interpreter shutdown may take once the loop has ended.
+_EXIT_WATCHDOG_S: Final = 5.0
+
+
+def exit_soon(code: int) -> None:
+    """Make sure the process ends: a normal exit waits for every non-daemon thread, and an
+    engine may have left one running. After a grace period, ``os._exit(code)``."""
+
+    def watchdog() -> None:
+        time.sleep(_EXIT_WATCHDOG_S)
+        logger.error(
+            "enginecore: the stage process did not exit %.0f s after its loop ended "
+            "(a non-daemon thread?); forcing exit code %d",
+            _EXIT_WATCHDOG_S,
+            code,
+        )
+        os._exit(code)
+
+    threading.Thread(target=watchdog, name="enginecore-exit", daemon=True).start()
 
 
 def _watch_parent(
@@ -553,4 +575,6 @@ def serve(
         engine, bind, output_bind, engine_name=factory, session_timeout=session_timeout
     )
     ready(runtime)
-    return runtime.run()
+    code = runtime.run()
+    exit_soon(code)
+    return code

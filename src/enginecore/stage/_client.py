@@ -36,6 +36,9 @@ logger = logging.getLogger("enginecore.stage")
 # After the process sentinel fires, how long to keep reading for frames still in flight (the
 # fatal event, above all). Ends early when the terminal event arrives.
 _EXIT_GRACE_S: Final = 0.3
+# After a launched stage's last event (shutdown/fatal), how long its process may take to exit
+# before the waiters are failed anyway (the exit code is then unknown).
+_EXIT_AFTER_LAST_EVENT_S: Final = 1.0
 
 
 class _End:
@@ -568,8 +571,11 @@ class StageClient:
         now = time.monotonic()
         last_heard = now
         next_ping = now
+        exit_deadline: float | None = None  # set when a launched stage sent its last event
         while True:
             timeout_ms: int | None = None
+            if exit_deadline is not None:
+                timeout_ms = max(0, round((exit_deadline - time.monotonic()) * 1000))
             if heartbeat is not None:
                 now = time.monotonic()
                 if now >= next_ping:
@@ -581,12 +587,31 @@ class StageClient:
             ready = dict(poller.poll(timeout_ms))
             if self._pull in ready:
                 last_heard = time.monotonic()
-                if self._drain() and self._failure is not None:
-                    return
+                if self._drain():
+                    if self._failure is not None:
+                        return
+                    if exit_deadline is None:
+                        exit_deadline = last_heard + _EXIT_AFTER_LAST_EVENT_S
             if self._wake_r in ready:
                 return
             if sentinel is not None and sentinel in ready:
                 self._on_process_exit()
+                return
+            if exit_deadline is not None and time.monotonic() >= exit_deadline:
+                # The loop is over but the process lingers (an engine thread that keeps the
+                # interpreter alive, say). Nothing more will be answered: fail the waiters now.
+                if self._closing:
+                    self._fail(StageClosedError("this stage client is closed"))
+                else:
+                    self._fail(
+                        _common.dead_error(
+                            pid=self._pid,
+                            exit_code=None,
+                            fatal=self._fatal,
+                            remote_shutdown=True,
+                            reason="its engine loop ended, but the process has not exited",
+                        )
+                    )
                 return
             if heartbeat is not None and time.monotonic() - last_heard > heartbeat[1]:
                 self._fail(

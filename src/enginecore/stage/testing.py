@@ -17,6 +17,7 @@ Factories (``"enginecore.stage.testing:NAME"``):
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -53,6 +54,8 @@ class ScriptedEngine(CountdownEngine):
     - ``poison(rid)`` -> the next output of *rid* carries an unencodable payload.
     - ``unrouted(value)`` -> the next ``step()`` also returns the bare *value* (no request id).
     - ``sleep(seconds)`` -> blocks the loop that long.
+    - ``linger(seconds)`` -> starts a non-daemon thread that sleeps that long, which keeps
+      the process from exiting after its loop has ended.
     """
 
     def __init__(self) -> None:
@@ -93,6 +96,9 @@ class ScriptedEngine(CountdownEngine):
             return None
         if name == "sleep":
             time.sleep(args[0])
+            return None
+        if name == "linger":
+            threading.Thread(target=time.sleep, args=(args[0],), name="linger").start()
             return None
         return super().utility(name, args)
 
