@@ -1,0 +1,46 @@
+"""The examples and the README's code run as documented and exit 0 by themselves."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def _run(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+class TestExamples:
+    def test_toy_loop_runs_the_loop_in_process(self) -> None:
+        proc = _run(ROOT / "examples" / "toy_loop.py")
+        assert proc.returncode == 0, proc.stderr
+        assert "utility  #2 -> error ZeroDivisionError('division by zero')" in proc.stdout
+        assert "r2:" not in proc.stdout.split("submit     Add(req_id='r3'")[-1]  # aborted
+        assert proc.stdout.rstrip().endswith("('shutdown',)")
+
+    @pytest.mark.slow
+    def test_toy_stage_launches_a_stage_and_summarises(self) -> None:
+        proc = _run(ROOT / "examples" / "toy_stage.py")
+        assert proc.returncode == 0, proc.stderr
+        assert "requests   1000:" in proc.stdout
+        assert "stage      exited with code 0" in proc.stdout
+
+
+class TestReadme:
+    def test_readme_stage_example_runs(self, tmp_path: Path) -> None:
+        blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+        stage_blocks = [b for b in blocks if "StageClient" in b]
+        assert stage_blocks, "README.md lost its stage example"
+        script = tmp_path / "readme_stage.py"
+        script.write_text(stage_blocks[0])
+        proc = _run(script)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["[2,", "1,", "0]", "0.25"]
