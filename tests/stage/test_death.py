@@ -39,6 +39,18 @@ class TestFatal:
         assert events[-1] == Fatal("RuntimeError('scripted step failure')")
         assert client.shutdown() == 1
 
+    def test_system_exit_in_step_is_fatal_with_a_nonzero_exit_code(
+        self, client: StageClient
+    ) -> None:
+        # SystemExit(0) from the engine is a fatal error of the loop, not a clean shutdown:
+        # the loop emits its fatal event and re-raises; the stage must still exit non-zero.
+        client.call_utility("system_exit_next_step", 0, timeout=5)
+        with pytest.raises(EngineDeadError) as info:
+            client.call_utility("echo", timeout=5)
+        assert info.value.fatal == "SystemExit(0)"
+        assert info.value.exit_code == 1
+        assert client.shutdown() == 1
+
     def test_a_process_that_lingers_after_its_fatal_error_fails_waiters_anyway(
         self, client: StageClient
     ) -> None:

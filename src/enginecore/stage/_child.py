@@ -260,7 +260,10 @@ class StageRuntime:
         for t in threads:
             t.start()
         try:
-            with shutdown_on_signals(self.loop, self._signals):
+            # SystemExit / KeyboardInterrupt from the engine: the loop has logged it, emitted
+            # its fatal event and re-raised. Propagating would skip exit_soon() and let
+            # SystemExit(0) end the process with 0; the exit code below says fatal.
+            with shutdown_on_signals(self.loop, self._signals), contextlib.suppress(BaseException):
                 self.loop.run()
         finally:
             # The terminal event is already queued unless emit itself failed; _STOP ends the

@@ -49,6 +49,7 @@ class ScriptedEngine(CountdownEngine):
     - ``log`` -> the list of ``"add <rid>"`` / ``"abort <rid>"`` calls seen, in order.
     - ``echo`` -> its arguments, as a list.
     - ``fail_next_step`` -> the next ``step()`` raises ``RuntimeError("scripted step failure")``.
+    - ``system_exit_next_step(code)`` -> the next ``step()`` raises ``SystemExit(code)``.
     - ``exit(code)`` -> the process ends at once with ``os._exit(code)``.
     - ``unencodable_result`` -> returns a ``set``, which the wire refuses.
     - ``poison(rid)`` -> the next output of *rid* carries an unencodable payload.
@@ -62,11 +63,17 @@ class ScriptedEngine(CountdownEngine):
         super().__init__()
         self.log: list[str] = []
         self._fail_next = False
+        self._system_exit: int | None = None
         self._poisoned: set[str] = set()
         self._unrouted: list[Any] = []
 
     def has_work(self) -> bool:
-        return super().has_work() or self._fail_next or bool(self._unrouted)
+        return (
+            super().has_work()
+            or self._fail_next
+            or self._system_exit is not None
+            or bool(self._unrouted)
+        )
 
     def add(self, req_id: str, data: Any) -> None:
         self.log.append(f"add {req_id}")
@@ -83,6 +90,9 @@ class ScriptedEngine(CountdownEngine):
             return list(args)
         if name == "fail_next_step":
             self._fail_next = True
+            return None
+        if name == "system_exit_next_step":
+            self._system_exit = args[0]
             return None
         if name == "exit":
             os._exit(args[0])
@@ -105,6 +115,8 @@ class ScriptedEngine(CountdownEngine):
     def step(self) -> list[Any]:
         if self._fail_next:
             raise RuntimeError("scripted step failure")
+        if self._system_exit is not None:
+            raise SystemExit(self._system_exit)
         outputs: list[Any] = list(super().step())
         if self._poisoned:
             for i, (rid, _) in enumerate(outputs):
