@@ -231,6 +231,26 @@ class TestClose:
         with pytest.raises(StageClosedError):
             stream.collect(timeout=5)
 
+    def test_close_from_a_done_callback_closes_and_wakes_waiters(self, client: StageClient) -> None:
+        # Done-callbacks run on the client's receiver thread, which close() must join.
+        stream = client.add("long", 10_000_000)
+        stream.get(5)
+        errors: list[BaseException] = []
+
+        def close_from_callback(_: concurrent.futures.Future[object]) -> None:
+            try:
+                client.close()
+            except BaseException as exc:
+                errors.append(exc)
+
+        client.call_utility_future("echo").add_done_callback(close_from_callback)
+        with pytest.raises(StageClosedError):
+            stream.collect(timeout=5)
+        assert errors == []
+        assert client.closed
+        client.close()  # waits for the close the callback started
+        assert client.exit_code == 0
+
     def test_shutdown_escalates_to_sigterm_then_sigkill(self, client: StageClient) -> None:
         # The loop is stuck in a 30 s utility: the shutdown message cannot be applied, and
         # SIGTERM only sets a flag the loop cannot look at, so only SIGKILL ends it.

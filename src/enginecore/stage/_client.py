@@ -450,7 +450,8 @@ class StageClient:
         second, then SIGKILL. Pending calls and iterators then raise
         :class:`~enginecore.stage.StageClosedError` (or keep the
         :class:`~enginecore.stage.EngineDeadError` they already had). Blocks; thread-safe;
-        idempotent.
+        idempotent. Called from a future's done-callback (the client's receiver thread), it
+        cannot wait there: it starts the close in the background and returns ``None``.
         """
         return self._close(stop_stage=True, timeout=timeout)
 
@@ -471,6 +472,19 @@ class StageClient:
         self.close()
 
     def _close(self, *, stop_stage: bool, timeout: float) -> int | None:
+        if threading.current_thread() is self._rx:
+            # Called from a future's done-callback, which runs on the receiver thread: closing
+            # joins that thread, so it cannot happen here. Finish it on another thread; a
+            # later close() waits for it (_close_lock), and waiters are woken as usual.
+            with self._lock:
+                self._closing = True
+            threading.Thread(
+                target=self._close,
+                kwargs={"stop_stage": stop_stage, "timeout": timeout},
+                name="enginecore-client-close",
+                daemon=True,
+            ).start()
+            return None
         with self._close_lock:  # a second caller waits for the first, then returns
             if self._closed_done:
                 return self.exit_code
