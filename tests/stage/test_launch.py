@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -76,6 +77,72 @@ next(stream)
 print(client.pid, client.address, flush=True)
 time.sleep(60)
 """
+
+
+_FORKING_HARNESS = """
+import os, sys, time
+from enginecore.stage import StageClient
+client = StageClient.launch("enginecore.stage.testing:countdown")
+worker = os.fork()
+if worker == 0:
+    if sys.argv[1] == "exit":
+        sys.exit(0)  # a forked worker ending normally: its atexit hooks run
+    time.sleep(60)
+    os._exit(0)
+if sys.argv[1] == "exit":
+    os.waitpid(worker, 0)
+    print(client.call_utility("div", 1, 2, timeout=5), client.shutdown(), flush=True)
+else:
+    print(client.pid, worker, flush=True)
+    time.sleep(60)
+"""
+
+
+class TestFork:
+    """A parent that forks (a worker pool, say) after launching keeps its stage to itself."""
+
+    def test_forked_child_exiting_normally_leaves_the_parents_stage_running(
+        self, no_leftovers: str
+    ) -> None:
+        env = dict(os.environ, TMPDIR=no_leftovers)
+        done = subprocess.run(
+            [sys.executable, "-c", _FORKING_HARNESS, "exit"],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert done.stdout.split() == ["0.5", "0"], done.stderr
+
+    def test_stage_exits_after_parent_sigkill_while_a_forked_child_lives(
+        self, no_leftovers: str
+    ) -> None:
+        env = dict(os.environ, TMPDIR=no_leftovers)
+        harness = subprocess.Popen(
+            [sys.executable, "-c", _FORKING_HARNESS, "sleep"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        worker = None
+        try:
+            assert harness.stdout is not None
+            stage_text, worker_text = harness.stdout.readline().split()
+            stage_pid, worker = int(stage_text), int(worker_text)
+            harness.send_signal(signal.SIGKILL)
+            harness.wait()
+            # The worker still holds copies of the parent's fds; the stage must not wait for it.
+            assert wait_until(lambda: pid_gone(stage_pid), 2.0), "stage outlived its parent"
+        finally:
+            if worker is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGKILL)
+            if harness.poll() is None:
+                harness.kill()
+                harness.wait()
+            assert harness.stdout is not None
+            harness.stdout.close()
 
 
 class TestNoOrphans:

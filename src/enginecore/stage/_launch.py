@@ -94,6 +94,18 @@ def _stop_live_stages_at_exit() -> None:
 atexit.register(_stop_live_stages_at_exit)
 
 
+def _disown_stages_in_forked_child() -> None:
+    # A process forked from a stage's parent (a worker pool, say) does not own its stages:
+    # its exit hook must not stop them, and its copy of each death pipe must not keep a
+    # stage from seeing EOF when the real parent dies.
+    for stage in _live:
+        stage.conn.close()
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_disown_stages_in_forked_child)
+
+
 def _validate_factory(factory: str) -> None:
     if not isinstance(factory, str):
         raise TypeError(f"engine factory must be an import string, got {type(factory).__name__}")
