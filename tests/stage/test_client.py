@@ -184,6 +184,27 @@ class TestPayloads:
         # The stage aborted the poisoned request so the engine stops working on it.
         assert client.call_utility("log", timeout=5)[-1] == "abort bad"
 
+    def test_output_that_fails_only_in_msgspec_ends_only_that_request(
+        self, client: StageClient
+    ) -> None:
+        # A lone surrogate passes check_encodable (exact str) but not UTF-8 encoding: the
+        # output must still end its own request, not vanish as an unscoped protocol error.
+        bad = client.add("bad", 10_000_000)
+        good = client.add("good", 5)
+        client.call_utility("poison", "bad", "surrogate", timeout=5)
+        with pytest.raises(RequestError, match="surrogate") as info:
+            bad.collect(timeout=5)
+        assert info.value.req_id == "bad"
+        assert good.collect(timeout=5)[-1] == 0
+        assert client.call_utility("log", timeout=5)[-1] == "abort bad"
+
+    def test_utility_result_that_fails_only_in_msgspec_is_reported(
+        self, client: StageClient
+    ) -> None:
+        with pytest.raises(UtilityError, match="surrogate"):
+            client.call_utility("unencodable_result", "surrogate", timeout=5)
+        assert client.call_utility("echo", 1, timeout=5) == [1]
+
     def test_unencodable_utility_result_is_reported(self, client: StageClient) -> None:
         with pytest.raises(UtilityError, match=r"TypeError.*builtins\.set is not wire-encodable"):
             client.call_utility("unencodable_result", timeout=5)

@@ -54,6 +54,8 @@ _OUTPUT_LINGER_MS: Final = 1000
 _MAX_BATCH: Final = 512
 
 _STOP: Final = ("stop",)  # output-thread sentinel (never sent)
+# What msgspec raises for a value it cannot encode (a lone surrogate: UnicodeEncodeError).
+_ENCODE_ERRORS: Final = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
 
 
 def import_factory(spec: str) -> Callable[..., Any]:
@@ -396,7 +398,7 @@ class StageRuntime:
                 if events:
                     try:
                         frame = encoder.encode(events)
-                    except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+                    except _ENCODE_ERRORS:
                         frame = encoder.encode(self._encode_one_by_one(encoder, events))
                     sock.send(frame, copy=False)
                 if done:
@@ -439,7 +441,7 @@ class StageRuntime:
             events.append(ev)
         return events, False
 
-    def _bad_output(self, ev: tuple[Any, ...], exc: TypeError) -> tuple[Any, ...]:
+    def _bad_output(self, ev: tuple[Any, ...], exc: Exception) -> tuple[Any, ...]:
         rid = ev[1]
         logger.error("enginecore: dropping an output that cannot be encoded: %s", exc)
         if rid is None:
@@ -448,20 +450,40 @@ class StageRuntime:
         self.loop.input_queue.put(Abort([rid]))
         return ("error", rid, f"output cannot be encoded, request aborted: {exc}")
 
-    @staticmethod
     def _encode_one_by_one(
-        encoder: msgspec.msgpack.Encoder, events: Iterable[tuple[Any, ...]]
+        self, encoder: msgspec.msgpack.Encoder, events: Iterable[tuple[Any, ...]]
     ) -> list[Any]:
-        # Only reached if check_encodable let something through that msgspec refuses.
+        # Only reached if check_encodable let something through that msgspec refuses (a str
+        # with a lone surrogate, say). The replacement keeps the event's scope, so the
+        # request or call it belongs to ends instead of waiting forever.
         good: list[Any] = []
         for ev in events:
             try:
                 encoder.encode(ev)
-            except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
-                good.append(("error", None, f"event {ev[0]!r} cannot be encoded: {exc!r}"))
+            except _ENCODE_ERRORS as exc:
+                good.append(self._unencodable(encoder, ev, exc))
             else:
                 good.append(ev)
         return good
+
+    def _unencodable(
+        self, encoder: msgspec.msgpack.Encoder, ev: tuple[Any, ...], exc: Exception
+    ) -> tuple[Any, ...]:
+        err = TypeError(f"{ev[0]} event cannot be encoded: {exc!r}")
+        replacement: tuple[Any, ...]
+        if ev[0] == "output":
+            replacement = self._bad_output(ev, err)
+        elif ev[0] == "utility":
+            logger.error("enginecore: a utility result cannot be encoded: %s", exc)
+            replacement = ("utility", ev[1], None, repr(err))
+        else:
+            logger.error("enginecore: dropping an event that cannot be encoded: %s", exc)
+            replacement = ("error", None, str(err))
+        try:
+            encoder.encode(replacement)
+        except _ENCODE_ERRORS:  # the id itself is unencodable: nothing to scope it to
+            return ("error", None, f"{ev[0]} event cannot be encoded: {exc!r}")
+        return replacement
 
 
 # -- process entry points -------------------------------------------------------------------

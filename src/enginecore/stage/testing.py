@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from .._engine import CountdownEngine
 
@@ -41,6 +41,9 @@ class Unencodable:
         return "Unencodable()"
 
 
+_LONE_SURROGATE: Final = "bad \ud800 text"
+
+
 class ScriptedEngine(CountdownEngine):
     """:class:`~enginecore.CountdownEngine` plus utilities that script failures.
 
@@ -51,8 +54,11 @@ class ScriptedEngine(CountdownEngine):
     - ``fail_next_step`` -> the next ``step()`` raises ``RuntimeError("scripted step failure")``.
     - ``system_exit_next_step(code)`` -> the next ``step()`` raises ``SystemExit(code)``.
     - ``exit(code)`` -> the process ends at once with ``os._exit(code)``.
-    - ``unencodable_result`` -> returns a ``set``, which the wire refuses.
-    - ``poison(rid)`` -> the next output of *rid* carries an unencodable payload.
+    - ``unencodable_result`` -> returns a ``set``, which the wire refuses;
+      ``unencodable_result("surrogate")`` returns a ``str`` with a lone surrogate, which
+      passes ``check_encodable`` but cannot be encoded as UTF-8.
+    - ``poison(rid)`` -> the next output of *rid* carries an unencodable payload;
+      ``poison(rid, "surrogate")``: a ``str`` with a lone surrogate.
     - ``unrouted(value)`` -> the next ``step()`` also returns the bare *value* (no request id).
     - ``sleep(seconds)`` -> blocks the loop that long.
     - ``linger(seconds)`` -> starts a non-daemon thread that sleeps that long, which keeps
@@ -64,7 +70,7 @@ class ScriptedEngine(CountdownEngine):
         self.log: list[str] = []
         self._fail_next = False
         self._system_exit: int | None = None
-        self._poisoned: set[str] = set()
+        self._poisoned: dict[str, Any] = {}
         self._unrouted: list[Any] = []
 
     def has_work(self) -> bool:
@@ -97,9 +103,11 @@ class ScriptedEngine(CountdownEngine):
         if name == "exit":
             os._exit(args[0])
         if name == "unencodable_result":
-            return {1, 2, 3}
+            return _LONE_SURROGATE if args == ("surrogate",) else {1, 2, 3}
         if name == "poison":
-            self._poisoned.add(args[0])
+            self._poisoned[args[0]] = (
+                _LONE_SURROGATE if args[1:] == ("surrogate",) else Unencodable()
+            )
             return None
         if name == "unrouted":
             self._unrouted.append(args[0])
@@ -121,8 +129,7 @@ class ScriptedEngine(CountdownEngine):
         if self._poisoned:
             for i, (rid, _) in enumerate(outputs):
                 if rid in self._poisoned:
-                    self._poisoned.discard(rid)
-                    outputs[i] = (rid, Unencodable())
+                    outputs[i] = (rid, self._poisoned.pop(rid))
         if self._unrouted:
             outputs.extend(self._unrouted)
             self._unrouted.clear()
