@@ -145,6 +145,25 @@ class TestPayloads:
             client.add("r", data)
         assert client.call_utility("log", timeout=5) == []
 
+    def test_lone_surrogates_are_refused_with_type_error_before_sending(
+        self, client: StageClient
+    ) -> None:
+        # check_encodable passes any exact str; UTF-8 encoding is what refuses these.
+        bad = "x\ud800"
+        with pytest.raises(TypeError, match="surrogates"):
+            client.add("r", {"k": bad})
+        with pytest.raises(TypeError, match="surrogates"):
+            client.add(bad, 1)
+        with pytest.raises(TypeError, match="surrogates"):
+            client.call_utility("echo", [bad])
+        with pytest.raises(TypeError, match="surrogates"):
+            client.call_utility(bad)
+        with pytest.raises(TypeError, match="surrogates"):
+            client.abort([bad])
+        with pytest.raises(TypeError, match="surrogates"):
+            StageClient.launch(COUNTDOWN, {"x": bad})
+        assert client.call_utility("log", timeout=5) == []
+
     def test_unencodable_utility_args_are_refused(self, client: StageClient) -> None:
         with pytest.raises(TypeError, match="arguments of utility 'echo'"):
             client.call_utility("echo", {1})

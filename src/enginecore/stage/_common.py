@@ -28,12 +28,22 @@ SHUTDOWN_FRAME: Final = msgspec.msgpack.encode(("shutdown",))
 BYE_FRAME: Final = msgspec.msgpack.encode(("bye",))
 
 
+def encode(msg: Any, what: str) -> bytes:
+    """Encode a checked message. msgspec can still refuse a value that passed
+    :func:`~enginecore.stage.check_encodable` (a ``str`` with a lone surrogate is not UTF-8);
+    that is a :class:`TypeError` too, raised before anything is sent."""
+    try:
+        return msgspec.msgpack.encode(msg)
+    except (ValueError, OverflowError, msgspec.EncodeError) as exc:
+        raise TypeError(f"{what} cannot be encoded: {exc}") from exc
+
+
 def build_add(req_id: str, data: Any) -> bytes:
     """Check and encode an ``add``; :class:`TypeError` if it cannot cross the wire."""
     if type(req_id) is not str:
         raise TypeError(f"req_id must be a str, got {type(req_id).__name__}")
     _wire.check_encodable(data, f"data of request {req_id!r}")
-    return msgspec.msgpack.encode(("add", req_id, data))
+    return encode(("add", req_id, data), f"request {req_id!r}")
 
 
 def build_abort(req_ids: Sequence[str]) -> tuple[list[str], bytes]:
@@ -44,7 +54,7 @@ def build_abort(req_ids: Sequence[str]) -> tuple[list[str], bytes]:
     for rid in ids:
         if type(rid) is not str:
             raise TypeError(f"request ids must be str, got {type(rid).__name__}")
-    return ids, msgspec.msgpack.encode(("abort", ids))
+    return ids, encode(("abort", ids), "abort")
 
 
 def build_utility(call_id: int, name: str, args: tuple[Any, ...]) -> bytes:
@@ -52,7 +62,7 @@ def build_utility(call_id: int, name: str, args: tuple[Any, ...]) -> bytes:
     if type(name) is not str:
         raise TypeError(f"utility name must be a str, got {type(name).__name__}")
     _wire.check_encodable(args, f"arguments of utility {name!r}")
-    return msgspec.msgpack.encode(("utility", call_id, name, list(args)))
+    return encode(("utility", call_id, name, list(args)), f"utility call {name!r}")
 
 
 def ping_frame(seq: int) -> bytes:
