@@ -27,6 +27,9 @@ MODULES = (
     "bench_wake_latency",
     "bench_shutdown_latency",
     "bench_gil_release",
+    "bench_stage_utility",
+    "bench_stage_output",
+    "bench_stage_ingest",
 )
 
 

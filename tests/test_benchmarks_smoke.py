@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from benchmarks import _harness, bench_overhead, bench_throughput
+from benchmarks import (
+    _harness,
+    bench_overhead,
+    bench_stage_ingest,
+    bench_stage_output,
+    bench_stage_utility,
+    bench_throughput,
+)
 from benchmarks.__main__ import main
 
 KEYS = {"name", "value", "unit", "baseline", "ratio", "goal", "met"}
@@ -63,3 +71,34 @@ class TestBenchmarksRun:
         assert [r["name"] for r in records] == ["loop overhead per iteration"]
         assert records[0].keys() >= KEYS
         assert "| loop overhead per iteration" in capsys.readouterr().out
+
+
+class TestStageBenchmarks:
+    def test_raw_peer_answers_and_leaves_nothing_behind(self) -> None:
+        from benchmarks._stage import RawPeer
+
+        with RawPeer() as peer:
+            assert peer.call(("utility", 7, "x", [])) == ["utility", 7, None, None]
+            ipc_dir, process = peer._dir, peer.process
+        assert process.exitcode == 0
+        assert not os.path.exists(ipc_dir)
+
+    def test_utility_round_trip_measures_both_sides(self) -> None:
+        pooled, per_block = bench_stage_utility.measure(samples=5, blocks=2)
+        assert len(pooled["loop"]) == len(pooled["raw"]) == 10
+        assert len(per_block["loop"]) == 2
+
+    def test_output_and_ingest_measure_both_sides(self) -> None:
+        from benchmarks._stage import SINK_FACTORY, RawPeer
+
+        from enginecore.stage import StageClient
+
+        with (
+            StageClient.launch("enginecore:CountdownEngine", ordered_events=True) as client,
+            RawPeer() as peer,
+        ):
+            assert bench_stage_output.run_stage(client, steps=3) > 0
+            assert bench_stage_output.run_raw(peer, steps=3) > 0
+            assert bench_stage_ingest.run_raw(peer, 50) > 0
+        with StageClient.launch(SINK_FACTORY) as client:
+            assert bench_stage_ingest.run_stage(client, 50) > 0

@@ -1,0 +1,184 @@
+"""Shared pieces of the stage-runtime benchmarks: the raw baseline process and a sink engine.
+
+The raw baseline is what a hand-written stage process would be with nothing but pyzmq and
+msgspec: **one thread**, a ``ROUTER`` it reads requests from and a ``PUSH`` it streams
+outputs on, bound to ipc sockets in a private temporary directory, exactly like a launched
+stage (``docs/stage.md``). It has no input thread, no loop thread, no output thread and no
+queues between them, and the parent side has no receiver thread: every hop that the stage
+runtime adds is missing. It is started with multiprocessing *spawn*, like a stage.
+
+This module is imported by the spawned children (the raw server, and a stage whose factory is
+``benchmarks._stage:SinkEngine``): spawn gives a child the parent's ``sys.path``, and
+``python -m benchmarks`` (or pytest) from the repository root puts the root on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+import zmq
+
+from enginecore import CountdownEngine
+
+__all__ = ["SINK_FACTORY", "RawPeer", "SinkEngine", "raw_server"]
+
+SINK_FACTORY: Final = "benchmarks._stage:SinkEngine"
+
+# A raw server whose parent is gone notices within this long and exits (no orphans).
+_ORPHAN_CHECK_MS: Final = 1000
+
+
+class SinkEngine:
+    """Never has work; counts ``add`` calls. ``utility("count")`` returns the count since the
+    last such call and resets it (the ingest barrier); any other utility returns ``None``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def has_work(self) -> bool:
+        return False
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.count += 1
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        pass
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "count":
+            n, self.count = self.count, 0
+            return n
+        return None
+
+    def step(self) -> list[Any]:
+        return []
+
+
+def raw_server(input_address: str, output_address: str, parent_pid: int) -> None:
+    """Target of the raw baseline process: one thread, a ROUTER in and a PUSH out.
+
+    Messages (msgpack arrays, decoded with msgspec, one per frame, like the stage's wire):
+
+    * ``["utility", call_id, name, args]`` -> reply ``["utility", call_id, None, None]`` on
+      the ROUTER (the echo round trip);
+    * ``["add", req_id, data]`` -> counted, nothing else;
+    * ``["count", call_id]`` -> reply ``["utility", call_id, n, None]``, ``n`` the adds
+      counted since the last ``count``, and reset (the ingest barrier);
+    * ``["stream", requests, steps]`` -> run a :class:`~enginecore.CountdownEngine` with
+      *requests* requests of *steps* steps to the end, and PUSH each step's outputs as one
+      frame of ``["output", req_id, finished, remaining]`` arrays (the stage's event shape);
+    * ``["quit"]`` -> close and return.
+    """
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    # A blocking recv that gives up now and then to look for the parent: no per-message poll.
+    router.setsockopt(zmq.RCVTIMEO, _ORPHAN_CHECK_MS)
+    push = ctx.socket(zmq.PUSH)
+    router.bind(input_address)
+    push.bind(output_address)
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder().decode
+    count = 0
+    try:
+        while True:
+            try:
+                ident, frame = router.recv_multipart()
+            except zmq.Again:
+                if os.getppid() != parent_pid:
+                    return
+                continue
+            msg = decode(frame)
+            kind = msg[0]
+            if kind == "add":
+                count += 1
+            elif kind == "utility":
+                router.send_multipart([ident, encode(("utility", msg[1], None, None))])
+            elif kind == "count":
+                router.send_multipart([ident, encode(("utility", msg[1], count, None))])
+                count = 0
+            elif kind == "stream":
+                engine = CountdownEngine()
+                for i in range(msg[1]):
+                    engine.add(f"r{i}", msg[2])
+                while engine.has_work():
+                    push.send(
+                        encode([("output", rid, left == 0, left) for rid, left in engine.step()])
+                    )
+            elif kind == "quit":
+                return
+    finally:
+        router.close(linger=0)
+        push.close(linger=1000)
+        ctx.term()
+
+
+class RawPeer:
+    """The parent's end of a running :func:`raw_server`: a DEALER and a PULL. Single thread.
+
+    ``close()`` (idempotent; also on leaving a ``with`` block) stops the process, kills it if
+    it does not stop within 5 s, and removes its socket directory.
+    """
+
+    def __init__(self, startup_timeout: float = 30.0) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ecbench-")
+        in_addr = f"ipc://{os.path.join(self._dir, 'in')}"
+        out_addr = f"ipc://{os.path.join(self._dir, 'out')}"
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.dealer = self._ctx.socket(zmq.DEALER)
+        self.pull = self._ctx.socket(zmq.PULL)
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.decode = msgspec.msgpack.Decoder().decode
+        self._closed = False
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=raw_server, args=(in_addr, out_addr, os.getpid()), name="bench-raw-stage"
+        )
+        try:
+            self.process.start()
+            self.dealer.connect(in_addr)
+            self.pull.connect(out_addr)
+            # Handshake: one echo proves the process is up and both ends are connected.
+            self.dealer.send(self.encode(("utility", 0, "hello", [])))
+            poller = zmq.Poller()
+            poller.register(self.dealer, zmq.POLLIN)
+            poller.register(self.process.sentinel, zmq.POLLIN)
+            if self.dealer not in dict(poller.poll(round(startup_timeout * 1000))):
+                raise RuntimeError("the raw baseline process did not start")
+            self.dealer.recv()
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, msg: tuple[Any, ...]) -> Any:
+        """Send *msg*, block for the reply on the DEALER, return it decoded."""
+        self.dealer.send(self.encode(msg))
+        return self.decode(self.dealer.recv())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.process.pid is not None:
+            if self.process.is_alive():
+                with contextlib.suppress(zmq.ZMQError):
+                    self.dealer.send(self.encode(("quit",)))
+            self.process.join(5)
+            if self.process.exitcode is None:
+                self.process.kill()
+                self.process.join()
+        self.dealer.close(linger=0)
+        self.pull.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> RawPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

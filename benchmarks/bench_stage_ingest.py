@@ -1,0 +1,92 @@
+"""Request ingest: ``client.add`` of N requests into a stage vs raw msgspec messages on a DEALER.
+
+Both receivers are processes started with multiprocessing spawn, reached over an ipc
+DEALER -> ROUTER pair in a private temporary directory (the socket types of a stage's input).
+The parent sends N ``add`` messages as fast as it can, fire and forget, then one barrier
+message whose answer says how many adds were applied; the clock runs from the first send to
+the barrier's answer.
+
+* enginecore: ``client.add(req_id, 1)`` N times, then ``client.call_utility("count")``, on a
+  stage running ``benchmarks._stage:SinkEngine`` (``add`` only counts; the engine never has
+  work, so nothing is emitted). Per add, the client checks and encodes the frame and
+  registers a ``RequestStream``; the stage's input thread decodes and validates it and puts
+  an ``Add`` on ``input_queue``; the loop thread drains it and calls ``engine.add``. The
+  barrier's answer comes back through the output thread and the client's receiver thread.
+  (After the clock stops, the requests are aborted so the next round starts clean.)
+* baseline: ``dealer.send(msgspec.msgpack.encode(("add", req_id, 1)))`` N times, then a
+  ``count`` round trip, against the raw one-thread server of ``benchmarks/_stage.py``,
+  which decodes each frame with msgspec and counts it.
+
+Both sides check that the barrier's answer is N. Rounds are interleaved; the result is adds
+per second. Goal: enginecore >= 0.5x raw (see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import count
+from typing import Any
+
+from ._harness import Record, Skipped, higher_is_better, interleave, main_single, no_gc
+
+NAME = "stage_ingest"
+GOAL = 0.5
+
+_rounds = count()
+
+
+def _ids(n: int) -> list[str]:
+    prefix = f"i{next(_rounds)}-"
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def run_stage(client: Any, n: int) -> float:
+    """Adds per second through ``StageClient.add`` into a SinkEngine stage."""
+    ids = _ids(n)
+    add = client.add
+    with no_gc():
+        t0 = time.perf_counter()
+        for rid in ids:
+            add(rid, 1)
+        got = client.call_utility("count")
+        t1 = time.perf_counter()
+    assert got == n, (got, n)
+    # The streams of these requests never end by themselves; an abort ends them (outside the
+    # clock), and the barrier makes sure the client has dropped them before the next round.
+    client.abort(ids)
+    client.call_utility("count")
+    return n / (t1 - t0)
+
+
+def run_raw(peer: Any, n: int) -> float:
+    """Adds per second as raw msgspec frames on a DEALER into the one-thread server."""
+    ids = _ids(n)
+    send, encode = peer.dealer.send, peer.encode
+    with no_gc():
+        t0 = time.perf_counter()
+        for rid in ids:
+            send(encode(("add", rid, 1)))
+        got = peer.call(("count", 1))[2]
+        t1 = time.perf_counter()
+    assert got == n, (got, n)
+    return n / (t1 - t0)
+
+
+def run(quick: bool) -> list[Record]:
+    try:
+        from enginecore.stage import StageClient
+
+        from ._stage import SINK_FACTORY, RawPeer
+    except ImportError as exc:
+        raise Skipped(f"needs the zmq extra (pip install -e '.[zmq]'): {exc}") from None
+    n, rounds = (10_000, 3) if quick else (100_000, 7)
+    with StageClient.launch(SINK_FACTORY) as client, RawPeer() as peer:
+        res = interleave(
+            {"loop": lambda: run_stage(client, n), "raw": lambda: run_raw(peer, n)},
+            rounds=rounds,
+        )
+    return [higher_is_better(f"stage ingest, {n} adds", res["loop"], res["raw"], "msgs/s", GOAL)]
+
+
+if __name__ == "__main__":
+    main_single(run, __doc__)

@@ -1,0 +1,101 @@
+"""Output streaming: a stage emitting many outputs per step, read from the ordered event stream.
+
+Both producers are processes started with multiprocessing spawn, streaming to the parent over
+an ipc PUSH -> PULL pair in a private temporary directory. Each round streams
+``REQUESTS x steps`` outputs; the clock runs from the parent's first send to the moment the
+parent holds the last output.
+
+* enginecore: a stage running ``enginecore:CountdownEngine``, launched with
+  ``ordered_events=True``. The parent ``add``\\ s ``REQUESTS`` requests of *steps* steps
+  each, then reads ``client.get_event()`` until it has seen every ``Output``. In the stage,
+  each step's outputs are routed (``route_output``) and handed one by one to the output
+  thread, which sends what is waiting (up to 512 events) as one frame; in the parent the
+  receiver thread decodes each frame into ``Output`` structs and puts each one on the
+  request's stream and on the ordered event queue.
+* baseline: the raw server of ``benchmarks/_stage.py``, one thread, runs the same
+  ``CountdownEngine`` to the end and PUSHes each step's outputs as one msgspec-encoded frame
+  of ``["output", req_id, finished, remaining]`` arrays (the stage's event shape); the
+  parent ``recv``\\ s on its PULL, decodes each frame with msgspec and counts the outputs.
+
+Rounds are interleaved; the result is outputs per second. Goal: enginecore >= 0.5x raw
+(see docs/performance.md for what the stage's two extra thread hand-offs per output cost).
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import count
+from typing import Any
+
+from ._harness import Record, Skipped, higher_is_better, interleave, main_single, no_gc
+
+NAME = "stage_output"
+GOAL = 0.5
+REQUESTS = 256  # outputs per step; one raw frame per step, under the stage's 512 cap
+
+_rounds = count()
+
+
+def run_stage(client: Any, steps: int) -> float:
+    """Outputs per second through a CountdownEngine stage and ``get_event()``."""
+    from enginecore.stage import Output
+
+    total = REQUESTS * steps
+    prefix = f"s{next(_rounds)}-"  # fresh ids: the previous round's streams may linger
+    ids = [f"{prefix}{i}" for i in range(REQUESTS)]
+    get_event = client.get_event
+    with no_gc():
+        t0 = time.perf_counter()
+        for rid in ids:
+            client.add(rid, steps)
+        seen = 0
+        while seen < total:
+            if get_event().__class__ is Output:
+                seen += 1
+        t1 = time.perf_counter()
+    return total / (t1 - t0)
+
+
+def run_raw(peer: Any, steps: int) -> float:
+    """Outputs per second from the raw one-thread producer to a PULL in this process."""
+    total = REQUESTS * steps
+    recv, decode = peer.pull.recv, peer.decode
+    with no_gc():
+        t0 = time.perf_counter()
+        peer.dealer.send(peer.encode(("stream", REQUESTS, steps)))
+        seen = 0
+        while seen < total:
+            seen += len(decode(recv()))
+        t1 = time.perf_counter()
+    return total / (t1 - t0)
+
+
+def run(quick: bool) -> list[Record]:
+    try:
+        from enginecore.stage import StageClient
+
+        from ._stage import RawPeer
+    except ImportError as exc:
+        raise Skipped(f"needs the zmq extra (pip install -e '.[zmq]'): {exc}") from None
+    steps, rounds = (40, 3) if quick else (400, 7)
+    with (
+        StageClient.launch("enginecore:CountdownEngine", ordered_events=True) as client,
+        RawPeer() as peer,
+    ):
+        res = interleave(
+            {"loop": lambda: run_stage(client, steps), "raw": lambda: run_raw(peer, steps)},
+            rounds=rounds,
+        )
+    return [
+        higher_is_better(
+            f"stage output stream, {REQUESTS} requests x {steps} steps",
+            res["loop"],
+            res["raw"],
+            "msgs/s",
+            GOAL,
+        )
+    ]
+
+
+if __name__ == "__main__":
+    main_single(run, __doc__)

@@ -1,0 +1,102 @@
+"""Utility round trip through a launched stage vs a raw DEALER <-> ROUTER echo, p50/p99.
+
+Both peers are processes started with multiprocessing spawn, talking over ipc sockets in a
+private temporary directory. Each sample is one blocking call, timed with
+``perf_counter_ns()`` in the parent, back to back (a closed loop, one call in flight):
+
+* enginecore: ``StageClient.call_utility("count")`` on a stage running
+  ``benchmarks._stage:SinkEngine`` (a trivial utility; the engine never has work, so the
+  loop is idle, blocked in ``get()``). The path: the caller encodes and sends on the DEALER
+  -> the stage's input thread decodes and puts a ``Utility`` on ``input_queue`` -> the loop
+  thread wakes, calls ``engine.utility`` and emits -> the output thread wakes, encodes and
+  sends on the PUSH -> the client's receiver thread decodes and resolves the future -> the
+  caller wakes.
+* baseline: the raw server of ``benchmarks/_stage.py``, one thread: ``recv`` on its ROUTER,
+  msgspec decode, encode a reply, ``send`` on the same ROUTER; the parent encodes, sends on
+  its DEALER, blocks in ``recv`` and decodes. msgspec encode + decode per message on both
+  ends, no extra thread on either side.
+
+Blocks of samples alternate (A B B A ...); p50 and p99 over all samples of each side; the
+``±`` is the half-range of the per-block percentiles. Goal: enginecore <= 1.5x raw at p50
+and at p99 (see docs/performance.md for why the stage's three thread hand-offs cost more).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ._harness import Record, Skipped, main_single, no_gc
+from .bench_wake_latency import latency_records
+
+NAME = "stage_utility"
+GOAL = 1.5
+
+
+def sample_stage(client: object, n: int) -> list[float]:
+    """*n* back-to-back ``call_utility`` round trips, in µs."""
+    from enginecore.stage import StageClient
+
+    assert isinstance(client, StageClient)
+    call = client.call_utility
+    clock = time.perf_counter_ns
+    out: list[float] = []
+    for _ in range(n):
+        t0 = clock()
+        call("count")
+        out.append((clock() - t0) / 1e3)
+    return out
+
+
+def sample_raw(peer: object, n: int) -> list[float]:
+    """*n* back-to-back raw echo round trips, in µs."""
+    from ._stage import RawPeer
+
+    assert isinstance(peer, RawPeer)
+    send, recv = peer.dealer.send, peer.dealer.recv
+    encode, decode = peer.encode, peer.decode
+    clock = time.perf_counter_ns
+    out: list[float] = []
+    for i in range(n):
+        t0 = clock()
+        send(encode(("utility", i, "count", [])))
+        decode(recv())
+        out.append((clock() - t0) / 1e3)
+    return out
+
+
+def measure(
+    samples: int, blocks: int
+) -> tuple[dict[str, list[float]], dict[str, list[list[float]]]]:
+    """Alternate blocks of *samples* round trips per side; all samples and per-block samples."""
+    try:
+        from enginecore.stage import StageClient
+
+        from ._stage import SINK_FACTORY, RawPeer
+    except ImportError as exc:
+        raise Skipped(f"needs the zmq extra (pip install -e '.[zmq]'): {exc}") from None
+    with StageClient.launch(SINK_FACTORY) as client, RawPeer() as peer:
+        sides: dict[str, Callable[[int], list[float]]] = {
+            "loop": lambda n: sample_stage(client, n),
+            "raw": lambda n: sample_raw(peer, n),
+        }
+        names = list(sides)
+        per_block: dict[str, list[list[float]]] = {n: [] for n in names}
+        for side in sides.values():
+            side(50)  # warm-up
+        with no_gc():
+            for i in range(blocks):
+                for name in names if i % 2 == 0 else names[::-1]:
+                    per_block[name].append(sides[name](samples))
+    pooled = {n: [x for block in per_block[n] for x in block] for n in names}
+    return pooled, per_block
+
+
+def run(quick: bool) -> list[Record]:
+    samples, blocks = (150, 4) if quick else (500, 10)
+    pooled, per_block = measure(samples, blocks)
+    return latency_records("stage utility round trip", pooled, per_block, GOAL)
+
+
+if __name__ == "__main__":
+    main_single(run, __doc__)
