@@ -8,6 +8,8 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from enginecore.stage import PROTOCOL_VERSION, ErrorReport, StageClient, UtilityResult
 
@@ -118,6 +120,111 @@ class TestBadFrames:
     ) -> None:
         raw.send(msgspec.msgpack.encode(["add", "fwd", 2, "a future field"]))
         assert _raw_log(client, raw) == ["add fwd"]
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=4) | st.integers(-9, 9), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+_TAGS = ["add", "abort", "utility", "shutdown", "ping", "hello", "bye", "output", "welcome", ""]
+_frames = (
+    st.binary(max_size=64)
+    | _values.map(msgspec.msgpack.encode)
+    | st.builds(
+        lambda tag, rest: msgspec.msgpack.encode([tag, *rest]),
+        st.sampled_from(_TAGS),
+        st.lists(_values, max_size=4),
+    )
+)
+
+
+def _is_valid_message(frame: bytes) -> bool:
+    """Whether the stage would accept *frame* as a message (docs/wire.md, section 4)."""
+    try:
+        msg = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return False
+    if type(msg) is not list or not msg or type(msg[0]) is not str:
+        return False
+    shapes: dict[str, tuple[type | tuple[type, ...], ...]] = {
+        "add": (str, object),
+        "abort": (list,),
+        "utility": (int, str, list),
+        "shutdown": (),
+        "ping": (int,),
+        "hello": (int, str),
+        "bye": (),
+    }
+    shape = shapes.get(msg[0])
+    if shape is None or len(msg) - 1 < len(shape):
+        return False
+    return all(
+        isinstance(v, t) and not (t is int and type(v) is bool)
+        for v, t in zip(msg[1:], shape, strict=False)
+    ) and (msg[0] != "abort" or all(type(r) is str for r in msg[1]))
+
+
+class TestFuzz:
+    def test_fuzzed_frames_never_reach_the_engine_and_it_keeps_serving(
+        self, client: StageClient, raw: zmq.Socket[bytes]
+    ) -> None:
+        sent: list[bytes] = []
+
+        @settings(
+            max_examples=300,
+            deadline=None,
+            database=None,
+            suppress_health_check=[
+                HealthCheck.function_scoped_fixture,
+                HealthCheck.filter_too_much,
+            ],
+        )
+        @given(_frames.filter(lambda f: not _is_valid_message(f)))
+        def send(frame: bytes) -> None:
+            raw.send(frame)
+            sent.append(frame)
+
+        send()
+        assert sent
+        # Every invalid frame is answered by exactly one error (an unscoped or request-scoped
+        # report, or a failed utility call), all before the answer to a call sent after them
+        # (the input thread reports them in arrival order); none reached the engine.
+        raw.send(msgspec.msgpack.encode(["utility", 10_000, "log", []]))
+        errors = 0
+        while True:
+            event = client.get_event(5)
+            if isinstance(event, UtilityResult) and event.call_id == 10_000:
+                assert event.result == []
+                break
+            if isinstance(event, ErrorReport) or (
+                isinstance(event, UtilityResult) and event.error is not None
+            ):
+                errors += 1
+        assert errors == len(sent)
+        _still_serving(client)
+
+    def test_huge_invalid_frame_is_a_protocol_error(
+        self, client: StageClient, raw: zmq.Socket[bytes]
+    ) -> None:
+        raw.send(msgspec.msgpack.encode(["add", 7, b"x" * (64 << 20)]))
+        report = _next_report(client)
+        assert isinstance(report, ErrorReport)
+        assert report.req_id is None
+        assert "67108" in report.message  # the frame's size, not the frame itself
+        assert len(report.message) < 1000
+        _still_serving(client)
 
 
 class TestHandshake:
