@@ -8,9 +8,12 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
+import zmq
 
 from enginecore.stage import (
+    PROTOCOL_VERSION,
     AsyncStageClient,
     EngineDeadError,
     ProtocolError,
@@ -36,6 +39,41 @@ class TestServe:
             with pytest.raises(ProtocolError, match="another client is attached"):
                 StageClient.connect(server.address)
             assert client.call_utility("echo", 1, timeout=5) == [1]
+
+    def test_no_takeover_while_the_silent_client_still_holds_the_output_socket(
+        self, server: Server
+    ) -> None:
+        # The output socket is a PUSH: with two clients' PULLs connected it deals events out
+        # round-robin, so the new client would lose about half of its answers.
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        pull = ctx.socket(zmq.PULL)
+        try:
+            dealer.connect(server.address)
+            dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "silent"]))
+            assert dealer.poll(5000)
+            tag, _, output, *_ = msgspec.msgpack.decode(dealer.recv())
+            assert tag == "welcome"
+            pull.connect("tcp://127.0.0.1:" + output.rsplit(":", 1)[1])
+            time.sleep(1.2)  # past the session timeout (1 s): the session itself has expired
+            with pytest.raises(ProtocolError, match="still connected"):
+                StageClient.connect(server.address)
+        finally:
+            pull.close(linger=0)
+            dealer.close(linger=0)
+            ctx.term()
+        # Its connection gone, the next client takes over and gets every answer.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                client = StageClient.connect(server.address)
+                break
+            except ProtocolError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with client:
+            for i in range(20):
+                assert client.call_utility("echo", i, timeout=5) == [i]
 
     def test_shutdown_from_the_client_stops_the_server(self, server: Server) -> None:
         client = StageClient.connect(server.address)

@@ -5,8 +5,9 @@
     client --(ROUTER, input thread)--> input_queue --> EngineCoreLoop (main thread)
     client <--(PUSH, output thread)--- SimpleQueue <-- emit()
 
-The input thread blocks in ``recv`` (no timeout), decodes and validates each frame and puts
-typed messages on ``loop.input_queue`` in arrival order. A frame it cannot use becomes an
+The input thread blocks in ``poll`` (no timeout) on its socket and on the output socket's
+monitor (it counts output connections, see ``_hello``), decodes and validates each frame
+and puts typed messages on ``loop.input_queue`` in arrival order. A frame it cannot use becomes an
 ``error`` event (request- or call-scoped when an id can be recovered) and never reaches the
 engine. The output thread blocks on its queue, drains everything waiting and sends it as one
 frame. Shutdown: when the loop returns, the output thread sends the last frame (it holds the
@@ -31,6 +32,7 @@ from typing import Any, Final
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .._engine import Engine
 from .._loop import EngineCoreLoop
@@ -229,6 +231,10 @@ class StageRuntime:
                 sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
             self._in.bind(input_address)
             self._out.bind(output_address)
+            # Connections to the output socket, counted by the input thread (see _hello).
+            self._out_monitor = self._out.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+            )
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
@@ -237,6 +243,7 @@ class StageRuntime:
         # Input-thread state: the attached client's routing id and when it was last heard.
         self._session: bytes | None = None
         self._session_seen = 0.0
+        self._out_peers = 0
 
     def _make_emit(self, engine: Engine) -> Callable[[Event], None]:
         route = make_router(engine)
@@ -291,10 +298,18 @@ class StageRuntime:
 
     def _input_main(self) -> None:
         sock = self._in
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._out_monitor, zmq.POLLIN)
         try:
             while True:
                 try:
-                    parts = sock.recv_multipart()  # blocks; no timeout: ctx.term() ends it
+                    ready = dict(poller.poll())  # blocks; no timeout: ctx.term() ends it
+                    if self._out_monitor in ready:
+                        self._count_output_peers()
+                    if sock not in ready:
+                        continue
+                    parts = sock.recv_multipart()
                 except zmq.ContextTerminated:
                     return
                 try:
@@ -307,7 +322,19 @@ class StageRuntime:
             self.io_failed = True
             self.loop.request_shutdown()
         finally:
+            self._out_monitor.close(linger=0)
             sock.close(linger=0)
+
+    def _count_output_peers(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._out_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._out_peers += 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._out_peers = max(0, self._out_peers - 1)
 
     def _handle_frame(self, parts: list[bytes]) -> None:
         ident = parts[0]
@@ -357,6 +384,14 @@ class StageRuntime:
             reply = _wire.RejectMsg(
                 _wire.PROTOCOL_VERSION, "another client is attached to this stage"
             )
+        elif self._session is not None and self._session != ident and self._has_output_peer():
+            # The silent client's PULL is still connected: the PUSH socket would deal the new
+            # client's events out between the two, round-robin, and half of them would be lost.
+            reply = _wire.RejectMsg(
+                _wire.PROTOCOL_VERSION,
+                "another client is attached to this stage: it has been silent for the session "
+                "timeout, but it is still connected to the output socket",
+            )
         else:
             self._session = ident
             self._session_seen = now
@@ -364,6 +399,10 @@ class StageRuntime:
                 _wire.PROTOCOL_VERSION, self.output_address, os.getpid(), self._engine_name
             )
         self._in.send_multipart([ident, msgspec.msgpack.encode(reply)])
+
+    def _has_output_peer(self) -> bool:
+        self._count_output_peers()  # events that arrived while this frame was handled
+        return self._out_peers > 0
 
     def _report_bad_frame(self, frame: bytes, exc: Exception) -> None:
         # Recover an id if the frame is valid msgpack with a recognisable head, so the error
