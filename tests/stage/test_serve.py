@@ -75,6 +75,19 @@ class TestServe:
             for i in range(20):
                 assert client.call_utility("echo", i, timeout=5) == [i]
 
+    def test_answer_to_a_detached_clients_call_does_not_resolve_the_next_clients_call(
+        self, server: Server
+    ) -> None:
+        # The stage answers every call it received, also after its caller detached; the
+        # answer then goes to whoever is attached next, with the old client's call id.
+        first = StageClient.connect(server.address)
+        pending = first.call_utility_future("sleep", 0.5)
+        first.close()
+        with pytest.raises(StageClosedError):
+            pending.result(5)
+        with StageClient.connect(server.address) as second:
+            assert second.call_utility("echo", "second", timeout=5) == ["second"]
+
     def test_shutdown_from_the_client_stops_the_server(self, server: Server) -> None:
         client = StageClient.connect(server.address)
         client.add("r", 1).collect(timeout=5)

@@ -143,7 +143,7 @@ class AsyncStageClient:
         self._heartbeat = _heartbeat
         self._streams: dict[str, AsyncRequestStream] = {}
         self._calls: dict[int, tuple[asyncio.Future[Any], str]] = {}
-        self._call_ids = itertools.count(1)
+        self._call_ids = _common.new_call_ids()
         self._failure: BaseException | None = None
         self._closing = False
         self._closed_done = False

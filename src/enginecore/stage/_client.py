@@ -169,7 +169,7 @@ class StageClient:
         self._send_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, tuple[concurrent.futures.Future[Any], str]] = {}
-        self._call_ids = itertools.count(1)
+        self._call_ids = _common.new_call_ids()
         self._failure: BaseException | None = None
         self._closing = False
         self._close_lock = threading.Lock()

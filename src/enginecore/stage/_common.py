@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import secrets
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -17,6 +19,7 @@ __all__ = [
     "build_add",
     "build_utility",
     "dead_error",
+    "new_call_ids",
     "output_address_for",
     "parse_welcome",
 ]
@@ -36,6 +39,13 @@ def encode(msg: Any, what: str) -> bytes:
         return msgspec.msgpack.encode(msg)
     except (ValueError, OverflowError, msgspec.EncodeError) as exc:
         raise TypeError(f"{what} cannot be encoded: {exc}") from exc
+
+
+def new_call_ids() -> Iterator[int]:
+    """A client's call ids: consecutive, from a random start in 1 .. 2**62. A stage answers
+    every call it received, even after its caller detached, and that answer goes to the next
+    client attached; a random start keeps it from matching one of that client's calls."""
+    return itertools.count(secrets.randbits(62) + 1)
 
 
 def build_add(req_id: str, data: Any) -> bytes:
