@@ -543,6 +543,37 @@ class TestConstruction:
         with pytest.raises(TypeError, match="emit must be callable"):
             EngineCoreLoop(CountdownEngine(), [])  # type: ignore[arg-type]
 
+    def test_submit_many_queues_a_burst_in_order_with_one_drain(
+        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
+    ) -> None:
+        engine.on_idle = lambda: loop.request_shutdown() if engine.steps else None
+        loop.submit_many([Add("a", 1), Abort(["a"]), Add("b", 1), Utility(1, "div", (1, 2))])
+        loop.submit_many([])
+        loop.run()
+        assert engine.calls == [
+            ("add", "a", 1),
+            ("abort", ("a",)),
+            ("add", "b", 1),
+            ("utility", "div", (1, 2)),
+            ("step",),
+        ]
+        assert log.events == [("utility", 1, 0.5, None), ("output", ("b", 0)), ("shutdown",)]
+
+    def test_submit_many_wakes_an_idle_loop(
+        self, loop: EngineCoreLoop, log: EventLog, running: LoopThread
+    ) -> None:
+        _wait_until_blocked(loop)
+        loop.submit_many(Add(f"r{i}", 1) for i in range(3))
+        log.wait_for(lambda ev: len(ev) == 3)
+        assert log.outputs() == [("r0", 0), ("r1", 0), ("r2", 0)]
+
+    def test_submit_many_rejects_the_whole_burst_for_one_bad_message(
+        self, loop: EngineCoreLoop
+    ) -> None:
+        with pytest.raises(TypeError, match="got int"):
+            loop.submit_many([Add("a", 1), 42])  # type: ignore[list-item]
+        assert loop.input_queue.empty()
+
     def test_submit_rejects_non_messages(self, loop: EngineCoreLoop) -> None:
         with pytest.raises(TypeError, match="got tuple"):
             loop.submit(("add", "r", 1))  # type: ignore[arg-type]

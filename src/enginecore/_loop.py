@@ -27,7 +27,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._engine import Engine
@@ -121,6 +121,32 @@ class EngineCoreLoop:
                 f"submit() takes Add, Abort, Utility or Wakeup, got {type(message).__name__}"
             )
         self.input_queue.put(message)
+
+    def submit_many(self, messages: Iterable[Message]) -> None:
+        """Queue *messages*, in order, as one burst: one lock and one wake-up of the loop.
+
+        For an IO thread that has read several messages at once: ``put()`` for each would
+        wake the loop (and contend for the mutex) once per message. The messages land together,
+        so the loop applies them in the same drain. All are type-checked first; a
+        :class:`TypeError` queues none of them. Never blocks (the queue is unbounded);
+        thread-safe; **not** safe in a signal handler.
+        """
+        batch = list(messages)
+        for message in batch:
+            if not isinstance(message, _MESSAGE_TYPES):
+                raise TypeError(
+                    f"submit_many() takes Add, Abort, Utility or Wakeup, "
+                    f"got {type(message).__name__}"
+                )
+        if not batch:
+            return
+        q = self.input_queue
+        with q.mutex:
+            # What len(batch) calls of Queue.put would do, with a single notify: the loop is
+            # the queue's only consumer.
+            q.queue.extend(batch)
+            q.unfinished_tasks += len(batch)
+            q.not_empty.notify()
 
     def request_shutdown(self) -> None:
         """Ask the loop to stop; it emits ``("shutdown",)`` and :meth:`run` returns.

@@ -91,6 +91,19 @@ class TestAbort:
         client.add("r2", 1)
         assert client.call_utility("log", timeout=5) == ["add r1", "abort r1", "add r2"]
 
+    def test_a_burst_longer_than_one_input_batch_arrives_whole_and_in_order(
+        self, client: StageClient
+    ) -> None:
+        # The input thread hands frames to the loop in batches of up to 512: a burst of
+        # 1,300 frames spans three batches, and not one frame may be lost or reordered.
+        n = 1300
+        for i in range(n):
+            client.add(f"b{i}", 1_000_000)
+        client.abort([f"b{i}" for i in range(0, n, 2)])
+        log = client.call_utility("log", timeout=10)
+        assert log[:n] == [f"add b{i}" for i in range(n)]
+        assert log[n:] == [f"abort b{i}" for i in range(0, n, 2)]
+
 
 class TestUtility:
     def test_result_and_error(self, client: StageClient) -> None:
