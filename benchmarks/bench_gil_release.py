@@ -30,7 +30,7 @@ from typing import Any
 
 from enginecore import Abort, Add, EngineCoreLoop
 
-from ._harness import Record, Skipped, higher_is_better, interleave, main_single, sink
+from ._harness import NoopEngine, Record, Skipped, higher_is_better, interleave, main_single, sink
 
 NAME = "gil_release"
 GOAL = 0.9
@@ -51,7 +51,7 @@ def _import_numpy() -> Any:
     return numpy
 
 
-class _MatmulEngine:
+class _MatmulEngine(NoopEngine):
     def __init__(self, np: Any, n: int, steps: int) -> None:
         rng = np.random.default_rng(0)
         self.a = rng.random((n, n))
@@ -70,9 +70,6 @@ class _MatmulEngine:
         live = self.live
         for rid in req_ids:
             live.pop(rid, None)
-
-    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-        return None
 
     def step(self) -> list[Any]:
         c = self.a @ self.b  # releases the GIL for the whole matmul

@@ -16,19 +16,18 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from enginecore import EngineCoreLoop
 
-from ._harness import Record, interleave, main_single, sink
+from ._harness import NoopEngine, Record, interleave, main_single, sink
 
 NAME = "idle_cpu"
 GOAL_PCT = 0.1
 GOAL_CALLS = 1
 
 
-class _CountingIdleEngine:
+class _CountingIdleEngine(NoopEngine):
     def __init__(self) -> None:
         self.calls = 0
         self.idle = threading.Event()
@@ -37,18 +36,6 @@ class _CountingIdleEngine:
         self.calls += 1
         self.idle.set()
         return False
-
-    def add(self, req_id: str, data: Any) -> None:
-        pass
-
-    def abort(self, req_ids: Sequence[str]) -> None:
-        pass
-
-    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-        return None
-
-    def step(self) -> list[Any]:
-        return []
 
 
 def window_loop(seconds: float) -> tuple[float, int]:

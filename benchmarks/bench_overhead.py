@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from enginecore import EngineCoreLoop
 
-from ._harness import Record, main_single, no_gc, ratio, sink, spread
+from ._harness import NoopEngine, Record, main_single, no_gc, ratio, sink, spread
 
 NAME = "overhead"
 GOAL_US = 0.5
 
 
-class _StepEngine:
+class _StepEngine(NoopEngine):
     """Always has work; each step returns the same one-output list and counts down."""
 
     def __init__(self, n: int, on_done: Callable[[], None]) -> None:
@@ -33,15 +32,6 @@ class _StepEngine:
 
     def has_work(self) -> bool:
         return True
-
-    def add(self, req_id: str, data: Any) -> None:
-        pass
-
-    def abort(self, req_ids: Any) -> None:
-        pass
-
-    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-        return None
 
     def step(self) -> list[tuple[str, int]]:
         self.left -= 1

@@ -20,19 +20,19 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from enginecore import EngineCoreLoop
 
-from ._harness import Record, main_single, no_gc, sink
+from ._harness import NoopEngine, Record, main_single, no_gc, sink
 from .bench_wake_latency import latency_records
 
 NAME = "shutdown_latency"
 GOAL = 1.3
 
 
-class _IdleEngine:
+class _IdleEngine(NoopEngine):
     """Never has work; the first ``has_work()`` says the loop is about to block."""
 
     def __init__(self, idle: threading.Event) -> None:
@@ -41,18 +41,6 @@ class _IdleEngine:
     def has_work(self) -> bool:
         self.idle.set()
         return False
-
-    def add(self, req_id: str, data: Any) -> None:
-        pass
-
-    def abort(self, req_ids: Sequence[str]) -> None:
-        pass
-
-    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-        return None
-
-    def step(self) -> list[Any]:
-        return []
 
 
 def one_loop(rng: random.Random) -> float:

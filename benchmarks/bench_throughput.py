@@ -25,7 +25,7 @@ from typing import Any
 
 from enginecore import Abort, Add, EngineCoreLoop
 
-from ._harness import Record, higher_is_better, interleave, main_single, no_gc, sink
+from ._harness import NoopEngine, Record, higher_is_better, interleave, main_single, no_gc, sink
 
 NAME = "throughput"
 GOAL = 0.7
@@ -40,7 +40,7 @@ def make_messages(pairs: int) -> list[Add | Abort]:
     return msgs
 
 
-class _NoopEngine:
+class _NoopEngine(NoopEngine):
     """Never has work; counts aborts and stops the clock at the last one."""
 
     def __init__(self, aborts: int) -> None:
@@ -56,21 +56,12 @@ class _NoopEngine:
             self.idle.set()
         return False
 
-    def add(self, req_id: str, data: Any) -> None:
-        pass
-
     def abort(self, req_ids: Sequence[str]) -> None:
         self.left -= 1
         if not self.left:
             self.t_end = time.perf_counter()
             assert self.loop is not None
             self.loop.request_shutdown()
-
-    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-        return None
-
-    def step(self) -> list[Any]:
-        return []
 
 
 def _produce(q: queue.Queue[Any], msgs: list[Add | Abort], start: threading.Event) -> float:

@@ -21,39 +21,36 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from enginecore import Add, EngineCoreLoop
 
-from ._harness import Record, lower_is_better, main_single, no_gc, percentile, sink, spread
+from ._harness import (
+    NoopEngine,
+    Record,
+    lower_is_better,
+    main_single,
+    no_gc,
+    percentile,
+    sink,
+    spread,
+)
 
 NAME = "wake_latency"
 GOAL = 1.3
 
 
-class _StampEngine:
+class _StampEngine(NoopEngine):
     """Never has work; ``add`` stamps the time and signals the sampler."""
 
     def __init__(self, stamps: list[int], got: threading.Event) -> None:
         self.stamps = stamps
         self.got = got
 
-    def has_work(self) -> bool:
-        return False
-
     def add(self, req_id: str, data: Any) -> None:
         self.stamps.append(time.perf_counter_ns())
         self.got.set()
-
-    def abort(self, req_ids: Sequence[str]) -> None:
-        pass
-
-    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-        return None
-
-    def step(self) -> list[Any]:
-        return []
 
 
 def _sample(
