@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import pytest
 
@@ -103,6 +104,26 @@ class TestAbort:
         log = client.call_utility("log", timeout=10)
         assert log[:n] == [f"add b{i}" for i in range(n)]
         assert log[n:] == [f"abort b{i}" for i in range(0, n, 2)]
+
+    def test_a_step_longer_than_one_output_frame_arrives_whole_and_in_order(
+        self, client: StageClient
+    ) -> None:
+        # The stage sends at most 512 events per frame: one step of 1,300 outputs is handed
+        # to the output thread as one batch and leaves in three frames, none lost or reordered.
+        n = 1300
+        # While the loop sleeps, every add queues up: one drain applies them all, then a step.
+        client.call_utility_future("sleep", 1.0)
+        time.sleep(0.2)
+        streams = [client.add(f"s{i}", 2) for i in range(n)]
+        outputs: list[tuple[str | None, bool, object]] = []
+        while len(outputs) < 2 * n:
+            event = client.get_event(10)
+            if isinstance(event, Output):
+                outputs.append((event.req_id, event.finished, event.payload))
+        assert outputs == [(f"s{i}", False, 1) for i in range(n)] + [
+            (f"s{i}", True, 0) for i in range(n)
+        ]
+        assert all(stream.collect(timeout=5) == [1, 0] for stream in streams)
 
 
 class TestUtility:
@@ -215,6 +236,31 @@ class TestPayloads:
         assert good.collect(timeout=5)[-1] == 0
         # The stage aborted the poisoned request so the engine stops working on it.
         assert client.call_utility("log", timeout=5)[-1] == "abort bad"
+
+    @pytest.mark.parametrize("kind", ["int_too_big", "int_too_small", "int_subclass", "nested"])
+    def test_each_kind_of_unencodable_output_ends_only_its_request(
+        self, client: StageClient, kind: str
+    ) -> None:
+        # Outputs take a fast path for exact scalars; everything else is checked in full.
+        bad = client.add("bad", 10_000_000)
+        good = client.add("good", 5)
+        client.call_utility("poison", "bad", kind, timeout=5)
+        with pytest.raises(RequestError, match="output cannot be encoded") as info:
+            bad.collect(timeout=5)
+        assert info.value.req_id == "bad"
+        assert good.collect(timeout=5)[-1] == 0
+        assert client.call_utility("log", timeout=5)[-1] == "abort bad"
+
+    @pytest.mark.parametrize(
+        "payload", [2**64 - 1, -(2**63), 7, True, False, None, 1.5, "é", b"\x00", [1, "a"]]
+    )
+    def test_edge_payloads_pass_the_output_fast_path(
+        self, client: StageClient, payload: object
+    ) -> None:
+        client.call_utility("payload", "r", payload, timeout=5)  # r's first output's payload
+        got = client.add("r", 3).collect(timeout=5)
+        assert got == [payload, 1, 0]
+        assert type(got[0]) is type(payload)
 
     def test_output_that_fails_only_in_msgspec_ends_only_that_request(
         self, client: StageClient

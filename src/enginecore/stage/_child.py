@@ -160,14 +160,17 @@ class _StageEngine:
 
     After ``abort()`` returns, an ``aborted`` event: emitted on the loop thread, it is ordered
     with the outputs, so none of the aborted requests' outputs follows it. And the in-band
-    shutdown (see :func:`shutdown_message`). ``has_work``, ``add`` and ``step`` are the
-    engine's own bound methods, stored as attributes, so the hot path pays nothing.
+    shutdown (see :func:`shutdown_message`). ``has_work`` and ``add`` are the engine's own
+    bound methods, stored as attributes, so the hot path pays nothing; ``step`` is the
+    runtime's (see ``StageRuntime._make_step``).
     """
 
-    def __init__(self, engine: Engine, put: Callable[[Any], None]) -> None:
+    def __init__(
+        self, engine: Engine, put: Callable[[Any], None], step: Callable[[], Iterable[Any]]
+    ) -> None:
         self.has_work = engine.has_work
         self.add = engine.add
-        self.step = engine.step
+        self.step = step
         self._utility = engine.utility
         self._abort = engine.abort
         self._put = put
@@ -209,8 +212,8 @@ class StageRuntime:
         self._engine_name = engine_name
         self._session_timeout = session_timeout
         self._signals = tuple(handle_signals)
-        self._outq: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        stage_engine = _StageEngine(engine, self._outq.put)
+        self._outq: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        stage_engine = _StageEngine(engine, self._outq.put, self._make_step(engine))
         self.loop = EngineCoreLoop(stage_engine, self._make_emit(engine))
         stage_engine.request_shutdown = self.loop.request_shutdown
         self.terminal: str | None = None
@@ -246,6 +249,64 @@ class StageRuntime:
         self._pending: list[Any] = []
         self._session_seen = 0.0
         self._out_peers = 0
+
+    def _make_step(self, engine: Engine) -> Callable[[], Iterable[Any]]:
+        """The loop's ``step``: the engine's step, its outputs routed and checked, handed to
+        the output thread as **one** list, and nothing returned to the loop.
+
+        Same semantics as emitting each output (routing on the loop thread before the engine
+        can reuse an output; an exception in ``step`` or routing is fatal, and the outputs
+        routed before it are still sent first; a payload that cannot cross the wire ends only
+        its request), but one queue hand-off per step instead of one per output, and the
+        output thread has nothing left to check.
+        """
+        route = make_router(engine)
+        hook = getattr(engine, "route_output", None)
+        raw_hook = hook if callable(hook) else None
+        engine_step = engine.step
+        post = self._outq.put
+        bad_output = self._bad_output
+        scalars = _wire._SCALARS
+        int_min, int_max = _wire._INT_MIN, _wire._INT_MAX
+        check = _wire.check_encodable
+        engine_name = type(engine).__name__
+
+        def step() -> tuple[()]:
+            events: list[tuple[Any, ...]] = []
+            append = events.append
+            try:
+                for out in engine_step():
+                    if raw_hook is not None:
+                        # make_router's validation, inlined: one Python call per output.
+                        ev = raw_hook(out)
+                        if (
+                            ev.__class__ is not tuple
+                            or len(ev) != 3
+                            or ev[1].__class__ is not bool
+                            or not (ev[0] is None or ev[0].__class__ is str)
+                        ):
+                            raise TypeError(
+                                f"{engine_name}.route_output() must return "
+                                f"(req_id: str | None, finished: bool, payload), got {ev!r:.200}"
+                            )
+                        ev = ("output", *ev)
+                    else:
+                        ev = ("output", *route(out))
+                    payload = ev[3]
+                    t = payload.__class__
+                    # Fast path for the common scalars; check_encodable for the rest.
+                    if not (int_min <= payload <= int_max if t is int else t in scalars):
+                        try:
+                            check(payload, "output payload")
+                        except TypeError as exc:
+                            ev = bad_output(ev, exc)
+                    append(ev)
+            finally:
+                if events:
+                    post(events)
+            return ()
+
+        return step
 
     def _make_emit(self, engine: Engine) -> Callable[[Event], None]:
         route = make_router(engine)
@@ -459,20 +520,37 @@ class StageRuntime:
     def _output_main(self) -> None:
         sock = self._out
         get = self._outq.get
+        prepare = self._prepare_one
         encoder = _wire.new_encoder()
         linger: int | None = None  # the socket's own: deliver the last frames
         try:
             while True:
-                batch = [get()]  # blocks; no timeout: _STOP or the terminal event ends it
-                with contextlib.suppress(queue.Empty):
-                    while len(batch) < _MAX_BATCH:
-                        batch.append(get(block=False))
-                events, done = self._prepare(batch)
-                if events:
+                # Everything waiting, then one frame per _MAX_BATCH events. A list is one
+                # step's outputs, already routed and checked on the loop thread (_make_step);
+                # anything else is one event, checked here.
+                item = get()  # blocks; no timeout: _STOP or the terminal event ends it
+                events: list[tuple[Any, ...]] = []
+                done = False
+                while True:
+                    if item.__class__ is list:
+                        events.extend(item)
+                    elif prepare(item, events):
+                        done = True
+                        break
+                    if len(events) >= _MAX_BATCH:
+                        break
                     try:
-                        frame = encoder.encode(events)
+                        item = get(block=False)
+                    except queue.Empty:
+                        break
+                for start in range(0, len(events), _MAX_BATCH):
+                    chunk = (
+                        events if len(events) <= _MAX_BATCH else events[start : start + _MAX_BATCH]
+                    )
+                    try:
+                        frame = encoder.encode(chunk)
                     except _ENCODE_ERRORS:
-                        frame = encoder.encode(self._encode_one_by_one(encoder, events))
+                        frame = encoder.encode(self._encode_one_by_one(encoder, chunk))
                     sock.send(frame, copy=False)
                 if done:
                     return
@@ -488,31 +566,30 @@ class StageRuntime:
         finally:
             sock.close(linger=linger)
 
-    def _prepare(self, batch: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], bool]:
-        """Check payloads; turn unencodable ones into error reports. Returns (events, done)."""
-        events: list[tuple[Any, ...]] = []
-        for ev in batch:
-            kind = ev[0]
-            if kind == "output":
-                try:
-                    _wire.check_encodable(ev[3], "output payload")
-                except TypeError as exc:
-                    events.append(self._bad_output(ev, exc))
-                    continue
-            elif kind == "utility":
-                try:
-                    _wire.check_encodable(ev[2], "utility result")
-                except TypeError as exc:
-                    events.append(("utility", ev[1], None, repr(exc)))
-                    continue
-            elif kind == "stop":
-                return events, True
-            elif kind in ("shutdown", "fatal"):
-                self.terminal = kind
-                events.append(ev)
-                return events, True
+    def _prepare_one(self, ev: tuple[Any, ...], events: list[tuple[Any, ...]]) -> bool:
+        """Check one event's payload and append it to *events*, or its error report if it
+        cannot be encoded. Returns whether it ends the output (``stop`` or terminal)."""
+        kind = ev[0]
+        if kind == "output":
+            try:
+                _wire.check_encodable(ev[3], "output payload")
+            except TypeError as exc:
+                events.append(self._bad_output(ev, exc))
+                return False
+        elif kind == "utility":
+            try:
+                _wire.check_encodable(ev[2], "utility result")
+            except TypeError as exc:
+                events.append(("utility", ev[1], None, repr(exc)))
+                return False
+        elif kind == "stop":
+            return True
+        elif kind in ("shutdown", "fatal"):
+            self.terminal = kind
             events.append(ev)
-        return events, False
+            return True
+        events.append(ev)
+        return False
 
     def _bad_output(self, ev: tuple[Any, ...], exc: Exception) -> tuple[Any, ...]:
         rid = ev[1]

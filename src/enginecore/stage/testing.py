@@ -44,6 +44,20 @@ class Unencodable:
 _LONE_SURROGATE: Final = "bad \ud800 text"
 
 
+class _IntSubclass(int):
+    """An ``int`` subclass: msgpack would silently turn it into a plain ``int``."""
+
+
+# poison(rid, kind): what the next output of rid carries instead of its payload.
+_POISONS: Final[dict[Any, Any]] = {
+    "surrogate": lambda: _LONE_SURROGATE,
+    "int_too_big": lambda: 2**64,
+    "int_too_small": lambda: -(2**63) - 1,
+    "int_subclass": lambda: _IntSubclass(5),
+    "nested": lambda: [1, {"k": Unencodable()}],
+}
+
+
 class ScriptedEngine(CountdownEngine):
     """:class:`~enginecore.CountdownEngine` plus utilities that script failures.
 
@@ -58,7 +72,10 @@ class ScriptedEngine(CountdownEngine):
       ``unencodable_result("surrogate")`` returns a ``str`` with a lone surrogate, which
       passes ``check_encodable`` but cannot be encoded as UTF-8.
     - ``poison(rid)`` -> the next output of *rid* carries an unencodable payload;
-      ``poison(rid, "surrogate")``: a ``str`` with a lone surrogate.
+      ``poison(rid, "surrogate")``: a ``str`` with a lone surrogate; ``"int_too_big"``
+      (``2**64``), ``"int_too_small"`` (``-2**63 - 1``), ``"int_subclass"``, ``"nested"``
+      (an unencodable object inside a list): other payloads the wire refuses.
+    - ``payload(rid, value)`` -> the next output of *rid* carries *value* instead.
     - ``unrouted(value)`` -> the next ``step()`` also returns the bare *value* (no request id).
     - ``sleep(seconds)`` -> blocks the loop that long.
     - ``linger(seconds)`` -> starts a non-daemon thread that sleeps that long, which keeps
@@ -105,9 +122,11 @@ class ScriptedEngine(CountdownEngine):
         if name == "unencodable_result":
             return _LONE_SURROGATE if args == ("surrogate",) else {1, 2, 3}
         if name == "poison":
-            self._poisoned[args[0]] = (
-                _LONE_SURROGATE if args[1:] == ("surrogate",) else Unencodable()
-            )
+            kind = args[1] if len(args) > 1 else None
+            self._poisoned[args[0]] = _POISONS.get(kind, Unencodable)()
+            return None
+        if name == "payload":
+            self._poisoned[args[0]] = args[1]
             return None
         if name == "unrouted":
             self._unrouted.append(args[0])
