@@ -125,6 +125,45 @@ class TestAbort:
         ]
         assert all(stream.collect(timeout=5) == [1, 0] for stream in streams)
 
+    def test_get_event_times_out_and_consumers_share_the_stream_in_order(
+        self, client: StageClient
+    ) -> None:
+        with pytest.raises(TimeoutError):
+            client.get_event(0)
+        with pytest.raises(TimeoutError):
+            client.get_event(0.05)
+        with pytest.raises(ValueError, match="non-negative"):
+            client.get_event(-1)
+        # The client hands events over a frame at a time; each event still goes to exactly
+        # one consumer, and each consumer sees its share in the stage's order.
+        n, steps = 50, 40
+        client.call_utility_future("sleep", 0.5)
+        time.sleep(0.1)
+        for i in range(n):
+            client.add(f"c{i}", steps)
+        seen: list[list[tuple[int, int]]] = [[], [], []]
+
+        def consume(mine: list[tuple[int, int]]) -> None:
+            while True:
+                try:
+                    event = client.get_event(1)
+                except TimeoutError:
+                    return
+                if isinstance(event, Output):
+                    assert event.req_id is not None
+                    # (step, request): increasing in the stage's order
+                    mine.append((steps - 1 - event.payload, int(event.req_id[1:])))
+
+        threads = [threading.Thread(target=consume, args=(m,)) for m in seen]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        everything = [(s, i) for s in range(steps) for i in range(n)]
+        assert sorted(x for mine in seen for x in mine) == everything
+        for mine in seen:
+            assert mine == sorted(mine)
+
 
 class TestUtility:
     def test_result_and_error(self, client: StageClient) -> None:

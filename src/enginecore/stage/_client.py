@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import itertools
@@ -178,9 +179,14 @@ class StageClient:
         self._fatal: str | None = None
         self._terminal = threading.Event()  # a Shutdown or Fatal event has arrived
         self._over = threading.Event()  # _terminal is set, or _failure is
+        # The ordered event stream: the receiver thread puts one list per frame (or the
+        # final _End); get_event() moves a list into _event_buf, under _event_lock, and
+        # pops single events from it, so a frame costs one queue hand-off, not one per event.
         self._events: queue.SimpleQueue[Any] | None = (
             queue.SimpleQueue() if _ordered_events else None
         )
+        self._event_buf: collections.deque[Any] = collections.deque()
+        self._event_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._rx = threading.Thread(target=self._rx_main, name="enginecore-client", daemon=True)
         self._rx.start()
@@ -415,21 +421,47 @@ class StageClient:
         :class:`StopIteration` if this client shut the stage down, else the client's failure.
         Thread-safe, but events are not duplicated: one consumer sees each event.
         """
+        buf = self._event_buf
+        if buf:
+            try:
+                return buf.popleft()  # type: ignore[no-any-return]
+            except IndexError:  # another consumer took the last one
+                pass
+        return self._get_event_slow(timeout)
+
+    def _get_event_slow(self, timeout: float | None) -> StageEvent:
         events = self._events
         if events is None:
             raise RuntimeError(
                 "the event stream is off; create the client with ordered_events=True"
             )
+        if timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # One refilling consumer at a time: the buffer then always holds a run of
+        # consecutive events, so every consumer sees its events in the stage's order.
+        if not self._event_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"no stage event within {timeout} s")
         try:
-            item = events.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no stage event within {timeout} s") from None
-        if type(item) is _End:
-            events.put(item)  # sticky: every later call ends the same way
-            if item.exc is not None:
-                raise item.exc
-            raise StopIteration
-        return item  # type: ignore[no-any-return]
+            buf = self._event_buf
+            while True:
+                try:
+                    return buf.popleft()  # type: ignore[no-any-return]
+                except IndexError:
+                    pass
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    item = events.get(timeout=left)
+                except queue.Empty:
+                    raise TimeoutError(f"no stage event within {timeout} s") from None
+                if type(item) is _End:
+                    events.put(item)  # sticky: every later call ends the same way
+                    if item.exc is not None:
+                        raise item.exc
+                    raise StopIteration
+                buf.extend(item)
+        finally:
+            self._event_lock.release()
 
     def events(self) -> Iterator[StageEvent]:
         """Iterate over :meth:`get_event` until the stream ends. Blocks between events."""
@@ -686,13 +718,14 @@ class StageClient:
         terminal = False
         resolve: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
         events = self._events
+        pongs = False
         with self._lock:
             streams = self._streams
             for ev in batch:
                 cls = ev.__class__
                 if cls is Output:
                     rid = ev.req_id
-                    stream = streams.get(rid) if rid is not None else None
+                    stream = streams.get(rid)  # None for an unrouted output
                     if stream is not None:
                         stream._q.put(ev.payload)
                         if ev.finished:
@@ -714,13 +747,16 @@ class StageClient:
                 elif cls is ErrorReport:
                     self._on_error_report(ev)
                 elif cls is Pong:
-                    continue
+                    pongs = True
                 elif cls is Fatal or cls is Shutdown:
                     if cls is Fatal:
                         self._fatal = ev.message
                     terminal = True
-                if events is not None:
-                    events.put(ev)
+            if events is not None:
+                if pongs:  # answers to our heartbeats, not stage events
+                    batch = [ev for ev in batch if ev.__class__ is not Pong]
+                if batch:
+                    events.put(batch)
         for future, result, exc in resolve:
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 if exc is None:
