@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from enginecore import CountdownEngine
-from enginecore.stage._child import build_engine, import_factory, make_router
+from enginecore.stage._child import StageRuntime, build_engine, import_factory, make_router
 from enginecore.stage.testing import ScriptedEngine
 
 
@@ -73,3 +73,52 @@ class TestFactories:
         assert isinstance(build_engine("enginecore:CountdownEngine", {}), CountdownEngine)
         with pytest.raises(TypeError, match="does not implement"):
             build_engine("builtins:list", {})
+
+
+class _TwoOutputs:
+    """route_output is fine for the first output and broken for the second."""
+
+    def __init__(self, second: Any) -> None:
+        self.second = second
+
+    def has_work(self) -> bool:
+        return True
+
+    def add(self, req_id: str, data: Any) -> None:
+        pass
+
+    def abort(self, req_ids: Any) -> None:
+        pass
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        return None
+
+    def step(self) -> list[Any]:
+        return [("r1", 1), self.second]
+
+    @staticmethod
+    def route_output(out: Any) -> Any:
+        return out if len(out) != 2 else (out[0], False, out[1])
+
+
+class TestStageStep:
+    @pytest.mark.parametrize(
+        "second", [("r2", 1), ["r2", False, 1], ("r2", 0, 1), (5, False, 1), ("r2", False, 1, 2)]
+    )
+    def test_a_bad_route_is_fatal_after_the_outputs_before_it(self, second: Any) -> None:
+        runtime = StageRuntime(
+            _TwoOutputs(second), "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", engine_name="t"
+        )
+        try:
+            if second == ("r2", 1):  # a valid one: both outputs, nothing for the loop
+                assert runtime.loop._engine.step() == ()
+                assert runtime._outq.get_nowait() == [
+                    ("output", "r1", False, 1),
+                    ("output", "r2", False, 1),
+                ]
+                return
+            with pytest.raises(TypeError, match=r"_TwoOutputs\.route_output\(\) must return"):
+                runtime.loop._engine.step()
+            assert runtime._outq.get_nowait() == [("output", "r1", False, 1)]
+        finally:
+            runtime._ctx.destroy(linger=0)

@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import msgspec
 import zmq
@@ -285,36 +285,49 @@ class StageRuntime:
         check = _wire.check_encodable
         engine_name = type(engine).__name__
 
+        def bad_route(triple: object) -> NoReturn:
+            raise TypeError(
+                f"{engine_name}.route_output() must return "
+                f"(req_id: str | None, finished: bool, payload), got {triple!r:.200}"
+            )
+
+        def checked(ev: tuple[Any, ...]) -> tuple[Any, ...]:
+            try:
+                check(ev[3], "output payload")
+            except TypeError as exc:
+                return bad_output(ev, exc)
+            return ev
+
         def step() -> tuple[()]:
             events: list[tuple[Any, ...]] = []
             append = events.append
             try:
-                for out in engine_step():
-                    if raw_hook is not None:
-                        # make_router's validation, inlined: one Python call per output.
-                        ev = raw_hook(out)
-                        if (
-                            ev.__class__ is not tuple
-                            or len(ev) != 3
-                            or ev[1].__class__ is not bool
-                            or not (ev[0] is None or ev[0].__class__ is str)
+                # Two copies of one loop: with the engine's route_output (make_router's
+                # validation inlined) or with make_router's default. The payload check has a
+                # fast path for exact scalars; check_encodable does the rest.
+                if raw_hook is not None:
+                    for out in engine_step():
+                        triple = raw_hook(out)
+                        if triple.__class__ is not tuple or len(triple) != 3:
+                            bad_route(triple)
+                        rid, finished, payload = triple
+                        if finished.__class__ is not bool or (
+                            rid.__class__ is not str and rid is not None
                         ):
-                            raise TypeError(
-                                f"{engine_name}.route_output() must return "
-                                f"(req_id: str | None, finished: bool, payload), got {ev!r:.200}"
-                            )
-                        ev = ("output", *ev)
-                    else:
-                        ev = ("output", *route(out))
-                    payload = ev[3]
-                    t = payload.__class__
-                    # Fast path for the common scalars; check_encodable for the rest.
-                    if not (int_min <= payload <= int_max if t is int else t in scalars):
-                        try:
-                            check(payload, "output payload")
-                        except TypeError as exc:
-                            ev = bad_output(ev, exc)
-                    append(ev)
+                            bad_route(triple)
+                        t = payload.__class__
+                        if int_min <= payload <= int_max if t is int else t in scalars:
+                            append(("output", rid, finished, payload))
+                        else:
+                            append(checked(("output", rid, finished, payload)))
+                else:
+                    for out in engine_step():
+                        rid, finished, payload = route(out)
+                        t = payload.__class__
+                        if int_min <= payload <= int_max if t is int else t in scalars:
+                            append(("output", rid, finished, payload))
+                        else:
+                            append(checked(("output", rid, finished, payload)))
             finally:
                 if len(events) >= _DIRECT_MIN:
                     deliver(events)
