@@ -52,6 +52,29 @@ class _End:
         self.aborted = aborted
 
 
+class _Waiter:
+    """What a blocking :meth:`StageClient.call_utility` waits on: a pre-acquired lock that
+    the one thread resolving the call releases. Lighter than a ``Future`` (no condition
+    variable, no callbacks). Exactly one thread resolves a call: the one that pops it from
+    ``_calls`` under ``_lock``."""
+
+    __slots__ = ("exc", "lock", "result")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.result: Any = None
+        self.exc: BaseException | None = None
+
+    def set_result(self, result: Any) -> None:
+        self.result = result
+        self.lock.release()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.exc = exc
+        self.lock.release()
+
+
 _FINISHED: Final = _End(None)
 _ABORTED: Final = _End(None, aborted=True)
 
@@ -169,7 +192,7 @@ class StageClient:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
-        self._calls: dict[int, tuple[concurrent.futures.Future[Any], str]] = {}
+        self._calls: dict[int, tuple[concurrent.futures.Future[Any] | _Waiter, str]] = {}
         self._call_ids = _common.new_call_ids()
         self._failure: BaseException | None = None
         self._closing = False
@@ -377,21 +400,28 @@ class StageClient:
         wire-encodable. Never blocks; thread-safe.
         """
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        call_id = self._register_call(name, args, future)
+        future.add_done_callback(lambda f: self._forget_call(call_id) if f.cancelled() else None)
+        return future
+
+    def _register_call(
+        self, name: str, args: tuple[Any, ...], waiter: concurrent.futures.Future[Any] | _Waiter
+    ) -> int:
+        """Check, register and send one call; return its id. *waiter* gets the answer."""
         with self._lock:
             self._raise_if_failed()
             call_id = next(self._call_ids)
         frame = _common.build_utility(call_id, name, args)
         with self._lock:
             self._raise_if_failed()
-            self._calls[call_id] = (future, name)
+            self._calls[call_id] = (waiter, name)
         try:
             self._send(frame)
         except BaseException:
             with self._lock:
                 self._calls.pop(call_id, None)
             raise
-        future.add_done_callback(lambda f: self._forget_call(call_id) if f.cancelled() else None)
-        return future
+        return call_id
 
     def call_utility(self, name: str, /, *args: Any, timeout: float | None = None) -> Any:
         """Call ``engine.utility(name, args)`` in the stage and return its result. Blocks.
@@ -401,12 +431,14 @@ class StageClient:
         :class:`~enginecore.stage.EngineDeadError` / :class:`~enginecore.stage.StageClosedError`
         if the stage dies or the client is closed. Thread-safe.
         """
-        future = self.call_utility_future(name, *args)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"utility {name!r} did not answer within {timeout} s") from None
+        waiter = _Waiter()
+        call_id = self._register_call(name, args, waiter)
+        if not waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._forget_call(call_id)
+            raise TimeoutError(f"utility {name!r} did not answer within {timeout} s")
+        if waiter.exc is not None:
+            raise waiter.exc
+        return waiter.result
 
     def _forget_call(self, call_id: int) -> None:
         with self._lock:
@@ -716,7 +748,9 @@ class StageClient:
 
     def _dispatch(self, batch: list[Any]) -> bool:
         terminal = False
-        resolve: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
+        resolve: list[
+            tuple[concurrent.futures.Future[Any] | _Waiter, Any, BaseException | None]
+        ] = []
         events = self._events
         pongs = False
         with self._lock:
