@@ -3,15 +3,20 @@
 ::
 
     client --(ROUTER, input thread)--> input_queue --> EngineCoreLoop (main thread)
-    client <--(PUSH, output thread)--- SimpleQueue <-- emit()
+    client <--(PUSH, output thread)--- SimpleQueue <-- step() / emit()
+    client <--(PUSH, main thread, only while the output thread is idle: _deliver)
 
 The input thread blocks in ``poll`` (no timeout) on its socket and on the output socket's
 monitor (it counts output connections, see ``_hello``), decodes and validates each frame
 and puts typed messages on ``loop.input_queue`` in arrival order. A frame it cannot use becomes an
 ``error`` event (request- or call-scoped when an id can be recovered) and never reaches the
-engine. The output thread blocks on its queue, drains everything waiting and sends it as one
-frame. Shutdown: when the loop returns, the output thread sends the last frame (it holds the
-terminal event), then ``ctx.term()`` wakes the input thread with ``ETERM``.
+engine. The stage's ``step()`` routes and checks a whole step's outputs on the loop thread and
+hands them over as one list. The output thread blocks on its queue, drains everything waiting
+and sends it in frames of up to 512 events. While it is idle (nothing queued, nothing unsent),
+the loop thread sends utility answers, ``aborted`` events and steps of 64+ outputs itself,
+under ``_out_lock``, without blocking; see ``_deliver``. Shutdown: when the loop returns, the
+output thread sends the last frame (it holds the terminal event), then ``ctx.term()`` wakes
+the input thread with ``ETERM``.
 """
 
 from __future__ import annotations
