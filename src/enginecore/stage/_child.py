@@ -64,6 +64,9 @@ _MAX_BATCH: Final = 512
 # smaller ones go to the output thread, which batches consecutive steps into one frame, so
 # an engine stepping fast with few requests does not flood the client with tiny frames.
 _DIRECT_MIN: Final = 64
+# The loop thread waits before a step while more events than this are queued for the output
+# thread (see StageRuntime._throttle).
+_BACKLOG_MAX: Final = 8 * _MAX_BATCH
 
 _STOP: Final = ("stop",)  # output-thread sentinel (never sent)
 # What msgspec raises for a value it cannot encode (a lone surrogate: UnicodeEncodeError).
@@ -230,6 +233,11 @@ class StageRuntime:
         self._outq: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._out_lock = threading.Lock()
         self._out_idle = True
+        # Events queued for the output thread and not yet sent (guarded by _out_lock), and
+        # whether it has ended; _out_drained is signalled after each batch it sends.
+        self._out_backlog = 0
+        self._out_ended = False
+        self._out_drained = threading.Condition(self._out_lock)
         self._loop_encoder = _wire.new_encoder()  # the loop thread's, for _deliver
         stage_engine = _StageEngine(engine, self._emit_one, self._make_step(engine))
         self.loop = EngineCoreLoop(stage_engine, self._make_emit(engine))
@@ -304,6 +312,8 @@ class StageRuntime:
             return ev
 
         def step() -> tuple[()]:
+            if self._out_backlog > _BACKLOG_MAX:  # unlocked peek; _throttle re-checks
+                self._throttle()
             events: list[tuple[Any, ...]] = []
             append = events.append
             try:
@@ -368,11 +378,32 @@ class StageRuntime:
         self._prepare_one(ev, events)
         self._deliver(events)
 
+    def _throttle(self) -> None:
+        """Loop thread, before a step: wait while the output thread is more than
+        _BACKLOG_MAX events behind and a client is connected to read them.
+
+        Without this, an engine that outpaces its client queues outputs without bound, and
+        a utility answer or the shutdown event, queued behind them, waits as long as the
+        client needs to read them all (tens of seconds, measured). Never while no client is
+        connected (outputs wait in memory for the next one, as before), and never past a
+        shutdown request or the end of the output thread.
+        """
+        loop = self.loop
+        with self._out_drained:
+            while (
+                self._out_backlog > _BACKLOG_MAX
+                and self._out_peers > 0
+                and not self._out_ended
+                and not loop.shutdown_requested
+            ):
+                self._out_drained.wait(0.05)
+
     def _post(self, item: Any) -> None:
         """Any thread: queue *item* (an event to check, or a list of checked events) for the
         output thread."""
         with self._out_lock:
             self._out_idle = False
+            self._out_backlog += len(item) if item.__class__ is list else 1
             self._outq.put(item)
 
     def _deliver(self, events: list[tuple[Any, ...]]) -> None:
@@ -406,6 +437,7 @@ class StageRuntime:
                     return
                 events = events[start:]
             self._out_idle = False
+            self._out_backlog += len(events)
             self._outq.put(events)
 
     def run(self) -> int:
@@ -616,12 +648,16 @@ class StageRuntime:
                 item = get()  # blocks; no timeout: _STOP or the terminal event ends it
                 events: list[tuple[Any, ...]] = []
                 done = False
+                taken = 0
                 while True:
                     if item.__class__ is list:
                         events.extend(item)
-                    elif prepare(item, events):
-                        done = True
-                        break
+                        taken += len(item)
+                    else:
+                        taken += 1
+                        if prepare(item, events):
+                            done = True
+                            break
                     if len(events) >= _MAX_BATCH:
                         break
                     try:
@@ -640,8 +676,11 @@ class StageRuntime:
                 if done:
                     return
                 with self._out_lock:
+                    self._out_backlog -= taken
                     if self._outq.empty():
                         self._out_idle = True  # the loop thread may send (_deliver)
+                    if self._out_backlog <= _BACKLOG_MAX:
+                        self._out_drained.notify()
         except zmq.ContextTerminated:
             # The process is ending and no client is reading (none attached, or it is gone):
             # what is left cannot be delivered.
@@ -654,6 +693,8 @@ class StageRuntime:
         finally:
             with self._out_lock:
                 self._out_idle = False  # for good: the loop thread no longer sends
+                self._out_ended = True
+                self._out_drained.notify()
             sock.close(linger=linger)
 
     def _prepare_one(self, ev: tuple[Any, ...], events: list[tuple[Any, ...]]) -> bool:
