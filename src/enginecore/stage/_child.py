@@ -13,8 +13,9 @@ and puts typed messages on ``loop.input_queue`` in arrival order. A frame it can
 engine. The stage's ``step()`` routes and checks a whole step's outputs on the loop thread and
 hands them over as one list. The output thread blocks on its queue, drains everything waiting
 and sends it in frames of up to 512 events. While it is idle (nothing queued, nothing unsent),
-the loop thread sends utility answers, ``aborted`` events and steps of 64+ outputs itself,
-under ``_out_lock``, without blocking; see ``_deliver``. Shutdown: when the loop returns, the
+the loop thread sends single events (utility answers, ``aborted``) itself, under
+``_out_lock``, without blocking; see ``_deliver``. Step outputs always go through the output
+thread, which encodes them while the next step runs. Shutdown: when the loop returns, the
 output thread sends the last frame (it holds the terminal event), then ``ctx.term()`` wakes
 the input thread with ``ETERM``.
 """
@@ -60,10 +61,6 @@ _OUTPUT_LINGER_MS: Final = 1000
 # Upper bound on one output frame, in events: keeps frames (and latency) bounded under load.
 _MAX_BATCH: Final = 512
 
-# A step with at least this many outputs may be sent by the loop thread itself (_deliver);
-# smaller ones go to the output thread, which batches consecutive steps into one frame, so
-# an engine stepping fast with few requests does not flood the client with tiny frames.
-_DIRECT_MIN: Final = 64
 # The loop thread waits before a step while more events than this are queued for the output
 # thread (see StageRuntime._throttle).
 _BACKLOG_MAX: Final = 8 * _MAX_BATCH
@@ -290,7 +287,6 @@ class StageRuntime:
         hook = getattr(engine, "route_output", None)
         raw_hook = hook if callable(hook) else None
         engine_step = engine.step
-        deliver = self._deliver
         post = self._post
         bad_output = self._bad_output
         scalars = _wire._SCALARS
@@ -344,9 +340,11 @@ class StageRuntime:
                         else:
                             append(checked(("output", rid, finished, payload)))
             finally:
-                if len(events) >= _DIRECT_MIN:
-                    deliver(events)
-                elif events:
+                # Always through the output thread, never encoded and sent here: with an
+                # engine whose step() releases the GIL (a GPU), the output thread encodes
+                # and sends this step while the next one runs. On the loop thread it would
+                # sit on the critical path between steps.
+                if events:
                     post(events)
             return ()
 
@@ -409,7 +407,7 @@ class StageRuntime:
     def _deliver(self, events: list[tuple[Any, ...]]) -> None:
         """Loop thread: send checked *events* now if the output thread is idle, else queue
         them behind what it has. Saves a thread hand-off (a wake-up, ~30-60 us here) per
-        utility answer, and per step while the client keeps up.
+        utility answer; used for single events only, never for a step's outputs.
 
         The send never blocks: if the socket cannot take a frame at once (no client yet, or
         it is behind by the high-water mark) or fails, the rest is queued, and the output
