@@ -533,35 +533,31 @@ class AsyncStageClient:
             await asyncio.wait_for(self._terminal.wait(), _EXIT_GRACE_S)
         assert self._launched is not None
         exit_code = self._launched.reap()  # the sentinel fired: the process has exited
-        if self._closing:
-            self._fail(StageClosedError("this stage client is closed"))
-        else:
-            self._fail(
-                _common.dead_error(
-                    pid=self._pid,
-                    exit_code=exit_code,
-                    fatal=self._fatal,
-                    remote_shutdown=self._terminal.is_set(),
-                )
+        self._fail(
+            _common.end_error(
+                self._closing,
+                pid=self._pid,
+                exit_code=exit_code,
+                fatal=self._fatal,
+                remote_shutdown=self._terminal.is_set(),
             )
+        )
 
     async def _expect_exit(self) -> None:
         # After the last event the process should exit at once; if it lingers (an engine
         # thread keeping the interpreter alive, say), nothing more will be answered.
         if await self._wait_exit(_EXIT_AFTER_LAST_EVENT_S):
             return  # _on_sentinel takes it from here
-        if self._closing:
-            self._fail(StageClosedError("this stage client is closed"))
-        else:
-            self._fail(
-                _common.dead_error(
-                    pid=self._pid,
-                    exit_code=None,
-                    fatal=self._fatal,
-                    remote_shutdown=True,
-                    reason="its engine loop ended, but the process has not exited",
-                )
+        self._fail(
+            _common.end_error(
+                self._closing,
+                pid=self._pid,
+                exit_code=None,
+                fatal=self._fatal,
+                remote_shutdown=True,
+                reason="its engine loop ended, but the process has not exited",
             )
+        )
 
     def _dispatch(self, batch: list[Any]) -> None:
         streams = self._streams
@@ -615,11 +611,10 @@ class AsyncStageClient:
             self._terminal.set()
             if self._launched is not None:
                 self._tasks.append(asyncio.ensure_future(self._expect_exit()))
-            elif self._closing:
-                self._fail(StageClosedError("this stage client is closed"))
             else:
                 self._fail(
-                    _common.dead_error(
+                    _common.end_error(
+                        self._closing,
                         pid=self._pid,
                         exit_code=None,
                         fatal=self._fatal,

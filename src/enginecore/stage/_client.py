@@ -678,18 +678,16 @@ class StageClient:
             if exit_deadline is not None and time.monotonic() >= exit_deadline:
                 # The loop is over but the process lingers (an engine thread that keeps the
                 # interpreter alive, say). Nothing more will be answered: fail the waiters now.
-                if self._closing:
-                    self._fail(StageClosedError("this stage client is closed"))
-                else:
-                    self._fail(
-                        _common.dead_error(
-                            pid=self._pid,
-                            exit_code=None,
-                            fatal=self._fatal,
-                            remote_shutdown=True,
-                            reason="its engine loop ended, but the process has not exited",
-                        )
+                self._fail(
+                    _common.end_error(
+                        self._closing,
+                        pid=self._pid,
+                        exit_code=None,
+                        fatal=self._fatal,
+                        remote_shutdown=True,
+                        reason="its engine loop ended, but the process has not exited",
                     )
+                )
                 return
             if heartbeat is not None and time.monotonic() - last_heard > heartbeat[1]:
                 self._fail(
@@ -715,17 +713,15 @@ class StageClient:
             self._drain()
         assert self._launched is not None
         exit_code = self._launched.reap()
-        if self._closing:
-            self._fail(StageClosedError("this stage client is closed"))
-        else:
-            self._fail(
-                _common.dead_error(
-                    pid=self._pid,
-                    exit_code=exit_code,
-                    fatal=self._fatal,
-                    remote_shutdown=self._terminal.is_set(),
-                )
+        self._fail(
+            _common.end_error(
+                self._closing,
+                pid=self._pid,
+                exit_code=exit_code,
+                fatal=self._fatal,
+                remote_shutdown=self._terminal.is_set(),
             )
+        )
 
     def _drain(self) -> bool:
         """Read every frame waiting and dispatch it. Returns whether a terminal event came."""
@@ -802,18 +798,16 @@ class StageClient:
             self._over.set()
             if self._launched is None:
                 # No process to watch: the terminal event is the end.
-                if self._closing:
-                    self._fail(StageClosedError("this stage client is closed"))
-                else:
-                    self._fail(
-                        _common.dead_error(
-                            pid=self._pid,
-                            exit_code=None,
-                            fatal=self._fatal,
-                            remote_shutdown=self._fatal is None,
-                            reason=None if self._fatal is None else "its engine loop died",
-                        )
+                self._fail(
+                    _common.end_error(
+                        self._closing,
+                        pid=self._pid,
+                        exit_code=None,
+                        fatal=self._fatal,
+                        remote_shutdown=self._fatal is None,
+                        reason=None if self._fatal is None else "its engine loop died",
                     )
+                )
         return terminal
 
     def _on_error_report(self, ev: ErrorReport) -> None:

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from . import _wire
-from ._errors import EngineDeadError, ProtocolError, describe_exit
+from ._errors import EngineDeadError, ProtocolError, StageClosedError, describe_exit
 
 __all__ = [
     "CLIENT_NAME",
@@ -19,6 +19,7 @@ __all__ = [
     "build_add",
     "build_utility",
     "dead_error",
+    "end_error",
     "new_call_ids",
     "output_address_for",
     "parse_welcome",
@@ -131,3 +132,25 @@ def dead_error(
     elif remote_shutdown:
         msg += "; it shut down, but not at this client's request"
     return EngineDeadError(msg, exit_code=exit_code, fatal=fatal)
+
+
+def end_error(
+    closing: bool,
+    *,
+    pid: int | None,
+    exit_code: int | None,
+    fatal: str | None,
+    remote_shutdown: bool = False,
+    reason: str | None = None,
+) -> StageClosedError | EngineDeadError:
+    """What every waiter gets once the stage is gone: :class:`StageClosedError` if this client
+    was closing it, else the :func:`dead_error` built from the other arguments."""
+    if closing:
+        return StageClosedError("this stage client is closed")
+    return dead_error(
+        pid=pid,
+        exit_code=exit_code,
+        fatal=fatal,
+        remote_shutdown=remote_shutdown,
+        reason=reason,
+    )
