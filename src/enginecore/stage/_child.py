@@ -237,7 +237,7 @@ class StageRuntime:
         self._out_drained = threading.Condition(self._out_lock)
         self._loop_encoder = _wire.new_encoder()  # the loop thread's, for _deliver
         stage_engine = _StageEngine(engine, self._emit_one, self._make_step(engine))
-        self.loop = EngineCoreLoop(stage_engine, self._make_emit(engine))
+        self.loop = EngineCoreLoop(stage_engine, self._make_emit())
         stage_engine.request_shutdown = self.loop.request_shutdown
         self.terminal: str | None = None
         self.io_failed = False
@@ -350,18 +350,14 @@ class StageRuntime:
 
         return step
 
-    def _make_emit(self, engine: Engine) -> Callable[[Event], None]:
-        route = make_router(engine)
+    def _make_emit(self) -> Callable[[Event], None]:
         emit_one = self._emit_one
 
         def emit(event: Event) -> None:
-            # Runs on the loop thread: routing must see the output before the engine can
-            # reuse it. An exception here is fatal to the loop. (Outputs normally come from
-            # _make_step's step, which returns none to the loop.)
-            if event[0] == "output":
-                rid, finished, payload = route(event[1])
-                emit_one(("output", rid, finished, payload))
-            elif event[0] != "utility" or type(event[1]) is not _ShutdownCallId:
+            # Runs on the loop thread; an exception here is fatal to the loop. Never sees an
+            # "output": the stage's step() (_make_step) routes and hands over a step's outputs
+            # itself and returns none to the loop.
+            if event[0] != "utility" or type(event[1]) is not _ShutdownCallId:
                 emit_one(event)
 
         return emit
