@@ -102,6 +102,16 @@ class CountdownEngine:
         return output[1] == 0
 
     @staticmethod
+    def route_outputs(
+        outputs: list[tuple[str, int]],
+    ) -> tuple[list[str], list[bool], list[int]]:
+        """The stage runtime's batch routing hook: one step's outputs as three lists,
+        ``(req_ids, finished, payloads)``. Same routing as :meth:`route_output`, without a
+        Python call per output."""
+        payloads = [left for _, left in outputs]
+        return [rid for rid, _ in outputs], [left == 0 for left in payloads], payloads
+
+    @staticmethod
     def route_output(output: tuple[str, int]) -> tuple[str, bool, int]:
         """The stage runtime's routing hook: ``(req_id, finished, payload)`` for *output*.
 

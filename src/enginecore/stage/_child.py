@@ -44,7 +44,7 @@ from .._engine import Engine
 from .._loop import EngineCoreLoop
 from .._messages import Abort, Add, Event, Utility
 from .._signals import shutdown_on_signals
-from . import _wire
+from . import _codec, _wire
 
 __all__ = ["import_factory", "run_launched", "serve"]
 
@@ -61,11 +61,13 @@ _OUTPUT_LINGER_MS: Final = 1000
 # Upper bound on one output frame, in events: keeps frames (and latency) bounded under load.
 _MAX_BATCH: Final = 512
 
-# The loop thread waits before a step while more events than this are queued for the output
-# thread (see StageRuntime._throttle).
-_BACKLOG_MAX: Final = 8 * _MAX_BATCH
+# The loop thread waits before a step while more than this many outputs (or other events)
+# are queued for the output thread (see StageRuntime._throttle).
+_BACKLOG_MAX: Final = 65536
 
 _STOP: Final = ("stop",)  # output-thread sentinel (never sent)
+# Exact types of received data that need no check (decoded ints are always in range).
+_RECEIVED_FLAT: Final = frozenset({type(None), bool, int, float, str, bytes})
 # What msgspec raises for a value it cannot encode (a lone surrogate: UnicodeEncodeError).
 _ENCODE_ERRORS: Final = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
 
@@ -100,50 +102,112 @@ def build_engine(spec: str, kwargs: dict[str, Any]) -> Engine:
 
 # -- output routing -------------------------------------------------------------------------
 
-Route = Callable[[Any], "tuple[str | None, bool, Any]"]
+Route = Callable[[Iterable[Any], list[Any], list[Any], list[Any]], None]
+"""``route(step_outputs, req_ids, finished, payloads)``: appends one step's routed outputs to
+the three lists of its ``outputs`` event."""
+
+_ROUTE_SHAPE: Final = "(req_ids: list[str | None], finished: list[bool], payloads: list)"
+_RID_TYPES: Final = frozenset({str, type(None)})
+_BOOL_TYPES: Final = frozenset({bool})
 
 
 def make_router(engine: object) -> Route:
-    """Build ``out -> (req_id, finished, payload)`` for *engine* (see docs/stage.md).
+    """Build the router of *engine*'s step outputs (see docs/stage.md, "Routing").
 
-    An engine may define ``route_output(out)`` returning that triple. Otherwise an output that
-    is a 2-tuple/list ``(req_id: str, payload)`` is routed to ``req_id`` with that payload,
-    and it is finished when the engine's optional ``is_finished(out)`` says so. Any other
-    output is not routed: ``(None, False, out)``.
+    In order of preference: the engine's ``route_outputs(outputs)``, which returns
+    ``(req_ids, finished, payloads)`` for a whole step; its ``route_output(out)``, which
+    returns ``(req_id, finished, payload)`` for one output; else an output that is a
+    2-tuple/list ``(req_id: str, payload)`` is routed to ``req_id``, finished when the
+    engine's optional ``is_finished(out)`` says so, and any other output is unrouted
+    (``req_id=None``). What a hook returns is checked: a wrong shape raises
+    :class:`TypeError`, fatal to the loop (a bug in the engine), after the outputs routed
+    before it. Runs on the loop thread.
     """
+    name = type(engine).__name__
+    batch_hook = getattr(engine, "route_outputs", None)
+    if callable(batch_hook):
+
+        def route_batch(
+            outs: Iterable[Any], rids: list[Any], fins: list[Any], payloads: list[Any]
+        ) -> None:
+            outs = outs if outs.__class__ is list else list(outs)
+            if not outs:
+                return
+            cols = batch_hook(outs)
+            if cols.__class__ is not tuple or len(cols) != 3:
+                _bad_batch(name, len(outs), cols)
+            r, f, p = cols
+            n = len(outs)
+            if (
+                r.__class__ is not list
+                or f.__class__ is not list
+                or p.__class__ is not list
+                or len(r) != n
+                or len(f) != n
+                or len(p) != n
+                or not set(map(type, r)) <= _RID_TYPES
+                or not set(map(type, f)) <= _BOOL_TYPES
+            ):
+                _bad_batch(name, n, cols)
+            rids += r
+            fins += f
+            payloads += p
+
+        return route_batch
+
     hook = getattr(engine, "route_output", None)
     if callable(hook):
 
-        def route(out: Any) -> tuple[str | None, bool, Any]:
-            triple = hook(out)
-            if (
-                type(triple) is not tuple
-                or len(triple) != 3
-                or not (triple[0] is None or type(triple[0]) is str)
-                or type(triple[1]) is not bool
-            ):
-                raise TypeError(
-                    f"{type(engine).__name__}.route_output() must return "
-                    f"(req_id: str | None, finished: bool, payload), got {triple!r:.200}"
-                )
-            return triple
+        def route_each(
+            outs: Iterable[Any], rids: list[Any], fins: list[Any], payloads: list[Any]
+        ) -> None:
+            for out in outs:
+                triple = hook(out)
+                if triple.__class__ is not tuple or len(triple) != 3:
+                    _bad_route(name, triple)
+                rid, finished, payload = triple
+                if finished.__class__ is not bool or (rid.__class__ is not str and rid is not None):
+                    _bad_route(name, triple)
+                rids.append(rid)
+                fins.append(finished)
+                payloads.append(payload)
 
-        return route
+        return route_each
 
     is_finished = getattr(engine, "is_finished", None)
     if not callable(is_finished):
         is_finished = None
 
-    def default_route(out: Any) -> tuple[str | None, bool, Any]:
-        t = type(out)
-        if (t is tuple or t is list) and len(out) == 2 and type(out[0]) is str:
-            finished = False
-            if is_finished is not None:
-                finished = bool(is_finished(out))
-            return out[0], finished, out[1]
-        return None, False, out
+    def route_default(
+        outs: Iterable[Any], rids: list[Any], fins: list[Any], payloads: list[Any]
+    ) -> None:
+        for out in outs:
+            t = out.__class__
+            if (t is tuple or t is list) and len(out) == 2 and out[0].__class__ is str:
+                finished = False if is_finished is None else bool(is_finished(out))
+                rids.append(out[0])
+                fins.append(finished)
+                payloads.append(out[1])
+            else:
+                rids.append(None)
+                fins.append(False)
+                payloads.append(out)
 
-    return default_route
+    return route_default
+
+
+def _bad_route(name: str, triple: object) -> NoReturn:
+    raise TypeError(
+        f"{name}.route_output() must return "
+        f"(req_id: str | None, finished: bool, payload), got {triple!r:.200}"
+    )
+
+
+def _bad_batch(name: str, n: int, cols: object) -> NoReturn:
+    raise TypeError(
+        f"{name}.route_outputs() must return {_ROUTE_SHAPE}, three lists of one item per "
+        f"output ({n}), got {cols!r:.200}"
+    )
 
 
 class _ShutdownCallId(int):
@@ -235,7 +299,7 @@ class StageRuntime:
         self._out_backlog = 0
         self._out_ended = False
         self._out_drained = threading.Condition(self._out_lock)
-        self._loop_encoder = _wire.new_encoder()  # the loop thread's, for _deliver
+        self._loop_encoder = _codec.Encoder()  # the loop thread's, for _deliver
         stage_engine = _StageEngine(engine, self._emit_one, self._make_step(engine))
         self.loop = EngineCoreLoop(stage_engine, self._make_emit())
         stage_engine.request_shutdown = self.loop.request_shutdown
@@ -270,85 +334,90 @@ class StageRuntime:
         self._session: bytes | None = None
         # Input-thread messages decoded but not yet on input_queue (see _input_main).
         self._pending: list[Any] = []
+        self._decoder = _codec.Decoder(_wire.ClientMsg, strict=False)
         self._session_seen = 0.0
         self._out_peers = 0
 
     def _make_step(self, engine: Engine) -> Callable[[], Iterable[Any]]:
         """The loop's ``step``: the engine's step, its outputs routed and checked, handed to
-        the output thread as **one** list, and nothing returned to the loop.
+        the output thread as **one** ``outputs`` event, and nothing returned to the loop.
 
         Same semantics as emitting each output (routing on the loop thread before the engine
         can reuse an output; an exception in ``step`` or routing is fatal, and the outputs
         routed before it are still sent first; a payload that cannot cross the wire ends only
-        its request), but one queue hand-off per step instead of one per output, and the
-        output thread has nothing left to check.
+        its request), but one event and one queue hand-off per step.
         """
         route = make_router(engine)
-        hook = getattr(engine, "route_output", None)
-        raw_hook = hook if callable(hook) else None
         engine_step = engine.step
         post = self._post
-        bad_output = self._bad_output
-        scalars = _wire._SCALARS
-        int_min, int_max = _wire._INT_MIN, _wire._INT_MAX
-        check = _wire.check_encodable
-        engine_name = type(engine).__name__
-
-        def bad_route(triple: object) -> NoReturn:
-            raise TypeError(
-                f"{engine_name}.route_output() must return "
-                f"(req_id: str | None, finished: bool, payload), got {triple!r:.200}"
-            )
-
-        def checked(ev: tuple[Any, ...]) -> tuple[Any, ...]:
-            try:
-                check(ev[3], "output payload")
-            except TypeError as exc:
-                return bad_output(ev, exc)
-            return ev
+        flat = _codec.FLAT_TYPES
+        prepare_outputs = self._prepare_outputs
 
         def step() -> tuple[()]:
             if self._out_backlog > _BACKLOG_MAX:  # unlocked peek; _throttle re-checks
                 self._throttle()
-            events: list[tuple[Any, ...]] = []
-            append = events.append
+            rids: list[Any] = []
+            fins: list[Any] = []
+            payloads: list[Any] = []
             try:
-                # Two copies of one loop: with the engine's route_output (make_router's
-                # validation inlined) or with make_router's default. The payload check has a
-                # fast path for exact scalars; check_encodable does the rest.
-                if raw_hook is not None:
-                    for out in engine_step():
-                        triple = raw_hook(out)
-                        if triple.__class__ is not tuple or len(triple) != 3:
-                            bad_route(triple)
-                        rid, finished, payload = triple
-                        if finished.__class__ is not bool or (
-                            rid.__class__ is not str and rid is not None
-                        ):
-                            bad_route(triple)
-                        t = payload.__class__
-                        if int_min <= payload <= int_max if t is int else t in scalars:
-                            append(("output", rid, finished, payload))
-                        else:
-                            append(checked(("output", rid, finished, payload)))
-                else:
-                    for out in engine_step():
-                        rid, finished, payload = route(out)
-                        t = payload.__class__
-                        if int_min <= payload <= int_max if t is int else t in scalars:
-                            append(("output", rid, finished, payload))
-                        else:
-                            append(checked(("output", rid, finished, payload)))
+                route(engine_step(), rids, fins, payloads)
             finally:
                 # Always through the output thread, never encoded and sent here: with an
                 # engine whose step() releases the GIL (a GPU), the output thread encodes
                 # and sends this step while the next one runs. On the loop thread it would
                 # sit on the critical path between steps.
-                if events:
-                    post(events)
+                if payloads:
+                    # Fast path: every payload of an exact flat type (an out-of-range int is
+                    # caught when msgspec refuses it, in the output thread).
+                    if set(map(type, payloads)) <= flat:
+                        post([("outputs", rids, fins, payloads)], len(payloads))
+                    else:
+                        events = prepare_outputs(rids, fins, payloads)
+                        post(events, len(payloads))
             return ()
 
         return step
+
+    def _prepare_outputs(
+        self, rids: list[Any], fins: list[Any], payloads: list[Any]
+    ) -> list[tuple[Any, ...]]:
+        """Loop thread: prepare each payload for the wire (arrays, buffers, numpy scalars);
+        one that cannot cross it ends only its request (see :meth:`_bad_output`)."""
+        flat = _codec.FLAT_TYPES
+        prepared = list(payloads)
+        bad: list[tuple[int, Exception]] = []
+        for i, payload in enumerate(payloads):
+            if type(payload) not in flat:
+                try:
+                    prepared[i] = _codec.prepare(payload, "output payload")
+                except TypeError as exc:
+                    bad.append((i, exc))
+        return self._without(rids, fins, prepared, bad)
+
+    def _without(
+        self,
+        rids: list[Any],
+        fins: list[Any],
+        payloads: list[Any],
+        bad: list[tuple[int, Exception]],
+    ) -> list[tuple[Any, ...]]:
+        """The ``outputs`` event without the *bad* outputs, then one error event for each."""
+        if not bad:
+            return [("outputs", rids, fins, payloads)]
+        skip = {i for i, _ in bad}
+        keep = [i for i in range(len(payloads)) if i not in skip]
+        events: list[tuple[Any, ...]] = []
+        if keep:
+            events.append(
+                (
+                    "outputs",
+                    [rids[i] for i in keep],
+                    [fins[i] for i in keep],
+                    [payloads[i] for i in keep],
+                )
+            )
+        events.extend(self._bad_output(rids[i], exc) for i, exc in bad)
+        return events
 
     def _make_emit(self) -> Callable[[Event], None]:
         emit_one = self._emit_one
@@ -365,12 +434,17 @@ class StageRuntime:
     def _emit_one(self, ev: tuple[Any, ...]) -> None:
         """Loop thread: one event to the client. The terminal events go through the output
         thread (it ends with them); the rest are checked here and delivered."""
-        if ev[0] in ("shutdown", "fatal"):
+        kind = ev[0]
+        if kind in ("shutdown", "fatal"):
             self._post(ev)
             return
-        events: list[tuple[Any, ...]] = []
-        self._prepare_one(ev, events)
-        self._deliver(events)
+        if kind == "utility" and ev[3] is None and type(ev[2]) not in _codec.FLAT_TYPES:
+            try:
+                ev = ("utility", ev[1], _codec.prepare(ev[2], "utility result"), None)
+            except TypeError as exc:
+                logger.error("enginecore: a utility result cannot be encoded: %s", exc)
+                ev = ("utility", ev[1], None, repr(exc))
+        self._deliver([ev])
 
     def _throttle(self) -> None:
         """Loop thread, before a step: wait while the output thread is more than
@@ -392,12 +466,15 @@ class StageRuntime:
             ):
                 self._out_drained.wait(0.05)
 
-    def _post(self, item: Any) -> None:
-        """Any thread: queue *item* (an event to check, or a list of checked events) for the
-        output thread."""
+    def _post(self, item: Any, weight: int | None = None) -> None:
+        """Any thread: queue *item* for the output thread: a list of checked events, or one
+        event without a payload (an input error, a pong, the terminal event, ``_STOP``).
+        *weight* is :func:`_weight` of it, if the caller knows it."""
+        if weight is None:
+            weight = _weight(item)
         with self._out_lock:
             self._out_idle = False
-            self._out_backlog += len(item) if item.__class__ is list else 1
+            self._out_backlog += weight
             self._outq.put(item)
 
     def _deliver(self, events: list[tuple[Any, ...]]) -> None:
@@ -417,13 +494,13 @@ class StageRuntime:
                 while start < len(events):
                     chunk = events[start : start + _MAX_BATCH]
                     try:
-                        frame = encoder.encode(chunk)
+                        parts = encoder.encode(chunk)
                     except _ENCODE_ERRORS:
                         chunk = self._encode_one_by_one(encoder, chunk)
                         events[start : start + _MAX_BATCH] = chunk
-                        frame = encoder.encode(chunk)
+                        parts = encoder.encode(chunk)
                     try:
-                        sock.send(frame, zmq.NOBLOCK)
+                        sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
                     except zmq.ZMQError:
                         break
                     start += _MAX_BATCH
@@ -431,7 +508,7 @@ class StageRuntime:
                     return
                 events = events[start:]
             self._out_idle = False
-            self._out_backlog += len(events)
+            self._out_backlog += _weight(events)
             self._outq.put(events)
 
     def run(self) -> int:
@@ -509,8 +586,10 @@ class StageRuntime:
             sock.close(linger=0)
 
     @staticmethod
-    def _recv(sock: zmq.Socket[bytes]) -> list[bytes]:
-        """One message, without blocking (``zmq.Again`` if none is waiting).
+    def _recv(sock: zmq.Socket[bytes]) -> list[Any]:
+        """One message, ``[routing id, body, *buffers]``, without blocking (``zmq.Again``
+        if none is waiting). The body and buffers are ``zmq.Frame`` s: an array in a buffer
+        reaches the engine as a view on its frame, without a copy.
 
         Not ``recv_multipart()``: it calls ``getsockopt(RCVMORE)`` after every part, ~2 us
         each in pyzmq 27; a Frame's ``more`` costs nothing. A ROUTER message has >= 1 part
@@ -518,13 +597,13 @@ class StageRuntime:
         """
         ident = sock.recv(zmq.NOBLOCK)
         part = sock.recv(copy=False)
-        parts = [ident, part.bytes]
+        parts: list[Any] = [ident, part]
         while part.more:
             part = sock.recv(copy=False)
-            parts.append(part.bytes)
+            parts.append(part)
         return parts
 
-    def _handle_one(self, parts: list[bytes]) -> None:
+    def _handle_one(self, parts: list[Any]) -> None:
         try:
             self._handle_frame(parts)
         except Exception as exc:  # a bug here must not kill the thread
@@ -542,36 +621,66 @@ class StageRuntime:
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._out_peers = max(0, self._out_peers - 1)
 
-    def _handle_frame(self, parts: list[bytes]) -> None:
+    def _handle_frame(self, parts: list[Any]) -> None:
         ident = parts[0]
-        if len(parts) != 2:
-            self._post(
-                ("error", None, f"expected one frame per message, got {len(parts) - 1} frames")
-            )
-            return
-        frame = parts[1]
         try:
-            msg = _wire.client_msg_decoder.decode(frame)
+            msg = self._decoder.decode(parts[1:])
         except msgspec.DecodeError as exc:
-            self._report_bad_frame(frame, exc)
+            self._report_bad_frame(ident, parts[1], exc)
             return
         if ident == self._session:
             self._session_seen = time.monotonic()
         put = self._pending.append  # handed to input_queue by _input_main, in order
-        if type(msg) is _wire.AddMsg:
-            put(Add(msg.req_id, msg.data))
-        elif type(msg) is _wire.AbortMsg:
+        cls = type(msg)
+        if cls is _wire.AddMsg:
+            data = msg.data
+            if type(data) not in _RECEIVED_FLAT:
+                try:
+                    _codec.check_received(data, "data")
+                except ValueError as exc:
+                    self._post(("error", msg.req_id, f"invalid message: {exc}"))
+                    return
+            put(Add(msg.req_id, data))
+        elif cls is _wire.AddsMsg:
+            self._adds(msg)
+        elif cls is _wire.AbortMsg:
             put(Abort(msg.req_ids))
-        elif type(msg) is _wire.UtilityMsg:
+        elif cls is _wire.UtilityMsg:
+            try:
+                _codec.check_received(msg.args, "args")
+            except ValueError as exc:
+                self._post(("utility", msg.call_id, None, f"ProtocolError({str(exc)!r})"))
+                return
             put(Utility(msg.call_id, msg.name, tuple(msg.args)))
-        elif type(msg) is _wire.PingMsg:
+        elif cls is _wire.PingMsg:
             self._post(("pong", msg.seq))
-        elif type(msg) is _wire.ShutdownMsg:
+        elif cls is _wire.ShutdownMsg:
             put(shutdown_message())
-        elif type(msg) is _wire.HelloMsg:
+        elif cls is _wire.HelloMsg:
             self._hello(ident, msg)
-        elif type(msg) is _wire.ByeMsg and ident == self._session:
+        elif cls is _wire.ByeMsg and ident == self._session:
             self._session = None
+
+    def _adds(self, msg: _wire.AddsMsg) -> None:
+        req_ids, data = msg.req_ids, msg.data
+        if len(req_ids) != len(data):
+            what = (
+                f"invalid message: adds has {len(req_ids)} request ids but {len(data)} data items"
+            )
+            self._post([("error", rid, what) for rid in req_ids], len(req_ids))
+            return
+        put = self._pending.append
+        errors: list[tuple[Any, ...]] = []
+        for rid, item in zip(req_ids, data, strict=True):
+            if type(item) not in _RECEIVED_FLAT:
+                try:
+                    _codec.check_received(item, "data")
+                except ValueError as exc:
+                    errors.append(("error", rid, f"invalid message: {exc}"))
+                    continue
+            put(Add(rid, item))
+        if errors:
+            self._post(errors, len(errors))
 
     def _hello(self, ident: bytes, msg: _wire.HelloMsg) -> None:
         reply: _wire.WelcomeMsg | _wire.RejectMsg
@@ -610,46 +719,53 @@ class StageRuntime:
         self._count_output_peers()  # events that arrived while this frame was handled
         return self._out_peers > 0
 
-    def _report_bad_frame(self, frame: bytes, exc: Exception) -> None:
-        # Recover an id if the frame is valid msgpack with a recognisable head, so the error
-        # reaches the one request or call it concerns instead of hanging it.
-        head: Any = None
-        with contextlib.suppress(msgspec.DecodeError):
-            head = _wire.any_decoder.decode(frame)
-        what = f"invalid message ({len(frame)} bytes): {exc}"
-        if type(head) is list and len(head) >= 2:
-            if head[0] == "add" and type(head[1]) is str:
-                self._post(("error", head[1], what))
-                return
-            if head[0] == "utility" and type(head[1]) is int:
-                self._post(("utility", head[1], None, f"ProtocolError({what!r})"))
-                return
-        self._post(("error", None, what))
+    def _report_bad_frame(self, ident: bytes, body: Any, exc: Exception) -> None:
+        # Recover the tag and an id from the head of the body, so that the error reaches
+        # the one request or call it concerns instead of leaving it hanging.
+        raw = body.bytes if isinstance(body, zmq.Frame) else body
+        tag, head = _codec.recover_head(raw)
+        what = f"invalid message ({len(raw)} bytes): {exc}"
+        if tag == "add" and type(head) is str:
+            self._post(("error", head, what))
+        elif tag == "adds" and type(head) is list:
+            self._post([("error", rid, what) for rid in head], len(head))
+        elif tag == "utility" and type(head) is int:
+            self._post(("utility", head, None, f"ProtocolError({what!r})"))
+        elif tag == "hello":
+            reply = _wire.RejectMsg(_wire.PROTOCOL_VERSION, f"invalid hello: {what}")
+            self._in.send_multipart([ident, msgspec.msgpack.encode(reply)])
+        else:
+            self._post(("error", None, what))
 
     # -- output thread -----------------------------------------------------------------------
 
     def _output_main(self) -> None:
         sock = self._out
         get = self._outq.get
-        prepare = self._prepare_one
-        encoder = _wire.new_encoder()
+        encoder = _codec.Encoder()
         linger: int | None = None  # the socket's own: deliver the last frames
         try:
             while True:
-                # Everything waiting, then one frame per _MAX_BATCH events. A list is one
-                # step's outputs, already routed and checked on the loop thread (_make_step);
-                # anything else is one event, checked here.
+                # Everything waiting, then one frame per _MAX_BATCH events. A list holds
+                # checked events (a step's outputs, routed and checked on the loop thread by
+                # _make_step; a utility answer); anything else is one event without payload.
                 item = get()  # blocks; no timeout: _STOP or the terminal event ends it
                 events: list[tuple[Any, ...]] = []
                 done = False
                 taken = 0
                 while True:
                     if item.__class__ is list:
-                        events.extend(item)
-                        taken += len(item)
+                        events += item
+                        taken += _weight(item)
                     else:
                         taken += 1
-                        if prepare(item, events):
+                        kind = item[0]
+                        if kind == "stop":
+                            done = True
+                            break
+                        events.append(item)
+                        if kind in ("shutdown", "fatal"):
+                            self.terminal = kind
                             done = True
                             break
                     if len(events) >= _MAX_BATCH:
@@ -663,10 +779,13 @@ class StageRuntime:
                         events if len(events) <= _MAX_BATCH else events[start : start + _MAX_BATCH]
                     )
                     try:
-                        frame = encoder.encode(chunk)
+                        parts = encoder.encode(chunk)
                     except _ENCODE_ERRORS:
-                        frame = encoder.encode(self._encode_one_by_one(encoder, chunk))
-                    sock.send(frame, copy=False)
+                        parts = encoder.encode(self._encode_one_by_one(encoder, chunk))
+                    if len(parts) == 1:
+                        sock.send(parts[0], copy=False)
+                    else:
+                        sock.send_multipart(parts, copy=False)
                 if done:
                     return
                 with self._out_lock:
@@ -691,74 +810,71 @@ class StageRuntime:
                 self._out_drained.notify()
             sock.close(linger=linger)
 
-    def _prepare_one(self, ev: tuple[Any, ...], events: list[tuple[Any, ...]]) -> bool:
-        """Check one event's payload and append it to *events*, or its error report if it
-        cannot be encoded. Returns whether it ends the output (``stop`` or terminal)."""
-        kind = ev[0]
-        if kind == "output":
-            try:
-                _wire.check_encodable(ev[3], "output payload")
-            except TypeError as exc:
-                events.append(self._bad_output(ev, exc))
-                return False
-        elif kind == "utility":
-            try:
-                _wire.check_encodable(ev[2], "utility result")
-            except TypeError as exc:
-                events.append(("utility", ev[1], None, repr(exc)))
-                return False
-        elif kind == "stop":
-            return True
-        elif kind in ("shutdown", "fatal"):
-            self.terminal = kind
-            events.append(ev)
-            return True
-        events.append(ev)
-        return False
-
-    def _bad_output(self, ev: tuple[Any, ...], exc: Exception) -> tuple[Any, ...]:
-        rid = ev[1]
+    def _bad_output(self, rid: str | None, exc: Exception) -> tuple[Any, ...]:
+        """The error event for an output of *rid* that cannot cross the wire; the request
+        is aborted in the engine (its stream ends with the error)."""
         logger.error("enginecore: dropping an output that cannot be encoded: %s", exc)
         if rid is None:
             return ("error", None, f"an unrouted engine output cannot be encoded: {exc}")
-        # The client ends this request's stream with the error; stop the engine working on it.
         self.loop.input_queue.put(Abort([rid]))
         return ("error", rid, f"output cannot be encoded, request aborted: {exc}")
 
     def _encode_one_by_one(
-        self, encoder: msgspec.msgpack.Encoder, events: Iterable[tuple[Any, ...]]
+        self, encoder: _codec.Encoder, events: Iterable[tuple[Any, ...]]
     ) -> list[Any]:
-        # Only reached if check_encodable let something through that msgspec refuses (a str
-        # with a lone surrogate, say). The replacement keeps the event's scope, so the
-        # request or call it belongs to ends instead of waiting forever.
+        # Only reached if something passed the checks that msgspec then refuses (an int out
+        # of range after the flat fast path, a str with a lone surrogate). The replacement
+        # keeps the event's scope, so the request or call it belongs to ends instead of
+        # waiting forever.
         good: list[Any] = []
         for ev in events:
             try:
                 encoder.encode(ev)
             except _ENCODE_ERRORS as exc:
-                good.append(self._unencodable(encoder, ev, exc))
+                good += self._unencodable(encoder, ev, exc)
             else:
                 good.append(ev)
         return good
 
     def _unencodable(
-        self, encoder: msgspec.msgpack.Encoder, ev: tuple[Any, ...], exc: Exception
-    ) -> tuple[Any, ...]:
-        err = TypeError(f"{ev[0]} event cannot be encoded: {exc!r}")
-        replacement: tuple[Any, ...]
-        if ev[0] == "output":
-            replacement = self._bad_output(ev, err)
-        elif ev[0] == "utility":
+        self, encoder: _codec.Encoder, ev: tuple[Any, ...], exc: Exception
+    ) -> list[tuple[Any, ...]]:
+        kind = ev[0]
+        if kind == "outputs":
+            _, rids, fins, payloads = ev
+            bad: list[tuple[int, Exception]] = []
+            for i, payload in enumerate(payloads):
+                try:
+                    encoder.encode(payload)
+                except _ENCODE_ERRORS as payload_exc:
+                    bad.append((i, TypeError(f"output payload cannot be encoded: {payload_exc!r}")))
+            replacement = self._without(rids, fins, payloads, bad)
+        elif kind == "utility":
             logger.error("enginecore: a utility result cannot be encoded: %s", exc)
-            replacement = ("utility", ev[1], None, repr(err))
+            answer = TypeError(f"utility result cannot be encoded: {exc!r}")
+            replacement = [("utility", ev[1], None, repr(answer))]
         else:
             logger.error("enginecore: dropping an event that cannot be encoded: %s", exc)
-            replacement = ("error", None, str(err))
-        try:
-            encoder.encode(replacement)
-        except _ENCODE_ERRORS:  # the id itself is unencodable: nothing to scope it to
-            return ("error", None, f"{ev[0]} event cannot be encoded: {exc!r}")
-        return replacement
+            replacement = [("error", None, f"{kind} event cannot be encoded: {exc!r}")]
+        good = []
+        for candidate in replacement:
+            try:
+                encoder.encode(candidate)
+            except _ENCODE_ERRORS:  # the id itself is unencodable: nothing to scope it to
+                good.append(("error", None, f"{kind} event cannot be encoded: {exc!r}"))
+            else:
+                good.append(candidate)
+        return good
+
+
+def _weight(item: Any) -> int:
+    """What *item* adds to the output backlog: one per output, one per other event."""
+    if item.__class__ is not list:
+        return 1
+    w = 0
+    for ev in item:
+        w += len(ev[3]) if ev[0] == "outputs" else 1
+    return w
 
 
 # -- process entry points -------------------------------------------------------------------

@@ -9,6 +9,8 @@ Factories (``"enginecore.stage.testing:NAME"``):
 
 - ``countdown`` -> a :class:`~enginecore.CountdownEngine`.
 - ``scripted`` -> a :class:`ScriptedEngine` (a CountdownEngine with test utilities).
+- ``echo`` -> an :class:`EchoEngine`: each request's one output is its own data (arrays
+  and buffers included), and utility ``"echo"`` returns its arguments.
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
 - ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
 - ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
@@ -25,8 +27,10 @@ from typing import Any, Final
 from .._engine import CountdownEngine
 
 __all__ = [
+    "EchoEngine",
     "ScriptedEngine",
     "countdown",
+    "echo",
     "exiting_factory",
     "failing_factory",
     "scripted",
@@ -161,6 +165,51 @@ class ScriptedEngine(CountdownEngine):
         if type(output) is tuple:
             return output[0], False, output[1]
         return None, False, output
+
+
+class EchoEngine:
+    """Each request has one output, its own data, in the step after its ``add``: for
+    round trips of any payload (arrays included). ``utility("echo", args)`` returns *args*
+    as a list; ``utility("num_requests", ())`` the number of requests waiting."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, Any] = {}
+
+    def has_work(self) -> bool:
+        return bool(self._waiting)
+
+    def add(self, req_id: str, data: Any) -> None:
+        if req_id in self._waiting:
+            raise ValueError(f"EchoEngine.add: request {req_id!r} is already live")
+        self._waiting[req_id] = data
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            self._waiting.pop(rid, None)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "echo":
+            return list(args)
+        if name == "num_requests":
+            return len(self._waiting)
+        raise ValueError(f"EchoEngine has no utility {name!r}; known: 'echo', 'num_requests'")
+
+    def step(self) -> list[tuple[str, Any]]:
+        out = list(self._waiting.items())
+        self._waiting = {}
+        return out
+
+    @staticmethod
+    def route_outputs(
+        outputs: list[tuple[str, Any]],
+    ) -> tuple[list[str], list[bool], list[Any]]:
+        """Every output finishes its request."""
+        return [rid for rid, _ in outputs], [True] * len(outputs), [d for _, d in outputs]
+
+
+def echo() -> EchoEngine:
+    """Factory: an :class:`EchoEngine`."""
+    return EchoEngine()
 
 
 def countdown() -> CountdownEngine:
