@@ -1,4 +1,4 @@
-"""Shared pieces of the stage-runtime benchmarks: the raw baseline process and a sink engine.
+"""Shared pieces of the stage-runtime benchmarks: the raw baseline process and two engines.
 
 The raw baseline is what a hand-written stage process would be with nothing but pyzmq and
 msgspec: **one thread**, a ``ROUTER`` it reads requests from and a ``PUSH`` it streams
@@ -7,9 +7,13 @@ stage (``docs/stage.md``). It has no input thread, no loop thread, no output thr
 queues between them, and the parent side has no receiver thread: every hop that the stage
 runtime adds is missing. It is started with multiprocessing *spawn*, like a stage.
 
+With ``zero_copy=True`` the raw server is instead an echo of multipart frames received and
+sent with ``copy=False`` (the raw baseline of the array round trip).
+
 This module is imported by the spawned children (the raw server, and a stage whose factory is
-``benchmarks._stage:SinkEngine``): spawn gives a child the parent's ``sys.path``, and
-``python -m benchmarks`` (or pytest) from the repository root puts the root on it.
+``benchmarks._stage:SinkEngine`` or ``benchmarks._stage:EchoEngine``): spawn gives a child the
+parent's ``sys.path``, and ``python -m benchmarks`` (or pytest) from the repository root puts
+the root on it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -27,9 +31,10 @@ import zmq
 
 from enginecore import CountdownEngine
 
-__all__ = ["SINK_FACTORY", "RawPeer", "SinkEngine", "raw_server"]
+__all__ = ["ECHO_FACTORY", "SINK_FACTORY", "EchoEngine", "RawPeer", "SinkEngine", "raw_server"]
 
 SINK_FACTORY: Final = "benchmarks._stage:SinkEngine"
+ECHO_FACTORY: Final = "benchmarks._stage:EchoEngine"
 
 # A raw server whose parent is gone notices within this long and exits (no orphans).
 _ORPHAN_CHECK_MS: Final = 1000
@@ -61,7 +66,42 @@ class SinkEngine:
         return []
 
 
-def raw_server(input_address: str, output_address: str, parent_pid: int) -> None:
+class EchoEngine:
+    """Each request has one output, ``(req_id, data)``: the data it was added with, as is.
+
+    The outputs are the default ``(req_id, payload)`` pairs of the stage's routing, and
+    :meth:`is_finished` says every output is its request's last. Used to move arrays
+    client -> engine -> client.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, Any]] = []
+
+    def has_work(self) -> bool:
+        return bool(self.pending)
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.pending.append((req_id, data))
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        drop = set(req_ids)
+        self.pending = [p for p in self.pending if p[0] not in drop]
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        return None
+
+    def step(self) -> list[tuple[str, Any]]:
+        out, self.pending = self.pending, []
+        return out
+
+    @staticmethod
+    def is_finished(output: tuple[str, Any]) -> bool:
+        return True
+
+
+def raw_server(
+    input_address: str, output_address: str, parent_pid: int, zero_copy: bool = False
+) -> None:
     """Target of the raw baseline process: one thread, a ROUTER in and a PUSH out.
 
     Messages (msgpack arrays, decoded with msgspec, one per frame, like the stage's wire):
@@ -75,6 +115,9 @@ def raw_server(input_address: str, output_address: str, parent_pid: int) -> None
       *requests* requests of *steps* steps to the end, and PUSH each step's outputs as one
       frame of ``["output", req_id, finished, remaining]`` arrays (the stage's event shape);
     * ``["quit"]`` -> close and return.
+
+    With *zero_copy*, every message but ``["quit"]`` is sent back as it came, all its frames,
+    received and sent with ``copy=False`` (the parent sends a body and the array's buffer).
     """
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -87,6 +130,9 @@ def raw_server(input_address: str, output_address: str, parent_pid: int) -> None
     decode = msgspec.msgpack.Decoder().decode
     count = 0
     try:
+        if zero_copy:
+            _echo_frames(router, decode, parent_pid)
+            return
         while True:
             try:
                 ident, frame = router.recv_multipart()
@@ -119,14 +165,30 @@ def raw_server(input_address: str, output_address: str, parent_pid: int) -> None
         ctx.term()
 
 
+def _echo_frames(router: zmq.Socket[bytes], decode: Callable[[Any], Any], parent_pid: int) -> None:
+    """The zero-copy echo loop of :func:`raw_server`."""
+    while True:
+        try:
+            parts = router.recv_multipart(copy=False)
+        except zmq.Again:
+            if os.getppid() != parent_pid:
+                return
+            continue
+        if decode(parts[1].buffer)[0] == "quit":
+            return
+        router.send_multipart(parts, copy=False)
+
+
 class RawPeer:
     """The parent's end of a running :func:`raw_server`: a DEALER and a PULL. Single thread.
+
+    *zero_copy* starts the server as a zero-copy echo of multipart frames (see there).
 
     ``close()`` (idempotent; also on leaving a ``with`` block) stops the process, kills it if
     it does not stop within 5 s, and removes its socket directory.
     """
 
-    def __init__(self, startup_timeout: float = 30.0) -> None:
+    def __init__(self, startup_timeout: float = 30.0, zero_copy: bool = False) -> None:
         self._dir = tempfile.mkdtemp(prefix="ecbench-")
         in_addr = f"ipc://{os.path.join(self._dir, 'in')}"
         out_addr = f"ipc://{os.path.join(self._dir, 'out')}"
@@ -137,7 +199,9 @@ class RawPeer:
         self.decode = msgspec.msgpack.Decoder().decode
         self._closed = False
         self.process = multiprocessing.get_context("spawn").Process(
-            target=raw_server, args=(in_addr, out_addr, os.getpid()), name="bench-raw-stage"
+            target=raw_server,
+            args=(in_addr, out_addr, os.getpid(), zero_copy),
+            name="bench-raw-stage",
         )
         try:
             self.process.start()
