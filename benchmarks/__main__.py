@@ -30,6 +30,8 @@ MODULES = (
     "bench_stage_utility",
     "bench_stage_output",
     "bench_stage_ingest",
+    "bench_stage_requests",
+    "bench_stage_arrays",
 )
 
 

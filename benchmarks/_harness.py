@@ -198,7 +198,7 @@ def no_gc() -> Iterator[None]:
 def fmt_value(x: float, unit: str) -> str:
     if not math.isfinite(x):
         return "inf"
-    if unit == "msgs/s":
+    if unit in ("msgs/s", "outputs/s"):
         return f"{x / 1e6:.3f}M" if x >= 1e6 else f"{x / 1e3:.0f}k"
     if abs(x) >= 1000:
         return f"{x:.0f}"
