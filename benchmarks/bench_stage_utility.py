@@ -1,7 +1,7 @@
-"""Utility round trip through a launched stage vs a raw DEALER <-> ROUTER echo, p50/p99.
+"""Utility round trip through a launched stage vs a raw zmq echo and an mp.Queue stage, p50/p99.
 
-Both peers are processes started with multiprocessing spawn, talking over ipc sockets in a
-private temporary directory. Each sample is one blocking call, timed with
+All three peers are processes started with multiprocessing spawn (the first two talk over ipc
+sockets in a private temporary directory). Each sample is one blocking call, timed with
 ``perf_counter_ns()`` in the parent, back to back (a closed loop, one call in flight):
 
 * enginecore: ``StageClient.call_utility("count")`` on a stage running
@@ -15,10 +15,15 @@ private temporary directory. Each sample is one blocking call, timed with
   msgspec decode, encode a reply, ``send`` on the same ROUTER; the parent encodes, sends on
   its DEALER, blocks in ``recv`` and decodes. msgspec encode + decode per message on both
   ends, no extra thread on either side.
+* baseline 2: the mp.Queue stage of ``benchmarks/_mpq_stage.py`` (what a user writes by hand
+  instead of enginecore) running the same ``SinkEngine``: ``MpqStage.call("count")`` puts
+  the call on one ``multiprocessing.Queue`` and blocks on the other for the answer; the
+  child, blocked in ``get()``, calls ``engine.utility`` and puts the answer.
 
-Blocks of samples alternate (A B B A ...); p50 and p99 over all samples of each side; the
-``±`` is the half-range of the per-block percentiles. Goal: enginecore <= 1.5x raw at p50
-and at p99 (see docs/performance.md for why the stage's three thread hand-offs cost more).
+Blocks of samples alternate (A B C, C B A, ...); p50 and p99 over all samples of each side;
+the ``±`` is the half-range of the per-block percentiles. Goals: enginecore <= 1.5x raw zmq
+at p50 and at p99 (see docs/performance.md for why the stage's thread hand-offs cost more),
+and <= 1.0x the mp.Queue stage at p50 and at p99.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .bench_wake_latency import latency_records
 
 NAME = "stage_utility"
 GOAL = 1.5
+GOAL_MPQ = 1.0
 
 
 def sample_stage(client: object, n: int) -> list[float]:
@@ -65,20 +71,45 @@ def sample_raw(peer: object, n: int) -> list[float]:
     return out
 
 
+def sample_mpq(stage: object, n: int) -> list[float]:
+    """*n* back-to-back utility round trips through the mp.Queue stage, in µs."""
+    from ._mpq_stage import MpqStage
+
+    assert isinstance(stage, MpqStage)
+    call = stage.call
+    clock = time.perf_counter_ns
+    out: list[float] = []
+    for _ in range(n):
+        t0 = clock()
+        call("count")
+        out.append((clock() - t0) / 1e3)
+    return out
+
+
 def measure(
     samples: int, blocks: int
 ) -> tuple[dict[str, list[float]], dict[str, list[list[float]]]]:
-    """Alternate blocks of *samples* round trips per side; all samples and per-block samples."""
+    """Alternate blocks of *samples* round trips per side; all samples and per-block samples.
+
+    The sides are ``loop`` (enginecore), ``raw`` (the zmq echo) and ``mpq`` (the mp.Queue
+    stage).
+    """
     try:
         from enginecore.stage import StageClient
 
-        from ._stage import SINK_FACTORY, RawPeer
+        from ._mpq_stage import MpqStage
+        from ._stage import SINK_FACTORY, RawPeer, SinkEngine
     except ImportError as exc:
         raise Skipped(f"needs the zmq extra (pip install -e '.[zmq]'): {exc}") from None
-    with StageClient.launch(SINK_FACTORY) as client, RawPeer() as peer:
+    with (
+        StageClient.launch(SINK_FACTORY) as client,
+        RawPeer() as peer,
+        MpqStage(SinkEngine) as stage,
+    ):
         sides: dict[str, Callable[[int], list[float]]] = {
             "loop": lambda n: sample_stage(client, n),
             "raw": lambda n: sample_raw(peer, n),
+            "mpq": lambda n: sample_mpq(stage, n),
         }
         names = list(sides)
         per_block: dict[str, list[list[float]]] = {n: [] for n in names}
@@ -95,7 +126,13 @@ def measure(
 def run(quick: bool) -> list[Record]:
     samples, blocks = (150, 4) if quick else (500, 10)
     pooled, per_block = measure(samples, blocks)
-    return latency_records("stage utility round trip", pooled, per_block, GOAL)
+    vs_mpq = latency_records(
+        "stage utility round trip vs mp.Queue stage",
+        {"loop": pooled["loop"], "raw": pooled["mpq"]},
+        {"loop": per_block["loop"], "raw": per_block["mpq"]},
+        GOAL_MPQ,
+    )
+    return latency_records("stage utility round trip", pooled, per_block, GOAL) + vs_mpq
 
 
 if __name__ == "__main__":
