@@ -1,24 +1,77 @@
-"""The benchmark harness runs and produces well-formed records. Never asserts on a time."""
+"""The benchmark harness runs and produces well-formed records. Never asserts on a time.
+
+The stage benchmarks start processes: their tests also check that no child process and no
+socket directory is left behind.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from benchmarks import (
     _harness,
     bench_overhead,
+    bench_stage_arrays,
     bench_stage_ingest,
     bench_stage_output,
+    bench_stage_requests,
     bench_stage_utility,
     bench_throughput,
 )
-from benchmarks.__main__ import main
+from benchmarks.__main__ import MODULES, main
 
 KEYS = {"name", "value", "unit", "baseline", "ratio", "goal", "met"}
+
+
+def child_pids() -> set[int]:
+    """Children of this process (running or zombie), except multiprocessing's resource
+    tracker, which spawn starts once per interpreter on purpose."""
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"resource_tracker" not in cmdline:
+            found.add(int(entry))
+    return found
+
+
+@pytest.fixture
+def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A private temp dir for the ipc sockets; afterwards, no new child and no file left."""
+    before = child_pids()
+    private = tempfile.mkdtemp(prefix="ecB", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", private)
+    try:
+        yield private
+        assert not child_pids() - before, "child processes left behind"
+        assert not os.listdir(private), f"left behind: {os.listdir(private)}"
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def assert_records(records: list[_harness.Record], n: int) -> None:
+    assert len(records) == n
+    for rec in records:
+        obj = rec.as_json()
+        assert obj.keys() >= KEYS
+        assert rec.value >= 0, rec
+        assert rec.baseline >= 0, rec
+        assert isinstance(rec.met, bool)
+    assert len({r.name for r in records}) == n, "metric names must be unique"
 
 
 class TestHarness:
@@ -73,7 +126,12 @@ class TestBenchmarksRun:
         assert "| loop overhead per iteration" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("no_leftovers")
 class TestStageBenchmarks:
+    def test_every_stage_script_is_registered(self) -> None:
+        for name in ("bench_stage_requests", "bench_stage_arrays", "bench_stage_utility"):
+            assert name in MODULES
+
     def test_raw_peer_answers_and_leaves_nothing_behind(self) -> None:
         from benchmarks._stage import RawPeer
 
@@ -83,10 +141,68 @@ class TestStageBenchmarks:
         assert process.exitcode == 0
         assert not os.path.exists(ipc_dir)
 
-    def test_utility_round_trip_measures_both_sides(self) -> None:
+    def test_mpq_stage_works_like_a_stage_and_leaves_nothing_behind(self) -> None:
+        from benchmarks._mpq_stage import MpqStage
+
+        with MpqStage() as stage:
+            assert stage.call("div", 1, 4) == 0.25
+            with pytest.raises(RuntimeError, match="no utility"):
+                stage.call("nope")
+            stage.add_many([("a", 3), ("b", 1)])
+            stage.add("c", 2)
+            stage.collect(timeout=30)
+            assert stage.streams == {"a": [2, 1, 0], "b": [0], "c": [1, 0]}
+            stage.add("long", 10**9)
+            stage.abort(["long"])
+            stage.collect(timeout=30)
+            assert not stage.live
+            process = stage.process
+        assert process.exitcode == 0
+
+    def test_mpq_stage_echoes_with_another_engine(self) -> None:
+        from benchmarks._mpq_stage import MpqStage
+        from benchmarks._stage import EchoEngine
+
+        with MpqStage(EchoEngine) as stage:
+            assert stage.echo("x", {"k": [1, 2]}) == {"k": [1, 2]}
+            process = stage.process
+        assert process.exitcode == 0
+
+    def test_utility_round_trip_measures_every_side(self) -> None:
         pooled, per_block = bench_stage_utility.measure(samples=5, blocks=2)
-        assert len(pooled["loop"]) == len(pooled["raw"]) == 10
+        assert len(pooled["loop"]) == len(pooled["raw"]) == len(pooled["mpq"]) == 10
         assert len(per_block["loop"]) == 2
+
+    def test_requests_measures_every_side(self) -> None:
+        res = bench_stage_requests.measure(rounds=1)
+        assert {len(v) for v in res.values()} == {1}
+        assert_records(bench_stage_requests.records(res), 5)
+
+    def test_cpu_clocks_read_a_process(self) -> None:
+        pid = os.getpid()
+        assert bench_stage_requests.stat_cpu(pid) >= 0
+        assert bench_stage_requests.process_cpu(pid)() >= 0
+
+    def test_arrays_raw_and_mpq_sides(self) -> None:
+        import numpy as np
+        from benchmarks._mpq_stage import MpqStage
+        from benchmarks._stage import EchoEngine, RawPeer
+
+        arr = np.arange(1 << 16, dtype=np.float32)
+        with RawPeer(zero_copy=True) as peer, MpqStage(EchoEngine) as stage:
+            assert bench_stage_arrays.trip_raw(peer, arr, 2) > 0
+            assert bench_stage_arrays.trip_mpq(stage, arr, 2) > 0
+
+    def test_arrays_runs_or_skips_until_the_stage_carries_arrays(self) -> None:
+        skipped = ""
+        try:
+            records = bench_stage_arrays.run(quick=True)
+        except _harness.Skipped as exc:
+            records, skipped = [], str(exc)
+        if skipped:
+            assert "numpy arrays" in skipped
+        else:
+            assert_records(records, 2)
 
     def test_output_and_ingest_measure_both_sides(self) -> None:
         from benchmarks._stage import SINK_FACTORY, RawPeer
