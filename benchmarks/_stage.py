@@ -111,9 +111,11 @@ def raw_server(
     * ``["add", req_id, data]`` -> counted, nothing else;
     * ``["count", call_id]`` -> reply ``["utility", call_id, n, None]``, ``n`` the adds
       counted since the last ``count``, and reset (the ingest barrier);
-    * ``["stream", requests, steps]`` -> run a :class:`~enginecore.CountdownEngine` with
-      *requests* requests of *steps* steps to the end, and PUSH each step's outputs as one
-      frame of ``["output", req_id, finished, remaining]`` arrays (the stage's event shape);
+    * ``["stream", requests, steps, columnar]`` -> run a :class:`~enginecore.CountdownEngine`
+      with *requests* requests of *steps* steps to the end, and PUSH each step's outputs as
+      one frame in the stage's event shape: with *columnar* (wire v2), one
+      ``["outputs", req_ids, finished, remainings]`` event, else (v1) one
+      ``["output", req_id, finished, remaining]`` event per output;
     * ``["quit"]`` -> close and return.
 
     With *zero_copy*, every message but ``["quit"]`` is sent back as it came, all its frames,
@@ -153,10 +155,15 @@ def raw_server(
                 engine = CountdownEngine()
                 for i in range(msg[1]):
                     engine.add(f"r{i}", msg[2])
+                columnar = len(msg) > 3 and msg[3]
                 while engine.has_work():
-                    push.send(
-                        encode([("output", rid, left == 0, left) for rid, left in engine.step()])
-                    )
+                    outs = engine.step()
+                    if columnar:
+                        lefts = [left for _, left in outs]
+                        rids = [rid for rid, _ in outs]
+                        push.send(encode([("outputs", rids, [x == 0 for x in lefts], lefts)]))
+                    else:
+                        push.send(encode([("output", rid, left == 0, left) for rid, left in outs]))
             elif kind == "quit":
                 return
     finally:

@@ -7,15 +7,16 @@ parent holds the last output.
 
 * enginecore: a stage running ``enginecore:CountdownEngine``, launched with
   ``ordered_events=True``. The parent ``add``\\ s ``REQUESTS`` requests of *steps* steps
-  each, then reads ``client.get_event()`` until it has seen every ``Output``. In the stage,
-  each step's outputs are routed (``route_output``) and handed one by one to the output
-  thread, which sends what is waiting (up to 512 events) as one frame; in the parent the
-  receiver thread decodes each frame into ``Output`` structs and puts each one on the
-  request's stream and on the ordered event queue.
+  each, then reads ``client.get_event()`` until it has seen every output. With wire v2 a
+  step's outputs are one ``Outputs`` event (routed by the engine's ``route_outputs``, sent
+  by the stage's output thread, put by the client's receiver thread on each request's stream
+  and, as one event, on the ordered event queue); with v1 (a client without ``Outputs``),
+  one ``Output`` event per output.
 * baseline: the raw server of ``benchmarks/_stage.py``, one thread, runs the same
   ``CountdownEngine`` to the end and PUSHes each step's outputs as one msgspec-encoded frame
-  of ``["output", req_id, finished, remaining]`` arrays (the stage's event shape); the
-  parent ``recv``\\ s on its PULL, decodes each frame with msgspec and counts the outputs.
+  in the stage's event shape (v2: one ``["outputs", req_ids, finished, remainings]``; v1:
+  ``["output", req_id, finished, remaining]`` per output); the parent ``recv``\\ s on its
+  PULL, decodes each frame with msgspec and counts the outputs.
 
 Rounds are interleaved; the result is outputs per second. Goal: enginecore >= 0.5x raw
 (see docs/performance.md for what the stage's two extra thread hand-offs per output cost).
@@ -23,6 +24,7 @@ Rounds are interleaved; the result is outputs per second. Goal: enginecore >= 0.
 
 from __future__ import annotations
 
+import importlib
 import time
 from itertools import count
 from typing import Any
@@ -36,10 +38,16 @@ REQUESTS = 256  # outputs per step; one raw frame per step, under the stage's 51
 _rounds = count()
 
 
+def columnar() -> bool:
+    """Whether ``enginecore.stage`` speaks wire v2 (one ``Outputs`` event per step)."""
+    return hasattr(importlib.import_module("enginecore.stage"), "Outputs")
+
+
 def run_stage(client: Any, steps: int) -> float:
     """Outputs per second through a CountdownEngine stage and ``get_event()``."""
-    from enginecore.stage import Output
-
+    stage = importlib.import_module("enginecore.stage")
+    outputs_v2 = getattr(stage, "Outputs", None)
+    output_v1 = getattr(stage, "Output", None)
     total = REQUESTS * steps
     prefix = f"s{next(_rounds)}-"  # fresh ids: the previous round's streams may linger
     ids = [f"{prefix}{i}" for i in range(REQUESTS)]
@@ -49,9 +57,15 @@ def run_stage(client: Any, steps: int) -> float:
         for rid in ids:
             client.add(rid, steps)
         seen = 0
-        while seen < total:
-            if get_event().__class__ is Output:
-                seen += 1
+        if outputs_v2 is not None:
+            while seen < total:
+                ev = get_event()
+                if ev.__class__ is outputs_v2:
+                    seen += len(ev.payloads)
+        else:
+            while seen < total:
+                if get_event().__class__ is output_v1:
+                    seen += 1
         t1 = time.perf_counter()
     return total / (t1 - t0)
 
@@ -60,12 +74,17 @@ def run_raw(peer: Any, steps: int) -> float:
     """Outputs per second from the raw one-thread producer to a PULL in this process."""
     total = REQUESTS * steps
     recv, decode = peer.pull.recv, peer.decode
+    v2 = columnar()
     with no_gc():
         t0 = time.perf_counter()
-        peer.dealer.send(peer.encode(("stream", REQUESTS, steps)))
+        peer.dealer.send(peer.encode(("stream", REQUESTS, steps, v2)))
         seen = 0
-        while seen < total:
-            seen += len(decode(recv()))
+        if v2:
+            while seen < total:
+                seen += len(decode(recv())[0][3])
+        else:
+            while seen < total:
+                seen += len(decode(recv()))
         t1 = time.perf_counter()
     return total / (t1 - t0)
 
