@@ -1,124 +1,143 @@
-"""AsyncStageClient: the asyncio client of a stage process, on ``zmq.asyncio``."""
+"""AsyncStageClient: the asyncio client of a stage process, on ``zmq.asyncio``.
+
+The protocol is :class:`~enginecore.stage._session.ClientSession`'s, as for the blocking
+client; this module owns the IO: the sockets, the receiver task, the liveness timer, the
+process sentinel's reader and the waiting.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Literal, NoReturn, overload
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from . import _common, _wire
-from ._errors import (
-    EngineDeadError,
-    RequestError,
-    StageClosedError,
-    StageStartupError,
-    UtilityError,
-)
+from . import _clientbase, _session
+from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import Launched, launch_process
-from ._wire import Aborted, ErrorReport, Fatal, Output, Pong, Shutdown, StageEvent, UtilityResult
+from ._session import ClientSession, Deliveries, End, StreamCore
+from ._wire import StageEvent, WelcomeMsg
 
 __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 
 logger = logging.getLogger("enginecore.stage")
 
-_EXIT_GRACE_S: Final = 0.3
-_EXIT_AFTER_LAST_EVENT_S: Final = 1.0
+# At most this many frames are read in a row before the receiver task lets others run.
+_DRAIN_MAX = 256
 
 
-class _End:
-    __slots__ = ("aborted", "exc")
+class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
+    """The outputs of one request, in order, as an async iterator. Returned by
+    :meth:`AsyncStageClient.add` and :meth:`AsyncStageClient.add_many`.
 
-    def __init__(self, exc: BaseException | None, aborted: bool = False) -> None:
-        self.exc = exc
-        self.aborted = aborted
+    ``async for`` yields each output's payload and stops after the request's finished
+    output, or when its abort has been applied in the stage (then :attr:`aborted` is true).
+    It raises :class:`~enginecore.stage.RequestError` if the stage reported an error for
+    this request, :class:`~enginecore.stage.EngineDeadError` if the stage died and
+    :class:`~enginecore.stage.StageClosedError` if the client was closed first; once ended,
+    every later read ends the same way.
 
-
-_FINISHED: Final = _End(None)
-_ABORTED: Final = _End(None, aborted=True)
-
-
-class AsyncRequestStream(AsyncIterator[Any]):
-    """The outputs of one request as an async iterator; returned by
-    :meth:`AsyncStageClient.add`. Same semantics as :class:`~enginecore.stage.RequestStream`:
-    it stops after the finished output or an applied abort (:attr:`aborted`), and raises
-    :class:`~enginecore.stage.RequestError`, :class:`~enginecore.stage.EngineDeadError` or
-    :class:`~enginecore.stage.StageClosedError`. Use it on the client's event loop only.
+    Reading waits (without blocking the event loop) until an output arrives; :meth:`get`
+    and :meth:`collect` take a timeout. Outputs are buffered, so a stream may be consumed
+    late. Not thread-safe: use it on the client's event loop, from one task at a time.
     """
 
+    # _wakeup is the future a waiting reader awaits; the receiver task resolves it when it
+    # finds _waiting set, once per frame.
+    __slots__ = ("_wakeup",)
+
     def __init__(self, req_id: str) -> None:
-        self.req_id: Final = req_id
-        """The request's id."""
-        self._q: asyncio.Queue[Any] = asyncio.Queue()
-        self._end: _End | None = None
-
-    @property
-    def finished(self) -> bool:
-        """Whether iteration has reached the request's finished output. Never blocks."""
-        return self._end is _FINISHED
-
-    @property
-    def aborted(self) -> bool:
-        """Whether iteration stopped because the request was aborted. Never blocks."""
-        return self._end is _ABORTED
+        super().__init__(req_id)
+        self._wakeup: asyncio.Future[None] | None = None
 
     def __aiter__(self) -> AsyncRequestStream:
         return self
 
     async def __anext__(self) -> Any:
+        buf = self._buf
+        if buf:
+            item = buf.popleft()
+            if type(item) is not End:
+                return item
+            self._stop(item)
         return await self.get()
 
     async def get(self, timeout: float | None = None) -> Any:
-        """The next payload; waits up to *timeout* seconds (:class:`TimeoutError`).
+        """The next payload. Waits up to *timeout* seconds (``None``: until one arrives).
 
-        Raises :class:`StopAsyncIteration` once the stream has ended normally.
+        Raises :class:`StopAsyncIteration` when the stream has ended normally,
+        :class:`TimeoutError` on timeout (:class:`ValueError` if *timeout* is negative), else
+        the stream's error (see the class docstring).
         """
-        end = self._end
-        if end is None:
-            try:
-                item = await asyncio.wait_for(self._q.get(), timeout)
-            except asyncio.TimeoutError:
-                raise TimeoutError(
-                    f"no output for request {self.req_id!r} within {timeout} s"
-                ) from None
-            if type(item) is not _End:
-                return item
-            self._end = end = item
-        if end.exc is not None:
-            raise end.exc
-        raise StopAsyncIteration
+        deadline = _deadline(timeout)
+        buf = self._buf
+        if not buf and not await self._wait(deadline):
+            raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
+        item = buf.popleft()
+        if type(item) is End:
+            self._stop(item)
+        return item
 
     async def collect(self, timeout: float | None = None) -> list[Any]:
-        """All remaining payloads until the stream ends; *timeout* bounds the whole wait."""
+        """All remaining payloads until the stream ends, as one list. *timeout* bounds the
+        whole wait (:class:`TimeoutError`, and the payloads read so far stay in the stream).
+        Raises the stream's error if it ends with one; the payloads before it are then
+        dropped."""
+        deadline = _deadline(timeout)
+        buf = self._buf
         out: list[Any] = []
+        while True:
+            out += buf
+            buf.clear()
+            end = self._split_end(out)
+            if end is not None:
+                exc = self._reached(end)
+                if exc is not None:
+                    raise exc
+                return out
+            if not await self._wait(deadline):
+                buf.extendleft(reversed(out))
+                raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
 
-        async def run() -> None:
-            async for item in self:
-                out.append(item)
+    async def _wait(self, deadline: float | None) -> bool:
+        """Wait until the buffer is not empty (``True``) or *deadline* passes."""
+        buf = self._buf
+        while not buf:
+            self._wakeup = wakeup = asyncio.get_running_loop().create_future()
+            self._waiting = True
+            try:
+                if not await _until(wakeup, deadline):
+                    return bool(buf)
+            finally:
+                self._waiting = False
+                self._wakeup = None
+        return True
 
-        try:
-            await asyncio.wait_for(run(), timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s") from None
-        return out
+    def _stop(self, end: End) -> NoReturn:
+        exc = self._reached(end)
+        raise StopAsyncIteration if exc is None else exc
 
 
-class AsyncStageClient:
-    """The asyncio twin of :class:`~enginecore.stage.StageClient`, on ``zmq.asyncio``.
+class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future[Any]]):
+    """asyncio client of one stage process: add, abort, call utilities, read outputs.
 
-    Same abilities and error semantics; coroutines instead of blocking calls. Not
-    thread-safe: use it from the event loop that created it. A background task reads the
-    stage's events; a launched stage's death is seen through its process sentinel (an event
-    loop reader), a connected stage's through heartbeats. Use ``async with``.
+    Build one with ``await`` :meth:`launch` (start a stage process and own it) or
+    :meth:`connect` (attach to a headless stage, ``python -m enginecore serve``). Use it as
+    ``async with``. Same abilities and error semantics as
+    :class:`~enginecore.stage.StageClient`, with coroutines instead of blocking calls.
+
+    Not thread-safe: use it from the event loop that created it. A background task reads
+    the stage's events; a launched stage's death is seen through its process sentinel (an
+    event-loop reader), a connected stage's through heartbeats. When the stage is gone,
+    every pending call, every waiting iterator and every later call raises the same
+    :class:`~enginecore.stage.EngineDeadError`, within a second. After :meth:`close` they
+    raise :class:`~enginecore.stage.StageClosedError` instead.
     """
 
     def __init__(
@@ -128,38 +147,31 @@ class AsyncStageClient:
         _dealer: zmq.asyncio.Socket,
         _pull: zmq.asyncio.Socket,
         _address: str,
-        _welcome: _wire.WelcomeMsg,
+        _welcome: WelcomeMsg,
         _launched: Launched | None,
         _heartbeat: tuple[float, float] | None,
         _ordered_events: bool,
     ) -> None:
+        super().__init__(_address, _welcome, _launched, _heartbeat, _ordered_events)
         self._loop = asyncio.get_running_loop()
         self._ctx = _ctx
         self._dealer = _dealer
         self._pull = _pull
-        self._address = _address
-        self._pid = _welcome.pid
-        self._launched = _launched
-        self._heartbeat = _heartbeat
-        self._streams: dict[str, AsyncRequestStream] = {}
-        self._calls: dict[int, tuple[asyncio.Future[Any], str]] = {}
-        self._call_ids = _common.new_call_ids()
-        self._failure: BaseException | None = None
-        self._closing = False
-        self._closed_done = False
+        # Plain views of the same sockets, for the calls that never wait: every send (the
+        # DEALER has no high-water mark) and reading the frames that are already there.
+        self._dealer_now: zmq.Socket[bytes] = zmq.Socket.shadow(_dealer.underlying)
+        self._pull_now: zmq.Socket[bytes] = zmq.Socket.shadow(_pull.underlying)
+        self._sockets_closed = False
         self._close_lock = asyncio.Lock()
-        self._fatal: str | None = None
-        self._terminal = asyncio.Event()
-        self._exited = asyncio.Event()
-        self._events: asyncio.Queue[Any] | None = asyncio.Queue() if _ordered_events else None
-        self._last_heard = time.monotonic()
-        self._tasks: list[asyncio.Task[None]] = [
-            asyncio.ensure_future(self._rx_main()),
-        ]
-        if _heartbeat is not None:
-            self._tasks.append(asyncio.ensure_future(self._heartbeat_main(*_heartbeat)))
+        self._closed_done = False
+        self._over = asyncio.Event()  # Deliveries.over came: last event, or failure
+        self._exited = asyncio.Event()  # the launched process's sentinel fired
+        self._event_waiters: list[asyncio.Future[None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._rx = asyncio.ensure_future(self._rx_main())
         if _launched is not None:
             self._loop.add_reader(_launched.process.sentinel, self._on_sentinel)
+        self._run_timers()
 
     # -- construction ------------------------------------------------------------------------
 
@@ -174,9 +186,19 @@ class AsyncStageClient:
         ordered_events: bool = False,
         name: str | None = None,
     ) -> AsyncStageClient:
-        """Start a stage process running ``factory(**kwargs)``; see
-        :meth:`StageClient.launch <enginecore.stage.StageClient.launch>`. The blocking part
-        of the start runs in a worker thread; cancelling this coroutine kills the stage."""
+        """Start a stage process running ``factory(**kwargs)`` and return its client.
+
+        *factory* is an import string ``"pkg.module:callable"``, resolved in the child (a
+        fresh interpreter, multiprocessing *spawn*); *kwargs* must be plain wire values (no
+        arrays). With *ordered_events*, every event is also kept for :meth:`get_event` /
+        :meth:`get_events` / :meth:`events`.
+
+        Waits until the stage is ready, at most *startup_timeout* seconds; the blocking part
+        of the start runs in a worker thread, so the event loop keeps running. Raises
+        :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
+        factory raised) if it does not come up. Cancelling it kills the stage. No process or
+        socket file is left behind either way.
+        """
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(None, launch_process, factory, kwargs, startup_timeout, name)
         try:
@@ -186,17 +208,11 @@ class AsyncStageClient:
             raise
         try:
             return await cls._open(
-                launched.input_address,
-                timeout=startup_timeout,
-                launched=launched,
-                heartbeat=None,
-                ordered_events=ordered_events,
+                launched.input_address, startup_timeout, launched, None, ordered_events
             )
         except BaseException as exc:
             launched.kill_and_clean()
-            if isinstance(exc, Exception) and not isinstance(exc, StageStartupError):
-                raise StageStartupError(f"handshake with stage {factory!r} failed: {exc}") from exc
-            raise
+            _clientbase.raise_startup_error(factory, exc)
 
     @classmethod
     async def connect(
@@ -208,23 +224,22 @@ class AsyncStageClient:
         heartbeat_timeout: float = 5.0,
         ordered_events: bool = False,
     ) -> AsyncStageClient:
-        """Attach to a headless stage; see
-        :meth:`StageClient.connect <enginecore.stage.StageClient.connect>`."""
-        if heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
-            raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
-        return await cls._open(
-            address,
-            timeout=timeout,
-            launched=None,
-            heartbeat=(heartbeat_interval, heartbeat_timeout),
-            ordered_events=ordered_events,
-        )
+        """Attach to a headless stage (``python -m enginecore serve``) at *address*.
+
+        Waits for the handshake, at most *timeout* seconds (:class:`TimeoutError`);
+        :class:`~enginecore.stage.ProtocolError` if the stage rejects this client. The client
+        pings every *heartbeat_interval* seconds and declares the stage dead
+        (:class:`~enginecore.stage.EngineDeadError`) once *heartbeat_timeout* seconds have
+        passed without hearing from it. :meth:`close` detaches; :meth:`shutdown` stops the
+        stage.
+        """
+        heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
+        return await cls._open(address, timeout, None, heartbeat, ordered_events)
 
     @classmethod
     async def _open(
         cls,
         address: str,
-        *,
         timeout: float,
         launched: Launched | None,
         heartbeat: tuple[float, float] | None,
@@ -233,23 +248,20 @@ class AsyncStageClient:
         loop = asyncio.get_running_loop()
         ctx = zmq.asyncio.Context()
         dealer = pull = None
-        exited: asyncio.Future[bytes] = loop.create_future()
+        exited: asyncio.Future[Any] = loop.create_future()
 
         def on_exit() -> None:
             if not exited.done():
-                exited.set_result(b"")
+                exited.set_result(None)
 
         if launched is not None:
             loop.add_reader(launched.process.sentinel, on_exit)
         try:
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.SNDHWM, 0)
-            dealer.connect(address)
-            await dealer.send(_common.HELLO_FRAME)
+            dealer = _clientbase.dealer_for(ctx, address)
+            await dealer.send(_session.HELLO_FRAME[0])
             recv: asyncio.Future[bytes] = asyncio.ensure_future(dealer.recv())
             done, _ = await asyncio.wait(
-                {recv, exited}, timeout=timeout, return_when="FIRST_COMPLETED"
+                {recv, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             if recv not in done:
                 recv.cancel()
@@ -258,21 +270,15 @@ class AsyncStageClient:
                 if exited in done:
                     raise StageStartupError("the stage process exited during the handshake")
                 raise TimeoutError(f"no handshake reply from the stage at {address} in {timeout} s")
-            welcome = _common.parse_welcome(recv.result(), address)
-            pull = ctx.socket(zmq.PULL)
-            pull.setsockopt(zmq.LINGER, 0)
-            pull.connect(_common.output_address_for(address, welcome.output))
+            welcome = _session.parse_welcome(recv.result(), address)
+            pull = _clientbase.pull_for(ctx, address, welcome)
         except BaseException:
-            for sock in (dealer, pull):
-                if sock is not None:
-                    sock.close(linger=0)
-            ctx.term()
+            _clientbase.close_sockets(ctx, dealer, pull)
             raise
         finally:
             if launched is not None:
                 loop.remove_reader(launched.process.sentinel)
-            if not exited.done():
-                exited.cancel()
+            exited.cancel()
         return cls(
             _ctx=ctx,
             _dealer=dealer,
@@ -284,97 +290,166 @@ class AsyncStageClient:
             _ordered_events=ordered_events,
         )
 
-    # -- properties --------------------------------------------------------------------------
-
-    @property
-    def pid(self) -> int:
-        """The stage process's pid. Never blocks."""
-        return self._pid
-
-    @property
-    def address(self) -> str:
-        """The stage's input address. Never blocks."""
-        return self._address
-
-    @property
-    def exit_code(self) -> int | None:
-        """A launched stage's exit code once it has exited, else ``None``. Never blocks."""
-        return None if self._launched is None else self._launched.reap()
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` / :meth:`shutdown` has been called. Never blocks."""
-        return self._closing
-
     # -- requests ----------------------------------------------------------------------------
 
-    async def add(self, req_id: str, data: Any) -> AsyncRequestStream:
-        """Send request *req_id*; return the async stream of its outputs. Errors as
-        :meth:`StageClient.add <enginecore.stage.StageClient.add>`."""
-        frame = _common.build_add(req_id, data)
-        self._raise_if_failed()
-        if req_id in self._streams:
-            raise ValueError(f"request {req_id!r} is still live in this client")
-        stream = AsyncRequestStream(req_id)
-        self._streams[req_id] = stream
-        try:
-            await self._send(frame)
-        except BaseException:
-            self._streams.pop(req_id, None)
-            raise
-        return stream
+    @overload
+    async def add(
+        self, req_id: str, data: Any, stream: Literal[True] = True
+    ) -> AsyncRequestStream: ...
+    @overload
+    async def add(self, req_id: str, data: Any, stream: Literal[False]) -> None: ...
+    @overload
+    async def add(self, req_id: str, data: Any, stream: bool) -> AsyncRequestStream | None: ...
+
+    async def add(self, req_id: str, data: Any, stream: bool = True) -> AsyncRequestStream | None:
+        """Send request *req_id* with *data*; return the async stream of its outputs.
+
+        With ``stream=False`` there is no stream and ``None`` is returned: the request's
+        outputs appear only in the ordered event stream (the client must have been made with
+        ``ordered_events=True``, else :class:`RuntimeError`), for consumers that read whole
+        steps with :meth:`get_events`.
+
+        *data* may hold numpy arrays and buffers; they travel without a copy, so do not
+        modify them after the call. Raises :class:`TypeError` (before sending) if *data* is
+        not wire-encodable, :class:`ValueError` if *req_id* has a live stream in this client,
+        else the client's failure (:class:`~enginecore.stage.EngineDeadError`, or
+        :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never waits: the
+        frame is queued for sending before it returns.
+        """
+        parts = ClientSession.add_frame(req_id, data)
+        streams = self._send_requests([req_id], parts, stream)
+        return None if streams is None else streams[0]
+
+    @overload
+    async def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: Literal[True] = True
+    ) -> list[AsyncRequestStream]: ...
+    @overload
+    async def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: Literal[False]
+    ) -> None: ...
+    @overload
+    async def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: bool
+    ) -> list[AsyncRequestStream] | None: ...
+
+    async def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: bool = True
+    ) -> list[AsyncRequestStream] | None:
+        """Send many ``(req_id, data)`` requests in one frame; return their async streams in
+        order (``streams=False``: ``None``, as :meth:`add` with ``stream=False``).
+
+        The stage applies them in order, as one burst. All or nothing: :class:`TypeError`
+        for a bad pair or payload, :class:`ValueError` for an id that has a live stream or
+        appears twice, both before anything is sent; else as :meth:`add`. Never waits.
+        """
+        ids, parts = ClientSession.adds_frame(items)
+        return self._send_requests(ids, parts, streams)
+
+    def _send_requests(
+        self, ids: list[str], parts: _session.Parts, streams: bool
+    ) -> list[AsyncRequestStream] | None:
+        new = [AsyncRequestStream(rid) for rid in ids] if streams else None
+        self._session.open_requests(ids, new)
+        if ids:
+            try:
+                self._send(parts)
+            except BaseException:
+                self._session.cancel_streams(ids)
+                raise
+        return new
 
     async def abort(self, req_ids: Sequence[str]) -> None:
-        """Ask the stage to abort *req_ids*; their streams stop once it is applied."""
-        _, frame = _common.build_abort(req_ids)
-        self._raise_if_failed()
-        await self._send(frame)
+        """Ask the stage to abort *req_ids* (unknown ids are ignored).
+
+        Their streams stop once the stage has applied the abort; no output of theirs follows.
+        Raises :class:`TypeError` for a bare ``str``, else the client's failure. Never waits.
+        """
+        parts = ClientSession.abort_frame(req_ids)
+        self._session.check_open()
+        self._send(parts)
+
+    # -- utilities ---------------------------------------------------------------------------
 
     async def call_utility(self, name: str, /, *args: Any, timeout: float | None = None) -> Any:
         """Call ``engine.utility(name, args)`` in the stage and return its result.
 
-        Raises :class:`~enginecore.stage.UtilityError`, :class:`TimeoutError`,
-        :class:`~enginecore.stage.EngineDeadError` or
-        :class:`~enginecore.stage.StageClosedError`, as the blocking client does. Many calls
-        may be in flight (``asyncio.gather``). Cancelling the coroutine drops the answer.
+        Waits up to *timeout* seconds (``None``: until answered); many calls may be in
+        flight (``asyncio.gather``). Raises :class:`~enginecore.stage.UtilityError` (remote
+        ``repr`` inside) if it raised, :class:`TimeoutError` after *timeout* (the late answer
+        is then dropped, as it is when the call is cancelled), :class:`TypeError` (before
+        sending) for arguments that cannot cross the wire, and
+        :class:`~enginecore.stage.EngineDeadError` /
+        :class:`~enginecore.stage.StageClosedError` if the stage dies or the client is
+        closed.
         """
-        self._raise_if_failed()
-        call_id = next(self._call_ids)
-        frame = _common.build_utility(call_id, name, args)
+        session = self._session
+        call_id = session.new_call_id()
+        parts = session.utility_frame(call_id, name, args)
         future: asyncio.Future[Any] = self._loop.create_future()
-        self._calls[call_id] = (future, name)
+        session.open_call(call_id, future, name)
         try:
-            await self._send(frame)
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"utility {name!r} did not answer within {timeout} s") from None
+            self._send(parts)
+            if not await _until(future, _deadline(timeout)):
+                raise TimeoutError(f"utility {name!r} did not answer within {timeout} s")
+            return future.result()
         finally:
-            self._calls.pop(call_id, None)
+            session.forget_call(call_id)
 
     # -- the event stream --------------------------------------------------------------------
 
     async def get_event(self, timeout: float | None = None) -> StageEvent:
-        """The next stage event, in order (needs ``ordered_events=True``); see
-        :meth:`StageClient.get_event <enginecore.stage.StageClient.get_event>`. Raises
-        :class:`StopAsyncIteration` after the last event of a stage this client shut down."""
-        events = self._events
-        if events is None:
-            raise RuntimeError(
-                "the event stream is off; create the client with ordered_events=True"
-            )
-        try:
-            item = await asyncio.wait_for(events.get(), timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no stage event within {timeout} s") from None
-        if type(item) is _End:
-            events.put_nowait(item)
-            if item.exc is not None:
-                raise item.exc
-            raise StopAsyncIteration
-        return item  # type: ignore[no-any-return]
+        """The next event of the stage, in the stage's order (needs ``ordered_events=True``,
+        else :class:`RuntimeError`). A step's outputs are one
+        :class:`~enginecore.stage.Outputs` event.
+
+        Waits up to *timeout* seconds (:class:`TimeoutError`; :class:`ValueError` if
+        negative). After the last event: raises :class:`StopAsyncIteration` if this client
+        shut the stage down, else the client's failure. Several tasks may read; each event
+        goes to one of them.
+        """
+        buf = self._session.events
+        if buf:
+            item = buf.popleft()
+            if type(item) is not End:
+                return item  # type: ignore[no-any-return]
+            _session.raise_end(item, StopAsyncIteration)
+        return (await self._take_events(timeout, every=False))[0]  # type: ignore[no-any-return]
+
+    async def get_events(self, timeout: float | None = None) -> list[StageEvent]:
+        """Every event already received, in the stage's order, at least one: the batch form
+        of :meth:`get_event`, for consumers that handle a whole step (or more) at once.
+
+        Waits only while there is none, up to *timeout* seconds; raises like
+        :meth:`get_event`, but only once every event before the end has been returned.
+        """
+        return await self._take_events(timeout, every=True)
+
+    async def _take_events(self, timeout: float | None, *, every: bool) -> list[Any]:
+        session = self._session
+        buf = session.events
+        if buf is None:
+            raise _session.event_stream_off()
+        deadline = _deadline(timeout)
+        while True:
+            out = _session.take_events(buf, every)
+            if out:
+                return _session.events_before_end(out, StopAsyncIteration)
+            if session.events_end is not None:
+                _session.raise_end(session.events_end, StopAsyncIteration)
+            wakeup: asyncio.Future[None] = self._loop.create_future()
+            self._event_waiters.append(wakeup)
+            session.events_waiting = True
+            try:
+                if not await _until(wakeup, deadline) and not buf:
+                    raise TimeoutError(f"no stage event within {timeout} s")
+            finally:
+                with contextlib.suppress(ValueError):  # gone if _apply woke it
+                    self._event_waiters.remove(wakeup)
 
     async def events(self) -> AsyncIterator[StageEvent]:
-        """Iterate over :meth:`get_event` until the stream ends."""
+        """Iterate over :meth:`get_event` until the stream ends. Waits between events;
+        raises the client's failure unless this client shut the stage down."""
         while True:
             try:
                 event = await self.get_event()
@@ -385,13 +460,21 @@ class AsyncStageClient:
     # -- closing -----------------------------------------------------------------------------
 
     async def shutdown(self, timeout: float = 5.0) -> int | None:
-        """Stop the stage (graceful, then SIGTERM, then SIGKILL for a launched stage) and
-        release everything; return its exit code. Idempotent; see
-        :meth:`StageClient.shutdown <enginecore.stage.StageClient.shutdown>`."""
+        """Stop the stage and release everything; return its exit code (``None`` if unknown,
+        always for a connected stage).
+
+        Graceful first: a shutdown message (everything sent before it is applied first),
+        then up to *timeout* seconds for the stage to end; a launched stage that is still
+        alive gets SIGTERM, one more second, then SIGKILL. Pending calls and iterators then
+        raise :class:`~enginecore.stage.StageClosedError` (or keep the
+        :class:`~enginecore.stage.EngineDeadError` they already had), and so does every later
+        call. Waits; idempotent (a second call waits for the first).
+        """
         return await self._close(stop_stage=True, timeout=timeout)
 
     async def close(self) -> None:
-        """Release this client: a launched stage is shut down, a connected one detached."""
+        """Release this client. A launched stage is shut down (as :meth:`shutdown`); a
+        connected stage is only detached from and keeps running. Waits; idempotent."""
         await self._close(stop_stage=self._launched is not None, timeout=5.0)
 
     async def __aenter__(self) -> AsyncStageClient:
@@ -406,222 +489,148 @@ class AsyncStageClient:
         await self.close()
 
     async def _close(self, *, stop_stage: bool, timeout: float) -> int | None:
-        async with self._close_lock:
+        async with self._close_lock:  # a second caller waits for the first, then returns
             if self._closed_done:
                 return self.exit_code
-            self._closing = True
-            alive = self._failure is None
+            alive = self._session.begin_close()
             if alive:
-                with contextlib.suppress(zmq.ZMQError):
-                    await self._dealer.send(
-                        _common.SHUTDOWN_FRAME if stop_stage else _common.BYE_FRAME
-                    )
+                with contextlib.suppress(zmq.ZMQError, StageClosedError):
+                    self._send(_session.SHUTDOWN_FRAME if stop_stage else _session.BYE_FRAME)
             launched = self._launched
             if launched is not None:
-                if not await self._wait_exit(timeout):
-                    logger.warning("enginecore: stage %s ignored shutdown; SIGTERM", self._pid)
-                    launched.send_signal(signal.SIGTERM)
-                if not await self._wait_exit(1.0):
-                    logger.warning("enginecore: stage %s ignored SIGTERM; SIGKILL", self._pid)
-                    launched.send_signal(signal.SIGKILL)
-                    await self._wait_exit(None)
+                if not await _until_set(self._exited, timeout):
+                    for sig, wait in _clientbase.escalate(self._session.pid):
+                        launched.send_signal(sig)
+                        if await _until_set(self._exited, wait):
+                            break
+                await _until_set(self._over, _session.EXIT_GRACE_S)
                 self._loop.remove_reader(launched.process.sentinel)
-                launched.reap()
             elif stop_stage and alive:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._terminal.wait(), timeout)
-            for task in self._tasks:
-                task.cancel()
-            for task in self._tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            self._fail(StageClosedError("this stage client is closed"))
+                await _until_set(self._over, timeout)
+            self._rx.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rx
+            if self._timer is not None:
+                self._timer.cancel()
+            d = self._session.fail(StageClosedError("this stage client is closed"))
+            if d is not None:
+                self._apply(d)
+            self._sockets_closed = True
+            # A bye or shutdown to a live stage deserves a moment to leave the queue.
             self._dealer.close(linger=500 if alive else 0)
-            self._pull.close(linger=0)
-            self._ctx.term()
+            _clientbase.close_sockets(self._ctx, self._pull)
             if launched is not None:
                 launched.release()
             self._closed_done = True
             return self.exit_code
 
-    async def _wait_exit(self, timeout: float | None) -> bool:
-        try:
-            await asyncio.wait_for(self._exited.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
+    # -- IO ----------------------------------------------------------------------------------
 
-    # -- internals ---------------------------------------------------------------------------
-
-    def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self._closing:
+    def _send(self, parts: _session.Parts) -> None:
+        if self._sockets_closed:
             raise StageClosedError("this stage client is closed")
+        _clientbase.send_parts(self._dealer_now, parts, zmq.NOBLOCK)
 
-    async def _send(self, frame: bytes) -> None:
-        if self._closed_done:
-            raise StageClosedError("this stage client is closed")
-        await self._dealer.send(frame)
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._failure is not None:
-            return
-        self._failure = exc
-        streams = list(self._streams.values())
-        self._streams.clear()
-        calls = list(self._calls.values())
-        self._calls.clear()
-        end = _End(exc)
-        for stream in streams:
-            stream._q.put_nowait(end)
-        for future, _ in calls:
-            if not future.done():
-                future.set_exception(exc)
-        if self._events is not None:
-            clean = isinstance(exc, StageClosedError) and self._terminal.is_set()
-            self._events.put_nowait(_End(None if clean else exc))
+    def _apply(self, d: Deliveries[AsyncRequestStream, asyncio.Future[Any]]) -> None:
+        """Carry out what the session decided."""
+        for stream in d.wake:
+            wakeup = stream._wakeup
+            if wakeup is not None and not wakeup.done():
+                wakeup.set_result(None)
+        for future, result, exc in d.answers:
+            if not future.done():  # else the caller was cancelled
+                if exc is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(exc)
+        if d.wake_events:
+            waiters, self._event_waiters = self._event_waiters, []
+            for wakeup in waiters:
+                if not wakeup.done():
+                    wakeup.set_result(None)
+        for message in d.warnings:
+            logger.warning("enginecore: %s", message)
+        if d.over:
+            self._over.set()
 
     async def _rx_main(self) -> None:
+        session = self._session
+        recv_now = self._pull_now.recv_multipart
         try:
             while True:
-                frame = await self._pull.recv()
-                self._last_heard = time.monotonic()
-                try:
-                    batch = _wire.event_batch_decoder.decode(frame)
-                except msgspec.DecodeError as exc:
-                    err = EngineDeadError(f"the stage sent an invalid frame: {exc}")
-                    err.__cause__ = exc
-                    self._fail(err)
-                    return
-                self._dispatch(batch)
+                parts: list[Any] = await self._pull.recv_multipart(copy=False)
+                for _ in range(_DRAIN_MAX):
+                    d = session.receive(parts, time.monotonic())
+                    self._apply(d)
+                    if session.failure is not None:
+                        return
+                    if d.over:
+                        self._run_timers()  # the last event: the linger deadline starts
+                    try:
+                        parts = recv_now(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             logger.exception("enginecore: the stage client's receiver task failed")
             err = EngineDeadError(f"the stage client's receiver task failed: {exc!r}")
             err.__cause__ = exc
-            self._fail(err)
+            failed = session.fail(err)
+            if failed is not None:
+                self._apply(failed)
 
-    async def _heartbeat_main(self, interval: float, timeout: float) -> None:
-        for seq in itertools.count():
-            with contextlib.suppress(zmq.ZMQError):
-                await self._dealer.send(_common.ping_frame(seq))
-            await asyncio.sleep(interval)
-            if self._failure is not None:
-                return
-            if time.monotonic() - self._last_heard > timeout:
-                self._fail(
-                    _common.dead_error(
-                        pid=self._pid,
-                        exit_code=None,
-                        fatal=None,
-                        reason=f"no heartbeat from {self._address} for {timeout} s; presumed dead",
-                    )
-                )
-                return
+    def _run_timers(self) -> None:
+        """Run the session's liveness timers and schedule the next run."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        ping, wake_at, d = self._session.tick(time.monotonic())
+        if d is not None:
+            self._apply(d)
+        if ping is not None:
+            with contextlib.suppress(zmq.ZMQError, StageClosedError):
+                self._send(ping)
+        if wake_at is not None:
+            self._timer = self._loop.call_later(wake_at - time.monotonic(), self._run_timers)
 
     def _on_sentinel(self) -> None:
-        assert self._launched is not None
-        self._loop.remove_reader(self._launched.process.sentinel)
+        launched = self._launched
+        assert launched is not None
+        self._loop.remove_reader(launched.process.sentinel)
         self._exited.set()
-        self._tasks.append(asyncio.ensure_future(self._on_process_exit()))
+        d = self._session.process_exited(launched.reap(), time.monotonic())
+        if d is not None:
+            self._apply(d)
+        self._run_timers()  # the grace period for the frames still in flight
 
-    async def _on_process_exit(self) -> None:
-        # Frames may still be in flight; the receiver task keeps reading meanwhile.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._terminal.wait(), _EXIT_GRACE_S)
-        assert self._launched is not None
-        exit_code = self._launched.reap()  # the sentinel fired: the process has exited
-        self._fail(
-            _common.end_error(
-                self._closing,
-                pid=self._pid,
-                exit_code=exit_code,
-                fatal=self._fatal,
-                remote_shutdown=self._terminal.is_set(),
-            )
-        )
 
-    async def _expect_exit(self) -> None:
-        # After the last event the process should exit at once; if it lingers (an engine
-        # thread keeping the interpreter alive, say), nothing more will be answered.
-        if await self._wait_exit(_EXIT_AFTER_LAST_EVENT_S):
-            return  # _on_sentinel takes it from here
-        self._fail(
-            _common.end_error(
-                self._closing,
-                pid=self._pid,
-                exit_code=None,
-                fatal=self._fatal,
-                remote_shutdown=True,
-                reason="its engine loop ended, but the process has not exited",
-            )
-        )
+async def _until(future: asyncio.Future[Any], deadline: float | None) -> bool:
+    """Wait for *future* until *deadline* (a ``time.monotonic()`` reading; ``None``: no
+    limit); whether it is done. On timeout it is cancelled; its exception is raised."""
+    try:
+        if deadline is None:
+            await future
+        else:
+            await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        return False
+    return True
 
-    def _dispatch(self, batch: list[Any]) -> None:
-        streams = self._streams
-        events = self._events
-        terminal = False
-        for ev in batch:
-            cls = ev.__class__
-            if cls is Output:
-                rid = ev.req_id
-                stream = streams.get(rid) if rid is not None else None
-                if stream is not None:
-                    stream._q.put_nowait(ev.payload)
-                    if ev.finished:
-                        stream._q.put_nowait(_FINISHED)
-                        del streams[rid]
-            elif cls is UtilityResult:
-                entry = self._calls.pop(ev.call_id, None)
-                if entry is not None and not entry[0].done():
-                    future, name = entry
-                    if ev.error is None:
-                        future.set_result(ev.result)
-                    else:
-                        future.set_exception(UtilityError(name, ev.error))
-            elif cls is Aborted:
-                for rid in ev.req_ids:
-                    stream = streams.pop(rid, None)
-                    if stream is not None:
-                        stream._q.put_nowait(_ABORTED)
-            elif cls is ErrorReport:
-                if ev.req_id is None:
-                    logger.warning(
-                        "enginecore: the stage reported a protocol error: %s", ev.message
-                    )
-                else:
-                    stream = streams.pop(ev.req_id, None)
-                    if stream is not None:
-                        stream._q.put_nowait(_End(RequestError(ev.req_id, ev.message)))
-                    else:
-                        logger.warning(
-                            "enginecore: the stage reported: request %r: %s", ev.req_id, ev.message
-                        )
-            elif cls is Pong:
-                continue
-            elif cls is Fatal or cls is Shutdown:
-                if cls is Fatal:
-                    self._fatal = ev.message
-                terminal = True
-            if events is not None:
-                events.put_nowait(ev)
-        if terminal:
-            self._terminal.set()
-            if self._launched is not None:
-                self._tasks.append(asyncio.ensure_future(self._expect_exit()))
-            else:
-                self._fail(
-                    _common.end_error(
-                        self._closing,
-                        pid=self._pid,
-                        exit_code=None,
-                        fatal=self._fatal,
-                        remote_shutdown=self._fatal is None,
-                        reason=None if self._fatal is None else "its engine loop died",
-                    )
-                )
+
+async def _until_set(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait for *event* at most *timeout* seconds (``None``: no limit); whether it is set."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
+    return event.is_set()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError("'timeout' must be a non-negative number")
+    return time.monotonic() + timeout
 
 
 def _kill_if_launched(fut: asyncio.Future[Launched]) -> None:

@@ -1,62 +1,47 @@
-"""StageClient: the blocking client of a stage process."""
+"""StageClient: the blocking client of a stage process.
+
+The protocol (what a frame means, which request or call it concerns, when the stage counts
+as gone) is :class:`~enginecore.stage._session.ClientSession`'s; this module owns only the
+IO: the sockets, the receiver thread, the locks and the waiting.
+"""
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
-import itertools
 import logging
+import math
 import os
 import queue
-import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Literal, NoReturn, overload
 
-import msgspec
 import zmq
 
-from . import _common, _wire
-from ._errors import (
-    EngineDeadError,
-    RequestError,
-    StageClosedError,
-    StageStartupError,
-    UtilityError,
-)
+from . import _clientbase, _session
+from ._clientbase import ClientBase
+from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import Launched, launch_process
-from ._wire import Aborted, ErrorReport, Fatal, Output, Pong, Shutdown, StageEvent, UtilityResult
+from ._session import ClientSession, Deliveries, End, StreamCore
+from ._wire import StageEvent, WelcomeMsg
 
 __all__ = ["RequestStream", "StageClient"]
 
 logger = logging.getLogger("enginecore.stage")
 
-# After the process sentinel fires, how long to keep reading for frames still in flight (the
-# fatal event, above all). Ends early when the terminal event arrives.
-_EXIT_GRACE_S: Final = 0.3
-# After a launched stage's last event (shutdown/fatal), how long its process may take to exit
-# before the waiters are failed anyway (the exit code is then unknown).
-_EXIT_AFTER_LAST_EVENT_S: Final = 1.0
-
-
-class _End:
-    """Queue marker: the stream (or event stream) ends; with *exc*, by raising it."""
-
-    __slots__ = ("aborted", "exc")
-
-    def __init__(self, exc: BaseException | None, aborted: bool = False) -> None:
-        self.exc = exc
-        self.aborted = aborted
+# At most this many frames are read in a row before the receiver looks at its other wake-ups
+# (close, the process sentinel) again.
+_DRAIN_MAX = 256
 
 
 class _Waiter:
     """What a blocking :meth:`StageClient.call_utility` waits on: a pre-acquired lock that
     the one thread resolving the call releases. Lighter than a ``Future`` (no condition
     variable, no callbacks). Exactly one thread resolves a call: the one that pops it from
-    ``_calls`` under ``_lock``."""
+    the session under ``_lock``."""
 
     __slots__ = ("exc", "lock", "result")
 
@@ -75,80 +60,114 @@ class _Waiter:
         self.lock.release()
 
 
-_FINISHED: Final = _End(None)
-_ABORTED: Final = _End(None, aborted=True)
+_AnyWaiter = concurrent.futures.Future[Any] | _Waiter
 
 
-class RequestStream(Iterator[Any]):
+class RequestStream(StreamCore, Iterator[Any]):
     """The outputs of one request, in order, as an iterator. Returned by
-    :meth:`StageClient.add`.
+    :meth:`StageClient.add` and :meth:`StageClient.add_many`.
 
     Iteration yields each output's payload and stops after the request's finished output, or
     when its abort has been applied in the stage (then :attr:`aborted` is true). It raises
     :class:`~enginecore.stage.RequestError` if the stage reported an error for this request,
     :class:`~enginecore.stage.EngineDeadError` if the stage died and
-    :class:`~enginecore.stage.StageClosedError` if the client was closed first.
+    :class:`~enginecore.stage.StageClosedError` if the client was closed first; once ended,
+    every later read ends the same way.
 
-    ``next()`` blocks until an output arrives; :meth:`get` takes a timeout. Outputs are
-    buffered, so a stream may be consumed late. One consumer thread per stream.
+    ``next()`` blocks until an output arrives; :meth:`get` and :meth:`collect` take a
+    timeout. Outputs are buffered, so a stream may be consumed late. One consumer thread per
+    stream; the client's receiver thread may fill it meanwhile.
     """
 
-    def __init__(self, req_id: str) -> None:
-        self.req_id: Final = req_id
-        """The request's id."""
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._end: _End | None = None
+    # The receiver appends under the client's _lock; the consumer pops without it (deque
+    # operations are atomic) and takes it only to drain in bulk or to register as waiting.
+    # _wakeup (made on the first wait) gets a token when the receiver finds _waiting set.
+    __slots__ = ("_lock", "_wakeup")
 
-    @property
-    def finished(self) -> bool:
-        """Whether iteration has reached the request's finished output. Never blocks."""
-        return self._end is _FINISHED
-
-    @property
-    def aborted(self) -> bool:
-        """Whether iteration stopped because the request was aborted. Never blocks."""
-        return self._end is _ABORTED
+    def __init__(self, req_id: str, lock: threading.Lock) -> None:
+        super().__init__(req_id)
+        self._lock = lock
+        self._wakeup: queue.SimpleQueue[None] | None = None
 
     def __iter__(self) -> RequestStream:
         return self
 
     def __next__(self) -> Any:
+        buf = self._buf
+        if buf:
+            item = buf.popleft()
+            if type(item) is not End:
+                return item
+            self._stop(item)
         return self.get()
 
     def get(self, timeout: float | None = None) -> Any:
         """The next payload. Blocks up to *timeout* seconds (``None``: until one arrives).
 
         Raises :class:`StopIteration` when the stream has ended normally,
-        :class:`TimeoutError` on timeout, else the stream's error (see the class docstring).
+        :class:`TimeoutError` on timeout (:class:`ValueError` if *timeout* is negative), else
+        the stream's error (see the class docstring).
         """
-        end = self._end
-        if end is None:
-            try:
-                item = self._q.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"no output for request {self.req_id!r} within {timeout} s"
-                ) from None
-            if type(item) is not _End:
-                return item
-            self._end = end = item
-        if end.exc is not None:
-            raise end.exc
-        raise StopIteration
+        deadline = _deadline(timeout)
+        buf = self._buf
+        if not buf and not self._wait(deadline):
+            raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
+        item = buf.popleft()
+        if type(item) is End:
+            self._stop(item)
+        return item
 
     def collect(self, timeout: float | None = None) -> list[Any]:
-        """All remaining payloads until the stream ends; *timeout* bounds the whole wait."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """All remaining payloads until the stream ends, as one list. Blocks; *timeout*
+        bounds the whole wait (:class:`TimeoutError`, and the payloads read so far stay in
+        the stream). Raises the stream's error if it ends with one (see the class
+        docstring); the payloads before it are then dropped."""
+        deadline = _deadline(timeout)
+        buf = self._buf
         out: list[Any] = []
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                out.append(self.get(left))
-            except StopIteration:
+            with self._lock:  # the receiver appends under it: take everything, atomically
+                items = list(buf)
+                buf.clear()
+            end = self._split_end(items)
+            out += items
+            if end is not None:
+                exc = self._reached(end)
+                if exc is not None:
+                    raise exc
                 return out
+            if not self._wait(deadline):
+                with self._lock:
+                    buf.extendleft(reversed(out))
+                raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
+
+    def _wait(self, deadline: float | None) -> bool:
+        """Block until the buffer is not empty (``True``) or *deadline* passes."""
+        buf = self._buf
+        while not buf:
+            with self._lock:
+                if buf:
+                    break
+                self._waiting = True
+                wakeup = self._wakeup
+                if wakeup is None:
+                    wakeup = self._wakeup = queue.SimpleQueue()
+            try:
+                # A token may be stale (left by a wake-up that came after a timeout): then
+                # the loop finds the buffer empty and waits again.
+                wakeup.get(timeout=_left(deadline))
+            except queue.Empty:
+                with self._lock:
+                    self._waiting = False
+                return bool(buf)
+        return True
+
+    def _stop(self, end: End) -> NoReturn:
+        exc = self._reached(end)
+        raise StopIteration if exc is None else exc
 
 
-class StageClient:
+class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     """Blocking client of one stage process: add, abort, call utilities, read outputs.
 
     Build one with :meth:`launch` (start a stage process and own it) or :meth:`connect`
@@ -162,11 +181,12 @@ class StageClient:
     raise :class:`~enginecore.stage.StageClosedError` instead.
     """
 
-    # Lock rules: _lock guards _streams, _calls, _failure, _closing and _call_ids; it is never
-    # held while user code runs (futures are resolved after release) and never held while
-    # taking _send_lock. _send_lock serialises every use of the DEALER socket (zmq sockets are
-    # not thread-safe) and guards _sockets_closed. _close_lock makes close idempotent.
-    # _failure goes None -> exception once; after that no stream or call is registered. The
+    # Lock rules: _lock guards the session (streams, calls, failure, closing, the event
+    # buffer's waiting flag); the receiver takes it once per frame, and it is never held while
+    # user code runs (futures are resolved after release, see _apply) nor while taking
+    # _send_lock. _send_lock serialises every use of the DEALER socket (zmq sockets are not
+    # thread-safe) and guards _sockets_closed, the one send-after-close guard. _event_lock
+    # lets one event-stream consumer at a time wait. _close_lock makes close idempotent. The
     # receiver thread alone reads the PULL socket, until close() has joined it.
 
     def __init__(
@@ -176,40 +196,23 @@ class StageClient:
         _dealer: zmq.Socket[bytes],
         _pull: zmq.Socket[bytes],
         _address: str,
-        _welcome: _wire.WelcomeMsg,
+        _welcome: WelcomeMsg,
         _launched: Launched | None,
         _heartbeat: tuple[float, float] | None,
         _ordered_events: bool,
     ) -> None:
+        super().__init__(_address, _welcome, _launched, _heartbeat, _ordered_events)
         self._ctx = _ctx
         self._dealer = _dealer
         self._pull = _pull
-        self._address = _address
-        self._launched = _launched
-        self._pid = _welcome.pid
-        self._engine_name = _welcome.engine
-        self._heartbeat = _heartbeat
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._streams: dict[str, RequestStream] = {}
-        self._calls: dict[int, tuple[concurrent.futures.Future[Any] | _Waiter, str]] = {}
-        self._call_ids = _common.new_call_ids()
-        self._failure: BaseException | None = None
-        self._closing = False
+        self._sockets_closed = False
         self._close_lock = threading.Lock()
         self._closed_done = False
-        self._sockets_closed = False
-        self._fatal: str | None = None
-        self._terminal = threading.Event()  # a Shutdown or Fatal event has arrived
-        self._over = threading.Event()  # _terminal is set, or _failure is
-        # The ordered event stream: the receiver thread puts one list per frame (or the
-        # final _End); get_event() moves a list into _event_buf, under _event_lock, and
-        # pops single events from it, so a frame costs one queue hand-off, not one per event.
-        self._events: queue.SimpleQueue[Any] | None = (
-            queue.SimpleQueue() if _ordered_events else None
-        )
-        self._event_buf: collections.deque[Any] = collections.deque()
+        self._over = threading.Event()  # Deliveries.over came: last event, or failure
         self._event_lock = threading.Lock()
+        self._event_wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._rx = threading.Thread(target=self._rx_main, name="enginecore-client", daemon=True)
         self._rx.start()
@@ -230,8 +233,9 @@ class StageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
         *factory* is an import string ``"pkg.module:callable"``, resolved in the child (a
-        fresh interpreter, multiprocessing *spawn*); *kwargs* must be wire-encodable. With
-        *ordered_events*, every event is also kept for :meth:`events` / :meth:`get_event`.
+        fresh interpreter, multiprocessing *spawn*); *kwargs* must be plain wire values (no
+        arrays). With *ordered_events*, every event is also kept for :meth:`get_event` /
+        :meth:`get_events` / :meth:`events`.
 
         Blocks until the stage is ready, at most *startup_timeout* seconds. Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
@@ -240,17 +244,11 @@ class StageClient:
         launched = launch_process(factory, kwargs, startup_timeout, name)
         try:
             return cls._open(
-                launched.input_address,
-                timeout=startup_timeout,
-                launched=launched,
-                heartbeat=None,
-                ordered_events=ordered_events,
+                launched.input_address, startup_timeout, launched, None, ordered_events
             )
         except BaseException as exc:
             launched.kill_and_clean()
-            if isinstance(exc, Exception) and not isinstance(exc, StageStartupError):
-                raise StageStartupError(f"handshake with stage {factory!r} failed: {exc}") from exc
-            raise
+            _clientbase.raise_startup_error(factory, exc)
 
     @classmethod
     def connect(
@@ -267,24 +265,17 @@ class StageClient:
         Blocks for the handshake, at most *timeout* seconds (:class:`TimeoutError`);
         :class:`~enginecore.stage.ProtocolError` if the stage rejects this client. The client
         pings every *heartbeat_interval* seconds and declares the stage dead
-        (:class:`~enginecore.stage.EngineDeadError`) after *heartbeat_timeout* seconds without
-        hearing from it. :meth:`close` detaches; :meth:`shutdown` stops the stage.
+        (:class:`~enginecore.stage.EngineDeadError`) once *heartbeat_timeout* seconds have
+        passed without hearing from it. :meth:`close` detaches; :meth:`shutdown` stops the
+        stage.
         """
-        if heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
-            raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
-        return cls._open(
-            address,
-            timeout=timeout,
-            launched=None,
-            heartbeat=(heartbeat_interval, heartbeat_timeout),
-            ordered_events=ordered_events,
-        )
+        heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
+        return cls._open(address, timeout, None, heartbeat, ordered_events)
 
     @classmethod
     def _open(
         cls,
         address: str,
-        *,
         timeout: float,
         launched: Launched | None,
         heartbeat: tuple[float, float] | None,
@@ -293,11 +284,8 @@ class StageClient:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         dealer = pull = None
         try:
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.SNDHWM, 0)  # add() never blocks; death is detected elsewhere
-            dealer.connect(address)
-            dealer.send(_common.HELLO_FRAME)
+            dealer = _clientbase.dealer_for(ctx, address)
+            dealer.send(_session.HELLO_FRAME[0])
             poller = zmq.Poller()
             poller.register(dealer, zmq.POLLIN)
             if launched is not None:
@@ -306,15 +294,10 @@ class StageClient:
                 raise TimeoutError(f"no handshake reply from the stage at {address} in {timeout} s")
             if launched is not None and not dealer.poll(0):
                 raise StageStartupError("the stage process exited during the handshake")
-            welcome = _common.parse_welcome(dealer.recv(), address)
-            pull = ctx.socket(zmq.PULL)
-            pull.setsockopt(zmq.LINGER, 0)
-            pull.connect(_common.output_address_for(address, welcome.output))
+            welcome = _session.parse_welcome(dealer.recv(), address)
+            pull = _clientbase.pull_for(ctx, address, welcome)
         except BaseException:
-            for sock in (dealer, pull):
-                if sock is not None:
-                    sock.close(linger=0)
-            ctx.term()
+            _clientbase.close_sockets(ctx, dealer, pull)
             raise
         return cls(
             _ctx=ctx,
@@ -327,67 +310,89 @@ class StageClient:
             _ordered_events=ordered_events,
         )
 
-    # -- properties --------------------------------------------------------------------------
-
-    @property
-    def pid(self) -> int:
-        """The stage process's pid (as the stage reported it). Never blocks."""
-        return self._pid
-
-    @property
-    def address(self) -> str:
-        """The stage's input address. Never blocks."""
-        return self._address
-
-    @property
-    def exit_code(self) -> int | None:
-        """A launched stage's exit code once it has exited (``-N``: signal ``N``), else
-        ``None``; always ``None`` for a connected stage. Never blocks."""
-        if self._launched is None:
-            return None
-        return self._launched.reap()
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` / :meth:`shutdown` has been called. Never blocks."""
-        return self._closing
-
     # -- requests ----------------------------------------------------------------------------
 
-    def add(self, req_id: str, data: Any) -> RequestStream:
+    @overload
+    def add(self, req_id: str, data: Any, stream: Literal[True] = True) -> RequestStream: ...
+    @overload
+    def add(self, req_id: str, data: Any, stream: Literal[False]) -> None: ...
+    @overload
+    def add(self, req_id: str, data: Any, stream: bool) -> RequestStream | None: ...
+
+    def add(self, req_id: str, data: Any, stream: bool = True) -> RequestStream | None:
         """Send request *req_id* with *data*; return the stream of its outputs.
 
-        Raises :class:`TypeError` (before sending) if *data* is not wire-encodable,
-        :class:`ValueError` if *req_id* is still live in this client, else the client's
-        failure (:class:`~enginecore.stage.EngineDeadError` /
-        :class:`~enginecore.stage.StageClosedError`). Never blocks; thread-safe.
+        With ``stream=False`` there is no stream and ``None`` is returned: the request's
+        outputs appear only in the ordered event stream (the client must have been made with
+        ``ordered_events=True``, else :class:`RuntimeError`), for consumers that read whole
+        steps with :meth:`get_events`.
+
+        *data* may hold numpy arrays and buffers; they travel without a copy, so do not
+        modify them after the call. Raises :class:`TypeError` (before sending) if *data* is
+        not wire-encodable, :class:`ValueError` if *req_id* has a live stream in this client,
+        else the client's failure (:class:`~enginecore.stage.EngineDeadError`, or
+        :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never blocks;
+        thread-safe.
         """
-        frame = _common.build_add(req_id, data)
-        stream = RequestStream(req_id)
-        with self._lock:
-            self._raise_if_failed()
-            if req_id in self._streams:
-                raise ValueError(f"request {req_id!r} is still live in this client")
-            # Registered before sending: its first output can arrive right after.
-            self._streams[req_id] = stream
+        parts = ClientSession.add_frame(req_id, data)
+        streams = self._send_requests([req_id], parts, stream)
+        return None if streams is None else streams[0]
+
+    @overload
+    def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: Literal[True] = True
+    ) -> list[RequestStream]: ...
+    @overload
+    def add_many(self, items: Iterable[tuple[str, Any]], *, streams: Literal[False]) -> None: ...
+    @overload
+    def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: bool
+    ) -> list[RequestStream] | None: ...
+
+    def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: bool = True
+    ) -> list[RequestStream] | None:
+        """Send many ``(req_id, data)`` requests in one frame; return their streams in order
+        (``streams=False``: ``None``, as :meth:`add` with ``stream=False``).
+
+        The stage applies them in order, as one burst. All or nothing: :class:`TypeError`
+        for a bad pair or payload, :class:`ValueError` for an id that has a live stream or
+        appears twice, both before anything is sent; else as :meth:`add`. Never blocks;
+        thread-safe.
+        """
+        ids, parts = ClientSession.adds_frame(items)
+        return self._send_requests(ids, parts, streams)
+
+    def _send_requests(
+        self, ids: list[str], parts: _session.Parts, streams: bool
+    ) -> list[RequestStream] | None:
+        session = self._session
+        lock = self._lock
+        new = [RequestStream(rid, lock) for rid in ids] if streams else None
+        with lock:
+            session.open_requests(ids, new)
+        if not ids:
+            return new
         try:
-            self._send(frame)
+            self._send(parts)
         except BaseException:
-            with self._lock:
-                self._streams.pop(req_id, None)
+            if new:
+                with lock:
+                    session.cancel_streams(ids)
             raise
-        return stream
+        return new
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """Ask the stage to abort *req_ids* (unknown ids are ignored).
 
         Their streams stop once the stage has applied the abort; no output of theirs follows.
-        Raises :class:`TypeError` for a bare ``str``. Never blocks; thread-safe.
+        Raises :class:`TypeError` for a bare ``str``, else the client's failure. Never
+        blocks; thread-safe.
         """
-        _, frame = _common.build_abort(req_ids)
+        parts = ClientSession.abort_frame(req_ids)
         with self._lock:
-            self._raise_if_failed()
-        self._send(frame)
+            self._session.check_open()
+        self._send(parts)
 
     # -- utilities ---------------------------------------------------------------------------
 
@@ -395,44 +400,29 @@ class StageClient:
         """Start ``engine.utility(name, args)`` in the stage; return a future of its result.
 
         The future fails with :class:`~enginecore.stage.UtilityError` if the utility raised,
-        and with the client's failure if the stage dies or the client is closed first. Many
-        calls may be in flight. Raises :class:`TypeError` (before sending) if *args* are not
-        wire-encodable. Never blocks; thread-safe.
+        and with the client's failure if the stage dies or the client is closed first.
+        Cancelling it drops the answer. Many calls may be in flight. Raises
+        :class:`TypeError` (before sending) if *args* are not wire-encodable, else the
+        client's failure. Never blocks; thread-safe.
         """
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        call_id = self._register_call(name, args, future)
+        call_id = self._start_call(name, args, future)
         future.add_done_callback(lambda f: self._forget_call(call_id) if f.cancelled() else None)
         return future
 
-    def _register_call(
-        self, name: str, args: tuple[Any, ...], waiter: concurrent.futures.Future[Any] | _Waiter
-    ) -> int:
-        """Check, register and send one call; return its id. *waiter* gets the answer."""
-        with self._lock:
-            self._raise_if_failed()
-            call_id = next(self._call_ids)
-        frame = _common.build_utility(call_id, name, args)
-        with self._lock:
-            self._raise_if_failed()
-            self._calls[call_id] = (waiter, name)
-        try:
-            self._send(frame)
-        except BaseException:
-            with self._lock:
-                self._calls.pop(call_id, None)
-            raise
-        return call_id
-
     def call_utility(self, name: str, /, *args: Any, timeout: float | None = None) -> Any:
-        """Call ``engine.utility(name, args)`` in the stage and return its result. Blocks.
+        """Call ``engine.utility(name, args)`` in the stage and return its result.
 
-        Raises :class:`~enginecore.stage.UtilityError` (remote ``repr`` inside) if it raised,
-        :class:`TimeoutError` after *timeout* seconds (the late answer is then dropped),
-        :class:`~enginecore.stage.EngineDeadError` / :class:`~enginecore.stage.StageClosedError`
-        if the stage dies or the client is closed. Thread-safe.
+        Blocks up to *timeout* seconds (``None``: until answered). Raises
+        :class:`~enginecore.stage.UtilityError` (remote ``repr`` inside) if it raised,
+        :class:`TimeoutError` after *timeout* (the late answer is then dropped),
+        :class:`TypeError` (before sending) for arguments that cannot cross the wire, and
+        :class:`~enginecore.stage.EngineDeadError` /
+        :class:`~enginecore.stage.StageClosedError` if the stage dies or the client is
+        closed. Thread-safe.
         """
         waiter = _Waiter()
-        call_id = self._register_call(name, args, waiter)
+        call_id = self._start_call(name, args, waiter)
         if not waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             self._forget_call(call_id)
             raise TimeoutError(f"utility {name!r} did not answer within {timeout} s")
@@ -440,63 +430,92 @@ class StageClient:
             raise waiter.exc
         return waiter.result
 
+    def _start_call(self, name: str, args: tuple[Any, ...], waiter: _AnyWaiter) -> int:
+        session = self._session
+        call_id = session.new_call_id()
+        parts = session.utility_frame(call_id, name, args)
+        with self._lock:
+            session.open_call(call_id, waiter, name)
+        try:
+            self._send(parts)
+        except BaseException:
+            self._forget_call(call_id)
+            raise
+        return call_id
+
     def _forget_call(self, call_id: int) -> None:
         with self._lock:
-            self._calls.pop(call_id, None)
+            self._session.forget_call(call_id)
 
     # -- the event stream --------------------------------------------------------------------
 
     def get_event(self, timeout: float | None = None) -> StageEvent:
-        """The next event of the stage, in the stage's order (needs ``ordered_events=True``).
+        """The next event of the stage, in the stage's order (needs ``ordered_events=True``,
+        else :class:`RuntimeError`). A step's outputs are one
+        :class:`~enginecore.stage.Outputs` event.
 
-        Blocks up to *timeout* seconds (:class:`TimeoutError`). After the last event: raises
-        :class:`StopIteration` if this client shut the stage down, else the client's failure.
-        Thread-safe, but events are not duplicated: one consumer sees each event.
+        Blocks up to *timeout* seconds (:class:`TimeoutError`; :class:`ValueError` if
+        negative). After the last event: raises :class:`StopIteration` if this client shut
+        the stage down, else the client's failure. Thread-safe, but events are not
+        duplicated: one consumer sees each event, and each consumer sees its events in the
+        stage's order.
         """
-        buf = self._event_buf
+        buf = self._session.events
         if buf:
             try:
-                return buf.popleft()  # type: ignore[no-any-return]
+                item = buf.popleft()
             except IndexError:  # another consumer took the last one
                 pass
-        return self._get_event_slow(timeout)
+            else:
+                if type(item) is not End:
+                    return item  # type: ignore[no-any-return]
+                _session.raise_end(item, StopIteration)
+        return self._take_events(timeout, every=False)[0]  # type: ignore[no-any-return]
 
-    def _get_event_slow(self, timeout: float | None) -> StageEvent:
-        events = self._events
-        if events is None:
-            raise RuntimeError(
-                "the event stream is off; create the client with ordered_events=True"
-            )
-        if timeout is not None and timeout < 0:
-            raise ValueError("'timeout' must be a non-negative number")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        # One refilling consumer at a time: the buffer then always holds a run of
-        # consecutive events, so every consumer sees its events in the stage's order.
+    def get_events(self, timeout: float | None = None) -> list[StageEvent]:
+        """Every event already received, in the stage's order, at least one: the batch form
+        of :meth:`get_event`, for consumers that handle a whole step (or more) at once.
+
+        Blocks only while there is none, up to *timeout* seconds; raises like
+        :meth:`get_event`, but only once every event before the end has been returned.
+        Thread-safe.
+        """
+        return self._take_events(timeout, every=True)
+
+    def _take_events(self, timeout: float | None, *, every: bool) -> list[Any]:
+        session = self._session
+        buf = session.events
+        if buf is None:
+            raise _session.event_stream_off()
+        deadline = _deadline(timeout)
+        # One waiting consumer at a time, so one wake-up token suffices.
         if not self._event_lock.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError(f"no stage event within {timeout} s")
         try:
-            buf = self._event_buf
             while True:
+                out = _session.take_events(buf, every)
+                if out:
+                    break
+                with self._lock:
+                    if session.events_end is not None and not buf:
+                        _session.raise_end(session.events_end, StopIteration)
+                    if buf:
+                        continue
+                    session.events_waiting = True
                 try:
-                    return buf.popleft()  # type: ignore[no-any-return]
-                except IndexError:
-                    pass
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    item = events.get(timeout=left)
+                    self._event_wakeup.get(timeout=_left(deadline))
                 except queue.Empty:
-                    raise TimeoutError(f"no stage event within {timeout} s") from None
-                if type(item) is _End:
-                    events.put(item)  # sticky: every later call ends the same way
-                    if item.exc is not None:
-                        raise item.exc
-                    raise StopIteration
-                buf.extend(item)
+                    with self._lock:
+                        session.events_waiting = False
+                    if not buf:
+                        raise TimeoutError(f"no stage event within {timeout} s") from None
         finally:
             self._event_lock.release()
+        return _session.events_before_end(out, StopIteration)
 
     def events(self) -> Iterator[StageEvent]:
-        """Iterate over :meth:`get_event` until the stream ends. Blocks between events."""
+        """Iterate over :meth:`get_event` until the stream ends. Blocks between events;
+        raises the client's failure unless this client shut the stage down."""
         while True:
             try:
                 event = self.get_event()
@@ -507,21 +526,24 @@ class StageClient:
     # -- closing -----------------------------------------------------------------------------
 
     def shutdown(self, timeout: float = 5.0) -> int | None:
-        """Stop the stage and release everything; return its exit code (``None`` if unknown).
+        """Stop the stage and release everything; return its exit code (``None`` if unknown,
+        always for a connected stage).
 
-        Graceful first: a shutdown message, then up to *timeout* seconds for the stage to end
-        (pending work is dropped); a launched stage that is still alive gets SIGTERM, one more
-        second, then SIGKILL. Pending calls and iterators then raise
-        :class:`~enginecore.stage.StageClosedError` (or keep the
-        :class:`~enginecore.stage.EngineDeadError` they already had). Blocks; thread-safe;
-        idempotent. Called from a future's done-callback (the client's receiver thread), it
-        cannot wait there: it starts the close in the background and returns ``None``.
+        Graceful first: a shutdown message (everything sent before it is applied first),
+        then up to *timeout* seconds for the stage to end; a launched stage that is still
+        alive gets SIGTERM, one more second, then SIGKILL. Pending calls and iterators then
+        raise :class:`~enginecore.stage.StageClosedError` (or keep the
+        :class:`~enginecore.stage.EngineDeadError` they already had), and so does every later
+        call. Blocks; thread-safe; idempotent (a second call waits for the first). Called
+        from a future's done-callback (the client's receiver thread), it cannot wait there:
+        it starts the close in the background and returns ``None``.
         """
         return self._close(stop_stage=True, timeout=timeout)
 
     def close(self) -> None:
         """Release this client. A launched stage is shut down (as :meth:`shutdown`); a
-        connected stage is only detached from and keeps running. Blocks; idempotent."""
+        connected stage is only detached from and keeps running. Blocks; thread-safe;
+        idempotent."""
         self._close(stop_stage=self._launched is not None, timeout=5.0)
 
     def __enter__(self) -> StageClient:
@@ -541,7 +563,7 @@ class StageClient:
             # joins that thread, so it cannot happen here. Finish it on another thread; a
             # later close() waits for it (_close_lock), and waiters are woken as usual.
             with self._lock:
-                self._closing = True
+                self._session.begin_close()
             threading.Thread(
                 target=self._close,
                 kwargs={"stop_stage": stop_stage, "timeout": timeout},
@@ -553,32 +575,31 @@ class StageClient:
             if self._closed_done:
                 return self.exit_code
             with self._lock:
-                self._closing = True
-                alive = self._failure is None
-            launched = self._launched
+                alive = self._session.begin_close()
             if alive:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._send_raw(_common.SHUTDOWN_FRAME if stop_stage else _common.BYE_FRAME)
+                with contextlib.suppress(zmq.ZMQError, StageClosedError):
+                    self._send(_session.SHUTDOWN_FRAME if stop_stage else _session.BYE_FRAME)
+            launched = self._launched
             if launched is not None:
                 if not launched.wait_exit(timeout):
-                    logger.warning("enginecore: stage %s ignored shutdown; SIGTERM", self._pid)
-                    launched.send_signal(signal.SIGTERM)
-                if not launched.wait_exit(1.0):
-                    logger.warning("enginecore: stage %s ignored SIGTERM; SIGKILL", self._pid)
-                    launched.send_signal(signal.SIGKILL)
-                    launched.wait_exit(None)
-                launched.reap()
+                    for sig, wait in _clientbase.escalate(self._session.pid):
+                        launched.send_signal(sig)
+                        if launched.wait_exit(wait):
+                            break
+                self._over.wait(_session.EXIT_GRACE_S)  # the last frames, read as it exited
             elif stop_stage and alive:
                 self._over.wait(timeout)
             os.write(self._wake_w, b"x")
             self._rx.join()
-            self._fail(StageClosedError("this stage client is closed"))
+            with self._lock:
+                d = self._session.fail(StageClosedError("this stage client is closed"))
+            if d is not None:
+                self._apply(d)
             with self._send_lock:
                 self._sockets_closed = True
                 # A bye or shutdown to a live stage deserves a moment to leave the queue.
                 self._dealer.close(linger=500 if alive else 0)
-            self._pull.close(linger=0)
-            self._ctx.term()
+            _clientbase.close_sockets(self._ctx, self._pull)
             os.close(self._wake_r)
             os.close(self._wake_w)
             if launched is not None:
@@ -586,47 +607,30 @@ class StageClient:
             self._closed_done = True
             return self.exit_code
 
-    # -- internals ---------------------------------------------------------------------------
+    # -- IO ----------------------------------------------------------------------------------
 
-    def _raise_if_failed(self) -> None:
-        # Called with _lock held.
-        if self._failure is not None:
-            raise self._failure
-        if self._closing:
-            raise StageClosedError("this stage client is closed")
-
-    def _send(self, frame: bytes) -> None:
+    def _send(self, parts: _session.Parts) -> None:
         with self._send_lock:
             if self._sockets_closed:
                 raise StageClosedError("this stage client is closed")
-            self._dealer.send(frame)
+            _clientbase.send_parts(self._dealer, parts, 0)
 
-    def _send_raw(self, frame: bytes) -> None:
-        with self._send_lock:
-            if not self._sockets_closed:
-                self._dealer.send(frame)
-
-    def _fail(self, exc: BaseException) -> None:
-        """Set the client's failure once and hand it to every waiter. Never blocks long."""
-        with self._lock:
-            if self._failure is not None:
-                return
-            self._failure = exc
+    def _apply(self, d: Deliveries[RequestStream, _AnyWaiter]) -> None:
+        """Carry out what the session decided; called without _lock held."""
+        for stream in d.wake:
+            stream._wakeup.put(None)  # type: ignore[union-attr]  # set before _waiting
+        for waiter, result, exc in d.answers:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled
+                if exc is None:
+                    waiter.set_result(result)
+                else:
+                    waiter.set_exception(exc)
+        if d.wake_events:
+            self._event_wakeup.put(None)
+        for message in d.warnings:
+            logger.warning("enginecore: %s", message)
+        if d.over:
             self._over.set()
-            streams = list(self._streams.values())
-            self._streams.clear()
-            calls = list(self._calls.values())
-            self._calls.clear()
-        end = _End(exc)
-        for stream in streams:
-            stream._q.put(end)
-        for future, _ in calls:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                future.set_exception(exc)
-        if self._events is not None:
-            # A clean end of the event stream when we shut the stage down ourselves.
-            clean = isinstance(exc, StageClosedError) and self._terminal.is_set()
-            self._events.put(_End(None if clean else exc))
 
     def _rx_main(self) -> None:
         try:
@@ -635,188 +639,73 @@ class StageClient:
             logger.exception("enginecore: the stage client's receiver thread failed")
             err = EngineDeadError(f"the stage client's receiver thread failed: {exc!r}")
             err.__cause__ = exc
-            self._fail(err)
+            with self._lock:
+                d = self._session.fail(err)
+            if d is not None:
+                self._apply(d)
 
     def _rx_loop(self) -> None:
+        session = self._session
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         sentinel = self._launched.process.sentinel if self._launched is not None else None
         if sentinel is not None:
             poller.register(sentinel, zmq.POLLIN)
-        heartbeat = self._heartbeat
-        ping_seq = itertools.count()
-        now = time.monotonic()
-        last_heard = now
-        next_ping = now
-        exit_deadline: float | None = None  # set when a launched stage sent its last event
         while True:
-            timeout_ms: int | None = None
-            if exit_deadline is not None:
-                timeout_ms = max(0, round((exit_deadline - time.monotonic()) * 1000))
-            if heartbeat is not None:
-                now = time.monotonic()
-                if now >= next_ping:
-                    with contextlib.suppress(zmq.ZMQError, StageClosedError):
-                        self._send(_common.ping_frame(next(ping_seq)))
-                    next_ping = now + heartbeat[0]
-                wake_at = min(next_ping, last_heard + heartbeat[1])
-                timeout_ms = max(0, round((wake_at - now) * 1000))
+            with self._lock:
+                ping, wake_at, d = session.tick(time.monotonic())
+            if d is not None:
+                self._apply(d)
+            if session.failure is not None:
+                return
+            if ping is not None:
+                with contextlib.suppress(zmq.ZMQError, StageClosedError):
+                    self._send(ping)
+            timeout_ms = None
+            if wake_at is not None:  # rounded up: waking early would spin until the deadline
+                timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
             ready = dict(poller.poll(timeout_ms))
-            if self._pull in ready:
-                last_heard = time.monotonic()
-                if self._drain():
-                    if self._failure is not None:
-                        return
-                    if exit_deadline is None:
-                        exit_deadline = last_heard + _EXIT_AFTER_LAST_EVENT_S
+            if self._pull in ready and self._drain():
+                return
             if self._wake_r in ready:
                 return
             if sentinel is not None and sentinel in ready:
-                self._on_process_exit()
-                return
-            if exit_deadline is not None and time.monotonic() >= exit_deadline:
-                # The loop is over but the process lingers (an engine thread that keeps the
-                # interpreter alive, say). Nothing more will be answered: fail the waiters now.
-                self._fail(
-                    _common.end_error(
-                        self._closing,
-                        pid=self._pid,
-                        exit_code=None,
-                        fatal=self._fatal,
-                        remote_shutdown=True,
-                        reason="its engine loop ended, but the process has not exited",
-                    )
-                )
-                return
-            if heartbeat is not None and time.monotonic() - last_heard > heartbeat[1]:
-                self._fail(
-                    _common.dead_error(
-                        pid=self._pid,
-                        exit_code=None,
-                        fatal=None,
-                        reason=(
-                            f"no heartbeat from {self._address} for {heartbeat[1]} s; presumed dead"
-                        ),
-                    )
-                )
-                return
-
-    def _on_process_exit(self) -> None:
-        # The last frames may still be on their way: read until the terminal event, or
-        # until the socket has been quiet for a moment.
-        deadline = time.monotonic() + _EXIT_GRACE_S
-        while not self._terminal.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._pull.poll(round(left * 1000)):
-                break
-            self._drain()
-        assert self._launched is not None
-        exit_code = self._launched.reap()
-        self._fail(
-            _common.end_error(
-                self._closing,
-                pid=self._pid,
-                exit_code=exit_code,
-                fatal=self._fatal,
-                remote_shutdown=self._terminal.is_set(),
-            )
-        )
+                poller.unregister(sentinel)
+                sentinel = None
+                assert self._launched is not None
+                exit_code = self._launched.reap()
+                with self._lock:
+                    d = session.process_exited(exit_code, time.monotonic())
+                if d is not None:
+                    self._apply(d)
 
     def _drain(self) -> bool:
-        """Read every frame waiting and dispatch it. Returns whether a terminal event came."""
-        pull = self._pull
-        terminal = False
-        while True:
+        """Read and apply the frames waiting (a bounded number); whether the session ended."""
+        session = self._session
+        lock = self._lock
+        recv = self._pull.recv_multipart
+        for _ in range(_DRAIN_MAX):
             try:
-                frame = pull.recv(zmq.NOBLOCK)
+                parts = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return terminal
-            try:
-                batch = _wire.event_batch_decoder.decode(frame)
-            except msgspec.DecodeError as exc:
-                err = EngineDeadError(f"the stage sent an invalid frame: {exc}")
-                err.__cause__ = exc
-                self._fail(err)
+                break
+            batch = session.decode(parts)  # outside the lock: only this thread decodes
+            with lock:
+                d = session.dispatch(batch, time.monotonic())
+            self._apply(d)
+            if session.failure is not None:
                 return True
-            if self._dispatch(batch):
-                terminal = True
+        return False
 
-    def _dispatch(self, batch: list[Any]) -> bool:
-        terminal = False
-        resolve: list[
-            tuple[concurrent.futures.Future[Any] | _Waiter, Any, BaseException | None]
-        ] = []
-        events = self._events
-        pongs = False
-        with self._lock:
-            streams = self._streams
-            for ev in batch:
-                cls = ev.__class__
-                if cls is Output:
-                    rid = ev.req_id
-                    stream = streams.get(rid)  # None for an unrouted output
-                    if stream is not None:
-                        stream._q.put(ev.payload)
-                        if ev.finished:
-                            stream._q.put(_FINISHED)
-                            del streams[rid]
-                elif cls is UtilityResult:
-                    entry = self._calls.pop(ev.call_id, None)
-                    if entry is not None:
-                        future, name = entry
-                        if ev.error is None:
-                            resolve.append((future, ev.result, None))
-                        else:
-                            resolve.append((future, None, UtilityError(name, ev.error)))
-                elif cls is Aborted:
-                    for rid in ev.req_ids:
-                        stream = streams.pop(rid, None)
-                        if stream is not None:
-                            stream._q.put(_ABORTED)
-                elif cls is ErrorReport:
-                    self._on_error_report(ev)
-                elif cls is Pong:
-                    pongs = True
-                elif cls is Fatal or cls is Shutdown:
-                    if cls is Fatal:
-                        self._fatal = ev.message
-                    terminal = True
-            if events is not None:
-                if pongs:  # answers to our heartbeats, not stage events
-                    batch = [ev for ev in batch if ev.__class__ is not Pong]
-                if batch:
-                    events.put(batch)
-        for future, result, exc in resolve:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                if exc is None:
-                    future.set_result(result)
-                else:
-                    future.set_exception(exc)
-        if terminal:
-            self._terminal.set()
-            self._over.set()
-            if self._launched is None:
-                # No process to watch: the terminal event is the end.
-                self._fail(
-                    _common.end_error(
-                        self._closing,
-                        pid=self._pid,
-                        exit_code=None,
-                        fatal=self._fatal,
-                        remote_shutdown=self._fatal is None,
-                        reason=None if self._fatal is None else "its engine loop died",
-                    )
-                )
-        return terminal
 
-    def _on_error_report(self, ev: ErrorReport) -> None:
-        # Called with _lock held.
-        if ev.req_id is None:
-            logger.warning("enginecore: the stage reported a protocol error: %s", ev.message)
-            return
-        stream = self._streams.pop(ev.req_id, None)
-        if stream is not None:
-            stream._q.put(_End(RequestError(ev.req_id, ev.message)))
-        else:
-            logger.warning("enginecore: the stage reported: request %r: %s", ev.req_id, ev.message)
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError("'timeout' must be a non-negative number")
+    return time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

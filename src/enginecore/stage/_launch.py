@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import msgspec
 
-from . import _child, _common, _wire
+from . import _child, _session, _wire
 from ._errors import StageStartupError, describe_exit
 
 __all__ = ["Launched", "launch_process"]
@@ -128,7 +128,7 @@ def launch_process(
     _wire.check_encodable(kwargs, "factory kwargs")
     if not all(type(k) is str for k in kwargs):
         raise TypeError("factory kwargs must have str keys")
-    kwargs_frame = _common.encode(kwargs, "factory kwargs")
+    kwargs_frame = _session.encode_plain(kwargs, "factory kwargs")
 
     ipc_dir = tempfile.mkdtemp(prefix="enginecore-")  # mode 0700: only this user can connect
     input_path = os.path.join(ipc_dir, "in")

@@ -1,0 +1,694 @@
+"""The client side of the stage protocol, written once for both clients, without IO.
+
+:class:`ClientSession` is to :class:`~enginecore.stage.StageClient` and
+:class:`~enginecore.stage.AsyncStageClient` what ``h11.Connection`` is to an HTTP client: it
+knows the requests and utility calls in flight, what each frame from the stage means, and
+when the stage counts as gone; the clients own the sockets, the threads or tasks, the locks
+and the waiting. It never blocks, never does IO and never calls user code: what a frame means
+comes back as :class:`Deliveries`, which the client applies after releasing its lock.
+
+It also builds every client -> stage frame (``docs/wire.md``): payloads go through
+``_codec.prepare`` (:class:`TypeError` before anything is sent) and an ``_codec.Encoder``, so
+numpy arrays and buffers travel as out-of-band frames. A frame is a list of parts,
+``[body, *buffers]``, to send as one multipart message.
+
+Lifecycle. The stage side is :class:`StageState` (``RUNNING`` -> ``STOPPED`` when its last
+event, ``shutdown`` or ``fatal``, arrives -> ``GONE`` once :attr:`ClientSession.failure` is
+set and every waiter has it). The client side is :attr:`ClientSession.closing`, set by
+``close()``. After ``GONE`` nothing is registered and frames are ignored.
+
+Liveness (both clients, same rule). A launched stage is gone when its process exits; the
+frames still in flight are read for up to ``EXIT_GRACE_S`` (less if the last event comes),
+and if the last event comes but the process lingers, the waiters fail
+``EXIT_AFTER_LAST_EVENT_S`` later anyway. A connected stage is pinged every
+``heartbeat_interval`` and is presumed dead at exactly ``last_heard + heartbeat_timeout``;
+its last event ends it at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import secrets
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Generic, NoReturn, TypeVar, cast
+from urllib.parse import urlsplit
+
+import msgspec
+
+from . import _codec, _wire
+from ._errors import (
+    EngineDeadError,
+    ProtocolError,
+    RequestError,
+    StageClosedError,
+    UtilityError,
+    describe_exit,
+)
+from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, UtilityResult
+
+__all__ = [
+    "ABORTED",
+    "BYE_FRAME",
+    "CLIENT_NAME",
+    "EXIT_AFTER_LAST_EVENT_S",
+    "EXIT_GRACE_S",
+    "FINISHED",
+    "HELLO_FRAME",
+    "SHUTDOWN_FRAME",
+    "ClientSession",
+    "Deliveries",
+    "End",
+    "StageState",
+    "StreamCore",
+    "encode_plain",
+    "event_stream_off",
+    "events_before_end",
+    "output_address_for",
+    "parse_welcome",
+    "raise_end",
+    "take_events",
+]
+
+CLIENT_NAME: Final = "enginecore-python"
+
+# After a launched stage's process has exited, how long to keep reading the frames still in
+# flight (the fatal event, above all). Ends early when the last event arrives.
+EXIT_GRACE_S: Final = 0.3
+# After a launched stage's last event (shutdown/fatal), how long its process may take to exit
+# before the waiters are failed anyway (the exit code is then unknown).
+EXIT_AFTER_LAST_EVENT_S: Final = 1.0
+
+Parts = list[Any]
+"""One multipart message: ``[body, *buffers]`` (bytes or memoryviews)."""
+
+
+def encode_plain(msg: object, what: str) -> bytes:
+    """msgpack of a value of plain wire types (no arrays, no buffers), as one ``bytes``.
+    Raises :class:`TypeError` if msgspec refuses it (a ``str`` with a lone surrogate is not
+    UTF-8, an ``int`` is out of range, an array needs :func:`_encode`)."""
+    try:
+        return msgspec.msgpack.encode(msg)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+        raise TypeError(f"{what} cannot be encoded: {exc}") from exc
+
+
+HELLO_FRAME: Final = [encode_plain(("hello", _wire.PROTOCOL_VERSION, CLIENT_NAME), "hello")]
+SHUTDOWN_FRAME: Final = [encode_plain(("shutdown",), "shutdown")]
+BYE_FRAME: Final = [encode_plain(("bye",), "bye")]
+
+# Exact types of a value that needs no conversion; msgspec checks the int range itself.
+_FLAT: Final = _codec.FLAT_TYPES
+# Exact types that need not even that (prepare() would return them unchanged).
+_PLAIN: Final = frozenset({type(None), bool, float, str})
+
+_tls = threading.local()
+
+
+def _encode(msg: object, what: str) -> Parts:
+    """``[body, *buffers]`` of a message built from prepared values; :class:`TypeError` if
+    msgspec still refuses it. Thread-safe: each thread has its own encoder."""
+    try:
+        encoder: _codec.Encoder = _tls.encoder
+    except AttributeError:
+        encoder = _tls.encoder = _codec.Encoder()
+    try:
+        return encoder.encode(msg)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+        raise TypeError(f"{what} cannot be encoded: {exc}") from exc
+
+
+def _check_req_id(req_id: object) -> None:
+    if type(req_id) is not str:
+        raise TypeError(f"req_id must be a str, got {type(req_id).__name__}")
+
+
+# -- streams --------------------------------------------------------------------------------
+
+
+class End:
+    """Stream marker: the stream ends here; with *exc*, by raising it. It is the last item a
+    stream's buffer ever receives: the session forgets a stream when it ends it."""
+
+    __slots__ = ("aborted", "exc")
+
+    def __init__(self, exc: BaseException | None, aborted: bool = False) -> None:
+        self.exc = exc
+        self.aborted = aborted
+
+
+FINISHED: Final = End(None)
+ABORTED: Final = End(None, aborted=True)
+
+
+class StreamCore:
+    """What the session knows of one request's stream: its buffer and whether its consumer
+    waits. The base of :class:`~enginecore.stage.RequestStream` and
+    :class:`~enginecore.stage.AsyncRequestStream`, which add the waiting.
+
+    The receiver appends payloads, then at most one :class:`End`, to ``_buf`` (a ``deque``:
+    ``append``/``popleft`` are atomic, so the one consumer pops without a lock). When it
+    appends to a stream whose ``_waiting`` is set, it clears the flag and hands the stream
+    back in :attr:`Deliveries.wake`, so a consumer is woken once per frame, not per output.
+    """
+
+    __slots__ = ("_buf", "_end", "_waiting", "req_id")
+
+    def __init__(self, req_id: str) -> None:
+        self.req_id: Final = req_id
+        """The request's id."""
+        self._buf: collections.deque[Any] = collections.deque()
+        self._waiting = False
+        self._end: End | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether iteration has reached the request's finished output. Never blocks."""
+        return self._end is FINISHED
+
+    @property
+    def aborted(self) -> bool:
+        """Whether iteration stopped because the request was aborted. Never blocks."""
+        return self._end is ABORTED
+
+    def _reached(self, end: End) -> BaseException | None:
+        """The consumer popped *end*: remember it, put it back (every later read ends the
+        same way) and return the exception to raise, ``None`` for a normal stop."""
+        self._end = end
+        self._buf.appendleft(end)
+        return end.exc
+
+    def _split_end(self, items: list[Any]) -> End | None:
+        """Remove and return the :class:`End` that may close *items* (drained from the
+        buffer); it can only be the last item."""
+        if items and type(items[-1]) is End:
+            end: End = items.pop()
+            return end
+        return None
+
+
+# -- what a frame means ---------------------------------------------------------------------
+
+
+class StageState(enum.Enum):
+    """The stage as the session sees it."""
+
+    RUNNING = "running"
+    STOPPED = "stopped"  # its last event (shutdown/fatal) arrived; the process may linger
+    GONE = "gone"  # ClientSession.failure is set; every waiter has it
+
+
+S = TypeVar("S", bound=StreamCore)
+W = TypeVar("W")
+
+
+@dataclass(slots=True, eq=False)
+class Deliveries(Generic[S, W]):
+    """What the client must do after a session call, outside its lock."""
+
+    wake: list[S] = field(default_factory=list)
+    """Streams whose consumer waits and whose buffer has grown: wake each once."""
+    answers: list[tuple[W, Any, BaseException | None]] = field(default_factory=list)
+    """``(waiter, result, exc)``: resolve each utility waiter (``exc`` wins if set)."""
+    wake_events: bool = False
+    """The ordered event stream has grown and its consumer waits: wake it."""
+    warnings: list[str] = field(default_factory=list)
+    """Messages to log as warnings (stage-reported problems nobody else would see)."""
+    over: bool = False
+    """The stage sent its last event, or the session failed (a close may stop waiting)."""
+
+
+class ClientSession(Generic[S, W]):
+    """The protocol state of one client: requests and calls in flight, the stage's
+    lifecycle, liveness. Not thread-safe: the blocking client calls every method that
+    changes state under its lock; the frame builders (``*_frame``) touch no state and are
+    thread-safe. Never blocks, never calls user code. *now* arguments are
+    ``time.monotonic()`` readings (injected, so tests can drive the clock).
+    """
+
+    def __init__(
+        self,
+        *,
+        pid: int | None,
+        address: str,
+        launched: bool,
+        heartbeat: tuple[float, float] | None,
+        ordered_events: bool,
+        now: float,
+    ) -> None:
+        self.pid: Final = pid
+        self.address: Final = address
+        self.launched: Final = launched
+        self.heartbeat: Final = heartbeat
+        self.streams: dict[str, S] = {}
+        # call id -> (waiter, utility name). Call ids are consecutive from a random start in
+        # 1 .. 2**52: a stage answers every call it received, even after its caller detached,
+        # and that answer goes to the next client attached; a random start keeps it from
+        # matching one of that client's calls. Below 2**53, ids stay exact as JS doubles.
+        self.calls: dict[int, tuple[W, str]] = {}
+        self._call_ids: Iterator[int] = itertools.count(secrets.randbits(52) + 1)
+        self.state = StageState.RUNNING
+        self.failure: BaseException | None = None  # set once, with state GONE
+        self.closing = False  # close() has begun: nothing new is registered
+        self.fatal: str | None = None  # the fatal event's message, if one came
+        # The ordered event stream (None when off): events in the stage's order, then at
+        # most one End. Consumers pop from it; events_waiting as StreamCore._waiting.
+        self.events: collections.deque[Any] | None = collections.deque() if ordered_events else None
+        self.events_waiting = False
+        self.events_end: End | None = None  # the End appended to events, once it is
+        self.last_heard = now
+        self._next_ping = now
+        self._ping_seq = itertools.count()
+        self._exit_code: int | None = None
+        self._exited = False  # the launched process has exited (its sentinel fired)
+        self._grace_until: float | None = None  # set when the process exited first
+        self._linger_until: float | None = None  # set when the last event came first
+        self._decoder = _codec.Decoder(_wire.EventBatch, strict=True)  # receiver's only
+
+    # -- frames (thread-safe, no state) ------------------------------------------------------
+
+    @staticmethod
+    def add_frame(req_id: str, data: Any) -> Parts:
+        """An ``add``; :class:`TypeError` if *req_id* is not a ``str`` or *data* cannot
+        cross the wire."""
+        _check_req_id(req_id)
+        if type(data) not in _PLAIN:
+            data = _codec.prepare(data, f"data of request {req_id!r}")
+        return _encode(("add", req_id, data), f"request {req_id!r}")
+
+    @staticmethod
+    def adds_frame(items: Iterable[tuple[str, Any]]) -> tuple[list[str], Parts]:
+        """An ``adds`` for ``(req_id, data)`` pairs, and its ids. :class:`TypeError` for a
+        bad pair, id or payload; :class:`ValueError` if an id is repeated."""
+        pairs: list[Any] = list(items)
+        if not set(map(type, pairs)) <= {tuple, list}:
+            bad = next(p for p in pairs if type(p) is not tuple and type(p) is not list)
+            raise TypeError(f"add_many() takes (req_id, data) pairs, got {type(bad).__name__}")
+        try:
+            ids_t, data_t = zip(*pairs, strict=True) if pairs else ((), ())
+        except ValueError:
+            raise TypeError("add_many() takes (req_id, data) pairs") from None
+        ids: list[str] = list(ids_t)
+        data: list[Any] = list(data_t)
+        if not set(map(type, ids)) <= {str}:
+            for rid in ids:
+                _check_req_id(rid)
+        if len(set(ids)) != len(ids):
+            seen: set[str] = set()
+            for rid in ids:
+                if rid in seen:
+                    raise ValueError(f"request {rid!r} appears twice in this add_many()")
+                seen.add(rid)
+        wire_data = data
+        if not set(map(type, data)) <= _FLAT:
+            wire_data = [
+                item if type(item) in _PLAIN else _codec.prepare(item, f"data of request {rid!r}")
+                for rid, item in zip(ids, data, strict=True)
+            ]
+        try:
+            return ids, _encode(("adds", ids, wire_data), "add_many()")
+        except TypeError:
+            # Name the request: an int out of range, say, skipped prepare() on the fast path.
+            for rid, item in zip(ids, data, strict=True):
+                ClientSession.add_frame(rid, item)
+            raise
+
+    @staticmethod
+    def abort_frame(req_ids: Sequence[str]) -> Parts:
+        """An ``abort``. A bare ``str`` is refused (it is a sequence of chars)."""
+        if isinstance(req_ids, (str, bytes)):
+            raise TypeError(f"abort() takes a sequence of request ids; write abort([{req_ids!r}])")
+        ids = list(req_ids)
+        for rid in ids:
+            _check_req_id(rid)
+        return _encode(("abort", ids), "abort")
+
+    @staticmethod
+    def utility_frame(call_id: int, name: str, args: tuple[Any, ...]) -> Parts:
+        """A ``utility`` call; :class:`TypeError` if *args* cannot cross the wire."""
+        if type(name) is not str:
+            raise TypeError(f"utility name must be a str, got {type(name).__name__}")
+        prepared = cast("Sequence[Any]", _codec.prepare(args, f"arguments of utility {name!r}"))
+        return _encode(("utility", call_id, name, list(prepared)), f"utility call {name!r}")
+
+    # -- opening and forgetting (under the client's lock) -----------------------------------
+
+    def check_open(self) -> None:
+        """Raise the failure (the same object every time), or
+        :class:`~enginecore.stage.StageClosedError` once closing has begun."""
+        if self.failure is not None:
+            raise self.failure
+        if self.closing:
+            raise StageClosedError("this stage client is closed")
+
+    def check_free(self, req_ids: Iterable[str]) -> None:
+        """:class:`ValueError` if one of *req_ids* still has a live stream."""
+        streams = self.streams
+        if streams and not streams.keys().isdisjoint(req_ids):
+            live = next(rid for rid in req_ids if rid in streams)
+            raise ValueError(f"request {live!r} is still live in this client")
+
+    def open_requests(self, req_ids: list[str], streams: Sequence[S] | None) -> None:
+        """Before sending requests *req_ids*: register their *streams* (in the same order;
+        outputs may follow at once), or check that the ordered event stream is on when
+        they have none. Raises like :meth:`check_open` and :meth:`check_free`, or
+        :class:`RuntimeError`; registers all or none."""
+        self.check_open()
+        self.check_free(req_ids)
+        if streams is None:
+            if self.events is None:
+                raise event_stream_off()
+        else:
+            self.streams.update(zip(req_ids, streams, strict=True))
+
+    def cancel_streams(self, req_ids: Iterable[str]) -> None:
+        """Forget streams whose frame could not be sent."""
+        for rid in req_ids:
+            self.streams.pop(rid, None)
+
+    def new_call_id(self) -> int:
+        """The next call id (thread-safe: ``itertools.count`` steps atomically)."""
+        return next(self._call_ids)
+
+    def open_call(self, call_id: int, waiter: W, name: str) -> None:
+        """Register a call; its answer goes to *waiter*. Raises like :meth:`check_open`."""
+        self.check_open()
+        self.calls[call_id] = (waiter, name)
+
+    def forget_call(self, call_id: int) -> None:
+        """Drop a call (timed out, cancelled, or its frame could not be sent): a late answer
+        is then ignored."""
+        self.calls.pop(call_id, None)
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def decode(self, parts: Sequence[Any]) -> list[Any] | EngineDeadError:
+        """Decode one message from the output socket (zmq frames, bytes or memoryviews),
+        or the error that an undecodable message is. Only the receiver calls it."""
+        try:
+            batch: list[Any] = self._decoder.decode(parts)
+        except msgspec.DecodeError as exc:
+            err = EngineDeadError(f"the stage sent an invalid frame: {exc}")
+            err.__cause__ = exc
+            return err
+        for ev in batch:
+            if ev.__class__ is Outputs and not (
+                len(ev.req_ids) == len(ev.finished) == len(ev.payloads)
+            ):
+                return EngineDeadError(
+                    "the stage sent an invalid frame: an outputs event with lists of "
+                    "different lengths"
+                )
+        return batch
+
+    def receive(self, parts: Sequence[Any], now: float) -> Deliveries[S, W]:
+        """:meth:`decode` then :meth:`dispatch`."""
+        return self.dispatch(self.decode(parts), now)
+
+    def dispatch(self, batch: list[Any] | EngineDeadError, now: float) -> Deliveries[S, W]:
+        """Apply one decoded message (a list of events) received at *now*."""
+        d: Deliveries[S, W] = Deliveries()
+        if self.failure is not None:
+            return d  # late frames after the end: nobody is left to receive them
+        if type(batch) is not list:
+            assert isinstance(batch, EngineDeadError)
+            self._fail_into(d, batch)
+            return d
+        self.last_heard = now
+        streams = self.streams
+        wake = d.wake
+        pongs = terminal = False
+        for ev in batch:
+            cls = ev.__class__
+            if cls is Outputs:
+                if not streams:
+                    continue
+                get = streams.get
+                for rid, fin, payload in zip(ev.req_ids, ev.finished, ev.payloads, strict=True):
+                    stream = get(rid)
+                    if stream is None:
+                        continue  # unrouted, not streamed (stream=False), or ended already
+                    buf = stream._buf
+                    buf.append(payload)
+                    if fin:
+                        buf.append(FINISHED)
+                        del streams[rid]
+                    if stream._waiting:
+                        stream._waiting = False
+                        wake.append(stream)
+            elif cls is UtilityResult:
+                entry = self.calls.pop(ev.call_id, None)
+                if entry is not None:  # else: timed out, or a detached client's call
+                    waiter, name = entry
+                    if ev.error is None:
+                        d.answers.append((waiter, ev.result, None))
+                    else:
+                        d.answers.append((waiter, None, UtilityError(name, ev.error)))
+            elif cls is Aborted:
+                for rid in ev.req_ids:
+                    self._end_stream(rid, ABORTED, wake)
+            elif cls is ErrorReport:
+                self._on_error_report(ev, d)
+            elif cls is Pong:
+                pongs = True  # an answer to our heartbeat, not a stage event
+            else:  # Shutdown or Fatal: the stage's last event
+                if cls is Fatal:
+                    self.fatal = ev.message
+                terminal = True
+        events = self.events
+        if events is not None:
+            events.extend([ev for ev in batch if ev.__class__ is not Pong] if pongs else batch)
+            if self.events_waiting and events:
+                self.events_waiting = False
+                d.wake_events = True
+        if terminal:
+            self._on_last_event(d, now)
+        return d
+
+    def _end_stream(self, req_id: str, end: End, wake: list[S]) -> bool:
+        stream = self.streams.pop(req_id, None)
+        if stream is None:
+            return False
+        stream._buf.append(end)
+        if stream._waiting:
+            stream._waiting = False
+            wake.append(stream)
+        return True
+
+    def _on_error_report(self, ev: ErrorReport, d: Deliveries[S, W]) -> None:
+        if ev.req_id is None:
+            d.warnings.append(f"the stage reported a protocol error: {ev.message}")
+            return
+        ended = self._end_stream(ev.req_id, End(RequestError(ev.req_id, ev.message)), d.wake)
+        if not ended and self.events is None:  # with the event stream on, its reader sees it
+            d.warnings.append(f"the stage reported: request {ev.req_id!r}: {ev.message}")
+
+    def _on_last_event(self, d: Deliveries[S, W], now: float) -> None:
+        d.over = True
+        self.state = StageState.STOPPED
+        if not self.launched:
+            # No process to watch: the last event is the end.
+            self._fail_into(
+                d,
+                self.end_error(
+                    remote_shutdown=self.fatal is None,
+                    reason=None if self.fatal is None else "its engine loop died",
+                ),
+            )
+        elif self._exited:
+            self._fail_into(d, self.end_error(exit_code=self._exit_code, remote_shutdown=True))
+        else:
+            self._linger_until = now + EXIT_AFTER_LAST_EVENT_S
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> tuple[Parts | None, float | None, Deliveries[S, W] | None]:
+        """Run the liveness timers at *now*. Returns a ping to send (or ``None``), when to
+        call again (a ``time.monotonic()`` reading; ``None``: no timer runs, wait for a frame
+        or the process), and the deliveries if the stage is now presumed gone."""
+        if self.failure is not None:
+            return None, None, None
+        if self._grace_until is not None:  # the process exited; its last frames are late
+            if now >= self._grace_until:
+                return None, None, self.fail(self.end_error(exit_code=self._exit_code))
+            return None, self._grace_until, None
+        if self._linger_until is not None:  # the last event came; the process lingers
+            if now >= self._linger_until:
+                err = self.end_error(
+                    remote_shutdown=True,
+                    reason="its engine loop ended, but the process has not exited",
+                )
+                return None, None, self.fail(err)
+            return None, self._linger_until, None
+        if self.heartbeat is None:
+            return None, None, None
+        interval, timeout = self.heartbeat
+        dead_at = self.last_heard + timeout
+        if now >= dead_at:
+            reason = f"no heartbeat from {self.address} for {timeout} s; presumed dead"
+            return None, None, self.fail(self.end_error(reason=reason))
+        ping = None
+        if now >= self._next_ping:
+            ping = [encode_plain(("ping", next(self._ping_seq)), "ping")]
+            self._next_ping = now + interval
+        return ping, min(self._next_ping, dead_at), None
+
+    def process_exited(self, exit_code: int | None, now: float) -> Deliveries[S, W] | None:
+        """The launched process has exited with *exit_code*. If its last event has come,
+        the stage is gone now; else :meth:`tick` gives its frames ``EXIT_GRACE_S`` more."""
+        if self.failure is not None:
+            return None
+        self._exited = True
+        self._exit_code = exit_code
+        self._linger_until = None
+        if self.state is StageState.STOPPED:
+            return self.fail(self.end_error(exit_code=exit_code, remote_shutdown=True))
+        self._grace_until = now + EXIT_GRACE_S
+        return None
+
+    # -- ending ---------------------------------------------------------------------------------
+
+    def begin_close(self) -> bool:
+        """``close()`` has begun: refuse new requests and calls. Returns whether the stage
+        was still there (then a ``shutdown`` or ``bye`` is worth sending)."""
+        self.closing = True
+        return self.failure is None
+
+    def fail(self, exc: BaseException) -> Deliveries[S, W] | None:
+        """Set the failure once (later calls return ``None``) and hand *exc*, the same
+        object, to every stream, call and the ordered event stream."""
+        if self.failure is not None:
+            return None
+        d: Deliveries[S, W] = Deliveries()
+        self._fail_into(d, exc)
+        return d
+
+    def _fail_into(self, d: Deliveries[S, W], exc: BaseException) -> None:
+        if self.failure is not None:
+            return
+        last_event_came = self.state is StageState.STOPPED
+        self.failure = exc
+        self.state = StageState.GONE
+        d.over = True
+        end = End(exc)
+        for stream in self.streams.values():
+            stream._buf.append(end)
+            if stream._waiting:
+                stream._waiting = False
+                d.wake.append(stream)
+        self.streams.clear()
+        d.answers.extend((waiter, None, exc) for waiter, _ in self.calls.values())
+        self.calls.clear()
+        if self.events is not None:
+            # A clean end (StopIteration) when this client shut the stage down itself and
+            # the stage's last event came.
+            clean = isinstance(exc, StageClosedError) and last_event_came
+            self.events_end = End(None if clean else exc)
+            self.events.append(self.events_end)
+            if self.events_waiting:
+                self.events_waiting = False
+                d.wake_events = True
+
+    def end_error(
+        self,
+        *,
+        exit_code: int | None = None,
+        remote_shutdown: bool = False,
+        reason: str | None = None,
+    ) -> StageClosedError | EngineDeadError:
+        """What every waiter gets once the stage is gone: :class:`StageClosedError` if this
+        client was closing it, else an :class:`EngineDeadError` whose message says all we
+        know (the exit, the fatal error, a shutdown that this client did not ask for)."""
+        if self.closing:
+            return StageClosedError("this stage client is closed")
+        who = f"stage process {self.pid}" if self.pid is not None else "the stage"
+        if reason is not None:
+            msg = f"{who}: {reason}"
+        elif exit_code is not None:
+            msg = f"{who} {describe_exit(exit_code)}"
+        else:
+            msg = f"{who} is gone"
+        if self.fatal is not None:
+            msg += f"; fatal error in the engine loop: {self.fatal}"
+        elif remote_shutdown:
+            msg += "; it shut down, but not at this client's request"
+        return EngineDeadError(msg, exit_code=exit_code, fatal=self.fatal)
+
+
+# -- the handshake --------------------------------------------------------------------------
+
+
+def parse_welcome(frame: bytes, address: str) -> _wire.WelcomeMsg:
+    """Decode the handshake reply; :class:`ProtocolError` unless it is a welcome."""
+    try:
+        reply = _wire.handshake_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"invalid handshake reply from {address}: {exc}") from exc
+    if isinstance(reply, _wire.RejectMsg):
+        raise ProtocolError(
+            f"stage at {address} rejected this client (it speaks protocol version "
+            f"{reply.version}): {reply.reason}"
+        )
+    if reply.version != _wire.PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"stage at {address} speaks protocol version {reply.version}, "
+            f"this client {_wire.PROTOCOL_VERSION}"
+        )
+    return reply
+
+
+def output_address_for(input_address: str, welcome_output: str) -> str:
+    """Where to connect the output socket: the port from the welcome, on the host the client
+    already reached (the stage may be bound to a wildcard or see another name)."""
+    if not welcome_output.startswith("tcp://") or not input_address.startswith("tcp://"):
+        return welcome_output
+    host = urlsplit(input_address).hostname or "127.0.0.1"
+    port = welcome_output.rsplit(":", 1)[1]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+def event_stream_off() -> RuntimeError:
+    """What reading the ordered event stream (or adding a request without a stream) raises
+    on a client made without it."""
+    return RuntimeError("the event stream is off; create the client with ordered_events=True")
+
+
+# -- the ordered event stream, consumer side ------------------------------------------------
+
+
+def take_events(buf: collections.deque[Any], every: bool) -> list[Any]:
+    """Pop the first event (or *every* event) from the session's event buffer; ``[]`` if
+    it is empty. Safe while the receiver appends and other consumers pop."""
+    popleft = buf.popleft
+    out: list[Any] = []
+    try:
+        out.append(popleft())
+        while every:
+            out.append(popleft())
+    except IndexError:
+        pass
+    return out
+
+
+def raise_end(end: End, stop: type[Exception]) -> NoReturn:
+    """End a consumer's read: the failure in *end*, else *stop* (``StopIteration`` or
+    ``StopAsyncIteration``)."""
+    if end.exc is not None:
+        raise end.exc
+    raise stop
+
+
+def events_before_end(out: list[Any], stop: type[Exception]) -> list[Any]:
+    """*out* (popped from the event buffer) without its closing :class:`End`; if that
+    leaves nothing, end the read as :func:`raise_end` does. Later reads find the buffer
+    empty and :attr:`ClientSession.events_end` set."""
+    if type(out[-1]) is End:
+        end: End = out.pop()
+        if not out:
+            raise_end(end, stop)
+    return out
