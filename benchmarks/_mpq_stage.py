@@ -7,9 +7,11 @@ the "what does enginecore buy over the obvious thing" benchmarks (``bench_stage_
 ``bench_stage_utility``, ``bench_stage_arrays``).
 
 The child (:func:`serve`) blocks in ``get()`` while its engine is idle (with a timeout, only
-to notice a dead parent), drains every message already queued with non-blocking gets,
-applies them in order, then steps while the engine has work and ``put``\\ s each step's
-outputs as **one** list. Messages, parent -> child (tuples):
+to notice a dead parent; a busy child looks for its parent once a second), drains every
+message already queued with non-blocking gets, applies them in order, then steps while the
+engine has work and ``put``\\ s each step's outputs as **one** list.
+
+Messages, parent -> child (tuples):
 
 * ``("add", rid, data)``, ``("adds", [(rid, data), ...])``: requests, applied in order;
 * ``("abort", [rid, ...])``: applied, then answered ``("aborted", [rid, ...])``;
@@ -46,18 +48,24 @@ Q = multiprocessing.queues.Queue
 def serve(inq: Q[Any], outq: Q[Any], parent_pid: int, factory: Callable[[], Any]) -> None:
     """Target of the child process: the engine loop over two ``multiprocessing.Queue``\\ s."""
     engine = factory()
-    get, put = inq.get, outq.put
+    get, put, clock = inq.get, outq.put, time.monotonic
     has_work, step, add = engine.has_work, engine.step, engine.add
+    next_check = clock() + _ORPHAN_CHECK_S  # while busy, look for the parent this often
     put(("ready",))
     while True:
         if has_work():
             msgs = []
+            if clock() > next_check:
+                if os.getppid() != parent_pid:
+                    outq.cancel_join_thread()  # nobody will read what is still queued
+                    return
+                next_check = clock() + _ORPHAN_CHECK_S
         else:
             try:
                 msgs = [get(timeout=_ORPHAN_CHECK_S)]
             except queue.Empty:
                 if os.getppid() != parent_pid:
-                    outq.cancel_join_thread()  # nobody will read what is still queued
+                    outq.cancel_join_thread()
                     return
                 continue
         while True:

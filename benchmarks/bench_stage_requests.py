@@ -254,7 +254,7 @@ def records(res: dict[str, list[Round]]) -> list[Record]:
 
 
 def run(quick: bool) -> list[Record]:
-    return records(measure(rounds=3 if quick else 21))
+    return records(measure(rounds=3 if quick else 31))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -47,6 +50,15 @@ def child_pids() -> set[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"resource_tracker" not in cmdline:
             found.add(int(entry))
     return found
+
+
+def pid_gone(pid: int) -> bool:
+    """Whether *pid* no longer runs (absent, or a zombie waiting for a reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 @pytest.fixture
@@ -158,6 +170,38 @@ class TestStageBenchmarks:
             assert not stage.live
             process = stage.process
         assert process.exitcode == 0
+
+    def test_mpq_stage_children_exit_when_the_parent_is_killed(self) -> None:
+        # One busy child (a request that never ends) and one idle child; SIGKILL the parent.
+        script = (
+            "import os, signal, sys\n"
+            "from benchmarks._mpq_stage import MpqStage\n"
+            "if __name__ == '__main__':\n"
+            "    busy, idle = MpqStage(), MpqStage()\n"
+            "    busy.add('forever', 10**12)\n"
+            "    busy.call('num_requests')\n"
+            "    print(busy.process.pid, idle.process.pid, flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        )
+        root = str(Path(__file__).resolve().parents[1])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        pids = [int(p) for p in proc.stdout.split()]
+        assert len(pids) == 2, proc.stderr
+        deadline = time.monotonic() + 10
+        while not all(map(pid_gone, pids)):
+            assert time.monotonic() < deadline, f"orphaned mp.Queue stage children: {pids}"
+            time.sleep(0.05)
 
     def test_mpq_stage_echoes_with_another_engine(self) -> None:
         from benchmarks._mpq_stage import MpqStage
