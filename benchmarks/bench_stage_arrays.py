@@ -122,9 +122,10 @@ def measure(rounds: int, trips: int) -> dict[str, list[float]]:
     arr = make_array()
     with StageClient.launch(ECHO_FACTORY) as client:
         try:
-            _check(client.add("probe", arr).collect(timeout=60), arr)
+            (out,) = client.add("probe", arr).collect(timeout=60)
         except (TypeError, RequestError) as exc:
             raise Skipped(f"enginecore.stage does not carry numpy arrays yet: {exc}") from None
+        _check(out, arr)
         with RawPeer(zero_copy=True) as peer, MpqStage(EchoEngine) as stage:
             return interleave(
                 {
