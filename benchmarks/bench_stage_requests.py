@@ -18,7 +18,9 @@ processes stay up for the whole run, each started with multiprocessing spawn:
 
 Rounds run the five sides back to back (mp.Queue burst, sync burst, async burst, one add per
 request, one put per request; the order reversed every other round), so each pair of sides
-that is compared ran next to each other. Metrics and goals:
+that is compared ran next to each other. In a full run each side does 4 jobs back to back
+per round, under one clock (a single job takes ~10 ms, about two GIL switch intervals, and
+per-round ratios of single jobs spread from 0.3 to 2.6). Metrics and goals:
 
 a. burst, outputs/s: enginecore >= 1.0x the mp.Queue stage;
 b. one message per request, outputs/s: enginecore >= 1.5x the mp.Queue stage;
@@ -58,11 +60,14 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 class Round(NamedTuple):
-    """One side's result for one round: outputs/s, and CPU seconds in each process."""
+    """One side's result for one round: outputs/s, and CPU µs per output in each process."""
 
     rate: float
-    stage_cpu: float
-    parent_cpu: float
+    stage_us: float
+    parent_us: float
+
+
+Items = list[tuple[str, int]]
 
 
 def stat_cpu(pid: int) -> float:
@@ -86,9 +91,13 @@ def process_cpu(pid: int) -> Callable[[], float]:
     return lambda: time.clock_gettime(clock_id)
 
 
-def _items(tag: str) -> list[tuple[str, int]]:
-    prefix = f"{tag}{next(_rounds)}-"  # fresh ids every round
-    return [(f"{prefix}{i}", STEPS) for i in range(REQUESTS)]
+def _batches(tag: str, jobs: int) -> list[Items]:
+    """*jobs* jobs of fresh request ids (built before the clock starts)."""
+    out = []
+    for _ in range(jobs):
+        prefix = f"{tag}{next(_rounds)}-"
+        out.append([(f"{prefix}{i}", STEPS) for i in range(REQUESTS)])
+    return out
 
 
 def _check(got: Sequence[list[Any]]) -> None:
@@ -98,78 +107,78 @@ def _check(got: Sequence[list[Any]]) -> None:
     assert not bad, f"{len(bad)} requests with wrong outputs, e.g. {bad[0]!r}"
 
 
-def _timed(pid: int, job: Callable[[], list[list[Any]]]) -> Round:
+def _timed(pid: int, job: Callable[[Items], list[list[Any]]], batches: list[Items]) -> Round:
+    """Run *job* on each batch, back to back, under one clock; check every output after."""
     stage_cpu, parent_cpu = process_cpu(pid), time.process_time
     with no_gc():
         c0, p0 = stage_cpu(), parent_cpu()
         t0 = time.perf_counter()
-        got = job()
+        got = [job(items) for items in batches]
         t1 = time.perf_counter()
         c1, p1 = stage_cpu(), parent_cpu()
-    _check(got)
-    return Round(REQUESTS * STEPS / (t1 - t0), c1 - c0, p1 - p0)
+    for g in got:
+        _check(g)
+    n = len(batches) * REQUESTS * STEPS
+    return Round(n / (t1 - t0), (c1 - c0) * 1e6 / n, (p1 - p0) * 1e6 / n)
 
 
-def burst_stage(client: Any) -> Round:
+def burst_stage(client: Any, jobs: int) -> Round:
     """``add_many`` (or one ``add`` per request without it), then every stream's outputs."""
-    items = _items("b")
     add_many = getattr(client, "add_many", None)
 
-    def job() -> list[list[Any]]:
+    def job(items: Items) -> list[list[Any]]:
         if add_many is not None:
             streams = add_many(items)
         else:
             streams = [client.add(rid, n) for rid, n in items]
         return [s.collect() for s in streams]
 
-    return _timed(client.pid, job)
+    return _timed(client.pid, job, _batches("b", jobs))
 
 
-def single_stage(client: Any) -> Round:
+def single_stage(client: Any, jobs: int) -> Round:
     """One ``client.add`` per request, then every stream's outputs."""
-    items = _items("s")
     add = client.add
 
-    def job() -> list[list[Any]]:
+    def job(items: Items) -> list[list[Any]]:
         streams = [add(rid, n) for rid, n in items]
         return [s.collect() for s in streams]
 
-    return _timed(client.pid, job)
+    return _timed(client.pid, job, _batches("s", jobs))
 
 
-def burst_async(loop: asyncio.AbstractEventLoop, client: Any) -> Round:
+def burst_async(loop: asyncio.AbstractEventLoop, client: Any, jobs: int) -> Round:
     """The burst through an ``AsyncStageClient``, on *loop*."""
-    items = _items("a")
     add_many = getattr(client, "add_many", None)
 
-    async def main() -> list[list[Any]]:
+    async def main(items: Items) -> list[list[Any]]:
         if add_many is not None:
             streams = await add_many(items)
         else:
             streams = [await client.add(rid, n) for rid, n in items]
         return [await s.collect() for s in streams]
 
-    return _timed(client.pid, lambda: loop.run_until_complete(main()))
+    return _timed(
+        client.pid, lambda items: loop.run_until_complete(main(items)), _batches("a", jobs)
+    )
 
 
-def burst_mpq(stage: Any) -> Round:
+def burst_mpq(stage: Any, jobs: int) -> Round:
     """One put of the whole burst into the mp.Queue stage, then route every output."""
-    items = _items("m")
 
-    def job() -> list[list[Any]]:
+    def job(items: Items) -> list[list[Any]]:
         stage.add_many(items)
         stage.collect()
         pop = stage.streams.pop
         return [pop(rid) for rid, _ in items]
 
-    return _timed(stage.process.pid, job)
+    return _timed(stage.process.pid, job, _batches("m", jobs))
 
 
-def single_mpq(stage: Any) -> Round:
+def single_mpq(stage: Any, jobs: int) -> Round:
     """One put per request into the mp.Queue stage, then route every output."""
-    items = _items("n")
 
-    def job() -> list[list[Any]]:
+    def job(items: Items) -> list[list[Any]]:
         add = stage.add
         for rid, n in items:
             add(rid, n)
@@ -177,7 +186,7 @@ def single_mpq(stage: Any) -> Round:
         pop = stage.streams.pop
         return [pop(rid) for rid, _ in items]
 
-    return _timed(stage.process.pid, job)
+    return _timed(stage.process.pid, job, _batches("n", jobs))
 
 
 def cpu_record(name: str, values: Sequence[float], baselines: Sequence[float]) -> Record:
@@ -192,8 +201,9 @@ def cpu_record(name: str, values: Sequence[float], baselines: Sequence[float]) -
     )  # fmt: skip
 
 
-def measure(rounds: int) -> dict[str, list[Round]]:
-    """Launch the three stages, run *rounds* interleaved rounds of the five sides."""
+def measure(rounds: int, jobs: int) -> dict[str, list[Round]]:
+    """Launch the three stages, run *rounds* interleaved rounds of the five sides, each side
+    running *jobs* jobs back to back per round."""
     try:
         from enginecore.stage import AsyncStageClient, StageClient
 
@@ -211,11 +221,11 @@ def measure(rounds: int) -> dict[str, list[Round]]:
         # Neighbours are compared: mpq|burst (a), burst|async (c), single|mpq1 (b).
         return interleave(
             {
-                "mpq": lambda: burst_mpq(stage),
-                "burst": lambda: burst_stage(client),
-                "async": lambda: burst_async(loop, aclient),
-                "single": lambda: single_stage(client),
-                "mpq1": lambda: single_mpq(stage),
+                "mpq": lambda: burst_mpq(stage, jobs),
+                "burst": lambda: burst_stage(client, jobs),
+                "async": lambda: burst_async(loop, aclient, jobs),
+                "single": lambda: single_stage(client, jobs),
+                "mpq1": lambda: single_mpq(stage, jobs),
             },
             rounds=rounds,
         )
@@ -225,8 +235,8 @@ def records(res: dict[str, list[Round]]) -> list[Record]:
     def rates(side: str) -> list[float]:
         return [r.rate for r in res[side]]
 
-    def per_output_us(side: str, which: str) -> list[float]:
-        return [getattr(r, which) * 1e6 / (REQUESTS * STEPS) for r in res[side]]
+    def cpu(side: str, which: str) -> list[float]:
+        return [getattr(r, which) for r in res[side]]
 
     job = f"{REQUESTS} requests x {STEPS} outputs"
     return [
@@ -244,17 +254,17 @@ def records(res: dict[str, list[Round]]) -> list[Record]:
         ),
         cpu_record(
             "stage requests burst, stage process CPU",
-            per_output_us("burst", "stage_cpu"), per_output_us("mpq", "stage_cpu"),
+            cpu("burst", "stage_us"), cpu("mpq", "stage_us"),
         ),
         cpu_record(
             "stage requests burst, parent CPU",
-            per_output_us("burst", "parent_cpu"), per_output_us("mpq", "parent_cpu"),
+            cpu("burst", "parent_us"), cpu("mpq", "parent_us"),
         ),
     ]  # fmt: skip
 
 
 def run(quick: bool) -> list[Record]:
-    return records(measure(rounds=3 if quick else 31))
+    return records(measure(rounds=3, jobs=1) if quick else measure(rounds=15, jobs=4))
 
 
 if __name__ == "__main__":

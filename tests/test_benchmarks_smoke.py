@@ -218,7 +218,7 @@ class TestStageBenchmarks:
         assert len(per_block["loop"]) == 2
 
     def test_requests_measures_every_side(self) -> None:
-        res = bench_stage_requests.measure(rounds=1)
+        res = bench_stage_requests.measure(rounds=1, jobs=1)
         assert {len(v) for v in res.values()} == {1}
         assert_records(bench_stage_requests.records(res), 5)
 
