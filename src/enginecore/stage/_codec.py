@@ -333,7 +333,7 @@ class Decoder:
         if code == EXT_BUFFER:
             if type(head) is bytes:
                 return memoryview(head)
-            return self._buffer(head)
+            return self._buffer(head).toreadonly()
         raise _ExtError(f"msgpack extension type {code} is not allowed on the wire")
 
     def _array(self, head: object) -> Any:
