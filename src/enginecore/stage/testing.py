@@ -166,6 +166,15 @@ class ScriptedEngine(CountdownEngine):
             return output[0], False, output[1]
         return None, False, output
 
+    @staticmethod
+    def route_outputs(  # type: ignore[override]
+        outputs: list[Any],
+    ) -> tuple[list[str | None], list[bool], list[Any]]:
+        # The batch hook inherited from CountdownEngine would be preferred by the stage and
+        # bypass route_output's cases (poisoned payloads, unrouted values): route each here.
+        triples = [ScriptedEngine.route_output(out) for out in outputs]
+        return [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]
+
 
 class EchoEngine:
     """Each request has one output, its own data, in the step after its ``add``: for
