@@ -28,9 +28,6 @@ __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 
 logger = logging.getLogger("enginecore.stage")
 
-# At most this many frames are read in a row before the receiver task lets others run.
-_DRAIN_MAX = 256
-
 
 class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
     """The outputs of one request, in order, as an async iterator. Returned by
@@ -101,7 +98,9 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
                 if exc is not None:
                     raise exc
                 return out
-            if not await self._wait(deadline):
+            if (deadline is not None and time.monotonic() >= deadline) or not await self._wait(
+                deadline
+            ):
                 buf.extendleft(reversed(out))
                 raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
 
@@ -157,10 +156,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._ctx = _ctx
         self._dealer = _dealer
         self._pull = _pull
-        # Plain views of the same sockets, for the calls that never wait: every send (the
-        # DEALER has no high-water mark) and reading the frames that are already there.
+        # A plain view of the same socket, for sending without a future (the DEALER has no
+        # high-water mark: a send never waits).
         self._dealer_now: zmq.Socket[bytes] = zmq.Socket.shadow(_dealer.underlying)
-        self._pull_now: zmq.Socket[bytes] = zmq.Socket.shadow(_pull.underlying)
         self._sockets_closed = False
         self._close_lock = asyncio.Lock()
         self._closed_done = False
@@ -555,21 +553,18 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
 
     async def _rx_main(self) -> None:
         session = self._session
-        recv_now = self._pull_now.recv_multipart
         try:
             while True:
                 parts: list[Any] = await self._pull.recv_multipart(copy=False)
-                for _ in range(_DRAIN_MAX):
-                    d = session.receive(parts, time.monotonic())
-                    self._apply(d)
-                    if session.failure is not None:
-                        return
-                    if d.over:
-                        self._run_timers()  # the last event: the linger deadline starts
-                    try:
-                        parts = recv_now(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
+                d = session.receive(parts, time.monotonic())
+                self._apply(d)
+                if session.failure is not None:
+                    return
+                if d.over:
+                    self._run_timers()  # the last event: the linger deadline starts
+                # The await above does not yield when a frame is already there: one frame
+                # (a step) at a time, let the tasks woken meanwhile have the event loop.
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

@@ -136,7 +136,7 @@ class RequestStream(StreamCore, Iterator[Any]):
                 if exc is not None:
                     raise exc
                 return out
-            if not self._wait(deadline):
+            if (deadline is not None and time.monotonic() >= deadline) or not self._wait(deadline):
                 with self._lock:
                     buf.extendleft(reversed(out))
                 raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
