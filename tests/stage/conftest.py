@@ -7,21 +7,26 @@ process is left (running or unreaped) and that no ipc directory or socket file i
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import Any, TypeVar, cast
 
 import pytest
 
-from enginecore.stage import StageClient
+from enginecore.stage import AsyncRequestStream, AsyncStageClient, StageClient, StageEvent
 
 SCRIPTED = "enginecore.stage.testing:scripted"
 COUNTDOWN = "enginecore.stage.testing:countdown"
+ECHO = "enginecore.stage.testing:echo"
 
 
 def child_pids() -> dict[int, str]:
@@ -93,6 +98,164 @@ def client(no_leftovers: str) -> Iterator[StageClient]:
     """A launched ScriptedEngine stage with the ordered event stream on."""
     with StageClient.launch(SCRIPTED, ordered_events=True, startup_timeout=30) as c:
         yield c
+
+
+# -- one suite for both clients ---------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class EventLoopThread:
+    """An asyncio event loop running in a thread of its own, for as long as the test runs,
+    so an AsyncStageClient's receiver task and timers run all the time, as a StageClient's
+    receiver thread does."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-event-loop")
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            return self.submit(coro).result()
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+class BlockingAsyncStream:
+    """An AsyncRequestStream behind RequestStream's blocking interface."""
+
+    def __init__(self, runner: EventLoopThread, stream: AsyncRequestStream) -> None:
+        self._runner = runner
+        self._stream = stream
+        self.req_id = stream.req_id
+
+    @property
+    def finished(self) -> bool:
+        return self._stream.finished
+
+    @property
+    def aborted(self) -> bool:
+        return self._stream.aborted
+
+    def __iter__(self) -> BlockingAsyncStream:
+        return self
+
+    def __next__(self) -> Any:
+        return self._runner.run(self._stream.__anext__())
+
+    def get(self, timeout: float | None = None) -> Any:
+        return self._runner.run(self._stream.get(timeout))
+
+    def collect(self, timeout: float | None = None) -> list[Any]:
+        return self._runner.run(self._stream.collect(timeout))
+
+
+class BlockingAsyncClient:
+    """An AsyncStageClient behind StageClient's blocking interface: every call runs as a
+    coroutine on the client's event loop (in another thread) and the caller waits for it.
+    A thin adapter: the behaviour under test is the async client's."""
+
+    def __init__(self, runner: EventLoopThread, client: AsyncStageClient) -> None:
+        self._runner = runner
+        self._client = client
+
+    pid = property(lambda self: self._client.pid)
+    address = property(lambda self: self._client.address)
+    exit_code = property(lambda self: self._client.exit_code)
+    closed = property(lambda self: self._client.closed)
+
+    def _streams(self, streams: list[AsyncRequestStream] | None) -> list[Any] | None:
+        return None if streams is None else [BlockingAsyncStream(self._runner, s) for s in streams]
+
+    def add(self, req_id: str, data: Any, stream: bool = True) -> Any:
+        added = self._runner.run(self._client.add(req_id, data, stream))
+        return None if added is None else BlockingAsyncStream(self._runner, added)
+
+    def add_many(self, items: Iterable[tuple[str, Any]], *, streams: bool = True) -> Any:
+        return self._streams(self._runner.run(self._client.add_many(items, streams=streams)))
+
+    def abort(self, req_ids: Any) -> None:
+        self._runner.run(self._client.abort(req_ids))
+
+    def call_utility(self, name: str, /, *args: Any, timeout: float | None = None) -> Any:
+        return self._runner.run(self._client.call_utility(name, *args, timeout=timeout))
+
+    def call_utility_future(self, name: str, /, *args: Any) -> concurrent.futures.Future[Any]:
+        return self._runner.submit(self._client.call_utility(name, *args))
+
+    def get_event(self, timeout: float | None = None) -> StageEvent:
+        return self._runner.run(self._client.get_event(timeout))
+
+    def get_events(self, timeout: float | None = None) -> list[StageEvent]:
+        return self._runner.run(self._client.get_events(timeout))
+
+    def events(self) -> Iterator[StageEvent]:
+        while True:
+            try:
+                event = self.get_event()
+            except StopIteration:
+                return
+            yield event
+
+    def shutdown(self, timeout: float = 5.0) -> int | None:
+        return self._runner.run(self._client.shutdown(timeout))
+
+    def close(self) -> None:
+        self._runner.run(self._client.close())
+
+    def __enter__(self) -> BlockingAsyncClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+Launch = Callable[..., StageClient]
+
+
+@pytest.fixture(params=["sync", "async"])
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
+    """``launch(factory=SCRIPTED, **kwargs)``: a launched stage with the client under test,
+    the blocking :class:`StageClient` or the :class:`AsyncStageClient` behind a thin blocking
+    adapter (typed as a StageClient: it has the same interface). Closed after the test."""
+    runner = EventLoopThread() if request.param == "async" else None
+    opened: list[StageClient] = []
+
+    def launch_(factory: str = SCRIPTED, **kwargs: Any) -> StageClient:
+        kwargs.setdefault("startup_timeout", 30)
+        if runner is None:
+            client = StageClient.launch(factory, **kwargs)
+        else:
+            aclient = runner.run(AsyncStageClient.launch(factory, **kwargs))
+            client = cast(StageClient, BlockingAsyncClient(runner, aclient))
+        opened.append(client)
+        return client
+
+    try:
+        yield launch_
+    finally:
+        try:
+            for client in opened:
+                client.close()
+        finally:
+            if runner is not None:
+                runner.stop()
+
+
+@pytest.fixture
+def stage_client(launch: Launch) -> StageClient:
+    """A launched ScriptedEngine stage with the ordered event stream on, through each client
+    in turn (``[sync]``, ``[async]``)."""
+    return launch(SCRIPTED, ordered_events=True)
 
 
 class Server:

@@ -1,4 +1,7 @@
-"""Death is never silent: every waiter and every later call raises EngineDeadError."""
+"""Death is never silent: every waiter and every later call raises EngineDeadError.
+
+Run through both clients (``stage_client`` / ``launch`` fixtures: ``[sync]``, ``[async]``).
+"""
 
 from __future__ import annotations
 
@@ -10,14 +13,14 @@ import pytest
 
 from enginecore.stage import EngineDeadError, Fatal, StageClient
 
-from .conftest import SCRIPTED
+from .conftest import SCRIPTED, Launch
 
 
 class TestFatal:
-    def test_step_error_is_engine_dead_with_the_fatal_repr(self, client: StageClient) -> None:
-        stream = client.add("r", 10_000_000)
+    def test_step_error_is_engine_dead_with_the_fatal_repr(self, stage_client: StageClient) -> None:
+        stream = stage_client.add("r", 10_000_000)
         stream.get(5)
-        client.call_utility("fail_next_step", timeout=5)
+        stage_client.call_utility("fail_next_step", timeout=5)
         with pytest.raises(EngineDeadError) as info:
             stream.collect(timeout=5)
         err = info.value
@@ -27,37 +30,37 @@ class TestFatal:
         assert "RuntimeError('scripted step failure')" in str(err)
         # Later calls fail the same way, at once.
         with pytest.raises(EngineDeadError) as later:
-            client.call_utility("echo")
+            stage_client.call_utility("echo")
         assert later.value is err
         with pytest.raises(EngineDeadError):
-            client.add("x", 1)
+            stage_client.add("x", 1)
         # The fatal event itself reached the client before the process exited.
         events = []
         with pytest.raises(EngineDeadError):  # noqa: PT012 - the stream ends by raising
             while True:
-                events.append(client.get_event(5))
+                events.append(stage_client.get_event(5))
         assert events[-1] == Fatal("RuntimeError('scripted step failure')")
-        assert client.shutdown() == 1
+        assert stage_client.shutdown() == 1
 
     def test_system_exit_in_step_is_fatal_with_a_nonzero_exit_code(
-        self, client: StageClient
+        self, stage_client: StageClient
     ) -> None:
         # SystemExit(0) from the engine is a fatal error of the loop, not a clean shutdown:
         # the loop emits its fatal event and re-raises; the stage must still exit non-zero.
-        client.call_utility("system_exit_next_step", 0, timeout=5)
+        stage_client.call_utility("system_exit_next_step", 0, timeout=5)
         with pytest.raises(EngineDeadError) as info:
-            client.call_utility("echo", timeout=5)
+            stage_client.call_utility("echo", timeout=5)
         assert info.value.fatal == "SystemExit(0)"
         assert info.value.exit_code == 1
-        assert client.shutdown() == 1
+        assert stage_client.shutdown() == 1
 
     def test_a_process_that_lingers_after_its_fatal_error_fails_waiters_anyway(
-        self, client: StageClient
+        self, stage_client: StageClient
     ) -> None:
-        client.call_utility("linger", 30, timeout=5)  # a non-daemon thread: exit will hang
-        stream = client.add("r", 10_000_000)
+        stage_client.call_utility("linger", 30, timeout=5)  # a non-daemon thread: exit will hang
+        stream = stage_client.add("r", 10_000_000)
         stream.get(5)
-        client.call_utility("fail_next_step", timeout=5)
+        stage_client.call_utility("fail_next_step", timeout=5)
         started = time.monotonic()
         with pytest.raises(EngineDeadError, match="has not exited") as info:
             stream.collect(timeout=5)
@@ -65,18 +68,18 @@ class TestFatal:
         assert info.value.fatal == "RuntimeError('scripted step failure')"
         assert info.value.exit_code is None
         # shutdown() still ends it: SIGTERM (the loop's handler is gone by now) kills it.
-        assert client.shutdown(timeout=0.1) == -signal.SIGTERM
+        assert stage_client.shutdown(timeout=0.1) == -signal.SIGTERM
 
 
 class TestProcessDeath:
     @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
     def test_killed_mid_stream_fails_all_waiters_within_1s(
-        self, client: StageClient, sig: signal.Signals
+        self, stage_client: StageClient, sig: signal.Signals
     ) -> None:
-        stream = client.add("r", 1_000_000_000)
+        stream = stage_client.add("r", 1_000_000_000)
         stream.get(5)
-        pending = [client.call_utility_future("sleep", 10) for _ in range(3)]
-        os.kill(client.pid, sig)
+        pending = [stage_client.call_utility_future("sleep", 10) for _ in range(3)]
+        os.kill(stage_client.pid, sig)
         killed_at = time.monotonic()
         with pytest.raises(EngineDeadError, match=f"killed by {sig.name}") as info:
             stream.collect(timeout=5)
@@ -87,36 +90,44 @@ class TestProcessDeath:
         assert info.value.exit_code == -sig
         assert info.value.fatal is None
         with pytest.raises(EngineDeadError):
-            client.call_utility("echo")
-        assert client.shutdown() == -sig
+            stage_client.call_utility("echo")
+        assert stage_client.shutdown() == -sig
 
-    def test_os_exit_in_the_engine(self, client: StageClient) -> None:
+    def test_os_exit_in_the_engine(self, stage_client: StageClient) -> None:
         with pytest.raises(EngineDeadError, match="exited with code 7") as info:
-            client.call_utility("exit", 7, timeout=5)
+            stage_client.call_utility("exit", 7, timeout=5)
         assert info.value.exit_code == 7
 
-    def test_iterator_waiting_without_timeout_is_woken(self, client: StageClient) -> None:
-        stream = client.add("r", 1_000_000_000)
+    def test_iterator_waiting_without_timeout_is_woken(self, stage_client: StageClient) -> None:
+        stream = stage_client.add("r", 1_000_000_000)
         stream.get(5)
-        os.kill(client.pid, signal.SIGKILL)
+        os.kill(stage_client.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
             for _ in stream:  # plain blocking iteration: must not hang
                 pass
 
     def test_sigterm_from_elsewhere_is_a_clean_exit_but_still_dead(
-        self, client: StageClient
+        self, stage_client: StageClient
     ) -> None:
-        stream = client.add("r", 1_000_000_000)
+        stream = stage_client.add("r", 1_000_000_000)
         stream.get(5)
-        os.kill(client.pid, signal.SIGTERM)
+        os.kill(stage_client.pid, signal.SIGTERM)
         with pytest.raises(EngineDeadError, match="not at this client's request") as info:
             stream.collect(timeout=5)
         assert info.value.exit_code == 0
 
-    def test_dead_stage_then_close_keeps_the_dead_error(self) -> None:
-        with StageClient.launch(SCRIPTED) as client:
-            os.kill(client.pid, signal.SIGKILL)
-            with pytest.raises(EngineDeadError):
-                client.call_utility("sleep", 5, timeout=5)
-        with pytest.raises(EngineDeadError):
+    def test_dead_stage_then_close_keeps_the_dead_error(self, launch: Launch) -> None:
+        client = launch(SCRIPTED)
+        os.kill(client.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError) as info:
+            client.call_utility("sleep", 5, timeout=5)
+        assert client.shutdown() == -signal.SIGKILL
+        with pytest.raises(EngineDeadError) as later:
             client.add("r", 1)
+        assert later.value is info.value
+
+    def test_an_event_reader_is_woken_by_the_death(self, stage_client: StageClient) -> None:
+        stage_client.call_utility_future("exit", 3)
+        with pytest.raises(EngineDeadError, match="exited with code 3"):  # noqa: PT012
+            while True:
+                stage_client.get_events(5)

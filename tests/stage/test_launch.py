@@ -57,9 +57,10 @@ class TestStartup:
         with pytest.raises(ValueError, match=r"pkg\.module:factory"):
             StageClient.launch("enginecore.stage.testing.countdown")
 
-    def test_unencodable_factory_kwargs_are_refused(self) -> None:
+    @pytest.mark.parametrize("value", [object(), "x\ud800", 2**64])
+    def test_unencodable_factory_kwargs_are_refused(self, value: object) -> None:
         with pytest.raises(TypeError, match="factory kwargs"):
-            StageClient.launch(COUNTDOWN, {"x": object()})
+            StageClient.launch(COUNTDOWN, {"x": value})
 
     def test_pid_is_the_stage_process(self) -> None:
         with StageClient.launch(COUNTDOWN) as client:

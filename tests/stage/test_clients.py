@@ -1,0 +1,534 @@
+"""Both clients against a real launched stage: one suite, run through StageClient and
+through AsyncStageClient (``[sync]`` / ``[async]``), because they promise the same behaviour.
+
+The death matrix is in ``test_death.py`` (same fixture); what only one client can do
+(threads, done-callbacks, cancellation) is in ``test_client.py`` / ``test_aclient.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from enginecore.stage import (
+    Aborted,
+    ErrorReport,
+    Outputs,
+    RequestError,
+    Shutdown,
+    StageClient,
+    StageClosedError,
+    StageEvent,
+    UtilityError,
+    UtilityResult,
+)
+
+from .conftest import COUNTDOWN, ECHO, Launch
+
+
+def outputs_of(events: Iterable[object]) -> list[tuple[str | None, bool, Any]]:
+    """Every output in *events*, flattened: ``(req_id, finished, payload)``."""
+    return [
+        triple
+        for event in events
+        if isinstance(event, Outputs)
+        for triple in zip(event.req_ids, event.finished, event.payloads, strict=True)
+    ]
+
+
+def events_until(client: StageClient, done: Callable[[list[StageEvent]], bool]) -> list[StageEvent]:
+    """Events, a batch at a time, until *done(events so far)*."""
+    events: list[StageEvent] = []
+    while not done(events):
+        events += client.get_events(5)
+    return events
+
+
+def finished(*req_ids: str) -> Callable[[list[StageEvent]], bool]:
+    """For :func:`events_until`: until every one of *req_ids* has had its finished output."""
+
+    def done(events: list[StageEvent]) -> bool:
+        ended = {rid for rid, fin, _ in outputs_of(events) if fin}
+        return ended >= set(req_ids)
+
+    return done
+
+
+def events_until_barrier(client: StageClient) -> list[StageEvent]:
+    """Every event until a utility barrier comes back: all that was emitted before it."""
+    client.call_utility_future("echo", "barrier")
+    events: list[StageEvent] = []
+    while True:
+        event = client.get_event(5)
+        if isinstance(event, UtilityResult) and event.result == ["barrier"]:
+            return events
+        events.append(event)
+
+
+class TestRoundTrip:
+    def test_add_streams_outputs_until_finished(self, stage_client: StageClient) -> None:
+        stream = stage_client.add("r1", 3)
+        assert list(stream) == [2, 1, 0]
+        assert stream.finished
+        assert not stream.aborted
+        with pytest.raises(StopIteration):  # an ended stream stays ended
+            stream.get(0)
+
+    def test_each_step_is_one_outputs_event(self, stage_client: StageClient) -> None:
+        stage_client.add("r1", 2)
+        assert stage_client.get_event(5) == Outputs(["r1"], [False], [1])
+        assert stage_client.get_event(5) == Outputs(["r1"], [True], [0])
+
+    def test_many_requests_interleave_and_all_finish(self, stage_client: StageClient) -> None:
+        streams = [stage_client.add(f"r{i}", 1 + i % 7) for i in range(300)]
+        for i, stream in enumerate(streams):
+            assert stream.collect(timeout=10) == list(range(i % 7, -1, -1))
+
+    def test_countdown_factory_works_without_ordered_events(self, launch: Launch) -> None:
+        client = launch(COUNTDOWN)
+        assert client.add("a", 2).collect(timeout=5) == [1, 0]
+        with pytest.raises(RuntimeError, match="ordered_events=True"):
+            client.get_event(0)
+        with pytest.raises(RuntimeError, match="ordered_events=True"):
+            client.get_events(0)
+
+    def test_req_id_reusable_after_finish_but_not_while_live(
+        self, stage_client: StageClient
+    ) -> None:
+        stage_client.add("r", 100_000)
+        with pytest.raises(ValueError, match="still live"):
+            stage_client.add("r", 1)
+        stage_client.add("done", 1).collect(timeout=5)
+        assert stage_client.add("done", 2).collect(timeout=5) == [1, 0]
+
+    def test_collect_timeout_keeps_what_it_read(self, stage_client: StageClient) -> None:
+        stream = stage_client.add("long", 1_000_000)
+        assert stream.get(5) == 999_999
+        with pytest.raises(TimeoutError, match="did not end"):
+            stream.collect(timeout=0.2)
+        assert stream.get(5) == 999_998  # nothing was lost to the timeout
+        with pytest.raises(ValueError, match="non-negative"):
+            stream.get(-1)
+
+
+class TestAddMany:
+    def test_one_frame_applied_in_order(self, stage_client: StageClient) -> None:
+        streams = stage_client.add_many([("a", 2), ("b", 1), ("c", 3)])
+        assert [s.req_id for s in streams] == ["a", "b", "c"]
+        assert [s.collect(timeout=5) for s in streams] == [[1, 0], [0], [2, 1, 0]]
+        assert stage_client.call_utility("log", timeout=5) == ["add a", "add b", "add c"]
+
+    def test_refused_whole_before_sending(self, stage_client: StageClient) -> None:
+        stage_client.add("live", 1_000_000)
+        with pytest.raises(ValueError, match="'live' is still live"):
+            stage_client.add_many([("x", 1), ("live", 1)])
+        with pytest.raises(ValueError, match="'y' appears twice"):
+            stage_client.add_many([("y", 1), ("z", 1), ("y", 2)])
+        with pytest.raises(TypeError, match="data of request 'bad'"):
+            stage_client.add_many([("ok", 1), ("bad", {1, 2})])
+        with pytest.raises(TypeError, match="request 'big'"):
+            stage_client.add_many([("ok", 1), ("big", 2**70)])
+        with pytest.raises(TypeError, match="pairs"):
+            stage_client.add_many([("ok", 1, 2)])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="req_id must be a str"):
+            stage_client.add_many([(1, 1)])  # type: ignore[list-item]
+        assert stage_client.call_utility("log", timeout=5) == ["add live"]
+        # None of the refused ids was registered: all are free.
+        assert stage_client.add_many([("x", 1), ("y", 1)])[1].collect(timeout=5) == [0]
+
+    def test_nothing_to_add(self, stage_client: StageClient) -> None:
+        assert stage_client.add_many([]) == []
+        assert stage_client.add_many([], streams=False) is None
+
+    def test_without_streams_outputs_are_events(self, stage_client: StageClient) -> None:
+        assert stage_client.add_many([("a", 1), ("b", 2)], streams=False) is None
+        events = events_until(stage_client, finished("a", "b"))
+        assert outputs_of(events) == [("a", True, 0), ("b", False, 1), ("b", True, 0)]
+
+
+class TestWithoutStream:
+    def test_outputs_only_in_the_event_stream(self, stage_client: StageClient) -> None:
+        assert stage_client.add("quiet", 2, stream=False) is None
+        loud = stage_client.add("loud", 2)
+        assert loud.collect(timeout=5) == [1, 0]
+        events = events_until(stage_client, finished("quiet", "loud"))
+        assert [o for o in outputs_of(events) if o[0] == "quiet"] == [
+            ("quiet", False, 1),
+            ("quiet", True, 0),
+        ]
+
+    def test_needs_the_event_stream(self, launch: Launch) -> None:
+        client = launch(COUNTDOWN)
+        with pytest.raises(RuntimeError, match="ordered_events=True"):
+            client.add("r", 1, stream=False)
+        with pytest.raises(RuntimeError, match="ordered_events=True"):
+            client.add_many([("r", 1)], streams=False)
+
+    def test_error_report_reaches_the_event_stream(self, stage_client: StageClient) -> None:
+        stage_client.add("bad", 10_000_000, stream=False)
+        stage_client.call_utility("poison", "bad", timeout=5)
+        events = events_until(
+            stage_client, lambda evs: any(isinstance(e, ErrorReport) for e in evs)
+        )
+        reports = [e for e in events if isinstance(e, ErrorReport)]
+        assert [(r.req_id, "not wire-encodable" in r.message) for r in reports] == [("bad", True)]
+
+
+class TestEventStream:
+    def test_get_events_returns_everything_received(self, stage_client: StageClient) -> None:
+        stage_client.add("r", 3).collect(timeout=5)
+        assert stage_client.call_utility("echo", "x", timeout=5) == ["x"]
+        # The answer came after the outputs, on the same socket: all are here already.
+        events = stage_client.get_events(5)
+        assert events[:3] == [
+            Outputs(["r"], [False], [2]),
+            Outputs(["r"], [False], [1]),
+            Outputs(["r"], [True], [0]),
+        ]
+        assert len(events) == 4
+        assert isinstance(events[3], UtilityResult)
+        assert events[3].result == ["x"]
+        with pytest.raises(TimeoutError):
+            stage_client.get_events(0)
+
+    def test_timeouts(self, stage_client: StageClient) -> None:
+        with pytest.raises(TimeoutError):
+            stage_client.get_event(0)
+        with pytest.raises(TimeoutError):
+            stage_client.get_events(0.05)
+        with pytest.raises(ValueError, match="non-negative"):
+            stage_client.get_event(-1)
+        with pytest.raises(ValueError, match="non-negative"):
+            stage_client.get_events(-1)
+
+    def test_get_events_waits_for_the_first(self, stage_client: StageClient) -> None:
+        future = stage_client.call_utility_future("sleep", 0.3)
+        started = time.monotonic()
+        events = stage_client.get_events(5)
+        assert time.monotonic() - started > 0.2
+        assert len(events) == 1
+        assert isinstance(events[0], UtilityResult)
+        assert future.result(5) is None
+
+    def test_stream_ends_after_our_shutdown(self, stage_client: StageClient) -> None:
+        stage_client.add("r", 1).collect(timeout=5)
+        assert stage_client.shutdown() == 0
+        events = stage_client.get_events(5)
+        assert events[-1] == Shutdown()
+        with pytest.raises(StopIteration):
+            stage_client.get_events(5)
+        with pytest.raises(StopIteration):
+            stage_client.get_event(5)
+        assert list(stage_client.events()) == []
+
+    def test_unrouted_output_goes_to_the_event_stream(self, stage_client: StageClient) -> None:
+        stage_client.call_utility("unrouted", "tick", timeout=5)
+        events = events_until(stage_client, lambda evs: bool(outputs_of(evs)))
+        assert outputs_of(events) == [(None, False, "tick")]
+
+
+class TestAbort:
+    def test_no_output_after_abort_is_applied(self, stage_client: StageClient) -> None:
+        stream = stage_client.add("long", 1_000_000)
+        stage_client.add("short", 3)
+        assert stream.get(5) == 999_999
+        stage_client.abort(["long"])
+        rest = stream.collect(timeout=5)  # outputs produced before the abort applied
+        assert stream.aborted
+        assert not stream.finished
+        assert rest == list(range(999_998, 999_998 - len(rest), -1))
+        events = events_until_barrier(stage_client)
+        aborted_at = [i for i, e in enumerate(events) if isinstance(e, Aborted)]
+        assert len(aborted_at) == 1
+        assert events[aborted_at[0]] == Aborted(["long"])
+        assert all(rid != "long" for rid, _, _ in outputs_of(events[aborted_at[0] :]))
+        assert stage_client.call_utility("num_requests", timeout=5) == 0
+
+    def test_abort_unknown_ids_is_harmless(self, stage_client: StageClient) -> None:
+        stage_client.abort(["nope"])
+        assert stage_client.add("r", 1).collect(timeout=5) == [0]
+
+    def test_abort_rejects_a_bare_string(self, stage_client: StageClient) -> None:
+        with pytest.raises(TypeError, match=r"abort\(\['r1'\]\)"):
+            stage_client.abort("r1")
+
+    def test_add_abort_add_reach_the_engine_in_order(self, stage_client: StageClient) -> None:
+        # The loop's contract end to end: three frames back to back, applied in order.
+        stage_client.add("r1", 1_000_000)
+        stage_client.abort(["r1"])
+        stage_client.add("r2", 1)
+        assert stage_client.call_utility("log", timeout=5) == ["add r1", "abort r1", "add r2"]
+
+    def test_a_big_step_arrives_whole_and_in_order(self, stage_client: StageClient) -> None:
+        n = 1300
+        # While the loop sleeps, every add queues up: one drain applies them all, then a step.
+        stage_client.call_utility_future("sleep", 1.0)
+        time.sleep(0.2)
+        streams = stage_client.add_many([(f"s{i}", 2) for i in range(n)])
+        outputs: list[tuple[str | None, bool, Any]] = []
+        while len(outputs) < 2 * n:
+            outputs += outputs_of(stage_client.get_events(10))
+        assert outputs == [(f"s{i}", False, 1) for i in range(n)] + [
+            (f"s{i}", True, 0) for i in range(n)
+        ]
+        assert all(stream.collect(timeout=5) == [1, 0] for stream in streams)
+
+
+class TestUtility:
+    def test_result_and_error(self, stage_client: StageClient) -> None:
+        assert stage_client.call_utility("div", 1, 4, timeout=5) == 0.25
+        with pytest.raises(UtilityError, match="ZeroDivisionError") as info:
+            stage_client.call_utility("div", 1, 0, timeout=5)
+        assert info.value.remote_repr == "ZeroDivisionError('division by zero')"
+        assert info.value.name == "div"
+
+    def test_many_calls_in_flight_are_matched_by_call_id(self, stage_client: StageClient) -> None:
+        stage_client.add("busy", 10_000)  # calls interleave with steps
+        futures = [stage_client.call_utility_future("div", i, i % 3) for i in range(300)]
+        for i, future in enumerate(futures):
+            if i % 3 == 0:
+                with pytest.raises(UtilityError):
+                    future.result(10)
+            else:
+                assert future.result(10) == i / (i % 3)
+
+    def test_timeout_then_the_client_still_works(self, stage_client: StageClient) -> None:
+        with pytest.raises(TimeoutError, match="sleep"):
+            stage_client.call_utility("sleep", 0.5, timeout=0.05)
+        assert stage_client.call_utility("echo", "after", timeout=5) == ["after"]
+
+    def test_unknown_utility_is_a_utility_error(self, stage_client: StageClient) -> None:
+        with pytest.raises(UtilityError, match="no utility 'nope'"):
+            stage_client.call_utility("nope", timeout=5)
+
+    def test_utility_event_in_the_ordered_stream(self, stage_client: StageClient) -> None:
+        stage_client.call_utility("echo", 1, timeout=5)
+        event = stage_client.get_event(5)
+        assert isinstance(event, UtilityResult)
+        assert (event.result, event.error) == ([1], None)
+
+
+class TestPayloads:
+    @pytest.mark.parametrize(
+        "data",
+        [
+            {1, 2},
+            object(),
+            2**70,
+            {(1, 2): 3},
+            [1, [2, {3}]],
+            1 + 2j,
+            np.array([object()]),
+            np.zeros(2, dtype=[("a", "i4")]),
+        ],
+    )
+    def test_unencodable_request_data_is_refused_before_sending(
+        self, stage_client: StageClient, data: object
+    ) -> None:
+        with pytest.raises(TypeError, match="data of request 'r'"):
+            stage_client.add("r", data)
+        assert stage_client.call_utility("log", timeout=5) == []
+        assert stage_client.add("r", 1).collect(timeout=5) == [0]  # nothing was registered
+
+    def test_lone_surrogates_are_refused_with_type_error_before_sending(
+        self, stage_client: StageClient
+    ) -> None:
+        # prepare() passes any exact str; UTF-8 encoding is what refuses these.
+        bad = "x\ud800"
+        with pytest.raises(TypeError, match="surrogates"):
+            stage_client.add("r", {"k": bad})
+        with pytest.raises(TypeError, match="surrogates"):
+            stage_client.add(bad, 1)
+        with pytest.raises(TypeError, match="surrogates"):
+            stage_client.add_many([("r", bad)])
+        with pytest.raises(TypeError, match="surrogates"):
+            stage_client.call_utility("echo", [bad])
+        with pytest.raises(TypeError, match="surrogates"):
+            stage_client.call_utility(bad)
+        with pytest.raises(TypeError, match="surrogates"):
+            stage_client.abort([bad])
+        assert stage_client.call_utility("log", timeout=5) == []
+
+    def test_unencodable_utility_args_are_refused(self, stage_client: StageClient) -> None:
+        with pytest.raises(TypeError, match="arguments of utility 'echo'"):
+            stage_client.call_utility("echo", {1})
+
+    def test_rich_payloads_round_trip(self, stage_client: StageClient) -> None:
+        value = [None, True, -(2**63), 2**64 - 1, 1.5, "é", b"\x00\xff", {"k": [1, (2, 3)]}]
+        assert stage_client.call_utility("echo", *value, {7: b""}, timeout=5) == [
+            None,
+            True,
+            -(2**63),
+            2**64 - 1,
+            1.5,
+            "é",
+            b"\x00\xff",
+            {"k": [1, [2, 3]]},
+            {7: b""},
+        ]
+
+    def test_unencodable_output_ends_only_that_request(self, stage_client: StageClient) -> None:
+        bad = stage_client.add("bad", 10_000_000)
+        good = stage_client.add("good", 5)
+        stage_client.call_utility("poison", "bad", timeout=5)
+        with pytest.raises(RequestError, match="not wire-encodable") as info:
+            bad.collect(timeout=5)
+        assert info.value.req_id == "bad"
+        with pytest.raises(RequestError):  # the stream stays ended
+            bad.get(0)
+        assert good.collect(timeout=5)[-1] == 0
+        # The stage aborted the poisoned request so the engine stops working on it.
+        assert stage_client.call_utility("log", timeout=5)[-1] == "abort bad"
+
+    @pytest.mark.parametrize(
+        "kind", ["int_too_big", "int_too_small", "int_subclass", "nested", "surrogate"]
+    )
+    def test_each_kind_of_unencodable_output_ends_only_its_request(
+        self, stage_client: StageClient, kind: str
+    ) -> None:
+        # Outputs take a fast path for exact scalars; everything else is checked in full.
+        bad = stage_client.add("bad", 10_000_000)
+        good = stage_client.add("good", 5)
+        stage_client.call_utility("poison", "bad", kind, timeout=5)
+        with pytest.raises(RequestError) as info:
+            bad.collect(timeout=5)
+        assert info.value.req_id == "bad"
+        assert good.collect(timeout=5)[-1] == 0
+        assert stage_client.call_utility("log", timeout=5)[-1] == "abort bad"
+
+    @pytest.mark.parametrize(
+        "payload", [2**64 - 1, -(2**63), 7, True, False, None, 1.5, "é", b"\x00", [1, "a"]]
+    )
+    def test_edge_payloads_pass_the_output_fast_path(
+        self, stage_client: StageClient, payload: object
+    ) -> None:
+        stage_client.call_utility("payload", "r", payload, timeout=5)  # r's first payload
+        got = stage_client.add("r", 3).collect(timeout=5)
+        assert got == [payload, 1, 0]
+        assert type(got[0]) is type(payload)
+
+    def test_utility_result_that_fails_only_in_msgspec_is_reported(
+        self, stage_client: StageClient
+    ) -> None:
+        with pytest.raises(UtilityError, match="surrogate"):
+            stage_client.call_utility("unencodable_result", "surrogate", timeout=5)
+        assert stage_client.call_utility("echo", 1, timeout=5) == [1]
+
+    def test_unencodable_utility_result_is_reported(self, stage_client: StageClient) -> None:
+        with pytest.raises(UtilityError, match=r"TypeError.*builtins\.set is not wire-encodable"):
+            stage_client.call_utility("unencodable_result", timeout=5)
+
+
+ARRAYS = [
+    np.arange(10, dtype=np.float32),  # inline (< 1 KiB)
+    np.arange(100_000, dtype=np.float64).reshape(100, 1000),  # out of band
+    np.array(3.5),  # 0-d
+    np.zeros((0, 4), dtype=np.int16),  # empty
+    np.array([True, False]),
+    np.array(["ab", "c"]),
+    np.arange(6, dtype=np.complex128).reshape(3, 2).T,  # not contiguous: sent as a copy
+    np.array([1, 2], dtype="datetime64[ns]"),
+]
+
+
+class TestArrays:
+    @pytest.mark.parametrize("arr", ARRAYS, ids=lambda a: f"{a.dtype.str}{list(a.shape)}")
+    def test_arrays_round_trip_as_request_data_and_outputs(
+        self, launch: Launch, arr: np.ndarray[Any, Any]
+    ) -> None:
+        client = launch(ECHO)
+        (got,) = client.add("r", {"x": arr, "n": 1}).collect(timeout=10)
+        assert got["n"] == 1
+        back = got["x"]
+        assert isinstance(back, np.ndarray)
+        assert back.dtype == arr.dtype
+        assert back.shape == arr.shape
+        assert np.array_equal(back, arr)
+        assert not back.flags.writeable  # a view on the received frame
+
+    def test_arrays_and_buffers_as_utility_arguments(self, launch: Launch) -> None:
+        client = launch(ECHO)
+        big = bytes(range(256)) * 8
+        arr = np.arange(1000, dtype=np.uint16)
+        got = client.call_utility("echo", arr, big, bytearray(b"ba"), memoryview(big), timeout=10)
+        assert np.array_equal(got[0], arr)
+        assert got[1] == big
+        assert type(got[1]) is bytes
+        assert bytes(got[2]) == b"ba"
+        assert type(got[2]) is memoryview
+        assert bytes(got[3]) == big
+        assert got[3].readonly
+
+    def test_numpy_scalars_travel_as_python_values(self, launch: Launch) -> None:
+        client = launch(ECHO)
+        (got,) = client.add("r", [np.float32(1.5), np.int64(-3), np.bool_(True)]).collect(10)
+        assert got == [1.5, -3, True]
+        assert [type(x) for x in got] == [float, int, bool]
+
+    def test_many_arrays_in_one_add_many(self, launch: Launch) -> None:
+        client = launch(ECHO)
+        arrs = [np.full(500 * (i + 1), i, dtype=np.int32) for i in range(5)]
+        streams = client.add_many([(f"r{i}", a) for i, a in enumerate(arrs)])
+        for a, stream in zip(arrs, streams, strict=True):
+            (back,) = stream.collect(timeout=10)
+            assert np.array_equal(back, a)
+
+
+class TestClose:
+    def test_calls_after_close_raise_closed(self, stage_client: StageClient) -> None:
+        assert stage_client.shutdown() == 0
+        assert stage_client.closed
+        with pytest.raises(StageClosedError):
+            stage_client.add("r", 1)
+        with pytest.raises(StageClosedError):
+            stage_client.add_many([("r", 1)])
+        with pytest.raises(StageClosedError):
+            stage_client.call_utility("echo")
+        with pytest.raises(StageClosedError):
+            stage_client.call_utility_future("echo").result(5)
+        with pytest.raises(StageClosedError):
+            stage_client.abort(["r"])
+        assert stage_client.shutdown() == 0  # idempotent
+
+    def test_shutdown_applies_everything_sent_before_it(self, launch: Launch) -> None:
+        # Sent right after launch, racing the stage's start: still all applied, in order.
+        client = launch(COUNTDOWN)
+        futures = [client.call_utility_future("div", i, 1) for i in range(20)]
+        assert client.shutdown() == 0
+        assert [f.result(0) for f in futures] == [float(i) for i in range(20)]
+
+    def test_waiters_get_closed_error(self, stage_client: StageClient) -> None:
+        stream = stage_client.add("long", 10_000_000)
+        stream.get(5)
+        pending = stage_client.call_utility_future("sleep", 30)
+        stage_client.shutdown(timeout=0.2)
+        with pytest.raises(StageClosedError):
+            stream.collect(timeout=5)
+        with pytest.raises(StageClosedError):
+            pending.result(5)
+
+    def test_shutdown_escalates_to_sigterm_then_sigkill(self, stage_client: StageClient) -> None:
+        # The loop is stuck in a 30 s utility: the shutdown message cannot be applied, and
+        # SIGTERM only sets a flag the loop cannot look at, so only SIGKILL ends it.
+        future = stage_client.call_utility_future("sleep", 30)
+        assert stage_client.shutdown(timeout=0.2) == -9
+        with pytest.raises(StageClosedError):
+            future.result(5)
+        # The stage never sent its last event: the event stream ends with the close.
+        with pytest.raises(StageClosedError):
+            list(stage_client.events())
+
+    def test_ipc_dir_is_private_and_removed(self, launch: Launch, no_leftovers: str) -> None:
+        import os
+        import stat
+
+        client = launch(COUNTDOWN)
+        ipc_dir = os.path.dirname(client.address.removeprefix("ipc://"))
+        assert ipc_dir.startswith(no_leftovers)
+        assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
+        client.close()
+        assert not os.path.exists(ipc_dir)

@@ -1,0 +1,492 @@
+"""ClientSession without IO: frames built with msgspec, a clock passed in, no process.
+
+Like h11's ``test_connection.py``: what each frame means for the streams and calls in flight,
+when the stage counts as gone, and what the frames a client sends look like.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from enginecore.stage import (
+    Aborted,
+    EngineDeadError,
+    Outputs,
+    RequestError,
+    Shutdown,
+    StageClosedError,
+    UtilityError,
+    UtilityResult,
+)
+from enginecore.stage._codec import Decoder
+from enginecore.stage._session import (
+    ABORTED,
+    EXIT_AFTER_LAST_EVENT_S,
+    EXIT_GRACE_S,
+    FINISHED,
+    ClientSession,
+    Deliveries,
+    End,
+    StageState,
+    StreamCore,
+)
+
+
+class Waiter:
+    """A utility call's waiter, as the clients' futures are."""
+
+    def __init__(self) -> None:
+        self.result: Any = None
+        self.exc: BaseException | None = None
+
+
+Session = ClientSession[StreamCore, Waiter]
+D = Deliveries[StreamCore, Waiter]
+
+
+def session(
+    *,
+    launched: bool = True,
+    heartbeat: tuple[float, float] | None = None,
+    ordered_events: bool = False,
+    now: float = 100.0,
+) -> Session:
+    return ClientSession(
+        pid=42,
+        address="tcp://127.0.0.1:5570",
+        launched=launched,
+        heartbeat=heartbeat,
+        ordered_events=ordered_events,
+        now=now,
+    )
+
+
+def frame(*events: list[Any]) -> list[bytes]:
+    """One message from the stage: a body listing *events*, no buffers."""
+    return [msgspec.msgpack.encode(list(events))]
+
+
+def outputs(*triples: tuple[str | None, bool, Any]) -> list[Any]:
+    return ["outputs", [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]]
+
+
+def open_streams(s: Session, *req_ids: str) -> list[StreamCore]:
+    streams = [StreamCore(rid) for rid in req_ids]
+    s.open_requests(list(req_ids), streams)
+    return streams
+
+
+def decode(parts: list[Any]) -> Any:
+    return Decoder(strict=True).decode(parts)
+
+
+def received(s: Session, parts: list[bytes], now: float = 100.0) -> D:
+    return s.receive(parts, now)
+
+
+class TestRouting:
+    def test_outputs_go_to_their_streams_and_finished_ends_one(self) -> None:
+        s = session()
+        a, b = open_streams(s, "a", "b")
+        received(s, frame(outputs(("a", False, 2), ("b", False, "x"), ("a", True, 0))))
+        assert list(a._buf) == [2, 0, FINISHED]
+        assert list(b._buf) == ["x"]
+        assert set(s.streams) == {"b"}  # a ended: forgotten, its id free again
+        open_streams(s, "a")
+
+    def test_a_waiting_consumer_is_woken_once_per_frame(self) -> None:
+        s = session()
+        a, b = open_streams(s, "a", "b")
+        a._waiting = True
+        d = received(s, frame(outputs(("a", False, 3), ("a", False, 2)), outputs(("a", False, 1))))
+        assert d.wake == [a]  # once, though three outputs came
+        assert not a._waiting
+        assert list(a._buf) == [3, 2, 1]
+        assert received(s, frame(outputs(("a", False, 0)))).wake == []  # nobody waits now
+        assert list(b._buf) == []
+
+    def test_unrouted_unknown_and_streamless_outputs_are_dropped(self) -> None:
+        s = session(ordered_events=True)
+        (a,) = open_streams(s, "a")
+        s.open_requests(["quiet"], None)  # stream=False: only the event stream sees it
+        ev = outputs((None, False, "tick"), ("quiet", False, 1), ("gone", True, 0), ("a", False, 5))
+        d = received(s, frame(ev))
+        assert list(a._buf) == [5]
+        assert d.wake == []
+        assert s.events is not None
+        assert list(s.events) == [
+            Outputs([None, "quiet", "gone", "a"], [False, False, True, False], ["tick", 1, 0, 5])
+        ]
+
+    def test_aborted_ends_the_streams_it_lists(self) -> None:
+        s = session()
+        a, b = open_streams(s, "a", "b")
+        b._waiting = True
+        d = received(s, frame(["aborted", ["b", "unknown"]]))
+        assert list(b._buf) == [ABORTED]
+        assert d.wake == [b]
+        assert list(a._buf) == []
+        assert set(s.streams) == {"a"}
+
+    def test_request_scoped_error_ends_only_that_stream(self) -> None:
+        s = session()
+        a, _b = open_streams(s, "a", "b")
+        d = received(s, frame(["error", "a", "output cannot be encoded"]))
+        (end,) = a._buf
+        assert isinstance(end, End)
+        assert isinstance(end.exc, RequestError)
+        assert end.exc.req_id == "a"
+        assert "output cannot be encoded" in str(end.exc)
+        assert set(s.streams) == {"b"}
+        assert d.warnings == []
+
+    def test_errors_nobody_else_sees_become_warnings(self) -> None:
+        s = session()
+        d = received(s, frame(["error", None, "bad frame"], ["error", "gone", "late"]))
+        assert d.warnings == [
+            "the stage reported a protocol error: bad frame",
+            "the stage reported: request 'gone': late",
+        ]
+        # With the event stream on, its reader sees a request's report: no warning.
+        s = session(ordered_events=True)
+        d = received(s, frame(["error", "gone", "late"]))
+        assert d.warnings == []
+
+
+class TestUtilities:
+    def test_answers_are_matched_by_call_id(self) -> None:
+        s = session()
+        w1, w2 = Waiter(), Waiter()
+        s.open_call(7, w1, "div")
+        s.open_call(8, w2, "div")
+        d = received(
+            s, frame(["utility", 8, None, "ZeroDivisionError()"], ["utility", 7, 0.5, None])
+        )
+        (first, result2, exc2), (second, result1, exc1) = d.answers
+        assert (first, result2) == (w2, None)
+        assert isinstance(exc2, UtilityError)
+        assert exc2.name == "div"
+        assert exc2.remote_repr == "ZeroDivisionError()"
+        assert (second, result1, exc1) == (w1, 0.5, None)
+        assert s.calls == {}
+
+    def test_an_unknown_call_id_is_ignored(self) -> None:
+        # A detached client's call, answered after this client attached; or a timed-out one.
+        s = session()
+        w = Waiter()
+        s.open_call(1, w, "echo")
+        s.forget_call(1)
+        d = received(s, frame(["utility", 1, "late", None], ["utility", 99, "stray", None]))
+        assert d.answers == []
+
+    def test_call_ids_are_consecutive_from_a_random_start_below_2_53(self) -> None:
+        starts = set()
+        for _ in range(20):
+            s = session()
+            first = s.new_call_id()
+            assert 1 <= first <= 2**52
+            assert [s.new_call_id() for _ in range(3)] == [first + 1, first + 2, first + 3]
+            starts.add(first)
+        assert len(starts) > 1
+
+
+class TestEventStream:
+    def test_pong_is_filtered_out_and_counts_as_a_sign_of_life(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 5.0), ordered_events=True)
+        d = s.receive(frame(["pong", 0], ["utility", 5, 1, None]), 103.0)
+        assert s.events is not None
+        assert list(s.events) == [UtilityResult(5, 1, None)]
+        assert not d.wake_events
+        assert s.last_heard == 103.0
+        s.receive(frame(["pong", 1]), 104.0)
+        assert len(s.events) == 1
+
+    def test_the_events_of_a_frame_are_one_hand_off(self) -> None:
+        s = session(ordered_events=True)
+        s.events_waiting = True
+        d = received(s, frame(outputs(("a", False, 1)), ["aborted", ["a"]]))
+        assert d.wake_events
+        assert not s.events_waiting
+        assert s.events is not None
+        assert list(s.events) == [Outputs(["a"], [False], [1]), Aborted(["a"])]
+        assert not received(s, frame(["aborted", ["b"]])).wake_events  # nobody waits now
+
+    def test_off_by_default(self) -> None:
+        s = session()
+        received(s, frame(outputs(("a", False, 1))))
+        assert s.events is None
+        with pytest.raises(RuntimeError, match="ordered_events=True"):
+            s.open_requests(["a"], None)
+
+
+class TestLastEvent:
+    def test_connected_stage_ends_with_its_last_event(self) -> None:
+        s = session(launched=False)
+        (a,) = open_streams(s, "a")
+        d = received(s, frame(["shutdown"]))
+        assert d.over
+        assert isinstance(s.failure, EngineDeadError)
+        assert "it shut down, but not at this client's request" in str(s.failure)
+        assert s.state is StageState.GONE
+        assert a._buf[0].exc is s.failure
+
+    def test_connected_stage_fatal(self) -> None:
+        s = session(launched=False)
+        received(s, frame(["fatal", "RuntimeError('boom')"]))
+        assert isinstance(s.failure, EngineDeadError)
+        assert s.failure.fatal == "RuntimeError('boom')"
+        assert "its engine loop died" in str(s.failure)
+
+    def test_our_own_shutdown_of_a_connected_stage_ends_cleanly(self) -> None:
+        s = session(launched=False, ordered_events=True)
+        assert s.begin_close()
+        received(s, frame(["shutdown"]))
+        assert isinstance(s.failure, StageClosedError)
+        assert s.events is not None
+        assert list(s.events) == [Shutdown(), s.events_end]
+        assert s.events_end is not None
+        assert s.events_end.exc is None
+
+    def test_launched_stage_waits_for_the_process_then_gives_up(self) -> None:
+        s = session(launched=True)
+        d = s.receive(frame(["fatal", "E()"]), 200.0)
+        assert d.over
+        assert s.failure is None
+        assert s.state is StageState.STOPPED
+        assert s.tick(200.5) == (None, 200.0 + EXIT_AFTER_LAST_EVENT_S, None)
+        _, wake_at, gone = s.tick(200.0 + EXIT_AFTER_LAST_EVENT_S)
+        assert wake_at is None
+        assert gone is not None
+        assert isinstance(s.failure, EngineDeadError)
+        assert "has not exited" in str(s.failure)
+        assert s.failure.exit_code is None
+        assert s.failure.fatal == "E()"
+
+    def test_launched_stage_gone_when_it_exits_after_its_last_event(self) -> None:
+        s = session(launched=True)
+        received(s, frame(["shutdown"]))
+        d = s.process_exited(0, 100.2)
+        assert d is not None
+        assert d.over
+        assert isinstance(s.failure, EngineDeadError)
+        assert s.failure.exit_code == 0
+        assert str(s.failure) == (
+            "stage process 42 exited with code 0; it shut down, but not at this client's request"
+        )
+
+    def test_frames_in_flight_get_a_grace_period_after_the_exit(self) -> None:
+        s = session(launched=True)
+        assert s.process_exited(1, 300.0) is None
+        assert s.tick(300.1) == (None, 300.0 + EXIT_GRACE_S, None)
+        d = s.receive(frame(["fatal", "RuntimeError('late')"]), 300.2)
+        assert d.over
+        assert isinstance(s.failure, EngineDeadError)
+        assert (s.failure.exit_code, s.failure.fatal) == (1, "RuntimeError('late')")
+
+    def test_no_last_event_within_the_grace_period(self) -> None:
+        s = session(launched=True)
+        s.process_exited(-9, 300.0)
+        _, _, d = s.tick(300.0 + EXIT_GRACE_S)
+        assert d is not None
+        assert isinstance(s.failure, EngineDeadError)
+        assert str(s.failure) == "stage process 42 was killed by SIGKILL"
+
+    def test_closing_turns_every_end_into_stage_closed(self) -> None:
+        s = session(launched=True)
+        s.begin_close()
+        s.process_exited(-9, 300.0)
+        s.tick(301.0)
+        assert isinstance(s.failure, StageClosedError)
+
+
+class TestFail:
+    def test_fails_once_with_the_same_object_everywhere(self) -> None:
+        s = session(ordered_events=True)
+        a, b = open_streams(s, "a", "b")
+        a._waiting = True
+        w = Waiter()
+        s.open_call(3, w, "echo")
+        s.events_waiting = True
+        err = EngineDeadError("gone")
+        d = s.fail(err)
+        assert d is not None
+        assert d.over
+        assert d.wake_events
+        assert d.wake == [a]
+        assert d.answers == [(w, None, err)]
+        assert a._buf[0].exc is err
+        assert b._buf[0].exc is err
+        assert s.events is not None
+        assert s.events[-1].exc is err
+        assert s.streams == {}
+        assert s.calls == {}
+        assert s.fail(EngineDeadError("again")) is None
+        assert s.failure is err
+        with pytest.raises(EngineDeadError) as info:
+            s.check_open()
+        assert info.value is err
+        with pytest.raises(EngineDeadError):
+            open_streams(s, "c")
+
+    def test_frames_after_the_end_are_ignored(self) -> None:
+        s = session(ordered_events=True)
+        s.fail(EngineDeadError("gone"))
+        d = received(s, frame(outputs(("a", False, 1)), ["utility", 1, 2, None]))
+        assert (d.wake, d.answers, d.wake_events) == ([], [], False)
+        assert s.events is not None
+        assert len(s.events) == 1
+
+    def test_closing_refuses_new_work(self) -> None:
+        s = session()
+        assert s.begin_close()
+        with pytest.raises(StageClosedError):
+            open_streams(s, "a")
+        with pytest.raises(StageClosedError):
+            s.open_call(1, Waiter(), "echo")
+
+    @pytest.mark.parametrize(
+        "parts",
+        [
+            [b"\xc1"],
+            frame(["nope"]),
+            frame(["outputs", ["a", "b"], [False], [1, 2]]),  # lists of different lengths
+            [msgspec.msgpack.encode([["utility", 1, msgspec.msgpack.Ext(9, b""), None]])],
+        ],
+    )
+    def test_an_invalid_frame_is_the_end(self, parts: list[bytes]) -> None:
+        s = session()
+        (a,) = open_streams(s, "a")
+        d = received(s, parts)
+        assert d.over
+        assert isinstance(s.failure, EngineDeadError)
+        assert "invalid frame" in str(s.failure)
+        assert a._buf[0].exc is s.failure
+
+
+class TestHeartbeat:
+    def test_pings_on_schedule_and_dead_exactly_at_last_heard_plus_timeout(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 5.0), now=100.0)
+        ping, wake_at, d = s.tick(100.0)
+        assert ping is not None
+        assert decode(ping) == ["ping", 0]
+        assert (wake_at, d) == (101.0, None)
+        assert s.tick(100.5) == (None, 101.0, None)
+        ping, wake_at, _ = s.tick(101.0)
+        assert ping is not None
+        assert decode(ping) == ["ping", 1]
+        assert wake_at == 102.0
+        s.receive(frame(["pong", 1]), 102.5)
+        ping, wake_at, _ = s.tick(104.9)  # no ping since 101: one is due
+        assert ping is not None
+        assert wake_at == 105.9
+        assert s.tick(107.4)[2] is None
+        ping, wake_at, _ = s.tick(107.49)
+        assert wake_at == pytest.approx(107.5)  # the deadline comes before the next ping
+        _, wake_at, d = s.tick(107.5)  # last_heard + heartbeat_timeout, not a ping later
+        assert d is not None
+        assert wake_at is None
+        assert isinstance(s.failure, EngineDeadError)
+        assert (
+            str(s.failure)
+            == "stage process 42: no heartbeat from tcp://127.0.0.1:5570 for 5.0 s; presumed dead"
+        )
+        assert s.tick(200.0) == (None, None, None)
+
+    def test_every_frame_is_a_sign_of_life(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 5.0), now=0.0)
+        s.receive(frame(outputs((None, False, 1))), 4.0)
+        assert s.tick(8.9)[2] is None
+        assert s.tick(9.0)[2] is not None
+
+    def test_a_launched_stage_has_no_timer(self) -> None:
+        s = session(launched=True)
+        assert s.tick(1e9) == (None, None, None)
+
+
+class TestFrames:
+    def test_add(self) -> None:
+        assert decode(ClientSession.add_frame("r", {"k": [1, "x"]})) == [
+            "add",
+            "r",
+            {"k": [1, "x"]},
+        ]
+
+    def test_adds_is_one_frame_in_order(self) -> None:
+        ids, parts = ClientSession.adds_frame([("a", 1), ["b", None], ("c", "x")])  # type: ignore[list-item]
+        assert ids == ["a", "b", "c"]
+        assert decode(parts) == ["adds", ["a", "b", "c"], [1, None, "x"]]
+        assert decode(ClientSession.adds_frame([])[1]) == ["adds", [], []]
+
+    @pytest.mark.parametrize(
+        ("items", "error", "match"),
+        [
+            ([("a", 1), ("a", 2)], ValueError, "'a' appears twice"),
+            ([("a", {1})], TypeError, "data of request 'a'"),
+            ([("a", 2**64)], TypeError, "request 'a'"),
+            ([(1, 1)], TypeError, "req_id must be a str"),
+            ([("a", 1, 2)], TypeError, "pairs"),
+            (["ab"], TypeError, "pairs"),
+        ],
+    )
+    def test_adds_refused(self, items: list[Any], error: type[Exception], match: str) -> None:
+        with pytest.raises(error, match=match):
+            ClientSession.adds_frame(items)
+
+    def test_a_live_id_is_refused_and_nothing_is_registered(self) -> None:
+        s = session()
+        open_streams(s, "a")
+        with pytest.raises(ValueError, match="'a' is still live"):
+            open_streams(s, "b", "a")
+        assert set(s.streams) == {"a"}
+        s.cancel_streams(["a"])
+        assert s.streams == {}
+
+    def test_abort_and_utility(self) -> None:
+        assert decode(ClientSession.abort_frame(("a", "b"))) == ["abort", ["a", "b"]]
+        with pytest.raises(TypeError, match=r"abort\(\['a'\]\)"):
+            ClientSession.abort_frame("a")
+        parts = ClientSession.utility_frame(7, "echo", (1, (2, 3)))
+        assert decode(parts) == ["utility", 7, "echo", [1, [2, 3]]]
+        with pytest.raises(TypeError, match="arguments of utility 'echo'"):
+            ClientSession.utility_frame(7, "echo", ({1},))
+
+    def test_arrays_travel_out_of_band_without_a_copy(self) -> None:
+        big = np.arange(1000, dtype=np.float64)
+        small = np.arange(3, dtype=np.int8)
+        parts = ClientSession.add_frame("r", {"big": big, "small": small})
+        assert len(parts) == 2  # the body, then big's buffer; small is inline
+        assert np.shares_memory(np.frombuffer(parts[1], dtype=np.float64), big)
+        tag, rid, data = decode(parts)
+        assert (tag, rid) == ("add", "r")
+        assert np.array_equal(data["big"], big)
+        assert np.array_equal(data["small"], small)
+        _ids, parts = ClientSession.adds_frame([("a", big), ("b", big[::2])])
+        assert len(parts) == 3
+        assert np.array_equal(decode(parts)[2][1], big[::2])
+
+    def test_arrays_in_utility_args_and_outputs(self) -> None:
+        arr = np.ones((40, 40), dtype=np.float32)
+        parts = ClientSession.utility_frame(1, "echo", (arr,))
+        assert len(parts) == 2
+        # An output payload that is an array arrives as a read-only view on its frame.
+        s = session()
+        (a,) = open_streams(s, "a")
+        body = msgspec.msgpack.encode(
+            [
+                [
+                    "outputs",
+                    ["a"],
+                    [True],
+                    [msgspec.msgpack.Ext(1, msgspec.msgpack.encode(["<f4", [40, 40], 0]))],
+                ]
+            ]
+        )
+        s.receive([body, memoryview(arr.tobytes())], 100.0)
+        got = a._buf[0]
+        assert np.array_equal(got, arr)
+        assert not got.flags.writeable
+        assert a._buf[1] is FINISHED
