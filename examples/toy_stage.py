@@ -15,7 +15,7 @@ import random
 import sys
 import time
 
-from enginecore.stage import Aborted, Output, StageClient, UtilityError
+from enginecore.stage import Aborted, Outputs, StageClient, UtilityError
 
 N_REQUESTS = 1000
 ABORT_FRACTION = 0.1
@@ -40,14 +40,14 @@ def main() -> int:
         hello = client.add("hello", 4)
         print(f"request 'hello' streamed {list(hello)}, finished={hello.finished}")
 
-        # A thousand more, consumed through the ordered event stream.
+        # A thousand more in one frame, without streams: consumed through the ordered
+        # event stream, a batch of events at a time.
         t0 = time.perf_counter()
-        added_at: dict[str, float] = {}
-        for i in range(N_REQUESTS):
-            rid = f"req-{i}"
-            added_at[rid] = time.perf_counter()
-            client.add(rid, rng.randint(1, 64))
-        to_abort = rng.sample(sorted(added_at), int(N_REQUESTS * ABORT_FRACTION))
+        items = [(f"req-{i}", rng.randint(1, 512)) for i in range(N_REQUESTS)]
+        client.add_many(items, streams=False)
+        added_at = dict.fromkeys((rid for rid, _ in items), time.perf_counter())
+        # Abort a tenth of them at once: the stage applies it between two steps.
+        client.abort(rng.sample(sorted(added_at), int(N_REQUESTS * ABORT_FRACTION)))
         live_now = client.call_utility_future("num_requests")
         third = client.call_utility_future("div", 1, 3)
         by_zero = client.call_utility_future("div", 1, 0)
@@ -56,19 +56,20 @@ def main() -> int:
         completed: set[str] = set()
         aborted: set[str] = set()
         outputs = 0
-        abort_after = 2000  # outputs seen before the abort batch goes out
         while len(completed) + len(aborted) < N_REQUESTS:
-            event = client.get_event(timeout=30)
-            if isinstance(event, Output) and event.req_id in added_at:
-                outputs += 1
-                if event.finished:
-                    completed.add(event.req_id)
-                    latencies.append(time.perf_counter() - added_at[event.req_id])
-                if outputs == abort_after:
-                    client.abort(to_abort)
-            elif isinstance(event, Aborted):
-                # Ids that had already finished are reported too; they stay completed.
-                aborted.update(rid for rid in event.req_ids if rid not in completed)
+            for event in client.get_events(timeout=30):
+                if isinstance(event, Outputs):  # one engine step's outputs
+                    now = time.perf_counter()
+                    for rid, finished in zip(event.req_ids, event.finished, strict=True):
+                        if rid not in added_at:
+                            continue
+                        outputs += 1
+                        if finished:
+                            completed.add(rid)
+                            latencies.append(now - added_at[rid])
+                elif isinstance(event, Aborted):
+                    # Ids that had already finished are reported too; they stay completed.
+                    aborted.update(rid for rid in event.req_ids if rid not in completed)
         elapsed = time.perf_counter() - t0
 
         print(f"utility num_requests -> {live_now.result(5)}")
