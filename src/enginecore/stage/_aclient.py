@@ -13,12 +13,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal, NoReturn, overload
+from typing import Any, Literal, overload
 
 import zmq
 import zmq.asyncio
 
 from . import _clientbase, _session
+from ._clientbase import Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import Launched, launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
@@ -49,6 +50,9 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
     # finds _waiting set, once per frame.
     __slots__ = ("_wakeup",)
 
+    _STOP = StopAsyncIteration
+    _lock = contextlib.nullcontext()  # one thread: the receiver task cannot interleave
+
     def __init__(self, req_id: str) -> None:
         super().__init__(req_id)
         self._wakeup: asyncio.Future[None] | None = None
@@ -72,7 +76,7 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
         :class:`TimeoutError` on timeout (:class:`ValueError` if *timeout* is negative), else
         the stream's error (see the class docstring).
         """
-        deadline = _deadline(timeout)
+        deadline = _clientbase.deadline_after(timeout)
         buf = self._buf
         if not buf and not await self._wait(deadline):
             raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
@@ -86,23 +90,13 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
         whole wait (:class:`TimeoutError`, and the payloads read so far stay in the stream).
         Raises the stream's error if it ends with one; the payloads before it are then
         dropped."""
-        deadline = _deadline(timeout)
-        buf = self._buf
+        deadline = _clientbase.deadline_after(timeout)
         out: list[Any] = []
-        while True:
-            out += buf
-            buf.clear()
-            end = self._split_end(out)
-            if end is not None:
-                exc = self._reached(end)
-                if exc is not None:
-                    raise exc
-                return out
-            if (deadline is not None and time.monotonic() >= deadline) or not await self._wait(
-                deadline
-            ):
-                buf.extendleft(reversed(out))
+        while not self._take_ready(out):
+            if _clientbase.passed(deadline) or not await self._wait(deadline):
+                self._put_back(out)
                 raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
+        return out
 
     async def _wait(self, deadline: float | None) -> bool:
         """Wait until the buffer is not empty (``True``) or *deadline* passes."""
@@ -117,10 +111,6 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
                 self._waiting = False
                 self._wakeup = None
         return True
-
-    def _stop(self, end: End) -> NoReturn:
-        exc = self._reached(end)
-        raise StopAsyncIteration if exc is None else exc
 
 
 class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future[Any]]):
@@ -140,25 +130,19 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     """
 
     def __init__(
-        self,
-        *,
-        _ctx: zmq.asyncio.Context,
-        _dealer: zmq.asyncio.Socket,
-        _pull: zmq.asyncio.Socket,
-        _address: str,
-        _welcome: WelcomeMsg,
-        _launched: Launched | None,
-        _heartbeat: tuple[float, float] | None,
-        _ordered_events: bool,
+        self, target: Target, welcome: WelcomeMsg, ctx: zmq.asyncio.Context, *socks: Any
     ) -> None:
-        super().__init__(_address, _welcome, _launched, _heartbeat, _ordered_events)
+        """Private: use :meth:`launch` or :meth:`connect`."""
+        super().__init__(target, welcome)
+        self._ctx = ctx
+        self._dealer: zmq.asyncio.Socket
+        self._pull: zmq.asyncio.Socket
+        self._dealer, self._pull = socks
+        self._lock = contextlib.nullcontext()  # one thread: nothing to guard against
         self._loop = asyncio.get_running_loop()
-        self._ctx = _ctx
-        self._dealer = _dealer
-        self._pull = _pull
         # A plain view of the same socket, for sending without a future (the DEALER has no
         # high-water mark: a send never waits).
-        self._dealer_now: zmq.Socket[bytes] = zmq.Socket.shadow(_dealer.underlying)
+        self._dealer_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._dealer.underlying)
         self._sockets_closed = False
         self._close_lock = asyncio.Lock()
         self._closed_done = False
@@ -167,8 +151,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._event_waiters: list[asyncio.Future[None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._rx = asyncio.ensure_future(self._rx_main())
-        if _launched is not None:
-            self._loop.add_reader(_launched.process.sentinel, self._on_sentinel)
+        if self._launched is not None:
+            self._loop.add_reader(self._launched.process.sentinel, self._on_sentinel)
         self._run_timers()
 
     # -- construction ------------------------------------------------------------------------
@@ -206,7 +190,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             raise
         try:
             return await cls._open(
-                launched.input_address, startup_timeout, launched, None, ordered_events
+                Target(launched.input_address, startup_timeout, launched, None, ordered_events)
             )
         except BaseException as exc:
             launched.kill_and_clean()
@@ -232,17 +216,11 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         stage.
         """
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
-        return await cls._open(address, timeout, None, heartbeat, ordered_events)
+        return await cls._open(Target(address, timeout, None, heartbeat, ordered_events))
 
     @classmethod
-    async def _open(
-        cls,
-        address: str,
-        timeout: float,
-        launched: Launched | None,
-        heartbeat: tuple[float, float] | None,
-        ordered_events: bool,
-    ) -> AsyncStageClient:
+    async def _open(cls, target: Target) -> AsyncStageClient:
+        address, timeout, launched = target.address, target.timeout, target.launched
         loop = asyncio.get_running_loop()
         ctx = zmq.asyncio.Context()
         dealer = pull = None
@@ -277,16 +255,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             if launched is not None:
                 loop.remove_reader(launched.process.sentinel)
             exited.cancel()
-        return cls(
-            _ctx=ctx,
-            _dealer=dealer,
-            _pull=pull,
-            _address=address,
-            _welcome=welcome,
-            _launched=launched,
-            _heartbeat=heartbeat,
-            _ordered_events=ordered_events,
-        )
+        return cls(target, welcome, ctx, dealer, pull)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -344,18 +313,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         ids, parts = ClientSession.adds_frame(items)
         return self._send_requests(ids, parts, streams)
 
-    def _send_requests(
-        self, ids: list[str], parts: _session.Parts, streams: bool
-    ) -> list[AsyncRequestStream] | None:
-        new = [AsyncRequestStream(rid) for rid in ids] if streams else None
-        self._session.open_requests(ids, new)
-        if ids:
-            try:
-                self._send(parts)
-            except BaseException:
-                self._session.cancel_streams(ids)
-                raise
-        return new
+    def _new_streams(self, req_ids: list[str]) -> list[AsyncRequestStream]:
+        return [AsyncRequestStream(rid) for rid in req_ids]
 
     async def abort(self, req_ids: Sequence[str]) -> None:
         """Ask the stage to abort *req_ids* (unknown ids are ignored).
@@ -363,9 +322,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         Their streams stop once the stage has applied the abort; no output of theirs follows.
         Raises :class:`TypeError` for a bare ``str``, else the client's failure. Never waits.
         """
-        parts = ClientSession.abort_frame(req_ids)
-        self._session.check_open()
-        self._send(parts)
+        self._send_abort(req_ids)
 
     # -- utilities ---------------------------------------------------------------------------
 
@@ -381,18 +338,14 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :class:`~enginecore.stage.StageClosedError` if the stage dies or the client is
         closed.
         """
-        session = self._session
-        call_id = session.new_call_id()
-        parts = session.utility_frame(call_id, name, args)
         future: asyncio.Future[Any] = self._loop.create_future()
-        session.open_call(call_id, future, name)
+        call_id = self._start_call(name, args, future)
         try:
-            self._send(parts)
-            if not await _until(future, _deadline(timeout)):
+            if not await _until(future, _clientbase.deadline_after(timeout)):
                 raise TimeoutError(f"utility {name!r} did not answer within {timeout} s")
             return future.result()
         finally:
-            session.forget_call(call_id)
+            self._forget_call(call_id)
 
     # -- the event stream --------------------------------------------------------------------
 
@@ -428,7 +381,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         buf = session.events
         if buf is None:
             raise _session.event_stream_off()
-        deadline = _deadline(timeout)
+        deadline = _clientbase.deadline_after(timeout)
         while True:
             out = _session.take_events(buf, every)
             if out:
@@ -490,10 +443,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         async with self._close_lock:  # a second caller waits for the first, then returns
             if self._closed_done:
                 return self.exit_code
-            alive = self._session.begin_close()
-            if alive:
-                with contextlib.suppress(zmq.ZMQError, StageClosedError):
-                    self._send(_session.SHUTDOWN_FRAME if stop_stage else _session.BYE_FRAME)
+            alive = self._begin_close(stop_stage)
             launched = self._launched
             if launched is not None:
                 if not await _until_set(self._exited, timeout):
@@ -510,9 +460,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                 await self._rx
             if self._timer is not None:
                 self._timer.cancel()
-            d = self._session.fail(StageClosedError("this stage client is closed"))
-            if d is not None:
-                self._apply(d)
+            self._fail_closed()
             self._sockets_closed = True
             # A bye or shutdown to a live stage deserves a moment to leave the queue.
             self._dealer.close(linger=500 if alive else 0)
@@ -618,14 +566,6 @@ async def _until_set(event: asyncio.Event, timeout: float | None) -> bool:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(event.wait(), timeout)
     return event.is_set()
-
-
-def _deadline(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if timeout < 0:
-        raise ValueError("'timeout' must be a non-negative number")
-    return time.monotonic() + timeout
 
 
 def _kill_if_launched(fut: asyncio.Future[Launched]) -> None:

@@ -17,14 +17,14 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Literal, NoReturn, overload
+from typing import Any, Literal, overload
 
 import zmq
 
 from . import _clientbase, _session
-from ._clientbase import ClientBase
+from ._clientbase import ClientBase, Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
-from ._launch import Launched, launch_process
+from ._launch import launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
 from ._wire import StageEvent, WelcomeMsg
 
@@ -84,6 +84,8 @@ class RequestStream(StreamCore, Iterator[Any]):
     # _wakeup (made on the first wait) gets a token when the receiver finds _waiting set.
     __slots__ = ("_lock", "_wakeup")
 
+    _STOP = StopIteration
+
     def __init__(self, req_id: str, lock: threading.Lock) -> None:
         super().__init__(req_id)
         self._lock = lock
@@ -108,7 +110,7 @@ class RequestStream(StreamCore, Iterator[Any]):
         :class:`TimeoutError` on timeout (:class:`ValueError` if *timeout* is negative), else
         the stream's error (see the class docstring).
         """
-        deadline = _deadline(timeout)
+        deadline = _clientbase.deadline_after(timeout)
         buf = self._buf
         if not buf and not self._wait(deadline):
             raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
@@ -122,24 +124,13 @@ class RequestStream(StreamCore, Iterator[Any]):
         bounds the whole wait (:class:`TimeoutError`, and the payloads read so far stay in
         the stream). Raises the stream's error if it ends with one (see the class
         docstring); the payloads before it are then dropped."""
-        deadline = _deadline(timeout)
-        buf = self._buf
+        deadline = _clientbase.deadline_after(timeout)
         out: list[Any] = []
-        while True:
-            with self._lock:  # the receiver appends under it: take everything, atomically
-                items = list(buf)
-                buf.clear()
-            end = self._split_end(items)
-            out += items
-            if end is not None:
-                exc = self._reached(end)
-                if exc is not None:
-                    raise exc
-                return out
-            if (deadline is not None and time.monotonic() >= deadline) or not self._wait(deadline):
-                with self._lock:
-                    buf.extendleft(reversed(out))
+        while not self._take_ready(out):
+            if _clientbase.passed(deadline) or not self._wait(deadline):
+                self._put_back(out)
                 raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
+        return out
 
     def _wait(self, deadline: float | None) -> bool:
         """Block until the buffer is not empty (``True``) or *deadline* passes."""
@@ -161,10 +152,6 @@ class RequestStream(StreamCore, Iterator[Any]):
                     self._waiting = False
                 return bool(buf)
         return True
-
-    def _stop(self, end: End) -> NoReturn:
-        exc = self._reached(end)
-        raise StopIteration if exc is None else exc
 
 
 class StageClient(ClientBase[RequestStream, _AnyWaiter]):
@@ -189,22 +176,15 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     # lets one event-stream consumer at a time wait. _close_lock makes close idempotent. The
     # receiver thread alone reads the PULL socket, until close() has joined it.
 
+    _lock: threading.Lock
+
     def __init__(
-        self,
-        *,
-        _ctx: zmq.Context[zmq.Socket[bytes]],
-        _dealer: zmq.Socket[bytes],
-        _pull: zmq.Socket[bytes],
-        _address: str,
-        _welcome: WelcomeMsg,
-        _launched: Launched | None,
-        _heartbeat: tuple[float, float] | None,
-        _ordered_events: bool,
+        self, target: Target, welcome: WelcomeMsg, ctx: zmq.Context[Any], *socks: zmq.Socket[bytes]
     ) -> None:
-        super().__init__(_address, _welcome, _launched, _heartbeat, _ordered_events)
-        self._ctx = _ctx
-        self._dealer = _dealer
-        self._pull = _pull
+        """Private: use :meth:`launch` or :meth:`connect`."""
+        super().__init__(target, welcome)
+        self._ctx = ctx
+        self._dealer, self._pull = socks
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._sockets_closed = False
@@ -244,7 +224,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         launched = launch_process(factory, kwargs, startup_timeout, name)
         try:
             return cls._open(
-                launched.input_address, startup_timeout, launched, None, ordered_events
+                Target(launched.input_address, startup_timeout, launched, None, ordered_events)
             )
         except BaseException as exc:
             launched.kill_and_clean()
@@ -270,17 +250,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         stage.
         """
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
-        return cls._open(address, timeout, None, heartbeat, ordered_events)
+        return cls._open(Target(address, timeout, None, heartbeat, ordered_events))
 
     @classmethod
-    def _open(
-        cls,
-        address: str,
-        timeout: float,
-        launched: Launched | None,
-        heartbeat: tuple[float, float] | None,
-        ordered_events: bool,
-    ) -> StageClient:
+    def _open(cls, target: Target) -> StageClient:
+        address, timeout, launched = target.address, target.timeout, target.launched
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         dealer = pull = None
         try:
@@ -299,16 +273,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         except BaseException:
             _clientbase.close_sockets(ctx, dealer, pull)
             raise
-        return cls(
-            _ctx=ctx,
-            _dealer=dealer,
-            _pull=pull,
-            _address=address,
-            _welcome=welcome,
-            _launched=launched,
-            _heartbeat=heartbeat,
-            _ordered_events=ordered_events,
-        )
+        return cls(target, welcome, ctx, dealer, pull)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -363,24 +328,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         ids, parts = ClientSession.adds_frame(items)
         return self._send_requests(ids, parts, streams)
 
-    def _send_requests(
-        self, ids: list[str], parts: _session.Parts, streams: bool
-    ) -> list[RequestStream] | None:
-        session = self._session
+    def _new_streams(self, req_ids: list[str]) -> list[RequestStream]:
         lock = self._lock
-        new = [RequestStream(rid, lock) for rid in ids] if streams else None
-        with lock:
-            session.open_requests(ids, new)
-        if not ids:
-            return new
-        try:
-            self._send(parts)
-        except BaseException:
-            if new:
-                with lock:
-                    session.cancel_streams(ids)
-            raise
-        return new
+        return [RequestStream(rid, lock) for rid in req_ids]
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """Ask the stage to abort *req_ids* (unknown ids are ignored).
@@ -389,10 +339,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         Raises :class:`TypeError` for a bare ``str``, else the client's failure. Never
         blocks; thread-safe.
         """
-        parts = ClientSession.abort_frame(req_ids)
-        with self._lock:
-            self._session.check_open()
-        self._send(parts)
+        self._send_abort(req_ids)
 
     # -- utilities ---------------------------------------------------------------------------
 
@@ -429,23 +376,6 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         if waiter.exc is not None:
             raise waiter.exc
         return waiter.result
-
-    def _start_call(self, name: str, args: tuple[Any, ...], waiter: _AnyWaiter) -> int:
-        session = self._session
-        call_id = session.new_call_id()
-        parts = session.utility_frame(call_id, name, args)
-        with self._lock:
-            session.open_call(call_id, waiter, name)
-        try:
-            self._send(parts)
-        except BaseException:
-            self._forget_call(call_id)
-            raise
-        return call_id
-
-    def _forget_call(self, call_id: int) -> None:
-        with self._lock:
-            self._session.forget_call(call_id)
 
     # -- the event stream --------------------------------------------------------------------
 
@@ -487,7 +417,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         buf = session.events
         if buf is None:
             raise _session.event_stream_off()
-        deadline = _deadline(timeout)
+        deadline = _clientbase.deadline_after(timeout)
         # One waiting consumer at a time, so one wake-up token suffices.
         if not self._event_lock.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError(f"no stage event within {timeout} s")
@@ -574,11 +504,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         with self._close_lock:  # a second caller waits for the first, then returns
             if self._closed_done:
                 return self.exit_code
-            with self._lock:
-                alive = self._session.begin_close()
-            if alive:
-                with contextlib.suppress(zmq.ZMQError, StageClosedError):
-                    self._send(_session.SHUTDOWN_FRAME if stop_stage else _session.BYE_FRAME)
+            alive = self._begin_close(stop_stage)
             launched = self._launched
             if launched is not None:
                 if not launched.wait_exit(timeout):
@@ -591,10 +517,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 self._over.wait(timeout)
             os.write(self._wake_w, b"x")
             self._rx.join()
-            with self._lock:
-                d = self._session.fail(StageClosedError("this stage client is closed"))
-            if d is not None:
-                self._apply(d)
+            self._fail_closed()
             with self._send_lock:
                 self._sockets_closed = True
                 # A bye or shutdown to a live stage deserves a moment to leave the queue.
@@ -697,14 +620,6 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             if session.failure is not None:
                 return True
         return False
-
-
-def _deadline(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if timeout < 0:
-        raise ValueError("'timeout' must be a non-negative number")
-    return time.monotonic() + timeout
 
 
 def _left(deadline: float | None) -> float | None:

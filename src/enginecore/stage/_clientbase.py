@@ -1,27 +1,34 @@
-"""What the blocking and the asyncio client share besides the protocol: their read-only
-properties, socket set-up and teardown, and the steps of a stubborn stage's shutdown."""
+"""What the blocking and the asyncio client share besides the protocol (``_session``): the
+operations that never wait (register and send requests, aborts, calls; begin a close), the
+read-only properties, socket set-up and teardown, and the steps of a stubborn stage's
+shutdown. The clients add the waiting."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterator
-from typing import Any, Generic, NoReturn, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
 import zmq
 
-from ._errors import StageStartupError
+from . import _session
+from ._errors import StageClosedError, StageStartupError
 from ._launch import Launched
-from ._session import ClientSession, StreamCore, output_address_for
+from ._session import ClientSession, Deliveries, Parts, StreamCore, output_address_for
 from ._wire import WelcomeMsg
 
 __all__ = [
     "ClientBase",
+    "Target",
     "check_heartbeat",
     "close_sockets",
+    "deadline_after",
     "dealer_for",
     "escalate",
+    "passed",
     "pull_for",
     "raise_startup_error",
     "send_parts",
@@ -34,26 +41,104 @@ W = TypeVar("W")
 Sock = TypeVar("Sock", bound=zmq.Socket[Any])
 
 
-class ClientBase(Generic[S, W]):
-    """The part of a client that neither blocks nor awaits: its session and properties."""
+class Target(NamedTuple):
+    """What a client is opened on, and how."""
 
-    def __init__(
-        self,
-        address: str,
-        welcome: WelcomeMsg,
-        launched: Launched | None,
-        heartbeat: tuple[float, float] | None,
-        ordered_events: bool,
-    ) -> None:
-        self._launched = launched
+    address: str  # the stage's input address
+    timeout: float  # for the handshake
+    launched: Launched | None  # the process, for a launched stage
+    heartbeat: tuple[float, float] | None  # (interval, timeout), for a connected stage
+    ordered_events: bool
+
+
+class ClientBase(Generic[S, W]):
+    """The part of a client that neither blocks nor awaits: its session, the operations that
+    only register and send, and the properties.
+
+    A subclass sets ``_lock`` (what guards the session: a lock for the blocking client, a
+    no-op for the asyncio one, whose methods all run on one thread) and implements
+    :meth:`_send` (never waits), :meth:`_new_streams` and :meth:`_apply`.
+    """
+
+    _lock: contextlib.AbstractContextManager[Any]
+
+    def __init__(self, target: Target, welcome: WelcomeMsg) -> None:
+        self._launched = target.launched
         self._session: ClientSession[S, W] = ClientSession(
             pid=welcome.pid,
-            address=address,
-            launched=launched is not None,
-            heartbeat=heartbeat,
-            ordered_events=ordered_events,
+            address=target.address,
+            launched=target.launched is not None,
+            heartbeat=target.heartbeat,
+            ordered_events=target.ordered_events,
             now=time.monotonic(),
         )
+
+    def _send(self, parts: Parts) -> None:
+        """Send one message; :class:`StageClosedError` once the sockets are closed."""
+        raise NotImplementedError
+
+    def _new_streams(self, req_ids: list[str]) -> list[S]:
+        raise NotImplementedError
+
+    def _apply(self, d: Deliveries[S, W]) -> None:
+        """Carry out what the session decided, without the session's lock."""
+        raise NotImplementedError
+
+    def _send_requests(self, req_ids: list[str], parts: Parts, streams: bool) -> list[S] | None:
+        """Register the requests' streams (or check they may go without), then send."""
+        session = self._session
+        new = self._new_streams(req_ids) if streams else None
+        with self._lock:
+            session.open_requests(req_ids, new)
+        if req_ids:
+            try:
+                self._send(parts)
+            except BaseException:
+                with self._lock:
+                    session.cancel_streams(req_ids)
+                raise
+        return new
+
+    def _send_abort(self, req_ids: Sequence[str]) -> None:
+        parts = ClientSession.abort_frame(req_ids)
+        with self._lock:
+            self._session.check_open()
+        self._send(parts)
+
+    def _start_call(self, name: str, args: tuple[Any, ...], waiter: W) -> int:
+        """Register and send one utility call; return its id. *waiter* gets the answer."""
+        session = self._session
+        call_id = session.new_call_id()
+        parts = session.utility_frame(call_id, name, args)
+        with self._lock:
+            session.open_call(call_id, waiter, name)
+        try:
+            self._send(parts)
+        except BaseException:
+            self._forget_call(call_id)
+            raise
+        return call_id
+
+    def _forget_call(self, call_id: int) -> None:
+        with self._lock:
+            self._session.forget_call(call_id)
+
+    def _begin_close(self, stop_stage: bool) -> bool:
+        """Refuse new work and tell the stage (``shutdown``, or ``bye`` to detach). Returns
+        whether the stage was still there."""
+        with self._lock:
+            alive = self._session.begin_close()
+        if alive:
+            with contextlib.suppress(zmq.ZMQError, StageClosedError):
+                self._send(_session.SHUTDOWN_FRAME if stop_stage else _session.BYE_FRAME)
+        return alive
+
+    def _fail_closed(self) -> None:
+        """The end of a close: whoever still waits gets :class:`StageClosedError`."""
+        with self._lock:
+            d = self._session.fail(StageClosedError("this stage client is closed"))
+        if d is not None:
+            self._apply(d)
 
     @property
     def pid(self) -> int:
@@ -77,6 +162,21 @@ class ClientBase(Generic[S, W]):
     def closed(self) -> bool:
         """Whether :meth:`close` / :meth:`shutdown` has been called. Never blocks."""
         return self._session.closing
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """The ``time.monotonic()`` reading *timeout* seconds from now (``None``: no deadline);
+    :class:`ValueError` if *timeout* is negative."""
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError("'timeout' must be a non-negative number")
+    return time.monotonic() + timeout
+
+
+def passed(deadline: float | None) -> bool:
+    """Whether *deadline* (from :func:`deadline_after`) has passed."""
+    return deadline is not None and time.monotonic() >= deadline
 
 
 def check_heartbeat(interval: float, timeout: float) -> tuple[float, float]:

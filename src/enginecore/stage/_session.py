@@ -28,13 +28,14 @@ its last event ends it at once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import itertools
 import secrets
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Generic, NoReturn, TypeVar, cast
+from typing import Any, ClassVar, Final, Generic, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
 import msgspec
@@ -157,6 +158,9 @@ class StreamCore:
 
     __slots__ = ("_buf", "_end", "_waiting", "req_id")
 
+    _STOP: ClassVar[type[Exception]]  # what ends iteration: StopIteration, StopAsyncIteration
+    _lock: contextlib.AbstractContextManager[Any]  # what the receiver appends under
+
     def __init__(self, req_id: str) -> None:
         self.req_id: Final = req_id
         """The request's id."""
@@ -174,20 +178,36 @@ class StreamCore:
         """Whether iteration stopped because the request was aborted. Never blocks."""
         return self._end is ABORTED
 
-    def _reached(self, end: End) -> BaseException | None:
-        """The consumer popped *end*: remember it, put it back (every later read ends the
-        same way) and return the exception to raise, ``None`` for a normal stop."""
+    def _keep(self, end: End) -> None:
+        """The consumer reached *end*: remember it, and keep it for every later read."""
         self._end = end
         self._buf.appendleft(end)
-        return end.exc
 
-    def _split_end(self, items: list[Any]) -> End | None:
-        """Remove and return the :class:`End` that may close *items* (drained from the
-        buffer); it can only be the last item."""
-        if items and type(items[-1]) is End:
-            end: End = items.pop()
-            return end
-        return None
+    def _stop(self, end: End) -> NoReturn:
+        """:meth:`_keep` *end*, then raise the stream's error or its stop
+        (``StopIteration`` / ``StopAsyncIteration``)."""
+        self._keep(end)
+        raise self._STOP if end.exc is None else end.exc
+
+    def _take_ready(self, out: list[Any]) -> bool:
+        """Move every buffered payload to *out*. Whether the stream has ended normally; an
+        ending by error raises it. The :class:`End` can only be the last item."""
+        buf = self._buf
+        with self._lock:  # the receiver appends under it: take everything at once
+            out += buf
+            buf.clear()
+        if not out or type(out[-1]) is not End:
+            return False
+        end: End = out.pop()
+        self._keep(end)
+        if end.exc is not None:
+            raise end.exc
+        return True
+
+    def _put_back(self, out: list[Any]) -> None:
+        """Return payloads taken by :meth:`_take_ready` (a read that timed out)."""
+        with self._lock:
+            self._buf.extendleft(reversed(out))
 
 
 # -- what a frame means ---------------------------------------------------------------------
