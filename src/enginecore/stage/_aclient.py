@@ -48,22 +48,19 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
 
     # _wakeup is the future a waiting reader awaits; the receiver task resolves it when it
     # finds _waiting set, once per frame.
-    __slots__ = ("_wakeup",)
+    __slots__ = ()
 
     _STOP = StopAsyncIteration
-    _lock = contextlib.nullcontext()  # one thread: the receiver task cannot interleave
-
-    def __init__(self, req_id: str) -> None:
-        super().__init__(req_id)
-        self._wakeup: asyncio.Future[None] | None = None
+    _wakeup: asyncio.Future[None] | None
 
     def __aiter__(self) -> AsyncRequestStream:
         return self
 
     async def __anext__(self) -> Any:
-        buf = self._buf
-        if buf:
-            item = buf.popleft()
+        ready, pos = self._ready, self._pos
+        if pos < len(ready):
+            self._pos = pos + 1
+            item = ready[pos]
             if type(item) is not End:
                 return item
             self._stop(item)
@@ -77,10 +74,13 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
         the stream's error (see the class docstring).
         """
         deadline = _clientbase.deadline_after(timeout)
-        buf = self._buf
-        if not buf and not await self._wait(deadline):
-            raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
-        item = buf.popleft()
+        pos = self._pos
+        if pos >= len(self._ready):
+            if not await self._wait(deadline):
+                raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
+            pos = 0
+        item = self._ready[pos]
+        self._pos = pos + 1
         if type(item) is End:
             self._stop(item)
         return item
@@ -92,23 +92,21 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
         dropped."""
         deadline = _clientbase.deadline_after(timeout)
         out: list[Any] = []
-        while not self._take_ready(out):
+        while not self._take_all(out):
             if _clientbase.passed(deadline) or not await self._wait(deadline):
                 self._put_back(out)
                 raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
         return out
 
     async def _wait(self, deadline: float | None) -> bool:
-        """Wait until the buffer is not empty (``True``) or *deadline* passes."""
-        buf = self._buf
-        while not buf:
+        """Once everything read: wait until more has arrived and take it (``True``), or
+        until *deadline* passes."""
+        while not self._take(wait=True):
             self._wakeup = wakeup = asyncio.get_running_loop().create_future()
-            self._waiting = True
             try:
                 if not await _until(wakeup, deadline):
-                    return bool(buf)
+                    return self._take(wait=False)
             finally:
-                self._waiting = False
                 self._wakeup = None
         return True
 
@@ -129,6 +127,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     raise :class:`~enginecore.stage.StageClosedError` instead.
     """
 
+    _stream_type = AsyncRequestStream
+
     def __init__(
         self, target: Target, welcome: WelcomeMsg, ctx: zmq.asyncio.Context, *socks: Any
     ) -> None:
@@ -138,7 +138,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._dealer: zmq.asyncio.Socket
         self._pull: zmq.asyncio.Socket
         self._dealer, self._pull = socks
-        self._lock = contextlib.nullcontext()  # one thread: nothing to guard against
+        self._lock = _session.NO_LOCK  # one thread: nothing to guard against
         self._loop = asyncio.get_running_loop()
         # A plain view of the same socket, for sending without a future (the DEALER has no
         # high-water mark: a send never waits).
@@ -284,8 +284,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         frame is queued for sending before it returns.
         """
         parts = ClientSession.add_frame(req_id, data)
-        streams = self._send_requests([req_id], parts, stream)
-        return None if streams is None else streams[0]
+        return self._send_request(req_id, parts, stream)
 
     @overload
     async def add_many(
@@ -312,9 +311,6 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         """
         ids, parts = ClientSession.adds_frame(items)
         return self._send_requests(ids, parts, streams)
-
-    def _new_streams(self, req_ids: list[str]) -> list[AsyncRequestStream]:
-        return [AsyncRequestStream(rid) for rid in req_ids]
 
     async def abort(self, req_ids: Sequence[str]) -> None:
         """Ask the stage to abort *req_ids* (unknown ids are ignored).

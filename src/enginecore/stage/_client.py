@@ -79,25 +79,22 @@ class RequestStream(StreamCore, Iterator[Any]):
     stream; the client's receiver thread may fill it meanwhile.
     """
 
-    # The receiver appends under the client's _lock; the consumer pops without it (deque
-    # operations are atomic) and takes it only to drain in bulk or to register as waiting.
-    # _wakeup (made on the first wait) gets a token when the receiver finds _waiting set.
-    __slots__ = ("_lock", "_wakeup")
+    # The receiver appends under the client's _lock; the consumer reads its own list without
+    # it and takes it only to swap lists (StreamCore). _wakeup gets a token when the receiver
+    # finds _waiting set.
+    __slots__ = ()
 
     _STOP = StopIteration
-
-    def __init__(self, req_id: str, lock: threading.Lock) -> None:
-        super().__init__(req_id)
-        self._lock = lock
-        self._wakeup: queue.SimpleQueue[None] | None = None
+    _wakeup: queue.SimpleQueue[None] | None
 
     def __iter__(self) -> RequestStream:
         return self
 
     def __next__(self) -> Any:
-        buf = self._buf
-        if buf:
-            item = buf.popleft()
+        ready, pos = self._ready, self._pos
+        if pos < len(ready):
+            self._pos = pos + 1
+            item = ready[pos]
             if type(item) is not End:
                 return item
             self._stop(item)
@@ -111,10 +108,13 @@ class RequestStream(StreamCore, Iterator[Any]):
         the stream's error (see the class docstring).
         """
         deadline = _clientbase.deadline_after(timeout)
-        buf = self._buf
-        if not buf and not self._wait(deadline):
-            raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
-        item = buf.popleft()
+        pos = self._pos
+        if pos >= len(self._ready):
+            if not self._wait(deadline):
+                raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
+            pos = 0
+        item = self._ready[pos]
+        self._pos = pos + 1
         if type(item) is End:
             self._stop(item)
         return item
@@ -126,31 +126,24 @@ class RequestStream(StreamCore, Iterator[Any]):
         docstring); the payloads before it are then dropped."""
         deadline = _clientbase.deadline_after(timeout)
         out: list[Any] = []
-        while not self._take_ready(out):
+        while not self._take_all(out):
             if _clientbase.passed(deadline) or not self._wait(deadline):
                 self._put_back(out)
                 raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
         return out
 
     def _wait(self, deadline: float | None) -> bool:
-        """Block until the buffer is not empty (``True``) or *deadline* passes."""
-        buf = self._buf
-        while not buf:
-            with self._lock:
-                if buf:
-                    break
-                self._waiting = True
-                wakeup = self._wakeup
-                if wakeup is None:
-                    wakeup = self._wakeup = queue.SimpleQueue()
+        """Once everything read: block until more has arrived and take it (``True``), or
+        until *deadline* passes."""
+        if self._wakeup is None:  # made before the receiver can see _waiting
+            self._wakeup = queue.SimpleQueue()
+        while not self._take(wait=True):
             try:
-                # A token may be stale (left by a wake-up that came after a timeout): then
-                # the loop finds the buffer empty and waits again.
-                wakeup.get(timeout=_left(deadline))
+                # A token may be stale (a wake-up that came after a timeout): then _take
+                # finds nothing and the loop waits again.
+                self._wakeup.get(timeout=_left(deadline))
             except queue.Empty:
-                with self._lock:
-                    self._waiting = False
-                return bool(buf)
+                return self._take(wait=False)
         return True
 
 
@@ -177,6 +170,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     # receiver thread alone reads the PULL socket, until close() has joined it.
 
     _lock: threading.Lock
+    _stream_type = RequestStream
 
     def __init__(
         self, target: Target, welcome: WelcomeMsg, ctx: zmq.Context[Any], *socks: zmq.Socket[bytes]
@@ -300,8 +294,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         thread-safe.
         """
         parts = ClientSession.add_frame(req_id, data)
-        streams = self._send_requests([req_id], parts, stream)
-        return None if streams is None else streams[0]
+        return self._send_request(req_id, parts, stream)
 
     @overload
     def add_many(
@@ -327,10 +320,6 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         """
         ids, parts = ClientSession.adds_frame(items)
         return self._send_requests(ids, parts, streams)
-
-    def _new_streams(self, req_ids: list[str]) -> list[RequestStream]:
-        lock = self._lock
-        return [RequestStream(rid, lock) for rid in req_ids]
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """Ask the stage to abort *req_ids* (unknown ids are ignored).

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
 import zmq
@@ -56,11 +56,12 @@ class ClientBase(Generic[S, W]):
     only register and send, and the properties.
 
     A subclass sets ``_lock`` (what guards the session: a lock for the blocking client, a
-    no-op for the asyncio one, whose methods all run on one thread) and implements
-    :meth:`_send` (never waits), :meth:`_new_streams` and :meth:`_apply`.
+    no-op for the asyncio one, whose methods all run on one thread) and ``_stream_type``,
+    and implements :meth:`_send` (never waits) and :meth:`_apply`.
     """
 
     _lock: contextlib.AbstractContextManager[Any]
+    _stream_type: Callable[[str, contextlib.AbstractContextManager[Any]], S]
 
     def __init__(self, target: Target, welcome: WelcomeMsg) -> None:
         self._launched = target.launched
@@ -77,24 +78,35 @@ class ClientBase(Generic[S, W]):
         """Send one message; :class:`StageClosedError` once the sockets are closed."""
         raise NotImplementedError
 
-    def _new_streams(self, req_ids: list[str]) -> list[S]:
-        raise NotImplementedError
-
     def _apply(self, d: Deliveries[S, W]) -> None:
         """Carry out what the session decided, without the session's lock."""
         raise NotImplementedError
 
-    def _send_requests(self, req_ids: list[str], parts: Parts, streams: bool) -> list[S] | None:
-        """Register the requests' streams (or check they may go without), then send."""
-        session = self._session
-        new = self._new_streams(req_ids) if streams else None
+    def _send_request(self, req_id: str, parts: Parts, stream: bool) -> S | None:
+        """Register the request's stream (or check it may go without), then send."""
+        new = self._stream_type(req_id, self._lock) if stream else None
         with self._lock:
+            self._session.open_request(req_id, new)
+        try:
+            self._send(parts)
+        except BaseException:
+            with self._lock:
+                self._session.cancel_streams((req_id,))
+            raise
+        return new
+
+    def _send_requests(self, req_ids: list[str], parts: Parts, streams: bool) -> list[S] | None:
+        """:meth:`_send_request` for many requests in one message."""
+        session = self._session
+        lock = self._lock
+        new = [self._stream_type(rid, lock) for rid in req_ids] if streams else None
+        with lock:
             session.open_requests(req_ids, new)
         if req_ids:
             try:
                 self._send(parts)
             except BaseException:
-                with self._lock:
+                with lock:
                     session.cancel_streams(req_ids)
                 raise
         return new
