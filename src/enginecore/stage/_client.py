@@ -91,13 +91,8 @@ class RequestStream(StreamCore, Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
-        ready, pos = self._ready, self._pos
-        if pos < len(ready):
-            self._pos = pos + 1
-            item = ready[pos]
-            if type(item) is not End:
-                return item
-            self._stop(item)
+        if self._pos < len(self._ready):  # no lock: only the consumer touches _ready
+            return self._pop()
         return self.get()
 
     def get(self, timeout: float | None = None) -> Any:
@@ -108,16 +103,9 @@ class RequestStream(StreamCore, Iterator[Any]):
         the stream's error (see the class docstring).
         """
         deadline = _clientbase.deadline_after(timeout)
-        pos = self._pos
-        if pos >= len(self._ready):
-            if not self._wait(deadline):
-                raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
-            pos = 0
-        item = self._ready[pos]
-        self._pos = pos + 1
-        if type(item) is End:
-            self._stop(item)
-        return item
+        if self._pos >= len(self._ready) and not self._wait(deadline):
+            raise TimeoutError(f"no output for request {self.req_id!r} within {timeout} s")
+        return self._pop()
 
     def collect(self, timeout: float | None = None) -> list[Any]:
         """All remaining payloads until the stream ends, as one list. Blocks; *timeout*

@@ -192,6 +192,16 @@ class StreamCore:
         """Whether iteration stopped because the request was aborted. Never blocks."""
         return self._end is ABORTED
 
+    def _pop(self) -> Any:
+        """The consumer's next item, which must be there (``_pos < len(_ready)``); the end
+        of the stream raises (:meth:`_stop`)."""
+        pos = self._pos
+        item = self._ready[pos]
+        self._pos = pos + 1
+        if type(item) is End:
+            self._stop(item)
+        return item
+
     def _take(self, *, wait: bool) -> bool:
         """Consumer, once ``_ready`` is read: take what the receiver appended as the new
         ``_ready``. Whether there was anything; if not and *wait*, mark the consumer as
