@@ -340,10 +340,13 @@ class ClientSession(Generic[S, W]):
     def add_frame(req_id: str, data: Any) -> Parts:
         """An ``add``; :class:`TypeError` if *req_id* is not a ``str`` or *data* cannot
         cross the wire."""
-        _check_req_id(req_id)
+        if type(req_id) is not str:
+            _check_req_id(req_id)
         if type(data) in _FLAT:  # the common case: no conversion, no buffers
-            with contextlib.suppress(ValueError, OverflowError):  # else: say why, below
+            try:
                 return [_encode_flat(("add", req_id, data))]
+            except (ValueError, OverflowError):
+                pass  # say why, below
         data = _codec.prepare(data, f"data of request {req_id!r}")
         return _encode(("add", req_id, data), f"request {req_id!r}")
 
@@ -421,7 +424,8 @@ class ClientSession(Generic[S, W]):
 
     def open_request(self, req_id: str, stream: S | None) -> None:
         """:meth:`open_requests` for one request, without the lists (``add()`` is hot)."""
-        self.check_open()
+        if self.failure is not None or self.closing:
+            self.check_open()
         streams = self.streams
         if req_id in streams:
             raise ValueError(f"request {req_id!r} is still live in this client")
