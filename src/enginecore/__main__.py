@@ -101,7 +101,8 @@ def _default_output(bind: str) -> str:
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
-        from .stage import _child, _wire
+        from .stage import PROTOCOL_VERSION, check_encodable
+        from .stage._process import serve
     except ImportError as exc:
         print(f"python -m enginecore serve: {exc}", file=sys.stderr)
         return 2
@@ -114,18 +115,17 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _check_address(parser, args.bind, args.allow_remote)
     output = args.output_bind or _default_output(args.bind)
     _check_address(parser, output, args.allow_remote)
-    _wire.check_encodable(kwargs, "--kwargs")
+    check_encodable(kwargs, "--kwargs")
 
-    def ready(runtime: _child.StageRuntime) -> None:
+    def ready(input_address: str, output_address: str) -> None:
         print(
-            f"enginecore serve: listening on {runtime.input_address} "
-            f"(output {runtime.output_address}, engine {args.engine}, "
-            f"protocol {_wire.PROTOCOL_VERSION})",
+            f"enginecore serve: listening on {input_address} "
+            f"(output {output_address}, engine {args.engine}, protocol {PROTOCOL_VERSION})",
             flush=True,
         )
 
     try:
-        return _child.serve(
+        return serve(
             args.engine,
             kwargs,
             args.bind,

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import msgspec
 
-from . import _child, _session, _wire
+from . import _process, _session, _wire
 from ._errors import StageStartupError, describe_exit
 
 __all__ = ["Launched", "launch_process"]
@@ -144,7 +144,7 @@ def launch_process(
     ctx = multiprocessing.get_context("spawn")  # fork + threads is unsafe
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     process = ctx.Process(
-        target=_child.run_launched,
+        target=_process.run_launched,
         args=(factory, kwargs_frame, input_address, output_address, child_conn, ipc_dir),
         name=name or f"enginecore-stage[{factory}]",
         daemon=False,

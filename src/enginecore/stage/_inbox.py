@@ -1,0 +1,299 @@
+"""The input side of a stage process: one thread reads the input socket, checks what arrives
+and hands it to the loop; it also keeps the session (who the attached client is).
+
+The input thread blocks in ``poll`` on the input socket (``ROUTER``) and on the output
+socket's monitor, which tells it how many clients are connected to the output socket. It
+polls with no timeout. On each wake-up it reads
+every message already waiting (up to :data:`MAX_BURST`), decodes and checks each one, and
+hands the valid ones to the loop with one ``submit_many()``, in arrival order: a burst costs
+one poll, one lock and one wake-up of the loop thread, not one of each per message.
+
+Nothing invalid reaches the engine (``docs/wire.md`` section 6). A message that cannot be
+decoded, or whose payload is not a valid wire value, becomes an error event scoped to what
+it names, if that can be read from it: a request-scoped ``error`` for each request id, a
+failed answer for a utility call id, a ``reject`` for a ``hello``; otherwise an unscoped
+``error``. Errors and pongs go straight to the output thread, not through the loop.
+
+Sessions (``docs/wire.md`` section 3): one client at a time. A ``hello`` is rejected while
+another client is attached and has been heard from within the session timeout, or while its
+``PULL`` is still connected to the output socket (counted from the socket's monitor): the
+socket is a ``PUSH``, which would deal the new client's events out between the two.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Final
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .._loop import EngineCoreLoop
+from .._messages import Abort, Add, Utility
+from . import _codec, _wire
+from ._outbox import Outbox
+from ._stage_engine import ordered_stop
+
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "MAX_BURST", "Inbox"]
+
+logger = logging.getLogger("enginecore.stage")
+
+MAX_BURST: Final = 512
+"""Messages read per wake-up of the input thread before they are handed to the loop."""
+
+HEARTBEAT_TIMEOUT_MS: Final = 5000
+"""The stage's ZMTP heartbeat timeout: a TCP peer that vanished is dropped after this."""
+
+# Exact types of received data that need no check (decoded ints are always in range).
+_RECEIVED_FLAT: Final = frozenset({type(None), bool, int, float, str, bytes})
+
+
+class Inbox:
+    """The input socket, the output socket's monitor, the session, and the input thread.
+    ``start()`` once; ``Context.term()`` ends the thread (:meth:`join` waits for it).
+
+    Valid messages go to *loop* (``submit_many``), errors and pongs to *outbox*. If the
+    thread fails, :attr:`failed` is set and the loop is asked to shut down.
+    """
+
+    # Everything here belongs to the input thread, except output_peers, which the loop
+    # thread reads unlocked (Outbox.wait_for_room's may_wait; a stale read is harmless).
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        out_monitor: zmq.Socket[bytes],
+        loop: EngineCoreLoop,
+        outbox: Outbox,
+        *,
+        engine_name: str,
+        output_address: str,
+        session_timeout: float,
+    ) -> None:
+        self._sock = sock
+        self._monitor = out_monitor
+        self._loop = loop
+        self._post = outbox.post
+        self._welcome = msgspec.msgpack.encode(
+            _wire.WelcomeMsg(_wire.PROTOCOL_VERSION, output_address, os.getpid(), engine_name)
+        )
+        self._session_timeout = session_timeout
+        self._decoder = _codec.Decoder(_wire.ClientMsg, strict=False)
+        # Decoded messages not yet handed to the loop (see _main).
+        self._pending: list[Any] = []
+        # The attached client's routing id and when it was last heard from.
+        self._session: bytes | None = None
+        self._session_seen = 0.0
+        self.output_peers = 0  # connections to the output socket, from its monitor
+        self.failed = False
+        self._thread = threading.Thread(target=self._main, name="enginecore-input", daemon=True)
+
+    def start(self) -> None:
+        """Start the input thread."""
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait until the input thread has ended (after ``Context.term()``)."""
+        self._thread.join()
+
+    # -- the input thread ------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        sock = self._sock
+        monitor = self._monitor
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        pending = self._pending
+        submit_many = self._loop.submit_many
+        try:
+            while True:
+                try:
+                    ready = dict(poller.poll())  # blocks; no timeout: ctx.term() ends it
+                    if monitor in ready:
+                        self._count_output_peers()
+                    if sock in ready:
+                        for _ in range(MAX_BURST):
+                            try:
+                                parts = _recv(sock)
+                            except zmq.Again:
+                                break
+                            self._handle_one(parts)
+                except zmq.ContextTerminated:
+                    return
+                finally:
+                    if pending:
+                        submit_many(pending)
+                        pending.clear()
+        except BaseException:
+            logger.exception("enginecore: the input thread failed; shutting the stage down")
+            self.failed = True
+            self._loop.request_shutdown()
+        finally:
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+    def _handle_one(self, parts: list[Any]) -> None:
+        try:
+            self._handle(parts)
+        except Exception as exc:  # a bug here must not kill the thread
+            logger.exception("enginecore: error while handling an input frame")
+            self._post(("error", None, f"stage failed to handle a frame: {exc!r}"))
+
+    def _handle(self, parts: list[Any]) -> None:
+        ident = parts[0]
+        try:
+            msg = self._decoder.decode(parts[1:])
+        except msgspec.DecodeError as exc:
+            self._report_bad_frame(ident, parts[1], exc)
+            return
+        if ident == self._session:
+            self._session_seen = time.monotonic()
+        put = self._pending.append  # handed to the loop by _main, in order
+        cls = type(msg)
+        if cls is _wire.AddMsg:
+            data = msg.data
+            if type(data) not in _RECEIVED_FLAT:
+                problem = _invalid(data, "data")
+                if problem is not None:
+                    self._post(("error", msg.req_id, f"invalid message: {problem}"))
+                    return
+            put(Add(msg.req_id, data))
+        elif cls is _wire.AddsMsg:
+            self._adds(msg)
+        elif cls is _wire.AbortMsg:
+            put(Abort(msg.req_ids))
+        elif cls is _wire.UtilityMsg:
+            problem = _invalid(msg.args, "args")
+            if problem is not None:
+                self._post(("utility", msg.call_id, None, f"ProtocolError({problem!r})"))
+                return
+            put(Utility(msg.call_id, msg.name, tuple(msg.args)))
+        elif cls is _wire.PingMsg:
+            self._post(("pong", msg.seq))
+        elif cls is _wire.ShutdownMsg:
+            put(ordered_stop())
+        elif cls is _wire.HelloMsg:
+            self._hello(ident, msg)
+        elif cls is _wire.ByeMsg:
+            self._bye(ident)
+
+    def _adds(self, msg: _wire.AddsMsg) -> None:
+        req_ids, data = msg.req_ids, msg.data
+        if len(req_ids) != len(data):
+            what = (
+                f"invalid message: adds has {len(req_ids)} request ids but {len(data)} data items"
+            )
+            self._post([("error", rid, what) for rid in req_ids], len(req_ids))
+            return
+        put = self._pending.append
+        errors: list[tuple[Any, ...]] = []
+        for rid, item in zip(req_ids, data, strict=True):
+            if type(item) not in _RECEIVED_FLAT:
+                problem = _invalid(item, "data")
+                if problem is not None:
+                    errors.append(("error", rid, f"invalid message: {problem}"))
+                    continue
+            put(Add(rid, item))
+        if errors:
+            self._post(errors, len(errors))
+
+    def _report_bad_frame(self, ident: bytes, body: Any, exc: Exception) -> None:
+        # Recover the tag and an id from the head of the body, so that the error reaches
+        # the one request or call it concerns instead of leaving it hanging.
+        raw = body.buffer if isinstance(body, zmq.Frame) else body
+        tag, head = _codec.recover_head(raw)
+        what = f"invalid message ({len(raw)} bytes): {exc}"
+        if tag == "add" and type(head) is str:
+            self._post(("error", head, what))
+        elif tag == "adds" and type(head) is list:
+            self._post([("error", rid, what) for rid in head], len(head))
+        elif tag == "utility" and type(head) is int:
+            self._post(("utility", head, None, f"ProtocolError({what!r})"))
+        elif tag == "hello":
+            self._reject(ident, f"invalid hello: {what}")
+        else:
+            self._post(("error", None, what))
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def _hello(self, ident: bytes, msg: _wire.HelloMsg) -> None:
+        if msg.version != _wire.PROTOCOL_VERSION:
+            self._reject(
+                ident,
+                f"protocol version {msg.version} is not supported; this stage speaks "
+                f"version {_wire.PROTOCOL_VERSION}",
+            )
+        elif (
+            self._session is not None
+            and self._session != ident
+            and time.monotonic() - self._session_seen < self._session_timeout
+        ):
+            self._reject(ident, "another client is attached to this stage")
+        elif self._session is not None and self._session != ident and self._has_output_peer():
+            self._reject(
+                ident,
+                "another client is attached to this stage: it has been silent for the session "
+                "timeout, but it is still connected to the output socket",
+            )
+        else:
+            self._accept(ident)
+
+    def _has_output_peer(self) -> bool:
+        self._count_output_peers()  # events that arrived while this burst was read
+        return self.output_peers > 0
+
+    def _bye(self, ident: bytes) -> None:
+        if ident == self._session:
+            self._session = None
+
+    def _accept(self, ident: bytes) -> None:
+        self._session = ident
+        self._session_seen = time.monotonic()
+        self._sock.send_multipart([ident, self._welcome])
+
+    def _reject(self, ident: bytes, reason: str) -> None:
+        reject = _wire.RejectMsg(_wire.PROTOCOL_VERSION, reason)
+        self._sock.send_multipart([ident, msgspec.msgpack.encode(reject)])
+
+    def _count_output_peers(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.output_peers += 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.output_peers = max(0, self.output_peers - 1)
+
+
+def _recv(sock: zmq.Socket[bytes]) -> list[Any]:
+    """One message, ``[routing id, body, *buffers]``, without blocking (``zmq.Again`` if none
+    is waiting). The body and buffers are ``zmq.Frame`` s: an array in a buffer reaches the
+    engine as a view on its frame, without a copy.
+
+    Not ``recv_multipart()``: it calls ``getsockopt(RCVMORE)`` after every part, ~2 us each
+    in pyzmq 27; a Frame's ``more`` costs nothing. A ROUTER message has >= 1 part after the
+    routing id.
+    """
+    ident = sock.recv(zmq.NOBLOCK)
+    part = sock.recv(copy=False)
+    parts: list[Any] = [ident, part]
+    while part.more:
+        part = sock.recv(copy=False)
+        parts.append(part)
+    return parts
+
+
+def _invalid(value: object, what: str) -> str | None:
+    """Why a decoded *value* is not a valid wire value, or ``None`` if it is."""
+    try:
+        _codec.check_received(value, what)
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,374 @@
+"""The output side of a stage process: one queue, one thread, the output socket, and the one
+policy for what cannot cross the wire.
+
+::
+
+    loop thread   -- post(a step's outputs) --+
+    input thread  -- post(pong, input error) -+--> queue --> output thread --> PUSH --> client
+    loop thread   -- emit(one event) ---------+    (or sent at once, while the output thread idles)
+
+The output thread blocks on its queue (no timeout), takes everything waiting and sends it in
+frames of at most :data:`MAX_BATCH` events. It ends after the terminal event (``shutdown`` or
+``fatal``) or after :meth:`Outbox.close`. A step's outputs always go through it, so they are
+encoded and sent while the next step runs. A single event from the loop thread (a utility
+answer, ``aborted``) is sent by the loop thread itself when the output thread has nothing
+left to send, which saves a thread wake-up (:meth:`Outbox.emit`).
+
+What cannot cross the wire ends the request or call it belongs to with an error event, and
+nothing else (:meth:`Outbox._replacements`, the one place that decides it). An output that
+cannot cross also aborts its request in the engine, through the ``abort_request`` callback:
+the one edge from the output side back to the loop's input.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import msgspec
+import zmq
+
+from . import _codec
+
+__all__ = ["BACKLOG_MAX", "MAX_BATCH", "Outbox"]
+
+logger = logging.getLogger("enginecore.stage")
+
+MAX_BATCH: Final = 512
+"""Upper bound on one output frame, in events: keeps frames (and latency) bounded under load."""
+
+BACKLOG_MAX: Final = 65536
+"""The loop waits before a step while more outputs than this are queued for a connected
+client (:meth:`Outbox.wait_for_room`)."""
+
+_STOP: Final = ("stop",)  # ends the output thread after what is queued before it; never sent
+# What msgspec raises for a value it cannot encode (a lone surrogate: UnicodeEncodeError).
+_ENCODE_ERRORS: Final = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
+
+Events = list[tuple[Any, ...]]
+
+
+class Outbox:
+    """The output socket, its queue and its thread. ``start()`` once, ``close()`` once.
+
+    *abort_request(req_id)* is called (on the loop or the output thread) for a request
+    whose output could not be encoded; *on_failure()* once if the output thread fails;
+    *may_wait()* says whether :meth:`wait_for_room` may keep the loop waiting (a client is
+    connected to read, and the loop is not stopping).
+    """
+
+    # Threads and what they own:
+    # - The output thread owns the socket, except while _idle (below).
+    # - _lock guards _idle, backlog, _ended and every put on _queue. _idle is True while the
+    #   output thread has sent everything it took and nothing is queued: then, and only
+    #   under _lock, the loop thread may send on the socket itself (a zmq socket is used by
+    #   one thread at a time; the lock orders the two users). Once the output thread has
+    #   ended, _idle stays False.
+    # - backlog counts what is queued and not yet sent, one per output and one per other
+    #   event. The loop thread peeks at it unlocked before each step (a stale read delays
+    #   the wait by one step at most); _drained is signalled after every frame sent.
+    # - terminal and failed are written by the output thread; read after it has ended.
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        *,
+        abort_request: Callable[[str], None],
+        on_failure: Callable[[], None],
+        may_wait: Callable[[], bool],
+    ) -> None:
+        self._sock = sock
+        self._abort_request = abort_request
+        self._on_failure = on_failure
+        self._may_wait = may_wait
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)
+        self._idle = True
+        self._ended = False
+        self.backlog = 0
+        self._loop_encoder = _codec.Encoder()  # the loop thread's, for emit()
+        self.terminal: str | None = None  # "shutdown" or "fatal", once sent
+        self.failed = False
+        self._thread = threading.Thread(target=self._main, name="enginecore-output", daemon=True)
+
+    def start(self) -> None:
+        """Start the output thread."""
+        self._thread.start()
+
+    def close(self, timeout: float) -> None:
+        """Let the output thread send everything queued, then end; wait for it up to
+        *timeout* seconds. It may still be sending after that (``Context.term()`` ends it)."""
+        self.post(_STOP)
+        self._thread.join(timeout)
+
+    def join(self) -> None:
+        """Wait until the output thread has ended and closed the socket."""
+        self._thread.join()
+
+    # -- handing events over (any thread) ------------------------------------------------------
+
+    def post(self, item: Any, weight: int | None = None) -> None:
+        """Any thread: queue *item* for the output thread: a list of events ready for the
+        wire, or one event without a payload (an input error, a pong, the terminal event).
+        *weight* is :func:`_weight` of it, if the caller knows it. Never blocks."""
+        if weight is None:
+            weight = _weight(item)
+        with self._lock:
+            self._idle = False
+            self.backlog += weight
+            self._queue.put(item)
+
+    def emit(self, ev: tuple[Any, ...]) -> None:
+        """Loop thread: one event of the loop (a utility answer, ``aborted``, ``shutdown``,
+        ``fatal``), in the loop's order. A utility result that cannot cross the wire
+        becomes that call's error. Never blocks."""
+        kind = ev[0]
+        if kind in ("shutdown", "fatal"):
+            self.post(ev)  # the output thread ends with it
+            return
+        if kind == "utility" and ev[3] is None and type(ev[2]) not in _codec.FLAT_TYPES:
+            try:
+                ev = ("utility", ev[1], _codec.prepare(ev[2], "utility result"), None)
+            except TypeError as exc:
+                ev = self._replacements(ev, exc, self._loop_encoder)[0]
+        self._send_or_post([ev])
+
+    def prepare_outputs(self, rids: list[Any], fins: list[Any], payloads: list[Any]) -> Events:
+        """Loop thread: a step's ``outputs`` event with each payload prepared for the wire
+        (arrays, buffers, numpy scalars), and an error for each one that cannot cross it.
+        The caller has checked that some payload is not of a flat type."""
+        flat = _codec.FLAT_TYPES
+        prepared = list(payloads)
+        bad: list[tuple[int, Exception]] = []
+        for i, payload in enumerate(payloads):
+            if type(payload) not in flat:
+                try:
+                    prepared[i] = _codec.prepare(payload, "output payload")
+                except TypeError as exc:
+                    bad.append((i, exc))
+        return self._split_outputs(rids, fins, prepared, bad)
+
+    def wait_for_room(self) -> None:
+        """Loop thread, before a step: wait while more than :data:`BACKLOG_MAX` events are
+        queued and ``may_wait()``.
+
+        Without this, an engine that outpaces its client queues outputs without bound, and
+        a utility answer or the shutdown event, queued behind them, waits as long as the
+        client needs to read them all (tens of seconds, measured). Never while no client is
+        connected (outputs wait in memory for the next one), and never past a shutdown
+        request or the end of the output thread; re-checks those every 50 ms.
+        """
+        with self._drained:
+            while self.backlog > BACKLOG_MAX and not self._ended and self._may_wait():
+                self._drained.wait(0.05)
+
+    def _send_or_post(self, events: Events) -> None:
+        """Loop thread: send *events* now if the output thread is idle, else queue them
+        behind what it has. Saves a thread hand-off (a wake-up, ~30-60 us here) per
+        utility answer; used for single events only, never for a step's outputs.
+
+        The send never blocks: if the socket cannot take a frame at once (no client yet, or
+        it is behind by the high-water mark) or fails, the rest is queued, and the output
+        thread sends it the usual way (and handles a failure the usual way).
+        """
+        with self._lock:
+            if self._idle:
+                encoder = self._loop_encoder
+                sock = self._sock
+                start = 0
+                while start < len(events):
+                    chunk = events[start : start + MAX_BATCH]
+                    try:
+                        parts = encoder.encode(chunk)
+                    except _ENCODE_ERRORS:
+                        chunk = self._encodable(encoder, chunk)
+                        events[start : start + MAX_BATCH] = chunk
+                        parts = encoder.encode(chunk)
+                    try:
+                        sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                    except zmq.ZMQError:
+                        break
+                    start += MAX_BATCH
+                else:
+                    return
+                events = events[start:]
+            self._idle = False
+            self.backlog += _weight(events)
+            self._queue.put(events)
+
+    # -- the output thread ---------------------------------------------------------------------
+
+    def _main(self) -> None:
+        sock = self._sock
+        get = self._queue.get
+        encoder = _codec.Encoder()
+        linger: int | None = None  # the socket's own: deliver the last frames
+        try:
+            while True:
+                # Everything waiting, then one frame per MAX_BATCH events. A list holds
+                # events ready for the wire (a step's outputs, a utility answer); anything
+                # else is one event without a payload.
+                item = get()  # blocks; no timeout: _STOP or the terminal event ends it
+                events: Events = []
+                done = False
+                taken = 0
+                while True:
+                    if item.__class__ is list:
+                        events += item
+                        taken += _weight(item)
+                    else:
+                        taken += 1
+                        kind = item[0]
+                        if kind == "stop":
+                            done = True
+                            break
+                        events.append(item)
+                        if kind in ("shutdown", "fatal"):
+                            self.terminal = kind
+                            done = True
+                            break
+                    if len(events) >= MAX_BATCH:
+                        break
+                    try:
+                        item = get(block=False)
+                    except queue.Empty:
+                        break
+                for start in range(0, len(events), MAX_BATCH):
+                    chunk = (
+                        events if len(events) <= MAX_BATCH else events[start : start + MAX_BATCH]
+                    )
+                    try:
+                        parts = encoder.encode(chunk)
+                    except _ENCODE_ERRORS:
+                        parts = encoder.encode(self._encodable(encoder, chunk))
+                    if len(parts) == 1:
+                        sock.send(parts[0], copy=False)
+                    else:
+                        sock.send_multipart(parts, copy=False)
+                if done:
+                    return
+                with self._lock:
+                    self.backlog -= taken
+                    if self._queue.empty():
+                        self._idle = True  # the loop thread may send (_send_or_post)
+                    if self.backlog <= BACKLOG_MAX:
+                        self._drained.notify()
+        except zmq.ContextTerminated:
+            # The process is ending and no client is reading (none attached, or it is gone):
+            # what is left cannot be delivered.
+            linger = 0
+        except BaseException:
+            logger.exception("enginecore: the output thread failed; shutting the stage down")
+            self.failed = True
+            linger = 0
+            self._on_failure()
+        finally:
+            with self._lock:
+                self._idle = False  # for good: the loop thread no longer sends
+                self._ended = True
+                self._drained.notify()
+            sock.close(linger=linger)
+
+    # -- what cannot cross the wire --------------------------------------------------------------
+
+    def _encodable(self, encoder: _codec.Encoder, events: Iterable[tuple[Any, ...]]) -> Events:
+        """*events*, each one that msgspec refuses replaced (see :meth:`_replacements`).
+
+        Only reached for what passed the checks and that msgspec then refuses: an int out
+        of range after the flat fast path, a str with a lone surrogate."""
+        good: Events = []
+        for ev in events:
+            try:
+                encoder.encode(ev)
+            except _ENCODE_ERRORS as exc:
+                good += self._replacements(ev, exc, encoder)
+            else:
+                good.append(ev)
+        return good
+
+    def _replacements(self, ev: tuple[Any, ...], exc: Exception, encoder: _codec.Encoder) -> Events:
+        """What is sent instead of *ev*, which cannot cross the wire (*exc* says why).
+
+        The policy: the request or call *ev* belongs to ends with an error, and nothing
+        else does. An ``outputs`` event keeps its good outputs; each bad one becomes an
+        ``error`` for its request, which is aborted in the engine. A utility answer becomes
+        that call's error. Anything else becomes an unscoped ``error``. Each replacement is
+        checked with *encoder* (the calling thread's): should even that fail (an id that
+        cannot be encoded), an unscoped ``error`` is all that is left to send.
+        """
+        kind = ev[0]
+        if kind == "outputs":
+            _, rids, fins, payloads = ev
+            bad: list[tuple[int, Exception]] = []
+            for i, payload in enumerate(payloads):
+                try:
+                    encoder.encode((rids[i], payload))  # a bad id: see below
+                except _ENCODE_ERRORS as payload_exc:
+                    bad.append((i, TypeError(f"output payload cannot be encoded: {payload_exc!r}")))
+            replacements = self._split_outputs(rids, fins, payloads, bad)
+        elif kind == "utility":
+            logger.error("enginecore: a utility result cannot be encoded: %s", exc)
+            if not isinstance(exc, TypeError):  # prepare()'s TypeError already says where
+                exc = TypeError(f"utility result cannot be encoded: {exc!r}")
+            replacements = [("utility", ev[1], None, repr(exc))]
+        else:
+            logger.error("enginecore: dropping an event that cannot be encoded: %s", exc)
+            replacements = [("error", None, f"{kind} event cannot be encoded: {exc!r}")]
+        good: Events = []
+        for candidate in replacements:
+            try:
+                encoder.encode(candidate)
+            except _ENCODE_ERRORS:
+                good.append(("error", None, f"{kind} event cannot be encoded: {exc!r}"))
+            else:
+                good.append(candidate)
+        return good
+
+    def _split_outputs(
+        self,
+        rids: list[Any],
+        fins: list[Any],
+        payloads: list[Any],
+        bad: list[tuple[int, Exception]],
+    ) -> Events:
+        """The ``outputs`` event without the *bad* outputs (index, why), then one ``error``
+        for each, whose request is aborted in the engine."""
+        if not bad:
+            return [("outputs", rids, fins, payloads)]
+        skip = {i for i, _ in bad}
+        keep = [i for i in range(len(payloads)) if i not in skip]
+        events: Events = []
+        if keep:
+            events.append(
+                (
+                    "outputs",
+                    [rids[i] for i in keep],
+                    [fins[i] for i in keep],
+                    [payloads[i] for i in keep],
+                )
+            )
+        for i, exc in bad:
+            rid = rids[i]
+            logger.error("enginecore: dropping an output that cannot be encoded: %s", exc)
+            if rid is None:
+                events.append(
+                    ("error", None, f"an unrouted engine output cannot be encoded: {exc}")
+                )
+            else:
+                self._abort_request(rid)
+                events.append(("error", rid, f"output cannot be encoded, request aborted: {exc}"))
+        return events
+
+
+def _weight(item: Any) -> int:
+    """What *item* adds to the backlog: one per output, one per other event."""
+    if item.__class__ is not list:
+        return 1
+    w = 0
+    for ev in item:
+        w += len(ev[3]) if ev[0] == "outputs" else 1
+    return w

@@ -1,0 +1,182 @@
+"""The ways a stage process starts and ends: :func:`run_launched` (the target of a spawned
+stage, see ``_launch``) and :func:`serve` (``python -m enginecore serve``).
+
+Both resolve an engine factory by name (:func:`import_factory`), run a
+:class:`~._runtime.StageRuntime` and make sure the process ends (:func:`exit_soon`). A
+launched stage also watches its parent through a pipe and shuts down when the parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, Final
+
+import msgspec
+
+from .._engine import Engine
+from ._runtime import EXIT_FATAL, EXIT_ORPHANED, StageRuntime
+
+__all__ = ["build_engine", "exit_soon", "import_factory", "run_launched", "serve"]
+
+logger = logging.getLogger("enginecore.stage")
+
+# How long interpreter shutdown may take once the loop has ended.
+_EXIT_WATCHDOG_S: Final = 5.0
+# How long an orphaned stage may take to shut down gracefully before it ends itself.
+_ORPHAN_GRACE_S: Final = 1.5
+
+
+def import_factory(spec: str) -> Callable[..., Any]:
+    """Resolve ``"pkg.module:attr"`` (``attr`` may be dotted) to a callable.
+
+    Raises :class:`ValueError` for a malformed string, :class:`ImportError` /
+    :class:`AttributeError` if it does not resolve, :class:`TypeError` if not callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"engine factory must look like 'pkg.module:factory', got {spec!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"engine factory {spec!r} is a {type(obj).__name__}, not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def build_engine(spec: str, kwargs: dict[str, Any]) -> Engine:
+    """Call the factory; check that it returned an :class:`~enginecore.Engine`."""
+    engine = import_factory(spec)(**kwargs)
+    if not isinstance(engine, Engine):
+        raise TypeError(
+            f"engine factory {spec!r} returned a {type(engine).__name__}, which does not "
+            f"implement the enginecore.Engine protocol"
+        )
+    return engine
+
+
+def run_launched(
+    factory: str,
+    kwargs_frame: bytes,
+    input_address: str,
+    output_address: str,
+    conn: Any,
+    ipc_dir: str,
+) -> None:
+    """Target of the spawned stage process (see ``_launch.launch_process``).
+
+    *conn* is this end of a duplex pipe: the child reports ``["ready", pid]`` or
+    ``["error", repr, traceback]`` on it, then waits on it for EOF, which means the parent
+    died. Ends the process with the stage's exit code.
+    """
+    # The parent owns this process's lifecycle: a terminal Ctrl-C goes to the parent, whose
+    # client shuts the stage down; should the parent die instead, the pipe says so.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = _Parent(conn, ipc_dir)
+    parent.start()
+    try:
+        kwargs = msgspec.msgpack.decode(kwargs_frame)
+        engine = build_engine(factory, kwargs)
+        runtime = StageRuntime(
+            engine,
+            input_address,
+            output_address,
+            engine_name=factory,
+            handle_signals=(signal.SIGTERM,),
+        )
+    except BaseException as exc:
+        _report(conn, "error", repr(exc), traceback.format_exc())
+        sys.exit(EXIT_FATAL)
+    parent.runtime = runtime
+    _report(conn, "ready", os.getpid())
+    code = runtime.run()
+    if parent.gone.is_set():
+        # Nobody else is left to remove the socket directory.
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    exit_soon(code)
+    sys.exit(code)
+
+
+def serve(
+    factory: str,
+    kwargs: dict[str, Any],
+    bind: str,
+    output_bind: str,
+    *,
+    session_timeout: float,
+    ready: Callable[[str, str], None],
+) -> int:
+    """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
+
+    Calls ``ready(input_address, output_address)`` with the bound endpoints once the sockets
+    are bound; returns the exit code. SIGTERM and SIGINT shut it down gracefully. Raises
+    what the factory raises, and what binding raises.
+    """
+    engine = build_engine(factory, kwargs)
+    runtime = StageRuntime(
+        engine, bind, output_bind, engine_name=factory, session_timeout=session_timeout
+    )
+    ready(runtime.input_address, runtime.output_address)
+    code = runtime.run()
+    exit_soon(code)
+    return code
+
+
+def exit_soon(code: int) -> None:
+    """Make sure the process ends: a normal exit waits for every non-daemon thread, and an
+    engine may have left one running. After a grace period, ``os._exit(code)``."""
+
+    def watchdog() -> None:
+        time.sleep(_EXIT_WATCHDOG_S)
+        logger.error(
+            "enginecore: the stage process did not exit %.0f s after its loop ended "
+            "(a non-daemon thread?); forcing exit code %d",
+            _EXIT_WATCHDOG_S,
+            code,
+        )
+        os._exit(code)
+
+    threading.Thread(target=watchdog, name="enginecore-exit", daemon=True).start()
+
+
+class _Parent:
+    """The parent process, seen through the death pipe: a thread blocks reading *conn*,
+    which only returns at EOF, when the parent has died."""
+
+    def __init__(self, conn: Any, ipc_dir: str) -> None:
+        self._conn = conn
+        self._ipc_dir = ipc_dir
+        self.runtime: StageRuntime | None = None  # set by the main thread once built
+        self.gone = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="enginecore-parent", daemon=True).start()
+
+    def _watch(self) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            self._conn.recv_bytes()  # the parent never sends: this returns or raises at EOF
+        runtime = self.runtime
+        if runtime is not None and runtime.finished.is_set():
+            return
+        self.gone.set()
+        logger.error("enginecore: the parent process is gone; shutting the stage down")
+        if runtime is not None:
+            runtime.abandon()
+            if runtime.finished.wait(_ORPHAN_GRACE_S):
+                return
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        os._exit(EXIT_ORPHANED)
+
+
+def _report(conn: Any, *message: Any) -> None:
+    with contextlib.suppress(OSError):
+        conn.send_bytes(msgspec.msgpack.encode(message))

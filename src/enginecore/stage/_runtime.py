@@ -1,0 +1,172 @@
+"""One stage: the engine loop on the calling thread, between an input and an output thread.
+
+::
+
+    client --DEALER--> ROUTER  input thread (_inbox) --submit_many--> input_queue
+                                                                           |
+                                                  EngineCoreLoop.run(), this thread
+                                                  (the engine behind _stage_engine)
+                                                                           |
+    client <--PULL---- PUSH    output thread (_outbox) <--post / emit------+
+
+:class:`StageRuntime` owns the ZMQ context and both sockets, wires the parts together, runs
+the loop and tears everything down in a fixed order (see :meth:`StageRuntime.run`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Final
+
+import zmq
+
+from .._engine import Engine
+from .._loop import EngineCoreLoop
+from .._messages import Abort
+from .._signals import shutdown_on_signals
+from ._inbox import HEARTBEAT_TIMEOUT_MS, Inbox
+from ._outbox import Outbox
+from ._stage_engine import StageEngine
+
+__all__ = [
+    "EXIT_FATAL",
+    "EXIT_IO_FAILED",
+    "EXIT_OK",
+    "EXIT_ORPHANED",
+    "StageRuntime",
+]
+
+# Exit codes of a stage process.
+EXIT_OK: Final = 0  # clean shutdown
+EXIT_FATAL: Final = 1  # the engine loop died of an exception (or startup failed)
+EXIT_IO_FAILED: Final = 2  # an IO thread failed; the stage could no longer talk
+EXIT_ORPHANED: Final = 3  # the parent died and a graceful shutdown did not finish in time
+
+# How long the output socket may take to deliver the last frames when the stage ends.
+_OUTPUT_LINGER_MS: Final = 1000
+
+
+class StageRuntime:
+    """The sockets, IO threads and loop of one stage. Single use: :meth:`run` once.
+
+    Binds *input_address* (``ROUTER``) and *output_address* (``PUSH``) at once; the bound
+    endpoints are :attr:`input_address` and :attr:`output_address`. *engine_name* is sent to
+    clients in the handshake. *handle_signals* turn into a graceful shutdown while
+    :meth:`run` runs (in the main thread only); with none, ``run()`` may be called from any
+    thread.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        input_address: str,
+        output_address: str,
+        *,
+        engine_name: str,
+        session_timeout: float = 10.0,
+        handle_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+    ) -> None:
+        self._signals = tuple(handle_signals)
+        # How long the last frames may take to leave. Zero once the parent is known dead:
+        # nobody is left to read them, and an orphan must go quickly.
+        self._flush_timeout = _OUTPUT_LINGER_MS / 1000
+        self.finished = threading.Event()
+        """Set once :meth:`run` has torn everything down."""
+        self._ctx = zmq.Context()
+        try:
+            in_sock = self._ctx.socket(zmq.ROUTER)
+            in_sock.setsockopt(zmq.LINGER, 0)
+            out_sock = self._ctx.socket(zmq.PUSH)
+            out_sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
+            for sock in (in_sock, out_sock):
+                # ZMTP heartbeats drop a TCP peer that vanished without closing its connection.
+                sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            in_sock.bind(input_address)
+            out_sock.bind(output_address)
+            out_monitor = out_sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            self.input_address: str = in_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.output_address: str = out_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._outbox = Outbox(
+                out_sock,
+                abort_request=self._abort_request,
+                on_failure=self._io_failed,
+                may_wait=self._may_hold_the_loop,
+            )
+            stage_engine = StageEngine(engine, self._outbox)
+            self.loop = EngineCoreLoop(stage_engine, stage_engine.emit)
+            stage_engine.request_shutdown = self.loop.request_shutdown
+            self._inbox = Inbox(
+                in_sock,
+                out_monitor,
+                self.loop,
+                self._outbox,
+                engine_name=engine_name,
+                output_address=self.output_address,
+                session_timeout=session_timeout,
+            )
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+
+    # The edges between the parts, named here so that each is visible in one place.
+
+    def _abort_request(self, req_id: str) -> None:
+        # Output side -> loop input: an output of req_id cannot be encoded, so the request
+        # is aborted in the engine (loop or output thread).
+        self.loop.submit(Abort([req_id]))
+
+    def _io_failed(self) -> None:
+        # An IO thread failed: the stage can no longer talk, so it stops.
+        self.loop.request_shutdown()
+
+    def _may_hold_the_loop(self) -> bool:
+        # Back-pressure applies only while a client is connected to read, and never past a
+        # shutdown request.
+        return self._inbox.output_peers > 0 and not self.loop.shutdown_requested
+
+    def abandon(self) -> None:
+        """The parent process is gone: shut down without waiting for the last frames to be
+        read, since nobody is left to read them. Any thread; never blocks."""
+        self._flush_timeout = 0.0
+        self.loop.request_shutdown()
+
+    def run(self) -> int:
+        """Run until shutdown or a fatal error; return the process exit code. Blocks."""
+        self._inbox.start()
+        self._outbox.start()
+        signals = (
+            shutdown_on_signals(self.loop, self._signals)
+            if self._signals
+            else contextlib.nullcontext()
+        )
+        try:
+            # SystemExit / KeyboardInterrupt from the engine: the loop has logged it, emitted
+            # its fatal event and re-raised. Propagating would skip exit_soon() and let
+            # SystemExit(0) end the process with 0; the exit code below says fatal.
+            with signals, contextlib.suppress(BaseException):
+                self.loop.run()
+        finally:
+            # Teardown, in this order:
+            # 1. The output thread sends what is queued, the terminal event included (unless
+            #    emit itself failed), and ends; we wait at most the flush timeout for it.
+            # 2. ctx.term() wakes the input thread (and an output thread stuck on a peer that
+            #    is gone) with ETERM; it returns once both closed their sockets, the output
+            #    socket after its linger.
+            # 3. The ipc socket files that libzmq leaves behind are removed.
+            self._outbox.close(timeout=self._flush_timeout)
+            self._ctx.term()
+            self._inbox.join()
+            self._outbox.join()
+            for address in (self.input_address, self.output_address):
+                if address.startswith("ipc://"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(address[len("ipc://") :])
+            self.finished.set()
+        if self._inbox.failed or self._outbox.failed:
+            return EXIT_IO_FAILED
+        return EXIT_OK if self._outbox.terminal == "shutdown" else EXIT_FATAL
