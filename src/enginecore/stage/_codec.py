@@ -355,7 +355,7 @@ class Decoder:
                 ) from None
         try:
             dtype = np.dtype(head[0])
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise _ExtError(f"invalid array dtype {head[0]!r}: {exc}") from None
         if dtype.kind not in _ARRAY_KINDS or dtype.fields is not None:
             raise _ExtError(f"array dtype {head[0]!r} is not allowed on the wire")
@@ -370,7 +370,10 @@ class Decoder:
                 f"array of shape {shape} and dtype {dtype.str} needs "
                 f"{count * dtype.itemsize} bytes, got {buf.nbytes}"
             )
-        arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        try:
+            arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        except ValueError as exc:  # a zero itemsize, more than 64 dimensions, ...
+            raise _ExtError(f"invalid array of shape {shape}, dtype {dtype.str}: {exc}") from None
         if arr.flags.writeable:  # inline data is a bytes object: already read-only
             arr.flags.writeable = False
         return arr

@@ -148,7 +148,7 @@ class Inbox:
         ident = parts[0]
         try:
             msg = self._decoder.decode(parts[1:])
-        except msgspec.DecodeError as exc:
+        except Exception as exc:  # DecodeError; also RecursionError for a deep nesting
             self._report_bad_frame(ident, parts[1], exc)
             return
         if ident == self._session:
@@ -188,7 +188,7 @@ class Inbox:
             what = (
                 f"invalid message: adds has {len(req_ids)} request ids but {len(data)} data items"
             )
-            self._post([("error", rid, what) for rid in req_ids], len(req_ids))
+            self._post([("error", rid, what) for rid in req_ids] or [("error", None, what)])
             return
         put = self._pending.append
         errors: list[tuple[Any, ...]] = []
@@ -207,10 +207,11 @@ class Inbox:
         # the one request or call it concerns instead of leaving it hanging.
         raw = body.buffer if isinstance(body, zmq.Frame) else body
         tag, head = _codec.recover_head(raw)
-        what = f"invalid message ({len(raw)} bytes): {exc}"
+        why = str(exc) if isinstance(exc, msgspec.DecodeError) else f"{type(exc).__name__}: {exc}"
+        what = f"invalid message ({len(raw)} bytes): {why}"
         if tag == "add" and type(head) is str:
             self._post(("error", head, what))
-        elif tag == "adds" and type(head) is list:
+        elif tag == "adds" and type(head) is list and head:
             self._post([("error", rid, what) for rid in head], len(head))
         elif tag == "utility" and type(head) is int:
             self._post(("utility", head, None, f"ProtocolError({what!r})"))
@@ -296,4 +297,6 @@ def _invalid(value: object, what: str) -> str | None:
         _codec.check_received(value, what)
     except ValueError as exc:
         return str(exc)
+    except RecursionError:  # msgspec decodes deeper values than check_received can walk
+        return f"{what}: nested too deeply"
     return None

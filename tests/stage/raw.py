@@ -1,0 +1,155 @@
+"""Talking to a stage with nothing but zmq and the codec, as a client in another language
+would (``docs/wire.md``), and running a stage in this process for tests that need an engine
+of their own."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import zmq
+
+from enginecore._engine import Engine
+from enginecore.stage import PROTOCOL_VERSION, _codec
+from enginecore.stage._runtime import StageRuntime
+
+Event = list[Any]
+
+
+class RawClient:
+    """A DEALER on the stage's input socket and, once welcomed, a PULL on its output socket.
+    Events are decoded into plain lists, as any msgpack library would."""
+
+    def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        self._own_ctx = ctx is None
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if ctx is None else ctx
+        self.address = address
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 1000)  # a bye sent right before close() leaves
+        self.dealer.connect(address)
+        self.pull: zmq.Socket[bytes] | None = None
+        self.frames: list[list[zmq.Frame]] = []  # every frame received, as parts
+        self._left: collections.deque[Event] = collections.deque()  # see until()
+        self._encoder = _codec.Encoder()
+        self._decoder = _codec.Decoder(strict=True)
+
+    def hello(self, timeout: float = 5.0) -> list[Any]:
+        """Send ``hello``; return the reply. On ``welcome``, connect the PULL socket."""
+        self.dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "raw"]))
+        reply = self.reply(timeout)
+        if reply[0] == "welcome":
+            output = reply[2]
+            if output.startswith("tcp://"):
+                host = self.address[len("tcp://") :].rpartition(":")[0]
+                output = f"tcp://{host}:{output.rpartition(':')[2]}"
+            self.pull = self.ctx.socket(zmq.PULL)
+            self.pull.setsockopt(zmq.LINGER, 0)
+            self.pull.connect(output)
+        return reply
+
+    def reply(self, timeout: float = 5.0) -> list[Any]:
+        """The next handshake reply on the input socket (``AssertionError`` if none comes)."""
+        assert self.dealer.poll(round(timeout * 1000)), f"no handshake reply in {timeout} s"
+        return msgspec.msgpack.decode(self.dealer.recv())  # type: ignore[no-any-return]
+
+    def send(self, *msg: Any) -> None:
+        """Send the message ``[*msg]``, arrays and buffers out of band (``_codec``)."""
+        parts = self._encoder.encode(_codec.prepare(list(msg)))
+        self.dealer.send_multipart(parts, copy=False)
+
+    def send_raw(self, *parts: bytes) -> None:
+        """Send *parts* as they are: a body and buffers, possibly invalid."""
+        self.dealer.send_multipart(list(parts))
+
+    def events(self, timeout: float = 5.0) -> list[Event]:
+        """The events of the next frame on the output socket (``TimeoutError`` if none)."""
+        assert self.pull is not None, "not welcomed"
+        if not self.pull.poll(round(timeout * 1000)):
+            raise TimeoutError(f"no frame on the output socket in {timeout} s")
+        parts = self.pull.recv_multipart(copy=False)
+        self.frames.append(parts)
+        return self._decoder.decode(parts)  # type: ignore[no-any-return]
+
+    def until(self, done: Callable[[Event], bool], timeout: float = 5.0) -> list[Event]:
+        """Every event up to and including the first for which *done* is true; the events
+        after it in the same frame are kept for the next call."""
+        deadline = time.monotonic() + timeout
+        seen: list[Event] = []
+        while True:
+            if not self._left:
+                self._left.extend(self.events(max(0.0, deadline - time.monotonic())))
+            event = self._left.popleft()
+            seen.append(event)
+            if done(event):
+                return seen
+
+    def call(self, call_id: int, name: str, *args: Any, timeout: float = 5.0) -> list[Event]:
+        """Call utility *name*; every event up to and including its answer."""
+        self.send("utility", call_id, name, list(args))
+        return self.until(lambda ev: ev[0] == "utility" and ev[1] == call_id, timeout)
+
+    def close(self) -> None:
+        for sock in (self.pull, self.dealer):
+            if sock is not None:
+                sock.close()
+        if self._own_ctx:
+            self.ctx.term()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InProcessStage:
+    """A :class:`StageRuntime` whose loop runs in a thread of this process, on ipc sockets
+    in *directory*, so that a test can give it an engine defined in the test."""
+
+    def __init__(self, engine: Engine, directory: str, **kwargs: Any) -> None:
+        self.runtime = StageRuntime(
+            engine,
+            f"ipc://{directory}/in",
+            f"ipc://{directory}/out",
+            engine_name="test",
+            handle_signals=(),
+            **kwargs,
+        )
+        self.address = self.runtime.input_address
+        self.exit_code: int | None = None
+        self._thread = threading.Thread(target=self._run, name="test-stage-loop")
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.exit_code = self.runtime.run()
+
+    def wait(self, timeout: float = 10.0) -> int | None:
+        """Wait for the loop to end; its exit code."""
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the stage did not end"
+        return self.exit_code
+
+    def stop(self) -> int | None:
+        """Shut down without waiting for a client to read the last frames."""
+        self.runtime.abandon()
+        return self.wait()
+
+
+@contextlib.contextmanager
+def in_process_stage(
+    engine: Engine, directory: str, **kwargs: Any
+) -> Iterator[tuple[InProcessStage, RawClient]]:
+    """A running :class:`InProcessStage` and a welcomed :class:`RawClient`; both are closed
+    afterwards."""
+    stage = InProcessStage(engine, directory, **kwargs)
+    try:
+        with RawClient(stage.address) as client:
+            assert client.hello()[0] == "welcome"
+            yield stage, client
+    finally:
+        stage.stop()
