@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -19,9 +20,12 @@ from enginecore.stage import (
     ProtocolError,
     StageClient,
     StageClosedError,
+    _inbox,
 )
+from enginecore.stage.testing import EchoEngine
 
 from .conftest import SCRIPTED, Server
+from .raw import InProcessStage, RawClient
 
 
 class TestServe:
@@ -40,6 +44,7 @@ class TestServe:
                 StageClient.connect(server.address)
             assert client.call_utility("echo", 1, timeout=5) == [1]
 
+    @pytest.mark.slow  # the new client's hello is held for 5 s before it is rejected
     def test_no_takeover_while_the_silent_client_still_holds_the_output_socket(
         self, server: Server
     ) -> None:
@@ -171,6 +176,136 @@ class TestServe:
     def test_connect_to_nothing_times_out(self) -> None:
         with pytest.raises(TimeoutError, match="no handshake reply"):
             StageClient.connect("tcp://127.0.0.1:9", timeout=0.3)
+
+
+def _hello(client: RawClient) -> None:
+    """Hello until welcomed. The previous client's bye travels on its own connection, so it
+    may reach the stage after this hello, which is then rejected as "attached"."""
+    while True:
+        reply = client.hello(timeout=10)
+        if reply[0] == "welcome":
+            return
+        assert "another client is attached" in reply[2], reply
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def cpu_burners() -> Iterator[None]:
+    """Two processes that spin, so that the stage's threads are preempted at random."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+class TestSessionHandover:
+    """A client that says hello right after the previous client's bye gets every event.
+
+    The output socket is a PUSH, which deals events out round-robin to every connected PULL:
+    while the previous client's PULL is still connected, or still counted by libzmq, the new
+    client's events can go there and be lost."""
+
+    @pytest.mark.slow
+    @pytest.mark.timeout(180)
+    @pytest.mark.parametrize("transport", ["tcp", "ipc"])
+    def test_a_thousand_bye_hello_cycles_lose_no_event(
+        self, no_leftovers: str, cpu_burners: None, transport: str
+    ) -> None:
+        bind = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{no_leftovers}/stage"
+        srv = Server("--engine", SCRIPTED, "--bind", bind)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            for i in range(1000):
+                with RawClient(srv.address, ctx) as client:  # a new DEALER and PULL each time
+                    _hello(client)
+                    # The new client's first event: a pong (input thread -> output thread),
+                    # a step's outputs (loop -> output thread) or a utility answer (sent by
+                    # the loop thread itself while the output thread is idle).
+                    if i % 3 == 0:
+                        client.send("ping", i)
+                        expected: list[object] = ["pong", i]
+                    elif i % 3 == 1:
+                        client.send("add", f"r{i}", 1)
+                        expected = ["outputs", [f"r{i}"], [True], [0]]
+                    else:
+                        client.send("utility", i, "echo", [i])
+                        expected = ["utility", i, [i], None]
+                    try:
+                        events = client.events(timeout=5)
+                    except TimeoutError:
+                        pytest.fail(f"cycle {i}: the new client's first event was lost")
+                    assert events == [expected], f"cycle {i}"
+                    client.send("bye")
+        finally:
+            ctx.term()
+            assert srv.stop() == 0
+
+    def test_hello_is_held_until_the_previous_clients_pull_disconnects(
+        self, no_leftovers: str
+    ) -> None:
+        stage = InProcessStage(EchoEngine(), no_leftovers)
+        first = RawClient(stage.address)
+        second = RawClient(stage.address)
+        try:
+            assert first.hello()[0] == "welcome"
+            first.send("bye")
+            first.send("ping", 1)  # answered after the bye was handled (same connection)
+            assert first.events() == [["pong", 1]]
+            second.send_raw(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "second"]))
+            assert not second.dealer.poll(300), "welcomed while the first PULL is connected"
+            first.close()  # its PULL disconnects: now the second client is welcome
+            assert second.reply()[0] == "welcome"
+        finally:
+            first.close()
+            second.close()
+            stage.stop()
+
+    def test_held_hello_is_rejected_when_the_pull_stays(
+        self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(_inbox, "HELLO_HOLD_S", 0.3)
+        stage = InProcessStage(EchoEngine(), no_leftovers)
+        first = RawClient(stage.address)
+        second = RawClient(stage.address)
+        third = RawClient(stage.address)
+        try:
+            assert first.hello()[0] == "welcome"
+            first.send("bye")
+            first.send("ping", 1)
+            assert first.events() == [["pong", 1]]
+            started = time.monotonic()
+            hello = msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "late"])
+            second.send_raw(hello)
+            third.send_raw(hello)
+            # The first of the two to arrive is held; the other is turned away at once.
+            poller = zmq.Poller()
+            poller.register(second.dealer, zmq.POLLIN)
+            poller.register(third.dealer, zmq.POLLIN)
+            replies: dict[str, float] = {}
+            while len(replies) < 2:
+                for sock, _ in poller.poll(5000):
+                    tag, _, reason = msgspec.msgpack.decode(sock.recv())
+                    assert tag == "reject"
+                    replies[reason] = time.monotonic() - started
+            turned_away = replies.pop("another client is connecting to this stage")
+            [(reason, held_for)] = replies.items()
+            assert "still connected to the output socket after 0.3 s" in reason
+            assert held_for >= 0.3 > turned_away
+            # Nothing is held any more: with the first PULL gone, a hello is welcome at once.
+            first.close()
+            deadline = time.monotonic() + 5
+            while (reply := third.hello())[0] != "welcome":
+                assert time.monotonic() < deadline, reply
+                time.sleep(0.01)
+            third.send("ping", 2)
+            assert third.events() == [["pong", 2]]
+        finally:
+            for client in (first, second, third):
+                client.close()
+            stage.stop()
 
 
 class TestServeCommandLine:

@@ -3,7 +3,7 @@ and hands it to the loop; it also keeps the session (who the attached client is)
 
 The input thread blocks in ``poll`` on the input socket (``ROUTER``) and on the output
 socket's monitor, which tells it how many clients are connected to the output socket. It
-polls with no timeout. On each wake-up it reads
+polls with no timeout, except while a ``hello`` is held (below). On each wake-up it reads
 every message already waiting (up to :data:`MAX_BURST`), decodes and checks each one, and
 hands the valid ones to the loop with one ``submit_many()``, in arrival order: a burst costs
 one poll, one lock and one wake-up of the loop thread, not one of each per message.
@@ -15,14 +15,23 @@ failed answer for a utility call id, a ``reject`` for a ``hello``; otherwise an 
 ``error``. Errors and pongs go straight to the output thread, not through the loop.
 
 Sessions (``docs/wire.md`` section 3): one client at a time. A ``hello`` is rejected while
-another client is attached and has been heard from within the session timeout, or while its
-``PULL`` is still connected to the output socket (counted from the socket's monitor): the
-socket is a ``PUSH``, which would deal the new client's events out between the two.
+another client is attached and has been heard from within the session timeout. The output
+socket is a ``PUSH``: it deals events out round-robin to every connected ``PULL``, so the
+new client must be the only one before its first event is sent. Two things see to that:
+
+- a ``hello`` is not welcomed while anything is still connected to the output socket (right
+  after a ``bye``, the previous client's ``PULL`` often still is). It is *held*, unanswered,
+  until the monitor reports the disconnect, then welcomed; after :data:`HELLO_HOLD_S` it is
+  rejected;
+- when the new client's first message arrives, the output socket is made to drop the closed
+  connection before it sends again (``Outbox.resync``): libzmq may otherwise go on dealing
+  to it for up to a millisecond.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -38,7 +47,7 @@ from . import _codec, _wire
 from ._outbox import Outbox
 from ._stage_engine import ordered_stop
 
-__all__ = ["HEARTBEAT_TIMEOUT_MS", "MAX_BURST", "Inbox"]
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "HELLO_HOLD_S", "MAX_BURST", "Inbox"]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -47,6 +56,10 @@ MAX_BURST: Final = 512
 
 HEARTBEAT_TIMEOUT_MS: Final = 5000
 """The stage's ZMTP heartbeat timeout: a TCP peer that vanished is dropped after this."""
+
+HELLO_HOLD_S: Final = HEARTBEAT_TIMEOUT_MS / 1000
+"""How long a ``hello`` is held while the output socket still has a connection: as long as
+the heartbeat needs to drop one whose peer vanished."""
 
 # Exact types of received data that need no check (decoded ints are always in range).
 _RECEIVED_FLAT: Final = frozenset({type(None), bool, int, float, str, bytes})
@@ -77,6 +90,7 @@ class Inbox:
         self._sock = sock
         self._monitor = out_monitor
         self._loop = loop
+        self._outbox = outbox
         self._post = outbox.post
         self._welcome = msgspec.msgpack.encode(
             _wire.WelcomeMsg(_wire.PROTOCOL_VERSION, output_address, os.getpid(), engine_name)
@@ -88,6 +102,10 @@ class Inbox:
         # The attached client's routing id and when it was last heard from.
         self._session: bytes | None = None
         self._session_seen = 0.0
+        self._unheard = False  # welcomed, and no message from it yet
+        # A hello waiting for the output socket to lose its last connection:
+        # (routing id, deadline, why it is rejected at the deadline).
+        self._held: tuple[bytes, float, str] | None = None
         self.output_peers = 0  # connections to the output socket, from its monitor
         self.failed = False
         self._thread = threading.Thread(target=self._main, name="enginecore-input", daemon=True)
@@ -113,7 +131,9 @@ class Inbox:
         try:
             while True:
                 try:
-                    ready = dict(poller.poll())  # blocks; no timeout: ctx.term() ends it
+                    # No timeout (ctx.term() ends it), unless a hello is held.
+                    held = self._held
+                    ready = dict(poller.poll(None if held is None else _ms_until(held[1])))
                     if monitor in ready:
                         self._count_output_peers()
                     if sock in ready:
@@ -123,6 +143,8 @@ class Inbox:
                             except zmq.Again:
                                 break
                             self._handle_one(parts)
+                    if self._held is not None:
+                        self._settle_held(self._held)
                 except zmq.ContextTerminated:
                     return
                 finally:
@@ -153,6 +175,14 @@ class Inbox:
             return
         if ident == self._session:
             self._session_seen = time.monotonic()
+            if self._unheard:
+                # The first message of a new client: its events follow. libzmq's IO thread
+                # (this context has one) finished closing the previous client's output
+                # connection, down to the command that tells the output socket, before it
+                # read this message; a resync makes the output socket act on that command
+                # before it sends anything more (Outbox._resync).
+                self._unheard = False
+                self._outbox.resync = True
         put = self._pending.append  # handed to the loop by _main, in order
         cls = type(msg)
         if cls is _wire.AddMsg:
@@ -229,30 +259,53 @@ class Inbox:
                 f"protocol version {msg.version} is not supported; this stage speaks "
                 f"version {_wire.PROTOCOL_VERSION}",
             )
-        elif (
-            self._session is not None
-            and self._session != ident
-            and time.monotonic() - self._session_seen < self._session_timeout
-        ):
+            return
+        if ident == self._session:  # the attached client, again
+            self._accept(ident)
+            return
+        if self._held is not None:
+            if self._held[0] != ident:
+                self._reject(ident, "another client is connecting to this stage")
+            return  # the same client again: its first hello is still held
+        silent = self._session is not None
+        if silent and time.monotonic() - self._session_seen < self._session_timeout:
             self._reject(ident, "another client is attached to this stage")
-        elif self._session is not None and self._session != ident and self._has_output_peer():
-            self._reject(
-                ident,
+            return
+        self._count_output_peers()  # what happened while this burst was read
+        if self.output_peers == 0:
+            self._accept(ident)
+            return
+        if silent:
+            why = (
                 "another client is attached to this stage: it has been silent for the session "
-                "timeout, but it is still connected to the output socket",
+                "timeout, but it is still connected to the output socket"
             )
         else:
-            self._accept(ident)
+            why = (
+                f"another client is still connected to the output socket after "
+                f"{HELLO_HOLD_S:g} s (a client that sends bye must close its PULL socket)"
+            )
+        self._held = (ident, time.monotonic() + HELLO_HOLD_S, why)
 
-    def _has_output_peer(self) -> bool:
-        self._count_output_peers()  # events that arrived while this burst was read
-        return self.output_peers > 0
+    def _settle_held(self, held: tuple[bytes, float, str]) -> None:
+        """Welcome the held hello once the output socket has no connection left; reject it
+        at its deadline."""
+        ident, deadline, why = held
+        if self.output_peers == 0:
+            self._held = None
+            self._accept(ident)
+        elif time.monotonic() >= deadline:
+            self._held = None
+            self._reject(ident, why)
 
     def _bye(self, ident: bytes) -> None:
         if ident == self._session:
             self._session = None
+        elif self._held is not None and self._held[0] == ident:
+            self._held = None  # it gave up waiting
 
     def _accept(self, ident: bytes) -> None:
+        self._unheard = ident != self._session
         self._session = ident
         self._session_seen = time.monotonic()
         self._sock.send_multipart([ident, self._welcome])
@@ -289,6 +342,10 @@ def _recv(sock: zmq.Socket[bytes]) -> list[Any]:
         part = sock.recv(copy=False)
         parts.append(part)
     return parts
+
+
+def _ms_until(deadline: float) -> int:
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
 def _invalid(value: object, what: str) -> str | None:

@@ -93,6 +93,9 @@ class Outbox:
         self._loop_encoder = _codec.Encoder()  # the loop thread's, for emit()
         self.terminal: str | None = None  # "shutdown" or "fatal", once sent
         self.failed = False
+        self.resync = False
+        """Set by the input thread when a newly welcomed client speaks for the first time;
+        see :meth:`_resync`."""
         self._thread = threading.Thread(target=self._main, name="enginecore-output", daemon=True)
 
     def start(self) -> None:
@@ -177,6 +180,8 @@ class Outbox:
         """
         with self._lock:
             if self._idle:
+                if self.resync:
+                    self._resync()
                 encoder = self._loop_encoder
                 sock = self._sock
                 start = 0
@@ -199,6 +204,20 @@ class Outbox:
             self._idle = False
             self.backlog += _weight(events)
             self._queue.put(events)
+
+    def _resync(self) -> None:
+        """Make libzmq drop the output connections that have closed, before a send.
+
+        libzmq learns that a connection closed from a command to the socket, and processes
+        commands on send at most once a millisecond. Until then, a ``PUSH`` still deals
+        messages to the closed connection, where they are lost. The new client's first
+        events would go there half of the time right after the previous client's ``bye``.
+        The caller owns the socket; an unthrottled ``getsockopt(EVENTS)`` processes every
+        pending command. Once the new client has spoken, the previous client's connection
+        is among them (see ``_inbox.Inbox._handle``).
+        """
+        self.resync = False
+        self._sock.getsockopt(zmq.EVENTS)
 
     # -- the output thread ---------------------------------------------------------------------
 
@@ -237,6 +256,8 @@ class Outbox:
                         item = get(block=False)
                     except queue.Empty:
                         break
+                if self.resync:
+                    self._resync()
                 for start in range(0, len(events), MAX_BATCH):
                     chunk = (
                         events if len(events) <= MAX_BATCH else events[start : start + MAX_BATCH]
