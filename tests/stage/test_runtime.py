@@ -1,0 +1,421 @@
+"""A stage's runtime end to end, in this process, with engines written for each test and a
+raw client on real sockets: what a step sends, what the engine receives, how much goes in
+one frame, and what happens to what cannot cross the wire."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from enginecore import CountdownEngine
+from enginecore.stage import PROTOCOL_VERSION
+from enginecore.stage._runtime import EXIT_FATAL, EXIT_OK
+from enginecore.stage.testing import EchoEngine
+
+from .raw import Event, InProcessStage, RawClient, in_process_stage
+
+
+class Canned:
+    """An engine whose steps return canned outputs: utility ``step`` makes the next step
+    return the next list of *steps*. Records what it receives."""
+
+    def __init__(self, *steps: list[Any]) -> None:
+        self._steps = list(steps)
+        self._due = 0
+        self.added: list[tuple[str, Any]] = []
+        self.aborted: list[str] = []
+
+    def has_work(self) -> bool:
+        return self._due > 0
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.added.append((req_id, data))
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        self.aborted.extend(req_ids)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "step":
+            self._due += 1
+        return list(args)
+
+    def step(self) -> list[Any]:
+        self._due -= 1
+        return self._steps.pop(0)
+
+
+def _step(client: RawClient, call_id: int) -> list[Event]:
+    """Run the engine's next canned step; every event up to the answer to the call after it
+    (the step's outputs come before that answer)."""
+    events = client.call(call_id, "step")
+    return events + client.call(call_id + 1, "sync")[:-1]
+
+
+class TestOutputs:
+    def test_each_step_is_one_outputs_event_in_the_order_the_step_produced(
+        self, no_leftovers: str
+    ) -> None:
+        with in_process_stage(CountdownEngine(), no_leftovers) as (_, client):
+            client.send("adds", ["a", "b", "c"], [3, 1, 2])
+            events = client.until(lambda ev: ev[0] == "outputs" and ev[1] == ["a"])
+        assert events == [
+            ["outputs", ["a", "b", "c"], [False, True, False], [2, 0, 1]],
+            ["outputs", ["a", "c"], [False, True], [1, 0]],
+            ["outputs", ["a"], [True], [0]],
+        ]
+
+    def test_a_step_without_outputs_sends_nothing(self, no_leftovers: str) -> None:
+        with in_process_stage(Canned([], [("r", 1)]), no_leftovers) as (_, client):
+            assert _step(client, 1) == [["utility", 1, [], None]]
+            assert _step(client, 3) == [
+                ["utility", 3, [], None],
+                ["outputs", ["r"], [False], [1]],
+            ]
+
+    def test_unrouted_outputs_have_no_request(self, no_leftovers: str) -> None:
+        with in_process_stage(Canned([("r", 1), "tick", ("r", 2, 3)]), no_leftovers) as (
+            _,
+            client,
+        ):
+            assert _step(client, 1)[-1] == [
+                "outputs",
+                ["r", None, None],
+                [False, False, False],
+                [1, "tick", ["r", 2, 3]],
+            ]
+
+
+class TestRouteHooks:
+    @pytest.mark.parametrize(
+        "result",
+        [
+            None,
+            (["a"], [False]),
+            (("a",), [False], [1]),
+            (["a", "b"], [False], [1]),
+            (["a"], [1], [1]),
+            ([7], [False], [1]),
+        ],
+    )
+    def test_a_bad_route_outputs_result_is_fatal_with_the_reason(
+        self, no_leftovers: str, result: Any
+    ) -> None:
+        engine = Canned([("a", 1)])
+        engine.route_outputs = lambda outs: result  # type: ignore[attr-defined]
+        with in_process_stage(engine, no_leftovers) as (stage, client):
+            client.send("utility", 1, "step", [])
+            events = client.until(lambda ev: ev[0] == "fatal")
+            assert stage.wait() == EXIT_FATAL
+        assert events[:-1] == [["utility", 1, [], None]]  # nothing of the step itself
+        message = events[-1][1]
+        assert "Canned.route_outputs() must return (req_ids: list[str | None]" in message
+        assert "one item per output (1)" in message
+
+    def test_a_bad_route_output_is_fatal_after_the_outputs_routed_before_it(
+        self, no_leftovers: str
+    ) -> None:
+        engine = Canned([("a", 1), ("b", 2), ("c", 3)])
+        engine.route_output = lambda out: out if out[0] == "b" else (out[0], False, out[1])  # type: ignore[attr-defined]
+        with in_process_stage(engine, no_leftovers) as (stage, client):
+            client.send("utility", 1, "step", [])
+            events = client.until(lambda ev: ev[0] == "fatal")
+            assert stage.wait() == EXIT_FATAL
+        assert events[1:-1] == [["outputs", ["a"], [False], [1]]]
+        assert "Canned.route_output() must return" in events[-1][1]
+
+
+class _Unencodable:
+    pass
+
+
+class TestUnencodableOutputs:
+    @pytest.mark.parametrize(
+        ("bad", "why"),
+        [
+            ({1, 2}, "builtins.set is not wire-encodable"),  # refused on the loop thread
+            ([1, _Unencodable()], r"output payload\[1\]: .*_Unencodable"),
+            ("bad \ud800", "surrogates not allowed"),  # refused by msgspec, output thread
+            (2**64, "can't serialize ints"),
+            (np.array([object()]), "dtype object cannot cross the wire"),
+        ],
+    )
+    def test_only_the_bad_outputs_request_ends(self, no_leftovers: str, bad: Any, why: str) -> None:
+        step = [("a", 1), ("b", bad), ("c", np.float32(2.5)), ("d", b"x" * 2000)]
+        engine = Canned(step)
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            events = _step(client, 1)
+            events += client.call(3, "sync")  # after the abort the stage queued for b
+        outputs = [ev for ev in events if ev[0] == "outputs"]
+        errors = [ev for ev in events if ev[0] == "error"]
+        assert outputs == [["outputs", ["a", "c", "d"], [False] * 3, [1, 2.5, b"x" * 2000]]]
+        assert len(errors) == 1
+        assert errors[0][1] == "b"
+        assert errors[0][2].startswith("output cannot be encoded, request aborted")
+        assert re.search(why, errors[0][2]), errors[0][2]
+        # The request was aborted in the engine (the output side feeds the loop's input).
+        assert ["aborted", ["b"]] in events
+        assert engine.aborted == ["b"]
+
+    def test_an_unrouted_unencodable_output_is_an_unscoped_error(self, no_leftovers: str) -> None:
+        engine = Canned([("a", 1), {3}])
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            events = _step(client, 1)
+        assert ["outputs", ["a"], [False], [1]] in events
+        [error] = [ev for ev in events if ev[0] == "error"]
+        assert error[1] is None
+        assert "unrouted engine output cannot be encoded" in error[2]
+        assert engine.aborted == []
+
+
+class TestFrames:
+    def test_more_than_512_waiting_events_leave_in_frames_of_at_most_512_in_order(
+        self, no_leftovers: str
+    ) -> None:
+        # 1,300 utility answers pile up while no client reads the output socket; when one
+        # connects, they leave in frames of at most 512 events, in order.
+        answered = threading.Event()
+
+        class Counting(EchoEngine):
+            def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+                if args == (1299,):
+                    answered.set()
+                return super().utility(name, args)
+
+        stage = InProcessStage(Counting(), no_leftovers)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        pull = ctx.socket(zmq.PULL)
+        try:
+            dealer.connect(stage.address)
+            for i in range(1300):
+                dealer.send(msgspec.msgpack.encode(["utility", i, "echo", [i]]))
+            assert answered.wait(10)
+            time.sleep(0.05)  # the last answer reaches the output queue
+            pull.connect(stage.runtime.output_address)
+            frames: list[list[Any]] = []
+            while sum(map(len, frames)) < 1300:
+                assert pull.poll(5000)
+                frames.append(msgspec.msgpack.decode(pull.recv()))
+        finally:
+            pull.close(linger=0)
+            dealer.close(linger=0)
+            ctx.term()
+            stage.stop()
+        assert [ev for frame in frames for ev in frame] == [
+            ["utility", i, [i], None] for i in range(1300)
+        ]
+        assert max(map(len, frames)) == 512
+
+    def test_input_errors_for_more_than_512_requests_leave_in_frames_of_512(
+        self, no_leftovers: str
+    ) -> None:
+        ids = [f"r{i}" for i in range(1300)]
+        with in_process_stage(EchoEngine(), no_leftovers) as (_, client):
+            client.send("adds", ids, [1])  # 1,300 ids, one data item: every id fails
+            events = client.until(lambda ev: ev[1] == "r1299")
+            sizes = [len(msgspec.msgpack.decode(parts[0].bytes)) for parts in client.frames]
+        assert [ev[1] for ev in events] == ids
+        assert sizes == [512, 512, 276]
+        assert all("1300 request ids but 1 data items" in ev[2] for ev in events)
+
+
+class _Recording(EchoEngine):
+    """EchoEngine that records what it receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[tuple[str, Any]] = []
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.received.append((req_id, data))
+        super().add(req_id, data)
+
+
+class TestInput:
+    def test_a_burst_of_more_than_512_messages_arrives_complete_and_in_order(
+        self, no_leftovers: str
+    ) -> None:
+        # Queued in the client before the stage exists, so that the stage's input thread
+        # finds them waiting and reads them in full bursts of 512.
+        engine = _Recording()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.connect(f"ipc://{no_leftovers}/in")
+        try:
+            for i in range(2100):
+                dealer.send(msgspec.msgpack.encode(["add", f"r{i}", i]))
+            dealer.send(msgspec.msgpack.encode(["utility", 1, "num_requests", []]))
+            stage = InProcessStage(engine, no_leftovers)
+            try:
+                with RawClient(stage.address) as client:
+                    assert client.hello()[0] == "welcome"
+                    # Answered once the stage has applied the burst before it.
+                    client.until(lambda ev: ev[0] == "utility" and ev[1] == 1, timeout=10)
+            finally:
+                stage.stop()
+        finally:
+            dealer.close(linger=0)
+            ctx.term()
+        assert engine.received == [(f"r{i}", i) for i in range(2100)]
+
+    def test_adds_apply_in_list_order_between_other_messages(self, no_leftovers: str) -> None:
+        engine = _Recording()
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            client.send("adds", ["a", "b"], [1, 2])
+            client.send("add", "c", 3)
+            client.send("adds", ["d", "e", "f"], [4, 5, 6])
+            client.send("adds", [], [])
+            client.call(1, "echo")
+        assert engine.received == [("a", 1), ("b", 2), ("c", 3), ("d", 4), ("e", 5), ("f", 6)]
+
+    def test_adds_fails_only_its_invalid_items(self, no_leftovers: str) -> None:
+        engine = _Recording()
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            body = (
+                b"\x93\xa4adds\x93\xa1a\xa1b\xa1c"
+                b"\x93\x01\xc7\x01\x09x\x03"  # b's data: a foreign extension type
+            )
+            client.send_raw(body)
+            events = client.call(1, "echo")
+            events += client.call(2, "echo")
+        assert engine.received == [("a", 1), ("c", 3)]
+        [error] = [ev for ev in events if ev[0] == "error"]
+        assert error[1] == "b"
+        assert "extension type 9 is not allowed" in error[2]
+        assert ["outputs", ["a", "c"], [True, True], [1, 3]] in events
+
+    def test_adds_with_lists_of_different_lengths_fails_every_id(self, no_leftovers: str) -> None:
+        engine = _Recording()
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            client.send("adds", ["a", "b"], [1, 2, 3])
+            events = client.call(1, "echo")
+        assert [ev[1] for ev in events if ev[0] == "error"] == ["a", "b"]
+        assert all("2 request ids but 3 data items" in ev[2] for ev in events[:-1])
+        assert engine.received == []
+
+
+def _frame_of(arr: Any) -> Any:
+    """The object an array's memory belongs to, following ``base`` and ``obj``."""
+    owner = arr
+    while True:
+        nxt = getattr(owner, "base", None)
+        if nxt is None:
+            nxt = getattr(owner, "obj", None)
+        if nxt is None or nxt is owner:
+            return owner
+        owner = nxt
+
+
+class TestArraysAndBuffers:
+    @pytest.mark.parametrize(
+        "arr",
+        [
+            np.arange(4096, dtype=np.float32).reshape(64, 64),  # out of band
+            np.arange(6, dtype=np.int64).reshape(2, 3),  # inline
+            np.array(3.5),  # 0-d
+            np.array([True, False]),
+            np.array([1 + 2j], dtype=np.complex128),
+            np.array(["2024-01-01T00:00:00"] * 300, dtype="datetime64[ns]"),
+            np.array([1, 2], dtype="timedelta64[s]"),
+            np.array(["ab", "cde"], dtype="<U5"),
+            np.array([b"xy"], dtype="S3"),
+            np.zeros((0, 5), dtype=np.uint8),
+            np.arange(20000, dtype=">i4")[::3],  # big-endian, not contiguous
+        ],
+        ids=lambda a: f"{a.dtype.str}{list(a.shape)}",
+    )
+    def test_array_round_trip(self, no_leftovers: str, arr: Any) -> None:
+        engine = _Recording()
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            client.send("add", "r", arr)
+            [event] = client.events()
+            parts = client.frames[-1]
+        [(_, got)] = engine.received
+        # What the engine gets: a read-only array, equal to what was sent.
+        assert type(got) is np.ndarray
+        assert not got.flags.writeable
+        assert got.dtype == arr.dtype
+        assert got.shape == arr.shape
+        np.testing.assert_array_equal(got, arr)
+        if arr.nbytes >= 1024:
+            # Zero copy on receipt: a view on the zmq frame it arrived in.
+            assert isinstance(_frame_of(got), zmq.Frame)
+            assert len(parts) == 2
+        else:
+            assert len(parts) == 1
+        assert event[:3] == ["outputs", ["r"], [True]]
+        back = event[3][0]
+        assert back.dtype == arr.dtype
+        assert back.shape == arr.shape
+        np.testing.assert_array_equal(back, arr)
+
+    def test_bytes_buffers_and_scalars(self, no_leftovers: str) -> None:
+        big = bytes(range(256)) * 8
+        data = {
+            "small bytes": b"ab",
+            "big bytes": big,
+            "bytearray": bytearray(b"xyz"),
+            "big memoryview": memoryview(big),
+            "numpy scalars": [np.float64(1.5), np.int64(-3), np.bool_(True), np.str_("s")],
+        }
+        engine = _Recording()
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            client.send("add", "r", data)
+            [event] = client.events()
+            parts = client.frames[-1]
+        [(_, got)] = engine.received
+        assert got["small bytes"] == b"ab"
+        assert type(got["big bytes"]) is bytes
+        assert got["big bytes"] == big
+        assert type(got["bytearray"]) is memoryview
+        assert got["bytearray"].readonly
+        assert bytes(got["bytearray"]) == b"xyz"
+        assert type(got["big memoryview"]) is memoryview
+        assert got["big memoryview"].readonly
+        assert bytes(got["big memoryview"]) == big
+        assert got["numpy scalars"] == [1.5, -3, True, "s"]
+        assert [type(v) for v in got["numpy scalars"]] == [float, int, bool, str]
+        assert len(parts) == 3  # the two big buffers went out of band, both ways
+        back = event[3][0]
+        assert back["big bytes"] == big
+        assert bytes(back["big memoryview"]) == big
+        assert bytes(back["bytearray"]) == b"xyz"
+
+
+class TestLifecycle:
+    def test_shutdown_is_applied_after_what_was_sent_before_it(self, no_leftovers: str) -> None:
+        engine = _Recording()
+        stage = InProcessStage(engine, no_leftovers)
+        with RawClient(stage.address) as client:
+            assert client.hello()[0] == "welcome"
+            client.send("adds", ["a", "b"], [1, 2])
+            client.send("shutdown")
+            events = client.until(lambda ev: ev[0] == "shutdown")
+        assert stage.wait() == EXIT_OK
+        assert engine.received == [("a", 1), ("b", 2)]
+        assert events[-1] == ["shutdown"]
+        assert not any(ev[0] == "utility" for ev in events)  # the stop's own answer is not sent
+
+    def test_handle_signals_empty_runs_off_the_main_thread(self, no_leftovers: str) -> None:
+        with in_process_stage(EchoEngine(), no_leftovers) as (stage, client):
+            assert client.call(1, "echo", "x") == [["utility", 1, ["x"], None]]
+            assert stage.exit_code is None
+
+    def test_welcome_names_the_output_socket(self, no_leftovers: str) -> None:
+        stage = InProcessStage(EchoEngine(), no_leftovers)
+        try:
+            with RawClient(stage.address) as client:
+                tag, version, output, _pid, engine = client.hello()
+        finally:
+            stage.stop()
+        assert (tag, version, engine) == ("welcome", PROTOCOL_VERSION, "test")
+        assert output == stage.runtime.output_address
