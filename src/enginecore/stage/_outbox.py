@@ -71,6 +71,8 @@ class Outbox:
     #   event. The loop thread peeks at it unlocked before each step (a stale read delays
     #   the wait by one step at most); _drained is signalled after every frame sent.
     # - terminal and failed are written by the output thread; read after it has ended.
+    # - resync is set by the input thread and cleared by whichever thread sends next, before
+    #   it processes the socket's commands (_resync), so a set is never lost.
 
     def __init__(
         self,
@@ -93,9 +95,7 @@ class Outbox:
         self._loop_encoder = _codec.Encoder()  # the loop thread's, for emit()
         self.terminal: str | None = None  # "shutdown" or "fatal", once sent
         self.failed = False
-        self.resync = False
-        """Set by the input thread when a newly welcomed client speaks for the first time;
-        see :meth:`_resync`."""
+        self.resync = False  # see _resync
         self._thread = threading.Thread(target=self._main, name="enginecore-output", daemon=True)
 
     def start(self) -> None:
@@ -210,8 +210,8 @@ class Outbox:
 
         libzmq learns that a connection closed from a command to the socket, and processes
         commands on send at most once a millisecond. Until then, a ``PUSH`` still deals
-        messages to the closed connection, where they are lost. The new client's first
-        events would go there half of the time right after the previous client's ``bye``.
+        messages to the closed connection, where they are lost: right after the previous
+        client's ``bye``, that was often the new client's first events.
         The caller owns the socket; an unthrottled ``getsockopt(EVENTS)`` processes every
         pending command. Once the new client has spoken, the previous client's connection
         is among them (see ``_inbox.Inbox._handle``).
