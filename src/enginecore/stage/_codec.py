@@ -391,24 +391,27 @@ def _view(part: Any) -> Any:
 
 def check_received(value: object, what: str = "value") -> None:
     """Raise :class:`ValueError` unless a decoded *value* is a valid wire value: no
-    :class:`Invalid` marker, no ``datetime`` (the timestamp extension), and dict keys only
-    ``str``, ``int`` or ``bytes``. Scalars return at once. Thread-safe."""
+    :class:`Invalid` marker, no ``datetime`` (the timestamp extension), dict keys only
+    ``str``, ``int`` or ``bytes``, and lists and dicts nested at most 64 deep (as
+    :func:`prepare` allows when sending). Scalars return at once. Thread-safe."""
     if type(value) in _RECEIVED_SCALARS:
         return
-    _check_received(value, what)
+    _check_received(value, what, 0)
 
 
 _RECEIVED_SCALARS: Final = frozenset({type(None), bool, int, float, str, bytes})
 
 
-def _check_received(value: object, path: str) -> None:
+def _check_received(value: object, path: str, depth: int) -> None:
     t = type(value)
     if t in _RECEIVED_SCALARS or t is memoryview:
         return
+    if depth >= _MAX_DEPTH and (t is list or t is dict):
+        raise ValueError(f"{path}: nested deeper than {_MAX_DEPTH} levels")
     if t is list:
         for i, item in enumerate(cast("list[object]", value)):
             if type(item) not in _RECEIVED_SCALARS:
-                _check_received(item, f"{path}[{i}]")
+                _check_received(item, f"{path}[{i}]", depth + 1)
         return
     if t is dict:
         for key, item in cast("dict[object, object]", value).items():
@@ -419,7 +422,7 @@ def _check_received(value: object, path: str) -> None:
                     f"(keys must be str, int or bin)"
                 )
             if type(item) not in _RECEIVED_SCALARS:
-                _check_received(item, f"{path}[{key!r}]")
+                _check_received(item, f"{path}[{key!r}]", depth + 1)
         return
     if t is Invalid:
         raise ValueError(f"{path}: {cast(Invalid, value).reason}")

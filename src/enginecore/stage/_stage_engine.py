@@ -97,7 +97,7 @@ def make_step(engine: Engine, outbox: Outbox) -> Callable[[], tuple[()]]:
     """
     route = make_router(engine)
     engine_step = engine.step
-    post = outbox.post
+    post = outbox.post_step
     wait_for_room = outbox.wait_for_room
     prepare_outputs = outbox.prepare_outputs
     flat = _codec.FLAT_TYPES
@@ -111,10 +111,8 @@ def make_step(engine: Engine, outbox: Outbox) -> Callable[[], tuple[()]]:
         try:
             route(engine_step(), rids, fins, payloads)
         finally:
-            # Always through the output thread, never encoded and sent here: with an
-            # engine whose step() releases the GIL (a GPU), the output thread encodes
-            # and sends this step while the next one runs. On the loop thread it would
-            # sit on the critical path between steps.
+            # One hand-over per step (Outbox.post_step: a big step is sent at once while
+            # the output thread idles, a small one queued to share a frame).
             if payloads:
                 # Fast path: every payload of an exact flat type (an out-of-range int is
                 # caught when msgspec refuses it, in the output thread).
