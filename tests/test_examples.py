@@ -44,3 +44,14 @@ class TestReadme:
         proc = _run(script)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == ["[2,", "1,", "0]", "0.25"]
+
+    @pytest.mark.parametrize("doc", ["README.md", "docs/stage.md"])
+    def test_array_round_trip_examples_run(self, tmp_path: Path, doc: str) -> None:
+        blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
+        array_blocks = [b for b in blocks if "StageClient" in b and "np.array_equal" in b]
+        assert array_blocks, f"{doc} lost its array round trip example"
+        for i, block in enumerate(array_blocks):
+            script = tmp_path / f"array_example_{i}.py"
+            script.write_text(block)
+            proc = _run(script)
+            assert proc.returncode == 0, proc.stderr
