@@ -35,3 +35,15 @@ class TestValidation:
     def test_utility_args_must_be_a_tuple(self) -> None:
         with pytest.raises(TypeError, match="must be a tuple, got list"):
             Utility(1, "div", [1, 2])  # type: ignore[arg-type]
+
+
+class TestMakeAdd:
+    def test_builds_the_same_frozen_add(self) -> None:
+        from enginecore._messages import make_add
+
+        add = make_add("r1", [1, 2])
+        assert type(add) is Add
+        assert add == Add("r1", [1, 2])
+        assert hash(make_add("r1", 3)) == hash(Add("r1", 3))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            add.req_id = "r2"  # type: ignore[misc]

@@ -42,7 +42,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .._loop import EngineCoreLoop
-from .._messages import Abort, Add, Utility
+from .._messages import Abort, Utility, make_add
 from . import _codec, _wire
 from ._outbox import Outbox
 from ._stage_engine import ordered_stop
@@ -192,7 +192,7 @@ class Inbox:
                 if problem is not None:
                     self._post(("error", msg.req_id, f"invalid message: {problem}"))
                     return
-            put(Add(msg.req_id, data))
+            put(make_add(msg.req_id, data))
         elif cls is _wire.AddsMsg:
             self._adds(msg)
         elif cls is _wire.AbortMsg:
@@ -220,6 +220,9 @@ class Inbox:
             )
             self._post([("error", rid, what) for rid in req_ids] or [("error", None, what)])
             return
+        if set(map(type, data)) <= _RECEIVED_FLAT:  # nothing to check: one burst
+            self._pending += map(make_add, req_ids, data)
+            return
         put = self._pending.append
         errors: list[tuple[Any, ...]] = []
         for rid, item in zip(req_ids, data, strict=True):
@@ -228,7 +231,7 @@ class Inbox:
                 if problem is not None:
                     errors.append(("error", rid, f"invalid message: {problem}"))
                     continue
-            put(Add(rid, item))
+            put(make_add(rid, item))
         if errors:
             self._post(errors, len(errors))
 
