@@ -136,7 +136,7 @@ def _prepare(value: object, path: str, depth: int) -> object:
         if len(b) < OOB_THRESHOLD:
             return value
         return _Wrapped(EXT_BYTES, memoryview(b))
-    if depth >= _MAX_DEPTH:
+    if (t is list or t is tuple or t is dict) and depth >= _MAX_DEPTH:
         raise TypeError(f"{path}: nested deeper than {_MAX_DEPTH} levels")
     if t is list or t is tuple:
         seq = cast("Sequence[object]", value)
@@ -184,6 +184,13 @@ def _prepare(value: object, path: str, depth: int) -> object:
         if t is np.ndarray:
             return _prepare_array(np, value, path)
         if isinstance(value, np.generic):
+            if isinstance(value, (np.datetime64, np.timedelta64, np.void)):
+                # .item() would give an int for ns units, None for NaT, a tuple for a
+                # structured scalar: a silently different value.
+                raise TypeError(
+                    f"{path}: numpy scalar of type {t.__name__} is not wire-encodable "
+                    f"(send it inside an array, or convert it yourself)"
+                )
             item = cast(Any, value).item()
             if type(item) is t:  # .item() gave the numpy scalar back (np.void, np.object_)
                 raise TypeError(f"{path}: numpy scalar of type {t.__name__} is not wire-encodable")
@@ -196,7 +203,10 @@ def _prepare(value: object, path: str, depth: int) -> object:
 
 
 def _wrap_buffer(value: memoryview | bytearray, path: str) -> _Wrapped:
-    view = memoryview(value)
+    try:
+        view = memoryview(value)
+    except ValueError as exc:  # a released memoryview
+        raise TypeError(f"{path}: {exc}") from None
     if not view.c_contiguous:
         raise TypeError(f"{path}: a memoryview must be C-contiguous to cross the wire")
     if view.format != "B" or view.ndim != 1:
@@ -355,7 +365,7 @@ class Decoder:
                 ) from None
         try:
             dtype = np.dtype(head[0])
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # TypeError, SyntaxError ("1)"), a warning made an error
             raise _ExtError(f"invalid array dtype {head[0]!r}: {exc}") from None
         if dtype.kind not in _ARRAY_KINDS or dtype.fields is not None:
             raise _ExtError(f"array dtype {head[0]!r} is not allowed on the wire")
