@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from enginecore import CountdownEngine, Engine
+from enginecore import CountdownEngine, Engine, EngineCoreError, RequestRejected
 
 
 class TestCountdownEngine:
@@ -35,16 +35,27 @@ class TestCountdownEngine:
         with pytest.raises(ValueError, match="no utility 'nope'"):
             e.utility("nope", ())
 
-    @pytest.mark.parametrize("bad", [0, -1, 1.5, "3", True, None])
-    def test_add_rejects_bad_step_counts(self, bad: object) -> None:
-        with pytest.raises(ValueError, match="need an int >= 1"):
-            CountdownEngine().add("a", bad)
+    @pytest.mark.parametrize("bad", [0, -1, 1.5, "3", True, None, {"prompt": 42}])
+    def test_add_rejects_bad_step_counts_as_request_scoped(self, bad: object) -> None:
+        e = CountdownEngine()
+        with pytest.raises(RequestRejected, match=r"need an int >= 1 \(a step count\), got "):
+            e.add("a", bad)
+        assert not e.has_work()  # nothing of the rejected request is left
+        e.add("a", 1)  # the id stays free
 
-    def test_add_rejects_a_live_duplicate(self) -> None:
+    def test_add_rejects_a_live_duplicate_as_request_scoped(self) -> None:
         e = CountdownEngine()
         e.add("a", 2)
-        with pytest.raises(ValueError, match="already live"):
+        with pytest.raises(RequestRejected, match="request 'a' is already live") as info:
             e.add("a", 1)
+        assert info.value.message == "request 'a' is already live in the engine"
+        assert e.step() == [("a", 1)]  # the live request is untouched
+
+    def test_request_rejected_is_an_engine_core_error_and_a_value_error(self) -> None:
+        exc = RequestRejected("why")
+        assert isinstance(exc, EngineCoreError)
+        assert isinstance(exc, ValueError)  # what CountdownEngine.add raised before
+        assert (str(exc), exc.message) == ("why", "why")
 
     def test_is_finished_marks_the_last_output(self) -> None:
         assert CountdownEngine.is_finished(("a", 0))

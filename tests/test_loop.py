@@ -18,6 +18,7 @@ from enginecore import (
     CountdownEngine,
     EngineCoreLoop,
     LoopAlreadyRunError,
+    RequestRejected,
     Utility,
     Wakeup,
 )
@@ -385,6 +386,18 @@ class TestRule8Errors:
             # Messages after the failing one are never processed.
             assert not any(e[0] == "utility" for e in log.events)
         assert any("fatal error" in r.getMessage() for r in caplog.records)
+
+    def test_request_rejected_from_add_is_fatal_in_a_bare_loop(self) -> None:
+        # Request-scoped failure belongs to the stage runtime, which wraps the engine; the
+        # loop has no per-request error event, so for it a rejection is an add() failure.
+        log = EventLog()
+        loop = EngineCoreLoop(CountdownEngine(), log)
+        loop.input_queue.put(Add("bad", {"prompt": 42}))
+        loop.input_queue.put(Add("good", 1))
+        loop.run()
+        assert log.events == [
+            ("fatal", repr(RequestRejected("need an int >= 1 (a step count), got {'prompt': 42}")))
+        ]
 
     def test_messages_queued_after_fatal_are_never_processed(self) -> None:
         engine, log = RecordingEngine(), EventLog()

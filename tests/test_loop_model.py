@@ -152,7 +152,7 @@ class LoopMachine(RuleBasedStateMachine):
 
     @rule(req_id=IDS)
     def add_invalid(self, req_id: str) -> None:
-        self._put(Add(req_id, 0))  # CountdownEngine.add raises: fatal
+        self._put(Add(req_id, 0))  # CountdownEngine.add raises RequestRejected: fatal here
 
     @rule(req_ids=st.lists(IDS, max_size=3))
     def abort(self, req_ids: list[str]) -> None:

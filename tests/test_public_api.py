@@ -28,6 +28,7 @@ class TestPublicApi:
             "CountdownEngine",
             "Engine",
             "EngineCoreLoop",
+            "RequestRejected",
             "Utility",
             "Wakeup",
             "shutdown_on_signals",

@@ -4,7 +4,7 @@ The public API is re-exported here; everything in ``enginecore._*`` is private.
 """
 
 from ._engine import CountdownEngine, Engine
-from ._exceptions import EngineCoreError, LoopAlreadyRunError
+from ._exceptions import EngineCoreError, LoopAlreadyRunError, RequestRejected
 from ._loop import EngineCoreLoop
 from ._messages import (
     Abort,
@@ -34,6 +34,7 @@ __all__ = [
     "LoopAlreadyRunError",
     "Message",
     "OutputEvent",
+    "RequestRejected",
     "ShutdownEvent",
     "Utility",
     "UtilityEvent",

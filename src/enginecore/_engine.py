@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from ._exceptions import RequestRejected
+
 __all__ = ["CountdownEngine", "Engine"]
 
 
@@ -15,7 +17,8 @@ class Engine(Protocol):
     Only the loop's thread ever calls these methods (single writer), so an implementation needs
     no locks of its own. Exceptions from :meth:`has_work`, :meth:`add`, :meth:`abort` and
     :meth:`step` are fatal to the loop; an exception from :meth:`utility` is reported for that
-    one call and the loop goes on.
+    one call and the loop goes on. Inside a stage, :class:`~enginecore.RequestRejected` from
+    :meth:`add` ends only that request (``docs/engines.md``, "Rejecting a request").
     """
 
     def has_work(self) -> bool:
@@ -23,7 +26,8 @@ class Engine(Protocol):
         ...
 
     def add(self, req_id: str, data: Any) -> None:
-        """Admit request *req_id*. Raising here is fatal to the loop."""
+        """Admit request *req_id*. Raising here is fatal to the loop; inside a stage,
+        :class:`~enginecore.RequestRejected` refuses only this request."""
         ...
 
     def abort(self, req_ids: Sequence[str]) -> None:
@@ -42,7 +46,9 @@ class Engine(Protocol):
 class CountdownEngine:
     """A toy engine for tests, examples and benchmarks.
 
-    ``add(rid, k)``: the request needs *k* more steps (*k* must be a positive ``int``).
+    ``add(rid, k)``: the request needs *k* more steps. Anything but a positive ``int``, or
+    an id that is live in the engine, raises :class:`~enginecore.RequestRejected`: the
+    pattern for data a client got wrong (in a stage it ends only that request).
     :meth:`step` decrements every live request and returns ``[(rid, remaining), ...]`` in
     insertion order; a request that reaches 0 is reported and removed. :meth:`abort` removes
     requests and ignores unknown ids. ``utility("div", (a, b))`` returns ``a / b``;
@@ -63,9 +69,9 @@ class CountdownEngine:
 
     def add(self, req_id: str, data: Any) -> None:
         if isinstance(data, bool) or not isinstance(data, int) or data < 1:
-            raise ValueError(f"CountdownEngine.add({req_id!r}, {data!r}): need an int >= 1")
+            raise RequestRejected(f"need an int >= 1 (a step count), got {data!r:.100}")
         if req_id in self._remaining:
-            raise ValueError(f"CountdownEngine.add: request {req_id!r} is already live")
+            raise RequestRejected(f"request {req_id!r} is already live in the engine")
         self._remaining[req_id] = data
 
     def abort(self, req_ids: Sequence[str]) -> None:

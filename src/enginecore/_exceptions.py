@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineCoreError", "LoopAlreadyRunError"]
+__all__ = ["EngineCoreError", "LoopAlreadyRunError", "RequestRejected"]
 
 
 class EngineCoreError(Exception):
@@ -15,3 +15,26 @@ class LoopAlreadyRunError(EngineCoreError, RuntimeError):
     A loop is single-use, like :class:`threading.Thread`: its end state (shutdown or fatal) is
     final. Build a new loop to run again.
     """
+
+
+class RequestRejected(EngineCoreError, ValueError):
+    """Raised by an engine's ``add()`` when it refuses that one request (data it cannot
+    use, an id it already has) and is itself fine: the engine and its other requests go on.
+
+    Inside a stage (``enginecore.stage``, ``docs/stage.md``, "Rejecting a request"), the
+    stage catches it around ``add()`` and ends that request only, with an ``error`` event
+    carrying ``str(exc)``: the client's stream raises ``RequestError`` with that message.
+    An instance is also a valid routing payload there: an output routed to *req_id* whose
+    payload is a ``RequestRejected`` ends that request with its message.
+
+    In a bare :class:`~enginecore.EngineCoreLoop` it is an exception from ``add()`` like any
+    other, fatal to the loop (``docs/contract.md``, rule 8): the loop has no per-request
+    error event. Catch it around your engine's ``add()`` if you want the stage's behaviour
+    without a stage (``docs/engines.md``). A :class:`ValueError`, so code that caught
+    the ``ValueError`` an engine raised before keeps working.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        """Why the request was refused; what the client sees."""
