@@ -178,6 +178,84 @@ class TestWithoutStream:
         assert [(r.req_id, "not wire-encodable" in r.message) for r in reports] == [("bad", True)]
 
 
+class TestRequestScopedFailure:
+    """Issue 8, item 1: one bad request ends with an error for that request only."""
+
+    def test_a_rejected_add_ends_only_its_request_while_200_streams_complete(
+        self, launch: Launch
+    ) -> None:
+        client = launch(COUNTDOWN)
+        streams = client.add_many([(f"r{i}", 20) for i in range(200)])
+        bad = client.add("bad", {"prompt": 42})  # killed the stage before (issue 8)
+        with pytest.raises(RequestError) as info:
+            bad.collect(timeout=10)
+        assert info.value.req_id == "bad"
+        assert info.value.message == "need an int >= 1 (a step count), got {'prompt': 42}"
+        for stream in streams:
+            assert stream.collect(timeout=10) == list(range(19, -1, -1))
+            assert stream.finished
+        # The stage goes on, and the rejected id was never admitted.
+        assert client.add("bad", 2).collect(timeout=5) == [1, 0]
+        assert client.call_utility("num_requests", timeout=5) == 0
+
+    def test_add_many_ends_only_its_rejected_items(self, stage_client: StageClient) -> None:
+        a, bad, c = stage_client.add_many([("a", 2), ("bad", "two"), ("c", 1)])
+        with pytest.raises(RequestError, match="got 'two'"):
+            bad.collect(timeout=5)
+        assert (a.collect(timeout=5), c.collect(timeout=5)) == ([1, 0], [0])
+        assert stage_client.call_utility("log", timeout=5) == ["add a", "add bad", "add c"]
+
+    def test_a_rejected_add_without_a_stream_is_an_error_report(
+        self, stage_client: StageClient
+    ) -> None:
+        stage_client.add("bad", -1, stream=False)
+        events = events_until_barrier(stage_client)
+        assert [e for e in events if isinstance(e, ErrorReport)] == [
+            ErrorReport("bad", "need an int >= 1 (a step count), got -1")
+        ]
+
+    def test_routing_ends_a_request_with_an_error(self, stage_client: StageClient) -> None:
+        failing = stage_client.add("failing", 10_000_000)
+        other = stage_client.add("other", 5)
+        failing.get(5)
+        stage_client.call_utility("reject", "failing", "out of KV pages", timeout=5)
+        with pytest.raises(RequestError) as info:
+            failing.collect(timeout=5)
+        assert (info.value.req_id, info.value.message) == ("failing", "out of KV pages")
+        assert other.collect(timeout=5)[-1] == 0
+        # The stage dropped it from the engine, which was still stepping it...
+        assert stage_client.call_utility("log", timeout=5)[-1] == "abort failing"
+        # ...with no Aborted event: the error was its last event, and the id is free again.
+        events = events_until_barrier(stage_client)
+        assert not [e for e in events if isinstance(e, Aborted)]
+        assert stage_client.add("failing", 2).collect(timeout=5) == [1, 0]
+
+    def test_routing_ends_a_request_with_an_error_on_its_last_output(
+        self, stage_client: StageClient
+    ) -> None:
+        failing = stage_client.add("failing", 10_000_000)
+        stage_client.call_utility("reject", "failing", "stop", True, timeout=5)
+        with pytest.raises(RequestError, match="stop"):
+            failing.collect(timeout=5)
+        assert stage_client.add("failing", 1).collect(timeout=5) == [0]
+        # The engine finished it itself: the stage had nothing to abort.
+        assert stage_client.call_utility("log", timeout=5) == ["add failing", "add failing"]
+
+    def test_the_event_stream_sees_one_error_per_failed_request(
+        self, stage_client: StageClient
+    ) -> None:
+        stage_client.add_many([("x", 3), ("y", 0), ("z", 10_000_000)], streams=False)
+        stage_client.call_utility("reject", "z", "no", timeout=5)
+        events = events_until(stage_client, finished("x"))
+        events += events_until_barrier(stage_client)
+        assert [e for e in events if isinstance(e, ErrorReport)] == [
+            ErrorReport("y", "need an int >= 1 (a step count), got 0"),
+            ErrorReport("z", "no"),
+        ]
+        assert not [e for e in events if isinstance(e, Aborted)]
+        assert {rid for rid, fin, _ in outputs_of(events) if fin} == {"x"}
+
+
 class TestEventStream:
     def test_get_events_returns_everything_received(self, stage_client: StageClient) -> None:
         stage_client.add("r", 3).collect(timeout=5)

@@ -42,6 +42,20 @@ class TestFatal:
         assert events[-1] == Fatal("RuntimeError('scripted step failure')")
         assert stage_client.shutdown() == 1
 
+    def test_an_add_error_other_than_request_rejected_is_fatal(
+        self, stage_client: StageClient
+    ) -> None:
+        live = stage_client.add("live", 10_000_000)
+        live.get(5)
+        stage_client.call_utility("fail_next_add", timeout=5)
+        doomed = stage_client.add("doomed", 3)
+        for stream in (doomed, live):
+            with pytest.raises(EngineDeadError) as info:
+                stream.collect(timeout=5)
+            assert info.value.fatal == "RuntimeError('scripted add failure')"
+            assert info.value.exit_code == 1
+        assert stage_client.shutdown() == 1
+
     def test_system_exit_in_step_is_fatal_with_a_nonzero_exit_code(
         self, stage_client: StageClient
     ) -> None:

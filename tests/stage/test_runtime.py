@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import zmq
 
-from enginecore import CountdownEngine
+from enginecore import CountdownEngine, RequestRejected
 from enginecore.stage import PROTOCOL_VERSION
 from enginecore.stage._runtime import EXIT_FATAL, EXIT_OK
-from enginecore.stage.testing import EchoEngine
+from enginecore.stage._stage_engine import LIVE_IN_STAGE
+from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
 from .raw import Event, InProcessStage, RawClient, in_process_stage
 
@@ -160,9 +161,24 @@ class TestUnencodableOutputs:
         assert errors[0][1] == "b"
         assert errors[0][2].startswith("output cannot be encoded, request aborted")
         assert re.search(why, errors[0][2]), errors[0][2]
-        # The request was aborted in the engine (the output side feeds the loop's input).
-        assert ["aborted", ["b"]] in events
+        # The request was dropped from the engine (the output side feeds the loop's input),
+        # with no aborted event: the error was its last event.
         assert engine.aborted == ["b"]
+        assert not [ev for ev in events if ev[0] == "aborted"]
+
+    def test_an_unencodable_last_output_ends_its_request_without_an_abort(
+        self, no_leftovers: str
+    ) -> None:
+        engine = Canned([("a", {1}), ("b", 2)])
+        engine.is_finished = lambda out: True  # type: ignore[attr-defined]
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            events = _step(client, 1)
+            events += client.call(3, "sync")
+        assert ["outputs", ["b"], [True], [2]] in events
+        [error] = [ev for ev in events if ev[0] == "error"]
+        assert error[1] == "a"
+        assert error[2].startswith("the last output cannot be encoded")
+        assert engine.aborted == []  # the engine is done with it already
 
     def test_an_unrouted_unencodable_output_is_an_unscoped_error(self, no_leftovers: str) -> None:
         engine = Canned([("a", 1), {3}])
@@ -301,6 +317,188 @@ class TestInput:
         assert [ev[1] for ev in events if ev[0] == "error"] == ["a", "b"]
         assert all("2 request ids but 3 data items" in ev[2] for ev in events[:-1])
         assert engine.received == []
+
+
+class _Rejecting(_Recording):
+    """Records every add; rejects the data ``"reject"`` (its message names the request),
+    and raises ``KeyError`` for the data ``"crash"``."""
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.received.append((req_id, data))
+        if data == "reject":
+            raise RequestRejected(f"no to {req_id}")
+        if data == "crash":
+            raise KeyError("crash")
+        EchoEngine.add(self, req_id, data)
+
+
+def _sync(client: RawClient, call_id: int) -> list[Event]:
+    """Every event up to the answer to a utility call, that answer left out."""
+    return client.call(call_id, "echo")[:-1]
+
+
+class TestRequestScopedFailure:
+    def test_a_rejected_add_is_an_error_for_that_request_only(self, no_leftovers: str) -> None:
+        engine = _Rejecting()
+        with in_process_stage(engine, no_leftovers) as (stage, client):
+            client.send("add", "bad", "reject")
+            client.send("add", "good", 7)
+            events = _sync(client, 1) + _sync(client, 2)
+            client.send("add", "bad", 8)  # the id was never admitted: free at once
+            events += _sync(client, 3) + _sync(client, 4)
+            assert stage.exit_code is None
+        assert events == [
+            ["error", "bad", "no to bad"],
+            ["outputs", ["good"], [True], [7]],
+            ["outputs", ["bad"], [True], [8]],
+        ]
+        assert engine.received == [("bad", "reject"), ("good", 7), ("bad", 8)]
+
+    def test_bad_data_no_longer_kills_a_countdown_stage(self, no_leftovers: str) -> None:
+        with in_process_stage(CountdownEngine(), no_leftovers) as (stage, client):
+            client.send("adds", ["a", "bad", "c"], [2, {"prompt": 42}, 1])
+            events = client.until(lambda ev: ev[0] == "outputs" and ev[1] == ["a"])
+            assert stage.exit_code is None
+        assert events == [
+            ["error", "bad", "need an int >= 1 (a step count), got {'prompt': 42}"],
+            ["outputs", ["a", "c"], [False, True], [1, 0]],
+            ["outputs", ["a"], [True], [0]],
+        ]
+
+    def test_an_add_of_a_live_id_is_refused_without_calling_the_engine(
+        self, no_leftovers: str
+    ) -> None:
+        engine = Canned()
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            client.send("add", "a", 1)
+            client.send("add", "a", 2)
+            client.send("adds", ["b", "a", "b"], [3, 4, 5])
+            events = _sync(client, 1)
+        assert engine.added == [("a", 1), ("b", 3)]
+        assert events == [
+            ["error", "a", LIVE_IN_STAGE],
+            ["error", "a", LIVE_IN_STAGE],
+            ["error", "b", LIVE_IN_STAGE],
+        ]
+
+    def test_a_live_id_is_refused_across_clients(self, no_leftovers: str) -> None:
+        # The issue's serve scenario: a client adds "dup" and leaves; the next client's add
+        # of "dup" killed the stage ("already live"). The engine must never see it.
+        engine = ScriptedEngine()
+        stage = InProcessStage(engine, no_leftovers)
+        try:
+            with RawClient(stage.address) as first:
+                assert first.hello()[0] == "welcome"
+                first.send("add", "dup", 10**8)
+                first.call(1, "echo")
+                first.send("bye")
+            with RawClient(stage.address) as second:
+                assert second.hello()[0] == "welcome"
+                second.send("add", "dup", 2)
+                second.send("add", "mine", 2)
+                error = second.until(lambda ev: ev[0] == "error")[-1]
+                log = second.call(2, "log")[-1][2]
+                second.send("abort", ["dup"])
+                second.until(lambda ev: ev[0] == "aborted")
+                assert stage.exit_code is None
+        finally:
+            stage.stop()
+        assert error == ["error", "dup", LIVE_IN_STAGE]
+        assert log == ["add dup", "add mine"]
+
+    def test_any_other_exception_from_add_is_fatal(self, no_leftovers: str) -> None:
+        engine = _Rejecting()
+        with in_process_stage(engine, no_leftovers) as (stage, client):
+            client.send("add", "a", "crash")
+            client.send("add", "b", 1)
+            events = client.until(lambda ev: ev[0] == "fatal")
+            assert stage.wait() == EXIT_FATAL
+        assert events == [["fatal", "KeyError('crash')"]]
+        assert engine.received == [("a", "crash")]
+
+    def test_a_rejection_message_that_cannot_be_encoded_still_reaches_its_request(
+        self, no_leftovers: str
+    ) -> None:
+        class Surrogate(_Recording):
+            def add(self, req_id: str, data: Any) -> None:
+                raise RequestRejected("bad \ud800 text")
+
+        with in_process_stage(Surrogate(), no_leftovers) as (_, client):
+            client.send("add", "a", 1)
+            events = _sync(client, 1)
+        assert events == [["error", "a", ascii("bad \ud800 text")]]
+
+
+class TestRoutingEndsARequest:
+    def test_a_request_rejected_payload_ends_its_request_and_drops_it_from_the_engine(
+        self, no_leftovers: str
+    ) -> None:
+        engine = Canned([("a", 1), ("b", RequestRejected("out of pages")), ("c", 3)])
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            client.send("adds", ["a", "b", "c"], [0, 0, 0])
+            events = _step(client, 1)
+            events += _sync(client, 3)  # after the engine has dropped b
+        assert events == [
+            ["utility", 1, [], None],
+            ["outputs", ["a", "c"], [False, False], [1, 3]],
+            ["error", "b", "out of pages"],
+        ]
+        # Dropped from the engine without an aborted event: the error was b's last event.
+        assert engine.aborted == ["b"]
+
+    def test_a_finished_request_rejected_output_is_not_aborted(self, no_leftovers: str) -> None:
+        engine = Canned([("a", RequestRejected("bad"))])
+        engine.route_outputs = lambda outs: (  # type: ignore[attr-defined]
+            [rid for rid, _ in outs],
+            [True] * len(outs),
+            [p for _, p in outs],
+        )
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            client.send("add", "a", 0)
+            events = _step(client, 1)
+            client.send("add", "a", 0)  # free again: the engine finished it
+            events += _sync(client, 3)
+        assert events == [["utility", 1, [], None], ["error", "a", "bad"]]
+        assert engine.aborted == []
+        assert engine.added == [("a", 0), ("a", 0)]
+
+    def test_an_unrouted_request_rejected_output_is_an_unscoped_error(
+        self, no_leftovers: str
+    ) -> None:
+        engine = Canned([RequestRejected("lost"), ("a", 1)])
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            events = _step(client, 1)
+        assert events == [
+            ["utility", 1, [], None],
+            ["outputs", ["a"], [False], [1]],
+            ["error", None, "an unrouted engine output is an error: lost"],
+        ]
+        assert engine.aborted == []
+
+    def test_an_add_queued_before_the_drop_is_refused(self, no_leftovers: str) -> None:
+        # b is ended by an error during a step; until the engine has dropped b, its id is
+        # still live there, so an add of b that was queued earlier is refused.
+        engine = Canned([("b", RequestRejected("gone"))])
+        engine.route_outputs = lambda outs: (  # type: ignore[attr-defined]
+            [rid for rid, _ in outs],
+            [False] * len(outs),
+            [p for _, p in outs],
+        )
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            client.send("add", "b", 0)
+            client.send("utility", 1, "step", [])
+            client.send("add", "b", 1)  # applied in the drain before the step
+            events = _sync(client, 2)
+            events += _sync(client, 3)
+            client.send("add", "b", 2)  # after the drop: free
+            events += _sync(client, 4)
+        assert events == [
+            ["utility", 1, [], None],
+            ["error", "b", LIVE_IN_STAGE],
+            ["error", "b", "gone"],
+        ]
+        assert engine.added == [("b", 0), ("b", 2)]
+        assert engine.aborted == ["b"]
 
 
 def _frame_of(arr: Any) -> Any:

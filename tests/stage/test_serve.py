@@ -18,6 +18,7 @@ from enginecore.stage import (
     AsyncStageClient,
     EngineDeadError,
     ProtocolError,
+    RequestError,
     StageClient,
     StageClosedError,
     _inbox,
@@ -92,6 +93,25 @@ class TestServe:
             pending.result(5)
         with StageClient.connect(server.address) as second:
             assert second.call_utility("echo", "second", timeout=5) == ["second"]
+
+    def test_a_live_id_of_the_previous_client_is_refused_for_that_request_only(
+        self, server: Server
+    ) -> None:
+        # Issue 8: client A adds "dup" and closes; client B's add("dup") killed the stage
+        # ("already live"): the duplicate check was only inside each client.
+        with StageClient.connect(server.address) as first:
+            first.add("dup", 10**8).get(5)
+        with StageClient.connect(server.address) as second:
+            dup = second.add("dup", 2)
+            # The previous client's outputs of "dup" may come first: drain, then the error.
+            with pytest.raises(RequestError, match="live in the stage"):  # noqa: PT012
+                while True:
+                    dup.get(5)
+            assert second.add("other", 2).collect(timeout=5) == [1, 0]
+            second.abort(["dup"])
+            log = second.call_utility("log", timeout=5)
+        assert log == ["add dup", "add other", "abort dup"]  # the engine saw one "dup"
+        assert server.proc.poll() is None
 
     def test_shutdown_from_the_client_stops_the_server(self, server: Server) -> None:
         client = StageClient.connect(server.address)

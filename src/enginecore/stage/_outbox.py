@@ -15,9 +15,13 @@ the loop thread sends a single event (a utility answer, ``aborted``) or a step o
 :meth:`Outbox.post_step`); smaller steps are queued, so that consecutive ones share a frame.
 
 What cannot cross the wire ends the request or call it belongs to with an error event, and
-nothing else (:meth:`Outbox._replacements`, the one place that decides it). An output that
-cannot cross also aborts its request in the engine, through the ``abort_request`` callback:
-the one edge from the output side back to the loop's input.
+nothing else (:meth:`Outbox._replacements`, the one place that decides it). The same policy
+serves an output that the engine's routing hook ended with a
+:class:`~enginecore.RequestRejected` payload (:meth:`Outbox.prepare_outputs`): the
+request's ``error`` event takes the output's place, and is the request's last event. If
+that output was not its request's last, the request is also dropped from the engine,
+through the ``abort_request`` callback: the one edge from the output side back to the
+loop's input.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any, Final
 import msgspec
 import zmq
 
+from .._exceptions import RequestRejected
 from . import _codec
 
 __all__ = ["BACKLOG_MAX", "MAX_BATCH", "Outbox"]
@@ -55,7 +60,9 @@ class Outbox:
     """The output socket, its queue and its thread. ``start()`` once, ``close()`` once.
 
     *abort_request(req_id)* is called (on the loop or the output thread) for a request
-    whose output could not be encoded; *on_failure()* once if the output thread fails;
+    that an output ended with an error before its last output (the output could not be
+    encoded, or was a :class:`~enginecore.RequestRejected`): it must drop the request from
+    the engine without an ``aborted`` event; *on_failure()* once if the output thread fails;
     *may_wait()* says whether :meth:`wait_for_room` may keep the loop waiting (a client is
     connected to read, and the loop is not stopping).
     """
@@ -160,13 +167,18 @@ class Outbox:
 
     def prepare_outputs(self, rids: list[Any], fins: list[Any], payloads: list[Any]) -> Events:
         """Loop thread: a step's ``outputs`` event with each payload prepared for the wire
-        (arrays, buffers, numpy scalars), and an error for each one that cannot cross it.
-        The caller has checked that some payload is not of a flat type."""
+        (arrays, buffers, numpy scalars), and an error for each one that cannot cross it
+        or that is a :class:`~enginecore.RequestRejected` (the routing hook ended its
+        request with that error). The caller has checked that some payload is not of a
+        flat type: neither costs anything on the all-flat fast path."""
         flat = _codec.FLAT_TYPES
         prepared = list(payloads)
         bad: list[tuple[int, Exception]] = []
         for i, payload in enumerate(payloads):
             if type(payload) not in flat:
+                if isinstance(payload, RequestRejected):
+                    bad.append((i, payload))
+                    continue
                 try:
                     prepared[i] = _codec.prepare(payload, "output payload")
                 except TypeError as exc:
@@ -334,10 +346,12 @@ class Outbox:
 
         The policy: the request or call *ev* belongs to ends with an error, and nothing
         else does. An ``outputs`` event keeps its good outputs; each bad one becomes an
-        ``error`` for its request, which is aborted in the engine. A utility answer becomes
-        that call's error. Anything else becomes an unscoped ``error``. Each replacement is
-        checked with *encoder* (the calling thread's): should even that fail (an id that
-        cannot be encoded), an unscoped ``error`` is all that is left to send.
+        ``error`` for its request (:meth:`_split_outputs`). A utility answer becomes that
+        call's error. A request's ``error`` whose message cannot be encoded (a lone
+        surrogate in a :class:`~enginecore.RequestRejected` message) keeps its request,
+        with the message escaped. Anything else becomes an unscoped ``error``. Each
+        replacement is checked with *encoder* (the calling thread's): should even that fail
+        (an id that cannot be encoded), an unscoped ``error`` is all that is left to send.
         """
         kind = ev[0]
         if kind == "outputs":
@@ -354,6 +368,8 @@ class Outbox:
             if not isinstance(exc, TypeError):  # prepare()'s TypeError already says where
                 exc = TypeError(f"utility result cannot be encoded: {exc!r}")
             replacements = [("utility", ev[1], None, repr(exc))]
+        elif kind == "error" and ev[1] is not None:
+            replacements = [("error", ev[1], ascii(ev[2]))]
         else:
             logger.error("enginecore: dropping an event that cannot be encoded: %s", exc)
             replacements = [("error", None, f"{kind} event cannot be encoded: {exc!r}")]
@@ -375,7 +391,10 @@ class Outbox:
         bad: list[tuple[int, Exception]],
     ) -> Events:
         """The ``outputs`` event without the *bad* outputs (index, why), then one ``error``
-        for each, whose request is aborted in the engine."""
+        for each: the last event of its request, which is dropped from the engine
+        (``abort_request``) unless that output was its last anyway. *why* is a
+        :class:`~enginecore.RequestRejected` for an output the routing hook ended with an
+        error, whose message the client gets as it is."""
         if not bad:
             return [("outputs", rids, fins, payloads)]
         skip = {i for i, _ in bad}
@@ -392,14 +411,24 @@ class Outbox:
             )
         for i, exc in bad:
             rid = rids[i]
-            logger.error("enginecore: dropping an output that cannot be encoded: %s", exc)
-            if rid is None:
-                events.append(
-                    ("error", None, f"an unrouted engine output cannot be encoded: {exc}")
-                )
+            if isinstance(exc, RequestRejected):
+                # The engine's decision, not a failure of the stage: the event reports it.
+                message = str(exc)
+                logger.debug("enginecore: request %r ended by the engine: %s", rid, message)
+                if rid is None:
+                    message = f"an unrouted engine output is an error: {message}"
             else:
+                logger.error("enginecore: dropping an output that cannot be encoded: %s", exc)
+                if rid is None:
+                    message = f"an unrouted engine output cannot be encoded: {exc}"
+                elif fins[i]:
+                    message = f"the last output cannot be encoded: {exc}"
+                else:
+                    message = f"output cannot be encoded, request aborted: {exc}"
+            if rid is not None and not fins[i]:
+                # The engine still has the request: drop it there before it steps again.
                 self._abort_request(rid)
-                events.append(("error", rid, f"output cannot be encoded, request aborted: {exc}"))
+            events.append(("error", rid, message))
         return events
 
 

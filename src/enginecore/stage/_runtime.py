@@ -26,11 +26,10 @@ import zmq
 
 from .._engine import Engine
 from .._loop import EngineCoreLoop
-from .._messages import Abort
 from .._signals import shutdown_on_signals
 from ._inbox import HEARTBEAT_TIMEOUT_MS, Inbox
 from ._outbox import Outbox
-from ._stage_engine import StageEngine
+from ._stage_engine import StageEngine, drop_ended
 
 __all__ = [
     "EXIT_FATAL",
@@ -116,9 +115,10 @@ class StageRuntime:
     # The edges between the parts, named here so that each is visible in one place.
 
     def _abort_request(self, req_id: str) -> None:
-        # Output side -> loop input: an output of req_id cannot be encoded, so the request
-        # is aborted in the engine (loop or output thread).
-        self.loop.submit(Abort([req_id]))
+        # Output side -> loop input: an output of req_id could not be encoded, or was a
+        # RequestRejected, before req_id's last output: the stage has ended the request
+        # with an error, and drops it from the engine (loop or output thread).
+        self.loop.submit(drop_ended(req_id))
 
     def _io_failed(self) -> None:
         # An IO thread failed: the stage can no longer talk, so it stops.

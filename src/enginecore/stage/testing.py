@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from .._engine import CountdownEngine
+from .._exceptions import RequestRejected
 
 __all__ = [
     "EchoEngine",
@@ -67,8 +68,14 @@ class ScriptedEngine(CountdownEngine):
 
     Utilities, besides ``div`` and ``num_requests``:
 
-    - ``log`` -> the list of ``"add <rid>"`` / ``"abort <rid>"`` calls seen, in order.
+    - ``log`` -> the list of ``"add <rid>"`` / ``"abort <rid>"`` calls seen, in order (a
+      rejected ``add`` is logged too: the engine saw it).
     - ``echo`` -> its arguments, as a list.
+    - ``fail_next_add`` -> the next ``add()`` raises ``RuntimeError("scripted add failure")``:
+      not a :class:`~enginecore.RequestRejected`, so fatal, in a stage too.
+    - ``reject(rid, message, last=False)`` -> the next output of *rid* is routed with the
+      payload ``RequestRejected(message)``, which ends *rid* with that error in a stage;
+      with *last*, that output is *rid*'s last (``finished``) and the engine drops *rid*.
     - ``fail_next_step`` -> the next ``step()`` raises ``RuntimeError("scripted step failure")``.
     - ``system_exit_next_step(code)`` -> the next ``step()`` raises ``SystemExit(code)``.
     - ``exit(code)`` -> the process ends at once with ``os._exit(code)``.
@@ -90,6 +97,8 @@ class ScriptedEngine(CountdownEngine):
         super().__init__()
         self.log: list[str] = []
         self._fail_next = False
+        self._fail_next_add = False
+        self._rejections: dict[str, tuple[str, bool]] = {}
         self._system_exit: int | None = None
         self._poisoned: dict[str, Any] = {}
         self._unrouted: list[Any] = []
@@ -104,6 +113,9 @@ class ScriptedEngine(CountdownEngine):
 
     def add(self, req_id: str, data: Any) -> None:
         self.log.append(f"add {req_id}")
+        if self._fail_next_add:
+            self._fail_next_add = False
+            raise RuntimeError("scripted add failure")
         super().add(req_id, data)
 
     def abort(self, req_ids: Sequence[str]) -> None:
@@ -115,6 +127,12 @@ class ScriptedEngine(CountdownEngine):
             return list(self.log)
         if name == "echo":
             return list(args)
+        if name == "fail_next_add":
+            self._fail_next_add = True
+            return None
+        if name == "reject":
+            self._rejections[args[0]] = (args[1], bool(args[2]) if len(args) > 2 else False)
+            return None
         if name == "fail_next_step":
             self._fail_next = True
             return None
@@ -149,6 +167,13 @@ class ScriptedEngine(CountdownEngine):
         if self._system_exit is not None:
             raise SystemExit(self._system_exit)
         outputs: list[Any] = list(super().step())
+        if self._rejections:
+            for i, (rid, _) in enumerate(outputs):
+                if rid in self._rejections:
+                    message, last = self._rejections.pop(rid)
+                    if last:
+                        self._remaining.pop(rid, None)
+                    outputs[i] = (rid, RequestRejected(message), last)
         if self._poisoned:
             for i, (rid, _) in enumerate(outputs):
                 if rid in self._poisoned:
@@ -162,6 +187,8 @@ class ScriptedEngine(CountdownEngine):
     def route_output(output: Any) -> tuple[str | None, bool, Any]:  # type: ignore[override]
         if type(output) is tuple and type(output[1]) is int:
             return CountdownEngine.route_output(output)
+        if type(output) is tuple and len(output) == 3:  # (rid, RequestRejected, last)
+            return output[0], output[2], output[1]
         if type(output) is tuple:
             return output[0], False, output[1]
         return None, False, output
@@ -179,7 +206,8 @@ class ScriptedEngine(CountdownEngine):
 class EchoEngine:
     """Each request has one output, its own data, in the step after its ``add``: for
     round trips of any payload (arrays included). ``utility("echo", args)`` returns *args*
-    as a list; ``utility("num_requests", ())`` the number of requests waiting."""
+    as a list; ``utility("num_requests", ())`` the number of requests waiting. An ``add``
+    of an id that is waiting raises :class:`~enginecore.RequestRejected`."""
 
     def __init__(self) -> None:
         self._waiting: dict[str, Any] = {}
@@ -189,7 +217,7 @@ class EchoEngine:
 
     def add(self, req_id: str, data: Any) -> None:
         if req_id in self._waiting:
-            raise ValueError(f"EchoEngine.add: request {req_id!r} is already live")
+            raise RequestRejected(f"request {req_id!r} is already live in the engine")
         self._waiting[req_id] = data
 
     def abort(self, req_ids: Sequence[str]) -> None:
