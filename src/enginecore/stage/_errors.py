@@ -98,10 +98,14 @@ class UtilityError(EngineCoreError):
 
 class RequestError(EngineCoreError):
     """Raised by a request's output iterator when the stage reported an error for that
-    request: its ``add`` frame could not be decoded or validated (the engine never saw it),
-    or one of its outputs could not be encoded (the stage then aborts it).
+    request: its ``add`` frame could not be decoded or validated, or its id was live in the
+    stage (the engine never saw it); the engine refused it with
+    :class:`~enginecore.RequestRejected`, from ``add`` or as a routing payload (then
+    :attr:`message` is the engine's own); or one of its outputs could not be encoded (the
+    stage then aborts it in the engine).
 
-    The request's stream ends with this error; the stage keeps serving other requests.
+    The request's stream ends with this error, and its id may be added again; the stage
+    keeps serving other requests.
     """
 
     def __init__(self, req_id: str, message: str) -> None:
