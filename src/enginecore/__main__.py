@@ -64,7 +64,28 @@ def _parser() -> argparse.ArgumentParser:
         help="a new client may take over once the attached one has been silent this long "
         "(default: %(default)s)",
     )
+    serve.add_argument(
+        "--keep-requests-on-detach",
+        action="store_true",
+        help="keep a client's requests running after it detaches (close(), or its session "
+        "was taken over); by default they are aborted",
+    )
+    serve.add_argument(
+        "--detached-buffer",
+        type=_non_negative_int,
+        default=1024,
+        metavar="N",
+        help="while no client can read, queue at most N events (one per output), drop and "
+        "count the rest (default: %(default)s)",
+    )
     return parser
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: bool) -> None:
@@ -131,6 +152,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args.bind,
             output,
             session_timeout=args.session_timeout,
+            detached_buffer=args.detached_buffer,
+            keep_requests_on_detach=args.keep_requests_on_detach,
             ready=ready,
         )
     except Exception:

@@ -195,8 +195,9 @@ class TestFrames:
     def test_more_than_512_waiting_events_leave_in_frames_of_at_most_512_in_order(
         self, no_leftovers: str
     ) -> None:
-        # 1,300 utility answers pile up while no client reads the output socket; when one
-        # connects, they leave in frames of at most 512 events, in order.
+        # 1,300 utility answers pile up while the attached client has not connected its PULL
+        # yet (they wait for it, unbounded); when it connects, they leave in frames of at
+        # most 512 events, in order.
         answered = threading.Event()
 
         class Counting(EchoEngine):
@@ -211,6 +212,9 @@ class TestFrames:
         pull = ctx.socket(zmq.PULL)
         try:
             dealer.connect(stage.address)
+            dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "late pull"]))
+            assert dealer.poll(5000)
+            assert msgspec.msgpack.decode(dealer.recv())[0] == "welcome"
             for i in range(1300):
                 dealer.send(msgspec.msgpack.encode(["utility", i, "echo", [i]]))
             assert answered.wait(10)
@@ -383,9 +387,10 @@ class TestRequestScopedFailure:
 
     def test_a_live_id_is_refused_across_clients(self, no_leftovers: str) -> None:
         # The serve scenario: a client adds "dup" and leaves; the next client's add
-        # of "dup" killed the stage ("already live"). The engine must never see it.
+        # of "dup" killed the stage ("already live"). The engine must never see it. (By
+        # default the detach aborts "dup": here it is kept running on purpose.)
         engine = ScriptedEngine()
-        stage = InProcessStage(engine, no_leftovers)
+        stage = InProcessStage(engine, no_leftovers, keep_requests_on_detach=True)
         try:
             with RawClient(stage.address) as first:
                 assert first.hello()[0] == "welcome"

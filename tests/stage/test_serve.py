@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -23,7 +25,7 @@ from enginecore.stage import (
     StageClosedError,
     _inbox,
 )
-from enginecore.stage.testing import EchoEngine
+from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
 from .conftest import SCRIPTED, Server
 from .raw import InProcessStage, RawClient
@@ -94,11 +96,19 @@ class TestServe:
         with StageClient.connect(server.address) as second:
             assert second.call_utility("echo", "second", timeout=5) == ["second"]
 
-    def test_a_live_id_of_the_previous_client_is_refused_for_that_request_only(
-        self, server: Server
-    ) -> None:
+    def test_a_live_id_of_the_previous_client_is_refused_for_that_request_only(self) -> None:
         # Issue 8: client A adds "dup" and closes; client B's add("dup") killed the stage
-        # ("already live"): the duplicate check was only inside each client.
+        # ("already live"): the duplicate check was only inside each client. (By default
+        # A's close() aborts "dup"; the stage keeps it here on purpose.)
+        server = Server(
+            "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--keep-requests-on-detach"
+        )
+        try:
+            self._refuse_a_live_id(server)
+        finally:
+            assert server.stop() == 0
+
+    def _refuse_a_live_id(self, server: Server) -> None:
         with StageClient.connect(server.address) as first:
             first.add("dup", 10**8).get(5)
         with StageClient.connect(server.address) as second:
@@ -328,6 +338,128 @@ class TestSessionHandover:
             stage.stop()
 
 
+def _is_output_of(req_ids: set[str]) -> Callable[[list[Any]], bool]:
+    return lambda ev: ev[0] == "outputs" and not req_ids.isdisjoint(ev[1])
+
+
+def _silence(client: RawClient, seconds: float) -> list[list[Any]]:
+    """Every event *client* receives within *seconds* (a negative check has to wait)."""
+    events: list[list[Any]] = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            events += client.events(left)
+        except TimeoutError:
+            break
+    return events
+
+
+class TestSessions:
+    """What a client leaves behind when it detaches (issue 8, item 2)."""
+
+    def test_bye_aborts_the_clients_live_requests_after_what_it_sent(self, server: Server) -> None:
+        with RawClient(server.address) as first:
+            _hello(first)
+            first.send("add", "long", 10**8)
+            first.until(_is_output_of({"long"}))
+            first.send("add", "late", 10**8)  # sent right before the bye: aborted too
+            first.send("bye")
+        with RawClient(server.address) as second:
+            _hello(second)
+            events = second.call(1, "log")
+            log = events[-1][2]
+            later = _silence(second, 0.3)
+        assert log[-2:] in (["abort long", "abort late"], ["abort late", "abort long"])
+        assert log[:2] == ["add long", "add late"]
+        # Nothing of the first client's reached the second one.
+        assert events == [["utility", 1, log, None]]
+        assert later == []
+
+    def test_a_taken_over_session_leaves_nothing_to_the_next_client(self, server: Server) -> None:
+        # The issue's measured case: A's 10**8-step request kept running after A left, its
+        # outputs piled up in the stage without bound, and the next client got thousands of
+        # them. A vanishes here without a bye; its session times out (1 s) and B takes over.
+        with RawClient(server.address) as first:
+            _hello(first)
+            first.send("add", "big", 10**8)
+            first.until(_is_output_of({"big"}))
+        deadline = time.monotonic() + 10
+        with RawClient(server.address) as second:
+            while (reply := second.hello())[0] != "welcome":
+                assert time.monotonic() < deadline, reply
+                time.sleep(0.1)
+            second.send("ping", 7)
+            events = second.call(1, "log")
+            later = _silence(second, 0.3)
+        assert events == [["pong", 7], ["utility", 1, ["add big", "abort big"], None]]
+        assert later == []
+
+    def test_a_blocking_clients_close_aborts_its_requests(self, server: Server) -> None:
+        with StageClient.connect(server.address) as first:
+            first.add("big", 10**8).get(5)
+        with StageClient.connect(server.address) as second:
+            assert second.call_utility("log", timeout=5) == ["add big", "abort big"]
+            # The id is free again: the request is gone from the stage.
+            assert second.add("big", 2).collect(timeout=5) == [1, 0]
+
+    def test_keep_requests_on_detach_keeps_them_running_for_the_next_client(self) -> None:
+        server = Server(
+            "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--keep-requests-on-detach"
+        )
+        try:
+            with RawClient(server.address) as first:
+                _hello(first)
+                first.send("add", "long", 10**8)
+                first.until(_is_output_of({"long"}))
+                first.send("bye")
+            with RawClient(server.address) as second:
+                _hello(second)
+                log = second.call(1, "log")[-1][2]
+                # Still running: its outputs now go to the attached client, which may abort it.
+                second.until(_is_output_of({"long"}))
+                second.send("abort", ["long"])
+                second.until(lambda ev: ev[0] == "aborted")
+        finally:
+            assert server.stop() == 0
+        assert log == ["add long"]
+
+    def test_events_while_detached_are_bounded_and_the_drop_is_logged(
+        self, no_leftovers: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.INFO, logger="enginecore.stage")
+        stage = InProcessStage(
+            ScriptedEngine(), no_leftovers, keep_requests_on_detach=True, detached_buffer=100
+        )
+        try:
+            with RawClient(stage.address) as first:
+                assert first.hello()[0] == "welcome"
+                first.send("add", "long", 10**8)
+                first.until(_is_output_of({"long"}))
+                first.send("bye")
+            # One output per step, thousands a second: past 100 at once while nobody reads.
+            # What was queued before the bye stays; nothing more is, from then on.
+            outbox = stage.runtime._outbox
+            time.sleep(0.3)
+            held = outbox.backlog
+            time.sleep(0.2)
+            assert outbox.backlog == held
+            with RawClient(stage.address) as second:
+                _hello(second)
+                second.call(1, "echo")
+                second.send("abort", ["long"])
+                second.until(lambda ev: ev[0] == "aborted")
+        finally:
+            stage.stop()
+        messages = [r.getMessage() for r in caplog.records]
+        over = [m for m in messages if "while no client could read" in m]
+        assert len(over) == 1, messages  # once per detached period, not per event
+        assert "(the detached buffer holds 100)" in over[0]
+        assert int(over[0].split()[2]) > 0
+        # What the stage held was dropped when the second client was welcomed.
+        [handover] = [m for m in messages if "of the previous client" in m]
+        assert 0 < int(handover.split()[2]) <= held
+
+
 class TestServeCommandLine:
     def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -352,6 +484,11 @@ class TestServeCommandLine:
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
         assert result.returncode == 2
         assert "JSON object" in result.stderr
+
+    def test_negative_detached_buffer_is_refused(self) -> None:
+        result = self._run("serve", "--engine", SCRIPTED, "--detached-buffer", "-1")
+        assert result.returncode == 2
+        assert "--detached-buffer" in result.stderr
 
     def test_missing_command_prints_usage(self) -> None:
         result = self._run()

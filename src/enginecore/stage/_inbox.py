@@ -26,6 +26,13 @@ new client must be the only one before its first event is sent. Two things see t
 - when the new client's first message arrives, the output socket is made to drop the closed
   connection before it sends again (``Outbox.resync``): libzmq may otherwise go on dealing
   to it for up to a millisecond.
+
+Nothing of one session reaches the next: a ``bye`` queues a session change for the loop,
+in order after the client's messages (its live requests are aborted there, by default), and
+welcoming a new client drops what the outbox holds for the previous one and queues the new
+session's change (``Outbox.begin_session``, ``_stage_engine.session_change``). While no
+client can read (none attached, or the attached one lost its output connection) the outbox
+is *detached* and bounded (``Outbox.set_detached``); this thread logs what it dropped.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from .._loop import EngineCoreLoop
 from .._messages import Abort, Utility, make_add
 from . import _codec, _wire
 from ._outbox import Outbox
-from ._stage_engine import ordered_stop
+from ._stage_engine import ordered_stop, session_change
 
 __all__ = ["HEARTBEAT_TIMEOUT_MS", "HELLO_HOLD_S", "MAX_BURST", "Inbox"]
 
@@ -107,6 +114,10 @@ class Inbox:
         # (routing id, deadline, why it is rejected at the deadline).
         self._held: tuple[bytes, float, str] | None = None
         self.output_peers = 0  # connections to the output socket, from its monitor
+        # Whether the attached client's PULL has connected, and whether no client can read
+        # (see _update_detached).
+        self._pull_seen = False
+        self._detached = True
         self.failed = False
         self._thread = threading.Thread(target=self._main, name="enginecore-input", daemon=True)
 
@@ -304,14 +315,48 @@ class Inbox:
     def _bye(self, ident: bytes) -> None:
         if ident == self._session:
             self._session = None
+            # After everything it sent (pending keeps arrival order).
+            self._pending.append(session_change(None))
+            self._update_detached()
         elif self._held is not None and self._held[0] == ident:
             self._held = None  # it gave up waiting
 
     def _accept(self, ident: bytes) -> None:
         self._unheard = ident != self._session
+        if self._unheard:
+            # A new client: nothing queued for the previous one may reach it. (Its output
+            # connection is gone: a hello is only welcomed with no output peer.)
+            epoch, dropped = self._outbox.begin_session()
+            if dropped:
+                logger.info(
+                    "enginecore: dropped %d events of the previous client at a new session",
+                    dropped,
+                )
+            self._pending.append(session_change(epoch))
+            self._pull_seen = False
         self._session = ident
         self._session_seen = time.monotonic()
+        self._update_detached()
         self._sock.send_multipart([ident, self._welcome])
+
+    def _update_detached(self) -> None:
+        """Tell the outbox whether a client can read: one is attached, and its ``PULL`` is
+        connected or has not connected yet (its first events wait for it, unbounded). Logs
+        what the outbox dropped once a detached period ends."""
+        if self._session is not None and self.output_peers > 0:
+            self._pull_seen = True
+        detached = self._session is None or (self._pull_seen and self.output_peers == 0)
+        if detached == self._detached:
+            return
+        self._detached = detached
+        dropped = self._outbox.set_detached(detached)
+        if dropped:
+            logger.warning(
+                "enginecore: dropped %d events (one per output) while no client could read "
+                "them (the detached buffer holds %d)",
+                dropped,
+                self._outbox.detached_max,
+            )
 
     def _reject(self, ident: bytes, reason: str) -> None:
         reject = _wire.RejectMsg(_wire.PROTOCOL_VERSION, reason)
@@ -327,6 +372,7 @@ class Inbox:
                 self.output_peers += 1
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.output_peers = max(0, self.output_peers - 1)
+            self._update_detached()
 
 
 def _recv(sock: zmq.Socket[bytes]) -> list[Any]:

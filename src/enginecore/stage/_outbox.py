@@ -22,6 +22,22 @@ request's ``error`` event takes the output's place, and is the request's last ev
 that output was not its request's last, the request is also dropped from the engine,
 through the ``abort_request`` callback: the one edge from the output side back to the
 loop's input.
+
+Sessions (``docs/wire.md`` section 3). Nothing produced for one client reaches the next:
+
+- when a new client is welcomed, the input thread calls :meth:`Outbox.begin_session`, which
+  drops everything queued, bumps the session *epoch* and queues a marker. A batch the
+  output thread took before the marker (it may be waiting for a peer to send it to) is
+  older than the new client, and is dropped: each frame is sent under the lock only while
+  the output thread has consumed every marker (:meth:`Outbox._send`);
+- the loop thread's events are dropped while the loop has not yet applied the new session
+  (:meth:`Outbox.loop_epoch`, called in order with the loop's input): they answer the
+  previous client's messages, or are outputs of its requests.
+
+While no client can read (none attached, or the attached one lost its output connection),
+at most ``detached_max`` events (one per output) are queued; the rest are dropped and
+counted, and the input thread logs the count once the period ends (:meth:`set_detached`).
+The terminal event is never dropped.
 """
 
 from __future__ import annotations
@@ -50,6 +66,8 @@ BACKLOG_MAX: Final = 65536
 client (:meth:`Outbox.wait_for_room`)."""
 
 _STOP: Final = ("stop",)  # ends the output thread after what is queued before it; never sent
+# Never dropped, by a session change or the detached bound.
+_LAST: Final = frozenset({"stop", "shutdown", "fatal"})
 # What msgspec raises for a value it cannot encode (a lone surrogate: UnicodeEncodeError).
 _ENCODE_ERRORS: Final = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
 
@@ -64,7 +82,8 @@ class Outbox:
     encoded, or was a :class:`~enginecore.RequestRejected`): it must drop the request from
     the engine without an ``aborted`` event; *on_failure()* once if the output thread fails;
     *may_wait()* says whether :meth:`wait_for_room` may keep the loop waiting (a client is
-    connected to read, and the loop is not stopping).
+    connected to read, and the loop is not stopping). *detached_max* bounds what is queued
+    while no client can read (:meth:`set_detached`).
     """
 
     # Threads and what they own:
@@ -80,6 +99,12 @@ class Outbox:
     # - terminal and failed are written by the output thread; read after it has ended.
     # - resync is set by the input thread and cleared by whichever thread sends next, before
     #   it processes the socket's commands (_resync), so a set is never lost.
+    # - _lock also guards the session state: _epoch (bumped by begin_session, input thread),
+    #   _loop_epoch (the session the loop has applied, loop_epoch), _detached and its
+    #   counters (set_detached), and _gated = "a loop event may be dropped" (stale loop
+    #   epoch, or detached): the one flag the loop's hot path reads. The output thread
+    #   sends a frame only under _lock and only while its own epoch (the last marker it
+    #   took) is _epoch, so a begin_session between taking a batch and sending it is seen.
 
     def __init__(
         self,
@@ -88,6 +113,7 @@ class Outbox:
         abort_request: Callable[[str], None],
         on_failure: Callable[[], None],
         may_wait: Callable[[], bool],
+        detached_max: int = 1024,
     ) -> None:
         self._sock = sock
         self._abort_request = abort_request
@@ -103,6 +129,13 @@ class Outbox:
         self.terminal: str | None = None  # "shutdown" or "fatal", once sent
         self.failed = False
         self.resync = False  # see _resync
+        self._epoch = 0
+        self._loop_epoch = 0
+        self._detached = True  # until a client is welcomed and connected
+        self.detached_max = detached_max
+        self._detached_weight = 0  # queued in this detached period
+        self._dropped = 0  # dropped past detached_max in this detached period
+        self._gated = True
         self._thread = threading.Thread(target=self._main, name="enginecore-output", daemon=True)
 
     def start(self) -> None:
@@ -128,6 +161,17 @@ class Outbox:
         if weight is None:
             weight = _weight(item)
         with self._lock:
+            if self._detached and not self._admit_detached(item, weight):
+                return
+            self._idle = False
+            self.backlog += weight
+            self._queue.put(item)
+
+    def _post_loop(self, item: Any, weight: int) -> None:
+        """Loop thread: :meth:`post`, also dropping what belongs to a previous session."""
+        with self._lock:
+            if self._gated and not self._admit_loop(item, weight):
+                return
             self._idle = False
             self.backlog += weight
             self._queue.put(item)
@@ -148,7 +192,7 @@ class Outbox:
         if weight >= MAX_BATCH and self._idle:  # unlocked peek; _send_or_post re-checks
             self._send_or_post(events)
         else:
-            self.post(events, weight)
+            self._post_loop(events, weight)
 
     def emit(self, ev: tuple[Any, ...]) -> None:
         """Loop thread: one event of the loop (a utility answer, ``aborted``, ``shutdown``,
@@ -209,6 +253,8 @@ class Outbox:
         thread sends it the usual way (and handles a failure the usual way).
         """
         with self._lock:
+            if self._gated and not self._admit_loop(events, _weight(events)):
+                return
             if self._idle:
                 if self.resync:
                     self._resync()
@@ -249,12 +295,103 @@ class Outbox:
         self.resync = False
         self._sock.getsockopt(zmq.EVENTS)
 
+    # -- sessions --------------------------------------------------------------------------------
+
+    def begin_session(self) -> tuple[int, int]:
+        """Input thread, when a new client is welcomed (before its ``welcome`` is sent): drop
+        everything queued for the previous one, and start a new session epoch. Returns the
+        new epoch, to be applied by the loop in order (:meth:`loop_epoch`), and how many
+        events were dropped. Never blocks."""
+        with self._lock:
+            dropped = 0
+            last: Events = []
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item.__class__ is not list and item[0] in _LAST:
+                    last.append(item)
+                    continue
+                weight = _weight(item)
+                dropped += weight
+                self.backlog -= weight
+            self._epoch += 1
+            self._gated = True  # until the loop has applied the new epoch
+            self._idle = False  # the output thread has the marker to take
+            self._queue.put(("session", self._epoch))
+            for item in last:
+                self._queue.put(item)
+            self._drained.notify()
+            return self._epoch, dropped
+
+    def loop_epoch(self, epoch: int) -> None:
+        """Loop thread, in order with its input: the messages after this one come from the
+        session *epoch* (:meth:`begin_session`); the loop's events are sent again."""
+        with self._lock:
+            self._loop_epoch = epoch
+            self._gated = self._detached or epoch != self._epoch
+
+    def set_detached(self, detached: bool) -> int:
+        """Input thread: whether no client can read (none attached, or the attached one lost
+        its output connection). While detached, at most ``detached_max`` events are queued.
+        Returns how many were dropped past it, when a detached period ends (else 0)."""
+        with self._lock:
+            self._detached = detached
+            self._gated = detached or self._loop_epoch != self._epoch
+            dropped = self._dropped
+            self._dropped = 0
+            self._detached_weight = 0
+            return dropped
+
+    def _admit_detached(self, item: Any, weight: int) -> bool:
+        # Under _lock, while detached: whether there is room for *item* (counted if not).
+        if item.__class__ is not list and item[0] in _LAST:
+            return True
+        if self._detached_weight + weight > self.detached_max:
+            self._dropped += weight
+            return False
+        self._detached_weight += weight
+        return True
+
+    def _admit_loop(self, item: Any, weight: int) -> bool:
+        # Under _lock, while _gated: whether a loop event is kept (not of a previous session,
+        # and within the detached bound).
+        if self._loop_epoch != self._epoch:
+            return False
+        return not self._detached or self._admit_detached(item, weight)
+
+    def _send(self, parts: list[Any], epoch: int) -> bool:
+        """Output thread: send one frame, waiting for a peer to take it; ``False`` (nothing
+        sent) once a new session has begun after the output thread's *epoch*.
+
+        The check and the send are one step under the lock, and the wait is outside it: a
+        batch taken for a previous client, and waiting for a peer, is never sent to the
+        next one once its ``PULL`` connects."""
+        sock = self._sock
+        while True:
+            with self._lock:
+                if self._epoch != epoch:
+                    return False
+                try:
+                    if len(parts) == 1:
+                        sock.send(parts[0], zmq.NOBLOCK, copy=False)
+                    else:
+                        sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                    return True
+                except zmq.Again:
+                    pass
+            # No peer, or the peer is behind by the high-water mark. ctx.term() ends the
+            # wait with ContextTerminated, as it ended a blocking send.
+            sock.poll(None, zmq.POLLOUT)
+
     # -- the output thread ---------------------------------------------------------------------
 
     def _main(self) -> None:
-        sock = self._sock
         get = self._queue.get
+        send = self._send
         encoder = _codec.Encoder()
+        epoch = 0  # of the last session marker taken
         linger: int | None = None  # the socket's own: deliver the last frames
         try:
             while True:
@@ -270,16 +407,21 @@ class Outbox:
                         events += item
                         taken += _weight(item)
                     else:
-                        taken += 1
                         kind = item[0]
-                        if kind == "stop":
-                            done = True
-                            break
-                        events.append(item)
-                        if kind in ("shutdown", "fatal"):
-                            self.terminal = kind
-                            done = True
-                            break
+                        if kind == "session":
+                            # What was taken before it belongs to the previous session.
+                            epoch = item[1]
+                            events = []
+                        else:
+                            taken += 1
+                            if kind == "stop":
+                                done = True
+                                break
+                            events.append(item)
+                            if kind in ("shutdown", "fatal"):
+                                self.terminal = kind
+                                done = True
+                                break
                     if len(events) >= MAX_BATCH:
                         break
                     try:
@@ -296,10 +438,12 @@ class Outbox:
                         parts = encoder.encode(chunk)
                     except _ENCODE_ERRORS:
                         parts = encoder.encode(self._encodable(encoder, chunk))
-                    if len(parts) == 1:
-                        sock.send(parts[0], copy=False)
-                    else:
-                        sock.send_multipart(parts, copy=False)
+                    if not send(parts, epoch):
+                        # A new session began: the rest is the previous one's, except the
+                        # terminal event, which is every client's.
+                        if self.terminal is not None:
+                            send(encoder.encode(events[-1:]), self._epoch)
+                        break
                 if done:
                     return
                 with self._lock:
@@ -322,7 +466,7 @@ class Outbox:
                 self._idle = False  # for good: the loop thread no longer sends
                 self._ended = True
                 self._drained.notify()
-            sock.close(linger=linger)
+            self._sock.close(linger=linger)
 
     # -- what cannot cross the wire --------------------------------------------------------------
 

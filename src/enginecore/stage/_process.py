@@ -24,7 +24,7 @@ from typing import Any, Final
 import msgspec
 
 from .._engine import Engine
-from ._runtime import EXIT_FATAL, EXIT_ORPHANED, StageRuntime
+from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
 
 __all__ = ["build_engine", "exit_soon", "import_factory", "run_launched", "serve"]
 
@@ -113,6 +113,8 @@ def serve(
     output_bind: str,
     *,
     session_timeout: float,
+    detached_buffer: int = DETACHED_BUFFER,
+    keep_requests_on_detach: bool = False,
     ready: Callable[[str, str], None],
 ) -> int:
     """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
@@ -123,7 +125,13 @@ def serve(
     """
     engine = build_engine(factory, kwargs)
     runtime = StageRuntime(
-        engine, bind, output_bind, engine_name=factory, session_timeout=session_timeout
+        engine,
+        bind,
+        output_bind,
+        engine_name=factory,
+        session_timeout=session_timeout,
+        detached_buffer=detached_buffer,
+        keep_requests_on_detach=keep_requests_on_detach,
     )
     ready(runtime.input_address, runtime.output_address)
     code = runtime.run()

@@ -32,6 +32,7 @@ from ._outbox import Outbox
 from ._stage_engine import StageEngine, drop_ended
 
 __all__ = [
+    "DETACHED_BUFFER",
     "EXIT_FATAL",
     "EXIT_IO_FAILED",
     "EXIT_OK",
@@ -45,6 +46,9 @@ EXIT_FATAL: Final = 1  # the engine loop died of an exception (or startup failed
 EXIT_IO_FAILED: Final = 2  # an IO thread failed; the stage could no longer talk
 EXIT_ORPHANED: Final = 3  # the parent died and a graceful shutdown did not finish in time
 
+DETACHED_BUFFER: Final = 1024
+"""The default bound on the events (one per output) queued while no client can read."""
+
 # How long the output socket may take to deliver the last frames when the stage ends.
 _OUTPUT_LINGER_MS: Final = 1000
 
@@ -57,6 +61,12 @@ class StageRuntime:
     clients in the handshake. *handle_signals* turn into a graceful shutdown while
     :meth:`run` runs (in the main thread only); with none, ``run()`` may be called from any
     thread.
+
+    Sessions: when a client detaches (``bye``, or a new client takes its session over), the
+    requests live in the stage are aborted, in order after what it sent, unless
+    *keep_requests_on_detach*; nothing queued for it reaches the next client. While no
+    client can read, at most *detached_buffer* events (one per output) are queued, and the
+    rest are dropped and counted in the log (``docs/stage.md``, "Headless mode").
     """
 
     def __init__(
@@ -67,6 +77,8 @@ class StageRuntime:
         *,
         engine_name: str,
         session_timeout: float = 10.0,
+        detached_buffer: int = DETACHED_BUFFER,
+        keep_requests_on_detach: bool = False,
         handle_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
     ) -> None:
         self._signals = tuple(handle_signals)
@@ -95,8 +107,11 @@ class StageRuntime:
                 abort_request=self._abort_request,
                 on_failure=self._io_failed,
                 may_wait=self._may_hold_the_loop,
+                detached_max=detached_buffer,
             )
-            stage_engine = StageEngine(engine, self._outbox)
+            stage_engine = StageEngine(
+                engine, self._outbox, abort_on_detach=not keep_requests_on_detach
+            )
             self.loop = EngineCoreLoop(stage_engine, stage_engine.emit)
             stage_engine.request_shutdown = self.loop.request_shutdown
             self._inbox = Inbox(

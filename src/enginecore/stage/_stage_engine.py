@@ -10,13 +10,17 @@ Everything here runs on the loop thread. The adapter adds four things to the eng
 - after ``abort(req_ids)`` returns, an ``aborted`` event, ordered with the outputs, so none
   of the aborted requests' outputs follows it;
 - the ordered stop: a client's ``shutdown`` is applied in order, after everything sent
-  before it (:func:`ordered_stop`).
+  before it (:func:`ordered_stop`);
+- sessions: when a client detaches, its live requests are aborted, in order after what it
+  sent, and the outbox learns which session the loop's events belong to
+  (:func:`session_change`).
 
 Every other exception from the engine stays fatal to the loop (``docs/contract.md``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from itertools import compress
 from typing import Any, Final
@@ -28,7 +32,17 @@ from . import _codec
 from ._outbox import BACKLOG_MAX, Outbox
 from ._routing import make_router
 
-__all__ = ["LIVE_IN_STAGE", "StageEngine", "drop_ended", "make_add", "make_step", "ordered_stop"]
+logger = logging.getLogger("enginecore.stage")
+
+__all__ = [
+    "LIVE_IN_STAGE",
+    "StageEngine",
+    "drop_ended",
+    "make_add",
+    "make_step",
+    "ordered_stop",
+    "session_change",
+]
 
 LIVE_IN_STAGE: Final = (
     "add refused: this request id is live in the stage (added, and not yet finished, "
@@ -81,6 +95,27 @@ def drop_ended(req_id: str) -> Abort:
     return Abort(_EndedIds((req_id,)))
 
 
+# -- sessions ---------------------------------------------------------------------------------
+
+
+class _SessionChange(list[str]):
+    """The ids of the abort that the input thread queues when a client detaches (``bye``)
+    or a new one is welcomed (*epoch*, see ``Outbox.begin_session``). Applied in order, after
+    everything the previous client sent: :meth:`StageEngine.abort` aborts the requests live
+    in the stage, unless they are to be kept, and sends no ``aborted`` event (nobody asked).
+    """
+
+    def __init__(self, epoch: int | None) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+
+def session_change(epoch: int | None) -> Abort:
+    """The ``input_queue`` message for the end of a session (*epoch* ``None``: a ``bye``) or
+    the start of the session *epoch*."""
+    return Abort(_SessionChange(epoch))
+
+
 # -- the adapter --------------------------------------------------------------------------------
 
 
@@ -91,9 +126,10 @@ class StageEngine:
     ``has_work`` is the engine's own bound method, and ``add`` and ``step`` are closures
     (:func:`make_add`, :func:`make_step`), all stored as attributes, so the hot path pays
     no attribute lookup for the adapter. Set :attr:`request_shutdown` to the loop's.
+    *abort_on_detach*: whether a session change aborts the requests live in the stage.
     """
 
-    def __init__(self, engine: Engine, outbox: Outbox) -> None:
+    def __init__(self, engine: Engine, outbox: Outbox, *, abort_on_detach: bool = True) -> None:
         # The request ids live in the stage: added (the engine's add() returned), and not
         # yet finished (an output routed with finished=True), aborted (abort() returned) or
         # ended by an error. A request that an output ended with an error before its last
@@ -107,13 +143,30 @@ class StageEngine:
         self._utility = engine.utility
         self._abort = engine.abort
         self._emit = outbox.emit
+        self._outbox = outbox
+        self._abort_on_detach = abort_on_detach
         self.request_shutdown: Callable[[], None] = lambda: None
 
     def abort(self, req_ids: Sequence[str]) -> None:
+        cls = req_ids.__class__
+        if cls is _SessionChange:
+            self._change_session(req_ids.epoch)  # type: ignore[attr-defined]
+            return
         self._abort(req_ids)
         self.live.difference_update(req_ids)
-        if req_ids.__class__ is not _EndedIds:
+        if cls is not _EndedIds:
             self._emit(("aborted", list(req_ids)))
+
+    def _change_session(self, epoch: int | None) -> None:
+        # Every request live now was added by the client that is leaving (or by a peer that
+        # sent without a session): with abort_on_detach, every detach empties the set.
+        if self._abort_on_detach and self.live:
+            ids = list(self.live)
+            self._abort(ids)
+            self.live.clear()
+            logger.info("enginecore: a client detached; aborted its %d live requests", len(ids))
+        if epoch is not None:
+            self._outbox.loop_epoch(epoch)
 
     def utility(self, name: str, args: tuple[Any, ...]) -> Any:
         if args and args[0] is _STOP_TOKEN:
