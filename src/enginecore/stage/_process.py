@@ -24,6 +24,7 @@ from typing import Any, Final
 import msgspec
 
 from .._engine import Engine
+from .._signals import shutdown_on_signals
 from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
 
 __all__ = ["build_engine", "exit_soon", "import_factory", "run_launched", "serve"]
@@ -120,7 +121,8 @@ def serve(
     """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
 
     Calls ``ready(input_address, output_address)`` with the bound endpoints once the sockets
-    are bound; returns the exit code. SIGTERM and SIGINT shut it down gracefully. Raises
+    are bound and the signal handlers are in place; returns the exit code. SIGTERM and
+    SIGINT shut it down gracefully, also one that arrives right after ``ready``. Raises
     what the factory raises, and what binding raises.
     """
     engine = build_engine(factory, kwargs)
@@ -132,9 +134,14 @@ def serve(
         session_timeout=session_timeout,
         detached_buffer=detached_buffer,
         keep_requests_on_detach=keep_requests_on_detach,
+        handle_signals=(),
     )
-    ready(runtime.input_address, runtime.output_address)
-    code = runtime.run()
+    # The handlers go in before ready() announces the stage: a signal sent as soon as the
+    # line is read is then a graceful shutdown (before run(), it makes run() stop at once),
+    # not a default death (exit -15) or a KeyboardInterrupt traceback.
+    with shutdown_on_signals(runtime.loop, (signal.SIGTERM, signal.SIGINT)):
+        ready(runtime.input_address, runtime.output_address)
+        code = runtime.run()
     exit_soon(code)
     return code
 
