@@ -1,4 +1,5 @@
-"""What only the blocking StageClient does: threads.
+"""What only the blocking StageClient does: threads, and a blocking call_utility that
+borrows the output socket from the receiver thread.
 
 Everything both clients promise is in ``test_clients.py`` and ``test_death.py``, run through
 each client.
@@ -7,14 +8,17 @@ each client.
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 
-from enginecore.stage import Outputs, StageClient, StageClosedError
+from enginecore.stage import EngineDeadError, Outputs, StageClient, StageClosedError, _client
 
-from .conftest import COUNTDOWN
+from .conftest import COUNTDOWN, Server
 
 
 class TestInputBatches:
@@ -133,3 +137,241 @@ class TestThreads:
             future = client.call_utility_future("div", 1, 2)
             future.cancel()
             assert client.call_utility("div", 1, 4, timeout=5) == 0.25
+
+
+# -- a blocking call_utility borrows the output socket ----------------------------------------
+
+
+@pytest.fixture
+def long_borrow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A borrowing call keeps the socket until its answer (or its deadline, or an event that
+    is the receiver's job) instead of 50 ms, so a test can act while it borrows."""
+    monkeypatch.setattr(_client, "_BORROW_MAX_S", 30.0)
+
+
+def borrowing(client: StageClient, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event set when a blocking call starts reading the socket itself."""
+    entered = threading.Event()
+    read_until = client._read_until
+
+    def watched(waiter: Any, deadline: float | None) -> None:
+        entered.set()
+        read_until(waiter, deadline)
+
+    monkeypatch.setattr(client, "_read_until", watched)
+    return entered
+
+
+def call_in_thread(
+    client: StageClient, *args: Any, **kwargs: Any
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """``client.call_utility(*args, **kwargs)`` in a new thread; its outcome lands in the dict
+    (``"value"`` or ``"exc"``)."""
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["value"] = client.call_utility(*args, **kwargs)
+        except BaseException as exc:
+            outcome["exc"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)  # a hung call must not hang exit
+    thread.start()
+    return thread, outcome
+
+
+class TestBorrowedSocket:
+    def test_a_blocking_call_reads_its_answer_and_serves_the_rest(
+        self, client: StageClient, long_borrow: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The caller reads the socket itself and dispatches a stream's outputs (read in
+        # another thread) as the receiver would: nothing lost, nothing out of order.
+        readers: set[int] = set()
+        drain = client._drain
+
+        def watched(waiter: Any) -> bool:
+            readers.add(threading.get_ident())
+            return drain(waiter)
+
+        monkeypatch.setattr(client, "_drain", watched)
+        n = 5000
+        stream = client.add("s", n)
+        got: list[object] = []
+        consumer = threading.Thread(target=lambda: got.extend(stream), daemon=True)
+        consumer.start()
+        assert client.call_utility("sleep", 0.2, timeout=5) is None
+        assert threading.get_ident() in readers
+        consumer.join(10)
+        assert got == list(range(n - 1, -1, -1))
+
+    def test_an_idle_socket_is_taken_back_as_soon_as_anything_else_is_sent(
+        self, monkeypatch: pytest.MonkeyPatch, no_leftovers: str
+    ) -> None:
+        monkeypatch.setattr(_client, "_IDLE_LEND_S", 30.0)
+        with StageClient.launch(COUNTDOWN) as client:
+            assert client.call_utility("div", 1, 2, timeout=5) == 0.5
+            assert client._owner is None  # idle: the next call takes it without a wake-up
+            assert client.call_utility("div", 1, 4, timeout=5) == 0.25
+            assert client._owner is None
+            future = client.call_utility_future("div", 1, 8)
+            assert client._owner is _client._RX  # its answer needs the receiver
+            assert future.result(5) == 0.125
+            assert client.call_utility("div", 3, 1, timeout=5) == 3  # asked the receiver
+            assert client._owner is None
+            assert client.add("r", 2).collect(timeout=5) == [1, 0]
+            assert client._owner is _client._RX
+            # With anything else in flight, a call gives the socket back to the receiver.
+            stream = client.add("long", 1_000_000)
+            assert stream.get(5) == 999_999
+            assert client.call_utility("div", 1, 2, timeout=5) == 0.5
+            assert client._owner is _client._RX
+            client.abort(["long"])
+            stream.collect(timeout=5)
+            assert stream.aborted
+
+    def test_timeout_bounds_the_borrow(self, client: StageClient, long_borrow: None) -> None:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.call_utility("sleep", 1.0, timeout=0.2)
+        assert 0.2 <= time.monotonic() - started < 0.4
+        assert client.call_utility("echo", 1, timeout=5) == [1]
+
+    def test_death_while_a_call_borrows_the_socket(
+        self, client: StageClient, long_borrow: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        entered = borrowing(client, monkeypatch)
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            if entered.wait(5):
+                os.kill(client.pid, signal.SIGKILL)
+                killed_at.append(time.monotonic())
+
+        killer = threading.Thread(target=kill, daemon=True)
+        killer.start()
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            client.call_utility("sleep", 10)
+        killer.join()
+        assert time.monotonic() - killed_at[0] < 1.0
+
+    def test_close_from_another_thread_while_a_call_borrows(
+        self, server: Server, long_borrow: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A connected stage has no sentinel, and close() only detaches: the borrower must
+        # give the socket back when close() wakes it, or close() would wait for the answer.
+        client = StageClient.connect(server.address)
+        entered = borrowing(client, monkeypatch)
+        thread, outcome = call_in_thread(client, "sleep", 1.0)
+        assert entered.wait(5)
+        started = time.monotonic()
+        client.close()
+        thread.join(5)
+        assert time.monotonic() - started < 0.5
+        assert isinstance(outcome.get("exc"), StageClosedError)
+
+    def test_close_from_a_done_callback_on_a_borrowing_caller(
+        self, client: StageClient, long_borrow: None
+    ) -> None:
+        # The future's answer is read by the thread blocked in call_utility, so its
+        # done-callback runs there: close() must not wait for that thread.
+        ran_on: list[int] = []
+        errors: list[BaseException] = []
+
+        def close_from_callback(_: concurrent.futures.Future[object]) -> None:
+            ran_on.append(threading.get_ident())
+            try:
+                client.close()
+            except BaseException as exc:
+                errors.append(exc)
+
+        client.call_utility_future("sleep", 0.5).add_done_callback(close_from_callback)
+        thread, outcome = call_in_thread(client, "echo", "x")
+        thread.join(10)
+        assert not thread.is_alive()
+        assert ran_on == [thread.ident]
+        assert errors == []
+        assert outcome == {"value": ["x"]}  # sent before the shutdown: answered
+        client.close()  # waits for the close the callback started
+        assert client.exit_code == 0
+
+    def test_close_from_a_done_callback_run_by_close_itself(self, server: Server) -> None:
+        # close() fails the pending future on its own thread, which runs its callbacks.
+        client = StageClient.connect(server.address)
+        errors: list[BaseException] = []
+
+        def close_again(_: concurrent.futures.Future[object]) -> None:
+            try:
+                client.close()
+            except BaseException as exc:
+                errors.append(exc)
+
+        future = client.call_utility_future("sleep", 1.0)
+        future.add_done_callback(close_again)
+        client.close()
+        assert isinstance(future.exception(0), StageClosedError)
+        assert errors == []
+
+    def test_keyboard_interrupt_while_borrowing_gives_the_socket_back(
+        self, client: StageClient, long_borrow: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        assert threading.current_thread() is threading.main_thread()
+        entered = borrowing(client, monkeypatch)
+        main = threading.get_ident()
+
+        def interrupt() -> None:
+            if entered.wait(5):
+                signal.pthread_kill(main, signal.SIGINT)
+
+        interrupter = threading.Thread(target=interrupt, daemon=True)
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            client.call_utility("sleep", 0.5)
+        interrupter.join()
+        assert client.call_utility("echo", 1, timeout=5) == [1]
+        assert client.add("r", 2).collect(timeout=5) == [1, 0]
+
+    def test_a_failing_receiver_thread_fails_a_borrowing_call(
+        self, client: StageClient, long_borrow: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        def broken(now: float) -> object:
+            raise RuntimeError("broken timers")
+
+        monkeypatch.setattr(client._session, "tick", broken)  # runs on the receiver thread
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="receiver thread failed"):
+            client.call_utility("sleep", 0.5, timeout=5)
+        assert time.monotonic() - started < 0.3  # not at the answer: at the failure
+        monkeypatch.undo()
+        assert client.shutdown(timeout=0.1) is not None
+
+
+class TestBorrowedSocketOfAConnectedStage:
+    def test_heartbeats_go_on_while_a_call_borrows_or_the_socket_idles(
+        self, server: Server, long_borrow: None
+    ) -> None:
+        client = StageClient.connect(server.address, heartbeat_interval=0.1, heartbeat_timeout=0.5)
+        try:
+            # The stage answers pings while its loop sleeps; the parked receiver thread
+            # sends them, the borrowing caller reads the pongs.
+            assert client.call_utility("sleep", 1.0, timeout=5) is None
+            # The socket idles after the call: the receiver takes it back to read the pongs.
+            time.sleep(1.0)  # twice the heartbeat timeout goes by, nothing else sent
+            assert client.call_utility("echo", 1, timeout=5) == [1]
+        finally:
+            client.close()
+
+    def test_death_while_a_call_borrows_is_seen_by_the_heartbeat(
+        self, server: Server, long_borrow: None
+    ) -> None:
+        client = StageClient.connect(server.address, heartbeat_interval=0.1, heartbeat_timeout=0.5)
+        try:
+            thread, outcome = call_in_thread(client, "sleep", 10)
+            time.sleep(0.3)  # some pongs come while the call borrows
+            server.proc.kill()
+            killed_at = time.monotonic()
+            thread.join(5)
+            assert time.monotonic() - killed_at < 1.0
+            assert isinstance(outcome.get("exc"), EngineDeadError)
+            assert "no heartbeat" in str(outcome["exc"])
+        finally:
+            client.close()

@@ -390,6 +390,45 @@ class TestUtility:
         assert (event.result, event.error) == ([1], None)
 
 
+class TestUtilityAmongOtherTraffic:
+    """A blocking call may read the stage's events itself while it waits (the sync client
+    borrows the socket from its receiver thread): whatever else arrives meanwhile is handled
+    as the receiver would handle it."""
+
+    def test_blocking_calls_while_a_request_streams(self, stage_client: StageClient) -> None:
+        n = 2000
+        stream = stage_client.add("s", n)
+        futures = [stage_client.call_utility_future("echo", "f", i) for i in range(20)]
+        got = [stage_client.call_utility("echo", i, timeout=5) for i in range(100)]
+        assert got == [[i] for i in range(100)]
+        assert [f.result(5) for f in futures] == [["f", i] for i in range(20)]
+        assert stream.collect(timeout=10) == list(range(n - 1, -1, -1))
+        # The ordered event stream has every output and every answer, in the stage's order.
+        events = events_until(stage_client, finished("s"))
+        assert outputs_of(events) == [("s", left == 0, left) for left in range(n - 1, -1, -1)]
+        answers = [e.result for e in events if isinstance(e, UtilityResult)]
+        assert answers == [["f", i] for i in range(20)] + [[i] for i in range(100)]
+
+    def test_calls_futures_and_requests_alternate(self, launch: Launch) -> None:
+        # Without the ordered event stream: back-to-back calls, each followed at once by
+        # other work whose answer must still be read.
+        client = launch(COUNTDOWN)
+        for i in range(50):
+            assert client.call_utility("div", i, 2, timeout=5) == i / 2
+        assert client.add("r", 3).collect(timeout=5) == [2, 1, 0]
+        for i in range(20):
+            assert client.call_utility("div", i, 1, timeout=5) == i
+            assert client.call_utility_future("div", i, 4).result(5) == i / 4
+            assert client.call_utility("div", i, 1, timeout=5) == i
+            assert client.add(f"q{i}", 2).collect(timeout=5) == [1, 0]
+        future = client.call_utility_future("div", 1, 4)
+        assert client.call_utility("div", 1, 2, timeout=5) == 0.5
+        assert future.result(5) == 0.25
+        with pytest.raises(UtilityError, match="ZeroDivisionError"):
+            client.call_utility("div", 1, 0, timeout=5)
+        assert client.call_utility("div", 3, 1, timeout=5) == 3
+
+
 class TestPayloads:
     @pytest.mark.parametrize(
         "data",

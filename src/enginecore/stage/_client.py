@@ -3,6 +3,38 @@
 The protocol (what a frame means, which request or call it concerns, when the stage counts
 as gone) is :class:`~enginecore.stage._session.ClientSession`'s; this module owns only the
 IO: the sockets, the receiver thread, the locks and the waiting.
+
+Utility round trip. A blocking :meth:`StageClient.call_utility` reads its answer from the
+output socket itself instead of being woken by the receiver thread: that thread hand-off (a
+futex wake and a GIL hand-over, ~30-50 µs here) sat on the critical path of every call, and
+cost CPU on a machine where the stage's own threads want it at the same moment.
+
+One thread at a time reads the PULL socket: the *owner* (``StageClient._owner``), which is
+the receiver thread (``_RX``), a borrowing ``call_utility`` (its waiter), or nobody
+(``None``: the socket is *idle*, lent out but unread). A blocking call, unless another call
+borrows the socket already:
+
+1. takes the socket at once if it is idle; else (the receiver owns it) leaves its waiter in
+   ``_want`` and writes a byte to the wake pipe, so the receiver wakes, hands the socket
+   over through the waiter and parks, while the call is on its way to the stage;
+2. polls the socket, the wake pipe and the process sentinel itself, and dispatches every
+   frame as the receiver would (same session code, same locks): other calls, streams and
+   the ordered event stream are served meanwhile, and done-callbacks of futures run on it;
+3. stops once its answer is in, after at most ``_BORROW_MAX_S``, at its deadline, or at once
+   if the wake pipe (``close()``, the stage presumed dead) or the sentinel fires (the
+   receiver runs the death path), and gives the socket back: to the receiver thread, which
+   it wakes, unless it has its answer and nothing else is in flight (no stream, no other
+   call, no ordered event stream, the stage running): then it leaves the socket idle, so
+   that the next call, typically right after, takes it without waking anyone.
+
+While the socket is not its own, the parked receiver thread still runs the liveness timers
+(pings, the heartbeat deadline, the grace period after an exit), which need no socket
+reading; it takes an idle socket back after ``_IDLE_LEND_S``, or as soon as anything else is
+sent (``_send``: a request, an abort, a future's call, the close). So back-to-back calls
+run with no thread hand-off on the client side, like a hand-written ``recv()`` loop, and
+anything else is read as promptly as before (a few ms at most for an unsolicited event, such
+as a protocol error's warning, right after a call; the stage's death through its sentinel
+within the same few ms).
 """
 
 from __future__ import annotations
@@ -17,7 +49,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any, Final, Literal, overload
 
 import zmq
 
@@ -32,33 +64,46 @@ __all__ = ["RequestStream", "StageClient"]
 
 logger = logging.getLogger("enginecore.stage")
 
-# At most this many frames are read in a row before the receiver looks at its other wake-ups
-# (close, the process sentinel) again.
+# At most this many frames are read in a row before the reader looks at its other wake-ups
+# (close, the process sentinel, a caller that wants the socket) again.
 _DRAIN_MAX = 256
+# How long a blocking call_utility may hold the output socket waiting for its answer before
+# it gives the socket back to the receiver thread and waits like any other caller.
+_BORROW_MAX_S = 0.05
+# How long the output socket may stay idle (lent, unread) after a call_utility got its
+# answer, for the next call to take it without waking the receiver thread.
+_IDLE_LEND_S = 0.005
 
 
 class _Waiter:
-    """What a blocking :meth:`StageClient.call_utility` waits on: a pre-acquired lock that
-    the one thread resolving the call releases. Lighter than a ``Future`` (no condition
-    variable, no callbacks). Exactly one thread resolves a call: the one that pops it from
-    the session under ``_lock``."""
+    """What a blocking :meth:`StageClient.call_utility` waits on: a queue that gets a token
+    when the call is resolved (:attr:`done`), or when the receiver thread has handed the
+    output socket over to the caller (then the client's ``_owner`` is this waiter). Lighter
+    than a ``Future`` (no condition variable, no callbacks); a token may be stale, so the
+    caller looks at the state after each one. Exactly one thread resolves a call: the one
+    that pops it from the session under ``_lock``."""
 
-    __slots__ = ("exc", "lock", "result")
+    __slots__ = ("done", "exc", "result", "wakeup")
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()
+        self.wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self.result: Any = None
         self.exc: BaseException | None = None
+        self.done = False
 
     def set_result(self, result: Any) -> None:
         self.result = result
-        self.lock.release()
+        self.done = True
+        self.wakeup.put(None)
 
     def set_exception(self, exc: BaseException) -> None:
         self.exc = exc
-        self.lock.release()
+        self.done = True
+        self.wakeup.put(None)
 
+
+# StageClient._owner when the receiver thread reads the socket.
+_RX: Final = "receiver thread"
 
 _AnyWaiter = concurrent.futures.Future[Any] | _Waiter
 
@@ -76,12 +121,12 @@ class RequestStream(StreamCore, Iterator[Any]):
 
     ``next()`` blocks until an output arrives; :meth:`get` and :meth:`collect` take a
     timeout. Outputs are buffered, so a stream may be consumed late. One consumer thread per
-    stream; the client's receiver thread may fill it meanwhile.
+    stream; the thread reading the stage's events may fill it meanwhile.
     """
 
-    # The receiver appends under the client's _lock; the consumer reads its own list without
-    # it and takes it only to swap lists (StreamCore). _wakeup gets a token when the receiver
-    # finds _waiting set.
+    # The reader (the receiver thread, or a call_utility that borrows the socket) appends
+    # under the client's _lock; the consumer reads its own list without it and takes it only
+    # to swap lists (StreamCore). _wakeup gets a token when the reader finds _waiting set.
     __slots__ = ()
 
     _STOP = StopIteration
@@ -146,16 +191,28 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     heartbeats for a connected one); when the stage is gone, every pending call, every
     waiting iterator and every later call raises the same
     :class:`~enginecore.stage.EngineDeadError`, within a second. After :meth:`close` they
-    raise :class:`~enginecore.stage.StageClosedError` instead.
+    raise :class:`~enginecore.stage.StageClosedError` instead. While a blocking
+    :meth:`call_utility` waits, it may read the stage's events itself instead of that thread
+    (see the module docstring); done-callbacks of futures then run on the thread reading.
     """
 
     # Lock rules: _lock guards the session (streams, calls, failure, closing, the event
-    # buffer's waiting flag); the receiver takes it once per frame, and it is never held while
-    # user code runs (futures are resolved after release, see _apply) nor while taking
-    # _send_lock. _send_lock serialises every use of the DEALER socket (zmq sockets are not
-    # thread-safe) and guards _sockets_closed, the one send-after-close guard. _event_lock
-    # lets one event-stream consumer at a time wait. _close_lock makes close idempotent. The
-    # receiver thread alone reads the PULL socket, until close() has joined it.
+    # buffer's waiting flag) and who reads the output socket (_owner, _want); the reader
+    # takes it once per frame, and it is never held while user code runs (futures are
+    # resolved after release, see _apply) nor while taking _send_lock. _cond (on _lock) is
+    # where the receiver thread parks while it does not own the socket. _send_lock serialises
+    # every use of the DEALER socket (zmq sockets are not thread-safe) and guards
+    # _sockets_closed, the one send-after-close guard. _event_lock lets one event-stream
+    # consumer at a time wait. _close_lock makes close idempotent.
+    #
+    # Only the owner (module docstring) uses the PULL socket, _poller and the session's
+    # decoder; _owner changes only under _lock. The receiver hands the socket over only to
+    # _want, after a byte on the wake pipe; it takes it back when a borrower sets _owner to
+    # _RX (and notifies _cond), or, when idle (None), after _IDLE_LEND_S or on _resume.
+    # close() sets _stopping, writes to the wake pipe (a borrower polls it too, and gives the
+    # socket back at once) and resumes the receiver, which then returns; close() joins it
+    # before it closes anything. Only a claim made under _lock while the session is open
+    # writes to the pipe, so no byte is written once close() may have closed it.
 
     _lock: threading.Lock
     _stream_type = RequestStream
@@ -176,6 +233,21 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self._event_lock = threading.Lock()
         self._event_wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)  # a full pipe is readable already: drop the byte
+        self._stopping = False  # close() wants the receiver thread to return
+        self._cond = threading.Condition(self._lock)  # the receiver parks on it
+        self._owner: object = _RX  # who reads the PULL socket: _RX, a _Waiter, None (idle)
+        self._want: _Waiter | None = None  # a call_utility waiting for the receiver's socket
+        self._idle_until = 0.0  # when the receiver takes an idle socket back
+        self._exit_seen = False  # the receiver saw the process sentinel
+        self._reader: int | None = None  # ident of a borrower that reads the socket now
+        self._closer: int | None = None  # ident of the thread inside _close, if any
+        self._poller = zmq.Poller()  # used by the thread reading the socket
+        self._poller.register(self._pull, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._sentinel = self._launched.process.sentinel if self._launched is not None else None
+        if self._sentinel is not None:
+            self._poller.register(self._sentinel, zmq.POLLIN)
         self._rx = threading.Thread(target=self._rx_main, name="enginecore-client", daemon=True)
         self._rx.start()
 
@@ -344,12 +416,39 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         :class:`~enginecore.stage.EngineDeadError` /
         :class:`~enginecore.stage.StageClosedError` if the stage dies or the client is
         closed. Thread-safe.
+
+        While no other ``call_utility`` does so, the calling thread reads the stage's events
+        itself until its answer is in (for at most 50 ms), instead of being woken by the
+        receiver thread: one thread wake-up less per call. It then handles every event as
+        the receiver thread would, so done-callbacks of futures may run on it.
         """
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         waiter = _Waiter()
-        call_id = self._start_call(name, args, waiter)
-        if not waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            self._forget_call(call_id)
-            raise TimeoutError(f"utility {name!r} did not answer within {timeout} s")
+        try:
+            self._claim(waiter)
+            call_id = self._start_call(name, args, waiter)
+            try:
+                while not waiter.done:
+                    if self._owner is waiter:  # ours since the claim, or handed over
+                        self._read_until(waiter, deadline)
+                        if waiter.done:
+                            break
+                    try:
+                        waiter.wakeup.get(timeout=_left(deadline))
+                    except queue.Empty:
+                        raise TimeoutError(
+                            f"utility {name!r} did not answer within {timeout} s"
+                        ) from None
+            except BaseException:
+                self._forget_call(call_id)  # a late answer is dropped
+                raise
+        finally:
+            # Whatever happened, even an interrupt inside _claim: the socket is not left
+            # with this call. _read_until gave it back already, unless the receiver was
+            # still to hand it over: then _want is still this waiter (_lend sets _owner
+            # before it clears _want, so one of the two shows it, read in this order).
+            if self._want is waiter or self._owner is waiter:
+                self._give_back(waiter)
         if waiter.exc is not None:
             raise waiter.exc
         return waiter.result
@@ -442,8 +541,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         raise :class:`~enginecore.stage.StageClosedError` (or keep the
         :class:`~enginecore.stage.EngineDeadError` they already had), and so does every later
         call. Blocks; thread-safe; idempotent (a second call waits for the first). Called
-        from a future's done-callback (the client's receiver thread), it cannot wait there:
-        it starts the close in the background and returns ``None``.
+        from a future's done-callback (which runs on the thread reading the stage's events:
+        the client's receiver thread, or a thread blocked in :meth:`call_utility`), it
+        cannot wait there: it starts the close in the background and returns ``None``.
         """
         return self._close(stop_stage=True, timeout=timeout)
 
@@ -465,10 +565,17 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self.close()
 
     def _close(self, *, stop_stage: bool, timeout: float) -> int | None:
-        if threading.current_thread() is self._rx:
-            # Called from a future's done-callback, which runs on the receiver thread: closing
-            # joins that thread, so it cannot happen here. Finish it on another thread; a
-            # later close() waits for it (_close_lock), and waiters are woken as usual.
+        me = threading.get_ident()
+        if me == self._closer:
+            # Called from a done-callback run by this very close() (it fails the waiters):
+            # the close is under way on this thread and ends when the callback returns.
+            return None
+        if me in (self._rx.ident, self._reader):
+            # Called from a future's done-callback, which runs on the thread reading the
+            # socket: the receiver thread, or a call_utility that borrowed the socket (the
+            # receiver is parked until it gives it back). Closing joins the receiver, so it
+            # cannot happen here. Finish it on another thread; a later close() waits for it
+            # (_close_lock), and waiters are woken as usual.
             with self._lock:
                 self._session.begin_close()
             threading.Thread(
@@ -481,35 +588,54 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         with self._close_lock:  # a second caller waits for the first, then returns
             if self._closed_done:
                 return self.exit_code
-            alive = self._begin_close(stop_stage)
-            launched = self._launched
-            if launched is not None:
-                if not launched.wait_exit(timeout):
-                    for sig, wait in _clientbase.escalate(self._session.pid):
-                        launched.send_signal(sig)
-                        if launched.wait_exit(wait):
-                            break
-                self._over.wait(_session.EXIT_GRACE_S)  # the last frames, read as it exited
-            elif stop_stage and alive:
-                self._over.wait(timeout)
-            os.write(self._wake_w, b"x")
-            self._rx.join()
-            self._fail_closed()
-            with self._send_lock:
-                self._sockets_closed = True
-                # A bye or shutdown to a live stage deserves a moment to leave the queue.
-                self._dealer.close(linger=500 if alive else 0)
-            _clientbase.close_sockets(self._ctx, self._pull)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            if launched is not None:
-                launched.release()
-            self._closed_done = True
-            return self.exit_code
+            self._closer = me
+            try:
+                return self._close_now(stop_stage, timeout)
+            finally:
+                self._closer = None
+
+    def _close_now(self, stop_stage: bool, timeout: float) -> int | None:
+        """The close itself, under _close_lock."""
+        alive = self._begin_close(stop_stage)
+        launched = self._launched
+        if launched is not None:
+            if not launched.wait_exit(timeout):
+                for sig, wait in _clientbase.escalate(self._session.pid):
+                    launched.send_signal(sig)
+                    if launched.wait_exit(wait):
+                        break
+            self._over.wait(_session.EXIT_GRACE_S)  # the last frames, read as it exited
+        elif stop_stage and alive:
+            self._over.wait(timeout)
+        self._stopping = True  # before the byte: the receiver reads the flag after it
+        _poke(self._wake_w)  # for the receiver or a borrower, whichever polls
+        self._resume()  # for a receiver parked with an idle socket
+        self._rx.join()
+        self._fail_closed()
+        with self._send_lock:
+            self._sockets_closed = True
+            # A bye or shutdown to a live stage deserves a moment to leave the queue.
+            self._dealer.close(linger=500 if alive else 0)
+        _clientbase.close_sockets(self._ctx, self._pull)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if launched is not None:
+            launched.release()
+        self._closed_done = True
+        return self.exit_code
 
     # -- IO ----------------------------------------------------------------------------------
 
     def _send(self, parts: _session.Parts) -> None:
+        self._send_now(parts)
+        if self._owner is None:
+            # The output socket idles after a call_utility: what this message brings back
+            # (outputs, an answer) needs a reader. Read after sending, and after whatever
+            # it answers was registered: a borrower that left the socket idle before saw
+            # no such registration (it looks under _lock), and one that comes later sees it.
+            self._resume()
+
+    def _send_now(self, parts: _session.Parts) -> None:
         with self._send_lock:
             if self._sockets_closed:
                 raise StageClosedError("this stage client is closed")
@@ -543,15 +669,12 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 d = self._session.fail(err)
             if d is not None:
                 self._apply(d)
+            _poke(self._wake_w)  # a borrower stops polling at once
 
     def _rx_loop(self) -> None:
         session = self._session
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        sentinel = self._launched.process.sentinel if self._launched is not None else None
-        if sentinel is not None:
-            poller.register(sentinel, zmq.POLLIN)
+        poller = self._poller
+        pull, wake_r = self._pull, self._wake_r
         while True:
             with self._lock:
                 ping, wake_at, d = session.tick(time.monotonic())
@@ -561,42 +684,189 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 return
             if ping is not None:
                 with contextlib.suppress(zmq.ZMQError, StageClosedError):
-                    self._send(ping)
+                    self._send_now(ping)
             timeout_ms = None
             if wake_at is not None:  # rounded up: waking early would spin until the deadline
                 timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
             ready = dict(poller.poll(timeout_ms))
-            if self._pull in ready and self._drain():
+            if pull in ready and self._drain(None):
                 return
-            if self._wake_r in ready:
-                return
+            sentinel = self._sentinel
             if sentinel is not None and sentinel in ready:
                 poller.unregister(sentinel)
-                sentinel = None
+                self._sentinel = None
                 assert self._launched is not None
                 exit_code = self._launched.reap()
                 with self._lock:
+                    self._exit_seen = True
                     d = session.process_exited(exit_code, time.monotonic())
                 if d is not None:
                     self._apply(d)
+            if wake_r in ready:
+                os.read(wake_r, 4096)  # every byte: one wake-up serves them all
+                if self._stopping:
+                    return
+                self._lend()
 
-    def _drain(self) -> bool:
-        """Read and apply the frames waiting (a bounded number); whether the session ended."""
+    def _lend(self) -> None:
+        """Receiver thread, after a byte on the wake pipe: hand the socket over to the
+        caller in ``_want``, if one still waits for it, and park until it is back."""
+        with self._lock:
+            waiter = self._want
+            if waiter is None:
+                return
+            self._owner = waiter  # before clearing _want: see call_utility's finally
+            self._want = None
+        waiter.wakeup.put(None)
+        self._park()
+
+    def _park(self) -> None:
+        """Receiver thread, while another thread owns the socket or it idles: run the
+        liveness timers; return once the socket is the receiver's again (given back, or
+        taken back when idle: after ``_IDLE_LEND_S``, on :meth:`_resume`, on close, or once
+        the stage is gone)."""
+        session = self._session
+        cond = self._cond
+        while True:
+            with cond:
+                ping, wake_at, d = session.tick(time.monotonic())
+            if d is not None:
+                self._apply(d)
+                _poke(self._wake_w)  # presumed dead: a borrower stops polling at once
+            if ping is not None:
+                with contextlib.suppress(zmq.ZMQError, StageClosedError):
+                    self._send_now(ping)
+            with cond:
+                while True:
+                    owner = self._owner
+                    if owner is _RX:
+                        return
+                    now = time.monotonic()
+                    until = wake_at
+                    if owner is None:
+                        idle_until = self._idle_until
+                        if now >= idle_until or self._stopping or session.failure is not None:
+                            self._owner = _RX
+                            return
+                        if until is None or idle_until < until:
+                            until = idle_until
+                    if until is not None and now >= until:
+                        break  # a timer is due
+                    cond.wait(None if until is None else until - now)
+
+    def _resume(self) -> None:
+        """Have the receiver thread take the socket back now if it idles."""
+        with self._cond:
+            if self._owner is None:
+                self._owner = _RX
+                self._cond.notify()
+
+    def _claim(self, waiter: _Waiter) -> None:
+        """Caller of call_utility: become the socket's borrower, or ask the receiver for it.
+        Not while another call does, nor on a thread that reads the socket already (a
+        done-callback: it would wait for itself); the call then waits for its answer."""
+        me = threading.get_ident()
+        with self._lock:
+            session = self._session
+            if (
+                session.failure is not None
+                or session.closing
+                or me in (self._reader, self._rx.ident)
+            ):
+                return
+            owner = self._owner
+            if owner is None:  # idle: no one to wake
+                self._owner = waiter
+            elif owner is _RX and self._want is None:
+                self._want = waiter
+                _poke(self._wake_w)  # under _lock while open: close() has not closed the pipe
+
+    def _give_back(self, waiter: _Waiter) -> None:
+        """Caller: stop borrowing. If the socket is *waiter*'s, leave it idle when the call
+        has its answer and nothing else is in flight, else give it back to the receiver
+        thread. Idempotent."""
+        with self._lock:
+            if self._want is waiter:
+                self._want = None
+            if self._owner is not waiter:
+                return
+            session = self._session
+            if (
+                waiter.done
+                and not session.streams
+                and not session.calls
+                and session.events is None
+                and session.state is _session.StageState.RUNNING
+                and not session.closing
+                and not self._exit_seen
+            ):
+                self._owner = None
+                self._idle_until = time.monotonic() + _IDLE_LEND_S
+            else:
+                self._owner = _RX
+                self._cond.notify()
+
+    def _read_until(self, waiter: _Waiter, deadline: float | None) -> None:
+        """Caller, owning the socket: read and dispatch frames as the receiver would, until
+        *waiter* is resolved, for at most ``_BORROW_MAX_S`` or until *deadline*; at once if
+        the wake pipe (close, death) or the process sentinel fires. Then give the socket
+        back, whatever happens (an interrupt, above all)."""
+        self._reader = threading.get_ident()
+        try:
+            end = time.monotonic() + _BORROW_MAX_S
+            if deadline is not None and deadline < end:
+                end = deadline
+            poll = self._poller.poll
+            pull = self._pull
+            session = self._session
+            while not waiter.done and session.failure is None:
+                timeout_ms = math.ceil((end - time.monotonic()) * 1000)
+                if timeout_ms <= 0:
+                    return
+                ready = poll(timeout_ms)
+                if not ready:
+                    return
+                if ready[0][0] is pull:
+                    self._drain(waiter)
+                if len(ready) > 1 or ready[0][0] is not pull:
+                    return  # close(), death or the process's exit: the receiver's job
+        finally:
+            self._reader = None
+            self._give_back(waiter)
+
+    def _drain(self, waiter: _Waiter | None) -> bool:
+        """Read and apply the frames waiting (a bounded number; a borrower stops after the
+        one that resolves its *waiter*); whether the session ended. Only the socket's owner
+        calls it."""
         session = self._session
         lock = self._lock
-        recv = self._pull.recv_multipart
+        # recv() and Frame.more, not recv_multipart(): pyzmq's RCVMORE getsockopt after each
+        # part costs more than a whole single-part recv.
+        recv = self._pull.recv
         for _ in range(_DRAIN_MAX):
             try:
-                parts = recv(zmq.NOBLOCK, copy=False)
+                frame = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            batch = session.decode(parts)  # outside the lock: only this thread decodes
+            parts = [frame]
+            while frame.more:  # the rest of a multipart message is there already
+                frame = recv(copy=False)
+                parts.append(frame)
+            batch = session.decode(parts)  # outside the lock: only the owner decodes
             with lock:
                 d = session.dispatch(batch, time.monotonic())
             self._apply(d)
             if session.failure is not None:
                 return True
+            if waiter is not None and waiter.done:
+                break
         return False
+
+
+def _poke(fd: int) -> None:
+    """Write a wake-up byte; a full pipe (the reader is behind) needs no more."""
+    with contextlib.suppress(BlockingIOError):
+        os.write(fd, b"x")
 
 
 def _left(deadline: float | None) -> float | None:
