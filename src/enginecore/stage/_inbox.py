@@ -121,6 +121,12 @@ class Inbox:
         self.failed = False
         self._thread = threading.Thread(target=self._main, name="enginecore-input", daemon=True)
 
+    @property
+    def attached(self) -> bool:
+        """Whether a client is attached (welcomed, and has not left). Read unlocked by the
+        loop thread at teardown; a stale read is harmless."""
+        return self._session is not None
+
     def start(self) -> None:
         """Start the input thread."""
         self._thread.start()

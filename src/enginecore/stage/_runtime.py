@@ -169,13 +169,16 @@ class StageRuntime:
             # Teardown, in this order:
             # 1. The output thread sends what is queued, the terminal event included (unless
             #    emit itself failed), and ends; we wait at most the flush timeout for it, and
-            #    not at all while nothing is connected to the output socket: nobody could
-            #    read it, and an idle stage must stop at once.
+            #    not at all while no client is attached and nothing is connected to the output
+            #    socket: nobody could read it, and an idle stage must stop at once. (A client
+            #    just welcomed counts even before the monitor reports its PULL: a stage that
+            #    dies right after the handshake still sends it the fatal event.)
             # 2. ctx.term() wakes the input thread (and an output thread stuck on a peer that
             #    is gone) with ETERM; it returns once both closed their sockets, the output
             #    socket after its linger.
             # 3. The ipc socket files that libzmq leaves behind are removed.
-            self._outbox.close(timeout=self._flush_timeout if self._inbox.output_peers > 0 else 0.0)
+            readers = self._inbox.attached or self._inbox.output_peers > 0
+            self._outbox.close(timeout=self._flush_timeout if readers else 0.0)
             self._ctx.term()
             self._inbox.join()
             self._outbox.join()
