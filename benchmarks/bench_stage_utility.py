@@ -39,12 +39,8 @@ GOAL = 1.5
 GOAL_MPQ = 1.0
 
 
-def sample_stage(client: object, n: int) -> list[float]:
-    """*n* back-to-back ``call_utility`` round trips, in µs."""
-    from enginecore.stage import StageClient
-
-    assert isinstance(client, StageClient)
-    call = client.call_utility
+def sample_calls(call: Callable[[str], object], n: int) -> list[float]:
+    """*n* back-to-back blocking ``call("count")`` round trips, in µs."""
     clock = time.perf_counter_ns
     out: list[float] = []
     for _ in range(n):
@@ -52,6 +48,14 @@ def sample_stage(client: object, n: int) -> list[float]:
         call("count")
         out.append((clock() - t0) / 1e3)
     return out
+
+
+def sample_stage(client: object, n: int) -> list[float]:
+    """*n* back-to-back ``call_utility`` round trips, in µs."""
+    from enginecore.stage import StageClient
+
+    assert isinstance(client, StageClient)
+    return sample_calls(client.call_utility, n)
 
 
 def sample_raw(peer: object, n: int) -> list[float]:
@@ -76,14 +80,7 @@ def sample_mpq(stage: object, n: int) -> list[float]:
     from ._mpq_stage import MpqStage
 
     assert isinstance(stage, MpqStage)
-    call = stage.call
-    clock = time.perf_counter_ns
-    out: list[float] = []
-    for _ in range(n):
-        t0 = clock()
-        call("count")
-        out.append((clock() - t0) / 1e3)
-    return out
+    return sample_calls(stage.call, n)
 
 
 def measure(
