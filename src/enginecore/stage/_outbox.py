@@ -93,9 +93,12 @@ class Outbox:
     #   under _lock, the loop thread may send on the socket itself (a zmq socket is used by
     #   one thread at a time; the lock orders the two users). Once the output thread has
     #   ended, _idle stays False.
-    # - backlog counts what is queued and not yet sent, one per output and one per other
-    #   event. The loop thread peeks at it unlocked before each step (a stale read delays
-    #   the wait by one step at most); _drained is signalled after every frame sent.
+    # - backlog counts what is queued or taken by the output thread and not yet sent, one
+    #   per output and one per other event: _send takes a frame's weight off as it sends it.
+    #   The loop thread peeks at it unlocked before each step (a stale read delays the wait
+    #   by one step at most); _drained is signalled after every frame sent. begin_session
+    #   counts all of it but the last events as dropped, including a batch the output
+    #   thread holds for the previous client, and sets it to what is left.
     # - terminal and failed are written by the output thread; read after it has ended.
     # - resync is set by the input thread and cleared by whichever thread sends next, before
     #   it processes the socket's commands (_resync), so a set is never lost.
@@ -303,7 +306,6 @@ class Outbox:
         new epoch, to be applied by the loop in order (:meth:`loop_epoch`), and how many
         events were dropped. Never blocks."""
         with self._lock:
-            dropped = 0
             last: Events = []
             while True:
                 try:
@@ -312,10 +314,10 @@ class Outbox:
                     break
                 if item.__class__ is not list and item[0] in _LAST:
                     last.append(item)
-                    continue
-                weight = _weight(item)
-                dropped += weight
-                self.backlog -= weight
+            # What the output thread has taken and not sent is the previous client's too: it
+            # is never sent (_send checks the epoch), and no longer counted.
+            dropped = max(0, self.backlog - len(last))
+            self.backlog = len(last)
             self._epoch += 1
             self._gated = True  # until the loop has applied the new epoch
             self._idle = False  # the output thread has the marker to take
@@ -361,9 +363,10 @@ class Outbox:
             return False
         return not self._detached or self._admit_detached(item, weight)
 
-    def _send(self, parts: list[Any], epoch: int) -> bool:
-        """Output thread: send one frame, waiting for a peer to take it; ``False`` (nothing
-        sent) once a new session has begun after the output thread's *epoch*.
+    def _send(self, parts: list[Any], epoch: int, weight: int) -> bool:
+        """Output thread: send one frame of *weight* events, waiting for a peer to take it;
+        ``False`` (nothing sent) once a new session has begun after the output thread's
+        *epoch* (:meth:`begin_session` has counted the frame as dropped).
 
         The check and the send are one step under the lock, and the wait is outside it: a
         batch taken for a previous client, and waiting for a peer, is never sent to the
@@ -378,9 +381,13 @@ class Outbox:
                         sock.send(parts[0], zmq.NOBLOCK, copy=False)
                     else:
                         sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
-                    return True
                 except zmq.Again:
                     pass
+                else:
+                    self.backlog -= weight
+                    if self.backlog <= BACKLOG_MAX:
+                        self._drained.notify()
+                    return True
             # No peer, or the peer is behind by the high-water mark. ctx.term() ends the
             # wait with ContextTerminated, as it ended a blocking send.
             sock.poll(None, zmq.POLLOUT)
@@ -409,14 +416,16 @@ class Outbox:
                     else:
                         kind = item[0]
                         if kind == "session":
-                            # What was taken before it belongs to the previous session.
+                            # What was taken before it belongs to the previous session
+                            # (begin_session has counted it as dropped).
                             epoch = item[1]
                             events = []
+                            taken = 0
+                        elif kind == "stop":
+                            done = True
+                            break
                         else:
                             taken += 1
-                            if kind == "stop":
-                                done = True
-                                break
                             events.append(item)
                             if kind in ("shutdown", "fatal"):
                                 self.terminal = kind
@@ -434,24 +443,22 @@ class Outbox:
                     chunk = (
                         events if len(events) <= MAX_BATCH else events[start : start + MAX_BATCH]
                     )
+                    weight = taken if chunk is events else _weight(chunk)
                     try:
                         parts = encoder.encode(chunk)
                     except _ENCODE_ERRORS:
                         parts = encoder.encode(self._encodable(encoder, chunk))
-                    if not send(parts, epoch):
+                    if not send(parts, epoch, weight):
                         # A new session began: the rest is the previous one's, except the
                         # terminal event, which is every client's.
                         if self.terminal is not None:
-                            send(encoder.encode(events[-1:]), self._epoch)
+                            send(encoder.encode(events[-1:]), self._epoch, 0)
                         break
                 if done:
                     return
                 with self._lock:
-                    self.backlog -= taken
                     if self._queue.empty():
                         self._idle = True  # the loop thread may send (_send_or_post)
-                    if self.backlog <= BACKLOG_MAX:
-                        self._drained.notify()
         except zmq.ContextTerminated:
             # The process is ending and no client is reading (none attached, or it is gone):
             # what is left cannot be delivered.
