@@ -8,13 +8,38 @@ each client.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from enginecore.stage import AsyncStageClient, StageStartupError
 
-from .conftest import SCRIPTED
+from .conftest import SCRIPTED, child_pids, pid_gone, wait_until
+
+SLEEPING = "enginecore.stage.testing:sleeping_factory"
+
+
+def grandchildren(pid: int) -> list[int]:
+    """The children of *pid* that are not multiprocessing's resource tracker."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                tracker = b"resource_tracker" in f.read()
+        except (OSError, ValueError):
+            continue
+        if ppid == pid and not tracker:
+            found.append(int(entry))
+    return found
+
 
 Body = Callable[[AsyncStageClient], Awaitable[None]]
 
@@ -46,6 +71,51 @@ class TestLaunch:
                 await task
 
         asyncio.run(main())  # returns after the worker thread finished and cleaned up
+
+    def test_cancelling_a_slow_launch_kills_the_stage_at_once(self) -> None:
+        # The factory would take 60 s; the cancellation is seen in well under a second, and
+        # the stage is already gone when it is (the fixture checks no child or file is left).
+        async def main() -> float:
+            before = set(child_pids())
+            task = asyncio.ensure_future(
+                AsyncStageClient.launch(SLEEPING, {"seconds": 60}, startup_timeout=120)
+            )
+            while not set(child_pids()) - before:  # the stage process is running
+                await asyncio.sleep(0.01)
+            (stage,) = set(child_pids()) - before
+            start = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            elapsed = time.monotonic() - start
+            assert pid_gone(stage)
+            return elapsed
+
+        assert asyncio.run(main()) < 1.0
+
+    def test_ctrl_c_during_a_slow_launch_exits_at_once(self, no_leftovers: str) -> None:
+        script = textwrap.dedent(
+            f"""
+            import asyncio, tempfile
+            from enginecore.stage import AsyncStageClient
+            tempfile.tempdir = {no_leftovers!r}
+            asyncio.run(AsyncStageClient.launch({SLEEPING!r}, {{"seconds": 60}}))
+            """
+        )
+        proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+        try:
+            assert wait_until(lambda: grandchildren(proc.pid), 30), "the stage never started"
+            (stage,) = grandchildren(proc.pid)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+            elapsed = time.monotonic() - start
+        finally:
+            proc.kill()
+            proc.wait()
+        assert "KeyboardInterrupt" in err
+        assert pid_gone(stage)
+        assert elapsed < 1.0
 
 
 class TestCancellation:

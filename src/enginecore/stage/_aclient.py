@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
@@ -183,15 +184,29 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         Waits until the stage is ready, at most *startup_timeout* seconds; the blocking part
         of the start runs in a worker thread, so the event loop keeps running. Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
-        factory raised) if it does not come up. Cancelling it kills the stage. No process or
-        socket file is left behind either way.
+        factory raised) if it does not come up. Cancelling it (also Ctrl-C under
+        :func:`asyncio.run`) stops the wait at once and kills the half-started stage before
+        the cancellation propagates. No process or socket file is left behind either way.
         """
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, launch_process, factory, kwargs, startup_timeout, name)
+        # The worker thread waits for the child; this socket pair tells it to stop waiting.
+        cancel, cancel_sender = socket.socketpair()
+        fut = loop.run_in_executor(
+            None, launch_process, factory, kwargs, startup_timeout, name, cancel
+        )
+        fut.add_done_callback(lambda _: (cancel.close(), cancel_sender.close()))
         try:
             launched = await asyncio.shield(fut)
         except asyncio.CancelledError:
+            # Cancelled (or Ctrl-C under asyncio.run): the worker kills what it started and
+            # returns at once. Wait for that, so nothing is left once the cancellation is
+            # seen; if this wait is cancelled too, the callback still kills a stage that
+            # came up meanwhile.
             fut.add_done_callback(_kill_if_launched)
+            with contextlib.suppress(OSError):
+                cancel_sender.send(b"x")
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(fut)
             raise
         try:
             return await cls._open(
@@ -592,5 +607,6 @@ async def _until_set(event: asyncio.Event, timeout: float | None) -> bool:
 
 
 def _kill_if_launched(fut: asyncio.Future[Launched]) -> None:
+    # Reads the exception, so a LaunchCancelled is never reported as never retrieved.
     if not fut.cancelled() and fut.exception() is None:
         fut.result().kill_and_clean()

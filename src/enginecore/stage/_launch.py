@@ -9,6 +9,7 @@ import multiprocessing.util
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -20,7 +21,7 @@ import msgspec
 from . import _process, _session, _wire
 from ._errors import StageStartupError, describe_exit
 
-__all__ = ["Launched", "launch_process"]
+__all__ = ["LaunchCancelled", "Launched", "launch_process"]
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_IPC_PATH: Final = 107
@@ -114,14 +115,25 @@ def _validate_factory(factory: str) -> None:
         raise ValueError(f"engine factory must look like 'pkg.module:factory', got {factory!r}")
 
 
+class LaunchCancelled(Exception):
+    """Raised by :func:`launch_process` when its *cancel* socket became readable; the
+    half-started stage has been killed and cleaned up."""
+
+
 def launch_process(
-    factory: str, kwargs: dict[str, Any] | None, startup_timeout: float, name: str | None
+    factory: str,
+    kwargs: dict[str, Any] | None,
+    startup_timeout: float,
+    name: str | None,
+    cancel: socket.socket | None = None,
 ) -> Launched:
     """Spawn a stage process and wait until it is ready. Blocks up to *startup_timeout*.
 
     Raises :class:`StageStartupError` (no process left behind) if the factory raised, the child
     died, or it was not ready in time; :class:`ValueError` / :class:`TypeError` for bad
-    arguments, before anything is started.
+    arguments, before anything is started. Once *cancel* (a socket) is readable, stops
+    waiting: kills what it started, cleans up, and raises :class:`LaunchCancelled` (the
+    asyncio client's way to cancel a launch running in a worker thread).
     """
     _validate_factory(factory)
     kwargs = dict(kwargs or {})
@@ -130,6 +142,8 @@ def launch_process(
         raise TypeError("factory kwargs must have str keys")
     kwargs_frame = _session.encode_plain(kwargs, "factory kwargs")
 
+    if cancel is not None and multiprocessing.connection.wait([cancel], 0):
+        raise LaunchCancelled(f"the launch of stage {factory!r} was cancelled")
     ipc_dir = tempfile.mkdtemp(prefix="enginecore-")  # mode 0700: only this user can connect
     input_path = os.path.join(ipc_dir, "in")
     if len(input_path) + 1 > _MAX_IPC_PATH:
@@ -160,16 +174,21 @@ def launch_process(
         raise
     child_conn.close()  # else the child could never see EOF from our side, nor we from its
     try:
-        _wait_ready(launched, factory, startup_timeout)
+        _wait_ready(launched, factory, startup_timeout, cancel)
     except BaseException:
         launched.kill_and_clean()
         raise
     return launched
 
 
-def _wait_ready(launched: Launched, factory: str, startup_timeout: float) -> None:
+def _wait_ready(
+    launched: Launched, factory: str, startup_timeout: float, cancel: socket.socket | None
+) -> None:
     process = launched.process
     conn = launched.conn
+    waitables: list[Any] = [conn, process.sentinel]
+    if cancel is not None:
+        waitables.append(cancel)
     deadline = time.monotonic() + startup_timeout
     while True:
         remaining = deadline - time.monotonic()
@@ -178,7 +197,9 @@ def _wait_ready(launched: Launched, factory: str, startup_timeout: float) -> Non
                 f"stage {factory!r} (pid {process.pid}) did not report ready within "
                 f"{startup_timeout} s; it was killed"
             )
-        ready = multiprocessing.connection.wait([conn, process.sentinel], remaining)
+        ready = multiprocessing.connection.wait(waitables, remaining)
+        if cancel is not None and cancel in ready:
+            raise LaunchCancelled(f"the launch of stage {factory!r} was cancelled")
         if conn in ready:
             try:
                 report = msgspec.msgpack.decode(conn.recv_bytes())
