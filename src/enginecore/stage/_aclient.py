@@ -194,7 +194,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         fut = loop.run_in_executor(
             None, launch_process, factory, kwargs, startup_timeout, name, cancel
         )
-        fut.add_done_callback(lambda _: (cancel.close(), cancel_sender.close()))
+        fut.add_done_callback(lambda _: _close_pair(cancel, cancel_sender))
         try:
             launched = await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -604,6 +604,11 @@ async def _until_set(event: asyncio.Event, timeout: float | None) -> bool:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(event.wait(), timeout)
     return event.is_set()
+
+
+def _close_pair(*socks: socket.socket) -> None:
+    for sock in socks:
+        sock.close()
 
 
 def _kill_if_launched(fut: asyncio.Future[Launched]) -> None:
