@@ -251,6 +251,37 @@ def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch
                 runner.stop()
 
 
+Connect = Callable[..., StageClient]
+
+
+@pytest.fixture(params=["sync", "async"])
+def connect(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Connect]:
+    """``connect(address, **kwargs)``: :meth:`StageClient.connect` or
+    :meth:`AsyncStageClient.connect` behind the blocking adapter, as :func:`launch` does for
+    launched stages. Closed after the test."""
+    runner = EventLoopThread() if request.param == "async" else None
+    opened: list[StageClient] = []
+
+    def connect_(address: str, **kwargs: Any) -> StageClient:
+        if runner is None:
+            client = StageClient.connect(address, **kwargs)
+        else:
+            aclient = runner.run(AsyncStageClient.connect(address, **kwargs))
+            client = cast(StageClient, BlockingAsyncClient(runner, aclient))
+        opened.append(client)
+        return client
+
+    try:
+        yield connect_
+    finally:
+        try:
+            for client in opened:
+                client.close()
+        finally:
+            if runner is not None:
+                runner.stop()
+
+
 @pytest.fixture
 def stage_client(launch: Launch) -> StageClient:
     """A launched ScriptedEngine stage with the ordered event stream on, through each client

@@ -150,6 +150,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._sockets_closed = False
         self._close_lock = asyncio.Lock()
         self._closed_done = False
+        self._released = False  # a bye was sent after the heartbeat presumed the stage dead
         self._over = asyncio.Event()  # Deliveries.over came: last event, or failure
         self._exited = asyncio.Event()  # the launched process's sentinel fired
         self._event_waiters: list[asyncio.Future[None]] = []
@@ -477,7 +478,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             self._fail_closed()
             self._sockets_closed = True
             # A bye or shutdown to a live stage deserves a moment to leave the queue.
-            self._dealer.close(linger=500 if alive else 0)
+            self._dealer.close(linger=500 if alive or self._released else 0)
             _clientbase.close_sockets(self._ctx, self._pull)
             if launched is not None:
                 launched.release()
@@ -569,11 +570,25 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         ping, wake_at, d = self._session.tick(time.monotonic())
         if d is not None:
             self._apply(d)
+        if self._session.release_due:
+            self._release_session()
         if ping is not None:
             with contextlib.suppress(zmq.ZMQError, StageClosedError):
                 self._send(ping)
         if wake_at is not None:
             self._timer = self._loop.call_later(wake_at - time.monotonic(), self._run_timers)
+
+    def _release_session(self) -> None:
+        """After the heartbeat presumed the stage dead: send a best-effort ``bye`` and
+        disconnect from the stage's output, so that a stage that was only unreachable or
+        stopped takes the next client at once instead of after its session timeout. The
+        input socket stays open (closed by :meth:`close`)."""
+        self._session.release_due = False
+        self._stop_reading()
+        with contextlib.suppress(zmq.ZMQError, StageClosedError):
+            self._send(_session.BYE_FRAME)
+            self._released = True
+        self._pull.close(linger=0)
 
     def _on_sentinel(self) -> None:
         launched = self._launched

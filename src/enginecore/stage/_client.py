@@ -229,6 +229,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self._sockets_closed = False
         self._close_lock = threading.Lock()
         self._closed_done = False
+        self._released = False  # a bye was sent after the heartbeat presumed the stage dead
         self._over = threading.Event()  # Deliveries.over came: last event, or failure
         self._event_lock = threading.Lock()
         self._event_wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -615,7 +616,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         with self._send_lock:
             self._sockets_closed = True
             # A bye or shutdown to a live stage deserves a moment to leave the queue.
-            self._dealer.close(linger=500 if alive else 0)
+            self._dealer.close(linger=500 if alive or self._released else 0)
         _clientbase.close_sockets(self._ctx, self._pull)
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -661,6 +662,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     def _rx_main(self) -> None:
         try:
             self._rx_loop()
+            if self._session.release_due and not self._stopping:
+                self._release_session()
         except BaseException as exc:
             logger.exception("enginecore: the stage client's receiver thread failed")
             err = EngineDeadError(f"the stage client's receiver thread failed: {exc!r}")
@@ -707,6 +710,21 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 if self._stopping:
                     return
                 self._lend()
+
+    def _release_session(self) -> None:
+        """Receiver thread, owning the output socket, after the heartbeat presumed the stage
+        dead: send a best-effort ``bye`` and disconnect from the stage's output, so that a
+        stage that was only unreachable or stopped takes the next client at once instead of
+        after its session timeout. The input socket stays open (closed by :meth:`close`)."""
+        self._session.release_due = False
+        with self._send_lock:
+            if self._sockets_closed:
+                return
+            with contextlib.suppress(zmq.ZMQError):
+                _clientbase.send_parts(self._dealer, _session.BYE_FRAME, zmq.NOBLOCK)
+                self._released = True
+        self._poller.unregister(self._pull)
+        self._pull.close(linger=0)
 
     def _lend(self) -> None:
         """Receiver thread, after a byte on the wake pipe: hand the socket over to the

@@ -326,6 +326,10 @@ class ClientSession(Generic[S, W]):
         self.events_waiting = False
         self.events_end: End | None = None  # the End appended to events, once it is
         self.last_heard = now
+        # Set when the heartbeat presumed a connected stage dead: the client should send a
+        # bye and close its output socket (release_session), so that a stage that was only
+        # unreachable or stopped lets the next client attach at once.
+        self.release_due = False
         self._next_ping = now
         self._ping_seq = itertools.count()
         self._exit_code: int | None = None
@@ -612,7 +616,9 @@ class ClientSession(Generic[S, W]):
         dead_at = self.last_heard + timeout
         if now >= dead_at:
             reason = f"no heartbeat from {self.address} for {timeout} s; presumed dead"
-            return None, None, self.fail(self.end_error(reason=reason))
+            d = self.fail(self.end_error(reason=reason))
+            self.release_due = not self.closing
+            return None, None, d
         ping = None
         if now >= self._next_ping:
             ping = [encode_plain(("ping", next(self._ping_seq)), "ping")]
