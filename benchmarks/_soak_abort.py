@@ -1,0 +1,254 @@
+"""Phase 2 of the stage soak: many requests, a share of them aborted at a random point of
+their life, through a launched stage running :class:`~enginecore.CountdownEngine`. See
+``soak_stage.py``.
+
+Each request ``rK`` (a unique id, never reused) counts down ``k`` steps (``k`` in 1..32), so
+its outputs must be ``k-1, ..., 0``, the last one finished. An aborted request gets its
+``abort`` either in the frame after its ``add`` (before any output) or right after its
+``j``-th output has arrived (``1 <= j < k``): the abort then races the engine, which may
+have produced more outputs, or finished the request, before it applies the abort. Aborts
+are sent in batches, one ``abort`` message per batch, and each must be answered by one
+``aborted`` event listing the same ids, in the order the messages were sent.
+
+The client reads every event in the stage's order (``ordered_events=True``,
+``get_events()``) and checks, per output, that it belongs to a live request and is the next
+payload expected. So it sees **lost** requests (a request with no finished output and no
+``aborted`` at the end), **outputs after an abort** (an output of an id whose ``aborted``
+event came before), and wrong or missing outputs. In flight: at most ``window`` requests, a
+constant load, so the stage's memory must stay flat: its RSS (``/proc/<pid>/status``) is
+sampled 50 times; after the warm-up each sample must be within +-10 % of the first one.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+from typing import Any, Final, cast
+
+from enginecore.stage import (
+    Aborted,
+    EngineDeadError,
+    ErrorReport,
+    Fatal,
+    Outputs,
+    Shutdown,
+    StageClient,
+    UtilityResult,
+)
+
+from ._soak_report import PhaseReport, Stall, read_rss_kib
+
+__all__ = ["AbortConfig", "run_abort"]
+
+STALL_S: Final = 30.0
+RSS_SAMPLES: Final = 50
+RSS_TOLERANCE: Final = 0.10
+
+LIVE, FINISHED, ABORTED = 1, 2, 3
+
+
+class AbortConfig:
+    def __init__(
+        self,
+        requests: int = 1_000_000,
+        seed: int = 1,
+        abort_share: float = 0.3,
+        warmup: float = 0.1,
+        window: int = 8192,
+        batch: int = 512,
+        max_steps: int = 32,
+    ) -> None:
+        self.requests = requests
+        self.seed = seed
+        self.abort_share = abort_share
+        self.warmup = warmup
+        self.window = window
+        self.batch = batch
+        self.max_steps = max_steps
+
+
+def run_abort(cfg: AbortConfig) -> PhaseReport:
+    """Run the phase; its report (``report.ok``)."""
+    r = PhaseReport(f"abort: {cfg.requests:,} requests, {cfg.abort_share:.0%} aborted")
+    n = cfg.requests
+    rng = random.Random(cfg.seed)
+    status = bytearray(n)  # 0 not sent, LIVE, FINISHED, ABORTED
+    # rid -> [index, next payload expected, payload after which to abort (0: none),
+    #         abort sent, finished before the abort was applied]
+    live: dict[str | None, list[Any]] = {}
+    fifo: collections.deque[list[str]] = collections.deque()  # abort messages in flight
+    to_abort: list[str] = []
+    counts = r.counts
+    died = ""
+    code: int | None = None
+    client = StageClient.launch("enginecore:CountdownEngine", ordered_events=True)
+    pid = client.pid
+    sent = done = outputs = 0
+    planned = 0
+    rss_every = max(1, n // RSS_SAMPLES)
+    next_rss = 0
+    last_event = time.monotonic()
+
+    def bad(rid: str | None, what: str) -> None:
+        try:
+            state = status[int(rid[1:])] if rid is not None else 0
+        except (ValueError, IndexError, TypeError):
+            state = 0
+        where = {FINISHED: "after its finished output", ABORTED: "after its aborted event"}
+        r.violation(f"{what} {where.get(state, 'of an id not live')}", repr(rid))
+
+    try:
+        while done < n:
+            if sent < n and len(live) < cfg.window:
+                items = []
+                now_abort = []
+                for i in range(sent, min(n, sent + cfg.batch)):
+                    rid = f"r{i}"
+                    k = rng.randint(1, cfg.max_steps)
+                    at = 0
+                    now = False
+                    if rng.random() < cfg.abort_share:
+                        planned += 1
+                        j = rng.randrange(k)  # abort after j outputs
+                        if j == 0:
+                            now_abort.append(rid)
+                            now = True
+                        else:
+                            at = k - j  # the payload of the j-th output
+                    live[rid] = [i, k - 1, at, now, False]
+                    status[i] = LIVE
+                    items.append((rid, k))
+                sent += len(items)
+                client.add_many(items, streams=False)
+                if now_abort:
+                    client.abort(now_abort)
+                    fifo.append(now_abort)
+                if sent >= next_rss:
+                    r.rss_kib.append((sent, read_rss_kib(pid)))
+                    next_rss += rss_every
+                timeout = 0.0
+            else:
+                timeout = 1.0
+            try:
+                events = client.get_events(timeout)
+            except TimeoutError:
+                if time.monotonic() - last_event > STALL_S:
+                    raise Stall(f"no event for {STALL_S:.0f} s, {n - done:,} not ended") from None
+                continue
+            last_event = time.monotonic()
+            get = live.get
+            for ev in events:
+                if isinstance(ev, Outputs):
+                    outputs += len(ev.req_ids)
+                    for orid, fin, payload in zip(
+                        ev.req_ids, ev.finished, ev.payloads, strict=True
+                    ):
+                        st = get(orid)
+                        if st is None or st[4]:
+                            bad(orid, "an output")
+                            continue
+                        if payload != st[1]:
+                            r.violation("wrong payload", f"{orid}: {payload!r}, expected {st[1]}")
+                        st[1] = payload - 1
+                        if fin:
+                            if payload != 0:
+                                r.violation("finished early", f"{orid}: {payload!r}")
+                            if st[3]:
+                                st[4] = True  # finished before its abort was applied
+                            else:
+                                del live[orid]
+                                status[st[0]] = FINISHED
+                                done += 1
+                                counts["finished, not aborted"] += 1
+                        elif payload == st[2]:
+                            st[3] = True
+                            to_abort.append(cast(str, orid))  # a live id
+                elif isinstance(ev, Aborted):
+                    expected = fifo.popleft() if fifo else None
+                    if ev.req_ids != expected:
+                        r.violation("an aborted event that answers no abort", repr(ev.req_ids))
+                    for arid in ev.req_ids:
+                        st = live.pop(arid, None)
+                        if st is None:
+                            bad(arid, "an aborted event")
+                            continue
+                        status[st[0]] = ABORTED
+                        done += 1
+                        if st[4]:
+                            counts["aborted: finished before the abort applied"] += 1
+                        elif st[2] == 0:
+                            counts["aborted: abort sent right after the add"] += 1
+                        else:
+                            counts["aborted: abort sent after an output"] += 1
+                elif isinstance(ev, ErrorReport):
+                    r.violation("an error", f"{ev.req_id!r}: {ev.message}")
+                elif isinstance(ev, Fatal):
+                    r.violation("the stage reported a fatal error", ev.message)
+                elif isinstance(ev, Shutdown):
+                    r.violation("the stage shut down unasked", "shutdown event")
+                elif not isinstance(ev, UtilityResult):
+                    r.violation("an unexpected event", repr(ev))
+            if to_abort:
+                client.abort(to_abort)
+                fifo.append(to_abort)
+                to_abort = []
+            if r.violations["wrong payload"] > 1000:
+                raise Stall("too many wrong payloads")
+        r.rss_kib.append((sent, read_rss_kib(pid)))
+        counts["outputs checked"] = outputs
+        remaining = client.call_utility("num_requests", timeout=30)
+        code = client.shutdown(timeout=30)
+    except Stall as exc:
+        r.violation("stalled", str(exc))
+        remaining = None
+    except EngineDeadError as exc:
+        died = str(exc)
+        remaining = None
+    finally:
+        client.close()
+        code = client.exit_code if code is None else code
+    r.check(
+        "0 stage deaths (exit code 0 after shutdown)",
+        died or f"exit code {code}",
+        not died and code == 0,
+    )
+    lost = n - status.count(FINISHED) - status.count(ABORTED)
+    r.check(
+        "0 lost: every request finished with all its outputs, or got its aborted event",
+        f"{lost:,} lost of {n:,}",
+        lost == 0,
+    )
+    aborted = status.count(ABORTED)
+    r.check(
+        "every abort answered by 1 aborted event (in order), with that abort's ids",
+        f"{aborted:,} aborted / {planned:,} aborts sent; {len(fifo)} unanswered",
+        aborted == planned and not fifo,
+    )
+    after = sum(v for k, v in r.violations.items() if "after its aborted" in k)
+    r.check("0 outputs after an aborted event", f"{after:,}", after == 0)
+    r.check("the engine holds nothing at the end", repr(remaining), remaining == 0)
+    _rss_check(r, cfg)
+    r.finish()
+    return r
+
+
+def _rss_check(r: PhaseReport, cfg: AbortConfig) -> None:
+    samples = [(i, kib) for i, kib in r.rss_kib if kib > 0]
+    after = [kib for i, kib in samples if i >= cfg.warmup * cfg.requests]
+    if len(after) < 2:
+        r.check("stage RSS flat within +-10 % after warm-up", "too few samples", False)
+        return
+    ref = after[0]
+    lo, hi = min(after), max(after)
+    worst = max(hi / ref - 1, 1 - lo / ref)
+    r.check(
+        f"stage RSS flat within +-{RSS_TOLERANCE:.0%} after warm-up ({cfg.warmup:.0%})",
+        f"{ref / 1024:.1f} MiB after warm-up, {lo / 1024:.1f}..{hi / 1024:.1f} MiB after, "
+        f"{samples[-1][1] / 1024:.1f} MiB at the end: {worst:+.1%} at worst",
+        worst <= RSS_TOLERANCE,
+    )
+    r.notes.append(
+        f"stage RSS at start {samples[0][1] / 1024:.1f} MiB; samples (requests sent: MiB): "
+        + ", ".join(f"{i:,}: {kib / 1024:.1f}" for i, kib in samples[:: max(1, len(samples) // 10)])
+    )

@@ -1,0 +1,96 @@
+"""The soak's bookkeeping: expectations with a pass/fail each, violations, stage RSS."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Final
+
+__all__ = ["Check", "PhaseReport", "Stall", "read_rss_kib"]
+
+MAX_EXAMPLES: Final = 5
+"""Examples kept per kind of violation."""
+
+
+@dataclasses.dataclass
+class Check:
+    """One expectation: what it says, what was measured, whether it held."""
+
+    expectation: str
+    measured: str
+    ok: bool
+
+
+class Stall(Exception):
+    """Nothing arrived for too long while something was expected: the phase ends here."""
+
+
+class PhaseReport:
+    """What one phase of the soak found: its checks, its violations (counted by kind, with
+    a few examples each), its counters and its elapsed time."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.checks: list[Check] = []
+        self.violations: collections.Counter[str] = collections.Counter()
+        self.examples: dict[str, list[str]] = {}
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.rss_kib: list[tuple[int, int]] = []  # (progress, VmRSS in KiB)
+        self.notes: list[str] = []
+        self.started = time.monotonic()
+        self.elapsed = 0.0
+
+    def violation(self, kind: str, example: str) -> None:
+        """Record one violated expectation of kind *kind*."""
+        self.violations[kind] += 1
+        examples = self.examples.setdefault(kind, [])
+        if len(examples) < MAX_EXAMPLES:
+            examples.append(example)
+
+    def check(self, expectation: str, measured: str, ok: bool) -> None:
+        self.checks.append(Check(expectation, measured, ok))
+
+    def finish(self) -> None:
+        self.elapsed = time.monotonic() - self.started
+        self.check(
+            "no violation seen while running (unexpected event, wrong payload or order)",
+            f"{sum(self.violations.values())} violations",
+            not self.violations,
+        )
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def render(self) -> str:
+        lines = [f"## {self.name}: {'PASS' if self.ok else 'FAIL'} ({self.elapsed:.1f} s)", ""]
+        width = max((len(c.expectation) for c in self.checks), default=10)
+        lines.append(f"| {'expectation':<{width}} | result | measured |")
+        lines.append(f"|{'-' * (width + 2)}|--------|----------|")
+        for c in self.checks:
+            verdict = "PASS" if c.ok else "FAIL"
+            lines.append(f"| {c.expectation:<{width}} | {verdict:<6} | {c.measured} |")
+        if self.counts:
+            lines.append("")
+            lines.append(
+                "counts: " + ", ".join(f"{k} {v:,}" for k, v in sorted(self.counts.items()))
+            )
+        for note in self.notes:
+            lines.append(note)
+        for kind, n in self.violations.most_common():
+            lines.append(f"VIOLATION x{n}: {kind}")
+            lines.extend(f"    e.g. {ex}" for ex in self.examples[kind])
+        return "\n".join(lines)
+
+
+def read_rss_kib(pid: int) -> int:
+    """VmRSS of process *pid*, in KiB (``-1`` if it cannot be read: the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
