@@ -37,7 +37,7 @@ from enginecore.stage import (
     UtilityResult,
 )
 
-from ._soak_report import PhaseReport, Stall, read_rss_kib
+from ._soak_report import PhaseReport, Stall, read_rss_kib, rss_samples
 
 __all__ = ["AbortConfig", "run_abort"]
 
@@ -248,7 +248,4 @@ def _rss_check(r: PhaseReport, cfg: AbortConfig) -> None:
         f"{samples[-1][1] / 1024:.1f} MiB at the end: {worst:+.1%} at worst",
         worst <= RSS_TOLERANCE,
     )
-    r.notes.append(
-        f"stage RSS at start {samples[0][1] / 1024:.1f} MiB; samples (requests sent: MiB): "
-        + ", ".join(f"{i:,}: {kib / 1024:.1f}" for i, kib in samples[:: max(1, len(samples) // 10)])
-    )
+    r.notes.append(rss_samples(samples, "requests sent"))

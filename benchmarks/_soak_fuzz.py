@@ -63,7 +63,7 @@ from enginecore.stage import (
 
 from . import _soak_frames as frames
 from ._soak_engine import POISONS
-from ._soak_report import PhaseReport, Stall, read_rss_kib
+from ._soak_report import PhaseReport, Stall, read_rss_kib, rss_samples
 
 __all__ = ["FuzzConfig", "run_fuzz"]
 
@@ -731,11 +731,7 @@ def _checks(r: PhaseReport, fuzz: _Fuzz | None, died: str, code: int | None, tai
         "anchor adds and the duplicates across sessions"
     )
     if r.rss_kib:
-        r.notes.append(
-            f"stage RSS: {r.rss_kib[0][1] / 1024:.1f} MiB at the start, "
-            f"{max(v for _, v in r.rss_kib) / 1024:.1f} MiB at most, "
-            f"{r.rss_kib[-1][1] / 1024:.1f} MiB at the end (reported, not gated)"
-        )
+        r.notes.append(rss_samples(r.rss_kib, "adds sent") + " (reported, not gated)")
     if not r.ok and tail:
         r.notes.append("stage log (tail):\n" + tail)
     r.finish()

@@ -7,7 +7,7 @@ import dataclasses
 import time
 from typing import Final
 
-__all__ = ["Check", "PhaseReport", "Stall", "read_rss_kib"]
+__all__ = ["Check", "PhaseReport", "Stall", "read_rss_kib", "rss_samples"]
 
 MAX_EXAMPLES: Final = 5
 """Examples kept per kind of violation."""
@@ -82,6 +82,15 @@ class PhaseReport:
             lines.append(f"VIOLATION x{n}: {kind}")
             lines.extend(f"    e.g. {ex}" for ex in self.examples[kind])
         return "\n".join(lines)
+
+
+def rss_samples(samples: list[tuple[int, int]], unit: str, n: int = 10) -> str:
+    """About *n* of *samples* ``(progress, KiB)``, evenly spaced, the last one included."""
+    every = max(1, len(samples) // n)
+    picked = samples[::every]
+    if picked[-1] != samples[-1]:
+        picked.append(samples[-1])
+    return f"stage RSS ({unit}: MiB): " + ", ".join(f"{i:,}: {kib / 1024:.1f}" for i, kib in picked)
 
 
 def read_rss_kib(pid: int) -> int:
