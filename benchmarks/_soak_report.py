@@ -10,7 +10,7 @@ from typing import Final
 __all__ = ["Check", "PhaseReport", "Stall", "read_rss_kib", "rss_samples"]
 
 MAX_EXAMPLES: Final = 5
-"""Examples kept per kind of violation."""
+"""Examples kept per kind of violation (distinct ones)."""
 
 
 @dataclasses.dataclass
@@ -45,7 +45,7 @@ class PhaseReport:
         """Record one violated expectation of kind *kind*."""
         self.violations[kind] += 1
         examples = self.examples.setdefault(kind, [])
-        if len(examples) < MAX_EXAMPLES:
+        if len(examples) < MAX_EXAMPLES and example not in examples:
             examples.append(example)
 
     def check(self, expectation: str, measured: str, ok: bool) -> None:
