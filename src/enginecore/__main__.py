@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import math
 import sys
 import traceback
 from collections.abc import Sequence
@@ -63,6 +64,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a new client may take over once the attached one has been silent this long "
         "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, refuse new requests and let the live ones finish for at most "
+        "this long, then abort the rest and stop (a second signal stops at once); default: "
+        "stop at once",
     )
     serve.add_argument(
         "--keep-requests-on-detach",
@@ -137,6 +147,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     output = args.output_bind or _default_output(args.bind)
     _check_address(parser, output, args.allow_remote)
     check_encodable(kwargs, "--kwargs")
+    if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
+        parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
 
     def ready(input_address: str, output_address: str) -> None:
         print(
@@ -154,6 +166,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             session_timeout=args.session_timeout,
             detached_buffer=args.detached_buffer,
             keep_requests_on_detach=args.keep_requests_on_detach,
+            drain_timeout=args.drain_timeout,
             ready=ready,
         )
     except Exception:

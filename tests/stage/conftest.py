@@ -206,8 +206,8 @@ class BlockingAsyncClient:
                 return
             yield event
 
-    def shutdown(self, timeout: float = 5.0) -> int | None:
-        return self._runner.run(self._client.shutdown(timeout))
+    def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> int | None:
+        return self._runner.run(self._client.shutdown(timeout, drain=drain))
 
     def close(self) -> None:
         self._runner.run(self._client.close())

@@ -427,7 +427,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
 
     # -- closing -----------------------------------------------------------------------------
 
-    async def shutdown(self, timeout: float = 5.0) -> int | None:
+    async def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> int | None:
         """Stop the stage and release everything; return its exit code (``None`` if unknown,
         always for a connected stage).
 
@@ -436,9 +436,19 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         alive gets SIGTERM, one more second, then SIGKILL. Pending calls and iterators then
         raise :class:`~enginecore.stage.StageClosedError` (or keep the
         :class:`~enginecore.stage.EngineDeadError` they already had), and so does every later
-        call. Waits; idempotent (a second call waits for the first).
+        call.
+
+        With *drain* (seconds), the stage drains first: it refuses new adds (also those of
+        other tasks of this client, which raise ``StageClosedError`` at once), answers
+        utilities, and lets its live requests run to completion, delivered to their streams
+        as usual; then it stops. Requests still live after *drain* seconds are aborted and
+        their streams raise :class:`~enginecore.stage.RequestError`. The wait is then at most
+        *drain* + *timeout*. :class:`ValueError` for a negative drain, before anything.
+
+        Waits; idempotent (a second call waits for the first).
         """
-        return await self._close(stop_stage=True, timeout=timeout)
+        _session.shutdown_frame(drain)  # a bad drain raises before anything
+        return await self._close(stop_stage=True, timeout=timeout, drain=drain)
 
     async def close(self) -> None:
         """Release this client. A launched stage is shut down (as :meth:`shutdown`); a
@@ -456,11 +466,15 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     ) -> None:
         await self.close()
 
-    async def _close(self, *, stop_stage: bool, timeout: float) -> int | None:
+    async def _close(
+        self, *, stop_stage: bool, timeout: float, drain: float | None = None
+    ) -> int | None:
         async with self._close_lock:  # a second caller waits for the first, then returns
             if self._closed_done:
                 return self.exit_code
-            alive = self._begin_close(stop_stage)
+            alive = self._begin_close(stop_stage, drain)
+            if drain is not None:
+                timeout += drain
             launched = self._launched
             if launched is not None:
                 if not await _until_set(self._exited, timeout):

@@ -532,7 +532,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
 
     # -- closing -----------------------------------------------------------------------------
 
-    def shutdown(self, timeout: float = 5.0) -> int | None:
+    def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> int | None:
         """Stop the stage and release everything; return its exit code (``None`` if unknown,
         always for a connected stage).
 
@@ -541,12 +541,22 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         alive gets SIGTERM, one more second, then SIGKILL. Pending calls and iterators then
         raise :class:`~enginecore.stage.StageClosedError` (or keep the
         :class:`~enginecore.stage.EngineDeadError` they already had), and so does every later
-        call. Blocks; thread-safe; idempotent (a second call waits for the first). Called
+        call.
+
+        With *drain* (seconds), the stage drains first: it refuses new adds (also those of
+        other threads of this client, which raise ``StageClosedError`` at once), answers
+        utilities, and lets its live requests run to completion, delivered to their streams
+        as usual; then it stops. Requests still live after *drain* seconds are aborted and
+        their streams raise :class:`~enginecore.stage.RequestError`. The wait is then at most
+        *drain* + *timeout*. :class:`ValueError` for a negative drain, before anything.
+
+        Blocks; thread-safe; idempotent (a second call waits for the first). Called
         from a future's done-callback (which runs on the thread reading the stage's events:
         the client's receiver thread, or a thread blocked in :meth:`call_utility`), it
         cannot wait there: it starts the close in the background and returns ``None``.
         """
-        return self._close(stop_stage=True, timeout=timeout)
+        _session.shutdown_frame(drain)  # a bad drain raises before anything
+        return self._close(stop_stage=True, timeout=timeout, drain=drain)
 
     def close(self) -> None:
         """Release this client. A launched stage is shut down (as :meth:`shutdown`); a
@@ -565,7 +575,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     ) -> None:
         self.close()
 
-    def _close(self, *, stop_stage: bool, timeout: float) -> int | None:
+    def _close(self, *, stop_stage: bool, timeout: float, drain: float | None = None) -> int | None:
         me = threading.get_ident()
         if me == self._closer:
             # Called from a done-callback run by this very close() (it fails the waiters):
@@ -581,7 +591,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 self._session.begin_close()
             threading.Thread(
                 target=self._close,
-                kwargs={"stop_stage": stop_stage, "timeout": timeout},
+                kwargs={"stop_stage": stop_stage, "timeout": timeout, "drain": drain},
                 name="enginecore-client-close",
                 daemon=True,
             ).start()
@@ -591,13 +601,15 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 return self.exit_code
             self._closer = me
             try:
-                return self._close_now(stop_stage, timeout)
+                return self._close_now(stop_stage, timeout, drain)
             finally:
                 self._closer = None
 
-    def _close_now(self, stop_stage: bool, timeout: float) -> int | None:
+    def _close_now(self, stop_stage: bool, timeout: float, drain: float | None) -> int | None:
         """The close itself, under _close_lock."""
-        alive = self._begin_close(stop_stage)
+        alive = self._begin_close(stop_stage, drain)
+        if drain is not None:
+            timeout += drain
         launched = self._launched
         if launched is not None:
             if not launched.wait_exit(timeout):

@@ -135,14 +135,15 @@ class ClientBase(Generic[S, W]):
         with self._lock:
             self._session.forget_call(call_id)
 
-    def _begin_close(self, stop_stage: bool) -> bool:
-        """Refuse new work and tell the stage (``shutdown``, or ``bye`` to detach). Returns
-        whether the stage was still there."""
+    def _begin_close(self, stop_stage: bool, drain: float | None = None) -> bool:
+        """Refuse new work and tell the stage (``shutdown``, with *drain* if given, or
+        ``bye`` to detach). Returns whether the stage was still there."""
+        frame = _session.shutdown_frame(drain) if stop_stage else _session.BYE_FRAME
         with self._lock:
             alive = self._session.begin_close()
         if alive:
             with contextlib.suppress(zmq.ZMQError, StageClosedError):
-                self._send(_session.SHUTDOWN_FRAME if stop_stage else _session.BYE_FRAME)
+                self._send(frame)
         return alive
 
     def _fail_closed(self) -> None:

@@ -116,14 +116,16 @@ def serve(
     session_timeout: float,
     detached_buffer: int = DETACHED_BUFFER,
     keep_requests_on_detach: bool = False,
+    drain_timeout: float | None = None,
     ready: Callable[[str, str], None],
 ) -> int:
     """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
 
     Calls ``ready(input_address, output_address)`` with the bound endpoints once the sockets
     are bound and the signal handlers are in place; returns the exit code. SIGTERM and
-    SIGINT shut it down gracefully, also one that arrives right after ``ready``. Raises
-    what the factory raises, and what binding raises.
+    SIGINT shut it down gracefully, also one that arrives right after ``ready``: at once,
+    or, with *drain_timeout*, after a drain of at most that many seconds (a second signal
+    then stops it at once). Raises what the factory raises, and what binding raises.
     """
     engine = build_engine(factory, kwargs)
     runtime = StageRuntime(
@@ -139,11 +141,29 @@ def serve(
     # The handlers go in before ready() announces the stage: a signal sent as soon as the
     # line is read is then a graceful shutdown (before run(), it makes run() stop at once),
     # not a default death (exit -15) or a KeyboardInterrupt traceback.
-    with shutdown_on_signals(runtime.loop, (signal.SIGTERM, signal.SIGINT)):
+    stopper = runtime.loop if drain_timeout is None else _DrainFirst(runtime, drain_timeout)
+    with shutdown_on_signals(stopper, (signal.SIGTERM, signal.SIGINT)):
         ready(runtime.input_address, runtime.output_address)
         code = runtime.run()
     exit_soon(code)
     return code
+
+
+class _DrainFirst:
+    """What ``serve --drain-timeout`` does on a signal: drain first, stop at once on the
+    next one. Signal-safe: a flag, and what is signal-safe in the runtime and loop."""
+
+    def __init__(self, runtime: StageRuntime, seconds: float) -> None:
+        self._runtime = runtime
+        self._seconds = seconds
+        self._draining = False
+
+    def request_shutdown(self) -> None:
+        if self._draining:
+            self._runtime.loop.request_shutdown()
+        else:
+            self._draining = True
+            self._runtime.request_drain(self._seconds)
 
 
 def exit_soon(code: int) -> None:

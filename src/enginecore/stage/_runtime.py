@@ -114,6 +114,7 @@ class StageRuntime:
             )
             self.loop = EngineCoreLoop(stage_engine, stage_engine.emit)
             stage_engine.request_shutdown = self.loop.request_shutdown
+            stage_engine.submit = self.loop.submit
             self._inbox = Inbox(
                 in_sock,
                 out_monitor,
@@ -143,6 +144,12 @@ class StageRuntime:
         # Back-pressure applies only while a client is connected to read, and never past a
         # shutdown request.
         return self._inbox.output_peers > 0 and not self.loop.shutdown_requested
+
+    def request_drain(self, seconds: float) -> None:
+        """Drain, then stop: as a client's ``shutdown`` with a drain of *seconds*, queued
+        after what the input thread has read. Safe in a signal handler (it only writes a
+        byte to a pipe, which the input thread reads); any thread; never blocks."""
+        self._inbox.request_drain(seconds)
 
     def abandon(self) -> None:
         """The parent process is gone: shut down without waiting for the last frames to be
@@ -181,6 +188,7 @@ class StageRuntime:
             self._outbox.close(timeout=self._flush_timeout if readers else 0.0)
             self._ctx.term()
             self._inbox.join()
+            self._inbox.close_drain_pipe()
             self._outbox.join()
             for address in (self.input_address, self.output_address):
                 if address.startswith("ipc://"):

@@ -72,6 +72,7 @@ __all__ = [
     "output_address_for",
     "parse_welcome",
     "raise_end",
+    "shutdown_frame",
     "take_events",
 ]
 
@@ -101,6 +102,19 @@ def encode_plain(msg: object, what: str) -> bytes:
 HELLO_FRAME: Final = [encode_plain(("hello", _wire.PROTOCOL_VERSION, CLIENT_NAME), "hello")]
 SHUTDOWN_FRAME: Final = [encode_plain(("shutdown",), "shutdown")]
 BYE_FRAME: Final = [encode_plain(("bye",), "bye")]
+
+
+def shutdown_frame(drain: float | None) -> Parts:
+    """The ``shutdown`` frame: stop now (*drain* ``None``), or after a drain of at most
+    *drain* seconds. :class:`ValueError` for a drain that is not a number >= 0."""
+    if drain is None:
+        return SHUTDOWN_FRAME
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)):
+        raise TypeError(f"drain must be a number of seconds, got {type(drain).__name__}")
+    if not 0 <= drain < float("inf"):
+        raise ValueError(f"drain must be a number of seconds >= 0, got {drain}")
+    return [encode_plain(("shutdown", float(drain)), "shutdown")]
+
 
 # Exact types of a value that needs no conversion; msgspec checks the int range itself.
 _FLAT: Final = _codec.FLAT_TYPES

@@ -10,7 +10,9 @@ Everything here runs on the loop thread. The adapter adds four things to the eng
 - after ``abort(req_ids)`` returns, an ``aborted`` event, ordered with the outputs, so none
   of the aborted requests' outputs follows it;
 - the ordered stop: a client's ``shutdown`` is applied in order, after everything sent
-  before it (:func:`ordered_stop`);
+  before it (:func:`ordered_stop`); with a drain, new adds are refused while the live
+  requests run to completion, and those still live at the drain's deadline are aborted,
+  each with an ``error`` event, before the loop stops;
 - sessions: when a client detaches, its live requests are aborted, in order after what it
   sent, and the outbox learns which session the loop's events belong to
   (:func:`session_change`).
@@ -21,6 +23,8 @@ Every other exception from the engine stays fatal to the loop (``docs/contract.m
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from itertools import compress
 from typing import Any, Final
@@ -35,8 +39,10 @@ from ._routing import make_router
 logger = logging.getLogger("enginecore.stage")
 
 __all__ = [
+    "DRAINING",
     "LIVE_IN_STAGE",
     "StageEngine",
+    "drain_timed_out",
     "drop_ended",
     "make_add",
     "make_step",
@@ -66,14 +72,32 @@ class _StopCallId(int):
 _STOP_TOKEN: Final = object()
 
 
-def ordered_stop() -> Utility:
-    """The ``input_queue`` message for a client's ``shutdown``.
+def ordered_stop(drain: float | None = None) -> Utility:
+    """The ``input_queue`` message for a client's ``shutdown``: stop now, or after a drain
+    of at most *drain* seconds (see :class:`StageEngine`).
 
     Applied *in order*: everything the client sent before it is applied first, exactly like
     a message. (``request_shutdown()`` called from the input thread would not be: called
     before ``run()`` has started, it makes the run skip what is already queued.)
     """
-    return Utility(_StopCallId(0), "shutdown", (_STOP_TOKEN,))
+    return Utility(_StopCallId(0), "shutdown", (_STOP_TOKEN, drain))
+
+
+# The same trick for the drain's deadline, queued by a timer thread.
+_DEADLINE_TOKEN: Final = object()
+_DRAIN_DEADLINE: Final = Utility(_StopCallId(0), "drain deadline", (_DEADLINE_TOKEN,))
+
+DRAINING: Final = "add refused: the stage is draining (shutting down once its live requests end)"
+"""The message of the ``error`` event for an ``add`` that arrives during a drain."""
+
+
+def drain_timed_out(seconds: float) -> str:
+    """The message of the ``error`` event that ends a request still live at the drain's
+    deadline."""
+    return (
+        f"aborted: the stage shut down; its drain timed out after {seconds:g} s "
+        f"before this request finished"
+    )
 
 
 # -- dropping a request that the stage has ended ------------------------------------------------
@@ -125,8 +149,18 @@ class StageEngine:
 
     ``has_work`` is the engine's own bound method, and ``add`` and ``step`` are closures
     (:func:`make_add`, :func:`make_step`), all stored as attributes, so the hot path pays
-    no attribute lookup for the adapter. Set :attr:`request_shutdown` to the loop's.
+    no attribute lookup for the adapter. Set :attr:`request_shutdown` to the loop's, and
+    :attr:`submit` to the loop's ``submit`` (the drain's timer uses it).
     *abort_on_detach*: whether a session change aborts the requests live in the stage.
+
+    The drain (a ``shutdown`` with a drain time, or ``serve``'s SIGTERM with
+    ``--drain-timeout``): from the moment it is applied, an ``add`` is refused with an
+    ``error`` event (:data:`DRAINING`), utilities are answered and aborts applied as usual.
+    Once no request is live in the stage (finished, aborted, or ended by an error), the
+    loop is asked to stop. At the deadline, the requests still live are aborted in the
+    engine, each ends with an ``error`` event (:func:`drain_timed_out`), and the loop is
+    asked to stop. A ``shutdown`` without a drain during a drain stops at once; a second
+    drain can only bring the deadline closer.
     """
 
     def __init__(self, engine: Engine, outbox: Outbox, *, abort_on_detach: bool = True) -> None:
@@ -137,25 +171,29 @@ class StageEngine:
         # still has it, and an add of its id queued before that abort must be refused.
         # Loop thread only (make_add, make_step, abort): no lock.
         self.live: set[str] = set()
+        self.drain = _Drain(self)
         self.has_work = engine.has_work
         self.add = make_add(engine, outbox, self.live)
-        self.step = make_step(engine, outbox, self.live)
+        self.step = make_step(engine, outbox, self.live, self.drain)
         self._utility = engine.utility
         self._abort = engine.abort
         self._emit = outbox.emit
         self._outbox = outbox
         self._abort_on_detach = abort_on_detach
         self.request_shutdown: Callable[[], None] = lambda: None
+        self.submit: Callable[[Utility], None] = lambda msg: None
 
     def abort(self, req_ids: Sequence[str]) -> None:
         cls = req_ids.__class__
         if cls is _SessionChange:
             self._change_session(req_ids.epoch)  # type: ignore[attr-defined]
-            return
-        self._abort(req_ids)
-        self.live.difference_update(req_ids)
-        if cls is not _EndedIds:
-            self._emit(("aborted", list(req_ids)))
+        else:
+            self._abort(req_ids)
+            self.live.difference_update(req_ids)
+            if cls is not _EndedIds:
+                self._emit(("aborted", list(req_ids)))
+        if self.drain.active and not self.live:
+            self.drain.done()
 
     def _change_session(self, epoch: int | None) -> None:
         # Every request live now was added by the client that is leaving (or by a peer that
@@ -169,16 +207,93 @@ class StageEngine:
             self._outbox.loop_epoch(epoch)
 
     def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-        if args and args[0] is _STOP_TOKEN:
-            self.request_shutdown()
-            return None
+        if args:
+            token = args[0]
+            if token is _STOP_TOKEN:
+                drain = args[1]
+                if drain is None:
+                    self.drain.cancel()
+                    self.request_shutdown()
+                else:
+                    self.drain.start(drain)
+                return None
+            if token is _DEADLINE_TOKEN:
+                self.drain.deadline()
+                return None
         return self._utility(name, args)
+
+    def refuse_add(self, req_id: str, data: Any) -> None:
+        """The loop's ``add`` during a drain: an ``error`` event, and the engine is not
+        called."""
+        self._emit(("error", req_id, DRAINING))
 
     def emit(self, event: Event) -> None:
         """The loop's ``emit``: utility answers and the terminal event (never an
         ``output``: :func:`make_step` hands a step's outputs over itself)."""
         if event[0] != "utility" or type(event[1]) is not _StopCallId:
             self._emit(event)
+
+
+class _Drain:
+    """The drain of one :class:`StageEngine` (its docstring has the rules). Loop thread
+    only, except the timer, which only queues the deadline message."""
+
+    def __init__(self, stage: StageEngine) -> None:
+        self._stage = stage
+        self.active = False  # read by make_step's closure once per step that ends requests
+        self._seconds = 0.0
+        self._deadline_at = 0.0
+        self._timer: threading.Timer | None = None
+
+    def start(self, seconds: float) -> None:
+        stage = self._stage
+        now = time.monotonic()
+        if self.active:
+            if now + seconds >= self._deadline_at:
+                return  # a second drain only brings the deadline closer
+            self.cancel()
+        self.active = True
+        self._seconds = seconds
+        self._deadline_at = now + seconds
+        stage.add = stage.refuse_add  # the loop looks add up per message
+        logger.info(
+            "enginecore: draining: %d live requests, at most %g s", len(stage.live), seconds
+        )
+        if not stage.live:
+            self.done()
+            return
+        timer = threading.Timer(seconds, stage.submit, (_DRAIN_DEADLINE,))
+        timer.daemon = True
+        timer.name = "enginecore-drain"
+        self._timer = timer
+        timer.start()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def done(self) -> None:
+        """No request is live any more: stop."""
+        self.cancel()
+        self._stage.request_shutdown()
+
+    def deadline(self) -> None:
+        if not self.active or self._timer is None:
+            return  # stale: the drain ended before its timer fired
+        stage = self._stage
+        ids = list(stage.live)
+        if ids:
+            stage._abort(ids)
+            stage.live.clear()
+            message = drain_timed_out(self._seconds)
+            stage._outbox.post_step([("error", rid, message) for rid in ids], len(ids))
+            logger.warning(
+                "enginecore: the drain timed out after %g s; aborted %d live requests",
+                self._seconds,
+                len(ids),
+            )
+        self.done()
 
 
 def make_add(engine: Engine, outbox: Outbox, live: set[str]) -> Callable[[str, Any], None]:
@@ -209,7 +324,9 @@ def make_add(engine: Engine, outbox: Outbox, live: set[str]) -> Callable[[str, A
     return add
 
 
-def make_step(engine: Engine, outbox: Outbox, live: set[str]) -> Callable[[], tuple[()]]:
+def make_step(
+    engine: Engine, outbox: Outbox, live: set[str], drain: _Drain
+) -> Callable[[], tuple[()]]:
     """The loop's ``step``: *engine*'s step, its outputs routed on the loop thread (before the
     engine can reuse an output) and posted to *outbox* as **one** ``outputs`` event; it
     returns nothing to the loop.
@@ -217,7 +334,8 @@ def make_step(engine: Engine, outbox: Outbox, live: set[str]) -> Callable[[], tu
     An exception in ``step`` or in routing is fatal, and the outputs routed before it are
     still sent first. A payload that cannot cross the wire, or that is a
     :class:`~enginecore.RequestRejected`, ends only its request (:meth:`Outbox.prepare_outputs`).
-    A request's output routed with ``finished=True`` takes its id out of *live*. Before a
+    A request's output routed with ``finished=True`` takes its id out of *live*; during a
+    *drain*, the step that leaves *live* empty ends it. Before a
     step, waits while the output thread is far behind a connected client
     (:meth:`Outbox.wait_for_room`).
     """
@@ -250,6 +368,8 @@ def make_step(engine: Engine, outbox: Outbox, live: set[str]) -> Callable[[], tu
                 # Both loops in C: ~2 ns per output, ~20 ns more per finished one.
                 if any(fins):
                     forget(compress(rids, fins))
+                    if drain.active and not live:
+                        drain.done()
         return ()
 
     return step

@@ -60,7 +60,7 @@ class UtilityMsg(msgspec.Struct, array_like=True, frozen=True, tag="utility"):
 
 
 class ShutdownMsg(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
-    pass
+    drain: float | None = None  # seconds to let live requests finish; None: stop now
 
 
 class PingMsg(msgspec.Struct, array_like=True, frozen=True, tag="ping"):

@@ -1,0 +1,235 @@
+"""Graceful drain: ``shutdown`` with a drain time, ``client.shutdown(drain=...)`` and
+``serve --drain-timeout`` (docs/stage.md, "Operating a stage").
+
+The stage's rules are checked on the wire with a raw client (exact events, in order); what
+the clients promise runs through both clients; ``serve``'s signals through a subprocess.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from enginecore.stage import RequestError, StageClient
+from enginecore.stage._stage_engine import DRAINING
+from enginecore.stage.testing import ScriptedEngine
+
+from .conftest import SCRIPTED, Launch, Server
+from .raw import InProcessStage, RawClient
+
+Event = list[Any]
+
+
+Raw = tuple[InProcessStage, RawClient, ScriptedEngine]
+
+
+@pytest.fixture
+def raw(no_leftovers: str) -> Iterator[Raw]:
+    """An in-process ScriptedEngine stage, a welcomed raw client, and the engine."""
+    engine = ScriptedEngine()
+    stage = InProcessStage(engine, no_leftovers)
+    try:
+        with RawClient(stage.address) as client:
+            assert client.hello()[0] == "welcome"
+            yield stage, client, engine
+    finally:
+        stage.stop()
+
+
+def _until_shutdown(client: RawClient, timeout: float = 10.0) -> list[Event]:
+    return client.until(lambda ev: ev[0] in ("shutdown", "fatal"), timeout)
+
+
+def _outputs_of(events: list[Event], req_id: str) -> list[Any]:
+    return [
+        payload
+        for ev in events
+        if ev[0] == "outputs"
+        for rid, payload in zip(ev[1], ev[3], strict=True)
+        if rid == req_id
+    ]
+
+
+def _errors(events: list[Event]) -> list[tuple[Any, str]]:
+    return [(ev[1], ev[2]) for ev in events if ev[0] == "error"]
+
+
+def _is(kind: str, key: Any = None) -> Callable[[Event], bool]:
+    return lambda ev: ev[0] == kind and (key is None or ev[1] == key)
+
+
+class TestDrainOnTheWire:
+    def test_live_requests_finish_new_adds_are_refused_and_utilities_answered(
+        self, raw: Raw
+    ) -> None:
+        stage, client, engine = raw
+        client.send("add", "a", 3000)
+        client.send("add", "b", 5)
+        client.send("shutdown", 30)
+        client.send("add", "late", 2)
+        client.send("utility", 7, "echo", ["during"])
+        events = _until_shutdown(client)
+        # Everything of a and b, in full; the late add refused, the call answered.
+        assert _outputs_of(events, "a") == list(range(2999, -1, -1))
+        assert _outputs_of(events, "b") == [4, 3, 2, 1, 0]
+        assert _errors(events) == [("late", DRAINING)]
+        assert ["utility", 7, ["during"], None] in events
+        assert events[-1] == ["shutdown"]
+        # The shutdown came right after the last output of the last live request.
+        last = max(i for i, ev in enumerate(events) if ev[0] == "outputs")
+        assert all(ev[0] in ("error", "utility") for ev in events[last + 1 : -1])
+        assert stage.wait() == 0
+        assert "add late" not in engine.log
+
+    def test_at_the_deadline_live_requests_end_with_an_error(self, raw: Raw) -> None:
+        stage, client, engine = raw
+        client.send("add", "long", 10**9)
+        client.send("add", "short", 3)
+        client.until(_is("outputs"))
+        started = time.monotonic()
+        client.send("shutdown", 0.3)
+        events = _until_shutdown(client)
+        elapsed = time.monotonic() - started
+        assert _outputs_of(events, "short")[-1] == 0
+        [(rid, message)] = _errors(events)
+        assert rid == "long"
+        assert "drain timed out after 0.3 s" in message
+        # No output of the request after its error: the error is its last event.
+        at = events.index(["error", "long", message])
+        assert _outputs_of(events[at:], "long") == []
+        assert events[-1] == ["shutdown"]
+        assert 0.3 <= elapsed < 5.0
+        assert stage.wait() == 0
+        assert engine.log[-1] == "abort long"
+
+    def test_nothing_live_stops_at_once(self, raw: Raw) -> None:
+        stage, client, _ = raw
+        started = time.monotonic()
+        client.send("shutdown", 60)
+        assert _until_shutdown(client) == [["shutdown"]]
+        assert time.monotonic() - started < 5.0
+        assert stage.wait() == 0
+
+    def test_aborting_the_last_live_request_ends_the_drain(self, raw: Raw) -> None:
+        stage, client, _ = raw
+        client.send("add", "long", 10**9)
+        client.send("shutdown", 60)
+        client.until(_is("outputs"))
+        client.send("abort", ["long"])
+        events = _until_shutdown(client)
+        assert ["aborted", ["long"]] in events
+        assert _errors(events) == []
+        assert stage.wait() == 0
+
+    def test_a_shutdown_without_drain_during_a_drain_stops_at_once(self, raw: Raw) -> None:
+        stage, client, _ = raw
+        client.send("add", "long", 10**9)
+        client.send("shutdown", 60)
+        client.until(_is("outputs"))
+        client.send("shutdown")
+        events = _until_shutdown(client)
+        assert events[-1] == ["shutdown"]
+        assert _errors(events) == []  # stopped, not timed out
+        assert stage.wait() == 0
+
+    def test_a_second_drain_only_brings_the_deadline_closer(self, raw: Raw) -> None:
+        stage, client, _ = raw
+        client.send("add", "long", 10**9)
+        client.send("shutdown", 0.3)
+        client.send("shutdown", 60)  # does not extend the first
+        events = _until_shutdown(client)
+        [(rid, message)] = _errors(events)
+        assert rid == "long"
+        assert "after 0.3 s" in message
+        assert stage.wait() == 0
+
+    @pytest.mark.parametrize("drain", [-1, float("nan"), float("inf"), "soon"])
+    def test_an_invalid_drain_is_an_error_and_the_stage_goes_on(self, raw: Raw, drain: Any) -> None:
+        _, client, _ = raw
+        client.send("shutdown", drain)
+        events = client.until(_is("error"))
+        assert events[-1][1] is None
+        assert "invalid message" in events[-1][2]
+        assert client.call(1, "echo", "alive")[-1] == ["utility", 1, ["alive"], None]
+
+
+class TestClientDrain:
+    def test_shutdown_drain_lets_live_streams_finish(self, launch: Launch) -> None:
+        client = launch(SCRIPTED)
+        stream = client.add("r", 20_000)
+        assert stream.get(5) == 19_999
+        assert client.shutdown(drain=30) == 0
+        # Every output arrived, through the stream, before the stage stopped.
+        rest = stream.collect(timeout=5)
+        assert rest == list(range(19_998, -1, -1))
+
+    def test_shutdown_drain_timeout_ends_streams_with_a_request_error(self, launch: Launch) -> None:
+        client = launch(SCRIPTED)
+        stream = client.add("r", 10**9)
+        stream.get(5)
+        started = time.monotonic()
+        assert client.shutdown(drain=0.3) == 0
+        assert time.monotonic() - started < 5.0
+        with pytest.raises(RequestError, match=r"drain timed out after 0\.3 s"):
+            stream.collect(timeout=5)
+
+    @pytest.mark.parametrize("drain", [-1.0, float("nan")])
+    def test_an_invalid_drain_raises_before_anything(self, launch: Launch, drain: float) -> None:
+        client = launch(SCRIPTED)
+        with pytest.raises(ValueError, match="drain must be"):
+            client.shutdown(drain=drain)
+        assert client.call_utility("echo", 1, timeout=5) == [1]
+
+
+class TestServeDrain:
+    def test_sigterm_drains_then_stops_and_a_second_one_stops_at_once(self) -> None:
+        server = Server(
+            "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--drain-timeout", "60"
+        )
+        try:
+            with StageClient.connect(server.address) as client:
+                long = client.add("long", 10**9)
+                short = client.add("short", 50_000)
+                long.get(5)
+                server.proc.send_signal(signal.SIGTERM)
+                # The short request runs to completion.
+                assert short.collect(timeout=30)[-1] == 0
+                # During the drain: utilities answered, adds refused for that request only.
+                assert client.call_utility("echo", "x", timeout=5) == ["x"]
+                with pytest.raises(RequestError, match="draining"):
+                    client.add("late", 1).collect(timeout=5)
+                assert server.proc.poll() is None  # "long" keeps it draining
+                server.proc.send_signal(signal.SIGTERM)
+                assert server.proc.wait(10) == 0
+        finally:
+            server.stop()
+
+    def test_sigterm_drain_timeout_aborts_the_rest_with_an_error(self) -> None:
+        server = Server(
+            "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--drain-timeout", "0.3"
+        )
+        try:
+            with StageClient.connect(server.address) as client:
+                long = client.add("long", 10**9)
+                long.get(5)
+                server.proc.send_signal(signal.SIGTERM)
+                with pytest.raises(RequestError, match=r"drain timed out after 0\.3 s"):
+                    long.collect(timeout=10)
+                assert server.proc.wait(10) == 0
+        finally:
+            server.stop()
+
+    def test_negative_drain_timeout_is_refused(self) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "enginecore", "serve", "--engine", SCRIPTED,
+             "--bind", "tcp://127.0.0.1:*", "--drain-timeout", "-1"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 2
+        assert "--drain-timeout must be" in proc.stderr
