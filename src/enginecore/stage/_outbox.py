@@ -68,6 +68,9 @@ client (:meth:`Outbox.wait_for_room`)."""
 _STOP: Final = ("stop",)  # ends the output thread after what is queued before it; never sent
 # Never dropped, by a session change or the detached bound.
 _LAST: Final = frozenset({"stop", "shutdown", "fatal"})
+# Kept across a new session: the last events, and the loop's "dropped" markers (the output
+# thread's filter must forget an id even if the new session reuses it at once).
+_KEPT: Final = _LAST | {"dropped"}
 # What msgspec raises for a value it cannot encode (a lone surrogate: UnicodeEncodeError).
 _ENCODE_ERRORS: Final = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
 
@@ -139,6 +142,11 @@ class Outbox:
         self._detached_weight = 0  # queued in this detached period
         self._dropped = 0  # dropped past detached_max in this detached period
         self._gated = True
+        # Requests the output thread ended with an error (an output msgspec refused), whose
+        # drop the loop has not applied yet: their later outputs, already stepped, are
+        # dropped, so the error stays the request's last event. Output thread only; the
+        # loop thread reads its truth value under _lock (no direct send while it is set).
+        self._ended_ids: set[Any] = set()
         self._thread = threading.Thread(target=self._main, name="enginecore-output", daemon=True)
 
     def start(self) -> None:
@@ -232,6 +240,14 @@ class Outbox:
                     bad.append((i, exc))
         return self._split_outputs(rids, fins, prepared, bad)
 
+    def ended_dropped(self, req_ids: list[str]) -> None:
+        """Loop thread: the drop of *req_ids*, which an output error ended, is applied (see
+        ``_stage_engine.drop_ended``): what the loop emits from now on is of new requests.
+        Tells the output thread in order with the loop's events; never blocks."""
+        with self._lock:
+            self._idle = False
+            self._queue.put(("dropped", req_ids))
+
     def wait_for_room(self) -> None:
         """Loop thread, before a step: wait while more than :data:`BACKLOG_MAX` events are
         queued and ``may_wait()``.
@@ -258,7 +274,7 @@ class Outbox:
         with self._lock:
             if self._gated and not self._admit_loop(events, _weight(events)):
                 return
-            if self._idle:
+            if self._idle and not self._ended_ids:
                 if self.resync:
                     self._resync()
                 encoder = self._loop_encoder
@@ -312,12 +328,13 @@ class Outbox:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item.__class__ is not list and item[0] in _LAST:
+                if item.__class__ is not list and item[0] in _KEPT:
                     last.append(item)
+            kept = sum(item[0] in _LAST for item in last)  # a "dropped" marker weighs 0
             # What the output thread has taken and not sent is the previous client's too: it
             # is never sent (_send checks the epoch), and no longer counted.
-            dropped = max(0, self.backlog - len(last))
-            self.backlog = len(last)
+            dropped = max(0, self.backlog - kept)
+            self.backlog = kept
             self._epoch += 1
             self._gated = True  # until the loop has applied the new epoch
             self._idle = False  # the output thread has the marker to take
@@ -411,11 +428,15 @@ class Outbox:
                 taken = 0
                 while True:
                     if item.__class__ is list:
+                        if self._ended_ids:
+                            item = self._without_ended(item)
                         events += item
                         taken += _weight(item)
                     else:
                         kind = item[0]
-                        if kind == "session":
+                        if kind == "dropped":
+                            self._ended_ids.difference_update(item[1])
+                        elif kind == "session":
                             # What was taken before it belongs to the previous session
                             # (begin_session has counted it as dropped).
                             epoch = item[1]
@@ -444,10 +465,17 @@ class Outbox:
                         events if len(events) <= MAX_BATCH else events[start : start + MAX_BATCH]
                     )
                     weight = taken if chunk is events else _weight(chunk)
+                    if start and self._ended_ids:  # an earlier chunk ended a request
+                        chunk = _drop_outputs_of(chunk, self._ended_ids)
                     try:
                         parts = encoder.encode(chunk)
                     except _ENCODE_ERRORS:
-                        parts = encoder.encode(self._encodable(encoder, chunk))
+                        chunk = self._encodable(encoder, chunk, self._ended_ids)
+                        parts = encoder.encode(chunk)
+                    if not chunk:  # all of it was filtered out
+                        with self._lock:
+                            self.backlog -= weight
+                        continue
                     if not send(parts, epoch, weight):
                         # A new session began: the rest is the previous one's, except the
                         # terminal event, which is every client's.
@@ -477,20 +505,53 @@ class Outbox:
 
     # -- what cannot cross the wire --------------------------------------------------------------
 
-    def _encodable(self, encoder: _codec.Encoder, events: Iterable[tuple[Any, ...]]) -> Events:
+    def _encodable(
+        self,
+        encoder: _codec.Encoder,
+        events: Iterable[tuple[Any, ...]],
+        ended: set[Any] | None = None,
+    ) -> Events:
         """*events*, each one that msgspec refuses replaced (see :meth:`_replacements`).
 
         Only reached for what passed the checks and that msgspec then refuses: an int out
-        of range after the flat fast path, a str with a lone surrogate."""
+        of range after the flat fast path, a str with a lone surrogate. A request that an
+        ``error`` ends here has its outputs in the later *events* dropped, and its id is
+        added to *ended* (the output thread's filter, for the steps the loop runs before
+        it has dropped the request; the loop thread passes none: it drops the request
+        before its next step)."""
         good: Events = []
-        for ev in events:
+        ended_here: set[Any] = set()
+        for event in events:
+            ev = event
+            if ended_here and ev[0] == "outputs":
+                ev = _outputs_without(ev, ended_here)
+                if not ev[1]:
+                    continue
             try:
                 encoder.encode(ev)
             except _ENCODE_ERRORS as exc:
-                good += self._replacements(ev, exc, encoder)
+                replacements = self._replacements(ev, exc, encoder)
+                if ev[0] == "outputs":
+                    fins = dict(zip(ev[1], ev[2], strict=True))
+                    for r in replacements:
+                        if r[0] == "error" and r[1] is not None and not fins.get(r[1], True):
+                            ended_here.add(r[1])
+                good += replacements
             else:
                 good.append(ev)
+        if ended is not None:
+            ended |= ended_here
         return good
+
+    def _without_ended(self, events: Events) -> Events:
+        """Output thread: *events* without the outputs of the requests in
+        :attr:`_ended_ids`; what is left out is taken off the backlog at once."""
+        kept = _drop_outputs_of(events, self._ended_ids)
+        lost = _weight(events) - _weight(kept)
+        if lost:
+            with self._lock:
+                self.backlog -= lost
+        return kept
 
     def _replacements(self, ev: tuple[Any, ...], exc: Exception, encoder: _codec.Encoder) -> Events:
         """What is sent instead of *ev*, which cannot cross the wire (*exc* says why).
@@ -581,6 +642,31 @@ class Outbox:
                 self._abort_request(rid)
             events.append(("error", rid, message))
         return events
+
+
+def _drop_outputs_of(events: Events, req_ids: set[Any]) -> Events:
+    """*events* without the outputs of *req_ids* (an ``outputs`` event left empty goes)."""
+    kept: Events = []
+    for ev in events:
+        if ev[0] == "outputs" and not req_ids.isdisjoint(ev[1]):
+            rest = _outputs_without(ev, req_ids)
+            if rest[1]:
+                kept.append(rest)
+        else:
+            kept.append(ev)
+    return kept
+
+
+def _outputs_without(ev: tuple[Any, ...], req_ids: set[Any]) -> tuple[Any, ...]:
+    """The ``outputs`` event *ev* without the outputs of *req_ids*."""
+    _, rids, fins, payloads = ev
+    keep = [i for i, rid in enumerate(rids) if rid not in req_ids]
+    return (
+        "outputs",
+        [rids[i] for i in keep],
+        [fins[i] for i in keep],
+        [payloads[i] for i in keep],
+    )
 
 
 def _weight(item: Any) -> int:

@@ -192,6 +192,8 @@ class StageEngine:
             self.live.difference_update(req_ids)
             if cls is not _EndedIds:
                 self._emit(("aborted", list(req_ids)))
+            else:
+                self._outbox.ended_dropped(list(req_ids))
         if self.drain.active and not self.live:
             self.drain.done()
 
