@@ -17,6 +17,7 @@ from benchmarks._soak_report import PhaseReport
 
 from .test_benchmarks_smoke import child_pids
 
+
 @pytest.fixture
 def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A private temp dir for the ipc sockets; afterwards, no new child and no file left."""
@@ -38,9 +39,7 @@ def failures(report: PhaseReport) -> str:
 @pytest.mark.usefixtures("no_leftovers")
 class TestSoak:
     def test_quick_soak_meets_every_expectation(self) -> None:
-        fuzz, abort = soak_stage.run(
-            soak_stage.QUICK_ADDS, soak_stage.QUICK_REQUESTS, handovers=2
-        )
+        fuzz, abort = soak_stage.run(soak_stage.QUICK_ADDS, soak_stage.QUICK_REQUESTS, handovers=2)
         assert fuzz.ok, failures(fuzz)
         assert abort.ok, failures(abort)
         c = fuzz.counts
