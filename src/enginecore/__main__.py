@@ -24,6 +24,10 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+# enginecore.stage._watchdog.STEP_TIMEOUT, without importing the stage (it needs pyzmq) to
+# build the parser; a test checks the two agree.
+_STEP_TIMEOUT = 60.0
+
 _LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 
 
@@ -73,6 +77,23 @@ def _parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, refuse new requests and let the live ones finish for at most "
         "this long, then abort the rest and stop (a second signal stops at once); default: "
         "stop at once",
+    )
+    serve.add_argument(
+        "--step-timeout",
+        type=float,
+        default=_STEP_TIMEOUT,
+        metavar="SECONDS",
+        help="a step that runs longer is reported once: every thread's stack on stderr, and "
+        "the client's health() reads 'stalled' until it returns; 0 turns the watchdog off "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--kill-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a step that runs this long is fatal: the stage sends a fatal event and exits 1 "
+        "(default: never)",
     )
     serve.add_argument(
         "--keep-requests-on-detach",
@@ -134,6 +155,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         from .stage import PROTOCOL_VERSION, check_encodable
         from .stage._process import serve
+        from .stage._watchdog import check_watchdog
     except ImportError as exc:
         print(f"python -m enginecore serve: {exc}", file=sys.stderr)
         return 2
@@ -147,6 +169,13 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     output = args.output_bind or _default_output(args.bind)
     _check_address(parser, output, args.allow_remote)
     check_encodable(kwargs, "--kwargs")
+    step_timeout = args.step_timeout or None  # 0: no watchdog
+    try:
+        check_watchdog(step_timeout, args.kill_after)
+    except ValueError as exc:
+        parser.error(
+            str(exc).replace("step_timeout", "--step-timeout").replace("kill_after", "--kill-after")
+        )
     if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
         parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
 
@@ -167,6 +196,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             detached_buffer=args.detached_buffer,
             keep_requests_on_detach=args.keep_requests_on_detach,
             drain_timeout=args.drain_timeout,
+            step_timeout=step_timeout,
+            kill_after=args.kill_after,
             ready=ready,
         )
     except Exception:

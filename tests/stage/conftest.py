@@ -22,7 +22,13 @@ from typing import Any, TypeVar, cast
 
 import pytest
 
-from enginecore.stage import AsyncRequestStream, AsyncStageClient, StageClient, StageEvent
+from enginecore.stage import (
+    AsyncRequestStream,
+    AsyncStageClient,
+    StageClient,
+    StageEvent,
+    StageHealth,
+)
 
 SCRIPTED = "enginecore.stage.testing:scripted"
 COUNTDOWN = "enginecore.stage.testing:countdown"
@@ -205,6 +211,9 @@ class BlockingAsyncClient:
             except StopIteration:
                 return
             yield event
+
+    def health(self) -> StageHealth:
+        return self._client.health()
 
     def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> int | None:
         return self._runner.run(self._client.shutdown(timeout, drain=drain))

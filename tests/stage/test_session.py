@@ -19,6 +19,7 @@ from enginecore.stage import (
     RequestError,
     Shutdown,
     StageClosedError,
+    StageHealth,
     UtilityError,
     UtilityResult,
 )
@@ -51,7 +52,7 @@ D = Deliveries[StreamCore, Waiter]
 def session(
     *,
     launched: bool = True,
-    heartbeat: tuple[float, float] | None = None,
+    heartbeat: tuple[float, float | None] | None = None,
     ordered_events: bool = False,
     now: float = 100.0,
 ) -> Session:
@@ -399,12 +400,68 @@ class TestHeartbeat:
     def test_every_frame_is_a_sign_of_life(self) -> None:
         s = session(launched=False, heartbeat=(1.0, 5.0), now=0.0)
         s.receive(frame(outputs((None, False, 1))), 4.0)
-        assert s.tick(8.9)[2] is None
-        assert s.tick(9.0)[2] is not None
+        s.tick(8.9)
+        assert s.failure is None
+        s.tick(9.0)
+        assert isinstance(s.failure, EngineDeadError)
 
-    def test_a_launched_stage_has_no_timer(self) -> None:
+    def test_a_launched_stage_without_heartbeat_has_no_timer(self) -> None:
         s = session(launched=True)
         assert s.tick(1e9) == (None, None, None)
+
+
+class TestHealth:
+    def test_silence_for_two_intervals_is_stalled_and_said_once(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 5.0), now=0.0)
+        assert s.health(0.0) is StageHealth.OK
+        _, wake_at, d = s.tick(0.0)
+        assert d is None
+        assert wake_at == 1.0
+        _, wake_at, d = s.tick(1.0)
+        assert wake_at == 2.0  # the next ping and the silence deadline coincide
+        assert s.health(1.99) is StageHealth.OK
+        assert s.health(2.0) is StageHealth.STALLED  # even before tick() says so
+        _, _, d = s.tick(2.0)
+        assert d is not None
+        [warning] = d.warnings
+        assert "stage process 42 has not answered for 2.0 s" in warning
+        assert s.tick(2.5)[2] is None  # said once
+        # An answer ends it, and says so.
+        d = s.receive(frame(["pong", 1]), 3.0)
+        assert d.warnings == ["stage process 42 answers again, after 3.0 s of silence"]
+        assert s.health(3.0) is StageHealth.OK
+
+    def test_a_launched_stage_is_never_presumed_dead_from_silence(self) -> None:
+        s = session(launched=True, heartbeat=(1.0, None), now=0.0)
+        ping, wake_at, _ = s.tick(0.0)
+        assert ping is not None
+        assert wake_at == 1.0
+        s.tick(1e6)
+        assert s.failure is None
+        assert s.health(1e6) is StageHealth.STALLED
+
+    def test_stalled_and_resumed_events(self) -> None:
+        s = session(ordered_events=True, now=0.0)
+        d = s.receive(frame(["stalled", 61.5, 60.0]), 1.0)
+        assert s.health(1.0) == "stalled"
+        assert d.warnings == [
+            "stage process 42: a step has run for 61.5 s (step_timeout 60 s); the stage "
+            "logged every thread's stack"
+        ]
+        d = s.receive(frame(["resumed", 70.25], outputs(("r", True, 0))), 2.0)
+        assert s.health(2.0) == "ok"
+        assert d.warnings == ["stage process 42: the stalled step returned after 70.2 s"]
+        # Liveness events stay out of the ordered event stream.
+        assert s.events is not None
+        assert [type(ev).__name__ for ev in s.events] == ["Outputs"]
+
+    def test_dead_once_failed_or_closing(self) -> None:
+        s = session(now=0.0)
+        s.begin_close()
+        assert s.health(0.0) is StageHealth.DEAD
+        s = session(now=0.0)
+        s.fail(EngineDeadError("gone"))
+        assert s.health(0.0) is StageHealth.DEAD
 
 
 class TestFrames:

@@ -27,6 +27,7 @@ from ._errors import (
     StageStartupError,
     UtilityError,
 )
+from ._session import StageHealth
 from ._wire import (
     PROTOCOL_VERSION,
     Aborted,
@@ -55,6 +56,7 @@ __all__ = [
     "StageClient",
     "StageClosedError",
     "StageEvent",
+    "StageHealth",
     "StageStartupError",
     "UtilityError",
     "UtilityResult",

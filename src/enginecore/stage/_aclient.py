@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -33,6 +34,7 @@ from ._clientbase import Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import Launched, launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
+from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
 __all__ = ["AsyncRequestStream", "AsyncStageClient"]
@@ -174,6 +176,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         startup_timeout: float = 60.0,
         ordered_events: bool = False,
         name: str | None = None,
+        step_timeout: float | None = STEP_TIMEOUT,
+        kill_after: float | None = None,
     ) -> AsyncStageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -181,6 +185,13 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         fresh interpreter, multiprocessing *spawn*); *kwargs* must be plain wire values (no
         arrays). With *ordered_events*, every event is also kept for :meth:`get_event` /
         :meth:`get_events` / :meth:`events`.
+
+        The stage's step watchdog: a step that runs longer than *step_timeout* seconds
+        (``None``: no watchdog) makes the stage log every thread's stack once, and
+        :meth:`health` reads ``"stalled"`` until the step returns; with *kill_after*, a step
+        that runs that long is fatal (:class:`~enginecore.stage.EngineDeadError` carrying
+        the fatal message). :class:`ValueError` for values that are not seconds > 0, or a
+        *kill_after* below *step_timeout*, before anything is started.
 
         Waits until the stage is ready, at most *startup_timeout* seconds; the blocking part
         of the start runs in a worker thread, so the event loop keeps running. Raises
@@ -192,9 +203,17 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         loop = asyncio.get_running_loop()
         # The worker thread waits for the child; this socket pair tells it to stop waiting.
         cancel, cancel_sender = socket.socketpair()
-        fut = loop.run_in_executor(
-            None, launch_process, factory, kwargs, startup_timeout, name, cancel
+        start = functools.partial(
+            launch_process,
+            factory,
+            kwargs,
+            startup_timeout,
+            name,
+            cancel,
+            step_timeout=step_timeout,
+            kill_after=kill_after,
         )
+        fut = loop.run_in_executor(None, start)
         fut.add_done_callback(lambda _: _close_pair(cancel, cancel_sender))
         try:
             launched = await asyncio.shield(fut)
@@ -211,7 +230,13 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             raise
         try:
             return await cls._open(
-                Target(launched.input_address, startup_timeout, launched, None, ordered_events)
+                Target(
+                    launched.input_address,
+                    startup_timeout,
+                    launched,
+                    (_session.LAUNCHED_PING_S, None),
+                    ordered_events,
+                )
             )
         except BaseException as exc:
             launched.kill_and_clean()

@@ -58,6 +58,7 @@ from ._clientbase import ClientBase, Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
+from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
 __all__ = ["RequestStream", "StageClient"]
@@ -240,6 +241,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self._owner: object = _RX  # who reads the PULL socket: _RX, a _Waiter, None (idle)
         self._want: _Waiter | None = None  # a call_utility waiting for the receiver's socket
         self._idle_until = 0.0  # when the receiver takes an idle socket back
+        self._parked_until: float | None = None  # when the parked receiver wakes (None: never)
         self._exit_seen = False  # the receiver saw the process sentinel
         self._reader: int | None = None  # ident of a borrower that reads the socket now
         self._closer: int | None = None  # ident of the thread inside _close, if any
@@ -264,6 +266,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         startup_timeout: float = 60.0,
         ordered_events: bool = False,
         name: str | None = None,
+        step_timeout: float | None = STEP_TIMEOUT,
+        kill_after: float | None = None,
     ) -> StageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -272,14 +276,29 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         arrays). With *ordered_events*, every event is also kept for :meth:`get_event` /
         :meth:`get_events` / :meth:`events`.
 
+        The stage's step watchdog: a step that runs longer than *step_timeout* seconds
+        (``None``: no watchdog) makes the stage log every thread's stack once, and
+        :meth:`health` reads ``"stalled"`` until the step returns; with *kill_after*, a step
+        that runs that long is fatal (:class:`~enginecore.stage.EngineDeadError` carrying
+        the fatal message). :class:`ValueError` for values that are not seconds > 0, or a
+        *kill_after* below *step_timeout*, before anything is started.
+
         Blocks until the stage is ready, at most *startup_timeout* seconds. Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
         factory raised) if it does not come up; no process or socket file is left behind.
         """
-        launched = launch_process(factory, kwargs, startup_timeout, name)
+        launched = launch_process(
+            factory, kwargs, startup_timeout, name, step_timeout=step_timeout, kill_after=kill_after
+        )
         try:
             return cls._open(
-                Target(launched.input_address, startup_timeout, launched, None, ordered_events)
+                Target(
+                    launched.input_address,
+                    startup_timeout,
+                    launched,
+                    (_session.LAUNCHED_PING_S, None),
+                    ordered_events,
+                )
             )
         except BaseException as exc:
             launched.kill_and_clean()
@@ -782,6 +801,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                             until = idle_until
                     if until is not None and now >= until:
                         break  # a timer is due
+                    self._parked_until = until
                     cond.wait(None if until is None else until - now)
 
     def _resume(self) -> None:
@@ -831,7 +851,14 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 and not self._exit_seen
             ):
                 self._owner = None
-                self._idle_until = time.monotonic() + _IDLE_LEND_S
+                idle_until = self._idle_until = time.monotonic() + _IDLE_LEND_S
+                # The receiver takes an idle socket back after _IDLE_LEND_S, to read what
+                # the stage sends unasked (a stalled event, outputs of a kept request).
+                # Wake it to say so, unless it wakes soon enough anyway: back-to-back calls
+                # then cost it at most one wake-up per _IDLE_LEND_S.
+                parked_until = self._parked_until
+                if parked_until is None or parked_until > idle_until + _IDLE_LEND_S:
+                    self._cond.notify()
             else:
                 self._owner = _RX
                 self._cond.notify()

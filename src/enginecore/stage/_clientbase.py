@@ -17,7 +17,7 @@ import zmq
 from . import _session
 from ._errors import StageClosedError, StageStartupError
 from ._launch import Launched
-from ._session import ClientSession, Deliveries, Parts, StreamCore, output_address_for
+from ._session import ClientSession, Deliveries, Parts, StageHealth, StreamCore, output_address_for
 from ._wire import WelcomeMsg
 
 __all__ = [
@@ -47,7 +47,9 @@ class Target(NamedTuple):
     address: str  # the stage's input address
     timeout: float  # for the handshake
     launched: Launched | None  # the process, for a launched stage
-    heartbeat: tuple[float, float] | None  # (interval, timeout), for a connected stage
+    # (interval, timeout): a connected stage is presumed dead after timeout; a launched one
+    # is pinged (timeout None) only so that a stopped process reads as stalled.
+    heartbeat: tuple[float, float | None] | None
     ordered_events: bool
 
 
@@ -152,6 +154,14 @@ class ClientBase(Generic[S, W]):
             d = self._session.fail(StageClosedError("this stage client is closed"))
         if d is not None:
             self._apply(d)
+
+    def health(self) -> StageHealth:
+        """``"ok"``, ``"stalled"`` or ``"dead"`` (:class:`~enginecore.stage.StageHealth`):
+        whether the stage answers, and whether a step has run past its ``step_timeout``.
+        ``"stalled"`` goes back to ``"ok"`` once the step returns or the stage answers
+        again. Never blocks, never waits for the stage; thread-safe."""
+        with self._lock:
+            return self._session.health(time.monotonic())
 
     @property
     def pid(self) -> int:

@@ -20,6 +20,7 @@ import msgspec
 
 from . import _process, _session, _wire
 from ._errors import StageStartupError, describe_exit
+from ._watchdog import STEP_TIMEOUT, check_watchdog
 
 __all__ = ["LaunchCancelled", "Launched", "launch_process"]
 
@@ -126,6 +127,9 @@ def launch_process(
     startup_timeout: float,
     name: str | None,
     cancel: socket.socket | None = None,
+    *,
+    step_timeout: float | None = STEP_TIMEOUT,
+    kill_after: float | None = None,
 ) -> Launched:
     """Spawn a stage process and wait until it is ready. Blocks up to *startup_timeout*.
 
@@ -133,9 +137,11 @@ def launch_process(
     died, or it was not ready in time; :class:`ValueError` / :class:`TypeError` for bad
     arguments, before anything is started. Once *cancel* (a socket) is readable, stops
     waiting: kills what it started, cleans up, and raises :class:`LaunchCancelled` (the
-    asyncio client's way to cancel a launch running in a worker thread).
+    asyncio client's way to cancel a launch running in a worker thread). *step_timeout*
+    and *kill_after* configure the stage's step watchdog (``StageRuntime``).
     """
     _validate_factory(factory)
+    check_watchdog(step_timeout, kill_after)
     kwargs = dict(kwargs or {})
     _wire.check_encodable(kwargs, "factory kwargs")
     if not all(type(k) is str for k in kwargs):
@@ -159,7 +165,16 @@ def launch_process(
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     process = ctx.Process(
         target=_process.run_launched,
-        args=(factory, kwargs_frame, input_address, output_address, child_conn, ipc_dir),
+        args=(
+            factory,
+            kwargs_frame,
+            input_address,
+            output_address,
+            child_conn,
+            ipc_dir,
+            step_timeout,
+            kill_after,
+        ),
         name=name or f"enginecore-stage[{factory}]",
         daemon=False,
     )

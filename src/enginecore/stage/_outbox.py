@@ -159,9 +159,10 @@ class Outbox:
         self.post(_STOP)
         self._thread.join(timeout)
 
-    def join(self) -> None:
-        """Wait until the output thread has ended and closed the socket."""
-        self._thread.join()
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the output thread has ended and closed the socket (at most *timeout*
+        seconds)."""
+        self._thread.join(timeout)
 
     # -- handing events over (any thread) ------------------------------------------------------
 

@@ -26,6 +26,7 @@ import msgspec
 from .._engine import Engine
 from .._signals import shutdown_on_signals
 from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
+from ._watchdog import STEP_TIMEOUT
 
 __all__ = ["build_engine", "exit_soon", "import_factory", "run_launched", "serve"]
 
@@ -72,6 +73,8 @@ def run_launched(
     output_address: str,
     conn: Any,
     ipc_dir: str,
+    step_timeout: float | None = None,
+    kill_after: float | None = None,
 ) -> None:
     """Target of the spawned stage process (see ``_launch.launch_process``).
 
@@ -92,6 +95,8 @@ def run_launched(
             input_address,
             output_address,
             engine_name=factory,
+            step_timeout=step_timeout,
+            kill_after=kill_after,
             handle_signals=(signal.SIGTERM,),
         )
     except BaseException as exc:
@@ -117,6 +122,8 @@ def serve(
     detached_buffer: int = DETACHED_BUFFER,
     keep_requests_on_detach: bool = False,
     drain_timeout: float | None = None,
+    step_timeout: float | None = STEP_TIMEOUT,
+    kill_after: float | None = None,
     ready: Callable[[str, str], None],
 ) -> int:
     """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
@@ -136,6 +143,8 @@ def serve(
         session_timeout=session_timeout,
         detached_buffer=detached_buffer,
         keep_requests_on_detach=keep_requests_on_detach,
+        step_timeout=step_timeout,
+        kill_after=kill_after,
         handle_signals=(),
     )
     # The handlers go in before ready() announces the stage: a signal sent as soon as the

@@ -16,6 +16,7 @@ the loop and tears everything down in a fixed order (see :meth:`StageRuntime.run
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -30,6 +31,7 @@ from .._signals import shutdown_on_signals
 from ._inbox import HEARTBEAT_TIMEOUT_MS, Inbox
 from ._outbox import Outbox
 from ._stage_engine import StageEngine, drop_ended
+from ._watchdog import StepWatchdog, check_watchdog
 
 __all__ = [
     "DETACHED_BUFFER",
@@ -39,6 +41,8 @@ __all__ = [
     "EXIT_ORPHANED",
     "StageRuntime",
 ]
+
+logger = logging.getLogger("enginecore.stage")
 
 # Exit codes of a stage process.
 EXIT_OK: Final = 0  # clean shutdown
@@ -67,6 +71,12 @@ class StageRuntime:
     *keep_requests_on_detach*; nothing queued for it reaches the next client. While no
     client can read, at most *detached_buffer* events (one per output) are queued, and the
     rest are dropped and counted in the log (``docs/stage.md``, "Headless mode").
+
+    Watchdog: with *step_timeout* (seconds), a step that runs longer is reported once (every
+    thread's stack on stderr, a log line, a ``stalled`` event, then ``resumed`` when it
+    returns); with *kill_after* too, a step that runs that long ends the process with a
+    ``fatal`` event and exit code 1 (:class:`~._watchdog.StepWatchdog`). No watchdog by
+    default here; ``launch()`` and ``serve`` default to :data:`~._watchdog.STEP_TIMEOUT`.
     """
 
     def __init__(
@@ -79,8 +89,11 @@ class StageRuntime:
         session_timeout: float = 10.0,
         detached_buffer: int = DETACHED_BUFFER,
         keep_requests_on_detach: bool = False,
+        step_timeout: float | None = None,
+        kill_after: float | None = None,
         handle_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
     ) -> None:
+        check_watchdog(step_timeout, kill_after)
         self._signals = tuple(handle_signals)
         # How long the last frames may take to leave. Zero once the parent is known dead:
         # nobody is left to read them, and an orphan must go quickly.
@@ -109,8 +122,18 @@ class StageRuntime:
                 may_wait=self._may_hold_the_loop,
                 detached_max=detached_buffer,
             )
+            self._watchdog = (
+                None
+                if step_timeout is None
+                else StepWatchdog(
+                    step_timeout, kill_after, post=self._outbox.post, kill=self._kill_stalled
+                )
+            )
             stage_engine = StageEngine(
-                engine, self._outbox, abort_on_detach=not keep_requests_on_detach
+                engine,
+                self._outbox,
+                abort_on_detach=not keep_requests_on_detach,
+                watchdog=self._watchdog,
             )
             self.loop = EngineCoreLoop(stage_engine, stage_engine.emit)
             stage_engine.request_shutdown = self.loop.request_shutdown
@@ -145,6 +168,20 @@ class StageRuntime:
         # shutdown request.
         return self._inbox.output_peers > 0 and not self.loop.shutdown_requested
 
+    def _kill_stalled(self, message: str) -> None:
+        # Watchdog thread: a step passed kill_after. The loop thread is stuck in it and
+        # cannot be interrupted, so the stage ends from here: the fatal event goes out (the
+        # output thread ends with it), ctx.term() delivers it (waiting out the output
+        # socket's linger), and the process exits. Each wait is bounded.
+        logger.critical("enginecore: %s", message)
+        self._outbox.post(("fatal", message))
+        self._outbox.join(timeout=self._flush_timeout)
+        term = threading.Thread(target=self._ctx.term, name="enginecore-term", daemon=True)
+        term.start()
+        term.join(self._flush_timeout)
+        logging.shutdown()
+        os._exit(EXIT_FATAL)
+
     def request_drain(self, seconds: float) -> None:
         """Drain, then stop: as a client's ``shutdown`` with a drain of *seconds*, queued
         after what the input thread has read. Safe in a signal handler (it only writes a
@@ -161,6 +198,8 @@ class StageRuntime:
         """Run until shutdown or a fatal error; return the process exit code. Blocks."""
         self._inbox.start()
         self._outbox.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
         signals = (
             shutdown_on_signals(self.loop, self._signals)
             if self._signals
@@ -184,6 +223,8 @@ class StageRuntime:
             #    is gone) with ETERM; it returns once both closed their sockets, the output
             #    socket after its linger.
             # 3. The ipc socket files that libzmq leaves behind are removed.
+            if self._watchdog is not None:
+                self._watchdog.close()
             readers = self._inbox.attached or self._inbox.output_peers > 0
             self._outbox.close(timeout=self._flush_timeout if readers else 0.0)
             self._ctx.term()

@@ -49,7 +49,7 @@ from ._errors import (
     UtilityError,
     describe_exit,
 )
-from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, UtilityResult
+from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, Resumed, Stalled, UtilityResult
 
 __all__ = [
     "ABORTED",
@@ -285,6 +285,29 @@ S = TypeVar("S", bound=StreamCore)
 W = TypeVar("W")
 
 
+_LIVENESS: Final = frozenset({Pong, Stalled, Resumed})  # events kept out of the event stream
+
+
+class StageHealth(str, enum.Enum):
+    """What ``client.health()`` says about the stage. A ``str``: compares equal to its value.
+
+    - ``OK``: the stage answers, and no step has run past its ``step_timeout``.
+    - ``STALLED``: alive as far as the client knows, but a step has run past the stage's
+      ``step_timeout`` (the stage said so), or the stage has not answered the client's pings
+      for two intervals (a stopped or starved process). Back to ``OK`` when that ends.
+    - ``DEAD``: the stage is gone (any waiter has its error), or this client is closed.
+    """
+
+    OK = "ok"
+    STALLED = "stalled"
+    DEAD = "dead"
+
+
+LAUNCHED_PING_S: Final = 1.0
+"""How often a launched client pings its stage: only to tell a stopped stage (SIGSTOP) from
+a quiet one; the process itself says when it is gone."""
+
+
 @dataclass(slots=True, eq=False)
 class Deliveries(Generic[S, W]):
     """What the client must do after a session call, outside its lock."""
@@ -315,7 +338,7 @@ class ClientSession(Generic[S, W]):
         pid: int | None,
         address: str,
         launched: bool,
-        heartbeat: tuple[float, float] | None,
+        heartbeat: tuple[float, float | None] | None,
         ordered_events: bool,
         now: float,
     ) -> None:
@@ -340,6 +363,8 @@ class ClientSession(Generic[S, W]):
         self.events_waiting = False
         self.events_end: End | None = None  # the End appended to events, once it is
         self.last_heard = now
+        self.step_stalled = False  # the stage reported a step past its step_timeout
+        self._silent = False  # warned that the stage has not answered for two intervals
         # Set when the heartbeat presumed a connected stage dead: the client should send a
         # bye and close its output socket (release_session), so that a stage that was only
         # unreachable or stopped lets the next client attach at once.
@@ -518,6 +543,11 @@ class ClientSession(Generic[S, W]):
             assert isinstance(batch, EngineDeadError)
             self._fail_into(d, batch)
             return d
+        if self._silent:
+            self._silent = False
+            d.warnings.append(
+                f"{self._who()} answers again, after {now - self.last_heard:.1f} s of silence"
+            )
         self.last_heard = now
         streams = self.streams
         wake = d.wake
@@ -555,13 +585,26 @@ class ClientSession(Generic[S, W]):
                 self._on_error_report(ev, d)
             elif cls is Pong:
                 pongs = True  # an answer to our heartbeat, not a stage event
+            elif cls is Stalled:
+                pongs = True  # liveness, not a stage event
+                self.step_stalled = True
+                d.warnings.append(
+                    f"{self._who()}: a step has run for {ev.seconds:.1f} s (step_timeout "
+                    f"{ev.step_timeout:g} s); the stage logged every thread's stack"
+                )
+            elif cls is Resumed:
+                pongs = True
+                self.step_stalled = False
+                d.warnings.append(
+                    f"{self._who()}: the stalled step returned after {ev.seconds:.1f} s"
+                )
             else:  # Shutdown or Fatal: the stage's last event
                 if cls is Fatal:
                     self.fatal = ev.message
                 terminal = True
         events = self.events
         if events is not None:
-            events.extend([ev for ev in batch if ev.__class__ is not Pong] if pongs else batch)
+            events.extend([ev for ev in batch if ev.__class__ not in _LIVENESS] if pongs else batch)
             if self.events_waiting and events:
                 self.events_waiting = False
                 d.wake_events = True
@@ -627,17 +670,47 @@ class ClientSession(Generic[S, W]):
         if self.heartbeat is None:
             return None, None, None
         interval, timeout = self.heartbeat
-        dead_at = self.last_heard + timeout
-        if now >= dead_at:
-            reason = f"no heartbeat from {self.address} for {timeout} s; presumed dead"
-            d = self.fail(self.end_error(reason=reason))
-            self.release_due = not self.closing
-            return None, None, d
+        if timeout is not None:
+            dead_at = self.last_heard + timeout
+            if now >= dead_at:
+                reason = f"no heartbeat from {self.address} for {timeout} s; presumed dead"
+                d = self.fail(self.end_error(reason=reason))
+                self.release_due = not self.closing
+                return None, None, d
+        d = None
+        silent_at = self.last_heard + 2 * interval
+        if not self._silent and now >= silent_at:
+            self._silent = True
+            d = Deliveries()
+            d.warnings.append(
+                f"{self._who()} has not answered for {now - self.last_heard:.1f} s: it may be "
+                f"stopped (SIGSTOP) or starved of CPU; health() reads 'stalled'"
+            )
         ping = None
         if now >= self._next_ping:
             ping = [encode_plain(("ping", next(self._ping_seq)), "ping")]
             self._next_ping = now + interval
-        return ping, min(self._next_ping, dead_at), None
+        wake_at = self._next_ping
+        if timeout is not None:
+            wake_at = min(wake_at, dead_at)
+        if not self._silent:
+            wake_at = min(wake_at, silent_at)
+        return ping, wake_at, d
+
+    def health(self, now: float) -> StageHealth:
+        """What :class:`StageHealth` says at *now*. Changes nothing."""
+        if self.failure is not None or self.closing:
+            return StageHealth.DEAD
+        if self.step_stalled or self._silent:
+            return StageHealth.STALLED
+        if self.heartbeat is not None and now >= self.last_heard + 2 * self.heartbeat[0]:
+            return StageHealth.STALLED  # silent, and tick() has not run yet to say so
+        return StageHealth.OK
+
+    def _who(self) -> str:
+        if self.pid is not None:
+            return f"stage process {self.pid}"
+        return f"the stage at {self.address}"
 
     def process_exited(self, exit_code: int | None, now: float) -> Deliveries[S, W] | None:
         """The launched process has exited with *exit_code*. If its last event has come,

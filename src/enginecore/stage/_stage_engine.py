@@ -35,6 +35,7 @@ from .._messages import Abort, Event, Utility
 from . import _codec
 from ._outbox import BACKLOG_MAX, Outbox
 from ._routing import make_router
+from ._watchdog import StepWatchdog
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -163,7 +164,14 @@ class StageEngine:
     drain can only bring the deadline closer.
     """
 
-    def __init__(self, engine: Engine, outbox: Outbox, *, abort_on_detach: bool = True) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        outbox: Outbox,
+        *,
+        abort_on_detach: bool = True,
+        watchdog: StepWatchdog | None = None,
+    ) -> None:
         # The request ids live in the stage: added (the engine's add() returned), and not
         # yet finished (an output routed with finished=True), aborted (abort() returned) or
         # ended by an error. A request that an output ended with an error before its last
@@ -174,7 +182,7 @@ class StageEngine:
         self.drain = _Drain(self)
         self.has_work = engine.has_work
         self.add = make_add(engine, outbox, self.live)
-        self.step = make_step(engine, outbox, self.live, self.drain)
+        self.step = make_step(engine, outbox, self.live, self.drain, watchdog)
         self._utility = engine.utility
         self._abort = engine.abort
         self._emit = outbox.emit
@@ -327,7 +335,11 @@ def make_add(engine: Engine, outbox: Outbox, live: set[str]) -> Callable[[str, A
 
 
 def make_step(
-    engine: Engine, outbox: Outbox, live: set[str], drain: _Drain
+    engine: Engine,
+    outbox: Outbox,
+    live: set[str],
+    drain: _Drain,
+    watchdog: StepWatchdog | None = None,
 ) -> Callable[[], tuple[()]]:
     """The loop's ``step``: *engine*'s step, its outputs routed on the loop thread (before the
     engine can reuse an output) and posted to *outbox* as **one** ``outputs`` event; it
@@ -337,7 +349,8 @@ def make_step(
     still sent first. A payload that cannot cross the wire, or that is a
     :class:`~enginecore.RequestRejected`, ends only its request (:meth:`Outbox.prepare_outputs`).
     A request's output routed with ``finished=True`` takes its id out of *live*; during a
-    *drain*, the step that leaves *live* empty ends it. Before a
+    *drain*, the step that leaves *live* empty ends it. The *watchdog*, if any, watches
+    the engine's step and the routing (:class:`~._watchdog.StepWatchdog`). Before a
     step, waits while the output thread is far behind a connected client
     (:meth:`Outbox.wait_for_room`).
     """
@@ -356,7 +369,14 @@ def make_step(
         fins: list[Any] = []
         payloads: list[Any] = []
         try:
-            route(engine_step(), rids, fins, payloads)
+            if watchdog is not None:
+                watchdog.begin()
+                try:
+                    route(engine_step(), rids, fins, payloads)
+                finally:
+                    watchdog.end()
+            else:
+                route(engine_step(), rids, fins, payloads)
         finally:
             # One hand-over per step (Outbox.post_step: a big step is sent at once while
             # the output thread idles, a small one queued to share a frame).

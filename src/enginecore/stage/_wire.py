@@ -138,6 +138,20 @@ class Pong(msgspec.Struct, array_like=True, frozen=True, tag="pong"):
     seq: int
 
 
+class Stalled(msgspec.Struct, array_like=True, frozen=True, tag="stalled"):
+    """The stage's step watchdog: a step has run for *seconds*, past *step_timeout*. Sent
+    once per such step; :class:`Resumed` follows when it returns."""
+
+    seconds: float
+    step_timeout: float
+
+
+class Resumed(msgspec.Struct, array_like=True, frozen=True, tag="resumed"):
+    """The step reported by :class:`Stalled` returned, after *seconds* in all."""
+
+    seconds: float
+
+
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
     """The engine loop stopped because shutdown was requested. Last event of the stage."""
 
@@ -151,7 +165,9 @@ class Fatal(msgspec.Struct, array_like=True, frozen=True, tag="fatal"):
 StageEvent: TypeAlias = Outputs | UtilityResult | Aborted | ErrorReport | Shutdown | Fatal
 """What a client's ordered event stream yields."""
 
-WireEvent: TypeAlias = Outputs | UtilityResult | Aborted | ErrorReport | Pong | Shutdown | Fatal
+WireEvent: TypeAlias = (
+    Outputs | UtilityResult | Aborted | ErrorReport | Pong | Stalled | Resumed | Shutdown | Fatal
+)
 
 # Stage side: events are built as plain tuples in exactly the array shapes above (cheap on the
 # hot path, and they encode identically). Client side: bodies decode straight into structs.

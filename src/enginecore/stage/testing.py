@@ -78,6 +78,8 @@ class ScriptedEngine(CountdownEngine):
       with *last*, that output is *rid*'s last (``finished``) and the engine drops *rid*.
     - ``fail_next_step`` -> the next ``step()`` raises ``RuntimeError("scripted step failure")``.
     - ``system_exit_next_step(code)`` -> the next ``step()`` raises ``SystemExit(code)``.
+    - ``stall_next_step(seconds)`` -> the next ``step()`` (there is one, even with no
+      request) sleeps that long first: a step the stage's watchdog sees as stalled.
     - ``exit(code)`` -> the process ends at once with ``os._exit(code)``.
     - ``unencodable_result`` -> returns a ``set``, which the wire refuses;
       ``unencodable_result("surrogate")`` returns a ``str`` with a lone surrogate, which
@@ -102,12 +104,14 @@ class ScriptedEngine(CountdownEngine):
         self._system_exit: int | None = None
         self._poisoned: dict[str, Any] = {}
         self._unrouted: list[Any] = []
+        self._stall_next = 0.0
 
     def has_work(self) -> bool:
         return (
             super().has_work()
             or self._fail_next
             or self._system_exit is not None
+            or self._stall_next > 0
             or bool(self._unrouted)
         )
 
@@ -136,6 +140,9 @@ class ScriptedEngine(CountdownEngine):
         if name == "fail_next_step":
             self._fail_next = True
             return None
+        if name == "stall_next_step":  # the next step sleeps args[0] seconds first
+            self._stall_next = float(args[0])
+            return None
         if name == "system_exit_next_step":
             self._system_exit = args[0]
             return None
@@ -162,6 +169,9 @@ class ScriptedEngine(CountdownEngine):
         return super().utility(name, args)
 
     def step(self) -> list[Any]:
+        if self._stall_next:
+            seconds, self._stall_next = self._stall_next, 0.0
+            time.sleep(seconds)
         if self._fail_next:
             raise RuntimeError("scripted step failure")
         if self._system_exit is not None:
