@@ -27,7 +27,7 @@ from enginecore.stage import (
 )
 from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
-from .conftest import SCRIPTED, Connect, Server
+from .conftest import SCRIPTED, Connect, Server, wait_until
 from .raw import InProcessStage, RawClient
 
 
@@ -472,6 +472,30 @@ def _start_serve() -> subprocess.Popen[str]:
         proc.communicate()
         pytest.fail(f"serve did not start: {line!r}")
     return proc
+
+
+def test_drops_while_detached_are_logged_when_the_stage_stops_detached(
+    no_leftovers: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="enginecore.stage")
+    stage = InProcessStage(
+        ScriptedEngine(), no_leftovers, keep_requests_on_detach=True, detached_buffer=10
+    )
+    try:
+        with RawClient(stage.address) as client:
+            assert client.hello()[0] == "welcome"
+            client.send("add", "long", 10**8)
+            client.until(_is_output_of({"long"}))
+            client.send("bye")
+        outbox = stage.runtime._outbox
+        assert wait_until(lambda: outbox._dropped > 0, 10)
+    finally:
+        stage.stop()
+    [line] = [
+        r.getMessage() for r in caplog.records if "while no client could read" in r.getMessage()
+    ]
+    assert "the stage stopped before a client attached" in line
+    assert int(line.split()[2]) > 0
 
 
 class TestServeSignals:

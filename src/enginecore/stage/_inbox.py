@@ -73,6 +73,18 @@ the heartbeat needs to drop one whose peer vanished."""
 _RECEIVED_FLAT: Final = frozenset({type(None), bool, int, float, str, bytes})
 
 
+def log_detached_drops(dropped: int, detached_max: int, *, at_exit: bool = False) -> None:
+    """Log, once per detached period, what the outbox dropped past its bound."""
+    if dropped:
+        logger.warning(
+            "enginecore: dropped %d events (one per output) while no client could read "
+            "them (the detached buffer holds %d)%s",
+            dropped,
+            detached_max,
+            "; the stage stopped before a client attached" if at_exit else "",
+        )
+
+
 class Inbox:
     """The input socket, the output socket's monitor, the session, and the input thread.
     ``start()`` once; ``Context.term()`` ends the thread (:meth:`join` waits for it).
@@ -388,14 +400,7 @@ class Inbox:
         if detached == self._detached:
             return
         self._detached = detached
-        dropped = self._outbox.set_detached(detached)
-        if dropped:
-            logger.warning(
-                "enginecore: dropped %d events (one per output) while no client could read "
-                "them (the detached buffer holds %d)",
-                dropped,
-                self._outbox.detached_max,
-            )
+        log_detached_drops(self._outbox.set_detached(detached), self._outbox.detached_max)
 
     def _reject(self, ident: bytes, reason: str) -> None:
         reject = _wire.RejectMsg(_wire.PROTOCOL_VERSION, reason)

@@ -364,6 +364,13 @@ class Outbox:
             self._detached_weight = 0
             return dropped
 
+    def take_dropped(self) -> int:
+        """How many events were dropped past ``detached_max`` in the detached period under
+        way (0 if none); the count starts again. Any thread; never blocks."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, 0
+            return dropped
+
     def _admit_detached(self, item: Any, weight: int) -> bool:
         # Under _lock, while detached: whether there is room for *item* (counted if not).
         if item.__class__ is not list and item[0] in _LAST:

@@ -28,7 +28,7 @@ import zmq
 from .._engine import Engine
 from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
-from ._inbox import HEARTBEAT_TIMEOUT_MS, Inbox
+from ._inbox import HEARTBEAT_TIMEOUT_MS, Inbox, log_detached_drops
 from ._outbox import Outbox
 from ._stage_engine import StageEngine, drop_ended
 from ._watchdog import StepWatchdog, check_watchdog
@@ -230,6 +230,8 @@ class StageRuntime:
             self._ctx.term()
             self._inbox.join()
             self._inbox.close_drain_pipe()
+            # A detached period that the stop ended: its drops are logged here.
+            log_detached_drops(self._outbox.take_dropped(), self._outbox.detached_max, at_exit=True)
             self._outbox.join()
             for address in (self.input_address, self.output_address):
                 if address.startswith("ipc://"):
