@@ -28,6 +28,8 @@ class TestPublicApi:
             "CountdownEngine",
             "Engine",
             "EngineCoreLoop",
+            "LoopEndedError",
+            "PipelinedEngine",
             "RequestRejected",
             "Utility",
             "Wakeup",

@@ -12,9 +12,10 @@ mypy_api = pytest.importorskip("mypy.api")
 
 _GOOD = """
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
-from enginecore import Add, EngineCoreLoop, Event
+from enginecore import Add, EngineCoreLoop, Event, PipelinedEngine
 
 
 class MyEngine:
@@ -46,12 +47,49 @@ def emit(event: Event) -> None:
 
 loop = EngineCoreLoop(MyEngine(), emit)
 loop.submit(Add("r", 1))
+
+
+class MyPipelinedEngine:
+    def __init__(self) -> None:
+        self.live: dict[str, int] = {}
+        self.launched = 0
+
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.live[req_id] = int(data)
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            self.live.pop(rid, None)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Future[int]:
+        done: Future[int] = Future()
+        done.set_result(len(self.live))
+        return done
+
+    def launch(self) -> tuple[int, list[str]]:
+        self.launched += 1
+        return self.launched, list(self.live)
+
+    def collect(self, handle: tuple[int, list[str]]) -> list[str]:
+        return [rid for rid in handle[1] if rid in self.live]
+
+    def cancel(self, handle: tuple[int, list[str]]) -> None:
+        pass
+
+
+engine: PipelinedEngine[tuple[int, list[str]]] = MyPipelinedEngine()
+pipelined = EngineCoreLoop(MyPipelinedEngine(), emit, pipeline_depth=2)
+depth: int = pipelined.pipeline_depth
 """
 
 _BAD = """
+from collections.abc import Sequence
 from typing import Any
 
-from enginecore import EngineCoreLoop
+from enginecore import EngineCoreLoop, PipelinedEngine
 
 
 class NoStep:
@@ -74,8 +112,38 @@ class WrongHasWork:
         return []
 
 
+class CollectTakesNoHandle:
+    def has_work(self) -> bool:
+        return False
+
+    def add(self, req_id: str, data: Any) -> None: ...
+    def abort(self, req_ids: Sequence[str]) -> None: ...
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any: ...
+    def launch(self) -> int:
+        return 0
+
+    def collect(self) -> list[Any]:
+        return []
+
+
+class HandleMismatch:
+    def has_work(self) -> bool:
+        return False
+
+    def add(self, req_id: str, data: Any) -> None: ...
+    def abort(self, req_ids: Sequence[str]) -> None: ...
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any: ...
+    def launch(self) -> int:
+        return 0
+
+    def collect(self, handle: str) -> list[Any]:
+        return []
+
+
 EngineCoreLoop(NoStep(), print)
 EngineCoreLoop(WrongHasWork(), print)
+EngineCoreLoop(CollectTakesNoHandle(), print, pipeline_depth=2)
+wrong: PipelinedEngine[int] = HandleMismatch()
 """
 
 
@@ -100,6 +168,10 @@ class TestEngineProtocolUnderMypy:
         assert status == 1, out
         assert 'Argument 1 to "EngineCoreLoop" has incompatible type "NoStep"' in out
         assert 'Argument 1 to "EngineCoreLoop" has incompatible type "WrongHasWork"' in out
+        assert 'Argument 1 to "EngineCoreLoop" has incompatible type "CollectTakesNoHandle"' in out
+        # The handle launch() returns must be the one collect() takes.
+        assert 'has type "HandleMismatch", variable has type "PipelinedEngine[int]"' in out
+        assert "def collect(self, handle: str)" in out
 
     def test_the_readme_examples_type_check(self, tmp_path: Path) -> None:
         readme = (Path(__file__).parent.parent / "README.md").read_text()

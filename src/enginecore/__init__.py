@@ -3,8 +3,8 @@
 The public API is re-exported here; everything in ``enginecore._*`` is private.
 """
 
-from ._engine import CountdownEngine, Engine
-from ._exceptions import EngineCoreError, LoopAlreadyRunError, RequestRejected
+from ._engine import CountdownEngine, Engine, PipelinedEngine
+from ._exceptions import EngineCoreError, LoopAlreadyRunError, LoopEndedError, RequestRejected
 from ._loop import EngineCoreLoop
 from ._messages import (
     Abort,
@@ -32,8 +32,10 @@ __all__ = [
     "Event",
     "FatalEvent",
     "LoopAlreadyRunError",
+    "LoopEndedError",
     "Message",
     "OutputEvent",
+    "PipelinedEngine",
     "RequestRejected",
     "ShutdownEvent",
     "Utility",

@@ -1,13 +1,16 @@
-"""The :class:`Engine` protocol that a user implements, and :class:`CountdownEngine`, the toy."""
+"""The protocols that a user implements, :class:`Engine` and :class:`PipelinedEngine`, and
+:class:`CountdownEngine`, the toy."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ._exceptions import RequestRejected
 
-__all__ = ["CountdownEngine", "Engine"]
+__all__ = ["CountdownEngine", "Engine", "PipelinedEngine"]
+
+HandleT = TypeVar("HandleT")
 
 
 @runtime_checkable
@@ -35,11 +38,71 @@ class Engine(Protocol):
         ...
 
     def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-        """Run an out-of-band call (*args* is one tuple). Raising affects only this call."""
+        """Run an out-of-band call (*args* is one tuple). Raising affects only this call.
+
+        Returning a :class:`concurrent.futures.Future` defers the answer: the loop does not
+        wait for it, and answers the call once the future is done (``docs/contract.md``,
+        rule 17)."""
         ...
 
     def step(self) -> Iterable[Any]:
         """Advance every live request once and return the outputs, in order."""
+        ...
+
+
+@runtime_checkable
+class PipelinedEngine(Protocol[HandleT]):
+    """An engine whose step is split in two, so the loop can keep several steps in flight.
+
+    :meth:`launch` schedules a step and starts it on the device *without waiting for it*,
+    and returns a handle; :meth:`collect` waits for that step, post-processes it and returns
+    its outputs. ``EngineCoreLoop(engine, emit, pipeline_depth=d)`` keeps at most *d*
+    handles in flight and collects them in launch order, each exactly once; the rules are
+    ``docs/contract.md``, rules 12-16. A pipelined engine is driven through ``launch`` and
+    ``collect`` at every depth, 1 included (then back to back); a ``step`` method, if it has
+    one, is not called.
+
+    ``has_work``, ``add``, ``abort`` and ``utility`` are :class:`Engine`'s, with one more
+    duty for ``abort``: **after abort(req_ids) returns, no collect returns outputs for those
+    requests**, not even for a handle launched before the abort. The loop applies every
+    queued message before each ``launch`` and each ``collect``; the engine drops the aborted
+    requests' outputs from the steps still in flight. ``has_work()`` now says whether
+    *another* step can be launched, with the steps in flight taken into account.
+
+    Optional: ``cancel(handle) -> None``. If the engine has it, the loop calls it once for
+    each handle it will never collect, after a fatal error (in launch order), so the engine
+    can release what the step holds. It should not wait for the device; an exception from
+    it is logged and the other handles are still cancelled.
+
+    The handle is opaque to the loop: it only keeps it and passes it back. Single writer,
+    as for :class:`Engine`: only the loop's thread calls these methods.
+    """
+
+    def has_work(self) -> bool:
+        """Whether :meth:`launch` has anything to start now. Called often: keep it O(1)."""
+        ...
+
+    def add(self, req_id: str, data: Any) -> None:
+        """Admit request *req_id*, as :meth:`Engine.add`."""
+        ...
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        """Drop the requests *req_ids*; no later :meth:`collect` returns outputs for them."""
+        ...
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        """Run an out-of-band call, as :meth:`Engine.utility` (a future defers it)."""
+        ...
+
+    def launch(self) -> HandleT:
+        """Schedule the next step and start it without waiting for the device; return a
+        handle for :meth:`collect`. Raising is fatal to the loop."""
+        ...
+
+    def collect(self, handle: HandleT) -> Iterable[Any]:
+        """Wait for the step *handle*, post-process it and return its outputs, in order
+        (the aborted requests' left out). Called once per handle, in launch order. Raising
+        is fatal to the loop."""
         ...
 
 

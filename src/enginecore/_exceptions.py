@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineCoreError", "LoopAlreadyRunError", "RequestRejected"]
+__all__ = ["EngineCoreError", "LoopAlreadyRunError", "LoopEndedError", "RequestRejected"]
 
 
 class EngineCoreError(Exception):
@@ -14,6 +14,18 @@ class LoopAlreadyRunError(EngineCoreError, RuntimeError):
 
     A loop is single-use, like :class:`threading.Thread`: its end state (shutdown or fatal) is
     final. Build a new loop to run again.
+    """
+
+
+class LoopEndedError(EngineCoreError, RuntimeError):
+    """The answer of a deferred utility whose future was still pending when the loop ended.
+
+    Never raised by enginecore itself: when :meth:`EngineCoreLoop.run` ends (shutdown or a
+    fatal error) while a future returned by ``engine.utility`` is not done, the loop answers
+    that call with ``("utility", call_id, None, repr(LoopEndedError(...)))`` before its last
+    event, so no caller waits forever for an answer that can no longer come
+    (``docs/contract.md``, rule 17). A client that turns error answers back into exceptions
+    may raise it.
     """
 
 

@@ -18,6 +18,32 @@ proves each rule):
 10. ``request_shutdown()`` never takes the queue's mutex in a way that could deadlock when it
     runs inside a signal handler.
 11. Single writer: only the thread in ``run()`` touches the engine.
+
+Pipelined engines (``PipelinedEngine``: ``launch() -> handle``, ``collect(handle)``) at
+``pipeline_depth`` *d*:
+
+12. *d* >= 1 (else ``ValueError``); *d* > 1 needs a PipelinedEngine (else ``TypeError``). A
+    PipelinedEngine is driven through launch/collect at every depth; an Engine through
+    ``step()``, on its own loop, exactly as rules 1-11 say.
+13. Every message already queued is applied (rules 3-5) before every launch and every
+    collect, so an abort queued before a collect begins reaches the engine before it.
+14. After that drain: if fewer than *d* handles are in flight and ``has_work()``, launch;
+    else, if any is in flight, collect the oldest (the blocking call: the loop never blocks
+    on the input queue while a handle is in flight); else block in ``get()`` (rule 1).
+    Handles are collected in launch order, each exactly once; one output event per output.
+15. Shutdown: nothing is launched once the loop has seen it; every handle in flight is
+    still collected (each after a drain) and its outputs emitted before ``("shutdown",)``.
+16. An exception from ``launch`` or ``collect`` is fatal like one from ``step``. The handles
+    not yet collected are released first: ``engine.cancel(handle)`` once each, in launch
+    order, if the engine has it; then ``("fatal", ...)``.
+
+Deferred utilities:
+
+17. ``engine.utility`` may return a ``concurrent.futures.Future``; the loop never waits on
+    it. Its done-callback (any thread) puts a message on ``input_queue``, and the loop
+    answers the call when it applies that message, in order with its other events. A future
+    still pending when the loop ends is answered with an error (``LoopEndedError``) before
+    the last event.
 """
 
 from __future__ import annotations
@@ -27,11 +53,13 @@ import logging
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
-from ._engine import Engine
-from ._exceptions import LoopAlreadyRunError
+from ._engine import Engine, PipelinedEngine
+from ._exceptions import LoopAlreadyRunError, LoopEndedError
 from ._messages import Abort, Add, Event, Message, Utility, Wakeup
 
 __all__ = ["EngineCoreLoop"]
@@ -40,6 +68,48 @@ logger = logging.getLogger("enginecore")
 
 _WAKEUP = Wakeup()
 _MESSAGE_TYPES = (Add, Abort, Utility, Wakeup)
+_ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
+_PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
+
+
+class _Deferred:
+    """A deferred utility call: its ``Utility`` message's id and name, and the future.
+
+    It is also the internal ``input_queue`` message that says the future is done: as the
+    future's done-callback it puts itself on the queue (from whichever thread completed the
+    future, or from the loop's own thread if the future was already done), and the loop
+    answers the call when it applies it, in order with everything else. Hashed by identity:
+    the loop keeps the pending ones in a dict, so each call is answered once.
+    """
+
+    __slots__ = ("call_id", "future", "name", "put")
+
+    def __init__(
+        self, call_id: int, name: str, future: Future[Any], put: Callable[[Any], object]
+    ) -> None:
+        self.call_id = call_id
+        self.name = name
+        self.future = future
+        self.put = put
+
+    def __call__(self, future: Future[Any]) -> None:
+        # The done-callback. Queue.put: the same path as a producer's message, so it also
+        # wakes a loop blocked in get(). Never called with input_queue.mutex held: the loop
+        # holds it only to snapshot the deque, and never completes a future meanwhile.
+        self.put(self)
+
+    def answer(self) -> Event:
+        """The ``"utility"`` event for the done future. Never blocks."""
+        future = self.future
+        if future.cancelled():
+            err = CancelledError(
+                f"the future of utility {self.name!r} (call {self.call_id}) was cancelled"
+            )
+            return ("utility", self.call_id, None, repr(err))
+        exc = future.exception(timeout=0)
+        if exc is not None:
+            return ("utility", self.call_id, None, repr(exc))
+        return ("utility", self.call_id, future.result(timeout=0), None)
 
 
 class EngineCoreLoop:
@@ -49,15 +119,24 @@ class EngineCoreLoop:
     event, on that same thread, in order; it should hand events off (for example to an output
     queue) rather than do slow work.
 
+    *engine* is an :class:`~enginecore.Engine` (``step()``), or a
+    :class:`~enginecore.PipelinedEngine` (``launch()`` / ``collect(handle)``), which the loop
+    keeps up to *pipeline_depth* steps in flight for: while the device runs step *n+1*, the
+    loop collects and post-processes step *n*. *pipeline_depth* must be at least 1
+    (:class:`ValueError`), and above 1 only a PipelinedEngine can use it (:class:`TypeError`).
+    An Engine runs exactly as it always has.
+
     Producers (IO threads) put :data:`~enginecore.Message` objects on :attr:`input_queue`, or
     call :meth:`submit`. Any thread, or a signal handler, may call :meth:`request_shutdown`.
 
     Errors: an exception from ``engine.utility`` becomes that call's ``"utility"`` event and the
-    loop goes on. An exception from ``has_work``, ``add``, ``abort``, ``step`` or from *emit*
-    itself is fatal: it is logged with its traceback, ``("fatal", repr(exc))`` is emitted and
-    :meth:`run` returns. If emitting the final event itself fails (``("fatal", ...)`` or
-    ``("shutdown",)``), :meth:`run` raises that exception, chained to the first one if any, so
-    the failure can never pass unnoticed.
+    loop goes on; so does a future it returned that fails or is cancelled. An exception from
+    ``has_work``, ``add``, ``abort``, ``step``, ``launch``, ``collect`` or from *emit* itself
+    is fatal: it is logged with its traceback, the handles still in flight are cancelled (if
+    the engine has ``cancel``), every deferred utility still pending is answered with an
+    error, ``("fatal", repr(exc))`` is emitted and :meth:`run` returns. If emitting the final
+    event itself fails (``("fatal", ...)`` or ``("shutdown",)``), :meth:`run` raises that
+    exception, chained to the first one if any, so the failure can never pass unnoticed.
     ``KeyboardInterrupt`` and ``SystemExit`` are reported the same way and then re-raised.
     """
 
@@ -70,11 +149,16 @@ class EngineCoreLoop:
     #   the deque (bounded, O(n) memcpy); request_shutdown() only ever *tries* to take it.
     # - _token is b"" until run() registers input_queue with the process-wide waker, then an
     #   8-byte id; run() unregisters it on the way out, so a late token is simply ignored.
+    # - _deferred (the deferred utility calls not answered yet) is the loop thread's only:
+    #   other threads reach the loop through the _Deferred they put on input_queue.
 
     __slots__ = (
         "__weakref__",
+        "_deferred",
+        "_depth",
         "_emit",
         "_engine",
+        "_pipelined",
         "_run_lock",
         "_shutdown",
         "_started",
@@ -82,21 +166,38 @@ class EngineCoreLoop:
         "input_queue",
     )
 
-    def __init__(self, engine: Engine, emit: Callable[[Event], object]) -> None:
-        if not isinstance(engine, Engine):
-            missing = [
-                name
-                for name in ("has_work", "add", "abort", "utility", "step")
-                if not callable(getattr(engine, name, None))
-            ]
+    def __init__(
+        self,
+        engine: Engine | PipelinedEngine[Any],
+        emit: Callable[[Event], object],
+        *,
+        pipeline_depth: int = 1,
+    ) -> None:
+        pipelined = isinstance(engine, PipelinedEngine)
+        if not pipelined and not isinstance(engine, Engine):
+            two_phase = hasattr(engine, "launch") or hasattr(engine, "collect")
+            protocol = "PipelinedEngine" if two_phase else "Engine"
+            names = _PIPELINED_METHODS if two_phase else _ENGINE_METHODS
+            missing = [name for name in names if not callable(getattr(engine, name, None))]
             raise TypeError(
-                f"engine must implement the enginecore.Engine protocol; "
+                f"engine must implement the enginecore.{protocol} protocol; "
                 f"{type(engine).__name__} lacks {', '.join(missing)}"
             )
         if not callable(emit):
             raise TypeError(f"emit must be callable, got {type(emit).__name__}")
+        if isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int):
+            raise TypeError(f"pipeline_depth must be an int, got {type(pipeline_depth).__name__}")
+        if pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
+        if pipeline_depth > 1 and not pipelined:
+            raise TypeError(
+                f"pipeline_depth={pipeline_depth} needs an enginecore.PipelinedEngine "
+                f"(launch() and collect(handle)); {type(engine).__name__} has only step()"
+            )
         self._engine = engine
         self._emit = emit
+        self._pipelined = pipelined
+        self._depth = pipeline_depth
         self.input_queue: queue.Queue[Any] = queue.Queue()
         """The loop's input. Producers ``put()`` messages here, in the order they must apply.
 
@@ -106,6 +207,13 @@ class EngineCoreLoop:
         self._started = False
         self._run_lock = threading.Lock()
         self._token = b""
+        self._deferred: dict[_Deferred, None] = {}
+
+    @property
+    def pipeline_depth(self) -> int:
+        """How many steps may be in flight at once (1: a step is collected before the next
+        launches). Never blocks."""
+        return self._depth
 
     # -- producer side -----------------------------------------------------------------------
 
@@ -153,8 +261,9 @@ class EngineCoreLoop:
 
         Sets the shutdown flag and wakes a loop blocked in ``get()`` at once. Messages that
         were queued before the call are still applied (the loop drains, then sees the flag);
-        no ``step()`` starts after the loop has seen it. Called before :meth:`run`, that run
-        emits only ``("shutdown",)``.
+        no ``step()`` or ``launch()`` starts after the loop has seen it, and the steps a
+        pipelined engine has in flight are still collected and their outputs emitted. Called
+        before :meth:`run`, that run emits only ``("shutdown",)``.
 
         Never blocks, never raises, idempotent. Thread-safe and **safe inside a signal
         handler**: it only ever *tries* to take ``input_queue.mutex`` (the interrupted thread
@@ -206,20 +315,25 @@ class EngineCoreLoop:
             self._started = True
         self._token = _WAKER.register(self.input_queue)
         try:
-            self._run()
+            if self._pipelined:
+                self._run_pipelined()
+            else:
+                self._run()
         finally:
             # No write to the waker here: waking a blocked thread costs ~10-40 µs on a VM,
             # and it would sit on every run()'s way out (docs/performance.md, shutdown).
             _WAKER.unregister(self._token)
 
     def _run(self) -> None:
+        # The step() loop. Kept apart from the pipelined one, and unchanged by it, so an
+        # Engine pays nothing for pipelining (docs/performance.md, "Pipelined steps").
         emit = self._emit
         if self._shutdown:
             emit(("shutdown",))
             return
         engine = self._engine
         has_work = engine.has_work
-        step = engine.step
+        step = engine.step  # type: ignore[union-attr]  # not pipelined: an Engine
         apply = self._apply
         q = self.input_queue
         get = q.get
@@ -245,12 +359,78 @@ class EngineCoreLoop:
                     # The only blocking call: no timeout, so an idle loop costs no CPU.
                     # request_shutdown() enqueues a Wakeup to end it.
                     apply((get(),))
+            if self._deferred:
+                self._abandon_deferred()
         except BaseException as exc:
             self._die(exc)
             if not isinstance(exc, Exception):
                 raise
             return
         emit(("shutdown",))
+
+    def _run_pipelined(self) -> None:
+        # Rules 12-16. One decision per iteration, each after a drain: launch, collect the
+        # oldest handle, or block in get() when nothing is in flight.
+        emit = self._emit
+        if self._shutdown:
+            emit(("shutdown",))
+            return
+        engine: PipelinedEngine[Any] = self._engine  # type: ignore[assignment]
+        has_work = engine.has_work
+        launch = engine.launch
+        collect = engine.collect
+        depth = self._depth
+        apply = self._apply
+        q = self.input_queue
+        get = q.get
+        pending = q.queue
+        mutex = q.mutex
+        # The handles launched and not yet passed to collect, oldest first. A handle leaves
+        # it just before its collect() call: a collect that raises has still had its handle.
+        inflight: deque[Any] = deque()
+        try:
+            while True:
+                if pending:
+                    with mutex:
+                        batch = list(pending)
+                        pending.clear()
+                    apply(batch)
+                if self._shutdown:
+                    if not inflight:
+                        break
+                elif len(inflight) < depth and has_work():
+                    inflight.append(launch())
+                    continue
+                elif not inflight:
+                    apply((get(),))
+                    continue
+                # Full, or nothing more to launch, or shutting down: collect the oldest.
+                # collect() is the blocking call while steps are in flight, never get().
+                for out in collect(inflight.popleft()):
+                    emit(("output", out))
+            if self._deferred:
+                self._abandon_deferred()
+        except BaseException as exc:
+            if inflight:
+                self._cancel(inflight)
+            self._die(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        emit(("shutdown",))
+
+    def _cancel(self, handles: deque[Any]) -> None:
+        # Fatal path: release the steps the loop will never collect, in launch order.
+        cancel = getattr(self._engine, "cancel", None)
+        if not callable(cancel):
+            handles.clear()
+            return
+        while handles:
+            handle = handles.popleft()
+            try:
+                cancel(handle)
+            except Exception:
+                logger.exception("enginecore: engine.cancel() failed for a handle in flight")
 
     def _apply(self, batch: list[Any] | tuple[Any]) -> None:
         engine = self._engine
@@ -266,9 +446,11 @@ class EngineCoreLoop:
                 self._apply_unusual(msg)
 
     def _apply_unusual(self, msg: object) -> None:
-        # Subclasses of the message types are honoured; anything else is a producer bug that
-        # must not take the stage down.
-        if isinstance(msg, Add):
+        # A deferred utility's future is done; then subclasses of the message types, which
+        # are honoured; anything else is a producer bug that must not take the stage down.
+        if msg.__class__ is _Deferred:
+            self._answer_deferred(msg)
+        elif isinstance(msg, Add):
             self._engine.add(msg.req_id, msg.data)
         elif isinstance(msg, Abort):
             self._engine.abort(msg.req_ids)
@@ -288,12 +470,59 @@ class EngineCoreLoop:
         except Exception as exc:
             event: Event = ("utility", msg.call_id, None, repr(exc))
         else:
+            if isinstance(result, Future):
+                self._defer(msg, result)
+                return
             event = ("utility", msg.call_id, result, None)
         # Outside the try: an emit failure is fatal, not this call's error.
         self._emit(event)
 
+    def _defer(self, msg: Utility, future: Future[Any]) -> None:
+        call = _Deferred(msg.call_id, msg.name, future, self.input_queue.put)
+        if future.done():
+            # Answered now, exactly where a plain result would have been.
+            self._emit(call.answer())
+            return
+        self._deferred[call] = None
+        # If the future completes between done() and here, the callback runs right now, in
+        # this thread: it only puts the call on the queue, and the next drain answers it.
+        future.add_done_callback(call)
+
+    def _answer_deferred(self, call: _Deferred) -> None:
+        # At most once per call: _abandon_deferred may have answered it already.
+        if self._deferred.pop(call, False) is None:
+            self._emit(call.answer())
+
+    def _abandon_deferred(self) -> None:
+        # The loop ends: answer every pending deferred call, in the order they were made.
+        # A future that is done (its callback's message not drained yet) gets its real
+        # answer; one still pending gets a LoopEndedError. Its callback may still fire later:
+        # it puts a message on a queue nobody reads, which is harmless.
+        deferred = self._deferred
+        while deferred:
+            call = next(iter(deferred))
+            del deferred[call]
+            if call.future.done():
+                event = call.answer()
+            else:
+                err = LoopEndedError(
+                    f"the engine loop ended before utility {call.name!r} "
+                    f"(call {call.call_id}) completed"
+                )
+                event = ("utility", call.call_id, None, repr(err))
+            self._emit(event)
+
     def _die(self, exc: BaseException) -> None:
         logger.error("enginecore: fatal error in the engine loop", exc_info=exc)
+        if self._deferred:
+            try:
+                self._abandon_deferred()
+            except BaseException as emit_exc:
+                # Still try the fatal event: it is the one every client waits for.
+                logger.error(
+                    "enginecore: emit failed for a deferred utility's answer", exc_info=emit_exc
+                )
+                self._deferred.clear()
         try:
             self._emit(("fatal", repr(exc)))
         except BaseException as emit_exc:
