@@ -29,12 +29,13 @@ borrows the socket already:
 
 While the socket is not its own, the parked receiver thread still runs the liveness timers
 (pings, the heartbeat deadline, the grace period after an exit), which need no socket
-reading; it takes an idle socket back after ``_IDLE_LEND_S``, or as soon as anything else is
-sent (``_send``: a request, an abort, a future's call, the close). So back-to-back calls
-run with no thread hand-off on the client side, like a hand-written ``recv()`` loop, and
-anything else is read as promptly as before (a few ms at most for an unsolicited event, such
-as a protocol error's warning, right after a call; the stage's death through its sentinel
-within the same few ms).
+reading; it takes an idle socket back after ``_IDLE_LEND_S`` (it looks at it again at least
+every ``_BORROW_MAX_S`` while the socket is lent, with no wake-up per call), or as soon as
+anything else is sent (``_send``: a request, an abort, a future's call, the close). So
+back-to-back calls run with no thread hand-off on the client side, like a hand-written
+``recv()`` loop, and anything else is read promptly: within ~55 ms for an unsolicited event
+(a protocol error's warning, a ``stalled`` event) right after a call; the stage's death
+through its sentinel at once.
 """
 
 from __future__ import annotations
@@ -241,7 +242,6 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self._owner: object = _RX  # who reads the PULL socket: _RX, a _Waiter, None (idle)
         self._want: _Waiter | None = None  # a call_utility waiting for the receiver's socket
         self._idle_until = 0.0  # when the receiver takes an idle socket back
-        self._parked_until: float | None = None  # when the parked receiver wakes (None: never)
         self._exit_seen = False  # the receiver saw the process sentinel
         self._reader: int | None = None  # ident of a borrower that reads the socket now
         self._closer: int | None = None  # ident of the thread inside _close, if any
@@ -799,9 +799,16 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                             return
                         if until is None or idle_until < until:
                             until = idle_until
+                    else:
+                        # Borrowed: look again within _BORROW_MAX_S, which bounds a borrow,
+                        # so a socket the borrower left idle is taken back soon after
+                        # _IDLE_LEND_S (to read what the stage sends unasked: a stalled
+                        # event, outputs of a kept request) without a wake-up per call.
+                        check = now + _BORROW_MAX_S
+                        if until is None or check < until:
+                            until = check
                     if until is not None and now >= until:
                         break  # a timer is due
-                    self._parked_until = until
                     cond.wait(None if until is None else until - now)
 
     def _resume(self) -> None:
@@ -851,14 +858,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 and not self._exit_seen
             ):
                 self._owner = None
-                idle_until = self._idle_until = time.monotonic() + _IDLE_LEND_S
-                # The receiver takes an idle socket back after _IDLE_LEND_S, to read what
-                # the stage sends unasked (a stalled event, outputs of a kept request).
-                # Wake it to say so, unless it wakes soon enough anyway: back-to-back calls
-                # then cost it at most one wake-up per _IDLE_LEND_S.
-                parked_until = self._parked_until
-                if parked_until is None or parked_until > idle_until + _IDLE_LEND_S:
-                    self._cond.notify()
+                # No wake-up: the parked receiver looks again within _BORROW_MAX_S.
+                self._idle_until = time.monotonic() + _IDLE_LEND_S
             else:
                 self._owner = _RX
                 self._cond.notify()
