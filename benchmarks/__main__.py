@@ -27,6 +27,7 @@ MODULES = (
     "bench_wake_latency",
     "bench_shutdown_latency",
     "bench_gil_release",
+    "bench_pipeline",
     "bench_stage_utility",
     "bench_stage_output",
     "bench_stage_ingest",

@@ -20,6 +20,7 @@ import pytest
 from benchmarks import (
     _harness,
     bench_overhead,
+    bench_pipeline,
     bench_stage_arrays,
     bench_stage_ingest,
     bench_stage_output,
@@ -121,6 +122,20 @@ class TestBenchmarksRun:
     def test_overhead_measures_both_sides(self) -> None:
         assert bench_overhead.run_loop(2000) > 0
         assert bench_overhead.run_bare(2000) > 0
+
+    def test_pipeline_measures_every_side(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as device:
+            assert bench_pipeline.run_device(1, 3, device) > 0
+            assert bench_pipeline.run_device(2, 3, device) > 0
+        assert bench_pipeline.run_loop(2000) > 0
+        assert bench_pipeline.run_loop(2000, bench_pipeline._FrozenLoop) > 0
+        assert bench_pipeline.run_loop(2000, pipelined=True) > 0
+
+    def test_pipeline_is_registered_and_runs_quick(self) -> None:
+        assert "bench_pipeline" in MODULES
+        assert_records(bench_pipeline.run(quick=True), 2)
 
     def test_throughput_measures_both_sides(self) -> None:
         msgs = bench_throughput.make_messages(500)

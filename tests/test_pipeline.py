@@ -435,6 +435,22 @@ class TestRule16ErrorsReleaseWhatIsInFlight:
         assert log.events == [("fatal", "Boom('launch')")]
         assert any("cancel() failed" in r.getMessage() for r in caplog.records)
 
+    def test_keyboard_interrupt_from_cancel_still_emits_the_fatal_event(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        class InterruptedCancel(CountdownPipeline):
+            def cancel(self, handle: int) -> None:
+                super().cancel(handle)
+                raise KeyboardInterrupt
+
+        loop, engine, log = _loop(3, InterruptedCancel())
+        engine.on_launch = lambda h: setattr(engine, "fail_next", "launch") if h == 2 else None
+        loop.submit(Add("a", 9))
+        with caplog.at_level(logging.ERROR, logger="enginecore"), pytest.raises(KeyboardInterrupt):
+            loop.run()
+        assert engine.cancelled == [0]
+        assert log.events == [("fatal", "Boom('launch')")]
+
     def test_keyboard_interrupt_in_collect_cancels_reports_and_propagates(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:

@@ -411,9 +411,12 @@ class EngineCoreLoop:
             if self._deferred:
                 self._abandon_deferred()
         except BaseException as exc:
-            if inflight:
-                self._cancel(inflight)
-            self._die(exc)
+            try:
+                if inflight:
+                    self._cancel(inflight)
+            finally:
+                # Even if a cancel() raised KeyboardInterrupt: the fatal event goes out.
+                self._die(exc)
             if not isinstance(exc, Exception):
                 raise
             return
