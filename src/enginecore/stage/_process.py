@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import msgspec
 
-from .._engine import Engine
+from .._engine import Engine, PipelinedEngine
 from .._signals import shutdown_on_signals
 from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
 from ._watchdog import STEP_TIMEOUT
@@ -55,13 +55,14 @@ def import_factory(spec: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def build_engine(spec: str, kwargs: dict[str, Any]) -> Engine:
-    """Call the factory; check that it returned an :class:`~enginecore.Engine`."""
+def build_engine(spec: str, kwargs: dict[str, Any]) -> Engine | PipelinedEngine[Any]:
+    """Call the factory; check that it returned an :class:`~enginecore.Engine` or a
+    :class:`~enginecore.PipelinedEngine`."""
     engine = import_factory(spec)(**kwargs)
-    if not isinstance(engine, Engine):
+    if not isinstance(engine, (Engine, PipelinedEngine)):
         raise TypeError(
             f"engine factory {spec!r} returned a {type(engine).__name__}, which does not "
-            f"implement the enginecore.Engine protocol"
+            f"implement the enginecore.Engine protocol (nor enginecore.PipelinedEngine)"
         )
     return engine
 

@@ -21,11 +21,11 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import zmq
 
-from .._engine import Engine
+from .._engine import Engine, PipelinedEngine
 from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
 from ._inbox import HEARTBEAT_TIMEOUT_MS, Inbox, log_detached_drops
@@ -40,6 +40,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_ORPHANED",
     "StageRuntime",
+    "pipeline_depth_of",
 ]
 
 logger = logging.getLogger("enginecore.stage")
@@ -57,6 +58,21 @@ DETACHED_BUFFER: Final = 1024
 _OUTPUT_LINGER_MS: Final = 1000
 
 
+def pipeline_depth_of(engine: Engine | PipelinedEngine[Any]) -> int:
+    """The depth a stage runs *engine* at: a :class:`~enginecore.PipelinedEngine`'s
+    ``pipeline_depth`` attribute if it has one, else 2 (the point of the protocol is to
+    overlap two steps); 1 for an :class:`~enginecore.Engine`. :class:`TypeError` /
+    :class:`ValueError` for a bad attribute, at start-up."""
+    if not isinstance(engine, PipelinedEngine):
+        return 1
+    depth = getattr(engine, "pipeline_depth", 2)
+    if isinstance(depth, bool) or not isinstance(depth, int):
+        raise TypeError(f"the engine's pipeline_depth must be an int, got {depth!r}")
+    if depth < 1:
+        raise ValueError(f"the engine's pipeline_depth must be >= 1, got {depth}")
+    return depth
+
+
 class StageRuntime:
     """The sockets, IO threads and loop of one stage. Single use: :meth:`run` once.
 
@@ -72,6 +88,10 @@ class StageRuntime:
     client can read, at most *detached_buffer* events (one per output) are queued, and the
     rest are dropped and counted in the log (``docs/stage.md``, "Headless mode").
 
+    A :class:`~enginecore.PipelinedEngine` runs at its ``pipeline_depth`` (default 2;
+    :func:`pipeline_depth_of`); the watchdog then watches each ``launch`` and each
+    ``collect``.
+
     Watchdog: with *step_timeout* (seconds), a step that runs longer is reported once (every
     thread's stack on stderr, a log line, a ``stalled`` event, then ``resumed`` when it
     returns); with *kill_after* too, a step that runs that long ends the process with a
@@ -81,7 +101,7 @@ class StageRuntime:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | PipelinedEngine[Any],
         input_address: str,
         output_address: str,
         *,
@@ -135,7 +155,9 @@ class StageRuntime:
                 abort_on_detach=not keep_requests_on_detach,
                 watchdog=self._watchdog,
             )
-            self.loop = EngineCoreLoop(stage_engine, stage_engine.emit)
+            self.loop = EngineCoreLoop(
+                stage_engine, stage_engine.emit, pipeline_depth=pipeline_depth_of(engine)
+            )
             stage_engine.request_shutdown = self.loop.request_shutdown
             stage_engine.submit = self.loop.submit
             self._inbox = Inbox(

@@ -22,14 +22,15 @@ Every other exception from the engine stays fatal to the loop (``docs/contract.m
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import Any, Final
 
-from .._engine import Engine
+from .._engine import Engine, PipelinedEngine
 from .._exceptions import RequestRejected
 from .._messages import Abort, Event, Utility
 from . import _codec
@@ -46,6 +47,8 @@ __all__ = [
     "drain_timed_out",
     "drop_ended",
     "make_add",
+    "make_collect",
+    "make_launch",
     "make_step",
     "ordered_stop",
     "session_change",
@@ -150,7 +153,11 @@ class StageEngine:
 
     ``has_work`` is the engine's own bound method, and ``add`` and ``step`` are closures
     (:func:`make_add`, :func:`make_step`), all stored as attributes, so the hot path pays
-    no attribute lookup for the adapter. Set :attr:`request_shutdown` to the loop's, and
+    no attribute lookup for the adapter. For a :class:`~enginecore.PipelinedEngine`,
+    ``launch`` and ``collect`` (:func:`make_launch`, :func:`make_collect`) take ``step``'s
+    place, and ``cancel`` is the engine's if it has one. Outputs of requests the stage has
+    aborted, and that are not live again, are dropped and counted in :attr:`stale` (an
+    engine that returned outputs after an abort). Set :attr:`request_shutdown` to the loop's, and
     :attr:`submit` to the loop's ``submit`` (the drain's timer uses it).
     *abort_on_detach*: whether a session change aborts the requests live in the stage.
 
@@ -166,7 +173,7 @@ class StageEngine:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | PipelinedEngine[Any],
         outbox: Outbox,
         *,
         abort_on_detach: bool = True,
@@ -180,9 +187,19 @@ class StageEngine:
         # Loop thread only (make_add, make_step, abort): no lock.
         self.live: set[str] = set()
         self.drain = _Drain(self)
+        self.stale = _Stale()
         self.has_work = engine.has_work
         self.add = make_add(engine, outbox, self.live)
-        self.step = make_step(engine, outbox, self.live, self.drain, watchdog)
+        # A pipelined engine gets the loop's launch/collect (and cancel, if it has one), an
+        # Engine the loop's step: the loop drives whichever this adapter has.
+        if isinstance(engine, PipelinedEngine):
+            self.launch = make_launch(engine, outbox, watchdog)
+            self.collect = make_collect(engine, outbox, self.live, self.drain, watchdog, self.stale)
+            cancel = getattr(engine, "cancel", None)
+            if callable(cancel):
+                self.cancel = cancel
+        else:
+            self.step = make_step(engine, outbox, self.live, self.drain, watchdog, self.stale)
         self._utility = engine.utility
         self._abort = engine.abort
         self._emit = outbox.emit
@@ -198,6 +215,7 @@ class StageEngine:
         else:
             self._abort(req_ids)
             self.live.difference_update(req_ids)
+            self.stale.aborted(req_ids)
             if cls is not _EndedIds:
                 self._emit(("aborted", list(req_ids)))
             else:
@@ -212,6 +230,7 @@ class StageEngine:
             ids = list(self.live)
             self._abort(ids)
             self.live.clear()
+            self.stale.aborted(ids)
             logger.info("enginecore: a client detached; aborted its %d live requests", len(ids))
         if epoch is not None:
             self._outbox.loop_epoch(epoch)
@@ -296,6 +315,7 @@ class _Drain:
         if ids:
             stage._abort(ids)
             stage.live.clear()
+            stage.stale.aborted(ids)
             message = drain_timed_out(self._seconds)
             stage._outbox.post_step([("error", rid, message) for rid in ids], len(ids))
             logger.warning(
@@ -306,7 +326,9 @@ class _Drain:
         self.done()
 
 
-def make_add(engine: Engine, outbox: Outbox, live: set[str]) -> Callable[[str, Any], None]:
+def make_add(
+    engine: Engine | PipelinedEngine[Any], outbox: Outbox, live: set[str]
+) -> Callable[[str, Any], None]:
     """The loop's ``add``: request-scoped failure around *engine*'s ``add``.
 
     An id in *live* is refused with an ``error`` event (:data:`LIVE_IN_STAGE`), and the
@@ -334,37 +356,80 @@ def make_add(engine: Engine, outbox: Outbox, live: set[str]) -> Callable[[str, A
     return add
 
 
-def make_step(
-    engine: Engine,
+class _Stale:
+    """Outputs the engine returned for requests the stage has aborted (a client's abort, a
+    detach, or an error that ended the request) and that are not live again: dropped, and
+    counted. An engine that keeps its contract never returns one; a pipelined engine that
+    loses track of an abort between a launch and its collect would, and no client may see
+    an output after ``aborted``. (Outputs of ids the stage never saw pass, as before: an
+    engine may have requests of its own.) It remembers the last :data:`REMEMBERED` aborted
+    ids: enough for any step still in flight when the abort came."""
+
+    REMEMBERED: Final = 65_536
+
+    __slots__ = ("_logged_at", "count", "recent")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.recent: dict[str, None] = {}  # insertion-ordered: the oldest goes first
+        self._logged_at = -1e9
+
+    def aborted(self, req_ids: Iterable[str]) -> None:
+        """Loop thread: *req_ids* were dropped from the engine by the stage or a client."""
+        recent = self.recent
+        recent.update(dict.fromkeys(req_ids))
+        over = len(recent) - self.REMEMBERED
+        if over > 0:
+            for rid in list(itertools.islice(recent, over)):
+                del recent[rid]
+
+    def drop(self, live: set[str], rids: list[Any], fins: list[Any], payloads: list[Any]) -> None:
+        """Remove, in place, every output of a request aborted and not live again."""
+        recent = self.recent
+        keep = [i for i, rid in enumerate(rids) if rid in live or rid not in recent]
+        dropped = len(rids) - len(keep)
+        if not dropped:
+            return
+        dropped_ids = sorted({rid for rid in rids if rid not in live and rid in recent})
+        rids[:] = [rids[i] for i in keep]
+        fins[:] = [fins[i] for i in keep]
+        payloads[:] = [payloads[i] for i in keep]
+        self.count += dropped
+        now = time.monotonic()
+        if now - self._logged_at >= 1.0:  # an engine bug, but a flood must not flood the log
+            self._logged_at = now
+            logger.warning(
+                "enginecore: dropped %d outputs of aborted requests, e.g. %r (%d so far): the "
+                "engine returned outputs after their abort",
+                dropped,
+                dropped_ids[:3],
+                self.count,
+            )
+
+
+def _make_handle_outputs(
+    engine: Engine | PipelinedEngine[Any],
     outbox: Outbox,
     live: set[str],
     drain: _Drain,
-    watchdog: StepWatchdog | None = None,
-) -> Callable[[], tuple[()]]:
-    """The loop's ``step``: *engine*'s step, its outputs routed on the loop thread (before the
-    engine can reuse an output) and posted to *outbox* as **one** ``outputs`` event; it
-    returns nothing to the loop.
-
-    An exception in ``step`` or in routing is fatal, and the outputs routed before it are
-    still sent first. A payload that cannot cross the wire, or that is a
-    :class:`~enginecore.RequestRejected`, ends only its request (:meth:`Outbox.prepare_outputs`).
-    A request's output routed with ``finished=True`` takes its id out of *live*; during a
-    *drain*, the step that leaves *live* empty ends it. The *watchdog*, if any, watches
-    the engine's step and the routing (:class:`~._watchdog.StepWatchdog`). Before a
-    step, waits while the output thread is far behind a connected client
-    (:meth:`Outbox.wait_for_room`).
-    """
+    stale: _Stale,
+    watchdog: StepWatchdog | None,
+) -> Callable[[Callable[[], Iterable[Any]]], None]:
+    """``handle(produce)``: call *produce* (the engine's ``step``, or a ``collect`` of one
+    handle) under the *watchdog*, route its outputs on the loop thread (before the engine
+    can reuse one), drop those of requests aborted and not live again (*stale*), and post
+    the rest to *outbox* as **one** ``outputs`` event. An exception in *produce* or in
+    routing propagates (fatal), and what was routed before it is still sent first. A
+    request's output routed with ``finished=True`` takes its id out of *live*; during a
+    *drain*, the step that leaves *live* empty ends it."""
     route = make_router(engine)
-    engine_step = engine.step
     post = outbox.post_step
-    wait_for_room = outbox.wait_for_room
     prepare_outputs = outbox.prepare_outputs
     flat = _codec.FLAT_TYPES
     forget = live.difference_update
+    superset = live.issuperset
 
-    def step() -> tuple[()]:
-        if outbox.backlog > BACKLOG_MAX:  # unlocked peek; wait_for_room re-checks
-            wait_for_room()
+    def handle(produce: Callable[[], Iterable[Any]]) -> None:
         rids: list[Any] = []
         fins: list[Any] = []
         payloads: list[Any] = []
@@ -372,12 +437,16 @@ def make_step(
             if watchdog is not None:
                 watchdog.begin()
                 try:
-                    route(engine_step(), rids, fins, payloads)
+                    route(produce(), rids, fins, payloads)
                 finally:
                     watchdog.end()
             else:
-                route(engine_step(), rids, fins, payloads)
+                route(produce(), rids, fins, payloads)
         finally:
+            # In C, ~10 ns per output: the outputs of requests not live are looked at
+            # further, for an abort the engine lost between a launch and its collect.
+            if payloads and not superset(rids):
+                stale.drop(live, rids, fins, payloads)
             # One hand-over per step (Outbox.post_step: a big step is sent at once while
             # the output thread idles, a small one queued to share a frame).
             if payloads:
@@ -392,6 +461,78 @@ def make_step(
                     forget(compress(rids, fins))
                     if drain.active and not live:
                         drain.done()
+
+    return handle
+
+
+def make_step(
+    engine: Engine,
+    outbox: Outbox,
+    live: set[str],
+    drain: _Drain,
+    watchdog: StepWatchdog | None = None,
+    stale: _Stale | None = None,
+) -> Callable[[], tuple[()]]:
+    """The loop's ``step``: *engine*'s step, handled as :func:`_make_handle_outputs` says
+    (routed, checked and posted as one ``outputs`` event); it returns nothing to the loop.
+    A payload that cannot cross the wire, or that is a :class:`~enginecore.RequestRejected`,
+    ends only its request (:meth:`Outbox.prepare_outputs`). Before a step, waits while the
+    output thread is far behind a connected client (:meth:`Outbox.wait_for_room`).
+    """
+    handle = _make_handle_outputs(
+        engine, outbox, live, drain, stale if stale is not None else _Stale(), watchdog
+    )
+    engine_step = engine.step
+    wait_for_room = outbox.wait_for_room
+
+    def step() -> tuple[()]:
+        if outbox.backlog > BACKLOG_MAX:  # unlocked peek; wait_for_room re-checks
+            wait_for_room()
+        handle(engine_step)
         return ()
 
     return step
+
+
+def make_launch(
+    engine: PipelinedEngine[Any], outbox: Outbox, watchdog: StepWatchdog | None = None
+) -> Callable[[], Any]:
+    """The loop's ``launch`` for a pipelined engine: the engine's, under the *watchdog*,
+    after waiting while the output thread is far behind a connected client (back-pressure
+    applies to launching new steps; the steps in flight are still collected)."""
+    engine_launch = engine.launch
+    wait_for_room = outbox.wait_for_room
+
+    def launch() -> Any:
+        if outbox.backlog > BACKLOG_MAX:
+            wait_for_room()
+        if watchdog is None:
+            return engine_launch()
+        watchdog.begin()
+        try:
+            return engine_launch()
+        finally:
+            watchdog.end()
+
+    return launch
+
+
+def make_collect(
+    engine: PipelinedEngine[Any],
+    outbox: Outbox,
+    live: set[str],
+    drain: _Drain,
+    watchdog: StepWatchdog | None,
+    stale: _Stale,
+) -> Callable[[Any], tuple[()]]:
+    """The loop's ``collect(handle)`` for a pipelined engine: the engine's collect of that
+    handle, handled as a step is (:func:`_make_handle_outputs`); returns nothing to the
+    loop."""
+    handle_outputs = _make_handle_outputs(engine, outbox, live, drain, stale, watchdog)
+    engine_collect = engine.collect
+
+    def collect(handle: Any) -> tuple[()]:
+        handle_outputs(lambda: engine_collect(handle))
+        return ()
+
+    return collect

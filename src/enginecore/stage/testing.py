@@ -14,14 +14,18 @@ Factories (``"enginecore.stage.testing:NAME"``):
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
 - ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
 - ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
+- ``pipelined(depth=2, device_s=0.0, exact_abort=True)`` -> a
+  :class:`PipelinedCountdownEngine` (a :class:`~enginecore.PipelinedEngine`).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
 from .._engine import CountdownEngine
@@ -29,11 +33,13 @@ from .._exceptions import RequestRejected
 
 __all__ = [
     "EchoEngine",
+    "PipelinedCountdownEngine",
     "ScriptedEngine",
     "countdown",
     "echo",
     "exiting_factory",
     "failing_factory",
+    "pipelined",
     "scripted",
     "sleeping_factory",
 ]
@@ -91,6 +97,9 @@ class ScriptedEngine(CountdownEngine):
     - ``payload(rid, value)`` -> the next output of *rid* carries *value* instead.
     - ``unrouted(value)`` -> the next ``step()`` also returns the bare *value* (no request id).
     - ``sleep(seconds)`` -> blocks the loop that long.
+    - ``deferred(seconds, value=None)`` -> a :class:`~concurrent.futures.Future` that a timer
+      completes with *value* after *seconds* (a deferred utility: the loop goes on);
+      ``deferred_never`` -> a future nobody completes (answered with an error at the end).
     - ``linger(seconds)`` -> starts a non-daemon thread that sleeps that long, which keeps
       the process from exiting after its loop has ended.
     """
@@ -143,6 +152,10 @@ class ScriptedEngine(CountdownEngine):
         if name == "stall_next_step":  # the next step sleeps args[0] seconds first
             self._stall_next = float(args[0])
             return None
+        if name == "deferred":  # answered args[0] seconds later, with args[1]
+            return _later(float(args[0]), args[1] if len(args) > 1 else None)
+        if name == "deferred_never":  # a future nobody completes
+            return Future()
         if name == "system_exit_next_step":
             self._system_exit = args[0]
             return None
@@ -252,6 +265,96 @@ class EchoEngine:
     ) -> tuple[list[str], list[bool], list[Any]]:
         """Every output finishes its request."""
         return [rid for rid, _ in outputs], [True] * len(outputs), [d for _, d in outputs]
+
+
+def _later(seconds: float, value: Any) -> Future[Any]:
+    """A future that a daemon timer completes with *value* after *seconds*."""
+    future: Future[Any] = Future()
+    timer = threading.Timer(seconds, future.set_result, (value,))
+    timer.daemon = True
+    timer.start()
+    return future
+
+
+class _Step:
+    """A :class:`PipelinedCountdownEngine` step in flight: the device's future, and the
+    requests aborted since its launch (its outputs of those are dropped at collect)."""
+
+    __slots__ = ("aborted", "future")
+
+    def __init__(self, future: Future[list[tuple[str, int]]]) -> None:
+        self.future = future
+        self.aborted: set[str] = set()
+
+
+class PipelinedCountdownEngine(CountdownEngine):
+    """:class:`~enginecore.CountdownEngine`'s requests, stepped in two phases with a thread
+    standing in for the device: a :class:`~enginecore.PipelinedEngine` for tests and demos.
+
+    ``launch()`` takes one step of every live request and decides its outputs there, as a
+    device would compute them, then hands them to a one-thread pool that sleeps *device_s*
+    (GIL released) and returns them; ``collect(step)`` waits for that (at most 60 s: an
+    untimed wait could wedge the stage) and returns the outputs, minus those of requests
+    aborted since the launch. With ``exact_abort=False`` it keeps them: an engine that
+    breaks the abort contract, for the stage's own guard to catch. ``cancel(step)`` cancels
+    the device's work. Runs at :attr:`pipeline_depth` in a stage; the ``step`` it inherits
+    is not called there (the loop drives a pipelined engine through launch and collect).
+    The utilities are :class:`~enginecore.CountdownEngine`'s, plus ``deferred`` as
+    :class:`ScriptedEngine`'s.
+    """
+
+    def __init__(
+        self, pipeline_depth: int = 2, device_s: float = 0.0, exact_abort: bool = True
+    ) -> None:
+        super().__init__()
+        self.pipeline_depth = pipeline_depth
+        self._device_s = device_s
+        self._exact_abort = exact_abort
+        self._device = ThreadPoolExecutor(1, thread_name_prefix="testing-device")
+        self._inflight: collections.deque[_Step] = collections.deque()
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        super().abort(req_ids)
+        if self._exact_abort:
+            for step in self._inflight:
+                step.aborted.update(req_ids)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "deferred":
+            return _later(float(args[0]), args[1] if len(args) > 1 else None)
+        return super().utility(name, args)
+
+    def launch(self) -> _Step:
+        outputs = CountdownEngine.step(self)  # decided now, delivered by collect
+        step = _Step(self._device.submit(self._run_device, outputs))
+        self._inflight.append(step)
+        return step
+
+    def _run_device(self, outputs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        if self._device_s:
+            time.sleep(self._device_s)
+        return outputs
+
+    def collect(self, step: _Step) -> list[tuple[str, int]]:
+        if not self._inflight or self._inflight[0] is not step:
+            raise RuntimeError("collect() out of launch order")
+        self._inflight.popleft()
+        outputs = step.future.result(timeout=60)
+        if step.aborted:
+            outputs = [out for out in outputs if out[0] not in step.aborted]
+        return outputs
+
+    def cancel(self, step: _Step) -> None:
+        step.future.cancel()
+        if step in self._inflight:
+            self._inflight.remove(step)
+
+
+def pipelined(
+    depth: int = 2, device_s: float = 0.0, exact_abort: bool = True
+) -> PipelinedCountdownEngine:
+    """Factory: a :class:`PipelinedCountdownEngine`."""
+    return PipelinedCountdownEngine(depth, device_s, exact_abort)
 
 
 def echo() -> EchoEngine:
