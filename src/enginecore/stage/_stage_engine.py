@@ -365,7 +365,7 @@ class _Stale:
     engine may have requests of its own.) It remembers the last :data:`REMEMBERED` aborted
     ids: enough for any step still in flight when the abort came."""
 
-    REMEMBERED: Final = 65_536
+    REMEMBERED: Final = 4096
 
     __slots__ = ("_logged_at", "count", "recent")
 
