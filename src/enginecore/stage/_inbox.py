@@ -37,7 +37,6 @@ is *detached* and bounded (``Outbox.set_detached``); this thread logs what it dr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -132,12 +131,6 @@ class Inbox:
         self._pull_seen = False
         self._detached = True
         self.failed = False
-        # request_drain(): a signal handler writes a byte; the input thread queues the drain.
-        # close_drain_pipe() closes it after the thread has ended; it first sets _drain_w to
-        # -1, which a handler (running between that thread's bytecodes) then sees.
-        self._drain_r, self._drain_w = os.pipe()
-        os.set_blocking(self._drain_w, False)
-        self._drain_seconds = 0.0
         self._thread = threading.Thread(target=self._main, name="enginecore-input", daemon=True)
 
     @property
@@ -149,22 +142,6 @@ class Inbox:
     def start(self) -> None:
         """Start the input thread."""
         self._thread.start()
-
-    def request_drain(self, seconds: float) -> None:
-        """Queue a drain of *seconds* for the loop, from the input thread. Safe in a signal
-        handler: one attribute store and an ``os.write``; never blocks."""
-        self._drain_seconds = seconds
-        w = self._drain_w
-        if w >= 0:
-            with contextlib.suppress(OSError):  # full: a drain is requested already
-                os.write(w, b"d")
-
-    def close_drain_pipe(self) -> None:
-        """After :meth:`join`, in the thread that handles signals (if any)."""
-        w, self._drain_w = self._drain_w, -1
-        if w >= 0:
-            os.close(w)
-            os.close(self._drain_r)
 
     def join(self) -> None:
         """Wait until the input thread has ended (after ``Context.term()``)."""
@@ -178,7 +155,6 @@ class Inbox:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        poller.register(self._drain_r, zmq.POLLIN)
         pending = self._pending
         submit_many = self._loop.submit_many
         try:
@@ -189,9 +165,6 @@ class Inbox:
                     ready = dict(poller.poll(None if held is None else _ms_until(held[1])))
                     if monitor in ready:
                         self._count_output_peers()
-                    if self._drain_r in ready:
-                        os.read(self._drain_r, 4096)
-                        pending.append(ordered_stop(self._drain_seconds))
                     if sock in ready:
                         for _ in range(MAX_BURST):
                             try:

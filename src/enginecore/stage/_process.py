@@ -151,29 +151,57 @@ def serve(
     # The handlers go in before ready() announces the stage: a signal sent as soon as the
     # line is read is then a graceful shutdown (before run(), it makes run() stop at once),
     # not a default death (exit -15) or a KeyboardInterrupt traceback.
-    stopper = runtime.loop if drain_timeout is None else _DrainFirst(runtime, drain_timeout)
-    with shutdown_on_signals(stopper, (signal.SIGTERM, signal.SIGINT)):
-        ready(runtime.input_address, runtime.output_address)
-        code = runtime.run()
+    drainer = None if drain_timeout is None else _DrainFirst(runtime, drain_timeout)
+    try:
+        with shutdown_on_signals(drainer or runtime.loop, (signal.SIGTERM, signal.SIGINT)):
+            ready(runtime.input_address, runtime.output_address)
+            code = runtime.run()
+    finally:
+        if drainer is not None:
+            drainer.close()
     exit_soon(code)
     return code
 
 
 class _DrainFirst:
     """What ``serve --drain-timeout`` does on a signal: drain first, stop at once on the
-    next one. Signal-safe: a flag, and what is signal-safe in the runtime and loop."""
+    next one.
+
+    A signal handler may not take the loop queue's lock (it may have interrupted its
+    holder), so the first signal only writes a byte to a pipe, and a thread of its own,
+    blocked reading it, asks the runtime for the drain. The second calls the loop's
+    signal-safe ``request_shutdown()``. :meth:`close` ends the thread.
+    """
 
     def __init__(self, runtime: StageRuntime, seconds: float) -> None:
         self._runtime = runtime
         self._seconds = seconds
         self._draining = False
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._thread = threading.Thread(target=self._wait, name="enginecore-drain", daemon=True)
+        self._thread.start()
+
+    def _wait(self) -> None:
+        try:
+            if os.read(self._r, 1):  # b"": close() before any signal
+                self._runtime.request_drain(self._seconds)
+        finally:
+            os.close(self._r)
 
     def request_shutdown(self) -> None:
+        """The signal handler. Signal-safe: a flag, an ``os.write``, or the loop's own."""
         if self._draining:
             self._runtime.loop.request_shutdown()
         else:
             self._draining = True
-            self._runtime.request_drain(self._seconds)
+            with contextlib.suppress(OSError):
+                os.write(self._w, b"d")
+
+    def close(self) -> None:
+        """After the signal handlers are gone: end the thread (EOF), wait for it."""
+        os.close(self._w)
+        self._thread.join()
 
 
 def exit_soon(code: int) -> None:

@@ -30,7 +30,7 @@ from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
 from ._inbox import HEARTBEAT_TIMEOUT_MS, Inbox, log_detached_drops
 from ._outbox import Outbox
-from ._stage_engine import StageEngine, drop_ended
+from ._stage_engine import StageEngine, drop_ended, ordered_stop
 from ._watchdog import StepWatchdog, check_watchdog
 
 __all__ = [
@@ -205,10 +205,11 @@ class StageRuntime:
         os._exit(EXIT_FATAL)
 
     def request_drain(self, seconds: float) -> None:
-        """Drain, then stop: as a client's ``shutdown`` with a drain of *seconds*, queued
-        after what the input thread has read. Safe in a signal handler (it only writes a
-        byte to a pipe, which the input thread reads); any thread; never blocks."""
-        self._inbox.request_drain(seconds)
+        """Drain, then stop: as a client's ``shutdown`` with a drain of *seconds*, applied
+        in order after what is queued for the loop. Any thread, before or during
+        :meth:`run`; never blocks. Not for a signal handler (it takes the queue's lock):
+        ``serve`` hands a signal to a thread of its own first."""
+        self.loop.submit(ordered_stop(seconds))
 
     def abandon(self) -> None:
         """The parent process is gone: shut down without waiting for the last frames to be
@@ -251,7 +252,6 @@ class StageRuntime:
             self._outbox.close(timeout=self._flush_timeout if readers else 0.0)
             self._ctx.term()
             self._inbox.join()
-            self._inbox.close_drain_pipe()
             # A detached period that the stop ended: its drops are logged here.
             log_detached_drops(self._outbox.take_dropped(), self._outbox.detached_max, at_exit=True)
             self._outbox.join()
