@@ -21,6 +21,7 @@ from enginecore.stage._runtime import EXIT_FATAL, EXIT_OK
 from enginecore.stage._stage_engine import LIVE_IN_STAGE
 from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
+from .conftest import wait_until
 from .raw import Event, InProcessStage, RawClient, in_process_stage
 
 
@@ -491,25 +492,41 @@ class TestRoutingEndsARequest:
 
     def test_an_add_queued_before_the_drop_is_refused(self, no_leftovers: str) -> None:
         # b is ended by an error during a step; until the engine has dropped b, its id is
-        # still live there, so an add of b that was queued earlier is refused.
-        engine = Canned([("b", RequestRejected("gone"))])
+        # still live there, so an add of b that was queued before the drop is refused. The
+        # add is sent once the step has begun, and the step waits until it is in the loop's
+        # queue: the drop, queued during the step, comes after it. (Sent unsynchronised, the
+        # add may reach the loop before the step, depending on when the input thread reads.)
+        started, gate = threading.Event(), threading.Event()
+
+        class Gated(Canned):
+            def step(self) -> list[Any]:
+                started.set()
+                assert gate.wait(10), "the test never opened the gate"
+                return super().step()
+
+        engine = Gated([("b", RequestRejected("gone"))])
         engine.route_outputs = lambda outs: (  # type: ignore[attr-defined]
             [rid for rid, _ in outs],
             [False] * len(outs),
             [p for _, p in outs],
         )
-        with in_process_stage(engine, no_leftovers) as (_, client):
+        with in_process_stage(engine, no_leftovers) as (stage, client):
             client.send("add", "b", 0)
             client.send("utility", 1, "step", [])
-            client.send("add", "b", 1)  # applied in the drain before the step
+            assert started.wait(10)
+            client.send("add", "b", 1)  # reaches the loop's queue while the step waits
+            queue = stage.runtime.loop.input_queue
+            assert wait_until(
+                lambda: any(getattr(m, "data", None) == 1 for m in list(queue.queue)), 10
+            )
+            gate.set()
             events = _sync(client, 2)
-            events += _sync(client, 3)
             client.send("add", "b", 2)  # after the drop: free
             events += _sync(client, 4)
         assert events == [
             ["utility", 1, [], None],
-            ["error", "b", LIVE_IN_STAGE],
             ["error", "b", "gone"],
+            ["error", "b", LIVE_IN_STAGE],
         ]
         assert engine.added == [("b", 0), ("b", 2)]
         assert engine.aborted == ["b"]
