@@ -55,10 +55,16 @@ class Canned:
 
 
 def _step(client: RawClient, call_id: int) -> list[Event]:
-    """Run the engine's next canned step; every event up to the answer to the call after it
-    (the step's outputs come before that answer)."""
+    """Run the engine's next canned step; every event up to the answer to the second call
+    after it, the two calls' answers left out (*call_id* + 1 and *call_id* + 1,000).
+
+    Two calls, because the first may be answered before the step runs: when the loop took
+    the ``step`` call in its blocking ``get()``, the next iteration drains what came since
+    (the first call, sent as soon as the step call was answered) before it steps (rules 2
+    and 3). The second call is sent after that drain, so the step's outputs come first."""
     events = client.call(call_id, "step")
-    return events + client.call(call_id + 1, "sync")[:-1]
+    events += client.call(call_id + 1, "sync")[:-1]
+    return events + client.call(call_id + 1000, "sync")[:-1]
 
 
 class TestOutputs:
