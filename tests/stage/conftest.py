@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import re
 import shutil
@@ -231,26 +232,25 @@ class BlockingAsyncClient:
 Launch = Callable[..., StageClient]
 
 
-@pytest.fixture(params=["sync", "async"])
-def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
-    """``launch(factory=SCRIPTED, **kwargs)``: a launched stage with the client under test,
-    the blocking :class:`StageClient` or the :class:`AsyncStageClient` behind a thin blocking
-    adapter (typed as a StageClient: it has the same interface). Closed after the test."""
-    runner = EventLoopThread() if request.param == "async" else None
+@contextlib.contextmanager
+def _clients(kind: str, opener: str) -> Iterator[Callable[..., StageClient]]:
+    """``open(*args, **kwargs)``: ``StageClient.<opener>`` (*kind* ``"sync"``) or
+    ``AsyncStageClient.<opener>`` behind :class:`BlockingAsyncClient` (``"async"``), on an
+    event loop thread of its own. Every client opened is closed afterwards."""
+    runner = EventLoopThread() if kind == "async" else None
     opened: list[StageClient] = []
 
-    def launch_(factory: str = SCRIPTED, **kwargs: Any) -> StageClient:
-        kwargs.setdefault("startup_timeout", 30)
+    def open_(*args: Any, **kwargs: Any) -> StageClient:
         if runner is None:
-            client = StageClient.launch(factory, **kwargs)
+            client: StageClient = getattr(StageClient, opener)(*args, **kwargs)
         else:
-            aclient = runner.run(AsyncStageClient.launch(factory, **kwargs))
+            aclient = runner.run(getattr(AsyncStageClient, opener)(*args, **kwargs))
             client = cast(StageClient, BlockingAsyncClient(runner, aclient))
         opened.append(client)
         return client
 
     try:
-        yield launch_
+        yield open_
     finally:
         try:
             for client in opened:
@@ -258,6 +258,20 @@ def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch
         finally:
             if runner is not None:
                 runner.stop()
+
+
+@pytest.fixture(params=["sync", "async"])
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
+    """``launch(factory=SCRIPTED, **kwargs)``: a launched stage with the client under test,
+    the blocking :class:`StageClient` or the :class:`AsyncStageClient` behind a thin blocking
+    adapter (typed as a StageClient: it has the same interface). Closed after the test."""
+    with _clients(request.param, "launch") as open_:
+
+        def launch_(factory: str = SCRIPTED, **kwargs: Any) -> StageClient:
+            kwargs.setdefault("startup_timeout", 30)
+            return open_(factory, **kwargs)
+
+        yield launch_
 
 
 Connect = Callable[..., StageClient]
@@ -268,27 +282,8 @@ def connect(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Conne
     """``connect(address, **kwargs)``: :meth:`StageClient.connect` or
     :meth:`AsyncStageClient.connect` behind the blocking adapter, as :func:`launch` does for
     launched stages. Closed after the test."""
-    runner = EventLoopThread() if request.param == "async" else None
-    opened: list[StageClient] = []
-
-    def connect_(address: str, **kwargs: Any) -> StageClient:
-        if runner is None:
-            client = StageClient.connect(address, **kwargs)
-        else:
-            aclient = runner.run(AsyncStageClient.connect(address, **kwargs))
-            client = cast(StageClient, BlockingAsyncClient(runner, aclient))
-        opened.append(client)
-        return client
-
-    try:
-        yield connect_
-    finally:
-        try:
-            for client in opened:
-                client.close()
-        finally:
-            if runner is not None:
-                runner.stop()
+    with _clients(request.param, "connect") as open_:
+        yield open_
 
 
 @pytest.fixture
