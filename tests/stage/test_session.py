@@ -158,6 +158,45 @@ class TestRouting:
         assert d.warnings == []
 
 
+class TestTakeEnded:
+    """``collect()``'s fast path: everything at once, only once the end has arrived."""
+
+    def test_an_ended_stream_is_taken_whole(self) -> None:
+        s = session()
+        (a,) = open_streams(s, "a")
+        s.receive(frame(outputs(("a", False, 1), ("a", True, 0))), 1.0)
+        assert a._take_ended() == [1, 0]
+        assert a.finished
+        assert a._take_ended() is None  # kept end: the slow path returns [] from now on
+
+    def test_a_stream_without_its_end_is_left_alone(self) -> None:
+        s = session()
+        (a,) = open_streams(s, "a")
+        s.receive(frame(outputs(("a", False, 1))), 1.0)
+        assert a._take_ended() is None
+        assert a._buf == [1]  # nothing taken
+
+    def test_an_error_end_raises_and_drops_the_payloads(self) -> None:
+        s = session()
+        (a,) = open_streams(s, "a")
+        s.receive(frame(outputs(("a", False, 1)), ["error", "a", "boom"]), 1.0)
+        with pytest.raises(RequestError, match="boom"):
+            a._take_ended()
+        with pytest.raises(RequestError, match="boom"):  # kept for every later read
+            a._take_all([])
+
+    def test_not_while_the_consumer_has_payloads_in_hand(self) -> None:
+        s = session()
+        (a,) = open_streams(s, "a")
+        s.receive(frame(outputs(("a", False, 2))), 1.0)
+        assert a._take(wait=False)  # the consumer took [2] and has not read it
+        s.receive(frame(outputs(("a", True, 1))), 2.0)
+        assert a._take_ended() is None  # order: 2 must come before 1
+        out: list[Any] = []
+        assert a._take_all(out)
+        assert out == [2, 1]
+
+
 class TestUtilities:
     def test_answers_are_matched_by_call_id(self) -> None:
         s = session()

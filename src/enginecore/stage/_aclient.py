@@ -91,6 +91,9 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
         Raises the stream's error if it ends with one; the payloads before it are then
         dropped."""
         deadline = _clientbase.deadline_after(timeout)
+        done = self._take_ended()  # the end has come: all in one take
+        if done is not None:
+            return done
         out: list[Any] = []
         while not self._take_all(out):
             if _clientbase.passed(deadline) or not await self._wait(deadline):

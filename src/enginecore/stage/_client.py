@@ -160,6 +160,9 @@ class RequestStream(StreamCore, Iterator[Any]):
         the stream). Raises the stream's error if it ends with one (see the class
         docstring); the payloads before it are then dropped."""
         deadline = _clientbase.deadline_after(timeout)
+        done = self._take_ended()  # the end has come: all in one take
+        if done is not None:
+            return done
         out: list[Any] = []
         while not self._take_all(out):
             if _clientbase.passed(deadline) or not self._wait(deadline):

@@ -242,6 +242,23 @@ class StreamCore:
         self._keep(end)
         raise self._STOP if end.exc is None else end.exc
 
+    def _take_ended(self) -> list[Any] | None:
+        """Consumer, the fast path of ``collect()``: if nothing is ready and the stream's
+        end has arrived, take everything at once and return the payloads (raising the
+        stream's error if it ended with one); else ``None``, and nothing is taken."""
+        if self._pos < len(self._ready):
+            return None
+        with self._lock:
+            buf = self._buf
+            if not buf or type(buf[-1]) is not End:
+                return None
+            self._buf = []
+        end: End = buf.pop()
+        self._keep(end)
+        if end.exc is not None:
+            raise end.exc
+        return buf
+
     def _take_all(self, out: list[Any]) -> bool:
         """Move every payload received so far to *out*. Whether the stream has ended
         normally; an ending by error raises it. The :class:`End` can only be the last item."""
