@@ -97,6 +97,14 @@ class TestPipelinedStage:
         assert any("outputs of aborted requests" in r.getMessage() for r in caplog.records)
         assert events[-1] == ["aborted", ["r"]]
 
+    def test_a_drain_lets_the_steps_in_flight_finish(self, launch: Launch) -> None:
+        client = launch(PIPELINED, kwargs={"depth": 3, "device_s": 0.002})
+        streams = [client.add(f"r{i}", 30) for i in range(20)]
+        assert streams[0].get(5) == 29
+        assert client.shutdown(drain=30) == 0
+        for stream in streams:
+            assert stream.collect(timeout=5)[-1] == 0
+
     def test_a_stalled_collect_is_seen_by_the_watchdog(self, launch: Launch) -> None:
         client = launch(PIPELINED, kwargs={"depth": 2, "device_s": 0.5}, step_timeout=0.1)
         stream = client.add("r", 2)
