@@ -197,6 +197,7 @@ class TestServeDrain:
                 long = client.add("long", 10**9)
                 short = client.add("short", 50_000)
                 long.get(5)
+                short.get(5)  # both live in the stage before the signal
                 server.proc.send_signal(signal.SIGTERM)
                 # The short request runs to completion.
                 assert short.collect(timeout=30)[-1] == 0
