@@ -22,7 +22,9 @@ frames still in flight are read for up to ``EXIT_GRACE_S`` (less if the last eve
 and if the last event comes but the process lingers, the waiters fail
 ``EXIT_AFTER_LAST_EVENT_S`` later anyway. A connected stage is pinged every
 ``heartbeat_interval`` and is presumed dead at exactly ``last_heard + heartbeat_timeout``;
-its last event ends it at once.
+its last event ends it at once. A launched stage is pinged too (``LAUNCHED_PING_S``), only
+for :meth:`ClientSession.health`: two intervals without a frame read as stalled, never as
+dead. So does a ``stalled`` event from the stage's step watchdog, until its ``resumed``.
 """
 
 from __future__ import annotations
