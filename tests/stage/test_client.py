@@ -16,9 +16,16 @@ from typing import Any
 
 import pytest
 
-from enginecore.stage import EngineDeadError, Outputs, StageClient, StageClosedError, _client
+from enginecore.stage import (
+    EngineDeadError,
+    Outputs,
+    RequestStream,
+    StageClient,
+    StageClosedError,
+    _client,
+)
 
-from .conftest import COUNTDOWN, Server
+from .conftest import COUNTDOWN, ECHO, Server
 
 
 class TestInputBatches:
@@ -35,6 +42,49 @@ class TestInputBatches:
         log = client.call_utility("log", timeout=10)
         assert log[:n] == [f"add b{i}" for i in range(n)]
         assert log[n:] == [f"abort b{i}" for i in range(0, n, 2)]
+
+
+class TestAddManyFrameFirst:
+    def test_outputs_that_arrive_while_the_streams_are_built_are_not_lost(
+        self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # add_many sends its frame, then builds the streams. Building is made slow here, so
+        # an echo stage's outputs arrive before most streams exist: the receiver must wait
+        # for the lock that add_many holds until they are registered.
+        built: list[None] = []
+
+        class Slow(RequestStream):
+            __slots__ = ()
+
+            def __init__(self, *args: Any) -> None:
+                super().__init__(*args)
+                built.append(None)
+                if len(built) % 500 == 0:
+                    time.sleep(0.02)
+
+        with StageClient.launch(ECHO, startup_timeout=30) as client:
+            monkeypatch.setattr(client, "_stream_type", Slow)
+            items = [(f"r{i}", i) for i in range(5000)]
+            streams = client.add_many(items)
+            assert [s.collect(timeout=10) for s in streams] == [[i] for i in range(5000)]
+
+
+class TestAddManyAtTheHighWaterMark:
+    def test_the_streams_are_registered_first_when_the_frame_cannot_leave_at_once(
+        self, client: StageClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # _send_nowait says the socket is full: add_many registers the streams, then sends
+        # and waits, as add() does. Same result.
+        tried: list[object] = []
+
+        def full(parts: object) -> bool:
+            tried.append(parts)
+            return False
+
+        monkeypatch.setattr(client, "_send_nowait", full)
+        streams = client.add_many([("a", 2), ("b", 1)])
+        assert len(tried) == 1
+        assert [s.collect(timeout=5) for s in streams] == [[1, 0], [0]]
 
 
 class TestThreads:

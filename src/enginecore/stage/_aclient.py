@@ -534,6 +534,13 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             raise StageClosedError("this stage client is closed")
         _clientbase.send_parts(self._dealer_now, parts, zmq.NOBLOCK)
 
+    def _send_nowait(self, parts: _session.Parts) -> bool:
+        try:
+            self._send(parts)
+        except zmq.Again:
+            return False
+        return True
+
     def _apply(self, d: Deliveries[AsyncRequestStream, asyncio.Future[Any]]) -> None:
         """Carry out what the session decided."""
         for stream in d.wake:

@@ -204,7 +204,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     # Lock rules: _lock guards the session (streams, calls, failure, closing, the event
     # buffer's waiting flag) and who reads the output socket (_owner, _want); the reader
     # takes it once per frame, and it is never held while user code runs (futures are
-    # resolved after release, see _apply) nor while taking _send_lock. _cond (on _lock) is
+    # resolved after release, see _apply) nor while waiting for _send_lock's socket: only
+    # _send_nowait (add_many's frame, NOBLOCK) takes _send_lock under it, and nothing takes
+    # _lock under _send_lock. _cond (on _lock) is
     # where the receiver thread parks while it does not own the socket. _send_lock serialises
     # every use of the DEALER socket (zmq sockets are not thread-safe) and guards
     # _sockets_closed, the one send-after-close guard. _event_lock lets one event-stream
@@ -669,6 +671,20 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             # it answers was registered: a borrower that left the socket idle before saw
             # no such registration (it looks under _lock), and one that comes later sees it.
             self._resume()
+
+    def _send_nowait(self, parts: _session.Parts) -> bool:
+        with self._send_lock:
+            if self._sockets_closed:
+                raise StageClosedError("this stage client is closed")
+            try:
+                _clientbase.send_parts(self._dealer, parts, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            return True
+
+    def _sent(self) -> None:
+        if self._owner is None:
+            self._resume()  # as _send: what the message brings back needs a reader
 
     def _send_now(self, parts: _session.Parts) -> None:
         with self._send_lock:
