@@ -1,7 +1,11 @@
-"""Shared fixtures and test engines for the core-loop tests."""
+"""Shared fixtures and test engines for the core-loop tests, and the no-leftovers check of
+the tests that start processes (``tests/stage`` has a conftest of its own)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -132,3 +136,37 @@ def running(loop: EngineCoreLoop) -> Iterator[LoopThread]:
     yield lt
     loop.request_shutdown()
     lt.join()
+
+
+def child_pids() -> set[int]:
+    """Children of this process (running or zombie), except multiprocessing's resource
+    tracker, which spawn starts once per interpreter on purpose."""
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"resource_tracker" not in cmdline:
+            found.add(int(entry))
+    return found
+
+
+@pytest.fixture
+def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A private temp dir for the ipc sockets; afterwards, no new child and no file left."""
+    before = child_pids()
+    private = tempfile.mkdtemp(prefix="ecB", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", private)
+    try:
+        yield private
+        assert not child_pids() - before, "child processes left behind"
+        assert not os.listdir(private), f"left behind: {os.listdir(private)}"
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,26 +31,6 @@ from benchmarks.__main__ import MODULES, main
 KEYS = {"name", "value", "unit", "baseline", "ratio", "goal", "met"}
 
 
-def child_pids() -> set[int]:
-    """Children of this process (running or zombie), except multiprocessing's resource
-    tracker, which spawn starts once per interpreter on purpose."""
-    me = os.getpid()
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"resource_tracker" not in cmdline:
-            found.add(int(entry))
-    return found
-
-
 def pid_gone(pid: int) -> bool:
     """Whether *pid* no longer runs (absent, or a zombie waiting for a reaper)."""
     try:
@@ -60,20 +38,6 @@ def pid_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
-
-
-@pytest.fixture
-def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A private temp dir for the ipc sockets; afterwards, no new child and no file left."""
-    before = child_pids()
-    private = tempfile.mkdtemp(prefix="ecB", dir="/tmp")
-    monkeypatch.setattr(tempfile, "tempdir", private)
-    try:
-        yield private
-        assert not child_pids() - before, "child processes left behind"
-        assert not os.listdir(private), f"left behind: {os.listdir(private)}"
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
 
 
 def assert_records(records: list[_harness.Record], n: int) -> None:

@@ -4,32 +4,11 @@ no socket directory). Counts only, never a time."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-
 import pytest
 from benchmarks import soak_stage
 from benchmarks._soak_engine import REFUSED_BY_MSGSPEC
 from benchmarks._soak_frames import BAD_HELLO, SCOPED_ADD, SCOPED_ADDS, SCOPED_CALL, UNSCOPED
 from benchmarks._soak_report import PhaseReport
-
-from .test_benchmarks_smoke import child_pids
-
-
-@pytest.fixture
-def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A private temp dir for the ipc sockets; afterwards, no new child and no file left."""
-    before = child_pids()
-    private = tempfile.mkdtemp(prefix="ecS", dir="/tmp")
-    monkeypatch.setattr(tempfile, "tempdir", private)
-    try:
-        yield private
-        assert not child_pids() - before, "child processes left behind"
-        assert not os.listdir(private), f"left behind: {os.listdir(private)}"
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
 
 
 def failures(report: PhaseReport) -> str:
