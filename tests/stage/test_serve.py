@@ -330,6 +330,28 @@ def _is_output_of(req_ids: set[str]) -> Callable[[list[Any]], bool]:
     return lambda ev: ev[0] == "outputs" and not req_ids.isdisjoint(ev[1])
 
 
+def _detached_with_a_long_request(directory: str, *, detached_buffer: int) -> InProcessStage:
+    """An in-process stage that keeps requests on detach, whose only client added a
+    10**8-step request, saw its first output and left: the stage now produces with nobody
+    to read."""
+    stage = InProcessStage(
+        ScriptedEngine(),
+        directory,
+        keep_requests_on_detach=True,
+        detached_buffer=detached_buffer,
+    )
+    try:
+        with RawClient(stage.address) as client:
+            assert client.hello()[0] == "welcome"
+            client.send("add", "long", 10**8)
+            client.until(_is_output_of({"long"}))
+            client.send("bye")
+    except BaseException:
+        stage.stop()
+        raise
+    return stage
+
+
 def _silence(client: RawClient, seconds: float) -> list[list[Any]]:
     """Every event *client* receives within *seconds* (a negative check has to wait)."""
     events: list[list[Any]] = []
@@ -415,15 +437,8 @@ class TestSessions:
         self, no_leftovers: str, caplog: pytest.LogCaptureFixture
     ) -> None:
         caplog.set_level(logging.INFO, logger="enginecore.stage")
-        stage = InProcessStage(
-            ScriptedEngine(), no_leftovers, keep_requests_on_detach=True, detached_buffer=100
-        )
+        stage = _detached_with_a_long_request(no_leftovers, detached_buffer=100)
         try:
-            with RawClient(stage.address) as first:
-                assert first.hello()[0] == "welcome"
-                first.send("add", "long", 10**8)
-                first.until(_is_output_of({"long"}))
-                first.send("bye")
             # One output per step, thousands a second: past 100 at once while nobody reads.
             # What was queued before the bye stays; nothing more is, from then on.
             outbox = stage.runtime._outbox
@@ -478,15 +493,8 @@ def test_drops_while_detached_are_logged_when_the_stage_stops_detached(
     no_leftovers: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="enginecore.stage")
-    stage = InProcessStage(
-        ScriptedEngine(), no_leftovers, keep_requests_on_detach=True, detached_buffer=10
-    )
+    stage = _detached_with_a_long_request(no_leftovers, detached_buffer=10)
     try:
-        with RawClient(stage.address) as client:
-            assert client.hello()[0] == "welcome"
-            client.send("add", "long", 10**8)
-            client.until(_is_output_of({"long"}))
-            client.send("bye")
         outbox = stage.runtime._outbox
         assert wait_until(lambda: outbox._dropped > 0, 10)
     finally:
