@@ -471,8 +471,8 @@ def make_step(
     outbox: Outbox,
     live: set[str],
     drain: _Drain,
-    watchdog: StepWatchdog | None = None,
-    stale: _Stale | None = None,
+    watchdog: StepWatchdog | None,
+    stale: _Stale,
 ) -> Callable[[], tuple[()]]:
     """The loop's ``step``: *engine*'s step, handled as :func:`_make_handle_outputs` says
     (routed, checked and posted as one ``outputs`` event); it returns nothing to the loop.
@@ -480,9 +480,7 @@ def make_step(
     ends only its request (:meth:`Outbox.prepare_outputs`). Before a step, waits while the
     output thread is far behind a connected client (:meth:`Outbox.wait_for_room`).
     """
-    handle = _make_handle_outputs(
-        engine, outbox, live, drain, stale if stale is not None else _Stale(), watchdog
-    )
+    handle = _make_handle_outputs(engine, outbox, live, drain, stale, watchdog)
     engine_step = engine.step
     wait_for_room = outbox.wait_for_room
 
