@@ -6,6 +6,7 @@ The rule numbers match the docstring of ``enginecore/_loop.py`` and ``docs/contr
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import Any
@@ -24,6 +25,7 @@ from enginecore import (
 )
 
 from .conftest import EventLog, LoopThread, RecordingEngine
+from .pipeline_engines import CountdownPipeline
 
 
 def _blocked_in_get(loop: EngineCoreLoop) -> bool:
@@ -555,6 +557,51 @@ class TestConstruction:
     def test_rejects_a_non_callable_emit(self) -> None:
         with pytest.raises(TypeError, match="emit must be callable"):
             EngineCoreLoop(CountdownEngine(), [])  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize(
+        ("bad", "error", "match"),
+        [
+            ([], TypeError, "input_queue must be a queue.Queue, got list"),
+            (queue.Queue(maxsize=4), ValueError, "must be unbounded, got maxsize=4"),
+            ("full", ValueError, "input_queue must be empty"),
+        ],
+    )
+    def test_rejects_an_input_queue_it_cannot_use(
+        self, bad: Any, error: type[Exception], match: str
+    ) -> None:
+        if bad == "full":
+            bad = queue.Queue()
+            bad.put(Add("r", 1))
+        with pytest.raises(error, match=match):
+            EngineCoreLoop(CountdownEngine(), print, input_queue=bad)
+
+    @pytest.mark.parametrize("depth", [1, 2])
+    def test_a_given_input_queue_is_used_and_only_its_idle_get_blocks(self, depth: int) -> None:
+        # A subclass that overrides get() sees exactly the loop's idle waits (rule 1): one
+        # per idle period, none while there is work. The loop drains everything else from
+        # the deque under the mutex.
+        class Counting(queue.Queue[Any]):
+            gets = 0
+
+            def get(self, block: bool = True, timeout: float | None = None) -> Any:
+                Counting.gets += 1
+                return super().get(block, timeout)
+
+        q = Counting()
+        log = EventLog()
+        engine: Any = CountdownEngine() if depth == 1 else CountdownPipeline()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth, input_queue=q)
+        assert loop.input_queue is q
+        lt = LoopThread(loop).start()
+        _wait_until_blocked(loop)
+        assert Counting.gets == 1
+        loop.submit_many([Add("a", 3), Add("b", 2)])
+        log.wait_for(lambda evs: sum(ev[0] == "output" for ev in evs) == 5)
+        _wait_until_blocked(loop)
+        assert Counting.gets == 2  # the steps in between never called get()
+        loop.request_shutdown()
+        lt.join()
+        assert log.events[-1] == ("shutdown",)
 
     def test_submit_many_queues_a_burst_in_order_with_one_drain(
         self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog

@@ -129,6 +129,15 @@ class EngineCoreLoop:
     Producers (IO threads) put :data:`~enginecore.Message` objects on :attr:`input_queue`, or
     call :meth:`submit`. Any thread, or a signal handler, may call :meth:`request_shutdown`.
 
+    *input_queue*, if given, is the queue to use instead of a new :class:`queue.Queue`: an
+    empty, unbounded ``queue.Queue`` or subclass (:class:`TypeError` / :class:`ValueError`
+    otherwise). The loop calls its ``get()``, with no arguments, only while idle (rule 1), and
+    otherwise takes messages from its deque under its ``mutex``. A subclass may override
+    ``get()`` to wait for more than the queue, as long as it returns the next message once
+    one is queued: a put from any thread (``Queue.put``, :meth:`submit`,
+    :meth:`request_shutdown`) ends in ``not_empty.notify()`` under ``mutex``, which it can
+    hook. A stage's queue reads its input socket there (``docs/stage.md``).
+
     Errors: an exception from ``engine.utility`` becomes that call's ``"utility"`` event and the
     loop goes on; so does a future it returned that fails or is cancelled. An exception from
     ``has_work``, ``add``, ``abort``, ``step``, ``launch``, ``collect`` or from *emit* itself
@@ -172,6 +181,7 @@ class EngineCoreLoop:
         emit: Callable[[Event], object],
         *,
         pipeline_depth: int = 1,
+        input_queue: queue.Queue[Any] | None = None,
     ) -> None:
         pipelined = isinstance(engine, PipelinedEngine)
         if not pipelined and not isinstance(engine, Engine):
@@ -194,11 +204,20 @@ class EngineCoreLoop:
                 f"pipeline_depth={pipeline_depth} needs an enginecore.PipelinedEngine "
                 f"(launch() and collect(handle)); {type(engine).__name__} has only step()"
             )
+        if input_queue is None:
+            input_queue = queue.Queue()
+        elif not isinstance(input_queue, queue.Queue):
+            raise TypeError(f"input_queue must be a queue.Queue, got {type(input_queue).__name__}")
+        elif input_queue.maxsize > 0:
+            # A bounded queue would block submit() and request_shutdown()'s waker.
+            raise ValueError(f"input_queue must be unbounded, got maxsize={input_queue.maxsize}")
+        elif input_queue.qsize():
+            raise ValueError("input_queue must be empty")
         self._engine = engine
         self._emit = emit
         self._pipelined = pipelined
         self._depth = pipeline_depth
-        self.input_queue: queue.Queue[Any] = queue.Queue()
+        self.input_queue: queue.Queue[Any] = input_queue
         """The loop's input. Producers ``put()`` messages here, in the order they must apply.
 
         The loop owns it: do not ``get()`` from it, and do not replace it.
