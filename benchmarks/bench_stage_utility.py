@@ -7,10 +7,11 @@ sockets in a private temporary directory). Each sample is one blocking call, tim
 * enginecore: ``StageClient.call_utility("count")`` on a stage running
   ``benchmarks._stage:SinkEngine`` (a trivial utility; the engine never has work, so the
   loop is idle, blocked in ``get()``). The path: the caller encodes and sends on the DEALER
-  -> the stage's input thread decodes and puts a ``Utility`` on ``input_queue`` -> the loop
-  thread wakes, calls ``engine.utility`` and emits -> the output thread wakes, encodes and
-  sends on the PUSH -> the client's receiver thread decodes and resolves the future -> the
-  caller wakes.
+  -> the idle loop thread, which reads the input socket itself while idle, decodes it,
+  calls ``engine.utility`` and sends the answer on the PUSH itself while the output thread
+  idles -> the caller, which reads the output socket itself while no other call does,
+  decodes it. One thread on each side, as in the raw echo; the stage's Python (decoding
+  into typed messages, the loop's dispatch, the session) is what it adds.
 * baseline: the raw server of ``benchmarks/_stage.py``, one thread: ``recv`` on its ROUTER,
   msgspec decode, encode a reply, ``send`` on the same ROUTER; the parent encodes, sends on
   its DEALER, blocks in ``recv`` and decodes. msgspec encode + decode per message on both
@@ -22,7 +23,7 @@ sockets in a private temporary directory). Each sample is one blocking call, tim
 
 Blocks of samples alternate (A B C, C B A, ...); p50 and p99 over all samples of each side;
 the ``±`` is the half-range of the per-block percentiles. Goals: enginecore <= 1.5x raw zmq
-at p50 and at p99 (see docs/performance.md for why the stage's thread hand-offs cost more),
+at p50 and at p99 (docs/performance.md says what the stage adds, and where the time goes),
 and <= 1.0x the mp.Queue stage at p50 and at p99.
 """
 

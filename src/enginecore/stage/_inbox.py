@@ -5,8 +5,10 @@ The input thread blocks in ``poll`` on the input socket (``ROUTER``) and on the 
 socket's monitor, which tells it how many clients are connected to the output socket. It
 polls with no timeout, except while a ``hello`` is held (below). On each wake-up it reads
 every message already waiting (up to :data:`MAX_BURST`), decodes and checks each one, and
-hands the valid ones to the loop with one ``submit_many()``, in arrival order: a burst costs
-one poll, one lock and one wake-up of the loop thread, not one of each per message.
+hands the valid ones to the loop's queue in one go, in arrival order: a burst costs one
+poll, one lock and one wake-up of the loop thread, not one of each per message. While the
+loop is idle, the loop thread itself does this reading (:meth:`Inbox.read`), inside its
+queue's ``get()``, and the input thread is parked: see :mod:`._input_queue`.
 
 Nothing invalid reaches the engine (``docs/wire.md`` section 6). A message that cannot be
 decoded, or whose payload is not a valid wire value, becomes an error event scoped to what
@@ -51,6 +53,7 @@ from zmq.utils.monitor import recv_monitor_message
 from .._loop import EngineCoreLoop
 from .._messages import Abort, Utility, make_add
 from . import _codec, _wire
+from ._input_queue import InputQueue
 from ._outbox import Outbox
 from ._stage_engine import ordered_stop, session_change
 
@@ -88,12 +91,15 @@ class Inbox:
     """The input socket, the output socket's monitor, the session, and the input thread.
     ``start()`` once; ``Context.term()`` ends the thread (:meth:`join` waits for it).
 
-    Valid messages go to *loop* (``submit_many``), errors and pongs to *outbox*. If the
-    thread fails, :attr:`failed` is set and the loop is asked to shut down.
+    Valid messages go to *loop*'s input queue, an :class:`~._input_queue.InputQueue`,
+    errors and pongs to *outbox*. If the thread fails, :attr:`failed` is set and the loop
+    is asked to shut down.
     """
 
-    # Everything here belongs to the input thread, except output_peers, which the loop
-    # thread reads unlocked (Outbox.wait_for_room's may_wait; a stale read is harmless).
+    # Everything here belongs to the thread that holds the input side (the input thread, or
+    # the idle loop inside InputQueue.get(); they pass it under the queue's mutex), except
+    # output_peers, which the loop thread also reads unlocked while it does not hold it
+    # (Outbox.wait_for_room's may_wait; a stale read is harmless).
 
     def __init__(
         self,
@@ -106,9 +112,11 @@ class Inbox:
         output_address: str,
         session_timeout: float,
     ) -> None:
-        self._sock = sock
-        self._monitor = out_monitor
-        self._loop = loop
+        if not isinstance(loop.input_queue, InputQueue):
+            raise TypeError("the loop's input_queue must be an InputQueue")
+        self.sock = sock
+        self.monitor = out_monitor
+        self.loop = loop
         self._outbox = outbox
         self._post = outbox.post
         self._welcome = msgspec.msgpack.encode(
@@ -117,7 +125,7 @@ class Inbox:
         self._session_timeout = session_timeout
         self._decoder = _codec.Decoder(_wire.ClientMsg, strict=False)
         # Decoded messages not yet handed to the loop (see _main).
-        self._pending: list[Any] = []
+        self.pending: list[Any] = []
         # The attached client's routing id and when it was last heard from.
         self._session: bytes | None = None
         self._session_seen = 0.0
@@ -131,6 +139,8 @@ class Inbox:
         self._pull_seen = False
         self._detached = True
         self.failed = False
+        self._queue = loop.input_queue
+        self._queue.attach(self)
         self._thread = threading.Thread(target=self._main, name="enginecore-input", daemon=True)
 
     @property
@@ -150,43 +160,50 @@ class Inbox:
     # -- the input thread ------------------------------------------------------------------------
 
     def _main(self) -> None:
-        sock = self._sock
-        monitor = self._monitor
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        pending = self._pending
-        submit_many = self._loop.submit_many
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        q = self._queue
         try:
             while True:
                 try:
-                    # No timeout (ctx.term() ends it), unless a hello is held.
-                    held = self._held
-                    ready = dict(poller.poll(None if held is None else _ms_until(held[1])))
-                    if monitor in ready:
-                        self._count_output_peers()
-                    if sock in ready:
-                        for _ in range(MAX_BURST):
-                            try:
-                                parts = _recv(sock)
-                            except zmq.Again:
-                                break
-                            self._handle_one(parts)
-                    if self._held is not None:
-                        self._settle_held(self._held)
+                    q.wait_turn()  # while the idle loop reads the input side itself
+                    self.read(poller)
                 except zmq.ContextTerminated:
                     return
                 finally:
-                    if pending:
-                        submit_many(pending)
-                        pending.clear()
+                    q.hand_over(self.pending)
         except BaseException:
             logger.exception("enginecore: the input thread failed; shutting the stage down")
             self.failed = True
-            self._loop.request_shutdown()
+            self.loop.request_shutdown()
         finally:
-            monitor.close(linger=0)
-            sock.close(linger=0)
+            self.monitor.close(linger=0)
+            self.sock.close(linger=0)
+
+    def read(self, poller: zmq.Poller) -> dict[Any, int]:
+        """Wait in *poller* (no timeout, unless a hello is held), then read and handle what
+        the sockets have: the monitor's events, every message already waiting (up to
+        :data:`MAX_BURST`), a held hello's fate. The valid messages are left in
+        :attr:`pending`, in order. Returns what *poller* found ready.
+
+        Called by whichever thread holds the input side: the input thread, or the idle loop
+        (:class:`~._input_queue.InputQueue`)."""
+        held = self._held
+        ready = dict(poller.poll(None if held is None else _ms_until(held[1])))
+        if self.monitor in ready:
+            self._count_output_peers()
+        if self.sock in ready:
+            sock = self.sock
+            for _ in range(MAX_BURST):
+                try:
+                    parts = _recv(sock)
+                except zmq.Again:
+                    break
+                self._handle_one(parts)
+        if self._held is not None:
+            self._settle_held(self._held)
+        return ready
 
     def _handle_one(self, parts: list[Any]) -> None:
         try:
@@ -212,7 +229,7 @@ class Inbox:
                 # before it sends anything more (Outbox._resync).
                 self._unheard = False
                 self._outbox.resync = True
-        put = self._pending.append  # handed to the loop by _main, in order
+        put = self.pending.append  # handed to the loop after the read, in order
         cls = type(msg)
         if cls is _wire.AddMsg:
             data = msg.data
@@ -256,9 +273,9 @@ class Inbox:
             self._post([("error", rid, what) for rid in req_ids] or [("error", None, what)])
             return
         if set(map(type, data)) <= _RECEIVED_FLAT:  # nothing to check: one burst
-            self._pending += map(make_add, req_ids, data)
+            self.pending += map(make_add, req_ids, data)
             return
-        put = self._pending.append
+        put = self.pending.append
         errors: list[tuple[Any, ...]] = []
         for rid, item in zip(req_ids, data, strict=True):
             if type(item) not in _RECEIVED_FLAT:
@@ -340,7 +357,7 @@ class Inbox:
         if ident == self._session:
             self._session = None
             # After everything it sent (pending keeps arrival order).
-            self._pending.append(session_change(None))
+            self.pending.append(session_change(None))
             self._update_detached()
         elif self._held is not None and self._held[0] == ident:
             self._held = None  # it gave up waiting
@@ -356,12 +373,12 @@ class Inbox:
                     "enginecore: dropped %d events of the previous client at a new session",
                     dropped,
                 )
-            self._pending.append(session_change(epoch))
+            self.pending.append(session_change(epoch))
             self._pull_seen = False
         self._session = ident
         self._session_seen = time.monotonic()
         self._update_detached()
-        self._sock.send_multipart([ident, self._welcome])
+        self.sock.send_multipart([ident, self._welcome])
 
     def _update_detached(self) -> None:
         """Tell the outbox whether a client can read: one is attached, and its ``PULL`` is
@@ -377,12 +394,12 @@ class Inbox:
 
     def _reject(self, ident: bytes, reason: str) -> None:
         reject = _wire.RejectMsg(_wire.PROTOCOL_VERSION, reason)
-        self._sock.send_multipart([ident, msgspec.msgpack.encode(reject)])
+        self.sock.send_multipart([ident, msgspec.msgpack.encode(reject)])
 
     def _count_output_peers(self) -> None:
         while True:
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_ACCEPTED:

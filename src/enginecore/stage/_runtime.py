@@ -2,8 +2,8 @@
 
 ::
 
-    client --DEALER--> ROUTER  input thread (_inbox) --submit_many--> input_queue
-                                                                           |
+    client --DEALER--> ROUTER  input thread (_inbox) ------------> input_queue (_input_queue)
+                                  (read by the loop thread itself while it idles)  |
                                                   EngineCoreLoop.run(), this thread
                                                   (the engine behind _stage_engine)
                                                                            |
@@ -29,6 +29,7 @@ from .._engine import Engine, PipelinedEngine
 from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
 from ._inbox import HEARTBEAT_TIMEOUT_MS, Inbox, log_detached_drops
+from ._input_queue import InputQueue
 from ._outbox import Outbox
 from ._stage_engine import StageEngine, drop_ended, ordered_stop
 from ._watchdog import StepWatchdog, check_watchdog
@@ -149,14 +150,19 @@ class StageRuntime:
                     step_timeout, kill_after, post=self._outbox.post, kill=self._kill_stalled
                 )
             )
+            self._input = InputQueue()
             stage_engine = StageEngine(
                 engine,
                 self._outbox,
                 abort_on_detach=not keep_requests_on_detach,
                 watchdog=self._watchdog,
+                input_side=self._input,
             )
             self.loop = EngineCoreLoop(
-                stage_engine, stage_engine.emit, pipeline_depth=pipeline_depth_of(engine)
+                stage_engine,
+                stage_engine.emit,
+                pipeline_depth=pipeline_depth_of(engine),
+                input_queue=self._input,
             )
             stage_engine.request_shutdown = self.loop.request_shutdown
             stage_engine.submit = self.loop.submit
@@ -171,6 +177,8 @@ class StageRuntime:
             )
         except BaseException:
             self._ctx.destroy(linger=0)
+            if hasattr(self, "_input"):
+                self._input.close_pipe()
             raise
 
     # The edges between the parts, named here so that each is visible in one place.
@@ -232,7 +240,7 @@ class StageRuntime:
             # SystemExit / KeyboardInterrupt from the engine: the loop has logged it, emitted
             # its fatal event and re-raised. Propagating would skip exit_soon() and let
             # SystemExit(0) end the process with 0; the exit code below says fatal.
-            with signals, contextlib.suppress(BaseException):
+            with signals, self._input.signals_wake(), contextlib.suppress(BaseException):
                 self.loop.run()
         finally:
             # Teardown, in this order:
@@ -242,16 +250,19 @@ class StageRuntime:
             #    socket: nobody could read it, and an idle stage must stop at once. (A client
             #    just welcomed counts even before the monitor reports its PULL: a stage that
             #    dies right after the handshake still sends it the fatal event.)
-            # 2. ctx.term() wakes the input thread (and an output thread stuck on a peer that
-            #    is gone) with ETERM; it returns once both closed their sockets, the output
-            #    socket after its linger.
+            # 2. The input thread takes the input side back if the idle loop held it, and
+            #    ctx.term() wakes it (and an output thread stuck on a peer that is gone) with
+            #    ETERM; it returns once both closed their sockets, the output socket after
+            #    its linger.
             # 3. The ipc socket files that libzmq leaves behind are removed.
             if self._watchdog is not None:
                 self._watchdog.close()
             readers = self._inbox.attached or self._inbox.output_peers > 0
             self._outbox.close(timeout=self._flush_timeout if readers else 0.0)
+            self._input.close()
             self._ctx.term()
             self._inbox.join()
+            self._input.close_pipe()
             # A detached period that the stop ended: its drops are logged here.
             log_detached_drops(self._outbox.take_dropped(), self._outbox.detached_max, at_exit=True)
             self._outbox.join()

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from .._engine import Engine, PipelinedEngine
 from .._exceptions import RequestRejected
@@ -43,6 +43,7 @@ logger = logging.getLogger("enginecore.stage")
 __all__ = [
     "DRAINING",
     "LIVE_IN_STAGE",
+    "InputSide",
     "StageEngine",
     "drain_timed_out",
     "drop_ended",
@@ -147,6 +148,25 @@ def session_change(epoch: int | None) -> Abort:
 # -- the adapter --------------------------------------------------------------------------------
 
 
+class InputSide(Protocol):
+    """What a step needs of the stage's input queue (:class:`~._input_queue.InputQueue`):
+    whether the idle loop still holds the input side, and how to give it back."""
+
+    holds: bool
+
+    def release(self) -> None: ...
+
+
+class _NoInputSide:
+    holds = False
+
+    def release(self) -> None:
+        pass
+
+
+_NO_INPUT_SIDE: Final = _NoInputSide()
+
+
 class StageEngine:
     """*engine* with the stage's ``add``, ``step``, ``abort`` and ``utility``, and the loop's
     ``emit``.
@@ -160,6 +180,8 @@ class StageEngine:
     engine that returned outputs after an abort). Set :attr:`request_shutdown` to the loop's, and
     :attr:`submit` to the loop's ``submit`` (the drain's timer uses it).
     *abort_on_detach*: whether a session change aborts the requests live in the stage.
+    *input_side*: the stage's input queue, which a step (or launch) makes the idle loop give
+    back to the input thread (:mod:`._input_queue`).
 
     The drain (a ``shutdown`` with a drain time, or ``serve``'s SIGTERM with
     ``--drain-timeout``): from the moment it is applied, an ``add`` is refused with an
@@ -178,6 +200,7 @@ class StageEngine:
         *,
         abort_on_detach: bool = True,
         watchdog: StepWatchdog | None = None,
+        input_side: InputSide | None = None,
     ) -> None:
         # The request ids live in the stage: added (the engine's add() returned), and not
         # yet finished (an output routed with finished=True), aborted (abort() returned) or
@@ -192,14 +215,15 @@ class StageEngine:
         self.add = make_add(engine, outbox, self.live)
         # A pipelined engine gets the loop's launch/collect (and cancel, if it has one), an
         # Engine the loop's step: the loop drives whichever this adapter has.
+        side = _NO_INPUT_SIDE if input_side is None else input_side
         if isinstance(engine, PipelinedEngine):
-            self.launch = make_launch(engine, outbox, watchdog)
+            self.launch = make_launch(engine, outbox, watchdog, side)
             self.collect = make_collect(engine, outbox, self.live, self.drain, watchdog, self.stale)
             cancel = getattr(engine, "cancel", None)
             if callable(cancel):
                 self.cancel = cancel
         else:
-            self.step = make_step(engine, outbox, self.live, self.drain, watchdog, self.stale)
+            self.step = make_step(engine, outbox, self.live, self.drain, watchdog, self.stale, side)
         self._utility = engine.utility
         self._abort = engine.abort
         self._emit = outbox.emit
@@ -473,18 +497,23 @@ def make_step(
     drain: _Drain,
     watchdog: StepWatchdog | None,
     stale: _Stale,
+    input_side: InputSide,
 ) -> Callable[[], tuple[()]]:
     """The loop's ``step``: *engine*'s step, handled as :func:`_make_handle_outputs` says
     (routed, checked and posted as one ``outputs`` event); it returns nothing to the loop.
     A payload that cannot cross the wire, or that is a :class:`~enginecore.RequestRejected`,
-    ends only its request (:meth:`Outbox.prepare_outputs`). Before a step, waits while the
-    output thread is far behind a connected client (:meth:`Outbox.wait_for_room`).
+    ends only its request (:meth:`Outbox.prepare_outputs`). Before a step, gives the
+    *input_side* back to the input thread if the idle loop held it (``_input_queue``), and
+    waits while the output thread is far behind a connected client
+    (:meth:`Outbox.wait_for_room`).
     """
     handle = _make_handle_outputs(engine, outbox, live, drain, stale, watchdog)
     engine_step = engine.step
     wait_for_room = outbox.wait_for_room
 
     def step() -> tuple[()]:
+        if input_side.holds:  # unlocked peek; release() re-checks
+            input_side.release()
         if outbox.backlog > BACKLOG_MAX:  # unlocked peek; wait_for_room re-checks
             wait_for_room()
         handle(engine_step)
@@ -494,15 +523,21 @@ def make_step(
 
 
 def make_launch(
-    engine: PipelinedEngine[Any], outbox: Outbox, watchdog: StepWatchdog | None = None
+    engine: PipelinedEngine[Any],
+    outbox: Outbox,
+    watchdog: StepWatchdog | None,
+    input_side: InputSide,
 ) -> Callable[[], Any]:
     """The loop's ``launch`` for a pipelined engine: the engine's, under the *watchdog*,
-    after waiting while the output thread is far behind a connected client (back-pressure
-    applies to launching new steps; the steps in flight are still collected)."""
+    after giving the *input_side* back (as :func:`make_step`) and waiting while the output
+    thread is far behind a connected client (back-pressure applies to launching new steps;
+    the steps in flight are still collected)."""
     engine_launch = engine.launch
     wait_for_room = outbox.wait_for_room
 
     def launch() -> Any:
+        if input_side.holds:
+            input_side.release()
         if outbox.backlog > BACKLOG_MAX:
             wait_for_room()
         if watchdog is None:

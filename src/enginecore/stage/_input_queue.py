@@ -1,0 +1,268 @@
+"""The stage's input queue: while the loop is idle, the loop thread reads the input socket
+itself (:class:`InputQueue`).
+
+A message that reaches an idle stage would otherwise cross two threads: the input thread
+wakes, reads and decodes it and puts it on the queue, and the loop thread wakes to apply it.
+Each wake-up of a blocked thread costs ~30-40 µs on a VM, the biggest share of a utility
+round trip (``docs/performance.md``). So the two threads pass the input side (the input
+socket and the output socket's monitor, which are used by one thread at a time) between
+them:
+
+- **While the loop is busy, the input thread holds it**, as before: it reads during steps,
+  so an abort that arrives during step *n* is applied before step *n + 1*.
+- **When the loop goes idle** (``get()`` finds the queue empty) it says it wants the input
+  side and waits on the queue as usual. The input thread hands it over after it has queued
+  the next burst it reads, with the same lock and the same wake-up; the first message
+  after a busy period still crosses threads.
+- **While it holds it, the idle loop reads the socket in** ``get()``: one ``poll`` over the
+  input socket, the monitor and a wake-up pipe, then the input thread's own handling
+  (:meth:`Inbox.read <enginecore.stage._inbox.Inbox.read>`), and it returns the first
+  message. A message goes from the socket to the engine on one thread, as in a hand-written
+  loop that blocks on its pipe.
+- **Before a step** (or a pipelined launch) the loop gives the input side back
+  (:meth:`InputQueue.release`): one ``notify``, per busy period.
+- **A long call** (an ``add`` or a utility that runs while the loop holds the input side)
+  must not leave the socket unread: pings would go unanswered and a ``hello`` would wait.
+  The parked input thread takes the input side back once the loop has been out of ``get()``
+  for :data:`LEASE_S`. It watches with the step watchdog's trick: it waits with a timeout
+  only after the loop, leaving ``get()``, found it disarmed and woke it; it disarms when it
+  finds the loop back in ``get()``. So it wakes at most twice per lease while calls keep
+  coming, and never while the stage idles.
+
+A put from any other thread (a deferred utility's callback, a drain timer, the signal
+waker, ``request_shutdown()`` from a signal handler) ends in ``not_empty.notify()`` under the
+queue's mutex; while the loop reads the socket, that notify also writes a byte to the pipe
+in the loop's ``poll`` (``os.write``: safe in a signal handler).
+
+Every change of hands happens under the queue's mutex, which is also the memory barrier a
+zmq socket needs to move between threads. The loop thread touches the sockets only inside
+``get()`` with :attr:`InputQueue.reading` set; the input thread only while the loop does not
+hold them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Final
+
+import zmq
+
+if TYPE_CHECKING:
+    from ._inbox import Inbox
+
+__all__ = ["LEASE_S", "InputQueue"]
+
+logger = logging.getLogger("enginecore.stage")
+
+LEASE_S: Final = 0.05
+"""How long the loop may hold the input side outside ``get()`` (running an ``add``, an
+``abort`` or a utility) before the input thread takes it back."""
+
+
+class _NotEmpty(threading.Condition):
+    """The queue's ``not_empty``: a notify also wakes the loop's ``poll`` while it reads."""
+
+    def __init__(self, q: InputQueue) -> None:
+        super().__init__(q.mutex)
+        self._q = q
+
+    def notify(self, n: int = 1) -> None:
+        super().notify(n)
+        q = self._q
+        if q.reading:
+            # Full: a wake-up is pending anyway. Closed: teardown, nobody reads.
+            with contextlib.suppress(OSError):
+                os.write(q.wake_w, b"\0")
+
+
+class InputQueue(queue.Queue[Any]):
+    """The loop's ``input_queue`` in a stage; see the module docstring.
+
+    :meth:`attach` it to the :class:`~enginecore.stage._inbox.Inbox` before the loop runs.
+    :meth:`close` at teardown, after the loop has returned and before ``Context.term()``.
+    """
+
+    # Under mutex: holds (the loop thread holds the input side), reading (and is inside
+    # get(), using it), wants (the loop is waiting in get() for the input side), closed
+    # (teardown: the input thread keeps it), armed (the parked input thread watches the
+    # lease) and left_at (monotonic time the loop last left get() while holding).
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.not_empty = _NotEmpty(self)
+        self.turn = threading.Condition(self.mutex)  # the parked input thread waits here
+        self.holds = False
+        self.reading = False
+        self.wants = False
+        self.closed = False
+        self.armed = False
+        self.left_at = 0.0
+        self.handovers = 0  # times the input thread handed the input side to the loop
+        self.reclaims = 0  # times it took it back from a long call
+        self.loop_reads = 0  # messages get() returned that the loop read itself
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._inbox: Inbox | None = None
+        self._poller = zmq.Poller()
+
+    def attach(self, inbox: Inbox) -> None:
+        """Use *inbox*'s sockets and handling (once, before the loop runs)."""
+        self._inbox = inbox
+        self._poller.register(inbox.sock, zmq.POLLIN)
+        self._poller.register(inbox.monitor, zmq.POLLIN)
+        self._poller.register(self.wake_r, zmq.POLLIN)
+
+    # -- the loop thread ---------------------------------------------------------------------
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The loop's idle wait: the next message, reading the input socket while the loop
+        holds it. Any other call is :meth:`queue.Queue.get`'s."""
+        if not block or timeout is not None or self._inbox is None:
+            return super().get(block, timeout)
+        with self.mutex:
+            while not self.queue:
+                if self.holds and not self.closed:
+                    self.reading = True
+                    break
+                self.wants = True
+                self.not_empty.wait()
+            else:
+                self.wants = False
+                if self.holds:  # handed over with the message: the lease starts now
+                    self._leave()
+                return self.queue.popleft()
+        return self._read(self._inbox)
+
+    def _read(self, inbox: Inbox) -> Any:
+        poller = self._poller
+        pending = inbox.pending
+        try:
+            while True:
+                ready = inbox.read(poller)
+                if self.wake_r in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 4096)
+                with self.mutex:
+                    if pending:
+                        self.queue.extend(pending)
+                        self.unfinished_tasks += len(pending)
+                        pending.clear()
+                    if self.queue:
+                        self._leave()
+                        self.loop_reads += 1
+                        return self.queue.popleft()
+        except Exception:
+            # What the input thread does when it fails: the stage can no longer read, so it
+            # stops (exit code EXIT_IO_FAILED). Nobody reads the input side again.
+            logger.exception("enginecore: reading the input socket failed; shutting down")
+            inbox.failed = True
+            with self.mutex:
+                self._leave()
+                self.closed = True
+                if pending:
+                    self.queue.extend(pending)
+                    pending.clear()
+            inbox.loop.request_shutdown()
+            return super().get()
+        except BaseException:  # KeyboardInterrupt under the default SIGINT handler
+            with self.mutex:
+                self._leave()
+            raise
+
+    def _leave(self) -> None:
+        # Under mutex: the loop leaves get() holding the input side (the lease starts).
+        self.reading = False
+        self.left_at = time.monotonic()
+        if not self.armed:
+            self.armed = True
+            self.turn.notify()
+
+    def release(self) -> None:
+        """Loop thread, outside ``get()``, before a step: give the input side back to the
+        input thread, so that it reads while the loop works. Cheap when the loop does not
+        hold it (an unlocked read: only the loop, inside ``get()``, can come to hold it)."""
+        if self.holds:
+            with self.mutex:
+                if self.holds:
+                    self.holds = False
+                    self.turn.notify()
+
+    @contextlib.contextmanager
+    def signals_wake(self) -> Iterator[None]:
+        """In the main thread: make a signal wake the loop's ``poll`` while it reads.
+
+        Python runs a signal handler in the main thread, between bytecodes, and the kernel
+        may deliver the signal to any thread: to the parked input thread, say, which does
+        not interrupt the main thread's ``poll``, so the handler (``request_shutdown()``)
+        would not run until the next message (seen: a SIGTERM after a SIGSTOP/SIGCONT
+        went unanswered). :func:`signal.set_wakeup_fd` makes the C-level handler write to
+        the wake-up pipe, whichever thread takes the signal; the handler then runs as soon
+        as the loop's thread runs Python again. The previous wake-up fd is restored on
+        exit. Elsewhere than in the main thread this does nothing (signals cannot be
+        handled there)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(previous)
+
+    def close(self) -> None:
+        """Teardown (the loop has returned): the input thread keeps the input side, so that
+        ``Context.term()`` finds it in ``poll`` and it closes the sockets. Then the pipe is
+        closed by :meth:`close_pipe`, once the input thread has ended."""
+        with self.mutex:
+            self.closed = True
+            self.holds = False
+            self.turn.notify()
+
+    def close_pipe(self) -> None:
+        """Close the wake-up pipe: once nothing can read or write it any more."""
+        for fd in (self.wake_r, self.wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- the input thread --------------------------------------------------------------------
+
+    def wait_turn(self) -> None:
+        """Input thread: return once it holds the input side (at once if it does); while the
+        loop holds it, watch the lease (module docstring)."""
+        if not self.holds:  # unlocked: only the input thread hands it over
+            return
+        with self.mutex:
+            while self.holds:
+                if not self.armed:
+                    self.turn.wait()
+                    continue
+                self.turn.wait(LEASE_S)
+                if not self.holds:
+                    break
+                if self.reading:
+                    self.armed = False  # the loop idles, reading: nothing to watch
+                elif time.monotonic() - self.left_at >= LEASE_S:
+                    self.holds = False  # a long call: read while it runs
+                    self.reclaims += 1
+
+    def hand_over(self, pending: list[Any]) -> None:
+        """Input thread, after each read: queue *pending* (in order, one lock, one notify),
+        and hand the input side to the loop if it is waiting for it."""
+        with self.mutex:
+            if pending:
+                self.queue.extend(pending)
+                self.unfinished_tasks += len(pending)
+                pending.clear()
+            elif not self.wants:
+                return
+            if self.wants and not self.closed:
+                self.wants = False
+                self.holds = True
+                self.handovers += 1
+            self.not_empty.notify()

@@ -1,0 +1,181 @@
+"""The idle loop reads the input socket itself (``_input_queue``): who holds the input side,
+when it changes hands, and that nothing waits on the wrong thread for it. In this process,
+with a raw client on real sockets."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+import zmq
+
+from enginecore.stage._inbox import Inbox
+from enginecore.stage._input_queue import LEASE_S, InputQueue
+from enginecore.stage._runtime import EXIT_IO_FAILED, EXIT_OK
+from enginecore.stage.testing import ScriptedEngine
+
+from .conftest import wait_until
+from .raw import InProcessStage, RawClient, in_process_stage
+
+
+class SlowFirstStep(ScriptedEngine):
+    """The first step after an add takes a second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow = False
+
+    def add(self, req_id: str, data: Any) -> None:
+        super().add(req_id, data)
+        self.slow = True
+
+    def step(self) -> list[Any]:
+        if self.slow:
+            self.slow = False
+            time.sleep(1.0)
+        return super().step()
+
+
+def _queue(stage: InProcessStage) -> InputQueue:
+    q = stage.runtime.loop.input_queue
+    assert isinstance(q, InputQueue)
+    return q
+
+
+def _pong(client: RawClient, seq: int, timeout: float) -> list[Any]:
+    """Send a ping; every event up to its pong."""
+    client.send("ping", seq)
+    return client.until(lambda ev: ev == ["pong", seq], timeout=timeout)
+
+
+class TestTheIdleLoopReads:
+    def test_calls_to_an_idle_stage_are_read_by_the_loop_thread(self, no_leftovers: str) -> None:
+        with in_process_stage(ScriptedEngine(), no_leftovers) as (stage, client):
+            q = _queue(stage)
+            client.call(1, "echo")
+            assert wait_until(lambda: q.holds and q.reading, 5)
+            assert q.handovers == 1  # the hello's burst: the idle loop asked for it
+            reads = q.loop_reads
+            for i in range(2, 52):
+                assert client.call(i, "echo", i)[-1] == ["utility", i, [i], None]
+            # Read by the loop itself, with no hand-over and no wake-up of the input thread.
+            assert q.loop_reads - reads >= 50
+            assert q.handovers == 1
+            # Idle: the input thread never takes it back while the loop reads.
+            time.sleep(3 * LEASE_S)
+            assert q.reclaims == 0
+            assert q.holds
+
+    def test_a_step_gives_it_back_so_input_is_read_during_the_step(self, no_leftovers: str) -> None:
+        with in_process_stage(SlowFirstStep(), no_leftovers) as (stage, client):
+            q = _queue(stage)
+            client.call(1, "echo")
+            assert wait_until(lambda: q.holds and q.reading, 5)
+            client.send("add", "r", 5)  # read by the idle loop; its first step is slow
+            assert wait_until(lambda: not q.holds, 5)
+            # Read by the input thread while the step runs: the pong comes first, and the
+            # abort applies before the next step.
+            events = _pong(client, 7, timeout=0.9)
+            assert not [ev for ev in events if ev[0] == "outputs"]
+            client.send("abort", ["r"])
+            events = client.until(lambda ev: ev[0] == "aborted")
+            assert q.reclaims == 0  # the step gave it back, not the lease
+        assert events == [["outputs", ["r"], [False], [4]], ["aborted", ["r"]]]
+
+    def test_a_long_call_does_not_keep_the_input_side(self, no_leftovers: str) -> None:
+        # A utility runs on the loop thread while it holds the input side: the input thread
+        # takes it back after LEASE_S, and answers a ping long before the call returns.
+        with in_process_stage(ScriptedEngine(), no_leftovers) as (stage, client):
+            q = _queue(stage)
+            client.call(1, "echo")
+            assert wait_until(lambda: q.holds and q.reading, 5)
+            client.send("utility", 2, "sleep", [1.5])
+            assert wait_until(lambda: not q.reading, 5)
+            events = _pong(client, 3, timeout=1.0)
+            assert ["utility", 2, None, None] not in events
+            assert q.reclaims == 1
+            assert client.until(lambda ev: ev[0] == "utility")[-1] == ["utility", 2, None, None]
+            # Idle again: the next message hands it back to the loop.
+            client.call(4, "echo")
+            assert wait_until(lambda: q.holds and q.reading, 5)
+
+
+class TestWakingTheReadingLoop:
+    def test_a_deferred_answer_from_another_thread_is_sent_at_once(self, no_leftovers: str) -> None:
+        # The future's callback puts on the queue from a timer thread while the loop waits
+        # in poll on the socket: the put must wake it, with nothing arriving on the socket.
+        with in_process_stage(ScriptedEngine(), no_leftovers) as (stage, client):
+            q = _queue(stage)
+            client.call(1, "echo")
+            assert wait_until(lambda: q.holds and q.reading, 5)
+            client.send("utility", 2, "deferred", [0.2, "done"])
+            assert client.until(lambda ev: ev[0] == "utility", timeout=2)[-1] == [
+                "utility",
+                2,
+                "done",
+                None,
+            ]
+
+    def test_shutdown_from_another_thread_stops_a_loop_that_reads(self, no_leftovers: str) -> None:
+        stage = InProcessStage(ScriptedEngine(), no_leftovers)
+        try:
+            with RawClient(stage.address) as client:
+                assert client.hello()[0] == "welcome"
+                q = _queue(stage)
+                client.call(1, "echo")
+                assert wait_until(lambda: q.holds and q.reading, 5)
+                started = time.monotonic()
+                stage.runtime.loop.request_shutdown()
+                assert client.until(lambda ev: ev[0] == "shutdown", timeout=2)
+                assert stage.wait(timeout=2) == EXIT_OK
+                assert time.monotonic() - started < 2
+        finally:
+            if stage.exit_code is None:
+                stage.stop()
+
+    def test_a_failure_while_the_loop_reads_stops_the_stage_as_an_io_failure(
+        self, no_leftovers: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        stage = InProcessStage(ScriptedEngine(), no_leftovers)
+        inbox = stage.runtime._inbox
+        read = inbox.read
+
+        def failing_read(poller: zmq.Poller) -> dict[Any, int]:
+            if threading.current_thread().name == "test-stage-loop":
+                raise RuntimeError("injected")
+            return read(poller)
+
+        caplog.set_level(logging.ERROR, logger="enginecore.stage")
+        try:
+            with RawClient(stage.address) as client:
+                q = _queue(stage)
+                inbox.read = failing_read  # type: ignore[method-assign]
+                assert client.hello()[0] == "welcome"
+                assert stage.wait(timeout=5) == EXIT_IO_FAILED
+                assert client.until(lambda ev: ev[0] == "shutdown", timeout=2)
+        finally:
+            if stage.exit_code is None:
+                stage.stop()
+        assert q.closed
+        assert inbox.failed
+        assert "reading the input socket failed" in caplog.text
+        assert "RuntimeError: injected" in caplog.text
+
+
+def test_an_inbox_needs_the_stages_input_queue() -> None:
+    class Loop:
+        input_queue: Any = object()
+
+    with pytest.raises(TypeError, match="must be an InputQueue"):
+        Inbox(
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            Loop(),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            engine_name="x",
+            output_address="ipc://x",
+            session_timeout=1.0,
+        )
