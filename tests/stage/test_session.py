@@ -158,6 +158,16 @@ class TestRouting:
         assert d.warnings == []
 
 
+class Unenterable:
+    """A stream lock that fails the test if it is taken."""
+
+    def __enter__(self) -> None:
+        raise AssertionError("the lock was taken")
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 class TestTakeEnded:
     """``collect()``'s fast path: everything at once, only once the end has arrived."""
 
@@ -168,6 +178,19 @@ class TestTakeEnded:
         assert a._take_ended() == [1, 0]
         assert a.finished
         assert a._take_ended() is None  # kept end: the slow path returns [] from now on
+
+    def test_an_ended_stream_is_taken_without_its_lock(self) -> None:
+        # The receiver never touches a buffer again once it ends with an End, so the fast
+        # path need not wait for the receiver's lock (held while it dispatches a frame).
+        s = session()
+        a = StreamCore("a", lock=Unenterable())
+        s.open_requests(["a"], [a])
+        s.receive(frame(outputs(("a", False, 1), ("a", True, 0))), 1.0)
+        got = a._take_ended()
+        assert got == [1, 0]
+        assert a._buf == []
+        assert a._buf is not got  # the list handed out is not the stream's
+        assert a.finished
 
     def test_a_stream_without_its_end_is_left_alone(self) -> None:
         s = session()

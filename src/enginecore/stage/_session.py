@@ -177,9 +177,10 @@ class StreamCore:
     flag and hands the stream back in :attr:`Deliveries.wake`, so a consumer is woken once
     per frame, not per output. The one consumer reads ``_ready`` from ``_pos`` on, without
     the lock; when it has read everything, it takes ``_buf`` as its new ``_ready`` (swapping
-    in an empty list, under the lock). Lists rather than a ``deque``: a deque allocates a
-    528-byte block outside pymalloc (about 0.4 us and 760 bytes a stream), and a burst
-    makes thousands of streams.
+    in an empty list, under the lock; once ``_buf`` ends with an :class:`End`, the receiver
+    is done with it, and ``collect()`` takes it without the lock). Lists rather than a
+    ``deque``: a deque allocates a 528-byte block outside pymalloc (about 0.4 us and 760
+    bytes a stream), and a burst makes thousands of streams.
     """
 
     __slots__ = ("_buf", "_end", "_lock", "_pos", "_ready", "_waiting", "_wakeup", "req_id")
@@ -247,16 +248,22 @@ class StreamCore:
     def _take_ended(self) -> list[Any] | None:
         """Consumer, the fast path of ``collect()``: if nothing is ready and the stream's
         end has arrived, take everything at once and return the payloads (raising the
-        stream's error if it ended with one); else ``None``, and nothing is taken."""
-        if self._pos < len(self._ready):
+        stream's error if it ended with one); else ``None``, and nothing is taken.
+
+        Without the lock: an :class:`End` is the last item the receiver ever appends (the
+        session forgets the stream as it appends it), so once ``_buf`` ends with one, no
+        thread but the consumer touches it again; before that, the consumer only looks
+        (a list's last item is read atomically). ~0.14 instead of ~0.32 us a call: a burst
+        ends with one ``collect()`` per request, on the critical path."""
+        buf = self._buf
+        if not buf or buf[-1].__class__ is not End or self._pos < len(self._ready):
             return None
-        with self._lock:
-            buf = self._buf
-            if not buf or type(buf[-1]) is not End:
-                return None
-            self._buf = []
+        self._buf = []
         end: End = buf.pop()
-        self._keep(end)
+        # _keep(end), inline: this runs once per request of a burst.
+        self._end = end
+        self._ready = (end,)
+        self._pos = 0
         if end.exc is not None:
             raise end.exc
         return buf
