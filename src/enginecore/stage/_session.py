@@ -51,6 +51,7 @@ from ._errors import (
     UtilityError,
     describe_exit,
 )
+from ._routing import only_types
 from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, Resumed, Stalled, UtilityResult
 
 __all__ = [
@@ -122,6 +123,8 @@ def shutdown_frame(drain: float | None) -> Parts:
 _FLAT: Final = _codec.FLAT_TYPES
 # Exact types that need not even that (prepare() would return them unchanged).
 _PLAIN: Final = frozenset({type(None), bool, float, str})
+_STR: Final = frozenset({str})
+_PAIR_TYPES: Final = frozenset({tuple, list})  # of an (req_id, data) pair of add_many()
 
 _tls = threading.local()
 _encode_flat: Final = msgspec.msgpack.encode  # thread-safe; for values without buffers
@@ -424,15 +427,37 @@ class ClientSession(Generic[S, W]):
         """An ``adds`` for ``(req_id, data)`` pairs, and its ids. :class:`TypeError` for a
         bad pair, id or payload; :class:`ValueError` if an id is repeated."""
         pairs: list[Any] = list(items)
-        if not set(map(type, pairs)) <= {tuple, list}:
+        ids: list[str]
+        data: list[Any]
+        # The fast path, all in C (~0.1 instead of ~0.19 ms for 2,000 pairs, before the
+        # burst's frame can leave): dict() splits the pairs and finds a repeated id in one
+        # pass. Anything it does not take (a repeated or unhashable id, a pair that is not
+        # one, an id that is not a str, data that needs prepare()) takes the checks below,
+        # which say what is wrong.
+        try:
+            by_id: dict[Any, Any] | None = dict(pairs)
+        except (TypeError, ValueError):
+            by_id = None
+        if (
+            by_id is not None
+            and len(by_id) == len(pairs)
+            and only_types(pairs, _PAIR_TYPES)
+            and only_types(ids := list(by_id), _STR)
+            and only_types(data := list(by_id.values()), _FLAT)
+        ):
+            try:
+                return ids, [_encode_flat(("adds", ids, data))]
+            except (ValueError, OverflowError):
+                pass  # an int out of range: say which request, below
+        if not only_types(pairs, _PAIR_TYPES):
             bad = next(p for p in pairs if type(p) is not tuple and type(p) is not list)
             raise TypeError(f"add_many() takes (req_id, data) pairs, got {type(bad).__name__}")
         try:
             ids_t, data_t = zip(*pairs, strict=True) if pairs else ((), ())
         except ValueError:
             raise TypeError("add_many() takes (req_id, data) pairs") from None
-        ids: list[str] = list(ids_t)
-        data: list[Any] = list(data_t)
+        ids = list(ids_t)
+        data = list(data_t)
         if not set(map(type, ids)) <= {str}:
             for rid in ids:
                 _check_req_id(rid)
