@@ -114,6 +114,26 @@ class TestRoundTrip:
         with pytest.raises(ValueError, match="non-negative"):
             stream.get(-1)
 
+    def test_collect_of_a_stream_whose_end_has_come(self, stage_client: StageClient) -> None:
+        # collect()'s fast path (no lock): the end is in the buffer before the first read.
+        stream = stage_client.add("r", 3)
+        bad = stage_client.add("bad", "two")
+        events_until(
+            stage_client,
+            lambda evs: finished("r")(evs) and any(isinstance(e, ErrorReport) for e in evs),
+        )  # each event is dispatched together with its stream's outputs
+        with pytest.raises(ValueError, match="non-negative"):
+            stream.collect(timeout=-1)  # checked first, as on the slow path
+        assert stream.collect(timeout=0) == [2, 1, 0]
+        assert stream.finished
+        assert stream.collect(timeout=0) == []  # ended: every later read ends the same way
+        with pytest.raises(StopIteration):
+            stream.get(0)
+        with pytest.raises(RequestError, match="got 'two'"):  # an error end raises it
+            bad.collect(timeout=0)
+        with pytest.raises(RequestError, match="got 'two'"):
+            bad.collect(timeout=0)
+
 
 class TestAddMany:
     def test_one_frame_applied_in_order(self, stage_client: StageClient) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from enginecore import CountdownEngine
-from enginecore.stage._routing import make_router
+from enginecore.stage._routing import make_router, only_types
 from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
 
@@ -20,6 +20,10 @@ def _route(engine: object, outs: Any) -> tuple[list[Any], list[Any], list[Any]]:
     payloads: list[Any] = []
     make_router(engine)(outs, rids, fins, payloads)
     return rids, fins, payloads
+
+
+class _Str(str):
+    """A subclass of str: not a wire type (msgspec refuses it)."""
 
 
 class _Plain:
@@ -116,6 +120,57 @@ class TestBatchHook:
         with pytest.raises(TypeError, match=r"_RouteOutputs\.route_outputs\(\) must return"):
             route([("a", 1)], rids, fins, payloads)
         assert (rids, fins, payloads) == ([], [], [])
+
+    @pytest.mark.parametrize(
+        "result",
+        [
+            (["a", "b", 1], [False] * 3, [1, 2, 3]),  # the first right, a later one wrong
+            (["a", None, b"c"], [False] * 3, [1, 2, 3]),
+            (["a", "b", "c"], [False, True, 0], [1, 2, 3]),
+            (["a", "b", "c"], [False, False, 1], [1, 2, 3]),  # 1 == True, but not a bool
+            (["a", _Str("b"), "c"], [False] * 3, [1, 2, 3]),  # msgspec refuses a subclass
+        ],
+    )
+    def test_every_item_of_a_column_is_checked(self, result: Any) -> None:
+        route = make_router(_RouteOutputs(result))
+        with pytest.raises(TypeError, match=r"_RouteOutputs\.route_outputs\(\) must return"):
+            route([("a", 1)] * 3, [], [], [])
+
+    def test_unrouted_outputs_mix_with_routed_ones(self) -> None:
+        cols = (["a", None, "b", None], [False, False, True, False], [1, 2, 3, 4])
+        assert _route(_RouteOutputs(cols), [1, 2, 3, 4]) == cols
+
+
+class TestOnlyTypes:
+    """The exact-type check of a step's columns (the routed ids, the finished flags and the
+    payloads), which takes a fast path when every item has the first one's type."""
+
+    allowed = frozenset({str, type(None)})
+
+    @pytest.mark.parametrize(
+        ("items", "ok"),
+        [
+            ([], True),
+            (["a"], True),
+            (["a", "b", "c"], True),
+            ([None, None], True),
+            (["a", None, "b"], True),  # mixed, each allowed: the slow path
+            ([None, "a"], True),
+            (["a", "b", 1], False),
+            ([1, "a"], False),  # the first not allowed
+            ([1, 1], False),
+            (["a", _Str("b")], False),  # exact types: no subclass
+            ([_Str("a"), _Str("b")], False),
+        ],
+    )
+    def test_exact_types_within_the_allowed_set(self, items: list[Any], ok: bool) -> None:
+        assert only_types(items, self.allowed) is ok
+        assert ok is (set(map(type, items)) <= self.allowed)  # what it replaces
+
+    def test_bools_are_not_ints(self) -> None:
+        assert only_types([True, False], frozenset({bool}))
+        assert not only_types([True, 1], frozenset({bool}))
+        assert not only_types([0, 1], frozenset({bool}))
 
 
 class TestPerOutputHook:

@@ -6,11 +6,13 @@ when the stage counts as gone, and what the frames a client sends look like.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from enginecore.stage import (
     Aborted,
@@ -35,6 +37,15 @@ from enginecore.stage._session import (
     StageState,
     StreamCore,
 )
+
+
+class _Str(str):
+    """A subclass of str: not a wire type."""
+
+
+class _Pair(NamedTuple):
+    req_id: str
+    data: Any
 
 
 class Waiter:
@@ -158,6 +169,16 @@ class TestRouting:
         assert d.warnings == []
 
 
+class Unenterable:
+    """A stream lock that fails the test if it is taken."""
+
+    def __enter__(self) -> None:
+        raise AssertionError("the lock was taken")
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 class TestTakeEnded:
     """``collect()``'s fast path: everything at once, only once the end has arrived."""
 
@@ -168,6 +189,19 @@ class TestTakeEnded:
         assert a._take_ended() == [1, 0]
         assert a.finished
         assert a._take_ended() is None  # kept end: the slow path returns [] from now on
+
+    def test_an_ended_stream_is_taken_without_its_lock(self) -> None:
+        # The receiver never touches a buffer again once it ends with an End, so the fast
+        # path need not wait for the receiver's lock (held while it dispatches a frame).
+        s = session()
+        a = StreamCore("a", lock=Unenterable())
+        s.open_requests(["a"], [a])
+        s.receive(frame(outputs(("a", False, 1), ("a", True, 0))), 1.0)
+        got = a._take_ended()
+        assert got == [1, 0]
+        assert a._buf == []
+        assert a._buf is not got  # the list handed out is not the stream's
+        assert a.finished
 
     def test_a_stream_without_its_end_is_left_alone(self) -> None:
         s = session()
@@ -526,11 +560,41 @@ class TestFrames:
             ([(1, 1)], TypeError, "req_id must be a str"),
             ([("a", 1, 2)], TypeError, "pairs"),
             (["ab"], TypeError, "pairs"),
+            # What the fast path (one dict() of the pairs) does not take, the checks name.
+            ([("a", 1), (["x"], 2)], TypeError, "req_id must be a str"),  # unhashable
+            ([(1, 1), (True, 2)], TypeError, "req_id must be a str"),  # equal keys
+            ([("a", 1), (_Str("a"), 2)], TypeError, "req_id must be a str"),
+            ([("a", 1), (_Str("b"), 2)], TypeError, "req_id must be a str"),
+            ([_Pair("a", 1)], TypeError, "pairs, got _Pair"),  # exact types only
+            ([("a", 1), ("b", 2**64)], TypeError, "request 'b'"),
+            ([("a", 1), ("b", -(2**64))], TypeError, "request 'b'"),
         ],
     )
     def test_adds_refused(self, items: list[Any], error: type[Exception], match: str) -> None:
         with pytest.raises(error, match=match):
             ClientSession.adds_frame(items)
+
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["a", "b", "c", "d", "e", "f"]),
+                st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text()),
+            ),
+            max_size=8,
+        )
+    )
+    def test_adds_frame_is_the_pairs_in_order_or_names_the_repeated_id(
+        self, items: list[tuple[str, Any]]
+    ) -> None:
+        ids = [rid for rid, _ in items]
+        repeated = next((rid for i, rid in enumerate(ids) if rid in ids[:i]), None)
+        if repeated is not None:
+            with pytest.raises(ValueError, match=f"'{repeated}' appears twice"):
+                ClientSession.adds_frame(items)
+            return
+        got_ids, parts = ClientSession.adds_frame(items)
+        assert got_ids == ids
+        assert decode(parts) == ["adds", ids, [data for _, data in items]]
 
     def test_a_live_id_is_refused_and_nothing_is_registered(self) -> None:
         s = session()

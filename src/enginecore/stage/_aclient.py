@@ -90,7 +90,7 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
         whole wait (:class:`TimeoutError`, and the payloads read so far stay in the stream).
         Raises the stream's error if it ends with one; the payloads before it are then
         dropped."""
-        deadline = _clientbase.deadline_after(timeout)
+        deadline = None if timeout is None else _clientbase.deadline_after(timeout)
         done = self._take_ended()  # the end has come: all in one take
         if done is not None:
             return done

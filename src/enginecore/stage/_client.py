@@ -159,8 +159,8 @@ class RequestStream(StreamCore, Iterator[Any]):
         bounds the whole wait (:class:`TimeoutError`, and the payloads read so far stay in
         the stream). Raises the stream's error if it ends with one (see the class
         docstring); the payloads before it are then dropped."""
-        deadline = _clientbase.deadline_after(timeout)
-        done = self._take_ended()  # the end has come: all in one take
+        deadline = None if timeout is None else _clientbase.deadline_after(timeout)
+        done = self._take_ended()  # the end has come: all in one take, without the lock
         if done is not None:
             return done
         out: list[Any] = []

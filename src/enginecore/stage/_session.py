@@ -51,6 +51,7 @@ from ._errors import (
     UtilityError,
     describe_exit,
 )
+from ._routing import only_types
 from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, Resumed, Stalled, UtilityResult
 
 __all__ = [
@@ -122,6 +123,8 @@ def shutdown_frame(drain: float | None) -> Parts:
 _FLAT: Final = _codec.FLAT_TYPES
 # Exact types that need not even that (prepare() would return them unchanged).
 _PLAIN: Final = frozenset({type(None), bool, float, str})
+_STR: Final = frozenset({str})
+_PAIR_TYPES: Final = frozenset({tuple, list})  # of an (req_id, data) pair of add_many()
 
 _tls = threading.local()
 _encode_flat: Final = msgspec.msgpack.encode  # thread-safe; for values without buffers
@@ -177,9 +180,10 @@ class StreamCore:
     flag and hands the stream back in :attr:`Deliveries.wake`, so a consumer is woken once
     per frame, not per output. The one consumer reads ``_ready`` from ``_pos`` on, without
     the lock; when it has read everything, it takes ``_buf`` as its new ``_ready`` (swapping
-    in an empty list, under the lock). Lists rather than a ``deque``: a deque allocates a
-    528-byte block outside pymalloc (about 0.4 us and 760 bytes a stream), and a burst
-    makes thousands of streams.
+    in an empty list, under the lock; once ``_buf`` ends with an :class:`End`, the receiver
+    is done with it, and ``collect()`` takes it without the lock). Lists rather than a
+    ``deque``: a deque allocates a 528-byte block outside pymalloc (about 0.4 us and 760
+    bytes a stream), and a burst makes thousands of streams.
     """
 
     __slots__ = ("_buf", "_end", "_lock", "_pos", "_ready", "_waiting", "_wakeup", "req_id")
@@ -247,16 +251,22 @@ class StreamCore:
     def _take_ended(self) -> list[Any] | None:
         """Consumer, the fast path of ``collect()``: if nothing is ready and the stream's
         end has arrived, take everything at once and return the payloads (raising the
-        stream's error if it ended with one); else ``None``, and nothing is taken."""
-        if self._pos < len(self._ready):
+        stream's error if it ended with one); else ``None``, and nothing is taken.
+
+        Without the lock: an :class:`End` is the last item the receiver ever appends (the
+        session forgets the stream as it appends it), so once ``_buf`` ends with one, no
+        thread but the consumer touches it again; before that, the consumer only looks
+        (a list's last item is read atomically). ~0.14 instead of ~0.32 us a call: a burst
+        ends with one ``collect()`` per request, on the critical path."""
+        buf = self._buf
+        if not buf or buf[-1].__class__ is not End or self._pos < len(self._ready):
             return None
-        with self._lock:
-            buf = self._buf
-            if not buf or type(buf[-1]) is not End:
-                return None
-            self._buf = []
+        self._buf = []
         end: End = buf.pop()
-        self._keep(end)
+        # _keep(end), inline: this runs once per request of a burst.
+        self._end = end
+        self._ready = (end,)
+        self._pos = 0
         if end.exc is not None:
             raise end.exc
         return buf
@@ -417,15 +427,37 @@ class ClientSession(Generic[S, W]):
         """An ``adds`` for ``(req_id, data)`` pairs, and its ids. :class:`TypeError` for a
         bad pair, id or payload; :class:`ValueError` if an id is repeated."""
         pairs: list[Any] = list(items)
-        if not set(map(type, pairs)) <= {tuple, list}:
+        ids: list[str]
+        data: list[Any]
+        # The fast path, all in C (~0.1 instead of ~0.19 ms for 2,000 pairs, before the
+        # burst's frame can leave): dict() splits the pairs and finds a repeated id in one
+        # pass. Anything it does not take (a repeated or unhashable id, a pair that is not
+        # one, an id that is not a str, data that needs prepare()) takes the checks below,
+        # which say what is wrong.
+        try:
+            by_id: dict[Any, Any] | None = dict(pairs)
+        except (TypeError, ValueError):
+            by_id = None
+        if (
+            by_id is not None
+            and len(by_id) == len(pairs)
+            and only_types(pairs, _PAIR_TYPES)
+            and only_types(ids := list(by_id), _STR)
+            and only_types(data := list(by_id.values()), _FLAT)
+        ):
+            try:
+                return ids, [_encode_flat(("adds", ids, data))]
+            except (ValueError, OverflowError):
+                pass  # an int out of range: say which request, below
+        if not only_types(pairs, _PAIR_TYPES):
             bad = next(p for p in pairs if type(p) is not tuple and type(p) is not list)
             raise TypeError(f"add_many() takes (req_id, data) pairs, got {type(bad).__name__}")
         try:
             ids_t, data_t = zip(*pairs, strict=True) if pairs else ((), ())
         except ValueError:
             raise TypeError("add_many() takes (req_id, data) pairs") from None
-        ids: list[str] = list(ids_t)
-        data: list[Any] = list(data_t)
+        ids = list(ids_t)
+        data = list(data_t)
         if not set(map(type, ids)) <= {str}:
             for rid in ids:
                 _check_req_id(rid)

@@ -35,7 +35,7 @@ from .._exceptions import RequestRejected
 from .._messages import Abort, Event, Utility
 from . import _codec
 from ._outbox import BACKLOG_MAX, Outbox
-from ._routing import make_router
+from ._routing import make_router, only_types
 from ._watchdog import StepWatchdog
 
 logger = logging.getLogger("enginecore.stage")
@@ -477,7 +477,7 @@ def _make_handle_outputs(
             if payloads:
                 # Fast path: every payload of an exact flat type (an out-of-range int is
                 # caught when msgspec refuses it, in the output thread).
-                if set(map(type, payloads)) <= flat:
+                if only_types(payloads, flat):
                     post([("outputs", rids, fins, payloads)], len(payloads))
                 else:
                     post(prepare_outputs(rids, fins, payloads), len(payloads))
