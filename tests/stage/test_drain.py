@@ -73,19 +73,20 @@ class TestDrainOnTheWire:
         client.send("add", "b", 5)
         client.send("shutdown", 30)
         client.send("add", "late", 2)
+        client.send("adds", ["late2", "late3"], [2, 2])  # one message: each id refused
         client.send("utility", 7, "echo", ["during"])
         events = _until_shutdown(client)
         # Everything of a and b, in full; the late add refused, the call answered.
         assert _outputs_of(events, "a") == list(range(2999, -1, -1))
         assert _outputs_of(events, "b") == [4, 3, 2, 1, 0]
-        assert _errors(events) == [("late", DRAINING)]
+        assert _errors(events) == [("late", DRAINING), ("late2", DRAINING), ("late3", DRAINING)]
         assert ["utility", 7, ["during"], None] in events
         assert events[-1] == ["shutdown"]
         # The shutdown came right after the last output of the last live request.
         last = max(i for i, ev in enumerate(events) if ev[0] == "outputs")
         assert all(ev[0] in ("error", "utility") for ev in events[last + 1 : -1])
         assert stage.wait() == 0
-        assert "add late" not in engine.log
+        assert not [entry for entry in engine.log if entry.startswith("add late")]
 
     def test_at_the_deadline_live_requests_end_with_an_error(self, raw: Raw) -> None:
         stage, client, engine = raw

@@ -401,6 +401,19 @@ class TestRequestScopedFailure:
             ["error", "b", LIVE_IN_STAGE],
         ]
 
+    def test_a_burst_is_applied_in_order_and_its_marker_id_is_an_ordinary_id(
+        self, no_leftovers: str
+    ) -> None:
+        # An adds message reaches the loop as one Add whose req_id is a private marker
+        # (_stage_engine.ADDS, compared by identity): a client's own "<adds>" is just an id.
+        engine = Canned()
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            client.send("add", "<adds>", 1)
+            client.send("adds", ["x", "<adds>", "y"], [2, 3, 4])
+            events = _sync(client, 1)
+        assert engine.added == [("<adds>", 1), ("x", 2), ("y", 4)]
+        assert events == [["error", "<adds>", LIVE_IN_STAGE]]
+
     def test_a_live_id_is_refused_across_clients(self, no_leftovers: str) -> None:
         # The serve scenario: a client adds "dup" and leaves; the next client's add
         # of "dup" killed the stage ("already live"). The engine must never see it. (By

@@ -55,7 +55,7 @@ from .._messages import Abort, Utility, make_add
 from . import _codec, _wire
 from ._input_queue import InputQueue
 from ._outbox import Outbox
-from ._stage_engine import ordered_stop, session_change
+from ._stage_engine import adds, ordered_stop, session_change
 
 __all__ = ["HEARTBEAT_TIMEOUT_MS", "HELLO_HOLD_S", "MAX_BURST", "Inbox"]
 
@@ -272,10 +272,13 @@ class Inbox:
             )
             self._post([("error", rid, what) for rid in req_ids] or [("error", None, what)])
             return
-        if set(map(type, data)) <= _RECEIVED_FLAT:  # nothing to check: one burst
-            self.pending += map(make_add, req_ids, data)
+        if not req_ids:
             return
-        put = self.pending.append
+        if set(map(type, data)) <= _RECEIVED_FLAT:  # nothing to check: one burst
+            self.pending.append(adds(req_ids, data))
+            return
+        ok_ids: list[str] = []
+        ok_data: list[Any] = []
         errors: list[tuple[Any, ...]] = []
         for rid, item in zip(req_ids, data, strict=True):
             if type(item) not in _RECEIVED_FLAT:
@@ -283,7 +286,10 @@ class Inbox:
                 if problem is not None:
                     errors.append(("error", rid, f"invalid message: {problem}"))
                     continue
-            put(make_add(rid, item))
+            ok_ids.append(rid)
+            ok_data.append(item)
+        if ok_ids:
+            self.pending.append(adds(ok_ids, ok_data))
         if errors:
             self._post(errors, len(errors))
 

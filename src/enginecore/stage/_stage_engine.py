@@ -32,7 +32,8 @@ from typing import Any, Final, Protocol
 
 from .._engine import Engine, PipelinedEngine
 from .._exceptions import RequestRejected
-from .._messages import Abort, Event, Utility
+from .._messages import Abort, Add, Event, Utility
+from .._messages import make_add as make_add_message
 from . import _codec
 from ._outbox import BACKLOG_MAX, Outbox
 from ._routing import make_router, only_types
@@ -41,10 +42,12 @@ from ._watchdog import StepWatchdog
 logger = logging.getLogger("enginecore.stage")
 
 __all__ = [
+    "ADDS",
     "DRAINING",
     "LIVE_IN_STAGE",
     "InputSide",
     "StageEngine",
+    "adds",
     "drain_timed_out",
     "drop_ended",
     "make_add",
@@ -276,9 +279,13 @@ class StageEngine:
         return self._utility(name, args)
 
     def refuse_add(self, req_id: str, data: Any) -> None:
-        """The loop's ``add`` during a drain: an ``error`` event, and the engine is not
-        called."""
-        self._emit(("error", req_id, DRAINING))
+        """The loop's ``add`` during a drain: an ``error`` event (one per request of a
+        burst), and the engine is not called."""
+        if req_id is ADDS:
+            for rid in data[0]:
+                self._emit(("error", rid, DRAINING))
+        else:
+            self._emit(("error", req_id, DRAINING))
 
     def emit(self, event: Event) -> None:
         """The loop's ``emit``: utility answers and the terminal event (never an
@@ -350,6 +357,24 @@ class _Drain:
         self.done()
 
 
+class _AddsId(str):
+    """The ``req_id`` of an ``Add`` that carries a client's whole ``adds`` burst."""
+
+    __slots__ = ()
+
+
+ADDS: Final = _AddsId("<adds>")
+"""``Add(ADDS, (req_ids, data))`` is a burst of adds, one message on the loop's queue:
+:func:`make_add` applies each in order, as if each were its own ``Add`` (no ``Add`` per
+request to build, and one dispatch by the loop). Compared by identity: a client's
+``"<adds>"`` is an ordinary id."""
+
+
+def adds(req_ids: list[str], data: list[Any]) -> Add:
+    """The one ``Add`` message of a burst (same lengths; the input thread checks)."""
+    return make_add_message(ADDS, (req_ids, data))
+
+
 def make_add(
     engine: Engine | PipelinedEngine[Any], outbox: Outbox, live: set[str]
 ) -> Callable[[str, Any], None]:
@@ -360,13 +385,26 @@ def make_add(
     the engine see an id twice. A :class:`~enginecore.RequestRejected` from the engine
     becomes an ``error`` event carrying ``str(exc)``, and the id stays free. Either error
     is the request's only event, ordered with the loop's others. Any other exception
-    propagates: fatal to the loop. On success the id joins *live*.
+    propagates: fatal to the loop (the rest of a burst is not applied). On success the id
+    joins *live*. A burst (:data:`ADDS`) is applied item by item, the same way.
     """
     engine_add = engine.add
     emit = outbox.emit
     admit = live.add
 
     def add(req_id: str, data: Any) -> None:
+        if req_id is ADDS:
+            for rid, item in zip(*data, strict=True):
+                if rid in live:
+                    emit(("error", rid, LIVE_IN_STAGE))
+                    continue
+                try:
+                    engine_add(rid, item)
+                except RequestRejected as exc:
+                    emit(("error", rid, str(exc)))
+                    continue
+                admit(rid)
+            return
         if req_id in live:
             emit(("error", req_id, LIVE_IN_STAGE))
             return
