@@ -69,15 +69,19 @@ class TestDrainOnTheWire:
         self, raw: Raw
     ) -> None:
         stage, client, engine = raw
-        client.send("add", "a", 3000)
+        client.send("add", "a", 30_000)
         client.send("add", "b", 5)
+        # Both live before the drain begins: sent at once, the shutdown could be read only
+        # after a's last step (the loop may read the adds alone and step while the input
+        # thread waits for the GIL), and then nothing would be live to drain.
+        events = client.until(_is("outputs"))
         client.send("shutdown", 30)
         client.send("add", "late", 2)
         client.send("adds", ["late2", "late3"], [2, 2])  # one message: each id refused
         client.send("utility", 7, "echo", ["during"])
-        events = _until_shutdown(client)
+        events += _until_shutdown(client)
         # Everything of a and b, in full; the late add refused, the call answered.
-        assert _outputs_of(events, "a") == list(range(2999, -1, -1))
+        assert _outputs_of(events, "a") == list(range(29_999, -1, -1))
         assert _outputs_of(events, "b") == [4, 3, 2, 1, 0]
         assert _errors(events) == [("late", DRAINING), ("late2", DRAINING), ("late3", DRAINING)]
         assert ["utility", 7, ["during"], None] in events
