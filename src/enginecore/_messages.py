@@ -86,6 +86,23 @@ class Utility:
             )
 
 
+_new_utility = Utility.__new__
+_set_call_id = vars(Utility)["call_id"].__set__
+_set_name = vars(Utility)["name"].__set__
+_set_args = vars(Utility)["args"].__set__
+
+
+def make_utility(call_id: int, name: str, args: tuple[Any, ...]) -> Utility:
+    """``Utility(call_id, name, args)`` without ``__init__``/``__post_init__``, as
+    :func:`make_add`: for a caller that knows *args* is a tuple (the stage's input side,
+    once per call it receives). Not exported."""
+    msg = _new_utility(Utility)
+    _set_call_id(msg, call_id)
+    _set_name(msg, name)
+    _set_args(msg, args)
+    return msg
+
+
 @dataclass(frozen=True, slots=True)
 class Wakeup:
     """Does nothing to the engine; wakes a loop that is blocked waiting for input."""

@@ -29,7 +29,7 @@ from typing import Any, Literal, overload
 import zmq
 import zmq.asyncio
 
-from . import _clientbase, _session
+from . import _clientbase, _codec, _session
 from ._clientbase import Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import Launched, launch_process
@@ -532,7 +532,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     def _send(self, parts: _session.Parts) -> None:
         if self._sockets_closed:
             raise StageClosedError("this stage client is closed")
-        _clientbase.send_parts(self._dealer_now, parts, zmq.NOBLOCK)
+        _codec.send_parts(self._dealer_now, parts, zmq.NOBLOCK)
 
     def _send_nowait(self, parts: _session.Parts) -> bool:
         try:

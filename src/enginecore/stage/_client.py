@@ -54,7 +54,7 @@ from typing import Any, Final, Literal, overload
 
 import zmq
 
-from . import _clientbase, _session
+from . import _clientbase, _codec, _session
 from ._clientbase import ClientBase, Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import launch_process
@@ -677,7 +677,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             if self._sockets_closed:
                 raise StageClosedError("this stage client is closed")
             try:
-                _clientbase.send_parts(self._dealer, parts, zmq.NOBLOCK)
+                _codec.send_parts(self._dealer, parts, zmq.NOBLOCK)
             except zmq.Again:
                 return False
             return True
@@ -690,18 +690,20 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         with self._send_lock:
             if self._sockets_closed:
                 raise StageClosedError("this stage client is closed")
-            _clientbase.send_parts(self._dealer, parts, 0)
+            _codec.send_parts(self._dealer, parts, 0)
 
     def _apply(self, d: Deliveries[RequestStream, _AnyWaiter]) -> None:
         """Carry out what the session decided; called without _lock held."""
         for stream in d.wake:
             stream._wakeup.put(None)  # type: ignore[union-attr]  # set before _waiting
         for waiter, result, exc in d.answers:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled
+            try:  # not contextlib.suppress: ~0.4 µs per answer more
                 if exc is None:
                     waiter.set_result(result)
                 else:
                     waiter.set_exception(exc)
+            except concurrent.futures.InvalidStateError:  # cancelled
+                pass
         if d.wake_events:
             self._event_wakeup.put(None)
         for message in d.warnings:
@@ -771,7 +773,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             if self._sockets_closed:
                 return
             with contextlib.suppress(zmq.ZMQError):
-                _clientbase.send_parts(self._dealer, _session.BYE_FRAME, zmq.NOBLOCK)
+                _codec.send_parts(self._dealer, _session.BYE_FRAME, zmq.NOBLOCK)
                 self._released = True
         self._poller.unregister(self._pull)
         self._pull.close(linger=0)

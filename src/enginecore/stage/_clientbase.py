@@ -31,7 +31,6 @@ __all__ = [
     "passed",
     "pull_for",
     "raise_startup_error",
-    "send_parts",
 ]
 
 logger = logging.getLogger("enginecore.stage")
@@ -267,14 +266,6 @@ def close_sockets(ctx: zmq.Context[Any], *socks: zmq.Socket[Any] | None) -> None
         if sock is not None:
             sock.close(linger=0)
     ctx.term()
-
-
-def send_parts(sock: zmq.Socket[Any], parts: list[Any], flags: int) -> None:
-    """Send one message, ``[body, *buffers]``; the buffers without a copy."""
-    if len(parts) == 1:
-        sock.send(parts[0], flags)
-    else:
-        sock.send_multipart(parts, flags, copy=False)
 
 
 def escalate(pid: int | None) -> Iterator[tuple[signal.Signals, float | None]]:

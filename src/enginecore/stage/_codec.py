@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Final, cast
 
 import msgspec
+import zmq
 
 __all__ = [
     "OOB_THRESHOLD",
@@ -35,6 +36,7 @@ __all__ = [
     "check_received",
     "prepare",
     "recover_head",
+    "send_parts",
 ]
 
 OOB_THRESHOLD: Final = 1024
@@ -309,12 +311,14 @@ class Decoder:
         """Decode a message. *parts* are ``zmq.Frame`` objects (their ``buffer`` is used, so
         arrays are views on the frames), ``bytes`` or ``memoryview`` s. Raises
         :class:`msgspec.DecodeError` (also for a strict decoder's invalid extension)."""
+        # msgspec reads the body through the buffer protocol, which a zmq.Frame has: no
+        # memoryview to build (Frame.buffer costs ~0.2 µs).
         body = parts[0]
         if len(parts) == 1:
-            return self._decode(body if type(body) is bytes else _view(body))
+            return self._decode(body)
         self._bufs = parts
         try:
-            return self._decode(_view(body))
+            return self._decode(body)
         finally:
             self._bufs = ()
 
@@ -556,3 +560,12 @@ class _Reader:
                 return None
             ids.append(s)
         return ids
+
+
+def send_parts(sock: zmq.Socket[Any], parts: list[Any], flags: int) -> None:
+    """Send one message, ``[body, *buffers]``; the buffers without a copy. A lone body
+    goes through ``send()``: ``send_multipart()`` costs ~0.6 µs more in pyzmq 27."""
+    if len(parts) == 1:
+        sock.send(parts[0], flags)
+    else:
+        sock.send_multipart(parts, flags, copy=False)

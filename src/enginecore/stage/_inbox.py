@@ -51,7 +51,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .._loop import EngineCoreLoop
-from .._messages import Abort, Utility, make_add
+from .._messages import Abort, make_add, make_utility
 from . import _codec, _wire
 from ._input_queue import InputQueue
 from ._outbox import Outbox
@@ -244,11 +244,13 @@ class Inbox:
         elif cls is _wire.AbortMsg:
             put(Abort(msg.req_ids))
         elif cls is _wire.UtilityMsg:
-            problem = _invalid(msg.args, "args")
-            if problem is not None:
-                self._post(("utility", msg.call_id, None, f"ProtocolError({problem!r})"))
-                return
-            put(Utility(msg.call_id, msg.name, tuple(msg.args)))
+            args = msg.args
+            if args and not set(map(type, args)) <= _RECEIVED_FLAT:
+                problem = _invalid(args, "args")
+                if problem is not None:
+                    self._post(("utility", msg.call_id, None, f"ProtocolError({problem!r})"))
+                    return
+            put(make_utility(msg.call_id, msg.name, tuple(args)))
         elif cls is _wire.PingMsg:
             self._post(("pong", msg.seq))
         elif cls is _wire.ShutdownMsg:

@@ -290,7 +290,7 @@ class Outbox:
                         events[start : start + MAX_BATCH] = chunk
                         parts = encoder.encode(chunk)
                     try:
-                        sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                        _codec.send_parts(sock, parts, zmq.NOBLOCK)
                     except zmq.ZMQError:
                         break
                     start += MAX_BATCH
@@ -405,7 +405,7 @@ class Outbox:
                     if len(parts) == 1:
                         sock.send(parts[0], zmq.NOBLOCK, copy=False)
                     else:
-                        sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                        _codec.send_parts(sock, parts, zmq.NOBLOCK)
                 except zmq.Again:
                     pass
                 else:
