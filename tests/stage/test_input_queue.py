@@ -45,6 +45,18 @@ def _queue(stage: InProcessStage) -> InputQueue:
     return q
 
 
+def _until_the_loop_reads(client: RawClient, q: InputQueue) -> None:
+    """Call until the idle loop holds the input side and reads it. One call is enough,
+    unless the machine is so loaded that the loop spent 50 ms between reading a call and
+    waiting again: the input thread then took the input side back, and hands it over only
+    with the next message."""
+    for call_id in range(1000, 1100):
+        client.call(call_id, "echo")
+        if wait_until(lambda: q.holds and q.reading, 0.5):
+            return
+    raise AssertionError("the idle loop never came to read the input socket")
+
+
 def _pong(client: RawClient, seq: int, timeout: float) -> list[Any]:
     """Send a ping; every event up to its pong."""
     client.send("ping", seq)
@@ -55,25 +67,27 @@ class TestTheIdleLoopReads:
     def test_calls_to_an_idle_stage_are_read_by_the_loop_thread(self, no_leftovers: str) -> None:
         with in_process_stage(ScriptedEngine(), no_leftovers) as (stage, client):
             q = _queue(stage)
-            client.call(1, "echo")
-            assert wait_until(lambda: q.holds and q.reading, 5)
-            assert q.handovers == 1  # the hello's burst: the idle loop asked for it
-            reads = q.loop_reads
+            _until_the_loop_reads(client, q)
+            reads, handovers, reclaims = q.loop_reads, q.handovers, q.reclaims
             for i in range(2, 52):
                 assert client.call(i, "echo", i)[-1] == ["utility", i, [i], None]
-            # Read by the loop itself, with no hand-over and no wake-up of the input thread.
-            assert q.loop_reads - reads >= 50
-            assert q.handovers == 1
+            # Read by the loop itself, with no hand-over and no wake-up of the input thread
+            # (but for one call per reclaim, on a machine loaded enough to cause one).
+            reclaimed = q.reclaims - reclaims
+            assert q.loop_reads - reads >= 50 - reclaimed
+            assert q.handovers - handovers == reclaimed
             # Idle: the input thread never takes it back while the loop reads.
+            _until_the_loop_reads(client, q)
+            reclaims = q.reclaims
             time.sleep(3 * LEASE_S)
-            assert q.reclaims == 0
+            assert q.reclaims == reclaims
             assert q.holds
 
     def test_a_step_gives_it_back_so_input_is_read_during_the_step(self, no_leftovers: str) -> None:
         with in_process_stage(SlowFirstStep(), no_leftovers) as (stage, client):
             q = _queue(stage)
-            client.call(1, "echo")
-            assert wait_until(lambda: q.holds and q.reading, 5)
+            _until_the_loop_reads(client, q)
+            releases = q.releases
             client.send("add", "r", 5)  # read by the idle loop; its first step is slow
             assert wait_until(lambda: not q.holds, 5)
             # Read by the input thread while the step runs: the pong comes first, and the
@@ -82,7 +96,7 @@ class TestTheIdleLoopReads:
             assert not [ev for ev in events if ev[0] == "outputs"]
             client.send("abort", ["r"])
             events = client.until(lambda ev: ev[0] == "aborted")
-            assert q.reclaims == 0  # the step gave it back, not the lease
+            assert q.releases == releases + 1  # the step gave it back, not the lease
         assert events == [["outputs", ["r"], [False], [4]], ["aborted", ["r"]]]
 
     def test_a_long_call_does_not_keep_the_input_side(self, no_leftovers: str) -> None:
@@ -90,17 +104,16 @@ class TestTheIdleLoopReads:
         # takes it back after LEASE_S, and answers a ping long before the call returns.
         with in_process_stage(ScriptedEngine(), no_leftovers) as (stage, client):
             q = _queue(stage)
-            client.call(1, "echo")
-            assert wait_until(lambda: q.holds and q.reading, 5)
+            _until_the_loop_reads(client, q)
             client.send("utility", 2, "sleep", [1.5])
+            reclaims = q.reclaims
             assert wait_until(lambda: not q.reading, 5)
             events = _pong(client, 3, timeout=1.0)
             assert ["utility", 2, None, None] not in events
-            assert q.reclaims == 1
+            assert q.reclaims == reclaims + 1
             assert client.until(lambda ev: ev[0] == "utility")[-1] == ["utility", 2, None, None]
             # Idle again: the next message hands it back to the loop.
-            client.call(4, "echo")
-            assert wait_until(lambda: q.holds and q.reading, 5)
+            _until_the_loop_reads(client, q)
 
 
 class TestWakingTheReadingLoop:
@@ -109,8 +122,7 @@ class TestWakingTheReadingLoop:
         # in poll on the socket: the put must wake it, with nothing arriving on the socket.
         with in_process_stage(ScriptedEngine(), no_leftovers) as (stage, client):
             q = _queue(stage)
-            client.call(1, "echo")
-            assert wait_until(lambda: q.holds and q.reading, 5)
+            _until_the_loop_reads(client, q)
             client.send("utility", 2, "deferred", [0.2, "done"])
             assert client.until(lambda ev: ev[0] == "utility", timeout=2)[-1] == [
                 "utility",

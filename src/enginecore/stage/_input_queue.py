@@ -30,9 +30,14 @@ them:
   coming, and never while the stage idles.
 
 A put from any other thread (a deferred utility's callback, a drain timer, the signal
-waker, ``request_shutdown()`` from a signal handler) ends in ``not_empty.notify()`` under the
-queue's mutex; while the loop reads the socket, that notify also writes a byte to the pipe
-in the loop's ``poll`` (``os.write``: safe in a signal handler).
+waker, ``request_shutdown()`` from a signal handler), and the input thread's hand-over, end
+in ``not_empty.notify()`` under the queue's mutex; while the idle loop waits, that notify
+writes a byte to a wake-up pipe (``os.write``: safe in a signal handler). The idle loop
+always waits in a ``poll`` that includes this pipe: with the input side, also on the
+sockets; without it, on the pipe alone, never in ``Condition.wait()``. So a signal that the
+kernel gives to another thread, which writes the pipe through
+:func:`signal.set_wakeup_fd` (:meth:`InputQueue.signals_wake`), wakes the loop in every
+idle state.
 
 Every change of hands happens under the queue's mutex, which is also the memory barrier a
 zmq socket needs to move between threads. The loop thread touches the sockets only inside
@@ -46,6 +51,7 @@ import contextlib
 import logging
 import os
 import queue
+import select
 import signal
 import threading
 import time
@@ -76,7 +82,7 @@ class _NotEmpty(threading.Condition):
     def notify(self, n: int = 1) -> None:
         super().notify(n)
         q = self._q
-        if q.reading:
+        if q.reading or q.waiting:
             # Full: a wake-up is pending anyway. Closed: teardown, nobody reads.
             with contextlib.suppress(OSError):
                 os.write(q.wake_w, b"\0")
@@ -90,7 +96,8 @@ class InputQueue(queue.Queue[Any]):
     """
 
     # Under mutex: holds (the loop thread holds the input side), reading (and is inside
-    # get(), using it), wants (the loop is waiting in get() for the input side), closed
+    # get(), using it), wants (the loop is waiting in get() for the input side), waiting
+    # (it waits in a poll on the wake-up pipe alone, for a message or the input side), closed
     # (teardown: the input thread keeps it), armed (the parked input thread watches the
     # lease) and left_at (monotonic time the loop last left get() while holding).
 
@@ -101,15 +108,19 @@ class InputQueue(queue.Queue[Any]):
         self.holds = False
         self.reading = False
         self.wants = False
+        self.waiting = False  # the loop waits in poll on the wake-up pipe alone
         self.closed = False
         self.armed = False
         self.left_at = 0.0
         self.handovers = 0  # times the input thread handed the input side to the loop
         self.reclaims = 0  # times it took it back from a long call
+        self.releases = 0  # times a step gave it back
         self.loop_reads = 0  # messages get() returned that the loop read itself
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._inbox: Inbox | None = None
         self._poller = zmq.Poller()
+        self._pipe_poll = select.poll()
+        self._pipe_poll.register(self.wake_r, select.POLLIN)
 
     def attach(self, inbox: Inbox) -> None:
         """Use *inbox*'s sockets and handling (once, before the loop runs)."""
@@ -125,19 +136,28 @@ class InputQueue(queue.Queue[Any]):
         holds it. Any other call is :meth:`queue.Queue.get`'s."""
         if not block or timeout is not None or self._inbox is None:
             return super().get(block, timeout)
-        with self.mutex:
-            while not self.queue:
+        while True:
+            with self.mutex:
+                self.waiting = False
+                if self.queue:
+                    self.wants = False
+                    if self.holds:  # handed over with the message: the lease starts now
+                        self._leave()
+                    return self.queue.popleft()
                 if self.holds and not self.closed:
                     self.reading = True
                     break
+                # Not Condition.wait(): a poll on the wake-up pipe, which a signal taken by
+                # any thread also writes to (signals_wake), and so does every notify now.
                 self.wants = True
-                self.not_empty.wait()
-            else:
-                self.wants = False
-                if self.holds:  # handed over with the message: the lease starts now
-                    self._leave()
-                return self.queue.popleft()
+                self.waiting = True
+            self._wait_pipe()
         return self._read(self._inbox)
+
+    def _wait_pipe(self) -> None:
+        self._pipe_poll.poll()
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.wake_r, 4096)
 
     def _read(self, inbox: Inbox) -> Any:
         poller = self._poller
@@ -191,11 +211,12 @@ class InputQueue(queue.Queue[Any]):
             with self.mutex:
                 if self.holds:
                     self.holds = False
+                    self.releases += 1
                     self.turn.notify()
 
     @contextlib.contextmanager
     def signals_wake(self) -> Iterator[None]:
-        """In the main thread: make a signal wake the loop's ``poll`` while it reads.
+        """In the main thread: make a signal wake the idle loop's ``poll``.
 
         Python runs a signal handler in the main thread, between bytecodes, and the kernel
         may deliver the signal to any thread: to the parked input thread, say, which does
