@@ -9,11 +9,13 @@ socket and the output socket's monitor, which are used by one thread at a time) 
 them:
 
 - **While the loop is busy, the input thread holds it**, as before: it reads during steps,
-  so an abort that arrives during step *n* is applied before step *n + 1*.
+  so an abort that it has read during step *n* is applied before step *n + 1*. (With an
+  engine whose steps hold the GIL, the input thread reads once it gets the GIL: up to a
+  switch interval, 5 ms by default, as before.)
 - **When the loop goes idle** (``get()`` finds the queue empty) it says it wants the input
-  side and waits on the queue as usual. The input thread hands it over after it has queued
-  the next burst it reads, with the same lock and the same wake-up; the first message
-  after a busy period still crosses threads.
+  side and waits for a message (on the wake-up pipe, below). The input thread hands the
+  input side over after it has queued the next burst it reads, with the same lock and the
+  same wake-up; the first message after a busy period still crosses threads.
 - **While it holds it, the idle loop reads the socket in** ``get()``: one ``poll`` over the
   input socket, the monitor and a wake-up pipe, then the input thread's own handling
   (:meth:`Inbox.read <enginecore.stage._inbox.Inbox.read>`), and it returns the first
