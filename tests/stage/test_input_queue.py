@@ -137,8 +137,7 @@ class TestWakingTheReadingLoop:
             with RawClient(stage.address) as client:
                 assert client.hello()[0] == "welcome"
                 q = _queue(stage)
-                client.call(1, "echo")
-                assert wait_until(lambda: q.holds and q.reading, 5)
+                _until_the_loop_reads(client, q)
                 started = time.monotonic()
                 stage.runtime.loop.request_shutdown()
                 assert client.until(lambda ev: ev[0] == "shutdown", timeout=2)
