@@ -165,6 +165,13 @@ class TestWakingTheReadingLoop:
                 q = _queue(stage)
                 inbox.read = failing_read  # type: ignore[method-assign]
                 assert client.hello()[0] == "welcome"
+                # The next message the idle loop reads fails: the hello's hand-over, or,
+                # if the loop was not waiting yet then, a later one.
+                for call_id in range(100):
+                    stage._thread.join(0.1)
+                    if not stage._thread.is_alive():
+                        break
+                    client.send("utility", call_id, "echo", [])
                 assert stage.wait(timeout=5) == EXIT_IO_FAILED
                 assert client.until(lambda ev: ev[0] == "shutdown", timeout=2)
         finally:
