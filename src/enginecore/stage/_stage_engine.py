@@ -393,27 +393,17 @@ def make_add(
     admit = live.add
 
     def add(req_id: str, data: Any) -> None:
-        if req_id is ADDS:
-            for rid, item in zip(*data, strict=True):
-                if rid in live:
-                    emit(("error", rid, LIVE_IN_STAGE))
-                    continue
-                try:
-                    engine_add(rid, item)
-                except RequestRejected as exc:
-                    emit(("error", rid, str(exc)))
-                    continue
-                admit(rid)
-            return
-        if req_id in live:
-            emit(("error", req_id, LIVE_IN_STAGE))
-            return
-        try:
-            engine_add(req_id, data)
-        except RequestRejected as exc:
-            emit(("error", req_id, str(exc)))
-            return
-        admit(req_id)
+        # One body for both: a lone add pays a 1-tuple (~0.07 µs).
+        for rid, item in zip(*data, strict=True) if req_id is ADDS else ((req_id, data),):
+            if rid in live:
+                emit(("error", rid, LIVE_IN_STAGE))
+                continue
+            try:
+                engine_add(rid, item)
+            except RequestRejected as exc:
+                emit(("error", rid, str(exc)))
+                continue
+            admit(rid)
 
     return add
 
