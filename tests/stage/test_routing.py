@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from enginecore import CountdownEngine
-from enginecore.stage._routing import make_router, only_types
+from enginecore.stage._routing import make_router, only_bools, only_types
 from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
 
@@ -171,6 +171,22 @@ class TestOnlyTypes:
         assert only_types([True, False], frozenset({bool}))
         assert not only_types([True, 1], frozenset({bool}))
         assert not only_types([0, 1], frozenset({bool}))
+
+    @pytest.mark.parametrize(
+        ("items", "ok"),
+        [
+            ([], True),
+            ([True, False, False], True),
+            ([False, 0], False),  # 0 == False, but not a bool
+            ([1], False),
+            ([True, None], False),
+            ([False, "False"], False),
+            ([False, 0.0], False),
+        ],
+    )
+    def test_only_bools_is_exact(self, items: list[Any], ok: bool) -> None:
+        assert only_bools(items) is ok
+        assert ok is only_types(items, frozenset({bool}))  # what it replaces for the column
 
 
 class TestPerOutputHook:
