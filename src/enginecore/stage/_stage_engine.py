@@ -160,16 +160,6 @@ class InputSide(Protocol):
     def release(self) -> None: ...
 
 
-class _NoInputSide:
-    holds = False
-
-    def release(self) -> None:
-        pass
-
-
-_NO_INPUT_SIDE: Final = _NoInputSide()
-
-
 class StageEngine:
     """*engine* with the stage's ``add``, ``step``, ``abort`` and ``utility``, and the loop's
     ``emit``.
@@ -203,7 +193,7 @@ class StageEngine:
         *,
         abort_on_detach: bool = True,
         watchdog: StepWatchdog | None = None,
-        input_side: InputSide | None = None,
+        input_side: InputSide,
     ) -> None:
         # The request ids live in the stage: added (the engine's add() returned), and not
         # yet finished (an output routed with finished=True), aborted (abort() returned) or
@@ -218,15 +208,16 @@ class StageEngine:
         self.add = make_add(engine, outbox, self.live)
         # A pipelined engine gets the loop's launch/collect (and cancel, if it has one), an
         # Engine the loop's step: the loop drives whichever this adapter has.
-        side = _NO_INPUT_SIDE if input_side is None else input_side
         if isinstance(engine, PipelinedEngine):
-            self.launch = make_launch(engine, outbox, watchdog, side)
+            self.launch = make_launch(engine, outbox, watchdog, input_side)
             self.collect = make_collect(engine, outbox, self.live, self.drain, watchdog, self.stale)
             cancel = getattr(engine, "cancel", None)
             if callable(cancel):
                 self.cancel = cancel
         else:
-            self.step = make_step(engine, outbox, self.live, self.drain, watchdog, self.stale, side)
+            self.step = make_step(
+                engine, outbox, self.live, self.drain, watchdog, self.stale, input_side
+            )
         self._utility = engine.utility
         self._abort = engine.abort
         self._emit = outbox.emit
