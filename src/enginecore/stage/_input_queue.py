@@ -158,6 +158,9 @@ class InputQueue(queue.Queue[Any]):
 
     def _wait_pipe(self) -> None:
         self._pipe_poll.poll()
+        self._drain_pipe()
+
+    def _drain_pipe(self) -> None:
         with contextlib.suppress(BlockingIOError):
             os.read(self.wake_r, 4096)
 
@@ -168,13 +171,9 @@ class InputQueue(queue.Queue[Any]):
             while True:
                 ready = inbox.read(poller)
                 if self.wake_r in ready:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self.wake_r, 4096)
+                    self._drain_pipe()
                 with self.mutex:
-                    if pending:
-                        self.queue.extend(pending)
-                        self.unfinished_tasks += len(pending)
-                        pending.clear()
+                    self._take(pending)
                     if self.queue:
                         self._leave()
                         self.loop_reads += 1
@@ -187,15 +186,23 @@ class InputQueue(queue.Queue[Any]):
             with self.mutex:
                 self._leave()
                 self.closed = True
-                if pending:
-                    self.queue.extend(pending)
-                    pending.clear()
+                self._take(pending)
             inbox.loop.request_shutdown()
             return super().get()
         except BaseException:  # KeyboardInterrupt under the default SIGINT handler
             with self.mutex:
                 self._leave()
             raise
+
+    def _take(self, pending: list[Any]) -> bool:
+        # Under mutex: queue what was read, in order (what Queue.put would do for each,
+        # without a notify); whether there was anything.
+        if not pending:
+            return False
+        self.queue.extend(pending)
+        self.unfinished_tasks += len(pending)
+        pending.clear()
+        return True
 
     def _leave(self) -> None:
         # Under mutex: the loop leaves get() holding the input side (the lease starts).
@@ -278,11 +285,7 @@ class InputQueue(queue.Queue[Any]):
         """Input thread, after each read: queue *pending* (in order, one lock, one notify),
         and hand the input side to the loop if it is waiting for it."""
         with self.mutex:
-            if pending:
-                self.queue.extend(pending)
-                self.unfinished_tasks += len(pending)
-                pending.clear()
-            elif not self.wants:
+            if not self._take(pending) and not self.wants:
                 return
             if self.wants and not self.closed:
                 self.wants = False
