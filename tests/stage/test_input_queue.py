@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
+from enginecore.stage import _input_queue
 from enginecore.stage._inbox import Inbox
 from enginecore.stage._input_queue import LEASE_S, InputQueue
 from enginecore.stage._runtime import EXIT_IO_FAILED, EXIT_OK
@@ -36,6 +37,22 @@ class SlowFirstStep(ScriptedEngine):
         if self.slow:
             self.slow = False
             time.sleep(1.0)
+        return super().step()
+
+
+class GatedFirstStep(ScriptedEngine):
+    """The first step waits for :attr:`go` (and sets :attr:`stepping` when it starts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stepping = threading.Event()
+        self.go = threading.Event()
+
+    def step(self) -> list[Any]:
+        if not self.stepping.is_set():
+            self.stepping.set()
+            if not self.go.wait(10):
+                raise AssertionError("the test never let the first step go")
         return super().step()
 
 
@@ -83,20 +100,84 @@ class TestTheIdleLoopReads:
             assert q.reclaims == reclaims
             assert q.holds
 
-    def test_a_step_gives_it_back_so_input_is_read_during_the_step(self, no_leftovers: str) -> None:
-        with in_process_stage(SlowFirstStep(), no_leftovers) as (stage, client):
+    def test_between_short_steps_the_loop_reads_it_without_blocking(
+        self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(_input_queue, "SHORT_STEP_S", 10.0)  # every step is short
+        with in_process_stage(ScriptedEngine(), no_leftovers) as (stage, client):
+            q = _queue(stage)
+            _until_the_loop_reads(client, q)
+            releases, handovers = q.releases, q.handovers
+            client.send("add", "long", 10**9)  # read by the idle loop; then it steps on
+            client.until(lambda ev: ev[0] == "outputs")
+            # Read by the loop between its steps: it keeps the input side, and the input
+            # thread is not involved (on a machine so loaded that a step and its read took
+            # 50 ms, the lease gives it to the input thread; then try again).
+            for seq in range(5):
+                reads, reclaims = q.step_reads, q.reclaims
+                _pong(client, seq, timeout=2)
+                if q.reclaims == reclaims:
+                    break
+            assert q.step_reads > reads
+            assert (q.releases, q.handovers) == (releases, handovers)
+            # An abort read between two steps applies before the next one.
+            client.send("abort", ["long"])
+            events = client.until(lambda ev: ev[0] == "aborted")
+            assert events[-1] == ["aborted", ["long"]]
+            assert _pong(client, 99, timeout=2) == [["pong", 99]]  # nothing after it
+
+    def test_after_a_long_step_the_input_thread_reads_during_the_steps(
+        self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(_input_queue, "SHORT_STEP_S", 0.0)  # every step is long
+        with in_process_stage(ScriptedEngine(), no_leftovers) as (stage, client):
             q = _queue(stage)
             _until_the_loop_reads(client, q)
             releases = q.releases
+            client.send("add", "long", 10**9)
+            assert wait_until(lambda: q.releases == releases + 1, 5)  # the first step
+            assert not q.holds
+            reads = q.step_reads
+            _pong(client, 1, timeout=2)
+            client.send("abort", ["long"])
+            assert client.until(lambda ev: ev[0] == "aborted")[-1] == ["aborted", ["long"]]
+            assert (q.step_reads, q.releases) == (reads, releases + 1)
+
+    def test_what_came_during_a_long_step_applies_before_the_next_one(
+        self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The loop holds the input side through its first step (no lease here): an abort
+        # that arrives meanwhile is read after the step, before the input side is given
+        # back, so the step after it never runs.
+        monkeypatch.setattr(_input_queue, "SHORT_STEP_S", 0.0)
+        monkeypatch.setattr(_input_queue, "LEASE_S", 60.0)
+        engine = GatedFirstStep()
+        with in_process_stage(engine, no_leftovers) as (stage, client):
+            q = _queue(stage)
+            _until_the_loop_reads(client, q)
+            client.send("add", "r", 5)
+            assert engine.stepping.wait(5)
+            assert q.holds
+            client.send("abort", ["r"])
+            time.sleep(0.2)  # for the abort to reach the stage's socket; not observable
+            engine.go.set()
+            events = client.until(lambda ev: ev[0] == "aborted")
+        assert events == [["outputs", ["r"], [False], [4]], ["aborted", ["r"]]]
+
+    def test_a_step_past_the_lease_does_not_keep_it(self, no_leftovers: str) -> None:
+        with in_process_stage(SlowFirstStep(), no_leftovers) as (stage, client):
+            q = _queue(stage)
+            _until_the_loop_reads(client, q)
+            reclaims = q.reclaims
             client.send("add", "r", 5)  # read by the idle loop; its first step is slow
             assert wait_until(lambda: not q.holds, 5)
-            # Read by the input thread while the step runs: the pong comes first, and the
-            # abort applies before the next step.
+            # Taken back by the input thread, which reads while the step runs: the pong
+            # comes first, and the abort applies before the next step.
             events = _pong(client, 7, timeout=0.9)
             assert not [ev for ev in events if ev[0] == "outputs"]
             client.send("abort", ["r"])
             events = client.until(lambda ev: ev[0] == "aborted")
-            assert q.releases == releases + 1  # the step gave it back, not the lease
+            assert q.reclaims == reclaims + 1  # the lease took it back, not the step
         assert events == [["outputs", ["r"], [False], [4]], ["aborted", ["r"]]]
 
     def test_a_long_call_does_not_keep_the_input_side(self, no_leftovers: str) -> None:
@@ -154,10 +235,10 @@ class TestWakingTheReadingLoop:
         inbox = stage.runtime._inbox
         read = inbox.read
 
-        def failing_read(poller: zmq.Poller) -> dict[Any, int]:
+        def failing_read(poller: zmq.Poller, timeout_ms: int | None = None) -> dict[Any, int]:
             if threading.current_thread().name == "test-stage-loop":
                 raise RuntimeError("injected")
-            return read(poller)
+            return read(poller, timeout_ms)
 
         caplog.set_level(logging.ERROR, logger="enginecore.stage")
         try:

@@ -181,7 +181,7 @@ class Inbox:
             self.monitor.close(linger=0)
             self.sock.close(linger=0)
 
-    def read(self, poller: zmq.Poller) -> dict[Any, int]:
+    def read(self, poller: zmq.Poller, timeout_ms: int | None = None) -> dict[Any, int]:
         """Wait in *poller* (no timeout, unless a hello is held), then read and handle what
         the sockets have: the monitor's events, every message already waiting (up to
         :data:`MAX_BURST`), a held hello's fate. The valid messages are left in
@@ -190,7 +190,10 @@ class Inbox:
         Called by whichever thread holds the input side: the input thread, or the idle loop
         (:class:`~._input_queue.InputQueue`)."""
         held = self._held
-        ready = dict(poller.poll(None if held is None else _ms_until(held[1])))
+        if held is not None:
+            until = _ms_until(held[1])
+            timeout_ms = until if timeout_ms is None else min(timeout_ms, until)
+        ready = dict(poller.poll(timeout_ms))
         if self.monitor in ready:
             self._count_output_peers()
         if self.sock in ready:

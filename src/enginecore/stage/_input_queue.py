@@ -1,5 +1,5 @@
-"""The stage's input queue: while the loop is idle, the loop thread reads the input socket
-itself (:class:`InputQueue`).
+"""The stage's input queue: while the loop is idle, or runs short steps, the loop thread
+reads the input socket itself (:class:`InputQueue`).
 
 A message that reaches an idle stage would otherwise cross two threads: the input thread
 wakes, reads and decodes it and puts it on the queue, and the loop thread wakes to apply it.
@@ -8,28 +8,34 @@ round trip (``docs/performance.md``). So the two threads pass the input side (th
 socket and the output socket's monitor, which are used by one thread at a time) between
 them:
 
-- **While the loop is busy, the input thread holds it**, as before: it reads during steps,
-  so an abort that it has read during step *n* is applied before step *n + 1*. (With an
-  engine whose steps hold the GIL, the input thread reads once it gets the GIL: up to a
-  switch interval, 5 ms by default, as before.)
-- **When the loop goes idle** (``get()`` finds the queue empty) it says it wants the input
-  side and waits for a message (on the wake-up pipe, below). The input thread hands the
-  input side over after it has queued the next burst it reads, with the same lock and the
-  same wake-up; the first message after a busy period still crosses threads.
-- **While it holds it, the idle loop reads the socket in** ``get()``: one ``poll`` over the
-  input socket, the monitor and a wake-up pipe, then the input thread's own handling
+- **While the loop is idle, it reads the input side itself.** When the loop goes idle
+  (``get()`` finds the queue empty) it says it wants the input side and waits for a message
+  (on the wake-up pipe, below). The input thread hands the input side over after it has
+  queued the next burst it reads, with the same lock and the same wake-up; the first
+  message after a busy period that began with a long step still crosses threads. While it
+  holds it, the idle loop reads the socket in ``get()``: one ``poll`` over the input socket,
+  the monitor and a wake-up pipe, then the input thread's own handling
   (:meth:`Inbox.read <enginecore.stage._inbox.Inbox.read>`), and it returns the first
   message. A message goes from the socket to the engine on one thread, as in a hand-written
   loop that blocks on its pipe.
-- **Before a step** (or a pipelined launch) the loop gives the input side back
-  (:meth:`InputQueue.release`): one ``notify``, per busy period.
-- **A long call** (an ``add`` or a utility that runs while the loop holds the input side)
-  must not leave the socket unread: pings would go unanswered and a ``hello`` would wait.
-  The parked input thread takes the input side back once the loop has been out of ``get()``
-  for :data:`LEASE_S`. It watches with the step watchdog's trick: it waits with a timeout
-  only after the loop, leaving ``get()``, found it disarmed and woke it; it disarms when it
-  finds the loop back in ``get()``. So it wakes at most twice per lease while calls keep
-  coming, and never while the stage idles.
+- **Between short steps, the loop keeps it and reads it without blocking**
+  (:meth:`InputQueue.after_step`, after every step shorter than :data:`SHORT_STEP_S`): what
+  arrived during step *n* is queued before the loop's drain, so it is applied before step
+  *n + 1*, as the input thread would have done. With an engine whose steps hold the GIL,
+  the input thread could only read once it got the GIL (at the step's socket send, or after
+  a switch interval, 5 ms by default): measured, requests sent one message each were then
+  read in bursts between groups of steps, and a job of them took ~15-20 % longer.
+- **After a longer step, the input thread holds it** (:meth:`InputQueue.release`: one
+  ``notify``), for the rest of the busy period: it reads during the steps, in parallel with
+  an engine that releases the GIL while it steps. A pipelined launch gives it back too.
+- **A long call** (an ``add``, a utility or a step that runs while the loop holds the
+  input side) must not leave the socket unread: pings would go unanswered and a
+  ``hello`` would wait. The parked input thread takes the input side back once the loop
+  has not read it for :data:`LEASE_S` (out of ``get()``, and no read between steps). It
+  watches with the step watchdog's trick: it waits with a timeout only after the loop,
+  leaving a read, found it disarmed and woke it; it disarms when it finds the loop reading.
+  So it wakes about once per lease while calls or steps keep coming, and never while the
+  stage idles.
 
 A put from any other thread (a deferred utility's callback, a drain timer, the signal
 waker, ``request_shutdown()`` from a signal handler), and the input thread's hand-over, end
@@ -43,8 +49,8 @@ idle state.
 
 Every change of hands happens under the queue's mutex, which is also the memory barrier a
 zmq socket needs to move between threads. The loop thread touches the sockets only inside
-``get()`` with :attr:`InputQueue.reading` set; the input thread only while the loop does not
-hold them.
+``get()`` or :meth:`InputQueue.after_step`, with :attr:`InputQueue.reading` set; the input
+thread only while the loop does not hold them.
 """
 
 from __future__ import annotations
@@ -65,13 +71,17 @@ import zmq
 if TYPE_CHECKING:
     from ._inbox import Inbox
 
-__all__ = ["LEASE_S", "InputQueue"]
+__all__ = ["LEASE_S", "SHORT_STEP_S", "InputQueue"]
 
 logger = logging.getLogger("enginecore.stage")
 
+SHORT_STEP_S: Final = 0.001
+"""A step shorter than this leaves the input side with the loop, which reads between steps;
+after a longer one the input thread reads, during the steps (:meth:`InputQueue.after_step`)."""
+
 LEASE_S: Final = 0.05
-"""How long the loop may hold the input side outside ``get()`` (running an ``add``, an
-``abort`` or a utility) before the input thread takes it back."""
+"""How long the loop may hold the input side without reading it (running an ``add``, an
+``abort``, a utility or a step) before the input thread takes it back."""
 
 
 class _NotEmpty(threading.Condition):
@@ -97,11 +107,11 @@ class InputQueue(queue.Queue[Any]):
     :meth:`close` at teardown, after the loop has returned and before ``Context.term()``.
     """
 
-    # Under mutex: holds (the loop thread holds the input side), reading (and is inside
-    # get(), using it), wants (the loop is waiting in get() for the input side), waiting
+    # Under mutex: holds (the loop thread holds the input side), reading (and is using it,
+    # in get() or after_step()), wants (the loop is waiting in get() for the input side), waiting
     # (it waits in a poll on the wake-up pipe alone, for a message or the input side), closed
     # (teardown: the input thread keeps it), armed (the parked input thread watches the
-    # lease) and left_at (monotonic time the loop last left get() while holding).
+    # lease) and left_at (monotonic time the loop last stopped reading while holding).
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,6 +128,7 @@ class InputQueue(queue.Queue[Any]):
         self.reclaims = 0  # times it took it back from a long call
         self.releases = 0  # times a step gave it back
         self.loop_reads = 0  # messages get() returned that the loop read itself
+        self.step_reads = 0  # reads between steps (after_step) that found the socket readable
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._inbox: Inbox | None = None
         self._poller = zmq.Poller()
@@ -179,20 +190,23 @@ class InputQueue(queue.Queue[Any]):
                         self.loop_reads += 1
                         return self.queue.popleft()
         except Exception:
-            # What the input thread does when it fails: the stage can no longer read, so it
-            # stops (exit code EXIT_IO_FAILED). Nobody reads the input side again.
-            logger.exception("enginecore: reading the input socket failed; shutting down")
-            inbox.failed = True
-            with self.mutex:
-                self._leave()
-                self.closed = True
-                self._take(pending)
-            inbox.loop.request_shutdown()
+            self._read_failed(inbox)
             return super().get()
         except BaseException:  # KeyboardInterrupt under the default SIGINT handler
             with self.mutex:
                 self._leave()
             raise
+
+    def _read_failed(self, inbox: Inbox) -> None:
+        # What the input thread does when it fails: the stage can no longer read, so it
+        # stops (exit code EXIT_IO_FAILED). Nobody reads the input side again.
+        logger.exception("enginecore: reading the input socket failed; shutting down")
+        inbox.failed = True
+        with self.mutex:
+            self._leave()
+            self.closed = True
+            self._take(inbox.pending)
+        inbox.loop.request_shutdown()
 
     def _take(self, pending: list[Any]) -> bool:
         # Under mutex: queue what was read, in order (what Queue.put would do for each,
@@ -205,17 +219,55 @@ class InputQueue(queue.Queue[Any]):
         return True
 
     def _leave(self) -> None:
-        # Under mutex: the loop leaves get() holding the input side (the lease starts).
+        # Under mutex: the loop stops reading, holding the input side (the lease starts).
         self.reading = False
         self.left_at = time.monotonic()
         if not self.armed:
             self.armed = True
             self.turn.notify()
 
+    def after_step(self, took: float) -> None:
+        """Loop thread, after a step that took *took* seconds, outside ``get()``: if it
+        still holds the input side, read what is waiting on it without blocking (what came
+        during the step, which the loop then applies before the next one); after a step of
+        :data:`SHORT_STEP_S` or more, also give the input side back (as :meth:`release`),
+        so that the input thread reads during the next steps."""
+        inbox = self._inbox
+        if inbox is None:
+            return
+        with self.mutex:
+            if not self.holds or self.closed:
+                return
+            self.reading = True
+        pending = inbox.pending
+        try:
+            ready = inbox.read(self._poller, 0)
+            if self.wake_r in ready:
+                self._drain_pipe()
+        except Exception:
+            self._read_failed(inbox)
+            return
+        except BaseException:
+            with self.mutex:
+                self._leave()
+            raise
+        with self.mutex:
+            self._take(pending)
+            if inbox.sock in ready:
+                self.step_reads += 1
+            if took < SHORT_STEP_S:
+                self._leave()
+            else:
+                self.reading = False
+                self.holds = False
+                self.releases += 1
+                self.turn.notify()
+
     def release(self) -> None:
-        """Loop thread, outside ``get()``, before a step: give the input side back to the
-        input thread, so that it reads while the loop works. Cheap when the loop does not
-        hold it (an unlocked read: only the loop, inside ``get()``, can come to hold it)."""
+        """Loop thread, outside ``get()``: give the input side back to the input thread, so
+        that it reads while the loop works (before a pipelined launch, after a long step).
+        Cheap when the loop does not hold it (an unlocked read: only the loop, inside
+        ``get()``, can come to hold it)."""
         if self.holds:
             with self.mutex:
                 if self.holds:

@@ -153,11 +153,14 @@ def session_change(epoch: int | None) -> Abort:
 
 class InputSide(Protocol):
     """What a step needs of the stage's input queue (:class:`~._input_queue.InputQueue`):
-    whether the idle loop still holds the input side, and how to give it back."""
+    whether the loop still holds the input side, how to give it back, and what to do with
+    it after a step."""
 
     holds: bool
 
     def release(self) -> None: ...
+
+    def after_step(self, took: float) -> None: ...
 
 
 class StageEngine:
@@ -173,8 +176,9 @@ class StageEngine:
     engine that returned outputs after an abort). Set :attr:`request_shutdown` to the loop's, and
     :attr:`submit` to the loop's ``submit`` (the drain's timer uses it).
     *abort_on_detach*: whether a session change aborts the requests live in the stage.
-    *input_side*: the stage's input queue, which a step (or launch) makes the idle loop give
-    back to the input thread (:mod:`._input_queue`).
+    *input_side*: the stage's input queue, which the loop reads between short steps, and
+    gives back to the input thread after a long step or before a launch
+    (:mod:`._input_queue`).
 
     The drain (a ``shutdown`` with a drain time, or ``serve``'s SIGTERM with
     ``--drain-timeout``): from the moment it is applied, an ``add`` is refused with an
@@ -521,21 +525,26 @@ def make_step(
     """The loop's ``step``: *engine*'s step, handled as :func:`_make_handle_outputs` says
     (routed, checked and posted as one ``outputs`` event); it returns nothing to the loop.
     A payload that cannot cross the wire, or that is a :class:`~enginecore.RequestRejected`,
-    ends only its request (:meth:`Outbox.prepare_outputs`). Before a step, gives the
-    *input_side* back to the input thread if the idle loop held it (``_input_queue``), and
-    waits while the output thread is far behind a connected client
-    (:meth:`Outbox.wait_for_room`).
+    ends only its request (:meth:`Outbox.prepare_outputs`). Before a step, waits while the
+    output thread is far behind a connected client (:meth:`Outbox.wait_for_room`). While
+    the loop holds the *input_side* (``_input_queue``: it read the message that ended its
+    idle wait), the step is timed, and ``input_side.after_step`` then reads the input socket
+    without blocking (a short step) or hands it to the input thread (a long one).
     """
     handle = _make_handle_outputs(engine, outbox, live, drain, stale, watchdog)
     engine_step = engine.step
     wait_for_room = outbox.wait_for_room
+    monotonic = time.monotonic
 
     def step() -> tuple[()]:
-        if input_side.holds:  # unlocked peek; release() re-checks
-            input_side.release()
         if outbox.backlog > BACKLOG_MAX:  # unlocked peek; wait_for_room re-checks
             wait_for_room()
-        handle(engine_step)
+        if input_side.holds:  # unlocked peek; after_step() re-checks
+            started = monotonic()
+            handle(engine_step)
+            input_side.after_step(monotonic() - started)
+        else:
+            handle(engine_step)
         return ()
 
     return step
