@@ -25,14 +25,23 @@ Blocks of samples alternate (A B C, C B A, ...); p50 and p99 over all samples of
 the ``±`` is the half-range of the per-block percentiles. Goals: enginecore <= 1.5x raw zmq
 at p50 and at p99 (docs/performance.md says what the stage adds, and where the time goes),
 and <= 1.0x the mp.Queue stage at p50 and at p99.
+
+For the why, the notes also give each side's CPU time per call, summed over its blocks: in
+its peer process (all threads, from the kernel's CPU clock of that process, as
+``bench_stage_requests`` reads it) and in this process (``time.process_time()``, all
+threads). In a closed loop the two ends run one after the other, so CPU that one side adds
+over another adds to its round trip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ._harness import Record, Skipped, main_single, no_gc
+from .bench_stage_requests import process_cpu
 from .bench_wake_latency import latency_records
 
 NAME = "stage_utility"
@@ -84,10 +93,17 @@ def sample_mpq(stage: object, n: int) -> list[float]:
     return sample_calls(stage.call, n)
 
 
-def measure(
-    samples: int, blocks: int
-) -> tuple[dict[str, list[float]], dict[str, list[list[float]]]]:
-    """Alternate blocks of *samples* round trips per side; all samples and per-block samples.
+class Measured(NamedTuple):
+    """Every sample of each side, its samples per block, and its CPU µs per call (peer
+    process, this process)."""
+
+    pooled: dict[str, list[float]]
+    per_block: dict[str, list[list[float]]]
+    cpu: dict[str, tuple[float, float]]
+
+
+def measure(samples: int, blocks: int) -> Measured:
+    """Alternate blocks of *samples* round trips per side.
 
     The sides are ``loop`` (enginecore), ``raw`` (the zmq echo) and ``mpq`` (the mp.Queue
     stage).
@@ -109,28 +125,51 @@ def measure(
             "raw": lambda n: sample_raw(peer, n),
             "mpq": lambda n: sample_mpq(stage, n),
         }
+        assert peer.process.pid is not None  # both started
+        assert stage.process.pid is not None
+        peer_cpu = {
+            "loop": process_cpu(client.pid),
+            "raw": process_cpu(peer.process.pid),
+            "mpq": process_cpu(stage.process.pid),
+        }
         names = list(sides)
         per_block: dict[str, list[list[float]]] = {n: [] for n in names}
+        used = {n: [0.0, 0.0] for n in names}
         for side in sides.values():
             side(50)  # warm-up
         with no_gc():
             for i in range(blocks):
                 for name in names if i % 2 == 0 else names[::-1]:
+                    c0, p0 = peer_cpu[name](), time.process_time()
                     per_block[name].append(sides[name](samples))
+                    used[name][0] += peer_cpu[name]() - c0
+                    used[name][1] += time.process_time() - p0
     pooled = {n: [x for block in per_block[n] for x in block] for n in names}
-    return pooled, per_block
+    calls = samples * blocks
+    cpu = {n: (used[n][0] * 1e6 / calls, used[n][1] * 1e6 / calls) for n in names}
+    return Measured(pooled, per_block, cpu)
+
+
+def cpu_note(cpu: dict[str, tuple[float, float]]) -> str:
+    """The CPU per call of every side, for the records' notes."""
+    sides = (("enginecore", "loop"), ("raw", "raw"), ("mp.Queue", "mpq"))
+    per_side = ", ".join(f"{label} {cpu[n][0]:.1f} / {cpu[n][1]:.1f}" for label, n in sides)
+    return f"CPU µs per call, peer / parent: {per_side}"
 
 
 def run(quick: bool) -> list[Record]:
     samples, blocks = (150, 4) if quick else (500, 10)
-    pooled, per_block = measure(samples, blocks)
+    m = measure(samples, blocks)
+    pooled, per_block = m.pooled, m.per_block
     vs_mpq = latency_records(
         "stage utility round trip vs mp.Queue stage",
         {"loop": pooled["loop"], "raw": pooled["mpq"]},
         {"loop": per_block["loop"], "raw": per_block["mpq"]},
         GOAL_MPQ,
     )
-    return latency_records("stage utility round trip", pooled, per_block, GOAL) + vs_mpq
+    records = latency_records("stage utility round trip", pooled, per_block, GOAL) + vs_mpq
+    note = cpu_note(m.cpu)
+    return [dataclasses.replace(r, note=f"{r.note}; {note}") for r in records]
 
 
 if __name__ == "__main__":

@@ -192,9 +192,13 @@ class TestStageBenchmarks:
         assert process.exitcode == 0
 
     def test_utility_round_trip_measures_every_side(self) -> None:
-        pooled, per_block = bench_stage_utility.measure(samples=5, blocks=2)
+        pooled, per_block, cpu = bench_stage_utility.measure(samples=5, blocks=2)
         assert len(pooled["loop"]) == len(pooled["raw"]) == len(pooled["mpq"]) == 10
         assert len(per_block["loop"]) == 2
+        # Each side's peer process and this one spent CPU on its calls.
+        assert set(cpu) == {"loop", "raw", "mpq"}
+        assert all(peer > 0 and parent > 0 for peer, parent in cpu.values())
+        assert "enginecore" in bench_stage_utility.cpu_note(cpu)
 
     def test_requests_measures_every_side(self) -> None:
         res = bench_stage_requests.measure(rounds=1, jobs=1)
