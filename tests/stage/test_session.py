@@ -613,6 +613,14 @@ class TestFrames:
         assert decode(parts) == ["utility", 7, "echo", [1, [2, 3]]]
         with pytest.raises(TypeError, match="arguments of utility 'echo'"):
             ClientSession.utility_frame(7, "echo", ({1},))
+        # Flat arguments skip the checks, but an error still names what it refuses.
+        assert decode(ClientSession.utility_frame(8, "f", (None, True, 2**64 - 1, 0.5, "s"))) == [
+            "utility", 8, "f", [None, True, 2**64 - 1, 0.5, "s"],
+        ]  # fmt: skip
+        with pytest.raises(TypeError, match=r"arguments of utility 'f'\[1\]: int 18446744073"):
+            ClientSession.utility_frame(9, "f", (1, 2**64))
+        with pytest.raises(TypeError, match=r"utility call 'f' cannot be encoded.*surrogates"):
+            ClientSession.utility_frame(9, "f", ("\udc80",))
 
     def test_arrays_travel_out_of_band_without_a_copy(self) -> None:
         big = np.arange(1000, dtype=np.float64)

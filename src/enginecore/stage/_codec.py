@@ -60,7 +60,9 @@ _SCALARS: Final = frozenset({type(None), bool, float, str})
 FLAT_TYPES: Final = frozenset({type(None), bool, int, float, str})
 """Exact types of a payload that needs no conversion beyond msgspec's own int range check."""
 
-_ENCODE_ERRORS: Final = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
+ENCODE_ERRORS: Final = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
+"""What msgspec raises for a value it cannot encode (a lone surrogate: UnicodeEncodeError,
+an int out of range: OverflowError)."""
 
 
 class _Wrapped:

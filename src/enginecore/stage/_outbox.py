@@ -48,7 +48,6 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
-import msgspec
 import zmq
 
 from .._exceptions import RequestRejected
@@ -71,8 +70,7 @@ _LAST: Final = frozenset({"stop", "shutdown", "fatal"})
 # Kept across a new session: the last events, and the loop's "dropped" markers (the output
 # thread's filter must forget an id even if the new session reuses it at once).
 _KEPT: Final = _LAST | {"dropped"}
-# What msgspec raises for a value it cannot encode (a lone surrogate: UnicodeEncodeError).
-_ENCODE_ERRORS: Final = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
+_ENCODE_ERRORS: Final = _codec.ENCODE_ERRORS
 
 Events = list[tuple[Any, ...]]
 

@@ -98,7 +98,7 @@ def encode_plain(msg: object, what: str) -> bytes:
     UTF-8, an ``int`` is out of range, an array needs :func:`_encode`)."""
     try:
         return msgspec.msgpack.encode(msg)
-    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+    except _codec.ENCODE_ERRORS as exc:
         raise TypeError(f"{what} cannot be encoded: {exc}") from exc
 
 
@@ -130,16 +130,21 @@ _tls = threading.local()
 _encode_flat: Final = msgspec.msgpack.encode  # thread-safe; for values without buffers
 
 
-def _encode(msg: object, what: str) -> Parts:
-    """``[body, *buffers]`` of a message built from prepared values; :class:`TypeError` if
-    msgspec still refuses it. Thread-safe: each thread has its own encoder."""
+def _encoder() -> _codec.Encoder:
+    """This thread's encoder (each thread has its own)."""
     try:
         encoder: _codec.Encoder = _tls.encoder
     except AttributeError:
         encoder = _tls.encoder = _codec.Encoder()
+    return encoder
+
+
+def _encode(msg: object, what: str) -> Parts:
+    """``[body, *buffers]`` of a message built from prepared values; :class:`TypeError` if
+    msgspec still refuses it. Thread-safe: each thread has its own encoder."""
     try:
-        return encoder.encode(msg)
-    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+        return _encoder().encode(msg)
+    except _codec.ENCODE_ERRORS as exc:
         raise TypeError(f"{what} cannot be encoded: {exc}") from exc
 
 
@@ -496,6 +501,13 @@ class ClientSession(Generic[S, W]):
         """A ``utility`` call; :class:`TypeError` if *args* cannot cross the wire."""
         if type(name) is not str:
             raise TypeError(f"utility name must be a str, got {type(name).__name__}")
+        if not args or set(map(type, args)) <= _codec.FLAT_TYPES:
+            # Nothing to convert, and the messages for an error are built only then: this
+            # runs once per call, on the round trip's critical path.
+            try:
+                return _encoder().encode(("utility", call_id, name, list(args)))
+            except _codec.ENCODE_ERRORS:
+                pass  # the slow path names what it refuses
         prepared = cast("Sequence[Any]", _codec.prepare(args, f"arguments of utility {name!r}"))
         return _encode(("utility", call_id, name, list(prepared)), f"utility call {name!r}")
 
