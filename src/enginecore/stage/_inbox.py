@@ -218,6 +218,15 @@ class Inbox:
             self._settle_held(self._held)
         return ready
 
+    def has_input(self) -> bool:
+        """Whether :meth:`read` has anything to do at once: a message or a monitor event
+        waiting, or a held ``hello``. ``ZMQ_EVENTS`` on each socket: ~1.2 µs each, and,
+        unlike a ``poll``, the calling thread keeps the GIL."""
+        if self._held is not None:
+            return True
+        events = cast(int, self.sock.getsockopt(_EVENTS))
+        return bool((events | cast(int, self.monitor.getsockopt(_EVENTS))) & _POLLIN)
+
     def _handle_one(self, parts: list[Any]) -> None:
         try:
             self._handle(parts)

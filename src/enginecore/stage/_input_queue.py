@@ -19,7 +19,9 @@ them:
   message. A message goes from the socket to the engine on one thread, as in a hand-written
   loop that blocks on its pipe.
 - **Between short steps, the loop keeps it and reads it without blocking**
-  (:meth:`InputQueue.after_step`, after every step shorter than :data:`SHORT_STEP_S`): what
+  (:meth:`InputQueue.after_step`, after every step shorter than :data:`SHORT_STEP_S`; it
+  asks the sockets with ``ZMQ_EVENTS``, which keeps the GIL, and reads only if something
+  is waiting): what
   arrived during step *n* is queued before the loop's drain, so it is applied before step
   *n + 1*, as the input thread would have done. With an engine whose steps hold the GIL,
   the input thread could only read once it got the GIL (at the step's socket send, or after
@@ -241,7 +243,10 @@ class InputQueue(queue.Queue[Any]):
             self.reading = True
         pending = inbox.pending
         try:
-            ready = inbox.read(self._poller, 0)
+            # Most steps find nothing: then ask the sockets without a poll, which would
+            # release the GIL and hand it to the output thread on every step (measured:
+            # ~10 % of the output stream with steps of 256 outputs).
+            ready = inbox.read(self._poller, 0) if inbox.has_input() else {}
             if self.wake_r in ready:
                 self._drain_pipe()
         except Exception:
