@@ -8,7 +8,8 @@ every message already waiting (up to :data:`MAX_BURST`), decodes and checks each
 hands the valid ones to the loop's queue in one go, in arrival order: a burst costs one
 poll, one lock and one wake-up of the loop thread, not one of each per message. While the
 loop is idle, the loop thread itself does this reading (:meth:`Inbox.read`), inside its
-queue's ``get()``, and the input thread is parked: see :mod:`._input_queue`.
+queue's ``get()``, and between its short steps, and the input thread is parked: see
+:mod:`._input_queue`.
 
 Nothing invalid reaches the engine (``docs/wire.md`` section 6). A message that cannot be
 decoded, or whose payload is not a valid wire value, becomes an error event scoped to what
@@ -102,7 +103,8 @@ class Inbox:
     """
 
     # Everything here belongs to the thread that holds the input side (the input thread, or
-    # the idle loop inside InputQueue.get(); they pass it under the queue's mutex), except
+    # the loop inside InputQueue.get() or after_step(); they pass it under the queue's
+    # mutex), except
     # output_peers, which the loop thread also reads unlocked while it does not hold it
     # (Outbox.wait_for_room's may_wait; a stale read is harmless).
 
@@ -192,8 +194,8 @@ class Inbox:
         :data:`MAX_BURST`), a held hello's fate. The valid messages are left in
         :attr:`pending`, in order. Returns what *poller* found ready.
 
-        Called by whichever thread holds the input side: the input thread, or the idle loop
-        (:class:`~._input_queue.InputQueue`)."""
+        Called by whichever thread holds the input side: the input thread, or the loop while
+        idle or between short steps (:class:`~._input_queue.InputQueue`)."""
         held = self._held
         if held is not None:
             until = _ms_until(held[1])

@@ -250,7 +250,7 @@ class StageRuntime:
             #    socket: nobody could read it, and an idle stage must stop at once. (A client
             #    just welcomed counts even before the monitor reports its PULL: a stage that
             #    dies right after the handshake still sends it the fatal event.)
-            # 2. The input thread takes the input side back if the idle loop held it, and
+            # 2. The input thread takes the input side back if the loop held it, and
             #    ctx.term() wakes it (and an output thread stuck on a peer that is gone) with
             #    ETERM; it returns once both closed their sockets, the output socket after
             #    its linger.
