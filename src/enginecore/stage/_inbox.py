@@ -104,9 +104,8 @@ class Inbox:
 
     # Everything here belongs to the thread that holds the input side (the input thread, or
     # the loop inside InputQueue.get() or after_step(); they pass it under the queue's
-    # mutex), except
-    # output_peers, which the loop thread also reads unlocked while it does not hold it
-    # (Outbox.wait_for_room's may_wait; a stale read is harmless).
+    # mutex), except output_peers, which the loop thread also reads unlocked while it does
+    # not hold it (Outbox.wait_for_room's may_wait; a stale read is harmless).
 
     def __init__(
         self,
@@ -189,10 +188,11 @@ class Inbox:
             self.sock.close(linger=0)
 
     def read(self, poller: zmq.Poller, timeout_ms: int | None = None) -> dict[Any, int]:
-        """Wait in *poller* (no timeout, unless a hello is held), then read and handle what
-        the sockets have: the monitor's events, every message already waiting (up to
-        :data:`MAX_BURST`), a held hello's fate. The valid messages are left in
-        :attr:`pending`, in order. Returns what *poller* found ready.
+        """Wait in *poller* (up to *timeout_ms*, ``None``: no timeout; a held hello's
+        deadline shortens it), then read and handle what the sockets have: the monitor's
+        events, every message already waiting (up to :data:`MAX_BURST`), a held hello's
+        fate. The valid messages are left in :attr:`pending`, in order. Returns what
+        *poller* found ready.
 
         Called by whichever thread holds the input side: the input thread, or the loop while
         idle or between short steps (:class:`~._input_queue.InputQueue`)."""

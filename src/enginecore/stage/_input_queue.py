@@ -264,9 +264,7 @@ class InputQueue(queue.Queue[Any]):
                 self._leave()
             else:
                 self.reading = False
-                self.holds = False
-                self.releases += 1
-                self.turn.notify()
+                self._give_back()
 
     def release(self) -> None:
         """Loop thread, outside ``get()``: give the input side back to the input thread, so
@@ -276,9 +274,13 @@ class InputQueue(queue.Queue[Any]):
         if self.holds:
             with self.mutex:
                 if self.holds:
-                    self.holds = False
-                    self.releases += 1
-                    self.turn.notify()
+                    self._give_back()
+
+    def _give_back(self) -> None:
+        # Under mutex, holding the input side: the input thread's again.
+        self.holds = False
+        self.releases += 1
+        self.turn.notify()
 
     @contextlib.contextmanager
     def signals_wake(self) -> Iterator[None]:

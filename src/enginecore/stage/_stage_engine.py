@@ -557,9 +557,10 @@ def make_launch(
     input_side: InputSide,
 ) -> Callable[[], Any]:
     """The loop's ``launch`` for a pipelined engine: the engine's, under the *watchdog*,
-    after giving the *input_side* back (as :func:`make_step`) and waiting while the output
-    thread is far behind a connected client (back-pressure applies to launching new steps;
-    the steps in flight are still collected)."""
+    after giving the *input_side* back to the input thread (which reads while the loop
+    waits in ``collect``; a step in flight is presumed to release the GIL) and waiting
+    while the output thread is far behind a connected client (back-pressure applies to
+    launching new steps; the steps in flight are still collected)."""
     engine_launch = engine.launch
     wait_for_room = outbox.wait_for_room
 
