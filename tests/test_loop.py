@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from enginecore import (
     Abort,
     Add,
+    Control,
     CountdownEngine,
     EngineCoreLoop,
     LoopAlreadyRunError,
@@ -638,3 +640,125 @@ class TestConstruction:
         with pytest.raises(TypeError, match="got tuple"):
             loop.submit(("add", "r", 1))  # type: ignore[arg-type]
         assert loop.input_queue.empty()
+
+
+class _Record(Control):
+    """A control that records, on the loop's thread, what the engine had seen when it ran."""
+
+    __slots__ = ("seen", "then")
+
+    def __init__(self, seen: list[Any], then: Callable[[EngineCoreLoop], None] | None = None):
+        self.seen = seen
+        self.then = then
+
+    def apply(self, engine: Any, loop: EngineCoreLoop) -> None:
+        self.seen.append((threading.get_ident(), list(engine.calls), loop))
+        if self.then is not None:
+            self.then(loop)
+
+
+def _engine_for(kind: str) -> RecordingEngine | CountdownPipeline:
+    return RecordingEngine() if kind == "step" else CountdownPipeline()
+
+
+LOOPS = pytest.mark.parametrize(
+    ("kind", "depth"), [("step", 1), ("pipelined", 1), ("pipelined", 3)], ids=str
+)
+
+
+class TestRule18Controls:
+    """Rule 18, on both loops: the step() loop and the pipelined one."""
+
+    @LOOPS
+    def test_applied_once_on_the_loop_thread_in_queue_order(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        seen: list[Any] = []
+        for msg in (Add("a", 1), _Record(seen), Abort(["a"]), Add("b", 1), _Record(seen)):
+            loop.submit(msg)
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("b", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
+        assert [s[0] for s in seen] == [lt.thread.ident, lt.thread.ident]
+        assert seen[0][1] == [("add", "a", 1)]
+        assert seen[1][1] == [("add", "a", 1), ("abort", ("a",)), ("add", "b", 1)]
+        assert seen[0][2] is loop
+        assert ("output", ("a", 0)) not in log.events
+
+    @LOOPS
+    def test_a_control_queued_during_a_step_applies_before_the_next(
+        self, kind: str, depth: int
+    ) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        seen: list[Any] = []
+        steps = 0
+
+        def on_step(_: int) -> None:
+            nonlocal steps
+            steps += 1
+            if steps == 1:
+                loop.submit(_Record(seen, lambda lp: seen.append(("steps", steps))))
+
+        if isinstance(engine, RecordingEngine):
+            engine.on_step = on_step
+        else:
+            engine.on_launch = on_step
+        loop.submit(Add("a", 3))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
+        # Queued during step (or launch) 1; applied before step 2 began.
+        assert seen[-1] == ("steps", 1)
+
+    @LOOPS
+    def test_the_loop_it_gets_can_submit_and_shut_down(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        seen: list[Any] = []
+        loop.submit(_Record(seen, lambda lp: lp.submit(Add("late", 1))))
+        loop.submit(_Record(seen, lambda lp: lp.request_shutdown()))
+        loop.submit(Utility(1, "div", (4, 2)))  # in the same drain: still applied
+        LoopThread(loop).start().join()
+        assert log.events == [("utility", 1, 2.0, None), ("shutdown",)]
+        # Submitted by the first control, queued behind the shutdown: never applied.
+        assert all(call[:2] != ("add", "late") for call in engine.calls)
+
+    @LOOPS
+    def test_an_exception_from_apply_is_fatal(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+
+        def fail(lp: EngineCoreLoop) -> None:
+            raise ValueError("control failed")
+
+        loop.submit(Add("a", 5))
+        loop.submit(_Record([], fail))
+        loop.submit(Add("never", 1))
+        LoopThread(loop).start().join()
+        assert log.events == [("fatal", "ValueError('control failed')")]
+        assert all(call[:2] != ("add", "never") for call in engine.calls)
+
+    def test_a_control_without_apply_is_fatal_and_says_so(self) -> None:
+        class Bare(Control):
+            __slots__ = ()
+
+        log = EventLog()
+        loop = EngineCoreLoop(CountdownEngine(), log)
+        loop.submit(Bare())
+        LoopThread(loop).start().join()
+        assert log.events == [("fatal", "NotImplementedError('Bare must implement apply()')")]
+
+    def test_submit_takes_a_control_and_still_refuses_other_objects(self) -> None:
+        loop = EngineCoreLoop(CountdownEngine(), EventLog())
+        loop.submit(_Record([]))
+        loop.submit_many([_Record([]), Wakeup()])
+        assert loop.input_queue.qsize() == 3
+        with pytest.raises(TypeError, match="Wakeup or a Control, got object"):
+            loop.submit(object())  # type: ignore[arg-type]

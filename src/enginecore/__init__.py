@@ -9,6 +9,7 @@ from ._loop import EngineCoreLoop
 from ._messages import (
     Abort,
     Add,
+    Control,
     Event,
     FatalEvent,
     Message,
@@ -25,6 +26,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "Abort",
     "Add",
+    "Control",
     "CountdownEngine",
     "Engine",
     "EngineCoreError",

@@ -8,7 +8,8 @@ proves each rule):
 3. Before every step, every message already queued is applied, in queue order.
 4. The drain is bounded: it takes a snapshot of what is queued when it begins.
 5. Dispatch: Add -> ``engine.add``, Abort -> ``engine.abort``, Utility -> ``engine.utility``
-   (``args`` as one tuple), Wakeup -> nothing; anything else is logged and skipped.
+   (``args`` as one tuple), Wakeup -> nothing, Control -> ``apply(engine, loop)`` (rule 18);
+   anything else is logged and skipped.
 6. After the drain: if shutdown was requested, stop without stepping; otherwise step only if
    ``has_work()`` is still true.
 7. Events are tuples: ``("output", out)``, ``("utility", call_id, result, err)``,
@@ -44,6 +45,13 @@ Deferred utilities:
     answers the call when it applies that message, in order with its other events. A future
     still pending when the loop ends is answered with an error (``LoopEndedError``) before
     the last event.
+
+Controls:
+
+18. A ``Control`` message's ``apply(engine, loop)`` is called once, on the loop's thread, in
+    queue order (rules 3-5, 13), with the loop's engine and the loop itself. An exception
+    from it is fatal, like one from ``add`` (rules 8, 16). Ordinary messages pay nothing
+    for it: it is dispatched after the four plain types.
 """
 
 from __future__ import annotations
@@ -60,14 +68,14 @@ from typing import Any
 
 from ._engine import Engine, PipelinedEngine
 from ._exceptions import LoopAlreadyRunError, LoopEndedError
-from ._messages import Abort, Add, Event, Message, Utility, Wakeup
+from ._messages import Abort, Add, Control, Event, Message, Utility, Wakeup
 
 __all__ = ["EngineCoreLoop"]
 
 logger = logging.getLogger("enginecore")
 
 _WAKEUP = Wakeup()
-_MESSAGE_TYPES = (Add, Abort, Utility, Wakeup)
+_MESSAGE_TYPES = (Add, Abort, Utility, Wakeup, Control)
 _ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
 _PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
 
@@ -245,7 +253,8 @@ class EngineCoreLoop:
         """
         if not isinstance(message, _MESSAGE_TYPES):
             raise TypeError(
-                f"submit() takes Add, Abort, Utility or Wakeup, got {type(message).__name__}"
+                f"submit() takes Add, Abort, Utility, Wakeup or a Control, "
+                f"got {type(message).__name__}"
             )
         self.input_queue.put(message)
 
@@ -262,7 +271,7 @@ class EngineCoreLoop:
         for message in batch:
             if not isinstance(message, _MESSAGE_TYPES):
                 raise TypeError(
-                    f"submit_many() takes Add, Abort, Utility or Wakeup, "
+                    f"submit_many() takes Add, Abort, Utility, Wakeup or a Control, "
                     f"got {type(message).__name__}"
                 )
         if not batch:
@@ -468,10 +477,13 @@ class EngineCoreLoop:
                 self._apply_unusual(msg)
 
     def _apply_unusual(self, msg: object) -> None:
-        # A deferred utility's future is done; then subclasses of the message types, which
-        # are honoured; anything else is a producer bug that must not take the stage down.
+        # A deferred utility's future is done; a control (rule 18); then subclasses of the
+        # message types, which are honoured; anything else is a producer bug that must not
+        # take the stage down.
         if msg.__class__ is _Deferred:
             self._answer_deferred(msg)
+        elif isinstance(msg, Control):
+            msg.apply(self._engine, self)
         elif isinstance(msg, Add):
             self._engine.add(msg.req_id, msg.data)
         elif isinstance(msg, Abort):
@@ -481,7 +493,7 @@ class EngineCoreLoop:
         elif not isinstance(msg, Wakeup):
             logger.error(
                 "enginecore: ignoring an object of type %s on input_queue; "
-                "expected Add, Abort, Utility or Wakeup: %.200r",
+                "expected Add, Abort, Utility, Wakeup or a Control: %.200r",
                 type(msg).__name__,
                 msg,
             )

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+
+if TYPE_CHECKING:
+    from ._loop import EngineCoreLoop
 
 __all__ = [
     "Abort",
     "Add",
+    "Control",
     "Event",
     "FatalEvent",
     "Message",
@@ -108,7 +112,31 @@ class Wakeup:
     """Does nothing to the engine; wakes a loop that is blocked waiting for input."""
 
 
-Message: TypeAlias = Add | Abort | Utility | Wakeup
+class Control:
+    """A message that acts on the loop itself: the loop calls :meth:`apply` on its own
+    thread, in queue order, like any other message (rule 18 in ``docs/contract.md``).
+
+    For a runtime built around the loop (the stage's stop, drain deadline, session change
+    and adds burst are controls) that needs an action ordered with the engine's input: it
+    runs after everything queued before it, and before anything queued after it. The
+    subclass decides what it does; it may call the engine, and it gets the loop, so it can
+    :meth:`~EngineCoreLoop.request_shutdown` or :meth:`~EngineCoreLoop.submit` more work
+    without anything patched in after construction.
+
+    An exception from :meth:`apply` is fatal to the loop, like one from ``engine.add``
+    (rule 8). Off the hot path: the loop checks for the four plain message types first.
+    """
+
+    __slots__ = ()
+
+    def apply(self, engine: Any, loop: EngineCoreLoop) -> None:
+        """Called once by the loop, on its thread, when it reaches this message: *engine*
+        is the loop's engine, *loop* the loop. Must not block for long: no step runs
+        meanwhile."""
+        raise NotImplementedError(f"{type(self).__name__} must implement apply()")
+
+
+Message: TypeAlias = Add | Abort | Utility | Wakeup | Control
 """Anything the loop accepts from :attr:`EngineCoreLoop.input_queue`."""
 
 # Events are plain tuples: cheap to build on the hot path, and equal to what the design card
