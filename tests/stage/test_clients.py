@@ -332,7 +332,7 @@ class TestEventStream:
 class TestAbort:
     def test_no_output_after_abort_is_applied(self, stage_client: StageClient) -> None:
         stream = stage_client.add("long", 1_000_000)
-        stage_client.add("short", 3)
+        short = stage_client.add("short", 3)
         assert stream.get(5) == 999_999
         stage_client.abort(["long"])
         rest = stream.collect(timeout=5)  # outputs produced before the abort applied
@@ -344,6 +344,7 @@ class TestAbort:
         assert len(aborted_at) == 1
         assert events[aborted_at[0]] == Aborted(["long"])
         assert all(rid != "long" for rid, _, _ in outputs_of(events[aborted_at[0] :]))
+        assert short.collect(timeout=5) == [2, 1, 0]  # (it may still be running until here)
         assert stage_client.call_utility("num_requests", timeout=5) == 0
 
     def test_abort_unknown_ids_is_harmless(self, stage_client: StageClient) -> None:

@@ -5,6 +5,7 @@ with a raw client on real sockets."""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import Any
@@ -263,16 +264,12 @@ class TestWakingTheReadingLoop:
 
 
 def test_an_inbox_needs_the_stages_input_queue() -> None:
-    class Loop:
-        input_queue: Any = object()
-
     with pytest.raises(TypeError, match="must be an InputQueue"):
         Inbox(
             None,  # type: ignore[arg-type]
             None,  # type: ignore[arg-type]
-            Loop(),  # type: ignore[arg-type]
             None,  # type: ignore[arg-type]
-            engine_name="x",
-            output_address="ipc://x",
-            session_timeout=1.0,
+            queue.Queue(),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            on_failure=lambda: None,
         )

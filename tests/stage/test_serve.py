@@ -26,7 +26,7 @@ from enginecore.stage import (
     RequestError,
     StageClient,
     StageClosedError,
-    _inbox,
+    _stage_session,
 )
 from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
@@ -315,7 +315,7 @@ class TestSessionHandover:
     def test_held_hello_is_rejected_when_the_pull_stays(
         self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        monkeypatch.setattr(_inbox, "HELLO_HOLD_S", 0.3)
+        monkeypatch.setattr(_stage_session, "HELLO_HOLD_S", 0.3)
         stage = InProcessStage(EchoEngine(), no_leftovers)
         first = RawClient(stage.address)
         second = RawClient(stage.address)
@@ -532,7 +532,7 @@ def test_drops_while_detached_are_logged_when_the_stage_stops_detached(
     stage = _detached_with_a_long_request(no_leftovers, detached_buffer=10)
     try:
         outbox = stage.runtime._outbox
-        assert wait_until(lambda: outbox._dropped > 0, 10)
+        assert wait_until(lambda: outbox._gate.dropped > 0, 10)
     finally:
         stage.stop()
     [line] = [

@@ -15,7 +15,7 @@ them:
   message after a busy period that began with a long step still crosses threads. While it
   holds it, the idle loop reads the socket in ``get()``: one ``poll`` over the input socket,
   the monitor and a wake-up pipe, then the input thread's own handling
-  (:meth:`Inbox.read <enginecore.stage._inbox.Inbox.read>`), and it returns the first
+  (:meth:`InputReader.read`, the :class:`~._inbox.Inbox`'s), and it returns the first
   message. A message goes from the socket to the engine on one thread, as in a hand-written
   loop that blocks on its pipe.
 - **Between short steps, the loop keeps it and reads it without blocking**
@@ -65,15 +65,12 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Iterator
+from typing import Any, Final, Protocol
 
 import zmq
 
-if TYPE_CHECKING:
-    from ._inbox import Inbox
-
-__all__ = ["LEASE_S", "SHORT_STEP_S", "InputQueue"]
+__all__ = ["LEASE_S", "SHORT_STEP_S", "InputQueue", "InputReader"]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -84,6 +81,33 @@ after a longer one the input thread reads, during the steps (:meth:`InputQueue.a
 LEASE_S: Final = 0.05
 """How long the loop may hold the input side without reading it (running an ``add``, an
 ``abort``, a utility or a step) before the input thread takes it back."""
+
+
+class InputReader(Protocol):
+    """What the input queue needs of the input side (:class:`~._inbox.Inbox`): the reading
+    that either thread does while it holds the input side."""
+
+    @property
+    def pending(self) -> list[Any]:
+        """The loop messages read and not yet queued, in order; the queue empties it."""
+        ...
+
+    def register(self, poller: zmq.Poller) -> None:
+        """Add the sockets to read to *poller*."""
+        ...
+
+    def read(self, poller: zmq.Poller, timeout_ms: int | None = None) -> dict[Any, int]:
+        """Wait in *poller* up to *timeout_ms* (``None``: no limit), read and handle what
+        is waiting, leave the loop messages in :attr:`pending`; what *poller* found."""
+        ...
+
+    def has_input(self) -> bool:
+        """Whether :meth:`read` has something to do at once (without a poll)."""
+        ...
+
+    def readable(self, ready: dict[Any, int]) -> bool:
+        """Whether *ready* includes the input socket."""
+        ...
 
 
 class _NotEmpty(threading.Condition):
@@ -105,7 +129,7 @@ class _NotEmpty(threading.Condition):
 class InputQueue(queue.Queue[Any]):
     """The loop's ``input_queue`` in a stage; see the module docstring.
 
-    :meth:`attach` it to the :class:`~enginecore.stage._inbox.Inbox` before the loop runs.
+    :meth:`attach` it to the input side (an :class:`InputReader`) before the loop runs.
     :meth:`close` at teardown, after the loop has returned and before ``Context.term()``.
     """
 
@@ -132,16 +156,19 @@ class InputQueue(queue.Queue[Any]):
         self.loop_reads = 0  # messages get() returned that the loop read itself
         self.step_reads = 0  # reads between steps (after_step) that found the socket readable
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._inbox: Inbox | None = None
+        self._inbox: InputReader | None = None
+        self._on_failure: Callable[[], None] = lambda: None
         self._poller = zmq.Poller()
         self._pipe_poll = select.poll()
         self._pipe_poll.register(self.wake_r, select.POLLIN)
 
-    def attach(self, inbox: Inbox) -> None:
-        """Use *inbox*'s sockets and handling (once, before the loop runs)."""
-        self._inbox = inbox
-        self._poller.register(inbox.sock, zmq.POLLIN)
-        self._poller.register(inbox.monitor, zmq.POLLIN)
+    def attach(self, reader: InputReader, on_failure: Callable[[], None]) -> None:
+        """Use *reader*'s sockets and handling (once, before the loop runs). If a read on
+        the loop thread fails, the input side is closed for good and *on_failure()* is
+        called (the runtime stops the stage), as when the input thread fails."""
+        self._inbox = reader
+        self._on_failure = on_failure
+        reader.register(self._poller)
         self._poller.register(self.wake_r, zmq.POLLIN)
 
     # -- the loop thread ---------------------------------------------------------------------
@@ -177,7 +204,7 @@ class InputQueue(queue.Queue[Any]):
         with contextlib.suppress(BlockingIOError):
             os.read(self.wake_r, 4096)
 
-    def _read(self, inbox: Inbox) -> Any:
+    def _read(self, inbox: InputReader) -> Any:
         poller = self._poller
         pending = inbox.pending
         try:
@@ -199,16 +226,15 @@ class InputQueue(queue.Queue[Any]):
                 self._leave()
             raise
 
-    def _read_failed(self, inbox: Inbox) -> None:
+    def _read_failed(self, inbox: InputReader) -> None:
         # What the input thread does when it fails: the stage can no longer read, so it
         # stops (exit code EXIT_IO_FAILED). Nobody reads the input side again.
         logger.exception("enginecore: reading the input socket failed; shutting down")
-        inbox.failed = True
         with self.mutex:
             self._leave()
             self.closed = True
             self._take(inbox.pending)
-        inbox.loop.request_shutdown()
+        self._on_failure()
 
     def _take(self, pending: list[Any]) -> bool:
         # Under mutex: queue what was read, in order (what Queue.put would do for each,
@@ -258,7 +284,7 @@ class InputQueue(queue.Queue[Any]):
             raise
         with self.mutex:
             self._take(pending)
-            if inbox.sock in ready:
+            if inbox.readable(ready):
                 self.step_reads += 1
             if took < SHORT_STEP_S:
                 self._leave()

@@ -52,6 +52,7 @@ import zmq
 
 from .._exceptions import RequestRejected
 from . import _codec
+from ._stage_session import SessionGate
 
 __all__ = ["BACKLOG_MAX", "MAX_BATCH", "Outbox"]
 
@@ -103,12 +104,13 @@ class Outbox:
     # - terminal and failed are written by the output thread; read after it has ended.
     # - resync is set by the input thread and cleared by whichever thread sends next, before
     #   it processes the socket's commands (_resync), so a set is never lost.
-    # - _lock also guards the session state: _epoch (bumped by begin_session, input thread),
-    #   _loop_epoch (the session the loop has applied, loop_epoch), _detached and its
-    #   counters (set_detached), and _gated = "a loop event may be dropped" (stale loop
-    #   epoch, or detached): the one flag the loop's hot path reads. The output thread
-    #   sends a frame only under _lock and only while its own epoch (the last marker it
-    #   took) is _epoch, so a begin_session between taking a batch and sending it is seen.
+    # - _lock also guards the session state, _gate (a SessionGate): its epoch (bumped by
+    #   begin_session, input thread), loop_epoch (the session the loop has applied,
+    #   loop_epoch), detached and its counters (set_detached), and gated = "a loop event
+    #   may be dropped" (stale loop epoch, or detached): the one flag the loop's hot path
+    #   reads. The output thread sends a frame only under _lock and only while its own
+    #   epoch (the last marker it took) is the gate's, so a begin_session between taking a
+    #   batch and sending it is seen.
 
     def __init__(
         self,
@@ -133,13 +135,8 @@ class Outbox:
         self.terminal: str | None = None  # "shutdown" or "fatal", once sent
         self.failed = False
         self.resync = False  # see _resync
-        self._epoch = 0
-        self._loop_epoch = 0
-        self._detached = True  # until a client is welcomed and connected
-        self.detached_max = detached_max
-        self._detached_weight = 0  # queued in this detached period
-        self._dropped = 0  # dropped past detached_max in this detached period
-        self._gated = True
+        # The session's view (epochs, the detached bound, drop counts): under _lock.
+        self._gate = SessionGate(detached_max)
         # Requests the output thread ended with an error (an output msgspec refused), whose
         # drop the loop has not applied yet: their later outputs, already stepped, are
         # dropped, so the error stays the request's last event. Output thread only; the
@@ -171,7 +168,8 @@ class Outbox:
         if weight is None:
             weight = _weight(item)
         with self._lock:
-            if self._detached and not self._admit_detached(item, weight):
+            gate = self._gate
+            if gate.detached and not gate.admit(_is_last(item), weight):
                 return
             self._idle = False
             self.backlog += weight
@@ -180,7 +178,7 @@ class Outbox:
     def _post_loop(self, item: Any, weight: int) -> None:
         """Loop thread: :meth:`post`, also dropping what belongs to a previous session."""
         with self._lock:
-            if self._gated and not self._admit_loop(item, weight):
+            if self._gate.gated and not self._gate.admit_loop(_is_last(item), weight):
                 return
             self._idle = False
             self.backlog += weight
@@ -241,7 +239,7 @@ class Outbox:
 
     def ended_dropped(self, req_ids: list[str]) -> None:
         """Loop thread: the drop of *req_ids*, which an output error ended, is applied (see
-        ``_stage_engine.drop_ended``): what the loop emits from now on is of new requests.
+        ``_controls.DropEnded``): what the loop emits from now on is of new requests.
         Tells the output thread in order with the loop's events; never blocks."""
         with self._lock:
             self._idle = False
@@ -271,7 +269,7 @@ class Outbox:
         thread sends it the usual way (and handles a failure the usual way).
         """
         with self._lock:
-            if self._gated and not self._admit_loop(events, _weight(events)):
+            if self._gate.gated and not self._gate.admit_loop(False, _weight(events)):
                 return
             if self._idle and not self._ended_ids:
                 if self.resync:
@@ -308,7 +306,7 @@ class Outbox:
         client's ``bye``, that was often the new client's first events.
         The caller owns the socket; an unthrottled ``getsockopt(EVENTS)`` processes every
         pending command. Once the new client has spoken, the previous client's connection
-        is among them (see ``_inbox.Inbox._handle``).
+        is among them (see ``_stage_session.StageSession.receive``).
         """
         self.resync = False
         self._sock.getsockopt(zmq.EVENTS)
@@ -334,57 +332,37 @@ class Outbox:
             # is never sent (_send checks the epoch), and no longer counted.
             dropped = max(0, self.backlog - kept)
             self.backlog = kept
-            self._epoch += 1
-            self._gated = True  # until the loop has applied the new epoch
+            epoch = self._gate.begin()  # gated until the loop has applied the new epoch
             self._idle = False  # the output thread has the marker to take
-            self._queue.put(("session", self._epoch))
+            self._queue.put(("session", epoch))
             for item in last:
                 self._queue.put(item)
             self._drained.notify()
-            return self._epoch, dropped
+            return epoch, dropped
 
     def loop_epoch(self, epoch: int) -> None:
         """Loop thread, in order with its input: the messages after this one come from the
         session *epoch* (:meth:`begin_session`); the loop's events are sent again."""
         with self._lock:
-            self._loop_epoch = epoch
-            self._gated = self._detached or epoch != self._epoch
+            self._gate.loop_begun(epoch)
 
     def set_detached(self, detached: bool) -> int:
         """Input thread: whether no client can read (none attached, or the attached one lost
         its output connection). While detached, at most ``detached_max`` events are queued.
         Returns how many were dropped past it, when a detached period ends (else 0)."""
         with self._lock:
-            self._detached = detached
-            self._gated = detached or self._loop_epoch != self._epoch
-            dropped = self._dropped
-            self._dropped = 0
-            self._detached_weight = 0
-            return dropped
+            return self._gate.set_detached(detached)
+
+    @property
+    def detached_max(self) -> int:
+        """The bound on what is queued while no client can read (events, one per output)."""
+        return self._gate.detached_max
 
     def take_dropped(self) -> int:
         """How many events were dropped past ``detached_max`` in the detached period under
         way (0 if none); the count starts again. Any thread; never blocks."""
         with self._lock:
-            dropped, self._dropped = self._dropped, 0
-            return dropped
-
-    def _admit_detached(self, item: Any, weight: int) -> bool:
-        # Under _lock, while detached: whether there is room for *item* (counted if not).
-        if item.__class__ is not list and item[0] in _LAST:
-            return True
-        if self._detached_weight + weight > self.detached_max:
-            self._dropped += weight
-            return False
-        self._detached_weight += weight
-        return True
-
-    def _admit_loop(self, item: Any, weight: int) -> bool:
-        # Under _lock, while _gated: whether a loop event is kept (not of a previous session,
-        # and within the detached bound).
-        if self._loop_epoch != self._epoch:
-            return False
-        return not self._detached or self._admit_detached(item, weight)
+            return self._gate.take_dropped()
 
     def _send(self, parts: list[Any], epoch: int, weight: int) -> bool:
         """Output thread: send one frame of *weight* events, waiting for a peer to take it;
@@ -397,7 +375,7 @@ class Outbox:
         sock = self._sock
         while True:
             with self._lock:
-                if self._epoch != epoch:
+                if self._gate.epoch != epoch:
                     return False
                 try:
                     if len(parts) == 1:
@@ -486,7 +464,7 @@ class Outbox:
                         # A new session began: the rest is the previous one's, except the
                         # terminal event, which is every client's.
                         if self.terminal is not None:
-                            send(encoder.encode(events[-1:]), self._epoch, 0)
+                            send(encoder.encode(events[-1:]), self._gate.epoch, 0)
                         break
                 if done:
                     return
@@ -673,6 +651,11 @@ def _outputs_without(ev: tuple[Any, ...], req_ids: set[Any]) -> tuple[Any, ...]:
         [fins[i] for i in keep],
         [payloads[i] for i in keep],
     )
+
+
+def _is_last(item: Any) -> bool:
+    """Whether *item* (as :meth:`Outbox.post` takes it) is the stage's last event."""
+    return item.__class__ is not list and item[0] in _LAST
 
 
 def _weight(item: Any) -> int:

@@ -2,7 +2,7 @@
 
 ::
 
-    client --DEALER--> ROUTER  input thread (_inbox) ------------> input_queue (_input_queue)
+    client --DEALER--> ROUTER  input thread (_inbox -> _stage_session) --> input_queue
                                   (read by the loop thread itself while it idles)  |
                                                   EngineCoreLoop.run(), this thread
                                                   (the engine behind _stage_engine)
@@ -28,10 +28,12 @@ import zmq
 from .._engine import Engine, PipelinedEngine
 from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
-from ._inbox import HEARTBEAT_TIMEOUT_MS, Inbox, log_detached_drops
+from ._controls import DropEnded, Stop
+from ._inbox import Inbox
 from ._input_queue import InputQueue
 from ._outbox import Outbox
-from ._stage_engine import StageEngine, drop_ended, ordered_stop
+from ._stage_engine import StageEngine
+from ._stage_session import HEARTBEAT_TIMEOUT_MS, CallTable, StageSession, log_detached_drops
 from ._watchdog import StepWatchdog, check_watchdog
 
 __all__ = [
@@ -151,9 +153,11 @@ class StageRuntime:
                 )
             )
             self._input = InputQueue()
+            calls = CallTable()
             stage_engine = StageEngine(
                 engine,
                 self._outbox,
+                calls=calls,
                 abort_on_detach=not keep_requests_on_detach,
                 watchdog=self._watchdog,
                 input_side=self._input,
@@ -164,16 +168,20 @@ class StageRuntime:
                 pipeline_depth=pipeline_depth_of(engine),
                 input_queue=self._input,
             )
-            stage_engine.request_shutdown = self.loop.request_shutdown
-            stage_engine.submit = self.loop.submit
-            self._inbox = Inbox(
-                in_sock,
-                out_monitor,
-                self.loop,
+            self._session = StageSession(
                 self._outbox,
+                calls,
                 engine_name=engine_name,
                 output_address=self.output_address,
                 session_timeout=session_timeout,
+            )
+            self._inbox = Inbox(
+                in_sock,
+                out_monitor,
+                self._session,
+                self._input,
+                self._outbox,
+                on_failure=self._io_failed,
             )
         except BaseException:
             self._ctx.destroy(linger=0)
@@ -187,7 +195,7 @@ class StageRuntime:
         # Output side -> loop input: an output of req_id could not be encoded, or was a
         # RequestRejected, before req_id's last output: the stage has ended the request
         # with an error, and drops it from the engine (loop or output thread).
-        self.loop.submit(drop_ended(req_id))
+        self.loop.submit(DropEnded((req_id,)))
 
     def _io_failed(self) -> None:
         # An IO thread failed: the stage can no longer talk, so it stops.
@@ -196,7 +204,7 @@ class StageRuntime:
     def _may_hold_the_loop(self) -> bool:
         # Back-pressure applies only while a client is connected to read, and never past a
         # shutdown request.
-        return self._inbox.output_peers > 0 and not self.loop.shutdown_requested
+        return self._session.output_peers > 0 and not self.loop.shutdown_requested
 
     def _kill_stalled(self, message: str) -> None:
         # Watchdog thread: a step passed kill_after. The loop thread is stuck in it and
@@ -217,7 +225,7 @@ class StageRuntime:
         in order after what is queued for the loop. Any thread, before or during
         :meth:`run`; never blocks. Not for a signal handler (it takes the queue's lock):
         ``serve`` hands a signal to a thread of its own first."""
-        self.loop.submit(ordered_stop(seconds))
+        self.loop.submit(Stop(seconds))
 
     def abandon(self) -> None:
         """The parent process is gone: shut down without waiting for the last frames to be
@@ -257,7 +265,7 @@ class StageRuntime:
             # 3. The ipc socket files that libzmq leaves behind are removed.
             if self._watchdog is not None:
                 self._watchdog.close()
-            readers = self._inbox.attached or self._inbox.output_peers > 0
+            readers = self._session.attached or self._session.output_peers > 0
             self._outbox.close(timeout=self._flush_timeout if readers else 0.0)
             self._input.close()
             self._ctx.term()

@@ -1,6 +1,6 @@
 """The user's engine as the loop of a stage process sees it: :class:`StageEngine`.
 
-Everything here runs on the loop thread. The adapter adds four things to the engine:
+Everything here runs on the loop thread. The adapter adds five things to the engine:
 
 - request-scoped failure (:func:`make_add`): ``add`` of a request id that is live in the
   stage is refused without calling the engine, and a :class:`~enginecore.RequestRejected`
@@ -10,12 +10,17 @@ Everything here runs on the loop thread. The adapter adds four things to the eng
 - after ``abort(req_ids)`` returns, an ``aborted`` event, ordered with the outputs, so none
   of the aborted requests' outputs follows it;
 - the ordered stop: a client's ``shutdown`` is applied in order, after everything sent
-  before it (:func:`ordered_stop`); with a drain, new adds are refused while the live
+  before it (:class:`~._controls.Stop`); with a drain, new adds are refused while the live
   requests run to completion, and those still live at the drain's deadline are aborted,
   each with an ``error`` event, before the loop stops;
 - sessions: when a client detaches, its live requests are aborted, in order after what it
   sent, and the outbox learns which session the loop's events belong to
-  (:func:`session_change`).
+  (:class:`~._controls.SessionChange`); a utility answer reaches only the session whose
+  client made the call (:meth:`StageEngine.emit`).
+
+The stage's controls (:mod:`._controls`) call the methods of :class:`StageEngine` that do
+their work; nothing else reaches it but the loop's ``add``, ``abort``, ``utility`` and
+``step`` (or ``launch`` / ``collect``).
 
 Every other exception from the engine stays fatal to the loop (``docs/contract.md``).
 """
@@ -28,34 +33,33 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from .._engine import Engine, PipelinedEngine
 from .._exceptions import RequestRejected
-from .._messages import Abort, Add, Event, Utility
-from .._messages import make_add as make_add_message
+from .._messages import Event
 from . import _codec
+from ._controls import DrainDeadline
 from ._outbox import BACKLOG_MAX, Outbox
 from ._routing import make_router, only_types
 from ._watchdog import StepWatchdog
 
+if TYPE_CHECKING:
+    from .._loop import EngineCoreLoop
+    from ._stage_session import CallTable
+
 logger = logging.getLogger("enginecore.stage")
 
 __all__ = [
-    "ADDS",
     "DRAINING",
     "LIVE_IN_STAGE",
     "InputSide",
     "StageEngine",
-    "adds",
     "drain_timed_out",
-    "drop_ended",
     "make_add",
     "make_collect",
     "make_launch",
     "make_step",
-    "ordered_stop",
-    "session_change",
 ]
 
 LIVE_IN_STAGE: Final = (
@@ -64,36 +68,6 @@ LIVE_IN_STAGE: Final = (
 )
 """The message of the ``error`` event for an ``add`` of a request id that is live."""
 
-
-# -- the ordered stop -------------------------------------------------------------------------
-# The loop has no "stop after what is queued" message, so the stage builds one out of a
-# utility call that only it can make: the input thread queues ordered_stop(), the loop applies
-# it in order, StageEngine.utility() sees the token and calls request_shutdown(), and
-# StageEngine.emit() drops the call's answer, which no client asked for.
-
-
-class _StopCallId(int):
-    """The call id of an ordered stop; its ``utility`` answer is never sent."""
-
-
-# A wire message can never carry this object, so only the stage itself can make this call.
-_STOP_TOKEN: Final = object()
-
-
-def ordered_stop(drain: float | None = None) -> Utility:
-    """The ``input_queue`` message for a client's ``shutdown``: stop now, or after a drain
-    of at most *drain* seconds (see :class:`StageEngine`).
-
-    Applied *in order*: everything the client sent before it is applied first, exactly like
-    a message. (``request_shutdown()`` called from the input thread would not be: called
-    before ``run()`` has started, it makes the run skip what is already queued.)
-    """
-    return Utility(_StopCallId(0), "shutdown", (_STOP_TOKEN, drain))
-
-
-# The same trick for the drain's deadline, queued by a timer thread.
-_DEADLINE_TOKEN: Final = object()
-_DRAIN_DEADLINE: Final = Utility(_StopCallId(0), "drain deadline", (_DEADLINE_TOKEN,))
 
 DRAINING: Final = "add refused: the stage is draining (shutting down once its live requests end)"
 """The message of the ``error`` event for an ``add`` that arrives during a drain."""
@@ -106,46 +80,6 @@ def drain_timed_out(seconds: float) -> str:
         f"aborted: the stage shut down; its drain timed out after {seconds:g} s "
         f"before this request finished"
     )
-
-
-# -- dropping a request that the stage has ended ------------------------------------------------
-
-
-class _EndedIds(list[str]):
-    """The ids of an abort that the stage makes itself, for a request it has already ended
-    with an ``error`` event (an output that could not be encoded, or that the routing hook
-    made a :class:`~enginecore.RequestRejected`). :meth:`StageEngine.abort` drops it from
-    the engine and sends no ``aborted`` event: the error was the request's last event, and
-    the client may already have added the id again. (An ``aborted`` event would then end
-    the new request's stream.)"""
-
-
-def drop_ended(req_id: str) -> Abort:
-    """The ``input_queue`` message that drops *req_id*, which the stage has ended with an
-    error, from the engine. Queued before the error event is sent, so it is applied before
-    anything the client sends once it has seen the error."""
-    return Abort(_EndedIds((req_id,)))
-
-
-# -- sessions ---------------------------------------------------------------------------------
-
-
-class _SessionChange(list[str]):
-    """The ids of the abort that the input thread queues when a client detaches (``bye``)
-    or a new one is welcomed (*epoch*, see ``Outbox.begin_session``). Applied in order, after
-    everything the previous client sent: :meth:`StageEngine.abort` aborts the requests live
-    in the stage, unless they are to be kept, and sends no ``aborted`` event (nobody asked).
-    """
-
-    def __init__(self, epoch: int | None) -> None:
-        super().__init__()
-        self.epoch = epoch
-
-
-def session_change(epoch: int | None) -> Abort:
-    """The ``input_queue`` message for the end of a session (*epoch* ``None``: a ``bye``) or
-    the start of the session *epoch*."""
-    return Abort(_SessionChange(epoch))
 
 
 # -- the adapter --------------------------------------------------------------------------------
@@ -164,27 +98,27 @@ class InputSide(Protocol):
 
 
 class StageEngine:
-    """*engine* with the stage's ``add``, ``step``, ``abort`` and ``utility``, and the loop's
-    ``emit``.
+    """*engine* with the stage's ``add``, ``step``, ``abort`` and ``utility``, the loop's
+    ``emit``, and the methods the stage's controls call (:mod:`._controls`).
 
-    ``has_work`` is the engine's own bound method, and ``add`` and ``step`` are closures
-    (:func:`make_add`, :func:`make_step`), all stored as attributes, so the hot path pays
-    no attribute lookup for the adapter. For a :class:`~enginecore.PipelinedEngine`,
-    ``launch`` and ``collect`` (:func:`make_launch`, :func:`make_collect`) take ``step``'s
-    place, and ``cancel`` is the engine's if it has one. Outputs of requests the stage has
-    aborted, and that are not live again, are dropped and counted in :attr:`stale` (an
-    engine that returned outputs after an abort). Set :attr:`request_shutdown` to the loop's, and
-    :attr:`submit` to the loop's ``submit`` (the drain's timer uses it).
+    ``has_work`` and ``utility`` are the engine's own bound methods, and ``add`` and
+    ``step`` are closures (:func:`make_add`, :func:`make_step`), all stored as attributes,
+    so the hot path pays no attribute lookup for the adapter. For a
+    :class:`~enginecore.PipelinedEngine`, ``launch`` and ``collect`` (:func:`make_launch`,
+    :func:`make_collect`) take ``step``'s place, and ``cancel`` is the engine's if it has
+    one. Outputs of requests the stage has aborted, and that are not live again, are
+    dropped and counted in :attr:`stale` (an engine that returned outputs after an abort).
     *abort_on_detach*: whether a session change aborts the requests live in the stage.
     *input_side*: the stage's input queue, which the loop reads between short steps, and
     gives back to the input thread after a long step or before a launch
-    (:mod:`._input_queue`).
+    (:mod:`._input_queue`). *calls*: the utility calls the session has sent to the loop
+    (:class:`~._stage_session.CallTable`), which :meth:`emit` answers.
 
     The drain (a ``shutdown`` with a drain time, or ``serve``'s SIGTERM with
-    ``--drain-timeout``): from the moment it is applied, an ``add`` is refused with an
-    ``error`` event (:data:`DRAINING`), utilities are answered and aborts applied as usual.
-    Once no request is live in the stage (finished, aborted, or ended by an error), the
-    loop is asked to stop. At the deadline, the requests still live are aborted in the
+    ``--drain-timeout``; :meth:`stop`): from the moment it is applied, an ``add`` is refused
+    with an ``error`` event (:data:`DRAINING`), utilities are answered and aborts applied as
+    usual. Once no request is live in the stage (finished, aborted, or ended by an error),
+    the loop is asked to stop. At the deadline, the requests still live are aborted in the
     engine, each ends with an ``error`` event (:func:`drain_timed_out`), and the loop is
     asked to stop. A ``shutdown`` without a drain during a drain stops at once; a second
     drain can only bring the deadline closer.
@@ -195,6 +129,7 @@ class StageEngine:
         engine: Engine | PipelinedEngine[Any],
         outbox: Outbox,
         *,
+        calls: CallTable,
         abort_on_detach: bool = True,
         watchdog: StepWatchdog | None = None,
         input_side: InputSide,
@@ -202,14 +137,15 @@ class StageEngine:
         # The request ids live in the stage: added (the engine's add() returned), and not
         # yet finished (an output routed with finished=True), aborted (abort() returned) or
         # ended by an error. A request that an output ended with an error before its last
-        # output stays live until drop_ended()'s abort is applied: until then the engine
-        # still has it, and an add of its id queued before that abort must be refused.
+        # output stays live until its DropEnded control is applied: until then the engine
+        # still has it, and an add of its id queued before that control must be refused.
         # Loop thread only (make_add, make_step, abort): no lock.
         self.live: set[str] = set()
         self.drain = _Drain(self)
         self.stale = _Stale()
         self.has_work = engine.has_work
-        self.add = make_add(engine, outbox, self.live)
+        self.utility = engine.utility
+        self.add, self.add_burst = make_add(engine, outbox, self.live, self.drain)
         # A pipelined engine gets the loop's launch/collect (and cancel, if it has one), an
         # Engine the loop's step: the loop drives whichever this adapter has.
         if isinstance(engine, PipelinedEngine):
@@ -222,85 +158,81 @@ class StageEngine:
             self.step = make_step(
                 engine, outbox, self.live, self.drain, watchdog, self.stale, input_side
             )
-        self._utility = engine.utility
         self._abort = engine.abort
         self._emit = outbox.emit
         self._outbox = outbox
+        self._calls = calls
         self._abort_on_detach = abort_on_detach
-        self.request_shutdown: Callable[[], None] = lambda: None
-        self.submit: Callable[[Utility], None] = lambda msg: None
+        self.epoch = 0  # the session the loop's events belong to (the last SessionChange's)
 
     def abort(self, req_ids: Sequence[str]) -> None:
-        cls = req_ids.__class__
-        if cls is _SessionChange:
-            self._change_session(req_ids.epoch)  # type: ignore[attr-defined]
-        else:
-            self._abort(req_ids)
-            self.live.difference_update(req_ids)
-            self.stale.aborted(req_ids)
-            if cls is not _EndedIds:
-                self._emit(("aborted", list(req_ids)))
-            else:
-                self._outbox.ended_dropped(list(req_ids))
+        """The loop's ``abort``: the engine's, then an ``aborted`` event, ordered with the
+        outputs, so none of the aborted requests' outputs follows it."""
+        self._drop(req_ids)
+        self._emit(("aborted", list(req_ids)))
+
+    def _drop(self, req_ids: Sequence[str]) -> None:
+        self._abort(req_ids)
+        self.live.difference_update(req_ids)
+        self.stale.aborted(req_ids)
         if self.drain.active and not self.live:
             self.drain.done()
 
-    def _change_session(self, epoch: int | None) -> None:
+    # -- what the controls call (loop thread) ----------------------------------------------
+
+    def stop(self, drain: float | None, loop: EngineCoreLoop) -> None:
+        """:class:`~._controls.Stop`: stop now (*drain* ``None``), or drain first."""
+        if drain is None:
+            self.drain.cancel()
+            loop.request_shutdown()
+        else:
+            self.drain.start(drain, loop)
+
+    def drop_ended(self, req_ids: Sequence[str]) -> None:
+        """:class:`~._controls.DropEnded`: drop requests the stage ended with an error."""
+        self._drop(req_ids)
+        self._outbox.ended_dropped(list(req_ids))
+
+    def change_session(self, epoch: int | None) -> None:
+        """:class:`~._controls.SessionChange`: the previous client is gone."""
         # Every request live now was added by the client that is leaving (or by a peer that
         # sent without a session): with abort_on_detach, every detach empties the set.
         if self._abort_on_detach and self.live:
             ids = list(self.live)
-            self._abort(ids)
-            self.live.clear()
-            self.stale.aborted(ids)
-            logger.info("enginecore: a client detached; aborted its %d live requests", len(ids))
+            logger.info("enginecore: a client detached; aborting its %d live requests", len(ids))
+            self._drop(ids)
         if epoch is not None:
+            self.epoch = epoch
             self._outbox.loop_epoch(epoch)
-
-    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-        if args:
-            token = args[0]
-            if token is _STOP_TOKEN:
-                drain = args[1]
-                if drain is None:
-                    self.drain.cancel()
-                    self.request_shutdown()
-                else:
-                    self.drain.start(drain)
-                return None
-            if token is _DEADLINE_TOKEN:
-                self.drain.deadline()
-                return None
-        return self._utility(name, args)
-
-    def refuse_add(self, req_id: str, data: Any) -> None:
-        """The loop's ``add`` during a drain: an ``error`` event (one per request of a
-        burst), and the engine is not called."""
-        if req_id is ADDS:
-            for rid in data[0]:
-                self._emit(("error", rid, DRAINING))
-        else:
-            self._emit(("error", req_id, DRAINING))
 
     def emit(self, event: Event) -> None:
         """The loop's ``emit``: utility answers and the terminal event (never an
-        ``output``: :func:`make_step` hands a step's outputs over itself)."""
-        if event[0] != "utility" or type(event[1]) is not _StopCallId:
-            self._emit(event)
+        ``output``: :func:`make_step` hands a step's outputs over itself). A utility answer
+        goes out under its caller's call id, and only to the session that made the call:
+        the answer to a call whose client has since been replaced (a deferred utility that
+        completed after the new session began) is dropped."""
+        if event[0] == "utility":
+            call = self._calls.close(event[1])
+            if call is None or call[0] != self.epoch:
+                return
+            event = ("utility", call[1], event[2], event[3])
+        self._emit(event)
 
 
 class _Drain:
     """The drain of one :class:`StageEngine` (its docstring has the rules). Loop thread
-    only, except the timer, which only queues the deadline message."""
+    only, except the timer, which only queues its :class:`~._controls.DrainDeadline`."""
 
     def __init__(self, stage: StageEngine) -> None:
         self._stage = stage
-        self.active = False  # read by make_step's closure once per step that ends requests
+        self.active = False  # read by make_add's and make_step's closures
         self._seconds = 0.0
         self._deadline_at = 0.0
         self._timer: threading.Timer | None = None
+        self._timers = 0  # numbers the timers: a DrainDeadline names the one that queued it
+        self._loop: EngineCoreLoop | None = None
 
-    def start(self, seconds: float) -> None:
+    def start(self, seconds: float, loop: EngineCoreLoop) -> None:
         stage = self._stage
         now = time.monotonic()
         if self.active:
@@ -308,16 +240,17 @@ class _Drain:
                 return  # a second drain only brings the deadline closer
             self.cancel()
         self.active = True
+        self._loop = loop
         self._seconds = seconds
         self._deadline_at = now + seconds
-        stage.add = stage.refuse_add  # the loop looks add up per message
         logger.info(
             "enginecore: draining: %d live requests, at most %g s", len(stage.live), seconds
         )
         if not stage.live:
             self.done()
             return
-        timer = threading.Timer(seconds, stage.submit, (_DRAIN_DEADLINE,))
+        self._timers += 1
+        timer = threading.Timer(seconds, loop.submit, (DrainDeadline(self._timers),))
         timer.daemon = True
         timer.name = "enginecore-drain"
         self._timer = timer
@@ -331,11 +264,12 @@ class _Drain:
     def done(self) -> None:
         """No request is live any more: stop."""
         self.cancel()
-        self._stage.request_shutdown()
+        if self._loop is not None:
+            self._loop.request_shutdown()
 
-    def deadline(self) -> None:
-        if not self.active or self._timer is None:
-            return  # stale: the drain ended before its timer fired
+    def deadline(self, timer: int) -> None:
+        if not self.active or self._timer is None or timer != self._timers:
+            return  # stale: the drain ended, or a closer deadline replaced it
         stage = self._stage
         ids = list(stage.live)
         if ids:
@@ -352,46 +286,29 @@ class _Drain:
         self.done()
 
 
-class _AddsId(str):
-    """The ``req_id`` of an ``Add`` that carries a client's whole ``adds`` burst."""
-
-    __slots__ = ()
-
-
-ADDS: Final = _AddsId("<adds>")
-"""``Add(ADDS, (req_ids, data))`` is a burst of adds, one message on the loop's queue:
-:func:`make_add` applies each in order, as if each were its own ``Add`` (no ``Add`` per
-request to build, and one dispatch by the loop). Compared by identity: a client's
-``"<adds>"`` is an ordinary id."""
-
-
-def adds(req_ids: list[str], data: list[Any]) -> Add:
-    """The one ``Add`` message of a burst (same lengths; the input thread checks)."""
-    return make_add_message(ADDS, (req_ids, data))
-
-
 def make_add(
-    engine: Engine | PipelinedEngine[Any], outbox: Outbox, live: set[str]
-) -> Callable[[str, Any], None]:
-    """The loop's ``add``: request-scoped failure around *engine*'s ``add``.
+    engine: Engine | PipelinedEngine[Any], outbox: Outbox, live: set[str], drain: _Drain
+) -> tuple[Callable[[str, Any], None], Callable[[list[str], list[Any]], None]]:
+    """The loop's ``add``, and the same for a burst (:class:`~._controls.AddBurst`):
+    request-scoped failure around *engine*'s ``add``.
 
-    An id in *live* is refused with an ``error`` event (:data:`LIVE_IN_STAGE`), and the
-    engine is not called: two clients of a ``serve`` stage (or one raw client) cannot make
-    the engine see an id twice. A :class:`~enginecore.RequestRejected` from the engine
-    becomes an ``error`` event carrying ``str(exc)``, and the id stays free. Either error
-    is the request's only event, ordered with the loop's others. Any other exception
-    propagates: fatal to the loop (the rest of a burst is not applied). On success the id
-    joins *live*. A burst (:data:`ADDS`) is applied item by item, the same way.
+    During a *drain* an add is refused with an ``error`` event (:data:`DRAINING`). An id in
+    *live* is refused with an ``error`` event (:data:`LIVE_IN_STAGE`), and the engine is not
+    called: two clients of a ``serve`` stage (or one raw client) cannot make the engine see
+    an id twice. A :class:`~enginecore.RequestRejected` from the engine becomes an
+    ``error`` event carrying ``str(exc)``, and the id stays free. Either error is the
+    request's only event, ordered with the loop's others. Any other exception propagates:
+    fatal to the loop (the rest of a burst is not applied). On success the id joins
+    *live*. A burst is applied item by item, the same way.
     """
     engine_add = engine.add
     emit = outbox.emit
     admit = live.add
 
-    def add(req_id: str, data: Any) -> None:
-        # One body for both: a lone add pays a 1-tuple (~0.07 µs).
-        for rid, item in zip(*data, strict=True) if req_id is ADDS else ((req_id, data),):
-            if rid in live:
-                emit(("error", rid, LIVE_IN_STAGE))
+    def add_burst(req_ids: Sequence[str], data: Sequence[Any]) -> None:
+        for rid, item in zip(req_ids, data, strict=True):
+            if rid in live or drain.active:
+                emit(("error", rid, DRAINING if drain.active else LIVE_IN_STAGE))
                 continue
             try:
                 engine_add(rid, item)
@@ -400,7 +317,11 @@ def make_add(
                 continue
             admit(rid)
 
-    return add
+    def add(req_id: str, data: Any) -> None:
+        # One body for both: a lone add pays a call and two 1-tuples (~0.1 µs).
+        add_burst((req_id,), (data,))
+
+    return add, add_burst
 
 
 class _Stale:

@@ -60,7 +60,9 @@ class UtilityMsg(msgspec.Struct, array_like=True, frozen=True, tag="utility"):
 
 
 class ShutdownMsg(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
-    drain: float | None = None  # seconds to let live requests finish; None: stop now
+    # Seconds to let live requests finish; absent (["shutdown"]): stop now. A nil here is
+    # invalid, as any other value that is not a number >= 0 (docs/wire.md section 4).
+    drain: float | msgspec.UnsetType = msgspec.UNSET
 
 
 class PingMsg(msgspec.Struct, array_like=True, frozen=True, tag="ping"):

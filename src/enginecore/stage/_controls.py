@@ -1,0 +1,131 @@
+"""The stage's controls: the actions that must reach the loop in order with a client's
+messages, as named :class:`~enginecore.Control` messages (contract rule 18).
+
+Each is queued on the loop's ``input_queue`` like an ``Add`` and applied on the loop
+thread, in queue order, by calling the :class:`~._stage_engine.StageEngine` method that
+does the work; the loop passes itself in, so a control can stop it or schedule more work.
+None of them can be sent by a client: the input side makes them from what it decoded
+(:mod:`._stage_session`), the output side from what it could not send, the runtime from
+``serve``'s SIGTERM, a drain's timer from its deadline.
+
+========================  =================================================================
+control                   made by, and what the loop does with it
+========================  =================================================================
+:class:`Stop`             a client's ``shutdown`` (or ``serve``'s SIGTERM with a drain):
+                          stop now, or drain first (``StageEngine.stop``)
+:class:`DrainDeadline`    the drain's timer: abort what is still live, then stop
+:class:`DropEnded`        the output side ended a request with an ``error`` before its last
+                          output: drop it from the engine, with no ``aborted`` event
+:class:`SessionChange`    a ``bye`` (*epoch* ``None``) or a new client welcomed: abort the
+                          leaving client's live requests, and tell the outbox which session
+                          the loop's events belong to from now on
+:class:`AddBurst`         a client's ``adds`` frame: one message for the whole burst,
+                          applied item by item as if each were its own ``Add``
+========================  =================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._messages import Control
+
+if TYPE_CHECKING:
+    from .._loop import EngineCoreLoop
+    from ._stage_engine import StageEngine
+
+__all__ = ["AddBurst", "DrainDeadline", "DropEnded", "SessionChange", "Stop"]
+
+
+class Stop(Control):
+    """A client's ``shutdown``: stop after everything sent before it (*drain* ``None``), or
+    drain for at most *drain* seconds first (``StageEngine.stop`` has the rules).
+
+    Applied in order, unlike ``request_shutdown()`` from the input thread, which, called
+    before ``run()`` has started, would make the run skip what is already queued."""
+
+    __slots__ = ("drain",)
+
+    def __init__(self, drain: float | None = None) -> None:
+        self.drain = drain
+
+    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
+        engine.stop(self.drain, loop)
+
+    def __repr__(self) -> str:
+        return f"Stop(drain={self.drain!r})"
+
+
+class DrainDeadline(Control):
+    """Queued by a drain's timer: the requests still live are aborted, each with an
+    ``error`` event, and the loop stops. Stale (nothing done) if the drain it belongs to
+    has ended, or a later drain replaced it, before the timer's control was applied: *timer*
+    numbers the drain's timers."""
+
+    __slots__ = ("timer",)
+
+    def __init__(self, timer: int) -> None:
+        self.timer = timer
+
+    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
+        engine.drain.deadline(self.timer)
+
+    def __repr__(self) -> str:
+        return f"DrainDeadline(timer={self.timer})"
+
+
+class DropEnded(Control):
+    """Drop *req_ids* from the engine: the stage has ended each with an ``error`` event (an
+    output that could not be encoded, or that the routing hook made a
+    :class:`~enginecore.RequestRejected`) before its last output. No ``aborted`` event: the
+    error was the request's last event, and the client may already have added the id again.
+    Queued before the error event is sent, so it applies before anything the client sends
+    once it has seen the error."""
+
+    __slots__ = ("req_ids",)
+
+    def __init__(self, req_ids: Sequence[str]) -> None:
+        self.req_ids = req_ids
+
+    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
+        engine.drop_ended(self.req_ids)
+
+    def __repr__(self) -> str:
+        return f"DropEnded({list(self.req_ids)!r})"
+
+
+class SessionChange(Control):
+    """The end of a session (*epoch* ``None``: a ``bye``) or the start of session *epoch*
+    (a client welcomed). Applied after everything the previous client sent: its live
+    requests are aborted unless the stage keeps them, with no ``aborted`` event (nobody
+    asked), and the loop's events belong to session *epoch* from then on."""
+
+    __slots__ = ("epoch",)
+
+    def __init__(self, epoch: int | None) -> None:
+        self.epoch = epoch
+
+    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
+        engine.change_session(self.epoch)
+
+    def __repr__(self) -> str:
+        return f"SessionChange(epoch={self.epoch!r})"
+
+
+class AddBurst(Control):
+    """A client's ``adds`` frame as one message: ``add(req_ids[i], data[i])`` for each
+    ``i``, in order, each exactly as a lone ``Add`` would be (no message per request to
+    build, and one dispatch by the loop). The lengths are equal (the session checks)."""
+
+    __slots__ = ("data", "req_ids")
+
+    def __init__(self, req_ids: list[str], data: list[Any]) -> None:
+        self.req_ids = req_ids
+        self.data = data
+
+    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
+        engine.add_burst(self.req_ids, self.data)
+
+    def __repr__(self) -> str:
+        return f"AddBurst({len(self.req_ids)} requests)"

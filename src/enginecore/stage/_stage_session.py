@@ -1,0 +1,534 @@
+"""The stage side of the protocol, without IO: :class:`StageSession`.
+
+The twin of the client's :class:`~._session.ClientSession`, and of h11's
+``Connection(our_role=SERVER)``: it owns no socket and no thread, and it is told the time.
+The input side (:mod:`._inbox`) receives a frame and hands it over with
+:meth:`StageSession.receive`; the session decodes and checks it and turns it into
+
+- **loop messages** (:attr:`StageSession.to_loop`, in arrival order): ``Add``, ``Abort``,
+  ``Utility`` and the stage's controls (:mod:`._controls`), which the input side queues for
+  the loop after each read;
+- **events for the client** (:attr:`StageSession.events`): the error that scopes an
+  invalid message to what it names, a ``pong``; the input side posts them to the outbox;
+- **replies on the input socket** (:attr:`StageSession.replies`): ``welcome`` and
+  ``reject``.
+
+Sessions (``docs/wire.md`` section 3): one client at a time, in one of the
+:class:`SessionState` states. A ``hello`` is rejected while another client is attached and
+has been heard from within the session timeout. The output socket is a ``PUSH``, which deals
+events out round-robin to every connected ``PULL``, so a new client must be the only one
+before its first event is sent: a ``hello`` is not welcomed while anything is still
+connected to the output socket (right after a ``bye``, the previous client's ``PULL`` often
+still is). It is *held* (:attr:`StageSession.held`), unanswered, until the output socket has
+no connection left (:meth:`StageSession.output_peers_changed`), then welcomed; at its
+deadline (:data:`HELLO_HOLD_S`) it is rejected (:meth:`StageSession.settle`). A hello may be
+held while a silent client is still attached, so the held hello is a pending request beside
+the state, not a state of its own.
+
+Nothing of one session reaches the next: a ``bye`` queues a
+:class:`~._controls.SessionChange` for the loop, in order after the client's messages (its
+live requests are aborted there, by default); welcoming a new client starts a new *epoch*
+(:meth:`OutputSide.begin_session`: the outbox drops what it holds for the previous client)
+and queues the new epoch's change. A utility call is sent to the loop under a stage-wide id
+(:class:`CallTable`), so that its answer reaches only the session that made the call, even
+when the engine answers it after that client is gone (a deferred utility). While no client
+can read (none attached, or the attached one lost its output connection) the outbox is
+*detached* and bounded (:class:`SessionGate`, its view of the session).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+import os
+from typing import Any, Final, NamedTuple, Protocol
+
+import msgspec
+
+from .._messages import Abort, Message, make_add, make_utility
+from . import _codec, _wire
+from ._controls import AddBurst, SessionChange, Stop
+
+__all__ = [
+    "HEARTBEAT_TIMEOUT_MS",
+    "HELLO_HOLD_S",
+    "CallTable",
+    "Held",
+    "OutputSide",
+    "SessionGate",
+    "SessionState",
+    "StageSession",
+]
+
+logger = logging.getLogger("enginecore.stage")
+
+HEARTBEAT_TIMEOUT_MS: Final = 5000
+"""The stage's ZMTP heartbeat timeout: a TCP peer that vanished is dropped after this."""
+
+HELLO_HOLD_S: Final = HEARTBEAT_TIMEOUT_MS / 1000
+"""How long a ``hello`` is held while the output socket still has a connection: as long as
+the heartbeat needs to drop one whose peer vanished."""
+
+# Exact types of received data that need no check (decoded ints are always in range).
+_RECEIVED_FLAT: Final = frozenset({type(None), bool, int, float, str, bytes})
+
+Event = tuple[Any, ...]
+
+
+class SessionState(enum.Enum):
+    """Where the attached client is. The outbox is *detached* (bounded, since nobody can
+    read) in ``NONE`` and ``OUTPUT_LOST``."""
+
+    NONE = "none"
+    """No client is attached: none yet, or the last one said ``bye``."""
+    WELCOMED = "welcomed"
+    """A client was welcomed, and its ``PULL`` has not connected yet: its first events wait
+    for it, unbounded."""
+    CONNECTED = "connected"
+    """The attached client's ``PULL`` is connected to the output socket."""
+    OUTPUT_LOST = "output lost"
+    """The attached client's ``PULL`` was connected and no longer is; it may reconnect."""
+
+
+class Held(NamedTuple):
+    """A ``hello`` waiting for the output socket to lose its last connection."""
+
+    ident: bytes
+    deadline: float
+    why: str
+    """Why it is rejected at *deadline*."""
+
+
+class OutputSide(Protocol):
+    """What the session needs of the output side (:class:`~._outbox.Outbox`)."""
+
+    resync: bool
+
+    def begin_session(self) -> tuple[int, int]:
+        """Drop what is queued for the previous client; the new epoch, and how many events
+        were dropped."""
+        ...
+
+    def set_detached(self, detached: bool) -> int:
+        """Whether no client can read; how many events were dropped past the bound in the
+        detached period that ends (else 0)."""
+        ...
+
+    @property
+    def detached_max(self) -> int: ...
+
+
+class CallTable:
+    """The utility calls the session has sent to the loop and the loop has not answered:
+    the loop's call id (a stage-wide count) -> the session epoch and the client's call id.
+
+    Client call ids are the clients' own: two clients may use the same one. The loop's ids
+    are the stage's, so an answer names the session that made the call. The input side
+    opens (:meth:`open`), the loop thread closes (:meth:`close`, once per call, rule 17):
+    a ``dict`` item set and ``pop`` are each atomic, so no lock."""
+
+    __slots__ = ("_calls", "_next")
+
+    def __init__(self) -> None:
+        self._calls: dict[int, tuple[int, int]] = {}
+        self._next = itertools.count(1).__next__
+
+    def open(self, epoch: int, call_id: int) -> int:
+        """The loop's id for the client's call *call_id*, made in session *epoch*."""
+        loop_id = self._next()
+        self._calls[loop_id] = (epoch, call_id)
+        return loop_id
+
+    def close(self, loop_id: int) -> tuple[int, int] | None:
+        """The epoch and client call id of the loop's call *loop_id* (``None`` if it is not
+        one the session opened)."""
+        return self._calls.pop(loop_id, None)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+
+class SessionGate:
+    """The outbox's view of the session: which events to drop, and how many were dropped.
+    Pure bookkeeping: the outbox calls every method under its lock.
+
+    - *epoch*: the session the output side serves (:meth:`begin`, when a client is
+      welcomed), and *loop_epoch* the one whose events the loop emits (:meth:`loop_begun`,
+      in order with the loop's input). A loop event is dropped while they differ: it
+      answers the previous client's messages, or is an output of its requests.
+    - *detached*: no client can read. At most *detached_max* events (one per output) are
+      kept; the rest are dropped and counted (:meth:`take_dropped`). The terminal event
+      is never dropped.
+
+    :attr:`gated` is true while any event may be dropped: the one flag the loop's hot path
+    reads."""
+
+    __slots__ = (
+        "_detached_weight",
+        "detached",
+        "detached_max",
+        "dropped",
+        "epoch",
+        "gated",
+        "loop_epoch",
+    )
+
+    def __init__(self, detached_max: int) -> None:
+        self.detached_max = detached_max
+        self.epoch = 0
+        self.loop_epoch = 0
+        self.detached = True  # until a client is welcomed and connected
+        self.gated = True
+        self._detached_weight = 0  # kept in this detached period
+        self.dropped = 0  # dropped past detached_max in this detached period
+
+    def begin(self) -> int:
+        """A new client is welcomed: its epoch. The loop's events are dropped until the loop
+        has applied it."""
+        self.epoch += 1
+        self.gated = True
+        return self.epoch
+
+    def loop_begun(self, epoch: int) -> None:
+        """The loop's events belong to session *epoch* from now on."""
+        self.loop_epoch = epoch
+        self.gated = self.detached or epoch != self.epoch
+
+    def set_detached(self, detached: bool) -> int:
+        """Whether no client can read; returns what was dropped past the bound in the period
+        that ends (and starts counting again)."""
+        self.detached = detached
+        self.gated = detached or self.loop_epoch != self.epoch
+        dropped, self.dropped = self.dropped, 0
+        self._detached_weight = 0
+        return dropped
+
+    def take_dropped(self) -> int:
+        """What was dropped past the bound in the detached period under way; counting
+        starts again."""
+        dropped, self.dropped = self.dropped, 0
+        return dropped
+
+    def admit(self, terminal: bool, weight: int) -> bool:
+        """Whether an event of *weight* is kept while detached (counted if not). *terminal*:
+        the stage's last event, always kept."""
+        if terminal:
+            return True
+        if self._detached_weight + weight > self.detached_max:
+            self.dropped += weight
+            return False
+        self._detached_weight += weight
+        return True
+
+    def admit_loop(self, terminal: bool, weight: int) -> bool:
+        """Whether a loop event is kept: of the current session, and within the bound."""
+        if self.loop_epoch != self.epoch:
+            return False
+        return not self.detached or self.admit(terminal, weight)
+
+
+class StageSession:
+    """The stage's half of the protocol for the input side (module docstring). Sans-IO:
+    every method is told the time; nothing blocks. Used by one thread at a time (whichever
+    holds the input side, :mod:`._input_queue`), except :attr:`output_peers` and
+    :attr:`attached`, which the loop thread reads unlocked (a stale read is harmless).
+
+    *output* is the output side (:class:`OutputSide`), *calls* the table that the loop's
+    ``emit`` answers utility calls from. *engine_name* and *output_address* go into the
+    ``welcome``; *session_timeout* is how long an attached client may be silent before a
+    new ``hello`` can take its session over.
+    """
+
+    def __init__(
+        self,
+        output: OutputSide,
+        calls: CallTable,
+        *,
+        engine_name: str,
+        output_address: str,
+        session_timeout: float,
+    ) -> None:
+        self._output = output
+        self._calls = calls
+        self._welcome = msgspec.msgpack.encode(
+            _wire.WelcomeMsg(_wire.PROTOCOL_VERSION, output_address, os.getpid(), engine_name)
+        )
+        self._session_timeout = session_timeout
+        self._decoder = _codec.Decoder(_wire.ClientMsg, strict=False)
+        self.to_loop: list[Message] = []
+        """Loop messages, in arrival order, for the input side to queue after a read."""
+        self.events: list[Event] = []
+        """Events for the client (input errors, pongs), for the input side to post."""
+        self.replies: list[tuple[bytes, bytes]] = []
+        """``(routing id, body)`` to send on the input socket (welcome, reject)."""
+        self.state = SessionState.NONE
+        self.client: bytes | None = None
+        """The attached client's routing id."""
+        self.epoch = 0
+        """The session epoch the client's calls are made in."""
+        self.held: Held | None = None
+        self.output_peers = 0
+        """Connections to the output socket (:meth:`output_peers_changed`)."""
+        self._seen = 0.0  # when the attached client was last heard from
+        self._unheard = False  # welcomed, and no message from it yet
+        self._told_detached = True  # what the output side was last told
+
+    @property
+    def attached(self) -> bool:
+        """Whether a client is attached (welcomed, and has not left)."""
+        return self.state is not SessionState.NONE
+
+    @property
+    def detached(self) -> bool:
+        """Whether no client can read: none attached, or its output connection is lost."""
+        return self.state is SessionState.NONE or self.state is SessionState.OUTPUT_LOST
+
+    # -- frames ------------------------------------------------------------------------------
+
+    def receive(self, ident: bytes, parts: list[Any], now: float) -> None:
+        """Handle one message from *ident*: *parts* is its body and buffers (``bytes`` or
+        ``zmq.Frame``). A bug here must not end the input side: an exception becomes an
+        unscoped ``error`` event, and is logged."""
+        try:
+            self._receive(ident, parts, now)
+        except Exception as exc:
+            logger.exception("enginecore: error while handling an input frame")
+            self.events.append(("error", None, f"stage failed to handle a frame: {exc!r}"))
+
+    def _receive(self, ident: bytes, parts: list[Any], now: float) -> None:
+        try:
+            msg = self._decoder.decode(parts)
+        except Exception as exc:  # DecodeError; also RecursionError for a deep nesting
+            self._report_bad_frame(ident, parts[0], exc)
+            return
+        if ident == self.client:
+            self._seen = now
+            if self._unheard:
+                # The first message of a new client: its events follow. libzmq's IO thread
+                # finished closing the previous client's output connection, down to the
+                # command that tells the output socket, before it read this message; a
+                # resync makes the output socket act on that command before it sends
+                # anything more (Outbox._resync).
+                self._unheard = False
+                self._output.resync = True
+        cls = type(msg)
+        if cls is _wire.AddMsg:
+            data = msg.data
+            if type(data) not in _RECEIVED_FLAT:
+                problem = _invalid(data, "data")
+                if problem is not None:
+                    self.events.append(("error", msg.req_id, f"invalid message: {problem}"))
+                    return
+            self.to_loop.append(make_add(msg.req_id, data))
+        elif cls is _wire.AddsMsg:
+            self._adds(msg)
+        elif cls is _wire.AbortMsg:
+            self.to_loop.append(Abort(msg.req_ids))
+        elif cls is _wire.UtilityMsg:
+            args = msg.args
+            if args and not set(map(type, args)) <= _RECEIVED_FLAT:
+                problem = _invalid(args, "args")
+                if problem is not None:
+                    what = f"invalid message: {problem}"
+                    self.events.append(("utility", msg.call_id, None, f"ProtocolError({what!r})"))
+                    return
+            loop_id = self._calls.open(self.epoch, msg.call_id)
+            self.to_loop.append(make_utility(loop_id, msg.name, tuple(args)))
+        elif cls is _wire.PingMsg:
+            self.events.append(("pong", msg.seq))
+        elif cls is _wire.ShutdownMsg:
+            drain = msg.drain
+            if drain is not msgspec.UNSET and not 0 <= drain < math.inf:
+                self.events.append(
+                    ("error", None, f"invalid message: shutdown drain must be >= 0, got {drain}")
+                )
+                return
+            self.to_loop.append(Stop(None if drain is msgspec.UNSET else drain))
+        elif cls is _wire.HelloMsg:
+            self._hello(ident, msg, now)
+        elif cls is _wire.ByeMsg:
+            self._bye(ident)
+
+    def _adds(self, msg: _wire.AddsMsg) -> None:
+        req_ids, data = msg.req_ids, msg.data
+        if len(req_ids) != len(data):
+            what = (
+                f"invalid message: adds has {len(req_ids)} request ids but {len(data)} data items"
+            )
+            self.events += [("error", rid, what) for rid in req_ids] or [("error", None, what)]
+            return
+        if not req_ids:
+            return
+        if set(map(type, data)) <= _RECEIVED_FLAT:  # nothing to check: one burst
+            self.to_loop.append(AddBurst(req_ids, data))
+            return
+        ok_ids: list[str] = []
+        ok_data: list[Any] = []
+        errors: list[Event] = []
+        for rid, item in zip(req_ids, data, strict=True):
+            if type(item) not in _RECEIVED_FLAT:
+                problem = _invalid(item, "data")
+                if problem is not None:
+                    errors.append(("error", rid, f"invalid message: {problem}"))
+                    continue
+            ok_ids.append(rid)
+            ok_data.append(item)
+        if ok_ids:
+            self.to_loop.append(AddBurst(ok_ids, ok_data))
+        self.events += errors
+
+    def _report_bad_frame(self, ident: bytes, body: Any, exc: Exception) -> None:
+        # Recover the tag and an id from the head of the body, so that the error reaches
+        # the one request or call it concerns instead of leaving it hanging.
+        raw = getattr(body, "buffer", body)  # a zmq.Frame's memoryview, or bytes
+        tag, head = _codec.recover_head(raw)
+        why = str(exc) if isinstance(exc, msgspec.DecodeError) else f"{type(exc).__name__}: {exc}"
+        what = f"invalid message ({len(raw)} bytes): {why}"
+        if tag == "add" and type(head) is str:
+            self.events.append(("error", head, what))
+        elif tag == "adds" and type(head) is list and head:
+            self.events += [("error", rid, what) for rid in head]
+        elif tag == "utility" and type(head) is int:
+            self.events.append(("utility", head, None, f"ProtocolError({what!r})"))
+        elif tag == "hello":
+            self._reject(ident, f"invalid hello: {what}")
+        else:
+            self.events.append(("error", None, what))
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def _hello(self, ident: bytes, msg: _wire.HelloMsg, now: float) -> None:
+        if msg.version != _wire.PROTOCOL_VERSION:
+            self._reject(
+                ident,
+                f"protocol version {msg.version} is not supported; this stage speaks "
+                f"version {_wire.PROTOCOL_VERSION}",
+            )
+            return
+        if ident == self.client:  # the attached client, again
+            self._accept(ident, now)
+            return
+        if self.held is not None:
+            if self.held.ident != ident:
+                self._reject(ident, "another client is connecting to this stage")
+            return  # the same client again: its first hello is still held
+        silent = self.client is not None
+        if silent and now - self._seen < self._session_timeout:
+            self._reject(ident, "another client is attached to this stage")
+            return
+        if self.output_peers == 0:
+            self._accept(ident, now)
+            return
+        if silent:
+            why = (
+                "another client is attached to this stage: it has been silent for the session "
+                "timeout, but it is still connected to the output socket"
+            )
+        else:
+            why = (
+                f"another client is still connected to the output socket after "
+                f"{HELLO_HOLD_S:g} s (a client that sends bye must close its PULL socket)"
+            )
+        self.held = Held(ident, now + HELLO_HOLD_S, why)
+
+    def settle(self, now: float) -> None:
+        """Welcome the held ``hello`` once the output socket has no connection left; reject
+        it at its deadline. The input side calls it after every read while one is held,
+        and waits no longer than :meth:`wait_ms`."""
+        held = self.held
+        if held is None:
+            return
+        if self.output_peers == 0:
+            self.held = None
+            self._accept(held.ident, now)
+        elif now >= held.deadline:
+            self.held = None
+            self._reject(held.ident, held.why)
+
+    def wait_ms(self, now: float) -> int | None:
+        """How long the input side may wait for input before :meth:`settle` is due (``None``:
+        no limit)."""
+        if self.held is None:
+            return None
+        return max(0, math.ceil((self.held.deadline - now) * 1000))
+
+    def _bye(self, ident: bytes) -> None:
+        if ident == self.client:
+            self.client = None
+            self.state = SessionState.NONE
+            # After everything it sent (to_loop keeps arrival order).
+            self.to_loop.append(SessionChange(None))
+            self._tell_detached()
+        elif self.held is not None and self.held.ident == ident:
+            self.held = None  # it gave up waiting
+
+    def _accept(self, ident: bytes, now: float) -> None:
+        self._unheard = ident != self.client
+        if self._unheard:
+            # A new client: nothing queued for the previous one may reach it. (Its output
+            # connection is gone: a hello is only welcomed with no output peer.)
+            epoch, dropped = self._output.begin_session()
+            if dropped:
+                logger.info(
+                    "enginecore: dropped %d events of the previous client at a new session",
+                    dropped,
+                )
+            self.epoch = epoch
+            self.to_loop.append(SessionChange(epoch))
+            self.state = SessionState.WELCOMED
+        self.client = ident
+        self._seen = now
+        self._update_state()
+        self.replies.append((ident, self._welcome))
+
+    def output_peers_changed(self, delta: int) -> None:
+        """The output socket's monitor saw a connection accepted (+1) or closed (-1)."""
+        self.output_peers = max(0, self.output_peers + delta)
+        self._update_state()
+
+    def _update_state(self) -> None:
+        state = self.state
+        if state is not SessionState.NONE:
+            if self.output_peers > 0:
+                self.state = SessionState.CONNECTED
+            elif state is SessionState.CONNECTED:
+                self.state = SessionState.OUTPUT_LOST
+        self._tell_detached()
+
+    def _tell_detached(self) -> None:
+        # The outbox learns each change once; it logs nothing itself, so the drops of a
+        # detached period that ends are logged here.
+        detached = self.detached
+        if detached == self._told_detached:
+            return
+        self._told_detached = detached
+        log_detached_drops(self._output.set_detached(detached), self._output.detached_max)
+
+    def _reject(self, ident: bytes, reason: str) -> None:
+        reject = _wire.RejectMsg(_wire.PROTOCOL_VERSION, reason)
+        self.replies.append((ident, msgspec.msgpack.encode(reject)))
+
+
+def log_detached_drops(dropped: int, detached_max: int, *, at_exit: bool = False) -> None:
+    """Log, once per detached period, what the outbox dropped past its bound."""
+    if dropped:
+        logger.warning(
+            "enginecore: dropped %d events (one per output) while no client could read "
+            "them (the detached buffer holds %d)%s",
+            dropped,
+            detached_max,
+            "; the stage stopped before a client attached" if at_exit else "",
+        )
+
+
+def _invalid(value: object, what: str) -> str | None:
+    """Why a decoded *value* is not a valid wire value, or ``None`` if it is."""
+    try:
+        _codec.check_received(value, what)
+    except ValueError as exc:
+        return str(exc)
+    except RecursionError:  # msgspec decodes deeper values than check_received can walk
+        return f"{what}: nested too deeply"
+    return None

@@ -1,0 +1,456 @@
+"""The stage's half of the protocol without a socket or a thread (``_stage_session.py``):
+the handshake and sessions, validation into loop messages or scoped errors, the call table,
+and the outbox's view of the session (``SessionGate``). Time is passed in."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import pytest
+
+from enginecore import Abort, Add, Utility
+from enginecore.stage import _wire
+from enginecore.stage._controls import AddBurst, SessionChange, Stop
+from enginecore.stage._stage_session import (
+    HELLO_HOLD_S,
+    CallTable,
+    SessionGate,
+    SessionState,
+    StageSession,
+)
+
+A, B, C = b"client-a", b"client-b", b"client-c"
+V = _wire.PROTOCOL_VERSION
+
+
+class FakeOutput:
+    """The output side, as the session sees it: records what it is told."""
+
+    def __init__(self) -> None:
+        self.resync = False
+        self.epoch = 0
+        self.detached: list[bool] = []
+        self.dropped_at_attach = 0
+        self.detached_max = 8
+
+    def begin_session(self) -> tuple[int, int]:
+        self.epoch += 1
+        return self.epoch, 0
+
+    def set_detached(self, detached: bool) -> int:
+        self.detached.append(detached)
+        dropped, self.dropped_at_attach = self.dropped_at_attach, 0
+        return dropped
+
+
+def frame(*msg: Any) -> list[Any]:
+    return [msgspec.msgpack.encode(list(msg))]
+
+
+def replies(session: StageSession) -> list[tuple[bytes, Any]]:
+    out = [(ident, msgspec.msgpack.decode(body)) for ident, body in session.replies]
+    session.replies.clear()
+    return out
+
+
+def take(session: StageSession) -> tuple[list[Any], list[Any]]:
+    to_loop, events = list(session.to_loop), list(session.events)
+    session.to_loop.clear()
+    session.events.clear()
+    return to_loop, events
+
+
+@pytest.fixture
+def output() -> FakeOutput:
+    return FakeOutput()
+
+
+@pytest.fixture
+def calls() -> CallTable:
+    return CallTable()
+
+
+@pytest.fixture
+def session(output: FakeOutput, calls: CallTable) -> StageSession:
+    return StageSession(
+        output, calls, engine_name="eng", output_address="ipc://out", session_timeout=10.0
+    )
+
+
+def welcome(session: StageSession, ident: bytes = A, now: float = 0.0) -> None:
+    session.receive(ident, frame("hello", V, "test"), now)
+    [(who, reply)] = replies(session)
+    assert (who, reply[0]) == (ident, "welcome")
+    take(session)
+
+
+class TestHandshake:
+    def test_hello_is_welcomed_and_starts_a_session(
+        self, session: StageSession, output: FakeOutput
+    ) -> None:
+        assert session.state is SessionState.NONE
+        session.receive(A, frame("hello", V, "test"), 0.0)
+        [(who, reply)] = replies(session)
+        assert who == A
+        assert reply[:3] == ["welcome", V, "ipc://out"]
+        assert reply[4] == "eng"
+        assert session.state is SessionState.WELCOMED
+        assert session.client == A
+        assert session.epoch == 1
+        [change] = session.to_loop
+        assert isinstance(change, SessionChange)
+        assert change.epoch == 1
+        # A client that has not connected its PULL yet can read: not detached.
+        assert output.detached == [False]
+
+    def test_a_wrong_version_is_rejected(self, session: StageSession) -> None:
+        session.receive(A, frame("hello", V + 1, "test"), 0.0)
+        [(who, reply)] = replies(session)
+        assert who == A
+        assert reply[0] == "reject"
+        assert "not supported" in reply[2]
+        assert session.state is SessionState.NONE
+        assert not session.to_loop
+
+    def test_an_invalid_hello_is_rejected(self, session: StageSession) -> None:
+        session.receive(A, frame("hello", "two", "test"), 0.0)
+        [(_, reply)] = replies(session)
+        assert reply[0] == "reject"
+        assert reply[2].startswith("invalid hello: invalid message (")
+
+    def test_hello_again_from_the_attached_client_is_welcomed_in_the_same_session(
+        self, session: StageSession, output: FakeOutput
+    ) -> None:
+        welcome(session)
+        session.receive(A, frame("hello", V, "test"), 1.0)
+        [(_, reply)] = replies(session)
+        assert reply[0] == "welcome"
+        assert session.epoch == 1
+        assert output.epoch == 1
+        assert not session.to_loop
+
+    def test_another_client_is_rejected_while_the_attached_one_was_heard_recently(
+        self, session: StageSession
+    ) -> None:
+        welcome(session)
+        session.receive(A, frame("ping", 1), 5.0)
+        session.receive(B, frame("hello", V, "test"), 14.0)
+        [(who, reply)] = replies(session)
+        assert who == B
+        assert reply[0] == "reject"
+        assert reply[2] == "another client is attached to this stage"
+        assert session.client == A
+
+    def test_a_silent_client_is_taken_over(self, session: StageSession) -> None:
+        welcome(session)
+        session.receive(B, frame("hello", V, "test"), 10.0)
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (B, "welcome")
+        assert session.client == B
+        assert session.epoch == 2
+        [change] = session.to_loop
+        assert isinstance(change, SessionChange)
+        assert change.epoch == 2
+
+    def test_a_silent_client_still_connected_holds_the_hello_then_it_is_rejected(
+        self, session: StageSession
+    ) -> None:
+        welcome(session)
+        session.output_peers_changed(1)
+        session.receive(B, frame("hello", V, "test"), 20.0)
+        assert not session.replies
+        assert session.held is not None
+        assert session.wait_ms(20.0) == round(HELLO_HOLD_S * 1000)
+        session.settle(20.0 + HELLO_HOLD_S / 2)
+        assert not session.replies
+        session.settle(20.0 + HELLO_HOLD_S)
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (B, "reject")
+        assert "silent for the session timeout" in reply[2]
+        assert session.held is None
+        assert session.wait_ms(30.0) is None
+
+    def test_a_hello_is_held_until_the_output_socket_has_no_connection(
+        self, session: StageSession
+    ) -> None:
+        session.output_peers_changed(1)  # the previous client's PULL, after its bye
+        session.receive(A, frame("hello", V, "test"), 0.0)
+        assert session.held is not None
+        assert not session.replies
+        session.settle(0.1)
+        assert not session.replies
+        session.output_peers_changed(-1)
+        session.settle(0.2)
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (A, "welcome")
+        assert session.held is None
+        assert session.state is SessionState.WELCOMED
+
+    def test_a_held_hello_that_times_out_says_why(self, session: StageSession) -> None:
+        session.output_peers_changed(1)
+        session.receive(A, frame("hello", V, "test"), 0.0)
+        session.settle(HELLO_HOLD_S)
+        [(_, reply)] = replies(session)
+        assert reply[0] == "reject"
+        assert "still connected to the output socket" in reply[2]
+
+    def test_while_a_hello_is_held_another_is_rejected_and_the_same_one_waits(
+        self, session: StageSession
+    ) -> None:
+        session.output_peers_changed(1)
+        session.receive(A, frame("hello", V, "test"), 0.0)
+        session.receive(A, frame("hello", V, "test"), 0.1)
+        assert not session.replies
+        session.receive(B, frame("hello", V, "test"), 0.2)
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (B, "reject")
+        assert reply[2] == "another client is connecting to this stage"
+
+    def test_a_held_client_that_says_bye_gives_up(self, session: StageSession) -> None:
+        session.output_peers_changed(1)
+        session.receive(A, frame("hello", V, "test"), 0.0)
+        session.receive(A, frame("bye"), 0.1)
+        assert session.held is None
+        assert not session.to_loop
+        session.output_peers_changed(-1)
+        session.settle(0.2)
+        assert not session.replies
+
+
+class TestSessions:
+    def test_bye_ends_the_session_after_what_the_client_sent(
+        self, session: StageSession, output: FakeOutput
+    ) -> None:
+        welcome(session)
+        session.receive(A, frame("add", "r1", 1), 1.0)
+        session.receive(A, frame("bye"), 1.0)
+        add, change = session.to_loop
+        assert isinstance(add, Add)
+        assert isinstance(change, SessionChange)
+        assert change.epoch is None
+        assert session.state is SessionState.NONE
+        assert session.client is None
+        assert output.detached == [False, True]
+
+    def test_bye_from_another_client_changes_nothing(self, session: StageSession) -> None:
+        welcome(session)
+        session.receive(B, frame("bye"), 1.0)
+        assert session.client == A
+        assert not session.to_loop
+
+    def test_the_state_follows_the_clients_output_connection(
+        self, session: StageSession, output: FakeOutput
+    ) -> None:
+        welcome(session)
+        assert session.state is SessionState.WELCOMED
+        session.output_peers_changed(1)
+        assert session.state is SessionState.CONNECTED
+        session.output_peers_changed(-1)
+        assert session.state is SessionState.OUTPUT_LOST
+        assert session.detached
+        session.output_peers_changed(1)
+        assert session.state is SessionState.CONNECTED
+        # Told once per change: attached, lost, back.
+        assert output.detached == [False, True, False]
+
+    def test_output_peers_never_go_negative(self, session: StageSession) -> None:
+        session.output_peers_changed(-1)
+        assert session.output_peers == 0
+        assert session.state is SessionState.NONE
+
+    def test_the_first_message_of_a_new_client_resyncs_the_output_socket(
+        self, session: StageSession, output: FakeOutput
+    ) -> None:
+        welcome(session)
+        assert not output.resync
+        session.receive(B, frame("ping", 1), 1.0)  # not the client: no resync
+        assert not output.resync
+        session.receive(A, frame("ping", 2), 1.0)
+        assert output.resync
+        output.resync = False
+        session.receive(A, frame("ping", 3), 1.0)  # only the first
+        assert not output.resync
+
+    def test_drops_of_a_detached_period_are_logged_when_it_ends(
+        self, session: StageSession, output: FakeOutput, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        output.dropped_at_attach = 5
+        with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+            welcome(session)
+        assert "dropped 5 events" in caplog.text
+
+
+class TestValidation:
+    def test_valid_messages_become_loop_messages_in_arrival_order(
+        self, session: StageSession, calls: CallTable
+    ) -> None:
+        welcome(session)
+        session.receive(A, frame("add", "r1", {"k": [1, 2]}), 1.0)
+        session.receive(A, frame("abort", ["r1"]), 1.0)
+        session.receive(A, frame("utility", 7, "div", [1, 2]), 1.0)
+        session.receive(A, frame("adds", ["a", "b"], [1, None]), 1.0)
+        session.receive(A, frame("shutdown"), 1.0)
+        session.receive(A, frame("shutdown", 2.5), 1.0)
+        add, abort, utility, burst, stop, drain = session.to_loop
+        assert add == Add("r1", {"k": [1, 2]})
+        assert abort == Abort(["r1"])
+        assert isinstance(utility, Utility)
+        assert (utility.name, utility.args) == ("div", (1, 2))
+        assert calls.close(utility.call_id) == (1, 7)  # the session's epoch, the client's id
+        assert isinstance(burst, AddBurst)
+        assert (burst.req_ids, burst.data) == (["a", "b"], [1, None])
+        assert isinstance(stop, Stop)
+        assert stop.drain is None
+        assert isinstance(drain, Stop)
+        assert drain.drain == 2.5
+        assert not session.events
+
+    def test_ping_is_answered_with_pong(self, session: StageSession) -> None:
+        session.receive(A, frame("ping", 42), 0.0)
+        assert session.events == [("pong", 42)]
+        assert not session.to_loop
+
+    def test_an_invalid_add_payload_is_a_request_scoped_error(self, session: StageSession) -> None:
+        session.receive(A, frame("add", "r1", {1.5: "float key"}), 0.0)
+        to_loop, [(kind, rid, message)] = take(session)
+        assert not to_loop
+        assert (kind, rid) == ("error", "r1")
+        assert message.startswith("invalid message: data")
+
+    def test_an_adds_keeps_its_valid_items_and_scopes_an_error_to_each_bad_one(
+        self, session: StageSession
+    ) -> None:
+        session.receive(A, frame("adds", ["a", "b", "c"], [1, {1.5: 0}, 3]), 0.0)
+        [burst], [(kind, rid, message)] = take(session)
+        assert isinstance(burst, AddBurst)
+        assert (burst.req_ids, burst.data) == (["a", "c"], [1, 3])
+        assert (kind, rid) == ("error", "b")
+        assert message.startswith("invalid message: data")
+
+    def test_an_adds_with_unequal_lengths_errs_for_every_id(self, session: StageSession) -> None:
+        session.receive(A, frame("adds", ["a", "b"], [1]), 0.0)
+        to_loop, events = take(session)
+        assert not to_loop
+        what = "invalid message: adds has 2 request ids but 1 data items"
+        assert events == [("error", "a", what), ("error", "b", what)]
+        session.receive(A, frame("adds", [], [1]), 0.0)
+        assert take(session) == (
+            [],
+            [("error", None, "invalid message: adds has 0 request ids but 1 data items")],
+        )
+
+    def test_an_empty_adds_is_nothing(self, session: StageSession) -> None:
+        session.receive(A, frame("adds", [], []), 0.0)
+        assert take(session) == ([], [])
+
+    def test_an_invalid_utility_argument_fails_the_call_as_wire_md_shows(
+        self, session: StageSession, calls: CallTable
+    ) -> None:
+        session.receive(A, frame("utility", 9, "f", [{1.5: 0}]), 0.0)
+        to_loop, [(kind, call_id, result, error)] = take(session)
+        assert not to_loop
+        assert (kind, call_id, result) == ("utility", 9, None)
+        assert error.startswith("ProtocolError('invalid message: args[0]")
+        assert len(calls) == 0
+
+    @pytest.mark.parametrize("drain", [-1.0, float("inf"), float("nan")])
+    def test_a_shutdown_drain_that_is_not_a_number_at_least_zero_stops_nothing(
+        self, session: StageSession, drain: float
+    ) -> None:
+        session.receive(A, frame("shutdown", drain), 0.0)
+        to_loop, [(kind, rid, message)] = take(session)
+        assert not to_loop
+        assert (kind, rid) == ("error", None)
+        assert message.startswith("invalid message: shutdown drain must be >= 0")
+
+    def test_a_shutdown_with_nil_drain_stops_nothing(self, session: StageSession) -> None:
+        session.receive(A, frame("shutdown", None), 0.0)
+        to_loop, [(kind, rid, message)] = take(session)
+        assert not to_loop
+        assert (kind, rid) == ("error", None)
+        assert message.startswith("invalid message (")
+
+    def test_a_frame_that_is_not_msgpack_is_an_unscoped_error(self, session: StageSession) -> None:
+        session.receive(A, [b"\xc1"], 0.0)
+        to_loop, [(kind, rid, message)] = take(session)
+        assert not to_loop
+        assert (kind, rid) == ("error", None)
+        assert message.startswith("invalid message (1 bytes): ")
+
+    @pytest.mark.parametrize(
+        ("msg", "scoped"),
+        [
+            (("add", "r1"), [("error", "r1")]),
+            (("adds", ["a", "b"], "not a list"), [("error", "a"), ("error", "b")]),
+            (("utility", 5, 17, []), [("utility", 5)]),
+            (("abort", "r1"), [("error", None)]),
+            (("no such tag", 1), [("error", None)]),
+            ((1, 2, 3), [("error", None)]),
+        ],
+    )
+    def test_a_bad_frame_is_scoped_to_what_it_names(
+        self, session: StageSession, msg: tuple[Any, ...], scoped: list[tuple[Any, ...]]
+    ) -> None:
+        session.receive(A, frame(*msg), 0.0)
+        to_loop, events = take(session)
+        assert not to_loop
+        assert [ev[:2] for ev in events] == scoped
+        for ev in events:
+            text = ev[3] if ev[0] == "utility" else ev[2]
+            assert "invalid message (" in text
+
+    def test_a_failure_while_handling_a_frame_is_an_unscoped_error_not_a_crash(
+        self, session: StageSession, output: FakeOutput, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        def broken() -> tuple[int, int]:
+            raise RuntimeError("injected")
+
+        output.begin_session = broken  # type: ignore[method-assign]
+        with caplog.at_level(logging.ERROR, logger="enginecore.stage"):
+            session.receive(A, frame("hello", V, "test"), 0.0)
+        assert session.events == [
+            ("error", None, "stage failed to handle a frame: RuntimeError('injected')")
+        ]
+        assert "error while handling an input frame" in caplog.text
+
+
+class TestCallTable:
+    def test_ids_are_the_stages_and_each_call_closes_once(self) -> None:
+        table = CallTable()
+        a = table.open(1, 7)
+        b = table.open(2, 7)  # another client's call 7
+        assert a != b
+        assert len(table) == 2
+        assert table.close(b) == (2, 7)
+        assert table.close(a) == (1, 7)
+        assert table.close(a) is None
+        assert len(table) == 0
+
+
+class TestSessionGate:
+    def test_loop_events_of_a_previous_session_are_dropped(self) -> None:
+        gate = SessionGate(detached_max=10)
+        gate.set_detached(False)
+        assert gate.admit_loop(False, 1)
+        epoch = gate.begin()
+        assert gate.gated
+        assert not gate.admit_loop(False, 1)  # the loop has not applied the new session
+        gate.loop_begun(epoch)
+        assert not gate.gated
+        assert gate.admit_loop(False, 1)
+
+    def test_detached_keeps_up_to_the_bound_and_counts_the_rest(self) -> None:
+        gate = SessionGate(detached_max=3)
+        assert gate.detached
+        assert gate.admit(False, 2)
+        assert not gate.admit(False, 2)
+        assert gate.admit(False, 1)
+        assert gate.admit(True, 100)  # the last event is never dropped
+        assert gate.take_dropped() == 2
+        assert not gate.admit(False, 1)
+        assert gate.set_detached(False) == 1  # the period's drops, and counting restarts
+        assert not gate.gated
+        gate.set_detached(True)
+        assert gate.admit(False, 3)
