@@ -435,7 +435,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                 _session.raise_end(session.events_end, StopAsyncIteration)
             wakeup: asyncio.Future[None] = self._loop.create_future()
             self._event_waiters.append(wakeup)
-            session.events_waiting = True
+            session.wait_for_events()
             try:
                 if not await _until(wakeup, deadline) and not buf:
                     raise TimeoutError(f"no stage event within {timeout} s")
@@ -632,7 +632,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         disconnect from the stage's output, so that a stage that was only unreachable or
         stopped takes the next client at once instead of after its session timeout. The
         input socket stays open (closed by :meth:`close`)."""
-        self._session.release_due = False
+        self._session.released()
         self._stop_reading()
         with contextlib.suppress(zmq.ZMQError, StageClosedError):
             self._send(_session.BYE_FRAME)
