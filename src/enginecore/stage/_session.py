@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from . import _codec, _wire
+from ._codec import encode_plain, only_types
 from ._errors import (
     EngineDeadError,
     ProtocolError,
@@ -53,7 +54,6 @@ from ._errors import (
     UtilityError,
     describe_exit,
 )
-from ._routing import only_types
 from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, Resumed, Stalled, UtilityResult
 
 __all__ = [
@@ -71,7 +71,6 @@ __all__ = [
     "End",
     "StageState",
     "StreamCore",
-    "encode_plain",
     "event_stream_off",
     "events_before_end",
     "output_address_for",
@@ -92,16 +91,6 @@ EXIT_AFTER_LAST_EVENT_S: Final = 1.0
 
 Parts = list[Any]
 """One multipart message: ``[body, *buffers]`` (bytes or memoryviews)."""
-
-
-def encode_plain(msg: object, what: str) -> bytes:
-    """msgpack of a value of plain wire types (no arrays, no buffers), as one ``bytes``.
-    Raises :class:`TypeError` if msgspec refuses it (a ``str`` with a lone surrogate is not
-    UTF-8, an ``int`` is out of range, an array needs :func:`_encode`)."""
-    try:
-        return msgspec.msgpack.encode(msg)
-    except _codec.ENCODE_ERRORS as exc:
-        raise TypeError(f"{what} cannot be encoded: {exc}") from exc
 
 
 HELLO_FRAME: Final = [encode_plain(("hello", _wire.PROTOCOL_VERSION, CLIENT_NAME), "hello")]

@@ -35,8 +35,9 @@ from .._exceptions import RequestRejected
 from .._messages import Abort, Add, Event, Utility
 from .._messages import make_add as make_add_message
 from . import _codec
+from ._codec import only_types
 from ._outbox import BACKLOG_MAX, Outbox
-from ._routing import make_router, only_types
+from ._routing import make_router
 from ._watchdog import StepWatchdog
 
 logger = logging.getLogger("enginecore.stage")
