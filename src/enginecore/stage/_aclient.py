@@ -1,4 +1,4 @@
-"""AsyncStageClient: the asyncio client of a stage process, on ``zmq.asyncio``.
+"""AsyncStageClient: the asyncio client of a stage process.
 
 The protocol is :class:`~enginecore.stage._session.ClientSession`'s, as for the blocking
 client; this module owns the IO: the sockets, the output socket's reader, the liveness timer,
@@ -11,7 +11,9 @@ per frame, about 20 µs of a utility round trip here. ``ZMQ_FD`` only signals th
 changed, and stays quiet while frames that were there already wait: the reader therefore
 reads one frame, then calls itself again on the next loop iteration, until ``recv()`` finds
 nothing (which also re-arms the signal). One frame (a step) per loop iteration, so the
-tasks that a frame woke run before the next one is read.
+tasks that a frame woke run before the next one is read. Sends do not wait either (a plain
+view of the DEALER, ``NOBLOCK``; it has no high-water mark): ``zmq.asyncio`` is awaited only
+for the handshake.
 """
 
 from __future__ import annotations
