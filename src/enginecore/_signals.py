@@ -28,9 +28,11 @@ def shutdown_on_signals(
 
     The handler does nothing else: no logging, no ``Queue.put``, no lock that the interrupted
     thread might hold. That matters because Python runs handlers in the main thread between
-    bytecodes, possibly while that thread is inside ``input_queue.get_nowait()`` holding the
-    queue's non-reentrant mutex; :meth:`EngineCoreLoop.request_shutdown` is written to be safe
-    there. On exit the previous handlers are restored, even if the block raised.
+    bytecodes, possibly while that thread holds the queue's non-reentrant mutex: in the
+    loop's drain (which copies and clears ``input_queue.queue`` under ``input_queue.mutex``),
+    inside ``input_queue.get()``, or inside a ``put()``;
+    :meth:`EngineCoreLoop.request_shutdown` is written to be safe there. On exit the previous
+    handlers are restored, even if the block raised.
 
     Must be entered in the main thread (a :class:`ValueError` from :func:`signal.signal`
     otherwise, re-raised with a clearer message). Repeated signals are harmless:

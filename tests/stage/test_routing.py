@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from enginecore import CountdownEngine
-from enginecore.stage._routing import make_router, only_bools, only_types
+from enginecore.stage._codec import only_types
+from enginecore.stage._routing import make_router, only_bools
 from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
 

@@ -113,7 +113,7 @@ class TestRouting:
     def test_a_waiting_consumer_is_woken_once_per_frame(self) -> None:
         s = session()
         a, b = open_streams(s, "a", "b")
-        a._waiting = True
+        assert not a._take(wait=True)  # its consumer waits
         d = received(s, frame(outputs(("a", False, 3), ("a", False, 2)), outputs(("a", False, 1))))
         assert d.wake == [a]  # once, though three outputs came
         assert not a._waiting
@@ -137,7 +137,7 @@ class TestRouting:
     def test_aborted_ends_the_streams_it_lists(self) -> None:
         s = session()
         a, b = open_streams(s, "a", "b")
-        b._waiting = True
+        assert not b._take(wait=True)  # its consumer waits
         d = received(s, frame(["aborted", ["b", "unknown"]]))
         assert list(b._buf) == [ABORTED]
         assert d.wake == [b]
@@ -281,7 +281,7 @@ class TestEventStream:
 
     def test_the_events_of_a_frame_are_one_hand_off(self) -> None:
         s = session(ordered_events=True)
-        s.events_waiting = True
+        s.wait_for_events()
         d = received(s, frame(outputs(("a", False, 1)), ["aborted", ["a"]]))
         assert d.wake_events
         assert not s.events_waiting
@@ -295,6 +295,95 @@ class TestEventStream:
         assert s.events is None
         with pytest.raises(RuntimeError, match="ordered_events=True"):
             s.open_requests(["a"], None)
+
+
+class TestState:
+    """The state is read through properties and changed only through the session's methods
+    (as h11's ``our_state``)."""
+
+    @pytest.mark.parametrize(
+        "name",
+        [
+            "streams",
+            "calls",
+            "state",
+            "failure",
+            "closing",
+            "events",
+            "events_waiting",
+            "events_end",
+            "last_heard",
+            "release_due",
+        ],
+    )
+    def test_is_read_only_from_outside(self, name: str) -> None:
+        s = session(ordered_events=True)
+        before = getattr(s, name)
+        with pytest.raises(AttributeError):
+            setattr(s, name, before)
+
+    def test_register_streams_registers_without_checks_and_cancel_forgets(self) -> None:
+        s = session()
+        a, b = StreamCore("a"), StreamCore("b")
+        s.register_streams(["a", "b"], [a, b])
+        assert dict(s.streams) == {"a": a, "b": b}
+        received(s, frame(outputs(("b", True, 1))))
+        assert list(b._buf) == [1, FINISHED]
+        s.cancel_streams(["a", "unknown"])
+        assert dict(s.streams) == {}
+
+    def test_waiting_for_events_is_cleared_by_the_next_event_or_by_the_consumer(self) -> None:
+        s = session(ordered_events=True)
+        assert not s.events_waiting
+        s.wait_for_events()
+        assert s.events_waiting
+        s.stop_waiting_for_events()  # the consumer timed out
+        assert not s.events_waiting
+        assert not received(s, frame(["aborted", ["a"]])).wake_events
+        s.wait_for_events()
+        assert received(s, frame(["aborted", ["b"]])).wake_events
+        assert not s.events_waiting
+
+    def test_release_due_after_a_heartbeat_death_until_released(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 5.0), now=0.0)
+        assert not s.release_due
+        assert s.tick(5.0)[2] is not None
+        assert s.release_due
+        s.released()
+        assert not s.release_due
+
+    def test_no_release_due_when_the_client_was_closing(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 5.0), now=0.0)
+        s.begin_close()
+        assert s.closing
+        assert s.tick(5.0)[2] is not None
+        assert not s.release_due
+
+
+class TestStreamCoreReceiverSide:
+    def test_route_appends_ends_finished_streams_and_wakes_each_waiter_once(self) -> None:
+        a, b, c = StreamCore("a"), StreamCore("b"), StreamCore("c")
+        assert not a._take(wait=True)  # a's consumer waits; b's and c's do not
+        streams = {"a": a, "b": b, "c": c}
+        wake: list[StreamCore] = []
+        StreamCore._route(
+            streams, ["a", "x", "b", "a"], [False, False, True, False], [1, 2, 3, 4], wake
+        )
+        assert wake == [a]
+        assert not a._waiting
+        assert list(a._buf) == [1, 4]
+        assert list(b._buf) == [3, FINISHED]
+        assert list(c._buf) == []
+        assert set(streams) == {"a", "c"}
+
+    def test_end_with_appends_the_end_and_says_whether_the_consumer_waited(self) -> None:
+        a, b = StreamCore("a"), StreamCore("b")
+        assert not a._take(wait=True)
+        assert a._end_with(ABORTED)
+        assert not a._waiting
+        assert not b._end_with(FINISHED)
+        assert list(a._buf) == [ABORTED]
+        assert list(b._buf) == [FINISHED]
 
 
 class TestLastEvent:
@@ -381,10 +470,10 @@ class TestFail:
     def test_fails_once_with_the_same_object_everywhere(self) -> None:
         s = session(ordered_events=True)
         a, b = open_streams(s, "a", "b")
-        a._waiting = True
+        assert not a._take(wait=True)  # its consumer waits
         w = Waiter()
         s.open_call(3, w, "echo")
-        s.events_waiting = True
+        s.wait_for_events()
         err = EngineDeadError("gone")
         d = s.fail(err)
         assert d is not None

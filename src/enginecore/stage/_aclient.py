@@ -1,4 +1,4 @@
-"""AsyncStageClient: the asyncio client of a stage process, on ``zmq.asyncio``.
+"""AsyncStageClient: the asyncio client of a stage process.
 
 The protocol is :class:`~enginecore.stage._session.ClientSession`'s, as for the blocking
 client; this module owns the IO: the sockets, the output socket's reader, the liveness timer,
@@ -11,7 +11,9 @@ per frame, about 20 µs of a utility round trip here. ``ZMQ_FD`` only signals th
 changed, and stays quiet while frames that were there already wait: the reader therefore
 reads one frame, then calls itself again on the next loop iteration, until ``recv()`` finds
 nothing (which also re-arms the signal). One frame (a step) per loop iteration, so the
-tasks that a frame woke run before the next one is read.
+tasks that a frame woke run before the next one is read. Sends do not wait either (a plain
+view of the DEALER, ``NOBLOCK``; it has no high-water mark): ``zmq.asyncio`` is awaited only
+for the handshake.
 """
 
 from __future__ import annotations
@@ -435,7 +437,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                 _session.raise_end(session.events_end, StopAsyncIteration)
             wakeup: asyncio.Future[None] = self._loop.create_future()
             self._event_waiters.append(wakeup)
-            session.events_waiting = True
+            session.wait_for_events()
             try:
                 if not await _until(wakeup, deadline) and not buf:
                     raise TimeoutError(f"no stage event within {timeout} s")
@@ -632,7 +634,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         disconnect from the stage's output, so that a stage that was only unreachable or
         stopped takes the next client at once instead of after its session timeout. The
         input socket stays open (closed by :meth:`close`)."""
-        self._session.release_due = False
+        self._session.released()
         self._stop_reading()
         with contextlib.suppress(zmq.ZMQError, StageClosedError):
             self._send(_session.BYE_FRAME)

@@ -201,8 +201,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     (see the module docstring); done-callbacks of futures then run on the thread reading.
     """
 
-    # Lock rules: _lock guards the session (streams, calls, failure, closing, the event
-    # buffer's waiting flag) and who reads the output socket (_owner, _want); the reader
+    # Lock rules: _lock guards the session (every session method that changes its state:
+    # streams, calls, failure, closing, the event stream's waiting flag, release_due) and
+    # who reads the output socket (_owner, _want); the reader
     # takes it once per frame, and it is never held while user code runs (futures are
     # resolved after release, see _apply) nor while waiting for _send_lock's socket: only
     # _send_nowait (add_many's frame, NOBLOCK) takes _send_lock under it, and nothing takes
@@ -532,12 +533,12 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                         _session.raise_end(session.events_end, StopIteration)
                     if buf:
                         continue
-                    session.events_waiting = True
+                    session.wait_for_events()
                 try:
                     self._event_wakeup.get(timeout=_left(deadline))
                 except queue.Empty:
                     with self._lock:
-                        session.events_waiting = False
+                        session.stop_waiting_for_events()
                     if not buf:
                         raise TimeoutError(f"no stage event within {timeout} s") from None
         finally:
@@ -768,7 +769,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         dead: send a best-effort ``bye`` and disconnect from the stage's output, so that a
         stage that was only unreachable or stopped takes the next client at once instead of
         after its session timeout. The input socket stays open (closed by :meth:`close`)."""
-        self._session.release_due = False
+        with self._lock:
+            self._session.released()
         with self._send_lock:
             if self._sockets_closed:
                 return

@@ -114,7 +114,7 @@ class ClientBase(Generic[S, W]):
                 sent = self._send_nowait(parts)
                 if sent:
                     early = [self._stream_type(rid, lock) for rid in req_ids]
-                    session.streams.update(zip(req_ids, early, strict=True))
+                    session.register_streams(req_ids, early)
             if sent:
                 self._sent()
                 return early

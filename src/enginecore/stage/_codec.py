@@ -34,6 +34,8 @@ __all__ = [
     "Invalid",
     "check_encodable",
     "check_received",
+    "encode_plain",
+    "only_types",
     "prepare",
     "recover_head",
     "send_parts",
@@ -63,6 +65,32 @@ FLAT_TYPES: Final = frozenset({type(None), bool, int, float, str})
 ENCODE_ERRORS: Final = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
 """What msgspec raises for a value it cannot encode (a lone surrogate: UnicodeEncodeError,
 an int out of range: OverflowError)."""
+
+
+def only_types(items: list[Any], allowed: frozenset[Any]) -> bool:
+    """Whether the exact type of every item of *items* is in *allowed* (no subclasses: msgspec
+    refuses a subclass of ``str``). In C; ~7 ns an item when every item has the type of the
+    first, the common case (one count over the types, which compares by identity), against
+    ~12 ns for ``set(map(type, items)) <= allowed``, which mixed types still take. Both
+    sides use it: the client on ``add_many()`` pairs, the stage on every step's columns
+    (three of these per step, on 2,000 outputs in the burst benchmark)."""
+    types = list(map(type, items))
+    if not types:
+        return True
+    first = types[0]
+    if first in allowed and types.count(first) == len(types):
+        return True
+    return set(types) <= allowed
+
+
+def encode_plain(msg: object, what: str) -> bytes:
+    """msgpack of a value of plain wire types (no arrays, no buffers), as one ``bytes``.
+    Raises :class:`TypeError` if msgspec refuses it (a ``str`` with a lone surrogate is not
+    UTF-8, an ``int`` is out of range, an array needs an :class:`Encoder`)."""
+    try:
+        return msgspec.msgpack.encode(msg)
+    except ENCODE_ERRORS as exc:
+        raise TypeError(f"{what} cannot be encoded: {exc}") from exc
 
 
 class _Wrapped:

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import msgspec
 
-from . import _process, _session, _wire
+from . import _codec, _wire
 from ._errors import StageStartupError, describe_exit
 from ._watchdog import STEP_TIMEOUT, check_watchdog
 
@@ -146,7 +146,7 @@ def launch_process(
     _wire.check_encodable(kwargs, "factory kwargs")
     if not all(type(k) is str for k in kwargs):
         raise TypeError("factory kwargs must have str keys")
-    kwargs_frame = _session.encode_plain(kwargs, "factory kwargs")
+    kwargs_frame = _codec.encode_plain(kwargs, "factory kwargs")
 
     if cancel is not None and multiprocessing.connection.wait([cancel], 0):
         raise LaunchCancelled(f"the launch of stage {factory!r} was cancelled")
@@ -160,6 +160,10 @@ def launch_process(
         )
     input_address = f"ipc://{input_path}"
     output_address = f"ipc://{os.path.join(ipc_dir, 'out')}"
+
+    # The spawn target, imported here and not at the top: it loads the whole stage runtime,
+    # which a client process never needs (the child imports it again, by name, anyway).
+    from . import _process
 
     ctx = multiprocessing.get_context("spawn")  # fork + threads is unsafe
     parent_conn, child_conn = ctx.Pipe(duplex=True)

@@ -12,7 +12,9 @@ from typing import Any, Final, NoReturn
 
 import msgspec
 
-__all__ = ["Route", "make_router", "only_bools", "only_types"]
+from ._codec import only_types
+
+__all__ = ["Route", "make_router", "only_bools"]
 
 Route = Callable[[Iterable[Any], list[Any], list[Any], list[Any]], None]
 """``route(step_outputs, req_ids, finished, payloads)``: appends one step's routed outputs to
@@ -23,25 +25,10 @@ _RID_TYPES: Final = frozenset({str, type(None)})
 _BOOL_LIST: Final = list[bool]
 
 
-def only_types(items: list[Any], allowed: frozenset[Any]) -> bool:
-    """Whether the exact type of every item of *items* is in *allowed* (no subclasses: msgspec
-    refuses a subclass of ``str``). In C; ~7 ns an item when every item has the type of the
-    first, the common case (one count over the types, which compares by identity), against
-    ~12 ns for ``set(map(type, items)) <= allowed``, which mixed types still take. Three of
-    these run per step, on 2,000 outputs in the burst benchmark."""
-    types = list(map(type, items))
-    if not types:
-        return True
-    first = types[0]
-    if first in allowed and types.count(first) == len(types):
-        return True
-    return set(types) <= allowed
-
-
 def only_bools(items: list[Any]) -> bool:
     """Whether every item of *items* is a ``bool`` (``bool`` has no subclasses; ``0`` and
     ``1`` are not bools). msgspec's strict conversion checks it in C: ~2.5 ns an item,
-    against ~7.5 for :func:`only_types` (the copy it makes is dropped)."""
+    against ~7.5 for :func:`_codec.only_types` (the copy it makes is dropped)."""
     try:
         msgspec.convert(items, _BOOL_LIST)
     except msgspec.ValidationError:

@@ -14,8 +14,10 @@ numpy arrays and buffers travel as out-of-band frames. A frame is a list of part
 
 Lifecycle. The stage side is :class:`StageState` (``RUNNING`` -> ``STOPPED`` when its last
 event, ``shutdown`` or ``fatal``, arrives -> ``GONE`` once :attr:`ClientSession.failure` is
-set and every waiter has it). The client side is :attr:`ClientSession.closing`, set by
-``close()``. After ``GONE`` nothing is registered and frames are ignored.
+set and every waiter has it). The client side is :attr:`ClientSession.closing`, set when
+``close()`` calls :meth:`ClientSession.begin_close`. After ``GONE`` nothing is registered and
+frames are ignored. Callers read this state through read-only properties and change it only
+through the session's methods.
 
 Liveness (both clients, same rule). A launched stage is gone when its process exits; the
 frames still in flight are read for up to ``EXIT_GRACE_S`` (less if the last event comes),
@@ -35,7 +37,7 @@ import enum
 import itertools
 import secrets
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, Generic, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
@@ -43,6 +45,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from . import _codec, _wire
+from ._codec import encode_plain, only_types
 from ._errors import (
     EngineDeadError,
     ProtocolError,
@@ -51,7 +54,6 @@ from ._errors import (
     UtilityError,
     describe_exit,
 )
-from ._routing import only_types
 from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, Resumed, Stalled, UtilityResult
 
 __all__ = [
@@ -69,7 +71,6 @@ __all__ = [
     "End",
     "StageState",
     "StreamCore",
-    "encode_plain",
     "event_stream_off",
     "events_before_end",
     "output_address_for",
@@ -90,16 +91,6 @@ EXIT_AFTER_LAST_EVENT_S: Final = 1.0
 
 Parts = list[Any]
 """One multipart message: ``[body, *buffers]`` (bytes or memoryviews)."""
-
-
-def encode_plain(msg: object, what: str) -> bytes:
-    """msgpack of a value of plain wire types (no arrays, no buffers), as one ``bytes``.
-    Raises :class:`TypeError` if msgspec refuses it (a ``str`` with a lone surrogate is not
-    UTF-8, an ``int`` is out of range, an array needs :func:`_encode`)."""
-    try:
-        return msgspec.msgpack.encode(msg)
-    except _codec.ENCODE_ERRORS as exc:
-        raise TypeError(f"{what} cannot be encoded: {exc}") from exc
 
 
 HELLO_FRAME: Final = [encode_plain(("hello", _wire.PROTOCOL_VERSION, CLIENT_NAME), "hello")]
@@ -175,20 +166,24 @@ NO_LOCK: Final = contextlib.nullcontext()
 """The lock of a stream (and client) that lives on one thread: the asyncio client's."""
 
 
+_SC = TypeVar("_SC", bound="StreamCore")
+
+
 class StreamCore:
     """What the session knows of one request's stream: its buffer and whether its consumer
     waits. The base of :class:`~enginecore.stage.RequestStream` and
     :class:`~enginecore.stage.AsyncRequestStream`, which add the waiting.
 
-    Two lists. The receiver appends payloads, then at most one :class:`End`, to ``_buf``,
-    under ``_lock``; when it appends to a stream whose ``_waiting`` is set, it clears the
-    flag and hands the stream back in :attr:`Deliveries.wake`, so a consumer is woken once
-    per frame, not per output. The one consumer reads ``_ready`` from ``_pos`` on, without
-    the lock; when it has read everything, it takes ``_buf`` as its new ``_ready`` (swapping
-    in an empty list, under the lock; once ``_buf`` ends with an :class:`End`, the receiver
-    is done with it, and ``collect()`` takes it without the lock). Lists rather than a
-    ``deque``: a deque allocates a 528-byte block outside pymalloc (about 0.4 us and 760
-    bytes a stream), and a burst makes thousands of streams.
+    Two lists. The receiver (the session, through :meth:`_route` and :meth:`_end_with`)
+    appends payloads, then at most one :class:`End`, to ``_buf``, under ``_lock``; when it
+    appends to a stream whose ``_waiting`` is set, it clears the flag and hands the stream
+    back in :attr:`Deliveries.wake`, so a consumer is woken once per frame, not per output.
+    The one consumer reads ``_ready`` from ``_pos`` on, without the lock; when it has read
+    everything, it takes ``_buf`` as its new ``_ready`` (swapping in an empty list, under the
+    lock; once ``_buf`` ends with an :class:`End`, the receiver is done with it, and
+    ``collect()`` takes it without the lock). Lists rather than a ``deque``: a deque
+    allocates a 528-byte block outside pymalloc (about 0.4 us and 760 bytes a stream), and a
+    burst makes thousands of streams.
     """
 
     __slots__ = ("_buf", "_end", "_lock", "_pos", "_ready", "_waiting", "_wakeup", "req_id")
@@ -303,6 +298,45 @@ class StreamCore:
         self._ready = out
         self._pos = 0
 
+    # The receiver's side: ClientSession calls these under the stream's lock (the client's).
+
+    @staticmethod
+    def _route(
+        streams: dict[str, _SC],
+        req_ids: Sequence[str],
+        finished: Sequence[bool],
+        payloads: Sequence[Any],
+        wake: list[_SC],
+    ) -> None:
+        """Receiver: append one outputs event's payloads to their streams in *streams* (the
+        session's live streams), ids without a stream skipped; a finished request's stream
+        also gets :data:`FINISHED` and leaves *streams*. A stream whose consumer waits has
+        the flag cleared and goes to *wake*, once. One call per event, not per output: a
+        call per output costs ~50 ns more each, on the hottest path of the receiver."""
+        get = streams.get
+        for rid, fin, payload in zip(req_ids, finished, payloads, strict=True):
+            stream = get(rid)
+            if stream is None:
+                continue  # unrouted, not streamed (stream=False), or ended already
+            buf = stream._buf
+            buf.append(payload)
+            if fin:
+                buf.append(FINISHED)
+                del streams[rid]
+            if stream._waiting:
+                stream._waiting = False
+                wake.append(stream)
+
+    def _end_with(self, end: End) -> bool:
+        """Receiver: append *end*, the last item this stream ever receives (the session
+        forgets it). Whether the consumer was waiting: the flag is then cleared, and the
+        caller must wake it."""
+        self._buf.append(end)
+        if self._waiting:
+            self._waiting = False
+            return True
+        return False
+
 
 # -- what a frame means ---------------------------------------------------------------------
 
@@ -364,6 +398,11 @@ class ClientSession(Generic[S, W]):
     changes state under its lock; the frame builders (``*_frame``) touch no state and are
     thread-safe. Never blocks, never calls user code. *now* arguments are
     ``time.monotonic()`` readings (injected, so tests can drive the clock).
+
+    The state is read through read-only properties and changed only by the methods (as
+    h11's ``our_state``): no caller assigns it. :attr:`streams` and :attr:`calls` are the
+    session's own dicts, typed as read-only mappings; :attr:`events` is the event buffer,
+    which consumers pop from (:func:`take_events`) and only the session appends to.
     """
 
     def __init__(
@@ -380,29 +419,31 @@ class ClientSession(Generic[S, W]):
         self.address: Final = address
         self.launched: Final = launched
         self.heartbeat: Final = heartbeat
-        self.streams: dict[str, S] = {}
+        self._streams: dict[str, S] = {}
         # call id -> (waiter, utility name). Call ids are consecutive from a random start in
         # 1 .. 2**52: a stage answers every call it received, even after its caller detached,
         # and that answer goes to the next client attached; a random start keeps it from
         # matching one of that client's calls. Below 2**53, ids stay exact as JS doubles.
-        self.calls: dict[int, tuple[W, str]] = {}
+        self._calls: dict[int, tuple[W, str]] = {}
         self._call_ids: Iterator[int] = itertools.count(secrets.randbits(52) + 1)
-        self.state = StageState.RUNNING
-        self.failure: BaseException | None = None  # set once, with state GONE
-        self.closing = False  # close() has begun: nothing new is registered
-        self.fatal: str | None = None  # the fatal event's message, if one came
+        self._state = StageState.RUNNING
+        self._failure: BaseException | None = None  # set once, with state GONE
+        self._closing = False  # close() has begun: nothing new is registered
+        self._fatal: str | None = None  # the fatal event's message, if one came
         # The ordered event stream (None when off): events in the stage's order, then at
-        # most one End. Consumers pop from it; events_waiting as StreamCore._waiting.
-        self.events: collections.deque[Any] | None = collections.deque() if ordered_events else None
-        self.events_waiting = False
-        self.events_end: End | None = None  # the End appended to events, once it is
-        self.last_heard = now
-        self.step_stalled = False  # the stage reported a step past its step_timeout
+        # most one End. Consumers pop from it; _events_waiting as StreamCore._waiting.
+        self._events: collections.deque[Any] | None = (
+            collections.deque() if ordered_events else None
+        )
+        self._events_waiting = False
+        self._events_end: End | None = None  # the End appended to events, once it is
+        self._last_heard = now
+        self._step_stalled = False  # the stage reported a step past its step_timeout
         self._silent = False  # warned that the stage has not answered for two intervals
         # Set when the heartbeat presumed a connected stage dead: the client should send a
-        # bye and close its output socket (release_session), so that a stage that was only
-        # unreachable or stopped lets the next client attach at once.
-        self.release_due = False
+        # bye and close its output socket (its _release_session), so that a stage that was
+        # only unreachable or stopped lets the next client attach at once.
+        self._release_due = False
         self._next_ping = now
         self._ping_seq = itertools.count()
         self._exit_code: int | None = None
@@ -410,6 +451,66 @@ class ClientSession(Generic[S, W]):
         self._grace_until: float | None = None  # set when the process exited first
         self._linger_until: float | None = None  # set when the last event came first
         self._decoder = _codec.Decoder(_wire.EventBatch, strict=True)  # receiver's only
+
+    # -- the state, read-only ------------------------------------------------------------------
+
+    @property
+    def streams(self) -> Mapping[str, S]:
+        """The live streams, by request id: registered by :meth:`open_request` and its
+        kin, forgotten when their end is appended."""
+        return self._streams
+
+    @property
+    def calls(self) -> Mapping[int, tuple[W, str]]:
+        """The utility calls in flight: call id -> ``(waiter, utility name)``."""
+        return self._calls
+
+    @property
+    def state(self) -> StageState:
+        """The stage's lifecycle as this session sees it."""
+        return self._state
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What every waiter gets once the stage is gone (set once, with :attr:`state`
+        ``GONE``); ``None`` before."""
+        return self._failure
+
+    @property
+    def closing(self) -> bool:
+        """Whether ``close()`` has begun (:meth:`begin_close`): nothing new is registered."""
+        return self._closing
+
+    @property
+    def events(self) -> collections.deque[Any] | None:
+        """The ordered event stream's buffer (``None`` when it is off): events in the stage's
+        order, then at most one :class:`End`. Consumers pop from it; only the session
+        appends."""
+        return self._events
+
+    @property
+    def events_waiting(self) -> bool:
+        """Whether the event stream's consumer waits (:meth:`wait_for_events`): the next
+        event appended clears it and sets :attr:`Deliveries.wake_events`."""
+        return self._events_waiting
+
+    @property
+    def events_end(self) -> End | None:
+        """The :class:`End` appended to :attr:`events`, once it is."""
+        return self._events_end
+
+    @property
+    def last_heard(self) -> float:
+        """When the last frame from the stage arrived (a ``time.monotonic()`` reading)."""
+        return self._last_heard
+
+    @property
+    def release_due(self) -> bool:
+        """Whether the heartbeat presumed a connected stage dead while this client was not
+        closing: the client should send a ``bye`` and close its output socket, so that a
+        stage that was only unreachable or stopped lets the next client attach at once; it
+        then calls :meth:`released`."""
+        return self._release_due
 
     # -- frames (thread-safe, no state) ------------------------------------------------------
 
@@ -516,28 +617,28 @@ class ClientSession(Generic[S, W]):
     def check_open(self) -> None:
         """Raise the failure (the same object every time), or
         :class:`~enginecore.stage.StageClosedError` once closing has begun."""
-        if self.failure is not None:
-            raise self.failure
-        if self.closing:
+        if self._failure is not None:
+            raise self._failure
+        if self._closing:
             raise StageClosedError("this stage client is closed")
 
     def check_free(self, req_ids: Iterable[str]) -> None:
         """:class:`ValueError` if one of *req_ids* still has a live stream."""
-        streams = self.streams
+        streams = self._streams
         if streams and not streams.keys().isdisjoint(req_ids):
             live = next(rid for rid in req_ids if rid in streams)
             raise ValueError(f"request {live!r} is still live in this client")
 
     def open_request(self, req_id: str, stream: S | None) -> None:
         """:meth:`open_requests` for one request, without the lists (``add()`` is hot)."""
-        if self.failure is not None or self.closing:
+        if self._failure is not None or self._closing:
             self.check_open()
-        streams = self.streams
+        streams = self._streams
         if req_id in streams:
             raise ValueError(f"request {req_id!r} is still live in this client")
         if stream is not None:
             streams[req_id] = stream
-        elif self.events is None:
+        elif self._events is None:
             raise event_stream_off()
 
     def open_requests(self, req_ids: list[str], streams: Sequence[S] | None) -> None:
@@ -548,15 +649,21 @@ class ClientSession(Generic[S, W]):
         self.check_open()
         self.check_free(req_ids)
         if streams is None:
-            if self.events is None:
+            if self._events is None:
                 raise event_stream_off()
         else:
-            self.streams.update(zip(req_ids, streams, strict=True))
+            self._streams.update(zip(req_ids, streams, strict=True))
+
+    def register_streams(self, req_ids: list[str], streams: Sequence[S]) -> None:
+        """Register *streams* for *req_ids* (in the same order) without the checks of
+        :meth:`open_requests`: for a caller that made them (:meth:`check_open`,
+        :meth:`check_free`) under the same hold of the lock, then sent the frame first."""
+        self._streams.update(zip(req_ids, streams, strict=True))
 
     def cancel_streams(self, req_ids: Iterable[str]) -> None:
         """Forget streams whose frame could not be sent."""
         for rid in req_ids:
-            self.streams.pop(rid, None)
+            self._streams.pop(rid, None)
 
     def new_call_id(self) -> int:
         """The next call id (thread-safe: ``itertools.count`` steps atomically)."""
@@ -565,14 +672,25 @@ class ClientSession(Generic[S, W]):
     def open_call(self, call_id: int, waiter: W, name: str) -> None:
         """Register a call; its answer goes to *waiter*. Raises like :meth:`check_open`."""
         self.check_open()
-        self.calls[call_id] = (waiter, name)
+        self._calls[call_id] = (waiter, name)
 
     def forget_call(self, call_id: int) -> None:
         """Drop a call (timed out, cancelled, or its frame could not be sent): a late answer
         is then ignored."""
-        self.calls.pop(call_id, None)
+        self._calls.pop(call_id, None)
 
     # -- receiving ----------------------------------------------------------------------------
+
+    def wait_for_events(self) -> None:
+        """The event stream's consumer found :attr:`events` empty and is about to wait:
+        the next event appended (or the stream's end) clears :attr:`events_waiting` and sets
+        :attr:`Deliveries.wake_events`, once."""
+        self._events_waiting = True
+
+    def stop_waiting_for_events(self) -> None:
+        """The event stream's consumer stopped waiting without being woken (it timed out):
+        clear :attr:`events_waiting`."""
+        self._events_waiting = False
 
     def decode(self, parts: Sequence[Any]) -> list[Any] | EngineDeadError:
         """Decode one message from the output socket (zmq frames, bytes or memoryviews),
@@ -600,7 +718,7 @@ class ClientSession(Generic[S, W]):
     def dispatch(self, batch: list[Any] | EngineDeadError, now: float) -> Deliveries[S, W]:
         """Apply one decoded message (a list of events) received at *now*."""
         d: Deliveries[S, W] = Deliveries()
-        if self.failure is not None:
+        if self._failure is not None:
             return d  # late frames after the end: nobody is left to receive them
         if type(batch) is not list:
             assert isinstance(batch, EngineDeadError)
@@ -609,32 +727,19 @@ class ClientSession(Generic[S, W]):
         if self._silent:
             self._silent = False
             d.warnings.append(
-                f"{self._who()} answers again, after {now - self.last_heard:.1f} s of silence"
+                f"{self._who()} answers again, after {now - self._last_heard:.1f} s of silence"
             )
-        self.last_heard = now
-        streams = self.streams
+        self._last_heard = now
+        streams = self._streams
         wake = d.wake
         pongs = terminal = False
         for ev in batch:
             cls = ev.__class__
             if cls is Outputs:
-                if not streams:
-                    continue
-                get = streams.get
-                for rid, fin, payload in zip(ev.req_ids, ev.finished, ev.payloads, strict=True):
-                    stream = get(rid)
-                    if stream is None:
-                        continue  # unrouted, not streamed (stream=False), or ended already
-                    buf = stream._buf
-                    buf.append(payload)
-                    if fin:
-                        buf.append(FINISHED)
-                        del streams[rid]
-                    if stream._waiting:
-                        stream._waiting = False
-                        wake.append(stream)
+                if streams:
+                    StreamCore._route(streams, ev.req_ids, ev.finished, ev.payloads, wake)
             elif cls is UtilityResult:
-                entry = self.calls.pop(ev.call_id, None)
+                entry = self._calls.pop(ev.call_id, None)
                 if entry is not None:  # else: timed out, or a detached client's call
                     waiter, name = entry
                     if ev.error is None:
@@ -650,38 +755,36 @@ class ClientSession(Generic[S, W]):
                 pongs = True  # an answer to our heartbeat, not a stage event
             elif cls is Stalled:
                 pongs = True  # liveness, not a stage event
-                self.step_stalled = True
+                self._step_stalled = True
                 d.warnings.append(
                     f"{self._who()}: a step has run for {ev.seconds:.1f} s (step_timeout "
                     f"{ev.step_timeout:g} s); the stage logged every thread's stack"
                 )
             elif cls is Resumed:
                 pongs = True
-                self.step_stalled = False
+                self._step_stalled = False
                 d.warnings.append(
                     f"{self._who()}: the stalled step returned after {ev.seconds:.1f} s"
                 )
             else:  # Shutdown or Fatal: the stage's last event
                 if cls is Fatal:
-                    self.fatal = ev.message
+                    self._fatal = ev.message
                 terminal = True
-        events = self.events
+        events = self._events
         if events is not None:
             events.extend([ev for ev in batch if ev.__class__ not in _LIVENESS] if pongs else batch)
-            if self.events_waiting and events:
-                self.events_waiting = False
+            if self._events_waiting and events:
+                self._events_waiting = False
                 d.wake_events = True
         if terminal:
             self._on_last_event(d, now)
         return d
 
     def _end_stream(self, req_id: str, end: End, wake: list[S]) -> bool:
-        stream = self.streams.pop(req_id, None)
+        stream = self._streams.pop(req_id, None)
         if stream is None:
             return False
-        stream._buf.append(end)
-        if stream._waiting:
-            stream._waiting = False
+        if stream._end_with(end):
             wake.append(stream)
         return True
 
@@ -690,19 +793,19 @@ class ClientSession(Generic[S, W]):
             d.warnings.append(f"the stage reported a protocol error: {ev.message}")
             return
         ended = self._end_stream(ev.req_id, End(RequestError(ev.req_id, ev.message)), d.wake)
-        if not ended and self.events is None:  # with the event stream on, its reader sees it
+        if not ended and self._events is None:  # with the event stream on, its reader sees it
             d.warnings.append(f"the stage reported: request {ev.req_id!r}: {ev.message}")
 
     def _on_last_event(self, d: Deliveries[S, W], now: float) -> None:
         d.over = True
-        self.state = StageState.STOPPED
+        self._state = StageState.STOPPED
         if not self.launched:
             # No process to watch: the last event is the end.
             self._fail_into(
                 d,
                 self.end_error(
-                    remote_shutdown=self.fatal is None,
-                    reason=None if self.fatal is None else "its engine loop died",
+                    remote_shutdown=self._fatal is None,
+                    reason=None if self._fatal is None else "its engine loop died",
                 ),
             )
         elif self._exited:
@@ -716,7 +819,7 @@ class ClientSession(Generic[S, W]):
         """Run the liveness timers at *now*. Returns a ping to send (or ``None``), when to
         call again (a ``time.monotonic()`` reading; ``None``: no timer runs, wait for a frame
         or the process), and the deliveries if the stage is now presumed gone."""
-        if self.failure is not None:
+        if self._failure is not None:
             return None, None, None
         if self._grace_until is not None:  # the process exited; its last frames are late
             if now >= self._grace_until:
@@ -734,19 +837,19 @@ class ClientSession(Generic[S, W]):
             return None, None, None
         interval, timeout = self.heartbeat
         if timeout is not None:
-            dead_at = self.last_heard + timeout
+            dead_at = self._last_heard + timeout
             if now >= dead_at:
                 reason = f"no heartbeat from {self.address} for {timeout} s; presumed dead"
                 d = self.fail(self.end_error(reason=reason))
-                self.release_due = not self.closing
+                self._release_due = not self._closing
                 return None, None, d
         d = None
-        silent_at = self.last_heard + 2 * interval
+        silent_at = self._last_heard + 2 * interval
         if not self._silent and now >= silent_at:
             self._silent = True
             d = Deliveries()
             d.warnings.append(
-                f"{self._who()} has not answered for {now - self.last_heard:.1f} s: it may be "
+                f"{self._who()} has not answered for {now - self._last_heard:.1f} s: it may be "
                 f"stopped (SIGSTOP) or starved of CPU; health() reads 'stalled'"
             )
         ping = None
@@ -762,11 +865,11 @@ class ClientSession(Generic[S, W]):
 
     def health(self, now: float) -> StageHealth:
         """What :class:`StageHealth` says at *now*. Changes nothing."""
-        if self.failure is not None or self.closing:
+        if self._failure is not None or self._closing:
             return StageHealth.DEAD
-        if self.step_stalled or self._silent:
+        if self._step_stalled or self._silent:
             return StageHealth.STALLED
-        if self.heartbeat is not None and now >= self.last_heard + 2 * self.heartbeat[0]:
+        if self.heartbeat is not None and now >= self._last_heard + 2 * self.heartbeat[0]:
             return StageHealth.STALLED  # silent, and tick() has not run yet to say so
         return StageHealth.OK
 
@@ -778,12 +881,12 @@ class ClientSession(Generic[S, W]):
     def process_exited(self, exit_code: int | None, now: float) -> Deliveries[S, W] | None:
         """The launched process has exited with *exit_code*. If its last event has come,
         the stage is gone now; else :meth:`tick` gives its frames ``EXIT_GRACE_S`` more."""
-        if self.failure is not None:
+        if self._failure is not None:
             return None
         self._exited = True
         self._exit_code = exit_code
         self._linger_until = None
-        if self.state is StageState.STOPPED:
+        if self._state is StageState.STOPPED:
             return self.fail(self.end_error(exit_code=exit_code, remote_shutdown=True))
         self._grace_until = now + EXIT_GRACE_S
         return None
@@ -793,42 +896,45 @@ class ClientSession(Generic[S, W]):
     def begin_close(self) -> bool:
         """``close()`` has begun: refuse new requests and calls. Returns whether the stage
         was still there (then a ``shutdown`` or ``bye`` is worth sending)."""
-        self.closing = True
-        return self.failure is None
+        self._closing = True
+        return self._failure is None
+
+    def released(self) -> None:
+        """The client has acted on :attr:`release_due` (or decided not to): clear it."""
+        self._release_due = False
 
     def fail(self, exc: BaseException) -> Deliveries[S, W] | None:
         """Set the failure once (later calls return ``None``) and hand *exc*, the same
         object, to every stream, call and the ordered event stream."""
-        if self.failure is not None:
+        if self._failure is not None:
             return None
         d: Deliveries[S, W] = Deliveries()
         self._fail_into(d, exc)
         return d
 
     def _fail_into(self, d: Deliveries[S, W], exc: BaseException) -> None:
-        if self.failure is not None:
+        if self._failure is not None:
             return
-        last_event_came = self.state is StageState.STOPPED
-        self.failure = exc
-        self.state = StageState.GONE
+        last_event_came = self._state is StageState.STOPPED
+        self._failure = exc
+        self._state = StageState.GONE
         d.over = True
         end = End(exc)
-        for stream in self.streams.values():
-            stream._buf.append(end)
-            if stream._waiting:
-                stream._waiting = False
-                d.wake.append(stream)
-        self.streams.clear()
-        d.answers.extend((waiter, None, exc) for waiter, _ in self.calls.values())
-        self.calls.clear()
-        if self.events is not None:
+        wake = d.wake
+        for stream in self._streams.values():
+            if stream._end_with(end):
+                wake.append(stream)
+        self._streams.clear()
+        d.answers.extend((waiter, None, exc) for waiter, _ in self._calls.values())
+        self._calls.clear()
+        if self._events is not None:
             # A clean end (StopIteration) when this client shut the stage down itself and
             # the stage's last event came.
             clean = isinstance(exc, StageClosedError) and last_event_came
-            self.events_end = End(None if clean else exc)
-            self.events.append(self.events_end)
-            if self.events_waiting:
-                self.events_waiting = False
+            self._events_end = End(None if clean else exc)
+            self._events.append(self._events_end)
+            if self._events_waiting:
+                self._events_waiting = False
                 d.wake_events = True
 
     def end_error(
@@ -841,7 +947,7 @@ class ClientSession(Generic[S, W]):
         """What every waiter gets once the stage is gone: :class:`StageClosedError` if this
         client was closing it, else an :class:`EngineDeadError` whose message says all we
         know (the exit, the fatal error, a shutdown that this client did not ask for)."""
-        if self.closing:
+        if self._closing:
             return StageClosedError("this stage client is closed")
         who = f"stage process {self.pid}" if self.pid is not None else "the stage"
         if reason is not None:
@@ -850,11 +956,11 @@ class ClientSession(Generic[S, W]):
             msg = f"{who} {describe_exit(exit_code)}"
         else:
             msg = f"{who} is gone"
-        if self.fatal is not None:
-            msg += f"; fatal error in the engine loop: {self.fatal}"
+        if self._fatal is not None:
+            msg += f"; fatal error in the engine loop: {self._fatal}"
         elif remote_shutdown:
             msg += "; it shut down, but not at this client's request"
-        return EngineDeadError(msg, exit_code=exit_code, fatal=self.fatal)
+        return EngineDeadError(msg, exit_code=exit_code, fatal=self._fatal)
 
 
 # -- the handshake --------------------------------------------------------------------------

@@ -39,9 +39,10 @@ from .._engine import Engine, PipelinedEngine
 from .._exceptions import RequestRejected
 from .._messages import Event
 from . import _codec
+from ._codec import only_types
 from ._controls import DrainDeadline
 from ._outbox import BACKLOG_MAX, Outbox
-from ._routing import make_router, only_types
+from ._routing import make_router
 from ._watchdog import StepWatchdog
 
 if TYPE_CHECKING:
