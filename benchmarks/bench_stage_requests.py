@@ -190,14 +190,17 @@ def single_mpq(stage: Any, jobs: int) -> Round:
 
 
 def cpu_record(name: str, values: Sequence[float], baselines: Sequence[float]) -> Record:
-    """CPU µs per output, judged against the absolute budget (see the module docstring)."""
+    """CPU µs per output, judged against the absolute budget (see the module docstring) in
+    every round: the verdict is the highest per-round figure."""
     v = sorted(values)[len(values) // 2]
     b = sorted(baselines)[len(baselines) // 2]
     return Record(
         name, v, "µs/output", b, v / b if b else float("inf"), f"<= {CPU_BUDGET_US:g} µs/output",
-        v <= CPU_BUDGET_US, spread(values), spread(baselines),
-        "goal: absolute CPU budget; baseline: the mp.Queue stage, for information "
-        f"(ratio = enginecore/baseline); median of {len(values)} rounds",
+        max(values) <= CPU_BUDGET_US, spread(values), spread(baselines),
+        "goal: absolute CPU budget, judged on the highest round; baseline: the mp.Queue "
+        f"stage, for information (ratio = enginecore/baseline); median of {len(values)} "
+        "rounds",
+        tuple(values), "µs/output",
     )  # fmt: skip
 
 
