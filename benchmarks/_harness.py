@@ -28,6 +28,7 @@ __all__ = [
     "fmt_ratio",
     "fmt_value",
     "format_table",
+    "gc_on",
     "higher_is_better",
     "interleave",
     "lower_is_better",
@@ -224,7 +225,7 @@ def no_gc() -> Iterator[None]:
     Only for the core micro-benchmarks of the loop, which time code paths of a few hundred
     nanoseconds in one process: a collection there costs far more than the code under test
     and lands on whichever side happens to cross the allocation threshold, noise that is
-    neither side's own cost.
+    neither side's own cost. The stage benchmarks run with the GC on (:func:`gc_on`).
     """
     gc.collect()
     was = gc.isenabled()
@@ -234,6 +235,23 @@ def no_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+@contextmanager
+def gc_on() -> Iterator[None]:
+    """A timed region with the cyclic GC **on**, as users run (the stage benchmarks).
+
+    Collects first, outside the clock, so that no side pays for garbage that the side
+    before it left; then makes sure the GC is enabled, and restores its state after.
+    """
+    gc.collect()
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        yield
+    finally:
+        if not was:
+            gc.disable()
 
 
 def fmt_value(x: float, unit: str) -> str:

@@ -7,6 +7,7 @@ socket directory is left behind.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -160,6 +161,23 @@ class TestHarness:
         assert cells[1][5] == "0.2..0.25 µs"
         assert cells[2][5] == "n/a"
 
+    def test_gc_on_enables_and_restores(self) -> None:
+        was = gc.isenabled()
+        try:
+            gc.disable()
+            with _harness.gc_on():
+                assert gc.isenabled()
+            assert not gc.isenabled()
+            gc.enable()
+            with _harness.no_gc():
+                assert not gc.isenabled()
+            assert gc.isenabled()
+        finally:
+            if was:
+                gc.enable()
+            else:
+                gc.disable()
+
 
 class TestBenchmarksRun:
     def test_overhead_measures_both_sides(self) -> None:
@@ -208,11 +226,56 @@ class TestBenchmarksRun:
         assert "per round (judged)" in out
 
 
+@pytest.fixture
+def gc_disables(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records every ``gc.disable()`` in this process: the stage scripts must make none."""
+    calls: list[str] = []
+    real = gc.disable
+
+    def disable() -> None:
+        calls.append("gc.disable")
+        real()
+
+    monkeypatch.setattr(gc, "disable", disable)
+    return calls
+
+
+def assert_gc_on(records: list[_harness.Record]) -> None:
+    for rec in records:
+        assert "GC on" in rec.note, rec
+
+
 @pytest.mark.usefixtures("no_leftovers")
 class TestStageBenchmarks:
     def test_every_stage_script_is_registered(self) -> None:
         for mod in STAGE_MODULES:
             assert mod.__name__.removeprefix("benchmarks.") in MODULES
+
+    def test_stage_scripts_do_not_turn_the_gc_off(self) -> None:
+        for mod in STAGE_MODULES:
+            assert not hasattr(mod, "no_gc"), mod.__name__
+
+    def test_every_peer_process_runs_with_gc_on(self) -> None:
+        from benchmarks._mpq_stage import MpqStage
+        from benchmarks._stage import SINK_FACTORY, RawPeer, SinkEngine
+
+        from enginecore.stage import StageClient
+
+        with (
+            StageClient.launch(SINK_FACTORY) as client,
+            RawPeer() as peer,
+            MpqStage(SinkEngine) as stage,
+        ):
+            assert client.call_utility("gc_enabled") is True
+            assert peer.call(("gc", 1)) == ["utility", 1, True, None]
+            assert stage.call("gc_enabled") is True
+
+    def test_output_and_ingest_run_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_stage_output.run(quick=True) + bench_stage_ingest.run(quick=True)
+        assert_records(records, 2)
+        assert_gc_on(records)
+        assert all(len(r.per_round) == 3 for r in records)
+        assert gc_disables == []
 
     def test_raw_peer_answers_and_leaves_nothing_behind(self) -> None:
         from benchmarks._stage import RawPeer
@@ -282,8 +345,9 @@ class TestStageBenchmarks:
             process = stage.process
         assert process.exitcode == 0
 
-    def test_utility_round_trip_measures_every_side(self) -> None:
+    def test_utility_round_trip_measures_every_side(self, gc_disables: list[str]) -> None:
         pooled, per_block, cpu = bench_stage_utility.measure(samples=5, blocks=2)
+        assert gc_disables == []
         assert len(pooled["loop"]) == len(pooled["raw"]) == len(pooled["mpq"]) == 10
         assert len(per_block["loop"]) == 2
         # Each side's peer process and this one spent CPU on its calls.
@@ -291,12 +355,14 @@ class TestStageBenchmarks:
         assert all(peer > 0 and parent > 0 for peer, parent in cpu.values())
         assert "enginecore" in bench_stage_utility.cpu_note(cpu)
 
-    def test_requests_measures_every_side(self) -> None:
+    def test_requests_measures_every_side(self, gc_disables: list[str]) -> None:
         res = bench_stage_requests.measure(rounds=2, jobs=1)
         assert {len(v) for v in res.values()} == {2}
         records = bench_stage_requests.records(res)
         assert_records(records, 5)
+        assert_gc_on(records)
         assert all(len(r.per_round) == 2 for r in records)
+        assert gc_disables == []
 
     def test_cpu_clocks_read_a_process(self) -> None:
         pid = os.getpid()
