@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from ._harness import Record, Skipped, format_table, write_json
+from ._harness import Record, Skipped, fmt_per_round, format_table, write_json
 
 MODULES = (
     "bench_idle_cpu",
@@ -83,7 +83,9 @@ def write_chart(path: str, records: Sequence[Record]) -> bool:
             ax.set_ylim(0, 1)
         ratio = "inf" if r.ratio == float("inf") else f"{r.ratio:.2f}x"
         ax.set_title(
-            f"{r.name}\n{ratio}, goal {r.goal}: {'met' if r.met else 'MISSED'}", fontsize=8
+            f"{r.name}\n{ratio} (rounds {fmt_per_round(r)}), goal {r.goal}: "
+            f"{'met' if r.met else 'MISSED'}",
+            fontsize=8,
         )
         ax.set_ylabel(r.unit, fontsize=8)
         ax.tick_params(labelsize=8)

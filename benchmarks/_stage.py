@@ -19,6 +19,7 @@ the root on it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import shutil
@@ -42,7 +43,8 @@ _ORPHAN_CHECK_MS: Final = 1000
 
 class SinkEngine:
     """Never has work; counts ``add`` calls. ``utility("count")`` returns the count since the
-    last such call and resets it (the ingest barrier); any other utility returns ``None``."""
+    last such call and resets it (the ingest barrier); ``utility("gc_enabled")`` says whether
+    the cyclic GC is on in the process it runs in; any other utility returns ``None``."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -60,6 +62,8 @@ class SinkEngine:
         if name == "count":
             n, self.count = self.count, 0
             return n
+        if name == "gc_enabled":
+            return gc.isenabled()
         return None
 
     def step(self) -> list[Any]:
@@ -116,7 +120,8 @@ def raw_server(
       one frame in the stage's event shape: with *columnar* (wire v2), one
       ``["outputs", req_ids, finished, remainings]`` event, else (v1) one
       ``["output", req_id, finished, remaining]`` event per output;
-    * ``["quit"]`` -> close and return.
+    * ``["quit"]`` -> close and return;
+    * ``["gc", call_id]`` -> reply ``["utility", call_id, gc.isenabled(), None]``.
 
     With *zero_copy*, every message but ``["quit"]`` is sent back as it came, all its frames,
     received and sent with ``copy=False`` (the parent sends a body and the array's buffer).
@@ -166,6 +171,8 @@ def raw_server(
                         push.send(encode([("output", rid, left == 0, left) for rid, left in outs]))
             elif kind == "quit":
                 return
+            elif kind == "gc":
+                router.send_multipart([ident, encode(("utility", msg[1], gc.isenabled(), None))])
     finally:
         router.close(linger=0)
         push.close(linger=1000)

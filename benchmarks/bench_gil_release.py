@@ -13,7 +13,8 @@ thread, as on a GPU server) and returns one output.
   messages into a queue that nobody reads. The gap between it and the bare loop is what the
   feeder thread itself costs the steps, whatever consumes its messages.
 
-Rounds interleave; result is steps per second. Goal: enginecore >= 0.9x bare.
+Rounds interleave; result is steps per second. Goal: enginecore >= 0.9x bare in every round
+(the verdict is the lowest per-round ratio). The GC is on, as users run.
 Needs NumPy (``pip install -e '.[bench]'``); skipped with a message without it.
 """
 

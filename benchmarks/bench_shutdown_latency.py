@@ -11,7 +11,9 @@ it to stop. The consumer thread takes ``perf_counter_ns()`` as its last act.
   stamps when ``get()`` returns and exits.
 
 Samples alternate side by side (A B B A ...); p50 and p99 over all samples of each side, the
-``±`` is the half-range of the per-block percentiles. Goal: enginecore <= 1.3x raw.
+``±`` is the half-range of the per-block percentiles. Goal: enginecore <= 1.3x raw in every
+block (the verdict is the highest per-block ratio). GC off in the timed blocks (a core
+micro-benchmark: see ``_harness.no_gc`` for why).
 """
 
 from __future__ import annotations

@@ -20,7 +20,14 @@ Rounds run the five sides back to back (mp.Queue burst, sync burst, async burst,
 request, one put per request; the order reversed every other round), so each pair of sides
 that is compared ran next to each other. In a full run each side does 4 jobs back to back
 per round, under one clock (a single job takes ~10 ms, about two GIL switch intervals, and
-per-round ratios of single jobs spread from 0.3 to 2.6). Metrics and goals:
+per-round ratios of single jobs spread from 0.3 to 2.6).
+
+The cyclic GC is **on** in every process, on both sides, as users run: the stage and the
+mp.Queue child never touch it, and the parent times each round under ``_harness.gc_on``
+(a ``gc.collect()`` before the clock starts, so no side pays for garbage the one before it
+left). Every goal is judged on every round: a ratio goal is met only when its lowest
+per-round ratio clears it, the CPU budget only when its highest per-round figure does.
+Metrics and goals:
 
 a. burst, outputs/s: enginecore >= 1.0x the mp.Queue stage;
 b. one message per request, outputs/s: enginecore >= 1.5x the mp.Queue stage;
@@ -45,7 +52,7 @@ from collections.abc import Callable, Sequence
 from itertools import count
 from typing import Any, NamedTuple
 
-from ._harness import Record, Skipped, higher_is_better, interleave, main_single, no_gc, spread
+from ._harness import Record, Skipped, gc_on, higher_is_better, interleave, main_single, spread
 
 NAME = "stage_requests"
 REQUESTS = 2000
@@ -110,7 +117,7 @@ def _check(got: Sequence[list[Any]]) -> None:
 def _timed(pid: int, job: Callable[[Items], list[list[Any]]], batches: list[Items]) -> Round:
     """Run *job* on each batch, back to back, under one clock; check every output after."""
     stage_cpu, parent_cpu = process_cpu(pid), time.process_time
-    with no_gc():
+    with gc_on():
         c0, p0 = stage_cpu(), parent_cpu()
         t0 = time.perf_counter()
         got = [job(items) for items in batches]
@@ -190,14 +197,17 @@ def single_mpq(stage: Any, jobs: int) -> Round:
 
 
 def cpu_record(name: str, values: Sequence[float], baselines: Sequence[float]) -> Record:
-    """CPU µs per output, judged against the absolute budget (see the module docstring)."""
+    """CPU µs per output, judged against the absolute budget (see the module docstring) in
+    every round: the verdict is the highest per-round figure."""
     v = sorted(values)[len(values) // 2]
     b = sorted(baselines)[len(baselines) // 2]
     return Record(
         name, v, "µs/output", b, v / b if b else float("inf"), f"<= {CPU_BUDGET_US:g} µs/output",
-        v <= CPU_BUDGET_US, spread(values), spread(baselines),
-        "goal: absolute CPU budget; baseline: the mp.Queue stage, for information "
-        f"(ratio = enginecore/baseline); median of {len(values)} rounds",
+        max(values) <= CPU_BUDGET_US, spread(values), spread(baselines),
+        "goal: absolute CPU budget, judged on the highest round; baseline: the mp.Queue "
+        f"stage, for information (ratio = enginecore/baseline); median of {len(values)} "
+        "rounds; GC on",
+        tuple(values), "µs/output",
     )  # fmt: skip
 
 
@@ -242,15 +252,15 @@ def records(res: dict[str, list[Round]]) -> list[Record]:
     return [
         higher_is_better(
             f"stage requests burst, {job}", rates("burst"), rates("mpq"), "outputs/s",
-            GOAL_BURST, note="baseline: the mp.Queue stage, one put",
+            GOAL_BURST, note="baseline: the mp.Queue stage, one put; GC on",
         ),
         higher_is_better(
             f"stage requests one add each, {job}", rates("single"), rates("mpq1"), "outputs/s",
-            GOAL_SINGLE, note="baseline: the mp.Queue stage, one put per request",
+            GOAL_SINGLE, note="baseline: the mp.Queue stage, one put per request; GC on",
         ),
         higher_is_better(
             f"stage requests burst, async client, {job}", rates("async"), rates("burst"),
-            "outputs/s", GOAL_ASYNC, note="baseline: the sync StageClient",
+            "outputs/s", GOAL_ASYNC, note="baseline: the sync StageClient; GC on",
         ),
         cpu_record(
             "stage requests burst, stage process CPU",

@@ -6,8 +6,12 @@ socket directory is left behind.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -17,6 +21,7 @@ from pathlib import Path
 import pytest
 from benchmarks import (
     _harness,
+    bench_idle_cpu,
     bench_overhead,
     bench_pipeline,
     bench_stage_arrays,
@@ -28,7 +33,17 @@ from benchmarks import (
 )
 from benchmarks.__main__ import MODULES, main
 
-KEYS = {"name", "value", "unit", "baseline", "ratio", "goal", "met"}
+KEYS = {
+    "name", "value", "unit", "baseline", "ratio", "goal", "met", "spread", "baseline_spread",
+    "note", "per_round", "per_round_unit", "per_round_min", "per_round_max",
+}  # fmt: skip
+STAGE_MODULES = (
+    bench_stage_arrays,
+    bench_stage_ingest,
+    bench_stage_output,
+    bench_stage_requests,
+    bench_stage_utility,
+)
 
 
 def pid_gone(pid: int) -> bool:
@@ -40,6 +55,23 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+def assert_judged_on_every_round(rec: _harness.Record) -> None:
+    """``met`` is the verdict of the worst round: the lowest per-round figure for a ``>=``
+    goal, the highest for a ``<=`` goal; a record without rounds says how it was judged."""
+    if not rec.per_round:
+        assert "judged" in rec.note, rec
+        return
+    m = re.fullmatch(r"(>=|<=) (?:baseline \+ )?([0-9.e+-]+) ?(x|.*)", rec.goal)
+    assert m, rec.goal
+    line = float(m[2])
+    if m[1] == ">=":
+        assert rec.met == (min(rec.per_round) >= line), rec
+    else:
+        assert rec.met == (max(rec.per_round) <= line), rec
+    if rec.per_round_unit == "x":
+        assert rec.ratio == pytest.approx(statistics.median(rec.per_round)), rec
+
+
 def assert_records(records: list[_harness.Record], n: int) -> None:
     assert len(records) == n
     for rec in records:
@@ -48,6 +80,7 @@ def assert_records(records: list[_harness.Record], n: int) -> None:
         assert rec.value >= 0, rec
         assert rec.baseline >= 0, rec
         assert isinstance(rec.met, bool)
+        assert_judged_on_every_round(rec)
     assert len({r.name for r in records}) == n, "metric names must be unique"
 
 
@@ -79,7 +112,71 @@ class TestHarness:
         (obj,) = json.loads(path.read_text())
         assert obj.keys() >= KEYS
         assert obj["ratio"] == pytest.approx(2.5 / 4.0)
+        assert obj["per_round"] == pytest.approx([0.5, 0.75])
+        assert (obj["per_round_min"], obj["per_round_max"]) == pytest.approx((0.5, 0.75))
+        assert obj["per_round_unit"] == "x"
         assert obj["met"] is False
+
+    def test_json_has_no_infinity(self, tmp_path: Path) -> None:
+        rec = _harness.higher_is_better("x", [1.0, 2.0, 3.0], [0.0, 1.0, 1.0], "msgs/s", 1.0)
+        assert rec.per_round[0] == float("inf")
+        path = tmp_path / "r.json"
+        _harness.write_json(str(path), [rec], quick=True)
+        (obj,) = json.loads(path.read_text())  # json.loads would accept Infinity: check it
+        assert "Infinity" not in path.read_text()
+        assert obj["per_round"] == [None, 2.0, 3.0]
+        assert obj["per_round_max"] is None
+
+    def test_higher_is_better_is_met_only_when_the_lowest_round_clears(self) -> None:
+        # Per-round ratios 0.9, 1.2, 1.1: the median clears 1.0, the lowest round does not.
+        straddles = _harness.higher_is_better("x", [0.9, 1.2, 1.1], [1.0, 1.0, 1.0], "msgs/s", 1.0)
+        assert straddles.ratio == pytest.approx(1.1)
+        assert straddles.per_round == pytest.approx((0.9, 1.2, 1.1))  # round order
+        assert (straddles.per_round_min, straddles.per_round_max) == pytest.approx((0.9, 1.2))
+        assert straddles.met is False
+        clears = _harness.higher_is_better("x", [1.0, 1.2, 1.1], [1.0, 1.0, 1.0], "msgs/s", 1.0)
+        assert clears.met is True
+
+    def test_lower_is_better_is_met_only_when_the_highest_round_clears(self) -> None:
+        # Per-round ratios 1.0, 1.4, 1.2 against <= 1.3: median in, highest round out.
+        straddles = _harness.lower_is_better(
+            "x", [10.0, 14.0, 12.0], [10.0, 10.0, 10.0], "µs", 1.3, pooled=(11.0, 10.0)
+        )
+        assert straddles.ratio == pytest.approx(1.2)
+        assert (straddles.value, straddles.baseline) == (11.0, 10.0)
+        assert straddles.met is False
+        clears = _harness.lower_is_better("x", [10.0, 13.0, 12.0], [10.0] * 3, "µs", 1.3)
+        assert (clears.value, clears.baseline) == (12.0, 10.0)
+        assert clears.met is True
+
+    def test_table_shows_the_range_the_verdict_is_judged_on(self) -> None:
+        paired = _harness.higher_is_better("paired", [0.9, 1.2], [1.0, 1.0], "msgs/s", 1.0)
+        cpu = dataclasses.replace(paired, name="cpu", per_round=(0.2, 0.25), per_round_unit="µs")
+        alone = _harness.Record("alone", 1.0, "calls", 1.0, 1.0, "<= 1", True, note="judged: x")
+        table = _harness.format_table([paired, cpu, alone])
+        header, _, *rows = table.splitlines()
+        assert "| ratio | per round (judged) |" in re.sub(r" +\|", " |", header)
+        cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows]
+        assert cells[0][4:8] == ["1.05x", "0.90..1.20x", ">= 1x", "NO"]
+        assert cells[1][5] == "0.2..0.25 µs"
+        assert cells[2][5] == "n/a"
+
+    def test_gc_on_enables_and_restores(self) -> None:
+        was = gc.isenabled()
+        try:
+            gc.disable()
+            with _harness.gc_on():
+                assert gc.isenabled()
+            assert not gc.isenabled()
+            gc.enable()
+            with _harness.no_gc():
+                assert not gc.isenabled()
+            assert gc.isenabled()
+        finally:
+            if was:
+                gc.enable()
+            else:
+                gc.disable()
 
 
 class TestBenchmarksRun:
@@ -101,6 +198,15 @@ class TestBenchmarksRun:
         assert "bench_pipeline" in MODULES
         assert_records(bench_pipeline.run(quick=True), 2)
 
+    def test_overhead_and_idle_are_judged_on_every_round(self) -> None:
+        (overhead,) = bench_overhead.run(quick=True)
+        assert len(overhead.per_round) == 3
+        assert overhead.per_round_unit == "µs/iter over"
+        assert_records([overhead], 1)
+        idle = bench_idle_cpu.run(quick=True)
+        assert [len(r.per_round) for r in idle] == [2, 2]
+        assert_records(idle, 2)
+
     def test_throughput_measures_both_sides(self) -> None:
         msgs = bench_throughput.make_messages(500)
         assert bench_throughput.run_loop(msgs) > 0
@@ -114,14 +220,62 @@ class TestBenchmarksRun:
         records = json.loads(path.read_text())
         assert [r["name"] for r in records] == ["loop overhead per iteration"]
         assert records[0].keys() >= KEYS
-        assert "| loop overhead per iteration" in capsys.readouterr().out
+        assert len(records[0]["per_round"]) == 3
+        out = capsys.readouterr().out
+        assert "| loop overhead per iteration" in out
+        assert "per round (judged)" in out
+
+
+@pytest.fixture
+def gc_disables(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records every ``gc.disable()`` in this process: the stage scripts must make none."""
+    calls: list[str] = []
+    real = gc.disable
+
+    def disable() -> None:
+        calls.append("gc.disable")
+        real()
+
+    monkeypatch.setattr(gc, "disable", disable)
+    return calls
+
+
+def assert_gc_on(records: list[_harness.Record]) -> None:
+    for rec in records:
+        assert "GC on" in rec.note, rec
 
 
 @pytest.mark.usefixtures("no_leftovers")
 class TestStageBenchmarks:
     def test_every_stage_script_is_registered(self) -> None:
-        for name in ("bench_stage_requests", "bench_stage_arrays", "bench_stage_utility"):
-            assert name in MODULES
+        for mod in STAGE_MODULES:
+            assert mod.__name__.removeprefix("benchmarks.") in MODULES
+
+    def test_stage_scripts_do_not_turn_the_gc_off(self) -> None:
+        for mod in STAGE_MODULES:
+            assert not hasattr(mod, "no_gc"), mod.__name__
+
+    def test_every_peer_process_runs_with_gc_on(self) -> None:
+        from benchmarks._mpq_stage import MpqStage
+        from benchmarks._stage import SINK_FACTORY, RawPeer, SinkEngine
+
+        from enginecore.stage import StageClient
+
+        with (
+            StageClient.launch(SINK_FACTORY) as client,
+            RawPeer() as peer,
+            MpqStage(SinkEngine) as stage,
+        ):
+            assert client.call_utility("gc_enabled") is True
+            assert peer.call(("gc", 1)) == ["utility", 1, True, None]
+            assert stage.call("gc_enabled") is True
+
+    def test_output_and_ingest_run_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_stage_output.run(quick=True) + bench_stage_ingest.run(quick=True)
+        assert_records(records, 2)
+        assert_gc_on(records)
+        assert all(len(r.per_round) == 3 for r in records)
+        assert gc_disables == []
 
     def test_raw_peer_answers_and_leaves_nothing_behind(self) -> None:
         from benchmarks._stage import RawPeer
@@ -191,8 +345,9 @@ class TestStageBenchmarks:
             process = stage.process
         assert process.exitcode == 0
 
-    def test_utility_round_trip_measures_every_side(self) -> None:
+    def test_utility_round_trip_measures_every_side(self, gc_disables: list[str]) -> None:
         pooled, per_block, cpu = bench_stage_utility.measure(samples=5, blocks=2)
+        assert gc_disables == []
         assert len(pooled["loop"]) == len(pooled["raw"]) == len(pooled["mpq"]) == 10
         assert len(per_block["loop"]) == 2
         # Each side's peer process and this one spent CPU on its calls.
@@ -200,10 +355,14 @@ class TestStageBenchmarks:
         assert all(peer > 0 and parent > 0 for peer, parent in cpu.values())
         assert "enginecore" in bench_stage_utility.cpu_note(cpu)
 
-    def test_requests_measures_every_side(self) -> None:
-        res = bench_stage_requests.measure(rounds=1, jobs=1)
-        assert {len(v) for v in res.values()} == {1}
-        assert_records(bench_stage_requests.records(res), 5)
+    def test_requests_measures_every_side(self, gc_disables: list[str]) -> None:
+        res = bench_stage_requests.measure(rounds=2, jobs=1)
+        assert {len(v) for v in res.values()} == {2}
+        records = bench_stage_requests.records(res)
+        assert_records(records, 5)
+        assert_gc_on(records)
+        assert all(len(r.per_round) == 2 for r in records)
+        assert gc_disables == []
 
     def test_cpu_clocks_read_a_process(self) -> None:
         # This process has spent CPU (the imports alone take far more than a 10 ms tick).
