@@ -102,8 +102,9 @@ class _Deferred:
 
     def __call__(self, future: Future[Any]) -> None:
         # The done-callback. Queue.put: the same path as a producer's message, so it also
-        # wakes a loop blocked in get(). Never called with input_queue.mutex held: the loop
-        # holds it only to snapshot the deque, and never completes a future meanwhile.
+        # wakes a loop blocked in get(). Never called with input_queue.mutex held: the
+        # loop's own code holds it only to snapshot the deque, and a queue subclass's get()
+        # (the stage's) holds it only for its own bookkeeping; neither completes a future.
         self.put(self)
 
     def answer(self) -> Event:
@@ -162,8 +163,10 @@ class EngineCoreLoop:
     # - _shutdown goes False -> True once and never back. Writers: request_shutdown() from any
     #   thread or a signal handler. Reader: the loop, after each drain. Setting it before the
     #   Wakeup is enqueued means whoever wakes up already sees it.
-    # - input_queue.mutex guards input_queue.queue. The loop holds it only to snapshot-and-clear
-    #   the deque (bounded, O(n) memcpy); request_shutdown() only ever *tries* to take it.
+    # - input_queue.mutex guards input_queue.queue. The loop's own code holds it only to
+    #   snapshot-and-clear the deque (bounded, O(n) memcpy); a queue subclass may also hold
+    #   it on the loop thread, in its get() (the stage's InputQueue does, briefly, in get()
+    #   and after_step()). request_shutdown() only ever *tries* to take it.
     # - _token is b"" until run() registers input_queue with the process-wide waker, then an
     #   8-byte id; run() unregisters it on the way out, so a late token is simply ignored.
     # - _deferred (the deferred utility calls not answered yet) is the loop thread's only:
@@ -249,7 +252,10 @@ class EngineCoreLoop:
 
         Raises :class:`TypeError` for an object that is not a message. Never blocks (the queue
         is unbounded); thread-safe; **not** safe in a signal handler (use
-        :meth:`request_shutdown` there). After shutdown the message is queued but never applied.
+        :meth:`request_shutdown` there). A message submitted after :meth:`request_shutdown`
+        is applied if it lands before the loop's next drain takes its snapshot (rule 6: the
+        loop drains, then sees the flag), and never otherwise; after the loop has ended it is
+        queued but never applied.
         """
         if not isinstance(message, _MESSAGE_TYPES):
             raise TypeError(

@@ -154,7 +154,7 @@ class TestDrainOnTheWire:
         assert "after 0.3 s" in message
         assert stage.wait() == 0
 
-    @pytest.mark.parametrize("drain", [-1, float("nan"), float("inf"), "soon"])
+    @pytest.mark.parametrize("drain", [-1, float("nan"), float("inf"), "soon", None])
     def test_an_invalid_drain_is_an_error_and_the_stage_goes_on(self, raw: Raw, drain: Any) -> None:
         _, client, _ = raw
         client.send("shutdown", drain)

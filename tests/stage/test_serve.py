@@ -96,8 +96,8 @@ class TestServe:
     def test_answer_to_a_detached_clients_call_does_not_resolve_the_next_clients_call(
         self, server: Server
     ) -> None:
-        # The stage answers every call it received, also after its caller detached; the
-        # answer then goes to whoever is attached next, with the old client's call id.
+        # The caller's future fails at its close; the stage drops the answer (it is the
+        # previous session's), so the next client's calls are answered as their own.
         first = StageClient.connect(server.address)
         pending = first.call_utility_future("sleep", 0.5)
         first.close()
@@ -414,6 +414,24 @@ class TestSessions:
         assert log[:2] == ["add long", "add late"]
         # Nothing of the first client's reached the second one.
         assert events == [["utility", 1, log, None]]
+        assert later == []
+
+    def test_a_deferred_answer_to_a_detached_clients_call_never_reaches_the_next_client(
+        self, server: Server
+    ) -> None:
+        # docs/wire.md section 4, "Call ids": the engine answers call 1 after its caller has
+        # left and the next client is attached (and uses the same call id). Before the fix
+        # the second client got ["utility", 1, "old", None].
+        with RawClient(server.address) as first:
+            _hello(first)
+            first.send("utility", 1, "deferred", [0.5, "old"])
+            first.send("bye")
+        with RawClient(server.address) as second:
+            _hello(second)
+            events = second.call(2, "echo", "new")
+            later = _silence(second, 1.0)
+            assert second.call(1, "echo", "mine") == [["utility", 1, ["mine"], None]]
+        assert events == [["utility", 2, ["new"], None]]
         assert later == []
 
     def test_a_taken_over_session_leaves_nothing_to_the_next_client(self, server: Server) -> None:
