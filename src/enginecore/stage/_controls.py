@@ -3,10 +3,10 @@ messages, as named :class:`~enginecore.Control` messages (contract rule 18).
 
 Each is queued on the loop's ``input_queue`` like an ``Add`` and applied on the loop
 thread, in queue order, by calling the :class:`~._stage_engine.StageEngine` method that
-does the work; the loop passes itself in, so a control can stop it or schedule more work.
-None of them can be sent by a client: the input side makes them from what it decoded
-(:mod:`._stage_session`), the output side from what it could not send, the runtime from
-``serve``'s SIGTERM, a drain's timer from its deadline.
+does the work (:class:`StageTarget`); the loop passes itself in, so a control can stop it
+or schedule more work. None of them can be sent by a client: the input side makes them
+from what it decoded (:mod:`._stage_session`), the output side from what it could not
+send, the runtime from ``serve``'s SIGTERM, a drain's timer from its deadline.
 
 ========================  =================================================================
 control                   made by, and what the loop does with it
@@ -26,16 +26,32 @@ control                   made by, and what the loop does with it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._messages import Control
 
 if TYPE_CHECKING:
     from .._loop import EngineCoreLoop
-    from ._stage_engine import StageEngine
 
-__all__ = ["AddBurst", "DrainDeadline", "DropEnded", "SessionChange", "Stop"]
+__all__ = ["AddBurst", "DrainDeadline", "DropEnded", "SessionChange", "StageTarget", "Stop"]
+
+
+class StageTarget(Protocol):
+    """What the controls call: the loop's engine in a stage
+    (:class:`~._stage_engine.StageEngine`). A protocol, so that this module imports nothing
+    of the stage: the adapter imports the controls, not the other way round."""
+
+    def stop(self, drain: float | None, loop: EngineCoreLoop) -> None: ...
+
+    def drain_deadline(self, timer: int) -> None: ...
+
+    def drop_ended(self, req_ids: Sequence[str]) -> None: ...
+
+    def change_session(self, epoch: int | None) -> None: ...
+
+    @property
+    def add_burst(self) -> Callable[[list[str], list[Any]], None]: ...
 
 
 class Stop(Control):
@@ -50,7 +66,7 @@ class Stop(Control):
     def __init__(self, drain: float | None = None) -> None:
         self.drain = drain
 
-    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
         engine.stop(self.drain, loop)
 
     def __repr__(self) -> str:
@@ -68,8 +84,8 @@ class DrainDeadline(Control):
     def __init__(self, timer: int) -> None:
         self.timer = timer
 
-    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
-        engine.drain.deadline(self.timer)
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        engine.drain_deadline(self.timer)
 
     def __repr__(self) -> str:
         return f"DrainDeadline(timer={self.timer})"
@@ -88,7 +104,7 @@ class DropEnded(Control):
     def __init__(self, req_ids: Sequence[str]) -> None:
         self.req_ids = req_ids
 
-    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
         engine.drop_ended(self.req_ids)
 
     def __repr__(self) -> str:
@@ -106,7 +122,7 @@ class SessionChange(Control):
     def __init__(self, epoch: int | None) -> None:
         self.epoch = epoch
 
-    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
         engine.change_session(self.epoch)
 
     def __repr__(self) -> str:
@@ -124,7 +140,7 @@ class AddBurst(Control):
         self.req_ids = req_ids
         self.data = data
 
-    def apply(self, engine: StageEngine, loop: EngineCoreLoop) -> None:
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
         engine.add_burst(self.req_ids, self.data)
 
     def __repr__(self) -> str:

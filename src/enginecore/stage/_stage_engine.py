@@ -40,7 +40,7 @@ from .._exceptions import RequestRejected
 from .._messages import Event
 from . import _codec
 from ._codec import only_types
-from ._controls import DrainDeadline
+from ._controls import DrainDeadline, StageTarget
 from ._outbox import BACKLOG_MAX, Outbox
 from ._routing import make_router
 from ._watchdog import StepWatchdog
@@ -188,6 +188,10 @@ class StageEngine:
             loop.request_shutdown()
         else:
             self.drain.start(drain, loop)
+
+    def drain_deadline(self, timer: int) -> None:
+        """:class:`~._controls.DrainDeadline`: the drain's timer *timer* fired."""
+        self.drain.deadline(timer)
 
     def drop_ended(self, req_ids: Sequence[str]) -> None:
         """:class:`~._controls.DropEnded`: drop requests the stage ended with an error."""
@@ -521,3 +525,9 @@ def make_collect(
         return ()
 
     return collect
+
+
+if TYPE_CHECKING:
+
+    def _is_a_target(engine: StageEngine) -> StageTarget:
+        return engine  # mypy checks that the adapter has what the controls call
