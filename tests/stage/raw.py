@@ -40,7 +40,15 @@ class RawClient:
 
     def hello(self, timeout: float = 5.0) -> list[Any]:
         """Send ``hello``; return the reply. On ``welcome``, connect the PULL socket."""
+        self.send_hello()
+        return self.hello_reply(timeout)
+
+    def send_hello(self) -> None:
+        """Send ``hello`` only: the PULL socket waits for :meth:`hello_reply`."""
         self.dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "raw"]))
+
+    def hello_reply(self, timeout: float = 5.0) -> list[Any]:
+        """The reply to :meth:`send_hello`. On ``welcome``, connect the PULL socket."""
         reply = self.reply(timeout)
         if reply[0] == "welcome":
             output = reply[2]

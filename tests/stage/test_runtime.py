@@ -253,6 +253,58 @@ class TestFrames:
         assert sizes == [512, 512, 276]
         assert all("1300 request ids but 1 data items" in ev[2] for ev in events)
 
+    @pytest.mark.parametrize("path", ["loop thread", "output thread"])
+    def test_a_step_whose_output_fails_to_encode_still_leaves_in_frames_of_at_most_512(
+        self, no_leftovers: str, path: str
+    ) -> None:
+        # One step: a good output, one that msgspec refuses (2**64 passes the flat fast
+        # path), and 600 that the loop refuses (a set), each ending its request: one
+        # outputs event and 600 errors. The frame of the first 512 events grew to 513 when
+        # the outputs event was replaced by its good outputs and an error for "p", after the
+        # cut at 512. The loop thread sends a step of 512 outputs or more itself while the
+        # output thread idles; the output thread sends it while it is busy, here with the
+        # step's call answer, waiting for the client's PULL to connect.
+        sets = [(f"s{i}", {i}) for i in range(600)]
+        engine = _AbortSignalling(600, [("g", 1), ("p", 2**64), *sets])
+        stage = InProcessStage(engine, no_leftovers)
+        try:
+            with RawClient(stage.address) as client:
+                if path == "loop thread":
+                    assert client.hello()[0] == "welcome"
+                    client.send("utility", 1, "step", [])
+                else:
+                    client.send_hello()
+                    client.send("utility", 1, "step", [])
+                    # The loop posted the step: it has applied the drops of the sets' requests,
+                    # which the step itself queued. Only now does the output thread get a peer.
+                    assert engine.all_aborted.wait(10)
+                    assert client.hello_reply()[0] == "welcome"
+                events = client.until(lambda ev: ev[0] == "error" and ev[1] == "s599", 10)
+                events += client.call(2, "sync")
+                sizes = [len(msgspec.msgpack.decode(parts[0].bytes)) for parts in client.frames]
+        finally:
+            stage.stop()
+        assert max(sizes) <= 512, sizes
+        assert sum(sizes) == len(events) == 1 + 1 + 1 + 600 + 1  # answer, outputs, errors, sync
+        assert [ev for ev in events if ev[0] == "outputs"] == [["outputs", ["g"], [False], [1]]]
+        errors = [ev for ev in events if ev[0] == "error"]
+        assert [ev[1] for ev in errors] == ["p", *(rid for rid, _ in sets)]
+        assert "can't serialize ints" in errors[0][2]
+
+
+class _AbortSignalling(Canned):
+    """Canned whose ``all_aborted`` is set once *count* requests were aborted."""
+
+    def __init__(self, count: int, *steps: list[Any]) -> None:
+        super().__init__(*steps)
+        self._count = count
+        self.all_aborted = threading.Event()
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        super().abort(req_ids)
+        if len(self.aborted) >= self._count:
+            self.all_aborted.set()
+
 
 class _Recording(EchoEngine):
     """EchoEngine that records what it receives."""

@@ -8,6 +8,7 @@ import logging
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -629,3 +630,35 @@ class TestServeCommandLine:
                 assert client.add("a", 1).collect(timeout=5) == [0]
         finally:
             assert srv.stop() == 0
+
+    def test_ipv6_bind(self) -> None:
+        # docs/wire.md shows tcp://[::1]:5570, but the sockets never set zmq.IPV6: the bind
+        # failed with "No such device". Both clients connect, and find the output socket.
+        missing = _no_ipv6_loopback()
+        if missing is not None:
+            pytest.skip(missing)
+        srv = Server("--engine", SCRIPTED, "--bind", "tcp://[::1]:*")
+        try:
+            assert srv.address.startswith("tcp://[::1]:"), srv.address
+            with StageClient.connect(srv.address) as client:
+                assert client.add("a", 3).collect(timeout=5) == [2, 1, 0]
+                assert client.call_utility("div", 3, 4, timeout=5) == 0.75
+
+            async def main() -> None:
+                async with await AsyncStageClient.connect(srv.address) as aclient:
+                    stream = await aclient.add("b", 2)
+                    assert await stream.collect(timeout=5) == [1, 0]
+
+            asyncio.run(main())
+        finally:
+            assert srv.stop() == 0
+
+
+def _no_ipv6_loopback() -> str | None:
+    """Why this machine cannot bind the IPv6 loopback address, or None if it can."""
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError as exc:
+        return f"no IPv6 loopback on this machine: {exc}"
+    return None

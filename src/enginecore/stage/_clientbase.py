@@ -18,7 +18,7 @@ from . import _session
 from ._errors import StageClosedError, StageStartupError
 from ._launch import Launched
 from ._session import ClientSession, Deliveries, Parts, StageHealth, StreamCore, output_address_for
-from ._wire import WelcomeMsg
+from ._wire import WelcomeMsg, is_ipv6_endpoint
 
 __all__ = [
     "ClientBase",
@@ -248,6 +248,7 @@ def dealer_for(ctx: zmq.Context[Sock], address: str) -> Sock:
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.SNDHWM, 0)  # sends never block; death is detected elsewhere
+    dealer.setsockopt(zmq.IPV6, is_ipv6_endpoint(address))
     dealer.connect(address)
     return dealer
 
@@ -256,7 +257,9 @@ def pull_for(ctx: zmq.Context[Sock], address: str, welcome: WelcomeMsg) -> Sock:
     """The output socket, connected where the welcome says."""
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
-    pull.connect(output_address_for(address, welcome.output))
+    output = output_address_for(address, welcome.output)
+    pull.setsockopt(zmq.IPV6, is_ipv6_endpoint(output))
+    pull.connect(output)
     return pull
 
 

@@ -282,14 +282,18 @@ class Outbox:
                     try:
                         parts = encoder.encode(chunk)
                     except _ENCODE_ERRORS:
-                        chunk = self._encodable(encoder, chunk)
-                        events[start : start + MAX_BATCH] = chunk
+                        # The replacements may be more events than the chunk (an error per
+                        # bad output): what is past MAX_BATCH goes in the next frame.
+                        events[start : start + MAX_BATCH] = self._encodable(encoder, chunk)
+                        chunk = events[start : start + MAX_BATCH]
+                        if not chunk:
+                            continue
                         parts = encoder.encode(chunk)
                     try:
                         _codec.send_parts(sock, parts, zmq.NOBLOCK)
                     except zmq.ZMQError:
                         break
-                    start += MAX_BATCH
+                    start += len(chunk)
                 else:
                     return
                 events = events[start:]
@@ -452,15 +456,25 @@ class Outbox:
                     if start and self._ended_ids:  # an earlier chunk ended a request
                         chunk = _drop_outputs_of(chunk, self._ended_ids)
                     try:
-                        parts = encoder.encode(chunk)
+                        frames = [encoder.encode(chunk)]
                     except _ENCODE_ERRORS:
+                        # The replacements may be more events than the chunk (an error per
+                        # bad output): cut again, so that no frame has more than MAX_BATCH.
                         chunk = self._encodable(encoder, chunk, self._ended_ids)
-                        parts = encoder.encode(chunk)
+                        frames = [
+                            encoder.encode(chunk[i : i + MAX_BATCH])
+                            for i in range(0, len(chunk), MAX_BATCH)
+                        ]
                     if not chunk:  # all of it was filtered out
                         with self._lock:
                             self.backlog -= weight
                         continue
-                    if not send(parts, epoch, weight):
+                    # The chunk's weight goes off the backlog with its last frame.
+                    last = len(frames) - 1
+                    if not all(
+                        send(parts, epoch, weight if i == last else 0)
+                        for i, parts in enumerate(frames)
+                    ):
                         # A new session began: the rest is the previous one's, except the
                         # terminal event, which is every client's.
                         if self.terminal is not None:

@@ -35,6 +35,7 @@ from ._outbox import Outbox
 from ._stage_engine import StageEngine
 from ._stage_session import HEARTBEAT_TIMEOUT_MS, CallTable, StageSession, log_detached_drops
 from ._watchdog import StepWatchdog, check_watchdog
+from ._wire import is_ipv6_endpoint
 
 __all__ = [
     "DETACHED_BUFFER",
@@ -133,6 +134,8 @@ class StageRuntime:
                 # ZMTP heartbeats drop a TCP peer that vanished without closing its connection.
                 sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
                 sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            in_sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(input_address))
+            out_sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(output_address))
             in_sock.bind(input_address)
             out_sock.bind(output_address)
             out_monitor = out_sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)

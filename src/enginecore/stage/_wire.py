@@ -26,10 +26,21 @@ __all__ = [
     "StageEvent",
     "UtilityResult",
     "check_encodable",
+    "is_ipv6_endpoint",
 ]
 
 PROTOCOL_VERSION: Final = 2
 """Bumped on any incompatible change of ``docs/wire.md``; checked in the handshake."""
+
+
+def is_ipv6_endpoint(address: str) -> bool:
+    """Whether *address* is ``tcp://[HOST]:PORT``, an IPv6 host in brackets. The socket that
+    binds or connects it needs ZMQ's ``IPV6`` option, which is off by default. It stays off
+    for every other address: on, an IPv4 bind reports itself as
+    ``tcp://[::ffff:127.0.0.1]:PORT``, and a name such as ``localhost`` may resolve to
+    ``::1`` instead of ``127.0.0.1``."""
+    return address.startswith("tcp://[")
+
 
 # -- client -> stage (input socket) ---------------------------------------------------------
 
