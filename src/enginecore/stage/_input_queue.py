@@ -156,7 +156,7 @@ class InputQueue(queue.Queue[Any]):
         self.loop_reads = 0  # messages get() returned that the loop read itself
         self.step_reads = 0  # reads between steps (after_step) that found the socket readable
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._inbox: InputReader | None = None
+        self._reader: InputReader | None = None
         self._on_failure: Callable[[], None] = lambda: None
         self._poller = zmq.Poller()
         self._pipe_poll = select.poll()
@@ -166,7 +166,7 @@ class InputQueue(queue.Queue[Any]):
         """Use *reader*'s sockets and handling (once, before the loop runs). If a read on
         the loop thread fails, the input side is closed for good and *on_failure()* is
         called (the runtime stops the stage), as when the input thread fails."""
-        self._inbox = reader
+        self._reader = reader
         self._on_failure = on_failure
         reader.register(self._poller)
         self._poller.register(self.wake_r, zmq.POLLIN)
@@ -176,7 +176,7 @@ class InputQueue(queue.Queue[Any]):
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The loop's idle wait: the next message, reading the input socket while the loop
         holds it. Any other call is :meth:`queue.Queue.get`'s."""
-        if not block or timeout is not None or self._inbox is None:
+        if not block or timeout is not None or self._reader is None:
             return super().get(block, timeout)
         while True:
             with self.mutex:
@@ -194,7 +194,7 @@ class InputQueue(queue.Queue[Any]):
                 self.wants = True
                 self.waiting = True
             self._wait_pipe()
-        return self._read(self._inbox)
+        return self._read(self._reader)
 
     def _wait_pipe(self) -> None:
         self._pipe_poll.poll()
@@ -204,12 +204,12 @@ class InputQueue(queue.Queue[Any]):
         with contextlib.suppress(BlockingIOError):
             os.read(self.wake_r, 4096)
 
-    def _read(self, inbox: InputReader) -> Any:
+    def _read(self, reader: InputReader) -> Any:
         poller = self._poller
-        pending = inbox.pending
+        pending = reader.pending
         try:
             while True:
-                ready = inbox.read(poller)
+                ready = reader.read(poller)
                 if self.wake_r in ready:
                     self._drain_pipe()
                 with self.mutex:
@@ -219,21 +219,21 @@ class InputQueue(queue.Queue[Any]):
                         self.loop_reads += 1
                         return self.queue.popleft()
         except Exception:
-            self._read_failed(inbox)
+            self._read_failed(reader)
             return super().get()
         except BaseException:  # KeyboardInterrupt under the default SIGINT handler
             with self.mutex:
                 self._leave()
             raise
 
-    def _read_failed(self, inbox: InputReader) -> None:
+    def _read_failed(self, reader: InputReader) -> None:
         # What the input thread does when it fails: the stage can no longer read, so it
         # stops (exit code EXIT_IO_FAILED). Nobody reads the input side again.
         logger.exception("enginecore: reading the input socket failed; shutting down")
         with self.mutex:
             self._leave()
             self.closed = True
-            self._take(inbox.pending)
+            self._take(reader.pending)
         self._on_failure()
 
     def _take(self, pending: list[Any]) -> bool:
@@ -260,23 +260,23 @@ class InputQueue(queue.Queue[Any]):
         during the step, which the loop then applies before the next one); after a step of
         :data:`SHORT_STEP_S` or more, also give the input side back (as :meth:`release`),
         so that the input thread reads during the next steps."""
-        inbox = self._inbox
-        if inbox is None:
+        reader = self._reader
+        if reader is None:
             return
         with self.mutex:
             if not self.holds or self.closed:
                 return
             self.reading = True
-        pending = inbox.pending
+        pending = reader.pending
         try:
             # Most steps find nothing: then ask the sockets without a poll, which would
             # release the GIL and hand it to the output thread on every step (measured:
             # ~10 % of the output stream with steps of 256 outputs).
-            ready = inbox.read(self._poller, 0) if inbox.has_input() else {}
+            ready = reader.read(self._poller, 0) if reader.has_input() else {}
             if self.wake_r in ready:
                 self._drain_pipe()
         except Exception:
-            self._read_failed(inbox)
+            self._read_failed(reader)
             return
         except BaseException:
             with self.mutex:
@@ -284,7 +284,7 @@ class InputQueue(queue.Queue[Any]):
             raise
         with self.mutex:
             self._take(pending)
-            if inbox.readable(ready):
+            if reader.readable(ready):
                 self.step_reads += 1
             if took < SHORT_STEP_S:
                 self._leave()

@@ -278,9 +278,7 @@ class _Drain:
         stage = self._stage
         ids = list(stage.live)
         if ids:
-            stage._abort(ids)
-            stage.live.clear()
-            stage.stale.aborted(ids)
+            stage._drop(ids)
             message = drain_timed_out(self._seconds)
             stage._outbox.post_step([("error", rid, message) for rid in ids], len(ids))
             logger.warning(
