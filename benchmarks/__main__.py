@@ -24,6 +24,7 @@ MODULES = (
     "bench_idle_cpu",
     "bench_throughput",
     "bench_overhead",
+    "bench_statistics",
     "bench_wake_latency",
     "bench_shutdown_latency",
     "bench_gil_release",

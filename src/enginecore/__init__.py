@@ -20,6 +20,7 @@ from ._messages import (
     Wakeup,
 )
 from ._signals import shutdown_on_signals
+from ._stats import LoopStatistics
 
 __version__ = "0.1.0.dev0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "FatalEvent",
     "LoopAlreadyRunError",
     "LoopEndedError",
+    "LoopStatistics",
     "Message",
     "OutputEvent",
     "PipelinedEngine",

@@ -46,7 +46,12 @@ class Engine(Protocol):
         ...
 
     def step(self) -> Iterable[Any]:
-        """Advance every live request once and return the outputs, in order."""
+        """Advance every live request once and return the outputs, in order.
+
+        Optionally, an engine may also have ``stats() -> dict[str, float]`` (not part of
+        the protocol's structural check): its own numbers, which the loop samples on its
+        thread and merges into :meth:`~enginecore.EngineCoreLoop.statistics`
+        (``docs/engines.md``)."""
         ...
 
 

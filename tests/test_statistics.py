@@ -1,0 +1,359 @@
+"""EngineCoreLoop.statistics(): exact counts, step times, busy and idle time, the engine's
+own numbers, and a read that never waits for the loop. Every test runs on both loops: the
+step() loop and the pipelined one (depths 1 and 3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from enginecore import Abort, Add, Control, EngineCoreLoop, LoopStatistics, Utility
+
+from .conftest import EventLog, LoopThread, RecordingEngine
+from .pipeline_engines import CountdownPipeline
+
+STEP_BUCKETS = LoopStatistics.STEP_BUCKETS
+LOOPS = pytest.mark.parametrize(
+    ("kind", "depth"), [("step", 1), ("pipelined", 1), ("pipelined", 3)], ids=str
+)
+
+
+def _engine_for(kind: str) -> RecordingEngine | CountdownPipeline:
+    return RecordingEngine() if kind == "step" else CountdownPipeline()
+
+
+def _steps_of(engine: RecordingEngine | CountdownPipeline) -> int:
+    return engine.steps if isinstance(engine, RecordingEngine) else len(engine.collected)
+
+
+def _on_step(engine: RecordingEngine | CountdownPipeline, hook: Callable[[int], None]) -> None:
+    if isinstance(engine, RecordingEngine):
+        engine.on_step = hook
+    else:
+        engine.on_collect = hook
+
+
+class _Noop(Control):
+    __slots__ = ()
+
+    def apply(self, engine: Any, loop: EngineCoreLoop) -> None:
+        pass
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.001)
+
+
+class TestBeforeAndAfter:
+    @LOOPS
+    def test_all_zero_before_run(self, kind: str, depth: int) -> None:
+        loop = EngineCoreLoop(_engine_for(kind), EventLog(), pipeline_depth=depth)
+        loop.submit(Add("a", 1))
+        s = loop.statistics()
+        assert isinstance(s, LoopStatistics)
+        assert (s.steps, s.outputs, s.adds, s.busy_seconds, s.idle_seconds) == (0, 0, 0, 0, 0)
+        assert s.step_histogram == (0,) * (len(STEP_BUCKETS) + 1)
+        assert s.queue_depth == 1
+        assert not s.running
+        assert s.engine == {}
+        assert s.engine_age is None
+        assert s.step_quantile(0.5) == 0.0
+
+    def test_frozen(self) -> None:
+        s = EngineCoreLoop(RecordingEngine(), EventLog()).statistics()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            s.steps = 3  # type: ignore[misc]
+
+    @LOOPS
+    def test_counts_are_exact_after_the_run(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit_many(
+            [Add("a", 3), Add("b", 200), Abort(["b"]), Utility(1, "div", (1, 0)), _Noop()]
+        )
+        loop.submit(Utility(2, "div", (4, 2)))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
+        s = loop.statistics()
+        assert s.steps == _steps_of(engine) == 3
+        assert s.outputs == len(log.outputs()) == 3
+        assert (s.adds, s.aborts, s.controls) == (2, 1, 1)
+        assert (s.utility_calls, s.utility_errors) == (2, 1)
+        assert s.peak_drain >= 5
+        assert sum(s.step_histogram) == s.steps
+        assert s.step_seconds > 0
+        assert s.step_seconds_max > 0
+        assert not s.running
+        assert s.queue_depth == 0
+
+    @LOOPS
+    def test_thousands_of_fast_steps_are_all_counted(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 1000))  # not a multiple of the block (64)
+        loop.submit(Add("b", 37))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev, timeout=30)
+        loop.request_shutdown()
+        lt.join()
+        s = loop.statistics()
+        assert s.steps == _steps_of(engine) == 1000
+        assert s.outputs == 1037
+        assert sum(s.step_histogram) == 1000
+
+    @LOOPS
+    def test_a_fatal_error_still_leaves_exact_counts(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+
+        def boom(n: int) -> None:
+            if n == 5:  # a collect's handle number is 0-based, a step's 1-based: either
+                raise RuntimeError("boom")
+
+        _on_step(engine, boom)
+        loop.submit(Add("a", 100))
+        LoopThread(loop).start().join()
+        assert log.events[-1][0] == "fatal"
+        s = loop.statistics()
+        assert s.outputs == len(log.outputs())
+        assert s.steps == sum(s.step_histogram) == len(log.outputs())
+        assert not s.running
+
+
+class TestTimes:
+    @LOOPS
+    def test_slow_steps_are_timed_one_by_one(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        n_fast, n_slow = 300, 80
+
+        def pace(n: int) -> None:
+            if n > n_fast:
+                time.sleep(0.003)
+
+        _on_step(engine, pace)
+        loop.submit(Add("a", n_fast + n_slow + 1))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev, timeout=30)
+        loop.request_shutdown()
+        lt.join()
+        s = loop.statistics()
+        assert s.steps == n_fast + n_slow + 1
+        # The block that was running when the steps slowed down counts at its mean; from
+        # then on each step is timed alone: at least 3 ms, so past the 2.5 ms bound.
+        slow = sum(s.step_histogram[STEP_BUCKETS.index(0.0025) + 1 :])
+        assert slow >= n_slow - 64
+        assert s.step_seconds_max >= 0.003
+        assert s.step_seconds >= n_slow * 0.003
+        assert s.step_quantile(1.0) > 0.0025
+
+    @LOOPS
+    def test_idle_time_grows_while_blocked_and_busy_does_not(self, kind: str, depth: int) -> None:
+        loop = EngineCoreLoop(_engine_for(kind), EventLog(), pipeline_depth=depth)
+        lt = LoopThread(loop).start()
+        _wait(lambda: loop.statistics().idle_seconds > 0)
+        first = loop.statistics()
+        time.sleep(0.05)
+        second = loop.statistics()
+        assert second.idle_seconds - first.idle_seconds >= 0.04
+        assert second.busy_seconds - first.busy_seconds < 0.04
+        assert second.running
+        loop.request_shutdown()
+        lt.join()
+        last = loop.statistics()
+        assert last.idle_seconds >= second.idle_seconds
+
+    @LOOPS
+    def test_reading_never_waits_for_a_step(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        inside, release = threading.Event(), threading.Event()
+
+        def block(n: int) -> None:
+            inside.set()
+            assert release.wait(10)
+
+        _on_step(engine, block)
+        loop.submit(Add("a", 1))
+        lt = LoopThread(loop).start()
+        try:
+            assert inside.wait(5)
+            for i in range(3):
+                loop.submit(Add(f"q{i}", 1))
+            t0 = time.monotonic()
+            s = loop.statistics()  # the loop is inside a step and holds nothing we need
+            assert time.monotonic() - t0 < 1.0
+            assert s.queue_depth == 3
+            assert s.running
+        finally:
+            release.set()
+            loop.request_shutdown()
+            lt.join()
+
+
+class _WithStats(RecordingEngine):
+    def __init__(self, stats: Callable[[RecordingEngine], Any]) -> None:
+        super().__init__()
+        self._stats = stats
+        self.stats_threads: set[int] = set()
+
+    def stats(self) -> Any:
+        self.stats_threads.add(threading.get_ident())
+        return self._stats(self)
+
+
+class _PipelinedWithStats(CountdownPipeline):
+    def stats(self) -> dict[str, float]:
+        return {"running": float(len(self._live))}
+
+
+class TestEngineStats:
+    def test_sampled_on_the_loop_thread_and_at_rest(self) -> None:
+        engine = _WithStats(lambda e: {"running": len(e._remaining), "kv_usage": 0.5})
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log)
+        loop.submit(Add("a", 3))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev)
+        # Going idle samples the engine: its numbers at rest.
+        _wait(lambda: loop.statistics().engine.get("running") == 0)
+        s = loop.statistics()
+        assert s.engine == {"running": 0, "kv_usage": 0.5}
+        assert s.engine_age is not None
+        assert s.engine_age >= 0
+        loop.request_shutdown()
+        lt.join()
+        assert engine.stats_threads == {lt.thread.ident}
+
+    def test_a_pipelined_engine_has_them_too(self) -> None:
+        engine = _PipelinedWithStats()
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=2)
+        loop.submit(Add("a", 3))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev)
+        _wait(lambda: loop.statistics().engine == {"running": 0.0})
+        loop.request_shutdown()
+        lt.join()
+
+    def test_sampled_while_stepping(self) -> None:
+        seen: list[float] = []
+        engine = _WithStats(lambda e: {"steps": e.steps})
+
+        def slow(n: int) -> None:
+            time.sleep(0.002)
+            if n == 60:  # >= 0.1 s in: several samples were due
+                seen.append(loop.statistics().engine.get("steps", -1))
+
+        engine.on_step = slow
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log)
+        loop.submit(Add("a", 61))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev, timeout=10)
+        loop.request_shutdown()
+        lt.join()
+        assert 0 < seen[0] < 60
+
+    @pytest.mark.parametrize(
+        ("stats", "message"),
+        [
+            (lambda e: 1 / 0, "ZeroDivisionError"),
+            (lambda e: [("a", 1)], "must return a dict"),
+            (lambda e: {"a": "x"}, r"\['a'\] must be an int or a float"),
+            (lambda e: {"a": True}, "must be an int or a float, got bool"),
+            (lambda e: {1: 1}, "returned a key of type int"),
+        ],
+        ids=["raises", "not-a-mapping", "a-string", "a-bool", "an-int-key"],
+    )
+    def test_a_bad_stats_is_logged_and_counted_and_the_loop_goes_on(
+        self, stats: Callable[[RecordingEngine], Any], message: str, caplog: Any
+    ) -> None:
+        engine = _WithStats(stats)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log)
+        loop.submit(Add("a", 2))
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            lt = LoopThread(loop).start()
+            log.wait_for(lambda ev: ("output", ("a", 0)) in ev)
+            loop.request_shutdown()
+            lt.join()
+        assert log.events[-1] == ("shutdown",)
+        s = loop.statistics()
+        assert s.engine_errors >= 1
+        assert s.engine == {}
+        failures = [r for r in caplog.records if "engine.stats() failed" in r.getMessage()]
+        assert len(failures) == 1  # the first one; then every 1000th
+        assert failures[0].exc_info is not None
+        text = logging.Formatter().formatException(failures[0].exc_info)
+        assert re.search(message, text)
+
+
+_MSG = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 4)),
+    st.tuples(st.just("abort")),
+    st.tuples(st.just("utility"), st.integers(0, 2)),
+    st.tuples(st.just("control")),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches=st.lists(st.lists(_MSG, min_size=1, max_size=6), min_size=1, max_size=6))
+def test_counts_match_what_was_sent(batches: list[list[tuple[Any, ...]]]) -> None:
+    """Model check: whatever messages arrive, in whatever bursts, the counts are exact."""
+    engine = RecordingEngine()
+    log = EventLog()
+    loop = EngineCoreLoop(engine, log)
+    lt = LoopThread(loop).start()
+    expect = {"add": 0, "abort": 0, "utility": 0, "errors": 0, "control": 0}
+    n = 0
+    for batch in batches:
+        msgs: list[Any] = []
+        for m in batch:
+            n += 1
+            if m[0] == "add":
+                msgs.append(Add(f"r{n}", m[1]))
+                expect["add"] += 1
+            elif m[0] == "abort":
+                msgs.append(Abort([f"r{n - 1}"]))
+                expect["abort"] += 1
+            elif m[0] == "utility":
+                msgs.append(Utility(n, "div", (1, m[1])))
+                expect["utility"] += 1
+                expect["errors"] += m[1] == 0
+            else:
+                msgs.append(_Noop())
+                expect["control"] += 1
+        loop.submit_many(msgs)
+    loop.request_shutdown()
+    lt.join()
+    s = loop.statistics()
+    assert (s.adds, s.aborts, s.utility_calls, s.utility_errors, s.controls) == (
+        expect["add"],
+        expect["abort"],
+        expect["utility"],
+        expect["errors"],
+        expect["control"],
+    )
+    assert s.outputs == len(log.outputs())
+    assert s.steps == engine.steps == sum(s.step_histogram)
