@@ -35,6 +35,7 @@ class RawClient:
         self.pull: zmq.Socket[bytes] | None = None
         self.frames: list[list[zmq.Frame]] = []  # every frame received, as parts
         self._left: collections.deque[Event] = collections.deque()  # see until()
+        self.loads: list[Any] = []  # the load reports received, in order (see events())
         self._encoder = _codec.Encoder()
         self._decoder = _codec.Decoder(strict=True)
 
@@ -81,7 +82,13 @@ class RawClient:
             raise TimeoutError(f"no frame on the output socket in {timeout} s")
         parts = self.pull.recv_multipart(copy=False)
         self.frames.append(parts)
-        return self._decoder.decode(parts)  # type: ignore[no-any-return]
+        events: list[Event] = self._decoder.decode(parts)
+        for ev in events:
+            # A load report rides on an outputs event as its fifth element (docs/wire.md):
+            # kept apart, as a client keeps it, so that tests compare the events alone.
+            if ev[0] == "outputs" and len(ev) > 4:
+                self.loads.append(ev.pop(4))
+        return events
 
     def until(self, done: Callable[[Event], bool], timeout: float = 5.0) -> list[Event]:
         """Every event up to and including the first for which *done* is true; the events

@@ -104,6 +104,7 @@ class TestShapes:
             ["r", None],
             [True, False],
             [0, "x"],
+            None,  # no load report (the stage itself sends a 4-element event then)
         ]
         batch = [
             ("outputs", ["r"], [False], [[1]]),

@@ -28,6 +28,7 @@ from ._errors import (
     UtilityError,
 )
 from ._session import StageHealth
+from ._statistics import StageLoad, StageStatistics
 from ._wire import (
     PROTOCOL_VERSION,
     Aborted,
@@ -57,7 +58,9 @@ __all__ = [
     "StageClosedError",
     "StageEvent",
     "StageHealth",
+    "StageLoad",
     "StageStartupError",
+    "StageStatistics",
     "UtilityError",
     "UtilityResult",
     "check_encodable",

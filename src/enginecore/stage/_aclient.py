@@ -36,6 +36,7 @@ from ._clientbase import Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import Launched, launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
+from ._statistics import StageStatistics
 from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
@@ -385,11 +386,29 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :class:`~enginecore.stage.StageClosedError` if the stage dies or the client is
         closed.
         """
+        return await self._call(name, args, timeout)
+
+    async def stats(self, timeout: float | None = 10.0) -> StageStatistics:
+        """The stage's statistics (:class:`~enginecore.stage.StageStatistics`): its loop's
+        (steps, step times, busy and idle time, messages, queue depth, the engine's own
+        ``stats()``) and the stage's (outputs, live requests, backlog, load reports).
+
+        Answered by the stage's input side from numbers it keeps as it goes: it never
+        waits for the engine loop or a step, so it answers within a round trip even during
+        a long step. Raises :class:`TimeoutError` after *timeout* seconds, and
+        :class:`~enginecore.stage.EngineDeadError` /
+        :class:`~enginecore.stage.StageClosedError` as :meth:`call_utility` does."""
+        return StageStatistics.from_wire(await self._call("stats", (), timeout, stats=True))
+
+    async def _call(
+        self, name: str, args: tuple[Any, ...], timeout: float | None, *, stats: bool = False
+    ) -> Any:
         future: asyncio.Future[Any] = self._loop.create_future()
-        call_id = self._start_call(name, args, future)
+        call_id = self._start_call(name, args, future, stats=stats)
         try:
             if not await _until(future, _clientbase.deadline_after(timeout)):
-                raise TimeoutError(f"utility {name!r} did not answer within {timeout} s")
+                what = "stats" if stats else f"utility {name!r}"
+                raise TimeoutError(f"{what} did not answer within {timeout} s")
             return future.result()
         finally:
             self._forget_call(call_id)

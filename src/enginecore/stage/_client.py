@@ -59,6 +59,7 @@ from ._clientbase import ClientBase, Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
+from ._statistics import StageStatistics
 from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
@@ -448,11 +449,29 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         receiver thread: one thread wake-up less per call. It then handles every event as
         the receiver thread would, so done-callbacks of futures may run on it.
         """
+        return self._call(name, args, timeout)
+
+    def stats(self, timeout: float | None = 10.0) -> StageStatistics:
+        """The stage's statistics (:class:`~enginecore.stage.StageStatistics`): its loop's
+        (steps, step times, busy and idle time, messages, queue depth, the engine's own
+        ``stats()``) and the stage's (outputs, live requests, backlog, load reports).
+
+        Answered by the stage's input side from numbers it keeps as it goes: it never
+        waits for the engine loop or a step, so it answers within a round trip even during
+        a long step. Raises :class:`TimeoutError` after *timeout* seconds, and
+        :class:`~enginecore.stage.EngineDeadError` /
+        :class:`~enginecore.stage.StageClosedError` as :meth:`call_utility` does.
+        Thread-safe."""
+        return StageStatistics.from_wire(self._call("stats", (), timeout, stats=True))
+
+    def _call(
+        self, name: str, args: tuple[Any, ...], timeout: float | None, *, stats: bool = False
+    ) -> Any:
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         waiter = _Waiter()
         try:
             self._claim(waiter)
-            call_id = self._start_call(name, args, waiter)
+            call_id = self._start_call(name, args, waiter, stats=stats)
             try:
                 while not waiter.done:
                     if self._owner is waiter:  # ours since the claim, or handed over
@@ -462,9 +481,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                     try:
                         waiter.wakeup.get(timeout=_left(deadline))
                     except queue.Empty:
-                        raise TimeoutError(
-                            f"utility {name!r} did not answer within {timeout} s"
-                        ) from None
+                        what = "stats" if stats else f"utility {name!r}"
+                        raise TimeoutError(f"{what} did not answer within {timeout} s") from None
             except BaseException:
                 self._forget_call(call_id)  # a late answer is dropped
                 raise

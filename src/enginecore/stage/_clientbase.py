@@ -18,6 +18,7 @@ from . import _session
 from ._errors import StageClosedError, StageStartupError
 from ._launch import Launched
 from ._session import ClientSession, Deliveries, Parts, StageHealth, StreamCore, output_address_for
+from ._statistics import StageLoad
 from ._wire import WelcomeMsg, is_ipv6_endpoint
 
 __all__ = [
@@ -146,11 +147,18 @@ class ClientBase(Generic[S, W]):
             self._session.check_open()
         self._send(parts)
 
-    def _start_call(self, name: str, args: tuple[Any, ...], waiter: W) -> int:
-        """Register and send one utility call; return its id. *waiter* gets the answer."""
+    def _start_call(
+        self, name: str, args: tuple[Any, ...], waiter: W, *, stats: bool = False
+    ) -> int:
+        """Register and send one utility call; return its id. *waiter* gets the answer.
+        With *stats*, a ``stats`` request instead, answered like a call by the stage itself
+        (never by its engine or its loop); *name* then only names it in errors."""
         session = self._session
         call_id = session.new_call_id()
-        parts = session.utility_frame(call_id, name, args)
+        if stats:
+            parts = session.stats_frame(call_id)
+        else:
+            parts = session.utility_frame(call_id, name, args)
         with self._lock:
             session.open_call(call_id, waiter, name)
         try:
@@ -181,6 +189,14 @@ class ClientBase(Generic[S, W]):
             d = self._session.fail(StageClosedError("this stage client is closed"))
         if d is not None:
             self._apply(d)
+
+    def load(self) -> StageLoad | None:
+        """The stage's latest load report (:class:`~enginecore.stage.StageLoad`): its
+        sequence number, how old it is, the requests live in the stage and the engine's own
+        numbers (its ``stats()``). ``None`` until the first one. A stage attaches one to
+        its outputs at most every ``load_interval`` seconds while it steps, and none while
+        it is idle (``docs/observability.md``). Never blocks, never sends; thread-safe."""
+        return self._session.load(time.monotonic())
 
     def health(self) -> StageHealth:
         """``"ok"``, ``"stalled"`` or ``"dead"`` (:class:`~enginecore.stage.StageHealth`):

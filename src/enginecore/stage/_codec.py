@@ -27,6 +27,8 @@ from typing import Any, Final, cast
 import msgspec
 import zmq
 
+from ._statistics import LoadReport
+
 __all__ = [
     "OOB_THRESHOLD",
     "Decoder",
@@ -286,6 +288,8 @@ class Encoder:
         return parts
 
     def _hook(self, obj: Any) -> Any:
+        if type(obj) is LoadReport:  # aged as it is encoded (._statistics)
+            return obj.wire()
         if type(obj) is _Wrapped:
             view = obj.view
             if obj.kind == EXT_BUFFER and view.nbytes < OOB_THRESHOLD:

@@ -141,7 +141,12 @@ class AddBurst(Control):
         self.data = data
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.add_burst(self.req_ids, self.data)
+        try:
+            engine.add_burst(self.req_ids, self.data)
+        finally:
+            # The loop's statistics count adds, and this is as many (refused ones too,
+            # as the loop counts an Add that the engine refuses).
+            loop._stats.adds += len(self.req_ids)
 
     def __repr__(self) -> str:
         return f"AddBurst({len(self.req_ids)} requests)"

@@ -565,7 +565,7 @@ class Outbox:
         """
         kind = ev[0]
         if kind == "outputs":
-            _, rids, fins, payloads = ev
+            rids, fins, payloads = ev[1], ev[2], ev[3]  # a load report may follow: it goes
             bad: list[tuple[int, Exception]] = []
             for i, payload in enumerate(payloads):
                 try:
@@ -656,14 +656,16 @@ def _drop_outputs_of(events: Events, req_ids: set[Any]) -> Events:
 
 
 def _outputs_without(ev: tuple[Any, ...], req_ids: set[Any]) -> tuple[Any, ...]:
-    """The ``outputs`` event *ev* without the outputs of *req_ids*."""
-    _, rids, fins, payloads = ev
+    """The ``outputs`` event *ev* without the outputs of *req_ids* (and with its load
+    report, if it has one)."""
+    rids, fins, payloads = ev[1], ev[2], ev[3]
     keep = [i for i, rid in enumerate(rids) if rid not in req_ids]
     return (
         "outputs",
         [rids[i] for i in keep],
         [fins[i] for i in keep],
         [payloads[i] for i in keep],
+        *ev[4:],
     )
 
 

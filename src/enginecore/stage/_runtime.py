@@ -16,10 +16,12 @@ the loop and tears everything down in a fixed order (see :meth:`StageRuntime.run
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -34,6 +36,7 @@ from ._input_queue import InputQueue
 from ._outbox import Outbox
 from ._stage_engine import StageEngine
 from ._stage_session import HEARTBEAT_TIMEOUT_MS, CallTable, StageSession, log_detached_drops
+from ._statistics import LOAD_INTERVAL, check_load_interval, stage_statistics
 from ._watchdog import StepWatchdog, check_watchdog
 from ._wire import is_ipv6_endpoint
 
@@ -96,6 +99,11 @@ class StageRuntime:
     :func:`pipeline_depth_of`); the watchdog then watches each ``launch`` and each
     ``collect``.
 
+    Load reports: while the stage steps, at most every *load_interval* seconds (``None``:
+    never), the engine's ``stats()`` and the live requests ride on a step's ``outputs``
+    event (:mod:`._statistics`). A client's ``stats`` request is answered from the loop's
+    statistics and the stage's counters, without waiting for the loop.
+
     Watchdog: with *step_timeout* (seconds), a step that runs longer is reported once (every
     thread's stack on stderr, a log line, a ``stalled`` event, then ``resumed`` when it
     returns); with *kill_after* too, a step that runs that long ends the process with a
@@ -116,8 +124,11 @@ class StageRuntime:
         step_timeout: float | None = None,
         kill_after: float | None = None,
         handle_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+        load_interval: float | None = LOAD_INTERVAL,
     ) -> None:
         check_watchdog(step_timeout, kill_after)
+        load_interval = check_load_interval(load_interval)
+        started = time.monotonic()
         self._signals = tuple(handle_signals)
         # How long the last frames may take to leave. Zero once the parent is known dead:
         # nobody is left to read them, and an orphan must go quickly.
@@ -164,6 +175,7 @@ class StageRuntime:
                 abort_on_detach=not keep_requests_on_detach,
                 watchdog=self._watchdog,
                 input_side=self._input,
+                load_interval=load_interval,
             )
             self.loop = EngineCoreLoop(
                 stage_engine,
@@ -177,6 +189,16 @@ class StageRuntime:
                 engine_name=engine_name,
                 output_address=self.output_address,
                 session_timeout=session_timeout,
+                statistics=functools.partial(
+                    stage_statistics,
+                    self.loop,
+                    live=stage_engine.live,
+                    outputs=lambda: stage_engine.counts.outputs,
+                    backlog=lambda: self._outbox.backlog,
+                    reporter=stage_engine.reporter,
+                    engine_name=engine_name,
+                    started=started,
+                ),
             )
             self._inbox = Inbox(
                 in_sock,

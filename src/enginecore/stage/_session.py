@@ -39,6 +39,7 @@ import secrets
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar, Final, Generic, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -54,6 +55,7 @@ from ._errors import (
     UtilityError,
     describe_exit,
 )
+from ._statistics import StageLoad
 from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, Resumed, Stalled, UtilityResult
 
 __all__ = [
@@ -438,6 +440,7 @@ class ClientSession(Generic[S, W]):
         self._events_waiting = False
         self._events_end: End | None = None  # the End appended to events, once it is
         self._last_heard = now
+        self._load: tuple[_wire.Load, float] | None = None  # the latest load report, received at
         self._step_stalled = False  # the stage reported a step past its step_timeout
         self._silent = False  # warned that the stage has not answered for two intervals
         # Set when the heartbeat presumed a connected stage dead: the client should send a
@@ -598,6 +601,11 @@ class ClientSession(Generic[S, W]):
         return _encode(("abort", ids), "abort")
 
     @staticmethod
+    def stats_frame(call_id: int) -> Parts:
+        """A ``stats`` request, answered like a utility call."""
+        return [encode_plain(("stats", call_id), "stats")]
+
+    @staticmethod
     def utility_frame(call_id: int, name: str, args: tuple[Any, ...]) -> Parts:
         """A ``utility`` call; :class:`TypeError` if *args* cannot cross the wire."""
         if type(name) is not str:
@@ -732,12 +740,15 @@ class ClientSession(Generic[S, W]):
         self._last_heard = now
         streams = self._streams
         wake = d.wake
-        pongs = terminal = False
+        pongs = terminal = loaded = False
         for ev in batch:
             cls = ev.__class__
             if cls is Outputs:
                 if streams:
                     StreamCore._route(streams, ev.req_ids, ev.finished, ev.payloads, wake)
+                if ev.load is not None:
+                    self._load = (ev.load, now)
+                    loaded = True
             elif cls is UtilityResult:
                 entry = self._calls.pop(ev.call_id, None)
                 if entry is not None:  # else: timed out, or a detached client's call
@@ -772,6 +783,8 @@ class ClientSession(Generic[S, W]):
                 terminal = True
         events = self._events
         if events is not None:
+            if loaded:  # the report is the client's (load()), not part of the event
+                batch = [_without_load(ev) for ev in batch]
             events.extend([ev for ev in batch if ev.__class__ not in _LIVENESS] if pongs else batch)
             if self._events_waiting and events:
                 self._events_waiting = False
@@ -862,6 +875,21 @@ class ClientSession(Generic[S, W]):
         if not self._silent:
             wake_at = min(wake_at, silent_at)
         return ping, wake_at, d
+
+    def load(self, now: float) -> StageLoad | None:
+        """The stage's latest load report, aged to *now*; ``None`` before the first. Any
+        thread (one attribute read)."""
+        latest = self._load
+        if latest is None:
+            return None
+        report, received = latest
+        return StageLoad(
+            seq=report.seq,
+            age=report.age + max(0.0, now - received),
+            live=report.live,
+            engine=MappingProxyType(report.engine),
+            received_at=received,
+        )
 
     def health(self, now: float) -> StageHealth:
         """What :class:`StageHealth` says at *now*. Changes nothing."""
@@ -1037,3 +1065,10 @@ def events_before_end(out: list[Any], stop: type[Exception]) -> list[Any]:
         if not out:
             raise_end(end, stop)
     return out
+
+
+def _without_load(ev: Any) -> Any:
+    """*ev*, without the load report if it is an ``outputs`` event that carries one."""
+    if ev.__class__ is Outputs and ev.load is not None:
+        return Outputs(ev.req_ids, ev.finished, ev.payloads)
+    return ev

@@ -43,6 +43,7 @@ from ._codec import only_types
 from ._controls import DrainDeadline, StageTarget
 from ._outbox import BACKLOG_MAX, Outbox
 from ._routing import make_router
+from ._statistics import LoadReporter
 from ._watchdog import StepWatchdog
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ class StageEngine:
         abort_on_detach: bool = True,
         watchdog: StepWatchdog | None = None,
         input_side: InputSide,
+        load_interval: float | None = None,
     ) -> None:
         # The request ids live in the stage: added (the engine's add() returned), and not
         # yet finished (an output routed with finished=True), aborted (abort() returned) or
@@ -144,20 +146,44 @@ class StageEngine:
         self.live: set[str] = set()
         self.drain = _Drain(self)
         self.stale = _Stale()
+        self.counts = _Counts()
+        self.reporter = (
+            None if load_interval is None else LoadReporter(load_interval, engine, self.live)
+        )
         self.has_work = engine.has_work
         self.utility = engine.utility
+        stats = getattr(engine, "stats", None)
+        if callable(stats):
+            self.stats = stats  # the loop samples it (EngineCoreLoop.statistics)
         self.add, self.add_burst = make_add(engine, outbox, self.live, self.drain)
         # A pipelined engine gets the loop's launch/collect (and cancel, if it has one), an
         # Engine the loop's step: the loop drives whichever this adapter has.
         if isinstance(engine, PipelinedEngine):
             self.launch = make_launch(engine, outbox, watchdog, input_side)
-            self.collect = make_collect(engine, outbox, self.live, self.drain, watchdog, self.stale)
+            self.collect = make_collect(
+                engine,
+                outbox,
+                self.live,
+                self.drain,
+                watchdog,
+                self.stale,
+                self.counts,
+                self.reporter,
+            )
             cancel = getattr(engine, "cancel", None)
             if callable(cancel):
                 self.cancel = cancel
         else:
             self.step = make_step(
-                engine, outbox, self.live, self.drain, watchdog, self.stale, input_side
+                engine,
+                outbox,
+                self.live,
+                self.drain,
+                watchdog,
+                self.stale,
+                input_side,
+                self.counts,
+                self.reporter,
             )
         self._abort = engine.abort
         self._emit = outbox.emit
@@ -378,6 +404,15 @@ class _Stale:
             )
 
 
+class _Counts:
+    """The stage's own counts, kept by the loop thread, read by any thread."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self) -> None:
+        self.outputs = 0  # handed to the output thread (after stale outputs are dropped)
+
+
 def _make_handle_outputs(
     engine: Engine | PipelinedEngine[Any],
     outbox: Outbox,
@@ -385,14 +420,17 @@ def _make_handle_outputs(
     drain: _Drain,
     stale: _Stale,
     watchdog: StepWatchdog | None,
+    counts: _Counts | None = None,
+    reporter: LoadReporter | None = None,
 ) -> Callable[[Callable[[], Iterable[Any]]], None]:
     """``handle(produce)``: call *produce* (the engine's ``step``, or a ``collect`` of one
     handle) under the *watchdog*, route its outputs on the loop thread (before the engine
     can reuse one), drop those of requests aborted and not live again (*stale*), and post
-    the rest to *outbox* as **one** ``outputs`` event. An exception in *produce* or in
-    routing propagates (fatal), and what was routed before it is still sent first. A
-    request's output routed with ``finished=True`` takes its id out of *live*; during a
-    *drain*, the step that leaves *live* empty ends it."""
+    the rest to *outbox* as **one** ``outputs`` event, with a load report from *reporter*
+    when one is due (:mod:`._statistics`). An exception in *produce* or in routing
+    propagates (fatal), and what was routed before it is still sent first. A request's
+    output routed with ``finished=True`` takes its id out of *live*; during a *drain*, the
+    step that leaves *live* empty ends it."""
     route = make_router(engine)
     post = outbox.post_step
     prepare_outputs = outbox.prepare_outputs
@@ -400,6 +438,9 @@ def _make_handle_outputs(
     forget = live.difference_update
     superset = live.issuperset
     recent = stale.recent  # the same dict for the life of the stage
+    monotonic = time.monotonic
+    if counts is None:
+        counts = _Counts()
 
     def handle(produce: Callable[[], Iterable[Any]]) -> None:
         rids: list[Any] = []
@@ -422,12 +463,25 @@ def _make_handle_outputs(
             # One hand-over per step (Outbox.post_step: a big step is sent at once while
             # the output thread idles, a small one queued to share a frame).
             if payloads:
+                n = len(payloads)
+                counts.outputs += n
+                # One clock read per step with outputs: a load report rides on at most one
+                # step's outputs every interval.
+                report = None
+                if reporter is not None and monotonic() >= reporter.next_at:
+                    report = reporter.report(monotonic())
                 # Fast path: every payload of an exact flat type (an out-of-range int is
                 # caught when msgspec refuses it, in the output thread).
                 if only_types(payloads, flat):
-                    post([("outputs", rids, fins, payloads)], len(payloads))
+                    if report is None:
+                        post([("outputs", rids, fins, payloads)], n)
+                    else:
+                        post([("outputs", rids, fins, payloads, report)], n)
                 else:
-                    post(prepare_outputs(rids, fins, payloads), len(payloads))
+                    events = prepare_outputs(rids, fins, payloads)
+                    if report is not None and events[0][0] == "outputs":
+                        events[0] = (*events[0], report)
+                    post(events, n)
                 # Both loops in C: ~2 ns per output, ~20 ns more per finished one.
                 if any(fins):
                     forget(compress(rids, fins))
@@ -445,6 +499,8 @@ def make_step(
     watchdog: StepWatchdog | None,
     stale: _Stale,
     input_side: InputSide,
+    counts: _Counts | None = None,
+    reporter: LoadReporter | None = None,
 ) -> Callable[[], tuple[()]]:
     """The loop's ``step``: *engine*'s step, handled as :func:`_make_handle_outputs` says
     (routed, checked and posted as one ``outputs`` event); it returns nothing to the loop.
@@ -455,7 +511,7 @@ def make_step(
     idle wait), the step is timed, and ``input_side.after_step`` then reads the input socket
     without blocking (a short step) or hands it to the input thread (a long one).
     """
-    handle = _make_handle_outputs(engine, outbox, live, drain, stale, watchdog)
+    handle = _make_handle_outputs(engine, outbox, live, drain, stale, watchdog, counts, reporter)
     engine_step = engine.step
     wait_for_room = outbox.wait_for_room
     monotonic = time.monotonic
@@ -511,11 +567,15 @@ def make_collect(
     drain: _Drain,
     watchdog: StepWatchdog | None,
     stale: _Stale,
+    counts: _Counts | None = None,
+    reporter: LoadReporter | None = None,
 ) -> Callable[[Any], tuple[()]]:
     """The loop's ``collect(handle)`` for a pipelined engine: the engine's collect of that
     handle, handled as a step is (:func:`_make_handle_outputs`); returns nothing to the
     loop."""
-    handle_outputs = _make_handle_outputs(engine, outbox, live, drain, stale, watchdog)
+    handle_outputs = _make_handle_outputs(
+        engine, outbox, live, drain, stale, watchdog, counts, reporter
+    )
     engine_collect = engine.collect
 
     def collect(handle: Any) -> tuple[()]:

@@ -43,6 +43,7 @@ import itertools
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any, Final, NamedTuple, Protocol
 
 import msgspec
@@ -238,7 +239,8 @@ class StageSession:
     *output* is the output side (:class:`OutputSide`), *calls* the table that the loop's
     ``emit`` answers utility calls from. *engine_name* and *output_address* go into the
     ``welcome``; *session_timeout* is how long an attached client may be silent before a
-    new ``hello`` can take its session over.
+    new ``hello`` can take its session over. *statistics* answers a ``stats`` message (the
+    stage's statistics, :func:`~._statistics.stage_statistics`), on the calling thread.
     """
 
     def __init__(
@@ -249,9 +251,11 @@ class StageSession:
         engine_name: str,
         output_address: str,
         session_timeout: float,
+        statistics: Callable[[], Any] = dict,
     ) -> None:
         self._output = output
         self._calls = calls
+        self._statistics = statistics
         self._welcome = msgspec.msgpack.encode(
             _wire.WelcomeMsg(_wire.PROTOCOL_VERSION, output_address, os.getpid(), engine_name)
         )
@@ -338,6 +342,8 @@ class StageSession:
             self.to_loop.append(make_utility(loop_id, msg.name, tuple(args)))
         elif cls is _wire.PingMsg:
             self.events.append(("pong", msg.seq))
+        elif cls is _wire.StatsMsg:
+            self.events.append(("utility", msg.call_id, self._statistics(), None))
         elif cls is _wire.ShutdownMsg:
             drain = msg.drain
             if drain is not msgspec.UNSET and not 0 <= drain < math.inf:

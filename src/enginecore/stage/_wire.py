@@ -84,8 +84,13 @@ class ByeMsg(msgspec.Struct, array_like=True, frozen=True, tag="bye"):
     pass
 
 
+class StatsMsg(msgspec.Struct, array_like=True, frozen=True, tag="stats"):
+    # Answered by a utility event with this call id, from the input side (never the loop).
+    call_id: int
+
+
 ClientMsg: TypeAlias = (
-    HelloMsg | AddMsg | AddsMsg | AbortMsg | UtilityMsg | ShutdownMsg | PingMsg | ByeMsg
+    HelloMsg | AddMsg | AddsMsg | AbortMsg | UtilityMsg | ShutdownMsg | PingMsg | ByeMsg | StatsMsg
 )
 
 # -- stage -> client, handshake replies (input socket) --------------------------------------
@@ -108,15 +113,29 @@ HandshakeReply: TypeAlias = WelcomeMsg | RejectMsg
 # -- stage -> client, events (output socket; each frame is an array of these) ----------------
 
 
+class Load(msgspec.Struct, frozen=True):
+    """A stage's load report, as it rides on an :class:`Outputs` event (``docs/wire.md``
+    section 5): its sequence number, its age in seconds when the stage sent it, the requests
+    live in the stage, and the engine's own numbers."""
+
+    seq: int
+    age: float
+    live: int
+    engine: dict[str, float]
+
+
 class Outputs(msgspec.Struct, array_like=True, frozen=True, tag="outputs"):
     """One engine step's outputs, in the order the step produced them, as three lists of
     equal length: output ``i`` belongs to request ``req_ids[i]`` (``None`` when the output
     could not be routed to a request), ``finished[i]`` marks that request's last output, and
-    ``payloads[i]`` is its payload."""
+    ``payloads[i]`` is its payload. ``load`` is the stage's load report when one rides on
+    the event (``docs/wire.md``); the client keeps it for ``client.load()``, and the events
+    it hands out never carry one."""
 
     req_ids: list[str | None]
     finished: list[bool]
     payloads: list[Any]
+    load: Load | None = None
 
     def __len__(self) -> int:
         return len(self.payloads)
