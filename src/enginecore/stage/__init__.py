@@ -28,6 +28,7 @@ from ._errors import (
     UtilityError,
 )
 from ._session import StageHealth
+from ._timings import StreamTimings
 from ._wire import (
     PROTOCOL_VERSION,
     Aborted,
@@ -58,6 +59,7 @@ __all__ = [
     "StageEvent",
     "StageHealth",
     "StageStartupError",
+    "StreamTimings",
     "UtilityError",
     "UtilityResult",
     "check_encodable",

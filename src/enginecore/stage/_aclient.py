@@ -583,6 +583,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             while frame.more:  # the rest of a multipart message is there already
                 frame = self._pull_now.recv(copy=False)
                 parts.append(frame)
+            # The frame's arrival: one clock reading, shared by every output in it (timings).
             d = session.receive(parts, time.monotonic())
             self._apply(d)
             if session.failure is not None:

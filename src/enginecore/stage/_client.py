@@ -924,6 +924,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         # recv() and Frame.more, not recv_multipart(): pyzmq's RCVMORE getsockopt after each
         # part costs more than a whole single-part recv.
         recv = self._pull.recv
+        monotonic = time.monotonic
         for _ in range(_DRAIN_MAX):
             try:
                 frame = recv(zmq.NOBLOCK, copy=False)
@@ -933,9 +934,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             while frame.more:  # the rest of a multipart message is there already
                 frame = recv(copy=False)
                 parts.append(frame)
+            # The frame's arrival: one clock reading, shared by every output in it (timings).
+            now = monotonic()
             batch = session.decode(parts)  # outside the lock: only the owner decodes
             with lock:
-                d = session.dispatch(batch, time.monotonic())
+                d = session.dispatch(batch, now)
             self._apply(d)
             if session.failure is not None:
                 return True
