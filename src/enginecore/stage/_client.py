@@ -124,6 +124,10 @@ class RequestStream(StreamCore, Iterator[Any]):
     ``next()`` blocks until an output arrives; :meth:`get` and :meth:`collect` take a
     timeout. Outputs are buffered, so a stream may be consumed late. One consumer thread per
     stream; the thread reading the stage's events may fill it meanwhile.
+
+    :attr:`timings` (any thread, any time) is a snapshot of when the request was sent, when
+    its outputs arrived and when and how it ended: a
+    :class:`~enginecore.stage.StreamTimings`.
     """
 
     # The reader (the receiver thread, or a call_utility that borrows the socket) appends
