@@ -29,6 +29,7 @@ from enginecore.stage import (
     StageClient,
     StageEvent,
     StageHealth,
+    StreamTimings,
 )
 
 SCRIPTED = "enginecore.stage.testing:scripted"
@@ -152,6 +153,10 @@ class BlockingAsyncStream:
     @property
     def aborted(self) -> bool:
         return self._stream.aborted
+
+    @property
+    def timings(self) -> StreamTimings:
+        return self._stream.timings  # read from this thread, as any thread may
 
     def __iter__(self) -> BlockingAsyncStream:
         return self

@@ -367,7 +367,7 @@ class TestStreamCoreReceiverSide:
         streams = {"a": a, "b": b, "c": c}
         wake: list[StreamCore] = []
         StreamCore._route(
-            streams, ["a", "x", "b", "a"], [False, False, True, False], [1, 2, 3, 4], wake
+            streams, ["a", "x", "b", "a"], [False, False, True, False], [1, 2, 3, 4], wake, 1.0
         )
         assert wake == [a]
         assert not a._waiting
@@ -379,9 +379,9 @@ class TestStreamCoreReceiverSide:
     def test_end_with_appends_the_end_and_says_whether_the_consumer_waited(self) -> None:
         a, b = StreamCore("a"), StreamCore("b")
         assert not a._take(wait=True)
-        assert a._end_with(ABORTED)
+        assert a._end_with(ABORTED, 1.0)
         assert not a._waiting
-        assert not b._end_with(FINISHED)
+        assert not b._end_with(FINISHED, 1.0)
         assert list(a._buf) == [ABORTED]
         assert list(b._buf) == [FINISHED]
 

@@ -29,6 +29,7 @@ from ._errors import (
 )
 from ._session import StageHealth
 from ._statistics import StageLoad, StageStatistics
+from ._timings import StreamTimings
 from ._wire import (
     PROTOCOL_VERSION,
     Aborted,
@@ -61,6 +62,7 @@ __all__ = [
     "StageLoad",
     "StageStartupError",
     "StageStatistics",
+    "StreamTimings",
     "UtilityError",
     "UtilityResult",
     "check_encodable",

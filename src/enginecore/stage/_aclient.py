@@ -58,7 +58,9 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
 
     Reading waits (without blocking the event loop) until an output arrives; :meth:`get`
     and :meth:`collect` take a timeout. Outputs are buffered, so a stream may be consumed
-    late. Not thread-safe: use it on the client's event loop, from one task at a time.
+    late. Not thread-safe: use it on the client's event loop, from one task at a time; but
+    :attr:`timings` (a :class:`~enginecore.stage.StreamTimings` snapshot: when the request
+    was sent, when its outputs arrived, when and how it ended) may be read from any thread.
     """
 
     # _wakeup is the future a waiting reader awaits; the output socket's reader resolves it
@@ -602,6 +604,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             while frame.more:  # the rest of a multipart message is there already
                 frame = self._pull_now.recv(copy=False)
                 parts.append(frame)
+            # The frame's arrival: one clock reading, shared by every output in it (timings).
             d = session.receive(parts, time.monotonic())
             self._apply(d)
             if session.failure is not None:

@@ -125,6 +125,10 @@ class RequestStream(StreamCore, Iterator[Any]):
     ``next()`` blocks until an output arrives; :meth:`get` and :meth:`collect` take a
     timeout. Outputs are buffered, so a stream may be consumed late. One consumer thread per
     stream; the thread reading the stage's events may fill it meanwhile.
+
+    :attr:`timings` (any thread, any time) is a snapshot of when the request was sent, when
+    its outputs arrived and when and how it ended: a
+    :class:`~enginecore.stage.StreamTimings`.
     """
 
     # The reader (the receiver thread, or a call_utility that borrows the socket) appends
@@ -942,6 +946,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         # recv() and Frame.more, not recv_multipart(): pyzmq's RCVMORE getsockopt after each
         # part costs more than a whole single-part recv.
         recv = self._pull.recv
+        monotonic = time.monotonic
         for _ in range(_DRAIN_MAX):
             try:
                 frame = recv(zmq.NOBLOCK, copy=False)
@@ -951,9 +956,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             while frame.more:  # the rest of a multipart message is there already
                 frame = recv(copy=False)
                 parts.append(frame)
+            # The frame's arrival: one clock reading, shared by every output in it (timings).
+            now = monotonic()
             batch = session.decode(parts)  # outside the lock: only the owner decodes
             with lock:
-                d = session.dispatch(batch, time.monotonic())
+                d = session.dispatch(batch, now)
             self._apply(d)
             if session.failure is not None:
                 return True

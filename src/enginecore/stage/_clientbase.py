@@ -63,7 +63,7 @@ class ClientBase(Generic[S, W]):
     """
 
     _lock: contextlib.AbstractContextManager[Any]
-    _stream_type: Callable[[str, contextlib.AbstractContextManager[Any]], S]
+    _stream_type: Callable[[str, contextlib.AbstractContextManager[Any], float], S]
 
     def __init__(self, target: Target, welcome: WelcomeMsg) -> None:
         self._launched = target.launched
@@ -85,8 +85,9 @@ class ClientBase(Generic[S, W]):
         raise NotImplementedError
 
     def _send_request(self, req_id: str, parts: Parts, stream: bool) -> S | None:
-        """Register the request's stream (or check it may go without), then send."""
-        new = self._stream_type(req_id, self._lock) if stream else None
+        """Register the request's stream (or check it may go without), then send. The
+        stream's ``sent_at`` is read just before (no output can arrive earlier)."""
+        new = self._stream_type(req_id, self._lock, time.monotonic()) if stream else None
         with self._lock:
             self._session.open_request(req_id, new)
         try:
@@ -105,21 +106,29 @@ class ClientBase(Generic[S, W]):
         of the stage's events dispatches under: the stage starts on the burst while this
         thread builds the streams (~0.15 µs each), and no output can be routed before its
         stream is registered. Otherwise (the socket is at its high-water mark): register,
-        then send and wait, as :meth:`_send_request`."""
+        then send and wait, as :meth:`_send_request`. Either way every stream's
+        ``sent_at`` is one clock reading, taken just before the send."""
         session = self._session
         lock = self._lock
         if streams and req_ids:
             with lock:
                 session.check_open()
                 session.check_free(req_ids)
+                sent_at = time.monotonic()
                 sent = self._send_nowait(parts)
                 if sent:
-                    early = [self._stream_type(rid, lock) for rid in req_ids]
+                    stream_type = self._stream_type
+                    early = [stream_type(rid, lock, sent_at) for rid in req_ids]
                     session.register_streams(req_ids, early)
             if sent:
                 self._sent()
                 return early
-        new = [self._stream_type(rid, lock) for rid in req_ids] if streams else None
+        if streams:
+            sent_at = time.monotonic()
+            stream_type = self._stream_type
+            new = [stream_type(rid, lock, sent_at) for rid in req_ids]
+        else:
+            new = None
         with lock:
             session.open_requests(req_ids, new)
         if req_ids:

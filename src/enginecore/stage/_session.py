@@ -37,6 +37,7 @@ import enum
 import itertools
 import secrets
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -45,7 +46,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from . import _codec, _wire
+from . import _codec, _timings, _wire
 from ._codec import encode_plain, only_types
 from ._errors import (
     EngineDeadError,
@@ -56,6 +57,7 @@ from ._errors import (
     describe_exit,
 )
 from ._statistics import StageLoad
+from ._timings import StreamTimings
 from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, Resumed, Stalled, UtilityResult
 
 __all__ = [
@@ -186,16 +188,44 @@ class StreamCore:
     ``collect()`` takes it without the lock). Lists rather than a ``deque``: a deque
     allocates a 528-byte block outside pymalloc (about 0.4 us and 760 bytes a stream), and a
     burst makes thousands of streams.
+
+    Timings (:attr:`timings`). The sender sets ``_sent_at``; the receiver appends each
+    output's arrival, the frame's one clock reading (the same float object for every
+    output of the frame: 8 bytes an output), to ``_arrivals``, and sets ``_ended_at`` then
+    ``_ended`` when it appends the :class:`End`. Nothing else is done per output: the gaps
+    and their summaries are computed when :attr:`timings` is read.
     """
 
-    __slots__ = ("_buf", "_end", "_lock", "_pos", "_ready", "_waiting", "_wakeup", "req_id")
+    __slots__ = (
+        "_arrivals",
+        "_buf",
+        "_end",
+        "_ended",
+        "_ended_at",
+        "_lock",
+        "_pos",
+        "_ready",
+        "_sent_at",
+        "_waiting",
+        "_wakeup",
+        "req_id",
+    )
 
     _STOP: ClassVar[type[Exception]]  # what ends iteration: StopIteration, StopAsyncIteration
 
-    def __init__(self, req_id: str, lock: contextlib.AbstractContextManager[Any] = NO_LOCK) -> None:
+    def __init__(
+        self,
+        req_id: str,
+        lock: contextlib.AbstractContextManager[Any] = NO_LOCK,
+        sent_at: float = 0.0,
+    ) -> None:
         # The subclasses add no __init__ of their own: a burst makes thousands of streams.
         self.req_id: Final = req_id
         """The request's id."""
+        self._sent_at = sent_at  # time.monotonic() just before the request's frame was sent
+        self._arrivals: list[float] = []  # the receiver's: one arrival reading per output
+        self._ended_at: float | None = None  # the receiver's: when the End was appended
+        self._ended: End | None = None  # that End; set after _ended_at
         self._buf: list[Any] = []  # the receiver's side, guarded by _lock
         self._ready: Sequence[Any] = ()  # the consumer's side, read from _pos on
         self._pos = 0
@@ -213,6 +243,22 @@ class StreamCore:
     def aborted(self) -> bool:
         """Whether iteration stopped because the request was aborted. Never blocks."""
         return self._end is ABORTED
+
+    @property
+    def timings(self) -> StreamTimings:
+        """A snapshot of this request's timings (:class:`~enginecore.stage.StreamTimings`):
+        when it was sent, when its first output arrived, the gaps between outputs, when it
+        ended and how. Reflects what has arrived, read by the consumer or not. Any thread
+        may read it at any time; it waits at most for the frame being applied (the blocking
+        client's lock), never for the stage."""
+        with self._lock:
+            # _ended before _arrivals: the receiver appends the last arrival before it sets
+            # _ended (and _ended_at before _ended), so an end seen here comes with every
+            # arrival, even read without the lock (the asyncio stream, from another thread).
+            end = self._ended
+            ended_at = self._ended_at
+            arrivals = self._arrivals[:]
+        return _timings.snapshot(self._sent_at, arrivals, None if end is None else ended_at, end)
 
     def _pop(self) -> Any:
         """The consumer's next item, which must be there (``_pos < len(_ready)``); the end
@@ -309,12 +355,14 @@ class StreamCore:
         finished: Sequence[bool],
         payloads: Sequence[Any],
         wake: list[_SC],
+        now: float,
     ) -> None:
         """Receiver: append one outputs event's payloads to their streams in *streams* (the
-        session's live streams), ids without a stream skipped; a finished request's stream
-        also gets :data:`FINISHED` and leaves *streams*. A stream whose consumer waits has
-        the flag cleared and goes to *wake*, once. One call per event, not per output: a
-        call per output costs ~50 ns more each, on the hottest path of the receiver."""
+        session's live streams), ids without a stream skipped, each with its arrival *now*
+        (the frame's clock reading); a finished request's stream also gets :data:`FINISHED`,
+        ended at *now*, and leaves *streams*. A stream whose consumer waits has the flag
+        cleared and goes to *wake*, once. One call per event, not per output: a call per
+        output costs ~50 ns more each, on the hottest path of the receiver."""
         get = streams.get
         for rid, fin, payload in zip(req_ids, finished, payloads, strict=True):
             stream = get(rid)
@@ -322,17 +370,22 @@ class StreamCore:
                 continue  # unrouted, not streamed (stream=False), or ended already
             buf = stream._buf
             buf.append(payload)
+            stream._arrivals.append(now)
             if fin:
+                stream._ended_at = now
+                stream._ended = FINISHED
                 buf.append(FINISHED)
                 del streams[rid]
             if stream._waiting:
                 stream._waiting = False
                 wake.append(stream)
 
-    def _end_with(self, end: End) -> bool:
+    def _end_with(self, end: End, now: float) -> bool:
         """Receiver: append *end*, the last item this stream ever receives (the session
-        forgets it). Whether the consumer was waiting: the flag is then cleared, and the
-        caller must wake it."""
+        forgets it), which ended it at *now*. Whether the consumer was waiting: the flag is
+        then cleared, and the caller must wake it."""
+        self._ended_at = now
+        self._ended = end
         self._buf.append(end)
         if self._waiting:
             self._waiting = False
@@ -730,7 +783,7 @@ class ClientSession(Generic[S, W]):
             return d  # late frames after the end: nobody is left to receive them
         if type(batch) is not list:
             assert isinstance(batch, EngineDeadError)
-            self._fail_into(d, batch)
+            self._fail_into(d, batch, now)
             return d
         if self._silent:
             self._silent = False
@@ -745,7 +798,7 @@ class ClientSession(Generic[S, W]):
             cls = ev.__class__
             if cls is Outputs:
                 if streams:
-                    StreamCore._route(streams, ev.req_ids, ev.finished, ev.payloads, wake)
+                    StreamCore._route(streams, ev.req_ids, ev.finished, ev.payloads, wake, now)
                 if ev.load is not None:
                     self._load = (ev.load, now)
                     loaded = True
@@ -759,9 +812,9 @@ class ClientSession(Generic[S, W]):
                         d.answers.append((waiter, None, UtilityError(name, ev.error)))
             elif cls is Aborted:
                 for rid in ev.req_ids:
-                    self._end_stream(rid, ABORTED, wake)
+                    self._end_stream(rid, ABORTED, wake, now)
             elif cls is ErrorReport:
-                self._on_error_report(ev, d)
+                self._on_error_report(ev, d, now)
             elif cls is Pong:
                 pongs = True  # an answer to our heartbeat, not a stage event
             elif cls is Stalled:
@@ -793,19 +846,20 @@ class ClientSession(Generic[S, W]):
             self._on_last_event(d, now)
         return d
 
-    def _end_stream(self, req_id: str, end: End, wake: list[S]) -> bool:
+    def _end_stream(self, req_id: str, end: End, wake: list[S], now: float) -> bool:
         stream = self._streams.pop(req_id, None)
         if stream is None:
             return False
-        if stream._end_with(end):
+        if stream._end_with(end, now):
             wake.append(stream)
         return True
 
-    def _on_error_report(self, ev: ErrorReport, d: Deliveries[S, W]) -> None:
+    def _on_error_report(self, ev: ErrorReport, d: Deliveries[S, W], now: float) -> None:
         if ev.req_id is None:
             d.warnings.append(f"the stage reported a protocol error: {ev.message}")
             return
-        ended = self._end_stream(ev.req_id, End(RequestError(ev.req_id, ev.message)), d.wake)
+        end = End(RequestError(ev.req_id, ev.message))
+        ended = self._end_stream(ev.req_id, end, d.wake, now)
         if not ended and self._events is None:  # with the event stream on, its reader sees it
             d.warnings.append(f"the stage reported: request {ev.req_id!r}: {ev.message}")
 
@@ -820,9 +874,11 @@ class ClientSession(Generic[S, W]):
                     remote_shutdown=self._fatal is None,
                     reason=None if self._fatal is None else "its engine loop died",
                 ),
+                now,
             )
         elif self._exited:
-            self._fail_into(d, self.end_error(exit_code=self._exit_code, remote_shutdown=True))
+            err = self.end_error(exit_code=self._exit_code, remote_shutdown=True)
+            self._fail_into(d, err, now)
         else:
             self._linger_until = now + EXIT_AFTER_LAST_EVENT_S
 
@@ -836,7 +892,7 @@ class ClientSession(Generic[S, W]):
             return None, None, None
         if self._grace_until is not None:  # the process exited; its last frames are late
             if now >= self._grace_until:
-                return None, None, self.fail(self.end_error(exit_code=self._exit_code))
+                return None, None, self.fail(self.end_error(exit_code=self._exit_code), now)
             return None, self._grace_until, None
         if self._linger_until is not None:  # the last event came; the process lingers
             if now >= self._linger_until:
@@ -844,7 +900,7 @@ class ClientSession(Generic[S, W]):
                     remote_shutdown=True,
                     reason="its engine loop ended, but the process has not exited",
                 )
-                return None, None, self.fail(err)
+                return None, None, self.fail(err, now)
             return None, self._linger_until, None
         if self.heartbeat is None:
             return None, None, None
@@ -853,7 +909,7 @@ class ClientSession(Generic[S, W]):
             dead_at = self._last_heard + timeout
             if now >= dead_at:
                 reason = f"no heartbeat from {self.address} for {timeout} s; presumed dead"
-                d = self.fail(self.end_error(reason=reason))
+                d = self.fail(self.end_error(reason=reason), now)
                 self._release_due = not self._closing
                 return None, None, d
         d = None
@@ -915,7 +971,7 @@ class ClientSession(Generic[S, W]):
         self._exit_code = exit_code
         self._linger_until = None
         if self._state is StageState.STOPPED:
-            return self.fail(self.end_error(exit_code=exit_code, remote_shutdown=True))
+            return self.fail(self.end_error(exit_code=exit_code, remote_shutdown=True), now)
         self._grace_until = now + EXIT_GRACE_S
         return None
 
@@ -931,16 +987,17 @@ class ClientSession(Generic[S, W]):
         """The client has acted on :attr:`release_due` (or decided not to): clear it."""
         self._release_due = False
 
-    def fail(self, exc: BaseException) -> Deliveries[S, W] | None:
+    def fail(self, exc: BaseException, now: float | None = None) -> Deliveries[S, W] | None:
         """Set the failure once (later calls return ``None``) and hand *exc*, the same
-        object, to every stream, call and the ordered event stream."""
+        object, to every stream, call and the ordered event stream. The streams end at
+        *now* (``None``: a ``time.monotonic()`` reading taken here)."""
         if self._failure is not None:
             return None
         d: Deliveries[S, W] = Deliveries()
-        self._fail_into(d, exc)
+        self._fail_into(d, exc, time.monotonic() if now is None else now)
         return d
 
-    def _fail_into(self, d: Deliveries[S, W], exc: BaseException) -> None:
+    def _fail_into(self, d: Deliveries[S, W], exc: BaseException, now: float) -> None:
         if self._failure is not None:
             return
         last_event_came = self._state is StageState.STOPPED
@@ -950,7 +1007,7 @@ class ClientSession(Generic[S, W]):
         end = End(exc)
         wake = d.wake
         for stream in self._streams.values():
-            if stream._end_with(end):
+            if stream._end_with(end, now):
                 wake.append(stream)
         self._streams.clear()
         d.answers.extend((waiter, None, exc) for waiter, _ in self._calls.values())
