@@ -118,7 +118,9 @@ class _Record(msgspec.Struct, array_like=True, frozen=True, tag="r"):
 class _End(msgspec.Struct, array_like=True, frozen=True, tag="e"):
     """The child's handler is closed: nothing follows."""
 
-    dropped: int
+    stage: str
+    process: int
+    dropped: int  # records dropped since the last one that got through
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -241,8 +243,12 @@ class ForwardHandler(logging.Handler):
             sock, ctx = self._sock, self._ctx
             self._sock = self._ctx = None
             if sock is not None and ctx is not None and self._pid == os.getpid():
+                # The end may wait for room (at most _LINGER_MS): it carries the last count
+                # of dropped records, and the parent reads on once a record or the end came.
+                end = _End(self.stage, self._pid, self._unreported)
+                sock.setsockopt(zmq.SNDTIMEO, _LINGER_MS)
                 with contextlib.suppress(zmq.ZMQError):
-                    sock.send(_encoder.encode(_End(self.dropped)), zmq.NOBLOCK)
+                    sock.send(_encoder.encode(end))
                 sock.close()
                 ctx.term()
         finally:
@@ -320,15 +326,13 @@ class _Receiver:
         live: dict[zmq.Socket[bytes], LogSource] = {}
         try:
             while True:
-                deadlines = [s.deadline for s in live.values() if s.deadline is not None]
-                timeout = None
-                if deadlines:
-                    timeout = max(0, round((min(deadlines) - time.monotonic()) * 1000))
-                ready = dict(poller.poll(timeout))
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 4096)
+                # Commands first: the first "add" comes before the thread's first poll.
                 with _lock:
                     commands, self.commands = self.commands, []
+                    if not commands and not live:
+                        if _current is self:
+                            _current = None
+                        return
                 now = time.monotonic()
                 for command, source in commands:
                     if command == "add":
@@ -336,6 +340,14 @@ class _Receiver:
                         poller.register(source.sock, zmq.POLLIN)
                     elif source.sock in live and source.deadline is None:
                         source.deadline = now + _GRACE_S
+                deadlines = [s.deadline for s in live.values() if s.deadline is not None]
+                timeout = None
+                if deadlines:
+                    timeout = max(0, round((min(deadlines) - now) * 1000))
+                ready = dict(poller.poll(timeout))
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                now = time.monotonic()
                 for sock, source in list(live.items()):
                     ended = False
                     if sock in ready or source.deadline is not None:
@@ -344,12 +356,6 @@ class _Receiver:
                         poller.unregister(sock)
                         sock.close(linger=0)
                         del live[sock]
-                if not live:
-                    with _lock:
-                        if not self.commands:
-                            if _current is self:
-                                _current = None
-                            return
         finally:
             for sock in live:
                 sock.close(linger=0)
@@ -371,8 +377,6 @@ def _read(source: LogSource) -> bool:
         except msgspec.DecodeError:
             source.undecodable += 1
             continue
-        if isinstance(message, _End):
-            return True
         if message.dropped:
             source.dropped += message.dropped
             logger.warning(
@@ -382,6 +386,8 @@ def _read(source: LogSource) -> bool:
                 message.process,
                 message.dropped,
             )
+        if isinstance(message, _End):
+            return True
         _reemit(message)
     return False
 
