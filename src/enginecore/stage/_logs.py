@@ -61,8 +61,9 @@ STAGE_LOG_FORMAT: Final = "%(asctime)s %(levelname)s %(stage)s[%(process)d] %(na
 # The child's queue of records not yet taken by the parent; beyond it, records are dropped.
 _SNDHWM: Final = 10_000
 _RCVHWM: Final = 10_000
-# How long the child's last records may take to leave at its exit, if the parent is slow.
-_LINGER_MS: Final = 1000
+# How long the child's end-of-log message may wait for room, and then its queued records
+# to leave, at its exit, if the parent is slow (so at most twice this).
+_LINGER_MS: Final = 500
 # How long the parent still reads a released stage's socket for its last records, if the
 # stage's end-of-log message did not come (a stage that was killed sends none).
 _GRACE_S: Final = 1.0

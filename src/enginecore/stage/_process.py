@@ -89,13 +89,13 @@ def run_launched(
     records named *stage* (default: *factory*), at *log_level*, pushed to *log_address* if
     given.
     """
-    configure_stage(stage or factory, log_level, log_address)
     # The parent owns this process's lifecycle: a terminal Ctrl-C goes to the parent, whose
     # client shuts the stage down; should the parent die instead, the pipe says so.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = _Parent(conn, ipc_dir)
     parent.start()
     try:
+        configure_stage(stage or factory, log_level, log_address)
         kwargs = msgspec.msgpack.decode(kwargs_frame)
         engine = build_engine(factory, kwargs)
         runtime = StageRuntime(
