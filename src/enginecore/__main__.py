@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import logging
 import math
 import sys
 import traceback
@@ -102,6 +103,20 @@ def _parser() -> argparse.ArgumentParser:
         "was taken over); by default they are aborted",
     )
     serve.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=None,
+        metavar="LEVEL",
+        help="level of the stage's root logger: DEBUG, INFO, WARNING, ERROR, CRITICAL or a "
+        "number (default: WARNING, unless the engine sets one)",
+    )
+    serve.add_argument(
+        "--name",
+        default=None,
+        metavar="NAME",
+        help="the stage's name in its log records (default: the engine factory)",
+    )
+    serve.add_argument(
         "--detached-buffer",
         type=_non_negative_int,
         default=1024,
@@ -117,6 +132,18 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _log_level(text: str) -> int | str:
+    # Checked here, without importing the stage (it needs pyzmq); the same names as
+    # enginecore.stage._logs.check_log_level, which serve() applies.
+    if text.strip().isdigit():
+        return int(text)
+    if not isinstance(logging.getLevelName(text.strip().upper()), int):
+        raise argparse.ArgumentTypeError(
+            f"must be DEBUG, INFO, WARNING, ERROR, CRITICAL or a number, got {text!r}"
+        )
+    return text
 
 
 def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: bool) -> None:
@@ -154,6 +181,7 @@ def _default_output(bind: str) -> str:
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         from .stage import PROTOCOL_VERSION, check_encodable
+        from .stage._logs import check_log_level
         from .stage._process import serve
         from .stage._watchdog import check_watchdog
     except ImportError as exc:
@@ -198,6 +226,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout,
             step_timeout=step_timeout,
             kill_after=args.kill_after,
+            name=args.name,
+            log_level=check_log_level(args.log_level, "--log-level"),
             ready=ready,
         )
     except Exception:

@@ -14,7 +14,7 @@ _SERVER = (
     "enginecore.stage._outbox",
     "enginecore.stage._input_queue",
     "enginecore.stage._stage_engine",
-    "enginecore.stage._routing",  # the client shares only _codec, _wire and _errors with it
+    "enginecore.stage._routing",  # the client shares only _codec, _wire, _errors, _logs with it
 )
 
 

@@ -186,6 +186,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         name: str | None = None,
         step_timeout: float | None = STEP_TIMEOUT,
         kill_after: float | None = None,
+        log_level: int | str | None = None,
+        forward_logs: bool = False,
     ) -> AsyncStageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -200,6 +202,16 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         that runs that long is fatal (:class:`~enginecore.stage.EngineDeadError` carrying
         the fatal message). :class:`ValueError` for values that are not seconds > 0, or a
         *kill_after* below *step_timeout*, before anything is started.
+
+        Logging in the stage: every record carries the stage's name (*name*, else
+        *factory*) as ``stage`` and its pid as ``process``; while the engine configures no
+        handler, records go to the stage's stderr as ``time level stage[pid] logger:
+        message``. *log_level* (an ``int`` or a name such as ``"DEBUG"``; ``None``: Python's
+        default, ``WARNING``) is the level of the stage's root logger. With
+        *forward_logs*, the stage's records are re-emitted in this process, through
+        ``logging.getLogger(record.name).handle(record)``, instead of being written to its
+        stderr (``docs/observability.md``). :class:`TypeError` / :class:`ValueError` for a
+        bad *log_level*, before anything is started.
 
         Waits until the stage is ready, at most *startup_timeout* seconds; the blocking part
         of the start runs in a worker thread, so the event loop keeps running. Raises
@@ -220,6 +232,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             cancel,
             step_timeout=step_timeout,
             kill_after=kill_after,
+            log_level=log_level,
+            forward_logs=forward_logs,
         )
         fut = loop.run_in_executor(None, start)
         fut.add_done_callback(lambda _: _close_pair(cancel, cancel_sender))

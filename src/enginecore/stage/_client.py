@@ -279,6 +279,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         name: str | None = None,
         step_timeout: float | None = STEP_TIMEOUT,
         kill_after: float | None = None,
+        log_level: int | str | None = None,
+        forward_logs: bool = False,
     ) -> StageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -294,12 +296,29 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         the fatal message). :class:`ValueError` for values that are not seconds > 0, or a
         *kill_after* below *step_timeout*, before anything is started.
 
+        Logging in the stage: every record carries the stage's name (*name*, else
+        *factory*) as ``stage`` and its pid as ``process``; while the engine configures no
+        handler, records go to the stage's stderr as ``time level stage[pid] logger:
+        message``. *log_level* (an ``int`` or a name such as ``"DEBUG"``; ``None``: Python's
+        default, ``WARNING``) is the level of the stage's root logger. With
+        *forward_logs*, the stage's records are re-emitted in this process, through
+        ``logging.getLogger(record.name).handle(record)``, instead of being written to its
+        stderr (``docs/observability.md``). :class:`TypeError` / :class:`ValueError` for a
+        bad *log_level*, before anything is started.
+
         Blocks until the stage is ready, at most *startup_timeout* seconds. Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
         factory raised) if it does not come up; no process or socket file is left behind.
         """
         launched = launch_process(
-            factory, kwargs, startup_timeout, name, step_timeout=step_timeout, kill_after=kill_after
+            factory,
+            kwargs,
+            startup_timeout,
+            name,
+            step_timeout=step_timeout,
+            kill_after=kill_after,
+            log_level=log_level,
+            forward_logs=forward_logs,
         )
         try:
             return cls._open(

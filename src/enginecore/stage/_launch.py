@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import msgspec
 
-from . import _codec, _wire
+from . import _codec, _logs, _wire
 from ._errors import StageStartupError, describe_exit
 from ._watchdog import STEP_TIMEOUT, check_watchdog
 
@@ -41,6 +41,8 @@ class Launched:
     conn: multiprocessing.connection.Connection  # parent end of the death pipe: keep open
     ipc_dir: str
     input_address: str
+    stage: str  # the stage's name in its log records
+    logs: _logs.LogSource | None = None  # its forwarded records, if forwarded
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def wait_exit(self, timeout: float | None) -> bool:
@@ -63,8 +65,11 @@ class Launched:
                 os.kill(self.process.pid, sig)  # type: ignore[arg-type]
 
     def release(self) -> None:
-        """After the process has exited: close the pipe, remove the ipc dir. Idempotent."""
+        """After the process has exited: close the pipe, remove the ipc dir, let the log
+        thread finish with the stage's records. Idempotent."""
         self.conn.close()
+        if self.logs is not None:
+            self.logs.release()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
         _live.discard(self)
 
@@ -130,6 +135,8 @@ def launch_process(
     *,
     step_timeout: float | None = STEP_TIMEOUT,
     kill_after: float | None = None,
+    log_level: int | str | None = None,
+    forward_logs: bool = False,
 ) -> Launched:
     """Spawn a stage process and wait until it is ready. Blocks up to *startup_timeout*.
 
@@ -138,10 +145,18 @@ def launch_process(
     arguments, before anything is started. Once *cancel* (a socket) is readable, stops
     waiting: kills what it started, cleans up, and raises :class:`LaunchCancelled` (the
     asyncio client's way to cancel a launch running in a worker thread). *step_timeout*
-    and *kill_after* configure the stage's step watchdog (``StageRuntime``).
+    and *kill_after* configure the stage's step watchdog (``StageRuntime``). The stage's log
+    records carry *name* (default: *factory*) as ``stage``; *log_level* is its root logger's
+    level; with *forward_logs*, its records are re-emitted in this process (``_logs``).
     """
     _validate_factory(factory)
     check_watchdog(step_timeout, kill_after)
+    level = _logs.check_log_level(log_level)
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not isinstance(forward_logs, bool):
+        raise TypeError(f"forward_logs must be a bool, got {type(forward_logs).__name__}")
+    stage = name or factory
     kwargs = dict(kwargs or {})
     _wire.check_encodable(kwargs, "factory kwargs")
     if not all(type(k) is str for k in kwargs):
@@ -160,6 +175,13 @@ def launch_process(
         )
     input_address = f"ipc://{input_path}"
     output_address = f"ipc://{os.path.join(ipc_dir, 'out')}"
+    log_address, logs = None, None
+    if forward_logs:
+        try:
+            log_address, logs = _logs.forward_to_parent(ipc_dir, stage)
+        except BaseException:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
 
     # The spawn target, imported here and not at the top: it loads the whole stage runtime,
     # which a client process never needs (the child imports it again, by name, anyway).
@@ -178,17 +200,22 @@ def launch_process(
             ipc_dir,
             step_timeout,
             kill_after,
+            stage,
+            level,
+            log_address,
         ),
         name=name or f"enginecore-stage[{factory}]",
         daemon=False,
     )
-    launched = Launched(process, parent_conn, ipc_dir, input_address)
+    launched = Launched(process, parent_conn, ipc_dir, input_address, stage, logs)
     try:
         process.start()
         _live.add(launched)
     except BaseException:
         child_conn.close()
         parent_conn.close()
+        if logs is not None:
+            logs.release()
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise
     child_conn.close()  # else the child could never see EOF from our side, nor we from its

@@ -25,6 +25,7 @@ import msgspec
 
 from .._engine import Engine, PipelinedEngine
 from .._signals import shutdown_on_signals
+from ._logs import configure_stage
 from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
 from ._watchdog import STEP_TIMEOUT
 
@@ -76,12 +77,17 @@ def run_launched(
     ipc_dir: str,
     step_timeout: float | None = None,
     kill_after: float | None = None,
+    stage: str | None = None,
+    log_level: int | None = None,
+    log_address: str | None = None,
 ) -> None:
     """Target of the spawned stage process (see ``_launch.launch_process``).
 
     *conn* is this end of a duplex pipe: the child reports ``["ready", pid]`` or
     ``["error", repr, traceback]`` on it, then waits on it for EOF, which means the parent
-    died. Ends the process with the stage's exit code.
+    died. Ends the process with the stage's exit code. Logging is set up first (``_logs``):
+    records named *stage* (default: *factory*), at *log_level*, pushed to *log_address* if
+    given.
     """
     # The parent owns this process's lifecycle: a terminal Ctrl-C goes to the parent, whose
     # client shuts the stage down; should the parent die instead, the pipe says so.
@@ -89,6 +95,7 @@ def run_launched(
     parent = _Parent(conn, ipc_dir)
     parent.start()
     try:
+        configure_stage(stage or factory, log_level, log_address)
         kwargs = msgspec.msgpack.decode(kwargs_frame)
         engine = build_engine(factory, kwargs)
         runtime = StageRuntime(
@@ -125,6 +132,8 @@ def serve(
     drain_timeout: float | None = None,
     step_timeout: float | None = STEP_TIMEOUT,
     kill_after: float | None = None,
+    name: str | None = None,
+    log_level: int | None = None,
     ready: Callable[[str, str], None],
 ) -> int:
     """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
@@ -133,8 +142,10 @@ def serve(
     are bound and the signal handlers are in place; returns the exit code. SIGTERM and
     SIGINT shut it down gracefully, also one that arrives right after ``ready``: at once,
     or, with *drain_timeout*, after a drain of at most that many seconds (a second signal
-    then stops it at once). Raises what the factory raises, and what binding raises.
+    then stops it at once). Raises what the factory raises, and what binding raises. Logging
+    is set up first (``_logs``): records named *name* (default: *factory*), at *log_level*.
     """
+    configure_stage(name or factory, log_level, None)
     engine = build_engine(factory, kwargs)
     runtime = StageRuntime(
         engine,

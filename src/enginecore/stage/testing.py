@@ -21,6 +21,7 @@ Factories (``"enginecore.stage.testing:NAME"``):
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -102,6 +103,11 @@ class ScriptedEngine(CountdownEngine):
       ``deferred_never`` -> a future nobody completes (answered with an error at the end).
     - ``linger(seconds)`` -> starts a non-daemon thread that sleeps that long, which keeps
       the process from exiting after its loop has ended.
+    - ``emit_log(logger, level, message, exc=False)`` -> logs *message* at *level* (an int)
+      on ``logging.getLogger(logger)``, with the traceback of a ``ValueError("scripted
+      log error")`` if *exc*; returns whether the logger was enabled for *level*.
+    - ``record_fields`` -> ``[stage, pid]``: the ``stage`` and ``process`` attributes of a
+      record made by a logger in the stage (``None`` for a missing attribute).
     """
 
     def __init__(self) -> None:
@@ -176,6 +182,13 @@ class ScriptedEngine(CountdownEngine):
         if name == "sleep":
             time.sleep(args[0])
             return None
+        if name == "emit_log":
+            return _emit_log(*args)
+        if name == "record_fields":
+            record = logging.getLogger("enginecore.test").makeRecord(
+                "enginecore.test", logging.INFO, __file__, 0, "fields", (), None
+            )
+            return [getattr(record, "stage", None), getattr(record, "process", None)]
         if name == "linger":
             threading.Thread(target=time.sleep, args=(args[0],), name="linger").start()
             return None
@@ -224,6 +237,18 @@ class ScriptedEngine(CountdownEngine):
         # bypass route_output's cases (poisoned payloads, unrouted values): route each here.
         triples = [ScriptedEngine.route_output(out) for out in outputs]
         return [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]
+
+
+def _emit_log(name: str, level: int, message: str, exc: bool = False) -> bool:
+    log = logging.getLogger(name)
+    if not exc:
+        log.log(level, message)
+    else:
+        try:
+            raise ValueError("scripted log error")
+        except ValueError:
+            log.log(level, message, exc_info=True)
+    return log.isEnabledFor(level)
 
 
 class EchoEngine:
