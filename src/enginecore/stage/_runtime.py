@@ -36,7 +36,7 @@ from ._input_queue import InputQueue
 from ._outbox import Outbox
 from ._stage_engine import StageEngine
 from ._stage_session import HEARTBEAT_TIMEOUT_MS, CallTable, StageSession, log_detached_drops
-from ._statistics import LOAD_INTERVAL, check_load_interval, stage_statistics
+from ._statistics import LOAD_INTERVAL, StageStatistics, check_load_interval, stage_statistics
 from ._watchdog import StepWatchdog, check_watchdog
 from ._wire import is_ipv6_endpoint
 
@@ -183,22 +183,23 @@ class StageRuntime:
                 pipeline_depth=pipeline_depth_of(engine),
                 input_queue=self._input,
             )
+            self._statistics = functools.partial(
+                stage_statistics,
+                self.loop,
+                live=stage_engine.live,
+                outputs=lambda: stage_engine.counts.outputs,
+                backlog=lambda: self._outbox.backlog,
+                reporter=stage_engine.reporter,
+                engine_name=engine_name,
+                started=started,
+            )
             self._session = StageSession(
                 self._outbox,
                 calls,
                 engine_name=engine_name,
                 output_address=self.output_address,
                 session_timeout=session_timeout,
-                statistics=functools.partial(
-                    stage_statistics,
-                    self.loop,
-                    live=stage_engine.live,
-                    outputs=lambda: stage_engine.counts.outputs,
-                    backlog=lambda: self._outbox.backlog,
-                    reporter=stage_engine.reporter,
-                    engine_name=engine_name,
-                    started=started,
-                ),
+                statistics=self._statistics,
             )
             self._inbox = Inbox(
                 in_sock,
@@ -244,6 +245,12 @@ class StageRuntime:
         term.join(self._flush_timeout)
         logging.shutdown()
         os._exit(EXIT_FATAL)
+
+    def statistics(self) -> StageStatistics:
+        """The stage's statistics, as a client's ``stats()`` gets them. Any thread, any
+        time; never waits for the loop or a step (for a metrics endpoint in the stage
+        process)."""
+        return StageStatistics.from_wire(self._statistics())
 
     def request_drain(self, seconds: float) -> None:
         """Drain, then stop: as a client's ``shutdown`` with a drain of *seconds*, applied
