@@ -117,6 +117,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the stage's name in its log records (default: the engine factory)",
     )
     serve.add_argument(
+        "--load-interval",
+        type=_load_interval,
+        default=0.05,
+        metavar="SECONDS",
+        help="while the stage steps, attach a load report to its outputs at most this often; "
+        "0: never (default: %(default)s)",
+    )
+    serve.add_argument(
         "--detached-buffer",
         type=_non_negative_int,
         default=1024,
@@ -125,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
         "count the rest (default: %(default)s)",
     )
     return parser
+
+
+def _load_interval(text: str) -> float | None:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value or None
 
 
 def _non_negative_int(text: str) -> int:
@@ -228,6 +243,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             kill_after=args.kill_after,
             name=args.name,
             log_level=check_log_level(args.log_level, "--log-level"),
+            load_interval=args.load_interval,
             ready=ready,
         )
     except Exception:

@@ -29,6 +29,8 @@ from enginecore.stage import (
     StageClient,
     StageEvent,
     StageHealth,
+    StageLoad,
+    StageStatistics,
     StreamTimings,
 )
 
@@ -220,6 +222,12 @@ class BlockingAsyncClient:
 
     def health(self) -> StageHealth:
         return self._client.health()
+
+    def stats(self, timeout: float | None = 10.0) -> StageStatistics:
+        return self._runner.run(self._client.stats(timeout))
+
+    def load(self) -> StageLoad | None:
+        return self._client.load()
 
     def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> int | None:
         return self._runner.run(self._client.shutdown(timeout, drain=drain))

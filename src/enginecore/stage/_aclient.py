@@ -36,7 +36,7 @@ from ._clientbase import Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import Launched, launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
-from ._statistics import StageStatistics
+from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
@@ -188,6 +188,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         kill_after: float | None = None,
         log_level: int | str | None = None,
         forward_logs: bool = False,
+        load_interval: float | None = LOAD_INTERVAL,
     ) -> AsyncStageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -213,6 +214,11 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         stderr (``docs/observability.md``). :class:`TypeError` / :class:`ValueError` for a
         bad *log_level*, before anything is started.
 
+        Load reports: while the stage steps, at most every *load_interval* seconds
+        (``None``: never), it attaches its load (live requests, the engine's ``stats()``)
+        to a step's outputs; :meth:`load` returns the latest (``docs/observability.md``).
+        :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
+
         Waits until the stage is ready, at most *startup_timeout* seconds; the blocking part
         of the start runs in a worker thread, so the event loop keeps running. Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
@@ -234,6 +240,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             kill_after=kill_after,
             log_level=log_level,
             forward_logs=forward_logs,
+            load_interval=load_interval,
         )
         fut = loop.run_in_executor(None, start)
         fut.add_done_callback(lambda _: _close_pair(cancel, cancel_sender))

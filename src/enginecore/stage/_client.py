@@ -59,7 +59,7 @@ from ._clientbase import ClientBase, Target
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
-from ._statistics import StageStatistics
+from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
@@ -281,6 +281,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         kill_after: float | None = None,
         log_level: int | str | None = None,
         forward_logs: bool = False,
+        load_interval: float | None = LOAD_INTERVAL,
     ) -> StageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -306,6 +307,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         stderr (``docs/observability.md``). :class:`TypeError` / :class:`ValueError` for a
         bad *log_level*, before anything is started.
 
+        Load reports: while the stage steps, at most every *load_interval* seconds
+        (``None``: never), it attaches its load (live requests, the engine's ``stats()``)
+        to a step's outputs; :meth:`load` returns the latest (``docs/observability.md``).
+        :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
+
         Blocks until the stage is ready, at most *startup_timeout* seconds. Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
         factory raised) if it does not come up; no process or socket file is left behind.
@@ -319,6 +325,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             kill_after=kill_after,
             log_level=log_level,
             forward_logs=forward_logs,
+            load_interval=load_interval,
         )
         try:
             return cls._open(
@@ -459,8 +466,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     def call_utility(self, name: str, /, *args: Any, timeout: float | None = None) -> Any:
         """Call ``engine.utility(name, args)`` in the stage and return its result.
 
-        Blocks up to *timeout* seconds (``None``: until answered). Raises
-        :class:`~enginecore.stage.UtilityError` (remote ``repr`` inside) if it raised,
+        Blocks up to *timeout* seconds (``None``: until answered; :class:`ValueError` if
+        negative). Raises :class:`~enginecore.stage.UtilityError` (remote ``repr`` inside)
+        if it raised,
         :class:`TimeoutError` after *timeout* (the late answer is then dropped),
         :class:`TypeError` (before sending) for arguments that cannot cross the wire, and
         :class:`~enginecore.stage.EngineDeadError` /
@@ -490,7 +498,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     def _call(
         self, name: str, args: tuple[Any, ...], timeout: float | None, *, stats: bool = False
     ) -> Any:
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        deadline = _clientbase.deadline_after(timeout)  # ValueError if negative, as async
         waiter = _Waiter()
         try:
             self._claim(waiter)

@@ -20,6 +20,7 @@ import msgspec
 
 from . import _codec, _logs, _wire
 from ._errors import StageStartupError, describe_exit
+from ._statistics import LOAD_INTERVAL, check_load_interval
 from ._watchdog import STEP_TIMEOUT, check_watchdog
 
 __all__ = ["LaunchCancelled", "Launched", "launch_process"]
@@ -137,6 +138,7 @@ def launch_process(
     kill_after: float | None = None,
     log_level: int | str | None = None,
     forward_logs: bool = False,
+    load_interval: float | None = LOAD_INTERVAL,
 ) -> Launched:
     """Spawn a stage process and wait until it is ready. Blocks up to *startup_timeout*.
 
@@ -148,10 +150,13 @@ def launch_process(
     and *kill_after* configure the stage's step watchdog (``StageRuntime``). The stage's log
     records carry *name* (default: *factory*) as ``stage``; *log_level* is its root logger's
     level; with *forward_logs*, its records are re-emitted in this process (``_logs``).
+    *load_interval* is the least time between two load reports (``None``: none;
+    ``_statistics``).
     """
     _validate_factory(factory)
     check_watchdog(step_timeout, kill_after)
     level = _logs.check_log_level(log_level)
+    load_interval = check_load_interval(load_interval)
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     if not isinstance(forward_logs, bool):
@@ -203,6 +208,7 @@ def launch_process(
             stage,
             level,
             log_address,
+            load_interval,
         ),
         name=name or f"enginecore-stage[{factory}]",
         daemon=False,

@@ -27,6 +27,7 @@ from .._engine import Engine, PipelinedEngine
 from .._signals import shutdown_on_signals
 from ._logs import configure_stage
 from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
+from ._statistics import LOAD_INTERVAL
 from ._watchdog import STEP_TIMEOUT
 
 __all__ = ["build_engine", "exit_soon", "import_factory", "run_launched", "serve"]
@@ -80,6 +81,7 @@ def run_launched(
     stage: str | None = None,
     log_level: int | None = None,
     log_address: str | None = None,
+    load_interval: float | None = LOAD_INTERVAL,
 ) -> None:
     """Target of the spawned stage process (see ``_launch.launch_process``).
 
@@ -106,6 +108,8 @@ def run_launched(
             step_timeout=step_timeout,
             kill_after=kill_after,
             handle_signals=(signal.SIGTERM,),
+            load_interval=load_interval,
+            name=stage,
         )
     except BaseException as exc:
         _report(conn, "error", repr(exc), traceback.format_exc())
@@ -134,6 +138,7 @@ def serve(
     kill_after: float | None = None,
     name: str | None = None,
     log_level: int | None = None,
+    load_interval: float | None = LOAD_INTERVAL,
     ready: Callable[[str, str], None],
 ) -> int:
     """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
@@ -157,6 +162,8 @@ def serve(
         keep_requests_on_detach=keep_requests_on_detach,
         step_timeout=step_timeout,
         kill_after=kill_after,
+        load_interval=load_interval,
+        name=name,
         handle_signals=(),
     )
     # The handlers go in before ready() announces the stage: a signal sent as soon as the

@@ -85,7 +85,8 @@ class StageRuntime:
 
     Binds *input_address* (``ROUTER``) and *output_address* (``PUSH``) at once; the bound
     endpoints are :attr:`input_address` and :attr:`output_address`. *engine_name* is sent to
-    clients in the handshake. *handle_signals* turn into a graceful shutdown while
+    clients in the handshake; *name* (default: *engine_name*) names the stage in its
+    statistics. *handle_signals* turn into a graceful shutdown while
     :meth:`run` runs (in the main thread only); with none, ``run()`` may be called from any
     thread.
 
@@ -125,6 +126,7 @@ class StageRuntime:
         kill_after: float | None = None,
         handle_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
         load_interval: float | None = LOAD_INTERVAL,
+        name: str | None = None,
     ) -> None:
         check_watchdog(step_timeout, kill_after)
         load_interval = check_load_interval(load_interval)
@@ -190,7 +192,8 @@ class StageRuntime:
                 outputs=lambda: stage_engine.counts.outputs,
                 backlog=lambda: self._outbox.backlog,
                 reporter=stage_engine.reporter,
-                engine_name=engine_name,
+                name=engine_name if name is None else name,
+                factory=engine_name,
                 started=started,
             )
             self._session = StageSession(

@@ -115,7 +115,8 @@ def stage_statistics(
     outputs: Callable[[], int],
     backlog: Callable[[], int],
     reporter: LoadReporter | None,
-    engine_name: str,
+    name: str,
+    factory: str,
     started: float,
 ) -> dict[str, Any]:
     """The map a ``stats`` request is answered with. Any thread; never waits."""
@@ -144,7 +145,8 @@ def stage_statistics(
             "running": s.running,
         },
         "stage": {
-            "name": engine_name,
+            "name": name,
+            "factory": factory,
             "pid": os.getpid(),
             "uptime_seconds": time.monotonic() - started,
             "outputs": outputs(),
@@ -168,6 +170,8 @@ class StageStatistics:
     """The stage's engine loop. Its ``outputs`` stays 0: a stage hands its outputs over
     itself, and counts them in :attr:`outputs`."""
     name: str
+    """The stage's name (``launch(name=)``, ``serve --name``; by default its factory)."""
+    factory: str
     """The stage's engine factory (as in the handshake)."""
     pid: int
     """The stage process's id."""
@@ -226,6 +230,7 @@ class StageStatistics:
             stats = cls(
                 loop=loop,
                 name=str(st["name"]),
+                factory=str(st["factory"]),
                 pid=int(st["pid"]),
                 uptime_seconds=float(st["uptime_seconds"]),
                 outputs=int(st["outputs"]),

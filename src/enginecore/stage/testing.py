@@ -98,6 +98,11 @@ class ScriptedEngine(CountdownEngine):
     - ``payload(rid, value)`` -> the next output of *rid* carries *value* instead.
     - ``unrouted(value)`` -> the next ``step()`` also returns the bare *value* (no request id).
     - ``sleep(seconds)`` -> blocks the loop that long.
+    - ``pace(seconds)`` -> from now on, every ``step()`` sleeps that long first (0: no
+      more).
+
+    Its ``stats()`` reports ``running`` (requests with steps left), ``pace`` and
+    ``stats_calls``.
     - ``deferred(seconds, value=None)`` -> a :class:`~concurrent.futures.Future` that a timer
       completes with *value* after *seconds* (a deferred utility: the loop goes on);
       ``deferred_never`` -> a future nobody completes (answered with an error at the end).
@@ -120,6 +125,8 @@ class ScriptedEngine(CountdownEngine):
         self._poisoned: dict[str, Any] = {}
         self._unrouted: list[Any] = []
         self._stall_next = 0.0
+        self._pace = 0.0
+        self._stats_calls = 0
 
     def has_work(self) -> bool:
         return (
@@ -179,6 +186,9 @@ class ScriptedEngine(CountdownEngine):
         if name == "unrouted":
             self._unrouted.append(args[0])
             return None
+        if name == "pace":  # every step sleeps args[0] seconds from now on
+            self._pace = float(args[0])
+            return None
         if name == "sleep":
             time.sleep(args[0])
             return None
@@ -194,10 +204,22 @@ class ScriptedEngine(CountdownEngine):
             return None
         return super().utility(name, args)
 
+    def stats(self) -> dict[str, float]:
+        """The engine's own numbers (``docs/engines.md``): ``running`` requests, the
+        ``pace`` in seconds, and the ``stats_calls`` made so far."""
+        self._stats_calls += 1
+        return {
+            "running": len(self._remaining),
+            "pace": self._pace,
+            "stats_calls": self._stats_calls,
+        }
+
     def step(self) -> list[Any]:
         if self._stall_next:
             seconds, self._stall_next = self._stall_next, 0.0
             time.sleep(seconds)
+        if self._pace:
+            time.sleep(self._pace)
         if self._fail_next:
             raise RuntimeError("scripted step failure")
         if self._system_exit is not None:

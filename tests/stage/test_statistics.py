@@ -1,0 +1,197 @@
+"""A stage's statistics (``client.stats()``) and load reports (``client.load()``), through
+both clients (``[sync]`` / ``[async]``), against real launched stages; the raw protocol's
+view of both (``docs/wire.md``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from enginecore import LoopStatistics
+from enginecore.stage import StageClosedError, StageLoad, StageStatistics
+from enginecore.stage._statistics import check_load_interval
+from enginecore.stage.testing import ScriptedEngine
+
+from .conftest import SCRIPTED, Launch, wait_until
+from .raw import in_process_stage
+
+
+class TestStats:
+    def test_counts_after_work(self, launch: Launch) -> None:
+        client = launch(SCRIPTED, name="stats-1")
+        streams = [client.add(f"r{i}", 5) for i in range(4)]
+        for s in streams:
+            s.collect(10)
+        client.abort(["nope"])
+        client.call_utility("echo", 1)
+        stats = client.stats()
+        assert isinstance(stats, StageStatistics)
+        assert isinstance(stats.loop, LoopStatistics)
+        assert stats.name == "stats-1"
+        assert stats.factory == SCRIPTED
+        assert stats.pid == client.pid
+        assert stats.outputs == 20  # the stage's own count: its loop emits none itself
+        assert stats.loop.outputs == 0
+        assert stats.steps == stats.loop.steps >= 5
+        assert sum(stats.loop.step_histogram) == stats.steps
+        assert stats.loop.adds == 4
+        assert stats.loop.aborts == 1
+        assert stats.loop.utility_calls >= 1
+        assert stats.live == 0
+        assert stats.loop.running
+        assert stats.uptime_seconds > 0
+        # Going idle sampled the engine's stats(): its numbers at rest.
+        assert stats.engine["running"] == 0
+
+    def test_answered_during_a_long_step(self, launch: Launch) -> None:
+        client = launch(SCRIPTED, step_timeout=0.3)
+        client.call_utility("stall_next_step", 3.0)  # the next step sleeps 3 s
+        # The stage's watchdog says when the loop is inside that step.
+        assert wait_until(lambda: client.health() == "stalled", timeout=5)
+        t0 = time.monotonic()
+        stats = client.stats(timeout=2.0)  # the loop is busy for ~2.5 s more: not waited for
+        assert time.monotonic() - t0 < 2.0
+        assert stats.loop.running
+        assert stats.loop.step_seconds_max < 3.0  # that step has not ended
+
+    def test_bad_timeout_and_closed_client(self, launch: Launch) -> None:
+        client = launch(SCRIPTED)
+        with pytest.raises(ValueError, match="non-negative"):
+            client.stats(timeout=-1)
+        with pytest.raises(ValueError, match="non-negative"):  # as stats(): both clients
+            client.call_utility("echo", timeout=-1)
+        client.close()
+        with pytest.raises(StageClosedError):
+            client.stats()
+
+    def test_from_wire_refuses_what_is_not_statistics(self) -> None:
+        with pytest.raises(ValueError, match="not a stage's statistics"):
+            StageStatistics.from_wire({"loop": {}})
+        with pytest.raises(ValueError, match="not a stage's statistics"):
+            StageStatistics.from_wire([1, 2])
+
+
+class TestLoad:
+    def test_none_before_any_step_and_none_while_idle(self, launch: Launch) -> None:
+        client = launch(SCRIPTED)
+        assert client.load() is None
+        client.call_utility("echo", 1)  # a round trip: nothing stepped, nothing reported
+        assert client.load() is None
+
+    def test_reports_while_stepping(self, launch: Launch) -> None:
+        client = launch(SCRIPTED, load_interval=0.02)
+        client.call_utility("pace", 0.005)  # a step every 5 ms
+        stream = client.add("r", 60)  # ~0.3 s of steps
+        first: StageLoad | None = None
+        for _ in stream:
+            load = client.load()
+            if first is None and load is not None:
+                first = load
+        assert first is not None
+        last = client.load()
+        assert last is not None
+        assert last.seq > first.seq >= 1
+        # About one report per 20 ms over ~0.3 s; at most one per interval.
+        assert 3 <= last.seq <= 0.3 / 0.02 + 5
+        assert last.engine["pace"] == 0.005
+        assert "running" in last.engine
+        assert 0 <= last.live <= 1
+        assert last.age >= 0
+        # It ages while nothing new comes (the stage is idle now: it sends no more).
+        time.sleep(0.05)
+        later = client.load()
+        assert later is not None
+        assert later.seq == last.seq
+        assert later.age >= last.age + 0.04
+        assert client.stats().load_reports == last.seq
+
+    def test_none_when_turned_off(self, launch: Launch) -> None:
+        client = launch(SCRIPTED, load_interval=None)
+        client.add("r", 50).collect(10)
+        assert client.load() is None
+        assert client.stats().load_interval is None
+
+    @pytest.mark.parametrize(
+        ("value", "error"),
+        [(0, ValueError), (-1, ValueError), (float("inf"), ValueError), ("1", TypeError)],
+    )
+    def test_bad_intervals_are_refused_before_launch(
+        self, launch: Launch, value: Any, error: type[Exception]
+    ) -> None:
+        with pytest.raises(error, match="load_interval"):
+            launch(SCRIPTED, load_interval=value)
+
+    def test_events_handed_out_never_carry_it(self, launch: Launch) -> None:
+        client = launch(SCRIPTED, ordered_events=True, load_interval=0.001)
+        client.add("r", 20)
+        seen: list[Any] = []
+        while not any(getattr(e, "finished", [False])[-1:] == [True] for e in seen):
+            seen += client.get_events(5)
+        assert client.load() is not None
+        assert all(getattr(e, "load", None) is None for e in seen)
+
+
+def test_check_load_interval() -> None:
+    assert check_load_interval(None) is None
+    assert check_load_interval(1) == 1.0
+    with pytest.raises(TypeError):
+        check_load_interval(True)
+
+
+class TestRawProtocol:
+    def test_stats_is_answered_as_a_utility_call(self, no_leftovers: str) -> None:
+        with in_process_stage(ScriptedEngine(), no_leftovers) as (_, client):
+            client.send("stats", 77)
+            (answer,) = client.until(lambda ev: ev[0] == "utility")
+            assert answer[0:2] == ["utility", 77]
+            assert answer[3] is None
+            assert set(answer[2]) == {"loop", "stage"}
+            assert StageStatistics.from_wire(answer[2]).loop.running
+
+    def test_a_bad_stats_message_is_an_unscoped_error(self, no_leftovers: str) -> None:
+        with in_process_stage(ScriptedEngine(), no_leftovers) as (_, client):
+            client.send("stats", "x")
+            (error,) = client.until(lambda ev: ev[0] == "error")
+            assert error[1] is None
+            assert "invalid message" in error[2]
+            client.send("ping", 1)
+            client.until(lambda ev: ev[0] == "pong")
+
+    def test_the_report_is_the_fifth_element_of_an_outputs_event(self, no_leftovers: str) -> None:
+        with in_process_stage(ScriptedEngine(), no_leftovers) as (_, client):
+            client.send("add", "r", 3)
+            client.until(lambda ev: ev[0] == "outputs" and ev[2] == [True])
+            assert client.loads, "no load report came with the outputs"
+            report = client.loads[0]
+            assert set(report) == {"seq", "age", "live", "engine"}
+            assert report["seq"] == 1
+            assert 0 <= report["age"] < 5
+            assert report["live"] == 1
+            assert report["engine"]["running"] == 1
+
+
+def test_statistics_from_another_thread_while_stepping(launch: Launch) -> None:
+    """Many readers at once, during steps: each snapshot is consistent."""
+    client = launch(SCRIPTED)
+    client.call_utility("pace", 0.001)
+    stream = client.add("r", 200)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for _ in range(20):
+                s = client.stats()
+                assert sum(s.loop.step_histogram) == s.steps
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    stream.collect(20)
+    for t in threads:
+        t.join(20)
+    assert not errors
