@@ -36,6 +36,9 @@ class TestExamples:
         proc = _run(ROOT / "examples" / "toy_stage.py")
         assert proc.returncode == 0, proc.stderr
         assert "requests   1000:" in proc.stdout
+        assert "progress   100% (1000/1000)" in proc.stdout  # not a terminal: a line a quarter
+        assert re.search(r"stage      \d+ steps, step p50 <= ", proc.stdout)
+        assert re.search(r"\d+ outputs, 1001 adds, 1 aborts, \d+ load reports", proc.stdout)
         assert "stage      exited with code 0" in proc.stdout
 
 

@@ -120,7 +120,8 @@ class CountdownEngine:
     :meth:`step` decrements every live request and returns ``[(rid, remaining), ...]`` in
     insertion order; a request that reaches 0 is reported and removed. :meth:`abort` removes
     requests and ignores unknown ids. ``utility("div", (a, b))`` returns ``a / b``;
-    ``utility("num_requests", ())`` returns the number of live requests.
+    ``utility("num_requests", ())`` returns the number of live requests. :meth:`stats`
+    reports them to the loop's statistics.
 
     An output ``(rid, remaining)`` is the request's last one exactly when ``remaining == 0``;
     :meth:`is_finished` says so. :meth:`route_output` is the stage runtime's routing hook
@@ -154,6 +155,12 @@ class CountdownEngine:
         if name == "num_requests":
             return len(self._remaining)
         raise ValueError(f"CountdownEngine has no utility {name!r}; known: 'div', 'num_requests'")
+
+    def stats(self) -> dict[str, float]:
+        """The engine's own numbers (``docs/engines.md``): ``running``, the live requests,
+        and ``remaining``, the steps they still need."""
+        remaining = self._remaining
+        return {"running": len(remaining), "remaining": sum(remaining.values())}
 
     def step(self) -> list[tuple[str, int]]:
         outputs: list[tuple[str, int]] = []
