@@ -31,6 +31,7 @@ MODULES = (
     "bench_pipeline",
     "bench_stage_utility",
     "bench_stage_output",
+    "bench_stage_load",
     "bench_stage_ingest",
     "bench_stage_requests",
     "bench_stage_arrays",

@@ -10,9 +10,8 @@ micro-benchmark: see ``_harness.no_gc``).
 * per message: N ``Add`` messages are queued before ``run()``; the loop drains them in one
   batch (each counted), the engine never has work, and the last ``add`` requests shutdown.
 
-Goal: statistics cost at most 0.05 µs per loop iteration, in every round (each round's two
-runs are paired; the verdict is the largest per-round difference). The per-message row is
-reported, without a goal.
+Goal: statistics cost at most 0.05 µs per loop iteration, and per applied message, in every
+round (each round's two runs are paired; the verdict is the largest per-round difference).
 """
 
 from __future__ import annotations
@@ -185,7 +184,7 @@ def run(quick: bool) -> list[Record]:
     )
     return [
         _record("statistics per loop iteration", "µs/iter", a, b, GOAL_US),
-        _record("statistics per applied message", "µs/msg", ma, mb, None),
+        _record("statistics per applied message", "µs/msg", ma, mb, GOAL_US),
     ]
 
 

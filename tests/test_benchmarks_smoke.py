@@ -26,9 +26,11 @@ from benchmarks import (
     bench_pipeline,
     bench_stage_arrays,
     bench_stage_ingest,
+    bench_stage_load,
     bench_stage_output,
     bench_stage_requests,
     bench_stage_utility,
+    bench_statistics,
     bench_throughput,
 )
 from benchmarks.__main__ import MODULES, main
@@ -40,6 +42,7 @@ KEYS = {
 STAGE_MODULES = (
     bench_stage_arrays,
     bench_stage_ingest,
+    bench_stage_load,
     bench_stage_output,
     bench_stage_requests,
     bench_stage_utility,
@@ -207,6 +210,12 @@ class TestBenchmarksRun:
         assert [len(r.per_round) for r in idle] == [2, 2]
         assert_records(idle, 2)
 
+    def test_statistics_is_registered_and_runs_quick(self) -> None:
+        assert "bench_statistics" in MODULES
+        records = bench_statistics.run(quick=True)
+        assert_records(records, 2)
+        assert all(len(r.per_round) == 3 for r in records)
+
     def test_throughput_measures_both_sides(self) -> None:
         msgs = bench_throughput.make_messages(500)
         assert bench_throughput.run_loop(msgs) > 0
@@ -276,6 +285,13 @@ class TestStageBenchmarks:
         assert_gc_on(records)
         assert all(len(r.per_round) == 3 for r in records)
         assert gc_disables == []
+
+    def test_load_reports_run_quick_with_gc_on(self) -> None:
+        cost, age = bench_stage_load.run(quick=True)
+        assert_records([cost, age], 2)
+        assert_gc_on([cost])
+        assert len(cost.per_round) == 3
+        assert len(age.per_round) == 2
 
     def test_raw_peer_answers_and_leaves_nothing_behind(self) -> None:
         from benchmarks._stage import RawPeer

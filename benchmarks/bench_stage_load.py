@@ -1,0 +1,183 @@
+"""Load reports: what they cost per output, and how old they are when a client reads one.
+
+* cost per output: two launched ``CountdownEngine`` stages, one sending load reports every
+  ``load_interval`` (the default, 0.05 s) and one with ``load_interval=None``; the output
+  stream of ``bench_stage_output`` (256 requests x *steps*, one ``outputs`` event per step,
+  read with ``get_event()``) through each, interleaved, GC on. Each round's two runs are
+  paired: the difference of their seconds per output is the reports' cost that round.
+  Goal: at most 0.02 µs per output in every round.
+* age: a ``ScriptedEngine`` stage paced to one step every 5 ms, with ``load_interval``
+  0.05 s; a reader samples ``client.load().age`` every ~7 ms while it steps (from the
+  round's first report on: between rounds the stage is idle, and its last report ages). The baseline
+  is what a user would do without load reports: a thread that polls a utility every
+  0.05 s and keeps its answer, aged from the moment the call was sent, read the same way in
+  the same run (on another stage of the same pace). Goal: every report read is at most
+  ``load_interval`` + one step (55 ms) old, in every round (judged on the oldest).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from itertools import count
+from typing import Any
+
+from ._harness import Record, Skipped, gc_on, main_single, spread
+
+NAME = "stage_load"
+COST_GOAL_US = 0.02
+REQUESTS = 256
+INTERVAL = 0.05
+STEP = 0.005
+
+_rounds = count()
+
+
+def seconds_per_output(client: Any, steps: int) -> float:
+    """Seconds per output of the output stream through *client*'s stage."""
+    from enginecore.stage import Outputs
+
+    total = REQUESTS * steps
+    prefix = f"s{next(_rounds)}-"
+    get_event = client.get_event
+    with gc_on():
+        t0 = time.perf_counter()
+        for i in range(REQUESTS):
+            client.add(f"{prefix}{i}", steps)
+        seen = 0
+        while seen < total:
+            ev = get_event()
+            if ev.__class__ is Outputs:
+                seen += len(ev.payloads)
+        t1 = time.perf_counter()
+    return (t1 - t0) / total
+
+
+def ages_of_reports(client: Any, seconds: float) -> list[float]:
+    """``client.load().age`` sampled every ~7 ms while the stage steps for *seconds*."""
+    steps = int(seconds / STEP)
+    before = client.load()
+    last_seq = 0 if before is None else before.seq  # an idle stage's last report: stale
+    stream = client.add(f"age{next(_rounds)}", steps)
+    ages: list[float] = []
+    deadline = time.monotonic() + seconds * 0.9
+    while time.monotonic() < deadline:
+        load = client.load()
+        if load is not None and load.seq > last_seq:  # this run's reports only
+            ages.append(load.age)
+        time.sleep(0.007)
+    client.abort([stream.req_id])
+    return ages
+
+
+def ages_of_polls(client: Any, seconds: float) -> list[float]:
+    """The baseline: a thread polls a utility every INTERVAL; its answer's age (from the
+    moment the call was sent) is sampled every ~7 ms while the stage steps."""
+    steps = int(seconds / STEP)
+    stream = client.add(f"poll{next(_rounds)}", steps)
+    latest: list[float] = []  # the send time of the newest answer
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            client.call_utility("echo", 1)
+            latest[:] = [sent]
+            stop.wait(INTERVAL)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    ages: list[float] = []
+    deadline = time.monotonic() + seconds * 0.9
+    while time.monotonic() < deadline:
+        if latest:
+            ages.append(time.monotonic() - latest[0])
+        time.sleep(0.007)
+    stop.set()
+    poller.join()
+    client.abort([stream.req_id])
+    return ages
+
+
+def run(quick: bool) -> list[Record]:
+    try:
+        from enginecore.stage import StageClient
+    except ImportError as exc:
+        raise Skipped(f"needs the zmq extra (pip install -e '.[zmq]'): {exc}") from None
+    steps, rounds = (40, 3) if quick else (400, 7)
+    countdown = "enginecore:CountdownEngine"
+    with (
+        StageClient.launch(countdown, ordered_events=True) as on,
+        StageClient.launch(countdown, ordered_events=True, load_interval=None) as off,
+    ):
+        seconds_per_output(on, steps // 4)  # warm-up
+        seconds_per_output(off, steps // 4)
+        with_s: list[float] = []
+        without_s: list[float] = []
+        for i in range(rounds):
+            pair = [(on, with_s), (off, without_s)]
+            for client, out in pair if i % 2 == 0 else pair[::-1]:
+                out.append(seconds_per_output(client, steps))
+    per_round = tuple((a - b) * 1e6 for a, b in zip(with_s, without_s, strict=True))
+    deltas = sorted(per_round)
+    on_us = sorted(x * 1e6 for x in with_s)
+    off_us = sorted(x * 1e6 for x in without_s)
+    cost = Record(
+        name=f"load reports' cost per output, {REQUESTS} x {steps}",
+        value=on_us[len(on_us) // 2],
+        unit="µs/output",
+        baseline=off_us[len(off_us) // 2],
+        ratio=on_us[len(on_us) // 2] / off_us[len(off_us) // 2],
+        goal=f"<= baseline + {COST_GOAL_US} µs",
+        met=deltas[-1] <= COST_GOAL_US,
+        spread=spread(on_us),
+        baseline_spread=spread(off_us),
+        note=f"{deltas[len(deltas) // 2] * 1e3:+.1f} ns per output with reports, median of "
+        f"{len(deltas)} paired rounds; judged on the largest; GC on",
+        per_round=per_round,
+        per_round_unit="µs over",
+    )
+
+    seconds = 0.6 if quick else 2.0
+    age_rounds = 2 if quick else 5
+    scripted = "enginecore.stage.testing:scripted"
+    with (
+        StageClient.launch(scripted, load_interval=INTERVAL) as pushed,
+        StageClient.launch(scripted) as polled,
+    ):
+        for client in (pushed, polled):
+            client.call_utility("pace", STEP)
+        report_max: list[float] = []
+        poll_max: list[float] = []
+        report_all: list[float] = []
+        for i in range(age_rounds):
+            sides = [("r", pushed), ("p", polled)]
+            for kind, client in sides if i % 2 == 0 else sides[::-1]:
+                if kind == "r":
+                    ages = ages_of_reports(client, seconds)
+                    report_all += ages
+                    report_max.append(max(ages) * 1e3)
+                else:
+                    poll_max.append(max(ages_of_polls(client, seconds)) * 1e3)
+    line = (INTERVAL + STEP) * 1e3
+    report_all.sort()
+    age = Record(
+        name=f"load report age, a step every {STEP * 1e3:g} ms, interval {INTERVAL * 1e3:g} ms",
+        value=sorted(report_max)[len(report_max) // 2],
+        unit="ms (oldest read)",
+        baseline=sorted(poll_max)[len(poll_max) // 2],
+        ratio=sorted(report_max)[len(report_max) // 2] / sorted(poll_max)[len(poll_max) // 2],
+        goal=f"<= {line:g} ms (interval + one step)",
+        met=max(report_max) <= line,
+        spread=spread(report_max),
+        baseline_spread=spread(poll_max),
+        note=f"median read {report_all[len(report_all) // 2] * 1e3:.1f} ms old; baseline: a "
+        f"utility polled every {INTERVAL * 1e3:g} ms, aged from its send; judged on the oldest",
+        per_round=tuple(report_max),
+        per_round_unit="ms oldest",
+    )
+    return [cost, age]
+
+
+if __name__ == "__main__":
+    main_single(run, __doc__)
