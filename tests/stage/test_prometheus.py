@@ -262,7 +262,7 @@ class TestServeMetrics:
             with StageClient.connect(server.address) as client:
                 before, types = parse(scrape(url))
                 assert types["enginecore_step_seconds"] == "histogram"
-                steps = value(before, "enginecore_steps_total", stage="prefill-0")
+                steps = int(value(before, "enginecore_steps_total", stage="prefill-0"))
                 # The loop applies this call, then starts the 2 s step at once.
                 client.call_utility("stall_next_step", 2.0, timeout=10)
                 t0 = time.monotonic()
