@@ -35,6 +35,7 @@ MODULES = (
     "bench_stage_ingest",
     "bench_stage_requests",
     "bench_stage_arrays",
+    "bench_metrics",
 )
 
 

@@ -22,6 +22,7 @@ import pytest
 from benchmarks import (
     _harness,
     bench_idle_cpu,
+    bench_metrics,
     bench_overhead,
     bench_pipeline,
     bench_stage_arrays,
@@ -40,6 +41,7 @@ KEYS = {
     "note", "per_round", "per_round_unit", "per_round_min", "per_round_max",
 }  # fmt: skip
 STAGE_MODULES = (
+    bench_metrics,
     bench_stage_arrays,
     bench_stage_ingest,
     bench_stage_load,
@@ -412,6 +414,15 @@ class TestStageBenchmarks:
             assert "numpy arrays" in skipped
         else:
             assert_records(records, 2)
+
+    def test_metrics_runs_quick_and_is_judged_on_every_round(self, gc_disables: list[str]) -> None:
+        records = bench_metrics.run(quick=True)
+        assert_records(records, 1)
+        assert_gc_on(records)
+        (rec,) = records
+        assert len(rec.per_round) == 2
+        assert rec.per_round_unit == "ms"
+        assert gc_disables == []
 
     def test_output_and_ingest_measure_both_sides(self) -> None:
         from benchmarks._stage import SINK_FACTORY, RawPeer

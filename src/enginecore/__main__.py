@@ -125,6 +125,21 @@ def _parser() -> argparse.ArgumentParser:
         "0: never (default: %(default)s)",
     )
     serve.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics, from a thread "
+        "that never waits for the loop (0: a free port); needs enginecore[prometheus] "
+        "(default: no endpoint)",
+    )
+    serve.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address the metrics endpoint binds (default: %(default)s)",
+    )
+    serve.add_argument(
         "--detached-buffer",
         type=_non_negative_int,
         default=1024,
@@ -146,6 +161,18 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a port number, 0 to 65535, got {text!r}"
+        ) from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 0 to 65535, got {value}")
     return value
 
 
@@ -197,11 +224,16 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         from .stage import PROTOCOL_VERSION, check_encodable
         from .stage._logs import check_log_level
-        from .stage._process import serve
+        from .stage._process import MetricsBindError, serve
         from .stage._watchdog import check_watchdog
+
+        if args.metrics_port is not None:
+            from .stage import prometheus  # noqa: F401
     except ImportError as exc:
         print(f"python -m enginecore serve: {exc}", file=sys.stderr)
         return 2
+    if args.metrics_port is not None and not args.metrics_host.strip():
+        parser.error("--metrics-host must not be empty")
     try:
         kwargs: Any = json.loads(args.kwargs)
     except json.JSONDecodeError as exc:
@@ -222,12 +254,22 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
         parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
 
+    metrics_url: list[str] = []
+
     def ready(input_address: str, output_address: str) -> None:
+        metrics = f", metrics {metrics_url[0]}" if metrics_url else ""
         print(
             f"enginecore serve: listening on {input_address} "
-            f"(output {output_address}, engine {args.engine}, protocol {PROTOCOL_VERSION})",
+            f"(output {output_address}, engine {args.engine}, protocol {PROTOCOL_VERSION}"
+            f"{metrics})",
             flush=True,
         )
+
+    def metrics_ready(url: str) -> None:
+        # Bound before the engine is built (which may take long): say so at once, on stderr
+        # (stdout's first line stays the ready line).
+        metrics_url.append(url)
+        print(f"enginecore serve: metrics on {url}", file=sys.stderr, flush=True)
 
     try:
         return serve(
@@ -244,8 +286,15 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             name=args.name,
             log_level=check_log_level(args.log_level, "--log-level"),
             load_interval=args.load_interval,
+            metrics=None
+            if args.metrics_port is None
+            else (args.metrics_host.strip().strip("[]"), args.metrics_port),
             ready=ready,
+            metrics_ready=metrics_ready,
         )
+    except MetricsBindError as exc:
+        print(f"python -m enginecore serve: --metrics-port: {exc}", file=sys.stderr)
+        return 2
     except Exception:
         print("python -m enginecore serve: the stage failed to start:", file=sys.stderr)
         traceback.print_exc()

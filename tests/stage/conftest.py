@@ -317,6 +317,7 @@ class Server:
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # the ready line; EOF if it failed to start
+        self.ready_line = line
         match = re.search(r"listening on (\S+)", line)
         if match is None:
             self.proc.kill()

@@ -30,7 +30,14 @@ from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
 from ._statistics import LOAD_INTERVAL
 from ._watchdog import STEP_TIMEOUT
 
-__all__ = ["build_engine", "exit_soon", "import_factory", "run_launched", "serve"]
+__all__ = [
+    "MetricsBindError",
+    "build_engine",
+    "exit_soon",
+    "import_factory",
+    "run_launched",
+    "serve",
+]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -124,6 +131,10 @@ def run_launched(
     sys.exit(code)
 
 
+class MetricsBindError(OSError):
+    """``serve`` could not bind its metrics endpoint (``--metrics-host``/``--metrics-port``)."""
+
+
 def serve(
     factory: str,
     kwargs: dict[str, Any],
@@ -139,7 +150,9 @@ def serve(
     name: str | None = None,
     log_level: int | None = None,
     load_interval: float | None = LOAD_INTERVAL,
+    metrics: tuple[str, int] | None = None,
     ready: Callable[[str, str], None],
+    metrics_ready: Callable[[str], None] | None = None,
 ) -> int:
     """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
 
@@ -149,34 +162,62 @@ def serve(
     or, with *drain_timeout*, after a drain of at most that many seconds (a second signal
     then stops it at once). Raises what the factory raises, and what binding raises. Logging
     is set up first (``_logs``): records named *name* (default: *factory*), at *log_level*.
+
+    With *metrics* ``(host, port)``, an HTTP ``/metrics`` endpoint (``prometheus``; port 0:
+    a free one) serves the stage's statistics, labelled ``stage=<name>``, from threads that
+    never wait for the loop; it is bound first, before the engine is built, and
+    ``metrics_ready(url)`` is then called. Raises :class:`MetricsBindError` if it cannot bind.
     """
-    configure_stage(name or factory, log_level, None)
-    engine = build_engine(factory, kwargs)
-    runtime = StageRuntime(
-        engine,
-        bind,
-        output_bind,
-        engine_name=factory,
-        session_timeout=session_timeout,
-        detached_buffer=detached_buffer,
-        keep_requests_on_detach=keep_requests_on_detach,
-        step_timeout=step_timeout,
-        kill_after=kill_after,
-        load_interval=load_interval,
-        name=name,
-        handle_signals=(),
-    )
-    # The handlers go in before ready() announces the stage: a signal sent as soon as the
-    # line is read is then a graceful shutdown (before run(), it makes run() stop at once),
-    # not a default death (exit -15) or a KeyboardInterrupt traceback.
-    drainer = None if drain_timeout is None else _DrainFirst(runtime, drain_timeout)
+    label = name or factory
+    configure_stage(label, log_level, None)
+    # The endpoint is bound first: a port in use fails before the engine loads, and a
+    # scrape while it loads reads enginecore_stage_up 0.
+    built: list[StageRuntime] = []
+    server = None
+    if metrics is not None:
+        from .prometheus import start_metrics_server
+
+        host, port = metrics
+        try:
+            server = start_metrics_server(
+                lambda: built[0].statistics() if built else None, label, host, port
+            )
+        except OSError as exc:
+            raise MetricsBindError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+            ) from exc
+        if metrics_ready is not None:
+            metrics_ready(server.url)
+    drainer = None
     try:
+        engine = build_engine(factory, kwargs)
+        runtime = StageRuntime(
+            engine,
+            bind,
+            output_bind,
+            engine_name=factory,
+            session_timeout=session_timeout,
+            detached_buffer=detached_buffer,
+            keep_requests_on_detach=keep_requests_on_detach,
+            step_timeout=step_timeout,
+            kill_after=kill_after,
+            load_interval=load_interval,
+            name=name,
+            handle_signals=(),
+        )
+        built.append(runtime)
+        # The handlers go in before ready() announces the stage: a signal sent as soon as
+        # the line is read is then a graceful shutdown (before run(), it makes run() stop at
+        # once), not a default death (exit -15) or a KeyboardInterrupt traceback.
+        drainer = None if drain_timeout is None else _DrainFirst(runtime, drain_timeout)
         with shutdown_on_signals(drainer or runtime.loop, (signal.SIGTERM, signal.SIGINT)):
             ready(runtime.input_address, runtime.output_address)
             code = runtime.run()
     finally:
         if drainer is not None:
             drainer.close()
+        if server is not None:
+            server.close()
     exit_soon(code)
     return code
 

@@ -1,0 +1,497 @@
+"""Prometheus metrics of stages (the optional extra ``enginecore[prometheus]``).
+
+Two ways to expose the same metric names (``docs/observability.md``, "Prometheus"):
+
+- :class:`StageCollector`, in the parent process: register it with your own
+  ``CollectorRegistry`` (as vLLM's frontend does), :meth:`~StageCollector.add` each stage's
+  client with a ``stage`` label, and every scrape asks each stage for its statistics
+  (``client.stats()``, answered by the stage's input side without waiting for its loop).
+  A stage that does not answer within the collector's timeout is skipped and counted in
+  ``enginecore_scrape_errors_total``; the scrape never hangs on it.
+- :func:`start_metrics_server`, in a stage process (``python -m enginecore serve
+  --metrics-port``): an HTTP ``/metrics`` endpoint answered by prometheus-client's own
+  server threads from :meth:`~enginecore.stage._runtime.StageRuntime.statistics`, which
+  never waits for the loop or a step.
+
+``enginecore.stage`` does not import this module; importing it needs prometheus-client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+try:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        InfoMetricFamily,
+        Metric,
+    )
+    from prometheus_client.registry import Collector
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        f"enginecore.stage.prometheus needs prometheus-client ({_exc}); "
+        f"install it with: pip install 'enginecore[prometheus]'"
+    ) from _exc
+
+from .._stats import STEP_BUCKETS
+from ._aclient import AsyncRequestStream, AsyncStageClient
+from ._client import RequestStream, StageClient
+from ._statistics import StageStatistics
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+__all__ = [
+    "SCRAPE_TIMEOUT",
+    "TTFT_BUCKETS",
+    "MetricsServer",
+    "StageCollector",
+    "stage_families",
+    "start_metrics_server",
+]
+
+logger = logging.getLogger("enginecore.stage")
+
+SCRAPE_TIMEOUT: Final = 1.0
+"""How long a :class:`StageCollector` scrape waits for a stage's statistics (seconds)."""
+
+TTFT_BUCKETS: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+"""The default upper bounds (seconds) of ``enginecore_time_to_first_output_seconds``: vLLM's
+time-to-first-token buckets."""
+
+_STAGE: Final = ("stage",)
+
+
+def _buckets(counts: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, float]]:
+    """Per-bucket *counts* (the last one: above the last bound) as Prometheus' cumulative
+    ``(le, count)`` pairs, ending with ``+Inf``."""
+    out: list[tuple[str, float]] = []
+    seen = 0
+    for bound, n in zip(bounds, counts, strict=False):
+        seen += n
+        out.append((repr(float(bound)), seen))
+    out.append(("+Inf", sum(counts)))
+    return out
+
+
+class _Families:
+    """The metric families of one scrape; :meth:`add` appends one stage's samples."""
+
+    def __init__(self) -> None:
+        c, g = CounterMetricFamily, GaugeMetricFamily
+        self.steps = c("enginecore_steps", "Engine steps that returned.", labels=_STAGE)
+        self.outputs = c(
+            "enginecore_outputs",
+            "Outputs the stage handed to its output thread.",
+            labels=_STAGE,
+        )
+        self.messages = c(
+            "enginecore_messages",
+            "Messages the loop applied, by kind (add, abort, utility, control).",
+            labels=("stage", "kind"),
+        )
+        self.utility_errors = c(
+            "enginecore_utility_errors", "Utility calls answered with an error.", labels=_STAGE
+        )
+        self.busy = c(
+            "enginecore_busy_seconds",
+            "Time the loop ran without waiting for a message.",
+            labels=_STAGE,
+        )
+        self.idle = c(
+            "enginecore_idle_seconds", "Time the loop blocked waiting for a message.", labels=_STAGE
+        )
+        self.engine_errors = c(
+            "enginecore_engine_stats_errors",
+            "Calls of the engine's stats() that failed.",
+            labels=_STAGE,
+        )
+        self.load_reports = c(
+            "enginecore_load_reports", "Load reports the stage sent.", labels=_STAGE
+        )
+        self.live = g(
+            "enginecore_live_requests",
+            "Requests live in the stage (added, not yet ended).",
+            labels=_STAGE,
+        )
+        self.queue_depth = g(
+            "enginecore_queue_depth", "Messages waiting in the loop's input queue.", labels=_STAGE
+        )
+        self.backlog = g(
+            "enginecore_output_backlog",
+            "Events waiting for the stage's output thread.",
+            labels=_STAGE,
+        )
+        self.last_drain = g(
+            "enginecore_last_drain_messages",
+            "Messages applied by the last drain that applied any.",
+            labels=_STAGE,
+        )
+        self.peak_drain = g(
+            "enginecore_peak_drain_messages", "The most messages one drain applied.", labels=_STAGE
+        )
+        self.step_max = g("enginecore_step_seconds_max", "The longest step so far.", labels=_STAGE)
+        self.uptime = g(
+            "enginecore_uptime_seconds", "Seconds since the stage started.", labels=_STAGE
+        )
+        self.running = g("enginecore_loop_running", "1 while the stage's loop runs.", labels=_STAGE)
+        self.engine = g(
+            "enginecore_engine_stat",
+            "The engine's own numbers, from its stats(), by field name.",
+            labels=("stage", "name"),
+        )
+        self.engine_age = g(
+            "enginecore_engine_stats_age_seconds",
+            "Age of the engine's stats() sample.",
+            labels=_STAGE,
+        )
+        self.up = g(
+            "enginecore_stage_up",
+            "1 if the stage answered this scrape, 0 if it was skipped.",
+            labels=_STAGE,
+        )
+        self.info = InfoMetricFamily(
+            "enginecore_stage", "The stage's engine factory and pid.", labels=_STAGE
+        )
+        self.step_seconds = HistogramMetricFamily(
+            "enginecore_step_seconds", "Step time.", labels=_STAGE
+        )
+
+    def add(self, stage: str, s: StageStatistics) -> None:
+        lp, lb = s.loop, [stage]
+        self.steps.add_metric(lb, lp.steps)
+        self.outputs.add_metric(lb, s.outputs)
+        for kind, n in (
+            ("add", lp.adds),
+            ("abort", lp.aborts),
+            ("utility", lp.utility_calls),
+            ("control", lp.controls),
+        ):
+            self.messages.add_metric([stage, kind], n)
+        self.utility_errors.add_metric(lb, lp.utility_errors)
+        self.busy.add_metric(lb, lp.busy_seconds)
+        self.idle.add_metric(lb, lp.idle_seconds)
+        self.engine_errors.add_metric(lb, lp.engine_errors)
+        self.load_reports.add_metric(lb, s.load_reports)
+        self.live.add_metric(lb, s.live)
+        self.queue_depth.add_metric(lb, lp.queue_depth)
+        self.backlog.add_metric(lb, s.backlog)
+        self.last_drain.add_metric(lb, lp.last_drain)
+        self.peak_drain.add_metric(lb, lp.peak_drain)
+        self.step_max.add_metric(lb, lp.step_seconds_max)
+        self.uptime.add_metric(lb, s.uptime_seconds)
+        self.running.add_metric(lb, 1.0 if lp.running else 0.0)
+        for name, value in lp.engine.items():
+            self.engine.add_metric([stage, name], value)
+        if lp.engine_age is not None:
+            self.engine_age.add_metric(lb, lp.engine_age)
+        self.up.add_metric(lb, 1.0)
+        self.info.add_metric(lb, {"engine": s.name, "pid": str(s.pid)})
+        # steps == sum(step_histogram) in one snapshot: _count and the +Inf bucket agree.
+        self.step_seconds.add_metric(lb, _buckets(lp.step_histogram, STEP_BUCKETS), lp.step_seconds)
+
+    def all(self) -> list[Metric]:
+        return [m for m in vars(self).values() if isinstance(m, Metric)]
+
+
+def stage_families(stats: Iterable[tuple[str, StageStatistics]]) -> list[Metric]:
+    """The metric families of the stages in *stats*, ``(stage label, statistics)`` pairs:
+    what both :class:`StageCollector` and the stage's own endpoint report."""
+    families = _Families()
+    for stage, s in stats:
+        families.add(stage, s)
+    return families.all()
+
+
+# -- the parent side -----------------------------------------------------------------------------
+
+
+class _Ttft:
+    """One stage's time-to-first-output histogram: per-bucket counts and a sum."""
+
+    __slots__ = ("counts", "lock", "sum")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * (buckets + 1)
+        self.sum = 0.0
+        self.lock = threading.Lock()
+
+
+@dataclass
+class _Stage:
+    client: StageClient | AsyncStageClient
+    ttft: _Ttft
+    errors: int = 0
+    down: bool = False  # skipped by the last scrape (logged once per outage)
+
+
+class StageCollector(Collector):
+    """Prometheus metrics of the stages this process talks to, one ``stage`` label each.
+
+    ::
+
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry)           # or registry.register(StageCollector())
+        metrics.add(prefill, stage="prefill-0")      # a StageClient or an AsyncStageClient
+        metrics.add(decode, stage="decode-0")
+        prometheus_client.start_http_server(8000, registry=registry)
+
+    Each scrape (:meth:`collect`) asks every stage for its statistics at once, on threads
+    of its own, and waits at most *timeout* seconds for them: a stage that does not answer
+    in time, or is dead or closed, is skipped (``enginecore_stage_up`` 0, its other series
+    absent from that scrape) and counted in ``enginecore_scrape_errors_total``. Counters
+    are the stage's own, so they stay exact however many stages (and collectors) report.
+
+    An :class:`AsyncStageClient` is asked on its own event loop
+    (``asyncio.run_coroutine_threadsafe``): scrape from another thread, as
+    ``prometheus_client.start_http_server`` does. A scrape on that event loop's thread (an
+    ASGI ``make_asgi_app`` mounted in the same app) cannot wait for it, and skips the stage
+    as an error; run ``generate_latest(registry)`` in ``asyncio.to_thread`` there instead.
+
+    Time to first output (``enginecore_time_to_first_output_seconds``) is fed by
+    :meth:`observe`, once per stream: nothing is recorded per output.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        timeout: float = SCRAPE_TIMEOUT,
+        ttft_buckets: Sequence[float] = TTFT_BUCKETS,
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        bounds = tuple(float(b) for b in ttft_buckets)
+        if not bounds or list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"ttft_buckets must be increasing bounds, got {ttft_buckets!r}")
+        self.timeout = timeout
+        self._ttft_bounds = bounds
+        self._stages: dict[str, _Stage] = {}
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def add(self, client: StageClient | AsyncStageClient, stage: str) -> None:
+        """Report *client*'s stage under the label ``stage=<stage>``. :class:`ValueError`
+        if the label is taken."""
+        if not isinstance(client, (StageClient, AsyncStageClient)):
+            raise TypeError(f"not a StageClient or an AsyncStageClient: {client!r}")
+        if not isinstance(stage, str) or not stage:
+            raise ValueError(f"stage must be a non-empty str, got {stage!r}")
+        with self._lock:
+            if stage in self._stages:
+                raise ValueError(f"a stage is already reported as {stage!r}")
+            self._stages[stage] = _Stage(client, _Ttft(len(self._ttft_bounds)))
+
+    def remove(self, stage: str) -> None:
+        """Stop reporting *stage* (its series, time to first output included, disappear).
+        :class:`KeyError` if it is not reported."""
+        with self._lock:
+            del self._stages[stage]
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The labels reported, in the order they were added."""
+        with self._lock:
+            return tuple(self._stages)
+
+    def observe(
+        self, stream: RequestStream | AsyncRequestStream | float, stage: str
+    ) -> float | None:
+        """Record a request's time to first output in *stage*'s histogram and return it;
+        ``None`` (nothing recorded) if its first output has not arrived.
+
+        *stream* is a stream of that stage's client, read in O(1) (its send time and first
+        arrival, as in :attr:`~enginecore.stage.StreamTimings.time_to_first_output`), or the
+        time in seconds, for a consumer that times requests itself. Call it once per request,
+        from any thread, typically when its stream ends (once more counts it twice)."""
+        if isinstance(stream, (RequestStream, AsyncRequestStream)):
+            arrivals = stream._arrivals
+            if not arrivals:
+                return None
+            seconds = arrivals[0] - stream._sent_at
+        else:
+            seconds = float(stream)
+        try:
+            h = self._stages[stage].ttft
+        except KeyError:
+            raise KeyError(f"no stage is reported as {stage!r}") from None
+        with h.lock:
+            h.counts[bisect_left(self._ttft_bounds, seconds)] += 1
+            h.sum += seconds
+        return seconds
+
+    def describe(self) -> list[Metric]:
+        """The families :meth:`collect` yields, without samples (the registry checks their
+        names against its other collectors')."""
+        return [*_Families().all(), *self._own_families()]
+
+    def collect(self) -> list[Metric]:
+        """One scrape: every stage's statistics, fetched at once; at most about *timeout*
+        seconds however many stages are slow or gone."""
+        with self._lock:
+            stages = list(self._stages.items())
+        results = self._fetch(stages)
+        families = _Families()
+        errors, ttft = self._own_families()
+        for label, st in stages:
+            stats = results.get(label)
+            if isinstance(stats, StageStatistics):
+                families.add(label, stats)
+                st.down = False
+            else:
+                families.up.add_metric([label], 0.0)
+                st.errors += 1
+                if not st.down:
+                    st.down = True
+                    logger.warning(
+                        "enginecore: stage %s did not answer the metrics scrape (%s); "
+                        "skipped, and counted in enginecore_scrape_errors_total",
+                        label,
+                        stats,
+                    )
+            errors.add_metric([label], st.errors)
+            with st.ttft.lock:
+                counts, total = list(st.ttft.counts), st.ttft.sum
+            ttft.add_metric([label], _buckets(counts, self._ttft_bounds), total)
+        return [*families.all(), errors, ttft]
+
+    @staticmethod
+    def _own_families() -> tuple[CounterMetricFamily, HistogramMetricFamily]:
+        return (
+            CounterMetricFamily(
+                "enginecore_scrape_errors",
+                "Scrapes that skipped the stage: no answer in time, dead or closed.",
+                labels=_STAGE,
+            ),
+            HistogramMetricFamily(
+                "enginecore_time_to_first_output_seconds",
+                "Time from sending a request to its first output's arrival, in the client.",
+                labels=_STAGE,
+            ),
+        )
+
+    def _fetch(self, stages: list[tuple[str, _Stage]]) -> dict[str, StageStatistics | str]:
+        """Every stage's statistics, or why not (a short reason)."""
+        if not stages:
+            return {}
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        timeout = self.timeout
+        out: dict[str, StageStatistics | str] = {}
+        pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(len(stages), 16), thread_name_prefix="enginecore-metrics"
+        )
+        try:
+            pending: dict[concurrent.futures.Future[StageStatistics], str] = {}
+            for label, st in stages:
+                client = st.client
+                if isinstance(client, AsyncStageClient):
+                    if client._loop is here:
+                        out[label] = "scraped on its own event loop's thread"
+                        continue
+                    fut = pool.submit(_fetch_async, client, timeout)
+                else:
+                    fut = pool.submit(client.stats, timeout)
+                pending[fut] = label
+            # Each call has its own timeout; the extra half second only covers its thread
+            # starting late on a loaded machine. Whatever is still out then is skipped.
+            done, not_done = concurrent.futures.wait(pending, timeout + 0.5)
+            for fut in not_done:
+                out[pending[fut]] = f"no answer within {timeout} s"
+            for fut in done:
+                try:
+                    out[pending[fut]] = fut.result()
+                except Exception as exc:
+                    out[pending[fut]] = f"{type(exc).__name__}: {exc}"
+        finally:
+            pool.shutdown(wait=False)
+        return out
+
+
+def _fetch_async(client: AsyncStageClient, timeout: float) -> StageStatistics:
+    future = asyncio.run_coroutine_threadsafe(client.stats(timeout), client._loop)
+    try:
+        return future.result(timeout + 0.25)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"stats did not answer within {timeout} s") from None
+
+
+# -- the stage side ------------------------------------------------------------------------------
+
+
+class _RuntimeCollector(Collector):
+    """One stage's metrics, in its own process: from *statistics*, which never waits
+    (``None`` while the stage starts: then only ``enginecore_stage_up`` 0)."""
+
+    def __init__(self, statistics: Callable[[], StageStatistics | None], stage: str) -> None:
+        self._statistics = statistics
+        self._stage = stage
+
+    def describe(self) -> list[Metric]:
+        return _Families().all()
+
+    def collect(self) -> list[Metric]:
+        stats = self._statistics()
+        if stats is not None:
+            return stage_families([(self._stage, stats)])
+        families = _Families()
+        families.up.add_metric([self._stage], 0.0)
+        return families.all()
+
+
+@dataclass(frozen=True)
+class MetricsServer:
+    """A running ``/metrics`` endpoint, from :func:`start_metrics_server`."""
+
+    host: str
+    port: int
+    """The bound port (the one picked, for port 0)."""
+    _httpd: WSGIServer
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving (waits for the server thread's poll, at most about 0.5 s)."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+
+def start_metrics_server(
+    statistics: Callable[[], StageStatistics | None], stage: str, host: str, port: int
+) -> MetricsServer:
+    """Serve *stage*'s metrics over HTTP at ``http://host:port/metrics`` (port 0: a free
+    one), on prometheus-client's server threads: every scrape calls *statistics*
+    (``StageRuntime.statistics``, which never waits for the loop; ``None`` while the stage
+    starts), plus the standard ``process_*`` metrics. Raises :class:`OSError` if the
+    address cannot be bound."""
+    from prometheus_client import ProcessCollector, start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(_RuntimeCollector(statistics, stage))
+    ProcessCollector(registry=registry)
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    thread.name = "enginecore-metrics"
+    bound = httpd.server_address
+    return MetricsServer(str(bound[0]), int(bound[1]), httpd, thread)

@@ -1,0 +1,337 @@
+"""Prometheus: the parent's StageCollector and ``serve --metrics-port``, scraped over real
+HTTP from real stage processes and parsed with prometheus-client's own parser."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from enginecore import LoopStatistics
+from enginecore.stage import AsyncStageClient, StageClient
+from enginecore.stage.prometheus import StageCollector
+
+from .conftest import COUNTDOWN, SCRIPTED, Server
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def parse(text: str) -> tuple[Samples, dict[str, str]]:
+    """Every sample, keyed by (name, labels); and each family's type."""
+    samples: Samples = {}
+    types: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        types[family.name] = family.type
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples, types
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def scrape(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        body: bytes = response.read()
+    return body.decode()
+
+
+def buckets(samples: Samples, name: str, stage: str) -> list[tuple[float, float]]:
+    """The ``(le, count)`` pairs of one stage's histogram, in bound order."""
+    found = [
+        (float(dict(labels)["le"]), v)
+        for (n, labels), v in samples.items()
+        if n == f"{name}_bucket" and dict(labels)["stage"] == stage
+    ]
+    return sorted(found)
+
+
+def assert_histogram(samples: Samples, name: str, stage: str, count: int) -> list[float]:
+    """Cumulative buckets ending at +Inf == _count == *count*; returns the counts."""
+    pairs = buckets(samples, name, stage)
+    counts = [c for _, c in pairs]
+    assert pairs[-1][0] == float("inf")
+    assert counts == sorted(counts), f"not cumulative: {pairs}"
+    assert counts[-1] == value(samples, f"{name}_count", stage=stage) == count
+    return counts
+
+
+@pytest.fixture
+def http() -> Iterator[tuple[CollectorRegistry, str]]:
+    """A registry served over real HTTP on a free loopback port."""
+    registry = CollectorRegistry()
+    httpd, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        yield registry, f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+def settle(client: StageClient) -> LoopStatistics:
+    """Once a utility round trip is answered, the loop has counted every step before it
+    (it counts them before it goes idle, and applies the call after)."""
+    client.call_utility("num_requests", timeout=10)
+    return client.stats(timeout=10).loop
+
+
+class TestCollector:
+    def test_two_stages_in_one_process_are_exact_and_labelled(
+        self, http: tuple[CollectorRegistry, str]
+    ) -> None:
+        registry, url = http
+        metrics = StageCollector(registry)
+        with (
+            StageClient.launch(COUNTDOWN, startup_timeout=30) as a,
+            StageClient.launch(COUNTDOWN, startup_timeout=30) as b,
+        ):
+            metrics.add(a, stage="prefill-0")
+            metrics.add(b, stage="decode-0")
+            assert metrics.stages == ("prefill-0", "decode-0")
+            s1 = a.add("a1", 3)
+            assert s1.collect(timeout=10) == [2, 1, 0]
+            streams = b.add_many([("b1", 5), ("b2", 2)])  # one drain: 5 steps in all
+            for s in streams:
+                s.collect(timeout=10)
+            assert metrics.observe(s1, "prefill-0") == s1.timings.time_to_first_output
+            for s in streams:
+                metrics.observe(s, "decode-0")
+            metrics.observe(0.5, "decode-0")
+            loops = {"prefill-0": settle(a), "decode-0": settle(b)}
+            samples, types = parse(scrape(url))
+
+        assert types["enginecore_steps"] == "counter"
+        assert types["enginecore_step_seconds"] == "histogram"
+        assert types["enginecore_live_requests"] == "gauge"
+        want = {"prefill-0": (3, 3, 1), "decode-0": (5, 7, 2)}  # steps, outputs, adds
+        for stage, (steps, outputs, adds) in want.items():
+            assert value(samples, "enginecore_steps_total", stage=stage) == steps
+            assert value(samples, "enginecore_outputs_total", stage=stage) == outputs
+            assert value(samples, "enginecore_messages_total", stage=stage, kind="add") == adds
+            assert value(samples, "enginecore_messages_total", stage=stage, kind="abort") == 0
+            assert value(samples, "enginecore_messages_total", stage=stage, kind="utility") == 1
+            assert value(samples, "enginecore_utility_errors_total", stage=stage) == 0
+            assert value(samples, "enginecore_live_requests", stage=stage) == 0
+            assert value(samples, "enginecore_queue_depth", stage=stage) == 0
+            assert value(samples, "enginecore_stage_up", stage=stage) == 1
+            assert value(samples, "enginecore_scrape_errors_total", stage=stage) == 0
+            assert value(samples, "enginecore_busy_seconds_total", stage=stage) > 0
+            assert value(samples, "enginecore_idle_seconds_total", stage=stage) > 0
+            counts = assert_histogram(samples, "enginecore_step_seconds", stage, steps)
+            # The scrape's buckets are the stage's own per-bucket counts, summed up.
+            per_bucket = [counts[0]] + [y - x for x, y in itertools.pairwise(counts)]
+            assert per_bucket == list(loops[stage].step_histogram)
+            assert value(samples, "enginecore_step_seconds_sum", stage=stage) > 0
+        ttft = "enginecore_time_to_first_output_seconds"
+        assert_histogram(samples, ttft, "prefill-0", 1)
+        assert_histogram(samples, ttft, "decode-0", 3)
+        assert value(samples, f"{ttft}_sum", stage="prefill-0") == s1.timings.time_to_first_output
+        # 0.5 s fell in the 0.5 bucket, the two fast streams below it.
+        pairs = dict(buckets(samples, ttft, "decode-0"))
+        assert pairs[0.25] == 2
+        assert pairs[0.5] == 3
+        info = [
+            dict(labels)
+            for (n, labels), _ in samples.items()
+            if n == "enginecore_stage_info" and dict(labels)["stage"] == "prefill-0"
+        ]
+        assert info == [{"stage": "prefill-0", "engine": COUNTDOWN, "pid": str(a.pid)}]
+
+    def test_a_dead_stage_and_a_frozen_one_are_skipped_without_hanging(
+        self, http: tuple[CollectorRegistry, str]
+    ) -> None:
+        registry, url = http
+        metrics = StageCollector(registry, timeout=0.5)
+        with (
+            StageClient.launch(COUNTDOWN, startup_timeout=30) as live,
+            StageClient.launch(SCRIPTED, startup_timeout=30) as dead,
+            StageClient.launch(COUNTDOWN, startup_timeout=30) as frozen,
+        ):
+            metrics.add(live, stage="live")
+            metrics.add(dead, stage="dead")
+            metrics.add(frozen, stage="frozen")
+            with pytest.raises(Exception):  # noqa: B017,PT011 - the stage is gone either way
+                dead.call_utility("exit", 3, timeout=10)
+            os.kill(frozen.pid, signal.SIGSTOP)
+            try:
+                first, _ = parse(scrape(url))
+                second, _ = parse(scrape(url))
+            finally:
+                os.kill(frozen.pid, signal.SIGCONT)
+        for samples, n in ((first, 1), (second, 2)):
+            assert value(samples, "enginecore_stage_up", stage="live") == 1
+            assert value(samples, "enginecore_steps_total", stage="live") == 0
+            for stage in ("dead", "frozen"):
+                assert value(samples, "enginecore_stage_up", stage=stage) == 0
+                assert value(samples, "enginecore_scrape_errors_total", stage=stage) == n
+                assert ("enginecore_steps_total", frozenset({("stage", stage)})) not in samples
+
+    def test_an_async_client_is_scraped_from_another_thread(self) -> None:
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry, timeout=5)
+
+        async def main() -> tuple[str, str]:
+            async with await AsyncStageClient.launch(COUNTDOWN, startup_timeout=30) as client:
+                metrics.add(client, stage="async-0")
+                stream = await client.add("r", 4)
+                await stream.collect()
+                metrics.observe(stream, "async-0")
+                await client.call_utility("num_requests")
+                other = (await asyncio.to_thread(generate_latest, registry)).decode()
+                # On the client's own event loop the collector cannot wait: skipped.
+                here = generate_latest(registry).decode()
+                return other, here
+
+        other, here = asyncio.run(main())
+        samples, _ = parse(other)
+        assert value(samples, "enginecore_steps_total", stage="async-0") == 4
+        assert value(samples, "enginecore_outputs_total", stage="async-0") == 4
+        assert_histogram(samples, "enginecore_time_to_first_output_seconds", "async-0", 1)
+        samples, _ = parse(here)
+        assert value(samples, "enginecore_stage_up", stage="async-0") == 0
+        assert value(samples, "enginecore_scrape_errors_total", stage="async-0") == 1
+
+    def test_labels_and_registration_are_checked(self) -> None:
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry)
+        # A second collector's series would collide with the first one's in one registry.
+        with pytest.raises(ValueError, match="Duplicated"):
+            StageCollector(registry)
+        with pytest.raises(TypeError):
+            metrics.add(object(), stage="x")  # type: ignore[arg-type]
+        with pytest.raises(KeyError, match="nope"):
+            metrics.observe(0.1, "nope")
+        with pytest.raises(ValueError, match="timeout"):
+            StageCollector(timeout=0)
+        with pytest.raises(ValueError, match="increasing"):
+            StageCollector(ttft_buckets=(1.0, 0.5))
+        # No stage: the scrape is empty, and fine.
+        samples, _ = parse(generate_latest(registry).decode())
+        assert not [k for k in samples if k[0].startswith("enginecore_")]
+
+    def test_a_label_is_taken_once_and_can_be_removed(self) -> None:
+        metrics = StageCollector()
+        with StageClient.launch(COUNTDOWN, startup_timeout=30) as client:
+            metrics.add(client, stage="s")
+            with pytest.raises(ValueError, match="already"):
+                metrics.add(client, stage="s")
+            metrics.remove("s")
+            assert metrics.stages == ()
+            assert metrics.collect() == metrics.collect()  # nothing left to report
+
+
+def test_the_stage_package_does_not_import_prometheus_client() -> None:
+    code = "import sys, enginecore.stage\nassert 'prometheus_client' not in sys.modules\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def _metrics_url(server: Server) -> str:
+    match = re.search(r"metrics (http://\S+)\)", server.ready_line)
+    assert match, server.ready_line
+    return match.group(1)
+
+
+class TestServeMetrics:
+    def test_answers_during_a_two_second_step(self) -> None:
+        server = Server(
+            "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--name", "prefill-0",
+            "--metrics-port", "0",
+        )  # fmt: skip
+        try:
+            url = _metrics_url(server)
+            assert url.startswith("http://127.0.0.1:")
+            with StageClient.connect(server.address) as client:
+                before, types = parse(scrape(url))
+                assert types["enginecore_step_seconds"] == "histogram"
+                steps = int(value(before, "enginecore_steps_total", stage="prefill-0"))
+                # The loop applies this call, then starts the 2 s step at once.
+                client.call_utility("stall_next_step", 2.0, timeout=10)
+                t0 = time.monotonic()
+                during, _ = parse(scrape(url))
+                elapsed = time.monotonic() - t0
+                # Still inside the step: it had not returned when the scrape was answered.
+                assert value(during, "enginecore_steps_total", stage="prefill-0") == steps
+                assert elapsed < 1.0, f"/metrics took {elapsed:.3f} s during a 2 s step"
+                client.call_utility("echo", timeout=10)  # answered after the step returned
+                after, _ = parse(scrape(url))
+            assert value(after, "enginecore_steps_total", stage="prefill-0") == steps + 1
+            counts = assert_histogram(after, "enginecore_step_seconds", "prefill-0", steps + 1)
+            pairs = dict(buckets(after, "enginecore_step_seconds", "prefill-0"))
+            assert pairs[2.5] - pairs[1.0] == 1  # the long step, in its bucket
+            assert counts[-1] == steps + 1
+            assert value(after, "enginecore_loop_running", stage="prefill-0") == 1
+            assert value(after, "enginecore_stage_up", stage="prefill-0") == 1
+            assert ("process_cpu_seconds", "counter") in {(k, v) for k, v in types.items()}
+        finally:
+            assert server.stop() == 0
+
+    def test_the_endpoint_answers_while_the_engine_is_built(self) -> None:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "enginecore", "serve",
+                "--engine", "enginecore.stage.testing:sleeping_factory",
+                "--bind", "tcp://127.0.0.1:*", "--metrics-port", "0",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            match = re.search(r"metrics on (http://\S+)", line)
+            assert match, line
+            samples, _ = parse(scrape(match.group(1)))
+            stage = "enginecore.stage.testing:sleeping_factory"
+            assert value(samples, "enginecore_stage_up", stage=stage) == 0
+            assert ("enginecore_steps_total", frozenset({("stage", stage)})) not in samples
+        finally:
+            proc.kill()
+            proc.wait()
+            assert proc.stderr is not None
+            proc.stderr.close()
+
+    @pytest.mark.parametrize("port", ["-1", "65536", "http", ""])
+    def test_a_bad_port_is_refused(self, port: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "enginecore", "serve", "--engine", COUNTDOWN,
+             "--bind", "tcp://127.0.0.1:*", "--metrics-port", port],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "--metrics-port" in done.stderr
+        assert "0 to 65535" in done.stderr
+
+    def test_a_port_in_use_is_refused_before_the_engine_is_built(self) -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            done = subprocess.run(
+                [sys.executable, "-m", "enginecore", "serve",
+                 "--engine", "enginecore.stage.testing:sleeping_factory",
+                 "--bind", "tcp://127.0.0.1:*", "--metrics-port", str(port)],
+                capture_output=True, text=True, timeout=30, check=False,
+            )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert f"cannot serve metrics on 127.0.0.1:{port}" in done.stderr
+        assert "Traceback" not in done.stderr
