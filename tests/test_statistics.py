@@ -357,3 +357,40 @@ def test_counts_match_what_was_sent(batches: list[list[tuple[Any, ...]]]) -> Non
     )
     assert s.outputs == len(log.outputs())
     assert s.steps == engine.steps == sum(s.step_histogram)
+
+
+class TestStepTimer:
+    """The block logic on its own: what the loop calls, fed with chosen durations."""
+
+    def _timer(self) -> tuple[Any, Any]:
+        from enginecore._stats import StepTimer, _Counters
+
+        c = _Counters()
+        return StepTimer(c, object()), c
+
+    def test_blocks_only_after_a_run_of_fast_steps(self) -> None:
+        from enginecore._stats import BLOCK
+
+        timer, c = self._timer()
+        block = 1
+        for i in range(BLOCK - 1):
+            block = timer.end_block(block, 1, 1e-6, 1, float(i))
+            assert block == 1
+        # A slow step in between starts the run again.
+        assert timer.end_block(1, 1, 1e-3, 1, 0.0) == 1
+        for _ in range(BLOCK - 1):
+            assert timer.end_block(1, 1, 1e-6, 1, 0.0) == 1
+        assert timer.end_block(1, 1, 1e-6, 1, 0.0) == BLOCK
+        # A block whose mean is slow goes back to timing each step.
+        assert timer.end_block(BLOCK, BLOCK, BLOCK * 20e-6, BLOCK, 0.0) == 1
+        assert sum(c.histogram) == 3 * BLOCK
+        assert c.outputs == 3 * BLOCK
+
+    def test_a_fast_block_lands_in_the_first_bucket_and_a_slow_step_in_its_own(self) -> None:
+        timer, c = self._timer()
+        timer.end_block(64, 64, 64 * 5e-6, 64, 0.0)
+        timer.end_block(1, 1, 0.003, 2, 0.0)
+        assert c.histogram[0] == 64
+        assert c.histogram[STEP_BUCKETS.index(0.005)] == 1
+        assert c.max == pytest.approx(0.003)
+        assert c.step_sum == pytest.approx(64 * 5e-6 + 0.003)

@@ -296,16 +296,18 @@ class StepTimer:
         c.histogram[bisect_left(STEP_BUCKETS, mean)] += steps
         c.step_sum += seconds
         c.max = max(c.max, mean)
-        if mean < FAST_STEP:
-            if block > 1:
-                nxt = BLOCK
-            else:
-                self._fast_run += 1
-                nxt = BLOCK if self._fast_run >= BLOCK else 1
-        else:
-            nxt = 1
-        if nxt != 1:
+        if mean >= FAST_STEP:
+            nxt = 1  # time each step on its own, until BLOCK fast ones in a row
             self._fast_run = 0
+        elif block > 1:
+            nxt = BLOCK
+        else:
+            self._fast_run += 1
+            if self._fast_run >= BLOCK:
+                nxt = BLOCK
+                self._fast_run = 0
+            else:
+                nxt = 1
         self.block = nxt
         return nxt
 
