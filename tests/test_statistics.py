@@ -394,3 +394,27 @@ class TestStepTimer:
         assert c.histogram[STEP_BUCKETS.index(0.005)] == 1
         assert c.max == pytest.approx(0.003)
         assert c.step_sum == pytest.approx(64 * 5e-6 + 0.003)
+
+
+def test_utility_calls_alone_do_not_sample_the_engine_again() -> None:
+    engine = _WithStats(lambda e: {"calls": e.stats_calls_made})
+    engine.stats_calls_made = 0  # type: ignore[attr-defined]
+
+    def count(e: Any) -> dict[str, float]:
+        e.stats_calls_made += 1
+        return {"calls": e.stats_calls_made}
+
+    engine._stats = count
+    log = EventLog()
+    loop = EngineCoreLoop(engine, log)
+    lt = LoopThread(loop).start()
+    for i in range(5):
+        loop.submit(Utility(i, "div", (1, 1)))
+    log.wait_for(lambda ev: len(ev) == 5)
+    loop.submit(Add("a", 1))
+    log.wait_for(lambda ev: ("output", ("a", 0)) in ev)
+    _wait(lambda: loop.statistics().engine.get("calls") == 2)
+    loop.request_shutdown()
+    lt.join()
+    # Once when it first went idle, once after the add and its step; none per utility call.
+    assert engine.stats_calls_made == 2  # type: ignore[attr-defined]

@@ -52,7 +52,7 @@ FAST_STEP: Final = 10e-6
 
 ENGINE_STATS_INTERVAL: Final = 0.05
 """The loop calls ``engine.stats()`` at most this often (seconds) while it steps, and once
-more each time it goes idle."""
+more each time it goes idle after a step, an add, an abort or a control."""
 
 _EMPTY: Final[Mapping[str, float]] = MappingProxyType({})
 
@@ -269,7 +269,7 @@ class StepTimer:
     (its size, the steps left, its start, the outputs so far); this turns them into the
     :class:`_Counters`' numbers and chooses the next block's size (:data:`BLOCK` or 1)."""
 
-    __slots__ = ("_c", "_fast_run", "_stats", "block")
+    __slots__ = ("_at_rest", "_c", "_fast_run", "_stats", "block")
 
     def __init__(self, counters: _Counters, engine: object) -> None:
         self._c = counters
@@ -277,6 +277,7 @@ class StepTimer:
         self._stats: Callable[[], Any] | None = stats if callable(stats) else None
         self._fast_run = 0  # steps timed alone in a row that were fast
         self.block = 1  # the size of the next block, after an idle wait
+        self._at_rest: tuple[int, ...] = ()  # what idle() last sampled the engine after
 
     def end_block(self, block: int, steps: int, seconds: float, outputs: int, now: float) -> int:
         """*steps* steps (of a block of *block*) took *seconds*, ending at *now*, and
@@ -321,12 +322,18 @@ class StepTimer:
 
     def idle(self, block: int, steps: int, started: float, outputs: int) -> float:
         """The loop is about to block in ``get()``: count the block so far, sample the
-        engine (its numbers at rest), and start the idle clock. Returns the time it
-        started."""
+        engine (its numbers at rest) if anything but utility calls reached it since the
+        last time, and start the idle clock. Returns the time it started."""
         self.flush(block, steps, started, outputs)
         c = self._c
         if self._stats is not None:
-            c.sample_engine(self._stats, time.perf_counter())
+            # Only if the engine's state may have changed since the last time it went idle:
+            # a step, an add, an abort or a control. Not after a lone utility call, whose
+            # round trip would pay for it.
+            marks = (c.step_sum, c.adds, c.aborts, c.controls)  # step_sum grows every step
+            if marks != self._at_rest:
+                self._at_rest = marks
+                c.sample_engine(self._stats, time.perf_counter())
         now = time.perf_counter()
         c.idle = (c.idle[0], now)
         return now
