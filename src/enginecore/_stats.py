@@ -277,7 +277,7 @@ class StepTimer:
         self._stats: Callable[[], Any] | None = stats if callable(stats) else None
         self._fast_run = 0  # steps timed alone in a row that were fast
         self.block = 1  # the size of the next block, after an idle wait
-        self._at_rest: tuple[int, ...] = ()  # what idle() last sampled the engine after
+        self._at_rest: tuple[float, ...] = ()  # what idle() last sampled the engine after
 
     def end_block(self, block: int, steps: int, seconds: float, outputs: int, now: float) -> int:
         """*steps* steps (of a block of *block*) took *seconds*, ending at *now*, and
