@@ -17,7 +17,6 @@ import contextlib
 import math
 import os
 import select
-import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -27,7 +26,6 @@ from typing import TYPE_CHECKING
 from ._stats import STEP_BUCKETS, quantile
 
 if TYPE_CHECKING:
-    from rich.console import Console
     from rich.table import Table
 
     from .stage import StageObserver, StageStatistics
@@ -283,13 +281,17 @@ def _keys() -> Iterator[int | None]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
-def _console(live: bool) -> Console:
+def _print_once(table: Table) -> None:
     from rich.console import Console
+    from rich.measure import Measurement
 
-    if live or sys.stdout.isatty():
-        return Console()
-    # Not a terminal (a pipe, a file): wide enough for every column, no colour.
-    return Console(width=shutil.get_terminal_size((200, 24)).columns, no_color=True)
+    if sys.stdout.isatty():
+        Console().print(table)
+        return
+    # Not a terminal (a pipe, a file): as wide as the table wants, no colour, no styles.
+    wide = Console(width=10_000, no_color=True)
+    width = Measurement.get(wide, wide.options, table).maximum
+    Console(width=width, no_color=True, highlight=False).print(table)
 
 
 def run(addresses: Sequence[str], *, interval: float, once: bool) -> int:
@@ -303,9 +305,7 @@ def run(addresses: Sequence[str], *, interval: float, once: bool) -> int:
                 poller.request()
                 poller.collect(tick)
                 time.sleep(max(0.0, tick - time.monotonic()))
-            _console(live=False).print(
-                render(poller.rows, time.monotonic(), interval=interval, live=False)
-            )
+            _print_once(render(poller.rows, time.monotonic(), interval=interval, live=False))
             return 0 if all(r.stats is not None for r in poller.rows) else 1
         return _live(poller, interval)
     finally:
@@ -313,9 +313,10 @@ def run(addresses: Sequence[str], *, interval: float, once: bool) -> int:
 
 
 def _live(poller: Poller, interval: float) -> int:
+    from rich.console import Console
     from rich.live import Live
 
-    console = _console(live=True)
+    console = Console()
     with (
         contextlib.suppress(KeyboardInterrupt),
         _keys() as stdin,
