@@ -13,7 +13,9 @@ anything of it. The stage's input thread answers, without waiting for the loop o
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import time
 from typing import Any
 
 import msgspec
@@ -78,11 +80,11 @@ class StageObserver:
         (``0``: only if it is already here), else ``None``. Answers to older requests and
         anything that is not an answer are dropped. :class:`UtilityError` if the stage
         refused the request, :class:`ProtocolError` if its answer is not statistics."""
-        deadline_ms = max(0, round(timeout * 1000))
+        deadline = time.monotonic() + max(0.0, timeout)
         while self._pending is not None:
-            if not self.socket.poll(deadline_ms, zmq.POLLIN):
+            left_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(left_ms, zmq.POLLIN):
                 return None
-            deadline_ms = 0  # what is waiting now is read at once; no second wait
             reply = self._read()
             if reply is None or reply[1] != self._pending:
                 continue
