@@ -1,8 +1,10 @@
-"""``python -m enginecore serve``: run a headless stage process.
+"""``python -m enginecore serve``: run a headless stage process; ``python -m enginecore
+top``: watch running stages.
 
 Usage::
 
     python -m enginecore serve --engine pkg.module:factory --bind tcp://127.0.0.1:5570
+    python -m enginecore top tcp://127.0.0.1:5570 [ADDRESS...] [--interval 1] [--once]
 
 The stage binds its input socket at ``--bind`` and its output socket at ``--output-bind``
 (default: a free port on the same host, or ``<path>.out`` for ``ipc://``), prints one line
@@ -34,7 +36,8 @@ _LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m enginecore", description=__doc__.split("\n")[0]
+        prog="python -m enginecore",
+        description="Run a headless stage process (serve), or watch running stages (top).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
@@ -147,6 +150,33 @@ def _parser() -> argparse.ArgumentParser:
         help="while no client can read, queue at most N events (one per output), drop and "
         "count the rest (default: %(default)s)",
     )
+    top = sub.add_parser(
+        "top",
+        help="a live view of running stages",
+        description="A live terminal view of stages: steps/s, outputs/s, running requests, "
+        "queue depth, step time p50 and p99, health. Reads each stage as an observer, beside "
+        "the client that uses it. Needs the top extra: pip install 'enginecore[top]'. "
+        "q or Ctrl-C quits.",
+    )
+    top.add_argument(
+        "addresses",
+        nargs="+",
+        metavar="ADDRESS",
+        help="a stage's input address, as given to serve --bind (tcp://HOST:PORT, ipc://PATH)",
+    )
+    top.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between two refreshes (default: %(default)s)",
+    )
+    top.add_argument(
+        "--once",
+        action="store_true",
+        help="print one table and exit (two readings --interval apart, for the rates); exit "
+        "code 1 if a stage did not answer",
+    )
     return parser
 
 
@@ -155,6 +185,13 @@ def _load_interval(text: str) -> float | None:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value or None
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -307,6 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(parser, args)
+    if args.command == "top":
+        from ._top import main as top
+
+        return top(args.addresses, interval=args.interval, once=args.once)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse checks
 
 

@@ -27,6 +27,7 @@ from ._errors import (
     StageStartupError,
     UtilityError,
 )
+from ._observer import StageObserver
 from ._session import StageHealth
 from ._statistics import StageLoad, StageStatistics
 from ._timings import StreamTimings
@@ -60,6 +61,7 @@ __all__ = [
     "StageEvent",
     "StageHealth",
     "StageLoad",
+    "StageObserver",
     "StageStartupError",
     "StageStatistics",
     "StreamTimings",

@@ -11,7 +11,8 @@ The input side (:mod:`._inbox`) receives a frame and hands it over with
 - **events for the client** (:attr:`StageSession.events`): the error that scopes an
   invalid message to what it names, a ``pong``; the input side posts them to the outbox;
 - **replies on the input socket** (:attr:`StageSession.replies`): ``welcome`` and
-  ``reject``.
+  ``reject``, and the answer to a ``stats`` request from a peer that is not the attached
+  client (an *observer*, such as ``enginecore top``).
 
 Sessions (``docs/wire.md`` section 3): one client at a time, in one of the
 :class:`SessionState` states. A ``hello`` is rejected while another client is attached and
@@ -266,7 +267,8 @@ class StageSession:
         self.events: list[Event] = []
         """Events for the client (input errors, pongs), for the input side to post."""
         self.replies: list[tuple[bytes, bytes]] = []
-        """``(routing id, body)`` to send on the input socket (welcome, reject)."""
+        """``(routing id, body)`` to send on the input socket (welcome, reject, and the
+        answer to an observer's ``stats``)."""
         self.state = SessionState.NONE
         self.client: bytes | None = None
         """The attached client's routing id."""
@@ -343,7 +345,7 @@ class StageSession:
         elif cls is _wire.PingMsg:
             self.events.append(("pong", msg.seq))
         elif cls is _wire.StatsMsg:
-            self.events.append(("utility", msg.call_id, self._statistics(), None))
+            self._answer_stats(ident, ("utility", msg.call_id, self._statistics(), None))
         elif cls is _wire.ShutdownMsg:
             drain = msg.drain
             if drain is not msgspec.UNSET and not 0 <= drain < math.inf:
@@ -398,10 +400,25 @@ class StageSession:
             self.events += [("error", rid, what) for rid in head]
         elif tag == "utility" and type(head) is int:
             self.events.append(("utility", head, None, f"ProtocolError({what!r})"))
+        elif tag == "stats" and type(head) is int:
+            self._answer_stats(ident, ("utility", head, None, f"ProtocolError({what!r})"))
+        elif tag == "stats" and ident != self.client:
+            # An observer's request with no call id to answer: the attached client is not
+            # told of it (docs/wire.md section 3, "Observers").
+            logger.debug("enginecore: an observer's invalid stats request: %s", what)
         elif tag == "hello":
             self._reject(ident, f"invalid hello: {what}")
         else:
             self.events.append(("error", None, what))
+
+    def _answer_stats(self, ident: bytes, answer: Event) -> None:
+        # The attached client's answer goes on the output socket, in order with its other
+        # events; any other peer (an observer, such as `enginecore top`) gets it on the
+        # input socket, like a welcome, so that it never reaches the attached client.
+        if ident == self.client:
+            self.events.append(answer)
+        else:
+            self.replies.append((ident, msgspec.msgpack.encode(answer)))
 
     # -- sessions ----------------------------------------------------------------------------
 

@@ -1,0 +1,245 @@
+"""``python -m enginecore top``: against live ``serve`` stages, as a script (``--once``) and
+as the live view in a terminal (tmux: send keys, read the screen)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from enginecore._top import StageRow
+from enginecore.stage import StageClient, StageObserver
+
+from .conftest import Server, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+TOP = [sys.executable, "-m", "enginecore", "top"]
+
+
+def _free_address() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _cells(output: str, address: str) -> list[str]:
+    """The cells of the table row of *address*."""
+    for line in output.splitlines():
+        if address in line:
+            return [c.strip() for c in re.split("[│┃]", line.strip().strip("│┃"))]
+    raise AssertionError(f"no row for {address} in:\n{output}")
+
+
+COLUMNS = ["stage", "pid", "address", "health", "steps/s", "outputs/s", "running", "waiting"]
+COLUMNS += ["queue", "step p50", "step p99", "backlog"]
+
+
+class TestOnce:
+    def test_a_busy_stage_beside_its_client(self, server: Server) -> None:
+        with StageClient.connect(server.address) as client:
+            stream = client.add("r1", 10**9)  # runs until aborted: steps all the time
+            next(iter(stream))
+            out = subprocess.run(
+                [*TOP, server.address, "--once", "--interval", "0.3"],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert out.returncode == 0, out.stderr
+            header = _cells(out.stdout, "address")
+            assert header == COLUMNS
+            row = dict(zip(header, _cells(out.stdout, server.address), strict=True))
+            assert row["stage"] == "enginecore.stage.testing:scripted"
+            assert row["pid"] == str(server.proc.pid)
+            assert row["health"] == "ok"
+            assert float(row["steps/s"].replace(",", "")) > 100
+            assert float(row["outputs/s"].replace(",", "")) > 100
+            assert row["running"] == "1"  # the engine reports no running: the live requests
+            assert row["waiting"] == "-"
+            assert row["queue"].isdigit()
+            assert row["backlog"].isdigit()
+            assert re.fullmatch(r"≤[\d.]+ m?s", row["step p50"]), row
+            assert re.fullmatch(r"≤[\d.]+ m?s", row["step p99"]), row
+            # The client's session was not touched: its request still runs, its calls work.
+            assert client.call_utility("div", 1, 4) == 0.25
+            assert client.health() == "ok"
+            client.abort(["r1"])
+            assert client.call_utility("num_requests") == 0
+
+    def test_an_unreachable_stage_is_shown_and_does_not_hold_up_the_others(
+        self, server: Server
+    ) -> None:
+        nowhere = _free_address()
+        started = time.monotonic()
+        out = subprocess.run(
+            [*TOP, nowhere, server.address, "--once", "--interval", "0.3"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert time.monotonic() - started < 10
+        assert out.returncode == 1  # a stage did not answer
+        assert _cells(out.stdout, nowhere)[3] == "unreachable"
+        row = _cells(out.stdout, server.address)
+        assert row[1] == str(server.proc.pid)
+        assert row[3] == "ok"
+        assert row[4] == "0.0"  # idle
+
+    def test_without_rich_a_clear_error(self) -> None:
+        code = (
+            "import sys; sys.modules['rich'] = None\n"
+            "from enginecore.__main__ import main\n"
+            "sys.exit(main(['top', 'tcp://127.0.0.1:1', '--once']))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], check=False, capture_output=True, text=True
+        )
+        assert out.returncode == 2
+        assert "needs rich: pip install 'enginecore[top]'" in out.stderr
+
+    @pytest.mark.parametrize("interval", ["0", "-1", "nan", "x"])
+    def test_a_bad_interval_is_a_usage_error(self, interval: str) -> None:
+        out = subprocess.run(
+            [*TOP, "tcp://127.0.0.1:1", "--interval", interval],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 2
+        assert "--interval" in out.stderr
+
+
+class TestRows:
+    def test_health_rates_and_quantiles_from_two_answers(self, server: Server) -> None:
+        with StageClient.connect(server.address) as client, StageObserver(server.address) as obs:
+            row = StageRow(server.address)
+            assert row.health(0.0) == "unreachable"
+            first = obs.stats()
+            row.update(first, 100.0)
+            assert row.window == "run"
+            assert row.steps_per_s is None  # one answer: no rate yet
+            client.add("r1", 50).collect(timeout=10)
+            second = obs.stats()
+            row.update(second, 101.0)
+            assert row.window == "interval"
+            assert row.steps_per_s is not None
+            assert row.steps_per_s > 0
+            assert row.p50 is not None
+            assert row.p99 is not None
+            assert row.p50 <= row.p99
+            assert row.health(101.5) == "ok"
+            assert row.health(103.5) == "stalled"
+            assert row.health(106.5) == "dead"
+
+
+# -- the live view, in a terminal -------------------------------------------------------------
+
+
+class Tmux:
+    """A tmux server of this test's own (``-L``), with one detached session of a fixed
+    size running *command*."""
+
+    def __init__(self, command: str, width: int = 180, height: int = 20) -> None:
+        self.socket = f"enginecore-top-{uuid.uuid4().hex[:8]}"
+        env = {k: v for k, v in os.environ.items() if k != "TMUX"}
+        self._run(
+            "-f",
+            "/dev/null",
+            "new-session",
+            "-d",
+            "-s",
+            "top",
+            "-x",
+            str(width),
+            "-y",
+            str(height),
+            command,
+            env=env,
+        )
+
+    def _run(self, *args: str, env: dict[str, str] | None = None) -> str:
+        out = subprocess.run(
+            ["tmux", "-L", self.socket, *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            env=env,
+            check=True,
+        )
+        return out.stdout
+
+    def screen(self) -> str:
+        return self._run("capture-pane", "-p", "-t", "top")
+
+    def keys(self, *keys: str) -> None:
+        self._run("send-keys", "-t", "top", *keys)
+
+    def wait_for(self, pattern: str, timeout: float = 15.0) -> str:
+        """The screen once *pattern* (a regex) shows on it."""
+        seen = [""]
+
+        def shows() -> bool:
+            seen[0] = self.screen()
+            return re.search(pattern, seen[0]) is not None
+
+        assert wait_until(shows, timeout), f"{pattern!r} not on the screen:\n{seen[0]}"
+        return seen[0]
+
+    def kill(self) -> None:
+        subprocess.run(
+            ["tmux", "-L", self.socket, "kill-server"], check=False, capture_output=True, timeout=10
+        )
+
+
+@pytest.fixture
+def top_in_tmux(server: Server) -> Iterator[Tmux]:
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (.ci/run installs it with apt-get)")
+    argv = [*TOP, server.address, "--interval", "0.3"]
+    # The exit code stays on the screen after top has gone.
+    command = f"{shlex.join(argv)}; echo TOP-EXITED-$?; sleep 60"
+    tmux = Tmux(command)
+    try:
+        yield tmux
+    finally:
+        tmux.kill()
+
+
+class TestLive:
+    def test_shows_the_stage_follows_its_work_and_quits_on_q(
+        self, server: Server, top_in_tmux: Tmux
+    ) -> None:
+        tmux = top_in_tmux
+        screen = tmux.wait_for(r"enginecore\.stage\.testing:scripted.*│ ok .*│ +0\.0 ")
+        assert "q quits" in screen
+        assert str(server.proc.pid) in screen
+        for column in ("steps/s", "outputs/s", "running", "queue", "step p50", "step p99"):
+            assert column in screen
+        with StageClient.connect(server.address) as client:
+            stream = client.add("r1", 10**9)
+            next(iter(stream))
+            # Busy: a steps/s of thousands, one request running.
+            busy = r"│ ok +│ +[\d,]{3,}(\.\d)? +│ +[\d,]{3,}(\.\d)? +│ +1 +│"
+            tmux.wait_for(busy)
+            client.abort(["r1"])
+        tmux.keys("q")
+        tmux.wait_for("TOP-EXITED-0")
+
+    def test_ctrl_c_quits_cleanly(self, top_in_tmux: Tmux) -> None:
+        top_in_tmux.wait_for(r"│ ok ")
+        top_in_tmux.keys("C-c")
+        screen = top_in_tmux.wait_for("TOP-EXITED-0")
+        assert "Traceback" not in screen
