@@ -89,6 +89,8 @@ class StageRow:
             return "dead"
         if silent >= STALLED_AFTER:
             return "stalled"
+        if self.stats is not None and self.stats.stalled:
+            return "stalled"  # it answers, but a step has run past its step_timeout
         return "ok"
 
 

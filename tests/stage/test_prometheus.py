@@ -279,6 +279,7 @@ class TestServeMetrics:
             assert pairs[2.5] - pairs[1.0] == 1  # the long step, in its bucket
             assert counts[-1] == steps + 1
             assert value(after, "enginecore_loop_running", stage="prefill-0") == 1
+            assert value(after, "enginecore_step_stalled", stage="prefill-0") == 0
             assert value(after, "enginecore_stage_up", stage="prefill-0") == 1
             assert ("process_cpu_seconds", "counter") in {(k, v) for k, v in types.items()}
         finally:

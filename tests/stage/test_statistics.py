@@ -43,6 +43,7 @@ class TestStats:
         assert stats.live == 0
         assert stats.loop.running
         assert stats.uptime_seconds > 0
+        assert not stats.stalled
         # Going idle sampled the engine's stats(): its numbers at rest.
         assert stats.engine["running"] == 0
 
@@ -56,6 +57,7 @@ class TestStats:
         assert time.monotonic() - t0 < 2.0
         assert stats.loop.running
         assert stats.loop.step_seconds_max < 3.0  # that step has not ended
+        assert stats.stalled  # the watchdog's verdict rides along
 
     def test_bad_timeout_and_closed_client(self, launch: Launch) -> None:
         client = launch(SCRIPTED)

@@ -3,6 +3,7 @@ as the live view in a terminal (tmux: send keys, read the screen)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -143,6 +144,9 @@ class TestRows:
             assert row.health(101.5) == "ok"
             assert row.health(103.5) == "stalled"
             assert row.health(106.5) == "dead"
+            # A stage that answers, but whose watchdog saw a step run past step_timeout.
+            row.update(dataclasses.replace(second, stalled=True), 107.0)
+            assert row.health(107.5) == "stalled"
 
 
 # -- the live view, in a terminal -------------------------------------------------------------

@@ -192,6 +192,7 @@ class StageRuntime:
                 outputs=lambda: stage_engine.counts.outputs,
                 backlog=lambda: self._outbox.backlog,
                 reporter=stage_engine.reporter,
+                stalled=self._stalled,
                 name=engine_name if name is None else name,
                 factory=engine_name,
                 started=started,
@@ -225,6 +226,10 @@ class StageRuntime:
         # RequestRejected, before req_id's last output: the stage has ended the request
         # with an error, and drops it from the engine (loop or output thread).
         self.loop.submit(DropEnded((req_id,)))
+
+    def _stalled(self) -> bool:
+        # Any thread: the watchdog's verdict on the step running now.
+        return self._watchdog is not None and self._watchdog.stalled
 
     def _io_failed(self) -> None:
         # An IO thread failed: the stage can no longer talk, so it stops.

@@ -115,6 +115,7 @@ def stage_statistics(
     outputs: Callable[[], int],
     backlog: Callable[[], int],
     reporter: LoadReporter | None,
+    stalled: Callable[[], bool],
     name: str,
     factory: str,
     started: float,
@@ -154,6 +155,7 @@ def stage_statistics(
             "backlog": backlog(),
             "load_reports": reporter.seq if reporter is not None else 0,
             "load_interval": reporter.interval if reporter is not None else None,
+            "stalled": stalled(),
         },
     }
 
@@ -187,6 +189,9 @@ class StageStatistics:
     """Load reports sent so far (the last one's sequence number)."""
     load_interval: float | None
     """The least time between two load reports; ``None``: the stage sends none."""
+    stalled: bool = False
+    """Whether a step has run past the stage's ``step_timeout`` and not returned yet (its
+    watchdog's verdict; always ``False`` without a watchdog)."""
 
     @property
     def steps(self) -> int:
@@ -238,6 +243,7 @@ class StageStatistics:
                 backlog=int(st["backlog"]),
                 load_reports=int(st["load_reports"]),
                 load_interval=None if interval is None else float(interval),
+                stalled=bool(st.get("stalled", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a stage's statistics: {exc!r}") from exc

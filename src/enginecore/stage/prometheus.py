@@ -148,6 +148,11 @@ class _Families:
             "enginecore_uptime_seconds", "Seconds since the stage started.", labels=_STAGE
         )
         self.running = g("enginecore_loop_running", "1 while the stage's loop runs.", labels=_STAGE)
+        self.stalled = g(
+            "enginecore_step_stalled",
+            "1 while a step has run past the stage's step_timeout.",
+            labels=_STAGE,
+        )
         self.engine = g(
             "enginecore_engine_stat",
             "The engine's own numbers, from its stats(), by field name.",
@@ -194,12 +199,13 @@ class _Families:
         self.step_max.add_metric(lb, lp.step_seconds_max)
         self.uptime.add_metric(lb, s.uptime_seconds)
         self.running.add_metric(lb, 1.0 if lp.running else 0.0)
+        self.stalled.add_metric(lb, 1.0 if s.stalled else 0.0)
         for name, value in lp.engine.items():
             self.engine.add_metric([stage, name], value)
         if lp.engine_age is not None:
             self.engine_age.add_metric(lb, lp.engine_age)
         self.up.add_metric(lb, 1.0)
-        self.info.add_metric(lb, {"engine": s.name, "pid": str(s.pid)})
+        self.info.add_metric(lb, {"engine": s.factory, "pid": str(s.pid)})
         # steps == sum(step_histogram) in one snapshot: _count and the +Inf bucket agree.
         self.step_seconds.add_metric(lb, _buckets(lp.step_histogram, STEP_BUCKETS), lp.step_seconds)
 
