@@ -492,8 +492,12 @@ class TestSessions:
             # One output per step, thousands a second: past 100 at once while nobody reads.
             # What was queued before the bye stays; nothing more is, from then on.
             outbox = stage.runtime._outbox
+            # Until the leaving client's PULL is gone, frames still go into its connection's
+            # pipe (and die with it): only from then on does the stage hold what it makes.
+            assert wait_until(lambda: stage.runtime._session.output_peers == 0, timeout=10)
             time.sleep(0.3)
             held = outbox.backlog
+            assert held > 0
             time.sleep(0.2)
             assert outbox.backlog == held
             with RawClient(stage.address) as second:
