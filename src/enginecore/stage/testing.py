@@ -16,6 +16,9 @@ Factories (``"enginecore.stage.testing:NAME"``):
 - ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
 - ``pipelined(depth=2, device_s=0.0, exact_abort=True)`` -> a
   :class:`PipelinedCountdownEngine` (a :class:`~enginecore.PipelinedEngine`).
+- ``TokenEchoEngine(model=None, step_delay=0.0, max_model_len=2048)``: a token generator
+  with the request contract of ``enginecore.engines.transformers.TransformersEngine``, and
+  no model: a fast test double for a server in front of that engine.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "EchoEngine",
     "PipelinedCountdownEngine",
     "ScriptedEngine",
+    "TokenEchoEngine",
     "countdown",
     "echo",
     "exiting_factory",
@@ -312,6 +316,153 @@ class EchoEngine:
     ) -> tuple[list[str], list[bool], list[Any]]:
         """Every output finishes its request."""
         return [rid for rid, _ in outputs], [True] * len(outputs), [d for _, d in outputs]
+
+
+_TOKEN_REQUEST_KEYS: Final = frozenset(
+    {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids"}
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class _TokenRequest:
+    __slots__ = ("emitted", "max_tokens", "offset", "prompt", "stop")
+
+    def __init__(self, prompt: list[int], max_tokens: int, offset: int, stop: set[int]) -> None:
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.offset = offset
+        self.stop = stop
+        self.emitted = 0
+
+
+class TokenEchoEngine:
+    """A stand-in for a token-generating engine, with no model: the request and output
+    contract of ``enginecore.engines.transformers.TransformersEngine``, for fast tests of
+    what sits in front of it (``examples/openai_server.py``).
+
+    A request is a dict ``{"prompt": [token ids], "max_tokens": int = 16, "temperature":
+    float = 0, "top_p": float = 1, "seed": int | None, "stop_token_ids": [int]}``; any
+    other key, a text prompt (this engine has no tokenizer), an empty prompt, a negative id,
+    ``max_tokens < 1``, ``temperature < 0``, ``top_p`` outside ``(0, 1]``, or a prompt plus
+    ``max_tokens`` longer than *max_model_len* is a :class:`~enginecore.RequestRejected`.
+
+    Every step (after sleeping *step_delay* seconds, when there is work) gives each live
+    request one token: the prompt's ids in a cycle, starting at the prompt's first id, or,
+    when ``temperature > 0`` and a ``seed`` is given, at index ``seed``. Each output is
+    ``{"token_ids": [id]}``; the last one also has ``"finish_reason"``: ``"stop"`` if the
+    token is in ``stop_token_ids`` (the token is included), else ``"length"`` after
+    ``max_tokens`` tokens. *model* is accepted and ignored, so that a server can launch it
+    with the same arguments as the real engine.
+
+    ``stats()`` reports ``running``, ``added``, ``aborted`` and ``finished``; utility
+    ``"num_requests"`` returns the live requests.
+    """
+
+    def __init__(
+        self, model: str | None = None, step_delay: float = 0.0, max_model_len: int = 2048
+    ) -> None:
+        self.model = model
+        self.step_delay = step_delay
+        self.max_model_len = max_model_len
+        self._live: dict[str, _TokenRequest] = {}
+        self._added = 0
+        self._aborted = 0
+        self._finished = 0
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def add(self, req_id: str, data: Any) -> None:
+        if req_id in self._live:
+            raise RequestRejected(f"request {req_id!r} is already live in the engine")
+        self._live[req_id] = self._parse(data)
+        self._added += 1
+
+    def _parse(self, data: Any) -> _TokenRequest:
+        if not isinstance(data, dict):
+            raise RequestRejected(f"a request is a dict, got {type(data).__name__}")
+        unknown = sorted(str(k) for k in data.keys() - _TOKEN_REQUEST_KEYS)
+        if unknown:
+            raise RequestRejected(f"unknown parameter(s): {', '.join(unknown)}")
+        prompt = data.get("prompt")
+        if isinstance(prompt, str):
+            raise RequestRejected("a text prompt needs a tokenizer; TokenEchoEngine has none")
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestRejected("prompt must be a non-empty list of token ids")
+        if not all(_is_int(t) and t >= 0 for t in prompt):
+            raise RequestRejected("prompt must be a list of token ids (ints >= 0)")
+        max_tokens = data.get("max_tokens", 16)
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        temperature = data.get("temperature", 0.0)
+        if not _is_number(temperature) or temperature < 0:
+            raise RequestRejected(f"temperature must be a number >= 0, got {temperature!r}")
+        top_p = data.get("top_p", 1.0)
+        if not _is_number(top_p) or not 0 < top_p <= 1:
+            raise RequestRejected(f"top_p must be in (0, 1], got {top_p!r}")
+        seed = data.get("seed")
+        if seed is not None and not _is_int(seed):
+            raise RequestRejected(f"seed must be an int or None, got {seed!r}")
+        stop = data.get("stop_token_ids", [])
+        if not isinstance(stop, list) or not all(_is_int(t) for t in stop):
+            raise RequestRejected("stop_token_ids must be a list of token ids")
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) is longer "
+                f"than the model's {self.max_model_len} positions"
+            )
+        offset = seed if seed is not None and temperature > 0 else 0
+        return _TokenRequest(list(prompt), max_tokens, offset, set(stop))
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            if self._live.pop(rid, None) is not None:
+                self._aborted += 1
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "num_requests":
+            return len(self._live)
+        raise ValueError(f"TokenEchoEngine has no utility {name!r}; known: 'num_requests'")
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "running": len(self._live),
+            "added": self._added,
+            "aborted": self._aborted,
+            "finished": self._finished,
+        }
+
+    def step(self) -> list[tuple[str, bool, dict[str, Any]]]:
+        if self.step_delay > 0 and self._live:
+            time.sleep(self.step_delay)
+        out: list[tuple[str, bool, dict[str, Any]]] = []
+        for rid, req in list(self._live.items()):
+            token = req.prompt[(req.offset + req.emitted) % len(req.prompt)]
+            req.emitted += 1
+            payload: dict[str, Any] = {"token_ids": [token]}
+            if token in req.stop:
+                payload["finish_reason"] = "stop"
+            elif req.emitted >= req.max_tokens:
+                payload["finish_reason"] = "length"
+            if "finish_reason" in payload:
+                del self._live[rid]
+                self._finished += 1
+            out.append((rid, "finish_reason" in payload, payload))
+        return out
+
+    @staticmethod
+    def route_outputs(
+        outputs: list[tuple[str, bool, dict[str, Any]]],
+    ) -> tuple[list[str], list[bool], list[Any]]:
+        """Each output is ``(req_id, finished, payload)``."""
+        return [o[0] for o in outputs], [o[1] for o in outputs], [o[2] for o in outputs]
 
 
 def _later(seconds: float, value: Any) -> Future[Any]:
