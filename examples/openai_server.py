@@ -1,0 +1,721 @@
+"""An OpenAI-compatible HTTP server over a stage that runs a model.
+
+    pip install '.[serve,transformers]'
+    python examples/openai_server.py [--model PATH] [--host 127.0.0.1] [--port 8000]
+
+One :class:`~enginecore.stage.AsyncStageClient` over one stage process for the server's
+life (launched in the app's lifespan, shut down with it). The stage runs the engine
+(``--engine MODULE:FACTORY``, by default ``enginecore.engines.transformers:TransformersEngine``)
+with ``{"model": PATH}`` plus ``--engine-kwargs``; this process owns the tokenizer (text to
+token ids, chat template, ids back to text), so the engine sees token ids only.
+
+Without ``--model`` it serves a small random-weight Llama model that it builds once, with
+``make_random_model``, into ``$ENGINECORE_CACHE/tiny-llama`` (default
+``~/.cache/enginecore/tiny-llama``): no hub access. Its output is noise, but real noise: a
+real model's forward passes, KV cache and sampling.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (when
+the tokenizer has a chat template), streaming over server-sent events or not, with
+``usage``; and two of enginecore's own: ``GET /health`` (503 once the stage is dead) and
+``GET /enginecore/stats`` (the stage's statistics: live requests, steps, the engine's
+numbers). Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
+400 for a bad parameter or a request the engine refused, 404 for another model's name, 503
+when the stage is dead.
+
+A client that disconnects, during a stream or while it waits for a whole completion, has its
+request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open streams get
+``--graceful-timeout`` seconds), then shuts the stage down: no process is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from enginecore import EngineCoreError
+from enginecore.stage import (
+    AsyncRequestStream,
+    AsyncStageClient,
+    EngineDeadError,
+    RequestError,
+    StageClosedError,
+)
+
+DEFAULT_ENGINE = "enginecore.engines.transformers:TransformersEngine"
+TINY_MODEL = "tiny-llama"
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_MAX_TOKENS = 256
+DETOKENIZE_CONTEXT = 5  # prompt ids decoded before the first new one (its leading space)
+
+logger = logging.getLogger("openai_server")
+T = TypeVar("T")
+
+
+# -- the model folder ------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """``$ENGINECORE_CACHE``, else ``~/.cache/enginecore``."""
+    env = os.environ.get("ENGINECORE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "enginecore"
+
+
+def tiny_model() -> Path:
+    """The small random-weight model in the cache folder, built on first use.
+
+    Built into a temporary folder beside it and renamed into place, so a folder that is
+    there is complete (and two servers starting at once do not mix their files)."""
+    path = cache_dir() / TINY_MODEL
+    if (path / "config.json").is_file():
+        return path
+    try:
+        engines = importlib.import_module("enginecore.engines.transformers")
+    except ImportError as exc:
+        raise SystemExit(
+            f"no --model given, and the random model needs enginecore's transformers engine "
+            f"({exc}); install it with: pip install 'enginecore[serve,transformers]'"
+        ) from exc
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL}-", dir=path.parent))
+    try:
+        logger.info("building a random-weight model in %s (once)", path)
+        engines.make_random_model(str(tmp))
+        try:
+            tmp.rename(path)
+        except OSError:  # another server built it meanwhile: keep theirs
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load_tokenizer(path: Path) -> Any:
+    """``transformers.AutoTokenizer.from_pretrained(path)``: local files only."""
+    transformers = importlib.import_module("transformers")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cannot load a tokenizer from {path}: {exc}") from exc
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.status, "server_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _stage_error(exc: BaseException) -> ApiError:
+    """What a failure of the stage or of one request answers."""
+    if isinstance(exc, RequestError):
+        return ApiError(400, exc.message, code="request_rejected")
+    if isinstance(exc, EngineDeadError | StageClosedError):
+        return ApiError(503, f"the model's stage is not running: {exc}", code="stage_dead")
+    return ApiError(500, f"{type(exc).__name__}: {exc}")
+
+
+# -- parameters ------------------------------------------------------------------------------
+
+
+def _int(body: dict[str, Any], key: str, default: int | None, least: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise _bad(f"{key} must be an integer >= {least}, got {value!r}", key)
+    return value
+
+
+def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
+        raise _bad(f"{key} must be a number in [{low}, {high}], got {value!r}", key)
+    return float(value)
+
+
+class Sampling:
+    """The request's parameters that the engine and the detokenizer use."""
+
+    def __init__(self, body: dict[str, Any], *, chat: bool) -> None:
+        if chat and body.get("max_completion_tokens") is not None:
+            self.max_tokens = _int(body, "max_completion_tokens", None, 1)
+        else:
+            default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
+            self.max_tokens = _int(body, "max_tokens", default, 1)
+        self.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p == 0:
+            raise _bad("top_p must be > 0", "top_p")
+        self.top_p = top_p
+        self.seed = _int(body, "seed", None, -(2**63))
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise _bad("stop must be a non-empty string or a list of them", "stop")
+        self.stop: list[str] = stop
+        if _int(body, "n", 1, 1) != 1:
+            raise _bad("this server returns one choice per request: n must be 1", "n")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad("stream must be a boolean", "stream")
+        self.stream = stream
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise _bad("stream_options must be an object", "stream_options")
+        self.include_usage = bool(options.get("include_usage", False))
+        unsupported: dict[str, Callable[[Any], bool]] = {
+            "echo": lambda v: v is True,
+            "best_of": lambda v: v not in (None, 1),
+            "suffix": lambda v: v is not None,
+            "logprobs": lambda v: v not in (None, False),
+            "top_logprobs": lambda v: v is not None,
+            "tools": bool,
+            "functions": bool,
+        }
+        for key, used in unsupported.items():
+            if used(body.get(key)):
+                raise _bad(f"{key} is not supported by this server", key)
+
+    def engine_data(self, prompt: list[int], stop_token_ids: list[int]) -> dict[str, Any]:
+        return {
+            "prompt": prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop_token_ids": stop_token_ids,
+        }
+
+
+# -- one request in the stage ----------------------------------------------------------------
+
+
+class Generation:
+    """One request: its stream in the stage, and its new tokens turned into text.
+
+    Detokenizes incrementally (a window of ids decoded twice per step, as vLLM does), holds
+    back text that may still become a stop string, and stops at the first stop string: the
+    request is then aborted in the stage and its text cut before the stop string."""
+
+    def __init__(
+        self,
+        server: Server,
+        stream: AsyncRequestStream,
+        prompt: list[int],
+        sampling: Sampling,
+        stop_token_ids: list[int],
+    ) -> None:
+        self.server = server
+        self.stream = stream
+        self.prompt_tokens = len(prompt)
+        self.stop = sampling.stop
+        self.stop_token_ids = set(stop_token_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.done = False  # the request has ended in the stage (or will: aborted by us)
+        self._ids = prompt[-DETOKENIZE_CONTEXT:]
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._text = ""  # all the text decoded so far
+        self._sent = 0  # how much of it was handed out
+
+    async def next_delta(self) -> str | None:
+        """The text the next output adds (possibly ``""``), or ``None`` once it has ended.
+        Raises the stream's error as an :class:`ApiError`."""
+        if self.done:
+            return None
+        try:
+            payload = await self.stream.__anext__()
+        except StopAsyncIteration:
+            self.done = True
+            if self.finish_reason is None:  # aborted by someone else: the stage stopped
+                raise ApiError(503, "the request was aborted in the stage") from None
+            return None
+        except EngineCoreError as exc:
+            self.done = True
+            raise _stage_error(exc) from exc
+        new_ids: list[int] = payload["token_ids"]
+        self.completion_tokens += len(new_ids)
+        reason = payload.get("finish_reason")
+        if reason is not None:
+            self.finish_reason = reason
+            self.done = True
+        if reason == "stop" and new_ids and new_ids[-1] in self.stop_token_ids:
+            new_ids = new_ids[:-1]  # counted, not shown
+        self._decode(new_ids)
+        return await self._delta()
+
+    def _decode(self, new_ids: list[int]) -> None:
+        if not new_ids:
+            return
+        tok = self.server.tokenizer
+        self._ids.extend(new_ids)
+        before = tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        after = tok.decode(self._ids[self._prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._text += after[len(before) :]
+            self._prefix = self._read
+            self._read = len(self._ids)
+
+    async def _delta(self) -> str:
+        text = self._text
+        end = len(text)
+        for stop in self.stop:
+            at = text.find(stop, max(0, self._sent - len(stop) + 1))
+            if at != -1 and at < end:
+                end = at
+        if end < len(text):  # a stop string: the request ends here
+            self._text = text = text[:end]
+            if not self.done:
+                await self.abort()
+            self.finish_reason = "stop"
+            self.done = True
+        elif not self.done and self.stop:  # hold back what may start a stop string
+            longest = max(len(s) for s in self.stop)
+            end = max(self._sent, len(text) - longest + 1)
+        delta = text[self._sent : end]
+        self._sent = end
+        return delta
+
+    async def abort(self) -> None:
+        """Abort the request in the stage, unless it has ended there."""
+        if not self.done:
+            self.done = True
+            with contextlib.suppress(EngineCoreError):
+                await self.server.stage.abort([self.stream.req_id])
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (``http.disconnect``)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """*work*'s result, or ``None`` (and *work* cancelled) if the client goes first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+class EventStream(Response):
+    """A server-sent event stream that ends early, calling *on_close*, when the client goes.
+
+    Starlette's ``StreamingResponse`` only notices a disconnect this way on older ASGI
+    versions; this does it always, and *on_close* runs however the stream ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        self.events = events
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_all() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await _unless_disconnected(receive, send_all())
+        except OSError:  # the client went while we sent
+            pass
+        finally:
+            await self.on_close()
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+class Server:
+    """The app's state: the tokenizer, the stage's client and the served model's name."""
+
+    def __init__(
+        self,
+        model: Path,
+        tokenizer: Any,
+        engine: str,
+        engine_kwargs: dict[str, Any],
+        name: str,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.engine_kwargs = engine_kwargs
+        self.name = name
+        self.created = int(time.time())
+        self._stage: AsyncStageClient | None = None
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else []
+
+    @property
+    def stage(self) -> AsyncStageClient:
+        if self._stage is None:
+            raise ApiError(503, "the model's stage is not running", code="stage_dead")
+        return self._stage
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        kwargs = {"model": str(self.model), **self.engine_kwargs}
+        self._stage = await AsyncStageClient.launch(self.engine, kwargs, name="openai-server")
+        logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
+        try:
+            yield
+        finally:
+            code = await self._stage.shutdown()
+            logger.info("stage exited with code %s", code)
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/enginecore/stats", self.stats, methods=["GET"]),
+        ]
+
+        async def api_error(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, ApiError)
+            return exc.response()
+
+        async def http_error(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, HTTPException)
+            return ApiError(exc.status_code, str(exc.detail)).response()
+
+        return Starlette(
+            routes=routes,
+            lifespan=self.lifespan,
+            exception_handlers={ApiError: api_error, HTTPException: http_error},
+        )
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        card = {
+            "id": self.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "enginecore",
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        state = str(self.stage.health().value)
+        return JSONResponse({"status": state}, status_code=503 if state == "dead" else 200)
+
+    async def stats(self, request: Request) -> Response:
+        try:
+            stats = await self.stage.stats(timeout=5.0)
+        except EngineCoreError as exc:
+            raise _stage_error(exc) from exc
+        return JSONResponse(
+            {
+                "pid": stats.pid,
+                "live": stats.live,
+                "steps": stats.steps,
+                "outputs": stats.outputs,
+                "stalled": stats.stalled,
+                "engine": dict(stats.engine),
+            }
+        )
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        sampling = Sampling(body, chat=False)
+        prompt = self._prompt_ids(body.get("prompt"))
+        return await self._respond(request, prompt, sampling, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise _bad(
+                f"the model {self.name!r} has no chat template: use /v1/completions",
+                "messages",
+            )
+        sampling = Sampling(body, chat=True)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages must be a non-empty list", "messages")
+        chat = [self._message(m) for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                chat, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the template's own checks (roles, order)
+            raise _bad(f"the chat template refused the messages: {exc}", "messages") from exc
+        prompt = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return await self._respond(request, prompt, sampling, chat=True)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            raise _bad(f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise _bad("the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.name:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        # One prompt: a string or a list of token ids (or a list of one of them).
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+        ):
+            ids = prompt
+        else:
+            raise _bad("prompt must be a string or a list of token ids (one prompt)", "prompt")
+        if not ids:
+            raise _bad("prompt is empty", "prompt")
+        return ids
+
+    @staticmethod
+    def _message(message: Any) -> dict[str, str]:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _bad("each message must be an object with a role and a content", "messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise _bad("only text content parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise _bad("a message's content must be a string", "messages")
+        return {"role": message["role"], "content": content}
+
+    async def _respond(
+        self, request: Request, prompt: list[int], sampling: Sampling, *, chat: bool
+    ) -> Response:
+        req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stop_ids = list(self.eos_ids)
+        try:
+            stream = await self.stage.add(req_id, sampling.engine_data(prompt, stop_ids))
+        except (EngineDeadError, StageClosedError) as exc:
+            raise _stage_error(exc) from exc
+        gen = Generation(self, stream, prompt, sampling, stop_ids)
+        try:
+            # The first output (or the engine's refusal) before any header: a refused
+            # request is a 400, streamed or not.
+            first = await _unless_disconnected(request.receive, gen.next_delta())
+            if first is None and not gen.done:  # the client went
+                await gen.abort()
+                return Response(status_code=499)
+            if sampling.stream:
+                return EventStream(
+                    self._chunks(req_id, gen, first or "", sampling, chat), gen.abort
+                )
+            text = await _unless_disconnected(request.receive, self._rest(gen, first or ""))
+            if text is None:
+                await gen.abort()
+                return Response(status_code=499)
+        except BaseException:
+            await gen.abort()
+            raise
+        return JSONResponse(self._whole(req_id, gen, text, chat))
+
+    @staticmethod
+    async def _rest(gen: Generation, text: str) -> str:
+        while (delta := await gen.next_delta()) is not None:
+            text += delta
+        return text
+
+    def _whole(self, req_id: str, gen: Generation, text: str, chat: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": req_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": [choice],
+            "usage": gen.usage(),
+        }
+
+    async def _chunks(
+        self, req_id: str, gen: Generation, first: str, sampling: Sampling, chat: bool
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        head = {
+            "id": req_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": self.name,
+        }
+
+        def chunk(text: str | None, finish: str | None) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if chat:
+                choice["delta"] = {} if text is None else {"content": text}
+            else:
+                choice["text"] = text or ""
+            extra = {"usage": None} if sampling.include_usage else {}
+            return _sse({**head, "choices": [choice], **extra})
+
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            yield _sse({**head, "choices": [{**role, "finish_reason": None}]})
+        delta: str | None = first
+        try:
+            while delta is not None:
+                if delta:
+                    yield chunk(delta, None)
+                delta = await gen.next_delta()
+        except ApiError as exc:  # the headers are out: the error goes as an event
+            yield _sse(exc.body())
+            yield b"data: [DONE]\n\n"
+            return
+        yield chunk(None if chat else "", gen.finish_reason)
+        if sampling.include_usage:
+            yield _sse({**head, "choices": [], "usage": gen.usage()})
+        yield b"data: [DONE]\n\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--model", help="a local model folder (default: a random tiny model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--engine", default=DEFAULT_ENGINE, help=f"MODULE:FACTORY (default: {DEFAULT_ENGINE})"
+    )
+    parser.add_argument(
+        "--engine-kwargs",
+        default="{}",
+        metavar="JSON",
+        help='more arguments for the engine, as a JSON object (e.g. \'{"device": "cpu"}\')',
+    )
+    parser.add_argument("--served-model-name", help="the model's name in the API")
+    parser.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=5.0,
+        help="seconds that open requests get on SIGTERM or Ctrl-C (default: 5)",
+    )
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    try:
+        engine_kwargs = json.loads(args.engine_kwargs)
+    except ValueError as exc:
+        parser.error(f"--engine-kwargs is not valid JSON: {exc}")
+    if not isinstance(engine_kwargs, dict):
+        parser.error("--engine-kwargs must be a JSON object")
+    model = Path(args.model) if args.model else tiny_model()
+    if not model.is_dir():
+        parser.error(f"--model {model}: no such folder")
+    server = Server(
+        model,
+        load_tokenizer(model),
+        args.engine,
+        engine_kwargs,
+        args.served_model_name or model.name,
+    )
+    config = uvicorn.Config(
+        server.app(),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        lifespan="on",
+        timeout_graceful_shutdown=args.graceful_timeout,
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
