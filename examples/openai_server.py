@@ -665,7 +665,8 @@ class Server:
         yield b"data: [DONE]\n\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--model", help="a local model folder (default: a random tiny model)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -687,17 +688,22 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds that open requests get on SIGTERM or Ctrl-C (default: 5)",
     )
     parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = parser()
+    args = cli.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
         engine_kwargs = json.loads(args.engine_kwargs)
     except ValueError as exc:
-        parser.error(f"--engine-kwargs is not valid JSON: {exc}")
+        cli.error(f"--engine-kwargs is not valid JSON: {exc}")
     if not isinstance(engine_kwargs, dict):
-        parser.error("--engine-kwargs must be a JSON object")
+        cli.error("--engine-kwargs must be a JSON object")
     model = Path(args.model) if args.model else tiny_model()
     if not model.is_dir():
-        parser.error(f"--model {model}: no such folder")
+        cli.error(f"--model {model}: no such folder")
     server = Server(
         model,
         load_tokenizer(model),
@@ -713,7 +719,13 @@ def main(argv: list[str] | None = None) -> int:
         lifespan="on",
         timeout_graceful_shutdown=args.graceful_timeout,
     )
-    uvicorn.Server(config).run()
+    # After a graceful shutdown on a signal, uvicorn raises that signal again, so the process
+    # ends as the signal's default would have it: SIGTERM's exit status, Ctrl-C's
+    # KeyboardInterrupt (here: exit code 130, without a traceback).
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

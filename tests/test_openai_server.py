@@ -1,0 +1,514 @@
+"""examples/openai_server.py, as a user runs it: a real server process on 127.0.0.1, its stage
+process, real HTTP, and the official ``openai`` client.
+
+The engine is :class:`enginecore.stage.testing.TokenEchoEngine` (``--engine``), a model-free
+stand-in with the transformers engine's request contract: it answers at once and its tokens
+are known (the prompt's ids, in a cycle), so every text below is exact. The tokenizer is a
+word-level one built here (``tokenizers`` + ``PreTrainedTokenizerFast``), with a chat
+template, saved to a folder as a model's tokenizer is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+ROOT = Path(__file__).parent.parent
+SERVER = ROOT / "examples" / "openai_server.py"
+ECHO = "enginecore.stage.testing:TokenEchoEngine"
+WORDS = ["<unk>", "<s>", "</s>", "user", "assistant", "system", ":", "hello", "world"]
+WORDS += ["the", "a", "cat", "sat", "on", "mat", "stop", "!"]
+ID = {w: i for i, w in enumerate(WORDS)}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+PROMPT = "hello world the cat"  # ids 7 8 9 11: the echo engine answers " hello world the cat ..."
+
+
+def _write_tokenizer(path: Path, *, chat: bool) -> Path:
+    """A word-level tokenizer over WORDS, saved as a model folder's tokenizer."""
+    transformers: Any = importlib.import_module("transformers")  # untyped here: not analysed
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(ID, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_tokenizer(tmp_path_factory.mktemp("models") / "tiny-words", chat=True)
+
+
+@pytest.fixture(scope="module")
+def words_no_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_tokenizer(tmp_path_factory.mktemp("models") / "no-chat", chat=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Served:
+    """A running server process."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+
+    def client(self) -> Any:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=20)
+
+    def get(self, path: str) -> Any:
+        return httpx.get(self.url + path, timeout=10)
+
+    def stats(self) -> dict[str, Any]:
+        reply = self.get("/enginecore/stats")
+        assert reply.status_code == 200, reply.text
+        stats: dict[str, Any] = reply.json()
+        return stats
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The stage's statistics once no request is live in it."""
+        deadline = time.monotonic() + timeout
+        while (stats := self.stats())["live"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return stats
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _start(model: Path, tmp: Path, *extra: str) -> Served:
+    port = _free_port()
+    log = tmp / f"server-{port}.log"
+    argv = [sys.executable, str(SERVER), "--model", str(model), "--engine", ECHO]
+    argv += ["--port", str(port), "--log-level", "warning", *extra]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    served = Served(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{served.output()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if served.get("/health").status_code == 200:
+                return served
+        time.sleep(0.1)
+    _stop(served)
+    raise AssertionError(f"the server did not start within 45 s:\n{served.output()}")
+
+
+def _stop(served: Served) -> None:
+    if served.proc.poll() is None:
+        served.proc.send_signal(signal.SIGTERM)
+        try:
+            served.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            served.proc.kill()
+            served.proc.wait()
+
+
+@contextlib.contextmanager
+def _serving(model: Path, tmp: Path, *extra: str) -> Iterator[Served]:
+    served = _start(model, tmp, *extra)
+    try:
+        yield served
+    finally:
+        _stop(served)
+
+
+@pytest.fixture(scope="module")
+def server(words: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    # A step every 2 ms: a long request stays live long enough to be seen and aborted.
+    tmp = tmp_path_factory.mktemp("server")
+    with _serving(words, tmp, "--engine-kwargs", '{"step_delay": 0.002}') as served:
+        yield served
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process under *pid*, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether *pid* runs (a zombie does not: it has exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _left(family: set[int], timeout: float = 5.0) -> list[int]:
+    """The processes of *family* still running after *timeout* s at most. (multiprocessing's
+    resource tracker, a child of the server, ends when it sees the server's end of its pipe
+    close: a moment after the server.)"""
+    deadline = time.monotonic() + timeout
+    while (alive := sorted(p for p in family if _alive(p))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+
+class TestEndpoints:
+    @pytest.mark.timeout(30)
+    def test_models_lists_the_served_model(self, server: Served) -> None:
+        models = server.client().models.list()
+        assert [m.id for m in models.data] == ["tiny-words"]
+        assert models.data[0].object == "model"
+
+    @pytest.mark.timeout(30)
+    def test_completion_with_usage(self, server: Served) -> None:
+        done = server.client().completions.create(
+            model="tiny-words", prompt=PROMPT, max_tokens=6, temperature=0
+        )
+        assert done.object == "text_completion"
+        assert done.choices[0].text == " hello world the cat hello world"
+        assert done.choices[0].finish_reason == "length"
+        assert done.usage is not None
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (4, 6)
+        assert done.usage.total_tokens == 10
+
+    @pytest.mark.timeout(30)
+    def test_completion_of_token_ids(self, server: Served) -> None:
+        done = server.client().completions.create(
+            model="tiny-words", prompt=[ID["cat"], ID["sat"]], max_tokens=3
+        )
+        assert done.choices[0].text == " cat sat cat"
+        assert done.usage is not None
+        assert done.usage.prompt_tokens == 2
+
+    @pytest.mark.timeout(30)
+    def test_streamed_completion_with_usage(self, server: Served) -> None:
+        chunks = list(
+            server.client().completions.create(
+                model="tiny-words",
+                prompt=PROMPT,
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        texts = [c.choices[0].text for c in chunks if c.choices]
+        assert "".join(texts) == " hello world the cat hello world"
+        assert len([t for t in texts if t]) == 6  # one chunk a token
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "length"
+        assert not any(finishes[:-1])
+        assert not chunks[-1].choices
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (4, 6, 10)
+
+    @pytest.mark.timeout(30)
+    def test_stream_is_server_sent_events_ending_in_done(self, server: Served) -> None:
+        body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        events = reply.text.split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        assert all(e.startswith("data: ") for e in events[:-1])
+        first = json.loads(events[0].removeprefix("data: "))
+        assert first["choices"][0]["text"] == " hello"
+
+    @pytest.mark.timeout(30)
+    def test_chat_completion(self, server: Served) -> None:
+        client = server.client()
+        messages: Any = [{"role": "user", "content": "hello cat"}]
+        # The template makes "user : hello cat assistant :"; the echo engine repeats it.
+        done = client.chat.completions.create(model="tiny-words", messages=messages, max_tokens=5)
+        assert done.object == "chat.completion"
+        assert done.choices[0].message.role == "assistant"
+        assert done.choices[0].message.content == " user : hello cat assistant"
+        assert done.choices[0].finish_reason == "length"
+        assert done.usage is not None
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (6, 5)
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny-words",
+                messages=messages,
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == " user : hello cat assistant"
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 5
+
+    @pytest.mark.timeout(30)
+    def test_stop_strings_and_the_eos_token(self, server: Served) -> None:
+        client = server.client()
+        done = client.completions.create(
+            model="tiny-words", prompt=PROMPT, max_tokens=9, stop="the"
+        )
+        assert done.choices[0].text == " hello world "
+        assert done.choices[0].finish_reason == "stop"
+        streamed = client.completions.create(
+            model="tiny-words", prompt=PROMPT, max_tokens=9, stop=["cat"], stream=True
+        )
+        assert "".join(c.choices[0].text for c in streamed) == " hello world the "
+        # The tokenizer's EOS is a stop token for the engine: counted, not shown.
+        eos = client.completions.create(model="tiny-words", prompt="hello </s>", max_tokens=9)
+        assert eos.choices[0].text == " hello"
+        assert eos.choices[0].finish_reason == "stop"
+        assert eos.usage is not None
+        assert eos.usage.completion_tokens == 2
+        assert server.wait_idle()["live"] == 0  # the stop strings' requests were aborted
+
+    @pytest.mark.timeout(30)
+    def test_bad_parameters_are_400s(self, server: Served) -> None:
+        client = server.client()
+        bad: list[dict[str, Any]] = [
+            {"max_tokens": 0},
+            {"temperature": -1},
+            {"top_p": 0},
+            {"n": 2},
+            {"extra_body": {"echo": True}},
+            {"prompt": [PROMPT, PROMPT]},
+            {"prompt": ""},
+        ]
+        for kwargs in bad:
+            args = {"model": "tiny-words", "prompt": PROMPT, "max_tokens": 4, **kwargs}
+            with pytest.raises(openai.BadRequestError) as info:
+                client.completions.create(**args)
+            assert info.value.body["type"] == "invalid_request_error", kwargs
+
+    @pytest.mark.timeout(30)
+    def test_a_request_the_engine_refuses_is_a_400(self, server: Served) -> None:
+        client = server.client()
+        for stream in (False, True):  # streamed too: the refusal comes before any header
+            with pytest.raises(openai.BadRequestError, match="2048 positions") as info:
+                client.completions.create(
+                    model="tiny-words", prompt=PROMPT, max_tokens=3000, stream=stream
+                )
+            assert info.value.body["code"] == "request_rejected"
+        assert server.stats()["engine"]["running"] == 0
+
+    @pytest.mark.timeout(30)
+    def test_errors_have_openais_shape(self, server: Served) -> None:
+        with pytest.raises(openai.NotFoundError, match="tiny-words"):
+            server.client().completions.create(model="gpt-4", prompt=PROMPT)
+        reply = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10)
+        assert reply.status_code == 400
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+        reply = httpx.get(server.url + "/v1/nowhere", timeout=10)
+        assert reply.status_code == 404
+        assert reply.json()["error"]["type"] == "not_found_error"
+
+
+class TestDisconnect:
+    @pytest.mark.timeout(30)
+    def test_a_client_that_leaves_a_stream_aborts_its_request(self, server: Served) -> None:
+        before = server.stats()["engine"]
+        body = {"prompt": PROMPT, "max_tokens": 1500, "stream": True}  # 3 s of steps
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=10) as reply:
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert server.stats()["live"] == 1
+        # The connection is closed: the server sees it and aborts the request in the stage.
+        started = time.monotonic()
+        stats = server.wait_idle(timeout=5)
+        assert stats["live"] == 0
+        assert time.monotonic() - started < 2.0
+        assert stats["engine"]["aborted"] == before["aborted"] + 1
+        assert stats["engine"]["finished"] == before["finished"]
+
+    @pytest.mark.timeout(30)
+    def test_a_client_that_leaves_a_whole_completion_aborts_it(self, server: Served) -> None:
+        before = server.stats()["engine"]
+        body = {"prompt": PROMPT, "max_tokens": 1500}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+        stats = server.wait_idle(timeout=5)
+        assert stats["live"] == 0
+        assert stats["engine"]["aborted"] == before["aborted"] + 1
+        assert stats["engine"]["finished"] == before["finished"]
+
+
+class TestLifecycle:
+    @pytest.mark.timeout(60)
+    def test_sigterm_stops_the_server_and_its_stage(self, words: Path, tmp_path: Path) -> None:
+        served = _start(words, tmp_path, "--engine-kwargs", '{"step_delay": 0.01}')
+        try:
+            stage = served.stats()["pid"]
+            family = _descendants(served.proc.pid)
+            assert stage in family
+            # SIGTERM while a stream is open: it ends, the stage shuts down, nothing is left.
+            body = {"prompt": PROMPT, "max_tokens": 1500, "stream": True}
+            with httpx.stream("POST", served.url + "/v1/completions", json=body) as reply:
+                next(reply.iter_lines())
+                served.proc.send_signal(signal.SIGTERM)
+                # uvicorn raises the signal again once it has shut down gracefully
+                assert served.proc.wait(15) == -signal.SIGTERM, served.output()
+        finally:
+            _stop(served)
+        assert _left(family) == []
+        assert "Traceback" not in served.output()
+
+    @pytest.mark.timeout(60)
+    def test_ctrl_c_stops_it_too(self, words_no_chat: Path, tmp_path: Path) -> None:
+        served = _start(words_no_chat, tmp_path)
+        try:
+            family = _descendants(served.proc.pid)
+            # A tokenizer without a chat template: chat completions are refused, clearly.
+            messages: Any = [{"role": "user", "content": "hello"}]
+            with pytest.raises(openai.BadRequestError, match="no chat template"):
+                served.client().chat.completions.create(model="no-chat", messages=messages)
+            served.proc.send_signal(signal.SIGINT)
+            assert served.proc.wait(15) == 130, served.output()
+        finally:
+            _stop(served)
+        assert family
+        assert _left(family) == []
+
+    @pytest.mark.timeout(60)
+    def test_a_dead_stage_is_a_503(self, words: Path, tmp_path: Path) -> None:
+        with _serving(words, tmp_path) as served:
+            os.kill(served.stats()["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while served.get("/health").status_code != 503 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert served.get("/health").json() == {"status": "dead"}
+            with pytest.raises(openai.InternalServerError) as info:
+                served.client().completions.create(model="tiny-words", prompt=PROMPT)
+            assert info.value.status_code == 503
+            assert info.value.body["type"] == "service_unavailable_error"
+            served.proc.send_signal(signal.SIGTERM)
+            assert served.proc.wait(15) == -signal.SIGTERM, served.output()
+
+
+def _load_server_module() -> Any:
+    spec = importlib.util.spec_from_file_location("openai_server", SERVER)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class TestReadme:
+    """The README's "Serve a model" commands are what the server and pyproject accept."""
+
+    @staticmethod
+    def _section() -> str:
+        readme = (ROOT / "README.md").read_text()
+        match = re.search(r"^## Serve a model\n(.*?)^## ", readme, re.S | re.M)
+        assert match, "README.md lost its 'Serve a model' section"
+        return match.group(1)
+
+    def test_install_and_run_commands(self) -> None:
+        section = self._section()
+        install = re.search(r"pip install '\.\[([a-z,]+)\]'", section)
+        assert install, "no install command"
+        pyproject = (ROOT / "pyproject.toml").read_text()
+        table = pyproject.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
+        extras = re.findall(r"^([a-z-]+) = \[", table, re.M)
+        for extra in install.group(1).split(","):
+            if extra == "transformers" and importlib.util.find_spec("enginecore.engines") is None:
+                continue  # the engine's own extra comes with the engine
+            assert extra in extras, extra
+        run = re.search(r"^(python examples/openai_server\.py.*?)(?:\s+#.*)?$", section, re.M)
+        assert run, "no run command"
+        argv = shlex.split(run.group(1))[2:]
+        module = _load_server_module()
+        module.parser().parse_args(argv)  # exits on a flag it does not know
+
+    @pytest.mark.timeout(30)
+    def test_the_curl_call_is_answered(self, server: Served) -> None:
+        section = self._section()
+        curl = re.search(r"curl [^\n]*?(localhost|127\.0\.0\.1):8000(/v1/\S+)", section)
+        data = re.search(r"-d '(\{.*?\})'", section, re.S)
+        assert curl, "no curl call"
+        assert data, "no JSON body in the curl call"
+        body = json.loads(data.group(1))
+        assert body["model"] == _load_server_module().TINY_MODEL  # the default model's name
+        body["model"] = "tiny-words"
+        reply = httpx.post(server.url + curl.group(2), json=body, timeout=10)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == body["max_tokens"]
+
+
+class TestTinyModel:
+    """Without --model: the random model is built once into the cache folder, then reused."""
+
+    def test_built_once_into_the_cache_then_reused(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        built: list[str] = []
+
+        def make_random_model(path: str) -> str:
+            built.append(path)
+            (Path(path) / "config.json").write_text("{}")
+            return path
+
+        fake = type(sys)("enginecore.engines.transformers")
+        fake.make_random_model = make_random_model  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "enginecore.engines.transformers", fake)
+        monkeypatch.setenv("ENGINECORE_CACHE", str(tmp_path / "cache"))
+        module = _load_server_module()
+        path = module.tiny_model()
+        assert path == tmp_path / "cache" / "tiny-llama"
+        assert (path / "config.json").is_file()
+        assert len(built) == 1
+        assert Path(built[0]) != path  # built beside it, then renamed into place
+        assert module.tiny_model() == path
+        assert len(built) == 1
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny-llama"]
