@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +253,24 @@ class TestEndpoints:
         usage = chunks[-1].usage
         assert usage is not None
         assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (4, 6, 10)
+
+    @pytest.mark.timeout(30)
+    def test_concurrent_streams_get_their_own_tokens(self, server: Served) -> None:
+        client = server.client()
+        words = ["hello", "world", "cat", "sat", "on", "mat", "the", "a"]
+
+        def run(i: int) -> str:
+            prompt = f"{words[i]} {words[(i + 1) % 8]}"
+            stream = client.completions.create(
+                model="tiny-words", prompt=prompt, max_tokens=20, stream=True
+            )
+            return "".join(c.choices[0].text for c in stream)
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(run, range(8)))
+        for i, text in enumerate(texts):
+            assert text == f" {words[i]} {words[(i + 1) % 8]}" * 10
+        assert server.wait_idle()["live"] == 0
 
     @pytest.mark.timeout(30)
     def test_stream_is_server_sent_events_ending_in_done(self, server: Served) -> None:
