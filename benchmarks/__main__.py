@@ -36,6 +36,7 @@ MODULES = (
     "bench_stage_requests",
     "bench_stage_arrays",
     "bench_metrics",
+    "bench_transformers",
 )
 
 

@@ -536,3 +536,39 @@ class TestTinyModel:
         assert module.tiny_model() == path
         assert len(built) == 1
         assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny-llama"]
+
+
+class TestTheRealEngine:
+    """The server's default engine, TransformersEngine, on a random-weight model written by
+    make_random_model (the no-``--model`` path builds the same), over the openai client."""
+
+    @pytest.mark.timeout(120)
+    def test_completions_stream_and_chat(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        from enginecore.engines.transformers import make_random_model
+
+        tmp = tmp_path_factory.mktemp("real")
+        model = Path(make_random_model(tmp / "tiny-llama"))
+        engine = "enginecore.engines.transformers:TransformersEngine"
+        with _serving(model, tmp, "--engine", engine) as served:
+            client = served.client()
+            ask = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 8}
+            first = client.completions.create(**ask, temperature=0)
+            again = client.completions.create(**ask, temperature=0)
+            assert first.choices[0].text == again.choices[0].text  # greedy: the same tokens
+            assert first.usage is not None
+            assert 1 <= first.usage.completion_tokens <= 8
+            assert first.choices[0].finish_reason in ("length", "stop")
+            chunks = client.completions.create(**ask, temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in chunks) == first.choices[0].text
+            chat = client.chat.completions.create(
+                model="tiny-llama",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4,
+                temperature=0,
+            )
+            assert chat.usage is not None
+            assert chat.usage.completion_tokens <= 4
+            # Everything finished: the engine holds no KV memory.
+            stats = served.wait_idle()
+            assert stats["live"] == 0
+            assert stats["engine"]["kv_usage"] == 0

@@ -1,0 +1,172 @@
+"""TransformersEngine on a random-weight Llama: output tokens/s against its baselines.
+
+The workload of issue 21: N requests (64; 8 with ``--quick``), prompt lengths 16-256 and
+output lengths 16-128 (smaller with ``--quick``) drawn from a fixed seed, arriving as a
+Poisson process within the first 2 s (0.2 s quick), greedy. A random-weight Llama of about
+20 M parameters (``make_random_model``; a tiny one quick), float32 on the CPU. Measured in
+one run, one round each (the workload is long; the verdict is that round):
+
+- the engine in an in-process ``EngineCoreLoop`` (adds submitted at their arrival times from
+  another thread), output tokens / wall time from the first arrival to the last token;
+- the same engine on a stage (``StageClient.launch``), the same way;
+- ``model.generate`` one request at a time (arrivals ignored: a lower bound of its time);
+- the bound: the bare model's own prefill rate (prompt tokens/s, batch of one, the workload's
+  mean prompt length) and batched decode rate (tokens/s of one forward pass at batch
+  ``min(N, max_batch)``, the workload's mean context), measured here: total output tokens /
+  (prompt tokens / prefill rate + output tokens / decode rate).
+
+Goals (issue 21): engine on a stage >= 0.7x the bound; engine in process >= 3x generate one
+at a time; the stage >= 0.95x in process. transformers' ``generate_batch`` is not measured
+(see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import threading
+import time
+from typing import Any
+
+from ._harness import Record, Skipped, higher_is_better, main_single
+
+NAME = "transformers"
+
+
+def workload(quick: bool) -> list[tuple[float, list[int], int]]:
+    rng = random.Random(21)
+    n, window = (8, 0.2) if quick else (64, 2.0)
+    plen, olen = ((8, 32), (4, 16)) if quick else ((16, 256), (16, 128))
+    t, out = 0.0, []
+    rate = n / window
+    for _ in range(n):
+        t = min(t + rng.expovariate(rate), window)
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(*plen))]
+        out.append((t, prompt, rng.randint(*olen)))
+    return out
+
+
+def run_loop(path: str, work: list[tuple[float, list[int], int]]) -> float:
+    from enginecore import Add, EngineCoreLoop
+    from enginecore.engines.transformers import TransformersEngine
+
+    engine = TransformersEngine(path)
+    left = len(work)
+    tokens = 0
+    end = [0.0]
+
+    def emit(ev: Any) -> None:
+        nonlocal left, tokens
+        if ev[0] == "output":
+            tokens += len(ev[1][1]["token_ids"])
+            if ev[1][2]:
+                left -= 1
+                if not left:
+                    end[0] = time.perf_counter()
+                    loop.request_shutdown()
+
+    loop = EngineCoreLoop(engine, emit)
+
+    def feed(t0: float) -> None:
+        for i, (at, prompt, n) in enumerate(work):
+            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+            loop.submit(Add(str(i), {"prompt": prompt, "max_tokens": n}))
+
+    t0 = time.perf_counter()
+    feeder = threading.Thread(target=feed, args=(t0,))
+    feeder.start()
+    loop.run()
+    feeder.join()
+    return tokens / (end[0] - t0)
+
+
+def run_stage(path: str, work: list[tuple[float, list[int], int]]) -> float:
+    from enginecore.stage import StageClient
+
+    with StageClient.launch(
+        "enginecore.engines.transformers:TransformersEngine", {"model": path}
+    ) as client:
+        client.add("warm", {"prompt": [5, 6], "max_tokens": 2})
+        streams = []
+        t0 = time.perf_counter()
+        for i, (at, prompt, n) in enumerate(work):
+            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+            streams.append(client.add(str(i), {"prompt": prompt, "max_tokens": n}))
+        tokens = sum(len(p["token_ids"]) for s in streams for p in s)
+        return tokens / (time.perf_counter() - t0)
+
+
+def run_generate(model: Any, work: list[tuple[float, list[int], int]]) -> float:
+    import torch
+
+    tokens = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for _, prompt, n in work:
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+            tokens += out.shape[1] - len(prompt)
+    return tokens / (time.perf_counter() - t0)
+
+
+def bound(model: Any, work: list[tuple[float, list[int], int]], batch: int) -> float:
+    import torch
+    from transformers import DynamicCache
+
+    prompt_tokens = sum(len(p) for _, p, _ in work)
+    out_tokens = sum(n for _, _, n in work)
+    mean_p = prompt_tokens // len(work)
+    ctx = mean_p + out_tokens // len(work) // 2
+    with torch.inference_mode():
+        ids = torch.randint(3, 500, (1, mean_p))
+        model(input_ids=ids)
+        t = time.perf_counter()
+        for _ in range(3):
+            model(input_ids=ids)
+        prefill = 3 * mean_p / (time.perf_counter() - t)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(3, 500, (batch, ctx)), cache=cache, use_cache=True)
+        step = torch.randint(3, 500, (batch, 1))
+        t = time.perf_counter()
+        for _ in range(4):
+            model(input_ids=step, cache=cache, use_cache=True)
+        decode = 4 * batch / (time.perf_counter() - t)
+    return out_tokens / (prompt_tokens / prefill + out_tokens / decode)
+
+
+def run(quick: bool) -> list[Record]:
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from enginecore.engines.transformers import make_random_model
+    except ImportError as exc:
+        raise Skipped(
+            f"needs torch and transformers (pip install -e '.[transformers]'): {exc}"
+        ) from None
+    work = workload(quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        if quick:
+            path = make_random_model(tmp, hidden_size=64, layers=2, vocab=512)
+        else:  # about 20 M parameters
+            path = make_random_model(
+                tmp, hidden_size=384, layers=8, heads=6, kv_heads=2, vocab=8192,
+                intermediate_size=1024, max_positions=512,
+            )  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(path)
+        params = sum(p.numel() for p in model.parameters())
+        limit = bound(model, work, min(len(work), 32))
+        gen = run_generate(model, work)
+        loop = run_loop(path, work)
+        stage = run_stage(path, work)
+    note = (
+        f"{params / 1e6:.1f} M params, float32 CPU, {len(work)} requests, "
+        f"{sum(n for *_, n in work)} output tokens; batch_invariant=True; one round"
+    )
+    return [
+        higher_is_better("transformers: stage vs bound", [stage], [limit], "tok/s", 0.7, note),
+        higher_is_better("transformers: loop vs generate alone", [loop], [gen], "tok/s", 3.0, note),
+        higher_is_better("transformers: stage vs loop", [stage], [loop], "tok/s", 0.95, note),
+    ]
+
+
+if __name__ == "__main__":
+    main_single(run, __doc__)

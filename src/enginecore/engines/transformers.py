@@ -1,0 +1,605 @@
+"""``TransformersEngine``: a continuous-batching engine for a local causal LM checkpoint.
+
+Needs the ``transformers`` extra (``pip install 'enginecore[transformers]'``: torch and
+transformers). ``docs/engines.md``, "A real model: TransformersEngine", is the guide; in short:
+
+- ``add`` checks the request and queues it (FIFO); a bad request is a
+  :class:`~enginecore.RequestRejected`, and nothing changes.
+- ``step`` admits waiting requests while the KV budget and ``max_batch`` allow, prefills each
+  one alone (its first token), then decodes every request that was already running in **one**
+  batched forward pass (one token each).
+- ``abort`` drops a request's KV tensors at once (its memory is freed before the next step).
+- Batch invariance: with ``batch_invariant=True`` (the default) a request's tokens are bit for
+  bit those of ``model.generate`` of its prompt alone, whatever else is in the batch. See the
+  guide for how (per-row attention over exact lengths, and per-row products in the linear
+  layers, because a batched GEMM on the CPU rounds differently from a batch of one).
+
+Requests are dicts::
+
+    {"prompt": [token ids] or "text", "max_tokens": 16, "temperature": 0.0, "top_p": 1.0,
+     "seed": None, "stop_token_ids": []}
+
+and each output is ``(req_id, payload, finished)``, routed by :meth:`route_outputs`; the
+payload is ``{"token_ids": [new ids]}``, plus ``"finish_reason": "length" | "stop"`` on the
+last one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+from transformers.generation.logits_process import TopPLogitsWarper
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import AttentionInterface
+
+from .._exceptions import RequestRejected
+
+__all__ = ["TransformersEngine", "make_random_model"]
+
+#: Keys a request dict may have.
+REQUEST_KEYS = frozenset({"prompt", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids"})
+_ATTN_NAME = "enginecore_rows"
+
+Output = tuple[str, dict[str, Any], bool]
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: frozenset[int]
+    generator: torch.Generator | None
+    generated: list[int] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [1, kv_heads, cap, d]
+    values: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0  # tokens in the KV tensors
+
+    @property
+    def reserve(self) -> int:
+        """KV tokens reserved at admission: prompt + max_tokens (an upper bound)."""
+        return len(self.prompt) + self.max_tokens
+
+
+# -- the decode step's per-row attention and per-row linear layers -------------------------------
+#
+# One engine steps at a time per process in practice, but the state is per engine: the rows of
+# the decode in progress are set on the model's attention function through this holder, only
+# for the duration of one forward pass, on the loop's thread.
+
+_DECODE_ROWS: list[list[_Request]] = []  # a stack; the top is the decode running now
+
+
+def _rows_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of a decode step, one row at a time over that row's exact length.
+
+    *key*/*value* are the step's new K/V (already written into each row's tensors by
+    :class:`_RowCache`); each row attends to its own ``[:length]`` with the same call
+    ``generate`` makes for a batch of one, so no padded length enters any reduction.
+    """
+    rows = _DECODE_ROWS[-1]
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    outs = []
+    for i, req in enumerate(rows):
+        n = req.length + 1
+        out, _ = sdpa_attention_forward(
+            module,
+            query[i : i + 1],
+            req.keys[layer][:, :, :n],
+            req.values[layer][:, :, :n],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+        )
+        outs.append(out)
+    return torch.cat(outs), None
+
+
+AttentionInterface.register(_ATTN_NAME, _rows_attention)
+
+
+class _RowCache:
+    """The ``cache`` a decode step passes to the model: writes each row's new K/V at that
+    row's own position in its own tensors (no padding, no copy of the past)."""
+
+    def __init__(self, rows: list[_Request]) -> None:
+        self.rows = rows
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        for i, req in enumerate(self.rows):
+            req.keys[layer_idx][0, :, req.length] = key_states[i, :, 0]
+            req.values[layer_idx][0, :, req.length] = value_states[i, :, 0]
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # not used: positions are given
+        return 0
+
+
+class _RowLinear(nn.Linear):
+    """``nn.Linear`` that, inside a batch-invariant decode step, multiplies each row on its
+    own (``bmm`` of ``[B, 1, in]`` by the weight broadcast over B, one ``1 x in`` product
+    per row): on the CPU, MKL's GEMM rounds a row of a batch differently from the same row
+    alone (a different kernel and reduction order for each batch size below 16), so a
+    batched product would change the tokens. Outside a decode step it is ``nn.Linear``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _DECODE_ROWS and input.dim() == 3 and input.shape[1] == 1 and input.shape[0] > 1:
+            if self.bias is None:
+                w = self.weight.t().expand(input.shape[0], -1, -1)
+                return torch.bmm(input, w)
+            return torch.cat(
+                [F.linear(input[i : i + 1], self.weight, self.bias) for i in range(len(input))]
+            )
+        return super().forward(input)
+
+
+@contextmanager
+def _decoding(model: Any, rows: list[_Request]) -> Iterator[None]:
+    config = model.config
+    before = config._attn_implementation
+    _DECODE_ROWS.append(rows)
+    config._attn_implementation = _ATTN_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+        _DECODE_ROWS.pop()
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+
+class TransformersEngine:
+    """A continuous-batching :class:`~enginecore.Engine` over a local causal LM checkpoint.
+
+    Parameters:
+        model: a folder written by ``save_pretrained`` (config, weights, and optionally a
+            tokenizer). A path that does not exist raises :class:`FileNotFoundError` naming it.
+        device: ``"cpu"``, ``"cuda"``, ...; default: CUDA when available, else the CPU.
+        dtype: a ``torch.dtype`` or its name (``"float32"``, ``"bfloat16"``); default float32
+            on the CPU, the checkpoint's own dtype elsewhere.
+        kv_budget_tokens: KV tokens that running requests may reserve together. A request
+            reserves ``len(prompt) + max_tokens`` when it is admitted and frees it when it
+            ends or is aborted; one that needs more than the whole budget is rejected.
+            Default: ``max_batch * max_position_embeddings``.
+        max_batch: most requests running at once (decoded together in one forward pass).
+        max_prefill_tokens: prompt tokens prefilled per step at most (at least one request is
+            always prefilled when one can be admitted), so that long prompts arriving
+            together do not stall the running requests' decode for long.
+        batch_invariant: per-row products in the decode step (see the class docstring of
+            the module). ``False`` uses one batched GEMM per linear layer: faster, and equal
+            to ``generate`` alone only up to rounding (tokens may differ on near-ties).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        kv_budget_tokens: int | None = None,
+        max_batch: int = 32,
+        max_prefill_tokens: int = 512,
+        batch_invariant: bool = True,
+    ) -> None:
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model path {path!r} does not exist (or is not a folder)")
+        if max_batch < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_batch and max_prefill_tokens must be >= 1")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        if dtype is None and self.device.type == "cpu":
+            dtype = torch.float32
+        # Typed Any: the model's config and cache attributes are dynamic in transformers.
+        self.model: Any = cast(
+            Any,
+            AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype if dtype is not None else "auto", local_files_only=True
+            ),
+        )
+        self.model.to(self.device)
+        self.model.eval()
+        if self.model.config._attn_implementation != "sdpa":
+            self.model.set_attn_implementation("sdpa")
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            for mod in self.model.modules():
+                if type(mod) is nn.Linear:
+                    mod.__class__ = _RowLinear
+        self.tokenizer: Any = None
+        if any(
+            os.path.exists(os.path.join(path, f))
+            for f in ("tokenizer.json", "tokenizer_config.json")
+        ):
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 2**31)
+        self.num_layers = int(config.num_hidden_layers)
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.kv_budget = kv_budget_tokens or max_batch * min(self.max_positions, 1 << 16)
+        if self.kv_budget < 1:
+            raise ValueError("kv_budget_tokens must be >= 1")
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[str, _Request] = {}
+        self._live: set[str] = set()
+        self._reserved = 0
+        self._steps = 0
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._decode_steps = 0
+
+    # -- the Engine protocol ----------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def add(self, req_id: str, data: Any) -> None:
+        if req_id in self._live:
+            raise RequestRejected(f"request {req_id!r} is already live in the engine")
+        self._waiting.append(self._parse(req_id, data))
+        self._live.add(req_id)
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            if rid not in self._live:
+                continue
+            self._live.discard(rid)
+            req = self._running.pop(rid, None)
+            if req is not None:
+                self._release(req)
+            else:
+                self._waiting = deque(r for r in self._waiting if r.rid != rid)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "stats":
+            return self.stats()
+        if name == "model_info":
+            return {
+                "vocab_size": self.vocab_size,
+                "max_positions": self.max_positions,
+                "eos_token_ids": sorted(self.eos_token_ids),
+                "has_tokenizer": self.tokenizer is not None,
+                "kv_budget_tokens": self.kv_budget,
+                "max_batch": self.max_batch,
+            }
+        raise ValueError(
+            f"TransformersEngine has no utility {name!r}; known: 'stats', 'model_info'"
+        )
+
+    def stats(self) -> dict[str, float]:
+        """``running``, ``waiting``, ``kv_usage`` (reserved / budget, 0-1), and
+        ``kv_tokens_reserved``, ``kv_tokens_used`` (tokens in the KV tensors), ``steps``,
+        ``decode_steps``, ``prefill_tokens``, ``decode_tokens`` (totals)."""
+        return {
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "kv_usage": self._reserved / self.kv_budget,
+            "kv_tokens_reserved": self._reserved,
+            "kv_tokens_used": sum(r.length for r in self._running.values()),
+            "steps": self._steps,
+            "decode_steps": self._decode_steps,
+            "prefill_tokens": self._prefill_tokens,
+            "decode_tokens": self._decode_tokens,
+        }
+
+    def step(self) -> list[Output]:
+        self._steps += 1
+        outputs: list[Output] = []
+        decoding = list(self._running.values())
+        prefilled = 0
+        waiting = self._waiting
+        while waiting and len(self._running) < self.max_batch:
+            head = waiting[0]
+            if self._reserved + head.reserve > self.kv_budget:
+                break  # FIFO: nothing overtakes the head
+            if prefilled and prefilled + len(head.prompt) > self.max_prefill_tokens:
+                break
+            waiting.popleft()
+            self._reserved += head.reserve
+            prefilled += len(head.prompt)
+            outputs.append(self._prefill(head))
+        if decoding:
+            outputs.extend(self._decode(decoding))
+        return outputs
+
+    # -- routing (docs/stage.md) --------------------------------------------------------------
+
+    @staticmethod
+    def route_outputs(
+        outputs: list[Output],
+    ) -> tuple[list[str], list[bool], list[dict[str, Any]]]:
+        """The stage runtime's batch routing hook: ``(req_ids, finished, payloads)``."""
+        return [o[0] for o in outputs], [o[2] for o in outputs], [o[1] for o in outputs]
+
+    @staticmethod
+    def route_output(output: Output) -> tuple[str, bool, dict[str, Any]]:
+        """The stage runtime's routing hook: ``(req_id, finished, payload)``."""
+        rid, payload, finished = output
+        return rid, finished, payload
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _parse(self, rid: str, data: Any) -> _Request:
+        if not isinstance(data, dict):
+            raise RequestRejected(f"a request is a dict with a 'prompt', got {data!r:.100}")
+        unknown = set(data) - REQUEST_KEYS
+        if unknown:
+            raise RequestRejected(
+                f"unknown request parameter(s) {sorted(map(str, unknown))}; "
+                f"known: {sorted(REQUEST_KEYS)}"
+            )
+        if "prompt" not in data:
+            raise RequestRejected("the request has no 'prompt'")
+        prompt = data["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(
+                    "a text prompt needs a tokenizer, and this checkpoint has none: send token ids"
+                )
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, list | tuple):
+            ids = list(prompt)
+        else:
+            raise RequestRejected(
+                f"'prompt' must be a list of token ids or a str, got {prompt!r:.100}"
+            )
+        if not ids:
+            raise RequestRejected("the prompt is empty")
+        _check_ids(ids, self.vocab_size, "prompt")
+        max_tokens = data.get("max_tokens", 16)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestRejected(f"'max_tokens' must be an int >= 1, got {max_tokens!r:.100}")
+        if len(ids) + max_tokens > self.max_positions:
+            raise RequestRejected(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"{self.max_positions} positions"
+            )
+        temperature = _number(data.get("temperature", 0.0), "temperature")
+        if temperature < 0:
+            raise RequestRejected(f"'temperature' must be >= 0, got {temperature!r}")
+        top_p = _number(data.get("top_p", 1.0), "top_p")
+        if not 0 < top_p <= 1:
+            raise RequestRejected(f"'top_p' must be in (0, 1], got {top_p!r}")
+        seed = data.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestRejected(f"'seed' must be an int or None, got {seed!r:.100}")
+        stop_ids = data.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list | tuple):
+            raise RequestRejected(f"'stop_token_ids' must be a list of ints, got {stop_ids!r:.100}")
+        _check_ids(list(stop_ids), self.vocab_size, "stop_token_ids")
+        reserve = len(ids) + max_tokens
+        if reserve > self.kv_budget:
+            raise RequestRejected(
+                f"the request needs {reserve} KV tokens (prompt + max_tokens), more than the "
+                f"engine's whole budget of {self.kv_budget}"
+            )
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed if seed is not None else random.getrandbits(63))
+        return _Request(
+            rid,
+            ids,
+            max_tokens,
+            temperature,
+            top_p,
+            frozenset(stop_ids) | self.eos_token_ids,
+            generator,
+        )
+
+    @torch.inference_mode()
+    def _prefill(self, req: _Request) -> Output:
+        """Run *req*'s prompt alone (a batch of one, as ``generate`` does), keep its KV in
+        tensors sized for the whole request, and return its first token."""
+        cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([req.prompt], device=self.device)
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        n = len(req.prompt)
+        cap = n + req.max_tokens - 1  # the last token is never fed back
+        layers: list[Any] = list(cache.layers)
+        for layer in layers:
+            k, v = layer.keys, layer.values
+            shape = (1, k.shape[1], cap, k.shape[3])
+            kt = torch.empty(shape, dtype=k.dtype, device=k.device)
+            vt = torch.empty(shape, dtype=v.dtype, device=v.device)
+            kt[:, :, :n] = k
+            vt[:, :, :n] = v
+            req.keys.append(kt)
+            req.values.append(vt)
+        req.length = n
+        self._prefill_tokens += n
+        self._running[req.rid] = req
+        return self._emit(req, self._sample(req, out.logits[0, -1]))
+
+    @torch.inference_mode()
+    def _decode(self, rows: list[_Request]) -> list[Output]:
+        """One token for every row, in one forward pass."""
+        self._decode_steps += 1
+        self._decode_tokens += len(rows)
+        ids = torch.tensor([[r.generated[-1]] for r in rows], device=self.device)
+        pos = torch.tensor([[r.length] for r in rows], device=self.device)
+        # A 4-D mask is passed through as is (no mask is built); the attention ignores it.
+        mask = torch.zeros((len(rows), 1, 1, 1), device=self.device)
+        with _decoding(self.model, rows):
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                attention_mask=mask,
+                cache=_RowCache(rows),
+                use_cache=True,
+            )
+        logits = out.logits[:, -1]
+        outputs = []
+        for i, req in enumerate(rows):
+            req.length += 1
+            outputs.append(self._emit(req, self._sample(req, logits[i])))
+        return outputs
+
+    def _sample(self, req: _Request, logits: torch.Tensor) -> int:
+        """Greedy at temperature 0; else temperature, top-p and a draw from the request's own
+        generator: nothing depends on the other rows."""
+        logits = logits.float()
+        if req.generator is None:
+            return int(torch.argmax(logits))
+        scores = (logits / req.temperature)[None]
+        if req.top_p < 1:
+            scores = TopPLogitsWarper(req.top_p)(None, scores)
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=req.generator))
+
+    def _emit(self, req: _Request, token: int) -> Output:
+        req.generated.append(token)
+        payload: dict[str, Any] = {"token_ids": [token]}
+        if token in req.stop:
+            payload["finish_reason"] = "stop"
+        elif len(req.generated) >= req.max_tokens:
+            payload["finish_reason"] = "length"
+        else:
+            return req.rid, payload, False
+        self._running.pop(req.rid, None)
+        self._live.discard(req.rid)
+        self._release(req)
+        return req.rid, payload, True
+
+    def _release(self, req: _Request) -> None:
+        self._reserved -= req.reserve
+        req.keys.clear()  # the KV tensors' last references: freed now
+        req.values.clear()
+        req.length = 0
+
+
+def _check_ids(ids: list[Any], vocab: int, what: str) -> None:
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise RequestRejected(f"'{what}' must hold ints (token ids), got {t!r:.100}")
+        if not 0 <= t < vocab:
+            raise RequestRejected(f"token id {t} in '{what}' is out of the vocabulary [0, {vocab})")
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestRejected(f"'{name}' must be a finite number, got {value!r:.100}")
+    return float(value)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The EOS ids of the generation config, the model config and the tokenizer: any of them
+    ends a request with ``finish_reason="stop"``, as it ends ``generate``."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+# -- a random-weight model, for tests, examples and benchmarks ----------------------------------
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_random_model(
+    path: str | os.PathLike[str],
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab: int = 512,
+    max_positions: int = 512,
+    seed: int = 0,
+    chat_template: bool = True,
+) -> str:
+    """Write a random-weight Llama-shaped model and its tokenizer to *path* with
+    ``save_pretrained``, and return the path. No hub access.
+
+    The tokenizer is byte-level with no merges (any text encodes, one token per byte), ids
+    0-2 being ``<unk>``, ``<s>`` (BOS) and ``</s>`` (EOS), then the 256 bytes, then filler
+    tokens ``<extra_i>`` up to *vocab* (>= 259+). With *chat_template*, a minimal chat
+    template (``<|role|>content`` lines) is saved with it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if vocab < 259:
+        raise ValueError("vocab must be >= 259 (3 special tokens and 256 bytes)")
+    out = os.fspath(path)
+    specials = ["<unk>", "<s>", "</s>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokens = specials + sorted(alphabet)
+    tokens += [f"<extra_{i}>" for i in range(vocab - len(tokens))]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<unk>")
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="</s>",
+    )
+    if chat_template:
+        fast.chat_template = _CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    return out

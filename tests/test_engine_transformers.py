@@ -1,0 +1,476 @@
+"""TransformersEngine: batch-invariant greedy and seeded decoding against ``model.generate``
+alone, request checks, KV accounting, text prompts, stop tokens, and a launched stage.
+
+The model is a tiny random-weight Llama written once per session with ``save_pretrained``
+(``make_random_model``) and loaded back with ``from_pretrained``: no hub.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from enginecore import Abort, Add, EngineCoreLoop, Event, RequestRejected  # noqa: E402
+from enginecore.engines.transformers import (  # noqa: E402
+    TransformersEngine,
+    make_random_model,
+)
+
+pytestmark = pytest.mark.timeout(120)
+VOCAB = 300
+FACTORY = "enginecore.engines.transformers:TransformersEngine"
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_random_model(
+        tmp_path_factory.mktemp("tiny-llama"), hidden_size=64, layers=2, vocab=VOCAB, seed=0
+    )
+
+
+@pytest.fixture(scope="session")
+def engine(model_path: str) -> TransformersEngine:
+    """One engine for the tests that leave it empty (every request finished or aborted)."""
+    return TransformersEngine(model_path, max_batch=8)
+
+
+@pytest.fixture(scope="session")
+def reference(model_path: str) -> Callable[[tuple[int, ...], int], list[int]]:
+    """``model.generate(do_sample=False)`` of one prompt alone: the tokens to match."""
+    model: Any = AutoModelForCausalLM.from_pretrained(model_path)
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def generate(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+        key = (prompt, max_tokens)
+        if key not in cache:
+            ids = torch.tensor([list(prompt)])
+            with torch.inference_mode():
+                out = model.generate(ids, do_sample=False, max_new_tokens=max_tokens)
+            cache[key] = out[0, len(prompt) :].tolist()
+        return cache[key]
+
+    return generate
+
+
+def drain(engine: TransformersEngine) -> dict[str, list[int]]:
+    """Step *engine* until it has no work; each request's tokens."""
+    got: dict[str, list[int]] = {}
+    while engine.has_work():
+        for rid, payload, _ in engine.step():
+            got.setdefault(rid, []).extend(payload["token_ids"])
+    return got
+
+
+# -- the loop, driven in process with a schedule of arrivals and aborts --------------------------
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrive: int  # the step before which it is added
+    abort_at: int | None  # the step before which it is aborted, if any
+    temperature: float = 0.0
+    seed: int | None = None
+
+    def data(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"prompt": list(self.prompt), "max_tokens": self.max_tokens}
+        if self.temperature:
+            d.update(temperature=self.temperature, seed=self.seed, top_p=0.9)
+        return d
+
+
+class Scripted:
+    """*engine* in a loop, with Adds and Aborts submitted at given steps (as an IO thread
+    would), and a shutdown when everything is done."""
+
+    def __init__(self, engine: TransformersEngine, reqs: Sequence[Req]) -> None:
+        self.engine = engine
+        self.reqs = reqs
+        self.steps = 0
+        self.loop: EngineCoreLoop | None = None
+        self.has_work_calls = 0
+
+    def pending(self) -> bool:
+        return any(r.arrive >= self.steps or (r.abort_at or -1) >= self.steps for r in self.reqs)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work() or self.pending()
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.engine.add(req_id, data)
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        self.engine.abort(req_ids)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        return self.engine.utility(name, args)
+
+    def step(self) -> list[Any]:
+        out = self.engine.step()
+        self.steps += 1
+        assert self.loop is not None
+        for i, r in enumerate(self.reqs):  # applied before the next step
+            if r.arrive == self.steps:
+                self.loop.submit(Add(str(i), r.data()))
+            if r.abort_at == self.steps:
+                self.loop.submit(Abort([str(i)]))
+        if not self.has_work():
+            self.loop.request_shutdown()
+        return out
+
+
+def run_loop(engine: TransformersEngine, reqs: Sequence[Req]) -> dict[str, list[int]]:
+    events: list[Event] = []
+    scripted = Scripted(engine, reqs)
+    loop = EngineCoreLoop(scripted, events.append)
+    scripted.loop = loop
+    loop.submit_many([Add(str(i), r.data()) for i, r in enumerate(reqs) if r.arrive == 0])
+    loop.submit_many([Abort([str(i)]) for i, r in enumerate(reqs) if r.abort_at == 0])
+    if not scripted.has_work():
+        loop.request_shutdown()
+    loop.run()
+    assert events[-1] == ("shutdown",), events[-1]
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(reqs))}
+    finished: set[str] = set()
+    for ev in events[:-1]:
+        assert ev[0] == "output"
+        rid, payload, fin = ev[1]
+        assert rid not in finished
+        got[rid].extend(payload["token_ids"])
+        if fin:
+            assert payload["finish_reason"] in ("length", "stop")
+            finished.add(rid)
+    return got
+
+
+prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=48).map(tuple)
+
+
+@st.composite
+def schedules(draw: st.DrawFn, sampled: bool = False) -> list[Req]:
+    n = draw(st.integers(1, 6))
+    reqs = []
+    for _ in range(n):
+        arrive = draw(st.integers(0, 8))
+        delay = draw(st.none() | st.integers(0, 12))
+        abort_at = None if delay is None else arrive + delay
+        reqs.append(
+            Req(
+                draw(prompts),
+                draw(st.integers(1, 12)),
+                arrive,
+                abort_at,
+                temperature=draw(st.sampled_from([0.7, 1.3])) if sampled else 0.0,
+                seed=draw(st.integers(0, 2**32)) if sampled else None,
+            )
+        )
+    return reqs
+
+
+def check_against(
+    got: dict[str, list[int]], reqs: Sequence[Req], alone: Callable[[Req], list[int]]
+) -> None:
+    for i, r in enumerate(reqs):
+        want = alone(r)
+        if r.abort_at is None:
+            assert got[str(i)] == want, (i, r)
+        else:  # aborted: what it got is where it would have gone
+            assert got[str(i)] == want[: len(got[str(i)])], (i, r)
+
+
+class TestBatchInvariance:
+    @settings(
+        max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(reqs=schedules())
+    def test_greedy_equals_generate_alone_whatever_the_batch(
+        self,
+        engine: TransformersEngine,
+        reference: Callable[[tuple[int, ...], int], list[int]],
+        reqs: list[Req],
+    ) -> None:
+        got = run_loop(engine, reqs)
+        check_against(got, reqs, lambda r: reference(r.prompt, r.max_tokens))
+        assert engine.stats()["kv_usage"] == 0
+
+    def test_a_full_batch_of_staggered_requests(
+        self, engine: TransformersEngine, reference: Callable[[tuple[int, ...], int], list[int]]
+    ) -> None:
+        reqs = [
+            Req(tuple(range(3 + i, 3 + i + 5 * i + 1)), 10 + i % 3, arrive=i % 4, abort_at=None)
+            for i in range(12)
+        ]
+        got = run_loop(engine, reqs)
+        check_against(got, reqs, lambda r: reference(r.prompt, r.max_tokens))
+
+    @settings(
+        max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(reqs=schedules(sampled=True))
+    def test_seeded_sampling_is_the_same_whatever_the_batch(
+        self, engine: TransformersEngine, reqs: list[Req]
+    ) -> None:
+        def alone(r: Req) -> list[int]:
+            engine.add("alone", r.data())
+            return drain(engine)["alone"]
+
+        got = run_loop(engine, reqs)
+        check_against(got, reqs, alone)
+
+    def test_without_batch_invariance_the_logits_do_change(
+        self, model_path: str, reference: Callable[[tuple[int, ...], int], list[int]]
+    ) -> None:
+        """The control: one batched GEMM per layer rounds differently from a batch of one
+        (tokens may still agree on this tiny model; the logits do not)."""
+        logits: dict[bool, list[Any]] = {}
+        for invariant in (True, False):
+            eng = TransformersEngine(model_path, batch_invariant=invariant)
+            seen: list[Any] = []
+            sample = eng._sample
+
+            def spy(req: Any, row: Any, sample: Any = sample, seen: list[Any] = seen) -> int:
+                if req.rid == "a":
+                    seen.append(row.clone())
+                return int(sample(req, row))
+
+            eng._sample = spy  # type: ignore[method-assign,assignment]
+            for rid, n in (("a", 7), ("b", 20), ("c", 33)):
+                eng.add(rid, {"prompt": list(range(3, 3 + n)), "max_tokens": 6})
+            drain(eng)
+            logits[invariant] = seen
+        same = [torch.equal(x, y) for x, y in zip(logits[True], logits[False], strict=True)]
+        assert same[0]  # the prefill is the same batch of one on both
+        assert not all(same[1:])
+
+
+# -- requests: checks, KV, stats -------------------------------------------------------------------
+
+
+BAD: list[tuple[Any, str]] = [
+    ("not a dict", "a dict"),
+    ({"max_tokens": 3}, "no 'prompt'"),
+    ({"prompt": [5], "nope": 1}, "unknown request parameter"),
+    ({"prompt": []}, "empty"),
+    ({"prompt": [5, VOCAB]}, "out of the vocabulary"),
+    ({"prompt": [5, -1]}, "out of the vocabulary"),
+    ({"prompt": [5, 1.5]}, "ints"),
+    ({"prompt": 7}, "list of token ids or a str"),
+    ({"prompt": [5], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [5], "max_tokens": -3}, "max_tokens"),
+    ({"prompt": [5], "max_tokens": 2.0}, "max_tokens"),
+    ({"prompt": [5], "max_tokens": True}, "max_tokens"),
+    ({"prompt": [5] * 500, "max_tokens": 20}, "positions"),
+    ({"prompt": [5], "temperature": -0.1}, "temperature"),
+    ({"prompt": [5], "temperature": float("nan")}, "temperature"),
+    ({"prompt": [5], "top_p": 0}, "top_p"),
+    ({"prompt": [5], "top_p": 1.5}, "top_p"),
+    ({"prompt": [5], "seed": "x"}, "seed"),
+    ({"prompt": [5], "stop_token_ids": [VOCAB]}, "out of the vocabulary"),
+    ({"prompt": [5], "stop_token_ids": 3}, "stop_token_ids"),
+]
+
+
+class TestRequests:
+    @pytest.mark.parametrize(("data", "match"), BAD)
+    def test_bad_input_is_rejected_and_the_engine_goes_on(
+        self, engine: TransformersEngine, data: Any, match: str, reference: Any
+    ) -> None:
+        with pytest.raises(RequestRejected, match=match):
+            engine.add("bad", data)
+        assert not engine.has_work()
+        engine.add("bad", {"prompt": [5, 6], "max_tokens": 3})  # the id is free, all goes on
+        assert drain(engine) == {"bad": reference((5, 6), 3)}
+
+    def test_a_duplicate_live_id_is_rejected(self, engine: TransformersEngine) -> None:
+        engine.add("dup", {"prompt": [5], "max_tokens": 3})
+        with pytest.raises(RequestRejected, match="already live"):
+            engine.add("dup", {"prompt": [6], "max_tokens": 3})
+        assert len(drain(engine)["dup"]) == 3
+
+    def test_text_without_a_tokenizer_is_rejected(self, model_path: str, tmp_path: Path) -> None:
+        import shutil
+
+        bare = tmp_path / "bare"
+        bare.mkdir()
+        for f in Path(model_path).iterdir():
+            if f.name in ("config.json", "generation_config.json", "model.safetensors"):
+                shutil.copy(f, bare / f.name)
+        eng = TransformersEngine(str(bare))
+        with pytest.raises(RequestRejected, match="needs a tokenizer"):
+            eng.add("t", {"prompt": "hello"})
+
+    def test_text_prompts_use_the_checkpoints_tokenizer(
+        self, engine: TransformersEngine, model_path: str, reference: Any
+    ) -> None:
+        tok = AutoTokenizer.from_pretrained(model_path)
+        ids = tuple(tok("hello world")["input_ids"])
+        assert ids
+        assert tok.decode(list(ids)) == "hello world"
+        engine.add("t", {"prompt": "hello world", "max_tokens": 5})
+        assert drain(engine) == {"t": reference(ids, 5)}
+        chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert chat == "<|user|>hi\n"
+
+    def test_stop_token_ids_and_eos_stop_with_their_token(
+        self, engine: TransformersEngine, reference: Any
+    ) -> None:
+        want = reference((7, 8, 9), 8)
+        stop = want[3]
+        engine.add("s", {"prompt": [7, 8, 9], "max_tokens": 8, "stop_token_ids": [stop]})
+        outs = []
+        while engine.has_work():
+            outs.extend(engine.step())
+        tokens = [t for _, p, _ in outs for t in p["token_ids"]]
+        assert tokens == want[: want.index(stop) + 1]
+        assert outs[-1][1]["finish_reason"] == "stop"
+        assert outs[-1][2] is True
+        assert engine.eos_token_ids == {2}  # the checkpoint's EOS also stops a request
+
+    def test_eos_counts_as_stop(self, engine: TransformersEngine, reference: Any) -> None:
+        want = reference((7, 8, 9), 8)
+        engine.eos_token_ids = frozenset({want[2]})
+        try:
+            engine.add("e", {"prompt": [7, 8, 9], "max_tokens": 8})
+            outs = []
+            while engine.has_work():
+                outs.extend(engine.step())
+        finally:
+            engine.eos_token_ids = frozenset({2})
+        assert [p["token_ids"][0] for _, p, _ in outs] == want[:3]
+        assert outs[-1][1]["finish_reason"] == "stop"
+
+    def test_length_is_the_finish_reason_at_max_tokens(self, engine: TransformersEngine) -> None:
+        engine.add("l", {"prompt": [4], "max_tokens": 1})
+        (out,) = engine.step()
+        assert out[1]["finish_reason"] == "length"
+        assert out[2] is True
+        assert TransformersEngine.route_output(out) == ("l", True, out[1])
+        assert TransformersEngine.route_outputs([out]) == (["l"], [True], [out[1]])
+
+    def test_abort_frees_the_kv_before_the_next_step(self, engine: TransformersEngine) -> None:
+        engine.add("a", {"prompt": [5] * 10, "max_tokens": 20})
+        engine.add("b", {"prompt": [6] * 4, "max_tokens": 20})
+        engine.step()
+        stats = engine.stats()
+        assert stats["running"] == 2
+        assert stats["kv_tokens_reserved"] == 54
+        assert stats["kv_tokens_used"] == 14
+        req = engine._running["a"]
+        engine.abort(["a", "unknown"])
+        assert req.keys == []  # the KV tensors are dropped
+        assert req.values == []
+        assert engine.stats()["kv_tokens_reserved"] == 24
+        engine.abort(["b"])
+        assert engine.stats()["kv_usage"] == 0
+        assert not engine.has_work()
+
+    def test_a_waiting_request_can_be_aborted(self, model_path: str) -> None:
+        eng = TransformersEngine(model_path, kv_budget_tokens=30)
+        eng.add("a", {"prompt": [5] * 10, "max_tokens": 10})
+        eng.add("b", {"prompt": [5] * 10, "max_tokens": 10})
+        eng.step()
+        assert (eng.stats()["running"], eng.stats()["waiting"]) == (1, 1)
+        eng.abort(["b"])
+        assert eng.stats()["waiting"] == 0
+        assert set(drain(eng)) == {"a"}
+
+    def test_the_kv_budget_makes_requests_wait_in_order(
+        self, model_path: str, reference: Any
+    ) -> None:
+        eng = TransformersEngine(model_path, kv_budget_tokens=40)
+        for rid in "abc":
+            eng.add(rid, {"prompt": [ord(rid)] * 10, "max_tokens": 8})  # 18 tokens each
+        with pytest.raises(RequestRejected, match="budget of 40"):
+            eng.add("huge", {"prompt": [5] * 35, "max_tokens": 6})
+        order: list[str] = []
+        peak = 0.0
+        while eng.has_work():
+            for rid, _, _ in eng.step():
+                if rid not in order:
+                    order.append(rid)
+            stats = eng.stats()
+            peak = max(peak, stats["kv_usage"])
+            assert stats["kv_tokens_reserved"] <= 40
+            if len(order) == 2 and stats["running"]:
+                assert stats["waiting"] == 1  # c waits for a KV budget that a or b frees
+        assert order == ["a", "b", "c"]
+        assert peak == 36 / 40
+        assert eng.stats()["kv_usage"] == 0
+
+    def test_max_batch_bounds_the_running_requests(self, model_path: str) -> None:
+        eng = TransformersEngine(model_path, max_batch=2)
+        for i in range(5):
+            eng.add(str(i), {"prompt": [5, 6], "max_tokens": 4})
+        eng.step()
+        assert (eng.stats()["running"], eng.stats()["waiting"]) == (2, 3)
+        assert len(drain(eng)) == 5
+
+    def test_stats_fields(self, engine: TransformersEngine) -> None:
+        before = engine.stats()
+        assert {"running", "waiting", "kv_usage", "kv_tokens_reserved", "kv_tokens_used"} <= set(
+            before
+        )
+        engine.add("s", {"prompt": [5, 6, 7], "max_tokens": 3})
+        drain(engine)
+        after = engine.stats()
+        assert after["prefill_tokens"] - before["prefill_tokens"] == 3
+        assert after["decode_tokens"] - before["decode_tokens"] == 2
+        assert after["steps"] - before["steps"] == 3
+        assert engine.utility("stats", ()) == engine.stats()
+        info = engine.utility("model_info", ())
+        assert info["vocab_size"] == VOCAB
+        assert info["has_tokenizer"] is True
+        with pytest.raises(ValueError, match="no utility"):
+            engine.utility("nope", ())
+
+    def test_a_missing_model_path_is_named(self, tmp_path: Path) -> None:
+        missing = tmp_path / "no-such-model"
+        with pytest.raises(FileNotFoundError, match="no-such-model"):
+            TransformersEngine(str(missing))
+
+
+# -- a launched stage ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leftovers")
+class TestStage:
+    def test_streams_tokens_equal_to_generate_alone(self, model_path: str, reference: Any) -> None:
+        from enginecore.stage import RequestError, StageClient
+
+        reqs = {f"r{i}": (tuple(range(3 + i, 10 + 3 * i)), 6 + i) for i in range(4)}
+        with StageClient.launch(FACTORY, {"model": model_path}) as client:
+            streams = {
+                rid: client.add(rid, {"prompt": list(p), "max_tokens": n})
+                for rid, (p, n) in reqs.items()
+            }
+            bad = client.add("bad", {"prompt": [1], "max_tokens": -1})
+            text = client.add("text", {"prompt": "hi", "max_tokens": 2})
+            for rid, stream in streams.items():
+                payloads = list(stream)
+                assert [t for p in payloads for t in p["token_ids"]] == reference(*reqs[rid])
+                assert payloads[-1]["finish_reason"] in ("length", "stop")
+            with pytest.raises(RequestError, match="max_tokens"):
+                list(bad)
+            assert len(list(text)) == 2
+            stats = client.call_utility("stats")
+            assert stats["kv_usage"] == 0
+
+    def test_a_missing_model_path_is_a_startup_error_naming_it(self, tmp_path: Path) -> None:
+        from enginecore.stage import StageClient, StageStartupError
+
+        missing = str(tmp_path / "no-such-model")
+        with pytest.raises(StageStartupError, match="no-such-model"):
+            StageClient.launch(FACTORY, {"model": missing})
