@@ -23,9 +23,12 @@ at a time; the stage >= 0.95x in process. transformers' ``generate_batch`` is no
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from ._harness import Record, Skipped, higher_is_better, main_single
@@ -135,7 +138,7 @@ def bound(model: Any, work: list[tuple[float, list[int], int]], batch: int) -> f
 
 def run(quick: bool) -> list[Record]:
     try:
-        from transformers import AutoModelForCausalLM
+        import transformers  # noqa: F401
 
         from enginecore.engines.transformers import make_random_model
     except ImportError as exc:
@@ -151,12 +154,13 @@ def run(quick: bool) -> list[Record]:
                 tmp, hidden_size=384, layers=8, heads=6, kv_heads=2, vocab=8192,
                 intermediate_size=1024, max_positions=512,
             )  # fmt: skip
-        model = AutoModelForCausalLM.from_pretrained(path)
-        params = sum(p.numel() for p in model.parameters())
-        limit = bound(model, work, min(len(work), 32))
-        gen = run_generate(model, work)
-        loop = run_loop(path, work)
-        stage = run_stage(path, work)
+        # Each side in a fresh interpreter: torch's thread pool and allocator state from one
+        # side must not tax the next (in one process, the stage side after the others
+        # measured 0.66x of the loop; each in its own process, 0.93-1.23x).
+        limit, params = _fresh("bound", path, quick)
+        gen, _ = _fresh("generate", path, quick)
+        loop, _ = _fresh("loop", path, quick)
+        stage, _ = _fresh("stage", path, quick)
     note = (
         f"{params / 1e6:.1f} M params, float32 CPU, {len(work)} requests, "
         f"{sum(n for *_, n in work)} output tokens; batch_invariant=True; one round"
@@ -168,5 +172,42 @@ def run(quick: bool) -> list[Record]:
     ]
 
 
+def _fresh(side: str, path: str, quick: bool) -> tuple[float, int]:
+    """Run one side in a new interpreter; its tokens/s and the model's parameter count."""
+    argv = [sys.executable, "-m", "benchmarks.bench_transformers", "--side", side, path]
+    out = subprocess.run(
+        [*argv, *(["--quick"] if quick else [])],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode:
+        raise RuntimeError(f"the {side} side failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    rate, params = out.stdout.split()[-2:]
+    return float(rate), int(params)
+
+
+def _side(side: str, path: str, quick: bool) -> None:
+    """``--side NAME PATH [--quick]``: one side of the benchmark, printed as ``rate params``."""
+    from transformers import AutoModelForCausalLM
+
+    work = workload(quick)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    params = sum(p.numel() for p in model.parameters())
+    if side == "bound":
+        rate = bound(model, work, min(len(work), 32))
+    elif side == "generate":
+        rate = run_generate(model, work)
+    else:
+        del model  # the engine loads its own
+        rate = run_loop(path, work) if side == "loop" else run_stage(path, work)
+    print(rate, params)
+
+
 if __name__ == "__main__":
-    main_single(run, __doc__)
+    if "--side" in sys.argv:
+        i = sys.argv.index("--side")
+        _side(sys.argv[i + 1], sys.argv[i + 2], "--quick" in sys.argv)
+    else:
+        main_single(run, __doc__)

@@ -218,11 +218,11 @@ class TestBenchmarksRun:
         assert_records(records, 2)
         assert all(len(r.per_round) == 3 for r in records)
 
-    def test_transformers_is_registered_and_runs_quick_or_skips(self) -> None:
+    @pytest.mark.timeout(240)  # four fresh interpreters, each importing torch
+    def test_transformers_is_registered_and_runs_quick(self) -> None:
         from benchmarks import bench_transformers
 
         assert "bench_transformers" in MODULES
-        pytest.importorskip("transformers")
         assert_records(bench_transformers.run(quick=True), 3)
 
     def test_throughput_measures_both_sides(self) -> None:
