@@ -37,6 +37,7 @@ MODULES = (
     "bench_stage_arrays",
     "bench_metrics",
     "bench_transformers",
+    "bench_transformers_aborts",
 )
 
 

@@ -218,6 +218,15 @@ class TestBenchmarksRun:
         assert_records(records, 2)
         assert all(len(r.per_round) == 3 for r in records)
 
+    @pytest.mark.timeout(120)
+    def test_aborts_on_the_real_engine_run_quick(self) -> None:
+        from benchmarks import bench_transformers_aborts
+
+        assert "bench_transformers_aborts" in MODULES
+        records = bench_transformers_aborts.run(quick=True)
+        assert_records(records, 3)
+        assert records[0].met, records[0]  # no stream lost: a correctness line, not a time
+
     @pytest.mark.timeout(240)  # four fresh interpreters, each importing torch
     def test_transformers_is_registered_and_runs_quick(self) -> None:
         from benchmarks import bench_transformers
