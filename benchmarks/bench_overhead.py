@@ -43,10 +43,11 @@ class _StepEngine(NoopEngine):
         return self.outs
 
 
-def run_loop(n: int) -> float:
-    """Seconds per iteration of EngineCoreLoop.run() over *n* steps."""
+def run_loop(n: int, cls: type[EngineCoreLoop] = EngineCoreLoop) -> float:
+    """Seconds per iteration of ``cls(...).run()`` over *n* steps (*cls*: EngineCoreLoop, or
+    a variant of it to compare, as ``bench_statistics`` does)."""
     engine = _StepEngine(n, lambda: None)
-    loop = EngineCoreLoop(engine, sink())
+    loop = cls(engine, sink())
     engine.on_done = loop.request_shutdown
     with no_gc():
         t0 = time.perf_counter()

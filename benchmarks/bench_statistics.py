@@ -24,6 +24,7 @@ from enginecore import Add, EngineCoreLoop, PipelinedEngine
 from enginecore._messages import Wakeup
 
 from ._harness import NoopEngine, Record, main_single, no_gc, sink, spread
+from .bench_overhead import run_loop
 
 NAME = "statistics"
 GOAL_US = 0.05
@@ -73,24 +74,6 @@ class _Bare(EngineCoreLoop):
                 self._apply_unusual(msg)
 
 
-class _StepEngine(NoopEngine):
-    """Always has work; each step returns the same one-output list and counts down."""
-
-    def __init__(self, n: int) -> None:
-        self.left = n
-        self.on_done: Callable[[], None] = lambda: None
-        self.outs = [("r0", 1)]
-
-    def has_work(self) -> bool:
-        return True
-
-    def step(self) -> list[tuple[str, int]]:
-        self.left -= 1
-        if not self.left:
-            self.on_done()
-        return self.outs
-
-
 class _AddEngine(NoopEngine):
     """Never has work; the last add requests shutdown."""
 
@@ -105,16 +88,8 @@ class _AddEngine(NoopEngine):
 
 
 def per_iteration(cls: type[EngineCoreLoop], n: int) -> float:
-    """Seconds per step iteration."""
-    engine = _StepEngine(n)
-    loop = cls(engine, sink())
-    engine.on_done = loop.request_shutdown
-    with no_gc():
-        t0 = time.perf_counter()
-        loop.run()
-        t1 = time.perf_counter()
-    assert engine.left == 0
-    return (t1 - t0) / n
+    """Seconds per step iteration: ``bench_overhead``'s loop, run by *cls*."""
+    return run_loop(n, cls)
 
 
 def per_message(cls: type[EngineCoreLoop], msgs: list[Add]) -> float:
