@@ -496,8 +496,9 @@ class TestSessions:
             # pipe (and die with it): only from then on does the stage hold what it makes.
             assert wait_until(lambda: stage.runtime._session.output_peers == 0, timeout=10)
             time.sleep(0.3)
+            # The bound counts what was admitted since the detach; what of it went into the
+            # leaving client's pipe before that closed is not held. So this may be 0.
             held = outbox.backlog
-            assert held > 0
             time.sleep(0.2)
             assert outbox.backlog == held
             with RawClient(stage.address) as second:
@@ -513,8 +514,12 @@ class TestSessions:
         assert "(the detached buffer holds 100)" in over[0]
         assert int(over[0].split()[2]) > 0
         # What the stage held was dropped when the second client was welcomed.
-        [handover] = [m for m in messages if "of the previous client" in m]
-        assert 0 < int(handover.split()[2]) <= held
+        handovers = [m for m in messages if "of the previous client" in m]
+        if held:
+            [handover] = handovers
+            assert 0 < int(handover.split()[2]) <= held
+        else:
+            assert handovers == [], messages  # nothing held, nothing to drop
 
 
 def _comm(pid: int, tid: int) -> str:
