@@ -18,16 +18,31 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
     ) from _exc
 
 from ._aclient import AsyncRequestStream, AsyncStageClient
+from ._apool import AsyncPoolRequestStream, AsyncStagePool
 from ._client import RequestStream, StageClient
 from ._errors import (
     EngineDeadError,
+    NoReplicaError,
     ProtocolError,
+    ReplicaDeadError,
     RequestError,
     StageClosedError,
     StageStartupError,
     UtilityError,
 )
 from ._observer import StageObserver
+from ._pool import PoolRequestStream, StagePool
+from ._pool_core import (
+    LeastLoaded,
+    PoolRequest,
+    Replica,
+    ReplicaState,
+    ReplicaView,
+    RestartPolicy,
+    Routing,
+    Scored,
+    Sticky,
+)
 from ._session import StageHealth
 from ._statistics import StageLoad, StageStatistics
 from ._timings import StreamTimings
@@ -46,15 +61,28 @@ from ._wire import (
 __all__ = [
     "PROTOCOL_VERSION",
     "Aborted",
+    "AsyncPoolRequestStream",
     "AsyncRequestStream",
     "AsyncStageClient",
+    "AsyncStagePool",
     "EngineDeadError",
     "ErrorReport",
     "Fatal",
+    "LeastLoaded",
+    "NoReplicaError",
     "Outputs",
+    "PoolRequest",
+    "PoolRequestStream",
     "ProtocolError",
+    "Replica",
+    "ReplicaDeadError",
+    "ReplicaState",
+    "ReplicaView",
     "RequestError",
     "RequestStream",
+    "RestartPolicy",
+    "Routing",
+    "Scored",
     "Shutdown",
     "StageClient",
     "StageClosedError",
@@ -62,8 +90,10 @@ __all__ = [
     "StageHealth",
     "StageLoad",
     "StageObserver",
+    "StagePool",
     "StageStartupError",
     "StageStatistics",
+    "Sticky",
     "StreamTimings",
     "UtilityError",
     "UtilityResult",

@@ -226,6 +226,30 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :func:`asyncio.run`) stops the wait at once and kills the half-started stage before
         the cancellation propagates. No process or socket file is left behind either way.
         """
+        options = {
+            "name": name,
+            "step_timeout": step_timeout,
+            "kill_after": kill_after,
+            "log_level": log_level,
+            "forward_logs": forward_logs,
+            "load_interval": load_interval,
+        }
+        return await cls._launch(factory, kwargs, startup_timeout, ordered_events, options)
+
+    @classmethod
+    async def _launch(
+        cls,
+        factory: str,
+        kwargs: dict[str, Any] | None,
+        startup_timeout: float,
+        ordered_events: bool,
+        options: dict[str, Any],
+        *,
+        ping_s: float = _session.LAUNCHED_PING_S,
+    ) -> AsyncStageClient:
+        """:meth:`launch`, with the stage's *options* (its keyword arguments from *name*
+        on) as a dict and how often to ping the stage (*ping_s*: a pool's health check)."""
+        options = dict(options)
         loop = asyncio.get_running_loop()
         # The worker thread waits for the child; this socket pair tells it to stop waiting.
         cancel, cancel_sender = socket.socketpair()
@@ -234,13 +258,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             factory,
             kwargs,
             startup_timeout,
-            name,
+            options.pop("name", None),
             cancel,
-            step_timeout=step_timeout,
-            kill_after=kill_after,
-            log_level=log_level,
-            forward_logs=forward_logs,
-            load_interval=load_interval,
+            **options,
         )
         fut = loop.run_in_executor(None, start)
         fut.add_done_callback(lambda _: _close_pair(cancel, cancel_sender))
@@ -263,7 +283,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                     launched.input_address,
                     startup_timeout,
                     launched,
-                    (_session.LAUNCHED_PING_S, None),
+                    (ping_s, None),
                     ordered_events,
                 )
             )

@@ -231,13 +231,18 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     _stream_type = RequestStream
 
     def __init__(
-        self, target: Target, welcome: WelcomeMsg, ctx: zmq.Context[Any], *socks: zmq.Socket[bytes]
+        self,
+        target: Target,
+        welcome: WelcomeMsg,
+        ctx: zmq.Context[Any],
+        *socks: zmq.Socket[bytes],
+        lock: threading.Lock | None = None,
     ) -> None:
         """Private: use :meth:`launch` or :meth:`connect`."""
         super().__init__(target, welcome)
         self._ctx = ctx
         self._dealer, self._pull = socks
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if lock is None else lock
         self._send_lock = threading.Lock()
         self._sockets_closed = False
         self._close_lock = threading.Lock()
@@ -316,16 +321,34 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
         factory raised) if it does not come up; no process or socket file is left behind.
         """
+        options = {
+            "name": name,
+            "step_timeout": step_timeout,
+            "kill_after": kill_after,
+            "log_level": log_level,
+            "forward_logs": forward_logs,
+            "load_interval": load_interval,
+        }
+        return cls._launch(factory, kwargs, startup_timeout, ordered_events, options)
+
+    @classmethod
+    def _launch(
+        cls,
+        factory: str,
+        kwargs: dict[str, Any] | None,
+        startup_timeout: float,
+        ordered_events: bool,
+        options: dict[str, Any],
+        *,
+        ping_s: float = _session.LAUNCHED_PING_S,
+        lock: threading.Lock | None = None,
+    ) -> StageClient:
+        """:meth:`launch`, with the stage's *options* (its keyword arguments from *name*
+        on) as a dict, how often to ping the stage (*ping_s*: a pool's health check), and
+        the lock of the client's session (*lock*: one for every member of a pool)."""
+        options = dict(options)
         launched = launch_process(
-            factory,
-            kwargs,
-            startup_timeout,
-            name,
-            step_timeout=step_timeout,
-            kill_after=kill_after,
-            log_level=log_level,
-            forward_logs=forward_logs,
-            load_interval=load_interval,
+            factory, kwargs, startup_timeout, options.pop("name", None), **options
         )
         try:
             return cls._open(
@@ -333,9 +356,10 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                     launched.input_address,
                     startup_timeout,
                     launched,
-                    (_session.LAUNCHED_PING_S, None),
+                    (ping_s, None),
                     ordered_events,
-                )
+                ),
+                lock,
             )
         except BaseException as exc:
             launched.kill_and_clean()
@@ -364,7 +388,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         return cls._open(Target(address, timeout, None, heartbeat, ordered_events))
 
     @classmethod
-    def _open(cls, target: Target) -> StageClient:
+    def _open(cls, target: Target, lock: threading.Lock | None = None) -> StageClient:
         address, timeout, launched = target.address, target.timeout, target.launched
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         dealer = pull = None
@@ -384,7 +408,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         except BaseException:
             _clientbase.close_sockets(ctx, dealer, pull)
             raise
-        return cls(target, welcome, ctx, dealer, pull)
+        return cls(target, welcome, ctx, dealer, pull, lock=lock)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -65,6 +65,8 @@ class ClientBase(Generic[S, W]):
     _lock: contextlib.AbstractContextManager[Any]
     _stream_type: Callable[[str, contextlib.AbstractContextManager[Any], float], S]
 
+    _adopt_orphans = False  # a pool's member client: see ClientSession(adopt_orphans=)
+
     def __init__(self, target: Target, welcome: WelcomeMsg) -> None:
         self._launched = target.launched
         self._session: ClientSession[S, W] = ClientSession(
@@ -74,6 +76,7 @@ class ClientBase(Generic[S, W]):
             heartbeat=target.heartbeat,
             ordered_events=target.ordered_events,
             now=time.monotonic(),
+            adopt_orphans=self._adopt_orphans,
         )
 
     def _send(self, parts: Parts) -> None:
@@ -84,10 +87,15 @@ class ClientBase(Generic[S, W]):
         """Carry out what the session decided, without the session's lock."""
         raise NotImplementedError
 
-    def _send_request(self, req_id: str, parts: Parts, stream: bool) -> S | None:
+    def _send_request(
+        self, req_id: str, parts: Parts, stream: bool, new: S | None = None
+    ) -> S | None:
         """Register the request's stream (or check it may go without), then send. The
-        stream's ``sent_at`` is read just before (no output can arrive earlier)."""
-        new = self._stream_type(req_id, self._lock, time.monotonic()) if stream else None
+        stream's ``sent_at`` is read just before (no output can arrive earlier). A replica
+        pool passes a stream it made (*new*): one that moves from a dead replica to this
+        one keeps its outputs so far."""
+        if new is None and stream:
+            new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
             self._session.open_request(req_id, new)
         try:

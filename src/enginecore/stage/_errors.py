@@ -8,7 +8,9 @@ from .._exceptions import EngineCoreError
 
 __all__ = [
     "EngineDeadError",
+    "NoReplicaError",
     "ProtocolError",
+    "ReplicaDeadError",
     "RequestError",
     "StageClosedError",
     "StageStartupError",
@@ -71,6 +73,38 @@ class EngineDeadError(EngineCoreError, RuntimeError):
         (a connected stage, or a process that has not been reaped yet)."""
         self.fatal = fatal
         """The ``repr`` of the exception that ended the remote engine loop, if one was sent."""
+
+
+class ReplicaDeadError(EngineDeadError):
+    """Raised to a replica pool's requests and calls that were on a replica when it died
+    (its process exited, its engine loop failed, or it stopped answering heartbeats). Only
+    that replica's requests and calls fail; the pool's other replicas keep serving.
+
+    :attr:`replica` names the replica (:class:`~enginecore.stage.Replica`) and
+    :attr:`delivered` says how many outputs the request had delivered to its stream (all
+    its attempts together) before the replica died: ``0`` for a utility call. The message
+    is the replica's own :class:`EngineDeadError`'s, which is also the ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        replica: object,
+        delivered: int = 0,
+        exit_code: int | None = None,
+        fatal: str | None = None,
+    ) -> None:
+        super().__init__(message, exit_code=exit_code, fatal=fatal)
+        self.replica = replica
+        """The replica that died (a :class:`~enginecore.stage.Replica`)."""
+        self.delivered = delivered
+        """How many outputs the request had delivered before the replica died."""
+
+
+class NoReplicaError(EngineCoreError, RuntimeError):
+    """Raised by a replica pool's ``add()`` and ``call_utility()`` when no replica can take
+    the work: every replica is dead, failed, stalled, draining or still starting."""
 
 
 class StageClosedError(EngineCoreError, RuntimeError):

@@ -445,6 +445,10 @@ class Deliveries(Generic[S, W]):
     """Messages to log as warnings (stage-reported problems nobody else would see)."""
     over: bool = False
     """The stage sent its last event, or the session failed (a close may stop waiting)."""
+    orphans: list[S] | None = None
+    """Streams left live when the session failed, for a session that adopts them
+    (``adopt_orphans``): a replica pool ends each one itself or moves it to another
+    replica. ``None`` for every other session and delivery."""
 
 
 class ClientSession(Generic[S, W]):
@@ -469,8 +473,12 @@ class ClientSession(Generic[S, W]):
         heartbeat: tuple[float, float | None] | None,
         ordered_events: bool,
         now: float,
+        adopt_orphans: bool = False,
     ) -> None:
         self.pid: Final = pid
+        # When the session fails, hand its live streams over (Deliveries.orphans) instead of
+        # ending them: a replica pool's member client, whose pool decides each stream's end.
+        self._adopt_orphans = adopt_orphans
         self.address: Final = address
         self.launched: Final = launched
         self.heartbeat: Final = heartbeat
@@ -493,7 +501,9 @@ class ClientSession(Generic[S, W]):
         self._events_waiting = False
         self._events_end: End | None = None  # the End appended to events, once it is
         self._last_heard = now
-        self._load: tuple[_wire.Load, float] | None = None  # the latest load report, received at
+        # The latest load report, when it was received, and how many of this client's
+        # streams were live then (a pool counts the other clients' requests from it).
+        self._load: tuple[_wire.Load, float, int] | None = None
         self._step_stalled = False  # the stage reported a step past its step_timeout
         self._silent = False  # warned that the stage has not answered for two intervals
         # Set when the heartbeat presumed a connected stage dead: the client should send a
@@ -800,7 +810,7 @@ class ClientSession(Generic[S, W]):
                 if streams:
                     StreamCore._route(streams, ev.req_ids, ev.finished, ev.payloads, wake, now)
                 if ev.load is not None:
-                    self._load = (ev.load, now)
+                    self._load = (ev.load, now, len(streams))
                     loaded = True
             elif cls is UtilityResult:
                 entry = self._calls.pop(ev.call_id, None)
@@ -938,7 +948,7 @@ class ClientSession(Generic[S, W]):
         latest = self._load
         if latest is None:
             return None
-        report, received = latest
+        report, received, _ = latest
         return StageLoad(
             seq=report.seq,
             age=report.age + max(0.0, now - received),
@@ -1004,11 +1014,14 @@ class ClientSession(Generic[S, W]):
         self._failure = exc
         self._state = StageState.GONE
         d.over = True
-        end = End(exc)
-        wake = d.wake
-        for stream in self._streams.values():
-            if stream._end_with(end, now):
-                wake.append(stream)
+        if self._adopt_orphans:
+            d.orphans = list(self._streams.values())
+        else:
+            end = End(exc)
+            wake = d.wake
+            for stream in self._streams.values():
+                if stream._end_with(end, now):
+                    wake.append(stream)
         self._streams.clear()
         d.answers.extend((waiter, None, exc) for waiter, _ in self._calls.values())
         self._calls.clear()

@@ -9,6 +9,9 @@ Factories (``"enginecore.stage.testing:NAME"``):
 
 - ``countdown`` -> a :class:`~enginecore.CountdownEngine`.
 - ``scripted`` -> a :class:`ScriptedEngine` (a CountdownEngine with test utilities).
+- ``device(step_s=0.005)`` -> a :class:`DeviceEngine`: a CountdownEngine whose every step
+  takes *step_s* seconds with the GIL released, whatever its batch (a stand-in for an
+  accelerator; the replica pool's benchmarks and tests).
 - ``echo`` -> an :class:`EchoEngine`: each request's one output is its own data (arrays
   and buffers included), and utility ``"echo"`` returns its arguments.
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
@@ -36,11 +39,13 @@ from .._engine import CountdownEngine
 from .._exceptions import RequestRejected
 
 __all__ = [
+    "DeviceEngine",
     "EchoEngine",
     "PipelinedCountdownEngine",
     "ScriptedEngine",
     "TokenEchoEngine",
     "countdown",
+    "device",
     "echo",
     "exiting_factory",
     "failing_factory",
@@ -553,6 +558,38 @@ def pipelined(
 ) -> PipelinedCountdownEngine:
     """Factory: a :class:`PipelinedCountdownEngine`."""
     return PipelinedCountdownEngine(depth, device_s, exact_abort)
+
+
+class DeviceEngine(CountdownEngine):
+    """:class:`~enginecore.CountdownEngine` whose every step first sleeps *step_s* seconds
+    (``time.sleep``: the GIL is released, as a device kernel releases it), whatever the
+    batch: every live request advances by one output per step. Utility ``pid`` returns
+    the process id, ``echo`` its arguments, ``sleep(seconds)`` blocks the loop that long."""
+
+    def __init__(self, step_s: float = 0.005) -> None:
+        super().__init__()
+        if not 0 <= step_s < 60:
+            raise ValueError(f"step_s must be seconds in [0, 60), got {step_s!r}")
+        self.step_s = step_s
+
+    def step(self) -> list[tuple[str, int]]:
+        if self.step_s:
+            time.sleep(self.step_s)
+        return super().step()
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "pid":
+            return os.getpid()
+        if name == "echo":
+            return list(args)
+        if name == "sleep":
+            time.sleep(args[0])
+            return None
+        return super().utility(name, args)
+
+
+def device(step_s: float = 0.005) -> DeviceEngine:
+    return DeviceEngine(step_s)
 
 
 def echo() -> EchoEngine:

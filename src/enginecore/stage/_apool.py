@@ -1,0 +1,414 @@
+"""AsyncStagePool: one asyncio client over N stage replicas.
+
+The decisions are :class:`~enginecore.stage._pool_core.PoolCore`'s and the operations that
+never wait :class:`~enginecore.stage._poolbase.PoolBase`'s, as for
+:class:`~enginecore.stage.StagePool`; the transport is N ordinary
+:class:`~enginecore.stage.AsyncStageClient` members, whose output sockets are read by
+event-loop readers (no task per replica). This module owns the waiting and the tasks that
+start, restart and stop replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+from . import _session
+from ._aclient import AsyncRequestStream, AsyncStageClient
+from ._clientbase import check_heartbeat
+from ._errors import StageClosedError
+from ._pool_core import (
+    DeathHook,
+    PoolRequest,
+    Replica,
+    ReplicaState,
+    RestartPolicy,
+    Routing,
+    ScoreFn,
+)
+from ._poolbase import PoolBase, PoolStreamCore, member_plan
+from ._session import ClientSession, Deliveries
+from ._statistics import LOAD_INTERVAL, StageStatistics
+from ._watchdog import STEP_TIMEOUT
+
+__all__ = ["AsyncPoolRequestStream", "AsyncStagePool"]
+
+logger = logging.getLogger("enginecore.stage")
+
+
+class AsyncPoolRequestStream(AsyncRequestStream, PoolStreamCore):
+    """An :class:`~enginecore.stage.AsyncRequestStream` of a pool: the same async
+    iterator, plus the replica that serves it (:attr:`replica`) and how often it moved
+    (:attr:`migrations`). Ends as :class:`~enginecore.stage.PoolRequestStream` does."""
+
+    __slots__ = ("_migrations", "_replica", "_request")
+
+
+class _AsyncMember(AsyncStageClient):
+    """One replica's client: its session adopts its streams when it fails, and the pool
+    decides their end."""
+
+    _adopt_orphans = True
+    _stream_type = AsyncPoolRequestStream
+    _pool: AsyncStagePool | None = None
+    _replica: Replica
+
+    def _apply(self, d: Deliveries[Any, Any]) -> None:
+        pool = self._pool
+        failure = self._session.failure
+        if pool is None or failure is None:
+            super()._apply(d)
+            return
+        pool._member_failed(self, d, failure)
+
+
+class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
+    """An asyncio client over N stage replicas: the same pool as
+    :class:`~enginecore.stage.StagePool`, with coroutines instead of blocking calls
+    (``docs/pool.md``). Not thread-safe: use it on the event loop that created it."""
+
+    _stream_type = AsyncPoolRequestStream
+
+    def __init__(
+        self,
+        *,
+        routing: Routing | ScoreFn | None = None,
+        restart: RestartPolicy | bool = False,
+        on_replica_death: DeathHook | None = None,
+        max_migrations: int = 1,
+    ) -> None:
+        """An empty pool; add replicas with :meth:`add_replica`. The arguments are
+        :class:`~enginecore.stage.StagePool`'s."""
+        super().__init__(routing, restart, on_replica_death, max_migrations)
+        self._lock = _session.NO_LOCK  # one thread
+        self._loop = asyncio.get_running_loop()
+        self._closed = asyncio.Event()
+        self._close_lock = asyncio.Lock()
+        self._closed_done = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._exit_codes: dict[Replica, int | None] = {}
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    async def launch(
+        cls,
+        factory: str,
+        /,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        replicas: int = 1,
+        routing: Routing | ScoreFn | None = None,
+        restart: RestartPolicy | bool = False,
+        on_replica_death: DeathHook | None = None,
+        max_migrations: int = 1,
+        startup_timeout: float = 60.0,
+        name: str | None = None,
+        step_timeout: float | None = STEP_TIMEOUT,
+        kill_after: float | None = None,
+        log_level: int | str | None = None,
+        forward_logs: bool = False,
+        load_interval: float | None = LOAD_INTERVAL,
+        ping_interval: float = _session.LAUNCHED_PING_S,
+    ) -> AsyncStagePool:
+        """:meth:`StagePool.launch <enginecore.stage.StagePool.launch>`, awaited."""
+        if replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        pool = cls(
+            routing=routing,
+            restart=restart,
+            on_replica_death=on_replica_death,
+            max_migrations=max_migrations,
+        )
+        options = {
+            "startup_timeout": startup_timeout,
+            "name": name,
+            "step_timeout": step_timeout,
+            "kill_after": kill_after,
+            "log_level": log_level,
+            "forward_logs": forward_logs,
+            "load_interval": load_interval,
+            "ping_interval": ping_interval,
+        }
+        await pool._add_replicas([{"factory": factory, "kwargs": kwargs, **options}] * replicas)
+        return pool
+
+    @classmethod
+    async def connect(
+        cls,
+        addresses: Sequence[str],
+        *,
+        routing: Routing | ScoreFn | None = None,
+        on_replica_death: DeathHook | None = None,
+        max_migrations: int = 1,
+        timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+    ) -> AsyncStagePool:
+        """:meth:`StagePool.connect <enginecore.stage.StagePool.connect>`, awaited."""
+        if isinstance(addresses, str):
+            raise TypeError("connect() takes a sequence of addresses")
+        check_heartbeat(heartbeat_interval, heartbeat_timeout)
+        pool = cls(
+            routing=routing, on_replica_death=on_replica_death, max_migrations=max_migrations
+        )
+        options = {
+            "timeout": timeout,
+            "heartbeat_interval": heartbeat_interval,
+            "heartbeat_timeout": heartbeat_timeout,
+        }
+        await pool._add_replicas([{"address": a, **options} for a in addresses])
+        return pool
+
+    async def add_replica(
+        self,
+        factory: str | None = None,
+        /,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        address: str | None = None,
+        **options: Any,
+    ) -> Replica:
+        """:meth:`StagePool.add_replica <enginecore.stage.StagePool.add_replica>`,
+        awaited."""
+        if (factory is None) == (address is None):
+            raise TypeError("add_replica() takes a factory or an address=, not both")
+        spec: dict[str, Any] = (
+            {"factory": factory, "kwargs": kwargs, **options}
+            if factory is not None
+            else {"address": address, **options}
+        )
+        return (await self._add_replicas([spec]))[0]
+
+    async def _add_replicas(self, specs: list[dict[str, Any]]) -> list[Replica]:
+        self._check_open()
+        new = [self._core.new_replica(spec) for spec in specs]
+        results = await asyncio.gather(*(self._start(r) for r in new), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for r in new:
+                await self._stop_member(r, drain=None, timeout=5.0)
+                self._core.set_state(r, ReplicaState.REMOVED)
+            raise errors[0]
+        return new
+
+    async def _start(self, replica: Replica) -> None:
+        """Start *replica*'s member client and make it serve."""
+        plan = member_plan(replica)
+        if plan[0] == "connect":
+            member = await _AsyncMember._open(plan[1])
+        else:
+            _, factory, kwargs, startup_timeout, options, ping_s = plan
+            member = await _AsyncMember._launch(
+                factory, kwargs, startup_timeout, False, options, ping_s=ping_s
+            )
+        assert isinstance(member, _AsyncMember)
+        member._replica = replica
+        member._pool = self
+        if not self._core.started(replica, member):  # removed, or the pool closes
+            await member.close()
+            return
+        failure = member._session.failure
+        if failure is not None:  # died before _pool was set: nobody saw it
+            self._member_gone(member, failure)
+
+    # -- what the base needs -----------------------------------------------------------------
+
+    def _wake(self, stream: AsyncPoolRequestStream) -> None:
+        wakeup = stream._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
+    def _member_apply(self, member: Any, d: Deliveries[Any, Any]) -> None:
+        AsyncStageClient._apply(member, d)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def add(
+        self, req_id: str, data: Any, *, key: Hashable | None = None
+    ) -> AsyncPoolRequestStream:
+        """:meth:`StagePool.add <enginecore.stage.StagePool.add>`; never waits."""
+        parts = ClientSession.add_frame(req_id, data)
+        request = PoolRequest(req_id, data, key) if self._core.on_replica_death else None
+        return self._send(req_id, parts, request, key, 0, None)
+
+    async def add_many(self, items: Iterable[tuple[str, Any]]) -> list[AsyncPoolRequestStream]:
+        """:meth:`StagePool.add_many <enginecore.stage.StagePool.add_many>`; never
+        waits."""
+        return self._add_many(items)
+
+    async def abort(self, req_ids: Sequence[str]) -> None:
+        """:meth:`StagePool.abort <enginecore.stage.StagePool.abort>`; never waits."""
+        self._abort(req_ids)
+
+    # -- utilities ---------------------------------------------------------------------------
+
+    async def call_utility(
+        self,
+        name: str,
+        /,
+        *args: Any,
+        timeout: float | None = None,
+        replica: Replica | None = None,
+        broadcast: bool = False,
+    ) -> Any:
+        """:meth:`StagePool.call_utility <enginecore.stage.StagePool.call_utility>`,
+        awaited."""
+        if broadcast:
+            if replica is not None:
+                raise TypeError("call_utility() takes replica= or broadcast=True, not both")
+            self._check_open()
+            serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
+            results = await asyncio.gather(
+                *(r._client.call_utility(name, *args, timeout=timeout) for r in serving),
+                return_exceptions=True,
+            )
+            return dict(zip(serving, results, strict=True))
+        member: _AsyncMember = self._utility_target(replica)
+        return await member.call_utility(name, *args, timeout=timeout)
+
+    async def stats(
+        self, timeout: float | None = 10.0
+    ) -> dict[Replica, StageStatistics | Exception]:
+        """:meth:`StagePool.stats <enginecore.stage.StagePool.stats>`, awaited (the
+        replicas answer at once)."""
+        serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
+        results = await asyncio.gather(
+            *(r._client.stats(timeout) for r in serving), return_exceptions=True
+        )
+        return dict(zip(serving, results, strict=True))  # type: ignore[arg-type]
+
+    # -- membership --------------------------------------------------------------------------
+
+    async def remove_replica(
+        self, replica: Replica, *, drain: bool = True, timeout: float = 30.0
+    ) -> int | None:
+        """:meth:`StagePool.remove_replica <enginecore.stage.StagePool.remove_replica>`,
+        awaited."""
+        if replica not in self._core.replicas:
+            raise ValueError(f"{replica!r} is not in this pool")
+        was = replica.state
+        self._core.set_state(replica, ReplicaState.DRAINING)
+        code = None
+        if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
+            code = await self._stop_member(replica, drain=timeout if drain else None, timeout=5.0)
+        self._core.set_state(replica, ReplicaState.REMOVED)
+        return code
+
+    async def _stop_member(
+        self, replica: Replica, *, drain: float | None, timeout: float
+    ) -> int | None:
+        member: _AsyncMember | None = replica._client
+        if member is None:
+            return None
+        if member._launched is not None:
+            return await member.shutdown(timeout, drain=drain)
+        if drain is not None:  # a connected stage: wait for the pool's requests, then detach
+            deadline = time.monotonic() + drain
+            while member._session.streams and member._session.failure is None:
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.01)
+        await member.close()
+        return None
+
+    # -- a dead replica ----------------------------------------------------------------------
+
+    def _member_gone(self, member: Any, failure: BaseException) -> None:
+        replica = member._replica
+        if replica._client is not member:
+            return  # an old member of a restarted replica
+        delay = self._core.died(replica, time.monotonic())
+        if isinstance(failure, StageClosedError):
+            return  # the pool closed it, and closes it
+        logger.warning("enginecore: replica %s is gone: %s", replica.name, failure)
+        task = self._loop.create_task(self._supervise(replica, member, delay))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _supervise(self, replica: Replica, member: _AsyncMember, delay: float | None) -> None:
+        """Task: release a dead member; with a delay, start the replica again then, and
+        again after each failed start, until it serves, fails for good or the pool closes."""
+        try:
+            await member.close()
+            self._exit_codes[replica] = member.exit_code
+            while delay is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._closed.wait(), delay)
+                    return  # the pool closes
+                if not self._core.restarting(replica):
+                    return
+                try:
+                    await self._start(replica)
+                    logger.warning("enginecore: replica %s started again", replica.name)
+                    return
+                except Exception as exc:
+                    logger.warning(
+                        "enginecore: replica %s did not start again: %s", replica.name, exc
+                    )
+                    delay = self._core.died(replica, time.monotonic())
+        except Exception:
+            logger.exception("enginecore: a replica pool task failed")
+
+    # -- closing -----------------------------------------------------------------------------
+
+    async def shutdown(
+        self, timeout: float = 5.0, *, drain: float | None = None
+    ) -> dict[Replica, int | None]:
+        """:meth:`StagePool.shutdown <enginecore.stage.StagePool.shutdown>`, awaited."""
+        _session.shutdown_frame(drain)  # a bad drain raises before anything
+        return await self._close(stop=True, timeout=timeout, drain=drain)
+
+    async def close(self) -> None:
+        """:meth:`StagePool.close <enginecore.stage.StagePool.close>`, awaited."""
+        await self._close(stop=False, timeout=5.0, drain=None)
+
+    async def __aenter__(self) -> AsyncStagePool:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _close(
+        self, *, stop: bool, timeout: float, drain: float | None
+    ) -> dict[Replica, int | None]:
+        async with self._close_lock:
+            if self._closed_done:
+                return dict(self._exit_codes)
+            self._core.closing = True
+            self._closed.set()
+            replicas = list(self._core.replicas)
+
+            async def stop_one(r: Replica) -> None:
+                member: _AsyncMember | None = r._client
+                if member is None:
+                    return
+                if stop or member._launched is not None:
+                    code = await member.shutdown(timeout, drain=drain)
+                else:
+                    await member.close()
+                    code = None
+                self._exit_codes.setdefault(r, code)
+
+            results = await asyncio.gather(*(stop_one(r) for r in replicas), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    logger.warning("enginecore: closing a replica failed: %r", result)
+            while self._tasks:  # restart tasks see _closed and return
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            closed = StageClosedError("this stage pool is closed")
+            for s in self._core.live_streams():  # moving between replicas as the pool closed
+                self._end(s, closed)
+            self._core.closed()
+            self._closed_done = True
+            return dict(self._exit_codes)

@@ -1,0 +1,535 @@
+"""StagePool: one blocking client over N stage replicas.
+
+The decisions (routing, the live-request table, what becomes of a dead replica's requests,
+when to restart one) are :class:`~enginecore.stage._pool_core.PoolCore`'s, shared with
+:class:`~enginecore.stage.AsyncStagePool`; the transport is N ordinary
+:class:`~enginecore.stage.StageClient` members. This module owns the waiting and the
+threads that start, restart and stop replicas.
+
+Every member shares the pool's one lock: a stream that moves from a dead replica to a live
+one (``on_replica_death``) keeps the lock its consumer and its new receiver append under.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+from . import _session
+from ._client import RequestStream, StageClient
+from ._clientbase import check_heartbeat
+from ._errors import StageClosedError
+from ._pool_core import (
+    DeathHook,
+    PoolRequest,
+    Replica,
+    ReplicaState,
+    RestartPolicy,
+    Routing,
+    ScoreFn,
+)
+from ._poolbase import PoolBase, PoolStreamCore, member_plan
+from ._session import ClientSession, Deliveries
+from ._statistics import LOAD_INTERVAL, StageStatistics
+from ._watchdog import STEP_TIMEOUT
+
+__all__ = ["PoolRequestStream", "StagePool"]
+
+logger = logging.getLogger("enginecore.stage")
+
+
+class PoolRequestStream(RequestStream, PoolStreamCore):
+    """A :class:`~enginecore.stage.RequestStream` of a pool: the same iterator, plus the
+    replica that serves it (:attr:`replica`) and how often it moved (:attr:`migrations`).
+
+    If its replica dies, iteration raises :class:`~enginecore.stage.ReplicaDeadError`,
+    unless the pool's ``on_replica_death`` sent it to another replica: then it goes on
+    with that replica's outputs, after every output it had."""
+
+    __slots__ = ("_migrations", "_replica", "_request")
+
+
+class _Member(StageClient):
+    """One replica's client: its session adopts its streams when it fails, and the pool
+    decides their end."""
+
+    _adopt_orphans = True
+    _stream_type = PoolRequestStream
+    _pool: StagePool | None = None
+    _replica: Replica
+
+    def _apply(self, d: Deliveries[Any, Any]) -> None:
+        pool = self._pool
+        failure = self._session.failure
+        if pool is None or failure is None:
+            super()._apply(d)
+            return
+        pool._member_failed(self, d, failure)
+
+
+class StagePool(PoolBase[PoolRequestStream]):
+    """A blocking client over N stage replicas: launched by the pool
+    (:meth:`launch`), headless stages it connects to (:meth:`connect`), or both
+    (:meth:`add_replica`). Same operations as :class:`~enginecore.stage.StageClient`; each
+    request goes to one replica, chosen by the pool's routing (default
+    :class:`~enginecore.stage.LeastLoaded`), and its stream
+    (:class:`PoolRequestStream`) is that replica's.
+
+    A replica that dies fails only its own requests and calls, with
+    :class:`~enginecore.stage.ReplicaDeadError`, and leaves the routing; the others keep
+    serving. A stalled replica (a step past its ``step_timeout``, or no answer to pings for
+    two intervals) leaves the routing until it answers again. With *restart*, a launched
+    replica that died is started again (:class:`~enginecore.stage.RestartPolicy`).
+    ``docs/pool.md`` is the guide.
+
+    Thread-safety: every method may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        routing: Routing | ScoreFn | None = None,
+        restart: RestartPolicy | bool = False,
+        on_replica_death: DeathHook | None = None,
+        max_migrations: int = 1,
+    ) -> None:
+        """An empty pool; add replicas with :meth:`add_replica`. *routing*: a
+        :class:`~enginecore.stage.Routing` (:class:`~enginecore.stage.LeastLoaded`,
+        :class:`~enginecore.stage.Sticky`, ...) or a ``score(view, request) -> float``
+        (lowest wins). *restart*: ``True`` or a
+        :class:`~enginecore.stage.RestartPolicy` to start dead launched replicas again.
+        *on_replica_death*: ``hook(request, delivered) -> PoolRequest | None``, called for
+        each request live on a replica that died; a returned request (same ``req_id``) goes
+        to another replica and its stream goes on, at most *max_migrations* times per
+        request."""
+        super().__init__(routing, restart, on_replica_death, max_migrations)
+        self._lock = threading.Lock()  # every member's session lock, and the core's
+        self._closed = threading.Event()  # set when close begins: timers stop waiting
+        self._close_lock = threading.Lock()
+        self._closed_done = False
+        self._threads: set[threading.Thread] = set()  # restart timers and closers
+        self._exit_codes: dict[Replica, int | None] = {}
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def launch(
+        cls,
+        factory: str,
+        /,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        replicas: int = 1,
+        routing: Routing | ScoreFn | None = None,
+        restart: RestartPolicy | bool = False,
+        on_replica_death: DeathHook | None = None,
+        max_migrations: int = 1,
+        startup_timeout: float = 60.0,
+        name: str | None = None,
+        step_timeout: float | None = STEP_TIMEOUT,
+        kill_after: float | None = None,
+        log_level: int | str | None = None,
+        forward_logs: bool = False,
+        load_interval: float | None = LOAD_INTERVAL,
+        ping_interval: float = _session.LAUNCHED_PING_S,
+    ) -> StagePool:
+        """Start *replicas* stage processes running ``factory(**kwargs)``, in parallel,
+        and return their pool. The stage options are
+        :meth:`StageClient.launch <enginecore.stage.StageClient.launch>`'s; each replica's
+        stage is named ``"<name or factory>/r<i>"``. *ping_interval*: how often each
+        replica is pinged; one silent for two intervals (a stopped process) leaves the
+        routing. If a replica does not start, the others are stopped and its
+        :class:`~enginecore.stage.StageStartupError` is raised."""
+        if replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        pool = cls(
+            routing=routing,
+            restart=restart,
+            on_replica_death=on_replica_death,
+            max_migrations=max_migrations,
+        )
+        options = {
+            "startup_timeout": startup_timeout,
+            "name": name,
+            "step_timeout": step_timeout,
+            "kill_after": kill_after,
+            "log_level": log_level,
+            "forward_logs": forward_logs,
+            "load_interval": load_interval,
+            "ping_interval": ping_interval,
+        }
+        pool._add_replicas([{"factory": factory, "kwargs": kwargs, **options}] * replicas)
+        return pool
+
+    @classmethod
+    def connect(
+        cls,
+        addresses: Sequence[str],
+        *,
+        routing: Routing | ScoreFn | None = None,
+        on_replica_death: DeathHook | None = None,
+        max_migrations: int = 1,
+        timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+    ) -> StagePool:
+        """Connect to headless stages (``python -m enginecore serve``) at *addresses* and
+        return their pool; heartbeats as
+        :meth:`StageClient.connect <enginecore.stage.StageClient.connect>`'s. A connected
+        replica that dies stays out (the pool cannot start it again)."""
+        if isinstance(addresses, str):
+            raise TypeError("connect() takes a sequence of addresses")
+        check_heartbeat(heartbeat_interval, heartbeat_timeout)
+        pool = cls(
+            routing=routing, on_replica_death=on_replica_death, max_migrations=max_migrations
+        )
+        options = {
+            "timeout": timeout,
+            "heartbeat_interval": heartbeat_interval,
+            "heartbeat_timeout": heartbeat_timeout,
+        }
+        pool._add_replicas([{"address": a, **options} for a in addresses])
+        return pool
+
+    def add_replica(
+        self,
+        factory: str | None = None,
+        /,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        address: str | None = None,
+        **options: Any,
+    ) -> Replica:
+        """Add a replica while the pool serves: launch ``factory(**kwargs)`` (options as
+        :meth:`launch`'s), or connect to *address* (options as :meth:`connect`'s). Blocks
+        until it is up; it takes requests from the next routing decision on. Raises what
+        the start raises; the pool is unchanged then."""
+        if (factory is None) == (address is None):
+            raise TypeError("add_replica() takes a factory or an address=, not both")
+        spec: dict[str, Any] = (
+            {"factory": factory, "kwargs": kwargs, **options}
+            if factory is not None
+            else {"address": address, **options}
+        )
+        return self._add_replicas([spec])[0]
+
+    def _add_replicas(self, specs: list[dict[str, Any]]) -> list[Replica]:
+        with self._lock:
+            self._check_open()
+            new = [self._core.new_replica(spec) for spec in specs]
+        errors: list[BaseException] = []
+        if len(new) == 1:
+            try:
+                self._start(new[0])
+            except BaseException as exc:
+                errors.append(exc)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(len(new)) as ex:
+                for fut in [ex.submit(self._start, r) for r in new]:
+                    failed = fut.exception()
+                    if failed is not None:
+                        errors.append(failed)
+        if errors:
+            for r in new:
+                self._stop_member(r, drain=None, timeout=5.0)
+                with self._lock:
+                    self._core.set_state(r, ReplicaState.REMOVED)
+            raise errors[0]
+        return new
+
+    _stream_type = PoolRequestStream
+
+    def _wake(self, stream: PoolRequestStream) -> None:
+        stream._wakeup.put(None)  # type: ignore[union-attr]  # made before it waited
+
+    def _member_apply(self, member: Any, d: Deliveries[Any, Any]) -> None:
+        StageClient._apply(member, d)
+
+    def _start(self, replica: Replica) -> None:
+        """Start *replica*'s member client and make it serve. Raises what the start raises
+        (the replica is then left ``starting``, for the caller to settle)."""
+        member = self._open_member(replica)
+        member._replica = replica
+        member._pool = self
+        with self._lock:
+            serving = self._core.started(replica, member)
+        if not serving:  # removed, or the pool closes
+            member.close()
+            return
+        failure = member._session.failure
+        if failure is not None:  # died before _pool was set: nobody saw it
+            self._member_gone(member, failure)
+
+    def _open_member(self, replica: Replica) -> _Member:
+        plan = member_plan(replica)
+        if plan[0] == "connect":
+            member = _Member._open(plan[1], self._lock)
+        else:
+            _, factory, kwargs, startup_timeout, options, ping_s = plan
+            member = _Member._launch(
+                factory, kwargs, startup_timeout, False, options, ping_s=ping_s, lock=self._lock
+            )
+        assert isinstance(member, _Member)
+        return member
+
+    # -- the replicas ------------------------------------------------------------------------
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add(self, req_id: str, data: Any, *, key: Hashable | None = None) -> PoolRequestStream:
+        """Send request *req_id* with *data* to one replica (the pool's routing; *key*
+        names a home for :class:`~enginecore.stage.Sticky` routing) and return the stream
+        of its outputs. Raises :class:`TypeError` (before sending) if *data* is not
+        wire-encodable, :class:`ValueError` if *req_id* is live in this pool,
+        :class:`~enginecore.stage.NoReplicaError` if no replica serves, and
+        :class:`~enginecore.stage.StageClosedError` after :meth:`close`. Never blocks;
+        thread-safe."""
+        parts = ClientSession.add_frame(req_id, data)
+        request = PoolRequest(req_id, data, key) if self._core.on_replica_death else None
+        return self._send(req_id, parts, request, key, 0, None)
+
+    def add_many(self, items: Iterable[tuple[str, Any]]) -> list[PoolRequestStream]:
+        """Send many ``(req_id, data)`` requests, spread over the replicas by the pool's
+        routing (one frame per replica), and return their streams in order. All or
+        nothing before sending: :class:`TypeError` for a bad pair or payload,
+        :class:`ValueError` for an id live in this pool or repeated; else as
+        :meth:`add`. Never blocks; thread-safe."""
+        return self._add_many(items)
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        """Abort *req_ids* on the replicas that serve them (ids not live in this pool are
+        ignored). Their streams stop once the stage has applied the abort. Raises
+        :class:`TypeError` for a bare ``str``. Never blocks; thread-safe."""
+        self._abort(req_ids)
+
+    # -- utilities ---------------------------------------------------------------------------
+
+    def call_utility(
+        self,
+        name: str,
+        /,
+        *args: Any,
+        timeout: float | None = None,
+        replica: Replica | None = None,
+        broadcast: bool = False,
+    ) -> Any:
+        """Call ``engine.utility(name, args)`` on one replica (*replica*, else the least
+        loaded) and return its result, raising as
+        :meth:`StageClient.call_utility <enginecore.stage.StageClient.call_utility>` does
+        (:class:`~enginecore.stage.ReplicaDeadError` if the replica dies first).
+
+        With *broadcast*, call it on every serving replica at once and return
+        ``{replica: result or exception}`` (the exceptions are returned, not raised;
+        *timeout* bounds the whole wait, and a replica that has not answered by then gets a
+        :class:`TimeoutError`). Thread-safe."""
+        if broadcast:
+            if replica is not None:
+                raise TypeError("call_utility() takes replica= or broadcast=True, not both")
+            return self._broadcast(name, args, timeout)
+        member: _Member = self._utility_target(replica)
+        return member.call_utility(name, *args, timeout=timeout)
+
+    def _broadcast(
+        self, name: str, args: tuple[Any, ...], timeout: float | None
+    ) -> dict[Replica, Any]:
+        self._check_open()
+        futures: dict[Replica, concurrent.futures.Future[Any]] = {}
+        out: dict[Replica, Any] = {}
+        for r in self._core.replicas:
+            if r.state is not ReplicaState.SERVING:
+                continue
+            try:
+                futures[r] = r._client.call_utility_future(name, *args)
+            except Exception as exc:
+                out[r] = exc
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for r, fut in futures.items():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out[r] = fut.result(left)
+            except concurrent.futures.TimeoutError:
+                fut.cancel()
+                out[r] = TimeoutError(f"utility {name!r} did not answer within {timeout} s")
+            except Exception as exc:
+                out[r] = exc
+        return out
+
+    def stats(self, timeout: float | None = 10.0) -> dict[Replica, StageStatistics | Exception]:
+        """Every serving replica's statistics (:meth:`StageClient.stats
+        <enginecore.stage.StageClient.stats>`), as ``{replica: statistics or exception}``.
+        Thread-safe."""
+        out: dict[Replica, StageStatistics | Exception] = {}
+        for r in self._core.replicas:
+            if r.state is ReplicaState.SERVING:
+                try:
+                    out[r] = r._client.stats(timeout)
+                except Exception as exc:
+                    out[r] = exc
+        return out
+
+    # -- membership --------------------------------------------------------------------------
+
+    def remove_replica(
+        self, replica: Replica, *, drain: bool = True, timeout: float = 30.0
+    ) -> int | None:
+        """Take *replica* out of the pool while it serves. It leaves the routing at once;
+        with *drain*, its live requests run to completion first (at most *timeout*
+        seconds; those still live then are aborted by the stage and end with
+        :class:`~enginecore.stage.RequestError`); without, they end with
+        :class:`~enginecore.stage.StageClosedError`. A launched replica is stopped, a
+        connected one detached from. Returns the exit code (``None`` if unknown). Blocks."""
+        with self._lock:
+            if replica not in self._core.replicas:
+                raise ValueError(f"{replica!r} is not in this pool")
+            was = replica.state
+            self._core.set_state(replica, ReplicaState.DRAINING)
+        code = None
+        if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
+            code = self._stop_member(replica, drain=timeout if drain else None, timeout=5.0)
+        with self._lock:
+            self._core.set_state(replica, ReplicaState.REMOVED)
+        return code
+
+    def _stop_member(self, replica: Replica, *, drain: float | None, timeout: float) -> int | None:
+        member: _Member | None = replica._client
+        if member is None:
+            return None
+        if member._launched is not None:
+            return member.shutdown(timeout, drain=drain)
+        if drain is not None:  # a connected stage: wait for the pool's requests, then detach
+            deadline = time.monotonic() + drain
+            while member._session.streams and member._session.failure is None:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
+        member.close()
+        return None
+
+    # -- a dead replica ----------------------------------------------------------------------
+
+    def _member_gone(self, member: _Member, failure: BaseException) -> None:
+        replica = member._replica
+        with self._lock:
+            if replica._client is not member:
+                return  # an old member of a restarted replica
+            delay = self._core.died(replica, time.monotonic())
+        if isinstance(failure, StageClosedError):
+            return  # the pool closed it, and closes it
+        logger.warning("enginecore: replica %s is gone: %s", replica.name, failure)
+        self._spawn(self._supervise, replica, member, delay)
+
+    def _supervise(self, replica: Replica, member: _Member, delay: float | None) -> None:
+        """Thread: release a dead member; with a delay, start the replica again then, and
+        again after each failed start, until it serves, fails for good or the pool closes."""
+        member.close()
+        with self._lock:
+            self._exit_codes[replica] = member.exit_code
+        while delay is not None:
+            if self._closed.wait(delay):
+                return
+            with self._lock:
+                if not self._core.restarting(replica):
+                    return
+            try:
+                self._start(replica)
+                logger.warning("enginecore: replica %s started again", replica.name)
+                return
+            except Exception as exc:
+                logger.warning("enginecore: replica %s did not start again: %s", replica.name, exc)
+                with self._lock:
+                    delay = self._core.died(replica, time.monotonic())
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        def run() -> None:
+            try:
+                target(*args)
+            except Exception:
+                logger.exception("enginecore: a replica pool thread failed")
+            finally:
+                with self._lock:
+                    self._threads.discard(thread)
+
+        thread = threading.Thread(target=run, name="enginecore-pool", daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+
+    # -- closing -----------------------------------------------------------------------------
+
+    def shutdown(
+        self, timeout: float = 5.0, *, drain: float | None = None
+    ) -> dict[Replica, int | None]:
+        """Stop every replica (connected ones too) as
+        :meth:`StageClient.shutdown <enginecore.stage.StageClient.shutdown>` does, all at
+        once, with *drain* if given; return ``{replica: exit code}``. Pending calls and
+        streams then raise :class:`~enginecore.stage.StageClosedError` (or keep the error
+        they had). Blocks; idempotent."""
+        _session.shutdown_frame(drain)  # a bad drain raises before anything
+        return self._close(stop=True, timeout=timeout, drain=drain)
+
+    def close(self) -> None:
+        """Release the pool: launched replicas are shut down, connected ones detached
+        from. Blocks; idempotent."""
+        self._close(stop=False, timeout=5.0, drain=None)
+
+    def __enter__(self) -> StagePool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _close(
+        self, *, stop: bool, timeout: float, drain: float | None
+    ) -> dict[Replica, int | None]:
+        with self._close_lock:
+            if self._closed_done:
+                return dict(self._exit_codes)
+            with self._lock:
+                self._core.closing = True
+                replicas = list(self._core.replicas)
+            self._closed.set()
+
+            def stop_one(r: Replica) -> None:
+                member: _Member | None = r._client
+                if member is None:
+                    return
+                if stop or member._launched is not None:
+                    code = member.shutdown(timeout, drain=drain)
+                else:
+                    member.close()
+                    code = None
+                with self._lock:
+                    self._exit_codes.setdefault(r, code)
+
+            if replicas:
+                with concurrent.futures.ThreadPoolExecutor(len(replicas)) as ex:
+                    for fut in [ex.submit(stop_one, r) for r in replicas]:
+                        exc = fut.exception()
+                        if exc is not None:
+                            logger.warning("enginecore: closing a replica failed: %r", exc)
+            while True:  # restart timers see _closed and return
+                with self._lock:
+                    threads = [t for t in self._threads if t is not threading.current_thread()]
+                if not threads:
+                    break
+                for t in threads:
+                    t.join()
+            with self._lock:
+                left = self._core.live_streams()
+            closed = StageClosedError("this stage pool is closed")
+            for s in left:  # moving between replicas as the pool closed
+                self._end(s, closed)
+            with self._lock:
+                self._core.closed()
+            self._closed_done = True
+            return dict(self._exit_codes)

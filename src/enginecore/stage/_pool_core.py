@@ -1,0 +1,736 @@
+"""What the blocking and the asyncio replica pool share, without IO: the replicas and their
+states, routing, the pool's table of live requests, what becomes of a dead replica's
+requests, and when a dead replica is started again.
+
+A pool is N stage clients (its *members*, one per replica) behind one front. Each member is
+an ordinary :class:`~enginecore.stage.StageClient` or
+:class:`~enginecore.stage.AsyncStageClient` whose session adopts its streams when it fails
+(``ClientSession(adopt_orphans=True)``), so that the pool decides each one's end: a
+:class:`~enginecore.stage.ReplicaDeadError`, or a move to another replica through the
+user's ``on_replica_death`` hook. A stream is the member's own stream object (no wrapper):
+the pool adds nothing per output.
+
+Load. No coordinator: each pool knows its own requests on each replica exactly (the
+member's live streams, ``len(session.streams)``), and each replica's load report (which
+rides on its output frames, ``docs/observability.md``) says how many requests live in the
+stage from every client. The pool counts a replica's load as its own live requests plus the
+others' (the report's ``live`` minus the pool's own, taken when the pool first sees that
+report); a report older than :data:`REPORT_TTL` counts no others (a stage sends none while
+idle).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+from ._errors import EngineDeadError, NoReplicaError, ReplicaDeadError, StageClosedError
+from ._session import StageHealth
+
+if TYPE_CHECKING:
+    from ._session import ClientSession
+    from ._statistics import StageLoad
+
+__all__ = [
+    "REPORT_TTL",
+    "LeastLoaded",
+    "PoolCore",
+    "PoolRequest",
+    "Replica",
+    "ReplicaState",
+    "ReplicaView",
+    "RestartPolicy",
+    "Routing",
+    "Scored",
+    "Sticky",
+]
+
+logger = logging.getLogger("enginecore.stage")
+
+REPORT_TTL: Final = 1.0
+"""Seconds after which a replica's load report no longer counts other clients' requests."""
+
+_EMPTY: Final[Mapping[str, float]] = MappingProxyType({})
+
+
+class ReplicaState(str, enum.Enum):
+    """Where a replica is in its life, as its pool sees it. A ``str``: compares equal to
+    its value.
+
+    - ``STARTING``: being launched or connected (the first time, or a restart).
+    - ``SERVING``: takes requests (unless its health reads ``stalled``).
+    - ``DRAINING``: being removed; takes nothing new, finishes what it has.
+    - ``DEAD``: gone; its requests failed. Restarted later if the pool restarts replicas
+      and it was launched by the pool, else out for good.
+    - ``FAILED``: died too often (the pool's :class:`RestartPolicy`); out for good.
+    - ``REMOVED``: removed from the pool (``remove_replica``).
+    """
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    DEAD = "dead"
+    FAILED = "failed"
+    REMOVED = "removed"
+
+
+class PoolRequest(NamedTuple):
+    """A request as routing and ``on_replica_death`` see it."""
+
+    req_id: str
+    data: Any
+    key: Hashable | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What a routing score sees of one replica."""
+
+    replica: Replica
+    in_flight: int
+    """This pool's requests live on the replica (exact)."""
+    load: int
+    """The replica's load as the built-in routing counts it: :attr:`in_flight` plus the
+    other clients' requests in its latest load report."""
+    live: int | None
+    """Requests live in the stage, every client's, from its latest load report; ``None``
+    before the first report."""
+    engine: Mapping[str, float]
+    """The engine's own numbers (its ``stats()``) from that report; empty before it."""
+    age: float | None
+    """How old that report is, in seconds; ``None`` before the first."""
+
+
+ScoreFn = Callable[[ReplicaView, PoolRequest], float]
+"""``score(view, request) -> float``: the replica with the lowest score gets the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """When a pool starts a dead replica again: after *first_delay* seconds, doubling with
+    each death within *window* seconds, up to *max_delay*; after *max_failures* deaths
+    (failed restarts included) within *window*, the replica is marked ``failed`` and stays
+    out."""
+
+    first_delay: float = 0.5
+    max_delay: float = 30.0
+    max_failures: int = 5
+    window: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first_delay <= self.max_delay:
+            raise ValueError("need 0 < first_delay <= max_delay")
+        if self.max_failures < 1 or self.window <= 0:
+            raise ValueError("need max_failures >= 1 and window > 0")
+
+    def delay(self, deaths: deque[float], now: float) -> float | None:
+        """Record a death at *now* in *deaths* (the replica's recent deaths); the delay
+        before the next start, or ``None`` once the replica has failed."""
+        deaths.append(now)
+        while deaths and deaths[0] <= now - self.window:
+            deaths.popleft()
+        if len(deaths) >= self.max_failures:
+            return None
+        return float(min(self.max_delay, self.first_delay * 2 ** (len(deaths) - 1)))
+
+
+class Replica:
+    """One replica of a pool: a stage process the pool launched, or a stage it connected
+    to. Listed by ``pool.replicas``; names the replica in
+    :class:`~enginecore.stage.ReplicaDeadError` and in broadcast results. Hashable (by
+    identity); every property reads the pool's view now, without waiting."""
+
+    __slots__ = (
+        "_client",
+        "_deaths",
+        "_restarts",
+        "_session",
+        "_state",
+        "name",
+        "spec",
+    )
+
+    def __init__(self, name: str, spec: Mapping[str, Any]) -> None:
+        self.name: Final = name
+        """The replica's name in its pool: ``"r0"``, ``"r1"``, ..."""
+        self.spec: Final = spec
+        """How the pool starts it: ``{"factory": ..., "kwargs": ...}`` or ``{"address": ...}``."""
+        self._state = ReplicaState.STARTING
+        self._client: Any = None  # the member client, once started
+        self._session: ClientSession[Any, Any] | None = None  # its session (routing reads it)
+        self._deaths: deque[float] = deque()
+        self._restarts = 0
+
+    @property
+    def state(self) -> ReplicaState:
+        """Where the replica is in its life (:class:`ReplicaState`)."""
+        return self._state
+
+    @property
+    def launched(self) -> bool:
+        """Whether the pool launched it (else it connected to a running stage)."""
+        return "factory" in self.spec
+
+    @property
+    def address(self) -> str | None:
+        """Its stage's input address; ``None`` before its first start."""
+        session = self._session
+        if session is not None:
+            return session.address
+        address: str | None = self.spec.get("address")
+        return address
+
+    @property
+    def pid(self) -> int | None:
+        """Its stage process's pid where the pool launched it (the current one, after a
+        restart), else ``None``."""
+        session = self._session
+        return session.pid if session is not None and self.launched else None
+
+    @property
+    def in_flight(self) -> int:
+        """This pool's requests live on it (exact)."""
+        session = self._session
+        if session is None or self._state not in (ReplicaState.SERVING, ReplicaState.DRAINING):
+            return 0
+        return len(session.streams)
+
+    @property
+    def restarts(self) -> int:
+        """How many times the pool has started it again after a death."""
+        return self._restarts
+
+    @property
+    def health(self) -> StageHealth:
+        """Its stage's health (:class:`~enginecore.stage.StageHealth`); ``"dead"`` unless
+        it is serving or draining."""
+        if self._state not in (ReplicaState.SERVING, ReplicaState.DRAINING):
+            return StageHealth.DEAD
+        client = self._client
+        health: StageHealth = client.health()
+        return health
+
+    def load(self) -> StageLoad | None:
+        """Its stage's latest load report (:class:`~enginecore.stage.StageLoad`), or
+        ``None``."""
+        session = self._session
+        return None if session is None else session.load(time.monotonic())
+
+    def view(self, now: float) -> ReplicaView:
+        """What a routing score sees of it at *now*."""
+        session = self._session
+        assert session is not None
+        in_flight = len(session.streams)
+        latest = session._load
+        if latest is None:
+            return ReplicaView(self, in_flight, in_flight, None, _EMPTY, None)
+        report, received, _ = latest
+        return ReplicaView(
+            self,
+            in_flight,
+            replica_load(self, now),
+            report.live,
+            MappingProxyType(report.engine),
+            report.age + max(0.0, now - received),
+        )
+
+    def __repr__(self) -> str:
+        pid = self.pid
+        where = f" pid={pid}" if pid is not None else f" {self.address}"
+        return f"<Replica {self.name} {self._state.value}{where} in_flight={self.in_flight}>"
+
+
+def replica_load(r: Replica, now: float) -> int:
+    """*r*'s load: the pool's own live requests on it, plus the other clients' in its
+    latest load report (its ``live`` minus the pool's own live when it arrived), unless
+    that report is older than :data:`REPORT_TTL`. On the routing path: a few reads."""
+    session = r._session
+    assert session is not None
+    own = len(session._streams)
+    latest = session._load
+    if latest is None:
+        return own
+    report, received, own_then = latest
+    others = report.live - own_then
+    if others <= 0 or now - received > REPORT_TTL:
+        return own
+    return own + others
+
+
+def routable(r: Replica) -> bool:
+    """Whether *r* may take a request now: serving, its stage not gone and not stalled (a
+    step past its ``step_timeout``, or two ping intervals without a frame)."""
+    session = r._session
+    return (
+        r._state is ReplicaState.SERVING
+        and session is not None
+        and session._failure is None
+        and not session._step_stalled
+        and not session._silent
+    )
+
+
+# -- routing ---------------------------------------------------------------------------------
+
+
+class Routing:
+    """How a pool picks the replica for each request. Subclass it and implement
+    :meth:`choose`, or pass ``routing=`` a plain ``score(view, request) -> float``
+    (:class:`Scored`). A policy object belongs to one pool."""
+
+    def choose(
+        self, replicas: Sequence[Replica], req_id: str, data: Any, key: Hashable | None, now: float
+    ) -> Replica:
+        """The replica, among *replicas* (those that may take a request now, never empty),
+        that gets request *req_id*. Runs on the caller's thread under no lock; must not
+        block. *now* is a ``time.monotonic()`` reading."""
+        raise NotImplementedError
+
+    def assign(
+        self, replicas: Sequence[Replica], requests: Sequence[PoolRequest], now: float
+    ) -> list[Replica]:
+        """The replica of each of *requests* (``add_many``), in order. By default one
+        :meth:`choose` each; a policy that can do better (spread a burst) overrides it."""
+        return [self.choose(replicas, r.req_id, r.data, r.key, now) for r in requests]
+
+    def membership_changed(self) -> None:
+        """The pool's serving replicas changed (a death, a restart, an added or removed
+        replica): forget what was derived from them."""
+
+
+class LeastLoaded(Routing):
+    """The default: the replica with the least load (its exact in-flight count from this
+    pool plus the other clients' requests in its latest load report). Up to *exhaustive*
+    replicas, every one is looked at and ties go round-robin; above that, *k* replicas
+    drawn at random are ("power of k choices": ~1 µs whatever the pool's size)."""
+
+    def __init__(self, *, k: int = 2, exhaustive: int = 8, seed: int | None = None) -> None:
+        if k < 1 or exhaustive < 1:
+            raise ValueError("need k >= 1 and exhaustive >= 1")
+        self.k: Final = k
+        self.exhaustive: Final = exhaustive
+        self._turn = itertools.count()
+        self._random = random.Random(seed).random
+
+    def choose(
+        self, replicas: Sequence[Replica], req_id: str, data: Any, key: Hashable | None, now: float
+    ) -> Replica:
+        n = len(replicas)
+        if n == 1:
+            return replicas[0]
+        if n <= self.exhaustive:
+            start = next(self._turn) % n  # ties: whoever comes first from a rotating start
+            best = replicas[start]
+            best_load = replica_load(best, now)
+            for i in range(start + 1, start + n):
+                r = replicas[i % n]
+                load = replica_load(r, now)
+                if load < best_load:
+                    best, best_load = r, load
+            return best
+        rand = self._random
+        best = replicas[int(rand() * n)]
+        best_load = replica_load(best, now)
+        for _ in range(self.k - 1):
+            r = replicas[int(rand() * n)]
+            load = replica_load(r, now)
+            if load < best_load:
+                best, best_load = r, load
+        return best
+
+    def assign(
+        self, replicas: Sequence[Replica], requests: Sequence[PoolRequest], now: float
+    ) -> list[Replica]:
+        """Spread a burst: each request to the least-loaded replica, counting the ones
+        assigned before it (water-filling; ties round-robin)."""
+        n = len(replicas)
+        if n == 1:
+            return [replicas[0]] * len(requests)
+        loads = [replica_load(r, now) for r in replicas]
+        start = next(self._turn) % n
+        order = [(start + i) % n for i in range(n)]
+        out: list[Replica] = []
+        for _ in requests:
+            i = min(order, key=loads.__getitem__)
+            loads[i] += 1
+            out.append(replicas[i])
+        return out
+
+
+class Sticky(Routing):
+    """Send a request with a key (``add(..., key=...)``) to the key's *home* replica while
+    it lives, and a request without one as :class:`LeastLoaded` does. Homes come from
+    rendezvous hashing of the key and the replicas' names (stable across processes: every
+    client of the same replicas agrees on them), so a replica that leaves moves only its own
+    keys. A request spills to the least-loaded replica while its home is overloaded: its
+    load above *spill_above* times the mean load of the replicas plus *slack*."""
+
+    def __init__(self, *, spill_above: float = 1.5, slack: int = 2, seed: int | None = None):
+        if spill_above < 1 or slack < 0:
+            raise ValueError("need spill_above >= 1 and slack >= 0")
+        self.spill_above: Final = spill_above
+        self.slack: Final = slack
+        self._least = LeastLoaded(seed=seed)
+        self._homes: dict[Hashable, Replica] = {}
+        self._members: Sequence[Replica] | None = None
+
+    def home(self, replicas: Sequence[Replica], key: Hashable) -> Replica:
+        """*key*'s home among *replicas*: the highest rendezvous hash."""
+        if self._members is not replicas:
+            self._members = replicas
+            self._homes.clear()
+        home = self._homes.get(key)
+        if home is None:
+            k = _key_bytes(key)
+            home = max(replicas, key=lambda r: _rendezvous(k, r.name))
+            if len(self._homes) >= 65_536:
+                self._homes.clear()
+            self._homes[key] = home
+        return home
+
+    def choose(
+        self, replicas: Sequence[Replica], req_id: str, data: Any, key: Hashable | None, now: float
+    ) -> Replica:
+        if key is None or len(replicas) == 1:
+            return self._least.choose(replicas, req_id, data, key, now)
+        home = self.home(replicas, key)
+        total = 0
+        for r in replicas:
+            total += replica_load(r, now)
+        if replica_load(home, now) <= self.spill_above * total / len(replicas) + self.slack:
+            return home
+        return self._least.choose(replicas, req_id, data, key, now)
+
+    def assign(
+        self, replicas: Sequence[Replica], requests: Sequence[PoolRequest], now: float
+    ) -> list[Replica]:
+        if all(r.key is None for r in requests):
+            return self._least.assign(replicas, requests, now)
+        return super().assign(replicas, requests, now)
+
+    def membership_changed(self) -> None:
+        self._members = None
+        self._homes.clear()
+
+
+class Scored(Routing):
+    """Route by a user's ``score(view, request) -> float``: the replica with the lowest
+    score gets the request (ties round-robin). *view* is a :class:`ReplicaView`, *request*
+    a :class:`PoolRequest`. The score runs on the caller's thread for every replica that
+    may take the request; it must be quick and must not block."""
+
+    def __init__(self, score: ScoreFn) -> None:
+        if not callable(score):
+            raise TypeError(f"score must be callable, got {type(score).__name__}")
+        self.score: Final = score
+        self._turn = itertools.count()
+
+    def choose(
+        self, replicas: Sequence[Replica], req_id: str, data: Any, key: Hashable | None, now: float
+    ) -> Replica:
+        return self._pick(replicas, PoolRequest(req_id, data, key), now, None)
+
+    def assign(
+        self, replicas: Sequence[Replica], requests: Sequence[PoolRequest], now: float
+    ) -> list[Replica]:
+        extra: dict[Replica, int] = {}
+        out: list[Replica] = []
+        for request in requests:
+            r = self._pick(replicas, request, now, extra)
+            extra[r] = extra.get(r, 0) + 1
+            out.append(r)
+        return out
+
+    def _pick(
+        self,
+        replicas: Sequence[Replica],
+        request: PoolRequest,
+        now: float,
+        extra: dict[Replica, int] | None,
+    ) -> Replica:
+        n = len(replicas)
+        start = next(self._turn) % n
+        best: Replica | None = None
+        best_score = 0.0
+        for i in range(start, start + n):
+            r = replicas[i % n]
+            view = r.view(now)
+            if extra:
+                more = extra.get(r, 0)
+                if more:
+                    view = ReplicaView(
+                        r,
+                        view.in_flight + more,
+                        view.load + more,
+                        view.live,
+                        view.engine,
+                        view.age,
+                    )
+            score = self.score(view, request)
+            if best is None or score < best_score:
+                best, best_score = r, score
+        assert best is not None
+        return best
+
+
+def _key_bytes(key: Hashable) -> bytes:
+    if isinstance(key, bytes):
+        return b"b" + key
+    if isinstance(key, str):
+        return b"s" + key.encode()
+    return b"r" + repr(key).encode()
+
+
+def _rendezvous(key: bytes, name: str) -> int:
+    digest = hashlib.blake2b(key + b"\0" + name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def as_routing(routing: Routing | ScoreFn | None) -> Routing:
+    """A pool's ``routing=`` argument as a :class:`Routing`."""
+    if routing is None:
+        return LeastLoaded()
+    if isinstance(routing, Routing):
+        return routing
+    if callable(routing):
+        return Scored(routing)
+    raise TypeError(
+        f"routing must be a Routing or a score(view, request) callable, "
+        f"got {type(routing).__name__}"
+    )
+
+
+# -- the core --------------------------------------------------------------------------------
+
+DeathHook = Callable[[PoolRequest, int], "PoolRequest | None"]
+"""``on_replica_death(request, delivered) -> new request | None``."""
+
+
+class PoolCore:
+    """The replicas, routing and live-request table of one pool; the decisions the pools
+    make alike. Not thread-safe: the blocking pool calls what changes state under its lock.
+    Never blocks, never does IO; calls user code only in :meth:`route` (the routing policy)
+    and :meth:`fate` (``on_replica_death``), which the pools call without a lock."""
+
+    def __init__(
+        self,
+        routing: Routing | ScoreFn | None,
+        restart: RestartPolicy | bool,
+        on_replica_death: DeathHook | None,
+        max_migrations: int,
+    ) -> None:
+        if on_replica_death is not None and not callable(on_replica_death):
+            raise TypeError("on_replica_death must be callable")
+        if max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
+        self.routing: Final = as_routing(routing)
+        if restart is True:
+            restart = RestartPolicy()
+        self.restart: Final[RestartPolicy | None] = restart or None
+        self.on_replica_death: Final = on_replica_death
+        self.max_migrations: Final = max_migrations
+        self._replicas: list[Replica] = []
+        self._serving: tuple[Replica, ...] = ()
+        self._names = itertools.count()
+        self._live: dict[str, Any] = {}  # req_id -> its stream (ended ones pruned lazily)
+        self._prune_at = 1024
+        self.closing = False
+
+    # -- membership ----------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """Every replica not removed, in the order they were added."""
+        return tuple(self._replicas)
+
+    def new_replica(self, spec: Mapping[str, Any]) -> Replica:
+        """A new replica, ``starting``."""
+        replica = Replica(f"r{next(self._names)}", MappingProxyType(dict(spec)))
+        self._replicas.append(replica)
+        return replica
+
+    def started(self, replica: Replica, client: Any) -> bool:
+        """*replica*'s member *client* is up: it serves from the next routing decision on.
+        ``False`` (nothing changed) if the replica was removed or the pool closes
+        meanwhile: the caller closes *client*."""
+        if self.closing or replica._state is not ReplicaState.STARTING:
+            return False
+        replica._client = client
+        replica._session = client._session
+        replica._state = ReplicaState.SERVING
+        self._refresh()
+        return True
+
+    def set_state(self, replica: Replica, state: ReplicaState) -> None:
+        """Move *replica* to *state* (leaves the routing unless it is ``serving``)."""
+        replica._state = state
+        if state is ReplicaState.REMOVED and replica in self._replicas:
+            self._replicas.remove(replica)
+        self._refresh()
+
+    def died(self, replica: Replica, now: float) -> float | None:
+        """*replica*'s stage (or a start of it) failed at *now*: it leaves the routing.
+        Returns the delay before starting it again, or ``None`` (dead or failed for good).
+        A replica being drained or removed just goes."""
+        if replica._state in (ReplicaState.DRAINING, ReplicaState.REMOVED) or self.closing:
+            return None
+        if self.restart is None or not replica.launched:
+            self.set_state(replica, ReplicaState.DEAD)
+            return None
+        delay = self.restart.delay(replica._deaths, now)
+        self.set_state(replica, ReplicaState.DEAD if delay is not None else ReplicaState.FAILED)
+        if delay is None:
+            logger.error(
+                "enginecore: replica %s died %d times within %g s; it stays out",
+                replica.name,
+                self.restart.max_failures,
+                self.restart.window,
+            )
+        return delay
+
+    def restarting(self, replica: Replica) -> bool:
+        """The restart timer of a ``dead`` replica fired: whether to start it now (it is
+        then ``starting``)."""
+        if self.closing or replica._state is not ReplicaState.DEAD:
+            return False
+        replica._restarts += 1
+        replica._state = ReplicaState.STARTING
+        return True
+
+    def closed(self) -> None:
+        """The pool has closed: every replica left is ``dead``."""
+        for r in self._replicas:
+            if r._state is not ReplicaState.FAILED:
+                r._state = ReplicaState.DEAD
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self._serving = tuple(r for r in self._replicas if r._state is ReplicaState.SERVING)
+        self.routing.membership_changed()
+
+    # -- routing -------------------------------------------------------------------------
+
+    def candidates(self) -> Sequence[Replica]:
+        """The replicas that may take a request now; if none is healthy, the serving ones
+        that are stalled (better queued than refused); :class:`NoReplicaError` if none
+        serves."""
+        serving = self._serving
+        healthy = [r for r in serving if routable(r)]
+        if len(healthy) == len(serving) and serving:
+            return serving  # the common case: the same tuple (Sticky caches on it)
+        if healthy:
+            return healthy
+        alive = [r for r in serving if r._session is not None and r._session._failure is None]
+        if alive:
+            return alive
+        raise NoReplicaError(
+            "no replica can take requests: "
+            + (", ".join(f"{r.name} {r._state.value}" for r in self._replicas) or "none left")
+        )
+
+    def route(self, req_id: str, data: Any, key: Hashable | None) -> Replica:
+        """The replica for one request."""
+        return self.routing.choose(self.candidates(), req_id, data, key, time.monotonic())
+
+    def route_many(self, requests: Sequence[PoolRequest]) -> list[Replica]:
+        """The replica of each request of a burst."""
+        return self.routing.assign(self.candidates(), requests, time.monotonic())
+
+    # -- the live-request table (under the blocking pool's lock) -------------------------
+
+    def check_free(self, req_ids: Sequence[str]) -> None:
+        """:class:`ValueError` if one of *req_ids* is live in this pool."""
+        live = self._live
+        for rid in req_ids:
+            stream = live.get(rid)
+            if stream is not None and stream._ended is None:
+                raise ValueError(f"request {rid!r} is still live in this pool")
+
+    def track(self, req_id: str, stream: Any) -> None:
+        """Remember *stream* as *req_id*'s (for ``abort`` and the live check). Ended streams
+        are dropped in passing, so the table stays about as large as what is live."""
+        live = self._live
+        live[req_id] = stream
+        if len(live) > self._prune_at:
+            self._live = live = {k: s for k, s in live.items() if s._ended is None}
+            self._prune_at = max(1024, 2 * len(live))
+
+    def untrack(self, req_id: str, stream: Any) -> None:
+        """Forget *req_id* if its entry is *stream* (a reservation whose send failed)."""
+        if self._live.get(req_id) is stream:
+            del self._live[req_id]
+
+    def stream_of(self, req_id: str) -> Any:
+        """The live stream of *req_id*, or ``None``."""
+        stream = self._live.get(req_id)
+        return stream if stream is not None and stream._ended is None else None
+
+    def live_streams(self) -> list[Any]:
+        """Every stream the pool still tracks as live."""
+        return [s for s in self._live.values() if s._ended is None]
+
+    # -- a dead replica's requests -------------------------------------------------------
+
+    def dead_error(self, replica: Replica, failure: BaseException, delivered: int) -> Exception:
+        """What a request or call of dead *replica* ends with: *failure* itself when the
+        pool closed the member (:class:`StageClosedError`), else a
+        :class:`ReplicaDeadError`."""
+        if isinstance(failure, StageClosedError) or not isinstance(failure, EngineDeadError):
+            return failure if isinstance(failure, Exception) else StageClosedError(str(failure))
+        err = ReplicaDeadError(
+            f"replica {replica.name}: {failure}",
+            replica=replica,
+            delivered=delivered,
+            exit_code=failure.exit_code,
+            fatal=failure.fatal,
+        )
+        err.__cause__ = failure
+        return err
+
+    def fate(
+        self, replica: Replica, stream: Any, failure: BaseException
+    ) -> tuple[Exception, PoolRequest | None]:
+        """What becomes of *stream*, live on *replica* when its member failed with
+        *failure*: its error, and the request to send to another replica instead (from
+        ``on_replica_death``, within ``max_migrations``), or ``None`` (end it with the
+        error). Calls the user's hook: call it without a lock."""
+        delivered = len(stream._arrivals)
+        err = self.dead_error(replica, failure, delivered)
+        hook = self.on_replica_death
+        # getattr: a stream of add_many() whose replica died before the pool marked it
+        request: PoolRequest | None = getattr(stream, "_request", None)
+        if (
+            hook is None
+            or request is None
+            or self.closing
+            or not isinstance(err, ReplicaDeadError)
+            or getattr(stream, "_migrations", 0) >= self.max_migrations
+        ):
+            return err, None
+        try:
+            again = hook(request, delivered)
+        except Exception:
+            logger.exception(
+                "enginecore: on_replica_death raised for request %r; it fails", request.req_id
+            )
+            return err, None
+        if again is None:
+            return err, None
+        if not isinstance(again, PoolRequest) or again.req_id != request.req_id:
+            logger.error(
+                "enginecore: on_replica_death must return a PoolRequest with the same req_id "
+                "(%r) or None, got %r; the request fails",
+                request.req_id,
+                again,
+            )
+            return err, None
+        return err, again

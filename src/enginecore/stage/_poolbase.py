@@ -1,0 +1,322 @@
+"""What the blocking and the asyncio replica pool share besides the decisions
+(``_pool_core``): the operations that never wait (route and send requests, aborts; what
+becomes of a dead member's requests and calls) and the read-only properties. The pools add
+the waiting: starting, stopping and restarting replicas, utility calls."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Generic, TypeVar, cast
+
+from . import _session
+from ._clientbase import ClientBase, Target, check_heartbeat
+from ._errors import EngineDeadError, NoReplicaError, StageClosedError
+from ._pool_core import (
+    DeathHook,
+    PoolCore,
+    PoolRequest,
+    Replica,
+    ReplicaState,
+    RestartPolicy,
+    Routing,
+    ScoreFn,
+)
+from ._session import ClientSession, Deliveries, End, StageHealth, StreamCore
+
+__all__ = ["RESERVED", "PoolBase", "PoolStreamCore", "member_plan"]
+
+logger = logging.getLogger("enginecore.stage")
+
+
+class PoolStreamCore(StreamCore):
+    """What a pool adds to a member's stream: the replica that serves it, the request
+    (kept only for ``on_replica_death``), and how often it moved. The concrete streams
+    (:class:`~enginecore.stage.PoolRequestStream`,
+    :class:`~enginecore.stage.AsyncPoolRequestStream`) hold the slots; a stream of
+    ``add_many()`` gets them just after its frame left, so readers use ``getattr``."""
+
+    __slots__ = ()
+    _migrations: int
+    _replica: Replica
+    _request: PoolRequest | None
+
+    @property
+    def replica(self) -> Replica | None:
+        """The replica serving the request now."""
+        return getattr(self, "_replica", None)
+
+    @property
+    def migrations(self) -> int:
+        """How many times the request moved to another replica after a death."""
+        return getattr(self, "_migrations", 0)
+
+
+S = TypeVar("S", bound=PoolStreamCore)
+
+
+class _Reserved:
+    """What the pool's live table holds for an ``add_many`` id while its frame is sent."""
+
+    _ended = None
+    _replica = None
+
+
+RESERVED = _Reserved()
+_RESERVED = RESERVED
+
+
+def member_plan(replica: Replica) -> tuple[Any, ...]:
+    """How to start *replica*'s member client, from its spec: ``("connect", target)`` or
+    ``("launch", factory, kwargs, startup_timeout, options, ping_s)``; the stage of a
+    launched replica is named ``"<name or factory>/<replica name>"``."""
+    spec = dict(replica.spec)
+    if "address" in spec:
+        heartbeat = check_heartbeat(
+            spec.pop("heartbeat_interval", 1.0), spec.pop("heartbeat_timeout", 5.0)
+        )
+        return (
+            "connect",
+            Target(spec["address"], spec.get("timeout", 10.0), None, heartbeat, False),
+        )
+    factory = spec.pop("factory")
+    kwargs = spec.pop("kwargs", None)
+    startup_timeout = spec.pop("startup_timeout", 60.0)
+    ping_s = spec.pop("ping_interval", _session.LAUNCHED_PING_S)
+    base = spec.pop("name", None) or factory
+    spec["name"] = f"{base}/{replica.name}"
+    return ("launch", factory, kwargs, startup_timeout, spec, ping_s)
+
+
+class PoolBase(Generic[S]):
+    """The part of a pool that neither blocks nor awaits. A subclass sets ``_lock`` (the
+    lock of every member's session and of the core: a lock for the blocking pool, a no-op
+    for the asyncio one) and ``_stream_type``, and implements :meth:`_wake`,
+    :meth:`_member_apply` and :meth:`_member_gone`."""
+
+    _lock: Any
+    _stream_type: Callable[[str, Any, float], S]
+
+    def __init__(
+        self,
+        routing: Routing | ScoreFn | None,
+        restart: RestartPolicy | bool,
+        on_replica_death: DeathHook | None,
+        max_migrations: int,
+    ) -> None:
+        self._core = PoolCore(routing, restart, on_replica_death, max_migrations)
+
+    def _wake(self, stream: S) -> None:
+        """Wake *stream*'s consumer, which waits."""
+        raise NotImplementedError
+
+    def _member_apply(self, member: Any, d: Deliveries[Any, Any]) -> None:
+        """The member client's own ``_apply``."""
+        raise NotImplementedError
+
+    def _member_gone(self, member: Any, failure: BaseException) -> None:
+        """*member*'s session has failed with *failure*: settle its replica."""
+        raise NotImplementedError
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """Every replica of the pool that was not removed, in the order they were added
+        (dead and failed ones included: see :attr:`Replica.state`)."""
+        return self._core.replicas
+
+    def health(self) -> StageHealth:
+        """``"ok"`` while a replica serves and is healthy, ``"stalled"`` while the serving
+        ones are all stalled, ``"dead"`` when none serves or the pool is closed. Each
+        replica's own is :attr:`Replica.health`. Never blocks on a stage."""
+        if self._core.closing:
+            return StageHealth.DEAD
+        seen = {r.health for r in self._core.replicas if r.state is ReplicaState.SERVING}
+        if StageHealth.OK in seen:
+            return StageHealth.OK
+        return StageHealth.STALLED if StageHealth.STALLED in seen else StageHealth.DEAD
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` / :meth:`shutdown` has begun."""
+        return self._core.closing
+
+    def _check_open(self) -> None:
+        if self._core.closing:
+            raise StageClosedError("this stage pool is closed")
+
+    def _utility_target(self, replica: Replica | None) -> Any:
+        """The member client a utility call goes to: *replica*'s, else the least-loaded
+        serving replica's."""
+        self._check_open()
+        target = replica if replica is not None else self._core.route("", None, None)
+        if target._client is None or target.state is not ReplicaState.SERVING:
+            raise NoReplicaError(f"replica {target.name} is {target.state.value}")
+        return target._client
+
+    def _send(
+        self,
+        req_id: str,
+        parts: _session.Parts,
+        request: PoolRequest | None,
+        key: Hashable | None,
+        migrations: int,
+        stream: S | None,
+    ) -> S:
+        """Route and send one request; *stream* continues a moved one. A replica that left
+        the routing between the choice and the send gets the next choice instead."""
+        core = self._core
+        new = stream
+        if new is None:
+            new = self._stream_type(req_id, self._lock, time.monotonic())
+            with self._lock:
+                self._check_open()
+                core.check_free((req_id,))
+                core.track(req_id, new)  # reserved: another thread's add of it fails
+        new._request = request
+        new._migrations = migrations
+        try:
+            for _ in range(8):
+                replica = core.route(req_id, None if request is None else request.data, key)
+                member: ClientBase[Any, Any] = replica._client
+                new._replica = replica
+                try:
+                    member._send_request(req_id, parts, True, new)
+                except (EngineDeadError, StageClosedError):
+                    if member._session.failure is None and not member._session.closing:
+                        raise
+                    continue  # the replica went away meanwhile: route again
+                return new
+            raise NoReplicaError("no replica took the request: each one left as it was chosen")
+        except BaseException:
+            with self._lock:
+                core.untrack(req_id, new)
+            raise
+
+    def _add_many(self, items: Iterable[tuple[str, Any]]) -> list[S]:
+        """``add_many()``: route, then one frame per replica."""
+        items = list(items)
+        ids, whole = ClientSession.adds_frame(items)  # checks everything once
+        if not ids:
+            return []
+        core = self._core
+        with self._lock:
+            self._check_open()
+            core.check_free(ids)
+            for rid in ids:
+                core.track(rid, _RESERVED)
+        out: list[S] = []
+        try:
+            requests = [PoolRequest(rid, data) for rid, data in items]
+            chosen = core.route_many(requests)
+            groups: dict[Replica, list[int]] = {}
+            for i, r in enumerate(chosen):
+                groups.setdefault(r, []).append(i)
+            keep = core.on_replica_death is not None
+            by_index: dict[int, S] = {}
+            for replica, idx in groups.items():
+                member: ClientBase[Any, Any] = replica._client
+                group_ids = [ids[i] for i in idx]
+                parts = (
+                    whole
+                    if len(groups) == 1
+                    else ClientSession.adds_frame([items[i] for i in idx])[1]
+                )
+                try:
+                    streams = cast(
+                        "list[S] | None",
+                        member._send_requests(group_ids, parts, True),
+                    )
+                except (EngineDeadError, StageClosedError):
+                    if member._session.failure is None and not member._session.closing:
+                        raise
+                    streams = None
+                if streams is None:  # the replica left meanwhile: one by one to the others
+                    with self._lock:
+                        for rid in group_ids:
+                            core.untrack(rid, _RESERVED)
+                    for i in idx:
+                        rid, data = items[i]
+                        by_index[i] = self._send(
+                            rid,
+                            ClientSession.add_frame(rid, data),
+                            requests[i] if keep else None,
+                            None,
+                            0,
+                            None,
+                        )
+                    continue
+                with self._lock:
+                    for i, s in zip(idx, streams, strict=True):
+                        s._replica = replica
+                        s._request = requests[i] if keep else None
+                        s._migrations = 0
+                        core.track(ids[i], s)
+                        by_index[i] = s
+            out = [by_index[i] for i in range(len(ids))]
+        finally:
+            if len(out) != len(ids):
+                with self._lock:
+                    for rid in ids:
+                        core.untrack(rid, _RESERVED)
+        return out
+
+    def _abort(self, req_ids: Sequence[str]) -> None:
+        """``abort()``: each id to the replica that serves it."""
+        if isinstance(req_ids, (str, bytes)):
+            raise TypeError(f"abort() takes a sequence of request ids; write abort([{req_ids!r}])")
+        ids = list(req_ids)
+        ClientSession.abort_frame(ids)  # checks the ids
+        by_replica: dict[Replica, list[str]] = {}
+        with self._lock:
+            self._check_open()
+            for rid in ids:
+                stream = self._core.stream_of(rid)
+                if stream is not None:
+                    by_replica.setdefault(stream._replica, []).append(rid)
+        for replica, group in by_replica.items():
+            member: ClientBase[Any, Any] | None = replica._client
+            if member is None:
+                continue
+            with contextlib.suppress(EngineDeadError, StageClosedError):
+                member._send_abort(group)  # a dead replica's streams end on their own
+
+    def _member_failed(self, member: Any, d: Deliveries[Any, Any], failure: BaseException) -> None:
+        """A member's deliveries once its session failed (on whichever thread applies
+        them, without the lock): its calls get a ReplicaDeadError, its streams their fate."""
+        replica = member._replica
+        core = self._core
+        if d.answers:
+            d.answers = [
+                (w, r, core.dead_error(replica, e, 0) if e is failure else e)
+                for w, r, e in d.answers
+            ]
+        orphans = d.orphans or []
+        d.orphans = None
+        self._member_apply(member, d)
+        for stream in orphans:
+            err, again = core.fate(replica, stream, failure)
+            if again is not None:
+                try:
+                    parts = ClientSession.add_frame(again.req_id, again.data)
+                    self._send(
+                        again.req_id, parts, again, again.key, stream._migrations + 1, stream
+                    )
+                    continue
+                except Exception as exc:
+                    logger.warning(
+                        "enginecore: request %r could not move off replica %s: %s",
+                        again.req_id,
+                        replica.name,
+                        exc,
+                    )
+            self._end(stream, err)
+        if d.over:
+            self._member_gone(member, failure)
+
+    def _end(self, stream: S, exc: BaseException) -> None:
+        with self._lock:
+            woke = stream._ended is None and stream._end_with(End(exc), time.monotonic())
+        if woke:
+            self._wake(stream)

@@ -1,0 +1,525 @@
+"""The replica pool, through both pools (``[sync]`` StagePool, ``[async]`` AsyncStagePool
+behind a thin blocking adapter), on real stage processes and sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
+
+import pytest
+
+from enginecore.stage import (
+    AsyncPoolRequestStream,
+    AsyncStagePool,
+    EngineDeadError,
+    LeastLoaded,
+    NoReplicaError,
+    PoolRequest,
+    PoolRequestStream,
+    Replica,
+    ReplicaDeadError,
+    ReplicaState,
+    ReplicaView,
+    RequestError,
+    StageClosedError,
+    StageHealth,
+    StagePool,
+    StageStatistics,
+    Sticky,
+    UtilityError,
+)
+
+from .conftest import BlockingAsyncStream, EventLoopThread, Server, pid_gone, wait_until
+
+DEVICE = "enginecore.stage.testing:device"
+COUNTDOWN = "enginecore.stage.testing:countdown"
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class BlockingAsyncPoolStream(BlockingAsyncStream):
+    """An AsyncPoolRequestStream behind PoolRequestStream's blocking interface."""
+
+    @property
+    def replica(self) -> Replica | None:
+        return cast(AsyncPoolRequestStream, self._stream).replica
+
+    @property
+    def migrations(self) -> int:
+        return cast(AsyncPoolRequestStream, self._stream).migrations
+
+
+class BlockingAsyncPool:
+    """An AsyncStagePool behind StagePool's blocking interface; every call runs as a
+    coroutine on the pool's event loop (another thread) and the caller waits for it."""
+
+    def __init__(self, runner: EventLoopThread, pool: AsyncStagePool) -> None:
+        self._runner = runner
+        self._pool = pool
+
+    replicas = property(lambda self: self._pool.replicas)
+    closed = property(lambda self: self._pool.closed)
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        async def call() -> Any:
+            return await fn(*args, **kwargs)
+
+        return self._runner.run(call())
+
+    def health(self) -> StageHealth:
+        return self._pool.health()
+
+    def add(self, req_id: str, data: Any, *, key: Any = None) -> Any:
+        stream = self._run(self._pool.add, req_id, data, key=key)
+        return BlockingAsyncPoolStream(self._runner, stream)
+
+    def add_many(self, items: Iterable[tuple[str, Any]]) -> list[Any]:
+        streams = self._run(self._pool.add_many, items)
+        return [BlockingAsyncPoolStream(self._runner, s) for s in streams]
+
+    def abort(self, req_ids: Any) -> None:
+        self._run(self._pool.abort, req_ids)
+
+    def call_utility(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+        return self._run(self._pool.call_utility, name, *args, **kwargs)
+
+    def stats(self, timeout: float | None = 10.0) -> Any:
+        return self._run(self._pool.stats, timeout)
+
+    def add_replica(self, *args: Any, **kwargs: Any) -> Replica:
+        return cast(Replica, self._run(self._pool.add_replica, *args, **kwargs))
+
+    def remove_replica(self, replica: Replica, **kwargs: Any) -> int | None:
+        return cast("int | None", self._run(self._pool.remove_replica, replica, **kwargs))
+
+    def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> Any:
+        return self._run(self._pool.shutdown, timeout, drain=drain)
+
+    def close(self) -> None:
+        self._run(self._pool.close)
+
+    def __enter__(self) -> BlockingAsyncPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+Open = Callable[..., StagePool]
+
+
+@pytest.fixture(params=["sync", "async"])
+def pools(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[tuple[Open, Open]]:
+    """``(launch, connect)``: StagePool's or AsyncStagePool's (behind the adapter, typed as a
+    StagePool). Every pool opened is closed afterwards."""
+    runner = EventLoopThread() if request.param == "async" else None
+    opened: list[Any] = []
+
+    def opener(name: str) -> Open:
+        def open_(*args: Any, **kwargs: Any) -> StagePool:
+            if runner is None:
+                pool: Any = getattr(StagePool, name)(*args, **kwargs)
+            else:
+
+                async def make() -> AsyncStagePool:
+                    made: AsyncStagePool = await getattr(AsyncStagePool, name)(*args, **kwargs)
+                    return made
+
+                pool = BlockingAsyncPool(runner, runner.run(make()))
+            opened.append(pool)
+            return cast(StagePool, pool)
+
+        return open_
+
+    try:
+        yield opener("launch"), opener("connect")
+    finally:
+        try:
+            for pool in opened:
+                pool.close()
+        finally:
+            if runner is not None:
+                runner.stop()
+
+
+@pytest.fixture
+def launch(pools: tuple[Open, Open]) -> Open:
+    """``launch(factory=DEVICE, replicas=2, **kwargs)``."""
+    open_ = pools[0]
+
+    def launch_(factory: str = DEVICE, **kwargs: Any) -> StagePool:
+        kwargs.setdefault("replicas", 2)
+        kwargs.setdefault("startup_timeout", 30)
+        return open_(factory, **kwargs)
+
+    return launch_
+
+
+# -- serving -----------------------------------------------------------------------------------
+
+
+def test_requests_spread_over_the_replicas_and_stream_their_outputs(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.01})
+    r0, r1 = pool.replicas
+    assert [r.name for r in pool.replicas] == ["r0", "r1"]
+    assert r0.pid != r1.pid
+    assert r0.launched
+    assert r0.state is ReplicaState.SERVING
+    assert r0.address is not None
+    assert r0.restarts == 0
+    streams = [pool.add(f"q{i}", 20) for i in range(8)]
+    # Least loaded, exact in-flight counts: 4 each, before any output.
+    assert sorted(r.in_flight for r in pool.replicas) == [4, 4]
+    assert {s.replica for s in streams} == {r0, r1}
+    for s in streams:
+        assert s.collect(10) == list(range(19, -1, -1))
+        assert s.finished
+    assert [r.in_flight for r in pool.replicas] == [0, 0]
+    assert pool.health() == StageHealth.OK == r0.health
+
+
+def test_add_many_spreads_a_burst_and_keeps_the_order(launch: Open) -> None:
+    pool = launch(replicas=3)
+    streams = pool.add_many([(f"b{i}", 1 + i % 3) for i in range(30)])
+    assert [s.req_id for s in streams] == [f"b{i}" for i in range(30)]
+    counts: dict[str, int] = {}
+    for s in streams:
+        assert s.replica is not None
+        counts[s.replica.name] = counts.get(s.replica.name, 0) + 1
+    assert counts == {"r0": 10, "r1": 10, "r2": 10}
+    for i, s in enumerate(streams):
+        assert s.collect(10)[-1] == 0, i
+    assert pool.add_many([]) == []
+
+
+def test_bad_requests_are_refused_before_anything_is_sent(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.01})
+    live = pool.add("dup", 50)
+    with pytest.raises(ValueError, match="still live in this pool"):
+        pool.add("dup", 1)  # whichever replica it would go to
+    with pytest.raises(ValueError, match="live in this pool"):
+        pool.add_many([("x", 1), ("dup", 1)])
+    with pytest.raises(ValueError, match="twice"):
+        pool.add_many([("y", 1), ("y", 1)])
+    with pytest.raises(TypeError):
+        pool.add("z", {1, 2})
+    with pytest.raises(TypeError):
+        pool.abort("dup")
+    # Nothing of the refused ones was sent or reserved: the ids are free.
+    assert pool.add("x", 1).collect(10) == [0]
+    assert pool.add("y", 1).collect(10) == [0]
+    pool.abort(["dup"])
+    assert live.collect(10)[-1] > 0
+    assert live.aborted
+    assert pool.add("dup", 1).collect(10) == [0]  # free again once ended
+
+
+def test_a_rejected_request_fails_alone(launch: Open) -> None:
+    pool = launch()
+    bad = pool.add("bad", -1)
+    with pytest.raises(RequestError, match="int >= 1"):
+        bad.collect(10)
+    assert pool.add("good", 2).collect(10) == [1, 0]
+
+
+def test_abort_reaches_the_replica_that_serves_the_request(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.01})
+    streams = [pool.add(f"a{i}", 10_000) for i in range(4)]
+    assert {s.replica for s in streams} == set(pool.replicas)
+    pool.abort(["a1", "a2", "unknown"])
+    for i, s in enumerate(streams):
+        if i in (1, 2):
+            s.collect(10)
+            assert s.aborted
+    assert [r.in_flight for r in pool.replicas] == [1, 1]
+    pool.abort(["a0", "a3"])
+    for s in streams:
+        s.collect(10)
+        assert s.aborted
+
+
+def test_utilities_go_to_one_replica_or_to_all(launch: Open) -> None:
+    pool = launch(replicas=3)
+    pids = {r.pid for r in pool.replicas}
+    assert pool.call_utility("pid") in pids
+    r2 = pool.replicas[2]
+    assert pool.call_utility("pid", replica=r2) == r2.pid
+    assert pool.call_utility("echo", 1, "a", replica=r2) == [1, "a"]
+    answers = pool.call_utility("pid", broadcast=True)
+    assert answers == {r: r.pid for r in pool.replicas}
+    errors = pool.call_utility("nope", broadcast=True)
+    assert set(errors) == set(pool.replicas)
+    assert all(isinstance(e, UtilityError) for e in errors.values())
+    with pytest.raises(UtilityError):
+        pool.call_utility("nope")
+    with pytest.raises(TypeError):
+        pool.call_utility("pid", replica=r2, broadcast=True)
+    stats = pool.stats()
+    assert set(stats) == set(pool.replicas)
+    for r, s in stats.items():
+        assert isinstance(s, StageStatistics)
+        assert s.pid == r.pid
+        assert s.name.endswith(f"/{r.name}")
+
+
+# -- a dead or stuck replica ---------------------------------------------------------------
+
+
+def test_a_killed_replica_fails_only_its_own_requests(launch: Open) -> None:
+    pool = launch(replicas=3, kwargs={"step_s": 0.01})
+    streams = [pool.add(f"k{i}", 300) for i in range(9)]
+    first = [s.get(10) for s in streams]  # every request has delivered
+    assert first == [299] * 9
+    victim = pool.replicas[1]
+    mine = [s for s in streams if s.replica is victim]
+    assert len(mine) == 3
+    killed_at = time.monotonic()
+    os.kill(cast(int, victim.pid), signal.SIGKILL)
+    for s in mine:
+        with pytest.raises(ReplicaDeadError) as info:
+            s.collect(10)
+        assert time.monotonic() - killed_at < 1.0
+        err = info.value
+        assert isinstance(err, EngineDeadError)
+        assert err.replica is victim
+        assert err.delivered >= 1
+        assert "SIGKILL" in str(err)
+        assert "r1" in str(err)
+    assert victim.state is ReplicaState.DEAD
+    assert victim.health == StageHealth.DEAD
+    # The others serve on; new requests avoid the dead one.
+    fresh = [pool.add(f"n{i}", 2) for i in range(6)]
+    assert all(s.replica is not victim for s in fresh)
+    for s in fresh:
+        assert s.collect(10) == [1, 0]
+    for s in streams:
+        if s not in mine:
+            pool.abort([s.req_id])
+            s.collect(10)
+    assert pool.health() == StageHealth.OK
+
+
+def test_a_call_on_a_dying_replica_gets_replica_dead_error(launch: Open) -> None:
+    pool = launch(replicas=2)
+    victim, other = pool.replicas
+    killer = threading.Timer(0.3, os.kill, (victim.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        with pytest.raises(ReplicaDeadError) as info:
+            pool.call_utility("sleep", 30, replica=victim)
+    finally:
+        killer.join()
+    assert info.value.replica is victim
+    assert info.value.delivered == 0
+    assert pool.call_utility("pid") == other.pid
+
+
+def test_no_replica_left_raises(launch: Open) -> None:
+    pool = launch(COUNTDOWN, replicas=1)
+    (only,) = pool.replicas
+    os.kill(cast(int, only.pid), signal.SIGKILL)
+    assert wait_until(lambda: only.state is ReplicaState.DEAD, 5)
+    with pytest.raises(NoReplicaError, match="r0 dead"):
+        pool.add("x", 1)
+    with pytest.raises(NoReplicaError):
+        pool.call_utility("num_requests")
+    assert pool.health() == StageHealth.DEAD
+
+
+def test_restart_brings_a_killed_replica_back(launch: Open) -> None:
+    pool = launch(COUNTDOWN, replicas=2, restart=True)
+    victim = pool.replicas[0]
+    old_pid = victim.pid
+    os.kill(cast(int, old_pid), signal.SIGKILL)
+    assert wait_until(lambda: victim.state is ReplicaState.SERVING and victim.pid != old_pid, 10)
+    assert victim.restarts == 1
+    assert pid_gone(cast(int, old_pid))
+    streams = [pool.add(f"r{i}", 2) for i in range(4)]
+    assert {s.replica for s in streams} == set(pool.replicas)
+    for s in streams:
+        assert s.collect(10) == [1, 0]
+
+
+def test_on_replica_death_moves_a_request_on(launch: Open) -> None:
+    seen: list[tuple[PoolRequest, int]] = []
+
+    def resume(request: PoolRequest, delivered: int) -> PoolRequest | None:
+        seen.append((request, delivered))
+        if request.req_id == "give-up":
+            return None
+        return PoolRequest(request.req_id, request.data - delivered, request.key)
+
+    pool = launch(kwargs={"step_s": 0.01}, on_replica_death=resume)
+    moving = pool.add("move", 200, key="k")
+    other = pool.add("give-up", 200)
+    assert moving.replica is not other.replica
+    got = [moving.get(10) for _ in range(3)]
+    victim = moving.replica
+    assert victim is not None
+    stays = other.replica
+    pool.abort(["give-up"])
+    other.collect(10)
+    os.kill(cast(int, victim.pid), signal.SIGKILL)
+    rest = moving.collect(10)
+    # Continued on the other replica, where it started again with what was left.
+    assert moving.replica is stays
+    assert moving.migrations == 1
+    assert moving.finished
+    assert got == [199, 198, 197]
+    assert rest[-1] == 0
+    assert len(got) + len(rest) >= 200
+    assert len(seen) == 1
+    assert seen[0][0] == PoolRequest("move", 200, "k")
+    assert seen[0][1] >= 3
+
+
+def test_a_stopped_replica_leaves_the_routing_until_it_answers(launch: Open) -> None:
+    pool = launch(COUNTDOWN, replicas=2, ping_interval=0.2)
+    r0, r1 = pool.replicas
+    os.kill(cast(int, r0.pid), signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: r0.health == StageHealth.STALLED, 5)
+        streams = [pool.add(f"s{i}", 2) for i in range(6)]
+        assert all(s.replica is r1 for s in streams)
+        for s in streams:
+            assert s.collect(10) == [1, 0]
+    finally:
+        os.kill(cast(int, r0.pid), signal.SIGCONT)
+    assert wait_until(lambda: r0.health == StageHealth.OK, 5)
+    streams = [pool.add(f"t{i}", 2) for i in range(4)]
+    assert {s.replica for s in streams} == {r0, r1}
+    for s in streams:
+        s.collect(10)
+
+
+# -- membership --------------------------------------------------------------------------
+
+
+def test_replicas_join_and_leave_while_serving(launch: Open) -> None:
+    pool = launch(replicas=1, kwargs={"step_s": 0.005})
+    (r0,) = pool.replicas
+    before = [pool.add(f"a{i}", 600) for i in range(4)]  # 3 s: live while r1 starts
+    r1 = pool.add_replica(DEVICE, {"step_s": 0.005}, startup_timeout=30)
+    assert r1.name == "r1"
+    assert r1.state is ReplicaState.SERVING
+    after = [pool.add(f"b{i}", 40) for i in range(4)]
+    assert all(s.replica is r1 for s in after)  # the least loaded: the new one
+    code = pool.remove_replica(r0, drain=True)
+    assert code == 0
+    assert r0.state is ReplicaState.REMOVED
+    assert pool.replicas == (r1,)
+    for s in before + after:  # drained: nothing lost
+        assert s.collect(10)[-1] == 0
+    with pytest.raises(ValueError, match="not in this pool"):
+        pool.remove_replica(r0)
+
+
+def test_a_pool_over_connected_and_launched_replicas(pools: tuple[Open, Open]) -> None:
+    _, connect = pools
+    server = Server("--engine", COUNTDOWN, "--bind", "tcp://127.0.0.1:*")
+    try:
+        pool = connect([server.address], heartbeat_interval=0.2, heartbeat_timeout=1.0)
+        (remote,) = pool.replicas
+        assert not remote.launched
+        assert remote.pid is None
+        assert remote.address == server.address
+        local = pool.add_replica(COUNTDOWN, startup_timeout=30)
+        assert local.launched
+        assert local.pid is not None
+        streams = [pool.add(f"c{i}", 3) for i in range(6)]
+        assert {s.replica for s in streams} == {remote, local}
+        for s in streams:
+            assert s.collect(10) == [2, 1, 0]
+        assert pool.remove_replica(remote) is None  # detached from; the server runs on
+        assert server.proc.poll() is None
+        pool.close()
+    finally:
+        server.stop()
+
+
+# -- closing -------------------------------------------------------------------------------
+
+
+def test_close_ends_everything_with_stage_closed_error(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.01})
+    streams = [pool.add(f"c{i}", 10_000) for i in range(4)]
+    pids = [r.pid for r in pool.replicas]
+    pool.close()
+    for s in streams:
+        with pytest.raises(StageClosedError):
+            s.collect(10)
+    with pytest.raises(StageClosedError):
+        pool.add("late", 1)
+    assert pool.closed
+    assert pool.health() == StageHealth.DEAD
+    assert all(pid_gone(cast(int, p)) for p in pids)
+    pool.close()  # idempotent
+
+
+def test_shutdown_with_drain_finishes_live_requests(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.005})
+    streams = [pool.add(f"d{i}", 20) for i in range(6)]
+    codes = pool.shutdown(drain=10)
+    assert sorted(codes.values()) == [0, 0]
+    for s in streams:
+        assert s.collect(10)[-1] == 0
+
+
+def test_a_failed_start_leaves_nothing(pools: tuple[Open, Open]) -> None:
+    launch, _ = pools
+    from enginecore.stage import StageStartupError
+
+    with pytest.raises(StageStartupError):
+        launch("enginecore.stage.testing:failing_factory", replicas=2, startup_timeout=30)
+
+
+# -- routing policies ----------------------------------------------------------------------
+
+
+def test_sticky_keys_go_home(launch: Open) -> None:
+    pool = launch(COUNTDOWN, replicas=3, routing=Sticky())
+    homes: dict[str, Replica | None] = {}
+    for i in range(30):
+        key = f"user{i % 5}"
+        s = pool.add(f"s{i}", 1, key=key)
+        homes.setdefault(key, s.replica)
+        assert s.replica is homes[key]
+        s.collect(10)
+    assert len(set(homes.values())) > 1
+
+
+def test_a_score_function_routes(launch: Open) -> None:
+    views: list[ReplicaView] = []
+
+    def prefer_last(view: ReplicaView, request: PoolRequest) -> float:
+        views.append(view)
+        return -int(view.replica.name[1:])
+
+    pool = launch(COUNTDOWN, replicas=3, routing=prefer_last)
+    streams = [pool.add(f"p{i}", 2) for i in range(3)]
+    assert all(s.replica is pool.replicas[2] for s in streams)
+    assert views
+    assert all(isinstance(v.in_flight, int) for v in views)
+    for s in streams:
+        s.collect(10)
+
+
+def test_bad_pool_arguments() -> None:
+    with pytest.raises(TypeError, match="routing"):
+        StagePool(routing=cast(Any, 3))
+    with pytest.raises(ValueError, match="replicas"):
+        StagePool.launch(COUNTDOWN, replicas=0)
+    with pytest.raises(TypeError):
+        StagePool.connect(cast(Any, "tcp://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="k >= 1"):
+        LeastLoaded(k=0)
+    with pytest.raises(ValueError, match="spill_above"):
+        Sticky(spill_above=0.5)
+    with pytest.raises(TypeError):
+        StagePool().add_replica()
+    stream_types = (PoolRequestStream, AsyncPoolRequestStream)
+    assert all(hasattr(t, "replica") for t in stream_types)
