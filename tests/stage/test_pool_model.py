@@ -1,0 +1,356 @@
+"""A model check of the replica pool: adds, bursts, aborts, steps, replica deaths,
+restarts, migrations and membership changes, interleaved by hypothesis.
+
+The pool under test is the real :class:`~enginecore.stage._poolbase.PoolBase` and
+:class:`~enginecore.stage._pool_core.PoolCore` (what both pools share), over members that
+are real :class:`~enginecore.stage._session.ClientSession` objects; only the sockets and the
+stage processes are replaced, by a model stage per replica that reads the frames the
+members send and answers with the events a stage sends. Checked after every step: each
+stream ends at most once and nothing follows its end, its outputs never repeat (a countdown
+that only goes down, across its moves), and a live stream is live in exactly one serving
+replica, whose stage holds it. At the end, after every stage has run dry: every request
+ended exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from enginecore.stage import (
+    AsyncPoolRequestStream,
+    NoReplicaError,
+    PoolRequest,
+    ReplicaDeadError,
+    ReplicaState,
+    StageClosedError,
+)
+from enginecore.stage._errors import EngineDeadError
+from enginecore.stage._pool_core import Replica
+from enginecore.stage._poolbase import PoolBase
+from enginecore.stage._session import NO_LOCK, ClientSession, Deliveries, End
+from enginecore.stage._wire import Aborted, Outputs
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class ModelStage:
+    """What one replica's stage does with the frames it gets: a countdown per request."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, int] = {}
+        self.aborted: list[str] = []
+
+    def receive(self, parts: list[Any]) -> None:
+        msg = msgspec.msgpack.decode(bytes(parts[0]))
+        kind = msg[0]
+        if kind == "add":
+            self.take(msg[1], msg[2])
+        elif kind == "adds":
+            for rid, data in zip(msg[1], msg[2], strict=True):
+                self.take(rid, data)
+        elif kind == "abort":
+            for rid in msg[1]:
+                if self.live.pop(rid, None) is not None:
+                    self.aborted.append(rid)
+        else:  # shutdown, bye, ping: nothing the model needs
+            pass
+
+    def take(self, rid: str, n: int) -> None:
+        assert rid not in self.live, f"{rid} added twice to one stage"
+        assert n >= 1, f"{rid} added with {n} steps"
+        self.live[rid] = n
+
+    def step(self) -> list[Any]:
+        events: list[Any] = []
+        if self.aborted:
+            events.append(Aborted(self.aborted))
+            self.aborted = []
+        if self.live:
+            rids = list(self.live)
+            payloads = [self.live[r] - 1 for r in rids]
+            finished = [p == 0 for p in payloads]
+            for r, p in zip(rids, payloads, strict=True):
+                if p:
+                    self.live[r] = p
+                else:
+                    del self.live[r]
+            events.append(Outputs(rids, finished, payloads))  # type: ignore[arg-type]
+        return events
+
+
+class ModelMember:
+    """A member client without sockets: its session is real; its sends go to the model
+    stage."""
+
+    _adopt_orphans = True
+    _lock = NO_LOCK
+    _stream_type = AsyncPoolRequestStream
+
+    def __init__(self, pool: ModelPool, replica: Replica) -> None:
+        self._pool = pool
+        self._replica = replica
+        self.stage = ModelStage()
+        self._closed = False
+        self._session: ClientSession[Any, Any] = ClientSession(
+            pid=1,
+            address=f"model://{replica.name}",
+            launched=True,
+            heartbeat=None,
+            ordered_events=False,
+            now=time.monotonic(),
+            adopt_orphans=True,
+        )
+
+    # ClientBase's non-waiting operations, which the pool calls.
+    from enginecore.stage._clientbase import ClientBase as _CB
+
+    _send_request = _CB._send_request
+    _send_requests = _CB._send_requests
+    _send_abort = _CB._send_abort
+    del _CB
+
+    def _send(self, parts: list[Any]) -> None:
+        if self._closed:
+            raise StageClosedError("closed")
+        self.stage.receive(parts)
+
+    def _send_nowait(self, parts: list[Any]) -> bool:
+        self._send(parts)
+        return True
+
+    def _sent(self) -> None:
+        pass
+
+    def _apply(self, d: Deliveries[Any, Any]) -> None:
+        failure = self._session.failure
+        if failure is None:
+            return
+        self._pool._member_failed(self, d, failure)
+
+    def deliver(self, events: list[Any]) -> None:
+        if events:
+            self._apply(self._session.dispatch(events, time.monotonic()))
+
+    def kill(self) -> None:
+        d = self._session.fail(EngineDeadError("stage process 1 was killed by SIGKILL"))
+        if d is not None:
+            self._apply(d)
+
+    def close(self) -> None:
+        self._session.begin_close()
+        d = self._session.fail(StageClosedError("this stage client is closed"))
+        self._closed = True
+        if d is not None:
+            self._apply(d)
+
+
+class ModelPool(PoolBase[AsyncPoolRequestStream]):
+    _stream_type = AsyncPoolRequestStream
+
+    def __init__(self) -> None:
+        super().__init__(None, True, self.resume, max_migrations=2)
+        self._lock = NO_LOCK
+        self.gone: list[Replica] = []
+        self.sizes: dict[str, int] = {}  # each request's first size
+
+    def resume(self, request: PoolRequest, delivered: int) -> PoolRequest | None:
+        """Move every other request on, with what it has left (*delivered* counts every
+        attempt's outputs)."""
+        if int(request.req_id[1:]) % 2:
+            return None
+        return PoolRequest(request.req_id, self.sizes[request.req_id] - delivered, request.key)
+
+    def _wake(self, stream: AsyncPoolRequestStream) -> None:
+        pass  # nobody waits: the model reads buffers
+
+    def _member_apply(self, member: Any, d: Deliveries[Any, Any]) -> None:
+        pass
+
+    def _member_gone(self, member: Any, failure: BaseException) -> None:
+        replica = member._replica
+        if replica._client is member:
+            self._core.died(replica, time.monotonic())
+            self.gone.append(replica)
+
+    def start(self, replica: Replica) -> None:
+        member = ModelMember(self, replica)
+        assert self._core.started(replica, member)
+
+
+class PoolModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = ModelPool()
+        for _ in range(3):
+            self.pool.start(self.pool._core.new_replica({"factory": "model"}))
+        self.streams: dict[str, AsyncPoolRequestStream] = {}
+        self.sizes = self.pool.sizes
+        self.seen: dict[str, list[Any]] = {}  # what each stream's consumer has read
+        self.ids = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def serving(self) -> list[Replica]:
+        return [r for r in self.pool.replicas if r.state is ReplicaState.SERVING]
+
+    def new_id(self) -> str:
+        self.ids += 1
+        return f"q{self.ids}"
+
+    def read(self, rid: str) -> None:
+        stream = self.streams[rid]
+        got = self.seen[rid]
+        if got and type(got[-1]) is End:
+            assert not stream._buf, f"{rid}: something after its end: {stream._buf}"
+            return
+        got.extend(stream._buf)
+        stream._buf = []
+
+    # -- rules ----------------------------------------------------------------------------
+
+    @rule(n=st.integers(1, 6), key=st.sampled_from([None, "a", "b"]))
+    def add(self, n: int, key: str | None) -> None:
+        rid = self.new_id()
+        try:
+            stream = self.pool._send(
+                rid, ClientSession.add_frame(rid, n), PoolRequest(rid, n, key), key, 0, None
+            )
+        except NoReplicaError:
+            assert not self.serving()
+            return
+        self.streams[rid] = stream
+        self.sizes[rid] = n
+        self.seen[rid] = []
+
+    @rule(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=6))
+    def add_many(self, sizes: list[int]) -> None:
+        items = [(self.new_id(), n) for n in sizes]
+        try:
+            streams = self.pool._add_many(items)
+        except NoReplicaError:
+            assert not self.serving()
+            return
+        for (rid, n), stream in zip(items, streams, strict=True):
+            self.streams[rid] = stream
+            self.sizes[rid] = n
+            self.seen[rid] = []
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        if not self.streams:
+            return
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.streams)), max_size=3))
+        self.pool._abort([*ids, "never-added"])
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        serving = self.serving()
+        if serving:
+            r = data.draw(st.sampled_from(serving))
+            r._client.deliver(r._client.stage.step())
+
+    @rule(data=st.data())
+    def consume(self, data: st.DataObject) -> None:
+        if self.streams:
+            self.read(data.draw(st.sampled_from(sorted(self.streams))))
+
+    @rule(data=st.data())
+    def kill(self, data: st.DataObject) -> None:
+        serving = self.serving()
+        if serving:
+            data.draw(st.sampled_from(serving))._client.kill()
+
+    @precondition(lambda self: any(r.state is ReplicaState.DEAD for r in self.pool.replicas))
+    @rule(data=st.data())
+    def restart(self, data: st.DataObject) -> None:
+        dead = [r for r in self.pool.replicas if r.state is ReplicaState.DEAD]
+        r = data.draw(st.sampled_from(dead))
+        if self.pool._core.restarting(r):
+            self.pool.start(r)
+
+    @precondition(lambda self: len(self.pool.replicas) < 6)
+    @rule()
+    def add_replica(self) -> None:
+        self.pool.start(self.pool._core.new_replica({"factory": "model"}))
+
+    @rule(data=st.data(), drain=st.booleans())
+    def remove_replica(self, data: st.DataObject, drain: bool) -> None:
+        serving = self.serving()
+        if not serving:
+            return
+        r = data.draw(st.sampled_from(serving))
+        core = self.pool._core
+        core.set_state(r, ReplicaState.DRAINING)
+        member: ModelMember = r._client
+        if drain:
+            while member.stage.live or member.stage.aborted:
+                member.deliver(member.stage.step())
+        member.close()
+        core.set_state(r, ReplicaState.REMOVED)
+
+    # -- invariants -----------------------------------------------------------------------
+
+    @invariant()
+    def streams_are_consistent(self) -> None:
+        holders: dict[str, list[Replica]] = {}
+        for r in self.pool.replicas:
+            if r._client is None or r._session is None:
+                continue
+            for rid in r._session.streams:
+                holders.setdefault(rid, []).append(r)
+        for rid, stream in self.streams.items():
+            items = self.seen[rid] + list(stream._buf)
+            ends = [i for i, x in enumerate(items) if type(x) is End]
+            assert len(ends) <= 1, f"{rid} ended twice: {items}"
+            if ends:
+                assert ends[0] == len(items) - 1, f"{rid}: an output after its end: {items}"
+                assert rid not in holders, f"{rid} ended but live in {holders[rid]}"
+            else:
+                where = holders.get(rid, [])
+                assert len(where) == 1, f"{rid} live in {where}"
+                (r,) = where
+                assert r.state in (ReplicaState.SERVING, ReplicaState.DRAINING)
+                stage = r._client.stage
+                assert rid in stage.live or rid in stage.aborted, (
+                    f"{rid}: in {r.name}'s session only"
+                )
+            payloads = [x for x in items if type(x) is not End]
+            assert payloads == sorted(set(payloads), reverse=True), f"{rid}: {payloads}"
+            assert all(0 <= p < self.sizes[rid] for p in payloads)
+
+    def teardown(self) -> None:
+        moved = sum(s.migrations for s in self.streams.values())
+        event("requests moved" if moved else "no request moved")
+        event("a replica died" if self.pool.gone else "no replica died")
+        # Run every stage dry, then every request has ended, exactly once, and as it should.
+        for _ in range(20):
+            for r in self.serving():
+                r._client.deliver(r._client.stage.step())
+        for rid in self.streams:
+            self.read(rid)
+            items = self.seen[rid]
+            assert items, f"{rid} never ended"
+            end = items[-1]
+            assert type(end) is End, f"{rid} never ended: {items}"
+            if end.exc is None and not end.aborted:
+                assert items[-2] == 0, f"{rid} finished early: {items}"
+            elif end.exc is not None:
+                assert isinstance(end.exc, (ReplicaDeadError, StageClosedError)), end.exc
+                if isinstance(end.exc, ReplicaDeadError):
+                    assert end.exc.delivered == len(items) - 1
+
+
+TestPoolModel = PoolModel.TestCase
+TestPoolModel.settings = settings(
+    max_examples=2000,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
