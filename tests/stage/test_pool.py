@@ -182,6 +182,19 @@ def test_requests_spread_over_the_replicas_and_stream_their_outputs(launch: Open
     assert pool.health() == StageHealth.OK == r0.health
 
 
+def test_one_receiver_thread_reads_every_replica(no_leftovers: str) -> None:
+    def names() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("enginecore"))
+
+    before = names()
+    with StagePool.launch(COUNTDOWN, replicas=3, startup_timeout=30) as pool:
+        assert names() == sorted([*before, "enginecore-pool-receiver"])
+        streams = pool.add_many([(f"x{i}", 3) for i in range(9)])
+        assert {s.replica for s in streams} == set(pool.replicas)
+        assert all(s.collect(10) == [2, 1, 0] for s in streams)
+    assert names() == before
+
+
 def test_add_many_spreads_a_burst_and_keeps_the_order(launch: Open) -> None:
     pool = launch(replicas=3)
     streams = pool.add_many([(f"b{i}", 1 + i % 3) for i in range(30)])

@@ -135,7 +135,11 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "load_interval": load_interval,
             "ping_interval": ping_interval,
         }
-        await pool._add_replicas([{"factory": factory, "kwargs": kwargs, **options}] * replicas)
+        try:
+            await pool._add_replicas([{"factory": factory, "kwargs": kwargs, **options}] * replicas)
+        except BaseException:
+            await pool.close()
+            raise
         return pool
 
     @classmethod
@@ -162,7 +166,11 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "heartbeat_interval": heartbeat_interval,
             "heartbeat_timeout": heartbeat_timeout,
         }
-        await pool._add_replicas([{"address": a, **options} for a in addresses])
+        try:
+            await pool._add_replicas([{"address": a, **options} for a in addresses])
+        except BaseException:
+            await pool.close()
+            raise
         return pool
 
     async def add_replica(

@@ -63,7 +63,7 @@ from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
-__all__ = ["RequestStream", "StageClient"]
+__all__ = ["Receiver", "RequestStream", "StageClient"]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -237,8 +237,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         ctx: zmq.Context[Any],
         *socks: zmq.Socket[bytes],
         lock: threading.Lock | None = None,
+        hub: Receiver | None = None,
     ) -> None:
-        """Private: use :meth:`launch` or :meth:`connect`."""
+        """Private: use :meth:`launch` or :meth:`connect`. With *hub*, the stage's events
+        are read by that shared :class:`Receiver`'s thread instead of one of the client's
+        own, and :meth:`call_utility` never borrows the output socket."""
         super().__init__(target, welcome)
         self._ctx = ctx
         self._dealer, self._pull = socks
@@ -267,8 +270,13 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self._sentinel = self._launched.process.sentinel if self._launched is not None else None
         if self._sentinel is not None:
             self._poller.register(self._sentinel, zmq.POLLIN)
-        self._rx = threading.Thread(target=self._rx_main, name="enginecore-client", daemon=True)
-        self._rx.start()
+        self._hub = hub
+        if hub is None:
+            self._rx = threading.Thread(target=self._rx_main, name="enginecore-client", daemon=True)
+            self._rx.start()
+        else:
+            self._rx = hub._thread
+            hub.attach(self)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -342,10 +350,12 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         *,
         ping_s: float = _session.LAUNCHED_PING_S,
         lock: threading.Lock | None = None,
+        hub: Receiver | None = None,
     ) -> StageClient:
         """:meth:`launch`, with the stage's *options* (its keyword arguments from *name*
-        on) as a dict, how often to ping the stage (*ping_s*: a pool's health check), and
-        the lock of the client's session (*lock*: one for every member of a pool)."""
+        on) as a dict, how often to ping the stage (*ping_s*: a pool's health check), the
+        lock of the client's session (*lock*: one for every member of a pool), and the
+        shared :class:`Receiver` that reads its events (*hub*)."""
         options = dict(options)
         launched = launch_process(
             factory, kwargs, startup_timeout, options.pop("name", None), **options
@@ -360,6 +370,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                     ordered_events,
                 ),
                 lock,
+                hub,
             )
         except BaseException as exc:
             launched.kill_and_clean()
@@ -388,7 +399,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         return cls._open(Target(address, timeout, None, heartbeat, ordered_events))
 
     @classmethod
-    def _open(cls, target: Target, lock: threading.Lock | None = None) -> StageClient:
+    def _open(
+        cls, target: Target, lock: threading.Lock | None = None, hub: Receiver | None = None
+    ) -> StageClient:
         address, timeout, launched = target.address, target.timeout, target.launched
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         dealer = pull = None
@@ -408,7 +421,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         except BaseException:
             _clientbase.close_sockets(ctx, dealer, pull)
             raise
-        return cls(target, welcome, ctx, dealer, pull, lock=lock)
+        return cls(target, welcome, ctx, dealer, pull, lock=lock, hub=hub)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -721,7 +734,10 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self._stopping = True  # before the byte: the receiver reads the flag after it
         _poke(self._wake_w)  # for the receiver or a borrower, whichever polls
         self._resume()  # for a receiver parked with an idle socket
-        self._rx.join()
+        if self._hub is None:
+            self._rx.join()
+        else:
+            self._hub.detach(self)
         self._fail_closed()
         with self._send_lock:
             self._sockets_closed = True
@@ -788,32 +804,57 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     def _rx_main(self) -> None:
         try:
             self._rx_loop()
-            if self._session.release_due and not self._stopping:
-                self._release_session()
         except BaseException as exc:
-            logger.exception("enginecore: the stage client's receiver thread failed")
-            err = EngineDeadError(f"the stage client's receiver thread failed: {exc!r}")
-            err.__cause__ = exc
-            with self._lock:
-                d = self._session.fail(err)
-            if d is not None:
-                self._apply(d)
-            _poke(self._wake_w)  # a borrower stops polling at once
+            self._rx_failed(exc)
+        else:
+            self._rx_done()
+
+    def _rx_done(self) -> None:
+        """The receiver (its own thread, or the shared one) stops reading this client."""
+        if self._session.release_due and not self._stopping:
+            self._release_session()
+
+    def _rx_failed(self, exc: BaseException) -> None:
+        """The receiver raised while reading this client: the stage counts as gone."""
+        logger.error("enginecore: the stage client's receiver failed", exc_info=exc)
+        err = EngineDeadError(f"the stage client's receiver thread failed: {exc!r}")
+        err.__cause__ = exc
+        with self._lock:
+            d = self._session.fail(err)
+        if d is not None:
+            self._apply(d)
+        _poke(self._wake_w)  # a borrower stops polling at once
+
+    def _rx_timers(self) -> float | None:
+        """Run the liveness timers and send a ping that is due; when to run them again
+        (``None``: no timer). Sets nothing if the session has failed (the caller checks)."""
+        with self._lock:
+            ping, wake_at, d = self._session.tick(time.monotonic())
+        if d is not None:
+            self._apply(d)
+        if ping is not None and self._session.failure is None:
+            with contextlib.suppress(zmq.ZMQError, StageClosedError):
+                self._send_now(ping)
+        return wake_at
+
+    def _rx_exited(self) -> None:
+        """The launched process's sentinel fired."""
+        assert self._launched is not None
+        exit_code = self._launched.reap()
+        with self._lock:
+            self._exit_seen = True
+            d = self._session.process_exited(exit_code, time.monotonic())
+        if d is not None:
+            self._apply(d)
 
     def _rx_loop(self) -> None:
         session = self._session
         poller = self._poller
         pull, wake_r = self._pull, self._wake_r
         while True:
-            with self._lock:
-                ping, wake_at, d = session.tick(time.monotonic())
-            if d is not None:
-                self._apply(d)
+            wake_at = self._rx_timers()
             if session.failure is not None:
                 return
-            if ping is not None:
-                with contextlib.suppress(zmq.ZMQError, StageClosedError):
-                    self._send_now(ping)
             timeout_ms = None
             if wake_at is not None:  # rounded up: waking early would spin until the deadline
                 timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
@@ -824,13 +865,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             if sentinel is not None and sentinel in ready:
                 poller.unregister(sentinel)
                 self._sentinel = None
-                assert self._launched is not None
-                exit_code = self._launched.reap()
-                with self._lock:
-                    self._exit_seen = True
-                    d = session.process_exited(exit_code, time.monotonic())
-                if d is not None:
-                    self._apply(d)
+                self._rx_exited()
             if wake_r in ready:
                 os.read(wake_r, 4096)  # every byte: one wake-up serves them all
                 if self._stopping:
@@ -850,7 +885,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             with contextlib.suppress(zmq.ZMQError):
                 _codec.send_parts(self._dealer, _session.BYE_FRAME, zmq.NOBLOCK)
                 self._released = True
-        self._poller.unregister(self._pull)
+        if self._hub is None:
+            self._poller.unregister(self._pull)
         self._pull.close(linger=0)
 
     def _lend(self) -> None:
@@ -924,6 +960,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             if (
                 session.failure is not None
                 or session.closing
+                or self._hub is not None  # the shared receiver never lends a socket
                 or me in (self._reader, self._rx.ident)
             ):
                 return
@@ -1028,3 +1065,162 @@ def _poke(fd: int) -> None:
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class Receiver:
+    """One thread that reads the events of many blocking clients: a replica pool's members
+    (:class:`~enginecore.stage.StagePool`), so that a pool of N stages costs one receiver
+    thread, not N. For each attached client it does what the client's own receiver thread
+    would (``StageClient._rx_loop``): it reads and applies its frames, runs its liveness
+    timers, and watches its process's sentinel; it never lends a client's output socket
+    (a client attached to a hub does not borrow it in ``call_utility``).
+
+    A client attaches itself when it is made with ``hub=`` and detaches in ``close()``;
+    one whose session has ended is dropped. :meth:`close` stops the thread, once every
+    client has detached."""
+
+    def __init__(self, name: str = "enginecore-pool-receiver") -> None:
+        self._lock = threading.Lock()
+        self._clients: list[StageClient] = []
+        self._leaving: dict[StageClient, threading.Event] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stopping = False
+        self._changed = True
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def attach(self, client: StageClient) -> None:
+        """Start reading *client*'s events."""
+        with self._lock:
+            if self._stopping:
+                raise StageClosedError("this receiver is closed")
+            self._clients.append(client)
+            self._changed = True
+        _poke(self._wake_w)
+
+    def detach(self, client: StageClient) -> None:
+        """Stop reading *client*'s events; returns once the thread no longer touches it
+        (at once on the receiver's own thread)."""
+        done = threading.Event()
+        with self._lock:
+            if client not in self._clients:
+                return
+            if threading.get_ident() == self._thread.ident:
+                self._clients.remove(client)
+                self._changed = True
+                return
+            self._leaving[client] = done
+            self._changed = True
+        _poke(self._wake_w)
+        done.wait()
+
+    def close(self) -> None:
+        """Stop the thread (the clients must have detached). Idempotent."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._changed = True
+        _poke(self._wake_w)
+        if threading.get_ident() != self._thread.ident:
+            self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _main(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        by_socket: dict[Any, StageClient] = {}  # a pull socket or sentinel -> its client
+        clients: list[StageClient] = []
+        due: dict[StageClient, float | None] = {}  # when each client's timers run next
+        while True:
+            if self._changed:
+                with self._lock:
+                    self._changed = False
+                    for client, done in self._leaving.items():
+                        if client in self._clients:
+                            self._clients.remove(client)
+                        done.set()
+                    self._leaving.clear()
+                    wanted = list(self._clients)
+                    if self._stopping:
+                        return
+                for client in clients:
+                    if client not in wanted:
+                        self._forget(poller, by_socket, client)
+                        due.pop(client, None)
+                for client in wanted:
+                    if client not in clients:
+                        poller.register(client._pull, zmq.POLLIN)
+                        by_socket[client._pull] = client
+                        if client._sentinel is not None:
+                            poller.register(client._sentinel, zmq.POLLIN)
+                            by_socket[client._sentinel] = client
+                        due[client] = 0.0  # its timers run at once
+                clients = wanted
+            now = time.monotonic()
+            ended: list[StageClient] = []
+            soonest: float | None = None
+            for client, next_at in due.items():
+                at = next_at
+                if at is not None and at <= now:
+                    try:
+                        at = due[client] = client._rx_timers()
+                    except Exception as exc:
+                        client._rx_failed(exc)
+                    if client._session.failure is not None:
+                        ended.append(client)
+                        continue
+                if at is not None and (soonest is None or at < soonest):
+                    soonest = at
+            for client in ended:
+                self._end(poller, by_socket, due, client, clients)
+            timeout_ms = None
+            if soonest is not None:
+                timeout_ms = max(0, math.ceil((soonest - time.monotonic()) * 1000))
+            for sock, _ in poller.poll(timeout_ms):
+                if sock == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                    continue
+                owner = by_socket.get(sock)
+                if owner is None or owner not in due:
+                    continue  # ended earlier in this round
+                try:
+                    if sock is owner._pull:
+                        owner._drain(None)
+                    else:
+                        poller.unregister(sock)
+                        del by_socket[sock]
+                        owner._sentinel = None
+                        owner._rx_exited()
+                except Exception as exc:
+                    owner._rx_failed(exc)
+                if owner._session.failure is not None:
+                    self._end(poller, by_socket, due, owner, clients)
+                else:
+                    due[owner] = 0.0  # a frame or an exit may have moved its timers
+
+    def _end(
+        self,
+        poller: zmq.Poller,
+        by_socket: dict[Any, StageClient],
+        due: dict[StageClient, float | None],
+        client: StageClient,
+        clients: list[StageClient],
+    ) -> None:
+        """*client*'s session ended: stop reading it (as its own receiver would return)."""
+        self._forget(poller, by_socket, client)
+        due.pop(client, None)
+        with self._lock:
+            if client in self._clients:
+                self._clients.remove(client)
+        if client in clients:
+            clients.remove(client)
+        client._rx_done()
+
+    @staticmethod
+    def _forget(poller: zmq.Poller, by_socket: dict[Any, StageClient], client: StageClient) -> None:
+        for sock in [s for s, c in by_socket.items() if c is client]:
+            poller.unregister(sock)
+            del by_socket[sock]

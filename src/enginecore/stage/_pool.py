@@ -8,6 +8,11 @@ threads that start, restart and stop replicas.
 
 Every member shares the pool's one lock: a stream that moves from a dead replica to a live
 one (``on_replica_death``) keeps the lock its consumer and its new receiver append under.
+And one thread reads every member's events (a :class:`~enginecore.stage._client.Receiver`),
+not one per replica: it runs each member's receiver code (frames, liveness timers, the
+process sentinel) as that member's own thread would, so a pool costs nothing per output
+that a single client does not. A member never lends its output socket to a blocking
+``call_utility`` (which then waits to be woken, as a future does).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _session
-from ._client import RequestStream, StageClient
+from ._client import Receiver, RequestStream, StageClient
 from ._clientbase import check_heartbeat
 from ._errors import StageClosedError
 from ._pool_core import (
@@ -109,6 +114,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         request."""
         super().__init__(routing, restart, on_replica_death, max_migrations)
         self._lock = threading.Lock()  # every member's session lock, and the core's
+        self._hub = Receiver()  # one thread reads every member's events
         self._closed = threading.Event()  # set when close begins: timers stop waiting
         self._close_lock = threading.Lock()
         self._closed_done = False
@@ -163,7 +169,11 @@ class StagePool(PoolBase[PoolRequestStream]):
             "load_interval": load_interval,
             "ping_interval": ping_interval,
         }
-        pool._add_replicas([{"factory": factory, "kwargs": kwargs, **options}] * replicas)
+        try:
+            pool._add_replicas([{"factory": factory, "kwargs": kwargs, **options}] * replicas)
+        except BaseException:
+            pool.close()
+            raise
         return pool
 
     @classmethod
@@ -193,7 +203,11 @@ class StagePool(PoolBase[PoolRequestStream]):
             "heartbeat_interval": heartbeat_interval,
             "heartbeat_timeout": heartbeat_timeout,
         }
-        pool._add_replicas([{"address": a, **options} for a in addresses])
+        try:
+            pool._add_replicas([{"address": a, **options} for a in addresses])
+        except BaseException:
+            pool.close()
+            raise
         return pool
 
     def add_replica(
@@ -268,11 +282,18 @@ class StagePool(PoolBase[PoolRequestStream]):
     def _open_member(self, replica: Replica) -> _Member:
         plan = member_plan(replica)
         if plan[0] == "connect":
-            member = _Member._open(plan[1], self._lock)
+            member = _Member._open(plan[1], self._lock, self._hub)
         else:
             _, factory, kwargs, startup_timeout, options, ping_s = plan
             member = _Member._launch(
-                factory, kwargs, startup_timeout, False, options, ping_s=ping_s, lock=self._lock
+                factory,
+                kwargs,
+                startup_timeout,
+                False,
+                options,
+                ping_s=ping_s,
+                lock=self._lock,
+                hub=self._hub,
             )
         assert isinstance(member, _Member)
         return member
@@ -531,5 +552,6 @@ class StagePool(PoolBase[PoolRequestStream]):
                 self._end(s, closed)
             with self._lock:
                 self._core.closed()
+            self._hub.close()
             self._closed_done = True
             return dict(self._exit_codes)
