@@ -511,6 +511,17 @@ def as_routing(routing: Routing | ScoreFn | None) -> Routing:
 
 # -- the core --------------------------------------------------------------------------------
 
+
+class _Held:
+    """What the live table holds for an id of an ``add_many`` while its frame is sent."""
+
+    __slots__ = ()
+    _ended = None
+    _replica = None
+
+
+_HELD: Final = _Held()
+
 DeathHook = Callable[[PoolRequest, int], "PoolRequest | None"]
 """``on_replica_death(request, delivered) -> new request | None``."""
 
@@ -540,6 +551,12 @@ class PoolCore:
         self.max_migrations: Final = max_migrations
         self._replicas: list[Replica] = []
         self._serving: tuple[Replica, ...] = ()
+        # Bumped by the member sessions (ClientSession(health_epoch=)) whenever one's
+        # routability changes, and by every change of membership: candidates() recomputes
+        # the routable replicas only then.
+        self.health_epoch = [0]
+        self._routable: tuple[Replica, ...] = ()
+        self._routable_epoch = -1
         self._names = itertools.count()
         self._live: dict[str, Any] = {}  # req_id -> its stream (ended ones pruned lazily)
         self._prune_at = 1024
@@ -566,6 +583,7 @@ class PoolCore:
             return False
         replica._client = client
         replica._session = client._session
+        client._session._health_epoch = self.health_epoch
         replica._state = ReplicaState.SERVING
         self._refresh()
         return True
@@ -615,6 +633,7 @@ class PoolCore:
 
     def _refresh(self) -> None:
         self._serving = tuple(r for r in self._replicas if r._state is ReplicaState.SERVING)
+        self.health_epoch[0] += 1
         self.routing.membership_changed()
 
     # -- routing -------------------------------------------------------------------------
@@ -622,20 +641,28 @@ class PoolCore:
     def candidates(self) -> Sequence[Replica]:
         """The replicas that may take a request now; if none is healthy, the serving ones
         that are stalled (better queued than refused); :class:`NoReplicaError` if none
-        serves."""
+        serves. Recomputed only when a member's health or the membership changed (the
+        health epoch), so a decision costs the same at 64 replicas as at 2."""
+        epoch = self.health_epoch[0]  # read first: a change while computing bumps it again
+        if epoch != self._routable_epoch:
+            self._routable = self._compute_routable()
+            self._routable_epoch = epoch
+        routable = self._routable
+        if not routable:
+            raise NoReplicaError(
+                "no replica can take requests: "
+                + (", ".join(f"{r.name} {r._state.value}" for r in self._replicas) or "none left")
+            )
+        return routable
+
+    def _compute_routable(self) -> tuple[Replica, ...]:
         serving = self._serving
-        healthy = [r for r in serving if routable(r)]
-        if len(healthy) == len(serving) and serving:
+        healthy = tuple(r for r in serving if routable(r))
+        if len(healthy) == len(serving):
             return serving  # the common case: the same tuple (Sticky caches on it)
         if healthy:
             return healthy
-        alive = [r for r in serving if r._session is not None and r._session._failure is None]
-        if alive:
-            return alive
-        raise NoReplicaError(
-            "no replica can take requests: "
-            + (", ".join(f"{r.name} {r._state.value}" for r in self._replicas) or "none left")
-        )
+        return tuple(r for r in serving if r._session is not None and r._session._failure is None)
 
     def route(self, req_id: str, data: Any, key: Hashable | None) -> Replica:
         """The replica for one request."""
@@ -658,8 +685,35 @@ class PoolCore:
     def track(self, req_id: str, stream: Any) -> None:
         """Remember *stream* as *req_id*'s (for ``abort`` and the live check). Ended streams
         are dropped in passing, so the table stays about as large as what is live."""
+        self._live[req_id] = stream
+        self._maybe_prune()
+
+    def reserve(self, req_ids: list[str]) -> None:
+        """Check that none of *req_ids* is live in this pool (:class:`ValueError`), then
+        hold them (``add_many`` sends their frame next). The checks run in C: a burst has
+        thousands of ids."""
         live = self._live
-        live[req_id] = stream
+        clash = live.keys() & req_ids
+        if clash:
+            for rid in req_ids:  # the first live one, in the caller's order
+                if rid in clash and live[rid]._ended is None:
+                    raise ValueError(f"request {rid!r} is still live in this pool")
+        live.update(dict.fromkeys(req_ids, _HELD))
+        self._maybe_prune()
+
+    def release(self, req_ids: list[str]) -> None:
+        """Drop the hold of those of *req_ids* that are still only held."""
+        live = self._live
+        for rid in req_ids:
+            if live.get(rid) is _HELD:
+                del live[rid]
+
+    def track_many(self, req_ids: list[str], streams: Sequence[Any]) -> None:
+        """:meth:`track` for many (their holds are replaced)."""
+        self._live.update(zip(req_ids, streams, strict=True))
+
+    def _maybe_prune(self) -> None:
+        live = self._live
         if len(live) > self._prune_at:
             self._live = live = {k: s for k, s in live.items() if s._ended is None}
             self._prune_at = max(1024, 2 * len(live))

@@ -26,7 +26,7 @@ from ._pool_core import (
 )
 from ._session import ClientSession, Deliveries, End, StageHealth, StreamCore
 
-__all__ = ["RESERVED", "PoolBase", "PoolStreamCore", "member_plan"]
+__all__ = ["PoolBase", "PoolStreamCore", "member_plan"]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -55,17 +55,6 @@ class PoolStreamCore(StreamCore):
 
 
 S = TypeVar("S", bound=PoolStreamCore)
-
-
-class _Reserved:
-    """What the pool's live table holds for an ``add_many`` id while its frame is sent."""
-
-    _ended = None
-    _replica = None
-
-
-RESERVED = _Reserved()
-_RESERVED = RESERVED
 
 
 def member_plan(replica: Replica) -> tuple[Any, ...]:
@@ -195,7 +184,8 @@ class PoolBase(Generic[S]):
             raise
 
     def _add_many(self, items: Iterable[tuple[str, Any]]) -> list[S]:
-        """``add_many()``: route, then one frame per replica."""
+        """``add_many()``: route, then one frame per replica. A pool of one (or a burst
+        that all goes to one replica) sends the frame that checked the burst."""
         items = list(items)
         ids, whole = ClientSession.adds_frame(items)  # checks everything once
         if not ids:
@@ -203,63 +193,60 @@ class PoolBase(Generic[S]):
         core = self._core
         with self._lock:
             self._check_open()
-            core.check_free(ids)
-            for rid in ids:
-                core.track(rid, _RESERVED)
-        out: list[S] = []
+            core.reserve(ids)
+        out: list[S] | None = None
         try:
-            requests = [PoolRequest(rid, data) for rid, data in items]
-            chosen = core.route_many(requests)
-            groups: dict[Replica, list[int]] = {}
-            for i, r in enumerate(chosen):
-                groups.setdefault(r, []).append(i)
             keep = core.on_replica_death is not None
-            by_index: dict[int, S] = {}
+            candidates = core.candidates()
+            requests: list[PoolRequest] | None = None
+            if keep or len(candidates) > 1:
+                requests = [PoolRequest(rid, data) for rid, data in items]
+            groups: dict[Replica, list[int] | None]
+            if len(candidates) == 1:
+                groups = {candidates[0]: None}
+            else:
+                assert requests is not None
+                chosen = core.routing.assign(candidates, requests, time.monotonic())
+                index: dict[Replica, list[int]] = {}
+                for i, r in enumerate(chosen):
+                    index.setdefault(r, []).append(i)
+                groups = dict(index) if len(index) > 1 else {chosen[0]: None}
+            by_index: list[Any] = [None] * len(ids)
             for replica, idx in groups.items():
                 member: ClientBase[Any, Any] = replica._client
-                group_ids = [ids[i] for i in idx]
-                parts = (
-                    whole
-                    if len(groups) == 1
-                    else ClientSession.adds_frame([items[i] for i in idx])[1]
-                )
+                if idx is None:  # the whole burst
+                    group_ids, parts = ids, whole
+                else:
+                    group_ids = [ids[i] for i in idx]
+                    parts = ClientSession.adds_frame([items[i] for i in idx])[1]
                 try:
-                    streams = cast(
-                        "list[S] | None",
-                        member._send_requests(group_ids, parts, True),
-                    )
+                    streams = cast("list[S] | None", member._send_requests(group_ids, parts, True))
                 except (EngineDeadError, StageClosedError):
                     if member._session.failure is None and not member._session.closing:
                         raise
                     streams = None
+                positions = range(len(ids)) if idx is None else idx
                 if streams is None:  # the replica left meanwhile: one by one to the others
                     with self._lock:
-                        for rid in group_ids:
-                            core.untrack(rid, _RESERVED)
-                    for i in idx:
+                        core.release(group_ids)
+                    for i in positions:
                         rid, data = items[i]
-                        by_index[i] = self._send(
-                            rid,
-                            ClientSession.add_frame(rid, data),
-                            requests[i] if keep else None,
-                            None,
-                            0,
-                            None,
-                        )
+                        frame = ClientSession.add_frame(rid, data)
+                        request = requests[i] if keep and requests is not None else None
+                        by_index[i] = self._send(rid, frame, request, None, 0, None)
                     continue
+                for i, stream in zip(positions, streams, strict=True):
+                    stream._replica = replica
+                    stream._request = requests[i] if keep and requests is not None else None
+                    stream._migrations = 0
+                    by_index[i] = stream
                 with self._lock:
-                    for i, s in zip(idx, streams, strict=True):
-                        s._replica = replica
-                        s._request = requests[i] if keep else None
-                        s._migrations = 0
-                        core.track(ids[i], s)
-                        by_index[i] = s
-            out = [by_index[i] for i in range(len(ids))]
+                    core.track_many(group_ids, streams)
+            out = by_index
         finally:
-            if len(out) != len(ids):
+            if out is None:
                 with self._lock:
-                    for rid in ids:
-                        core.untrack(rid, _RESERVED)
+                    core.release(ids)
         return out
 
     def _abort(self, req_ids: Sequence[str]) -> None:

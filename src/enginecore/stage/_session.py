@@ -474,11 +474,16 @@ class ClientSession(Generic[S, W]):
         ordered_events: bool,
         now: float,
         adopt_orphans: bool = False,
+        health_epoch: list[int] | None = None,
     ) -> None:
         self.pid: Final = pid
         # When the session fails, hand its live streams over (Deliveries.orphans) instead of
         # ending them: a replica pool's member client, whose pool decides each stream's end.
         self._adopt_orphans = adopt_orphans
+        # A counter shared by a pool's member sessions, bumped whenever one's routability
+        # changes (stalled, silent, failed): the pool recomputes its routable replicas only
+        # then, not per request.
+        self._health_epoch = health_epoch
         self.address: Final = address
         self.launched: Final = launched
         self.heartbeat: Final = heartbeat
@@ -797,6 +802,7 @@ class ClientSession(Generic[S, W]):
             return d
         if self._silent:
             self._silent = False
+            self._health_changed()
             d.warnings.append(
                 f"{self._who()} answers again, after {now - self._last_heard:.1f} s of silence"
             )
@@ -830,6 +836,7 @@ class ClientSession(Generic[S, W]):
             elif cls is Stalled:
                 pongs = True  # liveness, not a stage event
                 self._step_stalled = True
+                self._health_changed()
                 d.warnings.append(
                     f"{self._who()}: a step has run for {ev.seconds:.1f} s (step_timeout "
                     f"{ev.step_timeout:g} s); the stage logged every thread's stack"
@@ -837,6 +844,7 @@ class ClientSession(Generic[S, W]):
             elif cls is Resumed:
                 pongs = True
                 self._step_stalled = False
+                self._health_changed()
                 d.warnings.append(
                     f"{self._who()}: the stalled step returned after {ev.seconds:.1f} s"
                 )
@@ -855,6 +863,11 @@ class ClientSession(Generic[S, W]):
         if terminal:
             self._on_last_event(d, now)
         return d
+
+    def _health_changed(self) -> None:
+        epoch = self._health_epoch
+        if epoch is not None:
+            epoch[0] += 1
 
     def _end_stream(self, req_id: str, end: End, wake: list[S], now: float) -> bool:
         stream = self._streams.pop(req_id, None)
@@ -926,6 +939,7 @@ class ClientSession(Generic[S, W]):
         silent_at = self._last_heard + 2 * interval
         if not self._silent and now >= silent_at:
             self._silent = True
+            self._health_changed()
             d = Deliveries()
             d.warnings.append(
                 f"{self._who()} has not answered for {now - self._last_heard:.1f} s: it may be "
@@ -1013,6 +1027,7 @@ class ClientSession(Generic[S, W]):
         last_event_came = self._state is StageState.STOPPED
         self._failure = exc
         self._state = StageState.GONE
+        self._health_changed()
         d.over = True
         if self._adopt_orphans:
             d.orphans = list(self._streams.values())
