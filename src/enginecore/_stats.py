@@ -52,7 +52,8 @@ FAST_STEP: Final = 10e-6
 
 ENGINE_STATS_INTERVAL: Final = 0.05
 """The loop calls ``engine.stats()`` at most this often (seconds) while it steps, and once
-more each time it goes idle after a step, an add, an abort or a control."""
+more each time it goes idle after a step, an add, an abort or a control. A sample taken
+for a stage's load report (:meth:`StepTimer.sample_engine`) counts as the loop's own."""
 
 _EMPTY: Final[Mapping[str, float]] = MappingProxyType({})
 
@@ -289,6 +290,16 @@ class StepTimer:
             c.sample_engine(self._stats, now)
             return -nxt
         return nxt
+
+    def sample_engine(self, now: float) -> Mapping[str, float] | None:
+        """Loop thread: sample the engine's ``stats()`` at *now* (``time.perf_counter()``)
+        for someone else than the loop, a stage's load report: the sample is the one
+        :meth:`~enginecore.EngineCoreLoop.statistics` shows, and the loop's own interval
+        counts from it, so one call serves both. Returns it; ``None`` if the engine has no
+        ``stats()`` or the call failed (logged, counted)."""
+        if self._stats is None:
+            return None
+        return self._c.sample_engine(self._stats, now)
 
     def _count(self, block: int, steps: int, seconds: float, outputs: int) -> int:
         c = self._c

@@ -4,6 +4,7 @@ view of both (``docs/wire.md``)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -173,6 +174,24 @@ class TestRawProtocol:
             assert 0 <= report["age"] < 5
             assert report["live"] == 1
             assert report["engine"]["running"] == 1
+
+    def test_one_stats_call_serves_a_report_and_the_loop(self, no_leftovers: str) -> None:
+        """While a stage steps, a load report's ``engine.stats()`` call is also the loop's
+        sample (``statistics().engine``): the loop does not call it again in between."""
+        engine = ScriptedEngine()
+        with in_process_stage(engine, no_leftovers, load_interval=0.05) as (stage, client):
+            client.call(1, "pace", 0.005)  # a step every 5 ms
+            client.send("add", "r", 80)  # ~0.4 s of steps: ~8 reports
+            client.until(lambda ev: ev[0] == "outputs" and ev[2] == [True], timeout=10)
+            # Each report carries the number of its own stats() call.
+            calls = [report["engine"]["stats_calls"] for report in client.loads]
+            assert len(calls) >= 4, calls
+            # A loop that also sampled on its own, every 50 ms, made most gaps 2.
+            gaps = [b - a for a, b in itertools.pairwise(calls)]
+            assert gaps.count(1) >= len(gaps) - 1, calls
+            # The loop's statistics show the report's sample, not one of their own.
+            loop_sample = stage.runtime.loop.statistics().engine["stats_calls"]
+            assert loop_sample <= calls[-1] + 1  # + 1: the sample on going idle
 
 
 def test_statistics_from_another_thread_while_stepping(launch: Launch) -> None:

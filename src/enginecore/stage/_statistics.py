@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
-from .._stats import STEP_BUCKETS, LoopStatistics, _check_engine_stats
+from .._stats import _EMPTY, STEP_BUCKETS, LoopStatistics
 
 if TYPE_CHECKING:
     from .._loop import EngineCoreLoop
@@ -65,7 +65,7 @@ class LoadReport:
 
     def __init__(self, seq: int, at: float, live: int, engine: Mapping[str, float]) -> None:
         self.seq = seq
-        self.at = at  # time.monotonic() of the sample
+        self.at = at  # time.perf_counter() of the sample
         self.live = live
         self.engine = engine
 
@@ -73,39 +73,45 @@ class LoadReport:
         """The report's map on the wire, aged now."""
         return {
             "seq": self.seq,
-            "age": max(0.0, time.monotonic() - self.at),
+            "age": max(0.0, time.perf_counter() - self.at),
             "live": self.live,
             "engine": dict(self.engine),
         }
 
 
+def _no_sample(now: float) -> Mapping[str, float] | None:
+    return None
+
+
 class LoadReporter:
     """Loop thread: makes a :class:`LoadReport` at most every *interval* seconds. The step
-    that posts outputs checks :attr:`next_at` against ``time.monotonic()`` itself (one
-    clock read per step with outputs) and calls :meth:`report` when it has passed."""
+    that posts outputs checks :attr:`next_at` against ``time.perf_counter()`` itself (one
+    clock read per step with outputs) and calls :meth:`report` when it has passed.
 
-    __slots__ = ("_engine_stats", "_live", "interval", "next_at", "seq")
+    The engine's numbers come from :attr:`sample`, which the stage sets to its loop's
+    sampler (:meth:`enginecore._stats.StepTimer.sample_engine`) once the loop exists: the
+    report's ``stats()`` call is also the loop's, which then skips its own for an interval,
+    so a stepping stage calls ``stats()`` once per sample, not once for each. Until then,
+    reports carry no engine numbers."""
 
-    def __init__(self, interval: float, engine: object, live: set[str]) -> None:
+    __slots__ = ("_live", "interval", "next_at", "sample", "seq")
+
+    def __init__(self, interval: float, live: set[str]) -> None:
         self.interval = interval
         self.next_at = 0.0
         self.seq = 0  # reports made so far
-        stats = getattr(engine, "stats", None)
-        self._engine_stats: Callable[[], Any] | None = stats if callable(stats) else None
         self._live = live
+        self.sample: Callable[[float], Mapping[str, float] | None] = _no_sample
+        """``sample(now)``: the engine's ``stats()`` sampled at *now*, or ``None`` (none,
+        or it failed: logged and counted by the loop)."""
 
     def report(self, now: float) -> LoadReport:
-        """A report sampled *now* (the engine's ``stats()`` is called here; a failure leaves
-        its fields out, and is logged by the loop's own sampling)."""
+        """A report sampled *now* (``time.perf_counter()``). A failed ``stats()`` leaves
+        the engine's fields out."""
         self.next_at = now + self.interval
         self.seq += 1
-        engine: Mapping[str, float] = {}
-        if self._engine_stats is not None:
-            try:
-                engine = _check_engine_stats(self._engine_stats())
-            except Exception:  # the loop's sampling logs and counts the same failure
-                engine = {}
-        return LoadReport(self.seq, now, len(self._live), engine)
+        engine = self.sample(now)
+        return LoadReport(self.seq, now, len(self._live), _EMPTY if engine is None else engine)
 
 
 def stage_statistics(
