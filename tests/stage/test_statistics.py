@@ -227,6 +227,9 @@ def test_check_load_interval() -> None:
 class TestRawProtocol:
     def test_stats_is_answered_as_a_utility_call(self, no_leftovers: str) -> None:
         with in_process_stage(ScriptedEngine(), no_leftovers) as (_, client):
+            # The input side answers stats without the loop, so it may answer before the
+            # loop's run() has begun (running: False); a utility's answer means it has.
+            client.call(1, "echo")
             client.send("stats", 77)
             (answer,) = client.until(lambda ev: ev[0] == "utility")
             assert answer[0:2] == ["utility", 77]
