@@ -137,6 +137,32 @@ class TestBeforeAndAfter:
         assert s.steps == sum(s.step_histogram) == len(log.outputs())
         assert not s.running
 
+    @LOOPS
+    def test_a_fatal_message_after_going_idle_counts_no_step_twice(
+        self, kind: str, depth: int
+    ) -> None:
+        """Going idle in the middle of a block counts its steps; a fatal error in the
+        message that ends the wait must not count them again."""
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 100))  # 100 fast steps: 64 timed alone, then a block of 64
+        lt = LoopThread(loop).start()
+        _wait(lambda: loop.statistics().steps == 100)  # counted when the loop went idle
+        loop.submit(_Boom())
+        lt.join()
+        assert log.events[-1][0] == "fatal"
+        s = loop.statistics()
+        assert s.steps == sum(s.step_histogram) == 100 == _steps_of(engine)
+        assert s.outputs == len(log.outputs())
+
+
+class _Boom(Control):
+    __slots__ = ()
+
+    def apply(self, engine: Any, loop: EngineCoreLoop) -> None:
+        raise RuntimeError("boom")
+
 
 class TestTimes:
     @LOOPS

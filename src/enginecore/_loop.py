@@ -444,7 +444,8 @@ class EngineCoreLoop:
                     # The only blocking call: no timeout, so an idle loop costs no CPU.
                     # request_shutdown() enqueues a Wakeup to end it.
                     t0 = timer.idle(block, block - left, t0, outs)
-                    outs = 0
+                    # Counted: a fatal error in the wait's message must not count them again.
+                    outs, left = 0, block
                     apply((get(),))
                     t0 = timer.woke(t0)
                     block = left = timer.block
@@ -506,7 +507,8 @@ class EngineCoreLoop:
                     continue
                 elif not inflight:
                     t0 = timer.idle(block, block - left, t0, outs)
-                    outs = 0
+                    # Counted: a fatal error in the wait's message must not count them again.
+                    outs, left = 0, block
                     apply((get(),))
                     t0 = timer.woke(t0)
                     block = left = timer.block
