@@ -421,6 +421,31 @@ class TestStepTimer:
         assert c.max == pytest.approx(0.003)
         assert c.step_sum == pytest.approx(64 * 5e-6 + 0.003)
 
+    @settings(max_examples=300, deadline=None)
+    @given(
+        blocks=st.lists(
+            st.tuples(
+                st.sampled_from([1, 64]),
+                st.floats(0.0, 0.01, allow_nan=False) | st.sampled_from([64e-5, 63.9e-5]),
+                st.integers(0, 300),
+            ),
+            max_size=20,
+        )
+    )
+    def test_the_fast_block_path_counts_as_the_general_one(
+        self, blocks: list[tuple[int, float, int]]
+    ) -> None:
+        """end_block's inlined path for whole blocks of fast steps leaves the same numbers
+        and picks the same next block as the general count (_count) would."""
+        fast, c = self._timer()
+        general, g = self._timer()
+        for steps, seconds, outputs in blocks:
+            nxt = fast.end_block(steps, steps, seconds, outputs, 0.0)
+            assert nxt == general._count(steps, steps, seconds, outputs)
+            assert fast.block == general.block == nxt
+            for name in ("outputs", "histogram", "step_sum", "max"):
+                assert getattr(c, name) == getattr(g, name), name
+
 
 def test_utility_calls_alone_do_not_sample_the_engine_again() -> None:
     made: list[int] = []

@@ -50,6 +50,9 @@ BLOCK: Final = 64
 FAST_STEP: Final = 10e-6
 """Steps shorter than this on average (seconds) are timed in blocks; longer ones one by one."""
 
+_FAST_BLOCK: Final = BLOCK * FAST_STEP  # a whole block under this is a block of fast steps
+assert STEP_BUCKETS[0] >= _FAST_BLOCK  # so each of its steps is in the first bucket
+
 ENGINE_STATS_INTERVAL: Final = 0.05
 """The loop calls ``engine.stats()`` at most this often (seconds) while it steps, and once
 more each time it goes idle after a step, an add, an abort or a control. A sample taken
@@ -284,8 +287,21 @@ class StepTimer:
         """*steps* steps (of a block of *block*) took *seconds*, ending at *now*, and
         emitted *outputs* outputs. Returns the next block's size, negated if it called
         ``engine.stats()`` (the loop then restarts its clock, so no step includes it)."""
-        nxt = self._count(block, steps, seconds, outputs)
         c = self._c
+        if steps == BLOCK and seconds < _FAST_BLOCK:
+            # The common case of fast steps, what _count does for it, inlined: every step
+            # of the block is under FAST_STEP on average, so in the first bucket, and the
+            # next block is a whole one too. ~0.2 µs instead of ~0.5 µs a block (a few ns
+            # an iteration: the statistics' budget is 50 ns).
+            c.outputs += outputs
+            c.histogram[0] += steps
+            c.step_sum += seconds
+            mean = seconds / steps
+            if mean > c.max:  # noqa: PLR1730  # max() is a call
+                c.max = mean
+            self.block = nxt = BLOCK
+        else:
+            nxt = self._count(block, steps, seconds, outputs)
         if self._stats is not None and now - c.engine[1] >= ENGINE_STATS_INTERVAL:
             c.sample_engine(self._stats, now)
             return -nxt
