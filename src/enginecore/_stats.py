@@ -270,7 +270,7 @@ def _check_engine_stats(raw: object) -> Mapping[str, float]:
 class StepTimer:
     """The loop thread's side of the statistics: what the loop calls at the end of a block
     of steps, around an idle wait, and at the end. The loop keeps the block itself in locals
-    (its size, the steps left, its start, the outputs so far); this turns them into the
+    (its size, the steps done, its start, the outputs so far); this turns them into the
     :class:`_Counters`' numbers and chooses the next block's size (:data:`BLOCK` or 1)."""
 
     __slots__ = ("_at_rest", "_c", "_fast_run", "_stats", "block")
