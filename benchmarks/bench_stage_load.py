@@ -42,6 +42,7 @@ _rounds = count()
 def seconds_per_output(reports: bool, steps: int) -> float:
     """Seconds per output of the stage's step handling, with or without a load reporter."""
     from enginecore import CountdownEngine
+    from enginecore._stats import StepTimer, _Counters
     from enginecore.stage._stage_engine import _Counts, _Drain, _make_handle_outputs, _Stale
     from enginecore.stage._statistics import LoadReporter
 
@@ -62,7 +63,10 @@ def seconds_per_output(reports: bool, steps: int) -> float:
     class _NoDrain:
         active = False
 
-    reporter = LoadReporter(INTERVAL, engine, live) if reports else None
+    reporter = None
+    if reports:  # sampled as in a stage: through the loop's sampler
+        reporter = LoadReporter(INTERVAL, live)
+        reporter.sample = StepTimer(_Counters(), engine).sample_engine
     handle = _make_handle_outputs(
         engine,
         cast("Outbox", _Sink()),

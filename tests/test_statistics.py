@@ -137,6 +137,32 @@ class TestBeforeAndAfter:
         assert s.steps == sum(s.step_histogram) == len(log.outputs())
         assert not s.running
 
+    @LOOPS
+    def test_a_fatal_message_after_going_idle_counts_no_step_twice(
+        self, kind: str, depth: int
+    ) -> None:
+        """Going idle in the middle of a block counts its steps; a fatal error in the
+        message that ends the wait must not count them again."""
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 100))  # 100 fast steps: 64 timed alone, then a block of 64
+        lt = LoopThread(loop).start()
+        _wait(lambda: loop.statistics().steps == 100)  # counted when the loop went idle
+        loop.submit(_Boom())
+        lt.join()
+        assert log.events[-1][0] == "fatal"
+        s = loop.statistics()
+        assert s.steps == sum(s.step_histogram) == 100 == _steps_of(engine)
+        assert s.outputs == len(log.outputs())
+
+
+class _Boom(Control):
+    __slots__ = ()
+
+    def apply(self, engine: Any, loop: EngineCoreLoop) -> None:
+        raise RuntimeError("boom")
+
 
 class TestTimes:
     @LOOPS
@@ -394,6 +420,31 @@ class TestStepTimer:
         assert c.histogram[STEP_BUCKETS.index(0.005)] == 1
         assert c.max == pytest.approx(0.003)
         assert c.step_sum == pytest.approx(64 * 5e-6 + 0.003)
+
+    @settings(max_examples=300, deadline=None)
+    @given(
+        blocks=st.lists(
+            st.tuples(
+                st.sampled_from([1, 64]),
+                st.floats(0.0, 0.01, allow_nan=False) | st.sampled_from([64e-5, 63.9e-5]),
+                st.integers(0, 300),
+            ),
+            max_size=20,
+        )
+    )
+    def test_the_fast_block_path_counts_as_the_general_one(
+        self, blocks: list[tuple[int, float, int]]
+    ) -> None:
+        """end_block's inlined path for whole blocks of fast steps leaves the same numbers
+        and picks the same next block as the general count (_count) would."""
+        fast, c = self._timer()
+        general, g = self._timer()
+        for steps, seconds, outputs in blocks:
+            nxt = fast.end_block(steps, steps, seconds, outputs, 0.0)
+            assert nxt == general._count(steps, steps, seconds, outputs)
+            assert fast.block == general.block == nxt
+            for name in ("outputs", "histogram", "step_sum", "max"):
+                assert getattr(c, name) == getattr(g, name), name
 
 
 def test_utility_calls_alone_do_not_sample_the_engine_again() -> None:

@@ -403,57 +403,76 @@ class EngineCoreLoop:
         get = q.get
         pending = q.queue
         mutex = q.mutex
-        # Statistics (_stats.py): steps are timed a block at a time, *block* steps of which
-        # *left* are still to run, the block having started at *t0*; *outs* counts its outputs.
-        # Locals, and small ints (CPython caches those up to 256): an increment that
-        # allocates would cost the hot path ~25 ns.
+        # Statistics (_stats.py): steps are timed a block at a time. A block is one pass of
+        # the for loop below, *block* iterations that each step, begun at *t0*; *done* is
+        # the iteration's index (the steps of the block that have returned before it) and
+        # *outs* counts the block's outputs. The for loop keeps the count of steps, which
+        # costs less per step than a countdown and its test (docs/performance.md). Locals,
+        # and small ints (CPython caches those up to 256): an increment that allocates
+        # would cost the hot path ~25 ns.
         perf = time.perf_counter
         end_block = timer.end_block
-        outs = 0
-        block = left = 1  # timed alone until BLOCK fast steps in a row
+        outs = done = 0
+        block = 1  # timed alone until BLOCK fast steps in a row
+        blocks = range(block)  # made again only when the block's size changes
+        stopping = False
         t0 = perf()
         try:
             while True:
-                # Unlocked peek: a deque's truth value is read atomically under the GIL, and a
-                # message that lands just after it is seen on the next iteration.
-                if pending:
-                    with mutex:
-                        # The snapshot is the drain's bound: a producer that outpaces us can
-                        # delay a step but never starve it or the shutdown check.
-                        batch = list(pending)
-                        pending.clear()
-                    apply(batch)
-                    if block == 1:
-                        t0 = perf()  # a step timed alone does not include the drain
-                if self._shutdown:
+                for done in blocks:
+                    # Unlocked peek: a deque's truth value is read atomically under the
+                    # GIL, and a message that lands just after it is seen on the next
+                    # iteration.
+                    if pending:
+                        with mutex:
+                            # The snapshot is the drain's bound: a producer that outpaces us
+                            # can delay a step but never starve it or the shutdown check.
+                            batch = list(pending)
+                            pending.clear()
+                        apply(batch)
+                        if block == 1:
+                            t0 = perf()  # a step timed alone does not include the drain
+                    if self._shutdown:
+                        stopping = True
+                        break
+                    if has_work():
+                        for out in step():
+                            emit(("output", out))
+                            outs += 1
+                    else:
+                        # The only blocking call: no timeout, so an idle loop costs no CPU.
+                        # request_shutdown() enqueues a Wakeup to end it. The block ends
+                        # here, with its *done* steps; a new one begins after the wait.
+                        t0 = timer.idle(block, done, t0, outs)
+                        # Counted: a fatal error in the wait's message must not count them
+                        # again.
+                        outs = done = 0  # noqa: PLW2901
+                        apply((get(),))
+                        t0 = timer.woke(t0)
+                        if timer.block != block:
+                            block = timer.block
+                            blocks = range(block)
+                        break
+                else:  # the block's steps have all returned
+                    done = block
+                    now = perf()
+                    nxt = end_block(block, block, now - t0, outs, now)
+                    t0 = now
+                    outs = done = 0
+                    if nxt < 0:  # it called engine.stats(): not part of a step
+                        nxt = -nxt
+                        t0 = perf()
+                    if nxt != block:
+                        block = nxt
+                        blocks = range(block)
+                if stopping:
                     break
-                if has_work():
-                    for out in step():
-                        emit(("output", out))
-                        outs += 1
-                    left -= 1
-                    if not left:
-                        now = perf()
-                        block = left = end_block(block, block, now - t0, outs, now)
-                        t0 = now
-                        outs = 0
-                        if block < 0:  # it called engine.stats(): not part of a step
-                            block = left = -block
-                            t0 = perf()
-                else:
-                    # The only blocking call: no timeout, so an idle loop costs no CPU.
-                    # request_shutdown() enqueues a Wakeup to end it.
-                    t0 = timer.idle(block, block - left, t0, outs)
-                    outs = 0
-                    apply((get(),))
-                    t0 = timer.woke(t0)
-                    block = left = timer.block
-            timer.flush(block, block - left, t0, outs)
-            left, outs = block, 0
+            timer.flush(block, done, t0, outs)
+            done = outs = 0
             if self._deferred:
                 self._abandon_deferred()
         except BaseException as exc:
-            timer.flush(block, block - left, t0, outs)
+            timer.flush(block, done, t0, outs)
             self._die(exc)
             if not isinstance(exc, Exception):
                 raise
@@ -506,7 +525,8 @@ class EngineCoreLoop:
                     continue
                 elif not inflight:
                     t0 = timer.idle(block, block - left, t0, outs)
-                    outs = 0
+                    # Counted: a fatal error in the wait's message must not count them again.
+                    outs, left = 0, block
                     apply((get(),))
                     t0 = timer.woke(t0)
                     block = left = timer.block

@@ -185,6 +185,10 @@ class StageRuntime:
                 pipeline_depth=pipeline_depth_of(engine),
                 input_queue=self._input,
             )
+            if stage_engine.reporter is not None:
+                # A load report's engine.stats() call is also the loop's sample: one call
+                # serves both (the loop skips its own for an interval after it).
+                stage_engine.reporter.sample = self.loop._timer.sample_engine
             self._statistics = functools.partial(
                 stage_statistics,
                 self.loop,

@@ -147,9 +147,7 @@ class StageEngine:
         self.drain = _Drain(self)
         self.stale = _Stale()
         self.counts = _Counts()
-        self.reporter = (
-            None if load_interval is None else LoadReporter(load_interval, engine, self.live)
-        )
+        self.reporter = None if load_interval is None else LoadReporter(load_interval, self.live)
         self.has_work = engine.has_work
         self.utility = engine.utility
         stats = getattr(engine, "stats", None)
@@ -438,7 +436,7 @@ def _make_handle_outputs(
     forget = live.difference_update
     superset = live.issuperset
     recent = stale.recent  # the same dict for the life of the stage
-    monotonic = time.monotonic
+    clock = time.perf_counter  # the loop's clock: a report's sample is also the loop's
     if counts is None:
         counts = _Counts()
 
@@ -468,8 +466,10 @@ def _make_handle_outputs(
                 # One clock read per step with outputs: a load report rides on at most one
                 # step's outputs every interval.
                 report = None
-                if reporter is not None and monotonic() >= reporter.next_at:
-                    report = reporter.report(monotonic())
+                if reporter is not None:
+                    now = clock()
+                    if now >= reporter.next_at:
+                        report = reporter.report(now)
                 # Fast path: every payload of an exact flat type (an out-of-range int is
                 # caught when msgspec refuses it, in the output thread).
                 if only_types(payloads, flat):

@@ -16,6 +16,7 @@ Two signals, two paths (``docs/observability.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
-from .._stats import STEP_BUCKETS, LoopStatistics, _check_engine_stats
+from .._stats import _EMPTY, STEP_BUCKETS, LoopStatistics
 
 if TYPE_CHECKING:
     from .._loop import EngineCoreLoop
@@ -37,6 +38,7 @@ __all__ = [
     "StageStatistics",
     "check_load_interval",
     "stage_statistics",
+    "statistics_to_wire",
 ]
 
 LOAD_INTERVAL: Final = 0.05
@@ -65,7 +67,7 @@ class LoadReport:
 
     def __init__(self, seq: int, at: float, live: int, engine: Mapping[str, float]) -> None:
         self.seq = seq
-        self.at = at  # time.monotonic() of the sample
+        self.at = at  # time.perf_counter() of the sample
         self.live = live
         self.engine = engine
 
@@ -73,39 +75,45 @@ class LoadReport:
         """The report's map on the wire, aged now."""
         return {
             "seq": self.seq,
-            "age": max(0.0, time.monotonic() - self.at),
+            "age": max(0.0, time.perf_counter() - self.at),
             "live": self.live,
             "engine": dict(self.engine),
         }
 
 
+def _no_sample(now: float) -> Mapping[str, float] | None:
+    return None
+
+
 class LoadReporter:
     """Loop thread: makes a :class:`LoadReport` at most every *interval* seconds. The step
-    that posts outputs checks :attr:`next_at` against ``time.monotonic()`` itself (one
-    clock read per step with outputs) and calls :meth:`report` when it has passed."""
+    that posts outputs checks :attr:`next_at` against ``time.perf_counter()`` itself (one
+    clock read per step with outputs) and calls :meth:`report` when it has passed.
 
-    __slots__ = ("_engine_stats", "_live", "interval", "next_at", "seq")
+    The engine's numbers come from :attr:`sample`, which the stage sets to its loop's
+    sampler (:meth:`enginecore._stats.StepTimer.sample_engine`) once the loop exists: the
+    report's ``stats()`` call is also the loop's, which then skips its own for an interval,
+    so a stepping stage calls ``stats()`` once per sample, not once for each. Until then,
+    reports carry no engine numbers."""
 
-    def __init__(self, interval: float, engine: object, live: set[str]) -> None:
+    __slots__ = ("_live", "interval", "next_at", "sample", "seq")
+
+    def __init__(self, interval: float, live: set[str]) -> None:
         self.interval = interval
         self.next_at = 0.0
         self.seq = 0  # reports made so far
-        stats = getattr(engine, "stats", None)
-        self._engine_stats: Callable[[], Any] | None = stats if callable(stats) else None
         self._live = live
+        self.sample: Callable[[float], Mapping[str, float] | None] = _no_sample
+        """``sample(now)``: the engine's ``stats()`` sampled at *now*, or ``None`` (none,
+        or it failed: logged and counted by the loop)."""
 
     def report(self, now: float) -> LoadReport:
-        """A report sampled *now* (the engine's ``stats()`` is called here; a failure leaves
-        its fields out, and is logged by the loop's own sampling)."""
+        """A report sampled *now* (``time.perf_counter()``). A failed ``stats()`` leaves
+        the engine's fields out."""
         self.next_at = now + self.interval
         self.seq += 1
-        engine: Mapping[str, float] = {}
-        if self._engine_stats is not None:
-            try:
-                engine = _check_engine_stats(self._engine_stats())
-            except Exception:  # the loop's sampling logs and counts the same failure
-                engine = {}
-        return LoadReport(self.seq, now, len(self._live), engine)
+        engine = self.sample(now)
+        return LoadReport(self.seq, now, len(self._live), _EMPTY if engine is None else engine)
 
 
 def stage_statistics(
@@ -121,43 +129,107 @@ def stage_statistics(
     started: float,
 ) -> dict[str, Any]:
     """The map a ``stats`` request is answered with. Any thread; never waits."""
-    s = loop.statistics()
-    return {
-        "loop": {
-            "steps": s.steps,
-            "outputs": s.outputs,
-            "adds": s.adds,
-            "aborts": s.aborts,
-            "utility_calls": s.utility_calls,
-            "utility_errors": s.utility_errors,
-            "controls": s.controls,
-            "busy_seconds": s.busy_seconds,
-            "idle_seconds": s.idle_seconds,
-            "step_seconds": s.step_seconds,
-            "step_seconds_max": s.step_seconds_max,
-            "step_histogram": list(s.step_histogram),
-            "step_buckets": list(STEP_BUCKETS),
-            "last_drain": s.last_drain,
-            "peak_drain": s.peak_drain,
-            "queue_depth": s.queue_depth,
-            "engine": dict(s.engine),
-            "engine_age": s.engine_age,
-            "engine_errors": s.engine_errors,
-            "running": s.running,
-        },
-        "stage": {
-            "name": name,
-            "factory": factory,
-            "pid": os.getpid(),
-            "uptime_seconds": time.monotonic() - started,
-            "outputs": outputs(),
-            "live": len(live),
-            "backlog": backlog(),
-            "load_reports": reporter.seq if reporter is not None else 0,
-            "load_interval": reporter.interval if reporter is not None else None,
-            "stalled": stalled(),
-        },
-    }
+    return statistics_to_wire(
+        StageStatistics(
+            loop=loop.statistics(),
+            name=name,
+            factory=factory,
+            pid=os.getpid(),
+            uptime_seconds=time.monotonic() - started,
+            outputs=outputs(),
+            live=len(live),
+            backlog=backlog(),
+            load_reports=reporter.seq if reporter is not None else 0,
+            load_interval=reporter.interval if reporter is not None else None,
+            stalled=stalled(),
+        )
+    )
+
+
+# -- the wire form of the statistics -------------------------------------------------------------
+#
+# Derived from the dataclasses' fields, so that a field added to LoopStatistics or
+# StageStatistics crosses the wire without another edit here; one whose annotation has no
+# entry in _WIRE_TYPES stops the import with a TypeError that names it.
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in value)
+
+
+def _read_only(value: Any) -> Mapping[str, float]:
+    return MappingProxyType(dict(value))
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+_Encode = Callable[[Any], Any]
+_Decode = Callable[[Any], Any]
+
+_WIRE_TYPES: Final[dict[str, tuple[_Encode | None, _Decode]]] = {
+    # A field's annotation (a string: both modules postpone their annotations) ->
+    # (its value to a msgpack value, None: as it is; a msgpack value back to its type).
+    "int": (None, int),
+    "float": (None, float),
+    "bool": (None, bool),
+    "str": (None, str),
+    "float | None": (None, _float_or_none),
+    "tuple[int, ...]": (list, _ints),
+    "Mapping[str, float]": (dict, _read_only),
+}
+
+
+def _wire_fields(
+    cls: type[Any], *skip: str
+) -> tuple[tuple[str, _Encode | None, _Decode, Any], ...]:
+    """``(name, encode, decode, default)`` for each field of the dataclass *cls* but *skip*
+    (``default`` is ``dataclasses.MISSING`` for a field the wire must carry)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", repr(f.type))
+        try:
+            encode, decode = _WIRE_TYPES[kind]
+        except KeyError:
+            raise TypeError(
+                f"{cls.__name__}.{f.name}: no wire form for {kind!r} (add one to _WIRE_TYPES)"
+            ) from None
+        out.append((f.name, encode, decode, f.default))
+    return tuple(out)
+
+
+def _encode(
+    obj: Any, wire_fields: tuple[tuple[str, _Encode | None, _Decode, Any], ...]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, encode, _, _ in wire_fields:
+        value = getattr(obj, name)
+        out[name] = value if encode is None else encode(value)
+    return out
+
+
+def _decode(
+    value: Mapping[str, Any], wire_fields: tuple[tuple[str, _Encode | None, _Decode, Any], ...]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, _, decode, default in wire_fields:
+        if default is dataclasses.MISSING:
+            out[name] = decode(value[name])
+        else:  # a field that an older stage may not send
+            out[name] = decode(value.get(name, default))
+    return out
+
+
+def statistics_to_wire(stats: StageStatistics) -> dict[str, Any]:
+    """*stats* as the map a ``stats`` request is answered with (``docs/wire.md``): every
+    field of :class:`~enginecore.LoopStatistics` under ``loop``, with ``step_buckets``, and
+    every other field of :class:`StageStatistics` under ``stage``."""
+    loop = _encode(stats.loop, _LOOP_WIRE)
+    loop["step_buckets"] = list(STEP_BUCKETS)
+    return {"loop": loop, "stage": _encode(stats, _STAGE_WIRE)}
 
 
 # -- the client side -----------------------------------------------------------------------------
@@ -210,48 +282,19 @@ class StageStatistics:
         try:
             lp, st = value["loop"], value["stage"]
             buckets = tuple(float(b) for b in lp["step_buckets"])
-            loop = LoopStatistics(
-                steps=int(lp["steps"]),
-                outputs=int(lp["outputs"]),
-                adds=int(lp["adds"]),
-                aborts=int(lp["aborts"]),
-                utility_calls=int(lp["utility_calls"]),
-                utility_errors=int(lp["utility_errors"]),
-                controls=int(lp["controls"]),
-                busy_seconds=float(lp["busy_seconds"]),
-                idle_seconds=float(lp["idle_seconds"]),
-                step_seconds=float(lp["step_seconds"]),
-                step_seconds_max=float(lp["step_seconds_max"]),
-                step_histogram=tuple(int(n) for n in lp["step_histogram"]),
-                last_drain=int(lp["last_drain"]),
-                peak_drain=int(lp["peak_drain"]),
-                queue_depth=int(lp["queue_depth"]),
-                engine=MappingProxyType(dict(lp["engine"])),
-                engine_age=None if lp["engine_age"] is None else float(lp["engine_age"]),
-                engine_errors=int(lp["engine_errors"]),
-                running=bool(lp["running"]),
-            )
-            interval = st["load_interval"]
-            stats = cls(
-                loop=loop,
-                name=str(st["name"]),
-                factory=str(st["factory"]),
-                pid=int(st["pid"]),
-                uptime_seconds=float(st["uptime_seconds"]),
-                outputs=int(st["outputs"]),
-                live=int(st["live"]),
-                backlog=int(st["backlog"]),
-                load_reports=int(st["load_reports"]),
-                load_interval=None if interval is None else float(interval),
-                stalled=bool(st.get("stalled", False)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            loop = LoopStatistics(**_decode(lp, _LOOP_WIRE))
+            stats = cls(loop=loop, **_decode(st, _STAGE_WIRE))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a stage's statistics: {exc!r}") from exc
         if buckets != STEP_BUCKETS:
             raise ValueError(
                 f"the stage's step-time buckets {buckets} are not this client's {STEP_BUCKETS}"
             )
         return stats
+
+
+_LOOP_WIRE: Final = _wire_fields(LoopStatistics)
+_STAGE_WIRE: Final = _wire_fields(StageStatistics, "loop")
 
 
 @dataclass(frozen=True)
