@@ -42,6 +42,20 @@ class TestExamples:
         assert "stage      exited with code 0" in proc.stdout
 
 
+class TestPoolExample:
+    @pytest.mark.slow
+    def test_pool_example_survives_a_kill_and_changes_membership(self) -> None:
+        proc = _run(ROOT / "examples" / "pool.py")
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+        assert "burst      30 requests -> {'r0': 10, 'r1': 10, 'r2': 10}" in out
+        assert "kill       r1: 9 requests moved on and finished; failed: fragile" in out
+        assert "2900 outputs in all" in out  # the 29 others, every output, none twice
+        assert re.search(r"restart    r1 is serving, pid \d+, restarts 1", out)
+        assert "membership +r3, -r0 (exit 0): 8/8 requests finished" in out
+        assert "closed     every replica stopped" in out
+
+
 class TestReadme:
     def test_readme_stage_example_runs(self, tmp_path: Path) -> None:
         blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
@@ -52,6 +66,24 @@ class TestReadme:
         proc = _run(script)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == ["[2,", "1,", "0]", "0.25"]
+
+    @pytest.mark.parametrize("doc", ["README.md", "docs/pool.md"])
+    def test_pool_examples_run(self, tmp_path: Path, doc: str) -> None:
+        blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
+        pool_blocks = [b for b in blocks if "StagePool.launch" in b]
+        assert pool_blocks, f"{doc} lost its pool example"
+        script = tmp_path / "pool_example.py"
+        script.write_text(pool_blocks[0])
+        proc = _run(script)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        if doc == "README.md":
+            assert lines[0] == "[2, 1, 0]"
+            assert lines[1].count(": 0") == 4
+        else:
+            assert lines[0] == "['r0', 'r1', 'r2', 'r3', 'r0', 'r1', 'r2', 'r3']"
+            assert lines[1] == "800"
+            assert lines[2].count("<Replica r") == 4
 
     @pytest.mark.parametrize("doc", ["README.md", "docs/stage.md"])
     def test_array_round_trip_examples_run(self, tmp_path: Path, doc: str) -> None:

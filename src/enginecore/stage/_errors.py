@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import signal
+from typing import TYPE_CHECKING
 
 from .._exceptions import EngineCoreError
+
+if TYPE_CHECKING:
+    from ._pool_core import Replica
 
 __all__ = [
     "EngineDeadError",
@@ -90,14 +94,14 @@ class ReplicaDeadError(EngineDeadError):
         self,
         message: str,
         *,
-        replica: object,
+        replica: Replica,
         delivered: int = 0,
         exit_code: int | None = None,
         fatal: str | None = None,
     ) -> None:
         super().__init__(message, exit_code=exit_code, fatal=fatal)
-        self.replica = replica
-        """The replica that died (a :class:`~enginecore.stage.Replica`)."""
+        self.replica: Replica = replica
+        """The replica that died."""
         self.delivered = delivered
         """How many outputs the request had delivered before the replica died."""
 
