@@ -191,7 +191,8 @@ def routing(rounds: int, calls: int) -> list[Record]:
                     choice(replicas)
                 return (time.perf_counter() - t0) * 1e6 / calls
 
-        res = interleave({"route": route, "choice": pick}, rounds=rounds)
+        sides: dict[str, Callable[[], float]] = {"route": route, "choice": pick}
+        res = interleave(sides, rounds=rounds)
         v, b = res["route"], res["choice"]
         goal = n == 64
         out.append(
