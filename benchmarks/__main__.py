@@ -35,6 +35,7 @@ MODULES = (
     "bench_stage_ingest",
     "bench_stage_requests",
     "bench_stage_arrays",
+    "bench_pool",
     "bench_metrics",
     "bench_transformers",
     "bench_transformers_aborts",

@@ -99,7 +99,7 @@ def scaling(rounds: int, share: int, steps: int, sizes: tuple[int, ...]) -> list
             f"pool scaling, {n} replicas", res[f"pool{n}"], res["one"], "outputs/s", goal, note
         )
         if n > 4:  # reported, not a goal
-            rec = Record(**{**rec.__dict__, "goal": "report", "met": True})
+            rec = _report_only(rec)
         out.append(rec)
     return out
 
@@ -195,25 +195,33 @@ def routing(rounds: int, calls: int) -> list[Record]:
         res = interleave(sides, rounds=rounds)
         v, b = res["route"], res["choice"]
         goal = n == 64
-        out.append(
-            Record(
-                f"pool routing decision, {n} replicas",
-                statistics.median(v),
-                "µs",
-                statistics.median(b),
-                statistics.median(v) / statistics.median(b),
-                f"<= {ROUTE_BUDGET_US:g} µs" if goal else "report",
-                max(v) <= ROUTE_BUDGET_US if goal else True,
-                spread(v),
-                spread(b),
-                "LeastLoaded (power of 2 choices above 8 replicas) over member sessions with "
-                "live requests and load reports; absolute budget judged on the slowest round; "
-                "baseline: random.choice, for information; GC on",
-                tuple(v),
-                "µs",
-            )
+        rec = Record(
+            f"pool routing decision, {n} replicas",
+            statistics.median(v),
+            "µs",
+            statistics.median(b),
+            statistics.median(v) / statistics.median(b),
+            f"<= {ROUTE_BUDGET_US:g} µs" if goal else "report",
+            max(v) <= ROUTE_BUDGET_US if goal else True,
+            spread(v),
+            spread(b),
+            "LeastLoaded (power of 2 choices above 8 replicas) over member sessions with "
+            "live requests and load reports; absolute budget judged on the slowest round; "
+            "baseline: random.choice, for information; GC on",
+            tuple(v),
+            "µs",
         )
+        out.append(rec if goal else _report_only(rec))
     return out
+
+
+def _report_only(rec: Record) -> Record:
+    """*rec* as a figure the issue asks to report, with no goal: its rounds are kept out of
+    the verdict columns (the note says so)."""
+    rounds = ", ".join(f"{x:.3g}" for x in rec.per_round)
+    note = f"{rec.note}; report only, not judged against a goal (rounds: {rounds})"
+    fields = {**rec.__dict__, "goal": "report", "met": True, "per_round": (), "note": note}
+    return Record(**fields)
 
 
 def run(quick: bool) -> list[Record]:

@@ -25,6 +25,7 @@ from benchmarks import (
     bench_metrics,
     bench_overhead,
     bench_pipeline,
+    bench_pool,
     bench_stage_arrays,
     bench_stage_ingest,
     bench_stage_load,
@@ -42,6 +43,7 @@ KEYS = {
 }  # fmt: skip
 STAGE_MODULES = (
     bench_metrics,
+    bench_pool,
     bench_stage_arrays,
     bench_stage_ingest,
     bench_stage_load,
@@ -211,6 +213,13 @@ class TestBenchmarksRun:
         idle = bench_idle_cpu.run(quick=True)
         assert [len(r.per_round) for r in idle] == [2, 2]
         assert_records(idle, 2)
+
+    @pytest.mark.timeout(180)
+    def test_pool_is_registered_and_runs_quick(self) -> None:
+        assert "bench_pool" in MODULES
+        records = bench_pool.run(quick=True)
+        assert_records(records, 5)
+        assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
 
     def test_statistics_is_registered_and_runs_quick(self) -> None:
         assert "bench_statistics" in MODULES
@@ -395,7 +404,7 @@ class TestStageBenchmarks:
         records = bench_stage_requests.records(res)
         assert_records(records, 5)
         assert_gc_on(records)
-        assert all(len(r.per_round) == 2 for r in records)
+        assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
         assert gc_disables == []
 
     def test_cpu_clocks_read_a_process(self) -> None:
