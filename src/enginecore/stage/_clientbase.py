@@ -88,15 +88,23 @@ class ClientBase(Generic[S, W]):
         raise NotImplementedError
 
     def _send_request(
-        self, req_id: str, parts: Parts, stream: bool, new: S | None = None
+        self,
+        req_id: str,
+        parts: Parts,
+        stream: bool,
+        new: S | None = None,
+        claim: Callable[[str, S], None] | None = None,
     ) -> S | None:
         """Register the request's stream (or check it may go without), then send. The
         stream's ``sent_at`` is read just before (no output can arrive earlier). A replica
-        pool passes a stream it made (*new*): one that moves from a dead replica to this
-        one keeps its outputs so far."""
+        pool passes a stream it made (*new*: one that moves from a dead replica to this one
+        keeps its outputs so far) and its own check, *claim(req_id, new)*, run under the
+        same hold of the lock (the pool's lock is its members')."""
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
+            if claim is not None:
+                claim(req_id, new)  # type: ignore[arg-type]
             self._session.open_request(req_id, new)
         try:
             self._send(parts)

@@ -153,16 +153,19 @@ class PoolBase(Generic[S]):
         migrations: int,
         stream: S | None,
     ) -> S:
-        """Route and send one request; *stream* continues a moved one. A replica that left
-        the routing between the choice and the send gets the next choice instead."""
+        """Route and send one request; *stream* continues a moved one. The pool's checks
+        (open, the id free in the pool) and its table run under the member's hold of the
+        lock that registers the stream: one hold per request, as a single client's. A
+        replica that left the routing between the choice and the send gets the next
+        choice instead."""
         core = self._core
+        if core.closing:
+            raise StageClosedError("this stage pool is closed")
         new = stream
+        claim = None
         if new is None:
             new = self._stream_type(req_id, self._lock, time.monotonic())
-            with self._lock:
-                self._check_open()
-                core.check_free((req_id,))
-                core.track(req_id, new)  # reserved: another thread's add of it fails
+            claim = self._claim
         new._request = request
         new._migrations = migrations
         try:
@@ -171,7 +174,7 @@ class PoolBase(Generic[S]):
                 member: ClientBase[Any, Any] = replica._client
                 new._replica = replica
                 try:
-                    member._send_request(req_id, parts, True, new)
+                    member._send_request(req_id, parts, True, new, claim)
                 except (EngineDeadError, StageClosedError):
                     if member._session.failure is None and not member._session.closing:
                         raise
@@ -182,6 +185,17 @@ class PoolBase(Generic[S]):
             with self._lock:
                 core.untrack(req_id, new)
             raise
+
+    def _claim(self, req_id: str, stream: Any) -> None:
+        """Under the lock, for a new request: the pool is open and *req_id* is not live in
+        it (but may be *stream*'s own, from a choice that was retried); track *stream*."""
+        core = self._core
+        if core.closing:
+            raise StageClosedError("this stage pool is closed")
+        held = core._live.get(req_id)
+        if held is not None and held is not stream and held._ended is None:
+            raise ValueError(f"request {req_id!r} is still live in this pool")
+        core.track(req_id, stream)
 
     def _add_many(self, items: Iterable[tuple[str, Any]]) -> list[S]:
         """``add_many()``: route, then one frame per replica. A pool of one (or a burst
