@@ -290,9 +290,9 @@ class Routing:
     def choose(
         self, replicas: Sequence[Replica], req_id: str, data: Any, key: Hashable | None, now: float
     ) -> Replica:
-        """The replica, among *replicas* (those that may take a request now, never empty),
-        that gets request *req_id*. Runs on the caller's thread under no lock; must not
-        block. *now* is a ``time.monotonic()`` reading."""
+        """The replica, among *replicas* (those that may take a request now: two or more;
+        with one, the pool does not ask), that gets request *req_id*. Runs on the caller's
+        thread under no lock; must not block. *now* is a ``time.monotonic()`` reading."""
         raise NotImplementedError
 
     def assign(
@@ -665,8 +665,11 @@ class PoolCore:
         return tuple(r for r in serving if r._session is not None and r._session._failure is None)
 
     def route(self, req_id: str, data: Any, key: Hashable | None) -> Replica:
-        """The replica for one request."""
-        return self.routing.choose(self.candidates(), req_id, data, key, time.monotonic())
+        """The replica for one request (the only candidate, without asking the policy)."""
+        candidates = self.candidates()
+        if len(candidates) == 1:
+            return candidates[0]
+        return self.routing.choose(candidates, req_id, data, key, time.monotonic())
 
     def route_many(self, requests: Sequence[PoolRequest]) -> list[Replica]:
         """The replica of each request of a burst."""
@@ -685,8 +688,10 @@ class PoolCore:
     def track(self, req_id: str, stream: Any) -> None:
         """Remember *stream* as *req_id*'s (for ``abort`` and the live check). Ended streams
         are dropped in passing, so the table stays about as large as what is live."""
-        self._live[req_id] = stream
-        self._maybe_prune()
+        live = self._live
+        live[req_id] = stream
+        if len(live) > self._prune_at:
+            self._maybe_prune()
 
     def reserve(self, req_ids: list[str]) -> None:
         """Check that none of *req_ids* is live in this pool (:class:`ValueError`), then
