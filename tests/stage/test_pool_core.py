@@ -1,0 +1,228 @@
+"""The pool's decisions without processes: routing policies, load counting, the routable
+set, the restart schedule. Replicas here are real member sessions (ClientSession) fed
+events by hand."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from enginecore.stage import (
+    LeastLoaded,
+    NoReplicaError,
+    Outputs,
+    PoolRequest,
+    Replica,
+    ReplicaState,
+    ReplicaView,
+    RestartPolicy,
+    Scored,
+    Sticky,
+)
+from enginecore.stage._pool_core import REPORT_TTL, PoolCore, replica_load
+from enginecore.stage._session import ClientSession, StreamCore
+from enginecore.stage._wire import Load, Stalled
+
+
+class Member:
+    """What the core needs of a member client: its session."""
+
+    def __init__(self, name: str) -> None:
+        self._session: ClientSession[Any, Any] = ClientSession(
+            pid=1,
+            address=f"fake://{name}",
+            launched=True,
+            heartbeat=None,
+            ordered_events=False,
+            now=time.monotonic(),
+        )
+
+    def open(self, *ids: str) -> None:
+        self._session.open_requests(list(ids), [StreamCore(rid) for rid in ids])
+
+    def finish(self, *ids: str) -> None:
+        n = len(ids)
+        self._session.dispatch([Outputs(list(ids), [True] * n, [0] * n)], time.monotonic())
+
+    def report(self, live: int, **engine: float) -> None:
+        load = Load(seq=1, age=0.0, live=live, engine=dict(engine))
+        self._session.dispatch([Outputs([], [], [], load)], time.monotonic())
+
+
+def make_core(n: int, routing: Any = None, **kw: Any) -> tuple[PoolCore, list[Member]]:
+    core = PoolCore(routing, kw.pop("restart", False), None, 1)
+    members = []
+    for _ in range(n):
+        replica = core.new_replica({"factory": "fake"})
+        member = Member(replica.name)
+        assert core.started(replica, member)
+        members.append(member)
+    return core, members
+
+
+def test_least_loaded_fills_the_emptiest_and_breaks_ties_round_robin() -> None:
+    core, members = make_core(3)
+    members[0].open("a", "b")
+    members[1].open("c")
+    assert core.route("x", None, None).name == "r2"
+    members[2].open("d", "e")  # loads 2, 1, 2
+    assert core.route("x", None, None).name == "r1"
+    members[1].open("f")  # all equal: each gets its turn
+    picks = Counter(core.route(f"t{i}", None, None).name for i in range(30))
+    assert picks == {"r0": 10, "r1": 10, "r2": 10}
+
+
+def test_other_clients_load_comes_from_the_report_taken_against_our_own() -> None:
+    core, (m0, m1) = make_core(2)
+    m0.open("a")
+    m0.report(live=6)  # 5 requests of other clients on r0, measured when we had 1
+    r0, r1 = core.replicas
+    assert replica_load(r0, time.monotonic()) == 6
+    assert replica_load(r1, time.monotonic()) == 0
+    m0.finish("a")  # ours ended; the others' 5 are still counted
+    assert replica_load(r0, time.monotonic()) == 5
+    # A report older than REPORT_TTL counts nobody else's.
+    assert replica_load(r0, time.monotonic() + REPORT_TTL + 0.1) == 0
+    m1.open("b")
+    m1.report(live=1)  # the only request r1 has is ours
+    assert replica_load(r1, time.monotonic()) == 1
+
+
+def test_power_of_k_above_the_exhaustive_size_touches_k_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, members = make_core(64, LeastLoaded(k=2, seed=7))
+    for i, m in enumerate(members):
+        m.open(*[f"m{i}-{j}" for j in range(i % 5)])
+    looked: list[Replica] = []
+    real = replica_load
+
+    def spy(r: Replica, now: float) -> int:
+        looked.append(r)
+        return real(r, now)
+
+    import enginecore.stage._pool_core as pc
+
+    monkeypatch.setattr(pc, "replica_load", spy)
+    chosen = core.route("x", None, None)
+    assert len(looked) == 2
+    assert chosen is min(looked, key=lambda r: real(r, time.monotonic()))
+
+
+def test_a_burst_is_water_filled() -> None:
+    core, members = make_core(3)
+    members[0].open(*[f"a{i}" for i in range(4)])
+    requests = [PoolRequest(f"q{i}", 1) for i in range(8)]
+    chosen = Counter(r.name for r in core.route_many(requests))
+    assert chosen == {"r1": 4, "r2": 4}  # loads end at 4, 4, 4
+
+
+def test_a_stalled_replica_leaves_the_candidates_until_it_resumes() -> None:
+    core, members = make_core(3)
+    assert len(core.candidates()) == 3
+    members[1]._session.dispatch([Stalled(seconds=5.0, step_timeout=1.0)], time.monotonic())
+    assert [r.name for r in core.candidates()] == ["r0", "r2"]
+    from enginecore.stage._wire import Resumed
+
+    members[1]._session.dispatch([Resumed(seconds=6.0)], time.monotonic())
+    assert len(core.candidates()) == 3
+    for m in members:  # every one stalled: they stay candidates (queued beats refused)
+        m._session.dispatch([Stalled(seconds=5.0, step_timeout=1.0)], time.monotonic())
+    assert len(core.candidates()) == 3
+    for r in core.replicas:
+        core.set_state(r, ReplicaState.DEAD)
+    with pytest.raises(NoReplicaError, match="r0 dead, r1 dead, r2 dead"):
+        core.candidates()
+
+
+def test_the_routable_set_is_not_recomputed_per_request() -> None:
+    core, members = make_core(8)
+    assert len(core.candidates()) == 8
+    members[3]._session._step_stalled = True  # behind the session's back: no epoch bump
+    assert len(core.candidates()) == 8  # so nothing looked at the replicas again
+    core.health_epoch[0] += 1  # what the session does when it changes the flag itself
+    assert [r.name for r in core.candidates()] == [f"r{i}" for i in range(8) if i != 3]
+
+
+def test_sticky_keys_stay_home_and_spill_when_home_is_overloaded() -> None:
+    policy = Sticky(spill_above=1.5, slack=2)
+    core, members = make_core(4, policy)
+    home = core.route("x", None, "user-1")
+    assert all(core.route(f"x{i}", None, "user-1") is home for i in range(10))
+    # Another client of the same replicas (a new core) agrees on the home.
+    other, _ = make_core(4, Sticky())
+    assert other.route("y", None, "user-1").name == home.name
+    # Overload the home: mean load 10/4 = 2.5, line 1.5 * 2.5 + 2 = 5.75 < 10.
+    members[int(home.name[1:])].open(*[f"h{i}" for i in range(10)])
+    assert core.route("z", None, "user-1") is not home
+    # Keys spread over the replicas, and only the dead replica's keys move when it dies.
+    homes = {f"k{i}": core.route("q", None, f"k{i}") for i in range(200)}
+    for m in members:
+        for rid in list(m._session.streams):
+            m.finish(rid)
+    homes = {k: core.route("q", None, k) for k in homes}
+    assert len(set(homes.values())) == 4
+    gone = core.replicas[0]
+    core.set_state(gone, ReplicaState.DEAD)
+    after = {k: core.route("q", None, k) for k in homes}
+    assert all(after[k] is homes[k] for k in homes if homes[k] is not gone)
+
+
+def test_a_score_function_sees_views() -> None:
+    seen: list[tuple[ReplicaView, PoolRequest]] = []
+
+    def score(view: ReplicaView, request: PoolRequest) -> float:
+        seen.append((view, request))
+        return view.engine.get("kv", 0.0)
+
+    core, members = make_core(3, score)
+    assert isinstance(core.routing, Scored)
+    members[0].report(live=0, kv=0.9)
+    members[1].report(live=0, kv=0.1)
+    members[2].report(live=0, kv=0.5)
+    assert core.route("x", "data", "key").name == "r1"
+    views = [v for v, _ in seen]
+    assert {v.replica.name for v in views} == {"r0", "r1", "r2"}
+    assert all(v.age is not None and v.age >= 0 for v in views)
+    assert seen[0][1] == PoolRequest("x", "data", "key")
+
+
+@given(st.lists(st.floats(0, 200), min_size=1, max_size=20))
+def test_restart_delays_double_up_to_the_cap_and_fail_after_five(gaps: list[float]) -> None:
+    policy = RestartPolicy()
+    deaths: deque[float] = deque()
+    now = 0.0
+    for gap in gaps:
+        now += gap
+        recent = sum(1 for t in deaths if t > now - policy.window) + 1
+        delay = policy.delay(deaths, now)
+        if recent >= policy.max_failures:
+            assert delay is None
+            return
+        assert delay == min(policy.max_delay, policy.first_delay * 2 ** (recent - 1))
+
+
+def test_restart_policy_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="first_delay"):
+        RestartPolicy(first_delay=0)
+    with pytest.raises(ValueError, match="max_failures"):
+        RestartPolicy(max_failures=0)
+
+
+def test_a_death_schedules_a_restart_or_marks_failed() -> None:
+    core, _ = make_core(1, restart=RestartPolicy(max_failures=2))
+    (r,) = core.replicas
+    assert core.died(r, 0.0) == 0.5
+    states = [r.state]
+    assert core.restarting(r)
+    states.append(r.state)
+    assert r.restarts == 1
+    assert core.died(r, 1.0) is None
+    states.append(r.state)
+    assert states == [ReplicaState.DEAD, ReplicaState.STARTING, ReplicaState.FAILED]
+    assert not core.restarting(r)
