@@ -249,11 +249,16 @@ class PoolBase(Generic[S]):
                         request = requests[i] if keep and requests is not None else None
                         by_index[i] = self._send(rid, frame, request, None, 0, None)
                     continue
-                for i, stream in zip(positions, streams, strict=True):
-                    stream._replica = replica
-                    stream._request = requests[i] if keep and requests is not None else None
-                    stream._migrations = 0
-                    by_index[i] = stream
+                if keep and requests is not None:
+                    for i, stream in zip(positions, streams, strict=True):
+                        stream._replica = replica
+                        stream._request = requests[i]
+                        stream._migrations = 0
+                        by_index[i] = stream
+                else:  # no hook: _request and _migrations read as their defaults
+                    for i, stream in zip(positions, streams, strict=True):
+                        stream._replica = replica
+                        by_index[i] = stream
                 with self._lock:
                     core.track_many(group_ids, streams)
             out = by_index
@@ -302,7 +307,7 @@ class PoolBase(Generic[S]):
                 try:
                     parts = ClientSession.add_frame(again.req_id, again.data)
                     self._send(
-                        again.req_id, parts, again, again.key, stream._migrations + 1, stream
+                        again.req_id, parts, again, again.key, stream.migrations + 1, stream
                     )
                     continue
                 except Exception as exc:
