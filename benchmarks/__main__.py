@@ -36,6 +36,7 @@ MODULES = (
     "bench_stage_requests",
     "bench_stage_arrays",
     "bench_metrics",
+    "bench_pool_faults",
     "bench_transformers",
     "bench_transformers_aborts",
 )
