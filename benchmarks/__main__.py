@@ -37,6 +37,7 @@ MODULES = (
     "bench_stage_arrays",
     "bench_pool",
     "bench_metrics",
+    "bench_pool_faults",
     "bench_transformers",
     "bench_transformers_aborts",
 )

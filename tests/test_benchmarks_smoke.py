@@ -26,6 +26,7 @@ from benchmarks import (
     bench_overhead,
     bench_pipeline,
     bench_pool,
+    bench_pool_faults,
     bench_stage_arrays,
     bench_stage_ingest,
     bench_stage_load,
@@ -44,6 +45,7 @@ KEYS = {
 STAGE_MODULES = (
     bench_metrics,
     bench_pool,
+    bench_pool_faults,
     bench_stage_arrays,
     bench_stage_ingest,
     bench_stage_load,
@@ -448,6 +450,30 @@ class TestStageBenchmarks:
         assert len(rec.per_round) == 2
         assert rec.per_round_unit == "ms"
         assert gc_disables == []
+
+    @pytest.mark.timeout(180)  # 12 stage processes, a kill, a restart, a stop, an add
+    def test_pool_faults_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_pool_faults.run(quick=True)
+        assert_records(records, 13)
+        assert_gc_on(records)
+        assert gc_disables == []
+        # Correctness lines, not times: nothing lost, no other replica's request failed.
+        by_name = {r.name: r for r in records}
+        assert by_name["pool membership: requests lost in a drained remove and an add"].met
+        assert by_name["pool SIGKILL 1 of 4: requests failed that were not the dead replica's"].met
+
+    def test_pool_faults_analysis(self) -> None:
+        s = bench_pool_faults.Sample
+        samples = [
+            s(0.0, {"a": 2, "b": 2}, {"a": 0, "b": 0}, {}),
+            s(1.0, {"a": 4, "b": 0}, {"a": 10, "b": 10}, {}),
+            s(2.0, {"a": 0, "b": 0}, {"a": 30, "b": 10}, {}),
+        ]
+        ratio, idle, loaded = bench_pool_faults.balance(samples, ["a", "b"])
+        assert (ratio, idle, loaded) == (1.5, 1, 2)
+        rate, per_s = bench_pool_faults.service(samples, ["a", "b"], 0.0, 2.0)
+        assert rate == pytest.approx(40 / 8)
+        assert per_s == pytest.approx(20)
 
     def test_output_and_ingest_measure_both_sides(self) -> None:
         from benchmarks._stage import SINK_FACTORY, RawPeer
