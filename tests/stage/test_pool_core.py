@@ -226,3 +226,26 @@ def test_a_death_schedules_a_restart_or_marks_failed() -> None:
     states.append(r.state)
     assert states == [ReplicaState.DEAD, ReplicaState.STARTING, ReplicaState.FAILED]
     assert not core.restarting(r)
+
+
+def test_a_members_session_reads_silent_after_one_and_three_quarter_intervals() -> None:
+    from enginecore.stage import StageHealth
+    from enginecore.stage._pool import _Member
+
+    t0 = 100.0
+    session: ClientSession[Any, Any] = ClientSession(
+        pid=1, address="fake://m", launched=True, heartbeat=(0.2, None),
+        ordered_events=False, now=t0, silent_after=_Member._silent_after,
+    )  # fmt: skip
+    assert _Member._silent_after == 1.75
+    session.tick(t0 + 1.74 * 0.2)
+    assert session.health(t0 + 1.74 * 0.2) == StageHealth.OK
+    _, _, d = session.tick(t0 + 1.76 * 0.2)
+    assert d is not None
+    assert d.warnings
+    assert session.health(t0 + 1.76 * 0.2) == StageHealth.STALLED
+    single: ClientSession[Any, Any] = ClientSession(
+        pid=1, address="fake://c", launched=True, heartbeat=(0.2, None),
+        ordered_events=False, now=t0,
+    )  # fmt: skip
+    assert single.health(t0 + 1.9 * 0.2) == StageHealth.OK  # a client's: two intervals

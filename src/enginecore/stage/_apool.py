@@ -54,6 +54,7 @@ class _AsyncMember(AsyncStageClient):
     decides their end."""
 
     _adopt_orphans = True
+    _silent_after = 1.75  # a stopped replica leaves the routing within two ping intervals
     _stream_type = AsyncPoolRequestStream
     _pool: AsyncStagePool | None = None
     _replica: Replica

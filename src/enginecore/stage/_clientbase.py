@@ -66,6 +66,7 @@ class ClientBase(Generic[S, W]):
     _stream_type: Callable[[str, contextlib.AbstractContextManager[Any], float], S]
 
     _adopt_orphans = False  # a pool's member client: see ClientSession(adopt_orphans=)
+    _silent_after = 2.0  # ping intervals without a frame that read as stalled (a pool's: 1.75)
 
     def __init__(self, target: Target, welcome: WelcomeMsg) -> None:
         self._launched = target.launched
@@ -77,6 +78,7 @@ class ClientBase(Generic[S, W]):
             ordered_events=target.ordered_events,
             now=time.monotonic(),
             adopt_orphans=self._adopt_orphans,
+            silent_after=self._silent_after,
         )
 
     def _send(self, parts: Parts) -> None:

@@ -64,6 +64,7 @@ class _Member(StageClient):
     decides their end."""
 
     _adopt_orphans = True
+    _silent_after = 1.75  # a stopped replica leaves the routing within two ping intervals
     _stream_type = PoolRequestStream
     _pool: StagePool | None = None
     _replica: Replica
@@ -88,7 +89,7 @@ class StagePool(PoolBase[PoolRequestStream]):
     A replica that dies fails only its own requests and calls, with
     :class:`~enginecore.stage.ReplicaDeadError`, and leaves the routing; the others keep
     serving. A stalled replica (a step past its ``step_timeout``, or no answer to pings for
-    two intervals) leaves the routing until it answers again. With *restart*, a launched
+    1.75 intervals) leaves the routing until it answers again. With *restart*, a launched
     replica that died is started again (:class:`~enginecore.stage.RestartPolicy`).
     ``docs/pool.md`` is the guide.
 
@@ -148,7 +149,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         and return their pool. The stage options are
         :meth:`StageClient.launch <enginecore.stage.StageClient.launch>`'s; each replica's
         stage is named ``"<name or factory>/r<i>"``. *ping_interval*: how often each
-        replica is pinged; one silent for two intervals (a stopped process) leaves the
+        replica is pinged; one silent for 1.75 intervals (a stopped process) leaves the
         routing. If a replica does not start, the others are stopped and its
         :class:`~enginecore.stage.StageStartupError` is raised."""
         if replicas < 1:

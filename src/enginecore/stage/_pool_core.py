@@ -268,7 +268,7 @@ def replica_load(r: Replica, now: float) -> int:
 
 def routable(r: Replica) -> bool:
     """Whether *r* may take a request now: serving, its stage not gone and not stalled (a
-    step past its ``step_timeout``, or two ping intervals without a frame)."""
+    step past its ``step_timeout``, or 1.75 ping intervals without a frame)."""
     session = r._session
     return (
         r._state is ReplicaState.SERVING

@@ -306,9 +306,7 @@ class PoolBase(Generic[S]):
             if again is not None:
                 try:
                     parts = ClientSession.add_frame(again.req_id, again.data)
-                    self._send(
-                        again.req_id, parts, again, again.key, stream.migrations + 1, stream
-                    )
+                    self._send(again.req_id, parts, again, again.key, stream.migrations + 1, stream)
                     continue
                 except Exception as exc:
                     logger.warning(

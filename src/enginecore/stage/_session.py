@@ -475,6 +475,7 @@ class ClientSession(Generic[S, W]):
         now: float,
         adopt_orphans: bool = False,
         health_epoch: list[int] | None = None,
+        silent_after: float = 2.0,
     ) -> None:
         self.pid: Final = pid
         # When the session fails, hand its live streams over (Deliveries.orphans) instead of
@@ -484,6 +485,11 @@ class ClientSession(Generic[S, W]):
         # changes (stalled, silent, failed): the pool recomputes its routable replicas only
         # then, not per request.
         self._health_epoch = health_epoch
+        # How many ping intervals without a frame make the stage "silent" (stalled): two
+        # for a client; a pool's members use 1.75, so that a stopped replica leaves the
+        # routing within two intervals of its last frame, wake-up latency included, while
+        # a pong may still be late by three quarters of an interval.
+        self._silent_after = silent_after
         self.address: Final = address
         self.launched: Final = launched
         self.heartbeat: Final = heartbeat
@@ -510,7 +516,7 @@ class ClientSession(Generic[S, W]):
         # streams were live then (a pool counts the other clients' requests from it).
         self._load: tuple[_wire.Load, float, int] | None = None
         self._step_stalled = False  # the stage reported a step past its step_timeout
-        self._silent = False  # warned that the stage has not answered for two intervals
+        self._silent = False  # warned that the stage has not answered for _silent_after intervals
         # Set when the heartbeat presumed a connected stage dead: the client should send a
         # bye and close its output socket (its _release_session), so that a stage that was
         # only unreachable or stopped lets the next client attach at once.
@@ -936,7 +942,7 @@ class ClientSession(Generic[S, W]):
                 self._release_due = not self._closing
                 return None, None, d
         d = None
-        silent_at = self._last_heard + 2 * interval
+        silent_at = self._last_heard + self._silent_after * interval
         if not self._silent and now >= silent_at:
             self._silent = True
             self._health_changed()
@@ -977,7 +983,8 @@ class ClientSession(Generic[S, W]):
             return StageHealth.DEAD
         if self._step_stalled or self._silent:
             return StageHealth.STALLED
-        if self.heartbeat is not None and now >= self._last_heard + 2 * self.heartbeat[0]:
+        silent_after = self._silent_after * self.heartbeat[0] if self.heartbeat else 0.0
+        if self.heartbeat is not None and now >= self._last_heard + silent_after:
             return StageHealth.STALLED  # silent, and tick() has not run yet to say so
         return StageHealth.OK
 
