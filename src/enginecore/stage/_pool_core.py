@@ -671,7 +671,9 @@ class PoolCore:
 
     def route(self, req_id: str, data: Any, key: Hashable | None) -> Replica:
         """The replica for one request (the only candidate, without asking the policy)."""
-        candidates = self.candidates()
+        candidates: Sequence[Replica] = self._routable
+        if self.health_epoch[0] != self._routable_epoch or not candidates:
+            candidates = self.candidates()
         if len(candidates) == 1:
             return candidates[0]
         return self.routing.choose(candidates, req_id, data, key, time.monotonic())

@@ -155,36 +155,59 @@ class PoolBase(Generic[S]):
     ) -> S:
         """Route and send one request; *stream* continues a moved one. The pool's checks
         (open, the id free in the pool) and its table run under the member's hold of the
-        lock that registers the stream: one hold per request, as a single client's. A
-        replica that left the routing between the choice and the send gets the next
-        choice instead."""
+        lock that registers the stream (:meth:`_claim`): one hold per request, as a single
+        client's. On the path of every ``add``: a few attribute reads over a client's."""
         core = self._core
         if core.closing:
             raise StageClosedError("this stage pool is closed")
-        new = stream
-        claim = None
-        if new is None:
+        if stream is None:
             new = self._stream_type(req_id, self._lock, time.monotonic())
-            claim = self._claim
-        new._request = request
-        new._migrations = migrations
+            claim: Callable[[str, Any], None] | None = self._claim
+            if request is not None:  # else _request and _migrations read as their defaults
+                new._request = request
+        else:
+            new, claim = stream, None
+            new._request = request
+            new._migrations = migrations
         try:
-            for _ in range(8):
-                replica = core.route(req_id, None if request is None else request.data, key)
-                member: ClientBase[Any, Any] = replica._client
-                new._replica = replica
-                try:
-                    member._send_request(req_id, parts, True, new, claim)
-                except (EngineDeadError, StageClosedError):
-                    if member._session.failure is None and not member._session.closing:
-                        raise
-                    continue  # the replica went away meanwhile: route again
-                return new
-            raise NoReplicaError("no replica took the request: each one left as it was chosen")
+            replica = core.route(req_id, None if request is None else request.data, key)
+            new._replica = replica
+            member: ClientBase[Any, Any] = replica._client
+            try:
+                member._send_request(req_id, parts, True, new, claim)
+            except (EngineDeadError, StageClosedError):
+                if member._session.failure is None and not member._session.closing:
+                    raise
+                return self._send_again(req_id, parts, request, key, new, claim)
+            return new
         except BaseException:
             with self._lock:
                 core.untrack(req_id, new)
             raise
+
+    def _send_again(
+        self,
+        req_id: str,
+        parts: _session.Parts,
+        request: PoolRequest | None,
+        key: Hashable | None,
+        new: S,
+        claim: Callable[[str, Any], None] | None,
+    ) -> S:
+        """:meth:`_send` after the chosen replica went away between the choice and the
+        send: route again, a few times."""
+        for _ in range(8):
+            replica = self._core.route(req_id, None if request is None else request.data, key)
+            new._replica = replica
+            member: ClientBase[Any, Any] = replica._client
+            try:
+                member._send_request(req_id, parts, True, new, claim)
+            except (EngineDeadError, StageClosedError):
+                if member._session.failure is None and not member._session.closing:
+                    raise
+                continue
+            return new
+        raise NoReplicaError("no replica took the request: each one left as it was chosen")
 
     def _claim(self, req_id: str, stream: Any) -> None:
         """Under the lock, for a new request: the pool is open and *req_id* is not live in
@@ -192,10 +215,13 @@ class PoolBase(Generic[S]):
         core = self._core
         if core.closing:
             raise StageClosedError("this stage pool is closed")
-        held = core._live.get(req_id)
+        live = core._live
+        held = live.get(req_id)
         if held is not None and held is not stream and held._ended is None:
             raise ValueError(f"request {req_id!r} is still live in this pool")
-        core.track(req_id, stream)
+        live[req_id] = stream
+        if len(live) > core._prune_at:
+            core._maybe_prune()
 
     def _add_many(self, items: Iterable[tuple[str, Any]]) -> list[S]:
         """``add_many()``: route, then one frame per replica. A pool of one (or a burst
