@@ -396,6 +396,8 @@ def test_a_stopped_replica_leaves_the_routing_until_it_answers(launch: Open) -> 
     os.kill(cast(int, r0.pid), signal.SIGSTOP)
     try:
         assert wait_until(lambda: r0.health == StageHealth.STALLED, 5)
+        assert wait_until(lambda: not r0.routable, 5)  # the receiver's timer has fired
+        assert r1.routable
         streams = [pool.add(f"s{i}", 2) for i in range(6)]
         assert all(s.replica is r1 for s in streams)
         for s in streams:
@@ -403,6 +405,7 @@ def test_a_stopped_replica_leaves_the_routing_until_it_answers(launch: Open) -> 
     finally:
         os.kill(cast(int, r0.pid), signal.SIGCONT)
     assert wait_until(lambda: r0.health == StageHealth.OK, 5)
+    assert r0.routable
     streams = [pool.add(f"t{i}", 2) for i in range(4)]
     assert {s.replica for s in streams} == {r0, r1}
     for s in streams:

@@ -205,6 +205,14 @@ class Replica:
         return len(session.streams)
 
     @property
+    def routable(self) -> bool:
+        """Whether the pool's routing may pick it now: serving, its stage not gone, and
+        not stalled (a step past its ``step_timeout``, or silent for 1.75 ping intervals:
+        set by the pool's receiver when its timer fires, a moment after :attr:`health`
+        starts to read ``"stalled"``)."""
+        return routable(self)
+
+    @property
     def restarts(self) -> int:
         """How many times the pool has started it again after a death."""
         return self._restarts
