@@ -35,6 +35,7 @@ MODULES = (
     "bench_stage_ingest",
     "bench_stage_requests",
     "bench_stage_arrays",
+    "bench_stage_curve",
     "bench_pool",
     "bench_metrics",
     "bench_pool_faults",

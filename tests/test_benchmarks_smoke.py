@@ -28,6 +28,7 @@ from benchmarks import (
     bench_pool,
     bench_pool_faults,
     bench_stage_arrays,
+    bench_stage_curve,
     bench_stage_ingest,
     bench_stage_load,
     bench_stage_output,
@@ -47,6 +48,7 @@ STAGE_MODULES = (
     bench_pool,
     bench_pool_faults,
     bench_stage_arrays,
+    bench_stage_curve,
     bench_stage_ingest,
     bench_stage_load,
     bench_stage_output,
@@ -222,6 +224,15 @@ class TestBenchmarksRun:
         records = bench_pool.run(quick=True)
         assert_records(records, 5)
         assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
+
+    @pytest.mark.timeout(120)
+    def test_curve_is_registered_and_runs_quick(self) -> None:
+        assert "bench_stage_curve" in MODULES
+        records = bench_stage_curve.run(quick=True)
+        assert_records(records, 3)
+        assert [r.goal for r in records] == ["<= 1.2x", "report", "report"]
+        assert len(records[0].per_round) == 4
+        assert all(r.value > 0 and r.baseline > 0 for r in records)
 
     def test_statistics_is_registered_and_runs_quick(self) -> None:
         assert "bench_statistics" in MODULES

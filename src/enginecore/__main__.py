@@ -1,17 +1,22 @@
 """``python -m enginecore serve``: run a headless stage process; ``python -m enginecore
-top``: watch running stages.
+top``: watch running stages; ``python -m enginecore keygen``: make a CURVE key pair.
 
 Usage::
 
     python -m enginecore serve --engine pkg.module:factory --bind tcp://127.0.0.1:5570
+    python -m enginecore serve --engine pkg.module:factory --bind tcp://0.0.0.0:5570 \
+        --curve-secret-key keys/stage.key_secret --authorized-clients clients/
     python -m enginecore top tcp://127.0.0.1:5570 [ADDRESS...] [--interval 1] [--once]
+    python -m enginecore keygen DIR [--name NAME]
 
 The stage binds its input socket at ``--bind`` and its output socket at ``--output-bind``
 (default: a free port on the same host, or ``<path>.out`` for ``ipc://``), prints one line
 ``enginecore serve: listening on <address> ...`` to stdout, and serves one client at a time
 (``StageClient.connect(address)``) until SIGTERM / SIGINT or a client's ``shutdown()``.
-TCP binds to loopback only, unless ``--allow-remote`` is given: the protocol has no
-authentication. Exit code: 0 after a clean shutdown, 1 after a fatal error or a failed
+With ``--curve-secret-key`` and ``--authorized-clients``, both sockets are ZeroMQ CURVE
+servers (encrypted) and only the listed client keys get in (``docs/security.md``). TCP binds
+to a non-loopback address only with CURVE, or with ``--insecure`` (no authentication, no
+encryption). Exit code: 0 after a clean shutdown, 1 after a fatal error or a failed
 start, 2 for bad arguments or a failed IO thread.
 """
 
@@ -61,9 +66,27 @@ def _parser() -> argparse.ArgumentParser:
         help="output address (default: same host, any free port; ipc: PATH.out)",
     )
     serve.add_argument(
-        "--allow-remote",
+        "--curve-secret-key",
+        metavar="FILE",
+        help="the stage's CURVE key pair (NAME.key_secret from 'python -m enginecore keygen'): "
+        "both sockets are encrypted and authenticated; needs --authorized-clients",
+    )
+    serve.add_argument(
+        "--authorized-clients",
+        metavar="DIR",
+        help="a directory of client public keys (*.key): only these clients get in (read at start)",
+    )
+    serve.add_argument(
+        "--insecure",
         action="store_true",
-        help="allow binding TCP to a non-loopback address (no authentication!)",
+        help="allow binding TCP to a non-loopback address without CURVE: anyone who reaches "
+        "the port can drive the engine, and the traffic is plain text",
+    )
+    serve.add_argument(
+        "--allow-remote",
+        dest="insecure",
+        action="store_true",
+        help="deprecated alias of --insecure",
     )
     serve.add_argument(
         "--session-timeout",
@@ -177,6 +200,19 @@ def _parser() -> argparse.ArgumentParser:
         help="print one table and exit (two readings --interval apart, for the rates); exit "
         "code 1 if a stage did not answer",
     )
+    keygen = sub.add_parser(
+        "keygen",
+        help="make a CURVE key pair",
+        description="Write a new CURVE key pair: DIR/NAME.key (the public key: give it to the "
+        "other side) and DIR/NAME.key_secret (both keys, mode 600: keep it). A stage takes its "
+        "NAME.key_secret as serve --curve-secret-key and the clients' NAME.key files in "
+        "--authorized-clients; a client loads CurveKeys.load(its NAME.key_secret, the stage's "
+        "NAME.key). Never overwrites a key.",
+    )
+    keygen.add_argument("directory", metavar="DIR", help="where to write (made if missing)")
+    keygen.add_argument(
+        "--name", default="enginecore", help="the files' base name (default: %(default)s)"
+    )
     return parser
 
 
@@ -225,11 +261,13 @@ def _log_level(text: str) -> int | str:
     return text
 
 
-def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: bool) -> None:
+def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: bool) -> bool:
+    """Exit with a usage error for a bad address, or a non-loopback one unless
+    *allow_remote*; return whether *address* is remote (not loopback, not ipc)."""
     if address.startswith("ipc://"):
         if len(address) <= len("ipc://"):
             parser.error(f"empty ipc path in {address!r}")
-        return
+        return False
     if not address.startswith("tcp://"):
         parser.error(f"address must start with tcp:// or ipc://, got {address!r}")
     rest = address[len("tcp://") :]
@@ -237,17 +275,17 @@ def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: 
     if not sep or not host or not (port == "*" or port.isdigit()):
         parser.error(f"tcp address must look like tcp://HOST:PORT, got {address!r}")
     host = host.strip("[]")
-    if allow_remote:
-        return
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = host in _LOOPBACK_NAMES
-    if not loopback:
+    if not loopback and not allow_remote:
         parser.error(
-            f"refusing to bind {address!r}: not a loopback address and the protocol has no "
-            f"authentication; pass --allow-remote to do it anyway"
+            f"refusing to bind {address!r}: not a loopback address, and without CURVE anyone "
+            f"who reaches it could drive the engine; give --curve-secret-key FILE and "
+            f"--authorized-clients DIR (docs/security.md), or --insecure to do it anyway"
         )
+    return not loopback
 
 
 def _default_output(bind: str) -> str:
@@ -277,9 +315,27 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--kwargs is not valid JSON: {exc}")
     if not isinstance(kwargs, dict):
         parser.error("--kwargs must be a JSON object")
-    _check_address(parser, args.bind, args.allow_remote)
+    if (args.curve_secret_key is None) != (args.authorized_clients is None):
+        parser.error("--curve-secret-key and --authorized-clients go together")
+    curve = None
+    if args.curve_secret_key is not None:
+        from .stage._curve import load_server_curve
+
+        try:
+            curve = load_server_curve(args.curve_secret_key, args.authorized_clients)
+        except (OSError, ValueError) as exc:
+            parser.error(f"CURVE: {exc}")
+    remote_ok = curve is not None or args.insecure
+    remote = _check_address(parser, args.bind, remote_ok)
     output = args.output_bind or _default_output(args.bind)
-    _check_address(parser, output, args.allow_remote)
+    remote = _check_address(parser, output, remote_ok) or remote
+    if remote and curve is None:
+        print(
+            "enginecore serve: WARNING: --insecure: listening beyond loopback without CURVE; "
+            "anyone who reaches the ports can drive the engine, and the traffic is plain text",
+            file=sys.stderr,
+            flush=True,
+        )
     check_encodable(kwargs, "--kwargs")
     step_timeout = args.step_timeout or None  # 0: no watchdog
     try:
@@ -295,10 +351,11 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     def ready(input_address: str, output_address: str) -> None:
         metrics = f", metrics {metrics_url[0]}" if metrics_url else ""
+        secured = f", curve {curve.public_key.decode()}" if curve is not None else ""
         print(
             f"enginecore serve: listening on {input_address} "
             f"(output {output_address}, engine {args.engine}, protocol {PROTOCOL_VERSION}"
-            f"{metrics})",
+            f"{secured}{metrics})",
             flush=True,
         )
 
@@ -328,6 +385,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             else (args.metrics_host.strip().strip("[]"), args.metrics_port),
             ready=ready,
             metrics_ready=metrics_ready,
+            curve=curve,
         )
     except MetricsBindError as exc:
         print(f"python -m enginecore serve: --metrics-port: {exc}", file=sys.stderr)
@@ -336,6 +394,21 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print("python -m enginecore serve: the stage failed to start:", file=sys.stderr)
         traceback.print_exc()
         return 1
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    try:
+        from .stage._curve import keygen
+    except ImportError as exc:
+        print(f"python -m enginecore keygen: {exc}", file=sys.stderr)
+        return 2
+    try:
+        public, secret = keygen(args.directory, args.name)
+    except (OSError, ValueError) as exc:
+        print(f"python -m enginecore keygen: {exc}", file=sys.stderr)
+        return 1
+    print(f"public key: {public}\nsecret key: {secret} (keep it; mode 600)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -348,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._top import main as top
 
         return top(args.addresses, interval=args.interval, once=args.once)
+    if args.command == "keygen":
+        return _keygen(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse checks
 
 

@@ -309,10 +309,11 @@ def stage_client(launch: Launch) -> StageClient:
 class Server:
     """A headless ``python -m enginecore serve`` subprocess."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, stderr: Any = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "enginecore", "serve", *args],
             stdout=subprocess.PIPE,
+            stderr=stderr,
             text=True,
         )
         assert self.proc.stdout is not None

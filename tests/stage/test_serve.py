@@ -608,9 +608,12 @@ class TestServeCommandLine:
         )
 
     def test_non_loopback_bind_is_refused(self) -> None:
+        # Without CURVE: refused, and the error names both ways out (tests/stage/test_curve.py
+        # has the rest: --insecure starts it, CURVE starts it).
         result = self._run("serve", "--engine", SCRIPTED, "--bind", "tcp://0.0.0.0:5999")
         assert result.returncode == 2
-        assert "--allow-remote" in result.stderr
+        assert "--insecure" in result.stderr
+        assert "--curve-secret-key" in result.stderr
 
     def test_bad_factory_fails_with_a_traceback(self) -> None:
         result = self._run("serve", "--engine", "no_such_mod:f", "--bind", "tcp://127.0.0.1:*")

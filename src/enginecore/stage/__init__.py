@@ -20,7 +20,9 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._apool import AsyncPoolRequestStream, AsyncStagePool
 from ._client import RequestStream, StageClient
+from ._curve import CurveKeys
 from ._errors import (
+    AuthenticationError,
     EngineDeadError,
     NoReplicaError,
     ProtocolError,
@@ -65,6 +67,8 @@ __all__ = [
     "AsyncRequestStream",
     "AsyncStageClient",
     "AsyncStagePool",
+    "AuthenticationError",
+    "CurveKeys",
     "EngineDeadError",
     "ErrorReport",
     "Fatal",

@@ -30,9 +30,11 @@ from typing import Any, Literal, overload
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from . import _clientbase, _codec, _session
 from ._clientbase import Target
+from ._curve import CurveKeys
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import Launched, launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
@@ -300,6 +302,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         ordered_events: bool = False,
+        curve: CurveKeys | None = None,
     ) -> AsyncStageClient:
         """Attach to a headless stage (``python -m enginecore serve``) at *address*.
 
@@ -309,13 +312,20 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         (:class:`~enginecore.stage.EngineDeadError`) once *heartbeat_timeout* seconds have
         passed without hearing from it. :meth:`close` detaches; :meth:`shutdown` stops the
         stage.
+
+        *curve* (:class:`~enginecore.stage.CurveKeys`: this client's key pair and the
+        stage's public key) connects to a stage served with ``--curve-secret-key``: both
+        sockets are encrypted, and the stage admits only its authorized client keys. A
+        refused key, a wrong server key, or CURVE on one side only raise
+        :class:`~enginecore.stage.AuthenticationError` as soon as the handshake fails,
+        within *timeout* at the latest (``docs/security.md``).
         """
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
-        return await cls._open(Target(address, timeout, None, heartbeat, ordered_events))
+        return await cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 
     @classmethod
     async def _open(cls, target: Target) -> AsyncStageClient:
-        address, timeout, launched = target.address, target.timeout, target.launched
+        address, launched = target.address, target.launched
         loop = asyncio.get_running_loop()
         ctx = zmq.asyncio.Context()
         dealer = pull = None
@@ -327,23 +337,21 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
 
         if launched is not None:
             loop.add_reader(launched.process.sentinel, on_exit)
+        monitor = None
         try:
-            dealer = _clientbase.dealer_for(ctx, address)
-            await dealer.send(_session.HELLO_FRAME[0])
-            recv: asyncio.Future[bytes] = asyncio.ensure_future(dealer.recv())
-            done, _ = await asyncio.wait(
-                {recv, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            # A connected stage's handshake is watched through the socket monitor: a refused
+            # CURVE key is otherwise silent (docs/security.md).
+            dealer, monitor = _clientbase.dealer_for(
+                ctx, address, target.curve, watch=launched is None
             )
-            if recv not in done:
-                recv.cancel()
-                with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
-                    await recv
-                if exited in done:
-                    raise StageStartupError("the stage process exited during the handshake")
-                raise TimeoutError(f"no handshake reply from the stage at {address} in {timeout} s")
-            welcome = _session.parse_welcome(recv.result(), address)
-            pull = _clientbase.pull_for(ctx, address, welcome)
+            await dealer.send(_session.HELLO_FRAME[0])
+            reply = await _handshake_reply(dealer, monitor, exited, target)
+            welcome = _session.parse_welcome(reply, address)
+            _clientbase.stop_watching(dealer, monitor)
+            monitor = None
+            pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
         except BaseException:
+            _clientbase.stop_watching(dealer, monitor)
             _clientbase.close_sockets(ctx, dealer, pull)
             raise
         finally:
@@ -744,3 +752,45 @@ def _kill_if_launched(fut: asyncio.Future[Launched]) -> None:
     # Reads the exception, so a LaunchCancelled is never reported as never retrieved.
     if not fut.cancelled() and fut.exception() is None:
         fut.result().kill_and_clean()
+
+
+async def _handshake_reply(
+    dealer: zmq.asyncio.Socket,
+    monitor: zmq.asyncio.Socket | None,
+    exited: asyncio.Future[Any],
+    target: Target,
+) -> bytes:
+    """The stage's reply to ``hello``, within ``target.timeout``: :class:`TimeoutError`,
+    :class:`~enginecore.stage.AuthenticationError` as soon as *monitor* says the security
+    handshake failed, :class:`~enginecore.stage.StageStartupError` if *exited* is set."""
+    loop = asyncio.get_running_loop()
+    watch = _clientbase.handshake_watch(target)
+    recv: asyncio.Future[bytes] = asyncio.ensure_future(dealer.recv())
+    events: asyncio.Future[Any] | None = None
+    deadline = loop.time() + target.timeout
+    try:
+        while True:
+            if monitor is not None and events is None:
+                events = asyncio.ensure_future(recv_monitor_message(monitor))
+            left = deadline - loop.time()
+            if left <= 0:
+                raise watch.timed_out(target.timeout)
+            waits: set[asyncio.Future[Any]] = {recv, exited}
+            if events is not None:
+                waits.add(events)
+            done, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if recv in done:
+                return recv.result()
+            if exited in done:
+                raise StageStartupError("the stage process exited during the handshake")
+            if events is not None and events in done:
+                watch.feed(events.result())
+                events = None
+                if watch.failure is not None:
+                    raise watch.failure
+    finally:
+        for fut in (recv, events):
+            if fut is not None and not fut.done():
+                fut.cancel()
+                with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                    await fut

@@ -21,6 +21,7 @@ from typing import Any
 from . import _session
 from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._clientbase import check_heartbeat
+from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
     DeathHook,
@@ -154,6 +155,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         timeout: float = 10.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
+        curve: CurveKeys | None = None,
     ) -> AsyncStagePool:
         """:meth:`StagePool.connect <enginecore.stage.StagePool.connect>`, awaited."""
         if isinstance(addresses, str):
@@ -166,6 +168,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "timeout": timeout,
             "heartbeat_interval": heartbeat_interval,
             "heartbeat_timeout": heartbeat_timeout,
+            "curve": curve,
         }
         try:
             await pool._add_replicas([{"address": a, **options} for a in addresses])

@@ -53,9 +53,11 @@ from types import TracebackType
 from typing import Any, Final, Literal, overload
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import _clientbase, _codec, _session
 from ._clientbase import ClientBase, Target
+from ._curve import CurveKeys
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
@@ -385,6 +387,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         ordered_events: bool = False,
+        curve: CurveKeys | None = None,
     ) -> StageClient:
         """Attach to a headless stage (``python -m enginecore serve``) at *address*.
 
@@ -394,9 +397,16 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         (:class:`~enginecore.stage.EngineDeadError`) once *heartbeat_timeout* seconds have
         passed without hearing from it. :meth:`close` detaches; :meth:`shutdown` stops the
         stage.
+
+        *curve* (:class:`~enginecore.stage.CurveKeys`: this client's key pair and the
+        stage's public key) connects to a stage served with ``--curve-secret-key``: both
+        sockets are encrypted, and the stage admits only its authorized client keys. A
+        refused key, a wrong server key, or CURVE on one side only raise
+        :class:`~enginecore.stage.AuthenticationError` as soon as the handshake fails,
+        within *timeout* at the latest (``docs/security.md``).
         """
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
-        return cls._open(Target(address, timeout, None, heartbeat, ordered_events))
+        return cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 
     @classmethod
     def _open(
@@ -404,21 +414,45 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     ) -> StageClient:
         address, timeout, launched = target.address, target.timeout, target.launched
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        dealer = pull = None
+        dealer = pull = monitor = None
         try:
-            dealer = _clientbase.dealer_for(ctx, address)
+            # A connected stage's handshake is watched through the socket monitor: a refused
+            # CURVE key is otherwise silent (docs/security.md).
+            dealer, monitor = _clientbase.dealer_for(
+                ctx, address, target.curve, watch=launched is None
+            )
             dealer.send(_session.HELLO_FRAME[0])
             poller = zmq.Poller()
             poller.register(dealer, zmq.POLLIN)
             if launched is not None:
                 poller.register(launched.process.sentinel, zmq.POLLIN)
-            if not poller.poll(round(timeout * 1000)):
-                raise TimeoutError(f"no handshake reply from the stage at {address} in {timeout} s")
-            if launched is not None and not dealer.poll(0):
-                raise StageStartupError("the stage process exited during the handshake")
+            if monitor is not None:
+                poller.register(monitor, zmq.POLLIN)
+            watch = _clientbase.handshake_watch(target)
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise watch.timed_out(timeout)
+                ready = dict(poller.poll(max(1, round(left * 1000))))
+                if monitor is not None and monitor in ready:
+                    while True:
+                        try:
+                            watch.feed(recv_monitor_message(monitor, zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                    if watch.failure is not None:
+                        raise watch.failure
+                if dealer.poll(0):
+                    break
+                if launched is not None and launched.process.sentinel in ready:
+                    raise StageStartupError("the stage process exited during the handshake")
             welcome = _session.parse_welcome(dealer.recv(), address)
-            pull = _clientbase.pull_for(ctx, address, welcome)
+            _clientbase.stop_watching(dealer, monitor)
+            monitor = None
+            pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
         except BaseException:
+            _clientbase.stop_watching(dealer, monitor)
             _clientbase.close_sockets(ctx, dealer, pull)
             raise
         return cls(target, welcome, ctx, dealer, pull, lock=lock, hub=hub)

@@ -15,6 +15,7 @@ from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 import zmq
 
 from . import _session
+from ._curve import HANDSHAKE_EVENTS, CurveKeys, HandshakeWatch, secure_client
 from ._errors import StageClosedError, StageStartupError
 from ._launch import Launched
 from ._session import ClientSession, Deliveries, Parts, StageHealth, StreamCore, output_address_for
@@ -29,9 +30,11 @@ __all__ = [
     "deadline_after",
     "dealer_for",
     "escalate",
+    "handshake_watch",
     "passed",
     "pull_for",
     "raise_startup_error",
+    "stop_watching",
 ]
 
 logger = logging.getLogger("enginecore.stage")
@@ -51,6 +54,7 @@ class Target(NamedTuple):
     # is pinged (timeout None) only so that a stopped process reads as stalled.
     heartbeat: tuple[float, float | None] | None
     ordered_events: bool
+    curve: CurveKeys | None = None  # the client's CURVE keys and the stage's public key
 
 
 class ClientBase(Generic[S, W]):
@@ -286,22 +290,48 @@ def raise_startup_error(factory: str, exc: BaseException) -> NoReturn:
     raise exc
 
 
-def dealer_for(ctx: zmq.Context[Sock], address: str) -> Sock:
-    """The input socket, connected to *address*."""
+def dealer_for(
+    ctx: zmq.Context[Sock], address: str, curve: CurveKeys | None = None, *, watch: bool = False
+) -> tuple[Sock, Sock | None]:
+    """The input socket, connected to *address* (a CURVE client with *curve*); with
+    *watch*, also its monitor socket (:data:`~._curve.HANDSHAKE_EVENTS`), attached before
+    the connect so that no event is missed: :func:`handshake_watch` reads it."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.SNDHWM, 0)  # sends never block; death is detected elsewhere
     dealer.setsockopt(zmq.IPV6, is_ipv6_endpoint(address))
+    if curve is not None:
+        secure_client(dealer, curve)
+    monitor = dealer.get_monitor_socket(HANDSHAKE_EVENTS) if watch else None
     dealer.connect(address)
-    return dealer
+    return dealer, monitor
 
 
-def pull_for(ctx: zmq.Context[Sock], address: str, welcome: WelcomeMsg) -> Sock:
-    """The output socket, connected where the welcome says."""
+def handshake_watch(target: Target) -> HandshakeWatch:
+    """What reads the DEALER's monitor during a connect's handshake."""
+    return HandshakeWatch(target.address, target.curve)
+
+
+def stop_watching(dealer: zmq.Socket[Any] | None, monitor: zmq.Socket[Any] | None) -> None:
+    """Detach and close the handshake monitor (after the handshake, or on failure)."""
+    if monitor is None:
+        return
+    if dealer is not None and not dealer.closed:
+        with contextlib.suppress(zmq.ZMQError):
+            dealer.disable_monitor()
+    monitor.close(linger=0)
+
+
+def pull_for(
+    ctx: zmq.Context[Sock], address: str, welcome: WelcomeMsg, curve: CurveKeys | None = None
+) -> Sock:
+    """The output socket, connected where the welcome says (a CURVE client with *curve*)."""
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
     output = output_address_for(address, welcome.output)
     pull.setsockopt(zmq.IPV6, is_ipv6_endpoint(output))
+    if curve is not None:
+        secure_client(pull, curve)
     pull.connect(output)
     return pull
 

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from ._pool_core import Replica
 
 __all__ = [
+    "AuthenticationError",
     "EngineDeadError",
     "NoReplicaError",
     "ProtocolError",
@@ -158,4 +159,15 @@ class ProtocolError(EngineCoreError):
     """Raised by ``StageClient.connect()`` (and ``launch()``) when the handshake fails: the
     stage speaks another protocol version, rejected this client (another client is
     attached), or answered with something that is not a valid handshake reply.
+    """
+
+
+class AuthenticationError(ProtocolError):
+    """Raised by ``connect()`` (the clients', and the pools' for a replica) when the CURVE
+    handshake with the stage fails (``docs/security.md``): the stage refused this client's
+    public key (it is not among its authorized clients), the stage closed the connection
+    during the handshake (most likely a wrong server public key), or one side uses CURVE
+    and the other does not. Raised as soon as the socket monitor says so, and at the latest
+    when the connect timeout passes. A :class:`ProtocolError`, so code that catches that
+    catches this too.
     """

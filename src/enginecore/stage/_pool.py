@@ -28,6 +28,7 @@ from typing import Any
 from . import _session
 from ._client import Receiver, RequestStream, StageClient
 from ._clientbase import check_heartbeat
+from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
     DeathHook,
@@ -188,11 +189,15 @@ class StagePool(PoolBase[PoolRequestStream]):
         timeout: float = 10.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
+        curve: CurveKeys | None = None,
     ) -> StagePool:
         """Connect to headless stages (``python -m enginecore serve``) at *addresses* and
         return their pool; heartbeats as
-        :meth:`StageClient.connect <enginecore.stage.StageClient.connect>`'s. A connected
-        replica that dies stays out (the pool cannot start it again)."""
+        :meth:`StageClient.connect <enginecore.stage.StageClient.connect>`'s, and so is
+        *curve* (:class:`~enginecore.stage.CurveKeys`, for stages served with CURVE; the
+        same keys for every address, or per replica with ``add_replica(address=...,
+        curve=...)``). A connected replica that dies stays out (the pool cannot start it
+        again)."""
         if isinstance(addresses, str):
             raise TypeError("connect() takes a sequence of addresses")
         check_heartbeat(heartbeat_interval, heartbeat_timeout)
@@ -203,6 +208,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             "timeout": timeout,
             "heartbeat_interval": heartbeat_interval,
             "heartbeat_timeout": heartbeat_timeout,
+            "curve": curve,
         }
         try:
             pool._add_replicas([{"address": a, **options} for a in addresses])

@@ -68,7 +68,14 @@ def member_plan(replica: Replica) -> tuple[Any, ...]:
         )
         return (
             "connect",
-            Target(spec["address"], spec.get("timeout", 10.0), None, heartbeat, False),
+            Target(
+                spec["address"],
+                spec.get("timeout", 10.0),
+                None,
+                heartbeat,
+                False,
+                spec.get("curve"),
+            ),
         )
     factory = spec.pop("factory")
     kwargs = spec.pop("kwargs", None)

@@ -25,6 +25,7 @@ import msgspec
 
 from .._engine import Engine, PipelinedEngine
 from .._signals import shutdown_on_signals
+from ._curve import ServerCurve
 from ._logs import configure_stage
 from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
 from ._statistics import LOAD_INTERVAL
@@ -153,6 +154,7 @@ def serve(
     metrics: tuple[str, int] | None = None,
     ready: Callable[[str, str], None],
     metrics_ready: Callable[[str], None] | None = None,
+    curve: ServerCurve | None = None,
 ) -> int:
     """Run a headless stage in this process (``python -m enginecore serve``). Blocks.
 
@@ -167,6 +169,9 @@ def serve(
     a free one) serves the stage's statistics, labelled ``stage=<name>``, from threads that
     never wait for the loop; it is bound first, before the engine is built, and
     ``metrics_ready(url)`` is then called. Raises :class:`MetricsBindError` if it cannot bind.
+
+    With *curve*, both sockets are CURVE servers behind a ZAP handler that admits only its
+    authorized client keys (``serve --curve-secret-key --authorized-clients``).
     """
     label = name or factory
     configure_stage(label, log_level, None)
@@ -204,6 +209,7 @@ def serve(
             load_interval=load_interval,
             name=name,
             handle_signals=(),
+            curve=curve,
         )
         built.append(runtime)
         # The handlers go in before ready() announces the stage: a signal sent as soon as

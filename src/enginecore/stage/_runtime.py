@@ -31,6 +31,7 @@ from .._engine import Engine, PipelinedEngine
 from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
 from ._controls import DropEnded, Stop
+from ._curve import Authenticator, ServerCurve, secure_server, start_authenticator
 from ._inbox import Inbox
 from ._input_queue import InputQueue
 from ._outbox import Outbox
@@ -110,6 +111,10 @@ class StageRuntime:
     returns); with *kill_after* too, a step that runs that long ends the process with a
     ``fatal`` event and exit code 1 (:class:`~._watchdog.StepWatchdog`). No watchdog by
     default here; ``launch()`` and ``serve`` default to :data:`~._watchdog.STEP_TIMEOUT`.
+
+    CURVE: with *curve* (:class:`~._curve.ServerCurve`), both sockets are CURVE servers
+    and a ZAP handler thread admits only its authorized client keys; a connection that
+    fails the handshake never reaches the sockets (``docs/security.md``).
     """
 
     def __init__(
@@ -127,6 +132,7 @@ class StageRuntime:
         handle_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
         load_interval: float | None = LOAD_INTERVAL,
         name: str | None = None,
+        curve: ServerCurve | None = None,
     ) -> None:
         check_watchdog(step_timeout, kill_after)
         load_interval = check_load_interval(load_interval)
@@ -138,7 +144,11 @@ class StageRuntime:
         self.finished = threading.Event()
         """Set once :meth:`run` has torn everything down."""
         self._ctx = zmq.Context()
+        self._auth: Authenticator | None = None
         try:
+            if curve is not None:
+                # The ZAP handler first: a CURVE server socket consults it for every client.
+                self._auth = start_authenticator(self._ctx, curve)
             in_sock = self._ctx.socket(zmq.ROUTER)
             in_sock.setsockopt(zmq.LINGER, 0)
             out_sock = self._ctx.socket(zmq.PUSH)
@@ -147,6 +157,8 @@ class StageRuntime:
                 # ZMTP heartbeats drop a TCP peer that vanished without closing its connection.
                 sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
                 sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+                if curve is not None:
+                    secure_server(sock, curve)
             in_sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(input_address))
             out_sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(output_address))
             in_sock.bind(input_address)
@@ -218,6 +230,8 @@ class StageRuntime:
                 on_failure=self._io_failed,
             )
         except BaseException:
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.destroy(linger=0)
             if hasattr(self, "_input"):
                 self._input.close_pipe()
@@ -312,6 +326,8 @@ class StageRuntime:
             readers = self._session.attached or self._session.output_peers > 0
             self._outbox.close(timeout=self._flush_timeout if readers else 0.0)
             self._input.close()
+            if self._auth is not None:
+                self._auth.stop()  # its socket is on the context: closed before term()
             self._ctx.term()
             self._inbox.join()
             self._input.close_pipe()

@@ -1,0 +1,351 @@
+"""ZeroMQ CURVE for stages over TCP: keys, the stage's ZAP handler, and the client's watch
+over its handshake (``docs/security.md``).
+
+- :class:`CurveKeys`: what a client (or a pool's member) needs: its own key pair and the
+  stage's public key. :func:`secure_client` applies them to a socket before it connects.
+- :class:`ServerCurve`: what a stage needs: its key pair and the client public keys it lets
+  in (:func:`load_server_curve` reads ``serve --curve-secret-key FILE
+  --authorized-clients DIR``). :func:`secure_server` makes a socket a CURVE server before it
+  binds; :func:`start_authenticator` runs the ZAP handler on the stage's context, which
+  admits only the listed keys. CURVE without a ZAP handler encrypts but admits anyone who
+  knows the server's public key.
+- :class:`HandshakeWatch`: reads the client DEALER's socket monitor during the handshake. A
+  CURVE handshake that fails is silent at the socket level (libzmq reconnects forever), so
+  without it a refused key would read as a timeout; with it, it is an
+  :class:`~._errors.AuthenticationError` that says what was likely wrong.
+- :func:`keygen`: ``python -m enginecore keygen DIR``.
+
+Keys are Z85 text (40 bytes), as ``zmq.curve_keypair()`` and ``zmq.auth`` write them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from ._errors import AuthenticationError
+
+__all__ = [
+    "CurveKeys",
+    "HandshakeWatch",
+    "ServerCurve",
+    "keygen",
+    "load_server_curve",
+    "secure_client",
+    "secure_server",
+    "start_authenticator",
+]
+
+logger = logging.getLogger("enginecore.stage")
+
+_Z85_KEY_LEN: Final = 40
+# Failed handshakes in a row, the connection closed by the stage without a word, after
+# which a client gives up (libzmq retries every ~100-200 ms): a wrong server key.
+_SILENT_FAILURES: Final = 2
+# The stage logs a refused key at most this often (the rest are counted).
+_DENIED_LOG_S: Final = 10.0
+
+
+def _check_key(value: bytes, what: str) -> bytes:
+    if isinstance(value, str):
+        value = value.encode("ascii")
+    if not isinstance(value, bytes):
+        raise TypeError(f"{what} must be a Z85 key (bytes), got {type(value).__name__}")
+    if len(value) != _Z85_KEY_LEN:
+        raise ValueError(f"{what} must be a 40-character Z85 CURVE key, got {len(value)} bytes")
+    try:
+        z85.decode(value)
+    except Exception as exc:  # z85 raises ValueError / KeyError on a bad character
+        raise ValueError(f"{what} is not a valid Z85 CURVE key") from exc
+    return value
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A client's CURVE keys: its own key pair (*public_key*, *secret_key*) and the stage's
+    public key (*server_key*), Z85 text, 40 bytes each. Pass it as ``curve=`` to
+    :meth:`StageClient.connect <enginecore.stage.StageClient.connect>`,
+    :meth:`AsyncStageClient.connect <enginecore.stage.AsyncStageClient.connect>`,
+    :meth:`StagePool.connect <enginecore.stage.StagePool.connect>` (and the asyncio pool's),
+    or a pool's ``add_replica(address=..., curve=...)``.
+
+    :meth:`load` reads the files that ``python -m enginecore keygen`` writes. The secret
+    key is left out of ``repr()``. :class:`ValueError` for a key that is not Z85 of the
+    right length.
+    """
+
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+    server_key: bytes
+
+    def __post_init__(self) -> None:
+        for name in ("public_key", "secret_key", "server_key"):
+            object.__setattr__(self, name, _check_key(getattr(self, name), name))
+
+    @classmethod
+    def load(
+        cls, secret_key_file: str | os.PathLike[str], server_public_file: str | os.PathLike[str]
+    ) -> CurveKeys:
+        """The client's key pair from *secret_key_file* (``NAME.key_secret``, from
+        ``keygen``) and the stage's public key from *server_public_file* (the stage's
+        ``NAME.key``). :class:`OSError` if a file is missing, :class:`ValueError` if it
+        holds no such key."""
+        public, secret = zmq.auth.load_certificate(secret_key_file)
+        if secret is None:
+            raise ValueError(
+                f"{os.fspath(secret_key_file)!r} holds no secret key (give the client's "
+                f"NAME.key_secret, not its public NAME.key)"
+            )
+        server, _ = zmq.auth.load_certificate(server_public_file)
+        return cls(public_key=public, secret_key=secret, server_key=server)
+
+
+@dataclass(frozen=True)
+class ServerCurve:
+    """A stage's CURVE set-up: its key pair and the client public keys it admits."""
+
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+    authorized: frozenset[bytes]
+    authorized_dir: str
+
+
+def load_server_curve(
+    secret_key_file: str | os.PathLike[str], authorized_dir: str | os.PathLike[str]
+) -> ServerCurve:
+    """``serve --curve-secret-key FILE --authorized-clients DIR``, read and checked:
+    :class:`ValueError` (with what is wrong) for a file without a secret key, a missing
+    directory, or one without any client public key (``*.key``); a secret key file that
+    others may read is logged as a warning."""
+    path = Path(secret_key_file)
+    if not path.is_file():
+        raise ValueError(f"no such secret key file: {os.fspath(path)!r}")
+    public, secret = zmq.auth.load_certificate(path)
+    if secret is None:
+        raise ValueError(
+            f"{os.fspath(path)!r} holds no secret key (give the stage's NAME.key_secret)"
+        )
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning(
+            "enginecore: the secret key file %s may be read by others (mode %o); chmod 600 it",
+            path,
+            stat.S_IMODE(mode),
+        )
+    directory = Path(authorized_dir)
+    if not directory.is_dir():
+        raise ValueError(f"no such directory of authorized client keys: {os.fspath(directory)!r}")
+    keys = frozenset(zmq.auth.load_certificates(directory))
+    if not keys:
+        raise ValueError(
+            f"no client public key (*.key) in {os.fspath(directory)!r}: no client could connect"
+        )
+    return ServerCurve(
+        public_key=_check_key(public, "the stage's public key"),
+        secret_key=_check_key(secret, "the stage's secret key"),
+        authorized=frozenset(_check_key(k, "an authorized client key") for k in keys),
+        authorized_dir=os.fspath(directory),
+    )
+
+
+def secure_server(sock: zmq.Socket[Any], curve: ServerCurve) -> None:
+    """Make *sock* a CURVE server, before it binds."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+
+
+def secure_client(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
+    """Make *sock* a CURVE client of the stage whose key is ``keys.server_key``, before it
+    connects."""
+    sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_key)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public_key)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret_key)
+
+
+class _Authorized:
+    """The ZAP handler's check (pyzmq's credentials provider): the key is listed. A refused
+    key is logged as a warning, at most every :data:`_DENIED_LOG_S` seconds with a count of
+    the others."""
+
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self._keys = keys
+        self._lock = threading.Lock()
+        self._logged_at = -_DENIED_LOG_S
+        self._unlogged = 0
+        self.denied = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self._keys:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            self.denied += 1
+            if now - self._logged_at < _DENIED_LOG_S:
+                self._unlogged += 1
+                return False
+            others, self._unlogged, self._logged_at = self._unlogged, 0, now
+        logger.warning(
+            "enginecore: refused a CURVE client whose public key %s is not authorized%s",
+            key.decode("ascii", "replace"),
+            f" (and {others} more refusals since the last report)" if others else "",
+        )
+        return False
+
+
+class Authenticator:
+    """The stage's ZAP handler: a thread (pyzmq's :class:`ThreadAuthenticator`) on the
+    stage's context that admits only *curve*'s authorized keys, on every CURVE server socket
+    of that context. :meth:`stop` before ``Context.term()``."""
+
+    def __init__(self, ctx: zmq.Context[Any], curve: ServerCurve) -> None:
+        self.check = _Authorized(curve.authorized)
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("enginecore.stage.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback("*", self.check)
+
+    def stop(self) -> None:
+        """End the handler thread and close its socket."""
+        self._auth.stop()
+
+
+def start_authenticator(ctx: zmq.Context[Any], curve: ServerCurve) -> Authenticator:
+    """Start the ZAP handler on *ctx*, before any CURVE server socket binds."""
+    return Authenticator(ctx, curve)
+
+
+# The monitor events a client reads during the handshake.
+HANDSHAKE_EVENTS: Final = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_PROTOCOL_ERRORS: Final = {
+    int(getattr(zmq, name)): name[len("PROTOCOL_ERROR_") :]
+    for name in dir(zmq)
+    if name.startswith("PROTOCOL_ERROR_")
+}
+
+
+class HandshakeWatch:
+    """What the client's DEALER monitor said during the handshake, and the error it means.
+
+    :meth:`feed` each event (a dict from ``zmq.utils.monitor``); :attr:`failure` is then the
+    :class:`~._errors.AuthenticationError` to raise at once, if any; :meth:`timed_out` is
+    what to raise when no reply came in time."""
+
+    def __init__(self, address: str, keys: CurveKeys | None) -> None:
+        self._address = address
+        self._keys = keys
+        self._silent = 0  # handshakes in a row that the stage ended without a word
+        self.connected = False
+        self.succeeded = False
+        self.failure: AuthenticationError | None = None
+
+    def feed(self, event: Mapping[str, Any]) -> None:
+        kind, value = int(event["event"]), int(event["value"])
+        if kind == zmq.EVENT_CONNECTED:
+            self.connected = True
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.succeeded = True
+            self._silent = 0
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self.failure = self._refused(value)
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            self.failure = self._protocol(value)
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._silent += 1
+            if self._silent >= _SILENT_FAILURES:
+                self.failure = self._silent_close()
+
+    def timed_out(self, timeout: float) -> Exception:
+        """What a handshake without a reply in *timeout* seconds raises."""
+        if self.failure is not None:
+            return self.failure
+        if self._silent:
+            return self._silent_close()
+        if self.connected and not self.succeeded and self._keys is not None:
+            return AuthenticationError(
+                f"connected to the stage at {self._address}, but the CURVE handshake did not "
+                f"complete in {timeout} s"
+            )
+        return TimeoutError(f"no handshake reply from the stage at {self._address} in {timeout} s")
+
+    def _refused(self, status: int) -> AuthenticationError:
+        if self._keys is None:  # pragma: no cover - a NULL client meets ZAP only on a NULL stage
+            return AuthenticationError(
+                f"the stage at {self._address} refused this client (ZAP status {status})"
+            )
+        return AuthenticationError(
+            f"the stage at {self._address} refused this client's key (ZAP status {status}): "
+            f"its public key {self._keys.public_key.decode()} is not among the stage's "
+            f"authorized clients (serve --authorized-clients DIR)"
+        )
+
+    def _protocol(self, code: int) -> AuthenticationError:
+        name = _PROTOCOL_ERRORS.get(code, hex(code))
+        if code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if self._keys is None:
+                why = (
+                    "the stage requires CURVE: connect with curve=CurveKeys.load(...) "
+                    "(docs/security.md)"
+                )
+            else:
+                why = (
+                    "this client uses CURVE but the stage does not (serve was started "
+                    "without --curve-secret-key)"
+                )
+            return AuthenticationError(f"handshake with the stage at {self._address} failed: {why}")
+        return AuthenticationError(
+            f"the security handshake with the stage at {self._address} failed ({name})"
+        )
+
+    def _silent_close(self) -> AuthenticationError:
+        if self._keys is None:
+            why = (
+                "it likely requires CURVE: connect with curve=CurveKeys.load(...) "
+                "(docs/security.md)"
+            )
+        else:
+            why = (
+                f"the server public key {self._keys.server_key.decode()} is likely wrong (not "
+                f"the key of the stage's --curve-secret-key), or the stage does not use CURVE"
+            )
+        return AuthenticationError(
+            f"the stage at {self._address} closed the connection during the handshake: {why}"
+        )
+
+
+def keygen(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
+    """Write a new CURVE key pair into *directory* (made, mode 700, if missing):
+    ``NAME.key`` (the public key, to share) and ``NAME.key_secret`` (both keys, mode 600,
+    to keep). :class:`FileExistsError` rather than overwrite a key. Returns the two paths."""
+    if not name or os.sep in name or name.startswith("."):
+        raise ValueError(f"--name must be a plain file name, got {name!r}")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    public = os.path.join(directory, f"{name}.key")
+    secret = os.path.join(directory, f"{name}.key_secret")
+    for path in (public, secret):
+        if os.path.exists(path):
+            raise FileExistsError(f"{path} exists; not overwriting a key")
+    old = os.umask(0o077)  # the secret file is never readable by others, not even briefly
+    try:
+        public, secret = zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(old)
+    os.chmod(public, 0o644)
+    return public, secret

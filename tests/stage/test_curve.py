@@ -1,0 +1,350 @@
+"""Authenticated, encrypted TCP with ZeroMQ CURVE (``docs/security.md``): real ``serve``
+processes and sockets. Whatever is refused must deliver nothing to the engine: each test
+checks that with the scripted engine's ``log`` utility (every ``add`` it saw), through a
+listed client, after the attempt, and that the stage still serves that client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgspec
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from enginecore.stage import (
+    PROTOCOL_VERSION,
+    AsyncStagePool,
+    AuthenticationError,
+    CurveKeys,
+    ProtocolError,
+    StagePool,
+)
+from enginecore.stage._curve import keygen
+
+from .conftest import SCRIPTED, Connect, Server
+
+
+class Keys(NamedTuple):
+    stage_secret: Path
+    stage_public: Path
+    authorized: Path  # alice's public key only
+    alice: CurveKeys  # listed
+    mallory: CurveKeys  # a valid key pair, not listed
+    wrong_server: CurveKeys  # alice's pair, with mallory's public key as the server's
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    root = tmp_path_factory.mktemp("curve")
+    stage_public, stage_secret = keygen(root / "stage", "stage")
+    keygen(root / "authorized", "alice")
+    _, alice_secret = keygen(root / "alice", "alice")
+    os.replace(root / "authorized" / "alice.key_secret", root / "alice" / "alice.key_secret")
+    mallory_public, mallory_secret = keygen(root / "mallory", "mallory")
+    return Keys(
+        stage_secret=Path(stage_secret),
+        stage_public=Path(stage_public),
+        authorized=root / "authorized",
+        alice=CurveKeys.load(alice_secret, stage_public),
+        mallory=CurveKeys.load(mallory_secret, stage_public),
+        wrong_server=CurveKeys.load(alice_secret, mallory_public),
+    )
+
+
+def _curve_args(keys: Keys) -> list[str]:
+    return [
+        "--curve-secret-key",
+        str(keys.stage_secret),
+        "--authorized-clients",
+        str(keys.authorized),
+    ]
+
+
+@pytest.fixture
+def curve_server(keys: Keys, no_leftovers: str, tmp_path: Path) -> Iterator[Server]:
+    """A headless ScriptedEngine stage with CURVE on a free loopback port; its stderr in
+    ``srv.stderr_path``."""
+    stderr_path = tmp_path / "stage.err"
+    with open(stderr_path, "w") as err:
+        srv = Server(
+            "--engine",
+            SCRIPTED,
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--session-timeout",
+            "1",
+            *_curve_args(keys),
+            stderr=err,
+        )
+    srv.stderr_path = stderr_path  # type: ignore[attr-defined]
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _engine_saw_nothing_and_still_serves(connect: Connect, address: str, keys: Keys) -> None:
+    client = connect(address, curve=keys.alice)
+    assert client.call_utility("log") == []  # no add ever reached the engine
+    assert client.add("ok", 2).collect() == [1, 0]
+    assert client.call_utility("log") == ["add ok"]
+    client.close()
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def _output_port(srv: Server) -> int:
+    match = re.search(r"\(output (\S+),", srv.ready_line)
+    assert match is not None, srv.ready_line
+    return _port(match.group(1))
+
+
+# -- what gets in ------------------------------------------------------------------------------
+
+
+def test_a_listed_key_works_end_to_end(connect: Connect, curve_server: Server, keys: Keys) -> None:
+    assert f"curve {keys.alice.server_key.decode()}" in curve_server.ready_line
+    client = connect(curve_server.address, curve=keys.alice, timeout=10)
+    assert client.add("r1", 3).collect() == [2, 1, 0]
+    assert client.call_utility("log") == ["add r1"]
+    assert client.health() == "ok"
+    client.shutdown()
+    assert curve_server.stop() == 0
+
+
+# -- what does not get in, and delivers nothing ------------------------------------------------
+
+
+def test_a_null_client_gets_a_named_error_and_delivers_nothing(
+    connect: Connect, curve_server: Server, keys: Keys
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(AuthenticationError, match="requires CURVE"):
+        connect(curve_server.address, timeout=5)
+    assert time.monotonic() - started < 4  # from the socket monitor, not the timeout
+
+    # A NULL-mechanism zmq client that sends hello and an add without waiting for anything.
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        dealer.connect(curve_server.address)
+        dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "raw"]))
+        dealer.send(msgspec.msgpack.encode(["add", "evil", 3]))
+        assert monitor.poll(5000), "the stage never refused the NULL handshake"
+        event = recv_monitor_message(monitor)
+        assert event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+        assert not dealer.poll(100)  # and nothing came back
+        dealer.disable_monitor()
+        monitor.close()
+        dealer.close()
+    finally:
+        ctx.term()
+    _engine_saw_nothing_and_still_serves(connect, curve_server.address, keys)
+
+
+def test_an_unknown_key_gets_a_named_error_and_delivers_nothing(
+    connect: Connect, curve_server: Server, keys: Keys
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(AuthenticationError, match="not among the stage's authorized") as info:
+        connect(curve_server.address, curve=keys.mallory, timeout=5)
+    assert time.monotonic() - started < 4
+    assert isinstance(info.value, ProtocolError)
+    assert keys.mallory.public_key.decode() in str(info.value)
+    _engine_saw_nothing_and_still_serves(connect, curve_server.address, keys)
+    err = curve_server.stderr_path.read_text()  # type: ignore[attr-defined]
+    assert f"refused a CURVE client whose public key {keys.mallory.public_key.decode()}" in err
+
+
+def _zmtp_null_greeting() -> bytes:
+    # ZMTP 3.0: signature, version 3.0, mechanism NULL, as-server 0, filler.
+    return b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
+
+
+def _short_frame(flags: int, body: bytes) -> bytes:
+    return bytes([flags, len(body)]) + body
+
+
+def _send_and_wait_for_close(port: int, payload: bytes) -> None:
+    """Send *payload* to the stage's *port*; return once the stage has closed the
+    connection (it read and refused what it got)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        try:
+            sock.sendall(payload)
+            while sock.recv(65536):
+                pass  # the stage's greeting, if it sends one, then EOF
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # closed while we wrote: refused as well
+
+
+def test_raw_garbage_delivers_nothing(connect: Connect, curve_server: Server, keys: Keys) -> None:
+    ready = _short_frame(0x04, b"\x05READY" + b"\x0bSocket-Type" + b"\0\0\0\x06DEALER")
+    hello = _short_frame(0x00, msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "raw"]))
+    add = _short_frame(0x00, msgspec.msgpack.encode(["add", "evil", 3]))
+    payloads = [
+        os.urandom(4096),
+        b"\0" * 64,
+        _zmtp_null_greeting() + ready + hello + add,  # a well-formed NULL client, unasked
+        msgspec.msgpack.encode(["add", "evil", 3]),  # a bare message, no ZMTP at all
+    ]
+    for port in (_port(curve_server.address), _output_port(curve_server)):
+        for payload in payloads:
+            _send_and_wait_for_close(port, payload)
+    _engine_saw_nothing_and_still_serves(connect, curve_server.address, keys)
+
+
+def test_a_wrong_server_key_is_a_named_error_within_the_timeout(
+    connect: Connect, curve_server: Server, keys: Keys
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(AuthenticationError, match=r"server public key .* is likely wrong"):
+        connect(curve_server.address, curve=keys.wrong_server, timeout=5)
+    assert time.monotonic() - started < 4
+    _engine_saw_nothing_and_still_serves(connect, curve_server.address, keys)
+
+
+def test_a_curve_client_of_a_plain_stage_is_a_named_error(
+    connect: Connect, server: Server, keys: Keys
+) -> None:
+    with pytest.raises(AuthenticationError, match="the stage does not"):
+        connect(server.address, curve=keys.alice, timeout=5)
+
+
+def test_a_plain_stage_that_never_answers_is_still_a_timeout(
+    connect: Connect, no_leftovers: str
+) -> None:
+    # Nothing listens: TimeoutError, as before (not an AuthenticationError).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(TimeoutError, match="no handshake reply"):
+        connect(f"tcp://127.0.0.1:{port}", timeout=0.3)
+
+
+# -- pools -------------------------------------------------------------------------------------
+
+
+def test_pools_connect_with_curve_and_name_a_refused_replica(
+    curve_server: Server, keys: Keys
+) -> None:
+    address = curve_server.address
+    with StagePool.connect([address], curve=keys.alice) as pool:
+        assert pool.add("p1", 2).collect() == [1, 0]
+        with pytest.raises(AuthenticationError):
+            pool.add_replica(address=address, curve=keys.mallory, timeout=5)
+        assert len(pool.replicas) == 1
+
+    async def main() -> list[Any]:
+        apool = await AsyncStagePool.connect([address], curve=keys.alice)
+        try:
+            return await (await apool.add("p2", 2)).collect()
+        finally:
+            await apool.close()
+
+    assert asyncio.run(main()) == [1, 0]
+
+
+# -- serve and keygen on the command line ------------------------------------------------------
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "enginecore", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_a_non_loopback_bind_starts_with_insecure(no_leftovers: str, tmp_path: Path) -> None:
+    err_path = tmp_path / "err"
+    with open(err_path, "w") as err:
+        srv = Server("--engine", SCRIPTED, "--bind", "tcp://0.0.0.0:*", "--insecure", stderr=err)
+    try:
+        assert "curve" not in srv.ready_line
+    finally:
+        assert srv.stop() == 0
+    assert "WARNING: --insecure" in err_path.read_text()
+
+
+def test_a_non_loopback_bind_starts_with_curve(
+    connect: Connect, keys: Keys, no_leftovers: str
+) -> None:
+    srv = Server("--engine", SCRIPTED, "--bind", "tcp://0.0.0.0:*", *_curve_args(keys))
+    try:
+        address = "tcp://127.0.0.1:" + str(_port(srv.address))
+        client = connect(address, curve=keys.alice)
+        assert client.add("r", 1).collect() == [0]
+        client.close()
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--curve-secret-key", "X"], "go together"),
+        (["--authorized-clients", "X"], "go together"),
+        (["--curve-secret-key", "/no/such/file", "--authorized-clients", "/tmp"], "no such"),
+    ],
+)
+def test_bad_curve_arguments_are_usage_errors(args: list[str], message: str) -> None:
+    result = _run("serve", "--engine", SCRIPTED, *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_curve_files_are_checked_at_start(keys: Keys, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = _run(
+        "serve", "--engine", SCRIPTED, "--curve-secret-key", str(keys.stage_secret),
+        "--authorized-clients", str(empty),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "no client public key" in result.stderr
+    result = _run(
+        "serve", "--engine", SCRIPTED, "--curve-secret-key", str(keys.stage_public),
+        "--authorized-clients", str(keys.authorized),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "holds no secret key" in result.stderr
+
+
+def test_keygen_writes_a_key_pair_and_never_overwrites(tmp_path: Path) -> None:
+    result = _run("keygen", str(tmp_path / "k"), "--name", "node1")
+    assert result.returncode == 0, result.stderr
+    public, secret = tmp_path / "k" / "node1.key", tmp_path / "k" / "node1.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(public.stat().st_mode) == 0o644
+    keys = CurveKeys.load(secret, public)  # its own pair, as a client of itself
+    assert keys.server_key == keys.public_key
+    before = secret.read_bytes()
+    again = _run("keygen", str(tmp_path / "k"), "--name", "node1")
+    assert again.returncode == 1
+    assert "not overwriting" in again.stderr
+    assert secret.read_bytes() == before
+
+
+def test_curve_keys_are_checked_and_hide_the_secret(keys: Keys) -> None:
+    assert keys.alice.secret_key.decode() not in repr(keys.alice)
+    with pytest.raises(ValueError, match="40-character"):
+        CurveKeys(public_key=b"short", secret_key=keys.alice.secret_key, server_key=b"x" * 40)
+    with pytest.raises(ValueError, match="holds no secret key"):
+        CurveKeys.load(keys.stage_public, keys.stage_public)
