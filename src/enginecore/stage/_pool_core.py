@@ -260,9 +260,9 @@ class Replica:
 def replica_load(r: Replica, now: float) -> int:
     """*r*'s load: the pool's own live requests on it, plus the other clients' in its
     latest load report (its ``live`` minus the pool's own live when it arrived), unless
-    that report is older than :data:`REPORT_TTL`. On the routing path: a few reads."""
-    session = r._session
-    assert session is not None
+    that report is older than :data:`REPORT_TTL`. On the routing path: a few reads. *r*
+    must have started (routing only sees serving replicas)."""
+    session: ClientSession[Any, Any] = r._session  # type: ignore[assignment]
     own = len(session._streams)
     latest = session._load
     if latest is None:
@@ -347,6 +347,9 @@ class LeastLoaded(Routing):
             return best
         rand = self._random
         best = replicas[int(rand() * n)]
+        if self.k == 2:  # the default, without the loop
+            other = replicas[int(rand() * n)]
+            return other if replica_load(other, now) < replica_load(best, now) else best
         best_load = replica_load(best, now)
         for _ in range(self.k - 1):
             r = replicas[int(rand() * n)]
