@@ -10,14 +10,21 @@ one run, one round each (the workload is long; the verdict is that round):
   another thread), output tokens / wall time from the first arrival to the last token;
 - the same engine on a stage (``StageClient.launch``), the same way;
 - ``model.generate`` one request at a time (arrivals ignored: a lower bound of its time);
+- transformers' own continuous batching, in process: the ``ContinuousBatchingManager`` that
+  ``model.generate_batch`` drives, set up as ``generate_batch`` sets it up (its context
+  manager, workload hints, warm-up), with one warm request before the clock as on the stage.
+  ``generate_batch`` itself takes one ``max_new_tokens`` for every prompt and all prompts at
+  once, so the same workload (per-request output lengths, Poisson arrivals) goes through its
+  manager's ``add_request``, and its results are read with ``get_result`` as
+  ``generate_batch`` reads them;
 - the bound: the bare model's own prefill rate (prompt tokens/s, batch of one, the workload's
   mean prompt length) and batched decode rate (tokens/s of one forward pass at batch
   ``min(N, max_batch)``, the workload's mean context), measured here: total output tokens /
   (prompt tokens / prefill rate + output tokens / decode rate).
 
-Goals (issue 21): engine on a stage >= 0.7x the bound; engine in process >= 3x generate one
-at a time; the stage >= 0.95x in process. transformers' ``generate_batch`` is not measured
-(see docs/performance.md).
+Goals (issue 21): engine on a stage >= 0.7x the bound; engine on a stage >= 2x
+``generate_batch``; engine in process >= 3x generate one at a time; the stage >= 0.95x in
+process.
 """
 
 from __future__ import annotations
@@ -111,6 +118,48 @@ def run_generate(model: Any, work: list[tuple[float, list[int], int]]) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def run_generate_batch(model: Any, work: list[tuple[float, list[int], int]]) -> float:
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    eos = model.generation_config.eos_token_id
+    config = GenerationConfig(  # type: ignore[no-untyped-call]
+        do_sample=False, eos_token_id=eos, pad_token_id=eos, max_new_tokens=max(n for *_, n in work)
+    )
+    hints = WorkloadHints(max(len(p) for _, p, _ in work), config.max_new_tokens, len(work))
+    with model.continuous_batching_context_manager(
+        generation_config=config, workload_hints=hints, block=True, timeout=5
+    ) as manager:
+
+        def wait(n: int) -> int:
+            """Tokens of the next *n* finished requests, read as ``generate_batch`` reads."""
+            tokens = 0
+            while n:
+                result = manager.get_result(timeout=60)
+                if result is None:
+                    raise RuntimeError("generate_batch's manager stalled or died")
+                if result.is_finished():
+                    n -= 1
+                    tokens += len(result.generated_tokens)
+            return tokens
+
+        manager.add_request([5, 6], request_id="warm", max_new_tokens=2)
+        wait(1)
+        t0 = time.perf_counter()
+
+        def feed() -> None:
+            for i, (at, prompt, n) in enumerate(work):
+                time.sleep(max(0.0, t0 + at - time.perf_counter()))
+                manager.add_request(prompt, request_id=str(i), max_new_tokens=n)
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        tokens = wait(len(work))
+        rate = tokens / (time.perf_counter() - t0)
+        feeder.join()
+    return rate
+
+
 def bound(model: Any, work: list[tuple[float, list[int], int]], batch: int) -> float:
     import torch
     from transformers import DynamicCache
@@ -159,6 +208,7 @@ def run(quick: bool) -> list[Record]:
         # measured 0.66x of the loop; each in its own process, 0.93-1.23x).
         limit, params = _fresh("bound", path, quick)
         gen, _ = _fresh("generate", path, quick)
+        batch, _ = _fresh("generate_batch", path, quick)
         loop, _ = _fresh("loop", path, quick)
         stage, _ = _fresh("stage", path, quick)
     note = (
@@ -167,6 +217,9 @@ def run(quick: bool) -> list[Record]:
     )
     return [
         higher_is_better("transformers: stage vs bound", [stage], [limit], "tok/s", 0.7, note),
+        higher_is_better(
+            "transformers: stage vs generate_batch", [stage], [batch], "tok/s", 2.0, note
+        ),
         higher_is_better("transformers: loop vs generate alone", [loop], [gen], "tok/s", 3.0, note),
         higher_is_better("transformers: stage vs loop", [stage], [loop], "tok/s", 0.95, note),
     ]
@@ -199,6 +252,8 @@ def _side(side: str, path: str, quick: bool) -> None:
         rate = bound(model, work, min(len(work), 32))
     elif side == "generate":
         rate = run_generate(model, work)
+    elif side == "generate_batch":
+        rate = run_generate_batch(model, work)
     else:
         del model  # the engine loads its own
         rate = run_loop(path, work) if side == "loop" else run_stage(path, work)
