@@ -38,6 +38,7 @@ MODULES = (
     "bench_metrics",
     "bench_transformers",
     "bench_transformers_aborts",
+    "bench_openai_server",
 )
 
 

@@ -234,6 +234,14 @@ class TestBenchmarksRun:
         assert "bench_transformers" in MODULES
         assert_records(bench_transformers.run(quick=True), 4)
 
+    @pytest.mark.timeout(240)  # two servers, each importing torch; transformers serve's warm-up
+    def test_openai_server_against_transformers_serve_runs_quick(self) -> None:
+        from benchmarks import bench_openai_server
+
+        assert "bench_openai_server" in MODULES
+        # The dev extra installs transformers[serving]: a skip here would be a broken install.
+        assert_records(bench_openai_server.run(quick=True), 2)
+
     def test_throughput_measures_both_sides(self) -> None:
         msgs = bench_throughput.make_messages(500)
         assert bench_throughput.run_loop(msgs) > 0
