@@ -22,6 +22,12 @@ one run, one round each (the workload is long; the verdict is that round):
   ``min(N, max_batch)``, the workload's mean context), measured here: total output tokens /
   (prompt tokens / prefill rate + output tokens / decode rate).
 
+Also measured, without a goal (the trade of batch invariance): the same stage with
+``batch_invariant=False``, and the engine's decode step alone, ``batch_invariant=True`` and
+``False`` in one process (two engines, each with the same ``min(N, max_batch)`` requests
+running at the bound's mean context), timed in alternating blocks of steps; both are in the
+note of the "stage vs bound" line.
+
 Goals (issue 21): engine on a stage >= 0.7x the bound; engine on a stage >= 2x
 ``generate_batch``; engine in process >= 3x generate one at a time; the stage >= 0.95x in
 process.
@@ -30,17 +36,20 @@ process.
 from __future__ import annotations
 
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._harness import Record, Skipped, higher_is_better, main_single
+from ._harness import Record, Skipped, higher_is_better, interleave, main_single
 
 NAME = "transformers"
+MAX_BATCH = 32  # TransformersEngine's default max_batch
 
 
 def workload(quick: bool) -> list[tuple[float, list[int], int]]:
@@ -90,11 +99,14 @@ def run_loop(path: str, work: list[tuple[float, list[int], int]]) -> float:
     return tokens / (end[0] - t0)
 
 
-def run_stage(path: str, work: list[tuple[float, list[int], int]]) -> float:
+def run_stage(
+    path: str, work: list[tuple[float, list[int], int]], batch_invariant: bool = True
+) -> float:
     from enginecore.stage import StageClient
 
     with StageClient.launch(
-        "enginecore.engines.transformers:TransformersEngine", {"model": path}
+        "enginecore.engines.transformers:TransformersEngine",
+        {"model": path, "batch_invariant": batch_invariant},
     ) as client:
         client.add("warm", {"prompt": [5, 6], "max_tokens": 2})
         streams = []
@@ -160,6 +172,40 @@ def run_generate_batch(model: Any, work: list[tuple[float, list[int], int]]) -> 
     return rate
 
 
+def decode_rates(
+    path: str, work: list[tuple[float, list[int], int]], batch: int, rounds: int, steps: int
+) -> tuple[list[float], list[float]]:
+    """Decode tokens/s of the engine's step with ``batch_invariant=True`` and ``False``:
+    per round, *steps* steps of each engine, *batch* requests decoding in each."""
+    from enginecore.engines.transformers import TransformersEngine
+
+    prompt_tokens = sum(len(p) for _, p, _ in work)
+    ctx = prompt_tokens // len(work) + sum(n for *_, n in work) // len(work) // 2
+    total = (rounds + 1) * steps
+    plen = max(1, ctx - total // 2)  # the mean context over the timed steps: the bound's
+    engines = {}
+    for invariant in (True, False):
+        engine = TransformersEngine(path, batch_invariant=invariant, max_batch=batch)
+        for i in range(batch):
+            prompt = [3 + (7 * i + j) % 400 for j in range(plen)]
+            engine.add(str(i), {"prompt": prompt, "max_tokens": total + batch + 2})
+        while engine.stats()["running"] < batch or engine.stats()["waiting"]:
+            engine.step()
+        engines[invariant] = engine
+
+    def block(engine: TransformersEngine) -> Callable[[], float]:
+        def timed() -> float:
+            t = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            return batch * steps / (time.perf_counter() - t)
+
+        return timed
+
+    got = interleave({"true": block(engines[True]), "false": block(engines[False])}, rounds)
+    return got["true"], got["false"]
+
+
 def bound(model: Any, work: list[tuple[float, list[int], int]], batch: int) -> float:
     import torch
     from transformers import DynamicCache
@@ -206,17 +252,30 @@ def run(quick: bool) -> list[Record]:
         # Each side in a fresh interpreter: torch's thread pool and allocator state from one
         # side must not tax the next (in one process, the stage side after the others
         # measured 0.66x of the loop; each in its own process, 0.93-1.23x).
-        limit, params = _fresh("bound", path, quick)
-        gen, _ = _fresh("generate", path, quick)
-        batch, _ = _fresh("generate_batch", path, quick)
-        loop, _ = _fresh("loop", path, quick)
-        stage, _ = _fresh("stage", path, quick)
+        (limit,), params = _fresh("bound", path, quick)
+        (gen,), _ = _fresh("generate", path, quick)
+        (batch,), _ = _fresh("generate_batch", path, quick)
+        (loop,), _ = _fresh("loop", path, quick)
+        (stage,), _ = _fresh("stage", path, quick)
+        (fast,), _ = _fresh("stage_fast", path, quick)
+        rates, _ = _fresh("decode", path, quick)
     note = (
         f"{params / 1e6:.1f} M params, float32 CPU, {len(work)} requests, "
         f"{sum(n for *_, n in work)} output tokens; batch_invariant=True; one round"
     )
+    inv, not_inv = rates[0::2], rates[1::2]
+    per_round = [f / t for t, f in zip(inv, not_inv, strict=True)]
+    trade = (
+        f"; batch_invariant=False: stage {fast:.0f} tok/s ({fast / limit:.2f}x the bound, "
+        f"{fast / stage:.2f}x the invariant stage); decode step at batch "
+        f"{min(len(work), MAX_BATCH)}: {statistics.median(inv):.0f} tok/s invariant, "
+        f"{statistics.median(not_inv):.0f} not ({statistics.median(per_round):.2f}x, rounds "
+        f"{min(per_round):.2f}..{max(per_round):.2f})"
+    )
     return [
-        higher_is_better("transformers: stage vs bound", [stage], [limit], "tok/s", 0.7, note),
+        higher_is_better(
+            "transformers: stage vs bound", [stage], [limit], "tok/s", 0.7, note + trade
+        ),
         higher_is_better(
             "transformers: stage vs generate_batch", [stage], [batch], "tok/s", 2.0, note
         ),
@@ -225,8 +284,9 @@ def run(quick: bool) -> list[Record]:
     ]
 
 
-def _fresh(side: str, path: str, quick: bool) -> tuple[float, int]:
-    """Run one side in a new interpreter; its tokens/s and the model's parameter count."""
+def _fresh(side: str, path: str, quick: bool) -> tuple[list[float], int]:
+    """Run one side in a new interpreter; its tokens/s figures and the model's parameter
+    count."""
     argv = [sys.executable, "-m", "benchmarks.bench_transformers", "--side", side, path]
     out = subprocess.run(
         [*argv, *(["--quick"] if quick else [])],
@@ -237,27 +297,38 @@ def _fresh(side: str, path: str, quick: bool) -> tuple[float, int]:
     )
     if out.returncode:
         raise RuntimeError(f"the {side} side failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    rate, params = out.stdout.split()[-2:]
-    return float(rate), int(params)
+    *rates, params = out.stdout.splitlines()[-1].split()
+    return [float(r) for r in rates], int(params)
 
 
 def _side(side: str, path: str, quick: bool) -> None:
-    """``--side NAME PATH [--quick]``: one side of the benchmark, printed as ``rate params``."""
+    """``--side NAME PATH [--quick]``: one side of the benchmark, printed as one line
+    ``RATE... PARAMS`` (the decode side: invariant and not, alternating, one pair a round)."""
     from transformers import AutoModelForCausalLM
 
     work = workload(quick)
     model = AutoModelForCausalLM.from_pretrained(path)
     params = sum(p.numel() for p in model.parameters())
+    rates: list[float]
     if side == "bound":
-        rate = bound(model, work, min(len(work), 32))
+        rates = [bound(model, work, min(len(work), MAX_BATCH))]
     elif side == "generate":
-        rate = run_generate(model, work)
+        rates = [run_generate(model, work)]
     elif side == "generate_batch":
-        rate = run_generate_batch(model, work)
+        rates = [run_generate_batch(model, work)]
     else:
         del model  # the engine loads its own
-        rate = run_loop(path, work) if side == "loop" else run_stage(path, work)
-    print(rate, params)
+        if side == "loop":
+            rates = [run_loop(path, work)]
+        elif side in ("stage", "stage_fast"):
+            rates = [run_stage(path, work, batch_invariant=side == "stage")]
+        elif side == "decode":
+            rounds, steps = (2, 4) if quick else (5, 8)
+            t, f = decode_rates(path, work, min(len(work), MAX_BATCH), rounds, steps)
+            rates = [x for pair in zip(t, f, strict=True) for x in pair]
+        else:
+            raise SystemExit(f"unknown side {side!r}")
+    print(*rates, params)
 
 
 if __name__ == "__main__":
