@@ -19,6 +19,13 @@ median time to first token (request sent to the first chunk that carries a choic
 text). Goals (issue 21): tokens/s >= 1.5x ``transformers serve``, time to first token p50
 <= 1.0x, every round.
 
+Both servers run with the same torch thread count, ``OMP_NUM_THREADS`` = the CPUs less one
+(1 on a 2-CPU machine): each server's HTTP process, the client and the model's threads share
+the machine, and with a thread per CPU the model's threads spin in OpenMP barriers while the
+others wait for a core. On this 2-CPU machine, ``examples/openai_server.py`` with torch's
+default two threads measured 60-94 tok/s a round, and one request alone 20-60 tok/s; with
+one, 180 tok/s and 70-150 tok/s.
+
 ``transformers serve`` sizes its paged KV cache from a fraction of the memory by default (on
 this CPU several GiB, allocated during the first request, ~30 s); here it gets
 ``--cb-num-blocks`` for twice what the round's requests can hold at once, so that it fits
@@ -53,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "examples" / "openai_server.py"
 PAGE = 256  # transformers' default page size (tokens per KV block)
 START_TIMEOUT = 180.0
+THREADS = max(1, (os.cpu_count() or 2) - 1)  # torch threads of each server (see above)
 
 #: ``transformers serve`` from this interpreter (the console script may not be on PATH).
 TRANSFORMERS_CLI = [
@@ -146,7 +154,12 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.health = health
         self.log = log
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "OMP_NUM_THREADS": str(THREADS),
+        }
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
@@ -207,7 +220,7 @@ def run(quick: bool) -> list[Record]:
     from enginecore.engines.transformers import make_random_model
 
     work = workload(quick)
-    rounds = 2 if quick else 5
+    rounds = 2 if quick else 3
     with tempfile.TemporaryDirectory() as tmp:
         if quick:
             path = make_random_model(tmp + "/model", hidden_size=64, layers=2, vocab=512)
@@ -254,7 +267,8 @@ def run(quick: bool) -> list[Record]:
         params = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) / 4
     out_tokens = [r.tokens for r in res["ours"]] + [r.tokens for r in res["theirs"]]
     note = (
-        f"{params / 1e6:.1f} M params, float32 CPU, {len(work)} concurrent streams, greedy, "
+        f"{params / 1e6:.1f} M params, float32 CPU, {THREADS} torch thread(s) each, "
+        f"{len(work)} concurrent streams, greedy, "
         f"{min(out_tokens)}-{max(out_tokens)} output tokens a round; {rounds} rounds after a "
         f"warm-up round; first request alone: ours {t_warm[ours.name]:.2f} s, transformers "
         f"serve {t_warm[theirs.name]:.2f} s"
