@@ -28,6 +28,9 @@ Also measured, without a goal (the trade of batch invariance): the same stage wi
 running at the bound's mean context), timed in alternating blocks of steps; both are in the
 note of the "stage vs bound" line.
 
+Each side uses torch's default thread count (one per CPU) unless ``OMP_NUM_THREADS`` is set,
+which every side then inherits; the note says which.
+
 Goals (issue 21): engine on a stage >= 0.7x the bound; engine on a stage >= 2x
 ``generate_batch``; engine in process >= 3x generate one at a time; the stage >= 0.95x in
 process.
@@ -35,6 +38,7 @@ process.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import subprocess
@@ -259,9 +263,11 @@ def run(quick: bool) -> list[Record]:
         (stage,), _ = _fresh("stage", path, quick)
         (fast,), _ = _fresh("stage_fast", path, quick)
         rates, _ = _fresh("decode", path, quick)
+    threads = os.environ.get("OMP_NUM_THREADS") or f"torch's default ({os.cpu_count()})"
     note = (
-        f"{params / 1e6:.1f} M params, float32 CPU, {len(work)} requests, "
-        f"{sum(n for *_, n in work)} output tokens; batch_invariant=True; one round"
+        f"{params / 1e6:.1f} M params, float32 CPU, {threads} torch thread(s), "
+        f"{len(work)} requests, {sum(n for *_, n in work)} output tokens; "
+        "batch_invariant=True; one round"
     )
     inv, not_inv = rates[0::2], rates[1::2]
     per_round = [f / t for t, f in zip(inv, not_inv, strict=True)]
