@@ -19,8 +19,8 @@ one run, one round each (the workload is long; the verdict is that round):
   ``generate_batch`` reads them;
 - the bound: the bare model's own prefill rate (prompt tokens/s, batch of one, the workload's
   mean prompt length) and batched decode rate (tokens/s of one forward pass at batch
-  ``min(N, max_batch)``, the workload's mean context), measured here: total output tokens /
-  (prompt tokens / prefill rate + output tokens / decode rate).
+  ``min(N, max_batch)``, the workload's mean context), each the best of 5 blocks, measured
+  here: total output tokens / (prompt tokens / prefill rate + output tokens / decode rate).
 
 Also measured, without a goal (the trade of batch invariance): the same stage with
 ``batch_invariant=False``, and the engine's decode step alone, ``batch_invariant=True`` and
@@ -218,20 +218,25 @@ def bound(model: Any, work: list[tuple[float, list[int], int]], batch: int) -> f
     out_tokens = sum(n for _, _, n in work)
     mean_p = prompt_tokens // len(work)
     ctx = mean_p + out_tokens // len(work) // 2
+    # Each rate is the best of 5 blocks: a bound is what the model can do, and on a shared
+    # machine one block can land on a stall (a single block of 4 steps once read 1/4 of the
+    # others). The best block makes the goal harder, never easier.
+    prefill = decode = 0.0
     with torch.inference_mode():
         ids = torch.randint(3, 500, (1, mean_p))
         model(input_ids=ids)
-        t = time.perf_counter()
-        for _ in range(3):
+        for _ in range(5):
+            t = time.perf_counter()
             model(input_ids=ids)
-        prefill = 3 * mean_p / (time.perf_counter() - t)
+            prefill = max(prefill, mean_p / (time.perf_counter() - t))
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.randint(3, 500, (batch, ctx)), cache=cache, use_cache=True)
         step = torch.randint(3, 500, (batch, 1))
-        t = time.perf_counter()
-        for _ in range(4):
-            model(input_ids=step, cache=cache, use_cache=True)
-        decode = 4 * batch / (time.perf_counter() - t)
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(4):
+                model(input_ids=step, cache=cache, use_cache=True)
+            decode = max(decode, 4 * batch / (time.perf_counter() - t))
     return out_tokens / (prompt_tokens / prefill + out_tokens / decode)
 
 
