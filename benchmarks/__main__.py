@@ -41,6 +41,7 @@ MODULES = (
     "bench_pool_faults",
     "bench_transformers",
     "bench_transformers_aborts",
+    "bench_openai_server",
 )
 
 

@@ -249,12 +249,20 @@ class TestBenchmarksRun:
         assert_records(records, 3)
         assert records[0].met, records[0]  # no stream lost: a correctness line, not a time
 
-    @pytest.mark.timeout(240)  # four fresh interpreters, each importing torch
+    @pytest.mark.timeout(300)  # five fresh interpreters, each importing torch
     def test_transformers_is_registered_and_runs_quick(self) -> None:
         from benchmarks import bench_transformers
 
         assert "bench_transformers" in MODULES
-        assert_records(bench_transformers.run(quick=True), 3)
+        assert_records(bench_transformers.run(quick=True), 4)
+
+    @pytest.mark.timeout(240)  # two servers, each importing torch; transformers serve's warm-up
+    def test_openai_server_against_transformers_serve_runs_quick(self) -> None:
+        from benchmarks import bench_openai_server
+
+        assert "bench_openai_server" in MODULES
+        # The dev extra installs transformers[serving]: a skip here would be a broken install.
+        assert_records(bench_openai_server.run(quick=True), 2)
 
     def test_throughput_measures_both_sides(self) -> None:
         msgs = bench_throughput.make_messages(500)
