@@ -38,7 +38,7 @@ NAME = "pool"
 DEVICE = "enginecore.stage.testing:device"
 COUNTDOWN = "enginecore:CountdownEngine"
 SHARE = 64
-STEPS = 40
+STEPS = 80
 GOAL_SCALING = 0.9
 GOAL_POOL_OF_ONE = 0.95
 ROUTE_BUDGET_US = 2.0
@@ -237,7 +237,7 @@ def run(quick: bool) -> list[Record]:
         ]
     return [
         *routing(rounds=10, calls=100_000),
-        *pool_of_one(rounds=10, jobs=3),
+        *pool_of_one(rounds=10, jobs=8),
         *scaling(rounds=8, share=SHARE, steps=STEPS, sizes=(2, 4, 8)),
     ]
 

@@ -154,8 +154,8 @@ class ModelMember:
 class ModelPool(PoolBase[AsyncPoolRequestStream]):
     _stream_type = AsyncPoolRequestStream
 
-    def __init__(self) -> None:
-        super().__init__(None, True, self.resume, max_migrations=2)
+    def __init__(self, hook: bool = True) -> None:
+        super().__init__(None, True, self.resume if hook else None, max_migrations=2)
         self._lock = NO_LOCK
         self.gone: list[Replica] = []
         self.sizes: dict[str, int] = {}  # each request's first size
@@ -185,10 +185,13 @@ class ModelPool(PoolBase[AsyncPoolRequestStream]):
 
 
 class PoolModel(RuleBasedStateMachine):
+    hook = True  # requests of a dead replica move on (on_replica_death) or fail
+    replicas = 3  # at the start
+
     def __init__(self) -> None:
         super().__init__()
-        self.pool = ModelPool()
-        for _ in range(3):
+        self.pool = ModelPool(self.hook)
+        for _ in range(self.replicas):
             self.pool.start(self.pool._core.new_replica({"factory": "model"}))
         self.streams: dict[str, AsyncPoolRequestStream] = {}
         self.sizes = self.pool.sizes
@@ -219,9 +222,14 @@ class PoolModel(RuleBasedStateMachine):
     def add(self, n: int, key: str | None) -> None:
         rid = self.new_id()
         try:
-            stream = self.pool._send(
-                rid, ClientSession.add_frame(rid, n), PoolRequest(rid, n, key), key, 0, None
-            )
+            if self.hook:
+                frame = ClientSession.add_frame(rid, n)
+                stream = self.pool._send(rid, frame, PoolRequest(rid, n, key), key, 0, None)
+            else:  # add() itself: a pool of one replica takes its unrouted path
+                core = self.pool._core
+                if core._single is not None and core.health_epoch[0] == core._routable_epoch:
+                    event("an add took the unrouted path")
+                stream = self.pool._add_one(rid, n, key)
         except NoReplicaError:
             assert not self.serving()
             return
@@ -347,9 +355,24 @@ class PoolModel(RuleBasedStateMachine):
                     assert end.exc.delivered == len(items) - 1
 
 
+class PoolModelWithoutHook(PoolModel):
+    """The same, without ``on_replica_death``: a dead replica's requests fail, and while
+    one replica is routable ``add()`` sends to it without routing."""
+
+    hook = False
+    replicas = 1
+
+
 TestPoolModel = PoolModel.TestCase
 TestPoolModel.settings = settings(
     max_examples=2000,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPoolModelWithoutHook = PoolModelWithoutHook.TestCase
+TestPoolModelWithoutHook.settings = settings(
+    max_examples=1000,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

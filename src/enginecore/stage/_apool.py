@@ -25,7 +25,6 @@ from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
     DeathHook,
-    PoolRequest,
     Replica,
     ReplicaState,
     RestartPolicy,
@@ -33,7 +32,7 @@ from ._pool_core import (
     ScoreFn,
 )
 from ._poolbase import PoolBase, PoolStreamCore, member_plan
-from ._session import ClientSession, Deliveries
+from ._session import Deliveries
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
 
@@ -245,9 +244,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self, req_id: str, data: Any, *, key: Hashable | None = None
     ) -> AsyncPoolRequestStream:
         """:meth:`StagePool.add <enginecore.stage.StagePool.add>`; never waits."""
-        parts = ClientSession.add_frame(req_id, data)
-        request = PoolRequest(req_id, data, key) if self._core.on_replica_death else None
-        return self._send(req_id, parts, request, key, 0, None)
+        return self._add_one(req_id, data, key)
 
     async def add_many(self, items: Iterable[tuple[str, Any]]) -> list[AsyncPoolRequestStream]:
         """:meth:`StagePool.add_many <enginecore.stage.StagePool.add_many>`; never
@@ -397,7 +394,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         async with self._close_lock:
             if self._closed_done:
                 return dict(self._exit_codes)
-            self._core.closing = True
+            self._core.begin_close()
             self._closed.set()
             replicas = list(self._core.replicas)
 

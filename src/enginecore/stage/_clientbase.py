@@ -99,18 +99,23 @@ class ClientBase(Generic[S, W]):
         parts: Parts,
         stream: bool,
         new: S | None = None,
-        claim: Callable[[str, S], None] | None = None,
+        live: dict[str, Any] | None = None,
     ) -> S | None:
         """Register the request's stream (or check it may go without), then send. The
         stream's ``sent_at`` is read just before (no output can arrive earlier). A replica
         pool passes a stream it made (*new*: one that moves from a dead replica to this one
-        keeps its outputs so far) and its own check, *claim(req_id, new)*, run under the
-        same hold of the lock (the pool's lock is its members')."""
+        keeps its outputs so far) and, for a new request, its table of live requests
+        (*live*, ``req_id -> stream``), checked and filled under the same hold of the lock
+        (the pool's lock is its members'): :class:`ValueError` if *req_id* is there with
+        another stream that has not ended."""
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
-            if claim is not None:
-                claim(req_id, new)  # type: ignore[arg-type]
+            if live is not None:
+                held = live.get(req_id)
+                if held is not None and held is not new and held._ended is None:
+                    raise ValueError(f"request {req_id!r} is still live in this pool")
+                live[req_id] = new
             self._session.open_request(req_id, new)
         try:
             self._send(parts)

@@ -32,7 +32,6 @@ from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
     DeathHook,
-    PoolRequest,
     Replica,
     ReplicaState,
     RestartPolicy,
@@ -40,7 +39,7 @@ from ._pool_core import (
     ScoreFn,
 )
 from ._poolbase import PoolBase, PoolStreamCore, member_plan
-from ._session import ClientSession, Deliveries
+from ._session import Deliveries
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
 
@@ -317,9 +316,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         :class:`~enginecore.stage.NoReplicaError` if no replica serves, and
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`. Never blocks;
         thread-safe."""
-        parts = ClientSession.add_frame(req_id, data)
-        request = PoolRequest(req_id, data, key) if self._core.on_replica_death else None
-        return self._send(req_id, parts, request, key, 0, None)
+        return self._add_one(req_id, data, key)
 
     def add_many(self, items: Iterable[tuple[str, Any]]) -> list[PoolRequestStream]:
         """Send many ``(req_id, data)`` requests, spread over the replicas by the pool's
@@ -523,7 +520,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             if self._closed_done:
                 return dict(self._exit_codes)
             with self._lock:
-                self._core.closing = True
+                self._core.begin_close()
                 replicas = list(self._core.replicas)
             self._closed.set()
 

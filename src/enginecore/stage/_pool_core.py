@@ -577,6 +577,10 @@ class PoolCore:
         self._live: dict[str, Any] = {}  # req_id -> its stream (ended ones pruned lazily)
         self._prune_at = 1024
         self.closing = False
+        # The one replica to send to without routing: set when the routable set is one
+        # replica and no hook needs the request kept; valid while health_epoch is
+        # _routable_epoch (a pool of one's add reads only these two).
+        self._single: Replica | None = None
 
     # -- membership ----------------------------------------------------------------------
 
@@ -640,6 +644,13 @@ class PoolCore:
         replica._state = ReplicaState.STARTING
         return True
 
+    def begin_close(self) -> None:
+        """The pool begins to close: nothing new is routed (the epoch moves, so no add
+        takes the path that skips the checks)."""
+        self.closing = True
+        self._single = None
+        self.health_epoch[0] += 1
+
     def closed(self) -> None:
         """The pool has closed: every replica left is ``dead``."""
         for r in self._replicas:
@@ -661,7 +672,9 @@ class PoolCore:
         health epoch), so a decision costs the same at 64 replicas as at 2."""
         epoch = self.health_epoch[0]  # read first: a change while computing bumps it again
         if epoch != self._routable_epoch:
-            self._routable = self._compute_routable()
+            routable = self._routable = self._compute_routable()
+            single = len(routable) == 1 and self.on_replica_death is None and not self.closing
+            self._single = routable[0] if single else None
             self._routable_epoch = epoch
         routable = self._routable
         if not routable:
@@ -703,14 +716,6 @@ class PoolCore:
             if stream is not None and stream._ended is None:
                 raise ValueError(f"request {rid!r} is still live in this pool")
 
-    def track(self, req_id: str, stream: Any) -> None:
-        """Remember *stream* as *req_id*'s (for ``abort`` and the live check). Ended streams
-        are dropped in passing, so the table stays about as large as what is live."""
-        live = self._live
-        live[req_id] = stream
-        if len(live) > self._prune_at:
-            self._maybe_prune()
-
     def reserve(self, req_ids: list[str]) -> None:
         """Check that none of *req_ids* is live in this pool (:class:`ValueError`), then
         hold them (``add_many`` sends their frame next). The checks run in C: a burst has
@@ -736,9 +741,13 @@ class PoolCore:
         self._live.update(zip(req_ids, streams, strict=True))
 
     def _maybe_prune(self) -> None:
+        """Drop the ended streams from the live table, in place (a member may hold a
+        reference to it: ``_send_request(live=)``), once it has doubled since the last
+        prune."""
         live = self._live
         if len(live) > self._prune_at:
-            self._live = live = {k: s for k, s in live.items() if s._ended is None}
+            for rid in [rid for rid, s in live.items() if s._ended is not None]:
+                del live[rid]
             self._prune_at = max(1024, 2 * len(live))
 
     def untrack(self, req_id: str, stream: Any) -> None:

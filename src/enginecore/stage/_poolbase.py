@@ -151,6 +151,41 @@ class PoolBase(Generic[S]):
             raise NoReplicaError(f"replica {target.name} is {target.state.value}")
         return target._client
 
+    def _add_one(self, req_id: str, data: Any, key: Hashable | None) -> S:
+        """``add()``. A pool of one routable replica and no hook sends without routing
+        (two reads: the core's ``_single`` and its epoch), with one hold of the member's
+        lock; anything else goes through :meth:`_send`."""
+        core = self._core
+        replica = core._single
+        if replica is None or core.health_epoch[0] != core._routable_epoch:
+            return self._add_routed(req_id, data, key)
+        parts = ClientSession.add_frame(req_id, data)
+        new = self._stream_type(req_id, self._lock, time.monotonic())
+        new._replica = replica
+        member: ClientBase[Any, Any] = replica._client
+        live = core._live
+        try:
+            member._send_request(req_id, parts, True, new, live)
+        except (EngineDeadError, StageClosedError):
+            with self._lock:
+                core.untrack(req_id, new)
+            if member._session.failure is None and not member._session.closing:
+                raise
+            return self._add_routed(req_id, data, key)
+        except BaseException:
+            with self._lock:
+                core.untrack(req_id, new)
+            raise
+        if len(live) > core._prune_at:
+            with self._lock:
+                core._maybe_prune()
+        return new
+
+    def _add_routed(self, req_id: str, data: Any, key: Hashable | None) -> S:
+        parts = ClientSession.add_frame(req_id, data)
+        request = PoolRequest(req_id, data, key) if self._core.on_replica_death else None
+        return self._send(req_id, parts, request, key, 0, None)
+
     def _send(
         self,
         req_id: str,
@@ -160,20 +195,20 @@ class PoolBase(Generic[S]):
         migrations: int,
         stream: S | None,
     ) -> S:
-        """Route and send one request; *stream* continues a moved one. The pool's checks
-        (open, the id free in the pool) and its table run under the member's hold of the
-        lock that registers the stream (:meth:`_claim`): one hold per request, as a single
-        client's. On the path of every ``add``: a few attribute reads over a client's."""
+        """Route and send one request; *stream* continues a moved one. The pool's check
+        (the id free in the pool) and its table run under the member's hold of the lock
+        that registers the stream (``_send_request(live=)``): one hold per request, as a
+        single client's."""
         core = self._core
         if core.closing:
             raise StageClosedError("this stage pool is closed")
         if stream is None:
             new = self._stream_type(req_id, self._lock, time.monotonic())
-            claim: Callable[[str, Any], None] | None = self._claim
+            live: dict[str, Any] | None = core._live
             if request is not None:  # else _request and _migrations read as their defaults
                 new._request = request
         else:
-            new, claim = stream, None
+            new, live = stream, None
             new._request = request
             new._migrations = migrations
         try:
@@ -181,11 +216,14 @@ class PoolBase(Generic[S]):
             new._replica = replica
             member: ClientBase[Any, Any] = replica._client
             try:
-                member._send_request(req_id, parts, True, new, claim)
+                member._send_request(req_id, parts, True, new, live)
             except (EngineDeadError, StageClosedError):
                 if member._session.failure is None and not member._session.closing:
                     raise
-                return self._send_again(req_id, parts, request, key, new, claim)
+                new = self._send_again(req_id, parts, request, key, new, live)
+            if len(core._live) > core._prune_at:
+                with self._lock:
+                    core._maybe_prune()
             return new
         except BaseException:
             with self._lock:
@@ -199,7 +237,7 @@ class PoolBase(Generic[S]):
         request: PoolRequest | None,
         key: Hashable | None,
         new: S,
-        claim: Callable[[str, Any], None] | None,
+        live: dict[str, Any] | None,
     ) -> S:
         """:meth:`_send` after the chosen replica went away between the choice and the
         send: route again, a few times."""
@@ -208,27 +246,13 @@ class PoolBase(Generic[S]):
             new._replica = replica
             member: ClientBase[Any, Any] = replica._client
             try:
-                member._send_request(req_id, parts, True, new, claim)
+                member._send_request(req_id, parts, True, new, live)
             except (EngineDeadError, StageClosedError):
                 if member._session.failure is None and not member._session.closing:
                     raise
                 continue
             return new
         raise NoReplicaError("no replica took the request: each one left as it was chosen")
-
-    def _claim(self, req_id: str, stream: Any) -> None:
-        """Under the lock, for a new request: the pool is open and *req_id* is not live in
-        it (but may be *stream*'s own, from a choice that was retried); track *stream*."""
-        core = self._core
-        if core.closing:
-            raise StageClosedError("this stage pool is closed")
-        live = core._live
-        held = live.get(req_id)
-        if held is not None and held is not stream and held._ended is None:
-            raise ValueError(f"request {req_id!r} is still live in this pool")
-        live[req_id] = stream
-        if len(live) > core._prune_at:
-            core._maybe_prune()
 
     def _add_many(self, items: Iterable[tuple[str, Any]]) -> list[S]:
         """``add_many()``: route, then one frame per replica. A pool of one (or a burst
