@@ -198,7 +198,8 @@ class PoolBase(Generic[S]):
         """Route and send one request; *stream* continues a moved one. The pool's check
         (the id free in the pool) and its table run under the member's hold of the lock
         that registers the stream (``_send_request(live=)``): one hold per request, as a
-        single client's."""
+        single client's. A replica that left between the choice and the send gets the
+        next choice instead, a few times."""
         core = self._core
         if core.closing:
             raise StageClosedError("this stage pool is closed")
@@ -211,48 +212,27 @@ class PoolBase(Generic[S]):
             new, live = stream, None
             new._request = request
             new._migrations = migrations
+        data = None if request is None else request.data
         try:
-            replica = core.route(req_id, None if request is None else request.data, key)
-            new._replica = replica
-            member: ClientBase[Any, Any] = replica._client
-            try:
-                member._send_request(req_id, parts, True, new, live)
-            except (EngineDeadError, StageClosedError):
-                if member._session.failure is None and not member._session.closing:
-                    raise
-                new = self._send_again(req_id, parts, request, key, new, live)
-            if len(core._live) > core._prune_at:
-                with self._lock:
-                    core._maybe_prune()
-            return new
+            for _ in range(8):
+                replica = core.route(req_id, data, key)
+                new._replica = replica
+                member: ClientBase[Any, Any] = replica._client
+                try:
+                    member._send_request(req_id, parts, True, new, live)
+                except (EngineDeadError, StageClosedError):
+                    if member._session.failure is None and not member._session.closing:
+                        raise
+                    continue  # the replica went away meanwhile: route again
+                if len(core._live) > core._prune_at:
+                    with self._lock:
+                        core._maybe_prune()
+                return new
+            raise NoReplicaError("no replica took the request: each one left as it was chosen")
         except BaseException:
             with self._lock:
                 core.untrack(req_id, new)
             raise
-
-    def _send_again(
-        self,
-        req_id: str,
-        parts: _session.Parts,
-        request: PoolRequest | None,
-        key: Hashable | None,
-        new: S,
-        live: dict[str, Any] | None,
-    ) -> S:
-        """:meth:`_send` after the chosen replica went away between the choice and the
-        send: route again, a few times."""
-        for _ in range(8):
-            replica = self._core.route(req_id, None if request is None else request.data, key)
-            new._replica = replica
-            member: ClientBase[Any, Any] = replica._client
-            try:
-                member._send_request(req_id, parts, True, new, live)
-            except (EngineDeadError, StageClosedError):
-                if member._session.failure is None and not member._session.closing:
-                    raise
-                continue
-            return new
-        raise NoReplicaError("no replica took the request: each one left as it was chosen")
 
     def _add_many(self, items: Iterable[tuple[str, Any]]) -> list[S]:
         """``add_many()``: route, then one frame per replica. A pool of one (or a burst
