@@ -16,11 +16,11 @@ import logging
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _session
 from ._aclient import AsyncRequestStream, AsyncStageClient
-from ._clientbase import check_heartbeat
+from ._clientbase import check_heartbeat, raise_startup_error
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
@@ -35,6 +35,9 @@ from ._poolbase import PoolBase, PoolStreamCore, member_plan
 from ._session import Deliveries
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
+
+if TYPE_CHECKING:
+    from .ray import RayPlacement, RayPlan, RayStage
 
 __all__ = ["AsyncPoolRequestStream", "AsyncStagePool"]
 
@@ -144,6 +147,60 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         return pool
 
     @classmethod
+    async def launch_on_ray(
+        cls,
+        factory: str,
+        /,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        replicas: int = 1,
+        placement: RayPlacement | Sequence[RayPlacement] | None = None,
+        insecure: bool = False,
+        routing: Routing | ScoreFn | None = None,
+        restart: RestartPolicy | bool = False,
+        on_replica_death: DeathHook | None = None,
+        max_migrations: int = 1,
+        startup_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        name: str | None = None,
+        step_timeout: float | None = STEP_TIMEOUT,
+        kill_after: float | None = None,
+        log_level: int | str | None = None,
+        load_interval: float | None = LOAD_INTERVAL,
+    ) -> AsyncStagePool:
+        """:meth:`StagePool.launch_on_ray <enginecore.stage.StagePool.launch_on_ray>`,
+        awaited."""
+        from .ray import ray_specs
+
+        options = {
+            "insecure": insecure,
+            "startup_timeout": startup_timeout,
+            "connect_timeout": connect_timeout,
+            "heartbeat_interval": heartbeat_interval,
+            "heartbeat_timeout": heartbeat_timeout,
+            "name": name,
+            "step_timeout": step_timeout,
+            "kill_after": kill_after,
+            "log_level": log_level,
+            "load_interval": load_interval,
+        }
+        specs = ray_specs(factory, kwargs, replicas, placement, options)
+        pool = cls(
+            routing=routing,
+            restart=restart,
+            on_replica_death=on_replica_death,
+            max_migrations=max_migrations,
+        )
+        try:
+            await pool._add_replicas(specs)
+        except BaseException:
+            await pool.close()
+            raise
+        return pool
+
+    @classmethod
     async def connect(
         cls,
         addresses: Sequence[str],
@@ -213,6 +270,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         plan = member_plan(replica)
         if plan[0] == "connect":
             member = await _AsyncMember._open(plan[1])
+        elif plan[0] == "ray":
+            member = await _open_on_ray(plan[1])
         else:
             _, factory, kwargs, startup_timeout, options, ping_s = plan
             member = await _AsyncMember._launch(
@@ -421,3 +480,26 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             self._core.closed()
             self._closed_done = True
             return dict(self._exit_codes)
+
+
+async def _open_on_ray(plan: RayPlan) -> _AsyncMember:
+    """Place *plan*'s stage on Ray (in a worker thread: Ray's calls block) and open its
+    member client; on failure or cancellation, no actor is left behind."""
+    fut = asyncio.get_running_loop().run_in_executor(None, plan.start)
+    try:
+        stage = await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(_kill_placed)
+        raise
+    try:
+        member = await _AsyncMember._open(plan.target(stage))
+    except BaseException as exc:
+        stage.kill_and_clean()
+        raise_startup_error(plan.factory, exc)
+    assert isinstance(member, _AsyncMember)
+    return member
+
+
+def _kill_placed(fut: asyncio.Future[RayStage]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().kill_and_clean()

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _session
 from ._client import Receiver, RequestStream, StageClient
@@ -42,6 +42,9 @@ from ._poolbase import PoolBase, PoolStreamCore, member_plan
 from ._session import Deliveries
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
+
+if TYPE_CHECKING:
+    from .ray import RayPlacement
 
 __all__ = ["PoolRequestStream", "StagePool"]
 
@@ -178,6 +181,69 @@ class StagePool(PoolBase[PoolRequestStream]):
         return pool
 
     @classmethod
+    def launch_on_ray(
+        cls,
+        factory: str,
+        /,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        replicas: int = 1,
+        placement: RayPlacement | Sequence[RayPlacement] | None = None,
+        insecure: bool = False,
+        routing: Routing | ScoreFn | None = None,
+        restart: RestartPolicy | bool = False,
+        on_replica_death: DeathHook | None = None,
+        max_migrations: int = 1,
+        startup_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        name: str | None = None,
+        step_timeout: float | None = STEP_TIMEOUT,
+        kill_after: float | None = None,
+        log_level: int | str | None = None,
+        load_interval: float | None = LOAD_INTERVAL,
+    ) -> StagePool:
+        """Place *replicas* stages running ``factory(**kwargs)`` on Ray, in parallel,
+        and return their pool (``docs/ray.md``). *placement*: one
+        :class:`~enginecore.stage.ray.RayPlacement` for every replica, or one per replica
+        (e.g. the bundles of a placement group). The other options are
+        :func:`enginecore.stage.ray.launch_on_ray`'s: CURVE unless *insecure*, heartbeats
+        (a replica silent for *heartbeat_timeout* is dead), and the stage options. An
+        actor's death is a :class:`~enginecore.stage.ReplicaDeadError` for that replica
+        within a second; with *restart*, the replica's actor is placed again. Each
+        replica's stage is named ``"<name or factory>/r<i>"``. If one does not start, the
+        others are stopped and its :class:`~enginecore.stage.StageStartupError` is
+        raised."""
+        from .ray import ray_specs
+
+        options = {
+            "insecure": insecure,
+            "startup_timeout": startup_timeout,
+            "connect_timeout": connect_timeout,
+            "heartbeat_interval": heartbeat_interval,
+            "heartbeat_timeout": heartbeat_timeout,
+            "name": name,
+            "step_timeout": step_timeout,
+            "kill_after": kill_after,
+            "log_level": log_level,
+            "load_interval": load_interval,
+        }
+        specs = ray_specs(factory, kwargs, replicas, placement, options)
+        pool = cls(
+            routing=routing,
+            restart=restart,
+            on_replica_death=on_replica_death,
+            max_migrations=max_migrations,
+        )
+        try:
+            pool._add_replicas(specs)
+        except BaseException:
+            pool.close()
+            raise
+        return pool
+
+    @classmethod
     def connect(
         cls,
         addresses: Sequence[str],
@@ -289,6 +355,10 @@ class StagePool(PoolBase[PoolRequestStream]):
         plan = member_plan(replica)
         if plan[0] == "connect":
             member = _Member._open(plan[1], self._lock, self._hub)
+        elif plan[0] == "ray":
+            from .ray import open_on_ray
+
+            member = open_on_ray(plan[1], lambda t: _Member._open(t, self._lock, self._hub))
         else:
             _, factory, kwargs, startup_timeout, options, ping_s = plan
             member = _Member._launch(

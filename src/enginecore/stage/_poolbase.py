@@ -58,10 +58,16 @@ S = TypeVar("S", bound=PoolStreamCore)
 
 
 def member_plan(replica: Replica) -> tuple[Any, ...]:
-    """How to start *replica*'s member client, from its spec: ``("connect", target)`` or
-    ``("launch", factory, kwargs, startup_timeout, options, ping_s)``; the stage of a
-    launched replica is named ``"<name or factory>/<replica name>"``."""
+    """How to start *replica*'s member client, from its spec: ``("connect", target)``,
+    ``("launch", factory, kwargs, startup_timeout, options, ping_s)``, or ``("ray",
+    plan)`` for a stage placed on Ray (a spec with ``"ray": RayPlacement(...)``;
+    :class:`enginecore.stage.ray.RayPlan`); the stage of a launched replica is named
+    ``"<name or factory>/<replica name>"``."""
     spec = dict(replica.spec)
+    if "ray" in spec:
+        from .ray import plan_from_spec  # imports no Ray
+
+        return ("ray", plan_from_spec(spec, replica.name))
     if "address" in spec:
         heartbeat = check_heartbeat(
             spec.pop("heartbeat_interval", 1.0), spec.pop("heartbeat_timeout", 5.0)

@@ -1,0 +1,542 @@
+"""Stages placed on Ray (``pip install 'enginecore[ray]'``; ``docs/ray.md``).
+
+A stage placed on Ray runs its engine loop in a Ray actor's own process: the actor builds
+the engine and a :class:`~._runtime.StageRuntime` (the same code a launched or a headless
+stage runs), binds both sockets on its node's IP (``ray.util.get_node_ip_address()``), runs
+the loop on a thread of its own and answers :meth:`_StageActor.start` once the stage is
+ready, with the addresses it bound. ZMQ over TCP stays the data plane (requests, outputs
+and utility calls travel as msgpack, never pickled); Ray's actor calls carry only the
+control: start, the addresses and public keys, stop, and the wait that tells the actor's
+end.
+
+Between the client and the actor the sockets use CURVE by default: the client makes a key
+pair for the stage, the actor makes the stage's key pair and admits only the client's
+public key (its ZAP handler), and the stage's public key comes back from the actor. Secret
+keys never travel. ``insecure=True`` opts out.
+
+The client watches the actor as it watches a launched process: a thread blocks on a
+pending ``actor.wait.remote()``, which returns the stage's exit code when its loop ends,
+or raises when the actor dies (``ray.kill``, a crash, its node lost); either way it makes
+the client's *sentinel* (a pipe) readable, and the client's death path runs, so a dead
+actor is :class:`~enginecore.stage.EngineDeadError` (a pool's
+:class:`~enginecore.stage.ReplicaDeadError`) within a second. Heartbeats over ZMQ still run:
+a stage that Ray believes alive but that does not answer (a network partition) is presumed
+dead after ``heartbeat_timeout``.
+
+Ray is imported only when a stage is placed on it: importing this module does not import
+Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from . import _clientbase, _codec, _logs, _wire
+from ._clientbase import Target
+from ._curve import CurveKeys
+from ._errors import StageStartupError
+from ._launch import _validate_factory
+from ._statistics import LOAD_INTERVAL, check_load_interval
+from ._watchdog import STEP_TIMEOUT, check_watchdog
+
+if TYPE_CHECKING:
+    from ._client import StageClient
+
+__all__ = ["RayPlacement", "RayStage", "launch_on_ray"]
+
+logger = logging.getLogger("enginecore.stage")
+
+# Concurrent calls an actor takes: start, wait (blocks for the stage's life), stop.
+_ACTOR_CONCURRENCY: Final = 4
+# How long the handshake with a started actor's stage may take: a peer that cannot be
+# reached (a firewall between hosts, a wrong node IP) fails within this, not after minutes.
+CONNECT_TIMEOUT: Final = 10.0
+_MAX_CONNECT_TIMEOUT: Final = 30.0
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - the extra is installed in the tests
+        raise ImportError("placing stages on Ray needs Ray: pip install 'enginecore[ray]'") from exc
+    return ray
+
+
+@dataclass(frozen=True)
+class RayPlacement:
+    """Where and with what a stage's actor runs: Ray's actor options.
+
+    *num_cpus*, *num_gpus* and *resources* (custom resources, e.g. ``{"node:10.0.0.5":
+    0.01}`` or your own labels) are reserved for the actor. With *placement_group* (a
+    ``ray.util.placement_group.PlacementGroup``), the actor goes into that group's bundle
+    *bundle_index* (``-1``: any bundle); its resources then come from the bundle.
+    *runtime_env* is passed to Ray as is. A placement that no node can satisfy keeps the
+    actor pending: the launch then fails after its ``startup_timeout``."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: Mapping[str, float] | None = None
+    placement_group: Any = None
+    bundle_index: int = -1
+    runtime_env: Mapping[str, Any] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError("num_cpus and num_gpus must be >= 0")
+        if not isinstance(self.bundle_index, int) or self.bundle_index < -1:
+            raise ValueError(f"bundle_index must be an int >= -1, got {self.bundle_index!r}")
+        if self.bundle_index != -1 and self.placement_group is None:
+            raise ValueError("bundle_index needs a placement_group")
+
+    def actor_options(self) -> dict[str, Any]:
+        """The options for ``ActorClass.options(...)``: never detached, never restarted
+        by Ray (the pool restarts replicas)."""
+        options: dict[str, Any] = {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            "max_concurrency": _ACTOR_CONCURRENCY,
+            "max_restarts": 0,
+        }
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        if self.runtime_env is not None:
+            options["runtime_env"] = dict(self.runtime_env)
+        if self.placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group,
+                placement_group_bundle_index=self.bundle_index,
+            )
+        return options
+
+
+class _StageActor:
+    """The actor: one stage, its loop on a thread of the actor's process. Ray runs its
+    methods on up to :data:`_ACTOR_CONCURRENCY` threads."""
+
+    def __init__(self) -> None:
+        self._runtime: Any = None
+        self._done = threading.Event()
+        self._code: int | None = None
+
+    def start(
+        self,
+        factory: str,
+        kwargs_frame: bytes,
+        stage: str,
+        options: dict[str, Any],
+        client_key: bytes | None,
+    ) -> dict[str, Any]:
+        """Build the engine and the stage, bound on this node's IP; run its loop on a
+        thread; return the addresses, the pid and the stage's public key (``None``
+        without CURVE). Raises what the factory raises."""
+        import msgspec
+        import zmq
+
+        from ._curve import ServerCurve
+        from ._process import build_engine
+        from ._runtime import StageRuntime
+
+        if self._runtime is not None:
+            raise RuntimeError("this actor runs a stage already")
+        _logs.configure_stage(stage, options.get("log_level"), None)
+        host: str = _import_ray().util.get_node_ip_address()
+        if ":" in host:  # IPv6
+            host = f"[{host}]"
+        curve = None
+        if client_key is not None:
+            public, secret = zmq.curve_keypair()
+            curve = ServerCurve(
+                public_key=public,
+                secret_key=secret,
+                authorized=frozenset({client_key}),
+                authorized_dir="(the key of the client that placed it on Ray)",
+            )
+        engine = build_engine(factory, msgspec.msgpack.decode(kwargs_frame))
+        runtime = StageRuntime(
+            engine,
+            f"tcp://{host}:0",
+            f"tcp://{host}:0",
+            engine_name=factory,
+            step_timeout=options.get("step_timeout"),
+            kill_after=options.get("kill_after"),
+            handle_signals=(),
+            load_interval=options.get("load_interval"),
+            name=stage,
+            curve=curve,
+        )
+        self._runtime = runtime
+        threading.Thread(target=self._run, name="enginecore-stage-loop", daemon=True).start()
+        return {
+            "input": runtime.input_address,
+            "output": runtime.output_address,
+            "pid": os.getpid(),
+            "node_ip": host,
+            "server_key": None if curve is None else curve.public_key,
+        }
+
+    def _run(self) -> None:
+        try:
+            self._code = self._runtime.run()
+        finally:
+            self._done.set()
+
+    def wait(self) -> int | None:
+        """Block until the stage's loop has ended; its exit code."""
+        self._done.wait()
+        return self._code
+
+    def stop(self) -> None:
+        """Shut the stage down (as SIGTERM does to a launched stage)."""
+        if self._runtime is not None:
+            self._runtime.loop.request_shutdown()
+
+
+_actor_class: Any = None
+_actor_class_lock = threading.Lock()
+
+
+def _remote_actor_class(ray: Any) -> Any:
+    global _actor_class
+    with _actor_class_lock:
+        if _actor_class is None:
+            _actor_class = ray.remote(_StageActor)
+        return _actor_class
+
+
+class _ActorProcess:
+    """What a client reads of a launched stage's ``process``: its sentinel (a pipe that
+    turns readable when the actor's stage has ended or the actor died) and pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sentinel, self._w = os.pipe()
+
+    def mark_exited(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._w)
+
+
+class RayStage:
+    """A stage placed on Ray, as a client owns it: the actor, its addresses and keys. It
+    stands where a launched stage's process handle stands (``_launch.Launched``): the
+    client waits on :attr:`process`'s sentinel, reaps an exit code, signals it (SIGTERM:
+    ``actor.stop``; SIGKILL: ``ray.kill``) and releases it (``ray.kill``: no actor is left
+    once the client is closed)."""
+
+    def __init__(
+        self,
+        actor: Any,
+        info: Mapping[str, Any],
+        stage: str,
+        client_keys: tuple[bytes, bytes] | None,
+    ) -> None:
+        self.actor = actor
+        self.stage = stage
+        self.input_address: str = info["input"]
+        self.output_address: str = info["output"]
+        self.node_ip: str = info["node_ip"]
+        self.process = _ActorProcess(int(info["pid"]))
+        self.curve: CurveKeys | None = None
+        if client_keys is not None:
+            self.curve = CurveKeys(client_keys[0], client_keys[1], info["server_key"])
+        self.lock = threading.Lock()
+        self._exit_code: int | None = None
+        self._exited = threading.Event()
+        self._released = False
+        self.death: str | None = None  # why the actor ended, if it died
+        self._watch_ref = actor.wait.remote()
+        threading.Thread(target=self._watch, name="enginecore-ray-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        ray = _import_ray()
+        try:
+            code = ray.get(self._watch_ref)
+        except Exception as exc:  # RayActorError and kin: the actor died
+            self._ended(None, f"its Ray actor died: {type(exc).__name__}")
+        else:
+            self._ended(code, None)
+
+    def _ended(self, code: int | None, death: str | None) -> None:
+        with self.lock:
+            if self._exited.is_set():
+                return
+            self._exit_code = code
+            self.death = death
+            self._exited.set()
+            self.process.mark_exited()
+
+    def wait_exit(self, timeout: float | None) -> bool:
+        """Block until the stage has ended or the actor died, at most *timeout* s."""
+        return self._exited.wait(timeout)
+
+    def reap(self) -> int | None:
+        """The stage's exit code once it has ended (``-9`` once killed); ``None`` while it
+        runs, or when the actor died without one."""
+        return self._exit_code if self._exited.is_set() else None
+
+    def send_signal(self, sig: signal.Signals) -> None:
+        """SIGKILL: ``ray.kill`` the actor (it counts as exited at once); else ask the
+        stage to shut down (``actor.stop``)."""
+        ray = _import_ray()
+        if sig == signal.SIGKILL:
+            with contextlib.suppress(Exception):
+                ray.kill(self.actor, no_restart=True)
+            self._ended(-int(signal.SIGKILL), "killed with ray.kill")
+        elif not self._exited.is_set():
+            with contextlib.suppress(Exception):
+                self.actor.stop.remote()
+
+    def release(self) -> None:
+        """After the stage has ended: ``ray.kill`` the actor (its process goes) and close
+        the sentinel. Idempotent."""
+        with self.lock:
+            if self._released:
+                return
+            self._released = True
+        with contextlib.suppress(Exception):
+            _import_ray().kill(self.actor, no_restart=True)
+        self._ended(self._exit_code, self.death)
+        with contextlib.suppress(OSError):
+            os.close(self.process.sentinel)
+
+    def kill_and_clean(self) -> None:
+        """``ray.kill`` the actor and release everything."""
+        self.send_signal(signal.SIGKILL)
+        self.release()
+
+
+@dataclass(frozen=True)
+class RayPlan:
+    """How to place one stage on Ray and open its client: :func:`launch_on_ray`'s
+    arguments, checked. A replica pool keeps one per Ray replica (``member_plan``)."""
+
+    factory: str
+    kwargs_frame: bytes
+    stage: str
+    placement: RayPlacement
+    insecure: bool
+    startup_timeout: float
+    connect_timeout: float
+    heartbeat: tuple[float, float]
+    options: dict[str, Any]
+
+    @classmethod
+    def make(
+        cls,
+        factory: str,
+        kwargs: dict[str, Any] | None,
+        *,
+        placement: RayPlacement | None = None,
+        insecure: bool = False,
+        startup_timeout: float = 60.0,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        name: str | None = None,
+        step_timeout: float | None = STEP_TIMEOUT,
+        kill_after: float | None = None,
+        log_level: int | str | None = None,
+        load_interval: float | None = LOAD_INTERVAL,
+    ) -> RayPlan:
+        """Check everything before anything is placed."""
+        _validate_factory(factory)
+        check_watchdog(step_timeout, kill_after)
+        level = _logs.check_log_level(log_level)
+        load_interval = check_load_interval(load_interval)
+        heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
+        if placement is None:
+            placement = RayPlacement()
+        if not isinstance(placement, RayPlacement):
+            raise TypeError(f"placement must be a RayPlacement, got {type(placement).__name__}")
+        if not 0 < connect_timeout <= _MAX_CONNECT_TIMEOUT:
+            raise ValueError(f"connect_timeout must be in (0, {_MAX_CONNECT_TIMEOUT}] seconds")
+        if startup_timeout <= 0:
+            raise ValueError("startup_timeout must be > 0")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        kwargs = dict(kwargs or {})
+        _wire.check_encodable(kwargs, "factory kwargs")
+        if not all(type(k) is str for k in kwargs):
+            raise TypeError("factory kwargs must have str keys")
+        return cls(
+            factory=factory,
+            kwargs_frame=_codec.encode_plain(kwargs, "factory kwargs"),
+            stage=name or factory,
+            placement=placement,
+            insecure=bool(insecure),
+            startup_timeout=float(startup_timeout),
+            connect_timeout=float(connect_timeout),
+            heartbeat=heartbeat,
+            options={
+                "step_timeout": step_timeout,
+                "kill_after": kill_after,
+                "log_level": level,
+                "load_interval": load_interval,
+            },
+        )
+
+    def start(self) -> RayStage:
+        """Place the actor and start its stage; blocks until it is ready, at most
+        *startup_timeout* seconds (placement included). :class:`StageStartupError` if it
+        does not come up; no actor is left behind then."""
+        ray = _import_ray()
+        import zmq
+
+        keys = None if self.insecure else zmq.curve_keypair()
+        actor = _remote_actor_class(ray).options(**self.placement.actor_options()).remote()
+        try:
+            ref = actor.start.remote(
+                self.factory,
+                self.kwargs_frame,
+                self.stage,
+                self.options,
+                None if keys is None else keys[0],
+            )
+            try:
+                info = ray.get(ref, timeout=self.startup_timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise StageStartupError(
+                    f"stage {self.factory!r} on Ray was not ready within "
+                    f"{self.startup_timeout} s (placement included: is the placement "
+                    f"{self.placement!r} satisfiable?); its actor was killed"
+                ) from None
+            except ray.exceptions.RayTaskError as exc:
+                raise StageStartupError(
+                    f"engine factory {self.factory!r} failed in its Ray actor: {exc}",
+                    child_traceback=str(exc),
+                ) from None
+            except ray.exceptions.RayError as exc:
+                raise StageStartupError(
+                    f"the Ray actor of stage {self.factory!r} died during startup: {exc}"
+                ) from None
+            return RayStage(actor, info, self.stage, keys)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            raise
+
+    def target(self, stage: RayStage, ping_s: float | None = None) -> Target:
+        """What the client opens on *stage*: its address, the handshake timeout, the
+        stage handle (a launched stage's place), heartbeats that presume it dead after
+        their timeout, and the CURVE keys."""
+        interval, timeout = self.heartbeat
+        return Target(
+            stage.input_address,
+            self.connect_timeout,
+            stage,  # type: ignore[arg-type]  # stands where a Launched stands
+            (interval if ping_s is None else ping_s, timeout),
+            False,
+            stage.curve,
+        )
+
+
+def launch_on_ray(
+    factory: str,
+    /,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    placement: RayPlacement | None = None,
+    insecure: bool = False,
+    startup_timeout: float = 60.0,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    heartbeat_interval: float = 1.0,
+    heartbeat_timeout: float = 5.0,
+    name: str | None = None,
+    step_timeout: float | None = STEP_TIMEOUT,
+    kill_after: float | None = None,
+    log_level: int | str | None = None,
+    load_interval: float | None = LOAD_INTERVAL,
+) -> StageClient:
+    """Start a stage running ``factory(**kwargs)`` in a Ray actor placed with *placement*
+    (:class:`RayPlacement`; default: one CPU anywhere) and return its
+    :class:`~enginecore.stage.StageClient`, which owns the actor: ``close()`` /
+    ``shutdown()`` stop the stage and kill the actor.
+
+    Uses the Ray cluster this process is connected to (``ray.init()``; Ray's own default
+    starts or finds one). The stage binds TCP on the actor's node IP; the client connects
+    with CURVE (keys made for this stage, public keys exchanged through the actor) unless
+    *insecure*. The stage options are :meth:`StageClient.launch
+    <enginecore.stage.StageClient.launch>`'s. Blocks until the stage is ready, at most
+    *startup_timeout* seconds for the actor (placement included) and *connect_timeout*
+    (at most 30 s) for the handshake over TCP; :class:`~enginecore.stage.StageStartupError`
+    otherwise, with no actor left behind.
+
+    The client pings the stage every *heartbeat_interval* seconds and presumes it dead
+    after *heartbeat_timeout* without a frame; the actor's death (``ray.kill``, a crash) is
+    :class:`~enginecore.stage.EngineDeadError` within a second (``docs/ray.md``)."""
+    plan = RayPlan.make(
+        factory,
+        kwargs,
+        placement=placement,
+        insecure=insecure,
+        startup_timeout=startup_timeout,
+        connect_timeout=connect_timeout,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
+        name=name,
+        step_timeout=step_timeout,
+        kill_after=kill_after,
+        log_level=log_level,
+        load_interval=load_interval,
+    )
+    from ._client import StageClient
+
+    client: StageClient = open_on_ray(plan, StageClient._open)
+    return client
+
+
+def open_on_ray(plan: RayPlan, opener: Any, ping_s: float | None = None) -> Any:
+    """Start *plan*'s stage and open a client on it with ``opener(target)``; if the open
+    fails, kill the actor and raise :class:`~enginecore.stage.StageStartupError`."""
+    stage = plan.start()
+    try:
+        return opener(plan.target(stage, ping_s))
+    except BaseException as exc:
+        stage.kill_and_clean()
+        _clientbase.raise_startup_error(plan.factory, exc)
+
+
+def plan_from_spec(spec: Mapping[str, Any], replica_name: str) -> RayPlan:
+    """A pool replica's spec ``{"ray": RayPlacement, "factory": ..., "kwargs": ...,
+    **options}`` as a :class:`RayPlan`; its stage is named ``"<name or factory>/<replica
+    name>"``."""
+    spec = dict(spec)
+    placement = spec.pop("ray")
+    factory = spec.pop("factory")
+    kwargs = spec.pop("kwargs", None)
+    spec.pop("ping_interval", None)  # a Ray replica's liveness is its heartbeat
+    base = spec.pop("name", None) or factory
+    return RayPlan.make(factory, kwargs, placement=placement, name=f"{base}/{replica_name}", **spec)
+
+
+def ray_specs(
+    factory: str,
+    kwargs: dict[str, Any] | None,
+    replicas: int,
+    placement: RayPlacement | Sequence[RayPlacement] | None,
+    options: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """The replica specs of ``launch_on_ray(...)``: one placement for every replica, or
+    one per replica (e.g. the bundles of a placement group, in order). Checks the options
+    once, before anything is placed."""
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    if placement is None or isinstance(placement, RayPlacement):
+        placements = [placement or RayPlacement()] * replicas
+    else:
+        placements = list(placement)
+        if len(placements) != replicas:
+            raise ValueError(
+                f"placement lists {len(placements)} placements for {replicas} replicas"
+            )
+    RayPlan.make(factory, kwargs, placement=placements[0], **options)  # checks, places nothing
+    return [{"ray": p, "factory": factory, "kwargs": kwargs, **options} for p in placements]
