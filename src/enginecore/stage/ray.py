@@ -533,6 +533,10 @@ def ray_specs(
     if placement is None or isinstance(placement, RayPlacement):
         placements = [placement or RayPlacement()] * replicas
     else:
+        if isinstance(placement, (str, bytes)) or not all(
+            isinstance(p, RayPlacement) for p in placement
+        ):
+            raise TypeError("placement must be a RayPlacement or a sequence of them")
         placements = list(placement)
         if len(placements) != replicas:
             raise ValueError(

@@ -1,0 +1,219 @@
+"""Stages placed on Ray (``enginecore.stage.ray``), on a local Ray cluster this module
+starts (2 CPUs) and shuts down after its tests."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from enginecore.stage import (
+    AuthenticationError,
+    EngineDeadError,
+    ReplicaDeadError,
+    ReplicaState,
+    RestartPolicy,
+    StageClient,
+    StagePool,
+    StageStartupError,
+)
+
+from .conftest import wait_until
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+from enginecore.stage.ray import RayPlacement, RayStage, launch_on_ray  # noqa: E402
+
+COUNTDOWN = "enginecore.stage.testing:countdown"
+SCRIPTED = "enginecore.stage.testing:scripted"
+CPUS = 2
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+# A small share of a CPU per stage, so that a restart never waits for the dead actor's.
+SMALL = RayPlacement(num_cpus=0.25)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    ray.init(num_cpus=CPUS, include_dashboard=False, logging_level="error", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def no_actor_left() -> bool:
+    """Every CPU of the cluster is free again: no stage's actor holds one."""
+    return wait_until(lambda: ray.available_resources().get("CPU") == CPUS, 10.0)
+
+
+def ray_stage(client: Any) -> RayStage:
+    """The Ray stage a client owns (where a launched stage's process handle stands)."""
+    stage = client._launched
+    assert isinstance(stage, RayStage)
+    return stage
+
+
+def actor_of(client: Any) -> Any:
+    return ray_stage(client).actor
+
+
+def test_stage_on_ray_serves_requests_and_utilities() -> None:
+    with launch_on_ray(COUNTDOWN, placement=SMALL) as client:
+        assert client.address.startswith("tcp://")
+        assert ray_stage(client).node_ip in client.address  # bound on the node's IP
+        assert ray_stage(client).curve is not None  # CURVE by default
+        assert list(client.add("r1", 3)) == [2, 1, 0]
+        assert client.call_utility("div", 1, 4) == 0.25
+        assert client.stats().outputs == 3
+        assert client.pid != 0
+    assert no_actor_left()
+
+
+def test_stage_on_ray_admits_only_its_client() -> None:
+    with launch_on_ray(COUNTDOWN, placement=SMALL) as client:
+        with pytest.raises(AuthenticationError):
+            StageClient.connect(client.address, timeout=5)  # no CURVE keys
+        assert list(client.add("r1", 2)) == [1, 0]  # the owner still serves
+    assert no_actor_left()
+
+
+def test_insecure_opts_out_of_curve() -> None:
+    with launch_on_ray(COUNTDOWN, placement=SMALL, insecure=True) as client:
+        assert ray_stage(client).curve is None
+        assert list(client.add("r1", 2)) == [1, 0]
+    assert no_actor_left()
+
+
+def test_killed_actor_is_engine_dead_within_a_second() -> None:
+    client = launch_on_ray(SCRIPTED, placement=SMALL, step_timeout=None)
+    try:
+        client.call_utility("pace", 0.01)  # a step every 10 ms: r1 lives on
+        pending = client.call_utility_future("deferred_never")
+        stream = client.add("r1", 10**6)
+        stream_error: concurrent.futures.Future[BaseException] = concurrent.futures.Future()
+
+        def read() -> None:
+            try:
+                list(stream)
+            except BaseException as exc:
+                stream_error.set_result(exc)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            ex.submit(read)
+            start = time.monotonic()
+            ray.kill(actor_of(client))
+            with pytest.raises(EngineDeadError):
+                pending.result(5)
+            seen = time.monotonic() - start
+            assert isinstance(stream_error.result(5), EngineDeadError)
+        assert seen < 1.0, f"the death took {seen:.2f} s to be seen"
+        with pytest.raises(EngineDeadError):
+            client.call_utility("div", 1, 2)
+    finally:
+        client.close()
+    assert no_actor_left()
+
+
+def test_a_factory_error_is_a_startup_error_and_leaves_no_actor() -> None:
+    with pytest.raises(StageStartupError, match="failed on purpose"):
+        launch_on_ray("enginecore.stage.testing:failing_factory", placement=SMALL)
+    assert no_actor_left()
+
+
+def test_an_unsatisfiable_placement_fails_after_the_startup_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(StageStartupError, match="not ready within"):
+        launch_on_ray(
+            COUNTDOWN, placement=RayPlacement(resources={"no-such-node": 1}), startup_timeout=1
+        )
+    assert time.monotonic() - start < 10
+    assert no_actor_left()
+
+
+def test_a_placement_group_bundle() -> None:
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([{"CPU": 0.5}, {"CPU": 0.5}])
+    ray.get(group.ready(), timeout=30)
+    try:
+        placement = RayPlacement(num_cpus=0.5, placement_group=group, bundle_index=1)
+        with launch_on_ray(COUNTDOWN, placement=placement) as client:
+            assert list(client.add("r1", 2)) == [1, 0]
+    finally:
+        remove_placement_group(group)
+    assert no_actor_left()
+
+
+def test_bad_arguments_fail_before_anything_is_placed() -> None:
+    with pytest.raises(ValueError, match="bundle_index needs a placement_group"):
+        RayPlacement(bundle_index=0)
+    with pytest.raises(ValueError, match="connect_timeout"):
+        launch_on_ray(COUNTDOWN, connect_timeout=60)
+    with pytest.raises(ValueError, match="placements for 2 replicas"):
+        StagePool.launch_on_ray(COUNTDOWN, replicas=2, placement=[SMALL])
+    with pytest.raises(TypeError):
+        StagePool.launch_on_ray(COUNTDOWN, placement="anywhere")  # type: ignore[arg-type]
+
+
+def test_pool_of_two_ray_replicas_routes_survives_a_kill_and_restarts() -> None:
+    restart = RestartPolicy(first_delay=0.2)
+    with StagePool.launch_on_ray(SCRIPTED, replicas=2, placement=SMALL, restart=restart) as pool:
+        r0, r1 = pool.replicas
+        assert r0.launched
+        assert r0.address is not None
+        assert r0.address.startswith("tcp://")
+        streams = pool.add_many([(f"a{i}", 3) for i in range(20)])
+        assert {s.replica for s in streams} == {r0, r1}
+        assert sum(len(s.collect()) for s in streams) == 60
+
+        waiting = r0._client.call_utility_future("deferred_never")
+        start = time.monotonic()
+        ray.kill(actor_of(r0._client))
+        with pytest.raises(ReplicaDeadError) as info:
+            waiting.result(5)
+        assert time.monotonic() - start < 1.0
+        assert info.value.replica is r0
+        # The other replica serves meanwhile.
+        assert [s.collect() for s in pool.add_many([(f"b{i}", 2) for i in range(4)])] == [
+            [1, 0]
+        ] * 4
+        assert wait_until(lambda: r0.state is ReplicaState.SERVING and r0.restarts == 1, 30)
+        stream = pool.add("c", 2)
+        assert stream.collect() == [1, 0]
+        assert pool.call_utility("div", 1, 2, replica=r0) == 0.5
+    assert no_actor_left()
+
+
+def test_add_replica_on_ray_beside_a_launched_one() -> None:
+    with StagePool.launch(COUNTDOWN, replicas=1) as pool:
+        replica = pool.add_replica(COUNTDOWN, ray=SMALL)
+        assert replica.launched
+        assert replica.address is not None
+        assert replica.address.startswith("tcp://")
+        assert pool.call_utility("div", 3, 4, replica=replica) == 0.75
+        assert pool.remove_replica(replica) == 0
+    assert no_actor_left()
+
+
+def test_async_pool_on_ray() -> None:
+    import asyncio
+
+    from enginecore.stage import AsyncStagePool
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch_on_ray(COUNTDOWN, replicas=1, placement=SMALL)
+        async with pool:
+            (replica,) = pool.replicas
+            assert replica.address is not None
+            assert replica.address.startswith("tcp://")
+            stream = await pool.add("r1", 3)
+            assert [x async for x in stream] == [2, 1, 0]
+            assert await pool.call_utility("div", 1, 4) == 0.25
+
+    asyncio.run(main())
+    assert no_actor_left()
