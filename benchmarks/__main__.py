@@ -36,6 +36,7 @@ MODULES = (
     "bench_stage_requests",
     "bench_stage_arrays",
     "bench_stage_curve",
+    "bench_ray",
     "bench_pool",
     "bench_metrics",
     "bench_pool_faults",

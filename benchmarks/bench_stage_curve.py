@@ -44,10 +44,10 @@ ECHO = "enginecore.stage.testing:echo"
 
 
 @contextlib.contextmanager
-def served(*args: str) -> Iterator[str]:
-    """A ``serve`` process with *args*; yields its input address; stops it after."""
+def served(*args: str, engine: str = ECHO) -> Iterator[str]:
+    """A ``serve`` process of *engine* with *args*; yields its input address; stops it after."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "enginecore", "serve", "--engine", ECHO, "--bind",
+        [sys.executable, "-m", "enginecore", "serve", "--engine", engine, "--bind",
          "tcp://127.0.0.1:*", "--step-timeout", "0", *args],
         stdout=subprocess.PIPE,
         text=True,

@@ -27,6 +27,7 @@ from benchmarks import (
     bench_pipeline,
     bench_pool,
     bench_pool_faults,
+    bench_ray,
     bench_stage_arrays,
     bench_stage_curve,
     bench_stage_ingest,
@@ -47,6 +48,7 @@ STAGE_MODULES = (
     bench_metrics,
     bench_pool,
     bench_pool_faults,
+    bench_ray,
     bench_stage_arrays,
     bench_stage_curve,
     bench_stage_ingest,
@@ -232,6 +234,15 @@ class TestBenchmarksRun:
         assert_records(records, 3)
         assert [r.goal for r in records] == ["<= 1.2x", "report", "report"]
         assert len(records[0].per_round) == 4
+        assert all(r.value > 0 and r.baseline > 0 for r in records)
+
+    @pytest.mark.timeout(120)
+    def test_ray_is_registered_and_runs_quick(self) -> None:
+        pytest.importorskip("ray", reason="the ray extra is not installed")
+        assert "bench_ray" in MODULES
+        records = bench_ray.run(quick=True)
+        assert_records(records, 5)
+        assert [r.goal for r in records] == ["<= 1.1x", "report", ">= 0.8x", "<= 1x", "<= 1x"]
         assert all(r.value > 0 and r.baseline > 0 for r in records)
 
     def test_statistics_is_registered_and_runs_quick(self) -> None:

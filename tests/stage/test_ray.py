@@ -4,6 +4,7 @@ starts (2 CPUs) and shuts down after its tests."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +40,9 @@ SMALL = RayPlacement(num_cpus=0.25)
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=CPUS, include_dashboard=False, logging_level="error", log_to_driver=False)
+    ray.init(
+        num_cpus=CPUS, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
+    )
     try:
         yield
     finally:

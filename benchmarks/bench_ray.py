@@ -1,0 +1,226 @@
+"""A stage placed on Ray against a local headless stage, side by side in one run (issue 19).
+
+A local Ray cluster is started for the run (``ray.init``, all CPUs, no dashboard) unless
+this process is connected to one already. Both stages run the ``countdown`` engine of
+``enginecore.stage.testing`` and are read by a ``StageClient`` over TCP on this host:
+
+* the **headless** stage is ``python -m enginecore serve --bind tcp://127.0.0.1:*``;
+* the **Ray** stage is ``enginecore.stage.ray.launch_on_ray`` (``insecure=True``: the cost of
+  CURVE is ``bench_stage_curve``'s, measured apart), bound on the node's IP.
+
+Metrics:
+
+* **utility round trip**: back-to-back ``call_utility("div", 1, 2)``, blocks alternating
+  (A B, B A, ...); p50 judged (goal <= 1.1x the headless stage in every block), p99
+  reported.
+* **output throughput**: a burst of 64 requests of 50 steps each (``add_many``), read to
+  the end; outputs/s, rounds alternating; goal >= 0.8x the headless stage in every round.
+* **killed actor**: ``ray.kill`` of a Ray stage's actor while a call waits; the seconds
+  until that call raises ``EngineDeadError``. Goal: within 1 s in every round (the baseline
+  column is the 1 s goal).
+* **launching 8 stages** on Ray in parallel against one launch + 2 s (the baseline column);
+  quick mode launches 2.
+
+The cyclic GC is on everywhere (``_harness.gc_on`` in the parent).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ._harness import (
+    Record,
+    Skipped,
+    gc_on,
+    higher_is_better,
+    interleave,
+    lower_is_better,
+    main_single,
+)
+from .bench_stage_curve import as_report
+from .bench_wake_latency import latency_records
+
+NAME = "ray"
+COUNTDOWN = "enginecore.stage.testing:countdown"
+SCRIPTED = "enginecore.stage.testing:scripted"
+ROUND_TRIP_GOAL = 1.1
+THROUGHPUT_GOAL = 0.8
+DEATH_GOAL_S = 1.0
+LAUNCH_SLACK_S = 2.0
+BURST = 64
+STEPS = 50
+
+
+@contextlib.contextmanager
+def ray_cluster() -> Iterator[Any]:
+    """Ray, connected: to this process's cluster if any, else a local one for the run."""
+    try:
+        import ray
+
+        from enginecore.stage import ray as _stage_ray  # noqa: F401
+    except ImportError as exc:
+        raise Skipped(f"needs the ray extra (pip install -e '.[ray]'): {exc}") from None
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(
+        num_cpus=max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def both_stages() -> Iterator[tuple[Any, Any]]:
+    """``(Ray stage client, headless stage client)``."""
+    from enginecore.stage import StageClient
+    from enginecore.stage.ray import RayPlacement, launch_on_ray
+
+    from .bench_stage_curve import served
+
+    with (
+        served(engine=COUNTDOWN) as address,
+        StageClient.connect(address) as headless,
+        launch_on_ray(
+            COUNTDOWN, placement=RayPlacement(num_cpus=0.5), insecure=True, step_timeout=None
+        ) as on_ray,
+    ):
+        yield on_ray, headless
+        with contextlib.suppress(Exception):
+            headless.shutdown()
+
+
+def sample_utility(client: Any, n: int) -> list[float]:
+    call = client.call_utility
+    clock = time.perf_counter_ns
+    out: list[float] = []
+    for _ in range(n):
+        t0 = clock()
+        call("div", 1, 2)
+        out.append((clock() - t0) / 1e3)
+    return out
+
+
+def round_trip_records(on_ray: Any, headless: Any, samples: int, blocks: int) -> list[Record]:
+    sides = {"loop": on_ray, "raw": headless}  # latency_records' names: judged, baseline
+    per_block: dict[str, list[list[float]]] = {n: [] for n in sides}
+    for client in sides.values():
+        sample_utility(client, 100)  # warm-up
+    names = list(sides)
+    for i in range(blocks):
+        for name in names if i % 2 == 0 else names[::-1]:
+            with gc_on():
+                per_block[name].append(sample_utility(sides[name], samples))
+    pooled = {n: [x for block in per_block[n] for x in block] for n in names}
+    p50, p99 = latency_records(
+        "utility round trip, stage on Ray vs local headless", pooled, per_block, ROUND_TRIP_GOAL
+    )
+    return [dataclasses.replace(p50, note=f"{p50.note}; GC on"), as_report(p99)]
+
+
+def throughput_record(on_ray: Any, headless: Any, rounds: int) -> Record:
+    ids = iter(range(1 << 30))
+
+    def burst(client: Any) -> float:
+        items = [(f"t{next(ids)}", STEPS) for _ in range(BURST)]
+        with gc_on():
+            t0 = time.perf_counter()
+            n = sum(len(s.collect()) for s in client.add_many(items))
+            elapsed = time.perf_counter() - t0
+        assert n == BURST * STEPS
+        return n / elapsed
+
+    out = interleave({"ray": lambda: burst(on_ray), "headless": lambda: burst(headless)}, rounds)
+    return higher_is_better(
+        "output throughput, stage on Ray vs local headless",
+        out["ray"],
+        out["headless"],
+        "outputs/s",
+        THROUGHPUT_GOAL,
+        note=f"{rounds} rounds of {BURST} requests x {STEPS} steps; GC on",
+    )
+
+
+def death_record(ray: Any, rounds: int) -> Record:
+    from enginecore.stage import EngineDeadError
+    from enginecore.stage.ray import RayPlacement, RayStage, launch_on_ray
+
+    seen: list[float] = []
+    for _ in range(rounds):
+        client = launch_on_ray(SCRIPTED, placement=RayPlacement(num_cpus=0.25), insecure=True)
+        try:
+            waiting = client.call_utility_future("deferred_never")
+            t0 = time.perf_counter()
+            stage = client._launched
+            assert isinstance(stage, RayStage)
+            ray.kill(stage.actor)
+            try:
+                waiting.result(10)
+            except EngineDeadError:
+                seen.append(time.perf_counter() - t0)
+            else:  # pragma: no cover - a wrong answer, not a number
+                raise RuntimeError("the call on a killed actor answered")
+        finally:
+            client.close()
+    return lower_is_better(
+        "killed Ray actor to EngineDeadError (baseline: the 1 s goal)",
+        seen,
+        [DEATH_GOAL_S] * rounds,
+        "s",
+        1.0,
+        note=f"{rounds} kills, each of a fresh stage with a call waiting",
+    )
+
+
+def launch_record(stages: int) -> Record:
+    from enginecore.stage.ray import RayPlacement, launch_on_ray
+
+    placement = RayPlacement(num_cpus=0.1)
+
+    def launch() -> Any:
+        return launch_on_ray(COUNTDOWN, placement=placement, insecure=True)
+
+    t0 = time.perf_counter()
+    with launch():
+        one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(stages) as ex:
+        clients = list(ex.map(lambda _: launch(), range(stages)))
+    many = time.perf_counter() - t0
+    for c in clients:
+        c.close()
+    return lower_is_better(
+        f"launching {stages} stages on Ray (baseline: one launch + 2 s)",
+        [many],
+        [one + LAUNCH_SLACK_S],
+        "s",
+        1.0,
+        note=f"one launch took {one:.2f} s; {stages} in parallel {many:.2f} s",
+    )
+
+
+def run(quick: bool) -> list[Record]:
+    samples, blocks, rounds, kills, stages = (150, 2, 2, 1, 2) if quick else (1000, 10, 10, 5, 8)
+    with ray_cluster() as ray:
+        with both_stages() as (on_ray, headless):
+            records = round_trip_records(on_ray, headless, samples, blocks)
+            records.append(throughput_record(on_ray, headless, rounds))
+        records.append(death_record(ray, kills))
+        records.append(launch_record(stages))
+    return records
+
+
+if __name__ == "__main__":
+    main_single(run, __doc__)
