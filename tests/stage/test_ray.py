@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -220,3 +224,32 @@ def test_async_pool_on_ray() -> None:
 
     asyncio.run(main())
     assert no_actor_left()
+
+
+def test_a_silent_stage_is_dead_after_the_heartbeat_timeout() -> None:
+    # A stopped actor process: Ray still believes it alive, only the heartbeat can tell.
+    client = launch_on_ray(
+        COUNTDOWN, placement=SMALL, heartbeat_interval=0.2, heartbeat_timeout=1.0
+    )
+    pid = client.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="no heartbeat"):
+            client.call_utility("div", 1, 2, timeout=10)
+        assert 0.8 < time.monotonic() - start < 2.0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        client.close()  # shutdown ignored by a stage it cannot reach: ray.kill
+    assert no_actor_left()
+
+
+def test_importing_the_module_does_not_import_ray() -> None:
+    code = (
+        "import sys\n"
+        "import enginecore.stage, enginecore.stage.ray\n"
+        "from enginecore.stage.ray import RayPlacement\n"
+        "RayPlacement(num_cpus=2)\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
