@@ -114,7 +114,7 @@ def test_killed_actor_is_engine_dead_within_a_second() -> None:
             ex.submit(read)
             start = time.monotonic()
             ray.kill(actor_of(client))
-            with pytest.raises(EngineDeadError):
+            with pytest.raises(EngineDeadError, match="its Ray actor died"):
                 pending.result(5)
             seen = time.monotonic() - start
             assert isinstance(stream_error.result(5), EngineDeadError)

@@ -717,7 +717,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         assert launched is not None
         self._loop.remove_reader(launched.process.sentinel)
         self._exited.set()
-        d = self._session.process_exited(launched.reap(), time.monotonic())
+        # A Ray stage says why its actor ended (enginecore.stage.ray.RayStage.death).
+        death = getattr(launched, "death", None)
+        d = self._session.process_exited(launched.reap(), time.monotonic(), death)
         if d is not None:
             self._apply(d)
         self._run_timers()  # the grace period for the frames still in flight

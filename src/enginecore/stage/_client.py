@@ -877,7 +877,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         exit_code = self._launched.reap()
         with self._lock:
             self._exit_seen = True
-            d = self._session.process_exited(exit_code, time.monotonic())
+            # A Ray stage says why its actor ended (enginecore.stage.ray.RayStage.death).
+            death = getattr(self._launched, "death", None)
+            d = self._session.process_exited(exit_code, time.monotonic(), death)
         if d is not None:
             self._apply(d)
 

@@ -524,6 +524,7 @@ class ClientSession(Generic[S, W]):
         self._next_ping = now
         self._ping_seq = itertools.count()
         self._exit_code: int | None = None
+        self._exit_reason: str | None = None  # why it ended, beyond its exit code
         self._exited = False  # the launched process has exited (its sentinel fired)
         self._grace_until: float | None = None  # set when the process exited first
         self._linger_until: float | None = None  # set when the last event came first
@@ -906,7 +907,9 @@ class ClientSession(Generic[S, W]):
                 now,
             )
         elif self._exited:
-            err = self.end_error(exit_code=self._exit_code, remote_shutdown=True)
+            err = self.end_error(
+                exit_code=self._exit_code, remote_shutdown=True, reason=self._exit_reason
+            )
             self._fail_into(d, err, now)
         else:
             self._linger_until = now + EXIT_AFTER_LAST_EVENT_S
@@ -921,7 +924,8 @@ class ClientSession(Generic[S, W]):
             return None, None, None
         if self._grace_until is not None:  # the process exited; its last frames are late
             if now >= self._grace_until:
-                return None, None, self.fail(self.end_error(exit_code=self._exit_code), now)
+                err = self.end_error(exit_code=self._exit_code, reason=self._exit_reason)
+                return None, None, self.fail(err, now)
             return None, self._grace_until, None
         if self._linger_until is not None:  # the last event came; the process lingers
             if now >= self._linger_until:
@@ -993,16 +997,22 @@ class ClientSession(Generic[S, W]):
             return f"stage process {self.pid}"
         return f"the stage at {self.address}"
 
-    def process_exited(self, exit_code: int | None, now: float) -> Deliveries[S, W] | None:
-        """The launched process has exited with *exit_code*. If its last event has come,
-        the stage is gone now; else :meth:`tick` gives its frames ``EXIT_GRACE_S`` more."""
+    def process_exited(
+        self, exit_code: int | None, now: float, reason: str | None = None
+    ) -> Deliveries[S, W] | None:
+        """The launched process has exited with *exit_code* (*reason*: why, where more is
+        known, e.g. a Ray actor's death; it then words the error). If its last event has
+        come, the stage is gone now; else :meth:`tick` gives its frames ``EXIT_GRACE_S``
+        more."""
         if self._failure is not None:
             return None
         self._exited = True
         self._exit_code = exit_code
+        self._exit_reason = reason
         self._linger_until = None
         if self._state is StageState.STOPPED:
-            return self.fail(self.end_error(exit_code=exit_code, remote_shutdown=True), now)
+            err = self.end_error(exit_code=exit_code, remote_shutdown=True, reason=reason)
+            return self.fail(err, now)
         self._grace_until = now + EXIT_GRACE_S
         return None
 

@@ -225,6 +225,12 @@ class _ActorProcess:
             os.close(self._w)
 
 
+def _first_line(exc: BaseException) -> str:
+    """``Type: the first line of its message`` (Ray's are long)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
 class RayStage:
     """A stage placed on Ray, as a client owns it: the actor, its addresses and keys. It
     stands where a launched stage's process handle stands (``_launch.Launched``): the
@@ -261,7 +267,7 @@ class RayStage:
         try:
             code = ray.get(self._watch_ref)
         except Exception as exc:  # RayActorError and kin: the actor died
-            self._ended(None, f"its Ray actor died: {type(exc).__name__}")
+            self._ended(None, f"its Ray actor died ({_first_line(exc)})")
         else:
             self._ended(code, None)
 
