@@ -56,6 +56,21 @@ class TestPoolExample:
         assert "closed     every replica stopped" in out
 
 
+class TestRayPoolExample:
+    @pytest.mark.slow
+    def test_ray_pool_example_survives_a_kill_and_leaves_no_actor(self) -> None:
+        pytest.importorskip("ray", reason="the ray extra is not installed")
+        proc = _run(ROOT / "examples" / "ray_pool.py")
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+        assert "burst      20 requests -> {'r0': 10, 'r1': 10}" in out
+        killed = r"kill       r0: 10 failed with ReplicaDeadError \(seen in 0\.\d+ s\)"
+        assert re.search(killed, out)
+        assert "restart    r0 is serving, restarts 1" in out
+        assert "after       [2, 1, 0]" in out
+        assert "closed     CPUs free again: 2.0" in out
+
+
 class TestReadme:
     def test_readme_stage_example_runs(self, tmp_path: Path) -> None:
         blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
