@@ -30,7 +30,7 @@ from .conftest import wait_until
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
-from enginecore.stage.ray import RayPlacement, RayStage, launch_on_ray  # noqa: E402
+from enginecore.stage.ray import RayPlacement, RayPlan, RayStage, launch_on_ray  # noqa: E402
 
 COUNTDOWN = "enginecore.stage.testing:countdown"
 SCRIPTED = "enginecore.stage.testing:scripted"
@@ -253,3 +253,23 @@ def test_importing_the_module_does_not_import_ray() -> None:
         "assert 'ray' not in sys.modules, 'ray was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_unreachable_stage_fails_within_the_connect_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The actor's address as a client on another network would see it unroutable:
+    # TEST-NET-2 (RFC 5737), where nothing answers.
+    real_start = RayPlan.start
+
+    def start(plan: RayPlan) -> RayStage:
+        stage = real_start(plan)
+        stage.input_address = "tcp://198.51.100.1:5570"
+        return stage
+
+    monkeypatch.setattr(RayPlan, "start", start)
+    begin = time.monotonic()
+    with pytest.raises(StageStartupError, match="handshake"):
+        launch_on_ray(COUNTDOWN, placement=SMALL, connect_timeout=1.5)
+    assert time.monotonic() - begin < 10
+    assert no_actor_left()
