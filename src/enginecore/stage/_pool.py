@@ -292,9 +292,10 @@ class StagePool(PoolBase[PoolRequestStream]):
         **options: Any,
     ) -> Replica:
         """Add a replica while the pool serves: launch ``factory(**kwargs)`` (options as
-        :meth:`launch`'s), or connect to *address* (options as :meth:`connect`'s). Blocks
-        until it is up; it takes requests from the next routing decision on. Raises what
-        the start raises; the pool is unchanged then."""
+        :meth:`launch`'s; with ``ray=RayPlacement(...)``, place it on Ray, options as
+        :meth:`launch_on_ray`'s), or connect to *address* (options as :meth:`connect`'s).
+        Blocks until it is up; it takes requests from the next routing decision on. Raises
+        what the start raises; the pool is unchanged then."""
         if (factory is None) == (address is None):
             raise TypeError("add_replica() takes a factory or an address=, not both")
         spec: dict[str, Any] = (

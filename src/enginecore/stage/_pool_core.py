@@ -163,7 +163,8 @@ class Replica:
         self.name: Final = name
         """The replica's name in its pool: ``"r0"``, ``"r1"``, ..."""
         self.spec: Final = spec
-        """How the pool starts it: ``{"factory": ..., "kwargs": ...}`` or ``{"address": ...}``."""
+        """How the pool starts it: ``{"factory": ..., "kwargs": ...}`` (launched; with
+        ``"ray": RayPlacement(...)``, placed on Ray) or ``{"address": ...}``."""
         self._state = ReplicaState.STARTING
         self._client: Any = None  # the member client, once started
         self._session: ClientSession[Any, Any] | None = None  # its session (routing reads it)
