@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _session
 from ._aclient import AsyncRequestStream, AsyncStageClient
-from ._clientbase import check_heartbeat, raise_startup_error
+from ._clientbase import raise_startup_error
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
@@ -31,7 +31,14 @@ from ._pool_core import (
     Routing,
     ScoreFn,
 )
-from ._poolbase import PoolBase, PoolStreamCore, member_plan
+from ._poolbase import (
+    PoolBase,
+    PoolStreamCore,
+    connect_specs,
+    launch_specs,
+    member_plan,
+    replica_spec,
+)
 from ._session import Deliveries
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
@@ -100,6 +107,19 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
+    async def _opened(cls, specs: list[dict[str, Any]], **settings: Any) -> AsyncStagePool:
+        """A pool with *settings* (the constructor's arguments) over replicas started
+        from *specs*, all at once; if one does not start, the pool is closed and its
+        error raised."""
+        pool = cls(**settings)
+        try:
+            await pool._add_replicas(specs)
+        except BaseException:
+            await pool.close()
+            raise
+        return pool
+
+    @classmethod
     async def launch(
         cls,
         factory: str,
@@ -121,14 +141,6 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         ping_interval: float = _session.LAUNCHED_PING_S,
     ) -> AsyncStagePool:
         """:meth:`StagePool.launch <enginecore.stage.StagePool.launch>`, awaited."""
-        if replicas < 1:
-            raise ValueError("replicas must be >= 1")
-        pool = cls(
-            routing=routing,
-            restart=restart,
-            on_replica_death=on_replica_death,
-            max_migrations=max_migrations,
-        )
         options = {
             "startup_timeout": startup_timeout,
             "name": name,
@@ -139,12 +151,13 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "load_interval": load_interval,
             "ping_interval": ping_interval,
         }
-        try:
-            await pool._add_replicas([{"factory": factory, "kwargs": kwargs, **options}] * replicas)
-        except BaseException:
-            await pool.close()
-            raise
-        return pool
+        return await cls._opened(
+            launch_specs(factory, kwargs, replicas, options),
+            routing=routing,
+            restart=restart,
+            on_replica_death=on_replica_death,
+            max_migrations=max_migrations,
+        )
 
     @classmethod
     async def launch_on_ray(
@@ -186,19 +199,13 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "log_level": log_level,
             "load_interval": load_interval,
         }
-        specs = ray_specs(factory, kwargs, replicas, placement, options)
-        pool = cls(
+        return await cls._opened(
+            ray_specs(factory, kwargs, replicas, placement, options),
             routing=routing,
             restart=restart,
             on_replica_death=on_replica_death,
             max_migrations=max_migrations,
         )
-        try:
-            await pool._add_replicas(specs)
-        except BaseException:
-            await pool.close()
-            raise
-        return pool
 
     @classmethod
     async def connect(
@@ -214,24 +221,16 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         curve: CurveKeys | None = None,
     ) -> AsyncStagePool:
         """:meth:`StagePool.connect <enginecore.stage.StagePool.connect>`, awaited."""
-        if isinstance(addresses, str):
-            raise TypeError("connect() takes a sequence of addresses")
-        check_heartbeat(heartbeat_interval, heartbeat_timeout)
-        pool = cls(
-            routing=routing, on_replica_death=on_replica_death, max_migrations=max_migrations
-        )
         options = {
             "timeout": timeout,
             "heartbeat_interval": heartbeat_interval,
             "heartbeat_timeout": heartbeat_timeout,
             "curve": curve,
         }
-        try:
-            await pool._add_replicas([{"address": a, **options} for a in addresses])
-        except BaseException:
-            await pool.close()
-            raise
-        return pool
+        specs = connect_specs(addresses, options)
+        return await cls._opened(
+            specs, routing=routing, on_replica_death=on_replica_death, max_migrations=max_migrations
+        )
 
     async def add_replica(
         self,
@@ -244,13 +243,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     ) -> Replica:
         """:meth:`StagePool.add_replica <enginecore.stage.StagePool.add_replica>`,
         awaited."""
-        if (factory is None) == (address is None):
-            raise TypeError("add_replica() takes a factory or an address=, not both")
-        spec: dict[str, Any] = (
-            {"factory": factory, "kwargs": kwargs, **options}
-            if factory is not None
-            else {"address": address, **options}
-        )
+        spec = replica_spec(factory, kwargs, address, options)
         return (await self._add_replicas([spec]))[0]
 
     async def _add_replicas(self, specs: list[dict[str, Any]]) -> list[Replica]:

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from . import _session
 from ._client import Receiver, RequestStream, StageClient
-from ._clientbase import check_heartbeat
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
@@ -38,7 +37,14 @@ from ._pool_core import (
     Routing,
     ScoreFn,
 )
-from ._poolbase import PoolBase, PoolStreamCore, member_plan
+from ._poolbase import (
+    PoolBase,
+    PoolStreamCore,
+    connect_specs,
+    launch_specs,
+    member_plan,
+    replica_spec,
+)
 from ._session import Deliveries
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
@@ -128,6 +134,19 @@ class StagePool(PoolBase[PoolRequestStream]):
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
+    def _opened(cls, specs: list[dict[str, Any]], **settings: Any) -> StagePool:
+        """A pool with *settings* (the constructor's arguments) over replicas started
+        from *specs*, all at once; if one does not start, the pool is closed and its
+        error raised."""
+        pool = cls(**settings)
+        try:
+            pool._add_replicas(specs)
+        except BaseException:
+            pool.close()
+            raise
+        return pool
+
+    @classmethod
     def launch(
         cls,
         factory: str,
@@ -155,14 +174,6 @@ class StagePool(PoolBase[PoolRequestStream]):
         replica is pinged; one silent for 1.75 intervals (a stopped process) leaves the
         routing. If a replica does not start, the others are stopped and its
         :class:`~enginecore.stage.StageStartupError` is raised."""
-        if replicas < 1:
-            raise ValueError("replicas must be >= 1")
-        pool = cls(
-            routing=routing,
-            restart=restart,
-            on_replica_death=on_replica_death,
-            max_migrations=max_migrations,
-        )
         options = {
             "startup_timeout": startup_timeout,
             "name": name,
@@ -173,12 +184,13 @@ class StagePool(PoolBase[PoolRequestStream]):
             "load_interval": load_interval,
             "ping_interval": ping_interval,
         }
-        try:
-            pool._add_replicas([{"factory": factory, "kwargs": kwargs, **options}] * replicas)
-        except BaseException:
-            pool.close()
-            raise
-        return pool
+        return cls._opened(
+            launch_specs(factory, kwargs, replicas, options),
+            routing=routing,
+            restart=restart,
+            on_replica_death=on_replica_death,
+            max_migrations=max_migrations,
+        )
 
     @classmethod
     def launch_on_ray(
@@ -229,19 +241,13 @@ class StagePool(PoolBase[PoolRequestStream]):
             "log_level": log_level,
             "load_interval": load_interval,
         }
-        specs = ray_specs(factory, kwargs, replicas, placement, options)
-        pool = cls(
+        return cls._opened(
+            ray_specs(factory, kwargs, replicas, placement, options),
             routing=routing,
             restart=restart,
             on_replica_death=on_replica_death,
             max_migrations=max_migrations,
         )
-        try:
-            pool._add_replicas(specs)
-        except BaseException:
-            pool.close()
-            raise
-        return pool
 
     @classmethod
     def connect(
@@ -263,24 +269,16 @@ class StagePool(PoolBase[PoolRequestStream]):
         same keys for every address, or per replica with ``add_replica(address=...,
         curve=...)``). A connected replica that dies stays out (the pool cannot start it
         again)."""
-        if isinstance(addresses, str):
-            raise TypeError("connect() takes a sequence of addresses")
-        check_heartbeat(heartbeat_interval, heartbeat_timeout)
-        pool = cls(
-            routing=routing, on_replica_death=on_replica_death, max_migrations=max_migrations
-        )
         options = {
             "timeout": timeout,
             "heartbeat_interval": heartbeat_interval,
             "heartbeat_timeout": heartbeat_timeout,
             "curve": curve,
         }
-        try:
-            pool._add_replicas([{"address": a, **options} for a in addresses])
-        except BaseException:
-            pool.close()
-            raise
-        return pool
+        specs = connect_specs(addresses, options)
+        return cls._opened(
+            specs, routing=routing, on_replica_death=on_replica_death, max_migrations=max_migrations
+        )
 
     def add_replica(
         self,
@@ -296,13 +294,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         :meth:`launch_on_ray`'s), or connect to *address* (options as :meth:`connect`'s).
         Blocks until it is up; it takes requests from the next routing decision on. Raises
         what the start raises; the pool is unchanged then."""
-        if (factory is None) == (address is None):
-            raise TypeError("add_replica() takes a factory or an address=, not both")
-        spec: dict[str, Any] = (
-            {"factory": factory, "kwargs": kwargs, **options}
-            if factory is not None
-            else {"address": address, **options}
-        )
+        spec = replica_spec(factory, kwargs, address, options)
         return self._add_replicas([spec])[0]
 
     def _add_replicas(self, specs: list[dict[str, Any]]) -> list[Replica]:

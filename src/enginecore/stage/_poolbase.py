@@ -26,7 +26,14 @@ from ._pool_core import (
 )
 from ._session import ClientSession, Deliveries, End, StageHealth, StreamCore
 
-__all__ = ["PoolBase", "PoolStreamCore", "member_plan"]
+__all__ = [
+    "PoolBase",
+    "PoolStreamCore",
+    "connect_specs",
+    "launch_specs",
+    "member_plan",
+    "replica_spec",
+]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -55,6 +62,37 @@ class PoolStreamCore(StreamCore):
 
 
 S = TypeVar("S", bound=PoolStreamCore)
+
+
+def launch_specs(
+    factory: str, kwargs: dict[str, Any] | None, replicas: int, options: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The specs of *replicas* launched replicas (``launch()``); :class:`ValueError` for
+    fewer than one."""
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    return [{"factory": factory, "kwargs": kwargs, **options}] * replicas
+
+
+def connect_specs(addresses: Sequence[str], options: dict[str, Any]) -> list[dict[str, Any]]:
+    """The specs of connected replicas (``connect()``), checked before anything opens:
+    :class:`TypeError` for a bare ``str``, :class:`ValueError` for bad heartbeats."""
+    if isinstance(addresses, str):
+        raise TypeError("connect() takes a sequence of addresses")
+    check_heartbeat(options["heartbeat_interval"], options["heartbeat_timeout"])
+    return [{"address": a, **options} for a in addresses]
+
+
+def replica_spec(
+    factory: str | None, kwargs: dict[str, Any] | None, address: str | None, options: dict[str, Any]
+) -> dict[str, Any]:
+    """The spec of one replica (``add_replica()``): launched from *factory* or connected
+    to *address*, one of the two."""
+    if (factory is None) == (address is None):
+        raise TypeError("add_replica() takes a factory or an address=, not both")
+    if factory is not None:
+        return {"factory": factory, "kwargs": kwargs, **options}
+    return {"address": address, **options}
 
 
 def member_plan(replica: Replica) -> tuple[Any, ...]:
