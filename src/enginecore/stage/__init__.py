@@ -21,10 +21,14 @@ from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._apool import AsyncPoolRequestStream, AsyncStagePool
 from ._client import RequestStream, StageClient
 from ._curve import CurveKeys
+from ._edge import NOTHING
 from ._errors import (
     AuthenticationError,
     EngineDeadError,
     NoReplicaError,
+    PipelineFullError,
+    PipelineRequestError,
+    PipelineStageDeadError,
     ProtocolError,
     ReplicaDeadError,
     RequestError,
@@ -33,6 +37,7 @@ from ._errors import (
     UtilityError,
 )
 from ._observer import StageObserver
+from ._pipeline import Pipeline, PipelineStage, PipelineStream
 from ._pool import PoolRequestStream, StagePool
 from ._pool_core import (
     LeastLoaded,
@@ -61,6 +66,7 @@ from ._wire import (
 )
 
 __all__ = [
+    "NOTHING",
     "PROTOCOL_VERSION",
     "Aborted",
     "AsyncPoolRequestStream",
@@ -75,6 +81,12 @@ __all__ = [
     "LeastLoaded",
     "NoReplicaError",
     "Outputs",
+    "Pipeline",
+    "PipelineFullError",
+    "PipelineRequestError",
+    "PipelineStage",
+    "PipelineStageDeadError",
+    "PipelineStream",
     "PoolRequest",
     "PoolRequestStream",
     "ProtocolError",

@@ -21,6 +21,8 @@ control                   made by, and what the loop does with it
                           the loop's events belong to from now on
 :class:`AddBurst`         a client's ``adds`` frame: one message for the whole burst,
                           applied item by item as if each were its own ``Add``
+:class:`PipeInput`        a pipeline's previous stage's ``pipe`` frame: input for requests
+                          (a first one, more, the end), item by item
 ========================  =================================================================
 """
 
@@ -34,7 +36,15 @@ from .._messages import Control
 if TYPE_CHECKING:
     from .._loop import EngineCoreLoop
 
-__all__ = ["AddBurst", "DrainDeadline", "DropEnded", "SessionChange", "StageTarget", "Stop"]
+__all__ = [
+    "AddBurst",
+    "DrainDeadline",
+    "DropEnded",
+    "PipeInput",
+    "SessionChange",
+    "StageTarget",
+    "Stop",
+]
 
 
 class StageTarget(Protocol):
@@ -52,6 +62,8 @@ class StageTarget(Protocol):
 
     @property
     def add_burst(self) -> Callable[[list[str], list[Any]], None]: ...
+
+    def pipe_input(self, kinds: list[int], req_ids: list[str], data: list[Any]) -> None: ...
 
 
 class Stop(Control):
@@ -150,3 +162,26 @@ class AddBurst(Control):
 
     def __repr__(self) -> str:
         return f"AddBurst({len(self.req_ids)} requests)"
+
+
+class PipeInput(Control):
+    """A ``pipe`` frame from the previous stage of a pipeline (``docs/wire.md`` section 8):
+    ``kinds[i]`` of input ``data[i]`` for request ``req_ids[i]``, applied in order
+    (``StageEngine.pipe_input``). The lengths are equal (the session checks)."""
+
+    __slots__ = ("data", "kinds", "req_ids")
+
+    def __init__(self, kinds: list[int], req_ids: list[str], data: list[Any]) -> None:
+        self.kinds = kinds
+        self.req_ids = req_ids
+        self.data = data
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        try:
+            engine.pipe_input(self.kinds, self.req_ids, self.data)
+        finally:
+            # A request's first input is its add, for the loop's statistics.
+            loop._stats.adds += sum(kind & 1 for kind in self.kinds)
+
+    def __repr__(self) -> str:
+        return f"PipeInput({len(self.req_ids)} items)"

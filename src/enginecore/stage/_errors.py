@@ -14,6 +14,9 @@ __all__ = [
     "AuthenticationError",
     "EngineDeadError",
     "NoReplicaError",
+    "PipelineFullError",
+    "PipelineRequestError",
+    "PipelineStageDeadError",
     "ProtocolError",
     "ReplicaDeadError",
     "RequestError",
@@ -171,3 +174,41 @@ class AuthenticationError(ProtocolError):
     when the connect timeout passes. A :class:`ProtocolError`, so code that catches that
     catches this too.
     """
+
+
+class PipelineRequestError(RequestError):
+    """Raised by a pipeline request's stream when one of the pipeline's stages reported an
+    error for it (as :class:`RequestError` says for one stage, or its edge function failed).
+    :attr:`stage` names that stage. The request is aborted in every other stage; the
+    pipeline keeps serving."""
+
+    def __init__(self, req_id: str, stage: str, message: str) -> None:
+        super().__init__(req_id, f"stage {stage!r}: {message}")
+        self.stage = stage
+        """The name of the stage that reported the error."""
+
+
+class PipelineStageDeadError(EngineDeadError):
+    """Raised by every live request of a pipeline, and by every later ``add``, when one of
+    its stages is gone (its process exited or was killed, or its engine loop failed).
+    :attr:`stage` names the stage; the message is that stage's own
+    :class:`EngineDeadError`'s, which is also the ``__cause__``. A pipeline with a dead stage
+    serves no more requests: shut it down."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str,
+        exit_code: int | None = None,
+        fatal: str | None = None,
+    ) -> None:
+        super().__init__(f"stage {stage!r}: {message}", exit_code=exit_code, fatal=fatal)
+        self.stage = stage
+        """The name of the stage that died."""
+
+
+class PipelineFullError(EngineCoreError, RuntimeError):
+    """Raised by a pipeline's ``add()`` / ``add_many()`` when its admission budget
+    (``max_in_flight`` requests) has no room: at once with ``wait=False``, or once
+    ``timeout`` has passed. Nothing was sent."""

@@ -183,6 +183,10 @@ class StageEngine:
                 self.counts,
                 self.reporter,
             )
+        pipe_input = getattr(engine, "pipe_input", None)
+        self._pipe_input: Callable[[int, str, Any], None] | None = (
+            pipe_input if callable(pipe_input) else None
+        )
         self._abort = engine.abort
         self._emit = outbox.emit
         self._outbox = outbox
@@ -221,6 +225,41 @@ class StageEngine:
         """:class:`~._controls.DropEnded`: drop requests the stage ended with an error."""
         self._drop(req_ids)
         self._outbox.ended_dropped(list(req_ids))
+
+    def pipe_input(self, kinds: list[int], req_ids: list[str], data: list[Any]) -> None:
+        """:class:`~._controls.PipeInput`: input from a pipeline's previous stage, item by
+        item. An item that starts a request (*kinds* bit 0) is refused as an ``add`` would
+        be (draining, live in the stage, :class:`~enginecore.RequestRejected`) and makes the
+        request live; any other item is for a live request, and is dropped if the request
+        is not live (it ended here, with an error or an abort, while the previous stage
+        still sent). A :class:`~enginecore.RequestRejected` ends that request with an
+        ``error`` event. Any other exception is fatal, as from ``add``."""
+        pipe_input = self._pipe_input
+        emit = self._emit
+        if pipe_input is None:
+            why = "pipe refused: this stage is not a pipeline's stage"
+            for kind, rid in zip(kinds, req_ids, strict=True):
+                if kind & 1:
+                    emit(("error", rid, why))
+            return
+        live, drain = self.live, self.drain
+        for kind, rid, item in zip(kinds, req_ids, data, strict=True):
+            if kind & 1:
+                if rid in live or drain.active:
+                    emit(("error", rid, DRAINING if drain.active else LIVE_IN_STAGE))
+                    continue
+                try:
+                    pipe_input(kind, rid, item)
+                except RequestRejected as exc:
+                    emit(("error", rid, str(exc)))
+                    continue
+                live.add(rid)
+            elif rid in live:
+                try:
+                    pipe_input(kind, rid, item)
+                except RequestRejected as exc:
+                    self._drop((rid,))
+                    emit(("error", rid, str(exc)))
 
     def change_session(self, epoch: int | None) -> None:
         """:class:`~._controls.SessionChange`: the previous client is gone."""

@@ -51,7 +51,7 @@ import msgspec
 
 from .._messages import Abort, Message, make_add, make_utility
 from . import _codec, _wire
-from ._controls import AddBurst, SessionChange, Stop
+from ._controls import AddBurst, PipeInput, SessionChange, Stop
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_MS",
@@ -75,6 +75,7 @@ the heartbeat needs to drop one whose peer vanished."""
 
 # Exact types of received data that need no check (decoded ints are always in range).
 _RECEIVED_FLAT: Final = frozenset({type(None), bool, int, float, str, bytes})
+_PIPE_KINDS: Final = frozenset({0, 1, 2, 3})  # of a pipe message's items (_pipe_stage)
 
 Event = tuple[Any, ...]
 
@@ -332,6 +333,8 @@ class StageSession:
             self._adds(msg)
         elif cls is _wire.AbortMsg:
             self.to_loop.append(Abort(msg.req_ids))
+        elif cls is _wire.PipeMsg:
+            self._pipe(msg)
         elif cls is _wire.UtilityMsg:
             args = msg.args
             if args and not set(map(type, args)) <= _RECEIVED_FLAT:
@@ -386,6 +389,39 @@ class StageSession:
         if ok_ids:
             self.to_loop.append(AddBurst(ok_ids, ok_data))
         self.events += errors
+
+    def _pipe(self, msg: _wire.PipeMsg) -> None:
+        """Input from a pipeline's previous stage: one :class:`PipeInput` of the items that
+        are valid, and an ``error`` for the request of each one that is not."""
+        kinds, req_ids, data = msg.kinds, msg.req_ids, msg.data
+        if not len(kinds) == len(req_ids) == len(data):
+            what = (
+                f"invalid message: pipe has {len(kinds)} kinds, {len(req_ids)} request ids "
+                f"and {len(data)} data items"
+            )
+            self.events += [("error", rid, what) for rid in req_ids] or [("error", None, what)]
+            return
+        if set(kinds) <= _PIPE_KINDS and set(map(type, data)) <= _RECEIVED_FLAT:
+            if req_ids:
+                self.to_loop.append(PipeInput(kinds, req_ids, data))
+            return
+        ok_kinds: list[int] = []
+        ok_ids: list[str] = []
+        ok_data: list[Any] = []
+        for kind, rid, item in zip(kinds, req_ids, data, strict=True):
+            problem = None
+            if kind not in _PIPE_KINDS:
+                problem = f"pipe kind must be 0, 1, 2 or 3, got {kind}"
+            elif type(item) not in _RECEIVED_FLAT:
+                problem = _invalid(item, "data")
+            if problem is not None:
+                self.events.append(("error", rid, f"invalid message: {problem}"))
+                continue
+            ok_kinds.append(kind)
+            ok_ids.append(rid)
+            ok_data.append(item)
+        if ok_ids:
+            self.to_loop.append(PipeInput(ok_kinds, ok_ids, ok_data))
 
     def _report_bad_frame(self, ident: bytes, body: Any, exc: Exception) -> None:
         # Recover the tag and an id from the head of the body, so that the error reaches

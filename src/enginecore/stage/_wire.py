@@ -89,8 +89,25 @@ class StatsMsg(msgspec.Struct, array_like=True, frozen=True, tag="stats"):
     call_id: int
 
 
+class PipeMsg(msgspec.Struct, array_like=True, frozen=True, tag="pipe"):
+    # A pipeline's previous stage -> this stage (docs/wire.md section 8): input for requests,
+    # one item per (kind, req_id, data); kind 0 more, 1 first, 2 end (data nil), 3 first+end.
+    kinds: list[int]
+    req_ids: list[str]
+    data: list[Any]
+
+
 ClientMsg: TypeAlias = (
-    HelloMsg | AddMsg | AddsMsg | AbortMsg | UtilityMsg | ShutdownMsg | PingMsg | ByeMsg | StatsMsg
+    HelloMsg
+    | AddMsg
+    | AddsMsg
+    | AbortMsg
+    | UtilityMsg
+    | ShutdownMsg
+    | PingMsg
+    | ByeMsg
+    | StatsMsg
+    | PipeMsg
 )
 
 # -- stage -> client, handshake replies (input socket) --------------------------------------

@@ -1,0 +1,354 @@
+"""One stage of a pipeline, inside its stage process: :class:`PipeStage`.
+
+A pipeline (:mod:`._pipeline`) launches every stage with :func:`pipe_stage` as its factory.
+It builds the user's engine and wraps it, so the stage runtime drives the wrapper as it
+drives any engine; nothing else in the runtime knows about pipelines but one message,
+``pipe`` (``docs/wire.md`` section 8), which the session turns into a
+:class:`~._controls.PipeInput` control. The wrapper adds:
+
+- **the edge**, in the producing stage's process: each routed output goes through the
+  stage's edge function, ``edge(payload) -> (to_next, to_caller)``; ``to_next`` is sent
+  straight to the next stage's input socket (a ``DEALER`` of this stage's own), one ``pipe``
+  message per step, arrays without a copy; ``to_caller`` goes to the coordinator in the
+  ``outputs`` event, as any output would. Either may be :data:`NOTHING`. Without an edge
+  function every output goes to the next stage. The last stage has no edge: its outputs go
+  to the caller.
+- **the end of a request here**: in a stage that has a next one, a request's last output is
+  reported to the coordinator as an extra output of that request, ``finished=True``, whose
+  payload is the number of payloads sent on for it (an ``int``). The coordinator knows the
+  request is done in the pipeline when it has ended in every stage it reached.
+- **input from the previous stage**: ``pipe_input(kind, req_id, item)``. An engine with
+  ``feed(req_id, data)`` gets its request's first input through ``add`` and every later one
+  through ``feed``, as they arrive, and ``close_input(req_id)`` (if it has one) when the
+  previous stage's request ended. An engine without ``feed`` gets one ``add(req_id, items)``
+  when the previous stage's request ends, *items* the list of every payload sent on, in
+  order.
+- **abort chases the data**: an abort applied here is sent on to the next stage after the
+  data this stage sent for those requests (one connection keeps order), so the next stage
+  never receives a payload of a request after its abort, and the coordinator needs to send
+  an abort to the first stage only.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import zmq
+
+from .._engine import Engine, PipelinedEngine
+from .._exceptions import RequestRejected
+from . import _codec
+from ._edge import END, FIRST, MORE, NOTHING, ONLY
+from ._process import build_engine, import_factory
+from ._routing import make_router
+from ._wire import is_ipv6_endpoint
+
+__all__ = [
+    "PipeStage",
+    "PipelinedPipeStage",
+    "pipe_stage",
+]
+
+# How long the link to the next stage may take to deliver its last messages at exit.
+_LINK_LINGER_MS: Final = 2000
+
+Edge = Callable[[Any], tuple[Any, Any]]
+
+_NO_COLUMNS: Final[tuple[list[Any], list[bool], list[Any]]] = ([], [], [])
+
+
+class PipeStage:
+    """The user's :class:`~enginecore.Engine` *inner* as one stage of a pipeline (module
+    docstring). *edge*: the edge function (``None``: every output to the next stage);
+    *downstream*: the next stage's input address (``None``: the last stage, whose outputs
+    all go to the caller). Loop thread only, like any engine."""
+
+    def __init__(
+        self,
+        inner: Engine | PipelinedEngine[Any],
+        *,
+        stage: str,
+        edge: Edge | None = None,
+        downstream: str | None = None,
+    ) -> None:
+        self._inner = inner
+        self._stage = stage
+        self.has_work = inner.has_work
+        self.utility = inner.utility
+        stats = getattr(inner, "stats", None)
+        if callable(stats):
+            self.stats = stats
+        self._route = make_router(inner)
+        self._edge = edge
+        feed = getattr(inner, "feed", None)
+        close_input = getattr(inner, "close_input", None)
+        self._feed: Callable[[str, Any], None] | None = feed if callable(feed) else None
+        self._close_input: Callable[[str], None] | None = (
+            close_input if callable(close_input) else None
+        )
+        # The requests of this stage that may still send on: added, not yet ended or
+        # aborted. Only a stage with a next one keeps them.
+        self._live: set[str] = set()
+        self._sent: dict[str, int] = {}  # payloads sent on, per live request that sent any
+        self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
+        self._encoder = _codec.Encoder()
+        self._columns = _NO_COLUMNS
+        self._link: zmq.Socket[Any] | None = None
+        if downstream is not None:
+            ctx = zmq.Context(io_threads=1)
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, _LINK_LINGER_MS)
+            if is_ipv6_endpoint(downstream):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(downstream)
+            self._link = sock
+
+            def close() -> None:  # at exit: deliver what is still queued, within the linger
+                sock.close()
+                ctx.term()
+
+            atexit.register(close)
+
+    # -- the engine's methods, as the stage runtime calls them --------------------------------
+
+    def add(self, req_id: str, data: Any) -> None:
+        """A request from the coordinator (the first stage's input)."""
+        self._inner.add(req_id, data)
+        if self._link is not None:
+            self._live.add(req_id)
+
+    def pipe_input(self, kind: int, req_id: str, item: Any) -> None:
+        """Input from the previous stage. The stage runtime calls it for a request live in
+        the stage, except for a *kind* with :data:`FIRST`, which makes it live; a
+        :class:`~enginecore.RequestRejected` from the engine ends only this request."""
+        inner = self._inner
+        if self._feed is not None:
+            if kind & FIRST:
+                inner.add(req_id, item)
+                if self._link is not None:
+                    self._live.add(req_id)
+            elif kind == MORE:
+                self._feed(req_id, item)
+            if kind & END and self._close_input is not None:
+                self._close_input(req_id)
+            return
+        if kind == FIRST:
+            self._gathered[req_id] = [item]
+        elif kind == MORE:
+            self._gathered[req_id].append(item)
+        else:
+            items = [item] if kind == ONLY else self._gathered.pop(req_id)
+            inner.add(req_id, items)
+            if self._link is not None:
+                self._live.add(req_id)
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        self._inner.abort(req_ids)
+        gathered = self._gathered
+        if gathered:
+            for rid in req_ids:
+                gathered.pop(rid, None)
+        link = self._link
+        if link is not None:
+            live, sent = self._live, self._sent
+            for rid in req_ids:
+                live.discard(rid)
+                sent.pop(rid, None)
+            # After every pipe message this stage sent for them: the next stage applies the
+            # abort after their data, and sends it on in turn.
+            link.send(self._encoder.encode(("abort", list(req_ids)))[0])
+
+    def step(self) -> list[Any]:
+        return self._routed(self._inner.step())  # type: ignore[union-attr]
+
+    def _routed(self, outputs: Any) -> list[Any]:
+        """Route a step's *outputs* with the engine's own routing, then the edge; keep the
+        columns for :meth:`route_outputs` and return one item per column entry (the number
+        of outputs the stage runtime sees is not the engine's: the edge adds and removes)."""
+        rids: list[Any] = []
+        fins: list[Any] = []
+        payloads: list[Any] = []
+        self._route(outputs, rids, fins, payloads)
+        if self._link is not None and rids:
+            rids, fins, payloads = self._split(rids, fins, payloads)
+        self._columns = (rids, fins, payloads)
+        return rids
+
+    def route_outputs(self, outputs: list[Any]) -> tuple[list[Any], list[bool], list[Any]]:
+        """The stage runtime's routing hook, called right after :meth:`step` (or
+        ``collect``) with what it returned: the columns it made."""
+        columns = self._columns
+        self._columns = _NO_COLUMNS
+        return columns
+
+    # -- the edge -------------------------------------------------------------------------------
+
+    def _split(
+        self, rids: list[Any], fins: list[bool], payloads: list[Any]
+    ) -> tuple[list[Any], list[bool], list[Any]]:
+        out_r: list[Any] = []
+        out_f: list[bool] = []
+        out_p: list[Any] = []
+        kinds: list[int] = []
+        on_r: list[str] = []
+        on_p: list[Any] = []
+        live, sent, edge = self._live, self._sent, self._edge
+        flat = _codec.FLAT_TYPES
+        failed: set[str] | None = None
+        for rid, fin, payload in zip(rids, fins, payloads, strict=True):
+            if rid not in live or isinstance(payload, RequestRejected):
+                # Unrouted, not this stage's (or stale), or ended with an error by the
+                # engine: the stage handles it as it would without a pipeline.
+                if failed is not None and rid in failed:
+                    continue
+                if fin and rid in live:
+                    live.discard(rid)
+                    sent.pop(rid, None)
+                out_r.append(rid)
+                out_f.append(fin)
+                out_p.append(payload)
+                continue
+            if failed is not None and rid in failed:
+                continue
+            if edge is None:
+                to_next, to_caller = payload, NOTHING
+            else:
+                try:
+                    pair = edge(payload)
+                    if type(pair) is not tuple or len(pair) != 2:
+                        raise TypeError(
+                            f"an edge function must return (to_next, to_caller), got {pair!r:.100}"
+                        )
+                    to_next, to_caller = pair
+                    if to_next is not NOTHING and type(to_next) not in flat:
+                        to_next = _codec.prepare(to_next, "the input for the next stage")
+                except Exception as exc:
+                    failed = self._fail(rid, exc, out_r, out_f, out_p, failed)
+                    continue
+            if to_next is not NOTHING:
+                n = sent.get(rid, 0)
+                kinds.append(MORE if n else FIRST)
+                on_r.append(rid)
+                on_p.append(to_next)
+                sent[rid] = n + 1
+            if to_caller is not NOTHING:
+                out_r.append(rid)
+                out_f.append(False)
+                out_p.append(to_caller)
+            if fin:
+                live.discard(rid)
+                n = sent.pop(rid, 0)
+                if n:
+                    if n == 1 and on_r and on_r[-1] == rid and kinds[-1] == FIRST:
+                        kinds[-1] = ONLY
+                    else:
+                        kinds.append(END)
+                        on_r.append(rid)
+                        on_p.append(None)
+                out_r.append(rid)
+                out_f.append(True)
+                out_p.append(n)
+        if kinds:
+            self._send_on(kinds, on_r, on_p, out_r, out_f, out_p)
+        return out_r, out_f, out_p
+
+    def _fail(
+        self,
+        rid: str,
+        exc: Exception,
+        out_r: list[Any],
+        out_f: list[bool],
+        out_p: list[Any],
+        failed: set[str] | None,
+    ) -> set[str]:
+        """End *rid* with an error: its edge raised (or made what cannot cross the wire).
+        The stage ends it in the engine (``DropEnded``) and the abort chases what it sent."""
+        if failed is None:
+            failed = set()
+        failed.add(rid)
+        why = exc if isinstance(exc, RequestRejected) else repr(exc)
+        out_r.append(rid)
+        out_f.append(False)
+        out_p.append(RequestRejected(f"the edge of stage {self._stage!r} failed: {why}"))
+        return failed
+
+    def _send_on(
+        self,
+        kinds: list[int],
+        on_r: list[str],
+        on_p: list[Any],
+        out_r: list[Any],
+        out_f: list[bool],
+        out_p: list[Any],
+    ) -> None:
+        link = self._link
+        assert link is not None
+        try:
+            parts = self._encoder.encode(("pipe", kinds, on_r, on_p))
+        except _codec.ENCODE_ERRORS:
+            # One item msgspec refuses (an int out of range): send the others one by one,
+            # and end the request of each refused one with an error.
+            for kind, rid, item in zip(kinds, on_r, on_p, strict=True):
+                try:
+                    parts = self._encoder.encode(("pipe", [kind], [rid], [item]))
+                except _codec.ENCODE_ERRORS as exc:
+                    out_r.append(rid)
+                    out_f.append(False)
+                    out_p.append(
+                        RequestRejected(
+                            f"the input for the stage after {self._stage!r} cannot be "
+                            f"encoded: {exc}"
+                        )
+                    )
+                    continue
+                _codec.send_parts(link, parts, 0)
+            return
+        _codec.send_parts(link, parts, 0)
+
+
+class PipelinedPipeStage(PipeStage):
+    """:class:`PipeStage` around a :class:`~enginecore.PipelinedEngine`: ``launch`` and
+    ``collect`` are the engine's (``collect``'s outputs go through :meth:`route_outputs`,
+    as a step's do)."""
+
+    def __init__(
+        self,
+        inner: PipelinedEngine[Any],
+        *,
+        stage: str,
+        edge: Edge | None = None,
+        downstream: str | None = None,
+    ) -> None:
+        super().__init__(inner, stage=stage, edge=edge, downstream=downstream)
+        self.launch = inner.launch
+        collect = inner.collect
+        routed = self._routed
+
+        def collect_routed(handle: Any) -> list[Any]:
+            return routed(collect(handle))
+
+        self.collect = collect_routed
+        self.pipeline_depth = getattr(inner, "pipeline_depth", 2)
+        cancel = getattr(inner, "cancel", None)
+        if callable(cancel):
+            self.cancel = cancel
+
+
+def pipe_stage(
+    factory: str,
+    stage: str,
+    kwargs: dict[str, Any] | None = None,
+    edge: str | None = None,
+    downstream: str | None = None,
+) -> PipeStage:
+    """The factory a pipeline launches each stage with: builds *factory*'s engine
+    (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
+    function's import string (``"pkg.module:fn"``), resolved here, in the stage process."""
+    inner = build_engine(factory, dict(kwargs or {}))
+    edge_fn = None if edge is None else import_factory(edge)
+    if isinstance(inner, PipelinedEngine):
+        return PipelinedPipeStage(inner, stage=stage, edge=edge_fn, downstream=downstream)
+    return PipeStage(inner, stage=stage, edge=edge_fn, downstream=downstream)

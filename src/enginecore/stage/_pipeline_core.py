@@ -1,0 +1,289 @@
+"""A pipeline's coordinator, without IO: :class:`PipelineCore`.
+
+The coordinator is the parent's half of a pipeline (``docs/pipelines.md``). Data goes from
+stage to stage without it (:mod:`._pipe_stage`); it carries only control: admission, the
+caller's abort, each request's end, and errors. It is the client of every stage, and hears
+from each on that stage's output socket, in that stage's order; there is no order
+*between* two stages. :class:`PipelineCore` decides, from those events, what each
+request's caller-facing stream receives and when the request is over. It owns no socket
+and no thread, is told the time, and is called under the pipeline's lock (the streams'
+lock), by whichever thread read the events.
+
+What a stage tells the coordinator about request ``r`` (``docs/wire.md`` section 8):
+
+- an output of ``r`` with ``finished=False``: a payload for the caller (its edge sent it
+  there), from any stage;
+- in a stage with a next one, an output of ``r`` with ``finished=True``: ``r`` ended in
+  that stage, and its payload is the number of payloads the stage sent on for it (``0``:
+  ``r`` ends there, the next stage never hears of it). In the last stage,
+  ``finished=True`` is the caller's last payload, as in a single stage;
+- an ``error`` for ``r``: that stage ended ``r`` with an error;
+- ``aborted`` for ``r``: that stage applied an abort of ``r`` (every stage applies a
+  coordinator's abort once, since it chases the data through the stages).
+
+**A request is done** when, walking from the first stage, every stage it reached has
+ended it: stage 0 ended it, and for each stage ``k`` that ended it having sent on ``n > 0``
+payloads, stage ``k + 1`` ended it too. Then its stream ends (finished) and its id and its
+place in the admission budget are free.
+
+**Exactly one end.** A stream gets its payloads, then one end, then nothing:
+
+- finished, when the request is done;
+- aborted, once every stage has applied the caller's abort (no stage can then produce
+  anything more for it); if the request is done before that, finished;
+- an error, at once, when a stage reports one (:class:`~._errors.PipelineRequestError`,
+  naming the stage): the coordinator aborts the request in every stage, and keeps it (its
+  id and its budget) until every stage has applied that abort;
+- an error naming the stage, when a stage dies (:class:`~._errors.PipelineStageDeadError`):
+  every live request ends with it, and the pipeline takes no more requests;
+- :class:`~._errors.StageClosedError` when the pipeline is closed under it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from ._errors import EngineDeadError, PipelineRequestError, PipelineStageDeadError
+from ._session import ABORTED, FINISHED, End, StreamCore
+
+__all__ = ["PipelineCore", "PipelineDeliveries", "RequestState"]
+
+S = TypeVar("S", bound=StreamCore)
+
+
+class RequestState(enum.Enum):
+    """Where a request is, as the coordinator sees it."""
+
+    LIVE = "live"
+    """In the pipeline; its stream is open."""
+    ABORTING = "aborting"
+    """The caller aborted it; the stream is open until every stage has applied the abort
+    (or the request is done first)."""
+    CLOSING = "closing"
+    """Its stream has ended; it waits for every stage to apply the abort the coordinator
+    sent, before its id and budget are free."""
+
+
+class _Request(Generic[S]):
+    __slots__ = ("confirms", "ended", "req_id", "sent", "state", "stream")
+
+    def __init__(self, req_id: str, stream: S, stages: int) -> None:
+        self.req_id = req_id
+        self.stream = stream
+        self.state = RequestState.LIVE
+        self.ended = [False] * stages  # stage k ended it
+        self.sent = [0] * stages  # and sent on that many payloads
+        self.confirms = 0  # stages that applied the coordinator's abort
+
+
+@dataclass(slots=True, eq=False)
+class PipelineDeliveries(Generic[S]):
+    """What the IO layer must do after a core call, outside the lock."""
+
+    wake: list[S] = field(default_factory=list)
+    """Streams whose consumer waits and whose buffer has grown: wake each once."""
+    aborts: list[str] = field(default_factory=list)
+    """Request ids to abort in the first stage (the abort chases the data from there)."""
+    freed: int = 0
+    """Places freed in the admission budget: wake whoever waits for room."""
+
+
+class PipelineCore(Generic[S]):
+    """The coordinator's decisions (module docstring). *stages* are the stages' names, in
+    order; *max_in_flight* the admission budget in requests (``None``: none). A request
+    holds its place from :meth:`open` until it is over in every stage."""
+
+    def __init__(self, stages: Sequence[str], max_in_flight: int | None = None) -> None:
+        if not stages:
+            raise ValueError("a pipeline needs at least one stage")
+        if max_in_flight is not None and (
+            isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
+        ):
+            raise TypeError(f"max_in_flight must be an int or None, got {max_in_flight!r}")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.stages = tuple(stages)
+        self.max_in_flight = max_in_flight
+        self._n = len(stages)
+        self._requests: dict[str, _Request[S]] = {}
+        self.failure: BaseException | None = None
+        """Why the pipeline takes no more requests: a stage died, or it was closed."""
+
+    # -- admission ---------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Requests holding a place in the budget (live, aborting or closing)."""
+        return len(self._requests)
+
+    def room(self) -> int | None:
+        """Places left in the budget (``None``: no budget)."""
+        if self.max_in_flight is None:
+            return None
+        return self.max_in_flight - len(self._requests)
+
+    def state(self, req_id: str) -> RequestState | None:
+        """Where *req_id* is; ``None`` if it is not in the pipeline."""
+        req = self._requests.get(req_id)
+        return None if req is None else req.state
+
+    def check(self, req_ids: Sequence[str]) -> None:
+        """Raise what an add of *req_ids* raises before anything is sent: the pipeline's
+        :attr:`failure`, or :class:`ValueError` for an id in the pipeline or repeated."""
+        if self.failure is not None:
+            raise self.failure
+        requests = self._requests
+        seen: set[str] = set()
+        for rid in req_ids:
+            if rid in requests:
+                raise ValueError(f"request {rid!r} is still in the pipeline")
+            if rid in seen:
+                raise ValueError(f"request {rid!r} appears twice")
+            seen.add(rid)
+
+    def open(self, req_id: str, stream: S) -> None:
+        """Admit *req_id* (checked with :meth:`check`; the room is the caller's to check)."""
+        self._requests[req_id] = _Request(req_id, stream, self._n)
+
+    def forget(self, req_ids: Iterable[str], d: PipelineDeliveries[S]) -> None:
+        """Undo :meth:`open`: the add could not be sent."""
+        for rid in req_ids:
+            if self._requests.pop(rid, None) is not None:
+                d.freed += 1
+
+    # -- what the caller does ----------------------------------------------------------------
+
+    def abort(self, req_ids: Iterable[str], d: PipelineDeliveries[S]) -> None:
+        """The caller's abort: each live request goes to ``ABORTING`` and is aborted in the
+        first stage; other ids are ignored."""
+        requests = self._requests
+        for rid in req_ids:
+            req = requests.get(rid)
+            if req is not None and req.state is RequestState.LIVE:
+                req.state = RequestState.ABORTING
+                d.aborts.append(rid)
+
+    # -- what a stage says --------------------------------------------------------------------
+
+    def outputs(
+        self,
+        k: int,
+        req_ids: Sequence[str | None],
+        finished: Sequence[bool],
+        payloads: Sequence[Any],
+        now: float,
+        d: PipelineDeliveries[S],
+    ) -> None:
+        """An ``outputs`` event of stage *k*: payloads for the caller and ends in that stage
+        (module docstring). Ids not in the pipeline are dropped (unrouted outputs, and those
+        of a request whose stream has ended)."""
+        requests = self._requests
+        last = k == self._n - 1
+        closing = RequestState.CLOSING
+        wake = d.wake
+        for rid, fin, payload in zip(req_ids, finished, payloads, strict=True):
+            req = requests.get(rid) if rid is not None else None
+            if req is None:
+                continue
+            if (last or not fin) and req.state is not closing:
+                stream = req.stream
+                stream._buf.append(payload)
+                stream._arrivals.append(now)
+                if stream._waiting:
+                    stream._waiting = False
+                    wake.append(stream)
+            if fin:
+                req.ended[k] = True
+                if not last:
+                    req.sent[k] = payload if type(payload) is int and payload > 0 else 0
+                if self._done(req):
+                    self._finish(req, now, d)
+
+    def error(
+        self, k: int, req_id: str, message: str, now: float, d: PipelineDeliveries[S]
+    ) -> None:
+        """Stage *k* ended *req_id* with an error: the stream ends with it now, and the
+        request is aborted in every stage (unless the caller's abort already is)."""
+        req = self._requests.get(req_id)
+        if req is None or req.state is RequestState.CLOSING:
+            return
+        self._end(req, End(PipelineRequestError(req_id, self.stages[k], message)), now, d)
+        if req.state is RequestState.LIVE:
+            d.aborts.append(req_id)
+        req.state = RequestState.CLOSING
+
+    def aborted(self, k: int, req_ids: Iterable[str], now: float, d: PipelineDeliveries[S]) -> None:
+        """Stage *k* applied an abort of *req_ids*. Once every stage has applied the
+        coordinator's abort of a request, nothing more can come of it: an aborting one's
+        stream ends (aborted), and its place is free. (An abort the coordinator did not send,
+        of a live request, is ignored.)"""
+        requests = self._requests
+        n = self._n
+        for rid in req_ids:
+            req = requests.get(rid)
+            if req is None or req.state is RequestState.LIVE:
+                continue
+            req.confirms += 1
+            if req.confirms >= n:
+                if req.state is RequestState.ABORTING:
+                    self._end(req, ABORTED, now, d)
+                del requests[rid]
+                d.freed += 1
+
+    def stage_dead(
+        self, k: int, exc: EngineDeadError, now: float, d: PipelineDeliveries[S]
+    ) -> None:
+        """Stage *k* is gone: every request still in the pipeline ends with a
+        :class:`~._errors.PipelineStageDeadError` naming it (a closing one's stream has
+        ended already), its place is free, and the pipeline takes no more requests."""
+        error = PipelineStageDeadError(
+            str(exc), stage=self.stages[k], exit_code=exc.exit_code, fatal=exc.fatal
+        )
+        error.__cause__ = exc
+        if self.failure is None:
+            self.failure = error
+        self._end_all(error, now, d)
+
+    def close(self, exc: BaseException, now: float, d: PipelineDeliveries[S]) -> None:
+        """The pipeline is closed: every stream still open ends with *exc*."""
+        if self.failure is None:
+            self.failure = exc
+        self._end_all(exc, now, d)
+
+    # -- inside ---------------------------------------------------------------------------------
+
+    def _done(self, req: _Request[S]) -> bool:
+        ended, sent = req.ended, req.sent
+        last = self._n - 1
+        for k in range(self._n):
+            if not ended[k]:
+                return False
+            if k == last or sent[k] == 0:
+                return True
+        return True  # pragma: no cover - the loop always returns
+
+    def _finish(self, req: _Request[S], now: float, d: PipelineDeliveries[S]) -> None:
+        state = req.state
+        if state is RequestState.CLOSING:
+            return  # the stream has ended; the abort's confirmations free it
+        self._end(req, FINISHED, now, d)
+        if state is RequestState.LIVE:
+            del self._requests[req.req_id]
+            d.freed += 1
+        else:  # aborting: the abort is on its way through the stages; wait for it
+            req.state = RequestState.CLOSING
+
+    def _end(self, req: _Request[S], end: End, now: float, d: PipelineDeliveries[S]) -> None:
+        if req.stream._end_with(end, now):
+            d.wake.append(req.stream)
+
+    def _end_all(self, exc: BaseException, now: float, d: PipelineDeliveries[S]) -> None:
+        end = End(exc)
+        for req in self._requests.values():
+            if req.state is not RequestState.CLOSING:
+                self._end(req, end, now, d)
+        d.freed += len(self._requests)
+        self._requests.clear()
