@@ -48,7 +48,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Final, Literal, overload
 
@@ -256,6 +256,10 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self._over = threading.Event()  # Deliveries.over came: last event, or failure
         self._event_lock = threading.Lock()
         self._event_wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
+        # Called, if set, on the thread that read a frame, after the frame's deliveries:
+        # a pipeline takes the ordered event stream as it grows, with no thread of its own
+        # (_pipeline). It must not block.
+        self._event_sink: Callable[[], None] | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)  # a full pipe is readable already: drop the byte
         self._stopping = False  # close() wants the receiver thread to return
@@ -834,6 +838,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             logger.warning("enginecore: %s", message)
         if d.over:
             self._over.set()
+        sink = self._event_sink
+        if sink is not None:
+            sink()
 
     def _rx_main(self) -> None:
         try:

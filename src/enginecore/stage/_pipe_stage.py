@@ -13,16 +13,21 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   ``outputs`` event, as any output would. Either may be :data:`NOTHING`. Without an edge
   function every output goes to the next stage. The last stage has no edge: its outputs go
   to the caller.
-- **the end of a request here**: in a stage that has a next one, a request's last output is
-  reported to the coordinator as an extra output of that request, ``finished=True``, whose
-  payload is the number of payloads sent on for it (an ``int``). The coordinator knows the
-  request is done in the pipeline when it has ended in every stage it reached.
+- **the end of a request here**: every stage reports a request's end to the coordinator
+  as an extra output of that request, ``finished=True``, whose payload is the number of
+  payloads it sent on for it (an ``int``; always ``0`` in the last stage); the request's
+  payloads for the caller are outputs with ``finished=False``, the last stage's too. The
+  coordinator knows the request is done in the pipeline when it has ended in every stage it
+  reached. An engine may end a request with the payload :data:`NOTHING`: the end, and no
+  payload for anyone.
 - **input from the previous stage**: ``pipe_input(kind, req_id, item)``. An engine with
   ``feed(req_id, data)`` gets its request's first input through ``add`` and every later one
-  through ``feed``, as they arrive, and ``close_input(req_id)`` (if it has one) when the
-  previous stage's request ended. An engine without ``feed`` gets one ``add(req_id, items)``
-  when the previous stage's request ends, *items* the list of every payload sent on, in
-  order.
+  through ``feed``, as they arrive, and ``close_input(req_id)`` (if it has one) once its
+  input is complete: when the previous stage's request ended, or right after ``add`` in
+  the first stage, whose input is the caller's one item. An engine without ``feed`` gets
+  one ``add(req_id, items)`` when the previous stage's request ends, *items* the list of
+  every payload sent on, in order (the first stage: ``add(req_id, data)``, the caller's
+  data as it is).
 - **abort chases the data**: an abort applied here is sent on to the next stage after the
   data this stage sent for those requests (one connection keeps order), so the next stage
   never receives a payload of a request after its abort, and the coordinator needs to send
@@ -115,10 +120,12 @@ class PipeStage:
     # -- the engine's methods, as the stage runtime calls them --------------------------------
 
     def add(self, req_id: str, data: Any) -> None:
-        """A request from the coordinator (the first stage's input)."""
+        """A request from the coordinator: the first stage's whole input (an engine with
+        ``close_input`` is told so at once)."""
         self._inner.add(req_id, data)
-        if self._link is not None:
-            self._live.add(req_id)
+        self._live.add(req_id)
+        if self._close_input is not None and self._feed is not None:
+            self._close_input(req_id)
 
     def pipe_input(self, kind: int, req_id: str, item: Any) -> None:
         """Input from the previous stage. The stage runtime calls it for a request live in
@@ -128,8 +135,7 @@ class PipeStage:
         if self._feed is not None:
             if kind & FIRST:
                 inner.add(req_id, item)
-                if self._link is not None:
-                    self._live.add(req_id)
+                self._live.add(req_id)
             elif kind == MORE:
                 self._feed(req_id, item)
             if kind & END and self._close_input is not None:
@@ -142,21 +148,17 @@ class PipeStage:
         else:
             items = [item] if kind == ONLY else self._gathered.pop(req_id)
             inner.add(req_id, items)
-            if self._link is not None:
-                self._live.add(req_id)
+            self._live.add(req_id)
 
     def abort(self, req_ids: Sequence[str]) -> None:
         self._inner.abort(req_ids)
-        gathered = self._gathered
-        if gathered:
-            for rid in req_ids:
-                gathered.pop(rid, None)
+        gathered, live, sent = self._gathered, self._live, self._sent
+        for rid in req_ids:
+            live.discard(rid)
+            sent.pop(rid, None)
+            gathered.pop(rid, None)
         link = self._link
         if link is not None:
-            live, sent = self._live, self._sent
-            for rid in req_ids:
-                live.discard(rid)
-                sent.pop(rid, None)
             # After every pipe message this stage sent for them: the next stage applies the
             # abort after their data, and sends it on in turn.
             link.send(self._encoder.encode(("abort", list(req_ids)))[0])
@@ -172,7 +174,7 @@ class PipeStage:
         fins: list[Any] = []
         payloads: list[Any] = []
         self._route(outputs, rids, fins, payloads)
-        if self._link is not None and rids:
+        if rids:
             rids, fins, payloads = self._split(rids, fins, payloads)
         self._columns = (rids, fins, payloads)
         return rids
@@ -195,7 +197,7 @@ class PipeStage:
         kinds: list[int] = []
         on_r: list[str] = []
         on_p: list[Any] = []
-        live, sent, edge = self._live, self._sent, self._edge
+        live, sent, edge, last = self._live, self._sent, self._edge, self._link is None
         flat = _codec.FLAT_TYPES
         failed: set[str] | None = None
         for rid, fin, payload in zip(rids, fins, payloads, strict=True):
@@ -213,7 +215,11 @@ class PipeStage:
                 continue
             if failed is not None and rid in failed:
                 continue
-            if edge is None:
+            if payload is NOTHING:  # the engine ends the request with no payload
+                to_next = to_caller = NOTHING
+            elif last:
+                to_next, to_caller = NOTHING, payload
+            elif edge is None:
                 to_next, to_caller = payload, NOTHING
             else:
                 try:

@@ -8,14 +8,16 @@ stage on, and each stage tells the coordinator what it sends the caller and when
 ended in it. ``docs/pipelines.md`` is the guide.
 
 The coordinator is the client of every stage (a :class:`~._client.StageClient` each, with
-the ordered event stream on and no per-request streams); one thread per stage reads that
-stage's events and hands them to the core under the pipeline's lock, which is also the
-lock of every :class:`PipelineStream`.
+the ordered event stream on and no per-request streams). Each stage's events go to the core
+on the thread that read them, the client's receiver (``StageClient._event_sink``), under
+the pipeline's lock, which is also the lock of every :class:`PipelineStream`: the pipeline
+has no thread of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -28,7 +30,7 @@ from . import _clientbase
 from ._client import RequestStream, StageClient
 from ._errors import EngineDeadError, PipelineFullError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
-from ._session import StageHealth
+from ._session import End, StageHealth
 from ._statistics import StageStatistics
 from ._wire import Aborted, ErrorReport, Outputs
 
@@ -146,14 +148,12 @@ class Pipeline:
         self._names = tuple(names)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._readers = [
-            threading.Thread(
-                target=self._read, args=(k,), name=f"enginecore-pipeline-{name}", daemon=True
-            )
-            for k, name in enumerate(self._names)
-        ]
-        for thread in self._readers:
-            thread.start()
+        # Each stage's events are taken on the thread that read them (its client's
+        # receiver, or a call_utility reading meanwhile), as the client appends them to its
+        # ordered event stream: no thread of the pipeline's own, no hand-over between two.
+        for k, client in enumerate(self._clients):
+            client._event_sink = functools.partial(self._take_events, k)
+            self._take_events(k)  # anything that came before the sink was set
 
     @classmethod
     def launch(
@@ -356,10 +356,6 @@ class Pipeline:
                     StageClosedError("the pipeline was shut down"), time.monotonic(), d
                 )
             self._deliver(d)
-            current = threading.current_thread()
-            for thread in self._readers:
-                if thread is not current:
-                    thread.join(timeout)
 
     close = shutdown
 
@@ -377,63 +373,46 @@ class Pipeline:
     def __repr__(self) -> str:
         return f"<Pipeline {' -> '.join(self._names)}>"
 
-    # -- the readers -------------------------------------------------------------------------
+    # -- what the stages say ------------------------------------------------------------------
 
-    def _read(self, k: int) -> None:
-        """Stage *k*'s reader thread: its events, to the core, until its stream ends."""
+    def _take_events(self, k: int) -> None:
+        """Stage *k*'s client appended to its ordered event stream: hand every event to the
+        core, in order. Taken under the pipeline's lock, so two threads that read frames of
+        one stage (its receiver and a ``call_utility``) cannot reorder them."""
         client = self._clients[k]
+        buf = client._session.events
+        if not buf:
+            return
         core = self._core
-        lock = self._lock
-        while True:
-            try:
-                events = client.get_events()
-            except StopIteration:
-                return  # shut down by us
-            except StageClosedError:
-                return
-            except EngineDeadError as exc:
-                d: PipelineDeliveries[PipelineStream] = PipelineDeliveries()
-                with lock:
-                    if not self._closed:
-                        core.stage_dead(k, exc, time.monotonic(), d)
-                self._deliver(d)
-                if not self._closed:
-                    logger.error(
-                        "enginecore: pipeline stage %r is gone (%s); the pipeline takes no more "
-                        "requests",
-                        self._names[k],
-                        exc,
-                    )
-                return
-            except BaseException:  # a bug here must not leave every request hanging
-                logger.exception("enginecore: pipeline reader of stage %r failed", self._names[k])
-                d = PipelineDeliveries()
-                with lock:
-                    core.close(
-                        EngineDeadError(
-                            f"the pipeline's reader of stage {self._names[k]!r} failed"
-                        ),
-                        time.monotonic(),
-                        d,
-                    )
-                self._deliver(d)
-                return
+        d: PipelineDeliveries[PipelineStream] = PipelineDeliveries()
+        dead: BaseException | None = None
+        with self._lock:
             now = time.monotonic()
-            d = PipelineDeliveries()
-            with lock:
-                for ev in events:
-                    if isinstance(ev, Outputs):
-                        core.outputs(k, ev.req_ids, ev.finished, ev.payloads, now, d)
-                    elif isinstance(ev, Aborted):
-                        core.aborted(k, ev.req_ids, now, d)
-                    elif isinstance(ev, ErrorReport):
-                        if ev.req_id is not None:
-                            core.error(k, ev.req_id, ev.message, now, d)
-                        else:
-                            logger.warning(
-                                "enginecore: pipeline stage %r: %s", self._names[k], ev.message
-                            )
-            self._deliver(d)
+            while buf:
+                ev = buf.popleft()
+                if isinstance(ev, Outputs):
+                    core.outputs(k, ev.req_ids, ev.finished, ev.payloads, now, d)
+                elif isinstance(ev, Aborted):
+                    core.aborted(k, ev.req_ids, now, d)
+                elif isinstance(ev, ErrorReport):
+                    if ev.req_id is not None:
+                        core.error(k, ev.req_id, ev.message, now, d)
+                    else:
+                        logger.warning(
+                            "enginecore: pipeline stage %r: %s", self._names[k], ev.message
+                        )
+                elif isinstance(ev, End) and ev.exc is not None and not self._closed:
+                    # The stage's event stream ended with its failure: it is gone.
+                    dead = ev.exc
+                    exc = dead if isinstance(dead, EngineDeadError) else EngineDeadError(str(dead))
+                    core.stage_dead(k, exc, now, d)
+        self._deliver(d)
+        if dead is not None:
+            logger.error(
+                "enginecore: pipeline stage %r is gone (%s); the pipeline takes no more requests",
+                self._names[k],
+                dead,
+            )
 
     def _deliver(self, d: PipelineDeliveries[PipelineStream]) -> None:
         for stream in d.wake:

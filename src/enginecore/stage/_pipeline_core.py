@@ -12,11 +12,10 @@ lock), by whichever thread read the events.
 What a stage tells the coordinator about request ``r`` (``docs/wire.md`` section 8):
 
 - an output of ``r`` with ``finished=False``: a payload for the caller (its edge sent it
-  there), from any stage;
-- in a stage with a next one, an output of ``r`` with ``finished=True``: ``r`` ended in
-  that stage, and its payload is the number of payloads the stage sent on for it (``0``:
-  ``r`` ends there, the next stage never hears of it). In the last stage,
-  ``finished=True`` is the caller's last payload, as in a single stage;
+  there, or it is the last stage's output), from any stage;
+- an output of ``r`` with ``finished=True``: ``r`` ended in that stage, and its payload is
+  the number of payloads the stage sent on for it (``0``: ``r`` ends there, the next
+  stage never hears of it; always ``0`` in the last stage);
 - an ``error`` for ``r``: that stage ended ``r`` with an error;
 - ``aborted`` for ``r``: that stage applied an abort of ``r`` (every stage applies a
   coordinator's abort once, since it chases the data through the stages).
@@ -181,26 +180,24 @@ class PipelineCore(Generic[S]):
         (module docstring). Ids not in the pipeline are dropped (unrouted outputs, and those
         of a request whose stream has ended)."""
         requests = self._requests
-        last = k == self._n - 1
         closing = RequestState.CLOSING
         wake = d.wake
         for rid, fin, payload in zip(req_ids, finished, payloads, strict=True):
             req = requests.get(rid) if rid is not None else None
             if req is None:
                 continue
-            if (last or not fin) and req.state is not closing:
+            if fin:
+                req.ended[k] = True
+                req.sent[k] = payload if type(payload) is int and payload > 0 else 0
+                if self._done(req):
+                    self._finish(req, now, d)
+            elif req.state is not closing:
                 stream = req.stream
                 stream._buf.append(payload)
                 stream._arrivals.append(now)
                 if stream._waiting:
                     stream._waiting = False
                     wake.append(stream)
-            if fin:
-                req.ended[k] = True
-                if not last:
-                    req.sent[k] = payload if type(payload) is int and payload > 0 else 0
-                if self._done(req):
-                    self._finish(req, now, d)
 
     def error(
         self, k: int, req_id: str, message: str, now: float, d: PipelineDeliveries[S]

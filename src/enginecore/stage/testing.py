@@ -14,6 +14,8 @@ Factories (``"enginecore.stage.testing:NAME"``):
   accelerator; the replica pool's benchmarks and tests).
 - ``echo`` -> an :class:`EchoEngine`: each request's one output is its own data (arrays
   and buffers included), and utility ``"echo"`` returns its arguments.
+- ``relay(step_s=0.0)`` -> a :class:`RelayEngine`: a streaming pipeline stage
+  (``docs/pipelines.md``) whose every input becomes one output, payload unchanged.
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
 - ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
 - ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
@@ -37,11 +39,13 @@ from typing import Any, Final
 
 from .._engine import CountdownEngine
 from .._exceptions import RequestRejected
+from ._edge import NOTHING
 
 __all__ = [
     "DeviceEngine",
     "EchoEngine",
     "PipelinedCountdownEngine",
+    "RelayEngine",
     "ScriptedEngine",
     "TokenEchoEngine",
     "countdown",
@@ -50,6 +54,7 @@ __all__ = [
     "exiting_factory",
     "failing_factory",
     "pipelined",
+    "relay",
     "scripted",
     "sleeping_factory",
 ]
@@ -586,6 +591,106 @@ class DeviceEngine(CountdownEngine):
             time.sleep(args[0])
             return None
         return super().utility(name, args)
+
+
+class RelayEngine:
+    """A streaming pipeline stage for tests, examples and benchmarks (``docs/pipelines.md``):
+    every input of a request becomes one output of it, its payload unchanged, in the next
+    step; the request ends once its input is complete (``close_input``) and every input has
+    gone out (with the last one, or with the payload :data:`~enginecore.stage.NOTHING` if
+    the input closed after that). It has ``feed``, so in a pipeline each payload of the
+    previous stage is taken as it arrives. In the first stage, the caller's data is the one
+    input. Each step first sleeps *step_s* seconds (``time.sleep``: the GIL is released, as
+    for a device), whatever the batch.
+
+    The input ``"reject"`` raises :class:`~enginecore.RequestRejected` (from ``add`` or
+    ``feed``), as does an ``add`` of a live id. Utilities: ``pid``, ``echo`` (its
+    arguments), ``num_requests``, ``sleep(seconds)`` (blocks the loop that long). Outside
+    a pipeline nothing closes a request's input, so it never ends: use it in pipelines."""
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        if not 0 <= step_s < 60:
+            raise ValueError(f"step_s must be seconds in [0, 60), got {step_s!r}")
+        self.step_s = step_s
+        self._inputs: dict[str, list[Any]] = {}  # per live request: inputs not yet out
+        self._closed: set[str] = set()  # live requests whose input is complete
+        self._ready: dict[str, None] = {}  # requests with something for the next step
+
+    def has_work(self) -> bool:
+        return bool(self._ready)
+
+    def add(self, req_id: str, data: Any) -> None:
+        if req_id in self._inputs:
+            raise RequestRejected(f"request {req_id!r} is already live in the engine")
+        self._check(data)
+        self._inputs[req_id] = [data]
+        self._ready[req_id] = None
+
+    def feed(self, req_id: str, data: Any) -> None:
+        self._check(data)
+        self._inputs[req_id].append(data)
+        self._ready[req_id] = None
+
+    def close_input(self, req_id: str) -> None:
+        self._closed.add(req_id)
+        self._ready[req_id] = None
+
+    @staticmethod
+    def _check(data: Any) -> None:
+        if isinstance(data, str) and data == "reject":
+            raise RequestRejected("the input 'reject' is refused on purpose")
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            self._inputs.pop(rid, None)
+            self._closed.discard(rid)
+            self._ready.pop(rid, None)
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "pid":
+            return os.getpid()
+        if name == "echo":
+            return list(args)
+        if name == "num_requests":
+            return len(self._inputs)
+        if name == "sleep":
+            time.sleep(args[0])
+            return None
+        raise ValueError(
+            f"RelayEngine has no utility {name!r}; known: 'pid', 'echo', 'num_requests', 'sleep'"
+        )
+
+    def step(self) -> list[tuple[str, bool, Any]]:
+        if self.step_s:
+            time.sleep(self.step_s)
+        out: list[tuple[str, bool, Any]] = []
+        inputs, closed = self._inputs, self._closed
+        for rid in self._ready:
+            items = inputs[rid]
+            done = rid in closed
+            if items:
+                inputs[rid] = []
+                out += [(rid, False, item) for item in items]
+                if done:
+                    out[-1] = (rid, True, items[-1])
+            elif done:
+                out.append((rid, True, NOTHING))
+            if done:
+                del inputs[rid]
+                closed.discard(rid)
+        self._ready = {}
+        return out
+
+    @staticmethod
+    def route_outputs(
+        outputs: list[tuple[str, bool, Any]],
+    ) -> tuple[list[str], list[bool], list[Any]]:
+        return [o[0] for o in outputs], [o[1] for o in outputs], [o[2] for o in outputs]
+
+
+def relay(step_s: float = 0.0) -> RelayEngine:
+    """Factory: a :class:`RelayEngine`."""
+    return RelayEngine(step_s)
 
 
 def device(step_s: float = 0.005) -> DeviceEngine:
