@@ -14,6 +14,7 @@ _SERVER = (
     "enginecore.stage._outbox",
     "enginecore.stage._input_queue",
     "enginecore.stage._stage_engine",
+    "enginecore.stage._pipe_stage",  # a pipeline's stage side; the coordinator needs only _edge
     "enginecore.stage._routing",  # the client shares only _codec, _wire, _errors, _logs with it
 )
 

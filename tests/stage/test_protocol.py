@@ -61,6 +61,45 @@ def _still_serving(client: StageClient) -> None:
     assert client.call_utility("div", 6, 3, timeout=5) == 2
 
 
+class TestPipeFrames:
+    """The ``pipe`` message (docs/wire.md section 8) is for a pipeline's stages: any other
+    stage refuses it per request, and a bad one is scoped to the requests it names."""
+
+    def test_a_stage_that_is_not_a_pipeline_stage_refuses_first_items(
+        self, client: StageClient, raw: zmq.Socket[bytes]
+    ) -> None:
+        raw.send(encode(["pipe", [1, 0, 3], ["a", "a", "b"], [1, 2, 3]]))
+        reports = [_next_report(client), _next_report(client)]
+        assert [(r.req_id, r.message) for r in reports if isinstance(r, ErrorReport)] == [
+            ("a", "pipe refused: this stage is not a pipeline's stage"),
+            ("b", "pipe refused: this stage is not a pipeline's stage"),
+        ]
+        assert _raw_log(client, raw) == []
+        _still_serving(client)
+
+    @pytest.mark.parametrize(
+        ("frame", "ids", "match"),
+        [
+            (["pipe", [1, 1], ["a"], [1, 2]], ["a"], "2 kinds, 1 request ids and 2 data items"),
+            (["pipe", [7], ["a"], [1]], ["a"], "pipe kind must be 0, 1, 2 or 3, got 7"),
+            (["pipe", [1, 9], ["a", "b"], [1, 2]], ["b"], "got 9"),
+        ],
+    )
+    def test_an_invalid_pipe_is_scoped_to_its_requests(
+        self,
+        client: StageClient,
+        raw: zmq.Socket[bytes],
+        frame: list[Any],
+        ids: list[str],
+        match: str,
+    ) -> None:
+        raw.send(encode(frame))
+        reports = [_next_report(client) for _ in ids]
+        assert [r.req_id for r in reports if isinstance(r, ErrorReport)] == ids
+        assert all(match in r.message for r in reports if isinstance(r, ErrorReport))
+        _still_serving(client)
+
+
 class TestBadFrames:
     @pytest.mark.parametrize(
         ("frame", "match"),

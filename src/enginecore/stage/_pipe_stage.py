@@ -278,7 +278,7 @@ class PipeStage:
         why = exc if isinstance(exc, RequestRejected) else repr(exc)
         out_r.append(rid)
         out_f.append(False)
-        out_p.append(RequestRejected(f"the edge of stage {self._stage!r} failed: {why}"))
+        out_p.append(RequestRejected(f"the edge to the next stage failed: {why}"))
         return failed
 
     def _send_on(
@@ -305,8 +305,7 @@ class PipeStage:
                     out_f.append(False)
                     out_p.append(
                         RequestRejected(
-                            f"the input for the stage after {self._stage!r} cannot be "
-                            f"encoded: {exc}"
+                            f"the input for the next stage cannot be encoded: {exc}"
                         )
                     )
                     continue

@@ -16,6 +16,8 @@ Factories (``"enginecore.stage.testing:NAME"``):
   and buffers included), and utility ``"echo"`` returns its arguments.
 - ``relay(step_s=0.0)`` -> a :class:`RelayEngine`: a streaming pipeline stage
   (``docs/pipelines.md``) whose every input becomes one output, payload unchanged.
+- Edge functions for pipelines: ``tee`` (every output to the next stage and the caller),
+  ``to_caller`` (to the caller only), ``checked_edge`` (fails on purpose for some inputs).
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
 - ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
 - ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
@@ -48,6 +50,7 @@ __all__ = [
     "RelayEngine",
     "ScriptedEngine",
     "TokenEchoEngine",
+    "checked_edge",
     "countdown",
     "device",
     "echo",
@@ -57,6 +60,8 @@ __all__ = [
     "relay",
     "scripted",
     "sleeping_factory",
+    "tee",
+    "to_caller",
 ]
 
 
@@ -605,8 +610,10 @@ class RelayEngine:
 
     The input ``"reject"`` raises :class:`~enginecore.RequestRejected` (from ``add`` or
     ``feed``), as does an ``add`` of a live id. Utilities: ``pid``, ``echo`` (its
-    arguments), ``num_requests``, ``sleep(seconds)`` (blocks the loop that long). Outside
-    a pipeline nothing closes a request's input, so it never ends: use it in pipelines."""
+    arguments), ``num_requests``, ``sleep(seconds)`` (blocks the loop that long) and
+    ``hold(on)``: while on, steps emit nothing (the requests wait, as behind a slow
+    device). Outside a pipeline nothing closes a request's input, so it never ends: use it
+    in pipelines."""
 
     def __init__(self, step_s: float = 0.0) -> None:
         if not 0 <= step_s < 60:
@@ -615,9 +622,10 @@ class RelayEngine:
         self._inputs: dict[str, list[Any]] = {}  # per live request: inputs not yet out
         self._closed: set[str] = set()  # live requests whose input is complete
         self._ready: dict[str, None] = {}  # requests with something for the next step
+        self._hold = False
 
     def has_work(self) -> bool:
-        return bool(self._ready)
+        return bool(self._ready) and not self._hold
 
     def add(self, req_id: str, data: Any) -> None:
         if req_id in self._inputs:
@@ -656,8 +664,12 @@ class RelayEngine:
         if name == "sleep":
             time.sleep(args[0])
             return None
+        if name == "hold":
+            self._hold = bool(args[0])
+            return None
         raise ValueError(
-            f"RelayEngine has no utility {name!r}; known: 'pid', 'echo', 'num_requests', 'sleep'"
+            f"RelayEngine has no utility {name!r}; known: 'pid', 'echo', 'num_requests', "
+            f"'sleep', 'hold'"
         )
 
     def step(self) -> list[tuple[str, bool, Any]]:
@@ -691,6 +703,30 @@ class RelayEngine:
 def relay(step_s: float = 0.0) -> RelayEngine:
     """Factory: a :class:`RelayEngine`."""
     return RelayEngine(step_s)
+
+
+# Edge functions for pipelines (``PipelineStage(edge="enginecore.stage.testing:NAME")``).
+
+
+def tee(payload: Any) -> tuple[Any, Any]:
+    """Edge: every output to the next stage *and* to the caller."""
+    return payload, payload
+
+
+def to_caller(payload: Any) -> tuple[Any, Any]:
+    """Edge: every output to the caller only (the next stage never hears of the request)."""
+    return NOTHING, payload
+
+
+def checked_edge(payload: Any) -> tuple[Any, Any]:
+    """Edge: every output to the next stage, except that ``"boom"`` raises
+    :class:`ValueError` and ``"unencodable"`` sends on an object that cannot cross the wire
+    (each ends its request with an error naming this stage's edge)."""
+    if payload == "boom":
+        raise ValueError("the edge refuses 'boom' on purpose")
+    if payload == "unencodable":
+        return object(), NOTHING
+    return payload, NOTHING
 
 
 def device(step_s: float = 0.005) -> DeviceEngine:

@@ -1,0 +1,370 @@
+"""Stage pipelines (``docs/pipelines.md``): real stage processes, data sent stage to stage.
+
+Every test launches a :class:`~enginecore.stage.Pipeline` of real stages; the conftest's
+autouse fixture checks that no process and no socket file is left behind. The coordinator's
+rules alone are checked against a model in ``test_pipeline_model.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from enginecore import CountdownEngine
+from enginecore.stage import (
+    NOTHING,
+    Pipeline,
+    PipelineFullError,
+    PipelineRequestError,
+    PipelineStage,
+    PipelineStageDeadError,
+    StageClosedError,
+    StageStartupError,
+)
+from enginecore.stage._edge import END, FIRST, MORE, ONLY
+from enginecore.stage._pipe_stage import PipeStage
+
+from .conftest import child_pids, wait_until
+
+COUNTDOWN = "enginecore:CountdownEngine"
+RELAY = "enginecore.stage.testing:relay"
+ECHO = "enginecore.stage.testing:echo"
+DEVICE = "enginecore.stage.testing:device"
+T = "enginecore.stage.testing"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def launch(no_leftovers: str) -> Iterator[Any]:
+    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, shut down after the test."""
+    opened: list[Pipeline] = []
+
+    def launch_(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
+        kwargs.setdefault("startup_timeout", 30)
+        pipe = Pipeline.launch(stages, **kwargs)
+        opened.append(pipe)
+        return pipe
+
+    try:
+        yield launch_
+    finally:
+        for pipe in opened:
+            pipe.shutdown()
+
+
+def _wait_live(pipe: Pipeline, stage: str, n: int) -> None:
+    """Until *n* requests are live in the relay stage *stage* (its utility says so)."""
+    assert wait_until(lambda: pipe.call_utility(stage, "num_requests") == n, 10)
+
+
+class TestDataFlow:
+    def test_each_output_goes_to_the_next_stage_and_the_last_stage_to_the_caller(
+        self, launch: Any
+    ) -> None:
+        pipe = launch([COUNTDOWN, RELAY, RELAY])
+        assert pipe.stages == (COUNTDOWN, f"{RELAY}[1]", f"{RELAY}[2]")
+        stream = pipe.add("r1", 3)
+        assert stream.collect(timeout=10) == [2, 1, 0]
+        assert stream.finished
+        assert pipe.in_flight == 0
+        # The id is free again once the request is over in every stage.
+        assert pipe.add("r1", 2).collect(timeout=10) == [1, 0]
+
+    def test_an_engine_without_feed_gets_one_list_when_the_previous_stage_ends(
+        self, launch: Any
+    ) -> None:
+        pipe = launch([COUNTDOWN, ECHO])
+        assert pipe.add("r", 3).collect(timeout=10) == [[2, 1, 0]]
+
+    def test_a_burst_reaches_the_end_with_every_output_once(self, launch: Any) -> None:
+        pipe = launch([COUNTDOWN, RELAY, RELAY])
+        streams = pipe.add_many([(f"r{i}", 1 + i % 5) for i in range(300)])
+        for i, stream in enumerate(streams):
+            k = 1 + i % 5
+            assert stream.collect(timeout=30) == list(range(k - 1, -1, -1))
+        assert pipe.in_flight == 0
+
+    def test_a_streaming_stage_takes_input_while_the_previous_stage_still_runs(
+        self, launch: Any
+    ) -> None:
+        pipe = launch([PipelineStage(DEVICE, {"step_s": 0.02}, name="slow"), RELAY])
+        stream = pipe.add("r", 200)
+        assert stream.get(timeout=10) == 199  # out of the last stage...
+        assert pipe.call_utility("slow", "num_requests") == 1  # ...while the first still runs
+        pipe.abort(["r"])
+        stream.collect(timeout=10)
+        assert stream.aborted
+
+    def test_the_link_carries_pipe_items_and_chased_aborts_in_order(self) -> None:
+        # One PipeStage in this process, its link connected to a plain ROUTER: what goes on
+        # to the next stage, and what the coordinator is told, step by step.
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        stage = PipeStage(CountdownEngine(), stage="s", downstream=f"tcp://127.0.0.1:{port}")
+        try:
+
+            def received() -> Any:
+                assert router.poll(5000)
+                _ident, body = router.recv_multipart()
+                return msgspec.msgpack.decode(body)
+
+            stage.add("a", 1)
+            stage.add("b", 2)
+            # Step 1: a's one output goes on as one ONLY item (first and last), and a ends
+            # here having sent 1; b's first output goes on as FIRST.
+            assert stage.step() == ["a"]
+            assert stage.route_outputs(["a"]) == (["a"], [True], [1])
+            assert received() == ["pipe", [ONLY, FIRST], ["a", "b"], [0, 1]]
+            # Step 2: b's last output goes on as MORE, then its END.
+            assert stage.step() == ["b"]
+            assert stage.route_outputs(["b"]) == (["b"], [True], [2])
+            assert received() == ["pipe", [MORE, END], ["b", "b"], [0, None]]
+            # An abort goes on after the data, whether or not this stage knew the ids.
+            stage.add("c", 5)
+            stage.step()
+            stage.abort(["c", "unknown"])
+            assert received() == ["pipe", [FIRST], ["c"], [4]]
+            assert received() == ["abort", ["c", "unknown"]]
+            assert not stage.has_work()
+        finally:
+            assert stage._link is not None
+            stage._link.close(linger=0)
+            router.close()
+            ctx.term()
+
+    def test_arrays_cross_every_stage_intact(self, launch: Any) -> None:
+        pipe = launch([ECHO, RELAY])
+        image = np.random.default_rng(0).random((256, 256, 4)).astype(np.float32)  # 1 MiB
+        (back,) = pipe.add("img", {"pixels": image}).collect(timeout=10)
+        assert np.array_equal(back["pixels"], image)
+
+    def test_a_pipelined_engine_can_be_a_stage(self, launch: Any) -> None:
+        pipe = launch([f"{T}:pipelined", RELAY])
+        assert pipe.add("r", 4).collect(timeout=10) == [3, 2, 1, 0]
+
+
+class TestEdges:
+    def test_tee_sends_each_output_to_the_caller_and_on(self, launch: Any) -> None:
+        pipe = launch([PipelineStage(COUNTDOWN, edge=f"{T}:tee"), RELAY])
+        out = pipe.add("r", 2).collect(timeout=10)
+        assert sorted(out) == [0, 0, 1, 1]  # two stages' payloads: no order between them
+
+    def test_an_edge_that_sends_nothing_on_ends_the_request_in_its_stage(self, launch: Any) -> None:
+        pipe = launch([PipelineStage(COUNTDOWN, edge=f"{T}:to_caller"), RELAY])
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
+        assert pipe.call_utility(f"{RELAY}", "num_requests") == 0
+        assert pipe.in_flight == 0
+
+    @pytest.mark.parametrize(
+        ("data", "why"), [("boom", "ValueError"), ("unencodable", "not wire-encodable")]
+    )
+    def test_a_failing_edge_ends_only_its_request_naming_the_stage(
+        self, launch: Any, data: str, why: str
+    ) -> None:
+        pipe = launch([PipelineStage(ECHO, name="first", edge=f"{T}:checked_edge"), RELAY])
+        with pytest.raises(PipelineRequestError, match=why) as info:
+            pipe.add("bad", data).collect(timeout=10)
+        assert info.value.stage == "first"
+        assert "the edge to the next stage failed" in info.value.message
+        assert pipe.add("good", "fine").collect(timeout=10) == [["fine"]][0]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
+    def test_nothing_is_falsy_and_one_object(self) -> None:
+        from enginecore.stage import _edge
+
+        assert NOTHING is _edge._Nothing()
+        assert not NOTHING
+        assert repr(NOTHING) == "NOTHING"
+
+
+class TestAbort:
+    def test_an_abort_reaches_a_request_in_the_first_stage(self, launch: Any) -> None:
+        pipe = launch([PipelineStage(DEVICE, {"step_s": 0.005}), RELAY])
+        stream = pipe.add("r", 10**6)
+        stream.get(timeout=10)
+        pipe.abort(["r"])
+        stream.collect(timeout=10)
+        assert stream.aborted
+        assert pipe.in_flight == 0
+        assert pipe.add("r", 1).collect(timeout=10) == [0]
+
+    def test_an_abort_chases_a_request_into_a_later_stage(self, launch: Any) -> None:
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="held")])
+        pipe.call_utility("held", "hold", True)
+        stream = pipe.add("r", 2)
+        _wait_live(pipe, "held", 1)  # the first stage has finished it and sent it on
+        pipe.abort(["r"])
+        assert stream.collect(timeout=10) == []
+        assert stream.aborted
+        _wait_live(pipe, "held", 0)
+        pipe.call_utility("held", "hold", False)
+        assert pipe.in_flight == 0
+
+    def test_an_abort_of_an_unknown_or_ended_id_is_ignored(self, launch: Any) -> None:
+        pipe = launch([COUNTDOWN, RELAY])
+        assert pipe.add("r", 1).collect(timeout=10) == [0]
+        pipe.abort(["r", "nobody"])
+        assert pipe.add("r", 1).collect(timeout=10) == [0]
+        with pytest.raises(TypeError):
+            pipe.abort("r")
+
+
+class TestErrors:
+    def test_an_error_in_a_later_stage_names_it_and_aborts_the_request_everywhere(
+        self, launch: Any
+    ) -> None:
+        pipe = launch([ECHO, PipelineStage(RELAY, name="talker")])
+        with pytest.raises(PipelineRequestError) as info:
+            pipe.add("r", "reject").collect(timeout=10)
+        assert info.value.stage == "talker"
+        assert info.value.req_id == "r"
+        assert "refused on purpose" in str(info.value)
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert pipe.add("r", "fine").collect(timeout=10) == ["fine"]
+
+    def test_an_error_in_the_first_stage_names_it(self, launch: Any) -> None:
+        pipe = launch([PipelineStage(COUNTDOWN, name="first"), RELAY])
+        with pytest.raises(PipelineRequestError, match="need an int") as info:
+            pipe.add("r", "three").collect(timeout=10)
+        assert info.value.stage == "first"
+
+    def test_bad_data_and_live_ids_are_refused_before_sending(self, launch: Any) -> None:
+        pipe = launch([COUNTDOWN, RELAY])
+        with pytest.raises(TypeError, match="not wire-encodable"):
+            pipe.add("r", object())
+        assert pipe.in_flight == 0
+        pipe.call_utility(f"{RELAY}", "hold", True)
+        pipe.add("r", 1)
+        with pytest.raises(ValueError, match="still in the pipeline"):
+            pipe.add("r", 1)
+        with pytest.raises(ValueError, match="twice"):
+            pipe.add_many([("a", 1), ("a", 1)])
+        with pytest.raises(TypeError, match="request id must be a str"):
+            pipe.add(3, 1)  # type: ignore[arg-type]
+        pipe.call_utility(f"{RELAY}", "hold", False)
+
+    def test_a_stage_killed_under_load_fails_every_request_naming_it(self, launch: Any) -> None:
+        pipe = launch(
+            [PipelineStage(DEVICE, {"step_s": 0.005}), PipelineStage(RELAY, name="mid"), RELAY]
+        )
+        streams = [pipe.add(f"r{i}", 10**6) for i in range(20)]
+        for stream in streams:
+            stream.get(timeout=10)
+        pid = pipe.call_utility("mid", "pid")
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for stream in streams:
+            with pytest.raises(PipelineStageDeadError) as info:
+                stream.collect(timeout=5)
+            assert info.value.stage == "mid"
+            assert "SIGKILL" in str(info.value)
+        assert time.monotonic() - killed_at < 5  # within a second, on a quiet machine
+        with pytest.raises(PipelineStageDeadError):
+            pipe.add("later", 1)
+        assert pipe.in_flight == 0
+
+
+class TestAdmission:
+    def test_max_in_flight_waits_or_refuses_and_frees_at_the_end(self, launch: Any) -> None:
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="held")], max_in_flight=2)
+        pipe.call_utility("held", "hold", True)
+        a = pipe.add("a", 1)
+        pipe.add("b", 1)
+        with pytest.raises(PipelineFullError):
+            pipe.add("c", 1, wait=False)
+        started = time.monotonic()
+        with pytest.raises(PipelineFullError, match=r"within 0\.2 s"):
+            pipe.add("c", 1, timeout=0.2)
+        assert time.monotonic() - started >= 0.2
+        with pytest.raises(ValueError, match="more than max_in_flight"):
+            pipe.add_many([("x", 1), ("y", 1), ("z", 1)])
+        pipe.abort(["a"])
+        a.collect(timeout=10)
+        c = pipe.add("c", 1, timeout=10)  # a's place is free once it is over everywhere
+        pipe.call_utility("held", "hold", False)
+        assert c.collect(timeout=10) == [0]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
+    def test_a_waiting_add_wakes_when_a_request_finishes(self, launch: Any) -> None:
+        pipe = launch([COUNTDOWN, RELAY], max_in_flight=1)
+        first = pipe.add("a", 50)
+        second = pipe.add("b", 1, timeout=10)  # waits for a
+        assert first.finished is False or first.collect(timeout=10)
+        assert second.collect(timeout=10) == [0]
+
+    @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+    def test_a_bad_budget_is_refused_before_any_stage_starts(self, bad: Any) -> None:
+        before = set(child_pids())
+        with pytest.raises((TypeError, ValueError)):
+            Pipeline.launch([COUNTDOWN], max_in_flight=bad)
+        assert set(child_pids()) == before
+
+
+class TestLifecycle:
+    def test_shutdown_with_a_drain_lets_live_requests_finish_through_every_stage(
+        self, launch: Any
+    ) -> None:
+        pipe = launch([PipelineStage(DEVICE, {"step_s": 0.002}), RELAY, RELAY])
+        streams = [pipe.add(f"r{i}", 20) for i in range(10)]
+        pipe.shutdown(drain=10)
+        for stream in streams:
+            assert stream.collect(timeout=10) == list(range(19, -1, -1))
+
+    def test_shutdown_without_a_drain_ends_live_streams_closed(self, launch: Any) -> None:
+        pipe = launch([PipelineStage(DEVICE, {"step_s": 0.005}), RELAY])
+        stream = pipe.add("r", 10**6)
+        stream.get(timeout=10)
+        pipe.shutdown()
+        with pytest.raises(StageClosedError):
+            stream.collect(timeout=10)
+        with pytest.raises(StageClosedError):
+            pipe.add("s", 1)
+        pipe.shutdown()  # idempotent
+
+    def test_a_stage_that_fails_to_start_leaves_nothing_behind(self, no_leftovers: str) -> None:
+        with pytest.raises(StageStartupError, match="on purpose"):
+            Pipeline.launch([COUNTDOWN, f"{T}:failing_factory", RELAY], startup_timeout=30)
+
+    def test_stats_and_health_by_stage_name(self, launch: Any) -> None:
+        pipe = launch([PipelineStage(COUNTDOWN, name="a"), PipelineStage(RELAY, name="b")])
+        pipe.add("r", 3).collect(timeout=10)
+        assert set(pipe.health()) == {"a", "b"}
+        assert all(h == "ok" for h in pipe.health().values())
+        stats = pipe.stats()
+        assert stats["a"].loop.adds == 1
+        assert stats["b"].loop.adds == 1  # b's add came from a
+        assert stats["b"].name == "b"
+        with pytest.raises(KeyError, match="no stage named 'c'"):
+            pipe.client("c")
+
+    @pytest.mark.parametrize(
+        ("stages", "why"),
+        [
+            ([], "one or more stages"),
+            (COUNTDOWN, "one or more stages"),
+            ([PipelineStage(COUNTDOWN, edge=f"{T}:tee")], "has no next stage"),
+            ([PipelineStage(COUNTDOWN, name="x"), PipelineStage(RELAY, name="x")], "named 'x'"),
+        ],
+    )
+    def test_bad_stage_lists_are_refused_before_any_stage_starts(
+        self, stages: Any, why: str
+    ) -> None:
+        before = set(child_pids())
+        with pytest.raises(ValueError, match=why):
+            Pipeline.launch(stages)
+        assert set(child_pids()) == before
+
+    def test_an_edge_must_be_an_import_string(self) -> None:
+        with pytest.raises(TypeError, match="import string"):
+            PipelineStage(COUNTDOWN, edge=print)  # type: ignore[arg-type]
