@@ -56,6 +56,22 @@ class TestPoolExample:
         assert "closed     every replica stopped" in out
 
 
+class TestOmniPipelineExample:
+    @pytest.mark.slow
+    def test_omni_pipeline_streams_text_and_audio_through_three_stages(self) -> None:
+        proc = _run(ROOT / "examples" / "omni_pipeline.py")
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+        assert "stages     thinker -> talker -> vocoder" in out
+        assert "text       the quick brown fox jumps over the lazy dog" in out
+        assert "audio      9 chunks, 2160 samples of float32" in out
+        assert re.search(r"streaming  first audio after \d+ ms, all after \d+ ms", out)
+        assert "burst      40 requests, 640 outputs, at most 16 in the pipeline at once" in out
+        assert "abort      long: aborted=True" in out
+        assert "error      bad: stage 'thinker' refused it" in out
+        assert "closed     every stage stopped" in out
+
+
 class TestRayPoolExample:
     @pytest.mark.slow
     def test_ray_pool_example_survives_a_kill_and_leaves_no_actor(self) -> None:
@@ -99,6 +115,24 @@ class TestReadme:
             assert lines[0] == "['r0', 'r1', 'r2', 'r3', 'r0', 'r1', 'r2', 'r3']"
             assert lines[1] == "800"
             assert lines[2].count("<Replica r") == 4
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("doc", ["README.md", "docs/pipelines.md"])
+    def test_pipeline_examples_run(self, tmp_path: Path, doc: str) -> None:
+        blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
+        pipeline_blocks = [b for b in blocks if "Pipeline" in b and "__main__" in b]
+        assert pipeline_blocks, f"{doc} lost its pipeline example"
+        if doc == "docs/pipelines.md":  # the guide opens with its recipe
+            assert blocks[0] == pipeline_blocks[0]
+            assert "def linear_pipeline(" in blocks[0]
+        script = tmp_path / "pipeline_example.py"
+        script.write_text(pipeline_blocks[0])
+        proc = _run(script)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0] == "[2, 1, 0]"
+        if doc == "docs/pipelines.md":
+            assert lines[1] == "200"
 
     @pytest.mark.parametrize("doc", ["README.md", "docs/stage.md"])
     def test_array_round_trip_examples_run(self, tmp_path: Path, doc: str) -> None:
