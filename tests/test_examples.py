@@ -117,22 +117,27 @@ class TestReadme:
             assert lines[2].count("<Replica r") == 4
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("doc", ["README.md", "docs/pipelines.md"])
-    def test_pipeline_examples_run(self, tmp_path: Path, doc: str) -> None:
+    @pytest.mark.parametrize(
+        ("doc", "marker", "expected"),
+        [
+            ("README.md", "Pipeline.launch", ["[2, 1, 0]"]),
+            ("docs/pipelines.md", "def linear_pipeline(", ["[2, 1, 0]", "200"]),
+            ("docs/pipelines.md", "AsyncPipeline.launch", ["[2, 1, 0]"]),
+        ],
+    )
+    def test_pipeline_examples_run(
+        self, tmp_path: Path, doc: str, marker: str, expected: list[str]
+    ) -> None:
         blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
-        pipeline_blocks = [b for b in blocks if "Pipeline" in b and "__main__" in b]
-        assert pipeline_blocks, f"{doc} lost its pipeline example"
-        if doc == "docs/pipelines.md":  # the guide opens with its recipe
-            assert blocks[0] == pipeline_blocks[0]
-            assert "def linear_pipeline(" in blocks[0]
+        found = [b for b in blocks if marker in b and "__main__" in b]
+        assert found, f"{doc} lost its pipeline example ({marker})"
+        if marker == "def linear_pipeline(":  # the guide opens with its recipe
+            assert blocks[0] == found[0]
         script = tmp_path / "pipeline_example.py"
-        script.write_text(pipeline_blocks[0])
+        script.write_text(found[0])
         proc = _run(script)
         assert proc.returncode == 0, proc.stderr
-        lines = proc.stdout.splitlines()
-        assert lines[0] == "[2, 1, 0]"
-        if doc == "docs/pipelines.md":
-            assert lines[1] == "200"
+        assert proc.stdout.splitlines() == expected
 
     @pytest.mark.parametrize("doc", ["README.md", "docs/stage.md"])
     def test_array_round_trip_examples_run(self, tmp_path: Path, doc: str) -> None:

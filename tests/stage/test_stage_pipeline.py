@@ -1,9 +1,9 @@
 """Stage pipelines (``docs/pipelines.md``): real stage processes, data sent stage to stage.
 
-Every test launches a :class:`~enginecore.stage.Pipeline` of real stages; the conftest's
-autouse fixture checks that no process and no socket file is left behind. The coordinator's
-rules alone are checked against a model in ``test_pipeline_model.py``.
-"""
+Every test launches a :class:`~enginecore.stage.Pipeline` of real stages, and again an
+:class:`~enginecore.stage.AsyncPipeline` (``[sync]``, ``[async]``: one suite for both).
+The conftest's autouse fixture checks that no process and no socket file is left behind.
+The coordinator's rules alone are checked against a model in ``test_pipeline_model.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -21,6 +21,7 @@ import zmq
 from enginecore import CountdownEngine
 from enginecore.stage import (
     NOTHING,
+    AsyncPipeline,
     Pipeline,
     PipelineFullError,
     PipelineRequestError,
@@ -32,7 +33,7 @@ from enginecore.stage import (
 from enginecore.stage._edge import END, FIRST, MORE, ONLY
 from enginecore.stage._pipe_stage import PipeStage
 
-from .conftest import child_pids, wait_until
+from .conftest import BlockingAsyncStream, EventLoopThread, child_pids, wait_until
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -43,22 +44,82 @@ T = "enginecore.stage.testing"
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def launch(no_leftovers: str) -> Iterator[Any]:
-    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, shut down after the test."""
-    opened: list[Pipeline] = []
+class BlockingAsyncPipeline:
+    """An AsyncPipeline behind Pipeline's blocking interface: every call runs on the
+    pipeline's event loop (in another thread) and the caller waits for it. A thin adapter:
+    the behaviour under test is the async pipeline's."""
+
+    def __init__(self, runner: EventLoopThread, pipe: AsyncPipeline) -> None:
+        self._runner = runner
+        self._pipe = pipe
+
+    def _on_loop(self, fn: Any, *args: Any) -> Any:
+        async def call() -> Any:
+            return fn(*args)
+
+        return self._runner.run(call())
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return self._pipe.stages
+
+    @property
+    def in_flight(self) -> int:
+        return int(self._on_loop(lambda: self._pipe.in_flight))
+
+    def add(self, req_id: str, data: Any, **kwargs: Any) -> BlockingAsyncStream:
+        stream = self._runner.run(self._pipe.add(req_id, data, **kwargs))
+        return BlockingAsyncStream(self._runner, stream)
+
+    def add_many(self, items: Any, **kwargs: Any) -> list[BlockingAsyncStream]:
+        streams = self._runner.run(self._pipe.add_many(items, **kwargs))
+        return [BlockingAsyncStream(self._runner, s) for s in streams]
+
+    def abort(self, req_ids: Any) -> None:
+        self._runner.run(self._pipe.abort(req_ids))
+
+    def call_utility(self, stage: str, name: str, /, *args: Any, timeout: Any = None) -> Any:
+        return self._runner.run(self._pipe.call_utility(stage, name, *args, timeout=timeout))
+
+    def health(self) -> Any:
+        return self._on_loop(self._pipe.health)
+
+    def stats(self) -> Any:
+        return self._runner.run(self._pipe.stats())
+
+    def client(self, stage: str) -> Any:
+        return self._pipe.client(stage)
+
+    def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
+        self._runner.run(self._pipe.shutdown(timeout, drain=drain))
+
+
+@pytest.fixture(params=["sync", "async"])
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
+    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, or :meth:`AsyncPipeline.launch`
+    behind a blocking adapter (typed as a Pipeline: it has the same interface); each is
+    shut down after the test."""
+    runner = EventLoopThread() if request.param == "async" else None
+    opened: list[Any] = []
 
     def launch_(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
         kwargs.setdefault("startup_timeout", 30)
-        pipe = Pipeline.launch(stages, **kwargs)
+        if runner is None:
+            pipe: Any = Pipeline.launch(stages, **kwargs)
+        else:
+            pipe = BlockingAsyncPipeline(runner, runner.run(AsyncPipeline.launch(stages, **kwargs)))
         opened.append(pipe)
-        return pipe
+        return cast(Pipeline, pipe)
 
     try:
         yield launch_
     finally:
-        for pipe in opened:
-            pipe.shutdown()
+        try:
+            for pipe in opened:
+                pipe.shutdown()
+        finally:
+            if runner is not None:
+                runner.stop()
 
 
 def _wait_live(pipe: Pipeline, stage: str, n: int) -> None:
@@ -304,10 +365,10 @@ class TestAdmission:
         assert second.collect(timeout=10) == [0]
 
     @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
-    def test_a_bad_budget_is_refused_before_any_stage_starts(self, bad: Any) -> None:
+    def test_a_bad_budget_is_refused_before_any_stage_starts(self, launch: Any, bad: Any) -> None:
         before = set(child_pids())
         with pytest.raises((TypeError, ValueError)):
-            Pipeline.launch([COUNTDOWN], max_in_flight=bad)
+            launch([COUNTDOWN], max_in_flight=bad)
         assert set(child_pids()) == before
 
 
@@ -332,9 +393,9 @@ class TestLifecycle:
             pipe.add("s", 1)
         pipe.shutdown()  # idempotent
 
-    def test_a_stage_that_fails_to_start_leaves_nothing_behind(self, no_leftovers: str) -> None:
+    def test_a_stage_that_fails_to_start_leaves_nothing_behind(self, launch: Any) -> None:
         with pytest.raises(StageStartupError, match="on purpose"):
-            Pipeline.launch([COUNTDOWN, f"{T}:failing_factory", RELAY], startup_timeout=30)
+            launch([COUNTDOWN, f"{T}:failing_factory", RELAY])
 
     def test_stats_and_health_by_stage_name(self, launch: Any) -> None:
         pipe = launch([PipelineStage(COUNTDOWN, name="a"), PipelineStage(RELAY, name="b")])
@@ -358,11 +419,11 @@ class TestLifecycle:
         ],
     )
     def test_bad_stage_lists_are_refused_before_any_stage_starts(
-        self, stages: Any, why: str
+        self, launch: Any, stages: Any, why: str
     ) -> None:
         before = set(child_pids())
         with pytest.raises(ValueError, match=why):
-            Pipeline.launch(stages)
+            launch(stages)
         assert set(child_pids()) == before
 
     def test_an_edge_must_be_an_import_string(self) -> None:

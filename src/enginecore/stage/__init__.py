@@ -18,6 +18,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
     ) from _exc
 
 from ._aclient import AsyncRequestStream, AsyncStageClient
+from ._apipeline import AsyncPipeline, AsyncPipelineStream
 from ._apool import AsyncPoolRequestStream, AsyncStagePool
 from ._client import RequestStream, StageClient
 from ._curve import CurveKeys
@@ -37,7 +38,8 @@ from ._errors import (
     UtilityError,
 )
 from ._observer import StageObserver
-from ._pipeline import Pipeline, PipelineStage, PipelineStream
+from ._pipeline import Pipeline, PipelineStream
+from ._pipelinebase import PipelineStage
 from ._pool import PoolRequestStream, StagePool
 from ._pool_core import (
     LeastLoaded,
@@ -69,6 +71,8 @@ __all__ = [
     "NOTHING",
     "PROTOCOL_VERSION",
     "Aborted",
+    "AsyncPipeline",
+    "AsyncPipelineStream",
     "AsyncPoolRequestStream",
     "AsyncRequestStream",
     "AsyncStageClient",

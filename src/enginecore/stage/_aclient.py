@@ -24,7 +24,7 @@ import functools
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal, overload
 
@@ -166,6 +166,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._over = asyncio.Event()  # Deliveries.over came: last event, or failure
         self._exited = asyncio.Event()  # the launched process's sentinel fired
         self._event_waiters: list[asyncio.Future[None]] = []
+        # Called, if set, after a frame's deliveries: an asyncio pipeline takes the ordered
+        # event stream as it grows (_apipeline). It must not block.
+        self._event_sink: Callable[[], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._loop.add_reader(self._pull_fd, self._on_readable)
         self._reading = True
@@ -634,6 +637,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             logger.warning("enginecore: %s", message)
         if d.over:
             self._over.set()
+        sink = self._event_sink
+        if sink is not None:
+            sink()
 
     def _on_readable(self) -> None:
         """Reader of the output socket: read and apply one frame, if there is one, and if so

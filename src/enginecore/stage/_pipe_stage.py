@@ -304,9 +304,7 @@ class PipeStage:
                     out_r.append(rid)
                     out_f.append(False)
                     out_p.append(
-                        RequestRejected(
-                            f"the input for the next stage cannot be encoded: {exc}"
-                        )
+                        RequestRejected(f"the input for the next stage cannot be encoded: {exc}")
                     )
                     continue
                 _codec.send_parts(link, parts, 0)

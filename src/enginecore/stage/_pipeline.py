@@ -1,11 +1,12 @@
-"""Stage pipelines: :class:`Pipeline`, :class:`PipelineStage`, :class:`PipelineStream`.
+"""The blocking stage pipeline: :class:`Pipeline` and :class:`PipelineStream`.
 
 A pipeline runs each request through several stage processes in order (an encoder, an
 LLM, a vocoder). Data goes from stage to stage directly, over ZeroMQ (:mod:`._pipe_stage`);
 the parent holds the coordinator, which carries only control (:mod:`._pipeline_core`): the
 caller's adds go to the first stage, the caller's aborts chase the data from the first
 stage on, and each stage tells the coordinator what it sends the caller and when a request
-ended in it. ``docs/pipelines.md`` is the guide.
+ended in it. ``docs/pipelines.md`` is the guide; :mod:`._pipelinebase` has what this shares
+with :class:`~._apipeline.AsyncPipeline`.
 
 The coordinator is the client of every stage (a :class:`~._client.StageClient` each, with
 the ordered event stream on and no per-request streams). Each stage's events go to the core
@@ -18,27 +19,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, Final
+from typing import Any
 
 from . import _clientbase
 from ._client import RequestStream, StageClient
-from ._errors import EngineDeadError, PipelineFullError, StageClosedError
-from ._pipeline_core import PipelineCore, PipelineDeliveries
-from ._session import End, StageHealth
+from ._pipeline_core import PipelineDeliveries, check_budget
+from ._pipelinebase import (
+    PIPE_FACTORY,
+    PipelineBase,
+    PipelineStage,
+    check_drain,
+    check_items,
+    launch_options,
+    pipe_kwargs,
+    stage_specs,
+)
 from ._statistics import StageStatistics
-from ._wire import Aborted, ErrorReport, Outputs
 
-__all__ = ["Pipeline", "PipelineStage", "PipelineStream"]
-
-logger = logging.getLogger("enginecore.stage")
-
-_PIPE_FACTORY: Final = "enginecore.stage._pipe_stage:pipe_stage"
+__all__ = ["Pipeline", "PipelineStream"]
 
 
 class PipelineStream(RequestStream):
@@ -58,66 +60,7 @@ class PipelineStream(RequestStream):
     __slots__ = ()
 
 
-@dataclass(frozen=True)
-class PipelineStage:
-    """One stage of a :class:`Pipeline`, as :meth:`Pipeline.launch` starts it.
-
-    *factory* is the engine factory's import string (``"pkg.module:callable"``, as for
-    :meth:`StageClient.launch`), called with *kwargs* in the stage process. *name* names the
-    stage in errors, statistics and logs (default: the factory string, with ``[k]`` added
-    when two stages share one). *edge* is the import string of the edge function to the next
-    stage, ``edge(payload) -> (to_next, to_caller)``, called in this stage's process for each
-    of its outputs; either side may be :data:`~enginecore.stage.NOTHING`. Without one, every
-    output goes to the next stage. The last stage has no edge: its outputs go to the caller.
-    *step_timeout*, *log_level* and *forward_logs* are :meth:`StageClient.launch`'s.
-    """
-
-    factory: str
-    kwargs: Mapping[str, Any] | None = None
-    name: str | None = None
-    edge: str | None = None
-    step_timeout: float | None = 60.0
-    log_level: int | str | None = None
-    forward_logs: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.factory, str):
-            raise TypeError(f"factory must be an import string, got {self.factory!r}")
-        if self.edge is not None and not isinstance(self.edge, str):
-            raise TypeError(
-                f"edge must be an import string 'pkg.module:fn' (it runs in the stage's "
-                f"process), got {self.edge!r}"
-            )
-
-
-def _stages(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
-    """*stages* as :class:`PipelineStage` objects, each with its unique name."""
-    if isinstance(stages, (str, PipelineStage)) or not stages:
-        raise ValueError("a pipeline needs a sequence of one or more stages")
-    specs = [s if isinstance(s, PipelineStage) else PipelineStage(s) for s in stages]
-    for spec in specs[-1:]:
-        if spec.edge is not None:
-            raise ValueError(
-                f"the last stage ({spec.name or spec.factory!r}) has no next stage, so no "
-                f"edge: its outputs go to the caller"
-            )
-    names: list[str] = []
-    for k, spec in enumerate(specs):
-        name = spec.name
-        if name is None:
-            name = spec.factory
-            if sum(s.factory == spec.factory and s.name is None for s in specs) > 1:
-                name = f"{spec.factory}[{k}]"
-        if name in names:
-            raise ValueError(f"two stages are named {name!r}")
-        names.append(name)
-    return [
-        PipelineStage(s.factory, s.kwargs, n, s.edge, s.step_timeout, s.log_level, s.forward_logs)
-        for s, n in zip(specs, names, strict=True)
-    ]
-
-
-class Pipeline:
+class Pipeline(PipelineBase[PipelineStream, StageClient]):
     """Requests through several stages, with one client's API at the entrance.
 
     Build one with :meth:`launch`. :meth:`add` and :meth:`add_many` send requests to the
@@ -139,14 +82,11 @@ class Pipeline:
         *,
         max_in_flight: int | None = None,
     ) -> None:
-        # Private: use launch(). *clients* are the stages' clients, in order, each launched
-        # with the pipe factory and ordered_events=True.
-        self._lock = threading.Lock()
-        self._room = threading.Condition(self._lock)
-        self._core: PipelineCore[PipelineStream] = PipelineCore(names, max_in_flight)
-        self._clients = list(clients)
-        self._names = tuple(names)
-        self._closed = False
+        # Private: use launch().
+        lock = threading.Lock()
+        super().__init__(clients, names, max_in_flight, lock)
+        self._thread_lock = lock
+        self._room = threading.Condition(lock)
         self._close_lock = threading.Lock()
         # Each stage's events are taken on the thread that read them (its client's
         # receiver, or a call_utility reading meanwhile), as the client appends them to its
@@ -168,30 +108,16 @@ class Pipeline:
         return the pipeline. The stages start last to first, each knowing where the next
         one listens. If one fails to start, the ones started are shut down and its
         :class:`~enginecore.stage.StageStartupError` is raised."""
-        specs = _stages(stages)
-        PipelineCore(["check"], max_in_flight)  # check the budget before starting anything
+        specs = stage_specs(stages)
+        check_budget(max_in_flight)
         clients: list[StageClient] = []
         downstream: str | None = None
         try:
             for spec in reversed(specs):
-                kwargs: dict[str, Any] = {
-                    "factory": spec.factory,
-                    "stage": spec.name,
-                    "kwargs": dict(spec.kwargs or {}),
-                }
-                if spec.edge is not None:
-                    kwargs["edge"] = spec.edge
-                if downstream is not None:
-                    kwargs["downstream"] = downstream
                 client = StageClient.launch(
-                    _PIPE_FACTORY,
-                    kwargs,
-                    startup_timeout=startup_timeout,
-                    ordered_events=True,
-                    name=spec.name,
-                    step_timeout=spec.step_timeout,
-                    log_level=spec.log_level,
-                    forward_logs=spec.forward_logs,
+                    PIPE_FACTORY,
+                    pipe_kwargs(spec, downstream),
+                    **launch_options(spec, startup_timeout),
                 )
                 clients.append(client)
                 downstream = client.address
@@ -201,23 +127,9 @@ class Pipeline:
                     client.shutdown()
             raise
         clients.reverse()
-        return cls(
-            clients, [s.name for s in specs if s.name is not None], max_in_flight=max_in_flight
-        )
+        return cls(clients, [s.name or s.factory for s in specs], max_in_flight=max_in_flight)
 
     # -- requests ---------------------------------------------------------------------------
-
-    @property
-    def stages(self) -> tuple[str, ...]:
-        """The stages' names, in order."""
-        return self._names
-
-    @property
-    def in_flight(self) -> int:
-        """Requests in the pipeline now (each holds its place in the budget until it is
-        over in every stage)."""
-        with self._lock:
-            return self._core.in_flight
 
     def add(
         self, req_id: str, data: Any, *, wait: bool = True, timeout: float | None = None
@@ -246,33 +158,18 @@ class Pipeline:
     def _admit(
         self, items: list[tuple[str, Any]], wait: bool, timeout: float | None, many: bool
     ) -> list[PipelineStream]:
-        for item in items:
-            if type(item) is not tuple or len(item) != 2:
-                raise TypeError(f"add_many() takes (req_id, data) pairs, got {item!r:.100}")
-            _check_req_id(item[0])
-        ids = [rid for rid, _ in items]
         core = self._core
-        budget = core.max_in_flight
-        if budget is not None and len(ids) > budget:
-            raise ValueError(f"{len(ids)} requests at once, more than max_in_flight ({budget})")
+        ids = check_items(items, core.max_in_flight)
         deadline = _clientbase.deadline_after(timeout)
         now = time.monotonic()
-        streams = [PipelineStream(rid, self._lock, now) for rid in ids]
-        with self._lock:
-            while True:
-                core.check(ids)
-                room = core.room()
-                if room is None or room >= len(ids):
-                    break
+        streams = [PipelineStream(rid, self._thread_lock, now) for rid in ids]
+        with self._thread_lock:
+            while not core.admissible(ids):
                 if not wait:
-                    raise PipelineFullError(
-                        f"the pipeline holds {core.in_flight} requests, its max_in_flight"
-                    )
+                    raise core.full_error(None)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise PipelineFullError(
-                        f"no room in the pipeline (max_in_flight {budget}) within {timeout} s"
-                    )
+                    raise core.full_error(timeout)
                 self._room.wait(left)
             for rid, stream in zip(ids, streams, strict=True):
                 core.open(rid, stream)
@@ -284,7 +181,7 @@ class Pipeline:
                 first.add(ids[0], items[0][1], stream=False)
         except BaseException:
             d: PipelineDeliveries[PipelineStream] = PipelineDeliveries()
-            with self._lock:
+            with self._thread_lock:
                 core.forget(ids, d)
             self._deliver(d)
             raise
@@ -294,24 +191,9 @@ class Pipeline:
         """Abort requests in every stage that holds them; unknown ids are ignored. Each
         one's stream stops (:attr:`PipelineStream.aborted`) once every stage has applied the
         abort, unless the request was done first. Never blocks."""
-        if isinstance(req_ids, str):
-            raise TypeError("abort() takes a sequence of request ids, not a str")
-        d: PipelineDeliveries[PipelineStream] = PipelineDeliveries()
-        with self._lock:
-            self._core.abort(req_ids, d)
-        self._deliver(d)
+        self._abort(req_ids)
 
     # -- stages ------------------------------------------------------------------------------
-
-    def client(self, stage: str) -> StageClient:
-        """The client of the stage named *stage* (for what the pipeline does not wrap).
-        :class:`KeyError` for an unknown name."""
-        try:
-            return self._clients[self._names.index(stage)]
-        except ValueError:
-            raise KeyError(
-                f"no stage named {stage!r}; the stages are {list(self._names)}"
-            ) from None
 
     def call_utility(
         self, stage: str, name: str, /, *args: Any, timeout: float | None = None
@@ -320,16 +202,9 @@ class Pipeline:
         :meth:`StageClient.call_utility`)."""
         return self.client(stage).call_utility(name, *args, timeout=timeout)
 
-    def health(self) -> dict[str, StageHealth]:
-        """Each stage's health, by name. Never blocks."""
-        return {name: c.health() for name, c in zip(self._names, self._clients, strict=True)}
-
     def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics]:
         """Each stage's statistics, by name (:meth:`StageClient.stats`)."""
-        return {
-            name: c.stats(timeout=timeout)
-            for name, c in zip(self._names, self._clients, strict=True)
-        }
+        return {name: self.client(name).stats(timeout=timeout) for name in self._names}
 
     # -- closing -----------------------------------------------------------------------------
 
@@ -339,8 +214,7 @@ class Pipeline:
         drain one after the other, first to last, so that each finishes what the one before
         sent it; requests still live in a stage at the deadline end with an error naming
         that stage. Blocks; idempotent; thread-safe."""
-        if drain is not None and not drain >= 0:
-            raise ValueError(f"drain must be >= 0, got {drain}")
+        check_drain(drain)
         with self._close_lock:
             if self._closed:
                 return
@@ -350,12 +224,7 @@ class Pipeline:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 with contextlib.suppress(Exception):
                     client.shutdown(timeout, drain=left)
-            d: PipelineDeliveries[PipelineStream] = PipelineDeliveries()
-            with self._lock:
-                self._core.close(
-                    StageClosedError("the pipeline was shut down"), time.monotonic(), d
-                )
-            self._deliver(d)
+            self._close_core()
 
     close = shutdown
 
@@ -370,62 +239,11 @@ class Pipeline:
     ) -> None:
         self.shutdown()
 
-    def __repr__(self) -> str:
-        return f"<Pipeline {' -> '.join(self._names)}>"
-
-    # -- what the stages say ------------------------------------------------------------------
-
-    def _take_events(self, k: int) -> None:
-        """Stage *k*'s client appended to its ordered event stream: hand every event to the
-        core, in order. Taken under the pipeline's lock, so two threads that read frames of
-        one stage (its receiver and a ``call_utility``) cannot reorder them."""
-        client = self._clients[k]
-        buf = client._session.events
-        if not buf:
-            return
-        core = self._core
-        d: PipelineDeliveries[PipelineStream] = PipelineDeliveries()
-        dead: BaseException | None = None
-        with self._lock:
-            now = time.monotonic()
-            while buf:
-                ev = buf.popleft()
-                if isinstance(ev, Outputs):
-                    core.outputs(k, ev.req_ids, ev.finished, ev.payloads, now, d)
-                elif isinstance(ev, Aborted):
-                    core.aborted(k, ev.req_ids, now, d)
-                elif isinstance(ev, ErrorReport):
-                    if ev.req_id is not None:
-                        core.error(k, ev.req_id, ev.message, now, d)
-                    else:
-                        logger.warning(
-                            "enginecore: pipeline stage %r: %s", self._names[k], ev.message
-                        )
-                elif isinstance(ev, End) and ev.exc is not None and not self._closed:
-                    # The stage's event stream ended with its failure: it is gone.
-                    dead = ev.exc
-                    exc = dead if isinstance(dead, EngineDeadError) else EngineDeadError(str(dead))
-                    core.stage_dead(k, exc, now, d)
-        self._deliver(d)
-        if dead is not None:
-            logger.error(
-                "enginecore: pipeline stage %r is gone (%s); the pipeline takes no more requests",
-                self._names[k],
-                dead,
-            )
-
     def _deliver(self, d: PipelineDeliveries[PipelineStream]) -> None:
         for stream in d.wake:
             stream._wakeup.put(None)  # type: ignore[union-attr]  # set before _waiting
         if d.aborts:
-            # The first stage is gone: its reader fails every request.
-            with contextlib.suppress(EngineDeadError, StageClosedError):
-                self._clients[0].abort(d.aborts)
+            self._send_aborts(d.aborts)
         if d.freed:
             with self._room:
                 self._room.notify_all()
-
-
-def _check_req_id(req_id: object) -> None:
-    if type(req_id) is not str:
-        raise TypeError(f"a request id must be a str, got {type(req_id).__name__}")

@@ -45,12 +45,28 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from ._errors import EngineDeadError, PipelineRequestError, PipelineStageDeadError
+from ._errors import (
+    EngineDeadError,
+    PipelineFullError,
+    PipelineRequestError,
+    PipelineStageDeadError,
+)
 from ._session import ABORTED, FINISHED, End, StreamCore
 
-__all__ = ["PipelineCore", "PipelineDeliveries", "RequestState"]
+__all__ = ["PipelineCore", "PipelineDeliveries", "RequestState", "check_budget"]
 
 S = TypeVar("S", bound=StreamCore)
+
+
+def check_budget(max_in_flight: object) -> None:
+    """:class:`TypeError` / :class:`ValueError` unless *max_in_flight* is ``None`` or an
+    ``int`` >= 1."""
+    if max_in_flight is None:
+        return
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
+        raise TypeError(f"max_in_flight must be an int or None, got {max_in_flight!r}")
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
 
 
 class RequestState(enum.Enum):
@@ -98,12 +114,7 @@ class PipelineCore(Generic[S]):
     def __init__(self, stages: Sequence[str], max_in_flight: int | None = None) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
-        if max_in_flight is not None and (
-            isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
-        ):
-            raise TypeError(f"max_in_flight must be an int or None, got {max_in_flight!r}")
-        if max_in_flight is not None and max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        check_budget(max_in_flight)
         self.stages = tuple(stages)
         self.max_in_flight = max_in_flight
         self._n = len(stages)
@@ -142,6 +153,25 @@ class PipelineCore(Generic[S]):
             if rid in seen:
                 raise ValueError(f"request {rid!r} appears twice")
             seen.add(rid)
+
+    def admissible(self, req_ids: Sequence[str]) -> bool:
+        """Whether *req_ids* may be opened now: :meth:`check` (which raises) and room in
+        the budget for all of them."""
+        self.check(req_ids)
+        room = self.room()
+        return room is None or room >= len(req_ids)
+
+    def full_error(self, timeout: float | None) -> PipelineFullError:
+        """What an add without room raises: at once (*timeout* ``None``), or after
+        *timeout* seconds."""
+        budget = self.max_in_flight
+        if timeout is None:
+            return PipelineFullError(
+                f"the pipeline holds {len(self._requests)} requests, its max_in_flight ({budget})"
+            )
+        return PipelineFullError(
+            f"no room in the pipeline (max_in_flight {budget}) within {timeout} s"
+        )
 
     def open(self, req_id: str, stream: S) -> None:
         """Admit *req_id* (checked with :meth:`check`; the room is the caller's to check)."""

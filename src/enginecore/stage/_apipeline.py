@@ -1,0 +1,224 @@
+"""The asyncio stage pipeline: :class:`AsyncPipeline` and :class:`AsyncPipelineStream`.
+
+The twin of :class:`~._pipeline.Pipeline`, with coroutines, on one event loop: the same
+coordinator (:mod:`._pipeline_core`) and the same shared operations
+(:mod:`._pipelinebase`), over one :class:`~._aclient.AsyncStageClient` per stage. Each
+stage's events go to the core from that client's event-loop reader
+(``AsyncStageClient._event_sink``), as it appends them to its ordered event stream: no task
+of the pipeline's own. Use it from the event loop that launched it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+from . import _clientbase
+from ._aclient import AsyncRequestStream, AsyncStageClient
+from ._pipeline_core import PipelineDeliveries, check_budget
+from ._pipelinebase import (
+    PIPE_FACTORY,
+    PipelineBase,
+    PipelineStage,
+    check_drain,
+    check_items,
+    launch_options,
+    pipe_kwargs,
+    stage_specs,
+)
+from ._session import NO_LOCK
+from ._statistics import StageStatistics
+
+__all__ = ["AsyncPipeline", "AsyncPipelineStream"]
+
+
+class AsyncPipelineStream(AsyncRequestStream):
+    """The outputs of one request of an :class:`AsyncPipeline`: what
+    :class:`~enginecore.stage.PipelineStream` is to a :class:`~enginecore.stage.Pipeline`,
+    as an async iterator (``async for``, :meth:`get`, :meth:`collect`, :attr:`finished`,
+    :attr:`aborted`, :attr:`timings`)."""
+
+    __slots__ = ()
+
+
+class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
+    """:class:`~enginecore.stage.Pipeline` for asyncio: the same abilities, errors and
+    budget, with coroutines. Build one with ``await AsyncPipeline.launch(stages)``;
+    :meth:`add`, :meth:`add_many`, :meth:`abort`, :meth:`call_utility`, :meth:`stats` and
+    :meth:`shutdown` are coroutines, :meth:`health` and :attr:`in_flight` are not. An
+    :meth:`add` without room in the budget awaits it (or raises
+    :class:`~enginecore.stage.PipelineFullError`: ``wait=False``, or its *timeout*)."""
+
+    def __init__(
+        self,
+        clients: Sequence[AsyncStageClient],
+        names: Sequence[str],
+        *,
+        max_in_flight: int | None = None,
+    ) -> None:
+        # Private: use launch().
+        super().__init__(clients, names, max_in_flight, NO_LOCK)
+        self._room_waiters: list[asyncio.Future[None]] = []
+        self._closing: asyncio.Future[None] | None = None
+        for k, client in enumerate(self._clients):
+            client._event_sink = functools.partial(self._take_events, k)
+            self._take_events(k)  # anything that came before the sink was set
+
+    @classmethod
+    async def launch(
+        cls,
+        stages: Sequence[PipelineStage | str],
+        *,
+        max_in_flight: int | None = None,
+        startup_timeout: float = 60.0,
+    ) -> AsyncPipeline:
+        """Start one stage process per item of *stages*, as :meth:`Pipeline.launch
+        <enginecore.stage.Pipeline.launch>` does, without blocking the event loop. If one
+        fails to start (or the launch is cancelled), the ones started are shut down."""
+        specs = stage_specs(stages)
+        check_budget(max_in_flight)
+        clients: list[AsyncStageClient] = []
+        downstream: str | None = None
+        try:
+            for spec in reversed(specs):
+                client = await AsyncStageClient.launch(
+                    PIPE_FACTORY,
+                    pipe_kwargs(spec, downstream),
+                    **launch_options(spec, startup_timeout),
+                )
+                clients.append(client)
+                downstream = client.address
+        except BaseException:
+            for client in clients:
+                with contextlib.suppress(Exception):
+                    await client.shutdown()
+            raise
+        clients.reverse()
+        return cls(clients, [s.name or s.factory for s in specs], max_in_flight=max_in_flight)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def add(
+        self, req_id: str, data: Any, *, wait: bool = True, timeout: float | None = None
+    ) -> AsyncPipelineStream:
+        """Send request *req_id* with *data* to the first stage; return its stream. As
+        :meth:`Pipeline.add <enginecore.stage.Pipeline.add>`: awaits room in the budget."""
+        return (await self._admit([(req_id, data)], wait, timeout, many=False))[0]
+
+    async def add_many(
+        self,
+        items: Iterable[tuple[str, Any]],
+        *,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> list[AsyncPipelineStream]:
+        """Send many requests to the first stage in one frame; return their streams. As
+        :meth:`Pipeline.add_many <enginecore.stage.Pipeline.add_many>`."""
+        return await self._admit(list(items), wait, timeout, many=True)
+
+    async def _admit(
+        self, items: list[tuple[str, Any]], wait: bool, timeout: float | None, many: bool
+    ) -> list[AsyncPipelineStream]:
+        core = self._core
+        ids = check_items(items, core.max_in_flight)
+        deadline = _clientbase.deadline_after(timeout)
+        while not core.admissible(ids):
+            if not wait:
+                raise core.full_error(None)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise core.full_error(timeout)
+            room = asyncio.get_running_loop().create_future()
+            self._room_waiters.append(room)
+            try:
+                await asyncio.wait([room], timeout=left)
+            finally:
+                if not room.done():
+                    room.cancel()
+                    self._room_waiters.remove(room)
+        now = time.monotonic()
+        streams = [AsyncPipelineStream(rid, NO_LOCK, now) for rid in ids]
+        for rid, stream in zip(ids, streams, strict=True):
+            core.open(rid, stream)
+        first = self._clients[0]
+        try:
+            if many:
+                await first.add_many(items, streams=False)
+            else:
+                await first.add(ids[0], items[0][1], stream=False)
+        except BaseException:
+            d: PipelineDeliveries[AsyncPipelineStream] = PipelineDeliveries()
+            core.forget(ids, d)
+            self._deliver(d)
+            raise
+        return streams
+
+    async def abort(self, req_ids: Sequence[str]) -> None:
+        """Abort requests in every stage that holds them, as :meth:`Pipeline.abort
+        <enginecore.stage.Pipeline.abort>`. Never waits."""
+        self._abort(req_ids)
+
+    # -- stages ------------------------------------------------------------------------------
+
+    async def call_utility(
+        self, stage: str, name: str, /, *args: Any, timeout: float | None = None
+    ) -> Any:
+        """Call utility *name* of the stage named *stage*."""
+        return await self.client(stage).call_utility(name, *args, timeout=timeout)
+
+    async def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics]:
+        """Each stage's statistics, by name."""
+        return {name: await self.client(name).stats(timeout) for name in self._names}
+
+    # -- closing -----------------------------------------------------------------------------
+
+    async def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
+        """Stop every stage, as :meth:`Pipeline.shutdown <enginecore.stage.Pipeline.shutdown>`
+        (with *drain*, the stages drain one after the other, first to last). Idempotent: a
+        second call waits for the first."""
+        check_drain(drain)
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
+            return
+        self._closing = asyncio.get_running_loop().create_future()
+        self._closed = True
+        try:
+            deadline = None if drain is None else time.monotonic() + drain
+            for client in self._clients:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                with contextlib.suppress(Exception):
+                    await client.shutdown(timeout, drain=left)
+            self._close_core()
+        finally:
+            self._closing.set_result(None)
+
+    close = shutdown
+
+    async def __aenter__(self) -> AsyncPipeline:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+    def _deliver(self, d: PipelineDeliveries[AsyncPipelineStream]) -> None:
+        for stream in d.wake:
+            wakeup = stream._wakeup
+            if wakeup is not None and not wakeup.done():
+                wakeup.set_result(None)
+        if d.aborts:
+            self._send_aborts(d.aborts)
+        if d.freed and self._room_waiters:
+            waiters, self._room_waiters = self._room_waiters, []
+            for room in waiters:
+                if not room.done():
+                    room.set_result(None)

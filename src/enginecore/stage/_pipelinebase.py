@@ -1,0 +1,265 @@
+"""What the two pipelines share: :class:`PipelineStage`, the stage list's checks, and
+:class:`PipelineBase`, the operations that never wait.
+
+:class:`~._pipeline.Pipeline` (blocking) and :class:`~._apipeline.AsyncPipeline` (asyncio)
+are one coordinator (:mod:`._pipeline_core`) behind two IO layers, as the two clients are
+one :class:`~._session.ClientSession`: the stage list, the kwargs each stage is launched
+with, the event handling, abort, health and names live here once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar
+
+from ._clientbase import ClientBase
+from ._errors import EngineDeadError, StageClosedError
+from ._pipeline_core import PipelineCore, PipelineDeliveries
+from ._session import End, StageHealth, StreamCore
+from ._wire import Aborted, ErrorReport, Outputs
+
+__all__ = [
+    "PIPE_FACTORY",
+    "PipelineBase",
+    "PipelineStage",
+    "check_drain",
+    "check_items",
+    "launch_options",
+    "pipe_kwargs",
+    "stage_specs",
+]
+
+logger = logging.getLogger("enginecore.stage")
+
+PIPE_FACTORY: Final = "enginecore.stage._pipe_stage:pipe_stage"
+"""The factory every pipeline stage is launched with: it builds the user's engine and
+wraps it (:mod:`._pipe_stage`)."""
+
+S = TypeVar("S", bound=StreamCore)
+C = TypeVar("C", bound=ClientBase[Any, Any])
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One stage of a :class:`Pipeline`, as :meth:`Pipeline.launch` starts it.
+
+    *factory* is the engine factory's import string (``"pkg.module:callable"``, as for
+    :meth:`StageClient.launch`), called with *kwargs* in the stage process. *name* names the
+    stage in errors, statistics and logs (default: the factory string, with ``[k]`` added
+    when two stages share one). *edge* is the import string of the edge function to the next
+    stage, ``edge(payload) -> (to_next, to_caller)``, called in this stage's process for each
+    of its outputs; either side may be :data:`~enginecore.stage.NOTHING`. Without one, every
+    output goes to the next stage. The last stage has no edge: its outputs go to the caller.
+    *step_timeout*, *log_level* and *forward_logs* are :meth:`StageClient.launch`'s (and
+    :meth:`AsyncStageClient.launch`'s).
+    """
+
+    factory: str
+    kwargs: Mapping[str, Any] | None = None
+    name: str | None = None
+    edge: str | None = None
+    step_timeout: float | None = 60.0
+    log_level: int | str | None = None
+    forward_logs: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.factory, str):
+            raise TypeError(f"factory must be an import string, got {self.factory!r}")
+        if self.edge is not None and not isinstance(self.edge, str):
+            raise TypeError(
+                f"edge must be an import string 'pkg.module:fn' (it runs in the stage's "
+                f"process), got {self.edge!r}"
+            )
+
+
+def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
+    """*stages* as :class:`PipelineStage` objects, each with its unique name."""
+    if isinstance(stages, (str, PipelineStage)) or not stages:
+        raise ValueError("a pipeline needs a sequence of one or more stages")
+    specs = [s if isinstance(s, PipelineStage) else PipelineStage(s) for s in stages]
+    for spec in specs[-1:]:
+        if spec.edge is not None:
+            raise ValueError(
+                f"the last stage ({spec.name or spec.factory!r}) has no next stage, so no "
+                f"edge: its outputs go to the caller"
+            )
+    names: list[str] = []
+    for k, spec in enumerate(specs):
+        name = spec.name
+        if name is None:
+            name = spec.factory
+            if sum(s.factory == spec.factory and s.name is None for s in specs) > 1:
+                name = f"{spec.factory}[{k}]"
+        if name in names:
+            raise ValueError(f"two stages are named {name!r}")
+        names.append(name)
+    return [
+        PipelineStage(s.factory, s.kwargs, n, s.edge, s.step_timeout, s.log_level, s.forward_logs)
+        for s, n in zip(specs, names, strict=True)
+    ]
+
+
+def pipe_kwargs(spec: PipelineStage, downstream: str | None) -> dict[str, Any]:
+    """The kwargs of :data:`PIPE_FACTORY` for the stage *spec*, whose next stage listens at
+    *downstream* (``None``: the last stage)."""
+    kwargs: dict[str, Any] = {
+        "factory": spec.factory,
+        "stage": spec.name,
+        "kwargs": dict(spec.kwargs or {}),
+    }
+    if spec.edge is not None:
+        kwargs["edge"] = spec.edge
+    if downstream is not None:
+        kwargs["downstream"] = downstream
+    return kwargs
+
+
+def launch_options(spec: PipelineStage, startup_timeout: float) -> dict[str, Any]:
+    """The keyword arguments of a client's ``launch`` for the stage *spec*."""
+    return {
+        "startup_timeout": startup_timeout,
+        "ordered_events": True,
+        "name": spec.name,
+        "step_timeout": spec.step_timeout,
+        "log_level": spec.log_level,
+        "forward_logs": spec.forward_logs,
+    }
+
+
+def check_items(items: list[tuple[str, Any]], budget: int | None) -> list[str]:
+    """The request ids of an add's *items*, checked: :class:`TypeError` for a bad pair or
+    id, :class:`ValueError` for more than the *budget* at once."""
+    for item in items:
+        if type(item) is not tuple or len(item) != 2:
+            raise TypeError(f"add_many() takes (req_id, data) pairs, got {item!r:.100}")
+        if type(item[0]) is not str:
+            raise TypeError(f"a request id must be a str, got {type(item[0]).__name__}")
+    if budget is not None and len(items) > budget:
+        raise ValueError(f"{len(items)} requests at once, more than max_in_flight ({budget})")
+    return [rid for rid, _ in items]
+
+
+def check_drain(drain: float | None) -> None:
+    """:class:`ValueError` for a drain that is not ``None`` or a number >= 0."""
+    if drain is not None and not drain >= 0:
+        raise ValueError(f"drain must be >= 0, got {drain}")
+
+
+class PipelineBase(Generic[S, C]):
+    """The coordinator's state and the operations that never wait, for both pipelines.
+    *clients* are the stages' clients, in order, each launched with :data:`PIPE_FACTORY`
+    and the ordered event stream on; *lock* guards the core and the streams (a real lock
+    for the blocking pipeline, a null one on the event loop)."""
+
+    def __init__(
+        self,
+        clients: Sequence[C],
+        names: Sequence[str],
+        max_in_flight: int | None,
+        lock: contextlib.AbstractContextManager[Any],
+    ) -> None:
+        self._lock = lock
+        self._core: PipelineCore[S] = PipelineCore(names, max_in_flight)
+        self._clients = list(clients)
+        self._names = tuple(names)
+        self._closed = False
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The stages' names, in order."""
+        return self._names
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in the pipeline now (each holds its place in the budget until it is
+        over in every stage)."""
+        with self._lock:
+            return self._core.in_flight
+
+    def client(self, stage: str) -> C:
+        """The client of the stage named *stage* (for what the pipeline does not wrap).
+        :class:`KeyError` for an unknown name."""
+        try:
+            return self._clients[self._names.index(stage)]
+        except ValueError:
+            stages = list(self._names)
+            raise KeyError(f"no stage named {stage!r}; the stages are {stages}") from None
+
+    def health(self) -> dict[str, StageHealth]:
+        """Each stage's health, by name. Never blocks."""
+        return {name: c.health() for name, c in zip(self._names, self._clients, strict=True)}
+
+    def _abort(self, req_ids: Sequence[str]) -> None:
+        if isinstance(req_ids, str):
+            raise TypeError("abort() takes a sequence of request ids, not a str")
+        d: PipelineDeliveries[S] = PipelineDeliveries()
+        with self._lock:
+            self._core.abort(req_ids, d)
+        self._deliver(d)
+
+    def _deliver(self, d: PipelineDeliveries[S]) -> None:
+        """Carry out what the core decided, outside the lock: wake streams, send aborts to
+        the first stage, wake adds that wait for room."""
+        raise NotImplementedError
+
+    def _close_core(self) -> None:
+        """Every stage is stopped: streams still open end with
+        :class:`~enginecore.stage.StageClosedError`."""
+        d: PipelineDeliveries[S] = PipelineDeliveries()
+        with self._lock:
+            self._core.close(StageClosedError("the pipeline was shut down"), time.monotonic(), d)
+        self._deliver(d)
+
+    def _send_aborts(self, req_ids: list[str]) -> None:
+        """To the first stage; the abort chases the data from there. If the first stage is
+        gone, its failure ends every request anyway."""
+        with contextlib.suppress(Exception):
+            self._clients[0]._send_abort(req_ids)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {' -> '.join(self._names)}>"
+
+    # -- what the stages say ------------------------------------------------------------------
+
+    def _take_events(self, k: int) -> None:
+        """Stage *k*'s client appended to its ordered event stream: hand every event to the
+        core, in order. Taken under the pipeline's lock, so two threads that read frames of
+        one stage (its receiver and a ``call_utility``) cannot reorder them."""
+        client = self._clients[k]
+        buf = client._session.events
+        if not buf:
+            return
+        core = self._core
+        d: PipelineDeliveries[S] = PipelineDeliveries()
+        dead: BaseException | None = None
+        with self._lock:
+            now = time.monotonic()
+            while buf:
+                ev = buf.popleft()
+                if isinstance(ev, Outputs):
+                    core.outputs(k, ev.req_ids, ev.finished, ev.payloads, now, d)
+                elif isinstance(ev, Aborted):
+                    core.aborted(k, ev.req_ids, now, d)
+                elif isinstance(ev, ErrorReport):
+                    if ev.req_id is not None:
+                        core.error(k, ev.req_id, ev.message, now, d)
+                    else:
+                        logger.warning(
+                            "enginecore: pipeline stage %r: %s", self._names[k], ev.message
+                        )
+                elif isinstance(ev, End) and ev.exc is not None and not self._closed:
+                    # The stage's event stream ended with its failure: it is gone.
+                    dead = ev.exc
+                    exc = dead if isinstance(dead, EngineDeadError) else EngineDeadError(str(dead))
+                    core.stage_dead(k, exc, now, d)
+        self._deliver(d)
+        if dead is not None:
+            logger.error(
+                "enginecore: pipeline stage %r is gone (%s); the pipeline takes no more requests",
+                self._names[k],
+                dead,
+            )
