@@ -336,6 +336,83 @@ class TestErrors:
         assert pipe.in_flight == 0
 
 
+class TestCredits:
+    def test_a_slow_stage_holds_its_producer_to_the_window(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="fast", window=16),
+                PipelineStage(RELAY, {"step_s": 0.01}, name="slow"),
+            ]
+        )
+        stream = pipe.add("r", 400)
+        most = 0
+        for i, payload in enumerate(stream):
+            assert payload == 399 - i
+            if i % 10 == 0:
+                most = max(most, pipe.stats()["fast"].engine["edge_in_flight"])
+        edge = pipe.stats()["fast"].engine
+        # A step starts only below the window (16), and a countdown step sends one payload,
+        # and the end with the last one: never more than 17.
+        assert 0 < most <= 17
+        assert edge["edge_waits"] > 0  # the window held the producer back
+        assert edge["edge_sent"] == 401  # 400 payloads and the end
+        assert edge["edge_in_flight"] == 0  # everything taken, and credited back
+
+    def test_the_byte_window_bounds_the_bytes_in_flight(self, launch: Any) -> None:
+        chunk = 100_000  # bytes sent on per output (the inflate edge)
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="fast", edge=f"{T}:inflate", window_bytes=2 * chunk),
+                PipelineStage(RELAY, {"step_s": 0.005}, name="slow"),
+            ]
+        )
+        stream = pipe.add("r", 60)
+        most = 0
+        received = []
+        for payload in stream:
+            received.append(payload)
+            most = max(most, pipe.stats()["fast"].engine["edge_in_flight_bytes"])
+        assert sorted(p for p in received if isinstance(p, int)) == list(range(60))
+        assert sum(len(p) for p in received if isinstance(p, bytes)) == 60 * chunk
+        # Never past the window plus what one step sends (one payload: a countdown step
+        # advances the request by one), frame headers included.
+        assert chunk <= most <= 3 * chunk + 300
+        assert pipe.stats()["fast"].engine["edge_in_flight_bytes"] == 0
+
+    @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+    def test_a_bad_window_is_refused(self, bad: Any) -> None:
+        with pytest.raises(ValueError, match="window must be an int >= 1 or None"):
+            PipelineStage(COUNTDOWN, window=bad)
+        with pytest.raises(ValueError, match="window_bytes must be an int >= 1 or None"):
+            PipelineStage(COUNTDOWN, window_bytes=bad)
+
+    def test_credit_in_the_stage_process_step_by_step(self) -> None:
+        # The producer side: a full window stops steps until credit comes; the consumer
+        # side: what a pipe frame brought is given back after the next step, or at once
+        # when the loop would go idle.
+        emitted: list[Any] = []
+        stage = PipeStage(CountdownEngine(), stage="s", window=2)
+        stage.attach_emit(emitted.append)
+        stage._link = type("Link", (), {})()  # type: ignore[assignment]
+        stage._send_on = lambda kinds, *rest: stage._count_sent(len(kinds), [b"x" * 10])  # type: ignore[method-assign]
+        stage.add("a", 5)
+        stage.add("b", 5)
+        assert stage.has_work()
+        stage.step()  # two payloads sent on: the window (2) is full
+        assert not stage.has_work()
+        assert stage.stats()["edge_waits"] == 1
+        stage.pipe_credit(1, 10)
+        assert stage.has_work()
+        stage.pipe_received(3, 300)
+        assert emitted == []
+        stage.step()
+        assert emitted == [("credit", 3, 300)]  # after the step
+        stage.pipe_received(1, 50)
+        stage._inner.abort(["a", "b"])  # type: ignore[attr-defined]
+        assert not stage.has_work()
+        assert emitted[-1] == ("credit", 1, 50)  # the loop would go idle: given back now
+
+
 class TestAdmission:
     def test_max_in_flight_waits_or_refuses_and_frees_at_the_end(self, launch: Any) -> None:
         pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="held")], max_in_flight=2)

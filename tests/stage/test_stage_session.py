@@ -12,7 +12,7 @@ import pytest
 
 from enginecore import Abort, Add, Utility
 from enginecore.stage import _wire
-from enginecore.stage._controls import AddBurst, PipeInput, SessionChange, Stop
+from enginecore.stage._controls import AddBurst, PipeCredit, PipeInput, SessionChange, Stop
 from enginecore.stage._stage_session import (
     HELLO_HOLD_S,
     CallTable,
@@ -338,20 +338,35 @@ class TestValidation:
         self, session: StageSession
     ) -> None:
         # From any peer (the previous stage of a pipeline never says hello).
-        session.receive(B, frame("pipe", [1, 0, 2], ["a", "a", "a"], [1, 2, None]), 0.0)
+        # The control carries the whole frame's items and bytes: the credit given back.
+        body = frame("pipe", [1, 0, 2], ["a", "a", "a"], [1, 2, None])
+        session.receive(B, body, 0.0)
         [pipe], events = take(session)
         assert isinstance(pipe, PipeInput)
         assert (pipe.kinds, pipe.req_ids, pipe.data) == ([1, 0, 2], ["a", "a", "a"], [1, 2, None])
+        assert pipe.received == (3, len(body[0]))
         assert not events
-        session.receive(B, frame("pipe", [3, 4, 1], ["a", "b", "c"], [1, 2, {1.5: 0}]), 0.0)
+        body = frame("pipe", [3, 4, 1], ["a", "b", "c"], [1, 2, {1.5: 0}])
+        session.receive(B, body, 0.0)
         [pipe], events = take(session)
         assert (pipe.kinds, pipe.req_ids, pipe.data) == ([3], ["a"], [1])
+        assert pipe.received == (3, len(body[0]))  # the refused items are given back too
         assert [(kind, rid) for kind, rid, _ in events] == [("error", "b"), ("error", "c")]
         assert events[0][2] == "invalid message: pipe kind must be 0, 1, 2 or 3, got 4"
         assert events[1][2].startswith("invalid message: data")
-        session.receive(B, frame("pipe", [1], ["a", "b"], [1]), 0.0)
+        body = frame("pipe", [1], ["a", "b"], [1])
+        session.receive(B, body, 0.0)
+        [pipe], events = take(session)
+        assert (pipe.kinds, pipe.received) == ([], (1, len(body[0])))
         what = "invalid message: pipe has 1 kinds, 2 request ids and 1 data items"
-        assert take(session) == ([], [("error", "a", what), ("error", "b", what)])
+        assert events == [("error", "a", what), ("error", "b", what)]
+
+    def test_a_credit_becomes_a_control(self, session: StageSession) -> None:
+        session.receive(A, frame("credit", 3, 1200), 0.0)
+        [credit], events = take(session)
+        assert isinstance(credit, PipeCredit)
+        assert (credit.items, credit.nbytes) == (3, 1200)
+        assert not events
 
     def test_an_adds_with_unequal_lengths_errs_for_every_id(self, session: StageSession) -> None:
         session.receive(A, frame("adds", ["a", "b"], [1]), 0.0)

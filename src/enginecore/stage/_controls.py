@@ -23,6 +23,8 @@ control                   made by, and what the loop does with it
                           applied item by item as if each were its own ``Add``
 :class:`PipeInput`        a pipeline's previous stage's ``pipe`` frame: input for requests
                           (a first one, more, the end), item by item
+:class:`PipeCredit`       the coordinator's ``credit``: the next stage took what this one
+                          sent it, so the window to it has room again
 ========================  =================================================================
 """
 
@@ -40,6 +42,7 @@ __all__ = [
     "AddBurst",
     "DrainDeadline",
     "DropEnded",
+    "PipeCredit",
     "PipeInput",
     "SessionChange",
     "StageTarget",
@@ -63,7 +66,11 @@ class StageTarget(Protocol):
     @property
     def add_burst(self) -> Callable[[list[str], list[Any]], None]: ...
 
-    def pipe_input(self, kinds: list[int], req_ids: list[str], data: list[Any]) -> None: ...
+    def pipe_input(
+        self, kinds: list[int], req_ids: list[str], data: list[Any], received: tuple[int, int]
+    ) -> None: ...
+
+    def pipe_credit(self, items: int, nbytes: int) -> None: ...
 
 
 class Stop(Control):
@@ -169,19 +176,46 @@ class PipeInput(Control):
     ``kinds[i]`` of input ``data[i]`` for request ``req_ids[i]``, applied in order
     (``StageEngine.pipe_input``). The lengths are equal (the session checks)."""
 
-    __slots__ = ("data", "kinds", "req_ids")
+    __slots__ = ("data", "kinds", "received", "req_ids")
 
-    def __init__(self, kinds: list[int], req_ids: list[str], data: list[Any]) -> None:
+    def __init__(
+        self,
+        kinds: list[int],
+        req_ids: list[str],
+        data: list[Any],
+        received: tuple[int, int] = (0, 0),
+    ) -> None:
         self.kinds = kinds
         self.req_ids = req_ids
         self.data = data
+        self.received = received
+        """``(items, nbytes)`` of the whole frame, invalid items included: what the stage
+        gives back as credit to the one that sent it."""
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
         try:
-            engine.pipe_input(self.kinds, self.req_ids, self.data)
+            engine.pipe_input(self.kinds, self.req_ids, self.data, self.received)
         finally:
             # A request's first input is its add, for the loop's statistics.
             loop._stats.adds += sum(kind & 1 for kind in self.kinds)
 
     def __repr__(self) -> str:
         return f"PipeInput({len(self.req_ids)} items)"
+
+
+class PipeCredit(Control):
+    """The coordinator's ``credit`` (``docs/wire.md`` section 8): the next stage of a
+    pipeline took *items* items, *nbytes* bytes, of what this stage sent it
+    (``StageEngine.pipe_credit``)."""
+
+    __slots__ = ("items", "nbytes")
+
+    def __init__(self, items: int, nbytes: int) -> None:
+        self.items = items
+        self.nbytes = nbytes
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        engine.pipe_credit(self.items, self.nbytes)
+
+    def __repr__(self) -> str:
+        return f"PipeCredit({self.items} items, {self.nbytes} bytes)"

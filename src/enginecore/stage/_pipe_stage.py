@@ -62,13 +62,17 @@ _LINK_LINGER_MS: Final = 2000
 Edge = Callable[[Any], tuple[Any, Any]]
 
 _NO_COLUMNS: Final[tuple[list[Any], list[bool], list[Any]]] = ([], [], [])
+_UNBOUNDED: Final = 1 << 62
 
 
 class PipeStage:
     """The user's :class:`~enginecore.Engine` *inner* as one stage of a pipeline (module
     docstring). *edge*: the edge function (``None``: every output to the next stage);
     *downstream*: the next stage's input address (``None``: the last stage, whose outputs
-    all go to the caller). Loop thread only, like any engine."""
+    all go to the caller). *window* and *window_bytes*: the most pipe items, and bytes of
+    pipe messages, sent to the next stage and not yet taken by it (``None``: no bound); a
+    step does not start while either is reached (module docstring, "credits"). Loop thread
+    only, like any engine."""
 
     def __init__(
         self,
@@ -77,14 +81,31 @@ class PipeStage:
         stage: str,
         edge: Edge | None = None,
         downstream: str | None = None,
+        window: int | None = None,
+        window_bytes: int | None = None,
     ) -> None:
         self._inner = inner
         self._stage = stage
-        self.has_work = inner.has_work
+        self._inner_has_work = inner.has_work
         self.utility = inner.utility
         stats = getattr(inner, "stats", None)
-        if callable(stats):
-            self.stats = stats
+        self._inner_stats: Callable[[], dict[str, float]] | None = (
+            stats if callable(stats) else None
+        )
+        # Credits (loop thread only). Sent on and not yet taken by the next stage:
+        self._out_items = 0
+        self._out_bytes = 0
+        self._window_items = _UNBOUNDED if window is None else window
+        self._window_bytes = _UNBOUNDED if window_bytes is None else window_bytes
+        self._waiting = False  # has_work() said no for want of credit, and none came since
+        self._waits = 0  # how often that began
+        self._sent_items = 0
+        self._sent_bytes = 0
+        # Taken from the previous stage and not yet given back (a credit event, after the
+        # next step or when the loop would go idle):
+        self._taken_items = 0
+        self._taken_bytes = 0
+        self._emit: Callable[[Any], None] | None = None
         self._route = make_router(inner)
         self._edge = edge
         feed = getattr(inner, "feed", None)
@@ -118,6 +139,55 @@ class PipeStage:
             atexit.register(close)
 
     # -- the engine's methods, as the stage runtime calls them --------------------------------
+
+    def has_work(self) -> bool:
+        """The engine's, unless the window to the next stage is full. Gives back the credit
+        for what it took from the previous stage when the loop would go idle."""
+        if self._inner_has_work():
+            if self._out_items < self._window_items and self._out_bytes < self._window_bytes:
+                return True
+            if not self._waiting:
+                self._waiting = True
+                self._waits += 1
+        if self._taken_items:
+            self._give_credit()
+        return False
+
+    def attach_emit(self, emit: Callable[[Any], None]) -> None:
+        """The stage runtime's ``emit`` (loop thread), for the credit events."""
+        self._emit = emit
+
+    def pipe_received(self, items: int, nbytes: int) -> None:
+        """The stage runtime applied a pipe frame of *items* items, *nbytes* bytes: give it
+        back as credit after the next step (or when the loop would go idle)."""
+        self._taken_items += items
+        self._taken_bytes += nbytes
+
+    def pipe_credit(self, items: int, nbytes: int) -> None:
+        """The next stage took *items* items, *nbytes* bytes, of what this one sent."""
+        self._out_items = max(0, self._out_items - items)
+        self._out_bytes = max(0, self._out_bytes - nbytes)
+        self._waiting = False
+
+    def _give_credit(self) -> None:
+        emit = self._emit
+        if emit is not None:
+            emit(("credit", self._taken_items, self._taken_bytes))
+        self._taken_items = self._taken_bytes = 0
+
+    def stats(self) -> dict[str, float]:
+        """The engine's own numbers, and the edge's: ``edge_in_flight`` and
+        ``edge_in_flight_bytes`` (sent to the next stage, not yet taken), ``edge_sent`` and
+        ``edge_sent_bytes`` (in all), ``edge_waits`` (how often the window held a step
+        back)."""
+        out = dict(self._inner_stats()) if self._inner_stats is not None else {}
+        if self._link is not None:
+            out["edge_in_flight"] = self._out_items
+            out["edge_in_flight_bytes"] = self._out_bytes
+            out["edge_sent"] = self._sent_items
+            out["edge_sent_bytes"] = self._sent_bytes
+            out["edge_waits"] = self._waits
+        return out
 
     def add(self, req_id: str, data: Any) -> None:
         """A request from the coordinator: the first stage's whole input (an engine with
@@ -177,6 +247,8 @@ class PipeStage:
         if rids:
             rids, fins, payloads = self._split(rids, fins, payloads)
         self._columns = (rids, fins, payloads)
+        if self._taken_items:
+            self._give_credit()  # a step ran since the input was taken
         return rids
 
     def route_outputs(self, outputs: list[Any]) -> tuple[list[Any], list[bool], list[Any]]:
@@ -307,9 +379,18 @@ class PipeStage:
                         RequestRejected(f"the input for the next stage cannot be encoded: {exc}")
                     )
                     continue
+                self._count_sent(1, parts)
                 _codec.send_parts(link, parts, 0)
             return
+        self._count_sent(len(kinds), parts)
         _codec.send_parts(link, parts, 0)
+
+    def _count_sent(self, items: int, parts: list[Any]) -> None:
+        nbytes = sum([len(p) if p.__class__ is bytes else p.nbytes for p in parts])
+        self._out_items += items
+        self._out_bytes += nbytes
+        self._sent_items += items
+        self._sent_bytes += nbytes
 
 
 class PipelinedPipeStage(PipeStage):
@@ -324,8 +405,17 @@ class PipelinedPipeStage(PipeStage):
         stage: str,
         edge: Edge | None = None,
         downstream: str | None = None,
+        window: int | None = None,
+        window_bytes: int | None = None,
     ) -> None:
-        super().__init__(inner, stage=stage, edge=edge, downstream=downstream)
+        super().__init__(
+            inner,
+            stage=stage,
+            edge=edge,
+            downstream=downstream,
+            window=window,
+            window_bytes=window_bytes,
+        )
         self.launch = inner.launch
         collect = inner.collect
         routed = self._routed
@@ -346,12 +436,21 @@ def pipe_stage(
     kwargs: dict[str, Any] | None = None,
     edge: str | None = None,
     downstream: str | None = None,
+    window: int | None = None,
+    window_bytes: int | None = None,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
     function's import string (``"pkg.module:fn"``), resolved here, in the stage process."""
     inner = build_engine(factory, dict(kwargs or {}))
     edge_fn = None if edge is None else import_factory(edge)
+    options: dict[str, Any] = {
+        "stage": stage,
+        "edge": edge_fn,
+        "downstream": downstream,
+        "window": window,
+        "window_bytes": window_bytes,
+    }
     if isinstance(inner, PipelinedEngine):
-        return PipelinedPipeStage(inner, stage=stage, edge=edge_fn, downstream=downstream)
-    return PipeStage(inner, stage=stage, edge=edge_fn, downstream=downstream)
+        return PipelinedPipeStage(inner, **options)
+    return PipeStage(inner, **options)

@@ -10,6 +10,7 @@ with, the event handling, abort, health and names live here once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -19,8 +20,8 @@ from typing import Any, Final, Generic, TypeVar
 from ._clientbase import ClientBase
 from ._errors import EngineDeadError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
-from ._session import End, StageHealth, StreamCore
-from ._wire import Aborted, ErrorReport, Outputs
+from ._session import ClientSession, End, StageHealth, StreamCore
+from ._wire import Aborted, Credit, ErrorReport, Outputs
 
 __all__ = [
     "PIPE_FACTORY",
@@ -34,6 +35,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger("enginecore.stage")
+
+DEFAULT_WINDOW: Final = 4096
+"""A pipeline stage's default window to the next stage, in payloads."""
+
+DEFAULT_WINDOW_BYTES: Final = 64 * 2**20
+"""A pipeline stage's default window to the next stage, in bytes (64 MiB)."""
 
 PIPE_FACTORY: Final = "enginecore.stage._pipe_stage:pipe_stage"
 """The factory every pipeline stage is launched with: it builds the user's engine and
@@ -54,8 +61,13 @@ class PipelineStage:
     stage, ``edge(payload) -> (to_next, to_caller)``, called in this stage's process for each
     of its outputs; either side may be :data:`~enginecore.stage.NOTHING`. Without one, every
     output goes to the next stage. The last stage has no edge: its outputs go to the caller.
-    *step_timeout*, *log_level* and *forward_logs* are :meth:`StageClient.launch`'s (and
-    :meth:`AsyncStageClient.launch`'s).
+
+    *window* and *window_bytes* bound the edge to the next stage: the most payloads, and
+    bytes of them, this stage has sent on that the next stage has not taken yet (``None``:
+    no bound). While either is reached, this stage starts no step, so a slow stage holds
+    its producer back instead of letting its input pile up; a step already started may
+    overshoot by what it produces. *step_timeout*, *log_level* and *forward_logs* are
+    :meth:`StageClient.launch`'s (and :meth:`AsyncStageClient.launch`'s).
     """
 
     factory: str
@@ -65,10 +77,18 @@ class PipelineStage:
     step_timeout: float | None = 60.0
     log_level: int | str | None = None
     forward_logs: bool = False
+    window: int | None = DEFAULT_WINDOW
+    window_bytes: int | None = DEFAULT_WINDOW_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str):
             raise TypeError(f"factory must be an import string, got {self.factory!r}")
+        for what in ("window", "window_bytes"):
+            value = getattr(self, what)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{what} must be an int >= 1 or None, got {value!r}")
         if self.edge is not None and not isinstance(self.edge, str):
             raise TypeError(
                 f"edge must be an import string 'pkg.module:fn' (it runs in the stage's "
@@ -97,10 +117,7 @@ def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
         if name in names:
             raise ValueError(f"two stages are named {name!r}")
         names.append(name)
-    return [
-        PipelineStage(s.factory, s.kwargs, n, s.edge, s.step_timeout, s.log_level, s.forward_logs)
-        for s, n in zip(specs, names, strict=True)
-    ]
+    return [dataclasses.replace(s, name=n) for s, n in zip(specs, names, strict=True)]
 
 
 def pipe_kwargs(spec: PipelineStage, downstream: str | None) -> dict[str, Any]:
@@ -115,6 +132,8 @@ def pipe_kwargs(spec: PipelineStage, downstream: str | None) -> dict[str, Any]:
         kwargs["edge"] = spec.edge
     if downstream is not None:
         kwargs["downstream"] = downstream
+        kwargs["window"] = spec.window
+        kwargs["window_bytes"] = spec.window_bytes
     return kwargs
 
 
@@ -236,6 +255,7 @@ class PipelineBase(Generic[S, C]):
         core = self._core
         d: PipelineDeliveries[S] = PipelineDeliveries()
         dead: BaseException | None = None
+        credit_items = credit_bytes = 0
         with self._lock:
             now = time.monotonic()
             while buf:
@@ -244,6 +264,9 @@ class PipelineBase(Generic[S, C]):
                     core.outputs(k, ev.req_ids, ev.finished, ev.payloads, now, d)
                 elif isinstance(ev, Aborted):
                     core.aborted(k, ev.req_ids, now, d)
+                elif isinstance(ev, Credit):
+                    credit_items += ev.items
+                    credit_bytes += ev.nbytes
                 elif isinstance(ev, ErrorReport):
                     if ev.req_id is not None:
                         core.error(k, ev.req_id, ev.message, now, d)
@@ -257,6 +280,10 @@ class PipelineBase(Generic[S, C]):
                     exc = dead if isinstance(dead, EngineDeadError) else EngineDeadError(str(dead))
                     core.stage_dead(k, exc, now, d)
         self._deliver(d)
+        if credit_items and k:
+            # Stage k took that much of what stage k - 1 sent it: room in k - 1's window.
+            with contextlib.suppress(Exception):  # k - 1 is gone: its failure tells
+                self._clients[k - 1]._send(ClientSession.credit_frame(credit_items, credit_bytes))
         if dead is not None:
             logger.error(
                 "enginecore: pipeline stage %r is gone (%s); the pipeline takes no more requests",

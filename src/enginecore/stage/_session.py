@@ -58,7 +58,17 @@ from ._errors import (
 )
 from ._statistics import StageLoad
 from ._timings import StreamTimings
-from ._wire import Aborted, ErrorReport, Fatal, Outputs, Pong, Resumed, Stalled, UtilityResult
+from ._wire import (
+    Aborted,
+    Credit,
+    ErrorReport,
+    Fatal,
+    Outputs,
+    Pong,
+    Resumed,
+    Stalled,
+    UtilityResult,
+)
 
 __all__ = [
     "ABORTED",
@@ -676,6 +686,11 @@ class ClientSession(Generic[S, W]):
         return _encode(("abort", ids), "abort")
 
     @staticmethod
+    def credit_frame(items: int, nbytes: int) -> Parts:
+        """A ``credit`` for a pipeline's stage (``docs/wire.md`` section 8)."""
+        return [_encode_flat(("credit", items, nbytes))]
+
+    @staticmethod
     def stats_frame(call_id: int) -> Parts:
         """A ``stats`` request, answered like a utility call."""
         return [encode_plain(("stats", call_id), "stats")]
@@ -838,6 +853,8 @@ class ClientSession(Generic[S, W]):
                     self._end_stream(rid, ABORTED, wake, now)
             elif cls is ErrorReport:
                 self._on_error_report(ev, d, now)
+            elif cls is Credit:
+                pass  # a pipeline's: for the ordered event stream (the coordinator)
             elif cls is Pong:
                 pongs = True  # an answer to our heartbeat, not a stage event
             elif cls is Stalled:

@@ -183,10 +183,19 @@ class StageEngine:
                 self.counts,
                 self.reporter,
             )
+        # A pipeline's stage (_pipe_stage.PipeStage) has pipe_input, pipe_received and
+        # pipe_credit, and attach_emit, through which it emits its credit events.
         pipe_input = getattr(engine, "pipe_input", None)
         self._pipe_input: Callable[[int, str, Any], None] | None = (
             pipe_input if callable(pipe_input) else None
         )
+        self._pipe_received: Callable[[int, int], None] | None = getattr(
+            engine, "pipe_received", None
+        )
+        self._pipe_credit: Callable[[int, int], None] | None = getattr(engine, "pipe_credit", None)
+        attach_emit = getattr(engine, "attach_emit", None)
+        if callable(attach_emit):
+            attach_emit(outbox.emit)
         self._abort = engine.abort
         self._emit = outbox.emit
         self._outbox = outbox
@@ -226,14 +235,18 @@ class StageEngine:
         self._drop(req_ids)
         self._outbox.ended_dropped(list(req_ids))
 
-    def pipe_input(self, kinds: list[int], req_ids: list[str], data: list[Any]) -> None:
+    def pipe_input(
+        self, kinds: list[int], req_ids: list[str], data: list[Any], received: tuple[int, int]
+    ) -> None:
         """:class:`~._controls.PipeInput`: input from a pipeline's previous stage, item by
         item. An item that starts a request (*kinds* bit 0) is refused as an ``add`` would
         be (draining, live in the stage, :class:`~enginecore.RequestRejected`) and makes the
         request live; any other item is for a live request, and is dropped if the request
         is not live (it ended here, with an error or an abort, while the previous stage
         still sent). A :class:`~enginecore.RequestRejected` ends that request with an
-        ``error`` event. Any other exception is fatal, as from ``add``."""
+        ``error`` event. Any other exception is fatal, as from ``add``. Then the engine is
+        told what the frame held (*received*: items and bytes), for the credit it gives
+        back to the stage that sent it."""
         pipe_input = self._pipe_input
         emit = self._emit
         if pipe_input is None:
@@ -260,6 +273,13 @@ class StageEngine:
                 except RequestRejected as exc:
                     self._drop((rid,))
                     emit(("error", rid, str(exc)))
+        if self._pipe_received is not None:
+            self._pipe_received(*received)
+
+    def pipe_credit(self, items: int, nbytes: int) -> None:
+        """:class:`~._controls.PipeCredit`: the next stage took what this one sent it."""
+        if self._pipe_credit is not None:
+            self._pipe_credit(items, nbytes)
 
     def change_session(self, epoch: int | None) -> None:
         """:class:`~._controls.SessionChange`: the previous client is gone."""

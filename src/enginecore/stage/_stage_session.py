@@ -51,7 +51,7 @@ import msgspec
 
 from .._messages import Abort, Message, make_add, make_utility
 from . import _codec, _wire
-from ._controls import AddBurst, PipeInput, SessionChange, Stop
+from ._controls import AddBurst, PipeCredit, PipeInput, SessionChange, Stop
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_MS",
@@ -334,7 +334,9 @@ class StageSession:
         elif cls is _wire.AbortMsg:
             self.to_loop.append(Abort(msg.req_ids))
         elif cls is _wire.PipeMsg:
-            self._pipe(msg)
+            self._pipe(msg, sum(map(len, parts)))
+        elif cls is _wire.CreditMsg:
+            self.to_loop.append(PipeCredit(msg.items, msg.nbytes))
         elif cls is _wire.UtilityMsg:
             args = msg.args
             if args and not set(map(type, args)) <= _RECEIVED_FLAT:
@@ -390,20 +392,23 @@ class StageSession:
             self.to_loop.append(AddBurst(ok_ids, ok_data))
         self.events += errors
 
-    def _pipe(self, msg: _wire.PipeMsg) -> None:
-        """Input from a pipeline's previous stage: one :class:`PipeInput` of the items that
-        are valid, and an ``error`` for the request of each one that is not."""
+    def _pipe(self, msg: _wire.PipeMsg, nbytes: int) -> None:
+        """Input from a pipeline's previous stage (*nbytes*: the frame's size): one
+        :class:`PipeInput` of the items that are valid, and an ``error`` for the request of
+        each one that is not. The control carries the whole frame's size and item count,
+        so that the credit the stage gives back covers the invalid items too."""
         kinds, req_ids, data = msg.kinds, msg.req_ids, msg.data
+        received = (len(kinds), nbytes)
         if not len(kinds) == len(req_ids) == len(data):
             what = (
                 f"invalid message: pipe has {len(kinds)} kinds, {len(req_ids)} request ids "
                 f"and {len(data)} data items"
             )
             self.events += [("error", rid, what) for rid in req_ids] or [("error", None, what)]
+            self.to_loop.append(PipeInput([], [], [], received))
             return
         if set(kinds) <= _PIPE_KINDS and set(map(type, data)) <= _RECEIVED_FLAT:
-            if req_ids:
-                self.to_loop.append(PipeInput(kinds, req_ids, data))
+            self.to_loop.append(PipeInput(kinds, req_ids, data, received))
             return
         ok_kinds: list[int] = []
         ok_ids: list[str] = []
@@ -420,8 +425,7 @@ class StageSession:
             ok_kinds.append(kind)
             ok_ids.append(rid)
             ok_data.append(item)
-        if ok_ids:
-            self.to_loop.append(PipeInput(ok_kinds, ok_ids, ok_data))
+        self.to_loop.append(PipeInput(ok_kinds, ok_ids, ok_data, received))
 
     def _report_bad_frame(self, ident: bytes, body: Any, exc: Exception) -> None:
         # Recover the tag and an id from the head of the body, so that the error reaches

@@ -97,6 +97,13 @@ class PipeMsg(msgspec.Struct, array_like=True, frozen=True, tag="pipe"):
     data: list[Any]
 
 
+class CreditMsg(msgspec.Struct, array_like=True, frozen=True, tag="credit"):
+    # The coordinator -> a pipeline's stage (docs/wire.md section 8): the next stage took
+    # *items* pipe items, *nbytes* bytes of pipe messages, that this stage sent it.
+    items: int
+    nbytes: int
+
+
 ClientMsg: TypeAlias = (
     HelloMsg
     | AddMsg
@@ -108,6 +115,7 @@ ClientMsg: TypeAlias = (
     | ByeMsg
     | StatsMsg
     | PipeMsg
+    | CreditMsg
 )
 
 # -- stage -> client, handshake replies (input socket) --------------------------------------
@@ -201,6 +209,16 @@ class Resumed(msgspec.Struct, array_like=True, frozen=True, tag="resumed"):
     seconds: float
 
 
+class Credit(msgspec.Struct, array_like=True, frozen=True, tag="credit"):
+    """A pipeline's stage took *items* pipe items from the stage before it, *nbytes* bytes
+    of its pipe messages (``docs/wire.md`` section 8): the coordinator passes it on to that
+    stage, whose window to this one has that much room again. Only pipeline stages send
+    it."""
+
+    items: int
+    nbytes: int
+
+
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
     """The engine loop stopped because shutdown was requested. Last event of the stage."""
 
@@ -211,11 +229,21 @@ class Fatal(msgspec.Struct, array_like=True, frozen=True, tag="fatal"):
     message: str
 
 
-StageEvent: TypeAlias = Outputs | UtilityResult | Aborted | ErrorReport | Shutdown | Fatal
-"""What a client's ordered event stream yields."""
+StageEvent: TypeAlias = Outputs | UtilityResult | Aborted | ErrorReport | Credit | Shutdown | Fatal
+"""What a client's ordered event stream yields (:class:`Credit` only from a pipeline's
+stage)."""
 
 WireEvent: TypeAlias = (
-    Outputs | UtilityResult | Aborted | ErrorReport | Pong | Stalled | Resumed | Shutdown | Fatal
+    Outputs
+    | UtilityResult
+    | Aborted
+    | ErrorReport
+    | Credit
+    | Pong
+    | Stalled
+    | Resumed
+    | Shutdown
+    | Fatal
 )
 
 # Stage side: events are built as plain tuples in exactly the array shapes above (cheap on the

@@ -17,7 +17,8 @@ Factories (``"enginecore.stage.testing:NAME"``):
 - ``relay(step_s=0.0)`` -> a :class:`RelayEngine`: a streaming pipeline stage
   (``docs/pipelines.md``) whose every input becomes one output, payload unchanged.
 - Edge functions for pipelines: ``tee`` (every output to the next stage and the caller),
-  ``to_caller`` (to the caller only), ``checked_edge`` (fails on purpose for some inputs).
+  ``to_caller`` (to the caller only), ``inflate`` (100,000 bytes on for each output, the
+  output to the caller), ``checked_edge`` (fails on purpose for some inputs).
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
 - ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
 - ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
@@ -56,6 +57,7 @@ __all__ = [
     "echo",
     "exiting_factory",
     "failing_factory",
+    "inflate",
     "pipelined",
     "relay",
     "scripted",
@@ -716,6 +718,12 @@ def tee(payload: Any) -> tuple[Any, Any]:
 def to_caller(payload: Any) -> tuple[Any, Any]:
     """Edge: every output to the caller only (the next stage never hears of the request)."""
     return NOTHING, payload
+
+
+def inflate(payload: Any) -> tuple[Any, Any]:
+    """Edge: 100,000 zero bytes to the next stage for each output, and the output itself to
+    the caller (a stand-in for a stage that hands large tensors on)."""
+    return bytes(100_000), payload
 
 
 def checked_edge(payload: Any) -> tuple[Any, Any]:
