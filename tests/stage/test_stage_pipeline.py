@@ -67,6 +67,10 @@ class BlockingAsyncPipeline:
     def in_flight(self) -> int:
         return int(self._on_loop(lambda: self._pipe.in_flight))
 
+    @property
+    def bytes_in(self) -> int:
+        return int(self._on_loop(lambda: self._pipe.bytes_in))
+
     def add(self, req_id: str, data: Any, **kwargs: Any) -> BlockingAsyncStream:
         stream = self._runner.run(self._pipe.add(req_id, data, **kwargs))
         return BlockingAsyncStream(self._runner, stream)
@@ -311,7 +315,7 @@ class TestErrors:
             pipe.add("r", 1)
         with pytest.raises(ValueError, match="twice"):
             pipe.add_many([("a", 1), ("a", 1)])
-        with pytest.raises(TypeError, match="request id must be a str"):
+        with pytest.raises(TypeError, match="req_id must be a str"):
             pipe.add(3, 1)  # type: ignore[arg-type]
         pipe.call_utility(f"{RELAY}", "hold", False)
 
@@ -434,6 +438,25 @@ class TestAdmission:
         assert c.collect(timeout=10) == [0]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
 
+    def test_max_bytes_counts_the_frames_that_bring_requests_in(self, launch: Any) -> None:
+        pipe = launch([ECHO, PipelineStage(RELAY, name="held")], max_bytes=250_000)
+        pipe.call_utility("held", "hold", True)
+        chunk = np.zeros(100_000, dtype=np.uint8)
+        a = pipe.add("a", chunk)
+        pipe.add("b", chunk)
+        assert 200_000 < pipe.bytes_in < 201_000  # the frames: the arrays and a header each
+        with pytest.raises(PipelineFullError, match="it holds 2 requests"):
+            pipe.add("c", chunk, wait=False)
+        pipe.add("small", 1)  # a few bytes still fit
+        with pytest.raises(ValueError, match="more than max_bytes"):
+            pipe.add("huge", np.zeros(300_000, dtype=np.uint8))
+        pipe.abort(["a"])
+        a.collect(timeout=10)
+        pipe.add("c", chunk, timeout=10)
+        pipe.call_utility("held", "hold", False)
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert pipe.bytes_in == 0
+
     def test_a_waiting_add_wakes_when_a_request_finishes(self, launch: Any) -> None:
         pipe = launch([COUNTDOWN, RELAY], max_in_flight=1)
         first = pipe.add("a", 50)
@@ -441,11 +464,14 @@ class TestAdmission:
         assert first.finished is False or first.collect(timeout=10)
         assert second.collect(timeout=10) == [0]
 
+    @pytest.mark.parametrize("what", ["max_in_flight", "max_bytes"])
     @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
-    def test_a_bad_budget_is_refused_before_any_stage_starts(self, launch: Any, bad: Any) -> None:
+    def test_a_bad_budget_is_refused_before_any_stage_starts(
+        self, launch: Any, what: str, bad: Any
+    ) -> None:
         before = set(child_pids())
-        with pytest.raises((TypeError, ValueError)):
-            launch([COUNTDOWN], max_in_flight=bad)
+        with pytest.raises((TypeError, ValueError), match=what):
+            launch([COUNTDOWN], **{what: bad})
         assert set(child_pids()) == before
 
 

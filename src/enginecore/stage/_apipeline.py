@@ -26,7 +26,6 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
-    check_items,
     launch_options,
     pipe_kwargs,
     stage_specs,
@@ -60,9 +59,10 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         names: Sequence[str],
         *,
         max_in_flight: int | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         # Private: use launch().
-        super().__init__(clients, names, max_in_flight, NO_LOCK)
+        super().__init__(clients, names, max_in_flight, max_bytes, NO_LOCK)
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing: asyncio.Future[None] | None = None
         for k, client in enumerate(self._clients):
@@ -75,13 +75,14 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         stages: Sequence[PipelineStage | str],
         *,
         max_in_flight: int | None = None,
+        max_bytes: int | None = None,
         startup_timeout: float = 60.0,
     ) -> AsyncPipeline:
         """Start one stage process per item of *stages*, as :meth:`Pipeline.launch
         <enginecore.stage.Pipeline.launch>` does, without blocking the event loop. If one
         fails to start (or the launch is cancelled), the ones started are shut down."""
         specs = stage_specs(stages)
-        check_budget(max_in_flight)
+        check_budget(max_in_flight, max_bytes)
         clients: list[AsyncStageClient] = []
         downstream: str | None = None
         try:
@@ -99,7 +100,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     await client.shutdown()
             raise
         clients.reverse()
-        return cls(clients, [s.name or s.factory for s in specs], max_in_flight=max_in_flight)
+        names = [s.name or s.factory for s in specs]
+        return cls(clients, names, max_in_flight=max_in_flight, max_bytes=max_bytes)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -124,10 +126,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     async def _admit(
         self, items: list[tuple[str, Any]], wait: bool, timeout: float | None, many: bool
     ) -> list[AsyncPipelineStream]:
+        if not items:
+            return []
         core = self._core
-        ids = check_items(items, core.max_in_flight)
+        ids, parts, nbytes = self._frame(items, many)
         deadline = _clientbase.deadline_after(timeout)
-        while not core.admissible(ids):
+        while not core.admissible(ids, nbytes):
             if not wait:
                 raise core.full_error(None)
             left = None if deadline is None else deadline - time.monotonic()
@@ -143,19 +147,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     self._room_waiters.remove(room)
         now = time.monotonic()
         streams = [AsyncPipelineStream(rid, NO_LOCK, now) for rid in ids]
-        for rid, stream in zip(ids, streams, strict=True):
-            core.open(rid, stream)
-        first = self._clients[0]
-        try:
-            if many:
-                await first.add_many(items, streams=False)
-            else:
-                await first.add(ids[0], items[0][1], stream=False)
-        except BaseException:
-            d: PipelineDeliveries[AsyncPipelineStream] = PipelineDeliveries()
-            core.forget(ids, d)
-            self._deliver(d)
-            raise
+        self._open(ids, streams, nbytes)
+        self._send_frame(ids, parts, many)
         return streams
 
     async def abort(self, req_ids: Sequence[str]) -> None:

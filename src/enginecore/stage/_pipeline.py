@@ -33,7 +33,6 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
-    check_items,
     launch_options,
     pipe_kwargs,
     stage_specs,
@@ -68,9 +67,10 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     stage; :meth:`health`, :meth:`stats` and :meth:`call_utility` reach each stage by name;
     :meth:`shutdown` (or leaving the ``with`` block) stops every stage. Thread-safe.
 
-    *max_in_flight* is the admission budget: at most that many requests are in the
-    pipeline at once, counted from :meth:`add` until the request is over in every stage.
-    An :meth:`add` without room waits for it (or raises
+    *max_in_flight* and *max_bytes* are the admission budget: at most that many requests,
+    and bytes of them (the frames that bring them to the first stage), are in the pipeline
+    at once, each counted from :meth:`add` until the request is over in every stage. An
+    :meth:`add` without room waits for it (or raises
     :class:`~enginecore.stage.PipelineFullError`: ``wait=False``, or its *timeout*), before
     the first stage does any work.
     """
@@ -81,10 +81,11 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         names: Sequence[str],
         *,
         max_in_flight: int | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         # Private: use launch().
         lock = threading.Lock()
-        super().__init__(clients, names, max_in_flight, lock)
+        super().__init__(clients, names, max_in_flight, max_bytes, lock)
         self._thread_lock = lock
         self._room = threading.Condition(lock)
         self._close_lock = threading.Lock()
@@ -101,6 +102,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         stages: Sequence[PipelineStage | str],
         *,
         max_in_flight: int | None = None,
+        max_bytes: int | None = None,
         startup_timeout: float = 60.0,
     ) -> Pipeline:
         """Start one stage process per item of *stages* (a :class:`PipelineStage`, or a
@@ -109,7 +111,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         one listens. If one fails to start, the ones started are shut down and its
         :class:`~enginecore.stage.StageStartupError` is raised."""
         specs = stage_specs(stages)
-        check_budget(max_in_flight)
+        check_budget(max_in_flight, max_bytes)
         clients: list[StageClient] = []
         downstream: str | None = None
         try:
@@ -127,7 +129,8 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                     client.shutdown()
             raise
         clients.reverse()
-        return cls(clients, [s.name or s.factory for s in specs], max_in_flight=max_in_flight)
+        names = [s.name or s.factory for s in specs]
+        return cls(clients, names, max_in_flight=max_in_flight, max_bytes=max_bytes)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -158,33 +161,23 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     def _admit(
         self, items: list[tuple[str, Any]], wait: bool, timeout: float | None, many: bool
     ) -> list[PipelineStream]:
+        if not items:
+            return []
         core = self._core
-        ids = check_items(items, core.max_in_flight)
+        ids, parts, nbytes = self._frame(items, many)
         deadline = _clientbase.deadline_after(timeout)
         now = time.monotonic()
         streams = [PipelineStream(rid, self._thread_lock, now) for rid in ids]
         with self._thread_lock:
-            while not core.admissible(ids):
+            while not core.admissible(ids, nbytes):
                 if not wait:
                     raise core.full_error(None)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise core.full_error(timeout)
                 self._room.wait(left)
-            for rid, stream in zip(ids, streams, strict=True):
-                core.open(rid, stream)
-        first = self._clients[0]
-        try:
-            if many:
-                first.add_many(items, streams=False)
-            else:
-                first.add(ids[0], items[0][1], stream=False)
-        except BaseException:
-            d: PipelineDeliveries[PipelineStream] = PipelineDeliveries()
-            with self._thread_lock:
-                core.forget(ids, d)
-            self._deliver(d)
-            raise
+            self._open(ids, streams, nbytes)
+        self._send_frame(ids, parts, many)
         return streams
 
     def abort(self, req_ids: Sequence[str]) -> None:

@@ -58,15 +58,16 @@ __all__ = ["PipelineCore", "PipelineDeliveries", "RequestState", "check_budget"]
 S = TypeVar("S", bound=StreamCore)
 
 
-def check_budget(max_in_flight: object) -> None:
-    """:class:`TypeError` / :class:`ValueError` unless *max_in_flight* is ``None`` or an
-    ``int`` >= 1."""
-    if max_in_flight is None:
-        return
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
-        raise TypeError(f"max_in_flight must be an int or None, got {max_in_flight!r}")
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+def check_budget(max_in_flight: object, max_bytes: object = None) -> None:
+    """:class:`TypeError` / :class:`ValueError` unless each of *max_in_flight* and
+    *max_bytes* is ``None`` or an ``int`` >= 1."""
+    for what, value in (("max_in_flight", max_in_flight), ("max_bytes", max_bytes)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{what} must be an int or None, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{what} must be >= 1, got {value}")
 
 
 class RequestState(enum.Enum):
@@ -83,10 +84,11 @@ class RequestState(enum.Enum):
 
 
 class _Request(Generic[S]):
-    __slots__ = ("confirms", "ended", "req_id", "sent", "state", "stream")
+    __slots__ = ("confirms", "ended", "nbytes", "req_id", "sent", "state", "stream")
 
-    def __init__(self, req_id: str, stream: S, stages: int) -> None:
+    def __init__(self, req_id: str, stream: S, stages: int, nbytes: int) -> None:
         self.req_id = req_id
+        self.nbytes = nbytes  # its share of the bytes budget
         self.stream = stream
         self.state = RequestState.LIVE
         self.ended = [False] * stages  # stage k ended it
@@ -108,13 +110,22 @@ class PipelineDeliveries(Generic[S]):
 
 class PipelineCore(Generic[S]):
     """The coordinator's decisions (module docstring). *stages* are the stages' names, in
-    order; *max_in_flight* the admission budget in requests (``None``: none). A request
+    order; *max_in_flight* the admission budget in requests, *max_bytes* in bytes of the
+    requests' frames (``None``: none). A request
     holds its place from :meth:`open` until it is over in every stage."""
 
-    def __init__(self, stages: Sequence[str], max_in_flight: int | None = None) -> None:
+    def __init__(
+        self,
+        stages: Sequence[str],
+        max_in_flight: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
-        check_budget(max_in_flight)
+        check_budget(max_in_flight, max_bytes)
+        self.max_bytes = max_bytes
+        self.bytes_in = 0
+        """The bytes of the requests in the pipeline (their frames, as sent)."""
         self.stages = tuple(stages)
         self.max_in_flight = max_in_flight
         self._n = len(stages)
@@ -154,34 +165,47 @@ class PipelineCore(Generic[S]):
                 raise ValueError(f"request {rid!r} appears twice")
             seen.add(rid)
 
-    def admissible(self, req_ids: Sequence[str]) -> bool:
-        """Whether *req_ids* may be opened now: :meth:`check` (which raises) and room in
-        the budget for all of them."""
+    def admissible(self, req_ids: Sequence[str], nbytes: int = 0) -> bool:
+        """Whether *req_ids*, *nbytes* in all, may be opened now: :meth:`check` (which
+        raises) and room in the budget for all of them."""
         self.check(req_ids)
         room = self.room()
-        return room is None or room >= len(req_ids)
+        if room is not None and room < len(req_ids):
+            return False
+        return self.max_bytes is None or self.bytes_in + nbytes <= self.max_bytes
+
+    def check_size(self, count: int, nbytes: int) -> None:
+        """:class:`ValueError` for an add that could never fit: more requests, or more
+        bytes, than the whole budget."""
+        if self.max_in_flight is not None and count > self.max_in_flight:
+            raise ValueError(
+                f"{count} requests at once, more than max_in_flight ({self.max_in_flight})"
+            )
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise ValueError(f"{nbytes} bytes at once, more than max_bytes ({self.max_bytes})")
 
     def full_error(self, timeout: float | None) -> PipelineFullError:
         """What an add without room raises: at once (*timeout* ``None``), or after
         *timeout* seconds."""
-        budget = self.max_in_flight
+        budget = f"max_in_flight {self.max_in_flight}, max_bytes {self.max_bytes}"
+        holds = f"{len(self._requests)} requests, {self.bytes_in} bytes"
         if timeout is None:
-            return PipelineFullError(
-                f"the pipeline holds {len(self._requests)} requests, its max_in_flight ({budget})"
-            )
+            return PipelineFullError(f"no room in the pipeline: it holds {holds} ({budget})")
         return PipelineFullError(
-            f"no room in the pipeline (max_in_flight {budget}) within {timeout} s"
+            f"no room in the pipeline within {timeout} s: it holds {holds} ({budget})"
         )
 
-    def open(self, req_id: str, stream: S) -> None:
-        """Admit *req_id* (checked with :meth:`check`; the room is the caller's to check)."""
-        self._requests[req_id] = _Request(req_id, stream, self._n)
+    def open(self, req_id: str, stream: S, nbytes: int = 0) -> None:
+        """Admit *req_id*, *nbytes* of the bytes budget (checked with :meth:`admissible`)."""
+        self._requests[req_id] = _Request(req_id, stream, self._n, nbytes)
+        self.bytes_in += nbytes
 
     def forget(self, req_ids: Iterable[str], d: PipelineDeliveries[S]) -> None:
         """Undo :meth:`open`: the add could not be sent."""
         for rid in req_ids:
-            if self._requests.pop(rid, None) is not None:
-                d.freed += 1
+            req = self._requests.get(rid)
+            if req is not None:
+                self._release(req, d)
 
     # -- what the caller does ----------------------------------------------------------------
 
@@ -257,8 +281,7 @@ class PipelineCore(Generic[S]):
             if req.confirms >= n:
                 if req.state is RequestState.ABORTING:
                     self._end(req, ABORTED, now, d)
-                del requests[rid]
-                d.freed += 1
+                self._release(req, d)
 
     def stage_dead(
         self, k: int, exc: EngineDeadError, now: float, d: PipelineDeliveries[S]
@@ -298,8 +321,7 @@ class PipelineCore(Generic[S]):
             return  # the stream has ended; the abort's confirmations free it
         self._end(req, FINISHED, now, d)
         if state is RequestState.LIVE:
-            del self._requests[req.req_id]
-            d.freed += 1
+            self._release(req, d)
         else:  # aborting: the abort is on its way through the stages; wait for it
             req.state = RequestState.CLOSING
 
@@ -314,3 +336,10 @@ class PipelineCore(Generic[S]):
                 self._end(req, end, now, d)
         d.freed += len(self._requests)
         self._requests.clear()
+        self.bytes_in = 0
+
+    def _release(self, req: _Request[S], d: PipelineDeliveries[S]) -> None:
+        """*req* is over in every stage: its id and its place in the budget are free."""
+        del self._requests[req.req_id]
+        self.bytes_in -= req.nbytes
+        d.freed += 1

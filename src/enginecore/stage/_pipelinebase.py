@@ -20,7 +20,7 @@ from typing import Any, Final, Generic, TypeVar
 from ._clientbase import ClientBase
 from ._errors import EngineDeadError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
-from ._session import ClientSession, End, StageHealth, StreamCore
+from ._session import ClientSession, End, Parts, StageHealth, StreamCore
 from ._wire import Aborted, Credit, ErrorReport, Outputs
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "PipelineBase",
     "PipelineStage",
     "check_drain",
-    "check_items",
     "launch_options",
     "pipe_kwargs",
     "stage_specs",
@@ -149,19 +148,6 @@ def launch_options(spec: PipelineStage, startup_timeout: float) -> dict[str, Any
     }
 
 
-def check_items(items: list[tuple[str, Any]], budget: int | None) -> list[str]:
-    """The request ids of an add's *items*, checked: :class:`TypeError` for a bad pair or
-    id, :class:`ValueError` for more than the *budget* at once."""
-    for item in items:
-        if type(item) is not tuple or len(item) != 2:
-            raise TypeError(f"add_many() takes (req_id, data) pairs, got {item!r:.100}")
-        if type(item[0]) is not str:
-            raise TypeError(f"a request id must be a str, got {type(item[0]).__name__}")
-    if budget is not None and len(items) > budget:
-        raise ValueError(f"{len(items)} requests at once, more than max_in_flight ({budget})")
-    return [rid for rid, _ in items]
-
-
 def check_drain(drain: float | None) -> None:
     """:class:`ValueError` for a drain that is not ``None`` or a number >= 0."""
     if drain is not None and not drain >= 0:
@@ -179,10 +165,11 @@ class PipelineBase(Generic[S, C]):
         clients: Sequence[C],
         names: Sequence[str],
         max_in_flight: int | None,
+        max_bytes: int | None,
         lock: contextlib.AbstractContextManager[Any],
     ) -> None:
         self._lock = lock
-        self._core: PipelineCore[S] = PipelineCore(names, max_in_flight)
+        self._core: PipelineCore[S] = PipelineCore(names, max_in_flight, max_bytes)
         self._clients = list(clients)
         self._names = tuple(names)
         self._closed = False
@@ -211,6 +198,50 @@ class PipelineBase(Generic[S, C]):
     def health(self) -> dict[str, StageHealth]:
         """Each stage's health, by name. Never blocks."""
         return {name: c.health() for name, c in zip(self._names, self._clients, strict=True)}
+
+    @property
+    def bytes_in(self) -> int:
+        """The bytes of the requests in the pipeline now: the size of the frames that
+        brought them to the first stage (a burst's shared evenly among its requests)."""
+        with self._lock:
+            return self._core.bytes_in
+
+    def _frame(self, items: list[tuple[str, Any]], many: bool) -> tuple[list[str], Parts, int]:
+        """The frame that adds *items* to the first stage, its ids and its size, checked
+        against the budget: :class:`TypeError` for a bad pair, id or payload,
+        :class:`ValueError` for a repeated id or an add bigger than the whole budget."""
+        if many:
+            ids, parts = ClientSession.adds_frame(items)
+        else:
+            ((rid, data),) = items
+            ids, parts = [rid], ClientSession.add_frame(rid, data)
+        nbytes = sum([len(p) if p.__class__ is bytes else memoryview(p).nbytes for p in parts])
+        self._core.check_size(len(ids), nbytes)
+        return ids, parts, nbytes
+
+    def _open(self, ids: list[str], streams: Sequence[S], nbytes: int) -> None:
+        """Admit *ids* (under the lock, after :meth:`PipelineCore.admissible`), each with its
+        share of *nbytes*."""
+        core = self._core
+        share, extra = divmod(nbytes, len(ids))
+        for i, (rid, stream) in enumerate(zip(ids, streams, strict=True)):
+            core.open(rid, stream, share + (i < extra))
+
+    def _send_frame(self, ids: list[str], parts: Parts, many: bool) -> None:
+        """Send the frame of :meth:`_frame` to the first stage; on failure, the requests
+        leave the pipeline again and the error propagates."""
+        first = self._clients[0]
+        try:
+            if many:
+                first._send_requests(ids, parts, False)
+            else:
+                first._send_request(ids[0], parts, False)
+        except BaseException:
+            d: PipelineDeliveries[S] = PipelineDeliveries()
+            with self._lock:
+                self._core.forget(ids, d)
+            self._deliver(d)
+            raise
 
     def _abort(self, req_ids: Sequence[str]) -> None:
         if isinstance(req_ids, str):
