@@ -321,7 +321,11 @@ class TestErrors:
 
     def test_a_stage_killed_under_load_fails_every_request_naming_it(self, launch: Any) -> None:
         pipe = launch(
-            [PipelineStage(DEVICE, {"step_s": 0.005}), PipelineStage(RELAY, name="mid"), RELAY]
+            [
+                PipelineStage(DEVICE, {"step_s": 0.005}, name="first"),
+                PipelineStage(RELAY, name="mid"),
+                PipelineStage(RELAY, name="last"),
+            ]
         )
         streams = [pipe.add(f"r{i}", 10**6) for i in range(20)]
         for stream in streams:
@@ -338,6 +342,10 @@ class TestErrors:
         with pytest.raises(PipelineStageDeadError):
             pipe.add("later", 1)
         assert pipe.in_flight == 0
+        # The stages still running drop the failed requests: the first one, and the one
+        # after the dead one (which the first one's abort cannot reach).
+        assert wait_until(lambda: pipe.call_utility("first", "num_requests") == 0, 10)
+        assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
 
 
 class TestCredits:

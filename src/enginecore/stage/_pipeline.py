@@ -235,8 +235,8 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     def _deliver(self, d: PipelineDeliveries[PipelineStream]) -> None:
         for stream in d.wake:
             stream._wakeup.put(None)  # type: ignore[union-attr]  # set before _waiting
-        if d.aborts:
-            self._send_aborts(d.aborts)
+        if d.aborts or d.stage_aborts:
+            self._send_aborts(d)
         if d.freed:
             with self._room:
                 self._room.notify_all()

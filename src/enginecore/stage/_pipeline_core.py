@@ -106,6 +106,9 @@ class PipelineDeliveries(Generic[S]):
     """Request ids to abort in the first stage (the abort chases the data from there)."""
     freed: int = 0
     """Places freed in the admission budget: wake whoever waits for room."""
+    stage_aborts: list[tuple[int, list[str]]] = field(default_factory=list)
+    """``(stage, ids)``: request ids to abort in that stage, which a dead stage cuts off
+    from the first one (the abort chases on from there)."""
 
 
 class PipelineCore(Generic[S]):
@@ -288,13 +291,22 @@ class PipelineCore(Generic[S]):
     ) -> None:
         """Stage *k* is gone: every request still in the pipeline ends with a
         :class:`~._errors.PipelineStageDeadError` naming it (a closing one's stream has
-        ended already), its place is free, and the pipeline takes no more requests."""
+        ended already), its place is free, and the pipeline takes no more requests. The
+        live ones are aborted in the stages still running, so that none keeps working on
+        them: from the first stage (unless it is the dead one), and from the stage after
+        the dead one, which the first one's abort cannot reach."""
         error = PipelineStageDeadError(
             str(exc), stage=self.stages[k], exit_code=exc.exit_code, fatal=exc.fatal
         )
         error.__cause__ = exc
         if self.failure is None:
             self.failure = error
+        live = [rid for rid, req in self._requests.items() if req.state is not RequestState.CLOSING]
+        if live:
+            if k > 0:
+                d.aborts += live
+            if k + 1 < self._n:
+                d.stage_aborts.append((k + 1, live))
         self._end_all(error, now, d)
 
     def close(self, exc: BaseException, now: float, d: PipelineDeliveries[S]) -> None:

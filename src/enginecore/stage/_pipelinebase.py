@@ -264,11 +264,15 @@ class PipelineBase(Generic[S, C]):
             self._core.close(StageClosedError("the pipeline was shut down"), time.monotonic(), d)
         self._deliver(d)
 
-    def _send_aborts(self, req_ids: list[str]) -> None:
-        """To the first stage; the abort chases the data from there. If the first stage is
-        gone, its failure ends every request anyway."""
-        with contextlib.suppress(Exception):
-            self._clients[0]._send_abort(req_ids)
+    def _send_aborts(self, d: PipelineDeliveries[S]) -> None:
+        """To the first stage (the abort chases the data from there), and to a stage after
+        a dead one. A stage that is gone has its failure end every request anyway."""
+        if d.aborts:
+            with contextlib.suppress(Exception):
+                self._clients[0]._send_abort(d.aborts)
+        for k, req_ids in d.stage_aborts:
+            with contextlib.suppress(Exception):
+                self._clients[k]._send_abort(req_ids)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {' -> '.join(self._names)}>"
