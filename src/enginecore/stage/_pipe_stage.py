@@ -32,6 +32,13 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   data this stage sent for those requests (one connection keeps order), so the next stage
   never receives a payload of a request after its abort, and the coordinator needs to send
   an abort to the first stage only.
+- **credits**: the stage counts what it sent the next stage and the next stage has not
+  taken yet (items, and bytes of pipe frames); while that reaches its window,
+  :meth:`PipeStage.has_work` says no, so the loop starts no step (messages are still
+  applied). The next stage counts what its loop took (``pipe_received``, per frame) and
+  gives it back after its next step, or when its loop would go idle, as a ``credit`` event
+  to the coordinator, which passes it on to this stage (``pipe_credit``). The wrapper
+  emits through the runtime's ``emit``, which the runtime hands it (``attach_emit``).
 """
 
 from __future__ import annotations
@@ -114,8 +121,8 @@ class PipeStage:
         self._close_input: Callable[[str], None] | None = (
             close_input if callable(close_input) else None
         )
-        # The requests of this stage that may still send on: added, not yet ended or
-        # aborted. Only a stage with a next one keeps them.
+        # The requests live in this stage, as the wrapper sees them: added (or their first
+        # input taken), not yet ended or aborted.
         self._live: set[str] = set()
         self._sent: dict[str, int] = {}  # payloads sent on, per live request that sent any
         self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
