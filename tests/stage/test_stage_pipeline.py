@@ -32,6 +32,7 @@ from enginecore.stage import (
 )
 from enginecore.stage._edge import END, FIRST, MORE, ONLY
 from enginecore.stage._pipe_stage import PipeStage
+from enginecore.stage.testing import RelayEngine
 
 from .conftest import BlockingAsyncStream, EventLoopThread, child_pids, wait_until
 
@@ -370,6 +371,24 @@ class TestCredits:
         assert edge["edge_sent"] == 401  # 400 payloads and the end
         assert edge["edge_in_flight"] == 0  # everything taken, and credited back
 
+    def test_inputs_an_engine_still_holds_count_against_the_window(self, launch: Any) -> None:
+        # The slow stage takes every input at once but sends out one a step: without
+        # pending_inputs() its backlog would grow to the whole request.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="fast", window=8),
+                PipelineStage(RELAY, {"step_s": 0.002, "per_step": 1}, name="slow"),
+            ]
+        )
+        stream = pipe.add("r", 300)
+        most = 0
+        for i, payload in enumerate(stream):
+            assert payload == 299 - i
+            if i % 5 == 0:
+                most = max(most, pipe.stats()["fast"].engine["edge_in_flight"])
+        assert 0 < most <= 9
+        assert pipe.stats()["fast"].engine["edge_in_flight"] == 0
+
     def test_the_byte_window_bounds_the_bytes_in_flight(self, launch: Any) -> None:
         chunk = 100_000  # bytes sent on per output (the inflate edge)
         pipe = launch(
@@ -423,6 +442,24 @@ class TestCredits:
         stage._inner.abort(["a", "b"])  # type: ignore[attr-defined]
         assert not stage.has_work()
         assert emitted[-1] == ("credit", 1, 50)  # the loop would go idle: given back now
+
+    def test_credit_for_inputs_an_engine_holds_waits_until_they_go_out(self) -> None:
+        emitted: list[Any] = []
+        stage = PipeStage(RelayEngine(per_step=1), stage="s")
+        stage.attach_emit(emitted.append)
+        stage.pipe_input(FIRST, "r", "a")
+        stage.pipe_input(MORE, "r", "b")
+        stage.pipe_input(MORE, "r", "c")
+        stage.pipe_received(3, 300)
+        stage.step()  # "a" out; "b" and "c" still held
+        assert emitted == [("credit", 1, 100)]
+        stage.step()
+        assert emitted[-1] == ("credit", 1, 100)
+        stage.pipe_input(END, "r", None)
+        stage.pipe_received(1, 30)
+        stage.step()  # "c", the last: nothing held any more, everything given back
+        assert emitted[-1] == ("credit", 2, 130)
+        assert stage.route_outputs([]) == (["r", "r"], [False, True], ["c", 0])
 
 
 class TestAdmission:

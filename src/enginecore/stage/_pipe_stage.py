@@ -113,6 +113,8 @@ class PipeStage:
         self._taken_items = 0
         self._taken_bytes = 0
         self._emit: Callable[[Any], None] | None = None
+        pending = getattr(inner, "pending_inputs", None)
+        self._pending: Callable[[], int] | None = pending if callable(pending) else None
         self._route = make_router(inner)
         self._edge = edge
         feed = getattr(inner, "feed", None)
@@ -177,10 +179,25 @@ class PipeStage:
         self._waiting = False
 
     def _give_credit(self) -> None:
+        """Give back what the engine has taken: all of it, or, for an engine with
+        ``pending_inputs()``, all but the inputs it still holds unprocessed (their share of
+        the bytes, pro rata), so that a slow engine's backlog counts against the window."""
+        items, nbytes = self._taken_items, self._taken_bytes
+        if self._pending is not None:
+            held = min(items, max(0, self._pending()))
+            if held:
+                kept = nbytes * held // items
+                items, nbytes = items - held, nbytes - kept
+                if not items:
+                    return
+                self._taken_items, self._taken_bytes = held, kept
+            else:
+                self._taken_items = self._taken_bytes = 0
+        else:
+            self._taken_items = self._taken_bytes = 0
         emit = self._emit
         if emit is not None:
-            emit(("credit", self._taken_items, self._taken_bytes))
-        self._taken_items = self._taken_bytes = 0
+            emit(("credit", items, nbytes))
 
     def stats(self) -> dict[str, float]:
         """The engine's own numbers, and the edge's: ``edge_in_flight`` and

@@ -14,8 +14,8 @@ Factories (``"enginecore.stage.testing:NAME"``):
   accelerator; the replica pool's benchmarks and tests).
 - ``echo`` -> an :class:`EchoEngine`: each request's one output is its own data (arrays
   and buffers included), and utility ``"echo"`` returns its arguments.
-- ``relay(step_s=0.0)`` -> a :class:`RelayEngine`: a streaming pipeline stage
-  (``docs/pipelines.md``) whose every input becomes one output, payload unchanged.
+- ``relay(step_s=0.0, per_step=None)`` -> a :class:`RelayEngine`: a streaming pipeline
+  stage (``docs/pipelines.md``) whose every input becomes one output, payload unchanged.
 - Edge functions for pipelines: ``tee`` (every output to the next stage and the caller),
   ``to_caller`` (to the caller only), ``inflate`` (100,000 bytes on for each output, the
   output to the caller), ``checked_edge`` (fails on purpose for some inputs).
@@ -608,7 +608,9 @@ class RelayEngine:
     the input closed after that). It has ``feed``, so in a pipeline each payload of the
     previous stage is taken as it arrives. In the first stage, the caller's data is the one
     input. Each step first sleeps *step_s* seconds (``time.sleep``: the GIL is released, as
-    for a device), whatever the batch.
+    for a device), whatever the batch, and sends out at most *per_step* inputs of each
+    request (``None``: all it holds); :meth:`pending_inputs` says how many it holds, so that
+    the pipeline counts them against the previous stage's window.
 
     The input ``"reject"`` raises :class:`~enginecore.RequestRejected` (from ``add`` or
     ``feed``), as does an ``add`` of a live id. Utilities: ``pid``, ``echo`` (its
@@ -617,10 +619,14 @@ class RelayEngine:
     device). Outside a pipeline nothing closes a request's input, so it never ends: use it
     in pipelines."""
 
-    def __init__(self, step_s: float = 0.0) -> None:
+    def __init__(self, step_s: float = 0.0, per_step: int | None = None) -> None:
         if not 0 <= step_s < 60:
             raise ValueError(f"step_s must be seconds in [0, 60), got {step_s!r}")
+        if per_step is not None and per_step < 1:
+            raise ValueError(f"per_step must be >= 1 or None, got {per_step!r}")
         self.step_s = step_s
+        self.per_step = per_step
+        self._pending = 0  # inputs held, not yet sent out
         self._inputs: dict[str, list[Any]] = {}  # per live request: inputs not yet out
         self._closed: set[str] = set()  # live requests whose input is complete
         self._ready: dict[str, None] = {}  # requests with something for the next step
@@ -635,11 +641,17 @@ class RelayEngine:
         self._check(data)
         self._inputs[req_id] = [data]
         self._ready[req_id] = None
+        self._pending += 1
 
     def feed(self, req_id: str, data: Any) -> None:
         self._check(data)
         self._inputs[req_id].append(data)
         self._ready[req_id] = None
+        self._pending += 1
+
+    def pending_inputs(self) -> int:
+        """The inputs it holds that have not gone out yet."""
+        return self._pending
 
     def close_input(self, req_id: str) -> None:
         self._closed.add(req_id)
@@ -652,7 +664,7 @@ class RelayEngine:
 
     def abort(self, req_ids: Sequence[str]) -> None:
         for rid in req_ids:
-            self._inputs.pop(rid, None)
+            self._pending -= len(self._inputs.pop(rid, ()))
             self._closed.discard(rid)
             self._ready.pop(rid, None)
 
@@ -678,21 +690,28 @@ class RelayEngine:
         if self.step_s:
             time.sleep(self.step_s)
         out: list[tuple[str, bool, Any]] = []
-        inputs, closed = self._inputs, self._closed
+        inputs, closed, per_step = self._inputs, self._closed, self.per_step
+        ready: dict[str, None] = {}
         for rid in self._ready:
             items = inputs[rid]
-            done = rid in closed
-            if items:
+            if per_step is not None and len(items) > per_step:
+                inputs[rid] = items[per_step:]
+                items = items[:per_step]
+                ready[rid] = None  # more next step
+                done = False
+            else:
                 inputs[rid] = []
-                out += [(rid, False, item) for item in items]
-                if done:
-                    out[-1] = (rid, True, items[-1])
-            elif done:
-                out.append((rid, True, NOTHING))
+                done = rid in closed
+            self._pending -= len(items)
+            out += [(rid, False, item) for item in items]
             if done:
+                if items:
+                    out[-1] = (rid, True, items[-1])
+                else:
+                    out.append((rid, True, NOTHING))
                 del inputs[rid]
                 closed.discard(rid)
-        self._ready = {}
+        self._ready = ready
         return out
 
     @staticmethod
@@ -702,9 +721,9 @@ class RelayEngine:
         return [o[0] for o in outputs], [o[1] for o in outputs], [o[2] for o in outputs]
 
 
-def relay(step_s: float = 0.0) -> RelayEngine:
+def relay(step_s: float = 0.0, per_step: int | None = None) -> RelayEngine:
     """Factory: a :class:`RelayEngine`."""
-    return RelayEngine(step_s)
+    return RelayEngine(step_s, per_step)
 
 
 # Edge functions for pipelines (``PipelineStage(edge="enginecore.stage.testing:NAME")``).
