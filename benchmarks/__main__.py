@@ -40,6 +40,7 @@ MODULES = (
     "bench_pool",
     "bench_metrics",
     "bench_pool_faults",
+    "bench_pipeline_faults",
     "bench_transformers",
     "bench_transformers_aborts",
     "bench_openai_server",

@@ -25,6 +25,7 @@ from benchmarks import (
     bench_metrics,
     bench_overhead,
     bench_pipeline,
+    bench_pipeline_faults,
     bench_pool,
     bench_pool_faults,
     bench_ray,
@@ -46,6 +47,7 @@ KEYS = {
 }  # fmt: skip
 STAGE_MODULES = (
     bench_metrics,
+    bench_pipeline_faults,
     bench_pool,
     bench_pool_faults,
     bench_ray,
@@ -491,6 +493,19 @@ class TestStageBenchmarks:
         by_name = {r.name: r for r in records}
         assert by_name["pool membership: requests lost in a drained remove and an add"].met
         assert by_name["pool SIGKILL 1 of 4: requests failed that were not the dead replica's"].met
+
+    @pytest.mark.timeout(180)  # 6 pipelines of 2-3 stages, a kill, 64 MiB arrays
+    def test_pipeline_faults_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_pipeline_faults.run(quick=True)
+        assert_records(records, 4)
+        assert_gc_on(records)
+        assert gc_disables == []
+        by_name = {r.name: r for r in records}
+        # Correctness lines, not times: the windows hold, every request of a killed stage
+        # ends (the time is in the record, never judged here).
+        assert by_name["pipeline slow last stage: bytes in flight between stages, most"].met
+        kill = by_name["pipeline SIGKILL middle stage: last affected request ended after"]
+        assert "otherwise or not at all: 0." in kill.note
 
     def test_pool_faults_analysis(self) -> None:
         s = bench_pool_faults.Sample

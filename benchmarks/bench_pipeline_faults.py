@@ -1,0 +1,305 @@
+"""Stage pipelines under a slow stage, a killed stage and a big array (issue 20's goals
+beyond ``bench_stage_pipeline``).
+
+a. **A slow last stage, bounded.** Three stages: ``device`` (a countdown, ``STEP_S`` a step)
+   whose edge (``testing:inflate``) sends 100,000 bytes on for each output, ``relay``
+   (``STEP_S`` a step) and a last ``relay`` ten times slower (``10 * STEP_S`` a step, one
+   input of each request out per step, its backlog counted by ``pending_inputs()``).
+   ``SLOTS`` client threads keep a long request each in the pipeline and read every
+   output. A sampler reads each producing stage's ``edge_in_flight_bytes`` (sent on, not
+   yet taken by the next stage, or held unprocessed by it) every ``SAMPLE_S``, and each
+   stage process's RSS (``/proc/PID/status``). Goals, judged on every sample: the bytes in
+   flight between the stages never exceed the budget: each edge's window
+   (``WINDOW_BYTES``) plus what one step of its producer sends (the first stage: one
+   payload per request; the middle one, which sends all it holds in a step: up to the
+   first edge's bound); and each stage's RSS at the end within +-10 % of its RSS a quarter
+   into the run. Baseline, side by side: the same pipeline with no windows
+   (``window=None, window_bytes=None``), where the slow stage's backlog grows without
+   bound, for at most ``BASELINE_S`` (it would run out of memory).
+b. **SIGKILL the middle stage under load.** The same three stages (the last one as fast
+   as the others), ``SLOTS`` long requests streaming; the middle stage is killed. Goals:
+   every request ends within 1 s of the kill with a ``PipelineStageDeadError`` naming the
+   middle stage, and none ends otherwise. Shared memory between stages is not built yet,
+   so "0 leaked segments" is not measured here.
+c. **64 MiB between two stages on one host**, against a ``memcpy`` of 64 MiB (``np.copyto``
+   into a buffer already touched) in the same round: the hop is a 2-stage ``echo``
+   pipeline's round trip minus a single ``echo`` stage's (``StageClient``), both with the
+   array as the request's data. Goal: memcpy time / hop time >= 0.5, every round.
+
+The GC is on in every process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import threading
+import time
+from typing import Any
+
+from ._harness import Record, Skipped, gc_on, main_single, spread
+
+NAME = "pipeline_faults"
+T = "enginecore.stage.testing"
+STEP_S = 0.002
+SLOTS = 8
+BASELINE_S = 20.0
+CHUNK = 100_000  # bytes per payload the inflate edge sends on
+WINDOW_BYTES = 2 * 2**20
+SAMPLE_S = 0.1
+BIG = 64 * 2**20
+GOAL_KILL_S = 1.0
+GOAL_RSS = 0.10
+GOAL_BIG = 0.5
+
+
+def _rss(pid: int) -> int:
+    """The resident set of *pid*, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def _stages(windows: bool, slow: bool) -> list[Any]:
+    from enginecore.stage import PipelineStage
+
+    bounded: dict[str, Any] = (
+        {"window_bytes": WINDOW_BYTES} if windows else {"window": None, "window_bytes": None}
+    )
+    last_step = 10 * STEP_S if slow else STEP_S
+    return [
+        PipelineStage(
+            f"{T}:device", {"step_s": STEP_S}, name="first", edge=f"{T}:inflate", **bounded
+        ),
+        PipelineStage(f"{T}:relay", {"step_s": STEP_S}, name="mid", **bounded),
+        PipelineStage(f"{T}:relay", {"step_s": last_step, "per_step": 1}, name="last"),
+    ]  # fmt: skip
+
+
+class _Load:
+    """``SLOTS`` threads, each keeping one request of ``REQ_LEN`` outputs in the pipeline
+    and reading every output, until :meth:`stop`."""
+
+    def __init__(self, pipe: Any, req_len: int) -> None:
+        self.pipe = pipe
+        self.req_len = req_len
+        self.outputs = 0
+        self.errors: list[tuple[float, BaseException]] = []
+        self.streams: dict[int, Any] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._slot, args=(i,), daemon=True) for i in range(SLOTS)
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def _slot(self, slot: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            try:
+                stream = self.pipe.add(f"s{slot}-{n}", self.req_len)
+                self.streams[slot] = stream
+                for _ in stream:
+                    with self._lock:
+                        self.outputs += 1
+            except Exception as exc:  # a dead stage, or the pipeline shut down
+                with self._lock:
+                    self.errors.append((time.monotonic(), exc))
+                return
+            n += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        for t in self._threads:
+            t.join(timeout)
+
+
+def slow_part(seconds: float) -> list[Record]:
+    """Part (a): the bounded pipeline, then the unbounded one, each for *seconds*."""
+    from enginecore.stage import Pipeline
+
+    results: dict[bool, dict[str, Any]] = {}
+    for windows in (True, False):
+        duration = seconds if windows else min(seconds, BASELINE_S)
+        with gc_on(), Pipeline.launch(_stages(windows, slow=True), startup_timeout=120) as pipe:
+            pids = {name: pipe.call_utility(name, "pid") for name in pipe.stages}
+            load = _Load(pipe, 10**9)
+            load.start()
+            started = time.monotonic()
+            in_flight: list[int] = []
+            rss: list[dict[str, int]] = []
+            while time.monotonic() - started < duration:
+                time.sleep(SAMPLE_S)
+                stats = pipe.stats()
+                in_flight.append(
+                    sum(
+                        int(stats[n].engine.get("edge_in_flight_bytes", 0))
+                        for n in ("first", "mid")
+                    )
+                )
+                rss.append({name: _rss(pid) for name, pid in pids.items()})
+            load.stop()
+            pipe.shutdown()
+            load.join(10)
+            results[windows] = {"in_flight": in_flight, "rss": rss, "outputs": load.outputs}
+    # The first edge: the window and one countdown step (a payload per request, and its
+    # frame). The second: the window and one relay step, which sends all it holds: at most
+    # the first edge's bound.
+    first_edge = WINDOW_BYTES + SLOTS * (CHUNK + 100)
+    budget = first_edge + WINDOW_BYTES + first_edge
+    bounded, unbounded = results[True], results[False]
+    most, base_most = max(bounded["in_flight"]), max(unbounded["in_flight"])
+    records = [
+        Record(
+            "pipeline slow last stage: bytes in flight between stages, most",
+            most, "B", base_most, most / base_most if base_most else 0.0,
+            f"<= {budget} B (the windows and one step each), every sample", most <= budget,
+            note=(
+                f"{len(bounded['in_flight'])} samples over {seconds:g} s; baseline: no windows "
+                f"for {min(seconds, BASELINE_S):g} s ({base_most:,} B at most, "
+                f"{unbounded['in_flight'][-1]:,} B at the end); outputs read "
+                f"{bounded['outputs']:,} vs {unbounded['outputs']:,}; GC on"
+            ),
+            per_round=tuple(float(x) for x in bounded["in_flight"]), per_round_unit="B",
+        ),
+    ]  # fmt: skip
+    quarter = len(bounded["rss"]) // 4
+    changes = []
+    for name in bounded["rss"][0]:
+        early, late = bounded["rss"][quarter][name], bounded["rss"][-1][name]
+        changes.append(late / early - 1)
+    base_changes = [
+        unbounded["rss"][-1][n] / unbounded["rss"][len(unbounded["rss"]) // 4][n] - 1
+        for n in unbounded["rss"][0]
+    ]
+    worst = max(abs(c) for c in changes)
+    base_worst = max(abs(c) for c in base_changes)
+    records.append(
+        Record(
+            "pipeline slow last stage: RSS change per stage, end vs a quarter in",
+            worst * 100, "%", base_worst * 100, worst / base_worst if base_worst else 0.0,
+            f"<= {GOAL_RSS * 100:g} % either way, every stage", worst <= GOAL_RSS,
+            note=(
+                "per stage (first, mid, last): "
+                + ", ".join(f"{c * 100:+.1f} %" for c in changes)
+                + "; baseline (no windows): "
+                + ", ".join(f"{c * 100:+.1f} %" for c in base_changes)
+                + "; GC on"
+            ),
+            per_round=tuple(abs(c) * 100 for c in changes), per_round_unit="%",
+        )
+    )  # fmt: skip
+    return records
+
+
+def kill_part(rounds: int) -> list[Record]:
+    """Part (b): a fresh pipeline per round; SIGKILL its middle stage under load."""
+    from enginecore.stage import Pipeline, PipelineStageDeadError
+
+    worst: list[float] = []
+    wrong = 0
+    for _ in range(rounds):
+        with gc_on(), Pipeline.launch(_stages(True, slow=False), startup_timeout=120) as pipe:
+            load = _Load(pipe, 10**6)
+            load.start()
+            deadline = time.monotonic() + 30
+            while load.outputs < 10 * SLOTS and time.monotonic() < deadline:
+                time.sleep(0.01)
+            pid = pipe.call_utility("mid", "pid")
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            load.join(10)
+            ends = [(t, e) for t, e in load.errors]
+            wrong += sum(
+                1
+                for _, e in ends
+                if not (isinstance(e, PipelineStageDeadError) and e.stage == "mid")
+            )
+            wrong += SLOTS - len(ends)  # a slot whose request did not end
+            worst.append(max((t - killed_at for t, _ in ends), default=float("inf")))
+    return [
+        Record(
+            "pipeline SIGKILL middle stage: last affected request ended after",
+            statistics.median(worst), "s", GOAL_KILL_S, statistics.median(worst) / GOAL_KILL_S,
+            f"<= {GOAL_KILL_S:g} s, every round, none ending otherwise",
+            max(worst) <= GOAL_KILL_S and wrong == 0, spread(worst),
+            note=(
+                f"{rounds} rounds, {SLOTS} streaming requests each; requests that ended "
+                f"otherwise or not at all: {wrong}. Shared memory is not built yet: no "
+                f"segment to leak; GC on"
+            ),
+            per_round=tuple(worst), per_round_unit="s",
+        )
+    ]  # fmt: skip
+
+
+def big_part(rounds: int) -> list[Record]:
+    """Part (c): a 64 MiB array through one more stage, against a memcpy of it."""
+    import numpy as np
+
+    from enginecore.stage import Pipeline, StageClient
+
+    big = np.ones(BIG, dtype=np.uint8)
+    dst = np.empty_like(big)
+    np.copyto(dst, big)  # touch every page once
+    ratios: list[float] = []
+    hops: list[float] = []
+    copies: list[float] = []
+    with (
+        gc_on(),
+        Pipeline.launch([f"{T}:echo", f"{T}:echo"], startup_timeout=120) as pipe,
+        StageClient.launch(f"{T}:echo", startup_timeout=120) as one,
+    ):
+        one.add("warm", big).collect(timeout=60)
+        pipe.add("warm", big).collect(timeout=60)
+        for r in range(rounds):
+            t = time.perf_counter()
+            np.copyto(dst, big)
+            copy = time.perf_counter() - t
+            t = time.perf_counter()
+            one.add(f"one{r}", big).collect(timeout=60)
+            single = time.perf_counter() - t
+            t = time.perf_counter()
+            pipe.add(f"two{r}", big).collect(timeout=60)
+            double = time.perf_counter() - t
+            hop = max(double - single, 1e-6)
+            copies.append(copy)
+            hops.append(hop)
+            ratios.append(copy / hop)
+    return [
+        Record(
+            "pipeline 64 MiB array, one stage to the next, vs memcpy",
+            statistics.median(hops) * 1e3, "ms", statistics.median(copies) * 1e3,
+            statistics.median(ratios), f">= {GOAL_BIG:g}x memcpy's speed, every round",
+            min(ratios) >= GOAL_BIG, spread(hops) * 1e3, spread(copies) * 1e3,
+            note=(
+                f"{rounds} rounds; the hop: a 2-stage echo pipeline's round trip minus one "
+                f"echo stage's; zero-copy ZeroMQ over ipc, no shared memory yet; GC on"
+            ),
+            per_round=tuple(ratios),
+        )
+    ]  # fmt: skip
+
+
+def run(quick: bool) -> list[Record]:
+    try:
+        import numpy  # noqa: F401
+
+        from enginecore.stage import Pipeline  # noqa: F401
+    except ImportError as exc:
+        raise Skipped(f"needs the zmq extra and numpy: {exc}") from None
+    if quick:
+        return slow_part(2.0) + kill_part(1) + big_part(2)
+    return slow_part(600.0) + kill_part(3) + big_part(6)
+
+
+if __name__ == "__main__":
+    main_single(run, __doc__)
