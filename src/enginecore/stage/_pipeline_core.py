@@ -86,13 +86,13 @@ class RequestState(enum.Enum):
 class _Request(Generic[S]):
     __slots__ = ("confirms", "ended", "nbytes", "req_id", "sent", "state", "stream")
 
-    def __init__(self, req_id: str, stream: S, stages: int, nbytes: int) -> None:
+    def __init__(self, req_id: str, stream: S, nbytes: int) -> None:
         self.req_id = req_id
         self.nbytes = nbytes  # its share of the bytes budget
         self.stream = stream
         self.state = RequestState.LIVE
-        self.ended = [False] * stages  # stage k ended it
-        self.sent = [0] * stages  # and sent on that many payloads
+        self.ended = 0  # bit k: stage k ended it
+        self.sent: dict[int, int] | None = None  # stage k -> payloads it sent on, if any
         self.confirms = 0  # stages that applied the coordinator's abort
 
 
@@ -200,7 +200,19 @@ class PipelineCore(Generic[S]):
 
     def open(self, req_id: str, stream: S, nbytes: int = 0) -> None:
         """Admit *req_id*, *nbytes* of the bytes budget (checked with :meth:`admissible`)."""
-        self._requests[req_id] = _Request(req_id, stream, self._n, nbytes)
+        self._requests[req_id] = _Request(req_id, stream, nbytes)
+        self.bytes_in += nbytes
+
+    def open_many(self, req_ids: Sequence[str], streams: Sequence[S], nbytes: int) -> None:
+        """:meth:`open` for a burst of *nbytes* in all, each request with its share."""
+        requests = self._requests
+        share, extra = divmod(nbytes, len(req_ids))
+        if extra:
+            for i, (rid, stream) in enumerate(zip(req_ids, streams, strict=True)):
+                requests[rid] = _Request(rid, stream, share + (i < extra))
+        else:
+            for rid, stream in zip(req_ids, streams, strict=True):
+                requests[rid] = _Request(rid, stream, share)
         self.bytes_in += nbytes
 
     def forget(self, req_ids: Iterable[str], d: PipelineDeliveries[S]) -> None:
@@ -244,8 +256,12 @@ class PipelineCore(Generic[S]):
             if req is None:
                 continue
             if fin:
-                req.ended[k] = True
-                req.sent[k] = payload if type(payload) is int and payload > 0 else 0
+                req.ended |= 1 << k
+                if type(payload) is int and payload > 0:
+                    if req.sent is None:
+                        req.sent = {k: payload}
+                    else:
+                        req.sent[k] = payload
                 if self._done(req):
                     self._finish(req, now, d)
             elif req.state is not closing:
@@ -321,9 +337,9 @@ class PipelineCore(Generic[S]):
         ended, sent = req.ended, req.sent
         last = self._n - 1
         for k in range(self._n):
-            if not ended[k]:
+            if not ended >> k & 1:
                 return False
-            if k == last or sent[k] == 0:
+            if k == last or sent is None or not sent.get(k):
                 return True
         return True  # pragma: no cover - the loop always returns
 

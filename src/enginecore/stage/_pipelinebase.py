@@ -222,10 +222,7 @@ class PipelineBase(Generic[S, C]):
     def _open(self, ids: list[str], streams: Sequence[S], nbytes: int) -> None:
         """Admit *ids* (under the lock, after :meth:`PipelineCore.admissible`), each with its
         share of *nbytes*."""
-        core = self._core
-        share, extra = divmod(nbytes, len(ids))
-        for i, (rid, stream) in enumerate(zip(ids, streams, strict=True)):
-            core.open(rid, stream, share + (i < extra))
+        self._core.open_many(ids, streams, nbytes)
 
     def _send_frame(self, ids: list[str], parts: Parts, many: bool) -> None:
         """Send the frame of :meth:`_frame` to the first stage; on failure, the requests

@@ -479,12 +479,17 @@ def _make_handle_outputs(
     watchdog: StepWatchdog | None,
     counts: _Counts | None = None,
     reporter: LoadReporter | None = None,
+    has_work: Callable[[], bool] | None = None,
 ) -> Callable[[Callable[[], Iterable[Any]]], None]:
     """``handle(produce)``: call *produce* (the engine's ``step``, or a ``collect`` of one
     handle) under the *watchdog*, route its outputs on the loop thread (before the engine
     can reuse one), drop those of requests aborted and not live again (*stale*), and post
     the rest to *outbox* as **one** ``outputs`` event, with a load report from *reporter*
-    when one is due (:mod:`._statistics`). An exception in *produce* or in routing
+    when one is due (:mod:`._statistics`). With *has_work* (the engine's, for a step), a
+    step after which the engine has no more work is the last before the loop idles: its
+    event is sent by the loop thread itself when the output thread is idle
+    (``Outbox.post_step(last=True)``), instead of waking that thread for it. An exception
+    in *produce* or in routing
     propagates (fatal), and what was routed before it is still sent first. A request's
     output routed with ``finished=True`` takes its id out of *live*; during a *drain*, the
     step that leaves *live* empty ends it."""
@@ -531,16 +536,17 @@ def _make_handle_outputs(
                         report = reporter.report(now)
                 # Fast path: every payload of an exact flat type (an out-of-range int is
                 # caught when msgspec refuses it, in the output thread).
+                last = has_work is not None and not has_work()
                 if only_types(payloads, flat):
                     if report is None:
-                        post([("outputs", rids, fins, payloads)], n)
+                        post([("outputs", rids, fins, payloads)], n, last)
                     else:
-                        post([("outputs", rids, fins, payloads, report)], n)
+                        post([("outputs", rids, fins, payloads, report)], n, last)
                 else:
                     events = prepare_outputs(rids, fins, payloads)
                     if report is not None and events[0][0] == "outputs":
                         events[0] = (*events[0], report)
-                    post(events, n)
+                    post(events, n, last)
                 # Both loops in C: ~2 ns per output, ~20 ns more per finished one.
                 if any(fins):
                     forget(compress(rids, fins))
@@ -570,7 +576,9 @@ def make_step(
     idle wait), the step is timed, and ``input_side.after_step`` then reads the input socket
     without blocking (a short step) or hands it to the input thread (a long one).
     """
-    handle = _make_handle_outputs(engine, outbox, live, drain, stale, watchdog, counts, reporter)
+    handle = _make_handle_outputs(
+        engine, outbox, live, drain, stale, watchdog, counts, reporter, engine.has_work
+    )
     engine_step = engine.step
     wait_for_room = outbox.wait_for_room
     monotonic = time.monotonic
