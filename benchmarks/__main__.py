@@ -38,6 +38,7 @@ MODULES = (
     "bench_stage_curve",
     "bench_ray",
     "bench_pool",
+    "bench_stage_pipeline",
     "bench_metrics",
     "bench_pool_faults",
     "bench_pipeline_faults",

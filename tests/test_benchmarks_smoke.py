@@ -34,6 +34,7 @@ from benchmarks import (
     bench_stage_ingest,
     bench_stage_load,
     bench_stage_output,
+    bench_stage_pipeline,
     bench_stage_requests,
     bench_stage_utility,
     bench_statistics,
@@ -56,6 +57,7 @@ STAGE_MODULES = (
     bench_stage_ingest,
     bench_stage_load,
     bench_stage_output,
+    bench_stage_pipeline,
     bench_stage_requests,
     bench_stage_utility,
 )
@@ -506,6 +508,42 @@ class TestStageBenchmarks:
         assert by_name["pipeline slow last stage: bytes in flight between stages, most"].met
         kill = by_name["pipeline SIGKILL middle stage: last affected request ended after"]
         assert "otherwise or not at all: 0." in kill.note
+
+    @pytest.mark.timeout(180)  # 24 stage and peer processes, started one after the other
+    def test_stage_pipeline_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        assert "bench_stage_pipeline" in MODULES
+        records = bench_stage_pipeline.run(quick=True)
+        assert_records(records, 8)
+        assert_gc_on(records)
+        assert [r.goal for r in records] == [
+            "<= 1.5x", "report", ">= 0.8x", ">= 1.5x", ">= 1.5x", "report", ">= 1.5x", ">= 1.5x",
+        ]  # fmt: skip
+        assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
+        assert all(r.value > 0 and r.baseline > 0 for r in records[2:])
+        assert gc_disables == []
+
+    def test_stage_pipeline_peers_work_and_leave_nothing_behind(self) -> None:
+        from benchmarks._mpq_chain import MpqChain
+        from benchmarks._pipeline_peers import ONE_SHOT_RELAY, ZmqChain
+
+        from enginecore.stage import StageClient
+        from enginecore.stage.testing import device, relay
+
+        with ZmqChain(2) as chain:
+            assert chain.trip(("req", 7, [1, 2])) == ["req", 7, [1, 2]]
+            hops, ipc_dir = chain.processes, chain._dir
+        assert [p.exitcode for p in hops] == [0, 0]
+        assert not os.path.exists(ipc_dir)
+        stages = [(device, {"step_s": 0.0}), (relay, {}), (relay, {"step_s": 0.001})]
+        with MpqChain(stages) as mpq:
+            assert mpq.run([("a", 3), ("b", 1)]) == {"a": [2, 1, 0], "b": [0]}
+            children = mpq.processes
+        assert [p.exitcode for p in children] == [0, 0, 0]
+        with StageClient.launch(ONE_SHOT_RELAY) as client:
+            assert client.add("x", {"k": 1}).collect() == [{"k": 1}]
+        bench = bench_stage_pipeline
+        with bench.ParentRouted(0.0, 0.0) as routed:
+            assert bench.job_routed(routed, 5, 3) > 0
 
     def test_pool_faults_analysis(self) -> None:
         s = bench_pool_faults.Sample
