@@ -199,7 +199,8 @@ class TestDataFlow:
             # An abort goes on after the data, whether or not this stage knew the ids.
             stage.add("c", 5)
             stage.step()
-            stage.abort(["c", "unknown"])
+            stage.abort(["c", "unknown"])  # an abort of the stage's own: no chase
+            stage.chase_abort(["c", "unknown"])  # an abort message: chases
             assert received() == ["pipe", [FIRST], ["c"], [4]]
             assert received() == ["abort", ["c", "unknown"]]
             assert not stage.has_work()
@@ -298,6 +299,25 @@ class TestErrors:
         assert "refused on purpose" in str(info.value)
         assert wait_until(lambda: pipe.in_flight == 0, 10)
         assert pipe.add("r", "fine").collect(timeout=10) == ["fine"]
+
+    def test_an_error_in_a_middle_stage_after_it_sent_some_on(self, launch: Any) -> None:
+        # "mid" sends 2 and 1 on, then its edge fails on 0: the request ends with the error,
+        # the last stage drops its part of it, and the id is free again only once every
+        # stage has applied the coordinator's abort (each answers it exactly once).
+        pipe = launch(
+            [
+                COUNTDOWN,
+                PipelineStage(RELAY, name="mid", edge=f"{T}:last_fails"),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        for _ in range(3):
+            stream = pipe.add("r", 3)
+            with pytest.raises(PipelineRequestError, match="refuses 0") as info:
+                stream.collect(timeout=10)
+            assert info.value.stage == "mid"
+            assert wait_until(lambda: pipe.in_flight == 0, 10)
+            assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
 
     def test_an_error_in_the_first_stage_names_it(self, launch: Any) -> None:
         pipe = launch([PipelineStage(COUNTDOWN, name="first"), RELAY])

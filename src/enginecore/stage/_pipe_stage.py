@@ -28,10 +28,13 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   one ``add(req_id, items)`` when the previous stage's request ends, *items* the list of
   every payload sent on, in order (the first stage: ``add(req_id, data)``, the caller's
   data as it is).
-- **abort chases the data**: an abort applied here is sent on to the next stage after the
-  data this stage sent for those requests (one connection keeps order), so the next stage
-  never receives a payload of a request after its abort, and the coordinator needs to send
-  an abort to the first stage only.
+- **abort chases the data**: an ``abort`` message applied here is sent on to the next stage
+  after the data this stage sent for those requests (one connection keeps order), so the
+  next stage never receives a payload of a request after its abort, and the coordinator
+  needs to send an abort to the first stage only. Each stage applies it once, and says so
+  with one ``aborted`` event, which the coordinator counts. An abort of the stage's own (an
+  error that ended the request, a detach, a drain's deadline) does not chase: the
+  coordinator aborts an errored request from the first stage itself.
 - **credits**: the stage counts what it sent the next stage and the next stage has not
   taken yet (items, and bytes of pipe frames); while that reaches its window,
   :meth:`PipeStage.has_work` says no, so the loop starts no step (messages are still
@@ -245,16 +248,24 @@ class PipeStage:
             self._live.add(req_id)
 
     def abort(self, req_ids: Sequence[str]) -> None:
+        """Drop *req_ids* here: every abort the stage applies (an ``abort`` message, or one
+        of its own: an error that ended the request, a detach, a drain's deadline)."""
         self._inner.abort(req_ids)
         gathered, live, sent = self._gathered, self._live, self._sent
         for rid in req_ids:
             live.discard(rid)
             sent.pop(rid, None)
             gathered.pop(rid, None)
+
+    def chase_abort(self, req_ids: Sequence[str]) -> None:
+        """An ``abort`` message was applied here (the stage runtime calls this after
+        :meth:`abort` and its ``aborted`` event): send it on to the next stage, after every
+        pipe message this stage sent for those requests, so the next stage applies it after
+        their data, and sends it on in turn. Only an abort message chases: an abort of the
+        stage's own (an error that ended the request) is followed by the coordinator's,
+        from the first stage, and every stage must answer that one exactly once."""
         link = self._link
         if link is not None:
-            # After every pipe message this stage sent for them: the next stage applies the
-            # abort after their data, and sends it on in turn.
             link.send(self._encoder.encode(("abort", list(req_ids)))[0])
 
     def step(self) -> list[Any]:

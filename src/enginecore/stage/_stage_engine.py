@@ -183,8 +183,9 @@ class StageEngine:
                 self.counts,
                 self.reporter,
             )
-        # A pipeline's stage (_pipe_stage.PipeStage) has pipe_input, pipe_received and
-        # pipe_credit, and attach_emit, through which it emits its credit events.
+        # A pipeline's stage (_pipe_stage.PipeStage) has pipe_input, pipe_received,
+        # pipe_credit, chase_abort, and attach_emit, through which it emits its credit
+        # events.
         pipe_input = getattr(engine, "pipe_input", None)
         self._pipe_input: Callable[[int, str, Any], None] | None = (
             pipe_input if callable(pipe_input) else None
@@ -193,6 +194,9 @@ class StageEngine:
             engine, "pipe_received", None
         )
         self._pipe_credit: Callable[[int, int], None] | None = getattr(engine, "pipe_credit", None)
+        self._chase_abort: Callable[[Sequence[str]], None] | None = getattr(
+            engine, "chase_abort", None
+        )
         attach_emit = getattr(engine, "attach_emit", None)
         if callable(attach_emit):
             attach_emit(outbox.emit)
@@ -205,9 +209,12 @@ class StageEngine:
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """The loop's ``abort``: the engine's, then an ``aborted`` event, ordered with the
-        outputs, so none of the aborted requests' outputs follows it."""
+        outputs, so none of the aborted requests' outputs follows it (and, in a pipeline's
+        stage, the abort sent on to the next stage: ``chase_abort``)."""
         self._drop(req_ids)
         self._emit(("aborted", list(req_ids)))
+        if self._chase_abort is not None:
+            self._chase_abort(req_ids)
 
     def _drop(self, req_ids: Sequence[str]) -> None:
         self._abort(req_ids)

@@ -18,7 +18,8 @@ Factories (``"enginecore.stage.testing:NAME"``):
   stage (``docs/pipelines.md``) whose every input becomes one output, payload unchanged.
 - Edge functions for pipelines: ``tee`` (every output to the next stage and the caller),
   ``to_caller`` (to the caller only), ``inflate`` (100,000 bytes on for each output, the
-  output to the caller), ``checked_edge`` (fails on purpose for some inputs).
+  output to the caller), ``checked_edge`` and ``last_fails`` (fail on purpose for some
+  inputs).
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
 - ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
 - ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
@@ -58,6 +59,7 @@ __all__ = [
     "exiting_factory",
     "failing_factory",
     "inflate",
+    "last_fails",
     "pipelined",
     "relay",
     "scripted",
@@ -743,6 +745,15 @@ def inflate(payload: Any) -> tuple[Any, Any]:
     """Edge: 100,000 zero bytes to the next stage for each output, and the output itself to
     the caller (a stand-in for a stage that hands large tensors on)."""
     return bytes(100_000), payload
+
+
+def last_fails(payload: Any) -> tuple[Any, Any]:
+    """Edge: every output to the next stage, except that ``0`` (a countdown's last) raises
+    :class:`ValueError`: the request ends with an error in this stage after it has sent
+    the others on."""
+    if payload == 0:
+        raise ValueError("the edge refuses 0 on purpose")
+    return payload, NOTHING
 
 
 def checked_edge(payload: Any) -> tuple[Any, Any]:
