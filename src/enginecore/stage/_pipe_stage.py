@@ -39,9 +39,10 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   taken yet (items, and bytes of pipe frames); while that reaches its window,
   :meth:`PipeStage.has_work` says no, so the loop starts no step (messages are still
   applied). The next stage counts what its loop took (``pipe_received``, per frame) and
-  gives it back after its next step, or when its loop would go idle, as a ``credit`` event
-  to the coordinator, which passes it on to this stage (``pipe_credit``). The wrapper
-  emits through the runtime's ``emit``, which the runtime hands it (``attach_emit``).
+  gives it back after its next step (the runtime takes it, ``take_credit``, into that
+  step's frame), or when its loop would go idle (through the runtime's ``emit``, which it
+  hands the wrapper: ``attach_emit``), as a ``credit`` event to the coordinator, which
+  passes it on to this stage (``pipe_credit``).
 """
 
 from __future__ import annotations
@@ -181,26 +182,32 @@ class PipeStage:
         self._out_bytes = max(0, self._out_bytes - nbytes)
         self._waiting = False
 
-    def _give_credit(self) -> None:
-        """Give back what the engine has taken: all of it, or, for an engine with
-        ``pending_inputs()``, all but the inputs it still holds unprocessed (their share of
-        the bytes, pro rata), so that a slow engine's backlog counts against the window."""
+    def take_credit(self) -> tuple[str, int, int] | None:
+        """The ``credit`` event for what the engine has taken since the last one, or
+        ``None``: all of it, or, for an engine with ``pending_inputs()``, all but the inputs
+        it still holds unprocessed (their share of the bytes, pro rata), so that a slow
+        engine's backlog counts against the window. The stage runtime calls it after each
+        step, and sends the event in the step's frame."""
         items, nbytes = self._taken_items, self._taken_bytes
+        if not items:
+            return None
         if self._pending is not None:
             held = min(items, max(0, self._pending()))
             if held:
                 kept = nbytes * held // items
                 items, nbytes = items - held, nbytes - kept
                 if not items:
-                    return
+                    return None
                 self._taken_items, self._taken_bytes = held, kept
-            else:
-                self._taken_items = self._taken_bytes = 0
-        else:
-            self._taken_items = self._taken_bytes = 0
-        emit = self._emit
-        if emit is not None:
-            emit(("credit", items, nbytes))
+                return ("credit", items, nbytes)
+        self._taken_items = self._taken_bytes = 0
+        return ("credit", items, nbytes)
+
+    def _give_credit(self) -> None:
+        """The loop would go idle: send the credit now (:meth:`take_credit`)."""
+        credit = self.take_credit()
+        if credit is not None and self._emit is not None:
+            self._emit(credit)
 
     def stats(self) -> dict[str, float]:
         """The engine's own numbers, and the edge's: ``edge_in_flight`` and
@@ -282,8 +289,6 @@ class PipeStage:
         if rids:
             rids, fins, payloads = self._split(rids, fins, payloads)
         self._columns = (rids, fins, payloads)
-        if self._taken_items:
-            self._give_credit()  # a step ran since the input was taken
         return rids
 
     def route_outputs(self, outputs: list[Any]) -> tuple[list[Any], list[bool], list[Any]]:

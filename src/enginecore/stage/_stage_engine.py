@@ -501,6 +501,9 @@ def _make_handle_outputs(
     output routed with ``finished=True`` takes its id out of *live*; during a *drain*, the
     step that leaves *live* empty ends it."""
     route = make_router(engine)
+    # A pipeline's stage gives back credit after each step, in the step's frame.
+    take_credit: Callable[[], Any] | None = getattr(engine, "take_credit", None)
+    emit = outbox.emit
     post = outbox.post_step
     prepare_outputs = outbox.prepare_outputs
     flat = _codec.FLAT_TYPES
@@ -529,6 +532,9 @@ def _make_handle_outputs(
             # requests not live are looked at further, for an abort the engine lost.
             if payloads and recent and not superset(rids):
                 stale.drop(live, rids, fins, payloads)
+            credit = None if take_credit is None else take_credit()
+            if credit is not None and not payloads:
+                emit(credit)
             # One hand-over per step (Outbox.post_step: a big step is sent at once while
             # the output thread idles, a small one queued to share a frame).
             if payloads:
@@ -544,16 +550,19 @@ def _make_handle_outputs(
                 # Fast path: every payload of an exact flat type (an out-of-range int is
                 # caught when msgspec refuses it, in the output thread).
                 last = has_work is not None and not has_work()
+                events: list[tuple[Any, ...]]
                 if only_types(payloads, flat):
                     if report is None:
-                        post([("outputs", rids, fins, payloads)], n, last)
+                        events = [("outputs", rids, fins, payloads)]
                     else:
-                        post([("outputs", rids, fins, payloads, report)], n, last)
+                        events = [("outputs", rids, fins, payloads, report)]
                 else:
                     events = prepare_outputs(rids, fins, payloads)
                     if report is not None and events[0][0] == "outputs":
                         events[0] = (*events[0], report)
-                    post(events, n, last)
+                if credit is not None:
+                    events.append(credit)
+                post(events, n, last)
                 # Both loops in C: ~2 ns per output, ~20 ns more per finished one.
                 if any(fins):
                     forget(compress(rids, fins))
