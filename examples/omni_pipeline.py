@@ -158,7 +158,7 @@ def main() -> None:
         stream = pipe.add("q1", {"prompt": "the quick brown fox jumps over the lazy dog"})
         text: list[str] = []
         audio: list[np.ndarray[Any, Any]] = []
-        first_audio = None
+        first_audio: float | None = None
         for item in stream:
             if isinstance(item, str):
                 text.append(item)
@@ -168,10 +168,9 @@ def main() -> None:
         print("text      ", " ".join(text))
         samples = sum(len(chunk) for chunk in audio)
         print(f"audio      {len(audio)} chunks, {samples} samples of {audio[0].dtype}")
-        print(
-            f"streaming  first audio after {first_audio * 1000:.0f} ms, all after "
-            f"{stream.timings.total * 1000:.0f} ms"
-        )
+        total = stream.timings.total or 0.0
+        first_ms = float("nan") if first_audio is None else first_audio * 1000
+        print(f"streaming  first audio after {first_ms:.0f} ms, all after {total * 1000:.0f} ms")
 
         # 40 requests under the admission budget: an add waits while 16 are in the pipeline.
         streams, most = [], 0

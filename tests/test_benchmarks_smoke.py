@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from benchmarks import (
@@ -534,7 +535,11 @@ class TestStageBenchmarks:
             hops, ipc_dir = chain.processes, chain._dir
         assert [p.exitcode for p in hops] == [0, 0]
         assert not os.path.exists(ipc_dir)
-        stages = [(device, {"step_s": 0.0}), (relay, {}), (relay, {"step_s": 0.001})]
+        stages: list[tuple[Callable[..., Any], dict[str, Any]]] = [
+            (device, {"step_s": 0.0}),
+            (relay, {}),
+            (relay, {"step_s": 0.001}),
+        ]
         with MpqChain(stages) as mpq:
             assert mpq.run([("a", 3), ("b", 1)]) == {"a": [2, 1, 0], "b": [0]}
             children = mpq.processes

@@ -337,7 +337,7 @@ class TestErrors:
         with pytest.raises(ValueError, match="twice"):
             pipe.add_many([("a", 1), ("a", 1)])
         with pytest.raises(TypeError, match="req_id must be a str"):
-            pipe.add(3, 1)  # type: ignore[arg-type]
+            pipe.add(3, 1)
         pipe.call_utility(f"{RELAY}", "hold", False)
 
     def test_a_stage_killed_under_load_fails_every_request_naming_it(self, launch: Any) -> None:
@@ -446,7 +446,7 @@ class TestCredits:
         emitted: list[Any] = []
         stage = PipeStage(CountdownEngine(), stage="s", window=2)
         stage.attach_emit(emitted.append)
-        stage._link = type("Link", (), {})()  # type: ignore[assignment]
+        stage._link = type("Link", (), {})()
         stage._send_on = lambda kinds, *rest: stage._count_sent(len(kinds), [b"x" * 10])  # type: ignore[method-assign]
         stage.add("a", 5)
         stage.add("b", 5)
@@ -462,7 +462,7 @@ class TestCredits:
         assert stage.take_credit() is None
         assert emitted == []
         stage.pipe_received(1, 50)
-        stage._inner.abort(["a", "b"])  # type: ignore[attr-defined]
+        stage._inner.abort(["a", "b"])
         assert not stage.has_work()
         assert emitted[-1] == ("credit", 1, 50)  # the loop would go idle: given back now
 

@@ -307,22 +307,26 @@ class PipelineCore(Generic[S]):
     ) -> None:
         """Stage *k* is gone: every request still in the pipeline ends with a
         :class:`~._errors.PipelineStageDeadError` naming it (a closing one's stream has
-        ended already), its place is free, and the pipeline takes no more requests. The
-        live ones are aborted in the stages still running, so that none keeps working on
-        them: from the first stage (unless it is the dead one), and from the stage after
-        the dead one, which the first one's abort cannot reach."""
+        ended already), its place is free, and the pipeline takes no more requests. Each is
+        aborted in the stages still running, so that none keeps working on it: the live ones
+        from the first stage (unless it is the dead one), and all of them from the stage
+        after the dead one, which no abort from the first stage can reach now (a closing
+        one's abort, sent when its stream ended, may not have got past the dead stage)."""
         error = PipelineStageDeadError(
             str(exc), stage=self.stages[k], exit_code=exc.exit_code, fatal=exc.fatal
         )
         error.__cause__ = exc
         if self.failure is None:
             self.failure = error
-        live = [rid for rid, req in self._requests.items() if req.state is not RequestState.CLOSING]
-        if live:
+        requests = self._requests
+        if requests:
             if k > 0:
-                d.aborts += live
+                closing = RequestState.CLOSING
+                live = [rid for rid, req in requests.items() if req.state is not closing]
+                if live:
+                    d.aborts += live
             if k + 1 < self._n:
-                d.stage_aborts.append((k + 1, live))
+                d.stage_aborts.append((k + 1, list(requests)))
         self._end_all(error, now, d)
 
     def close(self, exc: BaseException, now: float, d: PipelineDeliveries[S]) -> None:

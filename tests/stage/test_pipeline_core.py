@@ -1,0 +1,43 @@
+"""PipelineCore, one decision at a time (``test_pipeline_model.py`` checks it as a whole)."""
+
+from __future__ import annotations
+
+from enginecore.stage._errors import EngineDeadError
+from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
+from enginecore.stage._session import StreamCore
+
+
+def _core(*ids: str) -> PipelineCore[StreamCore]:
+    core: PipelineCore[StreamCore] = PipelineCore(["a", "b", "c"])
+    for rid in ids:
+        core.open(rid, StreamCore(rid))
+    return core
+
+
+def test_a_stage_death_aborts_a_closing_request_after_the_dead_stage() -> None:
+    # r went through stages a and b to c, then a ended it with an error: its stream ended,
+    # and the coordinator's abort chases it from a. b dies before that abort got past it:
+    # only an abort sent to c itself can reach r there now.
+    core = _core("r", "q")
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(0, "r", "rejected", 1.0, d)
+    assert d.aborts == ["r"]
+    assert core.state("r") is RequestState.CLOSING
+    d = PipelineDeliveries()
+    core.stage_dead(1, EngineDeadError("killed"), 2.0, d)
+    assert d.aborts == ["q"]  # from the first stage: r's abort is on its way there already
+    assert d.stage_aborts == [(2, ["r", "q"])]
+    assert d.freed == 2
+
+
+def test_a_stage_death_aborts_nothing_in_a_dead_first_stage_nor_after_the_last() -> None:
+    core = _core("r")
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.stage_dead(0, EngineDeadError("killed"), 1.0, d)
+    assert d.aborts == []
+    assert d.stage_aborts == [(1, ["r"])]
+    core = _core("r")
+    d = PipelineDeliveries()
+    core.stage_dead(2, EngineDeadError("killed"), 1.0, d)
+    assert d.aborts == ["r"]
+    assert d.stage_aborts == []

@@ -1,0 +1,897 @@
+"""A model check of the pipeline coordinator's core (:class:`PipelineCore`): adds, aborts,
+stage steps, errors, stage deaths and closing, interleaved by hypothesis.
+
+The core under test is the real :class:`~enginecore.stage._pipeline_core.PipelineCore`,
+driven as the pipelines (``_pipelinebase``) drive it (``check_size``, ``admissible``,
+``open_many``/``forget``, ``abort``, ``outputs``, ``error``, ``aborted``, ``stage_dead``,
+``close``, and what each call's :class:`PipelineDeliveries` asks for). There are no
+processes and no sockets: a simulation of 1 to 4 stages stands in for them, each one what
+:class:`PipeStage` and the stage runtime (``StageEngine``) do with a request:
+
+- **input**, each of two connections in order, with no order between them: from the
+  coordinator (stage 0's adds and aborts; a later stage's aborts after a stage died) and,
+  for stage ``k + 1``, what stage ``k`` sends on its link (``FIRST``/``MORE``/``END``/``ONLY``
+  items, and each ``abort`` message it applied, after that data). An input item for a
+  request that is not live in the stage (``MORE``/``END`` after the stage ended it, or
+  ended it with an error) is dropped. An engine with ``feed`` has the request from its
+  first item on; one without gets it at ``END``/``ONLY``. The engine may reject an add or
+  an input (a :class:`~enginecore.RequestRejected`): an ``error`` event; if the request was
+  live (a ``MORE``/``END`` rejected), the stage drops it (``DropEnded``).
+- **a step** of a request the engine has: a payload for the caller (an ``outputs`` item,
+  ``finished=False``, with a token unique in the run), a payload sent on to the next stage,
+  and/or the request's end (its end marker: ``finished=True``, the payload the number sent
+  on; the last ``FIRST`` becomes ``ONLY`` as ``PipeStage._split`` does). A ``feed`` engine
+  may end a request before its input has ended. Unrouted outputs and outputs of the
+  engine's own requests reach the coordinator too.
+- **an error** for a request it has: the engine's ``RequestRejected`` as the request's last
+  output (it just ends there), or before it, or a failed edge (the stage drops it,
+  ``DropEnded``). Either way nothing goes down the link: an abort of the stage's own does
+  not chase.
+- **an abort message** it gets: applied (the request leaves the stage if it was there),
+  reported (``aborted``, every id, live here or not) and sent on down the link
+  (``chase_abort``).
+- **death**: its events up to some point still reach the coordinator, then its end
+  (``stage_dead``); the rest is lost, and what is sent to it is dropped.
+
+Each stage's events reach the core in that stage's order; which stage's event comes next is
+hypothesis's choice, as are the deliveries of each connection: every interleaving the real
+pipeline allows. Each example draws the number of stages, the budgets (``max_in_flight``,
+``max_bytes``), which stages have ``feed``, whether stages may die or the pipeline close,
+and whether engines reject often. Ids are fresh, or ids the core has freed, added again.
+The model's caller keeps at most :data:`MAX_CONCURRENT` requests in the pipeline, so that
+requests go through every stage.
+
+Checked after every rule:
+
+- every stream gets at most one end, nothing after it, and only payloads of its own request
+  (each payload's token belongs to that request), each once, and each stage's payloads in
+  that stage's order with none skipped (a prefix of what the stage emitted);
+- how it ends: **finished** only when the request is done (each stage it reached ended it,
+  with no error) and with every payload any stage emitted for it; **aborted** only when the
+  caller aborted it, once every stage has applied the coordinator's abort, and with every
+  payload; an error naming the stage that reported it, the stage that died, or the
+  pipeline's close, each only from that call;
+- the core's table: a request is ``LIVE`` (not ended, not aborted), ``ABORTING`` (not ended,
+  aborted by the caller, its abort sent) or ``CLOSING`` (ended, its abort sent); every
+  request the core no longer holds has ended (or was forgotten); the core asks to abort a
+  request at most once (but after a stage died), and only one it holds; a request leaves
+  the core on its last end marker (done and live, never aborted: then no stage holds it),
+  when every stage has applied the coordinator's abort (ABORTING or CLOSING: once it has
+  counted ``n`` ``aborted`` of it while not live, and not before), or on a stage's death,
+  close or ``forget``; once a stage's death reached it or it was closed, the core refuses
+  every add with that failure, and never before;
+- the budgets: the sum of every ``freed`` is the number of requests that left the core,
+  ``in_flight`` is what was opened less that, ``room()`` is never negative, ``bytes_in`` is
+  the sum of the held requests' shares (an add's bytes split as ``open_many`` does) and
+  within ``max_bytes``; ``check_size`` refuses what can never fit, ``admissible`` says
+  whether there is room;
+- wakes: a stream is woken (``wake``) once, exactly when its consumer waited and its buffer
+  grew, and only then;
+- a stage's death: the requests the core held are aborted from the first stage (unless it
+  is the dead one) and in the stage after the dead one;
+- quiescence: once every queue and link is empty and no stage holds a request, the core
+  holds none (``in_flight == 0``) and every stream has ended.
+
+At the end every stage is run dry (each input and event delivered, each request a stage
+holds with its input complete stepped to its end). Then every stream has ended and the core
+holds nothing, always; and the stages hold nothing either, unless the pipeline was closed
+(``close`` aborts nothing: the stages are shut down), or a stage died and the request
+reached a stage from the dead one's link after the coordinator's abort of it did (the two
+connections have no order between them), or two stages died (the core forgets every request
+at the first death, so a second one cuts off the aborts of the first, and nothing sends
+them again).
+
+The run-dry checks are skipped when a rule or a check has failed already: that failure is
+the one to report. 2,000 examples of 50 steps: about 45 s on the project's 2-core VM.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from enginecore.stage._edge import END, FIRST, MORE, ONLY
+from enginecore.stage._errors import (
+    EngineDeadError,
+    PipelineRequestError,
+    PipelineStageDeadError,
+    StageClosedError,
+)
+from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
+from enginecore.stage._session import ABORTED, FINISHED, End, StreamCore
+
+pytestmark = pytest.mark.timeout(600)  # ~45 s; shrinking a failure takes minutes
+
+LIVE, ABORTING, CLOSING = RequestState.LIVE, RequestState.ABORTING, RequestState.CLOSING
+
+
+def show(items: list[Any]) -> list[Any]:
+    """A stream's items, each end as what it is (``FINISHED``, ``ABORTED``, or its error)."""
+    return [
+        ("FINISHED" if x is FINISHED else "ABORTED" if x is ABORTED else f"End({x.exc!r})")
+        if type(x) is End
+        else x
+        for x in items
+    ]
+
+
+class Inc:
+    """One incarnation of a request id: one add, its stream, and what the model knows of it
+    (the truth, ahead of what the core has heard)."""
+
+    def __init__(self, no: int, rid: str, n: int, nbytes: int) -> None:
+        self.no = no
+        self.rid = rid
+        self.nbytes = nbytes  # its share of the bytes budget
+        self.stream = StreamCore(rid)
+        self.seen: list[Any] = []  # what the consumer has taken from the stream
+        self.emitted: list[list[int]] = [[] for _ in range(n)]  # tokens each stage emitted
+        self.ended = [False] * n  # stage k ended it (its end marker emitted)
+        self.sent = [0] * n  # and sent on that many payloads
+        self.errors: list[int] = []  # stages that emitted an error for it
+        self.caller_aborted = False
+        self.coord_abort = False  # the core asked to abort it
+        self.coord_applied: set[int] = set()  # stages that applied the core's abort
+        self.confirms = 0  # aborted events the core got for it while it was not live
+        self.raced = False  # it reached a stage after that stage applied a death's abort
+        self.forgotten = False
+        self.in_core = True
+        self.end_seen = False
+
+    def __repr__(self) -> str:
+        return f"<{self.rid}#{self.no}>"
+
+    def items(self) -> list[Any]:
+        return self.seen + self.stream._buf
+
+    def done(self) -> bool:
+        """Whether it is done in the pipeline, in truth: each stage it reached ended it."""
+        last = len(self.ended) - 1
+        for k, ended in enumerate(self.ended):
+            if not ended:
+                return False
+            if k == last or self.sent[k] == 0:
+                return True
+        return True  # pragma: no cover
+
+
+class Req:
+    """A request live in one simulated stage (the stage runtime's live set)."""
+
+    __slots__ = ("in_engine", "inc", "input_ended", "sent")
+
+    def __init__(self, inc: Inc, in_engine: bool, input_ended: bool) -> None:
+        self.inc = inc
+        self.in_engine = in_engine  # the engine has it (it can step it)
+        self.input_ended = input_ended
+        self.sent = 0  # payloads sent on
+
+
+class SimStage:
+    """One stage: its two inputs (from the coordinator, and from the previous stage's
+    link), its live requests, and its event queue to the coordinator."""
+
+    def __init__(self, k: int, last: bool, feed: bool) -> None:
+        self.k = k
+        self.last = last
+        self.feed = feed  # the engine has feed(): it takes each input as it arrives
+        self.cq: deque[tuple[Any, ...]] = deque()  # from the coordinator
+        self.inq: deque[tuple[Any, ...]] = deque()  # from the previous stage's link
+        self.events: deque[tuple[Any, ...]] = deque()
+        self.live: dict[str, Req] = {}
+        self.dead_aborted: dict[str, Inc] = {}  # a death's abort applied while absent here
+        self.dead = False
+
+    def __repr__(self) -> str:
+        return f"<stage {self.k}>"
+
+    def steppable(self) -> list[str]:
+        return sorted(rid for rid, r in self.live.items() if r.in_engine)
+
+
+# What a step does with a request: (a payload for the caller, one sent on, its end), or an
+# error, or a stray output; errors are rare in some examples, frequent in others.
+STEPS = [(c, n, f) for c in (False, True) for n in (False, True) for f in (False, True)]
+OTHERS = ["reject", "reject-and-drop", "unrouted", "engine-own"]
+ACTIONS = {
+    False: st.sampled_from([*STEPS, *STEPS, *OTHERS]),
+    True: st.sampled_from([*STEPS, *OTHERS, "reject", "reject-and-drop"]),
+}
+# An add: (how many ids, whether its send fails, whether it reuses freed ids, its bytes).
+ADDS = [(c, False, r, b) for c in (1, 2) for r in (False, True) for b in (10, 35)]
+ADD = st.sampled_from([*ADDS, (1, True, False, 10), (2, True, True, 35)])
+# What happens next (the stages' work most often).
+ACT = st.sampled_from(
+    ["deliver_input", "step", "deliver"] * 3 + ["add", "caller", "caller", "fault"]
+)
+
+# The model's caller adds no more while the core holds this many requests: a few requests
+# that go through every stage, rather than many stuck in the first.
+MAX_CONCURRENT = 3
+
+
+class PipelineModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.incs: list[Inc] = []
+        self.current: dict[str, Inc] = {}  # each id's latest incarnation
+        self.by_stream: dict[int, Inc] = {}
+        self.owner: dict[int, Inc] = {}  # token -> the incarnation it is a payload of
+        self.token_stage: dict[int, int] = {}
+        self.tokens = 0
+        self.ids = 0
+        self.opened = 0
+        self.freed = 0
+        self.closed = False
+        self.failure: tuple[str, int] | None = None  # why the core must refuse adds
+        self.reused = 0
+        self.steps = 0
+
+    # -- setup -------------------------------------------------------------------------------
+
+    @initialize(
+        n=st.sampled_from([2, 3, 4, 1]),
+        budget=st.sampled_from([None, 2, None, 1, 3]),
+        max_bytes=st.sampled_from([None, None, 60, 40]),
+        feeds=st.lists(st.booleans(), min_size=4, max_size=4),
+        faults=st.sampled_from([None, 15, 5, 25]),
+        first=st.integers(1, MAX_CONCURRENT),
+        errors=st.booleans(),
+    )
+    def setup(
+        self,
+        n: int,
+        budget: int | None,
+        max_bytes: int | None,
+        feeds: list[bool],
+        faults: int | None,
+        first: int,
+        errors: bool,
+    ) -> None:
+        self.n = n
+        self.names = [f"stage{k}" for k in range(n)]
+        self.core: PipelineCore[StreamCore] = PipelineCore(self.names, budget, max_bytes)
+        self.budget = budget
+        self.max_bytes = max_bytes
+        self.stages = [SimStage(k, k == n - 1, feeds[k]) for k in range(n)]
+        self.faults = faults  # from which step on this run may kill a stage or close
+        self.errors = errors  # whether engines reject often
+        event(f"{n} stages")
+        # Requests to begin with: hypothesis runs each example with some rules left out (swarm
+        # testing), ``add`` among them at times.
+        for _ in range(first):
+            self.admit([self.new_id()], False, 10)
+
+    # -- the core, as the IO layer calls it ----------------------------------------------------
+
+    def in_core(self) -> list[Inc]:
+        return [self.by_stream[id(r.stream)] for r in self.core._requests.values()]
+
+    def call(
+        self,
+        fn: Callable[[float, PipelineDeliveries[StreamCore]], None],
+        via: str,
+        k: int | None = None,
+        rid: str | None = None,
+    ) -> PipelineDeliveries[StreamCore]:
+        """Call the core (under the pipeline's lock), then do what its deliveries ask, and
+        check what the call did to the streams and the core's table."""
+        self.now += 1.0
+        before = self.in_core()
+        states = {id(i): self.core.state(i.rid) for i in before}
+        waiting = {id(i.stream): len(i.stream._buf) for i in before if i.stream._waiting}
+        d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+        fn(self.now, d)
+        after = self.in_core()
+        after_ids = {id(i) for i in after}
+        assert after_ids <= {id(i) for i in before}, f"a request entered the core by {via}"
+
+        # Wakes: each stream once, exactly those that waited and got something.
+        woken = [id(s) for s in d.wake]
+        assert len(set(woken)) == len(woken), f"a stream woken twice by one call ({via})"
+        for sid in woken:
+            assert sid in waiting, f"{self.by_stream[sid]} woken, but nobody waited ({via})"
+        for sid, n0 in waiting.items():
+            stream = self.by_stream[sid].stream
+            grew = len(stream._buf) > n0
+            assert grew == (sid in woken), f"{self.by_stream[sid]}: grew {grew}, woken ({via})"
+            assert stream._waiting is not grew, f"{self.by_stream[sid]}: grew {grew}, waiting"
+
+        # What ended in this call, and how.
+        for inc in before:
+            if inc.end_seen or inc.stream._ended is None:
+                continue
+            inc.end_seen = True
+            self.check_end(inc, inc.stream._ended, via, k, rid)
+
+        # What left the core in this call, and why.
+        left = [i for i in before if id(i) not in after_ids]
+        assert d.freed == len(left), f"freed {d.freed}, but {left} left the core ({via})"
+        self.freed += d.freed
+        for inc in left:
+            inc.in_core = False
+            self.check_freed(inc, via)
+        for inc in after:  # the core keeps an aborted request until n confirmations
+            assert inc.confirms < self.n, f"{inc} kept after {inc.confirms} confirmations"
+
+        # The aborts the core asks for: to the first stage (the abort chases the data from
+        # there), and, after a death, to the stage after the dead one.
+        if via == "dead":
+            assert k is not None
+            self.send_death_aborts(k, before, states, d)
+        elif d.aborts:
+            assert via in ("abort", "error"), f"an abort asked for by {via}"
+            assert not d.stage_aborts, f"an abort of a later stage asked for by {via}"
+            targets: dict[str, Inc] = {}
+            for a in d.aborts:
+                inc = self.current[a]
+                assert inc.in_core, f"an abort of {inc}, which the core does not hold"
+                assert self.core.state(a) in (ABORTING, CLOSING)
+                assert not inc.coord_abort, f"{inc} aborted twice by the core"
+                inc.coord_abort = True
+                targets[a] = inc
+            first = self.stages[0]
+            if not first.dead:  # else the send fails, and the IO layer ignores it
+                first.cq.append(("abort", list(d.aborts), "core", targets))
+        else:
+            assert not d.stage_aborts, f"an abort of a later stage asked for by {via}"
+        return d
+
+    def send_death_aborts(
+        self,
+        k: int,
+        before: list[Inc],
+        states: dict[int, RequestState | None],
+        d: PipelineDeliveries[StreamCore],
+    ) -> None:
+        """Stage *k* died: the core aborts what it held from the first stage and in the
+        stage after the dead one; check that and send them."""
+        held = {i.rid: i for i in before}
+        unaborted = {i.rid for i in before if states[id(i)] is LIVE}
+        assert set(d.aborts) <= set(held), f"a dead stage's aborts of {d.aborts}"
+        if k > 0:
+            assert unaborted <= set(d.aborts), f"{unaborted} not aborted from the first stage"
+        else:
+            assert not d.aborts, f"aborts to the dead first stage: {d.aborts}"
+        later = dict(d.stage_aborts)
+        assert set(later) <= {k + 1}, f"a dead stage {k}'s aborts to stages {list(later)}"
+        assert set(later.get(k + 1, ())) <= set(held)
+        if d.aborts and not self.stages[0].dead:
+            self.stages[0].cq.append(("abort", list(d.aborts), "dead", held))
+        if later and not self.stages[k + 1].dead:
+            self.stages[k + 1].cq.append(("abort", list(later[k + 1]), "dead", held))
+
+    def check_end(self, inc: Inc, end: End, via: str, k: int | None, rid: str | None) -> None:
+        if end is FINISHED:
+            assert via == "outputs", f"{inc} finished by {via}"
+            assert inc.done(), f"{inc} finished, but it is not done: {inc.ended} {inc.sent}"
+            assert not inc.errors, f"{inc} finished, but stages {inc.errors} reported errors"
+            self.check_complete(inc, "finished")
+            event("a stream finished")
+        elif end is ABORTED:
+            assert via == "aborted", f"{inc} ended aborted by {via}"
+            assert inc.caller_aborted, f"{inc} ended aborted, but the caller never aborted it"
+            assert inc.coord_applied == set(range(self.n)), (
+                f"{inc} ended aborted, but only stages {sorted(inc.coord_applied)} applied the "
+                f"abort"
+            )
+            self.check_complete(inc, "aborted")
+            event("a stream ended aborted")
+        else:
+            exc = end.exc
+            if via == "error":
+                assert type(exc) is PipelineRequestError, f"{inc}: {exc!r} ({via})"
+                assert k is not None
+                assert rid == inc.rid
+                assert exc.stage == self.names[k]
+                assert exc.req_id == inc.rid
+                assert k in inc.errors, f"{inc}: an error of {exc.stage}, which reported none"
+                event("a stream ended with a stage's error")
+            elif via == "dead":
+                assert type(exc) is PipelineStageDeadError, f"{inc}: {exc!r} ({via})"
+                assert k is not None
+                assert exc.stage == self.names[k]
+                assert type(exc.__cause__) is EngineDeadError
+                assert exc.exit_code == -9
+            elif via == "close":
+                assert exc is self.close_exc, f"{inc}: {exc!r} ({via})"
+            else:
+                raise AssertionError(f"{inc} ended with {exc!r} by {via}")
+
+    def check_complete(self, inc: Inc, how: str) -> None:
+        tokens = [t for t in inc.items() if type(t) is not End]
+        for k in range(self.n):
+            got = [t for t in tokens if self.token_stage[t] == k]
+            assert got == inc.emitted[k], (
+                f"{inc} {how} with {got} of stage {k}, which emitted {inc.emitted[k]}"
+            )
+
+    def check_freed(self, inc: Inc, via: str) -> None:
+        assert inc.stream._ended is not None or via == "forget", f"{inc} freed, not ended"
+        if via in ("outputs", "aborted"):
+            if via == "outputs":  # its last end marker, while live
+                assert inc.done()
+                assert inc.stream._ended is FINISHED
+                assert not inc.coord_abort, f"{inc} freed before its abort went through"
+            else:
+                assert inc.confirms >= self.n, f"{inc} freed after {inc.confirms} confirmations"
+                assert inc.coord_applied == set(range(self.n)), (
+                    f"{inc} freed, but only stages {sorted(inc.coord_applied)} applied the "
+                    f"coordinator's abort"
+                )
+            for s in self.stages:
+                held = s.live.get(inc.rid)
+                assert held is None or held.inc is not inc, f"{inc} freed, held by {s.k}"
+        else:
+            assert via in ("dead", "close", "forget"), f"{inc} freed by {via}"
+
+    # -- the stages ------------------------------------------------------------------------
+
+    def send_on(self, s: SimStage, item: tuple[Any, ...]) -> None:
+        if not s.last:
+            nxt = self.stages[s.k + 1]
+            if not nxt.dead:
+                nxt.inq.append(item)
+
+    def new_token(self, s: SimStage, inc: Inc | None) -> int:
+        self.tokens += 1
+        t = self.tokens
+        self.token_stage[t] = s.k
+        if inc is not None:
+            self.owner[t] = inc
+            inc.emitted[s.k].append(t)
+        return t
+
+    def error_event(self, s: SimStage, rid: str, inc: Inc) -> None:
+        s.events.append(("error", rid))
+        inc.errors.append(s.k)
+
+    def take_input(self, s: SimStage, item: tuple[Any, ...], reject: bool) -> None:
+        kind = item[0]
+        if kind == "abort":  # applied, reported, chased on
+            _, rids, origin, targets = item
+            for rid in rids:
+                req = s.live.pop(rid, None)
+                target = targets[rid]
+                assert req is None or req.inc is target, (
+                    f"stage {s.k}: an abort of {target} hit {req.inc}"
+                )
+                if origin == "core":
+                    target.coord_applied.add(s.k)
+                elif req is None:
+                    s.dead_aborted[rid] = target
+            s.events.append(("aborted", list(rids)))
+            self.send_on(s, item)
+            return
+        rid, inc = item[1], item[2]
+        if kind == "add" or kind & FIRST:
+            held = s.live.get(rid)
+            assert held is None, f"stage {s.k}: {inc} arrived while {held.inc} is live here"
+            if s.dead_aborted.get(rid) is inc and inc is not None:
+                inc.raced = True
+                event("a request reached a stage after a death's abort of it")
+            if reject and (kind in ("add", ONLY) or s.feed):
+                self.error_event(s, rid, inc)  # refused: never live here
+                return
+            if kind == "add":
+                s.live[rid] = Req(inc, True, True)
+            else:
+                s.live[rid] = Req(inc, s.feed or kind == ONLY, kind == ONLY)
+            return
+        req = s.live.get(rid)
+        if req is None:
+            event("input of a request no longer in the stage dropped")
+            return
+        assert req.inc is inc, f"stage {s.k}: input of {inc} reached {req.inc}"
+        assert not req.input_ended
+        if reject and (kind == END or s.feed):  # feed()/close_input()/add() rejected it
+            self.error_event(s, rid, s.live.pop(rid).inc)  # DropEnded: nothing chases
+            return
+        if kind == END:
+            req.input_ended = True
+            req.in_engine = True
+
+    def step_request(
+        self, s: SimStage, rid: str, to_caller: bool, to_next: bool, fin: bool
+    ) -> None:
+        req = s.live[rid]
+        inc = req.inc
+        on: list[list[Any]] = []
+        if to_next and not s.last:
+            on.append([MORE if req.sent else FIRST, rid, inc])
+            req.sent += 1
+        if to_caller:
+            s.events.append(("out", rid, self.new_token(s, inc)))
+        if fin:
+            del s.live[rid]
+            if req.sent:
+                if req.sent == 1 and on and on[-1][0] == FIRST:
+                    on[-1][0] = ONLY
+                else:
+                    on.append([END, rid, inc])
+            s.events.append(("end", rid, req.sent))
+            inc.ended[s.k] = True
+            inc.sent[s.k] = req.sent
+        for it in on:
+            self.send_on(s, tuple(it))
+
+    def deliver_events(self, s: SimStage, count: int) -> None:
+        """The coordinator takes stage *s*'s next *count* events, as ``_take_events`` hands
+        them to the core (outputs that follow each other: one ``outputs`` call)."""
+        core, k = self.core, s.k
+        while count > 0 and s.events:
+            ev = s.events.popleft()
+            count -= 1
+            kind = ev[0]
+            if kind in ("out", "end"):
+                evs = [ev]
+                while count > 0 and s.events and s.events[0][0] in ("out", "end"):
+                    evs.append(s.events.popleft())
+                    count -= 1
+                rids = [e[1] for e in evs]
+                fins = [e[0] == "end" for e in evs]
+                payloads = [e[2] for e in evs]
+                self.call(functools.partial(core.outputs, k, rids, fins, payloads), "outputs")
+            elif kind == "error":
+                rid = ev[1]
+                self.call(functools.partial(core.error, k, rid, "rejected"), "error", k, rid)
+            elif kind == "aborted":
+                rids = ev[1]
+                for rid in rids:
+                    inc = self.current.get(rid)
+                    if inc is not None and inc.in_core and self.core.state(rid) is not LIVE:
+                        inc.confirms += 1
+                self.call(functools.partial(core.aborted, k, rids), "aborted")
+            else:
+                assert kind == "dead"
+                if not self.closed:  # _take_events: a death after close is no news
+                    self.failure = self.failure or ("dead", k)
+                    exc = EngineDeadError("stage process 1 was killed by SIGKILL", exit_code=-9)
+                    self.call(functools.partial(core.stage_dead, k, exc), "dead", k)
+
+    # -- the one rule -----------------------------------------------------------------------
+    #
+    # One rule that draws what happens next, rather than a rule for each: hypothesis runs
+    # each example with some rules left out (swarm testing), and without any one of
+    # delivering inputs, stepping and delivering events nothing gets past the first stage.
+    # The example's own knobs (stages, budgets, feed, faults, errors) vary it instead. An
+    # action with nothing to do returns.
+
+    @rule(data=st.data())
+    def act(self, data: st.DataObject) -> None:
+        getattr(self, data.draw(ACT))(data)
+
+    # -- the caller --------------------------------------------------------------------------
+
+    def new_id(self) -> str:
+        self.ids += 1
+        return f"r{self.ids}"
+
+    def add(self, data: st.DataObject) -> None:
+        """``Pipeline.add``/``add_many``: checked, admitted if there is room, sent to the
+        first stage (or forgotten, when the send fails)."""
+        count, fails, reuse, nbytes = data.draw(ADD)
+        core = self.core
+        free = sorted(rid for rid, inc in self.current.items() if not inc.in_core)
+        ids: list[str] = []
+        for _ in range(count):
+            if reuse and free:
+                rid = data.draw(st.sampled_from(free))
+                free.remove(rid)
+            else:
+                rid = self.new_id()
+            ids.append(rid)
+        too_many = self.budget is not None and count > self.budget
+        too_big = self.max_bytes is not None and nbytes > self.max_bytes
+        if too_many or too_big:
+            with pytest.raises(ValueError, match="more than max_"):
+                core.check_size(count, nbytes)
+            return
+        core.check_size(count, nbytes)
+        if core.failure is not None:
+            with pytest.raises(type(core.failure)) as info:
+                core.check(ids)
+            assert info.value is core.failure
+            return
+        if fails and core._requests:  # check refuses an id in the pipeline, and a repeat
+            with pytest.raises(ValueError, match="still in the pipeline"):
+                core.check([*ids, min(core._requests)])
+            with pytest.raises(ValueError, match="appears twice"):
+                core.check([*ids, ids[-1]])
+        core.check(ids)
+        self.admit(ids, fails, nbytes)
+
+    def admit(self, ids: list[str], fails: bool, nbytes: int) -> None:
+        """Admit *ids*, *nbytes* in all, if there is room, and send them to the first stage,
+        or forget them (*fails*: the send failed)."""
+        core = self.core
+        count = len(ids)
+        room = core.room()
+        fits = (room is None or room >= count) and (
+            self.max_bytes is None or core.bytes_in + nbytes <= self.max_bytes
+        )
+        assert core.admissible(ids, nbytes) is fits, f"admissible: {count} ids, {nbytes} bytes"
+        if not fits:
+            event("an add waited for room")
+            return
+        if core.in_flight >= MAX_CONCURRENT:  # the model's caller waits, for depth's sake
+            return
+        share, extra = divmod(nbytes, count)
+        incs = []
+        for i, rid in enumerate(ids):
+            if rid in self.current:
+                self.reused += 1
+            inc = Inc(len(self.incs), rid, self.n, share + (i < extra))
+            self.incs.append(inc)
+            self.current[rid] = inc
+            self.by_stream[id(inc.stream)] = inc
+            incs.append(inc)
+        core.open_many(ids, [inc.stream for inc in incs], nbytes)
+        self.opened += count
+        if fails or self.stages[0].dead:
+            for inc in incs:
+                inc.forgotten = True
+            self.call(lambda now, d: core.forget(ids, d), "forget")
+            return
+        for rid, inc in zip(ids, incs, strict=True):
+            self.stages[0].cq.append(("add", rid, inc))
+
+    def caller(self, data: st.DataObject) -> None:
+        """A stream's consumer takes what has arrived (and may wait for more), or the caller
+        aborts (``Pipeline.abort``) live, finished and unknown ids."""
+        incs = [i for i in self.incs if not i.forgotten]
+        choices: list[tuple[str, Inc | None]] = [(a, i) for i in incs for a in ("take", "wait")]
+        choices += [("abort", None)] * max(1, len(choices) // 4)
+        action, inc = data.draw(st.sampled_from(choices))
+        if inc is None:
+            pool = [*sorted(self.current), "never-added"]
+            ids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=2))
+            live = [rid for rid in dict.fromkeys(ids) if self.core.state(rid) is LIVE]
+            d = self.call(lambda now, d: self.core.abort(ids, d), "abort")
+            assert d.aborts == live
+            for rid in live:
+                self.current[rid].caller_aborted = True
+                assert self.core.state(rid) is ABORTING
+            return
+        stream = inc.stream
+        if inc.seen and type(inc.seen[-1]) is End:
+            assert not stream._buf, f"{inc}: something after its end: {show(stream._buf)}"
+            return
+        inc.seen.extend(stream._buf)
+        stream._buf = []
+        if action == "wait" and not (inc.seen and type(inc.seen[-1]) is End):
+            stream._waiting = True
+
+    # -- the stages -------------------------------------------------------------------------
+
+    def alive(self) -> list[SimStage]:
+        return [s for s in self.stages if not s.dead]
+
+    def deliver_input(self, data: st.DataObject) -> None:
+        """A stage takes the next 1 to 3 items of one of its inputs (adds, link items,
+        aborts); the engine may reject the first (often in some examples, rarely in
+        others)."""
+        rejects = (False, True) if self.errors else (False, False, False, False, False, True)
+        ready = [
+            (s, q, c, r)
+            for s in self.alive()
+            for q in (s.cq, s.inq)
+            if q
+            for c in (1, 2, 3)
+            for r in rejects
+        ]
+        if ready:
+            s, q, count, reject = data.draw(st.sampled_from(ready))
+            for i in range(min(count, len(q))):
+                self.take_input(s, q.popleft(), reject and i == 0)
+
+    def step(self, data: st.DataObject) -> None:
+        """A stage steps a request: a payload for the caller, one sent on, its end (any
+        of them: an end with neither is the engine's ``NOTHING``). Or it ends the request
+        with an error: the engine's ``RequestRejected`` as its last output (``reject``), or
+        before it, or its edge failed (``reject-and-drop``: ``DropEnded``); nothing chases
+        either. Or it emits an unrouted output, or one of a request of the engine's own: not
+        the caller's."""
+        what = data.draw(ACTIONS[self.errors])
+        alive = self.alive()
+        if what in ("unrouted", "engine-own"):
+            if alive:
+                s = data.draw(st.sampled_from(alive))
+                if what == "engine-own" and data.draw(st.booleans()):
+                    s.events.append(("end", what, 0))
+                else:
+                    rid = None if what == "unrouted" else what
+                    s.events.append(("out", rid, self.new_token(s, None)))
+            return
+        ready = [(s, rid) for s in alive for rid in s.steppable()]
+        if not ready:
+            return
+        s, rid = data.draw(st.sampled_from(ready))
+        if what in ("reject", "reject-and-drop"):
+            self.error_event(s, rid, s.live.pop(rid).inc)
+        else:
+            to_caller, to_next, fin = (bool(x) for x in what)
+            self.step_request(s, rid, to_caller, to_next, fin)
+
+    def deliver(self, data: st.DataObject) -> None:
+        """The coordinator takes a stage's next 1 to 3 events (outputs that follow each
+        other are one ``outputs`` event): any stage's, each stage's in order."""
+        ready = [(s, c) for s in self.stages if s.events for c in (1, 2, 3)]
+        if ready:
+            s, count = data.draw(st.sampled_from(ready))
+            self.deliver_events(s, count)
+
+    def fault(self, data: st.DataObject) -> None:
+        """In a run with faults, once it has run a while: a stage dies (the coordinator gets
+        its events up to some point, then its end; the rest is lost), or the pipeline's
+        shutdown closes the core (the stages go on; their events are no longer the core's
+        business)."""
+        if self.faults is None or self.steps < self.faults or not data.draw(st.booleans()):
+            return
+        alive = self.alive()
+        if not self.closed and (not alive or data.draw(st.sampled_from([0, 1, 2, 3])) == 3):
+            self.closed = True
+            self.failure = self.failure or ("closed", 0)
+            self.close_exc = StageClosedError("the pipeline was shut down")
+            exc = self.close_exc
+            self.call(lambda now, d: self.core.close(exc, now, d), "close")
+            assert self.core.in_flight == 0
+            return
+        if not alive:
+            return
+        # A stage dies more often with input on its way (an abort chasing through it, say),
+        # or requests it shares with the next stage (which then waits for their end).
+        which = data.draw(st.sampled_from([s for s in alive for _ in range(self.weight(s))]))
+        keep = data.draw(st.integers(0, len(which.events)))
+        which.dead = True
+        which.events = deque(list(which.events)[:keep])
+        which.events.append(("dead",))
+        which.live.clear()
+        which.inq.clear()
+        which.cq.clear()
+
+    def weight(self, s: SimStage) -> int:
+        nxt = None if s.last else self.stages[s.k + 1].live
+        return 3 if s.inq or (nxt and not nxt.keys().isdisjoint(s.live)) else 1
+
+    # -- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        """The checks after every rule (one invariant: hypothesis's cost is per invariant)."""
+        if not hasattr(self, "core"):
+            return
+        self.steps += 1
+        self.streams_are_consistent()
+        self.budget_adds_up()
+        self.quiescent_means_over()
+
+    def streams_are_consistent(self) -> None:
+        requests = self.core._requests
+        for inc in self.incs:
+            items = inc.items()
+            ends = [i for i, x in enumerate(items) if type(x) is End]
+            assert len(ends) <= 1, f"{inc} ended twice: {show(items)}"
+            if ends:
+                assert ends[0] == len(items) - 1, f"{inc}: something after its end: {show(items)}"
+                assert items[-1] is inc.stream._ended
+            if inc.forgotten:
+                assert not items, f"{inc} was forgotten, yet got {show(items)}"
+            tokens = items[:-1] if ends else items
+            assert len(inc.stream._arrivals) == len(tokens)
+            per: list[list[int]] = [[] for _ in range(self.n)]
+            for t in tokens:
+                owner = self.owner.get(t)
+                assert owner is inc, f"{inc} got token {t}, a payload of {owner}"
+                per[self.token_stage[t]].append(t)
+            for k, got in enumerate(per):
+                assert got == inc.emitted[k][: len(got)], (
+                    f"{inc}: stage {k}'s payloads {got}, of {inc.emitted[k]} emitted"
+                )
+            req = requests.get(inc.rid)
+            if req is not None and req.stream is inc.stream:
+                assert inc.in_core
+                what = f"{inc} {req.state.value}: {show(items)}"
+                if req.state is LIVE:
+                    assert not ends, f"{what}, ended"
+                    assert not inc.caller_aborted, f"{what}, aborted by the caller"
+                    assert not inc.coord_abort, f"{what}, aborted by the core"
+                elif req.state is ABORTING:
+                    assert not ends, f"{what}, ended"
+                    assert inc.caller_aborted, f"{what}, not aborted by the caller"
+                    assert inc.coord_abort, f"{what}, its abort not sent"
+                else:
+                    assert ends, f"{what}, not ended"
+                    assert inc.coord_abort, f"{what}, its abort not sent"
+            else:
+                assert not inc.in_core
+                assert inc.stream._ended is not None or inc.forgotten, f"{inc} left, not ended"
+
+    def budget_adds_up(self) -> None:
+        core = self.core
+        if self.failure is None:
+            assert core.failure is None, f"the core refuses adds: {core.failure!r}"
+        elif self.failure[0] == "closed":
+            assert core.failure is self.close_exc, f"closed, yet: {core.failure!r}"
+        else:
+            assert type(core.failure) is PipelineStageDeadError, f"{self.failure}: {core.failure!r}"
+            assert core.failure.stage == self.names[self.failure[1]]
+        held = core.in_flight
+        assert self.opened - self.freed == held == len(core._requests), (
+            f"opened {self.opened}, freed {self.freed}, in flight {held}"
+        )
+        room = core.room()
+        if self.budget is None:
+            assert room is None
+        else:
+            assert room == self.budget - held, f"room {room}, budget {self.budget}, held {held}"
+            assert room >= 0, f"room {room}"
+        nbytes = sum(inc.nbytes for inc in self.in_core())
+        assert core.bytes_in == nbytes, f"bytes_in {core.bytes_in}, the requests' {nbytes}"
+        assert self.max_bytes is None or nbytes <= self.max_bytes
+
+    def quiescent_means_over(self) -> None:
+        """Nothing on its way and no stage holds a request: the core holds none, and every
+        stream has ended."""
+        for s in self.stages:
+            if s.events or (not s.dead and (s.cq or s.inq or s.live)):
+                return
+        assert self.core.in_flight == 0, f"quiescent, yet the core holds {self.in_core()}"
+        for inc in self.incs:
+            assert inc.stream._ended is not None or inc.forgotten, f"{inc} never ended"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "core") or sys.exc_info()[0] is not None:
+            return  # a rule or a check failed: that is the failure to report
+        # Run every stage dry: deliver every input and event, and step each request a stage
+        # holds with its input complete to its end (a payload each way, then the end).
+        progress = True
+        while progress:
+            progress = False
+            for s in self.alive():
+                for q in (s.cq, s.inq):
+                    while q:
+                        self.take_input(s, q.popleft(), False)
+                        progress = True
+                for rid in s.steppable():
+                    if s.live[rid].input_ended:
+                        self.step_request(s, rid, True, True, True)
+                        progress = True
+            for s in self.stages:
+                while s.events:
+                    self.deliver_events(s, 3)
+                    progress = True
+        self.consistent()
+        assert self.core.in_flight == 0, f"run dry, the core still holds {self.in_core()}"
+        for inc in self.incs:
+            assert inc.stream._ended is not None or inc.forgotten, f"{inc} never ended"
+        dead = sum(s.dead for s in self.stages)
+        if not self.closed and dead < 2:
+            for s in self.alive():
+                for r in s.live.values():
+                    assert dead, f"run dry, stage {s.k} still holds {r.inc}"
+                    assert r.inc.raced, f"run dry, stage {s.k} still holds {r.inc}"
+        if dead:
+            event("a stage died" if dead == 1 else "stages died")
+        if self.closed:
+            event("closed")
+        if self.reused:
+            event("ids were reused")
+
+
+TestPipelineModel = PipelineModel.TestCase
+TestPipelineModel.settings = settings(
+    max_examples=2000,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
