@@ -54,7 +54,7 @@ def seconds_per_output(reports: bool, steps: int) -> float:
     posted: list[Any] = []
 
     class _Sink:  # the output side: keeps what it is handed
-        def post_step(self, events: Any, weight: int) -> None:
+        def post_step(self, events: Any, weight: int, last: bool = False) -> None:
             posted.append(events)
 
         def prepare_outputs(self, rids: Any, fins: Any, payloads: Any) -> Any:

@@ -147,8 +147,9 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     self._room_waiters.remove(room)
         now = time.monotonic()
         streams = [AsyncPipelineStream(rid, NO_LOCK, now) for rid in ids]
-        self._open(ids, streams, nbytes)
-        self._send_frame(ids, parts, many)
+        failed = self._open_and_send(ids, streams, parts, nbytes, many)
+        if failed is not None:
+            self._failed_send(failed)
         return streams
 
     async def abort(self, req_ids: Sequence[str]) -> None:

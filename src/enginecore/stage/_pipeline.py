@@ -176,8 +176,9 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 if left is not None and left <= 0:
                     raise core.full_error(timeout)
                 self._room.wait(left)
-            self._open(ids, streams, nbytes)
-        self._send_frame(ids, parts, many)
+            failed = self._open_and_send(ids, streams, parts, nbytes, many)
+        if failed is not None:
+            self._failed_send(failed)
         return streams
 
     def abort(self, req_ids: Sequence[str]) -> None:

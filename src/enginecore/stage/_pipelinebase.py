@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, NoReturn, TypeVar
 
 from ._clientbase import ClientBase
 from ._errors import EngineDeadError, StageClosedError
@@ -219,26 +219,34 @@ class PipelineBase(Generic[S, C]):
         self._core.check_size(len(ids), nbytes)
         return ids, parts, nbytes
 
-    def _open(self, ids: list[str], streams: Sequence[S], nbytes: int) -> None:
-        """Admit *ids* (under the lock, after :meth:`PipelineCore.admissible`), each with its
-        share of *nbytes*."""
-        self._core.open_many(ids, streams, nbytes)
-
-    def _send_frame(self, ids: list[str], parts: Parts, many: bool) -> None:
-        """Send the frame of :meth:`_frame` to the first stage; on failure, the requests
-        leave the pipeline again and the error propagates."""
+    def _open_and_send(
+        self, ids: list[str], streams: Sequence[S], parts: Parts, nbytes: int, many: bool
+    ) -> tuple[BaseException, PipelineDeliveries[S]] | None:
+        """Admit *ids* and send the frame of :meth:`_frame` to the first stage, with the
+        lock held (after :meth:`PipelineCore.admissible`): an abort of one of them, which
+        takes the same lock, is then sent after the add, never before it. If the send fails,
+        the requests leave the pipeline again, and the error is returned with the
+        deliveries to carry out outside the lock (:meth:`_failed_send`)."""
+        core = self._core
+        core.open_many(ids, streams, nbytes)
         first = self._clients[0]
         try:
             if many:
                 first._send_requests(ids, parts, False)
             else:
                 first._send_request(ids[0], parts, False)
-        except BaseException:
+        except BaseException as exc:
             d: PipelineDeliveries[S] = PipelineDeliveries()
-            with self._lock:
-                self._core.forget(ids, d)
-            self._deliver(d)
-            raise
+            core.forget(ids, d)
+            return exc, d
+        return None
+
+    def _failed_send(self, failed: tuple[BaseException, PipelineDeliveries[S]]) -> NoReturn:
+        """Outside the lock: carry out what :meth:`_open_and_send` returned, and raise its
+        error."""
+        exc, d = failed
+        self._deliver(d)
+        raise exc
 
     def _abort(self, req_ids: Sequence[str]) -> None:
         if isinstance(req_ids, str):

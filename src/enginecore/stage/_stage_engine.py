@@ -503,7 +503,7 @@ def _make_handle_outputs(
     route = make_router(engine)
     # A pipeline's stage gives back credit after each step, in the step's frame.
     take_credit: Callable[[], Any] | None = getattr(engine, "take_credit", None)
-    emit = outbox.emit
+    emit = outbox.emit if take_credit is not None else None
     post = outbox.post_step
     prepare_outputs = outbox.prepare_outputs
     flat = _codec.FLAT_TYPES
@@ -533,7 +533,7 @@ def _make_handle_outputs(
             if payloads and recent and not superset(rids):
                 stale.drop(live, rids, fins, payloads)
             credit = None if take_credit is None else take_credit()
-            if credit is not None and not payloads:
+            if credit is not None and not payloads and emit is not None:
                 emit(credit)
             # One hand-over per step (Outbox.post_step: a big step is sent at once while
             # the output thread idles, a small one queued to share a frame).
