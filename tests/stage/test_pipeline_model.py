@@ -67,8 +67,10 @@ Checked after every rule:
   whether there is room;
 - wakes: a stream is woken (``wake``) once, exactly when its consumer waited and its buffer
   grew, and only then;
-- a stage's death: the requests the core held are aborted from the first stage (unless it
-  is the dead one) and in the stage after the dead one;
+- a stage's death: the requests the core held and had not aborted yet are aborted from the
+  first stage (unless it is the dead one), and every request it held in the stage after
+  the dead one (no abort from the first stage can get past the dead one, a closing
+  request's neither);
 - quiescence: once every queue and link is empty and no stage holds a request, the core
   holds none (``in_flight == 0``) and every stream has ended.
 
@@ -364,7 +366,10 @@ class PipelineModel(RuleBasedStateMachine):
             assert not d.aborts, f"aborts to the dead first stage: {d.aborts}"
         later = dict(d.stage_aborts)
         assert set(later) <= {k + 1}, f"a dead stage {k}'s aborts to stages {list(later)}"
-        assert set(later.get(k + 1, ())) <= set(held)
+        if k + 1 < self.n and held:  # every one: no abort from the first stage gets past k
+            assert set(later.get(k + 1, ())) == set(held), f"{later} after stage {k} died"
+        else:
+            assert not later, f"{later} after stage {k} died"
         if d.aborts and not self.stages[0].dead:
             self.stages[0].cq.append(("abort", list(d.aborts), "dead", held))
         if later and not self.stages[k + 1].dead:
@@ -748,8 +753,9 @@ class PipelineModel(RuleBasedStateMachine):
             return
         if not alive:
             return
-        # A stage dies more often with input on its way (an abort chasing through it, say),
-        # or requests it shares with the next stage (which then waits for their end).
+        # A stage dies more often with an abort on its way to it (which then reaches no stage
+        # after it), or with requests it shares with the next stage (which then waits for
+        # their end).
         which = data.draw(st.sampled_from([s for s in alive for _ in range(self.weight(s))]))
         keep = data.draw(st.integers(0, len(which.events)))
         which.dead = True
@@ -760,8 +766,10 @@ class PipelineModel(RuleBasedStateMachine):
         which.cq.clear()
 
     def weight(self, s: SimStage) -> int:
+        if any(item[0] == "abort" for q in (s.cq, s.inq) for item in q):
+            return 4
         nxt = None if s.last else self.stages[s.k + 1].live
-        return 3 if s.inq or (nxt and not nxt.keys().isdisjoint(s.live)) else 1
+        return 2 if nxt and not nxt.keys().isdisjoint(s.live) else 1
 
     # -- invariants -------------------------------------------------------------------------
 
