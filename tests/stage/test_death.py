@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import traceback
 
 import pytest
 
@@ -106,6 +107,29 @@ class TestProcessDeath:
         with pytest.raises(EngineDeadError):
             stage_client.call_utility("echo")
         assert stage_client.shutdown() == -sig
+
+    def test_one_error_raised_by_many_streams_and_calls_keeps_its_traceback_short(
+        self, stage_client: StageClient
+    ) -> None:
+        # A death ends every stream with one error object, and every later call raises it
+        # again: raised as is, it would grow by the raising frames each time (and keep
+        # their locals alive), 40 streams and 20 calls later a traceback of hundreds.
+        streams = [stage_client.add(f"r{i}", 1_000_000_000) for i in range(40)]
+        streams[0].get(5)
+        os.kill(stage_client.pid, signal.SIGKILL)
+        errors: list[BaseException] = []
+        for stream in streams + streams[:5]:  # an ended stream raises it again when read
+            with pytest.raises(EngineDeadError) as info:
+                stream.collect(timeout=5)
+            errors.append(info.value)
+        for _ in range(20):
+            with pytest.raises(EngineDeadError) as info:
+                stage_client.call_utility("echo")
+            errors.append(info.value)
+        assert all(e is errors[0] for e in errors)
+        depth = len(traceback.extract_tb(errors[-1].__traceback__))
+        assert depth < 20, traceback.format_tb(errors[-1].__traceback__)[:3]
+        stage_client.shutdown()
 
     def test_os_exit_in_the_engine(self, stage_client: StageClient) -> None:
         with pytest.raises(EngineDeadError, match="exited with code 7") as info:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from enginecore.stage._errors import EngineDeadError
+import traceback
+
+import pytest
+
+from enginecore.stage._errors import EngineDeadError, PipelineStageDeadError
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
 from enginecore.stage._session import StreamCore
 
@@ -41,3 +45,34 @@ def test_a_stage_death_aborts_nothing_in_a_dead_first_stage_nor_after_the_last()
     core.stage_dead(2, EngineDeadError("killed"), 1.0, d)
     assert d.aborts == ["r"]
     assert d.stage_aborts == []
+
+
+def test_a_second_death_aborts_again_what_the_first_one_ended() -> None:
+    # a dies: r's abort goes to b and chases on to c. b dies before it passed the abort on:
+    # c must get it from the coordinator, although the core ended r at a's death.
+    core = _core("r", "q")
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.stage_dead(0, EngineDeadError("killed"), 1.0, d)
+    assert d.stage_aborts == [(1, ["r", "q"])]
+    d = PipelineDeliveries()
+    core.stage_dead(1, EngineDeadError("killed"), 2.0, d)
+    assert d.aborts == []
+    assert d.stage_aborts == [(2, ["r", "q"])]
+    assert d.freed == 0
+    # The last stage's death has no stage after it.
+    d = PipelineDeliveries()
+    core.stage_dead(2, EngineDeadError("killed"), 3.0, d)
+    assert d.stage_aborts == []
+
+
+def test_a_refused_add_raises_the_failure_without_growing_its_traceback() -> None:
+    core = _core("r")
+    core.stage_dead(1, EngineDeadError("killed"), 1.0, PipelineDeliveries())
+    failure = core.failure
+    depths = []
+    for i in range(20):
+        with pytest.raises(PipelineStageDeadError) as info:
+            core.check([f"x{i}"])
+        assert info.value is failure
+        depths.append(len(traceback.extract_tb(info.value.__traceback__)))
+    assert depths == [depths[0]] * 20, depths

@@ -88,12 +88,13 @@ class _Waiter:
     caller looks at the state after each one. Exactly one thread resolves a call: the one
     that pops it from the session under ``_lock``."""
 
-    __slots__ = ("done", "exc", "result", "wakeup")
+    __slots__ = ("done", "exc", "result", "tb", "wakeup")
 
     def __init__(self) -> None:
         self.wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self.result: Any = None
         self.exc: BaseException | None = None
+        self.tb: TracebackType | None = None
         self.done = False
 
     def set_result(self, result: Any) -> None:
@@ -102,7 +103,10 @@ class _Waiter:
         self.wakeup.put(None)
 
     def set_exception(self, exc: BaseException) -> None:
+        # A dead stage's error fails every call with one object: raised with the traceback
+        # it had here, it does not grow by a raise per call (_session.End).
         self.exc = exc
+        self.tb = exc.__traceback__
         self.done = True
         self.wakeup.put(None)
 
@@ -600,7 +604,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             if self._want is waiter or self._owner is waiter:
                 self._give_back(waiter)
         if waiter.exc is not None:
-            raise waiter.exc
+            raise waiter.exc.with_traceback(waiter.tb)
         return waiter.result
 
     # -- the event stream --------------------------------------------------------------------

@@ -43,6 +43,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from ._errors import (
@@ -135,6 +136,9 @@ class PipelineCore(Generic[S]):
         self._requests: dict[str, _Request[S]] = {}
         self.failure: BaseException | None = None
         """Why the pipeline takes no more requests: a stage died, or it was closed."""
+        self._orphans: list[str] = []  # the ids a stage's death ended (stage_dead)
+        self._failure_tb: TracebackType | None = None  # its traceback then: check() raises
+        # it with that one, so that refused adds do not grow it (as _session.End does)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -158,7 +162,7 @@ class PipelineCore(Generic[S]):
         """Raise what an add of *req_ids* raises before anything is sent: the pipeline's
         :attr:`failure`, or :class:`ValueError` for an id in the pipeline or repeated."""
         if self.failure is not None:
-            raise self.failure
+            raise self.failure.with_traceback(self._failure_tb)
         requests = self._requests
         seen: set[str] = set()
         for rid in req_ids:
@@ -311,13 +315,16 @@ class PipelineCore(Generic[S]):
         aborted in the stages still running, so that none keeps working on it: the live ones
         from the first stage (unless it is the dead one), and all of them from the stage
         after the dead one, which no abort from the first stage can reach now (a closing
-        one's abort, sent when its stream ended, may not have got past the dead stage)."""
+        one's abort, sent when its stream ended, may not have got past the dead stage).
+        The core keeps those ids: if another stage dies later, the stage after that one
+        gets their aborts too, since the ones on their way may have died with it."""
         error = PipelineStageDeadError(
             str(exc), stage=self.stages[k], exit_code=exc.exit_code, fatal=exc.fatal
         )
         error.__cause__ = exc
         if self.failure is None:
             self.failure = error
+            self._failure_tb = None
         requests = self._requests
         if requests:
             if k > 0:
@@ -325,14 +332,19 @@ class PipelineCore(Generic[S]):
                 live = [rid for rid, req in requests.items() if req.state is not closing]
                 if live:
                     d.aborts += live
-            if k + 1 < self._n:
-                d.stage_aborts.append((k + 1, list(requests)))
+            self._orphans += requests
+        # A stage's death also cuts the aborts that an earlier death sent on their way
+        # through it: the stage after it gets them again (a stage ignores an abort of an id
+        # it does not hold, and no id is reused once the pipeline has failed).
+        if k + 1 < self._n and self._orphans:
+            d.stage_aborts.append((k + 1, list(self._orphans)))
         self._end_all(error, now, d)
 
     def close(self, exc: BaseException, now: float, d: PipelineDeliveries[S]) -> None:
         """The pipeline is closed: every stream still open ends with *exc*."""
         if self.failure is None:
             self.failure = exc
+            self._failure_tb = exc.__traceback__
         self._end_all(exc, now, d)
 
     # -- inside ---------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
+from types import MappingProxyType, TracebackType
 from typing import Any, ClassVar, Final, Generic, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -163,13 +163,25 @@ def _check_req_id(req_id: object) -> None:
 
 class End:
     """Stream marker: the stream ends here; with *exc*, by raising it. It is the last item a
-    stream's buffer ever receives: the session forgets a stream when it ends it."""
+    stream's buffer ever receives: the session forgets a stream when it ends it.
 
-    __slots__ = ("aborted", "exc")
+    One error often ends many streams (a dead stage's ends all of them), and a stream that
+    ended raises it again on every later read. Raising an exception object again prepends
+    the new frames to its traceback, so a shared error would grow by a few frames per
+    raise, and keep every frame's locals alive. :meth:`raise_exc` raises it with the
+    traceback it had when the stream ended instead, as ``asyncio.Future.result()`` does."""
+
+    __slots__ = ("aborted", "exc", "tb")
 
     def __init__(self, exc: BaseException | None, aborted: bool = False) -> None:
         self.exc = exc
+        self.tb = None if exc is None else exc.__traceback__
         self.aborted = aborted
+
+    def raise_exc(self) -> NoReturn:
+        """Raise :attr:`exc` (not ``None``) with its traceback as of this end."""
+        assert self.exc is not None
+        raise self.exc.with_traceback(self.tb)
 
 
 FINISHED: Final = End(None)
@@ -304,7 +316,9 @@ class StreamCore:
         """:meth:`_keep` *end*, then raise the stream's error or its stop
         (``StopIteration`` / ``StopAsyncIteration``)."""
         self._keep(end)
-        raise self._STOP if end.exc is None else end.exc
+        if end.exc is not None:
+            end.raise_exc()
+        raise self._STOP
 
     def _take_ended(self) -> list[Any] | None:
         """Consumer, the fast path of ``collect()``: if nothing is ready and the stream's
@@ -326,7 +340,7 @@ class StreamCore:
         self._ready = (end,)
         self._pos = 0
         if end.exc is not None:
-            raise end.exc
+            end.raise_exc()
         return buf
 
     def _take_all(self, out: list[Any]) -> bool:
@@ -347,7 +361,7 @@ class StreamCore:
         end: End = out.pop()
         self._keep(end)
         if end.exc is not None:
-            raise end.exc
+            end.raise_exc()
         return True
 
     def _put_back(self, out: list[Any]) -> None:
@@ -512,6 +526,7 @@ class ClientSession(Generic[S, W]):
         self._call_ids: Iterator[int] = itertools.count(secrets.randbits(52) + 1)
         self._state = StageState.RUNNING
         self._failure: BaseException | None = None  # set once, with state GONE
+        self._failure_tb: TracebackType | None = None  # its traceback then (check_open)
         self._closing = False  # close() has begun: nothing new is registered
         self._fatal: str | None = None  # the fatal event's message, if one came
         # The ordered event stream (None when off): events in the stage's order, then at
@@ -713,10 +728,11 @@ class ClientSession(Generic[S, W]):
     # -- opening and forgetting (under the client's lock) -----------------------------------
 
     def check_open(self) -> None:
-        """Raise the failure (the same object every time), or
+        """Raise the failure (the same object every time, with the traceback it had when it
+        became the failure: see :class:`End`), or
         :class:`~enginecore.stage.StageClosedError` once closing has begun."""
         if self._failure is not None:
-            raise self._failure
+            raise self._failure.with_traceback(self._failure_tb)
         if self._closing:
             raise StageClosedError("this stage client is closed")
 
@@ -1060,6 +1076,7 @@ class ClientSession(Generic[S, W]):
             return
         last_event_came = self._state is StageState.STOPPED
         self._failure = exc
+        self._failure_tb = exc.__traceback__
         self._state = StageState.GONE
         self._health_changed()
         d.over = True
@@ -1171,7 +1188,7 @@ def raise_end(end: End, stop: type[Exception]) -> NoReturn:
     """End a consumer's read: the failure in *end*, else *stop* (``StopIteration`` or
     ``StopAsyncIteration``)."""
     if end.exc is not None:
-        raise end.exc
+        end.raise_exc()
     raise stop
 
 
