@@ -152,7 +152,7 @@ def _fake_pool(n: int) -> Any:
         def __init__(self, i: int) -> None:
             self._session: ClientSession[Any, Any] = ClientSession(
                 pid=i, address=f"fake://{i}", launched=True, heartbeat=None,
-                ordered_events=False, now=time.monotonic(),
+                ordered_events=False, now=time.monotonic(), adopt_orphans=True,
             )  # fmt: skip
 
     rng = random.Random(1)

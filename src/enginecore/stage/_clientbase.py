@@ -107,7 +107,9 @@ class ClientBase(Generic[S, W]):
         keeps its outputs so far) and, for a new request, its table of live requests
         (*live*, ``req_id -> stream``), checked and filled under the same hold of the lock
         (the pool's lock is its members'): :class:`ValueError` if *req_id* is there with
-        another stream that has not ended."""
+        another stream that has not ended. Without a stream, *new* is the pool's record of
+        the request (a ``QuietRequest``), pointed here at the session's table of requests
+        without a stream, under the lock that registers it there."""
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
@@ -116,7 +118,12 @@ class ClientBase(Generic[S, W]):
                 if held is not None and held is not new and held._ended is None:
                     raise ValueError(f"request {req_id!r} is still live in this pool")
                 live[req_id] = new
-            self._session.open_request(req_id, new)
+            if stream:
+                self._session.open_request(req_id, new)
+            else:
+                self._session.open_request(req_id, None)
+                if new is not None:
+                    new._in = self._session.quiet  # type: ignore[attr-defined]
         try:
             self._send(parts)
         except BaseException:

@@ -11,12 +11,12 @@ user's ``on_replica_death`` hook. A stream is the member's own stream object (no
 the pool adds nothing per output.
 
 Load. No coordinator: each pool knows its own requests on each replica exactly (the
-member's live streams, ``len(session.streams)``), and each replica's load report (which
-rides on its output frames, ``docs/observability.md``) says how many requests live in the
-stage from every client. The pool counts a replica's load as its own live requests plus the
-others' (the report's ``live`` minus the pool's own, taken when the pool first sees that
-report); a report older than :data:`REPORT_TTL` counts no others (a stage sends none while
-idle).
+member's live requests, ``session.in_flight``: its streams and its requests without one),
+and each replica's load report (which rides on its output frames,
+``docs/observability.md``) says how many requests live in the stage from every client.
+The pool counts a replica's load as its own live requests plus the others' (the report's
+``live`` minus the pool's own, taken when the pool first sees that report); a report older
+than :data:`REPORT_TTL` counts no others (a stage sends none while idle).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias
 
 from ._errors import EngineDeadError, NoReplicaError, ReplicaDeadError, StageClosedError
 from ._session import StageHealth
+from ._wire import StageEvent
 
 if TYPE_CHECKING:
     from ._session import ClientSession
@@ -44,10 +45,15 @@ __all__ = [
     "REPORT_TTL",
     "LeastLoaded",
     "PoolCore",
+    "PoolEvent",
     "PoolRequest",
+    "QuietRequest",
     "Replica",
+    "ReplicaEvent",
+    "ReplicaGone",
     "ReplicaState",
     "ReplicaView",
+    "RequestFailed",
     "RestartPolicy",
     "Routing",
     "Scored",
@@ -203,7 +209,7 @@ class Replica:
         session = self._session
         if session is None or self._state not in (ReplicaState.SERVING, ReplicaState.DRAINING):
             return 0
-        return len(session.streams)
+        return session.in_flight
 
     @property
     def routable(self) -> bool:
@@ -238,7 +244,7 @@ class Replica:
         """What a routing score sees of it at *now*."""
         session = self._session
         assert session is not None
-        in_flight = len(session.streams)
+        in_flight = session.in_flight
         latest = session._load
         if latest is None:
             return ReplicaView(self, in_flight, in_flight, None, _EMPTY, None)
@@ -264,7 +270,7 @@ def replica_load(r: Replica, now: float) -> int:
     that report is older than :data:`REPORT_TTL`. On the routing path: a few reads. *r*
     must have started (routing only sees serving replicas)."""
     session: ClientSession[Any, Any] = r._session  # type: ignore[assignment]
-    own = len(session._streams)
+    own = len(session._streams) + len(session._quiet)  # type: ignore[arg-type]  # a member's
     latest = session._load
     if latest is None:
         return own
@@ -539,6 +545,78 @@ class _Held:
 
 _HELD: Final = _Held()
 
+
+class QuietRequest:
+    """What the live table holds for a request without a stream (``add(..., stream=False)``):
+    the replica that serves it and, for ``on_replica_death``, the request as sent and how
+    often it moved. It is live while its id is in ``_in``: the table of requests without a
+    stream of the member session it was sent on (``ClientSession.quiet``, which forgets it
+    when it ends), or, once that member failed, the table it handed over
+    (``Deliveries.quiet_orphans``), until the pool has settled it. ``_in`` is set under the
+    lock that registers the id (``ClientBase._send_request``)."""
+
+    __slots__ = ("_in", "_migrations", "_replica", "_request", "req_id")
+
+    def __init__(self, req_id: str, request: PoolRequest | None) -> None:
+        self.req_id: Final = req_id
+        self._request = request
+        self._migrations = 0
+        self._replica: Replica | None = None
+        self._in: Mapping[str, int] = _EMPTY_TABLE
+
+    @property
+    def _ended(self) -> bool | None:
+        """``None`` while live (as a stream's ``_ended``), else ``True``."""
+        return None if self.req_id in self._in else True
+
+    @property
+    def migrations(self) -> int:
+        return self._migrations
+
+
+_EMPTY_TABLE: Final[Mapping[str, int]] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEvent:
+    """In a pool's event stream (``ordered_events=True``): an event of one replica's stage
+    that concerns the replica rather than one request: an answer to a utility call
+    (:class:`~enginecore.stage.UtilityResult`, whose ``call_id`` is the replica's), a
+    protocol error the stage reported (:class:`~enginecore.stage.ErrorReport` without a
+    ``req_id``), or its last event (:class:`~enginecore.stage.Shutdown`,
+    :class:`~enginecore.stage.Fatal`)."""
+
+    replica: Replica
+    event: Any
+    """The stage's event, as a single client's event stream has it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaGone:
+    """In a pool's event stream: *replica*'s stage is gone (it died, was removed, or the
+    pool closed). It comes after every event of that stage and after the end of each of its
+    requests that did not move (:class:`RequestFailed`). A restarted replica's events
+    follow later."""
+
+    replica: Replica
+    error: BaseException
+    """What its requests and calls got: a :class:`~enginecore.stage.ReplicaDeadError`, or
+    :class:`~enginecore.stage.StageClosedError` when the pool closed it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """In a pool's event stream: request *req_id* ended with *error*, raised by the pool
+    rather than reported by a stage: a :class:`~enginecore.stage.ReplicaDeadError` (its
+    replica died; ``.replica``, ``.delivered``), or
+    :class:`~enginecore.stage.StageClosedError` (the pool closed, or removed its replica
+    without a drain). Like a finished output, :class:`~enginecore.stage.Aborted` and
+    :class:`~enginecore.stage.ErrorReport`, it is the request's one last event."""
+
+    req_id: str
+    error: Exception
+
+
 DeathHook = Callable[[PoolRequest, int], "PoolRequest | None"]
 """``on_replica_death(request, delivered) -> new request | None``."""
 
@@ -784,13 +862,15 @@ class PoolCore:
         return err
 
     def fate(
-        self, replica: Replica, stream: Any, failure: BaseException
+        self, replica: Replica, stream: Any, failure: BaseException, delivered: int | None = None
     ) -> tuple[Exception, PoolRequest | None]:
-        """What becomes of *stream*, live on *replica* when its member failed with
+        """What becomes of *stream* (or a request without one, its :class:`QuietRequest`,
+        with the outputs it had *delivered*), live on *replica* when its member failed with
         *failure*: its error, and the request to send to another replica instead (from
         ``on_replica_death``, within ``max_migrations``), or ``None`` (end it with the
         error). Calls the user's hook: call it without a lock."""
-        delivered = len(stream._arrivals)
+        if delivered is None:
+            delivered = len(stream._arrivals)
         err = self.dead_error(replica, failure, delivered)
         hook = self.on_replica_death
         # getattr: a stream of add_many() whose replica died before the pool marked it
@@ -821,3 +901,10 @@ class PoolCore:
             )
             return err, None
         return err, again
+
+
+PoolEvent: TypeAlias = StageEvent | ReplicaEvent | ReplicaGone | RequestFailed
+"""What a pool's event stream holds: a request's events as its replica's stage sent them
+(:class:`~enginecore.stage.Outputs`, :class:`~enginecore.stage.Aborted`, an
+:class:`~enginecore.stage.ErrorReport` with a ``req_id``), a :class:`ReplicaEvent`, a
+:class:`ReplicaGone`, or a :class:`RequestFailed`."""
