@@ -293,7 +293,7 @@ def test_a_member_counts_its_requests_without_a_stream() -> None:
     session.cancel_streams(["b"])  # its frame could not be sent
     assert session.in_flight == 0
     # A session that is no pool's member keeps no such table.
-    plain = ClientSession(
+    plain: ClientSession[Any, Any] = ClientSession(
         pid=1,
         address="fake://c",
         launched=True,

@@ -553,14 +553,16 @@ class QuietRequest:
     stream of the member session it was sent on (``ClientSession.quiet``, which forgets it
     when it ends), or, once that member failed, the table it handed over
     (``Deliveries.quiet_orphans``), until the pool has settled it. ``_in`` is set under the
-    lock that registers the id (``ClientBase._send_request``)."""
+    lock that registers the id (``ClientBase._send_request``). ``_earlier``: the outputs its
+    dead attempts delivered (a table counts only its own attempt's)."""
 
-    __slots__ = ("_in", "_migrations", "_replica", "_request", "req_id")
+    __slots__ = ("_earlier", "_in", "_migrations", "_replica", "_request", "req_id")
 
     def __init__(self, req_id: str, request: PoolRequest | None) -> None:
         self.req_id: Final = req_id
         self._request = request
         self._migrations = 0
+        self._earlier = 0
         self._replica: Replica | None = None
         self._in: Mapping[str, int] = _EMPTY_TABLE
 

@@ -510,15 +510,22 @@ class PoolBase(Generic[S]):
         with one :class:`RequestFailed` in the event stream; either way, it leaves *table*
         (its record then reads as ended, unless it moved)."""
         core = self._core
-        for rid, delivered in list(table.items()):
+        for rid, this_attempt in list(table.items()):
             record = core._live.get(rid)
+            delivered = this_attempt
             if type(record) is not QuietRequest or record._in is not table:
                 record = None  # an add_many() whose record was not made yet: no request
+            else:
+                delivered += record._earlier  # every attempt's, as a stream's arrivals
             err, again = core.fate(replica, record, failure, delivered)
-            if again is not None and record is not None and self._move(replica, again, record):
-                with self._lock:
-                    table.pop(rid, None)
-                continue
+            if again is not None and record is not None:
+                earlier = record._earlier
+                record._earlier = delivered  # before it can die again
+                if self._move(replica, again, record):
+                    with self._lock:
+                        table.pop(rid, None)
+                    continue
+                record._earlier = earlier
             with self._lock:
                 if rid in table:  # once, whoever settles it (a close may, meanwhile)
                     self._emit_locked(RequestFailed(rid, err))
