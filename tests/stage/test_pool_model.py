@@ -407,12 +407,16 @@ class PoolModel(RuleBasedStateMachine):
                 # The stream and the event stream agree, output for output.
                 assert [x for x in items if type(x) is not End] == logged[: len(logged) - len(ends)]
                 assert bool(s_ends) == bool(ends), f"{rid}: {items} / {logged}"
+            entry = self.pool._core.stream_of(rid)  # what abort() routes by
             if ends:
                 assert rid not in holders, f"{rid} ended but live in {holders[rid]}"
+                assert entry is None, f"{rid} ended but live in the pool's table"
             else:
                 where = holders.get(rid, [])
                 assert len(where) == 1, f"{rid} live in {where}"
                 (r,) = where
+                assert entry is not None, f"{rid} live but not in the pool's table"
+                assert entry._replica is r, f"{rid} on {r.name}, its entry says {entry._replica}"
                 assert r.state in (ReplicaState.SERVING, ReplicaState.DRAINING)
                 stage = r._client.stage
                 assert rid in stage.live or rid in stage.aborted, (

@@ -115,7 +115,9 @@ class ClientBase(Generic[S, W]):
         with self._lock:
             if live is not None:
                 held = live.get(req_id)
-                if held is not None and held is not new and held._ended is None:
+                # Without a stream, *new* may stand for many requests (a pool's QuietTable):
+                # only its table says whether *req_id* is one of them.
+                if held is not None and (held is not new or not stream) and held._live_as(req_id):
                     raise ValueError(f"request {req_id!r} is still live in this pool")
                 live[req_id] = new
             if stream:
@@ -132,8 +134,18 @@ class ClientBase(Generic[S, W]):
             raise
         return new
 
-    def _send_requests(self, req_ids: list[str], parts: Parts, streams: bool) -> list[S] | None:
-        """:meth:`_send_request` for many requests in one message.
+    def _send_requests(
+        self,
+        req_ids: list[str],
+        parts: Parts,
+        streams: bool,
+        live: dict[str, Any] | None = None,
+        entry: Any = None,
+    ) -> list[S] | None:
+        """:meth:`_send_request` for many requests in one message. Without *streams*, a
+        replica pool passes its table of live requests (*live*), filled with *entry* for
+        every id under the same hold of the lock that registers them, before the send (no
+        Python after it, where the reader of the outputs may hold the GIL).
 
         With streams, the frame goes first when it can leave at once (:meth:`_send_nowait`),
         and the streams are built and registered after it, under the lock that the reader
@@ -165,6 +177,8 @@ class ClientBase(Generic[S, W]):
             new = None
         with lock:
             session.open_requests(req_ids, new)
+            if live is not None:
+                live.update(dict.fromkeys(req_ids, entry))
         if req_ids:
             try:
                 self._send(parts)

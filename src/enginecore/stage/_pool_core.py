@@ -48,6 +48,7 @@ __all__ = [
     "PoolEvent",
     "PoolRequest",
     "QuietRequest",
+    "QuietTable",
     "Replica",
     "ReplicaEvent",
     "ReplicaGone",
@@ -158,6 +159,7 @@ class Replica:
     __slots__ = (
         "_client",
         "_deaths",
+        "_quiet",
         "_restarts",
         "_session",
         "_state",
@@ -176,6 +178,7 @@ class Replica:
         self._session: ClientSession[Any, Any] | None = None  # its session (routing reads it)
         self._deaths: deque[float] = deque()
         self._restarts = 0
+        self._quiet: QuietTable | None = None  # its member's, in a pool without a hook
 
     @property
     def state(self) -> ReplicaState:
@@ -542,6 +545,9 @@ class _Held:
     _ended = None
     _replica = None
 
+    def _live_as(self, req_id: str) -> bool:
+        return True
+
 
 _HELD: Final = _Held()
 
@@ -566,14 +572,31 @@ class QuietRequest:
         self._replica: Replica | None = None
         self._in: Mapping[str, int] = _EMPTY_TABLE
 
-    @property
-    def _ended(self) -> bool | None:
-        """``None`` while live (as a stream's ``_ended``), else ``True``."""
-        return None if self.req_id in self._in else True
+    def _live_as(self, req_id: str) -> bool:
+        """Whether the request is live (its id in ``_in``)."""
+        return req_id in self._in
 
     @property
     def migrations(self) -> int:
         return self._migrations
+
+
+class QuietTable:
+    """What the live table holds for every request without a stream of one member session,
+    in a pool without ``on_replica_death`` (nothing to keep per request, so nothing is
+    made per request): the replica, and the session's table of such requests (``_in``,
+    ``ClientSession.quiet``; once the member failed, the table it handed over, until the
+    pool has settled each id). An id is live while it is in that table. Made when the
+    member starts serving (:meth:`PoolCore.started`)."""
+
+    __slots__ = ("_in", "_replica")
+
+    def __init__(self, replica: Replica, table: Mapping[str, int]) -> None:
+        self._replica = replica
+        self._in = table
+
+    def _live_as(self, req_id: str) -> bool:
+        return req_id in self._in
 
 
 _EMPTY_TABLE: Final[Mapping[str, int]] = MappingProxyType({})
@@ -684,6 +707,8 @@ class PoolCore:
             return False
         replica._client = client
         replica._session = client._session
+        replica._quiet = QuietTable(replica, client._session.quiet)
+        client._session._pool_live = self._live
         client._session._health_epoch = self.health_epoch
         replica._state = ReplicaState.SERVING
         self._refresh()
@@ -794,7 +819,7 @@ class PoolCore:
         live = self._live
         for rid in req_ids:
             stream = live.get(rid)
-            if stream is not None and stream._ended is None:
+            if stream is not None and stream._live_as(rid):
                 raise ValueError(f"request {rid!r} is still live in this pool")
 
     def reserve(self, req_ids: list[str]) -> None:
@@ -805,7 +830,7 @@ class PoolCore:
         clash = live.keys() & req_ids
         if clash:
             for rid in req_ids:  # the first live one, in the caller's order
-                if rid in clash and live[rid]._ended is None:
+                if rid in clash and live[rid]._live_as(rid):
                     raise ValueError(f"request {rid!r} is still live in this pool")
         live.update(dict.fromkeys(req_ids, _HELD))
         self._maybe_prune()
@@ -827,23 +852,24 @@ class PoolCore:
         prune."""
         live = self._live
         if len(live) > self._prune_at:
-            for rid in [rid for rid, s in live.items() if s._ended is not None]:
+            for rid in [rid for rid, s in live.items() if not s._live_as(rid)]:
                 del live[rid]
             self._prune_at = max(1024, 2 * len(live))
 
     def untrack(self, req_id: str, stream: Any) -> None:
         """Forget *req_id* if its entry is *stream* (a reservation whose send failed)."""
-        if self._live.get(req_id) is stream:
+        if stream is not None and self._live.get(req_id) is stream:
             del self._live[req_id]
 
     def stream_of(self, req_id: str) -> Any:
         """The live stream of *req_id*, or ``None``."""
         stream = self._live.get(req_id)
-        return stream if stream is not None and stream._ended is None else None
+        return stream if stream is not None and stream._live_as(req_id) else None
 
     def live_streams(self) -> list[Any]:
-        """Every stream the pool still tracks as live."""
-        return [s for s in self._live.values() if s._ended is None]
+        """Every stream (or :class:`QuietRequest`) the pool still tracks as live; not the
+        requests of a :class:`QuietTable`, which are settled with their member."""
+        return [s for rid, s in self._live.items() if type(s) is not QuietTable and s._live_as(rid)]
 
     # -- a dead replica's requests -------------------------------------------------------
 

@@ -264,14 +264,17 @@ class PoolBase(Generic[S]):
         return new
 
     def _add_quiet(self, req_id: str, data: Any, key: Hashable | None) -> None:
-        """``add(..., stream=False)``: route and send, with the pool's record of the
-        request (:class:`QuietRequest`) instead of a stream; its outputs go to the event
-        stream only."""
+        """``add(..., stream=False)``: route and send without a stream; its outputs go to
+        the event stream only. The pool's table holds the replica's :class:`QuietTable`
+        for it, or with ``on_replica_death`` its own record (:class:`QuietRequest`)."""
         if self._events is None:
             raise events_off()
         parts = ClientSession.add_frame(req_id, data)
-        request = PoolRequest(req_id, data, key) if self._core.on_replica_death else None
-        self._send(req_id, parts, request, key, 0, QuietRequest(req_id, request), fresh=True)
+        if self._core.on_replica_death is None:
+            self._send(req_id, parts, None, key, 0, None, quiet=True)
+            return
+        request = PoolRequest(req_id, data, key)
+        self._send(req_id, parts, request, key, 0, QuietRequest(req_id, request), quiet=True)
 
     def _send(
         self,
@@ -282,36 +285,42 @@ class PoolBase(Generic[S]):
         migrations: int,
         stream: Any,
         *,
-        fresh: bool = False,
+        quiet: bool = False,
     ) -> Any:
         """Route and send one request; *stream* continues a moved one (its stream, or its
-        :class:`QuietRequest`), or is the record of a new request without a stream
-        (*fresh*). The pool's check (the id free in the pool) and its table run under the
-        member's hold of the lock that registers the stream (``_send_request(live=)``):
-        one hold per request, as a single client's. A replica that left between the choice
-        and the send gets the next choice instead, a few times."""
+        :class:`QuietRequest`). A new request without a stream (*quiet*) has its record as
+        *stream*, or ``None``: then the chosen replica's :class:`QuietTable` stands for
+        it in the pool's table. The pool's check (the id free in the pool) and its table
+        run under the member's hold of the lock that registers the stream
+        (``_send_request(live=)``): one hold per request, as a single client's. A replica
+        that left between the choice and the send gets the next choice instead, a few
+        times."""
         core = self._core
         if core.closing:
             raise StageClosedError("this stage pool is closed")
         live: dict[str, Any] | None
         new: Any
-        if stream is None:
+        if quiet:
+            new, live = stream, core._live
+        elif stream is None:
             new = self._stream_type(req_id, self._lock, time.monotonic())
             live = core._live
             if request is not None:  # else _request and _migrations read as their defaults
                 new._request = request
-        elif fresh:
-            new, live = stream, core._live
         else:
             new, live = stream, None
             new._request = request
             new._migrations = migrations
-        quiet = type(new) is QuietRequest
+            quiet = type(new) is QuietRequest
+        table = quiet and new is None  # a QuietTable per replica stands for the request
         data = None if request is None else request.data
         try:
             for _ in range(8):
                 replica = core.route(req_id, data, key)
-                new._replica = replica
+                if table:
+                    new = replica._quiet
+                else:
+                    new._replica = replica
                 member: ClientBase[Any, Any] = replica._client
                 try:
                     member._send_request(req_id, parts, not quiet, new, live)
@@ -371,8 +380,12 @@ class PoolBase(Generic[S]):
                     parts = ClientSession.adds_frame([items[i] for i in idx])[1]
                 sent: list[Any] | None
                 try:
-                    sent = member._send_requests(group_ids, parts, streams)
-                    if not streams:
+                    if streams or keep:
+                        sent = member._send_requests(group_ids, parts, streams)
+                    else:  # the replica's QuietTable stands for them, set before the send
+                        member._send_requests(group_ids, parts, False, core._live, replica._quiet)
+                        sent = []
+                    if not streams and keep:
                         sent = self._quiet_records(member, replica, group_ids, idx, requests)
                 except (EngineDeadError, StageClosedError):
                     if member._session.failure is None and not member._session.closing:
@@ -386,9 +399,9 @@ class PoolBase(Generic[S]):
                         rid, data = items[i]
                         frame = ClientSession.add_frame(rid, data)
                         request = requests[i] if keep and requests is not None else None
-                        record = None if streams else QuietRequest(rid, request)
+                        record = QuietRequest(rid, request) if keep and not streams else None
                         by_index[i] = self._send(
-                            rid, frame, request, None, 0, record, fresh=not streams
+                            rid, frame, request, None, 0, record, quiet=not streams
                         )
                     continue
                 if not streams:
@@ -425,11 +438,10 @@ class PoolBase(Generic[S]):
         at the member's table of requests without a stream under the lock: if the member
         failed since the send, that table is a new, empty one, and the records read as
         ended (the pool settled the requests from the table handed over)."""
-        keep = self._core.on_replica_death is not None and requests is not None
+        assert requests is not None  # kept for on_replica_death
         positions = range(len(req_ids)) if idx is None else idx
         records = [
-            QuietRequest(rid, requests[i] if keep else None)  # type: ignore[index]
-            for rid, i in zip(req_ids, positions, strict=True)
+            QuietRequest(rid, requests[i]) for rid, i in zip(req_ids, positions, strict=True)
         ]
         with self._lock:
             table = member._session.quiet

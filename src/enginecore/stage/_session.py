@@ -270,6 +270,11 @@ class StreamCore:
             arrivals = self._arrivals[:]
         return _timings.snapshot(self._sent_at, arrivals, None if end is None else ended_at, end)
 
+    def _live_as(self, req_id: str) -> bool:
+        """Whether this stream, an entry of a replica pool's table of live requests, is
+        live (not ended): the table's entries answer alike, whatever they are."""
+        return self._ended is None
+
     def _pop(self) -> Any:
         """The consumer's next item, which must be there (``_pos < len(_ready)``); the end
         of the stream raises (:meth:`_stop`)."""
@@ -514,6 +519,10 @@ class ClientSession(Generic[S, W]):
         self._quiet: collections.Counter[str] | None = (
             collections.Counter() if adopt_orphans else None
         )
+        # The pool's table of live requests (PoolCore._live), set when the member starts
+        # serving: a request without a stream leaves it here as it leaves _quiet, so that
+        # the pool never has to look for the ended ones among them.
+        self._pool_live: dict[str, Any] | None = None
         # call id -> (waiter, utility name). Call ids are consecutive from a random start in
         # 1 .. 2**52: a stage answers every call it received, even after its caller detached,
         # and that answer goes to the next client attached; a random start keeps it from
@@ -875,7 +884,7 @@ class ClientSession(Generic[S, W]):
                 if streams:
                     StreamCore._route(streams, ev.req_ids, ev.finished, ev.payloads, wake, now)
                 if self._quiet:
-                    _count_quiet(self._quiet, ev.req_ids, ev.finished)
+                    _count_quiet(self._quiet, ev.req_ids, ev.finished, self._pool_live)
                 if ev.load is not None:
                     self._load = (ev.load, now, self.in_flight)
                     loaded = True
@@ -891,8 +900,7 @@ class ClientSession(Generic[S, W]):
                 for rid in ev.req_ids:
                     self._end_stream(rid, ABORTED, wake, now)
                 if self._quiet:
-                    for rid in ev.req_ids:
-                        self._quiet.pop(rid, None)
+                    self._forget_quiet(ev.req_ids)
             elif cls is ErrorReport:
                 self._on_error_report(ev, d, now)
             elif cls is Credit:
@@ -930,6 +938,16 @@ class ClientSession(Generic[S, W]):
             self._on_last_event(d, now)
         return d
 
+    def _forget_quiet(self, req_ids: Iterable[str]) -> None:
+        """Requests without a stream that ended (aborted, refused): out of the member's
+        table, and out of the pool's."""
+        quiet = self._quiet
+        assert quiet is not None
+        live = self._pool_live
+        for rid in req_ids:
+            if quiet.pop(rid, None) is not None and live is not None:
+                live.pop(rid, None)
+
     def _health_changed(self) -> None:
         epoch = self._health_epoch
         if epoch is not None:
@@ -949,8 +967,8 @@ class ClientSession(Generic[S, W]):
             return
         end = End(RequestError(ev.req_id, ev.message))
         ended = self._end_stream(ev.req_id, end, d.wake, now)
-        if self._quiet is not None:
-            self._quiet.pop(ev.req_id, None)
+        if self._quiet:
+            self._forget_quiet((ev.req_id,))
         if not ended and self._events is None:  # with the event stream on, its reader sees it
             d.warnings.append(f"the stage reported: request {ev.req_id!r}: {ev.message}")
 
@@ -1237,13 +1255,17 @@ _NO_QUIET: Final[Mapping[str, int]] = MappingProxyType({})
 
 
 def _count_quiet(
-    quiet: collections.Counter[str], req_ids: list[str | None], finished: list[bool]
+    quiet: collections.Counter[str],
+    req_ids: list[str | None],
+    finished: list[bool],
+    live: dict[str, Any] | None,
 ) -> None:
     """Receiver, a pool member's outputs event: count each output of a request without a
-    stream, and forget the ones that finished. In C but for the finished requests (one
-    Python step each, not one per output): ``Counter.update`` counts every id of the event,
-    and the ids it added (outputs of streamed requests, or of none), which are the newest
-    keys of the dict, are popped again."""
+    stream, and forget the ones that finished (in the pool's table of live requests,
+    *live*, too). In C but for the finished requests (one Python step each, not one per
+    output): ``Counter.update`` counts every id of the event, and the ids it added (outputs
+    of streamed requests, or of none), which are the newest keys of the dict, are popped
+    again."""
     before = len(quiet)
     quiet.update(req_ids)  # type: ignore[arg-type]  # None ids are popped below
     for _ in range(len(quiet) - before):
@@ -1251,7 +1273,8 @@ def _count_quiet(
     if True in finished:
         pop = quiet.pop
         for rid in itertools.compress(req_ids, finished):
-            pop(rid, None)  # type: ignore[arg-type]
+            if pop(rid, None) is not None and live is not None:  # type: ignore[arg-type]
+                live.pop(rid, None)  # type: ignore[arg-type]
 
 
 def _without_load(ev: Any) -> Any:
