@@ -41,7 +41,7 @@ from enginecore.stage import (
     StageClosedError,
 )
 from enginecore.stage._errors import EngineDeadError
-from enginecore.stage._pool_core import Replica
+from enginecore.stage._pool_core import QuietTable, Replica
 from enginecore.stage._poolbase import PoolBase
 from enginecore.stage._session import NO_LOCK, ClientSession, Deliveries, End
 from enginecore.stage._wire import Aborted, Outputs
@@ -425,6 +425,11 @@ class PoolModel(RuleBasedStateMachine):
             payloads = [x for x in logged if type(x) is int]
             assert payloads == sorted(set(payloads), reverse=True), f"{rid}: {payloads}"
             assert all(0 <= p < self.sizes[rid] for p in payloads)
+        # The ids a replica's QuietTable stands for leave the pool's table as they end (the
+        # table's prune does not look at them).
+        for rid, entry in self.pool._core._live.items():
+            if type(entry) is QuietTable:
+                assert entry._live_as(rid), f"{rid} ended, still in the pool's table"
         # Each replica's in-flight count is exact: its requests not yet ended.
         for r in self.pool.replicas:
             if r.state in (ReplicaState.SERVING, ReplicaState.DRAINING):

@@ -577,6 +577,11 @@ class QuietRequest:
         return req_id in self._in
 
     @property
+    def _ended(self) -> bool | None:
+        """As a stream's (``None`` while live), for the table's prune."""
+        return None if self.req_id in self._in else True
+
+    @property
     def migrations(self) -> int:
         return self._migrations
 
@@ -590,6 +595,10 @@ class QuietTable:
     member starts serving (:meth:`PoolCore.started`)."""
 
     __slots__ = ("_in", "_replica")
+    # For the table's prune, which reads a stream's _ended: its ids leave the pool's table
+    # as they end (the member session, or the pool when it settles a dead member's), so
+    # the prune never looks at them.
+    _ended = None
 
     def __init__(self, replica: Replica, table: Mapping[str, int]) -> None:
         self._replica = replica
@@ -836,10 +845,12 @@ class PoolCore:
         self._maybe_prune()
 
     def release(self, req_ids: list[str]) -> None:
-        """Drop the hold of those of *req_ids* that are still only held."""
+        """Drop the hold of those of *req_ids* that are still only held (or stood for by
+        a :class:`QuietTable` whose member took them back: a send that failed)."""
         live = self._live
         for rid in req_ids:
-            if live.get(rid) is _HELD:
+            entry = live.get(rid)
+            if entry is _HELD or (type(entry) is QuietTable and not entry._live_as(rid)):
                 del live[rid]
 
     def track_many(self, req_ids: list[str], streams: Sequence[Any]) -> None:
@@ -852,7 +863,7 @@ class PoolCore:
         prune."""
         live = self._live
         if len(live) > self._prune_at:
-            for rid in [rid for rid, s in live.items() if not s._live_as(rid)]:
+            for rid in [rid for rid, s in live.items() if s._ended is not None]:
                 del live[rid]
             self._prune_at = max(1024, 2 * len(live))
 

@@ -542,6 +542,9 @@ class PoolBase(Generic[S]):
                 if rid in table:  # once, whoever settles it (a close may, meanwhile)
                     self._emit_locked(RequestFailed(rid, err))
                     del table[rid]
+                    entry = core._live.get(rid)
+                    if entry is not None and not entry._live_as(rid):
+                        del core._live[rid]  # as the session drops the ids that end
 
     def _member_events(self, member: Any) -> None:
         """*member*'s event sink (its ``_event_sink``), called on the thread that read its
