@@ -195,16 +195,22 @@ def test_requests_spread_over_the_replicas_and_stream_their_outputs(launch: Open
     assert pool.health() == StageHealth.OK == r0.health
 
 
-def test_one_receiver_thread_reads_every_replica(no_leftovers: str) -> None:
+@pytest.mark.parametrize("events", [False, True], ids=["streams", "event-stream"])
+def test_one_receiver_thread_reads_every_replica(no_leftovers: str, events: bool) -> None:
     def names() -> list[str]:
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("enginecore"))
 
     before = names()
-    with StagePool.launch(COUNTDOWN, replicas=3, startup_timeout=30) as pool:
+    with StagePool.launch(COUNTDOWN, replicas=3, startup_timeout=30, ordered_events=events) as pool:
         assert names() == sorted([*before, "enginecore-pool-receiver"])
         streams = pool.add_many([(f"x{i}", 3) for i in range(9)])
         assert {s.replica for s in streams} == set(pool.replicas)
         assert all(s.collect(10) == [2, 1, 0] for s in streams)
+        if events:  # the event stream takes no thread either
+            pool.add_many([(f"y{i}", 3) for i in range(9)], streams=False)
+            log = EventLog(pool)
+            log.until_ended([f"y{i}" for i in range(9)])
+            assert names() == sorted([*before, "enginecore-pool-receiver"])
     assert names() == before
 
 
