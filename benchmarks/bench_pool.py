@@ -15,6 +15,9 @@ a. **Scaling.** The "device engine" (``enginecore.stage.testing:device``) sleeps
 b. **A pool of one** against a single client on the same engine (``CountdownEngine``),
    2,000 requests of 8 outputs, as ``bench_stage_requests``: the burst (``add_many``, then
    every stream's outputs) and one ``add`` per request. Goal: >= 0.95x, every round.
+   And the same burst without streams, read as a per-step consumer reads it: ``add_many(...,
+   streams=False)`` then ``get_events()`` until every request's finished output came, on
+   a pool and a client made with ``ordered_events=True``. Goal: >= 0.95x, every round.
 c. **One routing decision** at 64 replicas (``LeastLoaded``: power of 2 choices above 8
    replicas), on 64 member sessions with live requests and load reports, without
    processes: an absolute budget of 2 µs per decision, judged on the slowest round; the
@@ -51,6 +54,29 @@ _ids = count()
 def _items(n: int, steps: int) -> list[tuple[str, int]]:
     tag = next(_ids)
     return [(f"j{tag}-{i}", steps) for i in range(n)]
+
+
+def _events_job(target: Any, n: int, steps: int) -> float:
+    """Outputs/s of *n* requests of *steps* outputs through *target* (a client or pool with
+    its event stream on), without streams: ``add_many(streams=False)``, then
+    ``get_events()`` until every request finished."""
+    from enginecore.stage import Outputs
+
+    items = _items(n, steps)
+    outputs = 0
+    with gc_on():
+        t0 = time.perf_counter()
+        target.add_many(items, streams=False)
+        live = n
+        get_events = target.get_events
+        while live:
+            for ev in get_events():
+                if ev.__class__ is Outputs:
+                    live -= ev.finished.count(True)
+                    outputs += len(ev.payloads)
+        t1 = time.perf_counter()
+    assert outputs == n * steps, "wrong outputs"
+    return outputs / (t1 - t0)
 
 
 def _job(target: Any, n: int, steps: int, burst: bool = True) -> float:
@@ -140,6 +166,35 @@ def pool_of_one(rounds: int, jobs: int) -> list[Record]:
     ]  # fmt: skip
 
 
+def pool_of_one_events(rounds: int, jobs: int) -> list[Record]:
+    from enginecore.stage import StageClient, StagePool
+
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(
+            StageClient.launch(COUNTDOWN, startup_timeout=60, ordered_events=True)
+        )
+        pool = stack.enter_context(
+            StagePool.launch(COUNTDOWN, replicas=1, startup_timeout=60, ordered_events=True)
+        )
+
+        def side(target: Any) -> Callable[[], float]:
+            def run() -> float:
+                rates = [_events_job(target, REQUESTS, COUNTDOWN_STEPS) for _ in range(jobs)]
+                return statistics.fmean(rates)
+
+            return run
+
+        res = interleave({"client": side(client), "pool": side(pool)}, rounds=rounds)
+    job = f"{REQUESTS} requests x {COUNTDOWN_STEPS} outputs"
+    return [
+        higher_is_better(
+            f"pool of one, burst without streams read by get_events, {job}", res["pool"],
+            res["client"], "outputs/s", GOAL_POOL_OF_ONE,
+            note="baseline: a StageClient(ordered_events=True) on the same engine; GC on",
+        ),
+    ]  # fmt: skip
+
+
 def _fake_pool(n: int) -> Any:
     """A PoolCore over *n* replicas whose member sessions hold live requests and a load
     report each, without processes."""
@@ -152,7 +207,7 @@ def _fake_pool(n: int) -> Any:
         def __init__(self, i: int) -> None:
             self._session: ClientSession[Any, Any] = ClientSession(
                 pid=i, address=f"fake://{i}", launched=True, heartbeat=None,
-                ordered_events=False, now=time.monotonic(),
+                ordered_events=False, now=time.monotonic(), adopt_orphans=True,
             )  # fmt: skip
 
     rng = random.Random(1)
@@ -233,11 +288,13 @@ def run(quick: bool) -> list[Record]:
         return [
             *scaling(rounds=2, share=16, steps=4, sizes=(2,)),
             *pool_of_one(rounds=2, jobs=1),
+            *pool_of_one_events(rounds=2, jobs=1),
             *routing(rounds=2, calls=2000),
         ]
     return [
         *routing(rounds=10, calls=100_000),
         *pool_of_one(rounds=10, jobs=8),
+        *pool_of_one_events(rounds=10, jobs=8),
         *scaling(rounds=8, share=SHARE, steps=STEPS, sizes=(2, 4, 8)),
     ]
 

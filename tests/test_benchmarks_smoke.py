@@ -229,7 +229,7 @@ class TestBenchmarksRun:
     def test_pool_is_registered_and_runs_quick(self) -> None:
         assert "bench_pool" in MODULES
         records = bench_pool.run(quick=True)
-        assert_records(records, 5)
+        assert_records(records, 6)
         assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
 
     @pytest.mark.timeout(120)

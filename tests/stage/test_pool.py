@@ -13,24 +13,31 @@ from typing import Any, cast
 import pytest
 
 from enginecore.stage import (
+    Aborted,
     AsyncPoolRequestStream,
     AsyncStagePool,
     EngineDeadError,
+    ErrorReport,
     LeastLoaded,
     NoReplicaError,
+    Outputs,
     PoolRequest,
     PoolRequestStream,
     Replica,
     ReplicaDeadError,
+    ReplicaEvent,
+    ReplicaGone,
     ReplicaState,
     ReplicaView,
     RequestError,
+    RequestFailed,
     StageClosedError,
     StageHealth,
     StagePool,
     StageStatistics,
     Sticky,
     UtilityError,
+    UtilityResult,
 )
 
 from .conftest import BlockingAsyncStream, EventLoopThread, Server, pid_gone, wait_until
@@ -73,13 +80,19 @@ class BlockingAsyncPool:
     def health(self) -> StageHealth:
         return self._pool.health()
 
-    def add(self, req_id: str, data: Any, *, key: Any = None) -> Any:
-        stream = self._run(self._pool.add, req_id, data, key=key)
-        return BlockingAsyncPoolStream(self._runner, stream)
+    def add(self, req_id: str, data: Any, stream: bool = True, *, key: Any = None) -> Any:
+        got = self._run(self._pool.add, req_id, data, stream, key=key)
+        return None if got is None else BlockingAsyncPoolStream(self._runner, got)
 
-    def add_many(self, items: Iterable[tuple[str, Any]]) -> list[Any]:
-        streams = self._run(self._pool.add_many, items)
-        return [BlockingAsyncPoolStream(self._runner, s) for s in streams]
+    def add_many(self, items: Iterable[tuple[str, Any]], *, streams: bool = True) -> Any:
+        got = self._run(self._pool.add_many, items, streams=streams)
+        return None if got is None else [BlockingAsyncPoolStream(self._runner, s) for s in got]
+
+    def get_event(self, timeout: float | None = None) -> Any:
+        return self._run(self._pool.get_event, timeout)
+
+    def get_events(self, timeout: float | None = None) -> Any:
+        return self._run(self._pool.get_events, timeout)
 
     def abort(self, req_ids: Any) -> None:
         self._run(self._pool.abort, req_ids)
@@ -182,16 +195,22 @@ def test_requests_spread_over_the_replicas_and_stream_their_outputs(launch: Open
     assert pool.health() == StageHealth.OK == r0.health
 
 
-def test_one_receiver_thread_reads_every_replica(no_leftovers: str) -> None:
+@pytest.mark.parametrize("events", [False, True], ids=["streams", "event-stream"])
+def test_one_receiver_thread_reads_every_replica(no_leftovers: str, events: bool) -> None:
     def names() -> list[str]:
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("enginecore"))
 
     before = names()
-    with StagePool.launch(COUNTDOWN, replicas=3, startup_timeout=30) as pool:
+    with StagePool.launch(COUNTDOWN, replicas=3, startup_timeout=30, ordered_events=events) as pool:
         assert names() == sorted([*before, "enginecore-pool-receiver"])
         streams = pool.add_many([(f"x{i}", 3) for i in range(9)])
         assert {s.replica for s in streams} == set(pool.replicas)
         assert all(s.collect(10) == [2, 1, 0] for s in streams)
+        if events:  # the event stream takes no thread either
+            pool.add_many([(f"y{i}", 3) for i in range(9)], streams=False)
+            log = EventLog(pool)
+            log.until_ended([f"y{i}" for i in range(9)])
+            assert names() == sorted([*before, "enginecore-pool-receiver"])
     assert names() == before
 
 
@@ -539,3 +558,223 @@ def test_bad_pool_arguments() -> None:
         StagePool().add_replica()
     stream_types = (PoolRequestStream, AsyncPoolRequestStream)
     assert all(hasattr(t, "replica") for t in stream_types)
+
+
+# -- the event stream, and requests without a stream --------------------------------------
+
+
+class EventLog:
+    """What a consumer of a pool's event stream saw, per request: its outputs and its
+    terminal events (a finished output, Aborted, ErrorReport, RequestFailed), and the
+    replica-wide events, in the order read."""
+
+    def __init__(self, pool: StagePool) -> None:
+        self.pool = pool
+        self.outputs: dict[str, list[Any]] = {}
+        self.ends: dict[str, list[Any]] = {}
+        self.after_end: list[str] = []
+        self.replica_events: list[Any] = []
+        self.order: list[Any] = []  # every event but outputs, as read
+
+    def read(self, timeout: float = 10.0) -> list[Any]:
+        events = self.pool.get_events(timeout)
+        for ev in events:
+            if isinstance(ev, Outputs):
+                for rid, fin, payload in zip(ev.req_ids, ev.finished, ev.payloads, strict=True):
+                    assert rid is not None
+                    if rid in self.ends:
+                        self.after_end.append(rid)
+                    self.outputs.setdefault(rid, []).append(payload)
+                    if fin:
+                        self.ends.setdefault(rid, []).append("finished")
+                continue
+            self.order.append(ev)
+            if isinstance(ev, Aborted):
+                for rid in ev.req_ids:
+                    self.ends.setdefault(rid, []).append(ev)
+            elif isinstance(ev, (RequestFailed, ErrorReport)):
+                assert ev.req_id is not None
+                self.ends.setdefault(ev.req_id, []).append(ev)
+            else:
+                assert isinstance(ev, (ReplicaEvent, ReplicaGone)), ev
+                self.replica_events.append(ev)
+        return events
+
+    def read_to_the_end(self) -> None:
+        """Read until the pool's event stream ends (StopIteration: the pool closed)."""
+        while True:
+            try:
+                self.read()
+            except StopIteration:
+                return
+
+    def until_ended(self, ids: Iterable[str], timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        wanted = set(ids)
+        while not wanted <= set(self.ends):
+            assert time.monotonic() < deadline, sorted(wanted - set(self.ends))[:5]
+            self.read(max(0.0, deadline - time.monotonic()))
+
+    def check_one_end_each(self) -> None:
+        assert not self.after_end, self.after_end
+        for rid, ends in self.ends.items():
+            assert len(ends) == 1, (rid, ends)
+
+
+def test_requests_without_streams_end_once_in_the_event_stream(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.01}, ordered_events=True)
+    log = EventLog(pool)
+    assert pool.add_many([(f"q{i}", 5) for i in range(20)], streams=False) is None
+    assert pool.add("one", 3, stream=False) is None
+    streamed = pool.add("streamed", 4)
+    # Exact in-flight counts before any output: the burst water-filled, then least loaded.
+    assert sorted(r.in_flight for r in pool.replicas) == [11, 11]
+    with pytest.raises(ValueError, match="still live in this pool"):
+        pool.add("q3", 1, stream=False)
+    with pytest.raises(ValueError, match="still live in this pool"):
+        pool.add("one", 1)
+    ids = [f"q{i}" for i in range(20)] + ["one", "streamed"]
+    log.until_ended(ids)
+    log.check_one_end_each()
+    assert all(log.outputs[f"q{i}"] == [4, 3, 2, 1, 0] for i in range(20))
+    assert log.outputs["one"] == [2, 1, 0]
+    # A streamed request's outputs are in the event stream too, as in a single client's.
+    assert log.outputs["streamed"] == streamed.collect(10) == [3, 2, 1, 0]
+    assert [r.in_flight for r in pool.replicas] == [0, 0]
+    assert not log.replica_events
+    with pytest.raises(TimeoutError):
+        pool.get_events(0.05)
+    pool.add("q3", 1, stream=False)  # free again once ended
+    log.until_ended(["q3"])
+
+
+def test_aborts_and_rejects_of_requests_without_streams(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.01}, ordered_events=True)
+    log = EventLog(pool)
+    pool.add_many([(f"a{i}", 10_000) for i in range(4)], streams=False)
+    pool.add("bad", -1, stream=False)
+    log.until_ended(["bad"])
+    (bad,) = log.ends["bad"]
+    assert isinstance(bad, ErrorReport)
+    assert "int >= 1" in bad.message
+    assert sum(r.in_flight for r in pool.replicas) == 4
+    pool.abort(["a1", "a2"])
+    log.until_ended(["a1", "a2"])
+    assert all(isinstance(log.ends[rid][0], Aborted) for rid in ("a1", "a2"))
+    assert sorted(r.in_flight for r in pool.replicas) == [1, 1]
+    pool.abort(["a0", "a3"])
+    log.until_ended(["a0", "a3"])
+    log.check_one_end_each()
+    assert [r.in_flight for r in pool.replicas] == [0, 0]
+
+
+def test_a_killed_replica_ends_each_request_without_stream_once(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.01}, ordered_events=True)
+    log = EventLog(pool)
+    pool.add_many([(f"k{i}", 10_000) for i in range(6)], streams=False)
+    streams = [pool.add(f"s{i}", 10_000) for i in range(2)]
+    victim = pool.replicas[0]
+    assert victim.in_flight == 4
+    while len(log.outputs) < 8:  # every request has delivered
+        log.read()
+    killed_at = time.monotonic()
+    os.kill(cast(int, victim.pid), signal.SIGKILL)
+    mine = [s for s in streams if s.replica is victim]
+    (lost,) = mine
+    with pytest.raises(ReplicaDeadError):
+        lost.collect(10)
+    while not any(isinstance(e, ReplicaGone) for e in log.replica_events):
+        log.read()
+    assert time.monotonic() - killed_at < 1.0
+    failed = {rid: ends[0] for rid, ends in log.ends.items()}
+    assert len(failed) == 4  # the victim's three quiet requests and its stream's
+    for rid, ev in failed.items():
+        assert isinstance(ev, RequestFailed)
+        assert isinstance(ev.error, ReplicaDeadError)
+        assert ev.error.replica is victim
+        # Every output it delivered came before its end, in the event stream.
+        assert ev.error.delivered == len(log.outputs[rid]) >= 1
+    assert lost.req_id in failed
+    (gone,) = [e for e in log.replica_events if isinstance(e, ReplicaGone)]
+    assert gone.replica is victim
+    assert isinstance(gone.error, ReplicaDeadError)
+    # The replica's requests ended before it went, in the stream's order.
+    assert log.order.index(gone) > max(log.order.index(ev) for ev in failed.values())
+    assert victim.in_flight == 0
+    assert pool.replicas[1].in_flight == 4  # the other replica's, still running
+    pool.abort([f"k{i}" for i in range(6)] + [s.req_id for s in streams])
+    log.until_ended([f"k{i}" for i in range(6)] + [s.req_id for s in streams])
+    log.check_one_end_each()
+    assert pool.replicas[1].in_flight == 0
+
+
+def test_a_request_without_stream_moves_on_when_its_replica_dies(launch: Open) -> None:
+    moved: list[tuple[str, int]] = []
+
+    def resume(request: PoolRequest, delivered: int) -> PoolRequest:
+        moved.append((request.req_id, delivered))
+        return PoolRequest(request.req_id, request.data - delivered, request.key)
+
+    pool = launch(kwargs={"step_s": 0.01}, ordered_events=True, on_replica_death=resume)
+    log = EventLog(pool)
+    pool.add_many([("m0", 200), ("m1", 200)], streams=False)
+    while len(log.outputs.get("m0", [])) < 3 or len(log.outputs.get("m1", [])) < 3:
+        log.read()
+    victim = pool.replicas[0]
+    os.kill(cast(int, victim.pid), signal.SIGKILL)
+    log.until_ended(["m0", "m1"])
+    log.check_one_end_each()
+    assert [ends[0] for ends in log.ends.values()] == ["finished", "finished"]
+    ((rid, delivered),) = moved
+    # One countdown across both replicas: nothing repeated, nothing lost.
+    assert log.outputs[rid] == list(range(199, -1, -1))
+    assert delivered >= 3
+    assert [r.in_flight for r in pool.replicas] == [0, 0]
+
+
+def test_utility_answers_and_a_close_in_the_event_stream(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.01}, ordered_events=True)
+    log = EventLog(pool)
+    r1 = pool.replicas[1]
+    assert pool.call_utility("pid", replica=r1) == r1.pid
+    log.read()
+    (answer,) = log.replica_events
+    assert isinstance(answer, ReplicaEvent)
+    assert answer.replica is r1
+    assert isinstance(answer.event, UtilityResult)
+    assert answer.event.result == r1.pid
+    pool.add_many([(f"c{i}", 10**6) for i in range(4)], streams=False)
+    pool.close()
+    log.read_to_the_end()
+    log.check_one_end_each()
+    assert set(log.ends) == {f"c{i}" for i in range(4)}
+    for ends in log.ends.values():
+        assert isinstance(ends[0], RequestFailed)
+        assert isinstance(ends[0].error, StageClosedError)
+    gone = [e for e in log.replica_events if isinstance(e, ReplicaGone)]
+    assert {e.replica for e in gone} == set(pool.replicas)
+    with pytest.raises(StopIteration):
+        pool.get_events(1)  # and so on, once ended
+
+
+def test_a_drained_removal_loses_no_request_without_stream(launch: Open) -> None:
+    pool = launch(kwargs={"step_s": 0.005}, ordered_events=True)
+    log = EventLog(pool)
+    pool.add_many([(f"d{i}", 50) for i in range(6)], streams=False)
+    r0 = pool.replicas[0]
+    assert r0.in_flight == 3
+    pool.remove_replica(r0, drain=True)
+    log.until_ended([f"d{i}" for i in range(6)])
+    log.check_one_end_each()
+    assert all(ends == ["finished"] for ends in log.ends.values())
+
+
+def test_without_the_event_stream_requests_need_streams(launch: Open) -> None:
+    pool = launch(COUNTDOWN)
+    with pytest.raises(RuntimeError, match="ordered_events=True"):
+        pool.add("x", 1, stream=False)
+    with pytest.raises(RuntimeError, match="ordered_events=True"):
+        pool.add_many([("x", 1)], streams=False)
+    with pytest.raises(RuntimeError, match="ordered_events=True"):
+        pool.get_events(1)
+    assert pool.add("x", 1).collect(10) == [0]  # nothing was reserved

@@ -13,6 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from enginecore.stage import (
+    Aborted,
+    ErrorReport,
     LeastLoaded,
     NoReplicaError,
     Outputs,
@@ -40,6 +42,7 @@ class Member:
             heartbeat=None,
             ordered_events=False,
             now=time.monotonic(),
+            adopt_orphans=True,  # as a pool's member
         )
 
     def open(self, *ids: str) -> None:
@@ -249,3 +252,91 @@ def test_a_members_session_reads_silent_after_one_and_three_quarter_intervals() 
         ordered_events=False, now=t0,
     )  # fmt: skip
     assert single.health(t0 + 1.9 * 0.2) == StageHealth.OK  # a client's: two intervals
+
+
+# -- a member's requests without a stream -------------------------------------------------
+
+
+def member_session(ordered_events: bool = True) -> ClientSession[Any, Any]:
+    return ClientSession(
+        pid=1,
+        address="fake://m",
+        launched=True,
+        heartbeat=None,
+        ordered_events=ordered_events,
+        now=time.monotonic(),
+        adopt_orphans=True,
+    )
+
+
+def test_a_member_counts_its_requests_without_a_stream() -> None:
+    session = member_session()
+    session.open_request("a", None)
+    session.open_requests(["b", "c", "d"], None)
+    session.open_request("s", StreamCore("s"))
+    assert dict(session.quiet) == {"a": 0, "b": 0, "c": 0, "d": 0}
+    assert session.in_flight == 5
+    with pytest.raises(ValueError, match="still live"):
+        session.open_request("b", StreamCore("b"))
+    with pytest.raises(ValueError, match="still live"):
+        session.open_requests(["x", "c"], None)
+    now = time.monotonic()
+    # Outputs of streamed, quiet and unrouted requests, mixed, two for one id in one step.
+    ids: list[str | None] = ["a", "s", None, "b", "a", "c", "unknown"]
+    session.dispatch([Outputs(ids, [False] * 7, list(range(7)))], now)
+    assert dict(session.quiet) == {"a": 2, "b": 1, "c": 1, "d": 0}
+    session.dispatch([Outputs(["a", "b", "s"], [True, False, True], [0, 0, 0])], now)
+    assert dict(session.quiet) == {"b": 2, "c": 1, "d": 0}
+    session.dispatch([Aborted(["c"]), ErrorReport("d", "refused")], now)
+    assert dict(session.quiet) == {"b": 2}
+    assert session.in_flight == 1
+    session.cancel_streams(["b"])  # its frame could not be sent
+    assert session.in_flight == 0
+    # A session that is no pool's member keeps no such table.
+    plain: ClientSession[Any, Any] = ClientSession(
+        pid=1,
+        address="fake://c",
+        launched=True,
+        heartbeat=None,
+        ordered_events=True,
+        now=now,
+    )
+    plain.open_request("a", None)
+    assert dict(plain.quiet) == {}
+    assert plain.in_flight == 0
+
+
+def test_a_failed_member_hands_over_its_requests_without_a_stream() -> None:
+    session = member_session()
+    session.open_requests(["a", "b"], None)
+    session.dispatch([Outputs(["a", "a", "b"], [False] * 3, [1, 2, 3])], time.monotonic())
+    d = session.fail(RuntimeError("gone"))
+    assert d is not None
+    assert d.quiet_orphans == {"a": 2, "b": 1}
+    assert dict(session.quiet) == {}
+    assert session.in_flight == 0
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["q0", "q1", "q2", "s0", "s1", None, "x"]), st.booleans()),
+        max_size=30,
+    )
+)
+def test_quiet_counts_match_a_count_per_output(outputs: list[tuple[str | None, bool]]) -> None:
+    session = member_session()
+    session.open_requests(["q0", "q1", "q2"], None)
+    session.open_requests(["s0", "s1"], [StreamCore("s0"), StreamCore("s1")])
+    expected = {"q0": 0, "q1": 0, "q2": 0}
+    ended: set[str] = set()
+    for rid, fin in outputs:
+        if rid in ended:
+            continue  # the stage sends nothing after a request's end
+        if rid in expected:
+            expected[rid] += 1
+            if fin:
+                del expected[rid]
+        if fin and rid is not None:
+            ended.add(rid)
+        session.dispatch([Outputs([rid], [fin], [0])], time.monotonic())
+    assert dict(session.quiet) == expected

@@ -5,15 +5,20 @@ The pool under test is the real :class:`~enginecore.stage._poolbase.PoolBase` an
 :class:`~enginecore.stage._pool_core.PoolCore` (what both pools share), over members that
 are real :class:`~enginecore.stage._session.ClientSession` objects; only the sockets and the
 stage processes are replaced, by a model stage per replica that reads the frames the
-members send and answers with the events a stage sends. Checked after every step: each
-stream ends at most once and nothing follows its end, its outputs never repeat (a countdown
-that only goes down, across its moves), and a live stream is live in exactly one serving
-replica, whose stage holds it. At the end, after every stage has run dry: every request
-ended exactly once.
+members send and answers with the events a stage sends. Requests go with a stream or
+without one (``stream=False``), and the pool's event stream (``ordered_events=True``) is
+read as a consumer reads it. Checked after every step, for every request, in its stream
+(if it has one) and in the event stream alike: it ends at most once and nothing follows its
+end, its outputs never repeat (a countdown that only goes down, across its moves), and a
+live request is live in exactly one serving replica (so each replica's in-flight count is
+exact), whose stage holds it; an ended one is live in none. At the end, after every stage
+has run dry: every request ended exactly once, in both, the same way, and a request that
+failed with its replica says how many outputs it had delivered.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -25,14 +30,18 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from enginecore.stage import (
     AsyncPoolRequestStream,
+    ErrorReport,
     NoReplicaError,
     PoolRequest,
     ReplicaDeadError,
+    ReplicaEvent,
+    ReplicaGone,
     ReplicaState,
+    RequestFailed,
     StageClosedError,
 )
 from enginecore.stage._errors import EngineDeadError
-from enginecore.stage._pool_core import Replica
+from enginecore.stage._pool_core import QuietTable, Replica
 from enginecore.stage._poolbase import PoolBase
 from enginecore.stage._session import NO_LOCK, ClientSession, Deliveries, End
 from enginecore.stage._wire import Aborted, Outputs
@@ -103,10 +112,11 @@ class ModelMember:
             address=f"model://{replica.name}",
             launched=True,
             heartbeat=None,
-            ordered_events=False,
+            ordered_events=True,
             now=time.monotonic(),
             adopt_orphans=True,
         )
+        self._event_sink = functools.partial(pool._member_events, self)
 
     # ClientBase's non-waiting operations, which the pool calls.
     from enginecore.stage._clientbase import ClientBase as _CB
@@ -131,6 +141,7 @@ class ModelMember:
     def _apply(self, d: Deliveries[Any, Any]) -> None:
         failure = self._session.failure
         if failure is None:
+            self._event_sink()
             return
         self._pool._member_failed(self, d, failure)
 
@@ -155,7 +166,9 @@ class ModelPool(PoolBase[AsyncPoolRequestStream]):
     _stream_type = AsyncPoolRequestStream
 
     def __init__(self, hook: bool = True) -> None:
-        super().__init__(None, True, self.resume if hook else None, max_migrations=2)
+        super().__init__(
+            None, True, self.resume if hook else None, max_migrations=2, ordered_events=True
+        )
         self._lock = NO_LOCK
         self.gone: list[Replica] = []
         self.sizes: dict[str, int] = {}  # each request's first size
@@ -170,8 +183,11 @@ class ModelPool(PoolBase[AsyncPoolRequestStream]):
     def _wake(self, stream: AsyncPoolRequestStream) -> None:
         pass  # nobody waits: the model reads buffers
 
-    def _member_apply(self, member: Any, d: Deliveries[Any, Any]) -> None:
+    def _wake_events(self) -> None:
         pass
+
+    def _member_apply(self, member: Any, d: Deliveries[Any, Any]) -> None:
+        member._event_sink()
 
     def _member_gone(self, member: Any, failure: BaseException) -> None:
         replica = member._replica
@@ -194,8 +210,10 @@ class PoolModel(RuleBasedStateMachine):
         for _ in range(self.replicas):
             self.pool.start(self.pool._core.new_replica({"factory": "model"}))
         self.streams: dict[str, AsyncPoolRequestStream] = {}
+        self.quiet: set[str] = set()  # the requests without a stream
         self.sizes = self.pool.sizes
         self.seen: dict[str, list[Any]] = {}  # what each stream's consumer has read
+        self.log: dict[str, list[Any]] = {}  # each request in the event stream, as read
         self.ids = 0
 
     # -- helpers ---------------------------------------------------------------------------
@@ -206,6 +224,39 @@ class PoolModel(RuleBasedStateMachine):
     def new_id(self) -> str:
         self.ids += 1
         return f"q{self.ids}"
+
+    def requests(self) -> list[str]:
+        return [*self.streams, *self.quiet]
+
+    def in_events(self, rid: str) -> list[Any]:
+        """*rid* in the event stream: what was read, then what waits to be read. Each
+        output is its payload; an end is ``"finished"`` (after its last payload), or the
+        event that ended it."""
+        return self.log[rid] + self.parse(list(self.pool._events or ()), record=False)[rid]
+
+    def parse(self, events: list[Any], *, record: bool) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {rid: [] for rid in self.log}
+        for ev in events:
+            if isinstance(ev, Outputs):
+                for rid, fin, payload in zip(ev.req_ids, ev.finished, ev.payloads, strict=True):
+                    assert rid in out, f"an output of {rid}, never added"
+                    out[rid].append(payload)
+                    if fin:
+                        out[rid].append("finished")
+            elif isinstance(ev, Aborted):
+                for rid in ev.req_ids:
+                    out[rid].append(ev)
+            elif isinstance(ev, (RequestFailed, ErrorReport)):
+                assert ev.req_id is not None
+                out[ev.req_id].append(ev)
+            else:
+                assert isinstance(ev, (ReplicaEvent, ReplicaGone)), ev
+                if record and isinstance(ev, ReplicaGone):
+                    event("a replica's end in the event stream")
+        if record:
+            for rid, items in out.items():
+                self.log[rid] += items
+        return out
 
     def read(self, rid: str) -> None:
         stream = self.streams[rid]
@@ -218,10 +269,16 @@ class PoolModel(RuleBasedStateMachine):
 
     # -- rules ----------------------------------------------------------------------------
 
-    @rule(n=st.integers(1, 6), key=st.sampled_from([None, "a", "b"]))
-    def add(self, n: int, key: str | None) -> None:
+    @rule(n=st.integers(1, 6), key=st.sampled_from([None, "a", "b"]), quiet=st.booleans())
+    def add(self, n: int, key: str | None, quiet: bool) -> None:
         rid = self.new_id()
+        self.log[rid] = []
         try:
+            if quiet:
+                self.pool._add_quiet(rid, n, key)
+                self.quiet.add(rid)
+                self.sizes[rid] = n
+                return
             if self.hook:
                 frame = ClientSession.add_frame(rid, n)
                 stream = self.pool._send(rid, frame, PoolRequest(rid, n, key), key, 0, None)
@@ -232,18 +289,29 @@ class PoolModel(RuleBasedStateMachine):
                 stream = self.pool._add_one(rid, n, key)
         except NoReplicaError:
             assert not self.serving()
+            del self.log[rid]
             return
         self.streams[rid] = stream
         self.sizes[rid] = n
         self.seen[rid] = []
 
-    @rule(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=6))
-    def add_many(self, sizes: list[int]) -> None:
+    @rule(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=6), quiet=st.booleans())
+    def add_many(self, sizes: list[int], quiet: bool) -> None:
         items = [(self.new_id(), n) for n in sizes]
+        for rid, _ in items:
+            self.log[rid] = []
         try:
-            streams = self.pool._add_many(items)
+            streams = self.pool._add_many(items, not quiet)
         except NoReplicaError:
             assert not self.serving()
+            for rid, _ in items:
+                del self.log[rid]
+            return
+        if quiet:
+            assert streams == []
+            for rid, n in items:
+                self.quiet.add(rid)
+                self.sizes[rid] = n
             return
         for (rid, n), stream in zip(items, streams, strict=True):
             self.streams[rid] = stream
@@ -252,10 +320,17 @@ class PoolModel(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        if not self.streams:
+        if not self.log:
             return
-        ids = data.draw(st.lists(st.sampled_from(sorted(self.streams)), max_size=3))
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.log)), max_size=3))
         self.pool._abort([*ids, "never-added"])
+
+    @rule()
+    def read_events(self) -> None:
+        events = list(self.pool._events or ())
+        assert self.pool._events is not None
+        self.pool._events.clear()
+        self.parse(events, record=True)
 
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
@@ -313,35 +388,82 @@ class PoolModel(RuleBasedStateMachine):
                 continue
             for rid in r._session.streams:
                 holders.setdefault(rid, []).append(r)
-        for rid, stream in self.streams.items():
-            items = self.seen[rid] + list(stream._buf)
-            ends = [i for i, x in enumerate(items) if type(x) is End]
-            assert len(ends) <= 1, f"{rid} ended twice: {items}"
+            for rid in r._session.quiet:
+                holders.setdefault(rid, []).append(r)
+        waiting = self.parse(list(self.pool._events or ()), record=False)
+        for rid in self.requests():
+            logged = self.log[rid] + waiting[rid]
+            ends = [i for i, x in enumerate(logged) if type(x) is not int]
+            assert len(ends) <= 1, f"{rid} ended twice in the event stream: {logged}"
             if ends:
-                assert ends[0] == len(items) - 1, f"{rid}: an output after its end: {items}"
+                assert ends[0] == len(logged) - 1, f"{rid}: an event after its end: {logged}"
+            if rid in self.streams:
+                stream = self.streams[rid]
+                items = self.seen[rid] + list(stream._buf)
+                s_ends = [i for i, x in enumerate(items) if type(x) is End]
+                assert len(s_ends) <= 1, f"{rid} ended twice: {items}"
+                if s_ends:
+                    assert s_ends[0] == len(items) - 1, f"{rid}: an output after its end: {items}"
+                # The stream and the event stream agree, output for output.
+                assert [x for x in items if type(x) is not End] == logged[: len(logged) - len(ends)]
+                assert bool(s_ends) == bool(ends), f"{rid}: {items} / {logged}"
+            entry = self.pool._core.stream_of(rid)  # what abort() routes by
+            if ends:
                 assert rid not in holders, f"{rid} ended but live in {holders[rid]}"
+                assert entry is None, f"{rid} ended but live in the pool's table"
             else:
                 where = holders.get(rid, [])
                 assert len(where) == 1, f"{rid} live in {where}"
                 (r,) = where
+                assert entry is not None, f"{rid} live but not in the pool's table"
+                assert entry._replica is r, f"{rid} on {r.name}, its entry says {entry._replica}"
                 assert r.state in (ReplicaState.SERVING, ReplicaState.DRAINING)
                 stage = r._client.stage
                 assert rid in stage.live or rid in stage.aborted, (
                     f"{rid}: in {r.name}'s session only"
                 )
-            payloads = [x for x in items if type(x) is not End]
+            payloads = [x for x in logged if type(x) is int]
             assert payloads == sorted(set(payloads), reverse=True), f"{rid}: {payloads}"
             assert all(0 <= p < self.sizes[rid] for p in payloads)
+        # The ids a replica's QuietTable stands for leave the pool's table as they end (the
+        # table's prune does not look at them).
+        for rid, entry in self.pool._core._live.items():
+            if type(entry) is QuietTable:
+                assert entry._live_as(rid), f"{rid} ended, still in the pool's table"
+        # Each replica's in-flight count is exact: its requests not yet ended.
+        for r in self.pool.replicas:
+            if r.state in (ReplicaState.SERVING, ReplicaState.DRAINING):
+                mine = [rid for rid, where in holders.items() if r in where]
+                assert r.in_flight == len(mine)
 
     def teardown(self) -> None:
         moved = sum(s.migrations for s in self.streams.values())
+        moved += sum(getattr(self.pool._core._live.get(r), "migrations", 0) for r in self.quiet)
         event("requests moved" if moved else "no request moved")
         event("a replica died" if self.pool.gone else "no replica died")
         # Run every stage dry, then every request has ended, exactly once, and as it should.
         for _ in range(20):
             for r in self.serving():
                 r._client.deliver(r._client.stage.step())
-        for rid in self.streams:
+        self.read_events()
+        assert not any(r.in_flight for r in self.pool.replicas)
+        for rid in self.requests():
+            logged = self.log[rid]
+            assert logged, f"{rid} never ended in the event stream"
+            last = logged[-1]
+            if last == "finished":
+                assert logged[-2] == 0, f"{rid} finished early: {logged}"
+            elif isinstance(last, RequestFailed):
+                if rid in self.quiet:
+                    event("a request without a stream failed")
+                assert isinstance(last.error, (ReplicaDeadError, StageClosedError)), last
+                if isinstance(last.error, ReplicaDeadError):
+                    # Every output it delivered is in the event stream before its end.
+                    assert last.error.delivered == len(logged) - 1
+            else:
+                assert isinstance(last, Aborted), f"{rid} never ended: {logged}"
+            if rid not in self.streams:
+                continue
             self.read(rid)
             items = self.seen[rid]
             assert items, f"{rid} never ended"
@@ -349,10 +471,15 @@ class PoolModel(RuleBasedStateMachine):
             assert type(end) is End, f"{rid} never ended: {items}"
             if end.exc is None and not end.aborted:
                 assert items[-2] == 0, f"{rid} finished early: {items}"
+                assert last == "finished"
             elif end.exc is not None:
                 assert isinstance(end.exc, (ReplicaDeadError, StageClosedError)), end.exc
+                assert isinstance(last, RequestFailed)
+                assert last.error is end.exc
                 if isinstance(end.exc, ReplicaDeadError):
                     assert end.exc.delivered == len(items) - 1
+            else:
+                assert isinstance(last, Aborted)
 
 
 class PoolModelWithoutHook(PoolModel):

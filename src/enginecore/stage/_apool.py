@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-from . import _session
-from ._aclient import AsyncRequestStream, AsyncStageClient
+from . import _clientbase, _session
+from ._aclient import AsyncRequestStream, AsyncStageClient, _until
 from ._clientbase import raise_startup_error
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
     DeathHook,
+    PoolEvent,
     Replica,
     ReplicaState,
     RestartPolicy,
@@ -35,6 +37,7 @@ from ._poolbase import (
     PoolBase,
     PoolStreamCore,
     connect_specs,
+    events_off,
     launch_specs,
     member_plan,
     replica_spec,
@@ -92,11 +95,13 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         restart: RestartPolicy | bool = False,
         on_replica_death: DeathHook | None = None,
         max_migrations: int = 1,
+        ordered_events: bool = False,
     ) -> None:
         """An empty pool; add replicas with :meth:`add_replica`. The arguments are
         :class:`~enginecore.stage.StagePool`'s."""
-        super().__init__(routing, restart, on_replica_death, max_migrations)
+        super().__init__(routing, restart, on_replica_death, max_migrations, ordered_events)
         self._lock = _session.NO_LOCK  # one thread
+        self._event_waiters: list[asyncio.Future[None]] = []
         self._loop = asyncio.get_running_loop()
         self._closed = asyncio.Event()
         self._close_lock = asyncio.Lock()
@@ -139,6 +144,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
         ping_interval: float = _session.LAUNCHED_PING_S,
+        ordered_events: bool = False,
     ) -> AsyncStagePool:
         """:meth:`StagePool.launch <enginecore.stage.StagePool.launch>`, awaited."""
         options = {
@@ -157,6 +163,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             restart=restart,
             on_replica_death=on_replica_death,
             max_migrations=max_migrations,
+            ordered_events=ordered_events,
         )
 
     @classmethod
@@ -182,6 +189,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         kill_after: float | None = None,
         log_level: int | str | None = None,
         load_interval: float | None = LOAD_INTERVAL,
+        ordered_events: bool = False,
     ) -> AsyncStagePool:
         """:meth:`StagePool.launch_on_ray <enginecore.stage.StagePool.launch_on_ray>`,
         awaited."""
@@ -205,6 +213,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             restart=restart,
             on_replica_death=on_replica_death,
             max_migrations=max_migrations,
+            ordered_events=ordered_events,
         )
 
     @classmethod
@@ -219,6 +228,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         curve: CurveKeys | None = None,
+        ordered_events: bool = False,
     ) -> AsyncStagePool:
         """:meth:`StagePool.connect <enginecore.stage.StagePool.connect>`, awaited."""
         options = {
@@ -229,7 +239,11 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         }
         specs = connect_specs(addresses, options)
         return await cls._opened(
-            specs, routing=routing, on_replica_death=on_replica_death, max_migrations=max_migrations
+            specs,
+            routing=routing,
+            on_replica_death=on_replica_death,
+            max_migrations=max_migrations,
+            ordered_events=ordered_events,
         )
 
     async def add_replica(
@@ -261,14 +275,15 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def _start(self, replica: Replica) -> None:
         """Start *replica*'s member client and make it serve."""
         plan = member_plan(replica)
+        events = self._events is not None  # each member keeps its events for the pool's
         if plan[0] == "connect":
-            member = await _AsyncMember._open(plan[1])
+            member = await _AsyncMember._open(plan[1]._replace(ordered_events=events))
         elif plan[0] == "ray":
-            member = await _open_on_ray(plan[1])
+            member = await _open_on_ray(plan[1], events)
         else:
             _, factory, kwargs, startup_timeout, options, ping_s = plan
             member = await _AsyncMember._launch(
-                factory, kwargs, startup_timeout, False, options, ping_s=ping_s
+                factory, kwargs, startup_timeout, events, options, ping_s=ping_s
             )
         assert isinstance(member, _AsyncMember)
         member._replica = replica
@@ -276,6 +291,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if not self._core.started(replica, member):  # removed, or the pool closes
             await member.close()
             return
+        if events:
+            member._event_sink = functools.partial(self._member_events, member)
+            self._member_events(member)  # what came before the sink was set
         failure = member._session.failure
         if failure is not None:  # died before _pool was set: nobody saw it
             self._member_gone(member, failure)
@@ -290,22 +308,113 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     def _member_apply(self, member: Any, d: Deliveries[Any, Any]) -> None:
         AsyncStageClient._apply(member, d)
 
+    def _wake_events(self) -> None:
+        waiters, self._event_waiters = self._event_waiters, []
+        for wakeup in waiters:
+            if not wakeup.done():
+                wakeup.set_result(None)
+
     # -- requests ----------------------------------------------------------------------------
 
+    @overload
     async def add(
-        self, req_id: str, data: Any, *, key: Hashable | None = None
-    ) -> AsyncPoolRequestStream:
-        """:meth:`StagePool.add <enginecore.stage.StagePool.add>`; never waits."""
-        return self._add_one(req_id, data, key)
+        self,
+        req_id: str,
+        data: Any,
+        stream: Literal[True] = True,
+        *,
+        key: Hashable | None = None,
+    ) -> AsyncPoolRequestStream: ...
+    @overload
+    async def add(
+        self, req_id: str, data: Any, stream: Literal[False], *, key: Hashable | None = None
+    ) -> None: ...
+    @overload
+    async def add(
+        self, req_id: str, data: Any, stream: bool, *, key: Hashable | None = None
+    ) -> AsyncPoolRequestStream | None: ...
 
-    async def add_many(self, items: Iterable[tuple[str, Any]]) -> list[AsyncPoolRequestStream]:
+    async def add(
+        self, req_id: str, data: Any, stream: bool = True, *, key: Hashable | None = None
+    ) -> AsyncPoolRequestStream | None:
+        """:meth:`StagePool.add <enginecore.stage.StagePool.add>`; never waits."""
+        if stream:
+            return self._add_one(req_id, data, key)
+        self._add_quiet(req_id, data, key)
+        return None
+
+    @overload
+    async def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: Literal[True] = True
+    ) -> list[AsyncPoolRequestStream]: ...
+    @overload
+    async def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: Literal[False]
+    ) -> None: ...
+    @overload
+    async def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: bool
+    ) -> list[AsyncPoolRequestStream] | None: ...
+
+    async def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: bool = True
+    ) -> list[AsyncPoolRequestStream] | None:
         """:meth:`StagePool.add_many <enginecore.stage.StagePool.add_many>`; never
         waits."""
-        return self._add_many(items)
+        out = self._add_many(items, streams)
+        return out if streams else None
 
     async def abort(self, req_ids: Sequence[str]) -> None:
         """:meth:`StagePool.abort <enginecore.stage.StagePool.abort>`; never waits."""
         self._abort(req_ids)
+
+    # -- the event stream --------------------------------------------------------------------
+
+    async def get_event(self, timeout: float | None = None) -> PoolEvent:
+        """:meth:`StagePool.get_event <enginecore.stage.StagePool.get_event>`, awaited;
+        :class:`StopAsyncIteration` once the pool is closed and every event was read."""
+        buf = self._events
+        if buf:
+            item = buf.popleft()
+            if type(item) is not _session.End:
+                return item  # type: ignore[no-any-return]
+            _session.raise_end(item, StopAsyncIteration)
+        return (await self._read_events(timeout, every=False))[0]  # type: ignore[no-any-return]
+
+    async def get_events(self, timeout: float | None = None) -> list[PoolEvent]:
+        """:meth:`StagePool.get_events <enginecore.stage.StagePool.get_events>`,
+        awaited."""
+        return await self._read_events(timeout, every=True)
+
+    async def events(self) -> AsyncIterator[PoolEvent]:
+        """Iterate over :meth:`get_event` until the pool is closed."""
+        while True:
+            try:
+                event = await self.get_event()
+            except StopAsyncIteration:
+                return
+            yield event
+
+    async def _read_events(self, timeout: float | None, *, every: bool) -> list[Any]:
+        buf = self._events
+        if buf is None:
+            raise events_off()
+        deadline = _clientbase.deadline_after(timeout)
+        while True:
+            out = _session.take_events(buf, every)
+            if out:
+                return _session.events_before_end(out, StopAsyncIteration)
+            if self._events_closed:
+                raise StopAsyncIteration
+            wakeup: asyncio.Future[None] = self._loop.create_future()
+            self._event_waiters.append(wakeup)
+            self._events_waiting = True
+            try:
+                if not await _until(wakeup, deadline) and not buf:
+                    raise TimeoutError(f"no pool event within {timeout} s")
+            finally:
+                with contextlib.suppress(ValueError):  # gone if _wake_events woke it
+                    self._event_waiters.remove(wakeup)
 
     # -- utilities ---------------------------------------------------------------------------
 
@@ -371,7 +480,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             return await member.shutdown(timeout, drain=drain)
         if drain is not None:  # a connected stage: wait for the pool's requests, then detach
             deadline = time.monotonic() + drain
-            while member._session.streams and member._session.failure is None:
+            while member._session.in_flight and member._session.failure is None:
                 if time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(0.01)
@@ -471,13 +580,15 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             for s in self._core.live_streams():  # moving between replicas as the pool closed
                 self._end(s, closed)
             self._core.closed()
+            self._end_events()
             self._closed_done = True
             return dict(self._exit_codes)
 
 
-async def _open_on_ray(plan: RayPlan) -> _AsyncMember:
+async def _open_on_ray(plan: RayPlan, events: bool) -> _AsyncMember:
     """Place *plan*'s stage on Ray (in a worker thread: Ray's calls block) and open its
-    member client; on failure or cancellation, no actor is left behind."""
+    member client (with its ordered event stream if *events*); on failure or cancellation,
+    no actor is left behind."""
     fut = asyncio.get_running_loop().run_in_executor(None, plan.start)
     try:
         stage = await asyncio.shield(fut)
@@ -485,7 +596,7 @@ async def _open_on_ray(plan: RayPlan) -> _AsyncMember:
         fut.add_done_callback(_kill_placed)
         raise
     try:
-        member = await _AsyncMember._open(plan.target(stage))
+        member = await _AsyncMember._open(plan.target(stage)._replace(ordered_events=events))
     except BaseException as exc:
         stage.kill_and_clean()
         raise_startup_error(plan.factory, exc)

@@ -107,16 +107,25 @@ class ClientBase(Generic[S, W]):
         keeps its outputs so far) and, for a new request, its table of live requests
         (*live*, ``req_id -> stream``), checked and filled under the same hold of the lock
         (the pool's lock is its members'): :class:`ValueError` if *req_id* is there with
-        another stream that has not ended."""
+        another stream that has not ended. Without a stream, *new* is the pool's record of
+        the request (a ``QuietRequest``), pointed here at the session's table of requests
+        without a stream, under the lock that registers it there."""
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
             if live is not None:
                 held = live.get(req_id)
-                if held is not None and held is not new and held._ended is None:
+                # Without a stream, *new* may stand for many requests (a pool's QuietTable):
+                # only its table says whether *req_id* is one of them.
+                if held is not None and (held is not new or not stream) and held._live_as(req_id):
                     raise ValueError(f"request {req_id!r} is still live in this pool")
                 live[req_id] = new
-            self._session.open_request(req_id, new)
+            if stream:
+                self._session.open_request(req_id, new)
+            else:
+                self._session.open_request(req_id, None)
+                if new is not None:
+                    new._in = self._session.quiet  # type: ignore[attr-defined]
         try:
             self._send(parts)
         except BaseException:
@@ -125,8 +134,18 @@ class ClientBase(Generic[S, W]):
             raise
         return new
 
-    def _send_requests(self, req_ids: list[str], parts: Parts, streams: bool) -> list[S] | None:
-        """:meth:`_send_request` for many requests in one message.
+    def _send_requests(
+        self,
+        req_ids: list[str],
+        parts: Parts,
+        streams: bool,
+        live: dict[str, Any] | None = None,
+        entry: Any = None,
+    ) -> list[S] | None:
+        """:meth:`_send_request` for many requests in one message. Without *streams*, a
+        replica pool passes its table of live requests (*live*), filled with *entry* for
+        every id under the same hold of the lock that registers them, before the send (no
+        Python after it, where the reader of the outputs may hold the GIL).
 
         With streams, the frame goes first when it can leave at once (:meth:`_send_nowait`),
         and the streams are built and registered after it, under the lock that the reader
@@ -158,6 +177,8 @@ class ClientBase(Generic[S, W]):
             new = None
         with lock:
             session.open_requests(req_ids, new)
+            if live is not None:
+                live.update(dict.fromkeys(req_ids, entry))
         if req_ids:
             try:
                 self._send(parts)

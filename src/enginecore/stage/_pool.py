@@ -18,19 +18,22 @@ that a single client does not. A member never lends its output socket to a block
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
+import queue
 import threading
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-from . import _session
+from . import _clientbase, _session
 from ._client import Receiver, RequestStream, StageClient
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
     DeathHook,
+    PoolEvent,
     Replica,
     ReplicaState,
     RestartPolicy,
@@ -41,6 +44,7 @@ from ._poolbase import (
     PoolBase,
     PoolStreamCore,
     connect_specs,
+    events_off,
     launch_specs,
     member_plan,
     replica_spec,
@@ -112,6 +116,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         restart: RestartPolicy | bool = False,
         on_replica_death: DeathHook | None = None,
         max_migrations: int = 1,
+        ordered_events: bool = False,
     ) -> None:
         """An empty pool; add replicas with :meth:`add_replica`. *routing*: a
         :class:`~enginecore.stage.Routing` (:class:`~enginecore.stage.LeastLoaded`,
@@ -121,9 +126,12 @@ class StagePool(PoolBase[PoolRequestStream]):
         *on_replica_death*: ``hook(request, delivered) -> PoolRequest | None``, called for
         each request live on a replica that died; a returned request (same ``req_id``) goes
         to another replica and its stream goes on, at most *max_migrations* times per
-        request."""
-        super().__init__(routing, restart, on_replica_death, max_migrations)
+        request. *ordered_events*: keep every replica's events for :meth:`get_events`
+        (and allow requests without a stream)."""
+        super().__init__(routing, restart, on_replica_death, max_migrations, ordered_events)
         self._lock = threading.Lock()  # every member's session lock, and the core's
+        self._event_lock = threading.Lock()  # one waiting consumer of the event stream
+        self._event_wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._hub = Receiver()  # one thread reads every member's events
         self._closed = threading.Event()  # set when close begins: timers stop waiting
         self._close_lock = threading.Lock()
@@ -166,13 +174,15 @@ class StagePool(PoolBase[PoolRequestStream]):
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
         ping_interval: float = _session.LAUNCHED_PING_S,
+        ordered_events: bool = False,
     ) -> StagePool:
         """Start *replicas* stage processes running ``factory(**kwargs)``, in parallel,
         and return their pool. The stage options are
         :meth:`StageClient.launch <enginecore.stage.StageClient.launch>`'s; each replica's
         stage is named ``"<name or factory>/r<i>"``. *ping_interval*: how often each
         replica is pinged; one silent for 1.75 intervals (a stopped process) leaves the
-        routing. If a replica does not start, the others are stopped and its
+        routing. *ordered_events*: the pool's event stream (:meth:`get_events`). If a
+        replica does not start, the others are stopped and its
         :class:`~enginecore.stage.StageStartupError` is raised."""
         options = {
             "startup_timeout": startup_timeout,
@@ -190,6 +200,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             restart=restart,
             on_replica_death=on_replica_death,
             max_migrations=max_migrations,
+            ordered_events=ordered_events,
         )
 
     @classmethod
@@ -215,6 +226,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         kill_after: float | None = None,
         log_level: int | str | None = None,
         load_interval: float | None = LOAD_INTERVAL,
+        ordered_events: bool = False,
     ) -> StagePool:
         """Place *replicas* stages running ``factory(**kwargs)`` on Ray, in parallel,
         and return their pool (``docs/ray.md``). *placement*: one
@@ -247,6 +259,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             restart=restart,
             on_replica_death=on_replica_death,
             max_migrations=max_migrations,
+            ordered_events=ordered_events,
         )
 
     @classmethod
@@ -261,6 +274,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         curve: CurveKeys | None = None,
+        ordered_events: bool = False,
     ) -> StagePool:
         """Connect to headless stages (``python -m enginecore serve``) at *addresses* and
         return their pool; heartbeats as
@@ -277,7 +291,11 @@ class StagePool(PoolBase[PoolRequestStream]):
         }
         specs = connect_specs(addresses, options)
         return cls._opened(
-            specs, routing=routing, on_replica_death=on_replica_death, max_migrations=max_migrations
+            specs,
+            routing=routing,
+            on_replica_death=on_replica_death,
+            max_migrations=max_migrations,
+            ordered_events=ordered_events,
         )
 
     def add_replica(
@@ -326,6 +344,9 @@ class StagePool(PoolBase[PoolRequestStream]):
     def _wake(self, stream: PoolRequestStream) -> None:
         stream._wakeup.put(None)  # type: ignore[union-attr]  # made before it waited
 
+    def _wake_events(self) -> None:
+        self._event_wakeup.put(None)
+
     def _member_apply(self, member: Any, d: Deliveries[Any, Any]) -> None:
         StageClient._apply(member, d)
 
@@ -340,25 +361,32 @@ class StagePool(PoolBase[PoolRequestStream]):
         if not serving:  # removed, or the pool closes
             member.close()
             return
+        if self._events is not None:
+            member._event_sink = functools.partial(self._member_events, member)
+            self._member_events(member)  # what came before the sink was set
         failure = member._session.failure
         if failure is not None:  # died before _pool was set: nobody saw it
             self._member_gone(member, failure)
 
     def _open_member(self, replica: Replica) -> _Member:
         plan = member_plan(replica)
+        events = self._events is not None  # each member keeps its events for the pool's
         if plan[0] == "connect":
-            member = _Member._open(plan[1], self._lock, self._hub)
+            member = _Member._open(plan[1]._replace(ordered_events=events), self._lock, self._hub)
         elif plan[0] == "ray":
             from .ray import open_on_ray
 
-            member = open_on_ray(plan[1], lambda t: _Member._open(t, self._lock, self._hub))
+            member = open_on_ray(
+                plan[1],
+                lambda t: _Member._open(t._replace(ordered_events=events), self._lock, self._hub),
+            )
         else:
             _, factory, kwargs, startup_timeout, options, ping_s = plan
             member = _Member._launch(
                 factory,
                 kwargs,
                 startup_timeout,
-                False,
+                events,
                 options,
                 ping_s=ping_s,
                 lock=self._lock,
@@ -371,29 +399,145 @@ class StagePool(PoolBase[PoolRequestStream]):
 
     # -- requests ----------------------------------------------------------------------------
 
-    def add(self, req_id: str, data: Any, *, key: Hashable | None = None) -> PoolRequestStream:
+    @overload
+    def add(
+        self,
+        req_id: str,
+        data: Any,
+        stream: Literal[True] = True,
+        *,
+        key: Hashable | None = None,
+    ) -> PoolRequestStream: ...
+    @overload
+    def add(
+        self, req_id: str, data: Any, stream: Literal[False], *, key: Hashable | None = None
+    ) -> None: ...
+    @overload
+    def add(
+        self, req_id: str, data: Any, stream: bool, *, key: Hashable | None = None
+    ) -> PoolRequestStream | None: ...
+
+    def add(
+        self, req_id: str, data: Any, stream: bool = True, *, key: Hashable | None = None
+    ) -> PoolRequestStream | None:
         """Send request *req_id* with *data* to one replica (the pool's routing; *key*
         names a home for :class:`~enginecore.stage.Sticky` routing) and return the stream
-        of its outputs. Raises :class:`TypeError` (before sending) if *data* is not
+        of its outputs. With ``stream=False`` there is no stream and ``None`` is returned:
+        the request's events appear only in the pool's event stream (:meth:`get_events`;
+        the pool must have been made with ``ordered_events=True``, else
+        :class:`RuntimeError`), and it counts in its replica's in-flight count until its
+        last event. Raises :class:`TypeError` (before sending) if *data* is not
         wire-encodable, :class:`ValueError` if *req_id* is live in this pool,
         :class:`~enginecore.stage.NoReplicaError` if no replica serves, and
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`. Never blocks;
         thread-safe."""
-        return self._add_one(req_id, data, key)
+        if stream:
+            return self._add_one(req_id, data, key)
+        self._add_quiet(req_id, data, key)
+        return None
 
-    def add_many(self, items: Iterable[tuple[str, Any]]) -> list[PoolRequestStream]:
+    @overload
+    def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: Literal[True] = True
+    ) -> list[PoolRequestStream]: ...
+    @overload
+    def add_many(self, items: Iterable[tuple[str, Any]], *, streams: Literal[False]) -> None: ...
+    @overload
+    def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: bool
+    ) -> list[PoolRequestStream] | None: ...
+
+    def add_many(
+        self, items: Iterable[tuple[str, Any]], *, streams: bool = True
+    ) -> list[PoolRequestStream] | None:
         """Send many ``(req_id, data)`` requests, spread over the replicas by the pool's
-        routing (one frame per replica), and return their streams in order. All or
+        routing (one frame per replica), and return their streams in order
+        (``streams=False``: ``None``, as :meth:`add` with ``stream=False``). All or
         nothing before sending: :class:`TypeError` for a bad pair or payload,
         :class:`ValueError` for an id live in this pool or repeated; else as
         :meth:`add`. Never blocks; thread-safe."""
-        return self._add_many(items)
+        out = self._add_many(items, streams)
+        return out if streams else None
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """Abort *req_ids* on the replicas that serve them (ids not live in this pool are
         ignored). Their streams stop once the stage has applied the abort. Raises
         :class:`TypeError` for a bare ``str``. Never blocks; thread-safe."""
         self._abort(req_ids)
+
+    # -- the event stream --------------------------------------------------------------------
+
+    def get_event(self, timeout: float | None = None) -> PoolEvent:
+        """The next event of the pool's event stream (needs ``ordered_events=True``, else
+        :class:`RuntimeError`): every replica's events, each replica's in its stage's
+        order, with no order between two replicas (``docs/pool.md``). A request's events
+        are the stage's (:class:`~enginecore.stage.Outputs`,
+        :class:`~enginecore.stage.Aborted`, :class:`~enginecore.stage.ErrorReport`), or
+        the pool's :class:`~enginecore.stage.RequestFailed`; a replica's are a
+        :class:`~enginecore.stage.ReplicaEvent` or :class:`~enginecore.stage.ReplicaGone`.
+
+        Blocks up to *timeout* seconds (:class:`TimeoutError`; :class:`ValueError` if
+        negative). Once the pool is closed and every event has been read, raises
+        :class:`StopIteration`. Thread-safe; each event goes to one consumer."""
+        buf = self._events
+        if buf:
+            try:
+                item = buf.popleft()
+            except IndexError:  # another consumer took the last one
+                pass
+            else:
+                if type(item) is not _session.End:
+                    return item  # type: ignore[no-any-return]
+                _session.raise_end(item, StopIteration)
+        return self._read_events(timeout, every=False)[0]  # type: ignore[no-any-return]
+
+    def get_events(self, timeout: float | None = None) -> list[PoolEvent]:
+        """Every event already received, at least one: the batch form of
+        :meth:`get_event`, for consumers that handle whole steps at once. Blocks only while
+        there is none, up to *timeout* seconds; raises like :meth:`get_event`, but only
+        once every event before the end has been returned. Thread-safe."""
+        return self._read_events(timeout, every=True)
+
+    def events(self) -> Iterator[PoolEvent]:
+        """Iterate over :meth:`get_event` until the pool is closed. Blocks between
+        events."""
+        while True:
+            try:
+                event = self.get_event()
+            except StopIteration:
+                return
+            yield event
+
+    def _read_events(self, timeout: float | None, *, every: bool) -> list[Any]:
+        buf = self._events
+        if buf is None:
+            raise events_off()
+        deadline = _clientbase.deadline_after(timeout)
+        # One waiting consumer at a time, so one wake-up token suffices.
+        if not self._event_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"no pool event within {timeout} s")
+        try:
+            while True:
+                out = _session.take_events(buf, every)
+                if out:
+                    break
+                with self._lock:
+                    if buf:
+                        continue
+                    if self._events_closed:
+                        raise StopIteration
+                    self._events_waiting = True
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    self._event_wakeup.get(timeout=left)
+                except queue.Empty:
+                    with self._lock:
+                        self._events_waiting = False
+                    if not buf:
+                        raise TimeoutError(f"no pool event within {timeout} s") from None
+        finally:
+            self._event_lock.release()
+        return _session.events_before_end(out, StopIteration)
 
     # -- utilities ---------------------------------------------------------------------------
 
@@ -491,7 +635,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             return member.shutdown(timeout, drain=drain)
         if drain is not None:  # a connected stage: wait for the pool's requests, then detach
             deadline = time.monotonic() + drain
-            while member._session.streams and member._session.failure is None:
+            while member._session.in_flight and member._session.failure is None:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.01)
@@ -619,6 +763,7 @@ class StagePool(PoolBase[PoolRequestStream]):
                 self._end(s, closed)
             with self._lock:
                 self._core.closed()
+            self._end_events()
             self._hub.close()
             self._closed_done = True
             return dict(self._exit_codes)

@@ -11,12 +11,12 @@ user's ``on_replica_death`` hook. A stream is the member's own stream object (no
 the pool adds nothing per output.
 
 Load. No coordinator: each pool knows its own requests on each replica exactly (the
-member's live streams, ``len(session.streams)``), and each replica's load report (which
-rides on its output frames, ``docs/observability.md``) says how many requests live in the
-stage from every client. The pool counts a replica's load as its own live requests plus the
-others' (the report's ``live`` minus the pool's own, taken when the pool first sees that
-report); a report older than :data:`REPORT_TTL` counts no others (a stage sends none while
-idle).
+member's live requests, ``session.in_flight``: its streams and its requests without one),
+and each replica's load report (which rides on its output frames,
+``docs/observability.md``) says how many requests live in the stage from every client.
+The pool counts a replica's load as its own live requests plus the others' (the report's
+``live`` minus the pool's own, taken when the pool first sees that report); a report older
+than :data:`REPORT_TTL` counts no others (a stage sends none while idle).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias
 
 from ._errors import EngineDeadError, NoReplicaError, ReplicaDeadError, StageClosedError
 from ._session import StageHealth
+from ._wire import StageEvent
 
 if TYPE_CHECKING:
     from ._session import ClientSession
@@ -44,10 +45,16 @@ __all__ = [
     "REPORT_TTL",
     "LeastLoaded",
     "PoolCore",
+    "PoolEvent",
     "PoolRequest",
+    "QuietRequest",
+    "QuietTable",
     "Replica",
+    "ReplicaEvent",
+    "ReplicaGone",
     "ReplicaState",
     "ReplicaView",
+    "RequestFailed",
     "RestartPolicy",
     "Routing",
     "Scored",
@@ -152,6 +159,7 @@ class Replica:
     __slots__ = (
         "_client",
         "_deaths",
+        "_quiet",
         "_restarts",
         "_session",
         "_state",
@@ -170,6 +178,7 @@ class Replica:
         self._session: ClientSession[Any, Any] | None = None  # its session (routing reads it)
         self._deaths: deque[float] = deque()
         self._restarts = 0
+        self._quiet: QuietTable | None = None  # its member's, in a pool without a hook
 
     @property
     def state(self) -> ReplicaState:
@@ -203,7 +212,7 @@ class Replica:
         session = self._session
         if session is None or self._state not in (ReplicaState.SERVING, ReplicaState.DRAINING):
             return 0
-        return len(session.streams)
+        return session.in_flight
 
     @property
     def routable(self) -> bool:
@@ -238,7 +247,7 @@ class Replica:
         """What a routing score sees of it at *now*."""
         session = self._session
         assert session is not None
-        in_flight = len(session.streams)
+        in_flight = session.in_flight
         latest = session._load
         if latest is None:
             return ReplicaView(self, in_flight, in_flight, None, _EMPTY, None)
@@ -264,7 +273,7 @@ def replica_load(r: Replica, now: float) -> int:
     that report is older than :data:`REPORT_TTL`. On the routing path: a few reads. *r*
     must have started (routing only sees serving replicas)."""
     session: ClientSession[Any, Any] = r._session  # type: ignore[assignment]
-    own = len(session._streams)
+    own = len(session._streams) + len(session._quiet)  # type: ignore[arg-type]  # a member's
     latest = session._load
     if latest is None:
         return own
@@ -536,8 +545,111 @@ class _Held:
     _ended = None
     _replica = None
 
+    def _live_as(self, req_id: str) -> bool:
+        return True
+
 
 _HELD: Final = _Held()
+
+
+class QuietRequest:
+    """What the live table holds for a request without a stream (``add(..., stream=False)``):
+    the replica that serves it and, for ``on_replica_death``, the request as sent and how
+    often it moved. It is live while its id is in ``_in``: the table of requests without a
+    stream of the member session it was sent on (``ClientSession.quiet``, which forgets it
+    when it ends), or, once that member failed, the table it handed over
+    (``Deliveries.quiet_orphans``), until the pool has settled it. ``_in`` is set under the
+    lock that registers the id (``ClientBase._send_request``). ``_earlier``: the outputs its
+    dead attempts delivered (a table counts only its own attempt's)."""
+
+    __slots__ = ("_earlier", "_in", "_migrations", "_replica", "_request", "req_id")
+
+    def __init__(self, req_id: str, request: PoolRequest | None) -> None:
+        self.req_id: Final = req_id
+        self._request = request
+        self._migrations = 0
+        self._earlier = 0
+        self._replica: Replica | None = None
+        self._in: Mapping[str, int] = _EMPTY_TABLE
+
+    def _live_as(self, req_id: str) -> bool:
+        """Whether the request is live (its id in ``_in``)."""
+        return req_id in self._in
+
+    @property
+    def _ended(self) -> bool | None:
+        """As a stream's (``None`` while live), for the table's prune."""
+        return None if self.req_id in self._in else True
+
+    @property
+    def migrations(self) -> int:
+        return self._migrations
+
+
+class QuietTable:
+    """What the live table holds for every request without a stream of one member session,
+    in a pool without ``on_replica_death`` (nothing to keep per request, so nothing is
+    made per request): the replica, and the session's table of such requests (``_in``,
+    ``ClientSession.quiet``; once the member failed, the table it handed over, until the
+    pool has settled each id). An id is live while it is in that table. Made when the
+    member starts serving (:meth:`PoolCore.started`)."""
+
+    __slots__ = ("_in", "_replica")
+    # For the table's prune, which reads a stream's _ended: its ids leave the pool's table
+    # as they end (the member session, or the pool when it settles a dead member's), so
+    # the prune never looks at them.
+    _ended = None
+
+    def __init__(self, replica: Replica, table: Mapping[str, int]) -> None:
+        self._replica = replica
+        self._in = table
+
+    def _live_as(self, req_id: str) -> bool:
+        return req_id in self._in
+
+
+_EMPTY_TABLE: Final[Mapping[str, int]] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEvent:
+    """In a pool's event stream (``ordered_events=True``): an event of one replica's stage
+    that concerns the replica rather than one request: an answer to a utility call
+    (:class:`~enginecore.stage.UtilityResult`, whose ``call_id`` is the replica's), a
+    protocol error the stage reported (:class:`~enginecore.stage.ErrorReport` without a
+    ``req_id``), or its last event (:class:`~enginecore.stage.Shutdown`,
+    :class:`~enginecore.stage.Fatal`)."""
+
+    replica: Replica
+    event: Any
+    """The stage's event, as a single client's event stream has it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaGone:
+    """In a pool's event stream: *replica*'s stage is gone (it died, was removed, or the
+    pool closed). It comes after every event of that stage and after the end of each of its
+    requests that did not move (:class:`RequestFailed`). A restarted replica's events
+    follow later."""
+
+    replica: Replica
+    error: BaseException
+    """What its requests and calls got: a :class:`~enginecore.stage.ReplicaDeadError`, or
+    :class:`~enginecore.stage.StageClosedError` when the pool closed it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """In a pool's event stream: request *req_id* ended with *error*, raised by the pool
+    rather than reported by a stage: a :class:`~enginecore.stage.ReplicaDeadError` (its
+    replica died; ``.replica``, ``.delivered``), or
+    :class:`~enginecore.stage.StageClosedError` (the pool closed, or removed its replica
+    without a drain). Like a finished output, :class:`~enginecore.stage.Aborted` and
+    :class:`~enginecore.stage.ErrorReport`, it is the request's one last event."""
+
+    req_id: str
+    error: Exception
+
 
 DeathHook = Callable[[PoolRequest, int], "PoolRequest | None"]
 """``on_replica_death(request, delivered) -> new request | None``."""
@@ -604,6 +716,8 @@ class PoolCore:
             return False
         replica._client = client
         replica._session = client._session
+        replica._quiet = QuietTable(replica, client._session.quiet)
+        client._session._pool_live = self._live
         client._session._health_epoch = self.health_epoch
         replica._state = ReplicaState.SERVING
         self._refresh()
@@ -714,7 +828,7 @@ class PoolCore:
         live = self._live
         for rid in req_ids:
             stream = live.get(rid)
-            if stream is not None and stream._ended is None:
+            if stream is not None and stream._live_as(rid):
                 raise ValueError(f"request {rid!r} is still live in this pool")
 
     def reserve(self, req_ids: list[str]) -> None:
@@ -725,16 +839,18 @@ class PoolCore:
         clash = live.keys() & req_ids
         if clash:
             for rid in req_ids:  # the first live one, in the caller's order
-                if rid in clash and live[rid]._ended is None:
+                if rid in clash and live[rid]._live_as(rid):
                     raise ValueError(f"request {rid!r} is still live in this pool")
         live.update(dict.fromkeys(req_ids, _HELD))
         self._maybe_prune()
 
     def release(self, req_ids: list[str]) -> None:
-        """Drop the hold of those of *req_ids* that are still only held."""
+        """Drop the hold of those of *req_ids* that are still only held (or stood for by
+        a :class:`QuietTable` whose member took them back: a send that failed)."""
         live = self._live
         for rid in req_ids:
-            if live.get(rid) is _HELD:
+            entry = live.get(rid)
+            if entry is _HELD or (type(entry) is QuietTable and not entry._live_as(rid)):
                 del live[rid]
 
     def track_many(self, req_ids: list[str], streams: Sequence[Any]) -> None:
@@ -753,17 +869,18 @@ class PoolCore:
 
     def untrack(self, req_id: str, stream: Any) -> None:
         """Forget *req_id* if its entry is *stream* (a reservation whose send failed)."""
-        if self._live.get(req_id) is stream:
+        if stream is not None and self._live.get(req_id) is stream:
             del self._live[req_id]
 
     def stream_of(self, req_id: str) -> Any:
         """The live stream of *req_id*, or ``None``."""
         stream = self._live.get(req_id)
-        return stream if stream is not None and stream._ended is None else None
+        return stream if stream is not None and stream._live_as(req_id) else None
 
     def live_streams(self) -> list[Any]:
-        """Every stream the pool still tracks as live."""
-        return [s for s in self._live.values() if s._ended is None]
+        """Every stream (or :class:`QuietRequest`) the pool still tracks as live; not the
+        requests of a :class:`QuietTable`, which are settled with their member."""
+        return [s for rid, s in self._live.items() if type(s) is not QuietTable and s._live_as(rid)]
 
     # -- a dead replica's requests -------------------------------------------------------
 
@@ -784,13 +901,15 @@ class PoolCore:
         return err
 
     def fate(
-        self, replica: Replica, stream: Any, failure: BaseException
+        self, replica: Replica, stream: Any, failure: BaseException, delivered: int | None = None
     ) -> tuple[Exception, PoolRequest | None]:
-        """What becomes of *stream*, live on *replica* when its member failed with
+        """What becomes of *stream* (or a request without one, its :class:`QuietRequest`,
+        with the outputs it had *delivered*), live on *replica* when its member failed with
         *failure*: its error, and the request to send to another replica instead (from
         ``on_replica_death``, within ``max_migrations``), or ``None`` (end it with the
         error). Calls the user's hook: call it without a lock."""
-        delivered = len(stream._arrivals)
+        if delivered is None:
+            delivered = len(stream._arrivals)
         err = self.dead_error(replica, failure, delivered)
         hook = self.on_replica_death
         # getattr: a stream of add_many() whose replica died before the pool marked it
@@ -821,3 +940,10 @@ class PoolCore:
             )
             return err, None
         return err, again
+
+
+PoolEvent: TypeAlias = StageEvent | ReplicaEvent | ReplicaGone | RequestFailed
+"""What a pool's event stream holds: a request's events as its replica's stage sent them
+(:class:`~enginecore.stage.Outputs`, :class:`~enginecore.stage.Aborted`, an
+:class:`~enginecore.stage.ErrorReport` with a ``req_id``), a :class:`ReplicaEvent`, a
+:class:`ReplicaGone`, or a :class:`RequestFailed`."""

@@ -5,11 +5,12 @@ the waiting: starting, stopping and restarting replicas, utility calls."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Final, Generic, TypeVar
 
 from . import _session
 from ._clientbase import ClientBase, Target, check_heartbeat
@@ -18,13 +19,18 @@ from ._pool_core import (
     DeathHook,
     PoolCore,
     PoolRequest,
+    QuietRequest,
     Replica,
+    ReplicaEvent,
+    ReplicaGone,
     ReplicaState,
+    RequestFailed,
     RestartPolicy,
     Routing,
     ScoreFn,
 )
 from ._session import ClientSession, Deliveries, End, StageHealth, StreamCore
+from ._wire import Aborted, ErrorReport, Outputs
 
 __all__ = [
     "PoolBase",
@@ -62,6 +68,19 @@ class PoolStreamCore(StreamCore):
 
 
 S = TypeVar("S", bound=PoolStreamCore)
+
+# The events of a stage that a pool's event stream passes on as they are: each concerns one
+# request, whose id is unique in the pool. The others are a ReplicaEvent.
+_REQUEST_EVENTS: Final = frozenset({Outputs, Aborted})
+
+
+_CLOSED: Final = End(None)  # the end of a pool's event stream: it closed
+
+
+def events_off() -> RuntimeError:
+    """What reading a pool's event stream (or adding a request without a stream) raises on
+    a pool made without it."""
+    return RuntimeError("the event stream is off; create the pool with ordered_events=True")
 
 
 def launch_specs(
@@ -145,11 +164,24 @@ class PoolBase(Generic[S]):
         restart: RestartPolicy | bool,
         on_replica_death: DeathHook | None,
         max_migrations: int,
+        ordered_events: bool = False,
     ) -> None:
         self._core = PoolCore(routing, restart, on_replica_death, max_migrations)
+        # The pool's event stream (None when off): every replica's events, each replica's
+        # in its order, then at most one End (the pool closed). Consumers pop from it; the
+        # members' event sinks (_member_events) and the pool append, under the lock.
+        self._events: collections.deque[Any] | None = (
+            collections.deque() if ordered_events else None
+        )
+        self._events_waiting = False  # its consumer waits: the next append wakes it
+        self._events_closed = False  # the End is in _events (or was read)
 
     def _wake(self, stream: S) -> None:
         """Wake *stream*'s consumer, which waits."""
+        raise NotImplementedError
+
+    def _wake_events(self) -> None:
+        """Wake the event stream's consumer, which waits."""
         raise NotImplementedError
 
     def _member_apply(self, member: Any, d: Deliveries[Any, Any]) -> None:
@@ -228,7 +260,21 @@ class PoolBase(Generic[S]):
     def _add_routed(self, req_id: str, data: Any, key: Hashable | None) -> S:
         parts = ClientSession.add_frame(req_id, data)
         request = PoolRequest(req_id, data, key) if self._core.on_replica_death else None
-        return self._send(req_id, parts, request, key, 0, None)
+        new: S = self._send(req_id, parts, request, key, 0, None)
+        return new
+
+    def _add_quiet(self, req_id: str, data: Any, key: Hashable | None) -> None:
+        """``add(..., stream=False)``: route and send without a stream; its outputs go to
+        the event stream only. The pool's table holds the replica's :class:`QuietTable`
+        for it, or with ``on_replica_death`` its own record (:class:`QuietRequest`)."""
+        if self._events is None:
+            raise events_off()
+        parts = ClientSession.add_frame(req_id, data)
+        if self._core.on_replica_death is None:
+            self._send(req_id, parts, None, key, 0, None, quiet=True)
+            return
+        request = PoolRequest(req_id, data, key)
+        self._send(req_id, parts, request, key, 0, QuietRequest(req_id, request), quiet=True)
 
     def _send(
         self,
@@ -237,33 +283,47 @@ class PoolBase(Generic[S]):
         request: PoolRequest | None,
         key: Hashable | None,
         migrations: int,
-        stream: S | None,
-    ) -> S:
-        """Route and send one request; *stream* continues a moved one. The pool's check
-        (the id free in the pool) and its table run under the member's hold of the lock
-        that registers the stream (``_send_request(live=)``): one hold per request, as a
-        single client's. A replica that left between the choice and the send gets the
-        next choice instead, a few times."""
+        stream: Any,
+        *,
+        quiet: bool = False,
+    ) -> Any:
+        """Route and send one request; *stream* continues a moved one (its stream, or its
+        :class:`QuietRequest`). A new request without a stream (*quiet*) has its record as
+        *stream*, or ``None``: then the chosen replica's :class:`QuietTable` stands for
+        it in the pool's table. The pool's check (the id free in the pool) and its table
+        run under the member's hold of the lock that registers the stream
+        (``_send_request(live=)``): one hold per request, as a single client's. A replica
+        that left between the choice and the send gets the next choice instead, a few
+        times."""
         core = self._core
         if core.closing:
             raise StageClosedError("this stage pool is closed")
-        if stream is None:
+        live: dict[str, Any] | None
+        new: Any
+        if quiet:
+            new, live = stream, core._live
+        elif stream is None:
             new = self._stream_type(req_id, self._lock, time.monotonic())
-            live: dict[str, Any] | None = core._live
+            live = core._live
             if request is not None:  # else _request and _migrations read as their defaults
                 new._request = request
         else:
             new, live = stream, None
             new._request = request
             new._migrations = migrations
+            quiet = type(new) is QuietRequest
+        table = quiet and new is None  # a QuietTable per replica stands for the request
         data = None if request is None else request.data
         try:
             for _ in range(8):
                 replica = core.route(req_id, data, key)
-                new._replica = replica
+                if table:
+                    new = replica._quiet
+                else:
+                    new._replica = replica
                 member: ClientBase[Any, Any] = replica._client
                 try:
-                    member._send_request(req_id, parts, True, new, live)
+                    member._send_request(req_id, parts, not quiet, new, live)
                 except (EngineDeadError, StageClosedError):
                     if member._session.failure is None and not member._session.closing:
                         raise
@@ -278,9 +338,13 @@ class PoolBase(Generic[S]):
                 core.untrack(req_id, new)
             raise
 
-    def _add_many(self, items: Iterable[tuple[str, Any]]) -> list[S]:
+    def _add_many(self, items: Iterable[tuple[str, Any]], streams: bool = True) -> list[S]:
         """``add_many()``: route, then one frame per replica. A pool of one (or a burst
-        that all goes to one replica) sends the frame that checked the burst."""
+        that all goes to one replica) sends the frame that checked the burst. Without
+        *streams*, each request gets the pool's record (:class:`QuietRequest`) instead, and
+        ``[]`` is returned."""
+        if not streams and self._events is None:
+            raise events_off()
         items = list(items)
         ids, whole = ClientSession.adds_frame(items)  # checks everything once
         if not ids:
@@ -314,40 +378,78 @@ class PoolBase(Generic[S]):
                 else:
                     group_ids = [ids[i] for i in idx]
                     parts = ClientSession.adds_frame([items[i] for i in idx])[1]
+                sent: list[Any] | None
                 try:
-                    streams = cast("list[S] | None", member._send_requests(group_ids, parts, True))
+                    if streams or keep:
+                        sent = member._send_requests(group_ids, parts, streams)
+                    else:  # the replica's QuietTable stands for them, set before the send
+                        member._send_requests(group_ids, parts, False, core._live, replica._quiet)
+                        sent = []
+                    if not streams and keep:
+                        sent = self._quiet_records(member, replica, group_ids, idx, requests)
                 except (EngineDeadError, StageClosedError):
                     if member._session.failure is None and not member._session.closing:
                         raise
-                    streams = None
+                    sent = None
                 positions = range(len(ids)) if idx is None else idx
-                if streams is None:  # the replica left meanwhile: one by one to the others
+                if sent is None:  # the replica left meanwhile: one by one to the others
                     with self._lock:
                         core.release(group_ids)
                     for i in positions:
                         rid, data = items[i]
                         frame = ClientSession.add_frame(rid, data)
                         request = requests[i] if keep and requests is not None else None
-                        by_index[i] = self._send(rid, frame, request, None, 0, None)
+                        record = QuietRequest(rid, request) if keep and not streams else None
+                        by_index[i] = self._send(
+                            rid, frame, request, None, 0, record, quiet=not streams
+                        )
                     continue
+                if not streams:
+                    continue  # the records are tracked: nothing to return
                 if keep and requests is not None:
-                    for i, stream in zip(positions, streams, strict=True):
+                    for i, stream in zip(positions, sent, strict=True):
                         stream._replica = replica
                         stream._request = requests[i]
                         stream._migrations = 0
                         by_index[i] = stream
                 else:  # no hook: _request and _migrations read as their defaults
-                    for i, stream in zip(positions, streams, strict=True):
+                    for i, stream in zip(positions, sent, strict=True):
                         stream._replica = replica
                         by_index[i] = stream
                 with self._lock:
-                    core.track_many(group_ids, streams)
-            out = by_index
+                    core.track_many(group_ids, sent)
+            out = by_index if streams else []
         finally:
             if out is None:
                 with self._lock:
                     core.release(ids)
         return out
+
+    def _quiet_records(
+        self,
+        member: ClientBase[Any, Any],
+        replica: Replica,
+        req_ids: list[str],
+        idx: list[int] | None,
+        requests: list[PoolRequest] | None,
+    ) -> list[QuietRequest]:
+        """The records of a burst without streams just sent to *member* (``idx``: their
+        places in the burst, ``None`` for all of it), tracked in the pool's table. Pointed
+        at the member's table of requests without a stream under the lock: if the member
+        failed since the send, that table is a new, empty one, and the records read as
+        ended (the pool settled the requests from the table handed over)."""
+        assert requests is not None  # kept for on_replica_death
+        positions = range(len(req_ids)) if idx is None else idx
+        records = [
+            QuietRequest(rid, requests[i]) for rid, i in zip(req_ids, positions, strict=True)
+        ]
+        with self._lock:
+            table = member._session.quiet
+            for record in records:
+                record._replica = replica
+                record._in = table
+            self._core.track_many(req_ids, records)
+        return records
 
     def _abort(self, req_ids: Sequence[str]) -> None:
         """``abort()``: each id to the replica that serves it."""
@@ -381,27 +483,135 @@ class PoolBase(Generic[S]):
             ]
         orphans = d.orphans or []
         d.orphans = None
-        self._member_apply(member, d)
+        quiet = d.quiet_orphans
+        d.quiet_orphans = None
+        self._member_apply(member, d)  # the member's last events reach the event stream
         for stream in orphans:
             err, again = core.fate(replica, stream, failure)
-            if again is not None:
-                try:
-                    parts = ClientSession.add_frame(again.req_id, again.data)
-                    self._send(again.req_id, parts, again, again.key, stream.migrations + 1, stream)
-                    continue
-                except Exception as exc:
-                    logger.warning(
-                        "enginecore: request %r could not move off replica %s: %s",
-                        again.req_id,
-                        replica.name,
-                        exc,
-                    )
+            if again is not None and self._move(replica, again, stream):
+                continue
             self._end(stream, err)
+        if quiet:
+            self._settle_quiet(replica, quiet, failure)
         if d.over:
+            if self._events is not None and getattr(member, "_event_sink", None) is not None:
+                self._emit(ReplicaGone(replica, core.dead_error(replica, failure, 0)))
             self._member_gone(member, failure)
 
-    def _end(self, stream: S, exc: BaseException) -> None:
+    def _move(self, replica: Replica, again: PoolRequest, stream: Any) -> bool:
+        """Send *again* (from ``on_replica_death``) to another replica, continuing
+        *stream* (or a request's :class:`QuietRequest`); whether it went."""
+        try:
+            parts = ClientSession.add_frame(again.req_id, again.data)
+            self._send(again.req_id, parts, again, again.key, stream.migrations + 1, stream)
+            return True
+        except Exception as exc:
+            logger.warning(
+                "enginecore: request %r could not move off replica %s: %s",
+                again.req_id,
+                replica.name,
+                exc,
+            )
+            return False
+
+    def _settle_quiet(
+        self, replica: Replica, table: collections.Counter[str], failure: BaseException
+    ) -> None:
+        """The requests without a stream that *replica*'s failed member handed over
+        (*table*: id -> outputs delivered): move each on (``on_replica_death``), or end it
+        with one :class:`RequestFailed` in the event stream; either way, it leaves *table*
+        (its record then reads as ended, unless it moved)."""
+        core = self._core
+        for rid, this_attempt in list(table.items()):
+            record = core._live.get(rid)
+            delivered = this_attempt
+            if type(record) is not QuietRequest or record._in is not table:
+                record = None  # an add_many() whose record was not made yet: no request
+            else:
+                delivered += record._earlier  # every attempt's, as a stream's arrivals
+            err, again = core.fate(replica, record, failure, delivered)
+            if again is not None and record is not None:
+                earlier = record._earlier
+                record._earlier = delivered  # before it can die again
+                if self._move(replica, again, record):
+                    with self._lock:
+                        table.pop(rid, None)
+                    continue
+                record._earlier = earlier
+            with self._lock:
+                if rid in table:  # once, whoever settles it (a close may, meanwhile)
+                    self._emit_locked(RequestFailed(rid, err))
+                    del table[rid]
+                    entry = core._live.get(rid)
+                    if entry is not None and not entry._live_as(rid):
+                        del core._live[rid]  # as the session drops the ids that end
+
+    def _member_events(self, member: Any) -> None:
+        """*member*'s event sink (its ``_event_sink``), called on the thread that read its
+        frame, after the frame's deliveries: move its events to the pool's event stream,
+        in order, under the lock. A request's event goes as it is; any other becomes a
+        :class:`ReplicaEvent`; the member's own end is the pool's business
+        (:class:`ReplicaGone`, from :meth:`_member_failed`)."""
+        buf = member._session.events
+        if not buf:
+            return
+        out = self._events
+        assert out is not None
+        replica = member._replica
         with self._lock:
-            woke = stream._ended is None and stream._end_with(End(exc), time.monotonic())
+            while buf:
+                ev = buf.popleft()
+                cls = ev.__class__
+                if cls in _REQUEST_EVENTS or (cls is ErrorReport and ev.req_id is not None):
+                    out.append(ev)
+                elif cls is not End:
+                    out.append(ReplicaEvent(replica, ev))
+            woke = self._events_waiting
+            self._events_waiting = False
+        if woke:
+            self._wake_events()
+
+    def _emit(self, event: Any) -> None:
+        """Append *event* to the event stream, under the lock, and wake its consumer."""
+        with self._lock:
+            self._emit_locked(event)
+
+    def _emit_locked(self, event: Any) -> None:
+        """:meth:`_emit`, with the lock held. Waking never blocks: it may run under it."""
+        out = self._events
+        if out is None:
+            return
+        out.append(event)
+        if self._events_waiting:
+            self._events_waiting = False
+            self._wake_events()
+
+    def _end_events(self) -> None:
+        """The pool has closed: end the event stream (its consumer stops once it has read
+        every event before)."""
+        with self._lock:
+            if self._events is not None and not self._events_closed:
+                self._events_closed = True
+                self._emit_locked(_CLOSED)
+
+    def _end(self, stream: Any, exc: BaseException) -> None:
+        """End *stream* with *exc* (once; the event stream gets its
+        :class:`RequestFailed`). A request without a stream (its :class:`QuietRequest`,
+        moving as the pool closed) gets only the event."""
+        if type(stream) is QuietRequest:
+            err = exc if isinstance(exc, Exception) else StageClosedError(str(exc))
+            with self._lock:
+                table = stream._in
+                if stream.req_id in table:
+                    self._emit_locked(RequestFailed(stream.req_id, err))
+                    del table[stream.req_id]  # type: ignore[attr-defined]
+            return
+        with self._lock:
+            if stream._ended is not None:
+                return
+            woke = stream._end_with(End(exc), time.monotonic())
+            if self._events is not None:
+                err = exc if isinstance(exc, Exception) else StageClosedError(str(exc))
+                self._emit_locked(RequestFailed(stream.req_id, err))
         if woke:
             self._wake(stream)

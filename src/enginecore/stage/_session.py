@@ -282,6 +282,11 @@ class StreamCore:
             arrivals = self._arrivals[:]
         return _timings.snapshot(self._sent_at, arrivals, None if end is None else ended_at, end)
 
+    def _live_as(self, req_id: str) -> bool:
+        """Whether this stream, an entry of a replica pool's table of live requests, is
+        live (not ended): the table's entries answer alike, whatever they are."""
+        return self._ended is None
+
     def _pop(self) -> Any:
         """The consumer's next item, which must be there (``_pos < len(_ready)``); the end
         of the stream raises (:meth:`_stop`)."""
@@ -473,6 +478,10 @@ class Deliveries(Generic[S, W]):
     """Streams left live when the session failed, for a session that adopts them
     (``adopt_orphans``): a replica pool ends each one itself or moves it to another
     replica. ``None`` for every other session and delivery."""
+    quiet_orphans: collections.Counter[str] | None = None
+    """The same for the requests without a stream (:attr:`ClientSession.quiet`): each
+    id left live when the session failed, with the outputs it had delivered. The pool
+    removes an id once it has settled it."""
 
 
 class ClientSession(Generic[S, W]):
@@ -518,6 +527,16 @@ class ClientSession(Generic[S, W]):
         self.launched: Final = launched
         self.heartbeat: Final = heartbeat
         self._streams: dict[str, S] = {}
+        # A pool's member (adopt_orphans) also tracks its requests without a stream: id ->
+        # outputs delivered, counted in C per event (_count_quiet), so that the pool knows
+        # its exact in-flight count and what a dead replica's requests had delivered.
+        self._quiet: collections.Counter[str] | None = (
+            collections.Counter() if adopt_orphans else None
+        )
+        # The pool's table of live requests (PoolCore._live), set when the member starts
+        # serving: a request without a stream leaves it here as it leaves _quiet, so that
+        # the pool never has to look for the ended ones among them.
+        self._pool_live: dict[str, Any] | None = None
         # call id -> (waiter, utility name). Call ids are consecutive from a random start in
         # 1 .. 2**52: a stage answers every call it received, even after its caller detached,
         # and that answer goes to the next client attached; a random start keeps it from
@@ -562,6 +581,19 @@ class ClientSession(Generic[S, W]):
         """The live streams, by request id: registered by :meth:`open_request` and its
         kin, forgotten when their end is appended."""
         return self._streams
+
+    @property
+    def quiet(self) -> Mapping[str, int]:
+        """A pool member's live requests without a stream (``stream=False``): request id
+        -> outputs delivered so far; empty for any other session (which does not track
+        them)."""
+        return self._quiet if self._quiet is not None else _NO_QUIET
+
+    @property
+    def in_flight(self) -> int:
+        """The live requests: streams, and a pool member's requests without a stream."""
+        quiet = self._quiet
+        return len(self._streams) + (len(quiet) if quiet is not None else 0)
 
     @property
     def calls(self) -> Mapping[int, tuple[W, str]]:
@@ -737,10 +769,15 @@ class ClientSession(Generic[S, W]):
             raise StageClosedError("this stage client is closed")
 
     def check_free(self, req_ids: Iterable[str]) -> None:
-        """:class:`ValueError` if one of *req_ids* still has a live stream."""
+        """:class:`ValueError` if one of *req_ids* still has a live stream (or, for a
+        pool's member, is live without one)."""
         streams = self._streams
         if streams and not streams.keys().isdisjoint(req_ids):
             live = next(rid for rid in req_ids if rid in streams)
+            raise ValueError(f"request {live!r} is still live in this client")
+        quiet = self._quiet
+        if quiet and not quiet.keys().isdisjoint(req_ids):
+            live = next(rid for rid in req_ids if rid in quiet)
             raise ValueError(f"request {live!r} is still live in this client")
 
     def open_request(self, req_id: str, stream: S | None) -> None:
@@ -748,12 +785,15 @@ class ClientSession(Generic[S, W]):
         if self._failure is not None or self._closing:
             self.check_open()
         streams = self._streams
-        if req_id in streams:
+        quiet = self._quiet
+        if req_id in streams or (quiet is not None and req_id in quiet):
             raise ValueError(f"request {req_id!r} is still live in this client")
         if stream is not None:
             streams[req_id] = stream
         elif self._events is None:
             raise event_stream_off()
+        elif quiet is not None:
+            quiet[req_id] = 0
 
     def open_requests(self, req_ids: list[str], streams: Sequence[S] | None) -> None:
         """Before sending requests *req_ids*: register their *streams* (in the same order;
@@ -765,6 +805,8 @@ class ClientSession(Generic[S, W]):
         if streams is None:
             if self._events is None:
                 raise event_stream_off()
+            if self._quiet is not None:
+                dict.update(self._quiet, dict.fromkeys(req_ids, 0))  # not Counter's: adds
         else:
             self._streams.update(zip(req_ids, streams, strict=True))
 
@@ -775,9 +817,13 @@ class ClientSession(Generic[S, W]):
         self._streams.update(zip(req_ids, streams, strict=True))
 
     def cancel_streams(self, req_ids: Iterable[str]) -> None:
-        """Forget streams whose frame could not be sent."""
+        """Forget streams (and a pool member's requests without one) whose frame could
+        not be sent."""
+        quiet = self._quiet
         for rid in req_ids:
             self._streams.pop(rid, None)
+            if quiet is not None:
+                quiet.pop(rid, None)
 
     def new_call_id(self) -> int:
         """The next call id (thread-safe: ``itertools.count`` steps atomically)."""
@@ -853,8 +899,10 @@ class ClientSession(Generic[S, W]):
             if cls is Outputs:
                 if streams:
                     StreamCore._route(streams, ev.req_ids, ev.finished, ev.payloads, wake, now)
+                if self._quiet:
+                    _count_quiet(self._quiet, ev.req_ids, ev.finished, self._pool_live)
                 if ev.load is not None:
-                    self._load = (ev.load, now, len(streams))
+                    self._load = (ev.load, now, self.in_flight)
                     loaded = True
             elif cls is UtilityResult:
                 entry = self._calls.pop(ev.call_id, None)
@@ -867,6 +915,8 @@ class ClientSession(Generic[S, W]):
             elif cls is Aborted:
                 for rid in ev.req_ids:
                     self._end_stream(rid, ABORTED, wake, now)
+                if self._quiet:
+                    self._forget_quiet(ev.req_ids)
             elif cls is ErrorReport:
                 self._on_error_report(ev, d, now)
             elif cls is Credit:
@@ -904,6 +954,16 @@ class ClientSession(Generic[S, W]):
             self._on_last_event(d, now)
         return d
 
+    def _forget_quiet(self, req_ids: Iterable[str]) -> None:
+        """Requests without a stream that ended (aborted, refused): out of the member's
+        table, and out of the pool's."""
+        quiet = self._quiet
+        assert quiet is not None
+        live = self._pool_live
+        for rid in req_ids:
+            if quiet.pop(rid, None) is not None and live is not None:
+                live.pop(rid, None)
+
     def _health_changed(self) -> None:
         epoch = self._health_epoch
         if epoch is not None:
@@ -923,6 +983,8 @@ class ClientSession(Generic[S, W]):
             return
         end = End(RequestError(ev.req_id, ev.message))
         ended = self._end_stream(ev.req_id, end, d.wake, now)
+        if self._quiet:
+            self._forget_quiet((ev.req_id,))
         if not ended and self._events is None:  # with the event stream on, its reader sees it
             d.warnings.append(f"the stage reported: request {ev.req_id!r}: {ev.message}")
 
@@ -1082,6 +1144,9 @@ class ClientSession(Generic[S, W]):
         d.over = True
         if self._adopt_orphans:
             d.orphans = list(self._streams.values())
+            if self._quiet:
+                d.quiet_orphans = self._quiet  # the pool settles each, then removes it
+                self._quiet = collections.Counter()
         else:
             end = End(exc)
             wake = d.wake
@@ -1201,6 +1266,32 @@ def events_before_end(out: list[Any], stop: type[Exception]) -> list[Any]:
         if not out:
             raise_end(end, stop)
     return out
+
+
+_NO_QUIET: Final[Mapping[str, int]] = MappingProxyType({})
+
+
+def _count_quiet(
+    quiet: collections.Counter[str],
+    req_ids: list[str | None],
+    finished: list[bool],
+    live: dict[str, Any] | None,
+) -> None:
+    """Receiver, a pool member's outputs event: count each output of a request without a
+    stream, and forget the ones that finished (in the pool's table of live requests,
+    *live*, too). In C but for the finished requests (one Python step each, not one per
+    output): ``Counter.update`` counts every id of the event, and the ids it added (outputs
+    of streamed requests, or of none), which are the newest keys of the dict, are popped
+    again."""
+    before = len(quiet)
+    quiet.update(req_ids)  # type: ignore[arg-type]  # None ids are popped below
+    for _ in range(len(quiet) - before):
+        quiet.popitem()
+    if True in finished:
+        pop = quiet.pop
+        for rid in itertools.compress(req_ids, finished):
+            if pop(rid, None) is not None and live is not None:  # type: ignore[arg-type]
+                live.pop(rid, None)  # type: ignore[arg-type]
 
 
 def _without_load(ev: Any) -> Any:
