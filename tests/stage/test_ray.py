@@ -217,6 +217,30 @@ def test_pool_of_two_ray_replicas_routes_survives_a_kill_and_restarts() -> None:
     assert no_actor_left()
 
 
+def test_a_restart_group_on_ray_dies_and_is_placed_again_together() -> None:
+    restart = RestartPolicy(first_delay=0.2)
+    with StagePool.launch_on_ray(
+        SCRIPTED, replicas=2, placement=SMALL, restart=restart, group="tp"
+    ) as pool:
+        r0, r1 = pool.replicas
+        assert r0.group == r1.group == "tp"
+        old = [ray_stage(r._client) for r in (r0, r1)]
+        waiting = r1._client.call_utility_future("deferred_never")
+        ray.kill(old[0].actor)
+        with pytest.raises(ReplicaDeadError, match="restart group 'tp': replica r0 died") as info:
+            waiting.result(5)
+        assert info.value.replica is r1
+        assert wait_until(lambda: r0.state is r1.state is ReplicaState.SERVING, 30)
+        assert (r0.restarts, r1.restarts) == (1, 1)
+        new = [ray_stage(r._client) for r in (r0, r1)]
+        assert all(n is not o for n, o in zip(new, old, strict=True))
+        assert old[1].reap() == -int(signal.SIGKILL)  # ray.kill-ed with its group
+        streams = pool.add_many([(f"g{i}", 2) for i in range(4)])
+        assert {s.replica for s in streams} == {r0, r1}
+        assert [s.collect() for s in streams] == [[1, 0]] * 4
+    assert no_actor_left()
+
+
 def test_add_replica_on_ray_beside_a_launched_one() -> None:
     with StagePool.launch(COUNTDOWN, replicas=1) as pool:
         replica = pool.add_replica(COUNTDOWN, ray=SMALL)

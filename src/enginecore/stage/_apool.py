@@ -24,6 +24,7 @@ from ._clientbase import raise_startup_error
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
+    Death,
     DeathHook,
     Replica,
     ReplicaState,
@@ -35,9 +36,11 @@ from ._poolbase import (
     PoolBase,
     PoolStreamCore,
     connect_specs,
+    fail_with_group,
     launch_specs,
     member_plan,
     replica_spec,
+    with_groups,
 )
 from ._session import Deliveries
 from ._statistics import LOAD_INTERVAL, StageStatistics
@@ -139,6 +142,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
         ping_interval: float = _session.LAUNCHED_PING_S,
+        group: str | Sequence[str | None] | None = None,
     ) -> AsyncStagePool:
         """:meth:`StagePool.launch <enginecore.stage.StagePool.launch>`, awaited."""
         options = {
@@ -152,7 +156,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "ping_interval": ping_interval,
         }
         return await cls._opened(
-            launch_specs(factory, kwargs, replicas, options),
+            with_groups(launch_specs(factory, kwargs, replicas, options), group),
             routing=routing,
             restart=restart,
             on_replica_death=on_replica_death,
@@ -182,6 +186,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         kill_after: float | None = None,
         log_level: int | str | None = None,
         load_interval: float | None = LOAD_INTERVAL,
+        group: str | Sequence[str | None] | None = None,
     ) -> AsyncStagePool:
         """:meth:`StagePool.launch_on_ray <enginecore.stage.StagePool.launch_on_ray>`,
         awaited."""
@@ -200,7 +205,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "load_interval": load_interval,
         }
         return await cls._opened(
-            ray_specs(factory, kwargs, replicas, placement, options),
+            with_groups(ray_specs(factory, kwargs, replicas, placement, options), group),
             routing=routing,
             restart=restart,
             on_replica_death=on_replica_death,
@@ -260,6 +265,34 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
 
     async def _start(self, replica: Replica) -> None:
         """Start *replica*'s member client and make it serve."""
+        await self._start_all([replica])
+
+    async def _start_all(self, replicas: Sequence[Replica]) -> None:
+        """:meth:`StagePool._start_all <enginecore.stage.StagePool._start_all>`: start the
+        members of *replicas* at once, then make them serve; if one does not start, close
+        those that did and raise its error."""
+        generations = [r._generation for r in replicas]
+        results = await asyncio.gather(
+            *(self._open_member(r) for r in replicas), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for m in results:
+                if isinstance(m, _AsyncMember):
+                    await m.close()
+            raise errors[0]
+        for replica, member, generation in zip(replicas, results, generations, strict=True):
+            assert isinstance(member, _AsyncMember)
+            member._replica = replica
+            member._pool = self
+            if not self._core.started(replica, member, generation):
+                await member.close()  # removed, dead with its group, or the pool closes
+                continue
+            failure = member._session.failure
+            if failure is not None:  # died before _pool was set: nobody saw it
+                self._member_gone(member, failure)
+
+    async def _open_member(self, replica: Replica) -> _AsyncMember:
         plan = member_plan(replica)
         if plan[0] == "connect":
             member = await _AsyncMember._open(plan[1])
@@ -271,14 +304,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 factory, kwargs, startup_timeout, False, options, ping_s=ping_s
             )
         assert isinstance(member, _AsyncMember)
-        member._replica = replica
-        member._pool = self
-        if not self._core.started(replica, member):  # removed, or the pool closes
-            await member.close()
-            return
-        failure = member._session.failure
-        if failure is not None:  # died before _pool was set: nobody saw it
-            self._member_gone(member, failure)
+        return member
 
     # -- what the base needs -----------------------------------------------------------------
 
@@ -384,37 +410,55 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         replica = member._replica
         if replica._client is not member:
             return  # an old member of a restarted replica
-        delay = self._core.died(replica, time.monotonic())
+        death = self._core.died(replica, time.monotonic())
         if isinstance(failure, StageClosedError):
             return  # the pool closed it, and closes it
         logger.warning("enginecore: replica %s is gone: %s", replica.name, failure)
-        task = self._loop.create_task(self._supervise(replica, member, delay))
+        task = self._loop.create_task(self._supervise(replica, member, death))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _supervise(self, replica: Replica, member: _AsyncMember, delay: float | None) -> None:
-        """Task: release a dead member; with a delay, start the replica again then, and
-        again after each failed start, until it serves, fails for good or the pool closes."""
+    async def _supervise(self, replica: Replica, member: _AsyncMember, death: Death) -> None:
+        """Task: release a dead member and stop the rest of its restart group; with a
+        delay, start the replica (or its whole group) again then, and again after each
+        failed start, until it serves, fails for good or the pool closes."""
         try:
+            await self._stop_group(replica, death.stop)
             await member.close()
             self._exit_codes[replica] = member.exit_code
+            delay, group = death.delay, death.restart
             while delay is not None:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._closed.wait(), delay)
                     return  # the pool closes
-                if not self._core.restarting(replica):
+                starting = [r for r in group if self._core.restarting(r)]
+                if not starting:
                     return
+                names = ", ".join(r.name for r in starting)
                 try:
-                    await self._start(replica)
-                    logger.warning("enginecore: replica %s started again", replica.name)
+                    await self._start_all(starting)
+                    logger.warning("enginecore: replica %s started again", names)
                     return
                 except Exception as exc:
-                    logger.warning(
-                        "enginecore: replica %s did not start again: %s", replica.name, exc
-                    )
-                    delay = self._core.died(replica, time.monotonic())
+                    logger.warning("enginecore: replica %s did not start again: %s", names, exc)
+                    left = [r for r in starting if r.state is ReplicaState.STARTING]
+                    if not left:  # removed meanwhile, or the pool closes
+                        return
+                    death = self._core.died(left[0], time.monotonic())
+                    await self._stop_group(left[0], death.stop)
+                    delay, group = death.delay, death.restart
         except Exception:
             logger.exception("enginecore: a replica pool task failed")
+
+    async def _stop_group(self, dead: Replica, stop: Sequence[Replica]) -> None:
+        """Stop the members of *dead*'s restart group that still served (the core marked
+        them dead): at once, so that their requests end now, then close them."""
+        members = [(r, r._client) for r in stop]
+        for r, m in members:
+            fail_with_group(m, r, dead)
+        for r, m in members:
+            await m.close()
+            self._exit_codes[r] = m.exit_code
 
     # -- closing -----------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Generic, TypeVar, cast
@@ -30,9 +31,11 @@ __all__ = [
     "PoolBase",
     "PoolStreamCore",
     "connect_specs",
+    "fail_with_group",
     "launch_specs",
     "member_plan",
     "replica_spec",
+    "with_groups",
 ]
 
 logger = logging.getLogger("enginecore.stage")
@@ -74,6 +77,45 @@ def launch_specs(
     return [{"factory": factory, "kwargs": kwargs, **options}] * replicas
 
 
+def with_groups(
+    specs: list[dict[str, Any]], group: str | Sequence[str | None] | None
+) -> list[dict[str, Any]]:
+    """*specs* with their restart groups (``launch(group=...)``): one group for every
+    replica, or one (or ``None``) per replica. Checked before anything starts."""
+    if group is None:
+        return specs
+    if isinstance(group, str):
+        groups: list[str | None] = [group] * len(specs)
+    else:
+        groups = list(group)
+        if len(groups) != len(specs):
+            raise ValueError(f"group lists {len(groups)} groups for {len(specs)} replicas")
+    for g in groups:
+        if g is not None and (not isinstance(g, str) or not g):
+            raise TypeError(f"group must be a non-empty str or None, got {g!r}")
+    return [{**spec, "group": g} for spec, g in zip(specs, groups, strict=True)]
+
+
+def fail_with_group(member: Any, replica: Replica, dead: Replica) -> None:
+    """Stop *member*, the client of *replica*, because *dead*, a member of its restart
+    group, died: its session fails at once with an
+    :class:`~enginecore.stage.EngineDeadError` that says so (its requests and calls end as
+    a dead replica's: :class:`~enginecore.stage.ReplicaDeadError` naming *replica*, or a
+    move through ``on_replica_death``), then its stage is killed (SIGKILL, or ``ray.kill``
+    for a stage placed on Ray). The caller closes *member* afterwards."""
+    err = EngineDeadError(
+        f"stopped with its restart group {replica.group!r}: replica {dead.name} died"
+    )
+    with member._lock:
+        d = member._session.fail(err)
+    if d is not None:
+        member._apply(d)
+    launched = member._launched
+    if launched is not None:
+        with contextlib.suppress(OSError):
+            launched.send_signal(signal.SIGKILL)
+
+
 def connect_specs(addresses: Sequence[str], options: dict[str, Any]) -> list[dict[str, Any]]:
     """The specs of connected replicas (``connect()``), checked before anything opens:
     :class:`TypeError` for a bare ``str``, :class:`ValueError` for bad heartbeats."""
@@ -90,6 +132,10 @@ def replica_spec(
     to *address*, one of the two."""
     if (factory is None) == (address is None):
         raise TypeError("add_replica() takes a factory or an address=, not both")
+    if address is not None and options.get("group") is not None:
+        raise ValueError(
+            "group= is for replicas the pool launches: it cannot start a connected one again"
+        )
     if factory is not None:
         return {"factory": factory, "kwargs": kwargs, **options}
     return {"address": address, **options}
@@ -382,6 +428,10 @@ class PoolBase(Generic[S]):
         orphans = d.orphans or []
         d.orphans = None
         self._member_apply(member, d)
+        if d.over:
+            # First: the core takes the replica, and the rest of its restart group, out of
+            # the routing before its requests move (none may move to a member stopped next).
+            self._member_gone(member, failure)
         for stream in orphans:
             err, again = core.fate(replica, stream, failure)
             if again is not None:
@@ -397,8 +447,6 @@ class PoolBase(Generic[S]):
                         exc,
                     )
             self._end(stream, err)
-        if d.over:
-            self._member_gone(member, failure)
 
     def _end(self, stream: S, exc: BaseException) -> None:
         with self._lock:
