@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from types import TracebackType
@@ -20,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from . import _session
 from ._aclient import AsyncRequestStream, AsyncStageClient
-from ._clientbase import raise_startup_error
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
@@ -47,7 +47,7 @@ from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
 
 if TYPE_CHECKING:
-    from .ray import RayPlacement, RayPlan, RayStage
+    from .ray import RayPlacement
 
 __all__ = ["AsyncPoolRequestStream", "AsyncStagePool"]
 
@@ -173,6 +173,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         replicas: int = 1,
         placement: RayPlacement | Sequence[RayPlacement] | None = None,
         insecure: bool = False,
+        curve: CurveKeys | None = None,
+        stage_secret_key: str | os.PathLike[str] | None = None,
+        authorized_clients: Sequence[bytes] = (),
         routing: Routing | ScoreFn | None = None,
         restart: RestartPolicy | bool = False,
         on_replica_death: DeathHook | None = None,
@@ -185,6 +188,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         step_timeout: float | None = STEP_TIMEOUT,
         kill_after: float | None = None,
         log_level: int | str | None = None,
+        forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
         group: str | Sequence[str | None] | None = None,
     ) -> AsyncStagePool:
@@ -194,6 +198,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
 
         options = {
             "insecure": insecure,
+            "curve": curve,
+            "stage_secret_key": stage_secret_key,
+            "authorized_clients": authorized_clients,
             "startup_timeout": startup_timeout,
             "connect_timeout": connect_timeout,
             "heartbeat_interval": heartbeat_interval,
@@ -202,6 +209,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "step_timeout": step_timeout,
             "kill_after": kill_after,
             "log_level": log_level,
+            "forward_logs": forward_logs,
             "load_interval": load_interval,
         }
         return await cls._opened(
@@ -297,7 +305,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if plan[0] == "connect":
             member = await _AsyncMember._open(plan[1])
         elif plan[0] == "ray":
-            member = await _open_on_ray(plan[1])
+            from .ray import open_on_ray_async
+
+            member = await open_on_ray_async(plan[1], _AsyncMember._open)
         else:
             _, factory, kwargs, startup_timeout, options, ping_s = plan
             member = await _AsyncMember._launch(
@@ -517,26 +527,3 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             self._core.closed()
             self._closed_done = True
             return dict(self._exit_codes)
-
-
-async def _open_on_ray(plan: RayPlan) -> _AsyncMember:
-    """Place *plan*'s stage on Ray (in a worker thread: Ray's calls block) and open its
-    member client; on failure or cancellation, no actor is left behind."""
-    fut = asyncio.get_running_loop().run_in_executor(None, plan.start)
-    try:
-        stage = await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        fut.add_done_callback(_kill_placed)
-        raise
-    try:
-        member = await _AsyncMember._open(plan.target(stage))
-    except BaseException as exc:
-        stage.kill_and_clean()
-        raise_startup_error(plan.factory, exc)
-    assert isinstance(member, _AsyncMember)
-    return member
-
-
-def _kill_placed(fut: asyncio.Future[RayStage]) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result().kill_and_clean()

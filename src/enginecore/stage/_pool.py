@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Hashable, Iterable, Sequence
@@ -209,6 +210,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         replicas: int = 1,
         placement: RayPlacement | Sequence[RayPlacement] | None = None,
         insecure: bool = False,
+        curve: CurveKeys | None = None,
+        stage_secret_key: str | os.PathLike[str] | None = None,
+        authorized_clients: Sequence[bytes] = (),
         routing: Routing | ScoreFn | None = None,
         restart: RestartPolicy | bool = False,
         on_replica_death: DeathHook | None = None,
@@ -221,6 +225,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         step_timeout: float | None = STEP_TIMEOUT,
         kill_after: float | None = None,
         log_level: int | str | None = None,
+        forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
         group: str | Sequence[str | None] | None = None,
     ) -> StagePool:
@@ -228,7 +233,8 @@ class StagePool(PoolBase[PoolRequestStream]):
         and return their pool (``docs/ray.md``). *placement*: one
         :class:`~enginecore.stage.ray.RayPlacement` for every replica, or one per replica
         (e.g. the bundles of a placement group). The other options are
-        :func:`enginecore.stage.ray.launch_on_ray`'s: CURVE unless *insecure*, heartbeats
+        :func:`enginecore.stage.ray.launch_on_ray`'s: CURVE unless *insecure* (your own keys
+        with *curve*, *stage_secret_key* and *authorized_clients*), heartbeats
         (a replica silent for *heartbeat_timeout* is dead), and the stage options. An
         actor's death is a :class:`~enginecore.stage.ReplicaDeadError` for that replica
         within a second; with *restart*, the replica's actor is placed again. *group*:
@@ -240,6 +246,9 @@ class StagePool(PoolBase[PoolRequestStream]):
 
         options = {
             "insecure": insecure,
+            "curve": curve,
+            "stage_secret_key": stage_secret_key,
+            "authorized_clients": authorized_clients,
             "startup_timeout": startup_timeout,
             "connect_timeout": connect_timeout,
             "heartbeat_interval": heartbeat_interval,
@@ -248,6 +257,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             "step_timeout": step_timeout,
             "kill_after": kill_after,
             "log_level": log_level,
+            "forward_logs": forward_logs,
             "load_interval": load_interval,
         }
         return cls._opened(
