@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from enginecore.stage import (
     StageObserver,
     StagePool,
     StageStartupError,
+    _logs,
 )
 from enginecore.stage._curve import keygen
 
@@ -395,8 +397,30 @@ def test_records() -> Iterator[Records]:
 
 @pytest.mark.parametrize("insecure", [False, True], ids=["curve", "insecure"])
 def test_forwarded_logs_of_a_stage_on_ray(
-    ray_launch: Callable[..., StageClient], test_records: Records, insecure: bool
+    ray_launch: Callable[..., StageClient],
+    test_records: Records,
+    insecure: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The client connects to the log socket a second late (after it asked the actor to
+    # start): the actor must wait for it before it builds the engine, or the record the
+    # factory logs is dropped.
+    real_forward_from = _logs.forward_from
+
+    class Late:
+        def __init__(self, *args: Any) -> None:
+            self.source: Any = None
+            self.timer = threading.Timer(1.0, self.connect, args)
+            self.timer.start()
+
+        def connect(self, *args: Any) -> None:
+            self.source = real_forward_from(*args)
+
+        def release(self) -> None:
+            self.timer.join()
+            self.source.release()
+
+    monkeypatch.setattr(_logs, "forward_from", Late)
     client = ray_launch(
         SCRIPTED,
         {"log": "building the engine"},
@@ -476,4 +500,27 @@ def test_your_own_keys_are_checked(own_keys: OwnKeys) -> None:
         launch_on_ray(COUNTDOWN, insecure=True, authorized_clients=[keys.observer_public])
     with pytest.raises(ValueError, match="authorized_clients"):
         launch_on_ray(COUNTDOWN, authorized_clients=[b"short"])
+    assert no_actor_left()
+
+
+def test_a_pool_on_ray_with_your_own_keys_and_forwarded_logs(
+    own_keys: OwnKeys, test_records: Records
+) -> None:
+    with StagePool.launch_on_ray(
+        SCRIPTED,
+        {"log": "replica built"},
+        replicas=1,
+        placement=SMALL,
+        curve=own_keys.client,
+        stage_secret_key=own_keys.stage_secret,
+        authorized_clients=[own_keys.observer_public],
+        forward_logs=True,
+        name="pool",
+    ) as pool:
+        assert test_records.wait_for("replica built").stage == "pool/r0"  # type: ignore[attr-defined]
+        (replica,) = pool.replicas
+        assert replica.address is not None
+        with StageObserver(replica.address, curve=own_keys.observer) as observer:
+            assert observer.stats(5).pid == replica.pid
+        assert pool.add("r1", 2).collect() == [1, 0]
     assert no_actor_left()
