@@ -6,7 +6,8 @@ Usage::
     python -m enginecore serve --engine pkg.module:factory --bind tcp://127.0.0.1:5570
     python -m enginecore serve --engine pkg.module:factory --bind tcp://0.0.0.0:5570 \
         --curve-secret-key keys/stage.key_secret --authorized-clients clients/
-    python -m enginecore top tcp://127.0.0.1:5570 [ADDRESS...] [--interval 1] [--once]
+    python -m enginecore top tcp://127.0.0.1:5570 [ADDRESS...] [--interval 1] [--once] \
+        [--curve-secret-key keys/top.key_secret --curve-server-key keys/stage.key]
     python -m enginecore keygen DIR [--name NAME]
 
 The stage binds its input socket at ``--bind`` and its output socket at ``--output-bind``
@@ -193,6 +194,19 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         metavar="SECONDS",
         help="seconds between two refreshes (default: %(default)s)",
+    )
+    top.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="for stages served with CURVE: top's own key pair, a NAME.key_secret made by "
+        "keygen whose NAME.key is in the stages' --authorized-clients (docs/security.md)",
+    )
+    top.add_argument(
+        "--curve-server-key",
+        metavar="FILE",
+        action="append",
+        help="the public key (NAME.key) of the stage's --curve-secret-key; once for every "
+        "ADDRESS, or once per ADDRESS, in order",
     )
     top.add_argument(
         "--once",
@@ -396,6 +410,32 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
 
 
+def _top_curve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Any] | None:
+    """``top``'s CURVE keys, one per address (``None``: without CURVE), read and checked
+    before anything connects: a usage error (exit code 2) for a missing or wrong file."""
+    secret, servers = args.curve_secret_key, args.curve_server_key
+    if secret is None and not servers:
+        return None
+    if secret is None or not servers:
+        parser.error("--curve-secret-key and --curve-server-key go together")
+    if len(servers) not in (1, len(args.addresses)):
+        parser.error(
+            f"--curve-server-key: give it once, or once per ADDRESS ({len(args.addresses)}), "
+            f"not {len(servers)} times"
+        )
+    try:
+        from .stage._curve import CurveKeys
+    except ImportError as exc:  # pyzmq is missing: top cannot run either
+        parser.error(str(exc))
+    keys = []
+    for server in servers:
+        try:
+            keys.append(CurveKeys.load(secret, server))
+        except (OSError, ValueError) as exc:
+            parser.error(f"--curve-secret-key / --curve-server-key: {exc}")
+    return keys * len(args.addresses) if len(keys) == 1 else keys
+
+
 def _keygen(args: argparse.Namespace) -> int:
     try:
         from .stage._curve import keygen
@@ -420,7 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "top":
         from ._top import main as top
 
-        return top(args.addresses, interval=args.interval, once=args.once)
+        curve = _top_curve(parser, args)
+        return top(args.addresses, interval=args.interval, once=args.once, curve=curve)
     if args.command == "keygen":
         return _keygen(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse checks

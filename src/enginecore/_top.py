@@ -7,6 +7,10 @@ it asks every stage at once and waits for the answers until the next tick, so a 
 does not answer delays none of the others. Rates and step-time quantiles are computed from
 the difference between two answers of a stage (the stage's own uptime is the clock).
 
+A stage served with CURVE is observed with a listed key pair and the stage's public key
+(``--curve-secret-key FILE --curve-server-key FILE``, ``docs/security.md``); a refused
+observer shows the :class:`~enginecore.stage.AuthenticationError` under the table.
+
 Needs the ``zmq`` extra and ``rich`` (the ``top`` extra: ``pip install 'enginecore[top]'``),
 both imported only when ``top`` runs.
 """
@@ -28,7 +32,7 @@ from ._stats import STEP_BUCKETS, quantile
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from .stage import StageObserver, StageStatistics
+    from .stage import CurveKeys, StageObserver, StageStatistics
 
 __all__ = ["DEAD_AFTER", "STALLED_AFTER", "StageRow", "main"]
 
@@ -101,9 +105,13 @@ def _quantiles(hist: tuple[int, ...]) -> tuple[float | None, float | None]:
 
 
 class Poller:
-    """Asks every stage for its statistics and gathers the answers."""
+    """Asks every stage for its statistics and gathers the answers. *curve*: the
+    :class:`~enginecore.stage.CurveKeys` of each stage (``None``: without CURVE), one per
+    address."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(
+        self, addresses: Sequence[str], curve: Sequence[CurveKeys | None] | None = None
+    ) -> None:
         import zmq
 
         from .stage import StageObserver
@@ -111,10 +119,11 @@ class Poller:
         self._zmq = zmq
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.rows = [StageRow(a) for a in addresses]
+        keys = list(curve) if curve is not None else [None] * len(addresses)
         self._observers: list[StageObserver | None] = []
-        for row in self.rows:
+        for row, key in zip(self.rows, keys, strict=True):
             try:
-                self._observers.append(StageObserver(row.address, self._ctx))
+                self._observers.append(StageObserver(row.address, self._ctx, curve=key))
             except zmq.ZMQError as exc:  # a malformed address: shown, not fatal
                 row.error = str(exc)
                 self._observers.append(None)
@@ -137,6 +146,7 @@ class Poller:
             obs = self._observers[i]
             assert obs is not None
             poller.register(obs.socket, zmq.POLLIN)
+            poller.register(obs.monitor, zmq.POLLIN)
         if stdin is not None:
             poller.register(stdin, zmq.POLLIN)
         while self._waiting:
@@ -149,9 +159,17 @@ class Poller:
             for i in list(self._waiting):
                 obs = self._observers[i]
                 assert obs is not None
+                row = self.rows[i]
+                if obs.monitor in ready:
+                    failure = obs.failure()
+                    if failure is not None:  # refused (CURVE): shown, not waited for
+                        row.error = str(failure)
+                        self._waiting.discard(i)
+                        poller.unregister(obs.socket)
+                        poller.unregister(obs.monitor)
+                        continue
                 if obs.socket not in ready:
                     continue
-                row = self.rows[i]
                 try:
                     stats = obs.answer()
                 except Exception as exc:  # a stage that answers nonsense: shown
@@ -161,6 +179,7 @@ class Poller:
                     row.update(stats, time.monotonic())
                     self._waiting.discard(i)
                     poller.unregister(obs.socket)
+                    poller.unregister(obs.monitor)
         return False
 
     def close(self) -> None:
@@ -296,10 +315,17 @@ def _print_once(table: Table) -> None:
     Console(width=width, no_color=True, highlight=False).print(table)
 
 
-def run(addresses: Sequence[str], *, interval: float, once: bool) -> int:
+def run(
+    addresses: Sequence[str],
+    *,
+    interval: float,
+    once: bool,
+    curve: Sequence[CurveKeys | None] | None = None,
+) -> int:
     """``top``: until ``q`` or Ctrl-C; with *once*, two rounds *interval* apart (so that
-    the rates mean something), one table printed. Returns the exit code."""
-    poller = Poller(addresses)
+    the rates mean something), one table printed. *curve*: each stage's keys, as
+    :class:`Poller`'s. Returns the exit code."""
+    poller = Poller(addresses, curve)
     try:
         if once:
             for _ in range(2):
@@ -352,7 +378,13 @@ def _wait_key(fd: int, until: float) -> bool:
             return True
 
 
-def main(addresses: Sequence[str], *, interval: float, once: bool) -> int:
+def main(
+    addresses: Sequence[str],
+    *,
+    interval: float,
+    once: bool,
+    curve: Sequence[CurveKeys | None] | None = None,
+) -> int:
     """Entry point for ``python -m enginecore top``: exit code 2 when an optional
     dependency is missing."""
     try:
@@ -368,4 +400,4 @@ def main(addresses: Sequence[str], *, interval: float, once: bool) -> int:
     except ImportError as exc:
         print(f"python -m enginecore top: {exc}", file=sys.stderr)
         return 2
-    return run(addresses, interval=interval, once=once)
+    return run(addresses, interval=interval, once=once, curve=curve)

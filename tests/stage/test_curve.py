@@ -28,6 +28,7 @@ from enginecore.stage import (
     AuthenticationError,
     CurveKeys,
     ProtocolError,
+    StageObserver,
     StagePool,
 )
 from enginecore.stage._curve import keygen
@@ -350,3 +351,79 @@ def test_curve_keys_are_checked_and_hide_the_secret(keys: Keys) -> None:
         CurveKeys(public_key=b"short", secret_key=keys.alice.secret_key, server_key=b"x" * 40)
     with pytest.raises(ValueError, match="holds no secret key"):
         CurveKeys.load(keys.stage_public, keys.stage_public)
+
+
+# -- observers: StageObserver and top ----------------------------------------------------------
+
+
+def _secret_file(keys: Keys, name: str) -> Path:
+    return keys.authorized.parent / name / f"{name}.key_secret"
+
+
+def test_an_observer_with_a_listed_key_reads_a_curve_stage(
+    connect: Connect, curve_server: Server, keys: Keys
+) -> None:
+    client = connect(curve_server.address, curve=keys.alice)
+    assert client.add("r1", 2).collect() == [1, 0]
+    with StageObserver(curve_server.address, curve=keys.alice) as observer:
+        stats = observer.stats(timeout=5)
+        assert stats.outputs == 2
+        assert observer.failure() is None
+    assert client.add("r2", 1).collect() == [0]  # the client's session went on beside it
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("which", "message"),
+    [
+        ("none", "requires CURVE"),
+        ("mallory", "not among the stage's authorized"),
+        ("wrong_server", "server public key .* is likely wrong"),
+    ],
+)
+def test_a_refused_observer_gets_a_named_error_not_a_timeout(
+    connect: Connect, curve_server: Server, keys: Keys, which: str, message: str
+) -> None:
+    curve = None if which == "none" else getattr(keys, which)
+    started = time.monotonic()
+    with StageObserver(curve_server.address, curve=curve) as observer:
+        with pytest.raises(AuthenticationError, match=message):
+            observer.stats(timeout=5)
+        assert time.monotonic() - started < 4  # from the socket monitor, not the timeout
+        assert isinstance(observer.failure(), AuthenticationError)
+    _engine_saw_nothing_and_still_serves(connect, curve_server.address, keys)
+
+
+def test_top_observes_a_curve_stage_with_its_keys(curve_server: Server, keys: Keys) -> None:
+    pytest.importorskip("rich")
+    base = ["top", curve_server.address, "--once", "--interval", "0.3"]
+    ok = _run(
+        *base, "--curve-secret-key", str(_secret_file(keys, "alice")),
+        "--curve-server-key", str(keys.stage_public),
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert str(curve_server.proc.pid) in ok.stdout
+    refused = _run(
+        *base, "--curve-secret-key", str(_secret_file(keys, "mallory")),
+        "--curve-server-key", str(keys.stage_public),
+    )  # fmt: skip
+    assert refused.returncode == 1
+    assert "not among the stage's authorized" in refused.stdout
+    plain = _run(*base)
+    assert plain.returncode == 1
+    assert "requires CURVE" in plain.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--curve-secret-key", "X"], "go together"),
+        (["--curve-server-key", "X"], "go together"),
+        (["--curve-secret-key", "/no/such", "--curve-server-key", "/no/such"], "curve"),
+        (["--curve-secret-key", "X"] + ["--curve-server-key", "Y"] * 3, "once per ADDRESS"),
+    ],
+)
+def test_bad_top_curve_arguments_are_usage_errors(args: list[str], message: str) -> None:
+    result = _run("top", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "--once", *args)
+    assert result.returncode == 2
+    assert message in result.stderr

@@ -31,6 +31,7 @@ from enginecore.stage import (
     ReplicaView,
     RequestError,
     RequestFailed,
+    RestartPolicy,
     StageClosedError,
     StageHealth,
     StagePool,
@@ -376,6 +377,64 @@ def test_restart_brings_a_killed_replica_back(launch: Open) -> None:
         assert s.collect(10) == [1, 0]
 
 
+def test_a_restart_group_is_stopped_and_started_again_together(launch: Open) -> None:
+    to_move: set[str] = set()
+    moved: list[str] = []
+
+    def resume(request: PoolRequest, delivered: int) -> PoolRequest | None:
+        if request.req_id in to_move:
+            moved.append(request.req_id)
+            return PoolRequest(request.req_id, request.data - delivered, request.key)
+        return None
+
+    pool = launch(
+        replicas=3,
+        kwargs={"step_s": 0.01},
+        restart=RestartPolicy(first_delay=0.2),
+        group=["g", "g", None],
+        on_replica_death=resume,
+    )
+    r0, r1, r2 = pool.replicas
+    assert (r0.group, r1.group, r2.group) == ("g", "g", None)
+    added = [pool.add(f"q{i}", 300) for i in range(6)]
+    on: dict[Replica | None, list[Any]] = {}
+    for s in added:
+        assert s.get(10) == 299  # every request has delivered
+        on.setdefault(s.replica, []).append(s)
+    assert sorted(len(v) for v in on.values()) == [2, 2, 2]
+    (fail0, move0), (fail1, move1) = on[r0], on[r1]
+    to_move.update({move0.req_id, move1.req_id})
+    old = {r: cast(int, r.pid) for r in (r0, r1, r2)}
+    os.kill(old[r0], signal.SIGKILL)
+    # r1 was stopped with its group: its requests end as a dead replica's, at once.
+    with pytest.raises(ReplicaDeadError, match="restart group 'g': replica r0 died") as info:
+        fail1.collect(10)
+    assert info.value.replica is r1
+    assert info.value.delivered >= 1
+    with pytest.raises(ReplicaDeadError, match="SIGKILL") as info:
+        fail0.collect(10)
+    assert info.value.replica is r0
+    # Those the hook moves go on on r2, the only one serving meanwhile.
+    for s in (move0, move1):
+        assert s.collect(10)[-1] == 0
+        assert s.replica is r2
+        assert s.migrations == 1
+    assert sorted(moved) == sorted(to_move)
+    assert wait_until(lambda: r0.state is r1.state is ReplicaState.SERVING, 15)
+    assert (r0.restarts, r1.restarts, r2.restarts) == (1, 1, 0)
+    assert pid_gone(old[r0])
+    assert pid_gone(old[r1])
+    assert r2.pid == old[r2]
+    fresh = pool.add_many([(f"n{i}", 2) for i in range(6)])
+    assert {s.replica for s in fresh} == {r0, r1, r2}
+    for s in fresh:
+        assert s.collect(10) == [1, 0]
+    pool.abort([s.req_id for s in on[r2]])
+    for s in on[r2]:  # untouched by the group's death
+        assert s.collect(10)[-1] >= 0
+        assert s.migrations == 0
+
+
 def test_on_replica_death_moves_a_request_on(launch: Open) -> None:
     seen: list[tuple[PoolRequest, int]] = []
 
@@ -556,6 +615,10 @@ def test_bad_pool_arguments() -> None:
         Sticky(spill_above=0.5)
     with pytest.raises(TypeError):
         StagePool().add_replica()
+    with pytest.raises(ValueError, match="launches"):
+        StagePool().add_replica(address="tcp://127.0.0.1:1", group="g")
+    with pytest.raises(ValueError, match="2 groups for 3 replicas"):
+        StagePool.launch(COUNTDOWN, replicas=3, group=["g", "g"])
     stream_types = (PoolRequestStream, AsyncPoolRequestStream)
     assert all(hasattr(t, "replica") for t in stream_types)
 

@@ -220,12 +220,12 @@ def test_restart_policy_arguments_are_checked() -> None:
 def test_a_death_schedules_a_restart_or_marks_failed() -> None:
     core, _ = make_core(1, restart=RestartPolicy(max_failures=2))
     (r,) = core.replicas
-    assert core.died(r, 0.0) == 0.5
+    assert core.died(r, 0.0).delay == 0.5
     states = [r.state]
     assert core.restarting(r)
     states.append(r.state)
     assert r.restarts == 1
-    assert core.died(r, 1.0) is None
+    assert core.died(r, 1.0).delay is None
     states.append(r.state)
     assert states == [ReplicaState.DEAD, ReplicaState.STARTING, ReplicaState.FAILED]
     assert not core.restarting(r)
@@ -340,3 +340,101 @@ def test_quiet_counts_match_a_count_per_output(outputs: list[tuple[str | None, b
             ended.add(rid)
         session.dispatch([Outputs([rid], [fin], [0])], time.monotonic())
     assert dict(session.quiet) == expected
+
+
+def make_group_core(restart: Any = True) -> tuple[PoolCore, list[Replica]]:
+    """r0 and r1 in restart group "g", r2 alone, every one serving."""
+    core = PoolCore(None, restart, None, 1)
+    for group in ("g", "g", None):
+        replica = core.new_replica({"factory": "fake", "group": group})
+        assert core.started(replica, Member(replica.name))
+    return core, list(core.replicas)
+
+
+def test_a_group_members_death_stops_its_group_and_restarts_it_whole() -> None:
+    core, (r0, r1, r2) = make_group_core()
+    assert (r0.group, r1.group, r2.group) == ("g", "g", None)
+    assert "group" not in r0.spec
+    death = core.died(r1, 0.0)
+    assert death.delay == 0.5
+    assert death.stop == (r0,)  # still serving: the pool stops it
+    assert death.restart == (r0, r1)
+    assert [r.state for r in core.replicas] == [
+        ReplicaState.DEAD,
+        ReplicaState.DEAD,
+        ReplicaState.SERVING,
+    ]
+    assert list(core.candidates()) == [r2]
+    # The stopped member's own death, when its session fails, changes nothing.
+    assert core.died(r0, 0.1) == (None, (), ())
+    assert all(core.restarting(r) for r in death.restart)
+    assert [r0.restarts, r1.restarts, r2.restarts] == [1, 1, 0]
+    for r in (r0, r1):
+        assert core.started(r, Member(r.name))
+    assert set(core.candidates()) == {r0, r1, r2}
+    # The replica alone is its own group.
+    assert core.died(r2, 0.2) == (0.5, (), (r2,))
+
+
+def test_a_group_counts_its_deaths_together_and_fails_as_a_whole() -> None:
+    core, (r0, r1, r2) = make_group_core(RestartPolicy(max_failures=3))
+    delays = []
+    for t, victim in enumerate([r0, r1]):
+        death = core.died(victim, float(t))
+        delays.append(death.delay)
+        for r in death.restart:
+            assert core.restarting(r)
+        if t == 0:
+            for r in death.restart:
+                assert core.started(r, Member(r.name))
+    assert delays == [0.5, 1.0]  # one backoff for the group, whichever member died
+    # A failed start of the group (both starting) is its third death: it fails.
+    assert [r0.state, r1.state] == [ReplicaState.STARTING] * 2
+    death = core.died(r0, 2.0)
+    assert death == (None, (), ())
+    assert [r0.state, r1.state, r2.state] == [
+        ReplicaState.FAILED,
+        ReplicaState.FAILED,
+        ReplicaState.SERVING,
+    ]
+    assert r2._deaths == deque()  # its own count is untouched
+
+
+def test_a_start_begun_before_its_groups_death_does_not_count() -> None:
+    core = PoolCore(None, True, None, 1)
+    r0 = core.new_replica({"factory": "fake", "group": "g"})
+    r1 = core.new_replica({"factory": "fake", "group": "g"})
+    generation = r1._generation  # r1's start begins
+    assert core.started(r0, Member("r0"))
+    assert core.died(r0, 0.0).restart == (r0, r1)  # r1 still starting: nothing to stop
+    assert not core.started(r1, Member("r1"), generation)  # the pool closes that member
+    assert r1.state is ReplicaState.DEAD
+    assert core.restarting(r1)
+    assert core.started(r1, Member("r1"), r1._generation)
+
+
+def test_without_restart_a_group_still_dies_together() -> None:
+    core, (r0, r1, _) = make_group_core(False)
+    assert core.died(r0, 0.0) == (None, (r1,), ())
+    assert [r.state for r in core.replicas][:2] == [ReplicaState.DEAD] * 2
+
+
+def test_draining_and_removed_members_leave_their_group() -> None:
+    core, (r0, r1, _) = make_group_core()
+    r3 = core.new_replica({"factory": "fake", "group": "g"})
+    assert core.started(r3, Member("r3"))
+    core.set_state(r1, ReplicaState.DRAINING)
+    core.set_state(r3, ReplicaState.REMOVED)
+    death = core.died(r0, 0.0)
+    assert death.stop == ()
+    assert death.restart == (r0,)
+    assert r1.state is ReplicaState.DRAINING
+
+
+def test_bad_groups_are_refused() -> None:
+    core = PoolCore(None, True, None, 1)
+    with pytest.raises(ValueError, match="launches"):
+        core.new_replica({"address": "tcp://127.0.0.1:1", "group": "g"})
+    with pytest.raises(TypeError, match="non-empty str"):
+        core.new_replica({"factory": "fake", "group": 3})
+    assert core.replicas == ()

@@ -1,5 +1,6 @@
 """A model check of the replica pool: adds, bursts, aborts, steps, replica deaths,
-restarts, migrations and membership changes, interleaved by hypothesis.
+restarts (of restart groups too, failed ones included), migrations and membership changes,
+interleaved by hypothesis.
 
 The pool under test is the real :class:`~enginecore.stage._poolbase.PoolBase` and
 :class:`~enginecore.stage._pool_core.PoolCore` (what both pools share), over members that
@@ -11,9 +12,10 @@ read as a consumer reads it. Checked after every step, for every request, in its
 (if it has one) and in the event stream alike: it ends at most once and nothing follows its
 end, its outputs never repeat (a countdown that only goes down, across its moves), and a
 live request is live in exactly one serving replica (so each replica's in-flight count is
-exact), whose stage holds it; an ended one is live in none. At the end, after every stage
-has run dry: every request ended exactly once, in both, the same way, and a request that
-failed with its replica says how many outputs it had delivered.
+exact), whose stage holds it; an ended one is live in none. The members of a restart group
+are in one state (a member's death stops the others; they start again together). At the
+end, after every stage has run dry: every request ended exactly once, in both, the same
+way, and a request that failed with its replica says how many outputs it had delivered.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from enginecore.stage import (
 )
 from enginecore.stage._errors import EngineDeadError
 from enginecore.stage._pool_core import QuietTable, Replica
-from enginecore.stage._poolbase import PoolBase
+from enginecore.stage._poolbase import PoolBase, fail_with_group
 from enginecore.stage._session import NO_LOCK, ClientSession, Deliveries, End
 from enginecore.stage._wire import Aborted, Outputs
 
@@ -101,6 +103,7 @@ class ModelMember:
     _adopt_orphans = True
     _lock = NO_LOCK
     _stream_type = AsyncPoolRequestStream
+    _launched = None  # no process to kill
 
     def __init__(self, pool: ModelPool, replica: Replica) -> None:
         self._pool = pool
@@ -192,8 +195,12 @@ class ModelPool(PoolBase[AsyncPoolRequestStream]):
     def _member_gone(self, member: Any, failure: BaseException) -> None:
         replica = member._replica
         if replica._client is member:
-            self._core.died(replica, time.monotonic())
+            death = self._core.died(replica, time.monotonic())
             self.gone.append(replica)
+            for r in death.stop:  # as the pools do: the rest of its group, at once
+                assert r.group is not None
+                assert r.group == replica.group
+                fail_with_group(r._client, r, replica)
 
     def start(self, replica: Replica) -> None:
         member = ModelMember(self, replica)
@@ -202,13 +209,13 @@ class ModelPool(PoolBase[AsyncPoolRequestStream]):
 
 class PoolModel(RuleBasedStateMachine):
     hook = True  # requests of a dead replica move on (on_replica_death) or fail
-    replicas = 3  # at the start
+    groups: tuple[str | None, ...] = ("g", "g", None)  # the replicas at the start
 
     def __init__(self) -> None:
         super().__init__()
         self.pool = ModelPool(self.hook)
-        for _ in range(self.replicas):
-            self.pool.start(self.pool._core.new_replica({"factory": "model"}))
+        for group in self.groups:
+            self.pool.start(self.pool._core.new_replica({"factory": "model", "group": group}))
         self.streams: dict[str, AsyncPoolRequestStream] = {}
         self.quiet: set[str] = set()  # the requests without a stream
         self.sizes = self.pool.sizes
@@ -351,17 +358,33 @@ class PoolModel(RuleBasedStateMachine):
             data.draw(st.sampled_from(serving))._client.kill()
 
     @precondition(lambda self: any(r.state is ReplicaState.DEAD for r in self.pool.replicas))
-    @rule(data=st.data())
-    def restart(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), fails=st.booleans())
+    def restart(self, data: st.DataObject, fails: bool) -> None:
+        """A dead replica's restart timer fires: it starts again with its whole group, or
+        the start fails (one more death of the replica, or of its group)."""
         dead = [r for r in self.pool.replicas if r.state is ReplicaState.DEAD]
-        r = data.draw(st.sampled_from(dead))
-        if self.pool._core.restarting(r):
+        core = self.pool._core
+        group = core.group_of(data.draw(st.sampled_from(dead)))
+        starting = [r for r in group if core.restarting(r)]
+        assert starting == list(group), f"{group} did not start together"
+        if fails:
+            event("a restart failed")
+            death = core.died(starting[0], time.monotonic())
+            assert death.stop == ()
+            assert death.restart in ((), group)
+            return
+        if len(starting) > 1:
+            event("a group started again")
+        for r in starting:
             self.pool.start(r)
 
     @precondition(lambda self: len(self.pool.replicas) < 6)
-    @rule()
-    def add_replica(self) -> None:
-        self.pool.start(self.pool._core.new_replica({"factory": "model"}))
+    @rule(group=st.sampled_from([None, "g", "h"]))
+    def add_replica(self, group: str | None) -> None:
+        members = [r for r in self.pool.replicas if r.group == group and r.group is not None]
+        if any(r.state is not ReplicaState.SERVING for r in members):
+            group = None  # not beside a group that is down: it would serve alone
+        self.pool.start(self.pool._core.new_replica({"factory": "model", "group": group}))
 
     @rule(data=st.data(), drain=st.booleans())
     def remove_replica(self, data: st.DataObject, drain: bool) -> None:
@@ -379,6 +402,15 @@ class PoolModel(RuleBasedStateMachine):
         core.set_state(r, ReplicaState.REMOVED)
 
     # -- invariants -----------------------------------------------------------------------
+
+    @invariant()
+    def groups_live_and_die_together(self) -> None:
+        states: dict[str, set[ReplicaState]] = {}
+        for r in self.pool.replicas:
+            if r.group is not None and r.state is not ReplicaState.DRAINING:
+                states.setdefault(r.group, set()).add(r.state)
+        for group, seen in states.items():
+            assert len(seen) == 1, f"group {group}: {seen}"
 
     @invariant()
     def streams_are_consistent(self) -> None:
@@ -478,6 +510,9 @@ class PoolModel(RuleBasedStateMachine):
                 assert last.error is end.exc
                 if isinstance(end.exc, ReplicaDeadError):
                     assert end.exc.delivered == len(items) - 1
+                    assert end.exc.replica is self.streams[rid].replica
+                    if "restart group" in str(end.exc):
+                        event("a request ended with its replica's group")
             else:
                 assert isinstance(last, Aborted)
 
@@ -487,7 +522,7 @@ class PoolModelWithoutHook(PoolModel):
     one replica is routable ``add()`` sends to it without routing."""
 
     hook = False
-    replicas = 1
+    groups = (None,)
 
 
 TestPoolModel = PoolModel.TestCase

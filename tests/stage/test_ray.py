@@ -3,30 +3,39 @@ starts (2 CPUs) and shuts down after its tests."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from enginecore.stage import (
+    AsyncStageClient,
     AuthenticationError,
+    CurveKeys,
     EngineDeadError,
     ReplicaDeadError,
     ReplicaState,
     RestartPolicy,
     StageClient,
+    StageObserver,
     StagePool,
     StageStartupError,
+    _logs,
 )
+from enginecore.stage._curve import keygen
 
-from .conftest import wait_until
+from .conftest import _clients, wait_until
+from .test_logs import Records
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
@@ -80,8 +89,9 @@ def no_actor_left() -> bool:
 
 
 def ray_stage(client: Any) -> RayStage:
-    """The Ray stage a client owns (where a launched stage's process handle stands)."""
-    stage = client._launched
+    """The Ray stage a client owns (where a launched stage's process handle stands); of
+    an AsyncStageClient behind the blocking adapter too."""
+    stage = getattr(client, "_client", client)._launched
     assert isinstance(stage, RayStage)
     return stage
 
@@ -217,6 +227,30 @@ def test_pool_of_two_ray_replicas_routes_survives_a_kill_and_restarts() -> None:
     assert no_actor_left()
 
 
+def test_a_restart_group_on_ray_dies_and_is_placed_again_together() -> None:
+    restart = RestartPolicy(first_delay=0.2)
+    with StagePool.launch_on_ray(
+        SCRIPTED, replicas=2, placement=SMALL, restart=restart, group="tp"
+    ) as pool:
+        r0, r1 = pool.replicas
+        assert r0.group == r1.group == "tp"
+        old = [ray_stage(r._client) for r in (r0, r1)]
+        waiting = r1._client.call_utility_future("deferred_never")
+        ray.kill(old[0].actor)
+        with pytest.raises(ReplicaDeadError, match="restart group 'tp': replica r0 died") as info:
+            waiting.result(5)
+        assert info.value.replica is r1
+        assert wait_until(lambda: r0.state is r1.state is ReplicaState.SERVING, 30)
+        assert (r0.restarts, r1.restarts) == (1, 1)
+        new = [ray_stage(r._client) for r in (r0, r1)]
+        assert all(n is not o for n, o in zip(new, old, strict=True))
+        assert old[1].reap() == -int(signal.SIGKILL)  # ray.kill-ed with its group
+        streams = pool.add_many([(f"g{i}", 2) for i in range(4)])
+        assert {s.replica for s in streams} == {r0, r1}
+        assert [s.collect() for s in streams] == [[1, 0]] * 4
+    assert no_actor_left()
+
+
 def test_add_replica_on_ray_beside_a_launched_one() -> None:
     with StagePool.launch(COUNTDOWN, replicas=1) as pool:
         replica = pool.add_replica(COUNTDOWN, ray=SMALL)
@@ -293,4 +327,200 @@ def test_an_unreachable_stage_fails_within_the_connect_timeout(
     with pytest.raises(StageStartupError, match="handshake"):
         launch_on_ray(COUNTDOWN, placement=SMALL, connect_timeout=1.5)
     assert time.monotonic() - begin < 10
+    assert no_actor_left()
+
+
+# -- both clients: StageClient.launch_on_ray, AsyncStageClient.launch_on_ray -------------------
+
+
+@pytest.fixture(params=["sync", "async"])
+def ray_launch(request: pytest.FixtureRequest) -> Iterator[Callable[..., StageClient]]:
+    """``StageClient.launch_on_ray``, or ``AsyncStageClient.launch_on_ray`` behind the
+    blocking adapter; every client is closed afterwards."""
+    with _clients(request.param, "launch_on_ray") as open_:
+        yield open_
+
+
+def test_both_clients_place_a_stage_on_ray(ray_launch: Callable[..., StageClient]) -> None:
+    client = ray_launch(SCRIPTED, placement=SMALL, ordered_events=True)
+    assert client.address.startswith("tcp://")
+    assert ray_stage(client).curve is not None  # CURVE by default
+    assert client.add("r1", 3).collect() == [2, 1, 0]
+    assert len(client.get_events(5)) >= 1  # the ordered event stream is on
+    assert client.call_utility("div", 1, 4) == 0.25
+    pending = client.call_utility_future("deferred_never")
+    start = time.monotonic()
+    ray.kill(ray_stage(client).actor)
+    with pytest.raises(EngineDeadError, match="its Ray actor died"):
+        pending.result(5)
+    assert time.monotonic() - start < 1.0
+    client.close()
+    assert no_actor_left()
+
+
+def test_both_clients_report_a_failed_start_and_leave_no_actor(
+    ray_launch: Callable[..., StageClient],
+) -> None:
+    with pytest.raises(StageStartupError, match="failed on purpose"):
+        ray_launch("enginecore.stage.testing:failing_factory", placement=SMALL)
+    with pytest.raises(ValueError, match="connect_timeout"):
+        ray_launch(COUNTDOWN, connect_timeout=60)
+    assert no_actor_left()
+
+
+def test_cancelling_an_async_launch_on_ray_leaves_no_actor() -> None:
+    async def main() -> None:
+        task = asyncio.ensure_future(AsyncStageClient.launch_on_ray(COUNTDOWN, placement=SMALL))
+        await asyncio.sleep(0.2)  # placing, or starting
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert no_actor_left()
+
+
+# -- logs of a stage placed on Ray ------------------------------------------------------------
+
+
+@pytest.fixture
+def test_records() -> Iterator[Records]:
+    """A :class:`Records` on this process's ``enginecore.test`` logger."""
+    handler = Records()
+    log = logging.getLogger("enginecore.test")
+    log.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+
+
+@pytest.mark.parametrize("insecure", [False, True], ids=["curve", "insecure"])
+def test_forwarded_logs_of_a_stage_on_ray(
+    ray_launch: Callable[..., StageClient],
+    test_records: Records,
+    insecure: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The client connects to the log socket a second late (after it asked the actor to
+    # start): the actor must wait for it before it builds the engine, or the record the
+    # factory logs is dropped.
+    real_forward_from = _logs.forward_from
+
+    class Late:
+        def __init__(self, *args: Any) -> None:
+            self.source: Any = None
+            self.timer = threading.Timer(1.0, self.connect, args)
+            self.timer.start()
+
+        def connect(self, *args: Any) -> None:
+            self.source = real_forward_from(*args)
+
+        def release(self) -> None:
+            self.timer.join()
+            self.source.release()
+
+    monkeypatch.setattr(_logs, "forward_from", Late)
+    client = ray_launch(
+        SCRIPTED,
+        {"log": "building the engine"},
+        placement=SMALL,
+        insecure=insecure,
+        name="ray-logs",
+        log_level="DEBUG",
+        forward_logs=True,
+    )
+    # Logged while the engine was built, before the stage was up: not lost.
+    built = test_records.wait_for("building the engine")
+    assert built.stage == "ray-logs"  # type: ignore[attr-defined]
+    assert built.process == client.pid
+    assert client.call_utility("emit_log", "enginecore.test", logging.DEBUG, "fine detail")
+    assert test_records.wait_for("fine detail").levelno == logging.DEBUG
+    assert ray_stage(client).logs is not None
+    client.close()
+    assert no_actor_left()
+
+
+# -- bring your own keys -------------------------------------------------------------------------
+
+
+class OwnKeys:
+    def __init__(self, root: Path) -> None:
+        stage_public, self.stage_secret = keygen(root, "stage")
+        _, client_secret = keygen(root, "client")
+        _, observer_secret = keygen(root, "observer")
+        mallory_public, mallory_secret = keygen(root, "mallory")
+        self.client = CurveKeys.load(client_secret, stage_public)
+        self.observer = CurveKeys.load(observer_secret, stage_public)
+        self.observer_public = self.observer.public_key
+        self.mallory = CurveKeys.load(mallory_secret, stage_public)
+        self.wrong_server = CurveKeys.load(client_secret, mallory_public)
+
+
+@pytest.fixture(scope="module")
+def own_keys(tmp_path_factory: pytest.TempPathFactory) -> OwnKeys:
+    # Module-scoped: made before the autouse no_leftovers fixture points tempfile at the
+    # directory that it checks is empty afterwards.
+    return OwnKeys(tmp_path_factory.mktemp("own-keys"))
+
+
+def test_a_stage_on_ray_with_your_own_keys_admits_the_listed_clients(own_keys: OwnKeys) -> None:
+    keys = own_keys
+    with launch_on_ray(
+        COUNTDOWN,
+        placement=SMALL,
+        curve=keys.client,
+        stage_secret_key=keys.stage_secret,
+        authorized_clients=[keys.observer_public],
+    ) as client:
+        stage = ray_stage(client)
+        assert stage.curve == keys.client  # the stage's key is the one from its file
+        assert list(client.add("r1", 2)) == [1, 0]
+        with StageObserver(client.address, curve=keys.observer) as observer:
+            assert observer.stats(5).outputs == 2  # a listed observer reads it
+        with (
+            StageObserver(client.address, curve=keys.mallory) as observer,
+            pytest.raises(AuthenticationError, match="not among"),
+        ):
+            observer.stats(5)
+    assert no_actor_left()
+
+
+def test_your_own_keys_are_checked(own_keys: OwnKeys) -> None:
+    keys = own_keys
+    with pytest.raises(StageStartupError, match="is not the stage's key that curve names"):
+        launch_on_ray(
+            COUNTDOWN, placement=SMALL, curve=keys.wrong_server, stage_secret_key=keys.stage_secret
+        )
+    with pytest.raises(StageStartupError, match="no such file"):
+        launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key="/no/such/stage.key_secret")
+    with pytest.raises(ValueError, match="give stage_secret_key"):
+        launch_on_ray(COUNTDOWN, curve=keys.client)
+    with pytest.raises(ValueError, match="insecure=True uses no CURVE"):
+        launch_on_ray(COUNTDOWN, insecure=True, authorized_clients=[keys.observer_public])
+    with pytest.raises(ValueError, match="authorized_clients"):
+        launch_on_ray(COUNTDOWN, authorized_clients=[b"short"])
+    assert no_actor_left()
+
+
+def test_a_pool_on_ray_with_your_own_keys_and_forwarded_logs(
+    own_keys: OwnKeys, test_records: Records
+) -> None:
+    with StagePool.launch_on_ray(
+        SCRIPTED,
+        {"log": "replica built"},
+        replicas=1,
+        placement=SMALL,
+        curve=own_keys.client,
+        stage_secret_key=own_keys.stage_secret,
+        authorized_clients=[own_keys.observer_public],
+        forward_logs=True,
+        name="pool",
+    ) as pool:
+        assert test_records.wait_for("replica built").stage == "pool/r0"  # type: ignore[attr-defined]
+        (replica,) = pool.replicas
+        assert replica.address is not None
+        with StageObserver(replica.address, curve=own_keys.observer) as observer:
+            assert observer.stats(5).pid == replica.pid
+        assert pool.add("r1", 2).collect() == [1, 0]
     assert no_actor_left()

@@ -22,11 +22,12 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import zmq
 import zmq.asyncio
@@ -41,6 +42,9 @@ from ._session import ClientSession, Deliveries, End, StreamCore
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
+
+if TYPE_CHECKING:
+    from .ray import RayPlacement
 
 __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 
@@ -240,6 +244,60 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             "load_interval": load_interval,
         }
         return await cls._launch(factory, kwargs, startup_timeout, ordered_events, options)
+
+    @classmethod
+    async def launch_on_ray(
+        cls,
+        factory: str,
+        /,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        placement: RayPlacement | None = None,
+        insecure: bool = False,
+        curve: CurveKeys | None = None,
+        stage_secret_key: str | os.PathLike[str] | None = None,
+        authorized_clients: Sequence[bytes] = (),
+        startup_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        ordered_events: bool = False,
+        name: str | None = None,
+        step_timeout: float | None = STEP_TIMEOUT,
+        kill_after: float | None = None,
+        log_level: int | str | None = None,
+        forward_logs: bool = False,
+        load_interval: float | None = LOAD_INTERVAL,
+    ) -> AsyncStageClient:
+        """:meth:`StageClient.launch_on_ray <enginecore.stage.StageClient.launch_on_ray>`,
+        awaited: the placement (Ray's calls block) runs in a worker thread, so the event
+        loop keeps running. Cancelling it kills the actor once it is placed; no actor is
+        left behind either way."""
+        from .ray import RayPlan, open_on_ray_async
+
+        plan = RayPlan.make(
+            factory,
+            kwargs,
+            placement=placement,
+            insecure=insecure,
+            curve=curve,
+            stage_secret_key=stage_secret_key,
+            authorized_clients=authorized_clients,
+            startup_timeout=startup_timeout,
+            connect_timeout=connect_timeout,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            name=name,
+            step_timeout=step_timeout,
+            kill_after=kill_after,
+            log_level=log_level,
+            forward_logs=forward_logs,
+            load_interval=load_interval,
+        )
+        client: AsyncStageClient = await open_on_ray_async(
+            plan, cls._open, ordered_events=ordered_events
+        )
+        return client
 
     @classmethod
     async def _launch(

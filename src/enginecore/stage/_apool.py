@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from types import TracebackType
@@ -21,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from . import _clientbase, _session
 from ._aclient import AsyncRequestStream, AsyncStageClient, _until
-from ._clientbase import raise_startup_error
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
+    Death,
     DeathHook,
     PoolEvent,
     Replica,
@@ -38,16 +39,18 @@ from ._poolbase import (
     PoolStreamCore,
     connect_specs,
     events_off,
+    fail_with_group,
     launch_specs,
     member_plan,
     replica_spec,
+    with_groups,
 )
 from ._session import Deliveries
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
 
 if TYPE_CHECKING:
-    from .ray import RayPlacement, RayPlan, RayStage
+    from .ray import RayPlacement
 
 __all__ = ["AsyncPoolRequestStream", "AsyncStagePool"]
 
@@ -145,6 +148,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         load_interval: float | None = LOAD_INTERVAL,
         ping_interval: float = _session.LAUNCHED_PING_S,
         ordered_events: bool = False,
+        group: str | Sequence[str | None] | None = None,
     ) -> AsyncStagePool:
         """:meth:`StagePool.launch <enginecore.stage.StagePool.launch>`, awaited."""
         options = {
@@ -158,7 +162,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "ping_interval": ping_interval,
         }
         return await cls._opened(
-            launch_specs(factory, kwargs, replicas, options),
+            with_groups(launch_specs(factory, kwargs, replicas, options), group),
             routing=routing,
             restart=restart,
             on_replica_death=on_replica_death,
@@ -176,6 +180,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         replicas: int = 1,
         placement: RayPlacement | Sequence[RayPlacement] | None = None,
         insecure: bool = False,
+        curve: CurveKeys | None = None,
+        stage_secret_key: str | os.PathLike[str] | None = None,
+        authorized_clients: Sequence[bytes] = (),
         routing: Routing | ScoreFn | None = None,
         restart: RestartPolicy | bool = False,
         on_replica_death: DeathHook | None = None,
@@ -188,8 +195,10 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         step_timeout: float | None = STEP_TIMEOUT,
         kill_after: float | None = None,
         log_level: int | str | None = None,
+        forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
         ordered_events: bool = False,
+        group: str | Sequence[str | None] | None = None,
     ) -> AsyncStagePool:
         """:meth:`StagePool.launch_on_ray <enginecore.stage.StagePool.launch_on_ray>`,
         awaited."""
@@ -197,6 +206,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
 
         options = {
             "insecure": insecure,
+            "curve": curve,
+            "stage_secret_key": stage_secret_key,
+            "authorized_clients": authorized_clients,
             "startup_timeout": startup_timeout,
             "connect_timeout": connect_timeout,
             "heartbeat_interval": heartbeat_interval,
@@ -205,10 +217,11 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "step_timeout": step_timeout,
             "kill_after": kill_after,
             "log_level": log_level,
+            "forward_logs": forward_logs,
             "load_interval": load_interval,
         }
         return await cls._opened(
-            ray_specs(factory, kwargs, replicas, placement, options),
+            with_groups(ray_specs(factory, kwargs, replicas, placement, options), group),
             routing=routing,
             restart=restart,
             on_replica_death=on_replica_death,
@@ -274,29 +287,52 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
 
     async def _start(self, replica: Replica) -> None:
         """Start *replica*'s member client and make it serve."""
+        await self._start_all([replica])
+
+    async def _start_all(self, replicas: Sequence[Replica]) -> None:
+        """:meth:`StagePool._start_all <enginecore.stage.StagePool._start_all>`: start the
+        members of *replicas* at once, then make them serve; if one does not start, close
+        those that did and raise its error."""
+        generations = [r._generation for r in replicas]
+        results = await asyncio.gather(
+            *(self._open_member(r) for r in replicas), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for m in results:
+                if isinstance(m, _AsyncMember):
+                    await m.close()
+            raise errors[0]
+        for replica, member, generation in zip(replicas, results, generations, strict=True):
+            assert isinstance(member, _AsyncMember)
+            member._replica = replica
+            member._pool = self
+            if not self._core.started(replica, member, generation):
+                await member.close()  # removed, dead with its group, or the pool closes
+                continue
+            if self._events is not None:
+                member._event_sink = functools.partial(self._member_events, member)
+                self._member_events(member)  # what came before the sink was set
+            failure = member._session.failure
+            if failure is not None:  # died before _pool was set: nobody saw it
+                self._member_gone(member, failure)
+
+    async def _open_member(self, replica: Replica) -> _AsyncMember:
         plan = member_plan(replica)
         events = self._events is not None  # each member keeps its events for the pool's
         if plan[0] == "connect":
             member = await _AsyncMember._open(plan[1]._replace(ordered_events=events))
         elif plan[0] == "ray":
-            member = await _open_on_ray(plan[1], events)
+            from .ray import open_on_ray_async
+
+            member = await open_on_ray_async(plan[1], _AsyncMember._open, ordered_events=events)
         else:
             _, factory, kwargs, startup_timeout, options, ping_s = plan
             member = await _AsyncMember._launch(
                 factory, kwargs, startup_timeout, events, options, ping_s=ping_s
             )
         assert isinstance(member, _AsyncMember)
-        member._replica = replica
-        member._pool = self
-        if not self._core.started(replica, member):  # removed, or the pool closes
-            await member.close()
-            return
-        if events:
-            member._event_sink = functools.partial(self._member_events, member)
-            self._member_events(member)  # what came before the sink was set
-        failure = member._session.failure
-        if failure is not None:  # died before _pool was set: nobody saw it
-            self._member_gone(member, failure)
+        return member
 
     # -- what the base needs -----------------------------------------------------------------
 
@@ -493,37 +529,55 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         replica = member._replica
         if replica._client is not member:
             return  # an old member of a restarted replica
-        delay = self._core.died(replica, time.monotonic())
+        death = self._core.died(replica, time.monotonic())
         if isinstance(failure, StageClosedError):
             return  # the pool closed it, and closes it
         logger.warning("enginecore: replica %s is gone: %s", replica.name, failure)
-        task = self._loop.create_task(self._supervise(replica, member, delay))
+        task = self._loop.create_task(self._supervise(replica, member, death))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _supervise(self, replica: Replica, member: _AsyncMember, delay: float | None) -> None:
-        """Task: release a dead member; with a delay, start the replica again then, and
-        again after each failed start, until it serves, fails for good or the pool closes."""
+    async def _supervise(self, replica: Replica, member: _AsyncMember, death: Death) -> None:
+        """Task: release a dead member and stop the rest of its restart group; with a
+        delay, start the replica (or its whole group) again then, and again after each
+        failed start, until it serves, fails for good or the pool closes."""
         try:
+            await self._stop_group(replica, death.stop)
             await member.close()
             self._exit_codes[replica] = member.exit_code
+            delay, group = death.delay, death.restart
             while delay is not None:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._closed.wait(), delay)
                     return  # the pool closes
-                if not self._core.restarting(replica):
+                starting = [r for r in group if self._core.restarting(r)]
+                if not starting:
                     return
+                names = ", ".join(r.name for r in starting)
                 try:
-                    await self._start(replica)
-                    logger.warning("enginecore: replica %s started again", replica.name)
+                    await self._start_all(starting)
+                    logger.warning("enginecore: replica %s started again", names)
                     return
                 except Exception as exc:
-                    logger.warning(
-                        "enginecore: replica %s did not start again: %s", replica.name, exc
-                    )
-                    delay = self._core.died(replica, time.monotonic())
+                    logger.warning("enginecore: replica %s did not start again: %s", names, exc)
+                    left = [r for r in starting if r.state is ReplicaState.STARTING]
+                    if not left:  # removed meanwhile, or the pool closes
+                        return
+                    death = self._core.died(left[0], time.monotonic())
+                    await self._stop_group(left[0], death.stop)
+                    delay, group = death.delay, death.restart
         except Exception:
             logger.exception("enginecore: a replica pool task failed")
+
+    async def _stop_group(self, dead: Replica, stop: Sequence[Replica]) -> None:
+        """Stop the members of *dead*'s restart group that still served (the core marked
+        them dead): at once, so that their requests end now, then close them."""
+        members = [(r, r._client) for r in stop]
+        for r, m in members:
+            fail_with_group(m, r, dead)
+        for r, m in members:
+            await m.close()
+            self._exit_codes[r] = m.exit_code
 
     # -- closing -----------------------------------------------------------------------------
 
@@ -583,27 +637,3 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             self._end_events()
             self._closed_done = True
             return dict(self._exit_codes)
-
-
-async def _open_on_ray(plan: RayPlan, events: bool) -> _AsyncMember:
-    """Place *plan*'s stage on Ray (in a worker thread: Ray's calls block) and open its
-    member client (with its ordered event stream if *events*); on failure or cancellation,
-    no actor is left behind."""
-    fut = asyncio.get_running_loop().run_in_executor(None, plan.start)
-    try:
-        stage = await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        fut.add_done_callback(_kill_placed)
-        raise
-    try:
-        member = await _AsyncMember._open(plan.target(stage)._replace(ordered_events=events))
-    except BaseException as exc:
-        stage.kill_and_clean()
-        raise_startup_error(plan.factory, exc)
-    assert isinstance(member, _AsyncMember)
-    return member
-
-
-def _kill_placed(fut: asyncio.Future[RayStage]) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result().kill_and_clean()

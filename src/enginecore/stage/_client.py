@@ -50,7 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Final, Literal, overload
+from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -64,6 +64,9 @@ from ._session import ClientSession, Deliveries, End, StreamCore
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
+
+if TYPE_CHECKING:
+    from .ray import RayPlacement
 
 __all__ = ["Receiver", "RequestStream", "StageClient"]
 
@@ -348,6 +351,61 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             "load_interval": load_interval,
         }
         return cls._launch(factory, kwargs, startup_timeout, ordered_events, options)
+
+    @classmethod
+    def launch_on_ray(
+        cls,
+        factory: str,
+        /,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        placement: RayPlacement | None = None,
+        insecure: bool = False,
+        curve: CurveKeys | None = None,
+        stage_secret_key: str | os.PathLike[str] | None = None,
+        authorized_clients: Sequence[bytes] = (),
+        startup_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        ordered_events: bool = False,
+        name: str | None = None,
+        step_timeout: float | None = STEP_TIMEOUT,
+        kill_after: float | None = None,
+        log_level: int | str | None = None,
+        forward_logs: bool = False,
+        load_interval: float | None = LOAD_INTERVAL,
+    ) -> StageClient:
+        """Place a stage running ``factory(**kwargs)`` on Ray, in an actor's own process,
+        and return its client, which owns the actor (``pip install 'enginecore[ray]'``;
+        ``docs/ray.md``): :func:`enginecore.stage.ray.launch_on_ray`, whose arguments these
+        are (placement, CURVE keys, the handshake and heartbeat timeouts, the stage
+        options of :meth:`launch`). Blocks until the stage is ready;
+        :class:`~enginecore.stage.StageStartupError` otherwise, with no actor left
+        behind."""
+        from .ray import RayPlan, open_on_ray
+
+        plan = RayPlan.make(
+            factory,
+            kwargs,
+            placement=placement,
+            insecure=insecure,
+            curve=curve,
+            stage_secret_key=stage_secret_key,
+            authorized_clients=authorized_clients,
+            startup_timeout=startup_timeout,
+            connect_timeout=connect_timeout,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            name=name,
+            step_timeout=step_timeout,
+            kill_after=kill_after,
+            log_level=log_level,
+            forward_logs=forward_logs,
+            load_interval=load_interval,
+        )
+        client: StageClient = open_on_ray(plan, cls._open, ordered_events=ordered_events)
+        return client
 
     @classmethod
     def _launch(

@@ -29,6 +29,13 @@ logging cookbook's socket receiver does: the child's level decided, the parent's
 and filters apply. A stage's socket is closed when the stage's handler says it is done (at
 the child's ``logging.shutdown``), or a short grace period after the client released the
 stage (its process has exited by then).
+
+A stage placed on Ray (``enginecore.stage.ray``) may run on another host, so the direction
+of the connection turns: the actor's handler *binds* its ``PUSH`` socket on the node's IP
+(TCP; a CURVE server that admits only the client's key, unless the stage is insecure) and
+the client's ``PULL`` connects to the address the actor returned (:func:`forward_from`). A
+bound socket queues nothing before a peer is there, so the actor waits for the client's
+handshake (:meth:`ForwardHandler.wait_connected`) before it builds the engine.
 """
 
 from __future__ import annotations
@@ -45,12 +52,16 @@ from typing import Any, Final
 import msgspec
 import zmq
 
+from ._curve import CurveKeys, ServerCurve, secure_client, secure_server, start_authenticator
+from ._wire import is_ipv6_endpoint
+
 __all__ = [
     "STAGE_LOG_FORMAT",
     "ForwardHandler",
     "LogSource",
     "check_log_level",
     "configure_stage",
+    "forward_from",
     "forward_to_parent",
 ]
 
@@ -146,8 +157,16 @@ class _StageFilter(logging.Filter):
         return True
 
 
-def configure_stage(stage: str, level: int | None, forward_address: str | None) -> None:
-    """Set up logging in a stage process (see the module docstring). Call it once, first."""
+def configure_stage(
+    stage: str,
+    level: int | None,
+    forward_address: str | None,
+    *,
+    forward: ForwardHandler | None = None,
+) -> None:
+    """Set up logging in a stage process (see the module docstring). Call it once, first.
+    *forward*: a handler made already (a Ray stage's, bound), instead of one that connects
+    to *forward_address*."""
     previous = logging.getLogRecordFactory()
 
     def record_factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
@@ -158,8 +177,8 @@ def configure_stage(stage: str, level: int | None, forward_address: str | None) 
     logging.setLogRecordFactory(record_factory)
     if level is not None:
         logging.getLogger().setLevel(level)
-    if forward_address is not None:
-        handler: logging.Handler = ForwardHandler(forward_address, stage)
+    if forward is not None or forward_address is not None:
+        handler: logging.Handler = forward or ForwardHandler(forward_address or "", stage)
         handler.addFilter(_StageFilter(stage))
         logging.getLogger().addHandler(handler)
     else:
@@ -177,7 +196,12 @@ class ForwardHandler(logging.Handler):
     :meth:`emit`, so the socket is used by one thread at a time.
     """
 
-    def __init__(self, address: str, stage: str) -> None:
+    def __init__(
+        self, address: str, stage: str, *, bind: bool = False, curve: ServerCurve | None = None
+    ) -> None:
+        """Connect to the parent's socket at *address*; with *bind*, bind there instead
+        (``tcp://HOST:0`` for a free port; :attr:`address` is then the bound one), a CURVE
+        server with *curve* (its own ZAP handler admits only *curve*'s keys)."""
         super().__init__()
         self.stage = stage
         self.dropped = 0
@@ -189,7 +213,32 @@ class ForwardHandler(logging.Handler):
         self._sock: zmq.Socket[bytes] | None = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, _SNDHWM)
         self._sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        self._sock.connect(address)
+        self._auth: Any = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self.address = address
+        if not bind:
+            self._sock.connect(address)
+            return
+        try:
+            self._sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(address))
+            if curve is not None:
+                self._auth = start_authenticator(self._ctx, curve)
+                secure_server(self._sock, curve)
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._sock.bind(address)
+            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self._close_now()
+            raise
+
+    def wait_connected(self, timeout: float) -> bool:
+        """A bound handler: wait until the parent's socket has connected (its handshake
+        done), at most *timeout* seconds; whether it has. Records sent before are dropped
+        (and counted), so a stage waits for this before it logs anything that matters."""
+        monitor = self._monitor
+        if monitor is None:
+            return True
+        return bool(monitor.poll(max(0, round(timeout * 1000))))
 
     def emit(self, record: logging.LogRecord) -> None:
         sock = self._sock
@@ -250,11 +299,27 @@ class ForwardHandler(logging.Handler):
                 sock.setsockopt(zmq.SNDTIMEO, _LINGER_MS)
                 with contextlib.suppress(zmq.ZMQError):
                     sock.send(_encoder.encode(end))
-                sock.close()
-                ctx.term()
+                self._sock, self._ctx = sock, ctx
+                self._close_now()
         finally:
             self.release()
         super().close()
+
+    def _close_now(self) -> None:
+        """Close the socket (its queued records may leave for ``_LINGER_MS``), the monitor
+        and the ZAP handler, and the context."""
+        sock, ctx, monitor, auth = self._sock, self._ctx, self._monitor, self._auth
+        self._sock = self._ctx = self._monitor = self._auth = None
+        if monitor is not None and sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(linger=0)
+        if sock is not None:
+            sock.close()
+        if auth is not None:
+            auth.stop()
+        if ctx is not None:
+            ctx.term()
 
 
 def _without_surrogates(wire: _Record) -> _Record:
@@ -432,8 +497,28 @@ def forward_to_parent(ipc_dir: str, stage: str) -> tuple[str, LogSource]:
     """Bind a ``PULL`` socket for a stage's records in *ipc_dir* and hand it to the log
     thread (started if need be). Returns the address for the child, and the source to
     :meth:`~LogSource.release` once the stage has exited."""
-    global _current
     address = f"ipc://{os.path.join(ipc_dir, 'log')}"
+    return address, _add_source(stage, lambda sock: sock.bind(address))
+
+
+def forward_from(address: str, stage: str, curve: CurveKeys | None) -> LogSource:
+    """Connect a ``PULL`` socket to the records of a stage whose handler bound *address*
+    (a stage placed on Ray), a CURVE client with *curve*, and hand it to the log thread.
+    Returns the source to :meth:`~LogSource.release` once the stage has ended."""
+
+    def connect(sock: zmq.Socket[bytes]) -> None:
+        sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(address))
+        if curve is not None:
+            secure_client(sock, curve)
+        sock.connect(address)
+
+    return _add_source(stage, connect)
+
+
+def _add_source(stage: str, attach: Any) -> LogSource:
+    """A ``PULL`` socket of the log thread's context, set up by ``attach(sock)``, read by
+    the log thread (started if need be) from now on."""
+    global _current
     with _lock:
         receiver = _current
         fresh = receiver is None
@@ -443,7 +528,7 @@ def forward_to_parent(ipc_dir: str, stage: str) -> tuple[str, LogSource]:
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, _RCVHWM)
-            sock.bind(address)
+            attach(sock)
         except BaseException:
             sock.close(linger=0)
             if fresh:
@@ -456,7 +541,7 @@ def forward_to_parent(ipc_dir: str, stage: str) -> tuple[str, LogSource]:
             receiver.thread.start()
         else:
             receiver.wake()
-    return address, source
+    return source
 
 
 def _finish_at_exit() -> None:

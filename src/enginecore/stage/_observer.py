@@ -8,6 +8,11 @@ peer that is not its attached client on the input socket, as it answers a ``hell
 the ``["utility", call_id, result, nil]`` event that a client gets on its output socket: so
 the observer needs no output socket and no session, and the attached client never sees
 anything of it. The stage's input thread answers, without waiting for the loop or a step.
+
+A stage served with CURVE (``docs/security.md``) admits an observer like any client: with a
+listed key pair and the stage's public key (``curve=``). The observer watches its DEALER's
+socket monitor, so a refused key, a wrong server key or CURVE on one side only is an
+:class:`~enginecore.stage.AuthenticationError`, not a silent timeout.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from ._errors import ProtocolError, UtilityError
+from ._curve import HANDSHAKE_EVENTS, CurveKeys, HandshakeWatch, secure_client
+from ._errors import AuthenticationError, ProtocolError, UtilityError
 from ._statistics import StageStatistics
 from ._wire import is_ipv6_endpoint
 
@@ -42,26 +49,62 @@ class StageObserver:
     blocking (at most a few are queued while it is unreachable) and every wait is bounded.
     """
 
-    def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        *,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        """*curve* (:class:`~enginecore.stage.CurveKeys`: a key pair the stage lists and
+        the stage's public key) observes a stage served with CURVE."""
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise TypeError(f"curve must be CurveKeys, got {type(curve).__name__}")
         self.address = address
+        self._curve = curve
         self._own_ctx = ctx is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if ctx is None else ctx
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(address))
+        monitor: zmq.Socket[bytes] | None = None
         try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+            sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(address))
+            if curve is not None:
+                secure_client(sock, curve)
+            monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
             sock.connect(address)
         except zmq.ZMQError:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close()
             if self._own_ctx:
                 self._ctx.term()
             raise
         self.socket: zmq.Socket[bytes] = sock
         """The ``DEALER``: poll it for ``POLLIN`` to know an answer is waiting."""
+        self.monitor: zmq.Socket[bytes] = monitor
+        """Its socket monitor: poll it too, and call :meth:`failure` when it is readable,
+        to know at once that the stage refused the observer."""
+        self._watch = HandshakeWatch(address, curve)
         self._ids = itertools.count(random.randrange(1, 2**52)).__next__
         self._pending: int | None = None  # the latest request's call id
         self._closed = False
+
+    def failure(self) -> AuthenticationError | None:
+        """Why the stage refuses this observer (read from the socket monitor: a key it does
+        not list, a wrong server key, CURVE on one side only), or ``None``. A later
+        successful handshake (the stage restarted with the right keys) clears it. Never
+        blocks."""
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return self._watch.failure
+            if int(event["event"]) == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._watch = HandshakeWatch(self.address, self._curve)
+            self._watch.feed(event)
 
     def request(self) -> bool:
         """Ask for the stage's statistics; never blocks. Only the answer to the latest
@@ -79,12 +122,24 @@ class StageObserver:
         """The answer to the latest :meth:`request`, if it arrives within *timeout* seconds
         (``0``: only if it is already here), else ``None``. Answers to older requests and
         anything that is not an answer are dropped. :class:`UtilityError` if the stage
-        refused the request, :class:`ProtocolError` if its answer is not statistics."""
+        refused the request, :class:`ProtocolError` if its answer is not statistics, and
+        :class:`~enginecore.stage.AuthenticationError` (a ``ProtocolError``) as soon as the
+        stage refuses the observer's handshake (:meth:`failure`)."""
         deadline = time.monotonic() + max(0.0, timeout)
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while self._pending is not None:
             left_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
-            if not self.socket.poll(left_ms, zmq.POLLIN):
-                return None
+            ready = dict(poller.poll(left_ms))
+            if self.monitor in ready:
+                failure = self.failure()
+                if failure is not None:
+                    raise failure
+            if self.socket not in ready:
+                if not ready:
+                    return None
+                continue
             reply = self._read()
             if reply is None or reply[1] != self._pending:
                 continue
@@ -103,10 +158,14 @@ class StageObserver:
     def stats(self, timeout: float = 5.0) -> StageStatistics:
         """Ask for the stage's statistics and wait for them; :class:`TimeoutError` if no
         answer comes within *timeout* seconds (no stage there, or not one that answers
-        observers)."""
+        observers), :class:`~enginecore.stage.AuthenticationError` if the stage refuses
+        the observer (with CURVE: as soon as its handshake fails)."""
         self.request()
         stats = self.answer(timeout)
         if stats is None:
+            failure = self.failure()
+            if failure is not None:
+                raise failure
             raise TimeoutError(f"no answer from a stage at {self.address} in {timeout:g} s")
         return stats
 
@@ -128,6 +187,8 @@ class StageObserver:
         if self._closed:
             return
         self._closed = True
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close(linger=0)
         if self._own_ctx:
             self._ctx.term()

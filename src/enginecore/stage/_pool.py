@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,6 +33,7 @@ from ._client import Receiver, RequestStream, StageClient
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
+    Death,
     DeathHook,
     PoolEvent,
     Replica,
@@ -45,9 +47,11 @@ from ._poolbase import (
     PoolStreamCore,
     connect_specs,
     events_off,
+    fail_with_group,
     launch_specs,
     member_plan,
     replica_spec,
+    with_groups,
 )
 from ._session import Deliveries
 from ._statistics import LOAD_INTERVAL, StageStatistics
@@ -175,15 +179,18 @@ class StagePool(PoolBase[PoolRequestStream]):
         load_interval: float | None = LOAD_INTERVAL,
         ping_interval: float = _session.LAUNCHED_PING_S,
         ordered_events: bool = False,
+        group: str | Sequence[str | None] | None = None,
     ) -> StagePool:
         """Start *replicas* stage processes running ``factory(**kwargs)``, in parallel,
         and return their pool. The stage options are
         :meth:`StageClient.launch <enginecore.stage.StageClient.launch>`'s; each replica's
         stage is named ``"<name or factory>/r<i>"``. *ping_interval*: how often each
         replica is pinged; one silent for 1.75 intervals (a stopped process) leaves the
-        routing. *ordered_events*: the pool's event stream (:meth:`get_events`). If a
-        replica does not start, the others are stopped and its
-        :class:`~enginecore.stage.StageStartupError` is raised."""
+        routing. *ordered_events*: the pool's event stream (:meth:`get_events`). *group*: a
+        restart group for every replica, or one (or ``None``) per replica: when a member of
+        a group dies, the others are stopped, and with *restart* the group starts again as
+        a whole (``docs/pool.md``). If a replica does not start, the others are stopped and
+        its :class:`~enginecore.stage.StageStartupError` is raised."""
         options = {
             "startup_timeout": startup_timeout,
             "name": name,
@@ -195,7 +202,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             "ping_interval": ping_interval,
         }
         return cls._opened(
-            launch_specs(factory, kwargs, replicas, options),
+            with_groups(launch_specs(factory, kwargs, replicas, options), group),
             routing=routing,
             restart=restart,
             on_replica_death=on_replica_death,
@@ -213,6 +220,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         replicas: int = 1,
         placement: RayPlacement | Sequence[RayPlacement] | None = None,
         insecure: bool = False,
+        curve: CurveKeys | None = None,
+        stage_secret_key: str | os.PathLike[str] | None = None,
+        authorized_clients: Sequence[bytes] = (),
         routing: Routing | ScoreFn | None = None,
         restart: RestartPolicy | bool = False,
         on_replica_death: DeathHook | None = None,
@@ -225,24 +235,31 @@ class StagePool(PoolBase[PoolRequestStream]):
         step_timeout: float | None = STEP_TIMEOUT,
         kill_after: float | None = None,
         log_level: int | str | None = None,
+        forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
         ordered_events: bool = False,
+        group: str | Sequence[str | None] | None = None,
     ) -> StagePool:
         """Place *replicas* stages running ``factory(**kwargs)`` on Ray, in parallel,
         and return their pool (``docs/ray.md``). *placement*: one
         :class:`~enginecore.stage.ray.RayPlacement` for every replica, or one per replica
         (e.g. the bundles of a placement group). The other options are
-        :func:`enginecore.stage.ray.launch_on_ray`'s: CURVE unless *insecure*, heartbeats
+        :func:`enginecore.stage.ray.launch_on_ray`'s: CURVE unless *insecure* (your own keys
+        with *curve*, *stage_secret_key* and *authorized_clients*), heartbeats
         (a replica silent for *heartbeat_timeout* is dead), and the stage options. An
         actor's death is a :class:`~enginecore.stage.ReplicaDeadError` for that replica
-        within a second; with *restart*, the replica's actor is placed again. Each
-        replica's stage is named ``"<name or factory>/r<i>"``. If one does not start, the
-        others are stopped and its :class:`~enginecore.stage.StageStartupError` is
-        raised."""
+        within a second; with *restart*, the replica's actor is placed again. *group*:
+        restart groups, as :meth:`launch`'s (e.g. the ranks of one placement group, which
+        must restart together). Each replica's stage is named ``"<name or
+        factory>/r<i>"``. If one does not start, the others are stopped and its
+        :class:`~enginecore.stage.StageStartupError` is raised."""
         from .ray import ray_specs
 
         options = {
             "insecure": insecure,
+            "curve": curve,
+            "stage_secret_key": stage_secret_key,
+            "authorized_clients": authorized_clients,
             "startup_timeout": startup_timeout,
             "connect_timeout": connect_timeout,
             "heartbeat_interval": heartbeat_interval,
@@ -251,10 +268,11 @@ class StagePool(PoolBase[PoolRequestStream]):
             "step_timeout": step_timeout,
             "kill_after": kill_after,
             "log_level": log_level,
+            "forward_logs": forward_logs,
             "load_interval": load_interval,
         }
         return cls._opened(
-            ray_specs(factory, kwargs, replicas, placement, options),
+            with_groups(ray_specs(factory, kwargs, replicas, placement, options), group),
             routing=routing,
             restart=restart,
             on_replica_death=on_replica_death,
@@ -310,6 +328,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         """Add a replica while the pool serves: launch ``factory(**kwargs)`` (options as
         :meth:`launch`'s; with ``ray=RayPlacement(...)``, place it on Ray, options as
         :meth:`launch_on_ray`'s), or connect to *address* (options as :meth:`connect`'s).
+        A launched replica may join a restart group (``group="name"``, see :meth:`launch`).
         Blocks until it is up; it takes requests from the next routing decision on. Raises
         what the start raises; the pool is unchanged then."""
         spec = replica_spec(factory, kwargs, address, options)
@@ -353,20 +372,52 @@ class StagePool(PoolBase[PoolRequestStream]):
     def _start(self, replica: Replica) -> None:
         """Start *replica*'s member client and make it serve. Raises what the start raises
         (the replica is then left ``starting``, for the caller to settle)."""
-        member = self._open_member(replica)
-        member._replica = replica
-        member._pool = self
+        self._start_all([replica])
+
+    def _start_all(self, replicas: Sequence[Replica]) -> None:
+        """Start the member clients of *replicas* (in parallel), then make them serve; if
+        one does not start, close those that did and raise its error (the replicas are
+        then left ``starting``, for the caller to settle). A replica that died (or whose
+        group died), was removed, or whose pool closes meanwhile is not made to serve: its
+        new member is closed."""
         with self._lock:
-            serving = self._core.started(replica, member)
-        if not serving:  # removed, or the pool closes
-            member.close()
-            return
-        if self._events is not None:
-            member._event_sink = functools.partial(self._member_events, member)
-            self._member_events(member)  # what came before the sink was set
-        failure = member._session.failure
-        if failure is not None:  # died before _pool was set: nobody saw it
-            self._member_gone(member, failure)
+            generations = [r._generation for r in replicas]
+        members: list[_Member | None] = [None] * len(replicas)
+        errors: list[BaseException] = []
+        if len(replicas) == 1:
+            try:
+                members[0] = self._open_member(replicas[0])
+            except BaseException as exc:
+                errors.append(exc)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(len(replicas)) as ex:
+                futures = [ex.submit(self._open_member, r) for r in replicas]
+                for i, fut in enumerate(futures):
+                    failed = fut.exception()
+                    if failed is None:
+                        members[i] = fut.result()
+                    else:
+                        errors.append(failed)
+        if errors:
+            for m in members:
+                if m is not None:
+                    m.close()
+            raise errors[0]
+        for replica, member, generation in zip(replicas, members, generations, strict=True):
+            assert member is not None
+            member._replica = replica
+            member._pool = self
+            with self._lock:
+                serving = self._core.started(replica, member, generation)
+            if not serving:  # removed, dead with its group, or the pool closes
+                member.close()
+                continue
+            if self._events is not None:
+                member._event_sink = functools.partial(self._member_events, member)
+                self._member_events(member)  # what came before the sink was set
+            failure = member._session.failure
+            if failure is not None:  # died before _pool was set: nobody saw it
+                self._member_gone(member, failure)
 
     def _open_member(self, replica: Replica) -> _Member:
         plan = member_plan(replica)
@@ -649,32 +700,53 @@ class StagePool(PoolBase[PoolRequestStream]):
         with self._lock:
             if replica._client is not member:
                 return  # an old member of a restarted replica
-            delay = self._core.died(replica, time.monotonic())
+            death = self._core.died(replica, time.monotonic())
         if isinstance(failure, StageClosedError):
             return  # the pool closed it, and closes it
         logger.warning("enginecore: replica %s is gone: %s", replica.name, failure)
-        self._spawn(self._supervise, replica, member, delay)
+        self._spawn(self._supervise, replica, member, death)
 
-    def _supervise(self, replica: Replica, member: _Member, delay: float | None) -> None:
-        """Thread: release a dead member; with a delay, start the replica again then, and
-        again after each failed start, until it serves, fails for good or the pool closes."""
+    def _supervise(self, replica: Replica, member: _Member, death: Death) -> None:
+        """Thread: release a dead member and stop the rest of its restart group; with a
+        delay, start the replica (or its whole group) again then, and again after each
+        failed start, until it serves, fails for good or the pool closes."""
+        self._stop_group(replica, death.stop)
         member.close()
         with self._lock:
             self._exit_codes[replica] = member.exit_code
+        delay, group = death.delay, death.restart
         while delay is not None:
             if self._closed.wait(delay):
                 return
             with self._lock:
-                if not self._core.restarting(replica):
-                    return
+                starting = [r for r in group if self._core.restarting(r)]
+            if not starting:
+                return
+            names = ", ".join(r.name for r in starting)
             try:
-                self._start(replica)
-                logger.warning("enginecore: replica %s started again", replica.name)
+                self._start_all(starting)
+                logger.warning("enginecore: replica %s started again", names)
                 return
             except Exception as exc:
-                logger.warning("enginecore: replica %s did not start again: %s", replica.name, exc)
+                logger.warning("enginecore: replica %s did not start again: %s", names, exc)
                 with self._lock:
-                    delay = self._core.died(replica, time.monotonic())
+                    left = [r for r in starting if r.state is ReplicaState.STARTING]
+                    if not left:  # removed meanwhile, or the pool closes
+                        return
+                    death = self._core.died(left[0], time.monotonic())
+                self._stop_group(left[0], death.stop)
+                delay, group = death.delay, death.restart
+
+    def _stop_group(self, dead: Replica, stop: Sequence[Replica]) -> None:
+        """Stop the members of *dead*'s restart group that still served (the core marked
+        them dead): at once, so that their requests end now, then close them."""
+        members = [(r, r._client) for r in stop]
+        for r, m in members:
+            fail_with_group(m, r, dead)
+        for r, m in members:
+            m.close()
+            with self._lock:
+                self._exit_codes[r] = m.exit_code
 
     def _spawn(self, target: Any, *args: Any) -> None:
         def run() -> None:

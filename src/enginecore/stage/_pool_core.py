@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REPORT_TTL",
+    "Death",
     "LeastLoaded",
     "PoolCore",
     "PoolEvent",
@@ -77,7 +78,8 @@ class ReplicaState(str, enum.Enum):
     - ``SERVING``: takes requests (unless its health reads ``stalled``).
     - ``DRAINING``: being removed; takes nothing new, finishes what it has.
     - ``DEAD``: gone; its requests failed. Restarted later if the pool restarts replicas
-      and it was launched by the pool, else out for good.
+      and it was launched by the pool, else out for good. The members of a restart group
+      (``group=``) are dead together.
     - ``FAILED``: died too often (the pool's :class:`RestartPolicy`); out for good.
     - ``REMOVED``: removed from the pool (``remove_replica``).
     """
@@ -126,7 +128,9 @@ class RestartPolicy:
     """When a pool starts a dead replica again: after *first_delay* seconds, doubling with
     each death within *window* seconds, up to *max_delay*; after *max_failures* deaths
     (failed restarts included) within *window*, the replica is marked ``failed`` and stays
-    out."""
+    out. The replicas of a restart group (``group=``) count their deaths together: one
+    member's death (or a failed start of the group) is one death of the group, which
+    restarts, or fails, as a whole."""
 
     first_delay: float = 0.5
     max_delay: float = 30.0
@@ -159,26 +163,34 @@ class Replica:
     __slots__ = (
         "_client",
         "_deaths",
+        "_generation",
         "_quiet",
         "_restarts",
         "_session",
         "_state",
+        "group",
         "name",
         "spec",
     )
 
-    def __init__(self, name: str, spec: Mapping[str, Any]) -> None:
+    def __init__(self, name: str, spec: Mapping[str, Any], group: str | None = None) -> None:
         self.name: Final = name
         """The replica's name in its pool: ``"r0"``, ``"r1"``, ..."""
         self.spec: Final = spec
         """How the pool starts it: ``{"factory": ..., "kwargs": ...}`` (launched; with
         ``"ray": RayPlacement(...)``, placed on Ray) or ``{"address": ...}``."""
+        self.group: Final = group
+        """Its restart group (``group=``), or ``None``: the replicas of a group are stopped
+        when one of them dies, and started again together."""
         self._state = ReplicaState.STARTING
         self._client: Any = None  # the member client, once started
         self._session: ClientSession[Any, Any] | None = None  # its session (routing reads it)
         self._deaths: deque[float] = deque()
         self._restarts = 0
         self._quiet: QuietTable | None = None  # its member's, in a pool without a hook
+        # Bumped by each death of the replica or of its group: a start begun before it no
+        # longer counts (PoolCore.started(generation=)).
+        self._generation = 0
 
     @property
     def state(self) -> ReplicaState:
@@ -264,7 +276,8 @@ class Replica:
     def __repr__(self) -> str:
         pid = self.pid
         where = f" pid={pid}" if pid is not None else f" {self.address}"
-        return f"<Replica {self.name} {self._state.value}{where} in_flight={self.in_flight}>"
+        group = f" group={self.group!r}" if self.group is not None else ""
+        return f"<Replica {self.name} {self._state.value}{where}{group} in_flight={self.in_flight}>"
 
 
 def replica_load(r: Replica, now: float) -> int:
@@ -655,6 +668,22 @@ DeathHook = Callable[[PoolRequest, int], "PoolRequest | None"]
 """``on_replica_death(request, delivered) -> new request | None``."""
 
 
+class Death(NamedTuple):
+    """What a pool does once a replica died (:meth:`PoolCore.died`)."""
+
+    delay: float | None
+    """Seconds before :attr:`restart` starts again; ``None``: nothing starts again."""
+    stop: tuple[Replica, ...] = ()
+    """The other members of its restart group that still serve: the core has marked them
+    dead (out of the routing); the pool stops them now, and their requests end as a dead
+    replica's do."""
+    restart: tuple[Replica, ...] = ()
+    """What starts again after :attr:`delay`: the replica, or its whole group."""
+
+
+_NOTHING: Final = Death(None)
+
+
 class PoolCore:
     """The replicas, routing and live-request table of one pool; the decisions the pools
     make alike. Not thread-safe: the blocking pool calls what changes state under its lock.
@@ -687,6 +716,7 @@ class PoolCore:
         self._routable: tuple[Replica, ...] = ()
         self._routable_epoch = -1
         self._names = itertools.count()
+        self._group_deaths: dict[str, deque[float]] = {}  # each restart group's deaths
         self._live: dict[str, Any] = {}  # req_id -> its stream (ended ones pruned lazily)
         self._prune_at = 1024
         self.closing = False
@@ -703,16 +733,32 @@ class PoolCore:
         return tuple(self._replicas)
 
     def new_replica(self, spec: Mapping[str, Any]) -> Replica:
-        """A new replica, ``starting``."""
-        replica = Replica(f"r{next(self._names)}", MappingProxyType(dict(spec)))
+        """A new replica, ``starting``. A ``"group"`` in *spec* (a ``str``) names its
+        restart group; only a replica the pool launches may have one."""
+        spec = dict(spec)
+        group = spec.pop("group", None)
+        if group is not None:
+            if not isinstance(group, str) or not group:
+                raise TypeError(f"group must be a non-empty str or None, got {group!r}")
+            if "factory" not in spec:
+                raise ValueError(
+                    "group= is for replicas the pool launches: it cannot start a connected "
+                    "one again"
+                )
+        replica = Replica(f"r{next(self._names)}", MappingProxyType(spec), group)
+        if group is not None:
+            self._group_deaths.setdefault(group, deque())
         self._replicas.append(replica)
         return replica
 
-    def started(self, replica: Replica, client: Any) -> bool:
+    def started(self, replica: Replica, client: Any, generation: int | None = None) -> bool:
         """*replica*'s member *client* is up: it serves from the next routing decision on.
         ``False`` (nothing changed) if the replica was removed or the pool closes
-        meanwhile: the caller closes *client*."""
+        meanwhile, or (with *generation*, its ``_generation`` when the start began) if it
+        or its group died since: the caller closes *client*."""
         if self.closing or replica._state is not ReplicaState.STARTING:
+            return False
+        if generation is not None and generation != replica._generation:
             return False
         replica._client = client
         replica._session = client._session
@@ -730,25 +776,53 @@ class PoolCore:
             self._replicas.remove(replica)
         self._refresh()
 
-    def died(self, replica: Replica, now: float) -> float | None:
-        """*replica*'s stage (or a start of it) failed at *now*: it leaves the routing.
-        Returns the delay before starting it again, or ``None`` (dead or failed for good).
-        A replica being drained or removed just goes."""
-        if replica._state in (ReplicaState.DRAINING, ReplicaState.REMOVED) or self.closing:
-            return None
+    def died(self, replica: Replica, now: float) -> Death:
+        """*replica*'s stage (or a start of it) failed at *now*: it leaves the routing, and
+        so does the rest of its restart group (:attr:`Death.stop`: the members that still
+        serve, for the pool to stop). Returns what to start again and when
+        (:class:`Death`), counted on the replica's deaths, or on its group's. A replica
+        being drained or removed just goes; one already dead (stopped with its group)
+        changes nothing."""
+        if self.closing or replica._state not in (ReplicaState.SERVING, ReplicaState.STARTING):
+            return _NOTHING
+        group = self.group_of(replica)
+        for r in group:
+            r._generation += 1  # a start of a member under way no longer counts
+        stop = tuple(r for r in group if r is not replica and r._state is ReplicaState.SERVING)
         if self.restart is None or not replica.launched:
-            self.set_state(replica, ReplicaState.DEAD)
-            return None
-        delay = self.restart.delay(replica._deaths, now)
-        self.set_state(replica, ReplicaState.DEAD if delay is not None else ReplicaState.FAILED)
+            for r in group:
+                r._state = ReplicaState.DEAD
+            self._refresh()
+            return Death(None, stop, ())
+        deaths = replica._deaths if replica.group is None else self._group_deaths[replica.group]
+        delay = self.restart.delay(deaths, now)
+        for r in group:
+            r._state = ReplicaState.DEAD if delay is not None else ReplicaState.FAILED
+        self._refresh()
         if delay is None:
             logger.error(
-                "enginecore: replica %s died %d times within %g s; it stays out",
-                replica.name,
+                "enginecore: %s died %d times within %g s; %s out",
+                f"replica {replica.name}"
+                if replica.group is None
+                else f"restart group {replica.group!r} ({', '.join(r.name for r in group)})",
                 self.restart.max_failures,
                 self.restart.window,
+                "it stays" if replica.group is None else "they stay",
             )
-        return delay
+            return Death(None, stop, ())
+        return Death(delay, stop, group)
+
+    def group_of(self, replica: Replica) -> tuple[Replica, ...]:
+        """*replica* and the other members of its restart group that are neither being
+        drained nor removed (just *replica* outside a group)."""
+        if replica.group is None:
+            return (replica,)
+        return tuple(
+            r
+            for r in self._replicas
+            if r.group == replica.group
+            and r._state not in (ReplicaState.DRAINING, ReplicaState.REMOVED)
+        )
 
     def restarting(self, replica: Replica) -> bool:
         """The restart timer of a ``dead`` replica fired: whether to start it now (it is

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Final, Generic, TypeVar
@@ -36,9 +37,11 @@ __all__ = [
     "PoolBase",
     "PoolStreamCore",
     "connect_specs",
+    "fail_with_group",
     "launch_specs",
     "member_plan",
     "replica_spec",
+    "with_groups",
 ]
 
 logger = logging.getLogger("enginecore.stage")
@@ -93,6 +96,45 @@ def launch_specs(
     return [{"factory": factory, "kwargs": kwargs, **options}] * replicas
 
 
+def with_groups(
+    specs: list[dict[str, Any]], group: str | Sequence[str | None] | None
+) -> list[dict[str, Any]]:
+    """*specs* with their restart groups (``launch(group=...)``): one group for every
+    replica, or one (or ``None``) per replica. Checked before anything starts."""
+    if group is None:
+        return specs
+    if isinstance(group, str):
+        groups: list[str | None] = [group] * len(specs)
+    else:
+        groups = list(group)
+        if len(groups) != len(specs):
+            raise ValueError(f"group lists {len(groups)} groups for {len(specs)} replicas")
+    for g in groups:
+        if g is not None and (not isinstance(g, str) or not g):
+            raise TypeError(f"group must be a non-empty str or None, got {g!r}")
+    return [{**spec, "group": g} for spec, g in zip(specs, groups, strict=True)]
+
+
+def fail_with_group(member: Any, replica: Replica, dead: Replica) -> None:
+    """Stop *member*, the client of *replica*, because *dead*, a member of its restart
+    group, died: its session fails at once with an
+    :class:`~enginecore.stage.EngineDeadError` that says so (its requests and calls end as
+    a dead replica's: :class:`~enginecore.stage.ReplicaDeadError` naming *replica*, or a
+    move through ``on_replica_death``), then its stage is killed (SIGKILL, or ``ray.kill``
+    for a stage placed on Ray). The caller closes *member* afterwards."""
+    err = EngineDeadError(
+        f"stopped with its restart group {replica.group!r}: replica {dead.name} died"
+    )
+    with member._lock:
+        d = member._session.fail(err)
+    if d is not None:
+        member._apply(d)
+    launched = member._launched
+    if launched is not None:
+        with contextlib.suppress(OSError):
+            launched.send_signal(signal.SIGKILL)
+
+
 def connect_specs(addresses: Sequence[str], options: dict[str, Any]) -> list[dict[str, Any]]:
     """The specs of connected replicas (``connect()``), checked before anything opens:
     :class:`TypeError` for a bare ``str``, :class:`ValueError` for bad heartbeats."""
@@ -109,6 +151,10 @@ def replica_spec(
     to *address*, one of the two."""
     if (factory is None) == (address is None):
         raise TypeError("add_replica() takes a factory or an address=, not both")
+    if address is not None and options.get("group") is not None:
+        raise ValueError(
+            "group= is for replicas the pool launches: it cannot start a connected one again"
+        )
     if factory is not None:
         return {"factory": factory, "kwargs": kwargs, **options}
     return {"address": address, **options}
@@ -486,6 +532,10 @@ class PoolBase(Generic[S]):
         quiet = d.quiet_orphans
         d.quiet_orphans = None
         self._member_apply(member, d)  # the member's last events reach the event stream
+        if d.over:
+            # First: the core takes the replica, and the rest of its restart group, out of
+            # the routing before its requests move (none may move to a member stopped next).
+            self._member_gone(member, failure)
         for stream in orphans:
             err, again = core.fate(replica, stream, failure)
             if again is not None and self._move(replica, again, stream):
@@ -493,10 +543,8 @@ class PoolBase(Generic[S]):
             self._end(stream, err)
         if quiet:
             self._settle_quiet(replica, quiet, failure)
-        if d.over:
-            if self._events is not None and getattr(member, "_event_sink", None) is not None:
-                self._emit(ReplicaGone(replica, core.dead_error(replica, failure, 0)))
-            self._member_gone(member, failure)
+        if d.over and self._events is not None and getattr(member, "_event_sink", None) is not None:
+            self._emit(ReplicaGone(replica, core.dead_error(replica, failure, 0)))
 
     def _move(self, replica: Replica, again: PoolRequest, stream: Any) -> bool:
         """Send *again* (from ``on_replica_death``) to another replica, continuing

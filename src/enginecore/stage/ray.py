@@ -11,8 +11,14 @@ end.
 
 Between the client and the actor the sockets use CURVE by default: the client makes a key
 pair for the stage, the actor makes the stage's key pair and admits only the client's
-public key (its ZAP handler), and the stage's public key comes back from the actor. Secret
-keys never travel. ``insecure=True`` opts out.
+public key (its ZAP handler), and the stage's public key comes back from the actor. With
+your own keys, the client's pair is yours (``curve=``), the actor reads the stage's from a
+file on its node (``stage_secret_key=``) and admits more public keys
+(``authorized_clients=``). Secret keys never travel. ``insecure=True`` opts out.
+
+With ``forward_logs``, the actor first binds a log socket on its node (:meth:`_StageActor.
+open_logs`), the client connects to it, and the engine is built once it has: the stage's
+records reach the client's ``logging`` (``_logs.forward_from``).
 
 The client watches the actor as it watches a launched process: a thread blocks on a
 pending ``actor.wait.remote()``, which returns the stage's exit code when its loop ends,
@@ -29,18 +35,20 @@ Ray.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from . import _clientbase, _codec, _logs, _wire
 from ._clientbase import Target
-from ._curve import CurveKeys
+from ._curve import CurveKeys, _check_key
 from ._errors import StageStartupError
 from ._launch import _validate_factory
 from ._statistics import LOAD_INTERVAL, check_load_interval
@@ -126,6 +134,61 @@ class _StageActor:
         self._runtime: Any = None
         self._done = threading.Event()
         self._code: int | None = None
+        self._curve: Any = None  # the stage's ServerCurve, once made
+        self._logs: _logs.ForwardHandler | None = None
+
+    def _server_curve(self, keys: dict[str, Any] | None) -> Any:
+        """The stage's CURVE set-up (made once): its key pair (read from
+        ``keys["secret_file"]`` on this node, else made here) and the client keys it
+        admits; ``None`` without CURVE."""
+        if keys is None:
+            return None
+        if self._curve is None:
+            import zmq
+            import zmq.auth
+
+            from ._curve import ServerCurve
+
+            secret_file = keys.get("secret_file")
+            if secret_file is None:
+                public, secret = zmq.curve_keypair()
+            else:
+                if not os.path.isfile(secret_file):
+                    raise ValueError(
+                        f"stage_secret_key: no such file {secret_file!r} on the node of this "
+                        f"stage ({_import_ray().util.get_node_ip_address()})"
+                    )
+                public, loaded = zmq.auth.load_certificate(secret_file)
+                if loaded is None:
+                    raise ValueError(
+                        f"stage_secret_key: {secret_file!r} holds no secret key (give the "
+                        f"stage's NAME.key_secret)"
+                    )
+                secret = loaded
+            self._curve = ServerCurve(
+                public_key=public,
+                secret_key=secret,
+                authorized=frozenset(keys["authorized"]),
+                authorized_dir="(the keys of the client that placed it on Ray)",
+            )
+        return self._curve
+
+    def open_logs(
+        self, stage: str, level: int | None, keys: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """Before :meth:`start`, with ``forward_logs``: set up the stage's logging with a
+        handler bound on this node's IP (a CURVE server with the stage's keys), and return
+        its address and the stage's public key, for the client's ``PULL`` to connect."""
+        if self._logs is not None:
+            raise RuntimeError("this actor forwards its logs already")
+        curve = self._server_curve(keys)
+        handler = _logs.ForwardHandler(f"tcp://{_node_host()}:0", stage, bind=True, curve=curve)
+        self._logs = handler
+        _logs.configure_stage(stage, level, None, forward=handler)
+        return {
+            "address": handler.address,
+            "server_key": None if curve is None else curve.public_key,
+        }
 
     def start(
         self,
@@ -133,33 +196,30 @@ class _StageActor:
         kwargs_frame: bytes,
         stage: str,
         options: dict[str, Any],
-        client_key: bytes | None,
+        keys: dict[str, Any] | None,
     ) -> dict[str, Any]:
         """Build the engine and the stage, bound on this node's IP; run its loop on a
         thread; return the addresses, the pid and the stage's public key (``None``
-        without CURVE). Raises what the factory raises."""
+        without CURVE). *keys*: ``{"authorized": [client public keys], "secret_file":
+        path or None}``, or ``None`` without CURVE. With forwarded logs (:meth:`open_logs`
+        first), waits for the client's log socket before the engine is built, so that
+        none of its records are lost. Raises what the factory raises."""
         import msgspec
-        import zmq
 
-        from ._curve import ServerCurve
         from ._process import build_engine
         from ._runtime import StageRuntime
 
         if self._runtime is not None:
             raise RuntimeError("this actor runs a stage already")
-        _logs.configure_stage(stage, options.get("log_level"), None)
-        host: str = _import_ray().util.get_node_ip_address()
-        if ":" in host:  # IPv6
-            host = f"[{host}]"
-        curve = None
-        if client_key is not None:
-            public, secret = zmq.curve_keypair()
-            curve = ServerCurve(
-                public_key=public,
-                secret_key=secret,
-                authorized=frozenset({client_key}),
-                authorized_dir="(the key of the client that placed it on Ray)",
+        if self._logs is None:
+            _logs.configure_stage(stage, options.get("log_level"), None)
+        elif not self._logs.wait_connected(options.get("connect_timeout", CONNECT_TIMEOUT)):
+            raise StageStartupError(
+                f"the client did not connect to the log socket {self._logs.address} of this "
+                f"stage in time"
             )
+        host = _node_host()
+        curve = self._server_curve(keys)
         engine = build_engine(factory, msgspec.msgpack.decode(kwargs_frame))
         runtime = StageRuntime(
             engine,
@@ -187,6 +247,10 @@ class _StageActor:
         try:
             self._code = self._runtime.run()
         finally:
+            handler = self._logs
+            if handler is not None:  # the client reads the stage's last records, then stops
+                logging.getLogger().removeHandler(handler)
+                handler.close()
             self._done.set()
 
     def wait(self) -> int | None:
@@ -198,6 +262,12 @@ class _StageActor:
         """Shut the stage down (as SIGTERM does to a launched stage)."""
         if self._runtime is not None:
             self._runtime.loop.request_shutdown()
+
+
+def _node_host() -> str:
+    """This node's IP as Ray knows it, as the host part of a ``tcp://`` address."""
+    host: str = _import_ray().util.get_node_ip_address()
+    return f"[{host}]" if ":" in host else host  # IPv6
 
 
 _actor_class: Any = None
@@ -244,9 +314,11 @@ class RayStage:
         info: Mapping[str, Any],
         stage: str,
         client_keys: tuple[bytes, bytes] | None,
+        logs: _logs.LogSource | None = None,
     ) -> None:
         self.actor = actor
         self.stage = stage
+        self.logs = logs  # its forwarded records, if forwarded
         self.input_address: str = info["input"]
         self.output_address: str = info["output"]
         self.node_ip: str = info["node_ip"]
@@ -311,6 +383,8 @@ class RayStage:
         with contextlib.suppress(Exception):
             _import_ray().kill(self.actor, no_restart=True)
         self._ended(self._exit_code, self.death)
+        if self.logs is not None:
+            self.logs.release()
         with contextlib.suppress(OSError):
             os.close(self.process.sentinel)
 
@@ -334,6 +408,10 @@ class RayPlan:
     connect_timeout: float
     heartbeat: tuple[float, float]
     options: dict[str, Any]
+    curve: CurveKeys | None = None
+    stage_secret_key: str | None = None
+    authorized_clients: tuple[bytes, ...] = ()
+    forward_logs: bool = False
 
     @classmethod
     def make(
@@ -343,6 +421,9 @@ class RayPlan:
         *,
         placement: RayPlacement | None = None,
         insecure: bool = False,
+        curve: CurveKeys | None = None,
+        stage_secret_key: str | os.PathLike[str] | None = None,
+        authorized_clients: Sequence[bytes] = (),
         startup_timeout: float = 60.0,
         connect_timeout: float = CONNECT_TIMEOUT,
         heartbeat_interval: float = 1.0,
@@ -351,6 +432,7 @@ class RayPlan:
         step_timeout: float | None = STEP_TIMEOUT,
         kill_after: float | None = None,
         log_level: int | str | None = None,
+        forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
     ) -> RayPlan:
         """Check everything before anything is placed."""
@@ -369,6 +451,9 @@ class RayPlan:
             raise ValueError("startup_timeout must be > 0")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
+        if not isinstance(forward_logs, bool):
+            raise TypeError(f"forward_logs must be a bool, got {type(forward_logs).__name__}")
+        secret_file, authorized = _check_keys(insecure, curve, stage_secret_key, authorized_clients)
         kwargs = dict(kwargs or {})
         _wire.check_encodable(kwargs, "factory kwargs")
         if not all(type(k) is str for k in kwargs):
@@ -387,7 +472,12 @@ class RayPlan:
                 "kill_after": kill_after,
                 "log_level": level,
                 "load_interval": load_interval,
+                "connect_timeout": float(connect_timeout),
             },
+            curve=curve,
+            stage_secret_key=secret_file,
+            authorized_clients=authorized,
+            forward_logs=forward_logs,
         )
 
     def start(self) -> RayStage:
@@ -397,40 +487,75 @@ class RayPlan:
         ray = _import_ray()
         import zmq
 
-        keys = None if self.insecure else zmq.curve_keypair()
+        deadline = time.monotonic() + self.startup_timeout
+        client_keys: tuple[bytes, bytes] | None = None
+        keys: dict[str, Any] | None = None
+        if not self.insecure:
+            if self.curve is not None:
+                client_keys = (self.curve.public_key, self.curve.secret_key)
+            else:
+                client_keys = zmq.curve_keypair()
+            keys = {
+                "authorized": [client_keys[0], *self.authorized_clients],
+                "secret_file": self.stage_secret_key,
+            }
         actor = _remote_actor_class(ray).options(**self.placement.actor_options()).remote()
+        logs: _logs.LogSource | None = None
         try:
+            if self.forward_logs:
+                ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
+                found = self._check_server_key(self._get(ray, ref, deadline))
+                log_keys = None
+                if client_keys is not None:
+                    log_keys = CurveKeys(client_keys[0], client_keys[1], found["server_key"])
+                logs = _logs.forward_from(found["address"], self.stage, log_keys)
             ref = actor.start.remote(
-                self.factory,
-                self.kwargs_frame,
-                self.stage,
-                self.options,
-                None if keys is None else keys[0],
+                self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
-            try:
-                info = ray.get(ref, timeout=self.startup_timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise StageStartupError(
-                    f"stage {self.factory!r} on Ray was not ready within "
-                    f"{self.startup_timeout} s (placement included: is the placement "
-                    f"{self.placement!r} satisfiable?); its actor was killed"
-                ) from None
-            except ray.exceptions.RayTaskError as exc:
-                raise StageStartupError(
-                    f"engine factory {self.factory!r} failed in its Ray actor: {exc}",
-                    child_traceback=str(exc),
-                ) from None
-            except ray.exceptions.RayError as exc:
-                raise StageStartupError(
-                    f"the Ray actor of stage {self.factory!r} died during startup: {exc}"
-                ) from None
-            return RayStage(actor, info, self.stage, keys)
+            info = self._check_server_key(self._get(ray, ref, deadline))
+            return RayStage(actor, info, self.stage, client_keys, logs)
         except BaseException:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
+            if logs is not None:
+                logs.release()
             raise
 
-    def target(self, stage: RayStage, ping_s: float | None = None) -> Target:
+    def _get(self, ray: Any, ref: Any, deadline: float) -> Any:
+        """``ray.get(ref)`` before *deadline*, its failures as
+        :class:`StageStartupError`."""
+        try:
+            return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise StageStartupError(
+                f"stage {self.factory!r} on Ray was not ready within "
+                f"{self.startup_timeout} s (placement included: is the placement "
+                f"{self.placement!r} satisfiable?); its actor was killed"
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            raise StageStartupError(
+                f"stage {self.factory!r} failed to start in its Ray actor: {exc}",
+                child_traceback=str(exc),
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise StageStartupError(
+                f"the Ray actor of stage {self.factory!r} died during startup: {exc}"
+            ) from None
+
+    def _check_server_key(self, info: Any) -> Any:
+        """*info* from the actor, unless the stage's public key is not the one
+        ``curve.server_key`` names (:class:`StageStartupError`)."""
+        if self.curve is not None and info["server_key"] != self.curve.server_key:
+            raise StageStartupError(
+                f"the key in stage_secret_key {self.stage_secret_key!r} (public key "
+                f"{info['server_key'].decode()}) is not the stage's key that curve names "
+                f"({self.curve.server_key.decode()}); its actor was killed"
+            )
+        return info
+
+    def target(
+        self, stage: RayStage, ping_s: float | None = None, ordered_events: bool = False
+    ) -> Target:
         """What the client opens on *stage*: its address, the handshake timeout, the
         stage handle (a launched stage's place), heartbeats that presume it dead after
         their timeout, and the CURVE keys."""
@@ -440,9 +565,38 @@ class RayPlan:
             self.connect_timeout,
             stage,  # type: ignore[arg-type]  # stands where a Launched stands
             (interval if ping_s is None else ping_s, timeout),
-            False,
+            ordered_events,
             stage.curve,
         )
+
+
+def _check_keys(
+    insecure: bool,
+    curve: CurveKeys | None,
+    stage_secret_key: str | os.PathLike[str] | None,
+    authorized_clients: Sequence[bytes],
+) -> tuple[str | None, tuple[bytes, ...]]:
+    """The bring-your-own keys of a Ray stage, checked: the secret key file's path and the
+    other clients' public keys."""
+    if isinstance(authorized_clients, (str, bytes)):
+        raise TypeError("authorized_clients must be a sequence of public keys, not one key")
+    authorized = tuple(_check_key(k, "a key of authorized_clients") for k in authorized_clients)
+    if insecure:
+        if curve is not None or stage_secret_key is not None or authorized:
+            raise ValueError(
+                "insecure=True uses no CURVE: it takes no curve, stage_secret_key or "
+                "authorized_clients"
+            )
+        return None, ()
+    if curve is not None and not isinstance(curve, CurveKeys):
+        raise TypeError(f"curve must be CurveKeys, got {type(curve).__name__}")
+    if curve is not None and stage_secret_key is None:
+        raise ValueError(
+            "curve= names the stage's public key (server_key): give stage_secret_key=, the "
+            "stage's NAME.key_secret as a path on the nodes where it may be placed"
+        )
+    secret_file = None if stage_secret_key is None else os.fspath(stage_secret_key)
+    return secret_file, authorized
 
 
 def launch_on_ray(
@@ -452,29 +606,41 @@ def launch_on_ray(
     *,
     placement: RayPlacement | None = None,
     insecure: bool = False,
+    curve: CurveKeys | None = None,
+    stage_secret_key: str | os.PathLike[str] | None = None,
+    authorized_clients: Sequence[bytes] = (),
     startup_timeout: float = 60.0,
     connect_timeout: float = CONNECT_TIMEOUT,
     heartbeat_interval: float = 1.0,
     heartbeat_timeout: float = 5.0,
+    ordered_events: bool = False,
     name: str | None = None,
     step_timeout: float | None = STEP_TIMEOUT,
     kill_after: float | None = None,
     log_level: int | str | None = None,
+    forward_logs: bool = False,
     load_interval: float | None = LOAD_INTERVAL,
 ) -> StageClient:
     """Start a stage running ``factory(**kwargs)`` in a Ray actor placed with *placement*
     (:class:`RayPlacement`; default: one CPU anywhere) and return its
     :class:`~enginecore.stage.StageClient`, which owns the actor: ``close()`` /
-    ``shutdown()`` stop the stage and kill the actor.
+    ``shutdown()`` stop the stage and kill the actor. ``StageClient.launch_on_ray`` is the
+    same; ``AsyncStageClient.launch_on_ray`` its asyncio twin.
 
     Uses the Ray cluster this process is connected to (``ray.init()``; Ray's own default
     starts or finds one). The stage binds TCP on the actor's node IP; the client connects
-    with CURVE (keys made for this stage, public keys exchanged through the actor) unless
-    *insecure*. The stage options are :meth:`StageClient.launch
-    <enginecore.stage.StageClient.launch>`'s. Blocks until the stage is ready, at most
-    *startup_timeout* seconds for the actor (placement included) and *connect_timeout*
-    (at most 30 s) for the handshake over TCP; :class:`~enginecore.stage.StageStartupError`
-    otherwise, with no actor left behind.
+    with CURVE unless *insecure*: by default with keys made for this stage (public keys
+    exchanged through the actor); with your own keys, *curve* (this client's
+    :class:`~enginecore.stage.CurveKeys`, whose ``server_key`` is the stage's) and
+    *stage_secret_key* (the stage's ``NAME.key_secret``, a path on the nodes where it may be
+    placed: read by the actor, never sent); *authorized_clients* lists the public keys of
+    other clients the stage admits too (an observer such as ``enginecore top``). The
+    stage options are :meth:`StageClient.launch
+    <enginecore.stage.StageClient.launch>`'s; with *forward_logs*, the stage's records are
+    re-emitted in this process (over a TCP socket of their own, with the same CURVE
+    keys). Blocks until the stage is ready, at most *startup_timeout* seconds for the actor
+    (placement included) and *connect_timeout* (at most 30 s) for the handshake over TCP;
+    :class:`~enginecore.stage.StageStartupError` otherwise, with no actor left behind.
 
     The client pings the stage every *heartbeat_interval* seconds and presumes it dead
     after *heartbeat_timeout* without a frame; the actor's death (``ray.kill``, a crash) is
@@ -484,6 +650,9 @@ def launch_on_ray(
         kwargs,
         placement=placement,
         insecure=insecure,
+        curve=curve,
+        stage_secret_key=stage_secret_key,
+        authorized_clients=authorized_clients,
         startup_timeout=startup_timeout,
         connect_timeout=connect_timeout,
         heartbeat_interval=heartbeat_interval,
@@ -492,23 +661,48 @@ def launch_on_ray(
         step_timeout=step_timeout,
         kill_after=kill_after,
         log_level=log_level,
+        forward_logs=forward_logs,
         load_interval=load_interval,
     )
     from ._client import StageClient
 
-    client: StageClient = open_on_ray(plan, StageClient._open)
+    client: StageClient = open_on_ray(plan, StageClient._open, ordered_events=ordered_events)
     return client
 
 
-def open_on_ray(plan: RayPlan, opener: Any, ping_s: float | None = None) -> Any:
+def open_on_ray(
+    plan: RayPlan, opener: Any, ping_s: float | None = None, *, ordered_events: bool = False
+) -> Any:
     """Start *plan*'s stage and open a client on it with ``opener(target)``; if the open
     fails, kill the actor and raise :class:`~enginecore.stage.StageStartupError`."""
     stage = plan.start()
     try:
-        return opener(plan.target(stage, ping_s))
+        return opener(plan.target(stage, ping_s, ordered_events))
     except BaseException as exc:
         stage.kill_and_clean()
         _clientbase.raise_startup_error(plan.factory, exc)
+
+
+async def open_on_ray_async(plan: RayPlan, opener: Any, *, ordered_events: bool = False) -> Any:
+    """:func:`open_on_ray` for an asyncio client: the placement (Ray's calls block) runs in
+    a worker thread and ``await opener(target)`` opens the client; on failure or
+    cancellation, no actor is left behind."""
+    fut = asyncio.get_running_loop().run_in_executor(None, plan.start)
+    try:
+        stage = await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(_kill_placed)
+        raise
+    try:
+        return await opener(plan.target(stage, None, ordered_events))
+    except BaseException as exc:
+        stage.kill_and_clean()
+        _clientbase.raise_startup_error(plan.factory, exc)
+
+
+def _kill_placed(fut: asyncio.Future[RayStage]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().kill_and_clean()
 
 
 def plan_from_spec(spec: Mapping[str, Any], replica_name: str) -> RayPlan:

@@ -781,8 +781,11 @@ def countdown() -> CountdownEngine:
     return CountdownEngine()
 
 
-def scripted() -> ScriptedEngine:
-    """Factory: a fresh :class:`ScriptedEngine`."""
+def scripted(log: str | None = None) -> ScriptedEngine:
+    """Factory: a fresh :class:`ScriptedEngine`; with *log*, it first logs that message at
+    ``WARNING`` on the ``enginecore.test`` logger (a record made while the engine is built)."""
+    if log is not None:
+        logging.getLogger("enginecore.test").warning(log)
     return ScriptedEngine()
 
 
