@@ -1,6 +1,7 @@
 """A stage that serves several clients at once (``serve --max-clients N``, ``_fanout.py``):
 raw zmq clients on a real ``serve`` process, the sync and async clients through one
-parametrised suite, and two pools over the same shared stages."""
+parametrised suite, two pools over the same shared stages, and the fan-out's routing
+against a model (a hypothesis state machine, with fake outboxes)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from itertools import count
 from typing import Any
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
 
 from enginecore.stage import PROTOCOL_VERSION, RequestError, StagePool
-from enginecore.stage._fanout import LIVE_FOR_ANOTHER
+from enginecore.stage._fanout import LIVE_FOR_ANOTHER, Fanout
+from enginecore.stage._stage_engine import LIVE_IN_STAGE
 from enginecore.stage._stage_session import NOT_ATTACHED
 
 from .conftest import SCRIPTED, Connect, Server, wait_until
@@ -292,3 +298,190 @@ def test_two_pools_share_two_stages(no_leftovers: str) -> None:
         for server in servers:
             assert server.stop() == 0
     assert os.listdir(no_leftovers) == []
+
+
+# -- the routing, without sockets ----------------------------------------------------------
+
+
+class FakeOutbox:
+    """One client's outbox, as the fan-out sees it: records every event it is handed."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.ended = False
+        self.started = False
+        self.backlog = 0
+        self.failed = False
+
+    @property
+    def running(self) -> bool:
+        return self.started and not self.ended
+
+    def start(self) -> None:
+        self.started = True
+
+    def post(self, item: Any, weight: int | None = None) -> None:
+        self._take([item] if isinstance(item, tuple) else item)
+
+    def post_step(self, events: list[tuple[Any, ...]], weight: int, last: bool = False) -> None:
+        self._take(events)
+
+    def emit(self, ev: tuple[Any, ...]) -> None:
+        self._take([ev])
+
+    def _take(self, events: list[tuple[Any, ...]]) -> None:
+        assert not self.ended, f"events after the client left: {events}"
+        self.events += events
+
+    def ended_dropped(self, req_ids: list[str]) -> None:
+        pass
+
+    def wait_for_room(self) -> None:
+        pass
+
+    def end(self) -> None:
+        self.ended = True
+
+    def close(self, timeout: float) -> None:
+        pass
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def take_dropped(self) -> int:
+        return 0
+
+
+class FanoutMachine(RuleBasedStateMachine):
+    """Clients join and leave, add, abort, and the engine steps, on a :class:`Fanout` with fake
+    outboxes, driven as the loop drives it (``ClientInput`` before a client's messages, the
+    adapter's live set and drop), against a model of who owns each live request: every
+    output, and the load report of every reported step, reaches exactly the clients it
+    should; an abort and a departure end only their client's requests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outboxes: dict[int, FakeOutbox] = {}
+        self.fanout = Fanout(self._open, prepare_outputs=_unused, detached_max=8)
+        self.live: set[str] = set()
+        self.dropped: list[list[str]] = []
+        self.fanout.bind(self.live, self._drop)
+        self.admit = self.fanout.admitter(self.live)
+        self.owner: dict[str, int] = {}  # the model
+        self.epochs = count(1)
+        self.rids = count()
+        self.seq = count(1)
+
+    def _open(self, epoch: int) -> tuple[FakeOutbox, str]:
+        outbox = FakeOutbox()
+        self.outboxes[epoch] = outbox
+        return outbox, f"ipc://x-{epoch}"
+
+    def _drop(self, req_ids: Sequence[str]) -> None:
+        self.dropped.append(list(req_ids))
+        self.live.difference_update(req_ids)
+
+    def _attached(self) -> list[int]:
+        return [e for e, o in self.outboxes.items() if not o.ended]
+
+    def _take_all(self) -> dict[int, list[tuple[Any, ...]]]:
+        got = {}
+        for e in self._attached():
+            got[e], self.outboxes[e].events = self.outboxes[e].events, []
+        return got
+
+    @rule()
+    def join(self) -> None:
+        epoch = next(self.epochs)
+        self.fanout.open_session(epoch)
+        self.fanout.joined(epoch)
+
+    @rule(data=st.data())
+    def leave(self, data: st.DataObject) -> None:
+        attached = self._attached()
+        if not attached:
+            return
+        epoch = data.draw(st.sampled_from(attached))
+        theirs = {rid for rid, e in self.owner.items() if e == epoch}
+        self.fanout.left(epoch)
+        assert self.outboxes[epoch].ended
+        if theirs:
+            assert set(self.dropped.pop()) == theirs
+        assert not self.dropped
+        for rid in theirs:
+            del self.owner[rid]
+        assert self.live == set(self.owner)
+
+    @rule(data=st.data(), taken=st.booleans())
+    def add(self, data: st.DataObject, taken: bool) -> None:
+        attached = self._attached()
+        if not attached:
+            return
+        epoch = data.draw(st.sampled_from(attached))
+        self.fanout.sender(epoch)
+        if taken and self.owner:
+            rid = data.draw(st.sampled_from(sorted(self.owner)))
+            self.fanout.emit(("error", rid, LIVE_IN_STAGE))  # make_add's refusal
+            [event] = self._take_all()[epoch]
+            mine = self.owner[rid] == epoch
+            assert event == ("error", rid, LIVE_IN_STAGE if mine else LIVE_FOR_ANOTHER)
+            return
+        rid = f"r{next(self.rids)}"
+        self.admit(rid)
+        self.owner[rid] = epoch
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        attached = self._attached()
+        if not attached:
+            return
+        epoch = data.draw(st.sampled_from(attached))
+        ids = data.draw(st.lists(st.sampled_from([*sorted(self.owner), "unknown"]), max_size=4))
+        self.fanout.sender(epoch)
+        own = list(self.fanout.own(ids))
+        assert own == [rid for rid in ids if self.owner.get(rid, epoch) == epoch]
+        self._drop(own)
+        for rid in own:
+            self.owner.pop(rid, None)
+        self.fanout.emit(("aborted", ids))
+        self.dropped.clear()
+        got = self._take_all()
+        assert got[epoch] == [("aborted", ids)]
+        assert all(not events for e, events in got.items() if e != epoch)
+
+    @rule(data=st.data(), report=st.booleans())
+    def step(self, data: st.DataObject, report: bool) -> None:
+        rids = (
+            data.draw(st.lists(st.sampled_from(sorted(self.owner)), unique=True))
+            if self.owner
+            else []
+        )
+        if not rids:
+            return
+        fins = [data.draw(st.booleans()) for _ in rids]
+        load = {"seq": next(self.seq)} if report else None
+        ev: tuple[Any, ...] = ("outputs", list(rids), list(fins), [f"p-{r}" for r in rids])
+        if load is not None:
+            ev = (*ev, load)
+        self.fanout.post_step([ev], len(rids))
+        got = self._take_all()
+        for epoch, events in got.items():
+            outputs = [e for e in events if e[0] == "outputs"]
+            mine = [r for r in rids if self.owner[r] == epoch]
+            seen = [r for e in outputs for r in e[1]]
+            assert seen == mine
+            assert all(e[3] == [f"p-{r}" for r in e[1]] for e in outputs)
+            reports = [e[4] for e in outputs if len(e) > 4]
+            assert reports == ([load] if load is not None else [])
+        for rid, fin in zip(rids, fins, strict=True):
+            if fin:  # the adapter forgets a finished request after the post
+                self.live.discard(rid)
+                del self.owner[rid]
+
+
+def _unused(rids: list[Any], fins: list[Any], payloads: list[Any]) -> list[tuple[Any, ...]]:
+    raise AssertionError("not called: every payload is flat")
+
+
+TestFanoutMachine = FanoutMachine.TestCase
+TestFanoutMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)

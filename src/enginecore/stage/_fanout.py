@@ -47,14 +47,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
-import zmq
-
-from ._outbox import BACKLOG_MAX, Events, Outbox, _weight
+from ._outbox import BACKLOG_MAX, Events, _weight
 from ._stage_engine import LIVE_IN_STAGE
 
-__all__ = ["LIVE_FOR_ANOTHER", "RECHECK_MS", "Fanout", "session_endpoint"]
+__all__ = ["LIVE_FOR_ANOTHER", "RECHECK_MS", "ClientOutbox", "Fanout", "session_endpoint"]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -72,6 +70,39 @@ left (its socket is then closed without waiting for the peer)."""
 _TERMINAL: Final = frozenset({"shutdown", "fatal"})
 
 
+class ClientOutbox(Protocol):
+    """What the fan-out uses of one client's :class:`~._outbox.Outbox`."""
+
+    @property
+    def backlog(self) -> int: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def failed(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def post(self, item: Any, weight: int | None = None) -> None: ...
+
+    def post_step(self, events: Events, weight: int, last: bool = False) -> None: ...
+
+    def emit(self, ev: tuple[Any, ...]) -> None: ...
+
+    def ended_dropped(self, req_ids: list[str]) -> None: ...
+
+    def wait_for_room(self) -> None: ...
+
+    def end(self) -> None: ...
+
+    def close(self, timeout: float) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def take_dropped(self) -> int: ...
+
+
 class Fanout:
     """The output side of a multi-client stage (module docstring). Implements
     :class:`~._outbox.StageOutput` for the loop thread and the runtime,
@@ -79,12 +110,13 @@ class Fanout:
     :class:`~._stage_session.MultiStageSession` needs (:meth:`open_session`,
     :meth:`post_to`).
 
-    *open_socket(epoch)* binds a new ``PUSH`` socket for session *epoch* and returns it
-    with its endpoint (input thread). *policy* is an :class:`~._outbox.Outbox` whose
-    :meth:`~._outbox.Outbox.prepare_outputs` prepares a step's outputs (the same for every
-    client). Each client's outbox gets *abort_request*, *may_wait* and *detached_max*;
-    *on_failure* is called if one's output thread fails. :meth:`bind` gives it the stage's
-    live requests and the function that drops requests from the engine."""
+    *open_output(epoch)* binds a new ``PUSH`` socket for session *epoch* and returns its
+    :class:`~._outbox.Outbox` (not started, not detached, with ``recheck_ms``
+    :data:`RECHECK_MS`) and its endpoint (input thread; :class:`ClientOutbox` is what is
+    used of it). *prepare_outputs* is an :class:`~._outbox.Outbox`'s
+    :meth:`~._outbox.Outbox.prepare_outputs` (the same policy for every client).
+    :meth:`bind` gives it the stage's live requests and the function that drops requests
+    from the engine."""
 
     # Threads and what they own:
     # - _open (session epoch -> its Outbox and endpoint), _all and _terminal: under _lock.
@@ -97,27 +129,20 @@ class Fanout:
 
     def __init__(
         self,
-        open_socket: Callable[[int], tuple[zmq.Socket[bytes], str]],
+        open_output: Callable[[int], tuple[ClientOutbox, str]],
         *,
-        policy: Outbox,
-        abort_request: Callable[[str], None],
-        on_failure: Callable[[], None],
-        may_wait: Callable[[], bool],
+        prepare_outputs: Callable[[list[Any], list[Any], list[Any]], Events],
         detached_max: int,
     ) -> None:
-        self._open_socket = open_socket
-        self._policy = policy
-        self._abort_request = abort_request
-        self._on_failure = on_failure
-        self._may_wait = may_wait
+        self._open_output = open_output
+        self._prepare_outputs = prepare_outputs
         self._detached_max = detached_max
         self._lock = threading.Lock()
-        self._open: dict[int, tuple[Outbox, str]] = {}
-        self._all: list[Outbox] = []  # every outbox whose thread may still run
+        self._open: dict[int, tuple[ClientOutbox, str]] = {}
+        self._all: list[ClientOutbox] = []  # every outbox whose thread may still run
         self._terminal: str | None = None
-        self._failed = False
-        self._routes: dict[int, Outbox] = {}
-        self._current: Outbox | None = None
+        self._routes: dict[int, ClientOutbox] = {}
+        self._current: ClientOutbox | None = None
         self._current_epoch = 0
         self._owner: dict[str, int] = {}
         self._shared = False
@@ -133,24 +158,10 @@ class Fanout:
     # -- input thread ------------------------------------------------------------------------
 
     def open_session(self, epoch: int) -> str:
-        """Input thread, at a ``hello`` that is welcomed: bind session *epoch*'s socket,
-        start its outbox; its endpoint (for the ``welcome``). Raises what binding raises."""
-        sock, address = self._open_socket(epoch)
-        try:
-            outbox = Outbox(
-                sock,
-                abort_request=self._abort_request,
-                on_failure=self._output_failed,
-                may_wait=self._may_wait,
-                detached_max=self._detached_max,
-                recheck_ms=RECHECK_MS,
-            )
-            # The client reads from its welcome on: its first events wait for its PULL,
-            # as a welcomed client's do on a one-client stage.
-            outbox.set_detached(False)
-        except BaseException:
-            sock.close(linger=0)
-            raise
+        """Input thread, at a ``hello`` that is welcomed: open session *epoch*'s socket and
+        outbox (*open_output*), start the outbox; its endpoint (for the ``welcome``).
+        Raises what opening raises."""
+        outbox, address = self._open_output(epoch)
         with self._lock:
             self._all = [o for o in self._all if o.running]
             self._all.append(outbox)
@@ -165,10 +176,6 @@ class Fanout:
             entry = self._open.get(epoch)
         if entry is not None:
             entry[0].post(item, weight)
-
-    def _output_failed(self) -> None:
-        self._failed = True
-        self._on_failure()
 
     # -- loop thread: the client controls -------------------------------------------------
 
@@ -238,11 +245,14 @@ class Fanout:
 
     def own(self, req_ids: Sequence[str]) -> Sequence[str]:
         """The ids of *req_ids* that the sender may abort: all but the ones another client
-        has live."""
+        has live. The loop aborts them at once: they are no longer anyone's."""
         if not self._shared:
             return req_ids
         owner, me = self._owner, self._current_epoch
-        return [rid for rid in req_ids if owner.get(rid, me) == me]
+        mine = [rid for rid in req_ids if owner.get(rid, me) == me]
+        for rid in mine:
+            owner.pop(rid, None)
+        return mine
 
     def emit(self, ev: tuple[Any, ...]) -> None:
         """An event of the loop (``StageOutput.emit``): the terminal event to every client;
@@ -322,7 +332,7 @@ class Fanout:
 
     def prepare_outputs(self, rids: list[Any], fins: list[Any], payloads: list[Any]) -> Events:
         """``StageOutput.prepare_outputs``: the same policy for every client."""
-        return self._policy.prepare_outputs(rids, fins, payloads)
+        return self._prepare_outputs(rids, fins, payloads)
 
     def ended_dropped(self, req_ids: list[str]) -> None:
         """``StageOutput.ended_dropped``: every client's output thread forgets the ids."""
@@ -363,7 +373,9 @@ class Fanout:
     @property
     def failed(self) -> bool:
         """Whether a client's output thread failed."""
-        return self._failed
+        with self._lock:
+            outboxes = list(self._all)
+        return any(o.failed for o in outboxes)
 
     def start(self) -> None:
         """Nothing to start: each client's outbox starts when it is welcomed."""

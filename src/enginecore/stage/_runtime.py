@@ -32,7 +32,7 @@ from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
 from ._controls import DropEnded, Stop
 from ._curve import Authenticator, ServerCurve, secure_server, start_authenticator
-from ._fanout import Fanout, session_endpoint
+from ._fanout import RECHECK_MS, Fanout, session_endpoint
 from ._inbox import Inbox
 from ._input_queue import InputQueue
 from ._outbox import Outbox, StageOutput
@@ -199,11 +199,8 @@ class StageRuntime:
                 None
                 if max_clients == 1
                 else Fanout(
-                    self._open_session_socket,
-                    policy=self._outbox,
-                    abort_request=self._abort_request,
-                    on_failure=self._io_failed,
-                    may_wait=self._may_hold_the_loop_for_one,
+                    self._open_session_output,
+                    prepare_outputs=self._outbox.prepare_outputs,
                     detached_max=detached_buffer,
                 )
             )
@@ -312,9 +309,9 @@ class StageRuntime:
         # its outbox and the wait).
         return not self.loop.shutdown_requested
 
-    def _open_session_socket(self, epoch: int) -> tuple[zmq.Socket[bytes], str]:
+    def _open_session_output(self, epoch: int) -> tuple[Outbox, str]:
         # Input thread, at a welcome on a multi-client stage: the client's own PUSH, set up
-        # as the shared one is.
+        # as the shared one is, and its outbox (not detached: the welcomed client reads).
         endpoint = session_endpoint(self.output_address, epoch)
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
         try:
@@ -325,7 +322,16 @@ class StageRuntime:
                 secure_server(sock, self._curve)
             sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(endpoint))
             sock.bind(endpoint)
-            return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            outbox = Outbox(
+                sock,
+                abort_request=self._abort_request,
+                on_failure=self._io_failed,
+                may_wait=self._may_hold_the_loop_for_one,
+                detached_max=self._outbox.detached_max,
+                recheck_ms=RECHECK_MS,
+            )
+            outbox.set_detached(False)
+            return outbox, sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
             sock.close(linger=0)
             raise
