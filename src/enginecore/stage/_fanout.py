@@ -139,7 +139,7 @@ class Fanout:
         self._detached_max = detached_max
         self._lock = threading.Lock()
         self._open: dict[int, tuple[ClientOutbox, str]] = {}
-        self._all: list[ClientOutbox] = []  # every outbox whose thread may still run
+        self._all: list[ClientOutbox] = []  # every outbox still running, or that failed
         self._terminal: str | None = None
         self._routes: dict[int, ClientOutbox] = {}
         self._current: ClientOutbox | None = None
@@ -163,7 +163,7 @@ class Fanout:
         Raises what opening raises."""
         outbox, address = self._open_output(epoch)
         with self._lock:
-            self._all = [o for o in self._all if o.running]
+            self._all = [o for o in self._all if o.running or o.failed]
             self._all.append(outbox)
             self._open[epoch] = (outbox, address)
         outbox.start()
