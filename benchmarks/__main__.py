@@ -41,6 +41,7 @@ MODULES = (
     "bench_stage_pipeline",
     "bench_metrics",
     "bench_pool_faults",
+    "bench_pool_shared",
     "bench_pipeline_faults",
     "bench_transformers",
     "bench_transformers_aborts",

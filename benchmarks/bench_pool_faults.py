@@ -10,11 +10,10 @@ read and checked (a countdown ``n-1 .. 0``). A sampler thread reads each replica
 outstanding count (``replica.in_flight``) and the outputs read from it every
 ``SAMPLE_S``. The GC is on in every process. Each part is judged on every round.
 
-**One pool, not four clients.** A stage serves one client at a time (``docs/wire.md``,
-Sessions: a second ``connect()`` is rejected), so "4 clients x 4 replicas" cannot be 4
-pools over the same 4 stages today; here the 4 clients are 4 groups of threads sharing one
-pool, which keeps exact counts for all of them. What 4 pools would add (each seeing the
-others only through the stages' load reports) needs stages that accept several clients.
+**One pool, not four clients.** Here the 4 clients are 4 groups of threads sharing one
+pool (launched stages serve one client), which keeps exact counts for all of them. Four
+separate pools over four shared stages (``serve --max-clients 4``), each seeing the others
+only through the stages' load reports, are ``bench_pool_shared``.
 
 a. **Balance** (LeastLoaded). Per sample while loaded, max/mean outstanding over the 4
    replicas; the round's figure is the mean over its samples (time-averaged). Goal

@@ -29,6 +29,7 @@ from benchmarks import (
     bench_pipeline_faults,
     bench_pool,
     bench_pool_faults,
+    bench_pool_shared,
     bench_ray,
     bench_stage_arrays,
     bench_stage_curve,
@@ -52,6 +53,7 @@ STAGE_MODULES = (
     bench_pipeline_faults,
     bench_pool,
     bench_pool_faults,
+    bench_pool_shared,
     bench_ray,
     bench_stage_arrays,
     bench_stage_curve,
@@ -496,6 +498,14 @@ class TestStageBenchmarks:
         by_name = {r.name: r for r in records}
         assert by_name["pool membership: requests lost in a drained remove and an add"].met
         assert by_name["pool SIGKILL 1 of 4: requests failed that were not the dead replica's"].met
+
+    @pytest.mark.timeout(180)  # 8 serve processes, 8 pools
+    def test_pool_shared_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_pool_shared.run(quick=True)
+        assert_records(records, 4)
+        assert_gc_on(records)
+        assert gc_disables == []
+        # run() asserts that no request failed or lost an output in any round.
 
     @pytest.mark.timeout(180)  # 6 pipelines of 2-3 stages, a kill, 64 MiB arrays
     def test_pipeline_faults_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:

@@ -127,7 +127,17 @@ def _parser() -> argparse.ArgumentParser:
         "--keep-requests-on-detach",
         action="store_true",
         help="keep a client's requests running after it detaches (close(), or its session "
-        "was taken over); by default they are aborted",
+        "was taken over); by default they are aborted. Needs --max-clients 1",
+    )
+    serve.add_argument(
+        "--max-clients",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve up to N clients at once (several pools sharing the stage), each with an "
+        "output socket of its own; a client that leaves has only its own requests aborted, "
+        "and one silent past --session-timeout is detached (default: %(default)s: one "
+        "client at a time, the next may take over a silent one)",
     )
     serve.add_argument(
         "--log-level",
@@ -358,6 +368,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(
             str(exc).replace("step_timeout", "--step-timeout").replace("kill_after", "--kill-after")
         )
+    if args.max_clients < 1:
+        parser.error(f"--max-clients must be >= 1, got {args.max_clients}")
+    if args.max_clients > 1 and args.keep_requests_on_detach:
+        parser.error("--keep-requests-on-detach needs --max-clients 1")
     if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
         parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
 
@@ -388,6 +402,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             session_timeout=args.session_timeout,
             detached_buffer=args.detached_buffer,
             keep_requests_on_detach=args.keep_requests_on_detach,
+            max_clients=args.max_clients,
             drain_timeout=args.drain_timeout,
             step_timeout=step_timeout,
             kill_after=args.kill_after,

@@ -131,6 +131,24 @@ def test_a_listed_key_works_end_to_end(connect: Connect, curve_server: Server, k
 # -- what does not get in, and delivers nothing ------------------------------------------------
 
 
+def test_a_multi_client_stage_gives_each_client_a_curve_socket(
+    connect: Connect, keys: Keys, no_leftovers: str
+) -> None:
+    # Each client's own output socket is a CURVE server too: a CURVE client's PULL would
+    # never connect to a plain one, and no output would arrive.
+    srv = Server(
+        "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--max-clients", "2",
+        *_curve_args(keys),
+    )  # fmt: skip
+    try:
+        first = connect(srv.address, curve=keys.alice)
+        second = connect(srv.address, curve=keys.alice)
+        assert first.add("a", 2).collect(timeout=10) == [1, 0]
+        assert second.add("b", 3).collect(timeout=10) == [2, 1, 0]
+    finally:
+        srv.stop()
+
+
 def test_a_null_client_gets_a_named_error_and_delivers_nothing(
     connect: Connect, curve_server: Server, keys: Keys
 ) -> None:

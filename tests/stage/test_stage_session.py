@@ -5,17 +5,32 @@ and the outbox's view of the session (``SessionGate``). Time is passed in."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from enginecore import Abort, Add, Utility
 from enginecore.stage import _wire
-from enginecore.stage._controls import AddBurst, PipeCredit, PipeInput, SessionChange, Stop
+from enginecore.stage._controls import (
+    AddBurst,
+    ClientInput,
+    ClientJoined,
+    ClientLeft,
+    PipeCredit,
+    PipeInput,
+    SessionChange,
+    Stop,
+)
 from enginecore.stage._stage_session import (
     HELLO_HOLD_S,
+    NOT_ATTACHED,
     CallTable,
+    MultiStageSession,
     SessionGate,
     SessionState,
     StageSession,
@@ -493,3 +508,316 @@ class TestSessionGate:
         assert not gate.gated
         gate.set_detached(True)
         assert gate.admit(False, 3)
+
+
+# -- a stage that serves several clients (serve --max-clients) ---------------------------------
+
+
+class FakeClients:
+    """The multi-client output side (``_fanout.Fanout``), as the session sees it: records
+    the sockets it opens and the events posted to each session."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.opened: list[int] = []
+        self.posted: list[tuple[int, Any]] = []
+        self.fail = fail
+
+    def open_session(self, epoch: int) -> str:
+        if self.fail:
+            raise OSError("address in use")
+        self.opened.append(epoch)
+        return f"ipc://out-{epoch}"
+
+    def post_to(self, epoch: int, item: Any, weight: int) -> None:
+        self.posted.append((epoch, item))
+
+    # ClientsTarget: the loop thread's side, never called by the session.
+    def joined(self, epoch: int) -> None:
+        raise AssertionError("the session never applies a control")
+
+    def sender(self, epoch: int) -> None:
+        raise AssertionError("the session never applies a control")
+
+    def left(self, epoch: int) -> None:
+        raise AssertionError("the session never applies a control")
+
+
+def multi(clients: FakeClients, max_clients: int = 2, timeout: float = 10.0) -> MultiStageSession:
+    return MultiStageSession(
+        FakeOutput(),
+        CallTable(),
+        clients=clients,
+        max_clients=max_clients,
+        engine_name="eng",
+        output_address="ipc://out",
+        session_timeout=timeout,
+    )
+
+
+def controls(to_loop: list[Any]) -> list[tuple[str, int]]:
+    """The client controls in *to_loop*, as (kind, epoch)."""
+    kinds = {ClientJoined: "joined", ClientInput: "input", ClientLeft: "left"}
+    return [(kinds[type(m)], m.epoch) for m in to_loop if type(m) in kinds]
+
+
+class TestMultiClient:
+    def test_each_client_is_welcomed_with_an_output_socket_of_its_own(self) -> None:
+        clients = FakeClients()
+        session = multi(clients)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        session.receive(B, frame("hello", V, "b"), 0.0)
+        got = replies(session)
+        assert [(who, r[0], r[2]) for who, r in got] == [
+            (A, "welcome", "ipc://out-1"),
+            (B, "welcome", "ipc://out-2"),
+        ]
+        assert clients.opened == [1, 2]
+        assert controls(session.to_loop) == [("joined", 1), ("joined", 2)]
+        assert session.attached
+        assert session.expires
+
+    def test_a_hello_when_full_is_rejected_with_the_reason(self) -> None:
+        clients = FakeClients()
+        session = multi(clients)
+        for ident in (A, B):
+            session.receive(ident, frame("hello", V, "x"), 0.0)
+        replies(session)
+        session.receive(C, frame("hello", V, "c"), 1.0)
+        [(who, reply)] = replies(session)
+        assert who == C
+        assert reply[0] == "reject"
+        assert "at most 2 clients" in reply[2]
+        assert "--max-clients" in reply[2]
+        assert clients.opened == [1, 2]
+
+    def test_a_hello_when_full_detaches_a_client_silent_past_the_timeout(self) -> None:
+        clients = FakeClients()
+        session = multi(clients, timeout=10.0)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        session.receive(B, frame("hello", V, "b"), 5.0)
+        take(session)
+        replies(session)
+        session.receive(C, frame("hello", V, "c"), 10.5)  # A silent 10.5 s, B 5.5 s
+        [(who, reply)] = replies(session)
+        assert (who, reply[0], reply[2]) == (C, "welcome", "ipc://out-3")
+        assert controls(session.to_loop) == [("left", 1), ("joined", 3)]
+        assert set(session.clients) == {B, C}
+
+    def test_a_silent_client_is_detached_at_its_session_timeout(self) -> None:
+        session = multi(FakeClients(), timeout=10.0)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        session.receive(B, frame("hello", V, "b"), 0.0)
+        session.receive(B, frame("ping", 1), 6.0)
+        take(session)
+        assert session.wait_ms(6.0) == 4000  # A's deadline comes first
+        session.settle(9.9)
+        assert not session.to_loop
+        session.settle(10.0)
+        assert controls(session.to_loop) == [("left", 1)]
+        assert set(session.clients) == {B}
+        assert session.wait_ms(10.0) == 6000
+        session.receive(B, frame("bye"), 11.0)
+        assert controls(session.to_loop) == [("left", 1), ("left", 2)]
+        assert not session.expires
+        assert session.wait_ms(11.0) is None
+
+    def test_the_loop_learns_who_sends_only_when_the_sender_changes(self) -> None:
+        session = multi(FakeClients())
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        session.receive(B, frame("hello", V, "b"), 0.0)
+        take(session)
+        session.receive(A, frame("add", "a1", 1), 1.0)
+        session.receive(A, frame("add", "a2", 1), 1.0)
+        session.receive(B, frame("abort", ["b1"]), 1.0)
+        session.receive(A, frame("utility", 7, "echo", []), 1.0)
+        session.receive(B, frame("bye"), 1.0)
+        kinds = [
+            (type(m).__name__, getattr(m, "epoch", None) or getattr(m, "req_id", None))
+            for m in session.to_loop
+        ]
+        assert kinds == [
+            ("ClientInput", 1),
+            ("Add", "a1"),
+            ("Add", "a2"),
+            ("ClientInput", 2),
+            ("Abort", None),
+            ("ClientInput", 1),
+            ("Utility", None),
+            ("ClientLeft", 2),
+        ]
+
+    def test_utility_calls_are_opened_in_the_senders_session(self) -> None:
+        calls = CallTable()
+        session = MultiStageSession(
+            FakeOutput(),
+            calls,
+            clients=FakeClients(),
+            max_clients=2,
+            engine_name="eng",
+            output_address="ipc://out",
+            session_timeout=10.0,
+        )
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        session.receive(B, frame("hello", V, "b"), 0.0)
+        take(session)
+        session.receive(B, frame("utility", 5, "echo", []), 0.0)
+        session.receive(A, frame("utility", 5, "echo", []), 0.0)
+        ids = [m.call_id for m in session.to_loop if isinstance(m, Utility)]
+        assert [calls.close(i) for i in ids] == [(2, 5), (1, 5)]
+
+    def test_events_go_to_the_senders_own_socket(self) -> None:
+        clients = FakeClients()
+        session = multi(clients)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        session.receive(B, frame("hello", V, "b"), 0.0)
+        take(session)
+        replies(session)
+        session.receive(B, frame("ping", 3), 0.0)
+        session.receive(A, [b"\xc1"], 0.0)  # not msgpack: an unscoped error
+        session.receive(A, frame("stats", 9), 0.0)
+        assert [(e, ev[0]) for e, ev in clients.posted] == [
+            (2, "pong"),
+            (1, "error"),
+            (1, "utility"),
+        ]
+        assert not session.events
+        assert not session.replies
+
+    def test_a_peer_that_is_not_attached_cannot_reach_the_engine(self) -> None:
+        clients = FakeClients()
+        session = multi(clients)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        take(session)
+        replies(session)
+        messages: list[tuple[Any, ...]] = [
+            ("add", "x", 1),
+            ("abort", ["x"]),
+            ("shutdown",),
+            ("utility", 1, "echo", []),
+        ]
+        for msg in messages:
+            session.receive(C, frame(*msg), 0.0)
+            [(who, reply)] = replies(session)
+            assert (who, reply[0], reply[2]) == (C, "reject", NOT_ATTACHED)
+        assert not session.to_loop
+        session.receive(C, frame("stats", 4), 0.0)  # an observer's: answered on the input socket
+        [(who, reply)] = replies(session)
+        assert (who, reply[0], reply[1]) == (C, "utility", 4)
+        assert not clients.posted
+
+    def test_a_socket_that_cannot_be_bound_rejects_the_hello(self, caplog: Any) -> None:
+        session = multi(FakeClients(fail=True))
+        with caplog.at_level(logging.ERROR, logger="enginecore.stage"):
+            session.receive(A, frame("hello", V, "a"), 0.0)
+        [(who, reply)] = replies(session)
+        assert who == A
+        assert reply[0] == "reject"
+        assert "address in use" in reply[2]
+        assert not session.to_loop
+        assert not session.attached
+
+    def test_the_attached_client_saying_hello_again_is_welcomed_again(self) -> None:
+        clients = FakeClients()
+        session = multi(clients)
+        for _ in range(2):
+            session.receive(A, frame("hello", V, "a"), 0.0)
+        assert [r[2] for _, r in replies(session)] == ["ipc://out-1", "ipc://out-1"]
+        assert clients.opened == [1]
+
+    def test_max_clients_must_be_at_least_two(self) -> None:
+        with pytest.raises(ValueError, match="max_clients >= 2"):
+            multi(FakeClients(), max_clients=1)
+
+
+class MultiSessionMachine(RuleBasedStateMachine):
+    """Hellos, messages, byes, silences and timeouts from four peers on a stage of two
+    clients, checked against a model: never more than two attached; every loop message
+    comes from an attached client, after a ClientInput naming it (as the loop tracks it);
+    every ClientJoined is followed by at most one ClientLeft; events only reach attached
+    clients' sessions."""
+
+    PEERS = (A, B, C, b"client-d")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clients = FakeClients()
+        self.session = multi(self.clients, max_clients=2, timeout=10.0)
+        self.now = 0.0
+        self.attached: dict[bytes, int] = {}  # the model: peer -> epoch
+        self.seen: dict[bytes, float] = {}
+        self.loop_sender: int | None = None
+        self.joined: set[int] = set()
+        self.left: set[int] = set()
+
+    def _check(self, ident: bytes | None) -> None:
+        session = self.session
+        for ident_, reply in replies(session):
+            if reply[0] == "welcome":
+                self.attached[ident_] = int(reply[2].rsplit("-", 1)[1])
+                self.seen[ident_] = self.now
+        for msg in session.to_loop:
+            if isinstance(msg, ClientJoined):
+                assert msg.epoch not in self.joined
+                self.joined.add(msg.epoch)
+            elif isinstance(msg, ClientLeft):
+                assert msg.epoch in self.joined
+                assert msg.epoch not in self.left
+                self.left.add(msg.epoch)
+                self.attached = {p: e for p, e in self.attached.items() if e != msg.epoch}
+            elif isinstance(msg, ClientInput):
+                self.loop_sender = msg.epoch
+            else:
+                assert ident is not None
+                assert self.attached.get(ident) == self.loop_sender
+                assert self.loop_sender in self.joined
+                assert self.loop_sender not in self.left
+        session.to_loop.clear()
+        for epoch, _ in self.clients.posted:
+            assert epoch in self.joined
+            assert epoch not in self.left
+        self.clients.posted.clear()
+        assert len(session.clients) <= 2
+        assert {c.epoch for c in session.clients.values()} == set(self.attached.values())
+
+    @rule(peer=st.sampled_from(PEERS))
+    def hello(self, peer: bytes) -> None:
+        self.session.receive(peer, frame("hello", V, "p"), self.now)
+        if peer in self.attached:
+            self.seen[peer] = self.now
+        self._check(peer)
+
+    @rule(
+        peer=st.sampled_from(PEERS),
+        msg=st.sampled_from(
+            [("add", "r", 1), ("abort", ["r"]), ("utility", 1, "echo", []), ("ping", 1)]
+        ),
+    )
+    def message(self, peer: bytes, msg: tuple[Any, ...]) -> None:
+        self.session.receive(peer, frame(*msg), self.now)
+        if peer in self.attached:
+            self.seen[peer] = self.now
+        self._check(peer)
+
+    @rule(peer=st.sampled_from(PEERS))
+    def bye(self, peer: bytes) -> None:
+        self.session.receive(peer, frame("bye"), self.now)
+        self._check(peer)
+
+    @rule(seconds=st.sampled_from([0.5, 4.0, 10.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        self.session.settle(self.now)
+        self._check(None)
+
+    @invariant()
+    def nobody_silent_past_the_timeout_after_a_settle(self) -> None:
+        wait = self.session.wait_ms(self.now)
+        if self.attached:
+            oldest = min(self.seen[p] for p in self.attached)
+            assert wait == max(0, math.ceil((oldest + 10.0 - self.now) * 1000))
+        else:
+            assert wait is None
+
+
+TestMultiSessionMachine = MultiSessionMachine.TestCase
+TestMultiSessionMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)

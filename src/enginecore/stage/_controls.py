@@ -25,6 +25,12 @@ control                   made by, and what the loop does with it
                           (a first one, more, the end), item by item
 :class:`PipeCredit`       the coordinator's ``credit``: the next stage took what this one
                           sent it, so the window to it has room again
+:class:`ClientJoined`     a multi-client stage welcomed a client (``serve --max-clients``):
+                          its outputs, answers and errors go to its own output socket
+:class:`ClientInput`      a multi-client stage: the messages after it come from that client
+                          (queued only when the sender changes)
+:class:`ClientLeft`       a multi-client stage: that client said ``bye`` or went silent past
+                          the session timeout: abort its live requests, close its socket
 ========================  =================================================================
 """
 
@@ -40,6 +46,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AddBurst",
+    "ClientInput",
+    "ClientJoined",
+    "ClientLeft",
+    "ClientsTarget",
     "DrainDeadline",
     "DropEnded",
     "PipeCredit",
@@ -71,6 +81,70 @@ class StageTarget(Protocol):
     ) -> None: ...
 
     def pipe_credit(self, items: int, nbytes: int) -> None: ...
+
+
+class ClientsTarget(Protocol):
+    """What the client controls call: a multi-client stage's output side
+    (:class:`~._fanout.Fanout`), which routes the loop's events to each client's socket."""
+
+    def joined(self, epoch: int) -> None: ...
+
+    def sender(self, epoch: int) -> None: ...
+
+    def left(self, epoch: int) -> None: ...
+
+
+class ClientJoined(Control):
+    """A multi-client stage welcomed the client of session *epoch*: from here on, its
+    requests' outputs and its answers go to its own output socket."""
+
+    __slots__ = ("clients", "epoch")
+
+    def __init__(self, clients: ClientsTarget, epoch: int) -> None:
+        self.clients = clients
+        self.epoch = epoch
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        self.clients.joined(self.epoch)
+
+    def __repr__(self) -> str:
+        return f"ClientJoined(epoch={self.epoch})"
+
+
+class ClientInput(Control):
+    """A multi-client stage: the messages queued after this one come from the client of
+    session *epoch* (an add it makes live is its request; an error or ``aborted`` that
+    answers them is its event). Queued only when the sender changes."""
+
+    __slots__ = ("clients", "epoch")
+
+    def __init__(self, clients: ClientsTarget, epoch: int) -> None:
+        self.clients = clients
+        self.epoch = epoch
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        self.clients.sender(self.epoch)
+
+    def __repr__(self) -> str:
+        return f"ClientInput(epoch={self.epoch})"
+
+
+class ClientLeft(Control):
+    """A multi-client stage: the client of session *epoch* said ``bye`` or was silent past
+    the session timeout. Applied after everything it sent: its live requests (only its
+    own) are aborted, with no ``aborted`` event, and its output socket closes."""
+
+    __slots__ = ("clients", "epoch")
+
+    def __init__(self, clients: ClientsTarget, epoch: int) -> None:
+        self.clients = clients
+        self.epoch = epoch
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        self.clients.left(self.epoch)
+
+    def __repr__(self) -> str:
+        return f"ClientLeft(epoch={self.epoch})"
 
 
 class Stop(Control):

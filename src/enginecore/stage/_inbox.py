@@ -3,7 +3,8 @@ socket's monitor, and moves what arrives into the session (:class:`Inbox`).
 
 The input thread blocks in ``poll`` on the input socket (``ROUTER``) and on the output
 socket's monitor, which tells it how many clients are connected to the output socket. It
-polls with no timeout, except while a ``hello`` is held (its deadline). On each wake-up it
+polls with no timeout, except while a ``hello`` is held (its deadline), or while a
+multi-client stage has clients attached (the next one's session timeout). On each wake-up it
 reads every message already waiting (up to :data:`MAX_BURST`) and hands each to the
 :class:`~._stage_session.StageSession`, which decodes and checks it; then it sends the
 session's replies (``welcome``, ``reject``), posts its events (errors, pongs) to the outbox,
@@ -30,7 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ._input_queue import InputQueue
-from ._outbox import Outbox
+from ._outbox import StageOutput
 from ._stage_session import StageSession
 
 __all__ = ["MAX_BURST", "Inbox"]
@@ -71,7 +72,7 @@ class Inbox:
         out_monitor: zmq.Socket[bytes],
         session: StageSession,
         queue: InputQueue,
-        outbox: Outbox,
+        outbox: StageOutput,
         *,
         on_failure: Callable[[], None],
     ) -> None:
@@ -121,7 +122,7 @@ class Inbox:
         Called by whichever thread holds the input side: the input thread, or the loop while
         idle or between short steps (:class:`~._input_queue.InputQueue`)."""
         session = self.session
-        if session.held is not None:
+        if session.held is not None or session.expires:
             until = session.wait_ms(time.monotonic())
             if until is not None:
                 timeout_ms = until if timeout_ms is None else min(timeout_ms, until)
@@ -145,6 +146,8 @@ class Inbox:
                     break
         if session.held is not None:
             self._count_output_peers()  # what happened while this burst was read
+            session.settle(time.monotonic())
+        elif session.expires:  # a multi-client stage's session timeouts
             session.settle(time.monotonic())
         if session.replies:
             self._send_replies()

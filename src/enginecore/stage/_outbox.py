@@ -47,7 +47,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import zmq
 
@@ -55,7 +55,7 @@ from .._exceptions import RequestRejected
 from . import _codec
 from ._stage_session import SessionGate
 
-__all__ = ["BACKLOG_MAX", "MAX_BATCH", "Outbox"]
+__all__ = ["BACKLOG_MAX", "MAX_BATCH", "Outbox", "StageOutput"]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -75,6 +75,46 @@ _KEPT: Final = _LAST | {"dropped"}
 _ENCODE_ERRORS: Final = _codec.ENCODE_ERRORS
 
 Events = list[tuple[Any, ...]]
+
+
+class StageOutput(Protocol):
+    """What the loop thread, the input side and the runtime need of the output side: an
+    :class:`Outbox` (one client at a time), or a :class:`~._fanout.Fanout` (a stage that
+    serves several clients, one ``Outbox`` each)."""
+
+    @property
+    def backlog(self) -> int: ...
+
+    @property
+    def detached_max(self) -> int: ...
+
+    @property
+    def terminal(self) -> str | None: ...
+
+    @property
+    def failed(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def close(self, timeout: float) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def post(self, item: Any, weight: int | None = None) -> None: ...
+
+    def post_step(self, events: Events, weight: int, last: bool = False) -> None: ...
+
+    def emit(self, ev: tuple[Any, ...]) -> None: ...
+
+    def prepare_outputs(self, rids: list[Any], fins: list[Any], payloads: list[Any]) -> Events: ...
+
+    def ended_dropped(self, req_ids: list[str]) -> None: ...
+
+    def wait_for_room(self) -> None: ...
+
+    def loop_epoch(self, epoch: int) -> None: ...
+
+    def take_dropped(self) -> int: ...
 
 
 class Outbox:
@@ -121,8 +161,15 @@ class Outbox:
         on_failure: Callable[[], None],
         may_wait: Callable[[], bool],
         detached_max: int = 1024,
+        recheck_ms: int | None = None,
     ) -> None:
         self._sock = sock
+        # How long the output thread waits for a peer before it checks again whether its
+        # session has ended (None: until a peer takes the frame or ctx.term()). A client's
+        # own socket (a multi-client stage, _fanout) sets it: end() must stop the thread
+        # while the stage runs on.
+        self._recheck_ms = recheck_ms
+        self._final_linger: int | None = None  # end(): close without delivering
         self._abort_request = abort_request
         self._on_failure = on_failure
         self._may_wait = may_wait
@@ -154,6 +201,20 @@ class Outbox:
         *timeout* seconds. It may still be sending after that (``Context.term()`` ends it)."""
         self.post(_STOP)
         self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        """Whether the output thread has started and not ended."""
+        return self._thread.is_alive()
+
+    def end(self) -> None:
+        """Any thread: the client this output socket served is gone (a multi-client stage's
+        session ended, :mod:`._fanout`): drop what is queued, and end the output thread
+        without waiting for a peer (within ``recheck_ms``); the socket closes with no linger.
+        Never blocks."""
+        self._final_linger = 0
+        self.begin_session()
+        self.post(_STOP)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until the output thread has ended and closed the socket (at most *timeout*
@@ -399,8 +460,9 @@ class Outbox:
                         self._drained.notify()
                     return True
             # No peer, or the peer is behind by the high-water mark. ctx.term() ends the
-            # wait with ContextTerminated, as it ended a blocking send.
-            sock.poll(None, zmq.POLLOUT)
+            # wait with ContextTerminated, as it ended a blocking send; end() by the epoch
+            # check above, at most recheck_ms later.
+            sock.poll(self._recheck_ms, zmq.POLLOUT)
 
     # -- the output thread ---------------------------------------------------------------------
 
@@ -504,7 +566,7 @@ class Outbox:
                 self._idle = False  # for good: the loop thread no longer sends
                 self._ended = True
                 self._drained.notify()
-            self._sock.close(linger=linger)
+            self._sock.close(linger=self._final_linger if linger is None else linger)
 
     # -- what cannot cross the wire --------------------------------------------------------------
 

@@ -145,6 +145,7 @@ def serve(
     session_timeout: float,
     detached_buffer: int = DETACHED_BUFFER,
     keep_requests_on_detach: bool = False,
+    max_clients: int = 1,
     drain_timeout: float | None = None,
     step_timeout: float | None = STEP_TIMEOUT,
     kill_after: float | None = None,
@@ -172,6 +173,9 @@ def serve(
 
     With *curve*, both sockets are CURVE servers behind a ZAP handler that admits only its
     authorized client keys (``serve --curve-secret-key --authorized-clients``).
+
+    With *max_clients* above 1 (``serve --max-clients``), up to that many clients are
+    attached at once, each with an output socket of its own (``StageRuntime``).
     """
     label = name or factory
     configure_stage(label, log_level, None)
@@ -204,6 +208,7 @@ def serve(
             session_timeout=session_timeout,
             detached_buffer=detached_buffer,
             keep_requests_on_detach=keep_requests_on_detach,
+            max_clients=max_clients,
             step_timeout=step_timeout,
             kill_after=kill_after,
             load_interval=load_interval,

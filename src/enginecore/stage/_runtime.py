@@ -32,11 +32,18 @@ from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
 from ._controls import DropEnded, Stop
 from ._curve import Authenticator, ServerCurve, secure_server, start_authenticator
+from ._fanout import RECHECK_MS, Fanout, session_endpoint
 from ._inbox import Inbox
 from ._input_queue import InputQueue
-from ._outbox import Outbox
+from ._outbox import Outbox, StageOutput
 from ._stage_engine import StageEngine
-from ._stage_session import HEARTBEAT_TIMEOUT_MS, CallTable, StageSession, log_detached_drops
+from ._stage_session import (
+    HEARTBEAT_TIMEOUT_MS,
+    CallTable,
+    MultiStageSession,
+    StageSession,
+    log_detached_drops,
+)
 from ._statistics import LOAD_INTERVAL, StageStatistics, check_load_interval, stage_statistics
 from ._watchdog import StepWatchdog, check_watchdog
 from ._wire import is_ipv6_endpoint
@@ -48,6 +55,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_ORPHANED",
     "StageRuntime",
+    "check_max_clients",
     "pipeline_depth_of",
 ]
 
@@ -115,6 +123,15 @@ class StageRuntime:
     CURVE: with *curve* (:class:`~._curve.ServerCurve`), both sockets are CURVE servers
     and a ZAP handler thread admits only its authorized client keys; a connection that
     fails the handshake never reaches the sockets (``docs/security.md``).
+
+    Several clients: with *max_clients* above 1 (``serve --max-clients``), up to that many
+    clients are attached at once, each with an output socket of its own, bound when it is
+    welcomed next to *output_address* (:func:`~._fanout.session_endpoint`; the socket at
+    *output_address* itself then carries nothing) and named in its ``welcome``. Each gets
+    the outputs of its own requests, the answers to its own calls, and every load report;
+    a client that leaves (``bye``, or silent past *session_timeout*) has only its own
+    requests aborted (:mod:`._fanout`, ``docs/wire.md`` section 3). *keep_requests_on_detach*
+    needs *max_clients* 1 (:class:`ValueError`).
     """
 
     def __init__(
@@ -133,8 +150,11 @@ class StageRuntime:
         load_interval: float | None = LOAD_INTERVAL,
         name: str | None = None,
         curve: ServerCurve | None = None,
+        max_clients: int = 1,
     ) -> None:
         check_watchdog(step_timeout, kill_after)
+        check_max_clients(max_clients, keep_requests_on_detach=keep_requests_on_detach)
+        self._curve = curve
         load_interval = check_load_interval(load_interval)
         started = time.monotonic()
         self._signals = tuple(handle_signals)
@@ -173,27 +193,40 @@ class StageRuntime:
                 may_wait=self._may_hold_the_loop,
                 detached_max=detached_buffer,
             )
+            # One client at a time: the loop's events go to the one output socket. Several:
+            # each client's to its own (_fanout), and the shared socket stays idle.
+            self._fanout = (
+                None
+                if max_clients == 1
+                else Fanout(
+                    self._open_session_output,
+                    prepare_outputs=self._outbox.prepare_outputs,
+                    detached_max=detached_buffer,
+                )
+            )
+            self._output: StageOutput = self._outbox if self._fanout is None else self._fanout
             self._watchdog = (
                 None
                 if step_timeout is None
                 else StepWatchdog(
-                    step_timeout, kill_after, post=self._outbox.post, kill=self._kill_stalled
+                    step_timeout, kill_after, post=self._output.post, kill=self._kill_stalled
                 )
             )
             self._input = InputQueue()
             calls = CallTable()
             stage_engine = StageEngine(
                 engine,
-                self._outbox,
+                self._output,
                 calls=calls,
                 abort_on_detach=not keep_requests_on_detach,
                 watchdog=self._watchdog,
                 input_side=self._input,
                 load_interval=load_interval,
+                clients=self._fanout,
             )
             self.loop = EngineCoreLoop(
                 stage_engine,
-                stage_engine.emit,
+                stage_engine.emit if self._fanout is None else stage_engine.emit_routed,
                 pipeline_depth=pipeline_depth_of(engine),
                 input_queue=self._input,
             )
@@ -206,27 +239,39 @@ class StageRuntime:
                 self.loop,
                 live=stage_engine.live,
                 outputs=lambda: stage_engine.counts.outputs,
-                backlog=lambda: self._outbox.backlog,
+                backlog=lambda: self._output.backlog,
                 reporter=stage_engine.reporter,
                 stalled=self._stalled,
                 name=engine_name if name is None else name,
                 factory=engine_name,
                 started=started,
             )
-            self._session = StageSession(
-                self._outbox,
-                calls,
-                engine_name=engine_name,
-                output_address=self.output_address,
-                session_timeout=session_timeout,
-                statistics=self._statistics,
-            )
+            if self._fanout is None:
+                self._session = StageSession(
+                    self._outbox,
+                    calls,
+                    engine_name=engine_name,
+                    output_address=self.output_address,
+                    session_timeout=session_timeout,
+                    statistics=self._statistics,
+                )
+            else:
+                self._session = MultiStageSession(
+                    self._outbox,
+                    calls,
+                    clients=self._fanout,
+                    max_clients=max_clients,
+                    engine_name=engine_name,
+                    output_address=self.output_address,
+                    session_timeout=session_timeout,
+                    statistics=self._statistics,
+                )
             self._inbox = Inbox(
                 in_sock,
                 out_monitor,
                 self._session,
                 self._input,
-                self._outbox,
+                self._output,
                 on_failure=self._io_failed,
             )
         except BaseException:
@@ -258,14 +303,47 @@ class StageRuntime:
         # shutdown request.
         return self._session.output_peers > 0 and not self.loop.shutdown_requested
 
+    def _may_hold_the_loop_for_one(self) -> bool:
+        # A multi-client stage's client outbox: back-pressure while the loop is not stopping
+        # (a client that stops reading is detached after the session timeout, which ends
+        # its outbox and the wait).
+        return not self.loop.shutdown_requested
+
+    def _open_session_output(self, epoch: int) -> tuple[Outbox, str]:
+        # Input thread, at a welcome on a multi-client stage: the client's own PUSH, set up
+        # as the shared one is, and its outbox (not detached: the welcomed client reads).
+        endpoint = session_endpoint(self.output_address, epoch)
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
+        try:
+            sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            if self._curve is not None:
+                secure_server(sock, self._curve)
+            sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(endpoint))
+            sock.bind(endpoint)
+            outbox = Outbox(
+                sock,
+                abort_request=self._abort_request,
+                on_failure=self._io_failed,
+                may_wait=self._may_hold_the_loop_for_one,
+                detached_max=self._outbox.detached_max,
+                recheck_ms=RECHECK_MS,
+            )
+            outbox.set_detached(False)
+            return outbox, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+
     def _kill_stalled(self, message: str) -> None:
         # Watchdog thread: a step passed kill_after. The loop thread is stuck in it and
         # cannot be interrupted, so the stage ends from here: the fatal event goes out (the
         # output thread ends with it), ctx.term() delivers it (waiting out the output
         # socket's linger), and the process exits. Each wait is bounded.
         logger.critical("enginecore: %s", message)
-        self._outbox.post(("fatal", message))
-        self._outbox.join(timeout=self._flush_timeout)
+        self._output.post(("fatal", message))
+        self._output.join(timeout=self._flush_timeout)
         term = threading.Thread(target=self._ctx.term, name="enginecore-term", daemon=True)
         term.start()
         term.join(self._flush_timeout)
@@ -295,6 +373,8 @@ class StageRuntime:
         """Run until shutdown or a fatal error; return the process exit code. Blocks."""
         self._inbox.start()
         self._outbox.start()
+        if self._fanout is not None:
+            self._fanout.start()
         if self._watchdog is not None:
             self._watchdog.start()
         signals = (
@@ -324,6 +404,8 @@ class StageRuntime:
             if self._watchdog is not None:
                 self._watchdog.close()
             readers = self._session.attached or self._session.output_peers > 0
+            if self._fanout is not None:
+                self._fanout.close(timeout=self._flush_timeout if readers else 0.0)
             self._outbox.close(timeout=self._flush_timeout if readers else 0.0)
             self._input.close()
             if self._auth is not None:
@@ -334,11 +416,29 @@ class StageRuntime:
             # A detached period that the stop ended: its drops are logged here.
             log_detached_drops(self._outbox.take_dropped(), self._outbox.detached_max, at_exit=True)
             self._outbox.join()
+            if self._fanout is not None:
+                self._fanout.join()
+                self._fanout.unlink_all()
             for address in (self.input_address, self.output_address):
                 if address.startswith("ipc://"):
                     with contextlib.suppress(OSError):
                         os.unlink(address[len("ipc://") :])
             self.finished.set()
-        if self._inbox.failed or self._outbox.failed:
+        if self._inbox.failed or self._output.failed:
             return EXIT_IO_FAILED
-        return EXIT_OK if self._outbox.terminal == "shutdown" else EXIT_FATAL
+        return EXIT_OK if self._output.terminal == "shutdown" else EXIT_FATAL
+
+
+def check_max_clients(max_clients: int, *, keep_requests_on_detach: bool = False) -> None:
+    """:class:`TypeError` / :class:`ValueError` for a bad ``max_clients`` (an int >= 1), or
+    for one above 1 with *keep_requests_on_detach*: a client that leaves a stage that others
+    still use has nobody to hand its requests to."""
+    if isinstance(max_clients, bool) or not isinstance(max_clients, int):
+        raise TypeError(f"max_clients must be an int, got {max_clients!r}")
+    if max_clients < 1:
+        raise ValueError(f"max_clients must be >= 1, got {max_clients}")
+    if max_clients > 1 and keep_requests_on_detach:
+        raise ValueError(
+            "keep_requests_on_detach needs max_clients 1: on a stage that serves several "
+            "clients, a client's requests end with its session"
+        )

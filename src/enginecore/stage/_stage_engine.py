@@ -41,13 +41,14 @@ from .._messages import Event
 from . import _codec
 from ._codec import only_types
 from ._controls import DrainDeadline, StageTarget
-from ._outbox import BACKLOG_MAX, Outbox
+from ._outbox import BACKLOG_MAX, StageOutput
 from ._routing import make_router
 from ._statistics import LoadReporter
 from ._watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     from .._loop import EngineCoreLoop
+    from ._fanout import Fanout
     from ._stage_session import CallTable
 
 logger = logging.getLogger("enginecore.stage")
@@ -129,13 +130,14 @@ class StageEngine:
     def __init__(
         self,
         engine: Engine | PipelinedEngine[Any],
-        outbox: Outbox,
+        outbox: StageOutput,
         *,
         calls: CallTable,
         abort_on_detach: bool = True,
         watchdog: StepWatchdog | None = None,
         input_side: InputSide,
         load_interval: float | None = None,
+        clients: Fanout | None = None,
     ) -> None:
         # The request ids live in the stage: added (the engine's add() returned), and not
         # yet finished (an output routed with finished=True), aborted (abort() returned) or
@@ -153,7 +155,13 @@ class StageEngine:
         stats = getattr(engine, "stats", None)
         if callable(stats):
             self.stats = stats  # the loop samples it (EngineCoreLoop.statistics)
-        self.add, self.add_burst = make_add(engine, outbox, self.live, self.drain)
+        self.add, self.add_burst = make_add(
+            engine,
+            outbox,
+            self.live,
+            self.drain,
+            admit=None if clients is None else clients.admitter(self.live),
+        )
         # A pipelined engine gets the loop's launch/collect (and cancel, if it has one), an
         # Engine the loop's step: the loop drives whichever this adapter has.
         if isinstance(engine, PipelinedEngine):
@@ -206,12 +214,17 @@ class StageEngine:
         self._calls = calls
         self._abort_on_detach = abort_on_detach
         self.epoch = 0  # the session the loop's events belong to (the last SessionChange's)
+        self._clients = clients
+        if clients is not None:
+            clients.bind(self.live, self._drop)
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """The loop's ``abort``: the engine's, then an ``aborted`` event, ordered with the
         outputs, so none of the aborted requests' outputs follows it (and, in a pipeline's
-        stage, the abort sent on to the next stage: ``chase_abort``)."""
-        self._drop(req_ids)
+        stage, the abort sent on to the next stage: ``chase_abort``). On a multi-client
+        stage, only the sender's own requests are aborted (``Fanout.own``); the event still
+        lists every id of the message."""
+        self._drop(req_ids if self._clients is None else self._clients.own(req_ids))
         self._emit(("aborted", list(req_ids)))
         if self._chase_abort is not None:
             self._chase_abort(req_ids)
@@ -313,6 +326,17 @@ class StageEngine:
             event = ("utility", call[1], event[2], event[3])
         self._emit(event)
 
+    def emit_routed(self, event: Event) -> None:
+        """The loop's ``emit`` on a multi-client stage (*clients* given): a utility answer
+        goes to the session that made the call, if it is still attached (``Fanout.answer``);
+        anything else as :meth:`emit`."""
+        if event[0] == "utility":
+            call = self._calls.close(event[1])
+            if call is not None and self._clients is not None:
+                self._clients.answer(call[0], ("utility", call[1], event[2], event[3]))
+            return
+        self._emit(event)
+
 
 class _Drain:
     """The drain of one :class:`StageEngine` (its docstring has the rules). Loop thread
@@ -380,7 +404,12 @@ class _Drain:
 
 
 def make_add(
-    engine: Engine | PipelinedEngine[Any], outbox: Outbox, live: set[str], drain: _Drain
+    engine: Engine | PipelinedEngine[Any],
+    outbox: StageOutput,
+    live: set[str],
+    drain: _Drain,
+    *,
+    admit: Callable[[str], None] | None = None,
 ) -> tuple[Callable[[str, Any], None], Callable[[list[str], list[Any]], None]]:
     """The loop's ``add``, and the same for a burst (:class:`~._controls.AddBurst`):
     request-scoped failure around *engine*'s ``add``.
@@ -392,11 +421,12 @@ def make_add(
     ``error`` event carrying ``str(exc)``, and the id stays free. Either error is the
     request's only event, ordered with the loop's others. Any other exception propagates:
     fatal to the loop (the rest of a burst is not applied). On success the id joins
-    *live*. A burst is applied item by item, the same way.
+    *live* (through *admit*, if given: a multi-client stage also records the sender as the
+    request's owner, ``Fanout.admitter``). A burst is applied item by item, the same way.
     """
     engine_add = engine.add
     emit = outbox.emit
-    admit = live.add
+    admit_ = live.add if admit is None else admit
 
     def add_burst(req_ids: Sequence[str], data: Sequence[Any]) -> None:
         for rid, item in zip(req_ids, data, strict=True):
@@ -408,7 +438,7 @@ def make_add(
             except RequestRejected as exc:
                 emit(("error", rid, str(exc)))
                 continue
-            admit(rid)
+            admit_(rid)
 
     def add(req_id: str, data: Any) -> None:
         # One body for both: a lone add pays a call and two 1-tuples (~0.1 µs).
@@ -479,7 +509,7 @@ class _Counts:
 
 def _make_handle_outputs(
     engine: Engine | PipelinedEngine[Any],
-    outbox: Outbox,
+    outbox: StageOutput,
     live: set[str],
     drain: _Drain,
     stale: _Stale,
@@ -574,7 +604,7 @@ def _make_handle_outputs(
 
 def make_step(
     engine: Engine,
-    outbox: Outbox,
+    outbox: StageOutput,
     live: set[str],
     drain: _Drain,
     watchdog: StepWatchdog | None,
@@ -615,7 +645,7 @@ def make_step(
 
 def make_launch(
     engine: PipelinedEngine[Any],
-    outbox: Outbox,
+    outbox: StageOutput,
     watchdog: StepWatchdog | None,
     input_side: InputSide,
 ) -> Callable[[], Any]:
@@ -645,7 +675,7 @@ def make_launch(
 
 def make_collect(
     engine: PipelinedEngine[Any],
-    outbox: Outbox,
+    outbox: StageOutput,
     live: set[str],
     drain: _Drain,
     watchdog: StepWatchdog | None,

@@ -51,13 +51,26 @@ import msgspec
 
 from .._messages import Abort, Message, make_add, make_utility
 from . import _codec, _wire
-from ._controls import AddBurst, PipeCredit, PipeInput, SessionChange, Stop
+from ._controls import (
+    AddBurst,
+    ClientInput,
+    ClientJoined,
+    ClientLeft,
+    ClientsTarget,
+    PipeCredit,
+    PipeInput,
+    SessionChange,
+    Stop,
+)
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_MS",
     "HELLO_HOLD_S",
+    "NOT_ATTACHED",
     "CallTable",
+    "ClientsSide",
     "Held",
+    "MultiStageSession",
     "OutputSide",
     "SessionGate",
     "SessionState",
@@ -78,6 +91,13 @@ _RECEIVED_FLAT: Final = frozenset({type(None), bool, int, float, str, bytes})
 _PIPE_KINDS: Final = frozenset({0, 1, 2, 3})  # of a pipe message's items (_pipe_stage)
 
 Event = tuple[Any, ...]
+
+NOT_ATTACHED: Final = (
+    "this stage serves several clients (--max-clients): send hello first; a peer that is "
+    "not attached may only send hello and stats"
+)
+"""The ``reject`` reason for a message to a multi-client stage from a peer it has not
+welcomed (anything but ``hello``, ``stats`` and ``bye``)."""
 
 
 class SessionState(enum.Enum):
@@ -281,6 +301,10 @@ class StageSession:
         self._seen = 0.0  # when the attached client was last heard from
         self._unheard = False  # welcomed, and no message from it yet
         self._told_detached = True  # what the output side was last told
+        self.expires = False
+        """Whether :meth:`settle` has a deadline to keep besides a held ``hello`` (a
+        multi-client stage's session timeouts): the input side calls it after every read,
+        and waits no longer than :meth:`wait_ms`."""
 
     @property
     def attached(self) -> bool:
@@ -572,6 +596,218 @@ class StageSession:
     def _reject(self, ident: bytes, reason: str) -> None:
         reject = _wire.RejectMsg(_wire.PROTOCOL_VERSION, reason)
         self.replies.append((ident, msgspec.msgpack.encode(reject)))
+
+
+class ClientsSide(ClientsTarget, Protocol):
+    """What :class:`MultiStageSession` needs of the output side
+    (:class:`~._fanout.Fanout`)."""
+
+    def open_session(self, epoch: int) -> str:
+        """Bind session *epoch*'s output socket; its endpoint. Raises if it cannot."""
+        ...
+
+    def post_to(self, epoch: int, item: Any, weight: int) -> None:
+        """Events for session *epoch*'s client (dropped once it has left)."""
+        ...
+
+
+class _Client:
+    """One client attached to a multi-client stage."""
+
+    __slots__ = ("epoch", "ident", "name", "seen", "welcome")
+
+    def __init__(self, ident: bytes, epoch: int, name: str, seen: float, welcome: bytes) -> None:
+        self.ident = ident
+        self.epoch = epoch
+        self.name = name
+        self.seen = seen  # when it was last heard from
+        self.welcome = welcome
+
+
+class MultiStageSession(StageSession):
+    """The input side's sessions on a stage that serves up to *max_clients* clients at once
+    (``serve --max-clients``, ``docs/wire.md`` section 3). Sans-IO, as
+    :class:`StageSession`, whose message handling it keeps; what differs:
+
+    - each welcomed client gets its own output socket (*clients*,
+      :meth:`ClientsSide.open_session`), named in its own ``welcome``; a ``hello`` is never
+      held (no other client's ``PULL`` shares the socket). A ``hello`` while *max_clients*
+      are attached first detaches those silent past the session timeout, then is rejected
+      if none was;
+    - the loop learns who sends what: a :class:`~._controls.ClientJoined` at a welcome, a
+      :class:`~._controls.ClientInput` before a client's messages when the sender changes,
+      a :class:`~._controls.ClientLeft` after its ``bye``, or once it has been silent past
+      the session timeout (:meth:`settle`);
+    - the events it makes (an input error, a pong, a ``stats`` answer) go to the sender's own
+      socket (:meth:`ClientsSide.post_to`), never to :attr:`events`;
+    - a peer that is not attached may say ``hello``, ``stats`` (an observer) and ``bye``;
+      anything else for the loop is refused with a ``reject`` (:data:`NOT_ATTACHED`) on the
+      input socket, and never reaches the engine.
+
+    *output* (the one-client output side) is kept for :class:`StageSession`'s bookkeeping;
+    nothing of a multi-client session reaches it."""
+
+    def __init__(
+        self,
+        output: OutputSide,
+        calls: CallTable,
+        *,
+        clients: ClientsSide,
+        max_clients: int,
+        engine_name: str,
+        output_address: str,
+        session_timeout: float,
+        statistics: Callable[[], Any] = dict,
+    ) -> None:
+        if max_clients < 2:
+            raise ValueError(f"a multi-client session needs max_clients >= 2, got {max_clients}")
+        super().__init__(
+            output,
+            calls,
+            engine_name=engine_name,
+            output_address=output_address,
+            session_timeout=session_timeout,
+            statistics=statistics,
+        )
+        self._clients = clients
+        self._engine_name = engine_name
+        self.max_clients = max_clients
+        self.clients: dict[bytes, _Client] = {}
+        """The attached clients, by routing id."""
+        self._epochs = itertools.count(1)
+        self._loop_sender: _Client | None = None  # whose messages the loop applies last
+
+    @property
+    def attached(self) -> bool:
+        """Whether any client is attached."""
+        return bool(self.clients)
+
+    @property
+    def detached(self) -> bool:
+        """Whether no client is attached."""
+        return not self.clients
+
+    def receive(self, ident: bytes, parts: list[Any], now: float) -> None:
+        """As :meth:`StageSession.receive`, for the client *ident* is (module docstring)."""
+        client = self.clients.get(ident)
+        if client is not None:
+            client.seen = now
+            self.client = ident  # StageSession's checks ("the attached client") see it
+            self.epoch = client.epoch  # its utility calls are made in its session
+        else:
+            self.client = None
+            self.epoch = 0  # no session has epoch 0: an answer is dropped
+        to_loop = self.to_loop
+        before = len(to_loop)
+        super().receive(ident, parts, now)
+        if len(to_loop) > before:
+            if client is None:
+                # Only a hello's controls may come from a peer that is not attached (the
+                # ClientLeft of a silent client it replaces, its ClientJoined).
+                new = to_loop[before:]
+                kept = [m for m in new if type(m) is ClientJoined or type(m) is ClientLeft]
+                if len(kept) != len(new):
+                    del to_loop[before:]
+                    to_loop += kept
+                    self._reject(ident, NOT_ATTACHED)
+            else:
+                if client is not self._loop_sender and type(to_loop[before]) is not ClientLeft:
+                    to_loop.insert(before, ClientInput(self._clients, client.epoch))
+                    self._loop_sender = client
+                if type(to_loop[-1]) is Stop:
+                    logger.warning(
+                        "enginecore: client %r asked the stage to shut down; %d clients "
+                        "are attached, and all get its last event",
+                        client.name,
+                        len(self.clients),
+                    )
+        if self.events:
+            events, self.events = self.events, []
+            if client is not None:
+                self._clients.post_to(
+                    client.epoch, events if len(events) > 1 else events[0], len(events)
+                )
+            else:
+                logger.info(
+                    "enginecore: dropping %d events for a peer that is not attached: %r",
+                    len(events),
+                    events[:3],
+                )
+
+    def _hello(self, ident: bytes, msg: _wire.HelloMsg, now: float) -> None:
+        if msg.version != _wire.PROTOCOL_VERSION:
+            self._reject(
+                ident,
+                f"protocol version {msg.version} is not supported; this stage speaks "
+                f"version {_wire.PROTOCOL_VERSION}",
+            )
+            return
+        client = self.clients.get(ident)
+        if client is not None:  # an attached client, again
+            self.replies.append((ident, client.welcome))
+            return
+        if len(self.clients) >= self.max_clients:
+            self._expire(now)
+        if len(self.clients) >= self.max_clients:
+            self._reject(
+                ident,
+                f"this stage serves at most {self.max_clients} clients at once "
+                f"(--max-clients), and {len(self.clients)} are attached",
+            )
+            return
+        epoch = next(self._epochs)
+        try:
+            address = self._clients.open_session(epoch)
+        except Exception as exc:
+            logger.exception("enginecore: cannot open an output socket for a new client")
+            self._reject(ident, f"the stage cannot open an output socket for this client: {exc}")
+            return
+        welcome = msgspec.msgpack.encode(
+            _wire.WelcomeMsg(_wire.PROTOCOL_VERSION, address, os.getpid(), self._engine_name)
+        )
+        self.clients[ident] = _Client(ident, epoch, msg.client, now, welcome)
+        self.expires = True
+        self.to_loop.append(ClientJoined(self._clients, epoch))
+        self.replies.append((ident, welcome))
+        logger.info(
+            "enginecore: client %r attached (session %d, %d of %d), output %s",
+            msg.client,
+            epoch,
+            len(self.clients),
+            self.max_clients,
+            address,
+        )
+
+    def _bye(self, ident: bytes) -> None:
+        client = self.clients.get(ident)
+        if client is not None:
+            self._detach(client, "said bye")
+
+    def _detach(self, client: _Client, why: str) -> None:
+        del self.clients[client.ident]
+        self.expires = bool(self.clients)
+        # After everything it sent (to_loop keeps arrival order).
+        self.to_loop.append(ClientLeft(self._clients, client.epoch))
+        logger.info("enginecore: client %r (session %d) %s", client.name, client.epoch, why)
+
+    def _expire(self, now: float) -> None:
+        timeout = self._session_timeout
+        for client in list(self.clients.values()):
+            if now - client.seen >= timeout:
+                self._detach(client, f"was silent for the session timeout ({timeout:g} s)")
+
+    def settle(self, now: float) -> None:
+        """Detach the clients silent past the session timeout. The input side calls it after
+        every read while a client is attached (:attr:`expires`)."""
+        self._expire(now)
+
+    def wait_ms(self, now: float) -> int | None:
+        """How long the input side may wait for input before the next client's session
+        timeout (``None``: none attached)."""
+        if not self.clients:
+            return None
+        first = min(client.seen for client in self.clients.values())
+        return max(0, math.ceil((first + self._session_timeout - now) * 1000))
 
 
 def log_detached_drops(dropped: int, detached_max: int, *, at_exit: bool = False) -> None:

@@ -1,0 +1,487 @@
+"""A stage that serves several clients at once (``serve --max-clients N``, ``_fanout.py``):
+raw zmq clients on a real ``serve`` process, the sync and async clients through one
+parametrised suite, two pools over the same shared stages, and the fan-out's routing
+against a model (a hypothesis state machine, with fake outboxes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from itertools import count
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
+from enginecore.stage import PROTOCOL_VERSION, RequestError, StagePool
+from enginecore.stage._fanout import LIVE_FOR_ANOTHER, Fanout
+from enginecore.stage._stage_engine import LIVE_IN_STAGE
+from enginecore.stage._stage_session import NOT_ATTACHED
+
+from .conftest import SCRIPTED, Connect, Server, wait_until
+from .raw import Event, RawClient
+
+DEVICE = "enginecore.stage.testing:device"
+
+
+def _serve(*args: str, engine: str = SCRIPTED, clients: int = 2) -> Server:
+    return Server("--engine", engine, "--max-clients", str(clients), *args)
+
+
+@pytest.fixture
+def shared(no_leftovers: str) -> Iterator[Server]:
+    """A ``serve --max-clients 2`` ScriptedEngine stage on ipc, in the test's private dir (so
+    that the fixture checks that the clients' socket files are removed)."""
+    srv = _serve("--bind", f"ipc://{no_leftovers}/in", "--session-timeout", "2")
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0
+
+
+def _welcomed(client: RawClient) -> str:
+    reply = client.hello()
+    assert reply[0] == "welcome", reply
+    return str(reply[2])
+
+
+def _finished(rid: str) -> Callable[[Event], bool]:
+    return lambda ev: ev[0] == "outputs" and rid in ev[1] and ev[2][ev[1].index(rid)]
+
+
+def _outputs_of(events: list[Event]) -> dict[str, list[Any]]:
+    got: dict[str, list[Any]] = {}
+    for ev in events:
+        if ev[0] == "outputs":
+            for rid, payload in zip(ev[1], ev[3], strict=True):
+                got.setdefault(rid, []).append(payload)
+    return got
+
+
+class TestRawClients:
+    def test_each_client_gets_its_own_output_socket_and_only_its_own_events(
+        self, shared: Server
+    ) -> None:
+        with RawClient(shared.address) as a, RawClient(shared.address) as b:
+            out_a, out_b = _welcomed(a), _welcomed(b)
+            assert out_a != out_b
+            for i in range(5):  # interleaved
+                a.send("add", f"a{i}", 3 + i)
+                b.send("add", f"b{i}", 4 + i)
+            events_a = a.until(_finished("a4"), timeout=10)
+            events_b = b.until(_finished("b4"), timeout=10)
+            got_a, got_b = _outputs_of(events_a), _outputs_of(events_b)
+            assert got_a == {f"a{i}": list(range(2 + i, -1, -1)) for i in range(5)}
+            assert got_b == {f"b{i}": list(range(3 + i, -1, -1)) for i in range(5)}
+            # The same call id from both: each gets the answer to its own call.
+            assert a.call(7, "echo", "from a")[-1] == ["utility", 7, ["from a"], None]
+            assert b.call(7, "echo", "from b")[-1] == ["utility", 7, ["from b"], None]
+            # Every client sees the whole stage's load.
+            assert a.loads
+            assert b.loads
+
+    def test_an_abort_reaches_only_its_senders_requests(self, shared: Server) -> None:
+        with RawClient(shared.address) as a, RawClient(shared.address) as b:
+            _welcomed(a)
+            _welcomed(b)
+            a.send("add", "long-a", 10**8)
+            b.send("add", "long-b", 10**8)
+            a.until(lambda ev: ev[0] == "outputs" and "long-a" in ev[1])
+            b.until(lambda ev: ev[0] == "outputs" and "long-b" in ev[1])
+            b.send("abort", ["long-a", "long-b"])  # long-a is a's: not b's to abort
+            assert b.until(lambda ev: ev[0] == "aborted")[-1] == ["aborted", ["long-a", "long-b"]]
+            log = b.call(1, "log")[-1][2]
+            assert "abort long-b" in log
+            assert "abort long-a" not in log
+            a.until(lambda ev: ev[0] == "outputs" and "long-a" in ev[1])  # still running
+            a.send("abort", ["long-a"])
+            a.until(lambda ev: ev[0] == "aborted")
+
+    def test_an_id_live_for_another_client_is_refused_for_that_add_only(
+        self, shared: Server
+    ) -> None:
+        with RawClient(shared.address) as a, RawClient(shared.address) as b:
+            _welcomed(a)
+            _welcomed(b)
+            a.send("add", "same", 10**8)
+            a.until(lambda ev: ev[0] == "outputs" and "same" in ev[1])
+            b.send("add", "same", 3)
+            [error] = [ev for ev in b.until(lambda ev: ev[0] == "error") if ev[0] == "error"]
+            assert error == ["error", "same", LIVE_FOR_ANOTHER]
+            a.until(lambda ev: ev[0] == "outputs" and "same" in ev[1])  # a's goes on
+            a.send("abort", ["same"])
+            a.until(lambda ev: ev[0] == "aborted")
+            # Once a's has ended, b may use the id.
+            b.send("add", "same", 2)
+            assert _outputs_of(b.until(_finished("same")))["same"] == [1, 0]
+
+    def test_a_clients_bye_aborts_only_its_requests(self, shared: Server) -> None:
+        with RawClient(shared.address) as a, RawClient(shared.address) as b:
+            _welcomed(a)
+            _welcomed(b)
+            a.send("add", "a-long", 10**8)
+            b.send("add", "b-long", 10**8)
+            a.until(lambda ev: ev[0] == "outputs" and "a-long" in ev[1])
+            a.send("bye")
+            b.send("add", "b-short", 3)
+            events = b.until(_finished("b-short"))
+            assert "b-long" in _outputs_of(events)  # b's long request still runs
+            log = b.call(2, "log")[-1][2]
+            assert "abort a-long" in log
+            assert "abort b-long" not in log
+            b.send("abort", ["b-long"])
+            b.until(lambda ev: ev[0] == "aborted")
+
+    def test_a_silent_client_is_detached_at_the_session_timeout(self, shared: Server) -> None:
+        with RawClient(shared.address) as a, RawClient(shared.address) as b:
+            _welcomed(a)
+            _welcomed(b)
+            a.send("add", "a-long", 10**8)  # then a says nothing more (the timeout is 2 s)
+            a.until(lambda ev: ev[0] == "outputs" and "a-long" in ev[1])
+            b.send("add", "b-long", 10**8)
+            started = time.monotonic()
+            seq = 0
+            while True:  # b stays heard from; a goes silent
+                seq += 1
+                log = b.call(seq, "log")[-1][2]
+                if "abort a-long" in log:
+                    break
+                assert time.monotonic() - started < 10, "the silent client was never detached"
+            assert time.monotonic() - started > 1.5  # not before its timeout (2 s)
+            assert "abort b-long" not in log
+            # Its place is free again.
+            with RawClient(shared.address) as c:
+                _welcomed(c)
+            b.send("abort", ["b-long"])
+            b.until(lambda ev: ev[0] == "aborted")
+
+    def test_a_hello_when_full_is_rejected_with_the_reason(self, shared: Server) -> None:
+        with RawClient(shared.address) as a, RawClient(shared.address) as b:
+            _welcomed(a)
+            _welcomed(b)
+            with RawClient(shared.address) as c:
+                reply = c.hello()
+                assert reply[0] == "reject"
+                assert "at most 2 clients" in reply[2]
+            b.send("bye")
+        with RawClient(shared.address) as c:  # b's place
+            _welcomed(c)
+            c.send("bye")
+        with RawClient(shared.address) as a2:
+            a2.send("bye")  # a is still attached: nothing more to do
+
+    def test_a_peer_without_a_session_cannot_reach_the_engine(self, shared: Server) -> None:
+        with RawClient(shared.address) as a, RawClient(shared.address) as stranger:
+            _welcomed(a)
+            stranger.send("add", "x", 3)
+            assert stranger.reply() == ["reject", PROTOCOL_VERSION, NOT_ATTACHED]
+            stranger.send("shutdown")
+            assert stranger.reply() == ["reject", PROTOCOL_VERSION, NOT_ATTACHED]
+            assert a.call(1, "log")[-1][2] == []
+
+    def test_a_shutdown_from_one_client_ends_every_clients_session(self, shared: Server) -> None:
+        with RawClient(shared.address) as a, RawClient(shared.address) as b:
+            _welcomed(a)
+            _welcomed(b)
+            b.send("add", "b-long", 10**8)
+            b.until(lambda ev: ev[0] == "outputs")
+            a.send("shutdown")
+            assert a.until(lambda ev: ev[0] == "shutdown")[-1] == ["shutdown"]
+            assert b.until(lambda ev: ev[0] == "shutdown", timeout=10)[-1] == ["shutdown"]
+        assert shared.proc.wait(10) == 0
+
+
+class TestServeOptions:
+    def _fails(self, *args: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "enginecore", "serve", "--engine", SCRIPTED, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 2
+        return proc.stderr
+
+    def test_max_clients_below_one_is_refused(self) -> None:
+        assert "--max-clients must be >= 1" in self._fails("--max-clients", "0")
+
+    def test_keep_requests_on_detach_needs_one_client(self) -> None:
+        err = self._fails("--max-clients", "2", "--keep-requests-on-detach")
+        assert "--keep-requests-on-detach needs --max-clients 1" in err
+
+    def test_the_tcp_clients_get_ports_of_their_own(self) -> None:
+        srv = _serve("--bind", "tcp://127.0.0.1:*")
+        try:
+            with RawClient(srv.address) as a, RawClient(srv.address) as b:
+                ports = {_welcomed(a).rpartition(":")[2], _welcomed(b).rpartition(":")[2]}
+                assert len(ports) == 2
+                a.send("add", "a", 2)
+                b.send("add", "b", 3)
+                assert _outputs_of(a.until(_finished("a"))) == {"a": [1, 0]}
+                assert _outputs_of(b.until(_finished("b"))) == {"b": [2, 1, 0]}
+        finally:
+            assert srv.stop() == 0
+
+
+# -- the clients ---------------------------------------------------------------------------
+
+
+def test_two_clients_share_a_stage(connect: Connect, shared: Server) -> None:
+    first = connect(shared.address)
+    second = connect(shared.address)
+    s1 = [first.add(f"one-{i}", 3) for i in range(10)]
+    s2 = [second.add(f"two-{i}", 4) for i in range(10)]
+    assert [s.collect(timeout=10) for s in s1] == [[2, 1, 0]] * 10
+    assert [s.collect(timeout=10) for s in s2] == [[3, 2, 1, 0]] * 10
+    assert first.call_utility("echo", 1, timeout=5) == [1]
+    assert second.call_utility("echo", 2, timeout=5) == [2]
+    # A request id another client has live is refused for that add alone.
+    long = first.add("long", 10**8)
+    next(iter(long))  # it runs
+    with pytest.raises(RequestError, match="live in the stage for another client"):
+        second.add("long", 3).collect(timeout=5)
+    # One client's close aborts its own requests only.
+    kept = second.add("kept", 10**8)
+    first.close()
+    assert second.add("after", 2).collect(timeout=10) == [1, 0]
+    log = second.call_utility("log", timeout=5)
+    assert "abort long" in log
+    assert "abort kept" not in log
+    second.abort(["kept"])
+    kept.collect(timeout=5)
+
+
+def test_two_pools_share_two_stages(no_leftovers: str) -> None:
+    servers = [_serve("--bind", "tcp://127.0.0.1:*", engine=SCRIPTED) for _ in range(2)]
+    try:
+        addresses = [s.address for s in servers]
+        with StagePool.connect(addresses) as p1, StagePool.connect(addresses) as p2:
+            results: dict[str, list[list[Any]]] = {}
+
+            def run(name: str, pool: StagePool) -> None:
+                streams = [pool.add(f"{name}-{i}", 20) for i in range(40)]
+                results[name] = [s.collect(timeout=30) for s in streams]
+
+            threads = [
+                threading.Thread(target=run, args=(n, p)) for n, p in (("p1", p1), ("p2", p2))
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert results["p1"] == [list(range(19, -1, -1))] * 40
+            assert results["p2"] == [list(range(19, -1, -1))] * 40
+            # Each pool sees the other's requests in the stages' load reports.
+            long1 = [p1.add(f"l1-{i}", 10**8) for i in range(4)]
+            for stream in long1:
+                next(iter(stream))
+
+            # p2 has nothing on the stages, yet their reports reach it (every 50 ms while
+            # they step): no event to wait on but the report itself.
+            def others_seen() -> bool:
+                loads = [r.load() for r in p2.replicas]
+                return all(load is not None and load.live >= 1 for load in loads) and (
+                    sum(load.live for load in loads if load is not None) == 4
+                )
+
+            assert wait_until(others_seen, 10), [r.load() for r in p2.replicas]
+            assert all(r.in_flight == 0 for r in p2.replicas)
+            p1.abort([stream.req_id for stream in long1])
+    finally:
+        for server in servers:
+            assert server.stop() == 0
+    assert os.listdir(no_leftovers) == []
+
+
+# -- the routing, without sockets ----------------------------------------------------------
+
+
+class FakeOutbox:
+    """One client's outbox, as the fan-out sees it: records every event it is handed."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.ended = False
+        self.started = False
+        self.backlog = 0
+        self.failed = False
+
+    @property
+    def running(self) -> bool:
+        return self.started and not self.ended
+
+    def start(self) -> None:
+        self.started = True
+
+    def post(self, item: Any, weight: int | None = None) -> None:
+        self._take([item] if isinstance(item, tuple) else item)
+
+    def post_step(self, events: list[tuple[Any, ...]], weight: int, last: bool = False) -> None:
+        self._take(events)
+
+    def emit(self, ev: tuple[Any, ...]) -> None:
+        self._take([ev])
+
+    def _take(self, events: list[tuple[Any, ...]]) -> None:
+        assert not self.ended, f"events after the client left: {events}"
+        self.events += events
+
+    def ended_dropped(self, req_ids: list[str]) -> None:
+        pass
+
+    def wait_for_room(self) -> None:
+        pass
+
+    def end(self) -> None:
+        self.ended = True
+
+    def close(self, timeout: float) -> None:
+        pass
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def take_dropped(self) -> int:
+        return 0
+
+
+class FanoutMachine(RuleBasedStateMachine):
+    """Clients join and leave, add, abort, and the engine steps, on a :class:`Fanout` with fake
+    outboxes, driven as the loop drives it (``ClientInput`` before a client's messages, the
+    adapter's live set and drop), against a model of who owns each live request: every
+    output, and the load report of every reported step, reaches exactly the clients it
+    should; an abort and a departure end only their client's requests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outboxes: dict[int, FakeOutbox] = {}
+        self.fanout = Fanout(self._open, prepare_outputs=_unused, detached_max=8)
+        self.live: set[str] = set()
+        self.dropped: list[list[str]] = []
+        self.fanout.bind(self.live, self._drop)
+        self.admit = self.fanout.admitter(self.live)
+        self.owner: dict[str, int] = {}  # the model
+        self.epochs = count(1)
+        self.rids = count()
+        self.seq = count(1)
+
+    def _open(self, epoch: int) -> tuple[FakeOutbox, str]:
+        outbox = FakeOutbox()
+        self.outboxes[epoch] = outbox
+        return outbox, f"ipc://x-{epoch}"
+
+    def _drop(self, req_ids: Sequence[str]) -> None:
+        self.dropped.append(list(req_ids))
+        self.live.difference_update(req_ids)
+
+    def _attached(self) -> list[int]:
+        return [e for e, o in self.outboxes.items() if not o.ended]
+
+    def _take_all(self) -> dict[int, list[tuple[Any, ...]]]:
+        got = {}
+        for e in self._attached():
+            got[e], self.outboxes[e].events = self.outboxes[e].events, []
+        return got
+
+    @rule()
+    def join(self) -> None:
+        epoch = next(self.epochs)
+        self.fanout.open_session(epoch)
+        self.fanout.joined(epoch)
+
+    @rule(data=st.data())
+    def leave(self, data: st.DataObject) -> None:
+        attached = self._attached()
+        if not attached:
+            return
+        epoch = data.draw(st.sampled_from(attached))
+        theirs = {rid for rid, e in self.owner.items() if e == epoch}
+        self.fanout.left(epoch)
+        assert self.outboxes[epoch].ended
+        if theirs:
+            assert set(self.dropped.pop()) == theirs
+        assert not self.dropped
+        for rid in theirs:
+            del self.owner[rid]
+        assert self.live == set(self.owner)
+
+    @rule(data=st.data(), taken=st.booleans())
+    def add(self, data: st.DataObject, taken: bool) -> None:
+        attached = self._attached()
+        if not attached:
+            return
+        epoch = data.draw(st.sampled_from(attached))
+        self.fanout.sender(epoch)
+        if taken and self.owner:
+            rid = data.draw(st.sampled_from(sorted(self.owner)))
+            self.fanout.emit(("error", rid, LIVE_IN_STAGE))  # make_add's refusal
+            [event] = self._take_all()[epoch]
+            mine = self.owner[rid] == epoch
+            assert event == ("error", rid, LIVE_IN_STAGE if mine else LIVE_FOR_ANOTHER)
+            return
+        rid = f"r{next(self.rids)}"
+        self.admit(rid)
+        self.owner[rid] = epoch
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        attached = self._attached()
+        if not attached:
+            return
+        epoch = data.draw(st.sampled_from(attached))
+        ids = data.draw(st.lists(st.sampled_from([*sorted(self.owner), "unknown"]), max_size=4))
+        self.fanout.sender(epoch)
+        own = list(self.fanout.own(ids))
+        assert own == [rid for rid in ids if self.owner.get(rid, epoch) == epoch]
+        self._drop(own)
+        for rid in own:
+            self.owner.pop(rid, None)
+        self.fanout.emit(("aborted", ids))
+        self.dropped.clear()
+        got = self._take_all()
+        assert got[epoch] == [("aborted", ids)]
+        assert all(not events for e, events in got.items() if e != epoch)
+
+    @rule(data=st.data(), report=st.booleans())
+    def step(self, data: st.DataObject, report: bool) -> None:
+        rids = (
+            data.draw(st.lists(st.sampled_from(sorted(self.owner)), unique=True))
+            if self.owner
+            else []
+        )
+        if not rids:
+            return
+        fins = [data.draw(st.booleans()) for _ in rids]
+        load = {"seq": next(self.seq)} if report else None
+        ev: tuple[Any, ...] = ("outputs", list(rids), list(fins), [f"p-{r}" for r in rids])
+        if load is not None:
+            ev = (*ev, load)
+        self.fanout.post_step([ev], len(rids))
+        got = self._take_all()
+        for epoch, events in got.items():
+            outputs = [e for e in events if e[0] == "outputs"]
+            mine = [r for r in rids if self.owner[r] == epoch]
+            seen = [r for e in outputs for r in e[1]]
+            assert seen == mine
+            assert all(e[3] == [f"p-{r}" for r in e[1]] for e in outputs)
+            reports = [e[4] for e in outputs if len(e) > 4]
+            assert reports == ([load] if load is not None else [])
+        for rid, fin in zip(rids, fins, strict=True):
+            if fin:  # the adapter forgets a finished request after the post
+                self.live.discard(rid)
+                del self.owner[rid]
+
+
+def _unused(rids: list[Any], fins: list[Any], payloads: list[Any]) -> list[tuple[Any, ...]]:
+    raise AssertionError("not called: every payload is flat")
+
+
+TestFanoutMachine = FanoutMachine.TestCase
+TestFanoutMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
