@@ -5,7 +5,8 @@
 extension value that names a buffer by index, and the buffer travels as its own ZMQ frame,
 sent with ``copy=False`` and received as a view on the frame.
 
-Three extension types, nothing else (the timestamp extension included):
+Three extension types between a client and a stage, a fourth between two stages of a
+pipeline, nothing else (the timestamp extension included):
 
 * ext 1, an n-dimensional array: ``[dtype, shape, data]``, ``data`` inline ``bin`` or a
   buffer index; arrives as a read-only ``numpy.ndarray``.
