@@ -713,6 +713,8 @@ class TestSharedMemory:
         edge = pipe.stats()["a"].engine
         assert edge["shm_retired"] == 1
         assert len(_segments()) == 1
+        taker = pipe.stats()["b"].engine
+        assert (taker["shm_taken"], taker["shm_refused"]) == (1, 1)
         # The refused payload's bytes came back as credit too: nothing is left in flight.
         assert wait_until(lambda: pipe.stats()["a"].engine["edge_in_flight_bytes"] == 0, 10)
 

@@ -102,9 +102,11 @@ class PipeStage:
         window: int | None = None,
         window_bytes: int | None = None,
         shm: _shm.ShmPool | None = None,
+        shm_reader: _shm.ShmReader | None = None,
     ) -> None:
         self._inner = inner
         self._stage = stage
+        self._shm_reader = shm_reader
         self._inner_has_work = inner.has_work
         self.utility = inner.utility
         stats = getattr(inner, "stats", None)
@@ -224,7 +226,10 @@ class PipeStage:
         """The engine's own numbers, and the edge's: ``edge_in_flight`` and
         ``edge_in_flight_bytes`` (sent to the next stage, not yet taken), ``edge_sent`` and
         ``edge_sent_bytes`` (in all), ``edge_waits`` (how often the window held a step
-        back); with shared memory, the pool's ``shm_*`` (:meth:`._shm.ShmPool.stats`)."""
+        back); with shared memory, the pool's ``shm_*`` (:meth:`._shm.ShmPool.stats`); and
+        in a stage whose previous stage sends through shared memory, ``shm_taken`` (arrays
+        taken), ``shm_refused`` (refused: their lease had expired, or their slot was gone)
+        and ``shm_held`` (taken and still alive here)."""
         out = dict(self._inner_stats()) if self._inner_stats is not None else {}
         if self._link is not None:
             out["edge_in_flight"] = self._out_items
@@ -234,6 +239,11 @@ class PipeStage:
             out["edge_waits"] = self._waits
             if self._shm is not None:
                 out.update(self._shm.stats())
+        reader = self._shm_reader
+        if reader is not None:
+            out["shm_taken"] = reader.taken
+            out["shm_refused"] = reader.expired
+            out["shm_held"] = reader.held
         return out
 
     def add(self, req_id: str, data: Any) -> None:
@@ -468,6 +478,7 @@ class PipelinedPipeStage(PipeStage):
         window: int | None = None,
         window_bytes: int | None = None,
         shm: _shm.ShmPool | None = None,
+        shm_reader: _shm.ShmReader | None = None,
     ) -> None:
         super().__init__(
             inner,
@@ -477,6 +488,7 @@ class PipelinedPipeStage(PipeStage):
             window=window,
             window_bytes=window_bytes,
             shm=shm,
+            shm_reader=shm_reader,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -512,8 +524,7 @@ def pipe_stage(
     *shm_prefix*: this stage's segments' prefix, to send arrays of *shm_threshold* bytes or
     more to the next stage through shared memory (``None``: never); *shm_upstream*: the
     previous stage's, whose arrays this stage takes (``None``: it sends none)."""
-    if shm_upstream is not None:
-        _shm.configure_reader(shm_upstream)
+    reader = None if shm_upstream is None else _shm.configure_reader(shm_upstream)
     inner = build_engine(factory, dict(kwargs or {}))
     edge_fn = None if edge is None else import_factory(edge)
     pool = None
@@ -528,6 +539,7 @@ def pipe_stage(
         "window": window,
         "window_bytes": window_bytes,
         "shm": pool,
+        "shm_reader": reader,
     }
     if isinstance(inner, PipelinedEngine):
         return PipelinedPipeStage(inner, **options)

@@ -332,7 +332,7 @@ class ShmReader:
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
         self.taken = 0
-        self.expired = 0
+        self.expired = 0  # refused: lease expired, slot retired, gone or rewritten
 
     def array(self, head: object) -> Any:
         """The read-only numpy array that the ext 4 data *head* names, on the slot's memory,
@@ -494,8 +494,8 @@ _reader: ShmReader | None = None
 
 
 def configure_reader(prefix: str) -> ShmReader:
-    """This process takes shared-memory payloads from segments named *prefix*... (a
-    pipeline's stage whose previous stage may send them)."""
+    """This process takes shared-memory payloads from segments whose names start with
+    *prefix* (a pipeline's stage whose previous stage may send them): its reader."""
     global _reader
     _reader = ShmReader(prefix)
     return _reader
