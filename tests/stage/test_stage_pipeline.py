@@ -718,6 +718,23 @@ class TestSharedMemory:
         # The refused payload's bytes came back as credit too: nothing is left in flight.
         assert wait_until(lambda: pipe.stats()["a"].engine["edge_in_flight_bytes"] == 0, 10)
 
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            {"shm_threshold": 0},
+            {"shm_threshold": 1.5},
+            {"shm_pool_bytes": 0},
+            {"shm_pool_bytes": True},
+            {"shm_lease": 0},
+            {"shm_lease": -1.0},
+            {"shm_lease": True},
+            {"shm_lease": "10"},
+        ],
+    )
+    def test_bad_shared_memory_options_are_refused(self, bad: dict[str, Any]) -> None:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PipelineStage(ECHO, **bad)
+
     @pytest.mark.parametrize("killed", ["a", "b"])
     def test_a_killed_stage_leaves_no_segment_within_the_lease_and_a_second(
         self, launch: Any, killed: str

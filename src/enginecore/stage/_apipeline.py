@@ -27,8 +27,8 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     launch_options,
+    new_shm_prefix,
     pipe_kwargs,
-    shm_prefix,
     stage_specs,
 )
 from ._session import NO_LOCK
@@ -87,7 +87,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         check_budget(max_in_flight, max_bytes)
         clients: list[AsyncStageClient] = []
         downstream: str | None = None
-        prefix = shm_prefix()
+        prefix = new_shm_prefix()
         try:
             for k in reversed(range(len(specs))):
                 spec = specs[k]

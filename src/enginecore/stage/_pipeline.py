@@ -34,8 +34,8 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     launch_options,
+    new_shm_prefix,
     pipe_kwargs,
-    shm_prefix,
     stage_specs,
 )
 from ._statistics import StageStatistics
@@ -116,7 +116,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         check_budget(max_in_flight, max_bytes)
         clients: list[StageClient] = []
         downstream: str | None = None
-        prefix = shm_prefix()
+        prefix = new_shm_prefix()
         try:
             for k in reversed(range(len(specs))):
                 spec = specs[k]

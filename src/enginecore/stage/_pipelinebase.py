@@ -31,8 +31,8 @@ __all__ = [
     "PipelineStage",
     "check_drain",
     "launch_options",
+    "new_shm_prefix",
     "pipe_kwargs",
-    "shm_prefix",
     "stage_specs",
 ]
 
@@ -180,7 +180,7 @@ def pipe_kwargs(
     return kwargs
 
 
-def shm_prefix() -> str | None:
+def new_shm_prefix() -> str | None:
     """A new pipeline's shared-memory prefix, or ``None`` where there is no ``/dev/shm``."""
     return _shm.pipeline_prefix() if _shm.available() else None
 
