@@ -17,14 +17,20 @@ a. **A slow last stage, bounded.** Three stages: ``device`` (a countdown, ``STEP
    pipeline with no windows (``window=None, window_bytes=None``), where the slow stage's
    backlog grows without bound, for at most ``BASELINE_S`` (it would run out of memory).
 b. **SIGKILL the middle stage under load.** The same three stages (the last one as fast
-   as the others), ``SLOTS`` long requests streaming; the middle stage is killed. Goals:
-   every request ends within 1 s of the kill with a ``PipelineStageDeadError`` naming the
-   middle stage, and none ends otherwise. Shared memory between stages is not built yet,
-   so "0 leaked segments" is not measured here.
+   as the others), except that the first stage's edge (``testing:inflate_array``) sends a
+   1 MiB array on for each output, so that the first and the middle stage pass their
+   payloads through shared memory (leases of ``KILL_LEASE``); ``SLOTS`` long requests
+   streaming; the middle stage is killed. Goals: every request ends within 1 s of the kill
+   with a ``PipelineStageDeadError`` naming the middle stage, and none ends otherwise; and
+   no shared-memory segment of the pipeline is left in ``/dev/shm`` ``KILL_LEASE`` + 1 s
+   after the kill (the middle stage's own, which it cannot unlink, and the first stage's,
+   which the middle one can no longer release; the last stage has none).
 c. **64 MiB between two stages on one host**, against a ``memcpy`` of 64 MiB (``np.copyto``
    into a buffer already touched) in the same round: the hop is a 2-stage ``echo``
    pipeline's round trip minus a single ``echo`` stage's (``StageClient``), both with the
-   array as the request's data. Goal: memcpy time / hop time >= 0.5, every round.
+   array as the request's data. The array goes through shared memory (the default 1 MiB
+   threshold): one copy into a slot the first stage reuses, read in place by the second.
+   Goal: memcpy time / hop time >= 0.5, every round.
 
 The GC is on in every process.
 """
@@ -52,6 +58,7 @@ BIG = 64 * 2**20
 GOAL_KILL_S = 1.0
 GOAL_RSS = 0.10
 GOAL_BIG = 0.5
+KILL_LEASE = 1.0
 
 
 def _rss(pid: int) -> int:
@@ -63,17 +70,16 @@ def _rss(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def _stages(windows: bool, slow: bool) -> list[Any]:
+def _stages(windows: bool, slow: bool, edge: str = f"{T}:inflate") -> list[Any]:
     from enginecore.stage import PipelineStage
 
     bounded: dict[str, Any] = (
         {"window_bytes": WINDOW_BYTES} if windows else {"window": None, "window_bytes": None}
     )
+    bounded["shm_lease"] = KILL_LEASE
     last_step = 10 * STEP_S if slow else STEP_S
     return [
-        PipelineStage(
-            f"{T}:device", {"step_s": STEP_S}, name="first", edge=f"{T}:inflate", **bounded
-        ),
+        PipelineStage(f"{T}:device", {"step_s": STEP_S}, name="first", edge=edge, **bounded),
         PipelineStage(f"{T}:relay", {"step_s": STEP_S}, name="mid", **bounded),
         PipelineStage(f"{T}:relay", {"step_s": last_step, "per_step": 1}, name="last"),
     ]  # fmt: skip
@@ -208,17 +214,23 @@ def _rss_changes(samples: list[dict[str, int]]) -> list[float]:
 
 def kill_part(rounds: int) -> list[Record]:
     """Part (b): a fresh pipeline per round; SIGKILL its middle stage under load."""
-    from enginecore.stage import Pipeline, PipelineStageDeadError
+    from enginecore.stage import Pipeline, PipelineStageDeadError, _shm
 
     worst: list[float] = []
+    left: list[float] = []
+    before: list[int] = []
+    cleared: list[float] = []
     wrong = 0
     for _ in range(rounds):
-        with gc_on(), Pipeline.launch(_stages(True, slow=False), startup_timeout=120) as pipe:
+        stages = _stages(True, slow=False, edge=f"{T}:inflate_array")
+        with gc_on(), Pipeline.launch(stages, startup_timeout=120) as pipe:
+            prefix = pipe._shm_prefix or "no shared memory on this host"
             load = _Load(pipe, 10**6)
             load.start()
             deadline = time.monotonic() + 30
             while load.outputs < 10 * SLOTS and time.monotonic() < deadline:
                 time.sleep(0.01)
+            before.append(len(_shm.segments(prefix)))
             pid = pipe.call_utility("mid", "pid")
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
@@ -231,6 +243,12 @@ def kill_part(rounds: int) -> list[Record]:
             )
             wrong += SLOTS - len(ends)  # a slot whose request did not end
             worst.append(max((t - killed_at for t, _ in ends), default=float("inf")))
+            # Segments of the pipeline still in /dev/shm, until none or the lease + 1 s.
+            deadline = killed_at + KILL_LEASE + 1.0
+            while _shm.segments(prefix) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            left.append(float(len(_shm.segments(prefix))))
+            cleared.append(time.monotonic() - killed_at if not left[-1] else float("inf"))
     return [
         Record(
             "pipeline SIGKILL middle stage: last affected request ended after",
@@ -238,12 +256,23 @@ def kill_part(rounds: int) -> list[Record]:
             f"<= {GOAL_KILL_S:g} s, every round, none ending otherwise",
             max(worst) <= GOAL_KILL_S and wrong == 0, spread(worst),
             note=(
-                f"{rounds} rounds, {SLOTS} streaming requests each; requests that ended "
-                f"otherwise or not at all: {wrong}. Shared memory is not built yet: no "
-                f"segment to leak; GC on"
+                f"{rounds} rounds, {SLOTS} streaming requests each, 1 MiB arrays between "
+                f"the stages through shared memory; requests that ended otherwise or not at "
+                f"all: {wrong}. GC on"
             ),
             per_round=tuple(worst), per_round_unit="s",
-        )
+        ),
+        Record(
+            "pipeline SIGKILL middle stage: shared-memory segments left after the lease + 1 s",
+            max(left), "segments", float(max(before)), 0.0,
+            "<= 0 segments, every round", max(left) <= 0,
+            note=(
+                f"{rounds} rounds; segments before the kill: {before}; all gone "
+                + ", ".join(f"{c:.2f}" for c in cleared)
+                + f" s after the kill (lease {KILL_LEASE:g} s); GC on"
+            ),
+            per_round=tuple(left), per_round_unit="segments",
+        ),
     ]  # fmt: skip
 
 
@@ -288,7 +317,8 @@ def big_part(rounds: int) -> list[Record]:
             min(ratios) >= GOAL_BIG, spread(hops) * 1e3, spread(copies) * 1e3,
             note=(
                 f"{rounds} rounds; the hop: a 2-stage echo pipeline's round trip minus one "
-                f"echo stage's; zero-copy ZeroMQ over ipc, no shared memory yet; GC on"
+                f"echo stage's; through shared memory (one copy into a reused slot, read "
+                f"in place); GC on"
             ),
             per_round=tuple(ratios),
         )

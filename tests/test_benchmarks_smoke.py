@@ -510,7 +510,7 @@ class TestStageBenchmarks:
     @pytest.mark.timeout(180)  # 6 pipelines of 2-3 stages, a kill, 64 MiB arrays
     def test_pipeline_faults_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
         records = bench_pipeline_faults.run(quick=True)
-        assert_records(records, 4)
+        assert_records(records, 5)
         assert_gc_on(records)
         assert gc_disables == []
         by_name = {r.name: r for r in records}
@@ -519,6 +519,11 @@ class TestStageBenchmarks:
         assert by_name["pipeline slow last stage: bytes in flight between stages, most"].met
         kill = by_name["pipeline SIGKILL middle stage: last affected request ended after"]
         assert "otherwise or not at all: 0." in kill.note
+        # And no shared-memory segment of the pipeline is left in /dev/shm.
+        segments = (
+            "pipeline SIGKILL middle stage: shared-memory segments left after the lease + 1 s"
+        )
+        assert by_name[segments].met
 
     @pytest.mark.timeout(180)  # 24 stage and peer processes, started one after the other
     def test_stage_pipeline_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:

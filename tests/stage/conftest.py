@@ -32,6 +32,7 @@ from enginecore.stage import (
     StageLoad,
     StageStatistics,
     StreamTimings,
+    _shm,
 )
 
 SCRIPTED = "enginecore.stage.testing:scripted"
@@ -85,7 +86,8 @@ def wait_until(predicate: object, timeout: float) -> bool:
 
 @pytest.fixture(autouse=True)
 def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Private temp dir for ipc sockets; after the test, no child and no socket file left."""
+    """Private temp dir for ipc sockets; after the test, no child, no socket file and no
+    shared-memory segment of this process's pipelines left."""
     before = set(child_pids())
     private = tempfile.mkdtemp(prefix="ecT", dir="/tmp")
     monkeypatch.setattr(tempfile, "tempdir", private)
@@ -97,8 +99,10 @@ def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
             for root, dirs, files in os.walk(private)
             for name in dirs + files
         ]
+        leftover_segments = _shm.unlink_prefix(f"enginecore-{os.getpid()}-")
         assert not leftover_children, f"child processes left behind: {leftover_children}"
         assert not leftover_files, f"ipc files or dirs left behind: {leftover_files}"
+        assert not leftover_segments, f"shared-memory segments left: {leftover_segments}"
     finally:
         shutil.rmtree(private, ignore_errors=True)
 

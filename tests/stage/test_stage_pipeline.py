@@ -29,6 +29,7 @@ from enginecore.stage import (
     PipelineStageDeadError,
     StageClosedError,
     StageStartupError,
+    _shm,
 )
 from enginecore.stage._edge import END, FIRST, MORE, ONLY
 from enginecore.stage._pipe_stage import PipeStage
@@ -602,3 +603,171 @@ class TestLifecycle:
     def test_an_edge_must_be_an_import_string(self) -> None:
         with pytest.raises(TypeError, match="import string"):
             PipelineStage(COUNTDOWN, edge=print)  # type: ignore[arg-type]
+
+
+MIB = 1 << 20
+
+
+def _segments() -> list[str]:
+    """The shared-memory segments of this process's pipelines in ``/dev/shm``."""
+    return _shm.segments(f"enginecore-{os.getpid()}-")
+
+
+@pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
+class TestSharedMemory:
+    def test_a_big_array_goes_through_shared_memory_and_arrives_equal(self, launch: Any) -> None:
+        pipe = launch([PipelineStage(ECHO, name="a"), PipelineStage(RELAY, name="b")])
+        image = np.random.default_rng(0).random((512, 256))  # 1 MiB of float64
+        small = np.arange(1000.0)  # below the threshold: on ZeroMQ
+        (back,) = pipe.add("r", {"image": image, "small": small}).collect(timeout=30)
+        assert np.array_equal(back["image"], image)
+        assert np.array_equal(back["small"], small)
+        edge = pipe.stats()["a"].engine
+        assert edge["shm_sent"] == 1
+        assert edge["shm_sent_bytes"] == image.nbytes
+        assert edge["edge_sent_bytes"] > image.nbytes  # the window counts the shm bytes...
+        # ...and so does the credit the next stage gives back.
+        assert wait_until(lambda: pipe.stats()["a"].engine["edge_in_flight_bytes"] == 0, 10)
+        assert len(_segments()) == 1  # the slot, kept for the next payload
+        pipe.shutdown()
+        assert _segments() == []  # a clean shutdown leaves nothing in /dev/shm
+
+    def test_below_the_threshold_or_without_one_arrays_stay_on_zeromq(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(ECHO, name="a", shm_threshold=None),
+                PipelineStage(RELAY, name="b", shm_threshold=4 * MIB),
+                PipelineStage(RELAY, name="c"),
+            ]
+        )
+        image = np.ones((512, 512), dtype=np.float32)  # 1 MiB
+        (back,) = pipe.add("r", image).collect(timeout=30)
+        assert np.array_equal(back, image)
+        stats = pipe.stats()
+        assert "shm_sent" not in stats["a"].engine
+        assert stats["b"].engine["shm_sent"] == 0
+        assert _segments() == []
+
+    def test_a_slot_is_never_rewritten_while_the_next_stage_holds_its_array(
+        self, launch: Any
+    ) -> None:
+        # The echo stage (no feed) holds every input of a request until the request ends
+        # (and its output was sent, a zero-copy frame: until ZeroMQ let go of it); the pool
+        # has room for 3 of the 8 arrays: the others go on ZeroMQ, counted, and no slot is
+        # rewritten while an array on it is alive. Then a streaming stage, which lets each
+        # array go as soon as its output is sent: slots are reused, every array intact.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="a", edge=f"{T}:to_array", shm_pool_bytes=3 * MIB),
+                PipelineStage(ECHO, name="b"),
+            ]
+        )
+        for r in range(3):
+            (arrays,) = pipe.add(f"r{r}", 8).collect(timeout=30)
+            assert [float(a[0]) for a in arrays] == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
+            assert all(bool(np.all(a == a[0])) for a in arrays)
+        edge = pipe.stats()["a"].engine
+        assert edge["shm_sent"] >= 3  # the first request's first three, at least
+        assert edge["shm_fallbacks"] >= 5
+        assert edge["shm_sent"] + edge["shm_fallbacks"] == 24
+        assert edge["shm_slot_bytes"] <= 3 * MIB
+        pipe.shutdown()
+        relayed = launch(
+            [
+                PipelineStage(COUNTDOWN, name="a", edge=f"{T}:to_array", shm_pool_bytes=2 * MIB),
+                PipelineStage(RELAY, name="b"),
+            ]
+        )
+        outputs = relayed.add("r", 40).collect(timeout=60)
+        assert [float(a[0]) for a in outputs] == [float(k) for k in range(39, -1, -1)]
+        assert all(bool(np.all(a == a[0])) for a in outputs)
+        edge = relayed.stats()["a"].engine
+        assert edge["shm_sent"] + edge["shm_fallbacks"] == 40
+        assert edge["shm_retired"] == 0
+
+    def test_a_payload_whose_lease_expired_fails_its_request_with_a_named_error(
+        self, launch: Any
+    ) -> None:
+        pipe = launch(
+            [PipelineStage(ECHO, name="a", shm_lease=0.2), PipelineStage(RELAY, name="b")]
+        )
+        first = np.full(MIB // 4, 1.0, dtype=np.float32)
+        pid = pipe.call_utility("b", "pid")
+        os.kill(pid, signal.SIGSTOP)  # b can read nothing: the payload waits in its socket
+        try:
+            stream = pipe.add("r", first)
+            assert wait_until(lambda: len(_segments()) == 1, 10)  # the payload is in its slot
+            time.sleep(0.6)  # the lease (0.2 s) is what is under test: let it run out
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with pytest.raises(PipelineRequestError) as info:
+            stream.collect(timeout=10)
+        assert info.value.stage == "b"
+        assert "SharedMemoryLeaseExpired: " in info.value.message
+        assert "expired" in info.value.message
+        # The pipeline goes on. The producer retires the expired slot (never rewrites it)
+        # and takes a new one.
+        second = np.full(MIB // 4, 2.0, dtype=np.float32)
+        (back,) = pipe.add("r2", second).collect(timeout=10)
+        assert np.array_equal(back, second)
+        edge = pipe.stats()["a"].engine
+        assert edge["shm_retired"] == 1
+        assert len(_segments()) == 1
+        taker = pipe.stats()["b"].engine
+        assert (taker["shm_taken"], taker["shm_refused"]) == (1, 1)
+        # The refused payload's bytes came back as credit too: nothing is left in flight.
+        assert wait_until(lambda: pipe.stats()["a"].engine["edge_in_flight_bytes"] == 0, 10)
+
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            {"shm_threshold": 0},
+            {"shm_threshold": 1.5},
+            {"shm_pool_bytes": 0},
+            {"shm_pool_bytes": True},
+            {"shm_lease": 0},
+            {"shm_lease": -1.0},
+            {"shm_lease": True},
+            {"shm_lease": "10"},
+        ],
+    )
+    def test_bad_shared_memory_options_are_refused(self, bad: dict[str, Any]) -> None:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PipelineStage(ECHO, **bad)
+
+    @pytest.mark.parametrize("killed", ["a", "b"])
+    def test_a_killed_stage_leaves_no_segment_within_the_lease_and_a_second(
+        self, launch: Any, killed: str
+    ) -> None:
+        # a and b each send the next stage 1 MiB arrays through their slots. The parent
+        # unlinks the killed stage's segments (it cannot), and those of the stage before
+        # it (which can no longer be released); a live stage after it keeps its own until
+        # the pipeline shuts down.
+        lease = 1.0
+        pipe = launch(
+            [
+                PipelineStage(
+                    DEVICE, {"step_s": 0.005}, name="a", edge=f"{T}:to_array", shm_lease=lease
+                ),
+                PipelineStage(RELAY, name="b", shm_lease=lease),
+                PipelineStage(RELAY, name="c"),
+            ]
+        )
+        stream = pipe.add("r", 10**6)
+        for _ in range(5):
+            stream.get(timeout=10)
+
+        def stages() -> set[str]:  # the stages with segments: <prefix>-<stage>-<n>
+            return {name.split("-")[3] for name in _segments()}
+
+        assert wait_until(lambda: stages() == {"0", "1"}, 10)
+        os.kill(pipe.call_utility(killed, "pid"), signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(PipelineStageDeadError) as info:
+            stream.collect(timeout=5)
+        assert info.value.stage == killed
+        gone = {"0"} if killed == "a" else {"0", "1"}
+        assert wait_until(lambda: not stages() & gone, lease + 1.0)
+        assert time.monotonic() - killed_at < lease + 1.0
+        pipe.shutdown()
+        assert _segments() == []

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import _clientbase
+from . import _clientbase, _shm
 from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
@@ -27,6 +27,7 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     launch_options,
+    new_shm_prefix,
     pipe_kwargs,
     stage_specs,
 )
@@ -60,9 +61,10 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         *,
         max_in_flight: int | None = None,
         max_bytes: int | None = None,
+        shm_prefix: str | None = None,
     ) -> None:
         # Private: use launch().
-        super().__init__(clients, names, max_in_flight, max_bytes, NO_LOCK)
+        super().__init__(clients, names, max_in_flight, max_bytes, NO_LOCK, shm_prefix)
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing: asyncio.Future[None] | None = None
         for k, client in enumerate(self._clients):
@@ -85,11 +87,14 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         check_budget(max_in_flight, max_bytes)
         clients: list[AsyncStageClient] = []
         downstream: str | None = None
+        prefix = new_shm_prefix()
         try:
-            for spec in reversed(specs):
+            for k in reversed(range(len(specs))):
+                spec = specs[k]
+                upstream = specs[k - 1] if k else None
                 client = await AsyncStageClient.launch(
                     PIPE_FACTORY,
-                    pipe_kwargs(spec, downstream),
+                    pipe_kwargs(spec, downstream, shm_prefix=prefix, index=k, upstream=upstream),
                     **launch_options(spec, startup_timeout),
                 )
                 clients.append(client)
@@ -98,10 +103,14 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             for client in clients:
                 with contextlib.suppress(Exception):
                     await client.shutdown()
+            if prefix is not None:
+                _shm.unlink_prefix(prefix)
             raise
         clients.reverse()
         names = [s.name or s.factory for s in specs]
-        return cls(clients, names, max_in_flight=max_in_flight, max_bytes=max_bytes)
+        return cls(
+            clients, names, max_in_flight=max_in_flight, max_bytes=max_bytes, shm_prefix=prefix
+        )
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -5,13 +5,17 @@
 extension value that names a buffer by index, and the buffer travels as its own ZMQ frame,
 sent with ``copy=False`` and received as a view on the frame.
 
-Three extension types, nothing else (the timestamp extension included):
+Three extension types between a client and a stage, a fourth between two stages of a
+pipeline, nothing else (the timestamp extension included):
 
 * ext 1, an n-dimensional array: ``[dtype, shape, data]``, ``data`` inline ``bin`` or a
   buffer index; arrives as a read-only ``numpy.ndarray``.
 * ext 2, ``bytes`` out of band: a buffer index; arrives as ``bytes``.
 * ext 3, a ``memoryview`` / ``bytearray``: inline ``bin`` or a buffer index; arrives as a
   read-only ``memoryview``.
+* ext 4, an n-dimensional array in shared memory (``[dtype, shape, name, generation,
+  offset, nbytes]``): only between a pipeline's stages on one host (:mod:`._shm`); an
+  :class:`Encoder` with a pool sends it, a :class:`Decoder` with ``shm=True`` takes it.
 
 numpy is optional: it is imported only when a value is an array (sending) or an array
 arrives (receiving). Without it, an arriving array is refused with a clear error.
@@ -27,6 +31,8 @@ from typing import Any, Final, cast
 import msgspec
 import zmq
 
+from . import _shm
+from ._shm import ShmPool
 from ._statistics import LoadReport
 
 __all__ = [
@@ -49,6 +55,7 @@ OOB_THRESHOLD: Final = 1024
 EXT_NDARRAY: Final = 1
 EXT_BYTES: Final = 2
 EXT_BUFFER: Final = 3
+EXT_SHM_ARRAY: Final = 4
 
 # Array kinds that can cross the wire: bool, signed/unsigned int, float, complex,
 # timedelta64, datetime64, bytes, str. Not object (O) nor structured/void (V).
@@ -261,11 +268,15 @@ def _prepare_array(np: Any, arr: Any, path: str) -> Any:
 
 class Encoder:
     """Encodes a prepared value into ``[body, *buffers]``. One per thread: it keeps a
-    buffer list and msgspec's encoder keeps an internal buffer."""
+    buffer list and msgspec's encoder keeps an internal buffer. With *shm* (a pipeline
+    stage's :class:`~._shm.ShmPool`), an array of at least its threshold is copied into
+    shared memory and sent as ext 4, when the pool has a slot for it."""
 
-    __slots__ = ("_bufs", "_encode", "_header")
+    __slots__ = ("_bufs", "_encode", "_header", "_shm", "_shm_threshold")
 
-    def __init__(self) -> None:
+    def __init__(self, shm: ShmPool | None = None) -> None:
+        self._shm = shm
+        self._shm_threshold = shm.threshold if shm is not None else 1 << 62
         self._bufs: list[Any] = []
         self._encode = msgspec.msgpack.Encoder(enc_hook=self._hook).encode
         self._header = msgspec.msgpack.Encoder().encode
@@ -313,6 +324,11 @@ class Encoder:
         shape = list(arr.shape)
         if arr.nbytes < OOB_THRESHOLD:
             return msgspec.msgpack.Ext(EXT_NDARRAY, self._header((dtype.str, shape, arr.tobytes())))
+        if arr.nbytes >= self._shm_threshold:
+            assert self._shm is not None
+            head = self._shm.put(arr)
+            if head is not None:
+                return msgspec.msgpack.Ext(EXT_SHM_ARRAY, self._header(head))
         # A flat byte view: works for every allowed kind (memoryview refuses M/m) and 0-d.
         self._bufs.append(memoryview(arr.reshape(-1).view("u1")))
         return msgspec.msgpack.Ext(
@@ -331,13 +347,19 @@ class Decoder:
     One per thread (the buffers of the message being decoded are an attribute). With
     *strict*, an extension value that cannot be accepted fails the whole decode with
     :class:`msgspec.DecodeError`; without, it becomes an :class:`Invalid` marker that
-    :func:`check_received` reports, so the stage can scope the error to one request.
+    :func:`check_received` reports, so the stage can scope the error to one request. With
+    *shm* (a stage's input side), an ext 4 array in shared memory is taken
+    (:func:`._shm.read_array`) and :attr:`shm_bytes` says how many bytes of them the last
+    message held (those it refused too: the sender counted them against its window);
+    without, ext 4 is refused like any unknown extension.
     """
 
-    __slots__ = ("_bufs", "_decode", "_strict")
+    __slots__ = ("_bufs", "_decode", "_shm", "_strict", "shm_bytes")
 
-    def __init__(self, type: Any = Any, *, strict: bool) -> None:
+    def __init__(self, type: Any = Any, *, strict: bool, shm: bool = False) -> None:
         self._strict = strict
+        self._shm = shm
+        self.shm_bytes = 0
         self._bufs: Sequence[Any] = ()
         self._decode = msgspec.msgpack.Decoder(type, ext_hook=self._hook).decode
 
@@ -348,6 +370,7 @@ class Decoder:
         # msgspec reads the body through the buffer protocol, which a zmq.Frame has: no
         # memoryview to build (Frame.buffer costs ~0.2 µs).
         body = parts[0]
+        self.shm_bytes = 0
         if len(parts) == 1:
             return self._decode(body)
         self._bufs = parts
@@ -382,6 +405,13 @@ class Decoder:
             if type(head) is bytes:
                 return memoryview(head)
             return self._buffer(head).toreadonly()
+        if code == EXT_SHM_ARRAY and self._shm:
+            if type(head) is list and len(head) >= 6 and type(head[5]) is int:
+                self.shm_bytes += head[5]  # the sender counted it: taken or refused
+            try:
+                return _shm.read_array(head)
+            except _shm.ShmError as exc:
+                raise _ExtError(str(exc)) from None
         raise _ExtError(f"msgpack extension type {code} is not allowed on the wire")
 
     def _array(self, head: object) -> Any:

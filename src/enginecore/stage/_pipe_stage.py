@@ -43,6 +43,12 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   step's frame), or when its loop would go idle (through the runtime's ``emit``, which it
   hands the wrapper: ``attach_emit``), as a ``credit`` event to the coordinator, which
   passes it on to this stage (``pipe_credit``).
+- **shared memory** (:mod:`._shm`): with a pool (*shm*), a numpy array of at least the
+  pool's threshold that goes to the next stage is copied into one of this stage's
+  shared-memory slots and travels as a reference (ext 4), under a lease the next stage
+  renews while it holds the array; its bytes count against the window as a frame's do. A
+  stage whose previous stage has a pool takes such arrays when its input side decodes the
+  ``pipe`` message (:func:`._shm.configure_reader`). The pool's slots are unlinked at exit.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ import zmq
 
 from .._engine import Engine, PipelinedEngine
 from .._exceptions import RequestRejected
-from . import _codec
+from . import _codec, _shm
 from ._edge import END, FIRST, MORE, NOTHING, ONLY
 from ._process import build_engine, import_factory
 from ._routing import make_router
@@ -82,8 +88,9 @@ class PipeStage:
     *downstream*: the next stage's input address (``None``: the last stage, whose outputs
     all go to the caller). *window* and *window_bytes*: the most pipe items, and bytes of
     pipe messages, sent to the next stage and not yet taken by it (``None``: no bound); a
-    step does not start while either is reached (module docstring, "credits"). Loop thread
-    only, like any engine."""
+    step does not start while either is reached (module docstring, "credits"). *shm*: the
+    pool of shared-memory slots for big arrays to the next stage (``None``: all on
+    ZeroMQ). Loop thread only, like any engine."""
 
     def __init__(
         self,
@@ -94,9 +101,12 @@ class PipeStage:
         downstream: str | None = None,
         window: int | None = None,
         window_bytes: int | None = None,
+        shm: _shm.ShmPool | None = None,
+        shm_reader: _shm.ShmReader | None = None,
     ) -> None:
         self._inner = inner
         self._stage = stage
+        self._shm_reader = shm_reader
         self._inner_has_work = inner.has_work
         self.utility = inner.utility
         stats = getattr(inner, "stats", None)
@@ -132,7 +142,8 @@ class PipeStage:
         self._live: set[str] = set()
         self._sent: dict[str, int] = {}  # payloads sent on, per live request that sent any
         self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
-        self._encoder = _codec.Encoder()
+        self._shm = shm if downstream is not None else None
+        self._encoder = _codec.Encoder(self._shm)
         self._columns = _NO_COLUMNS
         self._link: zmq.Socket[Any] | None = None
         if downstream is not None:
@@ -148,6 +159,8 @@ class PipeStage:
             def close() -> None:  # at exit: deliver what is still queued, within the linger
                 sock.close()
                 ctx.term()
+                if shm is not None:
+                    shm.close()
 
             atexit.register(close)
 
@@ -213,7 +226,10 @@ class PipeStage:
         """The engine's own numbers, and the edge's: ``edge_in_flight`` and
         ``edge_in_flight_bytes`` (sent to the next stage, not yet taken), ``edge_sent`` and
         ``edge_sent_bytes`` (in all), ``edge_waits`` (how often the window held a step
-        back)."""
+        back); with shared memory, the pool's ``shm_*`` (:meth:`._shm.ShmPool.stats`); and
+        in a stage whose previous stage sends through shared memory, ``shm_taken`` (arrays
+        taken), ``shm_refused`` (refused: their lease had expired, or their slot was gone)
+        and ``shm_held`` (taken and still alive here)."""
         out = dict(self._inner_stats()) if self._inner_stats is not None else {}
         if self._link is not None:
             out["edge_in_flight"] = self._out_items
@@ -221,6 +237,13 @@ class PipeStage:
             out["edge_sent"] = self._sent_items
             out["edge_sent_bytes"] = self._sent_bytes
             out["edge_waits"] = self._waits
+            if self._shm is not None:
+                out.update(self._shm.stats())
+        reader = self._shm_reader
+        if reader is not None:
+            out["shm_taken"] = reader.taken
+            out["shm_refused"] = reader.expired
+            out["shm_held"] = reader.held
         return out
 
     def add(self, req_id: str, data: Any) -> None:
@@ -404,15 +427,20 @@ class PipeStage:
     ) -> None:
         link = self._link
         assert link is not None
+        shm = self._shm
         try:
             parts = self._encoder.encode(("pipe", kinds, on_r, on_p))
         except _codec.ENCODE_ERRORS:
+            if shm is not None:
+                shm.abandon()
             # One item msgspec refuses (an int out of range): send the others one by one,
             # and end the request of each refused one with an error.
             for kind, rid, item in zip(kinds, on_r, on_p, strict=True):
                 try:
                     parts = self._encoder.encode(("pipe", [kind], [rid], [item]))
                 except _codec.ENCODE_ERRORS as exc:
+                    if shm is not None:
+                        shm.abandon()
                     out_r.append(rid)
                     out_f.append(False)
                     out_p.append(
@@ -427,6 +455,8 @@ class PipeStage:
 
     def _count_sent(self, items: int, parts: list[Any]) -> None:
         nbytes = sum([len(p) if p.__class__ is bytes else p.nbytes for p in parts])
+        if self._shm is not None:  # and the bytes of its arrays in shared memory
+            nbytes += self._shm.commit()
         self._out_items += items
         self._out_bytes += nbytes
         self._sent_items += items
@@ -447,6 +477,8 @@ class PipelinedPipeStage(PipeStage):
         downstream: str | None = None,
         window: int | None = None,
         window_bytes: int | None = None,
+        shm: _shm.ShmPool | None = None,
+        shm_reader: _shm.ShmReader | None = None,
     ) -> None:
         super().__init__(
             inner,
@@ -455,6 +487,8 @@ class PipelinedPipeStage(PipeStage):
             downstream=downstream,
             window=window,
             window_bytes=window_bytes,
+            shm=shm,
+            shm_reader=shm_reader,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -478,18 +512,34 @@ def pipe_stage(
     downstream: str | None = None,
     window: int | None = None,
     window_bytes: int | None = None,
+    shm_prefix: str | None = None,
+    shm_threshold: int = _shm.DEFAULT_THRESHOLD,
+    shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES,
+    shm_lease: float = _shm.DEFAULT_LEASE,
+    shm_upstream: str | None = None,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
-    function's import string (``"pkg.module:fn"``), resolved here, in the stage process."""
+    function's import string (``"pkg.module:fn"``), resolved here, in the stage process.
+    *shm_prefix*: this stage's segments' prefix, to send arrays of *shm_threshold* bytes or
+    more to the next stage through shared memory (``None``: never); *shm_upstream*: the
+    previous stage's, whose arrays this stage takes (``None``: it sends none)."""
+    reader = None if shm_upstream is None else _shm.configure_reader(shm_upstream)
     inner = build_engine(factory, dict(kwargs or {}))
     edge_fn = None if edge is None else import_factory(edge)
+    pool = None
+    if shm_prefix is not None and downstream is not None:
+        pool = _shm.ShmPool(
+            shm_prefix, threshold=shm_threshold, max_bytes=shm_pool_bytes, lease=shm_lease
+        )
     options: dict[str, Any] = {
         "stage": stage,
         "edge": edge_fn,
         "downstream": downstream,
         "window": window,
         "window_bytes": window_bytes,
+        "shm": pool,
+        "shm_reader": reader,
     }
     if isinstance(inner, PipelinedEngine):
         return PipelinedPipeStage(inner, **options)

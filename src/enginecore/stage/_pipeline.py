@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import _clientbase
+from . import _clientbase, _shm
 from ._client import RequestStream, StageClient
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
@@ -34,6 +34,7 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     launch_options,
+    new_shm_prefix,
     pipe_kwargs,
     stage_specs,
 )
@@ -82,10 +83,11 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         *,
         max_in_flight: int | None = None,
         max_bytes: int | None = None,
+        shm_prefix: str | None = None,
     ) -> None:
         # Private: use launch().
         lock = threading.Lock()
-        super().__init__(clients, names, max_in_flight, max_bytes, lock)
+        super().__init__(clients, names, max_in_flight, max_bytes, lock, shm_prefix)
         self._thread_lock = lock
         self._room = threading.Condition(lock)
         self._close_lock = threading.Lock()
@@ -114,11 +116,14 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         check_budget(max_in_flight, max_bytes)
         clients: list[StageClient] = []
         downstream: str | None = None
+        prefix = new_shm_prefix()
         try:
-            for spec in reversed(specs):
+            for k in reversed(range(len(specs))):
+                spec = specs[k]
+                upstream = specs[k - 1] if k else None
                 client = StageClient.launch(
                     PIPE_FACTORY,
-                    pipe_kwargs(spec, downstream),
+                    pipe_kwargs(spec, downstream, shm_prefix=prefix, index=k, upstream=upstream),
                     **launch_options(spec, startup_timeout),
                 )
                 clients.append(client)
@@ -127,10 +132,14 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             for client in clients:
                 with contextlib.suppress(Exception):
                     client.shutdown()
+            if prefix is not None:
+                _shm.unlink_prefix(prefix)
             raise
         clients.reverse()
         names = [s.name or s.factory for s in specs]
-        return cls(clients, names, max_in_flight=max_in_flight, max_bytes=max_bytes)
+        return cls(
+            clients, names, max_in_flight=max_in_flight, max_bytes=max_bytes, shm_prefix=prefix
+        )
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Generic, NoReturn, TypeVar
 
+from . import _shm
 from ._clientbase import ClientBase
 from ._errors import EngineDeadError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
@@ -29,6 +31,7 @@ __all__ = [
     "PipelineStage",
     "check_drain",
     "launch_options",
+    "new_shm_prefix",
     "pipe_kwargs",
     "stage_specs",
 ]
@@ -40,6 +43,9 @@ DEFAULT_WINDOW: Final = 4096
 
 DEFAULT_WINDOW_BYTES: Final = 64 * 2**20
 """A pipeline stage's default window to the next stage, in bytes (64 MiB)."""
+
+SHM_SWEEP_S: Final = 0.5
+"""After a stage's death, when the parent unlinks the segments around it a second time."""
 
 PIPE_FACTORY: Final = "enginecore.stage._pipe_stage:pipe_stage"
 """The factory every pipeline stage is launched with: it builds the user's engine and
@@ -67,6 +73,15 @@ class PipelineStage:
     its producer back instead of letting its input pile up; a step already started may
     overshoot by what it produces. *step_timeout*, *log_level* and *forward_logs* are
     :meth:`StageClient.launch`'s (and :meth:`AsyncStageClient.launch`'s).
+
+    *shm_threshold*: a numpy array of at least this many bytes that this stage sends the
+    next one goes through shared memory (``/dev/shm``, Linux) instead of ZeroMQ, and the
+    next stage gets a read-only array on that memory, no copy (``None``: never). The stage
+    keeps at most *shm_pool_bytes* of reusable slots (an array that finds none free goes on
+    ZeroMQ, counted as ``shm_fallbacks``). *shm_lease* (seconds) is how long a payload's
+    lease lasts without renewal: the next stage renews it while it holds the array, and
+    refuses a payload whose lease expired before it read it (an error for that request,
+    ``SharedMemoryLeaseExpired``).
     """
 
     factory: str
@@ -78,11 +93,24 @@ class PipelineStage:
     forward_logs: bool = False
     window: int | None = DEFAULT_WINDOW
     window_bytes: int | None = DEFAULT_WINDOW_BYTES
+    shm_threshold: int | None = _shm.DEFAULT_THRESHOLD
+    shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES
+    shm_lease: float = _shm.DEFAULT_LEASE
 
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str):
             raise TypeError(f"factory must be an import string, got {self.factory!r}")
-        for what in ("window", "window_bytes"):
+        if isinstance(self.shm_pool_bytes, bool) or not isinstance(self.shm_pool_bytes, int):
+            raise ValueError(f"shm_pool_bytes must be an int >= 1, got {self.shm_pool_bytes!r}")
+        if self.shm_pool_bytes < 1:
+            raise ValueError(f"shm_pool_bytes must be an int >= 1, got {self.shm_pool_bytes!r}")
+        if (
+            isinstance(self.shm_lease, bool)
+            or not isinstance(self.shm_lease, (int, float))
+            or not 0 < self.shm_lease < 1e6
+        ):
+            raise ValueError(f"shm_lease must be seconds > 0, got {self.shm_lease!r}")
+        for what in ("window", "window_bytes", "shm_threshold"):
             value = getattr(self, what)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -119,9 +147,18 @@ def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
     return [dataclasses.replace(s, name=n) for s, n in zip(specs, names, strict=True)]
 
 
-def pipe_kwargs(spec: PipelineStage, downstream: str | None) -> dict[str, Any]:
-    """The kwargs of :data:`PIPE_FACTORY` for the stage *spec*, whose next stage listens at
-    *downstream* (``None``: the last stage)."""
+def pipe_kwargs(
+    spec: PipelineStage,
+    downstream: str | None,
+    *,
+    shm_prefix: str | None = None,
+    index: int = 0,
+    upstream: PipelineStage | None = None,
+) -> dict[str, Any]:
+    """The kwargs of :data:`PIPE_FACTORY` for the stage *spec*, number *index*, whose next
+    stage listens at *downstream* (``None``: the last stage) and whose previous stage is
+    *upstream* (``None``: the first). *shm_prefix*: the pipeline's shared-memory prefix
+    (:func:`._shm.pipeline_prefix`; ``None``: no shared memory on this host)."""
     kwargs: dict[str, Any] = {
         "factory": spec.factory,
         "stage": spec.name,
@@ -133,7 +170,19 @@ def pipe_kwargs(spec: PipelineStage, downstream: str | None) -> dict[str, Any]:
         kwargs["downstream"] = downstream
         kwargs["window"] = spec.window
         kwargs["window_bytes"] = spec.window_bytes
+        if shm_prefix is not None and spec.shm_threshold is not None:
+            kwargs["shm_prefix"] = _shm.stage_prefix(shm_prefix, index)
+            kwargs["shm_threshold"] = spec.shm_threshold
+            kwargs["shm_pool_bytes"] = spec.shm_pool_bytes
+            kwargs["shm_lease"] = float(spec.shm_lease)
+    if shm_prefix is not None and upstream is not None and upstream.shm_threshold is not None:
+        kwargs["shm_upstream"] = _shm.stage_prefix(shm_prefix, index - 1)
     return kwargs
+
+
+def new_shm_prefix() -> str | None:
+    """A new pipeline's shared-memory prefix, or ``None`` where there is no ``/dev/shm``."""
+    return _shm.pipeline_prefix() if _shm.available() else None
 
 
 def launch_options(spec: PipelineStage, startup_timeout: float) -> dict[str, Any]:
@@ -167,8 +216,10 @@ class PipelineBase(Generic[S, C]):
         max_in_flight: int | None,
         max_bytes: int | None,
         lock: contextlib.AbstractContextManager[Any],
+        shm_prefix: str | None = None,
     ) -> None:
         self._lock = lock
+        self._shm_prefix = shm_prefix
         self._core: PipelineCore[S] = PipelineCore(names, max_in_flight, max_bytes)
         self._clients = list(clients)
         self._names = tuple(names)
@@ -263,7 +314,10 @@ class PipelineBase(Generic[S, C]):
 
     def _close_core(self) -> None:
         """Every stage is stopped: streams still open end with
-        :class:`~enginecore.stage.StageClosedError`."""
+        :class:`~enginecore.stage.StageClosedError`, and no shared-memory segment of the
+        pipeline is left (a stage unlinks its own at exit; this covers a killed one)."""
+        if self._shm_prefix is not None:
+            _shm.unlink_prefix(self._shm_prefix)
         d: PipelineDeliveries[S] = PipelineDeliveries()
         with self._lock:
             self._core.close(StageClosedError("the pipeline was shut down"), time.monotonic(), d)
@@ -278,6 +332,25 @@ class PipelineBase(Generic[S, C]):
         for k, req_ids in d.stage_aborts:
             with contextlib.suppress(Exception):
                 self._clients[k]._send_abort(req_ids)
+
+    def _unlink_dead(self, k: int) -> None:
+        """Stage *k* is gone: unlink its shared-memory segments (a killed stage could not),
+        and those of the stage before it, which sent it payloads it can no longer release.
+        Again :data:`SHM_SWEEP_S` later, on a timer thread: the stage before it may have
+        made more before the abort of its requests reached it. A live stage keeps its
+        mappings (a name's memory goes with the last mapping); the pipeline takes no more
+        requests, and its shutdown unlinks the rest."""
+        assert self._shm_prefix is not None
+        prefixes = [_shm.stage_prefix(self._shm_prefix, j) for j in range(max(0, k - 1), k + 1)]
+
+        def sweep() -> None:
+            for prefix in prefixes:
+                _shm.unlink_prefix(prefix)
+
+        sweep()
+        timer = threading.Timer(SHM_SWEEP_S, sweep)
+        timer.daemon = True
+        timer.start()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {' -> '.join(self._names)}>"
@@ -325,6 +398,8 @@ class PipelineBase(Generic[S, C]):
             with contextlib.suppress(Exception):  # k - 1 is gone: its failure tells
                 self._clients[k - 1]._send(ClientSession.credit_frame(credit_items, credit_bytes))
         if dead is not None:
+            if self._shm_prefix is not None:
+                self._unlink_dead(k)
             logger.error(
                 "enginecore: pipeline stage %r is gone (%s); the pipeline takes no more requests",
                 self._names[k],

@@ -50,7 +50,7 @@ from typing import Any, Final, NamedTuple, Protocol
 import msgspec
 
 from .._messages import Abort, Message, make_add, make_utility
-from . import _codec, _wire
+from . import _codec, _shm, _wire
 from ._controls import (
     AddBurst,
     ClientInput,
@@ -282,7 +282,8 @@ class StageSession:
             _wire.WelcomeMsg(_wire.PROTOCOL_VERSION, output_address, os.getpid(), engine_name)
         )
         self._session_timeout = session_timeout
-        self._decoder = _codec.Decoder(_wire.ClientMsg, strict=False)
+        # shm: a pipeline's previous stage may send big arrays in shared memory (_shm).
+        self._decoder = _codec.Decoder(_wire.ClientMsg, strict=False, shm=True)
         self.to_loop: list[Message] = []
         """Loop messages, in arrival order, for the input side to queue after a read."""
         self.events: list[Event] = []
@@ -358,7 +359,8 @@ class StageSession:
         elif cls is _wire.AbortMsg:
             self.to_loop.append(Abort(msg.req_ids))
         elif cls is _wire.PipeMsg:
-            self._pipe(msg, sum(map(len, parts)))
+            # The frame's size, and the bytes of its arrays in shared memory (the credit).
+            self._pipe(msg, sum(map(len, parts)) + self._decoder.shm_bytes)
         elif cls is _wire.CreditMsg:
             self.to_loop.append(PipeCredit(msg.items, msg.nbytes))
         elif cls is _wire.UtilityMsg:
@@ -444,7 +446,11 @@ class StageSession:
             elif type(item) not in _RECEIVED_FLAT:
                 problem = _invalid(item, "data")
             if problem is not None:
-                self.events.append(("error", rid, f"invalid message: {problem}"))
+                if _shm.EXPIRED in problem:  # a payload whose lease expired: no data error
+                    what = f"{_shm.EXPIRED}: {problem.replace(_shm.EXPIRED + ': ', '')}"
+                else:
+                    what = f"invalid message: {problem}"
+                self.events.append(("error", rid, what))
                 continue
             ok_kinds.append(kind)
             ok_ids.append(rid)

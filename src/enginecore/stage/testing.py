@@ -747,6 +747,22 @@ def inflate(payload: Any) -> tuple[Any, Any]:
     return bytes(100_000), payload
 
 
+def inflate_array(payload: Any) -> tuple[Any, Any]:
+    """Edge: a 1 MiB array of zeros to the next stage for each output (through shared
+    memory by default), and the output itself to the caller."""
+    import numpy as np
+
+    return np.zeros(1 << 20, dtype=np.uint8), payload
+
+
+def to_array(payload: Any) -> tuple[Any, Any]:
+    """Edge: for each output, a 1 MiB float32 array filled with it to the next stage (big
+    enough for shared memory by default), nothing to the caller."""
+    import numpy as np
+
+    return np.full(1 << 18, payload, dtype=np.float32), NOTHING
+
+
 def last_fails(payload: Any) -> tuple[Any, Any]:
     """Edge: every output to the next stage, except that ``0`` (a countdown's last) raises
     :class:`ValueError`: the request ends with an error in this stage after it has sent
