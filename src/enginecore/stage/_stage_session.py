@@ -492,13 +492,19 @@ class StageSession:
 
     # -- sessions ----------------------------------------------------------------------------
 
+    def _wrong_version(self, ident: bytes, msg: _wire.HelloMsg) -> bool:
+        """Reject a ``hello`` of another protocol version; whether it was one."""
+        if msg.version == _wire.PROTOCOL_VERSION:
+            return False
+        self._reject(
+            ident,
+            f"protocol version {msg.version} is not supported; this stage speaks "
+            f"version {_wire.PROTOCOL_VERSION}",
+        )
+        return True
+
     def _hello(self, ident: bytes, msg: _wire.HelloMsg, now: float) -> None:
-        if msg.version != _wire.PROTOCOL_VERSION:
-            self._reject(
-                ident,
-                f"protocol version {msg.version} is not supported; this stage speaks "
-                f"version {_wire.PROTOCOL_VERSION}",
-            )
+        if self._wrong_version(ident, msg):
             return
         if ident == self.client:  # the attached client, again
             self._accept(ident, now)
@@ -741,12 +747,7 @@ class MultiStageSession(StageSession):
                 )
 
     def _hello(self, ident: bytes, msg: _wire.HelloMsg, now: float) -> None:
-        if msg.version != _wire.PROTOCOL_VERSION:
-            self._reject(
-                ident,
-                f"protocol version {msg.version} is not supported; this stage speaks "
-                f"version {_wire.PROTOCOL_VERSION}",
-            )
+        if self._wrong_version(ident, msg):
             return
         client = self.clients.get(ident)
         if client is not None:  # an attached client, again
