@@ -1,7 +1,8 @@
 """Reading a stage's statistics without attaching to it: :class:`StageObserver`.
 
-A stage serves one client at a time (``docs/wire.md`` section 3), so a monitoring tool
-(``python -m enginecore top``) cannot be a client beside the one that uses the stage. It
+A stage serves one client at a time, or at most ``--max-clients`` (``docs/wire.md``
+section 3), so a monitoring tool (``python -m enginecore top``) must not take a client's
+place beside the ones that use the stage. It
 is an *observer* instead: a ``DEALER`` on the stage's input socket that only ever sends
 ``["stats", call_id]``, and never ``hello``. The stage answers a ``stats`` request from a
 peer that is not its attached client on the input socket, as it answers a ``hello``, with
