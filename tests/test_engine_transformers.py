@@ -159,7 +159,7 @@ prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=48).map(tuple
 
 
 @st.composite
-def schedules(draw: st.DrawFn, sampled: bool = False) -> list[Req]:
+def schedules(draw: st.DrawFn, sampled: bool = False, mixed: bool = False) -> list[Req]:
     n = draw(st.integers(1, 6))
     reqs = []
     for _ in range(n):
@@ -172,7 +172,9 @@ def schedules(draw: st.DrawFn, sampled: bool = False) -> list[Req]:
                 draw(st.integers(1, 12)),
                 arrive,
                 abort_at,
-                temperature=draw(st.sampled_from([0.7, 1.3])) if sampled else 0.0,
+                temperature=(
+                    draw(st.sampled_from([0.0, 0.7] if mixed else [0.7, 1.3])) if sampled else 0.0
+                ),
                 seed=draw(st.integers(0, 2**32)) if sampled else None,
             )
         )
@@ -229,6 +231,31 @@ class TestBatchInvariance:
         got = run_loop(engine, reqs)
         check_against(got, reqs, alone)
 
+    @pytest.mark.parametrize("small", [0, 1 << 40])
+    def test_the_attention_on_one_thread_or_all_and_the_threads_left_as_they_were(
+        self,
+        model_path: str,
+        reference: Callable[[tuple[int, ...], int], list[int]],
+        monkeypatch: pytest.MonkeyPatch,
+        small: int,
+    ) -> None:
+        """A decode row's attention runs on one thread when small, on torch's threads
+        otherwise: the same tokens either way, and torch's thread count is restored."""
+        import enginecore.engines.transformers as tf
+
+        monkeypatch.setattr(tf, "_SMALL_ATTENTION", small)
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            eng = TransformersEngine(model_path)
+            reqs = [Req(tuple(range(4 + i, 9 + 6 * i)), 7, arrive=i % 2, abort_at=None)
+                    for i in range(4)]  # fmt: skip
+            got = run_loop(eng, reqs)
+            assert torch.get_num_threads() == 2
+        finally:
+            torch.set_num_threads(before)
+        check_against(got, reqs, lambda r: reference(r.prompt, r.max_tokens))
+
     def test_without_batch_invariance_the_logits_do_change(
         self, model_path: str, reference: Callable[[tuple[int, ...], int], list[int]]
     ) -> None:
@@ -237,6 +264,9 @@ class TestBatchInvariance:
         logits: dict[bool, list[Any]] = {}
         for invariant in (True, False):
             eng = TransformersEngine(model_path, batch_invariant=invariant)
+            # Every row's logits computed alone (the certified head would take greedy tokens
+            # from batched logits, and never show them: TestCertifiedHead covers it).
+            eng._head = None
             seen: list[Any] = []
             sample = eng._sample
 
@@ -253,6 +283,163 @@ class TestBatchInvariance:
         same = [torch.equal(x, y) for x, y in zip(logits[True], logits[False], strict=True)]
         assert same[0]  # the prefill is the same batch of one on both
         assert not all(same[1:])
+
+
+def tied_head_model(src: str, dst: Path, ulps: int) -> str:
+    """*src* with its output head's rows in pairs: row ``2j + 1`` is row ``2j`` moved by
+    *ulps* units in the last place (0: an exact copy). Every logit then has a twin within
+    rounding of it, so no greedy row can be certified and each goes through the exact head."""
+    model: Any = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        w = model.lm_head.weight
+        twin = w[0::2].clone()
+        for _ in range(ulps):
+            twin = torch.nextafter(twin, torch.full_like(twin, float("inf")))
+        w[1::2] = twin[: w[1::2].shape[0]]
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return str(dst)
+
+
+def generate_alone(path: str) -> Callable[[tuple[int, ...], int], list[int]]:
+    model: Any = AutoModelForCausalLM.from_pretrained(path)
+
+    def generate(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([list(prompt)]), do_sample=False,
+                                 max_new_tokens=max_tokens)  # fmt: skip
+        return list(out[0, len(prompt) :].tolist())
+
+    return generate
+
+
+class TestCertifiedHead:
+    """The output head of a batch-invariant decode: one batched GEMM, a greedy token taken
+    from it only where the error bound proves it is the exact logits' argmax, the row
+    computed alone otherwise."""
+
+    def test_the_batched_head_is_used_and_its_tokens_are_exact(
+        self, model_path: str, reference: Callable[[tuple[int, ...], int], list[int]]
+    ) -> None:
+        eng = TransformersEngine(model_path)
+        reqs = [Req(tuple(range(3 + i, 9 + 4 * i)), 12, arrive=i % 3, abort_at=None)
+                for i in range(6)]  # fmt: skip
+        got = run_loop(eng, reqs)
+        check_against(got, reqs, lambda r: reference(r.prompt, r.max_tokens))
+        assert eng._head is not None
+        assert eng._head_certified > 0  # the batched logits gave tokens
+
+    @pytest.mark.parametrize("ulps", [0, 1, 3])
+    def test_near_ties_fall_back_to_the_exact_row(self, model_path: str, tmp_path: Path,
+                                                  ulps: int) -> None:  # fmt: skip
+        path = tied_head_model(model_path, tmp_path / "tied", ulps)
+        alone = generate_alone(path)
+        eng = TransformersEngine(path)
+        reqs = [Req(tuple(range(5 + 2 * i, 12 + 5 * i)), 8, arrive=i % 2, abort_at=None)
+                for i in range(5)]  # fmt: skip
+        got = run_loop(eng, reqs)
+        check_against(got, reqs, lambda r: alone(r.prompt, r.max_tokens))
+        assert eng._head_certified == 0
+        assert eng._head_exact > 0
+
+    @settings(
+        max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(reqs=schedules(sampled=True, mixed=True))
+    def test_greedy_and_seeded_rows_in_one_batch(
+        self,
+        engine: TransformersEngine,
+        reference: Callable[[tuple[int, ...], int], list[int]],
+        reqs: list[Req],
+    ) -> None:
+        def alone(r: Req) -> list[int]:
+            if r.temperature == 0:
+                return reference(r.prompt, r.max_tokens)
+            engine.add("alone", r.data())
+            return drain(engine)["alone"]
+
+        got = run_loop(engine, reqs)
+        check_against(got, reqs, alone)
+        assert engine.stats()["kv_usage"] == 0
+
+    def test_a_model_that_changes_the_heads_output_turns_the_batched_head_off(
+        self, model_path: str, reference: Callable[[tuple[int, ...], int], list[int]]
+    ) -> None:
+        """A model that scales or caps the head's output after it (here: a copy, equal):
+        the bound does not cover that, so the step is run again with the exact head, and
+        the engine keeps the exact head."""
+        eng = TransformersEngine(model_path)
+        forward = eng.model.forward
+
+        def copying(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            out.logits = out.logits.clone()
+            return out
+
+        eng.model.forward = copying
+        reqs = [Req(tuple(range(3 + i, 8 + 3 * i)), 6, arrive=0, abort_at=None)
+                for i in range(3)]  # fmt: skip
+        got = run_loop(eng, reqs)
+        check_against(got, reqs, lambda r: reference(r.prompt, r.max_tokens))
+        assert eng._head is None
+        assert eng._head_certified == 0
+
+    def test_batch_invariance_off_has_no_batched_head(self, model_path: str) -> None:
+        assert TransformersEngine(model_path, batch_invariant=False)._head is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(2, 40),
+    k=st.sampled_from([7, 64, 100, 384, 1000]),
+    n=st.sampled_from([3, 50, 300, 2000]),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_head_bound_covers_batched_against_alone(
+    rows: int, k: int, n: int, scale: float, seed: int
+) -> None:
+    """The premise of the certified head, checked on this machine's BLAS: every logit of a
+    batched GEMM is within the engine's bound of the same logit computed alone."""
+    from enginecore.engines.transformers import _U32
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 1, k, generator=g) * scale
+    w = torch.randn(n, k, generator=g) / k**0.5
+    batched = torch.nn.functional.linear(x, w)
+    alone = torch.cat([torch.nn.functional.linear(x[i : i + 1], w) for i in range(rows)])
+    gamma = (k + 1) * _U32 / (1 - (k + 1) * _U32)
+    bound = x.norm(dim=-1) * w.norm(dim=-1) * 4 * gamma + 1e-30
+    assert bool(((batched - alone).abs() <= bound).all())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 5),
+    vocab=st.integers(2, 12),
+)
+def test_a_certified_argmax_survives_any_error_within_the_bound(
+    data: st.DataObject, rows: int, vocab: int
+) -> None:
+    from enginecore.engines.transformers import _certified_argmax
+
+    vals = st.floats(-4, 4, width=32) | st.sampled_from([float("nan"), float("inf")])
+    logits = torch.tensor(data.draw(st.lists(st.lists(vals, min_size=vocab, max_size=vocab),
+                                             min_size=rows, max_size=rows)))  # fmt: skip
+    bound = torch.tensor(data.draw(st.lists(
+        st.lists(st.floats(0, 1, width=32), min_size=vocab, max_size=vocab),
+        min_size=rows, max_size=rows)))  # fmt: skip
+    top, ok = _certified_argmax(logits, bound)
+    for r in range(rows):
+        if not ok[r]:
+            continue
+        assert bool(torch.isfinite(logits[r]).all())
+        t = int(top[r])
+        worst = logits[r] + bound[r]  # every other entry as high as it may be,
+        worst[t] = logits[r, t] - bound[r, t]  # the top as low
+        assert int(worst.argmax()) == t
+        assert bool((worst[t] > worst[torch.arange(vocab) != t]).all())
 
 
 # -- requests: checks, KV, stats -------------------------------------------------------------------

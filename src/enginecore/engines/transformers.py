@@ -12,7 +12,9 @@ transformers). ``docs/engines.md``, "A real model: TransformersEngine", is the g
 - Batch invariance: with ``batch_invariant=True`` (the default) a request's tokens are bit for
   bit those of ``model.generate`` of its prompt alone, whatever else is in the batch. See the
   guide for how (per-row attention over exact lengths, and per-row products in the linear
-  layers, because a batched GEMM on the CPU rounds differently from a batch of one).
+  layers, because a batched GEMM on the CPU rounds differently from a batch of one; the
+  output head alone is batched, a greedy token taken from it only where an error bound
+  proves it is the exact logits' argmax, the row computed alone otherwise).
 
 Requests are dicts::
 
@@ -47,7 +49,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 from transformers.generation.logits_process import TopPLogitsWarper
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.modeling_utils import AttentionInterface
 
 from .._exceptions import RequestRejected
@@ -87,7 +89,25 @@ class _Request:
 # the decode in progress are set on the model's attention function through this holder, only
 # for the duration of one forward pass, on the loop's thread.
 
-_DECODE_ROWS: list[list[_Request]] = []  # a stack; the top is the decode running now
+
+@dataclass(eq=False)
+class _Decode:
+    """The decode pass in progress: its rows, and whether the output head runs batched
+    (:class:`_HeadLinear`), in which case it leaves its input and output here."""
+
+    rows: list[_Request]
+    batched_head: bool = False
+    head_in: torch.Tensor | None = None
+    head_out: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # the model's output logits
+
+
+_DECODE_ROWS: list[_Decode] = []  # a stack; the top is the decode running now
+
+
+#: A decode row's attention with at most this many query-head x key x head-dim products runs
+#: on one thread (6 heads x 64 dims x 2,730 keys; 32 x 128 x 256).
+_SMALL_ATTENTION = 1 << 20
 
 
 def _rows_attention(
@@ -103,25 +123,58 @@ def _rows_attention(
     """Attention of a decode step, one row at a time over that row's exact length.
 
     *key*/*value* are the step's new K/V (already written into each row's tensors by
-    :class:`_RowCache`); each row attends to its own ``[:length]`` with the same call
-    ``generate`` makes for a batch of one, so no padded length enters any reduction.
+    :class:`_RowCache`); each row attends to its own ``[:length]`` with the SDPA call that
+    ``generate`` makes for a batch of one (through ``sdpa_attention_forward``: no mask, not
+    causal for one query, ``enable_gqa`` for grouped K/V heads), so no padded length enters
+    any reduction. The call is made directly, and the rows' outputs are transposed
+    together, rather than through ``sdpa_attention_forward`` once per row: the same kernel
+    on the same arguments, less Python per row. Where ``sdpa_attention_forward`` would take
+    another path (grouped heads it cannot pass to SDPA as such), it is called per row.
     """
-    rows = _DECODE_ROWS[-1]
+    rows = _DECODE_ROWS[-1].rows
     layer = int(module.layer_idx)  # type: ignore[arg-type]
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    if groups > 1 and not use_gqa_in_sdpa(None, key, value):
+        outs = []
+        for i, req in enumerate(rows):
+            n = req.length + 1
+            out, _ = sdpa_attention_forward(
+                module,
+                query[i : i + 1],
+                req.keys[layer][:, :, :n],
+                req.values[layer][:, :, :n],
+                None,
+                dropout=dropout,
+                scaling=scaling,
+            )
+            outs.append(out)
+        return torch.cat(outs), None
+    sdpa = F.scaled_dot_product_attention
+    gqa = groups > 1
+    threads = torch.get_num_threads()
+    # A row whose attention is small runs on one thread: the kernel's parallel region over
+    # a few heads costs more than it saves, and far more when another process holds a CPU
+    # (its barrier waits for a descheduled thread). The result does not depend on the
+    # thread count (each head is computed whole by one thread).
+    per_token = query.shape[1] * query.shape[3]
     outs = []
-    for i, req in enumerate(rows):
-        n = req.length + 1
-        out, _ = sdpa_attention_forward(
-            module,
-            query[i : i + 1],
-            req.keys[layer][:, :, :n],
-            req.values[layer][:, :, :n],
-            None,
-            dropout=dropout,
-            scaling=scaling,
-        )
-        outs.append(out)
-    return torch.cat(outs), None
+    try:
+        for q, req in zip(torch.split(query, 1), rows, strict=True):
+            n = req.length + 1
+            torch.set_num_threads(1 if per_token * n <= _SMALL_ATTENTION else threads)
+            outs.append(
+                sdpa(
+                    q,
+                    req.keys[layer].narrow(2, 0, n),
+                    req.values[layer].narrow(2, 0, n),
+                    dropout_p=dropout,
+                    scale=scaling,
+                    enable_gqa=gqa,
+                )
+            )
+    finally:
+        torch.set_num_threads(threads)
+    return torch.cat(outs).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(_ATTN_NAME, _rows_attention)
@@ -137,9 +190,13 @@ class _RowCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        for i, req in enumerate(self.rows):
-            req.keys[layer_idx][0, :, req.length] = key_states[i, :, 0]
-            req.values[layer_idx][0, :, req.length] = value_states[i, :, 0]
+        rows = self.rows
+        # One multi-tensor copy for the layer: each row's K and V at its own position.
+        torch._foreach_copy_(
+            [r.keys[layer_idx].narrow(2, r.length, 1) for r in rows]
+            + [r.values[layer_idx].narrow(2, r.length, 1) for r in rows],
+            [*torch.split(key_states, 1), *torch.split(value_states, 1)],
+        )
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # not used: positions are given
@@ -164,11 +221,47 @@ class _RowLinear(nn.Linear):
         return super().forward(input)
 
 
+class _HeadLinear(_RowLinear):
+    """The output head (``lm_head``) of a batch-invariant model. When the decode pass asks
+    for it (:attr:`_Decode.batched_head`), it computes the logits of all rows in one batched
+    GEMM, which rounds differently from a batch of one, and leaves its input and output on
+    the :class:`_Decode`: the engine then takes a greedy row's token from these logits only
+    where an error bound proves it is the token of the exact logits
+    (:func:`_certified_argmax`), and computes the exact row (a batch of one) otherwise."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _DECODE_ROWS and _DECODE_ROWS[-1].batched_head and input.dim() == 3:
+            decode = _DECODE_ROWS[-1]
+            out = F.linear(input, self.weight, self.bias)
+            decode.head_in, decode.head_out = input, out
+            return out
+        return super().forward(input)
+
+
+#: Unit roundoff of float32 (round to nearest).
+_U32 = 2.0**-24
+
+
+def _certified_argmax(
+    logits: torch.Tensor, bound: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of *logits* ``[B, V]`` (computed in any rounding order), the argmax and whether
+    it is certainly the argmax of the exactly rounded logits of the same row computed in any
+    other order: *bound* ``[B, V]`` bounds ``|computed - exact|`` for each entry, and a row is
+    certified when its top entry minus its bound is above every other entry plus its bound
+    (then the exact logits have that entry as their strict, unique maximum). NaN or
+    infinities are never certified."""
+    top = logits.argmax(-1, keepdim=True)
+    lo = logits.gather(-1, top) - bound.gather(-1, top)
+    hi = (logits + bound).scatter_(-1, top, float("-inf"))
+    return top[:, 0], (lo[:, 0] > hi.amax(-1)) & torch.isfinite(lo[:, 0])
+
+
 @contextmanager
-def _decoding(model: Any, rows: list[_Request]) -> Iterator[None]:
+def _decoding(model: Any, decode: _Decode) -> Iterator[None]:
     config = model.config
     before = config._attn_implementation
-    _DECODE_ROWS.append(rows)
+    _DECODE_ROWS.append(decode)
     config._attn_implementation = _ATTN_NAME
     try:
         yield
@@ -197,9 +290,10 @@ class TransformersEngine:
         max_prefill_tokens: prompt tokens prefilled per step at most (at least one request is
             always prefilled when one can be admitted), so that long prompts arriving
             together do not stall the running requests' decode for long.
-        batch_invariant: per-row products in the decode step (see the class docstring of
-            the module). ``False`` uses one batched GEMM per linear layer: faster, and equal
-            to ``generate`` alone only up to rounding (tokens may differ on near-ties).
+        batch_invariant: per-row products in the decode step, and a batched output head
+            whose greedy tokens are certified by an error bound (see the module docstring).
+            ``False`` uses one batched GEMM per linear layer: faster, and equal to
+            ``generate`` alone only up to rounding (tokens may differ on near-ties).
     """
 
     def __init__(
@@ -236,10 +330,34 @@ class TransformersEngine:
         if self.model.config._attn_implementation != "sdpa":
             self.model.set_attn_implementation("sdpa")
         self.batch_invariant = batch_invariant
+        # The output head batched with a certified argmax (see _decode): float32 on the CPU,
+        # where the error bound below holds (IEEE float32 products and sums, no TF32).
+        self._head: _HeadLinear | None = None
+        self._head_certified = 0  # greedy rows whose token came from the batched head
+        self._head_exact = 0  # rows whose logits were computed alone (a batch of one)
         if batch_invariant:
             for mod in self.model.modules():
                 if type(mod) is nn.Linear:
                     mod.__class__ = _RowLinear
+            head = self.model.get_output_embeddings()
+            if (
+                type(head) is _RowLinear
+                and head.weight.dtype == torch.float32
+                and self.device.type == "cpu"
+            ):
+                head.__class__ = _HeadLinear
+                self._head = cast(_HeadLinear, head)
+                with torch.no_grad():
+                    w = head.weight.detach().double()
+                    # |x . w_j| rounding error <= gamma * sum_i |x_i w_ji| (any summation
+                    # order, with or without FMA) <= gamma * |x| |w_j| (Cauchy-Schwarz).
+                    self._head_norms = (w.norm(dim=-1) * (1 + 1e-6)).float()
+                    self._head_bias = None if head.bias is None else head.bias.detach().abs()
+                n = head.in_features + 1  # + 1: the bias's addition
+                gamma = n * _U32 / (1 - n * _U32)
+                # Two computations of one logit each lie within gamma * S of the exact sum,
+                # so within 2 * gamma * S of each other; x2 more for the rounding of S itself.
+                self._head_scale = 4 * gamma
         self.tokenizer: Any = None
         if any(
             os.path.exists(os.path.join(path, f))
@@ -453,11 +571,50 @@ class TransformersEngine:
         """One token for every row, in one forward pass."""
         self._decode_steps += 1
         self._decode_tokens += len(rows)
+        head = self._head
+        decode = self._forward(rows, batched_head=head is not None and len(rows) > 1)
+        if decode.batched_head and decode.head_out is not decode.logits:
+            # The model changed the head's output (a soft cap, a scale): the bound does not
+            # cover that. Run the step again with the exact head, from now on (the rows' new
+            # K/V are written again, to the same places, with the same values).
+            self._head = head = None
+            decode = self._forward(rows, batched_head=False)
+        logits = cast(torch.Tensor, decode.logits)[:, -1]
+        tokens: list[int | None] = [None] * len(rows)
+        if decode.batched_head and head is not None and decode.head_in is not None:
+            # A greedy row's token is the argmax of its exact logits (those of a batch of
+            # one). The batched logits differ from them by rounding only, by at most the
+            # bound; where the bound proves their argmax is the exact one, take it, and
+            # compute the row alone otherwise (a near-tie, a sampled row).
+            h = decode.head_in[:, -1]
+            bound = torch.linalg.vector_norm(h, dim=-1, keepdim=True) * self._head_norms
+            if self._head_bias is not None:
+                bound = bound + self._head_bias
+            top, ok = _certified_argmax(logits, bound * self._head_scale + 1e-30)
+            for i, (t, sure) in enumerate(zip(top.tolist(), ok.tolist(), strict=True)):
+                if sure and rows[i].generator is None:
+                    tokens[i] = t
+            exact = [i for i, t in enumerate(tokens) if t is None]
+            self._head_certified += len(rows) - len(exact)
+            self._head_exact += len(exact)
+            for i in exact:
+                row = F.linear(decode.head_in[i : i + 1], head.weight, head.bias)
+                tokens[i] = self._sample(rows[i], row[0, -1])
+        outputs = []
+        for i, req in enumerate(rows):
+            req.length += 1
+            t = tokens[i]
+            outputs.append(self._emit(req, self._sample(req, logits[i]) if t is None else t))
+        return outputs
+
+    def _forward(self, rows: list[_Request], batched_head: bool) -> _Decode:
+        """The decode step's forward pass over *rows*; the logits are on the result."""
         ids = torch.tensor([[r.generated[-1]] for r in rows], device=self.device)
         pos = torch.tensor([[r.length] for r in rows], device=self.device)
         # A 4-D mask is passed through as is (no mask is built); the attention ignores it.
         mask = torch.zeros((len(rows), 1, 1, 1), device=self.device)
-        with _decoding(self.model, rows):
+        decode = _Decode(rows, batched_head)
+        with _decoding(self.model, decode):
             out = self.model(
                 input_ids=ids,
                 position_ids=pos,
@@ -465,12 +622,8 @@ class TransformersEngine:
                 cache=_RowCache(rows),
                 use_cache=True,
             )
-        logits = out.logits[:, -1]
-        outputs = []
-        for i, req in enumerate(rows):
-            req.length += 1
-            outputs.append(self._emit(req, self._sample(req, logits[i])))
-        return outputs
+        decode.logits = out.logits
+        return decode
 
     def _sample(self, req: _Request, logits: torch.Tensor) -> int:
         """Greedy at temperature 0; else temperature, top-p and a draw from the request's own
