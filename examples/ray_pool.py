@@ -1,9 +1,11 @@
 """A replica pool on Ray: stages placed in Ray actors, data over ZMQ with CURVE.
 
 Starts a local Ray cluster (2 CPUs; give ``--address auto`` to use a running one), places
-two replicas of a "device" engine in a placement group (one bundle each), sends a burst
-spread by load, kills one replica's actor and shows that only its requests fail, that the
-pool places it again, and that closing the pool leaves no actor behind.
+three replicas of a "device" engine in a placement group (one bundle each): ``r0`` and
+``r1`` form a restart group (``group=``: like the ranks of one model, they die and restart
+together), ``r2`` stands alone. It sends a burst spread by load, kills ``r0``'s actor and
+shows that the pool stops ``r1`` with it (the requests of both fail, ``r2``'s finish),
+places the group again as one, and that closing the pool leaves no actor behind.
 
     pip install 'enginecore[ray]'
     python examples/ray_pool.py [--address auto]
@@ -41,49 +43,54 @@ def main() -> None:
     else:
         ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
 
-    group = placement_group([{"CPU": 0.5}, {"CPU": 0.5}])
-    ray.get(group.ready(), timeout=60)
+    bundles = placement_group([{"CPU": 0.5}] * 3)
+    ray.get(bundles.ready(), timeout=60)
     placements = [
-        RayPlacement(num_cpus=0.5, placement_group=group, bundle_index=i) for i in range(2)
+        RayPlacement(num_cpus=0.5, placement_group=bundles, bundle_index=i) for i in range(3)
     ]
     try:
         with StagePool.launch_on_ray(
-            DEVICE, replicas=2, placement=placements, restart=True
+            DEVICE, replicas=3, placement=placements, restart=True, group=["tp", "tp", None]
         ) as pool:
             print("replicas  ", ", ".join(f"{r.name} {r.address}" for r in pool.replicas))
+            print("groups    ", {r.name: r.group for r in pool.replicas})
 
-            streams = pool.add_many([(f"req{i}", 50) for i in range(20)])
+            streams = pool.add_many([(f"req{i}", 400) for i in range(21)])
             spread = Counter(s.replica.name for s in streams if s.replica is not None)
-            print("burst      20 requests ->", dict(sorted(spread.items())))
+            print("burst      21 requests ->", dict(sorted(spread.items())))
 
             for s in streams:
                 s.get(timeout=10)  # every request has delivered its first output
-            victim = pool.replicas[0]
+            victim, rank, alone = pool.replicas
             stage = victim._client._launched
             assert isinstance(stage, RayStage)
             start = time.monotonic()
             ray.kill(stage.actor)
-            failed, finished, seen = 0, 0, float("nan")
+            failed: Counter[str] = Counter()
+            finished, seen = 0, float("nan")
             for s in streams:
                 try:
                     s.collect(timeout=30)
                     finished += 1
                 except ReplicaDeadError as exc:
-                    if exc.replica is not victim:
+                    if exc.replica is alone:
                         raise
                     if not failed:
                         seen = time.monotonic() - start
-                    failed += 1
-            print(f"kill       {victim.name}: {failed} failed with ReplicaDeadError "
-                  f"(seen in {seen:.2f} s), {finished} finished on the other")  # fmt: skip
+                    failed[exc.replica.name] += 1
+            print(f"kill       {victim.name}: ReplicaDeadError {dict(sorted(failed.items()))} "
+                  f"(seen in {seen:.2f} s), {finished} finished on {alone.name}")  # fmt: skip
 
             deadline = time.monotonic() + 30
-            while victim.state is not ReplicaState.SERVING and time.monotonic() < deadline:
+            while time.monotonic() < deadline and not all(
+                r.state is ReplicaState.SERVING for r in (victim, rank)
+            ):
                 time.sleep(0.05)
-            print(f"restart    {victim.name} is {victim.state.value}, restarts {victim.restarts}")
-            print("after      ", pool.add("again", 3).collect())
+            for r in pool.replicas:
+                print(f"restart    {r.name} is {r.state.value}, restarts {r.restarts}")
+            print("after      ", [pool.add(f"again{i}", 3).collect() for i in range(3)])
     finally:
-        remove_placement_group(group)
+        remove_placement_group(bundles)
     deadline = time.monotonic() + 10
     while free_cpus() < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -74,16 +74,23 @@ class TestOmniPipelineExample:
 
 class TestRayPoolExample:
     @pytest.mark.slow
-    def test_ray_pool_example_survives_a_kill_and_leaves_no_actor(self) -> None:
+    def test_ray_pool_example_survives_a_kill_and_restarts_its_group(self) -> None:
         pytest.importorskip("ray", reason="the ray extra is not installed")
         proc = _run(ROOT / "examples" / "ray_pool.py")
         assert proc.returncode == 0, proc.stderr
         out = proc.stdout
-        assert "burst      20 requests -> {'r0': 10, 'r1': 10}" in out
-        killed = r"kill       r0: 10 failed with ReplicaDeadError \(seen in 0\.\d+ s\)"
+        assert "groups     {'r0': 'tp', 'r1': 'tp', 'r2': None}" in out
+        assert "burst      21 requests -> {'r0': 7, 'r1': 7, 'r2': 7}" in out
+        # r0's death stops r1, its group's other member; r2 alone keeps serving.
+        killed = (
+            r"kill       r0: ReplicaDeadError \{'r0': 7, 'r1': 7\} \(seen in 0\.\d+ s\), "
+            r"7 finished on r2"
+        )
         assert re.search(killed, out)
         assert "restart    r0 is serving, restarts 1" in out
-        assert "after       [2, 1, 0]" in out
+        assert "restart    r1 is serving, restarts 1" in out
+        assert "restart    r2 is serving, restarts 0" in out
+        assert "after       [[2, 1, 0], [2, 1, 0], [2, 1, 0]]" in out
         assert "closed     CPUs free again: 2.0" in out
 
 
