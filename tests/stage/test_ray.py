@@ -368,6 +368,54 @@ def test_both_clients_report_a_failed_start_and_leave_no_actor(
     assert no_actor_left()
 
 
+def test_the_actor_imports_only_what_a_stage_runs(
+    ray_launch: Callable[..., StageClient],
+) -> None:
+    def actor_modules(actor: Any) -> tuple[str, list[str]]:
+        # Run in the actor (``__ray_call__``), sent by value: it imports nothing of its own.
+        import enginecore
+
+        found = sorted(m for m in __import__("sys").modules if m.startswith("enginecore"))
+        return enginecore.__file__ or "", found
+
+    client = ray_launch(COUNTDOWN, placement=SMALL)
+    origin, modules = ray.get(actor_of(client).__ray_call__.remote(actor_modules))
+    import enginecore
+
+    assert origin == enginecore.__file__  # the actor runs this checkout's code
+    assert "enginecore.stage._runtime" in modules
+    client_side = {"ray", "_client", "_aclient", "_clientbase", "_pool", "_apool", "_pipeline"}
+    assert not {f"enginecore.stage.{m}" for m in client_side} & set(modules)
+    client.close()
+    assert no_actor_left()
+
+
+def test_async_launches_on_ray_hold_no_thread() -> None:
+    # Each launch awaits its actor as a Ray future: with the loop's default executor's one
+    # thread busy, three launches at once all come up (a launch that held an executor
+    # thread would wait for it until its startup timeout).
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        busy = threading.Event()
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        loop.set_default_executor(executor)
+        blocker = loop.run_in_executor(None, busy.wait)
+        try:
+            launches = (
+                AsyncStageClient.launch_on_ray(COUNTDOWN, placement=SMALL) for _ in range(3)
+            )
+            clients = await asyncio.wait_for(asyncio.gather(*launches), 60)
+            for client in clients:
+                assert await client.call_utility("div", 1, 2) == 0.5
+                await client.close()
+        finally:
+            busy.set()
+            await blocker
+
+    asyncio.run(main())
+    assert no_actor_left()
+
+
 def test_cancelling_an_async_launch_on_ray_leaves_no_actor() -> None:
     async def main() -> None:
         task = asyncio.ensure_future(AsyncStageClient.launch_on_ray(COUNTDOWN, placement=SMALL))

@@ -132,6 +132,8 @@ class TestPublicApi:
             return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
 
         assert list(enginecore.stage.__all__) == sorted(set(enginecore.stage.__all__), key=key)
+        for name in enginecore.stage.__all__:  # each resolves (imported on first use)
+            getattr(enginecore.stage, name)
         public = {
             name
             for name, obj in vars(enginecore.stage).items()
@@ -139,6 +141,27 @@ class TestPublicApi:
             and not isinstance(obj, (types.ModuleType, __future__._Feature))
         }
         assert public == set(enginecore.stage.__all__)
+
+    def test_names_are_imported_on_first_use(self) -> None:
+        # A stage process imports only what it runs: not the clients, pools and pipelines.
+        code = (
+            "import sys\n"
+            "import enginecore.stage as stage\n"
+            "loaded = {m for m in sys.modules if m.startswith('enginecore.stage.')}\n"
+            "assert not loaded, loaded\n"
+            "from enginecore.stage._process import run_launched, serve\n"
+            "for m in ('_client', '_aclient', '_pool', '_apool', '_pipeline', '_clientbase'):\n"
+            "    assert 'enginecore.stage.' + m not in sys.modules, m\n"
+            "assert stage.StageClient.__module__ == 'enginecore.stage._client'\n"
+            "assert 'StageClient' in dir(stage)\n"
+            "try:\n"
+            "    stage.NoSuchName\n"
+            "except AttributeError as exc:\n"
+            "    assert 'NoSuchName' in str(exc)\n"
+            "else:\n"
+            "    raise AssertionError('no AttributeError')\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
     def test_exceptions_derive_from_the_root(self) -> None:
         for name in enginecore.stage.__all__:

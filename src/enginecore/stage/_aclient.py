@@ -270,9 +270,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         load_interval: float | None = LOAD_INTERVAL,
     ) -> AsyncStageClient:
         """:meth:`StageClient.launch_on_ray <enginecore.stage.StageClient.launch_on_ray>`,
-        awaited: the placement (Ray's calls block) runs in a worker thread, so the event
-        loop keeps running. Cancelling it kills the actor once it is placed; no actor is
-        left behind either way."""
+        awaited: the actor's answers are awaited as Ray's futures, with no thread held, so
+        the event loop keeps running and many launches at once all progress together.
+        Cancelling it kills the actor; no actor is left behind either way."""
         from .ray import RayPlan, open_on_ray_async
 
         plan = RayPlan.make(

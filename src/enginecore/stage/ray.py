@@ -3,11 +3,12 @@
 A stage placed on Ray runs its engine loop in a Ray actor's own process: the actor builds
 the engine and a :class:`~._runtime.StageRuntime` (the same code a launched or a headless
 stage runs), binds both sockets on its node's IP (``ray.util.get_node_ip_address()``), runs
-the loop on a thread of its own and answers :meth:`_StageActor.start` once the stage is
-ready, with the addresses it bound. ZMQ over TCP stays the data plane (requests, outputs
-and utility calls travel as msgpack, never pickled); Ray's actor calls carry only the
-control: start, the addresses and public keys, stop, and the wait that tells the actor's
-end.
+the loop on a thread of its own and answers :meth:`._ray_actor._StageActor.start` once the
+stage is ready, with the addresses it bound. The actor's class lives in ``_ray_actor``, so
+that its process imports only what a stage runs. ZMQ over TCP stays the data plane
+(requests, outputs and utility calls travel as msgpack, never pickled); Ray's actor calls
+carry only the control: start, the addresses and public keys, stop, and the wait that tells
+the actor's end.
 
 Between the client and the actor the sockets use CURVE by default: the client makes a key
 pair for the stage, the actor makes the stage's key pair and admits only the client's
@@ -16,18 +17,19 @@ your own keys, the client's pair is yours (``curve=``), the actor reads the stag
 file on its node (``stage_secret_key=``) and admits more public keys
 (``authorized_clients=``). Secret keys never travel. ``insecure=True`` opts out.
 
-With ``forward_logs``, the actor first binds a log socket on its node (:meth:`_StageActor.
-open_logs`), the client connects to it, and the engine is built once it has: the stage's
-records reach the client's ``logging`` (``_logs.forward_from``).
+With ``forward_logs``, the actor first binds a log socket on its node
+(:meth:`._ray_actor._StageActor.open_logs`), the client connects to it, and the engine is
+built once it has: the stage's records reach the client's ``logging``
+(``_logs.forward_from``).
 
-The client watches the actor as it watches a launched process: a thread blocks on a
-pending ``actor.wait.remote()``, which returns the stage's exit code when its loop ends,
-or raises when the actor dies (``ray.kill``, a crash, its node lost); either way it makes
-the client's *sentinel* (a pipe) readable, and the client's death path runs, so a dead
-actor is :class:`~enginecore.stage.EngineDeadError` (a pool's
-:class:`~enginecore.stage.ReplicaDeadError`) within a second. Heartbeats over ZMQ still run:
-a stage that Ray believes alive but that does not answer (a network partition) is presumed
-dead after ``heartbeat_timeout``.
+The client watches the actor as it watches a launched process: a thread blocks on a pending
+``actor.wait.remote()``, which returns the stage's exit code when its loop ends, or raises
+when the actor dies (``ray.kill``, a crash, its node lost); either way it makes the
+client's *sentinel* (a pipe) readable, and the client's death path runs, so a dead actor is
+:class:`~enginecore.stage.EngineDeadError` (a pool's
+:class:`~enginecore.stage.ReplicaDeadError`) within a second. Heartbeats over ZMQ still
+run: a stage that Ray believes alive but that does not answer (a network partition) is
+presumed dead after ``heartbeat_timeout``.
 
 Ray is imported only when a stage is placed on it: importing this module does not import
 Ray.
@@ -51,6 +53,7 @@ from ._clientbase import Target
 from ._curve import CurveKeys, _check_key
 from ._errors import StageStartupError
 from ._launch import _validate_factory
+from ._ray_actor import CONNECT_TIMEOUT, _StageActor
 from ._statistics import LOAD_INTERVAL, check_load_interval
 from ._watchdog import STEP_TIMEOUT, check_watchdog
 
@@ -65,7 +68,6 @@ logger = logging.getLogger("enginecore.stage")
 _ACTOR_CONCURRENCY: Final = 4
 # How long the handshake with a started actor's stage may take: a peer that cannot be
 # reached (a firewall between hosts, a wrong node IP) fails within this, not after minutes.
-CONNECT_TIMEOUT: Final = 10.0
 _MAX_CONNECT_TIMEOUT: Final = 30.0
 
 
@@ -124,150 +126,6 @@ class RayPlacement:
                 placement_group_bundle_index=self.bundle_index,
             )
         return options
-
-
-class _StageActor:
-    """The actor: one stage, its loop on a thread of the actor's process. Ray runs its
-    methods on up to :data:`_ACTOR_CONCURRENCY` threads."""
-
-    def __init__(self) -> None:
-        self._runtime: Any = None
-        self._done = threading.Event()
-        self._code: int | None = None
-        self._curve: Any = None  # the stage's ServerCurve, once made
-        self._logs: _logs.ForwardHandler | None = None
-
-    def _server_curve(self, keys: dict[str, Any] | None) -> Any:
-        """The stage's CURVE set-up (made once): its key pair (read from
-        ``keys["secret_file"]`` on this node, else made here) and the client keys it
-        admits; ``None`` without CURVE."""
-        if keys is None:
-            return None
-        if self._curve is None:
-            import zmq
-            import zmq.auth
-
-            from ._curve import ServerCurve
-
-            secret_file = keys.get("secret_file")
-            if secret_file is None:
-                public, secret = zmq.curve_keypair()
-            else:
-                if not os.path.isfile(secret_file):
-                    raise ValueError(
-                        f"stage_secret_key: no such file {secret_file!r} on the node of this "
-                        f"stage ({_import_ray().util.get_node_ip_address()})"
-                    )
-                public, loaded = zmq.auth.load_certificate(secret_file)
-                if loaded is None:
-                    raise ValueError(
-                        f"stage_secret_key: {secret_file!r} holds no secret key (give the "
-                        f"stage's NAME.key_secret)"
-                    )
-                secret = loaded
-            self._curve = ServerCurve(
-                public_key=public,
-                secret_key=secret,
-                authorized=frozenset(keys["authorized"]),
-                authorized_dir="(the keys of the client that placed it on Ray)",
-            )
-        return self._curve
-
-    def open_logs(
-        self, stage: str, level: int | None, keys: dict[str, Any] | None
-    ) -> dict[str, Any]:
-        """Before :meth:`start`, with ``forward_logs``: set up the stage's logging with a
-        handler bound on this node's IP (a CURVE server with the stage's keys), and return
-        its address and the stage's public key, for the client's ``PULL`` to connect."""
-        if self._logs is not None:
-            raise RuntimeError("this actor forwards its logs already")
-        curve = self._server_curve(keys)
-        handler = _logs.ForwardHandler(f"tcp://{_node_host()}:0", stage, bind=True, curve=curve)
-        self._logs = handler
-        _logs.configure_stage(stage, level, None, forward=handler)
-        return {
-            "address": handler.address,
-            "server_key": None if curve is None else curve.public_key,
-        }
-
-    def start(
-        self,
-        factory: str,
-        kwargs_frame: bytes,
-        stage: str,
-        options: dict[str, Any],
-        keys: dict[str, Any] | None,
-    ) -> dict[str, Any]:
-        """Build the engine and the stage, bound on this node's IP; run its loop on a
-        thread; return the addresses, the pid and the stage's public key (``None``
-        without CURVE). *keys*: ``{"authorized": [client public keys], "secret_file":
-        path or None}``, or ``None`` without CURVE. With forwarded logs (:meth:`open_logs`
-        first), waits for the client's log socket before the engine is built, so that
-        none of its records are lost. Raises what the factory raises."""
-        import msgspec
-
-        from ._process import build_engine
-        from ._runtime import StageRuntime
-
-        if self._runtime is not None:
-            raise RuntimeError("this actor runs a stage already")
-        if self._logs is None:
-            _logs.configure_stage(stage, options.get("log_level"), None)
-        elif not self._logs.wait_connected(options.get("connect_timeout", CONNECT_TIMEOUT)):
-            raise StageStartupError(
-                f"the client did not connect to the log socket {self._logs.address} of this "
-                f"stage in time"
-            )
-        host = _node_host()
-        curve = self._server_curve(keys)
-        engine = build_engine(factory, msgspec.msgpack.decode(kwargs_frame))
-        runtime = StageRuntime(
-            engine,
-            f"tcp://{host}:0",
-            f"tcp://{host}:0",
-            engine_name=factory,
-            step_timeout=options.get("step_timeout"),
-            kill_after=options.get("kill_after"),
-            handle_signals=(),
-            load_interval=options.get("load_interval"),
-            name=stage,
-            curve=curve,
-        )
-        self._runtime = runtime
-        threading.Thread(target=self._run, name="enginecore-stage-loop", daemon=True).start()
-        return {
-            "input": runtime.input_address,
-            "output": runtime.output_address,
-            "pid": os.getpid(),
-            "node_ip": host,
-            "server_key": None if curve is None else curve.public_key,
-        }
-
-    def _run(self) -> None:
-        try:
-            self._code = self._runtime.run()
-        finally:
-            handler = self._logs
-            if handler is not None:  # the client reads the stage's last records, then stops
-                logging.getLogger().removeHandler(handler)
-                handler.close()
-            self._done.set()
-
-    def wait(self) -> int | None:
-        """Block until the stage's loop has ended; its exit code."""
-        self._done.wait()
-        return self._code
-
-    def stop(self) -> None:
-        """Shut the stage down (as SIGTERM does to a launched stage)."""
-        if self._runtime is not None:
-            self._runtime.loop.request_shutdown()
-
-
-def _node_host() -> str:
-    """This node's IP as Ray knows it, as the host part of a ``tcp://`` address."""
-    host: str = _import_ray().util.get_node_ip_address()
-    return f"[{host}]" if ":" in host else host  # IPv6
 
 
 _actor_class: Any = None
@@ -484,42 +342,81 @@ class RayPlan:
         """Place the actor and start its stage; blocks until it is ready, at most
         *startup_timeout* seconds (placement included). :class:`StageStartupError` if it
         does not come up; no actor is left behind then."""
-        ray = _import_ray()
-        import zmq
-
         deadline = time.monotonic() + self.startup_timeout
-        client_keys: tuple[bytes, bytes] | None = None
-        keys: dict[str, Any] | None = None
-        if not self.insecure:
-            if self.curve is not None:
-                client_keys = (self.curve.public_key, self.curve.secret_key)
-            else:
-                client_keys = zmq.curve_keypair()
-            keys = {
-                "authorized": [client_keys[0], *self.authorized_clients],
-                "secret_file": self.stage_secret_key,
-            }
-        actor = _remote_actor_class(ray).options(**self.placement.actor_options()).remote()
+        ray, actor, client_keys, keys = self._place()
         logs: _logs.LogSource | None = None
         try:
             if self.forward_logs:
                 ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
-                found = self._check_server_key(self._get(ray, ref, deadline))
-                log_keys = None
-                if client_keys is not None:
-                    log_keys = CurveKeys(client_keys[0], client_keys[1], found["server_key"])
-                logs = _logs.forward_from(found["address"], self.stage, log_keys)
+                logs = self._forward_logs(self._get(ray, ref, deadline), client_keys)
             ref = actor.start.remote(
                 self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
             info = self._check_server_key(self._get(ray, ref, deadline))
             return RayStage(actor, info, self.stage, client_keys, logs)
         except BaseException:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-            if logs is not None:
-                logs.release()
+            self._abandon(ray, actor, logs)
             raise
+
+    async def start_async(self) -> RayStage:
+        """:meth:`start`, awaited: the actor's answers are awaited as Ray's futures, so no
+        thread is held while the actor starts (many placed at once all progress together).
+        On failure or cancellation, no actor is left behind."""
+        deadline = time.monotonic() + self.startup_timeout
+        ray, actor, client_keys, keys = self._place()
+        logs: _logs.LogSource | None = None
+        try:
+            if self.forward_logs:
+                ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
+                logs = self._forward_logs(await self._get_async(ray, ref, deadline), client_keys)
+            ref = actor.start.remote(
+                self.factory, self.kwargs_frame, self.stage, self.options, keys
+            )
+            info = self._check_server_key(await self._get_async(ray, ref, deadline))
+            return RayStage(actor, info, self.stage, client_keys, logs)
+        except BaseException:
+            self._abandon(ray, actor, logs)
+            raise
+
+    def _place(self) -> tuple[Any, Any, tuple[bytes, bytes] | None, dict[str, Any] | None]:
+        """Create the actor (Ray places it and starts its process meanwhile), then the
+        keys: ``(ray, actor, this client's key pair or None, the keys for the actor)``.
+        The key pair is made while Ray places the actor, off the launch's path."""
+        ray = _import_ray()
+        actor = _remote_actor_class(ray).options(**self.placement.actor_options()).remote()
+        if self.insecure:
+            return ray, actor, None, None
+        try:
+            if self.curve is not None:
+                client_keys = (self.curve.public_key, self.curve.secret_key)
+            else:
+                import zmq
+
+                client_keys = zmq.curve_keypair()
+        except BaseException:
+            self._abandon(ray, actor, None)
+            raise
+        keys = {
+            "authorized": [client_keys[0], *self.authorized_clients],
+            "secret_file": self.stage_secret_key,
+        }
+        return ray, actor, client_keys, keys
+
+    def _forward_logs(self, found: Any, client_keys: tuple[bytes, bytes] | None) -> Any:
+        """Connect to the log socket the actor bound (``open_logs``'s answer *found*)."""
+        found = self._check_server_key(found)
+        log_keys = None
+        if client_keys is not None:
+            log_keys = CurveKeys(client_keys[0], client_keys[1], found["server_key"])
+        return _logs.forward_from(found["address"], self.stage, log_keys)
+
+    @staticmethod
+    def _abandon(ray: Any, actor: Any, logs: _logs.LogSource | None) -> None:
+        """A failed start: kill the actor, release the log socket."""
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+        if logs is not None:
+            logs.release()
 
     def _get(self, ray: Any, ref: Any, deadline: float) -> Any:
         """``ray.get(ref)`` before *deadline*, its failures as
@@ -527,20 +424,38 @@ class RayPlan:
         try:
             return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
-            raise StageStartupError(
-                f"stage {self.factory!r} on Ray was not ready within "
-                f"{self.startup_timeout} s (placement included: is the placement "
-                f"{self.placement!r} satisfiable?); its actor was killed"
-            ) from None
-        except ray.exceptions.RayTaskError as exc:
-            raise StageStartupError(
+            raise self._timed_out() from None
+        except ray.exceptions.RayError as exc:
+            raise self._failed(ray, exc) from None
+
+    async def _get_async(self, ray: Any, ref: Any, deadline: float) -> Any:
+        """:meth:`_get`, awaited (``ref.future()``: Ray completes it from its own
+        thread)."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.wrap_future(ref.future()), max(0.0, deadline - time.monotonic())
+            )
+        except asyncio.TimeoutError:
+            raise self._timed_out() from None
+        except ray.exceptions.RayError as exc:
+            raise self._failed(ray, exc) from None
+
+    def _timed_out(self) -> StageStartupError:
+        return StageStartupError(
+            f"stage {self.factory!r} on Ray was not ready within "
+            f"{self.startup_timeout} s (placement included: is the placement "
+            f"{self.placement!r} satisfiable?); its actor was killed"
+        )
+
+    def _failed(self, ray: Any, exc: BaseException) -> StageStartupError:
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            return StageStartupError(
                 f"stage {self.factory!r} failed to start in its Ray actor: {exc}",
                 child_traceback=str(exc),
-            ) from None
-        except ray.exceptions.RayError as exc:
-            raise StageStartupError(
-                f"the Ray actor of stage {self.factory!r} died during startup: {exc}"
-            ) from None
+            )
+        return StageStartupError(
+            f"the Ray actor of stage {self.factory!r} died during startup: {exc}"
+        )
 
     def _check_server_key(self, info: Any) -> Any:
         """*info* from the actor, unless the stage's public key is not the one
@@ -684,25 +599,15 @@ def open_on_ray(
 
 
 async def open_on_ray_async(plan: RayPlan, opener: Any, *, ordered_events: bool = False) -> Any:
-    """:func:`open_on_ray` for an asyncio client: the placement (Ray's calls block) runs in
-    a worker thread and ``await opener(target)`` opens the client; on failure or
-    cancellation, no actor is left behind."""
-    fut = asyncio.get_running_loop().run_in_executor(None, plan.start)
-    try:
-        stage = await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        fut.add_done_callback(_kill_placed)
-        raise
+    """:func:`open_on_ray` for an asyncio client: the placement is awaited
+    (:meth:`RayPlan.start_async`, no thread held) and ``await opener(target)`` opens the
+    client; on failure or cancellation, no actor is left behind."""
+    stage = await plan.start_async()
     try:
         return await opener(plan.target(stage, None, ordered_events))
     except BaseException as exc:
         stage.kill_and_clean()
         _clientbase.raise_startup_error(plan.factory, exc)
-
-
-def _kill_placed(fut: asyncio.Future[RayStage]) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result().kill_and_clean()
 
 
 def plan_from_spec(spec: Mapping[str, Any], replica_name: str) -> RayPlan:

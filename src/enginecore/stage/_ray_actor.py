@@ -1,0 +1,172 @@
+"""The Ray actor of a stage placed on Ray (``enginecore.stage.ray``), in a module of its own.
+
+Ray pickles the actor's class by reference, so each actor's process imports this module
+before it serves: it imports only what the stage's process runs (the runtime, its logging
+and CURVE set-up), not the client side (``enginecore.stage.ray``'s placement, the clients,
+pools and pipelines), and nothing it does not use. The runtime and the engine factory are
+imported in :meth:`_StageActor.start`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Final
+
+from . import _logs
+from ._errors import StageStartupError
+
+# How long the handshake with a started actor's stage may take (enginecore.stage.ray's
+# default connect_timeout; the actor waits this long for the client's log socket).
+CONNECT_TIMEOUT: Final = 10.0
+
+
+def _import_ray() -> Any:
+    import ray  # the actor runs in a Ray worker: Ray is imported already
+
+    return ray
+
+
+class _StageActor:
+    """The actor: one stage, its loop on a thread of the actor's process. Ray runs its
+    methods on up to :data:`_ACTOR_CONCURRENCY` threads."""
+
+    def __init__(self) -> None:
+        self._runtime: Any = None
+        self._done = threading.Event()
+        self._code: int | None = None
+        self._curve: Any = None  # the stage's ServerCurve, once made
+        self._logs: _logs.ForwardHandler | None = None
+
+    def _server_curve(self, keys: dict[str, Any] | None) -> Any:
+        """The stage's CURVE set-up (made once): its key pair (read from
+        ``keys["secret_file"]`` on this node, else made here) and the client keys it
+        admits; ``None`` without CURVE."""
+        if keys is None:
+            return None
+        if self._curve is None:
+            import zmq
+            import zmq.auth
+
+            from ._curve import ServerCurve
+
+            secret_file = keys.get("secret_file")
+            if secret_file is None:
+                public, secret = zmq.curve_keypair()
+            else:
+                if not os.path.isfile(secret_file):
+                    raise ValueError(
+                        f"stage_secret_key: no such file {secret_file!r} on the node of this "
+                        f"stage ({_import_ray().util.get_node_ip_address()})"
+                    )
+                public, loaded = zmq.auth.load_certificate(secret_file)
+                if loaded is None:
+                    raise ValueError(
+                        f"stage_secret_key: {secret_file!r} holds no secret key (give the "
+                        f"stage's NAME.key_secret)"
+                    )
+                secret = loaded
+            self._curve = ServerCurve(
+                public_key=public,
+                secret_key=secret,
+                authorized=frozenset(keys["authorized"]),
+                authorized_dir="(the keys of the client that placed it on Ray)",
+            )
+        return self._curve
+
+    def open_logs(
+        self, stage: str, level: int | None, keys: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """Before :meth:`start`, with ``forward_logs``: set up the stage's logging with a
+        handler bound on this node's IP (a CURVE server with the stage's keys), and return
+        its address and the stage's public key, for the client's ``PULL`` to connect."""
+        if self._logs is not None:
+            raise RuntimeError("this actor forwards its logs already")
+        curve = self._server_curve(keys)
+        handler = _logs.ForwardHandler(f"tcp://{_node_host()}:0", stage, bind=True, curve=curve)
+        self._logs = handler
+        _logs.configure_stage(stage, level, None, forward=handler)
+        return {
+            "address": handler.address,
+            "server_key": None if curve is None else curve.public_key,
+        }
+
+    def start(
+        self,
+        factory: str,
+        kwargs_frame: bytes,
+        stage: str,
+        options: dict[str, Any],
+        keys: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """Build the engine and the stage, bound on this node's IP; run its loop on a
+        thread; return the addresses, the pid and the stage's public key (``None``
+        without CURVE). *keys*: ``{"authorized": [client public keys], "secret_file":
+        path or None}``, or ``None`` without CURVE. With forwarded logs (:meth:`open_logs`
+        first), waits for the client's log socket before the engine is built, so that
+        none of its records are lost. Raises what the factory raises."""
+        import msgspec
+
+        from ._process import build_engine
+        from ._runtime import StageRuntime
+
+        if self._runtime is not None:
+            raise RuntimeError("this actor runs a stage already")
+        if self._logs is None:
+            _logs.configure_stage(stage, options.get("log_level"), None)
+        elif not self._logs.wait_connected(options.get("connect_timeout", CONNECT_TIMEOUT)):
+            raise StageStartupError(
+                f"the client did not connect to the log socket {self._logs.address} of this "
+                f"stage in time"
+            )
+        host = _node_host()
+        curve = self._server_curve(keys)
+        engine = build_engine(factory, msgspec.msgpack.decode(kwargs_frame))
+        runtime = StageRuntime(
+            engine,
+            f"tcp://{host}:0",
+            f"tcp://{host}:0",
+            engine_name=factory,
+            step_timeout=options.get("step_timeout"),
+            kill_after=options.get("kill_after"),
+            handle_signals=(),
+            load_interval=options.get("load_interval"),
+            name=stage,
+            curve=curve,
+        )
+        self._runtime = runtime
+        threading.Thread(target=self._run, name="enginecore-stage-loop", daemon=True).start()
+        return {
+            "input": runtime.input_address,
+            "output": runtime.output_address,
+            "pid": os.getpid(),
+            "node_ip": host,
+            "server_key": None if curve is None else curve.public_key,
+        }
+
+    def _run(self) -> None:
+        try:
+            self._code = self._runtime.run()
+        finally:
+            handler = self._logs
+            if handler is not None:  # the client reads the stage's last records, then stops
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+            self._done.set()
+
+    def wait(self) -> int | None:
+        """Block until the stage's loop has ended; its exit code."""
+        self._done.wait()
+        return self._code
+
+    def stop(self) -> None:
+        """Shut the stage down (as SIGTERM does to a launched stage)."""
+        if self._runtime is not None:
+            self._runtime.loop.request_shutdown()
+
+
+def _node_host() -> str:
+    """This node's IP as Ray knows it, as the host part of a ``tcp://`` address."""
+    host: str = _import_ray().util.get_node_ip_address()
+    return f"[{host}]" if ":" in host else host  # IPv6
