@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import select
+import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -126,6 +129,92 @@ def test_a_listed_key_works_end_to_end(connect: Connect, curve_server: Server, k
     # The stage stops on the client's shutdown; wait for it rather than stop() it, whose
     # SIGTERM would race the exit it is already in.
     assert curve_server.proc.wait(10) == 0
+
+
+# -- key rotation: SIGHUP reloads --authorized-clients -----------------------------------------
+
+
+class _Stderr:
+    """A serve process's stderr, read as it comes (``os.read`` on the pipe, no buffering)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        self._fd = proc.stderr.fileno()
+        self.text = ""
+
+    def wait_for(self, text: str, timeout: float = 10.0) -> str:
+        """Read until *text* has been written (the stage's own word that it acted)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.text:
+            left = deadline - time.monotonic()
+            assert left > 0, f"the stage never wrote {text!r}; it wrote {self.text!r}"
+            if select.select([self._fd], [], [], left)[0]:
+                chunk = os.read(self._fd, 65536)
+                assert chunk, f"stderr closed before {text!r}; it wrote {self.text!r}"
+                self.text += chunk.decode()
+        return self.text
+
+
+def test_sighup_rotates_the_authorized_keys(
+    connect: Connect, keys: Keys, no_leftovers: str, tmp_path: Path
+) -> None:
+    authorized = tmp_path / "authorized"  # a directory of its own, with alice's key
+    authorized.mkdir()
+    shutil.copy(keys.authorized / "alice.key", authorized)
+    srv = Server(
+        "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--max-clients", "2",
+        "--curve-secret-key", str(keys.stage_secret), "--authorized-clients", str(authorized),
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    stderr = _Stderr(srv.proc)
+    try:
+        before = connect(srv.address, curve=keys.alice)  # connected before the rotation
+        with pytest.raises(AuthenticationError, match="not among the stage's authorized"):
+            connect(srv.address, curve=keys.mallory, timeout=5)
+
+        # Rotate: mallory's key in, alice's out; SIGHUP.
+        shutil.copy(keys.authorized.parent / "mallory" / "mallory.key", authorized)
+        (authorized / "alice.key").unlink()
+        srv.proc.send_signal(signal.SIGHUP)
+        stderr.wait_for("1 keys (1 added, 1 removed)")
+        newcomer = connect(srv.address, curve=keys.mallory, timeout=5)  # now listed
+        assert newcomer.add("m", 2).collect(timeout=10) == [1, 0]
+        with pytest.raises(AuthenticationError, match="not among the stage's authorized"):
+            connect(srv.address, curve=keys.alice, timeout=5)  # removed: a new one is refused
+        assert before.add("a", 2).collect(timeout=10) == [1, 0]  # one made before stays
+
+        # A directory left without any key changes nothing: mallory still gets in.
+        (authorized / "mallory.key").unlink()
+        srv.proc.send_signal(signal.SIGHUP)
+        stderr.wait_for("kept the 1 authorized client keys")
+        newcomer.close()
+        again = connect(srv.address, curve=keys.mallory, timeout=5)
+        assert again.call_utility("log") == ["add m", "add a"]  # the refused added nothing
+        again.close()
+        before.close()
+    finally:
+        assert srv.stop() == 0
+        assert srv.proc.stderr is not None
+        srv.proc.stderr.close()
+
+
+def test_authorize_needs_a_curve_stage(tmp_path: Path) -> None:
+    from enginecore import CountdownEngine
+
+    from .raw import InProcessStage
+
+    stage = InProcessStage(CountdownEngine(), str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="does not use CURVE"):
+            stage.runtime.authorize(frozenset([keys_of(tmp_path)]))
+    finally:
+        stage.stop()
+
+
+def keys_of(directory: Path) -> bytes:
+    """A fresh client public key, written by ``keygen`` into *directory*."""
+    public, _ = keygen(directory / "k", "k")
+    return Path(public).read_bytes().split(b'public-key = "')[1][:40]
 
 
 # -- what does not get in, and delivers nothing ------------------------------------------------

@@ -43,6 +43,7 @@ __all__ = [
     "ServerCurve",
     "keygen",
     "load_server_curve",
+    "read_authorized",
     "secure_client",
     "secure_server",
     "start_authenticator",
@@ -144,6 +145,17 @@ def load_server_curve(
             path,
             stat.S_IMODE(mode),
         )
+    return ServerCurve(
+        public_key=_check_key(public, "the stage's public key"),
+        secret_key=_check_key(secret, "the stage's secret key"),
+        authorized=read_authorized(authorized_dir),
+        authorized_dir=os.fspath(authorized_dir),
+    )
+
+
+def read_authorized(authorized_dir: str | os.PathLike[str]) -> frozenset[bytes]:
+    """The client public keys (``*.key``) in *authorized_dir*: :class:`ValueError` for a
+    missing directory, one without any key, or a file that holds no valid key."""
     directory = Path(authorized_dir)
     if not directory.is_dir():
         raise ValueError(f"no such directory of authorized client keys: {os.fspath(directory)!r}")
@@ -152,12 +164,7 @@ def load_server_curve(
         raise ValueError(
             f"no client public key (*.key) in {os.fspath(directory)!r}: no client could connect"
         )
-    return ServerCurve(
-        public_key=_check_key(public, "the stage's public key"),
-        secret_key=_check_key(secret, "the stage's secret key"),
-        authorized=frozenset(_check_key(k, "an authorized client key") for k in keys),
-        authorized_dir=os.fspath(directory),
-    )
+    return frozenset(_check_key(k, "an authorized client key") for k in keys)
 
 
 def secure_server(sock: zmq.Socket[Any], curve: ServerCurve) -> None:
@@ -181,14 +188,14 @@ class _Authorized:
     the others."""
 
     def __init__(self, keys: frozenset[bytes]) -> None:
-        self._keys = keys
+        self.keys = keys  # replaced whole (one reference, read once per handshake)
         self._lock = threading.Lock()
         self._logged_at = -_DENIED_LOG_S
         self._unlogged = 0
         self.denied = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
-        if key in self._keys:
+        if key in self.keys:
             return True
         now = time.monotonic()
         with self._lock:
@@ -215,6 +222,12 @@ class Authenticator:
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("enginecore.stage.zap"))
         self._auth.start()
         self._auth.configure_curve_callback("*", self.check)
+
+    def authorize(self, keys: frozenset[bytes]) -> None:
+        """Admit *keys* from now on, instead of the keys admitted so far: handshakes that
+        begin after this call are checked against them. Connections already made stay (CURVE
+        checks a key once, at the handshake). Thread-safe."""
+        self.check.keys = frozenset(keys)
 
     def stop(self) -> None:
         """End the handler thread and close its socket."""

@@ -18,14 +18,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import msgspec
 
 from .._engine import Engine, PipelinedEngine
 from .._signals import shutdown_on_signals
-from ._curve import ServerCurve
+from ._curve import ServerCurve, read_authorized
 from ._logs import configure_stage
 from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
 from ._statistics import LOAD_INTERVAL
@@ -172,7 +172,9 @@ def serve(
     ``metrics_ready(url)`` is then called. Raises :class:`MetricsBindError` if it cannot bind.
 
     With *curve*, both sockets are CURVE servers behind a ZAP handler that admits only its
-    authorized client keys (``serve --curve-secret-key --authorized-clients``).
+    authorized client keys (``serve --curve-secret-key --authorized-clients``); SIGHUP
+    reads ``curve.authorized_dir`` again and admits its keys from then on, for new
+    connections (key rotation; connections already made stay).
 
     With *max_clients* above 1 (``serve --max-clients``), up to that many clients are
     attached at once, each with an output socket of its own (``StageRuntime``).
@@ -197,7 +199,7 @@ def serve(
             ) from exc
         if metrics_ready is not None:
             metrics_ready(server.url)
-    drainer = None
+    drainer = reload = None
     try:
         engine = build_engine(factory, kwargs)
         runtime = StageRuntime(
@@ -221,12 +223,18 @@ def serve(
         # the line is read is then a graceful shutdown (before run(), it makes run() stop at
         # once), not a default death (exit -15) or a KeyboardInterrupt traceback.
         drainer = None if drain_timeout is None else _DrainFirst(runtime, drain_timeout)
-        with shutdown_on_signals(drainer or runtime.loop, (signal.SIGTERM, signal.SIGINT)):
+        reload = None if curve is None else _KeyReload(runtime, curve)
+        with (
+            shutdown_on_signals(drainer or runtime.loop, (signal.SIGTERM, signal.SIGINT)),
+            contextlib.nullcontext() if reload is None else reload.on_sighup(),
+        ):
             ready(runtime.input_address, runtime.output_address)
             code = runtime.run()
     finally:
         if drainer is not None:
             drainer.close()
+        if reload is not None:
+            reload.close()
         if server is not None:
             server.close()
     exit_soon(code)
@@ -272,6 +280,80 @@ class _DrainFirst:
         """After the signal handlers are gone: end the thread (EOF), wait for it."""
         os.close(self._w)
         self._thread.join()
+
+
+class _KeyReload:
+    """``serve --authorized-clients DIR`` on SIGHUP: read *DIR* again and admit its keys
+    from then on (key rotation, ``docs/security.md``). New connections are checked against
+    the new keys; connections already made stay.
+
+    As for :class:`_DrainFirst`, the signal handler only writes a byte to a pipe; a thread
+    of its own reads the directory and swaps the keys, and logs what changed (a warning, so
+    that it shows at the default level). A directory that cannot be read, or that lists no
+    key, is logged and changes nothing. :meth:`close` ends the thread.
+    """
+
+    def __init__(self, runtime: StageRuntime, curve: ServerCurve) -> None:
+        self._runtime = runtime
+        self._directory = curve.authorized_dir
+        self._keys = curve.authorized
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self.reloads = 0  # how many reloads took effect (tests)
+        self._thread = threading.Thread(target=self._wait, name="enginecore-keys", daemon=True)
+
+    @contextlib.contextmanager
+    def on_sighup(self) -> Iterator[None]:
+        """Reload on SIGHUP while inside (the previous handler is put back after)."""
+        self._thread.start()
+        previous = signal.signal(signal.SIGHUP, self._signalled)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGHUP, previous)
+
+    def _signalled(self, signum: int, frame: Any) -> None:
+        with contextlib.suppress(OSError):  # a full pipe: a reload is pending anyway
+            os.write(self._w, b"r")
+
+    def _wait(self) -> None:
+        try:
+            while os.read(self._r, 64):  # b"": close()
+                self.reload()
+        finally:
+            os.close(self._r)
+
+    def reload(self) -> None:
+        """Read the directory and admit its keys (or log why not and keep the old ones)."""
+        try:
+            keys = read_authorized(self._directory)
+        except (OSError, ValueError) as exc:
+            logger.warning(
+                "enginecore: SIGHUP: kept the %d authorized client keys: %s",
+                len(self._keys),
+                exc,
+            )
+            return
+        added, removed = len(keys - self._keys), len(self._keys - keys)
+        self._runtime.authorize(keys)
+        self._keys = keys
+        self.reloads += 1
+        logger.warning(
+            "enginecore: SIGHUP: reloaded the authorized client keys from %s: %d keys "
+            "(%d added, %d removed); new connections are checked against them",
+            self._directory,
+            len(keys),
+            added,
+            removed,
+        )
+
+    def close(self) -> None:
+        """After the signal handler is gone: end the thread (EOF), wait for it."""
+        os.close(self._w)
+        if self._thread.is_alive():
+            self._thread.join()
+        elif self._thread.ident is None:  # never started: nobody reads the pipe
+            os.close(self._r)
 
 
 def exit_soon(code: int) -> None:

@@ -356,6 +356,15 @@ class StageRuntime:
         process)."""
         return StageStatistics.from_wire(self._statistics())
 
+    def authorize(self, keys: frozenset[bytes]) -> None:
+        """With CURVE: admit *keys* (client public keys) from now on, instead of those
+        admitted so far; new connections are checked against them, connections already
+        made stay (``serve`` calls it on SIGHUP: key rotation, ``docs/security.md``).
+        :class:`RuntimeError` for a stage without CURVE. Thread-safe."""
+        if self._auth is None:
+            raise RuntimeError("this stage does not use CURVE: it has no authorized keys")
+        self._auth.authorize(keys)
+
     def request_drain(self, seconds: float) -> None:
         """Drain, then stop: as a client's ``shutdown`` with a drain of *seconds*, applied
         in order after what is queued for the loop. Any thread, before or during
