@@ -71,6 +71,7 @@ def ray_cluster() -> Iterator[Any]:
         yield ray
         return
     ray.init(
+        address="local",  # its own, not the latest local cluster of another process
         num_cpus=max(2, os.cpu_count() or 2),
         include_dashboard=False,
         logging_level=logging.ERROR,

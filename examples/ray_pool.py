@@ -41,7 +41,8 @@ def main() -> None:
     if args.address:
         ray.init(address=args.address, logging_level=logging.ERROR)
     else:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
+        # A cluster of its own (Ray's default would join the latest one started here).
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
 
     bundles = placement_group([{"CPU": 0.5}] * 3)
     ray.get(bundles.ready(), timeout=60)

@@ -1,5 +1,6 @@
 """Stages placed on Ray (``enginecore.stage.ray``), on a local Ray cluster this module
-starts (2 CPUs) and shuts down after its tests."""
+starts (2 CPUs, its own even when other clusters run on the machine) and shuts down after
+its tests."""
 
 from __future__ import annotations
 
@@ -53,8 +54,14 @@ SMALL = RayPlacement(num_cpus=0.25)
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Iterator[None]:
+    # address="local": a cluster of this module's own, never one that another process on the
+    # machine started (Ray's default connects to the latest local cluster it finds).
     ray.init(
-        num_cpus=CPUS, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
+        address="local",
+        num_cpus=CPUS,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
     )
     try:
         yield
