@@ -170,11 +170,29 @@ def test_a_factory_error_is_a_startup_error_and_leaves_no_actor() -> None:
     assert no_actor_left()
 
 
-def test_an_unsatisfiable_placement_fails_after_the_startup_timeout() -> None:
+def test_an_unsatisfiable_placement_fails_after_the_startup_timeout(
+    ray_launch: Callable[..., StageClient],
+) -> None:
     start = time.monotonic()
     with pytest.raises(StageStartupError, match="not ready within"):
-        launch_on_ray(
+        ray_launch(
             COUNTDOWN, placement=RayPlacement(resources={"no-such-node": 1}), startup_timeout=1
+        )
+    assert time.monotonic() - start < 10
+    assert no_actor_left()
+
+
+def test_a_slow_start_fails_after_the_startup_timeout(
+    ray_launch: Callable[..., StageClient],
+) -> None:
+    # Placed, but the factory (a model's load) outlasts the timeout: the actor is killed.
+    start = time.monotonic()
+    with pytest.raises(StageStartupError, match="not ready within"):
+        ray_launch(
+            "enginecore.stage.testing:sleeping_factory",
+            {"seconds": 30.0},
+            placement=SMALL,
+            startup_timeout=1.5,
         )
     assert time.monotonic() - start < 10
     assert no_actor_left()
