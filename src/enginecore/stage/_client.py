@@ -91,13 +91,12 @@ class _Waiter:
     caller looks at the state after each one. Exactly one thread resolves a call: the one
     that pops it from the session under ``_lock``."""
 
-    __slots__ = ("done", "exc", "result", "tb", "wakeup")
+    __slots__ = ("done", "end", "result", "wakeup")
 
     def __init__(self) -> None:
         self.wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self.result: Any = None
-        self.exc: BaseException | None = None
-        self.tb: TracebackType | None = None
+        self.end: End | None = None  # how the call failed, if it did
         self.done = False
 
     def set_result(self, result: Any) -> None:
@@ -108,8 +107,7 @@ class _Waiter:
     def set_exception(self, exc: BaseException) -> None:
         # A dead stage's error fails every call with one object: raised with the traceback
         # it had here, it does not grow by a raise per call (_session.End).
-        self.exc = exc
-        self.tb = exc.__traceback__
+        self.end = End(exc)
         self.done = True
         self.wakeup.put(None)
 
@@ -661,8 +659,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             # before it clears _want, so one of the two shows it, read in this order).
             if self._want is waiter or self._owner is waiter:
                 self._give_back(waiter)
-        if waiter.exc is not None:
-            raise waiter.exc.with_traceback(waiter.tb)
+        if waiter.end is not None:
+            waiter.end.raise_exc()
         return waiter.result
 
     # -- the event stream --------------------------------------------------------------------

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import Any, ClassVar, Final, Generic, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -545,7 +545,7 @@ class ClientSession(Generic[S, W]):
         self._call_ids: Iterator[int] = itertools.count(secrets.randbits(52) + 1)
         self._state = StageState.RUNNING
         self._failure: BaseException | None = None  # set once, with state GONE
-        self._failure_tb: TracebackType | None = None  # its traceback then (check_open)
+        self._failure_end: End | None = None  # the same, as the End that check_open raises
         self._closing = False  # close() has begun: nothing new is registered
         self._fatal: str | None = None  # the fatal event's message, if one came
         # The ordered event stream (None when off): events in the stage's order, then at
@@ -763,8 +763,8 @@ class ClientSession(Generic[S, W]):
         """Raise the failure (the same object every time, with the traceback it had when it
         became the failure: see :class:`End`), or
         :class:`~enginecore.stage.StageClosedError` once closing has begun."""
-        if self._failure is not None:
-            raise self._failure.with_traceback(self._failure_tb)
+        if self._failure_end is not None:
+            self._failure_end.raise_exc()
         if self._closing:
             raise StageClosedError("this stage client is closed")
 
@@ -1138,7 +1138,7 @@ class ClientSession(Generic[S, W]):
             return
         last_event_came = self._state is StageState.STOPPED
         self._failure = exc
-        self._failure_tb = exc.__traceback__
+        self._failure_end = End(exc)
         self._state = StageState.GONE
         self._health_changed()
         d.over = True
