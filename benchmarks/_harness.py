@@ -179,6 +179,15 @@ def lower_is_better(
     )  # fmt: skip
 
 
+def report_only(rec: Record) -> Record:
+    """*rec* as a figure reported without a goal (``goal="report"``, counted as met): its
+    rounds are kept out of the verdict columns, and the note gives them."""
+    rounds = ", ".join(f"{x:.3g}" for x in rec.per_round)
+    note = f"{rec.note}; report only, not judged against a goal (rounds: {rounds})"
+    fields = {**rec.__dict__, "goal": "report", "met": True, "per_round": (), "note": note}
+    return Record(**fields)
+
+
 def sink() -> Callable[[object], None]:
     """A C-level no-op ``emit``: costs the same on both sides and keeps nothing alive."""
     d: deque[object] = deque(maxlen=0)
