@@ -224,8 +224,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         bad *log_level*, before anything is started.
 
         Load reports: while the stage steps, at most every *load_interval* seconds
-        (``None``: never), it attaches its load (live requests, the engine's ``stats()``)
-        to a step's outputs; :meth:`load` returns the latest (``docs/observability.md``).
+        (``None``: never), and on the step after which it idles, it attaches its load
+        (live requests, the engine's ``stats()``) to a step's outputs; :meth:`load`
+        returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
         Waits until the stage is ready, at most *startup_timeout* seconds; the blocking part
