@@ -136,8 +136,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="serve up to N clients at once (several pools sharing the stage), each with an "
         "output socket of its own; a client that leaves has only its own requests aborted, "
-        "and one silent past --session-timeout is detached (default: %(default)s: one "
+        "and one silent past --session-timeout, whose output connection is lost, or that "
+        "falls --client-buffer events behind is detached (default: %(default)s: one "
         "client at a time, the next may take over a silent one)",
+    )
+    serve.add_argument(
+        "--client-buffer",
+        type=int,
+        default=65536,
+        metavar="N",
+        help="with --max-clients above 1: a client with more than N events (one per output) "
+        "queued for it is detached (its requests aborted, its queue dropped) instead of "
+        "holding the engine back for every client (default: %(default)s)",
     )
     serve.add_argument(
         "--log-level",
@@ -372,6 +382,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--max-clients must be >= 1, got {args.max_clients}")
     if args.max_clients > 1 and args.keep_requests_on_detach:
         parser.error("--keep-requests-on-detach needs --max-clients 1")
+    if args.client_buffer < 1:
+        parser.error(f"--client-buffer must be >= 1, got {args.client_buffer}")
     if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
         parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
 
@@ -403,6 +415,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             detached_buffer=args.detached_buffer,
             keep_requests_on_detach=args.keep_requests_on_detach,
             max_clients=args.max_clients,
+            client_buffer=args.client_buffer,
             drain_timeout=args.drain_timeout,
             step_timeout=step_timeout,
             kill_after=args.kill_after,

@@ -64,7 +64,8 @@ MAX_BATCH: Final = 512
 
 BACKLOG_MAX: Final = 65536
 """The loop waits before a step while more outputs than this are queued for a connected
-client (:meth:`Outbox.wait_for_room`)."""
+client (:meth:`Outbox.wait_for_room`). A stage that serves several clients never waits: a
+client with more than its bound queued (by default this) is detached (:mod:`._fanout`)."""
 
 _STOP: Final = ("stop",)  # ends the output thread after what is queued before it; never sent
 # Never dropped, by a session change or the detached bound.
@@ -183,6 +184,12 @@ class Outbox:
         self.terminal: str | None = None  # "shutdown" or "fatal", once sent
         self.failed = False
         self.resync = False  # see _resync
+        # Whether the client has stopped taking frames: the last send found the socket full
+        # (the high-water mark: the client's PULL is behind), after at least one frame had
+        # gone (so not a client that has not connected yet). Written by whichever thread
+        # sends; read unlocked by a multi-client stage's fan-out.
+        self.stuck = False
+        self._sent_any = False
         # The session's view (epochs, the detached bound, drop counts): under _lock.
         self._gate = SessionGate(detached_max)
         # Requests the output thread ended with an error (an output msgspec refused), whose
@@ -207,14 +214,16 @@ class Outbox:
         """Whether the output thread has started and not ended."""
         return self._thread.is_alive()
 
-    def end(self) -> None:
+    def end(self) -> int:
         """Any thread: the client this output socket served is gone (a multi-client stage's
         session ended, :mod:`._fanout`): drop what is queued, and end the output thread
         without waiting for a peer (within ``recheck_ms``); the socket closes with no linger.
-        Never blocks."""
+        What the loop posts afterwards is dropped. Returns how many events (one per output)
+        were dropped. Never blocks."""
         self._final_linger = 0
-        self.begin_session()
+        _, dropped = self.begin_session()
         self.post(_STOP)
+        return dropped
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until the output thread has ended and closed the socket (at most *timeout*
@@ -359,6 +368,7 @@ class Outbox:
                         _codec.send_parts(sock, parts, zmq.NOBLOCK)
                     except zmq.ZMQError:
                         break
+                    self._sent_any = True
                     start += len(chunk)
                 else:
                     return
@@ -453,8 +463,11 @@ class Outbox:
                     else:
                         _codec.send_parts(sock, parts, zmq.NOBLOCK)
                 except zmq.Again:
-                    pass
+                    self.stuck = self._sent_any
                 else:
+                    self._sent_any = True
+                    if self.stuck:
+                        self.stuck = False
                     self.backlog -= weight
                     if self.backlog <= BACKLOG_MAX:
                         self._drained.notify()
