@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from enginecore.stage import PROTOCOL_VERSION, RequestError, StagePool
+from enginecore.stage import (
+    PROTOCOL_VERSION,
+    EngineDeadError,
+    RequestError,
+    SessionLostError,
+    StagePool,
+)
 from enginecore.stage._fanout import LIVE_FOR_ANOTHER, Fanout
 from enginecore.stage._outbox import BACKLOG_MAX
 from enginecore.stage._stage_engine import LIVE_IN_STAGE
@@ -215,6 +222,22 @@ def _aborted_in_engine(client: RawClient, rids: Sequence[str], timeout: float) -
         time.sleep(0.05)
 
 
+_STOPPED_CLIENT = """
+import sys
+from enginecore.stage import StageClient
+
+with StageClient.connect(sys.argv[1], heartbeat_timeout=120.0) as client:
+    streams = [client.add(f"c-{i}", 10**8) for i in range(50)]
+    next(iter(streams[0]))
+    print("streaming", flush=True)  # then the test stops this process
+    try:
+        for _ in streams[0]:
+            pass
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+"""
+
+
 class TestClientsThatCannotKeepUp:
     """A client of a shared stage that stops reading, or whose output connection goes,
     is detached by itself: the others keep getting their outputs (issue 18)."""
@@ -283,6 +306,42 @@ class TestClientsThatCannotKeepUp:
         assert "fell behind" in text, text
         assert "past the client buffer (1000)" in text
         assert "aborting its 50 live requests" in text
+
+    def test_a_stopped_client_process_is_cut_and_told_when_it_runs_again(
+        self, stage: tuple[Server, Path]
+    ) -> None:
+        """A StageClient in a process under SIGSTOP stops reading: the stage cuts it while
+        another client works; after SIGCONT its stream fails with SessionLostError (read
+        from the stage's reject after its next ping), never a silent hang."""
+        srv, _ = stage
+        child = subprocess.Popen(
+            [sys.executable, "-c", _STOPPED_CLIENT, srv.address],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "streaming"
+            with RawClient(srv.address) as other:
+                _welcomed(other)
+                os.kill(child.pid, signal.SIGSTOP)
+                try:
+                    _aborted_in_engine(other, [f"c-{i}" for i in range(50)], timeout=60)
+                    for i in range(5):
+                        other.send("add", f"job-{i}", 100)
+                    got = _outputs_of(other.until(_finished("job-4"), timeout=30))
+                    assert got["job-4"] == list(range(99, -1, -1))
+                finally:
+                    os.kill(child.pid, signal.SIGCONT)
+                out, _ = child.communicate(timeout=30)
+            # Stopped longer than the stage's 5 s ZMTP heartbeat, its input connection was
+            # dropped and made again: the stage sees a new peer, and says it has no session.
+            assert out.startswith("SessionLostError: "), out
+            assert "session lost: this peer has no session on this stage" in out
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
 
     def test_a_client_whose_output_connection_goes_is_detached_within_a_second_or_so(
         self, stage: tuple[Server, Path]
@@ -374,6 +433,36 @@ def test_two_clients_share_a_stage(connect: Connect, shared: Server) -> None:
     assert "abort kept" not in log
     second.abort(["kept"])
     kept.collect(timeout=5)
+
+
+def test_a_client_whose_session_the_stage_ended_gets_session_lost(
+    connect: Connect, no_leftovers: str
+) -> None:
+    """A client the stage detached by itself (here: silent past a 1 s session timeout, as
+    a stopped process is) learns it from the stage's reject, read after its next ping: its
+    streams and calls fail with SessionLostError, long before its own heartbeat timeout."""
+    srv = _serve("--bind", f"ipc://{no_leftovers}/in", "--session-timeout", "1")
+    try:
+        # Pings every 3 s: the stage finds it silent after 1 s; its heartbeat timeout (60 s)
+        # would be the only other way for it to learn anything.
+        client = connect(srv.address, heartbeat_interval=3.0, heartbeat_timeout=60.0)
+        stream = client.add("long", 10**8)
+        next(iter(stream))
+        started = time.monotonic()
+        with pytest.raises(SessionLostError, match="ended this client's session") as caught:
+            stream.collect(timeout=30)
+        assert time.monotonic() - started < 15
+        assert SESSION_LOST in str(caught.value)
+        assert "silent for the session timeout" in str(caught.value)
+        assert isinstance(caught.value, EngineDeadError)
+        with pytest.raises(SessionLostError):
+            client.call_utility("echo", 1, timeout=5)
+        # The stage aborted its request and serves the next client.
+        other = connect(srv.address)
+        assert "abort long" in other.call_utility("log", timeout=5)
+        assert other.add("x", 2).collect(timeout=10) == [1, 0]
+    finally:
+        assert srv.stop() == 0
 
 
 def test_two_pools_share_two_stages(no_leftovers: str) -> None:

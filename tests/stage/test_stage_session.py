@@ -28,6 +28,7 @@ from enginecore.stage._controls import (
 )
 from enginecore.stage._stage_session import (
     HELLO_HOLD_S,
+    NO_SESSION,
     NOT_ATTACHED,
     OUTPUT_GRACE_S,
     SESSION_LOST,
@@ -817,7 +818,19 @@ class TestMultiClient:
         assert controls(session.to_loop) == [("left", 2)]
         assert not session.attached
 
-    def test_a_bye_after_a_lost_session_is_quiet(self) -> None:
+    def test_a_ping_from_a_peer_without_a_session_is_rejected(self) -> None:
+        # A client whose connection was made again after a long pause has a new routing id.
+        clients = FakeClients()
+        session = multi(clients)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        take(session)
+        replies(session)
+        session.receive(C, frame("ping", 4), 1.0)
+        assert replies(session) == [(C, ["reject", V, NO_SESSION])]
+        assert NO_SESSION.startswith(SESSION_LOST)
+        assert not clients.posted
+
+    def test_a_bye_forgets_a_lost_session(self) -> None:
         clients = FakeClients()
         session = multi(clients)
         session.receive(A, frame("hello", V, "a"), 0.0)
@@ -827,7 +840,8 @@ class TestMultiClient:
         replies(session)
         session.receive(A, frame("bye"), 1.0)
         session.receive(A, frame("ping", 1), 1.0)
-        assert not replies(session)  # a peer that said bye is a stranger again
+        # A peer that said bye is a stranger again.
+        assert replies(session) == [(A, ["reject", V, NO_SESSION])]
 
     def test_max_clients_must_be_at_least_two(self) -> None:
         with pytest.raises(ValueError, match="max_clients >= 2"):

@@ -67,6 +67,7 @@ __all__ = [
     "HEARTBEAT_TIMEOUT_MS",
     "HELLO_HOLD_S",
     "NOT_ATTACHED",
+    "NO_SESSION",
     "OUTPUT_GRACE_S",
     "SESSION_LOST",
     "CallTable",
@@ -103,8 +104,17 @@ welcomed (anything but ``hello``, ``stats`` and ``bye``)."""
 
 SESSION_LOST: Final = "session lost: "
 """How the ``reject`` reason begins for a message (a ``ping`` too) from a client that a
-multi-client stage detached because it lost its output connection or fell behind: the rest
-says why. Such a client may say ``hello`` again."""
+multi-client stage detached by itself (silent past the session timeout, its output
+connection lost, or fallen behind): the rest says why. Such a client may say ``hello``
+again."""
+
+NO_SESSION: Final = (
+    f"{SESSION_LOST}this peer has no session on this stage: the stage detached it (its log "
+    "says why), or its connection was made again (a pause longer than the 5 s heartbeat "
+    "makes it a new peer), or it never said hello. Send hello to attach"
+)
+"""The ``reject`` reason for a ``ping`` from a peer that a multi-client stage has no
+session for, and does not remember detaching."""
 
 OUTPUT_GRACE_S: Final = 1.0
 """How long a client of a multi-client stage may stay without an output connection, once it
@@ -677,8 +687,9 @@ class MultiStageSession(StageSession):
     - a client is also detached when its output socket's last connection closed and none
       came back within :data:`OUTPUT_GRACE_S` (:meth:`client_output_changed`; the monitor
       of each client's socket tells), and when the output side cut it for falling behind
-      (:meth:`ClientsSide.take_gone`); both are logged at WARNING, and the client's later
-      messages, pings included, get a ``reject`` that begins with :data:`SESSION_LOST`;
+      (:meth:`ClientsSide.take_gone`). These two and the session timeout are logged at
+      WARNING, and the client's later messages, pings included, get a ``reject`` that
+      begins with :data:`SESSION_LOST`;
     - the events it makes (an input error, a pong, a ``stats`` answer) go to the sender's own
       socket (:meth:`ClientsSide.post_to`), never to :attr:`events`;
     - a peer that is not attached may say ``hello``, ``stats`` (an observer) and ``bye``;
@@ -776,6 +787,10 @@ class MultiStageSession(StageSession):
             elif ident in self._lost:
                 # A ping (or a bad frame) from a client the stage detached: tell it.
                 self._reject(ident, self._lost[ident])
+            elif any(ev[0] == "pong" for ev in events):
+                # A ping from a peer with no session: a client whose connection was made
+                # again (a new routing id) after the stage detached it, most often.
+                self._reject(ident, NO_SESSION)
             else:
                 logger.info(
                     "enginecore: dropping %d events for a peer that is not attached: %r",
@@ -831,8 +846,8 @@ class MultiStageSession(StageSession):
 
     def _detach(self, client: _Client, why: str, *, lost: bool = False) -> None:
         """Detach *client*: a ``ClientLeft`` after everything it sent. *lost*: the stage
-        ended its session (lost output, fell behind), which is logged at WARNING, and its
-        later messages are answered with a :data:`SESSION_LOST` ``reject``."""
+        ended its session (silent, lost output, fell behind), which is logged at WARNING,
+        and its later messages are answered with a :data:`SESSION_LOST` ``reject``."""
         del self.clients[client.ident]
         self.expires = bool(self.clients)
         # After everything it sent (to_loop keeps arrival order).
@@ -879,7 +894,9 @@ class MultiStageSession(StageSession):
         timeout = self._session_timeout
         for client in list(self.clients.values()):
             if now - client.seen >= timeout:
-                self._detach(client, f"was silent for the session timeout ({timeout:g} s)")
+                self._detach(
+                    client, f"was silent for the session timeout ({timeout:g} s)", lost=True
+                )
             elif client.lost_at is not None and now - client.lost_at >= OUTPUT_GRACE_S:
                 self._detach(
                     client,
