@@ -97,6 +97,8 @@ class Inbox:
         self._pollers: list[zmq.Poller] = []
         # A multi-client stage's client output monitors: monitor socket -> session epoch.
         self._client_monitors: dict[zmq.Socket[bytes], int] = {}
+        if self._multi is not None:
+            self.has_input = self._has_input_multi  # type: ignore[method-assign]
         self._post = outbox.post
         self._on_failure = on_failure
         self.failed = False
@@ -191,13 +193,14 @@ class Inbox:
         if self.session.held is not None:
             return True
         events = cast(int, self.sock.getsockopt(_EVENTS))
-        if (events | cast(int, self.monitor.getsockopt(_EVENTS))) & _POLLIN:
-            return True
-        return self._multi is not None and self._multi_due()
+        return bool((events | cast(int, self.monitor.getsockopt(_EVENTS))) & _POLLIN)
 
-    def _multi_due(self) -> bool:
-        # A multi-client stage: a client cut by the loop, a client monitor's event, or a
-        # session deadline passed.
+    def _has_input_multi(self) -> bool:
+        # has_input on a multi-client stage (set in __init__; the one-client path pays
+        # nothing): also a client cut by the loop, a client monitor's event, or a session
+        # deadline passed.
+        if Inbox.has_input(self):
+            return True
         assert self._clients is not None
         assert self._multi is not None
         if self._clients.gone_waiting:
