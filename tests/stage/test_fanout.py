@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 from enginecore.stage import (
     PROTOCOL_VERSION,
     EngineDeadError,
+    ReplicaDeadError,
     RequestError,
     SessionLostError,
     StagePool,
@@ -461,6 +462,25 @@ def test_a_client_whose_session_the_stage_ended_gets_session_lost(
         other = connect(srv.address)
         assert "abort long" in other.call_utility("log", timeout=5)
         assert other.add("x", 2).collect(timeout=10) == [1, 0]
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_pool_whose_session_a_shared_stage_ended_sees_that_replica_die(
+    no_leftovers: str,
+) -> None:
+    srv = _serve("--bind", f"ipc://{no_leftovers}/in", "--session-timeout", "1")
+    try:
+        with StagePool.connect(
+            [srv.address], heartbeat_interval=3.0, heartbeat_timeout=60.0
+        ) as pool:
+            stream = pool.add("long", 10**8)
+            next(iter(stream))
+            with pytest.raises(ReplicaDeadError) as caught:
+                stream.collect(timeout=30)
+            assert isinstance(caught.value.__cause__, SessionLostError)
+            assert SESSION_LOST in str(caught.value)
+            assert not pool.replicas[0].routable
     finally:
         assert srv.stop() == 0
 
