@@ -166,10 +166,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--load-interval",
         type=_load_interval,
-        default=0.05,
+        default=argparse.SUPPRESS,
         metavar="SECONDS",
         help="while the stage steps, attach a load report to its outputs at most this often; "
-        "0: never (default: %(default)s)",
+        "0: never (default: 0.05, and 0.005 with --max-clients above 1, where the clients' "
+        "pools route on each other's requests through these reports only)",
     )
     serve.add_argument(
         "--metrics-port",
@@ -334,6 +335,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .stage import PROTOCOL_VERSION, check_encodable
         from .stage._logs import check_log_level
         from .stage._process import MetricsBindError, serve
+        from .stage._statistics import LOAD_INTERVAL, SHARED_LOAD_INTERVAL
         from .stage._watchdog import check_watchdog
 
         if args.metrics_port is not None:
@@ -421,7 +423,11 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             kill_after=args.kill_after,
             name=args.name,
             log_level=check_log_level(args.log_level, "--log-level"),
-            load_interval=args.load_interval,
+            load_interval=getattr(
+                args,
+                "load_interval",
+                SHARED_LOAD_INTERVAL if args.max_clients > 1 else LOAD_INTERVAL,
+            ),
             metrics=None
             if args.metrics_port is None
             else (args.metrics_host.strip().strip("[]"), args.metrics_port),

@@ -30,6 +30,7 @@ from enginecore.stage import (
     ReplicaDeadError,
     RequestError,
     SessionLostError,
+    StageObserver,
     StagePool,
 )
 from enginecore.stage._fanout import LIVE_FOR_ANOTHER, Fanout
@@ -393,6 +394,25 @@ class TestServeOptions:
     def test_keep_requests_on_detach_needs_one_client(self) -> None:
         err = self._fails("--max-clients", "2", "--keep-requests-on-detach")
         assert "--keep-requests-on-detach needs --max-clients 1" in err
+
+    @pytest.mark.parametrize(
+        ("args", "expected"),
+        [
+            (("--max-clients", "2"), 0.005),  # shared: a report about every engine step
+            (("--max-clients", "1"), 0.05),
+            (("--max-clients", "2", "--load-interval", "0.05"), 0.05),
+            (("--max-clients", "2", "--load-interval", "0"), None),
+        ],
+    )
+    def test_the_default_load_interval_is_short_on_a_shared_stage(
+        self, args: tuple[str, ...], expected: float | None
+    ) -> None:
+        srv = Server("--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", *args)
+        try:
+            with StageObserver(srv.address) as observer:
+                assert observer.stats(timeout=10).load_interval == expected
+        finally:
+            assert srv.stop() == 0
 
     def test_the_tcp_clients_get_ports_of_their_own(self) -> None:
         srv = _serve("--bind", "tcp://127.0.0.1:*")
