@@ -309,6 +309,22 @@ class TestClientsThatCannotKeepUp:
         assert "past the client buffer (1000)" in text
         assert "aborting its 50 live requests" in text
 
+    def test_a_client_that_never_connects_its_output_cannot_hold_the_loop(
+        self, stage: tuple[Server, Path]
+    ) -> None:
+        srv, log = stage
+        with RawClient(srv.address) as absent, RawClient(srv.address) as other:
+            absent.send_hello()
+            assert absent.reply()[0] == "welcome"  # and it never connects its PULL
+            _welcomed(other)
+            absent_ids = [f"absent-{i}" for i in range(20)]
+            for rid in absent_ids:
+                absent.send("add", rid, 10**8)
+            _aborted_in_engine(other, absent_ids, timeout=60)
+            other.send("add", "job", 50)
+            assert _outputs_of(other.until(_finished("job"), timeout=30))["job"][-1] == 0
+        assert "fell behind" in log.read_text()
+
     def test_a_stopped_client_process_is_cut_and_told_when_it_runs_again(
         self, stage: tuple[Server, Path]
     ) -> None:

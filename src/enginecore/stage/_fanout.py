@@ -44,7 +44,9 @@ a client that has stopped taking frames (its socket is full: :attr:`~._outbox.Ou
 and has more than *client_buffer* events queued when a step's events come for it is *cut*
 (:meth:`Fanout.post_step`, loop thread). (A client whose output thread is merely behind,
 with the socket taking frames, is waited for as before, past :data:`BACKLOG_MAX`: that is
-the stage's own CPU, not the client; a client that has not connected yet is never cut.)
+the stage's own CPU, not the client. A client whose ``PULL`` has not connected yet takes no
+frames either: its first events wait for it, up to the bound, so that a client that never
+connects cannot hold the loop.)
 Its outbox ends at once (its queue dropped
 and counted, its socket closed), what the loop emits for it from then on goes nowhere, and
 the input side is told (:meth:`Fanout.take_gone`, woken through :attr:`Fanout.wake_fd`), which

@@ -184,12 +184,11 @@ class Outbox:
         self.terminal: str | None = None  # "shutdown" or "fatal", once sent
         self.failed = False
         self.resync = False  # see _resync
-        # Whether the client has stopped taking frames: the last send found the socket full
-        # (the high-water mark: the client's PULL is behind), after at least one frame had
-        # gone (so not a client that has not connected yet). Written by whichever thread
-        # sends; read unlocked by a multi-client stage's fan-out.
+        # Whether the client takes no frames: the last send found the socket full (the
+        # high-water mark: the client's PULL is behind) or without a peer (not connected
+        # yet, or gone). Written by the thread that sends; read unlocked by a multi-client
+        # stage's fan-out.
         self.stuck = False
-        self._sent_any = False
         # The session's view (epochs, the detached bound, drop counts): under _lock.
         self._gate = SessionGate(detached_max)
         # Requests the output thread ended with an error (an output msgspec refused), whose
@@ -368,7 +367,6 @@ class Outbox:
                         _codec.send_parts(sock, parts, zmq.NOBLOCK)
                     except zmq.ZMQError:
                         break
-                    self._sent_any = True
                     start += len(chunk)
                 else:
                     return
@@ -463,9 +461,8 @@ class Outbox:
                     else:
                         _codec.send_parts(sock, parts, zmq.NOBLOCK)
                 except zmq.Again:
-                    self.stuck = self._sent_any
+                    self.stuck = True
                 else:
-                    self._sent_any = True
                     if self.stuck:
                         self.stuck = False
                     self.backlog -= weight
