@@ -937,7 +937,26 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         if ping is not None and self._session.failure is None:
             with contextlib.suppress(zmq.ZMQError, StageClosedError):
                 self._send_now(ping)
+            self._read_input()
         return wake_at
+
+    def _read_input(self) -> None:
+        """After a ping: what the stage sent on the input socket since the handshake. Only a
+        ``reject`` comes there: a stage that serves several clients ended this client's
+        session (``ClientSession.input_reply``). A non-blocking read, once a ping interval."""
+        bodies: list[bytes] = []
+        with self._send_lock:
+            if self._sockets_closed:
+                return
+            with contextlib.suppress(zmq.ZMQError):
+                while True:
+                    bodies.append(self._dealer.recv(zmq.NOBLOCK))
+        for body in bodies:
+            with self._lock:
+                d = self._session.input_reply(body, time.monotonic())
+            if d is not None:
+                self._apply(d)
+                _poke(self._wake_w)  # a borrower stops polling at once
 
     def _rx_exited(self) -> None:
         """The launched process's sentinel fired."""
@@ -1021,6 +1040,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             if ping is not None:
                 with contextlib.suppress(zmq.ZMQError, StageClosedError):
                     self._send_now(ping)
+                self._read_input()
             with cond:
                 while True:
                     owner = self._owner

@@ -52,6 +52,7 @@ from ._errors import (
     EngineDeadError,
     ProtocolError,
     RequestError,
+    SessionLostError,
     StageClosedError,
     UtilityError,
     describe_exit,
@@ -1122,6 +1123,33 @@ class ClientSession(Generic[S, W]):
     def released(self) -> None:
         """The client has acted on :attr:`release_due` (or decided not to): clear it."""
         self._release_due = False
+
+    def input_reply(self, body: Any, now: float) -> Deliveries[S, W] | None:
+        """A message the stage sent on the input socket after the handshake (the clients
+        read it after each ping). The only one a stage sends there to a client it welcomed
+        is a ``reject``: a stage that serves several clients ended this client's session
+        (its output lost, it fell behind, or it was silent past the session timeout;
+        ``docs/wire.md`` section 3). Then every waiter fails with
+        :class:`~enginecore.stage.SessionLostError`, and the session is released as after a
+        heartbeat death. Anything else is ignored (``None``)."""
+        if self._failure is not None:
+            return None
+        try:
+            msg = msgspec.msgpack.decode(body)
+        except (msgspec.DecodeError, TypeError):
+            return None
+        if not (isinstance(msg, list) and len(msg) >= 3 and msg[0] == "reject"):
+            return None
+        if self._closing:
+            exc: BaseException = StageClosedError("this stage client is closed")
+        else:
+            exc = SessionLostError(
+                f"{self._who()} ended this client's session: {msg[2]}; this client's requests "
+                f"were aborted"
+            )
+        d = self.fail(exc, now)
+        self._release_due = not self._closing
+        return d
 
     def fail(self, exc: BaseException, now: float | None = None) -> Deliveries[S, W] | None:
         """Set the failure once (later calls return ``None``) and hand *exc*, the same

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOAD_INTERVAL",
+    "SHARED_LOAD_INTERVAL",
     "LoadReport",
     "LoadReporter",
     "StageLoad",
@@ -43,6 +44,11 @@ __all__ = [
 
 LOAD_INTERVAL: Final = 0.05
 """The default least time, in seconds, between two load reports of a stage."""
+
+SHARED_LOAD_INTERVAL: Final = 0.005
+"""``serve``'s default load interval for a stage that serves several clients
+(``--max-clients`` above 1): each client's pool routes on the others' requests through
+these reports only, so they must be about one engine step fresh (``docs/pool.md``)."""
 
 
 def check_load_interval(value: object) -> float | None:
