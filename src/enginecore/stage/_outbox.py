@@ -559,6 +559,12 @@ class Outbox:
                         break
                 if done:
                     return
+                # Nothing of this batch lives on while the thread waits for the next one:
+                # its payloads (a pipeline stage's arrays, and the shared memory under them)
+                # would stay alive until the next event.
+                item = None
+                events = chunk = []
+                frames = []
                 with self._lock:
                     if self._queue.empty():
                         self._idle = True  # the loop thread may send (_send_or_post)

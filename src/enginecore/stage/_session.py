@@ -739,6 +739,12 @@ class ClientSession(Generic[S, W]):
         return [_encode_flat(("credit", items, nbytes))]
 
     @staticmethod
+    def gone_frame(side: str, link: str = "") -> Parts:
+        """A ``gone`` for a pipeline's stage (``docs/wire.md`` section 8): the stage on
+        *side* (``"previous"``, whose link's routing id is *link*, or ``"next"``) died."""
+        return [_encode_flat(("gone", side, link))]
+
+    @staticmethod
     def stats_frame(call_id: int) -> Parts:
         """A ``stats`` request, answered like a utility call."""
         return [encode_plain(("stats", call_id), "stats")]

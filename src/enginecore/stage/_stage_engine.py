@@ -205,6 +205,7 @@ class StageEngine:
         self._chase_abort: Callable[[Sequence[str]], None] | None = getattr(
             engine, "chase_abort", None
         )
+        self._pipe_gone: Callable[[str, int], None] | None = getattr(engine, "pipe_gone", None)
         attach_emit = getattr(engine, "attach_emit", None)
         if callable(attach_emit):
             attach_emit(outbox.emit)
@@ -300,6 +301,13 @@ class StageEngine:
         """:class:`~._controls.PipeCredit`: the next stage took what this one sent it."""
         if self._pipe_credit is not None:
             self._pipe_credit(items, nbytes)
+
+    def pipe_gone(self, side: str, late: int) -> None:
+        """:class:`~._controls.PipeGone`: the stage before this one (*side* ``"previous"``)
+        or after it (``"next"``) died; *late*: messages of the gone previous stage that the
+        input side dropped."""
+        if self._pipe_gone is not None:
+            self._pipe_gone(side, late)
 
     def change_session(self, epoch: int | None) -> None:
         """:class:`~._controls.SessionChange`: the previous client is gone."""

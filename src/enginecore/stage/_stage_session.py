@@ -58,6 +58,7 @@ from ._controls import (
     ClientLeft,
     ClientsTarget,
     PipeCredit,
+    PipeGone,
     PipeInput,
     SessionChange,
     Stop,
@@ -309,6 +310,9 @@ class StageSession:
         self._decoder = _codec.Decoder(_wire.ClientMsg, strict=False, shm=True)
         self.to_loop: list[Message] = []
         """Loop messages, in arrival order, for the input side to queue after a read."""
+        self.gone_links: set[bytes] = set()
+        """The routing ids of a pipeline's previous stage that the coordinator said is gone
+        (``gone``): every later message from one is dropped before it is decoded."""
         self.events: list[Event] = []
         """Events for the client (input errors, pongs), for the input side to post."""
         self.replies: list[tuple[bytes, bytes]] = []
@@ -353,6 +357,12 @@ class StageSession:
             self.events.append(("error", None, f"stage failed to handle a frame: {exc!r}"))
 
     def _receive(self, ident: bytes, parts: list[Any], now: float) -> None:
+        if self.gone_links and ident in self.gone_links:
+            # A late message of a dead previous stage, which no order ties to the abort
+            # that the coordinator sent after its `gone`: never applied, nor decoded (its
+            # arrays in shared memory are not mapped again).
+            self.to_loop.append(PipeGone("previous", 1))
+            return
         try:
             msg = self._decoder.decode(parts)
         except Exception as exc:  # DecodeError; also RecursionError for a deep nesting
@@ -386,6 +396,8 @@ class StageSession:
             self._pipe(msg, sum(map(len, parts)) + self._decoder.shm_bytes)
         elif cls is _wire.CreditMsg:
             self.to_loop.append(PipeCredit(msg.items, msg.nbytes))
+        elif cls is _wire.GoneMsg:
+            self._gone(msg)
         elif cls is _wire.UtilityMsg:
             args = msg.args
             if args and not set(map(type, args)) <= _RECEIVED_FLAT:
@@ -479,6 +491,25 @@ class StageSession:
             ok_ids.append(rid)
             ok_data.append(item)
         self.to_loop.append(PipeInput(ok_kinds, ok_ids, ok_data, received))
+
+    def _gone(self, msg: _wire.GoneMsg) -> None:
+        """The coordinator says the stage before this one (``"previous"``: its link's
+        routing id is *link*) or after it (``"next"``) is gone. For the previous one, every
+        later message from that link is dropped here, in the order the input socket gave
+        them, and the shared-memory mappings of its slots are let go (an array the engine
+        still holds keeps its own until it dies)."""
+        side = msg.side
+        if side == "previous":
+            if not msg.link:
+                self.events.append(("error", None, "invalid message: gone needs the link"))
+                return
+            self.gone_links.add(msg.link.encode())
+            _shm.upstream_gone()
+        elif side != "next":
+            why = f"invalid message: gone side must be previous or next, got {side!r}"
+            self.events.append(("error", None, why))
+            return
+        self.to_loop.append(PipeGone(side))
 
     def _report_bad_frame(self, ident: bytes, body: Any, exc: Exception) -> None:
         # Recover the tag and an id from the head of the body, so that the error reaches
