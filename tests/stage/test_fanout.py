@@ -352,10 +352,15 @@ class TestClientsThatCannotKeepUp:
                 finally:
                     os.kill(child.pid, signal.SIGCONT)
                 out, _ = child.communicate(timeout=30)
-            # Stopped longer than the stage's 5 s ZMTP heartbeat, its input connection was
-            # dropped and made again: the stage sees a new peer, and says it has no session.
+            # Stopped for less than the stage's 5 s ZMTP heartbeat, its input connection is
+            # the same: the stage says why it detached it. Stopped longer (a loaded machine),
+            # the connection was dropped and made again: the stage sees a new peer, and
+            # says it has no session.
             assert out.startswith("SessionLostError: "), out
-            assert "session lost: this peer has no session on this stage" in out
+            assert (
+                "session lost: the stage detached this client" in out
+                or "session lost: this peer has no session on this stage" in out
+            ), out
         finally:
             if child.poll() is None:
                 child.kill()
