@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 __all__ = [
     "NoopEngine",
@@ -179,6 +179,15 @@ def lower_is_better(
     )  # fmt: skip
 
 
+def report_only(rec: Record) -> Record:
+    """*rec* as a figure reported without a goal (``goal="report"``, counted as met): its
+    rounds are kept out of the verdict columns, and the note gives them."""
+    rounds = ", ".join(f"{x:.3g}" for x in rec.per_round)
+    note = f"{rec.note}; report only, not judged against a goal (rounds: {rounds})"
+    fields = {**rec.__dict__, "goal": "report", "met": True, "per_round": (), "note": note}
+    return Record(**fields)
+
+
 def sink() -> Callable[[object], None]:
     """A C-level no-op ``emit``: costs the same on both sides and keeps nothing alive."""
     d: deque[object] = deque(maxlen=0)
@@ -215,6 +224,44 @@ def interleave(
             result = sides[n]()
             if i >= warmup:
                 out[n].append(result)
+    return out
+
+
+class PairedRound(NamedTuple):
+    """One round of :func:`paired_blocks`: each side's median seconds per unit over its runs,
+    and the median of the paired differences (*a* - *b*), the round's cost figure."""
+
+    a: float
+    b: float
+    diff: float
+
+
+def paired_blocks(
+    a: Callable[[], float], b: Callable[[], float], rounds: int, blocks: int
+) -> list[PairedRound]:
+    """Rounds of a cost measurement of two sides in one process (*a*, *b*: each runs a short
+    block and returns seconds per unit). A round is *blocks* pairs of runs, the sides
+    alternated (``A B, B A, A B, ...``); its cost figure is the median of the pairs'
+    differences. A pause of this shared machine (a neighbour's burst, a preemption, a
+    collection) then spoils one pair, not the round, and a slow stretch covers both sides
+    of a pair alike. One warm-up pair runs first."""
+    a()
+    b()
+    out: list[PairedRound] = []
+    for _ in range(rounds):
+        xs: list[float] = []
+        ys: list[float] = []
+        for j in range(blocks):
+            if j % 2:
+                ys.append(b())
+                xs.append(a())
+            else:
+                xs.append(a())
+                ys.append(b())
+        diffs = [x - y for x, y in zip(xs, ys, strict=True)]
+        out.append(
+            PairedRound(statistics.median(xs), statistics.median(ys), statistics.median(diffs))
+        )
     return out
 
 

@@ -35,7 +35,16 @@ from collections.abc import Callable
 from itertools import count
 from typing import Any
 
-from ._harness import Record, Skipped, gc_on, higher_is_better, interleave, main_single, spread
+from ._harness import (
+    Record,
+    Skipped,
+    gc_on,
+    higher_is_better,
+    interleave,
+    main_single,
+    report_only,
+    spread,
+)
 
 NAME = "pool"
 DEVICE = "enginecore.stage.testing:device"
@@ -125,7 +134,7 @@ def scaling(rounds: int, share: int, steps: int, sizes: tuple[int, ...]) -> list
             f"pool scaling, {n} replicas", res[f"pool{n}"], res["one"], "outputs/s", goal, note
         )
         if n > 4:  # reported, not a goal
-            rec = _report_only(rec)
+            rec = report_only(rec)
         out.append(rec)
     return out
 
@@ -266,17 +275,8 @@ def routing(rounds: int, calls: int) -> list[Record]:
             tuple(v),
             "µs",
         )
-        out.append(rec if goal else _report_only(rec))
+        out.append(rec if goal else report_only(rec))
     return out
-
-
-def _report_only(rec: Record) -> Record:
-    """*rec* as a figure the issue asks to report, with no goal: its rounds are kept out of
-    the verdict columns (the note says so)."""
-    rounds = ", ".join(f"{x:.3g}" for x in rec.per_round)
-    note = f"{rec.note}; report only, not judged against a goal (rounds: {rounds})"
-    fields = {**rec.__dict__, "goal": "report", "met": True, "per_round": (), "note": note}
-    return Record(**fields)
 
 
 def run(quick: bool) -> list[Record]:

@@ -5,8 +5,11 @@
   output side) for a ``CountdownEngine`` with 256 live requests, with a load reporter
   (``load_interval`` 0.05 s, the default) and without, in this process, GC on. The output
   side is a sink (a list): what is measured is the loop thread's cost, which is where a
-  report is made. Each round's two runs are paired; the difference of their seconds per
-  output is the reports' cost that round. Goal: at most 0.02 µs per output in every round.
+  report is made. A round is ``BLOCKS`` pairs of short runs, the two sides alternated
+  (``_harness.paired_blocks``; each side's engine and handler kept from one run to the
+  next); the median of the pairs' differences in seconds per output is the reports' cost
+  that round, so that a pause of the machine spoils one pair, not the round.
+  Goal: at most 0.02 µs per output in every round.
   (End to end, through two launched stages, the difference is far below the output
   stream's own round-to-round spread, ~0.2 µs per output on this machine.)
 * age: a ``ScriptedEngine`` stage paced to one step every 5 ms, with ``load_interval``
@@ -22,13 +25,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from itertools import count
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from enginecore.stage._outbox import Outbox
 
-from ._harness import Record, Skipped, gc_on, main_single, spread
+from ._harness import Record, Skipped, gc_on, main_single, paired_blocks, spread
 
 NAME = "stage_load"
 COST_GOAL_US = 0.02
@@ -39,8 +43,14 @@ STEP = 0.005
 _rounds = count()
 
 
-def seconds_per_output(reports: bool, steps: int) -> float:
-    """Seconds per output of the stage's step handling, with or without a load reporter."""
+BLOCKS = 8
+"""Pairs of runs per round of the cost measurement, alternated (see the module's docstring)."""
+
+
+def handler_timer(reports: bool) -> Callable[[int], float]:
+    """A timer of the stage's step handling, with or without a load reporter: called with
+    a number of steps, it runs them and returns the seconds per output. Its engine keeps
+    ``REQUESTS`` requests live that never finish, so every call does the same work."""
     from enginecore import CountdownEngine
     from enginecore._stats import StepTimer, _Counters
     from enginecore.stage._stage_engine import _Counts, _Drain, _make_handle_outputs, _Stale
@@ -49,7 +59,7 @@ def seconds_per_output(reports: bool, steps: int) -> float:
     engine = CountdownEngine()
     live: set[str] = set()
     for i in range(REQUESTS):
-        engine.add(f"r{i}", steps + 1)
+        engine.add(f"r{i}", 2**62)
         live.add(f"r{i}")
     posted: list[Any] = []
 
@@ -78,13 +88,17 @@ def seconds_per_output(reports: bool, steps: int) -> float:
         reporter,
     )
     step = engine.step
-    with gc_on():
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            handle(step)
-            posted.clear()
-        t1 = time.perf_counter()
-    return (t1 - t0) / (steps * REQUESTS)
+
+    def timed(steps: int) -> float:
+        with gc_on():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                handle(step)
+                posted.clear()
+            t1 = time.perf_counter()
+        return (t1 - t0) / (steps * REQUESTS)
+
+    return timed
 
 
 def ages_of_reports(client: Any, seconds: float) -> list[float]:
@@ -138,16 +152,14 @@ def run(quick: bool) -> list[Record]:
         from enginecore.stage import StageClient
     except ImportError as exc:
         raise Skipped(f"needs the zmq extra (pip install -e '.[zmq]'): {exc}") from None
-    steps, rounds = (200, 3) if quick else (2000, 9)
-    seconds_per_output(True, steps // 10)  # warm-up
-    seconds_per_output(False, steps // 10)
-    with_s: list[float] = []
-    without_s: list[float] = []
-    for i in range(rounds):
-        pair = [(True, with_s), (False, without_s)]
-        for reports, out in pair if i % 2 == 0 else pair[::-1]:
-            out.append(seconds_per_output(reports, steps))
-    per_round = tuple((a - b) * 1e6 for a, b in zip(with_s, without_s, strict=True))
+    steps, rounds, blocks = (200, 3, 2) if quick else (2000, 9, BLOCKS)
+    with_r, without_r = handler_timer(True), handler_timer(False)
+    res = paired_blocks(
+        lambda: with_r(steps // blocks), lambda: without_r(steps // blocks), rounds, blocks
+    )
+    with_s = [r.a for r in res]
+    without_s = [r.b for r in res]
+    per_round = tuple(r.diff * 1e6 for r in res)
     deltas = sorted(per_round)
     on_us = sorted(x * 1e6 for x in with_s)
     off_us = sorted(x * 1e6 for x in without_s)
@@ -162,7 +174,9 @@ def run(quick: bool) -> list[Record]:
         spread=spread(on_us),
         baseline_spread=spread(off_us),
         note=f"{deltas[len(deltas) // 2] * 1e3:+.2f} ns per output with reports, median of "
-        f"{len(deltas)} paired rounds of {steps} steps, in process; judged on the largest; GC on",
+        f"{len(deltas)} rounds of {steps} steps a side (the median of {blocks} alternated pairs "
+        "of runs), in process; "
+        "judged on the largest; GC on",
         per_round=per_round,
         per_round_unit="µs over",
     )

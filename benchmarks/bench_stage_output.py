@@ -6,12 +6,15 @@ an ipc PUSH -> PULL pair in a private temporary directory. Each round streams
 parent holds the last output.
 
 * enginecore: a stage running ``enginecore:CountdownEngine``, launched with
-  ``ordered_events=True``. The parent ``add``\\ s ``REQUESTS`` requests of *steps* steps
-  each, then reads ``client.get_event()`` until it has seen every output. With wire v2 a
+  ``ordered_events=True``. The parent adds ``REQUESTS`` requests of *steps* steps each with
+  ``add_many(..., streams=False)``, as a consumer that reads only the ordered event stream
+  does, then reads ``client.get_event()`` until it has seen every output. With wire v2 a
   step's outputs are one ``Outputs`` event (routed by the engine's ``route_outputs``, sent
-  by the stage's output thread, put by the client's receiver thread on each request's stream
-  and, as one event, on the ordered event queue); with v1 (a client without ``Outputs``),
-  one ``Output`` event per output.
+  by the stage's output thread, put by the client's receiver thread, as one event, on the
+  ordered event queue); with v1 (a client without ``Outputs``), one ``Output`` event per
+  output. Reported beside it, not judged: the same with a stream per request (``add``),
+  which the receiver fills too, though this consumer never reads it (what every run
+  measured before ``streams=False`` existed).
 * baseline: the raw server of ``benchmarks/_stage.py``, one thread, runs the same
   ``CountdownEngine`` to the end and PUSHes each step's outputs as one msgspec-encoded frame
   in the stage's event shape (v2: one ``["outputs", req_ids, finished, remainings]``; v1:
@@ -32,7 +35,15 @@ import time
 from itertools import count
 from typing import Any
 
-from ._harness import Record, Skipped, gc_on, higher_is_better, interleave, main_single
+from ._harness import (
+    Record,
+    Skipped,
+    gc_on,
+    higher_is_better,
+    interleave,
+    main_single,
+    report_only,
+)
 
 NAME = "stage_output"
 GOAL = 0.5
@@ -46,8 +57,9 @@ def columnar() -> bool:
     return hasattr(importlib.import_module("enginecore.stage"), "Outputs")
 
 
-def run_stage(client: Any, steps: int) -> float:
-    """Outputs per second through a CountdownEngine stage and ``get_event()``."""
+def run_stage(client: Any, steps: int, streams: bool = False) -> float:
+    """Outputs per second through a CountdownEngine stage and ``get_event()``; with
+    *streams*, each request has a stream too (filled, never read)."""
     stage = importlib.import_module("enginecore.stage")
     outputs_v2 = getattr(stage, "Outputs", None)
     output_v1 = getattr(stage, "Output", None)
@@ -57,8 +69,13 @@ def run_stage(client: Any, steps: int) -> float:
     get_event = client.get_event
     with gc_on():
         t0 = time.perf_counter()
-        for rid in ids:
-            client.add(rid, steps)
+        if not streams:
+            # This consumer reads the ordered event stream only: a stream per request would
+            # buffer every output a second time, unread.
+            client.add_many([(rid, steps) for rid in ids], streams=False)
+        else:
+            for rid in ids:
+                client.add(rid, steps)
         seen = 0
         if outputs_v2 is not None:
             while seen < total:
@@ -105,7 +122,11 @@ def run(quick: bool) -> list[Record]:
         RawPeer() as peer,
     ):
         res = interleave(
-            {"loop": lambda: run_stage(client, steps), "raw": lambda: run_raw(peer, steps)},
+            {
+                "loop": lambda: run_stage(client, steps),
+                "raw": lambda: run_raw(peer, steps),
+                "streams": lambda: run_stage(client, steps, streams=True),
+            },
             rounds=rounds,
         )
     return [
@@ -115,8 +136,19 @@ def run(quick: bool) -> list[Record]:
             res["raw"],
             "msgs/s",
             GOAL,
-            note="GC on",
-        )
+            note="requests added without streams, read from the ordered event stream; GC on",
+        ),
+        report_only(
+            higher_is_better(
+                f"stage output stream, {REQUESTS} requests x {steps} steps, a stream per "
+                "request too",
+                res["streams"],
+                res["raw"],
+                "msgs/s",
+                GOAL,
+                note="every output also buffered in its request's stream, never read; GC on",
+            )
+        ),
     ]
 
 

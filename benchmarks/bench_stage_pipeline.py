@@ -78,6 +78,7 @@ from ._harness import (
     lower_is_better,
     main_single,
     percentile,
+    report_only,
 )
 
 NAME = "stage_pipeline"
@@ -177,7 +178,7 @@ def latency(blocks: int, samples: int) -> list[Record]:
             f"{p99['raw3']:.0f} µs; GC on"
         ),
     )
-    one = _report_only(
+    one = report_only(
         lower_is_better(
             "stage pipeline of 1 stage, end to end p50",
             p50["pipe1"],
@@ -379,7 +380,7 @@ def throughput(
         note=f"{job}; baseline: the device stage through one StageClient; GC on",
     )
     if label != "device-bound":
-        slowest = _report_only(slowest)
+        slowest = report_only(slowest)
     return [
         slowest,
         higher_is_better(
@@ -402,15 +403,6 @@ def throughput(
             ),
         ),
     ]
-
-
-def _report_only(rec: Record) -> Record:
-    """*rec* as a figure reported without a goal: its rounds are kept out of the verdict
-    columns (the note gives them)."""
-    rounds = ", ".join(f"{x:.3g}" for x in rec.per_round)
-    note = f"{rec.note}; report only, not judged against a goal (rounds: {rounds})"
-    fields = {**rec.__dict__, "goal": "report", "met": True, "per_round": (), "note": note}
-    return Record(**fields)
 
 
 def run(quick: bool) -> list[Record]:

@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -762,3 +763,34 @@ class TestRule18Controls:
         assert loop.input_queue.qsize() == 3
         with pytest.raises(TypeError, match="Wakeup or a Control, got object"):
             loop.submit(object())  # type: ignore[arg-type]
+
+
+class _Note(Control):
+    """A control that does nothing: what the test watches is whether it stays alive."""
+
+    def apply(self, engine: Any, loop: EngineCoreLoop) -> None:
+        pass
+
+
+class TestIdleLoopHoldsNothing:
+    @pytest.mark.parametrize("pipelined", [False, True], ids=["step", "pipelined"])
+    def test_an_idle_loop_keeps_no_message_it_drained_alive(self, pipelined: bool) -> None:
+        # The messages drained in one batch while the loop stepped must not live on while
+        # it waits: their payloads (a pipeline stage's arrays, and the shared memory under
+        # them) would stay until the next message came.
+        engine: Any = CountdownPipeline() if pipelined else CountdownEngine()
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log)
+        note = _Note()
+        ref = weakref.ref(note)
+        loop.input_queue.put(Add("r", 3))  # queued before run(): one drained batch
+        loop.input_queue.put(note)
+        del note
+        lt = LoopThread(loop).start()
+        try:
+            log.wait_for(lambda ev: ("output", ("r", 0)) in ev)
+            _wait_until_blocked(loop)
+            assert ref() is None
+        finally:
+            loop.request_shutdown()
+            lt.join()

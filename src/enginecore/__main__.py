@@ -138,8 +138,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="serve up to N clients at once (several pools sharing the stage), each with an "
         "output socket of its own; a client that leaves has only its own requests aborted, "
-        "and one silent past --session-timeout is detached (default: %(default)s: one "
+        "and one silent past --session-timeout, whose output connection is lost, or that "
+        "falls --client-buffer events behind is detached (default: %(default)s: one "
         "client at a time, the next may take over a silent one)",
+    )
+    serve.add_argument(
+        "--client-buffer",
+        type=int,
+        default=65536,
+        metavar="N",
+        help="with --max-clients above 1: a client with more than N events (one per output) "
+        "queued for it is detached (its requests aborted, its queue dropped) instead of "
+        "holding the engine back for every client (default: %(default)s)",
     )
     serve.add_argument(
         "--log-level",
@@ -158,10 +168,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--load-interval",
         type=_load_interval,
-        default=0.05,
+        default=argparse.SUPPRESS,
         metavar="SECONDS",
         help="while the stage steps, attach a load report to its outputs at most this often; "
-        "0: never (default: %(default)s)",
+        "0: never (default: 0.05, and 0.005 with --max-clients above 1, where the clients' "
+        "pools route on each other's requests through these reports only)",
     )
     serve.add_argument(
         "--metrics-port",
@@ -326,6 +337,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .stage import PROTOCOL_VERSION, check_encodable
         from .stage._logs import check_log_level
         from .stage._process import MetricsBindError, serve
+        from .stage._statistics import LOAD_INTERVAL, SHARED_LOAD_INTERVAL
         from .stage._watchdog import check_watchdog
 
         if args.metrics_port is not None:
@@ -374,6 +386,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--max-clients must be >= 1, got {args.max_clients}")
     if args.max_clients > 1 and args.keep_requests_on_detach:
         parser.error("--keep-requests-on-detach needs --max-clients 1")
+    if args.client_buffer < 1:
+        parser.error(f"--client-buffer must be >= 1, got {args.client_buffer}")
     if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
         parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
 
@@ -405,12 +419,17 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             detached_buffer=args.detached_buffer,
             keep_requests_on_detach=args.keep_requests_on_detach,
             max_clients=args.max_clients,
+            client_buffer=args.client_buffer,
             drain_timeout=args.drain_timeout,
             step_timeout=step_timeout,
             kill_after=args.kill_after,
             name=args.name,
             log_level=check_log_level(args.log_level, "--log-level"),
-            load_interval=args.load_interval,
+            load_interval=getattr(
+                args,
+                "load_interval",
+                SHARED_LOAD_INTERVAL if args.max_clients > 1 else LOAD_INTERVAL,
+            ),
             metrics=None
             if args.metrics_port is None
             else (args.metrics_host.strip().strip("[]"), args.metrics_port),

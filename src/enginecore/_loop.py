@@ -4,6 +4,7 @@ The whole contract lives in this file (``docs/contract.md`` restates it with the
 proves each rule):
 
 1. Idle means blocked: with no work the loop blocks in ``input_queue.get()``, no timeout.
+   It holds no message it applied while it waits.
 2. The message taken by that blocking ``get()`` is processed like any other.
 3. Before every step, every message already queued is applied, in queue order.
 4. The drain is bounded: it takes a snapshot of what is queued when it begins.
@@ -416,6 +417,7 @@ class EngineCoreLoop:
         block = 1  # timed alone until BLOCK fast steps in a row
         blocks = range(block)  # made again only when the block's size changes
         stopping = False
+        batch: list[Any] | None = None  # the last drain's messages; dropped when idle
         t0 = perf()
         try:
             while True:
@@ -443,6 +445,10 @@ class EngineCoreLoop:
                         # The only blocking call: no timeout, so an idle loop costs no CPU.
                         # request_shutdown() enqueues a Wakeup to end it. The block ends
                         # here, with its *done* steps; a new one begins after the wait.
+                        # The last batch drained must not live on while the loop waits:
+                        # its messages' payloads (arrays, and the shared memory under
+                        # them) would stay alive until the next message.
+                        batch = None
                         t0 = timer.idle(block, done, t0, outs)
                         # Counted: a fatal error in the wait's message must not count them
                         # again.
@@ -508,6 +514,7 @@ class EngineCoreLoop:
         # The handles launched and not yet passed to collect, oldest first. A handle leaves
         # it just before its collect() call: a collect that raises has still had its handle.
         inflight: deque[Any] = deque()
+        batch: list[Any] | None = None  # the last drain's messages; dropped when idle
         try:
             while True:
                 if pending:
@@ -524,6 +531,7 @@ class EngineCoreLoop:
                     inflight.append(launch())
                     continue
                 elif not inflight:
+                    batch = None  # as in the plain loop: nothing of it lives on while idle
                     t0 = timer.idle(block, block - left, t0, outs)
                     # Counted: a fatal error in the wait's message must not count them again.
                     outs, left = 0, block

@@ -39,16 +39,17 @@ class RawClient:
         self._encoder = _codec.Encoder()
         self._decoder = _codec.Decoder(strict=True)
 
-    def hello(self, timeout: float = 5.0) -> list[Any]:
-        """Send ``hello``; return the reply. On ``welcome``, connect the PULL socket."""
+    def hello(self, timeout: float = 5.0, rcvhwm: int | None = None) -> list[Any]:
+        """Send ``hello``; return the reply. On ``welcome``, connect the PULL socket (with
+        that receive high-water mark, if *rcvhwm*)."""
         self.send_hello()
-        return self.hello_reply(timeout)
+        return self.hello_reply(timeout, rcvhwm)
 
     def send_hello(self) -> None:
         """Send ``hello`` only: the PULL socket waits for :meth:`hello_reply`."""
         self.dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "raw"]))
 
-    def hello_reply(self, timeout: float = 5.0) -> list[Any]:
+    def hello_reply(self, timeout: float = 5.0, rcvhwm: int | None = None) -> list[Any]:
         """The reply to :meth:`send_hello`. On ``welcome``, connect the PULL socket."""
         reply = self.reply(timeout)
         if reply[0] == "welcome":
@@ -58,6 +59,8 @@ class RawClient:
                 output = f"tcp://{host}:{output.rpartition(':')[2]}"
             self.pull = self.ctx.socket(zmq.PULL)
             self.pull.setsockopt(zmq.LINGER, 0)
+            if rcvhwm is not None:
+                self.pull.setsockopt(zmq.RCVHWM, rcvhwm)
             self.pull.connect(output)
         return reply
 

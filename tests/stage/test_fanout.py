@@ -6,23 +6,37 @@ against a model (a hypothesis state machine, with fake outboxes)."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import count
+from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from enginecore.stage import PROTOCOL_VERSION, RequestError, StagePool
+from enginecore.stage import (
+    PROTOCOL_VERSION,
+    EngineDeadError,
+    ReplicaDeadError,
+    RequestError,
+    SessionLostError,
+    StageObserver,
+    StagePool,
+)
 from enginecore.stage._fanout import LIVE_FOR_ANOTHER, Fanout
+from enginecore.stage._outbox import BACKLOG_MAX
 from enginecore.stage._stage_engine import LIVE_IN_STAGE
-from enginecore.stage._stage_session import NOT_ATTACHED
+from enginecore.stage._stage_session import NOT_ATTACHED, SESSION_LOST
 
 from .conftest import SCRIPTED, Connect, Server, wait_until
 from .raw import Event, RawClient
@@ -158,8 +172,10 @@ class TestRawClients:
             # Its place is free again.
             with RawClient(shared.address) as c:
                 _welcomed(c)
-            b.send("abort", ["b-long"])
-            b.until(lambda ev: ev[0] == "aborted")
+            # b leaves with its request (a bye aborts it). Not an abort and a wait for its
+            # answer: b was silent while c attached, for longer than the 2 s timeout on a
+            # loaded machine, and a detached b gets no answer.
+            b.send("bye")
 
     def test_a_hello_when_full_is_rejected_with_the_reason(self, shared: Server) -> None:
         with RawClient(shared.address) as a, RawClient(shared.address) as b:
@@ -197,6 +213,192 @@ class TestRawClients:
         assert shared.proc.wait(10) == 0
 
 
+def _aborted_in_engine(client: RawClient, rids: Sequence[str], timeout: float) -> float:
+    """Poll the engine's call log through *client* until every one of *rids* was aborted;
+    how long that took (``AssertionError`` past *timeout*)."""
+    started = time.monotonic()
+    seq = count(1000)
+    while True:
+        log = client.call(next(seq), "log", timeout=10)[-1][2]
+        if all(f"abort {rid}" in log for rid in rids):
+            return time.monotonic() - started
+        assert time.monotonic() - started < timeout, f"never aborted: {rids}"
+        time.sleep(0.05)
+
+
+_STOPPED_CLIENT = """
+import sys
+from enginecore.stage import StageClient
+
+with StageClient.connect(sys.argv[1], heartbeat_timeout=120.0) as client:
+    streams = [client.add(f"c-{i}", 10**8) for i in range(50)]
+    next(iter(streams[0]))
+    print("streaming", flush=True)  # then the test stops this process
+    try:
+        for _ in streams[0]:
+            pass
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+"""
+
+
+class TestClientsThatCannotKeepUp:
+    """A client of a shared stage that stops reading, or whose output connection goes,
+    is detached by itself: the others keep getting their outputs (issue 18)."""
+
+    @pytest.fixture
+    def stage(self, no_leftovers: str) -> Iterator[tuple[Server, Path]]:
+        # A session timeout far longer than the test: only the new rules may detach.
+        logs = Path(tempfile.mkdtemp(prefix="ecLog", dir="/tmp"))  # not in no_leftovers'
+        log = logs / "stage.log"
+        try:
+            with log.open("w") as err:
+                srv = Server(
+                    "--engine",
+                    SCRIPTED,
+                    "--max-clients",
+                    "2",
+                    "--bind",
+                    f"ipc://{no_leftovers}/in",
+                    "--session-timeout",
+                    "120",
+                    "--client-buffer",
+                    "1000",
+                    "--log-level",
+                    "INFO",
+                    stderr=err,
+                )
+                try:
+                    yield srv, log
+                finally:
+                    assert srv.stop() == 0
+        finally:
+            shutil.rmtree(logs, ignore_errors=True)
+
+    def test_a_client_that_stops_reading_is_detached_and_the_other_goes_on(
+        self, stage: tuple[Server, Path]
+    ) -> None:
+        srv, log = stage
+        with RawClient(srv.address) as slow, RawClient(srv.address) as fast:
+            assert slow.hello(rcvhwm=1)[0] == "welcome"  # and it never reads again
+            _welcomed(fast)
+            slow_ids = [f"slow-{i}" for i in range(50)]
+            for rid in slow_ids:
+                slow.send("add", rid, 10**8)
+            # Before: the loop waited for the slow client once 65,536 events were queued for
+            # it, and the fast one got nothing (its calls included) until the slow one's
+            # session timed out (120 s here).
+            _aborted_in_engine(fast, slow_ids, timeout=60)
+            # The fast client is served: a job of it completes.
+            for i in range(20):
+                fast.send("add", f"job-{i}", 200)
+            got = _outputs_of(fast.until(_finished("job-19"), timeout=30))
+            assert got["job-19"] == list(range(199, -1, -1))
+            # The slow client is told, on its input socket, when it speaks again.
+            slow.send("ping", 1)
+            reply = slow.reply(timeout=5)
+            assert reply[0] == "reject"
+            assert reply[2].startswith(SESSION_LOST), reply
+            assert "fell behind" in reply[2]
+            # ... and may attach again.
+            assert slow.pull is not None
+            slow.pull.close()
+            assert slow.hello()[0] == "welcome"
+            slow.send("add", "again", 2)
+            assert _outputs_of(slow.until(_finished("again")))["again"] == [1, 0]
+        text = log.read_text()
+        assert "fell behind" in text, text
+        assert "past the client buffer (1000)" in text
+        assert "aborting its 50 live requests" in text
+
+    def test_a_client_that_never_connects_its_output_cannot_hold_the_loop(
+        self, stage: tuple[Server, Path]
+    ) -> None:
+        srv, log = stage
+        with RawClient(srv.address) as absent, RawClient(srv.address) as other:
+            absent.send_hello()
+            assert absent.reply()[0] == "welcome"  # and it never connects its PULL
+            _welcomed(other)
+            absent_ids = [f"absent-{i}" for i in range(20)]
+            for rid in absent_ids:
+                absent.send("add", rid, 10**8)
+            _aborted_in_engine(other, absent_ids, timeout=60)
+            other.send("add", "job", 50)
+            assert _outputs_of(other.until(_finished("job"), timeout=30))["job"][-1] == 0
+        assert "fell behind" in log.read_text()
+
+    def test_a_stopped_client_process_is_cut_and_told_when_it_runs_again(
+        self, stage: tuple[Server, Path]
+    ) -> None:
+        """A StageClient in a process under SIGSTOP stops reading: the stage cuts it while
+        another client works; after SIGCONT its stream fails with SessionLostError (read
+        from the stage's reject after its next ping), never a silent hang."""
+        srv, _ = stage
+        child = subprocess.Popen(
+            [sys.executable, "-c", _STOPPED_CLIENT, srv.address],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "streaming"
+            with RawClient(srv.address) as other:
+                _welcomed(other)
+                os.kill(child.pid, signal.SIGSTOP)
+                try:
+                    _aborted_in_engine(other, [f"c-{i}" for i in range(50)], timeout=60)
+                    for i in range(5):
+                        other.send("add", f"job-{i}", 100)
+                    got = _outputs_of(other.until(_finished("job-4"), timeout=30))
+                    assert got["job-4"] == list(range(99, -1, -1))
+                finally:
+                    os.kill(child.pid, signal.SIGCONT)
+                out, _ = child.communicate(timeout=30)
+            # Stopped for less than the stage's 5 s ZMTP heartbeat, its input connection is
+            # the same: the stage says why it detached it. Stopped longer (a loaded machine),
+            # the connection was dropped and made again: the stage sees a new peer, and
+            # says it has no session.
+            assert out.startswith("SessionLostError: "), out
+            assert (
+                "session lost: the stage detached this client" in out
+                or "session lost: this peer has no session on this stage" in out
+            ), out
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+    def test_a_client_whose_output_connection_goes_is_detached_within_a_second_or_so(
+        self, stage: tuple[Server, Path]
+    ) -> None:
+        srv, log = stage
+        with RawClient(srv.address) as gone, RawClient(srv.address) as other:
+            _welcomed(gone)
+            _welcomed(other)
+            # ~200 steps a second: its queue stays far below the client buffer meanwhile.
+            other.call(1, "pace", 0.005)
+            gone.send("add", "gone-long", 10**8)
+            gone.until(lambda ev: ev[0] == "outputs" and "gone-long" in ev[1])
+            other.send("add", "other-long", 10**8)
+            other.until(lambda ev: ev[0] == "outputs" and "other-long" in ev[1])
+            assert gone.pull is not None
+            gone.pull.close()  # no bye: as if its process died
+            took = _aborted_in_engine(other, ["gone-long"], timeout=30)
+            # OUTPUT_GRACE_S (1 s), then the detach; not the 120 s session timeout.
+            assert took < 5, took
+            log_now = other.call(2, "log")[-1][2]
+            assert "abort other-long" not in log_now
+            gone.send("add", "x", 3)
+            reply = gone.reply(timeout=5)
+            assert reply[0] == "reject"
+            assert reply[2].startswith(SESSION_LOST)
+            assert "lost its output connection" in reply[2]
+            other.send("abort", ["other-long"])
+            other.until(lambda ev: ev[0] == "aborted")
+            gone.pull = None
+        assert "lost its output connection" in log.read_text()
+
+
 class TestServeOptions:
     def _fails(self, *args: str) -> str:
         proc = subprocess.run(
@@ -215,6 +417,25 @@ class TestServeOptions:
     def test_keep_requests_on_detach_needs_one_client(self) -> None:
         err = self._fails("--max-clients", "2", "--keep-requests-on-detach")
         assert "--keep-requests-on-detach needs --max-clients 1" in err
+
+    @pytest.mark.parametrize(
+        ("args", "expected"),
+        [
+            (("--max-clients", "2"), 0.005),  # shared: a report about every engine step
+            (("--max-clients", "1"), 0.05),
+            (("--max-clients", "2", "--load-interval", "0.05"), 0.05),
+            (("--max-clients", "2", "--load-interval", "0"), None),
+        ],
+    )
+    def test_the_default_load_interval_is_short_on_a_shared_stage(
+        self, args: tuple[str, ...], expected: float | None
+    ) -> None:
+        srv = Server("--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", *args)
+        try:
+            with StageObserver(srv.address) as observer:
+                assert observer.stats(timeout=10).load_interval == expected
+        finally:
+            assert srv.stop() == 0
 
     def test_the_tcp_clients_get_ports_of_their_own(self) -> None:
         srv = _serve("--bind", "tcp://127.0.0.1:*")
@@ -256,6 +477,55 @@ def test_two_clients_share_a_stage(connect: Connect, shared: Server) -> None:
     assert "abort kept" not in log
     second.abort(["kept"])
     kept.collect(timeout=5)
+
+
+def test_a_client_whose_session_the_stage_ended_gets_session_lost(
+    connect: Connect, no_leftovers: str
+) -> None:
+    """A client the stage detached by itself (here: silent past a 1 s session timeout, as
+    a stopped process is) learns it from the stage's reject, read after its next ping: its
+    streams and calls fail with SessionLostError, long before its own heartbeat timeout."""
+    srv = _serve("--bind", f"ipc://{no_leftovers}/in", "--session-timeout", "1")
+    try:
+        # Pings every 3 s: the stage finds it silent after 1 s; its heartbeat timeout (60 s)
+        # would be the only other way for it to learn anything.
+        client = connect(srv.address, heartbeat_interval=3.0, heartbeat_timeout=60.0)
+        stream = client.add("long", 10**8)
+        next(iter(stream))
+        started = time.monotonic()
+        with pytest.raises(SessionLostError, match="ended this client's session") as caught:
+            stream.collect(timeout=30)
+        assert time.monotonic() - started < 15
+        assert SESSION_LOST in str(caught.value)
+        assert "silent for the session timeout" in str(caught.value)
+        assert isinstance(caught.value, EngineDeadError)
+        with pytest.raises(SessionLostError):
+            client.call_utility("echo", 1, timeout=5)
+        # The stage aborted its request and serves the next client.
+        other = connect(srv.address)
+        assert "abort long" in other.call_utility("log", timeout=5)
+        assert other.add("x", 2).collect(timeout=10) == [1, 0]
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_pool_whose_session_a_shared_stage_ended_sees_that_replica_die(
+    no_leftovers: str,
+) -> None:
+    srv = _serve("--bind", f"ipc://{no_leftovers}/in", "--session-timeout", "1")
+    try:
+        with StagePool.connect(
+            [srv.address], heartbeat_interval=3.0, heartbeat_timeout=60.0
+        ) as pool:
+            stream = pool.add("long", 10**8)
+            next(iter(stream))
+            with pytest.raises(ReplicaDeadError) as caught:
+                stream.collect(timeout=30)
+            assert isinstance(caught.value.__cause__, SessionLostError)
+            assert SESSION_LOST in str(caught.value)
+            assert not pool.replicas[0].routable
+    finally:
+        assert srv.stop() == 0
 
 
 def test_two_pools_share_two_stages(no_leftovers: str) -> None:
@@ -311,7 +581,9 @@ class FakeOutbox:
         self.ended = False
         self.started = False
         self.backlog = 0
+        self.stuck = False
         self.failed = False
+        self.waited = 0
 
     @property
     def running(self) -> bool:
@@ -337,10 +609,12 @@ class FakeOutbox:
         pass
 
     def wait_for_room(self) -> None:
-        pass
+        self.waited += 1
 
-    def end(self) -> None:
+    def end(self) -> int:
+        dropped, self.backlog = self.backlog, 0
         self.ended = True
+        return dropped
 
     def close(self, timeout: float) -> None:
         pass
@@ -352,17 +626,23 @@ class FakeOutbox:
         return 0
 
 
+BOUND = 16  # the machine's client buffer
+
+
 class FanoutMachine(RuleBasedStateMachine):
     """Clients join and leave, add, abort, and the engine steps, on a :class:`Fanout` with fake
     outboxes, driven as the loop drives it (``ClientInput`` before a client's messages, the
     adapter's live set and drop), against a model of who owns each live request: every
     output, and the load report of every reported step, reaches exactly the clients it
-    should; an abort and a departure end only their client's requests."""
+    should; an abort and a departure end only their client's requests; a client stuck past
+    its bound is cut, and nothing reaches it afterwards."""
 
     def __init__(self) -> None:
         super().__init__()
         self.outboxes: dict[int, FakeOutbox] = {}
-        self.fanout = Fanout(self._open, prepare_outputs=_unused, detached_max=8)
+        self.fanout = Fanout(
+            self._open, prepare_outputs=_unused, detached_max=8, client_buffer=BOUND
+        )
         self.live: set[str] = set()
         self.dropped: list[list[str]] = []
         self.fanout.bind(self.live, self._drop)
@@ -372,10 +652,13 @@ class FanoutMachine(RuleBasedStateMachine):
         self.rids = count()
         self.seq = count(1)
 
-    def _open(self, epoch: int) -> tuple[FakeOutbox, str]:
+    def teardown(self) -> None:
+        self.fanout.unlink_all()  # closes its wake-up pipe
+
+    def _open(self, epoch: int) -> tuple[FakeOutbox, str, None]:
         outbox = FakeOutbox()
         self.outboxes[epoch] = outbox
-        return outbox, f"ipc://x-{epoch}"
+        return outbox, f"ipc://x-{epoch}", None
 
     def _drop(self, req_ids: Sequence[str]) -> None:
         self.dropped.append(list(req_ids))
@@ -449,6 +732,48 @@ class FanoutMachine(RuleBasedStateMachine):
         assert got[epoch] == [("aborted", ids)]
         assert all(not events for e, events in got.items() if e != epoch)
 
+    @rule(data=st.data(), stuck=st.booleans())
+    def fall_behind(self, data: st.DataObject, stuck: bool) -> None:
+        """A client has more than its bound queued; if it is stuck (its socket full), the
+        next step with outputs for it cuts it, and the session's ClientLeft then ends its
+        requests; if not (its output thread is behind), it goes on."""
+        attached = [e for e in self._attached() if e in set(self.owner.values())]
+        if not attached:
+            return
+        epoch = data.draw(st.sampled_from(attached))
+        outbox = self.outboxes[epoch]
+        outbox.backlog, outbox.stuck = BOUND + 1, stuck
+        rids = sorted(self.owner)
+        ev = ("outputs", rids, [False] * len(rids), [f"p-{r}" for r in rids])
+        self.fanout.post_step([ev], len(rids))
+        got = self._take_all()
+        for e, events in got.items():
+            seen = [r for x in events if x[0] == "outputs" for r in x[1]]
+            assert seen == [r for r in rids if self.owner[r] == e]
+        if not stuck:
+            assert not self.fanout.gone_waiting
+            assert epoch in got
+            outbox.backlog = 0
+            return
+        assert epoch not in got
+        assert outbox.ended
+        [(cut, why)] = self.fanout.take_gone()
+        assert cut == epoch
+        assert f"past the client buffer ({BOUND})" in why
+        assert not self.fanout.gone_waiting
+        # Until its ClientLeft, what the loop emits for it goes nowhere.
+        self.fanout.sender(epoch)
+        self.fanout.emit(("aborted", ["x"]))
+        self.fanout.answer(epoch, ("utility", 1, None, None))
+        assert not any(self._take_all().values())
+        theirs = {rid for rid, e in self.owner.items() if e == epoch}
+        self.fanout.left(epoch)
+        assert set(self.dropped.pop()) == theirs
+        assert not self.dropped
+        for rid in theirs:
+            del self.owner[rid]
+        assert self.live == set(self.owner)
+
     @rule(data=st.data(), report=st.booleans())
     def step(self, data: st.DataObject, report: bool) -> None:
         rids = (
@@ -477,6 +802,70 @@ class FanoutMachine(RuleBasedStateMachine):
             if fin:  # the adapter forgets a finished request after the post
                 self.live.discard(rid)
                 del self.owner[rid]
+
+
+class TestWaitForRoom:
+    """Before a step, past BACKLOG_MAX queued for a client: the loop waits only for a client
+    that takes frames (its output thread is behind); a stuck one past its bound is cut."""
+
+    def _fanout(self, bound: int) -> tuple[Fanout, dict[int, FakeOutbox]]:
+        boxes: dict[int, FakeOutbox] = {}
+
+        def open_(epoch: int) -> tuple[FakeOutbox, str, None]:
+            boxes[epoch] = FakeOutbox()
+            return boxes[epoch], f"ipc://x-{epoch}", None
+
+        fanout = Fanout(open_, prepare_outputs=_unused, detached_max=8, client_buffer=bound)
+        fanout.bind(set(), lambda ids: None)
+        for epoch in (1, 2):
+            fanout.open_session(epoch)
+            fanout.joined(epoch)
+        return fanout, boxes
+
+    def test_a_client_whose_output_thread_is_behind_is_waited_for(self) -> None:
+        fanout, boxes = self._fanout(bound=10)
+        boxes[1].backlog = BACKLOG_MAX + 1
+        fanout.wait_for_room()
+        assert boxes[1].waited == 1
+        assert not boxes[1].ended
+        assert not fanout.gone_waiting
+        fanout.unlink_all()
+
+    def test_a_stuck_client_past_its_bound_is_cut_not_waited_for(self) -> None:
+        fanout, boxes = self._fanout(bound=10)
+        boxes[1].backlog, boxes[1].stuck = BACKLOG_MAX + 1, True
+        fanout.wait_for_room()
+        assert boxes[1].waited == 0
+        assert boxes[1].ended
+        assert [e for e, _ in fanout.take_gone()] == [1]
+        assert fanout.cut_clients == 1
+        assert not boxes[2].ended
+        fanout.unlink_all()
+
+    def test_a_stuck_client_within_its_bound_is_neither_cut_nor_waited_for(self) -> None:
+        fanout, boxes = self._fanout(bound=BACKLOG_MAX * 2)
+        boxes[1].backlog, boxes[1].stuck = BACKLOG_MAX + 1, True
+        fanout.wait_for_room()
+        assert boxes[1].waited == 0
+        assert not boxes[1].ended
+        assert not fanout.gone_waiting
+        fanout.unlink_all()
+
+    def test_the_wake_up_pipe_is_readable_until_the_cut_is_taken(self) -> None:
+        fanout, boxes = self._fanout(bound=1)
+        boxes[2].backlog, boxes[2].stuck = 2, True
+        fanout.post_step([("outputs", ["r"], [False], [1])], 1)  # r: nobody's, so the first's
+        assert not fanout.gone_waiting
+        fanout.sender(2)
+        fanout.admitter(set())("mine")
+        fanout.post_step([("outputs", ["mine"], [False], [1])], 1)
+        assert fanout.gone_waiting
+        poller = zmq.Poller()
+        poller.register(fanout.wake_fd, zmq.POLLIN)
+        assert dict(poller.poll(0))
+        assert [e for e, _ in fanout.take_gone()] == [2]
+        assert not dict(poller.poll(0))
+        fanout.unlink_all()
 
 
 def _unused(rids: list[Any], fins: list[Any], payloads: list[Any]) -> list[tuple[Any, ...]]:

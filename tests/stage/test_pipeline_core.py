@@ -65,6 +65,24 @@ def test_a_second_death_aborts_again_what_the_first_one_ended() -> None:
     assert d.stage_aborts == []
 
 
+def test_a_stage_death_tells_its_neighbours_before_any_abort_reaches_them() -> None:
+    # The stage after the dead one hears `gone` (then drops the dead one's late data)
+    # before the aborts; the stage before it hears `gone` too (it frees the slots it kept
+    # for the dead one). Even with no request in the pipeline: late data can still come.
+    core = _core("r")
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.stage_dead(1, EngineDeadError("killed"), 1.0, d)
+    assert d.gone == [(2, "previous", 1), (0, "next", 1)]
+    assert d.stage_aborts == [(2, ["r"])]
+    d = PipelineDeliveries()
+    _core().stage_dead(0, EngineDeadError("killed"), 1.0, d)
+    assert d.gone == [(1, "previous", 0)]
+    assert d.stage_aborts == []
+    d = PipelineDeliveries()
+    _core().stage_dead(2, EngineDeadError("killed"), 1.0, d)
+    assert d.gone == [(1, "next", 2)]
+
+
 def test_a_refused_add_raises_the_failure_without_growing_its_traceback() -> None:
     core = _core("r")
     core.stage_dead(1, EngineDeadError("killed"), 1.0, PipelineDeliveries())

@@ -19,6 +19,7 @@ from enginecore.stage import (
     EngineDeadError,
     Outputs,
     RequestError,
+    SessionLostError,
     Shutdown,
     StageClosedError,
     StageHealth,
@@ -570,6 +571,47 @@ class TestHeartbeat:
     def test_a_launched_stage_without_heartbeat_has_no_timer(self) -> None:
         s = session(launched=True)
         assert s.tick(1e9) == (None, None, None)
+
+
+class TestInputReply:
+    """What a stage sends on the input socket after the handshake: a ``reject`` once a
+    multi-client stage has ended this client's session."""
+
+    def test_a_reject_fails_every_waiter_with_session_lost_and_releases(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 60.0), now=0.0)
+        [core] = open_streams(s, "r1")
+        waiter = Waiter()
+        s.open_call(7, waiter, "echo")
+        reason = "session lost: the stage detached this client (session 3) because it fell behind"
+        d = s.input_reply(msgspec.msgpack.encode(["reject", 2, reason]), 1.0)
+        assert d is not None
+        assert isinstance(s.failure, SessionLostError)
+        assert isinstance(s.failure, EngineDeadError)
+        assert str(s.failure) == (
+            f"stage process 42 ended this client's session: {reason}; this client's "
+            "requests were aborted"
+        )
+        assert [exc for _, _, exc in d.answers] == [s.failure]
+        assert core._ended is not None
+        assert core._ended.exc is s.failure
+        assert s.release_due
+        assert s.input_reply(msgspec.msgpack.encode(["reject", 2, "again"]), 2.0) is None
+
+    @pytest.mark.parametrize(
+        "body",
+        [b"\xc1", msgspec.msgpack.encode(["welcome", 2, "x", 1, "e"]), msgspec.msgpack.encode(7)],
+    )
+    def test_anything_else_is_ignored(self, body: bytes) -> None:
+        s = session(launched=False, heartbeat=(1.0, 60.0), now=0.0)
+        assert s.input_reply(body, 1.0) is None
+        assert s.failure is None
+
+    def test_while_closing_it_is_a_closed_client(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 60.0), now=0.0)
+        s.begin_close()
+        s.input_reply(msgspec.msgpack.encode(["reject", 2, "session lost: ..."]), 1.0)
+        assert isinstance(s.failure, StageClosedError)
+        assert not s.release_due
 
 
 class TestHealth:

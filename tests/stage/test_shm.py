@@ -54,6 +54,15 @@ def _array(value: float, n: int = MIB // 4) -> Any:
     return np.full(n, value, dtype=np.float32)
 
 
+def _mapped_here(prefix: str) -> list[str]:
+    """The segments of *prefix* this process maps now (unlinked or not)."""
+    with open("/proc/self/maps") as f:
+        names = {
+            line.split("/dev/shm/", 1)[1].split()[0] for line in f if f"/dev/shm/{prefix}" in line
+        }
+    return sorted(names)
+
+
 class TestPoolAndReader:
     def test_a_payload_arrives_equal_read_only_and_on_the_slot(self, prefix: str) -> None:
         pool, reader = _pool(prefix), ShmReader(prefix)
@@ -189,6 +198,29 @@ class TestPoolAndReader:
         assert pool.put(_array(2.0)) is not None
         assert pool.created == 1
         pool.close()
+
+    def test_when_the_other_stage_dies_each_side_lets_go_of_its_mappings(self, prefix: str) -> None:
+        # The consumer's upstream died: it maps none of its slots again, and an array it
+        # still holds stays valid (numpy holds its mapping) until it dies. The producer's
+        # downstream died: its pool unlinks and unmaps every slot and takes no array again.
+        pool, reader = _pool(prefix), ShmReader(prefix)
+        heads = [pool.put(_array(float(i))) for i in range(2)]
+        pool.commit()
+        kept = reader.array(heads[0])
+        assert reader.mapped == 1
+        reader.upstream_gone()
+        assert reader.mapped == 0
+        with pytest.raises(ShmError, match=f"{EXPIRED}: .* its stage died"):
+            reader.array(heads[1])
+        assert float(kept[0]) == 0.0  # still readable: its own mapping
+        pool.close()
+        assert _shm.segments(prefix) == []
+        assert _mapped_here(prefix) == [f"{prefix}0"]  # only through `kept`
+        del kept
+        gc.collect()
+        assert _mapped_here(prefix) == []
+        assert pool.put(_array(1.0)) is None
+        assert pool.stats()["shm_slots"] == 0
 
     @pytest.mark.parametrize(
         ("head", "why"),

@@ -27,12 +27,16 @@ from enginecore.stage import (
     PipelineRequestError,
     PipelineStage,
     PipelineStageDeadError,
+    StageClient,
     StageClosedError,
     StageStartupError,
     _shm,
 )
-from enginecore.stage._edge import END, FIRST, MORE, ONLY
+from enginecore.stage._edge import END, FIRST, MORE, ONLY, link_id
 from enginecore.stage._pipe_stage import PipeStage
+from enginecore.stage._pipelinebase import PIPE_FACTORY
+from enginecore.stage._session import ClientSession
+from enginecore.stage._wire import ErrorReport
 from enginecore.stage.testing import RelayEngine
 
 from .conftest import BlockingAsyncStream, EventLoopThread, child_pids, wait_until
@@ -368,6 +372,65 @@ class TestErrors:
         # after the dead one (which the first one's abort cannot reach).
         assert wait_until(lambda: pipe.call_utility("first", "num_requests") == 0, 10)
         assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
+
+    def test_a_dead_previous_stage_s_late_data_is_dropped_after_its_gone(
+        self, no_leftovers: str
+    ) -> None:
+        # A dead stage's last `pipe` messages and the coordinator's abort reach the next
+        # stage on two connections, with no order between them. The coordinator sends
+        # `gone` (the dead link's routing id) before the abort; from then on the stage drops
+        # every message of that link, unread, and counts it. Here the test plays the dead
+        # stage's link (a DEALER with its routing id) and the coordinator (a client), and
+        # the late message comes after the abort, for certain.
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        links: list[zmq.Socket[bytes]] = []
+        client = StageClient.launch(
+            PIPE_FACTORY, {"factory": RELAY, "stage": "b"}, startup_timeout=30
+        )
+
+        def link(generation: int) -> zmq.Socket[bytes]:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, link_id(0, generation).encode())
+            sock.connect(client.address)
+            links.append(sock)
+            return sock
+
+        def pipe(sock: zmq.Socket[bytes], rid: str) -> None:
+            sock.send(msgspec.msgpack.encode(["pipe", [FIRST], [rid], [1]]))
+
+        try:
+            dead = link(0)
+            pipe(dead, "r1")
+            assert wait_until(lambda: client.stats().live == 1, 10)
+            client._send(ClientSession.gone_frame("previous", link_id(0)))
+            client._send_abort(["r1", "r2"])
+            assert wait_until(lambda: client.stats().live == 0, 10)
+            pipe(dead, "r2")  # sent before the death, read after the abort
+            assert wait_until(lambda: client.stats().engine.get("pipe_dropped") == 1, 10)
+            assert client.stats().live == 0  # r2 never became live
+            # Only that link is cut: another one (a new start of the stage) is heard.
+            pipe(link(1), "r3")
+            assert wait_until(lambda: client.stats().live == 1, 10)
+            assert client.call_utility("num_requests") == 1
+        finally:
+            for sock in links:
+                sock.close()
+            client.shutdown()
+            ctx.term()
+
+    def test_a_bad_gone_is_an_error_and_changes_nothing(self, no_leftovers: str) -> None:
+        with StageClient.launch(
+            PIPE_FACTORY, {"factory": RELAY, "stage": "b"}, startup_timeout=30, ordered_events=True
+        ) as client:
+            client._send(ClientSession.gone_frame("sideways", "x"))
+            client._send(ClientSession.gone_frame("previous", ""))
+            errors = [client.get_event(timeout=10), client.get_event(timeout=10)]
+            assert all(isinstance(e, ErrorReport) and e.req_id is None for e in errors)
+            messages = [cast(ErrorReport, e).message for e in errors]
+            assert "gone side must be previous or next, got 'sideways'" in messages[0]
+            assert "gone needs the link" in messages[1]
+            assert "pipe_dropped" not in client.stats().engine
 
 
 class TestCredits:
@@ -771,3 +834,73 @@ class TestSharedMemory:
         assert time.monotonic() - killed_at < lease + 1.0
         pipe.shutdown()
         assert _segments() == []
+
+    @pytest.mark.parametrize("killed", ["a", "b"])
+    def test_a_killed_stage_s_neighbours_let_go_of_its_memory_at_once(
+        self, launch: Any, killed: str
+    ) -> None:
+        # a -> b -> c, 1 MiB arrays through shared memory on both edges; the lease is long
+        # (60 s), so nothing here waits for it. When a stage dies, the stage before it
+        # unmaps its slots (the dead one can release none of them), and the stage after it
+        # lets go of its mappings of the dead one's slots once the abort dropped the arrays
+        # it held: no surviving process maps a segment of either any more, and no request
+        # is left live in a stage after the dead one. (Before: both stayed mapped, their
+        # memory held, until shutdown.)
+        lease = 60.0
+        pipe = launch(
+            [
+                PipelineStage(
+                    DEVICE, {"step_s": 0.005}, name="a", edge=f"{T}:to_array", shm_lease=lease
+                ),
+                PipelineStage(RELAY, name="b", shm_lease=lease),
+                PipelineStage(RELAY, name="c"),
+            ]
+        )
+        pids = {name: pipe.call_utility(name, "pid") for name in ("a", "b", "c")}
+        streams = [pipe.add(f"r{i}", 10**6) for i in range(3)]
+        for stream in streams:
+            for _ in range(3):
+                stream.get(timeout=10)
+        assert wait_until(lambda: _mapped(pids["c"], "1"), 10)  # c maps b's slots
+        assert _mapped(pids["a"], "0")
+        os.kill(pids[killed], signal.SIGKILL)
+        for stream in streams:
+            with pytest.raises(PipelineStageDeadError):
+                stream.collect(timeout=5)
+        k = "ab".index(killed)
+        before, after = "abc"[k - 1] if k else None, "abc"[k + 1]
+
+        # The stage after the dead one: nothing live, no array held, no slot mapped.
+        # (The engine's numbers in the statistics are a sample its loop takes when it goes
+        # idle: an array that a zero-copy frame still held then is let go later. The maps
+        # are the truth.)
+        assert wait_until(lambda: _stage_stats(pipe, after).live == 0, 10)
+        assert wait_until(lambda: not _mapped(pids[after], str(k)), 10)
+        assert _stage_stats(pipe, after).engine["shm_mapped"] == 0
+        if before is not None:  # the stage before it: its slots unmapped, none kept
+
+            def before_done() -> bool:
+                engine = _stage_stats(pipe, before).engine
+                return (engine["shm_slots"], engine["shm_slot_bytes"]) == (0, 0)
+
+            assert wait_until(before_done, 10)
+            assert not _mapped(pids[before], str(k - 1))
+            assert "edge_dropped" in _stage_stats(pipe, before).engine
+        pipe.shutdown()
+        assert _segments() == []
+
+
+def _stage_stats(pipe: Any, stage: str) -> Any:
+    """One stage's statistics (``pipe.stats()`` asks every stage, a dead one too)."""
+    if isinstance(pipe, BlockingAsyncPipeline):
+        return pipe._runner.run(pipe._pipe.client(stage).stats())
+    return pipe.client(stage).stats()
+
+
+def _mapped(pid: int, stage: str) -> list[str]:
+    """The shared-memory segments of stage *stage* of this process's pipelines that process
+    *pid* maps now (unlinked or not)."""
+    head = f"/dev/shm/enginecore-{os.getpid()}-"
+    with open(f"/proc/{pid}/maps") as f:
+        paths = {line.split(maxsplit=5)[5].strip() for line in f if head in line}
+    return sorted(p for p in paths if p[len("/dev/shm/") :].split("-")[3] == stage)

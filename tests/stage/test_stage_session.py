@@ -28,7 +28,10 @@ from enginecore.stage._controls import (
 )
 from enginecore.stage._stage_session import (
     HELLO_HOLD_S,
+    NO_SESSION,
     NOT_ATTACHED,
+    OUTPUT_GRACE_S,
+    SESSION_LOST,
     CallTable,
     MultiStageSession,
     SessionGate,
@@ -521,6 +524,7 @@ class FakeClients:
         self.opened: list[int] = []
         self.posted: list[tuple[int, Any]] = []
         self.fail = fail
+        self.gone: list[tuple[int, str]] = []
 
     def open_session(self, epoch: int) -> str:
         if self.fail:
@@ -530,6 +534,15 @@ class FakeClients:
 
     def post_to(self, epoch: int, item: Any, weight: int) -> None:
         self.posted.append((epoch, item))
+
+    # What the loop cut (a client that fell behind), for the session to take.
+    @property
+    def gone_waiting(self) -> bool:
+        return bool(self.gone)
+
+    def take_gone(self) -> list[tuple[int, str]]:
+        gone, self.gone = self.gone, []
+        return gone
 
     # ClientsTarget: the loop thread's side, never called by the session.
     def joined(self, epoch: int) -> None:
@@ -724,17 +737,124 @@ class TestMultiClient:
         assert [r[2] for _, r in replies(session)] == ["ipc://out-1", "ipc://out-1"]
         assert clients.opened == [1]
 
+    def test_a_client_whose_output_connection_closed_is_detached_after_the_grace(
+        self, caplog: Any
+    ) -> None:
+        session = multi(FakeClients(), timeout=100.0)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        session.receive(B, frame("hello", V, "b"), 0.0)
+        take(session)
+        replies(session)
+        session.client_output_changed(1, +1, 0.1)  # A's PULL connects
+        session.client_output_changed(2, +1, 0.1)
+        session.client_output_changed(1, -1, 5.0)  # and goes, without a bye
+        assert session.wait_ms(5.0) == OUTPUT_GRACE_S * 1000  # before B's session timeout
+        session.settle(5.0 + OUTPUT_GRACE_S - 0.01)
+        assert not session.to_loop
+        with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+            session.settle(5.0 + OUTPUT_GRACE_S)
+        assert controls(session.to_loop) == [("left", 1)]
+        assert set(session.clients) == {B}
+        assert "lost its output connection" in caplog.text
+        # What it sends afterwards, a ping too, is answered: its session is lost.
+        take(session)
+        for msg in (("ping", 1), ("add", "x", 1)):
+            session.receive(A, frame(*msg), 7.0)
+            [(who, reply)] = replies(session)
+            assert who == A
+            assert reply[0] == "reject"
+            assert reply[2].startswith(SESSION_LOST)
+            assert "lost its output connection" in reply[2]
+        assert not session.to_loop
+        # It may attach again, as a new session.
+        session.receive(A, frame("hello", V, "a"), 8.0)
+        [(_, reply)] = replies(session)
+        assert (reply[0], reply[2]) == ("welcome", "ipc://out-3")
+        session.receive(A, frame("ping", 2), 8.0)
+        assert not replies(session)
+
+    def test_an_output_that_comes_back_within_the_grace_keeps_its_session(self) -> None:
+        session = multi(FakeClients(), timeout=100.0)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        take(session)
+        session.client_output_changed(1, +1, 0.1)
+        session.client_output_changed(1, -1, 1.0)
+        session.client_output_changed(1, +1, 1.5)  # a TCP connection that broke, reconnected
+        session.settle(1.0 + OUTPUT_GRACE_S + 1)
+        assert not session.to_loop
+        assert session.wait_ms(3.0) == 97_000  # only its session timeout is left
+        # A client that never connected its PULL waits for its session timeout as before.
+        session.receive(B, frame("hello", V, "b"), 0.0)
+        take(session)
+        session.settle(50.0)
+        assert not session.to_loop
+        assert set(session.clients) == {A, B}
+
+    def test_a_client_the_output_side_cut_is_detached_in_order(self, caplog: Any) -> None:
+        clients = FakeClients()
+        session = multi(clients, timeout=100.0)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        session.receive(B, frame("hello", V, "b"), 0.0)
+        session.receive(A, frame("add", "a1", 1), 0.0)
+        take(session)
+        replies(session)
+        clients.gone.append((1, "fell behind: 70000 events"))
+        with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+            session.receive(B, frame("add", "b1", 1), 1.0)  # the next read takes it first
+        assert [type(m).__name__ for m in session.to_loop] == ["ClientLeft", "ClientInput", "Add"]
+        assert controls(session.to_loop)[0] == ("left", 1)
+        assert "fell behind: 70000 events" in caplog.text
+        assert set(session.clients) == {B}
+        session.receive(A, frame("ping", 3), 1.0)
+        [(who, reply)] = replies(session)
+        assert who == A
+        assert reply[2].startswith(SESSION_LOST)
+        assert "fell behind" in reply[2]
+        # A cut that settle() finds (the wake-up pipe fired), and one of a client that has
+        # already left, which is ignored.
+        take(session)
+        clients.gone += [(1, "again"), (2, "fell behind")]
+        session.settle(2.0)
+        assert controls(session.to_loop) == [("left", 2)]
+        assert not session.attached
+
+    def test_a_ping_from_a_peer_without_a_session_is_rejected(self) -> None:
+        # A client whose connection was made again after a long pause has a new routing id.
+        clients = FakeClients()
+        session = multi(clients)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        take(session)
+        replies(session)
+        session.receive(C, frame("ping", 4), 1.0)
+        assert replies(session) == [(C, ["reject", V, NO_SESSION])]
+        assert NO_SESSION.startswith(SESSION_LOST)
+        assert not clients.posted
+
+    def test_a_bye_forgets_a_lost_session(self) -> None:
+        clients = FakeClients()
+        session = multi(clients)
+        session.receive(A, frame("hello", V, "a"), 0.0)
+        take(session)
+        clients.gone.append((1, "fell behind"))
+        session.settle(1.0)
+        replies(session)
+        session.receive(A, frame("bye"), 1.0)
+        session.receive(A, frame("ping", 1), 1.0)
+        # A peer that said bye is a stranger again.
+        assert replies(session) == [(A, ["reject", V, NO_SESSION])]
+
     def test_max_clients_must_be_at_least_two(self) -> None:
         with pytest.raises(ValueError, match="max_clients >= 2"):
             multi(FakeClients(), max_clients=1)
 
 
 class MultiSessionMachine(RuleBasedStateMachine):
-    """Hellos, messages, byes, silences and timeouts from four peers on a stage of two
-    clients, checked against a model: never more than two attached; every loop message
-    comes from an attached client, after a ClientInput naming it (as the loop tracks it);
-    every ClientJoined is followed by at most one ClientLeft; events only reach attached
-    clients' sessions."""
+    """Hellos, messages, byes, silences, timeouts, output connections that come and go, and
+    clients cut for falling behind, from four peers on a stage of two clients, checked
+    against a model: never more than two attached; every loop message comes from an
+    attached client, after a ClientInput naming it (as the loop tracks it); every
+    ClientJoined is followed by at most one ClientLeft; events only reach attached clients'
+    sessions; the next deadline is the earliest session timeout or output grace."""
 
     PEERS = (A, B, C, b"client-d")
 
@@ -745,6 +865,8 @@ class MultiSessionMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.attached: dict[bytes, int] = {}  # the model: peer -> epoch
         self.seen: dict[bytes, float] = {}
+        self.peers: dict[int, int] = {}  # epoch -> output connections
+        self.lost_at: dict[int, float] = {}  # epoch -> when its last one closed
         self.loop_sender: int | None = None
         self.joined: set[int] = set()
         self.left: set[int] = set()
@@ -803,7 +925,29 @@ class MultiSessionMachine(RuleBasedStateMachine):
         self.session.receive(peer, frame("bye"), self.now)
         self._check(peer)
 
-    @rule(seconds=st.sampled_from([0.5, 4.0, 10.0]))
+    @rule(peer=st.sampled_from(PEERS), delta=st.sampled_from([1, -1]))
+    def output_connection(self, peer: bytes, delta: int) -> None:
+        epoch = self.attached.get(peer)
+        if epoch is None or (delta < 0 and not self.peers.get(epoch)):
+            return
+        self.session.client_output_changed(epoch, delta, self.now)
+        self.peers[epoch] = self.peers.get(epoch, 0) + delta
+        if self.peers[epoch]:
+            self.lost_at.pop(epoch, None)
+        else:
+            self.lost_at[epoch] = self.now
+        self._check(None)
+
+    @rule(peer=st.sampled_from(PEERS))
+    def cut(self, peer: bytes) -> None:
+        epoch = self.attached.get(peer)
+        if epoch is not None:
+            self.clients.gone.append((epoch, "fell behind"))
+            self.session.settle(self.now)
+            self._check(None)
+            assert peer not in self.attached
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 4.0, 10.0]))
     def time_passes(self, seconds: float) -> None:
         self.now += seconds
         self.session.settle(self.now)
@@ -813,8 +957,11 @@ class MultiSessionMachine(RuleBasedStateMachine):
     def nobody_silent_past_the_timeout_after_a_settle(self) -> None:
         wait = self.session.wait_ms(self.now)
         if self.attached:
-            oldest = min(self.seen[p] for p in self.attached)
-            assert wait == max(0, math.ceil((oldest + 10.0 - self.now) * 1000))
+            due = min(self.seen[p] + 10.0 for p in self.attached)
+            for epoch in self.attached.values():
+                if epoch in self.lost_at:
+                    due = min(due, self.lost_at[epoch] + OUTPUT_GRACE_S)
+            assert wait == max(0, math.ceil((due - self.now) * 1000))
         else:
             assert wait is None
 

@@ -191,6 +191,23 @@ class TestLoad:
         assert later.age >= last.age + 0.04
         assert client.stats().load_reports == last.seq
 
+    def test_the_last_report_before_idle_says_what_is_left(self, launch: Launch) -> None:
+        """An idle stage sends nothing, so the step after which it idles carries a report
+        when one went out while it was busy: a router must not keep the busy stage's load
+        (here for a minute, the interval) while the stage sits idle."""
+        client = launch(SCRIPTED, load_interval=60)
+        for stream in client.add_many([(f"r{i}", 5) for i in range(3)]):
+            stream.collect(10)
+        load = client.load()
+        assert load is not None
+        assert (load.seq, load.live) == (2, 0)  # the first step's report, then the idle one
+        assert load.engine["running"] == 0
+        # A second job: no report due for a minute, and the last one says idle already.
+        client.add("again", 3).collect(10)
+        load = client.load()
+        assert load is not None
+        assert (load.seq, load.live) == (2, 0)
+
     def test_none_when_turned_off(self, launch: Launch) -> None:
         client = launch(SCRIPTED, load_interval=None)
         client.add("r", 50).collect(10)
@@ -257,6 +274,15 @@ class TestRawProtocol:
             assert 0 <= report["age"] < 5
             assert report["live"] == 1
             assert report["engine"]["running"] == 1
+
+    def test_a_report_counts_what_is_live_after_its_step(self, no_leftovers: str) -> None:
+        """The requests a step finished are not in its report's ``live``: the client, which
+        counts its own requests once the step's outputs are in, would otherwise take them
+        for another client's."""
+        with in_process_stage(ScriptedEngine(), no_leftovers, load_interval=60) as (_, client):
+            client.send("adds", ["short", "long"], [1, 3])
+            client.until(lambda ev: ev[0] == "outputs" and ev[1] == ["long"] and ev[2] == [True])
+            assert [report["live"] for report in client.loads] == [1, 0]
 
     def test_one_stats_call_serves_a_report_and_the_loop(self, no_leftovers: str) -> None:
         """While a stage steps, a load report's ``engine.stats()`` call is also the loop's

@@ -105,11 +105,6 @@ class _Decode:
 _DECODE_ROWS: list[_Decode] = []  # a stack; the top is the decode running now
 
 
-#: A decode row's attention with at most this many query-head x key x head-dim products runs
-#: on one thread (6 heads x 64 dims x 2,730 keys; 32 x 128 x 256).
-_SMALL_ATTENTION = 1 << 20
-
-
 def _rows_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -151,29 +146,20 @@ def _rows_attention(
         return torch.cat(outs), None
     sdpa = F.scaled_dot_product_attention
     gqa = groups > 1
-    threads = torch.get_num_threads()
-    # A row whose attention is small runs on one thread: the kernel's parallel region over
-    # a few heads costs more than it saves, and far more when another process holds a CPU
-    # (its barrier waits for a descheduled thread). The result does not depend on the
-    # thread count (each head is computed whole by one thread).
-    per_token = query.shape[1] * query.shape[3]
-    outs = []
-    try:
-        for q, req in zip(torch.split(query, 1), rows, strict=True):
-            n = req.length + 1
-            torch.set_num_threads(1 if per_token * n <= _SMALL_ATTENTION else threads)
-            outs.append(
-                sdpa(
-                    q,
-                    req.keys[layer].narrow(2, 0, n),
-                    req.values[layer].narrow(2, 0, n),
-                    dropout_p=dropout,
-                    scale=scaling,
-                    enable_gqa=gqa,
-                )
-            )
-    finally:
-        torch.set_num_threads(threads)
+    # At the engine's thread count, as generate runs it: SDPA's rounding can depend on the
+    # thread count (on an AMD EPYC a small row on one thread differs from the same row on
+    # two, where an Intel Xeon gave the same bits), so a row is never moved to one thread.
+    outs = [
+        sdpa(
+            q,
+            req.keys[layer].narrow(2, 0, req.length + 1),
+            req.values[layer].narrow(2, 0, req.length + 1),
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        for q, req in zip(torch.split(query, 1), rows, strict=True)
+    ]
     return torch.cat(outs).transpose(1, 2).contiguous(), None
 
 

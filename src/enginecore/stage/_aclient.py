@@ -224,8 +224,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         bad *log_level*, before anything is started.
 
         Load reports: while the stage steps, at most every *load_interval* seconds
-        (``None``: never), it attaches its load (live requests, the engine's ``stats()``)
-        to a step's outputs; :meth:`load` returns the latest (``docs/observability.md``).
+        (``None``: never), and on the step after which it idles, it attaches its load
+        (live requests, the engine's ``stats()``) to a step's outputs; :meth:`load`
+        returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
         Waits until the stage is ready, at most *startup_timeout* seconds; the blocking part
@@ -761,8 +762,29 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         if ping is not None:
             with contextlib.suppress(zmq.ZMQError, StageClosedError):
                 self._send(ping)
+            if self._read_input():
+                return
         if wake_at is not None:
             self._timer = self._loop.call_later(wake_at - time.monotonic(), self._run_timers)
+
+    def _read_input(self) -> bool:
+        """After a ping: what the stage sent on the input socket since the handshake (only a
+        ``reject``: a stage that serves several clients ended this client's session,
+        ``ClientSession.input_reply``). Whether the session has now failed."""
+        if self._sockets_closed:
+            return False
+        bodies: list[bytes] = []
+        with contextlib.suppress(zmq.ZMQError):
+            while True:
+                bodies.append(self._dealer_now.recv(zmq.NOBLOCK))
+        for body in bodies:
+            d = self._session.input_reply(body, time.monotonic())
+            if d is not None:
+                self._apply(d)
+                if self._session.release_due:
+                    self._release_session()
+                return True
+        return False
 
     def _release_session(self) -> None:
         """After the heartbeat presumed the stage dead: send a best-effort ``bye`` and

@@ -218,7 +218,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             wakeup = stream._wakeup
             if wakeup is not None and not wakeup.done():
                 wakeup.set_result(None)
-        if d.aborts or d.stage_aborts:
+        if d.aborts or d.stage_aborts or d.gone:
             self._send_aborts(d)
         if d.freed and self._room_waiters:
             waiters, self._room_waiters = self._room_waiters, []

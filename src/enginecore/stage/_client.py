@@ -91,13 +91,12 @@ class _Waiter:
     caller looks at the state after each one. Exactly one thread resolves a call: the one
     that pops it from the session under ``_lock``."""
 
-    __slots__ = ("done", "exc", "result", "tb", "wakeup")
+    __slots__ = ("done", "end", "result", "wakeup")
 
     def __init__(self) -> None:
         self.wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self.result: Any = None
-        self.exc: BaseException | None = None
-        self.tb: TracebackType | None = None
+        self.end: End | None = None  # how the call failed, if it did
         self.done = False
 
     def set_result(self, result: Any) -> None:
@@ -108,8 +107,7 @@ class _Waiter:
     def set_exception(self, exc: BaseException) -> None:
         # A dead stage's error fails every call with one object: raised with the traceback
         # it had here, it does not grow by a raise per call (_session.End).
-        self.exc = exc
-        self.tb = exc.__traceback__
+        self.end = End(exc)
         self.done = True
         self.wakeup.put(None)
 
@@ -334,8 +332,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         bad *log_level*, before anything is started.
 
         Load reports: while the stage steps, at most every *load_interval* seconds
-        (``None``: never), it attaches its load (live requests, the engine's ``stats()``)
-        to a step's outputs; :meth:`load` returns the latest (``docs/observability.md``).
+        (``None``: never), and on the step after which it idles, it attaches its load
+        (live requests, the engine's ``stats()``) to a step's outputs; :meth:`load`
+        returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
         Blocks until the stage is ready, at most *startup_timeout* seconds. Raises
@@ -661,8 +660,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             # before it clears _want, so one of the two shows it, read in this order).
             if self._want is waiter or self._owner is waiter:
                 self._give_back(waiter)
-        if waiter.exc is not None:
-            raise waiter.exc.with_traceback(waiter.tb)
+        if waiter.end is not None:
+            waiter.end.raise_exc()
         return waiter.result
 
     # -- the event stream --------------------------------------------------------------------
@@ -938,7 +937,26 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         if ping is not None and self._session.failure is None:
             with contextlib.suppress(zmq.ZMQError, StageClosedError):
                 self._send_now(ping)
+            self._read_input()
         return wake_at
+
+    def _read_input(self) -> None:
+        """After a ping: what the stage sent on the input socket since the handshake. Only a
+        ``reject`` comes there: a stage that serves several clients ended this client's
+        session (``ClientSession.input_reply``). A non-blocking read, once a ping interval."""
+        bodies: list[bytes] = []
+        with self._send_lock:
+            if self._sockets_closed:
+                return
+            with contextlib.suppress(zmq.ZMQError):
+                while True:
+                    bodies.append(self._dealer.recv(zmq.NOBLOCK))
+        for body in bodies:
+            with self._lock:
+                d = self._session.input_reply(body, time.monotonic())
+            if d is not None:
+                self._apply(d)
+                _poke(self._wake_w)  # a borrower stops polling at once
 
     def _rx_exited(self) -> None:
         """The launched process's sentinel fired."""
@@ -1022,6 +1040,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             if ping is not None:
                 with contextlib.suppress(zmq.ZMQError, StageClosedError):
                     self._send_now(ping)
+                self._read_input()
             with cond:
                 while True:
                     owner = self._owner

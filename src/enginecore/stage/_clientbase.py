@@ -251,8 +251,9 @@ class ClientBase(Generic[S, W]):
         """The stage's latest load report (:class:`~enginecore.stage.StageLoad`): its
         sequence number, how old it is, the requests live in the stage and the engine's own
         numbers (its ``stats()``). ``None`` until the first one. A stage attaches one to
-        its outputs at most every ``load_interval`` seconds while it steps, and none while
-        it is idle (``docs/observability.md``). Never blocks, never sends; thread-safe."""
+        its outputs at most every ``load_interval`` seconds while it steps (and one on the
+        step after which it idles), and none while it is idle (``docs/observability.md``).
+        Never blocks, never sends; thread-safe."""
         return self._session.load(time.monotonic())
 
     def health(self) -> StageHealth:

@@ -25,6 +25,8 @@ control                   made by, and what the loop does with it
                           (a first one, more, the end), item by item
 :class:`PipeCredit`       the coordinator's ``credit``: the next stage took what this one
                           sent it, so the window to it has room again
+:class:`PipeGone`         the coordinator's ``gone``: the previous or the next stage died;
+                          also, one per late message from a gone previous stage, dropped
 :class:`ClientJoined`     a multi-client stage welcomed a client (``serve --max-clients``):
                           its outputs, answers and errors go to its own output socket
 :class:`ClientInput`      a multi-client stage: the messages after it come from that client
@@ -53,6 +55,7 @@ __all__ = [
     "DrainDeadline",
     "DropEnded",
     "PipeCredit",
+    "PipeGone",
     "PipeInput",
     "SessionChange",
     "StageTarget",
@@ -81,6 +84,8 @@ class StageTarget(Protocol):
     ) -> None: ...
 
     def pipe_credit(self, items: int, nbytes: int) -> None: ...
+
+    def pipe_gone(self, side: str, late: int) -> None: ...
 
 
 class ClientsTarget(Protocol):
@@ -293,3 +298,22 @@ class PipeCredit(Control):
 
     def __repr__(self) -> str:
         return f"PipeCredit({self.items} items, {self.nbytes} bytes)"
+
+
+class PipeGone(Control):
+    """The coordinator's ``gone`` (``docs/wire.md`` section 8): the pipeline's stage on
+    *side* of this one (``"previous"`` or ``"next"``) died (``StageEngine.pipe_gone``).
+    With *late* > 0: the input side dropped that many messages that came from the gone
+    previous stage after the ``gone`` (counted; they are never decoded)."""
+
+    __slots__ = ("late", "side")
+
+    def __init__(self, side: str, late: int = 0) -> None:
+        self.side = side
+        self.late = late
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        engine.pipe_gone(self.side, self.late)
+
+    def __repr__(self) -> str:
+        return f"PipeGone({self.side!r}, late={self.late})"

@@ -1,12 +1,13 @@
-"""What both sides of a pipeline's edge agree on: :data:`NOTHING`, and the kinds of the
-items of a ``pipe`` message (``docs/wire.md`` section 8). Imports nothing, so that the
-package's namespace can offer :data:`NOTHING` without loading the stage runtime."""
+"""What both sides of a pipeline's edge agree on: :data:`NOTHING`, the kinds of the
+items of a ``pipe`` message (``docs/wire.md`` section 8), and the link's routing id.
+Imports nothing, so that the package's namespace can offer :data:`NOTHING` without loading
+the stage runtime."""
 
 from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["END", "FIRST", "MORE", "NOTHING", "ONLY"]
+__all__ = ["END", "FIRST", "MORE", "NOTHING", "ONLY", "link_id"]
 
 # The kind of one item of a ``pipe`` message: bit 0 "first input of the request", bit 1
 # "end of its input". MORE and FIRST carry a payload, END carries nil, ONLY (first and end)
@@ -15,6 +16,14 @@ MORE: Final = 0
 FIRST: Final = 1
 END: Final = 2
 ONLY: Final = 3
+
+
+def link_id(index: int, generation: int = 0) -> str:
+    """The routing id of the link from stage *index* of a pipeline to the next stage, which
+    the coordinator names when it tells the next stage that this one is gone (``gone``).
+    *generation* counts the starts of that stage's process (0: the first), so that a
+    ``gone`` would name only the dead one's link."""
+    return f"pipe-link-{index}.{generation}"
 
 
 class _Nothing:

@@ -20,6 +20,7 @@ __all__ = [
     "ProtocolError",
     "ReplicaDeadError",
     "RequestError",
+    "SessionLostError",
     "StageClosedError",
     "StageStartupError",
     "UtilityError",
@@ -108,6 +109,16 @@ class ReplicaDeadError(EngineDeadError):
         """The replica that died."""
         self.delivered = delivered
         """How many outputs the request had delivered before the replica died."""
+
+
+class SessionLostError(EngineDeadError):
+    """Raised to every pending and later call of a client whose session a stage that serves
+    several clients (``serve --max-clients``) ended by itself: the client's output
+    connection was lost, it fell more than ``--client-buffer`` events behind, or it was
+    silent past the session timeout. The stage aborted the client's requests and runs on;
+    the message says why (the stage's ``reject`` reason, ``docs/wire.md`` section 3). A
+    new client (``connect()`` again) may attach. A subclass of :class:`EngineDeadError`,
+    so a replica pool treats it as that replica's death."""
 
 
 class NoReplicaError(EngineCoreError, RuntimeError):

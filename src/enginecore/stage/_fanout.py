@@ -34,9 +34,26 @@ Routing, on the loop thread, in the loop's order (the controls of :mod:`._contro
   clients see each other's load (``docs/pool.md``).
 - ``stalled``, ``resumed``, ``shutdown`` and ``fatal`` go to every client.
 
-:class:`~._controls.ClientLeft` (a ``bye``, or silence past the session timeout) aborts
-that client's live requests, and only its, then ends its ``Outbox`` (what is queued for it
-is dropped) and closes its socket.
+:class:`~._controls.ClientLeft` (a ``bye``, silence past the session timeout, a lost
+output connection, or falling behind) aborts that client's live requests, and only its,
+then ends its ``Outbox`` (what is queued for it is dropped) and closes its socket.
+
+No client holds the loop back. A one-client stage waits before a step while its client is
+far behind (back-pressure); here that would stall every client for the slowest one. Instead,
+a client that has stopped taking frames (its socket is full: :attr:`~._outbox.Outbox.stuck`)
+and has more than *client_buffer* events queued when a step's events come for it is *cut*
+(:meth:`Fanout.post_step`, loop thread). (A client whose output thread is merely behind,
+with the socket taking frames, is waited for as before, past :data:`BACKLOG_MAX`: that is
+the stage's own CPU, not the client. A client whose ``PULL`` has not connected yet takes no
+frames either: its first events wait for it, up to the bound, so that a client that never
+connects cannot hold the loop.)
+Its outbox ends at once (its queue dropped
+and counted, its socket closed), what the loop emits for it from then on goes nowhere, and
+the input side is told (:meth:`Fanout.take_gone`, woken through :attr:`Fanout.wake_fd`), which
+detaches the client the usual way: a ``ClientLeft`` in order after what it sent, which
+aborts its requests. Each client's output socket also has a monitor, which the input side
+reads (:attr:`Fanout.new_monitors`): a client whose output connection closed is detached
+too (``_stage_session.MultiStageSession``).
 """
 
 from __future__ import annotations
@@ -52,7 +69,14 @@ from typing import Any, Final, Protocol
 from ._outbox import BACKLOG_MAX, Events, _weight
 from ._stage_engine import LIVE_IN_STAGE
 
-__all__ = ["LIVE_FOR_ANOTHER", "RECHECK_MS", "ClientOutbox", "Fanout", "session_endpoint"]
+__all__ = [
+    "CLIENT_BUFFER",
+    "LIVE_FOR_ANOTHER",
+    "RECHECK_MS",
+    "ClientOutbox",
+    "Fanout",
+    "session_endpoint",
+]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -62,6 +86,10 @@ LIVE_FOR_ANOTHER: Final = (
 )
 """The message of the ``error`` event for an ``add`` of an id that another client of a
 multi-client stage has live."""
+
+CLIENT_BUFFER: Final = BACKLOG_MAX
+"""The default bound on the events (one per output) queued for one client of a multi-client
+stage: past it, the client is detached (``serve --client-buffer``)."""
 
 RECHECK_MS: Final = 100
 """How often a client's output thread, waiting for its peer, checks whether the client has
@@ -75,6 +103,9 @@ class ClientOutbox(Protocol):
 
     @property
     def backlog(self) -> int: ...
+
+    @property
+    def stuck(self) -> bool: ...
 
     @property
     def running(self) -> bool: ...
@@ -94,13 +125,55 @@ class ClientOutbox(Protocol):
 
     def wait_for_room(self) -> None: ...
 
-    def end(self) -> None: ...
+    def end(self) -> int: ...
 
     def close(self, timeout: float) -> None: ...
 
     def join(self, timeout: float | None = None) -> None: ...
 
     def take_dropped(self) -> int: ...
+
+
+class _Route(Protocol):
+    """What the loop thread uses of a client's route: its :class:`ClientOutbox`, or
+    :data:`_CUT`."""
+
+    @property
+    def backlog(self) -> int: ...
+
+    @property
+    def stuck(self) -> bool: ...
+
+    def post_step(self, events: Events, weight: int, last: bool = False) -> None: ...
+
+    def emit(self, ev: tuple[Any, ...]) -> None: ...
+
+    def ended_dropped(self, req_ids: list[str]) -> None: ...
+
+    def wait_for_room(self) -> None: ...
+
+
+class _Cut:
+    """What the loop routes to for a client that was cut (it fell behind): nothing reaches
+    it, until its ``ClientLeft`` removes the route."""
+
+    backlog = 0
+    stuck = False
+
+    def post_step(self, events: Events, weight: int, last: bool = False) -> None:
+        pass
+
+    def emit(self, ev: tuple[Any, ...]) -> None:
+        pass
+
+    def ended_dropped(self, req_ids: list[str]) -> None:
+        pass
+
+    def wait_for_room(self) -> None:
+        pass
+
+
+_CUT: Final = _Cut()
 
 
 class Fanout:
@@ -112,11 +185,13 @@ class Fanout:
 
     *open_output(epoch)* binds a new ``PUSH`` socket for session *epoch* and returns its
     :class:`~._outbox.Outbox` (not started, not detached, with ``recheck_ms``
-    :data:`RECHECK_MS`) and its endpoint (input thread; :class:`ClientOutbox` is what is
-    used of it). *prepare_outputs* is an :class:`~._outbox.Outbox`'s
+    :data:`RECHECK_MS`), its endpoint, and a monitor socket on it (or ``None``) that
+    reports its connections (input thread; :class:`ClientOutbox` is what is used of the
+    outbox). *prepare_outputs* is an :class:`~._outbox.Outbox`'s
     :meth:`~._outbox.Outbox.prepare_outputs` (the same policy for every client).
     :meth:`bind` gives it the stage's live requests and the function that drops requests
-    from the engine."""
+    from the engine. *client_buffer* bounds what is queued for one client (module
+    docstring)."""
 
     # Threads and what they own:
     # - _open (session epoch -> its Outbox and endpoint), _all and _terminal: under _lock.
@@ -125,24 +200,43 @@ class Fanout:
     # - _routes, _current, _current_epoch, _owner and _shared: the loop thread's alone.
     #   _routes holds the sessions the loop has applied ClientJoined for, and not yet
     #   ClientLeft; _owner maps a live request id to its session's epoch, kept only while
-    #   _shared (more than one route).
+    #   _shared (more than one route). A route is _CUT once its client fell behind, until
+    #   its ClientLeft.
+    # - _gone (sessions cut and not yet taken by the input side) and gone_waiting: under
+    #   _lock; the loop thread appends and writes a byte to the wake pipe, the input side
+    #   takes them (take_gone) and drains the pipe.
+    # - new_monitors: the input side's alone (open_session appends, the Inbox takes).
 
     def __init__(
         self,
-        open_output: Callable[[int], tuple[ClientOutbox, str]],
+        open_output: Callable[[int], tuple[ClientOutbox, str, Any]],
         *,
         prepare_outputs: Callable[[list[Any], list[Any], list[Any]], Events],
         detached_max: int,
+        client_buffer: int = CLIENT_BUFFER,
     ) -> None:
         self._open_output = open_output
         self._prepare_outputs = prepare_outputs
         self._detached_max = detached_max
+        self.client_buffer = client_buffer
+        self.new_monitors: list[tuple[int, Any]] = []
+        """``(epoch, monitor socket)`` of the client sockets opened since the input side
+        last took them (it polls each, and closes it once its socket has closed)."""
+        self._gone: list[tuple[int, str]] = []
+        self.gone_waiting = False
+        """Whether a client was cut and the input side has not taken it yet (unlocked
+        peek; :meth:`take_gone`)."""
+        self.cut_clients = 0
+        """How many clients were cut for falling behind."""
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()
         self._open: dict[int, tuple[ClientOutbox, str]] = {}
         self._all: list[ClientOutbox] = []  # every outbox still running, or that failed
         self._terminal: str | None = None
-        self._routes: dict[int, ClientOutbox] = {}
-        self._current: ClientOutbox | None = None
+        self._routes: dict[int, _Route] = {}
+        self._current: _Route | None = None
         self._current_epoch = 0
         self._owner: dict[str, int] = {}
         self._shared = False
@@ -161,11 +255,13 @@ class Fanout:
         """Input thread, at a ``hello`` that is welcomed: open session *epoch*'s socket and
         outbox (*open_output*), start the outbox; its endpoint (for the ``welcome``).
         Raises what opening raises."""
-        outbox, address = self._open_output(epoch)
+        outbox, address, monitor = self._open_output(epoch)
         with self._lock:
             self._all = [o for o in self._all if o.running or o.failed]
             self._all.append(outbox)
             self._open[epoch] = (outbox, address)
+        if monitor is not None:
+            self.new_monitors.append((epoch, monitor))
         outbox.start()
         return address
 
@@ -176,6 +272,22 @@ class Fanout:
             entry = self._open.get(epoch)
         if entry is not None:
             entry[0].post(item, weight)
+
+    @property
+    def wake_fd(self) -> int:
+        """A pipe that becomes readable when a client is cut: the input side polls it, then
+        calls :meth:`take_gone`."""
+        return self._wake_r
+
+    def take_gone(self) -> list[tuple[int, str]]:
+        """Input side: the sessions cut since the last call, with why, and drain the wake
+        pipe. Never blocks."""
+        with self._lock:
+            gone, self._gone = self._gone, []
+            self.gone_waiting = False
+        with contextlib.suppress(OSError):  # BlockingIOError: empty; EBADF: closed at the end
+            os.read(self._wake_r, 4096)
+        return gone
 
     # -- loop thread: the client controls -------------------------------------------------
 
@@ -284,9 +396,13 @@ class Fanout:
         """One step's events (``StageOutput.post_step``): as they are to the only client; split
         by request owner when there are several (module docstring)."""
         routes = self._routes
+        bound = self.client_buffer
         if not self._shared:
-            for only in routes.values():  # none or one
-                only.post_step(events, weight, last)
+            for e, only in routes.items():  # none or one
+                if only.backlog > bound and only.stuck:
+                    self._cut(e, only)
+                else:
+                    only.post_step(events, weight, last)
             return
         owner, me = self._owner, self._current_epoch
         per: dict[int, Events] = {}
@@ -328,7 +444,32 @@ class Fanout:
         for e, evs in per.items():
             route = routes.get(e)
             if route is not None:
-                route.post_step(evs, _weight(evs), last)
+                if route.backlog > bound and route.stuck:
+                    self._cut(e, route)
+                else:
+                    route.post_step(evs, _weight(evs), last)
+
+    def _cut(self, epoch: int, route: _Route) -> None:
+        """Loop thread: session *epoch*'s client has more than :attr:`client_buffer` events
+        queued: end its outbox (its queue dropped), route nothing more to it, and tell the
+        input side, which detaches it (module docstring). Never blocks."""
+        backlog = route.backlog
+        with self._lock:
+            entry = self._open.get(epoch)
+        dropped = 0 if entry is None else entry[0].end()
+        self._routes[epoch] = _CUT
+        if self._current_epoch == epoch:
+            self._current = _CUT
+        self.cut_clients += 1
+        why = (
+            f"fell behind: {backlog} events (one per output) were queued for it, past the "
+            f"client buffer ({self.client_buffer}); its queue was dropped ({dropped} events)"
+        )
+        with self._lock:
+            self._gone.append((epoch, why))
+            self.gone_waiting = True
+        with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
+            os.write(self._wake_w, b"x")
 
     def prepare_outputs(self, rids: list[Any], fins: list[Any], payloads: list[Any]) -> Events:
         """``StageOutput.prepare_outputs``: the same policy for every client."""
@@ -343,11 +484,18 @@ class Fanout:
             owner.pop(rid, None)
 
     def wait_for_room(self) -> None:
-        """``StageOutput.wait_for_room``: wait while a client is far behind (each client's
-        outbox re-checks every 50 ms, and stops waiting once its thread has ended)."""
-        for route in list(self._routes.values()):
+        """``StageOutput.wait_for_room``: for each client with more than
+        :data:`BACKLOG_MAX` events queued, cut it if it is stuck past its bound, else wait
+        while its output thread catches up and the client takes frames (its outbox's
+        ``may_wait`` stops the wait once it is stuck; the next step then cuts it)."""
+        bound = self.client_buffer
+        for e, route in list(self._routes.items()):
             if route.backlog > BACKLOG_MAX:
-                route.wait_for_room()
+                if route.stuck:
+                    if route.backlog > bound:
+                        self._cut(e, route)
+                else:
+                    route.wait_for_room()
 
     def loop_epoch(self, epoch: int) -> None:
         """``StageOutput.loop_epoch``: a one-client stage's; a multi-client stage never
@@ -422,6 +570,9 @@ class Fanout:
             self._open.clear()
         for address in addresses:
             _unlink(address)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _unlink(address: str) -> None:

@@ -14,6 +14,11 @@ loop thread, not one of each per message. While the loop is idle, the loop threa
 does this reading (:meth:`Inbox.read`), inside its queue's ``get()``, and between its short
 steps, and the input thread is parked: see :mod:`._input_queue`.
 
+A stage that serves several clients (:mod:`._fanout`) has more to watch, in the same
+poll: each client's output socket's monitor (registered when the client is welcomed, closed
+when its socket has closed), and the fan-out's wake-up pipe, which says that the loop cut
+a client that fell behind (the session then detaches it).
+
 What the session decides (validation, sessions, the held hello) is in
 :mod:`._stage_session`; this module only moves bytes. A frame goes ``_inbox`` ->
 ``_stage_session`` -> (``_input_queue`` | ``_outbox``) and never comes back.
@@ -25,14 +30,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ._input_queue import InputQueue
 from ._outbox import StageOutput
-from ._stage_session import StageSession
+from ._stage_session import MultiStageSession, StageSession
+
+if TYPE_CHECKING:
+    from ._fanout import Fanout
 
 __all__ = ["MAX_BURST", "Inbox"]
 
@@ -47,6 +55,7 @@ _EVENTS: Final = int(zmq.EVENTS)
 _POLLIN: Final = int(zmq.POLLIN)
 _ACCEPTED: Final = int(zmq.EVENT_ACCEPTED)
 _DISCONNECTED: Final = int(zmq.EVENT_DISCONNECTED)
+_MONITOR_STOPPED: Final = int(zmq.EVENT_MONITOR_STOPPED)
 
 
 class Inbox:
@@ -58,7 +67,8 @@ class Inbox:
     Loop messages go to *queue* (an :class:`~._input_queue.InputQueue`, which this attaches
     to), events to *outbox*. If the thread fails, :attr:`failed` is set and *on_failure* is
     called (the runtime stops the loop); the queue does the same when a read on the loop
-    thread fails.
+    thread fails. *clients*: a multi-client stage's fan-out (module docstring); *session*
+    is then a :class:`~._stage_session.MultiStageSession`.
     """
 
     # Everything here belongs to the thread that holds the input side (the input thread, or
@@ -75,12 +85,20 @@ class Inbox:
         outbox: StageOutput,
         *,
         on_failure: Callable[[], None],
+        clients: Fanout | None = None,
     ) -> None:
         if not isinstance(queue, InputQueue):
             raise TypeError(f"the stage's input queue must be an InputQueue, got {queue!r}")
         self.sock = sock
         self.monitor = out_monitor
         self.session = session
+        self._clients = clients
+        self._multi = session if isinstance(session, MultiStageSession) else None
+        self._pollers: list[zmq.Poller] = []
+        # A multi-client stage's client output monitors: monitor socket -> session epoch.
+        self._client_monitors: dict[zmq.Socket[bytes], int] = {}
+        if self._multi is not None:
+            self.has_input = self._has_input_multi  # type: ignore[method-assign]
         self._post = outbox.post
         self._on_failure = on_failure
         self.failed = False
@@ -111,6 +129,11 @@ class Inbox:
         """Add the input socket and the monitor to *poller*."""
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        self._pollers.append(poller)
+        if self._clients is not None:
+            poller.register(self._clients.wake_fd, zmq.POLLIN)
+            for monitor in self._client_monitors:
+                poller.register(monitor, zmq.POLLIN)
 
     def read(self, poller: zmq.Poller, timeout_ms: int | None = None) -> dict[Any, int]:
         """Wait in *poller* (up to *timeout_ms*, ``None``: no timeout; a held hello's
@@ -129,6 +152,11 @@ class Inbox:
         ready = dict(poller.poll(timeout_ms))
         if self.monitor in ready:
             self._count_output_peers()
+        woken = False
+        if self._clients is not None:
+            woken = self._clients.wake_fd in ready
+            if self._client_monitors:
+                self._read_client_monitors(ready)
         if self.sock in ready:
             sock = self.sock
             receive = session.receive
@@ -147,8 +175,10 @@ class Inbox:
         if session.held is not None:
             self._count_output_peers()  # what happened while this burst was read
             session.settle(time.monotonic())
-        elif session.expires:  # a multi-client stage's session timeouts
+        elif session.expires or woken:  # a multi-client stage's deadlines, and cut clients
             session.settle(time.monotonic())
+        if self._clients is not None and self._clients.new_monitors:
+            self._watch_new_clients()
         if session.replies:
             self._send_replies()
         if session.events:
@@ -164,6 +194,21 @@ class Inbox:
             return True
         events = cast(int, self.sock.getsockopt(_EVENTS))
         return bool((events | cast(int, self.monitor.getsockopt(_EVENTS))) & _POLLIN)
+
+    def _has_input_multi(self) -> bool:
+        # has_input on a multi-client stage (set in __init__; the one-client path pays
+        # nothing): also a client cut by the loop, a client monitor's event, or a session
+        # deadline passed.
+        if Inbox.has_input(self):
+            return True
+        assert self._clients is not None
+        assert self._multi is not None
+        if self._clients.gone_waiting:
+            return True
+        for monitor in self._client_monitors:
+            if cast(int, monitor.getsockopt(_EVENTS)) & _POLLIN:
+                return True
+        return self._multi.wait_ms(time.monotonic()) == 0
 
     def readable(self, ready: dict[Any, int]) -> bool:
         """Whether *ready* (from :meth:`read`) includes the input socket."""
@@ -188,6 +233,13 @@ class Inbox:
             logger.exception("enginecore: the input thread failed; shutting the stage down")
             self._failed()
         finally:
+            for monitor in self._client_monitors:
+                monitor.close(linger=0)
+            self._client_monitors.clear()
+            if self._clients is not None:
+                for _epoch, monitor in self._clients.new_monitors:
+                    monitor.close(linger=0)
+                self._clients.new_monitors.clear()
             self.monitor.close(linger=0)
             self.sock.close(linger=0)
 
@@ -207,6 +259,42 @@ class Inbox:
                 changed(1)
             elif event["event"] == _DISCONNECTED:
                 changed(-1)
+
+    def _watch_new_clients(self) -> None:
+        # Poll the output monitors of the clients just welcomed, in every poller (only the
+        # thread holding the input side polls, so changing the other's poller is safe).
+        assert self._clients is not None
+        new, self._clients.new_monitors = self._clients.new_monitors, []
+        for epoch, monitor in new:
+            self._client_monitors[monitor] = epoch
+            for poller in self._pollers:
+                poller.register(monitor, zmq.POLLIN)
+
+    def _read_client_monitors(self, ready: dict[Any, int]) -> None:
+        # A client's output connections, for its session; a monitor whose socket closed (the
+        # client left, and its output thread ended) is closed.
+        assert self._multi is not None
+        changed = self._multi.client_output_changed
+        now = time.monotonic()
+        for monitor, epoch in list(self._client_monitors.items()):
+            if monitor not in ready:
+                continue
+            while True:
+                try:
+                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                kind = event["event"]
+                if kind == _ACCEPTED:
+                    changed(epoch, 1, now)
+                elif kind == _DISCONNECTED:
+                    changed(epoch, -1, now)
+                elif kind == _MONITOR_STOPPED:
+                    del self._client_monitors[monitor]
+                    for poller in self._pollers:
+                        poller.unregister(monitor)
+                    monitor.close(linger=0)
+                    break
 
 
 def _recv(sock: zmq.Socket[bytes]) -> tuple[bytes, list[Any]]:

@@ -64,7 +64,8 @@ MAX_BATCH: Final = 512
 
 BACKLOG_MAX: Final = 65536
 """The loop waits before a step while more outputs than this are queued for a connected
-client (:meth:`Outbox.wait_for_room`)."""
+client (:meth:`Outbox.wait_for_room`). A stage that serves several clients never waits: a
+client with more than its bound queued (by default this) is detached (:mod:`._fanout`)."""
 
 _STOP: Final = ("stop",)  # ends the output thread after what is queued before it; never sent
 # Never dropped, by a session change or the detached bound.
@@ -183,6 +184,11 @@ class Outbox:
         self.terminal: str | None = None  # "shutdown" or "fatal", once sent
         self.failed = False
         self.resync = False  # see _resync
+        # Whether the client takes no frames: the last send found the socket full (the
+        # high-water mark: the client's PULL is behind) or without a peer (not connected
+        # yet, or gone). Written by the thread that sends; read unlocked by a multi-client
+        # stage's fan-out.
+        self.stuck = False
         # The session's view (epochs, the detached bound, drop counts): under _lock.
         self._gate = SessionGate(detached_max)
         # Requests the output thread ended with an error (an output msgspec refused), whose
@@ -207,14 +213,16 @@ class Outbox:
         """Whether the output thread has started and not ended."""
         return self._thread.is_alive()
 
-    def end(self) -> None:
+    def end(self) -> int:
         """Any thread: the client this output socket served is gone (a multi-client stage's
         session ended, :mod:`._fanout`): drop what is queued, and end the output thread
         without waiting for a peer (within ``recheck_ms``); the socket closes with no linger.
-        Never blocks."""
+        What the loop posts afterwards is dropped. Returns how many events (one per output)
+        were dropped. Never blocks."""
         self._final_linger = 0
-        self.begin_session()
+        _, dropped = self.begin_session()
         self.post(_STOP)
+        return dropped
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until the output thread has ended and closed the socket (at most *timeout*
@@ -453,8 +461,10 @@ class Outbox:
                     else:
                         _codec.send_parts(sock, parts, zmq.NOBLOCK)
                 except zmq.Again:
-                    pass
+                    self.stuck = True
                 else:
+                    if self.stuck:
+                        self.stuck = False
                     self.backlog -= weight
                     if self.backlog <= BACKLOG_MAX:
                         self._drained.notify()
@@ -549,6 +559,12 @@ class Outbox:
                         break
                 if done:
                     return
+                # Nothing of this batch lives on while the thread waits for the next one:
+                # its payloads (a pipeline stage's arrays, and the shared memory under them)
+                # would stay alive until the next event.
+                item = None
+                events = chunk = []
+                frames = []
                 with self._lock:
                     if self._queue.empty():
                         self._idle = True  # the loop thread may send (_send_or_post)

@@ -49,6 +49,10 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   renews while it holds the array; its bytes count against the window as a frame's do. A
   stage whose previous stage has a pool takes such arrays when its input side decodes the
   ``pipe`` message (:func:`._shm.configure_reader`). The pool's slots are unlinked at exit.
+- **a dead neighbour** (``gone``, :meth:`PipeStage.pipe_gone`): the coordinator tells the
+  stage after a dead one (whose input side then drops every later message of the dead
+  stage's link, by its routing id, :func:`._edge.link_id`) and the stage before it (which
+  sends it nothing more and unlinks and unmaps its slots).
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ class PipeStage:
         window_bytes: int | None = None,
         shm: _shm.ShmPool | None = None,
         shm_reader: _shm.ShmReader | None = None,
+        link_id: str | None = None,
     ) -> None:
         self._inner = inner
         self._stage = stage
@@ -146,9 +151,16 @@ class PipeStage:
         self._encoder = _codec.Encoder(self._shm)
         self._columns = _NO_COLUMNS
         self._link: zmq.Socket[Any] | None = None
+        # The next stage died (pipe_gone): nothing more is sent to it, counted here.
+        self._next_gone = False
+        self._edge_dropped = 0
+        self._previous_gone = False
+        self._late_dropped = 0  # messages of the gone previous stage, dropped unread
         if downstream is not None:
             ctx = zmq.Context(io_threads=1)
             sock = ctx.socket(zmq.DEALER)
+            if link_id is not None:  # the id the coordinator names in a `gone` to the next
+                sock.setsockopt(zmq.ROUTING_ID, link_id.encode())
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, _LINK_LINGER_MS)
             if is_ipv6_endpoint(downstream):
@@ -195,6 +207,29 @@ class PipeStage:
         self._out_bytes = max(0, self._out_bytes - nbytes)
         self._waiting = False
 
+    def pipe_gone(self, side: str, late: int) -> None:
+        """The coordinator's ``gone``: the stage on *side* died.
+
+        - ``"previous"``: the input side drops every later message of its link, unread
+          (*late* of them each time it does: counted as ``pipe_dropped``); the requests it
+          sent are aborted by the coordinator's abort, which follows the ``gone``.
+        - ``"next"``: nothing more is sent to it (what would have been is counted as
+          ``edge_dropped``), what is still queued for it is let go, its window is empty,
+          and the shared-memory slots, which it can no longer release, are unlinked and
+          unmapped, so that their memory returns now, not at shutdown."""
+        if side == "previous":
+            self._previous_gone = True
+            self._late_dropped += late
+            return
+        if side != "next" or self._next_gone or self._link is None:
+            return
+        self._next_gone = True
+        self._link.close(linger=0)
+        self._out_items = self._out_bytes = 0
+        self._waiting = False
+        if self._shm is not None:
+            self._shm.close()
+
     def take_credit(self) -> tuple[str, int, int] | None:
         """The ``credit`` event for what the engine has taken since the last one, or
         ``None``: all of it, or, for an engine with ``pending_inputs()``, all but the inputs
@@ -228,8 +263,11 @@ class PipeStage:
         ``edge_sent_bytes`` (in all), ``edge_waits`` (how often the window held a step
         back); with shared memory, the pool's ``shm_*`` (:meth:`._shm.ShmPool.stats`); and
         in a stage whose previous stage sends through shared memory, ``shm_taken`` (arrays
-        taken), ``shm_refused`` (refused: their lease had expired, or their slot was gone)
-        and ``shm_held`` (taken and still alive here)."""
+        taken), ``shm_refused`` (refused: their lease had expired, or their slot was gone),
+        ``shm_held`` (taken and still alive here) and ``shm_mapped`` (its slots mapped
+        here). After a stage next to this one died: ``edge_dropped`` (payloads not sent to
+        a dead next stage), ``pipe_dropped`` (late messages of a dead previous stage,
+        dropped unread)."""
         out = dict(self._inner_stats()) if self._inner_stats is not None else {}
         if self._link is not None:
             out["edge_in_flight"] = self._out_items
@@ -237,6 +275,8 @@ class PipeStage:
             out["edge_sent"] = self._sent_items
             out["edge_sent_bytes"] = self._sent_bytes
             out["edge_waits"] = self._waits
+            if self._next_gone:
+                out["edge_dropped"] = self._edge_dropped
             if self._shm is not None:
                 out.update(self._shm.stats())
         reader = self._shm_reader
@@ -244,6 +284,9 @@ class PipeStage:
             out["shm_taken"] = reader.taken
             out["shm_refused"] = reader.expired
             out["shm_held"] = reader.held
+            out["shm_mapped"] = reader.mapped
+        if self._previous_gone:
+            out["pipe_dropped"] = self._late_dropped
         return out
 
     def add(self, req_id: str, data: Any) -> None:
@@ -295,7 +338,7 @@ class PipeStage:
         stage's own (an error that ended the request) is followed by the coordinator's,
         from the first stage, and every stage must answer that one exactly once."""
         link = self._link
-        if link is not None:
+        if link is not None and not self._next_gone:
             link.send(self._encoder.encode(("abort", list(req_ids)))[0])
 
     def step(self) -> list[Any]:
@@ -427,6 +470,9 @@ class PipeStage:
     ) -> None:
         link = self._link
         assert link is not None
+        if self._next_gone:  # nobody to send to: the coordinator ends these requests
+            self._edge_dropped += len(kinds)
+            return
         shm = self._shm
         try:
             parts = self._encoder.encode(("pipe", kinds, on_r, on_p))
@@ -479,6 +525,7 @@ class PipelinedPipeStage(PipeStage):
         window_bytes: int | None = None,
         shm: _shm.ShmPool | None = None,
         shm_reader: _shm.ShmReader | None = None,
+        link_id: str | None = None,
     ) -> None:
         super().__init__(
             inner,
@@ -489,6 +536,7 @@ class PipelinedPipeStage(PipeStage):
             window_bytes=window_bytes,
             shm=shm,
             shm_reader=shm_reader,
+            link_id=link_id,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -517,13 +565,16 @@ def pipe_stage(
     shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES,
     shm_lease: float = _shm.DEFAULT_LEASE,
     shm_upstream: str | None = None,
+    link_id: str | None = None,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
     function's import string (``"pkg.module:fn"``), resolved here, in the stage process.
     *shm_prefix*: this stage's segments' prefix, to send arrays of *shm_threshold* bytes or
     more to the next stage through shared memory (``None``: never); *shm_upstream*: the
-    previous stage's, whose arrays this stage takes (``None``: it sends none)."""
+    previous stage's, whose arrays this stage takes (``None``: it sends none). *link_id*:
+    the routing id of this stage's link to the next one (:func:`._edge.link_id`), which the
+    coordinator names when it tells the next stage that this one is gone."""
     reader = None if shm_upstream is None else _shm.configure_reader(shm_upstream)
     inner = build_engine(factory, dict(kwargs or {}))
     edge_fn = None if edge is None else import_factory(edge)
@@ -540,6 +591,7 @@ def pipe_stage(
         "window_bytes": window_bytes,
         "shm": pool,
         "shm_reader": reader,
+        "link_id": link_id,
     }
     if isinstance(inner, PipelinedEngine):
         return PipelinedPipeStage(inner, **options)

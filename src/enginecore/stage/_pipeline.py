@@ -245,7 +245,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     def _deliver(self, d: PipelineDeliveries[PipelineStream]) -> None:
         for stream in d.wake:
             stream._wakeup.put(None)  # type: ignore[union-attr]  # set before _waiting
-        if d.aborts or d.stage_aborts:
+        if d.aborts or d.stage_aborts or d.gone:
             self._send_aborts(d)
         if d.freed:
             with self._room:

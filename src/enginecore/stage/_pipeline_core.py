@@ -110,6 +110,10 @@ class PipelineDeliveries(Generic[S]):
     stage_aborts: list[tuple[int, list[str]]] = field(default_factory=list)
     """``(stage, ids)``: request ids to abort in that stage, which a dead stage cuts off
     from the first one (the abort chases on from there)."""
+    gone: list[tuple[int, str, int]] = field(default_factory=list)
+    """``(stage, side, dead)``: tell that stage that stage *dead*, on its *side*
+    (``"previous"`` or ``"next"``), is gone; sent before :attr:`stage_aborts`, so that the
+    stage after a dead one drops the dead one's late data before it applies the aborts."""
 
 
 class PipelineCore(Generic[S]):
@@ -317,7 +321,13 @@ class PipelineCore(Generic[S]):
         after the dead one, which no abort from the first stage can reach now (a closing
         one's abort, sent when its stream ended, may not have got past the dead stage).
         The core keeps those ids: if another stage dies later, the stage after that one
-        gets their aborts too, since the ones on their way may have died with it."""
+        gets their aborts too, since the ones on their way may have died with it.
+
+        Its neighbours are told it is gone (:attr:`PipelineDeliveries.gone`): the stage
+        after it drops whatever of its data arrives later (its last ``pipe`` messages and
+        the coordinator's abort travel on two connections, with no order between them),
+        and the stage before it stops sending to it and frees the shared-memory slots it
+        kept for it."""
         error = PipelineStageDeadError(
             str(exc), stage=self.stages[k], exit_code=exc.exit_code, fatal=exc.fatal
         )
@@ -336,8 +346,12 @@ class PipelineCore(Generic[S]):
         # A stage's death also cuts the aborts that an earlier death sent on their way
         # through it: the stage after it gets them again (a stage ignores an abort of an id
         # it does not hold, and no id is reused once the pipeline has failed).
-        if k + 1 < self._n and self._orphans:
-            d.stage_aborts.append((k + 1, list(self._orphans)))
+        if k + 1 < self._n:
+            d.gone.append((k + 1, "previous", k))
+            if self._orphans:
+                d.stage_aborts.append((k + 1, list(self._orphans)))
+        if k > 0:
+            d.gone.append((k - 1, "next", k))
         self._end_all(error, now, d)
 
     def close(self, exc: BaseException, now: float, d: PipelineDeliveries[S]) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Final, Generic, NoReturn, TypeVar
 
 from . import _shm
 from ._clientbase import ClientBase
+from ._edge import link_id
 from ._errors import EngineDeadError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
@@ -170,6 +171,7 @@ def pipe_kwargs(
         kwargs["downstream"] = downstream
         kwargs["window"] = spec.window
         kwargs["window_bytes"] = spec.window_bytes
+        kwargs["link_id"] = link_id(index)
         if shm_prefix is not None and spec.shm_threshold is not None:
             kwargs["shm_prefix"] = _shm.stage_prefix(shm_prefix, index)
             kwargs["shm_threshold"] = spec.shm_threshold
@@ -324,8 +326,14 @@ class PipelineBase(Generic[S, C]):
         self._deliver(d)
 
     def _send_aborts(self, d: PipelineDeliveries[S]) -> None:
-        """To the first stage (the abort chases the data from there), and to a stage after
-        a dead one. A stage that is gone has its failure end every request anyway."""
+        """To a dead stage's neighbours, that it is gone (first: the stage after it drops
+        its late data before it applies the aborts); to the first stage (the abort chases
+        the data from there), and to a stage after a dead one. A stage that is gone has its
+        failure end every request anyway."""
+        for k, side, dead in d.gone:
+            with contextlib.suppress(Exception):
+                link = link_id(dead) if side == "previous" else ""
+                self._clients[k]._send(ClientSession.gone_frame(side, link))
         if d.aborts:
             with contextlib.suppress(Exception):
                 self._clients[0]._send_abort(d.aborts)
@@ -337,9 +345,10 @@ class PipelineBase(Generic[S, C]):
         """Stage *k* is gone: unlink its shared-memory segments (a killed stage could not),
         and those of the stage before it, which sent it payloads it can no longer release.
         Again :data:`SHM_SWEEP_S` later, on a timer thread: the stage before it may have
-        made more before the abort of its requests reached it. A live stage keeps its
-        mappings (a name's memory goes with the last mapping); the pipeline takes no more
-        requests, and its shutdown unlinks the rest."""
+        made more before the abort of its requests reached it. A name's memory goes with
+        the last mapping: the live neighbours let go of theirs when told the stage is gone
+        (:meth:`_send_aborts`); the pipeline takes no more requests, and its shutdown
+        unlinks the rest."""
         assert self._shm_prefix is not None
         prefixes = [_shm.stage_prefix(self._shm_prefix, j) for j in range(max(0, k - 1), k + 1)]
 

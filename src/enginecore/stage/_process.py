@@ -26,6 +26,7 @@ import msgspec
 from .._engine import Engine, PipelinedEngine
 from .._signals import shutdown_on_signals
 from ._curve import ServerCurve, read_authorized
+from ._fanout import CLIENT_BUFFER
 from ._logs import configure_stage
 from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
 from ._statistics import LOAD_INTERVAL
@@ -146,6 +147,7 @@ def serve(
     detached_buffer: int = DETACHED_BUFFER,
     keep_requests_on_detach: bool = False,
     max_clients: int = 1,
+    client_buffer: int = CLIENT_BUFFER,
     drain_timeout: float | None = None,
     step_timeout: float | None = STEP_TIMEOUT,
     kill_after: float | None = None,
@@ -177,7 +179,8 @@ def serve(
     connections (key rotation; connections already made stay).
 
     With *max_clients* above 1 (``serve --max-clients``), up to that many clients are
-    attached at once, each with an output socket of its own (``StageRuntime``).
+    attached at once, each with an output socket of its own (``StageRuntime``); a client
+    with more than *client_buffer* events queued is detached.
     """
     label = name or factory
     configure_stage(label, log_level, None)
@@ -211,6 +214,7 @@ def serve(
             detached_buffer=detached_buffer,
             keep_requests_on_detach=keep_requests_on_detach,
             max_clients=max_clients,
+            client_buffer=client_buffer,
             step_timeout=step_timeout,
             kill_after=kill_after,
             load_interval=load_interval,

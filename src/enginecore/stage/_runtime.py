@@ -32,7 +32,7 @@ from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
 from ._controls import DropEnded, Stop
 from ._curve import Authenticator, ServerCurve, secure_server, start_authenticator
-from ._fanout import RECHECK_MS, Fanout, session_endpoint
+from ._fanout import CLIENT_BUFFER, RECHECK_MS, Fanout, session_endpoint
 from ._inbox import Inbox
 from ._input_queue import InputQueue
 from ._outbox import Outbox, StageOutput
@@ -55,6 +55,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_ORPHANED",
     "StageRuntime",
+    "check_client_buffer",
     "check_max_clients",
     "pipeline_depth_of",
 ]
@@ -130,8 +131,11 @@ class StageRuntime:
     *output_address* itself then carries nothing) and named in its ``welcome``. Each gets
     the outputs of its own requests, the answers to its own calls, and every load report;
     a client that leaves (``bye``, or silent past *session_timeout*) has only its own
-    requests aborted (:mod:`._fanout`, ``docs/wire.md`` section 3). *keep_requests_on_detach*
-    needs *max_clients* 1 (:class:`ValueError`).
+    requests aborted (:mod:`._fanout`, ``docs/wire.md`` section 3). No client holds the loop
+    back: a client whose output connection closed (and did not come back within
+    :data:`~._stage_session.OUTPUT_GRACE_S`), or that has more than *client_buffer* events
+    (one per output) queued, is detached the same way, with a warning in the log.
+    *keep_requests_on_detach* needs *max_clients* 1 (:class:`ValueError`).
     """
 
     def __init__(
@@ -151,9 +155,11 @@ class StageRuntime:
         name: str | None = None,
         curve: ServerCurve | None = None,
         max_clients: int = 1,
+        client_buffer: int = CLIENT_BUFFER,
     ) -> None:
         check_watchdog(step_timeout, kill_after)
         check_max_clients(max_clients, keep_requests_on_detach=keep_requests_on_detach)
+        check_client_buffer(client_buffer)
         self._curve = curve
         load_interval = check_load_interval(load_interval)
         started = time.monotonic()
@@ -202,6 +208,7 @@ class StageRuntime:
                     self._open_session_output,
                     prepare_outputs=self._outbox.prepare_outputs,
                     detached_max=detached_buffer,
+                    client_buffer=client_buffer,
                 )
             )
             self._output: StageOutput = self._outbox if self._fanout is None else self._fanout
@@ -273,6 +280,7 @@ class StageRuntime:
                 self._input,
                 self._output,
                 on_failure=self._io_failed,
+                clients=self._fanout,
             )
         except BaseException:
             if self._auth is not None:
@@ -303,17 +311,13 @@ class StageRuntime:
         # shutdown request.
         return self._session.output_peers > 0 and not self.loop.shutdown_requested
 
-    def _may_hold_the_loop_for_one(self) -> bool:
-        # A multi-client stage's client outbox: back-pressure while the loop is not stopping
-        # (a client that stops reading is detached after the session timeout, which ends
-        # its outbox and the wait).
-        return not self.loop.shutdown_requested
-
-    def _open_session_output(self, epoch: int) -> tuple[Outbox, str]:
+    def _open_session_output(self, epoch: int) -> tuple[Outbox, str, zmq.Socket[bytes]]:
         # Input thread, at a welcome on a multi-client stage: the client's own PUSH, set up
-        # as the shared one is, and its outbox (not detached: the welcomed client reads).
+        # as the shared one is, its outbox (not detached: the welcomed client reads), and a
+        # monitor on it for the input side (its connections, and its close).
         endpoint = session_endpoint(self.output_address, epoch)
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
+        monitor: zmq.Socket[bytes] | None = None
         try:
             sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
             sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
@@ -322,17 +326,29 @@ class StageRuntime:
                 secure_server(sock, self._curve)
             sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(endpoint))
             sock.bind(endpoint)
+            # An address of our own: pyzmq's default names the socket's fd, which a closed
+            # client socket may still hold while the next one is opened.
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED,
+                f"inproc://enginecore.client-output.{epoch}",
+            )
+            # The loop waits for this client's output thread only while the client takes
+            # frames: once it is stuck, the fan-out cuts it instead (past its bound).
+            box: list[Outbox] = []
             outbox = Outbox(
                 sock,
                 abort_request=self._abort_request,
                 on_failure=self._io_failed,
-                may_wait=self._may_hold_the_loop_for_one,
+                may_wait=lambda: not box[0].stuck and not self.loop.shutdown_requested,
                 detached_max=self._outbox.detached_max,
                 recheck_ms=RECHECK_MS,
             )
+            box.append(outbox)
             outbox.set_detached(False)
-            return outbox, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            return outbox, sock.getsockopt_string(zmq.LAST_ENDPOINT), monitor
         except BaseException:
+            if monitor is not None:
+                monitor.close(linger=0)
             sock.close(linger=0)
             raise
 
@@ -436,6 +452,14 @@ class StageRuntime:
         if self._inbox.failed or self._output.failed:
             return EXIT_IO_FAILED
         return EXIT_OK if self._output.terminal == "shutdown" else EXIT_FATAL
+
+
+def check_client_buffer(client_buffer: int) -> None:
+    """:class:`TypeError` / :class:`ValueError` for a bad ``client_buffer`` (an int >= 1)."""
+    if isinstance(client_buffer, bool) or not isinstance(client_buffer, int):
+        raise TypeError(f"client_buffer must be an int, got {client_buffer!r}")
+    if client_buffer < 1:
+        raise ValueError(f"client_buffer must be >= 1, got {client_buffer}")
 
 
 def check_max_clients(max_clients: int, *, keep_requests_on_detach: bool = False) -> None:

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import Any, ClassVar, Final, Generic, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -52,6 +52,7 @@ from ._errors import (
     EngineDeadError,
     ProtocolError,
     RequestError,
+    SessionLostError,
     StageClosedError,
     UtilityError,
     describe_exit,
@@ -545,7 +546,7 @@ class ClientSession(Generic[S, W]):
         self._call_ids: Iterator[int] = itertools.count(secrets.randbits(52) + 1)
         self._state = StageState.RUNNING
         self._failure: BaseException | None = None  # set once, with state GONE
-        self._failure_tb: TracebackType | None = None  # its traceback then (check_open)
+        self._failure_end: End | None = None  # the same, as the End that check_open raises
         self._closing = False  # close() has begun: nothing new is registered
         self._fatal: str | None = None  # the fatal event's message, if one came
         # The ordered event stream (None when off): events in the stage's order, then at
@@ -738,6 +739,12 @@ class ClientSession(Generic[S, W]):
         return [_encode_flat(("credit", items, nbytes))]
 
     @staticmethod
+    def gone_frame(side: str, link: str = "") -> Parts:
+        """A ``gone`` for a pipeline's stage (``docs/wire.md`` section 8): the stage on
+        *side* (``"previous"``, whose link's routing id is *link*, or ``"next"``) died."""
+        return [_encode_flat(("gone", side, link))]
+
+    @staticmethod
     def stats_frame(call_id: int) -> Parts:
         """A ``stats`` request, answered like a utility call."""
         return [encode_plain(("stats", call_id), "stats")]
@@ -763,8 +770,8 @@ class ClientSession(Generic[S, W]):
         """Raise the failure (the same object every time, with the traceback it had when it
         became the failure: see :class:`End`), or
         :class:`~enginecore.stage.StageClosedError` once closing has begun."""
-        if self._failure is not None:
-            raise self._failure.with_traceback(self._failure_tb)
+        if self._failure_end is not None:
+            self._failure_end.raise_exc()
         if self._closing:
             raise StageClosedError("this stage client is closed")
 
@@ -1123,6 +1130,33 @@ class ClientSession(Generic[S, W]):
         """The client has acted on :attr:`release_due` (or decided not to): clear it."""
         self._release_due = False
 
+    def input_reply(self, body: Any, now: float) -> Deliveries[S, W] | None:
+        """A message the stage sent on the input socket after the handshake (the clients
+        read it after each ping). The only one a stage sends there to a client it welcomed
+        is a ``reject``: a stage that serves several clients ended this client's session
+        (its output lost, it fell behind, or it was silent past the session timeout;
+        ``docs/wire.md`` section 3). Then every waiter fails with
+        :class:`~enginecore.stage.SessionLostError`, and the session is released as after a
+        heartbeat death. Anything else is ignored (``None``)."""
+        if self._failure is not None:
+            return None
+        try:
+            msg = msgspec.msgpack.decode(body)
+        except (msgspec.DecodeError, TypeError):
+            return None
+        if not (isinstance(msg, list) and len(msg) >= 3 and msg[0] == "reject"):
+            return None
+        if self._closing:
+            exc: BaseException = StageClosedError("this stage client is closed")
+        else:
+            exc = SessionLostError(
+                f"{self._who()} ended this client's session: {msg[2]}; this client's requests "
+                f"were aborted"
+            )
+        d = self.fail(exc, now)
+        self._release_due = not self._closing
+        return d
+
     def fail(self, exc: BaseException, now: float | None = None) -> Deliveries[S, W] | None:
         """Set the failure once (later calls return ``None``) and hand *exc*, the same
         object, to every stream, call and the ordered event stream. The streams end at
@@ -1138,7 +1172,7 @@ class ClientSession(Generic[S, W]):
             return
         last_event_came = self._state is StageState.STOPPED
         self._failure = exc
-        self._failure_tb = exc.__traceback__
+        self._failure_end = End(exc)
         self._state = StageState.GONE
         self._health_changed()
         d.over = True

@@ -67,6 +67,7 @@ __all__ = [
     "segments",
     "stage_prefix",
     "unlink_prefix",
+    "upstream_gone",
 ]
 
 logger = logging.getLogger("enginecore.stage")
@@ -180,6 +181,7 @@ class ShmPool:
         self.fallbacks = 0  # arrays that went on ZeroMQ for want of a slot
         self.retired = 0  # slots whose lease expired unreleased
         self.created = 0
+        self.closed = False
 
     def put(self, arr: Any) -> list[Any] | None:
         """Copy the C-contiguous array *arr* into a free slot and return the ext 4 data that
@@ -188,7 +190,7 @@ class ShmPool:
         import numpy as np
 
         nbytes = int(arr.nbytes)
-        if nbytes < self.threshold:
+        if nbytes < self.threshold or self.closed:
             return None
         slot = self._acquire(nbytes)
         if slot is None:
@@ -298,11 +300,18 @@ class ShmPool:
         }
 
     def close(self) -> None:
-        """Unlink every slot (at exit). Idempotent."""
+        """Unlink every slot and let go of its mapping: at exit, or when the next stage
+        died (no slot it held can be released any more). Idempotent; :meth:`put` takes no
+        array after it."""
+        self.closed = True
         for slot in self._slots:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(SHM_DIR, slot.name))
+        # The slots' numpy views are the only references to their mappings: dropping them
+        # unmaps them, and the memory returns once the other side's mapping is gone too.
         self._slots.clear()
+        self._pending.clear()
+        self._pending_bytes = 0
         self._total = 0
 
 
@@ -333,6 +342,7 @@ class ShmReader:
         self._stop = threading.Event()
         self.taken = 0
         self.expired = 0  # refused: lease expired, slot retired, gone or rewritten
+        self.gone = False  # the previous stage died (gone()): no more mappings
 
     def array(self, head: object) -> Any:
         """The read-only numpy array that the ext 4 data *head* names, on the slot's memory,
@@ -423,6 +433,12 @@ class ShmReader:
 
     def _mapped(self, name: str, gen: int) -> _Mapped:
         with self._maps_lock:
+            if self.gone:
+                self.expired += 1
+                raise ShmError(
+                    f"{EXPIRED}: shared-memory segment {name!r} (generation {gen}) is gone: "
+                    f"its stage died"
+                )
             mapped = self._maps.get(name)
             if mapped is not None and not mapped.header[_H_RETIRED]:
                 return mapped
@@ -480,6 +496,19 @@ class ShmReader:
             for name in [n for n, m in self._maps.items() if m.header[_H_RETIRED]]:
                 del self._maps[name]
 
+    def upstream_gone(self) -> None:
+        """The previous stage died: let go of the mappings of its slots, and map none
+        again. An array still alive keeps its slot's memory (numpy holds the mapping)
+        until it dies; the slots' names are unlinked by the parent."""
+        with self._maps_lock:
+            self.gone = True
+            self._maps.clear()
+
+    @property
+    def mapped(self) -> int:
+        """Slots of the previous stage mapped for their next payload."""
+        return len(self._maps)
+
     @property
     def held(self) -> int:
         """Arrays handed out and still alive."""
@@ -499,6 +528,13 @@ def configure_reader(prefix: str) -> ShmReader:
     global _reader
     _reader = ShmReader(prefix)
     return _reader
+
+
+def upstream_gone() -> None:
+    """The input side heard that the previous stage died: this process's reader, if it has
+    one, lets go of its slots (:meth:`ShmReader.upstream_gone`)."""
+    if _reader is not None:
+        _reader.upstream_gone()
 
 
 def read_array(head: object) -> Any:

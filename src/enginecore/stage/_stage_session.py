@@ -58,6 +58,7 @@ from ._controls import (
     ClientLeft,
     ClientsTarget,
     PipeCredit,
+    PipeGone,
     PipeInput,
     SessionChange,
     Stop,
@@ -67,6 +68,9 @@ __all__ = [
     "HEARTBEAT_TIMEOUT_MS",
     "HELLO_HOLD_S",
     "NOT_ATTACHED",
+    "NO_SESSION",
+    "OUTPUT_GRACE_S",
+    "SESSION_LOST",
     "CallTable",
     "ClientsSide",
     "Held",
@@ -98,6 +102,26 @@ NOT_ATTACHED: Final = (
 )
 """The ``reject`` reason for a message to a multi-client stage from a peer it has not
 welcomed (anything but ``hello``, ``stats`` and ``bye``)."""
+
+SESSION_LOST: Final = "session lost: "
+"""How the ``reject`` reason begins for a message (a ``ping`` too) from a client that a
+multi-client stage detached by itself (silent past the session timeout, its output
+connection lost, or fallen behind): the rest says why. Such a client may say ``hello``
+again."""
+
+NO_SESSION: Final = (
+    f"{SESSION_LOST}this peer has no session on this stage: the stage detached it (its log "
+    "says why), or its connection was made again (a pause longer than the 5 s heartbeat "
+    "makes it a new peer), or it never said hello. Send hello to attach"
+)
+"""The ``reject`` reason for a ``ping`` from a peer that a multi-client stage has no
+session for, and does not remember detaching."""
+
+OUTPUT_GRACE_S: Final = 1.0
+"""How long a client of a multi-client stage may stay without an output connection, once it
+had one, before the stage detaches it (a TCP connection that breaks reconnects within it)."""
+
+_LOST_REMEMBERED: Final = 256  # detached clients whose later messages get SESSION_LOST
 
 
 class SessionState(enum.Enum):
@@ -286,6 +310,9 @@ class StageSession:
         self._decoder = _codec.Decoder(_wire.ClientMsg, strict=False, shm=True)
         self.to_loop: list[Message] = []
         """Loop messages, in arrival order, for the input side to queue after a read."""
+        self.gone_links: set[bytes] = set()
+        """The routing ids of a pipeline's previous stage that the coordinator said is gone
+        (``gone``): every later message from one is dropped before it is decoded."""
         self.events: list[Event] = []
         """Events for the client (input errors, pongs), for the input side to post."""
         self.replies: list[tuple[bytes, bytes]] = []
@@ -330,6 +357,12 @@ class StageSession:
             self.events.append(("error", None, f"stage failed to handle a frame: {exc!r}"))
 
     def _receive(self, ident: bytes, parts: list[Any], now: float) -> None:
+        if self.gone_links and ident in self.gone_links:
+            # A late message of a dead previous stage, which no order ties to the abort
+            # that the coordinator sent after its `gone`: never applied, nor decoded (its
+            # arrays in shared memory are not mapped again).
+            self.to_loop.append(PipeGone("previous", 1))
+            return
         try:
             msg = self._decoder.decode(parts)
         except Exception as exc:  # DecodeError; also RecursionError for a deep nesting
@@ -363,6 +396,8 @@ class StageSession:
             self._pipe(msg, sum(map(len, parts)) + self._decoder.shm_bytes)
         elif cls is _wire.CreditMsg:
             self.to_loop.append(PipeCredit(msg.items, msg.nbytes))
+        elif cls is _wire.GoneMsg:
+            self._gone(msg)
         elif cls is _wire.UtilityMsg:
             args = msg.args
             if args and not set(map(type, args)) <= _RECEIVED_FLAT:
@@ -456,6 +491,25 @@ class StageSession:
             ok_ids.append(rid)
             ok_data.append(item)
         self.to_loop.append(PipeInput(ok_kinds, ok_ids, ok_data, received))
+
+    def _gone(self, msg: _wire.GoneMsg) -> None:
+        """The coordinator says the stage before this one (``"previous"``: its link's
+        routing id is *link*) or after it (``"next"``) is gone. For the previous one, every
+        later message from that link is dropped here, in the order the input socket gave
+        them, and the shared-memory mappings of its slots are let go (an array the engine
+        still holds keeps its own until it dies)."""
+        side = msg.side
+        if side == "previous":
+            if not msg.link:
+                self.events.append(("error", None, "invalid message: gone needs the link"))
+                return
+            self.gone_links.add(msg.link.encode())
+            _shm.upstream_gone()
+        elif side != "next":
+            why = f"invalid message: gone side must be previous or next, got {side!r}"
+            self.events.append(("error", None, why))
+            return
+        self.to_loop.append(PipeGone(side))
 
     def _report_bad_frame(self, ident: bytes, body: Any, exc: Exception) -> None:
         # Recover the tag and an id from the head of the body, so that the error reaches
@@ -622,11 +676,20 @@ class ClientsSide(ClientsTarget, Protocol):
         """Events for session *epoch*'s client (dropped once it has left)."""
         ...
 
+    @property
+    def gone_waiting(self) -> bool:
+        """Whether :meth:`take_gone` has something (an unlocked peek)."""
+        ...
+
+    def take_gone(self) -> list[tuple[int, str]]:
+        """The sessions whose client the output side cut (it fell behind), with why."""
+        ...
+
 
 class _Client:
     """One client attached to a multi-client stage."""
 
-    __slots__ = ("epoch", "ident", "name", "seen", "welcome")
+    __slots__ = ("epoch", "ident", "lost_at", "name", "peers", "seen", "welcome")
 
     def __init__(self, ident: bytes, epoch: int, name: str, seen: float, welcome: bytes) -> None:
         self.ident = ident
@@ -634,6 +697,8 @@ class _Client:
         self.name = name
         self.seen = seen  # when it was last heard from
         self.welcome = welcome
+        self.peers = 0  # connections to its output socket
+        self.lost_at: float | None = None  # when its last output connection closed
 
 
 class MultiStageSession(StageSession):
@@ -650,6 +715,12 @@ class MultiStageSession(StageSession):
       :class:`~._controls.ClientInput` before a client's messages when the sender changes,
       a :class:`~._controls.ClientLeft` after its ``bye``, or once it has been silent past
       the session timeout (:meth:`settle`);
+    - a client is also detached when its output socket's last connection closed and none
+      came back within :data:`OUTPUT_GRACE_S` (:meth:`client_output_changed`; the monitor
+      of each client's socket tells), and when the output side cut it for falling behind
+      (:meth:`ClientsSide.take_gone`). These two and the session timeout are logged at
+      WARNING, and the client's later messages, pings included, get a ``reject`` that
+      begins with :data:`SESSION_LOST`;
     - the events it makes (an input error, a pong, a ``stats`` answer) go to the sender's own
       socket (:meth:`ClientsSide.post_to`), never to :attr:`events`;
     - a peer that is not attached may say ``hello``, ``stats`` (an observer) and ``bye``;
@@ -688,6 +759,9 @@ class MultiStageSession(StageSession):
         """The attached clients, by routing id."""
         self._epochs = itertools.count(1)
         self._loop_sender: _Client | None = None  # whose messages the loop applies last
+        # Clients detached for a lost output or for falling behind: routing id -> why (the
+        # last _LOST_REMEMBERED, oldest first).
+        self._lost: dict[bytes, str] = {}
 
     @property
     def attached(self) -> bool:
@@ -701,6 +775,8 @@ class MultiStageSession(StageSession):
 
     def receive(self, ident: bytes, parts: list[Any], now: float) -> None:
         """As :meth:`StageSession.receive`, for the client *ident* is (module docstring)."""
+        if self._clients.gone_waiting:
+            self._take_gone()
         client = self.clients.get(ident)
         if client is not None:
             client.seen = now
@@ -721,7 +797,7 @@ class MultiStageSession(StageSession):
                 if len(kept) != len(new):
                     del to_loop[before:]
                     to_loop += kept
-                    self._reject(ident, NOT_ATTACHED)
+                    self._reject(ident, self._lost.get(ident, NOT_ATTACHED))
             else:
                 if client is not self._loop_sender and type(to_loop[before]) is not ClientLeft:
                     to_loop.insert(before, ClientInput(self._clients, client.epoch))
@@ -739,6 +815,13 @@ class MultiStageSession(StageSession):
                 self._clients.post_to(
                     client.epoch, events if len(events) > 1 else events[0], len(events)
                 )
+            elif ident in self._lost:
+                # A ping (or a bad frame) from a client the stage detached: tell it.
+                self._reject(ident, self._lost[ident])
+            elif any(ev[0] == "pong" for ev in events):
+                # A ping from a peer with no session: a client whose connection was made
+                # again (a new routing id) after the stage detached it, most often.
+                self._reject(ident, NO_SESSION)
             else:
                 logger.info(
                     "enginecore: dropping %d events for a peer that is not attached: %r",
@@ -762,6 +845,7 @@ class MultiStageSession(StageSession):
                 f"(--max-clients), and {len(self.clients)} are attached",
             )
             return
+        self._lost.pop(ident, None)
         epoch = next(self._epochs)
         try:
             address = self._clients.open_session(epoch)
@@ -786,35 +870,93 @@ class MultiStageSession(StageSession):
         )
 
     def _bye(self, ident: bytes) -> None:
+        self._lost.pop(ident, None)
         client = self.clients.get(ident)
         if client is not None:
             self._detach(client, "said bye")
 
-    def _detach(self, client: _Client, why: str) -> None:
+    def _detach(self, client: _Client, why: str, *, lost: bool = False) -> None:
+        """Detach *client*: a ``ClientLeft`` after everything it sent. *lost*: the stage
+        ended its session (silent, lost output, fell behind), which is logged at WARNING,
+        and its later messages are answered with a :data:`SESSION_LOST` ``reject``."""
         del self.clients[client.ident]
         self.expires = bool(self.clients)
         # After everything it sent (to_loop keeps arrival order).
         self.to_loop.append(ClientLeft(self._clients, client.epoch))
-        logger.info("enginecore: client %r (session %d) %s", client.name, client.epoch, why)
+        if not lost:
+            logger.info("enginecore: client %r (session %d) %s", client.name, client.epoch, why)
+            return
+        logger.warning(
+            "enginecore: detaching client %r (session %d): it %s; its live requests are "
+            "aborted, and the other clients go on",
+            client.name,
+            client.epoch,
+            why,
+        )
+        lost_ = self._lost
+        lost_[client.ident] = (
+            f"{SESSION_LOST}the stage detached this client (session {client.epoch}) because "
+            f"it {why}; its requests were aborted. Send hello to attach again"
+        )
+        while len(lost_) > _LOST_REMEMBERED:
+            del lost_[next(iter(lost_))]
+
+    def _take_gone(self) -> None:
+        for epoch, why in self._clients.take_gone():
+            for client in self.clients.values():
+                if client.epoch == epoch:
+                    self._detach(client, why, lost=True)
+                    break
+
+    def client_output_changed(self, epoch: int, delta: int, now: float) -> None:
+        """The monitor of session *epoch*'s output socket saw a connection accepted (+1) or
+        closed (-1). A client left with no output connection, having had one, is detached
+        :data:`OUTPUT_GRACE_S` later unless one comes back (:meth:`settle`)."""
+        for client in self.clients.values():
+            if client.epoch == epoch:
+                client.peers = max(0, client.peers + delta)
+                if client.peers:
+                    client.lost_at = None
+                elif delta < 0:
+                    client.lost_at = now
+                return
 
     def _expire(self, now: float) -> None:
         timeout = self._session_timeout
         for client in list(self.clients.values()):
             if now - client.seen >= timeout:
-                self._detach(client, f"was silent for the session timeout ({timeout:g} s)")
+                self._detach(
+                    client, f"was silent for the session timeout ({timeout:g} s)", lost=True
+                )
+            elif client.lost_at is not None and now - client.lost_at >= OUTPUT_GRACE_S:
+                self._detach(
+                    client,
+                    f"lost its output connection (none came back within {OUTPUT_GRACE_S:g} s)",
+                    lost=True,
+                )
 
     def settle(self, now: float) -> None:
-        """Detach the clients silent past the session timeout. The input side calls it after
-        every read while a client is attached (:attr:`expires`)."""
+        """Detach the clients silent past the session timeout, those whose output connection
+        was lost past :data:`OUTPUT_GRACE_S`, and those the output side cut. The input side
+        calls it after every read while a client is attached (:attr:`expires`), and when
+        the output side's wake-up pipe fires."""
+        if self._clients.gone_waiting:
+            self._take_gone()
         self._expire(now)
 
     def wait_ms(self, now: float) -> int | None:
-        """How long the input side may wait for input before the next client's session
-        timeout (``None``: none attached)."""
+        """How long the input side may wait for input before the next deadline: a client's
+        session timeout, or the end of a lost output's grace (``None``: none attached)."""
         if not self.clients:
             return None
-        first = min(client.seen for client in self.clients.values())
-        return max(0, math.ceil((first + self._session_timeout - now) * 1000))
+        timeout = self._session_timeout
+        first = math.inf
+        for client in self.clients.values():
+            due = client.seen + timeout
+            if client.lost_at is not None:
+                due = min(due, client.lost_at + OUTPUT_GRACE_S)
+            first = min(first, due)
+        return max(0, math.ceil((first - now) * 1000))
 
 
 def log_detached_drops(dropped: int, detached_max: int, *, at_exit: bool = False) -> None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOAD_INTERVAL",
+    "SHARED_LOAD_INTERVAL",
     "LoadReport",
     "LoadReporter",
     "StageLoad",
@@ -43,6 +44,11 @@ __all__ = [
 
 LOAD_INTERVAL: Final = 0.05
 """The default least time, in seconds, between two load reports of a stage."""
+
+SHARED_LOAD_INTERVAL: Final = 0.005
+"""``serve``'s default load interval for a stage that serves several clients
+(``--max-clients`` above 1): each client's pool routes on the others' requests through
+these reports only, so they must be about one engine step fresh (``docs/pool.md``)."""
 
 
 def check_load_interval(value: object) -> float | None:
@@ -88,7 +94,11 @@ def _no_sample(now: float) -> Mapping[str, float] | None:
 class LoadReporter:
     """Loop thread: makes a :class:`LoadReport` at most every *interval* seconds. The step
     that posts outputs checks :attr:`next_at` against ``time.perf_counter()`` itself (one
-    clock read per step with outputs) and calls :meth:`report` when it has passed.
+    clock read per step with outputs) and calls :meth:`report` when it has passed; and on
+    the last step before the loop idles, unless the latest report is already an idle one
+    (:attr:`idle_reported`): an idle stage sends nothing, so its last report must say what
+    is live once it idles, not while it was busy. So a stage that steps now and then sends at
+    most two reports an interval, and a busy one one.
 
     The engine's numbers come from :attr:`sample`, which the stage sets to its loop's
     sampler (:meth:`enginecore._stats.StepTimer.sample_engine`) once the loop exists: the
@@ -96,21 +106,23 @@ class LoadReporter:
     so a stepping stage calls ``stats()`` once per sample, not once for each. Until then,
     reports carry no engine numbers."""
 
-    __slots__ = ("_live", "interval", "next_at", "sample", "seq")
+    __slots__ = ("_live", "idle_reported", "interval", "next_at", "sample", "seq")
 
     def __init__(self, interval: float, live: set[str]) -> None:
         self.interval = interval
         self.next_at = 0.0
         self.seq = 0  # reports made so far
+        self.idle_reported = True  # the latest report was made as the loop idled (or none)
         self._live = live
         self.sample: Callable[[float], Mapping[str, float] | None] = _no_sample
         """``sample(now)``: the engine's ``stats()`` sampled at *now*, or ``None`` (none,
         or it failed: logged and counted by the loop)."""
 
-    def report(self, now: float) -> LoadReport:
-        """A report sampled *now* (``time.perf_counter()``). A failed ``stats()`` leaves
-        the engine's fields out."""
+    def report(self, now: float, idle: bool = False) -> LoadReport:
+        """A report sampled *now* (``time.perf_counter()``), on the step after which the
+        loop idles if *idle*. A failed ``stats()`` leaves the engine's fields out."""
         self.next_at = now + self.interval
+        self.idle_reported = idle
         self.seq += 1
         engine = self.sample(now)
         return LoadReport(self.seq, now, len(self._live), _EMPTY if engine is None else engine)

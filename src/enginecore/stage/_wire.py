@@ -104,6 +104,15 @@ class CreditMsg(msgspec.Struct, array_like=True, frozen=True, tag="credit"):
     nbytes: int
 
 
+class GoneMsg(msgspec.Struct, array_like=True, frozen=True, tag="gone"):
+    # The coordinator -> a pipeline's stage (docs/wire.md section 8): the stage before it
+    # (*side* "previous": drop every later message from the link whose routing id is *link*)
+    # or after it ("next": stop sending to it, free the shared-memory slots kept for it) is
+    # gone.
+    side: str
+    link: str = ""
+
+
 ClientMsg: TypeAlias = (
     HelloMsg
     | AddMsg
@@ -116,6 +125,7 @@ ClientMsg: TypeAlias = (
     | StatsMsg
     | PipeMsg
     | CreditMsg
+    | GoneMsg
 )
 
 # -- stage -> client, handshake replies (input socket) --------------------------------------
