@@ -43,7 +43,7 @@ STEP = 0.005
 _rounds = count()
 
 
-BLOCKS = 8
+BLOCKS = 16
 """Pairs of runs per round of the cost measurement, alternated (see the module's docstring)."""
 
 
