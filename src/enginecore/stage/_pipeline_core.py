@@ -43,7 +43,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from ._errors import (
@@ -141,8 +140,9 @@ class PipelineCore(Generic[S]):
         self.failure: BaseException | None = None
         """Why the pipeline takes no more requests: a stage died, or it was closed."""
         self._orphans: list[str] = []  # the ids a stage's death ended (stage_dead)
-        self._failure_tb: TracebackType | None = None  # its traceback then: check() raises
-        # it with that one, so that refused adds do not grow it (as _session.End does)
+        # The failure as an End: check() raises it with the traceback it had then, so that
+        # refused adds do not grow it (see _session.End).
+        self._failure_end: End | None = None
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -165,8 +165,8 @@ class PipelineCore(Generic[S]):
     def check(self, req_ids: Sequence[str]) -> None:
         """Raise what an add of *req_ids* raises before anything is sent: the pipeline's
         :attr:`failure`, or :class:`ValueError` for an id in the pipeline or repeated."""
-        if self.failure is not None:
-            raise self.failure.with_traceback(self._failure_tb)
+        if self._failure_end is not None:
+            self._failure_end.raise_exc()
         requests = self._requests
         seen: set[str] = set()
         for rid in req_ids:
@@ -334,7 +334,7 @@ class PipelineCore(Generic[S]):
         error.__cause__ = exc
         if self.failure is None:
             self.failure = error
-            self._failure_tb = None
+            self._failure_end = End(error)
         requests = self._requests
         if requests:
             if k > 0:
@@ -358,7 +358,7 @@ class PipelineCore(Generic[S]):
         """The pipeline is closed: every stream still open ends with *exc*."""
         if self.failure is None:
             self.failure = exc
-            self._failure_tb = exc.__traceback__
+            self._failure_end = End(exc)
         self._end_all(exc, now, d)
 
     # -- inside ---------------------------------------------------------------------------------
