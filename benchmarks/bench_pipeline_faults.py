@@ -145,12 +145,13 @@ def slow_part(seconds: float) -> list[Record]:
             while time.monotonic() - started < duration:
                 time.sleep(SAMPLE_S)
                 stats = pipe.stats()
-                in_flight.append(
-                    sum(
-                        int(stats[n].engine.get("edge_in_flight_bytes", 0))
-                        for n in ("first", "mid")
-                    )
-                )
+                held = 0
+                for n in ("first", "mid"):
+                    stage = stats[n]
+                    if isinstance(stage, Exception):  # a stage that died: the run is void
+                        raise stage
+                    held += int(stage.engine.get("edge_in_flight_bytes", 0))
+                in_flight.append(held)
                 rss.append({name: _rss(pid) for name, pid in pids.items()})
             load.stop()
             pipe.shutdown()

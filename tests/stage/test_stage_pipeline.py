@@ -22,6 +22,7 @@ from enginecore import CountdownEngine
 from enginecore.stage import (
     NOTHING,
     AsyncPipeline,
+    EngineDeadError,
     Pipeline,
     PipelineFullError,
     PipelineRequestError,
@@ -30,6 +31,7 @@ from enginecore.stage import (
     StageClient,
     StageClosedError,
     StageStartupError,
+    StageStatistics,
     _shm,
 )
 from enginecore.stage._edge import END, FIRST, MORE, ONLY, link_id
@@ -372,6 +374,14 @@ class TestErrors:
         # after the dead one (which the first one's abort cannot reach).
         assert wait_until(lambda: pipe.call_utility("first", "num_requests") == 0, 10)
         assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
+        # The live stages' statistics can still be read; the dead one's entry says why not.
+        stats = pipe.stats()
+        assert list(stats) == ["first", "mid", "last"]
+        assert isinstance(stats["mid"], EngineDeadError)
+        assert "SIGKILL" in str(stats["mid"])
+        for name in ("first", "last"):
+            assert isinstance(stats[name], StageStatistics)
+            assert stats[name].live == 0
 
     def test_a_dead_previous_stage_s_late_data_is_dropped_after_its_gone(
         self, no_leftovers: str

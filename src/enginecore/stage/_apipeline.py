@@ -174,9 +174,19 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         """Call utility *name* of the stage named *stage*."""
         return await self.client(stage).call_utility(name, *args, timeout=timeout)
 
-    async def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics]:
-        """Each stage's statistics, by name."""
-        return {name: await self.client(name).stats(timeout) for name in self._names}
+    async def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics | Exception]:
+        """:meth:`Pipeline.stats <enginecore.stage.Pipeline.stats>`, awaited: every stage
+        is asked at once, and a stage that failed to answer (dead, or not within
+        *timeout* seconds) has its exception as its entry."""
+        results = await asyncio.gather(
+            *(client.stats(timeout) for client in self._clients), return_exceptions=True
+        )
+        out: dict[str, StageStatistics | Exception] = {}
+        for name, result in zip(self._names, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # a cancellation, or an exit: not the stage's answer
+            out[name] = result
+        return out
 
     # -- closing -----------------------------------------------------------------------------
 

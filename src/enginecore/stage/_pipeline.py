@@ -205,9 +205,20 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         :meth:`StageClient.call_utility`)."""
         return self.client(stage).call_utility(name, *args, timeout=timeout)
 
-    def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics]:
-        """Each stage's statistics, by name (:meth:`StageClient.stats`)."""
-        return {name: self.client(name).stats(timeout=timeout) for name in self._names}
+    def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics | Exception]:
+        """Each stage's statistics, by name (:meth:`StageClient.stats`), as ``{name:
+        statistics or exception}``, as :meth:`StagePool.stats
+        <enginecore.stage.StagePool.stats>` answers: a dead stage's entry is its
+        :class:`~enginecore.stage.EngineDeadError` (and one that did not answer within
+        *timeout* seconds, a :class:`TimeoutError`), so that the live stages' numbers can
+        still be read once one died. Thread-safe."""
+        out: dict[str, StageStatistics | Exception] = {}
+        for name, client in zip(self._names, self._clients, strict=True):
+            try:
+                out[name] = client.stats(timeout=timeout)
+            except Exception as exc:
+                out[name] = exc
+        return out
 
     # -- closing -----------------------------------------------------------------------------
 
