@@ -264,7 +264,8 @@ def test_a_revoked_raw_peer_is_rejected_and_delivers_nothing(
     connect: Connect, keys: Keys, no_leftovers: str, tmp_path: Path
 ) -> None:
     """Not only our clients: any peer connected with a key that a rotation removed gets a
-    reject for each message (an add, a stats request), and none reaches the engine."""
+    reject for each message (an add, a stats request), and none reaches the engine; a
+    StageObserver says so with AuthenticationError, not a timeout."""
     authorized = tmp_path / "authorized"
     authorized.mkdir()
     shutil.copy(keys.authorized / "alice.key", authorized)
@@ -286,6 +287,8 @@ def test_a_revoked_raw_peer_is_rejected_and_delivers_nothing(
         raw.connect(srv.address)
         raw.send(msgspec.msgpack.encode(["stats", 1]))  # an observer's request: answered
         assert msgspec.msgpack.decode(raw.recv())[:2] == ["utility", 1]
+        observer = StageObserver(srv.address, curve=keys.mallory)
+        assert observer.stats(5).outputs == 0
 
         (authorized / "mallory.key").unlink()
         srv.proc.send_signal(signal.SIGHUP)
@@ -295,6 +298,9 @@ def test_a_revoked_raw_peer_is_rejected_and_delivers_nothing(
             reply = msgspec.msgpack.decode(raw.recv())
             assert reply[0] == "reject", reply
             assert "no longer authorizes" in reply[2], reply
+        with pytest.raises(AuthenticationError, match=r"refused this observer: .*no longer auth"):
+            observer.stats(5)
+        observer.close()
         _engine_saw_nothing_and_still_serves(connect, srv.address, keys)
     finally:
         ctx.destroy(linger=0)
