@@ -64,7 +64,7 @@ _DENIED_LOG_S: Final = 10.0
 _KNOWN_MAX: Final = 4096
 
 
-def _check_key(value: bytes, what: str) -> bytes:
+def _check_key(value: bytes | str, what: str) -> bytes:
     if isinstance(value, str):
         value = value.encode("ascii")
     if not isinstance(value, bytes):
