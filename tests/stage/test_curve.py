@@ -32,6 +32,7 @@ from enginecore.stage import (
     CurveKeys,
     ProtocolError,
     SessionLostError,
+    StageClient,
     StageObserver,
     StagePool,
 )
@@ -302,6 +303,62 @@ def test_a_revoked_raw_peer_is_rejected_and_delivers_nothing(
             observer.stats(5)
         observer.close()
         _engine_saw_nothing_and_still_serves(connect, srv.address, keys)
+    finally:
+        ctx.destroy(linger=0)
+        assert srv.stop() == 0
+        assert srv.proc.stderr is not None
+        srv.proc.stderr.close()
+
+
+def _raw_peer(ctx: zmq.Context[Any], address: str, keys: CurveKeys, routing_id: bytes) -> Any:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.curve_serverkey = keys.server_key
+    sock.curve_publickey = keys.public_key
+    sock.curve_secretkey = keys.secret_key
+    sock.connect(address)
+    return sock
+
+
+def test_a_routing_id_taken_over_by_another_key_is_checked_for_that_key(
+    keys: Keys, no_leftovers: str, tmp_path: Path
+) -> None:
+    """A peer may choose its routing id, and reuse one that a peer with another key used
+    before: the stage reads the key again after every new connection, so a rotation that
+    removes the new peer's key cuts it, whatever key the routing id had before."""
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    shutil.copy(keys.authorized / "alice.key", authorized)
+    shutil.copy(keys.authorized.parent / "mallory" / "mallory.key", authorized)
+    srv = Server(
+        "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*",
+        "--curve-secret-key", str(keys.stage_secret), "--authorized-clients", str(authorized),
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    stderr = _Stderr(srv.proc)
+    ctx = zmq.Context()
+    try:
+        first = _raw_peer(ctx, srv.address, keys.alice, b"peer")
+        first.send(msgspec.msgpack.encode(["stats", 1]))
+        assert msgspec.msgpack.decode(first.recv())[:2] == ["utility", 1]  # alice's key known
+        first.close(linger=0)
+        # The same routing id, mallory's key: its request is delivered once the stage has
+        # let go of the first connection (libzmq refuses a routing id in use until then).
+        second = _raw_peer(ctx, srv.address, keys.mallory, b"peer")
+        second.send(msgspec.msgpack.encode(["stats", 2]))
+        assert msgspec.msgpack.decode(second.recv())[:2] == ["utility", 2]
+
+        (authorized / "mallory.key").unlink()
+        srv.proc.send_signal(signal.SIGHUP)
+        stderr.wait_for("1 keys (0 added, 1 removed)")
+        second.send(msgspec.msgpack.encode(["add", "x", 1]))
+        reply = msgspec.msgpack.decode(second.recv())
+        assert reply[0] == "reject", reply
+        assert keys.mallory.public_key.decode() in reply[2], reply
+        with StageClient.connect(srv.address, curve=keys.alice) as client:
+            assert client.call_utility("log") == []  # the add never reached the engine
     finally:
         ctx.destroy(linger=0)
         assert srv.stop() == 0

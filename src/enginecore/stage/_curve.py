@@ -59,8 +59,8 @@ _Z85_KEY_LEN: Final = 40
 _SILENT_FAILURES: Final = 2
 # The stage logs a refused key at most this often (the rest are counted).
 _DENIED_LOG_S: Final = 10.0
-# Peers a KeyWatch remembers before it forgets those without a session (each is checked
-# again at its next message: ~0.4 us).
+# Peers whose key a KeyWatch remembers before it forgets those without a session (each is
+# checked again at its next message: ~0.4 us).
 _KNOWN_MAX: Final = 4096
 
 
@@ -270,33 +270,45 @@ def start_authenticator(ctx: zmq.Context[Any], curve: ServerCurve) -> Authentica
 class KeyWatch:
     """The input side's view of which key each peer connected with, on a CURVE stage, so
     that a key removed by :meth:`Authenticator.authorize` also cuts the connections already
-    made with it (``docs/security.md``, "Rotation").
+    made with it (``docs/security.md``, "Keys").
 
     libzmq sets the ``User-Id`` property of every frame a CURVE server receives to what the
     ZAP handler returned for the connection: pyzmq's handler returns the client's public
-    key (Z85). :attr:`allowed` maps the routing id of each peer heard from to that key, once
-    it was found authorized: the input side's check per message is one lookup of the
-    routing id (``ident in allowed``); only a peer's first message after each change of
-    the keys reads its frame's key (:meth:`admit`, ~0.4 µs). A stage without CURVE has no
-    :class:`KeyWatch` and pays nothing.
+    key (Z85). :meth:`admit` reads it (~0.4 µs) for a peer's first message, and again for
+    its first message after any new connection to the input socket (:meth:`connected`:
+    a routing id that a peer chose, or one freed by a peer that left, may now name another
+    connection); :attr:`allowed` then maps the routing id to the key while it stays
+    authorized, so the input side's check per message is one lookup of the routing id
+    (``ident in allowed``). A stage without CURVE has no :class:`KeyWatch` and pays
+    nothing.
 
-    At each change the authenticator writes to :attr:`wake_fd` (the input side polls it);
-    whichever thread holds the input side then calls :meth:`sweep`, which drops the peers
-    whose key was removed from :attr:`allowed` and returns them, for the session to end
-    their sessions. :meth:`wait_swept` lets :meth:`StageRuntime.authorize
-    <enginecore.stage._runtime.StageRuntime.authorize>` return only once that is done.
+    At each change of the keys the authenticator writes to :attr:`wake_fd` (the input side
+    polls it); whichever thread holds the input side then calls :meth:`sweep`, which
+    returns the peers whose key (the last one :meth:`admit` read for their routing id) was
+    removed, for the session to end their sessions. :meth:`wait_swept` lets
+    :meth:`StageRuntime.authorize <enginecore.stage._runtime.StageRuntime.authorize>`
+    return only once that is done.
 
-    *keep()* names the routing ids that must stay in :attr:`allowed` when it is trimmed
-    (past :data:`_KNOWN_MAX` peers: those with a session, so that a sweep finds them).
+    *monitor*: the input socket's monitor, for ``EVENT_HANDSHAKE_SUCCEEDED`` (the input
+    side polls it and calls :meth:`connected`; the input thread closes it). *keep()* names
+    the routing ids whose key must stay known when the peers are trimmed (past
+    :data:`_KNOWN_MAX`: those with a session, so that a sweep finds them).
     """
 
-    def __init__(self, auth: Authenticator, keep: Callable[[], Iterable[bytes]]) -> None:
+    def __init__(
+        self,
+        auth: Authenticator,
+        keep: Callable[[], Iterable[bytes]],
+        monitor: zmq.Socket[bytes],
+    ) -> None:
         self._auth = auth
         self._keep = keep
+        self.monitor = monitor
         self.allowed: dict[bytes, str] = {}
-        """Routing id -> the Z85 public key it connected with, for the peers admitted under
-        the keys of generation :attr:`swept` (changed in place only: the input side holds
-        it)."""
+        """Routing id -> the Z85 public key, for the peers whose key :meth:`admit` read
+        since the last new connection and found authorized (changed in place only: the
+        input side holds a reference)."""
+        self._known: dict[bytes, str] = {}  # routing id -> the last key admit() read for it
         self.swept = auth.generation
         """The last generation of keys :meth:`sweep` applied."""
         self._cond = threading.Condition()
@@ -312,6 +324,19 @@ class KeyWatch:
         """Whether the keys changed since the last :meth:`sweep` (an unlocked read)."""
         return self._auth.generation != self.swept
 
+    def connected(self) -> None:
+        """Read the input socket's monitor: after a new connection, every peer's key is
+        read again at its next message (:attr:`allowed` is emptied)."""
+        new = False
+        while True:
+            try:
+                self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            new = True
+        if new:
+            self.allowed.clear()
+
     def admit(self, ident: bytes, frame: Any) -> str | None:
         """A message from *ident*, which is not in :attr:`allowed`: ``None`` if the key it
         connected with (its *frame*'s ``User-Id``) is authorized now (it is then
@@ -320,27 +345,32 @@ class KeyWatch:
             key = frame.get("User-Id")
         except (zmq.ZMQError, AttributeError):  # no such property: not a CURVE connection
             return ""
-        if not isinstance(key, str) or key.encode("ascii", "replace") not in self._auth.keys:
-            return key if isinstance(key, str) else ""
-        allowed = self.allowed
-        if len(allowed) >= _KNOWN_MAX:
-            kept = {i: allowed[i] for i in self._keep() if i in allowed}
-            allowed.clear()
-            allowed.update(kept)
-        allowed[ident] = key
+        if not isinstance(key, str):
+            return ""
+        known = self._known
+        if len(known) >= _KNOWN_MAX and ident not in known:
+            kept = {i: known[i] for i in self._keep() if i in known}
+            known.clear()
+            known.update(kept)
+            self.allowed.clear()
+        known[ident] = key
+        if key.encode("ascii", "replace") not in self._auth.keys:
+            return key
+        self.allowed[ident] = key
         return None
 
     def sweep(self) -> list[tuple[bytes, str]]:
-        """Apply the current keys: the peers of :attr:`allowed` whose key was removed, taken
-        out of it, as ``(routing id, key)``. Empties the wake-up pipe."""
+        """Apply the current keys: the peers whose key was removed, as ``(routing id,
+        key)``, forgotten here. Empties the wake-up pipe."""
         with contextlib.suppress(OSError):
             os.read(self.wake_fd, 4096)
         generation = self._auth.generation
         keys = {k.decode("ascii") for k in self._auth.keys}
-        allowed = self.allowed
-        revoked = [(ident, key) for ident, key in allowed.items() if key not in keys]
+        known = self._known
+        revoked = [(ident, key) for ident, key in known.items() if key not in keys]
         for ident, _ in revoked:
-            del allowed[ident]
+            del known[ident]
+            self.allowed.pop(ident, None)
         with self._cond:
             self.swept = generation
             self._cond.notify_all()

@@ -149,6 +149,7 @@ class Inbox:
                 poller.register(monitor, zmq.POLLIN)
         if self._keys is not None:
             poller.register(self._keys.wake_fd, zmq.POLLIN)
+            poller.register(self._keys.monitor, zmq.POLLIN)
 
     def read(self, poller: zmq.Poller, timeout_ms: int | None = None) -> dict[Any, int]:
         """Wait in *poller* (up to *timeout_ms*, ``None``: no timeout; a held hello's
@@ -173,9 +174,12 @@ class Inbox:
             if self._client_monitors:
                 self._read_client_monitors(ready)
         keys = self._keys
-        if keys is not None and (keys.stale or keys.wake_fd in ready):
-            for ident, key in keys.sweep():  # the keys changed: cut the peers of those removed
-                session.revoke(ident, key)
+        if keys is not None:
+            if keys.monitor in ready:  # a new connection: every peer's key is read again
+                keys.connected()
+            if keys.stale or keys.wake_fd in ready:
+                for ident, key in keys.sweep():  # the keys changed: cut the removed keys' peers
+                    session.revoke(ident, key)
         if self.sock in ready:
             sock = self.sock
             receive = self._receive
@@ -280,6 +284,8 @@ class Inbox:
                 for _epoch, monitor in self._clients.new_monitors:
                     monitor.close(linger=0)
                 self._clients.new_monitors.clear()
+            if self._keys is not None:
+                self._keys.monitor.close(linger=0)
             self.monitor.close(linger=0)
             self.sock.close(linger=0)
 

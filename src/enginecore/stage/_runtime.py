@@ -277,7 +277,11 @@ class StageRuntime:
                     statistics=self._statistics,
                 )
             if self._auth is not None:
-                self._keys = KeyWatch(self._auth, self._session.with_session)
+                # A new connection to the input socket: the keys of its peers are read again.
+                in_monitor = in_sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_SUCCEEDED, f"inproc://enginecore.input-keys.{id(self)}"
+                )
+                self._keys = KeyWatch(self._auth, self._session.with_session, in_monitor)
             self._inbox = Inbox(
                 in_sock,
                 out_monitor,
