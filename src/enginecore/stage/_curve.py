@@ -60,7 +60,7 @@ _SILENT_FAILURES: Final = 2
 # The stage logs a refused key at most this often (the rest are counted).
 _DENIED_LOG_S: Final = 10.0
 # Peers whose key a KeyWatch remembers before it forgets those without a session (each is
-# checked again at its next message: ~0.4 us).
+# checked again at its next message).
 _KNOWN_MAX: Final = 4096
 
 
@@ -274,7 +274,7 @@ class KeyWatch:
 
     libzmq sets the ``User-Id`` property of every frame a CURVE server receives to what the
     ZAP handler returned for the connection: pyzmq's handler returns the client's public
-    key (Z85). :meth:`admit` reads it (~0.4 µs) for a peer's first message, and again for
+    key (Z85). :meth:`admit` reads it for a peer's first message, and again for
     its first message after any new connection to the input socket (:meth:`connected`:
     a routing id that a peer chose, or one freed by a peer that left, may now name another
     connection); :attr:`allowed` then maps the routing id to the key while it stays

@@ -19,6 +19,13 @@ poll: each client's output socket's monitor (registered when the client is welco
 when its socket has closed), and the fan-out's wake-up pipe, which says that the loop cut
 a client that fell behind (the session then detaches it).
 
+A CURVE stage also checks the key behind each message (:class:`~._curve.KeyWatch`): one
+lookup of the routing id for a peer already admitted; the first message of a peer (and its
+first after a new connection) reads the frame's ``User-Id``. At a change of the authorized
+keys (a wake-up pipe, and the input socket's monitor for new connections, in the same
+poll), the peers of the keys removed have their sessions ended (``StageSession.revoke``),
+and so has any later message of theirs. A stage without CURVE runs none of this.
+
 What the session decides (validation, sessions, the held hello) is in
 :mod:`._stage_session`; this module only moves bytes. A frame goes ``_inbox`` ->
 ``_stage_session`` -> (``_input_queue`` | ``_outbox``) and never comes back.
