@@ -676,3 +676,33 @@ def test_the_keys_of_a_pool_on_ray_rotate_for_its_replicas_and_their_restarts(
     with pytest.raises(TypeError, match="placed on Ray"):
         authorize_clients(object(), [keys.mallory.public_key])
     assert no_actor_left()
+
+
+def test_the_keys_of_an_async_pool_on_ray_rotate(own_keys: OwnKeys) -> None:
+    from enginecore.stage import AsyncStagePool
+
+    keys = own_keys
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch_on_ray(
+            COUNTDOWN,
+            replicas=1,
+            placement=SMALL,
+            curve=keys.client,
+            stage_secret_key=keys.stage_secret,
+            authorized_clients=[keys.observer_public],
+        )
+        async with pool:
+            (replica,) = pool.replicas
+            assert replica.address is not None
+            with StageObserver(replica.address, curve=keys.observer) as before:
+                assert before.stats(5).outputs == 0
+                assert await authorize_clients_async(pool, [keys.mallory.public_key]) == 1
+                with pytest.raises(AuthenticationError, match="no longer authorizes"):
+                    before.stats(5)  # blocks the event loop briefly: nothing else runs
+            assert member_plan(replica)[1].authorized_clients == (keys.mallory.public_key,)
+            stream = await pool.add("r1", 2)
+            assert [x async for x in stream] == [1, 0]
+
+    asyncio.run(main())
+    assert no_actor_left()

@@ -694,7 +694,12 @@ async def authorize_clients_async(
         futures = [
             asyncio.wrap_future(stage.actor.authorize.remote(checked).future()) for stage in stages
         ]
-        await asyncio.wait_for(asyncio.gather(*futures), timeout)
+        try:
+            await asyncio.wait_for(asyncio.gather(*futures), timeout)
+        except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
+            raise TimeoutError(
+                f"a key rotation of {len(stages)} stages on Ray took longer than {timeout:g} s"
+            ) from None
     for replica in replicas:
         replica._authorized_clients = tuple(k.encode("ascii") for k in checked)
     return len(stages)
