@@ -16,7 +16,8 @@ The stage binds its input socket at ``--bind`` and its output socket at ``--outp
 (``StageClient.connect(address)``) until SIGTERM / SIGINT or a client's ``shutdown()``.
 With ``--curve-secret-key`` and ``--authorized-clients``, both sockets are ZeroMQ CURVE
 servers (encrypted) and only the listed client keys get in (``docs/security.md``); SIGHUP
-reads the directory again, and new connections are checked against its keys. TCP binds
+reads the directory again: new connections are checked against its keys, and clients
+connected with a key removed lose their sessions. TCP binds
 to a non-loopback address only with CURVE, or with ``--insecure`` (no authentication, no
 encryption). Exit code: 0 after a clean shutdown, 1 after a fatal error or a failed
 start, 2 for bad arguments or a failed IO thread.
@@ -77,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
         "--authorized-clients",
         metavar="DIR",
         help="a directory of client public keys (*.key): only these clients get in (read at "
-        "start, and again on SIGHUP: new connections are checked against the keys then listed)",
+        "start, and again on SIGHUP: new connections are checked against the keys then listed, "
+        "and clients connected with a removed key lose their sessions)",
     )
     serve.add_argument(
         "--insecure",

@@ -31,6 +31,8 @@ from enginecore.stage import (
     AuthenticationError,
     CurveKeys,
     ProtocolError,
+    SessionLostError,
+    StageClient,
     StageObserver,
     StagePool,
 )
@@ -181,7 +183,8 @@ def test_sighup_rotates_the_authorized_keys(
         assert newcomer.add("m", 2).collect(timeout=10) == [1, 0]
         with pytest.raises(AuthenticationError, match="not among the stage's authorized"):
             connect(srv.address, curve=keys.alice, timeout=5)  # removed: a new one is refused
-        assert before.add("a", 2).collect(timeout=10) == [1, 0]  # one made before stays
+        with pytest.raises(SessionLostError, match="no longer authorizes"):
+            before.add("a", 2).collect(timeout=10)  # one made before is cut too
 
         # A directory left without any key changes nothing: mallory still gets in.
         (authorized / "mallory.key").unlink()
@@ -189,10 +192,175 @@ def test_sighup_rotates_the_authorized_keys(
         stderr.wait_for("kept the 1 authorized client keys")
         newcomer.close()
         again = connect(srv.address, curve=keys.mallory, timeout=5)
-        assert again.call_utility("log") == ["add m", "add a"]  # the refused added nothing
+        assert again.call_utility("log") == ["add m"]  # the refused added nothing
         again.close()
         before.close()
     finally:
+        assert srv.stop() == 0
+        assert srv.proc.stderr is not None
+        srv.proc.stderr.close()
+
+
+@pytest.mark.parametrize("max_clients", [1, 2])
+def test_a_connected_client_whose_key_is_removed_loses_its_session(
+    connect: Connect, keys: Keys, no_leftovers: str, tmp_path: Path, max_clients: int
+) -> None:
+    """A client connected before a rotation keeps working while its key stays listed; once
+    a rotation removes it, its next message is refused, its live request is aborted (its
+    stream ends with SessionLostError, and the engine saw the abort), and the stage goes
+    on for the others."""
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    shutil.copy(keys.authorized / "alice.key", authorized)
+    bob_public, bob_secret = keygen(tmp_path / "bob", "bob")
+    shutil.copy(bob_public, authorized)
+    bob_keys = CurveKeys.load(bob_secret, keys.stage_public)
+    srv = Server(
+        "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*",
+        "--max-clients", str(max_clients), "--session-timeout", "30",
+        "--curve-secret-key", str(keys.stage_secret), "--authorized-clients", str(authorized),
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    stderr = _Stderr(srv.proc)
+    try:
+        alice = connect(srv.address, curve=keys.alice)
+        alice.call_utility("pace", 0.02)
+        stream = iter(alice.add("long", 100_000))
+        assert next(stream) == 99_999
+
+        # A rotation that keeps alice's key (mallory's added): she goes on.
+        shutil.copy(keys.authorized.parent / "mallory" / "mallory.key", authorized)
+        srv.proc.send_signal(signal.SIGHUP)
+        stderr.wait_for("3 keys (1 added, 0 removed)")
+        assert alice.call_utility("echo", 1, timeout=10) == [1]
+        assert next(stream) < 99_999
+
+        # A rotation that removes it: the stage cuts her session before it logs the reload.
+        (authorized / "alice.key").unlink()
+        srv.proc.send_signal(signal.SIGHUP)
+        stderr.wait_for("2 keys (0 added, 1 removed)")
+        key = keys.alice.public_key.decode()
+        assert f"CURVE key {key} is no longer authorized" in stderr.text
+        revoked = f"no longer authorizes this client's CURVE public key {key}"
+        with pytest.raises(SessionLostError, match=re.escape(revoked)):
+            for _ in stream:  # its outputs stop, though alice sent nothing since
+                pass
+        with pytest.raises(SessionLostError, match=re.escape(revoked)):
+            alice.call_utility("echo", 2, timeout=10)
+
+        # The others go on; the engine saw alice's request aborted, and nothing she sent
+        # after the rotation.
+        bob = connect(srv.address, curve=bob_keys, timeout=10)
+        assert bob.add("b", 2).collect(timeout=10) == [1, 0]
+        assert bob.call_utility("log") == ["add long", "abort long", "add b"]
+        with pytest.raises(AuthenticationError, match="not among the stage's authorized"):
+            connect(srv.address, curve=keys.alice, timeout=5)  # a new connection: refused
+    finally:
+        assert srv.stop() == 0
+        assert srv.proc.stderr is not None
+        srv.proc.stderr.close()
+
+
+def test_a_revoked_raw_peer_is_rejected_and_delivers_nothing(
+    connect: Connect, keys: Keys, no_leftovers: str, tmp_path: Path
+) -> None:
+    """Not only our clients: any peer connected with a key that a rotation removed gets a
+    reject for each message (an add, a stats request), and none reaches the engine; a
+    StageObserver says so with AuthenticationError, not a timeout."""
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    shutil.copy(keys.authorized / "alice.key", authorized)
+    shutil.copy(keys.authorized.parent / "mallory" / "mallory.key", authorized)
+    srv = Server(
+        "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*",
+        "--curve-secret-key", str(keys.stage_secret), "--authorized-clients", str(authorized),
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    stderr = _Stderr(srv.proc)
+    ctx = zmq.Context()
+    try:
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.RCVTIMEO, 10_000)
+        raw.curve_serverkey = keys.mallory.server_key
+        raw.curve_publickey = keys.mallory.public_key
+        raw.curve_secretkey = keys.mallory.secret_key
+        raw.connect(srv.address)
+        raw.send(msgspec.msgpack.encode(["stats", 1]))  # an observer's request: answered
+        assert msgspec.msgpack.decode(raw.recv())[:2] == ["utility", 1]
+        observer = StageObserver(srv.address, curve=keys.mallory)
+        assert observer.stats(5).outputs == 0
+
+        (authorized / "mallory.key").unlink()
+        srv.proc.send_signal(signal.SIGHUP)
+        stderr.wait_for("1 keys (0 added, 1 removed)")
+        for message in (["add", "x", 1], ["stats", 2]):
+            raw.send(msgspec.msgpack.encode(message))
+            reply = msgspec.msgpack.decode(raw.recv())
+            assert reply[0] == "reject", reply
+            assert "no longer authorizes" in reply[2], reply
+        with pytest.raises(AuthenticationError, match=r"refused this observer: .*no longer auth"):
+            observer.stats(5)
+        observer.close()
+        _engine_saw_nothing_and_still_serves(connect, srv.address, keys)
+    finally:
+        ctx.destroy(linger=0)
+        assert srv.stop() == 0
+        assert srv.proc.stderr is not None
+        srv.proc.stderr.close()
+
+
+def _raw_peer(ctx: zmq.Context[Any], address: str, keys: CurveKeys, routing_id: bytes) -> Any:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.curve_serverkey = keys.server_key
+    sock.curve_publickey = keys.public_key
+    sock.curve_secretkey = keys.secret_key
+    sock.connect(address)
+    return sock
+
+
+def test_a_routing_id_taken_over_by_another_key_is_checked_for_that_key(
+    keys: Keys, no_leftovers: str, tmp_path: Path
+) -> None:
+    """A peer may choose its routing id, and reuse one that a peer with another key used
+    before: the stage reads the key again after every new connection, so a rotation that
+    removes the new peer's key cuts it, whatever key the routing id had before."""
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    shutil.copy(keys.authorized / "alice.key", authorized)
+    shutil.copy(keys.authorized.parent / "mallory" / "mallory.key", authorized)
+    srv = Server(
+        "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*",
+        "--curve-secret-key", str(keys.stage_secret), "--authorized-clients", str(authorized),
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    stderr = _Stderr(srv.proc)
+    ctx = zmq.Context()
+    try:
+        first = _raw_peer(ctx, srv.address, keys.alice, b"peer")
+        first.send(msgspec.msgpack.encode(["stats", 1]))
+        assert msgspec.msgpack.decode(first.recv())[:2] == ["utility", 1]  # alice's key known
+        first.close(linger=0)
+        # The same routing id, mallory's key: its request is delivered once the stage has
+        # let go of the first connection (libzmq refuses a routing id in use until then).
+        second = _raw_peer(ctx, srv.address, keys.mallory, b"peer")
+        second.send(msgspec.msgpack.encode(["stats", 2]))
+        assert msgspec.msgpack.decode(second.recv())[:2] == ["utility", 2]
+
+        (authorized / "mallory.key").unlink()
+        srv.proc.send_signal(signal.SIGHUP)
+        stderr.wait_for("1 keys (0 added, 1 removed)")
+        second.send(msgspec.msgpack.encode(["add", "x", 1]))
+        reply = msgspec.msgpack.decode(second.recv())
+        assert reply[0] == "reject", reply
+        assert keys.mallory.public_key.decode() in reply[2], reply
+        with StageClient.connect(srv.address, curve=keys.alice) as client:
+            assert client.call_utility("log") == []  # the add never reached the engine
+    finally:
+        ctx.destroy(linger=0)
         assert srv.stop() == 0
         assert srv.proc.stderr is not None
         srv.proc.stderr.close()

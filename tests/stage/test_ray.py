@@ -34,13 +34,21 @@ from enginecore.stage import (
     _logs,
 )
 from enginecore.stage._curve import keygen
+from enginecore.stage._poolbase import member_plan
 
 from .conftest import _clients, wait_until
 from .test_logs import Records
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
-from enginecore.stage.ray import RayPlacement, RayPlan, RayStage, launch_on_ray  # noqa: E402
+from enginecore.stage.ray import (  # noqa: E402
+    RayPlacement,
+    RayPlan,
+    RayStage,
+    authorize_clients,
+    authorize_clients_async,
+    launch_on_ray,
+)
 
 COUNTDOWN = "enginecore.stage.testing:countdown"
 SCRIPTED = "enginecore.stage.testing:scripted"
@@ -596,4 +604,105 @@ def test_a_pool_on_ray_with_your_own_keys_and_forwarded_logs(
         with StageObserver(replica.address, curve=own_keys.observer) as observer:
             assert observer.stats(5).pid == replica.pid
         assert pool.add("r1", 2).collect() == [1, 0]
+    assert no_actor_left()
+
+
+# -- key rotation without a restart --------------------------------------------------------------
+
+
+def test_the_keys_of_a_stage_on_ray_rotate_without_a_restart(
+    ray_launch: Callable[..., StageClient], own_keys: OwnKeys
+) -> None:
+    """authorize_clients (the sync client) and authorize_clients_async (the asyncio
+    client): the listed observer, connected before, is cut at once; a newly listed key gets
+    in, a removed one does not; the client that placed the stage goes on."""
+    keys = own_keys
+    client = ray_launch(
+        COUNTDOWN,
+        placement=SMALL,
+        curve=keys.client,
+        stage_secret_key=keys.stage_secret,
+        authorized_clients=[keys.observer_public],
+    )
+    with StageObserver(client.address, curve=keys.observer) as before:
+        assert before.stats(5).outputs == 0  # listed at the start
+        new = [keys.mallory.public_key.decode()]  # str or bytes
+        runner = getattr(client, "_runner", None)
+        if runner is None:
+            assert authorize_clients(client, new) == 1
+        else:
+            assert runner.run(authorize_clients_async(client._client, new)) == 1  # type: ignore[attr-defined]
+        with pytest.raises(AuthenticationError, match="no longer authorizes this client's CURVE"):
+            before.stats(5)  # connected before the rotation: cut
+    with StageObserver(client.address, curve=keys.mallory) as newcomer:
+        assert newcomer.stats(5).outputs == 0  # listed now
+    with (
+        StageObserver(client.address, curve=keys.observer) as removed,
+        pytest.raises(AuthenticationError, match="not among"),
+    ):
+        removed.stats(5)
+    assert list(client.add("r1", 2)) == [1, 0]  # the owner is always admitted
+    with pytest.raises(ValueError, match="authorized client key"):
+        authorize_clients(client, ["short"])
+    client.close()
+    assert no_actor_left()
+
+
+def test_the_keys_of_a_pool_on_ray_rotate_for_its_replicas_and_their_restarts(
+    own_keys: OwnKeys,
+) -> None:
+    keys = own_keys
+    with StagePool.launch_on_ray(
+        COUNTDOWN,
+        replicas=1,
+        placement=SMALL,
+        curve=keys.client,
+        stage_secret_key=keys.stage_secret,
+        authorized_clients=[keys.observer_public],
+    ) as pool:
+        (replica,) = pool.replicas
+        assert replica.address is not None
+        assert authorize_clients(pool, [keys.mallory.public_key]) == 1
+        with StageObserver(replica.address, curve=keys.mallory) as newcomer:
+            assert newcomer.stats(5).outputs == 0
+        with (
+            StageObserver(replica.address, curve=keys.observer) as removed,
+            pytest.raises(AuthenticationError, match="not among"),
+        ):
+            removed.stats(5)
+        # A restart places the replica with the keys of the last rotation.
+        assert member_plan(replica)[1].authorized_clients == (keys.mallory.public_key,)
+        assert pool.add("r1", 2).collect() == [1, 0]
+    with pytest.raises(TypeError, match="placed on Ray"):
+        authorize_clients(object(), [keys.mallory.public_key])
+    assert no_actor_left()
+
+
+def test_the_keys_of_an_async_pool_on_ray_rotate(own_keys: OwnKeys) -> None:
+    from enginecore.stage import AsyncStagePool
+
+    keys = own_keys
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch_on_ray(
+            COUNTDOWN,
+            replicas=1,
+            placement=SMALL,
+            curve=keys.client,
+            stage_secret_key=keys.stage_secret,
+            authorized_clients=[keys.observer_public],
+        )
+        async with pool:
+            (replica,) = pool.replicas
+            assert replica.address is not None
+            with StageObserver(replica.address, curve=keys.observer) as before:
+                assert before.stats(5).outputs == 0
+                assert await authorize_clients_async(pool, [keys.mallory.public_key]) == 1
+                with pytest.raises(AuthenticationError, match="no longer authorizes"):
+                    before.stats(5)  # blocks the event loop briefly: nothing else runs
+            assert member_plan(replica)[1].authorized_clients == (keys.mallory.public_key,)
+            stream = await pool.add("r1", 2)
+            assert [x async for x in stream] == [1, 0]
+
+    asyncio.run(main())
     assert no_actor_left()

@@ -74,7 +74,7 @@ class StageTarget(Protocol):
 
     def drop_ended(self, req_ids: Sequence[str]) -> None: ...
 
-    def change_session(self, epoch: int | None) -> None: ...
+    def change_session(self, epoch: int | None, *, abort: bool = False) -> None: ...
 
     @property
     def add_burst(self) -> Callable[[list[str], list[Any]], None]: ...
@@ -212,19 +212,21 @@ class DropEnded(Control):
 class SessionChange(Control):
     """The end of a session (*epoch* ``None``: a ``bye``) or the start of session *epoch*
     (a client welcomed). Applied after everything the previous client sent: its live
-    requests are aborted unless the stage keeps them, with no ``aborted`` event (nobody
-    asked), and the loop's events belong to session *epoch* from then on."""
+    requests are aborted unless the stage keeps them (always with *abort*: the client's
+    CURVE key was revoked), with no ``aborted`` event (nobody asked), and the loop's events
+    belong to session *epoch* from then on."""
 
-    __slots__ = ("epoch",)
+    __slots__ = ("abort", "epoch")
 
-    def __init__(self, epoch: int | None) -> None:
+    def __init__(self, epoch: int | None, *, abort: bool = False) -> None:
         self.epoch = epoch
+        self.abort = abort
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.change_session(self.epoch)
+        engine.change_session(self.epoch, abort=self.abort)
 
     def __repr__(self) -> str:
-        return f"SessionChange(epoch={self.epoch!r})"
+        return f"SessionChange(epoch={self.epoch!r}, abort={self.abort!r})"
 
 
 class AddBurst(Control):

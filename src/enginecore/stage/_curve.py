@@ -20,12 +20,13 @@ Keys are Z85 text (40 bytes), as ``zmq.curve_keypair()`` and ``zmq.auth`` write 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -40,6 +41,7 @@ from ._errors import AuthenticationError
 __all__ = [
     "CurveKeys",
     "HandshakeWatch",
+    "KeyWatch",
     "ServerCurve",
     "keygen",
     "load_server_curve",
@@ -57,9 +59,12 @@ _Z85_KEY_LEN: Final = 40
 _SILENT_FAILURES: Final = 2
 # The stage logs a refused key at most this often (the rest are counted).
 _DENIED_LOG_S: Final = 10.0
+# Peers whose key a KeyWatch remembers before it forgets those without a session (each is
+# checked again at its next message).
+_KNOWN_MAX: Final = 4096
 
 
-def _check_key(value: bytes, what: str) -> bytes:
+def _check_key(value: bytes | str, what: str) -> bytes:
     if isinstance(value, str):
         value = value.encode("ascii")
     if not isinstance(value, bytes):
@@ -219,15 +224,38 @@ class Authenticator:
 
     def __init__(self, ctx: zmq.Context[Any], curve: ServerCurve) -> None:
         self.check = _Authorized(curve.authorized)
+        self.generation = 0
+        """How many times :meth:`authorize` changed the keys."""
+        self._listeners: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("enginecore.stage.zap"))
         self._auth.start()
         self._auth.configure_curve_callback("*", self.check)
 
-    def authorize(self, keys: frozenset[bytes]) -> None:
+    @property
+    def keys(self) -> frozenset[bytes]:
+        """The client public keys admitted now."""
+        return self.check.keys
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call *listener()* (on the thread that calls :meth:`authorize`, after the keys
+        changed) at every change: the input side's :class:`KeyWatch` wakes up to end the
+        sessions of the keys removed."""
+        self._listeners.append(listener)
+
+    def authorize(self, keys: frozenset[bytes]) -> int:
         """Admit *keys* from now on, instead of the keys admitted so far: handshakes that
-        begin after this call are checked against them. Connections already made stay (CURVE
-        checks a key once, at the handshake). Thread-safe."""
-        self.check.keys = frozenset(keys)
+        begin after this call are checked against them, and the listeners
+        (:meth:`on_change`) are told, so that the connections already made with a key
+        removed are cut (CURVE itself checks a key once, at the handshake). Returns the new
+        :attr:`generation`. Thread-safe."""
+        with self._lock:
+            self.check.keys = frozenset(keys)  # first: whoever sees the generation sees them
+            self.generation += 1
+            generation = self.generation
+        for listener in self._listeners:
+            listener()
+        return generation
 
     def stop(self) -> None:
         """End the handler thread and close its socket."""
@@ -237,6 +265,134 @@ class Authenticator:
 def start_authenticator(ctx: zmq.Context[Any], curve: ServerCurve) -> Authenticator:
     """Start the ZAP handler on *ctx*, before any CURVE server socket binds."""
     return Authenticator(ctx, curve)
+
+
+class KeyWatch:
+    """The input side's view of which key each peer connected with, on a CURVE stage, so
+    that a key removed by :meth:`Authenticator.authorize` also cuts the connections already
+    made with it (``docs/security.md``, "Keys").
+
+    libzmq sets the ``User-Id`` property of every frame a CURVE server receives to what the
+    ZAP handler returned for the connection: pyzmq's handler returns the client's public
+    key (Z85). :meth:`admit` reads it for a peer's first message, and again for
+    its first message after any new connection to the input socket (:meth:`connected`:
+    a routing id that a peer chose, or one freed by a peer that left, may now name another
+    connection); :attr:`allowed` then maps the routing id to the key while it stays
+    authorized, so the input side's check per message is one lookup of the routing id
+    (``ident in allowed``). A stage without CURVE has no :class:`KeyWatch` and pays
+    nothing.
+
+    At each change of the keys the authenticator writes to :attr:`wake_fd` (the input side
+    polls it); whichever thread holds the input side then calls :meth:`sweep`, which
+    returns the peers whose key (the last one :meth:`admit` read for their routing id) was
+    removed, for the session to end their sessions. :meth:`wait_swept` lets
+    :meth:`StageRuntime.authorize <enginecore.stage._runtime.StageRuntime.authorize>`
+    return only once that is done.
+
+    *monitor*: the input socket's monitor, for ``EVENT_HANDSHAKE_SUCCEEDED`` (the input
+    side polls it and calls :meth:`connected`; the input thread closes it). *keep()* names
+    the routing ids whose key must stay known when the peers are trimmed (past
+    :data:`_KNOWN_MAX`: those with a session, so that a sweep finds them).
+    """
+
+    def __init__(
+        self,
+        auth: Authenticator,
+        keep: Callable[[], Iterable[bytes]],
+        monitor: zmq.Socket[bytes],
+    ) -> None:
+        self._auth = auth
+        self._keep = keep
+        self.monitor = monitor
+        self.allowed: dict[bytes, str] = {}
+        """Routing id -> the Z85 public key, for the peers whose key :meth:`admit` read
+        since the last new connection and found authorized (changed in place only: the
+        input side holds a reference)."""
+        self._known: dict[bytes, str] = {}  # routing id -> the last key admit() read for it
+        self.swept = auth.generation
+        """The last generation of keys :meth:`sweep` applied."""
+        self._cond = threading.Condition()
+        self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        auth.on_change(self._wake)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a sweep is due anyway) or closed
+            os.write(self._wake_w, b"k")
+
+    @property
+    def stale(self) -> bool:
+        """Whether the keys changed since the last :meth:`sweep` (an unlocked read)."""
+        return self._auth.generation != self.swept
+
+    def connected(self) -> None:
+        """Read the input socket's monitor: after a new connection, every peer's key is
+        read again at its next message (:attr:`allowed` is emptied)."""
+        new = False
+        while True:
+            try:
+                self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            new = True
+        if new:
+            self.allowed.clear()
+
+    def admit(self, ident: bytes, frame: Any) -> str | None:
+        """A message from *ident*, which is not in :attr:`allowed`: ``None`` if the key it
+        connected with (its *frame*'s ``User-Id``) is authorized now (it is then
+        remembered), else that key (``""`` if the frame names none)."""
+        try:
+            key = frame.get("User-Id")
+        except (zmq.ZMQError, AttributeError):  # no such property: not a CURVE connection
+            return ""
+        if not isinstance(key, str):
+            return ""
+        known = self._known
+        if len(known) >= _KNOWN_MAX and ident not in known:
+            kept = {i: known[i] for i in self._keep() if i in known}
+            known.clear()
+            known.update(kept)
+            self.allowed.clear()
+        known[ident] = key
+        if key.encode("ascii", "replace") not in self._auth.keys:
+            return key
+        self.allowed[ident] = key
+        return None
+
+    def sweep(self) -> list[tuple[bytes, str]]:
+        """Apply the current keys: the peers whose key was removed, as ``(routing id,
+        key)``, forgotten here. Empties the wake-up pipe."""
+        with contextlib.suppress(OSError):
+            os.read(self.wake_fd, 4096)
+        generation = self._auth.generation
+        keys = {k.decode("ascii") for k in self._auth.keys}
+        known = self._known
+        revoked = [(ident, key) for ident, key in known.items() if key not in keys]
+        for ident, _ in revoked:
+            del known[ident]
+            self.allowed.pop(ident, None)
+        with self._cond:
+            self.swept = generation
+            self._cond.notify_all()
+        return revoked
+
+    def wait_swept(self, generation: int, timeout: float, alive: Callable[[], bool]) -> bool:
+        """Wait until :meth:`sweep` has applied *generation* (or a later one), at most
+        *timeout* seconds, and while *alive()*; whether it has."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.swept < generation:
+                left = deadline - time.monotonic()
+                if left <= 0 or not alive():
+                    return False
+                self._cond.wait(min(left, 0.1))
+        return True
+
+    def close(self) -> None:
+        """Close the wake-up pipe (once nobody polls it)."""
+        for fd in (self.wake_fd, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 # The monitor events a client reads during the handshake.

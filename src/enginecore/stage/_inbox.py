@@ -19,6 +19,13 @@ poll: each client's output socket's monitor (registered when the client is welco
 when its socket has closed), and the fan-out's wake-up pipe, which says that the loop cut
 a client that fell behind (the session then detaches it).
 
+A CURVE stage also checks the key behind each message (:class:`~._curve.KeyWatch`): one
+lookup of the routing id for a peer already admitted; the first message of a peer (and its
+first after a new connection) reads the frame's ``User-Id``. At a change of the authorized
+keys (a wake-up pipe, and the input socket's monitor for new connections, in the same
+poll), the peers of the keys removed have their sessions ended (``StageSession.revoke``),
+and so has any later message of theirs. A stage without CURVE runs none of this.
+
 What the session decides (validation, sessions, the held hello) is in
 :mod:`._stage_session`; this module only moves bytes. A frame goes ``_inbox`` ->
 ``_stage_session`` -> (``_input_queue`` | ``_outbox``) and never comes back.
@@ -40,6 +47,7 @@ from ._outbox import StageOutput
 from ._stage_session import MultiStageSession, StageSession
 
 if TYPE_CHECKING:
+    from ._curve import KeyWatch
     from ._fanout import Fanout
 
 __all__ = ["MAX_BURST", "Inbox"]
@@ -86,6 +94,7 @@ class Inbox:
         *,
         on_failure: Callable[[], None],
         clients: Fanout | None = None,
+        keys: KeyWatch | None = None,
     ) -> None:
         if not isinstance(queue, InputQueue):
             raise TypeError(f"the stage's input queue must be an InputQueue, got {queue!r}")
@@ -99,6 +108,12 @@ class Inbox:
         self._client_monitors: dict[zmq.Socket[bytes], int] = {}
         if self._multi is not None:
             self.has_input = self._has_input_multi  # type: ignore[method-assign]
+        self._keys = keys
+        self._receive: Callable[[bytes, list[Any], float], None] = session.receive
+        if keys is not None:
+            self._receive = self._checked_receive(keys)
+            unchecked = self.has_input
+            self.has_input = lambda: keys.stale or unchecked()  # type: ignore[method-assign]
         self._post = outbox.post
         self._on_failure = on_failure
         self.failed = False
@@ -114,6 +129,11 @@ class Inbox:
     def start(self) -> None:
         """Start the input thread."""
         self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the input thread has started and not ended."""
+        return self._thread.is_alive()
 
     def join(self) -> None:
         """Wait until the input thread has ended (after ``Context.term()``)."""
@@ -134,6 +154,9 @@ class Inbox:
             poller.register(self._clients.wake_fd, zmq.POLLIN)
             for monitor in self._client_monitors:
                 poller.register(monitor, zmq.POLLIN)
+        if self._keys is not None:
+            poller.register(self._keys.wake_fd, zmq.POLLIN)
+            poller.register(self._keys.monitor, zmq.POLLIN)
 
     def read(self, poller: zmq.Poller, timeout_ms: int | None = None) -> dict[Any, int]:
         """Wait in *poller* (up to *timeout_ms*, ``None``: no timeout; a held hello's
@@ -157,9 +180,16 @@ class Inbox:
             woken = self._clients.wake_fd in ready
             if self._client_monitors:
                 self._read_client_monitors(ready)
+        keys = self._keys
+        if keys is not None:
+            if keys.monitor in ready:  # a new connection: every peer's key is read again
+                keys.connected()
+            if keys.stale or keys.wake_fd in ready:
+                for ident, key in keys.sweep():  # the keys changed: cut the removed keys' peers
+                    session.revoke(ident, key)
         if self.sock in ready:
             sock = self.sock
-            receive = session.receive
+            receive = self._receive
             now = time.monotonic()
             for i in range(MAX_BURST):
                 try:
@@ -185,6 +215,27 @@ class Inbox:
             events, session.events = session.events, []
             self._post(events if len(events) > 1 else events[0], len(events))
         return ready
+
+    def _checked_receive(self, keys: KeyWatch) -> Callable[[bytes, list[Any], float], None]:
+        # A CURVE stage's receive: a peer admitted under the current keys costs one dict
+        # lookup; any other reads its frame's key once (KeyWatch.admit), and one whose key
+        # the stage no longer authorizes has its message dropped and its session ended.
+        allowed = keys.allowed
+        receive = self.session.receive
+        admit = keys.admit
+        revoke = self.session.revoke
+
+        def checked(ident: bytes, parts: list[Any], now: float) -> None:
+            if ident in allowed:
+                receive(ident, parts, now)
+                return
+            key = admit(ident, parts[0])
+            if key is None:
+                receive(ident, parts, now)
+            else:
+                revoke(ident, key)
+
+        return checked
 
     def has_input(self) -> bool:
         """Whether :meth:`read` has anything to do at once: a message or a monitor event
@@ -240,6 +291,8 @@ class Inbox:
                 for _epoch, monitor in self._clients.new_monitors:
                     monitor.close(linger=0)
                 self._clients.new_monitors.clear()
+            if self._keys is not None:
+                self._keys.monitor.close(linger=0)
             self.monitor.close(linger=0)
             self.sock.close(linger=0)
 

@@ -231,6 +231,12 @@ class ForwardHandler(logging.Handler):
             self._close_now()
             raise
 
+    def authorize(self, keys: frozenset[bytes]) -> None:
+        """A bound CURVE handler: admit *keys* from now on, for new connections (the
+        stage's rotation, :meth:`._ray_actor._StageActor.authorize`); nothing otherwise."""
+        if self._auth is not None:
+            self._auth.authorize(keys)
+
     def wait_connected(self, timeout: float) -> bool:
         """A bound handler: wait until the parent's socket has connected (its handshake
         done), at most *timeout* seconds; whether it has. Records sent before are dropped

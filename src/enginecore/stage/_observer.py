@@ -125,7 +125,8 @@ class StageObserver:
         anything that is not an answer are dropped. :class:`UtilityError` if the stage
         refused the request, :class:`ProtocolError` if its answer is not statistics, and
         :class:`~enginecore.stage.AuthenticationError` (a ``ProtocolError``) as soon as the
-        stage refuses the observer's handshake (:meth:`failure`)."""
+        stage refuses the observer's handshake (:meth:`failure`), or its key once a key
+        rotation removed it (the stage's ``reject``)."""
         deadline = time.monotonic() + max(0.0, timeout)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
@@ -142,6 +143,13 @@ class StageObserver:
                     return None
                 continue
             reply = self._read()
+            if reply is not None and reply[0] == "reject":
+                # With CURVE: the stage no longer authorizes this observer's key (key
+                # rotation); it answers every request so (docs/security.md).
+                self._pending = None
+                raise AuthenticationError(
+                    f"the stage at {self.address} refused this observer: {reply[2]}"
+                )
             if reply is None or reply[1] != self._pending:
                 continue
             self._pending = None
@@ -181,7 +189,9 @@ class StageObserver:
             return None
         if type(reply) is list and len(reply) >= 4 and reply[0] == "utility":
             return reply
-        return None  # a welcome or reject is not for an observer; nothing else comes here
+        if type(reply) is list and len(reply) >= 3 and reply[0] == "reject":
+            return reply  # its key was revoked (a stage rejects an observer for nothing else)
+        return None  # a welcome is not for an observer; nothing else comes here
 
     def close(self) -> None:
         """Close the socket (and the context, if this observer made it). Idempotent."""

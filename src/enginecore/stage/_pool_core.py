@@ -161,6 +161,7 @@ class Replica:
     identity); every property reads the pool's view now, without waiting."""
 
     __slots__ = (
+        "_authorized_clients",
         "_client",
         "_deaths",
         "_generation",
@@ -191,6 +192,10 @@ class Replica:
         # Bumped by each death of the replica or of its group: a start begun before it no
         # longer counts (PoolCore.started(generation=)).
         self._generation = 0
+        # A replica placed on Ray: the authorized_clients of the last key rotation
+        # (enginecore.stage.ray.authorize_clients), which its next start uses instead of
+        # its spec's.
+        self._authorized_clients: tuple[bytes, ...] | None = None
 
     @property
     def state(self) -> ReplicaState:

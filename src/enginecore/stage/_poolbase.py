@@ -164,12 +164,15 @@ def member_plan(replica: Replica) -> tuple[Any, ...]:
     """How to start *replica*'s member client, from its spec: ``("connect", target)``,
     ``("launch", factory, kwargs, startup_timeout, options, ping_s)``, or ``("ray",
     plan)`` for a stage placed on Ray (a spec with ``"ray": RayPlacement(...)``;
-    :class:`enginecore.stage.ray.RayPlan`); the stage of a launched replica is named
+    :class:`enginecore.stage.ray.RayPlan`, with the keys of the last rotation,
+    :func:`enginecore.stage.ray.authorize_clients`); the stage of a launched replica is named
     ``"<name or factory>/<replica name>"``."""
     spec = dict(replica.spec)
     if "ray" in spec:
         from .ray import plan_from_spec  # imports no Ray
 
+        if replica._authorized_clients is not None:  # rotated since it was added
+            spec["authorized_clients"] = replica._authorized_clients
         return ("ray", plan_from_spec(spec, replica.name))
     if "address" in spec:
         heartbeat = check_heartbeat(

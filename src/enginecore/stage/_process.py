@@ -175,8 +175,9 @@ def serve(
 
     With *curve*, both sockets are CURVE servers behind a ZAP handler that admits only its
     authorized client keys (``serve --curve-secret-key --authorized-clients``); SIGHUP
-    reads ``curve.authorized_dir`` again and admits its keys from then on, for new
-    connections (key rotation; connections already made stay).
+    reads ``curve.authorized_dir`` again and admits its keys from then on: new connections
+    are checked against them, and a connected client whose key was removed loses its
+    session (key rotation, :meth:`StageRuntime.authorize`).
 
     With *max_clients* above 1 (``serve --max-clients``), up to that many clients are
     attached at once, each with an output socket of its own (``StageRuntime``); a client
@@ -289,7 +290,8 @@ class _DrainFirst:
 class _KeyReload:
     """``serve --authorized-clients DIR`` on SIGHUP: read *DIR* again and admit its keys
     from then on (key rotation, ``docs/security.md``). New connections are checked against
-    the new keys; connections already made stay.
+    the new keys, and the clients connected with a key removed lose their sessions before
+    the reload is logged (:meth:`StageRuntime.authorize`).
 
     As for :class:`_DrainFirst`, the signal handler only writes a byte to a pipe; a thread
     of its own reads the directory and swaps the keys, and logs what changed (a warning, so
@@ -344,7 +346,8 @@ class _KeyReload:
         self.reloads += 1
         logger.warning(
             "enginecore: SIGHUP: reloaded the authorized client keys from %s: %d keys "
-            "(%d added, %d removed); new connections are checked against them",
+            "(%d added, %d removed); new connections are checked against them, and the "
+            "clients connected with a removed key were cut",
             self._directory,
             len(keys),
             added,

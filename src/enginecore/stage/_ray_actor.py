@@ -37,6 +37,7 @@ class _StageActor:
         self._done = threading.Event()
         self._code: int | None = None
         self._curve: Any = None  # the stage's ServerCurve, once made
+        self._owner: bytes | None = None  # the public key of the client that placed it
         self._logs: _logs.ForwardHandler | None = None
 
     def _server_curve(self, keys: dict[str, Any] | None) -> Any:
@@ -67,6 +68,7 @@ class _StageActor:
                         f"stage's NAME.key_secret)"
                     )
                 secret = loaded
+            self._owner = keys["authorized"][0]
             self._curve = ServerCurve(
                 public_key=public,
                 secret_key=secret,
@@ -154,6 +156,30 @@ class _StageActor:
                 logging.getLogger().removeHandler(handler)
                 handler.close()
             self._done.set()
+
+    def authorize(self, keys: list[str]) -> int:
+        """Key rotation: the stage admits the client that placed it and *keys* (public
+        keys, Z85 text) from now on, instead of the keys admitted so far
+        (:meth:`StageRuntime.authorize <._runtime.StageRuntime.authorize>`: new connections
+        are checked against them, and the clients connected with a key removed lose their
+        sessions before this returns); so does the log socket, for new connections. Returns
+        how many keys it admits. :class:`ValueError` for a key that is not Z85,
+        :class:`RuntimeError` for a stage without CURVE or not started."""
+        from ._curve import _check_key
+
+        if self._runtime is None or self._owner is None:
+            raise RuntimeError(
+                "this stage does not use CURVE (placed with insecure=True)"
+                if self._runtime is not None
+                else "this actor runs no stage"
+            )
+        admitted = frozenset(
+            [self._owner, *(_check_key(k, "an authorized client key") for k in keys)]
+        )
+        self._runtime.authorize(admitted)
+        if self._logs is not None:
+            self._logs.authorize(admitted)
+        return len(admitted)
 
     def wait(self) -> int | None:
         """Block until the stage's loop has ended; its exit code."""

@@ -31,7 +31,7 @@ from .._engine import Engine, PipelinedEngine
 from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
 from ._controls import DropEnded, Stop
-from ._curve import Authenticator, ServerCurve, secure_server, start_authenticator
+from ._curve import Authenticator, KeyWatch, ServerCurve, secure_server, start_authenticator
 from ._fanout import CLIENT_BUFFER, RECHECK_MS, Fanout, session_endpoint
 from ._inbox import Inbox
 from ._input_queue import InputQueue
@@ -73,6 +73,8 @@ DETACHED_BUFFER: Final = 1024
 
 # How long the output socket may take to deliver the last frames when the stage ends.
 _OUTPUT_LINGER_MS: Final = 1000
+# How long authorize() waits for the input side to cut the peers of the keys removed.
+_SWEEP_WAIT_S: Final = 5.0
 
 
 def pipeline_depth_of(engine: Engine | PipelinedEngine[Any]) -> int:
@@ -171,6 +173,7 @@ class StageRuntime:
         """Set once :meth:`run` has torn everything down."""
         self._ctx = zmq.Context()
         self._auth: Authenticator | None = None
+        self._keys: KeyWatch | None = None
         try:
             if curve is not None:
                 # The ZAP handler first: a CURVE server socket consults it for every client.
@@ -273,6 +276,12 @@ class StageRuntime:
                     session_timeout=session_timeout,
                     statistics=self._statistics,
                 )
+            if self._auth is not None:
+                # A new connection to the input socket: the keys of its peers are read again.
+                in_monitor = in_sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_SUCCEEDED, f"inproc://enginecore.input-keys.{id(self)}"
+                )
+                self._keys = KeyWatch(self._auth, self._session.with_session, in_monitor)
             self._inbox = Inbox(
                 in_sock,
                 out_monitor,
@@ -281,8 +290,11 @@ class StageRuntime:
                 self._output,
                 on_failure=self._io_failed,
                 clients=self._fanout,
+                keys=self._keys,
             )
         except BaseException:
+            if self._keys is not None:
+                self._keys.close()
             if self._auth is not None:
                 self._auth.stop()
             self._ctx.destroy(linger=0)
@@ -373,13 +385,20 @@ class StageRuntime:
         return StageStatistics.from_wire(self._statistics())
 
     def authorize(self, keys: frozenset[bytes]) -> None:
-        """With CURVE: admit *keys* (client public keys) from now on, instead of those
-        admitted so far; new connections are checked against them, connections already
-        made stay (``serve`` calls it on SIGHUP: key rotation, ``docs/security.md``).
-        :class:`RuntimeError` for a stage without CURVE. Thread-safe."""
-        if self._auth is None:
+        """With CURVE: admit *keys* (client public keys, Z85) from now on, instead of those
+        admitted so far (``serve`` calls it on SIGHUP: key rotation, ``docs/security.md``).
+        New connections are checked against them, and so is every message of the
+        connections already made: a client whose key was removed has its session ended and
+        its live requests aborted, and it is told (a ``reject``: its client raises
+        :class:`~enginecore.stage.SessionLostError`); its later messages are refused.
+        While the stage runs, returns once the input side has done that (at most a few
+        seconds, while a long step holds the input side). :class:`RuntimeError` for a
+        stage without CURVE. Not from the loop's thread; any other, any time."""
+        if self._auth is None or self._keys is None:
             raise RuntimeError("this stage does not use CURVE: it has no authorized keys")
-        self._auth.authorize(keys)
+        generation = self._auth.authorize(keys)
+        if self._inbox.running and not self.finished.is_set():
+            self._keys.wait_swept(generation, _SWEEP_WAIT_S, alive=lambda: self._inbox.running)
 
     def request_drain(self, seconds: float) -> None:
         """Drain, then stop: as a client's ``shutdown`` with a drain of *seconds*, applied
@@ -438,6 +457,8 @@ class StageRuntime:
             self._ctx.term()
             self._inbox.join()
             self._input.close_pipe()
+            if self._keys is not None:
+                self._keys.close()
             # A detached period that the stop ended: its drops are logged here.
             log_detached_drops(self._outbox.take_dropped(), self._outbox.detached_max, at_exit=True)
             self._outbox.join()

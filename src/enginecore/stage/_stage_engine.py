@@ -309,11 +309,12 @@ class StageEngine:
         if self._pipe_gone is not None:
             self._pipe_gone(side, late)
 
-    def change_session(self, epoch: int | None) -> None:
-        """:class:`~._controls.SessionChange`: the previous client is gone."""
+    def change_session(self, epoch: int | None, *, abort: bool = False) -> None:
+        """:class:`~._controls.SessionChange`: the previous client is gone (*abort*: its
+        live requests are aborted even on a stage that keeps them: its key was revoked)."""
         # Every request live now was added by the client that is leaving (or by a peer that
         # sent without a session): with abort_on_detach, every detach empties the set.
-        if self._abort_on_detach and self.live:
+        if (self._abort_on_detach or abort) and self.live:
             ids = list(self.live)
             logger.info("enginecore: a client detached; aborting its %d live requests", len(ids))
             self._drop(ids)

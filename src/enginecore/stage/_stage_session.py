@@ -79,6 +79,7 @@ __all__ = [
     "SessionGate",
     "SessionState",
     "StageSession",
+    "key_revoked",
 ]
 
 logger = logging.getLogger("enginecore.stage")
@@ -122,6 +123,17 @@ OUTPUT_GRACE_S: Final = 1.0
 had one, before the stage detaches it (a TCP connection that breaks reconnects within it)."""
 
 _LOST_REMEMBERED: Final = 256  # detached clients whose later messages get SESSION_LOST
+
+
+def key_revoked(key: str) -> str:
+    """The ``reject`` reason for every message from a peer that connected with the CURVE
+    public key *key* (Z85) once the stage no longer authorizes it (``authorize``, SIGHUP):
+    its session is ended and its requests aborted."""
+    return (
+        f"{SESSION_LOST}the stage no longer authorizes this client's CURVE public key "
+        f"{key or '(unknown)'}: its authorized client keys were changed (key rotation, "
+        f"docs/security.md). Connect again with a key the stage lists"
+    )
 
 
 class SessionState(enum.Enum):
@@ -617,6 +629,34 @@ class StageSession:
         elif self.held is not None and self.held.ident == ident:
             self.held = None  # it gave up waiting
 
+    def revoke(self, ident: bytes, key: str) -> None:
+        """*ident* connected with the CURVE key *key*, which the stage no longer authorizes
+        (the input side's :class:`~._curve.KeyWatch` says so, at a message of it or at the
+        change of the keys): its session ends as after a ``bye``, its live requests are
+        aborted even on a stage that keeps them, a held ``hello`` of it is dropped, and it
+        gets a ``reject`` (:func:`key_revoked`) that its client raises as
+        :class:`~enginecore.stage.SessionLostError`. Its message, if any, is dropped."""
+        if ident == self.client:
+            self.client = None
+            self.state = SessionState.NONE
+            self.to_loop.append(SessionChange(None, abort=True))
+            self._tell_detached()
+            logger.warning(
+                "enginecore: ended the session of the client whose CURVE key %s is no longer "
+                "authorized; its live requests are aborted",
+                key,
+            )
+        elif self.held is not None and self.held.ident == ident:
+            self.held = None
+        self._reject(ident, key_revoked(key))
+
+    def with_session(self) -> list[bytes]:
+        """The routing ids of the peers that have a session (or a held ``hello``)."""
+        ids = [] if self.client is None else [self.client]
+        if self.held is not None:
+            ids.append(self.held.ident)
+        return ids
+
     def _accept(self, ident: bytes, now: float) -> None:
         self._unheard = ident != self.client
         if self._unheard:
@@ -900,6 +940,28 @@ class MultiStageSession(StageSession):
         )
         while len(lost_) > _LOST_REMEMBERED:
             del lost_[next(iter(lost_))]
+
+    def revoke(self, ident: bytes, key: str) -> None:
+        """As :meth:`StageSession.revoke`: the client of *ident*, if attached, is detached
+        (its requests aborted, its output socket closed), and gets a ``reject``."""
+        client = self.clients.get(ident)
+        if client is not None:
+            del self.clients[ident]
+            self.expires = bool(self.clients)
+            self.to_loop.append(ClientLeft(self._clients, client.epoch))
+            logger.warning(
+                "enginecore: detaching client %r (session %d): its CURVE key %s is no longer "
+                "authorized; its live requests are aborted, and the other clients go on",
+                client.name,
+                client.epoch,
+                key,
+            )
+        self._lost.pop(ident, None)
+        self._reject(ident, key_revoked(key))
+
+    def with_session(self) -> list[bytes]:
+        """The routing ids of the attached clients."""
+        return list(self.clients)
 
     def _take_gone(self) -> None:
         for epoch, why in self._clients.take_gone():

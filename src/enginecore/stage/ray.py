@@ -7,8 +7,9 @@ the loop on a thread of its own and answers :meth:`._ray_actor._StageActor.start
 stage is ready, with the addresses it bound. The actor's class lives in ``_ray_actor``, so
 that its process imports only what a stage runs. ZMQ over TCP stays the data plane
 (requests, outputs and utility calls travel as msgpack, never pickled); Ray's actor calls
-carry only the control: start, the addresses and public keys, stop, and the wait that tells
-the actor's end.
+carry only the control: start, the addresses and public keys, stop, a key rotation
+(:func:`authorize_clients`: public keys, as a list of ``str``), and the wait that tells the
+actor's end.
 
 Between the client and the actor the sockets use CURVE by default: the client makes a key
 pair for the stage, the actor makes the stage's key pair and admits only the client's
@@ -60,12 +61,20 @@ from ._watchdog import STEP_TIMEOUT, check_watchdog
 if TYPE_CHECKING:
     from ._client import StageClient
 
-__all__ = ["RayPlacement", "RayStage", "launch_on_ray"]
+__all__ = [
+    "RayPlacement",
+    "RayStage",
+    "authorize_clients",
+    "authorize_clients_async",
+    "launch_on_ray",
+]
 
 logger = logging.getLogger("enginecore.stage")
 
 # Concurrent calls an actor takes: start, wait (blocks for the stage's life), stop.
 _ACTOR_CONCURRENCY: Final = 4
+# How long a key rotation may take, by default (the actor's answer, for every stage).
+_AUTHORIZE_TIMEOUT: Final = 30.0
 # How long the handshake with a started actor's stage may take: a peer that cannot be
 # reached (a firewall between hosts, a wrong node IP) fails within this, not after minutes.
 _MAX_CONNECT_TIMEOUT: Final = 30.0
@@ -608,6 +617,92 @@ async def open_on_ray_async(plan: RayPlan, opener: Any, *, ordered_events: bool 
     except BaseException as exc:
         stage.kill_and_clean()
         _clientbase.raise_startup_error(plan.factory, exc)
+
+
+def _rotation(
+    target: Any, keys: Sequence[bytes | str]
+) -> tuple[list[RayStage], list[Any], list[str]]:
+    """What :func:`authorize_clients` acts on: the Ray stages of *target* (a client placed
+    on Ray, or a pool's replicas placed on Ray that run now), a pool's Ray replicas (their
+    restarts use the new keys), and *keys* checked, as Z85 text."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError("keys must be a sequence of public keys, not one key")
+    checked = [_check_key(k, "an authorized client key").decode("ascii") for k in keys]
+    stages: list[RayStage] = []
+    replicas: list[Any] = []
+    if hasattr(target, "replicas"):  # a pool
+        for replica in target.replicas:
+            if "ray" not in replica.spec:
+                continue
+            if replica.spec.get("insecure"):
+                raise ValueError(f"replica {replica.name} was placed with insecure=True: no CURVE")
+            replicas.append(replica)
+            stage = getattr(replica._client, "_launched", None)
+            if isinstance(stage, RayStage) and stage.reap() is None and stage.death is None:
+                stages.append(stage)
+    else:
+        stage = getattr(target, "_launched", None)
+        if not isinstance(stage, RayStage):
+            raise TypeError(
+                f"authorize_clients takes a client or a pool of stages placed on Ray, got "
+                f"{type(target).__name__} (a serve stage reloads its keys on SIGHUP)"
+            )
+        if stage.curve is None:
+            raise ValueError("this stage was placed with insecure=True: it uses no CURVE")
+        stages.append(stage)
+    return stages, replicas, checked
+
+
+def authorize_clients(
+    target: Any, keys: Sequence[bytes | str], *, timeout: float = _AUTHORIZE_TIMEOUT
+) -> int:
+    """Key rotation for stages placed on Ray, without a restart: from now on, the stage of
+    *target* (a :class:`~enginecore.stage.StageClient` or
+    :class:`~enginecore.stage.AsyncStageClient` placed on Ray) or each Ray replica of
+    *target* (a :class:`~enginecore.stage.StagePool` or
+    :class:`~enginecore.stage.AsyncStagePool`) admits the client that placed it and the
+    public keys *keys* (Z85, 40 characters, as ``bytes`` or ``str``), instead of the
+    ``authorized_clients`` admitted so far. A pool's Ray replicas started later (a restart)
+    admit them too.
+
+    Each actor calls :meth:`StageRuntime.authorize
+    <enginecore.stage._runtime.StageRuntime.authorize>` in the stage's process: new
+    connections are checked against the new keys, and a client connected with a key that
+    is no longer listed loses its session (its requests aborted; our clients raise
+    :class:`~enginecore.stage.SessionLostError`) before this returns. The keys travel
+    through Ray as a list of ``str``; no secret does. Returns how many stages were
+    changed. :class:`ValueError` for a key that is not Z85 or a stage placed with
+    ``insecure=True``, :class:`TypeError` for a target not placed on Ray, and Ray's error
+    (``GetTimeoutError`` past *timeout*, ``RayActorError`` for a dead actor) if an actor
+    did not answer. Blocks: from asyncio, ``await`` :func:`authorize_clients_async`."""
+    stages, replicas, checked = _rotation(target, keys)
+    ray = _import_ray()
+    if stages:
+        ray.get([stage.actor.authorize.remote(checked) for stage in stages], timeout=timeout)
+    for replica in replicas:
+        replica._authorized_clients = tuple(k.encode("ascii") for k in checked)
+    return len(stages)
+
+
+async def authorize_clients_async(
+    target: Any, keys: Sequence[bytes | str], *, timeout: float = _AUTHORIZE_TIMEOUT
+) -> int:
+    """:func:`authorize_clients`, awaited: the actors' answers are awaited as Ray's
+    futures, and no thread is held; ``TimeoutError`` past *timeout*."""
+    stages, replicas, checked = _rotation(target, keys)
+    if stages:
+        futures = [
+            asyncio.wrap_future(stage.actor.authorize.remote(checked).future()) for stage in stages
+        ]
+        try:
+            await asyncio.wait_for(asyncio.gather(*futures), timeout)
+        except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
+            raise TimeoutError(
+                f"a key rotation of {len(stages)} stages on Ray took longer than {timeout:g} s"
+            ) from None
+    for replica in replicas:
+        replica._authorized_clients = tuple(k.encode("ascii") for k in checked)
+    return len(stages)
 
 
 def plan_from_spec(spec: Mapping[str, Any], replica_name: str) -> RayPlan:
