@@ -77,7 +77,8 @@ def _welcomed_once_free(address: str, timeout: float = 10.0) -> RawClient:
         if reply[0] == "welcome":
             return client
         client.close()
-        assert reply[0] == "reject" and "at most" in reply[2], reply
+        assert reply[0] == "reject", reply
+        assert "at most" in reply[2], reply
         assert time.monotonic() < deadline, f"no place freed within {timeout} s: {reply}"
         time.sleep(0.05)
 
