@@ -795,6 +795,47 @@ class TestRetry:
         assert wait_until(lambda: pipe.in_flight == 0, 10)
         assert pipe.stats()["first"].engine["replays"] == 30
 
+    def test_the_callers_abort_after_a_retry_ends_the_request_aborted(self, launch: Any) -> None:
+        # The stages answer the replay's fence and the abort: the stream ends aborted only
+        # once all are in, and the id is free again.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(1)),
+                PipelineStage(FLAKY, {"fail_first": 1, "when": "last"}, name="mid"),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        pipe.call_utility("last", "hold", True)
+        stream = pipe.add("r", 3)
+        assert wait_until(lambda: pipe.call_utility("mid", "attempts", "r") == 2, 10)
+        pipe.abort(["r"])
+        assert stream.collect(timeout=10) == []
+        assert stream.aborted
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        pipe.call_utility("last", "hold", False)
+        assert pipe.call_utility("last", "num_requests") == 0
+        assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+
+    @pytest.mark.skipif(not _shm.available(), reason="no /dev/shm")
+    def test_arrays_in_shared_memory_are_replayed(self, launch: Any) -> None:
+        # The log holds the arrays the first stage sent; the replay writes them into its
+        # slots again.
+        pipe = launch(
+            [
+                PipelineStage(
+                    COUNTDOWN, name="first", edge=f"{T}:to_array", on_next_error=Retry(1)
+                ),
+                PipelineStage(FLAKY, {"fail_first": 1, "when": "first"}, name="flaky"),
+            ]
+        )
+        arrays = pipe.add("r", 3).collect(timeout=10)
+        assert [float(a[0]) for a in arrays] == [2.0, 1.0, 0.0]
+        assert all(a.shape == (1 << 18,) and (a == a[0]).all() for a in arrays)
+        stats = pipe.stats()["first"].engine
+        assert stats["replays"] == 1
+        assert stats["shm_sent"] >= 4  # the first attempt's one at least, and the replay's
+
     def test_bad_policies_are_refused(self) -> None:
         with pytest.raises(ValueError, match="'fail' or Retry"):
             PipelineStage(COUNTDOWN, on_next_error="retry")  # type: ignore[arg-type]
