@@ -693,6 +693,25 @@ class TestRetry:
         assert wait_until(lambda: pipe.in_flight == 0, 10)
         assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
         assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+        # A request of one payload, which ended in the first stage: replayed as its one
+        # input (kind "first and end").
+        assert pipe.add("one", 1).collect(timeout=10) == [0]
+        assert pipe.call_utility("flaky", "attempts", "one") == 3
+
+    def test_a_request_the_first_stage_still_produces_is_replayed_then_goes_on(
+        self, launch: Any
+    ) -> None:
+        # The first stage sends one payload every 50 ms: the next stage fails the request
+        # at its first, and the replay (of what was sent so far) comes while the first
+        # stage still produces; what it sends after follows the replay, in order.
+        pipe = launch(
+            [
+                PipelineStage(DEVICE, {"step_s": 0.05}, name="first", on_next_error=Retry(1)),
+                PipelineStage(FLAKY, {"fail_first": 1}, name="flaky"),
+            ]
+        )
+        assert pipe.add("r", 8).collect(timeout=20) == [7, 6, 5, 4, 3, 2, 1, 0]
+        assert pipe.call_utility("flaky", "attempts", "r") == 2
 
     def test_after_n_retries_the_error_names_the_stage_and_says_so(self, launch: Any) -> None:
         pipe = launch(

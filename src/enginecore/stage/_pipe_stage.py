@@ -452,7 +452,7 @@ class PipeStage:
                 on_p.append(None)
         out_r: list[Any] = []
         self._send_on(kinds, [req_id] * len(kinds), on_p, out_r, [], [])
-        if out_r:  # pragma: no cover - it was encoded once already
+        if out_r:  # an item the encoder refused (the request failed here when it was sent)
             return False, "its inputs could not be encoded again"
         self._replays += 1
         return True, ""
