@@ -130,6 +130,7 @@ class TestReadme:
             ("README.md", "Pipeline.launch", ["[2, 1, 0]"]),
             ("docs/pipelines.md", "def linear_pipeline(", ["[2, 1, 0]", "200"]),
             ("docs/pipelines.md", "AsyncPipeline.launch", ["[2, 1, 0]"]),
+            ("docs/pipelines.md", "Retry(2)", ["[2, 1, 0]"]),
         ],
     )
     def test_pipeline_examples_run(

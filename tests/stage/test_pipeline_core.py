@@ -6,7 +6,7 @@ import traceback
 
 import pytest
 
-from enginecore.stage._errors import EngineDeadError, PipelineStageDeadError
+from enginecore.stage._errors import EngineDeadError, PipelineRequestError, PipelineStageDeadError
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
 from enginecore.stage._session import StreamCore
 
@@ -94,3 +94,131 @@ def test_a_refused_add_raises_the_failure_without_growing_its_traceback() -> Non
         assert info.value is failure
         depths.append(len(traceback.extract_tb(info.value.__traceback__)))
     assert depths == [depths[0]] * 20, depths
+
+
+# -- retry ---------------------------------------------------------------------------------------
+
+
+def _retrying(n: int = 1) -> tuple[PipelineCore[StreamCore], StreamCore]:
+    """Stages a, b, c; the edge a -> b retries *n* times; request r reached c."""
+    core: PipelineCore[StreamCore] = PipelineCore(["a", "b", "c"], retry=[0, n, 0])
+    stream = StreamCore("r")
+    core.open("r", stream)
+    return core, stream
+
+
+def test_a_retried_request_drops_the_failed_attempts_events_until_the_fence() -> None:
+    core, stream = _retrying()
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.outputs(0, ["r"], [True], [2], 1.0, d)  # a ended it, having sent 2 on
+    core.error(1, "r", "refused", 2.0, d)  # b failed it: a replays it
+    assert d.replays == [(0, "r", 1)]
+    assert not d.aborts
+    assert stream._ended is None
+    assert core.state("r") is RequestState.LIVE
+    # c's events of the failed attempt, before it answered the fence: dropped.
+    core.outputs(2, ["r", "r"], [False, True], ["old", 0], 3.0, d)
+    core.error(2, "r", "late error of the old attempt", 3.0, d)
+    assert not stream._buf
+    assert stream._ended is None
+    core.aborted(1, ["r"], 4.0, d)  # b and c answer the fence: not confirmations
+    core.aborted(2, ["r"], 4.0, d)
+    assert core.state("r") is RequestState.LIVE
+    assert d.freed == 0
+    # The new attempt: b sends c one payload, c sends the caller one; done.
+    core.outputs(1, ["r"], [True], [1], 5.0, d)
+    core.outputs(2, ["r", "r"], [False, True], ["new", 0], 5.0, d)
+    assert stream._buf[:1] == ["new"]  # then its end: finished
+    assert stream._ended is not None
+    assert stream._ended.exc is None
+    assert d.freed == 1
+    assert d.releases == ["r"]
+
+
+def test_after_n_retries_the_error_ends_the_request_and_says_so() -> None:
+    core, stream = _retrying(2)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    for attempt in (1, 2):
+        core.error(1, "r", "refused", 1.0, d)
+        assert d.replays[-1] == (0, "r", attempt)
+        core.aborted(1, ["r"], 2.0, d)
+        core.aborted(2, ["r"], 2.0, d)
+    core.error(1, "r", "refused", 3.0, d)
+    assert len(d.replays) == 2
+    assert stream._ended is not None
+    exc = stream._ended.exc
+    assert isinstance(exc, PipelineRequestError)
+    assert exc.stage == "b"
+    assert exc.message.endswith("refused (retried 2 times)")
+    assert d.aborts == ["r"]
+    assert core.state("r") is RequestState.CLOSING
+
+
+def test_no_retry_once_the_failed_stage_or_a_later_one_reached_the_caller() -> None:
+    core, stream = _retrying()
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.outputs(2, ["r"], [False], ["said"], 1.0, d)
+    core.error(1, "r", "refused", 2.0, d)
+    assert not d.replays
+    assert stream._ended is not None
+    exc = stream._ended.exc
+    assert isinstance(exc, PipelineRequestError)
+    assert "not retried: stage 'c' had sent the caller outputs of it" in exc.message
+
+
+def test_a_failed_replay_ends_the_request_and_a_stale_answer_is_ignored() -> None:
+    core, stream = _retrying(2)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(1, "r", "refused", 1.0, d)
+    core.aborted(1, ["r"], 2.0, d)
+    core.aborted(2, ["r"], 2.0, d)
+    core.error(1, "r", "refused", 3.0, d)
+    assert [a for _, _, a in d.replays] == [1, 2]
+    core.replayed(0, "r", 1, False, "gone", 4.0, d)  # the first attempt's: moot
+    assert stream._ended is None
+    core.replayed(0, "r", 2, False, "its inputs outgrew the log", 5.0, d)
+    assert stream._ended is not None
+    exc = stream._ended.exc
+    assert isinstance(exc, PipelineRequestError)
+    assert exc.stage == "b"
+    assert exc.message.endswith("refused (not retried: its inputs outgrew the log)")
+    assert d.aborts == ["r"]
+    # The coordinator's abort, and the second fence: all of them before r leaves.
+    for k in range(3):
+        core.aborted(k, ["r"], 6.0, d)
+    assert core.in_flight == 1
+    core.aborted(1, ["r"], 7.0, d)
+    core.aborted(2, ["r"], 7.0, d)
+    assert core.in_flight == 0
+
+
+def test_done_while_a_fence_is_unanswered_aborts_the_request_everywhere() -> None:
+    # b failed r twice; the first replay made the second moot... r is done through the
+    # attempt after the first fence while c has not answered the second: the replay still
+    # on its way must not leave a request behind in b or c.
+    core, stream = _retrying(2)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.outputs(0, ["r"], [True], [1], 1.0, d)
+    core.error(1, "r", "refused", 2.0, d)
+    core.aborted(1, ["r"], 3.0, d)
+    core.error(1, "r", "refused", 4.0, d)  # the second attempt failed too
+    core.aborted(1, ["r"], 5.0, d)
+    core.aborted(2, ["r"], 5.0, d)  # c answers the first fence only
+    core.outputs(1, ["r"], [True], [0], 6.0, d)  # the third attempt: b ends it, none sent on
+    assert stream._ended is not None
+    assert stream._ended.exc is None
+    assert d.aborts == ["r"]
+    assert not d.releases
+    assert core.state("r") is RequestState.CLOSING
+    for k in range(3):
+        core.aborted(k, ["r"], 7.0, d)
+    assert core.in_flight == 1  # c's second fence is still due
+    core.aborted(2, ["r"], 8.0, d)
+    assert core.in_flight == 0
+
+
+def test_bad_retry_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="one count >= 0 per stage"):
+        PipelineCore(["a", "b"], retry=[1, 0])
+    with pytest.raises(ValueError, match="one count >= 0 per stage"):
+        PipelineCore(["a", "b"], retry=[0])

@@ -32,6 +32,16 @@ processes and no sockets: a simulation of 1 to 4 stages stands in for them, each
   (``chase_abort``).
 - **death**: its events up to some point still reach the coordinator, then its end
   (``stage_dead``); the rest is lost, and what is sent to it is dropped.
+- **retry** (an edge's ``Retry(n)``, drawn per edge): a stage whose edge retries keeps a
+  replay log of each request (what it sent on, and whether it ended it), from its first
+  payload until an abort, its own error with ``DropEnded``, or the core's ``release`` (not
+  of an id live there); a log may outgrow its bound (``overflow``: not retryable). The
+  core's ``replay`` reaches it on its coordinator connection: it sends the *fence* (an
+  ``abort``) down its link, then the logged items again (if it has them), and answers
+  ``replayed``. Each stage applies a fence as any abort (chased on, answered ``aborted``).
+  Each request a stage holds carries the generation of its attempt there (the fences of
+  it the stage had applied when it came); an attempt's payloads, ends and errors are the
+  request's truth only while no later replay covers that stage.
 
 Each stage's events reach the core in that stage's order; which stage's event comes next is
 hypothesis's choice, as are the deliveries of each connection: every interleaving the real
@@ -72,7 +82,16 @@ Checked after every rule:
   the dead one (no abort from the first stage can get past the dead one, a closing
   request's neither), with every request that an earlier death ended;
 - quiescence: once every queue and link is empty and no stage holds a request, the core
-  holds none (``in_flight == 0``) and every stream has ended.
+  holds none (``in_flight == 0``) and every stream has ended;
+- retries: the core asks for a replay only of a live request, only after an error of the
+  stage the edge enters, by the stage before it, at most ``n`` times per edge, and only
+  while no payload of that stage or a later one has reached the stream; from then on what
+  those stages did is of an earlier attempt: their payloads must never reach the stream
+  (the no-duplicate and prefix checks above see to it), their ends and errors must not
+  count. An error that ends a request whose edge retries says why it was not retried
+  (``retried n times``, or ``not retried``: something reached the caller, or the replay
+  failed); while a request is live the core awaits exactly the fences that are due, and a
+  request leaves the core only once every fence is answered.
 
 At the end every stage is run dry (each input and event delivered, each request a stage
 holds with its input complete stepped to its end). Then every stream has ended and the core
@@ -85,6 +104,8 @@ the stage after it.
 
 The run-dry checks are skipped when a rule or a check has failed already: that failure is
 the one to report. 2,000 examples of 50 steps: about 45 s on the project's 2-core VM.
+:class:`RetryModel` is the same machine drawn where retries happen most (every edge after
+the first retrying, requests two stages hold failing): 1,000 more examples, about 25 s.
 """
 
 from __future__ import annotations
@@ -147,6 +168,14 @@ class Inc:
         self.forgotten = False
         self.in_core = True
         self.end_seen = False
+        # Retry: gen[k], the replays' fences issued that cover stage k (a stage's attempt
+        # counts while its generation is this); fences_due[k], those stage k has not yet
+        # answered to the core; retries[k], replays into stage k; delivered_from, the
+        # stages whose payloads the consumer may have (the stream got).
+        self.gen = [0] * n
+        self.fences_due = [0] * n
+        self.retries = [0] * n
+        self.replay_stage: dict[int, int] = {}  # attempt -> the stage that failed
 
     def __repr__(self) -> str:
         return f"<{self.rid}#{self.no}>"
@@ -168,23 +197,45 @@ class Inc:
 class Req:
     """A request live in one simulated stage (the stage runtime's live set)."""
 
-    __slots__ = ("in_engine", "inc", "input_ended", "sent")
+    __slots__ = ("gen", "in_engine", "inc", "input_ended", "sent")
 
-    def __init__(self, inc: Inc, in_engine: bool, input_ended: bool) -> None:
+    def __init__(self, inc: Inc, in_engine: bool, input_ended: bool, gen: int = 0) -> None:
         self.inc = inc
+        self.gen = gen  # the fences of its request this stage had applied when it came
         self.in_engine = in_engine  # the engine has it (it can step it)
         self.input_ended = input_ended
         self.sent = 0  # payloads sent on
+
+    def current(self, k: int) -> bool:
+        """Whether it is its request's attempt that counts in stage *k* (no replay's fence
+        was issued after it came)."""
+        return self.gen == self.inc.gen[k]
+
+
+class Log:
+    """A stage's replay log of one request (``PipeStage``): how many payloads it sent on,
+    whether it ended the request, whether the log outgrew its bound."""
+
+    __slots__ = ("ended", "inc", "items", "unlogged")
+
+    def __init__(self, inc: Inc) -> None:
+        self.inc = inc
+        self.items = 0
+        self.ended = False
+        self.unlogged = False
 
 
 class SimStage:
     """One stage: its two inputs (from the coordinator, and from the previous stage's
     link), its live requests, and its event queue to the coordinator."""
 
-    def __init__(self, k: int, last: bool, feed: bool) -> None:
+    def __init__(self, k: int, last: bool, feed: bool, logs: bool = False) -> None:
         self.k = k
         self.last = last
         self.feed = feed  # the engine has feed(): it takes each input as it arrives
+        self.logging = logs  # its edge retries: it keeps replay logs
+        self.logs: dict[str, Log] = {}
+        self.fenced: dict[int, int] = {}  # id(inc) -> the replays' fences applied here
         self.cq: deque[tuple[Any, ...]] = deque()  # from the coordinator
         self.inq: deque[tuple[Any, ...]] = deque()  # from the previous stage's link
         self.events: deque[tuple[Any, ...]] = deque()
@@ -202,11 +253,16 @@ class SimStage:
 # What a step does with a request: (a payload for the caller, one sent on, its end), or an
 # error, or a stray output; errors are rare in some examples, frequent in others.
 STEPS = [(c, n, f) for c in (False, True) for n in (False, True) for f in (False, True)]
-OTHERS = ["reject", "reject-and-drop", "unrouted", "engine-own"]
+OTHERS = ["reject", "reject-and-drop", "unrouted", "engine-own", "overflow", "reject-later"]
 ACTIONS = {
-    False: st.sampled_from([*STEPS, *STEPS, *OTHERS]),
-    True: st.sampled_from([*STEPS, *OTHERS, "reject", "reject-and-drop"]),
+    False: st.sampled_from([*STEPS, *STEPS, *OTHERS, "reject-later"]),
+    True: st.sampled_from([*STEPS, *OTHERS, "reject", "reject-and-drop", "reject-later"]),
 }
+# The retry model's: requests that stay in a stage while it sends on (so that two stages
+# hold them), and errors past the first stage.
+RETRY_ACTIONS = st.sampled_from(
+    [*STEPS, (False, True, False), (True, True, False), "reject-later", "reject-later", "overflow"]
+)
 # An add: (how many ids, whether its send fails, whether it reuses freed ids, its bytes).
 ADDS = [(c, False, r, b) for c in (1, 2) for r in (False, True) for b in (10, 35)]
 ADD = st.sampled_from([*ADDS, (1, True, False, 10), (2, True, True, 35)])
@@ -249,6 +305,8 @@ class PipelineModel(RuleBasedStateMachine):
         faults=st.sampled_from([None, 15, 5, 25]),
         first=st.integers(1, MAX_CONCURRENT),
         errors=st.booleans(),
+        retry=st.lists(st.sampled_from([0, 1, 2, 1]), min_size=3, max_size=3),
+        quiet=st.booleans(),
     )
     def setup(
         self,
@@ -259,15 +317,28 @@ class PipelineModel(RuleBasedStateMachine):
         faults: int | None,
         first: int,
         errors: bool,
+        retry: list[int],
+        quiet: bool,
     ) -> None:
         self.n = n
         self.names = [f"stage{k}" for k in range(n)]
-        self.core: PipelineCore[StreamCore] = PipelineCore(self.names, budget, max_bytes)
+        self.retry = [0, *retry[: n - 1]]
+        self.core: PipelineCore[StreamCore] = PipelineCore(
+            self.names, budget, max_bytes, self.retry
+        )
         self.budget = budget
         self.max_bytes = max_bytes
-        self.stages = [SimStage(k, k == n - 1, feeds[k]) for k in range(n)]
+        self.stages = [
+            SimStage(k, k == n - 1, feeds[k], k < n - 1 and self.retry[k + 1] > 0) for k in range(n)
+        ]
+        # Quiet: a stage whose edge in retries sends the caller nothing (it may still be
+        # retried then; most of its requests would not be, once it sent the caller any).
+        self.quiet = quiet
+        if any(self.retry):
+            event("retrying edges")
         self.faults = faults  # from which step on this run may kill a stage or close
         self.errors = errors  # whether engines reject often
+        self.actions = ACTIONS[errors]
         event(f"{n} stages")
         # Requests to begin with: hypothesis runs each example with some rules left out (swarm
         # testing), ``add`` among them at times.
@@ -314,7 +385,7 @@ class PipelineModel(RuleBasedStateMachine):
             if inc.end_seen or inc.stream._ended is None:
                 continue
             inc.end_seen = True
-            self.check_end(inc, inc.stream._ended, via, k, rid)
+            self.check_end(inc, inc.stream._ended, via, k, rid, states[id(inc)])
 
         # What left the core in this call, and why.
         left = [i for i in before if id(i) not in after_ids]
@@ -324,7 +395,46 @@ class PipelineModel(RuleBasedStateMachine):
             inc.in_core = False
             self.check_freed(inc, via)
         for inc in after:  # the core keeps an aborted request until n confirmations
-            assert inc.confirms < self.n, f"{inc} kept after {inc.confirms} confirmations"
+            assert inc.confirms < self.n or any(inc.fences_due), (
+                f"{inc} kept after {inc.confirms} confirmations, no fence due"
+            )
+
+        # Replays: only of a live request, by the stage before the one that failed it,
+        # while it has replays left and nothing of that stage or a later one reached the
+        # caller; what stages from there on did is of an earlier attempt from now on.
+        if d.replays:
+            assert via == "error", f"a replay asked for by {via}"
+        for p, r, attempt in d.replays:
+            inc = self.current[r]
+            c = p + 1
+            assert r == rid, f"a replay of {r}, after {rid} failed"
+            assert c == k, f"a replay by {p}, after stage {k} failed"
+            assert states[id(inc)] is LIVE, f"a replay of {inc}, {states[id(inc)]}"
+            assert inc.stream._ended is None
+            spoke = [t for t in inc.items() if type(t) is not End and self.token_stage[t] >= c]
+            assert not spoke, f"{inc} replayed to stage {c}, its caller has {spoke} from there"
+            inc.retries[c] += 1
+            assert inc.retries[c] <= self.retry[c], f"{inc}: {inc.retries[c]} replays to {c}"
+            inc.replay_stage[attempt] = c
+            inc.errors = [e for e in inc.errors if e < c]
+            for j in range(c, self.n):
+                inc.emitted[j] = []
+                inc.ended[j] = False
+                inc.sent[j] = 0
+                inc.gen[j] += 1
+                inc.fences_due[j] += 1
+            event("a request was replayed")
+            if not self.stages[p].dead:
+                self.stages[p].cq.append(("replay", r, inc, attempt))
+        if d.releases:
+            assert via == "outputs", f"releases by {via}"
+            for r in d.releases:
+                inc = self.current[r]
+                assert not inc.in_core, f"{inc} released, still in the core"
+                assert inc.stream._ended is FINISHED, f"{inc} released, not finished"
+            for s in self.stages:
+                if s.logging and not s.dead:
+                    s.cq.append(("release", list(d.releases)))
 
         # The aborts the core asks for: to the first stage (the abort chases the data from
         # there), and, after a death, to the stage after the dead one.
@@ -332,7 +442,7 @@ class PipelineModel(RuleBasedStateMachine):
             assert k is not None
             self.send_death_aborts(k, before, states, d)
         elif d.aborts:
-            assert via in ("abort", "error"), f"an abort asked for by {via}"
+            assert via in ("abort", "error", "replayed", "outputs"), f"an abort asked for by {via}"
             assert not d.stage_aborts, f"an abort of a later stage asked for by {via}"
             targets: dict[str, Inc] = {}
             for a in d.aborts:
@@ -380,7 +490,15 @@ class PipelineModel(RuleBasedStateMachine):
         if later and not self.stages[k + 1].dead:
             self.stages[k + 1].cq.append(("abort", list(later[k + 1]), "dead", targets))
 
-    def check_end(self, inc: Inc, end: End, via: str, k: int | None, rid: str | None) -> None:
+    def check_end(
+        self,
+        inc: Inc,
+        end: End,
+        via: str,
+        k: int | None,
+        rid: str | None,
+        before: RequestState | None = None,
+    ) -> None:
         if end is FINISHED:
             assert via == "outputs", f"{inc} finished by {via}"
             assert inc.done(), f"{inc} finished, but it is not done: {inc.ended} {inc.sent}"
@@ -405,7 +523,25 @@ class PipelineModel(RuleBasedStateMachine):
                 assert exc.stage == self.names[k]
                 assert exc.req_id == inc.rid
                 assert k in inc.errors, f"{inc}: an error of {exc.stage}, which reported none"
+                if self.retry[k] and before is LIVE:  # why it was not retried
+                    spoke = [
+                        t for t in inc.items() if type(t) is not End and self.token_stage[t] >= k
+                    ]
+                    if inc.retries[k] == self.retry[k]:
+                        assert "(retried " in exc.message, f"{inc}: {exc!r}"
+                        event("a request failed after its retries")
+                    else:
+                        assert spoke, f"{inc}: {exc!r}, not retried, its caller had nothing"
+                        assert "(not retried: " in exc.message, f"{inc}: {exc!r}"
                 event("a stream ended with a stage's error")
+            elif via == "replayed":
+                assert type(exc) is PipelineRequestError, f"{inc}: {exc!r} ({via})"
+                assert k is not None
+                assert k + 1 < self.n
+                assert exc.stage == self.names[k + 1]
+                assert "(not retried: " in exc.message, f"{inc}: {exc!r}"
+                assert before is LIVE
+                event("a replay failed")
             elif via == "dead":
                 assert type(exc) is PipelineStageDeadError, f"{inc}: {exc!r} ({via})"
                 assert k is not None
@@ -428,6 +564,7 @@ class PipelineModel(RuleBasedStateMachine):
     def check_freed(self, inc: Inc, via: str) -> None:
         assert inc.stream._ended is not None or via == "forget", f"{inc} freed, not ended"
         if via in ("outputs", "aborted"):
+            assert not any(inc.fences_due), f"{inc} freed, fences due {inc.fences_due}"
             if via == "outputs":  # its last end marker, while live
                 assert inc.done()
                 assert inc.stream._ended is FINISHED
@@ -452,18 +589,46 @@ class PipelineModel(RuleBasedStateMachine):
             if not nxt.dead:
                 nxt.inq.append(item)
 
-    def new_token(self, s: SimStage, inc: Inc | None) -> int:
+    def new_token(self, s: SimStage, inc: Inc | None, current: bool = True) -> int:
+        """A payload for the caller; one of an earlier attempt (not *current*) must never
+        reach it: it is not among what the stage emitted."""
         self.tokens += 1
         t = self.tokens
         self.token_stage[t] = s.k
         if inc is not None:
             self.owner[t] = inc
-            inc.emitted[s.k].append(t)
+            if current:
+                inc.emitted[s.k].append(t)
         return t
 
-    def error_event(self, s: SimStage, rid: str, inc: Inc) -> None:
+    def error_event(self, s: SimStage, rid: str, req: Req) -> None:
         s.events.append(("error", rid))
-        inc.errors.append(s.k)
+        if req.current(s.k):
+            req.inc.errors.append(s.k)
+
+    def drop_log(self, s: SimStage, rid: str, inc: Inc | None = None) -> None:
+        log = s.logs.get(rid)
+        if log is not None and (inc is None or log.inc is inc):
+            del s.logs[rid]
+
+    def replay(self, s: SimStage, rid: str, inc: Inc, attempt: int) -> None:
+        """``PipeStage.pipe_replay``: the fence down the link, always; then the logged items
+        again, if it has them; and the answer."""
+        self.send_on(s, ("abort", [rid], "fence", {rid: inc}))
+        log = s.logs.get(rid)
+        ok = log is not None and not log.unlogged
+        if ok:
+            assert log is not None
+            assert log.inc is inc, f"stage {s.k}: a replay of {inc} found the log of {log.inc}"
+            kinds = [FIRST] + [MORE] * (log.items - 1)
+            if log.ended:
+                if log.items == 1:
+                    kinds = [ONLY]
+                else:
+                    kinds.append(END)
+            for kind in kinds:
+                self.send_on(s, (kind, rid, inc))
+        s.events.append(("replayed", rid, attempt, ok))
 
     def take_input(self, s: SimStage, item: tuple[Any, ...], reject: bool) -> None:
         kind = item[0]
@@ -475,12 +640,23 @@ class PipelineModel(RuleBasedStateMachine):
                 assert req is None or req.inc is target, (
                     f"stage {s.k}: an abort of {target} hit {req.inc}"
                 )
+                self.drop_log(s, rid)
                 if origin == "core":
                     target.coord_applied.add(s.k)
+                elif origin == "fence":
+                    s.fenced[id(target)] = s.fenced.get(id(target), 0) + 1
                 elif req is None:
                     s.dead_aborted[rid] = target
-            s.events.append(("aborted", list(rids)))
+            s.events.append(("aborted", list(rids), origin, targets))
             self.send_on(s, item)
+            return
+        if kind == "replay":
+            self.replay(s, item[1], item[2], item[3])
+            return
+        if kind == "release":  # not that of a request live here: a new one of that id
+            for rid in item[1]:
+                if rid not in s.live:
+                    self.drop_log(s, rid)
             return
         rid, inc = item[1], item[2]
         if kind == "add" or kind & FIRST:
@@ -489,13 +665,14 @@ class PipelineModel(RuleBasedStateMachine):
             if s.dead_aborted.get(rid) is inc and inc is not None:
                 inc.raced = True
                 event("a request reached a stage after a death's abort of it")
+            gen = s.fenced.get(id(inc), 0)
             if reject and (kind in ("add", ONLY) or s.feed):
-                self.error_event(s, rid, inc)  # refused: never live here
+                self.error_event(s, rid, Req(inc, False, False, gen))  # refused: never live
                 return
             if kind == "add":
-                s.live[rid] = Req(inc, True, True)
+                s.live[rid] = Req(inc, True, True, gen)
             else:
-                s.live[rid] = Req(inc, s.feed or kind == ONLY, kind == ONLY)
+                s.live[rid] = Req(inc, s.feed or kind == ONLY, kind == ONLY, gen)
             return
         req = s.live.get(rid)
         if req is None:
@@ -504,7 +681,8 @@ class PipelineModel(RuleBasedStateMachine):
         assert req.inc is inc, f"stage {s.k}: input of {inc} reached {req.inc}"
         assert not req.input_ended
         if reject and (kind == END or s.feed):  # feed()/close_input()/add() rejected it
-            self.error_event(s, rid, s.live.pop(rid).inc)  # DropEnded: nothing chases
+            self.error_event(s, rid, s.live.pop(rid))  # DropEnded: nothing chases
+            self.drop_log(s, rid)
             return
         if kind == END:
             req.input_ended = True
@@ -515,12 +693,19 @@ class PipelineModel(RuleBasedStateMachine):
     ) -> None:
         req = s.live[rid]
         inc = req.inc
+        current = req.current(s.k)
         on: list[list[Any]] = []
         if to_next and not s.last:
             on.append([MORE if req.sent else FIRST, rid, inc])
+            if s.logging:  # PipeStage._log_item: a first payload starts a new log
+                if not req.sent:
+                    s.logs[rid] = Log(inc)
+                log = s.logs.get(rid)
+                if log is not None and log.inc is inc:
+                    log.items += 1
             req.sent += 1
         if to_caller:
-            s.events.append(("out", rid, self.new_token(s, inc)))
+            s.events.append(("out", rid, self.new_token(s, inc, current), req.gen))
         if fin:
             del s.live[rid]
             if req.sent:
@@ -528,9 +713,13 @@ class PipelineModel(RuleBasedStateMachine):
                     on[-1][0] = ONLY
                 else:
                     on.append([END, rid, inc])
-            s.events.append(("end", rid, req.sent))
-            inc.ended[s.k] = True
-            inc.sent[s.k] = req.sent
+                log = s.logs.get(rid)
+                if log is not None and log.inc is inc:
+                    log.ended = True
+            s.events.append(("end", rid, req.sent, req.gen))
+            if current:
+                inc.ended[s.k] = True
+                inc.sent[s.k] = req.sent
         for it in on:
             self.send_on(s, tuple(it))
 
@@ -550,17 +739,32 @@ class PipelineModel(RuleBasedStateMachine):
                 rids = [e[1] for e in evs]
                 fins = [e[0] == "end" for e in evs]
                 payloads = [e[2] for e in evs]
+                for e in evs:  # an earlier attempt's (the core drops it)
+                    inc = self.current.get(e[1]) if len(e) > 3 else None
+                    if inc is not None and inc.in_core and e[3] < inc.gen[k]:
+                        event("an earlier attempt's output or end reached the core")
                 self.call(functools.partial(core.outputs, k, rids, fins, payloads), "outputs")
             elif kind == "error":
                 rid = ev[1]
                 self.call(functools.partial(core.error, k, rid, "rejected"), "error", k, rid)
             elif kind == "aborted":
-                rids = ev[1]
+                rids, origin, targets = ev[1], ev[2], ev[3]
                 for rid in rids:
+                    if origin == "fence":
+                        target = targets[rid]
+                        target.fences_due[k] -= 1
+                        assert target.fences_due[k] >= 0, f"{target}: a fence too many in {k}"
+                        continue
                     inc = self.current.get(rid)
                     if inc is not None and inc.in_core and self.core.state(rid) is not LIVE:
                         inc.confirms += 1
                 self.call(functools.partial(core.aborted, k, rids), "aborted")
+            elif kind == "replayed":
+                rid, attempt, ok = ev[1], ev[2], ev[3]
+                why = "" if ok else "the previous stage no longer holds its inputs"
+                self.call(
+                    functools.partial(core.replayed, k, rid, attempt, ok, why), "replayed", k, rid
+                )
             else:
                 assert kind == "dead"
                 if not self.closed:  # _take_events: a death after close is no news
@@ -711,8 +915,14 @@ class PipelineModel(RuleBasedStateMachine):
         before it, or its edge failed (``reject-and-drop``: ``DropEnded``); nothing chases
         either. Or it emits an unrouted output, or one of a request of the engine's own: not
         the caller's."""
-        what = data.draw(ACTIONS[self.errors])
+        what = data.draw(self.actions)
         alive = self.alive()
+        if what == "overflow":  # a request's log outgrows its bound: it is not retryable
+            logs = [(s, rid) for s in alive for rid in sorted(s.logs)]
+            if logs:
+                s, logged = data.draw(st.sampled_from(logs))
+                s.logs[logged].unlogged = True
+            return
         if what in ("unrouted", "engine-own"):
             if alive:
                 s = data.draw(st.sampled_from(alive))
@@ -723,13 +933,26 @@ class PipelineModel(RuleBasedStateMachine):
                     s.events.append(("out", rid, self.new_token(s, None)))
             return
         ready = [(s, rid) for s in alive for rid in s.steppable()]
+        if what == "reject-later":  # an error past the first stage (retried, if its edge is),
+            # most often of a request it shares with the next stage (whose part of it the
+            # replay's fence must then end)
+            ready = [(s, rid) for s, rid in ready if s.k]
+            shared = [
+                (s, rid) for s, rid in ready if not s.last and rid in self.stages[s.k + 1].live
+            ]
+            ready = shared or ready
+            what = "reject-and-drop"
+
         if not ready:
             return
         s, rid = data.draw(st.sampled_from(ready))
         if what in ("reject", "reject-and-drop"):
-            self.error_event(s, rid, s.live.pop(rid).inc)
+            self.error_event(s, rid, s.live.pop(rid))
+            if what == "reject-and-drop":  # DropEnded: PipeStage.abort lets its log go
+                self.drop_log(s, rid)
         else:
             to_caller, to_next, fin = (bool(x) for x in what)
+            to_caller = to_caller and not (self.quiet and self.retry[s.k])
             self.step_request(s, rid, to_caller, to_next, fin)
 
     def deliver(self, data: st.DataObject) -> None:
@@ -767,6 +990,7 @@ class PipelineModel(RuleBasedStateMachine):
         which.events = deque(list(which.events)[:keep])
         which.events.append(("dead",))
         which.live.clear()
+        which.logs.clear()
         which.inq.clear()
         which.cq.clear()
 
@@ -825,6 +1049,10 @@ class PipelineModel(RuleBasedStateMachine):
                 else:
                     assert ends, f"{what}, not ended"
                     assert inc.coord_abort, f"{what}, its abort not sent"
+                if req.fences is not None and req.state is LIVE:
+                    assert req.fences == inc.fences_due, (
+                        f"{inc}: the core awaits fences {req.fences}, {inc.fences_due} are due"
+                    )
             else:
                 assert not inc.in_core
                 assert inc.stream._ended is not None or inc.forgotten, f"{inc} left, not ended"
@@ -904,6 +1132,45 @@ class PipelineModel(RuleBasedStateMachine):
 TestPipelineModel = PipelineModel.TestCase
 TestPipelineModel.settings = settings(
     max_examples=2000,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class RetryModel(PipelineModel):
+    """The same machine, drawn where retries happen most: three or four stages, every edge
+    after the first retrying, the retried stages quiet, rare errors otherwise, no faults
+    in half the runs."""
+
+    @initialize(
+        n=st.sampled_from([3, 4]),
+        budget=st.sampled_from([None, 3]),
+        feeds=st.lists(st.booleans(), min_size=4, max_size=4),
+        faults=st.sampled_from([None, None, 25]),
+        first=st.integers(2, MAX_CONCURRENT),
+        retry=st.lists(st.sampled_from([1, 2]), min_size=3, max_size=3),
+        quiet=st.sampled_from([True, True, False]),
+    )
+    def setup(
+        self,
+        n: int,
+        budget: int | None,
+        feeds: list[bool],
+        faults: int | None,
+        first: int,
+        retry: list[int],
+        quiet: bool,
+    ) -> None:
+        PipelineModel.setup.__wrapped__(  # type: ignore[attr-defined]
+            self, n, budget, None, feeds, faults, first, False, retry, quiet
+        )
+        self.actions = RETRY_ACTIONS
+
+
+TestRetryModel = RetryModel.TestCase
+TestRetryModel.settings = settings(
+    max_examples=1000,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

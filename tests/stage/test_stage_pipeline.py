@@ -28,6 +28,7 @@ from enginecore.stage import (
     PipelineRequestError,
     PipelineStage,
     PipelineStageDeadError,
+    Retry,
     StageClient,
     StageClosedError,
     StageStartupError,
@@ -47,6 +48,7 @@ COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
 ECHO = "enginecore.stage.testing:echo"
 DEVICE = "enginecore.stage.testing:device"
+FLAKY = "enginecore.stage.testing:flaky"
 T = "enginecore.stage.testing"
 
 pytestmark = pytest.mark.slow
@@ -679,6 +681,203 @@ class TestLifecycle:
 
 
 MIB = 1 << 20
+
+
+class TestRetry:
+    """``on_next_error=Retry(n)``: a request the next stage fails is sent to it again."""
+
+    @pytest.mark.parametrize("when", ["add", "first"])
+    def test_a_failed_request_is_replayed_to_the_stage_that_failed_it(
+        self, launch: Any, when: str
+    ) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(2)),
+                PipelineStage(FLAKY, {"fail_first": 2, "when": when}, name="flaky"),
+            ]
+        )
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
+        assert pipe.call_utility("flaky", "attempts", "r") == 3
+        assert pipe.stats()["first"].engine["replays"] == 2
+        # Done: its id and place are free, and the first stage forgot its log.
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+        # A request of one payload, which ended in the first stage: replayed as its one
+        # input (kind "first and end").
+        assert pipe.add("one", 1).collect(timeout=10) == [0]
+        assert pipe.call_utility("flaky", "attempts", "one") == 3
+
+    def test_a_request_the_first_stage_still_produces_is_replayed_then_goes_on(
+        self, launch: Any
+    ) -> None:
+        # The first stage sends one payload every 50 ms: the next stage fails the request
+        # at its first, and the replay (of what was sent so far) comes while the first
+        # stage still produces; what it sends after follows the replay, in order.
+        pipe = launch(
+            [
+                PipelineStage(DEVICE, {"step_s": 0.05}, name="first", on_next_error=Retry(1)),
+                PipelineStage(FLAKY, {"fail_first": 1}, name="flaky"),
+            ]
+        )
+        assert pipe.add("r", 8).collect(timeout=20) == [7, 6, 5, 4, 3, 2, 1, 0]
+        assert pipe.call_utility("flaky", "attempts", "r") == 2
+
+    def test_after_n_retries_the_error_names_the_stage_and_says_so(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(2)),
+                PipelineStage(FLAKY, {"fail_first": 3}, name="flaky"),
+            ]
+        )
+        with pytest.raises(PipelineRequestError, match=r"retried 2 times") as info:
+            pipe.add("r", 3).collect(timeout=10)
+        assert info.value.stage == "flaky"
+        assert "fails on purpose" in info.value.message
+        assert pipe.call_utility("flaky", "attempts", "r") == 3
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
+        # The fourth attempt of the id succeeds: the pipeline goes on.
+        assert pipe.add("r", 1).collect(timeout=10) == [0]
+
+    def test_fail_is_the_default(self, launch: Any) -> None:
+        pipe = launch([COUNTDOWN, PipelineStage(FLAKY, {"fail_first": 1}, name="flaky")])
+        with pytest.raises(PipelineRequestError, match="fails on purpose") as info:
+            pipe.add("r", 3).collect(timeout=10)
+        assert info.value.stage == "flaky"
+        assert pipe.call_utility("flaky", "attempts", "r") == 1
+
+    def test_the_replay_fences_what_the_failed_attempt_sent_on(self, launch: Any) -> None:
+        # "mid" sends 2 and 1 on to "last", then fails the request at its end. "last" holds
+        # its outputs meanwhile, so nothing reached the caller: the request is retried.
+        # The first stage's abort down the link (the fence) drops the failed attempt's part
+        # in "last"; without it, the replay's first input would find the request still live
+        # there. The caller gets each payload once.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(1)),
+                PipelineStage(FLAKY, {"fail_first": 1, "when": "last"}, name="mid"),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        pipe.call_utility("last", "hold", True)
+        stream = pipe.add("r", 3)
+        assert wait_until(lambda: pipe.call_utility("mid", "attempts", "r") == 2, 10)
+        pipe.call_utility("last", "hold", False)
+        assert stream.collect(timeout=10) == [2, 1, 0]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert pipe.call_utility("last", "num_requests") == 0
+
+    def test_no_retry_once_the_failed_stage_sent_the_caller_something(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(3)),
+                PipelineStage(FLAKY, {"fail_first": 5, "when": "last"}, name="last"),
+            ]
+        )
+        stream = pipe.add("r", 3)
+        assert stream.get(timeout=10) == 2
+        assert stream.get(timeout=10) == 1
+        with pytest.raises(PipelineRequestError, match="not retried") as info:
+            stream.get(timeout=10)  # then the error: never a payload twice
+        assert info.value.stage == "last"
+        assert pipe.call_utility("last", "attempts", "r") == 1
+
+    def test_a_request_over_the_replay_log_bound_is_not_retried(self, launch: Any) -> None:
+        # "mid" fails each request once, at its end, after the first stage ended it (its
+        # log is complete); "last" holds what it got, so that nothing reaches the caller
+        # before the retry.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(3, max_bytes=20)),
+                PipelineStage(FLAKY, {"fail_first": 1, "when": "last"}, name="mid"),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        pipe.call_utility("last", "hold", True)
+        # Two ints (8 bytes each, as the log counts them) fit in 20 bytes: retried.
+        stream = pipe.add("small", 2)
+        assert wait_until(lambda: pipe.call_utility("mid", "attempts", "small") == 2, 10)
+        pipe.call_utility("last", "hold", False)
+        assert stream.collect(timeout=10) == [1, 0]
+        # Three do not: the first stage let the log go, and the replay fails.
+        pipe.call_utility("last", "hold", True)
+        with pytest.raises(PipelineRequestError, match="exceeded the replay log's bound") as info:
+            pipe.add("big", 3).collect(timeout=10)
+        assert info.value.stage == "mid"
+        assert "fails on purpose" in info.value.message
+        pipe.call_utility("last", "hold", False)
+        assert pipe.call_utility("mid", "attempts", "big") == 1
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
+    def test_many_requests_retried_at_once_each_end_once(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(1)),
+                PipelineStage(FLAKY, {"fail_first": 1, "when": "first"}, name="mid"),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        streams = pipe.add_many([(f"r{i}", 5) for i in range(30)])
+        for stream in streams:
+            assert stream.collect(timeout=20) == [4, 3, 2, 1, 0]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert pipe.stats()["first"].engine["replays"] == 30
+
+    def test_the_callers_abort_after_a_retry_ends_the_request_aborted(self, launch: Any) -> None:
+        # The stages answer the replay's fence and the abort: the stream ends aborted only
+        # once all are in, and the id is free again.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(1)),
+                PipelineStage(FLAKY, {"fail_first": 1, "when": "last"}, name="mid"),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        pipe.call_utility("last", "hold", True)
+        stream = pipe.add("r", 3)
+        assert wait_until(lambda: pipe.call_utility("mid", "attempts", "r") == 2, 10)
+        pipe.abort(["r"])
+        assert stream.collect(timeout=10) == []
+        assert stream.aborted
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        pipe.call_utility("last", "hold", False)
+        assert pipe.call_utility("last", "num_requests") == 0
+        assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+
+    @pytest.mark.skipif(not _shm.available(), reason="no /dev/shm")
+    def test_arrays_in_shared_memory_are_replayed(self, launch: Any) -> None:
+        # The log holds the arrays the first stage sent; the replay writes them into its
+        # slots again.
+        pipe = launch(
+            [
+                PipelineStage(
+                    COUNTDOWN, name="first", edge=f"{T}:to_array", on_next_error=Retry(1)
+                ),
+                PipelineStage(FLAKY, {"fail_first": 1, "when": "first"}, name="flaky"),
+            ]
+        )
+        arrays = pipe.add("r", 3).collect(timeout=10)
+        assert [float(a[0]) for a in arrays] == [2.0, 1.0, 0.0]
+        assert all(a.shape == (1 << 18,) and (a == a[0]).all() for a in arrays)
+        stats = pipe.stats()["first"].engine
+        assert stats["replays"] == 1
+        assert stats["shm_sent"] >= 4  # the first attempt's one at least, and the replay's
+
+    def test_bad_policies_are_refused(self) -> None:
+        with pytest.raises(ValueError, match="'fail' or Retry"):
+            PipelineStage(COUNTDOWN, on_next_error="retry")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="'fail' or Retry"):
+            PipelineStage(COUNTDOWN, on_next_error=2)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="times must be an int >= 1"):
+            Retry(0)
+        with pytest.raises(TypeError, match="times must be an int >= 1"):
+            Retry(True)
+        with pytest.raises(ValueError, match="max_bytes must be an int >= 1"):
+            Retry(1, max_bytes=0)
+        with pytest.raises(ValueError, match="no next stage, so no on_next_error"):
+            Pipeline.launch([COUNTDOWN, PipelineStage(RELAY, on_next_error=Retry(1))])
 
 
 def _segments() -> list[str]:

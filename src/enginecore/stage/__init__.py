@@ -61,6 +61,7 @@ _EXPORTS: _typing.Final[dict[str, str]] = {
     "RequestFailed": "_pool_core",
     "RequestStream": "_client",
     "RestartPolicy": "_pool_core",
+    "Retry": "_pipelinebase",
     "Routing": "_pool_core",
     "Scored": "_pool_core",
     "SessionLostError": "_errors",
@@ -105,7 +106,7 @@ if _typing.TYPE_CHECKING:
     )
     from ._observer import StageObserver
     from ._pipeline import Pipeline, PipelineStream
-    from ._pipelinebase import PipelineStage
+    from ._pipelinebase import PipelineStage, Retry
     from ._pool import PoolRequestStream, StagePool
     from ._pool_core import (
         LeastLoaded,
@@ -175,6 +176,7 @@ __all__ = [
     "RequestFailed",
     "RequestStream",
     "RestartPolicy",
+    "Retry",
     "Routing",
     "Scored",
     "SessionLostError",

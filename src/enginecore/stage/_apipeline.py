@@ -29,6 +29,7 @@ from ._pipelinebase import (
     launch_options,
     new_shm_prefix,
     pipe_kwargs,
+    retry_counts,
     stage_specs,
 )
 from ._session import NO_LOCK
@@ -62,9 +63,10 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         max_in_flight: int | None = None,
         max_bytes: int | None = None,
         shm_prefix: str | None = None,
+        retry: Sequence[int] | None = None,
     ) -> None:
         # Private: use launch().
-        super().__init__(clients, names, max_in_flight, max_bytes, NO_LOCK, shm_prefix)
+        super().__init__(clients, names, max_in_flight, max_bytes, NO_LOCK, shm_prefix, retry)
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing: asyncio.Future[None] | None = None
         for k, client in enumerate(self._clients):
@@ -109,7 +111,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         clients.reverse()
         names = [s.name or s.factory for s in specs]
         return cls(
-            clients, names, max_in_flight=max_in_flight, max_bytes=max_bytes, shm_prefix=prefix
+            clients,
+            names,
+            max_in_flight=max_in_flight,
+            max_bytes=max_bytes,
+            shm_prefix=prefix,
+            retry=retry_counts(specs),
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -228,7 +235,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             wakeup = stream._wakeup
             if wakeup is not None and not wakeup.done():
                 wakeup.set_result(None)
-        if d.aborts or d.stage_aborts or d.gone:
+        if d.aborts or d.stage_aborts or d.gone or d.replays or d.releases:
             self._send_aborts(d)
         if d.freed and self._room_waiters:
             waiters, self._room_waiters = self._room_waiters, []

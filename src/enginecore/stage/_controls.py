@@ -27,6 +27,9 @@ control                   made by, and what the loop does with it
                           sent it, so the window to it has room again
 :class:`PipeGone`         the coordinator's ``gone``: the previous or the next stage died;
                           also, one per late message from a gone previous stage, dropped
+:class:`PipeReplay`       the coordinator's ``replay``: the next stage failed a request;
+                          abort it down the link, send its logged inputs again
+:class:`PipeRelease`      the coordinator's ``release``: requests done; forget their logs
 :class:`ClientJoined`     a multi-client stage welcomed a client (``serve --max-clients``):
                           its outputs, answers and errors go to its own output socket
 :class:`ClientInput`      a multi-client stage: the messages after it come from that client
@@ -57,6 +60,8 @@ __all__ = [
     "PipeCredit",
     "PipeGone",
     "PipeInput",
+    "PipeRelease",
+    "PipeReplay",
     "SessionChange",
     "StageTarget",
     "Stop",
@@ -86,6 +91,10 @@ class StageTarget(Protocol):
     def pipe_credit(self, items: int, nbytes: int) -> None: ...
 
     def pipe_gone(self, side: str, late: int) -> None: ...
+
+    def pipe_replay(self, req_id: str, attempt: int) -> None: ...
+
+    def pipe_release(self, req_ids: list[str]) -> None: ...
 
 
 class ClientsTarget(Protocol):
@@ -319,3 +328,37 @@ class PipeGone(Control):
 
     def __repr__(self) -> str:
         return f"PipeGone({self.side!r}, late={self.late})"
+
+
+class PipeReplay(Control):
+    """The coordinator's ``replay`` (``docs/wire.md`` section 8): the next stage failed
+    *req_id*; abort it down the link and send its logged inputs again, as attempt *attempt*
+    (``StageEngine.pipe_replay``)."""
+
+    __slots__ = ("attempt", "req_id")
+
+    def __init__(self, req_id: str, attempt: int) -> None:
+        self.req_id = req_id
+        self.attempt = attempt
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        engine.pipe_replay(self.req_id, self.attempt)
+
+    def __repr__(self) -> str:
+        return f"PipeReplay({self.req_id!r}, attempt={self.attempt})"
+
+
+class PipeRelease(Control):
+    """The coordinator's ``release`` (``docs/wire.md`` section 8): *req_ids* are done in the
+    pipeline; their replay logs go (``StageEngine.pipe_release``)."""
+
+    __slots__ = ("req_ids",)
+
+    def __init__(self, req_ids: list[str]) -> None:
+        self.req_ids = req_ids
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        engine.pipe_release(self.req_ids)
+
+    def __repr__(self) -> str:
+        return f"PipeRelease({len(self.req_ids)} requests)"

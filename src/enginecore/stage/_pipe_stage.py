@@ -49,6 +49,16 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   renews while it holds the array; its bytes count against the window as a frame's do. A
   stage whose previous stage has a pool takes such arrays when its input side decodes the
   ``pipe`` message (:func:`._shm.configure_reader`). The pool's slots are unlinked at exit.
+- **retry** (*replay_bytes*, the stage's ``on_next_error=Retry(n)``): the stage keeps a
+  log of what it sent the next stage for each request (:meth:`PipeStage.pipe_replay`),
+  from the request's first payload on until the request's abort, or the coordinator's
+  ``release`` once the request is done in the pipeline. When the next stage fails a
+  request, the coordinator sends ``replay``: the stage sends an ``abort`` of it down the
+  link (the *fence*: the next stages drop what they hold of it, and answer ``aborted``,
+  which the coordinator waits for, dropping their events until then), then the logged
+  items again, as a first input, in order (and the end, if the request ended here), and
+  answers ``replayed``. A request whose logged payloads exceed *replay_bytes* (estimated:
+  :func:`payload_size`) loses its log: its replay fails, and the coordinator ends it.
 - **a dead neighbour** (``gone``, :meth:`PipeStage.pipe_gone`): the coordinator tells the
   stage after a dead one (whose input side then drops every later message of the dead
   stage's link, by its routing id, :func:`._edge.link_id`) and the stage before it (which
@@ -86,6 +96,32 @@ _NO_COLUMNS: Final[tuple[list[Any], list[bool], list[Any]]] = ([], [], [])
 _UNBOUNDED: Final = 1 << 62
 
 
+def payload_size(value: Any, depth: int = 0) -> int:
+    """About how many bytes *value* holds, for the replay log's bound: a string's, bytes'
+    or buffer's length, an array's ``nbytes``, 8 per other scalar, the sum over a list,
+    tuple or dict (keys too)."""
+    cls = value.__class__
+    if cls is str or cls is bytes or cls is bytearray:
+        return len(value)
+    if cls is int or cls is float or cls is bool or value is None:
+        return 8
+    view = getattr(value, "view", None)
+    if isinstance(view, memoryview):  # a buffer that _codec.prepare() wrapped
+        return view.nbytes
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):  # a numpy array or scalar, a memoryview
+        return nbytes
+    if depth > 64:
+        return 8
+    if isinstance(value, (list, tuple)):
+        return 8 + sum([payload_size(v, depth + 1) for v in value])
+    if isinstance(value, dict):
+        return 8 + sum(
+            [payload_size(k, depth + 1) + payload_size(v, depth + 1) for k, v in value.items()]
+        )
+    return 8
+
+
 class PipeStage:
     """The user's :class:`~enginecore.Engine` *inner* as one stage of a pipeline (module
     docstring). *edge*: the edge function (``None``: every output to the next stage);
@@ -108,6 +144,7 @@ class PipeStage:
         shm: _shm.ShmPool | None = None,
         shm_reader: _shm.ShmReader | None = None,
         link_id: str | None = None,
+        replay_bytes: int | None = None,
     ) -> None:
         self._inner = inner
         self._stage = stage
@@ -156,6 +193,15 @@ class PipeStage:
         self._edge_dropped = 0
         self._previous_gone = False
         self._late_dropped = 0  # messages of the gone previous stage, dropped unread
+        # The replay log (retry), per request: what it sent on, in order, and its size; the
+        # requests that ended here (their log ends with END); those whose log outgrew
+        # replay_bytes (not retryable); replays done.
+        self._replay_bytes = replay_bytes if downstream is not None else None
+        self._log: dict[str, list[Any]] = {}
+        self._log_size: dict[str, int] = {}
+        self._log_ended: set[str] = set()
+        self._unlogged: set[str] = set()
+        self._replays = 0
         if downstream is not None:
             ctx = zmq.Context(io_threads=1)
             sock = ctx.socket(zmq.DEALER)
@@ -267,7 +313,8 @@ class PipeStage:
         ``shm_held`` (taken and still alive here) and ``shm_mapped`` (its slots mapped
         here). After a stage next to this one died: ``edge_dropped`` (payloads not sent to
         a dead next stage), ``pipe_dropped`` (late messages of a dead previous stage,
-        dropped unread)."""
+        dropped unread). With a replay log (its edge retries): ``replay_logged`` (requests
+        logged now), ``replay_logged_bytes`` (their estimated size) and ``replays``."""
         out = dict(self._inner_stats()) if self._inner_stats is not None else {}
         if self._link is not None:
             out["edge_in_flight"] = self._out_items
@@ -287,6 +334,10 @@ class PipeStage:
             out["shm_mapped"] = reader.mapped
         if self._previous_gone:
             out["pipe_dropped"] = self._late_dropped
+        if self._replay_bytes is not None:
+            out["replay_logged"] = len(self._log)
+            out["replay_logged_bytes"] = sum(self._log_size.values())
+            out["replays"] = self._replays
         return out
 
     def add(self, req_id: str, data: Any) -> None:
@@ -329,6 +380,82 @@ class PipeStage:
             live.discard(rid)
             sent.pop(rid, None)
             gathered.pop(rid, None)
+        if self._replay_bytes is not None:
+            self._forget(req_ids)
+
+    # -- retry: the replay log -------------------------------------------------------------------
+
+    def _forget(self, req_ids: Sequence[str]) -> None:
+        log, size, ended, unlogged = self._log, self._log_size, self._log_ended, self._unlogged
+        for rid in req_ids:
+            if log.pop(rid, None) is not None:
+                del size[rid]
+            ended.discard(rid)
+            unlogged.discard(rid)
+
+    def _log_item(self, rid: str, first: bool, item: Any) -> None:
+        """Log *item*, sent on for *rid* (*first*: its first payload, a new log)."""
+        log, size = self._log, self._log_size
+        if first:
+            self._log_ended.discard(rid)
+            self._unlogged.discard(rid)
+            log[rid] = [item]
+            size[rid] = payload_size(item)
+        else:
+            items = log.get(rid)
+            if items is None:  # not retryable any more
+                return
+            items.append(item)
+            size[rid] += payload_size(item)
+        assert self._replay_bytes is not None
+        if size[rid] > self._replay_bytes:
+            del log[rid], size[rid]
+            self._unlogged.add(rid)
+
+    def pipe_release(self, req_ids: list[str]) -> None:
+        """The coordinator's ``release``: *req_ids* are done in the pipeline; their logs go
+        (not that of a request live here: a new one under a freed id)."""
+        if self._replay_bytes is not None:
+            live = self._live
+            self._forget([rid for rid in req_ids if rid not in live])
+
+    def pipe_replay(self, req_id: str) -> tuple[bool, str]:
+        """The coordinator's ``replay``: the next stage failed *req_id*. Send an ``abort`` of
+        it down the link (always, so that the coordinator can count the next stages'
+        ``aborted`` answers), then its logged items again, first to last (with the end if
+        the request ended here); what this stage sends of it later follows them. Returns
+        whether it replayed, and if not why."""
+        link = self._link
+        if link is None or self._next_gone:
+            return False, "the next stage is gone"
+        link.send(self._encoder.encode(("abort", [req_id]))[0])
+        items = self._log.get(req_id)
+        if items is None:
+            if req_id in self._unlogged:
+                why = (
+                    f"its inputs to the next stage exceeded the replay log's bound "
+                    f"({self._replay_bytes} bytes)"
+                )
+            elif self._replay_bytes is None:
+                why = "the previous stage keeps no replay log"
+            else:
+                why = "the previous stage no longer holds its inputs"
+            return False, why
+        count = len(items)
+        kinds = [FIRST] + [MORE] * (count - 1)
+        on_p = list(items)
+        if req_id in self._log_ended:
+            if count == 1:
+                kinds[0] = ONLY
+            else:
+                kinds.append(END)
+                on_p.append(None)
+        out_r: list[Any] = []
+        self._send_on(kinds, [req_id] * len(kinds), on_p, out_r, [], [])
+        if out_r:  # an item the encoder refused (the request failed here when it was sent)
+            return False, "its inputs could not be encoded again"
+        self._replays += 1
+        return True, ""
 
     def chase_abort(self, req_ids: Sequence[str]) -> None:
         """An ``abort`` message was applied here (the stage runtime calls this after
@@ -378,6 +505,7 @@ class PipeStage:
         live, sent, edge, last = self._live, self._sent, self._edge, self._link is None
         flat = _codec.FLAT_TYPES
         failed: set[str] | None = None
+        logging = self._replay_bytes is not None
         for rid, fin, payload in zip(rids, fins, payloads, strict=True):
             if rid not in live or isinstance(payload, RequestRejected):
                 # Unrouted, not this stage's (or stale), or ended with an error by the
@@ -418,6 +546,8 @@ class PipeStage:
                 on_r.append(rid)
                 on_p.append(to_next)
                 sent[rid] = n + 1
+                if logging:
+                    self._log_item(rid, not n, to_next)
             if to_caller is not NOTHING:
                 out_r.append(rid)
                 out_f.append(False)
@@ -426,6 +556,8 @@ class PipeStage:
                 live.discard(rid)
                 n = sent.pop(rid, 0)
                 if n:
+                    if logging:
+                        self._log_ended.add(rid)
                     if n == 1 and on_r and on_r[-1] == rid and kinds[-1] == FIRST:
                         kinds[-1] = ONLY
                     else:
@@ -526,6 +658,7 @@ class PipelinedPipeStage(PipeStage):
         shm: _shm.ShmPool | None = None,
         shm_reader: _shm.ShmReader | None = None,
         link_id: str | None = None,
+        replay_bytes: int | None = None,
     ) -> None:
         super().__init__(
             inner,
@@ -537,6 +670,7 @@ class PipelinedPipeStage(PipeStage):
             shm=shm,
             shm_reader=shm_reader,
             link_id=link_id,
+            replay_bytes=replay_bytes,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -566,6 +700,7 @@ def pipe_stage(
     shm_lease: float = _shm.DEFAULT_LEASE,
     shm_upstream: str | None = None,
     link_id: str | None = None,
+    replay_bytes: int | None = None,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
@@ -574,7 +709,10 @@ def pipe_stage(
     more to the next stage through shared memory (``None``: never); *shm_upstream*: the
     previous stage's, whose arrays this stage takes (``None``: it sends none). *link_id*:
     the routing id of this stage's link to the next one (:func:`._edge.link_id`), which the
-    coordinator names when it tells the next stage that this one is gone."""
+    coordinator names when it tells the next stage that this one is gone. *replay_bytes*:
+    keep a replay log of each request's inputs to the next stage, up to that many bytes a
+    request, for the coordinator's ``replay`` (``None``: none; the edge's policy is
+    ``fail``)."""
     reader = None if shm_upstream is None else _shm.configure_reader(shm_upstream)
     inner = build_engine(factory, dict(kwargs or {}))
     edge_fn = None if edge is None else import_factory(edge)
@@ -592,6 +730,7 @@ def pipe_stage(
         "shm": pool,
         "shm_reader": reader,
         "link_id": link_id,
+        "replay_bytes": replay_bytes,
     }
     if isinstance(inner, PipelinedEngine):
         return PipelinedPipeStage(inner, **options)

@@ -36,6 +36,7 @@ from ._pipelinebase import (
     launch_options,
     new_shm_prefix,
     pipe_kwargs,
+    retry_counts,
     stage_specs,
 )
 from ._statistics import StageStatistics
@@ -84,10 +85,11 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         max_in_flight: int | None = None,
         max_bytes: int | None = None,
         shm_prefix: str | None = None,
+        retry: Sequence[int] | None = None,
     ) -> None:
         # Private: use launch().
         lock = threading.Lock()
-        super().__init__(clients, names, max_in_flight, max_bytes, lock, shm_prefix)
+        super().__init__(clients, names, max_in_flight, max_bytes, lock, shm_prefix, retry)
         self._thread_lock = lock
         self._room = threading.Condition(lock)
         self._close_lock = threading.Lock()
@@ -138,7 +140,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         clients.reverse()
         names = [s.name or s.factory for s in specs]
         return cls(
-            clients, names, max_in_flight=max_in_flight, max_bytes=max_bytes, shm_prefix=prefix
+            clients,
+            names,
+            max_in_flight=max_in_flight,
+            max_bytes=max_bytes,
+            shm_prefix=prefix,
+            retry=retry_counts(specs),
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -256,7 +263,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     def _deliver(self, d: PipelineDeliveries[PipelineStream]) -> None:
         for stream in d.wake:
             stream._wakeup.put(None)  # type: ignore[union-attr]  # set before _waiting
-        if d.aborts or d.stage_aborts or d.gone:
+        if d.aborts or d.stage_aborts or d.gone or d.replays or d.releases:
             self._send_aborts(d)
         if d.freed:
             with self._room:

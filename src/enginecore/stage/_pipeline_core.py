@@ -36,6 +36,26 @@ place in the admission budget are free.
 - an error naming the stage, when a stage dies (:class:`~._errors.PipelineStageDeadError`):
   every live request ends with it, and the pipeline takes no more requests;
 - :class:`~._errors.StageClosedError` when the pipeline is closed under it.
+
+**Retry** (``retry[k] = n > 0``: the edge into stage ``k`` is ``Retry(n)``). When stage
+``k`` reports an error for a live request, and nothing of stage ``k`` or a later one has
+reached the caller for it, the request is not ended: the coordinator asks stage ``k - 1``
+to replay it (:attr:`PipelineDeliveries.replays`, ``["replay", rid, attempt]``). That
+stage sends an ``abort`` of it down its link, the *fence*, then the request's logged
+inputs again. Every stage ``j >= k`` applies the fence once and answers ``aborted``; until
+the coordinator has counted that answer (``fences[j]``), every event of stage ``j`` for
+the request is of an earlier attempt and is dropped: an output never reaches the caller, an
+end or an error is not counted. What stages ``>= k`` had ended is forgotten. After ``n``
+replays of one edge, the next error ends the request (``"... (retried n times)"``); an
+error after stage ``k`` or a later one sent the caller something ends it too (``"... (not
+retried: ...)"``), and so does a replay that failed (the ``replayed`` answer: the producer
+no longer held the inputs, or they outgrew its log's bound). The fences' ``aborted``
+answers are never counted as the confirmations of a coordinator's abort: a request leaves
+only when both are in. A request done while live is *released*
+(:attr:`PipelineDeliveries.releases`): the stages that keep replay logs forget it; one done
+while a fence is unanswered (a replay made moot by a later one is still on its way) is
+aborted in every stage instead, so that what that replay sends ends too, and is kept until
+the abort and every fence are answered.
 """
 
 from __future__ import annotations
@@ -84,7 +104,20 @@ class RequestState(enum.Enum):
 
 
 class _Request(Generic[S]):
-    __slots__ = ("confirms", "ended", "nbytes", "req_id", "sent", "state", "stream")
+    __slots__ = (
+        "attempt",
+        "confirms",
+        "ended",
+        "fences",
+        "nbytes",
+        "req_id",
+        "retries",
+        "sent",
+        "spoke",
+        "state",
+        "stream",
+        "why",
+    )
 
     def __init__(self, req_id: str, stream: S, nbytes: int) -> None:
         self.req_id = req_id
@@ -94,6 +127,15 @@ class _Request(Generic[S]):
         self.ended = 0  # bit k: stage k ended it
         self.sent: dict[int, int] | None = None  # stage k -> payloads it sent on, if any
         self.confirms = 0  # stages that applied the coordinator's abort
+        # Retry: bit k of spoke, stage k sent the caller a payload; fences[k], the fences
+        # stage k has still to answer (its events until then are an earlier attempt's);
+        # retries[k], the replays into stage k; attempt, the last replay's number, and why,
+        # the error that asked for it.
+        self.spoke = 0
+        self.fences: list[int] | None = None
+        self.retries: dict[int, int] | None = None
+        self.attempt = 0
+        self.why = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -113,12 +155,20 @@ class PipelineDeliveries(Generic[S]):
     """``(stage, side, dead)``: tell that stage that stage *dead*, on its *side*
     (``"previous"`` or ``"next"``), is gone; sent before :attr:`stage_aborts`, so that the
     stage after a dead one drops the dead one's late data before it applies the aborts."""
+    replays: list[tuple[int, str, int]] = field(default_factory=list)
+    """``(stage, req_id, attempt)``: ask that stage to replay the request to the next one
+    (``["replay", req_id, attempt]``): the next stage failed it, and its edge retries."""
+    releases: list[str] = field(default_factory=list)
+    """Requests done in the pipeline: the stages that keep replay logs forget them
+    (``["release", ids]``)."""
 
 
 class PipelineCore(Generic[S]):
     """The coordinator's decisions (module docstring). *stages* are the stages' names, in
     order; *max_in_flight* the admission budget in requests, *max_bytes* in bytes of the
-    requests' frames (``None``: none). A request
+    requests' frames (``None``: none); *retry*, per stage, how many times a request that
+    stage fails is replayed to it by the stage before it (``0``, the default: the edge's
+    policy is ``fail``; always ``0`` for the first stage). A request
     holds its place from :meth:`open` until it is over in every stage."""
 
     def __init__(
@@ -126,10 +176,16 @@ class PipelineCore(Generic[S]):
         stages: Sequence[str],
         max_in_flight: int | None = None,
         max_bytes: int | None = None,
+        retry: Sequence[int] | None = None,
     ) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         check_budget(max_in_flight, max_bytes)
+        retry = [0] * len(stages) if retry is None else list(retry)
+        if len(retry) != len(stages) or retry[0] or min(retry) < 0:
+            raise ValueError(f"retry must be one count >= 0 per stage, 0 first, got {retry}")
+        self.retry = tuple(retry)
+        self._retrying = any(retry)
         self.max_bytes = max_bytes
         self.bytes_in = 0
         """The bytes of the requests in the pipeline (their frames, as sent)."""
@@ -263,6 +319,9 @@ class PipelineCore(Generic[S]):
             req = requests.get(rid) if rid is not None else None
             if req is None:
                 continue
+            fences = req.fences
+            if fences is not None and fences[k]:
+                continue  # an earlier attempt's, in a stage that has not answered a fence yet
             if fin:
                 req.ended |= 1 << k
                 if type(payload) is int and payload > 0:
@@ -273,6 +332,7 @@ class PipelineCore(Generic[S]):
                 if self._done(req):
                     self._finish(req, now, d)
             elif req.state is not closing:
+                req.spoke |= 1 << k
                 stream = req.stream
                 stream._buf.append(payload)
                 stream._arrivals.append(now)
@@ -288,24 +348,94 @@ class PipelineCore(Generic[S]):
         req = self._requests.get(req_id)
         if req is None or req.state is RequestState.CLOSING:
             return
-        self._end(req, End(PipelineRequestError(req_id, self.stages[k], message)), now, d)
+        fences = req.fences
+        if fences is not None and fences[k]:
+            return  # an earlier attempt's
+        allowed = self.retry[k]
+        if allowed and req.state is RequestState.LIVE:
+            done = 0 if req.retries is None else req.retries.get(k, 0)
+            if done >= allowed:
+                message = f"{message} (retried {allowed} time{'s' if allowed > 1 else ''})"
+            elif req.spoke >> k:
+                spoke = min(j for j in range(k, self._n) if req.spoke >> j & 1)
+                message = (
+                    f"{message} (not retried: stage {self.stages[spoke]!r} had sent the "
+                    f"caller outputs of it)"
+                )
+            else:
+                self._replay(req, k, message, d)
+                return
+        self._fail(req, k, message, now, d)
+
+    def replayed(
+        self,
+        k: int,
+        req_id: str,
+        attempt: int,
+        ok: bool,
+        message: str,
+        now: float,
+        d: PipelineDeliveries[S],
+    ) -> None:
+        """Stage *k* answered the replay *attempt* of *req_id*: if it could not replay it
+        (*ok* false, *message* why), the request ends with the error that asked for the
+        replay, unless a later replay superseded this one or it has ended already."""
+        req = self._requests.get(req_id)
+        if req is None or ok or attempt != req.attempt or req.state is not RequestState.LIVE:
+            return
+        self._fail(req, k + 1, f"{req.why} (not retried: {message})", now, d)
+
+    def _replay(self, req: _Request[S], k: int, message: str, d: PipelineDeliveries[S]) -> None:
+        """Stage *k* failed the live *req*, whose edge into *k* retries: fence stages *k* on,
+        forget what they had ended, and ask stage ``k - 1`` to replay it."""
+        n = self._n
+        if req.retries is None:
+            req.retries = {}
+        req.retries[k] = req.retries.get(k, 0) + 1
+        req.attempt += 1
+        req.why = message
+        fences = req.fences
+        if fences is None:
+            fences = req.fences = [0] * n
+        for j in range(k, n):
+            fences[j] += 1
+        req.ended &= (1 << k) - 1
+        if req.sent is not None:
+            for j in range(k, n):
+                req.sent.pop(j, None)
+        d.replays.append((k - 1, req.req_id, req.attempt))
+
+    def _fail(
+        self, req: _Request[S], k: int, message: str, now: float, d: PipelineDeliveries[S]
+    ) -> None:
+        """End *req* with stage *k*'s error, and abort it in every stage (unless the
+        caller's abort already is on its way)."""
+        self._end(req, End(PipelineRequestError(req.req_id, self.stages[k], message)), now, d)
         if req.state is RequestState.LIVE:
-            d.aborts.append(req_id)
+            d.aborts.append(req.req_id)
         req.state = RequestState.CLOSING
 
     def aborted(self, k: int, req_ids: Iterable[str], now: float, d: PipelineDeliveries[S]) -> None:
         """Stage *k* applied an abort of *req_ids*. Once every stage has applied the
         coordinator's abort of a request, nothing more can come of it: an aborting one's
         stream ends (aborted), and its place is free. (An abort the coordinator did not send,
-        of a live request, is ignored.)"""
+        of a live request, is ignored.) A stage's answer to a replay's fence
+        (:meth:`error`) is not a confirmation: it ends that stage's earlier attempt, and a
+        request leaves only once every fence is answered too."""
         requests = self._requests
         n = self._n
         for rid in req_ids:
             req = requests.get(rid)
-            if req is None or req.state is RequestState.LIVE:
+            if req is None:
                 continue
-            req.confirms += 1
-            if req.confirms >= n:
+            fences = req.fences
+            if fences is not None and fences[k]:
+                fences[k] -= 1  # stage k applied a replay's fence: its next events are new
+            elif req.state is RequestState.LIVE:
+                continue
+            else:
+                req.confirms += 1
+            if req.confirms >= n and (fences is None or not any(fences)):
                 if req.state is RequestState.ABORTING:
                     self._end(req, ABORTED, now, d)
                 self._release(req, d)
@@ -379,7 +509,16 @@ class PipelineCore(Generic[S]):
             return  # the stream has ended; the abort's confirmations free it
         self._end(req, FINISHED, now, d)
         if state is RequestState.LIVE:
+            if req.fences is not None and any(req.fences):
+                # A replay is still on its way (a later one made it moot): abort the request
+                # in every stage, so that what it replays ends too, and keep the id until
+                # every stage has applied that abort and answered every fence.
+                d.aborts.append(req.req_id)
+                req.state = RequestState.CLOSING
+                return
             self._release(req, d)
+            if self._retrying:
+                d.releases.append(req.req_id)
         else:  # aborting: the abort is on its way through the stages; wait for it
             req.state = RequestState.CLOSING
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Generic, NoReturn, TypeVar
+from typing import Any, Final, Generic, Literal, NoReturn, TypeVar
 
 from . import _shm
 from ._clientbase import ClientBase
@@ -24,16 +24,18 @@ from ._edge import link_id
 from ._errors import EngineDeadError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
-from ._wire import Aborted, Credit, ErrorReport, Outputs
+from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
 __all__ = [
     "PIPE_FACTORY",
     "PipelineBase",
     "PipelineStage",
+    "Retry",
     "check_drain",
     "launch_options",
     "new_shm_prefix",
     "pipe_kwargs",
+    "retry_counts",
     "stage_specs",
 ]
 
@@ -52,8 +54,40 @@ PIPE_FACTORY: Final = "enginecore.stage._pipe_stage:pipe_stage"
 """The factory every pipeline stage is launched with: it builds the user's engine and
 wraps it (:mod:`._pipe_stage`)."""
 
+DEFAULT_REPLAY_BYTES: Final = 64 * 2**20
+"""A :class:`Retry` edge's default bound on one request's replay log, in bytes (64 MiB)."""
+
 S = TypeVar("S", bound=StreamCore)
 C = TypeVar("C", bound=ClientBase[Any, Any])
+
+
+@dataclass(frozen=True)
+class Retry:
+    """The failure policy of a pipeline's edge that retries: ``PipelineStage(...,
+    on_next_error=Retry(n))``. When the next stage fails a request with a request-scoped
+    error (its engine refused or failed it, its edge failed, its input could not be read),
+    this stage sends it the request's inputs again, up to *times* times; the error after
+    the last retry ends the request, naming the next stage (``"... (retried n times)"``).
+
+    A retry happens only while nothing of the failed stage or a later one has reached the
+    caller for the request (else the request fails at once: its outputs are not sent
+    twice). This stage keeps a log of what it sent on for each request, until the request
+    is over in the pipeline: a request whose logged payloads exceed *max_bytes* (estimated:
+    arrays' and bytes' sizes, strings' lengths) is not retryable, and fails as with
+    ``"fail"``, saying why. A stage's death is not retried: it fails every request, as
+    with ``"fail"``.
+    """
+
+    times: int
+    max_bytes: int = DEFAULT_REPLAY_BYTES
+
+    def __post_init__(self) -> None:
+        for what in ("times", "max_bytes"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Retry {what} must be an int >= 1, got {value!r}")
+            if value < 1:
+                raise ValueError(f"Retry {what} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +117,11 @@ class PipelineStage:
     lease lasts without renewal: the next stage renews it while it holds the array, and
     refuses a payload whose lease expired before it read it (an error for that request,
     ``SharedMemoryLeaseExpired``).
+
+    *on_next_error* is the edge's failure policy, for a request the next stage fails with
+    a request-scoped error: ``"fail"`` (the request ends with that error) or
+    :class:`Retry` ``(n)`` (this stage sends the next one the request's inputs again, up
+    to *n* times). The last stage has no next stage: only ``"fail"``.
     """
 
     factory: str
@@ -97,6 +136,7 @@ class PipelineStage:
     shm_threshold: int | None = _shm.DEFAULT_THRESHOLD
     shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES
     shm_lease: float = _shm.DEFAULT_LEASE
+    on_next_error: Literal["fail"] | Retry = "fail"
 
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str):
@@ -117,6 +157,12 @@ class PipelineStage:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"{what} must be an int >= 1 or None, got {value!r}")
+        policy = self.on_next_error
+        if not isinstance(policy, Retry):
+            if not isinstance(policy, str):
+                raise TypeError(f"on_next_error must be 'fail' or Retry(n), got {policy!r}")
+            if policy != "fail":
+                raise ValueError(f"on_next_error must be 'fail' or Retry(n), got {policy!r}")
         if self.edge is not None and not isinstance(self.edge, str):
             raise TypeError(
                 f"edge must be an import string 'pkg.module:fn' (it runs in the stage's "
@@ -135,6 +181,11 @@ def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
                 f"the last stage ({spec.name or spec.factory!r}) has no next stage, so no "
                 f"edge: its outputs go to the caller"
             )
+        if spec.on_next_error != "fail":
+            raise ValueError(
+                f"the last stage ({spec.name or spec.factory!r}) has no next stage, so no "
+                f"on_next_error: {spec.on_next_error!r}"
+            )
     names: list[str] = []
     for k, spec in enumerate(specs):
         name = spec.name
@@ -146,6 +197,16 @@ def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
             raise ValueError(f"two stages are named {name!r}")
         names.append(name)
     return [dataclasses.replace(s, name=n) for s, n in zip(specs, names, strict=True)]
+
+
+def retry_counts(specs: Sequence[PipelineStage]) -> list[int]:
+    """Per stage, how many times a request it fails is replayed to it (its previous
+    stage's :class:`Retry`; ``0``: ``"fail"``, and the first stage)."""
+    counts = [0]
+    for spec in specs[:-1]:
+        policy = spec.on_next_error
+        counts.append(policy.times if isinstance(policy, Retry) else 0)
+    return counts
 
 
 def pipe_kwargs(
@@ -172,6 +233,8 @@ def pipe_kwargs(
         kwargs["window"] = spec.window
         kwargs["window_bytes"] = spec.window_bytes
         kwargs["link_id"] = link_id(index)
+        if isinstance(spec.on_next_error, Retry):
+            kwargs["replay_bytes"] = spec.on_next_error.max_bytes
         if shm_prefix is not None and spec.shm_threshold is not None:
             kwargs["shm_prefix"] = _shm.stage_prefix(shm_prefix, index)
             kwargs["shm_threshold"] = spec.shm_threshold
@@ -219,10 +282,13 @@ class PipelineBase(Generic[S, C]):
         max_bytes: int | None,
         lock: contextlib.AbstractContextManager[Any],
         shm_prefix: str | None = None,
+        retry: Sequence[int] | None = None,
     ) -> None:
         self._lock = lock
         self._shm_prefix = shm_prefix
-        self._core: PipelineCore[S] = PipelineCore(names, max_in_flight, max_bytes)
+        self._core: PipelineCore[S] = PipelineCore(names, max_in_flight, max_bytes, retry)
+        # The stages that keep replay logs: those before a stage that is retried.
+        self._loggers = [k - 1 for k, n in enumerate(self._core.retry) if n]
         self._clients = list(clients)
         self._names = tuple(names)
         self._closed = False
@@ -328,8 +394,9 @@ class PipelineBase(Generic[S, C]):
     def _send_aborts(self, d: PipelineDeliveries[S]) -> None:
         """To a dead stage's neighbours, that it is gone (first: the stage after it drops
         its late data before it applies the aborts); to the first stage (the abort chases
-        the data from there), and to a stage after a dead one. A stage that is gone has its
-        failure end every request anyway."""
+        the data from there), and to a stage after a dead one; a replay to the stage before
+        one that failed a request, and the releases of done requests to the stages that keep
+        replay logs. A stage that is gone has its failure end every request anyway."""
         for k, side, dead in d.gone:
             with contextlib.suppress(Exception):
                 link = link_id(dead) if side == "previous" else ""
@@ -340,6 +407,13 @@ class PipelineBase(Generic[S, C]):
         for k, req_ids in d.stage_aborts:
             with contextlib.suppress(Exception):
                 self._clients[k]._send_abort(req_ids)
+        for k, rid, attempt in d.replays:  # a gone stage: its failure ends the request
+            with contextlib.suppress(Exception):
+                self._clients[k]._send(ClientSession.replay_frame(rid, attempt))
+        if d.releases:
+            for k in self._loggers:
+                with contextlib.suppress(Exception):
+                    self._clients[k]._send(ClientSession.release_frame(d.releases))
 
     def _unlink_dead(self, k: int) -> None:
         """Stage *k* is gone: unlink its shared-memory segments (a killed stage could not),
@@ -389,6 +463,8 @@ class PipelineBase(Generic[S, C]):
                 elif isinstance(ev, Credit):
                     credit_items += ev.items
                     credit_bytes += ev.nbytes
+                elif isinstance(ev, Replayed):
+                    core.replayed(k, ev.req_id, ev.attempt, ev.ok, ev.message, now, d)
                 elif isinstance(ev, ErrorReport):
                     if ev.req_id is not None:
                         core.error(k, ev.req_id, ev.message, now, d)

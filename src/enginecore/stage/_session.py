@@ -66,6 +66,7 @@ from ._wire import (
     Fatal,
     Outputs,
     Pong,
+    Replayed,
     Resumed,
     Stalled,
     UtilityResult,
@@ -745,6 +746,18 @@ class ClientSession(Generic[S, W]):
         return [_encode_flat(("gone", side, link))]
 
     @staticmethod
+    def replay_frame(req_id: str, attempt: int) -> Parts:
+        """A ``replay`` for a pipeline's stage whose edge retries (``docs/wire.md`` section
+        8): abort *req_id* down the link and send its logged inputs again."""
+        return [_encode_flat(("replay", req_id, attempt))]
+
+    @staticmethod
+    def release_frame(req_ids: list[str]) -> Parts:
+        """A ``release`` for a pipeline's stage whose edge retries: forget the replay logs of
+        *req_ids*, which are done."""
+        return [_encode_flat(("release", req_ids))]
+
+    @staticmethod
     def stats_frame(call_id: int) -> Parts:
         """A ``stats`` request, answered like a utility call."""
         return [encode_plain(("stats", call_id), "stats")]
@@ -926,7 +939,7 @@ class ClientSession(Generic[S, W]):
                     self._forget_quiet(ev.req_ids)
             elif cls is ErrorReport:
                 self._on_error_report(ev, d, now)
-            elif cls is Credit:
+            elif cls is Credit or cls is Replayed:
                 pass  # a pipeline's: for the ordered event stream (the coordinator)
             elif cls is Pong:
                 pongs = True  # an answer to our heartbeat, not a stage event

@@ -206,6 +206,12 @@ class StageEngine:
             engine, "chase_abort", None
         )
         self._pipe_gone: Callable[[str, int], None] | None = getattr(engine, "pipe_gone", None)
+        self._pipe_replay: Callable[[str], tuple[bool, str]] | None = getattr(
+            engine, "pipe_replay", None
+        )
+        self._pipe_release: Callable[[list[str]], None] | None = getattr(
+            engine, "pipe_release", None
+        )
         attach_emit = getattr(engine, "attach_emit", None)
         if callable(attach_emit):
             attach_emit(outbox.emit)
@@ -308,6 +314,21 @@ class StageEngine:
         input side dropped."""
         if self._pipe_gone is not None:
             self._pipe_gone(side, late)
+
+    def pipe_replay(self, req_id: str, attempt: int) -> None:
+        """:class:`~._controls.PipeReplay`: the next stage failed *req_id*: the engine's
+        wrapper aborts it down the link and sends its logged inputs again, and a
+        ``replayed`` event answers, naming *attempt*."""
+        if self._pipe_replay is None:
+            ok, why = False, "this stage is not a pipeline's stage"
+        else:
+            ok, why = self._pipe_replay(req_id)
+        self._emit(("replayed", req_id, attempt, ok, why))
+
+    def pipe_release(self, req_ids: list[str]) -> None:
+        """:class:`~._controls.PipeRelease`: *req_ids* are done; their replay logs go."""
+        if self._pipe_release is not None:
+            self._pipe_release(req_ids)
 
     def change_session(self, epoch: int | None, *, abort: bool = False) -> None:
         """:class:`~._controls.SessionChange`: the previous client is gone (*abort*: its

@@ -60,6 +60,8 @@ from ._controls import (
     PipeCredit,
     PipeGone,
     PipeInput,
+    PipeRelease,
+    PipeReplay,
     SessionChange,
     Stop,
 )
@@ -410,6 +412,10 @@ class StageSession:
             self.to_loop.append(PipeCredit(msg.items, msg.nbytes))
         elif cls is _wire.GoneMsg:
             self._gone(msg)
+        elif cls is _wire.ReplayMsg:
+            self.to_loop.append(PipeReplay(msg.req_id, msg.attempt))
+        elif cls is _wire.ReleaseMsg:
+            self.to_loop.append(PipeRelease(msg.req_ids))
         elif cls is _wire.UtilityMsg:
             args = msg.args
             if args and not set(map(type, args)) <= _RECEIVED_FLAT:

@@ -113,6 +113,20 @@ class GoneMsg(msgspec.Struct, array_like=True, frozen=True, tag="gone"):
     link: str = ""
 
 
+class ReplayMsg(msgspec.Struct, array_like=True, frozen=True, tag="replay"):
+    # The coordinator -> a pipeline's stage whose edge retries (docs/wire.md section 8): the
+    # next stage failed *req_id*; abort it down the link, then send its logged inputs again.
+    # Answered by a `replayed` event naming *attempt*.
+    req_id: str
+    attempt: int
+
+
+class ReleaseMsg(msgspec.Struct, array_like=True, frozen=True, tag="release"):
+    # The coordinator -> a pipeline's stage whose edge retries: these requests are done in
+    # the pipeline; forget their replay logs.
+    req_ids: list[str]
+
+
 ClientMsg: TypeAlias = (
     HelloMsg
     | AddMsg
@@ -126,6 +140,8 @@ ClientMsg: TypeAlias = (
     | PipeMsg
     | CreditMsg
     | GoneMsg
+    | ReplayMsg
+    | ReleaseMsg
 )
 
 # -- stage -> client, handshake replies (input socket) --------------------------------------
@@ -229,6 +245,18 @@ class Credit(msgspec.Struct, array_like=True, frozen=True, tag="credit"):
     nbytes: int
 
 
+class Replayed(msgspec.Struct, array_like=True, frozen=True, tag="replayed"):
+    """A pipeline's stage answers the coordinator's ``replay`` of *req_id*, number
+    *attempt* (``docs/wire.md`` section 8): it aborted the request down its link (always),
+    then sent its logged inputs again (*ok*), or could not (*message* says why). Only
+    pipeline stages send it."""
+
+    req_id: str
+    attempt: int
+    ok: bool
+    message: str
+
+
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
     """The engine loop stopped because shutdown was requested. Last event of the stage."""
 
@@ -239,9 +267,11 @@ class Fatal(msgspec.Struct, array_like=True, frozen=True, tag="fatal"):
     message: str
 
 
-StageEvent: TypeAlias = Outputs | UtilityResult | Aborted | ErrorReport | Credit | Shutdown | Fatal
-"""What a client's ordered event stream yields (:class:`Credit` only from a pipeline's
-stage)."""
+StageEvent: TypeAlias = (
+    Outputs | UtilityResult | Aborted | ErrorReport | Credit | Replayed | Shutdown | Fatal
+)
+"""What a client's ordered event stream yields (:class:`Credit` and :class:`Replayed` only
+from a pipeline's stage)."""
 
 WireEvent: TypeAlias = (
     Outputs
@@ -249,6 +279,7 @@ WireEvent: TypeAlias = (
     | Aborted
     | ErrorReport
     | Credit
+    | Replayed
     | Pong
     | Stalled
     | Resumed

@@ -48,6 +48,7 @@ from ._edge import NOTHING
 __all__ = [
     "DeviceEngine",
     "EchoEngine",
+    "FlakyRelayEngine",
     "PipelinedCountdownEngine",
     "RelayEngine",
     "ScriptedEngine",
@@ -58,6 +59,7 @@ __all__ = [
     "echo",
     "exiting_factory",
     "failing_factory",
+    "flaky",
     "inflate",
     "last_fails",
     "pipelined",
@@ -726,6 +728,57 @@ class RelayEngine:
 def relay(step_s: float = 0.0, per_step: int | None = None) -> RelayEngine:
     """Factory: a :class:`RelayEngine`."""
     return RelayEngine(step_s, per_step)
+
+
+class FlakyRelayEngine(RelayEngine):
+    """A :class:`RelayEngine` that fails each request's first *fail_first* attempts (an
+    attempt: an ``add`` of its id), for the tests of a pipeline's ``Retry``. *when* says
+    how: ``"add"``, its ``add`` raises :class:`~enginecore.RequestRejected`; ``"first"``,
+    its first output is a ``RequestRejected`` instead (an error while it is live: the stage
+    drops it); ``"last"``, its last output is (after every other output went out). Extra
+    utility: ``attempts(req_id)``, how many adds of that id it has seen."""
+
+    def __init__(self, fail_first: int = 1, when: str = "add", step_s: float = 0.0) -> None:
+        if when not in ("add", "first", "last"):
+            raise ValueError(f"when must be 'add', 'first' or 'last', got {when!r}")
+        super().__init__(step_s)
+        self.fail_first = fail_first
+        self.when = when
+        self.attempts: dict[str, int] = {}
+        self._failed: set[str] = set()  # failed in this attempt: its later outputs go
+
+    def add(self, req_id: str, data: Any) -> None:
+        n = self.attempts[req_id] = self.attempts.get(req_id, 0) + 1
+        self._failed.discard(req_id)
+        if self.when == "add" and n <= self.fail_first:
+            raise RequestRejected(f"attempt {n} of {req_id!r} fails on purpose")
+        super().add(req_id, data)
+
+    def step(self) -> list[tuple[str, bool, Any]]:
+        out = super().step()
+        if self.when == "add":
+            return out
+        kept: list[tuple[str, bool, Any]] = []
+        for rid, fin, item in out:
+            if rid in self._failed:
+                continue
+            n = self.attempts.get(rid, 0)
+            if n <= self.fail_first and (fin or self.when == "first"):
+                self._failed.add(rid)
+                kept.append((rid, fin, RequestRejected(f"attempt {n} of {rid!r} fails on purpose")))
+            else:
+                kept.append((rid, fin, item))
+        return kept
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "attempts":
+            return self.attempts.get(args[0], 0)
+        return super().utility(name, args)
+
+
+def flaky(fail_first: int = 1, when: str = "add", step_s: float = 0.0) -> FlakyRelayEngine:
+    """Factory: a :class:`FlakyRelayEngine`."""
+    return FlakyRelayEngine(fail_first, when, step_s)
 
 
 # Edge functions for pipelines (``PipelineStage(edge="enginecore.stage.testing:NAME")``).
