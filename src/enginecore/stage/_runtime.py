@@ -241,6 +241,9 @@ class StageRuntime:
                 # A load report's engine.stats() call is also the loop's sample: one call
                 # serves both (the loop skips its own for an interval after it).
                 stage_engine.reporter.sample = self.loop._timer.sample_engine
+                # And the idle wait sends one more when the loop idles after a busy report
+                # (a pipelined engine's last collect cannot know that it is the last).
+                self._input.idle_report = stage_engine.reporter
             self._statistics = functools.partial(
                 stage_statistics,
                 self.loop,
