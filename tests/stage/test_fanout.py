@@ -279,7 +279,9 @@ class TestClientsThatCannotKeepUp:
         self, stage: tuple[Server, Path]
     ) -> None:
         srv, log = stage
-        with RawClient(srv.address) as slow, RawClient(srv.address) as fast:
+        observer = StageObserver(srv.address)
+        with observer, RawClient(srv.address) as slow, RawClient(srv.address) as fast:
+            assert observer.stats(timeout=10).cut_clients == 0
             assert slow.hello(rcvhwm=1)[0] == "welcome"  # and it never reads again
             _welcomed(fast)
             slow_ids = [f"slow-{i}" for i in range(50)]
@@ -289,6 +291,8 @@ class TestClientsThatCannotKeepUp:
             # it, and the fast one got nothing (its calls included) until the slow one's
             # session timed out (120 s here).
             _aborted_in_engine(fast, slow_ids, timeout=60)
+            # The stage counts the cut (the loop cut it before it aborted its requests).
+            assert observer.stats(timeout=10).cut_clients == 1
             # The fast client is served: a job of it completes.
             for i in range(20):
                 fast.send("add", f"job-{i}", 200)
@@ -306,6 +310,7 @@ class TestClientsThatCannotKeepUp:
             assert slow.hello()[0] == "welcome"
             slow.send("add", "again", 2)
             assert _outputs_of(slow.until(_finished("again")))["again"] == [1, 0]
+            assert observer.stats(timeout=10).cut_clients == 1  # once
         text = log.read_text()
         assert "fell behind" in text, text
         assert "past the client buffer (1000)" in text

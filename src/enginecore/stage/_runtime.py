@@ -252,6 +252,7 @@ class StageRuntime:
                 backlog=lambda: self._output.backlog,
                 reporter=stage_engine.reporter,
                 stalled=self._stalled,
+                cut_clients=self._cut_clients,
                 name=engine_name if name is None else name,
                 factory=engine_name,
                 started=started,
@@ -304,6 +305,11 @@ class StageRuntime:
     def _stalled(self) -> bool:
         # Any thread: the watchdog's verdict on the step running now.
         return self._watchdog is not None and self._watchdog.stalled
+
+    def _cut_clients(self) -> int:
+        # Any thread: the clients a shared stage cut for falling behind (an int the loop
+        # thread increments: a read never waits).
+        return 0 if self._fanout is None else self._fanout.cut_clients
 
     def _io_failed(self) -> None:
         # An IO thread failed: the stage can no longer talk, so it stops.

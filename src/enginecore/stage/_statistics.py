@@ -164,6 +164,7 @@ def stage_statistics(
     name: str,
     factory: str,
     started: float,
+    cut_clients: Callable[[], int] = lambda: 0,
 ) -> dict[str, Any]:
     """The map a ``stats`` request is answered with. Any thread; never waits."""
     return statistics_to_wire(
@@ -179,6 +180,7 @@ def stage_statistics(
             load_reports=reporter.seq if reporter is not None else 0,
             load_interval=reporter.interval if reporter is not None else None,
             stalled=stalled(),
+            cut_clients=cut_clients(),
         )
     )
 
@@ -301,6 +303,11 @@ class StageStatistics:
     stalled: bool = False
     """Whether a step has run past the stage's ``step_timeout`` and not returned yet (its
     watchdog's verdict; always ``False`` without a watchdog)."""
+    cut_clients: int = 0
+    """Clients a shared stage (``serve --max-clients`` above 1) has cut for falling behind:
+    each stopped taking frames with more than ``--client-buffer`` events queued for it, and
+    was detached, its requests aborted (``docs/pool.md``, "Sharing replicas between
+    clients"). Always 0 on a stage that serves one client, and from an older stage."""
 
     @property
     def steps(self) -> int:
