@@ -177,6 +177,12 @@ class StageRuntime:
                 self._auth = start_authenticator(self._ctx, curve)
             in_sock = self._ctx.socket(zmq.ROUTER)
             in_sock.setsockopt(zmq.LINGER, 0)
+            # A peer's new connection takes over its routing id from an old one not seen
+            # closed yet (a broken TCP connection, until the heartbeat drops it): the Python
+            # clients keep one id for their life (_clientbase.routing_id), so a client whose
+            # connection is made again stays the same peer. Without it, libzmq ignores the
+            # new connection's id and takes its next message for one.
+            in_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             out_sock = self._ctx.socket(zmq.PUSH)
             out_sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
             for sock in (in_sock, out_sock):
