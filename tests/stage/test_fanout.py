@@ -5,9 +5,11 @@ against a model (a hypothesis state machine, with fake outboxes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -259,6 +261,69 @@ with StageClient.connect(sys.argv[1], heartbeat_timeout=120.0) as client:
 """
 
 
+class _Relay:
+    """A TCP relay in front of a stage's input socket (``tcp://host:port``): it forwards
+    bytes both ways, and :meth:`break_client_sides` closes the client's end of every
+    connection while it keeps the stage's end open, reading and dropping what the stage
+    sends (its heartbeats go unanswered): a connection broken on one side only."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        self._target = (host, int(port))
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self._server.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._clients: list[socket.socket] = []
+        self._broken: set[socket.socket] = set()
+        self.accepted = 0
+        threading.Thread(target=self._accept, name="test-relay", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+                upstream = socket.create_connection(self._target)
+            except OSError:
+                return
+            with self._lock:
+                self._sockets += [client, upstream]
+                self._clients.append(client)
+                self.accepted += 1
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                if dst not in self._broken:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        if src in self._broken or dst in self._broken:
+            return  # the stage's end stays open
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def break_client_sides(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+            self._broken.update(clients)
+        for sock in clients:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._server.close()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
 class TestClientsThatCannotKeepUp:
     """A client of a shared stage that stops reading, or whose output connection goes,
     is detached by itself: the others keep getting their outputs (issue 18)."""
@@ -296,7 +361,9 @@ class TestClientsThatCannotKeepUp:
         self, stage: tuple[Server, Path]
     ) -> None:
         srv, log = stage
-        with RawClient(srv.address) as slow, RawClient(srv.address) as fast:
+        observer = StageObserver(srv.address)
+        with observer, RawClient(srv.address) as slow, RawClient(srv.address) as fast:
+            assert observer.stats(timeout=10).cut_clients == 0
             assert slow.hello(rcvhwm=1)[0] == "welcome"  # and it never reads again
             _welcomed(fast)
             slow_ids = [f"slow-{i}" for i in range(50)]
@@ -306,6 +373,8 @@ class TestClientsThatCannotKeepUp:
             # it, and the fast one got nothing (its calls included) until the slow one's
             # session timed out (120 s here).
             _aborted_in_engine(fast, slow_ids, timeout=60)
+            # The stage counts the cut (the loop cut it before it aborted its requests).
+            assert observer.stats(timeout=10).cut_clients == 1
             # The fast client is served: a job of it completes.
             for i in range(20):
                 fast.send("add", f"job-{i}", 200)
@@ -323,6 +392,7 @@ class TestClientsThatCannotKeepUp:
             assert slow.hello()[0] == "welcome"
             slow.send("add", "again", 2)
             assert _outputs_of(slow.until(_finished("again")))["again"] == [1, 0]
+            assert observer.stats(timeout=10).cut_clients == 1  # once
         text = log.read_text()
         assert "fell behind" in text, text
         assert "past the client buffer (1000)" in text
@@ -371,19 +441,68 @@ class TestClientsThatCannotKeepUp:
                 finally:
                     os.kill(child.pid, signal.SIGCONT)
                 out, _ = child.communicate(timeout=30)
-            # Stopped for less than the stage's 5 s ZMTP heartbeat, its input connection is
-            # the same: the stage says why it detached it. Stopped longer (a loaded machine),
-            # the connection was dropped and made again: the stage sees a new peer, and
-            # says it has no session.
+            # Stopped longer than the stage's 5 s ZMTP heartbeat (a loaded machine), its
+            # input connection was dropped and made again, under the client's own routing
+            # id: the stage still knows it, and says why it detached it.
             assert out.startswith("SessionLostError: "), out
-            assert (
-                "session lost: the stage detached this client" in out
-                or "session lost: this peer has no session on this stage" in out
-            ), out
+            assert "session lost: the stage detached this client" in out, out
+            assert "fell behind" in out, out
         finally:
             if child.poll() is None:
                 child.kill()
                 child.wait()
+
+    def test_a_client_whose_connection_is_made_again_is_told_why_it_was_cut(
+        self, no_leftovers: str
+    ) -> None:
+        """The input connection of a stopped client breaks on its side while the stage
+        cuts it (a relay closes the client's end and keeps the stage's open, as a broken
+        TCP connection): once it runs again, its DEALER connects anew. It keeps its routing
+        id, and takes it over from the connection the stage has not seen close, so the
+        stage knows it and says why it detached it; a new peer would be told that it has
+        no session."""
+        srv = Server(
+            "--engine",
+            SCRIPTED,
+            "--max-clients",
+            "2",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--session-timeout",
+            "120",
+            "--client-buffer",
+            "1000",
+        )
+        relay = _Relay(srv.address)
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-c", _STOPPED_CLIENT, relay.address],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert child.stdout is not None
+                assert child.stdout.readline().strip() == "streaming"
+                with RawClient(srv.address) as other:
+                    _welcomed(other)
+                    os.kill(child.pid, signal.SIGSTOP)
+                    try:
+                        _aborted_in_engine(other, [f"c-{i}" for i in range(50)], timeout=40)
+                        relay.break_client_sides()
+                    finally:
+                        os.kill(child.pid, signal.SIGCONT)
+                    out, _ = child.communicate(timeout=30)
+                assert relay.accepted == 2, "the client's connection was not made again"
+                assert out.startswith("SessionLostError: "), out
+                assert "session lost: the stage detached this client" in out, out
+                assert "fell behind" in out, out
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+        finally:
+            relay.close()
+            assert srv.stop() == 0
 
     def test_a_client_whose_output_connection_goes_is_detached_within_a_second_or_so(
         self, stage: tuple[Server, Path]

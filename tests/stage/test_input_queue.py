@@ -124,7 +124,10 @@ class TestTheIdleLoopReads:
             client.send("abort", ["long"])
             events = client.until(lambda ev: ev[0] == "aborted")
             assert events[-1] == ["aborted", ["long"]]
-            assert _pong(client, 99, timeout=2) == [["pong", 99]]  # nothing after it
+            # Nothing after it but the load report that the loop, blocking now, sends alone
+            # (its latest report was made busy, at the first step): the stage is idle.
+            assert _pong(client, 99, timeout=2) == [["outputs", [], [], []], ["pong", 99]]
+            assert client.loads[-1]["live"] == 0
 
     def test_after_a_long_step_the_input_thread_reads_during_the_steps(
         self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch

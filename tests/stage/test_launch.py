@@ -11,17 +11,18 @@ import time
 
 import pytest
 
-from enginecore.stage import StageClient, StageStartupError
+from enginecore.stage import StageStartupError
 
-from .conftest import COUNTDOWN, pid_gone, wait_until
+from .conftest import COUNTDOWN, Launch, pid_gone, wait_until
 
 
 class TestStartup:
-    def test_failing_factory_reports_the_child_traceback(self) -> None:
+    """The startup's failures, through both clients (``launch``: the blocking client, and
+    the asyncio one, whose launch awaits the stage on the event loop): the same errors."""
+
+    def test_failing_factory_reports_the_child_traceback(self, launch: Launch) -> None:
         with pytest.raises(StageStartupError) as info:
-            StageClient.launch(
-                "enginecore.stage.testing:failing_factory", {"message": "no model here"}
-            )
+            launch("enginecore.stage.testing:failing_factory", kwargs={"message": "no model here"})
         err = info.value
         assert "RuntimeError('no model here')" in str(err)
         assert err.child_traceback is not None
@@ -30,40 +31,47 @@ class TestStartup:
         assert err.child_traceback in str(err)
         assert err.exit_code == 1
 
-    def test_missing_module_is_a_startup_error(self) -> None:
+    def test_missing_module_is_a_startup_error(self, launch: Launch) -> None:
         with pytest.raises(StageStartupError, match="ModuleNotFoundError"):
-            StageClient.launch("no_such_module_anywhere:factory")
+            launch("no_such_module_anywhere:factory")
 
-    def test_factory_returning_a_non_engine_is_a_startup_error(self) -> None:
+    def test_factory_returning_a_non_engine_is_a_startup_error(self, launch: Launch) -> None:
         with pytest.raises(StageStartupError, match=r"does not implement the enginecore\.Engine"):
-            StageClient.launch("builtins:dict")
+            launch("builtins:dict")
 
-    def test_child_exiting_during_startup_is_an_error_not_a_hang(self) -> None:
+    def test_child_exiting_during_startup_is_an_error_not_a_hang(self, launch: Launch) -> None:
         start = time.monotonic()
         with pytest.raises(StageStartupError, match="exited with code 3 during startup") as info:
-            StageClient.launch("enginecore.stage.testing:exiting_factory", {"code": 3})
+            launch("enginecore.stage.testing:exiting_factory", kwargs={"code": 3})
         assert info.value.exit_code == 3
         assert time.monotonic() - start < 10
 
-    def test_startup_timeout_kills_the_child(self) -> None:
+    def test_child_killed_during_startup_is_an_error(self, launch: Launch) -> None:
+        with pytest.raises(StageStartupError, match="killed by SIGKILL during startup") as info:
+            launch("enginecore.stage.testing:killed_factory")
+        assert info.value.exit_code == -signal.SIGKILL
+
+    def test_startup_timeout_kills_the_child(self, launch: Launch) -> None:
         start = time.monotonic()
         with pytest.raises(StageStartupError, match=r"did not report ready within 0.5 s"):
-            StageClient.launch(
-                "enginecore.stage.testing:sleeping_factory", {"seconds": 60}, startup_timeout=0.5
+            launch(
+                "enginecore.stage.testing:sleeping_factory",
+                kwargs={"seconds": 60},
+                startup_timeout=0.5,
             )
         assert time.monotonic() - start < 5
 
-    def test_malformed_factory_string_is_refused_before_starting(self) -> None:
+    def test_malformed_factory_string_is_refused_before_starting(self, launch: Launch) -> None:
         with pytest.raises(ValueError, match=r"pkg\.module:factory"):
-            StageClient.launch("enginecore.stage.testing.countdown")
+            launch("enginecore.stage.testing.countdown")
 
     @pytest.mark.parametrize("value", [object(), "x\ud800", 2**64])
-    def test_unencodable_factory_kwargs_are_refused(self, value: object) -> None:
+    def test_unencodable_factory_kwargs_are_refused(self, launch: Launch, value: object) -> None:
         with pytest.raises(TypeError, match="factory kwargs"):
-            StageClient.launch(COUNTDOWN, {"x": value})
+            launch(COUNTDOWN, kwargs={"x": value})
 
-    def test_pid_is_the_stage_process(self) -> None:
-        with StageClient.launch(COUNTDOWN) as client:
+    def test_pid_is_the_stage_process(self, launch: Launch) -> None:
+        with launch(COUNTDOWN) as client:
             assert client.pid != os.getpid()
             assert not pid_gone(client.pid)
         assert pid_gone(client.pid)

@@ -3,11 +3,16 @@ behind a thin blocking adapter), on real stage processes and sockets."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -45,6 +50,7 @@ from .conftest import BlockingAsyncStream, EventLoopThread, Server, pid_gone, wa
 
 DEVICE = "enginecore.stage.testing:device"
 COUNTDOWN = "enginecore.stage.testing:countdown"
+BARRIER = "enginecore.stage.testing:barrier_factory"
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -569,6 +575,61 @@ def test_a_failed_start_leaves_nothing(pools: tuple[Open, Open]) -> None:
 
     with pytest.raises(StageStartupError):
         launch("enginecore.stage.testing:failing_factory", replicas=2, startup_timeout=30)
+
+
+@pytest.fixture
+def barrier_dir() -> Iterator[Path]:
+    """A directory for ``barrier_factory``'s files, outside the test's private temp dir
+    (whose files the leftover check counts)."""
+    directory = Path(tempfile.mkdtemp(prefix="ecBar", dir="/tmp"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_the_replicas_start_together(launch: Open, barrier_dir: Path) -> None:
+    """Each replica's factory returns only once all six are being built at the same time
+    (``barrier_factory``: the children say so, no clock is read): a pool that started its
+    replicas in waves would fail to start."""
+    pool = launch(BARRIER, kwargs={"directory": str(barrier_dir), "parties": 6}, replicas=6)
+    pids = sorted(str(r.pid) for r in pool.replicas)
+    assert len(set(pids)) == 6
+    assert sorted(os.listdir(barrier_dir)) == pids
+
+
+class _CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+    """An event loop's default executor of one thread that counts what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.submitted = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_an_async_pool_starts_its_replicas_together_without_a_thread_each(
+    no_leftovers: str, barrier_dir: Path
+) -> None:
+    """The asyncio launch holds no executor thread while a stage starts: with a default
+    executor of one thread, six replicas whose factories wait for each other still come
+    up (a launch that held a thread each would start them one at a time, and the first
+    would give up waiting), and the executor is never used."""
+
+    async def main() -> tuple[int, list[int | None]]:
+        executor = _CountingExecutor()
+        asyncio.get_running_loop().set_default_executor(executor)
+        kwargs = {"directory": str(barrier_dir), "parties": 6, "timeout": 15}
+        async with await AsyncStagePool.launch(BARRIER, kwargs, replicas=6) as pool:
+            pids = [r.pid for r in pool.replicas]
+            await pool.shutdown()
+        return executor.submitted, pids
+
+    submitted, pids = asyncio.run(main())
+    assert submitted == 0
+    assert sorted(os.listdir(barrier_dir)) == sorted(str(pid) for pid in pids)
 
 
 # -- routing policies ----------------------------------------------------------------------

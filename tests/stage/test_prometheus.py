@@ -128,6 +128,7 @@ class TestCollector:
             assert value(samples, "enginecore_messages_total", stage=stage, kind="abort") == 0
             assert value(samples, "enginecore_messages_total", stage=stage, kind="utility") == 1
             assert value(samples, "enginecore_utility_errors_total", stage=stage) == 0
+            assert value(samples, "enginecore_cut_clients_total", stage=stage) == 0
             assert value(samples, "enginecore_live_requests", stage=stage) == 0
             assert value(samples, "enginecore_queue_depth", stage=stage) == 0
             assert value(samples, "enginecore_stage_up", stage=stage) == 1

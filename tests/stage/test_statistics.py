@@ -25,6 +25,8 @@ from enginecore.stage.testing import ScriptedEngine
 from .conftest import SCRIPTED, Launch, wait_until
 from .raw import in_process_stage
 
+PIPELINED = "enginecore.stage.testing:pipelined"
+
 
 class TestStats:
     def test_counts_after_work(self, launch: Launch) -> None:
@@ -139,6 +141,9 @@ class TestWireForm:
         if name == "stalled":  # added later: a stage that predates it does not send it
             assert not StageStatistics.from_wire(wire).stalled
             return
+        if name == "cut_clients":  # the same
+            assert StageStatistics.from_wire(wire).cut_clients == 0
+            return
         with pytest.raises(ValueError, match="not a stage's statistics"):
             StageStatistics.from_wire(wire)
 
@@ -207,6 +212,31 @@ class TestLoad:
         load = client.load()
         assert load is not None
         assert (load.seq, load.live) == (2, 0)
+
+    def test_a_pipelined_stage_reports_itself_idle(self, launch: Launch) -> None:
+        """A pipelined engine's collect cannot know whether the loop idles after it (another
+        step may be in flight), so no step carries the idle report: the stage sends it
+        alone as the loop blocks. Without it the first step's busy report (3 live) would
+        stand for the whole interval (here a minute) while the stage sits idle."""
+        client = launch(PIPELINED, load_interval=60)
+        for stream in client.add_many([(f"r{i}", 5) for i in range(3)]):
+            stream.collect(10)
+        # The idle report is posted as the loop blocks for its next message, so the answer
+        # to the second call, at the latest, comes after it on the same socket.
+        for _ in range(2):
+            client.call_utility("num_requests")
+        load = client.load()
+        assert load is not None
+        assert (load.seq, load.live) == (2, 0)  # the first collect's report, then the idle one
+        assert load.engine["running"] == 0
+        # A second job: no report due, and the last one says idle already: none is sent.
+        client.add("again", 3).collect(10)
+        for _ in range(2):
+            client.call_utility("num_requests")
+        load = client.load()
+        assert load is not None
+        assert (load.seq, load.live) == (2, 0)
+        assert client.stats().load_reports == 2
 
     def test_none_when_turned_off(self, launch: Launch) -> None:
         client = launch(SCRIPTED, load_interval=None)

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
@@ -37,7 +35,7 @@ from . import _clientbase, _codec, _session
 from ._clientbase import Target
 from ._curve import CurveKeys
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
-from ._launch import Launched, launch_process
+from ._launch import kill_and_clean_async, launch_process_async
 from ._session import ClientSession, Deliveries, End, StreamCore
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
@@ -229,8 +227,11 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
-        Waits until the stage is ready, at most *startup_timeout* seconds; the blocking part
-        of the start runs in a worker thread, so the event loop keeps running. Raises
+        Waits until the stage is ready, at most *startup_timeout* seconds, without holding
+        a thread: the process is spawned on the event loop's thread (one fork and exec),
+        and its ready report awaited with event-loop readers on its pipe and its sentinel,
+        so the event loop keeps running and any number of launches (an async pool's
+        replicas) progress together, whatever the size of the default executor. Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
         factory raised) if it does not come up. Cancelling it (also Ctrl-C under
         :func:`asyncio.run`) stops the wait at once and kills the half-started stage before
@@ -314,33 +315,11 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         """:meth:`launch`, with the stage's *options* (its keyword arguments from *name*
         on) as a dict and how often to ping the stage (*ping_s*: a pool's health check)."""
         options = dict(options)
-        loop = asyncio.get_running_loop()
-        # The worker thread waits for the child; this socket pair tells it to stop waiting.
-        cancel, cancel_sender = socket.socketpair()
-        start = functools.partial(
-            launch_process,
-            factory,
-            kwargs,
-            startup_timeout,
-            options.pop("name", None),
-            cancel,
-            **options,
+        # Started on this thread, then awaited on the event loop: no executor thread is
+        # held while the factory builds the engine, so a pool's replicas start together.
+        launched = await launch_process_async(
+            factory, kwargs, startup_timeout, options.pop("name", None), **options
         )
-        fut = loop.run_in_executor(None, start)
-        fut.add_done_callback(lambda _: _close_pair(cancel, cancel_sender))
-        try:
-            launched = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            # Cancelled (or Ctrl-C under asyncio.run): the worker kills what it started and
-            # returns at once. Wait for that, so nothing is left once the cancellation is
-            # seen; if this wait is cancelled too, the callback still kills a stage that
-            # came up meanwhile.
-            fut.add_done_callback(_kill_if_launched)
-            with contextlib.suppress(OSError):
-                cancel_sender.send(b"x")
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(fut)
-            raise
         try:
             return await cls._open(
                 Target(
@@ -352,7 +331,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                 )
             )
         except BaseException as exc:
-            launched.kill_and_clean()
+            await kill_and_clean_async(launched)
             _clientbase.raise_startup_error(factory, exc)
 
     @classmethod
@@ -829,17 +808,6 @@ async def _until_set(event: asyncio.Event, timeout: float | None) -> bool:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(event.wait(), timeout)
     return event.is_set()
-
-
-def _close_pair(*socks: socket.socket) -> None:
-    for sock in socks:
-        sock.close()
-
-
-def _kill_if_launched(fut: asyncio.Future[Launched]) -> None:
-    # Reads the exception, so a LaunchCancelled is never reported as never retrieved.
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result().kill_and_clean()
 
 
 async def _handshake_reply(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,7 @@ __all__ = [
     "passed",
     "pull_for",
     "raise_startup_error",
+    "routing_id",
     "stop_watching",
 ]
 
@@ -317,13 +319,26 @@ def raise_startup_error(factory: str, exc: BaseException) -> NoReturn:
     raise exc
 
 
+def routing_id() -> bytes:
+    """A client's routing id on the stage's input ``ROUTER``: ``ec`` and 14 random bytes
+    (libzmq reserves ids that begin with a zero byte), made once per client. A fixed id
+    keeps the client the same peer when its connection is made again (a pause longer than
+    the stage's 5 s ZMTP heartbeat, a TCP connection that broke): a stage that detached it
+    answers with why (``session lost: the stage detached this client ... because it fell
+    behind``) rather than not knowing it. The stage lets a new connection take over the
+    id (``ZMQ_ROUTER_HANDOVER``) from one that it has not seen close yet."""
+    return b"ec" + os.urandom(14)
+
+
 def dealer_for(
     ctx: zmq.Context[Sock], address: str, curve: CurveKeys | None = None, *, watch: bool = False
 ) -> tuple[Sock, Sock | None]:
-    """The input socket, connected to *address* (a CURVE client with *curve*); with
-    *watch*, also its monitor socket (:data:`~._curve.HANDSHAKE_EVENTS`), attached before
-    the connect so that no event is missed: :func:`handshake_watch` reads it."""
+    """The input socket, connected to *address* (a CURVE client with *curve*) under a
+    :func:`routing_id` of its own; with *watch*, also its monitor socket
+    (:data:`~._curve.HANDSHAKE_EVENTS`), attached before the connect so that no event is
+    missed: :func:`handshake_watch` reads it."""
     dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.ROUTING_ID, routing_id())
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.SNDHWM, 0)  # sends never block; death is detected elsewhere
     dealer.setsockopt(zmq.IPV6, is_ipv6_endpoint(address))

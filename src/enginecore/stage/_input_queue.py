@@ -70,7 +70,7 @@ from typing import Any, Final, Protocol
 
 import zmq
 
-__all__ = ["LEASE_S", "SHORT_STEP_S", "InputQueue", "InputReader"]
+__all__ = ["LEASE_S", "SHORT_STEP_S", "IdleReport", "InputQueue", "InputReader"]
 
 logger = logging.getLogger("enginecore.stage")
 
@@ -107,6 +107,18 @@ class InputReader(Protocol):
 
     def readable(self, ready: dict[Any, int]) -> bool:
         """Whether *ready* includes the input socket."""
+        ...
+
+
+class IdleReport(Protocol):
+    """What the idle wait needs of the stage's load reports
+    (:class:`~._statistics.LoadReporter`): whether the latest report was made as the loop
+    idled, and how to send one that is."""
+
+    idle_reported: bool
+
+    def report_idle(self) -> None:
+        """Send a load report made now, as the loop goes idle."""
         ...
 
 
@@ -157,6 +169,9 @@ class InputQueue(queue.Queue[Any]):
         self.step_reads = 0  # reads between steps (after_step) that found the socket readable
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._reader: InputReader | None = None
+        # The stage's load reports (None: it sends none): the idle wait sends one when the
+        # latest was made while the loop was busy (get()).
+        self.idle_report: IdleReport | None = None
         self._on_failure: Callable[[], None] = lambda: None
         self._poller = zmq.Poller()
         self._pipe_poll = select.poll()
@@ -175,9 +190,17 @@ class InputQueue(queue.Queue[Any]):
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The loop's idle wait: the next message, reading the input socket while the loop
-        holds it. Any other call is :meth:`queue.Queue.get`'s."""
+        holds it. Any other call is :meth:`queue.Queue.get`'s.
+
+        The loop calls it only when it is about to block with nothing in flight (rule 1;
+        for a pipelined engine, no step in flight either), which no step can know for sure:
+        if the latest load report went out while the loop was busy, :attr:`idle_report`
+        sends one more first, so that the stage's last report describes it idle."""
         if not block or timeout is not None or self._reader is None:
             return super().get(block, timeout)
+        report = self.idle_report
+        if report is not None and not report.idle_reported:
+            report.report_idle()
         while True:
             with self.mutex:
                 self.waiting = False

@@ -1,15 +1,22 @@
-"""Launching a stage process: spawn, the startup handshake over a pipe, and cleanup."""
+"""Launching a stage process: spawn, the startup handshake over a pipe, and cleanup.
+
+:func:`launch_process` blocks its thread until the stage is ready (the blocking client);
+:func:`launch_process_async` starts the process on the event loop's thread and awaits the
+ready report with event-loop readers on the pipe and the process sentinel, so that no
+thread is held while the factory builds the engine (the asyncio client and pool).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -23,7 +30,13 @@ from ._errors import StageStartupError, describe_exit
 from ._statistics import LOAD_INTERVAL, check_load_interval
 from ._watchdog import STEP_TIMEOUT, check_watchdog
 
-__all__ = ["LaunchCancelled", "Launched", "launch_process"]
+__all__ = [
+    "Launched",
+    "kill_and_clean_async",
+    "launch_process",
+    "launch_process_async",
+    "start_process",
+]
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_IPC_PATH: Final = 107
@@ -122,17 +135,11 @@ def _validate_factory(factory: str) -> None:
         raise ValueError(f"engine factory must look like 'pkg.module:factory', got {factory!r}")
 
 
-class LaunchCancelled(Exception):
-    """Raised by :func:`launch_process` when its *cancel* socket became readable; the
-    half-started stage has been killed and cleaned up."""
-
-
 def launch_process(
     factory: str,
     kwargs: dict[str, Any] | None,
     startup_timeout: float,
     name: str | None,
-    cancel: socket.socket | None = None,
     *,
     step_timeout: float | None = STEP_TIMEOUT,
     kill_after: float | None = None,
@@ -144,10 +151,87 @@ def launch_process(
 
     Raises :class:`StageStartupError` (no process left behind) if the factory raised, the child
     died, or it was not ready in time; :class:`ValueError` / :class:`TypeError` for bad
-    arguments, before anything is started. Once *cancel* (a socket) is readable, stops
-    waiting: kills what it started, cleans up, and raises :class:`LaunchCancelled` (the
-    asyncio client's way to cancel a launch running in a worker thread). *step_timeout*
-    and *kill_after* configure the stage's step watchdog (``StageRuntime``). The stage's log
+    arguments, before anything is started. The other arguments are :func:`start_process`'s.
+    """
+    launched = start_process(
+        factory,
+        kwargs,
+        name,
+        step_timeout=step_timeout,
+        kill_after=kill_after,
+        log_level=log_level,
+        forward_logs=forward_logs,
+        load_interval=load_interval,
+    )
+    try:
+        _wait_ready(launched, factory, startup_timeout)
+    except BaseException:
+        launched.kill_and_clean()
+        raise
+    return launched
+
+
+async def launch_process_async(
+    factory: str,
+    kwargs: dict[str, Any] | None,
+    startup_timeout: float,
+    name: str | None,
+    *,
+    step_timeout: float | None = STEP_TIMEOUT,
+    kill_after: float | None = None,
+    log_level: int | str | None = None,
+    forward_logs: bool = False,
+    load_interval: float | None = LOAD_INTERVAL,
+) -> Launched:
+    """:func:`launch_process`, awaited, holding no thread: the process is started on the
+    event loop's thread (a spawn: one fork and exec, milliseconds), then its ready report is
+    awaited with event-loop readers on its pipe and its sentinel, while the factory builds
+    the engine. So any number of launches progress together, however small the loop's
+    default executor. The same errors, with the same messages. Cancelled (or failed), it
+    kills the half-started stage and awaits its exit before the exception propagates; if
+    that wait is cancelled too, the stage is still reaped and its files removed once it
+    has exited (:func:`kill_and_clean_async`)."""
+    launched = start_process(
+        factory,
+        kwargs,
+        name,
+        step_timeout=step_timeout,
+        kill_after=kill_after,
+        log_level=log_level,
+        forward_logs=forward_logs,
+        load_interval=load_interval,
+    )
+    try:
+        report = await _await_report(launched, startup_timeout)
+        if report is None:
+            raise _not_ready(launched, factory, startup_timeout)
+        if report[0] != "ready":
+            await _await_exit(launched, 5.0)  # for its exit code, as join(timeout=5)
+            launched.reap()
+            raise _startup_failure(launched, factory, report)
+    except BaseException:
+        await kill_and_clean_async(launched)
+        raise
+    return launched
+
+
+def start_process(
+    factory: str,
+    kwargs: dict[str, Any] | None,
+    name: str | None,
+    *,
+    step_timeout: float | None = STEP_TIMEOUT,
+    kill_after: float | None = None,
+    log_level: int | str | None = None,
+    forward_logs: bool = False,
+    load_interval: float | None = LOAD_INTERVAL,
+) -> Launched:
+    """Spawn a stage process, without waiting for it: its ready report comes on
+    ``Launched.conn`` (:func:`_read_report`). Never blocks for the stage's start.
+
+    Raises :class:`ValueError` / :class:`TypeError` for bad arguments, before anything is
+    started, and :class:`StageStartupError` for an ipc path too long. *step_timeout* and
+    *kill_after* configure the stage's step watchdog (``StageRuntime``). The stage's log
     records carry *name* (default: *factory*) as ``stage``; *log_level* is its root logger's
     level; with *forward_logs*, its records are re-emitted in this process (``_logs``).
     *load_interval* is the least time between two load reports (``None``: none;
@@ -168,8 +252,6 @@ def launch_process(
         raise TypeError("factory kwargs must have str keys")
     kwargs_frame = _codec.encode_plain(kwargs, "factory kwargs")
 
-    if cancel is not None and multiprocessing.connection.wait([cancel], 0):
-        raise LaunchCancelled(f"the launch of stage {factory!r} was cancelled")
     ipc_dir = tempfile.mkdtemp(prefix="enginecore-")  # mode 0700: only this user can connect
     input_path = os.path.join(ipc_dir, "in")
     if len(input_path) + 1 > _MAX_IPC_PATH:
@@ -225,61 +307,131 @@ def launch_process(
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise
     child_conn.close()  # else the child could never see EOF from our side, nor we from its
-    try:
-        _wait_ready(launched, factory, startup_timeout, cancel)
-    except BaseException:
-        launched.kill_and_clean()
-        raise
     return launched
 
 
-def _wait_ready(
-    launched: Launched, factory: str, startup_timeout: float, cancel: socket.socket | None
-) -> None:
-    process = launched.process
+def _read_report(launched: Launched) -> tuple[Any, ...] | None:
+    """The stage's startup report, without blocking: ``("ready",)``, ``("error", err_repr,
+    traceback)`` (its factory failed), ``("died",)`` (it closed its end of the pipe, or
+    exited, without a report); ``None``: nothing yet."""
     conn = launched.conn
-    waitables: list[Any] = [conn, process.sentinel]
-    if cancel is not None:
-        waitables.append(cancel)
+    if conn.poll(0):
+        try:
+            return tuple(msgspec.msgpack.decode(conn.recv_bytes()))
+        except (EOFError, OSError):
+            return ("died",)  # the child closed its end: it is exiting
+    if launched.wait_exit(0):
+        if conn.poll(0):  # a report that raced with the exit
+            return _read_report(launched)
+        return ("died",)
+    return None
+
+
+def _startup_failure(
+    launched: Launched, factory: str, report: tuple[Any, ...]
+) -> StageStartupError:
+    """The error for a failed *report* (not ``ready``), once the process has exited (or
+    had its chance to): its exit code tells why."""
+    process = launched.process
+    if report[0] == "died":
+        return StageStartupError(
+            f"stage {factory!r} (pid {process.pid}) {describe_exit(process.exitcode)} "
+            f"during startup (see its stderr)",
+            exit_code=process.exitcode,
+        )
+    _, err_repr, tb = report
+    return StageStartupError(
+        f"engine factory {factory!r} failed in the stage process: {err_repr}\n\n"
+        f"Child traceback:\n{tb}",
+        child_traceback=tb,
+        exit_code=process.exitcode,
+    )
+
+
+def _not_ready(launched: Launched, factory: str, startup_timeout: float) -> StageStartupError:
+    return StageStartupError(
+        f"stage {factory!r} (pid {launched.process.pid}) did not report ready within "
+        f"{startup_timeout} s; it was killed"
+    )
+
+
+def _wait_ready(launched: Launched, factory: str, startup_timeout: float) -> None:
+    waitables: list[Any] = [launched.conn, launched.process.sentinel]
     deadline = time.monotonic() + startup_timeout
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise StageStartupError(
-                f"stage {factory!r} (pid {process.pid}) did not report ready within "
-                f"{startup_timeout} s; it was killed"
-            )
-        ready = multiprocessing.connection.wait(waitables, remaining)
-        if cancel is not None and cancel in ready:
-            raise LaunchCancelled(f"the launch of stage {factory!r} was cancelled")
-        if conn in ready:
-            try:
-                report = msgspec.msgpack.decode(conn.recv_bytes())
-            except (EOFError, OSError):
-                # The child closed its end: it is exiting. Its exit code tells why.
-                process.join(timeout=5)
-                raise StageStartupError(
-                    f"stage {factory!r} (pid {process.pid}) {describe_exit(process.exitcode)} "
-                    f"during startup (see its stderr)",
-                    exit_code=process.exitcode,
-                ) from None
+        report = _read_report(launched)
+        if report is not None:
             if report[0] == "ready":
                 return
-            _, err_repr, tb = report
-            process.join(timeout=5)
-            raise StageStartupError(
-                f"engine factory {factory!r} failed in the stage process: {err_repr}\n\n"
-                f"Child traceback:\n{tb}",
-                child_traceback=tb,
-                exit_code=process.exitcode,
-            )
-        if process.sentinel in ready:
-            # Drain a report that raced with the exit.
-            if conn.poll(0):
-                continue
-            process.join()
-            raise StageStartupError(
-                f"stage {factory!r} (pid {process.pid}) {describe_exit(process.exitcode)} "
-                f"during startup (see its stderr)",
-                exit_code=process.exitcode,
-            )
+            launched.process.join(timeout=5)
+            raise _startup_failure(launched, factory, report)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _not_ready(launched, factory, startup_timeout)
+        multiprocessing.connection.wait(waitables, remaining)
+
+
+async def _await_report(launched: Launched, startup_timeout: float) -> tuple[Any, ...] | None:
+    """:func:`_read_report`, awaited up to *startup_timeout* seconds (``None`` past it),
+    with event-loop readers on the pipe and the sentinel: no thread waits."""
+    loop = asyncio.get_running_loop()
+    woke = asyncio.Event()
+    fds = (launched.conn.fileno(), launched.process.sentinel)
+    for fd in fds:
+        loop.add_reader(fd, woke.set)
+    try:
+        deadline = loop.time() + startup_timeout
+        while True:
+            woke.clear()  # before the read: a report that comes after it sets it again
+            report = _read_report(launched)
+            if report is not None:
+                return report
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(woke.wait(), left)
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+
+
+async def _await_exit(launched: Launched, timeout: float | None) -> None:
+    """Await the process's exit (its sentinel), at most *timeout* seconds; not reaped."""
+    if launched.wait_exit(0):
+        return
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+    sentinel = launched.process.sentinel
+
+    def on_exit() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(sentinel, on_exit)
+    try:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(exited, timeout)
+    finally:
+        loop.remove_reader(sentinel)
+
+
+async def kill_and_clean_async(launched: Launched) -> None:
+    """:meth:`Launched.kill_and_clean`, awaited: SIGKILL, then the exit awaited with an
+    event-loop reader on the sentinel, whose callback reaps the process and removes its
+    files. If this wait is cancelled, the callback still does that once the process has
+    exited (and, should the loop stop first, the exit hook does)."""
+    loop = asyncio.get_running_loop()
+    launched.send_signal(signal.SIGKILL)
+    done: asyncio.Future[None] = loop.create_future()
+    sentinel = launched.process.sentinel
+
+    def on_exit() -> None:
+        loop.remove_reader(sentinel)
+        launched.reap()
+        launched.release()
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(sentinel, on_exit)
+    await asyncio.shield(done)

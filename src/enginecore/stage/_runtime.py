@@ -180,6 +180,12 @@ class StageRuntime:
                 self._auth = start_authenticator(self._ctx, curve)
             in_sock = self._ctx.socket(zmq.ROUTER)
             in_sock.setsockopt(zmq.LINGER, 0)
+            # A peer's new connection takes over its routing id from an old one not seen
+            # closed yet (a broken TCP connection, until the heartbeat drops it): the Python
+            # clients keep one id for their life (_clientbase.routing_id), so a client whose
+            # connection is made again stays the same peer. Without it, libzmq ignores the
+            # new connection's id and takes its next message for one.
+            in_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             out_sock = self._ctx.socket(zmq.PUSH)
             out_sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
             for sock in (in_sock, out_sock):
@@ -244,6 +250,9 @@ class StageRuntime:
                 # A load report's engine.stats() call is also the loop's sample: one call
                 # serves both (the loop skips its own for an interval after it).
                 stage_engine.reporter.sample = self.loop._timer.sample_engine
+                # And the idle wait sends one more when the loop idles after a busy report
+                # (a pipelined engine's last collect cannot know that it is the last).
+                self._input.idle_report = stage_engine.reporter
             self._statistics = functools.partial(
                 stage_statistics,
                 self.loop,
@@ -252,6 +261,7 @@ class StageRuntime:
                 backlog=lambda: self._output.backlog,
                 reporter=stage_engine.reporter,
                 stalled=self._stalled,
+                cut_clients=self._cut_clients,
                 name=engine_name if name is None else name,
                 factory=engine_name,
                 started=started,
@@ -313,6 +323,11 @@ class StageRuntime:
     def _stalled(self) -> bool:
         # Any thread: the watchdog's verdict on the step running now.
         return self._watchdog is not None and self._watchdog.stalled
+
+    def _cut_clients(self) -> int:
+        # Any thread: the clients a shared stage cut for falling behind (an int the loop
+        # thread increments: a read never waits).
+        return 0 if self._fanout is None else self._fanout.cut_clients
 
     def _io_failed(self) -> None:
         # An IO thread failed: the stage can no longer talk, so it stops.

@@ -150,6 +150,8 @@ class StageEngine:
         self.stale = _Stale()
         self.counts = _Counts()
         self.reporter = None if load_interval is None else LoadReporter(load_interval, self.live)
+        if self.reporter is not None:
+            self.reporter.post = outbox.post_step  # its report on going idle
         self.has_work = engine.has_work
         self.utility = engine.utility
         stats = getattr(engine, "stats", None)

@@ -114,8 +114,9 @@ again."""
 
 NO_SESSION: Final = (
     f"{SESSION_LOST}this peer has no session on this stage: the stage detached it (its log "
-    "says why), or its connection was made again (a pause longer than the 5 s heartbeat "
-    "makes it a new peer), or it never said hello. Send hello to attach"
+    "says why), or its connection was made again under a new routing id (a client without "
+    "one of its own, after a pause longer than the 5 s heartbeat), or it never said hello. "
+    "Send hello to attach"
 )
 """The ``reject`` reason for a ``ping`` from a peer that a multi-client stage has no
 session for, and does not remember detaching."""
@@ -865,8 +866,9 @@ class MultiStageSession(StageSession):
                 # A ping (or a bad frame) from a client the stage detached: tell it.
                 self._reject(ident, self._lost[ident])
             elif any(ev[0] == "pong" for ev in events):
-                # A ping from a peer with no session: a client whose connection was made
-                # again (a new routing id) after the stage detached it, most often.
+                # A ping from a peer with no session: a client without a routing id of its
+                # own whose connection was made again after the stage detached it, most
+                # often (the Python clients keep theirs: _clientbase.routing_id).
                 self._reject(ident, NO_SESSION)
             else:
                 logger.info(

@@ -11,7 +11,9 @@ Two signals, two paths (``docs/observability.md``):
   loop thread samples the engine's ``stats()`` right after a step and attaches a
   :class:`LoadReport` to that step's ``outputs`` event, as a fifth element that older clients
   ignore. Its age is computed when the output thread encodes the frame, so a client knows
-  how old the numbers were when they left the stage. An idle stage sends none.
+  how old the numbers were when they left the stage. An idle stage sends none; as the loop
+  goes idle after a report went out while it was busy, one more, alone
+  (:meth:`LoadReporter.report_idle`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ def _no_sample(now: float) -> Mapping[str, float] | None:
     return None
 
 
+def _no_post(events: list[tuple[Any, ...]], weight: int, last: bool = False) -> None:
+    return None
+
+
 class LoadReporter:
     """Loop thread: makes a :class:`LoadReport` at most every *interval* seconds. The step
     that posts outputs checks :attr:`next_at` against ``time.perf_counter()`` itself (one
@@ -100,13 +106,21 @@ class LoadReporter:
     is live once it idles, not while it was busy. So a stage that steps now and then sends at
     most two reports an interval, and a busy one one.
 
+    A step cannot always know that the loop idles after it: a pipelined engine's collect
+    (other steps may be in flight), a last step without outputs, an abort that ends the
+    work without a step. So the stage's input queue calls :meth:`report_idle` when the
+    loop blocks for its next message (``InputQueue.get``) while the latest report is a busy
+    one: that report goes out alone (:attr:`post`, an ``outputs`` event with three empty
+    lists), still at most two an interval. A plain engine's last step has usually sent it
+    already: then the loop pays one flag test as it blocks, nothing per step.
+
     The engine's numbers come from :attr:`sample`, which the stage sets to its loop's
     sampler (:meth:`enginecore._stats.StepTimer.sample_engine`) once the loop exists: the
     report's ``stats()`` call is also the loop's, which then skips its own for an interval,
     so a stepping stage calls ``stats()`` once per sample, not once for each. Until then,
     reports carry no engine numbers."""
 
-    __slots__ = ("_live", "idle_reported", "interval", "next_at", "sample", "seq")
+    __slots__ = ("_live", "idle_reported", "interval", "next_at", "post", "sample", "seq")
 
     def __init__(self, interval: float, live: set[str]) -> None:
         self.interval = interval
@@ -117,6 +131,9 @@ class LoadReporter:
         self.sample: Callable[[float], Mapping[str, float] | None] = _no_sample
         """``sample(now)``: the engine's ``stats()`` sampled at *now*, or ``None`` (none,
         or it failed: logged and counted by the loop)."""
+        self.post: Callable[[list[tuple[Any, ...]], int, bool], None] = _no_post
+        """``post(events, weight, last)``: the stage output's ``post_step``, which sends
+        :meth:`report_idle`'s report (set by the stage)."""
 
     def report(self, now: float, idle: bool = False) -> LoadReport:
         """A report sampled *now* (``time.perf_counter()``), on the step after which the
@@ -126,6 +143,14 @@ class LoadReporter:
         self.seq += 1
         engine = self.sample(now)
         return LoadReport(self.seq, now, len(self._live), _EMPTY if engine is None else engine)
+
+    def report_idle(self) -> None:
+        """Loop thread, as the loop blocks for its next message while the latest report was
+        made busy (``not idle_reported``): send a report alone, made now, on an ``outputs``
+        event with three empty lists (``docs/wire.md``), sent by the loop thread itself
+        while the output thread is idle (``post_step(last=True)``)."""
+        report = self.report(time.perf_counter(), idle=True)
+        self.post([("outputs", [], [], [], report)], 0, True)
 
 
 def stage_statistics(
@@ -139,6 +164,7 @@ def stage_statistics(
     name: str,
     factory: str,
     started: float,
+    cut_clients: Callable[[], int] = lambda: 0,
 ) -> dict[str, Any]:
     """The map a ``stats`` request is answered with. Any thread; never waits."""
     return statistics_to_wire(
@@ -154,6 +180,7 @@ def stage_statistics(
             load_reports=reporter.seq if reporter is not None else 0,
             load_interval=reporter.interval if reporter is not None else None,
             stalled=stalled(),
+            cut_clients=cut_clients(),
         )
     )
 
@@ -276,6 +303,11 @@ class StageStatistics:
     stalled: bool = False
     """Whether a step has run past the stage's ``step_timeout`` and not returned yet (its
     watchdog's verdict; always ``False`` without a watchdog)."""
+    cut_clients: int = 0
+    """Clients a shared stage (``serve --max-clients`` above 1) has cut for falling behind:
+    each stopped taking frames with more than ``--client-buffer`` events queued for it, and
+    was detached, its requests aborted (``docs/pool.md``, "Sharing replicas between
+    clients"). Always 0 on a stage that serves one client, and from an older stage."""
 
     @property
     def steps(self) -> int:

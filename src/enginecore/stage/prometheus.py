@@ -122,6 +122,11 @@ class _Families:
         self.load_reports = c(
             "enginecore_load_reports", "Load reports the stage sent.", labels=_STAGE
         )
+        self.cut_clients = c(
+            "enginecore_cut_clients",
+            "Clients the shared stage cut for falling behind.",
+            labels=_STAGE,
+        )
         self.live = g(
             "enginecore_live_requests",
             "Requests live in the stage (added, not yet ended).",
@@ -191,6 +196,7 @@ class _Families:
         self.idle.add_metric(lb, lp.idle_seconds)
         self.engine_errors.add_metric(lb, lp.engine_errors)
         self.load_reports.add_metric(lb, s.load_reports)
+        self.cut_clients.add_metric(lb, s.cut_clients)
         self.live.add_metric(lb, s.live)
         self.queue_depth.add_metric(lb, lp.queue_depth)
         self.backlog.add_metric(lb, s.backlog)

@@ -23,6 +23,9 @@ Factories (``"enginecore.stage.testing:NAME"``):
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
 - ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
 - ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
+- ``killed_factory()`` is killed by SIGKILL during startup.
+- ``barrier_factory(directory, parties, timeout=20.0)`` returns a CountdownEngine only once
+  *parties* stages are being built at the same time (launches that must overlap).
 - ``pipelined(depth=2, device_s=0.0, exact_abort=True)`` -> a
   :class:`PipelinedCountdownEngine` (a :class:`~enginecore.PipelinedEngine`).
 - ``TokenEchoEngine(model=None, step_delay=0.0, max_model_len=2048)``: a token generator
@@ -35,6 +38,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -53,6 +57,7 @@ __all__ = [
     "RelayEngine",
     "ScriptedEngine",
     "TokenEchoEngine",
+    "barrier_factory",
     "checked_edge",
     "countdown",
     "device",
@@ -61,6 +66,7 @@ __all__ = [
     "failing_factory",
     "flaky",
     "inflate",
+    "killed_factory",
     "last_fails",
     "pipelined",
     "relay",
@@ -868,7 +874,33 @@ def exiting_factory(code: int = 3) -> CountdownEngine:
     os._exit(code)
 
 
+def killed_factory() -> CountdownEngine:
+    """Factory whose process is killed by SIGKILL while it builds the engine (an OOM kill,
+    say), reporting nothing."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # not reached: the signal is delivered at once
+    return CountdownEngine()
+
+
 def sleeping_factory(seconds: float = 3600.0) -> CountdownEngine:
     """Factory that sleeps *seconds*, then returns a CountdownEngine."""
     time.sleep(seconds)
+    return CountdownEngine()
+
+
+def barrier_factory(directory: str, parties: int, timeout: float = 20.0) -> CountdownEngine:
+    """Factory that returns a CountdownEngine only once *parties* stages are being built at
+    the same time: each writes a file named after its pid in *directory*, then waits until
+    *parties* files are there; ``RuntimeError`` after *timeout* seconds. So a launch of
+    *parties* stages fails unless their starts overlap: how a test proves, from the
+    children's side and without a clock, that launches run together."""
+    with open(os.path.join(directory, str(os.getpid())), "w"):
+        pass
+    deadline = time.monotonic() + timeout
+    while (n := len(os.listdir(directory))) < parties:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"only {n} of {parties} stages were being built together after {timeout} s"
+            )
+        time.sleep(0.01)
     return CountdownEngine()
