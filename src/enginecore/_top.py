@@ -254,7 +254,7 @@ def render(rows: Sequence[StageRow], now: float, *, interval: float, live: bool)
             table.add_row(
                 "-",
                 "-",
-                row.address,
+                Text(row.address),
                 Text(health, style=_HEALTH_STYLE[health]),
                 *["-"] * 8,
             )
@@ -263,9 +263,9 @@ def render(rows: Sequence[StageRow], now: float, *, interval: float, live: bool)
         running = engine.get("running", s.live)
         waiting = engine.get("waiting")
         table.add_row(
-            s.name,
+            Text(s.name),
             str(s.pid),
-            row.address,
+            Text(row.address),
             Text(health, style=_HEALTH_STYLE[health]),
             _fmt_rate(row.steps_per_s),
             _fmt_rate(row.outputs_per_s),
@@ -278,7 +278,9 @@ def render(rows: Sequence[StageRow], now: float, *, interval: float, live: bool)
         )
     errors = [f"{r.address}: {r.error}" for r in rows if r.error]
     if errors:
-        table.caption = "\n".join(errors)
+        # Text, not a str: rich would read "[...]" in an error (a Z85 key, an IPv6
+        # address, a stage's name) as its markup, and raise on a closing tag it cannot match.
+        table.caption = Text("\n".join(errors))
         table.caption_justify = "left"
     return table
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from enginecore._top import StageRow
+from enginecore._top import StageRow, _print_once, render
 from enginecore.stage import StageClient, StageObserver
 
 from .conftest import Server, wait_until
@@ -44,6 +44,23 @@ def _cells(output: str, address: str) -> list[str]:
 
 COLUMNS = ["stage", "pid", "address", "health", "steps/s", "outputs/s", "running", "waiting"]
 COLUMNS += ["queue", "step p50", "step p99", "backlog"]
+
+
+class TestRender:
+    def test_text_from_the_stages_is_printed_as_it_is_never_read_as_markup(
+        self, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        # A Z85 key in an error ("[/*T6..]" read as a closing tag made rich raise: top died
+        # with a MarkupError instead of saying why a CURVE stage refused it), an IPv6
+        # address, a tag in an error: each printed as it is, with no style applied.
+        error = "the stage refused this key: Ofv:3ESl[/*T6KDEaJGgpHhJwKfM>3]DPbhgQ6t[ [bold]x"
+        pytest.importorskip("rich")
+        rows = [StageRow("tcp://[::1]:5570", error=error), StageRow("ipc://[red]/in")]
+        _print_once(render(rows, time.monotonic(), interval=1.0, live=False))
+        out = "".join(capsys.readouterr().out.split())  # the caption may wrap
+        assert "tcp://[::1]:5570" in out
+        assert "ipc://[red]/in" in out
+        assert "".join(error.split()) in out
 
 
 class TestOnce:
