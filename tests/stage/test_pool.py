@@ -182,6 +182,23 @@ def launch(pools: tuple[Open, Open]) -> Open:
 # -- serving -----------------------------------------------------------------------------------
 
 
+def test_a_finished_stream_leaves_the_pools_table_as_it_ends(launch: Open) -> None:
+    # The receiver takes a finished stream out of the pool's table of live requests as it
+    # ends it. Before, ended streams stayed there (with every arrival reading) until the
+    # table had doubled, and then add_many() scanned the whole table, under the lock and
+    # before its send: every other burst of a pool of one paid for it.
+    pool = launch(COUNTDOWN, replicas=1)
+    core = getattr(pool, "_pool", pool)._core
+    for burst in range(3):
+        streams = pool.add_many([(f"b{burst}-{i}", 3) for i in range(600)])
+        for s in streams:
+            assert s.collect(10) == [2, 1, 0]
+        assert wait_until(lambda: not core._live, 10), len(core._live)
+    one = pool.add("one", 2)
+    assert one.collect(10) == [1, 0]
+    assert wait_until(lambda: not core._live, 10)
+
+
 def test_requests_spread_over_the_replicas_and_stream_their_outputs(launch: Open) -> None:
     pool = launch(kwargs={"step_s": 0.01})
     r0, r1 = pool.replicas

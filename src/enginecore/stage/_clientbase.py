@@ -144,10 +144,13 @@ class ClientBase(Generic[S, W]):
         live: dict[str, Any] | None = None,
         entry: Any = None,
     ) -> list[S] | None:
-        """:meth:`_send_request` for many requests in one message. Without *streams*, a
-        replica pool passes its table of live requests (*live*), filled with *entry* for
-        every id under the same hold of the lock that registers them, before the send (no
-        Python after it, where the reader of the outputs may hold the GIL).
+        """:meth:`_send_request` for many requests in one message. A replica pool passes
+        its table of live requests (*live*): without *streams*, it is filled with *entry*
+        for every id under the same hold of the lock that registers them, before the send
+        (no Python after it, where the reader of the outputs may hold the GIL); with
+        *streams*, each id gets its stream, in the hold of the lock that registers the
+        streams (so that the reader, which takes a finished stream out of the table, finds
+        it there), or after a send that had to wait, for the streams not ended by then.
 
         With streams, the frame goes first when it can leave at once (:meth:`_send_nowait`),
         and the streams are built and registered after it, under the lock that the reader
@@ -168,6 +171,8 @@ class ClientBase(Generic[S, W]):
                     stream_type = self._stream_type
                     early = [stream_type(rid, lock, sent_at) for rid in req_ids]
                     session.register_streams(req_ids, early)
+                    if live is not None:
+                        live.update(zip(req_ids, early, strict=True))
             if sent:
                 self._sent()
                 return early
@@ -179,7 +184,7 @@ class ClientBase(Generic[S, W]):
             new = None
         with lock:
             session.open_requests(req_ids, new)
-            if live is not None:
+            if live is not None and new is None:
                 live.update(dict.fromkeys(req_ids, entry))
         if req_ids:
             try:
@@ -188,6 +193,9 @@ class ClientBase(Generic[S, W]):
                 with lock:
                     session.cancel_streams(req_ids)
                 raise
+        if live is not None and new is not None:
+            with lock:  # a stream that ended meanwhile already left the member's session
+                live.update((r, s) for r, s in zip(req_ids, new, strict=True) if s._ended is None)
         return new
 
     def _send_nowait(self, parts: Parts) -> bool:

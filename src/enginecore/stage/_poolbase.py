@@ -430,7 +430,9 @@ class PoolBase(Generic[S]):
                 sent: list[Any] | None
                 try:
                     if streams or keep:
-                        sent = member._send_requests(group_ids, parts, streams)
+                        sent = member._send_requests(
+                            group_ids, parts, streams, core._live if streams else None
+                        )
                     else:  # the replica's QuietTable stands for them, set before the send
                         member._send_requests(group_ids, parts, False, core._live, replica._quiet)
                         sent = []
@@ -461,12 +463,16 @@ class PoolBase(Generic[S]):
                         stream._request = requests[i]
                         stream._migrations = 0
                         by_index[i] = stream
-                else:  # no hook: _request and _migrations read as their defaults
+                elif idx is None:  # the whole burst, in order: no hook, so _request and
+                    for stream in sent:  # _migrations read as their defaults
+                        stream._replica = replica
+                    by_index = sent
+                else:
                     for i, stream in zip(positions, sent, strict=True):
                         stream._replica = replica
                         by_index[i] = stream
-                with self._lock:
-                    core.track_many(group_ids, sent)
+                # The streams are in the pool's table already: the member put them there
+                # as it registered them (the reader takes each out as it ends).
             out = by_index if streams else []
         finally:
             if out is None:
