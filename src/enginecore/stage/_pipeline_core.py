@@ -13,17 +13,25 @@ What a stage tells the coordinator about request ``r`` (``docs/wire.md`` section
 
 - an output of ``r`` with ``finished=False``: a payload for the caller (its edge sent it
   there, or it is the last stage's output), from any stage;
-- an output of ``r`` with ``finished=True``: ``r`` ended in that stage, and its payload is
-  the number of payloads the stage sent on for it (``0``: ``r`` ends there, the next
-  stage never hears of it; always ``0`` in the last stage);
+- an output of ``r`` with ``finished=True``: an end report, its payload an ``int`` of bits
+  (:mod:`._edge`): ``ENDED``, that stage ended ``r``; ``SENT_ON``, having sent payloads of
+  it on (so the next stage's end is still to come); ``BEFORE``, every stage before it
+  ended ``r`` and sent it on. A stage that ends ``r`` with its input complete and sends
+  payloads on reports nothing: its ``END`` tells the next stage, which reports for both.
+  So a request that goes through every stage has one report, ``ENDED | BEFORE``, from the
+  stage where it stops. A stage that ends ``r`` before its input did reports
+  ``ENDED`` (``| SENT_ON``) at once, and ``BEFORE`` once the previous stage's ``END``
+  reaches it; its own ``END`` then carries ``REPORT``, which makes every later stage
+  report its own end as such (``ENDED``, ``| SENT_ON``) too. Each report is true when
+  sent, whatever order the stages' reports arrive in;
 - an ``error`` for ``r``: that stage ended ``r`` with an error;
 - ``aborted`` for ``r``: that stage applied an abort of ``r`` (every stage applies a
   coordinator's abort once, since it chases the data through the stages).
 
 **A request is done** when, walking from the first stage, every stage it reached has
-ended it: stage 0 ended it, and for each stage ``k`` that ended it having sent on ``n > 0``
-payloads, stage ``k + 1`` ended it too. Then its stream ends (finished) and its id and its
-place in the admission budget are free.
+ended it: stage 0 ended it, and for each stage ``k`` that ended it having sent payloads
+on, stage ``k + 1`` ended it too (one ``ENDED | BEFORE`` report says so at once). Then
+its stream ends (finished) and its id and its place in the admission budget are free.
 
 **Exactly one end.** A stream gets its payloads, then one end, then nothing:
 
@@ -65,6 +73,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from ._edge import BEFORE, ENDED, SENT_ON
 from ._errors import (
     EngineDeadError,
     PipelineFullError,
@@ -76,6 +85,8 @@ from ._session import ABORTED, FINISHED, End, StreamCore
 __all__ = ["PipelineCore", "PipelineDeliveries", "RequestState", "check_budget"]
 
 S = TypeVar("S", bound=StreamCore)
+
+_HERE = ENDED | BEFORE  # the usual end report: the request stops in that stage, done
 
 
 def check_budget(max_in_flight: object, max_bytes: object = None) -> None:
@@ -125,7 +136,7 @@ class _Request(Generic[S]):
         self.stream = stream
         self.state = RequestState.LIVE
         self.ended = 0  # bit k: stage k ended it
-        self.sent: dict[int, int] | None = None  # stage k -> payloads it sent on, if any
+        self.sent = 0  # bit k: and sent payloads on
         self.confirms = 0  # stages that applied the coordinator's abort
         # Retry: bit k of spoke, stage k sent the caller a payload; fences[k], the fences
         # stage k has still to answer (its events until then are an earlier attempt's);
@@ -323,13 +334,9 @@ class PipelineCore(Generic[S]):
             if fences is not None and fences[k]:
                 continue  # an earlier attempt's, in a stage that has not answered a fence yet
             if fin:
-                req.ended |= 1 << k
-                if type(payload) is int and payload > 0:
-                    if req.sent is None:
-                        req.sent = {k: payload}
-                    else:
-                        req.sent[k] = payload
-                if self._done(req):
+                if type(payload) is not int:
+                    continue  # not an end report (an engine's own output, not routed)
+                if payload == _HERE or self._ended(req, k, payload):
                     self._finish(req, now, d)
             elif req.state is not closing:
                 req.spoke |= 1 << k
@@ -400,9 +407,7 @@ class PipelineCore(Generic[S]):
         for j in range(k, n):
             fences[j] += 1
         req.ended &= (1 << k) - 1
-        if req.sent is not None:
-            for j in range(k, n):
-                req.sent.pop(j, None)
+        req.sent &= (1 << k) - 1
         d.replays.append((k - 1, req.req_id, req.attempt))
 
     def _fail(
@@ -493,15 +498,21 @@ class PipelineCore(Generic[S]):
 
     # -- inside ---------------------------------------------------------------------------------
 
-    def _done(self, req: _Request[S]) -> bool:
-        ended, sent = req.ended, req.sent
-        last = self._n - 1
-        for k in range(self._n):
-            if not ended >> k & 1:
-                return False
-            if k == last or sent is None or not sent.get(k):
-                return True
-        return True  # pragma: no cover - the loop always returns
+    @staticmethod
+    def _ended(req: _Request[S], k: int, report: int) -> bool:
+        """Stage *k*'s end report (module docstring) of *req*: whether it is done now."""
+        if report & BEFORE:
+            below = (1 << k) - 1
+            req.ended |= below
+            req.sent |= below
+        if report & ENDED:
+            req.ended |= 1 << k
+        if report & SENT_ON:
+            req.sent |= 1 << k
+        # Done: every stage up to the first one that sent nothing on ended it.
+        sent = req.sent
+        need = (((sent + 1) & ~sent) << 1) - 1
+        return req.ended & need == need
 
     def _finish(self, req: _Request[S], now: float, d: PipelineDeliveries[S]) -> None:
         state = req.state
