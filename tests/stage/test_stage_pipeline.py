@@ -265,6 +265,42 @@ class TestDataFlow:
         assert last.step() == ["r", "r"]
         assert last.route_outputs(["r"]) == (["r", "r"], [False, True], ["x", ENDED])
 
+    @pytest.mark.parametrize("payloads", [["a", "b", "c"], [{"a": 1}, [2], {"c": 3}]])
+    def test_a_step_of_payloads_only_goes_on_as_its_columns(self, payloads: list[Any]) -> None:
+        # A relay between two stages (no edge function): a step that ends no request is
+        # sent on as it is (flat payloads take _split's fast path, others the general one),
+        # the first payload of each request FIRST, the next ones MORE, in the step's order.
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        stage = PipeStage(RelayEngine(), stage="s", downstream=f"tcp://127.0.0.1:{port}")
+
+        def received() -> Any:
+            assert router.poll(5000)
+            _ident, body = router.recv_multipart()
+            return msgspec.msgpack.decode(body)
+
+        try:
+            stage.pipe_input(FIRST, "r", payloads[0])
+            stage.pipe_input(MORE, "r", payloads[1])
+            stage.pipe_input(FIRST, "q", payloads[2])
+            assert stage.step() == []
+            assert stage.take_ended() == []
+            assert received() == ["pipe", [FIRST, MORE, FIRST], ["r", "r", "q"], payloads]
+            stage.pipe_input(MORE, "r", payloads[2])
+            stage.pipe_input(END, "q", None)
+            assert stage.step() == []  # q ends: the general path
+            assert received() == ["pipe", [MORE, END], ["r", "q"], [payloads[2], None]]
+            stage.pipe_input(MORE, "r", payloads[0])
+            assert stage.step() == []
+            assert received() == ["pipe", [MORE], ["r"], [payloads[0]]]
+        finally:
+            assert stage._link is not None
+            stage._link.close(linger=0)
+            router.close()
+            ctx.term()
+
     def test_a_request_a_stage_ended_early_is_done_once_the_first_stage_ended_it(
         self, launch: Any
     ) -> None:

@@ -84,6 +84,7 @@ import zmq
 from .._engine import Engine, PipelinedEngine
 from .._exceptions import RequestRejected
 from . import _codec, _shm
+from ._codec import only_types
 from ._edge import BEFORE, END, ENDED, FIRST, MORE, NOTHING, ONLY, REPORT, SENT_ON
 from ._process import build_engine, import_factory
 from ._routing import make_router
@@ -214,6 +215,8 @@ class PipeStage:
         # requests that ended here (their log ends with END); those whose log outgrew
         # replay_bytes (not retryable); replays done.
         self._replay_bytes = replay_bytes if downstream is not None else None
+        # _split's fast path: no edge function, no replay log, a next stage.
+        self._fast = edge is None and downstream is not None and self._replay_bytes is None
         self._log: dict[str, list[Any]] = {}
         self._log_size: dict[str, int] = {}
         self._log_ended: dict[str, int] = {}  # its END's REPORT bit, if it ended here
@@ -553,7 +556,27 @@ class PipeStage:
         out_r: list[Any] = []
         out_f: list[bool] = []
         out_p: list[Any] = []
-        kinds: list[int] = []
+        if (
+            self._fast
+            and not any(fins)
+            and only_types(payloads, _codec.FLAT_TYPES)
+            and self._live.issuperset(rids)
+        ):
+            # The fast path (a stage without an edge function or a replay log, not the
+            # last): every output is a payload of a live request for the next stage and
+            # none ends a request, so the step's columns are the pipe message's (checks in
+            # C; a flat payload is neither NOTHING nor a RequestRejected).
+            sent = self._sent
+            get = sent.get
+            kinds: list[int] = []
+            append = kinds.append
+            for rid in rids:
+                n = get(rid, 0)
+                append(MORE if n else FIRST)
+                sent[rid] = n + 1
+            self._send_on(kinds, rids, payloads, out_r, out_f, out_p)
+            return out_r, out_f, out_p
+        kinds = []
         on_r: list[str] = []
         on_p: list[Any] = []
         live, sent, edge, last = self._live, self._sent, self._edge, self._link is None
