@@ -6,9 +6,12 @@ import traceback
 
 import pytest
 
+from enginecore.stage._edge import BEFORE, ENDED, SENT_ON
 from enginecore.stage._errors import EngineDeadError, PipelineRequestError, PipelineStageDeadError
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
 from enginecore.stage._session import StreamCore
+
+HERE = ENDED | BEFORE  # a stage's end report: the request stops there, done in every stage
 
 
 def _core(*ids: str) -> PipelineCore[StreamCore]:
@@ -96,6 +99,43 @@ def test_a_refused_add_raises_the_failure_without_growing_its_traceback() -> Non
     assert depths == [depths[0]] * 20, depths
 
 
+# -- end reports ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("c_first", [True, False])
+def test_a_stage_that_ended_a_request_before_its_input_did_holds_it_until_that_input_ends(
+    c_first: bool,
+) -> None:
+    # a -> b -> c: b ends r before a's END reached it, having sent c payloads; c ends it
+    # (its END said REPORT: c reports its own end only). The reports of b and c arrive in
+    # either order; r is done only with b's BEFORE, once a's END reached b.
+    core: PipelineCore[StreamCore] = PipelineCore(["a", "b", "c"])
+    stream = StreamCore("r")
+    core.open("r", stream)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    reports = [(1, ENDED | SENT_ON), (2, ENDED)]
+    for k, report in reports if c_first else reports[::-1]:
+        core.outputs(k, ["r"], [True], [report], 1.0, d)
+        assert stream._ended is None
+    assert core.in_flight == 1
+    core.outputs(1, ["r"], [True], [BEFORE], 2.0, d)
+    assert stream._ended is not None
+    assert stream._ended.exc is None
+    assert core.in_flight == 0
+
+
+def test_an_end_report_of_a_stage_that_sent_on_waits_for_the_next_stage() -> None:
+    core: PipelineCore[StreamCore] = PipelineCore(["a", "b"])
+    stream = StreamCore("r")
+    core.open("r", stream)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.outputs(0, ["r"], [True], [ENDED | SENT_ON], 1.0, d)
+    assert stream._ended is None
+    core.outputs(1, ["r"], [True], [ENDED], 2.0, d)
+    assert stream._ended is not None
+    assert core.in_flight == 0
+
+
 # -- retry ---------------------------------------------------------------------------------------
 
 
@@ -110,14 +150,14 @@ def _retrying(n: int = 1) -> tuple[PipelineCore[StreamCore], StreamCore]:
 def test_a_retried_request_drops_the_failed_attempts_events_until_the_fence() -> None:
     core, stream = _retrying()
     d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
-    core.outputs(0, ["r"], [True], [2], 1.0, d)  # a ended it, having sent 2 on
+    # a ended it, having sent it on: it reports nothing, its END tells b.
     core.error(1, "r", "refused", 2.0, d)  # b failed it: a replays it
     assert d.replays == [(0, "r", 1)]
     assert not d.aborts
     assert stream._ended is None
     assert core.state("r") is RequestState.LIVE
     # c's events of the failed attempt, before it answered the fence: dropped.
-    core.outputs(2, ["r", "r"], [False, True], ["old", 0], 3.0, d)
+    core.outputs(2, ["r", "r"], [False, True], ["old", HERE], 3.0, d)
     core.error(2, "r", "late error of the old attempt", 3.0, d)
     assert not stream._buf
     assert stream._ended is None
@@ -125,9 +165,9 @@ def test_a_retried_request_drops_the_failed_attempts_events_until_the_fence() ->
     core.aborted(2, ["r"], 4.0, d)
     assert core.state("r") is RequestState.LIVE
     assert d.freed == 0
-    # The new attempt: b sends c one payload, c sends the caller one; done.
-    core.outputs(1, ["r"], [True], [1], 5.0, d)
-    core.outputs(2, ["r", "r"], [False, True], ["new", 0], 5.0, d)
+    # The new attempt: b sends c one payload (and reports nothing), c sends the caller
+    # one, and reports the end of r in every stage; done.
+    core.outputs(2, ["r", "r"], [False, True], ["new", HERE], 5.0, d)
     assert stream._buf[:1] == ["new"]  # then its end: finished
     assert stream._ended is not None
     assert stream._ended.exc is None
@@ -198,13 +238,12 @@ def test_done_while_a_fence_is_unanswered_aborts_the_request_everywhere() -> Non
     # on its way must not leave a request behind in b or c.
     core, stream = _retrying(2)
     d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
-    core.outputs(0, ["r"], [True], [1], 1.0, d)
     core.error(1, "r", "refused", 2.0, d)
     core.aborted(1, ["r"], 3.0, d)
     core.error(1, "r", "refused", 4.0, d)  # the second attempt failed too
     core.aborted(1, ["r"], 5.0, d)
     core.aborted(2, ["r"], 5.0, d)  # c answers the first fence only
-    core.outputs(1, ["r"], [True], [0], 6.0, d)  # the third attempt: b ends it, none sent on
+    core.outputs(1, ["r"], [True], [HERE], 6.0, d)  # the third attempt: b ends it, none sent on
     assert stream._ended is not None
     assert stream._ended.exc is None
     assert d.aborts == ["r"]

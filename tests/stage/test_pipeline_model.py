@@ -19,10 +19,18 @@ processes and no sockets: a simulation of 1 to 4 stages stands in for them, each
   live (a ``MORE``/``END`` rejected), the stage drops it (``DropEnded``).
 - **a step** of a request the engine has: a payload for the caller (an ``outputs`` item,
   ``finished=False``, with a token unique in the run), a payload sent on to the next stage,
-  and/or the request's end (its end marker: ``finished=True``, the payload the number sent
-  on; the last ``FIRST`` becomes ``ONLY`` as ``PipeStage._split`` does). A ``feed`` engine
-  may end a request before its input has ended. Unrouted outputs and outputs of the
-  engine's own requests reach the coordinator too.
+  and/or the request's end (the last ``FIRST`` becomes ``ONLY`` as ``PipeStage._split``
+  does). A ``feed`` engine may end a request before its input has ended. The end is
+  reported as ``PipeStage._split`` does (an end marker: ``finished=True``, the payload
+  ``ENDED``/``SENT_ON``/``BEFORE`` bits): not at all by a stage that sent payloads on with
+  its input complete, no ``REPORT`` on that input, and nothing sent to the caller (its
+  ``END`` tells the next stage, which reports for it); ``ENDED | BEFORE`` by one that sent
+  nothing on under the same conditions; its own end otherwise (``ENDED``, ``| SENT_ON``;
+  ``| BEFORE`` unless it ended before its input did or its input said ``REPORT``), its
+  ``END`` then with ``REPORT``. A stage that ended a request before its input did reports
+  ``BEFORE`` when the previous stage's ``END`` without ``REPORT`` reaches it
+  (``PipeStage.pipe_late``). Unrouted outputs and outputs of the engine's own requests
+  reach the coordinator too.
 - **an error** for a request it has: the engine's ``RequestRejected`` as the request's last
   output (it just ends there), or before it, or a failed edge (the stage drops it,
   ``DropEnded``). Either way nothing goes down the link: an abort of the stage's own does
@@ -121,7 +129,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from enginecore.stage._edge import END, FIRST, MORE, ONLY
+from enginecore.stage._edge import BEFORE, END, ENDED, FIRST, MORE, ONLY, REPORT, SENT_ON
 from enginecore.stage._errors import (
     EngineDeadError,
     PipelineRequestError,
@@ -197,7 +205,7 @@ class Inc:
 class Req:
     """A request live in one simulated stage (the stage runtime's live set)."""
 
-    __slots__ = ("gen", "in_engine", "inc", "input_ended", "sent")
+    __slots__ = ("gen", "in_engine", "inc", "input_ended", "report", "sent", "spoke")
 
     def __init__(self, inc: Inc, in_engine: bool, input_ended: bool, gen: int = 0) -> None:
         self.inc = inc
@@ -205,6 +213,8 @@ class Req:
         self.in_engine = in_engine  # the engine has it (it can step it)
         self.input_ended = input_ended
         self.sent = 0  # payloads sent on
+        self.report = False  # its END said REPORT: it reports its own end
+        self.spoke = False  # it sent the caller payloads: it reports its own end
 
     def current(self, k: int) -> bool:
         """Whether it is its request's attempt that counts in stage *k* (no replay's fence
@@ -216,12 +226,13 @@ class Log:
     """A stage's replay log of one request (``PipeStage``): how many payloads it sent on,
     whether it ended the request, whether the log outgrew its bound."""
 
-    __slots__ = ("ended", "inc", "items", "unlogged")
+    __slots__ = ("ended", "flag", "inc", "items", "unlogged")
 
     def __init__(self, inc: Inc) -> None:
         self.inc = inc
         self.items = 0
         self.ended = False
+        self.flag = 0  # its END's REPORT bit
         self.unlogged = False
 
 
@@ -240,6 +251,8 @@ class SimStage:
         self.inq: deque[tuple[Any, ...]] = deque()  # from the previous stage's link
         self.events: deque[tuple[Any, ...]] = deque()
         self.live: dict[str, Req] = {}
+        # Ended here before their input did, awaiting the previous stage's END:
+        self.early: dict[str, Req] = {}
         self.dead_aborted: dict[str, Inc] = {}  # a death's abort applied while absent here
         self.dead = False
 
@@ -623,9 +636,9 @@ class PipelineModel(RuleBasedStateMachine):
             kinds = [FIRST] + [MORE] * (log.items - 1)
             if log.ended:
                 if log.items == 1:
-                    kinds = [ONLY]
+                    kinds = [ONLY | log.flag]
                 else:
-                    kinds.append(END)
+                    kinds.append(END | log.flag)
             for kind in kinds:
                 self.send_on(s, (kind, rid, inc))
         s.events.append(("replayed", rid, attempt, ok))
@@ -636,6 +649,7 @@ class PipelineModel(RuleBasedStateMachine):
             _, rids, origin, targets = item
             for rid in rids:
                 req = s.live.pop(rid, None)
+                s.early.pop(rid, None)
                 target = targets[rid]
                 assert req is None or req.inc is target, (
                     f"stage {s.k}: an abort of {target} hit {req.inc}"
@@ -666,27 +680,39 @@ class PipelineModel(RuleBasedStateMachine):
                 inc.raced = True
                 event("a request reached a stage after a death's abort of it")
             gen = s.fenced.get(id(inc), 0)
-            if reject and (kind in ("add", ONLY) or s.feed):
+            if reject and (kind == "add" or s.feed or kind & END):
                 self.error_event(s, rid, Req(inc, False, False, gen))  # refused: never live
                 return
             if kind == "add":
                 s.live[rid] = Req(inc, True, True, gen)
             else:
-                s.live[rid] = Req(inc, s.feed or kind == ONLY, kind == ONLY, gen)
+                only = kind & END != 0
+                s.live[rid] = req = Req(inc, s.feed or only, only, gen)
+                req.report = kind & REPORT != 0
             return
         req = s.live.get(rid)
         if req is None:
+            early = s.early.get(rid)
+            if kind & END and early is not None:
+                # PipeStage.pipe_late: its input has ended too
+                assert early.inc is inc, f"stage {s.k}: the END of {inc} reached {early.inc}"
+                del s.early[rid]
+                if not kind & REPORT:
+                    s.events.append(("end", rid, BEFORE, early.gen))
+                event("a stage got the END of a request it had ended")
+                return
             event("input of a request no longer in the stage dropped")
             return
         assert req.inc is inc, f"stage {s.k}: input of {inc} reached {req.inc}"
         assert not req.input_ended
-        if reject and (kind == END or s.feed):  # feed()/close_input()/add() rejected it
+        if reject and (kind & END or s.feed):  # feed()/close_input()/add() rejected it
             self.error_event(s, rid, s.live.pop(rid))  # DropEnded: nothing chases
             self.drop_log(s, rid)
             return
-        if kind == END:
+        if kind & END:
             req.input_ended = True
             req.in_engine = True
+            req.report = kind & REPORT != 0
 
     def step_request(
         self, s: SimStage, rid: str, to_caller: bool, to_next: bool, fin: bool
@@ -706,17 +732,26 @@ class PipelineModel(RuleBasedStateMachine):
             req.sent += 1
         if to_caller:
             s.events.append(("out", rid, self.new_token(s, inc, current), req.gen))
+            if not s.last:
+                req.spoke = True
         if fin:
             del s.live[rid]
+            before = req.input_ended and not req.report
+            if not req.input_ended:
+                s.early[rid] = req
+            flag = REPORT if not before or req.spoke else 0
             if req.sent:
                 if req.sent == 1 and on and on[-1][0] == FIRST:
-                    on[-1][0] = ONLY
+                    on[-1][0] = ONLY | flag
                 else:
-                    on.append([END, rid, inc])
+                    on.append([END | flag, rid, inc])
                 log = s.logs.get(rid)
                 if log is not None and log.inc is inc:
                     log.ended = True
-            s.events.append(("end", rid, req.sent, req.gen))
+                    log.flag = flag
+            report = ENDED | (SENT_ON if req.sent else 0) | (BEFORE if before else 0)
+            if flag or not req.sent:
+                s.events.append(("end", rid, report, req.gen))
             if current:
                 inc.ended[s.k] = True
                 inc.sent[s.k] = req.sent
@@ -990,6 +1025,7 @@ class PipelineModel(RuleBasedStateMachine):
         which.events = deque(list(which.events)[:keep])
         which.events.append(("dead",))
         which.live.clear()
+        which.early.clear()
         which.logs.clear()
         which.inq.clear()
         which.cq.clear()
@@ -1118,6 +1154,8 @@ class PipelineModel(RuleBasedStateMachine):
         dead = sum(s.dead for s in self.stages)
         if not self.closed:
             for s in self.alive():
+                # A request a stage ended before its input did: that input's END came.
+                assert dead or not s.early, f"run dry, stage {s.k} awaits the END of {s.early}"
                 for r in s.live.values():
                     assert dead, f"run dry, stage {s.k} still holds {r.inc}"
                     assert r.inc.raced, f"run dry, stage {s.k} still holds {r.inc}"

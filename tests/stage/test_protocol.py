@@ -81,7 +81,7 @@ class TestPipeFrames:
         ("frame", "ids", "match"),
         [
             (["pipe", [1, 1], ["a"], [1, 2]], ["a"], "2 kinds, 1 request ids and 2 data items"),
-            (["pipe", [7], ["a"], [1]], ["a"], "pipe kind must be 0, 1, 2 or 3, got 7"),
+            (["pipe", [7], ["a"], [1]], ["a"], "pipe kind must be 0, 1, 2, 3, 10 or 11, got 7"),
             (["pipe", [1, 9], ["a", "b"], [1, 2]], ["b"], "got 9"),
         ],
     )

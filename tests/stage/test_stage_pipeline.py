@@ -35,12 +35,12 @@ from enginecore.stage import (
     StageStatistics,
     _shm,
 )
-from enginecore.stage._edge import END, FIRST, MORE, ONLY, link_id
+from enginecore.stage._edge import BEFORE, END, ENDED, FIRST, MORE, ONLY, REPORT, SENT_ON, link_id
 from enginecore.stage._pipe_stage import PipeStage
 from enginecore.stage._pipelinebase import PIPE_FACTORY
 from enginecore.stage._session import ClientSession
 from enginecore.stage._wire import ErrorReport
-from enginecore.stage.testing import RelayEngine
+from enginecore.stage.testing import HeadEngine, RelayEngine
 
 from .conftest import BlockingAsyncStream, EventLoopThread, child_pids, wait_until
 
@@ -197,13 +197,16 @@ class TestDataFlow:
             stage.add("a", 1)
             stage.add("b", 2)
             # Step 1: a's one output goes on as one ONLY item (first and last), and a ends
-            # here having sent 1; b's first output goes on as FIRST.
-            assert stage.step() == ["a"]
-            assert stage.route_outputs(["a"]) == (["a"], [True], [1])
+            # here having sent it on: no report to the coordinator (the next stage's end
+            # report covers this one), but the runtime takes it out of its live requests;
+            # b's first output goes on as FIRST.
+            assert stage.step() == []
+            assert stage.take_ended() == ["a"]
             assert received() == ["pipe", [ONLY, FIRST], ["a", "b"], [0, 1]]
             # Step 2: b's last output goes on as MORE, then its END.
-            assert stage.step() == ["b"]
-            assert stage.route_outputs(["b"]) == (["b"], [True], [2])
+            assert stage.step() == []
+            assert stage.take_ended() == ["b"]
+            assert stage.take_ended() == []
             assert received() == ["pipe", [MORE, END], ["b", "b"], [0, None]]
             # An abort goes on after the data, whether or not this stage knew the ids.
             stage.add("c", 5)
@@ -218,6 +221,107 @@ class TestDataFlow:
             stage._link.close(linger=0)
             router.close()
             ctx.term()
+
+    def test_end_reports_where_a_request_stops_and_before_its_input_ended(self) -> None:
+        # A middle stage (HeadEngine(1): it ends a request at its first input) linked to a
+        # plain ROUTER: its end report, its END's REPORT bit, and its report once the
+        # previous stage's END reaches it.
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        emitted: list[Any] = []
+        stage = PipeStage(HeadEngine(1), stage="s", downstream=f"tcp://127.0.0.1:{port}")
+        stage.attach_emit(emitted.append)
+        try:
+            stage.pipe_input(FIRST, "r", "x")  # its input is still open
+            stage.pipe_input(ONLY, "q", "y")  # its input is complete
+            assert stage.step() == ["r"]
+            # r ended before its input did: reported (ENDED, SENT_ON), and its END says
+            # REPORT; q went on as usual: no report.
+            assert stage.route_outputs(["r"]) == (["r"], [True], [ENDED | SENT_ON])
+            assert stage.take_ended() == ["q"]
+            assert router.poll(5000)
+            _ident, body = router.recv_multipart()
+            assert msgspec.msgpack.decode(body) == [
+                "pipe",
+                [ONLY | REPORT, ONLY],
+                ["r", "q"],
+                ["x", "y"],
+            ]
+            assert emitted == []
+            stage.pipe_late("q", END)  # not one that ended early: nothing
+            stage.pipe_late("r", END)  # the previous stage's END: every stage before it
+            stage.pipe_late("r", END)  # once
+            assert emitted == [("outputs", ["r"], [True], [BEFORE])]
+        finally:
+            assert stage._link is not None
+            stage._link.close(linger=0)
+            router.close()
+            ctx.term()
+        # The next stage, told REPORT, reports its own end only.
+        last = PipeStage(RelayEngine(), stage="t")
+        last.pipe_input(ONLY | REPORT, "r", "x")
+        assert last.step() == ["r", "r"]
+        assert last.route_outputs(["r"]) == (["r", "r"], [False, True], ["x", ENDED])
+
+    @pytest.mark.parametrize("payloads", [["a", "b", "c"], [{"a": 1}, [2], {"c": 3}]])
+    def test_a_step_of_payloads_only_goes_on_as_its_columns(self, payloads: list[Any]) -> None:
+        # A relay between two stages (no edge function): a step that ends no request is
+        # sent on as it is (flat payloads take _split's fast path, others the general one),
+        # the first payload of each request FIRST, the next ones MORE, in the step's order.
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        stage = PipeStage(RelayEngine(), stage="s", downstream=f"tcp://127.0.0.1:{port}")
+
+        def received() -> Any:
+            assert router.poll(5000)
+            _ident, body = router.recv_multipart()
+            return msgspec.msgpack.decode(body)
+
+        try:
+            stage.pipe_input(FIRST, "r", payloads[0])
+            stage.pipe_input(MORE, "r", payloads[1])
+            stage.pipe_input(FIRST, "q", payloads[2])
+            assert stage.step() == []
+            assert stage.take_ended() == []
+            assert received() == ["pipe", [FIRST, MORE, FIRST], ["r", "r", "q"], payloads]
+            stage.pipe_input(MORE, "r", payloads[2])
+            stage.pipe_input(END, "q", None)
+            assert stage.step() == []  # q ends: the general path
+            assert received() == ["pipe", [MORE, END], ["r", "q"], [payloads[2], None]]
+            stage.pipe_input(MORE, "r", payloads[0])
+            assert stage.step() == []
+            assert received() == ["pipe", [MORE], ["r"], [payloads[0]]]
+        finally:
+            assert stage._link is not None
+            stage._link.close(linger=0)
+            router.close()
+            ctx.term()
+
+    def test_a_request_a_stage_ended_early_is_done_once_the_first_stage_ended_it(
+        self, launch: Any
+    ) -> None:
+        # head ends r at its second input, while the device stage still produces it (6
+        # steps of 0.06 s); the relay after it ends it soon after. r is done only once the
+        # device stage has ended it too: its id is free, and nothing is left in any stage.
+        pipe = launch(
+            [
+                PipelineStage(DEVICE, {"step_s": 0.06}, name="device"),
+                PipelineStage(f"{T}:head", {"n": 2}),
+                RELAY,
+            ]
+        )
+        started = time.monotonic()
+        stream = pipe.add("r", 6)
+        assert stream.collect(timeout=10) == [5, 4]
+        assert stream.finished
+        assert time.monotonic() - started >= 0.3  # not before the device's 6 steps
+        assert pipe.call_utility("device", "num_requests") == 0
+        assert pipe.in_flight == 0
+        assert pipe.add("r", 1).collect(timeout=10) == [0]  # the id is free again
 
     def test_arrays_cross_every_stage_intact(self, launch: Any) -> None:
         pipe = launch([ECHO, RELAY])
@@ -559,7 +663,8 @@ class TestCredits:
         stage.pipe_received(1, 30)
         stage.step()  # "c", the last: nothing held any more, everything given back
         assert stage.take_credit() == ("credit", 2, 130)
-        assert stage.route_outputs([]) == (["r", "r"], [False, True], ["c", 0])
+        # Its end report: it ends here, and every stage before it ended it (its END came).
+        assert stage.route_outputs([]) == (["r", "r"], [False, True], ["c", ENDED | BEFORE])
         assert emitted == []
 
 

@@ -370,7 +370,7 @@ class TestValidation:
         assert (pipe.kinds, pipe.req_ids, pipe.data) == ([3], ["a"], [1])
         assert pipe.received == (3, len(body[0]))  # the refused items are given back too
         assert [(kind, rid) for kind, rid, _ in events] == [("error", "b"), ("error", "c")]
-        assert events[0][2] == "invalid message: pipe kind must be 0, 1, 2 or 3, got 4"
+        assert events[0][2] == "invalid message: pipe kind must be 0, 1, 2, 3, 10 or 11, got 4"
         assert events[1][2].startswith("invalid message: data")
         body = frame("pipe", [1], ["a", "b"], [1])
         session.receive(B, body, 0.0)

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["END", "FIRST", "MORE", "NOTHING", "ONLY", "link_id"]
+__all__ = [
+    "BEFORE",
+    "END",
+    "ENDED",
+    "FIRST",
+    "MORE",
+    "NOTHING",
+    "ONLY",
+    "REPORT",
+    "SENT_ON",
+    "link_id",
+]
 
 # The kind of one item of a ``pipe`` message: bit 0 "first input of the request", bit 1
 # "end of its input". MORE and FIRST carry a payload, END carries nil, ONLY (first and end)
@@ -16,6 +27,20 @@ MORE: Final = 0
 FIRST: Final = 1
 END: Final = 2
 ONLY: Final = 3
+# Bit 3 of an END or ONLY item: a stage before the receiver ended the request before its
+# own input had ended, so the receiver reports its own end to the coordinator (and sends
+# the bit on with its own END), whether or not it sent payloads on.
+REPORT: Final = 8
+
+# A stage's report of a request's end to the coordinator: an output with finished=True,
+# its payload an int of these bits. A stage that ended a request and sent payloads on, its
+# input complete, reports nothing: its END tells the next stage, which reports for both.
+ENDED: Final = 1
+"""This stage ended the request."""
+SENT_ON: Final = 2
+"""It sent payloads of it on to the next stage (whose end is then still to come)."""
+BEFORE: Final = 4
+"""Every stage before this one ended it and sent it on (this stage's input is complete)."""
 
 
 def link_id(index: int, generation: int = 0) -> str:

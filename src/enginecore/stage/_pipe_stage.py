@@ -13,13 +13,21 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   ``outputs`` event, as any output would. Either may be :data:`NOTHING`. Without an edge
   function every output goes to the next stage. The last stage has no edge: its outputs go
   to the caller.
-- **the end of a request here**: every stage reports a request's end to the coordinator
-  as an extra output of that request, ``finished=True``, whose payload is the number of
-  payloads it sent on for it (an ``int``; always ``0`` in the last stage); the request's
-  payloads for the caller are outputs with ``finished=False``, the last stage's too. The
-  coordinator knows the request is done in the pipeline when it has ended in every stage it
-  reached. An engine may end a request with the payload :data:`NOTHING`: the end, and no
-  payload for anyone.
+- **the end of a request here** (``docs/wire.md`` section 8): the request's payloads for
+  the caller are outputs with ``finished=False``, the last stage's too; its end is reported
+  to the coordinator as an extra output of it, ``finished=True``, whose payload is an
+  ``int`` of the bits ``ENDED``, ``SENT_ON`` and ``BEFORE`` (:mod:`._edge`), only where
+  the coordinator needs it. A stage that sent payloads on, its input complete (no
+  ``REPORT`` on its ``END``) and nothing sent to the caller, reports nothing: its ``END``
+  tells the next stage, whose report covers it (the runtime takes such a request out of
+  its live set through :meth:`PipeStage.take_ended`). One that sent nothing on reports
+  ``ENDED | BEFORE``: the request stops here, done. Otherwise (it ended the request before
+  its input did, its ``END`` said ``REPORT``, or it sent the caller payloads, which its
+  report must follow) it reports its own end, and its ``END`` says ``REPORT``; a request
+  it ended before its input did is reported ``BEFORE`` once the previous stage's ``END``
+  arrives (:meth:`PipeStage.pipe_late`). The coordinator knows the request is done in the
+  pipeline when it has ended in every stage it reached. An engine may end a request with
+  the payload :data:`NOTHING`: the end, and no payload for anyone.
 - **input from the previous stage**: ``pipe_input(kind, req_id, item)``. An engine with
   ``feed(req_id, data)`` gets its request's first input through ``add`` and every later one
   through ``feed``, as they arrive, and ``close_input(req_id)`` (if it has one) once its
@@ -76,7 +84,8 @@ import zmq
 from .._engine import Engine, PipelinedEngine
 from .._exceptions import RequestRejected
 from . import _codec, _shm
-from ._edge import END, FIRST, MORE, NOTHING, ONLY
+from ._codec import only_types
+from ._edge import BEFORE, END, ENDED, FIRST, MORE, NOTHING, ONLY, REPORT, SENT_ON
 from ._process import build_engine, import_factory
 from ._routing import make_router
 from ._wire import is_ipv6_endpoint
@@ -183,6 +192,15 @@ class PipeStage:
         # input taken), not yet ended or aborted.
         self._live: set[str] = set()
         self._sent: dict[str, int] = {}  # payloads sent on, per live request that sent any
+        # The end reports (module docstring, "the end of a request here"): the live requests
+        # whose input is still open here (a feed engine's, between FIRST and END); those
+        # whose END came with REPORT; those that ended here before their input did, whose
+        # END from the previous stage is still to come.
+        self._open: set[str] = set()
+        self._report: set[str] = set()
+        self._early: set[str] = set()
+        self._spoke: set[str] = set()  # live requests whose edge sent the caller payloads
+        self._quiet: list[str] = []  # ended in this step without a report (take_ended)
         self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
         self._shm = shm if downstream is not None else None
         self._encoder = _codec.Encoder(self._shm)
@@ -197,9 +215,11 @@ class PipeStage:
         # requests that ended here (their log ends with END); those whose log outgrew
         # replay_bytes (not retryable); replays done.
         self._replay_bytes = replay_bytes if downstream is not None else None
+        # _split's fast path: no edge function, no replay log, a next stage.
+        self._fast = edge is None and downstream is not None and self._replay_bytes is None
         self._log: dict[str, list[Any]] = {}
         self._log_size: dict[str, int] = {}
-        self._log_ended: set[str] = set()
+        self._log_ended: dict[str, int] = {}  # its END's REPORT bit, if it ended here
         self._unlogged: set[str] = set()
         self._replays = 0
         if downstream is not None:
@@ -357,29 +377,55 @@ class PipeStage:
             if kind & FIRST:
                 inner.add(req_id, item)
                 self._live.add(req_id)
+                if not kind & END:
+                    self._open.add(req_id)
             elif kind == MORE:
                 self._feed(req_id, item)
-            if kind & END and self._close_input is not None:
-                self._close_input(req_id)
+            if kind & END:
+                if kind & REPORT:
+                    self._report.add(req_id)
+                self._open.discard(req_id)
+                if self._close_input is not None:
+                    self._close_input(req_id)
             return
         if kind == FIRST:
             self._gathered[req_id] = [item]
         elif kind == MORE:
             self._gathered[req_id].append(item)
         else:
-            items = [item] if kind == ONLY else self._gathered.pop(req_id)
+            items = [item] if kind & FIRST else self._gathered.pop(req_id)
             inner.add(req_id, items)
             self._live.add(req_id)
+            if kind & REPORT:
+                self._report.add(req_id)
+
+    def pipe_late(self, req_id: str, kind: int) -> None:
+        """The END (or ONLY) of *req_id*, not live here: the stage runtime calls this for
+        such an item of the previous stage. If the request ended here before its input did,
+        its input has now ended too: every stage before this one has ended it, which this
+        stage reports (``BEFORE``), unless the item says those stages report their own
+        ends (``REPORT``). Otherwise (it ended here with an error, or was aborted) it is
+        dropped, as any input of a request no longer here."""
+        early = self._early
+        if early and req_id in early:
+            early.discard(req_id)
+            if not kind & REPORT and self._emit is not None:
+                self._emit(("outputs", [req_id], [True], [BEFORE]))
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """Drop *req_ids* here: every abort the stage applies (an ``abort`` message, or one
         of its own: an error that ended the request, a detach, a drain's deadline)."""
         self._inner.abort(req_ids)
         gathered, live, sent = self._gathered, self._live, self._sent
+        opened, report, early, spoke = self._open, self._report, self._early, self._spoke
         for rid in req_ids:
             live.discard(rid)
             sent.pop(rid, None)
             gathered.pop(rid, None)
+            opened.discard(rid)
+            report.discard(rid)
+            early.discard(rid)
+            spoke.discard(rid)
         if self._replay_bytes is not None:
             self._forget(req_ids)
 
@@ -390,14 +436,14 @@ class PipeStage:
         for rid in req_ids:
             if log.pop(rid, None) is not None:
                 del size[rid]
-            ended.discard(rid)
+            ended.pop(rid, None)
             unlogged.discard(rid)
 
     def _log_item(self, rid: str, first: bool, item: Any) -> None:
         """Log *item*, sent on for *rid* (*first*: its first payload, a new log)."""
         log, size = self._log, self._log_size
         if first:
-            self._log_ended.discard(rid)
+            self._log_ended.pop(rid, None)
             self._unlogged.discard(rid)
             log[rid] = [item]
             size[rid] = payload_size(item)
@@ -444,11 +490,12 @@ class PipeStage:
         count = len(items)
         kinds = [FIRST] + [MORE] * (count - 1)
         on_p = list(items)
-        if req_id in self._log_ended:
+        ended = self._log_ended.get(req_id)
+        if ended is not None:
             if count == 1:
-                kinds[0] = ONLY
+                kinds[0] = ONLY | ended
             else:
-                kinds.append(END)
+                kinds.append(END | ended)
                 on_p.append(None)
         out_r: list[Any] = []
         self._send_on(kinds, [req_id] * len(kinds), on_p, out_r, [], [])
@@ -484,6 +531,16 @@ class PipeStage:
         self._columns = (rids, fins, payloads)
         return rids
 
+    def take_ended(self) -> list[str]:
+        """The requests the last step ended here without an end report (they went on to
+        the next stage, whose end report covers this one): the stage runtime calls it right
+        after :meth:`route_outputs`, to take them out of its live requests."""
+        quiet = self._quiet
+        if not quiet:
+            return quiet
+        self._quiet = []
+        return quiet
+
     def route_outputs(self, outputs: list[Any]) -> tuple[list[Any], list[bool], list[Any]]:
         """The stage runtime's routing hook, called right after :meth:`step` (or
         ``collect``) with what it returned: the columns it made."""
@@ -499,10 +556,31 @@ class PipeStage:
         out_r: list[Any] = []
         out_f: list[bool] = []
         out_p: list[Any] = []
-        kinds: list[int] = []
+        if (
+            self._fast
+            and not any(fins)
+            and only_types(payloads, _codec.FLAT_TYPES)
+            and self._live.issuperset(rids)
+        ):
+            # The fast path (a stage without an edge function or a replay log, not the
+            # last): every output is a payload of a live request for the next stage and
+            # none ends a request, so the step's columns are the pipe message's (checks in
+            # C; a flat payload is neither NOTHING nor a RequestRejected).
+            sent = self._sent
+            get = sent.get
+            kinds: list[int] = []
+            append = kinds.append
+            for rid in rids:
+                n = get(rid, 0)
+                append(MORE if n else FIRST)
+                sent[rid] = n + 1
+            self._send_on(kinds, rids, payloads, out_r, out_f, out_p)
+            return out_r, out_f, out_p
+        kinds = []
         on_r: list[str] = []
         on_p: list[Any] = []
         live, sent, edge, last = self._live, self._sent, self._edge, self._link is None
+        opened, report, spoke = self._open, self._report, self._spoke
         flat = _codec.FLAT_TYPES
         failed: set[str] | None = None
         logging = self._replay_bytes is not None
@@ -515,6 +593,9 @@ class PipeStage:
                 if fin and rid in live:
                     live.discard(rid)
                     sent.pop(rid, None)
+                    opened.discard(rid)
+                    report.discard(rid)
+                    spoke.discard(rid)
                 out_r.append(rid)
                 out_f.append(fin)
                 out_p.append(payload)
@@ -552,21 +633,48 @@ class PipeStage:
                 out_r.append(rid)
                 out_f.append(False)
                 out_p.append(to_caller)
+                if not last:
+                    spoke.add(rid)
             if fin:
                 live.discard(rid)
                 n = sent.pop(rid, 0)
+                # Its own end is reported (module docstring) if it ended before its input
+                # did (the previous stage's end is still to come: no BEFORE), if an END
+                # with REPORT said so (the stages before it report theirs: no BEFORE), or if
+                # it sent the caller payloads (which its report follows).
+                own = 0
+                before = BEFORE
+                if opened and rid in opened:
+                    opened.discard(rid)
+                    self._early.add(rid)
+                    own = REPORT
+                    before = 0
+                if report and rid in report:
+                    report.discard(rid)
+                    own = REPORT
+                    before = 0
+                if spoke and rid in spoke:
+                    spoke.discard(rid)
+                    own = REPORT
                 if n:
                     if logging:
-                        self._log_ended.add(rid)
+                        self._log_ended[rid] = own
                     if n == 1 and on_r and on_r[-1] == rid and kinds[-1] == FIRST:
-                        kinds[-1] = ONLY
+                        kinds[-1] = ONLY | own
                     else:
-                        kinds.append(END)
+                        kinds.append(END | own)
                         on_r.append(rid)
                         on_p.append(None)
-                out_r.append(rid)
-                out_f.append(True)
-                out_p.append(n)
+                    if own:
+                        out_r.append(rid)
+                        out_f.append(True)
+                        out_p.append(ENDED | SENT_ON | before)
+                    else:
+                        self._quiet.append(rid)
+                else:
+                    out_r.append(rid)
+                    out_f.append(True)
+                    out_p.append(ENDED | before)
         if kinds:
             self._send_on(kinds, on_r, on_p, out_r, out_f, out_p)
         return out_r, out_f, out_p

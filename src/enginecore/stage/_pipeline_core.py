@@ -13,17 +13,25 @@ What a stage tells the coordinator about request ``r`` (``docs/wire.md`` section
 
 - an output of ``r`` with ``finished=False``: a payload for the caller (its edge sent it
   there, or it is the last stage's output), from any stage;
-- an output of ``r`` with ``finished=True``: ``r`` ended in that stage, and its payload is
-  the number of payloads the stage sent on for it (``0``: ``r`` ends there, the next
-  stage never hears of it; always ``0`` in the last stage);
+- an output of ``r`` with ``finished=True``: an end report, its payload an ``int`` of bits
+  (:mod:`._edge`): ``ENDED``, that stage ended ``r``; ``SENT_ON``, having sent payloads of
+  it on (so the next stage's end is still to come); ``BEFORE``, every stage before it
+  ended ``r`` and sent it on. A stage that ends ``r`` with its input complete and sends
+  payloads on reports nothing: its ``END`` tells the next stage, which reports for both.
+  So a request that goes through every stage has one report, ``ENDED | BEFORE``, from the
+  stage where it stops. A stage that ends ``r`` before its input did reports
+  ``ENDED`` (``| SENT_ON``) at once, and ``BEFORE`` once the previous stage's ``END``
+  reaches it; its own ``END`` then carries ``REPORT``, which makes every later stage
+  report its own end as such (``ENDED``, ``| SENT_ON``) too. Each report is true when
+  sent, whatever order the stages' reports arrive in;
 - an ``error`` for ``r``: that stage ended ``r`` with an error;
 - ``aborted`` for ``r``: that stage applied an abort of ``r`` (every stage applies a
   coordinator's abort once, since it chases the data through the stages).
 
 **A request is done** when, walking from the first stage, every stage it reached has
-ended it: stage 0 ended it, and for each stage ``k`` that ended it having sent on ``n > 0``
-payloads, stage ``k + 1`` ended it too. Then its stream ends (finished) and its id and its
-place in the admission budget are free.
+ended it: stage 0 ended it, and for each stage ``k`` that ended it having sent payloads
+on, stage ``k + 1`` ended it too (one ``ENDED | BEFORE`` report says so at once). Then
+its stream ends (finished) and its id and its place in the admission budget are free.
 
 **Exactly one end.** A stream gets its payloads, then one end, then nothing:
 
@@ -63,8 +71,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Generic, TypeVar
 
+from ._edge import BEFORE, ENDED, SENT_ON
 from ._errors import (
     EngineDeadError,
     PipelineFullError,
@@ -76,6 +86,8 @@ from ._session import ABORTED, FINISHED, End, StreamCore
 __all__ = ["PipelineCore", "PipelineDeliveries", "RequestState", "check_budget"]
 
 S = TypeVar("S", bound=StreamCore)
+
+_HERE = ENDED | BEFORE  # the usual end report: the request stops in that stage, done
 
 
 def check_budget(max_in_flight: object, max_bytes: object = None) -> None:
@@ -103,39 +115,48 @@ class RequestState(enum.Enum):
     sent, before its id and budget are free."""
 
 
+class _Replays:
+    """A request's replays (retry), once it has one: *retries[k]*, the replays into stage
+    *k*; *attempt*, the last replay's number, and *why*, the error that asked for it."""
+
+    __slots__ = ("attempt", "retries", "why")
+
+    def __init__(self) -> None:
+        self.retries: dict[int, int] = {}
+        self.attempt = 0
+        self.why = ""
+
+
+_LIVE = RequestState.LIVE
+
+
 class _Request(Generic[S]):
     __slots__ = (
-        "attempt",
         "confirms",
         "ended",
         "fences",
         "nbytes",
+        "replays",
         "req_id",
-        "retries",
         "sent",
         "spoke",
         "state",
         "stream",
-        "why",
     )
 
     def __init__(self, req_id: str, stream: S, nbytes: int) -> None:
         self.req_id = req_id
         self.nbytes = nbytes  # its share of the bytes budget
         self.stream = stream
-        self.state = RequestState.LIVE
-        self.ended = 0  # bit k: stage k ended it
-        self.sent: dict[int, int] | None = None  # stage k -> payloads it sent on, if any
-        self.confirms = 0  # stages that applied the coordinator's abort
-        # Retry: bit k of spoke, stage k sent the caller a payload; fences[k], the fences
+        self.state = _LIVE
+        self.ended = self.sent = self.confirms = self.spoke = 0
+        # ended, bit k: stage k ended it; sent, bit k: and sent payloads on; confirms, the
+        # stages that applied the coordinator's abort. Retry: bit k of spoke, stage k sent
+        # the caller a payload (counted only where an edge retries); fences[k], the fences
         # stage k has still to answer (its events until then are an earlier attempt's);
-        # retries[k], the replays into stage k; attempt, the last replay's number, and why,
-        # the error that asked for it.
-        self.spoke = 0
+        # replays, once it has one.
         self.fences: list[int] | None = None
-        self.retries: dict[int, int] | None = None
-        self.attempt = 0
-        self.why = ""
+        self.replays: _Replays | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -224,6 +245,9 @@ class PipelineCore(Generic[S]):
         if self._failure_end is not None:
             self._failure_end.raise_exc()
         requests = self._requests
+        unique = set(req_ids)
+        if len(unique) == len(req_ids) and (not requests or unique.isdisjoint(requests)):
+            return  # the usual case, in C
         seen: set[str] = set()
         for rid in req_ids:
             if rid in requests:
@@ -275,8 +299,10 @@ class PipelineCore(Generic[S]):
             for i, (rid, stream) in enumerate(zip(req_ids, streams, strict=True)):
                 requests[rid] = _Request(rid, stream, share + (i < extra))
         else:
-            for rid, stream in zip(req_ids, streams, strict=True):
-                requests[rid] = _Request(rid, stream, share)
+            # In C: a request per id, no Python loop (~0.1 us a request less).
+            requests.update(
+                zip(req_ids, map(_Request, req_ids, streams, repeat(share)), strict=True)
+            )
         self.bytes_in += nbytes
 
     def forget(self, req_ids: Iterable[str], d: PipelineDeliveries[S]) -> None:
@@ -315,6 +341,7 @@ class PipelineCore(Generic[S]):
         requests = self._requests
         closing = RequestState.CLOSING
         wake = d.wake
+        retrying = self._retrying
         for rid, fin, payload in zip(req_ids, finished, payloads, strict=True):
             req = requests.get(rid) if rid is not None else None
             if req is None:
@@ -323,16 +350,13 @@ class PipelineCore(Generic[S]):
             if fences is not None and fences[k]:
                 continue  # an earlier attempt's, in a stage that has not answered a fence yet
             if fin:
-                req.ended |= 1 << k
-                if type(payload) is int and payload > 0:
-                    if req.sent is None:
-                        req.sent = {k: payload}
-                    else:
-                        req.sent[k] = payload
-                if self._done(req):
+                if type(payload) is not int:
+                    continue  # not an end report (an engine's own output, not routed)
+                if payload == _HERE or self._ended(req, k, payload):
                     self._finish(req, now, d)
             elif req.state is not closing:
-                req.spoke |= 1 << k
+                if retrying:
+                    req.spoke |= 1 << k
                 stream = req.stream
                 stream._buf.append(payload)
                 stream._arrivals.append(now)
@@ -353,7 +377,7 @@ class PipelineCore(Generic[S]):
             return  # an earlier attempt's
         allowed = self.retry[k]
         if allowed and req.state is RequestState.LIVE:
-            done = 0 if req.retries is None else req.retries.get(k, 0)
+            done = 0 if req.replays is None else req.replays.retries.get(k, 0)
             if done >= allowed:
                 message = f"{message} (retried {allowed} time{'s' if allowed > 1 else ''})"
             elif req.spoke >> k:
@@ -381,29 +405,31 @@ class PipelineCore(Generic[S]):
         (*ok* false, *message* why), the request ends with the error that asked for the
         replay, unless a later replay superseded this one or it has ended already."""
         req = self._requests.get(req_id)
-        if req is None or ok or attempt != req.attempt or req.state is not RequestState.LIVE:
+        if req is None or ok or req.state is not RequestState.LIVE:
             return
-        self._fail(req, k + 1, f"{req.why} (not retried: {message})", now, d)
+        replays = req.replays
+        if replays is None or attempt != replays.attempt:
+            return
+        self._fail(req, k + 1, f"{replays.why} (not retried: {message})", now, d)
 
     def _replay(self, req: _Request[S], k: int, message: str, d: PipelineDeliveries[S]) -> None:
         """Stage *k* failed the live *req*, whose edge into *k* retries: fence stages *k* on,
         forget what they had ended, and ask stage ``k - 1`` to replay it."""
         n = self._n
-        if req.retries is None:
-            req.retries = {}
-        req.retries[k] = req.retries.get(k, 0) + 1
-        req.attempt += 1
-        req.why = message
+        replays = req.replays
+        if replays is None:
+            replays = req.replays = _Replays()
+        replays.retries[k] = replays.retries.get(k, 0) + 1
+        replays.attempt += 1
+        replays.why = message
         fences = req.fences
         if fences is None:
             fences = req.fences = [0] * n
         for j in range(k, n):
             fences[j] += 1
         req.ended &= (1 << k) - 1
-        if req.sent is not None:
-            for j in range(k, n):
-                req.sent.pop(j, None)
-        d.replays.append((k - 1, req.req_id, req.attempt))
+        req.sent &= (1 << k) - 1
+        d.replays.append((k - 1, req.req_id, replays.attempt))
 
     def _fail(
         self, req: _Request[S], k: int, message: str, now: float, d: PipelineDeliveries[S]
@@ -493,15 +519,21 @@ class PipelineCore(Generic[S]):
 
     # -- inside ---------------------------------------------------------------------------------
 
-    def _done(self, req: _Request[S]) -> bool:
-        ended, sent = req.ended, req.sent
-        last = self._n - 1
-        for k in range(self._n):
-            if not ended >> k & 1:
-                return False
-            if k == last or sent is None or not sent.get(k):
-                return True
-        return True  # pragma: no cover - the loop always returns
+    @staticmethod
+    def _ended(req: _Request[S], k: int, report: int) -> bool:
+        """Stage *k*'s end report (module docstring) of *req*: whether it is done now."""
+        if report & BEFORE:
+            below = (1 << k) - 1
+            req.ended |= below
+            req.sent |= below
+        if report & ENDED:
+            req.ended |= 1 << k
+        if report & SENT_ON:
+            req.sent |= 1 << k
+        # Done: every stage up to the first one that sent nothing on ended it.
+        sent = req.sent
+        need = (((sent + 1) & ~sent) << 1) - 1
+        return req.ended & need == need
 
     def _finish(self, req: _Request[S], now: float, d: PipelineDeliveries[S]) -> None:
         state = req.state

@@ -208,6 +208,7 @@ class StageEngine:
             engine, "chase_abort", None
         )
         self._pipe_gone: Callable[[str, int], None] | None = getattr(engine, "pipe_gone", None)
+        self._pipe_late: Callable[[str, int], None] | None = getattr(engine, "pipe_late", None)
         self._pipe_replay: Callable[[str], tuple[bool, str]] | None = getattr(
             engine, "pipe_replay", None
         )
@@ -272,8 +273,10 @@ class StageEngine:
         be (draining, live in the stage, :class:`~enginecore.RequestRejected`) and makes the
         request live; any other item is for a live request, and is dropped if the request
         is not live (it ended here, with an error or an abort, while the previous stage
-        still sent). A :class:`~enginecore.RequestRejected` ends that request with an
-        ``error`` event. Any other exception is fatal, as from ``add``. Then the engine is
+        still sent); an ``END`` of such a request goes to the engine's ``pipe_late``, for
+        a request that ended here before its input did. A
+        :class:`~enginecore.RequestRejected` ends that request with an ``error`` event.
+        Any other exception is fatal, as from ``add``. Then the engine is
         told what the frame held (*received*: items and bytes), for the credit it gives
         back to the stage that sent it."""
         pipe_input = self._pipe_input
@@ -302,6 +305,8 @@ class StageEngine:
                 except RequestRejected as exc:
                     self._drop((rid,))
                     emit(("error", rid, str(exc)))
+            elif kind & 2 and self._pipe_late is not None:
+                self._pipe_late(rid, kind)  # its END, after the request ended here
         if self._pipe_received is not None:
             self._pipe_received(*received)
 
@@ -561,11 +566,15 @@ def _make_handle_outputs(
     (``Outbox.post_step(last=True)``), instead of waking that thread for it. An exception
     in *produce* or in routing
     propagates (fatal), and what was routed before it is still sent first. A request's
-    output routed with ``finished=True`` takes its id out of *live*; during a *drain*, the
+    output routed with ``finished=True`` takes its id out of *live*, as does one a
+    pipeline's stage ended without an output (its ``take_ended``); during a *drain*, the
     step that leaves *live* empty ends it."""
     route = make_router(engine)
     # A pipeline's stage gives back credit after each step, in the step's frame.
     take_credit: Callable[[], Any] | None = getattr(engine, "take_credit", None)
+    # ... and ends some requests without an output (those it sent on: its END tells the
+    # next stage, which reports the end to the coordinator): they leave *live* too.
+    take_ended: Callable[[], list[str]] | None = getattr(engine, "take_ended", None)
     emit = outbox.emit if take_credit is not None else None
     post = outbox.post_step
     prepare_outputs = outbox.prepare_outputs
@@ -595,6 +604,9 @@ def _make_handle_outputs(
             # requests not live are looked at further, for an abort the engine lost.
             if payloads and recent and not superset(rids):
                 stale.drop(live, rids, fins, payloads)
+            quiet = None if take_ended is None else take_ended()
+            if quiet:
+                forget(quiet)
             credit = None if take_credit is None else take_credit()
             if credit is not None and not payloads and emit is not None:
                 emit(credit)
@@ -637,6 +649,8 @@ def _make_handle_outputs(
                 post(events, n, last)
                 if finished and drain.active and not live:
                     drain.done()
+            if quiet and drain.active and not live:
+                drain.done()
 
     return handle
 

@@ -95,7 +95,9 @@ the heartbeat needs to drop one whose peer vanished."""
 
 # Exact types of received data that need no check (decoded ints are always in range).
 _RECEIVED_FLAT: Final = frozenset({type(None), bool, int, float, str, bytes})
-_PIPE_KINDS: Final = frozenset({0, 1, 2, 3})  # of a pipe message's items (_pipe_stage)
+# Of a pipe message's items (_pipe_stage): MORE, FIRST, END, ONLY, and END or ONLY with
+# REPORT (8).
+_PIPE_KINDS: Final = frozenset({0, 1, 2, 3, 10, 11})
 
 Event = tuple[Any, ...]
 
@@ -496,7 +498,7 @@ class StageSession:
         for kind, rid, item in zip(kinds, req_ids, data, strict=True):
             problem = None
             if kind not in _PIPE_KINDS:
-                problem = f"pipe kind must be 0, 1, 2 or 3, got {kind}"
+                problem = f"pipe kind must be 0, 1, 2, 3, 10 or 11, got {kind}"
             elif type(item) not in _RECEIVED_FLAT:
                 problem = _invalid(item, "data")
             if problem is not None:

@@ -736,6 +736,55 @@ def relay(step_s: float = 0.0, per_step: int | None = None) -> RelayEngine:
     return RelayEngine(step_s, per_step)
 
 
+class HeadEngine(RelayEngine):
+    """A :class:`RelayEngine` that passes on the first *n* inputs of a request and ends it
+    then, before its input has ended (a stage that has what it needs, as a stop condition
+    would): later inputs of it are ignored. Factory: :func:`head`."""
+
+    def __init__(self, n: int = 1, step_s: float = 0.0) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n!r}")
+        super().__init__(step_s)
+        self.n = n
+        self._taken: dict[str, int] = {}
+
+    def add(self, req_id: str, data: Any) -> None:
+        super().add(req_id, data)
+        self._taken[req_id] = 1
+        if self.n == 1:
+            super().close_input(req_id)
+
+    def feed(self, req_id: str, data: Any) -> None:
+        taken = self._taken.get(req_id, self.n)
+        if taken >= self.n:
+            return
+        super().feed(req_id, data)
+        self._taken[req_id] = taken + 1
+        if taken + 1 >= self.n:
+            super().close_input(req_id)
+
+    def close_input(self, req_id: str) -> None:
+        if req_id in self._inputs:
+            super().close_input(req_id)
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        super().abort(req_ids)
+        for rid in req_ids:
+            self._taken.pop(rid, None)
+
+    def step(self) -> list[tuple[str, bool, Any]]:
+        out = super().step()
+        for rid, fin, _ in out:
+            if fin:
+                self._taken.pop(rid, None)
+        return out
+
+
+def head(n: int = 1, step_s: float = 0.0) -> HeadEngine:
+    """Factory: a :class:`HeadEngine`."""
+    return HeadEngine(n, step_s)
+
+
 class FlakyRelayEngine(RelayEngine):
     """A :class:`RelayEngine` that fails each request's first *fail_first* attempts (an
     attempt: an ``add`` of its id), for the tests of a pipeline's ``Retry``. *when* says
