@@ -305,6 +305,72 @@ class TestSessions:
         assert "dropped 5 events" in caplog.text
 
 
+class TestRevoke:
+    """A CURVE key the stage no longer authorizes (``revoke``, called by the input side's
+    ``KeyWatch``): the session ends as after a ``bye``, with its requests aborted."""
+
+    def test_the_attached_client_s_session_ends_and_its_requests_are_aborted(
+        self, session: StageSession, output: FakeOutput
+    ) -> None:
+        welcome(session)
+        session.receive(A, frame("add", "r1", 1), 1.0)
+        session.revoke(A, "KEY-A")
+        add, change = session.to_loop
+        assert isinstance(add, Add)
+        assert isinstance(change, SessionChange)
+        assert change.epoch is None
+        assert change.abort  # even on a stage that keeps a detached client's requests
+        assert state_of(session) is SessionState.NONE
+        assert session.client is None
+        assert output.detached == [False, True]
+        [(who, reply)] = replies(session)
+        assert who == A
+        assert reply[0] == "reject"
+        assert reply[2].startswith(SESSION_LOST)
+        assert "no longer authorizes this client's CURVE public key KEY-A" in reply[2]
+
+    def test_a_bye_does_not_abort(self, session: StageSession) -> None:
+        welcome(session)
+        session.receive(A, frame("bye"), 1.0)
+        [change] = session.to_loop
+        assert isinstance(change, SessionChange)
+        assert not change.abort
+
+    def test_another_peer_is_rejected_and_the_session_goes_on(self, session: StageSession) -> None:
+        welcome(session)
+        session.revoke(B, "KEY-B")
+        assert session.to_loop == []
+        assert session.client == A
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (B, "reject")
+        assert "KEY-B" in reply[2]
+
+    def test_a_held_hello_is_dropped(self, session: StageSession) -> None:
+        welcome(session)
+        session.output_peers_changed(1)  # A's output stays connected: B's hello is held
+        session.receive(B, frame("hello", V, "b"), 20.0)
+        assert session.held is not None
+        session.revoke(B, "KEY-B")
+        assert session.held is None
+        assert session.client == A
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (B, "reject")
+
+    def test_a_multi_client_stage_detaches_only_that_client(self) -> None:
+        session = multi(FakeClients())
+        for ident in (A, B):
+            session.receive(ident, frame("hello", V, "x"), 0.0)
+        replies(session)
+        session.to_loop.clear()
+        session.revoke(A, "KEY-A")
+        assert controls(session.to_loop) == [("left", 1)]
+        assert list(session.clients) == [B]
+        [(who, reply)] = replies(session)
+        assert who == A
+        assert reply[0] == "reject"
+        assert "no longer authorizes this client's CURVE public key KEY-A" in reply[2]
+
+
 class TestValidation:
     def test_valid_messages_become_loop_messages_in_arrival_order(
         self, session: StageSession, calls: CallTable

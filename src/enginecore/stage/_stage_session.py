@@ -630,13 +630,17 @@ class StageSession:
 
     def _bye(self, ident: bytes) -> None:
         if ident == self.client:
-            self.client = None
-            self.state = SessionState.NONE
-            # After everything it sent (to_loop keeps arrival order).
-            self.to_loop.append(SessionChange(None))
-            self._tell_detached()
+            self._end_session()
         elif self.held is not None and self.held.ident == ident:
             self.held = None  # it gave up waiting
+
+    def _end_session(self, *, abort: bool = False) -> None:
+        """The attached client is gone (a ``bye``, or its key revoked: *abort*)."""
+        self.client = None
+        self.state = SessionState.NONE
+        # After everything it sent (to_loop keeps arrival order).
+        self.to_loop.append(SessionChange(None, abort=abort))
+        self._tell_detached()
 
     def revoke(self, ident: bytes, key: str) -> None:
         """*ident* connected with the CURVE key *key*, which the stage no longer authorizes
@@ -646,10 +650,7 @@ class StageSession:
         gets a ``reject`` (:func:`key_revoked`) that its client raises as
         :class:`~enginecore.stage.SessionLostError`. Its message, if any, is dropped."""
         if ident == self.client:
-            self.client = None
-            self.state = SessionState.NONE
-            self.to_loop.append(SessionChange(None, abort=True))
-            self._tell_detached()
+            self._end_session(abort=True)
             logger.warning(
                 "enginecore: ended the session of the client whose CURVE key %s is no longer "
                 "authorized; its live requests are aborted",
@@ -956,17 +957,10 @@ class MultiStageSession(StageSession):
         (its requests aborted, its output socket closed), and gets a ``reject``."""
         client = self.clients.get(ident)
         if client is not None:
-            del self.clients[ident]
-            self.expires = bool(self.clients)
-            self.to_loop.append(ClientLeft(self._clients, client.epoch))
-            logger.warning(
-                "enginecore: detaching client %r (session %d): its CURVE key %s is no longer "
-                "authorized; its live requests are aborted, and the other clients go on",
-                client.name,
-                client.epoch,
-                key,
+            self._detach(
+                client, f"was revoked (its CURVE key {key} is no longer authorized)", lost=True
             )
-        self._lost.pop(ident, None)
+        self._lost.pop(ident, None)  # its later messages are revoked again, by their key
         self._reject(ident, key_revoked(key))
 
     def with_session(self) -> list[bytes]:
