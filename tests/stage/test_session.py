@@ -31,6 +31,7 @@ from enginecore.stage._session import (
     ABORTED,
     EXIT_AFTER_LAST_EVENT_S,
     EXIT_GRACE_S,
+    EXIT_READ_MAX_S,
     FINISHED,
     ClientSession,
     Deliveries,
@@ -458,6 +459,45 @@ class TestLastEvent:
         assert d is not None
         assert isinstance(s.failure, EngineDeadError)
         assert str(s.failure) == "stage process 42 was killed by SIGKILL"
+
+    def test_each_frame_read_after_the_exit_extends_the_grace(self) -> None:
+        # A loaded client still reading a fast stream's backlog must reach the fatal event
+        # queued behind it: the grace runs from the last frame read, not from the exit.
+        s = session(launched=True)
+        open_streams(s, "a")
+        s.process_exited(1, 300.0)
+        t = 300.0
+        for _ in range(4):  # a backlog read past the first EXIT_GRACE_S
+            t += EXIT_GRACE_S * 0.9
+            received(s, frame(outputs(("a", False, 1))), t)
+            assert s.tick(t) == (None, t + EXIT_GRACE_S, None)
+        assert t > 300.0 + EXIT_GRACE_S
+        d = received(s, frame(["fatal", "RuntimeError('behind the backlog')"]), t + 0.1)
+        assert d.over
+        assert isinstance(s.failure, EngineDeadError)
+        assert (s.failure.exit_code, s.failure.fatal) == (1, "RuntimeError('behind the backlog')")
+
+    def test_the_grace_ends_after_the_last_frame_read(self) -> None:
+        s = session(launched=True)
+        open_streams(s, "a")
+        s.process_exited(-9, 300.0)
+        received(s, frame(outputs(("a", False, 1))), 300.2)
+        assert s.tick(300.0 + EXIT_GRACE_S)[2] is None  # read 0.1 s ago: not yet
+        _, wake_at, d = s.tick(300.2 + EXIT_GRACE_S)
+        assert (wake_at, d is not None) == (None, True)
+        assert str(s.failure) == "stage process 42 was killed by SIGKILL"
+
+    def test_frames_read_after_the_exit_extend_it_only_up_to_the_cap(self) -> None:
+        s = session(launched=True)
+        open_streams(s, "a")
+        s.process_exited(-9, 300.0)
+        t = 300.0
+        while t < 300.0 + EXIT_READ_MAX_S:
+            assert s.failure is None
+            received(s, frame(outputs(("a", False, 1))), t)
+            t += EXIT_GRACE_S / 2
+        assert s.tick(t)[1] is None  # the cap passed: gone, though frames still came
+        assert isinstance(s.failure, EngineDeadError)
 
     def test_closing_turns_every_end_into_stage_closed(self) -> None:
         s = session(launched=True)

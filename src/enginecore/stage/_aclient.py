@@ -623,7 +623,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                         launched.send_signal(sig)
                         if await _until_set(self._exited, wait):
                             break
-                await _until_set(self._over, _session.EXIT_GRACE_S)
+                await _until_set(self._over, _session.EXIT_READ_MAX_S)  # its last frames
                 self._loop.remove_reader(launched.process.sentinel)
             elif stop_stage and alive:
                 await _until_set(self._over, timeout)

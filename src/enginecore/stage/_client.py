@@ -827,7 +827,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                     launched.send_signal(sig)
                     if launched.wait_exit(wait):
                         break
-            self._over.wait(_session.EXIT_GRACE_S)  # the last frames, read as it exited
+            self._over.wait(_session.EXIT_READ_MAX_S)  # its last frames: the session says when
         elif stop_stage and alive:
             self._over.wait(timeout)
         self._stopping = True  # before the byte: the receiver reads the flag after it

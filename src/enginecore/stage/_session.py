@@ -20,13 +20,14 @@ frames are ignored. Callers read this state through read-only properties and cha
 through the session's methods.
 
 Liveness (both clients, same rule). A launched stage is gone when its process exits; the
-frames still in flight are read for up to ``EXIT_GRACE_S`` (less if the last event comes),
-and if the last event comes but the process lingers, the waiters fail
-``EXIT_AFTER_LAST_EVENT_S`` later anyway. A connected stage is pinged every
-``heartbeat_interval`` and is presumed dead at exactly ``last_heard + heartbeat_timeout``;
-its last event ends it at once. A launched stage is pinged too (``LAUNCHED_PING_S``), only
-for :meth:`ClientSession.health`: two intervals without a frame read as stalled, never as
-dead. So does a ``stalled`` event from the stage's step watchdog, until its ``resumed``.
+frames still in flight are read until ``EXIT_GRACE_S`` passes without one (at once if the last
+event comes, ``EXIT_READ_MAX_S`` after the exit at the latest), and if the last event comes but
+the process lingers, the waiters fail ``EXIT_AFTER_LAST_EVENT_S`` later anyway. A connected
+stage is pinged every ``heartbeat_interval`` and is presumed dead at exactly
+``last_heard + heartbeat_timeout``; its last event ends it at once. A launched stage is
+pinged too (``LAUNCHED_PING_S``), only for :meth:`ClientSession.health`: two intervals
+without a frame read as stalled, never as dead. So does a ``stalled`` event from the stage's
+step watchdog, until its ``resumed``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ __all__ = [
     "CLIENT_NAME",
     "EXIT_AFTER_LAST_EVENT_S",
     "EXIT_GRACE_S",
+    "EXIT_READ_MAX_S",
     "FINISHED",
     "HELLO_FRAME",
     "NO_LOCK",
@@ -99,8 +101,12 @@ __all__ = [
 CLIENT_NAME: Final = "enginecore-python"
 
 # After a launched stage's process has exited, how long to keep reading the frames still in
-# flight (the fatal event, above all). Ends early when the last event arrives.
+# flight (the fatal event, above all): the stage is gone once this long has passed without a
+# frame, so a client still reading a backlog (a fast stream's outputs queued before the fatal)
+# reaches its end, however loaded the machine. Ends early when the last event arrives, and at
+# the latest EXIT_READ_MAX_S after the exit.
 EXIT_GRACE_S: Final = 0.3
+EXIT_READ_MAX_S: Final = 5.0
 # After a launched stage's last event (shutdown/fatal), how long its process may take to exit
 # before the waiters are failed anyway (the exit code is then unknown).
 EXIT_AFTER_LAST_EVENT_S: Final = 1.0
@@ -578,6 +584,7 @@ class ClientSession(Generic[S, W]):
         self._exit_reason: str | None = None  # why it ended, beyond its exit code
         self._exited = False  # the launched process has exited (its sentinel fired)
         self._grace_until: float | None = None  # set when the process exited first
+        self._grace_cap = 0.0  # the latest _grace_until may be pushed to, by frames read
         self._linger_until: float | None = None  # set when the last event came first
         self._decoder = _codec.Decoder(_wire.EventBatch, strict=True)  # receiver's only
 
@@ -916,6 +923,8 @@ class ClientSession(Generic[S, W]):
                 f"{self._who()} answers again, after {now - self._last_heard:.1f} s of silence"
             )
         self._last_heard = now
+        if self._grace_until is not None:  # the process exited and its backlog still comes
+            self._grace_until = min(now + EXIT_GRACE_S, self._grace_cap)
         streams = self._streams
         wake = d.wake
         pongs = terminal = loaded = False
@@ -1124,8 +1133,9 @@ class ClientSession(Generic[S, W]):
     ) -> Deliveries[S, W] | None:
         """The launched process has exited with *exit_code* (*reason*: why, where more is
         known, e.g. a Ray actor's death; it then words the error). If its last event has
-        come, the stage is gone now; else :meth:`tick` gives its frames ``EXIT_GRACE_S``
-        more."""
+        come, the stage is gone now; else the stage is gone at the first :meth:`tick`
+        ``EXIT_GRACE_S`` after the last frame read (the exit, if none comes), and
+        ``EXIT_READ_MAX_S`` after the exit at the latest."""
         if self._failure is not None:
             return None
         self._exited = True
@@ -1136,6 +1146,7 @@ class ClientSession(Generic[S, W]):
             err = self.end_error(exit_code=exit_code, remote_shutdown=True, reason=reason)
             return self.fail(err, now)
         self._grace_until = now + EXIT_GRACE_S
+        self._grace_cap = now + EXIT_READ_MAX_S
         return None
 
     # -- ending ---------------------------------------------------------------------------------
