@@ -238,6 +238,7 @@ def render(rows: Sequence[StageRow], now: float, *, interval: float, live: bool)
         ("step p50", "right"),
         ("step p99", "right"),
         ("backlog", "right"),
+        ("cut", "right"),
     ):
         # Numbers and health keep their width; a narrow terminal shortens the names.
         shrinks = name in ("stage", "address")
@@ -256,7 +257,7 @@ def render(rows: Sequence[StageRow], now: float, *, interval: float, live: bool)
                 "-",
                 Text(row.address),
                 Text(health, style=_HEALTH_STYLE[health]),
-                *["-"] * 8,
+                *["-"] * 9,
             )
             continue
         engine = s.engine
@@ -275,6 +276,7 @@ def render(rows: Sequence[StageRow], now: float, *, interval: float, live: bool)
             _fmt_step(row.p50),
             _fmt_step(row.p99),
             str(s.backlog),
+            str(s.cut_clients),
         )
     errors = [f"{r.address}: {r.error}" for r in rows if r.error]
     if errors:

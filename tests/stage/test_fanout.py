@@ -393,6 +393,21 @@ class TestClientsThatCannotKeepUp:
             slow.send("add", "again", 2)
             assert _outputs_of(slow.until(_finished("again")))["again"] == [1, 0]
             assert observer.stats(timeout=10).cut_clients == 1  # once
+            # `enginecore top` shows it, beside the clients, as an observer.
+            top = subprocess.run(
+                [sys.executable, "-m", "enginecore", "top", srv.address, "--once"],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert top.returncode == 0, top.stderr
+            header, row = (
+                [c.strip() for c in line.strip().strip("│┃").replace("┃", "│").split("│")]
+                for line in top.stdout.splitlines()
+                if "address" in line or srv.address in line
+            )
+            assert dict(zip(header, row, strict=True))["cut"] == "1", top.stdout
         text = log.read_text()
         assert "fell behind" in text, text
         assert "past the client buffer (1000)" in text

@@ -43,7 +43,7 @@ def _cells(output: str, address: str) -> list[str]:
 
 
 COLUMNS = ["stage", "pid", "address", "health", "steps/s", "outputs/s", "running", "waiting"]
-COLUMNS += ["queue", "step p50", "step p99", "backlog"]
+COLUMNS += ["queue", "step p50", "step p99", "backlog", "cut"]
 
 
 class TestRender:
@@ -88,6 +88,7 @@ class TestOnce:
             assert row["waiting"] == "-"
             assert row["queue"].isdigit()
             assert row["backlog"].isdigit()
+            assert row["cut"] == "0"  # a stage that serves one client cuts none
             assert re.fullmatch(r"≤[\d.]+ m?s", row["step p50"]), row
             assert re.fullmatch(r"≤[\d.]+ m?s", row["step p99"]), row
             # The client's session was not touched: its request still runs, its calls work.
