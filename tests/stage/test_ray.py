@@ -678,6 +678,108 @@ def test_the_keys_of_a_pool_on_ray_rotate_for_its_replicas_and_their_restarts(
     assert no_actor_left()
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_rotation_during_a_restart_reaches_the_restarted_replica(
+    own_keys: OwnKeys, tmp_path: Path, flavour: str
+) -> None:
+    """A rotation that lands while a replica's restart is being placed (with the keys
+    before it) still reaches the restarted stage, before it serves: the removed key is
+    refused and the new one admitted."""
+    keys = own_keys
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    options: dict[str, Any] = {
+        "replicas": 1,
+        "placement": SMALL,
+        "curve": keys.client,
+        "stage_secret_key": keys.stage_secret,
+        "authorized_clients": [keys.observer_public],
+        "restart": RestartPolicy(first_delay=0.05),
+    }
+    gated = ("enginecore.stage.testing:gated_factory", {"directory": str(gate)})
+
+    def starts() -> int:
+        return len([f for f in os.listdir(gate) if f != "hold"])
+
+    def check(pool: Any) -> None:
+        (replica,) = pool.replicas
+        assert replica.state is ReplicaState.SERVING
+        assert replica.restarts == 1
+        assert replica.address is not None
+        with StageObserver(replica.address, curve=keys.mallory) as newcomer:
+            assert newcomer.stats(5).pid == replica.pid  # listed by the rotation
+        with (
+            StageObserver(replica.address, curve=keys.observer) as removed,
+            pytest.raises(AuthenticationError, match="not among"),
+        ):
+            removed.stats(5)
+
+    def hold_a_restart(pool: Any) -> None:
+        (replica,) = pool.replicas
+        assert starts() == 1
+        (gate / "hold").touch()
+        ray.kill(actor_of(replica._client))
+
+    if flavour == "sync":
+        with StagePool.launch_on_ray(*gated, **options) as pool:
+            hold_a_restart(pool)
+            assert wait_until(lambda: starts() == 2, 30)  # the restart is in its factory
+            assert authorize_clients(pool, [keys.mallory.public_key]) == 0  # none serves
+            (gate / "hold").unlink()
+            (replica,) = pool.replicas
+            assert wait_until(lambda: replica.state is ReplicaState.SERVING, 30)
+            check(pool)
+            assert pool.add("r1", 2).collect() == [1, 0]
+    else:
+        from enginecore.stage import AsyncStagePool
+
+        async def main() -> None:
+            pool = await AsyncStagePool.launch_on_ray(*gated, **options)
+            async with pool:
+                hold_a_restart(pool)
+                while starts() < 2:  # the restart is in its factory
+                    await asyncio.sleep(0.01)
+                assert await authorize_clients_async(pool, [keys.mallory.public_key]) == 0
+                (gate / "hold").unlink()
+                (replica,) = pool.replicas
+                while replica.state is not ReplicaState.SERVING:
+                    await asyncio.sleep(0.01)
+                check(pool)  # blocks the event loop briefly: nothing else runs
+                stream = await pool.add("r1", 2)
+                assert [x async for x in stream] == [1, 0]
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+    assert no_actor_left()
+
+
+def test_a_restarted_stage_that_cannot_take_the_new_keys_is_killed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No stage is left admitting a removed key: one whose catch-up fails is killed (the
+    pool then sees a death, and restarts it with the current keys), with a warning."""
+    from enginecore.stage.ray import catch_up_keys, catch_up_keys_async
+
+    class Refusing:
+        def remote(self, keys: list[str]) -> Any:
+            raise RuntimeError("the actor died")
+
+    killed: list[str] = []
+    stage = RayStage.__new__(RayStage)
+    stage.actor = type("Actor", (), {"authorize": Refusing()})()
+    stage.authorized_clients = (b"o" * 40,)
+    stage.kill_and_clean = lambda: killed.append("killed")  # type: ignore[method-assign]
+    member = type("Member", (), {"_launched": stage})()
+    replica = type("Replica", (), {"name": "r0", "_authorized_clients": (b"m" * 40,)})()
+    with caplog.at_level(logging.WARNING, "enginecore.stage"):
+        catch_up_keys(replica, member)
+        asyncio.run(catch_up_keys_async(replica, member))
+    assert killed == ["killed", "killed"]
+    assert caplog.text.count("replica r0 could not take the keys of a rotation") == 2
+    replica._authorized_clients = stage.authorized_clients  # up to date: nothing to do
+    catch_up_keys(replica, member)
+    assert killed == ["killed", "killed"]
+
+
 def test_the_keys_of_an_async_pool_on_ray_rotate(own_keys: OwnKeys) -> None:
     from enginecore.stage import AsyncStagePool
 

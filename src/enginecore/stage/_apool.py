@@ -307,9 +307,16 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             assert isinstance(member, _AsyncMember)
             member._replica = replica
             member._pool = self
+            on_ray = "ray" in replica.spec
+            if on_ray:  # a key rotation may have come while it was placed: before it serves
+                from .ray import catch_up_keys_async
+
+                await catch_up_keys_async(replica, member)
             if not self._core.started(replica, member, generation):
                 await member.close()  # removed, dead with its group, or the pool closes
                 continue
+            if on_ray:  # and one that came since, before a rotation could see it serve
+                await catch_up_keys_async(replica, member)
             if self._events is not None:
                 member._event_sink = functools.partial(self._member_events, member)
                 self._member_events(member)  # what came before the sink was set

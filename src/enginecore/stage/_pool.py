@@ -407,11 +407,18 @@ class StagePool(PoolBase[PoolRequestStream]):
             assert member is not None
             member._replica = replica
             member._pool = self
+            on_ray = "ray" in replica.spec
+            if on_ray:  # a key rotation may have come while it was placed: before it serves
+                from .ray import catch_up_keys
+
+                catch_up_keys(replica, member)
             with self._lock:
                 serving = self._core.started(replica, member, generation)
             if not serving:  # removed, dead with its group, or the pool closes
                 member.close()
                 continue
+            if on_ray:  # and one that came since, before a rotation could see it serve
+                catch_up_keys(replica, member)
             if self._events is not None:
                 member._event_sink = functools.partial(self._member_events, member)
                 self._member_events(member)  # what came before the sink was set

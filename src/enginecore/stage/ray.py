@@ -182,10 +182,14 @@ class RayStage:
         stage: str,
         client_keys: tuple[bytes, bytes] | None,
         logs: _logs.LogSource | None = None,
+        authorized_clients: tuple[bytes, ...] = (),
     ) -> None:
         self.actor = actor
         self.stage = stage
         self.logs = logs  # its forwarded records, if forwarded
+        # The keys it admits besides its owner's: those it was placed with, then each
+        # rotation's (catch_up_keys; authorize_clients keeps them on the pool's replica).
+        self.authorized_clients = authorized_clients
         self.input_address: str = info["input"]
         self.output_address: str = info["output"]
         self.node_ip: str = info["node_ip"]
@@ -362,7 +366,7 @@ class RayPlan:
                 self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
             info = self._check_server_key(self._get(ray, ref, deadline))
-            return RayStage(actor, info, self.stage, client_keys, logs)
+            return RayStage(actor, info, self.stage, client_keys, logs, self.authorized_clients)
         except BaseException:
             self._abandon(ray, actor, logs)
             raise
@@ -382,7 +386,7 @@ class RayPlan:
                 self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
             info = self._check_server_key(await self._get_async(ray, ref, deadline))
-            return RayStage(actor, info, self.stage, client_keys, logs)
+            return RayStage(actor, info, self.stage, client_keys, logs, self.authorized_clients)
         except BaseException:
             self._abandon(ray, actor, logs)
             raise
@@ -619,24 +623,29 @@ async def open_on_ray_async(plan: RayPlan, opener: Any, *, ordered_events: bool 
         _clientbase.raise_startup_error(plan.factory, exc)
 
 
-def _rotation(
-    target: Any, keys: Sequence[bytes | str]
-) -> tuple[list[RayStage], list[Any], list[str]]:
+def _rotation(target: Any, keys: Sequence[bytes | str]) -> tuple[list[RayStage], list[str]]:
     """What :func:`authorize_clients` acts on: the Ray stages of *target* (a client placed
-    on Ray, or a pool's replicas placed on Ray that run now), a pool's Ray replicas (their
-    restarts use the new keys), and *keys* checked, as Z85 text."""
+    on Ray, or a pool's replicas placed on Ray that run now), and *keys* checked, as Z85
+    text. A pool's Ray replicas keep the new keys, for their restarts (and for a start
+    under way now: :func:`catch_up_keys`)."""
     if isinstance(keys, (str, bytes)):
         raise TypeError("keys must be a sequence of public keys, not one key")
     checked = [_check_key(k, "an authorized client key").decode("ascii") for k in keys]
     stages: list[RayStage] = []
-    replicas: list[Any] = []
     if hasattr(target, "replicas"):  # a pool
+        replicas: list[Any] = []
         for replica in target.replicas:
             if "ray" not in replica.spec:
                 continue
             if replica.spec.get("insecure"):
                 raise ValueError(f"replica {replica.name} was placed with insecure=True: no CURVE")
             replicas.append(replica)
+        # The new keys first, then the stages that run: a restart that was placed with the
+        # old keys and serves after this line brings itself up to date (catch_up_keys), and
+        # one that serves before it is among the stages below.
+        for replica in replicas:
+            replica._authorized_clients = tuple(k.encode("ascii") for k in checked)
+        for replica in replicas:
             stage = getattr(replica._client, "_launched", None)
             if isinstance(stage, RayStage) and stage.reap() is None and stage.death is None:
                 stages.append(stage)
@@ -650,7 +659,7 @@ def _rotation(
         if stage.curve is None:
             raise ValueError("this stage was placed with insecure=True: it uses no CURVE")
         stages.append(stage)
-    return stages, replicas, checked
+    return stages, checked
 
 
 def authorize_clients(
@@ -663,7 +672,8 @@ def authorize_clients(
     :class:`~enginecore.stage.AsyncStagePool`) admits the client that placed it and the
     public keys *keys* (Z85, 40 characters, as ``bytes`` or ``str``), instead of the
     ``authorized_clients`` admitted so far. A pool's Ray replicas started later (a restart)
-    admit them too.
+    admit them too, and one whose restart is being placed now gets them before it serves
+    (:func:`catch_up_keys`; it is not counted in the result).
 
     Each actor calls :meth:`StageRuntime.authorize
     <enginecore.stage._runtime.StageRuntime.authorize>` in the stage's process: new
@@ -675,12 +685,12 @@ def authorize_clients(
     ``insecure=True``, :class:`TypeError` for a target not placed on Ray, and Ray's error
     (``GetTimeoutError`` past *timeout*, ``RayActorError`` for a dead actor) if an actor
     did not answer. Blocks: from asyncio, ``await`` :func:`authorize_clients_async`."""
-    stages, replicas, checked = _rotation(target, keys)
+    stages, checked = _rotation(target, keys)
     ray = _import_ray()
     if stages:
         ray.get([stage.actor.authorize.remote(checked) for stage in stages], timeout=timeout)
-    for replica in replicas:
-        replica._authorized_clients = tuple(k.encode("ascii") for k in checked)
+    for stage in stages:
+        stage.authorized_clients = tuple(k.encode("ascii") for k in checked)
     return len(stages)
 
 
@@ -689,7 +699,7 @@ async def authorize_clients_async(
 ) -> int:
     """:func:`authorize_clients`, awaited: the actors' answers are awaited as Ray's
     futures, and no thread is held; ``TimeoutError`` past *timeout*."""
-    stages, replicas, checked = _rotation(target, keys)
+    stages, checked = _rotation(target, keys)
     if stages:
         futures = [
             asyncio.wrap_future(stage.actor.authorize.remote(checked).future()) for stage in stages
@@ -700,9 +710,66 @@ async def authorize_clients_async(
             raise TimeoutError(
                 f"a key rotation of {len(stages)} stages on Ray took longer than {timeout:g} s"
             ) from None
-    for replica in replicas:
-        replica._authorized_clients = tuple(k.encode("ascii") for k in checked)
+    for stage in stages:
+        stage.authorized_clients = tuple(k.encode("ascii") for k in checked)
     return len(stages)
+
+
+def _keys_behind(replica: Any, launched: tuple[bytes, ...]) -> tuple[bytes, ...] | None:
+    """The keys of the pool's last rotation, if *replica*'s stage, which admits *launched*,
+    has not had them; else ``None``."""
+    current: tuple[bytes, ...] | None = replica._authorized_clients
+    return None if current is None or current == launched else current
+
+
+def catch_up_keys(replica: Any, member: Any, timeout: float = _AUTHORIZE_TIMEOUT) -> None:
+    """A pool's Ray replica *replica* has just started serving through *member*: if a key
+    rotation (:func:`authorize_clients`) came while its stage was being placed with the
+    keys before it, give the stage the rotation's keys now, until none is newer than the
+    ones it has. The rotation sets the replicas' keys before it looks for their stages, so
+    every stage gets them, from the rotation or from here. A stage that does not take them
+    (dead, or past *timeout*) is killed, so that no stage admits a removed key: the pool
+    sees the death and restarts it (with the current keys) as its policy says."""
+    stage = getattr(member, "_launched", None)
+    if not isinstance(stage, RayStage):
+        return
+    launched = stage.authorized_clients
+    try:
+        while (keys := _keys_behind(replica, launched)) is not None:
+            ray = _import_ray()
+            ray.get(
+                stage.actor.authorize.remote([k.decode("ascii") for k in keys]), timeout=timeout
+            )
+            launched = stage.authorized_clients = keys
+    except Exception:
+        logger.warning(
+            "replica %s could not take the keys of a rotation; killing it",
+            replica.name,
+            exc_info=True,
+        )
+        stage.kill_and_clean()
+
+
+async def catch_up_keys_async(
+    replica: Any, member: Any, timeout: float = _AUTHORIZE_TIMEOUT
+) -> None:
+    """:func:`catch_up_keys`, awaited (no thread held)."""
+    stage = getattr(member, "_launched", None)
+    if not isinstance(stage, RayStage):
+        return
+    launched = stage.authorized_clients
+    try:
+        while (keys := _keys_behind(replica, launched)) is not None:
+            future = stage.actor.authorize.remote([k.decode("ascii") for k in keys]).future()
+            await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+            launched = stage.authorized_clients = keys
+    except Exception:
+        logger.warning(
+            "replica %s could not take the keys of a rotation; killing it",
+            replica.name,
+            exc_info=True,
+        )
+        stage.kill_and_clean()
 
 
 def plan_from_spec(spec: Mapping[str, Any], replica_name: str) -> RayPlan:

@@ -937,6 +937,21 @@ def sleeping_factory(seconds: float = 3600.0) -> CountdownEngine:
     return CountdownEngine()
 
 
+def gated_factory(directory: str, timeout: float = 60.0) -> CountdownEngine:
+    """Factory that writes a file named after its pid in *directory*, then waits while a
+    file named ``hold`` is there (``RuntimeError`` after *timeout* seconds), then returns a
+    CountdownEngine. A test holds a stage's start (a pool's restart) inside its factory:
+    it puts ``hold`` there, waits for the new pid's file, acts, and removes ``hold``."""
+    with open(os.path.join(directory, str(os.getpid())), "w"):
+        pass
+    deadline = time.monotonic() + timeout
+    while os.path.exists(os.path.join(directory, "hold")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"held for {timeout} s")
+        time.sleep(0.01)
+    return CountdownEngine()
+
+
 def barrier_factory(directory: str, parties: int, timeout: float = 20.0) -> CountdownEngine:
     """Factory that returns a CountdownEngine only once *parties* stages are being built at
     the same time: each writes a file named after its pid in *directory*, then waits until
