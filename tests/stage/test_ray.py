@@ -33,7 +33,7 @@ from enginecore.stage import (
     StageStartupError,
     _logs,
 )
-from enginecore.stage._curve import keygen
+from enginecore.stage._curve import keygen, secure_client
 from enginecore.stage._poolbase import member_plan
 
 from .conftest import _clients, wait_until
@@ -604,6 +604,48 @@ def test_a_pool_on_ray_with_your_own_keys_and_forwarded_logs(
         with StageObserver(replica.address, curve=own_keys.observer) as observer:
             assert observer.stats(5).pid == replica.pid
         assert pool.add("r1", 2).collect() == [1, 0]
+    assert no_actor_left()
+
+
+def test_the_log_socket_of_a_stage_on_ray_admits_its_owner_only(
+    own_keys: OwnKeys, test_records: Records
+) -> None:
+    """A listed client may drive the stage, but not read its logs: a second reader of the
+    bound PUSH would take records from the owner's, and no rotation could cut it."""
+    import zmq
+
+    keys = own_keys
+    with launch_on_ray(
+        SCRIPTED,
+        {"log": "built with logs"},
+        placement=SMALL,
+        curve=keys.client,
+        stage_secret_key=keys.stage_secret,
+        authorized_clients=[keys.observer_public],
+        forward_logs=True,
+    ) as client:
+        assert test_records.wait_for("built with logs") is not None  # the owner reads them
+        source = ray_stage(client).logs
+        assert source is not None
+        assert source.address is not None
+        with StageObserver(client.address, curve=keys.observer) as observer:
+            assert observer.stats(5).pid == ray_stage(client).process.pid  # a listed client
+        ctx = zmq.Context()
+        reader = ctx.socket(zmq.PULL)
+        events = reader.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        try:
+            secure_client(reader, keys.observer)
+            reader.connect(source.address)
+            assert events.poll(10_000), "no handshake within 10 s"
+            event = zmq.utils.monitor.recv_monitor_message(events)
+            assert event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH, event
+        finally:
+            events.close(linger=0)
+            reader.close(linger=0)
+            ctx.term()
+        assert list(client.add("r1", 2)) == [1, 0]
     assert no_actor_left()
 
 

@@ -231,12 +231,6 @@ class ForwardHandler(logging.Handler):
             self._close_now()
             raise
 
-    def authorize(self, keys: frozenset[bytes]) -> None:
-        """A bound CURVE handler: admit *keys* from now on, for new connections (the
-        stage's rotation, :meth:`._ray_actor._StageActor.authorize`); nothing otherwise."""
-        if self._auth is not None:
-            self._auth.authorize(keys)
-
     def wait_connected(self, timeout: float) -> bool:
         """A bound handler: wait until the parent's socket has connected (its handshake
         done), at most *timeout* seconds; whether it has. Records sent before are dropped
@@ -348,6 +342,7 @@ class LogSource:
 
     def __init__(self, receiver: _Receiver, sock: zmq.Socket[bytes], stage: str) -> None:
         self.stage = stage
+        self.address: str | None = None  # where it connected (a stage placed on Ray)
         self.dropped = 0  # as the child reported them
         self.undecodable = 0
         self._receiver = receiver
@@ -518,7 +513,9 @@ def forward_from(address: str, stage: str, curve: CurveKeys | None) -> LogSource
             secure_client(sock, curve)
         sock.connect(address)
 
-    return _add_source(stage, connect)
+    source = _add_source(stage, connect)
+    source.address = address
+    return source
 
 
 def _add_source(stage: str, attach: Any) -> LogSource:

@@ -9,6 +9,7 @@ imported in :meth:`_StageActor.start`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -86,6 +87,16 @@ class _StageActor:
         if self._logs is not None:
             raise RuntimeError("this actor forwards its logs already")
         curve = self._server_curve(keys)
+        if curve is not None:
+            assert self._owner is not None  # set with the curve
+            # The log socket is the placing client's alone: a bound PUSH deals its records
+            # out round robin, so any other reader would take records from it, and ZeroMQ
+            # cannot close one peer of it at a key rotation. The owner's key never rotates.
+            curve = dataclasses.replace(
+                curve,
+                authorized=frozenset([self._owner]),
+                authorized_dir="(the key of the client that placed it on Ray: logs are its own)",
+            )
         handler = _logs.ForwardHandler(f"tcp://{_node_host()}:0", stage, bind=True, curve=curve)
         self._logs = handler
         _logs.configure_stage(stage, level, None, forward=handler)
@@ -162,9 +173,10 @@ class _StageActor:
         keys, Z85 text) from now on, instead of the keys admitted so far
         (:meth:`StageRuntime.authorize <._runtime.StageRuntime.authorize>`: new connections
         are checked against them, and the clients connected with a key removed lose their
-        sessions before this returns); so does the log socket, for new connections. Returns
-        how many keys it admits. :class:`ValueError` for a key that is not Z85,
-        :class:`RuntimeError` for a stage without CURVE or not started."""
+        sessions before this returns). The log socket is not touched: it admits the owner
+        only (:meth:`open_logs`). Returns how many keys it admits. :class:`ValueError` for
+        a key that is not Z85, :class:`RuntimeError` for a stage without CURVE or not
+        started."""
         from ._curve import _check_key
 
         if self._runtime is None or self._owner is None:
@@ -176,9 +188,7 @@ class _StageActor:
         admitted = frozenset(
             [self._owner, *(_check_key(k, "an authorized client key") for k in keys)]
         )
-        self._runtime.authorize(admitted)
-        if self._logs is not None:
-            self._logs.authorize(admitted)
+        self._runtime.authorize(admitted)  # not the log socket: it admits the owner only
         return len(admitted)
 
     def wait(self) -> int | None:
