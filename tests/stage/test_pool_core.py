@@ -342,6 +342,62 @@ def test_quiet_counts_match_a_count_per_output(outputs: list[tuple[str | None, b
     assert dict(session.quiet) == expected
 
 
+_QUIET_OPS = st.one_of(
+    st.tuples(
+        st.just("out"),
+        st.sampled_from(["q0", "q1", "q2", "q3", "s0", None, "x"]),
+        st.booleans(),
+    ),
+    st.tuples(st.just("add"), st.sampled_from(["q0", "q1", "q2", "q3"]), st.just(False)),
+    st.tuples(st.just("read"), st.none(), st.just(False)),
+)
+
+
+@given(st.lists(_QUIET_OPS, max_size=60), st.booleans())
+def test_quiet_counts_are_exact_whenever_read_and_at_a_failure(
+    ops: list[tuple[str, str | None, bool]], small_log: bool
+) -> None:
+    """The counts are kept lazily (a log of events, folded when read, before an id is
+    added, when full, and at a failure; dropped once no such request is live): whenever
+    they are read they equal a count per output of the requests live now, and an id used
+    again counts only its new request's outputs."""
+    from unittest import mock
+
+    from enginecore.stage import _session
+
+    session = member_session()
+    session.open_requests(["s0"], [StreamCore("s0")])
+    expected: dict[str, int] = {}
+    with mock.patch.object(_session, "QUIET_LOG_MAX", 2 if small_log else _session.QUIET_LOG_MAX):
+        for op, rid, drawn_fin in ops:
+            fin = drawn_fin and rid != "s0"  # the streamed request stays live
+            if op == "add":
+                assert rid is not None
+                if rid in expected:
+                    with pytest.raises(ValueError, match="still live"):
+                        session.open_request(rid, None)
+                else:
+                    session.open_request(rid, None)
+                    expected[rid] = 0
+            elif op == "read":
+                assert dict(session.quiet) == expected
+                assert session.in_flight == len(expected) + 1
+            else:
+                if rid in expected:
+                    expected[rid] += 1
+                    if fin:
+                        del expected[rid]
+                elif rid is not None and rid.startswith("q"):
+                    continue  # not live: the stage sends nothing for it
+                session.dispatch([Outputs([rid, rid], [False, fin], [0, 0])], time.monotonic())
+                if rid in expected:
+                    expected[rid] += 1  # the first of the pair
+        assert session.in_flight == len(expected) + 1  # (no read of the counts before)
+        d = session.fail(RuntimeError("gone"))
+    assert d is not None
+    assert dict(d.quiet_orphans or {}) == expected
+
+
 def make_group_core(restart: Any = True) -> tuple[PoolCore, list[Replica]]:
     """r0 and r1 in restart group "g", r2 alone, every one serving."""
     core = PoolCore(None, restart, None, 1)

@@ -100,6 +100,10 @@ __all__ = [
 
 CLIENT_NAME: Final = "enginecore-python"
 
+# A pool member's log of outputs events not yet counted (ClientSession._quiet_log) is folded
+# into the counts once it holds more ids than this (its memory bound).
+QUIET_LOG_MAX: Final = 1 << 16
+
 # After a launched stage's process has exited, how long to keep reading the frames still in
 # flight (the fatal event, above all): the stage is gone once this long has passed without a
 # frame, so a client still reading a backlog (a fast stream's outputs queued before the fatal)
@@ -541,11 +545,17 @@ class ClientSession(Generic[S, W]):
         self.heartbeat: Final = heartbeat
         self._streams: dict[str, S] = {}
         # A pool's member (adopt_orphans) also tracks its requests without a stream: id ->
-        # outputs delivered, counted in C per event (_count_quiet), so that the pool knows
-        # its exact in-flight count and what a dead replica's requests had delivered.
+        # outputs delivered, so that the pool knows its exact in-flight count and what a
+        # dead replica's requests had delivered. Its keys are exact at all times; its counts
+        # are brought up to date only when someone may read them (_fold_quiet): until then,
+        # each outputs event's ids are kept in _quiet_log, one append per event, and once no
+        # such request is live the log is dropped uncounted (a burst that completes is never
+        # counted id by id). _quiet_logged bounds the log's ids.
         self._quiet: collections.Counter[str] | None = (
             collections.Counter() if adopt_orphans else None
         )
+        self._quiet_log: list[list[str | None]] = []
+        self._quiet_logged = 0
         # The pool's table of live requests (PoolCore._live), set when the member starts
         # serving: a request without a stream leaves it here as it leaves _quiet, so that
         # the pool never has to look for the ended ones among them.
@@ -600,8 +610,13 @@ class ClientSession(Generic[S, W]):
     def quiet(self) -> Mapping[str, int]:
         """A pool member's live requests without a stream (``stream=False``): request id
         -> outputs delivered so far; empty for any other session (which does not track
-        them)."""
-        return self._quiet if self._quiet is not None else _NO_QUIET
+        them). The mapping stays the session's: its ids follow the requests, its counts
+        are exact when this property is read (read it again for later counts)."""
+        if self._quiet is None:
+            return _NO_QUIET
+        if self._quiet_log:
+            self._fold_quiet()
+        return self._quiet
 
     @property
     def in_flight(self) -> int:
@@ -825,6 +840,8 @@ class ClientSession(Generic[S, W]):
         elif self._events is None:
             raise event_stream_off()
         elif quiet is not None:
+            if self._quiet_log:  # its id may be in the log, from an earlier request
+                self._fold_quiet()
             quiet[req_id] = 0
 
     def open_requests(self, req_ids: list[str], streams: Sequence[S] | None) -> None:
@@ -838,6 +855,8 @@ class ClientSession(Generic[S, W]):
             if self._events is None:
                 raise event_stream_off()
             if self._quiet is not None:
+                if self._quiet_log:  # their ids may be in the log, from earlier requests
+                    self._fold_quiet()
                 dict.update(self._quiet, dict.fromkeys(req_ids, 0))  # not Counter's: adds
         else:
             self._streams.update(zip(req_ids, streams, strict=True))
@@ -936,7 +955,7 @@ class ClientSession(Generic[S, W]):
                         streams, ev.req_ids, ev.finished, ev.payloads, wake, now, self._pool_live
                     )
                 if self._quiet:
-                    _count_quiet(self._quiet, ev.req_ids, ev.finished, self._pool_live)
+                    self._log_quiet(ev.req_ids, ev.finished)
                 if ev.load is not None:
                     self._load = (ev.load, now, self.in_flight)
                     loaded = True
@@ -989,6 +1008,44 @@ class ClientSession(Generic[S, W]):
         if terminal:
             self._on_last_event(d, now)
         return d
+
+    def _log_quiet(self, req_ids: list[str | None], finished: list[bool]) -> None:
+        """Receiver, a pool member's outputs event: keep its ids for the counts (one append,
+        not one step per output), and forget the requests without a stream that finished,
+        in the pool's table of live requests too (one Python step each). Once none is
+        live, the log goes uncounted: nobody can ask for those counts any more."""
+        quiet = self._quiet
+        assert quiet is not None
+        if True in finished:
+            pop = quiet.pop
+            live = self._pool_live
+            for rid in itertools.compress(req_ids, finished):
+                if pop(rid, None) is not None and live is not None:  # type: ignore[arg-type]
+                    live.pop(rid, None)  # type: ignore[arg-type]
+            if not quiet:
+                self._quiet_log.clear()
+                self._quiet_logged = 0
+                return
+        self._quiet_log.append(req_ids)
+        self._quiet_logged += len(req_ids)
+        if self._quiet_logged > QUIET_LOG_MAX:
+            self._fold_quiet()
+
+    def _fold_quiet(self) -> None:
+        """Bring the counts of :attr:`quiet` up to date from the log: in C, one
+        ``Counter.update`` per logged event; the ids it added (requests that have ended,
+        streamed ones, or none), which are the newest keys of the dict, are popped again.
+        Called before an id is added (a new request must not count an earlier one's
+        outputs), before the counts are read, and when the log is full."""
+        quiet = self._quiet
+        assert quiet is not None
+        before = len(quiet)
+        for ids in self._quiet_log:
+            quiet.update(ids)  # type: ignore[arg-type]  # None ids are popped below
+        for _ in range(len(quiet) - before):
+            quiet.popitem()
+        self._quiet_log.clear()
+        self._quiet_logged = 0
 
     def _forget_quiet(self, req_ids: Iterable[str]) -> None:
         """Requests without a stream that ended (aborted, refused): out of the member's
@@ -1210,6 +1267,8 @@ class ClientSession(Generic[S, W]):
         if self._adopt_orphans:
             d.orphans = list(self._streams.values())
             if self._quiet:
+                if self._quiet_log:
+                    self._fold_quiet()  # the counts the pool hands to on_replica_death
                 d.quiet_orphans = self._quiet  # the pool settles each, then removes it
                 self._quiet = collections.Counter()
         else:
@@ -1334,29 +1393,6 @@ def events_before_end(out: list[Any], stop: type[Exception]) -> list[Any]:
 
 
 _NO_QUIET: Final[Mapping[str, int]] = MappingProxyType({})
-
-
-def _count_quiet(
-    quiet: collections.Counter[str],
-    req_ids: list[str | None],
-    finished: list[bool],
-    live: dict[str, Any] | None,
-) -> None:
-    """Receiver, a pool member's outputs event: count each output of a request without a
-    stream, and forget the ones that finished (in the pool's table of live requests,
-    *live*, too). In C but for the finished requests (one Python step each, not one per
-    output): ``Counter.update`` counts every id of the event, and the ids it added (outputs
-    of streamed requests, or of none), which are the newest keys of the dict, are popped
-    again."""
-    before = len(quiet)
-    quiet.update(req_ids)  # type: ignore[arg-type]  # None ids are popped below
-    for _ in range(len(quiet) - before):
-        quiet.popitem()
-    if True in finished:
-        pop = quiet.pop
-        for rid in itertools.compress(req_ids, finished):
-            if pop(rid, None) is not None and live is not None:  # type: ignore[arg-type]
-                live.pop(rid, None)  # type: ignore[arg-type]
 
 
 def _without_load(ev: Any) -> Any:
