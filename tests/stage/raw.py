@@ -15,7 +15,8 @@ import msgspec
 import zmq
 
 from enginecore._engine import Engine
-from enginecore.stage import PROTOCOL_VERSION, _codec
+from enginecore.stage import PROTOCOL_VERSION, CurveKeys, _codec
+from enginecore.stage._curve import secure_client
 from enginecore.stage._runtime import StageRuntime
 
 Event = list[Any]
@@ -25,12 +26,20 @@ class RawClient:
     """A DEALER on the stage's input socket and, once welcomed, a PULL on its output socket.
     Events are decoded into plain lists, as any msgpack library would."""
 
-    def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        curve: CurveKeys | None = None,
+    ) -> None:
         self._own_ctx = ctx is None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if ctx is None else ctx
         self.address = address
+        self.curve = curve  # both sockets are CURVE clients with these keys
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 1000)  # a bye sent right before close() leaves
+        if curve is not None:
+            secure_client(self.dealer, curve)
         self.dealer.connect(address)
         self.pull: zmq.Socket[bytes] | None = None
         self.frames: list[list[zmq.Frame]] = []  # every frame received, as parts
@@ -59,6 +68,8 @@ class RawClient:
                 output = f"tcp://{host}:{output.rpartition(':')[2]}"
             self.pull = self.ctx.socket(zmq.PULL)
             self.pull.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                secure_client(self.pull, self.curve)
             if rcvhwm is not None:
                 self.pull.setsockopt(zmq.RCVHWM, rcvhwm)
             self.pull.connect(output)

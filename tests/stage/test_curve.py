@@ -39,6 +39,7 @@ from enginecore.stage import (
 from enginecore.stage._curve import keygen
 
 from .conftest import SCRIPTED, Connect, Server
+from .raw import RawClient
 
 
 class Keys(NamedTuple):
@@ -305,6 +306,48 @@ def test_a_revoked_raw_peer_is_rejected_and_delivers_nothing(
         _engine_saw_nothing_and_still_serves(connect, srv.address, keys)
     finally:
         ctx.destroy(linger=0)
+        assert srv.stop() == 0
+        assert srv.proc.stderr is not None
+        srv.proc.stderr.close()
+
+
+def test_a_revoked_client_that_stays_connected_does_not_keep_others_out(
+    connect: Connect, keys: Keys, no_leftovers: str, tmp_path: Path
+) -> None:
+    """A one-client stage welcomes a hello only once nothing is connected to its output
+    socket, and a PUSH cannot close one peer: a revoked client that kept its PULL open kept
+    every other client out (each hello held 5 s, then rejected). The stage now binds its
+    output address again, which drops that connection; the revoked peer cannot connect
+    again, and none of the next client's events reach it."""
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    shutil.copy(keys.authorized / "alice.key", authorized)
+    shutil.copy(keys.authorized.parent / "mallory" / "mallory.key", authorized)
+    srv = Server(
+        "--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--session-timeout", "30",
+        "--curve-secret-key", str(keys.stage_secret), "--authorized-clients", str(authorized),
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    stderr = _Stderr(srv.proc)
+    try:
+        with RawClient(srv.address, curve=keys.mallory) as mallory:
+            assert mallory.hello()[0] == "welcome"
+            mallory.send("add", "m", 10**8)
+            assert mallory.until(lambda ev: ev[0] == "outputs")  # its PULL is connected
+            (authorized / "mallory.key").unlink()
+            srv.proc.send_signal(signal.SIGHUP)
+            stderr.wait_for("1 keys (0 added, 1 removed)")
+            # mallory keeps both sockets open and reads nothing more.
+            start = time.monotonic()
+            alice = connect(srv.address, curve=keys.alice, timeout=10)
+            assert time.monotonic() - start < 4  # not held until the hello's 5 s deadline
+            assert alice.add("a", 3).collect(timeout=10) == [2, 1, 0]
+            assert alice.call_utility("log") == ["add m", "abort m", "add a"]
+            assert mallory.pull is not None
+            while mallory.pull.poll(200):  # what it got before the cut, and nothing after
+                body = msgspec.msgpack.decode(mallory.pull.recv_multipart()[0])
+                assert all(ev[0] != "outputs" or "a" not in ev[1] for ev in body), body
+    finally:
         assert srv.stop() == 0
         assert srv.proc.stderr is not None
         srv.proc.stderr.close()

@@ -52,6 +52,7 @@ class FakeOutput:
         self.detached: list[bool] = []
         self.dropped_at_attach = 0
         self.detached_max = 8
+        self.cuts = 0  # cut_connections() calls
 
     def begin_session(self) -> tuple[int, int]:
         self.epoch += 1
@@ -61,6 +62,9 @@ class FakeOutput:
         self.detached.append(detached)
         dropped, self.dropped_at_attach = self.dropped_at_attach, 0
         return dropped
+
+    def cut_connections(self) -> None:
+        self.cuts += 1
 
 
 def state_of(session: StageSession) -> SessionState:
@@ -328,6 +332,37 @@ class TestRevoke:
         assert reply[0] == "reject"
         assert reply[2].startswith(SESSION_LOST)
         assert "no longer authorizes this client's CURVE public key KEY-A" in reply[2]
+
+    def test_a_revoked_client_s_output_connection_is_cut(
+        self, session: StageSession, output: FakeOutput
+    ) -> None:
+        # A revoked client that keeps its PULL connected would keep everyone else out: a
+        # hello is welcomed only once nothing is connected to the output socket.
+        welcome(session)
+        session.output_peers_changed(1)  # A's PULL
+        session.revoke(A, "KEY-A")
+        assert output.cuts == 1
+        session.receive(B, frame("hello", V, "b"), 20.0)
+        assert session.held is not None  # until the output side has cut it
+        replies(session)
+        session.output_closed()  # the monitor saw the address unbound
+        assert session.output_peers == 0
+        session.settle(20.1)
+        assert session.held is None
+        assert session.client == B
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (B, "welcome")
+
+    def test_nothing_is_cut_without_a_connection_or_for_another_peer(
+        self, session: StageSession, output: FakeOutput
+    ) -> None:
+        welcome(session)
+        session.output_peers_changed(1)
+        session.revoke(B, "KEY-B")  # not the attached client: its connection is not A's
+        assert output.cuts == 0
+        session.output_peers_changed(-1)  # A closed its PULL itself
+        session.revoke(A, "KEY-A")
+        assert output.cuts == 0
 
     def test_a_bye_does_not_abort(self, session: StageSession) -> None:
         welcome(session)

@@ -64,6 +64,7 @@ _POLLIN: Final = int(zmq.POLLIN)
 _ACCEPTED: Final = int(zmq.EVENT_ACCEPTED)
 _DISCONNECTED: Final = int(zmq.EVENT_DISCONNECTED)
 _MONITOR_STOPPED: Final = int(zmq.EVENT_MONITOR_STOPPED)
+_CLOSED: Final = int(zmq.EVENT_CLOSED)
 
 
 class Inbox:
@@ -308,10 +309,13 @@ class Inbox:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == _ACCEPTED:
+            kind = event["event"]
+            if kind == _ACCEPTED:
                 changed(1)
-            elif event["event"] == _DISCONNECTED:
+            elif kind == _DISCONNECTED:
                 changed(-1)
+            elif kind == _CLOSED:  # the address unbound: its connections went with it
+                self.session.output_closed()
 
     def _watch_new_clients(self) -> None:
         # Poll the output monitors of the clients just welcomed, in every poller (only the

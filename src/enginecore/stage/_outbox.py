@@ -43,9 +43,11 @@ The terminal event is never dropped.
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Protocol
 
@@ -74,6 +76,9 @@ _LAST: Final = frozenset({"stop", "shutdown", "fatal"})
 # thread's filter must forget an id even if the new session reuses it at once).
 _KEPT: Final = _LAST | {"dropped"}
 _ENCODE_ERRORS: Final = _codec.ENCODE_ERRORS
+# How long cut_connections waits for its address to be free again (libzmq closes the
+# listener after unbind returns); past it, the output thread fails, and the stage stops.
+_REBIND_S: Final = 5.0
 
 Events = list[tuple[Any, ...]]
 
@@ -197,6 +202,8 @@ class Outbox:
         # loop thread reads its truth value under _lock (no direct send while it is set).
         self._ended_ids: set[Any] = set()
         self._thread = threading.Thread(target=self._main, name="enginecore-output", daemon=True)
+        # The address the socket is bound to (cut_connections binds it again there).
+        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def start(self) -> None:
         """Start the output thread."""
@@ -418,6 +425,41 @@ class Outbox:
             self._drained.notify()
             return epoch, dropped
 
+    def cut_connections(self) -> None:
+        """Input thread, when the attached client of a one-client stage has been revoked
+        (its CURVE key removed): close every connection of the output socket. A ``PUSH``
+        cannot close one peer, and a revoked client that kept its ``PULL`` connected would
+        keep every new client out (a ``hello`` is welcomed only once nothing is connected):
+        the output thread unbinds the socket's address and binds it again, which drops the
+        connections made through it (the monitor sees the listener's close, and the input
+        side counts no peer left). A peer that connects again is checked against the
+        current keys. Skipped if a new session began before the output thread got to it
+        (its client's connection stays). Never blocks."""
+        with self._lock:
+            self._idle = False  # the output thread owns the socket until it has done it
+            self._queue.put(("cut", self._gate.epoch))
+            self._drained.notify()
+
+    def _cut(self, epoch: int) -> None:
+        """Output thread: :meth:`cut_connections`, unless session *epoch* has ended."""
+        with self._lock:  # no begin_session between the check and the unbind
+            if self._gate.epoch != epoch:
+                return
+            self._sock.unbind(self._endpoint)
+        # libzmq closes the listener on its IO thread, after unbind() returns: the address
+        # may still be in use for a moment. A client welcomed meanwhile (the monitor saw
+        # the close) connects once it is bound: its PULL retries.
+        deadline = time.monotonic() + _REBIND_S
+        while True:
+            try:
+                self._sock.bind(self._endpoint)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.002)
+        logger.info("enginecore: closed the output socket's connections (bound it again)")
+
     def loop_epoch(self, epoch: int) -> None:
         """Loop thread, in order with its input: the messages after this one come from the
         session *epoch* (:meth:`begin_session`); the loop's events are sent again."""
@@ -510,6 +552,8 @@ class Outbox:
                         elif kind == "stop":
                             done = True
                             break
+                        elif kind == "cut":
+                            self._cut(item[1])
                         else:
                             taken += 1
                             events.append(item)

@@ -198,7 +198,9 @@ class StageRuntime:
             out_sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(output_address))
             in_sock.bind(input_address)
             out_sock.bind(output_address)
-            out_monitor = out_sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            out_monitor = out_sock.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+            )
             self.input_address: str = in_sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self.output_address: str = out_sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._outbox = Outbox(

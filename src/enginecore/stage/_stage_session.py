@@ -180,6 +180,11 @@ class OutputSide(Protocol):
         detached period that ends (else 0)."""
         ...
 
+    def cut_connections(self) -> None:
+        """Close every connection of the output socket (a revoked client's ``PULL``); the
+        monitor's ``CLOSED`` then tells :meth:`StageSession.output_closed`."""
+        ...
+
     @property
     def detached_max(self) -> int: ...
 
@@ -656,6 +661,11 @@ class StageSession:
                 "authorized; its live requests are aborted",
                 key,
             )
+            if self.output_peers:
+                # Its PULL may stay connected, and a hello is welcomed only once nothing is:
+                # a revoked client would keep every other one out. (A new client connects
+                # its PULL only once welcomed, so nobody else's connection is cut.)
+                self._output.cut_connections()
         elif self.held is not None and self.held.ident == ident:
             self.held = None
         self._reject(ident, key_revoked(key))
@@ -689,6 +699,13 @@ class StageSession:
     def output_peers_changed(self, delta: int) -> None:
         """The output socket's monitor saw a connection accepted (+1) or closed (-1)."""
         self.output_peers = max(0, self.output_peers + delta)
+        self._update_state()
+
+    def output_closed(self) -> None:
+        """The output socket's monitor saw its listener close (the address unbound, by
+        :meth:`OutputSide.cut_connections`, or the socket closed): every connection made
+        through it is gone, without a disconnect of its own."""
+        self.output_peers = 0
         self._update_state()
 
     def _update_state(self) -> None:
