@@ -10,11 +10,13 @@ the requests routed to each replica are checked alone, against a model, at the e
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,9 +30,10 @@ from enginecore.stage import (
     Retry,
     StageHealth,
     StageStatistics,
+    _shm,
 )
 from enginecore.stage._errors import EngineDeadError as _Dead
-from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries
+from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
 from enginecore.stage._session import StreamCore
 
 from .conftest import EventLoopThread, wait_until
@@ -40,6 +43,7 @@ COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
 DEVICE = "enginecore.stage.testing:device"
 FLAKY = "enginecore.stage.testing:flaky"
+T = "enginecore.stage.testing"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -62,6 +66,10 @@ class _AsyncPool(BlockingAsyncPipeline):
     @property
     def _core(self) -> Any:
         return self._pipe._core
+
+    @property
+    def _shm_prefix(self) -> Any:
+        return self._pipe._shm_prefix
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -258,6 +266,47 @@ class TestReplicaDeath:
         assert pipe.in_flight == 0
 
 
+@pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
+class TestSharedMemory:
+    def test_big_arrays_cross_pools_through_per_link_slots_and_a_dead_replica_s_go(
+        self, launch: Any
+    ) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="a", edge=f"{T}:to_array"),
+                PipelineStage(RELAY, name="b", replicas=2),
+                PipelineStage(RELAY, name="c", replicas=2),
+            ]
+        )
+        streams = [pipe.add(f"r{i}", 4) for i in range(8)]
+        for stream in streams:
+            outputs = stream.collect(timeout=30)
+            assert [float(x[0]) for x in outputs] == [3.0, 2.0, 1.0, 0.0]
+            assert all(bool(np.all(x == x[0])) for x in outputs)
+        stats = pipe.stats()
+        assert stats["a"].engine["shm_sent"] == 32
+        assert stats["b[0]"].engine["shm_sent"] + stats["b[1]"].engine["shm_sent"] == 32
+        assert stats["c[0]"].engine["shm_taken"] + stats["c[1]"].engine["shm_taken"] == 32
+        prefix = pipe._shm_prefix
+        names = [n.removeprefix(prefix) for n in _shm.segments(prefix)]
+        # Per link: <stage>-<consumer replica>-<producer replica>-<n>.
+        assert {n.rsplit("-", 1)[0] for n in names} >= {"0-0-0", "0-1-0"}
+        assert all(re.fullmatch(r"(0-[01]-0|1-[01]-[01])-\d+", n) for n in names), names
+        os.kill(pipe.call_utility("b", "pid", replica=0), signal.SIGKILL)
+
+        def b0_slots() -> list[str]:
+            own = [n for n in _shm.segments(prefix + "1-") if n.split("-")[-2] == "0"]
+            return _shm.segments(prefix + "0-0-") + own
+
+        assert wait_until(lambda: not b0_slots(), 5)  # its slots, and a's for it
+        later = [pipe.add(f"later{i}", 2) for i in range(4)]  # on b[1], through its slots
+        for stream in later:
+            assert [float(x[0]) for x in stream.collect(timeout=30)] == [1.0, 0.0]
+        assert pipe.stats()["b[1]"].engine["shm_sent"] >= 8
+        pipe.shutdown()
+        assert _shm.segments(prefix) == []
+
+
 # -- the coordinator's routing, against a model ------------------------------------------------
 
 
@@ -271,6 +320,8 @@ _ops = st.lists(
         st.tuples(st.just("open"), st.integers(1, 3)),
         st.tuples(st.just("done"), st.integers(0, 50)),
         st.tuples(st.just("kill"), st.integers(0, 2), st.integers(0, 2)),
+        st.tuples(st.just("stray"), st.integers(0, 50)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
     ),
     max_size=60,
 )
@@ -282,7 +333,9 @@ def test_routes_pick_the_least_loaded_live_replica_and_the_counts_match(ops: lis
     """Per stage, a new request's replica is a live one with the fewest requests routed
     there (the coordinator's count); the count is the requests in the pipeline on that
     replica, through finishes and replica deaths; a dead replica's requests end with its
-    error, naming the replica, and the pipeline fails only with a stage's last replica."""
+    error, naming the replica, and the pipeline fails only with a stage's last replica.
+    Events of a request from a replica off its route are dropped (a payload, an end, an
+    abort's confirmation), and an abort goes along the route."""
     replicas = (1, 3, 2)
     core: PipelineCore[StreamCore] = PipelineCore(["a", "b", "c"], replicas=replicas)
     alive = [[True] * r for r in replicas]
@@ -317,6 +370,29 @@ def test_routes_pick_the_least_loaded_live_replica_and_the_counts_match(ops: lis
             core.outputs(2, [rid], [True], [5], 1.0, d, route[2])
             assert core.state(rid) is None
             assert streams[rid]._ended is not None
+        elif op[0] in ("stray", "abort"):
+            ids = [rid for rid in streams if core.state(rid) is RequestState.LIVE]
+            if not ids:
+                continue
+            rid = ids[op[1] % len(ids)]
+            route = _route(core, rid)
+            if alive[2][1 - route[2]]:  # the last stage's other replica, if it lives
+                before = len(streams[rid]._buf)
+                core.outputs(2, [rid], [False], ["x"], 1.0, d, 1 - route[2])
+                core.outputs(2, [rid], [True], [5], 1.0, d, 1 - route[2])  # an end: not its
+                assert len(streams[rid]._buf) == before
+                assert core.state(rid) is RequestState.LIVE
+            if op[0] == "abort":
+                core.abort([rid], d)
+                assert d.routes[rid] == route  # the abort goes along the route
+                for j in range(3):
+                    if replicas[j] > 1:  # a confirmation from off the route is not one
+                        core.aborted(j, [rid], 1.0, d, (route[j] + 1) % replicas[j])
+                        assert core.state(rid) is RequestState.ABORTING
+                for j in range(3):
+                    core.aborted(j, [rid], 1.0, d, route[j])
+                assert core.state(rid) is None
+                assert streams[rid]._ended is not None
         else:
             k, r = op[1], op[2] % replicas[op[1]]
             on = [rid for rid in streams if _route(core, rid)[k] == r]

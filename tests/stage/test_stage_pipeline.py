@@ -628,6 +628,7 @@ class TestCredits:
         stage.attach_emit(emitted.append)
         stage._links = [type("Link", (), {})()]
         stage._out_items, stage._out_bytes, stage._last = [0], [0], False
+        stage._shms = [None]
         stage._send_on = lambda kinds, *rest: stage._count_sent(0, len(kinds), [b"x" * 10])  # type: ignore[method-assign]
         stage.add("a", 5)
         stage.add("b", 5)

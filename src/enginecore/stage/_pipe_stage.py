@@ -67,6 +67,18 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   items again, as a first input, in order (and the end, if the request ended here), and
   answers ``replayed``. A request whose logged payloads exceed *replay_bytes* (estimated:
   :func:`payload_size`) loses its log: its replay fails, and the coordinator ends it.
+- **replica pools** (*routed*: a stage of the pipeline runs as several processes,
+  ``docs/pipelines.md``, "Replica pools as stages"): the stage holds a link to every
+  replica of the next stage (*downstream* a list), each with its own window (a step does
+  not start while any is full), and its own shared-memory pool (:func:`._shm.link_prefix`).
+  Each request's route, the replicas of the stages after this one, arrives before its first
+  input (:meth:`PipeStage.pipe_route`: the coordinator's ``route`` before the first
+  stage's add, or a ``pipe`` message's routes); its first item picks the link, every later
+  item and its end follow on that link, and the first item carries the rest of the route
+  on. The route is forgotten when the request ends or is aborted here; an abort carries
+  the routes of its requests, and is chased along them. The stage names its replica index
+  in its pipe messages, and the next stage gives credit back per sending replica. A
+  ``gone`` of one replica of the next stage closes that link only.
 - **a dead neighbour** (``gone``, :meth:`PipeStage.pipe_gone`): the coordinator tells the
   stage after a dead one (whose input side then drops every later message of the dead
   stage's link, by its routing id, :func:`._edge.link_id`) and the stage before it (which
@@ -155,7 +167,7 @@ class PipeStage:
         downstream: str | Sequence[str] | None = None,
         window: int | None = None,
         window_bytes: int | None = None,
-        shm: _shm.ShmPool | None = None,
+        shm: _shm.ShmPool | Sequence[_shm.ShmPool] | None = None,
         shm_reader: _shm.ShmReader | None = None,
         link_id: str | None = None,
         replay_bytes: int | None = None,
@@ -227,8 +239,19 @@ class PipeStage:
         self._spoke: set[str] = set()  # live requests whose edge sent the caller payloads
         self._quiet: list[str] = []  # ended in this step without a report (take_ended)
         self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
-        self._shm = shm if nlinks == 1 else None
-        self._encoder = _codec.Encoder(self._shm)
+        # Shared memory: one pool per link (a list, one per replica of the next stage), or
+        # one pool for the one link to a next stage of one process.
+        if shm is None:
+            shms: list[_shm.ShmPool | None] = [None] * nlinks
+        elif isinstance(shm, _shm.ShmPool):
+            shms = [shm] if nlinks == 1 else [None] * nlinks
+        else:
+            shms = list(shm)
+            if len(shms) != nlinks:
+                raise ValueError(f"{len(shms)} shared-memory pools for {nlinks} links")
+        self._shms = shms
+        self._encoders = [_codec.Encoder(pool) for pool in shms]
+        self._encoder = _codec.Encoder()  # aborts: no arrays
         self._columns = _NO_COLUMNS
         self._links: list[zmq.Socket[Any] | None] = []
         # The next stage (or one replica of it) died (pipe_gone): nothing more is sent to
@@ -269,8 +292,9 @@ class PipeStage:
                 for sock in socks:
                     sock.close()
                 ctx.term()
-                if shm is not None:
-                    shm.close()
+                for pool in shms:
+                    if pool is not None:
+                        pool.close()
 
             atexit.register(close)
 
@@ -359,8 +383,9 @@ class PipeStage:
             links[replica] = None
         self._out_items[replica] = self._out_bytes[replica] = 0
         self._waiting = False
-        if self._shm is not None:
-            self._shm.close()
+        pool = self._shms[replica]
+        if pool is not None:
+            pool.close()
 
     def take_credit(self) -> tuple[Any, ...] | None:
         """The ``credit`` event for what the engine has taken since the last one, or
@@ -433,8 +458,10 @@ class PipeStage:
             out["edge_waits"] = self._waits
             if self._gone:
                 out["edge_dropped"] = self._edge_dropped
-            if self._shm is not None:
-                out.update(self._shm.stats())
+            pools = [pool.stats() for pool in self._shms if pool is not None]
+            for numbers in pools:  # summed over the links
+                for key, value in numbers.items():
+                    out[key] = out.get(key, 0) + value
         reader = self._shm_reader
         if reader is not None:
             out["shm_taken"] = reader.taken
@@ -891,7 +918,8 @@ class PipeStage:
         routed), or, if msgspec refuses an item, one per item."""
         link = self._links[index]
         assert link is not None
-        shm = self._shm
+        shm = self._shms[index]
+        encoder = self._encoders[index]
         replica = self._replica
 
         def message(k: list[int], r: list[str], p: list[Any]) -> tuple[Any, ...]:
@@ -900,7 +928,7 @@ class PipeStage:
             return ("pipe", k, r, p, {rid: routes[rid] for rid in r if rid in routes}, replica)
 
         try:
-            parts = self._encoder.encode(message(kinds, on_r, on_p))
+            parts = encoder.encode(message(kinds, on_r, on_p))
         except _codec.ENCODE_ERRORS:
             if shm is not None:
                 shm.abandon()
@@ -908,7 +936,7 @@ class PipeStage:
             # and end the request of each refused one with an error.
             for kind, rid, item in zip(kinds, on_r, on_p, strict=True):
                 try:
-                    parts = self._encoder.encode(message([kind], [rid], [item]))
+                    parts = encoder.encode(message([kind], [rid], [item]))
                 except _codec.ENCODE_ERRORS as exc:
                     if shm is not None:
                         shm.abandon()
@@ -926,8 +954,9 @@ class PipeStage:
 
     def _count_sent(self, index: int, items: int, parts: list[Any]) -> None:
         nbytes = sum([len(p) if p.__class__ is bytes else p.nbytes for p in parts])
-        if self._shm is not None:  # and the bytes of its arrays in shared memory
-            nbytes += self._shm.commit()
+        pool = self._shms[index]
+        if pool is not None:  # and the bytes of its arrays in shared memory
+            nbytes += pool.commit()
         self._out_items[index] += items
         self._out_bytes[index] += nbytes
         self._sent_items += items
@@ -948,7 +977,7 @@ class PipelinedPipeStage(PipeStage):
         downstream: str | Sequence[str] | None = None,
         window: int | None = None,
         window_bytes: int | None = None,
-        shm: _shm.ShmPool | None = None,
+        shm: _shm.ShmPool | Sequence[_shm.ShmPool] | None = None,
         shm_reader: _shm.ShmReader | None = None,
         link_id: str | None = None,
         replay_bytes: int | None = None,
@@ -1000,6 +1029,8 @@ def pipe_stage(
     replay_bytes: int | None = None,
     replica: int = 0,
     routed: bool = False,
+    shm_links: bool = False,
+    shm_upstream_pooled: bool = False,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
@@ -1013,15 +1044,32 @@ def pipe_stage(
     request, for the coordinator's ``replay`` (``None``: none; the edge's policy is
     ``fail``). *downstream* may list the next stage's replicas' addresses (a replica
     pool); *replica*: this stage's replica index; *routed*: the pipeline has replica pools
-    (requests' routes travel with them: :class:`PipeStage`)."""
-    reader = None if shm_upstream is None else _shm.configure_reader(shm_upstream)
+    (requests' routes travel with them: :class:`PipeStage`). *shm_links*: an edge into or
+    out of a replica pool: one pool of slots per link, each ``shm_pool_bytes`` shared evenly
+    among the links and named :func:`._shm.link_prefix`; *shm_upstream_pooled*: the edge
+    into this stage is such an edge (*shm_upstream* is then this replica's prefix on it)."""
+    reader = (
+        None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
+    )
     inner = build_engine(factory, dict(kwargs or {}))
     edge_fn = None if edge is None else import_factory(edge)
-    pool = None
-    if shm_prefix is not None and downstream is not None:
+    pool: _shm.ShmPool | list[_shm.ShmPool] | None = None
+    if shm_prefix is not None and downstream is not None and not shm_links:
         pool = _shm.ShmPool(
             shm_prefix, threshold=shm_threshold, max_bytes=shm_pool_bytes, lease=shm_lease
         )
+    elif shm_prefix is not None and downstream is not None:
+        nlinks = 1 if isinstance(downstream, str) else len(downstream)
+        share = max(1, shm_pool_bytes // nlinks)
+        pool = [
+            _shm.ShmPool(
+                f"{shm_prefix}{i}-{replica}-",  # _shm.link_prefix
+                threshold=shm_threshold,
+                max_bytes=share,
+                lease=shm_lease,
+            )
+            for i in range(nlinks)
+        ]
     options: dict[str, Any] = {
         "stage": stage,
         "edge": edge_fn,

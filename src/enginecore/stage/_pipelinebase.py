@@ -131,8 +131,9 @@ class PipelineStage:
     from each replica to each replica of the next stage, each with its own window. A
     replica's death ends only the requests routed through it, with an error naming the
     stage and the replica; the others go on, and new requests avoid it
-    (``docs/pipelines.md``, "Replica pools as stages"). An edge into or out of a pool
-    keeps every payload on ZeroMQ (no shared memory).
+    (``docs/pipelines.md``, "Replica pools as stages"). On an edge into or out of a pool,
+    each link has its own shared-memory slots, *shm_pool_bytes* shared among a replica's
+    links.
     """
 
     factory: str
@@ -240,7 +241,8 @@ def pipe_kwargs(
     list: the addresses of its replicas, a pool) and whose previous stage is *upstream*
     (``None``: the first). *shm_prefix*: the pipeline's shared-memory prefix
     (:func:`._shm.pipeline_prefix`; ``None``: no shared memory on this host); an edge into
-    or out of a replica pool has none. *routed*: the pipeline has replica pools."""
+    or out of a replica pool has a pool of slots per link (:func:`._shm.link_prefix`).
+    *routed*: the pipeline has replica pools."""
     kwargs: dict[str, Any] = {
         "factory": spec.factory,
         "stage": spec.name,
@@ -252,28 +254,28 @@ def pipe_kwargs(
         kwargs["routed"] = True
         kwargs["replica"] = replica
     pooled_out = spec.replicas > 1 or (isinstance(downstream, list) and len(downstream) > 1)
+    pooled_in = upstream is not None and (upstream.replicas > 1 or spec.replicas > 1)
     if downstream is not None:
         if isinstance(downstream, list) and len(downstream) == 1:
             downstream = downstream[0]
         kwargs["downstream"] = downstream
         kwargs["window"] = spec.window
         kwargs["window_bytes"] = spec.window_bytes
-        kwargs["link_id"] = link_id(index, replica=replica)
+        kwargs["link_id"] = link_id(index, replica=replica if spec.replicas > 1 else None)
         if isinstance(spec.on_next_error, Retry):
             kwargs["replay_bytes"] = spec.on_next_error.max_bytes
-        if shm_prefix is not None and spec.shm_threshold is not None and not pooled_out:
+        if shm_prefix is not None and spec.shm_threshold is not None:
+            if pooled_out:
+                kwargs["shm_links"] = True
             kwargs["shm_prefix"] = _shm.stage_prefix(shm_prefix, index)
             kwargs["shm_threshold"] = spec.shm_threshold
             kwargs["shm_pool_bytes"] = spec.shm_pool_bytes
             kwargs["shm_lease"] = float(spec.shm_lease)
-    if (
-        shm_prefix is not None
-        and upstream is not None
-        and upstream.shm_threshold is not None
-        and upstream.replicas == 1
-        and spec.replicas == 1
-    ):
+    if shm_prefix is not None and upstream is not None and upstream.shm_threshold is not None:
         kwargs["shm_upstream"] = _shm.stage_prefix(shm_prefix, index - 1)
+        if pooled_in:  # this replica's slots on each link into it (_shm.link_prefix)
+            kwargs["shm_upstream"] += f"{replica}-"
+            kwargs["shm_upstream_pooled"] = True
     return kwargs
 
 
@@ -522,7 +524,9 @@ class PipelineBase(Generic[S, C]):
         for k, r, side, dead, dead_r in d.gone:
             with contextlib.suppress(Exception):
                 if side == "previous":
-                    frame = ClientSession.gone_frame(side, link_id(dead, replica=dead_r))
+                    pool = self._core.replicas[dead] > 1
+                    link = link_id(dead, replica=dead_r if pool else None)
+                    frame = ClientSession.gone_frame(side, link)
                 else:
                     frame = ClientSession.gone_frame(side, "", dead_r)
                 replicas[k][r]._send(frame)
@@ -579,16 +583,28 @@ class PipelineBase(Generic[S, C]):
             with contextlib.suppress(Exception):
                 self._replicas[k][r]._send(ClientSession.abort_frame(ids, rests))
 
-    def _unlink_dead(self, k: int) -> None:
-        """Stage *k* is gone: unlink its shared-memory segments (a killed stage could not),
-        and those of the stage before it, which sent it payloads it can no longer release.
+    def _unlink_dead(self, k: int, r: int = 0) -> None:
+        """Stage *k* (its replica *r*) is gone: unlink its shared-memory segments (a killed
+        stage could not), and those of the stage before it, which sent it payloads it can no
+        longer release (on an edge into or out of a replica pool: only the links to and from
+        that replica, :func:`._shm.link_prefix`).
         Again :data:`SHM_SWEEP_S` later, on a timer thread: the stage before it may have
         made more before the abort of its requests reached it. A name's memory goes with
         the last mapping: the live neighbours let go of theirs when told the stage is gone
         (:meth:`_send_aborts`); the pipeline takes no more requests, and its shutdown
         unlinks the rest."""
-        assert self._shm_prefix is not None
-        prefixes = [_shm.stage_prefix(self._shm_prefix, j) for j in range(max(0, k - 1), k + 1)]
+        prefix = self._shm_prefix
+        assert prefix is not None
+        reps = self._core.replicas
+        prefixes: list[str] = []
+        if k > 0:  # the previous stage's slots for it
+            prefixes.append(_shm.stage_prefix(prefix, k - 1))
+            if reps[k - 1] > 1 or reps[k] > 1:
+                prefixes[-1] += f"{r}-"
+        if k + 1 < len(reps) and (reps[k] > 1 or reps[k + 1] > 1):  # its own, per link
+            prefixes += [_shm.link_prefix(prefix, k, c, r) for c in range(reps[k + 1])]
+        else:
+            prefixes.append(_shm.stage_prefix(prefix, k))
 
         def sweep() -> None:
             for prefix in prefixes:
@@ -665,7 +681,7 @@ class PipelineBase(Generic[S, C]):
                         before[a]._send(ClientSession.credit_frame(items, nbytes, r))
         if dead is not None:
             if self._shm_prefix is not None:
-                self._unlink_dead(k)
+                self._unlink_dead(k, r)
             if self._pooled and any(core.alive(k)):
                 logger.error(
                     "enginecore: pipeline stage %r, replica %d, is gone (%s); its requests "

@@ -549,7 +549,9 @@ class StageSession:
                 self.events.append(("error", None, "invalid message: gone needs the link"))
                 return
             self.gone_links.add(msg.link.encode())
-            _shm.upstream_gone()
+            # A replica of a pool (its index after the link's "-r"), or the whole stage.
+            _, sep, replica = msg.link.rpartition("-r")
+            _shm.upstream_gone(int(replica) if sep and replica.isdigit() else None)
         elif side != "next":
             why = f"invalid message: gone side must be previous or next, got {side!r}"
             self.events.append(("error", None, why))
