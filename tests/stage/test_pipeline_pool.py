@@ -29,6 +29,7 @@ from enginecore.stage import (
     PipelineStageDeadError,
     Retry,
     StageHealth,
+    StageStartupError,
     StageStatistics,
     _shm,
 )
@@ -166,6 +167,18 @@ class TestRouting:
     def test_replicas_not_an_int_are_a_type_error(self, bad: Any) -> None:
         with pytest.raises(TypeError, match="replicas must be an int >= 1"):
             PipelineStage(RELAY, replicas=bad)
+
+    def test_a_pool_that_fails_to_start_leaves_nothing_behind(self, launch: Any) -> None:
+        # The last stage's replicas start first; then the pool's first replica fails: every
+        # process started is shut down (the conftest checks that none is left).
+        with pytest.raises(StageStartupError, match="on purpose"):
+            launch(
+                [
+                    COUNTDOWN,
+                    PipelineStage(f"{T}:failing_factory", replicas=2),
+                    PipelineStage(RELAY, replicas=2),
+                ]
+            )
 
     def test_a_replica_it_does_not_have_is_an_index_error(self, launch: Any) -> None:
         pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2)])

@@ -87,9 +87,10 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         max_bytes: int | None = None,
         startup_timeout: float = 60.0,
     ) -> AsyncPipeline:
-        """Start one stage process per item of *stages*, as :meth:`Pipeline.launch
-        <enginecore.stage.Pipeline.launch>` does, without blocking the event loop. If one
-        fails to start (or the launch is cancelled), the ones started are shut down."""
+        """Start one stage process per item of *stages* (``replicas`` of them for a replica
+        pool), as :meth:`Pipeline.launch <enginecore.stage.Pipeline.launch>` does, without
+        blocking the event loop. If one fails to start (or the launch is cancelled), the
+        ones started are shut down."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
         clients: list[AsyncStageClient] = []

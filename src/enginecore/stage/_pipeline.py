@@ -115,10 +115,11 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         startup_timeout: float = 60.0,
     ) -> Pipeline:
         """Start one stage process per item of *stages* (a :class:`PipelineStage`, or a
-        factory import string for a stage with no options), connect each to the next, and
-        return the pipeline. The stages start last to first, each knowing where the next
-        one listens. If one fails to start, the ones started are shut down and its
-        :class:`~enginecore.stage.StageStartupError` is raised."""
+        factory import string for a stage with no options), or ``replicas`` of them for a
+        replica pool, connect each to the next (every replica to every replica of the next
+        stage), and return the pipeline. The stages start last to first, each knowing where
+        the next one's processes listen. If one fails to start, the ones started are shut
+        down and its :class:`~enginecore.stage.StageStartupError` is raised."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
         clients: list[StageClient] = []
