@@ -186,6 +186,31 @@ class TestRouting:
             pipe.call_utility("mid", "pid", replica=2)
 
 
+class TestCredits:
+    def test_each_link_into_a_pool_has_its_own_window_and_credit(self, launch: Any) -> None:
+        # Each replica of the slow pool takes every input at once but sends out one a step
+        # (pending_inputs() holds the credit of its backlog): the producer's link to each
+        # replica stays within its window, and each replica gives its own credit back.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="fast", window=8),
+                PipelineStage(RELAY, {"step_s": 0.002, "per_step": 1}, name="slow", replicas=2),
+            ]
+        )
+        streams = [pipe.add("a", 200), pipe.add("b", 200)]
+        assert {pipe._core.route("a")[1], pipe._core.route("b")[1]} == {0, 1}
+        most = 0
+        for stream in streams:
+            for i, payload in enumerate(stream):
+                assert payload == 199 - i
+                if i % 5 == 0:
+                    most = max(most, pipe.stats()["fast"].engine["edge_in_flight"])
+        assert 0 < most <= 2 * 9  # two links, each at most its window and one step's
+        assert pipe.stats()["fast"].engine["edge_waits"] > 0
+        assert pipe.call_utility("slow", "added") == [1, 1]
+        assert wait_until(lambda: pipe.stats()["fast"].engine["edge_in_flight"] == 0, 10)
+
+
 class TestAbort:
     def test_an_abort_reaches_the_replica_that_holds_the_request(self, launch: Any) -> None:
         pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="held", replicas=2)])
