@@ -206,7 +206,7 @@ class TestCredits:
                 if i % 5 == 0:
                     most = max(most, pipe.stats()["fast"].engine["edge_in_flight"])
         assert 0 < most <= 2 * 9  # two links, each at most its window and one step's
-        assert pipe.stats()["fast"].engine["edge_waits"] > 0
+        assert wait_until(lambda: pipe.stats()["fast"].engine["edge_waits"] > 0, 10)
         assert pipe.call_utility("slow", "added") == [1, 1]
         assert wait_until(lambda: pipe.stats()["fast"].engine["edge_in_flight"] == 0, 10)
 
@@ -321,10 +321,15 @@ class TestSharedMemory:
             outputs = stream.collect(timeout=30)
             assert [float(x[0]) for x in outputs] == [3.0, 2.0, 1.0, 0.0]
             assert all(bool(np.all(x == x[0])) for x in outputs)
-        stats = pipe.stats()
-        assert stats["a"].engine["shm_sent"] == 32
-        assert stats["b[0]"].engine["shm_sent"] + stats["b[1]"].engine["shm_sent"] == 32
-        assert stats["c[0]"].engine["shm_taken"] + stats["c[1]"].engine["shm_taken"] == 32
+
+        def total(keys: tuple[str, ...], what: str) -> int:
+            stats = pipe.stats()
+            return sum(int(stats[key].engine.get(what, 0)) for key in keys)
+
+        # The engines' numbers are each loop's last sample (taken when it goes idle): wait.
+        assert wait_until(lambda: total(("a",), "shm_sent") == 32, 10)
+        assert wait_until(lambda: total(("b[0]", "b[1]"), "shm_sent") == 32, 10)
+        assert wait_until(lambda: total(("c[0]", "c[1]"), "shm_taken") == 32, 10)
         prefix = pipe._shm_prefix
         names = [n.removeprefix(prefix) for n in _shm.segments(prefix)]
         # Per link: <stage>-<consumer replica>-<producer replica>-<n>.
@@ -340,7 +345,7 @@ class TestSharedMemory:
         later = [pipe.add(f"later{i}", 2) for i in range(4)]  # on b[1], through its slots
         for stream in later:
             assert [float(x[0]) for x in stream.collect(timeout=30)] == [1.0, 0.0]
-        assert pipe.stats()["b[1]"].engine["shm_sent"] >= 8
+        assert wait_until(lambda: total(("b[1]",), "shm_sent") >= 8, 10)
         pipe.shutdown()
         assert _shm.segments(prefix) == []
 
