@@ -43,6 +43,7 @@ MODULES = (
     "bench_pool_faults",
     "bench_pool_shared",
     "bench_pipeline_faults",
+    "bench_pipeline_pool",
     "bench_transformers",
     "bench_transformers_aborts",
     "bench_openai_server",

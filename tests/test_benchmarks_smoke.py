@@ -27,6 +27,7 @@ from benchmarks import (
     bench_overhead,
     bench_pipeline,
     bench_pipeline_faults,
+    bench_pipeline_pool,
     bench_pool,
     bench_pool_faults,
     bench_pool_shared,
@@ -51,6 +52,7 @@ KEYS = {
 STAGE_MODULES = (
     bench_metrics,
     bench_pipeline_faults,
+    bench_pipeline_pool,
     bench_pool,
     bench_pool_faults,
     bench_pool_shared,
@@ -525,6 +527,20 @@ class TestStageBenchmarks:
             "pipeline SIGKILL middle stage: shared-memory segments left after the lease + 1 s"
         )
         assert by_name[segments].met
+
+    @pytest.mark.timeout(120)  # pipelines of 3 and 4 processes, and one whose replica dies
+    def test_pipeline_pool_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_pipeline_pool.run(quick=True)
+        assert_records(records, 2)
+        assert_gc_on(records)
+        assert records[0].goal == ">= 1.6x"
+        assert len(records[0].per_round) == 2
+        assert records[0].value > 0
+        assert records[0].baseline > 0
+        assert gc_disables == []
+        # job() asserts that every request's outputs came, in order, in every round; the
+        # kill's correctness (not its time) is a line of its note.
+        assert "new requests that failed: 0." in records[1].note
 
     @pytest.mark.timeout(180)  # 24 stage and peer processes, started one after the other
     def test_stage_pipeline_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:

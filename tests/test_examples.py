@@ -131,6 +131,11 @@ class TestReadme:
             ("docs/pipelines.md", "def linear_pipeline(", ["[2, 1, 0]", "200"]),
             ("docs/pipelines.md", "AsyncPipeline.launch", ["[2, 1, 0]"]),
             ("docs/pipelines.md", "Retry(2)", ["[2, 1, 0]"]),
+            (
+                "docs/pipelines.md",
+                "replicas=2",
+                ["[2, 1, 0]", "2 8", "['slow[0]', 'slow[1]']"],
+            ),
         ],
     )
     def test_pipeline_examples_run(

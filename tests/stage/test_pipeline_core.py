@@ -75,15 +75,15 @@ def test_a_stage_death_tells_its_neighbours_before_any_abort_reaches_them() -> N
     core = _core("r")
     d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
     core.stage_dead(1, EngineDeadError("killed"), 1.0, d)
-    assert d.gone == [(2, "previous", 1), (0, "next", 1)]
+    assert d.gone == [(2, 0, "previous", 1, 0), (0, 0, "next", 1, 0)]
     assert d.stage_aborts == [(2, ["r"])]
     d = PipelineDeliveries()
     _core().stage_dead(0, EngineDeadError("killed"), 1.0, d)
-    assert d.gone == [(1, "previous", 0)]
+    assert d.gone == [(1, 0, "previous", 0, 0)]
     assert d.stage_aborts == []
     d = PipelineDeliveries()
     _core().stage_dead(2, EngineDeadError("killed"), 1.0, d)
-    assert d.gone == [(1, "next", 2)]
+    assert d.gone == [(1, 0, "next", 2, 0)]
 
 
 def test_a_refused_add_raises_the_failure_without_growing_its_traceback() -> None:

@@ -114,6 +114,13 @@ The run-dry checks are skipped when a rule or a check has failed already: that f
 the one to report. 2,000 examples of 50 steps: about 45 s on the project's 2-core VM.
 :class:`RetryModel` is the same machine drawn where retries happen most (every edge after
 the first retrying, requests two stages hold failing): 1,000 more examples, about 25 s.
+:class:`PooledModel` is the same machine over a core whose stages are replica pools
+(``PipelineCore(replicas=...)``), each simulated stage standing for all the replicas of its
+stage: its events reach the core split by the replica each request's route names, as the
+pipelines' IO layer hands a pool's events over (one replica's at a time), so the pooled
+core's bookkeeping (routes, the filter on them, an abort's confirmation as a bit per stage,
+the per-replica counts) must keep every rule above: 1,000 more examples. A replica's death
+alone is checked in ``test_pipeline_pool.py``.
 """
 
 from __future__ import annotations
@@ -336,9 +343,7 @@ class PipelineModel(RuleBasedStateMachine):
         self.n = n
         self.names = [f"stage{k}" for k in range(n)]
         self.retry = [0, *retry[: n - 1]]
-        self.core: PipelineCore[StreamCore] = PipelineCore(
-            self.names, budget, max_bytes, self.retry
-        )
+        self.core: PipelineCore[StreamCore] = self.make_core(budget, max_bytes)
         self.budget = budget
         self.max_bytes = max_bytes
         self.stages = [
@@ -357,6 +362,10 @@ class PipelineModel(RuleBasedStateMachine):
         # testing), ``add`` among them at times.
         for _ in range(first):
             self.admit([self.new_id()], False, 10)
+
+    def make_core(self, budget: int | None, max_bytes: int | None) -> PipelineCore[StreamCore]:
+        """The core under test (:class:`PooledModel`: one whose stages are replica pools)."""
+        return PipelineCore(self.names, budget, max_bytes, self.retry)
 
     # -- the core, as the IO layer calls it ----------------------------------------------------
 
@@ -1208,6 +1217,75 @@ class RetryModel(PipelineModel):
 
 TestRetryModel = RetryModel.TestCase
 TestRetryModel.settings = settings(
+    max_examples=1000,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class RoutedCore(PipelineCore[StreamCore]):
+    """A pooled core driven as :class:`PooledModel`'s simulated stages need: each stage's
+    events split by the replica each request's route names there (a request not in the core
+    goes to replica 0, whose events of it the core drops anyway), one core call per replica,
+    in the order of each replica's first event (the events of one request keep their
+    order; two replicas' have none between them)."""
+
+    def _split(self, k: int, req_ids: Any) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for i, rid in enumerate(req_ids):
+            route = self.route(rid) if rid is not None else None
+            groups.setdefault(route[k] if route else 0, []).append(i)
+        return groups
+
+    def outputs(  # type: ignore[override]
+        self, k: int, req_ids: Any, finished: Any, payloads: Any, now: float, d: Any
+    ) -> None:
+        for r, picked in self._split(k, req_ids).items():
+            ids = [req_ids[i] for i in picked]
+            fins = [finished[i] for i in picked]
+            items = [payloads[i] for i in picked]
+            super().outputs(k, ids, fins, items, now, d, r)
+
+    def aborted(self, k: int, req_ids: Any, now: float, d: Any) -> None:  # type: ignore[override]
+        ids = list(req_ids)
+        for r, picked in self._split(k, ids).items():
+            super().aborted(k, [ids[i] for i in picked], now, d, r)
+
+    def error(self, k: int, req_id: str, message: str, now: float, d: Any) -> None:  # type: ignore[override]
+        super().error(k, req_id, message, now, d, next(iter(self._split(k, [req_id]))))
+
+    def replayed(  # type: ignore[override]
+        self, k: int, req_id: str, attempt: int, ok: bool, message: str, now: float, d: Any
+    ) -> None:
+        r = next(iter(self._split(k, [req_id])))
+        super().replayed(k, req_id, attempt, ok, message, now, d, r)
+
+
+class PooledModel(PipelineModel):
+    """The same machine over a core whose stages are replica pools (module docstring)."""
+
+    def make_core(self, budget: int | None, max_bytes: int | None) -> PipelineCore[StreamCore]:
+        replicas = [(2, 3, 1, 2)[k] for k in range(self.n)]
+        event(f"replicas {replicas}")
+        return RoutedCore(self.names, budget, max_bytes, self.retry, replicas)
+
+    @invariant()
+    def routed_counts(self) -> None:
+        """Per stage, the core's count of requests on each replica adds up to the requests
+        in the pipeline, and each request's route names a replica its stage has."""
+        core = getattr(self, "core", None)
+        if core is None:
+            return
+        for k in range(self.n):
+            assert sum(core.load(k)) == core.in_flight
+        for req in core._requests.values():
+            assert req.route is not None
+            assert all(0 <= r < n for r, n in zip(req.route, core.replicas, strict=True))
+
+
+TestPooledModel = PooledModel.TestCase
+TestPooledModel.settings = settings(
     max_examples=1000,
     stateful_step_count=50,
     deadline=None,

@@ -463,20 +463,20 @@ class TestValidation:
         [pipe], events = take(session)
         assert isinstance(pipe, PipeInput)
         assert (pipe.kinds, pipe.req_ids, pipe.data) == ([1, 0, 2], ["a", "a", "a"], [1, 2, None])
-        assert pipe.received == (3, len(body[0]))
+        assert pipe.received == (3, len(body[0]), 0)
         assert not events
         body = frame("pipe", [3, 4, 1], ["a", "b", "c"], [1, 2, {1.5: 0}])
         session.receive(B, body, 0.0)
         [pipe], events = take(session)
         assert (pipe.kinds, pipe.req_ids, pipe.data) == ([3], ["a"], [1])
-        assert pipe.received == (3, len(body[0]))  # the refused items are given back too
+        assert pipe.received == (3, len(body[0]), 0)  # the refused items are given back too
         assert [(kind, rid) for kind, rid, _ in events] == [("error", "b"), ("error", "c")]
         assert events[0][2] == "invalid message: pipe kind must be 0, 1, 2, 3, 10 or 11, got 4"
         assert events[1][2].startswith("invalid message: data")
         body = frame("pipe", [1], ["a", "b"], [1])
         session.receive(B, body, 0.0)
         [pipe], events = take(session)
-        assert (pipe.kinds, pipe.received) == ([], (1, len(body[0])))
+        assert (pipe.kinds, pipe.received) == ([], (1, len(body[0]), 0))
         what = "invalid message: pipe has 1 kinds, 2 request ids and 1 data items"
         assert events == [("error", "a", what), ("error", "b", what)]
 

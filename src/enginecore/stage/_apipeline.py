@@ -27,6 +27,7 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     launch_options,
+    launch_plan,
     new_shm_prefix,
     pipe_kwargs,
     retry_counts,
@@ -64,14 +65,18 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         max_bytes: int | None = None,
         shm_prefix: str | None = None,
         retry: Sequence[int] | None = None,
+        replicas: Sequence[int] | None = None,
     ) -> None:
         # Private: use launch().
-        super().__init__(clients, names, max_in_flight, max_bytes, NO_LOCK, shm_prefix, retry)
+        super().__init__(
+            clients, names, max_in_flight, max_bytes, NO_LOCK, shm_prefix, retry, replicas
+        )
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing: asyncio.Future[None] | None = None
-        for k, client in enumerate(self._clients):
-            client._event_sink = functools.partial(self._take_events, k)
-            self._take_events(k)  # anything that came before the sink was set
+        for k, stage_clients in enumerate(self._replicas):
+            for r, client in enumerate(stage_clients):
+                client._event_sink = functools.partial(self._take_events, k, r)
+                self._take_events(k, r)  # anything that came before the sink was set
 
     @classmethod
     async def launch(
@@ -82,25 +87,37 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         max_bytes: int | None = None,
         startup_timeout: float = 60.0,
     ) -> AsyncPipeline:
-        """Start one stage process per item of *stages*, as :meth:`Pipeline.launch
-        <enginecore.stage.Pipeline.launch>` does, without blocking the event loop. If one
-        fails to start (or the launch is cancelled), the ones started are shut down."""
+        """Start one stage process per item of *stages* (``replicas`` of them for a replica
+        pool), as :meth:`Pipeline.launch <enginecore.stage.Pipeline.launch>` does, without
+        blocking the event loop. If one fails to start (or the launch is cancelled), the
+        ones started are shut down."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
         clients: list[AsyncStageClient] = []
-        downstream: str | None = None
+        downstream: list[str] | None = None
+        addresses: list[str] = []
         prefix = new_shm_prefix()
+        routed = any(spec.replicas > 1 for spec in specs)
         try:
-            for k in reversed(range(len(specs))):
+            for k, r in launch_plan(specs):
                 spec = specs[k]
                 upstream = specs[k - 1] if k else None
+                kwargs = pipe_kwargs(
+                    spec,
+                    downstream,
+                    shm_prefix=prefix,
+                    index=k,
+                    upstream=upstream,
+                    replica=r,
+                    routed=routed,
+                )
                 client = await AsyncStageClient.launch(
-                    PIPE_FACTORY,
-                    pipe_kwargs(spec, downstream, shm_prefix=prefix, index=k, upstream=upstream),
-                    **launch_options(spec, startup_timeout),
+                    PIPE_FACTORY, kwargs, **launch_options(spec, startup_timeout, r)
                 )
                 clients.append(client)
-                downstream = client.address
+                addresses.append(client.address)
+                if r == spec.replicas - 1:  # the stage before this one links to all of them
+                    downstream, addresses = addresses, []
         except BaseException:
             for client in clients:
                 with contextlib.suppress(Exception):
@@ -108,7 +125,13 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             if prefix is not None:
                 _shm.unlink_prefix(prefix)
             raise
-        clients.reverse()
+        # Started last stage first, each stage's replicas in order: stage by stage, in order.
+        ordered: list[AsyncStageClient] = []
+        start = len(clients)
+        for spec in specs:
+            ordered += clients[start - spec.replicas : start]
+            start -= spec.replicas
+        clients = ordered
         names = [s.name or s.factory for s in specs]
         return cls(
             clients,
@@ -117,6 +140,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             max_bytes=max_bytes,
             shm_prefix=prefix,
             retry=retry_counts(specs),
+            replicas=[spec.replicas for spec in specs],
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -163,7 +187,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     self._room_waiters.remove(room)
         now = time.monotonic()
         streams = [AsyncPipelineStream(rid, NO_LOCK, now) for rid in ids]
-        failed = self._open_and_send(ids, streams, parts, nbytes, many)
+        failed = self._open_and_send(ids, streams, parts, nbytes, many, items)
         if failed is not None:
             self._failed_send(failed)
         return streams
@@ -176,10 +200,25 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     # -- stages ------------------------------------------------------------------------------
 
     async def call_utility(
-        self, stage: str, name: str, /, *args: Any, timeout: float | None = None
+        self,
+        stage: str,
+        name: str,
+        /,
+        *args: Any,
+        timeout: float | None = None,
+        replica: int | None = None,
     ) -> Any:
-        """Call utility *name* of the stage named *stage*."""
-        return await self.client(stage).call_utility(name, *args, timeout=timeout)
+        """Call utility *name* of the stage named *stage*. A replica pool: with *replica*,
+        that replica's answer; without, a list of every replica's answers, in order (the
+        first error raises)."""
+        clients, many = self._utility_clients(stage, replica)
+        if not many:
+            return await clients[0].call_utility(name, *args, timeout=timeout)
+        return list(
+            await asyncio.gather(
+                *(client.call_utility(name, *args, timeout=timeout) for client in clients)
+            )
+        )
 
     async def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics | Exception]:
         """:meth:`Pipeline.stats <enginecore.stage.Pipeline.stats>`, awaited: every stage
@@ -189,7 +228,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             *(client.stats(timeout) for client in self._clients), return_exceptions=True
         )
         out: dict[str, StageStatistics | Exception] = {}
-        for name, result in zip(self._names, results, strict=True):
+        for name, result in zip(self._keys, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result  # a cancellation, or an exit: not the stage's answer
             out[name] = result

@@ -30,6 +30,8 @@ control                   made by, and what the loop does with it
 :class:`PipeReplay`       the coordinator's ``replay``: the next stage failed a request;
                           abort it down the link, send its logged inputs again
 :class:`PipeRelease`      the coordinator's ``release``: requests done; forget their logs
+:class:`PipeRoute`        a pipeline with replica pools: the routes of requests (the
+                          coordinator's ``route``, or a ``pipe``'s or ``abort``'s routes)
 :class:`ClientJoined`     a multi-client stage welcomed a client (``serve --max-clients``):
                           its outputs, answers and errors go to its own output socket
 :class:`ClientInput`      a multi-client stage: the messages after it come from that client
@@ -62,6 +64,7 @@ __all__ = [
     "PipeInput",
     "PipeRelease",
     "PipeReplay",
+    "PipeRoute",
     "SessionChange",
     "StageTarget",
     "Stop",
@@ -85,12 +88,18 @@ class StageTarget(Protocol):
     def add_burst(self) -> Callable[[list[str], list[Any]], None]: ...
 
     def pipe_input(
-        self, kinds: list[int], req_ids: list[str], data: list[Any], received: tuple[int, int]
+        self,
+        kinds: list[int],
+        req_ids: list[str],
+        data: list[Any],
+        received: tuple[int, int, int],
     ) -> None: ...
 
-    def pipe_credit(self, items: int, nbytes: int) -> None: ...
+    def pipe_credit(self, items: int, nbytes: int, replica: int) -> None: ...
 
-    def pipe_gone(self, side: str, late: int) -> None: ...
+    def pipe_gone(self, side: str, late: int, replica: int) -> None: ...
+
+    def pipe_route(self, req_ids: list[str], routes: list[list[int]], abort: bool) -> None: ...
 
     def pipe_replay(self, req_id: str, attempt: int) -> None: ...
 
@@ -273,14 +282,14 @@ class PipeInput(Control):
         kinds: list[int],
         req_ids: list[str],
         data: list[Any],
-        received: tuple[int, int] = (0, 0),
+        received: tuple[int, int, int] = (0, 0, 0),
     ) -> None:
         self.kinds = kinds
         self.req_ids = req_ids
         self.data = data
         self.received = received
-        """``(items, nbytes)`` of the whole frame, invalid items included: what the stage
-        gives back as credit to the one that sent it."""
+        """``(items, nbytes, sender)`` of the whole frame, invalid items included: what the
+        stage gives back as credit to the one that sent it (*sender*: its replica index)."""
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
         try:
@@ -298,14 +307,15 @@ class PipeCredit(Control):
     pipeline took *items* items, *nbytes* bytes, of what this stage sent it
     (``StageEngine.pipe_credit``)."""
 
-    __slots__ = ("items", "nbytes")
+    __slots__ = ("items", "nbytes", "replica")
 
-    def __init__(self, items: int, nbytes: int) -> None:
+    def __init__(self, items: int, nbytes: int, replica: int = 0) -> None:
         self.items = items
         self.nbytes = nbytes
+        self.replica = replica  # which replica of the next stage took it
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.pipe_credit(self.items, self.nbytes)
+        engine.pipe_credit(self.items, self.nbytes, self.replica)
 
     def __repr__(self) -> str:
         return f"PipeCredit({self.items} items, {self.nbytes} bytes)"
@@ -317,14 +327,15 @@ class PipeGone(Control):
     With *late* > 0: the input side dropped that many messages that came from the gone
     previous stage after the ``gone`` (counted; they are never decoded)."""
 
-    __slots__ = ("late", "side")
+    __slots__ = ("late", "replica", "side")
 
-    def __init__(self, side: str, late: int = 0) -> None:
+    def __init__(self, side: str, late: int = 0, replica: int = 0) -> None:
         self.side = side
         self.late = late
+        self.replica = replica  # "next": which replica of the next stage (a pool)
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.pipe_gone(self.side, self.late)
+        engine.pipe_gone(self.side, self.late, self.replica)
 
     def __repr__(self) -> str:
         return f"PipeGone({self.side!r}, late={self.late})"
@@ -362,3 +373,23 @@ class PipeRelease(Control):
 
     def __repr__(self) -> str:
         return f"PipeRelease({len(self.req_ids)} requests)"
+
+
+class PipeRoute(Control):
+    """A pipeline with replica pools (``docs/wire.md`` section 8): the routes of *req_ids*
+    (per id, the replicas of the stages after this one), from the coordinator's ``route``
+    before their add, a ``pipe``'s first inputs, or an ``abort`` (*abort*: for chasing it,
+    applied right before it) (``StageEngine.pipe_route``)."""
+
+    __slots__ = ("abort", "req_ids", "routes")
+
+    def __init__(self, req_ids: list[str], routes: list[list[int]], abort: bool = False) -> None:
+        self.req_ids = req_ids
+        self.routes = routes
+        self.abort = abort
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        engine.pipe_route(self.req_ids, self.routes, self.abort)
+
+    def __repr__(self) -> str:
+        return f"PipeRoute({len(self.req_ids)} requests, abort={self.abort})"

@@ -43,11 +43,14 @@ BEFORE: Final = 4
 """Every stage before this one ended it and sent it on (this stage's input is complete)."""
 
 
-def link_id(index: int, generation: int = 0) -> str:
+def link_id(index: int, generation: int = 0, replica: int | None = None) -> str:
     """The routing id of the link from stage *index* of a pipeline to the next stage, which
     the coordinator names when it tells the next stage that this one is gone (``gone``).
     *generation* counts the starts of that stage's process (0: the first), so that a
-    ``gone`` would name only the dead one's link."""
+    ``gone`` would name only the dead one's link. *replica*: which replica of a stage that
+    is a replica pool (``-r<replica>`` added; ``None`` for a stage of one process)."""
+    if replica is not None:
+        return f"pipe-link-{index}.{generation}-r{replica}"
     return f"pipe-link-{index}.{generation}"
 
 

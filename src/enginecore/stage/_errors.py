@@ -204,7 +204,9 @@ class PipelineStageDeadError(EngineDeadError):
     its stages is gone (its process exited or was killed, or its engine loop failed).
     :attr:`stage` names the stage; the message is that stage's own
     :class:`EngineDeadError`'s, which is also the ``__cause__``. A pipeline with a dead stage
-    serves no more requests: shut it down."""
+    serves no more requests: shut it down. In a stage that is a replica pool, :attr:`replica`
+    names the replica: its death ends only the requests routed through it, and the pipeline
+    goes on with the others, until the last one dies."""
 
     def __init__(
         self,
@@ -213,10 +215,15 @@ class PipelineStageDeadError(EngineDeadError):
         stage: str,
         exit_code: int | None = None,
         fatal: str | None = None,
+        replica: int | None = None,
     ) -> None:
-        super().__init__(f"stage {stage!r}: {message}", exit_code=exit_code, fatal=fatal)
+        where = f"stage {stage!r}" if replica is None else f"stage {stage!r}, replica {replica}"
+        super().__init__(f"{where}: {message}", exit_code=exit_code, fatal=fatal)
         self.stage = stage
         """The name of the stage that died."""
+        self.replica = replica
+        """Which replica of that stage (a replica pool's, numbered from 0) died; ``None``
+        for a stage of one process."""
 
 
 class PipelineFullError(EngineCoreError, RuntimeError):

@@ -67,6 +67,18 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   items again, as a first input, in order (and the end, if the request ended here), and
   answers ``replayed``. A request whose logged payloads exceed *replay_bytes* (estimated:
   :func:`payload_size`) loses its log: its replay fails, and the coordinator ends it.
+- **replica pools** (*routed*: a stage of the pipeline runs as several processes,
+  ``docs/pipelines.md``, "Replica pools as stages"): the stage holds a link to every
+  replica of the next stage (*downstream* a list), each with its own window (a step does
+  not start while any is full), and its own shared-memory pool (:func:`._shm.link_prefix`).
+  Each request's route, the replicas of the stages after this one, arrives before its first
+  input (:meth:`PipeStage.pipe_route`: the coordinator's ``route`` before the first
+  stage's add, or a ``pipe`` message's routes); its first item picks the link, every later
+  item and its end follow on that link, and the first item carries the rest of the route
+  on. The route is forgotten when the request ends or is aborted here; an abort carries
+  the routes of its requests, and is chased along them. The stage names its replica index
+  in its pipe messages, and the next stage gives credit back per sending replica. A
+  ``gone`` of one replica of the next stage closes that link only.
 - **a dead neighbour** (``gone``, :meth:`PipeStage.pipe_gone`): the coordinator tells the
   stage after a dead one (whose input side then drops every later message of the dead
   stage's link, by its routing id, :func:`._edge.link_id`) and the stage before it (which
@@ -139,7 +151,12 @@ class PipeStage:
     pipe messages, sent to the next stage and not yet taken by it (``None``: no bound); a
     step does not start while either is reached (module docstring, "credits"). *shm*: the
     pool of shared-memory slots for big arrays to the next stage (``None``: all on
-    ZeroMQ). Loop thread only, like any engine."""
+    ZeroMQ). *downstream* may list the addresses of the next stage's replicas (a replica
+    pool): one link to each, with a window each. *routed*: the pipeline has replica pools,
+    so each request's route (the replicas of the stages after this one) arrives with its
+    first input (``pipe_route``), picks its link, and goes on with it; *replica* is this
+    stage's replica index, named in its pipe messages for the credit. Loop thread only,
+    like any engine."""
 
     def __init__(
         self,
@@ -147,13 +164,15 @@ class PipeStage:
         *,
         stage: str,
         edge: Edge | None = None,
-        downstream: str | None = None,
+        downstream: str | Sequence[str] | None = None,
         window: int | None = None,
         window_bytes: int | None = None,
-        shm: _shm.ShmPool | None = None,
+        shm: _shm.ShmPool | Sequence[_shm.ShmPool] | None = None,
         shm_reader: _shm.ShmReader | None = None,
         link_id: str | None = None,
         replay_bytes: int | None = None,
+        replica: int = 0,
+        routed: bool = False,
     ) -> None:
         self._inner = inner
         self._stage = stage
@@ -164,9 +183,16 @@ class PipeStage:
         self._inner_stats: Callable[[], dict[str, float]] | None = (
             stats if callable(stats) else None
         )
-        # Credits (loop thread only). Sent on and not yet taken by the next stage:
-        self._out_items = 0
-        self._out_bytes = 0
+        if downstream is None:
+            downstreams: list[str] = []
+        elif isinstance(downstream, str):
+            downstreams = [downstream]
+        else:
+            downstreams = list(downstream)
+        nlinks = len(downstreams)
+        # Credits (loop thread only), per link. Sent on and not yet taken by the next stage:
+        self._out_items = [0] * nlinks
+        self._out_bytes = [0] * nlinks
         self._window_items = _UNBOUNDED if window is None else window
         self._window_bytes = _UNBOUNDED if window_bytes is None else window_bytes
         self._waiting = False  # has_work() said no for want of credit, and none came since
@@ -177,6 +203,17 @@ class PipeStage:
         # next step or when the loop would go idle):
         self._taken_items = 0
         self._taken_bytes = 0
+        self._taken_by: dict[int, list[int]] = {}  # routed: per sending replica, [items, bytes]
+        # Routes (a pipeline with replica pools): per request live here, the link to the
+        # next stage's replica it goes to, and the rest of its route, sent on with its first
+        # input; the routes of an abort about to be chased (pipe_route(abort=True)).
+        self._pooled = routed
+        self._replica = replica
+        self._next: dict[str, int] = {}
+        self._rest: dict[str, list[int]] = {}
+        self._abort_routes: dict[str, list[int]] = {}
+        self._log_route: dict[str, tuple[int, list[int]]] = {}
+        self._unroute: list[str] = []  # ended in this step: their routes go after the send
         self._emit: Callable[[Any], None] | None = None
         pending = getattr(inner, "pending_inputs", None)
         self._pending: Callable[[], int] | None = pending if callable(pending) else None
@@ -202,43 +239,62 @@ class PipeStage:
         self._spoke: set[str] = set()  # live requests whose edge sent the caller payloads
         self._quiet: list[str] = []  # ended in this step without a report (take_ended)
         self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
-        self._shm = shm if downstream is not None else None
-        self._encoder = _codec.Encoder(self._shm)
+        # Shared memory: one pool per link (a list, one per replica of the next stage), or
+        # one pool for the one link to a next stage of one process.
+        if shm is None:
+            shms: list[_shm.ShmPool | None] = [None] * nlinks
+        elif isinstance(shm, _shm.ShmPool):
+            shms = [shm] if nlinks == 1 else [None] * nlinks
+        else:
+            shms = list(shm)
+            if len(shms) != nlinks:
+                raise ValueError(f"{len(shms)} shared-memory pools for {nlinks} links")
+        self._shms = shms
+        self._encoders = [_codec.Encoder(pool) for pool in shms]
+        self._encoder = _codec.Encoder()  # aborts: no arrays
         self._columns = _NO_COLUMNS
-        self._link: zmq.Socket[Any] | None = None
-        # The next stage died (pipe_gone): nothing more is sent to it, counted here.
+        self._links: list[zmq.Socket[Any] | None] = []
+        # The next stage (or one replica of it) died (pipe_gone): nothing more is sent to
+        # it, counted here. _next_gone: every link is gone.
+        self._gone: set[int] = set()
         self._next_gone = False
+        self._last = nlinks == 0
         self._edge_dropped = 0
         self._previous_gone = False
         self._late_dropped = 0  # messages of the gone previous stage, dropped unread
         # The replay log (retry), per request: what it sent on, in order, and its size; the
         # requests that ended here (their log ends with END); those whose log outgrew
         # replay_bytes (not retryable); replays done.
-        self._replay_bytes = replay_bytes if downstream is not None else None
-        # _split's fast path: no edge function, no replay log, a next stage.
-        self._fast = edge is None and downstream is not None and self._replay_bytes is None
+        self._replay_bytes = replay_bytes if nlinks else None
+        # _split's fast path: no edge function, no replay log, a next stage, no routes.
+        self._fast = edge is None and nlinks > 0 and self._replay_bytes is None and not routed
         self._log: dict[str, list[Any]] = {}
         self._log_size: dict[str, int] = {}
         self._log_ended: dict[str, int] = {}  # its END's REPORT bit, if it ended here
         self._unlogged: set[str] = set()
         self._replays = 0
-        if downstream is not None:
+        if nlinks:
             ctx = zmq.Context(io_threads=1)
-            sock = ctx.socket(zmq.DEALER)
-            if link_id is not None:  # the id the coordinator names in a `gone` to the next
-                sock.setsockopt(zmq.ROUTING_ID, link_id.encode())
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, _LINK_LINGER_MS)
-            if is_ipv6_endpoint(downstream):
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(downstream)
-            self._link = sock
+            socks: list[zmq.Socket[Any]] = []
+            for address in downstreams:
+                sock = ctx.socket(zmq.DEALER)
+                if link_id is not None:  # the id the coordinator names in a `gone` to the next
+                    sock.setsockopt(zmq.ROUTING_ID, link_id.encode())
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.setsockopt(zmq.LINGER, _LINK_LINGER_MS)
+                if is_ipv6_endpoint(address):
+                    sock.setsockopt(zmq.IPV6, 1)
+                sock.connect(address)
+                socks.append(sock)
+            self._links = list(socks)
 
             def close() -> None:  # at exit: deliver what is still queued, within the linger
-                sock.close()
+                for sock in socks:
+                    sock.close()
                 ctx.term()
-                if shm is not None:
-                    shm.close()
+                for pool in shms:
+                    if pool is not None:
+                        pool.close()
 
             atexit.register(close)
 
@@ -248,7 +304,10 @@ class PipeStage:
         """The engine's, unless the window to the next stage is full. Gives back the credit
         for what it took from the previous stage when the loop would go idle."""
         if self._inner_has_work():
-            if self._out_items < self._window_items and self._out_bytes < self._window_bytes:
+            if (
+                max(self._out_items, default=0) < self._window_items
+                and max(self._out_bytes, default=0) < self._window_bytes
+            ):
                 return True
             if not self._waiting:
                 self._waiting = True
@@ -261,42 +320,74 @@ class PipeStage:
         """The stage runtime's ``emit`` (loop thread), for the credit events."""
         self._emit = emit
 
-    def pipe_received(self, items: int, nbytes: int) -> None:
-        """The stage runtime applied a pipe frame of *items* items, *nbytes* bytes: give it
-        back as credit after the next step (or when the loop would go idle)."""
+    def pipe_received(self, items: int, nbytes: int, sender: int = 0) -> None:
+        """The stage runtime applied a pipe frame of *items* items, *nbytes* bytes, from
+        replica *sender* of the previous stage: give it back as credit after the next step
+        (or when the loop would go idle)."""
         self._taken_items += items
         self._taken_bytes += nbytes
+        if self._pooled and items:
+            by = self._taken_by.get(sender)
+            if by is None:
+                self._taken_by[sender] = [items, nbytes]
+            else:
+                by[0] += items
+                by[1] += nbytes
 
-    def pipe_credit(self, items: int, nbytes: int) -> None:
-        """The next stage took *items* items, *nbytes* bytes, of what this one sent."""
-        self._out_items = max(0, self._out_items - items)
-        self._out_bytes = max(0, self._out_bytes - nbytes)
+    def pipe_credit(self, items: int, nbytes: int, replica: int = 0) -> None:
+        """The next stage (its replica *replica*) took *items* items, *nbytes* bytes, of
+        what this one sent it."""
+        if 0 <= replica < len(self._out_items):
+            self._out_items[replica] = max(0, self._out_items[replica] - items)
+            self._out_bytes[replica] = max(0, self._out_bytes[replica] - nbytes)
         self._waiting = False
 
-    def pipe_gone(self, side: str, late: int) -> None:
+    def pipe_route(self, req_ids: list[str], routes: list[list[int]], abort: bool) -> None:
+        """Routes through the replica pools after this stage (module docstring): per id,
+        the next stage's replica first. *abort*: for the abort that follows, which
+        :meth:`chase_abort` sends along them; otherwise the routes of requests whose first
+        input comes next (the coordinator's ``route`` before the first stage's add, or a
+        ``pipe`` message's)."""
+        if abort:
+            self._abort_routes.update(zip(req_ids, routes, strict=True))
+            return
+        nxt, rest = self._next, self._rest
+        for rid, route in zip(req_ids, routes, strict=True):
+            if route:
+                nxt[rid] = route[0]
+                rest[rid] = route[1:]
+
+    def pipe_gone(self, side: str, late: int, replica: int = 0) -> None:
         """The coordinator's ``gone``: the stage on *side* died.
 
         - ``"previous"``: the input side drops every later message of its link, unread
           (*late* of them each time it does: counted as ``pipe_dropped``); the requests it
           sent are aborted by the coordinator's abort, which follows the ``gone``.
-        - ``"next"``: nothing more is sent to it (what would have been is counted as
-          ``edge_dropped``), what is still queued for it is let go, its window is empty,
-          and the shared-memory slots, which it can no longer release, are unlinked and
-          unmapped, so that their memory returns now, not at shutdown."""
+        - ``"next"`` (its replica *replica*, of a pool): nothing more is sent to it (what
+          would have been is counted as ``edge_dropped``), what is still queued for it is
+          let go, its window is empty, and the shared-memory slots, which it can no longer
+          release, are unlinked and unmapped, so that their memory returns now, not at
+          shutdown."""
         if side == "previous":
             self._previous_gone = True
             self._late_dropped += late
             return
-        if side != "next" or self._next_gone or self._link is None:
+        links = self._links
+        if side != "next" or not 0 <= replica < len(links) or replica in self._gone:
             return
-        self._next_gone = True
-        self._link.close(linger=0)
-        self._out_items = self._out_bytes = 0
+        self._gone.add(replica)
+        self._next_gone = len(self._gone) == len(links)
+        link = links[replica]
+        if link is not None:
+            link.close(linger=0)
+            links[replica] = None
+        self._out_items[replica] = self._out_bytes[replica] = 0
         self._waiting = False
-        if self._shm is not None:
-            self._shm.close()
+        pool = self._shms[replica]
+        if pool is not None:
+            pool.close()
 
-    def take_credit(self) -> tuple[str, int, int] | None:
+    def take_credit(self) -> tuple[Any, ...] | None:
         """The ``credit`` event for what the engine has taken since the last one, or
         ``None``: all of it, or, for an engine with ``pending_inputs()``, all but the inputs
         it still holds unprocessed (their share of the bytes, pro rata), so that a slow
@@ -313,9 +404,32 @@ class PipeStage:
                 if not items:
                     return None
                 self._taken_items, self._taken_bytes = held, kept
+                if self._pooled:
+                    return ("credit", items, nbytes, self._take_links(items))
                 return ("credit", items, nbytes)
         self._taken_items = self._taken_bytes = 0
+        if self._pooled:
+            links = [[s, i, b] for s, (i, b) in self._taken_by.items()]
+            self._taken_by.clear()
+            return ("credit", items, nbytes, links)
         return ("credit", items, nbytes)
+
+    def _take_links(self, items: int) -> list[list[int]]:
+        """The credit of *items* items, per sending replica (first come, first given back;
+        each one's bytes pro rata), taken out of what is owed to each."""
+        links: list[list[int]] = []
+        for sender, by in list(self._taken_by.items()):
+            if not items:
+                break
+            give = min(items, by[0])
+            nbytes = by[1] if give == by[0] else by[1] * give // by[0]
+            links.append([sender, give, nbytes])
+            items -= give
+            by[0] -= give
+            by[1] -= nbytes
+            if not by[0]:
+                del self._taken_by[sender]
+        return links
 
     def _give_credit(self) -> None:
         """The loop would go idle: send the credit now (:meth:`take_credit`)."""
@@ -336,16 +450,18 @@ class PipeStage:
         dropped unread). With a replay log (its edge retries): ``replay_logged`` (requests
         logged now), ``replay_logged_bytes`` (their estimated size) and ``replays``."""
         out = dict(self._inner_stats()) if self._inner_stats is not None else {}
-        if self._link is not None:
-            out["edge_in_flight"] = self._out_items
-            out["edge_in_flight_bytes"] = self._out_bytes
+        if not self._last:
+            out["edge_in_flight"] = sum(self._out_items)
+            out["edge_in_flight_bytes"] = sum(self._out_bytes)
             out["edge_sent"] = self._sent_items
             out["edge_sent_bytes"] = self._sent_bytes
             out["edge_waits"] = self._waits
-            if self._next_gone:
+            if self._gone:
                 out["edge_dropped"] = self._edge_dropped
-            if self._shm is not None:
-                out.update(self._shm.stats())
+            pools = [pool.stats() for pool in self._shms if pool is not None]
+            for numbers in pools:  # summed over the links
+                for key, value in numbers.items():
+                    out[key] = out.get(key, 0) + value
         reader = self._shm_reader
         if reader is not None:
             out["shm_taken"] = reader.taken
@@ -426,6 +542,11 @@ class PipeStage:
             report.discard(rid)
             early.discard(rid)
             spoke.discard(rid)
+        if self._pooled:
+            nxt, rest = self._next, self._rest
+            for rid in req_ids:
+                nxt.pop(rid, None)
+                rest.pop(rid, None)
         if self._replay_bytes is not None:
             self._forget(req_ids)
 
@@ -438,6 +559,7 @@ class PipeStage:
                 del size[rid]
             ended.pop(rid, None)
             unlogged.discard(rid)
+            self._log_route.pop(rid, None)
 
     def _log_item(self, rid: str, first: bool, item: Any) -> None:
         """Log *item*, sent on for *rid* (*first*: its first payload, a new log)."""
@@ -447,6 +569,8 @@ class PipeStage:
             self._unlogged.discard(rid)
             log[rid] = [item]
             size[rid] = payload_size(item)
+            if self._pooled:
+                self._log_route[rid] = (self._next.get(rid, 0), self._rest.get(rid, []))
         else:
             items = log.get(rid)
             if items is None:  # not retryable any more
@@ -471,10 +595,17 @@ class PipeStage:
         ``aborted`` answers), then its logged items again, first to last (with the end if
         the request ended here); what this stage sends of it later follows them. Returns
         whether it replayed, and if not why."""
-        link = self._link
-        if link is None or self._next_gone:
+        index, rest = self._log_route.get(req_id) or (
+            self._next.get(req_id, 0),
+            self._rest.get(req_id, []),
+        )
+        link = self._links[index] if 0 <= index < len(self._links) else None
+        if link is None:
             return False, "the next stage is gone"
-        link.send(self._encoder.encode(("abort", [req_id]))[0])
+        if self._pooled:
+            link.send(self._encoder.encode(("abort", [req_id], [rest]))[0])
+        else:
+            link.send(self._encoder.encode(("abort", [req_id]))[0])
         items = self._log.get(req_id)
         if items is None:
             if req_id in self._unlogged:
@@ -498,7 +629,14 @@ class PipeStage:
                 kinds.append(END | ended)
                 on_p.append(None)
         out_r: list[Any] = []
-        self._send_on(kinds, [req_id] * len(kinds), on_p, out_r, [], [])
+        routed = self._pooled and req_id not in self._next
+        if routed:  # it ended here: its route again, for the replay (the log's)
+            self._next[req_id], self._rest[req_id] = index, rest
+        try:
+            self._send_on(kinds, [req_id] * len(kinds), on_p, out_r, [], [])
+        finally:
+            if routed:
+                del self._next[req_id], self._rest[req_id]
         if out_r:  # an item the encoder refused (the request failed here when it was sent)
             return False, "its inputs could not be encoded again"
         self._replays += 1
@@ -511,9 +649,29 @@ class PipeStage:
         their data, and sends it on in turn. Only an abort message chases: an abort of the
         stage's own (an error that ended the request) is followed by the coordinator's,
         from the first stage, and every stage must answer that one exactly once."""
-        link = self._link
-        if link is not None and not self._next_gone:
-            link.send(self._encoder.encode(("abort", list(req_ids)))[0])
+        links = self._links
+        if not links or self._next_gone:
+            self._abort_routes.clear()
+            return
+        if not self._pooled:
+            link = links[0]
+            if link is not None:
+                link.send(self._encoder.encode(("abort", list(req_ids)))[0])
+            return
+        # Along each request's route (the abort's routes, from the coordinator or the
+        # previous stage; none: replica 0 of each stage, where it never went).
+        routes = self._abort_routes
+        by_link: dict[int, tuple[list[str], list[list[int]]]] = {}
+        for rid in req_ids:
+            route = routes.pop(rid, None) or [0]
+            ids, rests = by_link.setdefault(route[0], ([], []))
+            ids.append(rid)
+            rests.append(route[1:])
+        routes.clear()
+        for index, (ids, rests) in by_link.items():
+            link = links[index] if 0 <= index < len(links) else None
+            if link is not None:
+                link.send(self._encoder.encode(("abort", ids, rests))[0])
 
     def step(self) -> list[Any]:
         return self._routed(self._inner.step())  # type: ignore[union-attr]
@@ -579,7 +737,8 @@ class PipeStage:
         kinds = []
         on_r: list[str] = []
         on_p: list[Any] = []
-        live, sent, edge, last = self._live, self._sent, self._edge, self._link is None
+        live, sent, edge, last = self._live, self._sent, self._edge, self._last
+        unroute = self._unroute if self._pooled else None
         opened, report, spoke = self._open, self._report, self._spoke
         flat = _codec.FLAT_TYPES
         failed: set[str] | None = None
@@ -592,6 +751,8 @@ class PipeStage:
                     continue
                 if fin and rid in live:
                     live.discard(rid)
+                    if unroute is not None:
+                        unroute.append(rid)
                     sent.pop(rid, None)
                     opened.discard(rid)
                     report.discard(rid)
@@ -637,6 +798,8 @@ class PipeStage:
                     spoke.add(rid)
             if fin:
                 live.discard(rid)
+                if unroute is not None:
+                    unroute.append(rid)
                 n = sent.pop(rid, 0)
                 # Its own end is reported (module docstring) if it ended before its input
                 # did (the previous stage's end is still to come: no BEFORE), if an END
@@ -677,6 +840,12 @@ class PipeStage:
                     out_p.append(ENDED | before)
         if kinds:
             self._send_on(kinds, on_r, on_p, out_r, out_f, out_p)
+        if unroute:  # ended here: their routes are no longer needed (sent on with them)
+            nxt, rest = self._next, self._rest
+            for rid in unroute:
+                nxt.pop(rid, None)
+                rest.pop(rid, None)
+            unroute.clear()
         return out_r, out_f, out_p
 
     def _fail(
@@ -708,14 +877,58 @@ class PipeStage:
         out_f: list[bool],
         out_p: list[Any],
     ) -> None:
-        link = self._link
-        assert link is not None
         if self._next_gone:  # nobody to send to: the coordinator ends these requests
             self._edge_dropped += len(kinds)
             return
-        shm = self._shm
+        if not self._pooled:
+            self._send_link(0, kinds, on_r, on_p, None, out_r, out_f, out_p)
+            return
+        # Routed (module docstring): each item on its request's link, in order; a first
+        # input carries the rest of its request's route.
+        nxt, rest = self._next, self._rest
+        groups: dict[int, tuple[list[int], list[str], list[Any], dict[str, list[int]]]] = {}
+        for kind, rid, item in zip(kinds, on_r, on_p, strict=True):
+            index = nxt.get(rid, 0)
+            group = groups.get(index)
+            if group is None:
+                group = groups[index] = ([], [], [], {})
+            group[0].append(kind)
+            group[1].append(rid)
+            group[2].append(item)
+            if kind & FIRST:
+                group[3][rid] = rest.get(rid, [])
+        for index, (g_kinds, g_ids, g_items, g_routes) in groups.items():
+            if index in self._gone or not 0 <= index < len(self._links):
+                self._edge_dropped += len(g_kinds)
+                continue
+            self._send_link(index, g_kinds, g_ids, g_items, g_routes, out_r, out_f, out_p)
+
+    def _send_link(
+        self,
+        index: int,
+        kinds: list[int],
+        on_r: list[str],
+        on_p: list[Any],
+        routes: dict[str, list[int]] | None,
+        out_r: list[Any],
+        out_f: list[bool],
+        out_p: list[Any],
+    ) -> None:
+        """One ``pipe`` message on link *index* (with *routes* and this replica's index,
+        routed), or, if msgspec refuses an item, one per item."""
+        link = self._links[index]
+        assert link is not None
+        shm = self._shms[index]
+        encoder = self._encoders[index]
+        replica = self._replica
+
+        def message(k: list[int], r: list[str], p: list[Any]) -> tuple[Any, ...]:
+            if routes is None:
+                return ("pipe", k, r, p)
+            return ("pipe", k, r, p, {rid: routes[rid] for rid in r if rid in routes}, replica)
+
         try:
-            parts = self._encoder.encode(("pipe", kinds, on_r, on_p))
+            parts = encoder.encode(message(kinds, on_r, on_p))
         except _codec.ENCODE_ERRORS:
             if shm is not None:
                 shm.abandon()
@@ -723,7 +936,7 @@ class PipeStage:
             # and end the request of each refused one with an error.
             for kind, rid, item in zip(kinds, on_r, on_p, strict=True):
                 try:
-                    parts = self._encoder.encode(("pipe", [kind], [rid], [item]))
+                    parts = encoder.encode(message([kind], [rid], [item]))
                 except _codec.ENCODE_ERRORS as exc:
                     if shm is not None:
                         shm.abandon()
@@ -733,18 +946,19 @@ class PipeStage:
                         RequestRejected(f"the input for the next stage cannot be encoded: {exc}")
                     )
                     continue
-                self._count_sent(1, parts)
+                self._count_sent(index, 1, parts)
                 _codec.send_parts(link, parts, 0)
             return
-        self._count_sent(len(kinds), parts)
+        self._count_sent(index, len(kinds), parts)
         _codec.send_parts(link, parts, 0)
 
-    def _count_sent(self, items: int, parts: list[Any]) -> None:
+    def _count_sent(self, index: int, items: int, parts: list[Any]) -> None:
         nbytes = sum([len(p) if p.__class__ is bytes else p.nbytes for p in parts])
-        if self._shm is not None:  # and the bytes of its arrays in shared memory
-            nbytes += self._shm.commit()
-        self._out_items += items
-        self._out_bytes += nbytes
+        pool = self._shms[index]
+        if pool is not None:  # and the bytes of its arrays in shared memory
+            nbytes += pool.commit()
+        self._out_items[index] += items
+        self._out_bytes[index] += nbytes
         self._sent_items += items
         self._sent_bytes += nbytes
 
@@ -760,13 +974,15 @@ class PipelinedPipeStage(PipeStage):
         *,
         stage: str,
         edge: Edge | None = None,
-        downstream: str | None = None,
+        downstream: str | Sequence[str] | None = None,
         window: int | None = None,
         window_bytes: int | None = None,
-        shm: _shm.ShmPool | None = None,
+        shm: _shm.ShmPool | Sequence[_shm.ShmPool] | None = None,
         shm_reader: _shm.ShmReader | None = None,
         link_id: str | None = None,
         replay_bytes: int | None = None,
+        replica: int = 0,
+        routed: bool = False,
     ) -> None:
         super().__init__(
             inner,
@@ -779,13 +995,15 @@ class PipelinedPipeStage(PipeStage):
             shm_reader=shm_reader,
             link_id=link_id,
             replay_bytes=replay_bytes,
+            replica=replica,
+            routed=routed,
         )
         self.launch = inner.launch
         collect = inner.collect
-        routed = self._routed
+        routed_outputs = self._routed
 
         def collect_routed(handle: Any) -> list[Any]:
-            return routed(collect(handle))
+            return routed_outputs(collect(handle))
 
         self.collect = collect_routed
         self.pipeline_depth = getattr(inner, "pipeline_depth", 2)
@@ -799,7 +1017,7 @@ def pipe_stage(
     stage: str,
     kwargs: dict[str, Any] | None = None,
     edge: str | None = None,
-    downstream: str | None = None,
+    downstream: str | list[str] | None = None,
     window: int | None = None,
     window_bytes: int | None = None,
     shm_prefix: str | None = None,
@@ -809,6 +1027,10 @@ def pipe_stage(
     shm_upstream: str | None = None,
     link_id: str | None = None,
     replay_bytes: int | None = None,
+    replica: int = 0,
+    routed: bool = False,
+    shm_links: bool = False,
+    shm_upstream_pooled: bool = False,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
@@ -820,15 +1042,34 @@ def pipe_stage(
     coordinator names when it tells the next stage that this one is gone. *replay_bytes*:
     keep a replay log of each request's inputs to the next stage, up to that many bytes a
     request, for the coordinator's ``replay`` (``None``: none; the edge's policy is
-    ``fail``)."""
-    reader = None if shm_upstream is None else _shm.configure_reader(shm_upstream)
+    ``fail``). *downstream* may list the next stage's replicas' addresses (a replica
+    pool); *replica*: this stage's replica index; *routed*: the pipeline has replica pools
+    (requests' routes travel with them: :class:`PipeStage`). *shm_links*: an edge into or
+    out of a replica pool: one pool of slots per link, each ``shm_pool_bytes`` shared evenly
+    among the links and named :func:`._shm.link_prefix`; *shm_upstream_pooled*: the edge
+    into this stage is such an edge (*shm_upstream* is then this replica's prefix on it)."""
+    reader = (
+        None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
+    )
     inner = build_engine(factory, dict(kwargs or {}))
     edge_fn = None if edge is None else import_factory(edge)
-    pool = None
-    if shm_prefix is not None and downstream is not None:
+    pool: _shm.ShmPool | list[_shm.ShmPool] | None = None
+    if shm_prefix is not None and downstream is not None and not shm_links:
         pool = _shm.ShmPool(
             shm_prefix, threshold=shm_threshold, max_bytes=shm_pool_bytes, lease=shm_lease
         )
+    elif shm_prefix is not None and downstream is not None:
+        nlinks = 1 if isinstance(downstream, str) else len(downstream)
+        share = max(1, shm_pool_bytes // nlinks)
+        pool = [
+            _shm.ShmPool(
+                f"{shm_prefix}{i}-{replica}-",  # _shm.link_prefix
+                threshold=shm_threshold,
+                max_bytes=share,
+                lease=shm_lease,
+            )
+            for i in range(nlinks)
+        ]
     options: dict[str, Any] = {
         "stage": stage,
         "edge": edge_fn,
@@ -839,6 +1080,8 @@ def pipe_stage(
         "shm_reader": reader,
         "link_id": link_id,
         "replay_bytes": replay_bytes,
+        "replica": replica,
+        "routed": routed,
     }
     if isinstance(inner, PipelinedEngine):
         return PipelinedPipeStage(inner, **options)

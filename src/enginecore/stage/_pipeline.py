@@ -34,6 +34,7 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     launch_options,
+    launch_plan,
     new_shm_prefix,
     pipe_kwargs,
     retry_counts,
@@ -86,19 +87,23 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         max_bytes: int | None = None,
         shm_prefix: str | None = None,
         retry: Sequence[int] | None = None,
+        replicas: Sequence[int] | None = None,
     ) -> None:
         # Private: use launch().
         lock = threading.Lock()
-        super().__init__(clients, names, max_in_flight, max_bytes, lock, shm_prefix, retry)
+        super().__init__(
+            clients, names, max_in_flight, max_bytes, lock, shm_prefix, retry, replicas
+        )
         self._thread_lock = lock
         self._room = threading.Condition(lock)
         self._close_lock = threading.Lock()
         # Each stage's events are taken on the thread that read them (its client's
         # receiver, or a call_utility reading meanwhile), as the client appends them to its
         # ordered event stream: no thread of the pipeline's own, no hand-over between two.
-        for k, client in enumerate(self._clients):
-            client._event_sink = functools.partial(self._take_events, k)
-            self._take_events(k)  # anything that came before the sink was set
+        for k, stage_clients in enumerate(self._replicas):
+            for r, client in enumerate(stage_clients):
+                client._event_sink = functools.partial(self._take_events, k, r)
+                self._take_events(k, r)  # anything that came before the sink was set
 
     @classmethod
     def launch(
@@ -110,26 +115,38 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         startup_timeout: float = 60.0,
     ) -> Pipeline:
         """Start one stage process per item of *stages* (a :class:`PipelineStage`, or a
-        factory import string for a stage with no options), connect each to the next, and
-        return the pipeline. The stages start last to first, each knowing where the next
-        one listens. If one fails to start, the ones started are shut down and its
-        :class:`~enginecore.stage.StageStartupError` is raised."""
+        factory import string for a stage with no options), or ``replicas`` of them for a
+        replica pool, connect each to the next (every replica to every replica of the next
+        stage), and return the pipeline. The stages start last to first, each knowing where
+        the next one's processes listen. If one fails to start, the ones started are shut
+        down and its :class:`~enginecore.stage.StageStartupError` is raised."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
         clients: list[StageClient] = []
-        downstream: str | None = None
+        downstream: list[str] | None = None
+        addresses: list[str] = []
         prefix = new_shm_prefix()
+        routed = any(spec.replicas > 1 for spec in specs)
         try:
-            for k in reversed(range(len(specs))):
+            for k, r in launch_plan(specs):
                 spec = specs[k]
                 upstream = specs[k - 1] if k else None
+                kwargs = pipe_kwargs(
+                    spec,
+                    downstream,
+                    shm_prefix=prefix,
+                    index=k,
+                    upstream=upstream,
+                    replica=r,
+                    routed=routed,
+                )
                 client = StageClient.launch(
-                    PIPE_FACTORY,
-                    pipe_kwargs(spec, downstream, shm_prefix=prefix, index=k, upstream=upstream),
-                    **launch_options(spec, startup_timeout),
+                    PIPE_FACTORY, kwargs, **launch_options(spec, startup_timeout, r)
                 )
                 clients.append(client)
-                downstream = client.address
+                addresses.append(client.address)
+                if r == spec.replicas - 1:  # the stage before this one links to all of them
+                    downstream, addresses = addresses, []
         except BaseException:
             for client in clients:
                 with contextlib.suppress(Exception):
@@ -137,7 +154,13 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             if prefix is not None:
                 _shm.unlink_prefix(prefix)
             raise
-        clients.reverse()
+        # Started last stage first, each stage's replicas in order: stage by stage, in order.
+        ordered: list[StageClient] = []
+        start = len(clients)
+        for spec in specs:
+            ordered += clients[start - spec.replicas : start]
+            start -= spec.replicas
+        clients = ordered
         names = [s.name or s.factory for s in specs]
         return cls(
             clients,
@@ -146,6 +169,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             max_bytes=max_bytes,
             shm_prefix=prefix,
             retry=retry_counts(specs),
+            replicas=[spec.replicas for spec in specs],
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -192,7 +216,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 if left is not None and left <= 0:
                     raise core.full_error(timeout)
                 self._room.wait(left)
-            failed = self._open_and_send(ids, streams, parts, nbytes, many)
+            failed = self._open_and_send(ids, streams, parts, nbytes, many, items)
         if failed is not None:
             self._failed_send(failed)
         return streams
@@ -206,11 +230,22 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     # -- stages ------------------------------------------------------------------------------
 
     def call_utility(
-        self, stage: str, name: str, /, *args: Any, timeout: float | None = None
+        self,
+        stage: str,
+        name: str,
+        /,
+        *args: Any,
+        timeout: float | None = None,
+        replica: int | None = None,
     ) -> Any:
         """Call utility *name* of the stage named *stage* (as
-        :meth:`StageClient.call_utility`)."""
-        return self.client(stage).call_utility(name, *args, timeout=timeout)
+        :meth:`StageClient.call_utility`). A replica pool: with *replica*, that replica's
+        answer; without, a list of every replica's answers, in order (the first error
+        raises)."""
+        clients, many = self._utility_clients(stage, replica)
+        if not many:
+            return clients[0].call_utility(name, *args, timeout=timeout)
+        return [client.call_utility(name, *args, timeout=timeout) for client in clients]
 
     def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics | Exception]:
         """Each stage's statistics, by name (:meth:`StageClient.stats`), as ``{name:
@@ -218,9 +253,9 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         <enginecore.stage.StagePool.stats>` answers: a dead stage's entry is its
         :class:`~enginecore.stage.EngineDeadError` (and one that did not answer within
         *timeout* seconds, a :class:`TimeoutError`), so that the live stages' numbers can
-        still be read once one died. Thread-safe."""
+        still be read once one died. A replica pool's replicas are ``name[r]``. Thread-safe."""
         out: dict[str, StageStatistics | Exception] = {}
-        for name, client in zip(self._names, self._clients, strict=True):
+        for name, client in zip(self._keys, self._clients, strict=True):
             try:
                 out[name] = client.stats(timeout=timeout)
             except Exception as exc:

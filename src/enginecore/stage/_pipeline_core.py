@@ -64,6 +64,20 @@ only when both are in. A request done while live is *released*
 while a fence is unanswered (a replay made moot by a later one is still on its way) is
 aborted in every stage instead, so that what that replay sends ends too, and is kept until
 the abort and every fence are answered.
+
+**Replica pools** (``replicas[k] > 1``: stage ``k`` runs as that many processes). Each
+request gets a *route* when it is admitted, one replica per stage: per stage, the live
+replica with the fewest requests the coordinator routed there that are still in the
+pipeline (ties: round robin). Every event of stage ``k`` about the request comes from
+``route[k]``; one from another replica of that stage is dropped. The IO layer sends the
+route with the request (and with each abort: :attr:`PipelineDeliveries.routes`). A
+replica's death (:meth:`replica_dead`) ends only the requests routed through it, each with
+a :class:`~._errors.PipelineStageDeadError` naming the stage and the replica; their
+aborts go from the first stage and from the stage after the dead one, and the dead replica
+counts as having applied them. New requests avoid it. When the last replica of a stage
+dies, the stage is dead (:meth:`stage_dead`). The coordinator's abort is confirmed once per
+stage (a bit per stage: an abort sent twice to a stage, once from the first stage and once
+from the stage after a dead replica, is one confirmation).
 """
 
 from __future__ import annotations
@@ -138,6 +152,7 @@ class _Request(Generic[S]):
         "nbytes",
         "replays",
         "req_id",
+        "route",
         "sent",
         "spoke",
         "state",
@@ -150,13 +165,14 @@ class _Request(Generic[S]):
         self.stream = stream
         self.state = _LIVE
         self.ended = self.sent = self.confirms = self.spoke = 0
-        # ended, bit k: stage k ended it; sent, bit k: and sent payloads on; confirms, the
-        # stages that applied the coordinator's abort. Retry: bit k of spoke, stage k sent
+        # ended, bit k: stage k ended it; sent, bit k: and sent payloads on; confirms, bit
+        # k: stage k applied the coordinator's abort. Retry: bit k of spoke, stage k sent
         # the caller a payload (counted only where an edge retries); fences[k], the fences
         # stage k has still to answer (its events until then are an earlier attempt's);
         # replays, once it has one.
         self.fences: list[int] | None = None
         self.replays: _Replays | None = None
+        self.route: tuple[int, ...] | None = None  # with replica pools: one per stage
 
 
 @dataclass(slots=True, eq=False)
@@ -172,16 +188,20 @@ class PipelineDeliveries(Generic[S]):
     stage_aborts: list[tuple[int, list[str]]] = field(default_factory=list)
     """``(stage, ids)``: request ids to abort in that stage, which a dead stage cuts off
     from the first one (the abort chases on from there)."""
-    gone: list[tuple[int, str, int]] = field(default_factory=list)
-    """``(stage, side, dead)``: tell that stage that stage *dead*, on its *side*
-    (``"previous"`` or ``"next"``), is gone; sent before :attr:`stage_aborts`, so that the
-    stage after a dead one drops the dead one's late data before it applies the aborts."""
+    gone: list[tuple[int, int, str, int, int]] = field(default_factory=list)
+    """``(stage, replica, side, dead, dead_replica)``: tell that replica of that stage that
+    replica *dead_replica* of stage *dead*, on its *side* (``"previous"`` or ``"next"``),
+    is gone; sent before :attr:`stage_aborts`, so that the stage after a dead one drops the
+    dead one's late data before it applies the aborts."""
     replays: list[tuple[int, str, int]] = field(default_factory=list)
     """``(stage, req_id, attempt)``: ask that stage to replay the request to the next one
     (``["replay", req_id, attempt]``): the next stage failed it, and its edge retries."""
     releases: list[str] = field(default_factory=list)
     """Requests done in the pipeline: the stages that keep replay logs forget them
     (``["release", ids]``)."""
+    routes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """With replica pools: the route of every request named above (its replica of each
+    stage), to send each message to the right replica and the aborts along the route."""
 
 
 class PipelineCore(Generic[S]):
@@ -198,9 +218,19 @@ class PipelineCore(Generic[S]):
         max_in_flight: int | None = None,
         max_bytes: int | None = None,
         retry: Sequence[int] | None = None,
+        replicas: Sequence[int] | None = None,
     ) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
+        replicas = [1] * len(stages) if replicas is None else list(replicas)
+        if len(replicas) != len(stages) or min(replicas) < 1:
+            raise ValueError(f"replicas must be one count >= 1 per stage, got {replicas}")
+        self.replicas = tuple(replicas)
+        self.pooled = max(replicas) > 1
+        """Whether a stage is a replica pool (requests have routes)."""
+        self._alive = [[True] * r for r in replicas]
+        self._load = [[0] * r for r in replicas]  # requests routed there, in the pipeline
+        self._turn = [0] * len(replicas)  # round robin among the least loaded
         check_budget(max_in_flight, max_bytes)
         retry = [0] * len(stages) if retry is None else list(retry)
         if len(retry) != len(stages) or retry[0] or min(retry) < 0:
@@ -216,7 +246,9 @@ class PipelineCore(Generic[S]):
         self._requests: dict[str, _Request[S]] = {}
         self.failure: BaseException | None = None
         """Why the pipeline takes no more requests: a stage died, or it was closed."""
-        self._orphans: list[str] = []  # the ids a stage's death ended (stage_dead)
+        # The ids a stage's death ended (stage_dead), and their routes.
+        self._orphans: dict[str, tuple[int, ...] | None] = {}
+        self._all = (1 << len(stages)) - 1  # every stage's bit
         # The failure as an End: check() raises it with the traceback it had then, so that
         # refused adds do not grow it (see _session.End).
         self._failure_end: End | None = None
@@ -288,14 +320,48 @@ class PipelineCore(Generic[S]):
 
     def open(self, req_id: str, stream: S, nbytes: int = 0) -> None:
         """Admit *req_id*, *nbytes* of the bytes budget (checked with :meth:`admissible`)."""
-        self._requests[req_id] = _Request(req_id, stream, nbytes)
+        req = self._requests[req_id] = _Request(req_id, stream, nbytes)
         self.bytes_in += nbytes
+        if self.pooled:
+            req.route = self._pick()
+
+    def _pick(self) -> tuple[int, ...]:
+        """A new request's route: per stage, the live replica with the fewest requests
+        routed there (ties: round robin), counted in."""
+        route: list[int] = []
+        for k, (load, alive) in enumerate(zip(self._load, self._alive, strict=True)):
+            count = len(load)
+            if count == 1:
+                load[0] += 1
+                route.append(0)
+                continue
+            start = self._turn[k]
+            best = -1
+            for i in range(count):
+                r = (start + i) % count
+                if alive[r] and (best < 0 or load[r] < load[best]):
+                    best = r
+            best = max(best, 0)  # every replica dead: the pipeline has failed (check raises)
+            self._turn[k] = (best + 1) % count
+            load[best] += 1
+            route.append(best)
+        return tuple(route)
+
+    def route(self, req_id: str) -> tuple[int, ...] | None:
+        """The route of *req_id* (its replica of each stage), or ``None`` (no replica
+        pools, or not in the pipeline)."""
+        req = self._requests.get(req_id)
+        return None if req is None else req.route
 
     def open_many(self, req_ids: Sequence[str], streams: Sequence[S], nbytes: int) -> None:
         """:meth:`open` for a burst of *nbytes* in all, each request with its share."""
         requests = self._requests
         share, extra = divmod(nbytes, len(req_ids))
-        if extra:
+        if self.pooled:
+            for i, (rid, stream) in enumerate(zip(req_ids, streams, strict=True)):
+                req = requests[rid] = _Request(rid, stream, share + (i < extra))
+                req.route = self._pick()
+        elif extra:
             for i, (rid, stream) in enumerate(zip(req_ids, streams, strict=True)):
                 requests[rid] = _Request(rid, stream, share + (i < extra))
         else:
@@ -323,6 +389,8 @@ class PipelineCore(Generic[S]):
             if req is not None and req.state is RequestState.LIVE:
                 req.state = RequestState.ABORTING
                 d.aborts.append(rid)
+                if req.route is not None:
+                    d.routes[rid] = req.route
 
     # -- what a stage says --------------------------------------------------------------------
 
@@ -334,17 +402,22 @@ class PipelineCore(Generic[S]):
         payloads: Sequence[Any],
         now: float,
         d: PipelineDeliveries[S],
+        r: int = 0,
     ) -> None:
-        """An ``outputs`` event of stage *k*: payloads for the caller and ends in that stage
-        (module docstring). Ids not in the pipeline are dropped (unrouted outputs, and those
-        of a request whose stream has ended)."""
+        """An ``outputs`` event of stage *k* (its replica *r*): payloads for the caller and
+        ends in that stage (module docstring). Ids not in the pipeline are dropped
+        (unrouted outputs, and those of a request whose stream has ended), and so are those
+        of a request not routed through that replica."""
         requests = self._requests
         closing = RequestState.CLOSING
         wake = d.wake
         retrying = self._retrying
+        pooled = self.replicas[k] > 1
         for rid, fin, payload in zip(req_ids, finished, payloads, strict=True):
             req = requests.get(rid) if rid is not None else None
             if req is None:
+                continue
+            if pooled and req.route is not None and req.route[k] != r:
                 continue
             fences = req.fences
             if fences is not None and fences[k]:
@@ -365,13 +438,22 @@ class PipelineCore(Generic[S]):
                     wake.append(stream)
 
     def error(
-        self, k: int, req_id: str, message: str, now: float, d: PipelineDeliveries[S]
+        self,
+        k: int,
+        req_id: str,
+        message: str,
+        now: float,
+        d: PipelineDeliveries[S],
+        r: int = 0,
     ) -> None:
-        """Stage *k* ended *req_id* with an error: the stream ends with it now, and the
-        request is aborted in every stage (unless the caller's abort already is)."""
+        """Stage *k* (its replica *r*) ended *req_id* with an error: the stream ends with it
+        now, and the request is aborted in every stage (unless the caller's abort already
+        is)."""
         req = self._requests.get(req_id)
         if req is None or req.state is RequestState.CLOSING:
             return
+        if req.route is not None and req.route[k] != r:
+            return  # not routed through that replica: not this request's
         fences = req.fences
         if fences is not None and fences[k]:
             return  # an earlier attempt's
@@ -400,12 +482,16 @@ class PipelineCore(Generic[S]):
         message: str,
         now: float,
         d: PipelineDeliveries[S],
+        r: int = 0,
     ) -> None:
-        """Stage *k* answered the replay *attempt* of *req_id*: if it could not replay it
-        (*ok* false, *message* why), the request ends with the error that asked for the
-        replay, unless a later replay superseded this one or it has ended already."""
+        """Stage *k* (its replica *r*) answered the replay *attempt* of *req_id*: if it
+        could not replay it (*ok* false, *message* why), the request ends with the error
+        that asked for the replay, unless a later replay superseded this one or it has ended
+        already."""
         req = self._requests.get(req_id)
         if req is None or ok or req.state is not RequestState.LIVE:
+            return
+        if req.route is not None and req.route[k] != r:
             return
         replays = req.replays
         if replays is None or attempt != replays.attempt:
@@ -430,6 +516,8 @@ class PipelineCore(Generic[S]):
         req.ended &= (1 << k) - 1
         req.sent &= (1 << k) - 1
         d.replays.append((k - 1, req.req_id, replays.attempt))
+        if req.route is not None:
+            d.routes[req.req_id] = req.route
 
     def _fail(
         self, req: _Request[S], k: int, message: str, now: float, d: PipelineDeliveries[S]
@@ -439,9 +527,18 @@ class PipelineCore(Generic[S]):
         self._end(req, End(PipelineRequestError(req.req_id, self.stages[k], message)), now, d)
         if req.state is RequestState.LIVE:
             d.aborts.append(req.req_id)
+            if req.route is not None:
+                d.routes[req.req_id] = req.route
         req.state = RequestState.CLOSING
 
-    def aborted(self, k: int, req_ids: Iterable[str], now: float, d: PipelineDeliveries[S]) -> None:
+    def aborted(
+        self,
+        k: int,
+        req_ids: Iterable[str],
+        now: float,
+        d: PipelineDeliveries[S],
+        r: int = 0,
+    ) -> None:
         """Stage *k* applied an abort of *req_ids*. Once every stage has applied the
         coordinator's abort of a request, nothing more can come of it: an aborting one's
         stream ends (aborted), and its place is free. (An abort the coordinator did not send,
@@ -449,25 +546,98 @@ class PipelineCore(Generic[S]):
         (:meth:`error`) is not a confirmation: it ends that stage's earlier attempt, and a
         request leaves only once every fence is answered too."""
         requests = self._requests
-        n = self._n
+        bit = 1 << k
+        every = self._all
+        pooled = self.replicas[k] > 1
         for rid in req_ids:
             req = requests.get(rid)
             if req is None:
                 continue
+            if pooled and req.route is not None and req.route[k] != r:
+                continue  # a replica the request does not go through
             fences = req.fences
             if fences is not None and fences[k]:
                 fences[k] -= 1  # stage k applied a replay's fence: its next events are new
             elif req.state is RequestState.LIVE:
                 continue
             else:
-                req.confirms += 1
-            if req.confirms >= n and (fences is None or not any(fences)):
-                if req.state is RequestState.ABORTING:
-                    self._end(req, ABORTED, now, d)
-                self._release(req, d)
+                req.confirms |= bit
+            self._confirmed(req, now, d, every)
+
+    def _confirmed(
+        self, req: _Request[S], now: float, d: PipelineDeliveries[S], every: int
+    ) -> None:
+        """Once every stage has applied the coordinator's abort of *req*, and every fence is
+        answered, it is over: an aborting one's stream ends (aborted), its place is free."""
+        fences = req.fences
+        if req.confirms == every and (fences is None or not any(fences)):
+            if req.state is RequestState.ABORTING:
+                self._end(req, ABORTED, now, d)
+            self._release(req, d)
+
+    def replica_dead(
+        self, k: int, r: int, exc: EngineDeadError, now: float, d: PipelineDeliveries[S]
+    ) -> None:
+        """Replica *r* of stage *k* is gone. The last live one of its stage: the stage is
+        dead (:meth:`stage_dead`). Otherwise only the requests routed through it end, each
+        with a :class:`~._errors.PipelineStageDeadError` naming the stage and *r* (a closing
+        one's stream has ended already); each is aborted from the first stage (a live one)
+        and from its replica of the stage after this one (the abort sent from the first
+        stage stops at the dead replica), and the dead replica counts as having applied the
+        abort. The stages next to it are told it is gone, and new requests avoid it."""
+        alive = self._alive[k]
+        if not alive[r]:
+            return
+        alive[r] = False
+        if not any(alive):
+            self.stage_dead(k, exc, now, d, r)
+            return
+        self._gone_around(k, r, d)
+        error = PipelineStageDeadError(
+            str(exc), stage=self.stages[k], exit_code=exc.exit_code, fatal=exc.fatal, replica=r
+        )
+        error.__cause__ = exc
+        end = End(error)
+        bit = 1 << k
+        after: list[str] = []
+        for req in [q for q in self._requests.values() if q.route is not None and q.route[k] == r]:
+            rid = req.req_id
+            state = req.state
+            if state is not RequestState.CLOSING:
+                self._end(req, end, now, d)
+            if state is RequestState.LIVE and k > 0:
+                d.aborts.append(rid)
+            req.state = RequestState.CLOSING
+            d.routes[rid] = req.route  # type: ignore[assignment]
+            if req.fences is not None:
+                req.fences[k] = 0
+            req.confirms |= bit
+            if k + 1 < self._n:
+                after.append(rid)
+            else:
+                self._confirmed(req, now, d, self._all)
+        if after:
+            d.stage_aborts.append((k + 1, after))
+
+    def _gone_around(self, k: int, r: int, d: PipelineDeliveries[S]) -> None:
+        """Tell the live replicas of the stages next to stage *k* that its replica *r* is
+        gone: the next stage's first (``"previous"``), then the previous stage's."""
+        if k + 1 < self._n:
+            for j, up in enumerate(self._alive[k + 1]):
+                if up:
+                    d.gone.append((k + 1, j, "previous", k, r))
+        if k > 0:
+            for j, up in enumerate(self._alive[k - 1]):
+                if up:
+                    d.gone.append((k - 1, j, "next", k, r))
 
     def stage_dead(
-        self, k: int, exc: EngineDeadError, now: float, d: PipelineDeliveries[S]
+        self,
+        k: int,
+        exc: EngineDeadError,
+        now: float,
+        d: PipelineDeliveries[S],
+        r: int | None = None,
     ) -> None:
         """Stage *k* is gone: every request still in the pipeline ends with a
         :class:`~._errors.PipelineStageDeadError` naming it (a closing one's stream has
@@ -483,9 +653,18 @@ class PipelineCore(Generic[S]):
         after it drops whatever of its data arrives later (its last ``pipe`` messages and
         the coordinator's abort travel on two connections, with no order between them),
         and the stage before it stops sending to it and frees the shared-memory slots it
-        kept for it."""
+        kept for it.
+
+        With replica pools: *r* is the replica that died last (the stage's others died
+        before it), and the error names it."""
+        if r is not None:
+            self._alive[k][r] = False
         error = PipelineStageDeadError(
-            str(exc), stage=self.stages[k], exit_code=exc.exit_code, fatal=exc.fatal
+            str(exc),
+            stage=self.stages[k],
+            exit_code=exc.exit_code,
+            fatal=exc.fatal,
+            replica=r if self.replicas[k] > 1 else None,
         )
         error.__cause__ = exc
         if self.failure is None:
@@ -498,16 +677,15 @@ class PipelineCore(Generic[S]):
                 live = [rid for rid, req in requests.items() if req.state is not closing]
                 if live:
                     d.aborts += live
-            self._orphans += requests
+            self._orphans.update((rid, req.route) for rid, req in requests.items())
+        if self.pooled:
+            d.routes.update((rid, route) for rid, route in self._orphans.items() if route)
         # A stage's death also cuts the aborts that an earlier death sent on their way
         # through it: the stage after it gets them again (a stage ignores an abort of an id
         # it does not hold, and no id is reused once the pipeline has failed).
-        if k + 1 < self._n:
-            d.gone.append((k + 1, "previous", k))
-            if self._orphans:
-                d.stage_aborts.append((k + 1, list(self._orphans)))
-        if k > 0:
-            d.gone.append((k - 1, "next", k))
+        self._gone_around(k, 0 if r is None else r, d)
+        if k + 1 < self._n and self._orphans:
+            d.stage_aborts.append((k + 1, list(self._orphans)))
         self._end_all(error, now, d)
 
     def close(self, exc: BaseException, now: float, d: PipelineDeliveries[S]) -> None:
@@ -541,6 +719,8 @@ class PipelineCore(Generic[S]):
             return  # the stream has ended; the abort's confirmations free it
         self._end(req, FINISHED, now, d)
         if state is RequestState.LIVE:
+            if req.route is not None:
+                d.routes[req.req_id] = req.route
             if req.fences is not None and any(req.fences):
                 # A replay is still on its way (a later one made it moot): abort the request
                 # in every stage, so that what it replays ends too, and keep the id until
@@ -566,9 +746,23 @@ class PipelineCore(Generic[S]):
         d.freed += len(self._requests)
         self._requests.clear()
         self.bytes_in = 0
+        for load in self._load:
+            load[:] = [0] * len(load)
 
     def _release(self, req: _Request[S], d: PipelineDeliveries[S]) -> None:
         """*req* is over in every stage: its id and its place in the budget are free."""
         del self._requests[req.req_id]
         self.bytes_in -= req.nbytes
         d.freed += 1
+        route = req.route
+        if route is not None:
+            for load, replica in zip(self._load, route, strict=True):
+                load[replica] -= 1
+
+    def load(self, k: int) -> list[int]:
+        """Per replica of stage *k*: the requests routed there that are in the pipeline."""
+        return list(self._load[k])
+
+    def alive(self, k: int) -> list[bool]:
+        """Per replica of stage *k*: whether the coordinator has not seen it die."""
+        return list(self._alive[k])

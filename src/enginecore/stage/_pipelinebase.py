@@ -33,6 +33,7 @@ __all__ = [
     "Retry",
     "check_drain",
     "launch_options",
+    "launch_plan",
     "new_shm_prefix",
     "pipe_kwargs",
     "retry_counts",
@@ -122,6 +123,17 @@ class PipelineStage:
     a request-scoped error: ``"fail"`` (the request ends with that error) or
     :class:`Retry` ``(n)`` (this stage sends the next one the request's inputs again, up
     to *n* times). The last stage has no next stage: only ``"fail"``.
+
+    *replicas* (an ``int`` >= 1; default 1): the stage runs as that many processes, a
+    **replica pool**. Each request goes through one replica of each stage, picked by the
+    coordinator when the request is admitted (the one with the fewest requests in the
+    pipeline routed there; ties in turn); data still goes stage to stage, over one link
+    from each replica to each replica of the next stage, each with its own window. A
+    replica's death ends only the requests routed through it, with an error naming the
+    stage and the replica; the others go on, and new requests avoid it
+    (``docs/pipelines.md``, "Replica pools as stages"). On an edge into or out of a pool,
+    each link has its own shared-memory slots, *shm_pool_bytes* shared among a replica's
+    links.
     """
 
     factory: str
@@ -137,10 +149,15 @@ class PipelineStage:
     shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES
     shm_lease: float = _shm.DEFAULT_LEASE
     on_next_error: Literal["fail"] | Retry = "fail"
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str):
             raise TypeError(f"factory must be an import string, got {self.factory!r}")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
+            raise TypeError(f"replicas must be an int >= 1, got {self.replicas!r}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
         if isinstance(self.shm_pool_bytes, bool) or not isinstance(self.shm_pool_bytes, int):
             raise ValueError(f"shm_pool_bytes must be an int >= 1, got {self.shm_pool_bytes!r}")
         if self.shm_pool_bytes < 1:
@@ -211,16 +228,21 @@ def retry_counts(specs: Sequence[PipelineStage]) -> list[int]:
 
 def pipe_kwargs(
     spec: PipelineStage,
-    downstream: str | None,
+    downstream: str | list[str] | None,
     *,
     shm_prefix: str | None = None,
     index: int = 0,
     upstream: PipelineStage | None = None,
+    replica: int = 0,
+    routed: bool = False,
 ) -> dict[str, Any]:
-    """The kwargs of :data:`PIPE_FACTORY` for the stage *spec*, number *index*, whose next
-    stage listens at *downstream* (``None``: the last stage) and whose previous stage is
-    *upstream* (``None``: the first). *shm_prefix*: the pipeline's shared-memory prefix
-    (:func:`._shm.pipeline_prefix`; ``None``: no shared memory on this host)."""
+    """The kwargs of :data:`PIPE_FACTORY` for replica *replica* of the stage *spec*,
+    number *index*, whose next stage listens at *downstream* (``None``: the last stage; a
+    list: the addresses of its replicas, a pool) and whose previous stage is *upstream*
+    (``None``: the first). *shm_prefix*: the pipeline's shared-memory prefix
+    (:func:`._shm.pipeline_prefix`; ``None``: no shared memory on this host); an edge into
+    or out of a replica pool has a pool of slots per link (:func:`._shm.link_prefix`).
+    *routed*: the pipeline has replica pools."""
     kwargs: dict[str, Any] = {
         "factory": spec.factory,
         "stage": spec.name,
@@ -228,20 +250,32 @@ def pipe_kwargs(
     }
     if spec.edge is not None:
         kwargs["edge"] = spec.edge
+    if routed:
+        kwargs["routed"] = True
+        kwargs["replica"] = replica
+    pooled_out = spec.replicas > 1 or (isinstance(downstream, list) and len(downstream) > 1)
+    pooled_in = upstream is not None and (upstream.replicas > 1 or spec.replicas > 1)
     if downstream is not None:
+        if isinstance(downstream, list) and len(downstream) == 1:
+            downstream = downstream[0]
         kwargs["downstream"] = downstream
         kwargs["window"] = spec.window
         kwargs["window_bytes"] = spec.window_bytes
-        kwargs["link_id"] = link_id(index)
+        kwargs["link_id"] = link_id(index, replica=replica if spec.replicas > 1 else None)
         if isinstance(spec.on_next_error, Retry):
             kwargs["replay_bytes"] = spec.on_next_error.max_bytes
         if shm_prefix is not None and spec.shm_threshold is not None:
+            if pooled_out:
+                kwargs["shm_links"] = True
             kwargs["shm_prefix"] = _shm.stage_prefix(shm_prefix, index)
             kwargs["shm_threshold"] = spec.shm_threshold
             kwargs["shm_pool_bytes"] = spec.shm_pool_bytes
             kwargs["shm_lease"] = float(spec.shm_lease)
     if shm_prefix is not None and upstream is not None and upstream.shm_threshold is not None:
         kwargs["shm_upstream"] = _shm.stage_prefix(shm_prefix, index - 1)
+        if pooled_in:  # this replica's slots on each link into it (_shm.link_prefix)
+            kwargs["shm_upstream"] += f"{replica}-"
+            kwargs["shm_upstream_pooled"] = True
     return kwargs
 
 
@@ -250,12 +284,28 @@ def new_shm_prefix() -> str | None:
     return _shm.pipeline_prefix() if _shm.available() else None
 
 
-def launch_options(spec: PipelineStage, startup_timeout: float) -> dict[str, Any]:
-    """The keyword arguments of a client's ``launch`` for the stage *spec*."""
+def launch_plan(
+    specs: Sequence[PipelineStage],
+) -> list[tuple[int, int]]:
+    """The order a pipeline starts its processes in: ``(stage, replica)``, the last stage
+    first (each learns where the next one's replicas listen)."""
+    return [(k, r) for k in reversed(range(len(specs))) for r in range(specs[k].replicas)]
+
+
+def replica_name(spec: PipelineStage, replica: int) -> str:
+    """The name of replica *replica* of the stage *spec*: its name, with ``[replica]``
+    added in a pool."""
+    name = spec.name or spec.factory
+    return f"{name}[{replica}]" if spec.replicas > 1 else name
+
+
+def launch_options(spec: PipelineStage, startup_timeout: float, replica: int = 0) -> dict[str, Any]:
+    """The keyword arguments of a client's ``launch`` for replica *replica* of the stage
+    *spec*."""
     return {
         "startup_timeout": startup_timeout,
         "ordered_events": True,
-        "name": spec.name,
+        "name": replica_name(spec, replica),
         "step_timeout": spec.step_timeout,
         "log_level": spec.log_level,
         "forward_logs": spec.forward_logs,
@@ -283,14 +333,29 @@ class PipelineBase(Generic[S, C]):
         lock: contextlib.AbstractContextManager[Any],
         shm_prefix: str | None = None,
         retry: Sequence[int] | None = None,
+        replicas: Sequence[int] | None = None,
     ) -> None:
         self._lock = lock
         self._shm_prefix = shm_prefix
-        self._core: PipelineCore[S] = PipelineCore(names, max_in_flight, max_bytes, retry)
+        counts = [1] * len(names) if replicas is None else list(replicas)
+        self._core: PipelineCore[S] = PipelineCore(names, max_in_flight, max_bytes, retry, counts)
         # The stages that keep replay logs: those before a stage that is retried.
         self._loggers = [k - 1 for k, n in enumerate(self._core.retry) if n]
-        self._clients = list(clients)
+        self._clients = list(clients)  # every process, stage by stage, replica by replica
+        if len(self._clients) != sum(counts):
+            raise ValueError(f"{len(self._clients)} clients for {counts} replicas")
+        self._replicas: list[list[C]] = []  # per stage, its replicas' clients
+        start = 0
+        for count in counts:
+            self._replicas.append(self._clients[start : start + count])
+            start += count
         self._names = tuple(names)
+        self._keys = [
+            name if count == 1 else f"{name}[{r}]"
+            for name, count in zip(self._names, counts, strict=True)
+            for r in range(count)
+        ]
+        self._pooled = self._core.pooled
         self._closed = False
 
     @property
@@ -305,18 +370,41 @@ class PipelineBase(Generic[S, C]):
         with self._lock:
             return self._core.in_flight
 
-    def client(self, stage: str) -> C:
-        """The client of the stage named *stage* (for what the pipeline does not wrap).
-        :class:`KeyError` for an unknown name."""
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        """How many processes each stage runs, in order (1, or a replica pool's size)."""
+        return self._core.replicas
+
+    def _stage_index(self, stage: str) -> int:
         try:
-            return self._clients[self._names.index(stage)]
+            return self._names.index(stage)
         except ValueError:
             stages = list(self._names)
             raise KeyError(f"no stage named {stage!r}; the stages are {stages}") from None
 
+    def client(self, stage: str, replica: int = 0) -> C:
+        """The client of the stage named *stage* (for what the pipeline does not wrap): of
+        its replica *replica*, in a replica pool. :class:`KeyError` for an unknown name,
+        :class:`IndexError` for a replica it does not have."""
+        replicas = self._replicas[self._stage_index(stage)]
+        if isinstance(replica, bool) or not isinstance(replica, int):
+            raise TypeError(f"replica must be an int, got {replica!r}")
+        if not 0 <= replica < len(replicas):
+            raise IndexError(f"stage {stage!r} has {len(replicas)} replica(s), not {replica}")
+        return replicas[replica]
+
+    def _utility_clients(self, stage: str, replica: int | None) -> tuple[list[C], bool]:
+        """The clients a ``call_utility`` of *stage* goes to, and whether it answers a list
+        (a replica pool's, without *replica*: one answer per replica)."""
+        if replica is not None:
+            return [self.client(stage, replica)], False
+        replicas = self._replicas[self._stage_index(stage)]
+        return list(replicas), len(replicas) > 1
+
     def health(self) -> dict[str, StageHealth]:
-        """Each stage's health, by name. Never blocks."""
-        return {name: c.health() for name, c in zip(self._names, self._clients, strict=True)}
+        """Each stage's health, by name (a replica pool's replicas as ``name[r]``). Never
+        blocks."""
+        return {key: c.health() for key, c in zip(self._keys, self._clients, strict=True)}
 
     @property
     def bytes_in(self) -> int:
@@ -339,7 +427,13 @@ class PipelineBase(Generic[S, C]):
         return ids, parts, nbytes
 
     def _open_and_send(
-        self, ids: list[str], streams: Sequence[S], parts: Parts, nbytes: int, many: bool
+        self,
+        ids: list[str],
+        streams: Sequence[S],
+        parts: Parts,
+        nbytes: int,
+        many: bool,
+        items: list[tuple[str, Any]] | None = None,
     ) -> tuple[BaseException, PipelineDeliveries[S]] | None:
         """Admit *ids* and send the frame of :meth:`_frame` to the first stage, with the
         lock held (after :meth:`PipelineCore.admissible`): an abort of one of them, which
@@ -348,17 +442,46 @@ class PipelineBase(Generic[S, C]):
         deliveries to carry out outside the lock (:meth:`_failed_send`)."""
         core = self._core
         core.open_many(ids, streams, nbytes)
-        first = self._clients[0]
         try:
-            if many:
-                first._send_requests(ids, parts, False)
+            if self._pooled:
+                self._send_routed(ids, parts, many, items)
+            elif many:
+                self._clients[0]._send_requests(ids, parts, False)
             else:
-                first._send_request(ids[0], parts, False)
+                self._clients[0]._send_request(ids[0], parts, False)
         except BaseException as exc:
             d: PipelineDeliveries[S] = PipelineDeliveries()
             core.forget(ids, d)
             return exc, d
         return None
+
+    def _send_routed(
+        self, ids: list[str], parts: Parts, many: bool, items: list[tuple[str, Any]] | None
+    ) -> None:
+        """Replica pools: each request to its route's replica of the first stage, right
+        after a ``route`` message with the rest of its route (``docs/wire.md`` section 8).
+        A burst split over replicas goes as one ``adds`` frame per replica."""
+        core = self._core
+        groups: dict[int, list[int]] = {}
+        routes: list[tuple[int, ...]] = []
+        for i, rid in enumerate(ids):
+            route = core.route(rid)
+            assert route is not None
+            routes.append(route)
+            groups.setdefault(route[0], []).append(i)
+        for r, picked in groups.items():
+            client = self._replicas[0][r]
+            g_ids = [ids[i] for i in picked]
+            client._send(ClientSession.route_frame(g_ids, [list(routes[i][1:]) for i in picked]))
+            if len(groups) == 1:
+                g_parts = parts
+            else:
+                assert items is not None
+                _, g_parts = ClientSession.adds_frame([items[i] for i in picked])
+            if many:
+                client._send_requests(g_ids, g_parts, False)
+            else:
+                client._send_request(g_ids[0], g_parts, False)
 
     def _failed_send(self, failed: tuple[BaseException, PipelineDeliveries[S]]) -> NoReturn:
         """Outside the lock: carry out what :meth:`_open_and_send` returned, and raise its
@@ -397,34 +520,91 @@ class PipelineBase(Generic[S, C]):
         the data from there), and to a stage after a dead one; a replay to the stage before
         one that failed a request, and the releases of done requests to the stages that keep
         replay logs. A stage that is gone has its failure end every request anyway."""
-        for k, side, dead in d.gone:
+        replicas = self._replicas
+        for k, r, side, dead, dead_r in d.gone:
             with contextlib.suppress(Exception):
-                link = link_id(dead) if side == "previous" else ""
-                self._clients[k]._send(ClientSession.gone_frame(side, link))
+                if side == "previous":
+                    pool = self._core.replicas[dead] > 1
+                    link = link_id(dead, replica=dead_r if pool else None)
+                    frame = ClientSession.gone_frame(side, link)
+                else:
+                    frame = ClientSession.gone_frame(side, "", dead_r)
+                replicas[k][r]._send(frame)
+        if not self._pooled:
+            if d.aborts:
+                with contextlib.suppress(Exception):
+                    self._clients[0]._send_abort(d.aborts)
+            for k, req_ids in d.stage_aborts:
+                with contextlib.suppress(Exception):
+                    self._clients[k]._send_abort(req_ids)
+            for k, rid, attempt in d.replays:  # a gone stage: its failure ends the request
+                with contextlib.suppress(Exception):
+                    self._clients[k]._send(ClientSession.replay_frame(rid, attempt))
+            if d.releases:
+                for k in self._loggers:
+                    with contextlib.suppress(Exception):
+                        self._clients[k]._send(ClientSession.release_frame(d.releases))
+            return
+        # Replica pools: each to the replica on the request's route, an abort with the rest
+        # of the route, which it chases along.
+        routes = d.routes
         if d.aborts:
-            with contextlib.suppress(Exception):
-                self._clients[0]._send_abort(d.aborts)
+            self._send_routed_aborts(0, d.aborts, routes)
         for k, req_ids in d.stage_aborts:
+            self._send_routed_aborts(k, req_ids, routes)
+        for k, rid, attempt in d.replays:
+            route = routes.get(rid)
             with contextlib.suppress(Exception):
-                self._clients[k]._send_abort(req_ids)
-        for k, rid, attempt in d.replays:  # a gone stage: its failure ends the request
-            with contextlib.suppress(Exception):
-                self._clients[k]._send(ClientSession.replay_frame(rid, attempt))
+                client = replicas[k][route[k] if route else 0]
+                client._send(ClientSession.replay_frame(rid, attempt))
         if d.releases:
             for k in self._loggers:
-                with contextlib.suppress(Exception):
-                    self._clients[k]._send(ClientSession.release_frame(d.releases))
+                by: dict[int, list[str]] = {}
+                for rid in d.releases:
+                    route = routes.get(rid)
+                    by.setdefault(route[k] if route else 0, []).append(rid)
+                for r, ids in by.items():
+                    with contextlib.suppress(Exception):
+                        replicas[k][r]._send(ClientSession.release_frame(ids))
 
-    def _unlink_dead(self, k: int) -> None:
-        """Stage *k* is gone: unlink its shared-memory segments (a killed stage could not),
-        and those of the stage before it, which sent it payloads it can no longer release.
+    def _send_routed_aborts(
+        self, k: int, req_ids: list[str], routes: Mapping[str, tuple[int, ...]]
+    ) -> None:
+        """Abort *req_ids* from stage *k* on: each at its route's replica, with the rest of
+        its route (a gone replica's failure ends its requests anyway)."""
+        by: dict[int, tuple[list[str], list[list[int]]]] = {}
+        for rid in req_ids:
+            route = routes.get(rid)
+            r = route[k] if route else 0
+            ids, rests = by.setdefault(r, ([], []))
+            ids.append(rid)
+            rests.append(list(route[k + 1 :]) if route else [])
+        for r, (ids, rests) in by.items():
+            with contextlib.suppress(Exception):
+                self._replicas[k][r]._send(ClientSession.abort_frame(ids, rests))
+
+    def _unlink_dead(self, k: int, r: int = 0) -> None:
+        """Stage *k* (its replica *r*) is gone: unlink its shared-memory segments (a killed
+        stage could not), and those of the stage before it, which sent it payloads it can no
+        longer release (on an edge into or out of a replica pool: only the links to and from
+        that replica, :func:`._shm.link_prefix`).
         Again :data:`SHM_SWEEP_S` later, on a timer thread: the stage before it may have
         made more before the abort of its requests reached it. A name's memory goes with
         the last mapping: the live neighbours let go of theirs when told the stage is gone
         (:meth:`_send_aborts`); the pipeline takes no more requests, and its shutdown
         unlinks the rest."""
-        assert self._shm_prefix is not None
-        prefixes = [_shm.stage_prefix(self._shm_prefix, j) for j in range(max(0, k - 1), k + 1)]
+        prefix = self._shm_prefix
+        assert prefix is not None
+        reps = self._core.replicas
+        prefixes: list[str] = []
+        if k > 0:  # the previous stage's slots for it
+            prefixes.append(_shm.stage_prefix(prefix, k - 1))
+            if reps[k - 1] > 1 or reps[k] > 1:
+                prefixes[-1] += f"{r}-"
+        if k + 1 < len(reps) and (reps[k] > 1 or reps[k + 1] > 1):  # its own, per link
+            prefixes += [_shm.link_prefix(prefix, k, c, r) for c in range(reps[k + 1])]
+        else:
+            prefixes.append(_shm.stage_prefix(prefix, k))
 
         def sweep() -> None:
             for prefix in prefixes:
@@ -440,11 +620,12 @@ class PipelineBase(Generic[S, C]):
 
     # -- what the stages say ------------------------------------------------------------------
 
-    def _take_events(self, k: int) -> None:
-        """Stage *k*'s client appended to its ordered event stream: hand every event to the
-        core, in order. Taken under the pipeline's lock, so two threads that read frames of
-        one stage (its receiver and a ``call_utility``) cannot reorder them."""
-        client = self._clients[k]
+    def _take_events(self, k: int, r: int = 0) -> None:
+        """Stage *k*'s client (its replica *r*'s) appended to its ordered event stream: hand
+        every event to the core, in order. Taken under the pipeline's lock, so two threads
+        that read frames of one stage (its receiver and a ``call_utility``) cannot reorder
+        them."""
+        client = self._replicas[k][r]
         buf = client._session.events
         if not buf:
             return
@@ -452,22 +633,30 @@ class PipelineBase(Generic[S, C]):
         d: PipelineDeliveries[S] = PipelineDeliveries()
         dead: BaseException | None = None
         credit_items = credit_bytes = 0
+        credits: dict[int, list[int]] = {}  # a pool's: per replica of stage k - 1
         with self._lock:
             now = time.monotonic()
             while buf:
                 ev = buf.popleft()
                 if isinstance(ev, Outputs):
-                    core.outputs(k, ev.req_ids, ev.finished, ev.payloads, now, d)
+                    core.outputs(k, ev.req_ids, ev.finished, ev.payloads, now, d, r)
                 elif isinstance(ev, Aborted):
-                    core.aborted(k, ev.req_ids, now, d)
+                    core.aborted(k, ev.req_ids, now, d, r)
                 elif isinstance(ev, Credit):
-                    credit_items += ev.items
-                    credit_bytes += ev.nbytes
+                    if ev.links is None:
+                        credit_items += ev.items
+                        credit_bytes += ev.nbytes
+                    else:
+                        for link in ev.links:
+                            if len(link) == 3:
+                                owed = credits.setdefault(link[0], [0, 0])
+                                owed[0] += link[1]
+                                owed[1] += link[2]
                 elif isinstance(ev, Replayed):
-                    core.replayed(k, ev.req_id, ev.attempt, ev.ok, ev.message, now, d)
+                    core.replayed(k, ev.req_id, ev.attempt, ev.ok, ev.message, now, d, r)
                 elif isinstance(ev, ErrorReport):
                     if ev.req_id is not None:
-                        core.error(k, ev.req_id, ev.message, now, d)
+                        core.error(k, ev.req_id, ev.message, now, d, r)
                     else:
                         logger.warning(
                             "enginecore: pipeline stage %r: %s", self._names[k], ev.message
@@ -476,15 +665,32 @@ class PipelineBase(Generic[S, C]):
                     # The stage's event stream ended with its failure: it is gone.
                     dead = ev.exc
                     exc = dead if isinstance(dead, EngineDeadError) else EngineDeadError(str(dead))
-                    core.stage_dead(k, exc, now, d)
+                    if self._pooled:
+                        core.replica_dead(k, r, exc, now, d)
+                    else:
+                        core.stage_dead(k, exc, now, d)
         self._deliver(d)
         if credit_items and k:
             # Stage k took that much of what stage k - 1 sent it: room in k - 1's window.
-            with contextlib.suppress(Exception):  # k - 1 is gone: its failure tells
-                self._clients[k - 1]._send(ClientSession.credit_frame(credit_items, credit_bytes))
+            credits[0] = [credit_items, credit_bytes]
+        if credits and k:
+            before = self._replicas[k - 1]
+            for a, (items, nbytes) in credits.items():
+                if items and 0 <= a < len(before):
+                    with contextlib.suppress(Exception):  # k - 1 is gone: its failure tells
+                        before[a]._send(ClientSession.credit_frame(items, nbytes, r))
         if dead is not None:
             if self._shm_prefix is not None:
-                self._unlink_dead(k)
+                self._unlink_dead(k, r)
+            if self._pooled and any(core.alive(k)):
+                logger.error(
+                    "enginecore: pipeline stage %r, replica %d, is gone (%s); its requests "
+                    "ended, the stage goes on with its other replicas",
+                    self._names[k],
+                    r,
+                    dead,
+                )
+                return
             logger.error(
                 "enginecore: pipeline stage %r is gone (%s); the pipeline takes no more requests",
                 self._names[k],

@@ -752,25 +752,41 @@ class ClientSession(Generic[S, W]):
             raise
 
     @staticmethod
-    def abort_frame(req_ids: Sequence[str]) -> Parts:
-        """An ``abort``. A bare ``str`` is refused (it is a sequence of chars)."""
+    def abort_frame(req_ids: Sequence[str], routes: list[list[int]] | None = None) -> Parts:
+        """An ``abort``. A bare ``str`` is refused (it is a sequence of chars). *routes*: a
+        pipeline with replica pools' (``docs/wire.md`` section 8), one per id."""
         if isinstance(req_ids, (str, bytes)):
             raise TypeError(f"abort() takes a sequence of request ids; write abort([{req_ids!r}])")
         ids = list(req_ids)
         for rid in ids:
             _check_req_id(rid)
+        if routes is not None:
+            return _encode(("abort", ids, routes), "abort")
         return _encode(("abort", ids), "abort")
 
     @staticmethod
-    def credit_frame(items: int, nbytes: int) -> Parts:
-        """A ``credit`` for a pipeline's stage (``docs/wire.md`` section 8)."""
+    def credit_frame(items: int, nbytes: int, replica: int = 0) -> Parts:
+        """A ``credit`` for a pipeline's stage (``docs/wire.md`` section 8): of the next
+        stage's replica *replica* (a replica pool's; named only when not 0)."""
+        if replica:
+            return [_encode_flat(("credit", items, nbytes, replica))]
         return [_encode_flat(("credit", items, nbytes))]
 
     @staticmethod
-    def gone_frame(side: str, link: str = "") -> Parts:
+    def gone_frame(side: str, link: str = "", replica: int = 0) -> Parts:
         """A ``gone`` for a pipeline's stage (``docs/wire.md`` section 8): the stage on
-        *side* (``"previous"``, whose link's routing id is *link*, or ``"next"``) died."""
+        *side* (``"previous"``, whose link's routing id is *link*, or ``"next"``: its
+        replica *replica*, in a replica pool) died."""
+        if replica:
+            return [_encode_flat(("gone", side, link, replica))]
         return [_encode_flat(("gone", side, link))]
+
+    @staticmethod
+    def route_frame(req_ids: list[str], routes: list[list[int]]) -> Parts:
+        """A ``route`` for the first stage of a pipeline with replica pools (``docs/wire.md``
+        section 8): per id, the replicas of the stages after it that the request goes
+        through; sent right before the request's add."""
+        return [_encode_flat(("route", req_ids, routes))]
 
     @staticmethod
     def replay_frame(req_id: str, attempt: int) -> Parts:

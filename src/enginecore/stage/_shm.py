@@ -62,6 +62,7 @@ __all__ = [
     "ShmReader",
     "available",
     "configure_reader",
+    "link_prefix",
     "pipeline_prefix",
     "read_array",
     "segments",
@@ -118,6 +119,15 @@ def pipeline_prefix() -> str:
 def stage_prefix(prefix: str, index: int) -> str:
     """The prefix of the segments of stage *index* of the pipeline *prefix*."""
     return f"{prefix}{index}-"
+
+
+def link_prefix(prefix: str, index: int, consumer: int, producer: int) -> str:
+    """The prefix of the segments that replica *producer* of stage *index* keeps for
+    replica *consumer* of the next stage, on an edge into or out of a replica pool: one
+    pool of slots per link, named consumer first, so that the consumer's reader takes
+    ``stage_prefix(prefix, index) + f"{consumer}-"`` and a dead consumer's slots are one
+    prefix."""
+    return f"{prefix}{index}-{consumer}-{producer}-"
 
 
 def segments(prefix: str) -> list[str]:
@@ -329,8 +339,12 @@ class ShmReader:
     payload in it, and renews the lease of every array it handed out while that array lives,
     on a thread of its own. :meth:`array` is called by the input side's decoder."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, pooled: bool = False) -> None:
         self.prefix = prefix
+        # An edge into or out of a replica pool: names are <prefix><producer>-<n>, and a
+        # producer that died is refused (gone_producers) while the others are still taken.
+        self.pooled = pooled
+        self.gone_producers: set[str] = set()
         self._maps: dict[str, _Mapped] = {}
         self._maps_lock = threading.Lock()
         # Leases held: a key per array handed out -> (header, generation, lease_ns). The
@@ -362,7 +376,7 @@ class ShmReader:
                 f"[dtype, shape, name, generation, offset, nbytes]"
             )
         dtype_str, shape_list, name, gen, offset, nbytes = head[:6]
-        if not name.startswith(self.prefix) or not name[len(self.prefix) :].isdigit():
+        if not self._theirs(name):
             raise ShmError(f"shared-memory segment {name!r} is not the previous stage's")
         try:
             import numpy as np
@@ -411,6 +425,16 @@ class ShmReader:
         except ValueError as exc:  # a zero itemsize, more than 64 dimensions, ...
             raise ShmError(f"invalid array of shape {shape}, dtype {dtype.str}: {exc}") from None
 
+    def _theirs(self, name: str) -> bool:
+        """Whether *name* is a slot of the previous stage's, kept for this one."""
+        if not name.startswith(self.prefix):
+            return False
+        rest = name[len(self.prefix) :]
+        if not self.pooled:
+            return rest.isdigit()
+        producer, _, n = rest.partition("-")
+        return producer.isdigit() and n.isdigit()
+
     def _check(self, name: str, header: Any, gen: int, until: int, now: int) -> None:
         if header[_H_RETIRED]:
             self.expired += 1
@@ -433,7 +457,10 @@ class ShmReader:
 
     def _mapped(self, name: str, gen: int) -> _Mapped:
         with self._maps_lock:
-            if self.gone:
+            if self.gone or (
+                self.gone_producers
+                and name[len(self.prefix) :].split("-", maxsplit=1)[0] in self.gone_producers
+            ):
                 self.expired += 1
                 raise ShmError(
                     f"{EXPIRED}: shared-memory segment {name!r} (generation {gen}) is gone: "
@@ -496,13 +523,22 @@ class ShmReader:
             for name in [n for n, m in self._maps.items() if m.header[_H_RETIRED]]:
                 del self._maps[name]
 
-    def upstream_gone(self) -> None:
+    def upstream_gone(self, producer: int | None = None) -> None:
         """The previous stage died: let go of the mappings of its slots, and map none
         again. An array still alive keeps its slot's memory (numpy holds the mapping)
-        until it dies; the slots' names are unlinked by the parent."""
+        until it dies; the slots' names are unlinked by the parent. *producer* (a pooled
+        edge): only that replica of the previous stage died; the others' slots are still
+        taken."""
         with self._maps_lock:
-            self.gone = True
-            self._maps.clear()
+            if producer is None or not self.pooled:
+                self.gone = True
+                self._maps.clear()
+                return
+            key = str(producer)
+            self.gone_producers.add(key)
+            mine = self.prefix + key + "-"
+            for name in [n for n in self._maps if n.startswith(mine)]:
+                del self._maps[name]
 
     @property
     def mapped(self) -> int:
@@ -522,19 +558,21 @@ class ShmReader:
 _reader: ShmReader | None = None
 
 
-def configure_reader(prefix: str) -> ShmReader:
+def configure_reader(prefix: str, pooled: bool = False) -> ShmReader:
     """This process takes shared-memory payloads from segments whose names start with
-    *prefix* (a pipeline's stage whose previous stage may send them): its reader."""
+    *prefix* (a pipeline's stage whose previous stage may send them): its reader.
+    *pooled*: an edge into or out of a replica pool (names ``<prefix><producer>-<n>``)."""
     global _reader
-    _reader = ShmReader(prefix)
+    _reader = ShmReader(prefix, pooled)
     return _reader
 
 
-def upstream_gone() -> None:
-    """The input side heard that the previous stage died: this process's reader, if it has
-    one, lets go of its slots (:meth:`ShmReader.upstream_gone`)."""
+def upstream_gone(producer: int | None = None) -> None:
+    """The input side heard that the previous stage (its replica *producer*, of a pool)
+    died: this process's reader, if it has one, lets go of its slots
+    (:meth:`ShmReader.upstream_gone`)."""
     if _reader is not None:
-        _reader.upstream_gone()
+        _reader.upstream_gone(producer)
 
 
 def read_array(head: object) -> Any:

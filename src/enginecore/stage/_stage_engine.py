@@ -200,14 +200,19 @@ class StageEngine:
         self._pipe_input: Callable[[int, str, Any], None] | None = (
             pipe_input if callable(pipe_input) else None
         )
-        self._pipe_received: Callable[[int, int], None] | None = getattr(
+        self._pipe_received: Callable[[int, int, int], None] | None = getattr(
             engine, "pipe_received", None
         )
-        self._pipe_credit: Callable[[int, int], None] | None = getattr(engine, "pipe_credit", None)
+        self._pipe_credit: Callable[[int, int, int], None] | None = getattr(
+            engine, "pipe_credit", None
+        )
+        self._pipe_route: Callable[[list[str], list[list[int]], bool], None] | None = getattr(
+            engine, "pipe_route", None
+        )
         self._chase_abort: Callable[[Sequence[str]], None] | None = getattr(
             engine, "chase_abort", None
         )
-        self._pipe_gone: Callable[[str, int], None] | None = getattr(engine, "pipe_gone", None)
+        self._pipe_gone: Callable[[str, int, int], None] | None = getattr(engine, "pipe_gone", None)
         self._pipe_late: Callable[[str, int], None] | None = getattr(engine, "pipe_late", None)
         self._pipe_replay: Callable[[str], tuple[bool, str]] | None = getattr(
             engine, "pipe_replay", None
@@ -266,7 +271,11 @@ class StageEngine:
         self._outbox.ended_dropped(list(req_ids))
 
     def pipe_input(
-        self, kinds: list[int], req_ids: list[str], data: list[Any], received: tuple[int, int]
+        self,
+        kinds: list[int],
+        req_ids: list[str],
+        data: list[Any],
+        received: tuple[int, int, int],
     ) -> None:
         """:class:`~._controls.PipeInput`: input from a pipeline's previous stage, item by
         item. An item that starts a request (*kinds* bit 0) is refused as an ``add`` would
@@ -277,8 +286,8 @@ class StageEngine:
         a request that ended here before its input did. A
         :class:`~enginecore.RequestRejected` ends that request with an ``error`` event.
         Any other exception is fatal, as from ``add``. Then the engine is
-        told what the frame held (*received*: items and bytes), for the credit it gives
-        back to the stage that sent it."""
+        told what the frame held (*received*: items, bytes and the sender's replica index),
+        for the credit it gives back to the stage that sent it."""
         pipe_input = self._pipe_input
         emit = self._emit
         if pipe_input is None:
@@ -310,17 +319,24 @@ class StageEngine:
         if self._pipe_received is not None:
             self._pipe_received(*received)
 
-    def pipe_credit(self, items: int, nbytes: int) -> None:
-        """:class:`~._controls.PipeCredit`: the next stage took what this one sent it."""
+    def pipe_credit(self, items: int, nbytes: int, replica: int = 0) -> None:
+        """:class:`~._controls.PipeCredit`: the next stage (its *replica*) took what this
+        one sent it."""
         if self._pipe_credit is not None:
-            self._pipe_credit(items, nbytes)
+            self._pipe_credit(items, nbytes, replica)
 
-    def pipe_gone(self, side: str, late: int) -> None:
+    def pipe_gone(self, side: str, late: int, replica: int = 0) -> None:
         """:class:`~._controls.PipeGone`: the stage before this one (*side* ``"previous"``)
-        or after it (``"next"``) died; *late*: messages of the gone previous stage that the
-        input side dropped."""
+        or after it (``"next"``, its *replica*) died; *late*: messages of the gone previous
+        stage that the input side dropped."""
         if self._pipe_gone is not None:
-            self._pipe_gone(side, late)
+            self._pipe_gone(side, late, replica)
+
+    def pipe_route(self, req_ids: list[str], routes: list[list[int]], abort: bool) -> None:
+        """:class:`~._controls.PipeRoute`: the routes of requests through the replica pools
+        after this stage (*abort*: for the abort that follows)."""
+        if self._pipe_route is not None:
+            self._pipe_route(req_ids, routes, abort)
 
     def pipe_replay(self, req_id: str, attempt: int) -> None:
         """:class:`~._controls.PipeReplay`: the next stage failed *req_id*: the engine's

@@ -62,6 +62,7 @@ from ._controls import (
     PipeInput,
     PipeRelease,
     PipeReplay,
+    PipeRoute,
     SessionChange,
     Stop,
 )
@@ -412,12 +413,16 @@ class StageSession:
         elif cls is _wire.AddsMsg:
             self._adds(msg)
         elif cls is _wire.AbortMsg:
+            if msg.routes is not None:
+                self._routes(msg.req_ids, msg.routes, abort=True)
             self.to_loop.append(Abort(msg.req_ids))
         elif cls is _wire.PipeMsg:
             # The frame's size, and the bytes of its arrays in shared memory (the credit).
             self._pipe(msg, sum(map(len, parts)) + self._decoder.shm_bytes)
         elif cls is _wire.CreditMsg:
-            self.to_loop.append(PipeCredit(msg.items, msg.nbytes))
+            self.to_loop.append(PipeCredit(msg.items, msg.nbytes, msg.replica))
+        elif cls is _wire.RouteMsg:
+            self._routes(msg.req_ids, msg.routes)
         elif cls is _wire.GoneMsg:
             self._gone(msg)
         elif cls is _wire.ReplayMsg:
@@ -479,13 +484,32 @@ class StageSession:
             self.to_loop.append(AddBurst(ok_ids, ok_data))
         self.events += errors
 
+    def _routes(self, req_ids: list[str], routes: list[list[int]], abort: bool = False) -> None:
+        """Routes of a pipeline with replica pools (``docs/wire.md`` section 8): one
+        :class:`PipeRoute`, or an unscoped ``error`` if they do not match the ids."""
+        if len(routes) != len(req_ids) or not all(
+            type(r) is list and all(type(i) is int and i >= 0 for i in r) for r in routes
+        ):
+            self.events.append(
+                (
+                    "error",
+                    None,
+                    "invalid message: routes must be one list of replica indexes per request",
+                )
+            )
+            return
+        self.to_loop.append(PipeRoute(req_ids, routes, abort))
+
     def _pipe(self, msg: _wire.PipeMsg, nbytes: int) -> None:
         """Input from a pipeline's previous stage (*nbytes*: the frame's size): one
         :class:`PipeInput` of the items that are valid, and an ``error`` for the request of
         each one that is not. The control carries the whole frame's size and item count,
         so that the credit the stage gives back covers the invalid items too."""
         kinds, req_ids, data = msg.kinds, msg.req_ids, msg.data
-        received = (len(kinds), nbytes)
+        received = (len(kinds), nbytes, msg.sender)
+        if msg.routes:
+            routed = msg.routes
+            self._routes(list(routed), list(routed.values()))
         if not len(kinds) == len(req_ids) == len(data):
             what = (
                 f"invalid message: pipe has {len(kinds)} kinds, {len(req_ids)} request ids "
@@ -530,12 +554,14 @@ class StageSession:
                 self.events.append(("error", None, "invalid message: gone needs the link"))
                 return
             self.gone_links.add(msg.link.encode())
-            _shm.upstream_gone()
+            # A replica of a pool (its index after the link's "-r"), or the whole stage.
+            _, sep, replica = msg.link.rpartition("-r")
+            _shm.upstream_gone(int(replica) if sep and replica.isdigit() else None)
         elif side != "next":
             why = f"invalid message: gone side must be previous or next, got {side!r}"
             self.events.append(("error", None, why))
             return
-        self.to_loop.append(PipeGone(side))
+        self.to_loop.append(PipeGone(side, 0, msg.replica))
 
     def _report_bad_frame(self, ident: bytes, body: Any, exc: Exception) -> None:
         # Recover the tag and an id from the head of the body, so that the error reaches

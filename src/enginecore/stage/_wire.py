@@ -62,6 +62,10 @@ class AddsMsg(msgspec.Struct, array_like=True, frozen=True, tag="adds"):
 
 class AbortMsg(msgspec.Struct, array_like=True, frozen=True, tag="abort"):
     req_ids: list[str]
+    # A pipeline with replica pools (docs/wire.md section 8): per id, the replicas of the
+    # stages after the receiver that the request's route goes through (the abort chases
+    # the data along it). Absent: replica 0 of each.
+    routes: list[list[int]] | None = None
 
 
 class UtilityMsg(msgspec.Struct, array_like=True, frozen=True, tag="utility"):
@@ -95,13 +99,20 @@ class PipeMsg(msgspec.Struct, array_like=True, frozen=True, tag="pipe"):
     kinds: list[int]
     req_ids: list[str]
     data: list[Any]
+    # A pipeline with replica pools: the routes of the requests whose first input this
+    # message carries (per id, the replicas of the stages after the receiver), and the
+    # sending stage's replica index (for the credit it is owed).
+    routes: dict[str, list[int]] | None = None
+    sender: int = 0
 
 
 class CreditMsg(msgspec.Struct, array_like=True, frozen=True, tag="credit"):
     # The coordinator -> a pipeline's stage (docs/wire.md section 8): the next stage took
-    # *items* pipe items, *nbytes* bytes of pipe messages, that this stage sent it.
+    # *items* pipe items, *nbytes* bytes of pipe messages, that this stage sent it;
+    # *replica*: which replica of the next stage (a replica pool; 0 otherwise).
     items: int
     nbytes: int
+    replica: int = 0
 
 
 class GoneMsg(msgspec.Struct, array_like=True, frozen=True, tag="gone"):
@@ -111,6 +122,16 @@ class GoneMsg(msgspec.Struct, array_like=True, frozen=True, tag="gone"):
     # gone.
     side: str
     link: str = ""
+    # "next" in a pipeline with replica pools: which replica of the next stage is gone.
+    replica: int = 0
+
+
+class RouteMsg(msgspec.Struct, array_like=True, frozen=True, tag="route"):
+    # The coordinator -> the first stage of a pipeline with replica pools, right before the
+    # add of *req_ids*: per id, the replicas of the stages after it that the request goes
+    # through.
+    req_ids: list[str]
+    routes: list[list[int]]
 
 
 class ReplayMsg(msgspec.Struct, array_like=True, frozen=True, tag="replay"):
@@ -142,6 +163,7 @@ ClientMsg: TypeAlias = (
     | GoneMsg
     | ReplayMsg
     | ReleaseMsg
+    | RouteMsg
 )
 
 # -- stage -> client, handshake replies (input socket) --------------------------------------
@@ -239,10 +261,12 @@ class Credit(msgspec.Struct, array_like=True, frozen=True, tag="credit"):
     """A pipeline's stage took *items* pipe items from the stage before it, *nbytes* bytes
     of its pipe messages (``docs/wire.md`` section 8): the coordinator passes it on to that
     stage, whose window to this one has that much room again. Only pipeline stages send
-    it."""
+    it. *links* (a pipeline with replica pools): the same, per replica of the stage before
+    it, ``[replica, items, nbytes]`` each."""
 
     items: int
     nbytes: int
+    links: list[list[int]] | None = None
 
 
 class Replayed(msgspec.Struct, array_like=True, frozen=True, tag="replayed"):

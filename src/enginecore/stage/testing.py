@@ -619,28 +619,37 @@ class RelayEngine:
     previous stage is taken as it arrives. In the first stage, the caller's data is the one
     input. Each step first sleeps *step_s* seconds (``time.sleep``: the GIL is released, as
     for a device), whatever the batch, and sends out at most *per_step* inputs of each
-    request (``None``: all it holds); :meth:`pending_inputs` says how many it holds, so that
-    the pipeline counts them against the previous stage's window.
+    request (``None``: all it holds), for at most *batch* requests (``None``: all that have
+    something; the others wait for a later step, as behind a device's batch size);
+    :meth:`pending_inputs` says how many it holds, so that the pipeline counts them against
+    the previous stage's window.
 
     The input ``"reject"`` raises :class:`~enginecore.RequestRejected` (from ``add`` or
     ``feed``), as does an ``add`` of a live id. Utilities: ``pid``, ``echo`` (its
-    arguments), ``num_requests``, ``sleep(seconds)`` (blocks the loop that long) and
+    arguments), ``num_requests``, ``added`` (requests added since it started),
+    ``sleep(seconds)`` (blocks the loop that long) and
     ``hold(on)``: while on, steps emit nothing (the requests wait, as behind a slow
     device). Outside a pipeline nothing closes a request's input, so it never ends: use it
     in pipelines."""
 
-    def __init__(self, step_s: float = 0.0, per_step: int | None = None) -> None:
+    def __init__(
+        self, step_s: float = 0.0, per_step: int | None = None, batch: int | None = None
+    ) -> None:
         if not 0 <= step_s < 60:
             raise ValueError(f"step_s must be seconds in [0, 60), got {step_s!r}")
         if per_step is not None and per_step < 1:
             raise ValueError(f"per_step must be >= 1 or None, got {per_step!r}")
+        if batch is not None and batch < 1:
+            raise ValueError(f"batch must be >= 1 or None, got {batch!r}")
         self.step_s = step_s
         self.per_step = per_step
+        self.batch = batch
         self._pending = 0  # inputs held, not yet sent out
         self._inputs: dict[str, list[Any]] = {}  # per live request: inputs not yet out
         self._closed: set[str] = set()  # live requests whose input is complete
         self._ready: dict[str, None] = {}  # requests with something for the next step
         self._hold = False
+        self._added = 0
 
     def has_work(self) -> bool:
         return bool(self._ready) and not self._hold
@@ -649,6 +658,7 @@ class RelayEngine:
         if req_id in self._inputs:
             raise RequestRejected(f"request {req_id!r} is already live in the engine")
         self._check(data)
+        self._added += 1
         self._inputs[req_id] = [data]
         self._ready[req_id] = None
         self._pending += 1
@@ -685,6 +695,8 @@ class RelayEngine:
             return list(args)
         if name == "num_requests":
             return len(self._inputs)
+        if name == "added":
+            return self._added
         if name == "sleep":
             time.sleep(args[0])
             return None
@@ -693,7 +705,7 @@ class RelayEngine:
             return None
         raise ValueError(
             f"RelayEngine has no utility {name!r}; known: 'pid', 'echo', 'num_requests', "
-            f"'sleep', 'hold'"
+            f"'added', 'sleep', 'hold'"
         )
 
     def step(self) -> list[tuple[str, bool, Any]]:
@@ -702,7 +714,11 @@ class RelayEngine:
         out: list[tuple[str, bool, Any]] = []
         inputs, closed, per_step = self._inputs, self._closed, self.per_step
         ready: dict[str, None] = {}
-        for rid in self._ready:
+        todo = list(self._ready)
+        if self.batch is not None and len(todo) > self.batch:
+            todo, later = todo[: self.batch], todo[self.batch :]
+            ready.update(dict.fromkeys(later))  # next steps, in turn
+        for rid in todo:
             items = inputs[rid]
             if per_step is not None and len(items) > per_step:
                 inputs[rid] = items[per_step:]
@@ -731,9 +747,11 @@ class RelayEngine:
         return [o[0] for o in outputs], [o[1] for o in outputs], [o[2] for o in outputs]
 
 
-def relay(step_s: float = 0.0, per_step: int | None = None) -> RelayEngine:
+def relay(
+    step_s: float = 0.0, per_step: int | None = None, batch: int | None = None
+) -> RelayEngine:
     """Factory: a :class:`RelayEngine`."""
-    return RelayEngine(step_s, per_step)
+    return RelayEngine(step_s, per_step, batch)
 
 
 class HeadEngine(RelayEngine):
