@@ -733,21 +733,13 @@ def catch_up_keys(replica: Any, member: Any, timeout: float = _AUTHORIZE_TIMEOUT
     stage = getattr(member, "_launched", None)
     if not isinstance(stage, RayStage):
         return
-    launched = stage.authorized_clients
     try:
-        while (keys := _keys_behind(replica, launched)) is not None:
+        while (keys := _keys_behind(replica, stage.authorized_clients)) is not None:
             ray = _import_ray()
-            ray.get(
-                stage.actor.authorize.remote([k.decode("ascii") for k in keys]), timeout=timeout
-            )
-            launched = stage.authorized_clients = keys
+            ray.get(_authorize_ref(stage, keys), timeout=timeout)
+            stage.authorized_clients = keys
     except Exception:
-        logger.warning(
-            "replica %s could not take the keys of a rotation; killing it",
-            replica.name,
-            exc_info=True,
-        )
-        stage.kill_and_clean()
+        _kill_behind(replica, stage)
 
 
 async def catch_up_keys_async(
@@ -757,19 +749,28 @@ async def catch_up_keys_async(
     stage = getattr(member, "_launched", None)
     if not isinstance(stage, RayStage):
         return
-    launched = stage.authorized_clients
     try:
-        while (keys := _keys_behind(replica, launched)) is not None:
-            future = stage.actor.authorize.remote([k.decode("ascii") for k in keys]).future()
+        while (keys := _keys_behind(replica, stage.authorized_clients)) is not None:
+            future = _authorize_ref(stage, keys).future()
             await asyncio.wait_for(asyncio.wrap_future(future), timeout)
-            launched = stage.authorized_clients = keys
+            stage.authorized_clients = keys
     except Exception:
-        logger.warning(
-            "replica %s could not take the keys of a rotation; killing it",
-            replica.name,
-            exc_info=True,
-        )
-        stage.kill_and_clean()
+        _kill_behind(replica, stage)
+
+
+def _authorize_ref(stage: RayStage, keys: tuple[bytes, ...]) -> Any:
+    """The actor's ``authorize`` call with *keys* (as Z85 text), under way: its Ray ref."""
+    return stage.actor.authorize.remote([k.decode("ascii") for k in keys])
+
+
+def _kill_behind(replica: Any, stage: RayStage) -> None:
+    """*replica*'s stage did not take a rotation's keys: kill it, saying why."""
+    logger.warning(
+        "replica %s could not take the keys of a rotation; killing it",
+        replica.name,
+        exc_info=True,
+    )
+    stage.kill_and_clean()
 
 
 def plan_from_spec(spec: Mapping[str, Any], replica_name: str) -> RayPlan:
