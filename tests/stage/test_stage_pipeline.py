@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from enginecore import CountdownEngine, RequestRejected
+from enginecore import CountdownEngine
 from enginecore.stage import (
     NOTHING,
     AsyncPipeline,
@@ -41,7 +40,7 @@ from enginecore.stage._pipe_stage import PipeStage
 from enginecore.stage._pipelinebase import PIPE_FACTORY
 from enginecore.stage._session import ClientSession
 from enginecore.stage._wire import ErrorReport
-from enginecore.stage.testing import EchoEngine, HeadEngine, RelayEngine
+from enginecore.stage.testing import HeadEngine, RelayEngine
 
 from .conftest import BlockingAsyncStream, EventLoopThread, child_pids, wait_until
 
@@ -669,165 +668,6 @@ class TestCredits:
         # Its end report: it ends here, and every stage before it ended it (its END came).
         assert stage.route_outputs([]) == (["r", "r"], [False, True], ["c", ENDED | BEFORE])
         assert emitted == []
-
-
-class _Recording(RelayEngine):
-    """A relay that logs what reaches it: ``(step, call, req_id, data)``, *step* the number
-    of steps before the call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[int, str, str, Any]] = []
-        self.steps = 0
-
-    def add(self, req_id: str, data: Any) -> None:
-        self.calls.append((self.steps, "add", req_id, data))
-        super().add(req_id, data)
-
-    def feed(self, req_id: str, data: Any) -> None:
-        self.calls.append((self.steps, "feed", req_id, data))
-        super().feed(req_id, data)
-
-    def close_input(self, req_id: str) -> None:
-        self.calls.append((self.steps, "close", req_id, None))
-        super().close_input(req_id)
-
-    def step(self) -> list[tuple[str, bool, Any]]:
-        self.steps += 1
-        return super().step()
-
-
-class TestFeedBudget:
-    """A streaming stage hands its engine at most the feed budget of pipe items between two
-    steps (``PipeStage``, "input from the previous stage"): the rest waits in the wrapper,
-    so that a stage given many frames at once steps between them and the next stage can
-    work meanwhile."""
-
-    def test_frames_applied_at_once_are_fed_over_several_steps(self) -> None:
-        engine = _Recording()
-        stage = PipeStage(engine, stage="t", feed_budget=3)  # the last stage
-        emitted: list[Any] = []
-        stage.attach_emit(emitted.append)
-        # Two frames applied before one step (as the loop applies every queued message).
-        stage.pipe_input(FIRST, "a", 0)
-        stage.pipe_input(MORE, "a", 1)
-        stage.pipe_input(FIRST, "b", 10)
-        stage.pipe_input(MORE, "b", 11)  # beyond the budget: held from here on
-        stage.pipe_received(4, 400)
-        stage.pipe_input(MORE, "a", 2)
-        stage.pipe_input(END, "a", None)
-        stage.pipe_input(MORE, "b", 12)
-        stage.pipe_input(END, "b", None)
-        stage.pipe_received(4, 400)
-        assert [c[2:] for c in engine.calls] == [("a", 0), ("a", 1), ("b", 10)]
-        # No credit yet: the relay holds what it was fed (pending_inputs), the wrapper the rest.
-        assert stage.take_credit() is None
-        assert stage.has_work()
-        stage.step()  # the three fed; nothing more before it
-        assert stage.route_outputs([])[2] == [0, 1, 10]
-        assert engine.calls[3:] == []
-        assert stage.take_credit() == ("credit", 3, 300)  # only what went through the engine
-        assert stage.has_work()  # the held ones
-        stage.step()  # the next three first, in order, then the step
-        assert engine.calls[3:] == [
-            (1, "feed", "b", 11),
-            (1, "feed", "a", 2),
-            (1, "close", "a", None),
-        ]
-        assert stage.route_outputs([]) == (
-            ["b", "a", "a"],
-            [False, False, True],
-            [11, 2, ENDED | BEFORE],
-        )
-        assert stage.take_credit() == ("credit", 3, 300)
-        stage.step()
-        assert engine.calls[6:] == [(2, "feed", "b", 12), (2, "close", "b", None)]
-        assert stage.route_outputs([])[0] == ["b", "b"]
-        assert stage.take_credit() == ("credit", 2, 200)
-        assert not stage.has_work()
-        assert emitted == []
-
-    def test_an_abort_drops_the_requests_held_items_at_once(self) -> None:
-        engine = _Recording()
-        stage = PipeStage(engine, stage="t", feed_budget=2)
-        emitted: list[Any] = []
-        stage.attach_emit(emitted.append)
-        stage.pipe_input(FIRST, "a", 0)
-        stage.pipe_input(FIRST, "b", 10)
-        stage.pipe_input(MORE, "b", 11)  # held
-        stage.pipe_input(MORE, "a", 1)  # held
-        stage.pipe_input(MORE, "b", 12)  # held
-        stage.pipe_input(END, "b", None)  # held
-        stage.pipe_received(6, 600)
-        stage.abort(["b"])  # applied before the next step: nothing of b reaches the engine
-        # b's items are no longer held (in the engine or the wrapper): given back; a's two
-        # (one in the relay, one held back) are not.
-        assert stage.take_credit() == ("credit", 4, 400)
-        stage.step()
-        stage.step()
-        assert [c for c in engine.calls if c[2] == "b"] == [(0, "add", "b", 10)]
-        assert [c[1:] for c in engine.calls if c[2] == "a"] == [("add", "a", 0), ("feed", "a", 1)]
-        assert stage.take_credit() == ("credit", 2, 200)
-        # A new request under the freed id (a replay after its fence) starts afresh, at
-        # once: nothing is held.
-        stage.pipe_input(FIRST, "b", 20)
-        assert engine.calls[-1] == (2, "add", "b", 20)
-
-    def test_a_refused_held_input_ends_its_request_with_an_error(self) -> None:
-        engine = _Recording()
-        stage = PipeStage(engine, stage="t", feed_budget=1)
-        stage.pipe_input(FIRST, "a", 0)
-        stage.pipe_input(FIRST, "b", "reject")  # held; refused once handed over
-        stage.pipe_input(MORE, "b", 1)  # held; dropped with its request
-        stage.pipe_input(MORE, "a", 1)  # held
-        stage.step()
-        assert stage.route_outputs([]) == (["a"], [False], [0])
-        stage.step()  # b's add is refused: an error output, as from the engine
-        rids, fins, payloads = stage.route_outputs([])
-        assert rids == ["b"]
-        assert fins == [False]
-        assert isinstance(payloads[0], RequestRejected)
-        stage.abort(["b"])  # what the stage runtime does for it (DropEnded)
-        stage.step()
-        assert stage.route_outputs([]) == (["a"], [False], [1])
-        assert not stage.has_work()
-        # b's refused add, and nothing of b after it.
-        assert [c[1:3] for c in engine.calls] == [("add", "a"), ("add", "b"), ("feed", "a")]
-
-    def test_an_engine_without_feed_gets_its_inputs_unbudgeted(self) -> None:
-        # One add per request, at its end, of all its inputs: nothing to hold back.
-        stage = PipeStage(EchoEngine(), stage="t", feed_budget=1)
-        stage.pipe_input(FIRST, "a", 2)
-        stage.pipe_input(MORE, "a", 3)
-        stage.pipe_input(END, "a", None)
-        stage.pipe_input(ONLY, "b", 1)
-        assert not stage._held
-        stage.step()
-        rids, _fins, payloads = stage.route_outputs([])
-        assert rids == ["a", "a", "b", "b"]
-        assert payloads[0::2] == [[2, 3], [1]]
-
-    @pytest.mark.parametrize("bad", [0, -1])
-    def test_a_bad_budget_is_refused(self, bad: int) -> None:
-        with pytest.raises(ValueError, match="feed_budget must be >= 1 or None"):
-            PipeStage(RelayEngine(), stage="t", feed_budget=bad)
-
-    def test_a_stage_given_many_frames_at_once_steps_between_them(self, launch: Any) -> None:
-        # In real processes: while the middle relay's loop sleeps, the first stage (no
-        # window) sends all its frames, 10,000 items; the relay then applies them all at
-        # once, and takes them over at least 5 steps of at most FEED_BUDGET items each.
-        pipe = launch([PipelineStage(COUNTDOWN, window=None), RELAY, RELAY])
-        middle = pipe.stages[1]
-        before = _stage_stats(pipe, middle).steps
-        sleeper = threading.Thread(target=pipe.call_utility, args=(middle, "sleep", 1.0))
-        sleeper.start()
-        try:
-            time.sleep(0.2)
-            streams = pipe.add_many([(f"r{i}", 4) for i in range(2000)])
-            assert all(s.collect() == [3, 2, 1, 0] for s in streams)
-        finally:
-            sleeper.join()
-        assert _stage_stats(pipe, middle).steps - before >= 5
 
 
 class TestAdmission:

@@ -273,10 +273,7 @@ class AddBurst(Control):
 class PipeInput(Control):
     """A ``pipe`` frame from the previous stage of a pipeline (``docs/wire.md`` section 8):
     ``kinds[i]`` of input ``data[i]`` for request ``req_ids[i]``, applied in order
-    (``StageEngine.pipe_input``). The lengths are equal (the session checks). Applied
-    here, in full, like any message; a streaming engine's wrapper may still hold items
-    back for its next steps (``_pipe_stage``, "a feed budget"), which is why the budget is
-    not a cap on how many of these the loop applies before a step."""
+    (``StageEngine.pipe_input``). The lengths are equal (the session checks)."""
 
     __slots__ = ("data", "kinds", "received", "req_ids")
 

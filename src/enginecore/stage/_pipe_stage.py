@@ -36,27 +36,6 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   one ``add(req_id, items)`` when the previous stage's request ends, *items* the list of
   every payload sent on, in order (the first stage: ``add(req_id, data)``, the caller's
   data as it is).
-- **a feed budget** (a streaming engine's, *feed_budget*, :data:`FEED_BUDGET` items): the
-  loop applies every queued message before it steps (``_loop.py``; an abort queued before
-  a step must be applied before it), so a stage that fell behind by several ``pipe`` frames
-  used to take them all into one big step while the next stage idled, and the stages took
-  turns instead of overlapping (``docs/performance.md``, "A feed budget"). The wrapper
-  hands the engine at most the budget of items between two steps and holds the rest back,
-  in order (once one is held, every later one is, whatever its request), to hand them over
-  at the start of the next steps, within the budget: a stage steps between frames and the
-  next stage works meanwhile. It is here, not in the loop or ``StageEngine.pipe_input``:
-  the loop's contract stays whole (every message is *applied* before the step: an abort
-  drops the request's held items at once, :meth:`PipeStage.abort`, so nothing of an
-  aborted request reaches the engine after its abort), and only the wrapper knows what a
-  step is for a pipeline's stage and which engines stream. Held items count as taken but
-  not given back (:meth:`PipeStage.take_credit`: credit only as items reach the engine),
-  so the window still bounds what the stage holds; :meth:`PipeStage.has_work` is true
-  while any is held. An item handed over later is checked as the stage runtime checks it
-  when applied: one of a request no longer live here is dropped (an ``END``:
-  :meth:`PipeStage.pipe_late`), and a :class:`~enginecore.RequestRejected` from the engine
-  ends that request here at once and becomes an error output of the step. An engine
-  without ``feed`` (one ``add`` at the request's end) and a pipelined engine (``launch``
-  and ``collect``, no ``step``) have no budget: each item is applied as it comes.
 - **abort chases the data**: an ``abort`` message applied here is sent on to the next stage
   after the data this stage sent for those requests (one connection keeps order), so the
   next stage never receives a payload of a request after its abort, and the coordinator
@@ -109,7 +88,6 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
 from __future__ import annotations
 
 import atexit
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -137,9 +115,6 @@ Edge = Callable[[Any], tuple[Any, Any]]
 
 _NO_COLUMNS: Final[tuple[list[Any], list[bool], list[Any]]] = ([], [], [])
 _UNBOUNDED: Final = 1 << 62
-# The most pipe items a streaming stage (an engine with ``feed``) hands its engine between
-# two steps; the rest wait in the wrapper (PipeStage, "input from the previous stage").
-FEED_BUDGET: Final = 2048
 
 
 def payload_size(value: Any, depth: int = 0) -> int:
@@ -180,10 +155,8 @@ class PipeStage:
     pool): one link to each, with a window each. *routed*: the pipeline has replica pools,
     so each request's route (the replicas of the stages after this one) arrives with its
     first input (``pipe_route``), picks its link, and goes on with it; *replica* is this
-    stage's replica index, named in its pipe messages for the credit. *feed_budget*: the
-    most pipe items a streaming engine (with ``feed``) is handed between two steps, the
-    rest held back for the next steps (``None``: no bound; module docstring, "a feed
-    budget"). Loop thread only, like any engine."""
+    stage's replica index, named in its pipe messages for the credit. Loop thread only,
+    like any engine."""
 
     def __init__(
         self,
@@ -200,10 +173,7 @@ class PipeStage:
         replay_bytes: int | None = None,
         replica: int = 0,
         routed: bool = False,
-        feed_budget: int | None = FEED_BUDGET,
     ) -> None:
-        if feed_budget is not None and feed_budget < 1:
-            raise ValueError(f"feed_budget must be >= 1 or None, got {feed_budget!r}")
         self._inner = inner
         self._stage = stage
         self._shm_reader = shm_reader
@@ -269,13 +239,6 @@ class PipeStage:
         self._spoke: set[str] = set()  # live requests whose edge sent the caller payloads
         self._quiet: list[str] = []  # ended in this step without a report (take_ended)
         self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
-        # A streaming engine's input beyond the feed budget (module docstring): the budget
-        # (None: none, every item goes to the engine as it is applied), what is left of it
-        # until the next step, and the items held back, in order, with a count per request.
-        self._budget = feed_budget if self._feed is not None else None
-        self._left = _UNBOUNDED if self._budget is None else self._budget
-        self._held: deque[tuple[int, str, Any]] = deque()
-        self._held_by: dict[str, int] = {}
         # Shared memory: one pool per link (a list, one per replica of the next stage), or
         # one pool for the one link to a next stage of one process.
         if shm is None:
@@ -338,10 +301,9 @@ class PipeStage:
     # -- the engine's methods, as the stage runtime calls them --------------------------------
 
     def has_work(self) -> bool:
-        """The engine's (or input held back for it: module docstring), unless the window to
-        the next stage is full. Gives back the credit for what it took from the previous
-        stage when the loop would go idle."""
-        if self._inner_has_work() or self._held:
+        """The engine's, unless the window to the next stage is full. Gives back the credit
+        for what it took from the previous stage when the loop would go idle."""
+        if self._inner_has_work():
             if (
                 max(self._out_items, default=0) < self._window_items
                 and max(self._out_bytes, default=0) < self._window_bytes
@@ -430,15 +392,12 @@ class PipeStage:
         ``None``: all of it, or, for an engine with ``pending_inputs()``, all but the inputs
         it still holds unprocessed (their share of the bytes, pro rata), so that a slow
         engine's backlog counts against the window. The stage runtime calls it after each
-        step, and sends the event in the step's frame. The items the wrapper holds back
-        for a streaming engine (beyond its feed budget) are not given back either: credit
-        goes back only as items reach the engine."""
+        step, and sends the event in the step's frame."""
         items, nbytes = self._taken_items, self._taken_bytes
         if not items:
             return None
-        if self._pending is not None or self._held:
-            pending = 0 if self._pending is None else max(0, self._pending())
-            held = min(items, pending + len(self._held))
+        if self._pending is not None:
+            held = min(items, max(0, self._pending()))
             if held:
                 kept = nbytes * held // items
                 items, nbytes = items - held, nbytes - kept
@@ -528,30 +487,9 @@ class PipeStage:
     def pipe_input(self, kind: int, req_id: str, item: Any) -> None:
         """Input from the previous stage. The stage runtime calls it for a request live in
         the stage, except for a *kind* with :data:`FIRST`, which makes it live; a
-        :class:`~enginecore.RequestRejected` from the engine ends only this request.
-
-        A streaming engine (with ``feed``) is handed at most the feed budget of items
-        between two steps; the items beyond it, and every later one while any is held, are
-        held back here, in order, and handed over at the start of the next steps (module
-        docstring)."""
-        if self._left <= 0 or self._held:
-            self._held.append((kind, req_id, item))
-            self._held_by[req_id] = self._held_by.get(req_id, 0) + 1
-            return
-        self._left -= 1
-        self._apply(kind, req_id, item)
-
-    def _apply(self, kind: int, req_id: str, item: Any) -> None:
-        """Hand the engine one item of the previous stage (:meth:`pipe_input`). A streaming
-        engine's item of a request no longer live here is dropped (its ``END`` told to
-        :meth:`pipe_late`), as the stage runtime drops it: one held back while the engine
-        ended the request, or refused an earlier item of it."""
+        :class:`~enginecore.RequestRejected` from the engine ends only this request."""
         inner = self._inner
         if self._feed is not None:
-            if not kind & FIRST and req_id not in self._live:
-                if kind & END:
-                    self.pipe_late(req_id, kind)
-                return
             if kind & FIRST:
                 inner.add(req_id, item)
                 self._live.add(req_id)
@@ -592,11 +530,8 @@ class PipeStage:
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """Drop *req_ids* here: every abort the stage applies (an ``abort`` message, or one
-        of its own: an error that ended the request, a detach, a drain's deadline). Their
-        items held back for the engine go at once: none reaches it after the abort."""
+        of its own: an error that ended the request, a detach, a drain's deadline)."""
         self._inner.abort(req_ids)
-        if self._held_by:
-            self._drop_held(req_ids)
         gathered, live, sent = self._gathered, self._live, self._sent
         opened, report, early, spoke = self._open, self._report, self._early, self._spoke
         for rid in req_ids:
@@ -614,41 +549,6 @@ class PipeStage:
                 rest.pop(rid, None)
         if self._replay_bytes is not None:
             self._forget(req_ids)
-
-    def _drop_held(self, req_ids: Sequence[str]) -> None:
-        """Take *req_ids*' items out of those held back for the engine."""
-        held_by = self._held_by
-        gone = {rid for rid in req_ids if held_by.pop(rid, None) is not None}
-        if gone:
-            self._held = deque(entry for entry in self._held if entry[1] not in gone)
-
-    def _feed_held(self) -> list[tuple[str, RequestRejected]]:
-        """Hand the engine the items held back for it, first to last, up to what is left of
-        the feed budget (the start of a step). A :class:`~enginecore.RequestRejected` from
-        the engine ends only that request, at once (:meth:`abort`: the engine's, the
-        wrapper's, its other held items), as the stage runtime does for an item refused
-        when applied; the request and its error are returned, for the step's outputs (the
-        stage runtime then reports the error and drops the request, as for any request the
-        engine ends with one)."""
-        held, held_by = self._held, self._held_by
-        left = self._left
-        rejected: list[tuple[str, RequestRejected]] = []
-        while held and left > 0:
-            kind, rid, item = held.popleft()
-            n = held_by[rid] - 1
-            if n:
-                held_by[rid] = n
-            else:
-                del held_by[rid]
-            left -= 1
-            try:
-                self._apply(kind, rid, item)
-            except RequestRejected as exc:
-                rejected.append((rid, exc))
-                self.abort((rid,))
-                held = self._held
-        self._left = left
-        return rejected
 
     # -- retry: the replay log -------------------------------------------------------------------
 
@@ -774,36 +674,16 @@ class PipeStage:
                 link.send(self._encoder.encode(("abort", ids, rests))[0])
 
     def step(self) -> list[Any]:
-        """The engine's step, its outputs routed (:meth:`_routed`). A streaming engine is
-        first handed what is held back for it, within the feed budget (module docstring);
-        the budget starts again after the step."""
-        budget = self._budget
-        if budget is None:
-            return self._routed(self._inner.step())  # type: ignore[union-attr]
-        rejected = self._feed_held() if self._held else None
-        self._left = budget
-        # None: no step, all it was handed was dropped or refused.
-        outputs = self._inner.step() if self._inner_has_work() else None  # type: ignore[union-attr]
-        return self._routed(outputs, rejected)
+        return self._routed(self._inner.step())  # type: ignore[union-attr]
 
-    def _routed(
-        self, outputs: Any, rejected: list[tuple[str, RequestRejected]] | None = None
-    ) -> list[Any]:
-        """Route a step's *outputs* with the engine's own routing (``None``: no step), then
-        the edge; keep the columns for :meth:`route_outputs` and return one item per column
-        entry (the number of outputs the stage runtime sees is not the engine's: the edge
-        adds and removes). *rejected*: requests whose held-back input the engine refused,
-        ended with an error like any the engine ends so."""
+    def _routed(self, outputs: Any) -> list[Any]:
+        """Route a step's *outputs* with the engine's own routing, then the edge; keep the
+        columns for :meth:`route_outputs` and return one item per column entry (the number
+        of outputs the stage runtime sees is not the engine's: the edge adds and removes)."""
         rids: list[Any] = []
         fins: list[Any] = []
         payloads: list[Any] = []
-        if outputs is not None:
-            self._route(outputs, rids, fins, payloads)
-        if rejected:
-            for rid, exc in rejected:
-                rids.append(rid)
-                fins.append(False)
-                payloads.append(exc)
+        self._route(outputs, rids, fins, payloads)
         if rids:
             rids, fins, payloads = self._split(rids, fins, payloads)
         self._columns = (rids, fins, payloads)
@@ -1086,8 +966,7 @@ class PipeStage:
 class PipelinedPipeStage(PipeStage):
     """:class:`PipeStage` around a :class:`~enginecore.PipelinedEngine`: ``launch`` and
     ``collect`` are the engine's (``collect``'s outputs go through :meth:`route_outputs`,
-    as a step's do). It has no feed budget: every input goes to the engine as it is
-    applied."""
+    as a step's do)."""
 
     def __init__(
         self,
@@ -1119,9 +998,6 @@ class PipelinedPipeStage(PipeStage):
             replica=replica,
             routed=routed,
         )
-        # No feed budget: the loop launches and collects, and never calls step().
-        self._budget = None
-        self._left = _UNBOUNDED
         self.launch = inner.launch
         collect = inner.collect
         routed_outputs = self._routed
