@@ -267,6 +267,65 @@ class TestWakingTheReadingLoop:
         assert "RuntimeError: injected" in caplog.text
 
 
+class TimedIdle(ScriptedEngine):
+    """An engine with an idle deadline (``_input_queue.IdleTimer``), armed as a pipeline
+    stage's held-back credit is: by a step (each step sets it :attr:`delay` ahead). Each
+    time it fires, whether the loop held the input side then is recorded (:attr:`holds`,
+    given the stage's queue) and :attr:`fired` is set."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.due: float | None = None
+        self.queue: InputQueue | None = None
+        self.fired_on: list[tuple[str, bool]] = []
+        self.fired = threading.Event()
+
+    def step(self) -> list[Any]:
+        self.due = time.monotonic() + self.delay
+        return super().step()
+
+    def idle_due(self) -> float | None:
+        return self.due
+
+    def idle_fire(self) -> None:
+        assert self.due is not None
+        assert time.monotonic() >= self.due
+        assert self.queue is not None
+        self.due = None
+        self.fired_on.append((threading.current_thread().name, self.queue.holds))
+        self.fired.set()
+
+
+class TestTheIdleTimer:
+    @pytest.mark.parametrize("holder", ["loop", "input thread"])
+    def test_it_fires_on_the_loop_thread_while_the_loop_idles(
+        self, holder: str, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Whoever holds the input side: the idle loop polls the socket itself after a
+        # short step, or, after a long one (here every step), waits on the wake-up pipe
+        # while the input thread reads.
+        monkeypatch.setattr(_input_queue, "LEASE_S", 60.0)  # no load makes a step too long
+        short = 10.0 if holder == "loop" else 0.0  # every step is short, or every one long
+        monkeypatch.setattr(_input_queue, "SHORT_STEP_S", short)
+        engine = TimedIdle(0.2)
+        with in_process_stage(engine, no_leftovers) as (stage, client):
+            engine.queue = q = _queue(stage)
+            if holder == "loop":  # the add then comes to a loop that reads (not the queue)
+                _until_the_loop_reads(client, q)
+            started = time.monotonic()
+            client.send("add", "r", 1)
+            client.until(lambda ev: ev[0] == "outputs" and ev[2] == [True])
+            assert engine.fired.wait(5)  # nothing else arrives: only the timer wakes it
+            assert time.monotonic() - started >= 0.2
+            assert engine.fired_on == [("test-stage-loop", holder == "loop")]
+            assert engine.idle_due() is None
+            # It waits on without the timer: a call is still answered, nothing fires.
+            assert client.call(8, "echo", 1)[-1] == ["utility", 8, [1], None]
+            assert q.loop_reads or holder == "input thread"
+            assert len(engine.fired_on) == 1
+
+
 def test_an_inbox_needs_the_stages_input_queue() -> None:
     with pytest.raises(TypeError, match="must be an InputQueue"):
         Inbox(

@@ -36,8 +36,13 @@ from enginecore.stage import (
     _shm,
 )
 from enginecore.stage._edge import BEFORE, END, ENDED, FIRST, MORE, ONLY, REPORT, SENT_ON, link_id
-from enginecore.stage._pipe_stage import PipeStage
-from enginecore.stage._pipelinebase import PIPE_FACTORY
+from enginecore.stage._pipe_stage import CREDIT_DELAY_S, PipeStage
+from enginecore.stage._pipelinebase import (
+    DEFAULT_WINDOW,
+    DEFAULT_WINDOW_BYTES,
+    PIPE_FACTORY,
+    pipe_kwargs,
+)
 from enginecore.stage._session import ClientSession
 from enginecore.stage._wire import ErrorReport
 from enginecore.stage.testing import HeadEngine, RelayEngine
@@ -647,6 +652,71 @@ class TestCredits:
         stage._inner.abort(["a", "b"])
         assert not stage.has_work()
         assert emitted[-1] == ("credit", 1, 50)  # the loop would go idle: given back now
+
+    def test_credit_goes_back_in_batches_or_once_the_stage_idles(self) -> None:
+        # Below its batch (half the previous stage's window, in items or bytes), credit is
+        # held back after a step, and given back when the idle wait's timer fires,
+        # CREDIT_DELAY_S after the loop went idle; a batch goes back after the step.
+        emitted: list[Any] = []
+        stage = PipeStage(RelayEngine(), stage="s", credit_items=4, credit_bytes=1000)
+        stage.attach_emit(emitted.append)
+        assert stage.idle_due() is None
+        stage.pipe_input(ONLY, "a", 1)
+        stage.pipe_received(1, 10)
+        stage.step()
+        assert stage.take_credit() is None  # 1 item, 10 bytes: held back
+        before = time.monotonic()
+        assert not stage.has_work()  # the loop would go idle: a deadline, no event yet
+        after = time.monotonic()
+        assert emitted == []
+        due = stage.idle_due()
+        assert due is not None
+        assert before + CREDIT_DELAY_S <= due <= after + CREDIT_DELAY_S
+        stage.pipe_input(ONLY, "b", 2)  # more came before it: the deadline stays
+        stage.pipe_received(1, 10)
+        stage.step()
+        assert stage.take_credit() is None
+        assert not stage.has_work()
+        assert stage.idle_due() == due
+        stage.idle_fire()  # whatever is held back goes, however little
+        assert emitted == [("credit", 2, 20)]
+        assert stage.idle_due() is None
+        assert not stage.has_work()  # nothing held back: no deadline
+        assert stage.idle_due() is None
+        # A batch goes back after the step that took it: 4 items, or 1,000 bytes.
+        for i in range(4):
+            stage.pipe_input(ONLY, f"c{i}", i)
+        stage.pipe_received(4, 40)
+        stage.step()
+        assert stage.take_credit() == ("credit", 4, 40)
+        stage.pipe_input(ONLY, "d", 1)
+        stage.pipe_received(1, 1000)
+        stage.step()
+        assert stage.take_credit() == ("credit", 1, 1000)
+        assert stage.idle_due() is None
+        # A deadline armed, then a batch reached before it: given back, the deadline gone.
+        stage.pipe_input(ONLY, "e", 1)
+        stage.pipe_received(1, 10)
+        stage.step()
+        assert not stage.has_work()
+        assert stage.idle_due() is not None
+        stage.pipe_received(3, 30)
+        assert stage.take_credit() == ("credit", 4, 40)
+        assert stage.idle_due() is None
+        assert emitted == [("credit", 2, 20)]
+
+    @pytest.mark.parametrize(
+        ("window", "batch"), [(None, DEFAULT_WINDOW // 2), (1, 1), (2, 1), (5, 2), (4096, 2048)]
+    )
+    def test_the_credit_batch_is_half_the_previous_stages_window(
+        self, window: int | None, batch: int
+    ) -> None:
+        upstream = PipelineStage(COUNTDOWN, window=window, window_bytes=window)
+        kwargs = pipe_kwargs(PipelineStage(RELAY), None, index=1, upstream=upstream)
+        default_bytes = DEFAULT_WINDOW_BYTES // 2 if window is None else batch
+        assert (kwargs["credit_items"], kwargs["credit_bytes"]) == (batch, default_bytes)
+        first = pipe_kwargs(upstream, "ipc:///nowhere", index=0)
+        assert "credit_items" not in first  # no stage before it
 
     def test_credit_for_inputs_an_engine_holds_waits_until_they_go_out(self) -> None:
         emitted: list[Any] = []

@@ -49,6 +49,12 @@ kernel gives to another thread, which writes the pipe through
 :func:`signal.set_wakeup_fd` (:meth:`InputQueue.signals_wake`), wakes the loop in every
 idle state.
 
+**The engine's idle deadline.** An engine may have one (:class:`IdleTimer`: a pipeline
+stage gives back the credit it held back 2 ms after it went idle). Either ``poll`` of the
+idle wait then times out at :meth:`IdleTimer.idle_due`, and ``get()`` calls
+:meth:`IdleTimer.idle_fire` on the loop thread, the engine idle, and waits on: a deadline
+costs one wake-up, and an engine without one nothing.
+
 Every change of hands happens under the queue's mutex, which is also the memory barrier a
 zmq socket needs to move between threads. The loop thread touches the sockets only inside
 ``get()`` or :meth:`InputQueue.after_step`, with :attr:`InputQueue.reading` set; the input
@@ -59,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import select
@@ -122,6 +129,20 @@ class IdleReport(Protocol):
         ...
 
 
+class IdleTimer(Protocol):
+    """A deadline of the engine's own for its idle loop (a pipeline stage's credit held
+    back: :class:`~._pipe_stage.PipeStage`): the idle wait calls :meth:`idle_fire` on the
+    loop thread once :meth:`idle_due` has passed, then waits on."""
+
+    def idle_due(self) -> float | None:
+        """When to fire (``time.monotonic()``), or ``None``."""
+        ...
+
+    def idle_fire(self) -> None:
+        """The deadline passed while the loop idled."""
+        ...
+
+
 class _NotEmpty(threading.Condition):
     """The queue's ``not_empty``: a notify also wakes the loop's ``poll`` while it reads."""
 
@@ -172,6 +193,8 @@ class InputQueue(queue.Queue[Any]):
         # The stage's load reports (None: it sends none): the idle wait sends one when the
         # latest was made while the loop was busy (get()).
         self.idle_report: IdleReport | None = None
+        # The engine's idle deadline, if it has one (get() fires it while it waits).
+        self.idle_timer: IdleTimer | None = None
         self._on_failure: Callable[[], None] = lambda: None
         self._poller = zmq.Poller()
         self._pipe_poll = select.poll()
@@ -220,8 +243,22 @@ class InputQueue(queue.Queue[Any]):
         return self._read(self._reader)
 
     def _wait_pipe(self) -> None:
-        self._pipe_poll.poll()
+        self._pipe_poll.poll(self._idle_ms())
         self._drain_pipe()
+
+    def _idle_ms(self) -> int | None:
+        """The idle wait's timeout: until :attr:`idle_timer` is due (in ms, rounded up), or
+        ``None``. Fires it first if it is due already."""
+        timer = self.idle_timer
+        if timer is None:
+            return None
+        due = timer.idle_due()
+        if due is not None and due <= time.monotonic():
+            timer.idle_fire()
+            due = timer.idle_due()
+        if due is None:
+            return None
+        return max(1, math.ceil((due - time.monotonic()) * 1000))
 
     def _drain_pipe(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -232,7 +269,7 @@ class InputQueue(queue.Queue[Any]):
         pending = reader.pending
         try:
             while True:
-                ready = reader.read(poller)
+                ready = reader.read(poller, self._idle_ms())
                 if self.wake_r in ready:
                     self._drain_pipe()
                 with self.mutex:

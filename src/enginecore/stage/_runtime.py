@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import zmq
 
@@ -34,7 +34,7 @@ from ._controls import DropEnded, Stop
 from ._curve import Authenticator, KeyWatch, ServerCurve, secure_server, start_authenticator
 from ._fanout import CLIENT_BUFFER, RECHECK_MS, Fanout, session_endpoint
 from ._inbox import Inbox
-from ._input_queue import InputQueue
+from ._input_queue import IdleTimer, InputQueue
 from ._outbox import Outbox, StageOutput
 from ._stage_engine import StageEngine
 from ._stage_session import (
@@ -255,6 +255,9 @@ class StageRuntime:
                 # And the idle wait sends one more when the loop idles after a busy report
                 # (a pipelined engine's last collect cannot know that it is the last).
                 self._input.idle_report = stage_engine.reporter
+            if callable(getattr(engine, "idle_due", None)):
+                # A pipeline stage's credit held back as it idles (_pipe_stage, "credits").
+                self._input.idle_timer = cast(IdleTimer, engine)
             self._statistics = functools.partial(
                 stage_statistics,
                 self.loop,
