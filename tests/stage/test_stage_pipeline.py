@@ -654,7 +654,7 @@ class TestCredits:
         assert emitted[-1] == ("credit", 1, 50)  # the loop would go idle: given back now
 
     def test_credit_goes_back_in_batches_or_once_the_stage_idles(self) -> None:
-        # Below its batch (half the previous stage's window, in items or bytes), credit is
+        # Below its batch (a quarter of the previous stage's window, in items or bytes), credit is
         # held back after a step, and given back when the idle wait's timer fires,
         # CREDIT_DELAY_S after the loop went idle; a batch goes back after the step.
         emitted: list[Any] = []
@@ -706,14 +706,14 @@ class TestCredits:
         assert emitted == [("credit", 2, 20)]
 
     @pytest.mark.parametrize(
-        ("window", "batch"), [(None, DEFAULT_WINDOW // 2), (1, 1), (2, 1), (5, 2), (4096, 2048)]
+        ("window", "batch"), [(None, DEFAULT_WINDOW // 4), (1, 1), (3, 1), (8, 2), (4096, 1024)]
     )
-    def test_the_credit_batch_is_half_the_previous_stages_window(
+    def test_the_credit_batch_is_a_quarter_of_the_previous_stages_window(
         self, window: int | None, batch: int
     ) -> None:
         upstream = PipelineStage(COUNTDOWN, window=window, window_bytes=window)
         kwargs = pipe_kwargs(PipelineStage(RELAY), None, index=1, upstream=upstream)
-        default_bytes = DEFAULT_WINDOW_BYTES // 2 if window is None else batch
+        default_bytes = DEFAULT_WINDOW_BYTES // 4 if window is None else batch
         assert (kwargs["credit_items"], kwargs["credit_bytes"]) == (batch, default_bytes)
         first = pipe_kwargs(upstream, "ipc:///nowhere", index=0)
         assert "credit_items" not in first  # no stage before it

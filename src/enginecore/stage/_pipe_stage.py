@@ -49,14 +49,14 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   applied). The next stage counts what its loop took (``pipe_received``, per frame) and
   gives it back as a ``credit`` event to the coordinator, which passes it on to this stage
   (``pipe_credit``), in batches: after a step (the runtime takes it, ``take_credit``, into
-  that step's frame) once it took half of this stage's window (*credit_items* or
+  that step's frame) once it took a quarter of this stage's window (*credit_items* or
   *credit_bytes*), or, for less, :data:`CREDIT_DELAY_S` after its loop went idle (the idle
   wait asks ``idle_due`` and calls ``idle_fire``; the event goes through the runtime's
   ``emit``, which it hands the wrapper: ``attach_emit``). What is held back is less than
-  half the window, so it never holds a step of this stage back (a full window means the
-  next stage has more than half of it still to take, and is not idle); what it saves is a
-  message through the coordinator and a wake-up of this stage for every small step
-  (measured: a quarter of a hop's cost with one request in flight).
+  a quarter of the window, so it never holds a step of this stage back (a full window
+  means the next stage has three quarters of it or more still to take, and is not idle).
+  It saves a message through the coordinator and a wake-up of this stage for every small
+  step (measured: a fifth of a hop's cost with one request in flight).
 - **shared memory** (:mod:`._shm`): with a pool (*shm*), a numpy array of at least the
   pool's threshold that goes to the next stage is copied into one of this stage's
   shared-memory slots and travels as a reference (ext 4), under a lease the next stage
@@ -124,7 +124,7 @@ _NO_COLUMNS: Final[tuple[list[Any], list[bool], list[Any]]] = ([], [], [])
 _UNBOUNDED: Final = 1 << 62
 
 CREDIT_DELAY_S: Final = 0.002
-"""How long an idle stage holds back credit below its batch (half the previous stage's
+"""How long an idle stage holds back credit below its batch (a quarter of the previous stage's
 window) before it gives it back: the previous stage's ``edge_in_flight`` reaches 0 this
 long after the pipeline went quiet. Requests that come closer together than this share
 one ``credit`` message."""
@@ -1094,7 +1094,7 @@ def pipe_stage(
     among the links and named :func:`._shm.link_prefix`; *shm_upstream_pooled*: the edge
     into this stage is such an edge (*shm_upstream* is then this replica's prefix on it).
     *credit_items*, *credit_bytes*: the batch of credit this stage gives back to the
-    previous one after a step (half that stage's window; :class:`PipeStage`)."""
+    previous one after a step (a quarter of that stage's window; :class:`PipeStage`)."""
     reader = (
         None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
     )

@@ -228,9 +228,9 @@ def retry_counts(specs: Sequence[PipelineStage]) -> list[int]:
 
 def credit_batch(window: int | None, default: int) -> int:
     """The credit a stage gives back to the previous one in one ``credit`` event after a
-    step: half that stage's *window* (items or bytes; ``None``, no bound: half the
-    *default*), at least 1 (:mod:`._pipe_stage`, "credits")."""
-    return max(1, (default if window is None else window) // 2)
+    step: a quarter of that stage's *window* (items or bytes; ``None``, no bound: a
+    quarter of the *default*), at least 1 (:mod:`._pipe_stage`, "credits")."""
+    return max(1, (default if window is None else window) // 4)
 
 
 def pipe_kwargs(
@@ -278,7 +278,7 @@ def pipe_kwargs(
             kwargs["shm_threshold"] = spec.shm_threshold
             kwargs["shm_pool_bytes"] = spec.shm_pool_bytes
             kwargs["shm_lease"] = float(spec.shm_lease)
-    if upstream is not None:  # credit goes back in batches of half the previous window
+    if upstream is not None:  # credit goes back in batches: a quarter window
         kwargs["credit_items"] = credit_batch(upstream.window, DEFAULT_WINDOW)
         kwargs["credit_bytes"] = credit_batch(upstream.window_bytes, DEFAULT_WINDOW_BYTES)
     if shm_prefix is not None and upstream is not None and upstream.shm_threshold is not None:
