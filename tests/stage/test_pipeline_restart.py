@@ -18,6 +18,8 @@ from typing import Any, cast
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from enginecore.stage import (
     AsyncPipeline,
@@ -84,6 +86,12 @@ def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
                 runner.stop()
 
 
+def _held(pipe: Any, stage: str) -> int:
+    """The requests live in every process of *stage*."""
+    held = pipe.call_utility(stage, "num_requests")
+    return sum(held) if isinstance(held, list) else int(held)
+
+
 def _up(pipe: Any, key: str, restarts: int = 1) -> bool:
     """Whether process *key* is up again after *restarts* restarts."""
     return bool(pipe.restarts[key] == restarts and pipe.health()[key] == StageHealth.OK)
@@ -107,45 +115,59 @@ class TestOptions:
 
 
 class TestPoolReplica:
-    def test_a_killed_replica_restarts_and_takes_requests_again(self, launch: Any) -> None:
+    @pytest.mark.parametrize("position", [0, 1, 2], ids=["first", "middle", "last"])
+    def test_a_killed_replica_restarts_and_takes_requests_again(
+        self, launch: Any, position: int
+    ) -> None:
+        names = ["first", "mid", "last"]
+        factories = [DEVICE, RELAY, RELAY]
         pipe = launch(
             [
-                PipelineStage(DEVICE, {"step_s": 0.005}, name="first"),
-                PipelineStage(RELAY, name="mid", replicas=2, restart=FAST),
-                PipelineStage(RELAY, name="last"),
+                PipelineStage(
+                    factory,
+                    {"step_s": 0.005} if factory == DEVICE else None,
+                    name=name,
+                    replicas=2 if k == position else 1,
+                    restart=FAST if k == position else False,
+                )
+                for k, (factory, name) in enumerate(zip(factories, names, strict=True))
             ]
         )
+        pool, key = names[position], f"{names[position]}[0]"
         streams = {f"r{i}": pipe.add(f"r{i}", 10**6) for i in range(8)}  # under load
         for stream in streams.values():
             stream.get(timeout=10)
-        on = {rid: pipe._core.route(rid)[1] for rid in streams}
+        on = {rid: pipe._core.route(rid)[position] for rid in streams}
         assert set(on.values()) == {0, 1}
-        old = pipe.call_utility("mid", "pid", replica=0)
+        old = pipe.call_utility(pool, "pid", replica=0)
         os.kill(old, signal.SIGKILL)
         for rid, stream in streams.items():
             if on[rid] == 0:
                 with pytest.raises(PipelineStageDeadError) as info:
                     stream.collect(timeout=10)
-                assert (info.value.stage, info.value.replica) == ("mid", 0)
-        assert wait_until(lambda: _up(pipe, "mid[0]"), 30)
-        new = pipe.call_utility("mid", "pid", replica=0)
+                assert (info.value.stage, info.value.replica) == (pool, 0)
+        assert wait_until(lambda: _up(pipe, key), 30)
+        new = pipe.call_utility(pool, "pid", replica=0)
         assert new != old
-        assert pipe.call_utility("mid", "added", replica=0) == 0  # a new process
         # The survivors went on; new requests go to the new process too, and complete.
         survivors = [rid for rid in streams if on[rid] == 1]
         for rid in survivors:
             assert not streams[rid].finished
             streams[rid].get(timeout=10)
         later = [pipe.add(f"later{i}", 3) for i in range(6)]
-        assert {pipe._core.route(f"later{i}")[1] for i in range(6)} == {0, 1}
+        to_new = [pipe._core.route(f"later{i}")[position] for i in range(6)].count(0)
+        assert 0 < to_new < 6  # the least loaded: the new process first, then both
         assert [s.collect(timeout=10) for s in later] == [[2, 1, 0]] * 6
-        assert pipe.call_utility("mid", "added", replica=0) > 0
+        if position:  # a relay: it counts what it took since it started
+            assert pipe.call_utility(pool, "added", replica=0) == to_new
         pipe.abort(survivors)
         assert wait_until(lambda: pipe.in_flight == 0, 10)
-        assert pipe.restarts["mid[1]"] == 0
+        assert pipe.restarts[f"{pool}[1]"] == 0
         assert set(pipe.health().values()) == {StageHealth.OK}
-        # The new process's link to the next stage has a window, and it gets credit back.
-        assert wait_until(lambda: pipe.stats()["mid[0]"].engine["edge_in_flight"] == 0, 10)
+        if position < 2:  # its new link to the next stage gets its credit back
+            assert wait_until(lambda: pipe.stats()[key].engine["edge_in_flight"] == 0, 10)
+        for name in names:  # and no stage holds a request any more
+            assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
 
     def test_a_replica_that_dies_too_often_is_failed_and_stays_out(self, launch: Any) -> None:
         policy = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=2)
@@ -229,6 +251,9 @@ class TestShutdown:
         )
         os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
         assert wait_until(lambda: pipe.health()["mid"] == StageHealth.RESTARTING, 10)
+        assert isinstance(pipe.stats()["mid"], EngineDeadError)  # the dead process's
+        with pytest.raises(NoReplicaError):
+            pipe.add("r", 1)
         started = time.monotonic()
         pipe.shutdown()
         assert time.monotonic() - started < 10  # not the 30 s backoff
@@ -368,3 +393,120 @@ def test_core_no_restart_once_the_pipeline_failed_or_closed() -> None:
     assert core.restarting(1, 0) == 1
     core.close(EngineDeadError("closed"), 1.0, d)
     assert not core.started(1, 0)
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("open"), st.integers(1, 3), st.just(0)),
+        st.tuples(st.just("done"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("kill"), st.integers(0, 2), st.integers(0, 2)),
+        st.tuples(st.just("start"), st.integers(0, 2), st.integers(0, 2)),
+        st.tuples(st.just("fail_start"), st.integers(0, 2), st.integers(0, 2)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ops)
+def test_core_restarts_against_a_model(ops: list[tuple[str, int, int]]) -> None:
+    """Deaths, restarts (the backoff over: ``restarting``, then ``started``) and failed
+    starts of every stage's processes, interleaved with requests, against a model of each
+    process's state (``up``, ``dead`` with a restart pending, ``starting``, ``failed``
+    after ``max_failures`` deaths): routes name live processes only, the counts per process
+    are the requests routed there, a dead process's requests end with its error, an add is
+    refused (``NoReplicaError``) while a stage has no live process but one coming, and the
+    pipeline fails only once a stage has neither."""
+    replicas = (1, 3, 2)
+    names = ["a", "b", "c"]
+    policy = RestartPolicy(first_delay=0.1, max_delay=0.4, max_failures=3, window=1e9)
+    core: PipelineCore[StreamCore] = PipelineCore(names, replicas=replicas, restart=[policy] * 3)
+    state = [["up"] * n for n in replicas]
+    deaths = [[0] * n for n in replicas]
+    gens = [[0] * n for n in replicas]
+    streams: dict[str, StreamCore] = {}
+    seq = 0
+    now = 0.0
+    for op, x, y in ops:
+        now += 1.0
+        d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+        if core.failure is not None:
+            break
+        down = [k for k in range(3) if "up" not in state[k]]
+        if op == "open":
+            if down:
+                with pytest.raises(NoReplicaError, match=f"stage '{names[min(down)]}'"):
+                    core.check(["new"])
+                continue
+            for _ in range(x):
+                rid = f"r{seq}"
+                seq += 1
+                stream = StreamCore(rid)
+                core.open(rid, stream)
+                streams[rid] = stream
+                route = core.route(rid)
+                assert route is not None
+                assert all(state[k][r] == "up" for k, r in enumerate(route))
+        elif op == "done":
+            ids = [rid for rid in streams if core.state(rid) is not None]
+            if not ids:
+                continue
+            rid = ids[x % len(ids)]
+            route = core.route(rid)
+            assert route is not None
+            core.outputs(2, [rid], [True], [5], now, d, route[2])
+            assert core.state(rid) is None
+        elif op == "kill":
+            k, r = x, y % replicas[x]
+            if state[k][r] != "up":
+                continue
+            on = [rid for rid in streams if (core.route(rid) or (-1,) * 3)[k] == r]
+            core.replica_dead(k, r, _Dead("killed"), now, d)
+            deaths[k][r] += 1
+            state[k][r] = "failed" if deaths[k][r] >= 3 else "dead"
+            assert d.restarts == ([] if state[k][r] == "failed" else [(k, r, d.restarts[0][2])])
+            for rid in on:
+                end = streams[rid]._ended
+                assert end is not None
+                assert isinstance(end.exc, PipelineStageDeadError)
+                assert end.exc.stage == names[k]
+                assert end.exc.replica == (r if replicas[k] > 1 else None)
+                # The other stages confirm its abort (the dead one counts as having).
+                route = core.route(rid)
+                if route is not None:
+                    for j in range(3):
+                        if j != k:
+                            core.aborted(j, [rid], now, d, route[j])
+                assert core.state(rid) is None
+        else:  # the backoff is over: a start, which succeeds or fails
+            k, r = x, y % replicas[x]
+            generation = core.restarting(k, r)
+            if state[k][r] != "dead":
+                assert generation is None
+                continue
+            gens[k][r] += 1
+            assert generation == gens[k][r]
+            assert core.process_state(k, r) is ReplicaState.STARTING
+            if op == "start":
+                assert core.started(k, r)
+                state[k][r] = "up"
+            else:
+                delay = core.start_failed(k, r, _Dead("no"), now, d)
+                deaths[k][r] += 1
+                state[k][r] = "failed" if deaths[k][r] >= 3 else "dead"
+                assert (delay is None) == (state[k][r] == "failed")
+        # The pipeline failed exactly when a stage has no process live or coming back.
+        gone = any(all(s == "failed" for s in state[k]) for k in range(3))
+        assert (core.failure is not None) == gone
+        if gone:
+            break
+        for k in range(3):
+            assert core.alive(k) == [s == "up" for s in state[k]]
+            counts = [0] * replicas[k]
+            for rid in streams:
+                route = core.route(rid)
+                if route is not None:
+                    counts[route[k]] += 1
+            assert core.load(k) == counts
+            for r in range(replicas[k]):
+                assert core.restarts(k, r) == gens[k][r]
