@@ -382,6 +382,20 @@ def test_core_failed_starts_count_as_deaths_until_the_stage_is_dead() -> None:
         core.check(["x"])
 
 
+def test_core_a_death_while_starting_is_a_failed_start() -> None:
+    core = _core((1, 2, 1), RestartPolicy(first_delay=0.1, max_failures=5))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(1, 0, _Dead("killed"), 1.0, d)
+    assert core.restarting(1, 0) == 1
+    d = PipelineDeliveries()
+    core.replica_dead(1, 0, _Dead("died while starting"), 1.2, d)  # before it was up
+    assert d.restarts == [(1, 0, 0.2)]  # a second death: the delay doubled
+    assert not core.started(1, 0)  # the IO layer stops what it started
+    assert core.process_state(1, 0) is ReplicaState.DEAD
+    assert core.restarting(1, 0) == 2
+    assert core.started(1, 0)
+
+
 def test_core_no_restart_once_the_pipeline_failed_or_closed() -> None:
     core = _core((1, 1, 1), RestartPolicy(first_delay=0.1))
     d: PipelineDeliveries[StreamCore] = PipelineDeliveries()

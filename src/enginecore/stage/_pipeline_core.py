@@ -612,10 +612,17 @@ class PipelineCore(Generic[S]):
         one's stream has ended already); each is aborted from the first stage (a live one)
         and from its replica of the stage after this one (the abort sent from the first
         stage stops at the dead replica), and the dead replica counts as having applied the
-        abort. The stages next to it are told it is gone, and new requests avoid it."""
+        abort. The stages next to it are told it is gone, and new requests avoid it.
+
+        With a restart policy (its stage restarts): the death is counted, and unless it
+        makes the process ``failed``, :attr:`PipelineDeliveries.restarts` says when to start
+        it again; until then it is ``dead``, and if it was its stage's last live process,
+        adds are refused (:class:`~._errors.NoReplicaError`) but the pipeline goes on."""
         alive = self._alive[k]
-        if not alive[r]:
+        if not alive[r] and self._states[k][r] is not ReplicaState.STARTING:
             return
+        # (A process started again that dies before it is up is one more death of it: a
+        # failed start, which :meth:`started` then refuses.)
         alive[r] = False
         policy = self.restart[k]
         delay = None
