@@ -10,6 +10,7 @@ at the end (no IO)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -242,6 +243,25 @@ class TestSingleProcessStage:
         assert wait_until(lambda: pipe.health()["mid"] == StageHealth.DEAD, 10)
         with pytest.raises(PipelineStageDeadError, match="mid"):
             pipe.add("later", 1)
+
+    def test_failed_starts_count_until_the_stage_is_dead(self, launch: Any) -> None:
+        # Every start after the first fails: two of them and the first death make three
+        # deaths (max_failures): the stage is failed, and with it the pipeline.
+        policy = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=3)
+        marker = f"/tmp/ecR-{os.getpid()}-{time.monotonic_ns()}"  # outside the checked dir
+        try:
+            relay_once = PipelineStage(
+                f"{T}:relay_once", {"marker": marker}, name="mid", restart=policy
+            )
+            pipe = launch([COUNTDOWN, relay_once])
+            os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+            assert wait_until(lambda: pipe.health()["mid"] == StageHealth.DEAD, 30)
+            assert pipe.restarts["mid"] == 2  # two tries
+            with pytest.raises(PipelineStageDeadError, match="mid"):
+                pipe.add("later", 1)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
 
 
 class TestShutdown:
