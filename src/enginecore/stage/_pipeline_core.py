@@ -748,6 +748,14 @@ class PipelineCore(Generic[S]):
             return False
         return any(s is ReplicaState.STARTING or s is ReplicaState.DEAD for s in self._states[k])
 
+    def coming(self, k: int, r: int) -> bool:
+        """Whether process *r* of stage *k* is down and coming back: being started again,
+        or dead with its restart pending."""
+        state = self._states[k][r]
+        return self.restart[k] is not None and (
+            state is ReplicaState.STARTING or state is ReplicaState.DEAD
+        )
+
     def restarting(self, k: int, r: int) -> int | None:
         """The restart timer of process *r* of stage *k* fired: whether to start it now
         (it is then ``starting``), as the generation to start it with; ``None``: not (the

@@ -23,7 +23,7 @@ from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
 from ._errors import EngineDeadError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
-from ._pool_core import ReplicaState, RestartPolicy
+from ._pool_core import RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
 from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
@@ -469,22 +469,18 @@ class PipelineBase(Generic[S, C]):
         client's, or :attr:`StageHealth.RESTARTING` for a process that died and is being
         started again, or waits for its restart's backoff (its stage restarts). Never
         blocks."""
-        out: dict[str, StageHealth] = {}
         core = self._core
-        i = 0
-        with self._lock:
-            for k, clients in enumerate(self._replicas):
-                for r, client in enumerate(clients):
-                    state = core.process_state(k, r)
-                    coming = state is ReplicaState.STARTING or (
-                        state is ReplicaState.DEAD and core.restart[k] is not None
-                    )
-                    if coming and core.failure is None and not self._closed:
-                        out[self._keys[i]] = StageHealth.RESTARTING
-                    else:
-                        out[self._keys[i]] = client.health()
-                    i += 1
-        return out
+        with self._lock:  # which processes are coming back (the clients' health: unlocked)
+            pending = core.failure is None and not self._closed
+            each = [
+                (client, pending and core.coming(k, r))
+                for k, clients in enumerate(self._replicas)
+                for r, client in enumerate(clients)
+            ]
+        return {
+            key: StageHealth.RESTARTING if coming else client.health()
+            for key, (client, coming) in zip(self._keys, each, strict=True)
+        }
 
     @property
     def restarts(self) -> dict[str, int]:
