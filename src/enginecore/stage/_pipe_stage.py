@@ -83,6 +83,13 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   stage after a dead one (whose input side then drops every later message of the dead
   stage's link, by its routing id, :func:`._edge.link_id`) and the stage before it (which
   sends it nothing more and unlinks and unmaps its slots).
+- **a restarted neighbour** (``link``, :meth:`PipeStage.pipe_link`): a replica of the next
+  stage was started again; the link to it is opened anew, to its new address, with an
+  empty window and a new pool of slots named after its generation. The coordinator then
+  calls :data:`~._edge.LINKS_UTILITY`, which the loop answers after it applied the ``link``.
+  A restarted previous stage's process needs nothing here: its link has a new routing id
+  (:func:`._edge.link_id`'s generation), and the credit still owed to the dead one was
+  forgotten with its ``gone``.
 """
 
 from __future__ import annotations

@@ -206,8 +206,10 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         Without room in the budget, waits for it (at most *timeout* seconds), or raises
         :class:`~enginecore.stage.PipelineFullError` at once with ``wait=False``. Raises
         :class:`TypeError` if *data* is not wire-encodable and :class:`ValueError` if
-        *req_id* is still in the pipeline (both before anything is sent), else the
-        pipeline's failure (a stage died, or it was closed)."""
+        *req_id* is still in the pipeline (both before anything is sent),
+        :class:`~enginecore.stage.NoReplicaError` at once while a stage that restarts has
+        no live process (``PipelineStage(restart=...)``: it is being started again), else
+        the pipeline's failure (a stage died, or it was closed)."""
         return self._admit([(req_id, data)], wait, timeout, many=False)[0]
 
     def add_many(

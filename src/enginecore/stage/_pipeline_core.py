@@ -78,6 +78,18 @@ counts as having applied them. New requests avoid it. When the last replica of a
 dies, the stage is dead (:meth:`stage_dead`). The coordinator's abort is confirmed once per
 stage (a bit per stage: an abort sent twice to a stage, once from the first stage and once
 from the stage after a dead replica, is one confirmation).
+
+**Restarts** (``restart[k]``, a :class:`~._pool_core.RestartPolicy`: stage ``k``'s dead
+processes are started again). Such a pipeline is routed even without pools, so that a dead
+process's requests are told from the others by their routes. A death is counted by the
+policy (:meth:`replica_dead`): the process is ``dead`` with a restart due after the
+returned delay (:attr:`PipelineDeliveries.restarts`), or ``failed`` after ``max_failures``
+deaths in the window. Its requests end as a pool replica's do, even when it was its stage's
+last live process: the pipeline then refuses adds (:class:`~._errors.NoReplicaError`) until
+one is back, and fails only when a stage has no process live or coming back. The IO layer
+starts the process when the delay is over (:meth:`restarting`: ``starting``, one more
+generation), links it in, and then :meth:`started` makes it routable; a start that failed
+is a death too (:meth:`start_failed`), and so is a death while starting.
 """
 
 from __future__ import annotations
