@@ -17,8 +17,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
+import msgspec
 import numpy as np
 import pytest
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,12 +33,16 @@ from enginecore.stage import (
     PipelineStageDeadError,
     ReplicaState,
     RestartPolicy,
+    StageClient,
     StageHealth,
     _shm,
 )
+from enginecore.stage._edge import LINKS_UTILITY, link_id
 from enginecore.stage._errors import EngineDeadError as _Dead
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries
-from enginecore.stage._session import StreamCore
+from enginecore.stage._pipelinebase import PIPE_FACTORY
+from enginecore.stage._session import ClientSession, StreamCore
+from enginecore.stage._wire import ErrorReport
 
 from .conftest import EventLoopThread, wait_until
 from .test_pipeline_pool import _AsyncPool
@@ -544,3 +550,99 @@ def test_core_restarts_against_a_model(ops: list[tuple[str, int, int]]) -> None:
             assert core.load(k) == counts
             for r in range(replicas[k]):
                 assert core.restarts(k, r) == gens[k][r]
+
+
+class TestLinkMessage:
+    """The ``link`` message at the stage (``docs/wire.md`` section 8), the test playing the
+    coordinator (a client) and the next stage's replica, before and after its restart (two
+    ``ROUTER`` sockets)."""
+
+    def test_a_link_reconnects_to_the_new_address_with_a_fresh_window(
+        self, no_leftovers: str
+    ) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        nexts: list[zmq.Socket[bytes]] = []
+
+        def next_stage() -> tuple[zmq.Socket[bytes], str]:
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"ipc://{no_leftovers}/next{len(nexts)}")
+            nexts.append(sock)
+            return sock, f"ipc://{no_leftovers}/next{len(nexts) - 1}"
+
+        def taken(sock: zmq.Socket[bytes]) -> tuple[bytes, list[Any]]:
+            assert sock.poll(10_000), "nothing came on the link"
+            ident, body, *_ = sock.recv_multipart()
+            return ident, msgspec.msgpack.decode(body)
+
+        old, old_address = next_stage()
+        kwargs = {
+            "factory": COUNTDOWN,
+            "stage": "a",
+            "downstream": [old_address],
+            "window": 2,
+            "routed": True,
+            "replica": 0,
+            "link_id": link_id(0, 0, replica=0),
+        }
+        client = StageClient.launch(PIPE_FACTORY, kwargs, startup_timeout=30, ordered_events=True)
+        try:
+            client._send(ClientSession.route_frame(["r1"], [[0]]))
+            client._send_request("r1", ClientSession.add_frame("r1", 5), False)
+            sent: list[str] = []
+            while len(sent) < 2:  # the window (2) fills up, and no credit comes back
+                ident, msg = taken(old)
+                assert ident == b"pipe-link-0.0-r0"
+                assert msg[0] == "pipe"
+                sent += msg[2]
+            assert set(sent) == {"r1"}
+            assert client.call_utility(LINKS_UTILITY) == [True]
+            assert wait_until(lambda: client.stats().engine["edge_waits"] > 0, 10)
+            assert not old.poll(100)  # held back by the window
+            client._send(ClientSession.abort_frame(["r1"], [[]]))  # r1 goes; no credit back
+            ident, msg = taken(old)
+            assert msg[:2] == ["abort", ["r1"]]
+            assert client.stats().engine["edge_in_flight"] >= 2
+            # The next stage's process was started again at a new address (its gone not
+            # sent: the link replaces the one still open).
+            new, new_address = next_stage()
+            client._send(ClientSession.link_frame(0, new_address))
+            assert client.call_utility(LINKS_UTILITY) == [True]
+            # The new link's window is empty: two requests' items go out at once.
+            client._send(ClientSession.route_frame(["r2", "r3"], [[0], [0]]))
+            client._send_requests(
+                ["r2", "r3"], ClientSession.adds_frame([("r2", 1), ("r3", 1)])[1], False
+            )
+            got: list[str] = []
+            while len(got) < 2:
+                ident, msg = taken(new)
+                assert ident == b"pipe-link-0.0-r0"  # this stage's own link: unchanged
+                got += msg[2]
+            assert sorted(got) == ["r2", "r3"]
+            assert not old.poll(100)  # nothing more to the old address
+            # A gone, then a link again (the usual order).
+            client._send(ClientSession.gone_frame("next", "", 0))
+            assert client.call_utility(LINKS_UTILITY) == [False]
+            client._send(ClientSession.link_frame(0, old_address))
+            assert client.call_utility(LINKS_UTILITY) == [True]
+            client._send(ClientSession.route_frame(["r4"], [[0]]))
+            client._send_request("r4", ClientSession.add_frame("r4", 1), False)
+            assert taken(old)[1][2] == ["r4"]
+        finally:
+            client.shutdown()
+            for i, sock in enumerate(nexts):
+                sock.close()
+                with contextlib.suppress(FileNotFoundError):  # the test's own ipc files
+                    os.unlink(f"{no_leftovers}/next{i}")
+            ctx.term()
+
+    def test_a_bad_link_is_an_error_and_changes_nothing(self, no_leftovers: str) -> None:
+        with StageClient.launch(
+            PIPE_FACTORY, {"factory": RELAY, "stage": "b"}, startup_timeout=30, ordered_events=True
+        ) as client:
+            client._send([msgspec.msgpack.encode(["link", "zero", 5])])
+            error = client.get_event(timeout=10)
+            assert isinstance(error, ErrorReport)
+            assert error.req_id is None
+            assert "invalid message" in error.message
+            assert client.call_utility(LINKS_UTILITY) == []  # the last stage: no link
