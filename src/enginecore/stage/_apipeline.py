@@ -273,7 +273,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             with contextlib.suppress(Exception):
                 await self._replicas[k][r].shutdown(1.0)  # dead: reap it, close its sockets
             while delay is not None:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not the builtin
                     await asyncio.wait_for(self._stopping.wait(), delay)
                 if self._stopping.is_set():
                     return
