@@ -136,6 +136,14 @@ class TestReadme:
                 "replicas=2",
                 ["[2, 1, 0]", "2 8", "['slow[0]', 'slow[1]']"],
             ),
+            (
+                "docs/pipelines.md",
+                "restart=True",
+                [
+                    "[2, 1, 0]",
+                    "{'enginecore:CountdownEngine': 0, 'mid[0]': 0, 'mid[1]': 0, 'last': 0}",
+                ],
+            ),
         ],
     )
     def test_pipeline_examples_run(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -20,6 +21,7 @@ from typing import Any
 
 from . import _clientbase, _shm
 from ._aclient import AsyncRequestStream, AsyncStageClient
+from ._edge import LINKS_UTILITY
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
     PIPE_FACTORY,
@@ -35,6 +37,8 @@ from ._pipelinebase import (
 )
 from ._session import NO_LOCK
 from ._statistics import StageStatistics
+
+logger = logging.getLogger("enginecore.stage")
 
 __all__ = ["AsyncPipeline", "AsyncPipelineStream"]
 
@@ -66,17 +70,33 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         shm_prefix: str | None = None,
         retry: Sequence[int] | None = None,
         replicas: Sequence[int] | None = None,
+        specs: Sequence[PipelineStage] | None = None,
+        startup_timeout: float = 60.0,
     ) -> None:
         # Private: use launch().
         super().__init__(
-            clients, names, max_in_flight, max_bytes, NO_LOCK, shm_prefix, retry, replicas
+            clients,
+            names,
+            max_in_flight,
+            max_bytes,
+            NO_LOCK,
+            shm_prefix,
+            retry,
+            replicas,
+            specs,
+            startup_timeout,
         )
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing: asyncio.Future[None] | None = None
+        # Restarts (PipelineStage(restart=...)): one task per process being restarted, one
+        # start at a time; set when the pipeline closes, which ends every backoff.
+        self._restart_tasks: set[asyncio.Task[None]] = set()
+        self._restart_lock = asyncio.Lock()
+        self._stopping = asyncio.Event()
         for k, stage_clients in enumerate(self._replicas):
             for r, client in enumerate(stage_clients):
-                client._event_sink = functools.partial(self._take_events, k, r)
-                self._take_events(k, r)  # anything that came before the sink was set
+                client._event_sink = functools.partial(self._take_events, k, r, client)
+                self._take_events(k, r, client)  # anything that came before the sink was set
 
     @classmethod
     async def launch(
@@ -97,7 +117,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         downstream: list[str] | None = None
         addresses: list[str] = []
         prefix = new_shm_prefix()
-        routed = any(spec.replicas > 1 for spec in specs)
+        routed = any(spec.replicas > 1 or spec.restart for spec in specs)
         try:
             for k, r in launch_plan(specs):
                 spec = specs[k]
@@ -110,6 +130,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     upstream=upstream,
                     replica=r,
                     routed=routed,
+                    downstream_spec=specs[k + 1] if k + 1 < len(specs) else None,
                 )
                 client = await AsyncStageClient.launch(
                     PIPE_FACTORY, kwargs, **launch_options(spec, startup_timeout, r)
@@ -141,6 +162,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             shm_prefix=prefix,
             retry=retry_counts(specs),
             replicas=[spec.replicas for spec in specs],
+            specs=specs,
+            startup_timeout=startup_timeout,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -234,6 +257,61 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             out[name] = result
         return out
 
+    # -- restarts ----------------------------------------------------------------------------
+
+    def _schedule_restart(self, k: int, r: int, delay: float) -> None:
+        if self._closed:
+            return
+        task = asyncio.get_running_loop().create_task(self._restart(k, r, delay))
+        self._restart_tasks.add(task)
+        task.add_done_callback(self._restart_tasks.discard)
+
+    async def _restart(self, k: int, r: int, delay: float | None) -> None:
+        """Task: :meth:`Pipeline._restart <enginecore.stage.Pipeline._restart>`'s, on the
+        event loop."""
+        try:
+            with contextlib.suppress(Exception):
+                await self._replicas[k][r].shutdown(1.0)  # dead: reap it, close its sockets
+            while delay is not None:
+                with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not the builtin
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                if self._stopping.is_set():
+                    return
+                async with self._restart_lock:
+                    generation = self._restarting(k, r)
+                    if generation is None:
+                        return
+                    kwargs, options = self._restart_plan(k, r, generation)
+                    try:
+                        client = await AsyncStageClient.launch(PIPE_FACTORY, kwargs, **options)
+                    except Exception as exc:
+                        delay = self._start_failed(k, r, exc)
+                        continue
+                    if not await self._link(k, r, client):
+                        with contextlib.suppress(Exception):
+                            await client.shutdown(1.0)
+                    return
+        except Exception:
+            logger.exception("enginecore: restarting a pipeline stage failed")
+
+    async def _link(self, k: int, r: int, client: AsyncStageClient) -> bool:
+        """:meth:`Pipeline._link <enginecore.stage.Pipeline._link>`'s, awaited."""
+        client._event_sink = functools.partial(self._take_events, k, r, client)
+        sends, barrier = self._install(k, r, client)
+        self._take_events(k, r, client)
+        for target, frame in sends:
+            with contextlib.suppress(Exception):  # a process that died: its death tells
+                target._send(frame)
+        for target in barrier:
+            with contextlib.suppress(Exception):
+                await target.call_utility(LINKS_UTILITY, timeout=self._startup_timeout)
+        if not self._started(k, r):
+            return False
+        logger.warning(
+            "enginecore: pipeline stage %r, process %d, started again", self._names[k], r
+        )
+        return True
+
     # -- closing -----------------------------------------------------------------------------
 
     async def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
@@ -246,7 +324,10 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             return
         self._closing = asyncio.get_running_loop().create_future()
         self._closed = True
+        self._stopping.set()
         try:
+            if self._restart_tasks:  # a start under way: it stops what it started
+                await asyncio.gather(*list(self._restart_tasks), return_exceptions=True)
             deadline = None if drain is None else time.monotonic() + drain
             for client in self._clients:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -27,6 +27,8 @@ control                   made by, and what the loop does with it
                           sent it, so the window to it has room again
 :class:`PipeGone`         the coordinator's ``gone``: the previous or the next stage died;
                           also, one per late message from a gone previous stage, dropped
+:class:`PipeLink`         the coordinator's ``link``: a replica of the next stage was
+                          started again; connect that link to its new address
 :class:`PipeReplay`       the coordinator's ``replay``: the next stage failed a request;
                           abort it down the link, send its logged inputs again
 :class:`PipeRelease`      the coordinator's ``release``: requests done; forget their logs
@@ -62,6 +64,7 @@ __all__ = [
     "PipeCredit",
     "PipeGone",
     "PipeInput",
+    "PipeLink",
     "PipeRelease",
     "PipeReplay",
     "PipeRoute",
@@ -98,6 +101,8 @@ class StageTarget(Protocol):
     def pipe_credit(self, items: int, nbytes: int, replica: int) -> None: ...
 
     def pipe_gone(self, side: str, late: int, replica: int) -> None: ...
+
+    def pipe_link(self, replica: int, address: str, slots: str) -> None: ...
 
     def pipe_route(self, req_ids: list[str], routes: list[list[int]], abort: bool) -> None: ...
 
@@ -339,6 +344,25 @@ class PipeGone(Control):
 
     def __repr__(self) -> str:
         return f"PipeGone({self.side!r}, late={self.late})"
+
+
+class PipeLink(Control):
+    """The coordinator's ``link`` (``docs/wire.md`` section 8): replica *replica* of the
+    next stage was started again at *address* (``StageEngine.pipe_link``); *slots*: the
+    new link's shared-memory slot prefix (``""``: none)."""
+
+    __slots__ = ("address", "replica", "slots")
+
+    def __init__(self, replica: int, address: str, slots: str = "") -> None:
+        self.replica = replica
+        self.address = address
+        self.slots = slots
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        engine.pipe_link(self.replica, self.address, self.slots)
+
+    def __repr__(self) -> str:
+        return f"PipeLink({self.replica}, {self.address!r})"
 
 
 class PipeReplay(Control):

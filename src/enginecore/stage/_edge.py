@@ -12,12 +12,15 @@ __all__ = [
     "END",
     "ENDED",
     "FIRST",
+    "LINKS_UTILITY",
     "MORE",
     "NOTHING",
     "ONLY",
     "REPORT",
     "SENT_ON",
     "link_id",
+    "link_token",
+    "slot_token",
 ]
 
 # The kind of one item of a ``pipe`` message: bit 0 "first input of the request", bit 1
@@ -43,6 +46,12 @@ BEFORE: Final = 4
 """Every stage before this one ended it and sent it on (this stage's input is complete)."""
 
 
+LINKS_UTILITY: Final = "enginecore.pipe_links"
+"""The pipeline's own utility of every stage (``PipeStage.utility``): per link to the next
+stage, whether it is up. The coordinator calls it after a ``link``, to know the stage's loop
+applied it (it applies messages in order)."""
+
+
 def link_id(index: int, generation: int = 0, replica: int | None = None) -> str:
     """The routing id of the link from stage *index* of a pipeline to the next stage, which
     the coordinator names when it tells the next stage that this one is gone (``gone``).
@@ -52,6 +61,25 @@ def link_id(index: int, generation: int = 0, replica: int | None = None) -> str:
     if replica is not None:
         return f"pipe-link-{index}.{generation}-r{replica}"
     return f"pipe-link-{index}.{generation}"
+
+
+def slot_token(replica: int, generation: int = 0) -> str:
+    """How a process of a pipeline's stage is named in the shared-memory slots of an edge
+    into or out of a replica pool, or of a stage that restarts (:func:`._shm.link_prefix`):
+    its replica index, with ``.<generation>`` added once it was restarted, so that a new
+    process's slots never take a dead one's names (which the parent unlinks)."""
+    return str(replica) if not generation else f"{replica}.{generation}"
+
+
+def link_token(link: str) -> str | None:
+    """The :func:`slot_token` of the process whose link has the routing id *link*
+    (:func:`link_id`), or ``None`` for a link without a replica (a stage of one process
+    that is not restarted: its slots are the stage's)."""
+    head, sep, replica = link.rpartition("-r")
+    if not sep or not replica.isdigit():
+        return None
+    generation = head.rpartition(".")[2]
+    return slot_token(int(replica), int(generation) if generation.isdigit() else 0)
 
 
 class _Nothing:

@@ -89,6 +89,13 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   stage after a dead one (whose input side then drops every later message of the dead
   stage's link, by its routing id, :func:`._edge.link_id`) and the stage before it (which
   sends it nothing more and unlinks and unmaps its slots).
+- **a restarted neighbour** (``link``, :meth:`PipeStage.pipe_link`): a replica of the next
+  stage was started again; the link to it is opened anew, to its new address, with an
+  empty window and a new pool of slots named after its generation. The coordinator then
+  calls :data:`~._edge.LINKS_UTILITY`, which the loop answers after it applied the ``link``.
+  A restarted previous stage's process needs nothing here: its link has a new routing id
+  (:func:`._edge.link_id`'s generation), and the credit still owed to the dead one was
+  forgotten with its ``gone``.
 """
 
 from __future__ import annotations
@@ -104,12 +111,24 @@ from .._engine import Engine, PipelinedEngine
 from .._exceptions import RequestRejected
 from . import _codec, _shm
 from ._codec import only_types
-from ._edge import BEFORE, END, ENDED, FIRST, MORE, NOTHING, ONLY, REPORT, SENT_ON
+from ._edge import (
+    BEFORE,
+    END,
+    ENDED,
+    FIRST,
+    LINKS_UTILITY,
+    MORE,
+    NOTHING,
+    ONLY,
+    REPORT,
+    SENT_ON,
+)
 from ._process import build_engine, import_factory
 from ._routing import make_router
 from ._wire import is_ipv6_endpoint
 
 __all__ = [
+    "LINKS_UTILITY",
     "PipeStage",
     "PipelinedPipeStage",
     "pipe_stage",
@@ -188,12 +207,14 @@ class PipeStage:
         routed: bool = False,
         credit_items: int = 1,
         credit_bytes: int = 1,
+        shm_factory: Callable[[str], _shm.ShmPool] | None = None,
     ) -> None:
         self._inner = inner
         self._stage = stage
         self._shm_reader = shm_reader
+        self._shm_factory = shm_factory  # a new link's pool (pipe_link), by slot prefix
         self._inner_has_work = inner.has_work
-        self.utility = inner.utility
+        self._inner_utility = inner.utility
         stats = getattr(inner, "stats", None)
         self._inner_stats: Callable[[], dict[str, float]] | None = (
             stats if callable(stats) else None
@@ -293,32 +314,48 @@ class PipeStage:
         self._log_ended: dict[str, int] = {}  # its END's REPORT bit, if it ended here
         self._unlogged: set[str] = set()
         self._replays = 0
+        self._link_id = link_id
+        self._ctx: zmq.Context[Any] | None = None
         if nlinks:
-            ctx = zmq.Context(io_threads=1)
-            socks: list[zmq.Socket[Any]] = []
-            for address in downstreams:
-                sock = ctx.socket(zmq.DEALER)
-                if link_id is not None:  # the id the coordinator names in a `gone` to the next
-                    sock.setsockopt(zmq.ROUTING_ID, link_id.encode())
-                sock.setsockopt(zmq.SNDHWM, 0)
-                sock.setsockopt(zmq.LINGER, _LINK_LINGER_MS)
-                if is_ipv6_endpoint(address):
-                    sock.setsockopt(zmq.IPV6, 1)
-                sock.connect(address)
-                socks.append(sock)
-            self._links = list(socks)
+            ctx = self._ctx = zmq.Context(io_threads=1)
+            self._links = [self._connect(address) for address in downstreams]
+            links, pools = self._links, self._shms
 
             def close() -> None:  # at exit: deliver what is still queued, within the linger
-                for sock in socks:
-                    sock.close()
+                for sock in links:  # the current links (pipe_link replaces them in place)
+                    if sock is not None:
+                        sock.close()
                 ctx.term()
-                for pool in shms:
+                for pool in pools:
                     if pool is not None:
                         pool.close()
 
             atexit.register(close)
 
+    def _connect(self, address: str) -> zmq.Socket[Any]:
+        """A link to the next stage's process at *address*: a ``DEALER`` of this stage's
+        own, with the routing id the coordinator names in a ``gone`` to the next stage."""
+        assert self._ctx is not None
+        sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
+        if self._link_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, self._link_id.encode())
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, _LINK_LINGER_MS)
+        if is_ipv6_endpoint(address):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(address)
+        return sock
+
     # -- the engine's methods, as the stage runtime calls them --------------------------------
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        """The engine's utilities, and one of the pipeline's own: :data:`LINKS_UTILITY`
+        answers, per link to the next stage, whether it is up (the coordinator calls it
+        after a ``link``, to know the link is in place: the loop applies messages in
+        order)."""
+        if name == LINKS_UTILITY:
+            return [i not in self._gone for i in range(len(self._links))]
+        return self._inner_utility(name, args)
 
     def has_work(self) -> bool:
         """The engine's, unless the window to the next stage is full. Gives back the credit
@@ -404,6 +441,14 @@ class PipeStage:
         if side == "previous":
             self._previous_gone = True
             self._late_dropped += late
+            if not late and self._pooled:
+                # That producer (replica) is gone: the credit owed to it goes with it, so
+                # that a process started again in its place gets none of it (its window
+                # starts empty).
+                owed = self._taken_by.pop(replica, None)
+                if owed is not None:
+                    self._taken_items = max(0, self._taken_items - owed[0])
+                    self._taken_bytes = max(0, self._taken_bytes - owed[1])
             return
         links = self._links
         if side != "next" or not 0 <= replica < len(links) or replica in self._gone:
@@ -419,6 +464,30 @@ class PipeStage:
         pool = self._shms[replica]
         if pool is not None:
             pool.close()
+
+    def pipe_link(self, replica: int, address: str, slots: str) -> None:
+        """The coordinator's ``link``: replica *replica* of the next stage was started again
+        and listens at *address*. The link to it is replaced by a new one (a link still
+        open, to a dead process the ``gone`` has not reached yet, is closed first), with an
+        empty window, and, with *slots*, a new pool of shared-memory slots named so (the
+        dead process's names are never reused). Requests are routed to it from then on."""
+        links = self._links
+        if not 0 <= replica < len(links) or self._ctx is None:
+            return
+        old = links[replica]
+        if old is not None:
+            old.close(linger=0)
+        pool = self._shms[replica]
+        if pool is not None:
+            pool.close()
+        new_pool = self._shm_factory(slots) if slots and self._shm_factory is not None else None
+        self._shms[replica] = new_pool
+        self._encoders[replica] = _codec.Encoder(new_pool)
+        links[replica] = self._connect(address)
+        self._gone.discard(replica)
+        self._next_gone = False
+        self._out_items[replica] = self._out_bytes[replica] = 0
+        self._waiting = False
 
     def take_credit(self, force: bool = False) -> tuple[Any, ...] | None:
         """The ``credit`` event for what the engine has taken since the last one, or
@@ -1024,6 +1093,7 @@ class PipelinedPipeStage(PipeStage):
         routed: bool = False,
         credit_items: int = 1,
         credit_bytes: int = 1,
+        shm_factory: Callable[[str], _shm.ShmPool] | None = None,
     ) -> None:
         super().__init__(
             inner,
@@ -1040,6 +1110,7 @@ class PipelinedPipeStage(PipeStage):
             routed=routed,
             credit_items=credit_items,
             credit_bytes=credit_bytes,
+            shm_factory=shm_factory,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -1072,7 +1143,7 @@ def pipe_stage(
     replay_bytes: int | None = None,
     replica: int = 0,
     routed: bool = False,
-    shm_links: bool = False,
+    shm_links: bool | list[str] = False,
     shm_upstream_pooled: bool = False,
     credit_items: int = 1,
     credit_bytes: int = 1,
@@ -1091,9 +1162,10 @@ def pipe_stage(
     pool); *replica*: this stage's replica index; *routed*: the pipeline has replica pools
     (requests' routes travel with them: :class:`PipeStage`). *shm_links*: an edge into or
     out of a replica pool: one pool of slots per link, each ``shm_pool_bytes`` shared evenly
-    among the links and named :func:`._shm.link_prefix`; *shm_upstream_pooled*: the edge
-    into this stage is such an edge (*shm_upstream* is then this replica's prefix on it).
-    *credit_items*, *credit_bytes*: the batch of credit this stage gives back to the
+    among the links and named :func:`._shm.link_prefix` (a list: those prefixes, one per
+    link, as the pipeline names them when a stage restarts); *shm_upstream_pooled*: the
+    edge into this stage is such an edge (*shm_upstream* is then this replica's prefix on
+    it). *credit_items*, *credit_bytes*: the batch of credit this stage gives back to the
     previous one after a step (a quarter of that stage's window; :class:`PipeStage`)."""
     reader = (
         None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
@@ -1108,15 +1180,15 @@ def pipe_stage(
     elif shm_prefix is not None and downstream is not None:
         nlinks = 1 if isinstance(downstream, str) else len(downstream)
         share = max(1, shm_pool_bytes // nlinks)
-        pool = [
-            _shm.ShmPool(
-                f"{shm_prefix}{i}-{replica}-",  # _shm.link_prefix
-                threshold=shm_threshold,
-                max_bytes=share,
-                lease=shm_lease,
-            )
-            for i in range(nlinks)
-        ]
+
+        def shm_factory(slots: str) -> _shm.ShmPool:
+            return _shm.ShmPool(slots, threshold=shm_threshold, max_bytes=share, lease=shm_lease)
+
+        if isinstance(shm_links, list):
+            prefixes = shm_links
+        else:
+            prefixes = [f"{shm_prefix}{i}-{replica}-" for i in range(nlinks)]  # link_prefix
+        pool = [shm_factory(slots) for slots in prefixes]
     options: dict[str, Any] = {
         "stage": stage,
         "edge": edge_fn,
@@ -1132,6 +1204,8 @@ def pipe_stage(
         "credit_items": credit_items,
         "credit_bytes": credit_bytes,
     }
+    if isinstance(pool, list):
+        options["shm_factory"] = shm_factory
     if isinstance(inner, PipelinedEngine):
         return PipelinedPipeStage(inner, **options)
     return PipeStage(inner, **options)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -27,6 +28,7 @@ from typing import Any
 
 from . import _clientbase, _shm
 from ._client import RequestStream, StageClient
+from ._edge import LINKS_UTILITY
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
     PIPE_FACTORY,
@@ -43,6 +45,8 @@ from ._pipelinebase import (
 from ._statistics import StageStatistics
 
 __all__ = ["Pipeline", "PipelineStream"]
+
+logger = logging.getLogger("enginecore.stage")
 
 
 class PipelineStream(RequestStream):
@@ -88,22 +92,39 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         shm_prefix: str | None = None,
         retry: Sequence[int] | None = None,
         replicas: Sequence[int] | None = None,
+        specs: Sequence[PipelineStage] | None = None,
+        startup_timeout: float = 60.0,
     ) -> None:
         # Private: use launch().
         lock = threading.Lock()
         super().__init__(
-            clients, names, max_in_flight, max_bytes, lock, shm_prefix, retry, replicas
+            clients,
+            names,
+            max_in_flight,
+            max_bytes,
+            lock,
+            shm_prefix,
+            retry,
+            replicas,
+            specs,
+            startup_timeout,
         )
         self._thread_lock = lock
         self._room = threading.Condition(lock)
         self._close_lock = threading.Lock()
+        # Restarts (PipelineStage(restart=...)): one thread per process being restarted,
+        # one start at a time (each learns the current addresses of the next stage's
+        # processes); set when the pipeline closes, which ends every backoff.
+        self._restart_threads: set[threading.Thread] = set()
+        self._restart_lock = threading.Lock()
+        self._stopping = threading.Event()
         # Each stage's events are taken on the thread that read them (its client's
         # receiver, or a call_utility reading meanwhile), as the client appends them to its
         # ordered event stream: no thread of the pipeline's own, no hand-over between two.
         for k, stage_clients in enumerate(self._replicas):
             for r, client in enumerate(stage_clients):
-                client._event_sink = functools.partial(self._take_events, k, r)
-                self._take_events(k, r)  # anything that came before the sink was set
+                client._event_sink = functools.partial(self._take_events, k, r, client)
+                self._take_events(k, r, client)  # anything that came before the sink was set
 
     @classmethod
     def launch(
@@ -126,7 +147,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         downstream: list[str] | None = None
         addresses: list[str] = []
         prefix = new_shm_prefix()
-        routed = any(spec.replicas > 1 for spec in specs)
+        routed = any(spec.replicas > 1 or spec.restart for spec in specs)
         try:
             for k, r in launch_plan(specs):
                 spec = specs[k]
@@ -139,6 +160,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                     upstream=upstream,
                     replica=r,
                     routed=routed,
+                    downstream_spec=specs[k + 1] if k + 1 < len(specs) else None,
                 )
                 client = StageClient.launch(
                     PIPE_FACTORY, kwargs, **launch_options(spec, startup_timeout, r)
@@ -170,6 +192,8 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             shm_prefix=prefix,
             retry=retry_counts(specs),
             replicas=[spec.replicas for spec in specs],
+            specs=specs,
+            startup_timeout=startup_timeout,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -182,8 +206,10 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         Without room in the budget, waits for it (at most *timeout* seconds), or raises
         :class:`~enginecore.stage.PipelineFullError` at once with ``wait=False``. Raises
         :class:`TypeError` if *data* is not wire-encodable and :class:`ValueError` if
-        *req_id* is still in the pipeline (both before anything is sent), else the
-        pipeline's failure (a stage died, or it was closed)."""
+        *req_id* is still in the pipeline (both before anything is sent),
+        :class:`~enginecore.stage.NoReplicaError` at once while a stage that restarts has
+        no live process (``PipelineStage(restart=...)``: it is being started again), else
+        the pipeline's failure (a stage died, or it was closed)."""
         return self._admit([(req_id, data)], wait, timeout, many=False)[0]
 
     def add_many(
@@ -262,6 +288,69 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 out[name] = exc
         return out
 
+    # -- restarts ----------------------------------------------------------------------------
+
+    def _schedule_restart(self, k: int, r: int, delay: float) -> None:
+        thread = threading.Thread(
+            target=self._restart, args=(k, r, delay), name="enginecore-pipeline-restart"
+        )
+        thread.daemon = True
+        with self._thread_lock:
+            if self._closed:
+                return
+            self._restart_threads.add(thread)
+        thread.start()
+
+    def _restart(self, k: int, r: int, delay: float | None) -> None:
+        """Thread: release the dead process's client, then start the process again after
+        *delay*, and after each failed start's delay, until it is up, fails for good or the
+        pipeline closes (a process started as it closes is stopped here)."""
+        try:
+            with contextlib.suppress(Exception):
+                self._replicas[k][r].shutdown(1.0)  # dead: reap it, close its sockets
+            while delay is not None:
+                if self._stopping.wait(delay):
+                    return
+                with self._restart_lock:
+                    generation = self._restarting(k, r)
+                    if generation is None:
+                        return
+                    kwargs, options = self._restart_plan(k, r, generation)
+                    try:
+                        client = StageClient.launch(PIPE_FACTORY, kwargs, **options)
+                    except Exception as exc:
+                        delay = self._start_failed(k, r, exc)
+                        continue
+                    if not self._link(k, r, client):
+                        with contextlib.suppress(Exception):
+                            client.shutdown(1.0)
+                    return
+        except Exception:
+            logger.exception("enginecore: restarting a pipeline stage failed")
+        finally:
+            with self._thread_lock:
+                self._restart_threads.discard(threading.current_thread())
+
+    def _link(self, k: int, r: int, client: StageClient) -> bool:
+        """Put the new *client* in place, link it to its neighbours and wait until the
+        previous stage's processes have applied the ``link`` (a utility call after it on
+        the same connection), then route to it. ``False``: the pipeline closes."""
+        client._event_sink = functools.partial(self._take_events, k, r, client)
+        sends, barrier = self._install(k, r, client)
+        self._take_events(k, r, client)
+        for target, frame in sends:
+            with contextlib.suppress(Exception):  # a process that died: its death tells
+                target._send(frame)
+        for target in barrier:
+            with contextlib.suppress(Exception):
+                target.call_utility(LINKS_UTILITY, timeout=self._startup_timeout)
+        if not self._started(k, r):
+            return False
+        logger.warning(
+            "enginecore: pipeline stage %r, process %d, started again", self._names[k], r
+        )
+        return True
+
     # -- closing -----------------------------------------------------------------------------
 
     def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
@@ -274,7 +363,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         with self._close_lock:
             if self._closed:
                 return
-            self._closed = True
+            with self._thread_lock:
+                self._closed = True
+                restarts = list(self._restart_threads)
+            self._stopping.set()
+            for thread in restarts:  # a start under way: it stops what it started
+                thread.join()
             deadline = None if drain is None else time.monotonic() + drain
             for client in self._clients:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -78,11 +78,24 @@ counts as having applied them. New requests avoid it. When the last replica of a
 dies, the stage is dead (:meth:`stage_dead`). The coordinator's abort is confirmed once per
 stage (a bit per stage: an abort sent twice to a stage, once from the first stage and once
 from the stage after a dead replica, is one confirmation).
+
+**Restarts** (``restart[k]``, a :class:`~._pool_core.RestartPolicy`: stage ``k``'s dead
+processes are started again). Such a pipeline is routed even without pools, so that a dead
+process's requests are told from the others by their routes. A death is counted by the
+policy (:meth:`replica_dead`): the process is ``dead`` with a restart due after the
+returned delay (:attr:`PipelineDeliveries.restarts`), or ``failed`` after ``max_failures``
+deaths in the window. Its requests end as a pool replica's do, even when it was its stage's
+last live process: the pipeline then refuses adds (:class:`~._errors.NoReplicaError`) until
+one is back, and fails only when a stage has no process live or coming back. The IO layer
+starts the process when the delay is over (:meth:`restarting`: ``starting``, one more
+generation), links it in, and then :meth:`started` makes it routable; a start that failed
+is a death too (:meth:`start_failed`), and so is a death while starting.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -91,10 +104,12 @@ from typing import Any, Generic, TypeVar
 from ._edge import BEFORE, ENDED, SENT_ON
 from ._errors import (
     EngineDeadError,
+    NoReplicaError,
     PipelineFullError,
     PipelineRequestError,
     PipelineStageDeadError,
 )
+from ._pool_core import ReplicaState, RestartPolicy
 from ._session import ABORTED, FINISHED, End, StreamCore
 
 __all__ = ["PipelineCore", "PipelineDeliveries", "RequestState", "check_budget"]
@@ -202,6 +217,9 @@ class PipelineDeliveries(Generic[S]):
     routes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """With replica pools: the route of every request named above (its replica of each
     stage), to send each message to the right replica and the aborts along the route."""
+    restarts: list[tuple[int, int, float]] = field(default_factory=list)
+    """``(stage, replica, delay)``: start that process again after *delay* seconds (its
+    stage restarts, :meth:`PipelineCore.restarting`)."""
 
 
 class PipelineCore(Generic[S]):
@@ -219,6 +237,7 @@ class PipelineCore(Generic[S]):
         max_bytes: int | None = None,
         retry: Sequence[int] | None = None,
         replicas: Sequence[int] | None = None,
+        restart: Sequence[RestartPolicy | None] | None = None,
     ) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
@@ -226,8 +245,23 @@ class PipelineCore(Generic[S]):
         if len(replicas) != len(stages) or min(replicas) < 1:
             raise ValueError(f"replicas must be one count >= 1 per stage, got {replicas}")
         self.replicas = tuple(replicas)
-        self.pooled = max(replicas) > 1
-        """Whether a stage is a replica pool (requests have routes)."""
+        policies = [None] * len(stages) if restart is None else list(restart)
+        if len(policies) != len(stages):
+            raise ValueError(f"restart must be one policy or None per stage, got {policies}")
+        self.restart: tuple[RestartPolicy | None, ...] = tuple(policies)
+        """Per stage, its :class:`RestartPolicy` (``None``: a dead process stays dead)."""
+        self.pooled = max(replicas) > 1 or any(p is not None for p in policies)
+        """Whether requests have routes: a stage is a replica pool, or restarts (a dead
+        process's requests are then told from the others by their routes)."""
+        # Per process (stage, replica): its state as a pool's replica's (ReplicaState:
+        # SERVING; DEAD, restarted later if its stage restarts, else for good; STARTING;
+        # FAILED), its recent deaths (the policy's window), its restarts, and its
+        # generation (how many times it was started before: its link's and slots' names).
+        self._states = [[ReplicaState.SERVING] * r for r in replicas]
+        self._deaths: list[list[deque[float]]] = [[deque() for _ in range(r)] for r in replicas]
+        self._restarts = [[0] * r for r in replicas]
+        self._generations = [[0] * r for r in replicas]
+        self._down: set[int] = set()  # stages with no live process, one coming back
         self._alive = [[True] * r for r in replicas]
         self._load = [[0] * r for r in replicas]  # requests routed there, in the pipeline
         self._turn = [0] * len(replicas)  # round robin among the least loaded
@@ -276,6 +310,12 @@ class PipelineCore(Generic[S]):
         :attr:`failure`, or :class:`ValueError` for an id in the pipeline or repeated."""
         if self._failure_end is not None:
             self._failure_end.raise_exc()
+        if self._down:
+            k = min(self._down)
+            raise NoReplicaError(
+                f"no process of stage {self.stages[k]!r} can take requests: it is "
+                f"restarting (see the pipeline's health())"
+            )
         requests = self._requests
         unique = set(req_ids)
         if len(unique) == len(req_ids) and (not requests or unique.isdisjoint(requests)):
@@ -584,17 +624,39 @@ class PipelineCore(Generic[S]):
         one's stream has ended already); each is aborted from the first stage (a live one)
         and from its replica of the stage after this one (the abort sent from the first
         stage stops at the dead replica), and the dead replica counts as having applied the
-        abort. The stages next to it are told it is gone, and new requests avoid it."""
+        abort. The stages next to it are told it is gone, and new requests avoid it.
+
+        With a restart policy (its stage restarts): the death is counted, and unless it
+        makes the process ``failed``, :attr:`PipelineDeliveries.restarts` says when to start
+        it again; until then it is ``dead``, and if it was its stage's last live process,
+        adds are refused (:class:`~._errors.NoReplicaError`) but the pipeline goes on."""
         alive = self._alive[k]
-        if not alive[r]:
+        if not alive[r] and self._states[k][r] is not ReplicaState.STARTING:
             return
+        # (A process started again that dies before it is up is one more death of it: a
+        # failed start, which :meth:`started` then refuses.)
         alive[r] = False
+        policy = self.restart[k]
+        delay = None
+        if policy is not None and self.failure is None:
+            delay = policy.delay(self._deaths[k][r], now)
+            self._states[k][r] = ReplicaState.FAILED if delay is None else ReplicaState.DEAD
+        else:
+            self._states[k][r] = ReplicaState.DEAD
+        if delay is not None:
+            d.restarts.append((k, r, delay))
         if not any(alive):
-            self.stage_dead(k, exc, now, d, r)
-            return
+            if not self._coming(k):
+                self.stage_dead(k, exc, now, d, r)
+                return
+            self._down.add(k)
         self._gone_around(k, r, d)
         error = PipelineStageDeadError(
-            str(exc), stage=self.stages[k], exit_code=exc.exit_code, fatal=exc.fatal, replica=r
+            str(exc),
+            stage=self.stages[k],
+            exit_code=exc.exit_code,
+            fatal=exc.fatal,
+            replica=r if self.replicas[k] > 1 else None,  # a stage of one process: its own
         )
         error.__cause__ = exc
         end = End(error)
@@ -659,6 +721,7 @@ class PipelineCore(Generic[S]):
         before it), and the error names it."""
         if r is not None:
             self._alive[k][r] = False
+        self._down.discard(k)
         error = PipelineStageDeadError(
             str(exc),
             stage=self.stages[k],
@@ -687,6 +750,80 @@ class PipelineCore(Generic[S]):
         if k + 1 < self._n and self._orphans:
             d.stage_aborts.append((k + 1, list(self._orphans)))
         self._end_all(error, now, d)
+
+    # -- restarts ---------------------------------------------------------------------------
+
+    def _coming(self, k: int) -> bool:
+        """Whether a process of stage *k* that is not live now will be: starting, or dead
+        with a restart pending."""
+        if self.restart[k] is None:
+            return False
+        return any(s is ReplicaState.STARTING or s is ReplicaState.DEAD for s in self._states[k])
+
+    def coming(self, k: int, r: int) -> bool:
+        """Whether process *r* of stage *k* is down and coming back: being started again,
+        or dead with its restart pending."""
+        state = self._states[k][r]
+        return self.restart[k] is not None and (
+            state is ReplicaState.STARTING or state is ReplicaState.DEAD
+        )
+
+    def restarting(self, k: int, r: int) -> int | None:
+        """The restart timer of process *r* of stage *k* fired: whether to start it now
+        (it is then ``starting``), as the generation to start it with; ``None``: not (the
+        pipeline failed or closed meanwhile)."""
+        states = self._states[k]
+        if self.failure is not None or states[r] is not ReplicaState.DEAD:
+            return None
+        if self.restart[k] is None:
+            return None
+        states[r] = ReplicaState.STARTING
+        self._restarts[k][r] += 1
+        self._generations[k][r] += 1
+        return self._generations[k][r]
+
+    def started(self, k: int, r: int) -> bool:
+        """Process *r* of stage *k* is up again, linked to its neighbours: requests are
+        routed to it from the next one admitted. ``False``: the pipeline failed or closed
+        meanwhile (the new process is to be stopped)."""
+        if self.failure is not None or self._states[k][r] is not ReplicaState.STARTING:
+            return False
+        self._states[k][r] = ReplicaState.SERVING
+        self._alive[k][r] = True
+        self._down.discard(k)
+        return True
+
+    def start_failed(
+        self, k: int, r: int, exc: EngineDeadError, now: float, d: PipelineDeliveries[S]
+    ) -> float | None:
+        """Starting process *r* of stage *k* again failed at *now*: one more death of it.
+        The delay before the next try, or ``None``: it failed too often (it is ``failed``;
+        if no other process of its stage is live or coming, the stage is dead,
+        :meth:`stage_dead`), or the pipeline failed or closed meanwhile."""
+        states = self._states[k]
+        policy = self.restart[k]
+        if policy is None or states[r] is not ReplicaState.STARTING or self.failure is not None:
+            return None
+        delay = policy.delay(self._deaths[k][r], now)
+        states[r] = ReplicaState.FAILED if delay is None else ReplicaState.DEAD
+        if delay is None and not any(self._alive[k]) and not self._coming(k):
+            self.stage_dead(k, exc, now, d, r)
+        return delay
+
+    def process_state(self, k: int, r: int) -> ReplicaState:
+        """Where process *r* of stage *k* is: ``serving``; ``dead`` (restarted later if its
+        stage restarts, else for good); ``starting`` (being started again); ``failed``
+        (died too often: out for good)."""
+        return self._states[k][r]
+
+    def restarts(self, k: int, r: int) -> int:
+        """How many times process *r* of stage *k* was started again."""
+        return self._restarts[k][r]
+
+    def generation(self, k: int, r: int) -> int:
+        """How many times process *r* of stage *k* was started before the current one: its
+        link's and its shared-memory slots' names carry it (:func:`._edge.slot_token`)."""
+        return self._generations[k][r]
 
     def close(self, exc: BaseException, now: float, d: PipelineDeliveries[S]) -> None:
         """The pipeline is closed: every stream still open ends with *exc*."""

@@ -20,9 +20,10 @@ from typing import Any, Final, Generic, Literal, NoReturn, TypeVar
 
 from . import _shm
 from ._clientbase import ClientBase
-from ._edge import link_id
+from ._edge import link_id, slot_token
 from ._errors import EngineDeadError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
+from ._pool_core import RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
 from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
@@ -134,6 +135,14 @@ class PipelineStage:
     (``docs/pipelines.md``, "Replica pools as stages"). On an edge into or out of a pool,
     each link has its own shared-memory slots, *shm_pool_bytes* shared among a replica's
     links.
+
+    *restart* (``True``, or a :class:`~enginecore.stage.RestartPolicy`; default
+    ``False``): a process of this stage that died (a replica, or the stage's one process)
+    is started again, with the same factory and options, after the policy's backoff
+    (0.5 s, doubling with each death within 60 s, up to 30 s); after *max_failures* deaths
+    within the window it is marked failed and stays out. Its requests end as without
+    restart; new ones are routed to it once it is up again (``docs/pipelines.md``,
+    "Restart").
     """
 
     factory: str
@@ -150,6 +159,7 @@ class PipelineStage:
     shm_lease: float = _shm.DEFAULT_LEASE
     on_next_error: Literal["fail"] | Retry = "fail"
     replicas: int = 1
+    restart: RestartPolicy | bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str):
@@ -174,6 +184,8 @@ class PipelineStage:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"{what} must be an int >= 1 or None, got {value!r}")
+        if not isinstance(self.restart, (bool, RestartPolicy)):
+            raise TypeError(f"restart must be a bool or a RestartPolicy, got {self.restart!r}")
         policy = self.on_next_error
         if not isinstance(policy, Retry):
             if not isinstance(policy, str):
@@ -233,6 +245,31 @@ def credit_batch(window: int | None, default: int) -> int:
     return max(1, (default if window is None else window) // 4)
 
 
+def restart_policy(spec: PipelineStage) -> RestartPolicy | None:
+    """The stage's :class:`RestartPolicy` (``restart=True``: the default one), or ``None``."""
+    if isinstance(spec.restart, RestartPolicy):
+        return spec.restart
+    return RestartPolicy() if spec.restart else None
+
+
+def linked(a: PipelineStage, b: PipelineStage) -> bool:
+    """Whether the edge from stage *a* to the next stage *b* has a pool of shared-memory
+    slots per link, named after both processes (:func:`._shm.link_prefix`): an edge into or
+    out of a replica pool, or of a stage that restarts (a restarted process's names carry
+    its generation, :func:`._edge.slot_token`)."""
+    return a.replicas > 1 or b.replicas > 1 or bool(a.restart) or bool(b.restart)
+
+
+def link_slots(
+    shm_prefix: str, index: int, consumer: int, consumer_gen: int, producer: int, producer_gen: int
+) -> str:
+    """The slot prefix of the link from replica *producer* (started *producer_gen* times
+    before) of stage *index* to replica *consumer* of the next stage (likewise)."""
+    return _shm.link_prefix(
+        shm_prefix, index, slot_token(consumer, consumer_gen), slot_token(producer, producer_gen)
+    )
+
+
 def pipe_kwargs(
     spec: PipelineStage,
     downstream: str | list[str] | None,
@@ -242,14 +279,19 @@ def pipe_kwargs(
     upstream: PipelineStage | None = None,
     replica: int = 0,
     routed: bool = False,
+    downstream_spec: PipelineStage | None = None,
+    generation: int = 0,
+    next_generations: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The kwargs of :data:`PIPE_FACTORY` for replica *replica* of the stage *spec*,
-    number *index*, whose next stage listens at *downstream* (``None``: the last stage; a
-    list: the addresses of its replicas, a pool) and whose previous stage is *upstream*
-    (``None``: the first). *shm_prefix*: the pipeline's shared-memory prefix
+    number *index*, whose next stage (*downstream_spec*) listens at *downstream* (``None``:
+    the last stage; a list: the addresses of its replicas, a pool) and whose previous stage
+    is *upstream* (``None``: the first). *shm_prefix*: the pipeline's shared-memory prefix
     (:func:`._shm.pipeline_prefix`; ``None``: no shared memory on this host); an edge into
-    or out of a replica pool has a pool of slots per link (:func:`._shm.link_prefix`).
-    *routed*: the pipeline has replica pools."""
+    or out of a replica pool, or of a stage that restarts, has a pool of slots per link
+    (:func:`linked`). *routed*: the pipeline has replica pools or stages that restart.
+    *generation*: how many times this process was started before (a restart); per replica
+    of the next stage, *next_generations* (default: none restarted)."""
     kwargs: dict[str, Any] = {
         "factory": spec.factory,
         "stage": spec.name,
@@ -260,20 +302,30 @@ def pipe_kwargs(
     if routed:
         kwargs["routed"] = True
         kwargs["replica"] = replica
-    pooled_out = spec.replicas > 1 or (isinstance(downstream, list) and len(downstream) > 1)
-    pooled_in = upstream is not None and (upstream.replicas > 1 or spec.replicas > 1)
+    if downstream_spec is not None:
+        pooled_out = linked(spec, downstream_spec)
+    else:
+        pooled_out = spec.replicas > 1 or (isinstance(downstream, list) and len(downstream) > 1)
+    pooled_in = upstream is not None and linked(upstream, spec)
     if downstream is not None:
         if isinstance(downstream, list) and len(downstream) == 1:
             downstream = downstream[0]
         kwargs["downstream"] = downstream
         kwargs["window"] = spec.window
         kwargs["window_bytes"] = spec.window_bytes
-        kwargs["link_id"] = link_id(index, replica=replica if spec.replicas > 1 else None)
+        kwargs["link_id"] = link_id(
+            index, generation, replica=replica if spec.replicas > 1 or spec.restart else None
+        )
         if isinstance(spec.on_next_error, Retry):
             kwargs["replay_bytes"] = spec.on_next_error.max_bytes
         if shm_prefix is not None and spec.shm_threshold is not None:
             if pooled_out:
-                kwargs["shm_links"] = True
+                nlinks = 1 if isinstance(downstream, str) else len(downstream)
+                gens = list(next_generations or [0] * nlinks)
+                kwargs["shm_links"] = [
+                    link_slots(shm_prefix, index, c, gens[c], replica, generation)
+                    for c in range(nlinks)
+                ]
             kwargs["shm_prefix"] = _shm.stage_prefix(shm_prefix, index)
             kwargs["shm_threshold"] = spec.shm_threshold
             kwargs["shm_pool_bytes"] = spec.shm_pool_bytes
@@ -284,7 +336,7 @@ def pipe_kwargs(
     if shm_prefix is not None and upstream is not None and upstream.shm_threshold is not None:
         kwargs["shm_upstream"] = _shm.stage_prefix(shm_prefix, index - 1)
         if pooled_in:  # this replica's slots on each link into it (_shm.link_prefix)
-            kwargs["shm_upstream"] += f"{replica}-"
+            kwargs["shm_upstream"] += f"{slot_token(replica, generation)}-"
             kwargs["shm_upstream_pooled"] = True
     return kwargs
 
@@ -344,11 +396,22 @@ class PipelineBase(Generic[S, C]):
         shm_prefix: str | None = None,
         retry: Sequence[int] | None = None,
         replicas: Sequence[int] | None = None,
+        specs: Sequence[PipelineStage] | None = None,
+        startup_timeout: float = 60.0,
     ) -> None:
         self._lock = lock
         self._shm_prefix = shm_prefix
         counts = [1] * len(names) if replicas is None else list(replicas)
-        self._core: PipelineCore[S] = PipelineCore(names, max_in_flight, max_bytes, retry, counts)
+        if specs is None:
+            specs = [
+                PipelineStage(n, name=n, replicas=c) for n, c in zip(names, counts, strict=True)
+            ]
+        self._specs = list(specs)
+        self._startup_timeout = startup_timeout
+        policies = [restart_policy(spec) for spec in self._specs]
+        self._core: PipelineCore[S] = PipelineCore(
+            names, max_in_flight, max_bytes, retry, counts, policies
+        )
         # The stages that keep replay logs: those before a stage that is retried.
         self._loggers = [k - 1 for k, n in enumerate(self._core.retry) if n]
         self._clients = list(clients)  # every process, stage by stage, replica by replica
@@ -412,9 +475,31 @@ class PipelineBase(Generic[S, C]):
         return list(replicas), len(replicas) > 1
 
     def health(self) -> dict[str, StageHealth]:
-        """Each stage's health, by name (a replica pool's replicas as ``name[r]``). Never
+        """Each stage's health, by name (a replica pool's replicas as ``name[r]``): its
+        client's, or :attr:`StageHealth.RESTARTING` for a process that died and is being
+        started again, or waits for its restart's backoff (its stage restarts). Never
         blocks."""
-        return {key: c.health() for key, c in zip(self._keys, self._clients, strict=True)}
+        core = self._core
+        with self._lock:  # which processes are coming back (the clients' health: unlocked)
+            pending = core.failure is None and not self._closed
+            each = [
+                (client, pending and core.coming(k, r))
+                for k, clients in enumerate(self._replicas)
+                for r, client in enumerate(clients)
+            ]
+        return {
+            key: StageHealth.RESTARTING if coming else client.health()
+            for key, (client, coming) in zip(self._keys, each, strict=True)
+        }
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How many times each stage process was started again (a stage with ``restart``),
+        by name, as :meth:`health`'s keys."""
+        core = self._core
+        with self._lock:
+            counts = [core.restarts(k, r) for k, n in enumerate(core.replicas) for r in range(n)]
+        return dict(zip(self._keys, counts, strict=True))
 
     @property
     def bytes_in(self) -> int:
@@ -533,9 +618,12 @@ class PipelineBase(Generic[S, C]):
         replicas = self._replicas
         for k, r, side, dead, dead_r in d.gone:
             with contextlib.suppress(Exception):
-                if side == "previous":
-                    pool = self._core.replicas[dead] > 1
-                    link = link_id(dead, replica=dead_r if pool else None)
+                if side == "previous":  # the dead process's link: its generation's
+                    core = self._core
+                    pool = core.replicas[dead] > 1 or core.restart[dead] is not None
+                    link = link_id(
+                        dead, core.generation(dead, dead_r), replica=dead_r if pool else None
+                    )
                     frame = ClientSession.gone_frame(side, link)
                 else:
                     frame = ClientSession.gone_frame(side, "", dead_r)
@@ -605,37 +693,155 @@ class PipelineBase(Generic[S, C]):
         unlinks the rest."""
         prefix = self._shm_prefix
         assert prefix is not None
-        reps = self._core.replicas
+        specs = self._specs
+        token = slot_token(r, self._core.generation(k, r))  # the dead process's
         prefixes: list[str] = []
+        own: str | None = None
         if k > 0:  # the previous stage's slots for it
             prefixes.append(_shm.stage_prefix(prefix, k - 1))
-            if reps[k - 1] > 1 or reps[k] > 1:
-                prefixes[-1] += f"{r}-"
-        if k + 1 < len(reps) and (reps[k] > 1 or reps[k + 1] > 1):  # its own, per link
-            prefixes += [_shm.link_prefix(prefix, k, c, r) for c in range(reps[k + 1])]
+            if linked(specs[k - 1], specs[k]):
+                prefixes[-1] += f"{token}-"
+        if k + 1 < len(specs) and linked(specs[k], specs[k + 1]):  # its own, per link
+            own = _shm.stage_prefix(prefix, k)
         else:
             prefixes.append(_shm.stage_prefix(prefix, k))
 
         def sweep() -> None:
             for prefix in prefixes:
                 _shm.unlink_prefix(prefix)
+            if own is not None:
+                _shm.unlink_producer(own, token)
 
         sweep()
         timer = threading.Timer(SHM_SWEEP_S, sweep)
         timer.daemon = True
         timer.start()
 
+    # -- restarts (PipelineStage(restart=...)) -------------------------------------------------
+
+    def _schedule_restart(self, k: int, r: int, delay: float) -> None:
+        """Start process *r* of stage *k* again after *delay* seconds, and again after each
+        failed start (its policy's backoff), until it is up, fails for good or the
+        pipeline closes: a thread of the blocking pipeline, a task of the async one."""
+        raise NotImplementedError
+
+    def _restart_plan(
+        self, k: int, r: int, generation: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The kwargs of :data:`PIPE_FACTORY` and of the client's ``launch`` that start
+        process *r* of stage *k* again, as its *generation*-th restart: the same factory and
+        options, its links to the current addresses of the next stage's processes."""
+        specs, core = self._specs, self._core
+        spec = specs[k]
+        downstream: list[str] | None = None
+        next_spec: PipelineStage | None = None
+        next_gens: list[int] | None = None
+        if k + 1 < len(specs):
+            downstream = [c.address for c in self._replicas[k + 1]]
+            next_spec = specs[k + 1]
+            next_gens = [core.generation(k + 1, c) for c in range(core.replicas[k + 1])]
+        kwargs = pipe_kwargs(
+            spec,
+            downstream,
+            shm_prefix=self._shm_prefix,
+            index=k,
+            upstream=specs[k - 1] if k else None,
+            replica=r,
+            routed=True,
+            downstream_spec=next_spec,
+            generation=generation,
+            next_generations=next_gens,
+        )
+        return kwargs, launch_options(spec, self._startup_timeout, r)
+
+    def _install(self, k: int, r: int, client: C) -> tuple[list[tuple[C, Parts]], list[C]]:
+        """Put *client*, of process *r* of stage *k* started again, in place of the dead
+        one's (from now on only its events are heard), and return what links it in: the
+        frames to send (a ``gone`` ``"next"`` to it for each process of the next stage that
+        is down, a ``link`` to each live process of the previous stage, naming its address
+        and the link's new slots), and the previous stage's clients to ask, after those
+        frames, whether the link is up (their loop applied the ``link``)."""
+        specs, core = self._specs, self._core
+        generation = core.generation(k, r)
+        with self._lock:
+            self._replicas[k][r] = client
+            self._clients[sum(core.replicas[:k]) + r] = client
+        sends: list[tuple[C, Parts]] = []
+        if k + 1 < len(specs):
+            for c, up in enumerate(core.alive(k + 1)):
+                if not up:
+                    sends.append((client, ClientSession.gone_frame("next", "", c)))
+        barrier: list[C] = []
+        if k > 0:
+            prefix = self._shm_prefix
+            shm = prefix is not None and specs[k - 1].shm_threshold is not None
+            for j, up in enumerate(core.alive(k - 1)):
+                if not up:
+                    continue
+                slots = ""
+                if shm:
+                    assert prefix is not None
+                    slots = link_slots(prefix, k - 1, r, generation, j, core.generation(k - 1, j))
+                before = self._replicas[k - 1][j]
+                sends.append((before, ClientSession.link_frame(r, client.address, slots)))
+                barrier.append(before)
+        return sends, barrier
+
+    def _started(self, k: int, r: int) -> bool:
+        """Process *r* of stage *k* is up again and linked in: routed to from now on.
+        ``False``: the pipeline failed or closes meanwhile (stop the new process)."""
+        with self._lock:
+            return not self._closed and self._core.started(k, r)
+
+    def _start_failed(self, k: int, r: int, exc: BaseException) -> float | None:
+        """Starting process *r* of stage *k* again failed with *exc*: the delay before the
+        next try, or ``None`` (it failed for good; its stage may be dead now)."""
+        d: PipelineDeliveries[S] = PipelineDeliveries()
+        dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc))
+        with self._lock:
+            delay = self._core.start_failed(k, r, dead, time.monotonic(), d)
+        self._deliver(d)
+        if delay is None:
+            logger.error(
+                "enginecore: pipeline stage %r, process %d, did not start again (%s); it stays out",
+                self._names[k],
+                r,
+                exc,
+            )
+        else:
+            logger.warning(
+                "enginecore: pipeline stage %r, process %d, did not start again (%s); next "
+                "try in %.3g s",
+                self._names[k],
+                r,
+                exc,
+                delay,
+            )
+        return delay
+
+    def _restarting(self, k: int, r: int) -> int | None:
+        """The backoff of process *r* of stage *k* is over: the generation to start it
+        with, or ``None`` (the pipeline failed or closes)."""
+        with self._lock:
+            if self._closed:
+                return None
+            return self._core.restarting(k, r)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {' -> '.join(self._names)}>"
 
     # -- what the stages say ------------------------------------------------------------------
 
-    def _take_events(self, k: int, r: int = 0) -> None:
+    def _take_events(self, k: int, r: int = 0, client: C | None = None) -> None:
         """Stage *k*'s client (its replica *r*'s) appended to its ordered event stream: hand
         every event to the core, in order. Taken under the pipeline's lock, so two threads
         that read frames of one stage (its receiver and a ``call_utility``) cannot reorder
-        them."""
-        client = self._replicas[k][r]
+        them. *client*: the client that calls (an earlier process's, replaced by a restart,
+        is no longer heard)."""
+        if client is None:
+            client = self._replicas[k][r]
+        elif client is not self._replicas[k][r]:
+            return
         buf = client._session.events
         if not buf:
             return
@@ -692,6 +898,18 @@ class PipelineBase(Generic[S, C]):
         if dead is not None:
             if self._shm_prefix is not None:
                 self._unlink_dead(k, r)
+            for k2, r2, delay in d.restarts:
+                logger.error(
+                    "enginecore: pipeline stage %r, process %d, is gone (%s); its requests "
+                    "ended; it starts again in %.3g s",
+                    self._names[k2],
+                    r2,
+                    dead,
+                    delay,
+                )
+                self._schedule_restart(k2, r2, delay)
+            if d.restarts:
+                return
             if self._pooled and any(core.alive(k)):
                 logger.error(
                     "enginecore: pipeline stage %r, replica %d, is gone (%s); its requests "

@@ -465,11 +465,15 @@ class StageHealth(str, enum.Enum):
       ``step_timeout`` (the stage said so), or the stage has not answered the client's pings
       for two intervals (a stopped or starved process). Back to ``OK`` when that ends.
     - ``DEAD``: the stage is gone (any waiter has its error), or this client is closed.
+    - ``RESTARTING``: only in a pipeline's ``health()``: the stage process died and is
+      being started again (its stage restarts, ``PipelineStage(restart=...)``), or waits for
+      its restart's backoff.
     """
 
     OK = "ok"
     STALLED = "stalled"
     DEAD = "dead"
+    RESTARTING = "restarting"
 
 
 LAUNCHED_PING_S: Final = 1.0
@@ -780,6 +784,13 @@ class ClientSession(Generic[S, W]):
         if replica:
             return [_encode_flat(("gone", side, link, replica))]
         return [_encode_flat(("gone", side, link))]
+
+    @staticmethod
+    def link_frame(replica: int, address: str, slots: str = "") -> Parts:
+        """A ``link`` for a pipeline's stage (``docs/wire.md`` section 8): replica *replica*
+        of the next stage was started again and listens at *address*; *slots*: the new
+        link's shared-memory slot prefix (``""``: none)."""
+        return [_encode_flat(("link", replica, address, slots))]
 
     @staticmethod
     def route_frame(req_ids: list[str], routes: list[list[int]]) -> Parts:

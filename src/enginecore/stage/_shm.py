@@ -121,13 +121,38 @@ def stage_prefix(prefix: str, index: int) -> str:
     return f"{prefix}{index}-"
 
 
-def link_prefix(prefix: str, index: int, consumer: int, producer: int) -> str:
+def link_prefix(prefix: str, index: int, consumer: int | str, producer: int | str) -> str:
     """The prefix of the segments that replica *producer* of stage *index* keeps for
-    replica *consumer* of the next stage, on an edge into or out of a replica pool: one
-    pool of slots per link, named consumer first, so that the consumer's reader takes
-    ``stage_prefix(prefix, index) + f"{consumer}-"`` and a dead consumer's slots are one
-    prefix."""
+    replica *consumer* of the next stage, on an edge into or out of a replica pool (or a
+    stage that restarts): one pool of slots per link, named consumer first, so that the
+    consumer's reader takes ``stage_prefix(prefix, index) + f"{consumer}-"`` and a dead
+    consumer's slots are one prefix. Either may be a :func:`._edge.slot_token` (``"1.2"``:
+    replica 1, started a third time), so that a restarted process's names never collide
+    with its dead predecessor's."""
     return f"{prefix}{index}-{consumer}-{producer}-"
+
+
+def _producer_token(token: str) -> bool:
+    """Whether *token* names a producer in a link's slot name: ``<replica>`` or
+    ``<replica>.<generation>`` (:func:`._edge.slot_token`)."""
+    replica, _, generation = token.partition(".")
+    return replica.isdigit() and (not generation or generation.isdigit())
+
+
+def unlink_producer(prefix: str, producer: str) -> list[str]:
+    """Unlink the per-link slots of *prefix* (a stage's, :func:`stage_prefix`) that the
+    producer *producer* (a :func:`._edge.slot_token`) made, whatever their consumer: a
+    dead process's own slots on an edge into or out of a replica pool."""
+    gone: list[str] = []
+    for name in segments(prefix):
+        parts = name[len(prefix) :].split("-")
+        if len(parts) == 3 and parts[1] == producer:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                continue
+            gone.append(name)
+    return gone
 
 
 def segments(prefix: str) -> list[str]:
@@ -433,7 +458,7 @@ class ShmReader:
         if not self.pooled:
             return rest.isdigit()
         producer, _, n = rest.partition("-")
-        return producer.isdigit() and n.isdigit()
+        return _producer_token(producer) and n.isdigit()
 
     def _check(self, name: str, header: Any, gen: int, until: int, now: int) -> None:
         if header[_H_RETIRED]:
@@ -523,12 +548,13 @@ class ShmReader:
             for name in [n for n, m in self._maps.items() if m.header[_H_RETIRED]]:
                 del self._maps[name]
 
-    def upstream_gone(self, producer: int | None = None) -> None:
+    def upstream_gone(self, producer: int | str | None = None) -> None:
         """The previous stage died: let go of the mappings of its slots, and map none
         again. An array still alive keeps its slot's memory (numpy holds the mapping)
         until it dies; the slots' names are unlinked by the parent. *producer* (a pooled
         edge): only that replica of the previous stage died; the others' slots are still
-        taken."""
+        taken (an ``int``, or its :func:`._edge.slot_token`: a restarted producer's new
+        slots are taken again)."""
         with self._maps_lock:
             if producer is None or not self.pooled:
                 self.gone = True
@@ -567,7 +593,7 @@ def configure_reader(prefix: str, pooled: bool = False) -> ShmReader:
     return _reader
 
 
-def upstream_gone(producer: int | None = None) -> None:
+def upstream_gone(producer: int | str | None = None) -> None:
     """The input side heard that the previous stage (its replica *producer*, of a pool)
     died: this process's reader, if it has one, lets go of its slots
     (:meth:`ShmReader.upstream_gone`)."""

@@ -60,12 +60,14 @@ from ._controls import (
     PipeCredit,
     PipeGone,
     PipeInput,
+    PipeLink,
     PipeRelease,
     PipeReplay,
     PipeRoute,
     SessionChange,
     Stop,
 )
+from ._edge import link_token
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_MS",
@@ -425,6 +427,8 @@ class StageSession:
             self._routes(msg.req_ids, msg.routes)
         elif cls is _wire.GoneMsg:
             self._gone(msg)
+        elif cls is _wire.LinkMsg:
+            self.to_loop.append(PipeLink(msg.replica, msg.address, msg.slots))
         elif cls is _wire.ReplayMsg:
             self.to_loop.append(PipeReplay(msg.req_id, msg.attempt))
         elif cls is _wire.ReleaseMsg:
@@ -554,9 +558,13 @@ class StageSession:
                 self.events.append(("error", None, "invalid message: gone needs the link"))
                 return
             self.gone_links.add(msg.link.encode())
-            # A replica of a pool (its index after the link's "-r"), or the whole stage.
-            _, sep, replica = msg.link.rpartition("-r")
-            _shm.upstream_gone(int(replica) if sep and replica.isdigit() else None)
+            # A replica of a pool or a stage that restarts (its index after the link's
+            # "-r", and the generation of the process that died), or the whole stage.
+            token = link_token(msg.link)
+            _shm.upstream_gone(token)
+            if token is not None:  # which replica: its credit owed goes with it
+                self.to_loop.append(PipeGone(side, 0, int(token.partition(".")[0])))
+                return
         elif side != "next":
             why = f"invalid message: gone side must be previous or next, got {side!r}"
             self.events.append(("error", None, why))

@@ -126,6 +126,16 @@ class GoneMsg(msgspec.Struct, array_like=True, frozen=True, tag="gone"):
     replica: int = 0
 
 
+class LinkMsg(msgspec.Struct, array_like=True, frozen=True, tag="link"):
+    # The coordinator -> a pipeline's stage (docs/wire.md section 8): replica *replica* of
+    # the next stage was started again, and listens at *address*: connect that link to it,
+    # with an empty window and, if *slots* is not "", a new pool of shared-memory slots
+    # named with that prefix.
+    replica: int
+    address: str
+    slots: str = ""
+
+
 class RouteMsg(msgspec.Struct, array_like=True, frozen=True, tag="route"):
     # The coordinator -> the first stage of a pipeline with replica pools, right before the
     # add of *req_ids*: per id, the replicas of the stages after it that the request goes
@@ -161,6 +171,7 @@ ClientMsg: TypeAlias = (
     | PipeMsg
     | CreditMsg
     | GoneMsg
+    | LinkMsg
     | ReplayMsg
     | ReleaseMsg
     | RouteMsg

@@ -22,6 +22,8 @@ Factories (``"enginecore.stage.testing:NAME"``):
   inputs).
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
 - ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
+- ``relay_once(marker)`` -> a :class:`RelayEngine` the first time, then raises
+  :class:`RuntimeError` at every later start (a restart that fails), *marker* a file path.
 - ``sleeping_factory(seconds)`` sleeps, then returns a CountdownEngine (startup timeout).
 - ``killed_factory()`` is killed by SIGKILL during startup.
 - ``barrier_factory(directory, parties, timeout=20.0)`` returns a CountdownEngine only once
@@ -934,6 +936,17 @@ def scripted(log: str | None = None) -> ScriptedEngine:
 def failing_factory(message: str = "factory failed on purpose") -> CountdownEngine:
     """Factory that raises ``RuntimeError(message)``."""
     raise RuntimeError(message)
+
+
+def relay_once(marker: str, step_s: float = 0.0) -> RelayEngine:
+    """Factory: a :class:`RelayEngine` the first time it is called (it creates the file
+    *marker*), :class:`RuntimeError` every later time (a stage that cannot start again)."""
+    try:
+        with open(marker, "x"):
+            pass
+    except FileExistsError:
+        raise RuntimeError("this stage starts only once, on purpose") from None
+    return RelayEngine(step_s)
 
 
 def exiting_factory(code: int = 3) -> CountdownEngine:

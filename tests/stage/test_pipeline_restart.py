@@ -1,0 +1,648 @@
+"""Restarting a dead pipeline stage process (``docs/pipelines.md``, "Restart"):
+``PipelineStage(..., restart=True | RestartPolicy(...))``, with real stage processes killed
+with SIGKILL, for a replica of a pool and for a stage of one process, first, middle or last.
+
+One suite for :class:`~enginecore.stage.Pipeline` and
+:class:`~enginecore.stage.AsyncPipeline` (``[sync]``, ``[async]``), as in
+``test_pipeline_pool.py``; the conftest's autouse fixture checks that no process, socket
+file or shared-memory segment is left behind. The coordinator's decisions are checked alone
+at the end (no IO)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from enginecore.stage import (
+    AsyncPipeline,
+    EngineDeadError,
+    NoReplicaError,
+    Pipeline,
+    PipelineStage,
+    PipelineStageDeadError,
+    ReplicaState,
+    RestartPolicy,
+    StageClient,
+    StageHealth,
+    _shm,
+)
+from enginecore.stage._edge import LINKS_UTILITY, link_id
+from enginecore.stage._errors import EngineDeadError as _Dead
+from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries
+from enginecore.stage._pipelinebase import PIPE_FACTORY
+from enginecore.stage._session import ClientSession, StreamCore
+from enginecore.stage._wire import ErrorReport
+
+from .conftest import EventLoopThread, wait_until
+from .test_pipeline_pool import _AsyncPool
+
+COUNTDOWN = "enginecore:CountdownEngine"
+RELAY = "enginecore.stage.testing:relay"
+DEVICE = "enginecore.stage.testing:device"
+T = "enginecore.stage.testing"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+FAST = RestartPolicy(first_delay=0.05, max_delay=0.05)
+"""Restart at once (50 ms): the tests wait for the new process, not for a backoff."""
+
+
+class _AsyncRestarts(_AsyncPool):
+    """The blocking adapter, with ``restarts``."""
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        return cast(dict[str, int], self._on_loop(lambda: self._pipe.restarts))
+
+
+@pytest.fixture(params=["sync", "async"])
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
+    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, or :meth:`AsyncPipeline.launch`
+    behind a blocking adapter; each is shut down after the test."""
+    runner = EventLoopThread() if request.param == "async" else None
+    opened: list[Any] = []
+
+    def launch_(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
+        kwargs.setdefault("startup_timeout", 30)
+        if runner is None:
+            pipe: Any = Pipeline.launch(stages, **kwargs)
+        else:
+            pipe = _AsyncRestarts(runner, runner.run(AsyncPipeline.launch(stages, **kwargs)))
+        opened.append(pipe)
+        return cast(Pipeline, pipe)
+
+    try:
+        yield launch_
+    finally:
+        try:
+            for pipe in opened:
+                pipe.shutdown()
+        finally:
+            if runner is not None:
+                runner.stop()
+
+
+def _held(pipe: Any, stage: str) -> int:
+    """The requests live in every process of *stage*."""
+    held = pipe.call_utility(stage, "num_requests")
+    return sum(held) if isinstance(held, list) else int(held)
+
+
+def _up(pipe: Any, key: str, restarts: int = 1) -> bool:
+    """Whether process *key* is up again after *restarts* restarts."""
+    return bool(pipe.restarts[key] == restarts and pipe.health()[key] == StageHealth.OK)
+
+
+class TestOptions:
+    @pytest.mark.parametrize("bad", ["yes", 1, 0.5, None, {"max_failures": 2}])
+    def test_restart_must_be_a_bool_or_a_policy(self, bad: Any) -> None:
+        with pytest.raises(TypeError, match="restart must be a bool or a RestartPolicy"):
+            PipelineStage(RELAY, restart=bad)
+
+    def test_a_bad_policy_is_a_value_error_before_any_process_starts(self) -> None:
+        with pytest.raises(ValueError, match="max_failures"):
+            PipelineStage(RELAY, restart=RestartPolicy(max_failures=0))
+
+    def test_without_a_death_nothing_restarts(self, launch: Any) -> None:
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", restart=True)])
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
+        assert pipe.restarts == {COUNTDOWN: 0, "mid": 0}
+        assert set(pipe.health().values()) == {StageHealth.OK}
+
+
+class TestPoolReplica:
+    @pytest.mark.parametrize("position", [0, 1, 2], ids=["first", "middle", "last"])
+    def test_a_killed_replica_restarts_and_takes_requests_again(
+        self, launch: Any, position: int
+    ) -> None:
+        names = ["first", "mid", "last"]
+        factories = [DEVICE, RELAY, RELAY]
+        pipe = launch(
+            [
+                PipelineStage(
+                    factory,
+                    {"step_s": 0.005} if factory == DEVICE else None,
+                    name=name,
+                    replicas=2 if k == position else 1,
+                    restart=FAST if k == position else False,
+                )
+                for k, (factory, name) in enumerate(zip(factories, names, strict=True))
+            ]
+        )
+        pool, key = names[position], f"{names[position]}[0]"
+        streams = {f"r{i}": pipe.add(f"r{i}", 10**6) for i in range(8)}  # under load
+        for stream in streams.values():
+            stream.get(timeout=10)
+        on = {rid: pipe._core.route(rid)[position] for rid in streams}
+        assert set(on.values()) == {0, 1}
+        old = pipe.call_utility(pool, "pid", replica=0)
+        os.kill(old, signal.SIGKILL)
+        for rid, stream in streams.items():
+            if on[rid] == 0:
+                with pytest.raises(PipelineStageDeadError) as info:
+                    stream.collect(timeout=10)
+                assert (info.value.stage, info.value.replica) == (pool, 0)
+        assert wait_until(lambda: _up(pipe, key), 30)
+        new = pipe.call_utility(pool, "pid", replica=0)
+        assert new != old
+        # The survivors went on; new requests go to the new process too, and complete.
+        survivors = [rid for rid in streams if on[rid] == 1]
+        for rid in survivors:
+            assert not streams[rid].finished
+            streams[rid].get(timeout=10)
+        later = [pipe.add(f"later{i}", 3) for i in range(6)]
+        to_new = [pipe._core.route(f"later{i}")[position] for i in range(6)].count(0)
+        assert 0 < to_new < 6  # the least loaded: the new process first, then both
+        assert [s.collect(timeout=10) for s in later] == [[2, 1, 0]] * 6
+        if position:  # a relay: it counts what it took since it started
+            assert pipe.call_utility(pool, "added", replica=0) == to_new
+        pipe.abort(survivors)
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert pipe.restarts[f"{pool}[1]"] == 0
+        assert set(pipe.health().values()) == {StageHealth.OK}
+        if position < 2:  # its new link to the next stage gets its credit back
+            assert wait_until(lambda: pipe.stats()[key].engine["edge_in_flight"] == 0, 10)
+        for name in names:  # and no stage holds a request any more
+            assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
+
+    def test_a_replica_that_dies_too_often_is_failed_and_stays_out(self, launch: Any) -> None:
+        policy = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=2)
+        pipe = launch(
+            [
+                PipelineStage(DEVICE, {"step_s": 0.005}, name="first"),
+                PipelineStage(RELAY, name="mid", replicas=2, restart=policy),
+            ]
+        )
+        os.kill(pipe.call_utility("mid", "pid", replica=1), signal.SIGKILL)
+        assert wait_until(lambda: _up(pipe, "mid[1]"), 30)
+        os.kill(pipe.call_utility("mid", "pid", replica=1), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid[1]"] == StageHealth.DEAD, 10)
+        assert pipe._core.process_state(1, 1) is ReplicaState.FAILED
+        later = [pipe.add(f"later{i}", 3) for i in range(4)]  # all on mid[0]
+        assert {pipe._core.route(f"later{i}")[1] for i in range(4)} == {0}
+        assert [s.collect(timeout=10) for s in later] == [[2, 1, 0]] * 4
+        assert pipe.restarts["mid[1]"] == 1
+
+
+class TestSingleProcessStage:
+    @pytest.mark.parametrize("position", [0, 1, 2], ids=["first", "middle", "last"])
+    def test_a_killed_stage_restarts_and_the_pipeline_goes_on(
+        self, launch: Any, position: int
+    ) -> None:
+        # A backoff long enough to see the stage restarting: adds are refused meanwhile.
+        policy = RestartPolicy(first_delay=0.5)
+        names = ["first", "mid", "last"]
+        factories = [DEVICE, RELAY, RELAY]
+        stages = [
+            PipelineStage(
+                factory,
+                {"step_s": 0.005} if factory == DEVICE else None,
+                name=name,
+                restart=policy if k == position else False,
+            )
+            for k, (factory, name) in enumerate(zip(factories, names, strict=True))
+        ]
+        pipe = launch(stages)
+        killed = names[position]
+        streams = [pipe.add(f"r{i}", 10**6) for i in range(4)]  # under load
+        for stream in streams:
+            stream.get(timeout=10)
+        old = pipe.call_utility(killed, "pid")
+        os.kill(old, signal.SIGKILL)
+        for stream in streams:
+            with pytest.raises(PipelineStageDeadError) as info:
+                stream.collect(timeout=10)
+            assert info.value.stage == killed
+            assert info.value.replica is None
+        # Every request ended; the stage is down, its restart pending: an add is refused at
+        # once, with the error that names the stage, and its health says so.
+        assert pipe.health()[killed] == StageHealth.RESTARTING
+        with pytest.raises(NoReplicaError, match=f"stage '{killed}'.*restarting"):
+            pipe.add("refused", 3)
+        assert wait_until(lambda: _up(pipe, killed), 30)
+        assert pipe.call_utility(killed, "pid") != old
+        later = [pipe.add(f"later{i}", 3) for i in range(4)]
+        assert [s.collect(timeout=10) for s in later] == [[2, 1, 0]] * 4
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        # The other stages dropped the dead stage's requests.
+        for name in names:
+            assert wait_until(lambda n=name: pipe.call_utility(n, "num_requests") == 0, 10)
+
+    def test_the_last_death_allowed_makes_the_pipeline_dead(self, launch: Any) -> None:
+        policy = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=2)
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", restart=policy)])
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert wait_until(lambda: _up(pipe, "mid"), 30)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid"] == StageHealth.DEAD, 10)
+        with pytest.raises(PipelineStageDeadError, match="mid"):
+            pipe.add("later", 1)
+
+    def test_failed_starts_count_until_the_stage_is_dead(self, launch: Any) -> None:
+        # Every start after the first fails: two of them and the first death make three
+        # deaths (max_failures): the stage is failed, and with it the pipeline.
+        policy = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=3)
+        marker = f"/tmp/ecR-{os.getpid()}-{time.monotonic_ns()}"  # outside the checked dir
+        try:
+            relay_once = PipelineStage(
+                f"{T}:relay_once", {"marker": marker}, name="mid", restart=policy
+            )
+            pipe = launch([COUNTDOWN, relay_once])
+            os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+            assert wait_until(lambda: pipe.health()["mid"] == StageHealth.DEAD, 30)
+            assert pipe.restarts["mid"] == 2  # two tries
+            with pytest.raises(PipelineStageDeadError, match="mid"):
+                pipe.add("later", 1)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
+
+
+class TestShutdown:
+    def test_shutdown_during_the_backoff_stops_at_once(self, launch: Any) -> None:
+        pipe = launch(
+            [COUNTDOWN, PipelineStage(RELAY, name="mid", restart=RestartPolicy(first_delay=30))]
+        )
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid"] == StageHealth.RESTARTING, 10)
+        assert isinstance(pipe.stats()["mid"], EngineDeadError)  # the dead process's
+        with pytest.raises(NoReplicaError):
+            pipe.add("r", 1)
+        started = time.monotonic()
+        pipe.shutdown()
+        assert time.monotonic() - started < 10  # not the 30 s backoff
+        assert pipe.restarts["mid"] == 0
+
+    def test_shutdown_while_a_restart_starts_leaves_no_process(self, launch: Any) -> None:
+        # The restart's start is under way (or about to be) when the shutdown begins: it
+        # either never starts the process or stops what it started (the conftest checks
+        # that no process is left).
+        pipe = launch(
+            [
+                COUNTDOWN,
+                PipelineStage(
+                    RELAY, name="mid", restart=RestartPolicy(first_delay=0.001, max_delay=0.001)
+                ),
+            ]
+        )
+        stream = pipe.add("r", 10**6)
+        stream.get(timeout=10)
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        with pytest.raises(PipelineStageDeadError):
+            stream.collect(timeout=10)
+        pipe.shutdown()
+        assert pipe.health()["mid"] == StageHealth.DEAD
+
+
+@pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
+class TestSharedMemory:
+    @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
+    def test_a_restarted_stage_takes_and_sends_big_arrays_through_new_slots(
+        self, launch: Any, replicas: int
+    ) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="a", edge=f"{T}:to_array"),
+                PipelineStage(RELAY, name="b", replicas=replicas, restart=FAST),
+                PipelineStage(RELAY, name="c"),
+            ]
+        )
+        key = "b[0]" if replicas > 1 else "b"
+
+        def run(tag: str, n: int) -> None:
+            streams = [pipe.add(f"{tag}{i}", 3) for i in range(n)]
+            for stream in streams:
+                outputs = stream.collect(timeout=30)
+                assert [float(x[0]) for x in outputs] == [2.0, 1.0, 0.0]
+                assert all(bool(np.all(x == x[0])) for x in outputs)
+
+        run("before", 4)
+        prefix = pipe._shm_prefix
+        assert wait_until(lambda: pipe.stats()[key].engine.get("shm_sent", 0) > 0, 10)
+        os.kill(pipe.call_utility("b", "pid", replica=0), signal.SIGKILL)
+
+        def dead_slots() -> list[str]:  # b's first process's, and a's for it
+            own = [n for n in _shm.segments(prefix + "1-") if n.split("-")[-2] == "0"]
+            return _shm.segments(prefix + "0-0-") + own
+
+        assert wait_until(lambda: not dead_slots(), 10)
+        assert wait_until(lambda: _up(pipe, key), 30)
+        run("after", 4 * replicas)
+        # Through the new process: it takes a's arrays and sends its own, on slots named
+        # with its generation (a's for it: 0-0.1-0-<n>; its own: 1-0-0.1-<n>).
+        assert wait_until(lambda: pipe.stats()[key].engine.get("shm_taken", 0) >= 12, 10)
+        assert wait_until(lambda: pipe.stats()[key].engine.get("shm_sent", 0) >= 12, 10)
+        names = [n.removeprefix(prefix) for n in _shm.segments(prefix)]
+        assert any(n.startswith("0-0.1-0-") for n in names), names
+        assert any(n.startswith("1-0-0.1-") for n in names), names
+        pipe.shutdown()
+        assert _shm.segments(prefix) == []
+
+
+# -- the coordinator's decisions, without IO ---------------------------------------------------
+
+
+def _core(replicas: Sequence[int], policy: RestartPolicy) -> PipelineCore[StreamCore]:
+    return PipelineCore(["a", "b", "c"], replicas=replicas, restart=[None, policy, None])
+
+
+def test_core_a_dead_stage_with_a_restart_ends_its_requests_and_refuses_adds() -> None:
+    core = _core((1, 1, 1), RestartPolicy(first_delay=0.25))
+    assert core.pooled  # routes tell a dead process's requests from the others
+    streams = [StreamCore(f"r{i}") for i in range(3)]
+    for s in streams:
+        core.open(s.req_id, s)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(1, 0, _Dead("killed"), 1.0, d)
+    assert d.restarts == [(1, 0, 0.25)]
+    assert core.failure is None
+    for s in streams:
+        assert s._ended is not None
+        assert isinstance(s._ended.exc, PipelineStageDeadError)
+    with pytest.raises(NoReplicaError, match="stage 'b'"):
+        core.check(["new"])
+    assert core.process_state(1, 0) is ReplicaState.DEAD
+    assert core.restarting(1, 0) == 1  # generation 1
+    assert core.process_state(1, 0) is ReplicaState.STARTING
+    with pytest.raises(NoReplicaError):
+        core.check(["new"])
+    assert core.started(1, 0)
+    core.check(["new"])
+    assert core.restarts(1, 0) == 1
+    assert core.generation(1, 0) == 1
+
+
+def test_core_failed_starts_count_as_deaths_until_the_stage_is_dead() -> None:
+    core = _core((1, 2, 1), RestartPolicy(first_delay=0.1, max_failures=3))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(1, 0, _Dead("killed"), 1.0, d)
+    assert d.restarts == [(1, 0, 0.1)]
+    assert core.restarting(1, 0) == 1
+    assert core.start_failed(1, 0, _Dead("no"), 1.5, d) == 0.2  # doubled
+    assert core.restarting(1, 0) == 2
+    assert core.start_failed(1, 0, _Dead("no"), 2.0, d) is None  # the third death
+    assert core.process_state(1, 0) is ReplicaState.FAILED
+    assert core.failure is None  # replica 1 serves
+    core.check(["x"])
+    core.replica_dead(1, 1, _Dead("killed"), 3.0, d)
+    assert core.failure is None  # its own restart is pending
+    core.replica_dead(1, 1, _Dead("killed"), 3.0, d)  # twice: nothing more
+    assert core.restarting(1, 1) == 1
+    core.start_failed(1, 1, _Dead("no"), 3.1, d)
+    assert core.restarting(1, 1) == 2
+    assert core.start_failed(1, 1, _Dead("no"), 3.2, d) is None
+    assert isinstance(core.failure, PipelineStageDeadError)
+    with pytest.raises(PipelineStageDeadError):
+        core.check(["x"])
+
+
+def test_core_a_death_while_starting_is_a_failed_start() -> None:
+    core = _core((1, 2, 1), RestartPolicy(first_delay=0.1, max_failures=5))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(1, 0, _Dead("killed"), 1.0, d)
+    assert core.restarting(1, 0) == 1
+    d = PipelineDeliveries()
+    core.replica_dead(1, 0, _Dead("died while starting"), 1.2, d)  # before it was up
+    assert d.restarts == [(1, 0, 0.2)]  # a second death: the delay doubled
+    assert not core.started(1, 0)  # the IO layer stops what it started
+    assert core.process_state(1, 0) is ReplicaState.DEAD
+    assert core.restarting(1, 0) == 2
+    assert core.started(1, 0)
+
+
+def test_core_no_restart_once_the_pipeline_failed_or_closed() -> None:
+    core = _core((1, 1, 1), RestartPolicy(first_delay=0.1))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(1, 0, _Dead("killed"), 1.0, d)
+    core.close(EngineDeadError("closed"), 1.0, d)
+    assert core.restarting(1, 0) is None
+    core = _core((1, 1, 1), RestartPolicy(first_delay=0.1))
+    core.replica_dead(1, 0, _Dead("killed"), 1.0, d)
+    assert core.restarting(1, 0) == 1
+    core.close(EngineDeadError("closed"), 1.0, d)
+    assert not core.started(1, 0)
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("open"), st.integers(1, 3), st.just(0)),
+        st.tuples(st.just("done"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("kill"), st.integers(0, 2), st.integers(0, 2)),
+        st.tuples(st.just("start"), st.integers(0, 2), st.integers(0, 2)),
+        st.tuples(st.just("fail_start"), st.integers(0, 2), st.integers(0, 2)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ops)
+def test_core_restarts_against_a_model(ops: list[tuple[str, int, int]]) -> None:
+    """Deaths, restarts (the backoff over: ``restarting``, then ``started``) and failed
+    starts of every stage's processes, interleaved with requests, against a model of each
+    process's state (``up``, ``dead`` with a restart pending, ``starting``, ``failed``
+    after ``max_failures`` deaths): routes name live processes only, the counts per process
+    are the requests routed there, a dead process's requests end with its error, an add is
+    refused (``NoReplicaError``) while a stage has no live process but one coming, and the
+    pipeline fails only once a stage has neither."""
+    replicas = (1, 3, 2)
+    names = ["a", "b", "c"]
+    policy = RestartPolicy(first_delay=0.1, max_delay=0.4, max_failures=3, window=1e9)
+    core: PipelineCore[StreamCore] = PipelineCore(names, replicas=replicas, restart=[policy] * 3)
+    state = [["up"] * n for n in replicas]
+    deaths = [[0] * n for n in replicas]
+    gens = [[0] * n for n in replicas]
+    streams: dict[str, StreamCore] = {}
+    seq = 0
+    now = 0.0
+    for op, x, y in ops:
+        now += 1.0
+        d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+        if core.failure is not None:
+            break
+        down = [k for k in range(3) if "up" not in state[k]]
+        if op == "open":
+            if down:
+                with pytest.raises(NoReplicaError, match=f"stage '{names[min(down)]}'"):
+                    core.check(["new"])
+                continue
+            for _ in range(x):
+                rid = f"r{seq}"
+                seq += 1
+                stream = StreamCore(rid)
+                core.open(rid, stream)
+                streams[rid] = stream
+                route = core.route(rid)
+                assert route is not None
+                assert all(state[k][r] == "up" for k, r in enumerate(route))
+        elif op == "done":
+            ids = [rid for rid in streams if core.state(rid) is not None]
+            if not ids:
+                continue
+            rid = ids[x % len(ids)]
+            route = core.route(rid)
+            assert route is not None
+            core.outputs(2, [rid], [True], [5], now, d, route[2])
+            assert core.state(rid) is None
+        elif op == "kill":
+            k, r = x, y % replicas[x]
+            if state[k][r] != "up":
+                continue
+            on = [rid for rid in streams if (core.route(rid) or (-1,) * 3)[k] == r]
+            core.replica_dead(k, r, _Dead("killed"), now, d)
+            deaths[k][r] += 1
+            state[k][r] = "failed" if deaths[k][r] >= 3 else "dead"
+            assert d.restarts == ([] if state[k][r] == "failed" else [(k, r, d.restarts[0][2])])
+            for rid in on:
+                end = streams[rid]._ended
+                assert end is not None
+                assert isinstance(end.exc, PipelineStageDeadError)
+                assert end.exc.stage == names[k]
+                assert end.exc.replica == (r if replicas[k] > 1 else None)
+                # The other stages confirm its abort (the dead one counts as having).
+                route = core.route(rid)
+                if route is not None:
+                    for j in range(3):
+                        if j != k:
+                            core.aborted(j, [rid], now, d, route[j])
+                assert core.state(rid) is None
+        else:  # the backoff is over: a start, which succeeds or fails
+            k, r = x, y % replicas[x]
+            generation = core.restarting(k, r)
+            if state[k][r] != "dead":
+                assert generation is None
+                continue
+            gens[k][r] += 1
+            assert generation == gens[k][r]
+            assert core.process_state(k, r) is ReplicaState.STARTING
+            if op == "start":
+                assert core.started(k, r)
+                state[k][r] = "up"
+            else:
+                delay = core.start_failed(k, r, _Dead("no"), now, d)
+                deaths[k][r] += 1
+                state[k][r] = "failed" if deaths[k][r] >= 3 else "dead"
+                assert (delay is None) == (state[k][r] == "failed")
+        # The pipeline failed exactly when a stage has no process live or coming back.
+        gone = any(all(s == "failed" for s in state[k]) for k in range(3))
+        assert (core.failure is not None) == gone
+        if gone:
+            break
+        for k in range(3):
+            assert core.alive(k) == [s == "up" for s in state[k]]
+            counts = [0] * replicas[k]
+            for rid in streams:
+                route = core.route(rid)
+                if route is not None:
+                    counts[route[k]] += 1
+            assert core.load(k) == counts
+            for r in range(replicas[k]):
+                assert core.restarts(k, r) == gens[k][r]
+
+
+class TestLinkMessage:
+    """The ``link`` message at the stage (``docs/wire.md`` section 8), the test playing the
+    coordinator (a client) and the next stage's replica, before and after its restart (two
+    ``ROUTER`` sockets)."""
+
+    def test_a_link_reconnects_to_the_new_address_with_a_fresh_window(
+        self, no_leftovers: str
+    ) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        nexts: list[zmq.Socket[bytes]] = []
+
+        def next_stage() -> tuple[zmq.Socket[bytes], str]:
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"ipc://{no_leftovers}/next{len(nexts)}")
+            nexts.append(sock)
+            return sock, f"ipc://{no_leftovers}/next{len(nexts) - 1}"
+
+        def taken(sock: zmq.Socket[bytes]) -> tuple[bytes, list[Any]]:
+            assert sock.poll(10_000), "nothing came on the link"
+            ident, body, *_ = sock.recv_multipart()
+            return ident, msgspec.msgpack.decode(body)
+
+        old, old_address = next_stage()
+        kwargs = {
+            "factory": COUNTDOWN,
+            "stage": "a",
+            "downstream": [old_address],
+            "window": 2,
+            "routed": True,
+            "replica": 0,
+            "link_id": link_id(0, 0, replica=0),
+        }
+        client = StageClient.launch(PIPE_FACTORY, kwargs, startup_timeout=30, ordered_events=True)
+        try:
+            client._send(ClientSession.route_frame(["r1"], [[0]]))
+            client._send_request("r1", ClientSession.add_frame("r1", 5), False)
+            sent: list[str] = []
+            while len(sent) < 2:  # the window (2) fills up, and no credit comes back
+                ident, msg = taken(old)
+                assert ident == b"pipe-link-0.0-r0"
+                assert msg[0] == "pipe"
+                sent += msg[2]
+            assert set(sent) == {"r1"}
+            assert client.call_utility(LINKS_UTILITY) == [True]
+            assert wait_until(lambda: client.stats().engine["edge_waits"] > 0, 10)
+            assert not old.poll(100)  # held back by the window
+            client._send(ClientSession.abort_frame(["r1"], [[]]))  # r1 goes; no credit back
+            ident, msg = taken(old)
+            assert msg[:2] == ["abort", ["r1"]]
+            assert client.stats().engine["edge_in_flight"] >= 2
+            # The next stage's process was started again at a new address (its gone not
+            # sent: the link replaces the one still open).
+            new, new_address = next_stage()
+            client._send(ClientSession.link_frame(0, new_address))
+            assert client.call_utility(LINKS_UTILITY) == [True]
+            # The new link's window is empty: two requests' items go out at once.
+            client._send(ClientSession.route_frame(["r2", "r3"], [[0], [0]]))
+            client._send_requests(
+                ["r2", "r3"], ClientSession.adds_frame([("r2", 1), ("r3", 1)])[1], False
+            )
+            got: list[str] = []
+            while len(got) < 2:
+                ident, msg = taken(new)
+                assert ident == b"pipe-link-0.0-r0"  # this stage's own link: unchanged
+                got += msg[2]
+            assert sorted(got) == ["r2", "r3"]
+            assert not old.poll(100)  # nothing more to the old address
+            # A gone, then a link again (the usual order).
+            client._send(ClientSession.gone_frame("next", "", 0))
+            assert client.call_utility(LINKS_UTILITY) == [False]
+            client._send(ClientSession.link_frame(0, old_address))
+            assert client.call_utility(LINKS_UTILITY) == [True]
+            client._send(ClientSession.route_frame(["r4"], [[0]]))
+            client._send_request("r4", ClientSession.add_frame("r4", 1), False)
+            assert taken(old)[1][2] == ["r4"]
+        finally:
+            client.shutdown()
+            for i, sock in enumerate(nexts):
+                sock.close()
+                with contextlib.suppress(FileNotFoundError):  # the test's own ipc files
+                    os.unlink(f"{no_leftovers}/next{i}")
+            ctx.term()
+
+    def test_a_bad_link_is_an_error_and_changes_nothing(self, no_leftovers: str) -> None:
+        with StageClient.launch(
+            PIPE_FACTORY, {"factory": RELAY, "stage": "b"}, startup_timeout=30, ordered_events=True
+        ) as client:
+            client._send([msgspec.msgpack.encode(["link", "zero", 5])])
+            error = client.get_event(timeout=10)
+            assert isinstance(error, ErrorReport)
+            assert error.req_id is None
+            assert "invalid message" in error.message
+            assert client.call_utility(LINKS_UTILITY) == []  # the last stage: no link
