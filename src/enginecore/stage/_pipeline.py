@@ -342,8 +342,10 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             with contextlib.suppress(Exception):  # a process that died: its death tells
                 target._send(frame)
         for target in barrier:
-            with contextlib.suppress(Exception):
+            try:
                 target.call_utility(LINKS_UTILITY, timeout=self._startup_timeout)
+            except Exception as exc:  # a process that died: its death tells
+                self._link_unconfirmed(k, r, exc)
         if not self._started(k, r):
             return False
         logger.warning(

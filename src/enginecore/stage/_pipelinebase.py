@@ -819,6 +819,22 @@ class PipelineBase(Generic[S, C]):
             )
         return delay
 
+    def _link_unconfirmed(self, k: int, r: int, exc: BaseException) -> None:
+        """A process of the stage before *k* did not confirm its link to the restarted
+        process *r* of stage *k* (it died, or did not answer within the startup timeout):
+        the process takes requests anyway; say so, unless that neighbour is dead (its death
+        is reported on its own)."""
+        if isinstance(exc, EngineDeadError):
+            return
+        logger.warning(
+            "enginecore: pipeline stage %r, process %d, started again, but a process of the "
+            "stage before it did not confirm its new link (%s: %s)",
+            self._names[k],
+            r,
+            type(exc).__name__,
+            exc,
+        )
+
     def _restarting(self, k: int, r: int) -> int | None:
         """The backoff of process *r* of stage *k* is over: the generation to start it
         with, or ``None`` (the pipeline failed or closes)."""
