@@ -168,8 +168,11 @@ class PipeStage:
     pool): one link to each, with a window each. *routed*: the pipeline has replica pools,
     so each request's route (the replicas of the stages after this one) arrives with its
     first input (``pipe_route``), picks its link, and goes on with it; *replica* is this
-    stage's replica index, named in its pipe messages for the credit. Loop thread only,
-    like any engine."""
+    stage's replica index, named in its pipe messages for the credit. *downstream_keys*:
+    per link, the next stage's CURVE public key, or ``None`` (no CURVE); a link with one is
+    a CURVE client with *link_curve* (this stage's ``(public, secret)`` key pair), which
+    retries its handshake until the next stage admits the key. Loop thread only, like any
+    engine."""
 
     def __init__(
         self,
@@ -188,6 +191,8 @@ class PipeStage:
         routed: bool = False,
         credit_items: int = 1,
         credit_bytes: int = 1,
+        link_curve: tuple[bytes, bytes] | None = None,
+        downstream_keys: Sequence[bytes | None] | None = None,
     ) -> None:
         self._inner = inner
         self._stage = stage
@@ -205,6 +210,11 @@ class PipeStage:
         else:
             downstreams = list(downstream)
         nlinks = len(downstreams)
+        server_keys = [None] * nlinks if downstream_keys is None else list(downstream_keys)
+        if len(server_keys) != nlinks:
+            raise ValueError(f"{len(server_keys)} server keys for {nlinks} links")
+        if any(k is not None for k in server_keys) and link_curve is None:
+            raise ValueError("a link to a CURVE server needs this stage's link key pair")
         # Credits (loop thread only), per link. Sent on and not yet taken by the next stage:
         self._out_items = [0] * nlinks
         self._out_bytes = [0] * nlinks
@@ -296,10 +306,14 @@ class PipeStage:
         if nlinks:
             ctx = zmq.Context(io_threads=1)
             socks: list[zmq.Socket[Any]] = []
-            for address in downstreams:
+            for address, server_key in zip(downstreams, server_keys, strict=True):
                 sock = ctx.socket(zmq.DEALER)
                 if link_id is not None:  # the id the coordinator names in a `gone` to the next
                     sock.setsockopt(zmq.ROUTING_ID, link_id.encode())
+                if server_key is not None:  # a stage on TCP: a CURVE client, this stage's keys
+                    assert link_curve is not None
+                    sock.curve_publickey, sock.curve_secretkey = link_curve
+                    sock.curve_serverkey = server_key
                 sock.setsockopt(zmq.SNDHWM, 0)
                 sock.setsockopt(zmq.LINGER, _LINK_LINGER_MS)
                 if is_ipv6_endpoint(address):
@@ -1024,6 +1038,8 @@ class PipelinedPipeStage(PipeStage):
         routed: bool = False,
         credit_items: int = 1,
         credit_bytes: int = 1,
+        link_curve: tuple[bytes, bytes] | None = None,
+        downstream_keys: Sequence[bytes | None] | None = None,
     ) -> None:
         super().__init__(
             inner,
@@ -1040,6 +1056,8 @@ class PipelinedPipeStage(PipeStage):
             routed=routed,
             credit_items=credit_items,
             credit_bytes=credit_bytes,
+            link_curve=link_curve,
+            downstream_keys=downstream_keys,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -1076,6 +1094,8 @@ def pipe_stage(
     shm_upstream_pooled: bool = False,
     credit_items: int = 1,
     credit_bytes: int = 1,
+    link_keys: list[bytes] | None = None,
+    downstream_keys: list[bytes | None] | None = None,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
@@ -1094,7 +1114,11 @@ def pipe_stage(
     among the links and named :func:`._shm.link_prefix`; *shm_upstream_pooled*: the edge
     into this stage is such an edge (*shm_upstream* is then this replica's prefix on it).
     *credit_items*, *credit_bytes*: the batch of credit this stage gives back to the
-    previous one after a step (a quarter of that stage's window; :class:`PipeStage`)."""
+    previous one after a step (a quarter of that stage's window; :class:`PipeStage`).
+    *downstream_keys*: per link, the next stage's CURVE public key (a stage that listens on
+    TCP, placed on Ray), or ``None`` (ipc, no CURVE); *link_keys*: ``[public, secret]``,
+    this stage's key pair for those links (made by the coordinator for a local stage, in
+    the actor for one on Ray, ``docs/pipelines.md``, "Stages on other hosts")."""
     reader = (
         None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
     )
@@ -1131,6 +1155,8 @@ def pipe_stage(
         "routed": routed,
         "credit_items": credit_items,
         "credit_bytes": credit_bytes,
+        "link_curve": None if link_keys is None else (link_keys[0], link_keys[1]),
+        "downstream_keys": downstream_keys,
     }
     if isinstance(inner, PipelinedEngine):
         return PipelinedPipeStage(inner, **options)

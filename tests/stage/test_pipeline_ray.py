@@ -1,0 +1,329 @@
+"""Pipeline stages placed on Ray (``PipelineStage(..., placement=RayPlacement(...))``,
+``docs/pipelines.md``, "Stages on other hosts"), on a local Ray cluster this module starts
+(2 CPUs, its own) and shuts down after its tests: the outputs, the CURVE link into a stage
+on Ray, a stage's death, replica pools on Ray, no shared memory on such links, and no actor
+left after a shutdown. Each behaviour the two pipelines share is checked on both."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from enginecore.stage import (
+    AsyncPipeline,
+    EngineDeadError,
+    Pipeline,
+    PipelineStage,
+    PipelineStageDeadError,
+    StageStatistics,
+    _shm,
+)
+from enginecore.stage._edge import FIRST, link_id
+from enginecore.stage._pipelinebase import pipe_kwargs
+
+from .conftest import EventLoopThread, wait_until
+from .test_stage_pipeline import BlockingAsyncPipeline
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+from enginecore.stage.ray import RayPlacement, RayStage  # noqa: E402
+
+from .test_ray import CPUS, alive_stage_actors  # noqa: E402
+
+COUNTDOWN = "enginecore:CountdownEngine"
+RELAY = "enginecore.stage.testing:relay"
+ECHO = "enginecore.stage.testing:echo"
+DEVICE = "enginecore.stage.testing:device"
+MIB = 2**20
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+# A small share of a CPU per stage: several stages fit on the 2 CPUs of the cluster.
+SMALL = RayPlacement(num_cpus=0.25)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    # address="local": a cluster of this module's own (as test_ray.py starts one).
+    ray.init(
+        address="local",
+        num_cpus=CPUS,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def no_actor_left() -> bool:
+    """No stage's actor is alive: every CPU of the cluster is free again, and Ray's actor
+    table (where readable) lists none."""
+    return wait_until(
+        lambda: ray.available_resources().get("CPU") == CPUS and alive_stage_actors() in (0, None),
+        10.0,
+    )
+
+
+class Blocking(BlockingAsyncPipeline):
+    """test_stage_pipeline's adapter, with replicas."""
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return self._pipe.replicas
+
+    def call_utility(
+        self, stage: str, name: str, /, *args: Any, timeout: Any = None, replica: Any = None
+    ) -> Any:
+        return self._runner.run(
+            self._pipe.call_utility(stage, name, *args, timeout=timeout, replica=replica)
+        )
+
+    def client(self, stage: str, replica: int = 0) -> Any:
+        return self._pipe.client(stage, replica)
+
+
+@pytest.fixture(params=["sync", "async"])
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
+    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, or :meth:`AsyncPipeline.launch`
+    behind a blocking adapter; each is shut down after the test, and then no stage actor is
+    left."""
+    runner = EventLoopThread() if request.param == "async" else None
+    opened: list[Any] = []
+
+    def launch_(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
+        kwargs.setdefault("startup_timeout", 60)
+        if runner is None:
+            pipe: Any = Pipeline.launch(stages, **kwargs)
+        else:
+            pipe = Blocking(runner, runner.run(AsyncPipeline.launch(stages, **kwargs)))
+        opened.append(pipe)
+        return cast(Pipeline, pipe)
+
+    try:
+        yield launch_
+    finally:
+        try:
+            for pipe in opened:
+                pipe.shutdown()
+        finally:
+            if runner is not None:
+                runner.stop()
+    assert no_actor_left()
+
+
+def ray_stage(pipe: Any, stage: str, replica: int = 0) -> RayStage:
+    """The Ray stage behind *stage*'s client (of an AsyncPipeline's too)."""
+    launched = pipe.client(stage, replica)._launched
+    assert isinstance(launched, RayStage)
+    return launched
+
+
+def three(placed: str) -> list[PipelineStage]:
+    """first -> mid -> last, with *placed* (``"mid"``, ``"last"``, ``"all"``) on Ray."""
+    return [
+        PipelineStage(
+            COUNTDOWN if name == "first" else RELAY,
+            name=name,
+            placement=SMALL if placed in (name, "all") else None,
+        )
+        for name in ("first", "mid", "last")
+    ]
+
+
+class TestOutputs:
+    @pytest.mark.parametrize("placed", ["mid", "last", "all"])
+    def test_a_pipeline_with_stages_on_ray_gives_every_output(
+        self, launch: Any, placed: str
+    ) -> None:
+        pipe = launch(three(placed))
+        on_ray = ["first", "mid", "last"] if placed == "all" else [placed]
+        for name in on_ray:
+            stage = ray_stage(pipe, name)
+            assert stage.curve is not None  # the coordinator's link is CURVE
+            assert pipe.client(name).address.startswith("tcp://")
+        assert pipe.add("r1", 3).collect(timeout=30) == [2, 1, 0]
+        streams = pipe.add_many([(f"r{i}", 1 + i % 4) for i in range(100)])
+        for i, stream in enumerate(streams):
+            k = 1 + i % 4
+            assert stream.collect(timeout=30) == list(range(k - 1, -1, -1))
+        assert pipe.in_flight == 0
+        assert pipe.call_utility("mid", "added") == 101
+
+    def test_a_replica_pool_on_ray_serves_and_loses_only_a_dead_replica_s_requests(
+        self, launch: Any
+    ) -> None:
+        pipe = launch(
+            [
+                PipelineStage(DEVICE, {"step_s": 0.005}, name="first"),
+                PipelineStage(RELAY, name="mid", replicas=2, placement=SMALL),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        assert pipe.replicas == (1, 2, 1)
+        assert pipe.add("warm", 2).collect(timeout=30) == [1, 0]
+        streams = [pipe.add(f"r{i}", 10**6) for i in range(8)]
+        for stream in streams:
+            stream.get(timeout=30)  # each has reached the last stage, through a replica
+        added = [pipe.call_utility("mid", "added", replica=r) for r in range(2)]
+        assert sum(added) == 9 and min(added) >= 3, added  # both replicas serve
+        ray.kill(ray_stage(pipe, "mid", 1).actor, no_restart=True)
+        # The requests routed through replica 1 leave the pipeline; the others go on.
+        assert wait_until(lambda: pipe.in_flight == 8 - added[1], 10), pipe.in_flight
+        pipe.abort([f"r{i}" for i in range(8)])  # the survivors: aborted
+        outcomes: list[str] = []
+        for stream in streams:
+            try:
+                stream.collect(timeout=30)
+            except PipelineStageDeadError as exc:
+                assert exc.stage == "mid"
+                assert exc.replica == 1
+                outcomes.append("dead")
+            else:
+                assert stream.aborted
+                outcomes.append("aborted")
+        assert outcomes.count("dead") == added[1]
+        assert outcomes.count("aborted") == added[0] - 1  # less the warm-up request
+        # New requests avoid the dead replica and get their outputs.
+        assert pipe.add("later", 3).collect(timeout=30) == [2, 1, 0]
+
+
+class TestCurveLinks:
+    def test_a_peer_that_is_not_admitted_cannot_send_a_stage_on_ray_pipe_messages(
+        self, launch: Any
+    ) -> None:
+        pipe = launch(three("mid"))
+        assert pipe.add("r1", 2).collect(timeout=30) == [1, 0]
+        stage = ray_stage(pipe, "mid")
+        assert stage.curve is not None
+        address = pipe.client("mid").address
+        pipe_message = msgspec.msgpack.encode(["pipe", [FIRST], ["evil"], [5]])
+        ctx = zmq.Context()
+        try:
+            # A CURVE client with keys of its own, and the routing id of the real link.
+            public, secret = zmq.curve_keypair()
+            curve = ctx.socket(zmq.DEALER)
+            curve.setsockopt(zmq.LINGER, 0)
+            curve.setsockopt(zmq.ROUTING_ID, link_id(0).encode())
+            curve.curve_publickey, curve.curve_secretkey = public, secret
+            curve.curve_serverkey = stage.curve.server_key
+            refused = curve.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            curve.connect(address)
+            curve.send(pipe_message)
+            assert refused.poll(10_000), "the stage never refused the handshake"
+            event = recv_monitor_message(refused)
+            assert event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            # A NULL client (no CURVE at all).
+            null = ctx.socket(zmq.DEALER)
+            null.setsockopt(zmq.LINGER, 0)
+            mismatch = null.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            null.connect(address)
+            null.send(pipe_message)
+            assert mismatch.poll(10_000), "the stage never refused the NULL handshake"
+            event = recv_monitor_message(mismatch)
+            assert event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            for sock in (curve, null):
+                sock.disable_monitor()
+            for sock in (refused, mismatch, curve, null):
+                sock.close()
+        finally:
+            ctx.term()
+        # Nothing reached the stage: it added only the real request, and still serves.
+        assert pipe.add("r2", 2).collect(timeout=30) == [1, 0]
+        assert pipe.call_utility("mid", "added") == 2
+        assert pipe.call_utility("last", "added") == 2
+
+    def test_the_links_around_a_stage_on_ray_use_no_shared_memory(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(ECHO, name="a"),
+                PipelineStage(RELAY, name="b", placement=SMALL),
+                PipelineStage(RELAY, name="c"),
+            ]
+        )
+        image = np.random.default_rng(0).random((512, 256))  # 1 MiB, above the threshold
+        (back,) = pipe.add("r", image).collect(timeout=30)
+        assert np.array_equal(back, image)
+        stats = pipe.stats()
+        assert "shm_sent" not in stats["a"].engine  # no pool of slots on a -> b
+        assert "shm_sent" not in stats["b"].engine  # nor on b -> c
+        assert _shm.segments(f"enginecore-{__import__('os').getpid()}-") == []
+
+
+def test_pipe_kwargs_turn_shared_memory_off_on_a_link_with_an_end_on_ray() -> None:
+    local = PipelineStage(RELAY, name="a")
+    placed = PipelineStage(RELAY, name="b", placement=SMALL)
+    out = pipe_kwargs(local, "ipc:///x", shm_prefix="p-", index=0, next_spec=placed)
+    assert "shm_prefix" not in out
+    inbound = pipe_kwargs(local, None, shm_prefix="p-", index=1, upstream=placed)
+    assert "shm_upstream" not in inbound
+    both_local = pipe_kwargs(local, "ipc:///x", shm_prefix="p-", index=0, next_spec=local)
+    assert "shm_prefix" in both_local
+
+
+class TestDeath:
+    def test_a_killed_actor_fails_its_requests_naming_the_stage(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(DEVICE, {"step_s": 0.005}, name="first"),
+                PipelineStage(RELAY, name="mid", placement=SMALL),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        streams = [pipe.add(f"r{i}", 10**6) for i in range(10)]
+        for stream in streams:
+            stream.get(timeout=30)
+        ray.kill(ray_stage(pipe, "mid").actor, no_restart=True)
+        for stream in streams:
+            with pytest.raises(PipelineStageDeadError) as info:
+                stream.collect(timeout=10)
+            assert info.value.stage == "mid"
+            assert "Ray actor" in str(info.value)
+        with pytest.raises(PipelineStageDeadError):
+            pipe.add("later", 1)
+        assert pipe.in_flight == 0
+        # The stages still running drop the failed requests (the one after the dead one is
+        # told it is gone).
+        assert wait_until(lambda: pipe.call_utility("first", "num_requests") == 0, 10)
+        assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
+        stats = pipe.stats()
+        assert isinstance(stats["mid"], EngineDeadError)
+        for name in ("first", "last"):
+            assert isinstance(stats[name], StageStatistics)
+
+
+def test_shutdown_leaves_no_actor(no_leftovers: str) -> None:
+    pipe = Pipeline.launch(three("all"), startup_timeout=60)
+    assert alive_stage_actors() in (3, None)
+    assert pipe.add("r", 2).collect(timeout=30) == [1, 0]
+    pipe.shutdown()
+    assert no_actor_left()
+
+
+def test_a_placement_is_checked_before_anything_starts() -> None:
+    with pytest.raises(TypeError, match="placement must be a RayPlacement"):
+        PipelineStage(RELAY, placement={"num_cpus": 1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_cpus"):
+        PipelineStage(RELAY, placement=RayPlacement(num_cpus=-1))
+
+
+def test_a_placed_stage_does_not_import_ray_until_the_launch() -> None:
+    code = (
+        "import sys\n"
+        "from enginecore.stage import PipelineStage\n"
+        "from enginecore.stage.ray import RayPlacement\n"
+        "PipelineStage('m:f', placement=RayPlacement(num_cpus=0.5))\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
