@@ -137,7 +137,7 @@ def test_a_pipeline_s_stages_run_on_the_nodes_their_placements_name(nodes: Nodes
         PipelineStage(relay, name="last", placement=on("head")),
     ]
     with Pipeline.launch(stages, startup_timeout=60) as pipe:
-        where = {}
+        where: dict[str, str] = {}
         for name in ("mid", "last"):
             stage = pipe.client(name)._launched
             assert isinstance(stage, RayStage)
