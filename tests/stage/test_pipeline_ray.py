@@ -24,6 +24,7 @@ from enginecore.stage import (
     Pipeline,
     PipelineStage,
     PipelineStageDeadError,
+    StageStartupError,
     StageStatistics,
     _shm,
 )
@@ -43,6 +44,7 @@ COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
 ECHO = "enginecore.stage.testing:echo"
 DEVICE = "enginecore.stage.testing:device"
+FAILING = "enginecore.stage.testing:failing_factory"
 MIB = 2**20
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -196,6 +198,45 @@ class TestOutputs:
         assert aborted == added[0] - 1  # less the warm-up request
         # New requests avoid the dead replica and get their outputs.
         assert pipe.add("later", 3).collect(timeout=30) == [2, 1, 0]
+
+    def test_a_pool_on_ray_feeds_a_stage_on_ray_over_both_replicas_links(self, launch: Any) -> None:
+        # The last stage admits both replicas' link keys: the second grant keeps the first.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first"),
+                PipelineStage(RELAY, name="mid", replicas=2, placement=SMALL),
+                PipelineStage(RELAY, name="last", placement=SMALL),
+            ]
+        )
+        streams = pipe.add_many([(f"r{i}", 1 + i % 3) for i in range(20)])
+        for i, stream in enumerate(streams):
+            assert stream.collect(timeout=30) == list(range(i % 3, -1, -1))
+        assert pipe.call_utility("mid", "added") == [10, 10]
+        assert pipe.call_utility("last", "added") == 20
+
+
+class TestStartup:
+    @pytest.mark.parametrize("failing", ["first", "mid"])
+    def test_a_stage_that_fails_to_start_leaves_no_actor(self, launch: Any, failing: str) -> None:
+        stages = [
+            PipelineStage(FAILING if failing == "first" else COUNTDOWN, name="first"),
+            PipelineStage(FAILING if failing == "mid" else RELAY, name="mid", placement=SMALL),
+            PipelineStage(RELAY, name="last", placement=SMALL),
+        ]
+        with pytest.raises(StageStartupError, match="factory failed on purpose"):
+            launch(stages)
+        assert no_actor_left()
+
+
+def test_a_stage_on_ray_on_another_host_cannot_feed_a_local_stage(
+    monkeypatch: pytest.MonkeyPatch, no_leftovers: str
+) -> None:
+    # The local stage listens on ipc, which another host cannot reach: the coordinator
+    # is made to believe it runs on another host than the actor (one machine here).
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.1")  # TEST-NET-1
+    with pytest.raises(StageStartupError, match="place the next stage on Ray too"):
+        Pipeline.launch(three("mid"), startup_timeout=60)
+    assert no_actor_left()
 
 
 class TestCurveLinks:

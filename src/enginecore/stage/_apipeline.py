@@ -98,7 +98,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         """Start one stage process per item of *stages* (``replicas`` of them for a replica
         pool), as :meth:`Pipeline.launch <enginecore.stage.Pipeline.launch>` does, without
         blocking the event loop. If one fails to start (or the launch is cancelled), the
-        ones started are shut down."""
+        ones started are shut down (a stage on Ray: its actor killed)."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
         clients: list[AsyncStageClient] = []

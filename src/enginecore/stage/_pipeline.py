@@ -127,7 +127,10 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         replica pool, connect each to the next (every replica to every replica of the next
         stage), and return the pipeline. The stages start last to first, each knowing where
         the next one's processes listen. If one fails to start, the ones started are shut
-        down and its :class:`~enginecore.stage.StageStartupError` is raised."""
+        down and its :class:`~enginecore.stage.StageStartupError` is raised. A stage
+        with a ``placement`` runs in a Ray actor, its links in over CURVE
+        (``docs/pipelines.md``, "Stages on other hosts"); no actor is left after a failed
+        launch or a shutdown."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
         clients: list[StageClient] = []
