@@ -136,6 +136,7 @@ class TestReadme:
                 "replicas=2",
                 ["[2, 1, 0]", "2 8", "['slow[0]', 'slow[1]']"],
             ),
+            ("docs/pipelines.md", "placement=RayPlacement", ["[2, 1, 0]", "True"]),
         ],
     )
     def test_pipeline_examples_run(

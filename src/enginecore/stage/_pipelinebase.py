@@ -27,7 +27,7 @@ from ._session import ClientSession, End, Parts, StageHealth, StreamCore
 from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
 if TYPE_CHECKING:
-    from .ray import RayPlacement, RayPlan
+    from .ray import RayPlacement, RayPlan, RayStage
 
 __all__ = [
     "PIPE_FACTORY",
@@ -402,7 +402,7 @@ class LaunchLinks:
         )
         curve_out = next_spec is not None and next_spec.placement is not None
         if curve_out:
-            kwargs["downstream_keys"] = [_ray_stage(c).curve.server_key for c in self._next]
+            kwargs["downstream_keys"] = [_server_key(c) for c in self._next]
         if spec.placement is None:
             if curve_out:
                 import zmq
@@ -462,13 +462,21 @@ class LaunchLinks:
             _shm.unlink_prefix(self.prefix)
 
 
-def _ray_stage(client: Any) -> Any:
+def _ray_stage(client: Any) -> RayStage:
     """The :class:`~enginecore.stage.ray.RayStage` that a client placed on Ray owns."""
     from .ray import RayStage
 
     stage = client._launched
     assert isinstance(stage, RayStage)
     return stage
+
+
+def _server_key(client: Any) -> bytes:
+    """The CURVE public key of the stage on Ray that *client* owns (a pipeline places its
+    stages with CURVE, never ``insecure``)."""
+    curve = _ray_stage(client).curve
+    assert curve is not None
+    return curve.server_key
 
 
 def order_clients(specs: Sequence[PipelineStage], clients: Sequence[C]) -> list[C]:
