@@ -356,6 +356,12 @@ def test_a_placement_is_checked_before_anything_starts() -> None:
         PipelineStage(RELAY, placement={"num_cpus": 1})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_cpus"):
         PipelineStage(RELAY, placement=RayPlacement(num_cpus=-1))
+    with pytest.raises(TypeError, match="one per replica"):
+        PipelineStage(RELAY, replicas=2, placement=[SMALL, "x"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="1 placements for 2 replicas"):
+        PipelineStage(RELAY, replicas=2, placement=[SMALL])
+    stage = PipelineStage(RELAY, replicas=2, placement=[SMALL, RayPlacement(num_cpus=0.5)])
+    assert stage.placement == (SMALL, RayPlacement(num_cpus=0.5))
 
 
 def test_a_placed_stage_does_not_import_ray_until_the_launch() -> None:

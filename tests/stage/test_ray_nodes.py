@@ -128,24 +128,25 @@ def test_a_placement_group_bundle_i_holds_replica_i(nodes: Nodes) -> None:
 
 
 def test_a_pipeline_s_stages_run_on_the_nodes_their_placements_name(nodes: Nodes) -> None:
-    # first (local) -> mid (on the worker) -> last (on the head): a CURVE link from this
-    # process to the worker's stage, and one from the worker's stage to the head's.
+    # first (local) -> mid (on the worker) -> last (a pool: one replica per node): CURVE
+    # links from this process to the worker's stage, and from it to each node's replica.
     relay = "enginecore.stage.testing:relay"
     stages = [
         PipelineStage("enginecore:CountdownEngine", name="first"),
         PipelineStage(relay, name="mid", placement=on("worker")),
-        PipelineStage(relay, name="last", placement=on("head")),
+        PipelineStage(relay, name="last", replicas=2, placement=[on("head"), on("worker")]),
     ]
     with Pipeline.launch(stages, startup_timeout=60) as pipe:
         where: dict[str, str] = {}
-        for name in ("mid", "last"):
-            stage = pipe.client(name)._launched
+        for name, replica in (("mid", 0), ("last", 0), ("last", 1)):
+            stage = pipe.client(name, replica)._launched
             assert isinstance(stage, RayStage)
-            where[name] = nodes.of(stage.process.pid)
-        assert where == {"mid": "worker", "last": "head"}
+            where[f"{name}[{replica}]"] = nodes.of(stage.process.pid)
+        assert where == {"mid[0]": "worker", "last[0]": "head", "last[1]": "worker"}
         streams = pipe.add_many([(f"p{i}", 1 + i % 3) for i in range(30)])
         for i, stream in enumerate(streams):
             assert stream.collect(timeout=30) == list(range(i % 3, -1, -1))
+        assert pipe.call_utility("last", "added") == [15, 15]
 
 
 def test_a_lost_node_fails_only_its_replicas_and_a_restart_places_them_again(

@@ -139,8 +139,9 @@ class PipelineStage:
     each link has its own shared-memory slots, *shm_pool_bytes* shared among a replica's
     links.
 
-    *placement* (a :class:`~enginecore.stage.ray.RayPlacement`; default ``None``: a local
-    process): the stage (each of its replicas) runs in a Ray actor placed so, which binds
+    *placement* (a :class:`~enginecore.stage.ray.RayPlacement`, or a sequence of them, one
+    per replica; default ``None``: a local process): the stage (each of its replicas) runs
+    in a Ray actor placed so, which binds
     TCP on its node with CURVE, as :func:`~enginecore.stage.ray.launch_on_ray` places a
     stage; the link into it from the stage before is a CURVE client that it admits, with
     the coordinator, and nothing else. No shared memory on a link into or out of it
@@ -163,7 +164,7 @@ class PipelineStage:
     shm_lease: float = _shm.DEFAULT_LEASE
     on_next_error: Literal["fail"] | Retry = "fail"
     replicas: int = 1
-    placement: RayPlacement | None = None
+    placement: RayPlacement | Sequence[RayPlacement] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str):
@@ -171,8 +172,20 @@ class PipelineStage:
         if self.placement is not None:
             from .ray import RayPlacement  # imports no Ray
 
-            if not isinstance(self.placement, RayPlacement):
-                raise TypeError(f"placement must be a RayPlacement or None, got {self.placement!r}")
+            placement = self.placement
+            if not isinstance(placement, RayPlacement):
+                if not isinstance(placement, (list, tuple)) or not all(
+                    isinstance(p, RayPlacement) for p in placement
+                ):
+                    raise TypeError(
+                        f"placement must be a RayPlacement, a sequence of them (one per "
+                        f"replica) or None, got {placement!r}"
+                    )
+                if len(placement) != self.replicas:
+                    raise ValueError(
+                        f"placement lists {len(placement)} placements for {self.replicas} replicas"
+                    )
+                object.__setattr__(self, "placement", tuple(placement))  # frozen, hashable
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
             raise TypeError(f"replicas must be an int >= 1, got {self.replicas!r}")
         if self.replicas < 1:
@@ -416,7 +429,7 @@ class LaunchLinks:
         plan = RayPlan.make(
             PIPE_FACTORY,
             kwargs,
-            placement=spec.placement,
+            placement=placement_of(spec, r),
             startup_timeout=self.startup_timeout,
             name=replica_name(spec, r),
             step_timeout=spec.step_timeout,
@@ -460,6 +473,17 @@ class LaunchLinks:
         """After a failed launch: no shared-memory segment of the pipeline is left."""
         if self.prefix is not None:
             _shm.unlink_prefix(self.prefix)
+
+
+def placement_of(spec: PipelineStage, replica: int) -> RayPlacement | None:
+    """Where replica *replica* of the stage *spec* is placed on Ray (``None``: a local
+    process): its ``placement``, or that replica's of a sequence."""
+    from .ray import RayPlacement  # imports no Ray
+
+    placement = spec.placement
+    if placement is None or isinstance(placement, RayPlacement):
+        return placement
+    return placement[replica]
 
 
 def _ray_stage(client: Any) -> RayStage:
