@@ -155,6 +155,17 @@ class TestOutputs:
             stage = ray_stage(pipe, name)
             assert stage.curve is not None  # the coordinator's link is CURVE
             assert pipe.client(name).address.startswith("tcp://")
+        if placed == "all":
+            # Each stage on Ray admits the coordinator and the stage before's link key:
+            # nothing else. The keys are the stages' own, not their server keys.
+            for before, name in (("first", "mid"), ("mid", "last")):
+                producer = ray_stage(pipe, before)
+                assert producer.link_key is not None
+                assert ray_stage(pipe, name).authorized_clients == (producer.link_key,)
+                assert producer.curve is not None
+                assert producer.link_key != producer.curve.server_key
+            assert ray_stage(pipe, "first").authorized_clients == ()
+            assert ray_stage(pipe, "last").link_key is None  # it links nowhere
         assert pipe.add("r1", 3).collect(timeout=30) == [2, 1, 0]
         streams = pipe.add_many([(f"r{i}", 1 + i % 4) for i in range(100)])
         for i, stream in enumerate(streams):
