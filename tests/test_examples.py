@@ -144,6 +144,7 @@ class TestReadme:
                     "{'enginecore:CountdownEngine': 0, 'mid[0]': 0, 'mid[1]': 0, 'last': 0}",
                 ],
             ),
+            ("docs/pipelines.md", "placement=RayPlacement", ["[2, 1, 0]", "True"]),
         ],
     )
     def test_pipeline_examples_run(

@@ -7,7 +7,9 @@ resource, or a placement group's bundle *i*: the bundle order the Ray issues in
 ``ANCHORS-deployments.md`` got wrong), and that losing a node fails only the replicas on it,
 within the heartbeat bound, while the others keep serving, and that a restart places the
 lost replica on a node that is left. What cannot: a network between hosts (both nodes share
-this machine's address; CURVE over TCP is tested in test_curve.py and test_ray.py).
+this machine's address; CURVE over TCP is tested in test_curve.py and test_ray.py). A
+pipeline with stages on both nodes checks that its links (CURVE, stage to stage) reach
+across nodes.
 
 A Ray worker process is a child of its node's raylet, so the node a replica runs on is read
 from the parent pid of its actor's process: no private Ray API.
@@ -22,7 +24,14 @@ from typing import Any
 
 import pytest
 
-from enginecore.stage import ReplicaDeadError, ReplicaState, RestartPolicy, StagePool
+from enginecore.stage import (
+    Pipeline,
+    PipelineStage,
+    ReplicaDeadError,
+    ReplicaState,
+    RestartPolicy,
+    StagePool,
+)
 
 from .conftest import wait_until
 
@@ -30,7 +39,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from enginecore.stage.ray import RayPlacement  # noqa: E402
+from enginecore.stage.ray import RayPlacement, RayStage  # noqa: E402
 
 SCRIPTED = "enginecore.stage.testing:scripted"
 
@@ -116,6 +125,28 @@ def test_a_placement_group_bundle_i_holds_replica_i(nodes: Nodes) -> None:
             )
     finally:
         remove_placement_group(group)
+
+
+def test_a_pipeline_s_stages_run_on_the_nodes_their_placements_name(nodes: Nodes) -> None:
+    # first (local) -> mid (on the worker) -> last (a pool: one replica per node): CURVE
+    # links from this process to the worker's stage, and from it to each node's replica.
+    relay = "enginecore.stage.testing:relay"
+    stages = [
+        PipelineStage("enginecore:CountdownEngine", name="first"),
+        PipelineStage(relay, name="mid", placement=on("worker")),
+        PipelineStage(relay, name="last", replicas=2, placement=[on("head"), on("worker")]),
+    ]
+    with Pipeline.launch(stages, startup_timeout=60) as pipe:
+        where: dict[str, str] = {}
+        for name, replica in (("mid", 0), ("last", 0), ("last", 1)):
+            stage = pipe.client(name, replica)._launched
+            assert isinstance(stage, RayStage)
+            where[f"{name}[{replica}]"] = nodes.of(stage.process.pid)
+        assert where == {"mid[0]": "worker", "last[0]": "head", "last[1]": "worker"}
+        streams = pipe.add_many([(f"p{i}", 1 + i % 3) for i in range(30)])
+        for i, stream in enumerate(streams):
+            assert stream.collect(timeout=30) == list(range(i % 3, -1, -1))
+        assert pipe.call_utility("last", "added") == [15, 15]
 
 
 def test_a_lost_node_fails_only_its_replicas_and_a_restart_places_them_again(

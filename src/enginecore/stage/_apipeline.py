@@ -19,19 +19,18 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import _clientbase, _shm
+from . import _clientbase
 from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._edge import LINKS_UTILITY
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
     PIPE_FACTORY,
+    LaunchLinks,
     PipelineBase,
     PipelineStage,
     check_drain,
     launch_options,
-    launch_plan,
-    new_shm_prefix,
-    pipe_kwargs,
+    order_clients,
     retry_counts,
     stage_specs,
 )
@@ -50,6 +49,15 @@ class AsyncPipelineStream(AsyncRequestStream):
     :attr:`aborted`, :attr:`timings`)."""
 
     __slots__ = ()
+
+
+async def _grant(links: LaunchLinks, key: bytes) -> None:
+    """Before a stage's process that links with *key* starts: the next stage (on Ray)
+    admits it (:meth:`LaunchLinks.grant`)."""
+    from .ray import authorize_clients_async
+
+    for target, keys in links.grant(key):
+        await authorize_clients_async(target, keys)
 
 
 class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
@@ -110,56 +118,43 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         """Start one stage process per item of *stages* (``replicas`` of them for a replica
         pool), as :meth:`Pipeline.launch <enginecore.stage.Pipeline.launch>` does, without
         blocking the event loop. If one fails to start (or the launch is cancelled), the
-        ones started are shut down."""
+        ones started are shut down (a stage on Ray: its actor killed)."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
         clients: list[AsyncStageClient] = []
-        downstream: list[str] | None = None
-        addresses: list[str] = []
-        prefix = new_shm_prefix()
-        routed = any(spec.replicas > 1 or spec.restart for spec in specs)
+        links = LaunchLinks(specs, startup_timeout)
         try:
-            for k, r in launch_plan(specs):
-                spec = specs[k]
-                upstream = specs[k - 1] if k else None
-                kwargs = pipe_kwargs(
-                    spec,
-                    downstream,
-                    shm_prefix=prefix,
-                    index=k,
-                    upstream=upstream,
-                    replica=r,
-                    routed=routed,
-                    downstream_spec=specs[k + 1] if k + 1 < len(specs) else None,
-                )
-                client = await AsyncStageClient.launch(
-                    PIPE_FACTORY, kwargs, **launch_options(spec, startup_timeout, r)
-                )
+            for k, r in links.plan:
+                kwargs, plan, key = links.process(k, r)
+                if key is not None:
+                    await _grant(links, key)
+                if plan is None:
+                    client = await AsyncStageClient.launch(
+                        PIPE_FACTORY, kwargs, **launch_options(specs[k], startup_timeout, r)
+                    )
+                else:
+                    from .ray import open_on_ray_async
+
+                    grant = functools.partial(_grant, links)
+                    client = await open_on_ray_async(
+                        plan, AsyncStageClient._open, ordered_events=True, grant=grant
+                    )
                 clients.append(client)
-                addresses.append(client.address)
-                if r == spec.replicas - 1:  # the stage before this one links to all of them
-                    downstream, addresses = addresses, []
+                links.started(k, r, client)
         except BaseException:
             for client in clients:
                 with contextlib.suppress(Exception):
                     await client.shutdown()
-            if prefix is not None:
-                _shm.unlink_prefix(prefix)
+            links.unlink()
             raise
-        # Started last stage first, each stage's replicas in order: stage by stage, in order.
-        ordered: list[AsyncStageClient] = []
-        start = len(clients)
-        for spec in specs:
-            ordered += clients[start - spec.replicas : start]
-            start -= spec.replicas
-        clients = ordered
+        clients = order_clients(specs, clients)
         names = [s.name or s.factory for s in specs]
         return cls(
             clients,
             names,
             max_in_flight=max_in_flight,
             max_bytes=max_bytes,
-            shm_prefix=prefix,
+            shm_prefix=links.prefix,
             retry=retry_counts(specs),
             replicas=[spec.replicas for spec in specs],
             specs=specs,

@@ -187,8 +187,11 @@ class PipeStage:
     pool): one link to each, with a window each. *routed*: the pipeline has replica pools,
     so each request's route (the replicas of the stages after this one) arrives with its
     first input (``pipe_route``), picks its link, and goes on with it; *replica* is this
-    stage's replica index, named in its pipe messages for the credit. Loop thread only,
-    like any engine."""
+    stage's replica index, named in its pipe messages for the credit. *downstream_keys*:
+    per link, the next stage's CURVE public key, or ``None`` (no CURVE); a link with one is
+    a CURVE client with *link_curve* (this stage's ``(public, secret)`` key pair), which
+    retries its handshake until the next stage admits the key. Loop thread only, like any
+    engine."""
 
     def __init__(
         self,
@@ -208,6 +211,8 @@ class PipeStage:
         credit_items: int = 1,
         credit_bytes: int = 1,
         shm_factory: Callable[[str], _shm.ShmPool] | None = None,
+        link_curve: tuple[bytes, bytes] | None = None,
+        downstream_keys: Sequence[bytes | None] | None = None,
     ) -> None:
         self._inner = inner
         self._stage = stage
@@ -226,6 +231,11 @@ class PipeStage:
         else:
             downstreams = list(downstream)
         nlinks = len(downstreams)
+        server_keys = [None] * nlinks if downstream_keys is None else list(downstream_keys)
+        if len(server_keys) != nlinks:
+            raise ValueError(f"{len(server_keys)} server keys for {nlinks} links")
+        if any(k is not None for k in server_keys) and link_curve is None:
+            raise ValueError("a link to a CURVE server needs this stage's link key pair")
         # Credits (loop thread only), per link. Sent on and not yet taken by the next stage:
         self._out_items = [0] * nlinks
         self._out_bytes = [0] * nlinks
@@ -316,9 +326,13 @@ class PipeStage:
         self._replays = 0
         self._link_id = link_id
         self._ctx: zmq.Context[Any] | None = None
+        self._link_curve = link_curve
         if nlinks:
             ctx = self._ctx = zmq.Context(io_threads=1)
-            self._links = [self._connect(address) for address in downstreams]
+            self._links = [
+                self._connect(address, key)
+                for address, key in zip(downstreams, server_keys, strict=True)
+            ]
             links, pools = self._links, self._shms
 
             def close() -> None:  # at exit: deliver what is still queued, within the linger
@@ -332,13 +346,19 @@ class PipeStage:
 
             atexit.register(close)
 
-    def _connect(self, address: str) -> zmq.Socket[Any]:
+    def _connect(self, address: str, server_key: bytes | None = None) -> zmq.Socket[Any]:
         """A link to the next stage's process at *address*: a ``DEALER`` of this stage's
-        own, with the routing id the coordinator names in a ``gone`` to the next stage."""
+        own, with the routing id the coordinator names in a ``gone`` to the next stage; to
+        a stage on TCP (*server_key*, its CURVE public key), a CURVE client with this
+        stage's link keys."""
         assert self._ctx is not None
         sock: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
         if self._link_id is not None:
             sock.setsockopt(zmq.ROUTING_ID, self._link_id.encode())
+        if server_key is not None:
+            assert self._link_curve is not None
+            sock.curve_publickey, sock.curve_secretkey = self._link_curve
+            sock.curve_serverkey = server_key
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, _LINK_LINGER_MS)
         if is_ipv6_endpoint(address):
@@ -1094,6 +1114,8 @@ class PipelinedPipeStage(PipeStage):
         credit_items: int = 1,
         credit_bytes: int = 1,
         shm_factory: Callable[[str], _shm.ShmPool] | None = None,
+        link_curve: tuple[bytes, bytes] | None = None,
+        downstream_keys: Sequence[bytes | None] | None = None,
     ) -> None:
         super().__init__(
             inner,
@@ -1111,6 +1133,8 @@ class PipelinedPipeStage(PipeStage):
             credit_items=credit_items,
             credit_bytes=credit_bytes,
             shm_factory=shm_factory,
+            link_curve=link_curve,
+            downstream_keys=downstream_keys,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -1147,6 +1171,8 @@ def pipe_stage(
     shm_upstream_pooled: bool = False,
     credit_items: int = 1,
     credit_bytes: int = 1,
+    link_keys: list[bytes] | None = None,
+    downstream_keys: list[bytes | None] | None = None,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
@@ -1166,7 +1192,11 @@ def pipe_stage(
     link, as the pipeline names them when a stage restarts); *shm_upstream_pooled*: the
     edge into this stage is such an edge (*shm_upstream* is then this replica's prefix on
     it). *credit_items*, *credit_bytes*: the batch of credit this stage gives back to the
-    previous one after a step (a quarter of that stage's window; :class:`PipeStage`)."""
+    previous one after a step (a quarter of that stage's window; :class:`PipeStage`).
+    *downstream_keys*: per link, the next stage's CURVE public key (a stage that listens on
+    TCP, placed on Ray), or ``None`` (ipc, no CURVE); *link_keys*: ``[public, secret]``,
+    this stage's key pair for those links (made by the coordinator for a local stage, in
+    the actor for one on Ray, ``docs/pipelines.md``, "Stages on other hosts")."""
     reader = (
         None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
     )
@@ -1203,6 +1233,8 @@ def pipe_stage(
         "routed": routed,
         "credit_items": credit_items,
         "credit_bytes": credit_bytes,
+        "link_curve": None if link_keys is None else (link_keys[0], link_keys[1]),
+        "downstream_keys": downstream_keys,
     }
     if isinstance(pool, list):
         options["shm_factory"] = shm_factory

@@ -26,19 +26,18 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import _clientbase, _shm
+from . import _clientbase
 from ._client import RequestStream, StageClient
 from ._edge import LINKS_UTILITY
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
     PIPE_FACTORY,
+    LaunchLinks,
     PipelineBase,
     PipelineStage,
     check_drain,
     launch_options,
-    launch_plan,
-    new_shm_prefix,
-    pipe_kwargs,
+    order_clients,
     retry_counts,
     stage_specs,
 )
@@ -64,6 +63,15 @@ class PipelineStream(RequestStream):
     closed first."""
 
     __slots__ = ()
+
+
+def _grant(links: LaunchLinks, key: bytes) -> None:
+    """Before a stage's process that links with *key* starts: the next stage (on Ray)
+    admits it (:meth:`LaunchLinks.grant`)."""
+    from .ray import authorize_clients
+
+    for target, keys in links.grant(key):
+        authorize_clients(target, keys)
 
 
 class Pipeline(PipelineBase[PipelineStream, StageClient]):
@@ -140,56 +148,44 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         replica pool, connect each to the next (every replica to every replica of the next
         stage), and return the pipeline. The stages start last to first, each knowing where
         the next one's processes listen. If one fails to start, the ones started are shut
-        down and its :class:`~enginecore.stage.StageStartupError` is raised."""
+        down and its :class:`~enginecore.stage.StageStartupError` is raised. A stage
+        with a ``placement`` runs in a Ray actor, its links in over CURVE
+        (``docs/pipelines.md``, "Stages on other hosts"); no actor is left after a failed
+        launch or a shutdown."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
         clients: list[StageClient] = []
-        downstream: list[str] | None = None
-        addresses: list[str] = []
-        prefix = new_shm_prefix()
-        routed = any(spec.replicas > 1 or spec.restart for spec in specs)
+        links = LaunchLinks(specs, startup_timeout)
         try:
-            for k, r in launch_plan(specs):
-                spec = specs[k]
-                upstream = specs[k - 1] if k else None
-                kwargs = pipe_kwargs(
-                    spec,
-                    downstream,
-                    shm_prefix=prefix,
-                    index=k,
-                    upstream=upstream,
-                    replica=r,
-                    routed=routed,
-                    downstream_spec=specs[k + 1] if k + 1 < len(specs) else None,
-                )
-                client = StageClient.launch(
-                    PIPE_FACTORY, kwargs, **launch_options(spec, startup_timeout, r)
-                )
+            for k, r in links.plan:
+                kwargs, plan, key = links.process(k, r)
+                if key is not None:
+                    _grant(links, key)
+                if plan is None:
+                    client = StageClient.launch(
+                        PIPE_FACTORY, kwargs, **launch_options(specs[k], startup_timeout, r)
+                    )
+                else:
+                    from .ray import open_on_ray
+
+                    grant = functools.partial(_grant, links)
+                    client = open_on_ray(plan, StageClient._open, ordered_events=True, grant=grant)
                 clients.append(client)
-                addresses.append(client.address)
-                if r == spec.replicas - 1:  # the stage before this one links to all of them
-                    downstream, addresses = addresses, []
+                links.started(k, r, client)
         except BaseException:
             for client in clients:
                 with contextlib.suppress(Exception):
                     client.shutdown()
-            if prefix is not None:
-                _shm.unlink_prefix(prefix)
+            links.unlink()
             raise
-        # Started last stage first, each stage's replicas in order: stage by stage, in order.
-        ordered: list[StageClient] = []
-        start = len(clients)
-        for spec in specs:
-            ordered += clients[start - spec.replicas : start]
-            start -= spec.replicas
-        clients = ordered
+        clients = order_clients(specs, clients)
         names = [s.name or s.factory for s in specs]
         return cls(
             clients,
             names,
             max_in_flight=max_in_flight,
             max_bytes=max_bytes,
-            shm_prefix=prefix,
+            shm_prefix=links.prefix,
             retry=retry_counts(specs),
             replicas=[spec.replicas for spec in specs],
             specs=specs,

@@ -16,19 +16,23 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Generic, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, TypeVar
 
 from . import _shm
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
-from ._errors import EngineDeadError, StageClosedError
+from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
 from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
+if TYPE_CHECKING:
+    from .ray import RayPlacement, RayPlan, RayStage
+
 __all__ = [
     "PIPE_FACTORY",
+    "LaunchLinks",
     "PipelineBase",
     "PipelineStage",
     "Retry",
@@ -142,7 +146,17 @@ class PipelineStage:
     (0.5 s, doubling with each death within 60 s, up to 30 s); after *max_failures* deaths
     within the window it is marked failed and stays out. Its requests end as without
     restart; new ones are routed to it once it is up again (``docs/pipelines.md``,
-    "Restart").
+    "Restart"). Not yet on Ray: a stage that restarts may not be placed on Ray, nor be
+    next to one that is (a :class:`ValueError` at launch).
+    *placement* (a :class:`~enginecore.stage.ray.RayPlacement`, or a sequence of them, one
+    per replica; default ``None``: a local process): the stage (each of its replicas) runs
+    in a Ray actor placed so, which binds
+    TCP on its node with CURVE, as :func:`~enginecore.stage.ray.launch_on_ray` places a
+    stage; the link into it from the stage before is a CURVE client that it admits, with
+    the coordinator, and nothing else. No shared memory on a link into or out of it
+    (*shm_threshold* does not apply there). A stage on Ray may feed a local stage only from
+    the coordinator's host (a local stage listens on ipc). ``docs/pipelines.md``, "Stages
+    on other hosts".
     """
 
     factory: str
@@ -160,10 +174,28 @@ class PipelineStage:
     on_next_error: Literal["fail"] | Retry = "fail"
     replicas: int = 1
     restart: RestartPolicy | bool = False
+    placement: RayPlacement | Sequence[RayPlacement] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str):
             raise TypeError(f"factory must be an import string, got {self.factory!r}")
+        if self.placement is not None:
+            from .ray import RayPlacement  # imports no Ray
+
+            placement = self.placement
+            if not isinstance(placement, RayPlacement):
+                if not isinstance(placement, (list, tuple)) or not all(
+                    isinstance(p, RayPlacement) for p in placement
+                ):
+                    raise TypeError(
+                        f"placement must be a RayPlacement, a sequence of them (one per "
+                        f"replica) or None, got {placement!r}"
+                    )
+                if len(placement) != self.replicas:
+                    raise ValueError(
+                        f"placement lists {len(placement)} placements for {self.replicas} replicas"
+                    )
+                object.__setattr__(self, "placement", tuple(placement))  # frozen, hashable
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
             raise TypeError(f"replicas must be an int >= 1, got {self.replicas!r}")
         if self.replicas < 1:
@@ -225,6 +257,13 @@ def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
         if name in names:
             raise ValueError(f"two stages are named {name!r}")
         names.append(name)
+    for k, spec in enumerate(specs):
+        near = specs[max(0, k - 1) : k + 2]
+        if spec.restart and any(s.placement is not None for s in near):
+            raise ValueError(
+                f"stage {names[k]!r} restarts, and it or a stage next to it is placed on Ray: "
+                f"restart on Ray is not built yet (docs/pipelines.md, 'Not built yet')"
+            )
     return [dataclasses.replace(s, name=n) for s, n in zip(specs, names, strict=True)]
 
 
@@ -291,7 +330,18 @@ def pipe_kwargs(
     or out of a replica pool, or of a stage that restarts, has a pool of slots per link
     (:func:`linked`). *routed*: the pipeline has replica pools or stages that restart.
     *generation*: how many times this process was started before (a restart); per replica
-    of the next stage, *next_generations* (default: none restarted)."""
+    of the next stage, *next_generations* (default: none restarted). No shared memory on a
+    link with an end placed on Ray (``placement``): its two ends may be on two hosts."""
+    if spec.placement is not None or (
+        downstream_spec is not None and downstream_spec.placement is not None
+    ):
+        shm_out = None
+    else:
+        shm_out = shm_prefix
+    if upstream is not None and (upstream.placement is not None or spec.placement is not None):
+        shm_in = None
+    else:
+        shm_in = shm_prefix
     kwargs: dict[str, Any] = {
         "factory": spec.factory,
         "stage": spec.name,
@@ -318,23 +368,23 @@ def pipe_kwargs(
         )
         if isinstance(spec.on_next_error, Retry):
             kwargs["replay_bytes"] = spec.on_next_error.max_bytes
-        if shm_prefix is not None and spec.shm_threshold is not None:
+        if shm_out is not None and spec.shm_threshold is not None:
             if pooled_out:
                 nlinks = 1 if isinstance(downstream, str) else len(downstream)
                 gens = list(next_generations or [0] * nlinks)
                 kwargs["shm_links"] = [
-                    link_slots(shm_prefix, index, c, gens[c], replica, generation)
+                    link_slots(shm_out, index, c, gens[c], replica, generation)
                     for c in range(nlinks)
                 ]
-            kwargs["shm_prefix"] = _shm.stage_prefix(shm_prefix, index)
+            kwargs["shm_prefix"] = _shm.stage_prefix(shm_out, index)
             kwargs["shm_threshold"] = spec.shm_threshold
             kwargs["shm_pool_bytes"] = spec.shm_pool_bytes
             kwargs["shm_lease"] = float(spec.shm_lease)
     if upstream is not None:  # credit goes back in batches: a quarter window
         kwargs["credit_items"] = credit_batch(upstream.window, DEFAULT_WINDOW)
         kwargs["credit_bytes"] = credit_batch(upstream.window_bytes, DEFAULT_WINDOW_BYTES)
-    if shm_prefix is not None and upstream is not None and upstream.shm_threshold is not None:
-        kwargs["shm_upstream"] = _shm.stage_prefix(shm_prefix, index - 1)
+    if shm_in is not None and upstream is not None and upstream.shm_threshold is not None:
+        kwargs["shm_upstream"] = _shm.stage_prefix(shm_in, index - 1)
         if pooled_in:  # this replica's slots on each link into it (_shm.link_prefix)
             kwargs["shm_upstream"] += f"{slot_token(replica, generation)}-"
             kwargs["shm_upstream_pooled"] = True
@@ -372,6 +422,155 @@ def launch_options(spec: PipelineStage, startup_timeout: float, replica: int = 0
         "log_level": spec.log_level,
         "forward_logs": spec.forward_logs,
     }
+
+
+class LaunchLinks:
+    """How a pipeline's launch connects its stages, what :meth:`Pipeline.launch
+    <._pipeline.Pipeline.launch>` and :meth:`AsyncPipeline.launch
+    <._apipeline.AsyncPipeline.launch>` share: in :attr:`plan`'s order
+    (:func:`launch_plan`), each process's kwargs (:meth:`process`), the keys to admit
+    before it starts (:meth:`grant`), and what it tells the stage before it
+    (:meth:`started`).
+
+    A link into a stage placed on Ray (which listens on TCP with CURVE) is a CURVE client:
+    the stage before it has a key pair for its links, made here for a local stage (handed
+    to its child process with its kwargs, on this host) or in the actor for a stage on Ray
+    (``_StageActor.link_key``: only its public key comes back). The next stage was started
+    first, admitting only the coordinator; before a process of the stage before it starts
+    (and connects), the next stage's replicas are told to admit its link key too
+    (:func:`~enginecore.stage.ray.authorize_clients`, the key rotation, with every link
+    key of that stage so far). It must be admitted first: ZeroMQ does not retry a CURVE
+    handshake that the server refused."""
+
+    def __init__(self, specs: Sequence[PipelineStage], startup_timeout: float) -> None:
+        self.specs = specs
+        self.startup_timeout = startup_timeout
+        self.prefix = new_shm_prefix()
+        self.routed = any(spec.replicas > 1 or spec.restart for spec in specs)
+        self.plan = launch_plan(specs)
+        self._next: list[Any] = []  # the clients of the stage started before (the next one)
+        self._current: list[Any] = []  # the clients of the stage being started
+        self._link_keys: list[bytes] = []  # the public link keys of the stage being started
+
+    def process(self, k: int, r: int) -> tuple[dict[str, Any], RayPlan | None, bytes | None]:
+        """Replica *r* of stage *k*: its :data:`PIPE_FACTORY` kwargs; its
+        :class:`~enginecore.stage.ray.RayPlan` if it is placed on Ray (else ``None``: a
+        local process, launched with :func:`launch_options`); and the public link key
+        made here for a local process, to :meth:`grant` before it starts (else ``None``;
+        a stage on Ray's comes from its actor, through ``RayPlan.start``'s *grant*)."""
+        specs = self.specs
+        spec = specs[k]
+        next_spec = specs[k + 1] if k + 1 < len(specs) else None
+        downstream = [c.address for c in self._next] if next_spec is not None else None
+        kwargs = pipe_kwargs(
+            spec,
+            downstream,
+            shm_prefix=self.prefix,
+            index=k,
+            upstream=specs[k - 1] if k else None,
+            replica=r,
+            routed=self.routed,
+            downstream_spec=next_spec,
+        )
+        curve_out = next_spec is not None and next_spec.placement is not None
+        if curve_out:
+            kwargs["downstream_keys"] = [_server_key(c) for c in self._next]
+        if spec.placement is None:
+            if curve_out:
+                import zmq
+
+                public, secret = zmq.curve_keypair()
+                kwargs["link_keys"] = [public, secret]
+                return kwargs, None, public
+            return kwargs, None, None
+        from .ray import RayPlan
+
+        plan = RayPlan.make(
+            PIPE_FACTORY,
+            kwargs,
+            placement=placement_of(spec, r),
+            startup_timeout=self.startup_timeout,
+            name=replica_name(spec, r),
+            step_timeout=spec.step_timeout,
+            log_level=spec.log_level,
+            forward_logs=spec.forward_logs,
+            link_kwarg="link_keys" if curve_out else None,
+        )
+        return kwargs, plan, None
+
+    def grant(self, key: bytes) -> list[tuple[Any, list[bytes]]]:
+        """A process of the stage being started links with the public key *key*: the
+        next stage's clients, each with the link keys it is to admit (besides the
+        coordinator) before that process starts."""
+        self._link_keys.append(key)
+        return [(c, list(self._link_keys)) for c in self._next]
+
+    def started(self, k: int, r: int, client: Any) -> None:
+        """Replica *r* of stage *k* started, with *client*. :class:`StageStartupError` for
+        a stage on Ray on another host than the coordinator's whose next stage is local
+        (which listens on ipc, out of that host's reach)."""
+        spec = self.specs[k]
+        next_spec = self.specs[k + 1] if k + 1 < len(self.specs) else None
+        self._current.append(client)
+        if spec.placement is not None:
+            stage = _ray_stage(client)
+            if next_spec is not None and next_spec.placement is None:
+                from .ray import _import_ray
+
+                here = _import_ray().util.get_node_ip_address()
+                if stage.node_ip != here:
+                    raise StageStartupError(
+                        f"stage {replica_name(spec, r)!r} was placed on Ray on "
+                        f"{stage.node_ip}, not on this host ({here}), and the next stage "
+                        f"({next_spec.name!r}) is local: a local stage listens on ipc, "
+                        f"out of another host's reach; place the next stage on Ray too"
+                    )
+        if r == spec.replicas - 1:  # the stage before this one links to all of them
+            self._next, self._current, self._link_keys = self._current, [], []
+
+    def unlink(self) -> None:
+        """After a failed launch: no shared-memory segment of the pipeline is left."""
+        if self.prefix is not None:
+            _shm.unlink_prefix(self.prefix)
+
+
+def placement_of(spec: PipelineStage, replica: int) -> RayPlacement | None:
+    """Where replica *replica* of the stage *spec* is placed on Ray (``None``: a local
+    process): its ``placement``, or that replica's of a sequence."""
+    from .ray import RayPlacement  # imports no Ray
+
+    placement = spec.placement
+    if placement is None or isinstance(placement, RayPlacement):
+        return placement
+    return placement[replica]
+
+
+def _ray_stage(client: Any) -> RayStage:
+    """The :class:`~enginecore.stage.ray.RayStage` that a client placed on Ray owns."""
+    from .ray import RayStage
+
+    stage = client._launched
+    assert isinstance(stage, RayStage)
+    return stage
+
+
+def _server_key(client: Any) -> bytes:
+    """The CURVE public key of the stage on Ray that *client* owns (a pipeline places its
+    stages with CURVE, never ``insecure``)."""
+    curve = _ray_stage(client).curve
+    assert curve is not None
+    return curve.server_key
+
+
+def order_clients(specs: Sequence[PipelineStage], clients: Sequence[C]) -> list[C]:
+    """*clients*, started in :func:`launch_plan`'s order (the last stage first, each
+    stage's replicas in order), stage by stage in order."""
+    ordered: list[C] = []
+    start = len(clients)
+    for spec in specs:
+        ordered += clients[start - spec.replicas : start]
+        start -= spec.replicas
+    return ordered
 
 
 def check_drain(drain: float | None) -> None:

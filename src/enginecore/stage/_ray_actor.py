@@ -40,6 +40,7 @@ class _StageActor:
         self._curve: Any = None  # the stage's ServerCurve, once made
         self._owner: bytes | None = None  # the public key of the client that placed it
         self._logs: _logs.ForwardHandler | None = None
+        self._link_keys: tuple[bytes, bytes] | None = None  # a pipeline stage's, once made
 
     def _server_curve(self, keys: dict[str, Any] | None) -> Any:
         """The stage's CURVE set-up (made once): its key pair (read from
@@ -105,6 +106,17 @@ class _StageActor:
             "server_key": None if curve is None else curve.public_key,
         }
 
+    def link_key(self) -> bytes:
+        """A pipeline stage's key pair for its links to the next stage (CURVE clients),
+        made here once: its public key, for the next stage to admit before this stage
+        connects to it (:meth:`start` hands the pair to the factory, with ``link_kwarg``).
+        The secret key never leaves this process."""
+        if self._link_keys is None:
+            import zmq
+
+            self._link_keys = zmq.curve_keypair()
+        return self._link_keys[0]
+
     def start(
         self,
         factory: str,
@@ -116,9 +128,13 @@ class _StageActor:
         """Build the engine and the stage, bound on this node's IP; run its loop on a
         thread; return the addresses, the pid and the stage's public key (``None``
         without CURVE). *keys*: ``{"authorized": [client public keys], "secret_file":
-        path or None}``, or ``None`` without CURVE. With forwarded logs (:meth:`open_logs`
-        first), waits for the client's log socket before the engine is built, so that
-        none of its records are lost. Raises what the factory raises."""
+        path or None}``, or ``None`` without CURVE; with ``"link_kwarg": NAME`` too (a
+        pipeline stage), the stage's key pair for its links to the next stage
+        (:meth:`link_key`) is given to the factory as the kwarg ``NAME`` (``[public,
+        secret]``), and its public key returned as ``link_key`` (else ``None``). With
+        forwarded logs (:meth:`open_logs` first), waits for the client's log socket before
+        the engine is built, so that none of its records are lost. Raises what the factory
+        raises."""
         import msgspec
 
         from ._process import build_engine
@@ -135,7 +151,14 @@ class _StageActor:
             )
         host = _node_host()
         curve = self._server_curve(keys)
-        engine = build_engine(factory, msgspec.msgpack.decode(kwargs_frame))
+        kwargs = msgspec.msgpack.decode(kwargs_frame)
+        link_key: bytes | None = None
+        link_kwarg = None if keys is None else keys.get("link_kwarg")
+        if link_kwarg is not None:
+            link_key = self.link_key()
+            assert self._link_keys is not None
+            kwargs[link_kwarg] = list(self._link_keys)
+        engine = build_engine(factory, kwargs)
         runtime = StageRuntime(
             engine,
             f"tcp://{host}:0",
@@ -156,6 +179,7 @@ class _StageActor:
             "pid": os.getpid(),
             "node_ip": host,
             "server_key": None if curve is None else curve.public_key,
+            "link_key": link_key,
         }
 
     def _run(self) -> None:

@@ -45,7 +45,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -194,6 +194,8 @@ class RayStage:
         self.output_address: str = info["output"]
         self.node_ip: str = info["node_ip"]
         self.process = _ActorProcess(int(info["pid"]))
+        # A pipeline stage's public key for its links to the next stage (RayPlan.link_kwarg).
+        self.link_key: bytes | None = info.get("link_key")
         self.curve: CurveKeys | None = None
         if client_keys is not None:
             self.curve = CurveKeys(client_keys[0], client_keys[1], info["server_key"])
@@ -283,6 +285,9 @@ class RayPlan:
     stage_secret_key: str | None = None
     authorized_clients: tuple[bytes, ...] = ()
     forward_logs: bool = False
+    # A pipeline stage's: the kwarg that the actor hands the key pair it makes for the
+    # stage's links to the next stage (RayStage.link_key is its public half); None: none.
+    link_kwarg: str | None = None
 
     @classmethod
     def make(
@@ -305,8 +310,11 @@ class RayPlan:
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        link_kwarg: str | None = None,
     ) -> RayPlan:
-        """Check everything before anything is placed."""
+        """Check everything before anything is placed. *link_kwarg* (a pipeline's): the
+        actor makes a key pair for the stage's links and hands it to the factory as that
+        kwarg (needs CURVE)."""
         _validate_factory(factory)
         check_watchdog(step_timeout, kill_after)
         level = _logs.check_log_level(log_level)
@@ -325,6 +333,8 @@ class RayPlan:
         if not isinstance(forward_logs, bool):
             raise TypeError(f"forward_logs must be a bool, got {type(forward_logs).__name__}")
         secret_file, authorized = _check_keys(insecure, curve, stage_secret_key, authorized_clients)
+        if link_kwarg is not None and insecure:
+            raise ValueError("link keys are CURVE keys: insecure=True makes none")
         kwargs = dict(kwargs or {})
         _wire.check_encodable(kwargs, "factory kwargs")
         if not all(type(k) is str for k in kwargs):
@@ -349,16 +359,22 @@ class RayPlan:
             stage_secret_key=secret_file,
             authorized_clients=authorized,
             forward_logs=forward_logs,
+            link_kwarg=link_kwarg,
         )
 
-    def start(self) -> RayStage:
+    def start(self, grant: Callable[[bytes], None] | None = None) -> RayStage:
         """Place the actor and start its stage; blocks until it is ready, at most
         *startup_timeout* seconds (placement included). :class:`StageStartupError` if it
-        does not come up; no actor is left behind then."""
+        does not come up; no actor is left behind then. With :attr:`link_kwarg`, the
+        actor's link key is made first and ``grant(public key)`` called with it before
+        the stage starts (a pipeline: the next stage admits it before this one
+        connects)."""
         deadline = time.monotonic() + self.startup_timeout
         ray, actor, client_keys, keys = self._place()
         logs: _logs.LogSource | None = None
         try:
+            if self.link_kwarg is not None and grant is not None:
+                grant(self._get(ray, actor.link_key.remote(), deadline))
             if self.forward_logs:
                 ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
                 logs = self._forward_logs(self._get(ray, ref, deadline), client_keys)
@@ -371,14 +387,18 @@ class RayPlan:
             self._abandon(ray, actor, logs)
             raise
 
-    async def start_async(self) -> RayStage:
+    async def start_async(
+        self, grant: Callable[[bytes], Awaitable[None]] | None = None
+    ) -> RayStage:
         """:meth:`start`, awaited: the actor's answers are awaited as Ray's futures, so no
         thread is held while the actor starts (many placed at once all progress together).
-        On failure or cancellation, no actor is left behind."""
+        On failure or cancellation, no actor is left behind. *grant* is awaited."""
         deadline = time.monotonic() + self.startup_timeout
         ray, actor, client_keys, keys = self._place()
         logs: _logs.LogSource | None = None
         try:
+            if self.link_kwarg is not None and grant is not None:
+                await grant(await self._get_async(ray, actor.link_key.remote(), deadline))
             if self.forward_logs:
                 ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
                 logs = self._forward_logs(await self._get_async(ray, ref, deadline), client_keys)
@@ -413,6 +433,8 @@ class RayPlan:
             "authorized": [client_keys[0], *self.authorized_clients],
             "secret_file": self.stage_secret_key,
         }
+        if self.link_kwarg is not None:
+            keys["link_kwarg"] = self.link_kwarg
         return ray, actor, client_keys, keys
 
     def _forward_logs(self, found: Any, client_keys: tuple[bytes, bytes] | None) -> Any:
@@ -599,11 +621,17 @@ def launch_on_ray(
 
 
 def open_on_ray(
-    plan: RayPlan, opener: Any, ping_s: float | None = None, *, ordered_events: bool = False
+    plan: RayPlan,
+    opener: Any,
+    ping_s: float | None = None,
+    *,
+    ordered_events: bool = False,
+    grant: Callable[[bytes], None] | None = None,
 ) -> Any:
     """Start *plan*'s stage and open a client on it with ``opener(target)``; if the open
-    fails, kill the actor and raise :class:`~enginecore.stage.StageStartupError`."""
-    stage = plan.start()
+    fails, kill the actor and raise :class:`~enginecore.stage.StageStartupError`. *grant*:
+    :meth:`RayPlan.start`'s."""
+    stage = plan.start(grant)
     try:
         return opener(plan.target(stage, ping_s, ordered_events))
     except BaseException as exc:
@@ -611,11 +639,18 @@ def open_on_ray(
         _clientbase.raise_startup_error(plan.factory, exc)
 
 
-async def open_on_ray_async(plan: RayPlan, opener: Any, *, ordered_events: bool = False) -> Any:
+async def open_on_ray_async(
+    plan: RayPlan,
+    opener: Any,
+    *,
+    ordered_events: bool = False,
+    grant: Callable[[bytes], Awaitable[None]] | None = None,
+) -> Any:
     """:func:`open_on_ray` for an asyncio client: the placement is awaited
     (:meth:`RayPlan.start_async`, no thread held) and ``await opener(target)`` opens the
-    client; on failure or cancellation, no actor is left behind."""
-    stage = await plan.start_async()
+    client; on failure or cancellation, no actor is left behind. *grant*:
+    :meth:`RayPlan.start_async`'s."""
+    stage = await plan.start_async(grant)
     try:
         return await opener(plan.target(stage, None, ordered_events))
     except BaseException as exc:

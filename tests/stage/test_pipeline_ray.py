@@ -1,0 +1,403 @@
+"""Pipeline stages placed on Ray (``PipelineStage(..., placement=RayPlacement(...))``,
+``docs/pipelines.md``, "Stages on other hosts"), on a local Ray cluster this module starts
+(2 CPUs, its own) and shuts down after its tests: the outputs, the CURVE link into a stage
+on Ray, a stage's death, replica pools on Ray, no shared memory on such links, and no actor
+left after a shutdown. Each behaviour the two pipelines share is checked on both."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from enginecore.stage import (
+    AsyncPipeline,
+    EngineDeadError,
+    Pipeline,
+    PipelineStage,
+    PipelineStageDeadError,
+    StageStartupError,
+    StageStatistics,
+    _shm,
+)
+from enginecore.stage._edge import FIRST, link_id
+from enginecore.stage._pipelinebase import pipe_kwargs
+
+from .conftest import EventLoopThread, wait_until
+from .test_stage_pipeline import BlockingAsyncPipeline
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+from enginecore.stage.ray import RayPlacement, RayStage  # noqa: E402
+
+from .test_ray import CPUS, alive_stage_actors  # noqa: E402
+
+COUNTDOWN = "enginecore:CountdownEngine"
+RELAY = "enginecore.stage.testing:relay"
+ECHO = "enginecore.stage.testing:echo"
+DEVICE = "enginecore.stage.testing:device"
+FAILING = "enginecore.stage.testing:failing_factory"
+MIB = 2**20
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+# A small share of a CPU per stage: several stages fit on the 2 CPUs of the cluster.
+SMALL = RayPlacement(num_cpus=0.25)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    # address="local": a cluster of this module's own (as test_ray.py starts one).
+    ray.init(
+        address="local",
+        num_cpus=CPUS,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def no_actor_left() -> bool:
+    """No stage's actor is alive: every CPU of the cluster is free again, and Ray's actor
+    table (where readable) lists none."""
+    return wait_until(
+        lambda: ray.available_resources().get("CPU") == CPUS and alive_stage_actors() in (0, None),
+        10.0,
+    )
+
+
+class Blocking(BlockingAsyncPipeline):
+    """test_stage_pipeline's adapter, with replicas."""
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return self._pipe.replicas
+
+    def call_utility(
+        self, stage: str, name: str, /, *args: Any, timeout: Any = None, replica: Any = None
+    ) -> Any:
+        return self._runner.run(
+            self._pipe.call_utility(stage, name, *args, timeout=timeout, replica=replica)
+        )
+
+    def client(self, stage: str, replica: int = 0) -> Any:
+        return self._pipe.client(stage, replica)
+
+
+@pytest.fixture(params=["sync", "async"])
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
+    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, or :meth:`AsyncPipeline.launch`
+    behind a blocking adapter; each is shut down after the test, and then no stage actor is
+    left."""
+    runner = EventLoopThread() if request.param == "async" else None
+    opened: list[Any] = []
+
+    def launch_(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
+        kwargs.setdefault("startup_timeout", 60)
+        if runner is None:
+            pipe: Any = Pipeline.launch(stages, **kwargs)
+        else:
+            pipe = Blocking(runner, runner.run(AsyncPipeline.launch(stages, **kwargs)))
+        opened.append(pipe)
+        return cast(Pipeline, pipe)
+
+    try:
+        yield launch_
+    finally:
+        try:
+            for pipe in opened:
+                pipe.shutdown()
+        finally:
+            if runner is not None:
+                runner.stop()
+    assert no_actor_left()
+
+
+def ray_stage(pipe: Any, stage: str, replica: int = 0) -> RayStage:
+    """The Ray stage behind *stage*'s client (of an AsyncPipeline's too)."""
+    launched = pipe.client(stage, replica)._launched
+    assert isinstance(launched, RayStage)
+    return launched
+
+
+def three(placed: str) -> list[PipelineStage]:
+    """first -> mid -> last, with *placed* (``"mid"``, ``"last"``, ``"all"``) on Ray."""
+    return [
+        PipelineStage(
+            COUNTDOWN if name == "first" else RELAY,
+            name=name,
+            placement=SMALL if placed in (name, "all") else None,
+        )
+        for name in ("first", "mid", "last")
+    ]
+
+
+class TestOutputs:
+    @pytest.mark.parametrize("placed", ["mid", "last", "all"])
+    def test_a_pipeline_with_stages_on_ray_gives_every_output(
+        self, launch: Any, placed: str
+    ) -> None:
+        pipe = launch(three(placed))
+        on_ray = ["first", "mid", "last"] if placed == "all" else [placed]
+        for name in on_ray:
+            stage = ray_stage(pipe, name)
+            assert stage.curve is not None  # the coordinator's link is CURVE
+            assert pipe.client(name).address.startswith("tcp://")
+        if placed == "all":
+            # Each stage on Ray admits the coordinator and the stage before's link key:
+            # nothing else. The keys are the stages' own, not their server keys.
+            for before, name in (("first", "mid"), ("mid", "last")):
+                producer = ray_stage(pipe, before)
+                assert producer.link_key is not None
+                assert ray_stage(pipe, name).authorized_clients == (producer.link_key,)
+                assert producer.curve is not None
+                assert producer.link_key != producer.curve.server_key
+            assert ray_stage(pipe, "first").authorized_clients == ()
+            assert ray_stage(pipe, "last").link_key is None  # it links nowhere
+        assert pipe.add("r1", 3).collect(timeout=30) == [2, 1, 0]
+        streams = pipe.add_many([(f"r{i}", 1 + i % 4) for i in range(100)])
+        for i, stream in enumerate(streams):
+            k = 1 + i % 4
+            assert stream.collect(timeout=30) == list(range(k - 1, -1, -1))
+        assert pipe.in_flight == 0
+        assert pipe.call_utility("mid", "added") == 101
+
+    def test_a_replica_pool_on_ray_serves_and_loses_only_a_dead_replica_s_requests(
+        self, launch: Any
+    ) -> None:
+        pipe = launch(
+            [
+                PipelineStage(DEVICE, {"step_s": 0.005}, name="first"),
+                PipelineStage(RELAY, name="mid", replicas=2, placement=SMALL),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        assert pipe.replicas == (1, 2, 1)
+        assert pipe.add("warm", 2).collect(timeout=30) == [1, 0]
+        streams = [pipe.add(f"r{i}", 10**6) for i in range(8)]
+        for stream in streams:
+            stream.get(timeout=30)  # each has reached the last stage, through a replica
+        added = [pipe.call_utility("mid", "added", replica=r) for r in range(2)]
+        assert sum(added) == 9, added
+        assert min(added) >= 3, added  # both replicas serve
+        ray.kill(ray_stage(pipe, "mid", 1).actor, no_restart=True)
+        # The requests routed through replica 1 leave the pipeline; the others go on.
+        assert wait_until(lambda: pipe.in_flight == 8 - added[1], 10), pipe.in_flight
+        pipe.abort([f"r{i}" for i in range(8)])  # the survivors: aborted
+        deaths: list[PipelineStageDeadError] = []
+        aborted = 0
+        for stream in streams:
+            try:
+                stream.collect(timeout=30)
+            except PipelineStageDeadError as exc:
+                deaths.append(exc)
+            else:
+                aborted += stream.aborted
+        assert [(e.stage, e.replica) for e in deaths] == [("mid", 1)] * added[1]
+        assert aborted == added[0] - 1  # less the warm-up request
+        # New requests avoid the dead replica and get their outputs.
+        assert pipe.add("later", 3).collect(timeout=30) == [2, 1, 0]
+
+    def test_a_pool_on_ray_feeds_a_stage_on_ray_over_both_replicas_links(self, launch: Any) -> None:
+        # The last stage admits both replicas' link keys: the second grant keeps the first.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first"),
+                PipelineStage(RELAY, name="mid", replicas=2, placement=SMALL),
+                PipelineStage(RELAY, name="last", placement=SMALL),
+            ]
+        )
+        streams = pipe.add_many([(f"r{i}", 1 + i % 3) for i in range(20)])
+        for i, stream in enumerate(streams):
+            assert stream.collect(timeout=30) == list(range(i % 3, -1, -1))
+        assert pipe.call_utility("mid", "added") == [10, 10]
+        assert pipe.call_utility("last", "added") == 20
+
+
+class TestStartup:
+    @pytest.mark.parametrize("failing", ["first", "mid"])
+    def test_a_stage_that_fails_to_start_leaves_no_actor(self, launch: Any, failing: str) -> None:
+        stages = [
+            PipelineStage(FAILING if failing == "first" else COUNTDOWN, name="first"),
+            PipelineStage(FAILING if failing == "mid" else RELAY, name="mid", placement=SMALL),
+            PipelineStage(RELAY, name="last", placement=SMALL),
+        ]
+        with pytest.raises(StageStartupError, match="factory failed on purpose"):
+            launch(stages)
+        assert no_actor_left()
+
+
+def test_a_stage_on_ray_on_another_host_cannot_feed_a_local_stage(
+    monkeypatch: pytest.MonkeyPatch, no_leftovers: str
+) -> None:
+    # The local stage listens on ipc, which another host cannot reach: the coordinator
+    # is made to believe it runs on another host than the actor (one machine here).
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.1")  # TEST-NET-1
+    with pytest.raises(StageStartupError, match="place the next stage on Ray too"):
+        Pipeline.launch(three("mid"), startup_timeout=60)
+    assert no_actor_left()
+
+
+class TestCurveLinks:
+    def test_a_peer_that_is_not_admitted_cannot_send_a_stage_on_ray_pipe_messages(
+        self, launch: Any
+    ) -> None:
+        pipe = launch(three("mid"))
+        assert pipe.add("r1", 2).collect(timeout=30) == [1, 0]
+        stage = ray_stage(pipe, "mid")
+        assert stage.curve is not None
+        address = pipe.client("mid").address
+        pipe_message = msgspec.msgpack.encode(["pipe", [FIRST], ["evil"], [5]])
+        ctx = zmq.Context()
+        try:
+            # A CURVE client with keys of its own, and the routing id of the real link.
+            public, secret = zmq.curve_keypair()
+            curve = ctx.socket(zmq.DEALER)
+            curve.setsockopt(zmq.LINGER, 0)
+            curve.setsockopt(zmq.ROUTING_ID, link_id(0).encode())
+            curve.curve_publickey, curve.curve_secretkey = public, secret
+            curve.curve_serverkey = stage.curve.server_key
+            refused = curve.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            curve.connect(address)
+            curve.send(pipe_message)
+            assert refused.poll(10_000), "the stage never refused the handshake"
+            event = recv_monitor_message(refused)
+            assert event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            # A NULL client (no CURVE at all).
+            null = ctx.socket(zmq.DEALER)
+            null.setsockopt(zmq.LINGER, 0)
+            mismatch = null.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            null.connect(address)
+            null.send(pipe_message)
+            assert mismatch.poll(10_000), "the stage never refused the NULL handshake"
+            event = recv_monitor_message(mismatch)
+            assert event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            for sock in (curve, null):
+                sock.disable_monitor()
+            for sock in (refused, mismatch, curve, null):
+                sock.close()
+        finally:
+            ctx.term()
+        # Nothing reached the stage: it added only the real request, and still serves.
+        assert pipe.add("r2", 2).collect(timeout=30) == [1, 0]
+        assert pipe.call_utility("mid", "added") == 2
+        assert pipe.call_utility("last", "added") == 2
+
+    def test_the_links_around_a_stage_on_ray_use_no_shared_memory(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(ECHO, name="a"),
+                PipelineStage(RELAY, name="b", placement=SMALL),
+                PipelineStage(RELAY, name="c"),
+            ]
+        )
+        image = np.random.default_rng(0).random((512, 256))  # 1 MiB, above the threshold
+        (back,) = pipe.add("r", image).collect(timeout=30)
+        assert np.array_equal(back, image)
+        stats = pipe.stats()
+        assert "shm_sent" not in stats["a"].engine  # no pool of slots on a -> b
+        assert "shm_sent" not in stats["b"].engine  # nor on b -> c
+        assert _shm.segments(f"enginecore-{__import__('os').getpid()}-") == []
+
+
+def test_pipe_kwargs_turn_shared_memory_off_on_a_link_with_an_end_on_ray() -> None:
+    local = PipelineStage(RELAY, name="a")
+    placed = PipelineStage(RELAY, name="b", placement=SMALL)
+    out = pipe_kwargs(local, "ipc:///x", shm_prefix="p-", index=0, downstream_spec=placed)
+    assert "shm_prefix" not in out
+    inbound = pipe_kwargs(local, None, shm_prefix="p-", index=1, upstream=placed)
+    assert "shm_upstream" not in inbound
+    both_local = pipe_kwargs(local, "ipc:///x", shm_prefix="p-", index=0, downstream_spec=local)
+    assert "shm_prefix" in both_local
+
+
+class TestDeath:
+    def test_a_killed_actor_fails_its_requests_naming_the_stage(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(DEVICE, {"step_s": 0.005}, name="first"),
+                PipelineStage(RELAY, name="mid", placement=SMALL),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        streams = [pipe.add(f"r{i}", 10**6) for i in range(10)]
+        for stream in streams:
+            stream.get(timeout=30)
+        ray.kill(ray_stage(pipe, "mid").actor, no_restart=True)
+        for stream in streams:
+            with pytest.raises(PipelineStageDeadError) as info:
+                stream.collect(timeout=10)
+            assert info.value.stage == "mid"
+            assert "Ray actor" in str(info.value)
+        with pytest.raises(PipelineStageDeadError):
+            pipe.add("later", 1)
+        assert pipe.in_flight == 0
+        # The stages still running drop the failed requests (the one after the dead one is
+        # told it is gone).
+        assert wait_until(lambda: pipe.call_utility("first", "num_requests") == 0, 10)
+        assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
+        stats = pipe.stats()
+        assert isinstance(stats["mid"], EngineDeadError)
+        for name in ("first", "last"):
+            assert isinstance(stats[name], StageStatistics)
+
+
+def test_shutdown_leaves_no_actor(no_leftovers: str) -> None:
+    pipe = Pipeline.launch(three("all"), startup_timeout=60)
+    assert alive_stage_actors() in (3, None)
+    assert pipe.add("r", 2).collect(timeout=30) == [1, 0]
+    pipe.shutdown()
+    assert no_actor_left()
+
+
+def test_a_placement_is_checked_before_anything_starts() -> None:
+    with pytest.raises(TypeError, match="placement must be a RayPlacement"):
+        PipelineStage(RELAY, placement={"num_cpus": 1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_cpus"):
+        PipelineStage(RELAY, placement=RayPlacement(num_cpus=-1))
+    with pytest.raises(TypeError, match="one per replica"):
+        PipelineStage(RELAY, replicas=2, placement=[SMALL, "x"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="1 placements for 2 replicas"):
+        PipelineStage(RELAY, replicas=2, placement=[SMALL])
+    stage = PipelineStage(RELAY, replicas=2, placement=[SMALL, RayPlacement(num_cpus=0.5)])
+    assert stage.placement == (SMALL, RayPlacement(num_cpus=0.5))
+
+
+@pytest.mark.parametrize(
+    ("restarts", "placed"), [(0, 0), (0, 1), (1, 0), (1, 2)], ids=["on", "next", "after", "before"]
+)
+def test_restart_on_or_next_to_a_stage_on_ray_is_refused_before_anything_starts(
+    restarts: int, placed: int, no_leftovers: str
+) -> None:
+    # Not built yet: a restarted process on Ray, or next to one, needs CURVE keys in its
+    # `link` message and a new grant (docs/pipelines.md, "Not built yet").
+    specs = [PipelineStage(RELAY, name=n) for n in ("a", "b", "c")]
+    specs[restarts] = dataclasses.replace(specs[restarts], restart=True)
+    specs[placed] = dataclasses.replace(specs[placed], placement=SMALL)
+    with pytest.raises(ValueError, match="restart on Ray is not built yet"):
+        Pipeline.launch(specs, startup_timeout=60)
+    assert no_actor_left()
+
+
+def test_a_placed_stage_does_not_import_ray_until_the_launch() -> None:
+    code = (
+        "import sys\n"
+        "from enginecore.stage import PipelineStage\n"
+        "from enginecore.stage.ray import RayPlacement\n"
+        "PipelineStage('m:f', placement=RayPlacement(num_cpus=0.5))\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
