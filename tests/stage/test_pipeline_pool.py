@@ -13,8 +13,8 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,9 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enginecore.stage import (
-    AsyncPipeline,
     EngineDeadError,
-    Pipeline,
     PipelineStage,
     PipelineStageDeadError,
     Retry,
@@ -37,8 +35,8 @@ from enginecore.stage._errors import EngineDeadError as _Dead
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
 from enginecore.stage._session import StreamCore
 
-from .conftest import EventLoopThread, wait_until
-from .test_stage_pipeline import BlockingAsyncPipeline
+from .conftest import wait_until
+from .pipelines import Launch, launcher
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -49,55 +47,12 @@ T = "enginecore.stage.testing"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-class _AsyncPool(BlockingAsyncPipeline):
-    """The blocking adapter, with the pool's extras: ``call_utility(replica=)``,
-    ``replicas`` and the coordinator (``_core``, for the routes)."""
-
-    def call_utility(
-        self, stage: str, name: str, /, *args: Any, timeout: Any = None, replica: Any = None
-    ) -> Any:
-        return self._runner.run(
-            self._pipe.call_utility(stage, name, *args, timeout=timeout, replica=replica)
-        )
-
-    @property
-    def replicas(self) -> tuple[int, ...]:
-        return self._pipe.replicas
-
-    @property
-    def _core(self) -> Any:
-        return self._pipe._core
-
-    @property
-    def _shm_prefix(self) -> Any:
-        return self._pipe._shm_prefix
-
-
 @pytest.fixture(params=["sync", "async"])
-def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
-    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, or :meth:`AsyncPipeline.launch`
-    behind a blocking adapter; each is shut down after the test."""
-    runner = EventLoopThread() if request.param == "async" else None
-    opened: list[Any] = []
-
-    def launch_(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
-        kwargs.setdefault("startup_timeout", 30)
-        if runner is None:
-            pipe: Any = Pipeline.launch(stages, **kwargs)
-        else:
-            pipe = _AsyncPool(runner, runner.run(AsyncPipeline.launch(stages, **kwargs)))
-        opened.append(pipe)
-        return cast(Pipeline, pipe)
-
-    try:
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
+    """``launch(stages, **kwargs)``: either pipeline (``pipelines.launcher``); each is shut
+    down after the test."""
+    with launcher(request.param) as launch_:
         yield launch_
-    finally:
-        try:
-            for pipe in opened:
-                pipe.shutdown()
-        finally:
-            if runner is not None:
-                runner.stop()
 
 
 class TestRouting:

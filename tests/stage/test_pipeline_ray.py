@@ -10,8 +10,8 @@ import dataclasses
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -20,7 +20,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from enginecore.stage import (
-    AsyncPipeline,
     EngineDeadError,
     Pipeline,
     PipelineStage,
@@ -32,8 +31,8 @@ from enginecore.stage import (
 from enginecore.stage._edge import FIRST, link_id
 from enginecore.stage._pipelinebase import pipe_kwargs
 
-from .conftest import EventLoopThread, wait_until
-from .test_stage_pipeline import BlockingAsyncPipeline
+from .conftest import wait_until
+from .pipelines import Launch, launcher
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
@@ -79,50 +78,12 @@ def no_actor_left() -> bool:
     )
 
 
-class Blocking(BlockingAsyncPipeline):
-    """test_stage_pipeline's adapter, with replicas."""
-
-    @property
-    def replicas(self) -> tuple[int, ...]:
-        return self._pipe.replicas
-
-    def call_utility(
-        self, stage: str, name: str, /, *args: Any, timeout: Any = None, replica: Any = None
-    ) -> Any:
-        return self._runner.run(
-            self._pipe.call_utility(stage, name, *args, timeout=timeout, replica=replica)
-        )
-
-    def client(self, stage: str, replica: int = 0) -> Any:
-        return self._pipe.client(stage, replica)
-
-
 @pytest.fixture(params=["sync", "async"])
-def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
-    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, or :meth:`AsyncPipeline.launch`
-    behind a blocking adapter; each is shut down after the test, and then no stage actor is
-    left."""
-    runner = EventLoopThread() if request.param == "async" else None
-    opened: list[Any] = []
-
-    def launch_(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
-        kwargs.setdefault("startup_timeout", 60)
-        if runner is None:
-            pipe: Any = Pipeline.launch(stages, **kwargs)
-        else:
-            pipe = Blocking(runner, runner.run(AsyncPipeline.launch(stages, **kwargs)))
-        opened.append(pipe)
-        return cast(Pipeline, pipe)
-
-    try:
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
+    """``launch(stages, **kwargs)``: either pipeline (``pipelines.launcher``); each is shut
+    down after the test, and then no stage actor is left."""
+    with launcher(request.param, startup_timeout=60) as launch_:
         yield launch_
-    finally:
-        try:
-            for pipe in opened:
-                pipe.shutdown()
-        finally:
-            if runner is not None:
-                runner.stop()
     assert no_actor_left()
 
 

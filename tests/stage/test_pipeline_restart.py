@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -25,10 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enginecore.stage import (
-    AsyncPipeline,
     EngineDeadError,
     NoReplicaError,
-    Pipeline,
     PipelineStage,
     PipelineStageDeadError,
     ReplicaState,
@@ -44,8 +42,8 @@ from enginecore.stage._pipelinebase import PIPE_FACTORY
 from enginecore.stage._session import ClientSession, StreamCore
 from enginecore.stage._wire import ErrorReport
 
-from .conftest import EventLoopThread, wait_until
-from .test_pipeline_pool import _AsyncPool
+from .conftest import wait_until
+from .pipelines import Launch, launcher
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -58,39 +56,12 @@ FAST = RestartPolicy(first_delay=0.05, max_delay=0.05)
 """Restart at once (50 ms): the tests wait for the new process, not for a backoff."""
 
 
-class _AsyncRestarts(_AsyncPool):
-    """The blocking adapter, with ``restarts``."""
-
-    @property
-    def restarts(self) -> dict[str, int]:
-        return cast(dict[str, int], self._on_loop(lambda: self._pipe.restarts))
-
-
 @pytest.fixture(params=["sync", "async"])
-def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
-    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, or :meth:`AsyncPipeline.launch`
-    behind a blocking adapter; each is shut down after the test."""
-    runner = EventLoopThread() if request.param == "async" else None
-    opened: list[Any] = []
-
-    def launch_(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
-        kwargs.setdefault("startup_timeout", 30)
-        if runner is None:
-            pipe: Any = Pipeline.launch(stages, **kwargs)
-        else:
-            pipe = _AsyncRestarts(runner, runner.run(AsyncPipeline.launch(stages, **kwargs)))
-        opened.append(pipe)
-        return cast(Pipeline, pipe)
-
-    try:
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
+    """``launch(stages, **kwargs)``: either pipeline (``pipelines.launcher``); each is shut
+    down after the test."""
+    with launcher(request.param) as launch_:
         yield launch_
-    finally:
-        try:
-            for pipe in opened:
-                pipe.shutdown()
-        finally:
-            if runner is not None:
-                runner.stop()
 
 
 def _held(pipe: Any, stage: str) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, cast
 
 import msgspec
@@ -21,7 +21,6 @@ import zmq
 from enginecore import CountdownEngine
 from enginecore.stage import (
     NOTHING,
-    AsyncPipeline,
     EngineDeadError,
     Pipeline,
     PipelineFullError,
@@ -47,7 +46,8 @@ from enginecore.stage._session import ClientSession
 from enginecore.stage._wire import ErrorReport
 from enginecore.stage.testing import HeadEngine, RelayEngine
 
-from .conftest import BlockingAsyncStream, EventLoopThread, child_pids, wait_until
+from .conftest import child_pids, wait_until
+from .pipelines import BlockingAsyncPipeline, Launch, launcher
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -59,86 +59,12 @@ T = "enginecore.stage.testing"
 pytestmark = pytest.mark.slow
 
 
-class BlockingAsyncPipeline:
-    """An AsyncPipeline behind Pipeline's blocking interface: every call runs on the
-    pipeline's event loop (in another thread) and the caller waits for it. A thin adapter:
-    the behaviour under test is the async pipeline's."""
-
-    def __init__(self, runner: EventLoopThread, pipe: AsyncPipeline) -> None:
-        self._runner = runner
-        self._pipe = pipe
-
-    def _on_loop(self, fn: Any, *args: Any) -> Any:
-        async def call() -> Any:
-            return fn(*args)
-
-        return self._runner.run(call())
-
-    @property
-    def stages(self) -> tuple[str, ...]:
-        return self._pipe.stages
-
-    @property
-    def in_flight(self) -> int:
-        return int(self._on_loop(lambda: self._pipe.in_flight))
-
-    @property
-    def bytes_in(self) -> int:
-        return int(self._on_loop(lambda: self._pipe.bytes_in))
-
-    def add(self, req_id: str, data: Any, **kwargs: Any) -> BlockingAsyncStream:
-        stream = self._runner.run(self._pipe.add(req_id, data, **kwargs))
-        return BlockingAsyncStream(self._runner, stream)
-
-    def add_many(self, items: Any, **kwargs: Any) -> list[BlockingAsyncStream]:
-        streams = self._runner.run(self._pipe.add_many(items, **kwargs))
-        return [BlockingAsyncStream(self._runner, s) for s in streams]
-
-    def abort(self, req_ids: Any) -> None:
-        self._runner.run(self._pipe.abort(req_ids))
-
-    def call_utility(self, stage: str, name: str, /, *args: Any, timeout: Any = None) -> Any:
-        return self._runner.run(self._pipe.call_utility(stage, name, *args, timeout=timeout))
-
-    def health(self) -> Any:
-        return self._on_loop(self._pipe.health)
-
-    def stats(self) -> Any:
-        return self._runner.run(self._pipe.stats())
-
-    def client(self, stage: str) -> Any:
-        return self._pipe.client(stage)
-
-    def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
-        self._runner.run(self._pipe.shutdown(timeout, drain=drain))
-
-
 @pytest.fixture(params=["sync", "async"])
-def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
-    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch`, or :meth:`AsyncPipeline.launch`
-    behind a blocking adapter (typed as a Pipeline: it has the same interface); each is
-    shut down after the test."""
-    runner = EventLoopThread() if request.param == "async" else None
-    opened: list[Any] = []
-
-    def launch_(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
-        kwargs.setdefault("startup_timeout", 30)
-        if runner is None:
-            pipe: Any = Pipeline.launch(stages, **kwargs)
-        else:
-            pipe = BlockingAsyncPipeline(runner, runner.run(AsyncPipeline.launch(stages, **kwargs)))
-        opened.append(pipe)
-        return cast(Pipeline, pipe)
-
-    try:
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
+    """``launch(stages, **kwargs)``: either pipeline (``pipelines.launcher``); each is shut
+    down after the test."""
+    with launcher(request.param) as launch_:
         yield launch_
-    finally:
-        try:
-            for pipe in opened:
-                pipe.shutdown()
-        finally:
-            if runner is not None:
-                runner.stop()
 
 
 def _wait_live(pipe: Pipeline, stage: str, n: int) -> None:

@@ -1,0 +1,121 @@
+"""One suite for both pipelines: :class:`BlockingAsyncPipeline`, an
+:class:`~enginecore.stage.AsyncPipeline` behind :class:`~enginecore.stage.Pipeline`'s
+blocking interface, and :func:`launcher`, which the pipeline test modules' ``launch``
+fixtures (``[sync]``, ``[async]``) open."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+from enginecore.stage import AsyncPipeline, Pipeline, PipelineStage
+
+from .conftest import BlockingAsyncStream, EventLoopThread
+
+Launch = Callable[..., Pipeline]
+
+
+class BlockingAsyncPipeline:
+    """An AsyncPipeline behind Pipeline's blocking interface: every call runs on the
+    pipeline's event loop (in another thread) and the caller waits for it. A thin adapter:
+    the behaviour under test is the async pipeline's."""
+
+    def __init__(self, runner: EventLoopThread, pipe: AsyncPipeline) -> None:
+        self._runner = runner
+        self._pipe = pipe
+
+    def _on_loop(self, fn: Any, *args: Any) -> Any:
+        async def call() -> Any:
+            return fn(*args)
+
+        return self._runner.run(call())
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return self._pipe.stages
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return self._pipe.replicas
+
+    @property
+    def in_flight(self) -> int:
+        return int(self._on_loop(lambda: self._pipe.in_flight))
+
+    @property
+    def bytes_in(self) -> int:
+        return int(self._on_loop(lambda: self._pipe.bytes_in))
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        return cast(dict[str, int], self._on_loop(lambda: self._pipe.restarts))
+
+    def add(self, req_id: str, data: Any, **kwargs: Any) -> BlockingAsyncStream:
+        stream = self._runner.run(self._pipe.add(req_id, data, **kwargs))
+        return BlockingAsyncStream(self._runner, stream)
+
+    def add_many(self, items: Any, **kwargs: Any) -> list[BlockingAsyncStream]:
+        streams = self._runner.run(self._pipe.add_many(items, **kwargs))
+        return [BlockingAsyncStream(self._runner, s) for s in streams]
+
+    def abort(self, req_ids: Any) -> None:
+        self._runner.run(self._pipe.abort(req_ids))
+
+    def call_utility(
+        self, stage: str, name: str, /, *args: Any, timeout: Any = None, replica: Any = None
+    ) -> Any:
+        return self._runner.run(
+            self._pipe.call_utility(stage, name, *args, timeout=timeout, replica=replica)
+        )
+
+    def health(self) -> Any:
+        return self._on_loop(self._pipe.health)
+
+    def stats(self) -> Any:
+        return self._runner.run(self._pipe.stats())
+
+    def client(self, stage: str, replica: int = 0) -> Any:
+        return self._pipe.client(stage, replica)
+
+    def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
+        self._runner.run(self._pipe.shutdown(timeout, drain=drain))
+
+    # The coordinator's state, which some tests read (the routes, the segments' prefix).
+
+    @property
+    def _core(self) -> Any:
+        return self._pipe._core
+
+    @property
+    def _shm_prefix(self) -> Any:
+        return self._pipe._shm_prefix
+
+
+@contextlib.contextmanager
+def launcher(kind: str, startup_timeout: float = 30) -> Iterator[Launch]:
+    """``launch(stages, **kwargs)``: :meth:`Pipeline.launch` (*kind* ``"sync"``), or
+    :meth:`AsyncPipeline.launch` behind a :class:`BlockingAsyncPipeline` (``"async"``;
+    typed as a Pipeline: it has the same interface), with *startup_timeout* unless given;
+    each pipeline it launched is shut down on exit."""
+    runner = EventLoopThread() if kind == "async" else None
+    opened: list[Any] = []
+
+    def launch(stages: Sequence[PipelineStage | str], **kwargs: Any) -> Pipeline:
+        kwargs.setdefault("startup_timeout", startup_timeout)
+        if runner is None:
+            pipe: Any = Pipeline.launch(stages, **kwargs)
+        else:
+            pipe = BlockingAsyncPipeline(runner, runner.run(AsyncPipeline.launch(stages, **kwargs)))
+        opened.append(pipe)
+        return cast(Pipeline, pipe)
+
+    try:
+        yield launch
+    finally:
+        try:
+            for pipe in opened:
+                pipe.shutdown()
+        finally:
+            if runner is not None:
+                runner.stop()
