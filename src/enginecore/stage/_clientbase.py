@@ -70,6 +70,9 @@ class ClientBase(Generic[S, W]):
 
     _lock: contextlib.AbstractContextManager[Any]
     _stream_type: Callable[[str, contextlib.AbstractContextManager[Any], float], S]
+    # Called, if set, after a frame's deliveries (a pipeline takes the ordered event stream
+    # as it grows): set by each client's __init__ (None), then by a pipeline.
+    _event_sink: Callable[[], None] | None
 
     _adopt_orphans = False  # a pool's member client: see ClientSession(adopt_orphans=)
     _silent_after = 2.0  # ping intervals without a frame that read as stalled (a pool's: 1.75)

@@ -331,23 +331,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         """Put the new *client* in place, link it to its neighbours and wait until the
         previous stage's processes have applied the ``link`` (a utility call after it on
         the same connection), then route to it. ``False``: the pipeline closes."""
-        client._event_sink = functools.partial(self._take_events, k, r, client)
-        sends, barrier = self._install(k, r, client)
-        self._take_events(k, r, client)
-        for target, frame in sends:
-            with contextlib.suppress(Exception):  # a process that died: its death tells
-                target._send(frame)
-        for target in barrier:
+        for target in self._install(k, r, client):
             try:
                 target.call_utility(LINKS_UTILITY, timeout=self._startup_timeout)
             except Exception as exc:  # a process that died: its death tells
                 self._link_unconfirmed(k, r, exc)
-        if not self._started(k, r):
-            return False
-        logger.warning(
-            "enginecore: pipeline stage %r, process %d, started again", self._names[k], r
-        )
-        return True
+        return self._started(k, r)
 
     # -- closing -----------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -953,18 +954,21 @@ class PipelineBase(Generic[S, C]):
         )
         return kwargs, launch_options(spec, self._startup_timeout, r)
 
-    def _install(self, k: int, r: int, client: C) -> tuple[list[tuple[C, Parts]], list[C]]:
+    def _install(self, k: int, r: int, client: C) -> list[C]:
         """Put *client*, of process *r* of stage *k* started again, in place of the dead
-        one's (from now on only its events are heard), and return what links it in: the
-        frames to send (a ``gone`` ``"next"`` to it for each process of the next stage that
-        is down, a ``link`` to each live process of the previous stage, naming its address
-        and the link's new slots), and the previous stage's clients to ask, after those
-        frames, whether the link is up (their loop applied the ``link``)."""
+        one's (from now on only its events are heard, on its receiver), and send what links
+        it in: a ``gone`` ``"next"`` to it for each process of the next stage that is down,
+        a ``link`` to each live process of the previous stage, naming its address and the
+        link's new slots. Returns those previous-stage clients: the link is up once each
+        answers a :data:`._edge.LINKS_UTILITY` call after the ``link`` (its loop applies
+        messages in order), which the caller awaits, then :meth:`_started`."""
         specs, core = self._specs, self._core
         generation = core.generation(k, r)
+        client._event_sink = functools.partial(self._take_events, k, r, client)
         with self._lock:
             self._replicas[k][r] = client
             self._clients[sum(core.replicas[:k]) + r] = client
+        self._take_events(k, r, client)  # anything that came before the sink was set
         sends: list[tuple[C, Parts]] = []
         if k + 1 < len(specs):
             for c, up in enumerate(core.alive(k + 1)):
@@ -984,13 +988,21 @@ class PipelineBase(Generic[S, C]):
                 before = self._replicas[k - 1][j]
                 sends.append((before, ClientSession.link_frame(r, client.address, slots)))
                 barrier.append(before)
-        return sends, barrier
+        for target, frame in sends:
+            with contextlib.suppress(Exception):  # a process that died: its death tells
+                target._send(frame)
+        return barrier
 
     def _started(self, k: int, r: int) -> bool:
         """Process *r* of stage *k* is up again and linked in: routed to from now on.
         ``False``: the pipeline failed or closes meanwhile (stop the new process)."""
         with self._lock:
-            return not self._closed and self._core.started(k, r)
+            if self._closed or not self._core.started(k, r):
+                return False
+        logger.warning(
+            "enginecore: pipeline stage %r, process %d, started again", self._names[k], r
+        )
+        return True
 
     def _start_failed(self, k: int, r: int, exc: BaseException) -> float | None:
         """Starting process *r* of stage *k* again failed with *exc*: the delay before the
