@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from typing import Any, Final
 
 __all__ = [
@@ -143,16 +144,16 @@ def unlink_producer(prefix: str, producer: str) -> list[str]:
     """Unlink the per-link slots of *prefix* (a stage's, :func:`stage_prefix`) that the
     producer *producer* (a :func:`._edge.slot_token`) made, whatever their consumer: a
     dead process's own slots on an edge into or out of a replica pool."""
-    gone: list[str] = []
-    for name in segments(prefix):
-        parts = name[len(prefix) :].split("-")
-        if len(parts) == 3 and parts[1] == producer:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                continue
-            gone.append(name)
-    return gone
+    return _unlink(
+        name for name in segments(prefix) if _producer_of(name[len(prefix) :]) == producer
+    )
+
+
+def _producer_of(rest: str) -> str | None:
+    """The producer token of a per-link slot's name after its stage prefix
+    (``<consumer>-<producer>-<n>``), or ``None`` for another name."""
+    parts = rest.split("-")
+    return parts[1] if len(parts) == 3 else None
 
 
 def segments(prefix: str) -> list[str]:
@@ -166,8 +167,13 @@ def segments(prefix: str) -> list[str]:
 def unlink_prefix(prefix: str) -> list[str]:
     """Unlink every segment whose name starts with *prefix*; the names unlinked. A mapping
     that a live process still holds stays valid until it drops it."""
+    return _unlink(segments(prefix))
+
+
+def _unlink(names: Iterable[str]) -> list[str]:
+    """Unlink each of *names* in ``/dev/shm``; those unlinked (one already gone is not)."""
     gone: list[str] = []
-    for name in segments(prefix):
+    for name in names:
         try:
             os.unlink(os.path.join(SHM_DIR, name))
         except OSError:
