@@ -6,8 +6,9 @@ left after a shutdown. Each behaviour the two pipelines share is checked on both
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ from enginecore.stage import (
     Pipeline,
     PipelineStage,
     PipelineStageDeadError,
+    RestartPolicy,
+    StageHealth,
     StageStartupError,
     StageStatistics,
     _shm,
@@ -337,20 +340,83 @@ def test_a_placement_is_checked_before_anything_starts() -> None:
     assert stage.placement == (SMALL, RayPlacement(num_cpus=0.5))
 
 
-@pytest.mark.parametrize(
-    ("restarts", "placed"), [(0, 0), (0, 1), (1, 0), (1, 2)], ids=["on", "next", "after", "before"]
-)
-def test_restart_on_or_next_to_a_stage_on_ray_is_refused_before_anything_starts(
-    restarts: int, placed: int, no_leftovers: str
-) -> None:
-    # Not built yet: a restarted process on Ray, or next to one, needs CURVE keys in its
-    # `link` message and a new grant (docs/pipelines.md, "Not built yet").
-    specs = [PipelineStage(RELAY, name=n) for n in ("a", "b", "c")]
-    specs[restarts] = dataclasses.replace(specs[restarts], restart=True)
-    specs[placed] = dataclasses.replace(specs[placed], placement=SMALL)
-    with pytest.raises(ValueError, match="restart on Ray is not built yet"):
-        Pipeline.launch(specs, startup_timeout=60)
-    assert no_actor_left()
+FAST = RestartPolicy(first_delay=0.05, max_delay=0.05)
+
+
+class TestRestart:
+    @pytest.mark.parametrize(
+        ("placed", "dies"),
+        [("mid", "mid"), ("all", "mid"), ("mid", "first"), ("first", "mid")],
+        ids=["on-ray-between-local", "on-ray-between-ray", "local-before-ray", "local-after-ray"],
+    )
+    def test_a_dead_process_on_or_next_to_ray_restarts_and_links_over_curve(
+        self, launch: Any, placed: str, dies: str
+    ) -> None:
+        # A process on Ray comes back on Ray: the stage before it admitted before it links
+        # (its `link` names the new CURVE server key), its own link key granted to a next
+        # stage on Ray; a local process before a stage on Ray gets a new key pair, granted
+        # first. Each stage on Ray admits only the coordinator and the keys of the stage
+        # before: the outputs after the restart prove every link in was admitted.
+        on_ray = {"first", "mid", "last"} if placed == "all" else {placed}
+        pipe = launch(
+            [
+                PipelineStage(
+                    DEVICE if name == "first" else RELAY,
+                    {"step_s": 0.005} if name == "first" else None,
+                    name=name,
+                    placement=SMALL if name in on_ray else None,
+                    restart=FAST if name == dies else False,
+                )
+                for name in ("first", "mid", "last")
+            ]
+        )
+        streams = [pipe.add(f"r{i}", 10**6) for i in range(4)]
+        for stream in streams:
+            stream.get(timeout=30)
+        if dies in on_ray:
+            old = ray_stage(pipe, dies)
+            ray.kill(old.actor, no_restart=True)
+        else:
+            os.kill(pipe.call_utility(dies, "pid"), signal.SIGKILL)
+        for stream in streams:
+            with pytest.raises(PipelineStageDeadError) as info:
+                stream.collect(timeout=30)
+            assert info.value.stage == dies
+        assert wait_until(lambda: pipe.restarts[dies] == 1, 60)
+        assert wait_until(lambda: set(pipe.health().values()) == {StageHealth.OK}, 30)
+        if dies in on_ray:
+            new = ray_stage(pipe, dies)
+            assert new is not old
+            assert new.curve is not None
+            assert new.curve.server_key != old.curve.server_key  # type: ignore[union-attr]
+            assert pipe.client(dies).address.startswith("tcp://")
+        later = [pipe.add(f"later{i}", 3) for i in range(8)]
+        assert [s.collect(timeout=30) for s in later] == [[2, 1, 0]] * 8
+        assert pipe.in_flight == 0
+        for name in ("first", "mid", "last"):  # no stage holds a request any more
+            assert wait_until(lambda n=name: pipe.call_utility(n, "num_requests") == 0, 10)
+
+    def test_a_restarted_process_on_ray_admits_only_the_stage_before_s_keys(
+        self, launch: Any
+    ) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", placement=SMALL),
+                PipelineStage(RELAY, name="mid", placement=SMALL, restart=FAST),
+                PipelineStage(RELAY, name="last", placement=SMALL),
+            ]
+        )
+        first, old = ray_stage(pipe, "first"), ray_stage(pipe, "mid")
+        ray.kill(old.actor, no_restart=True)
+        assert wait_until(lambda: pipe.restarts["mid"] == 1, 60)
+        assert wait_until(lambda: pipe.health()["mid"] == StageHealth.OK, 30)
+        new = ray_stage(pipe, "mid")
+        assert new.authorized_clients == (first.link_key,)
+        # The last stage admits the new process's link key instead of the dead one's.
+        assert new.link_key is not None
+        assert new.link_key != old.link_key
+        assert ray_stage(pipe, "last").authorized_clients == (new.link_key,)
+        assert pipe.add("r", 3).collect(timeout=30) == [2, 1, 0]
 
 
 def test_a_placed_stage_does_not_import_ray_until_the_launch() -> None:

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -29,6 +29,7 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
+    check_host,
     launch_options,
     order_clients,
     retry_counts,
@@ -54,9 +55,14 @@ class AsyncPipelineStream(AsyncRequestStream):
 async def _grant(links: LaunchLinks, key: bytes) -> None:
     """Before a stage's process that links with *key* starts: the next stage (on Ray)
     admits it (:meth:`LaunchLinks.grant`)."""
+    await _authorize(links.grant(key))
+
+
+async def _authorize(grants: list[tuple[AsyncStageClient, list[bytes]]]) -> None:
+    """Each stage on Ray of *grants* admits its keys from now on (a key rotation)."""
     from .ray import authorize_clients_async
 
-    for target, keys in links.grant(key):
+    for target, keys in grants:
         await authorize_clients_async(target, keys)
 
 
@@ -80,6 +86,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         replicas: Sequence[int] | None = None,
         specs: Sequence[PipelineStage] | None = None,
         startup_timeout: float = 60.0,
+        link_keys: Mapping[tuple[int, int], bytes] | None = None,
     ) -> None:
         # Private: use launch().
         super().__init__(
@@ -93,6 +100,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             replicas,
             specs,
             startup_timeout,
+            link_keys,
         )
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing: asyncio.Future[None] | None = None
@@ -159,6 +167,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             replicas=[spec.replicas for spec in specs],
             specs=specs,
             startup_timeout=startup_timeout,
+            link_keys=links.link_keys,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -276,9 +285,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     generation = self._restarting(k, r)
                     if generation is None:
                         return
-                    kwargs, options = self._restart_plan(k, r, generation)
                     try:
-                        client = await AsyncStageClient.launch(PIPE_FACTORY, kwargs, **options)
+                        client = await self._start(k, r, generation)
                     except Exception as exc:
                         delay = self._start_failed(k, r, exc)
                         continue
@@ -288,6 +296,33 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     return
         except Exception:
             logger.exception("enginecore: restarting a pipeline stage failed")
+
+    async def _start(self, k: int, r: int, generation: int) -> AsyncStageClient:
+        """:meth:`Pipeline._start <enginecore.stage.Pipeline._start>`'s, awaited."""
+        kwargs, plan, key = self._restart_plan(k, r, generation)
+        if key is not None:  # a local process whose next stage is on Ray
+            await _authorize(self._grants(k, r, key))
+        if plan is None:
+            options = launch_options(self._specs[k], self._startup_timeout, r)
+            return await AsyncStageClient.launch(PIPE_FACTORY, kwargs, **options)
+        from .ray import authorize_clients_async, open_on_ray_async
+
+        async def grant(key: bytes) -> None:
+            await _authorize(self._grants(k, r, key))
+
+        client: AsyncStageClient = await open_on_ray_async(
+            plan, AsyncStageClient._open, ordered_events=True, grant=grant
+        )
+        try:
+            check_host(self._specs, k, r, client)
+            admitted = self._admitted(k)
+            if admitted is not None:  # before the stage before it links to it
+                await authorize_clients_async(client, admitted)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await client.shutdown(1.0)
+            raise
+        return client
 
     async def _link(self, k: int, r: int, client: AsyncStageClient) -> bool:
         """:meth:`Pipeline._link <enginecore.stage.Pipeline._link>`'s, awaited."""

@@ -102,7 +102,7 @@ class StageTarget(Protocol):
 
     def pipe_gone(self, side: str, late: int, replica: int) -> None: ...
 
-    def pipe_link(self, replica: int, address: str, slots: str) -> None: ...
+    def pipe_link(self, replica: int, address: str, slots: str, server_key: str) -> None: ...
 
     def pipe_route(self, req_ids: list[str], routes: list[list[int]], abort: bool) -> None: ...
 
@@ -349,17 +349,19 @@ class PipeGone(Control):
 class PipeLink(Control):
     """The coordinator's ``link`` (``docs/wire.md`` section 8): replica *replica* of the
     next stage was started again at *address* (``StageEngine.pipe_link``); *slots*: the
-    new link's shared-memory slot prefix (``""``: none)."""
+    new link's shared-memory slot prefix (``""``: none); *server_key*: its CURVE public key
+    (Z85) if it listens on TCP (``""``: ipc)."""
 
-    __slots__ = ("address", "replica", "slots")
+    __slots__ = ("address", "replica", "server_key", "slots")
 
-    def __init__(self, replica: int, address: str, slots: str = "") -> None:
+    def __init__(self, replica: int, address: str, slots: str = "", server_key: str = "") -> None:
         self.replica = replica
         self.address = address
         self.slots = slots
+        self.server_key = server_key
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.pipe_link(self.replica, self.address, self.slots)
+        engine.pipe_link(self.replica, self.address, self.slots, self.server_key)
 
     def __repr__(self) -> str:
         return f"PipeLink({self.replica}, {self.address!r})"

@@ -101,6 +101,7 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
 from __future__ import annotations
 
 import atexit
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -133,6 +134,8 @@ __all__ = [
     "PipelinedPipeStage",
     "pipe_stage",
 ]
+
+logger = logging.getLogger("enginecore.stage")
 
 # How long the link to the next stage may take to deliver its last messages at exit.
 _LINK_LINGER_MS: Final = 2000
@@ -485,14 +488,25 @@ class PipeStage:
         if pool is not None:
             pool.close()
 
-    def pipe_link(self, replica: int, address: str, slots: str) -> None:
+    def pipe_link(self, replica: int, address: str, slots: str, server_key: str = "") -> None:
         """The coordinator's ``link``: replica *replica* of the next stage was started again
         and listens at *address*. The link to it is replaced by a new one (a link still
         open, to a dead process the ``gone`` has not reached yet, is closed first), with an
         empty window, and, with *slots*, a new pool of shared-memory slots named so (the
-        dead process's names are never reused). Requests are routed to it from then on."""
+        dead process's names are never reused). With *server_key* (Z85), the new process
+        listens on TCP with CURVE: the link is a CURVE client with this stage's link keys (a
+        stage launched without them, whose next stage was not on Ray, logs an error and
+        leaves the link down). Requests are routed to it from then on."""
         links = self._links
         if not 0 <= replica < len(links) or self._ctx is None:
+            return
+        if server_key and self._link_curve is None:
+            logger.error(
+                "enginecore: pipeline stage %r: a link to a stage on TCP with CURVE, but "
+                "this stage has no link keys; the link to replica %d stays down",
+                self._stage,
+                replica,
+            )
             return
         old = links[replica]
         if old is not None:
@@ -503,7 +517,7 @@ class PipeStage:
         new_pool = self._shm_factory(slots) if slots and self._shm_factory is not None else None
         self._shms[replica] = new_pool
         self._encoders[replica] = _codec.Encoder(new_pool)
-        links[replica] = self._connect(address)
+        links[replica] = self._connect(address, server_key.encode() or None)
         self._gone.discard(replica)
         self._next_gone = False
         self._out_items[replica] = self._out_bytes[replica] = 0

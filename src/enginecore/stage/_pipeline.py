@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -36,6 +36,7 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
+    check_host,
     launch_options,
     order_clients,
     retry_counts,
@@ -68,9 +69,14 @@ class PipelineStream(RequestStream):
 def _grant(links: LaunchLinks, key: bytes) -> None:
     """Before a stage's process that links with *key* starts: the next stage (on Ray)
     admits it (:meth:`LaunchLinks.grant`)."""
+    _authorize(links.grant(key))
+
+
+def _authorize(grants: list[tuple[StageClient, list[bytes]]]) -> None:
+    """Each stage on Ray of *grants* admits its keys from now on (a key rotation)."""
     from .ray import authorize_clients
 
-    for target, keys in links.grant(key):
+    for target, keys in grants:
         authorize_clients(target, keys)
 
 
@@ -102,6 +108,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         replicas: Sequence[int] | None = None,
         specs: Sequence[PipelineStage] | None = None,
         startup_timeout: float = 60.0,
+        link_keys: Mapping[tuple[int, int], bytes] | None = None,
     ) -> None:
         # Private: use launch().
         lock = threading.Lock()
@@ -116,6 +123,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             replicas,
             specs,
             startup_timeout,
+            link_keys,
         )
         self._thread_lock = lock
         self._room = threading.Condition(lock)
@@ -190,6 +198,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             replicas=[spec.replicas for spec in specs],
             specs=specs,
             startup_timeout=startup_timeout,
+            link_keys=links.link_keys,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -311,9 +320,8 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                     generation = self._restarting(k, r)
                     if generation is None:
                         return
-                    kwargs, options = self._restart_plan(k, r, generation)
                     try:
-                        client = StageClient.launch(PIPE_FACTORY, kwargs, **options)
+                        client = self._start(k, r, generation)
                     except Exception as exc:
                         delay = self._start_failed(k, r, exc)
                         continue
@@ -326,6 +334,33 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         finally:
             with self._thread_lock:
                 self._restart_threads.discard(threading.current_thread())
+
+    def _start(self, k: int, r: int, generation: int) -> StageClient:
+        """Start process *r* of stage *k* again (:meth:`_restart_plan`): locally or on Ray,
+        the keys of CURVE links granted and admitted first (``docs/pipelines.md``,
+        "Restart"); what it started is stopped if a step after the start fails."""
+        kwargs, plan, key = self._restart_plan(k, r, generation)
+        if key is not None:  # a local process whose next stage is on Ray
+            _authorize(self._grants(k, r, key))
+        if plan is None:
+            options = launch_options(self._specs[k], self._startup_timeout, r)
+            return StageClient.launch(PIPE_FACTORY, kwargs, **options)
+        from .ray import authorize_clients, open_on_ray
+
+        def grant(key: bytes) -> None:
+            _authorize(self._grants(k, r, key))
+
+        client: StageClient = open_on_ray(plan, StageClient._open, ordered_events=True, grant=grant)
+        try:
+            check_host(self._specs, k, r, client)
+            admitted = self._admitted(k)
+            if admitted is not None:  # before the stage before it links to it
+                authorize_clients(client, admitted)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.shutdown(1.0)
+            raise
+        return client
 
     def _link(self, k: int, r: int, client: StageClient) -> bool:
         """Put the new *client* in place, link it to its neighbours and wait until the

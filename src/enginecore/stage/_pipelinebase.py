@@ -147,8 +147,7 @@ class PipelineStage:
     (0.5 s, doubling with each death within 60 s, up to 30 s); after *max_failures* deaths
     within the window it is marked failed and stays out. Its requests end as without
     restart; new ones are routed to it once it is up again (``docs/pipelines.md``,
-    "Restart"). Not yet on Ray: a stage that restarts may not be placed on Ray, nor be
-    next to one that is (a :class:`ValueError` at launch).
+    "Restart"). A process placed on Ray starts again on Ray, with the same placement.
     *placement* (a :class:`~enginecore.stage.ray.RayPlacement`, or a sequence of them, one
     per replica; default ``None``: a local process): the stage (each of its replicas) runs
     in a Ray actor placed so, which binds
@@ -258,13 +257,6 @@ def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
         if name in names:
             raise ValueError(f"two stages are named {name!r}")
         names.append(name)
-    for k, spec in enumerate(specs):
-        near = specs[max(0, k - 1) : k + 2]
-        if spec.restart and any(s.placement is not None for s in near):
-            raise ValueError(
-                f"stage {names[k]!r} restarts, and it or a stage next to it is placed on Ray: "
-                f"restart on Ray is not built yet (docs/pipelines.md, 'Not built yet')"
-            )
     return [dataclasses.replace(s, name=n) for s, n in zip(specs, names, strict=True)]
 
 
@@ -425,12 +417,100 @@ def launch_options(spec: PipelineStage, startup_timeout: float, replica: int = 0
     }
 
 
+StartPlan = tuple[dict[str, Any], "RayPlan | None", "bytes | None"]
+"""How to start one process of a pipeline's stage: its :data:`PIPE_FACTORY` kwargs; its
+:class:`~enginecore.stage.ray.RayPlan` if it is placed on Ray (else ``None``: a local
+process, launched with :func:`launch_options`); and the public link key made here for a
+local process whose next stage is on Ray, which that stage must admit before the process
+starts (else ``None``; a stage on Ray's comes from its actor, through ``RayPlan.start``'s
+*grant*)."""
+
+
+def start_plan(
+    specs: Sequence[PipelineStage],
+    k: int,
+    r: int,
+    next_clients: Sequence[Any],
+    *,
+    shm_prefix: str | None,
+    routed: bool,
+    startup_timeout: float,
+    generation: int = 0,
+    next_generations: Sequence[int] | None = None,
+) -> StartPlan:
+    """:data:`StartPlan` of replica *r* of stage *k* of *specs* (started *generation*
+    times before), whose next stage's processes have the clients *next_clients* (their
+    addresses, and their CURVE server keys for a next stage on Ray): at launch and at a
+    restart alike."""
+    spec = specs[k]
+    next_spec = specs[k + 1] if k + 1 < len(specs) else None
+    downstream = [c.address for c in next_clients] if next_spec is not None else None
+    kwargs = pipe_kwargs(
+        spec,
+        downstream,
+        shm_prefix=shm_prefix,
+        index=k,
+        upstream=specs[k - 1] if k else None,
+        replica=r,
+        routed=routed,
+        downstream_spec=next_spec,
+        generation=generation,
+        next_generations=next_generations,
+    )
+    curve_out = next_spec is not None and next_spec.placement is not None
+    if curve_out:
+        kwargs["downstream_keys"] = [_server_key(c) for c in next_clients]
+    if spec.placement is None:
+        if curve_out:
+            import zmq
+
+            public, secret = zmq.curve_keypair()
+            kwargs["link_keys"] = [public, secret]
+            return kwargs, None, public
+        return kwargs, None, None
+    from .ray import RayPlan
+
+    plan = RayPlan.make(
+        PIPE_FACTORY,
+        kwargs,
+        placement=placement_of(spec, r),
+        startup_timeout=startup_timeout,
+        name=replica_name(spec, r),
+        step_timeout=spec.step_timeout,
+        log_level=spec.log_level,
+        forward_logs=spec.forward_logs,
+        link_kwarg="link_keys" if curve_out else None,
+    )
+    return kwargs, plan, None
+
+
+def check_host(specs: Sequence[PipelineStage], k: int, r: int, client: Any) -> None:
+    """Replica *r* of stage *k* just started, with *client*: :class:`StageStartupError`
+    for a stage on Ray on another host than the coordinator's whose next stage is local
+    (which listens on ipc, out of that host's reach)."""
+    spec = specs[k]
+    next_spec = specs[k + 1] if k + 1 < len(specs) else None
+    if spec.placement is None or next_spec is None or next_spec.placement is not None:
+        return
+    from .ray import _import_ray
+
+    stage = _ray_stage(client)
+    here = _import_ray().util.get_node_ip_address()
+    if stage.node_ip != here:
+        raise StageStartupError(
+            f"stage {replica_name(spec, r)!r} was placed on Ray on {stage.node_ip}, not on "
+            f"this host ({here}), and the next stage ({next_spec.name!r}) is local: a local "
+            f"stage listens on ipc, out of another host's reach; place the next stage on Ray "
+            f"too"
+        )
+
+
 class LaunchLinks:
     """How a pipeline's launch connects its stages, what :meth:`Pipeline.launch
     <._pipeline.Pipeline.launch>` and :meth:`AsyncPipeline.launch
     <._apipeline.AsyncPipeline.launch>` share: in :attr:`plan`'s order
-    (:func:`launch_plan`), each process's kwargs (:meth:`process`), the keys to admit
-    before it starts (:meth:`grant`), and what it tells the stage before it
+    (:func:`launch_plan`), each process's :data:`StartPlan` (:meth:`process`), the keys
+    to admit before it starts (:meth:`grant`), and what it tells the stage before it
     (:meth:`started`).
 
     A link into a stage placed on Ray (which listens on TCP with CURVE) is a CURVE client:
@@ -441,7 +521,8 @@ class LaunchLinks:
     (and connects), the next stage's replicas are told to admit its link key too
     (:func:`~enginecore.stage.ray.authorize_clients`, the key rotation, with every link
     key of that stage so far). It must be admitted first: ZeroMQ does not retry a CURVE
-    handshake that the server refused."""
+    handshake that the server refused. Every public link key is kept in
+    :attr:`link_keys`, by ``(stage, replica)``, for the grants of a restart."""
 
     def __init__(self, specs: Sequence[PipelineStage], startup_timeout: float) -> None:
         self.specs = specs
@@ -449,85 +530,40 @@ class LaunchLinks:
         self.prefix = new_shm_prefix()
         self.routed = any(spec.replicas > 1 or spec.restart for spec in specs)
         self.plan = launch_plan(specs)
+        self.link_keys: dict[tuple[int, int], bytes] = {}
         self._next: list[Any] = []  # the clients of the stage started before (the next one)
         self._current: list[Any] = []  # the clients of the stage being started
-        self._link_keys: list[bytes] = []  # the public link keys of the stage being started
+        self._at = (0, 0)  # the process being started
 
-    def process(self, k: int, r: int) -> tuple[dict[str, Any], RayPlan | None, bytes | None]:
-        """Replica *r* of stage *k*: its :data:`PIPE_FACTORY` kwargs; its
-        :class:`~enginecore.stage.ray.RayPlan` if it is placed on Ray (else ``None``: a
-        local process, launched with :func:`launch_options`); and the public link key
-        made here for a local process, to :meth:`grant` before it starts (else ``None``;
-        a stage on Ray's comes from its actor, through ``RayPlan.start``'s *grant*)."""
-        specs = self.specs
-        spec = specs[k]
-        next_spec = specs[k + 1] if k + 1 < len(specs) else None
-        downstream = [c.address for c in self._next] if next_spec is not None else None
-        kwargs = pipe_kwargs(
-            spec,
-            downstream,
+    def process(self, k: int, r: int) -> StartPlan:
+        """Replica *r* of stage *k*'s :data:`StartPlan`; a local key in it is to be
+        :meth:`grant`-ed before the process starts."""
+        self._at = (k, r)
+        return start_plan(
+            self.specs,
+            k,
+            r,
+            self._next,
             shm_prefix=self.prefix,
-            index=k,
-            upstream=specs[k - 1] if k else None,
-            replica=r,
             routed=self.routed,
-            downstream_spec=next_spec,
-        )
-        curve_out = next_spec is not None and next_spec.placement is not None
-        if curve_out:
-            kwargs["downstream_keys"] = [_server_key(c) for c in self._next]
-        if spec.placement is None:
-            if curve_out:
-                import zmq
-
-                public, secret = zmq.curve_keypair()
-                kwargs["link_keys"] = [public, secret]
-                return kwargs, None, public
-            return kwargs, None, None
-        from .ray import RayPlan
-
-        plan = RayPlan.make(
-            PIPE_FACTORY,
-            kwargs,
-            placement=placement_of(spec, r),
             startup_timeout=self.startup_timeout,
-            name=replica_name(spec, r),
-            step_timeout=spec.step_timeout,
-            log_level=spec.log_level,
-            forward_logs=spec.forward_logs,
-            link_kwarg="link_keys" if curve_out else None,
         )
-        return kwargs, plan, None
 
     def grant(self, key: bytes) -> list[tuple[Any, list[bytes]]]:
-        """A process of the stage being started links with the public key *key*: the
-        next stage's clients, each with the link keys it is to admit (besides the
-        coordinator) before that process starts."""
-        self._link_keys.append(key)
-        return [(c, list(self._link_keys)) for c in self._next]
+        """The process being started links with the public key *key*: the next stage's
+        clients, each with the link keys it is to admit (besides the coordinator) before
+        that process starts."""
+        k, r = self._at
+        self.link_keys[k, r] = key
+        keys = [key for (j, _), key in self.link_keys.items() if j == k]
+        return [(c, keys) for c in self._next]
 
     def started(self, k: int, r: int, client: Any) -> None:
-        """Replica *r* of stage *k* started, with *client*. :class:`StageStartupError` for
-        a stage on Ray on another host than the coordinator's whose next stage is local
-        (which listens on ipc, out of that host's reach)."""
-        spec = self.specs[k]
-        next_spec = self.specs[k + 1] if k + 1 < len(self.specs) else None
+        """Replica *r* of stage *k* started, with *client* (:func:`check_host`)."""
         self._current.append(client)
-        if spec.placement is not None:
-            stage = _ray_stage(client)
-            if next_spec is not None and next_spec.placement is None:
-                from .ray import _import_ray
-
-                here = _import_ray().util.get_node_ip_address()
-                if stage.node_ip != here:
-                    raise StageStartupError(
-                        f"stage {replica_name(spec, r)!r} was placed on Ray on "
-                        f"{stage.node_ip}, not on this host ({here}), and the next stage "
-                        f"({next_spec.name!r}) is local: a local stage listens on ipc, "
-                        f"out of another host's reach; place the next stage on Ray too"
-                    )
-        if r == spec.replicas - 1:  # the stage before this one links to all of them
-            self._next, self._current, self._link_keys = self._current, [], []
+        check_host(self.specs, k, r, client)
+        if r == self.specs[k].replicas - 1:  # the stage before this one links to all of them
+            self._next, self._current = self._current, []
 
     def unlink(self) -> None:
         """After a failed launch: no shared-memory segment of the pipeline is left."""
@@ -598,8 +634,12 @@ class PipelineBase(Generic[S, C]):
         replicas: Sequence[int] | None = None,
         specs: Sequence[PipelineStage] | None = None,
         startup_timeout: float = 60.0,
+        link_keys: Mapping[tuple[int, int], bytes] | None = None,
     ) -> None:
         self._lock = lock
+        # The public link keys of the processes whose next stage is on Ray, by (stage,
+        # replica): what that stage admits (LaunchLinks.link_keys; a restart replaces one).
+        self._link_keys = dict(link_keys or {})
         self._shm_prefix = shm_prefix
         counts = [1] * len(names) if replicas is None else list(replicas)
         if specs is None:
@@ -925,43 +965,56 @@ class PipelineBase(Generic[S, C]):
         pipeline closes: a thread of the blocking pipeline, a task of the async one."""
         raise NotImplementedError
 
-    def _restart_plan(
-        self, k: int, r: int, generation: int
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The kwargs of :data:`PIPE_FACTORY` and of the client's ``launch`` that start
-        process *r* of stage *k* again, as its *generation*-th restart: the same factory and
-        options, its links to the current addresses of the next stage's processes."""
-        specs, core = self._specs, self._core
-        spec = specs[k]
-        downstream: list[str] | None = None
-        next_spec: PipelineStage | None = None
+    def _restart_plan(self, k: int, r: int, generation: int) -> StartPlan:
+        """The :data:`StartPlan` that starts process *r* of stage *k* again, as its
+        *generation*-th restart: the same factory and options (on Ray if it is placed
+        there), its links to the current addresses of the next stage's processes."""
+        core = self._core
+        next_clients: list[C] = []
         next_gens: list[int] | None = None
-        if k + 1 < len(specs):
-            downstream = [c.address for c in self._replicas[k + 1]]
-            next_spec = specs[k + 1]
+        if k + 1 < len(self._specs):
+            next_clients = list(self._replicas[k + 1])
             next_gens = [core.generation(k + 1, c) for c in range(core.replicas[k + 1])]
-        kwargs = pipe_kwargs(
-            spec,
-            downstream,
+        return start_plan(
+            self._specs,
+            k,
+            r,
+            next_clients,
             shm_prefix=self._shm_prefix,
-            index=k,
-            upstream=specs[k - 1] if k else None,
-            replica=r,
             routed=True,
-            downstream_spec=next_spec,
+            startup_timeout=self._startup_timeout,
             generation=generation,
             next_generations=next_gens,
         )
-        return kwargs, launch_options(spec, self._startup_timeout, r)
+
+    def _grants(self, k: int, r: int, key: bytes) -> list[tuple[C, list[bytes]]]:
+        """Process *r* of stage *k*, about to start again, links with the public key *key*
+        (its next stage is on Ray): each live process of the next stage, with the keys it
+        is to admit from now on (this stage's, the dead process's replaced by *key*)."""
+        with self._lock:
+            self._link_keys[k, r] = key
+            keys = [key for (j, _), key in self._link_keys.items() if j == k]
+            alive = self._core.alive(k + 1)
+            return [(c, keys) for c, up in zip(self._replicas[k + 1], alive, strict=True) if up]
+
+    def _admitted(self, k: int) -> list[bytes] | None:
+        """What a process of stage *k* placed on Ray, started again, must admit before the
+        stage before it links to it: that stage's link keys (``None``: *k* is not on Ray,
+        or is the first stage)."""
+        if k == 0 or self._specs[k].placement is None:
+            return None
+        with self._lock:
+            return [key for (j, _), key in self._link_keys.items() if j == k - 1]
 
     def _install(self, k: int, r: int, client: C) -> list[C]:
         """Put *client*, of process *r* of stage *k* started again, in place of the dead
         one's (from now on only its events are heard, on its receiver), and send what links
         it in: a ``gone`` ``"next"`` to it for each process of the next stage that is down,
-        a ``link`` to each live process of the previous stage, naming its address and the
-        link's new slots. Returns those previous-stage clients: the link is up once each
-        answers a :data:`._edge.LINKS_UTILITY` call after the ``link`` (its loop applies
-        messages in order), which the caller awaits, then :meth:`_started`."""
+        a ``link`` to each live process of the previous stage, naming its address, the
+        link's new slots and, on Ray, its CURVE server key. Returns those previous-stage
+        clients: the link is up once each answers a :data:`._edge.LINKS_UTILITY` call after
+        the ``link`` (its loop applies messages in order), which the caller awaits, then
+        :meth:`_started`."""
         specs, core = self._specs, self._core
         generation = core.generation(k, r)
         client._event_sink = functools.partial(self._take_events, k, r, client)
@@ -977,7 +1030,10 @@ class PipelineBase(Generic[S, C]):
         barrier: list[C] = []
         if k > 0:
             prefix = self._shm_prefix
-            shm = prefix is not None and specs[k - 1].shm_threshold is not None
+            placed = specs[k - 1].placement is not None or specs[k].placement is not None
+            shm = prefix is not None and specs[k - 1].shm_threshold is not None and not placed
+            # A process on Ray listens on TCP with CURVE: the link is a CURVE client of its key.
+            server_key = "" if specs[k].placement is None else _server_key(client).decode()
             for j, up in enumerate(core.alive(k - 1)):
                 if not up:
                     continue
@@ -986,7 +1042,8 @@ class PipelineBase(Generic[S, C]):
                     assert prefix is not None
                     slots = link_slots(prefix, k - 1, r, generation, j, core.generation(k - 1, j))
                 before = self._replicas[k - 1][j]
-                sends.append((before, ClientSession.link_frame(r, client.address, slots)))
+                frame = ClientSession.link_frame(r, client.address, slots, server_key)
+                sends.append((before, frame))
                 barrier.append(before)
         for target, frame in sends:
             with contextlib.suppress(Exception):  # a process that died: its death tells

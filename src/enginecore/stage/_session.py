@@ -786,10 +786,13 @@ class ClientSession(Generic[S, W]):
         return [_encode_flat(("gone", side, link))]
 
     @staticmethod
-    def link_frame(replica: int, address: str, slots: str = "") -> Parts:
+    def link_frame(replica: int, address: str, slots: str = "", server_key: str = "") -> Parts:
         """A ``link`` for a pipeline's stage (``docs/wire.md`` section 8): replica *replica*
         of the next stage was started again and listens at *address*; *slots*: the new
-        link's shared-memory slot prefix (``""``: none)."""
+        link's shared-memory slot prefix (``""``: none); *server_key*: its CURVE public key
+        (Z85), for a process on TCP (``""``: ipc, no CURVE)."""
+        if server_key:
+            return [_encode_flat(("link", replica, address, slots, server_key))]
         return [_encode_flat(("link", replica, address, slots))]
 
     @staticmethod

@@ -214,7 +214,9 @@ class StageEngine:
         )
         self._pipe_gone: Callable[[str, int, int], None] | None = getattr(engine, "pipe_gone", None)
         self._pipe_late: Callable[[str, int], None] | None = getattr(engine, "pipe_late", None)
-        self._pipe_link: Callable[[int, str, str], None] | None = getattr(engine, "pipe_link", None)
+        self._pipe_link: Callable[[int, str, str, str], None] | None = getattr(
+            engine, "pipe_link", None
+        )
         self._pipe_replay: Callable[[str], tuple[bool, str]] | None = getattr(
             engine, "pipe_replay", None
         )
@@ -333,11 +335,11 @@ class StageEngine:
         if self._pipe_gone is not None:
             self._pipe_gone(side, late, replica)
 
-    def pipe_link(self, replica: int, address: str, slots: str) -> None:
+    def pipe_link(self, replica: int, address: str, slots: str, server_key: str) -> None:
         """:class:`~._controls.PipeLink`: replica *replica* of the next stage was started
-        again at *address*."""
+        again at *address* (with CURVE, *server_key*, if not ``""``)."""
         if self._pipe_link is not None:
-            self._pipe_link(replica, address, slots)
+            self._pipe_link(replica, address, slots, server_key)
 
     def pipe_route(self, req_ids: list[str], routes: list[list[int]], abort: bool) -> None:
         """:class:`~._controls.PipeRoute`: the routes of requests through the replica pools

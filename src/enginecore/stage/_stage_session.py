@@ -428,7 +428,7 @@ class StageSession:
         elif cls is _wire.GoneMsg:
             self._gone(msg)
         elif cls is _wire.LinkMsg:
-            self.to_loop.append(PipeLink(msg.replica, msg.address, msg.slots))
+            self.to_loop.append(PipeLink(msg.replica, msg.address, msg.slots, msg.server_key))
         elif cls is _wire.ReplayMsg:
             self.to_loop.append(PipeReplay(msg.req_id, msg.attempt))
         elif cls is _wire.ReleaseMsg:

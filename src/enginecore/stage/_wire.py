@@ -130,10 +130,12 @@ class LinkMsg(msgspec.Struct, array_like=True, frozen=True, tag="link"):
     # The coordinator -> a pipeline's stage (docs/wire.md section 8): replica *replica* of
     # the next stage was started again, and listens at *address*: connect that link to it,
     # with an empty window and, if *slots* is not "", a new pool of shared-memory slots
-    # named with that prefix.
+    # named with that prefix; if *server_key* is not "", the process listens on TCP with
+    # CURVE, that public key (Z85): the link is a CURVE client with this stage's link keys.
     replica: int
     address: str
     slots: str = ""
+    server_key: str = ""
 
 
 class RouteMsg(msgspec.Struct, array_like=True, frozen=True, tag="route"):
