@@ -35,6 +35,7 @@ from enginecore.stage import (
     StageHealth,
     _shm,
 )
+from enginecore.stage._curve import Authenticator, ServerCurve, secure_server
 from enginecore.stage._edge import LINKS_UTILITY, link_id
 from enginecore.stage._errors import EngineDeadError as _Dead
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries
@@ -605,6 +606,58 @@ class TestLinkMessage:
                 sock.close()
                 with contextlib.suppress(FileNotFoundError):  # the test's own ipc files
                     os.unlink(f"{no_leftovers}/next{i}")
+            ctx.term()
+
+    def test_a_link_with_a_server_key_connects_as_a_curve_client_with_the_link_keys(
+        self, no_leftovers: str
+    ) -> None:
+        # A restarted next stage on Ray listens on TCP with CURVE: the `link` names its
+        # server key, and the stage connects with its own link key pair, which the next
+        # stage's authenticator admits (and nothing else). A stage without link keys does
+        # not connect such a link.
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        server_public, server_secret = zmq.curve_keypair()
+        link_public, link_secret = zmq.curve_keypair()
+        curve = ServerCurve(server_public, server_secret, frozenset([link_public]), "")
+        auth = Authenticator(ctx, curve)
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        secure_server(sock, curve)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        address = f"tcp://127.0.0.1:{port}"
+        gone_next = ClientSession.gone_frame("next", "", 0)
+        base = {
+            "factory": COUNTDOWN,
+            "downstream": [f"ipc://{no_leftovers}/nowhere"],
+            "routed": True,
+            "replica": 0,
+            "link_id": link_id(0, 0, replica=0),
+        }
+        keyed = {**base, "stage": "a", "link_keys": [link_public, link_secret]}
+        keyless = {**base, "stage": "b"}
+        try:
+            with StageClient.launch(
+                PIPE_FACTORY, keyless, startup_timeout=30, ordered_events=True
+            ) as client:
+                client._send(gone_next)
+                client._send(ClientSession.link_frame(0, address, "", server_public.decode()))
+                assert client.call_utility(LINKS_UTILITY) == [False]  # not replaced
+            with StageClient.launch(
+                PIPE_FACTORY, keyed, startup_timeout=30, ordered_events=True
+            ) as client:
+                client._send(gone_next)
+                client._send(ClientSession.link_frame(0, address, "", server_public.decode()))
+                assert client.call_utility(LINKS_UTILITY) == [True]
+                client._send(ClientSession.route_frame(["r1"], [[0]]))
+                client._send_request("r1", ClientSession.add_frame("r1", 2), False)
+                assert sock.poll(10_000), "nothing came on the CURVE link"
+                ident, body, *_ = sock.recv_multipart()
+                assert ident == b"pipe-link-0.0-r0"
+                msg = msgspec.msgpack.decode(body)
+                assert (msg[0], msg[2]) == ("pipe", ["r1"])
+        finally:
+            sock.close()
+            auth.stop()
             ctx.term()
 
     def test_a_bad_link_is_an_error_and_changes_nothing(self, no_leftovers: str) -> None:

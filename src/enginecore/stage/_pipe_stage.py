@@ -495,15 +495,16 @@ class PipeStage:
         empty window, and, with *slots*, a new pool of shared-memory slots named so (the
         dead process's names are never reused). With *server_key* (Z85), the new process
         listens on TCP with CURVE: the link is a CURVE client with this stage's link keys (a
-        stage launched without them, whose next stage was not on Ray, logs an error and
-        leaves the link down). Requests are routed to it from then on."""
+        stage launched without them, whose next stage was not on Ray, logs an error and does
+        not replace the link: down after the usual ``gone``). Requests are routed to it from
+        then on."""
         links = self._links
         if not 0 <= replica < len(links) or self._ctx is None:
             return
         if server_key and self._link_curve is None:
             logger.error(
                 "enginecore: pipeline stage %r: a link to a stage on TCP with CURVE, but "
-                "this stage has no link keys; the link to replica %d stays down",
+                "this stage has no link keys; the link to replica %d is not replaced",
                 self._stage,
                 replica,
             )
