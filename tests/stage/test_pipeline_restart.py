@@ -33,6 +33,7 @@ from enginecore.stage import (
     PipelineStageDeadError,
     ReplicaState,
     RestartPolicy,
+    Retry,
     StageClient,
     StageHealth,
     _shm,
@@ -50,6 +51,7 @@ from .test_pipeline_pool import _AsyncPool
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
 DEVICE = "enginecore.stage.testing:device"
+FLAKY = "enginecore.stage.testing:flaky"
 T = "enginecore.stage.testing"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -304,6 +306,61 @@ class TestShutdown:
             stream.collect(timeout=10)
         pipe.shutdown()
         assert pipe.health()["mid"] == StageHealth.DEAD
+
+
+class TestRetry:
+    """``on_next_error=Retry(n)`` on the edge into a stage that restarts (docs/pipelines.md,
+    "Retry" and "Restart"). A retry goes to the request's own process, over the link that
+    process has now: it never waits for a restart, and never moves to another replica."""
+
+    def test_a_retry_into_a_restarted_stage_goes_to_its_new_process(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(1)),
+                PipelineStage(FLAKY, {"fail_first": 1}, name="mid", restart=FAST),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        assert pipe.add("before", 3).collect(timeout=10) == [2, 1, 0]  # retried once
+        old = pipe.call_utility("mid", "pid")
+        os.kill(old, signal.SIGKILL)
+        assert wait_until(lambda: _up(pipe, "mid"), 30)
+        # The new process fails the request's first attempt (it counts its own): the
+        # replay reaches it over the link made when it came back, and the request goes on.
+        assert pipe.add("after", 3).collect(timeout=10) == [2, 1, 0]
+        assert pipe.call_utility("mid", "pid") != old
+        assert pipe.call_utility("mid", "attempts", "after") == 2
+        assert pipe.call_utility("mid", "attempts", "before") == 0  # the dead one's
+        assert pipe.stats()["first"].engine["replays"] == 2
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        for name in ("first", "mid", "last"):
+            assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
+
+    def test_a_retry_while_another_replica_restarts_stays_on_its_replica(self, launch: Any) -> None:
+        # mid[0] is down for the whole test (a long backoff): the request is routed to
+        # mid[1], which fails it, and the retry goes to mid[1] again.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(1)),
+                PipelineStage(
+                    FLAKY,
+                    {"fail_first": 1},
+                    name="mid",
+                    replicas=2,
+                    restart=RestartPolicy(first_delay=30),
+                ),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        os.kill(pipe.call_utility("mid", "pid", replica=0), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid[0]"] == StageHealth.RESTARTING, 10)
+        stream = pipe.add("r", 3)
+        assert pipe._core.route("r")[1] == 1
+        assert stream.collect(timeout=10) == [2, 1, 0]
+        assert pipe.call_utility("mid", "attempts", "r", replica=1) == 2
+        assert pipe.health()["mid[0]"] == StageHealth.RESTARTING  # not waited for
+        assert pipe.restarts["mid[0]"] == 0
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
 
 
 @pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
