@@ -31,6 +31,7 @@ from enginecore.stage import (
     PipelineStageDeadError,
     ReplicaState,
     RestartPolicy,
+    Retry,
     StageClient,
     StageHealth,
     _shm,
@@ -49,6 +50,7 @@ from .pipelines import Launch, launcher
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
 DEVICE = "enginecore.stage.testing:device"
+FLAKY = "enginecore.stage.testing:flaky"
 T = "enginecore.stage.testing"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -278,6 +280,98 @@ class TestShutdown:
         assert pipe.health()["mid"] == StageHealth.DEAD
 
 
+class TestRetry:
+    """``on_next_error=Retry(n)`` on the edge into a stage that restarts (docs/pipelines.md,
+    "Retry" and "Restart"). A retry goes to the request's own process, over the link that
+    process has now: it never waits for a restart, and never moves to another replica. A
+    death is not retried, also while a retry is under way: the request ends with the dead
+    process's error, and its id and its place in the budget are free once the stages still
+    running have dropped it (not left in the pipeline for good)."""
+
+    def test_a_retry_into_a_restarted_stage_goes_to_its_new_process(self, launch: Any) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(1)),
+                PipelineStage(FLAKY, {"fail_first": 1}, name="mid", restart=FAST),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        assert pipe.add("before", 3).collect(timeout=10) == [2, 1, 0]  # retried once
+        old = pipe.call_utility("mid", "pid")
+        os.kill(old, signal.SIGKILL)
+        assert wait_until(lambda: _up(pipe, "mid"), 30)
+        # The new process fails the request's first attempt (it counts its own): the
+        # replay reaches it over the link made when it came back, and the request goes on.
+        assert pipe.add("after", 3).collect(timeout=10) == [2, 1, 0]
+        assert pipe.call_utility("mid", "pid") != old
+        assert pipe.call_utility("mid", "attempts", "after") == 2
+        assert pipe.call_utility("mid", "attempts", "before") == 0  # the dead one's
+        assert pipe.stats()["first"].engine["replays"] == 2
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        for name in ("first", "mid", "last"):
+            assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
+
+    def test_a_retry_while_another_replica_restarts_stays_on_its_replica(self, launch: Any) -> None:
+        # mid[0] is down for the whole test (a long backoff): the request is routed to
+        # mid[1], which fails it, and the retry goes to mid[1] again.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(1)),
+                PipelineStage(
+                    FLAKY,
+                    {"fail_first": 1},
+                    name="mid",
+                    replicas=2,
+                    restart=RestartPolicy(first_delay=30),
+                ),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        os.kill(pipe.call_utility("mid", "pid", replica=0), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid[0]"] == StageHealth.RESTARTING, 10)
+        stream = pipe.add("r", 3)
+        assert pipe._core.route("r")[1] == 1
+        assert stream.collect(timeout=10) == [2, 1, 0]
+        assert pipe.call_utility("mid", "attempts", "r", replica=1) == 2
+        assert pipe.health()["mid[0]"] == StageHealth.RESTARTING  # not waited for
+        assert pipe.restarts["mid[0]"] == 0
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
+    @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
+    @pytest.mark.parametrize("at", ["fence", "input"])
+    def test_a_death_while_a_retry_comes_ends_the_request_and_frees_its_id(
+        self, launch: Any, at: str, replicas: int
+    ) -> None:
+        # "mid" fails the request's first attempt, and its process dies when the retry
+        # comes: as it applies the replay's fence, which then never reaches "last"
+        # ("fence"), or as the inputs come again, after the fence went on ("input"; "last"
+        # may or may not have applied it: its gone drops what of mid comes after it).
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first", on_next_error=Retry(2)),
+                PipelineStage(
+                    f"{T}:dying_on_retry", {"at": at}, name="mid", replicas=replicas, restart=FAST
+                ),
+                PipelineStage(RELAY, name="last"),
+            ],
+            max_in_flight=1,
+        )
+        with pytest.raises(PipelineStageDeadError) as info:  # a death is not retried
+            pipe.add("r", "retry").collect(timeout=10)
+        assert info.value.stage == "mid"
+        assert info.value.replica in ((None,) if replicas == 1 else (0, 1))
+        key = "mid" if replicas == 1 else f"mid[{info.value.replica}]"
+        # Its id and its place in the budget are free: not held for a fence's answer that
+        # the dead process never let through.
+        assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
+        assert wait_until(lambda: _up(pipe, key), 30)
+        assert pipe.add("r", "again", wait=False).collect(timeout=10) == ["again"]
+        assert pipe.restarts[key] == 1
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        for name in ("first", "mid", "last"):
+            assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
+
+
 @pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
 class TestSharedMemory:
     @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
@@ -392,6 +486,41 @@ def test_core_a_death_while_starting_is_a_failed_start() -> None:
     assert core.process_state(1, 0) is ReplicaState.DEAD
     assert core.restarting(1, 0) == 2
     assert core.started(1, 0)
+
+
+@pytest.mark.parametrize("late_fence", [False, True], ids=["fence lost", "fence late"])
+def test_core_a_death_during_a_retry_frees_the_request(late_fence: bool) -> None:
+    # b failed r and a replays it (fences at b and c); then b's process dies. c's fence
+    # passed through b: it may never come (b died first, or c's gone dropped it), or come
+    # before c's answer to the abort the coordinator sends it after the death.
+    core: PipelineCore[StreamCore] = PipelineCore(
+        ["a", "b", "c"],
+        replicas=(1, 1, 1),
+        retry=[0, 2, 0],
+        restart=[None, RestartPolicy(first_delay=0.1), None],
+    )
+    stream = StreamCore("r")
+    core.open("r", stream)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(1, "r", "refused", 1.0, d)
+    assert d.replays == [(0, "r", 1)]
+    assert stream._ended is None
+    d = PipelineDeliveries()
+    core.replica_dead(1, 0, _Dead("killed"), 1.1, d)
+    assert stream._ended is not None
+    assert isinstance(stream._ended.exc, PipelineStageDeadError)  # not retried
+    assert d.aborts == ["r"]  # from the first stage
+    assert d.stage_aborts == [(2, ["r"])]  # and from the stage after the dead one
+    core.aborted(0, ["r"], 1.2, d)
+    assert core.state("r") is not None  # c has not answered yet
+    core.aborted(2, ["r"], 1.3, d)  # the fence's answer, or the abort's
+    assert core.state("r") is None  # free: the id, and its place in the budget
+    assert core.in_flight == 0
+    if late_fence:
+        core.aborted(2, ["r"], 1.4, d)  # the other answer: nothing more
+    assert core.restarting(1, 0) == 1
+    assert core.started(1, 0)
+    core.check(["r"])  # the id may be used again
 
 
 def test_core_no_restart_once_the_pipeline_failed_or_closed() -> None:

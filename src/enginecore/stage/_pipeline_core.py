@@ -74,10 +74,14 @@ route with the request (and with each abort: :attr:`PipelineDeliveries.routes`).
 replica's death (:meth:`replica_dead`) ends only the requests routed through it, each with
 a :class:`~._errors.PipelineStageDeadError` naming the stage and the replica; their
 aborts go from the first stage and from the stage after the dead one, and the dead replica
-counts as having applied them. New requests avoid it. When the last replica of a stage
-dies, the stage is dead (:meth:`stage_dead`). The coordinator's abort is confirmed once per
-stage (a bit per stage: an abort sent twice to a stage, once from the first stage and once
-from the stage after a dead replica, is one confirmation).
+counts as having applied them. A retry of such a request under way is moot: its fences at
+the dead replica and after it are dropped (those after it went through the dead replica,
+which may not have passed them on, or the next stage dropped them after its ``gone``), and
+each later stage's next ``aborted`` answer confirms the abort. New requests avoid it. When
+the last replica of a stage dies, the stage is dead (:meth:`stage_dead`). The
+coordinator's abort is confirmed once per stage (a bit per stage: an abort sent twice to a
+stage, once from the first stage and once from the stage after a dead replica, is one
+confirmation).
 
 **Restarts** (``restart[k]``, a :class:`~._pool_core.RestartPolicy`: stage ``k``'s dead
 processes are started again). Such a pipeline is routed even without pools, so that a dead
@@ -671,8 +675,13 @@ class PipelineCore(Generic[S]):
                 d.aborts.append(rid)
             req.state = RequestState.CLOSING
             d.routes[rid] = req.route  # type: ignore[assignment]
-            if req.fences is not None:
-                req.fences[k] = 0
+            fences = req.fences
+            if fences is not None:
+                # A replay's fences at this stage and after it are moot: the request has
+                # ended. Those after it went through the dead process, which may not have
+                # sent them on (or the next stage dropped them after its gone): an answer
+                # may never come. The next answer of each such stage confirms the abort.
+                fences[k:] = repeat(0, self._n - k)
             req.confirms |= bit
             if k + 1 < self._n:
                 after.append(rid)

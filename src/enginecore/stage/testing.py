@@ -16,6 +16,9 @@ Factories (``"enginecore.stage.testing:NAME"``):
   and buffers included), and utility ``"echo"`` returns its arguments.
 - ``relay(step_s=0.0, per_step=None)`` -> a :class:`RelayEngine`: a streaming pipeline
   stage (``docs/pipelines.md``) whose every input becomes one output, payload unchanged.
+- ``flaky(fail_first=1, when="add")`` -> a :class:`FlakyRelayEngine` (fails each request's
+  first attempts: ``Retry``); ``dying_on_retry(at="fence")`` -> a
+  :class:`DyingOnRetryEngine` (its process dies when a request it failed is retried).
 - Edge functions for pipelines: ``tee`` (every output to the next stage and the caller),
   ``to_caller`` (to the caller only), ``inflate`` (100,000 bytes on for each output, the
   output to the caller), ``checked_edge`` and ``last_fails`` (fail on purpose for some
@@ -53,6 +56,7 @@ from ._edge import NOTHING
 
 __all__ = [
     "DeviceEngine",
+    "DyingOnRetryEngine",
     "EchoEngine",
     "FlakyRelayEngine",
     "PipelinedCountdownEngine",
@@ -63,6 +67,7 @@ __all__ = [
     "checked_edge",
     "countdown",
     "device",
+    "dying_on_retry",
     "echo",
     "exiting_factory",
     "failing_factory",
@@ -854,6 +859,42 @@ class FlakyRelayEngine(RelayEngine):
 def flaky(fail_first: int = 1, when: str = "add", step_s: float = 0.0) -> FlakyRelayEngine:
     """Factory: a :class:`FlakyRelayEngine`."""
     return FlakyRelayEngine(fail_first, when, step_s)
+
+
+class DyingOnRetryEngine(RelayEngine):
+    """A :class:`RelayEngine` whose process dies when a request it failed is retried into
+    it, for the tests of a pipeline's ``Retry`` into a stage that restarts. The input
+    ``"retry"`` fails the request's first attempt here (:class:`~enginecore.RequestRejected`
+    from ``add``); when the replay comes, the process kills itself with ``SIGKILL``: *at*
+    ``"fence"``, when it applies the replay's fence (the abort before the inputs again), so
+    the fence never goes on to the next stage; ``"input"``, when the inputs come again
+    (the fence went on). Any other input is relayed, as by :class:`RelayEngine`."""
+
+    def __init__(self, at: str = "fence") -> None:
+        if at not in ("fence", "input"):
+            raise ValueError(f"at must be 'fence' or 'input', got {at!r}")
+        super().__init__()
+        self.at = at
+        self._failed: set[str] = set()  # requests whose first attempt failed here
+
+    def add(self, req_id: str, data: Any) -> None:
+        if isinstance(data, str) and data == "retry":
+            if req_id not in self._failed:
+                self._failed.add(req_id)
+                raise RequestRejected(f"the first attempt of {req_id!r} fails on purpose")
+            if self.at == "input":
+                os.kill(os.getpid(), signal.SIGKILL)
+        super().add(req_id, data)
+
+    def abort(self, req_ids: Sequence[str]) -> None:
+        if self.at == "fence" and any(rid in self._failed for rid in req_ids):
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().abort(req_ids)
+
+
+def dying_on_retry(at: str = "fence") -> DyingOnRetryEngine:
+    """Factory: a :class:`DyingOnRetryEngine`."""
+    return DyingOnRetryEngine(at)
 
 
 # Edge functions for pipelines (``PipelineStage(edge="enginecore.stage.testing:NAME")``).
