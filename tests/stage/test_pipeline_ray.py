@@ -6,7 +6,6 @@ left after a shutdown. Each behaviour the two pipelines share is checked on both
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -41,7 +40,8 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from enginecore.stage.ray import RayPlacement, RayStage  # noqa: E402
 
-from .test_ray import CPUS, alive_stage_actors  # noqa: E402
+# This module's own local cluster, as test_ray's (a module-scoped autouse fixture).
+from .test_ray import CPUS, alive_stage_actors, ray_cluster  # noqa: E402, F401
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -54,22 +54,6 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 # A small share of a CPU per stage: several stages fit on the 2 CPUs of the cluster.
 SMALL = RayPlacement(num_cpus=0.25)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster() -> Iterator[None]:
-    # address="local": a cluster of this module's own (as test_ray.py starts one).
-    ray.init(
-        address="local",
-        num_cpus=CPUS,
-        include_dashboard=False,
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def no_actor_left() -> bool:
