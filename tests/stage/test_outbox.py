@@ -41,3 +41,30 @@ def test_the_output_thread_keeps_nothing_it_sent_alive_while_it_waits() -> None:
         outbox.close(5.0)
         pull.close(linger=0)
         ctx.term()
+
+
+def test_the_terminal_event_counts_even_if_the_output_thread_never_takes_it() -> None:
+    # While no client can read, the output thread waits for a peer to take the frame it
+    # holds, until the stage ends with Context.term(): it never takes the shutdown event
+    # queued behind. The stage's exit code reads terminal: a serve stopped by SIGTERM with
+    # a detached client's requests still running exited 1 instead of 0.
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.bind("inproc://out")  # and no PULL: nobody reads
+    outbox = Outbox(push, abort_request=lambda rid: None, on_failure=lambda: None, may_wait=bool)
+    outbox.start()
+    try:
+        outbox.post([("outputs", ["r"], [False], [1])])
+        # The output thread has taken the frame and found no peer for it (it sets stuck
+        # under the lock, then waits in poll for one).
+        assert wait_until(lambda: outbox.stuck, 5)
+        outbox.post(("shutdown",))
+        assert outbox.terminal == "shutdown"
+        outbox.close(0.0)
+        assert outbox.running  # still waiting for a peer
+    finally:
+        ctx.term()  # ends the wait (ETERM); the output thread closes the socket
+        outbox.join(5.0)
+    assert not outbox.running
+    assert outbox.terminal == "shutdown"
+    assert not outbox.failed

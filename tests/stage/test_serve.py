@@ -29,6 +29,7 @@ from enginecore.stage import (
     StageClosedError,
     _stage_session,
 )
+from enginecore.stage._outbox import MAX_BATCH
 from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
 from .conftest import SCRIPTED, Connect, Server, wait_until
@@ -535,6 +536,26 @@ class TestSessions:
             assert 0 < int(handover.split()[2]) <= held
         else:
             assert handovers == [], messages  # nothing held, nothing to drop
+
+    def test_a_shutdown_while_detached_with_a_live_request_is_clean(
+        self, no_leftovers: str
+    ) -> None:
+        # A serve stopped by SIGTERM while a detached client's request ran (kept on detach)
+        # exited 1: the output thread waits for a peer to take the frame it holds, so it
+        # never took the shutdown event queued behind, and the exit code was read from
+        # what the output thread took. It says how the loop ended: 0.
+        stage = _detached_with_a_long_request(no_leftovers, detached_buffer=10**7)
+        try:
+            outbox = stage.runtime._outbox
+            assert wait_until(lambda: stage.runtime._session.output_peers == 0, timeout=10)
+            # The output thread is stuck on a frame nobody takes, with more than a frame's
+            # worth queued behind it: the shutdown event cannot be in the batch it holds.
+            assert wait_until(lambda: outbox.stuck and outbox.backlog > MAX_BATCH, timeout=10)
+        finally:
+            stage.runtime.loop.request_shutdown()  # what serve's SIGTERM handler does
+            code = stage.wait()
+        assert code == 0
+        assert stage.runtime._outbox.terminal == "shutdown"
 
 
 def _comm(pid: int, tid: int) -> str:

@@ -148,7 +148,9 @@ class Outbox:
     #   by one step at most); _drained is signalled after every frame sent. begin_session
     #   counts all of it but the last events as dropped, including a batch the output
     #   thread holds for the previous client, and sets it to what is left.
-    # - terminal and failed are written by the output thread; read after it has ended.
+    # - terminal is written under _lock by the thread that posts the terminal event (the
+    #   loop's), failed by the output thread; both are read after the output thread has
+    #   ended, or has been given up on (it may never take the terminal event: see post).
     # - resync is set by the input thread and cleared by whichever thread sends next, before
     #   it processes the socket's commands (_resync), so a set is never lost.
     # - _lock also guards the session state, _gate (a SessionGate): its epoch (bumped by
@@ -186,7 +188,9 @@ class Outbox:
         self._ended = False
         self.backlog = 0
         self._loop_encoder = _codec.Encoder()  # the loop thread's, for emit()
-        self.terminal: str | None = None  # "shutdown" or "fatal", once sent
+        # "shutdown" or "fatal" once the loop has handed it over (post), whether or not it is
+        # ever sent: the stage's exit code says how the loop ended (as Fanout.terminal).
+        self.terminal: str | None = None
         self.failed = False
         self.resync = False  # see _resync
         # Whether the client takes no frames: the last send found the socket full (the
@@ -241,13 +245,22 @@ class Outbox:
     def post(self, item: Any, weight: int | None = None) -> None:
         """Any thread: queue *item* for the output thread: a list of events ready for the
         wire, or one event without a payload (an input error, a pong, the terminal event).
-        *weight* is :func:`_weight` of it, if the caller knows it. Never blocks."""
+        *weight* is :func:`_weight` of it, if the caller knows it. Never blocks.
+
+        The terminal event is recorded in :attr:`terminal` here, not when the output thread
+        takes it: while no client can read, the output thread may wait for a peer to take an
+        earlier frame until the stage ends (``Context.term()``), and never take the
+        terminal event, which nobody could read anyway. The loop still ended as it says
+        (a ``serve`` stopped by SIGTERM while a detached client's requests ran exited 1)."""
         if weight is None:
             weight = _weight(item)
         with self._lock:
             gate = self._gate
-            if gate.detached and not gate.admit(_is_last(item), weight):
+            last = _is_last(item)
+            if gate.detached and not gate.admit(last, weight):
                 return
+            if last and item[0] != "stop":
+                self.terminal = item[0]
             self._idle = False
             self.backlog += weight
             self._queue.put(item)
@@ -524,6 +537,7 @@ class Outbox:
         encoder = _codec.Encoder()
         epoch = 0  # of the last session marker taken
         linger: int | None = None  # the socket's own: deliver the last frames
+        ending = False  # the batch taken ends with the terminal event
         try:
             while True:
                 # Everything waiting, then one frame per MAX_BATCH events. A list holds
@@ -558,8 +572,7 @@ class Outbox:
                             taken += 1
                             events.append(item)
                             if kind in ("shutdown", "fatal"):
-                                self.terminal = kind
-                                done = True
+                                ending = done = True
                                 break
                     if len(events) >= MAX_BATCH:
                         break
@@ -598,7 +611,7 @@ class Outbox:
                     ):
                         # A new session began: the rest is the previous one's, except the
                         # terminal event, which is every client's.
-                        if self.terminal is not None:
+                        if ending:
                             send(encoder.encode(events[-1:]), self._gate.epoch, 0)
                         break
                 if done:

@@ -492,6 +492,8 @@ class StageRuntime:
             self.finished.set()
         if self._inbox.failed or self._output.failed:
             return EXIT_IO_FAILED
+        # How the loop ended: the terminal event it handed over, sent or not (with no
+        # client to read, the output thread may still hold an earlier frame at term()).
         return EXIT_OK if self._output.terminal == "shutdown" else EXIT_FATAL
 
 
