@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from enginecore._engine import Engine
 from enginecore.stage import PROTOCOL_VERSION, CurveKeys, _codec
@@ -134,6 +135,54 @@ class RawClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def refused_handshake(
+    address: str,
+    *messages: bytes,
+    curve: tuple[bytes, bytes, bytes] | None = None,
+    routing_id: bytes | None = None,
+    timeout: float = 10.0,
+) -> None:
+    """Connect a DEALER to *address* (NULL, or a CURVE client with ``(public, secret,
+    server_key)``), send *messages* without waiting for anything, and assert that the stage
+    refused the handshake within *timeout* seconds and that nothing came back.
+
+    A NULL peer must meet a mechanism mismatch (the stage requires CURVE), a CURVE peer a
+    refused key (the stage's ZAP handler). Either may instead see the stage close during the
+    handshake (``EVENT_HANDSHAKE_FAILED_NO_DETAIL``): when the stage closes its end before the
+    peer has read the stage's reply, libzmq reports only the broken pipe, and a peer can meet
+    that on every reconnect (seen on a loaded host). Each means the stage let nothing in."""
+    events = (
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            dealer.setsockopt(zmq.ROUTING_ID, routing_id)
+        if curve is not None:
+            dealer.curve_publickey, dealer.curve_secretkey, dealer.curve_serverkey = curve
+        monitor = dealer.get_monitor_socket(events)
+        dealer.connect(address)
+        for message in messages:
+            dealer.send(message)
+        assert monitor.poll(int(timeout * 1000)), f"the stage at {address} never refused"
+        event = recv_monitor_message(monitor)
+        kind, value = event["event"], event["value"]
+        if kind != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            if curve is None:
+                assert kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, event
+                assert value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH, event
+            else:
+                assert kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH, event
+        assert not dealer.poll(100), "the stage answered a peer it refused"
+        dealer.disable_monitor()
+    finally:
+        ctx.destroy(linger=0)  # closes every socket, also when an assertion failed
 
 
 class InProcessStage:

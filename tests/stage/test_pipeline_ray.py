@@ -17,7 +17,6 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from enginecore.stage import (
     EngineDeadError,
@@ -35,6 +34,7 @@ from enginecore.stage._pipelinebase import pipe_kwargs
 
 from .conftest import wait_until
 from .pipelines import Launch, launcher
+from .raw import refused_handshake
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
@@ -209,36 +209,11 @@ class TestCurveLinks:
         assert stage.curve is not None
         address = pipe.client("mid").address
         pipe_message = msgspec.msgpack.encode(["pipe", [FIRST], ["evil"], [5]])
-        ctx = zmq.Context()
-        try:
-            # A CURVE client with keys of its own, and the routing id of the real link.
-            public, secret = zmq.curve_keypair()
-            curve = ctx.socket(zmq.DEALER)
-            curve.setsockopt(zmq.LINGER, 0)
-            curve.setsockopt(zmq.ROUTING_ID, link_id(0).encode())
-            curve.curve_publickey, curve.curve_secretkey = public, secret
-            curve.curve_serverkey = stage.curve.server_key
-            refused = curve.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-            curve.connect(address)
-            curve.send(pipe_message)
-            assert refused.poll(10_000), "the stage never refused the handshake"
-            event = recv_monitor_message(refused)
-            assert event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            # A NULL client (no CURVE at all).
-            null = ctx.socket(zmq.DEALER)
-            null.setsockopt(zmq.LINGER, 0)
-            mismatch = null.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-            null.connect(address)
-            null.send(pipe_message)
-            assert mismatch.poll(10_000), "the stage never refused the NULL handshake"
-            event = recv_monitor_message(mismatch)
-            assert event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-            for sock in (curve, null):
-                sock.disable_monitor()
-            for sock in (refused, mismatch, curve, null):
-                sock.close()
-        finally:
-            ctx.term()
+        # A CURVE client with keys of its own, and the routing id of the real link.
+        public, secret = zmq.curve_keypair()
+        keys = (public, secret, stage.curve.server_key)
+        refused_handshake(address, pipe_message, curve=keys, routing_id=link_id(0).encode())
+        refused_handshake(address, pipe_message)  # a NULL client (no CURVE at all)
         # Nothing reached the stage: it added only the real request, and still serves.
         assert pipe.add("r2", 2).collect(timeout=30) == [1, 0]
         assert pipe.call_utility("mid", "added") == 2
