@@ -1008,6 +1008,22 @@ class TestSharedMemory:
         pipe.shutdown()
         assert _segments() == []  # a clean shutdown leaves nothing in /dev/shm
 
+    def test_a_hop_is_timed_inside_the_pipeline(self, launch: Any) -> None:
+        # The edges bench_pipeline_faults times the 64 MiB hop with: the first stamps the
+        # output as it leaves, the second answers the seconds since, and nothing goes on.
+        pipe = launch(
+            [
+                PipelineStage(ECHO, name="a", edge=f"{T}:stamp"),
+                PipelineStage(RELAY, name="b", edge=f"{T}:hop_seconds"),
+                PipelineStage(RELAY, name="c"),
+            ]
+        )
+        started = time.perf_counter()
+        (hop,) = pipe.add("r", np.ones(MIB, dtype=np.uint8)).collect(timeout=30)
+        assert 0 < hop < time.perf_counter() - started
+        assert pipe.stats()["a"].engine["shm_sent"] == 1
+        assert pipe.stats()["b"].engine["edge_sent"] == 0  # c never heard of it
+
     def test_below_the_threshold_or_without_one_arrays_stay_on_zeromq(self, launch: Any) -> None:
         pipe = launch(
             [

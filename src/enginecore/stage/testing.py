@@ -22,7 +22,8 @@ Factories (``"enginecore.stage.testing:NAME"``):
 - Edge functions for pipelines: ``tee`` (every output to the next stage and the caller),
   ``to_caller`` (to the caller only), ``inflate`` (100,000 bytes on for each output, the
   output to the caller), ``checked_edge`` and ``last_fails`` (fail on purpose for some
-  inputs).
+  inputs), ``stamp`` and ``hop_seconds`` (one hop timed inside a pipeline: the first
+  stamps each output as it leaves, the second sends the caller the seconds since).
 - ``failing_factory(message)`` raises :class:`RuntimeError` (startup error path).
 - ``exiting_factory(code)`` ends the process with ``os._exit(code)`` during startup.
 - ``relay_once(marker)`` -> a :class:`RelayEngine` the first time, then raises
@@ -930,6 +931,21 @@ def to_array(payload: Any) -> tuple[Any, Any]:
     import numpy as np
 
     return np.full(1 << 18, payload, dtype=np.float32), NOTHING
+
+
+def stamp(payload: Any) -> tuple[Any, Any]:
+    """Edge: each output to the next stage as ``[output, sent]``, *sent* the time it left
+    this stage's step (:func:`time.perf_counter`), nothing to the caller: with
+    :func:`hop_seconds` on the next stage, one hop timed from inside the pipeline."""
+    return [payload, time.perf_counter()], NOTHING
+
+
+def hop_seconds(payload: Any) -> tuple[Any, Any]:
+    """Edge: for each ``[output, sent]`` (from :func:`stamp`, on a streaming stage such as
+    ``relay``, whose outputs are its inputs), the seconds since *sent* to the caller,
+    nothing to the next stage (the request ends here). The two stages must run on one
+    host: :func:`time.perf_counter` is the system-wide monotonic clock on Linux."""
+    return NOTHING, time.perf_counter() - payload[1]
 
 
 def last_fails(payload: Any) -> tuple[Any, Any]:
