@@ -665,6 +665,34 @@ class TestCredits:
         assert stage.route_outputs([]) == (["r", "r"], [False, True], ["c", ENDED | BEFORE])
         assert emitted == []
 
+    def test_no_deadline_while_the_engine_holds_everything_it_took(self) -> None:
+        # Credit for inputs the engine still holds is not given back (they count against the
+        # window): an idle wait's deadline for it would fire, give nothing and be set again,
+        # waking a stage that waits (on a hold, or a full window) every CREDIT_DELAY_S.
+        emitted: list[Any] = []
+        stage = PipeStage(RelayEngine(per_step=1), stage="s", credit_items=4, credit_bytes=1000)
+        stage.attach_emit(emitted.append)
+        stage.utility("hold", (True,))
+        stage.pipe_input(FIRST, "r", "a")
+        stage.pipe_input(MORE, "r", "b")
+        stage.pipe_received(2, 20)
+        for _ in range(3):
+            assert not stage.has_work()
+            assert stage.idle_due() is None
+        stage.pipe_input(MORE, "r", "c")  # one more, then one of the three goes out
+        stage.pipe_received(1, 10)
+        stage.utility("hold", (False,))
+        stage.step()
+        stage.utility("hold", (True,))
+        assert stage.take_credit() is None  # 1 item below the batch: held back
+        assert not stage.has_work()
+        due = stage.idle_due()  # now something is owed: a deadline
+        assert due is not None
+        stage.idle_fire()
+        assert emitted == [("credit", 1, 10)]
+        assert not stage.has_work()
+        assert stage.idle_due() is None  # the two still held: no deadline again
+
 
 class TestAdmission:
     def test_max_in_flight_waits_or_refuses_and_frees_at_the_end(self, launch: Any) -> None:

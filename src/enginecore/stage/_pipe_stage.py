@@ -52,7 +52,10 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   that step's frame) once it took a quarter of this stage's window (*credit_items* or
   *credit_bytes*), or, for less, :data:`CREDIT_DELAY_S` after its loop went idle (the idle
   wait asks ``idle_due`` and calls ``idle_fire``; the event goes through the runtime's
-  ``emit``, which it hands the wrapper: ``attach_emit``). What is held back is less than
+  ``emit``, which it hands the wrapper: ``attach_emit``). Credit for inputs the engine
+  still holds unprocessed (``pending_inputs()``) waits until they go out, with no
+  deadline: a stage that waits on its engine or on a full window is not woken for it.
+  What is held back is less than
   a quarter of the window, so it never holds a step of this stage back (a full window
   means the next stage has three quarters of it or more still to take, and is not idle).
   It saves a message through the coordinator and a wake-up of this stage for every small
@@ -394,9 +397,18 @@ class PipeStage:
                 self._waits += 1
         if self._taken_items:
             self._give_credit()
-            if self._taken_items and self._credit_due is None:  # held back: give it later
+            if self._credit_due is None and self._taken_items > self._held():
+                # Held back below the batch: give it later. (Not for inputs the engine
+                # still holds: a deadline would fire, give nothing and be set again.)
                 self._credit_due = time.monotonic() + CREDIT_DELAY_S
         return False
+
+    def _held(self) -> int:
+        """How many of the items taken the engine still holds unprocessed (its
+        ``pending_inputs()``, at most all of them; 0 for an engine without it)."""
+        if self._pending is None:
+            return 0
+        return min(self._taken_items, max(0, self._pending()))
 
     def idle_due(self) -> float | None:
         """The idle wait's timer (:class:`~._input_queue.IdleTimer`): when the credit held
@@ -535,9 +547,7 @@ class PipeStage:
         items, nbytes = self._taken_items, self._taken_bytes
         if not items:
             return None
-        held = 0
-        if self._pending is not None:
-            held = min(items, max(0, self._pending()))
+        held = self._held()
         kept = nbytes * held // items if held else 0
         give, give_bytes = items - held, nbytes - kept
         if not give or (
