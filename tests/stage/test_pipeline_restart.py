@@ -513,7 +513,9 @@ def test_core_a_death_during_a_retry_frees_the_request(late_fence: bool) -> None
     assert d.stage_aborts == [(2, ["r"])]  # and from the stage after the dead one
     core.aborted(0, ["r"], 1.2, d)
     assert core.state("r") is not None  # c has not answered yet
-    core.aborted(2, ["r"], 1.3, d)  # the fence's answer, or the abort's
+    # Unflagged (a stage of an older build, docs/wire.md section 8): the fence's answer,
+    # or the abort's, which cannot be told apart (test_pipeline_core.py: a flagged one).
+    core.aborted(2, ["r"], 1.3, d)
     assert core.state("r") is None  # free: the id, and its place in the budget
     assert core.in_flight == 0
     if late_fence:
