@@ -210,9 +210,8 @@ class StageEngine:
         self._pipe_route: Callable[[list[str], list[list[int]], bool], None] | None = getattr(
             engine, "pipe_route", None
         )
-        self._chase_abort: Callable[[Sequence[str], bool], None] | None = getattr(
-            engine, "chase_abort", None
-        )
+        # chase_abort(req_ids), or chase_abort(req_ids, True) for a replay's fence.
+        self._chase_abort: Callable[..., None] | None = getattr(engine, "chase_abort", None)
         self._pipe_gone: Callable[[str, int, int], None] | None = getattr(engine, "pipe_gone", None)
         self._pipe_late: Callable[[str, int], None] | None = getattr(engine, "pipe_late", None)
         self._pipe_link: Callable[[int, str, str, str], None] | None = getattr(
@@ -246,7 +245,7 @@ class StageEngine:
         self._drop(req_ids if self._clients is None else self._clients.own(req_ids))
         self._emit(("aborted", list(req_ids)))
         if self._chase_abort is not None:
-            self._chase_abort(req_ids, False)
+            self._chase_abort(req_ids)
 
     def pipe_fence(self, req_ids: Sequence[str]) -> None:
         """:class:`~._controls.PipeFence`: an ``abort`` flagged as a replay's fence
