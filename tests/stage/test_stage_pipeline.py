@@ -46,6 +46,7 @@ from enginecore.stage.testing import HeadEngine, RelayEngine
 
 from .conftest import child_pids, wait_until
 from .pipelines import BlockingAsyncPipeline, Launch, assert_death_contained, launcher
+from .raw import in_process_stage
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -145,6 +146,55 @@ class TestDataFlow:
             assert received() == ["pipe", [FIRST], ["c"], [4]]
             assert received() == ["abort", ["c", "unknown"]]
             assert not stage.has_work()
+        finally:
+            assert stage._links[0] is not None
+            stage._links[0].close(linger=0)
+            router.close()
+            ctx.term()
+
+    def test_a_fence_is_flagged_on_the_link_and_in_its_aborted(self, no_leftovers: str) -> None:
+        # docs/wire.md section 8: the replay's fence goes down the link as
+        # ["abort", ids, nil, true]; a stage that applies a flagged abort answers
+        # ["aborted", ids, true] and chases it on flagged. An unflagged abort: as before.
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        stage = PipeStage(
+            CountdownEngine(),
+            stage="s",
+            downstream=f"tcp://127.0.0.1:{port}",
+            replay_bytes=1 << 20,
+        )
+
+        def received() -> Any:
+            assert router.poll(5000)
+            _ident, body = router.recv_multipart()
+            return msgspec.msgpack.decode(body)
+
+        def items() -> list[Any]:  # the pipe items that arrive next, up to an END
+            got: list[Any] = []
+            while not got or not got[-1][0] & END:
+                msg = received()
+                assert msg[0] == "pipe", msg
+                got += zip(msg[1], msg[2], msg[3], strict=True)
+            return got
+
+        try:
+            with in_process_stage(cast(Any, stage), no_leftovers) as (_, client):
+                client.send("add", "a", 2)
+                assert items() == [(FIRST, "a", 1), (MORE, "a", 0), (END, "a", None)]
+                client.send("replay", "a", 1)  # the fence, flagged; then the log again
+                assert received() == ["abort", ["a"], None, True]
+                assert items() == [(FIRST, "a", 1), (MORE, "a", 0), (END, "a", None)]
+                replayed = client.until(lambda ev: ev[0] == "replayed")
+                assert replayed[-1] == ["replayed", "a", 1, True, ""]
+                client.send("abort", ["b"], None, True)  # a fence from the previous stage
+                assert client.until(lambda ev: ev[0] == "aborted")[-1] == ["aborted", ["b"], True]
+                assert received() == ["abort", ["b"], None, True]  # chased on, flagged
+                client.send("abort", ["b"])  # an ordinary abort (or an older sender's fence)
+                assert client.until(lambda ev: ev[0] == "aborted")[-1] == ["aborted", ["b"]]
+                assert received() == ["abort", ["b"]]
         finally:
             assert stage._links[0] is not None
             stage._links[0].close(linger=0)
