@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from enginecore.stage import (
     EngineDeadError,
     NoReplicaError,
+    Pipeline,
     PipelineStage,
     PipelineStageDeadError,
     ReplicaState,
@@ -246,6 +247,41 @@ class TestSingleProcessStage:
 
 
 class TestShutdown:
+    def test_shutdown_as_a_restart_thread_starts_waits_for_it(
+        self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Pipeline only (AsyncPipeline restarts in tasks, on one thread): a shutdown() that
+        # came between a restart thread's registration and its start() joined a thread not
+        # yet started, and raised RuntimeError (seen on a loaded host).
+        pipe = Pipeline.launch(
+            [COUNTDOWN, PipelineStage(RELAY, name="mid", restart=RestartPolicy(first_delay=30))],
+            startup_timeout=30,
+        )
+        real_start = threading.Thread.start
+        closed: list[BaseException | None] = []
+
+        def close() -> None:
+            try:
+                pipe.shutdown()
+            except BaseException as exc:
+                closed.append(exc)
+            else:
+                closed.append(None)
+
+        def start(thread: threading.Thread) -> None:
+            if thread.name == "enginecore-pipeline-restart":
+                closer = threading.Thread(target=close)
+                real_start(closer)
+                # The shutdown waits for this start (or, before the fix, marked the pipeline
+                # stopping and joined the thread not yet started).
+                pipe._stopping.wait(0.5)
+            real_start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert wait_until(lambda: closed, 30)
+        assert closed == [None]
+
     def test_shutdown_during_the_backoff_stops_at_once(self, launch: Any) -> None:
         pipe = launch(
             [COUNTDOWN, PipelineStage(RELAY, name="mid", restart=RestartPolicy(first_delay=30))]

@@ -304,7 +304,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             if self._closed:
                 return
             self._restart_threads.add(thread)
-        thread.start()
+            thread.start()  # in the lock: shutdown() never joins a thread not yet started
 
     def _restart(self, k: int, r: int, delay: float | None) -> None:
         """Thread: release the dead process's client, then start the process again after

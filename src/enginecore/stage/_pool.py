@@ -768,7 +768,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         thread = threading.Thread(target=run, name="enginecore-pool", daemon=True)
         with self._lock:
             self._threads.add(thread)
-        thread.start()
+            thread.start()  # in the lock: shutdown() never joins a thread not yet started
 
     # -- closing -----------------------------------------------------------------------------
 
