@@ -432,6 +432,41 @@ class TestRestart:
         assert ray_stage(pipe, "last").authorized_clients == (new.link_key,)
         assert pipe.add("r", 3).collect(timeout=30) == [2, 1, 0]
 
+    def test_a_local_stage_on_tcp_admits_a_restarted_producer_s_key_instead_of_the_dead_one_s(
+        self, launch: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # What the coordinator asks the local stage after a stage on Ray to admit (besides
+        # itself), over its launch pipe: the producer's link key before it starts, and at
+        # its restart the new process's key alone.
+        calls: list[tuple[Launched, list[bytes]]] = []
+        authorize = Launched.authorize
+
+        def record(self: Launched, keys: list[bytes], timeout: float = 30.0) -> int:
+            calls.append((self, list(keys)))
+            return authorize(self, keys, timeout)
+
+        monkeypatch.setattr(Launched, "authorize", record)
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", placement=SMALL, restart=FAST),
+                PipelineStage(RELAY, name="mid"),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        mid = pipe.client("mid")._launched
+        old = ray_stage(pipe, "first")
+        assert old.link_key is not None
+        assert calls == [(mid, [old.link_key])]
+        ray.kill(old.actor, no_restart=True)
+        assert wait_until(lambda: pipe.restarts["first"] == 1, 60)
+        assert wait_until(lambda: pipe.health()["first"] == StageHealth.OK, 30)
+        new = ray_stage(pipe, "first")
+        assert new.link_key is not None
+        assert new.link_key != old.link_key
+        assert calls == [(mid, [old.link_key]), (mid, [new.link_key])]
+        assert pipe.client("mid")._launched is mid  # the local stage went on
+        assert pipe.add("r", 3).collect(timeout=30) == [2, 1, 0]
+
 
 def test_a_placed_stage_does_not_import_ray_until_the_launch() -> None:
     code = (
