@@ -1,7 +1,7 @@
 """One suite for both pipelines: :class:`BlockingAsyncPipeline`, an
 :class:`~enginecore.stage.AsyncPipeline` behind :class:`~enginecore.stage.Pipeline`'s
-blocking interface, and :func:`launcher`, which the pipeline test modules' ``launch``
-fixtures (``[sync]``, ``[async]``) open."""
+blocking interface, :func:`launcher`, which the pipeline test modules' ``launch``
+fixtures (``[sync]``, ``[async]``) open, and the checks the suites share."""
 
 from __future__ import annotations
 
@@ -9,9 +9,18 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
-from enginecore.stage import AsyncPipeline, Pipeline, PipelineStage
+import pytest
 
-from .conftest import BlockingAsyncStream, EventLoopThread
+from enginecore.stage import (
+    AsyncPipeline,
+    EngineDeadError,
+    Pipeline,
+    PipelineStage,
+    PipelineStageDeadError,
+    StageStatistics,
+)
+
+from .conftest import BlockingAsyncStream, EventLoopThread, wait_until
 
 Launch = Callable[..., Pipeline]
 
@@ -119,3 +128,32 @@ def launcher(kind: str, startup_timeout: float = 30) -> Iterator[Launch]:
         finally:
             if runner is not None:
                 runner.stop()
+
+
+def assert_death_contained(
+    pipe: Any, streams: Sequence[Any], dead: str, why: str, timeout: float
+) -> None:
+    """After stage *dead* of *pipe* died: every stream of *streams* ends (within *timeout*
+    seconds each) with :class:`~enginecore.stage.PipelineStageDeadError` naming it, its
+    message saying *why*; the pipeline then refuses new requests and holds none; the stages
+    still running drop the failed requests (the one after the dead one is told it is gone,
+    out of the first one's abort's reach); and ``stats()`` lists every stage, the dead one
+    as its error."""
+    for stream in streams:
+        with pytest.raises(PipelineStageDeadError) as info:
+            stream.collect(timeout=timeout)
+        assert info.value.stage == dead
+        assert why in str(info.value)
+    with pytest.raises(PipelineStageDeadError):
+        pipe.add("later", 1)
+    assert pipe.in_flight == 0
+    live = [name for name in pipe.stages if name != dead]
+    for name in live:
+        assert wait_until(lambda name=name: pipe.call_utility(name, "num_requests") == 0, 10)
+    stats = pipe.stats()
+    assert list(stats) == list(pipe.stages)
+    assert isinstance(stats[dead], EngineDeadError)
+    assert why in str(stats[dead])
+    for name in live:
+        assert isinstance(stats[name], StageStatistics)
+        assert stats[name].live == 0

@@ -9,6 +9,7 @@ import pytest
 from enginecore.stage._edge import BEFORE, ENDED, SENT_ON
 from enginecore.stage._errors import EngineDeadError, PipelineRequestError, PipelineStageDeadError
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
+from enginecore.stage._pool_core import RestartPolicy
 from enginecore.stage._session import StreamCore
 
 HERE = ENDED | BEFORE  # a stage's end report: the request stops there, done in every stage
@@ -261,3 +262,117 @@ def test_bad_retry_counts_are_refused() -> None:
         PipelineCore(["a", "b"], retry=[1, 0])
     with pytest.raises(ValueError, match="one count >= 0 per stage"):
         PipelineCore(["a", "b"], retry=[0])
+
+
+# -- the fence on the wire: a fence's `aborted` carries a flag (docs/wire.md section 8) ----
+
+
+def _retried_then_dead(replicas: tuple[int, ...]) -> tuple[PipelineCore[StreamCore], StreamCore]:
+    """Stages a, b, c; the edge a -> b retries. b failed r, a replays it (fences at b and c);
+    then r's process of b dies (a pool's replica, or the one process of a stage that
+    restarts): r ends, its aborts go from a and to c, b counts as having applied them."""
+    restart = [None, RestartPolicy(first_delay=0.1), None] if replicas[1] == 1 else None
+    core: PipelineCore[StreamCore] = PipelineCore(
+        ["a", "b", "c"], replicas=replicas, retry=[0, 2, 0], restart=restart
+    )
+    stream = StreamCore("r")
+    core.open("r", stream)
+    route = core.route("r")
+    assert route is not None
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(1, "r", "refused", 1.0, d, route[1])
+    assert d.replays == [(0, "r", 1)]
+    d = PipelineDeliveries()
+    core.replica_dead(1, route[1], EngineDeadError("killed"), 1.1, d)
+    assert stream._ended is not None
+    assert isinstance(stream._ended.exc, PipelineStageDeadError)
+    assert d.aborts == ["r"]
+    assert d.stage_aborts == [(2, ["r"])]
+    return core, stream
+
+
+@pytest.mark.parametrize("replicas", [(1, 1, 1), (1, 2, 1)], ids=["restart", "pool"])
+def test_a_fence_answered_after_a_death_does_not_confirm_the_abort(
+    replicas: tuple[int, ...],
+) -> None:
+    # The race: b's dead process had passed the fence on to c before it died, and c's
+    # answer to that fence reaches the coordinator after the death. It is flagged: a fence's
+    # answer, never the confirmation of the abort sent to c after the death, whose own
+    # answer is still on its way. r keeps its id and its place until that one comes.
+    core, _ = _retried_then_dead(replicas)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.aborted(0, ["r"], 1.2, d)  # a applied the abort from the first stage
+    core.aborted(2, ["r"], 1.3, d, fence=True)  # c's late answer to the fence
+    assert core.state("r") is RequestState.CLOSING  # not confirmed one message early
+    assert core.in_flight == 1
+    assert d.freed == 0  # the id is taken, its place in the budget held
+    core.aborted(2, ["r"], 1.4, d)  # c's answer to the abort sent after the death
+    assert core.state("r") is None
+    assert core.in_flight == 0
+    assert d.freed == 1
+
+
+@pytest.mark.parametrize("replicas", [(1, 1, 1), (1, 2, 1)], ids=["restart", "pool"])
+def test_a_fence_lost_with_a_dead_process_is_not_waited_for(replicas: tuple[int, ...]) -> None:
+    # The dead process never passed the fence on (or c dropped it after its gone): c's only
+    # answer is the abort's, and it frees r.
+    core, _ = _retried_then_dead(replicas)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.aborted(2, ["r"], 1.2, d)
+    assert core.in_flight == 1  # a has not answered yet
+    core.aborted(0, ["r"], 1.3, d)
+    assert core.in_flight == 0
+
+
+def test_a_flagged_fence_answer_is_never_a_confirmation() -> None:
+    # Every stage answered the coordinator's abort of a failed request, and a stray fence
+    # answer (no fence due) changes nothing: it neither confirms nor counts.
+    core, stream = _retrying()
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(0, "r", "rejected", 1.0, d)  # the first stage: not retried
+    assert stream._ended is not None
+    for k in range(3):
+        core.aborted(k, ["r"], 2.0, d, fence=True)
+    assert core.in_flight == 1
+    for k in range(3):
+        core.aborted(k, ["r"], 3.0, d)
+    assert core.in_flight == 0
+
+
+def test_an_abort_that_overtakes_the_fence_is_confirmed_once_the_fence_is_answered() -> None:
+    # b failed r and a replays it; the caller aborts r meanwhile. The abort reaches c
+    # before the fence does (the replay and the abort travel on two connections to a):
+    # c's unflagged answer comes first. Taken as the fence's (an older stage flags
+    # nothing), it is the abort's once c's flagged answer to the fence arrives.
+    core, stream = _retrying()
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(1, "r", "refused", 1.0, d)
+    core.abort(["r"], d)
+    assert core.state("r") is RequestState.ABORTING
+    core.aborted(0, ["r"], 2.0, d)
+    core.aborted(1, ["r"], 2.0, d)  # b: the abort first
+    core.aborted(2, ["r"], 2.0, d)  # c: the abort first
+    core.aborted(1, ["r"], 3.0, d, fence=True)
+    assert core.in_flight == 1  # c's fence is still due
+    core.aborted(2, ["r"], 3.0, d, fence=True)
+    assert core.in_flight == 0
+    assert stream._ended is not None
+    assert stream._ended.aborted
+
+
+def test_flagged_fence_answers_end_the_failed_attempt_as_unflagged_ones_did() -> None:
+    # The usual order, with flags: each stage's fence answer, then its answer to the abort.
+    core, stream = _retrying(2)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(1, "r", "refused", 2.0, d)
+    core.outputs(2, ["r"], [False], ["old"], 3.0, d)  # the failed attempt's: dropped
+    core.aborted(1, ["r"], 4.0, d, fence=True)
+    core.aborted(2, ["r"], 4.0, d, fence=True)
+    assert core.state("r") is RequestState.LIVE
+    core.outputs(2, ["r"], [False], ["new"], 5.0, d)
+    assert list(stream._buf) == ["new"]
+    core.abort(["r"], d)
+    core.aborted(2, ["r"], 6.0, d, fence=True)  # no fence due: not the abort's answer
+    for k in range(3):
+        core.aborted(k, ["r"], 7.0, d)
+    assert core.in_flight == 0

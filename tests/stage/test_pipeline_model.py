@@ -46,7 +46,9 @@ processes and no sockets: a simulation of 1 to 4 stages stands in for them, each
   of an id live there); a log may outgrow its bound (``overflow``: not retryable). The
   core's ``replay`` reaches it on its coordinator connection: it sends the *fence* (an
   ``abort``) down its link, then the logged items again (if it has them), and answers
-  ``replayed``. Each stage applies a fence as any abort (chased on, answered ``aborted``).
+  ``replayed``. Each stage applies a fence as any abort (chased on, answered ``aborted``),
+  the fence and its ``aborted`` flagged as such (``fence``), or, drawn per example, not
+  (stages of an older build: every ``aborted`` unflagged).
   Each request a stage holds carries the generation of its attempt there (the fences of
   it the stage had applied when it came); an attempt's payloads, ends and errors are the
   request's truth only while no later replay covers that stage.
@@ -327,6 +329,7 @@ class PipelineModel(RuleBasedStateMachine):
         errors=st.booleans(),
         retry=st.lists(st.sampled_from([0, 1, 2, 1]), min_size=3, max_size=3),
         quiet=st.booleans(),
+        flags=st.sampled_from([True, True, False]),
     )
     def setup(
         self,
@@ -339,6 +342,7 @@ class PipelineModel(RuleBasedStateMachine):
         errors: bool,
         retry: list[int],
         quiet: bool,
+        flags: bool = True,
     ) -> None:
         self.n = n
         self.names = [f"stage{k}" for k in range(n)]
@@ -352,8 +356,11 @@ class PipelineModel(RuleBasedStateMachine):
         # Quiet: a stage whose edge in retries sends the caller nothing (it may still be
         # retried then; most of its requests would not be, once it sent the caller any).
         self.quiet = quiet
+        # Flags: the stages flag a fence's abort and its aborted (docs/wire.md section 8);
+        # without (stages of an older build), every aborted is unflagged.
+        self.flags = flags
         if any(self.retry):
-            event("retrying edges")
+            event("retrying edges" if flags else "retrying edges, fences unflagged")
         self.faults = faults  # from which step on this run may kill a stage or close
         self.errors = errors  # whether engines reject often
         self.actions = ACTIONS[errors]
@@ -802,7 +809,8 @@ class PipelineModel(RuleBasedStateMachine):
                     inc = self.current.get(rid)
                     if inc is not None and inc.in_core and self.core.state(rid) is not LIVE:
                         inc.confirms += 1
-                self.call(functools.partial(core.aborted, k, rids), "aborted")
+                fence = origin == "fence" and self.flags
+                self.call(functools.partial(core.aborted, k, rids, fence=fence), "aborted")
             elif kind == "replayed":
                 rid, attempt, ok = ev[1], ev[2], ev[3]
                 why = "" if ok else "the previous stage no longer holds its inputs"
@@ -1198,6 +1206,7 @@ class RetryModel(PipelineModel):
         first=st.integers(2, MAX_CONCURRENT),
         retry=st.lists(st.sampled_from([1, 2]), min_size=3, max_size=3),
         quiet=st.sampled_from([True, True, False]),
+        flags=st.sampled_from([True, True, False]),
     )
     def setup(
         self,
@@ -1208,9 +1217,10 @@ class RetryModel(PipelineModel):
         first: int,
         retry: list[int],
         quiet: bool,
+        flags: bool = True,
     ) -> None:
         PipelineModel.setup.__wrapped__(  # type: ignore[attr-defined]
-            self, n, budget, None, feeds, faults, first, False, retry, quiet
+            self, n, budget, None, feeds, faults, first, False, retry, quiet, flags
         )
         self.actions = RETRY_ACTIONS
 
@@ -1247,10 +1257,12 @@ class RoutedCore(PipelineCore[StreamCore]):
             items = [payloads[i] for i in picked]
             super().outputs(k, ids, fins, items, now, d, r)
 
-    def aborted(self, k: int, req_ids: Any, now: float, d: Any) -> None:  # type: ignore[override]
+    def aborted(  # type: ignore[override]
+        self, k: int, req_ids: Any, now: float, d: Any, fence: bool = False
+    ) -> None:
         ids = list(req_ids)
         for r, picked in self._split(k, ids).items():
-            super().aborted(k, [ids[i] for i in picked], now, d, r)
+            super().aborted(k, [ids[i] for i in picked], now, d, r, fence)
 
     def error(self, k: int, req_id: str, message: str, now: float, d: Any) -> None:  # type: ignore[override]
         super().error(k, req_id, message, now, d, next(iter(self._split(k, [req_id]))))

@@ -20,14 +20,12 @@ import zmq
 
 from enginecore.stage import (
     CurveKeys,
-    EngineDeadError,
     Pipeline,
     PipelineStage,
     PipelineStageDeadError,
     RestartPolicy,
     StageHealth,
     StageStartupError,
-    StageStatistics,
     _shm,
 )
 from enginecore.stage._edge import FIRST, link_id
@@ -35,7 +33,7 @@ from enginecore.stage._launch import Launched
 from enginecore.stage._pipelinebase import pipe_kwargs
 
 from .conftest import wait_until
-from .pipelines import Launch, launcher
+from .pipelines import Launch, assert_death_contained, launcher
 from .raw import refused_handshake
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
@@ -294,22 +292,7 @@ class TestDeath:
         for stream in streams:
             stream.get(timeout=30)
         ray.kill(ray_stage(pipe, "mid").actor, no_restart=True)
-        for stream in streams:
-            with pytest.raises(PipelineStageDeadError) as info:
-                stream.collect(timeout=10)
-            assert info.value.stage == "mid"
-            assert "Ray actor" in str(info.value)
-        with pytest.raises(PipelineStageDeadError):
-            pipe.add("later", 1)
-        assert pipe.in_flight == 0
-        # The stages still running drop the failed requests (the one after the dead one is
-        # told it is gone).
-        assert wait_until(lambda: pipe.call_utility("first", "num_requests") == 0, 10)
-        assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
-        stats = pipe.stats()
-        assert isinstance(stats["mid"], EngineDeadError)
-        for name in ("first", "last"):
-            assert isinstance(stats[name], StageStatistics)
+        assert_death_contained(pipe, streams, "mid", "Ray actor", timeout=10)
 
 
 def test_shutdown_leaves_no_actor(no_leftovers: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,7 +40,7 @@ from enginecore.stage import (
 from enginecore.stage._curve import Authenticator, ServerCurve, secure_server
 from enginecore.stage._edge import LINKS_UTILITY, link_id
 from enginecore.stage._errors import EngineDeadError as _Dead
-from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries
+from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
 from enginecore.stage._pipelinebase import PIPE_FACTORY
 from enginecore.stage._session import ClientSession, StreamCore
 from enginecore.stage._wire import ErrorReport
@@ -371,6 +372,58 @@ class TestRetry:
         for name in ("first", "mid", "last"):
             assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
 
+    @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
+    def test_a_fence_answered_after_the_death_does_not_free_the_request_early(
+        self, launch: Any, replicas: int, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # "mid" passes the replay's fence on to "last", then dies as the inputs come again
+        # (once the fence has left the process).
+        # "last" is asleep in a utility meanwhile (its input thread still reads): it applies
+        # the fence, then the gone and the abort the coordinator sent after the death, only
+        # once it wakes, so its answer to the fence reaches the coordinator after the death,
+        # which stopped counting that fence. That answer is flagged: the request stays until
+        # last's answer to the abort, and only that one frees it (docs/wire.md section 8).
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first", on_next_error=Retry(2)),
+                PipelineStage(
+                    f"{T}:dying_on_retry",
+                    {"at": "input", "delay_s": 0.2},  # the fence has left when it dies
+                    name="mid",
+                    replicas=replicas,
+                    restart=FAST,
+                ),
+                PipelineStage(RELAY, name="last"),
+            ],
+            max_in_flight=1,
+        )
+        core = pipe._core
+        real = core.aborted
+        seen: list[tuple[bool, Any, Any]] = []  # last's answers about r: fence, state before/after
+
+        def aborted(k: int, req_ids: Any, *args: Any, **kwargs: Any) -> None:
+            ids = list(req_ids)
+            before = core.state("r")
+            real(k, ids, *args, **kwargs)
+            if k == 2 and "r" in ids:
+                fence = bool(kwargs.get("fence", args[3] if len(args) > 3 else False))
+                seen.append((fence, before, core.state("r")))
+
+        monkeypatch.setattr(core, "aborted", aborted)
+        asleep = threading.Thread(target=pipe.call_utility, args=("last", "sleep", 2.0))
+        asleep.start()
+        try:
+            time.sleep(0.3)  # last's loop is in the utility now
+            with pytest.raises(PipelineStageDeadError):
+                pipe.add("r", "retry").collect(timeout=10)
+        finally:
+            asleep.join(10)
+        assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
+        closing = RequestState.CLOSING
+        # last answered the fence after the death (r had ended: closing), flagged, and r
+        # stayed; its answer to the abort, unflagged, freed it.
+        assert seen == [(True, closing, closing), (False, closing, None)], seen
+
 
 @pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
 class TestSharedMemory:
@@ -513,7 +566,9 @@ def test_core_a_death_during_a_retry_frees_the_request(late_fence: bool) -> None
     assert d.stage_aborts == [(2, ["r"])]  # and from the stage after the dead one
     core.aborted(0, ["r"], 1.2, d)
     assert core.state("r") is not None  # c has not answered yet
-    core.aborted(2, ["r"], 1.3, d)  # the fence's answer, or the abort's
+    # Unflagged (a stage of an older build, docs/wire.md section 8): the fence's answer,
+    # or the abort's, which cannot be told apart (test_pipeline_core.py: a flagged one).
+    core.aborted(2, ["r"], 1.3, d)
     assert core.state("r") is None  # free: the id, and its place in the budget
     assert core.in_flight == 0
     if late_fence:

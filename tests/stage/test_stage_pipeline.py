@@ -21,7 +21,6 @@ import zmq
 from enginecore import CountdownEngine
 from enginecore.stage import (
     NOTHING,
-    EngineDeadError,
     Pipeline,
     PipelineFullError,
     PipelineRequestError,
@@ -31,7 +30,6 @@ from enginecore.stage import (
     StageClient,
     StageClosedError,
     StageStartupError,
-    StageStatistics,
     _shm,
 )
 from enginecore.stage._edge import BEFORE, END, ENDED, FIRST, MORE, ONLY, REPORT, SENT_ON, link_id
@@ -47,7 +45,8 @@ from enginecore.stage._wire import ErrorReport
 from enginecore.stage.testing import HeadEngine, RelayEngine
 
 from .conftest import child_pids, wait_until
-from .pipelines import BlockingAsyncPipeline, Launch, launcher
+from .pipelines import BlockingAsyncPipeline, Launch, assert_death_contained, launcher
+from .raw import in_process_stage
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -147,6 +146,55 @@ class TestDataFlow:
             assert received() == ["pipe", [FIRST], ["c"], [4]]
             assert received() == ["abort", ["c", "unknown"]]
             assert not stage.has_work()
+        finally:
+            assert stage._links[0] is not None
+            stage._links[0].close(linger=0)
+            router.close()
+            ctx.term()
+
+    def test_a_fence_is_flagged_on_the_link_and_in_its_aborted(self, no_leftovers: str) -> None:
+        # docs/wire.md section 8: the replay's fence goes down the link as
+        # ["abort", ids, nil, true]; a stage that applies a flagged abort answers
+        # ["aborted", ids, true] and chases it on flagged. An unflagged abort: as before.
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        stage = PipeStage(
+            CountdownEngine(),
+            stage="s",
+            downstream=f"tcp://127.0.0.1:{port}",
+            replay_bytes=1 << 20,
+        )
+
+        def received() -> Any:
+            assert router.poll(5000)
+            _ident, body = router.recv_multipart()
+            return msgspec.msgpack.decode(body)
+
+        def items() -> list[Any]:  # the pipe items that arrive next, up to an END
+            got: list[Any] = []
+            while not got or not got[-1][0] & END:
+                msg = received()
+                assert msg[0] == "pipe", msg
+                got += zip(msg[1], msg[2], msg[3], strict=True)
+            return got
+
+        try:
+            with in_process_stage(cast(Any, stage), no_leftovers) as (_, client):
+                client.send("add", "a", 2)
+                assert items() == [(FIRST, "a", 1), (MORE, "a", 0), (END, "a", None)]
+                client.send("replay", "a", 1)  # the fence, flagged; then the log again
+                assert received() == ["abort", ["a"], None, True]
+                assert items() == [(FIRST, "a", 1), (MORE, "a", 0), (END, "a", None)]
+                replayed = client.until(lambda ev: ev[0] == "replayed")
+                assert replayed[-1] == ["replayed", "a", 1, True, ""]
+                client.send("abort", ["b"], None, True)  # a fence from the previous stage
+                assert client.until(lambda ev: ev[0] == "aborted")[-1] == ["aborted", ["b"], True]
+                assert received() == ["abort", ["b"], None, True]  # chased on, flagged
+                client.send("abort", ["b"])  # an ordinary abort (or an older sender's fence)
+                assert client.until(lambda ev: ev[0] == "aborted")[-1] == ["aborted", ["b"]]
+                assert received() == ["abort", ["b"]]
         finally:
             assert stage._links[0] is not None
             stage._links[0].close(linger=0)
@@ -398,27 +446,8 @@ class TestErrors:
         pid = pipe.call_utility("mid", "pid")
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        for stream in streams:
-            with pytest.raises(PipelineStageDeadError) as info:
-                stream.collect(timeout=5)
-            assert info.value.stage == "mid"
-            assert "SIGKILL" in str(info.value)
+        assert_death_contained(pipe, streams, "mid", "SIGKILL", timeout=5)
         assert time.monotonic() - killed_at < 5  # within a second, on a quiet machine
-        with pytest.raises(PipelineStageDeadError):
-            pipe.add("later", 1)
-        assert pipe.in_flight == 0
-        # The stages still running drop the failed requests: the first one, and the one
-        # after the dead one (which the first one's abort cannot reach).
-        assert wait_until(lambda: pipe.call_utility("first", "num_requests") == 0, 10)
-        assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
-        # The live stages' statistics can still be read; the dead one's entry says why not.
-        stats = pipe.stats()
-        assert list(stats) == ["first", "mid", "last"]
-        assert isinstance(stats["mid"], EngineDeadError)
-        assert "SIGKILL" in str(stats["mid"])
-        for name in ("first", "last"):
-            assert isinstance(stats[name], StageStatistics)
-            assert stats[name].live == 0
 
     def test_a_dead_previous_stage_s_late_data_is_dropped_after_its_gone(
         self, no_leftovers: str

@@ -22,7 +22,9 @@ from enginecore.stage._controls import (
     ClientJoined,
     ClientLeft,
     PipeCredit,
+    PipeFence,
     PipeInput,
+    PipeRoute,
     SessionChange,
     Stop,
 )
@@ -429,6 +431,26 @@ class TestValidation:
         assert stop.drain is None
         assert isinstance(drain, Stop)
         assert drain.drain == 2.5
+        assert not session.events
+
+    def test_a_fenced_abort_becomes_a_pipe_fence(self, session: StageSession) -> None:
+        # docs/wire.md section 8: an abort flagged as a replay's fence is applied as a
+        # PipeFence (answered flagged); an unflagged one, an older sender's included, stays
+        # a plain Abort. Its routes, if any, come first, as for any abort.
+        welcome(session)
+        session.receive(A, frame("abort", ["r1"], None, True), 1.0)
+        session.receive(A, frame("abort", ["r2"], [[1]], True), 1.0)
+        session.receive(A, frame("abort", ["r3"], None, False), 1.0)
+        session.receive(A, frame("abort", ["r4"]), 1.0)
+        fence, route, routed, plain, older = session.to_loop
+        assert isinstance(fence, PipeFence)
+        assert fence.req_ids == ["r1"]
+        assert isinstance(route, PipeRoute)
+        assert (route.req_ids, route.routes, route.abort) == (["r2"], [[1]], True)
+        assert isinstance(routed, PipeFence)
+        assert routed.req_ids == ["r2"]
+        assert plain == Abort(["r3"])
+        assert older == Abort(["r4"])
         assert not session.events
 
     def test_ping_is_answered_with_pong(self, session: StageSession) -> None:

@@ -124,6 +124,36 @@ class TestShapes:
             Fatal("E()"),
         ]
 
+    def test_a_fence_is_a_trailing_flag_on_abort_and_aborted(self) -> None:
+        # docs/wire.md section 8: the replay's fence is an `abort` with a trailing true
+        # (after the routes, nil without pools), answered by an `aborted` with one. Without
+        # it (an older peer), both decode as before: not a fence.
+        messages = _codec.Decoder(_wire.ClientMsg, strict=False)
+        encoder = _codec.Encoder()
+
+        def message(*msg: Any) -> Any:
+            return messages.decode(encoder.encode(msg))
+
+        assert message("abort", ["a"]) == _wire.AbortMsg(["a"])
+        assert message("abort", ["a"]).fence is False
+        assert message("abort", ["a"], [[1]]) == _wire.AbortMsg(["a"], [[1]], False)
+        assert message("abort", ["a"], None, True) == _wire.AbortMsg(["a"], None, True)
+        assert message("abort", ["a"], [[1, 0]], True) == _wire.AbortMsg(["a"], [[1, 0]], True)
+        assert message("abort", ["a"], None, False).fence is False
+        # A later element still is ignored.
+        assert message("abort", ["a"], None, True, "later") == _wire.AbortMsg(["a"], None, True)
+        events = _codec.Decoder(_wire.EventBatch, strict=True)
+        batch = [("aborted", ["a"]), ("aborted", ["b", "c"], True), ("aborted", ["d"], False)]
+        assert events.decode([msgspec.msgpack.encode(batch)]) == [
+            Aborted(["a"]),
+            Aborted(["b", "c"], fence=True),
+            Aborted(["d"]),
+        ]
+        assert Aborted(["a"]).fence is False
+        # The struct round-trips, the flag included.
+        for ev in (Aborted(["a"]), Aborted(["a"], fence=True)):
+            assert events.decode([msgspec.msgpack.encode([ev])]) == [ev]
+
 
 class TestPublicApi:
     def test_all_is_sorted_and_complete(self) -> None:

@@ -34,6 +34,8 @@ control                   made by, and what the loop does with it
 :class:`PipeRelease`      the coordinator's ``release``: requests done; forget their logs
 :class:`PipeRoute`        a pipeline with replica pools: the routes of requests (the
                           coordinator's ``route``, or a ``pipe``'s or ``abort``'s routes)
+:class:`PipeFence`        an ``abort`` flagged as a replay's fence: applied as any abort,
+                          answered by an ``aborted`` flagged the same, chased on flagged
 :class:`ClientJoined`     a multi-client stage welcomed a client (``serve --max-clients``):
                           its outputs, answers and errors go to its own output socket
 :class:`ClientInput`      a multi-client stage: the messages after it come from that client
@@ -62,6 +64,7 @@ __all__ = [
     "DrainDeadline",
     "DropEnded",
     "PipeCredit",
+    "PipeFence",
     "PipeGone",
     "PipeInput",
     "PipeLink",
@@ -109,6 +112,8 @@ class StageTarget(Protocol):
     def pipe_replay(self, req_id: str, attempt: int) -> None: ...
 
     def pipe_release(self, req_ids: list[str]) -> None: ...
+
+    def pipe_fence(self, req_ids: Sequence[str]) -> None: ...
 
 
 class ClientsTarget(Protocol):
@@ -419,3 +424,22 @@ class PipeRoute(Control):
 
     def __repr__(self) -> str:
         return f"PipeRoute({len(self.req_ids)} requests, abort={self.abort})"
+
+
+class PipeFence(Control):
+    """An ``abort`` flagged as a replay's *fence* (``docs/wire.md`` section 8): applied as
+    the loop applies an ``Abort``, answered by an ``aborted`` event flagged the same, and
+    sent on down the link still flagged (``StageEngine.pipe_fence``), so that the
+    coordinator never takes its answer for the confirmation of an abort of its own. (The
+    loop counts it as a control, not as an abort.)"""
+
+    __slots__ = ("req_ids",)
+
+    def __init__(self, req_ids: list[str]) -> None:
+        self.req_ids = req_ids
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        engine.pipe_fence(self.req_ids)
+
+    def __repr__(self) -> str:
+        return f"PipeFence({self.req_ids!r})"

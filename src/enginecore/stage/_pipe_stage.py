@@ -42,7 +42,9 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   needs to send an abort to the first stage only. Each stage applies it once, and says so
   with one ``aborted`` event, which the coordinator counts. An abort of the stage's own (an
   error that ended the request, a detach, a drain's deadline) does not chase: the
-  coordinator aborts an errored request from the first stage itself.
+  coordinator aborts an errored request from the first stage itself. A replay's fence
+  (below) is an abort flagged as such: answered by a flagged ``aborted``
+  (``StageEngine.pipe_fence``), and chased on flagged (:meth:`PipeStage.chase_abort`).
 - **credits**: the stage counts what it sent the next stage and the next stage has not
   taken yet (items, and bytes of pipe frames); while that reaches its window,
   :meth:`PipeStage.has_work` says no, so the loop starts no step (messages are still
@@ -71,8 +73,9 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   from the request's first payload on until the request's abort, or the coordinator's
   ``release`` once the request is done in the pipeline. When the next stage fails a
   request, the coordinator sends ``replay``: the stage sends an ``abort`` of it down the
-  link (the *fence*: the next stages drop what they hold of it, and answer ``aborted``,
-  which the coordinator waits for, dropping their events until then), then the logged
+  link, flagged as a fence (``["abort", [id], routes, true]``, *routes* nil without pools:
+  the next stages drop what they hold of it, and answer ``aborted``, flagged too, which the
+  coordinator waits for, dropping their events until then), then the logged
   items again, as a first input, in order (and the end, if the request ended here), and
   answers ``replayed``. A request whose logged payloads exceed *replay_bytes* (estimated:
   :func:`payload_size`) loses its log: its replay fails, and the coordinator ends it.
@@ -755,10 +758,10 @@ class PipeStage:
         link = self._links[index] if 0 <= index < len(self._links) else None
         if link is None:
             return False, "the next stage is gone"
-        if self._pooled:
-            link.send(self._encoder.encode(("abort", [req_id], [rest]))[0])
-        else:
-            link.send(self._encoder.encode(("abort", [req_id]))[0])
+        # The fence, flagged as such (docs/wire.md section 8: a trailing true, after the
+        # routes, nil without pools).
+        routes = [rest] if self._pooled else None
+        link.send(self._encoder.encode(("abort", [req_id], routes, True))[0])
         items = self._log.get(req_id)
         if items is None:
             if req_id in self._unlogged:
@@ -795,13 +798,14 @@ class PipeStage:
         self._replays += 1
         return True, ""
 
-    def chase_abort(self, req_ids: Sequence[str]) -> None:
+    def chase_abort(self, req_ids: Sequence[str], fence: bool = False) -> None:
         """An ``abort`` message was applied here (the stage runtime calls this after
         :meth:`abort` and its ``aborted`` event): send it on to the next stage, after every
         pipe message this stage sent for those requests, so the next stage applies it after
         their data, and sends it on in turn. Only an abort message chases: an abort of the
         stage's own (an error that ended the request) is followed by the coordinator's,
-        from the first stage, and every stage must answer that one exactly once."""
+        from the first stage, and every stage must answer that one exactly once. *fence*:
+        the abort was a replay's fence, and goes on flagged as one."""
         links = self._links
         if not links or self._next_gone:
             self._abort_routes.clear()
@@ -809,7 +813,9 @@ class PipeStage:
         if not self._pooled:
             link = links[0]
             if link is not None:
-                link.send(self._encoder.encode(("abort", list(req_ids)))[0])
+                ids = list(req_ids)
+                msg: tuple[Any, ...] = ("abort", ids, None, True) if fence else ("abort", ids)
+                link.send(self._encoder.encode(msg)[0])
             return
         # Along each request's route (the abort's routes, from the coordinator or the
         # previous stage; none: replica 0 of each stage, where it never went).
@@ -824,7 +830,8 @@ class PipeStage:
         for index, (ids, rests) in by_link.items():
             link = links[index] if 0 <= index < len(links) else None
             if link is not None:
-                link.send(self._encoder.encode(("abort", ids, rests))[0])
+                chased: tuple[Any, ...] = ("abort", ids, rests)
+                link.send(self._encoder.encode((*chased, True) if fence else chased)[0])
 
     def step(self) -> list[Any]:
         return self._routed(self._inner.step())  # type: ignore[union-attr]

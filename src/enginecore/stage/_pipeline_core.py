@@ -26,7 +26,8 @@ What a stage tells the coordinator about request ``r`` (``docs/wire.md`` section
   sent, whatever order the stages' reports arrive in;
 - an ``error`` for ``r``: that stage ended ``r`` with an error;
 - ``aborted`` for ``r``: that stage applied an abort of ``r`` (every stage applies a
-  coordinator's abort once, since it chases the data through the stages).
+  coordinator's abort once, since it chases the data through the stages); flagged
+  ``fence`` (:meth:`PipelineCore.aborted`), a replay's fence (below).
 
 **A request is done** when, walking from the first stage, every stage it reached has
 ended it: stage 0 ended it, and for each stage ``k`` that ended it having sent payloads
@@ -49,17 +50,22 @@ its stream ends (finished) and its id and its place in the admission budget are 
 ``k`` reports an error for a live request, and nothing of stage ``k`` or a later one has
 reached the caller for it, the request is not ended: the coordinator asks stage ``k - 1``
 to replay it (:attr:`PipelineDeliveries.replays`, ``["replay", rid, attempt]``). That
-stage sends an ``abort`` of it down its link, the *fence*, then the request's logged
-inputs again. Every stage ``j >= k`` applies the fence once and answers ``aborted``; until
-the coordinator has counted that answer (``fences[j]``), every event of stage ``j`` for
-the request is of an earlier attempt and is dropped: an output never reaches the caller, an
+stage sends an ``abort`` of it down its link, the *fence* (flagged as such on the wire),
+then the request's logged inputs again. Every stage ``j >= k`` applies the fence once and
+answers ``aborted``, flagged too; until the coordinator has counted that answer
+(``fences[j]``), every event of stage ``j`` for the request is of an earlier attempt and is
+dropped: an output never reaches the caller, an
 end or an error is not counted. What stages ``>= k`` had ended is forgotten. After ``n``
 replays of one edge, the next error ends the request (``"... (retried n times)"``); an
 error after stage ``k`` or a later one sent the caller something ends it too (``"... (not
 retried: ...)"``), and so does a replay that failed (the ``replayed`` answer: the producer
-no longer held the inputs, or they outgrew its log's bound). The fences' ``aborted``
-answers are never counted as the confirmations of a coordinator's abort: a request leaves
-only when both are in. A request done while live is *released*
+no longer held the inputs, or they outgrew its log's bound). A fence's ``aborted`` (flagged)
+is never counted as the confirmation of a coordinator's abort, nor an unflagged one as a
+fence's answer: a request leaves only when both are in. (A stage of an older build answers
+fences unflagged: an unflagged answer while a fence is due is then taken for the fence's,
+as before the flag; if the coordinator had aborted the request and the fence's flagged
+answer follows, the unflagged one was the abort's, which overtook the fence, and confirms
+it then.) A request done while live is *released*
 (:attr:`PipelineDeliveries.releases`): the stages that keep replay logs forget it; one done
 while a fence is unanswered (a replay made moot by a later one is still on its way) is
 aborted in every stage instead, so that what that replay sends ends too, and is kept until
@@ -76,8 +82,10 @@ a :class:`~._errors.PipelineStageDeadError` naming the stage and the replica; th
 aborts go from the first stage and from the stage after the dead one, and the dead replica
 counts as having applied them. A retry of such a request under way is moot: its fences at
 the dead replica and after it are dropped (those after it went through the dead replica,
-which may not have passed them on, or the next stage dropped them after its ``gone``), and
-each later stage's next ``aborted`` answer confirms the abort. New requests avoid it. When
+which may not have passed them on, or the next stage dropped them after its ``gone``). An
+answer to one of them may still come (the dead replica had passed it on): flagged, it is
+ignored, and each later stage's unflagged answer, to the abort sent after the death,
+confirms that abort. New requests avoid it. When
 the last replica of a stage dies, the stage is dead (:meth:`stage_dead`). The
 coordinator's abort is confirmed once per stage (a bit per stage: an abort sent twice to a
 stage, once from the first stage and once from the stage after a dead replica, is one
@@ -176,6 +184,7 @@ class _Request(Generic[S]):
         "spoke",
         "state",
         "stream",
+        "taken",
     )
 
     def __init__(self, req_id: str, stream: S, nbytes: int) -> None:
@@ -183,12 +192,14 @@ class _Request(Generic[S]):
         self.nbytes = nbytes  # its share of the bytes budget
         self.stream = stream
         self.state = _LIVE
-        self.ended = self.sent = self.confirms = self.spoke = 0
+        self.ended = self.sent = self.confirms = self.spoke = self.taken = 0
         # ended, bit k: stage k ended it; sent, bit k: and sent payloads on; confirms, bit
         # k: stage k applied the coordinator's abort. Retry: bit k of spoke, stage k sent
         # the caller a payload (counted only where an edge retries); fences[k], the fences
         # stage k has still to answer (its events until then are an earlier attempt's);
-        # replays, once it has one.
+        # bit k of taken, an unflagged answer of stage k counted as a fence's while the
+        # coordinator's abort was out (it may have been that abort's: aborted()); replays,
+        # once it has one.
         self.fences: list[int] | None = None
         self.replays: _Replays | None = None
         self.route: tuple[int, ...] | None = None  # with replica pools: one per stage
@@ -582,17 +593,24 @@ class PipelineCore(Generic[S]):
         now: float,
         d: PipelineDeliveries[S],
         r: int = 0,
+        fence: bool = False,
     ) -> None:
-        """Stage *k* applied an abort of *req_ids*. Once every stage has applied the
-        coordinator's abort of a request, nothing more can come of it: an aborting one's
-        stream ends (aborted), and its place is free. (An abort the coordinator did not send,
-        of a live request, is ignored.) A stage's answer to a replay's fence
-        (:meth:`error`) is not a confirmation: it ends that stage's earlier attempt, and a
-        request leaves only once every fence is answered too."""
+        """Stage *k* applied an abort of *req_ids*: a replay's fence if *fence* (the
+        ``aborted`` event's flag). Once every stage has applied the coordinator's abort of a
+        request, nothing more can come of it: an aborting one's stream ends (aborted), and
+        its place is free. (An abort the coordinator did not send, of a live request, is
+        ignored.) A stage's answer to a replay's fence (:meth:`error`) is not a
+        confirmation: it ends that stage's earlier attempt, and a request leaves only once
+        every fence is answered too. A fence's answer when none is due (its process died:
+        :meth:`replica_dead`) is ignored. An unflagged answer while a fence is due is taken
+        for the fence's (a stage of an older build flags nothing); if the request was
+        aborted and the flagged answer to that fence comes later, the unflagged one was the
+        abort's (module docstring, "Retry")."""
         requests = self._requests
         bit = 1 << k
         every = self._all
         pooled = self.replicas[k] > 1
+        live = RequestState.LIVE
         for rid in req_ids:
             req = requests.get(rid)
             if req is None:
@@ -600,9 +618,26 @@ class PipelineCore(Generic[S]):
             if pooled and req.route is not None and req.route[k] != r:
                 continue  # a replica the request does not go through
             fences = req.fences
-            if fences is not None and fences[k]:
-                fences[k] -= 1  # stage k applied a replay's fence: its next events are new
-            elif req.state is RequestState.LIVE:
+            if fence:
+                # A fence's answer: never the confirmation of an abort.
+                if fences is not None and fences[k]:
+                    fences[k] -= 1  # stage k applied a replay's fence: its next events are new
+                elif req.taken & bit:
+                    # Its fences were taken as answered already, by an unflagged answer
+                    # that was the abort's (it overtook the fence): that one confirms.
+                    req.taken &= ~bit
+                    req.confirms |= bit
+                else:
+                    continue  # a fence no longer counted: its process died (replica_dead)
+            elif fences is not None and fences[k]:
+                # Unflagged while a fence is due: a stage that flags nothing (an older
+                # build) answered the fence; or, once the coordinator has aborted the
+                # request, the abort overtook the fence (then the fence's flagged answer
+                # comes later, and says so).
+                fences[k] -= 1
+                if req.state is not live:
+                    req.taken |= bit
+            elif req.state is live:
                 continue
             else:
                 req.confirms |= bit
@@ -680,8 +715,11 @@ class PipelineCore(Generic[S]):
                 # A replay's fences at this stage and after it are moot: the request has
                 # ended. Those after it went through the dead process, which may not have
                 # sent them on (or the next stage dropped them after its gone): an answer
-                # may never come. The next answer of each such stage confirms the abort.
+                # may never come, and is not waited for. One that comes (the dead process
+                # had passed the fence on) is flagged, a fence's: ignored. Each later
+                # stage's unflagged answer to the abort sent after the death confirms it.
                 fences[k:] = repeat(0, self._n - k)
+                req.taken &= bit - 1
             req.confirms |= bit
             if k + 1 < self._n:
                 after.append(rid)

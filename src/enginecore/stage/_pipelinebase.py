@@ -1156,7 +1156,7 @@ class PipelineBase(Generic[S, C]):
                 if isinstance(ev, Outputs):
                     core.outputs(k, ev.req_ids, ev.finished, ev.payloads, now, d, r)
                 elif isinstance(ev, Aborted):
-                    core.aborted(k, ev.req_ids, now, d, r)
+                    core.aborted(k, ev.req_ids, now, d, r, ev.fence)
                 elif isinstance(ev, Credit):
                     if ev.links is None:
                         credit_items += ev.items

@@ -8,7 +8,8 @@ Everything here runs on the loop thread. The adapter adds five things to the eng
 - its ``step()`` hands each step's outputs, routed and checked, to the output thread as one
   ``outputs`` event, and returns nothing to the loop (:func:`make_step`);
 - after ``abort(req_ids)`` returns, an ``aborted`` event, ordered with the outputs, so none
-  of the aborted requests' outputs follows it;
+  of the aborted requests' outputs follows it (flagged, ``["aborted", ids, true]``, for an
+  ``abort`` flagged as a pipeline replay's fence: :meth:`StageEngine.pipe_fence`);
 - the ordered stop: a client's ``shutdown`` is applied in order, after everything sent
   before it (:class:`~._controls.Stop`); with a drain, new adds are refused while the live
   requests run to completion, and those still live at the drain's deadline are aborted,
@@ -209,9 +210,8 @@ class StageEngine:
         self._pipe_route: Callable[[list[str], list[list[int]], bool], None] | None = getattr(
             engine, "pipe_route", None
         )
-        self._chase_abort: Callable[[Sequence[str]], None] | None = getattr(
-            engine, "chase_abort", None
-        )
+        # chase_abort(req_ids), or chase_abort(req_ids, True) for a replay's fence.
+        self._chase_abort: Callable[..., None] | None = getattr(engine, "chase_abort", None)
         self._pipe_gone: Callable[[str, int, int], None] | None = getattr(engine, "pipe_gone", None)
         self._pipe_late: Callable[[str, int], None] | None = getattr(engine, "pipe_late", None)
         self._pipe_link: Callable[[int, str, str, str], None] | None = getattr(
@@ -246,6 +246,15 @@ class StageEngine:
         self._emit(("aborted", list(req_ids)))
         if self._chase_abort is not None:
             self._chase_abort(req_ids)
+
+    def pipe_fence(self, req_ids: Sequence[str]) -> None:
+        """:class:`~._controls.PipeFence`: an ``abort`` flagged as a replay's fence
+        (``docs/wire.md`` section 8), applied as :meth:`abort` applies one, answered by an
+        ``aborted`` event flagged the same, and chased on still flagged."""
+        self._drop(req_ids if self._clients is None else self._clients.own(req_ids))
+        self._emit(("aborted", list(req_ids), True))
+        if self._chase_abort is not None:
+            self._chase_abort(req_ids, True)
 
     def _drop(self, req_ids: Sequence[str]) -> None:
         self._abort(req_ids)

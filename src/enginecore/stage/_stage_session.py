@@ -58,6 +58,7 @@ from ._controls import (
     ClientLeft,
     ClientsTarget,
     PipeCredit,
+    PipeFence,
     PipeGone,
     PipeInput,
     PipeLink,
@@ -417,7 +418,10 @@ class StageSession:
         elif cls is _wire.AbortMsg:
             if msg.routes is not None:
                 self._routes(msg.req_ids, msg.routes, abort=True)
-            self.to_loop.append(Abort(msg.req_ids))
+            if msg.fence is True:  # a replay's fence (section 8): answered flagged
+                self.to_loop.append(PipeFence(msg.req_ids))
+            else:
+                self.to_loop.append(Abort(msg.req_ids))
         elif cls is _wire.PipeMsg:
             # The frame's size, and the bytes of its arrays in shared memory (the credit).
             self._pipe(msg, sum(map(len, parts)) + self._decoder.shm_bytes)

@@ -66,6 +66,10 @@ class AbortMsg(msgspec.Struct, array_like=True, frozen=True, tag="abort"):
     # stages after the receiver that the request's route goes through (the abort chases
     # the data along it). Absent: replica 0 of each.
     routes: list[list[int]] | None = None
+    # A replay's fence (docs/wire.md section 8): true in the abort a stage sends down its
+    # link for the coordinator's `replay`, and in that abort chased on; the stage answers it
+    # with an `aborted` that says so. Absent (an older sender): an ordinary abort.
+    fence: bool = False
 
 
 class UtilityMsg(msgspec.Struct, array_like=True, frozen=True, tag="utility"):
@@ -237,9 +241,12 @@ class UtilityResult(msgspec.Struct, array_like=True, frozen=True, tag="utility")
 
 
 class Aborted(msgspec.Struct, array_like=True, frozen=True, tag="aborted"):
-    """The engine's ``abort(req_ids)`` has returned: no output of these requests follows."""
+    """The engine's ``abort(req_ids)`` has returned: no output of these requests follows.
+    *fence* (a pipeline's stage, ``docs/wire.md`` section 8): the abort applied was a
+    replay's fence, not the client's abort; absent from the wire (``False``) otherwise."""
 
     req_ids: list[str]
+    fence: bool = False
 
 
 class ErrorReport(msgspec.Struct, array_like=True, frozen=True, tag="error"):

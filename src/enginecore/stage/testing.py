@@ -869,13 +869,18 @@ class DyingOnRetryEngine(RelayEngine):
     from ``add``); when the replay comes, the process kills itself with ``SIGKILL``: *at*
     ``"fence"``, when it applies the replay's fence (the abort before the inputs again), so
     the fence never goes on to the next stage; ``"input"``, when the inputs come again
-    (the fence went on). Any other input is relayed, as by :class:`RelayEngine`."""
+    (the fence went on), after *delay_s* seconds (time for the fence to leave the process:
+    a ``SIGKILL`` right after it was sent on may lose it). Any other input is relayed, as
+    by :class:`RelayEngine`."""
 
-    def __init__(self, at: str = "fence") -> None:
+    def __init__(self, at: str = "fence", delay_s: float = 0.0) -> None:
         if at not in ("fence", "input"):
             raise ValueError(f"at must be 'fence' or 'input', got {at!r}")
+        if not 0 <= delay_s < 60:
+            raise ValueError(f"delay_s must be seconds in [0, 60), got {delay_s!r}")
         super().__init__()
         self.at = at
+        self.delay_s = delay_s
         self._failed: set[str] = set()  # requests whose first attempt failed here
 
     def add(self, req_id: str, data: Any) -> None:
@@ -884,6 +889,7 @@ class DyingOnRetryEngine(RelayEngine):
                 self._failed.add(req_id)
                 raise RequestRejected(f"the first attempt of {req_id!r} fails on purpose")
             if self.at == "input":
+                time.sleep(self.delay_s)
                 os.kill(os.getpid(), signal.SIGKILL)
         super().add(req_id, data)
 
@@ -893,9 +899,9 @@ class DyingOnRetryEngine(RelayEngine):
         super().abort(req_ids)
 
 
-def dying_on_retry(at: str = "fence") -> DyingOnRetryEngine:
+def dying_on_retry(at: str = "fence", delay_s: float = 0.0) -> DyingOnRetryEngine:
     """Factory: a :class:`DyingOnRetryEngine`."""
-    return DyingOnRetryEngine(at)
+    return DyingOnRetryEngine(at, delay_s)
 
 
 # Edge functions for pipelines (``PipelineStage(edge="enginecore.stage.testing:NAME")``).
