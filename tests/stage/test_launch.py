@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -178,3 +179,72 @@ class TestNoOrphans:
                 harness.wait()
             assert harness.stdout is not None
             harness.stdout.close()
+
+
+class TestTcpListen:
+    """A launched stage that listens on TCP with CURVE (``_launch.TcpListen``: a pipeline's
+    local stage after a stage on Ray): its parent's key admitted from the start, others
+    only once the parent says so over the death pipe, and refused again once removed."""
+
+    def test_the_parent_admits_keys_over_the_pipe_and_removes_them(self, no_leftovers: str) -> None:
+        import zmq
+
+        from enginecore.stage import CurveKeys, StageClient
+        from enginecore.stage._curve import ServerCurve
+        from enginecore.stage._launch import Launched, TcpListen
+
+        from .raw import RawClient, refused_handshake
+
+        server_public, server_secret = zmq.curve_keypair()
+        public, secret = zmq.curve_keypair()
+        server = ServerCurve(server_public, server_secret, frozenset([public]), "(test)")
+        listen = TcpListen("127.0.0.1", server, CurveKeys(public, secret, server_public))
+        options = {"name": "tcp", "listen": listen}
+        client = StageClient._launch(COUNTDOWN, None, 30.0, False, options)
+        try:
+            launched = client._launched
+            assert isinstance(launched, Launched)
+            assert client.address.startswith("tcp://127.0.0.1:")
+            assert client.add("r1", 2).collect(timeout=10) == [1, 0]  # the parent's own key
+            peer_public, peer_secret = zmq.curve_keypair()
+            peer = (peer_public, peer_secret, server_public)
+            refused_handshake(client.address)  # NULL
+            refused_handshake(client.address, curve=peer)  # a key not admitted
+            assert launched.authorize([peer_public]) == 2  # the parent's and the peer's
+            raw = RawClient(client.address, curve=CurveKeys(*peer))
+            try:
+                # Admitted: the stage itself answers (it takes one client, its parent).
+                assert raw.hello()[2] == "another client is attached to this stage"
+            finally:
+                raw.close()
+            with pytest.raises(RuntimeError, match="40-character Z85"):
+                launched.authorize([b"not a key"])  # refused in the stage: nothing changed
+            assert launched.authorize([]) == 1  # the peer's key removed again
+            refused_handshake(client.address, curve=peer)
+            assert client.add("r2", 2).collect(timeout=10) == [1, 0]
+        finally:
+            client.shutdown()
+        with pytest.raises(Exception, match="gone"):
+            launched.authorize([peer_public])
+
+    def test_a_stage_on_ipc_takes_no_keys(self, client: Any) -> None:
+        from enginecore.stage._launch import Launched
+
+        launched = client._launched
+        assert isinstance(launched, Launched)
+        assert client.address.startswith("ipc://")
+        with pytest.raises(ValueError, match="ipc"):
+            launched.authorize([])
+
+    def test_the_parent_s_own_key_must_be_admitted(self) -> None:
+        import zmq
+
+        from enginecore.stage import CurveKeys
+        from enginecore.stage._curve import ServerCurve
+        from enginecore.stage._launch import TcpListen
+
+        server_public, server_secret = zmq.curve_keypair()
+        public, secret = zmq.curve_keypair()
+        server = ServerCurve(server_public, server_secret, frozenset(), "(test)")
+        with pytest.raises(ValueError, match="own key"):
+            TcpListen("127.0.0.1", server, CurveKeys(public, secret, server_public))

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from enginecore.stage import (
+    CurveKeys,
     Pipeline,
     PipelineStage,
     PipelineStageDeadError,
@@ -28,6 +29,7 @@ from enginecore.stage import (
     _shm,
 )
 from enginecore.stage._edge import FIRST, link_id
+from enginecore.stage._launch import Launched
 from enginecore.stage._pipelinebase import pipe_kwargs
 
 from .conftest import wait_until
@@ -186,15 +188,30 @@ class TestStartup:
         assert no_actor_left()
 
 
-def test_a_stage_on_ray_on_another_host_cannot_feed_a_local_stage(
-    monkeypatch: pytest.MonkeyPatch, no_leftovers: str
+def local_curve(pipe: Any, stage: str) -> CurveKeys:
+    """The coordinator's CURVE keys for a local stage that listens on TCP."""
+    launched = pipe.client(stage)._launched
+    assert isinstance(launched, Launched)
+    assert launched.curve is not None
+    return launched.curve
+
+
+def test_a_stage_on_ray_on_another_host_feeds_a_local_stage_over_tcp(
+    monkeypatch: pytest.MonkeyPatch, launch: Any
 ) -> None:
-    # The local stage listens on ipc, which another host cannot reach: the coordinator
-    # is made to believe it runs on another host than the actor (one machine here).
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.1")  # TEST-NET-1
-    with pytest.raises(StageStartupError, match="place the next stage on Ray too"):
-        Pipeline.launch(three("mid"), startup_timeout=60)
-    assert no_actor_left()
+    # Ray tells the coordinator that this host is 127.0.0.2 (another address than the
+    # actor's node, one machine here): the local stage after the stage on Ray listens
+    # there, on TCP with CURVE, and the actor's link reaches it; the local stage after a
+    # local one keeps ipc.
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.2")
+    pipe = launch([*three("mid"), PipelineStage(RELAY, name="tail")])
+    assert ray_stage(pipe, "mid").node_ip != "127.0.0.2"
+    assert pipe.client("last").address.startswith("tcp://127.0.0.2:")
+    assert local_curve(pipe, "last").server_key  # the coordinator's client is a CURVE one
+    assert pipe.client("first").address.startswith("ipc://")
+    assert pipe.client("tail").address.startswith("ipc://")
+    assert pipe.add("r1", 3).collect(timeout=30) == [2, 1, 0]
+    assert pipe.call_utility("last", "added") == 1
 
 
 class TestCurveLinks:
@@ -215,6 +232,23 @@ class TestCurveLinks:
         # Nothing reached the stage: it added only the real request, and still serves.
         assert pipe.add("r2", 2).collect(timeout=30) == [1, 0]
         assert pipe.call_utility("mid", "added") == 2
+        assert pipe.call_utility("last", "added") == 2
+
+    def test_a_peer_that_is_not_admitted_cannot_send_a_local_stage_on_tcp_pipe_messages(
+        self, launch: Any
+    ) -> None:
+        # The local stage after a stage on Ray listens on TCP: it admits the coordinator
+        # and the link keys of the stage on Ray, nothing else.
+        pipe = launch(three("mid"))
+        assert pipe.add("r1", 2).collect(timeout=30) == [1, 0]
+        address = pipe.client("last").address
+        assert address.startswith("tcp://")
+        pipe_message = msgspec.msgpack.encode(["pipe", [FIRST], ["evil"], [5]])
+        public, secret = zmq.curve_keypair()
+        keys = (public, secret, local_curve(pipe, "last").server_key)
+        refused_handshake(address, pipe_message, curve=keys, routing_id=link_id(1).encode())
+        refused_handshake(address, pipe_message)  # a NULL client (no CURVE at all)
+        assert pipe.add("r2", 2).collect(timeout=30) == [1, 0]
         assert pipe.call_utility("last", "added") == 2
 
     def test_the_links_around_a_stage_on_ray_use_no_shared_memory(self, launch: Any) -> None:
@@ -288,8 +322,22 @@ FAST = RestartPolicy(first_delay=0.05, max_delay=0.05)
 class TestRestart:
     @pytest.mark.parametrize(
         ("placed", "dies"),
-        [("mid", "mid"), ("all", "mid"), ("mid", "first"), ("first", "mid")],
-        ids=["on-ray-between-local", "on-ray-between-ray", "local-before-ray", "local-after-ray"],
+        [
+            ("mid", "mid"),
+            ("all", "mid"),
+            ("mid", "first"),
+            ("first", "mid"),
+            ("first", "first"),
+            ("mid", "last"),
+        ],
+        ids=[
+            "on-ray-between-local",
+            "on-ray-between-ray",
+            "local-before-ray",
+            "local-after-ray",
+            "on-ray-before-local",
+            "local-last-after-ray",
+        ],
     )
     def test_a_dead_process_on_or_next_to_ray_restarts_and_links_over_curve(
         self, launch: Any, placed: str, dies: str
@@ -297,8 +345,11 @@ class TestRestart:
         # A process on Ray comes back on Ray: the stage before it admitted before it links
         # (its `link` names the new CURVE server key), its own link key granted to a next
         # stage on Ray; a local process before a stage on Ray gets a new key pair, granted
-        # first. Each stage on Ray admits only the coordinator and the keys of the stage
-        # before: the outputs after the restart prove every link in was admitted.
+        # first. A local process after a stage on Ray listens on TCP with CURVE: started
+        # again, it admits the stage before's link keys from its start; a process on Ray
+        # before it, started again, has its new link key admitted by it first. Each stage
+        # on TCP admits only the coordinator and the keys of the stage before: the outputs
+        # after the restart prove every link in was admitted.
         on_ray = {"first", "mid", "last"} if placed == "all" else {placed}
         pipe = launch(
             [
@@ -332,6 +383,10 @@ class TestRestart:
             assert new.curve is not None
             assert new.curve.server_key != old.curve.server_key  # type: ignore[union-attr]
             assert pipe.client(dies).address.startswith("tcp://")
+        elif {"mid": "first", "last": "mid"}.get(dies) in on_ray:  # local after Ray: TCP
+            assert pipe.client(dies).address.startswith("tcp://")
+        else:  # local after a local stage (or first): ipc
+            assert pipe.client(dies).address.startswith("ipc://")
         later = [pipe.add(f"later{i}", 3) for i in range(8)]
         assert [s.collect(timeout=30) for s in later] == [[2, 1, 0]] * 8
         assert pipe.in_flight == 0
@@ -358,6 +413,41 @@ class TestRestart:
         assert new.link_key is not None
         assert new.link_key != old.link_key
         assert ray_stage(pipe, "last").authorized_clients == (new.link_key,)
+        assert pipe.add("r", 3).collect(timeout=30) == [2, 1, 0]
+
+    def test_a_local_stage_on_tcp_admits_a_restarted_producer_s_key_instead_of_the_dead_one_s(
+        self, launch: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # What the coordinator asks the local stage after a stage on Ray to admit (besides
+        # itself), over its launch pipe: the producer's link key before it starts, and at
+        # its restart the new process's key alone.
+        calls: list[tuple[Launched, list[bytes]]] = []
+        authorize = Launched.authorize
+
+        def record(self: Launched, keys: list[bytes], timeout: float = 30.0) -> int:
+            calls.append((self, list(keys)))
+            return authorize(self, keys, timeout)
+
+        monkeypatch.setattr(Launched, "authorize", record)
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", placement=SMALL, restart=FAST),
+                PipelineStage(RELAY, name="mid"),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        mid = pipe.client("mid")._launched
+        old = ray_stage(pipe, "first")
+        assert old.link_key is not None
+        assert calls == [(mid, [old.link_key])]
+        ray.kill(old.actor, no_restart=True)
+        assert wait_until(lambda: pipe.restarts["first"] == 1, 60)
+        assert wait_until(lambda: pipe.health()["first"] == StageHealth.OK, 30)
+        new = ray_stage(pipe, "first")
+        assert new.link_key is not None
+        assert new.link_key != old.link_key
+        assert calls == [(mid, [old.link_key]), (mid, [new.link_key])]
+        assert pipe.client("mid")._launched is mid  # the local stage went on
         assert pipe.add("r", 3).collect(timeout=30) == [2, 1, 0]
 
 

@@ -9,7 +9,8 @@ within the heartbeat bound, while the others keep serving, and that a restart pl
 lost replica on a node that is left. What cannot: a network between hosts (both nodes share
 this machine's address; CURVE over TCP is tested in test_curve.py and test_ray.py). A
 pipeline with stages on both nodes checks that its links (CURVE, stage to stage) reach
-across nodes.
+across nodes, and one whose stage on the worker feeds a local stage (on TCP) that that link
+reaches back.
 
 A Ray worker process is a child of its node's raylet, so the node a replica runs on is read
 from the parent pid of its actor's process: no private Ray API.
@@ -143,6 +144,28 @@ def test_a_pipeline_s_stages_run_on_the_nodes_their_placements_name(nodes: Nodes
             assert isinstance(stage, RayStage)
             where[f"{name}[{replica}]"] = nodes.of(stage.process.pid)
         assert where == {"mid[0]": "worker", "last[0]": "head", "last[1]": "worker"}
+        streams = pipe.add_many([(f"p{i}", 1 + i % 3) for i in range(30)])
+        for i, stream in enumerate(streams):
+            assert stream.collect(timeout=30) == list(range(i % 3, -1, -1))
+        assert pipe.call_utility("last", "added") == [15, 15]
+
+
+def test_a_stage_on_the_worker_feeds_a_local_pool_over_tcp(nodes: Nodes) -> None:
+    # first (local) -> mid (on the worker) -> last (a local pool of two): each local replica
+    # after the stage on Ray listens on TCP with CURVE and admits mid's link key.
+    relay = "enginecore.stage.testing:relay"
+    stages = [
+        PipelineStage("enginecore:CountdownEngine", name="first"),
+        PipelineStage(relay, name="mid", placement=on("worker")),
+        PipelineStage(relay, name="last", replicas=2),
+    ]
+    with Pipeline.launch(stages, startup_timeout=60) as pipe:
+        mid = pipe.client("mid")._launched
+        assert isinstance(mid, RayStage)
+        assert nodes.of(mid.process.pid) == "worker"
+        assert pipe.client("first").address.startswith("ipc://")
+        for replica in (0, 1):
+            assert pipe.client("last", replica).address.startswith("tcp://")
         streams = pipe.add_many([(f"p{i}", 1 + i % 3) for i in range(30)])
         for i, stream in enumerate(streams):
             assert stream.collect(timeout=30) == list(range(i % 3, -1, -1))

@@ -313,7 +313,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         ping_s: float = _session.LAUNCHED_PING_S,
     ) -> AsyncStageClient:
         """:meth:`launch`, with the stage's *options* (its keyword arguments from *name*
-        on) as a dict and how often to ping the stage (*ping_s*: a pool's health check)."""
+        on, and ``listen``: a pipeline's stage that listens on TCP, ``_launch.TcpListen``)
+        as a dict and how often to ping the stage (*ping_s*: a pool's health check)."""
         options = dict(options)
         # Started on this thread, then awaited on the event loop: no executor thread is
         # held while the factory builds the engine, so a pool's replicas start together.
@@ -328,6 +329,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                     launched,
                     (ping_s, None),
                     ordered_events,
+                    launched.curve,  # a stage that listens on TCP (TcpListen): CURVE
                 )
             )
         except BaseException as exc:

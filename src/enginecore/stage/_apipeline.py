@@ -29,7 +29,6 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
-    check_host,
     launch_options,
     order_clients,
     retry_counts,
@@ -53,17 +52,25 @@ class AsyncPipelineStream(AsyncRequestStream):
 
 
 async def _grant(links: LaunchLinks, key: bytes) -> None:
-    """Before a stage's process that links with *key* starts: the next stage (on Ray)
+    """Before a stage's process that links with *key* starts: the next stage (on TCP)
     admits it (:meth:`LaunchLinks.grant`)."""
     await _authorize(links.grant(key))
 
 
 async def _authorize(grants: list[tuple[AsyncStageClient, list[bytes]]]) -> None:
-    """Each stage on Ray of *grants* admits its keys from now on (a key rotation)."""
-    from .ray import authorize_clients_async
+    """Each stage of *grants* (on Ray, or local on TCP) admits its keys from now on, its
+    owner's too (a key rotation); returns once each has. A local stage's answer comes on
+    its death pipe, read on a worker thread (a round trip, while the loop runs on)."""
+    from ._launch import Launched
 
     for target, keys in grants:
-        await authorize_clients_async(target, keys)
+        launched = target._launched
+        if isinstance(launched, Launched):
+            await asyncio.to_thread(launched.authorize, keys)
+        else:
+            from .ray import authorize_clients_async
+
+            await authorize_clients_async(target, keys)
 
 
 class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
@@ -137,8 +144,9 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                 if key is not None:
                     await _grant(links, key)
                 if plan is None:
-                    client = await AsyncStageClient.launch(
-                        PIPE_FACTORY, kwargs, **launch_options(specs[k], startup_timeout, r)
+                    options = launch_options(specs, k, r)
+                    client = await AsyncStageClient._launch(
+                        PIPE_FACTORY, kwargs, startup_timeout, True, options
                     )
                 else:
                     from .ray import open_on_ray_async
@@ -302,9 +310,11 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         kwargs, plan, key = self._restart_plan(k, r, generation)
         if key is not None:  # a local process whose next stage is on Ray
             await _authorize(self._grants(k, r, key))
-        if plan is None:
-            options = launch_options(self._specs[k], self._startup_timeout, r)
-            return await AsyncStageClient.launch(PIPE_FACTORY, kwargs, **options)
+        if plan is None:  # on TCP: the stage before's link keys admitted at start
+            options = launch_options(self._specs, k, r, self._admitted(k) or ())
+            return await AsyncStageClient._launch(
+                PIPE_FACTORY, kwargs, self._startup_timeout, True, options
+            )
         from .ray import authorize_clients_async, open_on_ray_async
 
         async def grant(key: bytes) -> None:
@@ -314,7 +324,6 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             plan, AsyncStageClient._open, ordered_events=True, grant=grant
         )
         try:
-            check_host(self._specs, k, r, client)
             admitted = self._admitted(k)
             if admitted is not None:  # before the stage before it links to it
                 await authorize_clients_async(client, admitted)

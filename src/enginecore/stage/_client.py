@@ -420,7 +420,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         hub: Receiver | None = None,
     ) -> StageClient:
         """:meth:`launch`, with the stage's *options* (its keyword arguments from *name*
-        on) as a dict, how often to ping the stage (*ping_s*: a pool's health check), the
+        on, and ``listen``: a pipeline's stage that listens on TCP, ``_launch.TcpListen``)
+        as a dict, how often to ping the stage (*ping_s*: a pool's health check), the
         lock of the client's session (*lock*: one for every member of a pool), and the
         shared :class:`Receiver` that reads its events (*hub*)."""
         options = dict(options)
@@ -435,6 +436,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                     launched,
                     (ping_s, None),
                     ordered_events,
+                    launched.curve,  # a stage that listens on TCP (TcpListen): CURVE
                 ),
                 lock,
                 hub,

@@ -26,12 +26,14 @@ from typing import Any, Final
 import msgspec
 
 from . import _codec, _logs, _wire
-from ._errors import StageStartupError, describe_exit
+from ._curve import CurveKeys, ServerCurve
+from ._errors import EngineDeadError, StageStartupError, describe_exit
 from ._statistics import LOAD_INTERVAL, check_load_interval
 from ._watchdog import STEP_TIMEOUT, check_watchdog
 
 __all__ = [
     "Launched",
+    "TcpListen",
     "kill_and_clean_async",
     "launch_process",
     "launch_process_async",
@@ -40,6 +42,32 @@ __all__ = [
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_IPC_PATH: Final = 107
+# How long a launched stage may take to admit new keys (Launched.authorize).
+_AUTHORIZE_TIMEOUT: Final = 30.0
+
+
+@dataclass(frozen=True)
+class TcpListen:
+    """A launched stage that listens on TCP with CURVE instead of ipc: bound on *host* (a
+    free port), with *server*'s key pair, admitting *server*'s authorized keys; *client* is
+    the parent's own keys for it (its public key among those admitted, its ``server_key``
+    the stage's public key). The parent makes all of them; the child gets *host*,
+    *server* and the public half of *client* only, through the spawn (this host's pipe)."""
+
+    host: str
+    server: ServerCurve
+    client: CurveKeys
+
+    def __post_init__(self) -> None:
+        if self.client.public_key not in self.server.authorized:
+            raise ValueError("the parent's own key must be among the keys the stage admits")
+        if self.client.server_key != self.server.public_key:
+            raise ValueError("the parent's server_key must be the stage's public key")
+
+    def bind(self) -> str:
+        """The address the stage binds (both sockets): ``tcp://host:*``, any free port."""
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
+        return f"tcp://{host}:0"
 
 
 @dataclass(eq=False)
@@ -58,6 +86,47 @@ class Launched:
     stage: str  # the stage's name in its log records
     logs: _logs.LogSource | None = None  # its forwarded records, if forwarded
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # A stage that listens on TCP (TcpListen): the parent's CURVE keys for it, whose
+    # server_key is the stage's public key; None: ipc, no CURVE.
+    curve: CurveKeys | None = None
+    control: threading.Lock = field(default_factory=threading.Lock)  # one authorize at a time
+    _requests: int = 0  # authorize requests sent: each answer names its request's number
+
+    def authorize(self, keys: list[bytes], timeout: float = _AUTHORIZE_TIMEOUT) -> int:
+        """A stage that listens on TCP with CURVE (:class:`TcpListen`): admit the parent's
+        own key and *keys* (public keys, Z85) from now on, instead of those admitted so far
+        (``StageRuntime.authorize``: new connections are checked against them, those
+        made with a key removed lose their sessions). Returns once the stage says it has,
+        with how many keys it admits. The request and the answer go over the death pipe,
+        which only this process holds (a forked child closes its copy): no one else can
+        change what the stage admits. :class:`~enginecore.stage.EngineDeadError` if the
+        stage is gone, :class:`TimeoutError` past *timeout*, :class:`RuntimeError` with
+        the stage's error if it refused, :class:`ValueError` for a stage without CURVE."""
+        if self.curve is None:
+            raise ValueError("this stage listens on ipc: it uses no CURVE")
+        deadline = time.monotonic() + timeout
+        with self.control:
+            self._requests += 1
+            number = self._requests
+            message = ["authorize", number, [k.decode("ascii") for k in keys]]
+            try:
+                self.conn.send_bytes(msgspec.msgpack.encode(message))
+                while True:  # an answer to an earlier request (past its timeout) is dropped
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self.conn.poll(left):
+                        raise TimeoutError(
+                            f"stage {self.stage!r} did not admit its new keys in {timeout:g} s"
+                        )
+                    reply = msgspec.msgpack.decode(self.conn.recv_bytes())
+                    if reply[1] == number:
+                        break
+            except (EOFError, OSError) as exc:
+                raise EngineDeadError(
+                    f"stage {self.stage!r} is gone; it could not admit new keys"
+                ) from exc
+        if reply[0] != "authorized":
+            raise RuntimeError(f"stage {self.stage!r} did not admit the keys: {reply[2]}")
+        return int(reply[2])
 
     def wait_exit(self, timeout: float | None) -> bool:
         """Block until the process has exited (not reaped), at most *timeout* s."""
@@ -146,6 +215,7 @@ def launch_process(
     log_level: int | str | None = None,
     forward_logs: bool = False,
     load_interval: float | None = LOAD_INTERVAL,
+    listen: TcpListen | None = None,
 ) -> Launched:
     """Spawn a stage process and wait until it is ready. Blocks up to *startup_timeout*.
 
@@ -162,6 +232,7 @@ def launch_process(
         log_level=log_level,
         forward_logs=forward_logs,
         load_interval=load_interval,
+        listen=listen,
     )
     try:
         _wait_ready(launched, factory, startup_timeout)
@@ -182,6 +253,7 @@ async def launch_process_async(
     log_level: int | str | None = None,
     forward_logs: bool = False,
     load_interval: float | None = LOAD_INTERVAL,
+    listen: TcpListen | None = None,
 ) -> Launched:
     """:func:`launch_process`, awaited, holding no thread: the process is started on the
     event loop's thread (a spawn: one fork and exec, milliseconds), then its ready report is
@@ -200,6 +272,7 @@ async def launch_process_async(
         log_level=log_level,
         forward_logs=forward_logs,
         load_interval=load_interval,
+        listen=listen,
     )
     try:
         report = await _await_report(launched, startup_timeout)
@@ -209,6 +282,7 @@ async def launch_process_async(
             await _await_exit(launched, 5.0)  # for its exit code, as join(timeout=5)
             launched.reap()
             raise _startup_failure(launched, factory, report)
+        _ready(launched, report)
     except BaseException:
         await kill_and_clean_async(launched)
         raise
@@ -225,6 +299,7 @@ def start_process(
     log_level: int | str | None = None,
     forward_logs: bool = False,
     load_interval: float | None = LOAD_INTERVAL,
+    listen: TcpListen | None = None,
 ) -> Launched:
     """Spawn a stage process, without waiting for it: its ready report comes on
     ``Launched.conn`` (:func:`_read_report`). Never blocks for the stage's start.
@@ -235,7 +310,8 @@ def start_process(
     records carry *name* (default: *factory*) as ``stage``; *log_level* is its root logger's
     level; with *forward_logs*, its records are re-emitted in this process (``_logs``).
     *load_interval* is the least time between two load reports (``None``: none;
-    ``_statistics``).
+    ``_statistics``). With *listen* (:class:`TcpListen`), the stage listens on TCP with
+    CURVE instead of ipc; its addresses come with its ready report.
     """
     _validate_factory(factory)
     check_watchdog(step_timeout, kill_after)
@@ -291,11 +367,14 @@ def start_process(
             level,
             log_address,
             load_interval,
+            None if listen is None else (listen.host, listen.server, listen.client.public_key),
         ),
         name=name or f"enginecore-stage[{factory}]",
         daemon=False,
     )
     launched = Launched(process, parent_conn, ipc_dir, input_address, stage, logs)
+    if listen is not None:
+        launched.curve = listen.client
     try:
         process.start()
         _live.add(launched)
@@ -325,6 +404,13 @@ def _read_report(launched: Launched) -> tuple[Any, ...] | None:
             return _read_report(launched)
         return ("died",)
     return None
+
+
+def _ready(launched: Launched, report: tuple[Any, ...]) -> None:
+    """The ready report ``("ready", pid[, input address])``: a stage that listens on TCP
+    names the address it bound (its port is known only then)."""
+    if len(report) > 2:
+        launched.input_address = str(report[2])
 
 
 def _startup_failure(
@@ -362,6 +448,7 @@ def _wait_ready(launched: Launched, factory: str, startup_timeout: float) -> Non
         report = _read_report(launched)
         if report is not None:
             if report[0] == "ready":
+                _ready(launched, report)
                 return
             launched.process.join(timeout=5)
             raise _startup_failure(launched, factory, report)

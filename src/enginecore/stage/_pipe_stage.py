@@ -510,9 +510,9 @@ class PipeStage:
         empty window, and, with *slots*, a new pool of shared-memory slots named so (the
         dead process's names are never reused). With *server_key* (Z85), the new process
         listens on TCP with CURVE: the link is a CURVE client with this stage's link keys (a
-        stage launched without them, whose next stage was not on Ray, logs an error and does
-        not replace the link: down after the usual ``gone``). Requests are routed to it from
-        then on."""
+        stage launched without them, whose next stage did not listen on TCP, logs an error
+        and does not replace the link: down after the usual ``gone``). Requests are routed
+        to it from then on."""
         links = self._links
         if not 0 <= replica < len(links) or self._ctx is None:
             return
@@ -1226,9 +1226,10 @@ def pipe_stage(
     it). *credit_items*, *credit_bytes*: the batch of credit this stage gives back to the
     previous one after a step (a quarter of that stage's window; :class:`PipeStage`).
     *downstream_keys*: per link, the next stage's CURVE public key (a stage that listens on
-    TCP, placed on Ray), or ``None`` (ipc, no CURVE); *link_keys*: ``[public, secret]``,
-    this stage's key pair for those links (made by the coordinator for a local stage, in
-    the actor for one on Ray, ``docs/pipelines.md``, "Stages on other hosts")."""
+    TCP: placed on Ray, or local after one), or ``None`` (ipc, no CURVE); *link_keys*:
+    ``[public, secret]``, this stage's key pair for those links (made by the coordinator
+    for a local stage, in the actor for one on Ray, ``docs/pipelines.md``, "Stages on other
+    hosts")."""
     reader = (
         None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
     )

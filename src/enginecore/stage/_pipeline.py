@@ -36,7 +36,6 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
-    check_host,
     launch_options,
     order_clients,
     retry_counts,
@@ -67,17 +66,24 @@ class PipelineStream(RequestStream):
 
 
 def _grant(links: LaunchLinks, key: bytes) -> None:
-    """Before a stage's process that links with *key* starts: the next stage (on Ray)
+    """Before a stage's process that links with *key* starts: the next stage (on TCP)
     admits it (:meth:`LaunchLinks.grant`)."""
     _authorize(links.grant(key))
 
 
 def _authorize(grants: list[tuple[StageClient, list[bytes]]]) -> None:
-    """Each stage on Ray of *grants* admits its keys from now on (a key rotation)."""
-    from .ray import authorize_clients
+    """Each stage of *grants* (on Ray, or local on TCP) admits its keys from now on, its
+    owner's too (a key rotation); returns once each has."""
+    from ._launch import Launched
 
     for target, keys in grants:
-        authorize_clients(target, keys)
+        launched = target._launched
+        if isinstance(launched, Launched):
+            launched.authorize(keys)
+        else:
+            from .ray import authorize_clients
+
+            authorize_clients(target, keys)
 
 
 class Pipeline(PipelineBase[PipelineStream, StageClient]):
@@ -170,8 +176,9 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 if key is not None:
                     _grant(links, key)
                 if plan is None:
-                    client = StageClient.launch(
-                        PIPE_FACTORY, kwargs, **launch_options(specs[k], startup_timeout, r)
+                    options = launch_options(specs, k, r)
+                    client = StageClient._launch(
+                        PIPE_FACTORY, kwargs, startup_timeout, True, options
                     )
                 else:
                     from .ray import open_on_ray
@@ -342,9 +349,9 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         kwargs, plan, key = self._restart_plan(k, r, generation)
         if key is not None:  # a local process whose next stage is on Ray
             _authorize(self._grants(k, r, key))
-        if plan is None:
-            options = launch_options(self._specs[k], self._startup_timeout, r)
-            return StageClient.launch(PIPE_FACTORY, kwargs, **options)
+        if plan is None:  # on TCP: the stage before's link keys admitted at start
+            options = launch_options(self._specs, k, r, self._admitted(k) or ())
+            return StageClient._launch(PIPE_FACTORY, kwargs, self._startup_timeout, True, options)
         from .ray import authorize_clients, open_on_ray
 
         def grant(key: bytes) -> None:
@@ -352,7 +359,6 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
 
         client: StageClient = open_on_ray(plan, StageClient._open, ordered_events=True, grant=grant)
         try:
-            check_host(self._specs, k, r, client)
             admitted = self._admitted(k)
             if admitted is not None:  # before the stage before it links to it
                 authorize_clients(client, admitted)

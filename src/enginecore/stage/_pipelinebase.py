@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, TypeVa
 from . import _shm
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
-from ._errors import EngineDeadError, StageClosedError, StageStartupError
+from ._errors import EngineDeadError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
 from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
 if TYPE_CHECKING:
-    from .ray import RayPlacement, RayPlan, RayStage
+    from ._launch import TcpListen
+    from .ray import RayPlacement, RayPlan
 
 __all__ = [
     "PIPE_FACTORY",
@@ -154,9 +155,10 @@ class PipelineStage:
     TCP on its node with CURVE, as :func:`~enginecore.stage.ray.launch_on_ray` places a
     stage; the link into it from the stage before is a CURVE client that it admits, with
     the coordinator, and nothing else. No shared memory on a link into or out of it
-    (*shm_threshold* does not apply there). A stage on Ray may feed a local stage only from
-    the coordinator's host (a local stage listens on ipc). ``docs/pipelines.md``, "Stages
-    on other hosts".
+    (*shm_threshold* does not apply there). A local stage after a stage on Ray listens on
+    TCP with CURVE too, on this host's address as Ray sees it, so that the stage on Ray
+    reaches it from any host; a local stage after a local one keeps ipc.
+    ``docs/pipelines.md``, "Stages on other hosts".
     """
 
     factory: str
@@ -404,17 +406,55 @@ def replica_name(spec: PipelineStage, replica: int) -> str:
     return f"{name}[{replica}]" if spec.replicas > 1 else name
 
 
-def launch_options(spec: PipelineStage, startup_timeout: float, replica: int = 0) -> dict[str, Any]:
-    """The keyword arguments of a client's ``launch`` for replica *replica* of the stage
-    *spec*."""
-    return {
-        "startup_timeout": startup_timeout,
-        "ordered_events": True,
+def launch_options(
+    specs: Sequence[PipelineStage], k: int, replica: int = 0, admitted: Sequence[bytes] = ()
+) -> dict[str, Any]:
+    """The *options* of a client's ``_launch`` for replica *replica* of the local stage
+    *k* of *specs*: the stage's options, and ``listen`` (a :class:`~._launch.TcpListen`)
+    for a stage that listens on TCP (:func:`listens_on_tcp`), which admits the
+    coordinator's own key and *admitted* (the link keys of the stage before it, at a
+    restart) from its start."""
+    spec = specs[k]
+    options: dict[str, Any] = {
         "name": replica_name(spec, replica),
         "step_timeout": spec.step_timeout,
         "log_level": spec.log_level,
         "forward_logs": spec.forward_logs,
     }
+    if listens_on_tcp(specs, k):
+        options["listen"] = tcp_listen(admitted)
+    return options
+
+
+def listens_on_tcp(specs: Sequence[PipelineStage], k: int) -> bool:
+    """Whether stage *k* of *specs* listens on TCP with CURVE (its links in are CURVE
+    clients, with link keys it admits): a stage placed on Ray, and a local stage whose
+    previous stage is placed on Ray (which may run on another host). A local stage after a
+    local one listens on ipc."""
+    return specs[k].placement is not None or (k > 0 and specs[k - 1].placement is not None)
+
+
+def tcp_listen(admitted: Sequence[bytes] = ()) -> TcpListen:
+    """A :class:`~._launch.TcpListen` for a local stage that listens on TCP: this host's
+    address as Ray sees it (``ray.util.get_node_ip_address()``, where a Ray stage reaches
+    it), a server key pair and the coordinator's client key pair made here, the
+    coordinator's key and *admitted* admitted."""
+    import zmq
+
+    from ._curve import CurveKeys, ServerCurve
+    from ._launch import TcpListen
+    from .ray import _import_ray
+
+    host: str = _import_ray().util.get_node_ip_address()
+    server_public, server_secret = zmq.curve_keypair()
+    public, secret = zmq.curve_keypair()
+    server = ServerCurve(
+        public_key=server_public,
+        secret_key=server_secret,
+        authorized=frozenset([public, *admitted]),
+        authorized_dir="(the keys the pipeline's coordinator admits)",
+    )
+    return TcpListen(host, server, CurveKeys(public, secret, server_public))
 
 
 StartPlan = tuple[dict[str, Any], "RayPlan | None", "bytes | None"]
@@ -423,7 +463,7 @@ StartPlan = tuple[dict[str, Any], "RayPlan | None", "bytes | None"]
 process, launched with :func:`launch_options`); and the public link key made here for a
 local process whose next stage is on Ray, which that stage must admit before the process
 starts (else ``None``; a stage on Ray's comes from its actor, through ``RayPlan.start``'s
-*grant*)."""
+*grant*, also for a local next stage, which then listens on TCP)."""
 
 
 def start_plan(
@@ -441,7 +481,8 @@ def start_plan(
     """:data:`StartPlan` of replica *r* of stage *k* of *specs* (started *generation*
     times before), whose next stage's processes have the clients *next_clients* (their
     addresses, and their CURVE server keys for a next stage on Ray): at launch and at a
-    restart alike."""
+    restart alike. A link into a stage that listens on TCP (:func:`listens_on_tcp`) is a
+    CURVE client, with link keys."""
     spec = specs[k]
     next_spec = specs[k + 1] if k + 1 < len(specs) else None
     downstream = [c.address for c in next_clients] if next_spec is not None else None
@@ -457,7 +498,7 @@ def start_plan(
         generation=generation,
         next_generations=next_generations,
     )
-    curve_out = next_spec is not None and next_spec.placement is not None
+    curve_out = next_spec is not None and listens_on_tcp(specs, k + 1)
     if curve_out:
         kwargs["downstream_keys"] = [_server_key(c) for c in next_clients]
     if spec.placement is None:
@@ -484,27 +525,6 @@ def start_plan(
     return kwargs, plan, None
 
 
-def check_host(specs: Sequence[PipelineStage], k: int, r: int, client: Any) -> None:
-    """Replica *r* of stage *k* just started, with *client*: :class:`StageStartupError`
-    for a stage on Ray on another host than the coordinator's whose next stage is local
-    (which listens on ipc, out of that host's reach)."""
-    spec = specs[k]
-    next_spec = specs[k + 1] if k + 1 < len(specs) else None
-    if spec.placement is None or next_spec is None or next_spec.placement is not None:
-        return
-    from .ray import _import_ray
-
-    stage = _ray_stage(client)
-    here = _import_ray().util.get_node_ip_address()
-    if stage.node_ip != here:
-        raise StageStartupError(
-            f"stage {replica_name(spec, r)!r} was placed on Ray on {stage.node_ip}, not on "
-            f"this host ({here}), and the next stage ({next_spec.name!r}) is local: a local "
-            f"stage listens on ipc, out of another host's reach; place the next stage on Ray "
-            f"too"
-        )
-
-
 class LaunchLinks:
     """How a pipeline's launch connects its stages, what :meth:`Pipeline.launch
     <._pipeline.Pipeline.launch>` and :meth:`AsyncPipeline.launch
@@ -513,16 +533,18 @@ class LaunchLinks:
     to admit before it starts (:meth:`grant`), and what it tells the stage before it
     (:meth:`started`).
 
-    A link into a stage placed on Ray (which listens on TCP with CURVE) is a CURVE client:
-    the stage before it has a key pair for its links, made here for a local stage (handed
-    to its child process with its kwargs, on this host) or in the actor for a stage on Ray
-    (``_StageActor.link_key``: only its public key comes back). The next stage was started
-    first, admitting only the coordinator; before a process of the stage before it starts
-    (and connects), the next stage's replicas are told to admit its link key too
-    (:func:`~enginecore.stage.ray.authorize_clients`, the key rotation, with every link
-    key of that stage so far). It must be admitted first: ZeroMQ does not retry a CURVE
-    handshake that the server refused. Every public link key is kept in
-    :attr:`link_keys`, by ``(stage, replica)``, for the grants of a restart."""
+    A link into a stage that listens on TCP with CURVE (placed on Ray, or local after a
+    stage on Ray: :func:`listens_on_tcp`) is a CURVE client: the stage before it has a key
+    pair for its links, made here for a local stage (handed to its child process with its
+    kwargs, on this host) or in the actor for a stage on Ray (``_StageActor.link_key``:
+    only its public key comes back). The next stage was started first, admitting only the
+    coordinator; before a process of the stage before it starts (and connects), the next
+    stage's replicas are told to admit its link key too, with every link key of that stage
+    so far (on Ray: :func:`~enginecore.stage.ray.authorize_clients`, the key rotation; a
+    local stage: :meth:`Launched.authorize <._launch.Launched.authorize>`, over its death
+    pipe), and answer once they do. It must be admitted first: libzmq (4.3.5) does not
+    connect again a CURVE client whose key the ZAP handler refused. Every public link key
+    is kept in :attr:`link_keys`, by ``(stage, replica)``, for the grants of a restart."""
 
     def __init__(self, specs: Sequence[PipelineStage], startup_timeout: float) -> None:
         self.specs = specs
@@ -559,9 +581,8 @@ class LaunchLinks:
         return [(c, keys) for c in self._next]
 
     def started(self, k: int, r: int, client: Any) -> None:
-        """Replica *r* of stage *k* started, with *client* (:func:`check_host`)."""
+        """Replica *r* of stage *k* started, with *client*."""
         self._current.append(client)
-        check_host(self.specs, k, r, client)
         if r == self.specs[k].replicas - 1:  # the stage before this one links to all of them
             self._next, self._current = self._current, []
 
@@ -582,21 +603,13 @@ def placement_of(spec: PipelineStage, replica: int) -> RayPlacement | None:
     return placement[replica]
 
 
-def _ray_stage(client: Any) -> RayStage:
-    """The :class:`~enginecore.stage.ray.RayStage` that a client placed on Ray owns."""
-    from .ray import RayStage
-
-    stage = client._launched
-    assert isinstance(stage, RayStage)
-    return stage
-
-
 def _server_key(client: Any) -> bytes:
-    """The CURVE public key of the stage on Ray that *client* owns (a pipeline places its
-    stages with CURVE, never ``insecure``)."""
-    curve = _ray_stage(client).curve
+    """The CURVE public key of the stage that listens on TCP that *client* owns: placed on
+    Ray (a pipeline places its stages with CURVE, never ``insecure``), or a local one
+    (:func:`listens_on_tcp`)."""
+    curve = client._launched.curve  # RayStage.curve, Launched.curve: the client's keys
     assert curve is not None
-    return curve.server_key
+    return bytes(curve.server_key)
 
 
 def order_clients(specs: Sequence[PipelineStage], clients: Sequence[C]) -> list[C]:
@@ -989,8 +1002,9 @@ class PipelineBase(Generic[S, C]):
 
     def _grants(self, k: int, r: int, key: bytes) -> list[tuple[C, list[bytes]]]:
         """Process *r* of stage *k*, about to start again, links with the public key *key*
-        (its next stage is on Ray): each live process of the next stage, with the keys it
-        is to admit from now on (this stage's, the dead process's replaced by *key*)."""
+        (its next stage listens on TCP, :func:`listens_on_tcp`): each live process of the
+        next stage, with the keys it is to admit from now on (this stage's, the dead
+        process's replaced by *key*)."""
         with self._lock:
             self._link_keys[k, r] = key
             keys = [key for (j, _), key in self._link_keys.items() if j == k]
@@ -998,10 +1012,10 @@ class PipelineBase(Generic[S, C]):
             return [(c, keys) for c, up in zip(self._replicas[k + 1], alive, strict=True) if up]
 
     def _admitted(self, k: int) -> list[bytes] | None:
-        """What a process of stage *k* placed on Ray, started again, must admit before the
-        stage before it links to it: that stage's link keys (``None``: *k* is not on Ray,
-        or is the first stage)."""
-        if k == 0 or self._specs[k].placement is None:
+        """What a process of stage *k* that listens on TCP (:func:`listens_on_tcp`), started
+        again, must admit before the stage before it links to it: that stage's link keys
+        (``None``: *k* listens on ipc, or is the first stage)."""
+        if k == 0 or not listens_on_tcp(self._specs, k):
             return None
         with self._lock:
             return [key for (j, _), key in self._link_keys.items() if j == k - 1]
@@ -1011,10 +1025,10 @@ class PipelineBase(Generic[S, C]):
         one's (from now on only its events are heard, on its receiver), and send what links
         it in: a ``gone`` ``"next"`` to it for each process of the next stage that is down,
         a ``link`` to each live process of the previous stage, naming its address, the
-        link's new slots and, on Ray, its CURVE server key. Returns those previous-stage
-        clients: the link is up once each answers a :data:`._edge.LINKS_UTILITY` call after
-        the ``link`` (its loop applies messages in order), which the caller awaits, then
-        :meth:`_started`."""
+        link's new slots and, on TCP (:func:`listens_on_tcp`), its CURVE server key.
+        Returns those previous-stage clients: the link is up once each answers a
+        :data:`._edge.LINKS_UTILITY` call after the ``link`` (its loop applies messages in
+        order), which the caller awaits, then :meth:`_started`."""
         specs, core = self._specs, self._core
         generation = core.generation(k, r)
         client._event_sink = functools.partial(self._take_events, k, r, client)
@@ -1032,8 +1046,9 @@ class PipelineBase(Generic[S, C]):
             prefix = self._shm_prefix
             placed = specs[k - 1].placement is not None or specs[k].placement is not None
             shm = prefix is not None and specs[k - 1].shm_threshold is not None and not placed
-            # A process on Ray listens on TCP with CURVE: the link is a CURVE client of its key.
-            server_key = "" if specs[k].placement is None else _server_key(client).decode()
+            # A process on TCP has CURVE: the link is a CURVE client of its key.
+            tcp = listens_on_tcp(specs, k)
+            server_key = _server_key(client).decode() if tcp else ""
             for j, up in enumerate(core.alive(k - 1)):
                 if not up:
                     continue

@@ -25,7 +25,7 @@ import msgspec
 
 from .._engine import Engine, PipelinedEngine
 from .._signals import shutdown_on_signals
-from ._curve import ServerCurve, read_authorized
+from ._curve import ServerCurve, _check_key, read_authorized
 from ._fanout import CLIENT_BUFFER
 from ._logs import configure_stage
 from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
@@ -91,6 +91,7 @@ def run_launched(
     log_level: int | None = None,
     log_address: str | None = None,
     load_interval: float | None = LOAD_INTERVAL,
+    listen: tuple[str, ServerCurve, bytes] | None = None,
 ) -> None:
     """Target of the spawned stage process (see ``_launch.launch_process``).
 
@@ -99,11 +100,22 @@ def run_launched(
     died. Ends the process with the stage's exit code. Logging is set up first (``_logs``):
     records named *stage* (default: *factory*), at *log_level*, pushed to *log_address* if
     given.
+
+    *listen*: ``(host, curve, owner)`` (``_launch.TcpListen``): both sockets bind TCP on
+    *host*, any free port, as CURVE servers with *curve*, instead of the ipc addresses; the
+    ready report is then ``["ready", pid, input address]``, and the parent may send
+    ``["authorize", number, [keys]]`` on the pipe: the stage admits its *owner* (the
+    parent's public key) and those keys from then on, and answers ``["authorized", number,
+    count]`` (or ``["error", number, repr]``) once it has (:class:`_Parent`).
     """
     # The parent owns this process's lifecycle: a terminal Ctrl-C goes to the parent, whose
     # client shuts the stage down; should the parent die instead, the pipe says so.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = _Parent(conn, ipc_dir)
+    curve = None
+    if listen is not None:
+        host, curve, parent.owner = listen
+        input_address = output_address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
     parent.start()
     try:
         configure_stage(stage or factory, log_level, log_address)
@@ -119,12 +131,16 @@ def run_launched(
             handle_signals=(signal.SIGTERM,),
             load_interval=load_interval,
             name=stage,
+            curve=curve,
         )
     except BaseException as exc:
         _report(conn, "error", repr(exc), traceback.format_exc())
         sys.exit(EXIT_FATAL)
     parent.runtime = runtime
-    _report(conn, "ready", os.getpid())
+    if curve is None:
+        _report(conn, "ready", os.getpid())
+    else:  # its port is known now
+        _report(conn, "ready", os.getpid(), runtime.input_address)
     code = runtime.run()
     if parent.gone.is_set():
         # Nobody else is left to remove the socket directory.
@@ -381,21 +397,45 @@ def exit_soon(code: int) -> None:
 
 
 class _Parent:
-    """The parent process, seen through the death pipe: a thread blocks reading *conn*,
-    which only returns at EOF, when the parent has died."""
+    """The parent process, seen through the death pipe: a thread blocks reading *conn*
+    until EOF, when the parent has died. A stage that listens on TCP with CURVE also takes
+    the parent's key changes on it (:meth:`_control`); any other stage never gets a
+    message on it."""
 
     def __init__(self, conn: Any, ipc_dir: str) -> None:
         self._conn = conn
         self._ipc_dir = ipc_dir
         self.runtime: StageRuntime | None = None  # set by the main thread once built
+        self.owner: bytes | None = None  # the parent's public key, on a CURVE stage
         self.gone = threading.Event()
 
     def start(self) -> None:
         threading.Thread(target=self._watch, name="enginecore-parent", daemon=True).start()
 
+    def _control(self, frame: bytes) -> None:
+        """``["authorize", number, [keys]]`` from the parent (sent only once the stage
+        reported ready, so only this thread writes on the pipe then): admit the parent's
+        own key and *keys* from now on (:meth:`StageRuntime.authorize`), then answer,
+        naming the request's *number*."""
+        number = None
+        try:
+            kind, number, keys = msgspec.msgpack.decode(frame)
+            runtime = self.runtime
+            if kind != "authorize" or runtime is None or self.owner is None:
+                raise RuntimeError(f"unexpected message from the parent: {kind!r}")
+            admitted = frozenset(
+                [self.owner, *(_check_key(k, "an authorized client key") for k in keys)]
+            )
+            runtime.authorize(admitted)
+        except Exception as exc:
+            _report(self._conn, "error", number, repr(exc))
+        else:
+            _report(self._conn, "authorized", number, len(admitted))
+
     def _watch(self) -> None:
         with contextlib.suppress(EOFError, OSError):
-            self._conn.recv_bytes()  # the parent never sends: this returns or raises at EOF
+            while True:  # returns or raises at EOF
+                self._control(self._conn.recv_bytes())
         runtime = self.runtime
         if runtime is not None and runtime.finished.is_set():
             return
