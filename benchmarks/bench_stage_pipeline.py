@@ -24,7 +24,11 @@ the result) are in both p50s of each side, and cancel in the difference. Goal: t
 pipeline's per-hop p50 <= 1.5x the raw hop's, in every block (a difference at or below 0,
 which noise can make of a block, counts as 0: on the baseline's side that is an infinite
 ratio, a missed block). Reported, not judged: a 1-stage pipeline end to end against a
-1-hop raw chain.
+1-hop raw chain. Each block starts ``SETTLE_S`` after the one before it ended: a pipeline
+that went idle gives back the credit it held ``CREDIT_DELAY_S`` (2 ms) later, a few
+wake-ups across its processes and the parent that fell inside the next block (a raw
+1-hop block lasts ~6 ms) and slowed whatever ran there (the raw chain by ~6 µs, the
+1-stage pipeline by ~15 µs, before the pause).
 
 **b. Throughput of a 3-stage job.** 2,000 requests of 8 outputs, sent at once
 (``add_many``) and read to the end through every request's stream, in outputs/s delivered
@@ -91,6 +95,7 @@ REQUESTS = 2000
 OUTPUTS = 8
 DEVICE_S = 0.020
 RELAY_S = 0.002
+SETTLE_S = 0.02  # before each latency block: 10x the pipeline's credit delay
 
 _ids = itertools.count()
 
@@ -138,6 +143,7 @@ def latency(blocks: int, samples: int) -> list[Record]:
             sample: Callable[[Any, int], list[float]], peer: Any
         ) -> Callable[[], list[float]]:
             def run() -> list[float]:
+                time.sleep(SETTLE_S)  # the block before it, done: its deferred credit too
                 with gc_on():
                     return sample(peer, samples)
 
