@@ -367,7 +367,7 @@ def start_process(
             level,
             log_address,
             load_interval,
-            None if listen is None else (listen.host, listen.server, listen.client.public_key),
+            None if listen is None else (listen.bind(), listen.server, listen.client.public_key),
         ),
         name=name or f"enginecore-stage[{factory}]",
         daemon=False,

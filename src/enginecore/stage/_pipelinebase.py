@@ -650,8 +650,9 @@ class PipelineBase(Generic[S, C]):
         link_keys: Mapping[tuple[int, int], bytes] | None = None,
     ) -> None:
         self._lock = lock
-        # The public link keys of the processes whose next stage is on Ray, by (stage,
-        # replica): what that stage admits (LaunchLinks.link_keys; a restart replaces one).
+        # The public link keys of the processes whose next stage listens on TCP
+        # (listens_on_tcp), by (stage, replica): what that stage admits
+        # (LaunchLinks.link_keys; a restart replaces one).
         self._link_keys = dict(link_keys or {})
         self._shm_prefix = shm_prefix
         counts = [1] * len(names) if replicas is None else list(replicas)

@@ -101,12 +101,13 @@ def run_launched(
     records named *stage* (default: *factory*), at *log_level*, pushed to *log_address* if
     given.
 
-    *listen*: ``(host, curve, owner)`` (``_launch.TcpListen``): both sockets bind TCP on
-    *host*, any free port, as CURVE servers with *curve*, instead of the ipc addresses; the
-    ready report is then ``["ready", pid, input address]``, and the parent may send
-    ``["authorize", number, [keys]]`` on the pipe: the stage admits its *owner* (the
-    parent's public key) and those keys from then on, and answers ``["authorized", number,
-    count]`` (or ``["error", number, repr]``) once it has (:class:`_Parent`).
+    *listen*: ``(address, curve, owner)`` (``_launch.TcpListen``): both sockets bind the TCP
+    *address* (``TcpListen.bind``: any free port), as CURVE servers with *curve*, instead
+    of the ipc addresses; the ready report is then ``["ready", pid, input address]``, and
+    the parent may send ``["authorize", number, [keys]]`` on the pipe: the stage admits its
+    *owner* (the parent's public key) and those keys from then on, and answers
+    ``["authorized", number, count]`` (or ``["error", number, repr]``) once it has
+    (:class:`_Parent`).
     """
     # The parent owns this process's lifecycle: a terminal Ctrl-C goes to the parent, whose
     # client shuts the stage down; should the parent die instead, the pipe says so.
@@ -114,8 +115,8 @@ def run_launched(
     parent = _Parent(conn, ipc_dir)
     curve = None
     if listen is not None:
-        host, curve, parent.owner = listen
-        input_address = output_address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+        address, curve, parent.owner = listen
+        input_address = output_address = address
     parent.start()
     try:
         configure_stage(stage or factory, log_level, log_address)
