@@ -499,3 +499,26 @@ def test_after_a_death_a_stage_of_an_older_build_is_confirmed_by_any_answer() ->
     d = PipelineDeliveries()
     core.aborted(2, ["r"], 1.2, d)
     assert core.state("r") is None
+
+
+def test_a_request_whose_replicas_die_from_the_last_one_back_is_freed() -> None:
+    # r goes through b's replica and then c's. c's dies first: r ends, and every stage but
+    # c is to apply its abort. Then b's dies: no stage is left to answer for b or c, and
+    # no abort can reach c's dead replica: r is over (it once stayed in for good).
+    core: PipelineCore[StreamCore] = PipelineCore(["a", "b", "c"], replicas=[1, 2, 2])
+    for k, count in enumerate([1, 2, 2]):
+        for r in range(count):
+            core.tagged(k, r, True)
+    core.open("r", StreamCore("r"))
+    route = core.route("r")
+    assert route is not None
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(2, route[2], EngineDeadError("killed"), 1.0, d)
+    assert d.aborts == ["r"]
+    core.aborted(0, ["r"], 1.1, d)
+    assert core.state("r") is RequestState.CLOSING
+    d = PipelineDeliveries()
+    core.replica_dead(1, route[1], EngineDeadError("killed"), 1.2, d)
+    assert d.stage_aborts == []  # c's replica on its route is dead: nobody to abort there
+    assert core.state("r") is None
+    assert d.freed == 1

@@ -709,8 +709,10 @@ class PipelineCore(Generic[S]):
         with a :class:`~._errors.PipelineStageDeadError` naming the stage and *r* (a closing
         one's stream has ended already); each is aborted from the first stage (a live one)
         and from its replica of the stage after this one (the abort sent from the first
-        stage stops at the dead replica), and the dead replica counts as having applied the
-        abort. The stages next to it are told it is gone, and new requests avoid it.
+        stage stops at the dead replica), tagged (module docstring, "Tagged aborts"), unless
+        that replica died before (then no stage is left to answer for the later ones: the
+        request is over once the others have), and the dead replica counts as having
+        applied the abort. The stages next to it are told it is gone, and new requests avoid it.
 
         With a restart policy (its stage restarts): the death is counted, and unless it
         makes the process ``failed``, :attr:`PipelineDeliveries.restarts` says when to start
@@ -770,12 +772,14 @@ class PipelineCore(Generic[S]):
                 req.taken &= bit - 1
             req.confirms |= bit
             req.cut |= bit
-            if k + 1 < self._n:
+            if k + 1 < self._n and not req.cut >> (k + 1) & 1:
                 after.append(rid)
                 tag = self._want_tag(req, k, tag)
                 if tag and req.want is not None and req.want[k + 1] == tag:
                     d.tags[k + 1, rid] = tag
             else:
+                # The last stage, or its process of the next stage died before (an abort
+                # sent there would reach no one): every stage may have applied the aborts.
                 self._confirmed(req, now, d, self._all)
         if after:
             d.stage_aborts.append((k + 1, after))
