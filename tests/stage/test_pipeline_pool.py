@@ -112,6 +112,10 @@ class TestRouting:
         streams = [pipe.add(f"r{i}", 3) for i in range(6)]
         assert [s.collect(timeout=10) for s in streams] == [[2, 1, 0]] * 6
         assert pipe.in_flight == 0
+        # Each request failed its first attempt: one replay each, whose fence (an abort on
+        # the wire) its replica counts in its loop's aborts (observability.md).
+        stats = pipe.stats()
+        assert sum(stats[f"flaky[{r}]"].loop.aborts for r in (0, 1)) == 6
 
     @pytest.mark.parametrize("bad", [0, -1])
     def test_replicas_below_one_are_a_value_error(self, bad: int) -> None:
@@ -261,6 +265,7 @@ class TestReplicaDeath:
         with pytest.raises(PipelineStageDeadError):
             stream.collect(timeout=10)
         assert wait_until(lambda: pipe.in_flight == 0, 10)  # last answered the tagged abort
+        assert pipe.stats()["last"].loop.aborts == 1  # counted as the abort it is
         pipe.call_utility("mid", "hold", False, replica=1 - route[1])
         assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
         assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)

@@ -436,7 +436,8 @@ class PipeAbort(Control):
     one it sent after a death): applied as the loop applies an ``Abort``, answered by an
     ``aborted`` event with the same tag, and sent on down the link still tagged
     (``StageEngine.pipe_abort``), so that the coordinator tells its answer from one to a
-    copy of an earlier abort. (The loop counts it as a control, as it counts a fence.)"""
+    copy of an earlier abort. (The loop's statistics count it in ``aborts``, as the
+    ``abort`` message it is on the wire, and as a control.)"""
 
     __slots__ = ("req_ids", "tag")
 
@@ -445,7 +446,10 @@ class PipeAbort(Control):
         self.tag = tag
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.pipe_abort(self.req_ids, self.tag)
+        try:
+            engine.pipe_abort(self.req_ids, self.tag)
+        finally:
+            loop._stats.aborts += 1  # an abort message applied, as the loop counts an Abort
 
     def __repr__(self) -> str:
         return f"PipeAbort({self.req_ids!r}, tag={self.tag})"
@@ -456,7 +460,8 @@ class PipeFence(Control):
     the loop applies an ``Abort``, answered by an ``aborted`` event flagged the same, and
     sent on down the link still flagged (``StageEngine.pipe_fence``), so that the
     coordinator never takes its answer for the confirmation of an abort of its own. (The
-    loop counts it as a control, not as an abort.)"""
+    loop's statistics count it in ``aborts``: it is an ``abort`` message on the wire, and
+    drops its requests from the engine as any abort does; as a control too.)"""
 
     __slots__ = ("req_ids",)
 
@@ -464,7 +469,10 @@ class PipeFence(Control):
         self.req_ids = req_ids
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.pipe_fence(self.req_ids)
+        try:
+            engine.pipe_fence(self.req_ids)
+        finally:
+            loop._stats.aborts += 1  # an abort message applied, as the loop counts an Abort
 
     def __repr__(self) -> str:
         return f"PipeFence({self.req_ids!r})"
