@@ -112,7 +112,9 @@ drops the tag and chases untagged: from the first such process on the route, any
 confirms, as before tags (the race stays open there). Open still: with restarts, a stage
 ``k - 1`` that applies the first abort only after the dead process's replacement is linked
 in chases that copy to the new process, which passes it on to stage ``k + 1`` untagged,
-with no order to the tagged one. A whole stage's death
+with no order to the tagged one (and a replay it applies that late sends its fence and
+inputs there too); closing it would mean linking the new process in only once stage
+``k - 1`` has answered for every request the dead one held. A whole stage's death
 (:meth:`stage_dead`) sends its aborts untagged: the pipeline has failed, every request is
 freed at once, and no id is added again.
 
