@@ -80,7 +80,8 @@ class LoopStatistics:
     adds: int
     """``Add`` messages applied."""
     aborts: int
-    """``Abort`` messages applied."""
+    """``Abort`` messages applied (in a stage: every ``abort`` message, a pipeline's fence
+    and tagged abort included, ``docs/observability.md``)."""
     utility_calls: int
     """``Utility`` messages applied."""
     utility_errors: int

@@ -376,3 +376,149 @@ def test_flagged_fence_answers_end_the_failed_attempt_as_unflagged_ones_did() ->
     for k in range(3):
         core.aborted(k, ["r"], 7.0, d)
     assert core.in_flight == 0
+
+
+# -- an abort sent twice after a death (tags) ----------------------------------------------------
+
+
+def _aborted_then_dead(
+    replicas: tuple[int, ...], tags: bool = True
+) -> tuple[PipelineCore[StreamCore], StreamCore, PipelineDeliveries[StreamCore]]:
+    """Stages a, b, c. The caller aborted r; a applied the abort (and chased it on); then
+    r's process of b dies (a pool's replica, or the one process of a stage that restarts)
+    after it passed the abort on to c, perhaps: r is aborted in c again, from the
+    coordinator. c may answer twice: the copy b passed on, then the abort sent after the
+    death."""
+    restart = [None, RestartPolicy(first_delay=0.1), None] if replicas[1] == 1 else None
+    core: PipelineCore[StreamCore] = PipelineCore(
+        ["a", "b", "c"], replicas=replicas, restart=restart
+    )
+    for k, count in enumerate(replicas):
+        for r in range(count):
+            core.tagged(k, r, tags)
+    stream = StreamCore("r")
+    core.open("r", stream)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.abort(["r"], d)
+    assert d.aborts == ["r"]
+    core.aborted(0, ["r"], 1.0, d)
+    route = core.route("r")
+    assert route is not None
+    d = PipelineDeliveries()
+    core.replica_dead(1, route[1], EngineDeadError("killed"), 1.1, d)
+    assert isinstance(stream._ended and stream._ended.exc, PipelineStageDeadError)
+    assert d.stage_aborts == [(2, ["r"])]
+    return core, stream, d
+
+
+@pytest.mark.parametrize("replicas", [(1, 1, 1), (1, 2, 1)], ids=["restart", "pool"])
+def test_the_answer_to_an_aborts_copy_before_a_death_does_not_release_the_request(
+    replicas: tuple[int, ...],
+) -> None:
+    # The race: c answers the copy of the caller's abort that b passed on before it died;
+    # taken for the confirmation, it would free r at once, while the abort sent to c after
+    # the death is still on its way. r's id could then be added again, and that late abort
+    # reach c after the new request's data (it comes on another connection) and abort it
+    # there, or its answer confirm the new request's own abort early.
+    core, _, dead = _aborted_then_dead(replicas)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.aborted(2, ["r"], 1.2, d)  # the answer to the copy b passed on
+    assert core.state("r") is RequestState.CLOSING
+    assert d.freed == 0
+    tag = dead.tags[2, "r"]
+    assert tag
+    core.aborted(2, ["r"], 1.3, d, tag=tag)  # the answer to the abort sent after the death
+    assert core.state("r") is None
+    assert d.freed == 1
+
+
+@pytest.mark.parametrize("replicas", [(1, 1, 1), (1, 2, 1)], ids=["restart", "pool"])
+def test_a_late_answer_to_a_freed_ids_abort_does_not_confirm_a_new_request_under_it(
+    replicas: tuple[int, ...],
+) -> None:
+    # Until c answered the abort sent after the death, r's id cannot be added again; then
+    # it can. An answer that carries the old abort's tag (none can come by the order of
+    # c's answers; a tag is never taken for another's) confirms nothing of the new one.
+    core, _, dead = _aborted_then_dead(replicas)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    if replicas[1] == 1:  # b restarts: started again, routable
+        assert core.restarting(1, 0) == 1
+        assert core.started(1, 0)
+    core.aborted(2, ["r"], 1.2, d)  # the answer to the copy b passed on
+    with pytest.raises(ValueError, match="still in the pipeline"):
+        core.check(["r"])
+    tag = dead.tags[2, "r"]
+    core.aborted(2, ["r"], 1.2, d, tag=tag)
+    assert core.state("r") is None
+    core.check(["r"])
+    stream = StreamCore("r")
+    core.open("r", stream)
+    core.abort(["r"], d)
+    core.aborted(2, ["r"], 1.3, d, tag=tag)
+    route = core.route("r")
+    assert route is not None
+    core.aborted(0, ["r"], 1.4, d)
+    core.aborted(1, ["r"], 1.4, d, route[1])
+    assert core.state("r") is RequestState.ABORTING  # c has not applied the new abort yet
+    assert stream._ended is None
+
+
+def test_a_second_death_on_the_route_supersedes_the_first_ones_tag() -> None:
+    # a -> b -> c -> d, b and c pools. r's process of b dies, then its process of c: the
+    # abort sent to c after the first death stops at c's dead process; d waits for the
+    # answer to the abort sent to it after the second death only.
+    core: PipelineCore[StreamCore] = PipelineCore(["a", "b", "c", "d"], replicas=[1, 2, 2, 1])
+    for k, count in enumerate([1, 2, 2, 1]):
+        for r in range(count):
+            core.tagged(k, r, True)
+    core.open("r", StreamCore("r"))
+    route = core.route("r")
+    assert route is not None
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.abort(["r"], d)
+    core.aborted(0, ["r"], 1.0, d)
+    d = PipelineDeliveries()
+    core.replica_dead(1, route[1], EngineDeadError("killed"), 1.1, d)
+    first = d.tags[2, "r"]
+    d = PipelineDeliveries()
+    core.replica_dead(2, route[2], EngineDeadError("killed"), 1.2, d)
+    assert d.stage_aborts == [(3, ["r"])]
+    second = d.tags[3, "r"]
+    assert second != first
+    core.aborted(3, ["r"], 1.3, d, tag=first)  # c's dead process had passed the first on
+    assert core.state("r") is RequestState.CLOSING
+    core.aborted(3, ["r"], 1.4, d, tag=second)
+    assert core.state("r") is None
+
+
+def test_after_a_death_a_stage_of_an_older_build_is_confirmed_by_any_answer() -> None:
+    # An older build drops the tag: it answers (and chases) every abort untagged, so the
+    # first answer confirms, as before tags (the race stays open with such a stage).
+    core, _, d = _aborted_then_dead((1, 2, 1), tags=False)
+    assert d.tags == {}
+    d = PipelineDeliveries()
+    core.aborted(2, ["r"], 1.2, d)
+    assert core.state("r") is None
+
+
+def test_a_request_whose_replicas_die_from_the_last_one_back_is_freed() -> None:
+    # r goes through b's replica and then c's. c's dies first: r ends, and every stage but
+    # c is to apply its abort. Then b's dies: no stage is left to answer for b or c, and
+    # no abort can reach c's dead replica: r is over (it once stayed in for good).
+    core: PipelineCore[StreamCore] = PipelineCore(["a", "b", "c"], replicas=[1, 2, 2])
+    for k, count in enumerate([1, 2, 2]):
+        for r in range(count):
+            core.tagged(k, r, True)
+    core.open("r", StreamCore("r"))
+    route = core.route("r")
+    assert route is not None
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(2, route[2], EngineDeadError("killed"), 1.0, d)
+    assert d.aborts == ["r"]
+    core.aborted(0, ["r"], 1.1, d)
+    assert core.state("r") is RequestState.CLOSING
+    d = PipelineDeliveries()
+    core.replica_dead(1, route[1], EngineDeadError("killed"), 1.2, d)
+    assert d.stage_aborts == []  # c's replica on its route is dead: nobody to abort there
+    assert core.state("r") is None
+    assert d.freed == 1

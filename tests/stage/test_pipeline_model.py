@@ -121,8 +121,16 @@ the first retrying, requests two stages hold failing): 1,000 more examples, abou
 stage: its events reach the core split by the replica each request's route names, as the
 pipelines' IO layer hands a pool's events over (one replica's at a time), so the pooled
 core's bookkeeping (routes, the filter on them, an abort's confirmation as a bit per stage,
-the per-replica counts) must keep every rule above: 1,000 more examples. A replica's death
-alone is checked in ``test_pipeline_pool.py``.
+the per-replica counts) must keep every rule above: 1,000 more examples. Its faults include
+a replica's death (never its stage's last): the requests routed through it are lost there,
+what is sent to it later is dropped, its events so far reach the core before
+``replica_dead``; the stage after it applies the `gone` in order with the coordinator's
+messages (the dead replica's link messages after it are dropped), and every stage answers
+and chases the tagged abort sent after the death with its tag (``docs/wire.md`` section 8).
+A request a replica's death ended is freed only once no abort of it is left on its way to
+a stage that would apply it, and no answer to one on its way to the core: otherwise its id,
+added again, could be aborted by it (the race the tags close; the check catches it when the
+core takes the first answer instead).
 """
 
 from __future__ import annotations
@@ -193,6 +201,10 @@ class Inc:
         self.fences_due = [0] * n
         self.retries = [0] * n
         self.replay_stage: dict[int, int] = {}  # attempt -> the stage that failed
+        # PooledModel: its route (a replica per stage), and the stages whose replica on it
+        # died (replica_dead: that stage counts as having applied its aborts).
+        self.route: tuple[int, ...] | None = None
+        self.cut: set[int] = set()
 
     def __repr__(self) -> str:
         return f"<{self.rid}#{self.no}>"
@@ -264,6 +276,10 @@ class SimStage:
         self.early: dict[str, Req] = {}
         self.dead_aborted: dict[str, Inc] = {}  # a death's abort applied while absent here
         self.dead = False
+        # PooledModel: its replicas that died (what is sent to them is lost), and those of
+        # the previous stage whose `gone` it applied (their later link messages dropped).
+        self.dead_replicas: set[int] = set()
+        self.gone_from: set[int] = set()
 
     def __repr__(self) -> str:
         return f"<stage {self.k}>"
@@ -316,6 +332,7 @@ class PipelineModel(RuleBasedStateMachine):
         self.orphans: dict[str, Inc] = {}  # what the core held when a stage died
         self.reused = 0
         self.steps = 0
+        self.dying = 0  # PooledModel: the replica whose death the core is told of
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -424,6 +441,8 @@ class PipelineModel(RuleBasedStateMachine):
             inc.in_core = False
             self.check_freed(inc, via)
         for inc in after:  # the core keeps an aborted request until n confirmations
+            if inc.cut:
+                continue  # after a replica's death a stage may answer twice (tags)
             assert inc.confirms < self.n or any(inc.fences_due), (
                 f"{inc} kept after {inc.confirms} confirmations, no fence due"
             )
@@ -470,6 +489,9 @@ class PipelineModel(RuleBasedStateMachine):
         if via == "dead":
             assert k is not None
             self.send_death_aborts(k, before, states, d)
+        elif via == "replica_dead":
+            assert k is not None
+            self.send_replica_death_aborts(k, before, states, d)
         elif d.aborts:
             assert via in ("abort", "error", "replayed", "outputs"), f"an abort asked for by {via}"
             assert not d.stage_aborts, f"an abort of a later stage asked for by {via}"
@@ -518,6 +540,52 @@ class PipelineModel(RuleBasedStateMachine):
             self.stages[0].cq.append(("abort", list(d.aborts), "dead", held))
         if later and not self.stages[k + 1].dead:
             self.stages[k + 1].cq.append(("abort", list(later[k + 1]), "dead", targets))
+
+    def send_replica_death_aborts(
+        self,
+        k: int,
+        before: list[Inc],
+        states: dict[int, RequestState | None],
+        d: PipelineDeliveries[StreamCore],
+    ) -> None:
+        """A replica of stage *k* died (PooledModel): the requests routed through it end;
+        the live ones are aborted from the first stage, all of them from the stage after it
+        (after its `gone`), tagged: check that and send them."""
+        held = {i.rid: i for i in before}
+        r = self.dying
+        through = {rid: i for rid, i in held.items() if i.route is not None and i.route[k] == r}
+        live = {rid for rid in through if states[id(held[rid])] is LIVE}
+        assert set(d.aborts) == (live if k > 0 else set()), f"{d.aborts}: {live} live"
+        for rid in live:
+            inc = held[rid]
+            assert not inc.coord_abort, f"{inc} aborted twice by the core"
+            inc.coord_abort = True
+        later = dict(d.stage_aborts)
+        # Aborted after it too, unless its replica there died before (no one to reach).
+        after = {rid for rid, i in through.items() if k + 1 < self.n and k + 1 not in i.cut}
+        if after:
+            assert set(later) == {k + 1}, f"{later} after a replica of {k} died"
+            assert set(later[k + 1]) == after, f"{later} after a replica of {k} died"
+            # Tagged, unless a replica after it on the route died before (the abort
+            # stops there: the stages after wait for that death's abort).
+            tagged = {(k + 1, rid) for rid, i in through.items() if k + 1 not in i.cut}
+            assert set(d.tags) == tagged, f"tags {d.tags}, not {tagged}"
+        else:
+            assert not later, f"{later} after a replica of {k} died"
+        for stage, _, side, _, dead_r in d.gone:
+            if side == "previous" and not self.stages[stage].dead:
+                self.stages[stage].cq.append(("gone", dead_r))
+        if d.aborts and not self.stages[0].dead:
+            targets = {rid: held[rid] for rid in d.aborts}
+            self.stages[0].cq.append(("abort", list(d.aborts), "core", targets))
+        if later and not self.stages[k + 1].dead:
+            nxt = self.stages[k + 1].cq
+            by_tag: dict[int, list[str]] = {}
+            for rid in later[k + 1]:
+                by_tag.setdefault(d.tags.get((k + 1, rid), 0), []).append(rid)
+            for tag, rids in by_tag.items():
+                targets = {rid: held[rid] for rid in rids}
+                nxt.append(("abort", rids, "post", targets, tag or None))
 
     def check_end(
         self,
@@ -571,7 +639,7 @@ class PipelineModel(RuleBasedStateMachine):
                 assert "(not retried: " in exc.message, f"{inc}: {exc!r}"
                 assert before is LIVE
                 event("a replay failed")
-            elif via == "dead":
+            elif via in ("dead", "replica_dead"):
                 assert type(exc) is PipelineStageDeadError, f"{inc}: {exc!r} ({via})"
                 assert k is not None
                 assert exc.stage == self.names[k]
@@ -592,6 +660,11 @@ class PipelineModel(RuleBasedStateMachine):
 
     def check_freed(self, inc: Inc, via: str) -> None:
         assert inc.stream._ended is not None or via == "forget", f"{inc} freed, not ended"
+        if inc.cut and via in ("aborted", "replica_dead"):
+            # A replica on its route died: freed only once no abort of it is left on its
+            # way to a stage (one would hit a new request of its id there), nor an answer.
+            self.check_no_abort_left(inc)
+            return
         if via in ("outputs", "aborted"):
             assert not any(inc.fences_due), f"{inc} freed, fences due {inc.fences_due}"
             if via == "outputs":  # its last end marker, while live
@@ -609,6 +682,38 @@ class PipelineModel(RuleBasedStateMachine):
                 assert held is None or held.inc is not inc, f"{inc} freed, held by {s.k}"
         else:
             assert via in ("dead", "close", "forget"), f"{inc} freed by {via}"
+
+    def check_no_abort_left(self, inc: Inc) -> None:
+        """No abort of *inc* is on its way to a live stage (one it would still apply), and
+        no answer to one is on its way to the core: its id may be added again."""
+        for s in self.alive():
+            for q in (s.cq, s.inq):
+                for item in q:
+                    if item[0] != "abort" or item[2] == "fence":
+                        continue
+                    for rid in item[1]:
+                        target = item[3][rid]
+                        if target is inc and not self.lost(s, target, q is s.inq):
+                            raise AssertionError(
+                                f"{inc} freed, its abort still on its way to stage {s.k}"
+                            )
+        for s in self.stages:
+            for ev in s.events:
+                if ev[0] == "aborted" and ev[2] != "fence":
+                    assert not any(ev[3][rid] is inc for rid in ev[1]), (
+                        f"{inc} freed, an answer of stage {s.k} to its abort still on its way"
+                    )
+
+    def lost(self, s: SimStage, inc: Inc | None, linked: bool) -> bool:
+        """Whether an item of *inc* that stage *s* takes is lost: its replica of *s* died,
+        or (*linked*: it came on the link) it came from a replica of the previous stage
+        whose `gone` *s* has applied (PooledModel)."""
+        route = None if inc is None else inc.route
+        if route is None:
+            return False
+        if route[s.k] in s.dead_replicas:
+            return True
+        return linked and s.k > 0 and route[s.k - 1] in s.gone_from
 
     # -- the stages ------------------------------------------------------------------------
 
@@ -659,10 +764,24 @@ class PipelineModel(RuleBasedStateMachine):
                 self.send_on(s, (kind, rid, inc))
         s.events.append(("replayed", rid, attempt, ok))
 
-    def take_input(self, s: SimStage, item: tuple[Any, ...], reject: bool) -> None:
+    def take_input(
+        self, s: SimStage, item: tuple[Any, ...], reject: bool, linked: bool = False
+    ) -> None:
         kind = item[0]
+        if kind == "gone":  # PooledModel: a replica of the previous stage died
+            s.gone_from.add(item[1])
+            return
+        if s.dead_replicas or s.gone_from:  # PooledModel: what a dead replica never gets
+            if kind == "abort":
+                kept = [rid for rid in item[1] if not self.lost(s, item[3][rid], linked)]
+                if not kept:
+                    return
+                item = (item[0], kept, *item[2:])
+            elif kind != "release" and self.lost(s, item[2], linked):
+                return
         if kind == "abort":  # applied, reported, chased on
-            _, rids, origin, targets = item
+            _, rids, origin, targets = item[:4]
+            tag = item[4] if len(item) > 4 else None
             for rid in rids:
                 req = s.live.pop(rid, None)
                 s.early.pop(rid, None)
@@ -671,13 +790,13 @@ class PipelineModel(RuleBasedStateMachine):
                     f"stage {s.k}: an abort of {target} hit {req.inc}"
                 )
                 self.drop_log(s, rid)
-                if origin == "core":
+                if origin in ("core", "post"):
                     target.coord_applied.add(s.k)
                 elif origin == "fence":
                     s.fenced[id(target)] = s.fenced.get(id(target), 0) + 1
                 elif req is None:
                     s.dead_aborted[rid] = target
-            s.events.append(("aborted", list(rids), origin, targets))
+            s.events.append(("aborted", list(rids), origin, targets, tag))
             self.send_on(s, item)
             return
         if kind == "replay":
@@ -799,10 +918,12 @@ class PipelineModel(RuleBasedStateMachine):
                 rid = ev[1]
                 self.call(functools.partial(core.error, k, rid, "rejected"), "error", k, rid)
             elif kind == "aborted":
-                rids, origin, targets = ev[1], ev[2], ev[3]
+                rids, origin, targets, tag = ev[1], ev[2], ev[3], ev[4]
                 for rid in rids:
                     if origin == "fence":
                         target = targets[rid]
+                        if target.cut:
+                            continue  # its fences after the dead replica are not counted
                         target.fences_due[k] -= 1
                         assert target.fences_due[k] >= 0, f"{target}: a fence too many in {k}"
                         continue
@@ -810,13 +931,23 @@ class PipelineModel(RuleBasedStateMachine):
                     if inc is not None and inc.in_core and self.core.state(rid) is not LIVE:
                         inc.confirms += 1
                 fence = origin == "fence" and self.flags
-                self.call(functools.partial(core.aborted, k, rids, fence=fence), "aborted")
+                self.call(functools.partial(core.aborted, k, rids, fence=fence, tag=tag), "aborted")
             elif kind == "replayed":
                 rid, attempt, ok = ev[1], ev[2], ev[3]
                 why = "" if ok else "the previous stage no longer holds its inputs"
                 self.call(
                     functools.partial(core.replayed, k, rid, attempt, ok, why), "replayed", k, rid
                 )
+            elif kind == "replica_dead":  # PooledModel: its events so far came first
+                if not self.closed and self.failure is None:
+                    self.dying = r = ev[1]
+                    for inc in self.in_core():
+                        if inc.route is not None and inc.route[k] == r:
+                            inc.cut.add(k)
+                    exc = EngineDeadError("stage process 1 was killed by SIGKILL", exit_code=-9)
+                    self.call(
+                        functools.partial(core.replica_dead, k, ev[1], exc), "replica_dead", k
+                    )
             else:
                 assert kind == "dead"
                 if not self.closed:  # _take_events: a death after close is no news
@@ -902,6 +1033,8 @@ class PipelineModel(RuleBasedStateMachine):
             self.by_stream[id(inc.stream)] = inc
             incs.append(inc)
         core.open_many(ids, [inc.stream for inc in incs], nbytes)
+        for inc in incs:
+            inc.route = core.route(inc.rid)
         self.opened += count
         if fails or self.stages[0].dead:
             for inc in incs:
@@ -958,7 +1091,7 @@ class PipelineModel(RuleBasedStateMachine):
         if ready:
             s, q, count, reject = data.draw(st.sampled_from(ready))
             for i in range(min(count, len(q))):
-                self.take_input(s, q.popleft(), reject and i == 0)
+                self.take_input(s, q.popleft(), reject and i == 0, q is s.inq)
 
     def step(self, data: st.DataObject) -> None:
         """A stage steps a request: a payload for the caller, one sent on, its end (any
@@ -1154,7 +1287,7 @@ class PipelineModel(RuleBasedStateMachine):
             for s in self.alive():
                 for q in (s.cq, s.inq):
                     while q:
-                        self.take_input(s, q.popleft(), False)
+                        self.take_input(s, q.popleft(), False, q is s.inq)
                         progress = True
                 for rid in s.steppable():
                     if s.live[rid].input_ended:
@@ -1258,11 +1391,11 @@ class RoutedCore(PipelineCore[StreamCore]):
             super().outputs(k, ids, fins, items, now, d, r)
 
     def aborted(  # type: ignore[override]
-        self, k: int, req_ids: Any, now: float, d: Any, fence: bool = False
+        self, k: int, req_ids: Any, now: float, d: Any, fence: bool = False, tag: Any = None
     ) -> None:
         ids = list(req_ids)
         for r, picked in self._split(k, ids).items():
-            super().aborted(k, [ids[i] for i in picked], now, d, r, fence)
+            super().aborted(k, [ids[i] for i in picked], now, d, r, fence, tag)
 
     def error(self, k: int, req_id: str, message: str, now: float, d: Any) -> None:  # type: ignore[override]
         super().error(k, req_id, message, now, d, next(iter(self._split(k, [req_id]))))
@@ -1280,7 +1413,40 @@ class PooledModel(PipelineModel):
     def make_core(self, budget: int | None, max_bytes: int | None) -> PipelineCore[StreamCore]:
         replicas = [(2, 3, 1, 2)[k] for k in range(self.n)]
         event(f"replicas {replicas}")
-        return RoutedCore(self.names, budget, max_bytes, self.retry, replicas)
+        core = RoutedCore(self.names, budget, max_bytes, self.retry, replicas)
+        for k, count in enumerate(replicas):  # stages of this build: they answer tags
+            for r in range(count):
+                core.tagged(k, r, True)
+        return core
+
+    def fault(self, data: st.DataObject) -> None:
+        """Also: one replica of a pool dies (never its stage's last): the requests routed
+        through it are lost there, what is sent to it is dropped, and the coordinator hears
+        of it after the events it had sent (``replica_dead``)."""
+        if self.faults is None or self.steps < self.faults or self.closed or self.failure:
+            super().fault(data)
+            return
+        pools = [s for s in self.alive() if self.core.replicas[s.k] - len(s.dead_replicas) > 1]
+        if not pools or not data.draw(st.booleans()):
+            super().fault(data)
+            return
+        s = data.draw(st.sampled_from(pools))
+        r = data.draw(
+            st.sampled_from([r for r in range(self.core.replicas[s.k]) if r not in s.dead_replicas])
+        )
+        s.dead_replicas.add(r)
+
+        def on(inc: Inc) -> bool:
+            return inc.route is not None and inc.route[s.k] == r
+
+        for rid in [rid for rid, req in s.live.items() if on(req.inc)]:
+            del s.live[rid]
+        for rid in [rid for rid, req in s.early.items() if on(req.inc)]:
+            del s.early[rid]
+        for rid in [rid for rid, log in s.logs.items() if on(log.inc)]:
+            del s.logs[rid]
+        s.events.append(("replica_dead", r))
+        event("a replica died")
 
     @invariant()
     def routed_counts(self) -> None:

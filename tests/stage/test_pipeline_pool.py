@@ -112,6 +112,10 @@ class TestRouting:
         streams = [pipe.add(f"r{i}", 3) for i in range(6)]
         assert [s.collect(timeout=10) for s in streams] == [[2, 1, 0]] * 6
         assert pipe.in_flight == 0
+        # Each request failed its first attempt: one replay each, whose fence (an abort on
+        # the wire) its replica counts in its loop's aborts (observability.md).
+        stats = pipe.stats()
+        assert sum(stats[f"flaky[{r}]"].loop.aborts for r in (0, 1)) == 6
 
     @pytest.mark.parametrize("bad", [0, -1])
     def test_replicas_below_one_are_a_value_error(self, bad: int) -> None:
@@ -234,6 +238,37 @@ class TestReplicaDeath:
         assert isinstance(stats["mid[1]"], StageStatistics)
         health = pipe.health()
         assert (health["mid[0]"], health["mid[1]"]) == (StageHealth.DEAD, StageHealth.OK)
+
+    def test_the_abort_after_a_death_is_tagged_and_frees_the_id_once_answered(
+        self, launch: Any
+    ) -> None:
+        # docs/wire.md section 8, "Tagged aborts": every stage says "tags" in its welcome;
+        # a replica's death aborts its requests from the stage after it with a tag, which
+        # that stage answers with: only then is the id free (an untagged answer would keep
+        # it in the pipeline for good), and it can be added again. (The race the tag closes,
+        # an id freed by the answer to the first abort's copy, is test_pipeline_core's.)
+        pipe = launch(
+            [
+                COUNTDOWN,
+                PipelineStage(RELAY, name="mid", replicas=2),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        assert all(all(row) for row in pipe._core._tagging)  # from their welcomes
+        pipe.call_utility("mid", "hold", True)
+        stream = pipe.add("r", 3)
+        route = pipe._core.route("r")
+        assert wait_until(
+            lambda: pipe.call_utility("mid", "num_requests", replica=route[1]) == 1, 10
+        )
+        os.kill(pipe.call_utility("mid", "pid", replica=route[1]), signal.SIGKILL)
+        with pytest.raises(PipelineStageDeadError):
+            stream.collect(timeout=10)
+        assert wait_until(lambda: pipe.in_flight == 0, 10)  # last answered the tagged abort
+        assert pipe.stats()["last"].loop.aborts == 1  # counted as the abort it is
+        pipe.call_utility("mid", "hold", False, replica=1 - route[1])
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
+        assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
 
     def test_when_every_replica_is_dead_the_stage_is_dead(self, launch: Any) -> None:
         pipe = launch(

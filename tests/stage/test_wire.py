@@ -26,6 +26,7 @@ from enginecore.stage import (
     _wire,
     check_encodable,
 )
+from enginecore.stage._session import ClientSession
 
 scalars = (
     st.none()
@@ -140,8 +141,9 @@ class TestShapes:
         assert message("abort", ["a"], None, True) == _wire.AbortMsg(["a"], None, True)
         assert message("abort", ["a"], [[1, 0]], True) == _wire.AbortMsg(["a"], [[1, 0]], True)
         assert message("abort", ["a"], None, False).fence is False
-        # A later element still is ignored.
-        assert message("abort", ["a"], None, True, "later") == _wire.AbortMsg(["a"], None, True)
+        # A later element still is ignored (after the tag, section 8's "Tagged aborts").
+        later = message("abort", ["a"], None, True, None, "later")
+        assert later == _wire.AbortMsg(["a"], None, True)
         events = _codec.Decoder(_wire.EventBatch, strict=True)
         batch = [("aborted", ["a"]), ("aborted", ["b", "c"], True), ("aborted", ["d"], False)]
         assert events.decode([msgspec.msgpack.encode(batch)]) == [
@@ -153,6 +155,44 @@ class TestShapes:
         # The struct round-trips, the flag included.
         for ev in (Aborted(["a"]), Aborted(["a"], fence=True)):
             assert events.decode([msgspec.msgpack.encode([ev])]) == [ev]
+
+    def test_a_tag_is_a_trailing_int_on_abort_and_aborted(self) -> None:
+        # docs/wire.md section 8, "Tagged aborts": a pipeline's abort after a death carries
+        # the coordinator's tag after the fence flag, and the `aborted` answering it repeats
+        # it there. Without it (an older peer, any other abort), both decode as before.
+        messages = _codec.Decoder(_wire.ClientMsg, strict=False)
+        encoder = _codec.Encoder()
+
+        def message(*msg: Any) -> Any:
+            return messages.decode(encoder.encode(msg))
+
+        assert message("abort", ["a"]).tag is None
+        assert message("abort", ["a"], [[1]], False, 7) == _wire.AbortMsg(["a"], [[1]], False, 7)
+        assert message("abort", ["a"], None, False, 7, "later").tag == 7
+        events = _codec.Decoder(_wire.EventBatch, strict=True)
+        batch = [("aborted", ["a"], False, 7), ("aborted", ["b"])]
+        assert events.decode([msgspec.msgpack.encode(batch)]) == [
+            Aborted(["a"], tag=7),
+            Aborted(["b"]),
+        ]
+        # The abort frame the coordinator sends: untagged, as before, unless tagged.
+        frame = ClientSession.abort_frame(["a"], [[0]], 7)
+        assert messages.decode(frame) == _wire.AbortMsg(["a"], [[0]], False, 7)
+        assert messages.decode(ClientSession.abort_frame(["a"], [[0]])).tag is None
+
+    def test_a_welcome_names_its_features_only_if_it_has_any(self) -> None:
+        # docs/wire.md section 3: a pipeline's stage says "tags" after the five elements; any
+        # other welcome is the five elements, as before. An older stage's decodes with none.
+        plain = msgspec.msgpack.decode(_wire.welcome_frame("tcp://h:1", 42, "e"))
+        assert plain == ["welcome", 2, "tcp://h:1", 42, "e"]
+        tagged = _wire.welcome_frame("tcp://h:1", 42, "e", ("tags",))
+        assert msgspec.msgpack.decode(tagged) == ["welcome", 2, "tcp://h:1", 42, "e", ["tags"]]
+        reply = _wire.handshake_decoder.decode(tagged)
+        assert isinstance(reply, _wire.WelcomeMsg)
+        assert reply.features == ("tags",)
+        reply = _wire.handshake_decoder.decode(_wire.welcome_frame("o", 1, "e"))
+        assert isinstance(reply, _wire.WelcomeMsg)
+        assert reply.features == ()
 
 
 class TestPublicApi:

@@ -36,6 +36,8 @@ control                   made by, and what the loop does with it
                           coordinator's ``route``, or a ``pipe``'s or ``abort``'s routes)
 :class:`PipeFence`        an ``abort`` flagged as a replay's fence: applied as any abort,
                           answered by an ``aborted`` flagged the same, chased on flagged
+:class:`PipeAbort`        an ``abort`` the coordinator tagged (sent after a death): applied
+                          as any abort, answered and chased on with the same tag
 :class:`ClientJoined`     a multi-client stage welcomed a client (``serve --max-clients``):
                           its outputs, answers and errors go to its own output socket
 :class:`ClientInput`      a multi-client stage: the messages after it come from that client
@@ -63,6 +65,7 @@ __all__ = [
     "ClientsTarget",
     "DrainDeadline",
     "DropEnded",
+    "PipeAbort",
     "PipeCredit",
     "PipeFence",
     "PipeGone",
@@ -114,6 +117,8 @@ class StageTarget(Protocol):
     def pipe_release(self, req_ids: list[str]) -> None: ...
 
     def pipe_fence(self, req_ids: Sequence[str]) -> None: ...
+
+    def pipe_abort(self, req_ids: Sequence[str], tag: int) -> None: ...
 
 
 class ClientsTarget(Protocol):
@@ -426,12 +431,37 @@ class PipeRoute(Control):
         return f"PipeRoute({len(self.req_ids)} requests, abort={self.abort})"
 
 
+class PipeAbort(Control):
+    """An ``abort`` tagged by the coordinator (``docs/wire.md`` section 8, "Tagged aborts":
+    one it sent after a death): applied as the loop applies an ``Abort``, answered by an
+    ``aborted`` event with the same tag, and sent on down the link still tagged
+    (``StageEngine.pipe_abort``), so that the coordinator tells its answer from one to a
+    copy of an earlier abort. (The loop's statistics count it in ``aborts``, as the
+    ``abort`` message it is on the wire, and as a control.)"""
+
+    __slots__ = ("req_ids", "tag")
+
+    def __init__(self, req_ids: list[str], tag: int) -> None:
+        self.req_ids = req_ids
+        self.tag = tag
+
+    def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
+        try:
+            engine.pipe_abort(self.req_ids, self.tag)
+        finally:
+            loop._stats.aborts += 1  # an abort message applied, as the loop counts an Abort
+
+    def __repr__(self) -> str:
+        return f"PipeAbort({self.req_ids!r}, tag={self.tag})"
+
+
 class PipeFence(Control):
     """An ``abort`` flagged as a replay's *fence* (``docs/wire.md`` section 8): applied as
     the loop applies an ``Abort``, answered by an ``aborted`` event flagged the same, and
     sent on down the link still flagged (``StageEngine.pipe_fence``), so that the
     coordinator never takes its answer for the confirmation of an abort of its own. (The
-    loop counts it as a control, not as an abort.)"""
+    loop's statistics count it in ``aborts``: it is an ``abort`` message on the wire, and
+    drops its requests from the engine as any abort does; as a control too.)"""
 
     __slots__ = ("req_ids",)
 
@@ -439,7 +469,10 @@ class PipeFence(Control):
         self.req_ids = req_ids
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.pipe_fence(self.req_ids)
+        try:
+            engine.pipe_fence(self.req_ids)
+        finally:
+            loop._stats.aborts += 1  # an abort message applied, as the loop counts an Abort
 
     def __repr__(self) -> str:
         return f"PipeFence({self.req_ids!r})"

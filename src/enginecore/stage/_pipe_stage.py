@@ -798,14 +798,17 @@ class PipeStage:
         self._replays += 1
         return True, ""
 
-    def chase_abort(self, req_ids: Sequence[str], fence: bool = False) -> None:
+    def chase_abort(
+        self, req_ids: Sequence[str], fence: bool = False, tag: int | None = None
+    ) -> None:
         """An ``abort`` message was applied here (the stage runtime calls this after
         :meth:`abort` and its ``aborted`` event): send it on to the next stage, after every
         pipe message this stage sent for those requests, so the next stage applies it after
         their data, and sends it on in turn. Only an abort message chases: an abort of the
         stage's own (an error that ended the request) is followed by the coordinator's,
         from the first stage, and every stage must answer that one exactly once. *fence*:
-        the abort was a replay's fence, and goes on flagged as one."""
+        the abort was a replay's fence, and goes on flagged as one; *tag*: the abort was
+        tagged by the coordinator (an abort after a death), and goes on with its tag."""
         links = self._links
         if not links or self._next_gone:
             self._abort_routes.clear()
@@ -815,6 +818,8 @@ class PipeStage:
             if link is not None:
                 ids = list(req_ids)
                 msg: tuple[Any, ...] = ("abort", ids, None, True) if fence else ("abort", ids)
+                if tag is not None:
+                    msg = ("abort", ids, None, fence, tag)
                 link.send(self._encoder.encode(msg)[0])
             return
         # Along each request's route (the abort's routes, from the coordinator or the
@@ -831,7 +836,11 @@ class PipeStage:
             link = links[index] if 0 <= index < len(links) else None
             if link is not None:
                 chased: tuple[Any, ...] = ("abort", ids, rests)
-                link.send(self._encoder.encode((*chased, True) if fence else chased)[0])
+                if tag is not None:
+                    chased = (*chased, fence, tag)
+                elif fence:
+                    chased = (*chased, True)
+                link.send(self._encoder.encode(chased)[0])
 
     def step(self) -> list[Any]:
         return self._routed(self._inner.step())  # type: ignore[union-attr]

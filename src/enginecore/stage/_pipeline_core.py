@@ -87,9 +87,36 @@ answer to one of them may still come (the dead replica had passed it on): flagge
 ignored, and each later stage's unflagged answer, to the abort sent after the death,
 confirms that abort. New requests avoid it. When
 the last replica of a stage dies, the stage is dead (:meth:`stage_dead`). The
-coordinator's abort is confirmed once per stage (a bit per stage: an abort sent twice to a
-stage, once from the first stage and once from the stage after a dead replica, is one
-confirmation).
+coordinator's abort is confirmed once per stage (a bit per stage), by the answer of the
+abort that counts there ("Tagged aborts").
+
+**Tagged aborts** (after a death). A request aborted already (its abort chasing through
+the stages) whose process of stage ``k`` dies is aborted again, from stage ``k + 1``: the
+dead process may or may not have passed the first abort on before it died, so stage ``k +
+1`` and every later one may apply the abort twice, and answer twice. Taking the first
+answer for the confirmation would free the request while the second abort is still on its
+way: its id added again, that abort could reach stage ``k + 1`` after the new request's
+data (it comes on the coordinator's connection, the data on a link: no order between
+them) and abort the new request there, for good; or its answer confirm the new request's
+own abort early, freeing that id before every stage applied that abort. So the abort sent
+after the death carries a *tag* (``docs/wire.md`` section 8, a number the core never gives
+twice), which each stage repeats in its ``aborted`` and in the abort it chases on; from
+stage ``k + 1`` up to the next dead process of the route, the core takes only the answer
+with that tag (:meth:`replica_dead`, :meth:`aborted`). That answer comes after any answer
+to the first abort's copy: stage ``k + 1`` applies a copy the dead process sent before its
+``gone`` (on the coordinator's connection, before the tagged abort) or drops it, and each
+later stage gets both copies in that order on one link. So once every tagged answer is in,
+no copy of either abort is left on its way to a stage after the dead one, nor an answer to
+one. A stage of an older build (its ``welcome`` does not say ``"tags"``: :meth:`tagged`)
+drops the tag and chases untagged: from the first such process on the route, any answer
+confirms, as before tags (the race stays open there). Open still: with restarts, a stage
+``k - 1`` that applies the first abort only after the dead process's replacement is linked
+in chases that copy to the new process, which passes it on to stage ``k + 1`` untagged,
+with no order to the tagged one (and a replay it applies that late sends its fence and
+inputs there too); closing it would mean linking the new process in only once stage
+``k - 1`` has answered for every request the dead one held. A whole stage's death
+(:meth:`stage_dead`) sends its aborts untagged: the pipeline has failed, every request is
+freed at once, and no id is added again.
 
 **Restarts** (``restart[k]``, a :class:`~._pool_core.RestartPolicy`: stage ``k``'s dead
 processes are started again). Such a pipeline is routed even without pools, so that a dead
@@ -174,6 +201,7 @@ _LIVE = RequestState.LIVE
 class _Request(Generic[S]):
     __slots__ = (
         "confirms",
+        "cut",
         "ended",
         "fences",
         "nbytes",
@@ -185,6 +213,7 @@ class _Request(Generic[S]):
         "state",
         "stream",
         "taken",
+        "want",
     )
 
     def __init__(self, req_id: str, stream: S, nbytes: int) -> None:
@@ -192,7 +221,7 @@ class _Request(Generic[S]):
         self.nbytes = nbytes  # its share of the bytes budget
         self.stream = stream
         self.state = _LIVE
-        self.ended = self.sent = self.confirms = self.spoke = self.taken = 0
+        self.ended = self.sent = self.confirms = self.spoke = self.taken = self.cut = 0
         # ended, bit k: stage k ended it; sent, bit k: and sent payloads on; confirms, bit
         # k: stage k applied the coordinator's abort. Retry: bit k of spoke, stage k sent
         # the caller a payload (counted only where an edge retries); fences[k], the fences
@@ -203,6 +232,11 @@ class _Request(Generic[S]):
         self.fences: list[int] | None = None
         self.replays: _Replays | None = None
         self.route: tuple[int, ...] | None = None  # with replica pools: one per stage
+        # After a death on its route (replica_dead): bit k of cut, its process of stage k
+        # died (that stage counts as having applied the aborts); want[k], the tag of the
+        # abort whose answer alone confirms stage k (0: an untagged one, as before any
+        # death), "Tagged aborts" in the module docstring.
+        self.want: list[int] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -235,6 +269,10 @@ class PipelineDeliveries(Generic[S]):
     restarts: list[tuple[int, int, float]] = field(default_factory=list)
     """``(stage, replica, delay)``: start that process again after *delay* seconds (its
     stage restarts, :meth:`PipelineCore.restarting`)."""
+    tags: dict[tuple[int, str], int] = field(default_factory=dict)
+    """``(stage, req_id) -> tag``: the tag to send with that abort of :attr:`stage_aborts`
+    (``["abort", ids, routes, false, tag]``, ``docs/wire.md`` section 8); an abort not
+    named here is sent untagged."""
 
 
 class PipelineCore(Generic[S]):
@@ -298,6 +336,11 @@ class PipelineCore(Generic[S]):
         # The ids a stage's death ended (stage_dead), and their routes.
         self._orphans: dict[str, tuple[int, ...] | None] = {}
         self._all = (1 << len(stages)) - 1  # every stage's bit
+        # Per process (stage, replica): whether it answers a tagged abort with the tag and
+        # chases it tagged (a stage of this build: tagged(); an older build drops the tag).
+        # _tag: the last tag given to the aborts of a death (replica_dead).
+        self._tagging = [[False] * r for r in replicas]
+        self._tag = 0
         # The failure as an End: check() raises it with the traceback it had then, so that
         # refused adds do not grow it (see _session.End).
         self._failure_end: End | None = None
@@ -594,18 +637,22 @@ class PipelineCore(Generic[S]):
         d: PipelineDeliveries[S],
         r: int = 0,
         fence: bool = False,
+        tag: int | None = None,
     ) -> None:
         """Stage *k* applied an abort of *req_ids*: a replay's fence if *fence* (the
-        ``aborted`` event's flag). Once every stage has applied the coordinator's abort of a
-        request, nothing more can come of it: an aborting one's stream ends (aborted), and
-        its place is free. (An abort the coordinator did not send, of a live request, is
-        ignored.) A stage's answer to a replay's fence (:meth:`error`) is not a
-        confirmation: it ends that stage's earlier attempt, and a request leaves only once
-        every fence is answered too. A fence's answer when none is due (its process died:
-        :meth:`replica_dead`) is ignored. An unflagged answer while a fence is due is taken
-        for the fence's (a stage of an older build flags nothing); if the request was
-        aborted and the flagged answer to that fence comes later, the unflagged one was the
-        abort's (module docstring, "Retry")."""
+        ``aborted`` event's flag); *tag*, the tag of the abort it applied (``None``:
+        untagged). Once every stage has applied the coordinator's abort of a request,
+        nothing more can come of it: an aborting one's stream ends (aborted), and its place
+        is free. (An abort the coordinator did not send, of a live request, is ignored.) An
+        unflagged answer confirms only with the tag the request waits for from that stage
+        (module docstring, "Tagged aborts"): after a death, the answer to a copy of the
+        abort that the dead process passed on confirms nothing. A stage's answer to a
+        replay's fence (:meth:`error`) is not a confirmation: it ends that stage's earlier
+        attempt, and a request leaves only once every fence is answered too. A fence's
+        answer when none is due (its process died: :meth:`replica_dead`) is ignored. An
+        unflagged answer while a fence is due is taken for the fence's (a stage of an older
+        build flags nothing); if the request was aborted and the flagged answer to that
+        fence comes later, the unflagged one was the abort's (module docstring, "Retry")."""
         requests = self._requests
         bit = 1 << k
         every = self._all
@@ -618,6 +665,8 @@ class PipelineCore(Generic[S]):
             if pooled and req.route is not None and req.route[k] != r:
                 continue  # a replica the request does not go through
             fences = req.fences
+            if not fence and (tag or 0) != (0 if req.want is None else req.want[k]):
+                continue  # not the answer that confirms stage k (module docstring)
             if fence:
                 # A fence's answer: never the confirmation of an abort.
                 if fences is not None and fences[k]:
@@ -662,8 +711,10 @@ class PipelineCore(Generic[S]):
         with a :class:`~._errors.PipelineStageDeadError` naming the stage and *r* (a closing
         one's stream has ended already); each is aborted from the first stage (a live one)
         and from its replica of the stage after this one (the abort sent from the first
-        stage stops at the dead replica), and the dead replica counts as having applied the
-        abort. The stages next to it are told it is gone, and new requests avoid it.
+        stage stops at the dead replica), tagged (module docstring, "Tagged aborts"), unless
+        that replica died before (then no stage is left to answer for the later ones: the
+        request is over once the others have), and the dead replica counts as having
+        applied the abort. The stages next to it are told it is gone, and new requests avoid it.
 
         With a restart policy (its stage restarts): the death is counted, and unless it
         makes the process ``failed``, :attr:`PipelineDeliveries.restarts` says when to start
@@ -701,6 +752,7 @@ class PipelineCore(Generic[S]):
         end = End(error)
         bit = 1 << k
         after: list[str] = []
+        tag = 0  # the tag of the aborts this death sends, once one is tagged
         for req in [q for q in self._requests.values() if q.route is not None and q.route[k] == r]:
             rid = req.req_id
             state = req.state
@@ -721,12 +773,46 @@ class PipelineCore(Generic[S]):
                 fences[k:] = repeat(0, self._n - k)
                 req.taken &= bit - 1
             req.confirms |= bit
-            if k + 1 < self._n:
+            req.cut |= bit
+            if k + 1 < self._n and not req.cut >> (k + 1) & 1:
                 after.append(rid)
+                tag = self._want_tag(req, k, tag)
+                if tag and req.want is not None and req.want[k + 1] == tag:
+                    d.tags[k + 1, rid] = tag
             else:
+                # The last stage, or its process of the next stage died before (an abort
+                # sent there would reach no one): every stage may have applied the aborts.
                 self._confirmed(req, now, d, self._all)
         if after:
             d.stage_aborts.append((k + 1, after))
+
+    def _want_tag(self, req: _Request[S], k: int, tag: int) -> int:
+        """The abort of *req* sent to stage ``k + 1`` after its process of stage *k* died
+        is tagged (*tag*, or a new one if 0; returned): from stage ``k + 1`` on, up to its
+        next dead process, each stage that passes tags on is confirmed only by its answer
+        to that abort (its answer to an earlier copy, which the dead process may have
+        passed on, comes before it: module docstring, "Tagged aborts"). From the first
+        process on the route that drops tags (an older build), the stages get untagged
+        copies only: any answer confirms, as before tags."""
+        n = self._n
+        want = req.want
+        if want is None:
+            want = req.want = [0] * n
+        route = req.route
+        assert route is not None  # routed: a death ends only the requests routed through it
+        tagging = True
+        for j in range(k + 1, n):
+            if req.cut >> j & 1:
+                break  # the abort stops at that dead process: later stages wait for its own
+            if tagging and self._tagging[j][route[j]]:
+                if not tag:
+                    self._tag = tag = self._tag + 1
+                want[j] = tag
+                req.confirms &= ~(1 << j)  # its answer to this abort is still to come
+            else:
+                tagging = False
+                want[j] = 0
+        return tag
 
     def _gone_around(self, k: int, r: int, d: PipelineDeliveries[S]) -> None:
         """Tell the live replicas of the stages next to stage *k* that its replica *r* is
@@ -942,6 +1028,13 @@ class PipelineCore(Generic[S]):
         if route is not None:
             for load, replica in zip(self._load, route, strict=True):
                 load[replica] -= 1
+
+    def tagged(self, k: int, r: int, tags: bool = True) -> None:
+        """Whether process *r* of stage *k* (as launched now, or started again) answers a
+        tagged abort with its tag and chases it tagged (its ``welcome`` says so,
+        ``docs/wire.md`` section 8). Until told, a process is taken for an older build's:
+        the aborts sent after a death are confirmed by its first answer, as before tags."""
+        self._tagging[k][r] = tags
 
     def load(self, k: int) -> list[int]:
         """Per replica of stage *k*: the requests routed there that are in the pipeline."""

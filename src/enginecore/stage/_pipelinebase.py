@@ -673,9 +673,12 @@ class PipelineBase(Generic[S, C]):
             raise ValueError(f"{len(self._clients)} clients for {counts} replicas")
         self._replicas: list[list[C]] = []  # per stage, its replicas' clients
         start = 0
-        for count in counts:
+        for k, count in enumerate(counts):
             self._replicas.append(self._clients[start : start + count])
             start += count
+            for r, client in enumerate(self._replicas[k]):
+                # Whether it answers and chases tagged aborts (its welcome says so).
+                self._core.tagged(k, r, "tags" in getattr(client, "features", ()))
         self._names = tuple(names)
         self._keys = [
             name if count == 1 else f"{name}[{r}]"
@@ -903,7 +906,7 @@ class PipelineBase(Generic[S, C]):
         if d.aborts:
             self._send_routed_aborts(0, d.aborts, routes)
         for k, req_ids in d.stage_aborts:
-            self._send_routed_aborts(k, req_ids, routes)
+            self._send_routed_aborts(k, req_ids, routes, d.tags)
         for k, rid, attempt in d.replays:
             route = routes.get(rid)
             with contextlib.suppress(Exception):
@@ -920,20 +923,26 @@ class PipelineBase(Generic[S, C]):
                         replicas[k][r]._send(ClientSession.release_frame(ids))
 
     def _send_routed_aborts(
-        self, k: int, req_ids: list[str], routes: Mapping[str, tuple[int, ...]]
+        self,
+        k: int,
+        req_ids: list[str],
+        routes: Mapping[str, tuple[int, ...]],
+        tags: Mapping[tuple[int, str], int] | None = None,
     ) -> None:
         """Abort *req_ids* from stage *k* on: each at its route's replica, with the rest of
-        its route (a gone replica's failure ends its requests anyway)."""
-        by: dict[int, tuple[list[str], list[list[int]]]] = {}
+        its route (a gone replica's failure ends its requests anyway), and its tag if
+        *tags* names one (``(k, id)``: an abort after a death, docs/wire.md section 8)."""
+        by: dict[tuple[int, int | None], tuple[list[str], list[list[int]]]] = {}
         for rid in req_ids:
             route = routes.get(rid)
             r = route[k] if route else 0
-            ids, rests = by.setdefault(r, ([], []))
+            tag = tags.get((k, rid)) if tags else None
+            ids, rests = by.setdefault((r, tag), ([], []))
             ids.append(rid)
             rests.append(list(route[k + 1 :]) if route else [])
-        for r, (ids, rests) in by.items():
+        for (r, tag), (ids, rests) in by.items():
             with contextlib.suppress(Exception):
-                self._replicas[k][r]._send(ClientSession.abort_frame(ids, rests))
+                self._replicas[k][r]._send(ClientSession.abort_frame(ids, rests, tag))
 
     def _unlink_dead(self, k: int, r: int = 0) -> None:
         """Stage *k* (its replica *r*) is gone: unlink its shared-memory segments (a killed
@@ -1036,6 +1045,7 @@ class PipelineBase(Generic[S, C]):
         with self._lock:
             self._replicas[k][r] = client
             self._clients[sum(core.replicas[:k]) + r] = client
+            core.tagged(k, r, "tags" in getattr(client, "features", ()))
         self._take_events(k, r, client)  # anything that came before the sink was set
         sends: list[tuple[C, Parts]] = []
         if k + 1 < len(specs):
@@ -1157,7 +1167,7 @@ class PipelineBase(Generic[S, C]):
                 if isinstance(ev, Outputs):
                     core.outputs(k, ev.req_ids, ev.finished, ev.payloads, now, d, r)
                 elif isinstance(ev, Aborted):
-                    core.aborted(k, ev.req_ids, now, d, r, ev.fence)
+                    core.aborted(k, ev.req_ids, now, d, r, ev.fence, ev.tag)
                 elif isinstance(ev, Credit):
                     if ev.links is None:
                         credit_items += ev.items

@@ -279,6 +279,9 @@ class StageRuntime:
                     output_address=self.output_address,
                     session_timeout=session_timeout,
                     statistics=self._statistics,
+                    # A pipeline's stage answers and chases tagged aborts (docs/wire.md
+                    # section 8): its welcome says so to the coordinator.
+                    features=("tags",) if hasattr(engine, "chase_abort") else (),
                 )
             else:
                 self._session = MultiStageSession(

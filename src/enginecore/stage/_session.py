@@ -756,14 +756,19 @@ class ClientSession(Generic[S, W]):
             raise
 
     @staticmethod
-    def abort_frame(req_ids: Sequence[str], routes: list[list[int]] | None = None) -> Parts:
+    def abort_frame(
+        req_ids: Sequence[str], routes: list[list[int]] | None = None, tag: int | None = None
+    ) -> Parts:
         """An ``abort``. A bare ``str`` is refused (it is a sequence of chars). *routes*: a
-        pipeline with replica pools' (``docs/wire.md`` section 8), one per id."""
+        pipeline with replica pools' (``docs/wire.md`` section 8), one per id; *tag*, a
+        pipeline's tag for an abort after a death (section 8, "Tagged aborts")."""
         if isinstance(req_ids, (str, bytes)):
             raise TypeError(f"abort() takes a sequence of request ids; write abort([{req_ids!r}])")
         ids = list(req_ids)
         for rid in ids:
             _check_req_id(rid)
+        if tag is not None:
+            return _encode(("abort", ids, routes, False, tag), "abort")
         if routes is not None:
             return _encode(("abort", ids, routes), "abort")
         return _encode(("abort", ids), "abort")

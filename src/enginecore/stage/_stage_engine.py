@@ -256,6 +256,15 @@ class StageEngine:
         if self._chase_abort is not None:
             self._chase_abort(req_ids, True)
 
+    def pipe_abort(self, req_ids: Sequence[str], tag: int) -> None:
+        """:class:`~._controls.PipeAbort`: an ``abort`` the coordinator tagged
+        (``docs/wire.md`` section 8, "Tagged aborts"), applied as :meth:`abort` applies one,
+        answered by an ``aborted`` event with the same tag, and chased on still tagged."""
+        self._drop(req_ids if self._clients is None else self._clients.own(req_ids))
+        self._emit(("aborted", list(req_ids), False, tag))
+        if self._chase_abort is not None:
+            self._chase_abort(req_ids, False, tag)
+
     def _drop(self, req_ids: Sequence[str]) -> None:
         self._abort(req_ids)
         self.live.difference_update(req_ids)

@@ -44,7 +44,7 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple, Protocol
 
 import msgspec
@@ -57,6 +57,7 @@ from ._controls import (
     ClientJoined,
     ClientLeft,
     ClientsTarget,
+    PipeAbort,
     PipeCredit,
     PipeFence,
     PipeGone,
@@ -324,12 +325,15 @@ class StageSession:
         output_address: str,
         session_timeout: float,
         statistics: Callable[[], Any] = dict,
+        features: Sequence[str] = (),
     ) -> None:
         self._output = output
         self._calls = calls
         self._statistics = statistics
-        self._welcome = msgspec.msgpack.encode(
-            _wire.WelcomeMsg(_wire.PROTOCOL_VERSION, output_address, os.getpid(), engine_name)
+        # *features*: what the welcome says beyond the version (a pipeline's stage: "tags",
+        # docs/wire.md section 8); none: the welcome as before, five elements.
+        self._welcome = _wire.welcome_frame(
+            output_address, os.getpid(), engine_name, tuple(features)
         )
         self._session_timeout = session_timeout
         # shm: a pipeline's previous stage may send big arrays in shared memory (_shm).
@@ -420,6 +424,8 @@ class StageSession:
                 self._routes(msg.req_ids, msg.routes, abort=True)
             if msg.fence is True:  # a replay's fence (section 8): answered flagged
                 self.to_loop.append(PipeFence(msg.req_ids))
+            elif msg.tag is not None:  # an abort after a death (section 8): answered tagged
+                self.to_loop.append(PipeAbort(msg.req_ids, msg.tag))
             else:
                 self.to_loop.append(Abort(msg.req_ids))
         elif cls is _wire.PipeMsg:
@@ -959,9 +965,7 @@ class MultiStageSession(StageSession):
             logger.exception("enginecore: cannot open an output socket for a new client")
             self._reject(ident, f"the stage cannot open an output socket for this client: {exc}")
             return
-        welcome = msgspec.msgpack.encode(
-            _wire.WelcomeMsg(_wire.PROTOCOL_VERSION, address, os.getpid(), self._engine_name)
-        )
+        welcome = _wire.welcome_frame(address, os.getpid(), self._engine_name)
         self.clients[ident] = _Client(ident, epoch, msg.client, now, welcome)
         self.expires = True
         self.to_loop.append(ClientJoined(self._clients, epoch))

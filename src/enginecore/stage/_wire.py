@@ -70,6 +70,10 @@ class AbortMsg(msgspec.Struct, array_like=True, frozen=True, tag="abort"):
     # link for the coordinator's `replay`, and in that abort chased on; the stage answers it
     # with an `aborted` that says so. Absent (an older sender): an ordinary abort.
     fence: bool = False
+    # A pipeline's abort sent after a death (docs/wire.md section 8, "Tagged aborts"): the
+    # coordinator's tag, which the `aborted` answering it repeats, and the abort chased on
+    # carries. Absent (an older sender, or any other abort): untagged.
+    tag: int | None = None
 
 
 class UtilityMsg(msgspec.Struct, array_like=True, frozen=True, tag="utility"):
@@ -191,6 +195,18 @@ class WelcomeMsg(msgspec.Struct, array_like=True, frozen=True, tag="welcome"):
     output: str
     pid: int
     engine: str
+    # What the stage does beyond the protocol's version (docs/wire.md section 3): a
+    # pipeline's stage of this build says "tags" (section 8, "Tagged aborts"). Absent from
+    # an older build's welcome, and from that of a stage that is no pipeline's.
+    features: tuple[str, ...] = ()
+
+
+def welcome_frame(output: str, pid: int, engine: str, features: tuple[str, ...] = ()) -> bytes:
+    """A stage's ``welcome``: five elements, and *features* after them only if any (a
+    client that unpacks five, as section 10 of ``docs/wire.md`` did, still can)."""
+    if features:
+        return msgspec.msgpack.encode(WelcomeMsg(PROTOCOL_VERSION, output, pid, engine, features))
+    return msgspec.msgpack.encode(("welcome", PROTOCOL_VERSION, output, pid, engine))
 
 
 class RejectMsg(msgspec.Struct, array_like=True, frozen=True, tag="reject"):
@@ -243,10 +259,13 @@ class UtilityResult(msgspec.Struct, array_like=True, frozen=True, tag="utility")
 class Aborted(msgspec.Struct, array_like=True, frozen=True, tag="aborted"):
     """The engine's ``abort(req_ids)`` has returned: no output of these requests follows.
     *fence* (a pipeline's stage, ``docs/wire.md`` section 8): the abort applied was a
-    replay's fence, not the client's abort; absent from the wire (``False``) otherwise."""
+    replay's fence, not the client's abort; absent from the wire (``False``) otherwise.
+    *tag*: the abort applied was tagged (a pipeline's abort after a death), with this tag;
+    absent (``None``) otherwise."""
 
     req_ids: list[str]
     fence: bool = False
+    tag: int | None = None
 
 
 class ErrorReport(msgspec.Struct, array_like=True, frozen=True, tag="error"):
