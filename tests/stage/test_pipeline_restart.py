@@ -10,7 +10,10 @@ at the end (no IO)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import inspect
 import os
 import signal
 import threading
@@ -460,6 +463,175 @@ class TestRetry:
         # stayed; its answer to the abort, unflagged, freed it.
         assert seen == [(True, closing, closing), (False, closing, None)], seen
 
+
+def _dead(pid: int) -> bool:
+    """Whether process *pid* has exited (a zombie not reaped yet counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:  # reaped
+        return True
+
+
+def _kill_in_barrier(pipe: Any, victim: int, process: tuple[int, int]) -> threading.Event:
+    """Hook *pipe* (a Pipeline or an AsyncPipeline) so that the first restart of a process
+    of stage 1 kills process *victim* (*process*: its stage and replica) while its link
+    barrier is in flight: after the ``link`` went to the previous stage, as the barrier's
+    first confirmation is asked for, and goes on only once the coordinator has seen the
+    death. The event is set once that is done."""
+    real_install = pipe._install
+    killed = threading.Event()
+    k_dead, r_dead = process
+
+    def seen() -> bool:
+        return not pipe._core.alive(k_dead)[r_dead]
+
+    def install(k: int, r: int, client: Any) -> Any:
+        barrier = real_install(k, r, client)
+        if k != 1 or killed.is_set() or not barrier:
+            return barrier
+        target = barrier[0]
+        real_call = target.call_utility
+        del_hook = functools.partial(target.__dict__.pop, "call_utility", None)
+        if inspect.iscoroutinefunction(real_call):
+
+            async def acall(*args: Any, **kwargs: Any) -> Any:
+                del_hook()
+                os.kill(victim, signal.SIGKILL)
+                while not seen():  # the death is handled on this loop
+                    await asyncio.sleep(0.01)
+                killed.set()
+                return await real_call(*args, **kwargs)
+
+            target.call_utility = acall
+        else:
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                del_hook()
+                os.kill(victim, signal.SIGKILL)
+                assert wait_until(seen, 10)  # on a receiver thread
+                killed.set()
+                return real_call(*args, **kwargs)
+
+            target.call_utility = call
+        return barrier
+
+    pipe._install = install
+    return killed
+
+
+class TestNeighbourDiesWhileLinking:
+    """A process of a stage next to a restarted one dies while the restart's link barrier is
+    in flight (docs/pipelines.md, "Restart"): after the new process was installed and the
+    ``link`` sent to the previous stage, before its confirmations are in. A hook in the
+    parent kills the neighbour right there (deterministic: the barrier then waits on a dead
+    process, or the new process was linked to a dead one). The restart completes, the
+    neighbour's death is handled as any (restarted, or left out), the new process is told
+    the neighbour is gone as the others are, nothing hangs, and requests go through."""
+
+    @pytest.mark.parametrize(
+        "case",
+        ["previous-restarts", "next-restarts", "previous-pool", "next-pool"],
+    )
+    def test_the_restart_completes_and_the_new_process_knows_the_neighbour_is_gone(
+        self, launch: Any, case: str
+    ) -> None:
+        side, kind = case.split("-")
+        pool = kind == "pool"
+        neighbour = "first" if side == "previous" else "last"
+        factories = {"first": DEVICE, "mid": RELAY, "last": RELAY}
+        stages = [
+            PipelineStage(
+                factories[name],
+                {"step_s": 0.005} if name == "first" else None,
+                name=name,
+                replicas=2 if pool and name == neighbour else 1,
+                restart=FAST if name == "mid" or (name == neighbour and not pool) else False,
+            )
+            for name in ("first", "mid", "last")
+        ]
+        pipe = launch(stages)
+        inner = getattr(pipe, "_pipe", pipe)  # the AsyncPipeline behind the adapter
+        victim = pipe.call_utility(neighbour, "pid", replica=0 if pool else None)
+        at = 0 if side == "previous" else 2
+        killed = _kill_in_barrier(inner, victim, (at, 0))
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert killed.wait(30)
+        key = f"{neighbour}[0]" if pool else neighbour
+        assert wait_until(lambda: _up(pipe, "mid"), 30), (pipe.restarts, pipe.health())
+        if pool:
+            assert wait_until(lambda: pipe.health()[key] == StageHealth.DEAD, 10)
+            assert pipe.restarts[key] == 0
+        else:
+            assert wait_until(lambda: _up(pipe, key), 30), (pipe.restarts, pipe.health())
+        assert [pipe.add(f"r{i}", 3).collect(timeout=10) for i in range(4)] == [[2, 1, 0]] * 4
+        if pool and side == "next":
+            # The new mid was told that last[0] is gone: its link to it is down.
+            assert pipe.call_utility("mid", LINKS_UTILITY) == [False, True]
+        elif side == "next":
+            assert pipe.call_utility("mid", LINKS_UTILITY) == [True]  # linked to the new one
+        if side == "previous":
+            # The new mid was told that first[0]'s link is gone, as the stage's other
+            # processes were: it drops that link's late data (counted from then on).
+            assert pipe.stats()["mid"].engine["pipe_dropped"] == 0
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        for name in ("first", "mid", "last"):
+            replica = 1 if pool and name == neighbour else None  # not the dead one
+            assert wait_until(
+                lambda n=name, r=replica: pipe.call_utility(n, "num_requests", replica=r) == 0,
+                10,
+            )
+
+    @pytest.mark.parametrize("after", [False, True], ids=["before-install", "after-install"])
+    def test_an_error_while_linking_in_is_a_failed_start_not_a_stuck_restart(
+        self, launch: Any, after: bool
+    ) -> None:
+        # Linking the new process in raises (before or after it was put in place): the
+        # restart neither hangs nor dies in its thread with the process left "starting"
+        # for good (health RESTARTING, adds refused for ever). It is a failed start:
+        # logged, the process stopped, counted by the policy, and started again.
+        pipe = launch([DEVICE, PipelineStage(RELAY, name="mid", restart=FAST)])
+        inner = getattr(pipe, "_pipe", pipe)
+        real_install = inner._install
+        failed = threading.Event()
+
+        def install(k: int, r: int, client: Any) -> Any:
+            if not failed.is_set():
+                failed.set()
+                if after:
+                    real_install(k, r, client)
+                raise RuntimeError("linking failed on purpose")
+            return real_install(k, r, client)
+
+        inner._install = install
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert failed.wait(30)
+        assert wait_until(lambda: _up(pipe, "mid", restarts=2), 30), (
+            pipe.restarts,
+            pipe.health(),
+        )
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
+    def test_a_last_failed_start_while_linking_in_leaves_no_link_to_it(self, launch: Any) -> None:
+        # The failed start is the policy's last: the replica is failed, the stage goes on
+        # with its other one, and the previous stage, sent a link to the stopped process,
+        # was told it is gone (its link to it is down, as after a death).
+        policy = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=2)
+        pipe = launch([DEVICE, PipelineStage(RELAY, name="mid", replicas=2, restart=policy)])
+        inner = getattr(pipe, "_pipe", pipe)
+        real_install = inner._install
+
+        def install(k: int, r: int, client: Any) -> Any:
+            real_install(k, r, client)
+            raise RuntimeError("linking failed on purpose")
+
+        inner._install = install
+        os.kill(pipe.call_utility("mid", "pid", replica=0), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid[0]"] == StageHealth.DEAD, 30)
+        assert pipe.call_utility(DEVICE, LINKS_UTILITY) == [False, True]
+        assert [pipe.add(f"r{i}", 3).collect(timeout=10) for i in range(3)] == [[2, 1, 0]] * 3
+        assert pipe.restarts["mid[0]"] == 1
 
 @pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
 class TestSharedMemory:

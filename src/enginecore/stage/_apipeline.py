@@ -298,7 +298,15 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     except Exception as exc:
                         delay = self._start_failed(k, r, exc)
                         continue
-                    if not await self._link(k, r, client):
+                    try:
+                        up = await self._link(k, r, client)
+                    except Exception as exc:  # a failed start: stop it, count it, try again
+                        self._link_failed(k, r, exc)
+                        with contextlib.suppress(Exception):
+                            await client.shutdown(1.0)
+                        delay = self._unheard_start(k, r, exc)
+                        continue
+                    if not up:
                         with contextlib.suppress(Exception):
                             await client.shutdown(1.0)
                     return

@@ -332,7 +332,15 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                     except Exception as exc:
                         delay = self._start_failed(k, r, exc)
                         continue
-                    if not self._link(k, r, client):
+                    try:
+                        up = self._link(k, r, client)
+                    except Exception as exc:  # a failed start: stop it, count it, try again
+                        self._link_failed(k, r, exc)
+                        with contextlib.suppress(Exception):
+                            client.shutdown(1.0)
+                        delay = self._unheard_start(k, r, exc)
+                        continue
+                    if not up:
                         with contextlib.suppress(Exception):
                             client.shutdown(1.0)
                     return
