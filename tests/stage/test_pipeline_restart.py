@@ -29,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enginecore.stage import (
+    AsyncPipeline,
     EngineDeadError,
     NoReplicaError,
     Pipeline,
@@ -463,6 +464,111 @@ class TestRetry:
         # stayed; its answer to the abort, unflagged, freed it.
         assert seen == [(True, closing, closing), (False, closing, None)], seen
 
+    @pytest.mark.parametrize("replay", ["racing", "after-death", "after-restart"])
+    def test_a_stage_that_fails_a_request_then_dies_ends_it_once(
+        self, launch: Any, replay: str
+    ) -> None:
+        # mid fails r (its first attempt, at the add) and is killed as the coordinator takes
+        # that error, so the replay it asks first for is on its way while mid is dead:
+        # "racing", sent at once (first may apply it before or after it hears mid is gone);
+        # "after-death", held until the coordinator has handled the death (its gone and
+        # abort reach first before the replay: what a death taken with the error in one
+        # batch does); "after-restart", held until mid's new process is up and linked, so
+        # that the replay reaches first after it linked to the new process, which then gets
+        # the fence of a request of the dead generation. In each: r ends once, with mid's
+        # death (not retried), nothing of it is left in any process, the new process is not
+        # held by the late fence, and r's id serves again (retried in the new process).
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(2)),
+                PipelineStage(FLAKY, {"fail_first": 1}, name="mid", restart=FAST),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        inner = getattr(pipe, "_pipe", pipe)
+        core = inner._core
+        victim = pipe.call_utility("mid", "pid")
+        killed, sent = threading.Event(), threading.Event()
+        real_error, real_send, real_aborted = core.error, inner._send_aborts, core.aborted
+        answers: list[tuple[int, bool]] = []  # the stages' aborted answers about r: fence?
+
+        def aborted(k: int, req_ids: Any, *args: Any) -> None:
+            ids = list(req_ids)
+            if "r" in ids and killed.is_set():
+                answers.append((k, bool(args[3]) if len(args) > 3 else False))
+            real_aborted(k, ids, *args)
+
+        def error(k: int, req_id: str, *args: Any) -> None:
+            real_error(k, req_id, *args)
+            if k == 1 and req_id == "r" and not killed.is_set():
+                os.kill(victim, signal.SIGKILL)  # before the replay this asked for is sent
+                killed.set()
+
+        def ready() -> bool:
+            if replay == "after-death":
+                return not core.alive(1)[0]
+            return core.restarts(1, 0) == 1 and core.process_state(1, 0) is ReplicaState.SERVING
+
+        def send_aborts(d: PipelineDeliveries[Any]) -> None:
+            if not d.replays or replay == "racing" or sent.is_set():
+                real_send(d)
+                if d.replays:
+                    sent.set()
+                return
+            held = PipelineDeliveries[Any](replays=list(d.replays), routes=dict(d.routes))
+            d.replays.clear()
+            real_send(d)
+
+            def send() -> None:
+                real_send(held)
+                sent.set()
+
+            def wait_and_send() -> None:
+                if wait_until(ready, 30):
+                    send()
+
+            if isinstance(inner, AsyncPipeline):  # on the pipeline's event loop
+
+                async def later() -> None:
+                    while not ready():
+                        await asyncio.sleep(0.01)
+                    send()
+
+                tasks.append(asyncio.get_running_loop().create_task(later()))
+            else:  # the death is handled on mid's receiver thread, which delivers this
+                threading.Thread(target=wait_and_send).start()
+
+        tasks: list[Any] = []
+        core.error = error
+        core.aborted = aborted
+        inner._send_aborts = send_aborts
+        stream = pipe.add("r", 3)
+        with pytest.raises(PipelineStageDeadError) as info:  # a death is not retried
+            stream.collect(timeout=10)
+        assert info.value.stage == "mid"
+        assert killed.is_set()
+        assert sent.wait(30)
+        assert wait_until(lambda: _up(pipe, "mid"), 30)
+        # Its one end stays the death: the late replay, fence or abort changed nothing.
+        with pytest.raises(PipelineStageDeadError) as again:
+            stream.collect(timeout=1)
+        assert again.value is info.value
+        assert not stream.finished
+        assert not stream.aborted
+        if replay == "after-restart":  # the late fence did reach the new process
+            assert wait_until(lambda: (1, True) in answers, 10), answers  # and it answered
+        assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
+        for name in ("first", "mid", "last"):
+            assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
+        assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
+        assert pipe.call_utility("mid", "attempts", "r") == 0  # nothing of it reached it
+        # r's id serves again: the new process fails its first attempt, the retry goes on.
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
+        assert pipe.call_utility("mid", "attempts", "r") == 2
+        assert [pipe.add(f"n{i}", 2).collect(timeout=10) for i in range(3)] == [[1, 0]] * 3
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert pipe.restarts["mid"] == 1
+
 
 def _dead(pid: int) -> bool:
     """Whether process *pid* has exited (a zombie not reaped yet counts)."""
@@ -632,6 +738,7 @@ class TestNeighbourDiesWhileLinking:
         assert pipe.call_utility(DEVICE, LINKS_UTILITY) == [False, True]
         assert [pipe.add(f"r{i}", 3).collect(timeout=10) for i in range(3)] == [[2, 1, 0]] * 3
         assert pipe.restarts["mid[0]"] == 1
+
 
 @pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
 class TestSharedMemory:
