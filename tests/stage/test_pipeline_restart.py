@@ -597,8 +597,11 @@ def _kill_in_barrier(pipe: Any, victim: int, process: tuple[int, int]) -> thread
         if k != 1 or killed.is_set() or not barrier:
             return barrier
         target = barrier[0]
-        real_call = target.call_utility
-        del_hook = functools.partial(target.__dict__.pop, "call_utility", None)
+        # The barrier's call: call_utility (AsyncStageClient), call_utility_future (a
+        # StageClient's, which the blocking pipeline waits on with its deadline).
+        name = "call_utility" if isinstance(pipe, AsyncPipeline) else "call_utility_future"
+        real_call = getattr(target, name)
+        del_hook = functools.partial(target.__dict__.pop, name, None)
         if inspect.iscoroutinefunction(real_call):
 
             async def acall(*args: Any, **kwargs: Any) -> Any:
@@ -609,7 +612,7 @@ def _kill_in_barrier(pipe: Any, victim: int, process: tuple[int, int]) -> thread
                 killed.set()
                 return await real_call(*args, **kwargs)
 
-            target.call_utility = acall
+            setattr(target, name, acall)
         else:
 
             def call(*args: Any, **kwargs: Any) -> Any:
@@ -619,7 +622,7 @@ def _kill_in_barrier(pipe: Any, victim: int, process: tuple[int, int]) -> thread
                 killed.set()
                 return real_call(*args, **kwargs)
 
-            target.call_utility = call
+            setattr(target, name, call)
         return barrier
 
     pipe._install = install
@@ -738,6 +741,89 @@ class TestNeighbourDiesWhileLinking:
         assert pipe.call_utility(DEVICE, LINKS_UTILITY) == [False, True]
         assert [pipe.add(f"r{i}", 3).collect(timeout=10) for i in range(3)] == [[2, 1, 0]] * 3
         assert pipe.restarts["mid[0]"] == 1
+
+    def test_a_silent_previous_stage_does_not_hold_shutdown_in_the_barrier(
+        self, launch: Any
+    ) -> None:
+        # first is alive but silent (its loop asleep in a utility for 30 s) while mid's new
+        # process is being linked in: the barrier waits for its confirmation up to the
+        # startup timeout (30 s here). A shutdown meanwhile ends that wait at once, and the
+        # new process is stopped (the conftest checks that no process is left).
+        pipe = launch([RELAY, PipelineStage(RELAY, name="mid", restart=FAST)])
+        inner = getattr(pipe, "_pipe", pipe)
+        real_install = inner._install
+        linking = threading.Event()
+
+        def install(k: int, r: int, client: Any) -> Any:
+            barrier = real_install(k, r, client)
+            linking.set()
+            return barrier
+
+        def sleep() -> None:
+            with contextlib.suppress(Exception):  # ended by the shutdown
+                pipe.call_utility(RELAY, "sleep", 30)
+
+        inner._install = install
+        victim = pipe.call_utility("mid", "pid")
+        asleep = threading.Thread(target=sleep)
+        asleep.start()
+        try:
+            time.sleep(0.3)  # first's loop is in the utility now
+            os.kill(victim, signal.SIGKILL)
+            assert linking.wait(30)
+            started = time.monotonic()
+            pipe.shutdown()
+            # Not the barrier's 30 s: the stages' own shutdown only (first's loop is asleep:
+            # its client waits for it up to its timeout, 5 s, then kills it).
+            assert time.monotonic() - started < 15
+        finally:
+            asleep.join(40)
+        assert pipe.restarts["mid"] == 1
+        assert pipe.health()["mid"] != StageHealth.OK
+
+    def test_the_barrier_waits_for_silent_processes_together_up_to_the_startup_timeout(
+        self, launch: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # Both processes of first are silent (asleep in a utility for 12 s) while mid's new
+        # process is being linked in. The barrier asks both at once and waits the startup
+        # timeout (5 s) in all, not once per process (10 s); then the new process takes
+        # requests anyway, with a warning that the previous stage did not confirm.
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first", replicas=2),
+                PipelineStage(RELAY, name="mid", restart=FAST),
+            ],
+            startup_timeout=5,
+        )
+        inner = getattr(pipe, "_pipe", pipe)
+        real_install = inner._install
+        linking: list[float] = []
+
+        def install(k: int, r: int, client: Any) -> Any:
+            barrier = real_install(k, r, client)
+            linking.append(time.monotonic())
+            return barrier
+
+        def sleep(replica: int) -> None:
+            with contextlib.suppress(Exception):
+                pipe.call_utility("first", "sleep", 12, replica=replica)
+
+        inner._install = install
+        victim = pipe.call_utility("mid", "pid")
+        asleep = [threading.Thread(target=sleep, args=(r,)) for r in (0, 1)]
+        for thread in asleep:
+            thread.start()
+        try:
+            time.sleep(0.3)  # first's loops are in the utility now
+            os.kill(victim, signal.SIGKILL)
+            assert wait_until(lambda: _up(pipe, "mid"), 30)
+            assert linking
+            assert time.monotonic() - linking[0] < 9  # one startup timeout, not two
+        finally:
+            for thread in asleep:
+                thread.join(30)
+        assert "did not confirm its new link" in caplog.text
+        assert pipe.add("r", "x").collect(timeout=10) == ["x"]  # first has applied it since
 
 
 @pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
