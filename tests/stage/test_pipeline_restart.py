@@ -743,7 +743,7 @@ class TestNeighbourDiesWhileLinking:
         assert pipe.restarts["mid[0]"] == 1
 
     def test_a_silent_previous_stage_does_not_hold_shutdown_in_the_barrier(
-        self, launch: Any
+        self, launch: Any, caplog: pytest.LogCaptureFixture
     ) -> None:
         # first is alive but silent (its loop asleep in a utility for 30 s) while mid's new
         # process is being linked in: the barrier waits for its confirmation up to the
@@ -780,6 +780,7 @@ class TestNeighbourDiesWhileLinking:
             asleep.join(40)
         assert pipe.restarts["mid"] == 1
         assert pipe.health()["mid"] != StageHealth.OK
+        assert "linking it in failed" not in caplog.text  # the wait ended cleanly
 
     def test_the_barrier_waits_for_silent_processes_together_up_to_the_startup_timeout(
         self, launch: Any, caplog: pytest.LogCaptureFixture

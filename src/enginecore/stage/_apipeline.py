@@ -364,8 +364,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                 for call in pending:
                     call.cancel()
             for call in calls:
-                if call.cancelled():
-                    continue  # the pipeline closes
+                if not call.done() or call.cancelled():
+                    continue  # cancelled as the pipeline closes (a task ends on its next turn)
                 exc = call.exception()
                 if exc is not None:  # a process that died: its death tells
                     self._link_unconfirmed(k, r, exc)
