@@ -464,9 +464,10 @@ class TestRetry:
         # stayed; its answer to the abort, unflagged, freed it.
         assert seen == [(True, closing, closing), (False, closing, None)], seen
 
+    @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
     @pytest.mark.parametrize("replay", ["racing", "after-death", "after-restart"])
     def test_a_stage_that_fails_a_request_then_dies_ends_it_once(
-        self, launch: Any, replay: str
+        self, launch: Any, replay: str, replicas: int
     ) -> None:
         # mid fails r (its first attempt, at the add) and is killed as the coordinator takes
         # that error, so the replay it asks first for is on its way while mid is dead:
@@ -477,17 +478,22 @@ class TestRetry:
         # that the replay reaches first after it linked to the new process, which then gets
         # the fence of a request of the dead generation. In each: r ends once, with mid's
         # death (not retried), nothing of it is left in any process, the new process is not
-        # held by the late fence, and r's id serves again (retried in the new process).
+        # held by the late fence, and r's id serves again (retried in the new process). In a
+        # pool, the process killed is r's replica of mid; the other goes on untouched.
         pipe = launch(
             [
                 PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(2)),
-                PipelineStage(FLAKY, {"fail_first": 1}, name="mid", restart=FAST),
+                PipelineStage(
+                    FLAKY, {"fail_first": 1}, name="mid", replicas=replicas, restart=FAST
+                ),
                 PipelineStage(RELAY, name="last"),
             ]
         )
         inner = getattr(pipe, "_pipe", pipe)
         core = inner._core
-        victim = pipe.call_utility("mid", "pid")
+        pool = replicas > 1
+        pids = [pipe.call_utility("mid", "pid", replica=r) for r in range(replicas)]
+        dead: list[int] = []  # r's replica of mid, killed
         killed, sent = threading.Event(), threading.Event()
         real_error, real_send, real_aborted = core.error, inner._send_aborts, core.aborted
         answers: list[tuple[int, bool]] = []  # the stages' aborted answers about r: fence?
@@ -501,13 +507,15 @@ class TestRetry:
         def error(k: int, req_id: str, *args: Any) -> None:
             real_error(k, req_id, *args)
             if k == 1 and req_id == "r" and not killed.is_set():
-                os.kill(victim, signal.SIGKILL)  # before the replay this asked for is sent
+                dead.append(core.route("r")[1])
+                os.kill(pids[dead[0]], signal.SIGKILL)  # before the replay asked for is sent
                 killed.set()
 
         def ready() -> bool:
+            (r,) = dead
             if replay == "after-death":
-                return not core.alive(1)[0]
-            return core.restarts(1, 0) == 1 and core.process_state(1, 0) is ReplicaState.SERVING
+                return not core.alive(1)[r]
+            return core.restarts(1, r) == 1 and core.process_state(1, r) is ReplicaState.SERVING
 
         def send_aborts(d: PipelineDeliveries[Any]) -> None:
             if not d.replays or replay == "racing" or sent.is_set():
@@ -547,8 +555,10 @@ class TestRetry:
             stream.collect(timeout=10)
         assert info.value.stage == "mid"
         assert killed.is_set()
+        assert info.value.replica == (dead[0] if pool else None)
+        key = f"mid[{dead[0]}]" if pool else "mid"
         assert sent.wait(30)
-        assert wait_until(lambda: _up(pipe, "mid"), 30)
+        assert wait_until(lambda: _up(pipe, key), 30)
         # Its one end stays the death: the late replay, fence or abort changed nothing.
         with pytest.raises(PipelineStageDeadError) as again:
             stream.collect(timeout=1)
@@ -561,13 +571,17 @@ class TestRetry:
         for name in ("first", "mid", "last"):
             assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
         assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
-        assert pipe.call_utility("mid", "attempts", "r") == 0  # nothing of it reached it
-        # r's id serves again: the new process fails its first attempt, the retry goes on.
-        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
-        assert pipe.call_utility("mid", "attempts", "r") == 2
+        # Nothing of it reached the new process.
+        assert pipe.call_utility("mid", "attempts", "r", replica=dead[0] if pool else None) == 0
+        # r's id serves again: mid fails its first attempt (a new process, or the other
+        # replica, which never saw r), and the retry goes on.
+        again_r = pipe.add("r", 3)
+        on = pipe._core.route("r")[1]
+        assert again_r.collect(timeout=10) == [2, 1, 0]
+        assert pipe.call_utility("mid", "attempts", "r", replica=on if pool else None) == 2
         assert [pipe.add(f"n{i}", 2).collect(timeout=10) for i in range(3)] == [[1, 0]] * 3
         assert wait_until(lambda: pipe.in_flight == 0, 10)
-        assert pipe.restarts["mid"] == 1
+        assert pipe.restarts[key] == 1
 
 
 def _dead(pid: int) -> bool:
