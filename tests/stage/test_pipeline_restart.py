@@ -10,7 +10,10 @@ at the end (no IO)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import inspect
 import os
 import signal
 import threading
@@ -26,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enginecore.stage import (
+    AsyncPipeline,
     EngineDeadError,
     NoReplicaError,
     Pipeline,
@@ -459,6 +463,382 @@ class TestRetry:
         # last answered the fence after the death (r had ended: closing), flagged, and r
         # stayed; its answer to the abort, unflagged, freed it.
         assert seen == [(True, closing, closing), (False, closing, None)], seen
+
+    @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
+    @pytest.mark.parametrize("replay", ["racing", "after-death", "after-restart"])
+    def test_a_stage_that_fails_a_request_then_dies_ends_it_once(
+        self, launch: Any, replay: str, replicas: int
+    ) -> None:
+        # mid fails r (its first attempt, at the add) and is killed as the coordinator takes
+        # that error, so the replay it asks first for is on its way while mid is dead:
+        # "racing", sent at once (first may apply it before or after it hears mid is gone);
+        # "after-death", held until the coordinator has handled the death (its gone and
+        # abort reach first before the replay: what a death taken with the error in one
+        # batch does); "after-restart", held until mid's new process is up and linked, so
+        # that the replay reaches first after it linked to the new process, which then gets
+        # the fence of a request of the dead generation. In each: r ends once, with mid's
+        # death (not retried), nothing of it is left in any process, the new process is not
+        # held by the late fence, and r's id serves again (retried in the new process). In a
+        # pool, the process killed is r's replica of mid; the other goes on untouched.
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first", on_next_error=Retry(2)),
+                PipelineStage(
+                    FLAKY, {"fail_first": 1}, name="mid", replicas=replicas, restart=FAST
+                ),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        inner = getattr(pipe, "_pipe", pipe)
+        core = inner._core
+        pool = replicas > 1
+        pids = [pipe.call_utility("mid", "pid", replica=r) for r in range(replicas)]
+        dead: list[int] = []  # r's replica of mid, killed
+        killed, sent = threading.Event(), threading.Event()
+        real_error, real_send, real_aborted = core.error, inner._send_aborts, core.aborted
+        answers: list[tuple[int, bool]] = []  # the stages' aborted answers about r: fence?
+
+        def aborted(k: int, req_ids: Any, *args: Any) -> None:
+            ids = list(req_ids)
+            if "r" in ids and killed.is_set():
+                answers.append((k, bool(args[3]) if len(args) > 3 else False))
+            real_aborted(k, ids, *args)
+
+        def error(k: int, req_id: str, *args: Any) -> None:
+            real_error(k, req_id, *args)
+            if k == 1 and req_id == "r" and not killed.is_set():
+                dead.append(core.route("r")[1])
+                os.kill(pids[dead[0]], signal.SIGKILL)  # before the replay asked for is sent
+                killed.set()
+
+        def ready() -> bool:
+            (r,) = dead
+            if replay == "after-death":
+                return not core.alive(1)[r]
+            return core.restarts(1, r) == 1 and core.process_state(1, r) is ReplicaState.SERVING
+
+        def send_aborts(d: PipelineDeliveries[Any]) -> None:
+            if not d.replays or replay == "racing" or sent.is_set():
+                real_send(d)
+                if d.replays:
+                    sent.set()
+                return
+            held = PipelineDeliveries[Any](replays=list(d.replays), routes=dict(d.routes))
+            d.replays.clear()
+            real_send(d)
+
+            def send() -> None:
+                real_send(held)
+                sent.set()
+
+            def wait_and_send() -> None:
+                if wait_until(ready, 30):
+                    send()
+
+            if isinstance(inner, AsyncPipeline):  # on the pipeline's event loop
+
+                async def later() -> None:
+                    while not ready():
+                        await asyncio.sleep(0.01)
+                    send()
+
+                tasks.append(asyncio.get_running_loop().create_task(later()))
+            else:  # the death is handled on mid's receiver thread, which delivers this
+                threading.Thread(target=wait_and_send).start()
+
+        tasks: list[Any] = []
+        core.error = error
+        core.aborted = aborted
+        inner._send_aborts = send_aborts
+        stream = pipe.add("r", 3)
+        with pytest.raises(PipelineStageDeadError) as info:  # a death is not retried
+            stream.collect(timeout=10)
+        assert info.value.stage == "mid"
+        assert killed.is_set()
+        assert info.value.replica == (dead[0] if pool else None)
+        key = f"mid[{dead[0]}]" if pool else "mid"
+        assert sent.wait(30)
+        assert wait_until(lambda: _up(pipe, key), 30)
+        # Its one end stays the death: the late replay, fence or abort changed nothing.
+        with pytest.raises(PipelineStageDeadError) as again:
+            stream.collect(timeout=1)
+        assert again.value is info.value
+        assert not stream.finished
+        assert not stream.aborted
+        if replay == "after-restart":  # the late fence did reach the new process
+            assert wait_until(lambda: (1, True) in answers, 10), answers  # and it answered
+        assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
+        for name in ("first", "mid", "last"):
+            assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
+        assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
+        # Nothing of it reached the new process.
+        assert pipe.call_utility("mid", "attempts", "r", replica=dead[0] if pool else None) == 0
+        # r's id serves again: mid fails its first attempt (a new process, or the other
+        # replica, which never saw r), and the retry goes on.
+        again_r = pipe.add("r", 3)
+        on = pipe._core.route("r")[1]
+        assert again_r.collect(timeout=10) == [2, 1, 0]
+        assert pipe.call_utility("mid", "attempts", "r", replica=on if pool else None) == 2
+        assert [pipe.add(f"n{i}", 2).collect(timeout=10) for i in range(3)] == [[1, 0]] * 3
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert pipe.restarts[key] == 1
+
+
+def _dead(pid: int) -> bool:
+    """Whether process *pid* has exited (a zombie not reaped yet counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:  # reaped
+        return True
+
+
+def _kill_in_barrier(pipe: Any, victim: int, process: tuple[int, int]) -> threading.Event:
+    """Hook *pipe* (a Pipeline or an AsyncPipeline) so that the first restart of a process
+    of stage 1 kills process *victim* (*process*: its stage and replica) while its link
+    barrier is in flight: after the ``link`` went to the previous stage, as the barrier's
+    first confirmation is asked for, and goes on only once the coordinator has seen the
+    death. The event is set once that is done."""
+    real_install = pipe._install
+    killed = threading.Event()
+    k_dead, r_dead = process
+
+    def seen() -> bool:
+        return not pipe._core.alive(k_dead)[r_dead]
+
+    def install(k: int, r: int, client: Any) -> Any:
+        barrier = real_install(k, r, client)
+        if k != 1 or killed.is_set() or not barrier:
+            return barrier
+        target = barrier[0]
+        # The barrier's call: call_utility (AsyncStageClient), call_utility_future (a
+        # StageClient's, which the blocking pipeline waits on with its deadline).
+        name = "call_utility" if isinstance(pipe, AsyncPipeline) else "call_utility_future"
+        real_call = getattr(target, name)
+        del_hook = functools.partial(target.__dict__.pop, name, None)
+        if inspect.iscoroutinefunction(real_call):
+
+            async def acall(*args: Any, **kwargs: Any) -> Any:
+                del_hook()
+                os.kill(victim, signal.SIGKILL)
+                while not seen():  # the death is handled on this loop
+                    await asyncio.sleep(0.01)
+                killed.set()
+                return await real_call(*args, **kwargs)
+
+            setattr(target, name, acall)
+        else:
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                del_hook()
+                os.kill(victim, signal.SIGKILL)
+                assert wait_until(seen, 10)  # on a receiver thread
+                killed.set()
+                return real_call(*args, **kwargs)
+
+            setattr(target, name, call)
+        return barrier
+
+    pipe._install = install
+    return killed
+
+
+class TestNeighbourDiesWhileLinking:
+    """A process of a stage next to a restarted one dies while the restart's link barrier is
+    in flight (docs/pipelines.md, "Restart"): after the new process was installed and the
+    ``link`` sent to the previous stage, before its confirmations are in. A hook in the
+    parent kills the neighbour right there (deterministic: the barrier then waits on a dead
+    process, or the new process was linked to a dead one). The restart completes, the
+    neighbour's death is handled as any (restarted, or left out), the new process is told
+    the neighbour is gone as the others are, nothing hangs, and requests go through."""
+
+    @pytest.mark.parametrize(
+        "case",
+        ["previous-restarts", "next-restarts", "previous-pool", "next-pool"],
+    )
+    def test_the_restart_completes_and_the_new_process_knows_the_neighbour_is_gone(
+        self, launch: Any, case: str
+    ) -> None:
+        side, kind = case.split("-")
+        pool = kind == "pool"
+        neighbour = "first" if side == "previous" else "last"
+        factories = {"first": DEVICE, "mid": RELAY, "last": RELAY}
+        stages = [
+            PipelineStage(
+                factories[name],
+                {"step_s": 0.005} if name == "first" else None,
+                name=name,
+                replicas=2 if pool and name == neighbour else 1,
+                restart=FAST if name == "mid" or (name == neighbour and not pool) else False,
+            )
+            for name in ("first", "mid", "last")
+        ]
+        pipe = launch(stages)
+        inner = getattr(pipe, "_pipe", pipe)  # the AsyncPipeline behind the adapter
+        victim = pipe.call_utility(neighbour, "pid", replica=0 if pool else None)
+        at = 0 if side == "previous" else 2
+        killed = _kill_in_barrier(inner, victim, (at, 0))
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert killed.wait(30)
+        key = f"{neighbour}[0]" if pool else neighbour
+        assert wait_until(lambda: _up(pipe, "mid"), 30), (pipe.restarts, pipe.health())
+        if pool:
+            assert wait_until(lambda: pipe.health()[key] == StageHealth.DEAD, 10)
+            assert pipe.restarts[key] == 0
+        else:
+            assert wait_until(lambda: _up(pipe, key), 30), (pipe.restarts, pipe.health())
+        assert [pipe.add(f"r{i}", 3).collect(timeout=10) for i in range(4)] == [[2, 1, 0]] * 4
+        if pool and side == "next":
+            # The new mid was told that last[0] is gone: its link to it is down.
+            assert pipe.call_utility("mid", LINKS_UTILITY) == [False, True]
+        elif side == "next":
+            assert pipe.call_utility("mid", LINKS_UTILITY) == [True]  # linked to the new one
+        if side == "previous":
+            # The new mid was told that first[0]'s link is gone, as the stage's other
+            # processes were: it drops that link's late data (counted from then on).
+            assert pipe.stats()["mid"].engine["pipe_dropped"] == 0
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        for name in ("first", "mid", "last"):
+            replica = 1 if pool and name == neighbour else None  # not the dead one
+            assert wait_until(
+                lambda n=name, r=replica: pipe.call_utility(n, "num_requests", replica=r) == 0,
+                10,
+            )
+
+    @pytest.mark.parametrize("after", [False, True], ids=["before-install", "after-install"])
+    def test_an_error_while_linking_in_is_a_failed_start_not_a_stuck_restart(
+        self, launch: Any, after: bool
+    ) -> None:
+        # Linking the new process in raises (before or after it was put in place): the
+        # restart neither hangs nor dies in its thread with the process left "starting"
+        # for good (health RESTARTING, adds refused for ever). It is a failed start:
+        # logged, the process stopped, counted by the policy, and started again.
+        pipe = launch([DEVICE, PipelineStage(RELAY, name="mid", restart=FAST)])
+        inner = getattr(pipe, "_pipe", pipe)
+        real_install = inner._install
+        failed = threading.Event()
+
+        def install(k: int, r: int, client: Any) -> Any:
+            if not failed.is_set():
+                failed.set()
+                if after:
+                    real_install(k, r, client)
+                raise RuntimeError("linking failed on purpose")
+            return real_install(k, r, client)
+
+        inner._install = install
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert failed.wait(30)
+        assert wait_until(lambda: _up(pipe, "mid", restarts=2), 30), (
+            pipe.restarts,
+            pipe.health(),
+        )
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
+    def test_a_last_failed_start_while_linking_in_leaves_no_link_to_it(self, launch: Any) -> None:
+        # The failed start is the policy's last: the replica is failed, the stage goes on
+        # with its other one, and the previous stage, sent a link to the stopped process,
+        # was told it is gone (its link to it is down, as after a death).
+        policy = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=2)
+        pipe = launch([DEVICE, PipelineStage(RELAY, name="mid", replicas=2, restart=policy)])
+        inner = getattr(pipe, "_pipe", pipe)
+        real_install = inner._install
+
+        def install(k: int, r: int, client: Any) -> Any:
+            real_install(k, r, client)
+            raise RuntimeError("linking failed on purpose")
+
+        inner._install = install
+        os.kill(pipe.call_utility("mid", "pid", replica=0), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid[0]"] == StageHealth.DEAD, 30)
+        assert pipe.call_utility(DEVICE, LINKS_UTILITY) == [False, True]
+        assert [pipe.add(f"r{i}", 3).collect(timeout=10) for i in range(3)] == [[2, 1, 0]] * 3
+        assert pipe.restarts["mid[0]"] == 1
+
+    def test_a_silent_previous_stage_does_not_hold_shutdown_in_the_barrier(
+        self, launch: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # first is alive but silent (its loop asleep in a utility for 30 s) while mid's new
+        # process is being linked in: the barrier waits for its confirmation up to the
+        # startup timeout (30 s here). A shutdown meanwhile ends that wait at once, and the
+        # new process is stopped (the conftest checks that no process is left).
+        pipe = launch([RELAY, PipelineStage(RELAY, name="mid", restart=FAST)])
+        inner = getattr(pipe, "_pipe", pipe)
+        real_install = inner._install
+        linking = threading.Event()
+
+        def install(k: int, r: int, client: Any) -> Any:
+            barrier = real_install(k, r, client)
+            linking.set()
+            return barrier
+
+        def sleep() -> None:
+            with contextlib.suppress(Exception):  # ended by the shutdown
+                pipe.call_utility(RELAY, "sleep", 30)
+
+        inner._install = install
+        victim = pipe.call_utility("mid", "pid")
+        asleep = threading.Thread(target=sleep)
+        asleep.start()
+        try:
+            time.sleep(0.3)  # first's loop is in the utility now
+            os.kill(victim, signal.SIGKILL)
+            assert linking.wait(30)
+            started = time.monotonic()
+            pipe.shutdown()
+            # Not the barrier's 30 s: the stages' own shutdown only (first's loop is asleep:
+            # its client waits for it up to its timeout, 5 s, then kills it).
+            assert time.monotonic() - started < 15
+        finally:
+            asleep.join(40)
+        assert pipe.restarts["mid"] == 1
+        assert pipe.health()["mid"] != StageHealth.OK
+        assert "linking it in failed" not in caplog.text  # the wait ended cleanly
+
+    def test_the_barrier_waits_for_silent_processes_together_up_to_the_startup_timeout(
+        self, launch: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # Both processes of first are silent (asleep in a utility for 12 s) while mid's new
+        # process is being linked in. The barrier asks both at once and waits the startup
+        # timeout (5 s) in all, not once per process (10 s); then the new process takes
+        # requests anyway, with a warning that the previous stage did not confirm.
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first", replicas=2),
+                PipelineStage(RELAY, name="mid", restart=FAST),
+            ],
+            startup_timeout=5,
+        )
+        inner = getattr(pipe, "_pipe", pipe)
+        real_install = inner._install
+        linking: list[float] = []
+
+        def install(k: int, r: int, client: Any) -> Any:
+            barrier = real_install(k, r, client)
+            linking.append(time.monotonic())
+            return barrier
+
+        def sleep(replica: int) -> None:
+            with contextlib.suppress(Exception):
+                pipe.call_utility("first", "sleep", 12, replica=replica)
+
+        inner._install = install
+        victim = pipe.call_utility("mid", "pid")
+        asleep = [threading.Thread(target=sleep, args=(r,)) for r in (0, 1)]
+        for thread in asleep:
+            thread.start()
+        try:
+            time.sleep(0.3)  # first's loops are in the utility now
+            os.kill(victim, signal.SIGKILL)
+            assert wait_until(lambda: _up(pipe, "mid"), 30)
+            assert linking
+            assert time.monotonic() - linking[0] < 9  # one startup timeout, not two
+        finally:
+            for thread in asleep:
+                thread.join(30)
+        assert "did not confirm its new link" in caplog.text
+        assert pipe.add("r", "x").collect(timeout=10) == ["x"]  # first has applied it since
 
 
 @pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")

@@ -298,7 +298,15 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     except Exception as exc:
                         delay = self._start_failed(k, r, exc)
                         continue
-                    if not await self._link(k, r, client):
+                    try:
+                        up = await self._link(k, r, client)
+                    except Exception as exc:  # a failed start: stop it, count it, try again
+                        self._link_failed(k, r, exc)
+                        with contextlib.suppress(Exception):
+                            await client.shutdown(1.0)
+                        delay = self._unheard_start(k, r, exc)
+                        continue
+                    if not up:
                         with contextlib.suppress(Exception):
                             await client.shutdown(1.0)
                     return
@@ -334,13 +342,34 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         return client
 
     async def _link(self, k: int, r: int, client: AsyncStageClient) -> bool:
-        """:meth:`Pipeline._link <enginecore.stage.Pipeline._link>`'s, awaited."""
-        for target in self._install(k, r, client):
+        """:meth:`Pipeline._link <enginecore.stage.Pipeline._link>`'s, awaited: the
+        previous stage's processes asked at once, each call with the startup timeout, and
+        a shutdown ends the wait at once."""
+        timeout = self._startup_timeout
+        calls = [
+            asyncio.ensure_future(target.call_utility(LINKS_UTILITY, timeout=timeout))
+            for target in self._install(k, r, client)
+        ]
+        if calls:
+            stopping = asyncio.ensure_future(self._stopping.wait())
+            pending: set[asyncio.Future[Any]] = set(calls)
             try:
-                await target.call_utility(LINKS_UTILITY, timeout=self._startup_timeout)
-            except Exception as exc:  # a process that died: its death tells
-                self._link_unconfirmed(k, r, exc)
-        return self._started(k, r)
+                while pending and not stopping.done():
+                    _, pending = await asyncio.wait(
+                        [*pending, stopping], return_when=asyncio.FIRST_COMPLETED
+                    )
+                    pending.discard(stopping)
+            finally:
+                stopping.cancel()
+                for call in pending:
+                    call.cancel()
+            for call in calls:
+                if not call.done() or call.cancelled():
+                    continue  # cancelled as the pipeline closes (a task ends on its next turn)
+                exc = call.exception()
+                if exc is not None:  # a process that died: its death tells
+                    self._link_unconfirmed(k, r, exc)
+        return self._started(k, r)  # False once the pipeline closes
 
     # -- closing -----------------------------------------------------------------------------
 

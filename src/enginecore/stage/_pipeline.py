@@ -17,6 +17,7 @@ has no thread of its own.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -332,7 +333,15 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                     except Exception as exc:
                         delay = self._start_failed(k, r, exc)
                         continue
-                    if not self._link(k, r, client):
+                    try:
+                        up = self._link(k, r, client)
+                    except Exception as exc:  # a failed start: stop it, count it, try again
+                        self._link_failed(k, r, exc)
+                        with contextlib.suppress(Exception):
+                            client.shutdown(1.0)
+                        delay = self._unheard_start(k, r, exc)
+                        continue
+                    if not up:
                         with contextlib.suppress(Exception):
                             client.shutdown(1.0)
                     return
@@ -371,13 +380,33 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     def _link(self, k: int, r: int, client: StageClient) -> bool:
         """Put the new *client* in place, link it to its neighbours and wait until the
         previous stage's processes have applied the ``link`` (a utility call after it on
-        the same connection), then route to it. ``False``: the pipeline closes."""
+        the same connection), then route to it. ``False``: the pipeline closes.
+
+        The barrier asks every process at once and waits for them all together, up to the
+        startup timeout in all (a process that dies answers at once, with its death), and
+        a shutdown ends the wait at once (:attr:`_stopping`)."""
+        futures: list[concurrent.futures.Future[Any]] = []
         for target in self._install(k, r, client):
             try:
-                target.call_utility(LINKS_UTILITY, timeout=self._startup_timeout)
+                futures.append(target.call_utility_future(LINKS_UTILITY))
             except Exception as exc:  # a process that died: its death tells
                 self._link_unconfirmed(k, r, exc)
-        return self._started(k, r)
+        deadline = time.monotonic() + self._startup_timeout
+        pending = set(futures)
+        while pending and not self._stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            pending = concurrent.futures.wait(pending, timeout=min(left, 0.25)).not_done
+        for future in futures:
+            if not future.done():  # not answered: the deadline, or a shutdown
+                future.cancel()  # drops a late answer
+                if not self._stopping.is_set():
+                    late = TimeoutError(f"no answer within {self._startup_timeout} s")
+                    self._link_unconfirmed(k, r, late)
+            elif not future.cancelled() and (error := future.exception()) is not None:
+                self._link_unconfirmed(k, r, error)  # a process that died: its death tells
+        return self._started(k, r)  # False once the pipeline closes
 
     # -- closing -----------------------------------------------------------------------------
 

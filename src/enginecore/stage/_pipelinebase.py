@@ -24,7 +24,7 @@ from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
 from ._errors import EngineDeadError, StageClosedError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
-from ._pool_core import RestartPolicy
+from ._pool_core import ReplicaState, RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
 from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
@@ -687,6 +687,9 @@ class PipelineBase(Generic[S, C]):
         ]
         self._pooled = self._core.pooled
         self._closed = False
+        # A restart's link barrier under way: per restarted process (stage, replica), the
+        # processes of the stage before it sent a ``link`` to it (_install, _started).
+        self._linking: dict[tuple[int, int], list[int]] = {}
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -875,16 +878,7 @@ class PipelineBase(Generic[S, C]):
         replicas = self._replicas
         for k, r, side, dead, dead_r in d.gone:
             with contextlib.suppress(Exception):
-                if side == "previous":  # the dead process's link: its generation's
-                    core = self._core
-                    pool = core.replicas[dead] > 1 or core.restart[dead] is not None
-                    link = link_id(
-                        dead, core.generation(dead, dead_r), replica=dead_r if pool else None
-                    )
-                    frame = ClientSession.gone_frame(side, link)
-                else:
-                    frame = ClientSession.gone_frame(side, "", dead_r)
-                replicas[k][r]._send(frame)
+                replicas[k][r]._send(self._gone_frame(side, dead, dead_r))
         if not self._pooled:
             if d.aborts:
                 with contextlib.suppress(Exception):
@@ -921,6 +915,16 @@ class PipelineBase(Generic[S, C]):
                 for r, ids in by.items():
                     with contextlib.suppress(Exception):
                         replicas[k][r]._send(ClientSession.release_frame(ids))
+
+    def _gone_frame(self, side: str, dead: int, dead_r: int) -> Parts:
+        """The ``gone`` that tells a neighbour of process *dead_r* of stage *dead* it died:
+        on the ``"previous"`` side, naming that process's link (its generation's)."""
+        if side == "previous":
+            core = self._core
+            pool = core.replicas[dead] > 1 or core.restart[dead] is not None
+            link = link_id(dead, core.generation(dead, dead_r), replica=dead_r if pool else None)
+            return ClientSession.gone_frame(side, link)
+        return ClientSession.gone_frame(side, "", dead_r)
 
     def _send_routed_aborts(
         self,
@@ -1053,6 +1057,7 @@ class PipelineBase(Generic[S, C]):
                 if not up:
                     sends.append((client, ClientSession.gone_frame("next", "", c)))
         barrier: list[C] = []
+        linked_from: list[int] = []
         if k > 0:
             prefix = self._shm_prefix
             placed = specs[k - 1].placement is not None or specs[k].placement is not None
@@ -1071,6 +1076,9 @@ class PipelineBase(Generic[S, C]):
                 frame = ClientSession.link_frame(r, client.address, slots, server_key)
                 sends.append((before, frame))
                 barrier.append(before)
+                linked_from.append(j)
+        with self._lock:
+            self._linking[k, r] = linked_from
         for target, frame in sends:
             with contextlib.suppress(Exception):  # a process that died: its death tells
                 target._send(frame)
@@ -1078,10 +1086,38 @@ class PipelineBase(Generic[S, C]):
 
     def _started(self, k: int, r: int) -> bool:
         """Process *r* of stage *k* is up again and linked in: routed to from now on.
-        ``False``: the pipeline failed or closes meanwhile (stop the new process)."""
+        ``False``: the pipeline failed or closes meanwhile (stop the new process).
+
+        A neighbour that died while the new process was being linked in (after
+        :meth:`_install`, before this) was not told to it then: the core tells only live
+        processes that a process is gone, and the new one is not live until now. So it is
+        told here, in the same hold of the lock that makes it live (a later death is told
+        to it as to any process): each process of the next stage that is down (``gone``
+        ``"next"``, its link closed; one down at :meth:`_install` was told then, and is
+        told again, which changes nothing), and each process of the previous stage that
+        was sent the ``link`` and has died since (``gone`` ``"previous"``, naming its
+        link). Its restart, if any, waits for this one (restarts are made one at a time),
+        so these ``gone`` reach the new process before any ``link`` from that restart."""
+        core = self._core
+        frames: list[Parts] = []
         with self._lock:
-            if self._closed or not self._core.started(k, r):
+            linked_from = self._linking.pop((k, r), [])
+            if self._closed or not core.started(k, r):
                 return False
+            if k > 0:
+                before = core.alive(k - 1)
+                frames += [
+                    self._gone_frame("previous", k - 1, j) for j in linked_from if not before[j]
+                ]
+            if k + 1 < len(self._specs):
+                after = core.alive(k + 1)
+                frames += [
+                    self._gone_frame("next", k + 1, c) for c, up in enumerate(after) if not up
+                ]
+            client = self._replicas[k][r]
+        for frame in frames:
+            with contextlib.suppress(Exception):  # the new process died: its death tells
+                client._send(frame)
         logger.warning(
             "enginecore: pipeline stage %r, process %d, started again", self._names[k], r
         )
@@ -1112,6 +1148,51 @@ class PipelineBase(Generic[S, C]):
                 delay,
             )
         return delay
+
+    def _link_failed(self, k: int, r: int, exc: BaseException) -> None:
+        """Linking the new process *r* of stage *k* in raised *exc* (not a neighbour's
+        death or silence, which :meth:`_link_unconfirmed` takes): say so, with the
+        traceback. The caller stops the new process, which is then a failed start: its
+        death, if its client was put in place (:meth:`_install`), is heard as a death while
+        starting, else :meth:`_unheard_start` counts it."""
+        with self._lock:
+            self._linking.pop((k, r), None)
+        logger.error(
+            "enginecore: pipeline stage %r, process %d, started again, but linking it in "
+            "failed; it is stopped, as a failed start",
+            self._names[k],
+            r,
+            exc_info=exc,
+        )
+
+    def _unheard_start(self, k: int, r: int, exc: BaseException) -> float | None:
+        """After :meth:`_link_failed` stopped the new process *r* of stage *k*: if its death
+        was not heard (still ``starting``: its client was not put in place, or its end was
+        not taken as a death), count it as a failed start here (:meth:`_start_failed`):
+        the delay before the next try, or ``None`` (no try left, or the death was heard,
+        and that death's own restart, if any, takes over). Its live neighbours are told it
+        is gone, as after a death (the previous stage's processes may have linked to it)."""
+        core = self._core
+        with self._lock:
+            if core.process_state(k, r) is not ReplicaState.STARTING:
+                return None
+            gone: list[tuple[C, Parts]] = []
+            if k > 0:
+                gone += [
+                    (c, self._gone_frame("next", k, r))
+                    for c, up in zip(self._replicas[k - 1], core.alive(k - 1), strict=True)
+                    if up
+                ]
+            if k + 1 < len(self._specs):
+                gone += [
+                    (c, self._gone_frame("previous", k, r))
+                    for c, up in zip(self._replicas[k + 1], core.alive(k + 1), strict=True)
+                    if up
+                ]
+        for client, frame in gone:
+            with contextlib.suppress(Exception):  # a process that died: its death tells
+                client._send(frame)
+        return self._start_failed(k, r, exc)
 
     def _link_unconfirmed(self, k: int, r: int, exc: BaseException) -> None:
         """A process of the stage before *k* did not confirm its link to the restarted
