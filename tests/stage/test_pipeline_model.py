@@ -715,6 +715,12 @@ class PipelineModel(RuleBasedStateMachine):
             return True
         return linked and s.k > 0 and route[s.k - 1] in s.gone_from
 
+    @staticmethod
+    def _sent_by(inc: Inc | None, s: SimStage, replica: int) -> bool:
+        """Whether *inc*'s input to stage *s* came from *replica* of the previous stage."""
+        route = None if inc is None else inc.route
+        return route is not None and s.k > 0 and route[s.k - 1] == replica
+
     # -- the stages ------------------------------------------------------------------------
 
     def send_on(self, s: SimStage, item: tuple[Any, ...]) -> None:
@@ -769,7 +775,12 @@ class PipelineModel(RuleBasedStateMachine):
     ) -> None:
         kind = item[0]
         if kind == "gone":  # PooledModel: a replica of the previous stage died
-            s.gone_from.add(item[1])
+            gone = item[1]
+            s.gone_from.add(gone)
+            # PipeStage.pipe_gone: what ended here early, with its input from that replica,
+            # waits no more for an END that may have been dropped.
+            for rid in [rid for rid, req in s.early.items() if self._sent_by(req.inc, s, gone)]:
+                del s.early[rid]
             return
         if s.dead_replicas or s.gone_from:  # PooledModel: what a dead replica never gets
             if kind == "abort":

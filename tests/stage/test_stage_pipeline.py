@@ -244,6 +244,29 @@ class TestDataFlow:
         assert last.step() == ["r", "r"]
         assert last.route_outputs(["r"]) == (["r", "r"], [False, True], ["x", ENDED])
 
+    def test_what_ended_early_waits_no_more_for_an_end_from_a_gone_previous_process(
+        self,
+    ) -> None:
+        # The last stage ends a and b at their first input, before their input ended: each
+        # waits for its END from the previous stage (a pool: a from replica 1, b from 0).
+        # Replica 1 dies: its END of a may have been among the messages the input side
+        # drops after the gone, and a may be over for the coordinator already (the previous
+        # stage reported its own end), so no abort comes to clear it either. It waits no
+        # more: a late END of a is dropped; b's END still counts.
+        emitted: list[Any] = []
+        stage = PipeStage(HeadEngine(1), stage="t", routed=True)
+        stage.attach_emit(emitted.append)
+        stage.pipe_received(1, 10, 1)
+        stage.pipe_input(FIRST, "a", "x")
+        stage.pipe_received(1, 10, 0)
+        stage.pipe_input(FIRST, "b", "y")
+        stage.route_outputs(stage.step())  # both end here, before their input did
+        stage.pipe_gone("previous", 1, 1)  # a late message dropped: not the gone itself
+        stage.pipe_gone("previous", 0, 1)
+        stage.pipe_late("a", END)
+        stage.pipe_late("b", END)
+        assert emitted == [("outputs", ["b"], [True], [BEFORE])]
+
     @pytest.mark.parametrize("payloads", [["a", "b", "c"], [{"a": 1}, [2], {"c": 3}]])
     def test_a_step_of_payloads_only_goes_on_as_its_columns(self, payloads: list[Any]) -> None:
         # A relay between two stages (no edge function): a step that ends no request is

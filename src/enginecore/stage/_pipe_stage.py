@@ -292,10 +292,13 @@ class PipeStage:
         # The end reports (module docstring, "the end of a request here"): the live requests
         # whose input is still open here (a feed engine's, between FIRST and END); those
         # whose END came with REPORT; those that ended here before their input did, whose
-        # END from the previous stage is still to come.
-        self._open: set[str] = set()
+        # END from the previous stage is still to come. _open and _early map each to the
+        # process of the previous stage that sends its input (its replica index): if that
+        # one dies, the END of an early one never comes (pipe_gone).
+        self._open: dict[str, int] = {}
         self._report: set[str] = set()
-        self._early: set[str] = set()
+        self._early: dict[str, int] = {}
+        self._sender = 0  # the replica of the previous stage that sent the frame being applied
         self._spoke: set[str] = set()  # live requests whose edge sent the caller payloads
         self._quiet: list[str] = []  # ended in this step without a report (take_ended)
         self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
@@ -429,9 +432,11 @@ class PipeStage:
         self._emit = emit
 
     def pipe_received(self, items: int, nbytes: int, sender: int = 0) -> None:
-        """The stage runtime applied a pipe frame of *items* items, *nbytes* bytes, from
-        replica *sender* of the previous stage: give it back as credit after the next step
-        (or when the loop would go idle)."""
+        """The stage runtime applies a pipe frame of *items* items, *nbytes* bytes, from
+        replica *sender* of the previous stage (called before its items): give it back as
+        credit after the next step (or when the loop would go idle), and note the sender of
+        the items (``pipe_gone``)."""
+        self._sender = sender
         self._taken_items += items
         self._taken_bytes += nbytes
         if self._pooled and items:
@@ -468,9 +473,14 @@ class PipeStage:
     def pipe_gone(self, side: str, late: int, replica: int = 0) -> None:
         """The coordinator's ``gone``: the stage on *side* died.
 
-        - ``"previous"``: the input side drops every later message of its link, unread
-          (*late* of them each time it does: counted as ``pipe_dropped``); the requests it
-          sent are aborted by the coordinator's abort, which follows the ``gone``.
+        - ``"previous"`` (its replica *replica*, of a pool or a stage that restarts): the
+          input side drops every later message of its link, unread (*late* of them each
+          time it does: counted as ``pipe_dropped``); the requests it sent are aborted by
+          the coordinator's abort, which follows the ``gone``. Those of them that ended
+          here before their input did wait for an ``END`` that may have been among the
+          dropped messages: they wait no more. (Such a request may be over for the
+          coordinator already, with no abort to come: its previous stage reported its own
+          end.)
         - ``"next"`` (its replica *replica*, of a pool): nothing more is sent to it (what
           would have been is counted as ``edge_dropped``), what is still queued for it is
           let go, its window is empty, and the shared-memory slots, which it can no longer
@@ -479,6 +489,10 @@ class PipeStage:
         if side == "previous":
             self._previous_gone = True
             self._late_dropped += late
+            early = self._early
+            if not late and early:
+                for rid in [rid for rid, sender in early.items() if sender == replica]:
+                    del early[rid]
             if not late and self._pooled:
                 # That producer (replica) is gone: the credit owed to it goes with it, so
                 # that a process started again in its place gets none of it (its window
@@ -650,13 +664,13 @@ class PipeStage:
                 inner.add(req_id, item)
                 self._live.add(req_id)
                 if not kind & END:
-                    self._open.add(req_id)
+                    self._open[req_id] = self._sender
             elif kind == MORE:
                 self._feed(req_id, item)
             if kind & END:
                 if kind & REPORT:
                     self._report.add(req_id)
-                self._open.discard(req_id)
+                self._open.pop(req_id, None)
                 if self._close_input is not None:
                     self._close_input(req_id)
             return
@@ -680,7 +694,7 @@ class PipeStage:
         dropped, as any input of a request no longer here."""
         early = self._early
         if early and req_id in early:
-            early.discard(req_id)
+            del early[req_id]
             if not kind & REPORT and self._emit is not None:
                 self._emit(("outputs", [req_id], [True], [BEFORE]))
 
@@ -694,9 +708,9 @@ class PipeStage:
             live.discard(rid)
             sent.pop(rid, None)
             gathered.pop(rid, None)
-            opened.discard(rid)
+            opened.pop(rid, None)
             report.discard(rid)
-            early.discard(rid)
+            early.pop(rid, None)
             spoke.discard(rid)
         if self._pooled:
             nxt, rest = self._next, self._rest
@@ -923,7 +937,7 @@ class PipeStage:
                     if unroute is not None:
                         unroute.append(rid)
                     sent.pop(rid, None)
-                    opened.discard(rid)
+                    opened.pop(rid, None)
                     report.discard(rid)
                     spoke.discard(rid)
                 out_r.append(rid)
@@ -977,8 +991,7 @@ class PipeStage:
                 own = 0
                 before = BEFORE
                 if opened and rid in opened:
-                    opened.discard(rid)
-                    self._early.add(rid)
+                    self._early[rid] = opened.pop(rid)
                     own = REPORT
                     before = 0
                 if report and rid in report:

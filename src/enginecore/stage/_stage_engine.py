@@ -306,9 +306,10 @@ class StageEngine:
         still sent); an ``END`` of such a request goes to the engine's ``pipe_late``, for
         a request that ended here before its input did. A
         :class:`~enginecore.RequestRejected` ends that request with an ``error`` event.
-        Any other exception is fatal, as from ``add``. Then the engine is
-        told what the frame held (*received*: items, bytes and the sender's replica index),
-        for the credit it gives back to the stage that sent it."""
+        Any other exception is fatal, as from ``add``. The engine is first
+        told what the frame holds (*received*: items, bytes and the sender's replica index),
+        for the credit it gives back to the stage that sent it, and so that it knows which
+        process of the previous stage sent the items that follow."""
         pipe_input = self._pipe_input
         emit = self._emit
         if pipe_input is None:
@@ -317,6 +318,8 @@ class StageEngine:
                 if kind & 1:
                     emit(("error", rid, why))
             return
+        if self._pipe_received is not None:
+            self._pipe_received(*received)
         live, drain = self.live, self.drain
         for kind, rid, item in zip(kinds, req_ids, data, strict=True):
             if kind & 1:
@@ -337,8 +340,6 @@ class StageEngine:
                     emit(("error", rid, str(exc)))
             elif kind & 2 and self._pipe_late is not None:
                 self._pipe_late(rid, kind)  # its END, after the request ended here
-        if self._pipe_received is not None:
-            self._pipe_received(*received)
 
     def pipe_credit(self, items: int, nbytes: int, replica: int = 0) -> None:
         """:class:`~._controls.PipeCredit`: the next stage (its *replica*) took what this
