@@ -919,6 +919,111 @@ def test_core_a_dead_stage_with_a_restart_ends_its_requests_and_refuses_adds() -
     assert core.generation(1, 0) == 1
 
 
+def _four(
+    replicas: Sequence[int] = (1, 1, 1, 1), retry: Sequence[int] | None = None
+) -> PipelineCore[StreamCore]:
+    """a -> b -> c -> d, c restarts, every process tags (a stage of this build)."""
+    core: PipelineCore[StreamCore] = PipelineCore(
+        ["a", "b", "c", "d"],
+        replicas=replicas,
+        retry=retry,
+        restart=[None, None, RestartPolicy(first_delay=0.1), None],
+    )
+    for k, n in enumerate(replicas):
+        for r in range(n):
+            core.tagged(k, r)
+    return core
+
+
+def test_core_the_corner_a_late_abort_upstream_into_the_new_process() -> None:
+    # The corner "linkable" closes (module docstring, "Restarts"): c dies holding r; the
+    # abort from a reaches b on a's link, in no order with the coordinator's gone and link
+    # to b. Were the new c linked in before b applied it (as before: once started), b would
+    # chase it down the new link into the new c, which passes it on to d untagged; yet the
+    # core frees r once a and b answer (d's tagged answer is in): that copy may then reach
+    # d after r's id is added again, and abort the new request there.
+    core = _four()
+    s = StreamCore("r")
+    core.open("r", s)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(2, 0, _Dead("killed"), 1.0, d)
+    assert d.aborts == ["r"]
+    assert d.stage_aborts == [(3, ["r"])]
+    tag = d.tags[3, "r"]
+    core.aborted(3, ["r"], 1.1, d, 0, False, tag)  # d applied the tagged abort
+    assert core.restarting(2, 0) == 1
+    assert not core.linkable(2, 0)  # b has not applied r's abort: the link must wait
+    core.aborted(0, ["r"], 1.2, d)
+    assert not core.linkable(2, 0)
+    core.aborted(1, ["r"], 1.3, d)  # b applied it: it chased it to the dead c's link
+    assert core.state("r") is None  # r is free: the copy must not be on its way via a new c
+    assert core.linkable(2, 0)
+    assert core.started(2, 0)
+
+
+def test_core_linkable_waits_for_every_request_of_the_dead_process_only() -> None:
+    core = _four(replicas=(1, 2, 2, 1))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    for i in range(4):
+        core.open(f"r{i}", StreamCore(f"r{i}"))
+    routes = {rid: core.route(rid) or () for rid in ("r0", "r1", "r2", "r3")}
+    on = [rid for rid, route in routes.items() if route[2] == 0]
+    others = [rid for rid in routes if rid not in on]
+    assert on
+    assert others
+    core.replica_dead(2, 0, _Dead("killed"), 1.0, d)
+    assert core.restarting(2, 0) == 1
+    assert core.linkable(0, 0)  # the first stage: nothing before it
+    for rid in on:
+        assert not core.linkable(2, 0)
+        core.aborted(1, [rid], 1.1, d, routes[rid][1])
+    assert core.linkable(2, 0)  # b answered for each; the others' fate does not matter
+    assert all(core.state(rid) is RequestState.LIVE for rid in others)
+
+
+def test_core_linkable_once_the_previous_process_dies_or_the_pipeline_fails() -> None:
+    # A death of b's process ends the wait (it sends nothing more); so does the pipeline's
+    # failure (no request is left), and the IO layer's started() then refuses.
+    core = _four(replicas=(1, 2, 1, 1))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.open("r", StreamCore("r"))
+    route = core.route("r")
+    assert route is not None
+    core.replica_dead(2, 0, _Dead("killed"), 1.0, d)
+    assert core.restarting(2, 0) == 1
+    assert not core.linkable(2, 0)
+    core.replica_dead(1, route[1], _Dead("killed"), 1.1, d)
+    assert core.linkable(2, 0)
+    core = _four()
+    core.open("r", StreamCore("r"))
+    core.replica_dead(2, 0, _Dead("killed"), 1.0, d)
+    assert core.restarting(2, 0) == 1
+    assert not core.linkable(2, 0)
+    core.stage_dead(1, _Dead("killed"), 1.1, d)
+    assert core.linkable(2, 0)
+    assert not core.started(2, 0)
+
+
+def test_core_linkable_waits_for_the_fences_due_at_the_previous_stage() -> None:
+    # b failed r, so a replays it into b: its fence goes down b's link to c after it, and
+    # so does what b sends of the replay; c dies meanwhile. The new c is linked in only once
+    # b has answered the fence and applied the abort, in either order.
+    for fence_first in (True, False):
+        core = _four(retry=[0, 1, 0, 0])
+        d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+        core.open("r", StreamCore("r"))
+        core.error(1, "r", "failed", 1.0, d)
+        assert d.replays == [(0, "r", 1)]
+        core.replica_dead(2, 0, _Dead("killed"), 1.1, d)
+        assert core.restarting(2, 0) == 1
+        core.aborted(0, ["r"], 1.2, d)
+        answers = [True, False] if fence_first else [False, True]
+        for fence in answers:
+            assert not core.linkable(2, 0)
+            core.aborted(1, ["r"], 1.3, d, 0, fence)
+        assert core.linkable(2, 0)
+
+
 def test_core_failed_starts_count_as_deaths_until_the_stage_is_dead() -> None:
     core = _core((1, 2, 1), RestartPolicy(first_delay=0.1, max_failures=3))
     d: PipelineDeliveries[StreamCore] = PipelineDeliveries()

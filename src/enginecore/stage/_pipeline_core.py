@@ -915,6 +915,34 @@ class PipelineCore(Generic[S]):
         self._generations[k][r] += 1
         return self._generations[k][r]
 
+    def linkable(self, k: int, r: int) -> bool:
+        """Whether process *r* of stage *k*, started again, may be linked in now (the stage
+        before it sent its ``link``): stage ``k - 1`` has answered for every request routed
+        through that process that is still in the pipeline (module docstring,
+        "Restarts"), i.e. applied the abort that confirms it there and every fence due
+        there. Those are the dead process's requests (no request is routed to a process
+        that is not live); once that stage has applied the abort of one, it sends nothing
+        more of it, and whatever it sent before went down the link to the dead process.
+        Until then, a copy of an abort (or a replay's fence, or the request's data) that
+        it applies late would go down the new link to the new process, which would pass
+        it on untagged, with no order to the tagged abort. Always true for the first stage
+        (no stage before it) and once the pipeline has failed (no request is left). A
+        death of the previous stage's process counts as its answer."""
+        if k == 0:
+            return True
+        bit = 1 << (k - 1)
+        j = k - 1
+        for req in self._requests.values():
+            route = req.route
+            if route is None or route[k] != r:
+                continue
+            if not req.confirms & bit:
+                return False
+            fences = req.fences
+            if fences is not None and fences[j]:
+                return False
+        return True
+
     def started(self, k: int, r: int) -> bool:
         """Process *r* of stage *k* is up again, linked to its neighbours: requests are
         routed to it from the next one admitted. ``False``: the pipeline failed or closed
