@@ -1018,7 +1018,7 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         asleep = self._kill_last_while_first_sleeps(pipe, 10)
 
         def up() -> bool:  # two starts or more (a fast start may time out twice)
-            return pipe.restarts["last"] >= 2 and pipe.health()["last"] == StageHealth.OK
+            return bool(pipe.restarts["last"] >= 2 and pipe.health()["last"] == StageHealth.OK)
 
         try:
             assert wait_until(up, 40), (pipe.restarts, pipe.health())
