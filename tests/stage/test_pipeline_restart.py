@@ -1161,7 +1161,7 @@ def test_core_linkable_waits_for_every_request_of_the_dead_process_only() -> Non
     assert others
     core.replica_dead(2, 0, _Dead("killed"), 1.0, d)
     assert core.restarting(2, 0) == 1
-    assert core.linkable(0, 0)  # the first stage: nothing before it
+    assert core.linkable(1, 0)  # after the first stage, which hears only the coordinator
     for rid in on:
         assert not core.linkable(2, 0)
         core.aborted(1, [rid], 1.1, d, routes[rid][1])

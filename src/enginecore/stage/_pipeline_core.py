@@ -134,7 +134,8 @@ one is back, and fails only when a stage has no process live or coming back. The
 starts the process when the delay is over (:meth:`restarting`: ``starting``, one more
 generation), links it in, and then :meth:`started` makes it routable; a start that failed
 is a death too (:meth:`start_failed`), and so is a death while starting. It links it in
-(sends the stage before the ``link``) only once :meth:`linkable`: the stage before has
+(sends the stage before the ``link``) only once :meth:`linkable`: from the third stage on
+(the first stage hears only the coordinator, in order), the stage before has
 answered for every request routed through the dead process (the abort that confirms it
 there, and every fence due there), or its process on the route died. Until then that stage
 may still apply an abort, a replay's fence or the request's data, which it would send down
@@ -937,10 +938,12 @@ class PipelineCore(Generic[S]):
         more of it, and whatever it sent before went down the link to the dead process.
         Until then, a copy of an abort (or a replay's fence, or the request's data) that
         it applies late would go down the new link to the new process, which would pass
-        it on untagged, with no order to the tagged abort. Always true for the first stage
-        (no stage before it) and once the pipeline has failed (no request is left). A
-        death of the previous stage's process counts as its answer."""
-        if k == 0:
+        it on untagged, with no order to the tagged abort. Always true for the first two
+        stages: the first stage hears only the coordinator, and applies its messages in
+        order, so it applies every abort and replay sent before the ``link`` before it; and
+        once the pipeline has failed (no request is left). A death of the previous stage's
+        process counts as its answer."""
+        if k <= 1:
             return True
         bit = 1 << (k - 1)
         j = k - 1
