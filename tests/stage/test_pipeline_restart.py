@@ -841,6 +841,194 @@ class TestNeighbourDiesWhileLinking:
         assert pipe.add("r", "x").collect(timeout=10) == ["x"]  # first has applied it since
 
 
+class TestLinkedOnlyOnceThePreviousStageAnswered:
+    """A restarted process of stage ``k`` is linked in only once the stage before it has
+    answered for every request the dead process held (docs/pipelines.md, "Restart";
+    ``PipelineCore.linkable``). Here ``k`` is "last", and the abort of its dead process's
+    request reaches "mid" from "first" on their link, so it has no order with the
+    coordinator's ``gone`` and ``link`` to mid: "first" is asleep in a utility across the
+    death and the restart, and applies it (and mid after it) only once it wakes. Linked in
+    before that, the new process got that abort from mid (and would have passed it on
+    untagged, with no order to the tagged abort sent after the death, to a next stage)."""
+
+    @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
+    def test_a_late_abort_upstream_never_reaches_the_new_process(
+        self, launch: Any, replicas: int, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first"),
+                PipelineStage(RELAY, name="mid"),
+                PipelineStage(RELAY, name="last", replicas=replicas, restart=FAST),
+            ]
+        )
+        pool = replicas > 1
+        key = "last[0]" if pool else "last"
+        core = pipe._core
+        real = core.aborted
+        late: list[tuple[int, list[str]]] = []  # last's answers about r once it is dead
+        woke = threading.Event()  # first's loop is out of its utility
+        up_before: list[bool] = []
+
+        def aborted(k: int, req_ids: Any, *args: Any, **kwargs: Any) -> None:
+            ids = list(req_ids)
+            if k == 2 and "r" in ids and core.restarts(2, 0):
+                late.append((k, ids))
+            real(k, ids, *args, **kwargs)
+
+        monkeypatch.setattr(core, "aborted", aborted)
+        pipe.call_utility("last", "hold", True, replica=0 if pool else None)
+        stream = pipe.add("r", "x")
+        assert core.route("r")[2] == 0
+        assert wait_until(lambda: _held(pipe, "last") == 1, 10)  # r is in last[0]
+        victim = pipe.call_utility("last", "pid", replica=0 if pool else None)
+
+        def sleep() -> None:
+            with contextlib.suppress(Exception):
+                pipe.call_utility("first", "sleep", 6.0)
+            up_before.append(_up(pipe, key))
+            woke.set()
+
+        asleep = threading.Thread(target=sleep)
+        asleep.start()
+        try:
+            time.sleep(0.3)  # first's loop is in the utility now
+            os.kill(victim, signal.SIGKILL)
+            with pytest.raises(PipelineStageDeadError):
+                stream.collect(timeout=10)
+            assert woke.wait(30)
+        finally:
+            asleep.join(30)
+        assert wait_until(lambda: _up(pipe, key), 30), (pipe.restarts, pipe.health())
+        assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
+        # Requests through every process of last: each goes on mid's link to it after
+        # anything mid sent there before, so any answer of the new process about r (to an
+        # abort mid passed on to it) has reached the coordinator once they are out.
+        streams = [pipe.add(f"n{i}", i) for i in range(2 * replicas)]
+        assert {core.route(f"n{i}")[2] for i in range(2 * replicas)} == set(range(replicas))
+        assert [s.collect(timeout=10) for s in streams] == [[i] for i in range(2 * replicas)]
+        assert late == []  # nothing of the dead process's request reached the new one
+        assert up_before == [False]  # it waited for first, then mid, to apply r's abort
+        assert pipe.add("r", "again").collect(timeout=10) == ["again"]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        for name in ("first", "mid", "last"):
+            assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
+
+    @staticmethod
+    def _waiting(pipe: Any) -> threading.Event:
+        """Set once a restart of *pipe* waits to link its new process in."""
+        inner = getattr(pipe, "_pipe", pipe)
+        real = inner._link_wait
+        waiting = threading.Event()
+
+        def link_wait(k: int, r: int, wake: Any) -> None:
+            real(k, r, wake)
+            if wake is not None:
+                waiting.set()
+
+        inner._link_wait = link_wait
+        return waiting
+
+    @staticmethod
+    def _kill_last_while_first_sleeps(pipe: Any, seconds: float) -> threading.Thread:
+        """r held in last (its one process), first's loop asleep for *seconds*, then last
+        killed: r's abort waits in first. Returns the thread that sleeps first."""
+        pipe.call_utility("last", "hold", True)
+        stream = pipe.add("r", "x")
+        assert wait_until(lambda: _held(pipe, "last") == 1, 10)
+        victim = pipe.call_utility("last", "pid")
+
+        def sleep() -> None:
+            with contextlib.suppress(Exception):  # or ended by the shutdown
+                pipe.call_utility("first", "sleep", seconds)
+
+        asleep = threading.Thread(target=sleep)
+        asleep.start()
+        time.sleep(0.3)  # first's loop is in the utility now
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(PipelineStageDeadError):
+            stream.collect(timeout=10)
+        return asleep
+
+    def test_a_shutdown_ends_the_wait_at_once(
+        self, launch: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first"),
+                PipelineStage(RELAY, name="mid"),
+                PipelineStage(RELAY, name="last", restart=FAST),
+            ]
+        )
+        waiting = self._waiting(pipe)
+        asleep = self._kill_last_while_first_sleeps(pipe, 30)
+        try:
+            assert waiting.wait(30)
+            started = time.monotonic()
+            pipe.shutdown()
+            # Not the startup timeout (60 s): the stages' own shutdown only (first's loop
+            # is asleep: its client waits for it up to its timeout, 5 s, then kills it).
+            assert time.monotonic() - started < 15
+        finally:
+            asleep.join(40)
+        assert pipe.restarts["last"] == 1
+        assert pipe.health()["last"] != StageHealth.OK
+        assert "did not answer for the requests" not in caplog.text  # it ended cleanly
+
+    def test_a_death_of_the_previous_process_ends_the_wait(self, launch: Any) -> None:
+        # r went through mid[0], which dies while the restart waits for it: it sends
+        # nothing more, so the new last is linked in (to mid[1]) before first wakes.
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first"),
+                PipelineStage(RELAY, name="mid", replicas=2),
+                PipelineStage(RELAY, name="last", restart=FAST),
+            ]
+        )
+        waiting = self._waiting(pipe)
+        mid0 = pipe.call_utility("mid", "pid", replica=0)
+        asleep = self._kill_last_while_first_sleeps(pipe, 8)
+        try:
+            assert pipe._core.route("r")[1] == 0
+            assert waiting.wait(30)
+            assert not _up(pipe, "last")
+            os.kill(mid0, signal.SIGKILL)
+            assert wait_until(lambda: _up(pipe, "last"), 30), (pipe.restarts, pipe.health())
+            assert asleep.is_alive()  # first is still asleep
+        finally:
+            asleep.join(30)
+        assert pipe.health()["mid[0]"] == StageHealth.DEAD
+        assert [pipe.add(f"n{i}", i).collect(timeout=10) for i in range(3)] == [[0], [1], [2]]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
+    def test_a_wait_past_the_startup_timeout_is_a_failed_start(
+        self, launch: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # first sleeps past the startup timeout (5 s; twice that): the first start's wait
+        # ends it as a failed start (the new process stopped, counted by the policy), and a
+        # later start, after the backoff, is linked in once first and mid applied r's abort.
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first"),
+                PipelineStage(RELAY, name="mid"),
+                PipelineStage(RELAY, name="last", restart=FAST),
+            ],
+            startup_timeout=5,
+        )
+        asleep = self._kill_last_while_first_sleeps(pipe, 10)
+
+        def up() -> bool:  # two starts or more (a fast start may time out twice)
+            return bool(pipe.restarts["last"] >= 2 and pipe.health()["last"] == StageHealth.OK)
+
+        try:
+            assert wait_until(up, 40), (pipe.restarts, pipe.health())
+        finally:
+            asleep.join(30)
+        assert "did not answer for the requests of its dead process" in caplog.text
+        assert pipe.add("r", "again").collect(timeout=10) == ["again"]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
+
 @pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
 class TestSharedMemory:
     @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
@@ -917,6 +1105,111 @@ def test_core_a_dead_stage_with_a_restart_ends_its_requests_and_refuses_adds() -
     core.check(["new"])
     assert core.restarts(1, 0) == 1
     assert core.generation(1, 0) == 1
+
+
+def _four(
+    replicas: Sequence[int] = (1, 1, 1, 1), retry: Sequence[int] | None = None
+) -> PipelineCore[StreamCore]:
+    """a -> b -> c -> d, c restarts, every process tags (a stage of this build)."""
+    core: PipelineCore[StreamCore] = PipelineCore(
+        ["a", "b", "c", "d"],
+        replicas=replicas,
+        retry=retry,
+        restart=[None, None, RestartPolicy(first_delay=0.1), None],
+    )
+    for k, n in enumerate(replicas):
+        for r in range(n):
+            core.tagged(k, r)
+    return core
+
+
+def test_core_the_corner_a_late_abort_upstream_into_the_new_process() -> None:
+    # The corner "linkable" closes (module docstring, "Restarts"): c dies holding r; the
+    # abort from a reaches b on a's link, in no order with the coordinator's gone and link
+    # to b. Were the new c linked in before b applied it (as before: once started), b would
+    # chase it down the new link into the new c, which passes it on to d untagged; yet the
+    # core frees r once a and b answer (d's tagged answer is in): that copy may then reach
+    # d after r's id is added again, and abort the new request there.
+    core = _four()
+    s = StreamCore("r")
+    core.open("r", s)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(2, 0, _Dead("killed"), 1.0, d)
+    assert d.aborts == ["r"]
+    assert d.stage_aborts == [(3, ["r"])]
+    tag = d.tags[3, "r"]
+    core.aborted(3, ["r"], 1.1, d, 0, False, tag)  # d applied the tagged abort
+    assert core.restarting(2, 0) == 1
+    assert not core.linkable(2, 0)  # b has not applied r's abort: the link must wait
+    core.aborted(0, ["r"], 1.2, d)
+    assert not core.linkable(2, 0)
+    core.aborted(1, ["r"], 1.3, d)  # b applied it: it chased it to the dead c's link
+    assert core.state("r") is None  # r is free: the copy must not be on its way via a new c
+    assert core.linkable(2, 0)
+    assert core.started(2, 0)
+
+
+def test_core_linkable_waits_for_every_request_of_the_dead_process_only() -> None:
+    core = _four(replicas=(1, 2, 2, 1))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    for i in range(4):
+        core.open(f"r{i}", StreamCore(f"r{i}"))
+    routes = {rid: core.route(rid) or () for rid in ("r0", "r1", "r2", "r3")}
+    on = [rid for rid, route in routes.items() if route[2] == 0]
+    others = [rid for rid in routes if rid not in on]
+    assert on
+    assert others
+    core.replica_dead(2, 0, _Dead("killed"), 1.0, d)
+    assert core.restarting(2, 0) == 1
+    assert core.linkable(1, 0)  # after the first stage, which hears only the coordinator
+    for rid in on:
+        assert not core.linkable(2, 0)
+        core.aborted(1, [rid], 1.1, d, routes[rid][1])
+    assert core.linkable(2, 0)  # b answered for each; the others' fate does not matter
+    assert all(core.state(rid) is RequestState.LIVE for rid in others)
+
+
+def test_core_linkable_once_the_previous_process_dies_or_the_pipeline_fails() -> None:
+    # A death of b's process ends the wait (it sends nothing more); so does the pipeline's
+    # failure (no request is left), and the IO layer's started() then refuses.
+    core = _four(replicas=(1, 2, 1, 1))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.open("r", StreamCore("r"))
+    route = core.route("r")
+    assert route is not None
+    core.replica_dead(2, 0, _Dead("killed"), 1.0, d)
+    assert core.restarting(2, 0) == 1
+    assert not core.linkable(2, 0)
+    core.replica_dead(1, route[1], _Dead("killed"), 1.1, d)
+    assert core.linkable(2, 0)
+    core = _four()
+    core.open("r", StreamCore("r"))
+    core.replica_dead(2, 0, _Dead("killed"), 1.0, d)
+    assert core.restarting(2, 0) == 1
+    assert not core.linkable(2, 0)
+    core.stage_dead(1, _Dead("killed"), 1.1, d)
+    assert core.linkable(2, 0)
+    assert not core.started(2, 0)
+
+
+def test_core_linkable_waits_for_the_fences_due_at_the_previous_stage() -> None:
+    # b failed r, so a replays it into b: its fence goes down b's link to c after it, and
+    # so does what b sends of the replay; c dies meanwhile. The new c is linked in only once
+    # b has answered the fence and applied the abort, in either order.
+    for fence_first in (True, False):
+        core = _four(retry=[0, 1, 0, 0])
+        d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+        core.open("r", StreamCore("r"))
+        core.error(1, "r", "failed", 1.0, d)
+        assert d.replays == [(0, "r", 1)]
+        core.replica_dead(2, 0, _Dead("killed"), 1.1, d)
+        assert core.restarting(2, 0) == 1
+        core.aborted(0, ["r"], 1.2, d)
+        answers = [True, False] if fence_first else [False, True]
+        for fence in answers:
+            assert not core.linkable(2, 0)
+            core.aborted(1, ["r"], 1.3, d, 0, fence)
+        assert core.linkable(2, 0)
 
 
 def test_core_failed_starts_count_as_deaths_until_the_stage_is_dead() -> None:

@@ -344,7 +344,10 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     async def _link(self, k: int, r: int, client: AsyncStageClient) -> bool:
         """:meth:`Pipeline._link <enginecore.stage.Pipeline._link>`'s, awaited: the
         previous stage's processes asked at once, each call with the startup timeout, and
-        a shutdown ends the wait at once."""
+        a shutdown ends the wait at once; first, the wait until the new process may be
+        linked in (:meth:`_linkable`), as there."""
+        if not await self._await_linkable(k, r):
+            return False
         timeout = self._startup_timeout
         calls = [
             asyncio.ensure_future(target.call_utility(LINKS_UTILITY, timeout=timeout))
@@ -371,6 +374,26 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     self._link_unconfirmed(k, r, exc)
         return self._started(k, r)  # False once the pipeline closes
 
+    async def _await_linkable(self, k: int, r: int) -> bool:
+        """:meth:`Pipeline._await_linkable
+        <enginecore.stage.Pipeline._await_linkable>`'s, awaited."""
+        if self._linkable(k, r):
+            return not self._stopping.is_set()
+        ready = asyncio.Event()
+        self._link_wait(k, r, ready.set)
+        try:
+            deadline = time.monotonic() + self._startup_timeout
+            while not self._linkable(k, r):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._unlinkable(k, r)
+                with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not the builtin
+                    await asyncio.wait_for(ready.wait(), left)
+                ready.clear()
+        finally:
+            self._link_wait(k, r, None)
+        return not self._stopping.is_set()
+
     # -- closing -----------------------------------------------------------------------------
 
     async def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
@@ -384,6 +407,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         self._closing = asyncio.get_running_loop().create_future()
         self._closed = True
         self._stopping.set()
+        self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
         try:
             if self._restart_tasks:  # a start under way: it stops what it started
                 await asyncio.gather(*list(self._restart_tasks), return_exceptions=True)

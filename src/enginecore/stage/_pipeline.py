@@ -384,7 +384,14 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
 
         The barrier asks every process at once and waits for them all together, up to the
         startup timeout in all (a process that dies answers at once, with its death), and
-        a shutdown ends the wait at once (:attr:`_stopping`)."""
+        a shutdown ends the wait at once (:attr:`_stopping`).
+
+        First, before the new process is put in place and the ``link`` sent, it waits until
+        the stage before it has answered for every request the dead process held
+        (:meth:`_linkable`), up to the startup timeout (then :class:`TimeoutError`: a
+        failed start); its answers and deaths wake it, and so does a shutdown."""
+        if not self._await_linkable(k, r):
+            return False
         futures: list[concurrent.futures.Future[Any]] = []
         for target in self._install(k, r, client):
             try:
@@ -408,6 +415,26 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 self._link_unconfirmed(k, r, error)  # a process that died: its death tells
         return self._started(k, r)  # False once the pipeline closes
 
+    def _await_linkable(self, k: int, r: int) -> bool:
+        """Wait until the new process *r* of stage *k* may be linked in (:meth:`_linkable`):
+        ``False`` if the pipeline closes meanwhile; :class:`TimeoutError` after the startup
+        timeout."""
+        if self._linkable(k, r):
+            return not self._stopping.is_set()
+        ready = threading.Event()
+        self._link_wait(k, r, ready.set)
+        try:
+            deadline = time.monotonic() + self._startup_timeout
+            while not self._linkable(k, r):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._unlinkable(k, r)
+                ready.wait(left)
+                ready.clear()
+        finally:
+            self._link_wait(k, r, None)
+        return not self._stopping.is_set()
+
     # -- closing -----------------------------------------------------------------------------
 
     def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
@@ -424,6 +451,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 self._closed = True
                 restarts = list(self._restart_threads)
             self._stopping.set()
+            self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
             for thread in restarts:  # a start under way: it stops what it started
                 thread.join()
             deadline = None if drain is None else time.monotonic() + drain

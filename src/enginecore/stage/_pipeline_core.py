@@ -109,14 +109,19 @@ later stage gets both copies in that order on one link. So once every tagged ans
 no copy of either abort is left on its way to a stage after the dead one, nor an answer to
 one. A stage of an older build (its ``welcome`` does not say ``"tags"``: :meth:`tagged`)
 drops the tag and chases untagged: from the first such process on the route, any answer
-confirms, as before tags (the race stays open there). Open still: with restarts, a stage
-``k - 1`` that applies the first abort only after the dead process's replacement is linked
-in chases that copy to the new process, which passes it on to stage ``k + 1`` untagged,
-with no order to the tagged one (and a replay it applies that late sends its fence and
-inputs there too); closing it would mean linking the new process in only once stage
-``k - 1`` has answered for every request the dead one held. A whole stage's death
-(:meth:`stage_dead`) sends its aborts untagged: the pipeline has failed, every request is
-freed at once, and no id is added again.
+confirms, as before tags (the race stays open there). With restarts, a copy could also
+reach stage ``k + 1`` through the dead process's replacement: stage ``k - 1`` gets the
+abort of such a request on its link from stage ``k - 2`` (for ``k >= 2``), in no order with
+the coordinator's ``link`` to it, and would chase a copy it applies after that ``link``
+down the new link into the new process, which would pass it on untagged. So the new
+process is linked in only once stage ``k - 1`` has answered for every request the dead one
+held (:meth:`linkable`, "Restarts"). Open still, narrower: a death at a stage before
+``k - 1``, after that link, of a process on the route of such a request still in the
+pipeline (stages after ``k`` still to answer), sends a tagged abort from the stage after it,
+which stage ``k - 1`` chases into the new process too, and which goes on with a tag that
+stages after ``k`` do not wait for. A whole stage's death (:meth:`stage_dead`) sends its
+aborts untagged: the pipeline has failed, every request is freed at once, and no id is
+added again.
 
 **Restarts** (``restart[k]``, a :class:`~._pool_core.RestartPolicy`: stage ``k``'s dead
 processes are started again). Such a pipeline is routed even without pools, so that a dead
@@ -128,7 +133,15 @@ last live process: the pipeline then refuses adds (:class:`~._errors.NoReplicaEr
 one is back, and fails only when a stage has no process live or coming back. The IO layer
 starts the process when the delay is over (:meth:`restarting`: ``starting``, one more
 generation), links it in, and then :meth:`started` makes it routable; a start that failed
-is a death too (:meth:`start_failed`), and so is a death while starting.
+is a death too (:meth:`start_failed`), and so is a death while starting. It links it in
+(sends the stage before the ``link``) only once :meth:`linkable`: from the third stage on
+(the first stage hears only the coordinator, in order), the stage before has
+answered for every request routed through the dead process (the abort that confirms it
+there, and every fence due there), or its process on the route died. Until then that stage
+may still apply an abort, a replay's fence or the request's data, which it would send down
+the new link, into a process that never held the request; once it has applied the abort, it
+sends nothing more of it, and what it sent before went to the dead process. No stage
+answers differently for it: any build answers aborts and applies messages in order.
 """
 
 from __future__ import annotations
@@ -914,6 +927,36 @@ class PipelineCore(Generic[S]):
         self._restarts[k][r] += 1
         self._generations[k][r] += 1
         return self._generations[k][r]
+
+    def linkable(self, k: int, r: int) -> bool:
+        """Whether process *r* of stage *k*, started again, may be linked in now (the stage
+        before it sent its ``link``): stage ``k - 1`` has answered for every request routed
+        through that process that is still in the pipeline (module docstring,
+        "Restarts"), i.e. applied the abort that confirms it there and every fence due
+        there. Those are the dead process's requests (no request is routed to a process
+        that is not live); once that stage has applied the abort of one, it sends nothing
+        more of it, and whatever it sent before went down the link to the dead process.
+        Until then, a copy of an abort (or a replay's fence, or the request's data) that
+        it applies late would go down the new link to the new process, which would pass
+        it on untagged, with no order to the tagged abort. Always true for the first two
+        stages: the first stage hears only the coordinator, and applies its messages in
+        order, so it applies every abort and replay sent before the ``link`` before it; and
+        once the pipeline has failed (no request is left). A death of the previous stage's
+        process counts as its answer."""
+        if k <= 1:
+            return True
+        bit = 1 << (k - 1)
+        j = k - 1
+        for req in self._requests.values():
+            route = req.route
+            if route is None or route[k] != r:
+                continue
+            if not req.confirms & bit:
+                return False
+            fences = req.fences
+            if fences is not None and fences[j]:
+                return False
+        return True
 
     def started(self, k: int, r: int) -> bool:
         """Process *r* of stage *k* is up again, linked to its neighbours: requests are

@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, TypeVar
 
@@ -690,6 +690,9 @@ class PipelineBase(Generic[S, C]):
         # A restart's link barrier under way: per restarted process (stage, replica), the
         # processes of the stage before it sent a ``link`` to it (_install, _started).
         self._linking: dict[tuple[int, int], list[int]] = {}
+        # A restart waiting to link its new process in (_linkable): per process (stage,
+        # replica), what wakes the wait; called once the core says it may, and at shutdown.
+        self._link_waits: dict[tuple[int, int], Callable[[], None]] = {}
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -1034,6 +1037,49 @@ class PipelineBase(Generic[S, C]):
         with self._lock:
             return [key for (j, _), key in self._link_keys.items() if j == k - 1]
 
+    def _linkable(self, k: int, r: int) -> bool:
+        """Whether the new process *r* of stage *k* may be linked in now
+        (:meth:`PipelineCore.linkable`: the stage before it has answered for every request
+        the dead process held, so nothing of them can follow the new ``link`` to it), or
+        the pipeline closes (the wait is over; :meth:`_started` then refuses)."""
+        with self._lock:
+            return self._closed or self._core.linkable(k, r)
+
+    def _link_wait(self, k: int, r: int, wake: Callable[[], None] | None) -> None:
+        """Register *wake* (``None``: remove it) for the restart of process *r* of stage *k*
+        that waits until :meth:`_linkable`: called from :meth:`_take_events` once it is,
+        and at shutdown (:meth:`_wake_link_waits`)."""
+        with self._lock:
+            if wake is None:
+                self._link_waits.pop((k, r), None)
+            else:
+                self._link_waits[k, r] = wake
+
+    def _wake_link_waits(self, every: bool = False) -> None:
+        """Wake each restart waiting to link its new process in that may now (*every*: all
+        of them, as the pipeline closes)."""
+        with self._lock:
+            if not self._link_waits:
+                return
+            core = self._core
+            ready = [
+                wake
+                for (k, r), wake in self._link_waits.items()
+                if every or self._closed or core.linkable(k, r)
+            ]
+        for wake in ready:
+            wake()
+
+    def _unlinkable(self, k: int, r: int) -> TimeoutError:
+        """What ends a restart whose wait for :meth:`_linkable` outlasted the startup
+        timeout: a failed start (the new process is stopped, and started again after the
+        policy's backoff)."""
+        return TimeoutError(
+            f"the stage before {self._names[k]!r} did not answer for the requests of its dead "
+            f"process {r} within the startup timeout ({self._startup_timeout} s): the new "
+            f"process is not linked in"
+        )
+
     def _install(self, k: int, r: int, client: C) -> list[C]:
         """Put *client*, of process *r* of stage *k* started again, in place of the dead
         one's (from now on only its events are heard, on its receiver), and send what links
@@ -1277,6 +1323,8 @@ class PipelineBase(Generic[S, C]):
                     else:
                         core.stage_dead(k, exc, now, d)
         self._deliver(d)
+        if self._link_waits:  # a restart waits for answers (or a death) of this stage
+            self._wake_link_waits()
         if credit_items and k:
             # Stage k took that much of what stage k - 1 sent it: room in k - 1's window.
             credits[0] = [credit_items, credit_bytes]
