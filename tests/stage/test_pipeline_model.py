@@ -121,16 +121,21 @@ the first retrying, requests two stages hold failing): 1,000 more examples, abou
 stage: its events reach the core split by the replica each request's route names, as the
 pipelines' IO layer hands a pool's events over (one replica's at a time), so the pooled
 core's bookkeeping (routes, the filter on them, an abort's confirmation as a bit per stage,
-the per-replica counts) must keep every rule above: 1,000 more examples. Its faults include
-a replica's death (never its stage's last): the requests routed through it are lost there,
-what is sent to it later is dropped, its events so far reach the core before
-``replica_dead``; the stage after it applies the `gone` in order with the coordinator's
-messages (the dead replica's link messages after it are dropped), and every stage answers
-and chases the tagged abort sent after the death with its tag (``docs/wire.md`` section 8).
-A request a replica's death ended is freed only once no abort of it is left on its way to
-a stage that would apply it, and no answer to one on its way to the core: otherwise its id,
-added again, could be aborted by it (the race the tags close; the check catches it when the
-core takes the first answer instead).
+the per-replica counts) must keep every rule above: 1,000 more examples. Every message a
+stage's queues hold is addressed to one of its processes (:class:`Proc`, a replica of one
+generation), and says which process of the previous stage sent it on a link: the
+coordinator's goes to the process the request's route names there when it sends, a stage's
+down the link at the index the route names next (an abort: the route it carries, as
+``chase_abort``), to whichever process that link goes to when it sends; a request a stage
+holds is held by the process that took it. Its faults include a replica's death (never its
+stage's last): the requests it holds are lost there, what is sent to it is dropped, its
+events so far reach the core before ``replica_dead``; the stage after it applies the
+`gone` in order with the coordinator's messages (the dead process's link messages after it
+are dropped), and every stage answers and chases the tagged abort sent after the death
+with its tag (``docs/wire.md`` section 8). A request a replica's death ended is freed only
+once no abort of it is left on its way to a process that would apply it, and no answer to
+one on its way to the core: otherwise its id, added again, could be aborted by it (the race
+the tags close; the check catches it when the core takes the first answer instead).
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -223,13 +228,41 @@ class Inc:
         return True  # pragma: no cover
 
 
+class Proc:
+    """One process of a stage: replica *r* of stage *k*, started *gen* times before (a
+    restart makes a new one in its place). *links*: per replica of the next stage, the
+    process its link goes to now (a ``link`` message replaces one). A message sent to a
+    process that is dead is lost."""
+
+    __slots__ = ("dead", "gen", "k", "links", "r")
+
+    def __init__(self, k: int, r: int, gen: int = 0) -> None:
+        self.k = k
+        self.r = r
+        self.gen = gen
+        self.dead = False
+        self.links: list[Proc] = []
+
+    def __repr__(self) -> str:
+        return f"<process {self.k}.{self.r}#{self.gen}{' dead' if self.dead else ''}>"
+
+
+# What a stage's queues hold: (the message, the process that sent it on a link or None,
+# the process it was sent to or None: one for the whole stage, as a release or a gone).
+Entry = tuple[tuple[Any, ...], "Proc | None", "Proc | None"]
+
+
 class Req:
-    """A request live in one simulated stage (the stage runtime's live set)."""
+    """A request live in one simulated stage (the stage runtime's live set), held by its
+    process *proc* there."""
 
-    __slots__ = ("gen", "in_engine", "inc", "input_ended", "report", "sent", "spoke")
+    __slots__ = ("gen", "in_engine", "inc", "input_ended", "proc", "report", "sent", "spoke")
 
-    def __init__(self, inc: Inc, in_engine: bool, input_ended: bool, gen: int = 0) -> None:
+    def __init__(
+        self, inc: Inc, in_engine: bool, input_ended: bool, gen: int = 0, proc: Proc | None = None
+    ) -> None:
         self.inc = inc
+        self.proc = proc
         self.gen = gen  # the fences of its request this stage had applied when it came
         self.in_engine = in_engine  # the engine has it (it can step it)
         self.input_ended = input_ended
@@ -247,10 +280,11 @@ class Log:
     """A stage's replay log of one request (``PipeStage``): how many payloads it sent on,
     whether it ended the request, whether the log outgrew its bound."""
 
-    __slots__ = ("ended", "flag", "inc", "items", "unlogged")
+    __slots__ = ("ended", "flag", "inc", "items", "proc", "unlogged")
 
-    def __init__(self, inc: Inc) -> None:
+    def __init__(self, inc: Inc, proc: Proc | None = None) -> None:
         self.inc = inc
+        self.proc = proc  # the process that keeps it
         self.items = 0
         self.ended = False
         self.flag = 0  # its END's REPORT bit
@@ -268,18 +302,17 @@ class SimStage:
         self.logging = logs  # its edge retries: it keeps replay logs
         self.logs: dict[str, Log] = {}
         self.fenced: dict[int, int] = {}  # id(inc) -> the replays' fences applied here
-        self.cq: deque[tuple[Any, ...]] = deque()  # from the coordinator
-        self.inq: deque[tuple[Any, ...]] = deque()  # from the previous stage's link
+        self.cq: deque[Entry] = deque()  # from the coordinator
+        self.inq: deque[Entry] = deque()  # from the previous stage's links
         self.events: deque[tuple[Any, ...]] = deque()
         self.live: dict[str, Req] = {}
         # Ended here before their input did, awaiting the previous stage's END:
         self.early: dict[str, Req] = {}
         self.dead_aborted: dict[str, Inc] = {}  # a death's abort applied while absent here
         self.dead = False
-        # PooledModel: its replicas that died (what is sent to them is lost), and those of
-        # the previous stage whose `gone` it applied (their later link messages dropped).
-        self.dead_replicas: set[int] = set()
-        self.gone_from: set[int] = set()
+        # PooledModel: the processes of the previous stage whose `gone` it applied (their
+        # later link messages are dropped).
+        self.gone_from: set[Proc] = set()
 
     def __repr__(self) -> str:
         return f"<stage {self.k}>"
@@ -365,6 +398,11 @@ class PipelineModel(RuleBasedStateMachine):
         self.names = [f"stage{k}" for k in range(n)]
         self.retry = [0, *retry[: n - 1]]
         self.core: PipelineCore[StreamCore] = self.make_core(budget, max_bytes)
+        # Each stage's processes (one per replica), each linked to every one of the next.
+        self.procs = [[Proc(k, r) for r in range(c)] for k, c in enumerate(self.core.replicas)]
+        for here, after in zip(self.procs, self.procs[1:], strict=False):
+            for proc in here:
+                proc.links = list(after)
         self.budget = budget
         self.max_bytes = max_bytes
         self.stages = [
@@ -472,8 +510,7 @@ class PipelineModel(RuleBasedStateMachine):
                 inc.gen[j] += 1
                 inc.fences_due[j] += 1
             event("a request was replayed")
-            if not self.stages[p].dead:
-                self.stages[p].cq.append(("replay", r, inc, attempt))
+            self.to_stage(p, ("replay", r, inc, attempt), self.proc_at(p, inc.route))
         if d.releases:
             assert via == "outputs", f"releases by {via}"
             for r in d.releases:
@@ -481,8 +518,8 @@ class PipelineModel(RuleBasedStateMachine):
                 assert not inc.in_core, f"{inc} released, still in the core"
                 assert inc.stream._ended is FINISHED, f"{inc} released, not finished"
             for s in self.stages:
-                if s.logging and not s.dead:
-                    s.cq.append(("release", list(d.releases)))
+                if s.logging:
+                    self.to_stage(s.k, ("release", list(d.releases)), None)
 
         # The aborts the core asks for: to the first stage (the abort chases the data from
         # there), and, after a death, to the stage after the dead one.
@@ -503,9 +540,8 @@ class PipelineModel(RuleBasedStateMachine):
                 assert not inc.coord_abort, f"{inc} aborted twice by the core"
                 inc.coord_abort = True
                 targets[a] = inc
-            first = self.stages[0]
-            if not first.dead:  # else the send fails, and the IO layer ignores it
-                first.cq.append(("abort", list(d.aborts), "core", targets))
+            # (To a dead first stage the send fails, and the IO layer ignores it.)
+            self.send_aborts(0, d.aborts, "core", targets, d.routes)
         else:
             assert not d.stage_aborts, f"an abort of a later stage asked for by {via}"
         return d
@@ -536,10 +572,10 @@ class PipelineModel(RuleBasedStateMachine):
         else:
             assert not later, f"{later} after stage {k} died"
         self.orphans.update(held)
-        if d.aborts and not self.stages[0].dead:
-            self.stages[0].cq.append(("abort", list(d.aborts), "dead", held))
-        if later and not self.stages[k + 1].dead:
-            self.stages[k + 1].cq.append(("abort", list(later[k + 1]), "dead", targets))
+        if d.aborts:
+            self.send_aborts(0, d.aborts, "dead", held, d.routes)
+        if later:
+            self.send_aborts(k + 1, later[k + 1], "dead", targets, d.routes)
 
     def send_replica_death_aborts(
         self,
@@ -572,20 +608,74 @@ class PipelineModel(RuleBasedStateMachine):
             assert set(d.tags) == tagged, f"tags {d.tags}, not {tagged}"
         else:
             assert not later, f"{later} after a replica of {k} died"
-        for stage, _, side, _, dead_r in d.gone:
-            if side == "previous" and not self.stages[stage].dead:
-                self.stages[stage].cq.append(("gone", dead_r))
-        if d.aborts and not self.stages[0].dead:
-            targets = {rid: held[rid] for rid in d.aborts}
-            self.stages[0].cq.append(("abort", list(d.aborts), "core", targets))
-        if later and not self.stages[k + 1].dead:
-            nxt = self.stages[k + 1].cq
+        for stage, _, side, dead, dead_r in d.gone:
+            if side == "previous":
+                self.to_stage(stage, ("gone", self.procs[dead][dead_r]), None)
+        if d.aborts:
+            self.send_aborts(0, d.aborts, "core", held, d.routes)
+        if later:
             by_tag: dict[int, list[str]] = {}
             for rid in later[k + 1]:
                 by_tag.setdefault(d.tags.get((k + 1, rid), 0), []).append(rid)
             for tag, rids in by_tag.items():
-                targets = {rid: held[rid] for rid in rids}
-                nxt.append(("abort", rids, "post", targets, tag or None))
+                self.send_aborts(k + 1, rids, "post", held, d.routes, tag or None)
+
+    # -- the coordinator's messages, as the IO layer sends them --------------------------------
+
+    def proc_at(self, k: int, route: tuple[int, ...] | None) -> Proc | None:
+        """The process of stage *k* that a message on *route* goes to now (``None``: a
+        route that names none there, ``-1``: the IO layer sends nothing)."""
+        i = route[k] if route else 0
+        procs = self.procs[k]
+        return procs[i] if 0 <= i < len(procs) else None
+
+    def to_stage(self, k: int, item: tuple[Any, ...], dst: Proc | None) -> None:
+        """The coordinator sends *item* to process *dst* of stage *k* (``None``: to each
+        of the stage's processes; the model applies it once)."""
+        s = self.stages[k]
+        if not s.dead and (dst is not None or item[0] in ("release", "gone")):
+            s.cq.append((item, None, dst))
+
+    def send_aborts(
+        self,
+        k: int,
+        rids: list[str],
+        origin: str,
+        targets: dict[str, Inc],
+        routes: dict[str, tuple[int, ...]],
+        tag: int | None = None,
+    ) -> None:
+        """``_send_routed_aborts``: an abort of *rids* to stage *k*, each to the process its
+        route names there, with its route (which the stages chase it along)."""
+        by: dict[int, tuple[Proc, list[str]]] = {}
+        for rid in rids:
+            dst = self.proc_at(k, routes.get(rid))
+            if dst is not None:
+                by.setdefault(id(dst), (dst, []))[1].append(rid)
+        for dst, ids in by.values():
+            item = self.abort_item(ids, origin, targets, tag, routes)
+            self.to_stage(k, item, dst)
+
+    @staticmethod
+    def abort_item(
+        rids: list[str],
+        origin: str,
+        targets: dict[str, Inc],
+        tag: int | None,
+        routes: Mapping[str, tuple[int, ...] | None],
+    ) -> tuple[Any, ...]:
+        """An ``abort`` message: its ids, where it comes from (``core``, ``dead``, ``post``
+        after a replica's death, ``fence``), the incarnation each id is of, its tag and
+        each id's route (``None``: none)."""
+        ids = list(rids)
+        return (
+            "abort",
+            ids,
+            origin,
+            {r: targets[r] for r in ids},
+            tag,
+            {r: routes.get(r) for r in ids},
+        )
 
     def check_end(
         self,
@@ -688,15 +778,17 @@ class PipelineModel(RuleBasedStateMachine):
         no answer to one is on its way to the core: its id may be added again."""
         for s in self.alive():
             for q in (s.cq, s.inq):
-                for item in q:
+                for entry in q:
+                    item = entry[0]
                     if item[0] != "abort" or item[2] == "fence":
                         continue
-                    for rid in item[1]:
-                        target = item[3][rid]
-                        if target is inc and not self.lost(s, target, q is s.inq):
-                            raise AssertionError(
-                                f"{inc} freed, its abort still on its way to stage {s.k}"
-                            )
+                    if any(item[3][rid] is inc for rid in item[1]) and not self.lost(
+                        s, entry, q is s.inq
+                    ):
+                        raise AssertionError(
+                            f"{inc} freed, its abort still on its way to stage {s.k} "
+                            f"({item[2]}, tag {item[4]}, to {entry[2]}, from {entry[1]})"
+                        )
         for s in self.stages:
             for ev in s.events:
                 if ev[0] == "aborted" and ev[2] != "fence":
@@ -704,16 +796,21 @@ class PipelineModel(RuleBasedStateMachine):
                         f"{inc} freed, an answer of stage {s.k} to its abort still on its way"
                     )
 
-    def lost(self, s: SimStage, inc: Inc | None, linked: bool) -> bool:
-        """Whether an item of *inc* that stage *s* takes is lost: its replica of *s* died,
-        or (*linked*: it came on the link) it came from a replica of the previous stage
-        whose `gone` *s* has applied (PooledModel)."""
-        route = None if inc is None else inc.route
-        if route is None:
-            return False
-        if route[s.k] in s.dead_replicas:
+    def heard_dead(self, k: int, r: int, d: PipelineDeliveries[StreamCore]) -> None:
+        """The core was told that process *r* of stage *k* died (``replica_dead``): no
+        restart without a policy (:class:`RestartModel`: a restart is due)."""
+        assert not d.restarts, f"restarts {d.restarts} without a policy"
+
+    @staticmethod
+    def lost(s: SimStage, entry: Entry, linked: bool) -> bool:
+        """Whether a message that stage *s* takes is lost: the process it was sent to died
+        (a process started again in its place is another), or (*linked*: it came on a
+        link) it came from a process of the previous stage whose `gone` *s* has applied
+        (PooledModel)."""
+        _, src, dst = entry
+        if dst is not None and dst.dead:
             return True
-        return linked and s.k > 0 and route[s.k - 1] in s.gone_from
+        return linked and src is not None and src in s.gone_from
 
     @staticmethod
     def _sent_by(inc: Inc | None, s: SimStage, replica: int) -> bool:
@@ -723,11 +820,39 @@ class PipelineModel(RuleBasedStateMachine):
 
     # -- the stages ------------------------------------------------------------------------
 
-    def send_on(self, s: SimStage, item: tuple[Any, ...]) -> None:
-        if not s.last:
-            nxt = self.stages[s.k + 1]
-            if not nxt.dead:
-                nxt.inq.append(item)
+    def send_on(self, s: SimStage, item: tuple[Any, ...], src: Proc | None) -> None:
+        """Process *src* of stage *s* sends *item* down its link to the next stage's
+        process the route names next (``chase_abort``: an abort along each id's route, as
+        the abort carries it), whichever process that link goes to now: nothing for an
+        index outside its links (``-1``)."""
+        if s.last:
+            return
+        nxt = self.stages[s.k + 1]
+        if nxt.dead:
+            return
+        assert src is not None
+        if item[0] != "abort":
+            dst = self.link_of(s.k, src, item[2].route)
+            if dst is not None:
+                nxt.inq.append((item, src, dst))
+            return
+        routes = item[5]
+        by: dict[int, tuple[Proc, list[str]]] = {}
+        for rid in item[1]:
+            dst = self.link_of(s.k, src, routes.get(rid))
+            if dst is not None:
+                by.setdefault(id(dst), (dst, []))[1].append(rid)
+        for dst, ids in by.values():
+            nxt.inq.append((self.abort_item(ids, item[2], item[3], item[4], routes), src, dst))
+
+    @staticmethod
+    def link_of(k: int, src: Proc, route: tuple[int, ...] | None) -> Proc | None:
+        """Where process *src* of stage *k* sends what *route* routes next: its link at
+        that index (``None``: an index outside them, as ``links[index] if 0 <= index <
+        len(links) else None``)."""
+        i = route[k + 1] if route else 0
+        links = src.links
+        return links[i] if 0 <= i < len(links) else None
 
     def new_token(self, s: SimStage, inc: Inc | None, current: bool = True) -> int:
         """A payload for the caller; one of an earlier attempt (not *current*) must never
@@ -746,17 +871,23 @@ class PipelineModel(RuleBasedStateMachine):
         if req.current(s.k):
             req.inc.errors.append(s.k)
 
-    def drop_log(self, s: SimStage, rid: str, inc: Inc | None = None) -> None:
+    def drop_log(
+        self, s: SimStage, rid: str, inc: Inc | None = None, proc: Proc | None = None
+    ) -> None:
         log = s.logs.get(rid)
-        if log is not None and (inc is None or log.inc is inc):
+        if (
+            log is not None
+            and (inc is None or log.inc is inc)
+            and (proc is None or log.proc is proc)
+        ):
             del s.logs[rid]
 
-    def replay(self, s: SimStage, rid: str, inc: Inc, attempt: int) -> None:
-        """``PipeStage.pipe_replay``: the fence down the link, always; then the logged items
-        again, if it has them; and the answer."""
-        self.send_on(s, ("abort", [rid], "fence", {rid: inc}))
+    def replay(self, s: SimStage, rid: str, inc: Inc, attempt: int, proc: Proc | None) -> None:
+        """``PipeStage.pipe_replay`` in process *proc*: the fence down the link, always;
+        then the logged items again, if it has them; and the answer."""
+        self.send_on(s, self.abort_item([rid], "fence", {rid: inc}, None, {rid: inc.route}), proc)
         log = s.logs.get(rid)
-        ok = log is not None and not log.unlogged
+        ok = log is not None and not log.unlogged and log.proc is proc
         if ok:
             assert log is not None
             assert log.inc is inc, f"stage {s.k}: a replay of {inc} found the log of {log.inc}"
@@ -767,40 +898,43 @@ class PipelineModel(RuleBasedStateMachine):
                 else:
                     kinds.append(END | log.flag)
             for kind in kinds:
-                self.send_on(s, (kind, rid, inc))
+                self.send_on(s, (kind, rid, inc), proc)
         s.events.append(("replayed", rid, attempt, ok))
 
-    def take_input(
-        self, s: SimStage, item: tuple[Any, ...], reject: bool, linked: bool = False
-    ) -> None:
+    def take_input(self, s: SimStage, entry: Entry, reject: bool, linked: bool = False) -> None:
+        """Process ``entry[2]`` of stage *s* takes a message (*linked*: from its link)."""
+        item, _, dst = entry
         kind = item[0]
-        if kind == "gone":  # PooledModel: a replica of the previous stage died
+        if kind == "gone":  # PooledModel: a process of the previous stage died
             gone = item[1]
             s.gone_from.add(gone)
             # PipeStage.pipe_gone: what ended here early, with its input from that replica,
             # waits no more for an END that may have been dropped.
-            for rid in [rid for rid, req in s.early.items() if self._sent_by(req.inc, s, gone)]:
+            for rid in [rid for rid, req in s.early.items() if self._sent_by(req.inc, s, gone.r)]:
                 del s.early[rid]
             return
-        if s.dead_replicas or s.gone_from:  # PooledModel: what a dead replica never gets
-            if kind == "abort":
-                kept = [rid for rid in item[1] if not self.lost(s, item[3][rid], linked)]
-                if not kept:
-                    return
-                item = (item[0], kept, *item[2:])
-            elif kind != "release" and self.lost(s, item[2], linked):
-                return
+        if self.lost(s, entry, linked):  # what a dead process never gets
+            return
+        if kind == "link":  # RestartModel: replica item[1] of the next stage is item[2] now
+            assert dst is not None
+            dst.links[item[1]] = item[2]
+            return
         if kind == "abort":  # applied, reported, chased on
-            _, rids, origin, targets = item[:4]
-            tag = item[4] if len(item) > 4 else None
+            _, rids, origin, targets, tag, _ = item
             for rid in rids:
-                req = s.live.pop(rid, None)
-                s.early.pop(rid, None)
+                req = s.live.get(rid)
+                if req is not None and req.proc is dst:
+                    del s.live[rid]
+                else:
+                    req = None  # (another process of the stage holds that id)
+                early = s.early.get(rid)
+                if early is not None and early.proc is dst:
+                    del s.early[rid]
                 target = targets[rid]
                 assert req is None or req.inc is target, (
-                    f"stage {s.k}: an abort of {target} hit {req.inc}"
+                    f"stage {s.k}: an abort of {target} hit {req.inc} ({origin}, tag {tag})"
                 )
-                self.drop_log(s, rid)
+                self.drop_log(s, rid, proc=dst)
                 if origin in ("core", "post"):
                     target.coord_applied.add(s.k)
                 elif origin == "fence":
@@ -808,10 +942,10 @@ class PipelineModel(RuleBasedStateMachine):
                 elif req is None:
                     s.dead_aborted[rid] = target
             s.events.append(("aborted", list(rids), origin, targets, tag))
-            self.send_on(s, item)
+            self.send_on(s, item, dst)
             return
         if kind == "replay":
-            self.replay(s, item[1], item[2], item[3])
+            self.replay(s, item[1], item[2], item[3], dst)
             return
         if kind == "release":  # not that of a request live here: a new one of that id
             for rid in item[1]:
@@ -827,18 +961,22 @@ class PipelineModel(RuleBasedStateMachine):
                 event("a request reached a stage after a death's abort of it")
             gen = s.fenced.get(id(inc), 0)
             if reject and (kind == "add" or s.feed or kind & END):
-                self.error_event(s, rid, Req(inc, False, False, gen))  # refused: never live
+                self.error_event(s, rid, Req(inc, False, False, gen, dst))  # never live
                 return
             if kind == "add":
-                s.live[rid] = Req(inc, True, True, gen)
+                s.live[rid] = Req(inc, True, True, gen, dst)
             else:
                 only = kind & END != 0
-                s.live[rid] = req = Req(inc, s.feed or only, only, gen)
+                s.live[rid] = req = Req(inc, s.feed or only, only, gen, dst)
                 req.report = kind & REPORT != 0
             return
         req = s.live.get(rid)
+        if req is not None and req.proc is not dst:
+            req = None  # another process of the stage holds that id
         if req is None:
             early = s.early.get(rid)
+            if early is not None and early.proc is not dst:
+                early = None
             if kind & END and early is not None:
                 # PipeStage.pipe_late: its input has ended too
                 assert early.inc is inc, f"stage {s.k}: the END of {inc} reached {early.inc}"
@@ -853,7 +991,7 @@ class PipelineModel(RuleBasedStateMachine):
         assert not req.input_ended
         if reject and (kind & END or s.feed):  # feed()/close_input()/add() rejected it
             self.error_event(s, rid, s.live.pop(rid))  # DropEnded: nothing chases
-            self.drop_log(s, rid)
+            self.drop_log(s, rid, proc=dst)
             return
         if kind & END:
             req.input_ended = True
@@ -871,7 +1009,7 @@ class PipelineModel(RuleBasedStateMachine):
             on.append([MORE if req.sent else FIRST, rid, inc])
             if s.logging:  # PipeStage._log_item: a first payload starts a new log
                 if not req.sent:
-                    s.logs[rid] = Log(inc)
+                    s.logs[rid] = Log(inc, req.proc)
                 log = s.logs.get(rid)
                 if log is not None and log.inc is inc:
                     log.items += 1
@@ -902,7 +1040,7 @@ class PipelineModel(RuleBasedStateMachine):
                 inc.ended[s.k] = True
                 inc.sent[s.k] = req.sent
         for it in on:
-            self.send_on(s, tuple(it))
+            self.send_on(s, tuple(it), req.proc)
 
     def deliver_events(self, s: SimStage, count: int) -> None:
         """The coordinator takes stage *s*'s next *count* events, as ``_take_events`` hands
@@ -956,9 +1094,10 @@ class PipelineModel(RuleBasedStateMachine):
                         if inc.route is not None and inc.route[k] == r:
                             inc.cut.add(k)
                     exc = EngineDeadError("stage process 1 was killed by SIGKILL", exit_code=-9)
-                    self.call(
+                    d = self.call(
                         functools.partial(core.replica_dead, k, ev[1], exc), "replica_dead", k
                     )
+                    self.heard_dead(k, r, d)
             else:
                 assert kind == "dead"
                 if not self.closed:  # _take_events: a death after close is no news
@@ -974,9 +1113,11 @@ class PipelineModel(RuleBasedStateMachine):
     # The example's own knobs (stages, budgets, feed, faults, errors) vary it instead. An
     # action with nothing to do returns.
 
+    choices = ACT  # what may happen next (RestartModel: restarts too)
+
     @rule(data=st.data())
     def act(self, data: st.DataObject) -> None:
-        getattr(self, data.draw(ACT))(data)
+        getattr(self, data.draw(self.choices))(data)
 
     # -- the caller --------------------------------------------------------------------------
 
@@ -1053,7 +1194,7 @@ class PipelineModel(RuleBasedStateMachine):
             self.call(lambda now, d: core.forget(ids, d), "forget")
             return
         for rid, inc in zip(ids, incs, strict=True):
-            self.stages[0].cq.append(("add", rid, inc))
+            self.to_stage(0, ("add", rid, inc), self.proc_at(0, inc.route))
 
     def caller(self, data: st.DataObject) -> None:
         """A stream's consumer takes what has arrived (and may wait for more), or the caller
@@ -1192,7 +1333,7 @@ class PipelineModel(RuleBasedStateMachine):
         which.cq.clear()
 
     def weight(self, s: SimStage) -> int:
-        if any(item[0] == "abort" for q in (s.cq, s.inq) for item in q):
+        if any(entry[0][0] == "abort" for q in (s.cq, s.inq) for entry in q):
             return 4
         nxt = None if s.last else self.stages[s.k + 1].live
         return 2 if nxt and not nxt.keys().isdisjoint(s.live) else 1
@@ -1437,27 +1578,23 @@ class PooledModel(PipelineModel):
         if self.faults is None or self.steps < self.faults or self.closed or self.failure:
             super().fault(data)
             return
-        pools = [s for s in self.alive() if self.core.replicas[s.k] - len(s.dead_replicas) > 1]
+        pools = [s for s in self.alive() if sum(not p.dead for p in self.procs[s.k]) > 1]
         if not pools or not data.draw(st.booleans()):
             super().fault(data)
             return
         s = data.draw(st.sampled_from(pools))
-        r = data.draw(
-            st.sampled_from([r for r in range(self.core.replicas[s.k]) if r not in s.dead_replicas])
-        )
-        s.dead_replicas.add(r)
-
-        def on(inc: Inc) -> bool:
-            return inc.route is not None and inc.route[s.k] == r
-
-        for rid in [rid for rid, req in s.live.items() if on(req.inc)]:
-            del s.live[rid]
-        for rid in [rid for rid, req in s.early.items() if on(req.inc)]:
-            del s.early[rid]
-        for rid in [rid for rid, log in s.logs.items() if on(log.inc)]:
-            del s.logs[rid]
-        s.events.append(("replica_dead", r))
+        proc = data.draw(st.sampled_from([p for p in self.procs[s.k] if not p.dead]))
+        self.kill(s, proc)
         event("a replica died")
+
+    def kill(self, s: SimStage, proc: Proc) -> None:
+        """Process *proc* of stage *s* dies: what it held is lost, what is sent to it is
+        dropped, and the coordinator hears of it after the events it had sent."""
+        proc.dead = True
+        for held in (s.live, s.early, s.logs):
+            for rid in [rid for rid, x in held.items() if x.proc is proc]:
+                del held[rid]
+        s.events.append(("replica_dead", proc.r))
 
     @invariant()
     def routed_counts(self) -> None:
