@@ -136,6 +136,40 @@ with its tag (``docs/wire.md`` section 8). A request a replica's death ended is 
 once no abort of it is left on its way to a process that would apply it, and no answer to
 one on its way to the core: otherwise its id, added again, could be aborted by it (the race
 the tags close; the check catches it when the core takes the first answer instead).
+
+:class:`RestartModel` is the same machine over a core whose stages restart their dead
+processes (``PipelineCore(restart=...)``; three or four stages, some of them pools, drawn
+from :data:`LAYOUTS`), without a stage's death: a process of a stage that restarts dies (its
+stage's last one too: adds are then refused, :class:`NoReplicaError`, until one is back),
+or a pool's replica (never its last); or the pipeline closes. A death's restart is due at
+once (``replica_dead`` asks for it, the policy never gives up), and runs as ``_restart``
+and ``_link`` drive it, one at a time, each step a step of the machine, interleaved with
+everything else: ``restarting`` (one more generation, a failed start's too); the start
+fails (``start_failed``: due again); or, once ``linkable`` (from the third stage on, the
+stage before has answered for every request of the dead process), the new process is put
+in place (``_install``: the coordinator's messages to that replica go to it from now on,
+and its own links go to the next stage's processes as they are now) and each live process
+of the previous stage is sent a ``link`` on its coordinator connection (in no order with
+its link from the stage before it); once each has applied it (its link at that index goes
+to the new process from then on) or died, ``started`` (routed to again; refused if the
+core heard the new process die meanwhile). So whatever the previous stage sends down that
+index, data or an abort it chases, goes to the dead process (lost) before the ``link`` and
+to the new one after it, which holds nothing, applies it, answers it (tagged, as its build
+does) and chases it on as any stage does; an index of ``-1`` sends nothing. Ids the core
+freed are added again, so that a stale abort that went into the new generation can meet
+a new request of its id: the checks above (freed only once no abort of it, nor an answer,
+is on its way; aborted only once every stage applied the coordinator's abort; exactly one
+end) catch it. A restart still waiting to link its process in once every stage is run dry
+fails the run (``linkable`` must not wait for ever). 1,000 examples: about N1 s.
+:class:`RestartRaceModel` is the same machine drawn where a restarted process meets a
+later death (four stages, the third restarting, a pool or a restarting stage before it,
+up to three deaths from the second step on, restarts and deaths as often as the stages'
+work): 1,000 examples, about N2 s. It finds, within a few hundred to ~1,500 examples,
+the race the ``-1`` routes close (the core's module docstring, "Tagged aborts"): stage 2's
+process dies while a request is being aborted, its new process is linked in, then the
+request's process of stage 0 dies; stage 1 chases the tagged abort sent after that death
+into the new process, which passes it on, and the request is freed (stage 3 answered the
+abort it waits for) while that copy is still on its way.
 """
 
 from __future__ import annotations
@@ -154,11 +188,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from enginecore.stage._edge import BEFORE, END, ENDED, FIRST, MORE, ONLY, REPORT, SENT_ON
 from enginecore.stage._errors import (
     EngineDeadError,
+    NoReplicaError,
     PipelineRequestError,
     PipelineStageDeadError,
     StageClosedError,
 )
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
+from enginecore.stage._pool_core import RestartPolicy
 from enginecore.stage._session import ABORTED, FINISHED, End, StreamCore
 
 pytestmark = pytest.mark.timeout(600)  # ~45 s; shrinking a failure takes minutes
@@ -1612,6 +1648,281 @@ class PooledModel(PipelineModel):
 
 TestPooledModel = PooledModel.TestCase
 TestPooledModel.settings = settings(
+    max_examples=1000,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# What happens next in a run with restarts: a restart's next step as often as a fault.
+RESTART_ACT = st.sampled_from(
+    ["deliver_input", "step", "deliver"] * 3 + ["add", "caller", "fault", "restart", "restart"]
+)
+# Per layout: each stage's replicas, and whether its processes restart (only a stage that is
+# a pool or restarts loses a process: a single process that does not restart is its stage).
+Layout = tuple[tuple[int, ...], tuple[bool, ...]]
+LAYOUTS: dict[int, list[Layout]] = {
+    4: [
+        ((2, 1, 1, 1), (False, False, True, True)),
+        ((1, 1, 1, 1), (True, True, True, True)),
+        ((1, 2, 1, 2), (False, True, True, False)),
+        ((2, 1, 2, 1), (True, False, True, True)),
+    ],
+    3: [((1, 1, 1), (True, True, True)), ((2, 1, 1), (False, True, True))],
+}
+# Never failed for good: every dead process comes back (a stage's death is the base
+# model's).
+POLICY = RestartPolicy(first_delay=1.0, max_delay=1.0, max_failures=1_000_000, window=1e9)
+
+
+class Restart:
+    """The restart under way (one at a time, as ``_restart_lock`` makes them): process *r*
+    of stage *k*, its *generation*; once linked in (``_install``), the new process and the
+    processes of the previous stage sent its ``link``."""
+
+    def __init__(self, k: int, r: int, generation: int) -> None:
+        self.k = k
+        self.r = r
+        self.generation = generation
+        self.proc: Proc | None = None
+        self.linked: list[Proc] = []
+        self.heard = False  # the core was told the new process died (started refuses)
+
+
+class RestartModel(PooledModel):
+    """The same machine over a core whose stages restart their dead processes
+    (``PipelineCore(restart=...)``, module docstring)."""
+
+    choices = RESTART_ACT
+    max_deaths = 1_000  # processes that die in a run, at most
+    close_odds = 15  # a fault closes the pipeline once in close_odds + 1
+    deaths = 0
+
+    @initialize(
+        n=st.sampled_from([4, 3]),
+        budget=st.sampled_from([None, 2, 3]),
+        feeds=st.lists(st.booleans(), min_size=4, max_size=4),
+        faults=st.sampled_from([3, 8, 15]),
+        first=st.integers(1, MAX_CONCURRENT),
+        errors=st.booleans(),
+        retry=st.lists(st.sampled_from([0, 1]), min_size=3, max_size=3),
+        layout=st.integers(0, 3),
+    )
+    def setup(
+        self,
+        n: int,
+        budget: int | None,
+        feeds: list[bool],
+        faults: int | None,
+        first: int,
+        errors: bool,
+        retry: list[int],
+        layout: int = 0,
+    ) -> None:
+        layouts = LAYOUTS[n]
+        self.layout: Layout = layouts[layout % len(layouts)]
+        self.due: list[tuple[int, int]] = []  # restarts whose delay is over
+        self.restart_: Restart | None = None
+        self.generations: dict[tuple[int, int], int] = {}  # starts of each process
+        PipelineModel.setup.__wrapped__(  # type: ignore[attr-defined]
+            self, n, budget, None, feeds, faults, first, errors, retry, False, True
+        )
+        self.up = [[True] * c for c in self.core.replicas]  # the core routes to it
+
+    def make_core(self, budget: int | None, max_bytes: int | None) -> PipelineCore[StreamCore]:
+        replicas, restarts = self.layout
+        event(f"replicas {replicas}, restart {restarts}")
+        policies = [POLICY if restarts[k] else None for k in range(self.n)]
+        core = RoutedCore(self.names, budget, max_bytes, self.retry, replicas[: self.n], policies)
+        for k in range(self.n):
+            for r in range(replicas[k]):
+                core.tagged(k, r, True)
+        return core
+
+    def heard_dead(self, k: int, r: int, d: PipelineDeliveries[StreamCore]) -> None:
+        """A restart is due (the delay is over when the model says so), if its stage
+        restarts; a new process that dies before it is routed to makes its restart moot
+        (:meth:`PipelineCore.started` refuses)."""
+        self.up[k][r] = False
+        if self.core.restart[k] is None:
+            assert not d.restarts, f"restarts {d.restarts} without a policy"
+            return
+        assert d.restarts == [(k, r, 1.0)], f"restarts {d.restarts} after {k}.{r} died"
+        self.due.append((k, r))
+        now = self.restart_
+        if now is not None and (now.k, now.r) == (k, r):
+            now.heard = True
+
+    def add(self, data: st.DataObject) -> None:
+        """Refused (:class:`NoReplicaError`) while a stage has no process to route to (its
+        last died, and is coming back)."""
+        if self.failure is None and any(not any(up) for up in self.up):
+            with pytest.raises(NoReplicaError, match="restarting"):
+                self.core.check([self.new_id()])
+            event("an add was refused: a stage was restarting")
+            return
+        super().add(data)
+
+    def fault(self, data: st.DataObject) -> None:
+        """A process dies, of a stage that restarts (its last too) or of a pool (not its
+        last); or, now and then, the pipeline closes. (A whole stage's death, which fails
+        the pipeline, is :class:`PooledModel`'s.)"""
+        if self.faults is None or self.steps < self.faults or self.closed:
+            return
+        if self.deaths >= self.max_deaths:
+            return
+        _, restarts = self.layout
+        procs = [
+            (s, p)
+            for s in self.alive()
+            if restarts[s.k] or sum(not p.dead for p in self.procs[s.k]) > 1
+            for p in self.procs[s.k]
+            if not p.dead
+        ]
+        if not procs:
+            return
+        if data.draw(st.integers(0, self.close_odds)) == 0:
+            self.closed = True
+            self.failure = self.failure or ("closed", 0)
+            self.close_exc = StageClosedError("the pipeline was shut down")
+            exc = self.close_exc
+            self.call(lambda now, d: self.core.close(exc, now, d), "close")
+            return
+        s, proc = data.draw(st.sampled_from(procs))
+        self.kill(s, proc)
+        self.deaths += 1
+        event("a process died")
+
+    def restart(self, data: st.DataObject) -> None:
+        """The next step of the restart under way (``_restart``, ``_link``), or the start of
+        one that is due: ``restarting``; then the start fails (``start_failed``), or, once
+        ``linkable``, the new process is put in place and the previous stage's processes are
+        sent its ``link`` (on their coordinator connections: in no order with their links);
+        once each has applied it (or died), ``started``."""
+        core = self.core
+        now = self.restart_
+        if now is None:
+            if not self.due:
+                return
+            k, r = data.draw(st.sampled_from(self.due))
+            self.due.remove((k, r))
+            generation = core.restarting(k, r)
+            if self.failure is not None:
+                assert generation is None, f"restarting {k}.{r} after the pipeline failed"
+                return
+            # One more each start (a failed one too): the new process's names never reuse one.
+            tries = self.generations[k, r] = self.generations.get((k, r), 0) + 1
+            assert generation == tries, f"{k}.{r}: generation {generation}, start {tries}"
+            self.restart_ = Restart(k, r, generation)
+            return
+        k, r = now.k, now.r
+        if now.proc is None:
+            if self.failure is None and not core.linkable(k, r):
+                event("a restart waited to link its process in")
+                if data.draw(st.integers(0, 7)):
+                    return
+            elif data.draw(st.integers(0, 7)):
+                self.install(now)
+                return
+            delays: list[float | None] = []
+            exc = EngineDeadError("the stage did not start", exit_code=1)
+
+            def failed(when: float, d: PipelineDeliveries[StreamCore]) -> None:
+                delays.append(core.start_failed(k, r, exc, when, d))
+
+            self.call(failed, "start_failed", k)
+            self.restart_ = None
+            if self.failure is not None:
+                assert delays == [None]
+                return
+            assert delays == [1.0], f"{k}.{r}: a failed start, delay {delays}"
+            self.due.append((k, r))
+            event("a restart failed")
+            return
+        prev = self.stages[k - 1] if k else None
+        if prev is not None and not prev.dead:
+            for item, _, dst in prev.cq:
+                if item[0] == "link" and item[2] is now.proc and dst is not None and not dst.dead:
+                    return  # the barrier: not every process applied its link yet
+        up = core.started(k, r)
+        self.restart_ = None
+        expect = self.failure is None and not now.heard
+        assert up is expect, f"started({k}, {r}): {up}"
+        if up:
+            self.up[k][r] = True
+            event("a process was started again")
+
+    def install(self, now: Restart) -> None:
+        """``_install``: the new process is put in place (what the coordinator sends to that
+        replica goes to it from now on), with its own links to the next stage's processes as
+        they are now; each live process of the previous stage is sent its ``link``."""
+        k, r = now.k, now.r
+        proc = now.proc = Proc(k, r, now.generation)
+        if k + 1 < self.n:
+            proc.links = list(self.procs[k + 1])
+        self.procs[k][r] = proc
+        self.core.tagged(k, r, True)
+        if k > 0:
+            for j, up in enumerate(self.core.alive(k - 1)):
+                if up:
+                    before = self.procs[k - 1][j]
+                    self.to_stage(k - 1, ("link", r, proc), before)
+                    now.linked.append(before)
+        event("a new process was linked in")
+
+    def teardown(self) -> None:
+        """Also: a restart that waits to link its process in may once every stage is dry
+        (``linkable`` does not wait for ever)."""
+        super().teardown()
+        now = self.restart_
+        if now is None or now.proc is not None or self.failure is not None:
+            return
+        if sys.exc_info()[0] is None:
+            assert self.core.linkable(now.k, now.r), f"run dry, {now.k}.{now.r} not linkable"
+
+
+TestRestartModel = RestartModel.TestCase
+TestRestartModel.settings = settings(
+    max_examples=1000,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# The race model's: deaths and restarts as often as the stages' work.
+RACE_ACT = st.sampled_from(
+    [
+        *("deliver_input", "deliver_input", "step", "deliver", "deliver"),
+        *("add", "caller", "fault", "fault", "restart", "restart", "restart"),
+    ]
+)
+
+
+class RestartRaceModel(RestartModel):
+    """The same machine, drawn where a restarted process meets a later death: four stages,
+    the third restarting and a pool or a restarting stage before it, deaths from the second
+    step on, and deaths and restarts as often as the stages' work."""
+
+    choices = RACE_ACT
+    max_deaths = 3
+    close_odds = 1_000_000
+
+    @initialize(
+        budget=st.sampled_from([None, 3]),
+        feeds=st.lists(st.booleans(), min_size=4, max_size=4),
+        first=st.integers(1, MAX_CONCURRENT),
+        layout=st.sampled_from([0, 1, 3]),
+    )
+    def setup(self, budget: int | None, feeds: list[bool], first: int, layout: int) -> None:
+        RestartModel.setup.__wrapped__(  # type: ignore[attr-defined]
+            self, 4, budget, feeds, 2, first, False, [0, 0, 0], layout
+        )
+
+
+TestRestartRaceModel = RestartRaceModel.TestCase
+TestRestartRaceModel.settings = settings(
     max_examples=1000,
     stateful_step_count=50,
     deadline=None,
