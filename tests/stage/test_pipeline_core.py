@@ -560,3 +560,25 @@ def test_an_abort_after_a_later_death_does_not_chase_into_a_restarted_process() 
     assert core.state("r") is RequestState.CLOSING  # d still owes its answer to the first
     core.aborted(3, ["r"], 1.4, d, tag=first)
     assert core.state("r") is None
+
+
+def test_a_route_through_a_process_of_an_older_build_is_sent_as_it_is() -> None:
+    # An older build (its welcome does not say "tags") refuses -1 in a route: a route
+    # through one is sent unchanged, as before (the race stays open with such a stage).
+    core: PipelineCore[StreamCore] = PipelineCore(
+        ["a", "b", "c"], restart=[None, RestartPolicy(first_delay=0.1), None]
+    )
+    core.tagged(0, 0, True)
+    core.tagged(1, 0, True)
+    core.open("r", StreamCore("r"))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(1, 0, EngineDeadError("killed"), 1.0, d)
+    assert d.routes["r"] == (0, 0, 0)
+    assert core.restarting(1, 0) == 1
+    core.tagged(1, 0, True)  # (the new process's welcome)
+    assert core.started(1, 0)
+    core.tagged(2, 0, True)  # (were c of this build)
+    core.open("q", StreamCore("q"))
+    d = PipelineDeliveries()
+    core.replica_dead(1, 0, EngineDeadError("killed"), 2.0, d)
+    assert d.routes["q"] == (0, -1, 0)

@@ -1028,6 +1028,74 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         assert pipe.add("r", "again").collect(timeout=10) == ["again"]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
 
+    def test_an_abort_after_a_later_death_upstream_never_reaches_the_new_process(
+        self, launch: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # a -> b -> c -> d, a and c restart. r is held in c when c is killed: r ends, its
+        # abort goes from a and, tagged, to d, whose loop is asleep. a and b apply theirs,
+        # so the new c is linked in. Then a is killed too: r, still waiting for d, is
+        # aborted again from b, tagged. b must not chase that abort into the new c, which
+        # never held r (it would go on to d with a tag d is not waited for): r's route
+        # says -1 at c (docs/wire.md section 8).
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="a", restart=FAST),
+                PipelineStage(RELAY, name="b"),
+                PipelineStage(RELAY, name="c", restart=FAST),
+                PipelineStage(RELAY, name="d"),
+            ]
+        )
+        core = pipe._core
+        real = core.aborted
+        late: list[Any] = []  # any answer of the new c about r
+        second: list[bool] = []  # b answered the abort after a's death: was d asleep?
+        woke = threading.Event()
+        a_killed = threading.Event()
+
+        def aborted(k: int, req_ids: Any, *args: Any, **kwargs: Any) -> None:
+            ids = list(req_ids)
+            if "r" in ids and k == 2 and core.restarts(2, 0):
+                late.append((ids, args, kwargs))
+            if "r" in ids and k == 1 and a_killed.is_set():
+                second.append(not woke.is_set())
+            real(k, ids, *args, **kwargs)
+
+        monkeypatch.setattr(core, "aborted", aborted)
+        pipe.call_utility("c", "hold", True)
+        stream = pipe.add("r", "x")
+        assert wait_until(lambda: _held(pipe, "c") == 1, 10)
+        victims = [pipe.call_utility(name, "pid") for name in ("c", "a")]
+
+        def sleep() -> None:
+            with contextlib.suppress(Exception):
+                pipe.call_utility("d", "sleep", 8.0)
+            woke.set()
+
+        asleep = threading.Thread(target=sleep)
+        asleep.start()
+        try:
+            time.sleep(0.3)  # d's loop is in the utility now
+            os.kill(victims[0], signal.SIGKILL)
+            with pytest.raises(PipelineStageDeadError):
+                stream.collect(timeout=10)
+            assert wait_until(lambda: _up(pipe, "c"), 30), (pipe.restarts, pipe.health())
+            assert core.state("r") is RequestState.CLOSING  # d has not answered yet
+            a_killed.set()
+            os.kill(victims[1], signal.SIGKILL)
+            assert wait_until(lambda: bool(second), 10)
+            assert wait_until(lambda: _up(pipe, "a"), 30), (pipe.restarts, pipe.health())
+        finally:
+            asleep.join(30)
+        assert second == [True]  # the scenario ran: b answered while d was still asleep
+        assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
+        # A request through the new c goes on b's link after anything b sent there before;
+        # c's answer to such an abort would precede its answer to this utility call.
+        assert pipe.add("n", 1).collect(timeout=10) == [1]
+        assert pipe.call_utility("c", "num_requests") == 0
+        assert late == []
+        assert pipe.add("r", "again").collect(timeout=10) == ["again"]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
 
 @pytest.mark.skipif(not _shm.available(), reason="needs /dev/shm (Linux)")
 class TestSharedMemory:

@@ -120,7 +120,8 @@ before ``k - 1``, after that link, sends one from the stage after it, tagged) mu
 there either: it would go on with a tag that stages after ``k`` do not wait for. So the
 route an abort carries (:attr:`PipelineDeliveries.routes`) has ``-1`` for each stage whose
 process on it died (bit ``k`` of ``cut``): the stage before it has no link at that index,
-and chases it no further; the stages after it got the abort sent after that death. A whole
+and chases it no further; the stages after it got the abort sent after that death (a route
+through a process of an older build, which would refuse the ``-1``, goes as it is). A whole
 stage's death (:meth:`stage_dead`) sends its aborts untagged: the pipeline has failed, every
 request is freed at once, and no id is added again.
 
@@ -251,17 +252,6 @@ class _Request(Generic[S]):
         # abort whose answer alone confirms stage k (0: an untagged one, as before any
         # death), "Tagged aborts" in the module docstring.
         self.want: list[int] | None = None
-
-
-def _sent_route(req: _Request[S]) -> tuple[int, ...] | None:
-    """*req*'s route as the IO layer sends it (:attr:`PipelineDeliveries.routes`): ``-1``
-    for each stage whose process on it died (bit of ``cut``). No message of the request
-    goes there, and an abort chased along the route stops at the stage before it (module
-    docstring, "Tagged aborts"): a restarted process at that index never held it."""
-    route, cut = req.route, req.cut
-    if route is None or not cut:
-        return route
-    return tuple(-1 if cut >> j & 1 else r for j, r in enumerate(route))
 
 
 @dataclass(slots=True, eq=False)
@@ -801,7 +791,7 @@ class PipelineCore(Generic[S]):
                 req.taken &= bit - 1
             req.confirms |= bit
             req.cut |= bit
-            sent_route = _sent_route(req)
+            sent_route = self._sent_route(req)
             assert sent_route is not None  # routed: the requests routed through the dead one
             d.routes[rid] = sent_route  # -1 at each dead process: the aborts stop before it
             if k + 1 < self._n and not req.cut >> (k + 1) & 1:
@@ -815,6 +805,22 @@ class PipelineCore(Generic[S]):
                 self._confirmed(req, now, d, self._all)
         if after:
             d.stage_aborts.append((k + 1, after))
+
+    def _sent_route(self, req: _Request[S]) -> tuple[int, ...] | None:
+        """*req*'s route as the IO layer sends it (:attr:`PipelineDeliveries.routes`):
+        ``-1`` for each stage whose process on it died (bit of ``cut``). No message of the
+        request goes there, and an abort chased along the route stops at the stage before
+        it (module docstring, "Tagged aborts"): a restarted process at that index never
+        held it. Only where every live process on the route is of this build (its
+        ``welcome`` says ``"tags"``: :meth:`tagged`); an older build refuses a ``-1``, and
+        gets the route as it is."""
+        route, cut = req.route, req.cut
+        if route is None or not cut:
+            return route
+        tagging = self._tagging
+        if not all(cut >> j & 1 or tagging[j][r] for j, r in enumerate(route)):
+            return route
+        return tuple(-1 if cut >> j & 1 else r for j, r in enumerate(route))
 
     def _want_tag(self, req: _Request[S], k: int, tag: int) -> int:
         """The abort of *req* sent to stage ``k + 1`` after its process of stage *k* died
@@ -903,7 +909,7 @@ class PipelineCore(Generic[S]):
                 live = [rid for rid, req in requests.items() if req.state is not closing]
                 if live:
                     d.aborts += live
-            self._orphans.update((rid, _sent_route(req)) for rid, req in requests.items())
+            self._orphans.update((rid, self._sent_route(req)) for rid, req in requests.items())
         if self.pooled:
             d.routes.update((rid, route) for rid, route in self._orphans.items() if route)
         # A stage's death also cuts the aborts that an earlier death sent on their way
