@@ -170,14 +170,6 @@ class TestReadme:
                 "AsyncStageClient.launch",
                 [r"\[2, 1, 0\]", r"\[0\.0, 0\.5, 1\.0, 1\.5\]"],
             ),
-            (
-                "docs/observability.md",
-                "t = stream.timings",
-                [
-                    r"ttft [\d.]+ ms, 50 outputs, mean gap [\d.]+ µs, max gap [\d.]+ µs, "
-                    r"total [\d.]+ ms, finished"
-                ],
-            ),
             ("docs/pool.md", "RequestFailed", []),
         ],
     )
@@ -185,7 +177,8 @@ class TestReadme:
         self, tmp_path: Path, doc: str, marker: str, expected: list[str]
     ) -> None:
         """The guides' runnable blocks (those with a ``__main__`` guard) that no other test
-        runs: each exits 0 and prints what its comments say, line by line (regexes)."""
+        runs (observability.md's is in tests/stage/test_timings.py): each exits 0 and prints
+        what its comments say, line by line (regexes)."""
         blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
         found = [b for b in blocks if marker in b and "__main__" in b]
         assert len(found) == 1, f"{doc}: expected one runnable example with {marker!r}"
