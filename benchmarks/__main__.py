@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks                    # full run, a few minutes
+    python -m benchmarks                    # full run, over 10 minutes
     python -m benchmarks --quick            # smoke run for CI (never gates on a time)
     python -m benchmarks --json out.json --chart docs/performance.png --markdown out.md
     python -m benchmarks --only throughput,wake_latency
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m benchmarks",
         description="enginecore benchmarks, each side by side with its raw baseline.",
     )
-    parser.add_argument("--quick", action="store_true", help="small smoke run (< 1 min)")
+    parser.add_argument("--quick", action="store_true", help="small smoke run (a few minutes)")
     parser.add_argument("--json", metavar="PATH", help="write one JSON object per metric")
     parser.add_argument("--chart", metavar="PATH", help="write a PNG chart (needs matplotlib)")
     parser.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")

@@ -14,7 +14,8 @@ a. **Scaling.** The "device engine" (``enginecore.stage.testing:device``) sleeps
    every round. All stages are up for the whole run (1 + 2 + 4 + 8 processes).
 b. **A pool of one** against a single client on the same engine (``CountdownEngine``),
    2,000 requests of 8 outputs, as ``bench_stage_requests``: the burst (``add_many``, then
-   every stream's outputs) and one ``add`` per request. Goal: >= 0.95x, every round.
+   every stream's outputs) and one ``add`` per request. Goal: >= 0.95x, every round. An A/A
+   control, reported: the client's burst against a second client's, on a stage of its own.
    And the same burst without streams, read as a per-step consumer reads it: ``add_many(...,
    streams=False)`` then ``get_events()`` until every request's finished output came, on
    a pool and a client made with ``ordered_events=True``. Goal: >= 0.95x, every round.
@@ -145,6 +146,7 @@ def pool_of_one(rounds: int, jobs: int) -> list[Record]:
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(StageClient.launch(COUNTDOWN, startup_timeout=60))
         pool = stack.enter_context(StagePool.launch(COUNTDOWN, replicas=1, startup_timeout=60))
+        client2 = stack.enter_context(StageClient.launch(COUNTDOWN, startup_timeout=60))
 
         def side(target: Any, burst: bool) -> Callable[[], float]:
             def run() -> float:
@@ -155,6 +157,7 @@ def pool_of_one(rounds: int, jobs: int) -> list[Record]:
 
         res = interleave(
             {
+                "client2 burst": side(client2, True),  # the A/A control, next to its pair
                 "client burst": side(client, True),
                 "pool burst": side(pool, True),
                 "pool single": side(pool, False),
@@ -172,6 +175,12 @@ def pool_of_one(rounds: int, jobs: int) -> list[Record]:
             f"pool of one, one add each, {job}", res["pool single"], res["client single"],
             "outputs/s", GOAL_POOL_OF_ONE, note="baseline: a StageClient on the same engine; GC on",
         ),
+        report_only(higher_is_better(
+            f"pool of one, A/A control, burst, {job}", res["client burst"],
+            res["client2 burst"], "outputs/s", GOAL_POOL_OF_ONE,
+            note="a StageClient against a second StageClient on its own stage, run next to "
+            "it: the spread of per-round ratios between two sides that cost the same; GC on",
+        )),
     ]  # fmt: skip
 
 

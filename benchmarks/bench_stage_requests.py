@@ -16,11 +16,14 @@ processes stay up for the whole run, each started with multiprocessing spawn:
   per-request list. Burst: one ``put`` of the whole list of ``(rid, 8)``; one message per
   request: one ``put`` per request.
 
-Rounds run the five sides back to back (mp.Queue burst, sync burst, async burst, one add per
-request, one put per request; the order reversed every other round), so each pair of sides
-that is compared ran next to each other. In a full run each side does 4 jobs back to back
-per round, under one clock (a single job takes ~10 ms, about two GIL switch intervals, and
-per-round ratios of single jobs spread from 0.3 to 2.6).
+Rounds run the six sides back to back (a second mp.Queue stage's burst, mp.Queue burst, sync
+burst, async burst, one add per request, one put per request; the order reversed every other
+round), so each pair of sides that is compared ran next to each other. The first pair is an
+A/A control, reported without a goal: the same job on two copies of the baseline, whose
+per-round ratios show how far apart two sides that cost the same read in one run. In a
+full run each side does 4 jobs back to back per round, under one clock (a single job takes
+~10 ms, about two GIL switch intervals, and per-round ratios of single jobs spread from 0.3
+to 2.6).
 
 The cyclic GC is **on** in every process, on both sides, as users run: the stage and the
 mp.Queue child never touch it, and the parent times each round under ``_harness.gc_on``
@@ -52,7 +55,16 @@ from collections.abc import Callable, Sequence
 from itertools import count
 from typing import Any, NamedTuple
 
-from ._harness import Record, Skipped, gc_on, higher_is_better, interleave, main_single, spread
+from ._harness import (
+    Record,
+    Skipped,
+    gc_on,
+    higher_is_better,
+    interleave,
+    main_single,
+    report_only,
+    spread,
+)
 
 NAME = "stage_requests"
 REQUESTS = 2000
@@ -224,13 +236,16 @@ def measure(rounds: int, jobs: int) -> dict[str, list[Round]]:
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(StageClient.launch(factory))
         stage = stack.enter_context(MpqStage())
+        stage2 = stack.enter_context(MpqStage())  # the A/A control's second copy
         loop = asyncio.new_event_loop()
         stack.callback(loop.close)
         aclient = loop.run_until_complete(AsyncStageClient.launch(factory))
         stack.callback(lambda: loop.run_until_complete(aclient.close()))
-        # Neighbours are compared: mpq|burst (a), burst|async (c), single|mpq1 (b).
+        # Neighbours are compared: mpq|burst (a), burst|async (c), single|mpq1 (b), and
+        # mpq2|mpq (the A/A control: the baseline against a second copy of itself).
         return interleave(
             {
+                "mpq2": lambda: burst_mpq(stage2, jobs),
                 "mpq": lambda: burst_mpq(stage, jobs),
                 "burst": lambda: burst_stage(client, jobs),
                 "async": lambda: burst_async(loop, aclient, jobs),
@@ -262,6 +277,13 @@ def records(res: dict[str, list[Round]]) -> list[Record]:
             f"stage requests burst, async client, {job}", rates("async"), rates("burst"),
             "outputs/s", GOAL_ASYNC, note="baseline: the sync StageClient; GC on",
         ),
+        report_only(higher_is_better(
+            f"stage requests burst, A/A control, {job}", rates("mpq"), rates("mpq2"),
+            "outputs/s", GOAL_BURST,
+            note="the mp.Queue stage against a second mp.Queue stage, run next to it: the "
+            "spread of per-round ratios between two copies of one side, which a goal judged "
+            "on every round must clear too; GC on",
+        )),
         cpu_record(
             "stage requests burst, stage process CPU",
             cpu("burst", "stage_us"), cpu("mpq", "stage_us"),

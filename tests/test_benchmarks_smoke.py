@@ -233,7 +233,8 @@ class TestBenchmarksRun:
     def test_pool_is_registered_and_runs_quick(self) -> None:
         assert "bench_pool" in MODULES
         records = bench_pool.run(quick=True)
-        assert_records(records, 6)
+        assert_records(records, 7)
+        assert "A/A control" in records[3].name
         assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
 
     @pytest.mark.timeout(120)
@@ -444,7 +445,8 @@ class TestStageBenchmarks:
         res = bench_stage_requests.measure(rounds=2, jobs=1)
         assert {len(v) for v in res.values()} == {2}
         records = bench_stage_requests.records(res)
-        assert_records(records, 5)
+        assert_records(records, 6)
+        assert [r.goal for r in records].count("report") == 1  # the A/A control
         assert_gc_on(records)
         assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
         assert gc_disables == []

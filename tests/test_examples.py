@@ -161,6 +161,36 @@ class TestReadme:
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines() == expected
 
+    @pytest.mark.parametrize(
+        ("doc", "marker", "expected"),
+        [
+            ("docs/stage.md", "print(list(stream))", [r"\[2, 1, 0\]", "0.25"]),
+            (
+                "docs/stage.md",
+                "AsyncStageClient.launch",
+                [r"\[2, 1, 0\]", r"\[0\.0, 0\.5, 1\.0, 1\.5\]"],
+            ),
+            ("docs/pool.md", "RequestFailed", []),
+        ],
+    )
+    def test_guide_examples_run(
+        self, tmp_path: Path, doc: str, marker: str, expected: list[str]
+    ) -> None:
+        """The guides' runnable blocks (those with a ``__main__`` guard) that no other test
+        runs (observability.md's is in tests/stage/test_timings.py): each exits 0 and prints
+        what its comments say, line by line (regexes)."""
+        blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
+        found = [b for b in blocks if marker in b and "__main__" in b]
+        assert len(found) == 1, f"{doc}: expected one runnable example with {marker!r}"
+        script = tmp_path / "guide_example.py"
+        script.write_text(found[0])
+        proc = _run(script)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert len(lines) == len(expected), proc.stdout
+        for line, pattern in zip(lines, expected, strict=True):
+            assert re.fullmatch(pattern, line), (line, pattern)
+
     @pytest.mark.parametrize("doc", ["README.md", "docs/stage.md"])
     def test_array_round_trip_examples_run(self, tmp_path: Path, doc: str) -> None:
         blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)

@@ -13,7 +13,8 @@ Usage::
 The stage binds its input socket at ``--bind`` and its output socket at ``--output-bind``
 (default: a free port on the same host, or ``<path>.out`` for ``ipc://``), prints one line
 ``enginecore serve: listening on <address> ...`` to stdout, and serves one client at a time
-(``StageClient.connect(address)``) until SIGTERM / SIGINT or a client's ``shutdown()``.
+(``StageClient.connect(address)``; up to N with ``--max-clients N``) until SIGTERM / SIGINT
+or a client's ``shutdown()``.
 With ``--curve-secret-key`` and ``--authorized-clients``, both sockets are ZeroMQ CURVE
 servers (encrypted) and only the listed client keys get in (``docs/security.md``); SIGHUP
 reads the directory again: new connections are checked against its keys, and clients
@@ -45,7 +46,10 @@ _LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m enginecore",
-        description="Run a headless stage process (serve), or watch running stages (top).",
+        description=(
+            "Run a headless stage process (serve), watch running stages (top), or make a "
+            "CURVE key pair (keygen)."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(

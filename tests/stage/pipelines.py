@@ -5,7 +5,13 @@ fixtures (``[sync]``, ``[async]``) open, and the checks the suites share."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import inspect
+import os
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -157,3 +163,53 @@ def assert_death_contained(
     for name in live:
         assert isinstance(stats[name], StageStatistics)
         assert stats[name].live == 0
+
+
+def kill_in_barrier(pipe: Any, victim: int, process: tuple[int, int]) -> threading.Event:
+    """Hook *pipe* (a Pipeline or an AsyncPipeline) so that the first restart of a process
+    of stage 1 kills process *victim* (*process*: its stage and replica) while its link
+    barrier is in flight: after the ``link`` went to the previous stage, as the barrier's
+    first confirmation is asked for, and goes on only once the coordinator has seen the
+    death. The event is set once that is done."""
+    real_install = pipe._install
+    killed = threading.Event()
+    k_dead, r_dead = process
+
+    def seen() -> bool:
+        return not pipe._core.alive(k_dead)[r_dead]
+
+    def install(k: int, r: int, client: Any) -> Any:
+        barrier = real_install(k, r, client)
+        if k != 1 or killed.is_set() or not barrier:
+            return barrier
+        target = barrier[0]
+        # The barrier's call: call_utility (AsyncStageClient), call_utility_future (a
+        # StageClient's, which the blocking pipeline waits on with its deadline).
+        name = "call_utility" if isinstance(pipe, AsyncPipeline) else "call_utility_future"
+        real_call = getattr(target, name)
+        del_hook = functools.partial(target.__dict__.pop, name, None)
+        if inspect.iscoroutinefunction(real_call):
+
+            async def acall(*args: Any, **kwargs: Any) -> Any:
+                del_hook()
+                os.kill(victim, signal.SIGKILL)
+                while not seen():  # the death is handled on this loop
+                    await asyncio.sleep(0.01)
+                killed.set()
+                return await real_call(*args, **kwargs)
+
+            setattr(target, name, acall)
+        else:
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                del_hook()
+                os.kill(victim, signal.SIGKILL)
+                assert wait_until(seen, 10)  # on a receiver thread
+                killed.set()
+                return real_call(*args, **kwargs)
+
+            setattr(target, name, call)
+        return barrier
+
+    pipe._install = install
+    return killed

@@ -522,3 +522,63 @@ def test_a_request_whose_replicas_die_from_the_last_one_back_is_freed() -> None:
     assert d.stage_aborts == []  # c's replica on its route is dead: nobody to abort there
     assert core.state("r") is None
     assert d.freed == 1
+
+
+def test_an_abort_after_a_later_death_does_not_chase_into_a_restarted_process() -> None:
+    # a -> b -> c -> d, a and c restart. r's process of c dies: r ends, its abort goes from
+    # a and (tagged) to d. a and b apply it, so c's new process may be linked in (b will
+    # send it nothing of r), and is. Then r's process of a dies: r is aborted again, from
+    # b, tagged, and b must not chase that abort into c's new process, which never held r:
+    # the copy would go on to d with a tag d is not waited for, and could abort r's id
+    # there once r is freed and added again. Its route says so: -1 at c.
+    policy = RestartPolicy(first_delay=0.1)
+    core: PipelineCore[StreamCore] = PipelineCore(
+        ["a", "b", "c", "d"], restart=[policy, None, policy, None]
+    )
+    for k in range(4):
+        core.tagged(k, 0, True)
+    core.open("r", StreamCore("r"))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(2, 0, EngineDeadError("killed"), 1.0, d)
+    assert d.aborts == ["r"]
+    assert d.stage_aborts == [(3, ["r"])]
+    assert d.routes["r"] == (0, 0, -1, 0)  # the stage-0 abort stops at b
+    first = d.tags[3, "r"]
+    assert not core.linkable(2, 0)  # b has not applied r's abort yet
+    core.aborted(0, ["r"], 1.1, d)
+    core.aborted(1, ["r"], 1.1, d)
+    assert core.linkable(2, 0)
+    assert core.restarting(2, 0) == 1
+    assert core.started(2, 0)
+    d = PipelineDeliveries()
+    core.replica_dead(0, 0, EngineDeadError("killed"), 1.2, d)
+    assert d.stage_aborts == [(1, ["r"])]
+    assert d.routes["r"] == (-1, 0, -1, 0)
+    second = d.tags[1, "r"]
+    assert second != first
+    core.aborted(1, ["r"], 1.3, d, tag=second)
+    assert core.state("r") is RequestState.CLOSING  # d still owes its answer to the first
+    core.aborted(3, ["r"], 1.4, d, tag=first)
+    assert core.state("r") is None
+
+
+def test_a_route_through_a_process_of_an_older_build_is_sent_as_it_is() -> None:
+    # An older build (its welcome does not say "tags") refuses -1 in a route: a route
+    # through one is sent unchanged, as before (the race stays open with such a stage).
+    core: PipelineCore[StreamCore] = PipelineCore(
+        ["a", "b", "c"], restart=[None, RestartPolicy(first_delay=0.1), None]
+    )
+    core.tagged(0, 0, True)
+    core.tagged(1, 0, True)
+    core.open("r", StreamCore("r"))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(1, 0, EngineDeadError("killed"), 1.0, d)
+    assert d.routes["r"] == (0, 0, 0)
+    assert core.restarting(1, 0) == 1
+    core.tagged(1, 0, True)  # (the new process's welcome)
+    assert core.started(1, 0)
+    core.tagged(2, 0, True)  # (were c of this build)
+    core.open("q", StreamCore("q"))
+    d = PipelineDeliveries()
+    core.replica_dead(1, 0, EngineDeadError("killed"), 2.0, d)
+    assert d.routes["q"] == (0, -1, 0)

@@ -28,12 +28,12 @@ from enginecore.stage import (
     StageStartupError,
     _shm,
 )
-from enginecore.stage._edge import FIRST, link_id
+from enginecore.stage._edge import FIRST, LINKS_UTILITY, link_id
 from enginecore.stage._launch import Launched
 from enginecore.stage._pipelinebase import pipe_kwargs
 
 from .conftest import wait_until
-from .pipelines import Launch, assert_death_contained, launcher
+from .pipelines import Launch, assert_death_contained, kill_in_barrier, launcher
 from .raw import refused_handshake
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
@@ -449,6 +449,42 @@ class TestRestart:
         assert calls == [(mid, [old.link_key]), (mid, [new.link_key])]
         assert pipe.client("mid")._launched is mid  # the local stage went on
         assert pipe.add("r", 3).collect(timeout=30) == [2, 1, 0]
+
+    @pytest.mark.parametrize("side", ["previous", "next"])
+    def test_a_neighbour_on_ray_that_dies_while_a_process_on_ray_is_linked_in(
+        self, launch: Any, side: str
+    ) -> None:
+        # test_pipeline_restart's TestNeighbourDiesWhileLinking, every stage on Ray: mid is
+        # killed and started again; while its link barrier is in flight (the `link` sent
+        # to first, its confirmation not in), a neighbour's process is killed. Both come
+        # back on Ray, over new CURVE keys, the new mid is told of the death as the others
+        # are, and requests go through.
+        neighbour = "first" if side == "previous" else "last"
+        pipe = launch(
+            [
+                PipelineStage(
+                    DEVICE if name == "first" else RELAY,
+                    {"step_s": 0.005} if name == "first" else None,
+                    name=name,
+                    placement=SMALL,
+                    restart=FAST if name in ("mid", neighbour) else False,
+                )
+                for name in ("first", "mid", "last")
+            ]
+        )
+        inner = getattr(pipe, "_pipe", pipe)  # the AsyncPipeline behind the adapter
+        victim = pipe.call_utility(neighbour, "pid")
+        killed = kill_in_barrier(inner, victim, (0 if side == "previous" else 2, 0))
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert killed.wait(60)
+        for name in ("mid", neighbour):
+            assert wait_until(lambda n=name: pipe.restarts[n] == 1, 60), pipe.restarts
+        assert wait_until(lambda: set(pipe.health().values()) == {StageHealth.OK}, 60)
+        assert pipe.call_utility("mid", LINKS_UTILITY) == [True]  # linked to the live last
+        assert [pipe.add(f"r{i}", 3).collect(timeout=30) for i in range(4)] == [[2, 1, 0]] * 4
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        for name in ("first", "mid", "last"):
+            assert wait_until(lambda n=name: pipe.call_utility(n, "num_requests") == 0, 10)
 
 
 def test_a_placed_stage_does_not_import_ray_until_the_launch() -> None:

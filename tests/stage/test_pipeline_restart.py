@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import inspect
 import os
 import signal
 import threading
@@ -51,7 +49,7 @@ from enginecore.stage._session import ClientSession, StreamCore
 from enginecore.stage._wire import ErrorReport
 
 from .conftest import wait_until
-from .pipelines import Launch, launcher
+from .pipelines import Launch, kill_in_barrier, launcher
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -593,56 +591,6 @@ def _dead(pid: int) -> bool:
         return True
 
 
-def _kill_in_barrier(pipe: Any, victim: int, process: tuple[int, int]) -> threading.Event:
-    """Hook *pipe* (a Pipeline or an AsyncPipeline) so that the first restart of a process
-    of stage 1 kills process *victim* (*process*: its stage and replica) while its link
-    barrier is in flight: after the ``link`` went to the previous stage, as the barrier's
-    first confirmation is asked for, and goes on only once the coordinator has seen the
-    death. The event is set once that is done."""
-    real_install = pipe._install
-    killed = threading.Event()
-    k_dead, r_dead = process
-
-    def seen() -> bool:
-        return not pipe._core.alive(k_dead)[r_dead]
-
-    def install(k: int, r: int, client: Any) -> Any:
-        barrier = real_install(k, r, client)
-        if k != 1 or killed.is_set() or not barrier:
-            return barrier
-        target = barrier[0]
-        # The barrier's call: call_utility (AsyncStageClient), call_utility_future (a
-        # StageClient's, which the blocking pipeline waits on with its deadline).
-        name = "call_utility" if isinstance(pipe, AsyncPipeline) else "call_utility_future"
-        real_call = getattr(target, name)
-        del_hook = functools.partial(target.__dict__.pop, name, None)
-        if inspect.iscoroutinefunction(real_call):
-
-            async def acall(*args: Any, **kwargs: Any) -> Any:
-                del_hook()
-                os.kill(victim, signal.SIGKILL)
-                while not seen():  # the death is handled on this loop
-                    await asyncio.sleep(0.01)
-                killed.set()
-                return await real_call(*args, **kwargs)
-
-            setattr(target, name, acall)
-        else:
-
-            def call(*args: Any, **kwargs: Any) -> Any:
-                del_hook()
-                os.kill(victim, signal.SIGKILL)
-                assert wait_until(seen, 10)  # on a receiver thread
-                killed.set()
-                return real_call(*args, **kwargs)
-
-            setattr(target, name, call)
-        return barrier
-
-    pipe._install = install
-    return killed
-
-
 class TestNeighbourDiesWhileLinking:
     """A process of a stage next to a restarted one dies while the restart's link barrier is
     in flight (docs/pipelines.md, "Restart"): after the new process was installed and the
@@ -677,7 +625,7 @@ class TestNeighbourDiesWhileLinking:
         inner = getattr(pipe, "_pipe", pipe)  # the AsyncPipeline behind the adapter
         victim = pipe.call_utility(neighbour, "pid", replica=0 if pool else None)
         at = 0 if side == "previous" else 2
-        killed = _kill_in_barrier(inner, victim, (at, 0))
+        killed = kill_in_barrier(inner, victim, (at, 0))
         os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
         assert killed.wait(30)
         key = f"{neighbour}[0]" if pool else neighbour
@@ -1025,6 +973,74 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         finally:
             asleep.join(30)
         assert "did not answer for the requests of its dead process" in caplog.text
+        assert pipe.add("r", "again").collect(timeout=10) == ["again"]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
+    def test_an_abort_after_a_later_death_upstream_never_reaches_the_new_process(
+        self, launch: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # a -> b -> c -> d, a and c restart. r is held in c when c is killed: r ends, its
+        # abort goes from a and, tagged, to d, whose loop is asleep. a and b apply theirs,
+        # so the new c is linked in. Then a is killed too: r, still waiting for d, is
+        # aborted again from b, tagged. b must not chase that abort into the new c, which
+        # never held r (it would go on to d with a tag d is not waited for): r's route
+        # says -1 at c (docs/wire.md section 8).
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="a", restart=FAST),
+                PipelineStage(RELAY, name="b"),
+                PipelineStage(RELAY, name="c", restart=FAST),
+                PipelineStage(RELAY, name="d"),
+            ]
+        )
+        core = pipe._core
+        real = core.aborted
+        late: list[Any] = []  # any answer of the new c about r
+        second: list[bool] = []  # b answered the abort after a's death: was d asleep?
+        woke = threading.Event()
+        a_killed = threading.Event()
+
+        def aborted(k: int, req_ids: Any, *args: Any, **kwargs: Any) -> None:
+            ids = list(req_ids)
+            if "r" in ids and k == 2 and core.restarts(2, 0):
+                late.append((ids, args, kwargs))
+            if "r" in ids and k == 1 and a_killed.is_set():
+                second.append(not woke.is_set())
+            real(k, ids, *args, **kwargs)
+
+        monkeypatch.setattr(core, "aborted", aborted)
+        pipe.call_utility("c", "hold", True)
+        stream = pipe.add("r", "x")
+        assert wait_until(lambda: _held(pipe, "c") == 1, 10)
+        victims = [pipe.call_utility(name, "pid") for name in ("c", "a")]
+
+        def sleep() -> None:
+            with contextlib.suppress(Exception):
+                pipe.call_utility("d", "sleep", 8.0)
+            woke.set()
+
+        asleep = threading.Thread(target=sleep)
+        asleep.start()
+        try:
+            time.sleep(0.3)  # d's loop is in the utility now
+            os.kill(victims[0], signal.SIGKILL)
+            with pytest.raises(PipelineStageDeadError):
+                stream.collect(timeout=10)
+            assert wait_until(lambda: _up(pipe, "c"), 30), (pipe.restarts, pipe.health())
+            assert core.state("r") is RequestState.CLOSING  # d has not answered yet
+            a_killed.set()
+            os.kill(victims[1], signal.SIGKILL)
+            assert wait_until(lambda: bool(second), 10)
+            assert wait_until(lambda: _up(pipe, "a"), 30), (pipe.restarts, pipe.health())
+        finally:
+            asleep.join(30)
+        assert second == [True]  # the scenario ran: b answered while d was still asleep
+        assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
+        # A request through the new c goes on b's link after anything b sent there before;
+        # c's answer to such an abort would precede its answer to this utility call.
+        assert pipe.add("n", 1).collect(timeout=10) == [1]
+        assert pipe.call_utility("c", "num_requests") == 0
+        assert late == []
         assert pipe.add("r", "again").collect(timeout=10) == ["again"]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
 

@@ -38,6 +38,7 @@ from enginecore.stage._pipelinebase import (
     DEFAULT_WINDOW,
     DEFAULT_WINDOW_BYTES,
     PIPE_FACTORY,
+    PipelineBase,
     pipe_kwargs,
 )
 from enginecore.stage._session import ClientSession
@@ -266,6 +267,55 @@ class TestDataFlow:
         stage.pipe_late("a", END)
         stage.pipe_late("b", END)
         assert emitted == [("outputs", ["b"], [True], [BEFORE])]
+
+    def test_an_abort_chases_no_further_than_a_dead_process_on_its_route(self) -> None:
+        # docs/wire.md section 8, "Restarts": -1 in an abort's route is a stage whose
+        # process on the request's route died; a restarted process at that index never
+        # held the request. The stage before it applies the abort and answers it, and
+        # sends it no further; the coordinator sends nothing there either.
+        ctx = zmq.Context()
+        routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
+        ports = []
+        for router in routers:
+            router.setsockopt(zmq.LINGER, 0)
+            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
+        stage = PipeStage(
+            CountdownEngine(),
+            stage="s",
+            downstream=[f"tcp://127.0.0.1:{port}" for port in ports],
+            routed=True,
+        )
+        try:
+            stage.pipe_route(["x", "y"], [[-1, 0], [1, -1]], abort=True)
+            stage.abort(["x", "y"])
+            stage.chase_abort(["x", "y"], tag=7)
+            assert routers[1].poll(5000)
+            _ident, body = routers[1].recv_multipart()
+            assert msgspec.msgpack.decode(body) == ["abort", ["y"], [[-1]], False, 7]
+            assert not routers[0].poll(100)  # x: nothing down any link
+            assert not routers[1].poll(0)
+        finally:
+            for link in stage._links:
+                if link is not None:
+                    link.close(linger=0)
+            for router in routers:
+                router.close()
+            ctx.term()
+
+        sent: list[Any] = []
+
+        class Replica:  # the coordinator's connection to one process: what it is sent
+            def __init__(self, k: int, r: int) -> None:
+                self.at = (k, r)
+
+            def _send(self, parts: Any) -> None:
+                sent.append((self.at, msgspec.msgpack.decode(parts[0])))
+
+        coordinator = object.__new__(PipelineBase)  # only its routing of aborts, no I/O
+        coordinator._replicas = [[Replica(k, r) for r in range(2)] for k in range(4)]
+        routes = {"x": (1, 0, -1, 1), "y": (0, -1, 0, 0)}
+        coordinator._send_routed_aborts(1, ["x", "y"], routes, {(1, "x"): 7})
+        assert sent == [((1, 0), ["abort", ["x"], [[-1, 1]], False, 7])]
 
     @pytest.mark.parametrize("payloads", [["a", "b", "c"], [{"a": 1}, [2], {"c": 3}]])
     def test_a_step_of_payloads_only_goes_on_as_its_columns(self, payloads: list[Any]) -> None:

@@ -21,6 +21,7 @@ from enginecore.stage._controls import (
     ClientInput,
     ClientJoined,
     ClientLeft,
+    PipeAbort,
     PipeCredit,
     PipeFence,
     PipeInput,
@@ -452,6 +453,31 @@ class TestValidation:
         assert plain == Abort(["r3"])
         assert older == Abort(["r4"])
         assert not session.events
+
+    def test_an_aborts_route_may_name_a_dead_process_and_no_other_route_may(
+        self, session: StageSession
+    ) -> None:
+        # docs/wire.md section 8: -1 in an abort's routes is a stage whose process on the
+        # request's route died (the abort goes no further). A data route (a route message,
+        # a pipe message's routes) names a live replica: -1 there is an invalid message.
+        welcome(session)
+        session.receive(A, frame("abort", ["r1"], [[-1, 0]], False, 7), 1.0)
+        route, abort = session.to_loop
+        assert isinstance(route, PipeRoute)
+        assert (route.req_ids, route.routes, route.abort) == (["r1"], [[-1, 0]], True)
+        assert isinstance(abort, PipeAbort)
+        assert (abort.req_ids, abort.tag) == (["r1"], 7)
+        assert not session.events
+        session.to_loop.clear()
+        session.receive(A, frame("route", ["r2"], [[-1]]), 1.0)
+        session.receive(A, frame("abort", ["r3"], [[-2]]), 1.0)
+        refusal = (
+            "error",
+            None,
+            "invalid message: routes must be one list of replica indexes per request",
+        )
+        assert session.events == [refusal, refusal]
+        assert [type(m) for m in session.to_loop] == [Abort]  # r3's abort, without a route
 
     def test_ping_is_answered_with_pong(self, session: StageSession) -> None:
         session.receive(A, frame("ping", 42), 0.0)

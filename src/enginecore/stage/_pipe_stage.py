@@ -837,7 +837,8 @@ class PipeStage:
                 link.send(self._encoder.encode(msg)[0])
             return
         # Along each request's route (the abort's routes, from the coordinator or the
-        # previous stage; none: replica 0 of each stage, where it never went).
+        # previous stage; none: replica 0 of each stage, where it never went). -1: the
+        # request's process there died (a new one never held it): no further.
         routes = self._abort_routes
         by_link: dict[int, tuple[list[str], list[list[int]]]] = {}
         for rid in req_ids:

@@ -115,13 +115,15 @@ abort of such a request on its link from stage ``k - 2`` (for ``k >= 2``), in no
 the coordinator's ``link`` to it, and would chase a copy it applies after that ``link``
 down the new link into the new process, which would pass it on untagged. So the new
 process is linked in only once stage ``k - 1`` has answered for every request the dead one
-held (:meth:`linkable`, "Restarts"). Open still, narrower: a death at a stage before
-``k - 1``, after that link, of a process on the route of such a request still in the
-pipeline (stages after ``k`` still to answer), sends a tagged abort from the stage after it,
-which stage ``k - 1`` chases into the new process too, and which goes on with a tag that
-stages after ``k`` do not wait for. A whole stage's death (:meth:`stage_dead`) sends its
-aborts untagged: the pipeline has failed, every request is freed at once, and no id is
-added again.
+held (:meth:`linkable`, "Restarts"). A later abort of such a request (a death at a stage
+before ``k - 1``, after that link, sends one from the stage after it, tagged) must not go
+there either: it would go on with a tag that stages after ``k`` do not wait for. So the
+route an abort carries (:attr:`PipelineDeliveries.routes`) has ``-1`` for each stage whose
+process on it died (bit ``k`` of ``cut``): the stage before it has no link at that index,
+and chases it no further; the stages after it got the abort sent after that death (a route
+through a process of an older build, which would refuse the ``-1``, goes as it is). A whole
+stage's death (:meth:`stage_dead`) sends its aborts untagged: the pipeline has failed, every
+request is freed at once, and no id is added again.
 
 **Restarts** (``restart[k]``, a :class:`~._pool_core.RestartPolicy`: stage ``k``'s dead
 processes are started again). Such a pipeline is routed even without pools, so that a dead
@@ -278,7 +280,10 @@ class PipelineDeliveries(Generic[S]):
     (``["release", ids]``)."""
     routes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """With replica pools: the route of every request named above (its replica of each
-    stage), to send each message to the right replica and the aborts along the route."""
+    stage), to send each message to the right replica and the aborts along the route.
+    ``-1`` for a stage whose process on the route died: nothing of the request is sent
+    there, and an abort chased along the route stops before it (``docs/wire.md`` section
+    8: the stage before it has no link at that index)."""
     restarts: list[tuple[int, int, float]] = field(default_factory=list)
     """``(stage, replica, delay)``: start that process again after *delay* seconds (its
     stage restarts, :meth:`PipelineCore.restarting`)."""
@@ -774,7 +779,6 @@ class PipelineCore(Generic[S]):
             if state is RequestState.LIVE and k > 0:
                 d.aborts.append(rid)
             req.state = RequestState.CLOSING
-            d.routes[rid] = req.route  # type: ignore[assignment]
             fences = req.fences
             if fences is not None:
                 # A replay's fences at this stage and after it are moot: the request has
@@ -787,6 +791,9 @@ class PipelineCore(Generic[S]):
                 req.taken &= bit - 1
             req.confirms |= bit
             req.cut |= bit
+            sent_route = self._sent_route(req)
+            assert sent_route is not None  # routed: the requests routed through the dead one
+            d.routes[rid] = sent_route  # -1 at each dead process: the aborts stop before it
             if k + 1 < self._n and not req.cut >> (k + 1) & 1:
                 after.append(rid)
                 tag = self._want_tag(req, k, tag)
@@ -798,6 +805,22 @@ class PipelineCore(Generic[S]):
                 self._confirmed(req, now, d, self._all)
         if after:
             d.stage_aborts.append((k + 1, after))
+
+    def _sent_route(self, req: _Request[S]) -> tuple[int, ...] | None:
+        """*req*'s route as the IO layer sends it (:attr:`PipelineDeliveries.routes`):
+        ``-1`` for each stage whose process on it died (bit of ``cut``). No message of the
+        request goes there, and an abort chased along the route stops at the stage before
+        it (module docstring, "Tagged aborts"): a restarted process at that index never
+        held it. Only where every live process on the route is of this build (its
+        ``welcome`` says ``"tags"``: :meth:`tagged`); an older build refuses a ``-1``, and
+        gets the route as it is."""
+        route, cut = req.route, req.cut
+        if route is None or not cut:
+            return route
+        tagging = self._tagging
+        if not all(cut >> j & 1 or tagging[j][r] for j, r in enumerate(route)):
+            return route
+        return tuple(-1 if cut >> j & 1 else r for j, r in enumerate(route))
 
     def _want_tag(self, req: _Request[S], k: int, tag: int) -> int:
         """The abort of *req* sent to stage ``k + 1`` after its process of stage *k* died
@@ -886,7 +909,7 @@ class PipelineCore(Generic[S]):
                 live = [rid for rid, req in requests.items() if req.state is not closing]
                 if live:
                     d.aborts += live
-            self._orphans.update((rid, req.route) for rid, req in requests.items())
+            self._orphans.update((rid, self._sent_route(req)) for rid, req in requests.items())
         if self.pooled:
             d.routes.update((rid, route) for rid, route in self._orphans.items() if route)
         # A stage's death also cuts the aborts that an earlier death sent on their way

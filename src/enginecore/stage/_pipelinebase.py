@@ -904,7 +904,7 @@ class PipelineBase(Generic[S, C]):
             self._send_routed_aborts(0, d.aborts, routes)
         for k, req_ids in d.stage_aborts:
             self._send_routed_aborts(k, req_ids, routes, d.tags)
-        for k, rid, attempt in d.replays:
+        for k, rid, attempt in d.replays:  # (of a live request: no dead process on its route)
             route = routes.get(rid)
             with contextlib.suppress(Exception):
                 client = replicas[k][route[k] if route else 0]
@@ -916,6 +916,8 @@ class PipelineBase(Generic[S, C]):
                     route = routes.get(rid)
                     by.setdefault(route[k] if route else 0, []).append(rid)
                 for r, ids in by.items():
+                    if r < 0:  # its process there died (PipelineDeliveries.routes)
+                        continue
                     with contextlib.suppress(Exception):
                         replicas[k][r]._send(ClientSession.release_frame(ids))
 
@@ -938,11 +940,15 @@ class PipelineBase(Generic[S, C]):
     ) -> None:
         """Abort *req_ids* from stage *k* on: each at its route's replica, with the rest of
         its route (a gone replica's failure ends its requests anyway), and its tag if
-        *tags* names one (``(k, id)``: an abort after a death, docs/wire.md section 8)."""
+        *tags* names one (``(k, id)``: an abort after a death, docs/wire.md section 8). A
+        route's ``-1`` is a stage whose process on it died: nothing is sent there, and the
+        stages chase the abort no further than the stage before it."""
         by: dict[tuple[int, int | None], tuple[list[str], list[list[int]]]] = {}
         for rid in req_ids:
             route = routes.get(rid)
             r = route[k] if route else 0
+            if r < 0:
+                continue
             tag = tags.get((k, rid)) if tags else None
             ids, rests = by.setdefault((r, tag), ([], []))
             ids.append(rid)

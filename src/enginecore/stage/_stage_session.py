@@ -500,9 +500,12 @@ class StageSession:
 
     def _routes(self, req_ids: list[str], routes: list[list[int]], abort: bool = False) -> None:
         """Routes of a pipeline with replica pools (``docs/wire.md`` section 8): one
-        :class:`PipeRoute`, or an unscoped ``error`` if they do not match the ids."""
+        :class:`PipeRoute`, or an unscoped ``error`` if they do not match the ids. An
+        abort's routes may say ``-1``: the request's process of that stage died (the abort
+        goes no further)."""
+        least = -1 if abort else 0
         if len(routes) != len(req_ids) or not all(
-            type(r) is list and all(type(i) is int and i >= 0 for i in r) for r in routes
+            type(r) is list and all(type(i) is int and i >= least for i in r) for r in routes
         ):
             self.events.append(
                 (
