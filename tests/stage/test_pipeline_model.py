@@ -108,9 +108,11 @@ holds with its input complete stepped to its end). Then every stream has ended a
 holds nothing, always; and the stages hold nothing either, unless the pipeline was closed
 (``close`` aborts nothing: the stages are shut down), or a stage died and the request
 reached a stage from the dead one's link after the coordinator's abort of it did (the two
-connections have no order between them). Two deaths are no exception: a second one cuts off
-the aborts that the first sent on their way through it, and the core sends them again to
-the stage after it.
+connections have no order between them), or (:class:`PooledModel`) a stage died and a
+process on the request's route before that stage died too: the failed core sends no abort
+past it (the stage keeps the request until the pipeline is shut down). Two stages' deaths
+are no exception: a second one cuts off the aborts that the first sent on their way
+through it, and the core sends them again to the stage after it.
 
 The run-dry checks are skipped when a rule or a check has failed already: that failure is
 the one to report. 2,000 examples of 50 steps: about 45 s on the project's 2-core VM.
