@@ -11,6 +11,7 @@ at the end (no IO)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import inspect
@@ -82,6 +83,46 @@ def _held(pipe: Any, stage: str) -> int:
 def _up(pipe: Any, key: str, restarts: int = 1) -> bool:
     """Whether process *key* is up again after *restarts* restarts."""
     return bool(pipe.restarts[key] == restarts and pipe.health()[key] == StageHealth.OK)
+
+
+class _Silence:
+    """Puts the loop of each process of the stage before a restarted one asleep in a
+    utility for *seconds*: :meth:`send`, from ``_install`` (which the test wraps), on the
+    clients it returns, before the barrier's own calls go out on the same connections. A
+    loop applies its messages in order, so it answers the barrier only after the sleep,
+    however long the restart took (on a loaded machine too)."""
+
+    def __init__(self, pipe: Any, seconds: float) -> None:
+        self._pipe = pipe
+        self._seconds = seconds
+        self._calls: list[Any] = []
+
+    def send(self, targets: Sequence[Any]) -> None:
+        for target in targets:
+            if isinstance(target, StageClient):
+                self._calls.append(target.call_utility_future("sleep", self._seconds))
+            else:
+                # AsyncPipeline._link, on its loop: this task runs (and sends) before the
+                # barrier's own, which are made once _install has returned.
+                call = target.call_utility("sleep", self._seconds)
+                self._calls.append(asyncio.ensure_future(call))
+
+    def outcomes(self, timeout: float) -> list[BaseException | None]:
+        """Each sleep's outcome once it is over: ``None``, or its error."""
+        calls = self._calls
+        if calls and not isinstance(calls[0], concurrent.futures.Future):
+
+            async def gather() -> list[Any]:
+                return await asyncio.wait_for(
+                    asyncio.gather(*calls, return_exceptions=True), timeout
+                )
+
+            return [
+                o if isinstance(o, BaseException) else None
+                for o in self._pipe._runner.run(gather())
+            ]
+        concurrent.futures.wait(calls, timeout)
+        return [call.exception(0) for call in calls]
 
 
 class TestOptions:
@@ -759,39 +800,33 @@ class TestNeighbourDiesWhileLinking:
     def test_a_silent_previous_stage_does_not_hold_shutdown_in_the_barrier(
         self, launch: Any, caplog: pytest.LogCaptureFixture
     ) -> None:
-        # first is alive but silent (its loop asleep in a utility for 30 s) while mid's new
-        # process is being linked in: the barrier waits for its confirmation up to the
-        # startup timeout (30 s here). A shutdown meanwhile ends that wait at once, and the
-        # new process is stopped (the conftest checks that no process is left).
+        # first is alive but silent (its loop asleep in a utility for 30 s, from just
+        # before the barrier's call) while mid's new process is being linked in: the barrier
+        # waits for its confirmation up to the startup timeout (30 s here). A shutdown
+        # meanwhile ends that wait at once, and the new process is stopped (the conftest
+        # checks that no process is left).
         pipe = launch([RELAY, PipelineStage(RELAY, name="mid", restart=FAST)])
         inner = getattr(pipe, "_pipe", pipe)
         real_install = inner._install
+        silence = _Silence(pipe, 30)
         linking = threading.Event()
 
         def install(k: int, r: int, client: Any) -> Any:
             barrier = real_install(k, r, client)
+            silence.send(barrier)
             linking.set()
             return barrier
 
-        def sleep() -> None:
-            with contextlib.suppress(Exception):  # ended by the shutdown
-                pipe.call_utility(RELAY, "sleep", 30)
-
         inner._install = install
-        victim = pipe.call_utility("mid", "pid")
-        asleep = threading.Thread(target=sleep)
-        asleep.start()
-        try:
-            time.sleep(0.3)  # first's loop is in the utility now
-            os.kill(victim, signal.SIGKILL)
-            assert linking.wait(30)
-            started = time.monotonic()
-            pipe.shutdown()
-            # Not the barrier's 30 s: the stages' own shutdown only (first's loop is asleep:
-            # its client waits for it up to its timeout, 5 s, then kills it).
-            assert time.monotonic() - started < 15
-        finally:
-            asleep.join(40)
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert linking.wait(30)
+        started = time.monotonic()
+        pipe.shutdown()
+        # Not the barrier's 30 s: the stages' own shutdown only (first's loop is asleep:
+        # its client waits for it up to its timeout, 5 s, then kills it).
+        assert time.monotonic() - started < 15
+        (ended,) = silence.outcomes(10)
+        assert ended is not None  # the sleep did not run its course: the shutdown ended it
         assert pipe.restarts["mid"] == 1
         assert pipe.health()["mid"] != StageHealth.OK
         assert "linking it in failed" not in caplog.text  # the wait ended cleanly
@@ -799,45 +834,43 @@ class TestNeighbourDiesWhileLinking:
     def test_the_barrier_waits_for_silent_processes_together_up_to_the_startup_timeout(
         self, launch: Any, caplog: pytest.LogCaptureFixture
     ) -> None:
-        # Both processes of first are silent (asleep in a utility for 12 s) while mid's new
-        # process is being linked in. The barrier asks both at once and waits the startup
-        # timeout (5 s) in all, not once per process (10 s); then the new process takes
-        # requests anyway, with a warning that the previous stage did not confirm.
+        # Both processes of first are silent (asleep in a utility, from just before the
+        # barrier's calls, for longer than two startup timeouts) while mid's new process is
+        # being linked in. The barrier asks both at once and waits the startup timeout in
+        # all, not once per process (two); then the new process takes requests anyway, with
+        # a warning for each process of first, which did not confirm.
+        timeout = 5.0
         pipe = launch(
             [
                 PipelineStage(RELAY, name="first", replicas=2),
                 PipelineStage(RELAY, name="mid", restart=FAST),
             ],
-            startup_timeout=5,
+            startup_timeout=timeout,
         )
         inner = getattr(pipe, "_pipe", pipe)
-        real_install = inner._install
-        linking: list[float] = []
+        real_install, real_started = inner._install, inner._started
+        silence = _Silence(pipe, 2 * timeout + 2)
+        barrier: list[float] = []  # when mid's barrier began, and when it ended
 
         def install(k: int, r: int, client: Any) -> Any:
-            barrier = real_install(k, r, client)
-            linking.append(time.monotonic())
-            return barrier
+            targets = real_install(k, r, client)
+            silence.send(targets)
+            barrier.append(time.monotonic())
+            return targets
 
-        def sleep(replica: int) -> None:
-            with contextlib.suppress(Exception):
-                pipe.call_utility("first", "sleep", 12, replica=replica)
+        def started(k: int, r: int) -> bool:
+            barrier.append(time.monotonic())
+            return bool(real_started(k, r))
 
-        inner._install = install
-        victim = pipe.call_utility("mid", "pid")
-        asleep = [threading.Thread(target=sleep, args=(r,)) for r in (0, 1)]
-        for thread in asleep:
-            thread.start()
-        try:
-            time.sleep(0.3)  # first's loops are in the utility now
-            os.kill(victim, signal.SIGKILL)
-            assert wait_until(lambda: _up(pipe, "mid"), 30)
-            assert linking
-            assert time.monotonic() - linking[0] < 9  # one startup timeout, not two
-        finally:
-            for thread in asleep:
-                thread.join(30)
-        assert "did not confirm its new link" in caplog.text
+        inner._install, inner._started = install, started
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert wait_until(lambda: _up(pipe, "mid"), 30)
+        begun, ended = barrier
+        # The barrier alone (not the restart, nor the time until the test sees mid up):
+        # one startup timeout, where asking one process at a time would take two.
+        assert ended - begun < 2 * timeout
+        assert caplog.text.count("did not confirm its new link") == 2
+        assert silence.outcomes(30) == [None, None]  # both slept their course
         assert pipe.add("r", "x").collect(timeout=10) == ["x"]  # first has applied it since
 
 
