@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any, cast
@@ -1170,8 +1171,8 @@ class TestSharedMemory:
         os.kill(pid, signal.SIGSTOP)  # b can read nothing: the payload waits in its socket
         try:
             stream = pipe.add("r", first)
-            assert wait_until(lambda: len(_segments()) == 1, 10)  # the payload is in its slot
-            time.sleep(0.6)  # the lease (0.2 s) is what is under test: let it run out
+            assert wait_until(lambda: len(_segments()) == 1, 10)  # the payload's slot
+            assert wait_until(_lease_ran_out, 10)  # what is under test (0.2 s): until it did
         finally:
             os.kill(pid, signal.SIGCONT)
         with pytest.raises(PipelineRequestError) as info:
@@ -1300,6 +1301,22 @@ class TestSharedMemory:
             assert "edge_dropped" in _stage_stats(pipe, before).engine
         pipe.shutdown()
         assert _segments() == []
+
+
+def _lease_ran_out() -> bool:
+    """Whether the one slot of this test's pipeline holds its first payload (generation 1),
+    written with its lease, and the lease is over: read from the slot's header, which no
+    one renews while the next stage is stopped (it must refuse the payload)."""
+    names = _segments()
+    if len(names) != 1:
+        return False
+    fd = os.open(os.path.join(_shm.SHM_DIR, names[0]), os.O_RDONLY)
+    try:
+        header = struct.unpack("=8q", os.pread(fd, 64, 0))
+    finally:
+        os.close(fd)
+    until = header[_shm._H_LEASE_UNTIL]  # written after the generation: 0 until then
+    return bool(header[_shm._H_GEN] == 1 and 0 < until < time.monotonic_ns())
 
 
 def _engine(pipe: Any, stage: str, settled: Any) -> Any:
