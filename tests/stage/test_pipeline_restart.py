@@ -85,6 +85,12 @@ def _up(pipe: Any, key: str, restarts: int = 1) -> bool:
     return bool(pipe.restarts[key] == restarts and pipe.health()[key] == StageHealth.OK)
 
 
+def _utility_calls(pipe: Any, stage: str) -> int:
+    """The utility calls that the loop of *stage* (one process) has begun: it counts one as
+    it begins it, and the stage's input side answers ``stats`` while the loop is in it."""
+    return int(pipe.stats()[stage].loop.utility_calls)
+
+
 class _Silence:
     """Puts the loop of each process of the stage before a restarted one asleep in a
     utility for *seconds*: :meth:`send`, from ``_install`` (which the test wraps), on the
@@ -496,10 +502,11 @@ class TestRetry:
                 seen.append((fence, before, core.state("r")))
 
         monkeypatch.setattr(core, "aborted", aborted)
+        calls = _utility_calls(pipe, "last")
         asleep = threading.Thread(target=pipe.call_utility, args=("last", "sleep", 2.0))
         asleep.start()
         try:
-            time.sleep(0.3)  # last's loop is in the utility now
+            assert wait_until(lambda: _utility_calls(pipe, "last") > calls, 10)  # in it now
             with pytest.raises(PipelineStageDeadError):
                 pipe.add("r", "retry").collect(timeout=10)
         finally:
@@ -931,10 +938,11 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
             up_before.append(_up(pipe, key))
             woke.set()
 
+        calls = _utility_calls(pipe, "first")
         asleep = threading.Thread(target=sleep)
         asleep.start()
         try:
-            time.sleep(0.3)  # first's loop is in the utility now
+            assert wait_until(lambda: _utility_calls(pipe, "first") > calls, 10)  # in it now
             os.kill(victim, signal.SIGKILL)
             with pytest.raises(PipelineStageDeadError):
                 stream.collect(timeout=10)
@@ -984,9 +992,10 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
             with contextlib.suppress(Exception):  # or ended by the shutdown
                 pipe.call_utility("first", "sleep", seconds)
 
+        calls = _utility_calls(pipe, "first")
         asleep = threading.Thread(target=sleep)
         asleep.start()
-        time.sleep(0.3)  # first's loop is in the utility now
+        assert wait_until(lambda: _utility_calls(pipe, "first") > calls, 10)  # in it now
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(PipelineStageDeadError):
             stream.collect(timeout=10)
