@@ -8,8 +8,10 @@ The coordinator's rules alone are checked against a model in ``test_pipeline_mod
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, cast
@@ -335,6 +337,32 @@ class TestDataFlow:
     def test_a_pipelined_engine_can_be_a_stage(self, launch: Any) -> None:
         pipe = launch([f"{T}:pipelined", RELAY])
         assert pipe.add("r", 4).collect(timeout=10) == [3, 2, 1, 0]
+
+
+class TestRelayEngine:
+    def test_gate_blocks_until_its_file_is_removed_or_the_timeout(self, no_leftovers: str) -> None:
+        engine = RelayEngine()
+        gate = pathlib.Path(no_leftovers, "gate")
+        engine.utility("gate", (str(gate), 5.0))  # no file: no wait
+        gate.touch()
+        in_it = threading.Event()
+
+        def blocked() -> None:
+            in_it.set()
+            engine.utility("gate", (str(gate), 30.0))
+
+        thread = threading.Thread(target=blocked)
+        thread.start()
+        assert in_it.wait(10)
+        thread.join(0.2)
+        assert thread.is_alive()  # still held: the file is there
+        gate.unlink()
+        thread.join(10)
+        assert not thread.is_alive()
+        gate.touch()
+        with pytest.raises(RuntimeError, match=r"held for 0\.05 s"):
+            engine.utility("gate", (str(gate), 0.05))
+        gate.unlink()
 
 
 class TestEdges:
