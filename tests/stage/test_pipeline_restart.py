@@ -16,6 +16,7 @@ import contextlib
 import functools
 import inspect
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -902,7 +903,7 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
 
     @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
     def test_a_late_abort_upstream_never_reaches_the_new_process(
-        self, launch: Any, replicas: int, monkeypatch: pytest.MonkeyPatch
+        self, launch: Any, replicas: int, monkeypatch: pytest.MonkeyPatch, no_leftovers: str
     ) -> None:
         pipe = launch(
             [
@@ -916,8 +917,9 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         core = pipe._core
         real = core.aborted
         late: list[tuple[int, list[str]]] = []  # last's answers about r once it is dead
-        woke = threading.Event()  # first's loop is out of its utility
-        up_before: list[bool] = []
+        gate = pathlib.Path(no_leftovers, "gate")  # first's loop is blocked while it exists
+        gate.touch()
+        waiting = self._waiting(pipe)
 
         def aborted(k: int, req_ids: Any, *args: Any, **kwargs: Any) -> None:
             ids = list(req_ids)
@@ -932,33 +934,33 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         assert wait_until(lambda: _held(pipe, "last") == 1, 10)  # r is in last[0]
         victim = pipe.call_utility("last", "pid", replica=0 if pool else None)
 
-        def sleep() -> None:
-            with contextlib.suppress(Exception):
-                pipe.call_utility("first", "sleep", 6.0)
-            up_before.append(_up(pipe, key))
-            woke.set()
-
         calls = _utility_calls(pipe, "first")
-        asleep = threading.Thread(target=sleep)
-        asleep.start()
+        blocked = threading.Thread(target=pipe.call_utility, args=("first", "gate", str(gate)))
+        blocked.start()
         try:
             assert wait_until(lambda: _utility_calls(pipe, "first") > calls, 10)  # in it now
             os.kill(victim, signal.SIGKILL)
             with pytest.raises(PipelineStageDeadError):
                 stream.collect(timeout=10)
-            assert woke.wait(30)
+            # The new process started, and waits for first, then mid, to apply r's abort:
+            # not linked in while first's loop is blocked.
+            assert waiting.wait(30)
+            assert not _up(pipe, key)
         finally:
-            asleep.join(30)
+            gate.unlink()
+            blocked.join(30)
         assert wait_until(lambda: _up(pipe, key), 30), (pipe.restarts, pipe.health())
         assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
         # Requests through every process of last: each goes on mid's link to it after
         # anything mid sent there before, so any answer of the new process about r (to an
-        # abort mid passed on to it) has reached the coordinator once they are out.
+        # abort mid passed on to it) has reached the coordinator once they are out. Held in
+        # last until their routes are read (a request that ended has none).
+        pipe.call_utility("last", "hold", True)
         streams = [pipe.add(f"n{i}", i) for i in range(2 * replicas)]
         assert {core.route(f"n{i}")[2] for i in range(2 * replicas)} == set(range(replicas))
+        pipe.call_utility("last", "hold", False)
         assert [s.collect(timeout=10) for s in streams] == [[i] for i in range(2 * replicas)]
         assert late == []  # nothing of the dead process's request reached the new one
-        assert up_before == [False]  # it waited for first, then mid, to apply r's abort
         assert pipe.add("r", "again").collect(timeout=10) == ["again"]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
         for name in ("first", "mid", "last"):
