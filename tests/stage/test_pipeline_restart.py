@@ -982,29 +982,31 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         return waiting
 
     @staticmethod
-    def _kill_last_while_first_sleeps(pipe: Any, seconds: float) -> threading.Thread:
-        """r held in last (its one process), first's loop asleep for *seconds*, then last
-        killed: r's abort waits in first. Returns the thread that sleeps first."""
+    def _kill_last_while_first_blocked(pipe: Any, gate: pathlib.Path) -> threading.Thread:
+        """r held in last (its one process), first's loop blocked while the file *gate*
+        exists (made here; the test removes it), then last killed: r's abort waits in
+        first. Returns the thread whose utility call blocks first."""
         pipe.call_utility("last", "hold", True)
         stream = pipe.add("r", "x")
         assert wait_until(lambda: _held(pipe, "last") == 1, 10)
         victim = pipe.call_utility("last", "pid")
+        gate.touch()
 
-        def sleep() -> None:
+        def block() -> None:
             with contextlib.suppress(Exception):  # or ended by the shutdown
-                pipe.call_utility("first", "sleep", seconds)
+                pipe.call_utility("first", "gate", str(gate))
 
         calls = _utility_calls(pipe, "first")
-        asleep = threading.Thread(target=sleep)
-        asleep.start()
+        blocked = threading.Thread(target=block)
+        blocked.start()
         assert wait_until(lambda: _utility_calls(pipe, "first") > calls, 10)  # in it now
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(PipelineStageDeadError):
             stream.collect(timeout=10)
-        return asleep
+        return blocked
 
     def test_a_shutdown_ends_the_wait_at_once(
-        self, launch: Any, caplog: pytest.LogCaptureFixture
+        self, launch: Any, caplog: pytest.LogCaptureFixture, no_leftovers: str
     ) -> None:
         pipe = launch(
             [
@@ -1014,23 +1016,27 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
             ]
         )
         waiting = self._waiting(pipe)
-        asleep = self._kill_last_while_first_sleeps(pipe, 30)
+        gate = pathlib.Path(no_leftovers, "gate")
+        blocked = self._kill_last_while_first_blocked(pipe, gate)
         try:
             assert waiting.wait(30)
             started = time.monotonic()
             pipe.shutdown()
             # Not the startup timeout (60 s): the stages' own shutdown only (first's loop
-            # is asleep: its client waits for it up to its timeout, 5 s, then kills it).
+            # is blocked: its client waits for it up to its timeout, 5 s, then kills it).
             assert time.monotonic() - started < 15
         finally:
-            asleep.join(40)
+            gate.unlink()
+            blocked.join(40)
         assert pipe.restarts["last"] == 1
         assert pipe.health()["last"] != StageHealth.OK
         assert "did not answer for the requests" not in caplog.text  # it ended cleanly
 
-    def test_a_death_of_the_previous_process_ends_the_wait(self, launch: Any) -> None:
+    def test_a_death_of_the_previous_process_ends_the_wait(
+        self, launch: Any, no_leftovers: str
+    ) -> None:
         # r went through mid[0], which dies while the restart waits for it: it sends
-        # nothing more, so the new last is linked in (to mid[1]) before first wakes.
+        # nothing more, so the new last is linked in (to mid[1]) while first is blocked.
         pipe = launch(
             [
                 PipelineStage(RELAY, name="first"),
@@ -1040,26 +1046,28 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         )
         waiting = self._waiting(pipe)
         mid0 = pipe.call_utility("mid", "pid", replica=0)
-        asleep = self._kill_last_while_first_sleeps(pipe, 8)
+        gate = pathlib.Path(no_leftovers, "gate")
+        blocked = self._kill_last_while_first_blocked(pipe, gate)
         try:
             assert pipe._core.route("r")[1] == 0
             assert waiting.wait(30)
             assert not _up(pipe, "last")
             os.kill(mid0, signal.SIGKILL)
             assert wait_until(lambda: _up(pipe, "last"), 30), (pipe.restarts, pipe.health())
-            assert asleep.is_alive()  # first is still asleep
+            assert blocked.is_alive()  # first is still blocked
         finally:
-            asleep.join(30)
+            gate.unlink()
+            blocked.join(30)
         assert pipe.health()["mid[0]"] == StageHealth.DEAD
         assert [pipe.add(f"n{i}", i).collect(timeout=10) for i in range(3)] == [[0], [1], [2]]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
 
     def test_a_wait_past_the_startup_timeout_is_a_failed_start(
-        self, launch: Any, caplog: pytest.LogCaptureFixture
+        self, launch: Any, caplog: pytest.LogCaptureFixture, no_leftovers: str
     ) -> None:
-        # first sleeps past the startup timeout (5 s; twice that): the first start's wait
-        # ends it as a failed start (the new process stopped, counted by the policy), and a
-        # later start, after the backoff, is linked in once first and mid applied r's abort.
+        # first is blocked past the startup timeout (5 s): the first start's wait ends it
+        # as a failed start (the new process stopped, counted by the policy), and a later
+        # start, after the backoff, is linked in once first and mid applied r's abort.
         pipe = launch(
             [
                 PipelineStage(RELAY, name="first"),
@@ -1068,16 +1076,20 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
             ],
             startup_timeout=5,
         )
-        asleep = self._kill_last_while_first_sleeps(pipe, 10)
+        gate = pathlib.Path(no_leftovers, "gate")
+        blocked = self._kill_last_while_first_blocked(pipe, gate)
 
         def up() -> bool:  # two starts or more (a fast start may time out twice)
             return bool(pipe.restarts["last"] >= 2 and pipe.health()["last"] == StageHealth.OK)
 
+        failed = "did not answer for the requests of its dead process"
         try:
-            assert wait_until(up, 40), (pipe.restarts, pipe.health())
+            assert wait_until(lambda: failed in caplog.text, 30)  # a start's wait ended
+            assert pipe.health()["last"] != StageHealth.OK  # not linked in meanwhile
         finally:
-            asleep.join(30)
-        assert "did not answer for the requests of its dead process" in caplog.text
+            gate.unlink()
+            blocked.join(30)
+        assert wait_until(up, 40), (pipe.restarts, pipe.health())
         assert pipe.add("r", "again").collect(timeout=10) == ["again"]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
 
