@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 import pytest
@@ -81,6 +81,27 @@ def wait_until(predicate: object, timeout: float) -> bool:
             return True
         if time.monotonic() > deadline:
             return False
+        time.sleep(0.01)
+
+
+def settled_engine(
+    read: Callable[[], Mapping[str, float]],
+    settled: Callable[[Mapping[str, float]], bool],
+    timeout: float = 10.0,
+) -> Mapping[str, float]:
+    """A stage's engine numbers (*read*: its ``stats().engine``) once *settled* holds for
+    them, or the last ones read after *timeout* seconds.
+
+    A stage's engine numbers are a sample its loop takes when it goes idle
+    (``docs/observability.md``): a result that the stage already sent on can reach the test
+    before the sample that counts it, on a loaded machine. *settled* says that the sample
+    is one taken after the event under test (a counter the event moves); the test then
+    asserts the exact numbers on it, so that a wrong count still fails."""
+    deadline = time.monotonic() + timeout
+    while True:
+        numbers = read()
+        if settled(numbers) or time.monotonic() > deadline:
+            return numbers
         time.sleep(0.01)
 
 

@@ -11,8 +11,10 @@ at the end (no IO)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -48,7 +50,7 @@ from enginecore.stage._pipelinebase import PIPE_FACTORY
 from enginecore.stage._session import ClientSession, StreamCore
 from enginecore.stage._wire import ErrorReport
 
-from .conftest import wait_until
+from .conftest import settled_engine, wait_until
 from .pipelines import Launch, kill_in_barrier, launcher
 
 COUNTDOWN = "enginecore:CountdownEngine"
@@ -80,6 +82,52 @@ def _held(pipe: Any, stage: str) -> int:
 def _up(pipe: Any, key: str, restarts: int = 1) -> bool:
     """Whether process *key* is up again after *restarts* restarts."""
     return bool(pipe.restarts[key] == restarts and pipe.health()[key] == StageHealth.OK)
+
+
+def _utility_calls(pipe: Any, stage: str) -> int:
+    """The utility calls that the loop of *stage* (one process) has begun: it counts one as
+    it begins it, and the stage's input side answers ``stats`` while the loop is in it."""
+    return int(pipe.stats()[stage].loop.utility_calls)
+
+
+class _Silence:
+    """Puts the loop of each process of the stage before a restarted one asleep in a
+    utility for *seconds*: :meth:`send`, from ``_install`` (which the test wraps), on the
+    clients it returns, before the barrier's own calls go out on the same connections. A
+    loop applies its messages in order, so it answers the barrier only after the sleep,
+    however long the restart took (on a loaded machine too)."""
+
+    def __init__(self, pipe: Any, seconds: float) -> None:
+        self._pipe = pipe
+        self._seconds = seconds
+        self._calls: list[Any] = []
+
+    def send(self, targets: Sequence[Any]) -> None:
+        for target in targets:
+            if isinstance(target, StageClient):
+                self._calls.append(target.call_utility_future("sleep", self._seconds))
+            else:
+                # AsyncPipeline._link, on its loop: this task runs (and sends) before the
+                # barrier's own, which are made once _install has returned.
+                call = target.call_utility("sleep", self._seconds)
+                self._calls.append(asyncio.ensure_future(call))
+
+    def outcomes(self, timeout: float) -> list[BaseException | None]:
+        """Each sleep's outcome once it is over: ``None``, or its error."""
+        calls = self._calls
+        if calls and not isinstance(calls[0], concurrent.futures.Future):
+
+            async def gather() -> list[Any]:
+                return await asyncio.wait_for(
+                    asyncio.gather(*calls, return_exceptions=True), timeout
+                )
+
+            return [
+                o if isinstance(o, BaseException) else None
+                for o in self._pipe._runner.run(gather())
+            ]
+        concurrent.futures.wait(calls, timeout)
+        return [call.exception(0) for call in calls]
 
 
 class TestOptions:
@@ -345,7 +393,12 @@ class TestRetry:
         assert pipe.call_utility("mid", "pid") != old
         assert pipe.call_utility("mid", "attempts", "after") == 2
         assert pipe.call_utility("mid", "attempts", "before") == 0  # the dead one's
-        assert pipe.stats()["first"].engine["replays"] == 2
+        # first's numbers once they are a sample from after both requests left its log.
+        engine = settled_engine(
+            lambda: pipe.stats()["first"].engine,
+            lambda e: e["replays"] >= 2 and e["replay_logged"] == 0,
+        )
+        assert engine["replays"] == 2
         assert wait_until(lambda: pipe.in_flight == 0, 10)
         for name in ("first", "mid", "last"):
             assert wait_until(lambda n=name: _held(pipe, n) == 0, 10)
@@ -448,10 +501,11 @@ class TestRetry:
                 seen.append((fence, before, core.state("r")))
 
         monkeypatch.setattr(core, "aborted", aborted)
+        calls = _utility_calls(pipe, "last")
         asleep = threading.Thread(target=pipe.call_utility, args=("last", "sleep", 2.0))
         asleep.start()
         try:
-            time.sleep(0.3)  # last's loop is in the utility now
+            assert wait_until(lambda: _utility_calls(pipe, "last") > calls, 10)  # in it now
             with pytest.raises(PipelineStageDeadError):
                 pipe.add("r", "retry").collect(timeout=10)
         finally:
@@ -644,7 +698,11 @@ class TestNeighbourDiesWhileLinking:
         if side == "previous":
             # The new mid was told that first[0]'s link is gone, as the stage's other
             # processes were: it drops that link's late data (counted from then on).
-            assert pipe.stats()["mid"].engine["pipe_dropped"] == 0
+            # (Once mid's sample is one taken after the gone: it lags what mid did.)
+            engine = settled_engine(
+                lambda: pipe.stats()["mid"].engine, lambda e: "pipe_dropped" in e
+            )
+            assert engine["pipe_dropped"] == 0
         assert wait_until(lambda: pipe.in_flight == 0, 10)
         for name in ("first", "mid", "last"):
             replica = 1 if pool and name == neighbour else None  # not the dead one
@@ -707,39 +765,33 @@ class TestNeighbourDiesWhileLinking:
     def test_a_silent_previous_stage_does_not_hold_shutdown_in_the_barrier(
         self, launch: Any, caplog: pytest.LogCaptureFixture
     ) -> None:
-        # first is alive but silent (its loop asleep in a utility for 30 s) while mid's new
-        # process is being linked in: the barrier waits for its confirmation up to the
-        # startup timeout (30 s here). A shutdown meanwhile ends that wait at once, and the
-        # new process is stopped (the conftest checks that no process is left).
+        # first is alive but silent (its loop asleep in a utility for 30 s, from just
+        # before the barrier's call) while mid's new process is being linked in: the barrier
+        # waits for its confirmation up to the startup timeout (30 s here). A shutdown
+        # meanwhile ends that wait at once, and the new process is stopped (the conftest
+        # checks that no process is left).
         pipe = launch([RELAY, PipelineStage(RELAY, name="mid", restart=FAST)])
         inner = getattr(pipe, "_pipe", pipe)
         real_install = inner._install
+        silence = _Silence(pipe, 30)
         linking = threading.Event()
 
         def install(k: int, r: int, client: Any) -> Any:
             barrier = real_install(k, r, client)
+            silence.send(barrier)
             linking.set()
             return barrier
 
-        def sleep() -> None:
-            with contextlib.suppress(Exception):  # ended by the shutdown
-                pipe.call_utility(RELAY, "sleep", 30)
-
         inner._install = install
-        victim = pipe.call_utility("mid", "pid")
-        asleep = threading.Thread(target=sleep)
-        asleep.start()
-        try:
-            time.sleep(0.3)  # first's loop is in the utility now
-            os.kill(victim, signal.SIGKILL)
-            assert linking.wait(30)
-            started = time.monotonic()
-            pipe.shutdown()
-            # Not the barrier's 30 s: the stages' own shutdown only (first's loop is asleep:
-            # its client waits for it up to its timeout, 5 s, then kills it).
-            assert time.monotonic() - started < 15
-        finally:
-            asleep.join(40)
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert linking.wait(30)
+        started = time.monotonic()
+        pipe.shutdown()
+        # Not the barrier's 30 s: the stages' own shutdown only (first's loop is asleep:
+        # its client waits for it up to its timeout, 5 s, then kills it).
+        assert time.monotonic() - started < 15
+        (ended,) = silence.outcomes(10)
+        assert ended is not None  # the sleep did not run its course: the shutdown ended it
         assert pipe.restarts["mid"] == 1
         assert pipe.health()["mid"] != StageHealth.OK
         assert "linking it in failed" not in caplog.text  # the wait ended cleanly
@@ -747,45 +799,43 @@ class TestNeighbourDiesWhileLinking:
     def test_the_barrier_waits_for_silent_processes_together_up_to_the_startup_timeout(
         self, launch: Any, caplog: pytest.LogCaptureFixture
     ) -> None:
-        # Both processes of first are silent (asleep in a utility for 12 s) while mid's new
-        # process is being linked in. The barrier asks both at once and waits the startup
-        # timeout (5 s) in all, not once per process (10 s); then the new process takes
-        # requests anyway, with a warning that the previous stage did not confirm.
+        # Both processes of first are silent (asleep in a utility, from just before the
+        # barrier's calls, for longer than two startup timeouts) while mid's new process is
+        # being linked in. The barrier asks both at once and waits the startup timeout in
+        # all, not once per process (two); then the new process takes requests anyway, with
+        # a warning for each process of first, which did not confirm.
+        timeout = 5.0
         pipe = launch(
             [
                 PipelineStage(RELAY, name="first", replicas=2),
                 PipelineStage(RELAY, name="mid", restart=FAST),
             ],
-            startup_timeout=5,
+            startup_timeout=timeout,
         )
         inner = getattr(pipe, "_pipe", pipe)
-        real_install = inner._install
-        linking: list[float] = []
+        real_install, real_started = inner._install, inner._started
+        silence = _Silence(pipe, 2 * timeout + 2)
+        barrier: list[float] = []  # when mid's barrier began, and when it ended
 
         def install(k: int, r: int, client: Any) -> Any:
-            barrier = real_install(k, r, client)
-            linking.append(time.monotonic())
-            return barrier
+            targets = real_install(k, r, client)
+            silence.send(targets)
+            barrier.append(time.monotonic())
+            return targets
 
-        def sleep(replica: int) -> None:
-            with contextlib.suppress(Exception):
-                pipe.call_utility("first", "sleep", 12, replica=replica)
+        def started(k: int, r: int) -> bool:
+            barrier.append(time.monotonic())
+            return bool(real_started(k, r))
 
-        inner._install = install
-        victim = pipe.call_utility("mid", "pid")
-        asleep = [threading.Thread(target=sleep, args=(r,)) for r in (0, 1)]
-        for thread in asleep:
-            thread.start()
-        try:
-            time.sleep(0.3)  # first's loops are in the utility now
-            os.kill(victim, signal.SIGKILL)
-            assert wait_until(lambda: _up(pipe, "mid"), 30)
-            assert linking
-            assert time.monotonic() - linking[0] < 9  # one startup timeout, not two
-        finally:
-            for thread in asleep:
-                thread.join(30)
-        assert "did not confirm its new link" in caplog.text
+        inner._install, inner._started = install, started
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert wait_until(lambda: _up(pipe, "mid"), 30)
+        begun, ended = barrier
+        # The barrier alone (not the restart, nor the time until the test sees mid up):
+        # one startup timeout, where asking one process at a time would take two.
+        assert ended - begun < 2 * timeout
+        assert caplog.text.count("did not confirm its new link") == 2
+        assert silence.outcomes(30) == [None, None]  # both slept their course
         assert pipe.add("r", "x").collect(timeout=10) == ["x"]  # first has applied it since
 
 
@@ -801,7 +851,7 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
 
     @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "pool"])
     def test_a_late_abort_upstream_never_reaches_the_new_process(
-        self, launch: Any, replicas: int, monkeypatch: pytest.MonkeyPatch
+        self, launch: Any, replicas: int, monkeypatch: pytest.MonkeyPatch, no_leftovers: str
     ) -> None:
         pipe = launch(
             [
@@ -815,8 +865,9 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         core = pipe._core
         real = core.aborted
         late: list[tuple[int, list[str]]] = []  # last's answers about r once it is dead
-        woke = threading.Event()  # first's loop is out of its utility
-        up_before: list[bool] = []
+        gate = pathlib.Path(no_leftovers, "gate")  # first's loop is blocked while it exists
+        gate.touch()
+        waiting = self._waiting(pipe)
 
         def aborted(k: int, req_ids: Any, *args: Any, **kwargs: Any) -> None:
             ids = list(req_ids)
@@ -831,32 +882,33 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         assert wait_until(lambda: _held(pipe, "last") == 1, 10)  # r is in last[0]
         victim = pipe.call_utility("last", "pid", replica=0 if pool else None)
 
-        def sleep() -> None:
-            with contextlib.suppress(Exception):
-                pipe.call_utility("first", "sleep", 6.0)
-            up_before.append(_up(pipe, key))
-            woke.set()
-
-        asleep = threading.Thread(target=sleep)
-        asleep.start()
+        calls = _utility_calls(pipe, "first")
+        blocked = threading.Thread(target=pipe.call_utility, args=("first", "gate", str(gate)))
+        blocked.start()
         try:
-            time.sleep(0.3)  # first's loop is in the utility now
+            assert wait_until(lambda: _utility_calls(pipe, "first") > calls, 10)  # in it now
             os.kill(victim, signal.SIGKILL)
             with pytest.raises(PipelineStageDeadError):
                 stream.collect(timeout=10)
-            assert woke.wait(30)
+            # The new process started, and waits for first, then mid, to apply r's abort:
+            # not linked in while first's loop is blocked.
+            assert waiting.wait(30)
+            assert not _up(pipe, key)
         finally:
-            asleep.join(30)
+            gate.unlink()
+            blocked.join(30)
         assert wait_until(lambda: _up(pipe, key), 30), (pipe.restarts, pipe.health())
         assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
         # Requests through every process of last: each goes on mid's link to it after
         # anything mid sent there before, so any answer of the new process about r (to an
-        # abort mid passed on to it) has reached the coordinator once they are out.
+        # abort mid passed on to it) has reached the coordinator once they are out. Held in
+        # last until their routes are read (a request that ended has none).
+        pipe.call_utility("last", "hold", True)
         streams = [pipe.add(f"n{i}", i) for i in range(2 * replicas)]
         assert {core.route(f"n{i}")[2] for i in range(2 * replicas)} == set(range(replicas))
+        pipe.call_utility("last", "hold", False)
         assert [s.collect(timeout=10) for s in streams] == [[i] for i in range(2 * replicas)]
         assert late == []  # nothing of the dead process's request reached the new one
-        assert up_before == [False]  # it waited for first, then mid, to apply r's abort
         assert pipe.add("r", "again").collect(timeout=10) == ["again"]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
         for name in ("first", "mid", "last"):
@@ -878,28 +930,31 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         return waiting
 
     @staticmethod
-    def _kill_last_while_first_sleeps(pipe: Any, seconds: float) -> threading.Thread:
-        """r held in last (its one process), first's loop asleep for *seconds*, then last
-        killed: r's abort waits in first. Returns the thread that sleeps first."""
+    def _kill_last_while_first_blocked(pipe: Any, gate: pathlib.Path) -> threading.Thread:
+        """r held in last (its one process), first's loop blocked while the file *gate*
+        exists (made here; the test removes it), then last killed: r's abort waits in
+        first. Returns the thread whose utility call blocks first."""
         pipe.call_utility("last", "hold", True)
         stream = pipe.add("r", "x")
         assert wait_until(lambda: _held(pipe, "last") == 1, 10)
         victim = pipe.call_utility("last", "pid")
+        gate.touch()
 
-        def sleep() -> None:
+        def block() -> None:
             with contextlib.suppress(Exception):  # or ended by the shutdown
-                pipe.call_utility("first", "sleep", seconds)
+                pipe.call_utility("first", "gate", str(gate))
 
-        asleep = threading.Thread(target=sleep)
-        asleep.start()
-        time.sleep(0.3)  # first's loop is in the utility now
+        calls = _utility_calls(pipe, "first")
+        blocked = threading.Thread(target=block)
+        blocked.start()
+        assert wait_until(lambda: _utility_calls(pipe, "first") > calls, 10)  # in it now
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(PipelineStageDeadError):
             stream.collect(timeout=10)
-        return asleep
+        return blocked
 
     def test_a_shutdown_ends_the_wait_at_once(
-        self, launch: Any, caplog: pytest.LogCaptureFixture
+        self, launch: Any, caplog: pytest.LogCaptureFixture, no_leftovers: str
     ) -> None:
         pipe = launch(
             [
@@ -909,23 +964,27 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
             ]
         )
         waiting = self._waiting(pipe)
-        asleep = self._kill_last_while_first_sleeps(pipe, 30)
+        gate = pathlib.Path(no_leftovers, "gate")
+        blocked = self._kill_last_while_first_blocked(pipe, gate)
         try:
             assert waiting.wait(30)
             started = time.monotonic()
             pipe.shutdown()
             # Not the startup timeout (60 s): the stages' own shutdown only (first's loop
-            # is asleep: its client waits for it up to its timeout, 5 s, then kills it).
+            # is blocked: its client waits for it up to its timeout, 5 s, then kills it).
             assert time.monotonic() - started < 15
         finally:
-            asleep.join(40)
+            gate.unlink()
+            blocked.join(40)
         assert pipe.restarts["last"] == 1
         assert pipe.health()["last"] != StageHealth.OK
         assert "did not answer for the requests" not in caplog.text  # it ended cleanly
 
-    def test_a_death_of_the_previous_process_ends_the_wait(self, launch: Any) -> None:
+    def test_a_death_of_the_previous_process_ends_the_wait(
+        self, launch: Any, no_leftovers: str
+    ) -> None:
         # r went through mid[0], which dies while the restart waits for it: it sends
-        # nothing more, so the new last is linked in (to mid[1]) before first wakes.
+        # nothing more, so the new last is linked in (to mid[1]) while first is blocked.
         pipe = launch(
             [
                 PipelineStage(RELAY, name="first"),
@@ -935,26 +994,28 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         )
         waiting = self._waiting(pipe)
         mid0 = pipe.call_utility("mid", "pid", replica=0)
-        asleep = self._kill_last_while_first_sleeps(pipe, 8)
+        gate = pathlib.Path(no_leftovers, "gate")
+        blocked = self._kill_last_while_first_blocked(pipe, gate)
         try:
             assert pipe._core.route("r")[1] == 0
             assert waiting.wait(30)
             assert not _up(pipe, "last")
             os.kill(mid0, signal.SIGKILL)
             assert wait_until(lambda: _up(pipe, "last"), 30), (pipe.restarts, pipe.health())
-            assert asleep.is_alive()  # first is still asleep
+            assert blocked.is_alive()  # first is still blocked
         finally:
-            asleep.join(30)
+            gate.unlink()
+            blocked.join(30)
         assert pipe.health()["mid[0]"] == StageHealth.DEAD
         assert [pipe.add(f"n{i}", i).collect(timeout=10) for i in range(3)] == [[0], [1], [2]]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
 
     def test_a_wait_past_the_startup_timeout_is_a_failed_start(
-        self, launch: Any, caplog: pytest.LogCaptureFixture
+        self, launch: Any, caplog: pytest.LogCaptureFixture, no_leftovers: str
     ) -> None:
-        # first sleeps past the startup timeout (5 s; twice that): the first start's wait
-        # ends it as a failed start (the new process stopped, counted by the policy), and a
-        # later start, after the backoff, is linked in once first and mid applied r's abort.
+        # first is blocked past the startup timeout (5 s): the first start's wait ends it
+        # as a failed start (the new process stopped, counted by the policy), and a later
+        # start, after the backoff, is linked in once first and mid applied r's abort.
         pipe = launch(
             [
                 PipelineStage(RELAY, name="first"),
@@ -963,25 +1024,30 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
             ],
             startup_timeout=5,
         )
-        asleep = self._kill_last_while_first_sleeps(pipe, 10)
+        gate = pathlib.Path(no_leftovers, "gate")
+        blocked = self._kill_last_while_first_blocked(pipe, gate)
 
         def up() -> bool:  # two starts or more (a fast start may time out twice)
             return bool(pipe.restarts["last"] >= 2 and pipe.health()["last"] == StageHealth.OK)
 
+        failed = "did not answer for the requests of its dead process"
         try:
-            assert wait_until(up, 40), (pipe.restarts, pipe.health())
+            assert wait_until(lambda: failed in caplog.text, 30)  # a start's wait ended
+            assert pipe.health()["last"] != StageHealth.OK  # not linked in meanwhile
         finally:
-            asleep.join(30)
-        assert "did not answer for the requests of its dead process" in caplog.text
+            gate.unlink()
+            blocked.join(30)
+        assert wait_until(up, 40), (pipe.restarts, pipe.health())
         assert pipe.add("r", "again").collect(timeout=10) == ["again"]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
 
     def test_an_abort_after_a_later_death_upstream_never_reaches_the_new_process(
-        self, launch: Any, monkeypatch: pytest.MonkeyPatch
+        self, launch: Any, monkeypatch: pytest.MonkeyPatch, no_leftovers: str
     ) -> None:
         # a -> b -> c -> d, a and c restart. r is held in c when c is killed: r ends, its
-        # abort goes from a and, tagged, to d, whose loop is asleep. a and b apply theirs,
-        # so the new c is linked in. Then a is killed too: r, still waiting for d, is
+        # abort goes from a and, tagged, to d, whose loop is blocked (a gate). a and b
+        # apply theirs, so the new c is linked in. Then a is killed too: r, still waiting
+        # for d, is
         # aborted again from b, tagged. b must not chase that abort into the new c, which
         # never held r (it would go on to d with a tag d is not waited for): r's route
         # says -1 at c (docs/wire.md section 8).
@@ -996,8 +1062,9 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         core = pipe._core
         real = core.aborted
         late: list[Any] = []  # any answer of the new c about r
-        second: list[bool] = []  # b answered the abort after a's death: was d asleep?
-        woke = threading.Event()
+        second: list[bool] = []  # b answered the abort after a's death: was d blocked?
+        gate = pathlib.Path(no_leftovers, "gate")  # d's loop is blocked while it exists
+        gate.touch()
         a_killed = threading.Event()
 
         def aborted(k: int, req_ids: Any, *args: Any, **kwargs: Any) -> None:
@@ -1005,7 +1072,7 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
             if "r" in ids and k == 2 and core.restarts(2, 0):
                 late.append((ids, args, kwargs))
             if "r" in ids and k == 1 and a_killed.is_set():
-                second.append(not woke.is_set())
+                second.append(gate.exists())
             real(k, ids, *args, **kwargs)
 
         monkeypatch.setattr(core, "aborted", aborted)
@@ -1014,15 +1081,11 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
         assert wait_until(lambda: _held(pipe, "c") == 1, 10)
         victims = [pipe.call_utility(name, "pid") for name in ("c", "a")]
 
-        def sleep() -> None:
-            with contextlib.suppress(Exception):
-                pipe.call_utility("d", "sleep", 8.0)
-            woke.set()
-
-        asleep = threading.Thread(target=sleep)
-        asleep.start()
+        calls = _utility_calls(pipe, "d")
+        blocked = threading.Thread(target=pipe.call_utility, args=("d", "gate", str(gate)))
+        blocked.start()
         try:
-            time.sleep(0.3)  # d's loop is in the utility now
+            assert wait_until(lambda: _utility_calls(pipe, "d") > calls, 10)  # in it now
             os.kill(victims[0], signal.SIGKILL)
             with pytest.raises(PipelineStageDeadError):
                 stream.collect(timeout=10)
@@ -1033,8 +1096,9 @@ class TestLinkedOnlyOnceThePreviousStageAnswered:
             assert wait_until(lambda: bool(second), 10)
             assert wait_until(lambda: _up(pipe, "a"), 30), (pipe.restarts, pipe.health())
         finally:
-            asleep.join(30)
-        assert second == [True]  # the scenario ran: b answered while d was still asleep
+            gate.unlink()
+            blocked.join(30)
+        assert second == [True]  # the scenario ran: b answered while d was still blocked
         assert wait_until(lambda: pipe.in_flight == 0, 10), pipe.in_flight
         # A request through the new c goes on b's link after anything b sent there before;
         # c's answer to such an abort would precede its answer to this utility call.

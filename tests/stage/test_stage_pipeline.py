@@ -8,7 +8,10 @@ The coordinator's rules alone are checked against a model in ``test_pipeline_mod
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
+import struct
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, cast
@@ -45,7 +48,7 @@ from enginecore.stage._session import ClientSession
 from enginecore.stage._wire import ErrorReport
 from enginecore.stage.testing import HeadEngine, RelayEngine
 
-from .conftest import child_pids, wait_until
+from .conftest import child_pids, settled_engine, wait_until
 from .pipelines import BlockingAsyncPipeline, Launch, assert_death_contained, launcher
 from .raw import in_process_stage
 
@@ -386,6 +389,32 @@ class TestDataFlow:
         assert pipe.add("r", 4).collect(timeout=10) == [3, 2, 1, 0]
 
 
+class TestRelayEngine:
+    def test_gate_blocks_until_its_file_is_removed_or_the_timeout(self, no_leftovers: str) -> None:
+        engine = RelayEngine()
+        gate = pathlib.Path(no_leftovers, "gate")
+        engine.utility("gate", (str(gate), 5.0))  # no file: no wait
+        gate.touch()
+        in_it = threading.Event()
+
+        def blocked() -> None:
+            in_it.set()
+            engine.utility("gate", (str(gate), 30.0))
+
+        thread = threading.Thread(target=blocked)
+        thread.start()
+        assert in_it.wait(10)
+        thread.join(0.2)
+        assert thread.is_alive()  # still held: the file is there
+        gate.unlink()
+        thread.join(10)
+        assert not thread.is_alive()
+        gate.touch()
+        with pytest.raises(RuntimeError, match=r"held for 0\.05 s"):
+            engine.utility("gate", (str(gate), 0.05))
+        gate.unlink()
+
+
 class TestEdges:
     def test_tee_sends_each_output_to_the_caller_and_on(self, launch: Any) -> None:
         pipe = launch([PipelineStage(COUNTDOWN, edge=f"{T}:tee"), RELAY])
@@ -596,7 +625,8 @@ class TestCredits:
             assert payload == 399 - i
             if i % 10 == 0:
                 most = max(most, pipe.stats()["fast"].engine["edge_in_flight"])
-        edge = pipe.stats()["fast"].engine
+        # fast's numbers once they count the end it sent (the stream may be over first).
+        edge = _engine(pipe, "fast", lambda e: e["edge_sent"] >= 401)
         # A step starts only below the window (16), and a countdown step sends one payload,
         # and the end with the last one: never more than 17.
         assert 0 < most <= 17
@@ -1056,7 +1086,7 @@ class TestRetry:
         for stream in streams:
             assert stream.collect(timeout=20) == [4, 3, 2, 1, 0]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
-        assert pipe.stats()["first"].engine["replays"] == 30
+        assert _engine(pipe, "first", _replayed)["replays"] == 30
 
     def test_the_callers_abort_after_a_retry_ends_the_request_aborted(self, launch: Any) -> None:
         # The stages answer the replay's fence and the abort: the stream ends aborted only
@@ -1095,7 +1125,7 @@ class TestRetry:
         arrays = pipe.add("r", 3).collect(timeout=10)
         assert [float(a[0]) for a in arrays] == [2.0, 1.0, 0.0]
         assert all(a.shape == (1 << 18,) and (a == a[0]).all() for a in arrays)
-        stats = pipe.stats()["first"].engine
+        stats = _engine(pipe, "first", _replayed)
         assert stats["replays"] == 1
         assert stats["shm_sent"] >= 4  # the first attempt's one at least, and the replay's
 
@@ -1128,7 +1158,7 @@ class TestSharedMemory:
         (back,) = pipe.add("r", {"image": image, "small": small}).collect(timeout=30)
         assert np.array_equal(back["image"], image)
         assert np.array_equal(back["small"], small)
-        edge = pipe.stats()["a"].engine
+        edge = _engine(pipe, "a", lambda e: e["shm_sent"] > 0)
         assert edge["shm_sent"] == 1
         assert edge["shm_sent_bytes"] == image.nbytes
         assert edge["edge_sent_bytes"] > image.nbytes  # the window counts the shm bytes...
@@ -1151,8 +1181,9 @@ class TestSharedMemory:
         started = time.perf_counter()
         (hop,) = pipe.add("r", np.ones(MIB, dtype=np.uint8)).collect(timeout=30)
         assert 0 < hop < time.perf_counter() - started
-        assert pipe.stats()["a"].engine["shm_sent"] == 1
-        assert pipe.stats()["b"].engine["edge_sent"] == 0  # c never heard of it
+        assert _engine(pipe, "a", lambda e: e["shm_sent"] > 0)["shm_sent"] == 1
+        # b's numbers once they count what it took: c never heard of it.
+        assert _engine(pipe, "b", lambda e: e["shm_taken"] > 0)["edge_sent"] == 0
 
     def test_below_the_threshold_or_without_one_arrays_stay_on_zeromq(self, launch: Any) -> None:
         pipe = launch(
@@ -1188,7 +1219,7 @@ class TestSharedMemory:
             (arrays,) = pipe.add(f"r{r}", 8).collect(timeout=30)
             assert [float(a[0]) for a in arrays] == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
             assert all(bool(np.all(a == a[0])) for a in arrays)
-        edge = pipe.stats()["a"].engine
+        edge = _engine(pipe, "a", lambda e: e["shm_sent"] + e["shm_fallbacks"] >= 24)
         assert edge["shm_sent"] >= 3  # the first request's first three, at least
         assert edge["shm_fallbacks"] >= 5
         assert edge["shm_sent"] + edge["shm_fallbacks"] == 24
@@ -1203,7 +1234,7 @@ class TestSharedMemory:
         outputs = relayed.add("r", 40).collect(timeout=60)
         assert [float(a[0]) for a in outputs] == [float(k) for k in range(39, -1, -1)]
         assert all(bool(np.all(a == a[0])) for a in outputs)
-        edge = relayed.stats()["a"].engine
+        edge = _engine(relayed, "a", lambda e: e["shm_sent"] + e["shm_fallbacks"] >= 40)
         assert edge["shm_sent"] + edge["shm_fallbacks"] == 40
         assert edge["shm_retired"] == 0
 
@@ -1218,8 +1249,8 @@ class TestSharedMemory:
         os.kill(pid, signal.SIGSTOP)  # b can read nothing: the payload waits in its socket
         try:
             stream = pipe.add("r", first)
-            assert wait_until(lambda: len(_segments()) == 1, 10)  # the payload is in its slot
-            time.sleep(0.6)  # the lease (0.2 s) is what is under test: let it run out
+            assert wait_until(lambda: len(_segments()) == 1, 10)  # the payload's slot
+            assert wait_until(_lease_ran_out, 10)  # what is under test (0.2 s): until it did
         finally:
             os.kill(pid, signal.SIGCONT)
         with pytest.raises(PipelineRequestError) as info:
@@ -1232,10 +1263,11 @@ class TestSharedMemory:
         second = np.full(MIB // 4, 2.0, dtype=np.float32)
         (back,) = pipe.add("r2", second).collect(timeout=10)
         assert np.array_equal(back, second)
-        edge = pipe.stats()["a"].engine
+        # a's numbers once they count the second payload it sent (r2 may be back first).
+        edge = _engine(pipe, "a", lambda e: e["shm_sent"] >= 2)
         assert edge["shm_retired"] == 1
         assert len(_segments()) == 1
-        taker = pipe.stats()["b"].engine
+        taker = _engine(pipe, "b", lambda e: e["shm_taken"] > 0)
         assert (taker["shm_taken"], taker["shm_refused"]) == (1, 1)
         # The refused payload's bytes came back as credit too: nothing is left in flight.
         assert wait_until(lambda: pipe.stats()["a"].engine["edge_in_flight_bytes"] == 0, 10)
@@ -1335,7 +1367,7 @@ class TestSharedMemory:
         # are the truth.)
         assert wait_until(lambda: _stage_stats(pipe, after).live == 0, 10)
         assert wait_until(lambda: not _mapped(pids[after], str(k)), 10)
-        assert _stage_stats(pipe, after).engine["shm_mapped"] == 0
+        assert wait_until(lambda: _stage_stats(pipe, after).engine["shm_mapped"] == 0, 10)
         if before is not None:  # the stage before it: its slots unmapped, none kept
 
             def before_done() -> bool:
@@ -1347,6 +1379,34 @@ class TestSharedMemory:
             assert "edge_dropped" in _stage_stats(pipe, before).engine
         pipe.shutdown()
         assert _segments() == []
+
+
+def _lease_ran_out() -> bool:
+    """Whether the one slot of this test's pipeline holds its first payload (generation 1),
+    written with its lease, and the lease is over: read from the slot's header, which no
+    one renews while the next stage is stopped (it must refuse the payload)."""
+    names = _segments()
+    if len(names) != 1:
+        return False
+    fd = os.open(os.path.join(_shm.SHM_DIR, names[0]), os.O_RDONLY)
+    try:
+        header = struct.unpack("=8q", os.pread(fd, 64, 0))
+    finally:
+        os.close(fd)
+    until = header[_shm._H_LEASE_UNTIL]  # written after the generation: 0 until then
+    return bool(header[_shm._H_GEN] == 1 and 0 < until < time.monotonic_ns())
+
+
+def _engine(pipe: Any, stage: str, settled: Any) -> Any:
+    """Stage *stage*'s engine numbers once *settled* holds for them (``settled_engine``:
+    they are a sample its loop takes when it goes idle, which may lag a result)."""
+    return settled_engine(lambda: pipe.stats()[stage].engine, settled)
+
+
+def _replayed(engine: Any) -> bool:
+    """Whether a first stage's engine numbers are a sample taken after it replayed, and
+    after every request left its replay log (ended)."""
+    return bool(engine["replays"] > 0 and engine["replay_logged"] == 0)
 
 
 def _stage_stats(pipe: Any, stage: str) -> Any:

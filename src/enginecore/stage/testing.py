@@ -635,7 +635,9 @@ class RelayEngine:
     The input ``"reject"`` raises :class:`~enginecore.RequestRejected` (from ``add`` or
     ``feed``), as does an ``add`` of a live id. Utilities: ``pid``, ``echo`` (its
     arguments), ``num_requests``, ``added`` (requests added since it started),
-    ``sleep(seconds)`` (blocks the loop that long) and
+    ``sleep(seconds)`` (blocks the loop that long), ``gate(path, timeout=60.0)`` (blocks
+    the loop while the file *path* exists: a test ends the wait when it chooses, by
+    removing it; an error after *timeout* seconds) and
     ``hold(on)``: while on, steps emit nothing (the requests wait, as behind a slow
     device). Outside a pipeline nothing closes a request's input, so it never ends: use it
     in pipelines."""
@@ -708,12 +710,15 @@ class RelayEngine:
         if name == "sleep":
             time.sleep(args[0])
             return None
+        if name == "gate":
+            _wait_while(args[0], float(args[1]) if len(args) > 1 else 60.0)
+            return None
         if name == "hold":
             self._hold = bool(args[0])
             return None
         raise ValueError(
             f"RelayEngine has no utility {name!r}; known: 'pid', 'echo', 'num_requests', "
-            f"'added', 'sleep', 'hold'"
+            f"'added', 'sleep', 'gate', 'hold'"
         )
 
     def step(self) -> list[tuple[str, bool, Any]]:
@@ -1038,12 +1043,17 @@ def gated_factory(directory: str, timeout: float = 60.0) -> CountdownEngine:
     it puts ``hold`` there, waits for the new pid's file, acts, and removes ``hold``."""
     with open(os.path.join(directory, str(os.getpid())), "w"):
         pass
+    _wait_while(os.path.join(directory, "hold"), timeout)
+    return CountdownEngine()
+
+
+def _wait_while(path: str, timeout: float) -> None:
+    """Return once the file *path* is gone; ``RuntimeError`` after *timeout* seconds."""
     deadline = time.monotonic() + timeout
-    while os.path.exists(os.path.join(directory, "hold")):
+    while os.path.exists(path):
         if time.monotonic() > deadline:
             raise RuntimeError(f"held for {timeout} s")
         time.sleep(0.01)
-    return CountdownEngine()
 
 
 def barrier_factory(directory: str, parties: int, timeout: float = 20.0) -> CountdownEngine:
