@@ -582,3 +582,24 @@ def test_a_route_through_a_process_of_an_older_build_is_sent_as_it_is() -> None:
     d = PipelineDeliveries()
     core.replica_dead(1, 0, EngineDeadError("killed"), 2.0, d)
     assert d.routes["q"] == (0, -1, 0)
+
+
+def test_a_replica_death_after_the_pipeline_failed_aborts_what_it_cut_off_again() -> None:
+    # c (the whole stage) dies: the pipeline fails, r's abort goes from a's replica on its
+    # route. That replica had died already, unheard: when its death is heard, the stage
+    # after it gets r's abort again, or b would hold r until the pipeline shuts down.
+    core: PipelineCore[StreamCore] = PipelineCore(["a", "b", "c"], replicas=[3, 1, 1])
+    core.open("r", StreamCore("r"))
+    route = core.route("r")
+    assert route is not None
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.stage_dead(2, EngineDeadError("killed"), 1.0, d)
+    assert d.aborts == ["r"]
+    assert core.failure is not None
+    d = PipelineDeliveries()
+    core.replica_dead(0, route[0], EngineDeadError("killed"), 1.1, d)
+    assert d.stage_aborts == [(1, ["r"])]
+    assert d.routes["r"] == route
+    d = PipelineDeliveries()
+    core.replica_dead(0, (route[0] + 1) % 3, EngineDeadError("killed"), 1.2, d)
+    assert d.stage_aborts == []  # nothing was routed through another (not the last) one

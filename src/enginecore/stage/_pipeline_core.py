@@ -737,7 +737,11 @@ class PipelineCore(Generic[S]):
         With a restart policy (its stage restarts): the death is counted, and unless it
         makes the process ``failed``, :attr:`PipelineDeliveries.restarts` says when to start
         it again; until then it is ``dead``, and if it was its stage's last live process,
-        adds are refused (:class:`~._errors.NoReplicaError`) but the pipeline goes on."""
+        adds are refused (:class:`~._errors.NoReplicaError`) but the pipeline goes on.
+
+        Once the pipeline has failed (:meth:`stage_dead`), the requests it held are aborted
+        again from the stage after *r*, those routed through it: the aborts sent at the
+        failure may have gone to it, dead before the coordinator heard."""
         alive = self._alive[k]
         if not alive[r] and self._states[k][r] is not ReplicaState.STARTING:
             return
@@ -759,6 +763,21 @@ class PipelineCore(Generic[S]):
                 return
             self._down.add(k)
         self._gone_around(k, r, d)
+        if self.failure is not None:
+            # The pipeline has failed (stage_dead): its requests are over, but the aborts
+            # sent then to the stages still running may have gone to this process (dead
+            # before the coordinator heard of it). The stage after it gets those routed
+            # through it again, so that none holds one until shutdown.
+            if k + 1 < self._n:
+                cut = [
+                    (rid, route)
+                    for rid, route in self._orphans.items()
+                    if route is not None and route[k] == r
+                ]
+                if cut:
+                    d.routes.update(cut)
+                    d.stage_aborts.append((k + 1, [rid for rid, _ in cut]))
+            return
         error = PipelineStageDeadError(
             str(exc),
             stage=self.stages[k],
