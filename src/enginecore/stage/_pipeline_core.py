@@ -769,14 +769,14 @@ class PipelineCore(Generic[S]):
             # before the coordinator heard of it). The stage after it gets those routed
             # through it again, so that none holds one until shutdown.
             if k + 1 < self._n:
-                cut = [
+                through = [
                     (rid, route)
                     for rid, route in self._orphans.items()
                     if route is not None and route[k] == r
                 ]
-                if cut:
-                    d.routes.update(cut)
-                    d.stage_aborts.append((k + 1, [rid for rid, _ in cut]))
+                if through:
+                    d.routes.update(through)
+                    d.stage_aborts.append((k + 1, [rid for rid, _ in through]))
             return
         error = PipelineStageDeadError(
             str(exc),

@@ -915,9 +915,7 @@ class PipelineBase(Generic[S, C]):
                 for rid in d.releases:
                     route = routes.get(rid)
                     by.setdefault(route[k] if route else 0, []).append(rid)
-                for r, ids in by.items():
-                    if r < 0:  # its process there died (PipelineDeliveries.routes)
-                        continue
+                for r, ids in by.items():  # (done while live: no dead process on its route)
                     with contextlib.suppress(Exception):
                         replicas[k][r]._send(ClientSession.release_frame(ids))
 
