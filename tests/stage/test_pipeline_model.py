@@ -387,6 +387,16 @@ ACT = st.sampled_from(
 MAX_CONCURRENT = 3
 
 
+def _model_settings(max_examples: int) -> settings:
+    """Every model's run: *max_examples* examples of 50 steps, no deadline."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=50,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
 class PipelineModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -1512,12 +1522,7 @@ class PipelineModel(RuleBasedStateMachine):
 
 
 TestPipelineModel = PipelineModel.TestCase
-TestPipelineModel.settings = settings(
-    max_examples=2000,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestPipelineModel.settings = _model_settings(2000)
 
 
 class RetryModel(PipelineModel):
@@ -1553,12 +1558,7 @@ class RetryModel(PipelineModel):
 
 
 TestRetryModel = RetryModel.TestCase
-TestRetryModel.settings = settings(
-    max_examples=1000,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestRetryModel.settings = _model_settings(1000)
 
 
 class RoutedCore(PipelineCore[StreamCore]):
@@ -1653,12 +1653,7 @@ class PooledModel(PipelineModel):
 
 
 TestPooledModel = PooledModel.TestCase
-TestPooledModel.settings = settings(
-    max_examples=1000,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestPooledModel.settings = _model_settings(1000)
 
 
 # What happens next in a run with restarts: a restart's next step as often as a fault.
@@ -1894,12 +1889,7 @@ class RestartModel(PooledModel):
 
 
 TestRestartModel = RestartModel.TestCase
-TestRestartModel.settings = settings(
-    max_examples=1000,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestRestartModel.settings = _model_settings(1000)
 
 
 # The race model's: deaths and restarts as often as the stages' work.
@@ -1948,9 +1938,4 @@ class RestartRaceModel(RestartModel):
 
 
 TestRestartRaceModel = RestartRaceModel.TestCase
-TestRestartRaceModel.settings = settings(
-    max_examples=1000,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestRestartRaceModel.settings = _model_settings(1000)
