@@ -1,0 +1,602 @@
+"""Soak a pipeline whose stages restart, under SIGKILLs, aborts and reused request ids: no
+request may hang, end twice, lose or duplicate an output, or leave anything behind. Not a
+timed benchmark: every expectation is a count, and the script exits 1 if one does not hold.
+
+Usage (from the repository root)::
+
+    python -m benchmarks.soak_pipeline                 # 60 s
+    python -m benchmarks.soak_pipeline --seconds 10    # what tests/test_soak.py runs
+    python -m benchmarks.soak_pipeline --seconds 300 --seed 7 --kind sync
+
+The pipeline: ``CountdownEngine`` (one process), a ``relay`` pool of two, a ``relay`` of one
+process, each stage restarted when it dies (``RestartPolicy(first_delay=0.05)``, no limit on
+deaths). Requests of 1 to 40 outputs arrive while ``--concurrency`` are in flight, their ids
+drawn from a small set (``--ids``), so that an id is added again soon after it was freed,
+while its last aborts may still be on their way (the race the tagged aborts close). 20 % are
+aborted after a random number of outputs (0: at once, before any is read). A killer sends
+SIGKILL to a random live process every 0.2 to 1.2 s; the chaos stops ``--quiet`` seconds
+before the end, then every process must be up again and serve a last wave of requests.
+
+Every request must end within ``--deadline`` seconds of its add, and end one way:
+
+- finished: exactly its outputs ``n-1, ..., 0``, in order;
+- aborted (only one the soak aborted), or failed with ``PipelineStageDeadError`` (only if a
+  process was killed during its life or at most ``KILL_SEEN_S`` before its add): the
+  outputs before, a prefix of those;
+- refused at ``add`` with ``NoReplicaError`` (a stage restarting) or ``ValueError`` (its id
+  still held by the pipeline: its aborts are on their way): counted, and the id drawn again
+  later.
+
+At the end: the pipeline holds no request, no stage holds one, every process is up, and
+after the shutdown no process the soak saw is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+COUNTDOWN = "enginecore:CountdownEngine"
+RELAY = "enginecore.stage.testing:relay"
+FLAKY = "enginecore.stage.testing:flaky"
+T = TypeVar("T")
+KILL_SEEN_S = 2.0
+"""A request may fail with ``PipelineStageDeadError`` if a process was killed at most this
+long before its add (its death not heard yet when it was routed), or during its life."""
+
+
+@dataclass
+class Config:
+    seconds: float = 60.0
+    seed: int = 1
+    concurrency: int = 32
+    ids: int = 48
+    abort_share: float = 0.2
+    deadline: float = 30.0
+    quiet: float = 5.0
+    kind: str = "async"
+    topology: str = "basic"
+    freeze_share: float = 0.0
+
+
+@dataclass
+class Report:
+    ends: collections.Counter[str] = field(default_factory=collections.Counter)
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
+    kills: collections.Counter[str] = field(default_factory=collections.Counter)
+    freezes: collections.Counter[str] = field(default_factory=collections.Counter)
+    problems: list[str] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
+    last_wave: int = 0
+    last_kill: float = float("-inf")  # time.monotonic() of the last SIGKILL
+    pids: set[int] = field(default_factory=set)  # every stage process the soak saw
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def problem(self, what: str) -> None:
+        with self._lock:
+            if len(self.problems) < 50:
+                self.problems.append(what)
+
+    def count(self, counter: collections.Counter[str], key: str) -> None:
+        with self._lock:
+            counter[key] += 1
+
+
+def _stages(topology: str) -> list[Any]:
+    """The pipeline: ``basic``, three stages (the middle one a pool of two); ``wide``, four
+    (two pools of two), the first edge ``Retry(2)`` into a stage that fails each request id's
+    first attempt in each of its processes (its first output an error)."""
+    from enginecore.stage import PipelineStage, RestartPolicy, Retry
+
+    policy = RestartPolicy(first_delay=0.05, max_delay=0.2, max_failures=10**6)
+    if topology == "basic":
+        return [
+            PipelineStage(COUNTDOWN, name="first", restart=policy),
+            PipelineStage(RELAY, {"step_s": 0.002}, name="mid", replicas=2, restart=policy),
+            PipelineStage(RELAY, {"step_s": 0.001}, name="last", restart=policy),
+        ]
+    if topology == "wide":
+        return [
+            PipelineStage(COUNTDOWN, name="first", restart=policy, on_next_error=Retry(2)),
+            PipelineStage(
+                FLAKY,
+                {"when": "first", "step_s": 0.001},
+                name="mid",
+                replicas=2,
+                restart=policy,
+            ),
+            PipelineStage(RELAY, {"step_s": 0.002}, name="mid2", replicas=2, restart=policy),
+            PipelineStage(RELAY, {"step_s": 0.001}, name="last", restart=policy),
+        ]
+    raise ValueError(f"topology must be 'basic' or 'wide', got {topology!r}")
+
+
+class _Ids:
+    """A small set of request ids; one is taken while its request is live at the caller."""
+
+    def __init__(self, n: int, rng: random.Random) -> None:
+        self._free = [f"r{i}" for i in range(n)]
+        self._rng = rng
+        self._lock = threading.Lock()
+
+    def take(self) -> str | None:
+        with self._lock:
+            if not self._free:
+                return None
+            return self._free.pop(self._rng.randrange(len(self._free)))
+
+    def give(self, rid: str) -> None:
+        with self._lock:
+            self._free.append(rid)
+
+
+class _Life:
+    """One request of the soak, from its add to its end: what it read, and the checks of
+    how it ended (:meth:`end`)."""
+
+    def __init__(self, rid: str, n: int, abort_after: int | None, report: Report) -> None:
+        self.rid, self.n, self.abort_after, self.report = rid, n, abort_after, report
+        self.added = time.monotonic()
+        self.got: list[Any] = []
+
+    def refused(self, exc: Exception) -> None:
+        """``add`` refused it with *exc*: :class:`NoReplicaError` (a stage restarting), or
+        :class:`ValueError` for its id still in the pipeline (anything else is a problem)."""
+        if isinstance(exc, ValueError) and "is still in the pipeline" not in str(exc):
+            self.report.problem(f"{self.rid}: add raised {exc!r}")
+        self.report.count(self.report.refused, type(exc).__name__)
+
+    def end(self, how: str, exc: BaseException | None = None, where: str = "") -> None:
+        """It ended *how*: ``finished``, ``aborted``, ``dead`` or ``error`` (with *exc*), or
+        ``hung`` (*where*: what the coordinator says of it)."""
+        rid, report = self.rid, self.report
+        if how == "error" and "on purpose" not in str(exc):
+            report.problem(f"{rid}: {exc!r}")
+        elif how == "aborted" and self.abort_after is None:
+            report.problem(f"{rid}: aborted, but the soak did not abort it")
+        elif how == "dead" and report.last_kill < self.added - KILL_SEEN_S:
+            report.problem(f"{rid}: {exc!r}, with no kill near its life")
+        elif how == "hung":
+            report.problem(
+                f"{rid}: no end within the deadline (n={self.n}, got {len(self.got)}, {where})"
+            )
+        expected = list(range(self.n - 1, -1, -1))
+        if how == "finished" and self.got != expected:
+            report.problem(f"{rid}: finished with {self.got!r}, expected {expected!r}")
+        elif self.got != expected[: len(self.got)]:
+            report.problem(f"{rid}: {how} after {self.got!r}, not a prefix of {expected!r}")
+        report.count(report.ends, how)
+
+
+def _draw(rng: random.Random, cfg: Config) -> tuple[int, int | None]:
+    """A request's length, and after how many outputs the soak aborts it (``None``: never;
+    0: at once, before reading any)."""
+    n = rng.randint(1, 40)
+    return n, rng.randint(0, n) if rng.random() < cfg.abort_share else None
+
+
+class _View(Protocol):
+    """What the last phase (:func:`_settle`) asks of either pipeline, blocking."""
+
+    def health(self) -> dict[str, str]: ...
+    def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]: ...
+    def in_flight(self) -> int: ...
+    def held(self, stage: str) -> Any: ...
+    def restarts(self) -> dict[str, int]: ...
+    def note_pids(self) -> None: ...
+    def stages(self) -> tuple[str, ...]: ...
+
+
+def _settle(view: _View, cfg: Config, report: Report) -> None:
+    """After the chaos: every process up again (within the deadline), a last wave served,
+    nothing held."""
+    until = time.monotonic() + cfg.deadline
+    while time.monotonic() < until and set(view.health().values()) != {"ok"}:
+        time.sleep(0.05)
+    if set(view.health().values()) != {"ok"}:
+        report.problem(f"not every process up again: {view.health()}")
+    for got in view.run_wave(16, cfg.deadline):
+        if isinstance(got, Exception):
+            report.problem(f"last wave: {type(got).__name__}: {got}")
+        report.last_wave += got == [4, 3, 2, 1, 0]
+    until = time.monotonic() + 10
+    while view.in_flight() and time.monotonic() < until:
+        time.sleep(0.05)
+    if view.in_flight():
+        report.problem(f"the pipeline still holds {view.in_flight()} requests")
+    for name in view.stages():
+        try:
+            held = view.held(name)
+        except Exception as exc:
+            report.problem(f"stage {name}: num_requests raised {exc!r}")
+            continue
+        if (sum(held) if isinstance(held, list) else held) != 0:
+            report.problem(f"stage {name} still holds requests: {held!r}")
+    report.restarts = view.restarts()
+    view.note_pids()
+
+
+def _killer(
+    rng: random.Random,
+    until: float,
+    stop: threading.Event,
+    report: Report,
+    *,
+    targets: Callable[[], list[tuple[str, int]]],
+    freeze_share: float = 0.0,
+) -> None:
+    """Until *until*: every 0.2 to 1.2 s, SIGKILL one of the processes *targets* lists (by
+    key, ``name`` or ``name[r]``, and pid: those up now), or, *freeze_share* of the time,
+    freeze it (SIGSTOP) for 0.1 to 3 s while the chaos goes on. Every frozen process is
+    thawed (SIGCONT) before this returns."""
+    frozen: dict[int, float] = {}  # pid: when to thaw it
+
+    def thaw(now: float) -> None:
+        for pid, at in list(frozen.items()):
+            if at <= now:
+                del frozen[pid]
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+    try:
+        while not stop.is_set() and time.monotonic() < until:
+            wake = time.monotonic() + rng.uniform(0.2, 1.2)
+            while (now := time.monotonic()) < wake:  # thaw on time meanwhile
+                due = min([wake, *frozen.values()])
+                if stop.wait(max(0.0, due - now)):
+                    return
+                thaw(time.monotonic())
+            if time.monotonic() >= until:
+                return
+            up = [t for t in targets() if t[1] not in frozen]
+            if not up:
+                continue
+            key, pid = rng.choice(up)
+            with contextlib.suppress(ProcessLookupError):
+                if rng.random() < freeze_share:
+                    frozen[pid] = time.monotonic() + rng.uniform(0.1, 3.0)
+                    os.kill(pid, signal.SIGSTOP)
+                    report.count(report.freezes, key)
+                else:
+                    report.last_kill = time.monotonic()
+                    os.kill(pid, signal.SIGKILL)
+                    report.count(report.kills, key)
+    finally:
+        thaw(float("inf"))
+
+
+def _targets(pipe: Any, report: Report) -> list[tuple[str, int]]:
+    """The processes of *pipe* that are up: (key as in ``health()``, pid), each noted in
+    ``report.pids``."""
+    health = pipe.health()
+    out = []
+    for name in pipe.stages:
+        replicas = sum(1 for key in health if key == name or key.startswith(f"{name}["))
+        for r in range(replicas):
+            key = name if replicas == 1 else f"{name}[{r}]"
+            if health[key] == "ok":
+                out.append((key, pipe.client(name, r).pid))
+    report.pids.update(pid for _, pid in out)
+    return out
+
+
+def _left_behind(report: Report) -> None:
+    """After the shutdown: a process the soak saw that still exists is a problem."""
+    for pid in sorted(report.pids):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        report.problem(f"stage process {pid} is still there after the shutdown")
+
+
+def _run_sync(cfg: Config, report: Report) -> None:
+    from enginecore.stage import (
+        NoReplicaError,
+        Pipeline,
+        PipelineRequestError,
+        PipelineStageDeadError,
+    )
+
+    rng = random.Random(cfg.seed)
+    rng_lock = threading.Lock()
+    ids = _Ids(cfg.ids, rng)
+    start = time.monotonic()
+    end_at = start + cfg.seconds
+    with Pipeline.launch(_stages(cfg.topology), startup_timeout=60) as pipe:
+        stop = threading.Event()
+        killer = threading.Thread(
+            target=_killer,
+            args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
+            kwargs={"targets": lambda: _targets(pipe, report), "freeze_share": cfg.freeze_share},
+            daemon=True,
+        )
+        killer.start()
+
+        def one(life: _Life) -> None:
+            rid = life.rid
+            try:
+                stream = pipe.add(rid, life.n)
+            except (NoReplicaError, ValueError) as exc:
+                life.refused(exc)
+                time.sleep(0.01)  # a stage restarting: no busy loop
+                return
+            deadline = time.monotonic() + cfg.deadline
+            if life.abort_after == 0:
+                pipe.abort([rid])
+            try:
+                while True:
+                    try:
+                        payload = stream.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except StopIteration:
+                        break
+                    life.got.append(payload)
+                    if len(life.got) == life.abort_after:
+                        pipe.abort([rid])
+            except PipelineStageDeadError as exc:
+                life.end("dead", exc)
+            except PipelineRequestError as exc:
+                life.end("error", exc)
+            except TimeoutError:
+                life.end("hung", where=_where(pipe, rid))
+            else:
+                life.end("aborted" if stream.aborted else "finished")
+
+        def worker() -> None:
+            while time.monotonic() < end_at:
+                rid = ids.take()
+                if rid is None:
+                    time.sleep(0.01)
+                    continue
+                with rng_lock:
+                    n, abort_after = _draw(rng, cfg)
+                try:
+                    one(_Life(rid, n, abort_after, report))
+                except Exception as exc:
+                    report.problem(f"{rid}: {type(exc).__name__}: {exc}")
+                finally:
+                    ids.give(rid)
+
+        workers = [threading.Thread(target=worker) for _ in range(cfg.concurrency)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        stop.set()
+        killer.join(5)
+
+        class View:
+            def health(self) -> dict[str, str]:
+                return dict(pipe.health())
+
+            def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]:
+                try:
+                    streams = [pipe.add(f"last{i}", 5) for i in range(n)]
+                except Exception as exc:
+                    return [exc]
+                out: list[list[Any] | Exception] = []
+                for stream in streams:
+                    try:
+                        out.append(stream.collect(timeout=timeout))
+                    except Exception as exc:
+                        out.append(exc)
+                return out
+
+            def in_flight(self) -> int:
+                return pipe.in_flight
+
+            def held(self, stage: str) -> Any:
+                return pipe.call_utility(stage, "num_requests", timeout=10)
+
+            def restarts(self) -> dict[str, int]:
+                return dict(pipe.restarts)
+
+            def note_pids(self) -> None:
+                _targets(pipe, report)
+
+            def stages(self) -> tuple[str, ...]:
+                return tuple(pipe.stages)
+
+        _settle(View(), cfg, report)
+
+
+async def _run_async(cfg: Config, report: Report) -> None:
+    from enginecore.stage import (
+        AsyncPipeline,
+        NoReplicaError,
+        PipelineRequestError,
+        PipelineStageDeadError,
+    )
+
+    rng = random.Random(cfg.seed)
+    ids = _Ids(cfg.ids, rng)
+    loop = asyncio.get_running_loop()
+    start = time.monotonic()
+    end_at = start + cfg.seconds
+    pipe = await AsyncPipeline.launch(_stages(cfg.topology), startup_timeout=60)
+
+    def on_loop(coro: Coroutine[Any, Any, T]) -> T:  # from another thread
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    async def targets() -> list[tuple[str, int]]:
+        return _targets(pipe, report)
+
+    try:
+        stop = threading.Event()
+        killer = threading.Thread(
+            target=_killer,
+            args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
+            kwargs={"targets": lambda: on_loop(targets()), "freeze_share": cfg.freeze_share},
+            daemon=True,
+        )
+        killer.start()
+        sem = asyncio.Semaphore(cfg.concurrency)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(life: _Life) -> None:
+            rid = life.rid
+            try:
+                try:
+                    stream = await pipe.add(rid, life.n)
+                except (NoReplicaError, ValueError) as exc:
+                    life.refused(exc)
+                    await asyncio.sleep(0.01)  # a stage restarting: no busy loop
+                    return
+                deadline = time.monotonic() + cfg.deadline
+                if life.abort_after == 0:
+                    await pipe.abort([rid])
+                try:
+                    while True:
+                        try:
+                            left = max(0.0, deadline - time.monotonic())
+                            payload = await stream.get(timeout=left)
+                        except StopAsyncIteration:
+                            break
+                        life.got.append(payload)
+                        if len(life.got) == life.abort_after:
+                            await pipe.abort([rid])
+                except PipelineStageDeadError as exc:
+                    life.end("dead", exc)
+                except PipelineRequestError as exc:
+                    life.end("error", exc)
+                except TimeoutError:
+                    life.end("hung", where=_where(pipe, rid))
+                else:
+                    life.end("aborted" if stream.aborted else "finished")
+            except Exception as exc:
+                report.problem(f"{rid}: {type(exc).__name__}: {exc}")
+            finally:
+                ids.give(rid)
+                sem.release()
+
+        while time.monotonic() < end_at:
+            await sem.acquire()
+            rid = ids.take()
+            if rid is None:
+                sem.release()
+                await asyncio.sleep(0.01)
+                continue
+            task = asyncio.create_task(one(_Life(rid, *_draw(rng, cfg), report)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        stop.set()
+        if tasks:
+            await asyncio.wait(tasks)
+        await asyncio.to_thread(killer.join, 5)
+
+        async def wave(n: int, timeout: float) -> list[list[Any] | Exception]:
+            try:
+                streams = [await pipe.add(f"last{i}", 5) for i in range(n)]
+            except Exception as exc:
+                return [exc]
+            return list(
+                await asyncio.gather(
+                    *(s.collect(timeout=timeout) for s in streams), return_exceptions=True
+                )
+            )
+
+        async def held(stage: str) -> Any:
+            return await pipe.call_utility(stage, "num_requests", timeout=10)
+
+        async def read(fn: Callable[[], T]) -> T:
+            return fn()
+
+        class View:
+            def health(self) -> dict[str, str]:
+                return on_loop(read(lambda: dict(pipe.health())))
+
+            def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]:
+                return on_loop(wave(n, timeout))
+
+            def in_flight(self) -> int:
+                return on_loop(read(lambda: pipe.in_flight))
+
+            def held(self, stage: str) -> Any:
+                return on_loop(held(stage))
+
+            def restarts(self) -> dict[str, int]:
+                return on_loop(read(lambda: dict(pipe.restarts)))
+
+            def note_pids(self) -> None:
+                on_loop(targets())
+
+            def stages(self) -> tuple[str, ...]:
+                return tuple(pipe.stages)
+
+        await asyncio.to_thread(_settle, View(), cfg, report)
+    finally:
+        await pipe.shutdown()
+
+
+def _where(pipe: Any, rid: str) -> str:
+    """What the coordinator says of a request that hung."""
+    core = pipe._core
+    return f"state {core.state(rid)!r}, route {core.route(rid)!r}"
+
+
+def run(cfg: Config) -> Report:
+    report = Report()
+    if cfg.kind == "async":
+        asyncio.run(_run_async(cfg, report))
+    elif cfg.kind == "sync":
+        _run_sync(cfg, report)
+    else:
+        raise ValueError(f"kind must be 'sync' or 'async', got {cfg.kind!r}")
+    _left_behind(report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=Config.seconds)
+    parser.add_argument("--seed", type=int, default=Config.seed)
+    parser.add_argument("--concurrency", type=int, default=Config.concurrency)
+    parser.add_argument("--ids", type=int, default=Config.ids)
+    parser.add_argument("--deadline", type=float, default=Config.deadline)
+    parser.add_argument("--kind", choices=("sync", "async"), default=Config.kind)
+    parser.add_argument("--topology", choices=("basic", "wide"), default=Config.topology)
+    parser.add_argument("--freeze-share", type=float, default=Config.freeze_share)
+    args = parser.parse_args(argv)
+    cfg = Config(
+        seconds=args.seconds,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        ids=args.ids,
+        deadline=args.deadline,
+        kind=args.kind,
+        topology=args.topology,
+        freeze_share=args.freeze_share,
+        quiet=min(Config.quiet, args.seconds / 2),
+    )
+    t0 = time.monotonic()
+    report = run(cfg)
+    print(
+        f"soak_pipeline: {time.monotonic() - t0:.1f} s, {cfg.kind}, {cfg.topology}, seed {cfg.seed}"
+    )
+    print(f"  ends: {dict(report.ends)}")
+    print(f"  refused at add: {dict(report.refused)}")
+    print(f"  kills: {dict(report.kills)}; restarts: {report.restarts}")
+    print(f"  freezes: {dict(report.freezes)}")
+    print(f"  last wave: {report.last_wave}/16 complete")
+    for p in report.problems:
+        print(f"  PROBLEM: {p}")
+    ok = not report.problems and report.last_wave == 16
+    print("  OK" if ok else "  FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

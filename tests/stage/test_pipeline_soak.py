@@ -1,0 +1,50 @@
+"""The pipeline soak (``benchmarks/soak_pipeline.py``) in a short run, for both pipelines:
+SIGKILLs of every stage's processes under load, with aborts and reused ids, and every
+request ends once, with its outputs, within the deadline; nothing is left behind (the
+conftest's autouse fixture: no process, socket file or shared-memory segment). Counts only,
+never a time. And the soak can fail: a coordinator that forgets a dead process's requests
+makes it report them as hung."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from benchmarks import soak_pipeline
+
+from enginecore.stage._pipeline_core import PipelineCore
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_short_soak_under_kills_meets_every_expectation(kind: str) -> None:
+    cfg = soak_pipeline.Config(seconds=12, quiet=3, kind=kind, seed=5)
+    report = soak_pipeline.run(cfg)
+    assert not report.problems, report.problems
+    assert report.last_wave == 16
+    # The soak did what it is for: kills, every way of ending, ids refused while held.
+    assert sum(report.kills.values()) >= 3, report.kills
+    assert sum(report.restarts.values()) == sum(report.kills.values()), report.restarts
+    assert report.ends["finished"] > 100, report.ends
+    assert report.ends["dead"] > 0, report.ends
+    assert report.ends["aborted"] > 0, report.ends
+    assert report.pids
+
+
+def test_a_request_left_hanging_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The mutation: a replica's death no longer ends the requests routed through it.
+    real = PipelineCore.replica_dead
+
+    def forgetful(self: PipelineCore[Any], k: int, r: int, *args: Any, **kwargs: Any) -> Any:
+        saved = self._requests
+        self._requests = {}
+        try:
+            return real(self, k, r, *args, **kwargs)
+        finally:
+            self._requests = saved | self._requests
+
+    monkeypatch.setattr(PipelineCore, "replica_dead", forgetful)
+    cfg = soak_pipeline.Config(seconds=6, quiet=2, kind="sync", seed=5, deadline=3)
+    report = soak_pipeline.run(cfg)
+    assert any("no end within the deadline" in p for p in report.problems), report.problems
