@@ -351,6 +351,19 @@ class TestAbort:
         stage_client.abort(["nope"])
         assert stage_client.add("r", 1).collect(timeout=5) == [0]
 
+    def test_an_abort_of_an_ended_request_does_not_end_its_id_added_again(
+        self, stage_client: StageClient
+    ) -> None:
+        # The stage answers every abort, known id or not (docs/wire.md section 5): the
+        # answer to this one comes after the id was added again, and is not the new one's.
+        assert stage_client.add("r", 1).collect(timeout=5) == [0]
+        stage_client.call_utility_future("sleep", 0.5)  # the loop busy: both queue up
+        stage_client.abort(["r"])  # too late: r has finished
+        again = stage_client.add("r", 3)
+        assert again.collect(timeout=5) == [2, 1, 0]
+        assert again.finished
+        assert stage_client.call_utility("num_requests", timeout=5) == 0
+
     def test_abort_rejects_a_bare_string(self, stage_client: StageClient) -> None:
         with pytest.raises(TypeError, match=r"abort\(\['r1'\]\)"):
             stage_client.abort("r1")

@@ -7,20 +7,28 @@ the clients promise runs through both clients; ``serve``'s signals through a sub
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from enginecore.stage import RequestError, StageClient
+from enginecore.stage import (
+    EngineDeadError,
+    RequestError,
+    StageClient,
+    StageClosedError,
+    StageHealth,
+)
 from enginecore.stage._stage_engine import DRAINING
 from enginecore.stage.testing import ScriptedEngine
 
-from .conftest import SCRIPTED, Launch, Server
+from .conftest import SCRIPTED, Launch, Server, wait_until
 from .raw import InProcessStage, RawClient
 
 Event = list[Any]
@@ -183,6 +191,39 @@ class TestClientDrain:
         assert time.monotonic() - started < 5.0
         with pytest.raises(RequestError, match=r"drain timed out after 0\.3 s"):
             stream.collect(timeout=5)
+
+    def test_a_stage_killed_during_the_drain_ends_its_streams_with_its_death(
+        self, launch: Launch
+    ) -> None:
+        # A drain lets the live requests run to their end: a stage that dies meanwhile
+        # ends them with its death, as without a shutdown, not with StageClosedError.
+        client = launch(SCRIPTED)
+        stream = client.add("r", 10**9)
+        stream.get(5)
+        pid = client.pid
+        closer = threading.Thread(target=client.shutdown, kwargs={"drain": 30})
+        closer.start()
+        try:
+            assert wait_until(lambda: client.health() == StageHealth.DEAD, 10)  # closing
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="killed by SIGKILL") as info:
+                stream.collect(timeout=10)
+            assert not isinstance(info.value, StageClosedError)
+        finally:
+            closer.join(30)
+        assert not closer.is_alive()
+
+    def test_a_stage_the_client_kills_after_the_drain_ends_its_streams_closed(
+        self, launch: Launch
+    ) -> None:
+        # Past the drain and the timeout, the client signals the stage itself: that is the
+        # close's doing, and what is still live ends with StageClosedError.
+        client = launch(SCRIPTED)
+        client.call_utility_future("sleep", 30.0)  # the loop never gets to the drain
+        stream = client.add("r", 3)
+        client.shutdown(0.2, drain=0.2)
+        with pytest.raises(StageClosedError):
+            stream.collect(timeout=10)
 
     @pytest.mark.parametrize("drain", [-1.0, float("nan")])
     def test_an_invalid_drain_raises_before_anything(self, launch: Launch, drain: float) -> None:

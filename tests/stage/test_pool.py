@@ -535,6 +535,42 @@ def test_replicas_join_and_leave_while_serving(launch: Open) -> None:
         pool.remove_replica(r0)
 
 
+def test_a_replica_killed_while_it_drains_fails_its_requests_with_its_death(
+    launch: Open,
+) -> None:
+    # A drained removal lets the replica's requests run to their end: if it dies meanwhile,
+    # they end with its death (ReplicaDeadError), as without a removal, not StageClosedError.
+    pool = launch(replicas=2, kwargs={"step_s": 0.005})
+    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
+    for s in streams:
+        s.get(10)
+    victim = pool.replicas[0]
+    pid = victim.pid
+    on_victim = [s for s in streams if s.replica is victim]
+    assert on_victim
+    remover = threading.Thread(
+        target=pool.remove_replica, args=(victim,), kwargs={"drain": True, "timeout": 30}
+    )
+    remover.start()
+    try:
+        assert wait_until(lambda: victim.state is ReplicaState.DRAINING, 10)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        for s in on_victim:
+            with pytest.raises(ReplicaDeadError) as info:
+                s.collect(10)
+            assert info.value.replica is victim
+    finally:
+        remover.join(30)
+    assert not remover.is_alive()
+    assert victim.state is ReplicaState.REMOVED
+    survivors = [s for s in streams if s.replica is not victim]
+    pool.abort([s.req_id for s in survivors])
+    for s in survivors:
+        s.collect(10)
+        assert s.aborted
+
+
 def test_a_pool_over_connected_and_launched_replicas(pools: tuple[Open, Open]) -> None:
     _, connect = pools
     server = Server("--engine", COUNTDOWN, "--bind", "tcp://127.0.0.1:*")

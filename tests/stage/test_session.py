@@ -171,6 +171,161 @@ class TestRouting:
         assert d.warnings == []
 
 
+class TestAbortAnswers:
+    """The stage answers every ``abort`` with one ``aborted``, known id or not, in order with
+    its other events (docs/wire.md section 5). An answer to an abort of a request that has
+    ended since (finished, failed) must not end a request added again with the same id
+    before the answer came."""
+
+    def test_an_answer_ends_the_request_it_was_sent_for(self) -> None:
+        s = session()
+        (a,) = open_streams(s, "a")
+        s.note_abort(["a"])
+        received(s, frame(["aborted", ["a"]]))
+        assert list(a._buf) == [ABORTED]
+        assert s._aborts_due == s._aborts_stale == {}
+
+    def test_an_abort_of_an_ended_id_does_not_end_the_id_added_again(self) -> None:
+        s = session()
+        (a1,) = open_streams(s, "a")
+        received(s, frame(outputs(("a", True, 0))))  # a ended: its id is free
+        s.note_abort(["a"])  # too late, sent anyway: the stage answers it all the same
+        (a2,) = open_streams(s, "a")  # the id again, before the answer came
+        received(s, frame(["aborted", ["a"]], outputs(("a", False, 1))))
+        assert list(a1._buf) == [0, FINISHED]
+        assert list(a2._buf) == [1]  # live, and still routed to
+        assert s.streams == {"a": a2}
+        assert s._aborts_due == s._aborts_stale == {}
+
+    @pytest.mark.parametrize("how", ["finished", "error"])
+    def test_a_request_that_ends_before_its_abort_is_applied(self, how: str) -> None:
+        s = session()
+        (a1,) = open_streams(s, "a")
+        s.note_abort(["a"])  # sent while a was live...
+        end = outputs(("a", True, 0)) if how == "finished" else ["error", "a", "it failed"]
+        received(s, frame(end))  # ...but it ended first
+        assert list(a1._buf)[-1] is not ABORTED
+        (a2,) = open_streams(s, "a")
+        received(s, frame(["aborted", ["a"]]))  # the answer: to the abort of a1
+        assert list(a1._buf)[-1] is not ABORTED
+        assert a2._buf == []
+        assert s.streams == {"a": a2}
+        s.note_abort(["a"])  # a2's own abort ends a2
+        received(s, frame(["aborted", ["a"]]))
+        assert list(a2._buf) == [ABORTED]
+        assert s._aborts_due == s._aborts_stale == {}
+
+    def test_two_aborts_of_one_request_the_second_answer_ends_nothing(self) -> None:
+        s = session()
+        (a1,) = open_streams(s, "a")
+        s.note_abort(["a"])
+        s.note_abort(["a"])
+        received(s, frame(["aborted", ["a"]]))  # the first answer ends a1
+        assert list(a1._buf) == [ABORTED]
+        (a2,) = open_streams(s, "a")
+        received(s, frame(["aborted", ["a"]]))  # the second answers a1's abort too
+        assert a2._buf == []
+        assert s.streams == {"a": a2}
+
+    def test_an_abort_that_could_not_be_sent_is_not_waited_for(self) -> None:
+        s = session()
+        (a,) = open_streams(s, "a")
+        s.note_abort(["a"])
+        s.unnote_abort(["a"])
+        received(s, frame(outputs(("a", True, 0))))
+        assert list(a._buf) == [0, FINISHED]
+        assert s._aborts_due == s._aborts_stale == {}
+        s.note_abort(["a"])  # stale from the start: a has ended
+        s.unnote_abort(["a"])
+        assert s._aborts_due == s._aborts_stale == {}
+
+    def test_a_pool_members_request_without_a_stream_added_again(self) -> None:
+        s: Session = ClientSession(
+            pid=42,
+            address="ipc:///x",
+            launched=True,
+            heartbeat=None,
+            ordered_events=True,
+            now=100.0,
+            adopt_orphans=True,  # as a pool's member: it tracks requests without a stream
+        )
+        s.open_requests(["a"], None)
+        s.note_abort(["a"])
+        received(s, frame(outputs(("a", True, 0))))  # finished before the abort came
+        assert dict(s.quiet) == {}
+        s.open_requests(["a"], None)  # the id again
+        received(s, frame(["aborted", ["a"]]))  # the answer to the first one's abort
+        assert dict(s.quiet) == {"a": 0}
+        s.note_abort(["a"])
+        received(s, frame(["aborted", ["a"]]))
+        assert dict(s.quiet) == {}
+
+    def test_answers_not_noted_here_end_the_streams_they_list(self) -> None:
+        # A pipeline's stage answers aborts it chased itself, and the coordinator's tagged
+        # and fenced aborts are not noted: those answers go by the id alone, as before.
+        s = session()
+        a, b = open_streams(s, "a", "b")
+        s.note_abort(["a"])
+        received(s, frame(["aborted", ["b"]], ["aborted", ["a"], False, 7]))
+        assert list(a._buf) == [ABORTED]
+        assert list(b._buf) == [ABORTED]
+
+    def test_the_event_stream_still_gets_every_answer(self) -> None:
+        s = session(ordered_events=True)
+        open_streams(s, "a")
+        received(s, frame(outputs(("a", True, 0))))
+        s.note_abort(["a"])
+        received(s, frame(["aborted", ["a"]]))
+        assert s.events is not None
+        assert list(s.events)[-1] == Aborted(["a"])
+
+    def test_a_failure_forgets_the_answers_due(self) -> None:
+        s = session(launched=False)
+        open_streams(s, "a")
+        s.note_abort(["a", "b"])
+        received(s, frame(["shutdown"]))
+        assert s.state is StageState.GONE
+        assert s._aborts_due == s._aborts_stale == {}
+
+    @given(
+        st.lists(
+            st.sampled_from(["add", "abort", "finish", "fail", "answer"]), min_size=1, max_size=40
+        )
+    )
+    def test_against_a_model_every_answer_ends_only_its_own_request(self, ops: list[str]) -> None:
+        # One id, used again and again. The model: the stage, which answers each abort in
+        # order, and for each abort the request (its stream) that was live when it was sent.
+        s = session()
+        live: StreamCore | None = None  # the client's live request of the id
+        pending: list[StreamCore | None] = []  # one per abort sent and not answered: whose
+        aborted: list[StreamCore] = []  # the streams an answer ended
+        for op in ops:
+            if op == "add" and live is None:
+                (live,) = open_streams(s, "a")
+            elif op == "abort":
+                s.note_abort(["a"])
+                pending.append(live)
+            elif op in ("finish", "fail") and live is not None:
+                end = outputs(("a", True, 0)) if op == "finish" else ["error", "a", "failed"]
+                received(s, frame(end))
+                live = None
+            elif op == "answer" and pending:
+                target = pending.pop(0)
+                received(s, frame(["aborted", ["a"]]))
+                if target is not None and target is live:
+                    aborted.append(target)
+                    live = None
+                if live is not None:
+                    assert s.streams == {"a": live}, "an answer ended a later request"
+        for stream in aborted:
+            assert list(stream._buf)[-1] is ABORTED
+        if live is not None:
+            assert live._buf == []
+        for _ in pending:  # the answers still to come
+            received(s, frame(["aborted", ["a"]]))
+        assert s._aborts_due == s._aborts_stale == {}
+
+
 class Unenterable:
     """A stream lock that fails the test if it is taken."""
 

@@ -621,6 +621,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             launched = self._launched
             if launched is not None:
                 if not await _until_set(self._exited, timeout):
+                    self._session.escalating()
                     for sig, wait in _clientbase.escalate(self._session.pid):
                         launched.send_signal(sig)
                         if await _until_set(self._exited, wait):

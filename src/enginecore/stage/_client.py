@@ -825,6 +825,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         launched = self._launched
         if launched is not None:
             if not launched.wait_exit(timeout):
+                with self._lock:
+                    self._session.escalating()
                 for sig, wait in _clientbase.escalate(self._session.pid):
                     launched.send_signal(sig)
                     if launched.wait_exit(wait):

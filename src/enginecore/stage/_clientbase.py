@@ -117,7 +117,14 @@ class ClientBase(Generic[S, W]):
         (the pool's lock is its members'): :class:`ValueError` if *req_id* is there with
         another stream that has not ended. Without a stream, *new* is the pool's record of
         the request (a ``QuietRequest``), pointed here at the session's table of requests
-        without a stream, under the lock that registers it there."""
+        without a stream, under the lock that registers it there.
+
+        A pool's member sends in that same hold of the lock when the socket takes the frame
+        at once (:meth:`_send_nowait`): a removal of the replica, which marks the session
+        closing under the lock before it sends the stage its ``shutdown``, then either
+        comes first (the registration raises :class:`StageClosedError`, and the pool routes
+        the request to another replica) or after the request is on its way (the stage
+        drains it); sent after the ``shutdown``, the stage would refuse it ("draining")."""
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
@@ -134,6 +141,14 @@ class ClientBase(Generic[S, W]):
                 self._session.open_request(req_id, None)
                 if new is not None:
                     new._in = self._session.quiet  # type: ignore[attr-defined]
+            try:
+                sent = live is not None and self._send_nowait(parts)
+            except BaseException:
+                self._session.cancel_streams((req_id,))
+                raise
+        if sent:
+            self._sent()
+            return new
         try:
             self._send(parts)
         except BaseException:
@@ -214,11 +229,23 @@ class ClientBase(Generic[S, W]):
         """After :meth:`_send_nowait` sent, outside the session's lock: what :meth:`_send`
         does after a send."""
 
-    def _send_abort(self, req_ids: Sequence[str]) -> None:
+    def _send_abort(self, req_ids: Sequence[str], *, noted: bool = False) -> None:
+        """Send an ``abort`` of *req_ids*, its answer noted as due first
+        (:meth:`ClientSession.note_abort`; *noted*: a pool did it already, under the lock it
+        found the ids' replica under)."""
         parts = ClientSession.abort_frame(req_ids)
+        ids = list(req_ids)
+        session = self._session
         with self._lock:
-            self._session.check_open()
-        self._send(parts)
+            session.check_open()
+            if not noted:
+                session.note_abort(ids)
+        try:
+            self._send(parts)
+        except BaseException:
+            with self._lock:
+                session.unnote_abort(ids)
+            raise
 
     def _start_call(
         self, name: str, args: tuple[Any, ...], waiter: W, *, stats: bool = False
@@ -250,16 +277,17 @@ class ClientBase(Generic[S, W]):
         ``bye`` to detach). Returns whether the stage was still there."""
         frame = _session.shutdown_frame(drain) if stop_stage else _session.BYE_FRAME
         with self._lock:
-            alive = self._session.begin_close()
+            alive = self._session.begin_close(drain is not None)
         if alive:
             with contextlib.suppress(zmq.ZMQError, StageClosedError):
                 self._send(frame)
         return alive
 
     def _fail_closed(self) -> None:
-        """The end of a close: whoever still waits gets :class:`StageClosedError`."""
+        """The end of a close: whoever still waits gets :class:`StageClosedError` (or, if
+        the process died during a drain, that death's error: ``ClientSession.end_error``)."""
         with self._lock:
-            d = self._session.fail(StageClosedError("this stage client is closed"))
+            d = self._session.fail(self._session.closed_error())
         if d is not None:
             self._apply(d)
 

@@ -519,12 +519,17 @@ class PoolBase(Generic[S]):
                 stream = self._core.stream_of(rid)
                 if stream is not None:
                     by_replica.setdefault(stream._replica, []).append(rid)
-        for replica, group in by_replica.items():
-            member: ClientBase[Any, Any] | None = replica._client
-            if member is None:
-                continue
+            sends: list[tuple[ClientBase[Any, Any], list[str]]] = []
+            for replica, group in by_replica.items():
+                member: ClientBase[Any, Any] | None = replica._client
+                if member is not None:
+                    # In the hold of the lock that found the requests: the answer is theirs,
+                    # not that of a request added again with the same id after they ended.
+                    member._session.note_abort(group)
+                    sends.append((member, group))
+        for member, group in sends:
             with contextlib.suppress(EngineDeadError, StageClosedError):
-                member._send_abort(group)  # a dead replica's streams end on their own
+                member._send_abort(group, noted=True)  # a dead replica's streams end on their own
 
     def _member_failed(self, member: Any, d: Deliveries[Any, Any], failure: BaseException) -> None:
         """A member's deliveries once its session failed (on whichever thread applies

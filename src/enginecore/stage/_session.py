@@ -574,6 +574,11 @@ class ClientSession(Generic[S, W]):
         self._failure: BaseException | None = None  # set once, with state GONE
         self._failure_end: End | None = None  # the same, as the End that check_open raises
         self._closing = False  # close() has begun: nothing new is registered
+        # That close lets the live requests run to their end first (shutdown with drain),
+        # and whether the client has given up on it and signals the process (escalating):
+        # a launched process that exits on its own before its last event died then.
+        self._drain_close = False
+        self._escalated = False
         self._fatal: str | None = None  # the fatal event's message, if one came
         # The ordered event stream (None when off): events in the stage's order, then at
         # most one End. Consumers pop from it; _events_waiting as StreamCore._waiting.
@@ -601,6 +606,13 @@ class ClientSession(Generic[S, W]):
         self._grace_cap = 0.0  # the latest _grace_until may be pushed to, by frames read
         self._linger_until: float | None = None  # set when the last event came first
         self._decoder = _codec.Decoder(_wire.EventBatch, strict=True)  # receiver's only
+        # Aborts sent (note_abort) whose ``aborted`` has not come yet, per request id, and
+        # how many of those answers are stale: they answer an abort of an earlier request of
+        # that id, which ended since (finished, failed, or ended by an earlier answer). The
+        # stage answers every abort, known id or not, in order with the other events; a
+        # stale answer must not end a request added again with the same id meanwhile.
+        self._aborts_due: dict[str, int] = {}
+        self._aborts_stale: dict[str, int] = {}
 
     # -- the state, read-only ------------------------------------------------------------------
 
@@ -850,6 +862,67 @@ class ClientSession(Generic[S, W]):
         if self._closing:
             raise StageClosedError("this stage client is closed")
 
+    def note_abort(self, req_ids: Iterable[str]) -> None:
+        """Under the lock, just before an ``abort`` of *req_ids* is sent: its answer is due.
+        For an id with no live request here (its end came already, or it never was), that
+        answer is stale from the start: it ends nothing, even if the id is added again
+        before it comes (:meth:`dispatch`)."""
+        due, stale = self._aborts_due, self._aborts_stale
+        streams, quiet = self._streams, self._quiet
+        for rid in req_ids:
+            due[rid] = due.get(rid, 0) + 1
+            if rid not in streams and (quiet is None or rid not in quiet):
+                stale[rid] = stale.get(rid, 0) + 1
+
+    def unnote_abort(self, req_ids: Iterable[str]) -> None:
+        """The ``abort`` noted by :meth:`note_abort` could not be sent: no answer comes."""
+        due, stale = self._aborts_due, self._aborts_stale
+        for rid in req_ids:
+            left = due.get(rid, 0) - 1
+            if left > 0:
+                due[rid] = left
+                if stale.get(rid, 0) > left:
+                    stale[rid] = left
+            else:
+                due.pop(rid, None)
+                stale.pop(rid, None)
+
+    def _answered(self, req_ids: list[str]) -> list[str]:
+        """Receiver, a plain ``aborted`` event: the ids of *req_ids* whose request it ends,
+        without those whose answer is stale (:meth:`note_abort`). An answer that ends a
+        request makes any other answer still due for it stale."""
+        due, stale = self._aborts_due, self._aborts_stale
+        out = []
+        for rid in req_ids:
+            n = due.get(rid)
+            if n is None:  # not noted here (a pipeline's stage chases aborts itself)
+                out.append(rid)
+                continue
+            if n > 1:
+                due[rid] = n - 1
+            else:
+                del due[rid]
+            was = stale.get(rid)
+            if was:
+                if was > 1:
+                    stale[rid] = was - 1
+                else:
+                    del stale[rid]
+                continue
+            if n > 1:
+                stale[rid] = n - 1
+            out.append(rid)
+        return out
+
+    def _ended_with_aborts_due(self, req_ids: Iterable[str | None]) -> None:
+        """Receiver: requests *req_ids* ended otherwise than by an ``aborted`` (finished,
+        failed): the answers still due to aborts of them are stale."""
+        due, stale = self._aborts_due, self._aborts_stale
+        for rid in req_ids:
+            n = due.get(rid)  # type: ignore[arg-type]  # None is never a key
+            if n is not None:
+                stale[rid] = n  # type: ignore[index]
+
     def check_free(self, req_ids: Iterable[str]) -> None:
         """:class:`ValueError` if one of *req_ids* still has a live stream (or, for a
         pool's member, is live without one)."""
@@ -991,6 +1064,8 @@ class ClientSession(Generic[S, W]):
                     )
                 if self._quiet:
                     self._log_quiet(ev.req_ids, ev.finished)
+                if self._aborts_due and True in ev.finished:
+                    self._ended_with_aborts_due(itertools.compress(ev.req_ids, ev.finished))
                 if ev.load is not None:
                     self._load = (ev.load, now, self.in_flight)
                     loaded = True
@@ -1003,10 +1078,13 @@ class ClientSession(Generic[S, W]):
                     else:
                         d.answers.append((waiter, None, UtilityError(name, ev.error)))
             elif cls is Aborted:
-                for rid in ev.req_ids:
+                ended = ev.req_ids
+                if self._aborts_due and not ev.fence and ev.tag is None:
+                    ended = self._answered(ended)
+                for rid in ended:
                     self._end_stream(rid, ABORTED, wake, now)
                 if self._quiet:
-                    self._forget_quiet(ev.req_ids)
+                    self._forget_quiet(ended)
             elif cls is ErrorReport:
                 self._on_error_report(ev, d, now)
             elif cls is Credit or cls is Replayed:
@@ -1111,6 +1189,8 @@ class ClientSession(Generic[S, W]):
             return
         end = End(RequestError(ev.req_id, ev.message))
         ended = self._end_stream(ev.req_id, end, d.wake, now)
+        if self._aborts_due:
+            self._ended_with_aborts_due((ev.req_id,))
         if self._quiet:
             self._forget_quiet((ev.req_id,))
         if not ended and self._events is None:  # with the event stream on, its reader sees it
@@ -1243,11 +1323,22 @@ class ClientSession(Generic[S, W]):
 
     # -- ending ---------------------------------------------------------------------------------
 
-    def begin_close(self) -> bool:
-        """``close()`` has begun: refuse new requests and calls. Returns whether the stage
-        was still there (then a ``shutdown`` or ``bye`` is worth sending)."""
+    def begin_close(self, drain: bool = False) -> bool:
+        """``close()`` has begun: refuse new requests and calls; *drain*: it is a shutdown
+        that lets the live requests end first (:meth:`end_error`). Returns whether the
+        stage was still there (then a ``shutdown`` or ``bye`` is worth sending)."""
         self._closing = True
+        self._drain_close = drain
         return self._failure is None
+
+    def escalating(self) -> None:
+        """The client gave up waiting for its close and signals the process: an exit
+        before the last event is its doing, not a death (:meth:`end_error`)."""
+        self._escalated = True
+
+    def closed_error(self) -> BaseException:
+        """What the waiters left at the end of ``close()`` get (:meth:`end_error`)."""
+        return self.end_error(exit_code=self._exit_code, reason=self._exit_reason)
 
     def released(self) -> None:
         """The client has acted on :attr:`release_due` (or decided not to): clear it."""
@@ -1313,6 +1404,8 @@ class ClientSession(Generic[S, W]):
                 if stream._end_with(end, now):
                     wake.append(stream)
         self._streams.clear()
+        self._aborts_due.clear()  # no answer comes any more
+        self._aborts_stale.clear()
         d.answers.extend((waiter, None, exc) for waiter, _ in self._calls.values())
         self._calls.clear()
         if self._events is not None:
@@ -1334,8 +1427,21 @@ class ClientSession(Generic[S, W]):
     ) -> StageClosedError | EngineDeadError:
         """What every waiter gets once the stage is gone: :class:`StageClosedError` if this
         client was closing it, else an :class:`EngineDeadError` whose message says all we
-        know (the exit, the fatal error, a shutdown that this client did not ask for)."""
-        if self._closing:
+        know (the exit, the fatal error, a shutdown that this client did not ask for).
+
+        A shutdown with drain lets the live requests run to their end: a launched process
+        that exits before its last event, unless the client signalled it after the drain and
+        the timeout, died during the drain, and its requests get that death's
+        :class:`EngineDeadError` (a replica pool's, :class:`ReplicaDeadError`), not
+        :class:`StageClosedError`."""
+        died_draining = (
+            self._drain_close
+            and self._exited
+            and not self._escalated
+            and not remote_shutdown
+            and self._state is not StageState.STOPPED
+        )
+        if self._closing and not died_draining:
             return StageClosedError("this stage client is closed")
         who = f"stage process {self.pid}" if self.pid is not None else "the stage"
         if reason is not None:
