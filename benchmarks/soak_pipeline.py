@@ -5,7 +5,7 @@ timed benchmark: every expectation is a count, and the script exits 1 if one doe
 Usage (from the repository root)::
 
     python -m benchmarks.soak_pipeline                 # 60 s
-    python -m benchmarks.soak_pipeline --seconds 10    # what tests/test_soak.py runs
+    python -m benchmarks.soak_pipeline --seconds 12    # as tests/stage/test_soak_chaos.py
     python -m benchmarks.soak_pipeline --seconds 300 --seed 7 --kind sync
 
 The pipeline: ``CountdownEngine`` (one process), a ``relay`` pool of two, a ``relay`` of one
@@ -35,25 +35,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import contextlib
-import os
 import random
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+
+from ._soak_chaos import Ids, Life, Report, Rules, draw, killer, left_behind
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
 FLAKY = "enginecore.stage.testing:flaky"
 T = TypeVar("T")
-KILL_SEEN_S = 2.0
-"""A request may fail with ``PipelineStageDeadError`` if a process was killed at most this
-long before its add (its death not heard yet when it was routed), or during its life."""
+RULES = Rules(held="is still in the pipeline", errors=("on purpose",))
+"""An id is refused while the pipeline holds it; the ``wide`` topology's flaky stage fails
+requests on purpose, and a failure that outlasts the retries reaches the caller."""
 
 
 @dataclass
@@ -68,31 +66,6 @@ class Config:
     kind: str = "async"
     topology: str = "basic"
     freeze_share: float = 0.0
-
-
-@dataclass
-class Report:
-    ends: collections.Counter[str] = field(default_factory=collections.Counter)
-    refused: collections.Counter[str] = field(default_factory=collections.Counter)
-    kills: collections.Counter[str] = field(default_factory=collections.Counter)
-    freezes: collections.Counter[str] = field(default_factory=collections.Counter)
-    problems: list[str] = field(default_factory=list)
-    restarts: dict[str, int] = field(default_factory=dict)
-    last_wave: int = 0
-    last_kill: float = float("-inf")  # time.monotonic() of the last SIGKILL
-    pids: set[int] = field(default_factory=set)  # every stage process the soak saw
-
-    def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def problem(self, what: str) -> None:
-        with self._lock:
-            if len(self.problems) < 50:
-                self.problems.append(what)
-
-    def count(self, counter: collections.Counter[str], key: str) -> None:
-        with self._lock:
-            counter[key] += 1
 
 
 def _stages(topology: str) -> list[Any]:
@@ -122,70 +95,6 @@ def _stages(topology: str) -> list[Any]:
             PipelineStage(RELAY, {"step_s": 0.001}, name="last", restart=policy),
         ]
     raise ValueError(f"topology must be 'basic' or 'wide', got {topology!r}")
-
-
-class _Ids:
-    """A small set of request ids; one is taken while its request is live at the caller."""
-
-    def __init__(self, n: int, rng: random.Random) -> None:
-        self._free = [f"r{i}" for i in range(n)]
-        self._rng = rng
-        self._lock = threading.Lock()
-
-    def take(self) -> str | None:
-        with self._lock:
-            if not self._free:
-                return None
-            return self._free.pop(self._rng.randrange(len(self._free)))
-
-    def give(self, rid: str) -> None:
-        with self._lock:
-            self._free.append(rid)
-
-
-class _Life:
-    """One request of the soak, from its add to its end: what it read, and the checks of
-    how it ended (:meth:`end`)."""
-
-    def __init__(self, rid: str, n: int, abort_after: int | None, report: Report) -> None:
-        self.rid, self.n, self.abort_after, self.report = rid, n, abort_after, report
-        self.added = time.monotonic()
-        self.got: list[Any] = []
-
-    def refused(self, exc: Exception) -> None:
-        """``add`` refused it with *exc*: :class:`NoReplicaError` (a stage restarting), or
-        :class:`ValueError` for its id still in the pipeline (anything else is a problem)."""
-        if isinstance(exc, ValueError) and "is still in the pipeline" not in str(exc):
-            self.report.problem(f"{self.rid}: add raised {exc!r}")
-        self.report.count(self.report.refused, type(exc).__name__)
-
-    def end(self, how: str, exc: BaseException | None = None, where: str = "") -> None:
-        """It ended *how*: ``finished``, ``aborted``, ``dead`` or ``error`` (with *exc*), or
-        ``hung`` (*where*: what the coordinator says of it)."""
-        rid, report = self.rid, self.report
-        if how == "error" and "on purpose" not in str(exc):
-            report.problem(f"{rid}: {exc!r}")
-        elif how == "aborted" and self.abort_after is None:
-            report.problem(f"{rid}: aborted, but the soak did not abort it")
-        elif how == "dead" and report.last_kill < self.added - KILL_SEEN_S:
-            report.problem(f"{rid}: {exc!r}, with no kill near its life")
-        elif how == "hung":
-            report.problem(
-                f"{rid}: no end within the deadline (n={self.n}, got {len(self.got)}, {where})"
-            )
-        expected = list(range(self.n - 1, -1, -1))
-        if how == "finished" and self.got != expected:
-            report.problem(f"{rid}: finished with {self.got!r}, expected {expected!r}")
-        elif self.got != expected[: len(self.got)]:
-            report.problem(f"{rid}: {how} after {self.got!r}, not a prefix of {expected!r}")
-        report.count(report.ends, how)
-
-
-def _draw(rng: random.Random, cfg: Config) -> tuple[int, int | None]:
-    """A request's length, and after how many outputs the soak aborts it (``None``: never;
-    0: at once, before reading any)."""
-    n = rng.randint(1, 40)
-    return n, rng.randint(0, n) if rng.random() < cfg.abort_share else None
 
 
 class _View(Protocol):
@@ -229,55 +138,6 @@ def _settle(view: _View, cfg: Config, report: Report) -> None:
     view.note_pids()
 
 
-def _killer(
-    rng: random.Random,
-    until: float,
-    stop: threading.Event,
-    report: Report,
-    *,
-    targets: Callable[[], list[tuple[str, int]]],
-    freeze_share: float = 0.0,
-) -> None:
-    """Until *until*: every 0.2 to 1.2 s, SIGKILL one of the processes *targets* lists (by
-    key, ``name`` or ``name[r]``, and pid: those up now), or, *freeze_share* of the time,
-    freeze it (SIGSTOP) for 0.1 to 3 s while the chaos goes on. Every frozen process is
-    thawed (SIGCONT) before this returns."""
-    frozen: dict[int, float] = {}  # pid: when to thaw it
-
-    def thaw(now: float) -> None:
-        for pid, at in list(frozen.items()):
-            if at <= now:
-                del frozen[pid]
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-
-    try:
-        while not stop.is_set() and time.monotonic() < until:
-            wake = time.monotonic() + rng.uniform(0.2, 1.2)
-            while (now := time.monotonic()) < wake:  # thaw on time meanwhile
-                due = min([wake, *frozen.values()])
-                if stop.wait(max(0.0, due - now)):
-                    return
-                thaw(time.monotonic())
-            if time.monotonic() >= until:
-                return
-            up = [t for t in targets() if t[1] not in frozen]
-            if not up:
-                continue
-            key, pid = rng.choice(up)
-            with contextlib.suppress(ProcessLookupError):
-                if rng.random() < freeze_share:
-                    frozen[pid] = time.monotonic() + rng.uniform(0.1, 3.0)
-                    os.kill(pid, signal.SIGSTOP)
-                    report.count(report.freezes, key)
-                else:
-                    report.last_kill = time.monotonic()
-                    os.kill(pid, signal.SIGKILL)
-                    report.count(report.kills, key)
-    finally:
-        thaw(float("inf"))
-
-
 def _targets(pipe: Any, report: Report) -> list[tuple[str, int]]:
     """The processes of *pipe* that are up: (key as in ``health()``, pid), each noted in
     ``report.pids``."""
@@ -293,16 +153,6 @@ def _targets(pipe: Any, report: Report) -> list[tuple[str, int]]:
     return out
 
 
-def _left_behind(report: Report) -> None:
-    """After the shutdown: a process the soak saw that still exists is a problem."""
-    for pid in sorted(report.pids):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        report.problem(f"stage process {pid} is still there after the shutdown")
-
-
 def _run_sync(cfg: Config, report: Report) -> None:
     from enginecore.stage import (
         NoReplicaError,
@@ -313,20 +163,20 @@ def _run_sync(cfg: Config, report: Report) -> None:
 
     rng = random.Random(cfg.seed)
     rng_lock = threading.Lock()
-    ids = _Ids(cfg.ids, rng)
+    ids = Ids(cfg.ids, rng)
     start = time.monotonic()
     end_at = start + cfg.seconds
     with Pipeline.launch(_stages(cfg.topology), startup_timeout=60) as pipe:
         stop = threading.Event()
-        killer = threading.Thread(
-            target=_killer,
+        chaos = threading.Thread(
+            target=killer,
             args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
             kwargs={"targets": lambda: _targets(pipe, report), "freeze_share": cfg.freeze_share},
             daemon=True,
         )
-        killer.start()
+        chaos.start()
 
-        def one(life: _Life) -> None:
+        def one(life: Life) -> None:
             rid = life.rid
             try:
                 stream = pipe.add(rid, life.n)
@@ -362,9 +212,9 @@ def _run_sync(cfg: Config, report: Report) -> None:
                     time.sleep(0.01)
                     continue
                 with rng_lock:
-                    n, abort_after = _draw(rng, cfg)
+                    n, abort_after = draw(rng, cfg.abort_share)
                 try:
-                    one(_Life(rid, n, abort_after, report))
+                    one(Life(rid, n, abort_after, report, RULES))
                 except Exception as exc:
                     report.problem(f"{rid}: {type(exc).__name__}: {exc}")
                 finally:
@@ -376,7 +226,7 @@ def _run_sync(cfg: Config, report: Report) -> None:
         for t in workers:
             t.join()
         stop.set()
-        killer.join(5)
+        chaos.join(5)
 
         class View:
             def health(self) -> dict[str, str]:
@@ -422,7 +272,7 @@ async def _run_async(cfg: Config, report: Report) -> None:
     )
 
     rng = random.Random(cfg.seed)
-    ids = _Ids(cfg.ids, rng)
+    ids = Ids(cfg.ids, rng)
     loop = asyncio.get_running_loop()
     start = time.monotonic()
     end_at = start + cfg.seconds
@@ -436,17 +286,17 @@ async def _run_async(cfg: Config, report: Report) -> None:
 
     try:
         stop = threading.Event()
-        killer = threading.Thread(
-            target=_killer,
+        chaos = threading.Thread(
+            target=killer,
             args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
             kwargs={"targets": lambda: on_loop(targets()), "freeze_share": cfg.freeze_share},
             daemon=True,
         )
-        killer.start()
+        chaos.start()
         sem = asyncio.Semaphore(cfg.concurrency)
         tasks: set[asyncio.Task[None]] = set()
 
-        async def one(life: _Life) -> None:
+        async def one(life: Life) -> None:
             rid = life.rid
             try:
                 try:
@@ -489,13 +339,13 @@ async def _run_async(cfg: Config, report: Report) -> None:
                 sem.release()
                 await asyncio.sleep(0.01)
                 continue
-            task = asyncio.create_task(one(_Life(rid, *_draw(rng, cfg), report)))
+            task = asyncio.create_task(one(Life(rid, *draw(rng, cfg.abort_share), report, RULES)))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         stop.set()
         if tasks:
             await asyncio.wait(tasks)
-        await asyncio.to_thread(killer.join, 5)
+        await asyncio.to_thread(chaos.join, 5)
 
         async def wave(n: int, timeout: float) -> list[list[Any] | Exception]:
             try:
@@ -555,7 +405,7 @@ def run(cfg: Config) -> Report:
         _run_sync(cfg, report)
     else:
         raise ValueError(f"kind must be 'sync' or 'async', got {cfg.kind!r}")
-    _left_behind(report)
+    left_behind(report)
     return report
 
 
@@ -583,18 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.monotonic()
     report = run(cfg)
-    print(
+    title = (
         f"soak_pipeline: {time.monotonic() - t0:.1f} s, {cfg.kind}, {cfg.topology}, seed {cfg.seed}"
     )
-    print(f"  ends: {dict(report.ends)}")
-    print(f"  refused at add: {dict(report.refused)}")
-    print(f"  kills: {dict(report.kills)}; restarts: {report.restarts}")
-    print(f"  freezes: {dict(report.freezes)}")
-    print(f"  last wave: {report.last_wave}/16 complete")
-    for p in report.problems:
-        print(f"  PROBLEM: {p}")
-    ok = not report.problems and report.last_wave == 16
-    print("  OK" if ok else "  FAILED")
+    text, ok = report.render(title)
+    print(text)
     return 0 if ok else 1
 
 

@@ -1,16 +1,17 @@
-"""The pipeline soak (``benchmarks/soak_pipeline.py``) in a short run, for both pipelines:
-SIGKILLs of every stage's processes under load, with aborts and reused ids, and every
-request ends once, with its outputs, within the deadline; nothing is left behind (the
-conftest's autouse fixture: no process, socket file or shared-memory segment). Counts only,
-never a time. And the soak can fail: a coordinator that forgets a dead process's requests
-makes it report them as hung."""
+"""The chaos soaks in short runs (``benchmarks/soak_pipeline.py``, ``benchmarks/soak_pool.py``;
+docs/soak.md), each for both its blocking and its asyncio form: SIGKILLs of random
+processes under load (and for the pool, freezes and replicas added and removed), with
+aborts and reused ids, and every request ends once, with its outputs, within the deadline;
+nothing is left behind (the conftest's autouse fixture: no process, socket file or
+shared-memory segment). Counts only, never a time. And the soak can fail: a coordinator
+that forgets a dead process's requests makes it report them as hung."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from benchmarks import soak_pipeline
+from benchmarks import soak_pipeline, soak_pool
 
 from enginecore.stage._pipeline_core import PipelineCore
 
@@ -28,6 +29,20 @@ def test_a_short_soak_under_kills_meets_every_expectation(kind: str) -> None:
     assert sum(report.restarts.values()) == sum(report.kills.values()), report.restarts
     assert report.ends["finished"] > 100, report.ends
     assert report.ends["dead"] > 0, report.ends
+    assert report.ends["aborted"] > 0, report.ends
+    assert report.pids
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_short_pool_soak_under_kills_freezes_and_membership_changes(kind: str) -> None:
+    cfg = soak_pool.Config(seconds=12, quiet=3, kind=kind, seed=5, freeze_share=0.3)
+    report = soak_pool.run(cfg)
+    assert not report.problems, report.problems
+    assert report.last_wave == 16
+    assert sum(report.kills.values()) >= 3, report.kills
+    assert report.membership["added"] >= 1, report.membership
+    assert report.membership["removed"] >= 1, report.membership
+    assert report.ends["finished"] > 100, report.ends
     assert report.ends["aborted"] > 0, report.ends
     assert report.pids
 

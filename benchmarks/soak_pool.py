@@ -1,0 +1,495 @@
+"""Soak a replica pool under SIGKILLs, freezes, replicas added and removed, aborts and
+reused request ids: no request may hang, end twice, lose or duplicate an output, or leave
+anything behind. Not a timed benchmark: every expectation is a count, and the script exits 1
+if one does not hold.
+
+Usage (from the repository root)::
+
+    python -m benchmarks.soak_pool                     # 60 s
+    python -m benchmarks.soak_pool --seconds 120 --kind sync --freeze-share 0.5
+
+The pool: ``--replicas`` (3) ``CountdownEngine`` stages, each restarted when it dies
+(``RestartPolicy(first_delay=0.05)``, no limit on deaths), pinged every 0.25 s (a frozen
+one leaves the routing after ~0.45 s). Requests of 1 to 40 outputs arrive while
+``--concurrency`` are in flight, their ids drawn from a small set (``--ids``); 20 % are
+aborted, at once or after a random number of outputs. A killer sends SIGKILL to a random
+serving replica every 0.2 to 1.2 s, or (``--freeze-share``) freezes it for 0.1 to 3 s; and
+every 1 to 3 s the pool grows by one replica (``add_replica``) or, back at its size plus
+one, loses a random serving one (``remove_replica(drain=True)``: its requests run to their
+end first). The chaos stops ``--quiet`` seconds before the end; then every replica left
+must serve and a last wave of requests complete.
+
+Every request must end within ``--deadline`` seconds of its add, once: finished, with
+exactly its outputs ``n-1, ..., 0`` in order; aborted (only one the soak aborted), or
+failed with :class:`~enginecore.stage.ReplicaDeadError` (only if a replica was killed
+during its life or at most ``KILL_SEEN_S`` before its add), with a prefix of its outputs.
+``add`` may refuse with ``NoReplicaError`` or ``ValueError`` (its id still live in the
+pool), nothing else. At the end: no request in the pool or in any replica, and after the
+shutdown none of the processes the soak saw left (docs/soak.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from ._soak_chaos import Ids, Life, Report, Rules, draw, killer, left_behind
+
+COUNTDOWN = "enginecore:CountdownEngine"
+T = TypeVar("T")
+RULES = Rules(held="is still live in this pool")
+PING_S = 0.25
+
+
+@dataclass
+class Config:
+    seconds: float = 60.0
+    seed: int = 1
+    concurrency: int = 32
+    ids: int = 48
+    abort_share: float = 0.2
+    deadline: float = 30.0
+    quiet: float = 5.0
+    kind: str = "async"
+    replicas: int = 3
+    freeze_share: float = 0.0
+    membership: bool = True
+    kills: bool = True
+
+
+def _policy() -> Any:
+    from enginecore.stage import RestartPolicy
+
+    return RestartPolicy(first_delay=0.05, max_delay=0.2, max_failures=10**6)
+
+
+def _targets(pool: Any, report: Report) -> list[tuple[str, int]]:
+    """The replicas of *pool* that serve and are healthy: (name, pid), each pid noted in
+    ``report.pids``."""
+    out = [
+        (r.name, r.pid)
+        for r in pool.replicas
+        if r.state == "serving" and r.health == "ok" and r.pid is not None
+    ]
+    report.pids.update(pid for _, pid in out)
+    return out
+
+
+def _serving(pool: Any) -> list[Any]:
+    return [r for r in pool.replicas if r.state == "serving"]
+
+
+class _Membership(Protocol):
+    """The pool's membership, blocking (each call returns once done)."""
+
+    def grow(self) -> None: ...
+    def shrink(self, replica: Any) -> None: ...
+    def replicas(self) -> list[Any]: ...
+
+
+def _changer(
+    rng: random.Random,
+    until: float,
+    stop: threading.Event,
+    report: Report,
+    size: int,
+    pool: _Membership,
+) -> None:
+    """Until *until*: every 1 to 3 s, add a replica, or, at *size* + 1 replicas, remove a
+    random serving one (draining it)."""
+    while not stop.wait(rng.uniform(1.0, 3.0)) and time.monotonic() < until:
+        try:
+            live = [r for r in pool.replicas() if r.state in ("serving", "starting", "dead")]
+            if len(live) <= size:
+                report.event("adding a replica")
+                pool.grow()
+                report.count(report.membership, "added")
+                report.event("added a replica")
+            else:
+                serving = [r for r in live if r.state == "serving"]
+                if serving:
+                    gone = rng.choice(serving)
+                    report.event(f"removing {gone.name} (pid {gone.pid}, health {gone.health})")
+                    pool.shrink(gone)
+                    report.count(report.membership, "removed")
+                    report.event(f"removed {gone.name}")
+        except Exception as exc:
+            report.problem(f"membership: {type(exc).__name__}: {exc}")
+
+
+class _View(Protocol):
+    """What the last phase (:func:`_settle`) asks of either pool, blocking."""
+
+    def serving(self) -> tuple[int, int]: ...
+    def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]: ...
+    def in_flight(self) -> int: ...
+    def held(self) -> dict[Any, Any]: ...
+    def restarts(self) -> dict[str, int]: ...
+    def note_pids(self) -> None: ...
+
+
+def _settle(view: _View, cfg: Config, report: Report) -> None:
+    """After the chaos: every replica left serving (within the deadline), a last wave
+    served, nothing held."""
+    until = time.monotonic() + cfg.deadline
+    while time.monotonic() < until and view.serving()[0] != view.serving()[1]:
+        time.sleep(0.05)
+    serving, replicas = view.serving()
+    if serving != replicas or not serving:
+        report.problem(f"{serving} of {replicas} replicas serve after the chaos")
+    for got in view.run_wave(16, cfg.deadline):
+        if isinstance(got, Exception):
+            report.problem(f"last wave: {type(got).__name__}: {got}")
+        report.last_wave += got == [4, 3, 2, 1, 0]
+    until = time.monotonic() + 10
+    while view.in_flight() and time.monotonic() < until:
+        time.sleep(0.05)
+    if view.in_flight():
+        report.problem(f"the pool still holds {view.in_flight()} requests")
+    for replica, held in view.held().items():
+        if held != 0:
+            report.problem(f"replica {replica} still holds requests: {held!r}")
+    report.restarts = view.restarts()
+    view.note_pids()
+
+
+def _run_sync(cfg: Config, report: Report) -> None:
+    from enginecore.stage import NoReplicaError, ReplicaDeadError, StagePool
+
+    rng = random.Random(cfg.seed)
+    rng_lock = threading.Lock()
+    ids = Ids(cfg.ids, rng)
+    end_at = time.monotonic() + cfg.seconds
+    with StagePool.launch(
+        COUNTDOWN,
+        replicas=cfg.replicas,
+        restart=_policy(),
+        ping_interval=PING_S,
+        startup_timeout=60,
+    ) as pool:
+        stop = threading.Event()
+
+        class Members:
+            def grow(self) -> None:
+                pool.add_replica(COUNTDOWN, ping_interval=PING_S, startup_timeout=60)
+
+            def shrink(self, replica: Any) -> None:
+                pool.remove_replica(replica, drain=True, timeout=cfg.deadline)
+
+            def replicas(self) -> list[Any]:
+                return list(pool.replicas)
+
+        threads = [
+            threading.Thread(
+                target=killer,
+                args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
+                kwargs={
+                    "targets": lambda: _targets(pool, report),
+                    "freeze_share": cfg.freeze_share,
+                },
+                daemon=True,
+            )
+        ]
+        if cfg.membership:
+            threads.append(
+                threading.Thread(
+                    target=_changer,
+                    args=(random.Random(cfg.seed + 2), end_at - cfg.quiet, stop, report),
+                    kwargs={"size": cfg.replicas, "pool": Members()},
+                    daemon=True,
+                )
+            )
+        for t in threads:
+            t.start()
+
+        def one(life: Life) -> None:
+            rid = life.rid
+            try:
+                stream = pool.add(rid, life.n)
+            except (NoReplicaError, ValueError) as exc:
+                life.refused(exc)
+                time.sleep(0.01)  # nothing to route to now: no busy loop
+                return
+            deadline = time.monotonic() + cfg.deadline
+            if life.abort_after == 0:
+                pool.abort([rid])
+            try:
+                while True:
+                    try:
+                        payload = stream.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except StopIteration:
+                        break
+                    life.got.append(payload)
+                    if len(life.got) == life.abort_after:
+                        pool.abort([rid])
+            except ReplicaDeadError as exc:
+                life.end("dead", exc)
+            except TimeoutError:
+                life.end("hung", where=_where(pool, rid))
+            except Exception as exc:
+                life.end("error", exc)
+            else:
+                life.end("aborted" if stream.aborted else "finished")
+
+        def worker() -> None:
+            while time.monotonic() < end_at:
+                rid = ids.take()
+                if rid is None:
+                    time.sleep(0.01)
+                    continue
+                with rng_lock:
+                    n, abort_after = draw(rng, cfg.abort_share)
+                try:
+                    one(Life(rid, n, abort_after, report, RULES))
+                except Exception as exc:
+                    report.problem(f"{rid}: {type(exc).__name__}: {exc}")
+                finally:
+                    ids.give(rid)
+
+        workers = [threading.Thread(target=worker) for _ in range(cfg.concurrency)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        stop.set()
+        for t in threads:
+            t.join(cfg.deadline)
+
+        class View:
+            def serving(self) -> tuple[int, int]:
+                return len(_serving(pool)), len(pool.replicas)
+
+            def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]:
+                try:
+                    streams = [pool.add(f"last{i}", 5) for i in range(n)]
+                except Exception as exc:
+                    return [exc]
+                out: list[list[Any] | Exception] = []
+                for stream in streams:
+                    try:
+                        out.append(stream.collect(timeout=timeout))
+                    except Exception as exc:
+                        out.append(exc)
+                return out
+
+            def in_flight(self) -> int:
+                return sum(r.in_flight for r in pool.replicas)
+
+            def held(self) -> dict[Any, Any]:
+                return dict(pool.call_utility("num_requests", broadcast=True, timeout=10))
+
+            def restarts(self) -> dict[str, int]:
+                return {r.name: r.restarts for r in pool.replicas}
+
+            def note_pids(self) -> None:
+                _targets(pool, report)
+
+        _settle(View(), cfg, report)
+
+
+async def _run_async(cfg: Config, report: Report) -> None:
+    from enginecore.stage import AsyncStagePool, NoReplicaError, ReplicaDeadError
+
+    rng = random.Random(cfg.seed)
+    ids = Ids(cfg.ids, rng)
+    loop = asyncio.get_running_loop()
+    end_at = time.monotonic() + cfg.seconds
+    pool = await AsyncStagePool.launch(
+        COUNTDOWN,
+        replicas=cfg.replicas,
+        restart=_policy(),
+        ping_interval=PING_S,
+        startup_timeout=60,
+    )
+
+    def on_loop(coro: Coroutine[Any, Any, T]) -> T:  # from another thread
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    async def read(fn: Callable[[], T]) -> T:
+        return fn()
+
+    try:
+        stop = threading.Event()
+
+        class Members:
+            def grow(self) -> None:
+                on_loop(pool.add_replica(COUNTDOWN, ping_interval=PING_S, startup_timeout=60))
+
+            def shrink(self, replica: Any) -> None:
+                on_loop(pool.remove_replica(replica, drain=True, timeout=cfg.deadline))
+
+            def replicas(self) -> list[Any]:
+                return on_loop(read(lambda: list(pool.replicas)))
+
+        threads = [
+            threading.Thread(
+                target=killer,
+                args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
+                kwargs={
+                    "targets": lambda: on_loop(read(lambda: _targets(pool, report))),
+                    "freeze_share": cfg.freeze_share,
+                },
+                daemon=True,
+            )
+        ][: int(cfg.kills)]
+        if cfg.membership:
+            threads.append(
+                threading.Thread(
+                    target=_changer,
+                    args=(random.Random(cfg.seed + 2), end_at - cfg.quiet, stop, report),
+                    kwargs={"size": cfg.replicas, "pool": Members()},
+                    daemon=True,
+                )
+            )
+        for t in threads:
+            t.start()
+        sem = asyncio.Semaphore(cfg.concurrency)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(life: Life) -> None:
+            rid = life.rid
+            try:
+                try:
+                    stream = await pool.add(rid, life.n)
+                except (NoReplicaError, ValueError) as exc:
+                    life.refused(exc)
+                    await asyncio.sleep(0.01)  # nothing to route to now: no busy loop
+                    return
+                deadline = time.monotonic() + cfg.deadline
+                if life.abort_after == 0:
+                    await pool.abort([rid])
+                try:
+                    while True:
+                        try:
+                            left = max(0.0, deadline - time.monotonic())
+                            payload = await stream.get(timeout=left)
+                        except StopAsyncIteration:
+                            break
+                        life.got.append(payload)
+                        if len(life.got) == life.abort_after:
+                            await pool.abort([rid])
+                except ReplicaDeadError as exc:
+                    life.end("dead", exc)
+                except TimeoutError:
+                    life.end("hung", where=_where(pool, rid))
+                except Exception as exc:
+                    life.end("error", exc)
+                else:
+                    life.end("aborted" if stream.aborted else "finished")
+            except Exception as exc:
+                report.problem(f"{rid}: {type(exc).__name__}: {exc}")
+            finally:
+                ids.give(rid)
+                sem.release()
+
+        while time.monotonic() < end_at:
+            await sem.acquire()
+            rid = ids.take()
+            if rid is None:
+                sem.release()
+                await asyncio.sleep(0.01)
+                continue
+            task = asyncio.create_task(one(Life(rid, *draw(rng, cfg.abort_share), report, RULES)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        stop.set()
+        if tasks:
+            await asyncio.wait(tasks)
+        for t in threads:
+            await asyncio.to_thread(t.join, cfg.deadline)
+
+        async def wave(n: int, timeout: float) -> list[list[Any] | Exception]:
+            try:
+                streams = [await pool.add(f"last{i}", 5) for i in range(n)]
+            except Exception as exc:
+                return [exc]
+            return list(
+                await asyncio.gather(
+                    *(s.collect(timeout=timeout) for s in streams), return_exceptions=True
+                )
+            )
+
+        class View:
+            def serving(self) -> tuple[int, int]:
+                return on_loop(read(lambda: (len(_serving(pool)), len(pool.replicas))))
+
+            def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]:
+                return on_loop(wave(n, timeout))
+
+            def in_flight(self) -> int:
+                return on_loop(read(lambda: sum(r.in_flight for r in pool.replicas)))
+
+            def held(self) -> dict[Any, Any]:
+                return dict(on_loop(pool.call_utility("num_requests", broadcast=True, timeout=10)))
+
+            def restarts(self) -> dict[str, int]:
+                return on_loop(read(lambda: {r.name: r.restarts for r in pool.replicas}))
+
+            def note_pids(self) -> None:
+                on_loop(read(lambda: _targets(pool, report)))
+
+        await asyncio.to_thread(_settle, View(), cfg, report)
+    finally:
+        await pool.shutdown()
+
+
+def _where(pool: Any, rid: str) -> str:
+    """What the pool says of a request that hung."""
+    return f"on {[r.name for r in pool.replicas if r.state == 'serving']!r} serving"
+
+
+def run(cfg: Config) -> Report:
+    report = Report()
+    if cfg.kind == "async":
+        asyncio.run(_run_async(cfg, report))
+    elif cfg.kind == "sync":
+        _run_sync(cfg, report)
+    else:
+        raise ValueError(f"kind must be 'sync' or 'async', got {cfg.kind!r}")
+    left_behind(report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=Config.seconds)
+    parser.add_argument("--seed", type=int, default=Config.seed)
+    parser.add_argument("--concurrency", type=int, default=Config.concurrency)
+    parser.add_argument("--ids", type=int, default=Config.ids)
+    parser.add_argument("--deadline", type=float, default=Config.deadline)
+    parser.add_argument("--kind", choices=("sync", "async"), default=Config.kind)
+    parser.add_argument("--replicas", type=int, default=Config.replicas)
+    parser.add_argument("--freeze-share", type=float, default=Config.freeze_share)
+    parser.add_argument("--no-membership", action="store_true")
+    parser.add_argument("--no-kills", action="store_true")
+    args = parser.parse_args(argv)
+    cfg = Config(
+        seconds=args.seconds,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        ids=args.ids,
+        deadline=args.deadline,
+        kind=args.kind,
+        replicas=args.replicas,
+        freeze_share=args.freeze_share,
+        membership=not args.no_membership,
+        kills=not args.no_kills,
+        quiet=min(Config.quiet, args.seconds / 2),
+    )
+    t0 = time.monotonic()
+    report = run(cfg)
+    took = time.monotonic() - t0
+    text, ok = report.render(f"soak_pool: {took:.1f} s, {cfg.kind}, seed {cfg.seed}")
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
