@@ -271,6 +271,48 @@ class TestDataFlow:
         stage.pipe_late("b", END)
         assert emitted == [("outputs", ["b"], [True], [BEFORE])]
 
+    def test_a_gone_previous_process_clears_only_what_its_generation_sent(self) -> None:
+        # docs/wire.md section 8, "Restarts": process 0 of the previous stage died and was
+        # started again (generation 1). A stage frozen through the restart reads the queued
+        # messages of both, and the gone of the dead one, in any order: here a (from the
+        # dead one), b (from the new one), c (a late message of the dead one), then the
+        # gone of generation 0. It clears what generation 0 sent (a's and c's wait for
+        # their END, the credit owed to it); b still gets its BEFORE report when its END
+        # comes, and the credit owed to generation 1 goes back to replica 0, refilling the
+        # new process's window. No credit for the late c either: it would go to replica 0,
+        # the new process, whose window never held it.
+        emitted: list[Any] = []
+        stage = PipeStage(HeadEngine(1), stage="t", routed=True)
+        stage.attach_emit(emitted.append)
+        stage.pipe_received(1, 10, 0, 0)
+        stage.pipe_input(FIRST, "a", "x")
+        stage.pipe_received(1, 20, 0, 1)
+        stage.pipe_input(FIRST, "b", "y")
+        stage.pipe_received(1, 40, 0, 0)
+        stage.pipe_input(FIRST, "c", "z")
+        stage.route_outputs(stage.step())  # all three end here, before their input did
+        stage.pipe_gone("previous", 0, 0, 0)
+        assert stage.take_credit(force=True) == ("credit", 1, 20, [[0, 1, 20]])
+        for rid in ("a", "b", "c"):
+            stage.pipe_late(rid, END)
+        assert emitted == [("outputs", ["b"], [True], [BEFORE])]
+        # The gone of a process whose successor sent nothing yet still clears its credit
+        # and its early ends; a gone that names no generation (a link without a replica)
+        # clears every generation's.
+        stage.pipe_received(1, 10, 2, 0)
+        stage.pipe_input(FIRST, "d", "w")
+        stage.route_outputs(stage.step())
+        stage.pipe_gone("previous", 0, 2, 0)
+        assert stage.take_credit(force=True) is None
+        stage.pipe_received(1, 10, 0, 1)
+        stage.pipe_input(FIRST, "e", "v")
+        stage.route_outputs(stage.step())
+        stage.pipe_gone("previous", 0, 0)
+        assert stage.take_credit(force=True) is None
+        stage.pipe_late("d", END)
+        stage.pipe_late("e", END)
+        assert emitted == [("outputs", ["b"], [True], [BEFORE])]
+
     def test_an_abort_chases_no_further_than_a_dead_process_on_its_route(self) -> None:
         # docs/wire.md section 8, "Restarts": -1 in an abort's route is a stage whose
         # process on the request's route died; a restarted process at that index never

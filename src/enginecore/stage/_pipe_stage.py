@@ -100,8 +100,10 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   empty window and a new pool of slots named after its generation. The coordinator then
   calls :data:`~._edge.LINKS_UTILITY`, which the loop answers after it applied the ``link``.
   A restarted previous stage's process needs nothing here: its link has a new routing id
-  (:func:`._edge.link_id`'s generation), and the credit still owed to the dead one was
-  forgotten with its ``gone``.
+  (:func:`._edge.link_id`'s generation), which the input side tells the stage with each
+  frame (:meth:`PipeStage.pipe_received`), and the credit still owed to the dead one is
+  forgotten with its ``gone`` (or as soon as the new one sends: the two may be read in
+  either order), which clears only what that generation sent.
 """
 
 from __future__ import annotations
@@ -258,7 +260,10 @@ class PipeStage:
         # next step or when the loop would go idle):
         self._taken_items = 0
         self._taken_bytes = 0
-        self._taken_by: dict[int, list[int]] = {}  # routed: per sending replica, [items, bytes]
+        # Routed: per sending process, (replica, generation), [items, bytes]; and per
+        # replica, the newest generation that sent any (an older one is dead: pipe_received).
+        self._taken_by: dict[tuple[int, int], list[int]] = {}
+        self._newest: dict[int, int] = {}
         # Given back after a step once this much was taken (half the previous stage's
         # window), or CREDIT_DELAY_S after the loop went idle (at _credit_due, monotonic):
         self._credit_items = max(1, credit_items)
@@ -293,12 +298,14 @@ class PipeStage:
         # whose input is still open here (a feed engine's, between FIRST and END); those
         # whose END came with REPORT; those that ended here before their input did, whose
         # END from the previous stage is still to come. _open and _early map each to the
-        # process of the previous stage that sends its input (its replica index): if that
-        # one dies, the END of an early one never comes (pipe_gone).
-        self._open: dict[str, int] = {}
+        # process of the previous stage that sends its input (its replica index and its
+        # generation): if that one dies, the END of an early one never comes (pipe_gone).
+        self._open: dict[str, tuple[int, int]] = {}
         self._report: set[str] = set()
-        self._early: dict[str, int] = {}
-        self._sender = 0  # the replica of the previous stage that sent the frame being applied
+        self._early: dict[str, tuple[int, int]] = {}
+        # The process of the previous stage that sent the frame being applied: (replica,
+        # generation).
+        self._sender = (0, 0)
         self._spoke: set[str] = set()  # live requests whose edge sent the caller payloads
         self._quiet: list[str] = []  # ended in this step without a report (take_ended)
         self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
@@ -431,21 +438,46 @@ class PipeStage:
         """The stage runtime's ``emit`` (loop thread), for the credit events."""
         self._emit = emit
 
-    def pipe_received(self, items: int, nbytes: int, sender: int = 0) -> None:
+    def pipe_received(self, items: int, nbytes: int, sender: int = 0, generation: int = 0) -> None:
         """The stage runtime applies a pipe frame of *items* items, *nbytes* bytes, from
-        replica *sender* of the previous stage (called before its items): give it back as
-        credit after the next step (or when the loop would go idle), and note the sender of
-        the items (``pipe_gone``)."""
-        self._sender = sender
-        self._taken_items += items
-        self._taken_bytes += nbytes
+        replica *sender* of the previous stage, its process of *generation* (called before
+        its items): give it back as credit after the next step (or when the loop would go
+        idle), and note the sender of the items (``pipe_gone``).
+
+        A process of a stage that restarts sends under its replica index, as the dead one
+        at that index did, and the two can be read in any order (the dead one's messages
+        still queued here, the ``gone`` that names it on another connection): so the sender
+        is told by its generation too. Once a newer generation at that index sent anything,
+        the older one is dead: the credit still owed to it is forgotten, and a late frame of
+        it is given no credit (the credit goes to the replica index, that is, to the new
+        process, whose window never held those items)."""
+        self._sender = key = (sender, generation)
         if self._pooled and items:
-            by = self._taken_by.get(sender)
+            newest = self._newest.get(sender)
+            if newest is None or generation > newest:
+                self._newest[sender] = generation
+                if newest is not None:
+                    self._forgive(sender, newest)
+            elif generation < newest:  # a dead process's frame, read after its successor's
+                return
+            by = self._taken_by.get(key)
             if by is None:
-                self._taken_by[sender] = [items, nbytes]
+                self._taken_by[key] = [items, nbytes]
             else:
                 by[0] += items
                 by[1] += nbytes
+        self._taken_items += items
+        self._taken_bytes += nbytes
+
+    def _forgive(self, replica: int, generation: int | None) -> None:
+        """Forget the credit owed to the previous stage's process *replica* of *generation*
+        and to every older one at that index (``None``: every generation): they died."""
+        taken = self._taken_by
+        for key in [k for k in taken if k[0] == replica]:
+            if generation is None or key[1] <= generation:
+                owed = taken.pop(key)
+                self._taken_items = max(0, self._taken_items - owed[0])
+                self._taken_bytes = max(0, self._taken_bytes - owed[1])
 
     def pipe_credit(self, items: int, nbytes: int, replica: int = 0) -> None:
         """The next stage (its replica *replica*) took *items* items, *nbytes* bytes, of
@@ -470,17 +502,23 @@ class PipeStage:
                 nxt[rid] = route[0]
                 rest[rid] = route[1:]
 
-    def pipe_gone(self, side: str, late: int, replica: int = 0) -> None:
+    def pipe_gone(
+        self, side: str, late: int, replica: int = 0, generation: int | None = None
+    ) -> None:
         """The coordinator's ``gone``: the stage on *side* died.
 
-        - ``"previous"`` (its replica *replica*, of a pool or a stage that restarts): the
-          input side drops every later message of its link, unread (*late* of them each
-          time it does: counted as ``pipe_dropped``); the requests it sent are aborted by
-          the coordinator's abort, which follows the ``gone``. Those of them that ended
-          here before their input did wait for an ``END`` that may have been among the
-          dropped messages: they wait no more. (Such a request may be over for the
-          coordinator already, with no abort to come: its previous stage reported its own
-          end.)
+        - ``"previous"`` (its process *replica* of *generation*, of a pool or a stage that
+          restarts; *generation* ``None``: a link without a replica, whichever process sent
+          at that index): the input side drops every later message of its link, unread
+          (*late* of them each time it does: counted as ``pipe_dropped``); the requests it
+          sent are aborted by the coordinator's abort, which follows the ``gone``. Those of
+          them that ended here before their input did wait for an ``END`` that may have
+          been among the dropped messages: they wait no more. (Such a request may be over
+          for the coordinator already, with no abort to come: its previous stage reported
+          its own end.) The credit still owed to that process is forgotten. Only what that
+          generation sent: a process started again at that index may have sent already (its
+          messages and this ``gone`` come on different connections, in no order), and its
+          requests and credit stay.
         - ``"next"`` (its replica *replica*, of a pool): nothing more is sent to it (what
           would have been is counted as ``edge_dropped``), what is still queued for it is
           let go, its window is empty, and the shared-memory slots, which it can no longer
@@ -489,18 +527,22 @@ class PipeStage:
         if side == "previous":
             self._previous_gone = True
             self._late_dropped += late
+            if late:
+                return
             early = self._early
-            if not late and early:
-                for rid in [rid for rid, sender in early.items() if sender == replica]:
+            if early:
+                dead = [
+                    rid
+                    for rid, (r, g) in early.items()
+                    if r == replica and (generation is None or g <= generation)
+                ]
+                for rid in dead:
                     del early[rid]
-            if not late and self._pooled:
-                # That producer (replica) is gone: the credit owed to it goes with it, so
-                # that a process started again in its place gets none of it (its window
-                # starts empty).
-                owed = self._taken_by.pop(replica, None)
-                if owed is not None:
-                    self._taken_items = max(0, self._taken_items - owed[0])
-                    self._taken_bytes = max(0, self._taken_bytes - owed[1])
+            if self._pooled:
+                # That producer is gone: the credit owed to it goes with it, so that a
+                # process started again in its place gets none of it (its window starts
+                # empty); what its successor sent is owed to the successor.
+                self._forgive(replica, generation)
             return
         links = self._links
         if side != "next" or not 0 <= replica < len(links) or replica in self._gone:
@@ -579,7 +621,7 @@ class PipeStage:
             return ("credit", give, give_bytes)
         self._taken_items = self._taken_bytes = 0
         if self._pooled:
-            links = [[s, i, b] for s, (i, b) in self._taken_by.items()]
+            links = [[s, i, b] for (s, _), (i, b) in self._taken_by.items()]
             self._taken_by.clear()
             return ("credit", items, nbytes, links)
         return ("credit", items, nbytes)
@@ -588,17 +630,17 @@ class PipeStage:
         """The credit of *items* items, per sending replica (first come, first given back;
         each one's bytes pro rata), taken out of what is owed to each."""
         links: list[list[int]] = []
-        for sender, by in list(self._taken_by.items()):
+        for key, by in list(self._taken_by.items()):
             if not items:
                 break
             give = min(items, by[0])
             nbytes = by[1] if give == by[0] else by[1] * give // by[0]
-            links.append([sender, give, nbytes])
+            links.append([key[0], give, nbytes])
             items -= give
             by[0] -= give
             by[1] -= nbytes
             if not by[0]:
-                del self._taken_by[sender]
+                del self._taken_by[key]
         return links
 
     def _give_credit(self, force: bool = False) -> None:
