@@ -99,6 +99,10 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   stage was started again; the link to it is opened anew, to its new address, with an
   empty window and a new pool of slots named after its generation. The coordinator then
   calls :data:`~._edge.LINKS_UTILITY`, which the loop answers after it applied the ``link``.
+  If the next stage restarts (*next_restarts*), what this stage would send a process of it
+  that is gone is held meanwhile, per link, in order (``edge_held``), and sent down the new
+  link first: a request routed to the new process may reach this stage before its
+  ``link`` (they come on different connections). A request's held items go with its abort.
   A restarted previous stage's process needs nothing here: its link has a new routing id
   (:func:`._edge.link_id`'s generation), which the input side tells the stage with each
   frame (:meth:`PipeStage.pipe_received`), and the credit still owed to the dead one is
@@ -201,7 +205,9 @@ class PipeStage:
     stage's replica index, named in its pipe messages for the credit. *downstream_keys*:
     per link, the next stage's CURVE public key, or ``None`` (no CURVE); a link with one is
     a CURVE client with *link_curve* (this stage's ``(public, secret)`` key pair), which
-    retries its handshake until the next stage admits the key. Loop thread only, like any
+    retries its handshake until the next stage admits the key. *next_restarts*: the next
+    stage's dead processes are started again (routed only): what goes to one that is gone
+    is held for the link to its successor (:meth:`pipe_link`). Loop thread only, like any
     engine."""
 
     def __init__(
@@ -224,6 +230,7 @@ class PipeStage:
         shm_factory: Callable[[str], _shm.ShmPool] | None = None,
         link_curve: tuple[bytes, bytes] | None = None,
         downstream_keys: Sequence[bytes | None] | None = None,
+        next_restarts: bool = False,
     ) -> None:
         self._inner = inner
         self._stage = stage
@@ -330,6 +337,12 @@ class PipeStage:
         self._next_gone = False
         self._last = nlinks == 0
         self._edge_dropped = 0
+        # A next stage that restarts (routed): what is sent to a process that is gone is
+        # held, per link, in order, until the link to its successor (pipe_link), which sends
+        # it first; a request's held items go with its abort (_unhold). Each: (kind,
+        # request, item, the rest of its route for a first item, else None).
+        self._holds = routed and next_restarts
+        self._holding: dict[int, list[tuple[int, str, Any, list[int] | None]]] = {}
         self._previous_gone = False
         self._late_dropped = 0  # messages of the gone previous stage, dropped unread
         # The replay log (retry), per request: what it sent on, in order, and its size; the
@@ -523,7 +536,10 @@ class PipeStage:
           would have been is counted as ``edge_dropped``), what is still queued for it is
           let go, its window is empty, and the shared-memory slots, which it can no longer
           release, are unlinked and unmapped, so that their memory returns now, not at
-          shutdown."""
+          shutdown. If the next stage restarts (*next_restarts*), what would have been sent
+          to it is held instead, in order (``edge_held``), for the link to the process
+          started in its place (:meth:`pipe_link`); a request's held items are dropped
+          (``edge_dropped``) when its abort is applied here."""
         if side == "previous":
             self._previous_gone = True
             self._late_dropped += late
@@ -568,7 +584,19 @@ class PipeStage:
         listens on TCP with CURVE: the link is a CURVE client with this stage's link keys (a
         stage launched without them, whose next stage did not listen on TCP, logs an error
         and does not replace the link: down after the usual ``gone``). Requests are routed
-        to it from then on."""
+        to it from then on.
+
+        What was held for that index since its ``gone`` (a next stage that restarts) goes
+        down the new link first, in order (the requests whose first item is held:
+        :meth:`_send_held`). It belongs to requests routed to the new process: the
+        coordinator makes the new process routable once the start is done, and from the
+        third stage on sends the ``link`` only once this stage applied the abort of every
+        request the dead process held (``PipelineCore.linkable``), which dropped their held
+        items; so a request routed to the new process whose data this stage applies before
+        the ``link`` is not lost. (That data comes on another connection than the ``link``;
+        it can come first once the coordinator made the new process routable without this
+        stage's answer, its wait past ``startup_timeout``: a stage whose loop was held up
+        through the restart.)"""
         links = self._links
         if not 0 <= replica < len(links) or self._ctx is None:
             return
@@ -594,6 +622,52 @@ class PipeStage:
         self._next_gone = False
         self._out_items[replica] = self._out_bytes[replica] = 0
         self._waiting = False
+        held = self._holding.pop(replica, None)
+        if held:
+            self._send_held(replica, held)
+
+    def _send_held(self, index: int, held: list[tuple[int, str, Any, list[int] | None]]) -> None:
+        """Send what was held for link *index* while its process was gone (:meth:`pipe_link`):
+        in order, before anything newer, counted against the new link's window as any
+        send. An item the encoder refuses ends its request with an ``error`` event (the step
+        that made it is over). Only the requests whose first item is held: the earlier
+        items of the others went to the dead process, so the rest is of no use to the new
+        one (a request the dead process had ended, whose last items came after its
+        ``gone``; the coordinator may count it done, with no abort to come), and would be
+        taken for a later request's under that id there: dropped (``edge_dropped``)."""
+        firsts = {h[1] for h in held if h[0] & FIRST}
+        if len(firsts) < len({h[1] for h in held}):
+            kept = [h for h in held if h[1] in firsts]
+            self._edge_dropped += len(held) - len(kept)
+            held = kept
+            if not held:
+                return
+        kinds = [h[0] for h in held]
+        ids = [h[1] for h in held]
+        items = [h[2] for h in held]
+        routes = {h[1]: h[3] for h in held if h[3] is not None}
+        out_r: list[Any] = []
+        out_p: list[Any] = []
+        self._send_link(index, kinds, ids, items, routes, out_r, [], out_p)
+        if out_r and self._emit is not None:
+            for rid in dict.fromkeys(out_r):
+                why = out_p[out_r.index(rid)]
+                self._emit(("error", rid, str(why)))
+
+    def _unhold(self, req_ids: Sequence[str]) -> None:
+        """Drop what is held for *req_ids* (:meth:`pipe_link`), counted as ``edge_dropped``:
+        their abort was applied here, or they are otherwise over here."""
+        drop = set(req_ids)
+        holding = self._holding
+        for index in list(holding):
+            held = holding[index]
+            kept = [h for h in held if h[1] not in drop]
+            if len(kept) < len(held):
+                self._edge_dropped += len(held) - len(kept)
+                if kept:
+                    holding[index] = kept
+                else:
+                    del holding[index]
 
     def take_credit(self, force: bool = False) -> tuple[Any, ...] | None:
         """The ``credit`` event for what the engine has taken since the last one, or
@@ -658,9 +732,13 @@ class PipeStage:
         taken), ``shm_refused`` (refused: their lease had expired, or their slot was gone),
         ``shm_held`` (taken and still alive here) and ``shm_mapped`` (its slots mapped
         here). After a stage next to this one died: ``edge_dropped`` (payloads not sent to
-        a dead next stage), ``pipe_dropped`` (late messages of a dead previous stage,
-        dropped unread). With a replay log (its edge retries): ``replay_logged`` (requests
-        logged now), ``replay_logged_bytes`` (their estimated size) and ``replays``."""
+        a dead next stage; from its ``gone`` on, also once relinked), ``edge_held`` (before
+        a stage that restarts, always: payloads held for the successor of a dead process
+        of it, sent once it is linked in, not in ``edge_in_flight`` until then; dropped
+        with their request's abort, and counted in ``edge_dropped`` then),
+        ``pipe_dropped`` (late messages of a dead previous stage, dropped unread). With a
+        replay log (its edge retries): ``replay_logged`` (requests logged now),
+        ``replay_logged_bytes`` (their estimated size) and ``replays``."""
         out = dict(self._inner_stats()) if self._inner_stats is not None else {}
         if not self._last:
             out["edge_in_flight"] = sum(self._out_items)
@@ -668,8 +746,10 @@ class PipeStage:
             out["edge_sent"] = self._sent_items
             out["edge_sent_bytes"] = self._sent_bytes
             out["edge_waits"] = self._waits
-            if self._gone:
+            if self._gone or self._edge_dropped:
                 out["edge_dropped"] = self._edge_dropped
+            if self._holds:
+                out["edge_held"] = sum([len(held) for held in self._holding.values()])
             pools = [pool.stats() for pool in self._shms if pool is not None]
             for numbers in pools:  # summed over the links
                 for key, value in numbers.items():
@@ -691,6 +771,8 @@ class PipeStage:
     def add(self, req_id: str, data: Any) -> None:
         """A request from the coordinator: the first stage's whole input (an engine with
         ``close_input`` is told so at once)."""
+        if self._holding:  # an id freed and added again: the old request's are over
+            self._unhold((req_id,))
         self._inner.add(req_id, data)
         self._live.add(req_id)
         if self._close_input is not None and self._feed is not None:
@@ -701,6 +783,8 @@ class PipeStage:
         the stage, except for a *kind* with :data:`FIRST`, which makes it live; a
         :class:`~enginecore.RequestRejected` from the engine ends only this request."""
         inner = self._inner
+        if kind & FIRST and self._holding:  # an id freed and used again: the old request's
+            self._unhold((req_id,))  # held items are over (its items come after its first)
         if self._feed is not None:
             if kind & FIRST:
                 inner.add(req_id, item)
@@ -754,6 +838,8 @@ class PipeStage:
             report.discard(rid)
             early.pop(rid, None)
             spoke.discard(rid)
+        if self._holding:
+            self._unhold(req_ids)
         if self._pooled:
             nxt, rest = self._next, self._rest
             for rid in req_ids:
@@ -796,10 +882,15 @@ class PipeStage:
 
     def pipe_release(self, req_ids: list[str]) -> None:
         """The coordinator's ``release``: *req_ids* are done in the pipeline; their logs go
-        (not that of a request live here: a new one under a freed id)."""
-        if self._replay_bytes is not None:
+        (not that of a request live here: a new one under a freed id), and so does what is
+        held of them for a gone process's successor (:meth:`pipe_link`)."""
+        if self._replay_bytes is not None or self._holding:
             live = self._live
-            self._forget([rid for rid in req_ids if rid not in live])
+            done = [rid for rid in req_ids if rid not in live]
+            if self._replay_bytes is not None:
+                self._forget(done)
+            if self._holding:
+                self._unhold(done)
 
     def pipe_replay(self, req_id: str) -> tuple[bool, str]:
         """The coordinator's ``replay``: the next stage failed *req_id*. Send an ``abort`` of
@@ -1102,7 +1193,8 @@ class PipeStage:
         out_f: list[bool],
         out_p: list[Any],
     ) -> None:
-        if self._next_gone:  # nobody to send to: the coordinator ends these requests
+        if self._next_gone and not self._holds:  # nobody to send to, for good: the
+            # coordinator ends these requests
             self._edge_dropped += len(kinds)
             return
         if not self._pooled:
@@ -1123,6 +1215,13 @@ class PipeStage:
             if kind & FIRST:
                 group[3][rid] = rest.get(rid, [])
         for index, (g_kinds, g_ids, g_items, g_routes) in groups.items():
+            if index in self._gone and self._holds:
+                # Its process died and a new one is coming: a request routed to the new one
+                # may come before its link (pipe_link), which sends these first.
+                held = self._holding.setdefault(index, [])
+                for kind, rid, item in zip(g_kinds, g_ids, g_items, strict=True):
+                    held.append((kind, rid, item, g_routes.get(rid) if kind & FIRST else None))
+                continue
             if index in self._gone or not 0 <= index < len(self._links):
                 self._edge_dropped += len(g_kinds)
                 continue
@@ -1213,6 +1312,7 @@ class PipelinedPipeStage(PipeStage):
         shm_factory: Callable[[str], _shm.ShmPool] | None = None,
         link_curve: tuple[bytes, bytes] | None = None,
         downstream_keys: Sequence[bytes | None] | None = None,
+        next_restarts: bool = False,
     ) -> None:
         super().__init__(
             inner,
@@ -1232,6 +1332,7 @@ class PipelinedPipeStage(PipeStage):
             shm_factory=shm_factory,
             link_curve=link_curve,
             downstream_keys=downstream_keys,
+            next_restarts=next_restarts,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -1270,6 +1371,7 @@ def pipe_stage(
     credit_bytes: int = 1,
     link_keys: list[bytes] | None = None,
     downstream_keys: list[bytes | None] | None = None,
+    next_restarts: bool = False,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
@@ -1294,7 +1396,8 @@ def pipe_stage(
     TCP: placed on Ray, or local after one), or ``None`` (ipc, no CURVE); *link_keys*:
     ``[public, secret]``, this stage's key pair for those links (made by the coordinator
     for a local stage, in the actor for one on Ray, ``docs/pipelines.md``, "Stages on other
-    hosts")."""
+    hosts"). *next_restarts*: the next stage's dead processes are started again: what this
+    stage sends to one that is gone is held for its successor (:meth:`PipeStage.pipe_link`)."""
     reader = (
         None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
     )
@@ -1333,6 +1436,7 @@ def pipe_stage(
         "credit_bytes": credit_bytes,
         "link_curve": None if link_keys is None else (link_keys[0], link_keys[1]),
         "downstream_keys": downstream_keys,
+        "next_restarts": next_restarts,
     }
     if isinstance(pool, list):
         options["shm_factory"] = shm_factory
