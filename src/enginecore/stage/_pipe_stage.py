@@ -595,8 +595,8 @@ class PipeStage:
         items; so a request routed to the new process whose data this stage applies before
         the ``link`` is not lost. (That data comes on another connection than the ``link``;
         it can come first once the coordinator made the new process routable without this
-        stage's answer, its wait past ``startup_timeout``: a stage whose loop was held up
-        through the restart.)"""
+        stage's confirmation of the ``link`` (:data:`LINKS_UTILITY`), which it waits for up
+        to ``startup_timeout``: a stage whose loop was held up through the restart.)"""
         links = self._links
         if not 0 <= replica < len(links) or self._ctx is None:
             return
