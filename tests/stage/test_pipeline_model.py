@@ -296,7 +296,17 @@ class Req:
     """A request live in one simulated stage (the stage runtime's live set), held by its
     process *proc* there."""
 
-    __slots__ = ("gen", "in_engine", "inc", "input_ended", "proc", "report", "sent", "spoke")
+    __slots__ = (
+        "gen",
+        "in_engine",
+        "inc",
+        "input_ended",
+        "proc",
+        "report",
+        "sender",
+        "sent",
+        "spoke",
+    )
 
     def __init__(
         self, inc: Inc, in_engine: bool, input_ended: bool, gen: int = 0, proc: Proc | None = None
@@ -309,6 +319,7 @@ class Req:
         self.sent = 0  # payloads sent on
         self.report = False  # its END said REPORT: it reports its own end
         self.spoke = False  # it sent the caller payloads: it reports its own end
+        self.sender: Proc | None = None  # the process of the previous stage that fed it
 
     def current(self, k: int) -> bool:
         """Whether it is its request's attempt that counts in stage *k* (no replay's fence
@@ -863,10 +874,13 @@ class PipelineModel(RuleBasedStateMachine):
         return linked and src is not None and src in s.gone_from
 
     @staticmethod
-    def _sent_by(inc: Inc | None, s: SimStage, replica: int) -> bool:
-        """Whether *inc*'s input to stage *s* came from *replica* of the previous stage."""
-        route = None if inc is None else inc.route
-        return route is not None and s.k > 0 and route[s.k - 1] == replica
+    def _fed_by(req: Req, gone: Proc) -> bool:
+        """Whether *req*'s input came from process *gone* of the previous stage, or from an
+        older one at its index (``PipeStage.pipe_gone``: a sender is its replica index and
+        its generation; a process started again in its place is another, whose data and
+        this ``gone`` may come in either order)."""
+        src = req.sender
+        return src is not None and src.r == gone.r and src.gen <= gone.gen
 
     # -- the stages ------------------------------------------------------------------------
 
@@ -960,9 +974,10 @@ class PipelineModel(RuleBasedStateMachine):
         if kind == "gone":  # PooledModel: a process of the previous stage died
             gone = item[1]
             s.gone_from.add(gone)
-            # PipeStage.pipe_gone: what ended here early, with its input from that replica,
-            # waits no more for an END that may have been dropped.
-            for rid in [rid for rid, req in s.early.items() if self._sent_by(req.inc, s, gone.r)]:
+            # PipeStage.pipe_gone: what ended here early, with its input from that process,
+            # waits no more for an END that may have been dropped; what its successor at
+            # that index sent, taken before this gone, still waits.
+            for rid in [rid for rid, req in s.early.items() if self._fed_by(req, gone)]:
                 del s.early[rid]
             return
         if self.lost(s, entry, linked):  # what a dead process never gets
@@ -1021,6 +1036,7 @@ class PipelineModel(RuleBasedStateMachine):
                 only = kind & END != 0
                 s.live[rid] = req = Req(inc, s.feed or only, only, gen, dst)
                 req.report = kind & REPORT != 0
+                req.sender = entry[1]  # the process that sent it (None: the coordinator)
             return
         req = s.live.get(rid)
         if req is not None and req.proc is not dst:

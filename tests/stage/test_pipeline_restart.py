@@ -43,10 +43,10 @@ from enginecore.stage import (
     _shm,
 )
 from enginecore.stage._curve import Authenticator, ServerCurve, secure_server
-from enginecore.stage._edge import LINKS_UTILITY, link_id
+from enginecore.stage._edge import END, FIRST, LINKS_UTILITY, MORE, ONLY, link_id
 from enginecore.stage._errors import EngineDeadError as _Dead
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
-from enginecore.stage._pipelinebase import PIPE_FACTORY
+from enginecore.stage._pipelinebase import PIPE_FACTORY, pipe_kwargs
 from enginecore.stage._session import ClientSession, StreamCore
 from enginecore.stage._wire import ErrorReport
 
@@ -139,6 +139,27 @@ class TestOptions:
     def test_a_bad_policy_is_a_value_error_before_any_process_starts(self) -> None:
         with pytest.raises(ValueError, match="max_failures"):
             PipelineStage(RELAY, restart=RestartPolicy(max_failures=0))
+
+    def test_a_stage_before_one_that_restarts_holds_for_a_dead_process_s_successor(
+        self,
+    ) -> None:
+        # pipe_kwargs: a stage whose next stage restarts holds what goes to a dead process
+        # of it for the link to its successor (PipeStage.pipe_link); before a pool that
+        # does not restart, nothing will take it: dropped, as before.
+        kwargs = pipe_kwargs(
+            PipelineStage(RELAY),
+            ["ipc:///x"],
+            routed=True,
+            downstream_spec=PipelineStage(RELAY, restart=True),
+        )
+        assert kwargs["next_restarts"] is True
+        kwargs = pipe_kwargs(
+            PipelineStage(RELAY),
+            ["ipc:///x", "ipc:///y"],
+            routed=True,
+            downstream_spec=PipelineStage(RELAY, replicas=2),
+        )
+        assert "next_restarts" not in kwargs
 
     def test_without_a_death_nothing_restarts(self, launch: Any) -> None:
         pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", restart=True)])
@@ -1643,3 +1664,76 @@ class TestLinkMessage:
             assert error.req_id is None
             assert "invalid message" in error.message
             assert client.call_utility(LINKS_UTILITY) == []  # the last stage: no link
+
+    def test_data_for_a_gone_process_waits_for_the_link_to_its_successor(
+        self, no_leftovers: str
+    ) -> None:
+        # docs/wire.md section 8, "Restarts", in a stage process: process 0 of its next
+        # stage is gone and restarts (next_restarts, which pipe_kwargs sets for a next stage
+        # that restarts). In a pipeline, a request routed to the new process can reach this
+        # stage before the `link` does (its data comes on another connection; the
+        # coordinator makes the new process routable without this stage's answer once the
+        # link's start waited past startup_timeout); here the test plays the coordinator
+        # and sends them in that order. r1's items are held and go down the new link
+        # first, in order, before r3's, sent later; r2, aborted before the link, leaves
+        # nothing to send.
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        new = ctx.socket(zmq.ROUTER)
+        new.setsockopt(zmq.LINGER, 0)
+        new.bind(f"ipc://{no_leftovers}/next-new")
+        kwargs = {
+            "factory": COUNTDOWN,
+            "stage": "a",
+            "downstream": [f"ipc://{no_leftovers}/next-dead"],
+            "routed": True,
+            "replica": 0,
+            "link_id": link_id(0, 0, replica=0),
+            "next_restarts": True,
+        }
+        client = StageClient.launch(PIPE_FACTORY, kwargs, startup_timeout=30, ordered_events=True)
+
+        def engine(key: str) -> float:
+            return float(client.stats().engine.get(key, -1))
+
+        def items() -> list[tuple[int, str, Any]]:  # what comes on the new link next
+            assert new.poll(10_000), "nothing came on the new link"
+            _ident, body, *_ = new.recv_multipart()
+            msg = msgspec.msgpack.decode(body)
+            assert msg[0] == "pipe"
+            return list(zip(msg[1], msg[2], msg[3], strict=True))
+
+        try:
+            client._send(ClientSession.gone_frame("next", "", 0))
+            assert client.call_utility(LINKS_UTILITY) == [False]
+            client._send(ClientSession.route_frame(["r1", "r2"], [[0], [0]]))
+            client._send_requests(
+                ["r1", "r2"], ClientSession.adds_frame([("r1", 3), ("r2", 3)])[1], False
+            )
+            # Each: 2, 1, 0 and its END, held (nothing in flight).
+            assert wait_until(lambda: engine("edge_held") == 8, 10)
+            assert engine("edge_in_flight") == 0
+            client._send(ClientSession.abort_frame(["r2"], [[]]))
+            assert wait_until(lambda: engine("edge_held") == 4, 10)
+            assert engine("edge_dropped") == 4
+            client._send(ClientSession.link_frame(0, f"ipc://{no_leftovers}/next-new"))
+            client._send(ClientSession.route_frame(["r3"], [[0]]))
+            client._send_request("r3", ClientSession.add_frame("r3", 1), False)
+            got: list[tuple[int, str, Any]] = []
+            while len(got) < 5:
+                got += items()
+            assert got == [
+                (FIRST, "r1", 2),
+                (MORE, "r1", 1),
+                (MORE, "r1", 0),
+                (END, "r1", None),
+                (ONLY, "r3", 0),
+            ]
+            assert not new.poll(100)
+            assert client.call_utility(LINKS_UTILITY) == [True]
+            assert engine("edge_in_flight") == 5  # sent: in flight now (no credit back)
+        finally:
+            client.shutdown()
+            new.close()
+            with contextlib.suppress(FileNotFoundError):  # the test's own ipc file
+                os.unlink(f"{no_leftovers}/next-new")
+            ctx.term()

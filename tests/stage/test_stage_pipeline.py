@@ -271,6 +271,153 @@ class TestDataFlow:
         stage.pipe_late("b", END)
         assert emitted == [("outputs", ["b"], [True], [BEFORE])]
 
+    def test_a_gone_previous_process_clears_only_what_its_generation_sent(self) -> None:
+        # docs/wire.md section 8, "Restarts": process 0 of the previous stage died and was
+        # started again (generation 1). A stage frozen through the restart reads the queued
+        # messages of both, and the gone of the dead one, in any order: here a (from the
+        # dead one), b (from the new one), c (a late message of the dead one), then the
+        # gone of generation 0. It clears what generation 0 sent (a's and c's wait for
+        # their END, the credit owed to it); b still gets its BEFORE report when its END
+        # comes, and the credit owed to generation 1 goes back to replica 0, refilling the
+        # new process's window. No credit for the late c either: it would go to replica 0,
+        # the new process, whose window never held it.
+        emitted: list[Any] = []
+        stage = PipeStage(HeadEngine(1), stage="t", routed=True)
+        stage.attach_emit(emitted.append)
+        stage.pipe_received(1, 10, 0, 0)
+        stage.pipe_input(FIRST, "a", "x")
+        stage.pipe_received(1, 20, 0, 1)
+        stage.pipe_input(FIRST, "b", "y")
+        stage.pipe_received(1, 40, 0, 0)
+        stage.pipe_input(FIRST, "c", "z")
+        stage.route_outputs(stage.step())  # all three end here, before their input did
+        stage.pipe_gone("previous", 0, 0, 0)
+        assert stage.take_credit(force=True) == ("credit", 1, 20, [[0, 1, 20]])
+        for rid in ("a", "b", "c"):
+            stage.pipe_late(rid, END)
+        assert emitted == [("outputs", ["b"], [True], [BEFORE])]
+        # The gone of a process whose successor sent nothing yet still clears its credit
+        # and its early ends; a gone that names no generation (a link without a replica)
+        # clears every generation's.
+        stage.pipe_received(1, 10, 2, 0)
+        stage.pipe_input(FIRST, "d", "w")
+        stage.route_outputs(stage.step())
+        stage.pipe_gone("previous", 0, 2, 0)
+        assert stage.take_credit(force=True) is None
+        stage.pipe_received(1, 10, 0, 1)
+        stage.pipe_input(FIRST, "e", "v")
+        stage.route_outputs(stage.step())
+        stage.pipe_gone("previous", 0, 0)
+        assert stage.take_credit(force=True) is None
+        stage.pipe_late("d", END)
+        stage.pipe_late("e", END)
+        assert emitted == [("outputs", ["b"], [True], [BEFORE])]
+
+    def test_what_goes_to_a_gone_process_of_a_restarting_stage_waits_for_its_link(self) -> None:
+        # docs/wire.md section 8, "Restarts": process 0 of the next stage died (gone) and
+        # one is started in its place (next_restarts). A request routed to the new process
+        # whose data this stage applies before the link (the data comes on another
+        # connection than the link) is held, in order, its END and later items too, and
+        # goes down the new link first, before anything newer; one aborted meanwhile
+        # (here b) leaves nothing to send. Held items are not in flight until sent.
+        ctx = zmq.Context()
+        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        ports = []
+        for router in (old, new):
+            router.setsockopt(zmq.LINGER, 0)
+            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
+        stage = PipeStage(
+            CountdownEngine(),
+            stage="s",
+            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
+            routed=True,
+            next_restarts=True,
+            window=4,
+        )
+
+        def received() -> Any:
+            assert new.poll(5000)
+            _ident, body = new.recv_multipart()
+            return msgspec.msgpack.decode(body)
+
+        try:
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a", "b"], [[0, 5], [0, 6]], abort=False)
+            stage.add("a", 3)  # 2, 1, 0
+            stage.add("b", 2)  # 1, 0
+            stage.route_outputs(stage.step())  # a: FIRST 2; b: FIRST 1
+            stage.route_outputs(stage.step())  # a: MORE 1; b: MORE 0, END
+            assert stage.take_ended() == ["b"]
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_in_flight"], stats["edge_dropped"]) == (5, 0, 0)
+            assert stage.has_work()  # held items take no room in the window
+            stage.abort(["b"])  # its abort, applied here: its held items go
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (2, 3)
+            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "")
+            assert stage.stats()["edge_in_flight"] == 2  # sent now: in flight now
+            stage.route_outputs(stage.step())  # a: MORE 0, END, after what was held
+            assert received() == ["pipe", [FIRST, MORE], ["a", "a"], [2, 1], {"a": [5]}, 0]
+            assert received() == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
+            assert not new.poll(100)
+            assert not old.poll(0)
+            stats = stage.stats()
+            assert (stats["edge_in_flight"], stats["edge_sent"]) == (4, 4)
+            assert stats["edge_held"] == 0
+            # e's first item went to the process that dies next; its later items are held,
+            # and dropped at the link (of no use to the new process). An id freed and added
+            # again while the old request's END is held: the old one is over, its held END
+            # goes; and so do the held items of a request released (done).
+            stage.pipe_route(["e"], [[0]], abort=False)
+            stage.add("e", 2)  # 1, 0
+            stage.route_outputs(stage.step())
+            assert received() == ["pipe", [FIRST], ["e"], [1], {"e": []}, 0]
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["c", "d"], [[0], [0]], abort=False)
+            stage.add("c", 1)
+            stage.add("d", 1)
+            stage.route_outputs(stage.step())  # c: ONLY 0; d: ONLY 0; e: MORE 0, END
+            assert stage.stats()["edge_held"] == 4
+            stage.pipe_route(["c"], [[0]], abort=False)
+            stage.add("c", 2)  # the id again
+            stage.pipe_release(["d"])
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (2, 5)
+            stage.route_outputs(stage.step())  # c (the new one): FIRST 1
+            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "")
+            assert received() == ["pipe", [FIRST], ["c"], [1], {"c": []}, 0]
+            assert not new.poll(100)
+            assert stage.stats()["edge_dropped"] == 7
+        finally:
+            for link in stage._links:
+                if link is not None:
+                    link.close(linger=0)
+            old.close()
+            new.close()
+            ctx.term()
+
+    def test_without_a_restart_what_goes_to_a_gone_process_is_dropped(self) -> None:
+        # A next stage that does not restart: nothing will take what would go to a dead
+        # process (the coordinator ends its requests): dropped and counted, as before.
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        stage = PipeStage(
+            CountdownEngine(), stage="s", downstream=[f"tcp://127.0.0.1:{port}"], routed=True
+        )
+        try:
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a"], [[0]], abort=False)
+            stage.add("a", 2)
+            stage.route_outputs(stage.step())
+            stats = stage.stats()
+            assert (stats["edge_dropped"], stats["edge_in_flight"]) == (1, 0)
+            assert "edge_held" not in stats
+        finally:
+            router.close()
+            ctx.term()
+
     def test_an_abort_chases_no_further_than_a_dead_process_on_its_route(self) -> None:
         # docs/wire.md section 8, "Restarts": -1 in an abort's route is a stage whose
         # process on the request's route died; a restarted process at that index never

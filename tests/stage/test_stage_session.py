@@ -24,6 +24,7 @@ from enginecore.stage._controls import (
     PipeAbort,
     PipeCredit,
     PipeFence,
+    PipeGone,
     PipeInput,
     PipeRoute,
     SessionChange,
@@ -511,22 +512,62 @@ class TestValidation:
         [pipe], events = take(session)
         assert isinstance(pipe, PipeInput)
         assert (pipe.kinds, pipe.req_ids, pipe.data) == ([1, 0, 2], ["a", "a", "a"], [1, 2, None])
-        assert pipe.received == (3, len(body[0]), 0)
+        assert pipe.received == (3, len(body[0]), 0, 0)
         assert not events
         body = frame("pipe", [3, 4, 1], ["a", "b", "c"], [1, 2, {1.5: 0}])
         session.receive(B, body, 0.0)
         [pipe], events = take(session)
         assert (pipe.kinds, pipe.req_ids, pipe.data) == ([3], ["a"], [1])
-        assert pipe.received == (3, len(body[0]), 0)  # the refused items are given back too
+        assert pipe.received == (3, len(body[0]), 0, 0)  # the refused items are given back too
         assert [(kind, rid) for kind, rid, _ in events] == [("error", "b"), ("error", "c")]
         assert events[0][2] == "invalid message: pipe kind must be 0, 1, 2, 3, 10 or 11, got 4"
         assert events[1][2].startswith("invalid message: data")
         body = frame("pipe", [1], ["a", "b"], [1])
         session.receive(B, body, 0.0)
         [pipe], events = take(session)
-        assert (pipe.kinds, pipe.received) == ([], (1, len(body[0]), 0))
+        assert (pipe.kinds, pipe.received) == ([], (1, len(body[0]), 0, 0))
         what = "invalid message: pipe has 1 kinds, 2 request ids and 1 data items"
         assert events == [("error", "a", what), ("error", "b", what)]
+
+    def test_a_pipe_names_its_sender_s_generation_and_a_gone_the_dead_one_s(
+        self, session: StageSession
+    ) -> None:
+        # docs/wire.md section 8, "Restarts": process 0 of stage 1 died and was started
+        # again (generation 1). A consumer that reads the new process's data before the
+        # gone of the dead one (two connections, no order) must tell them apart: the frame
+        # carries its link's generation, the gone names the dead one's, and the late
+        # message of the dead link is dropped unread, not the new one's.
+        welcome(session)
+        new = frame("pipe", [1], ["a"], ["x"], {"a": []}, 0)
+        session.receive(b"pipe-link-1.1-r0", new, 0.0)
+        session.receive(A, frame("gone", "previous", "pipe-link-1.0-r0"), 0.0)
+        session.receive(b"pipe-link-1.0-r0", frame("pipe", [1], ["b"], ["y"], {}, 0), 0.0)
+        session.receive(b"pipe-link-1.1-r0", frame("pipe", [0], ["a"], ["z"], {}, 0), 0.0)
+        to_loop, events = take(session)
+        assert not events
+        route, pipe, gone, late, more = to_loop
+        assert isinstance(route, PipeRoute)
+        assert isinstance(pipe, PipeInput)
+        assert isinstance(more, PipeInput)
+        assert pipe.req_ids == ["a"]
+        assert pipe.received == (1, len(new[0]), 0, 1)
+        assert more.data == ["z"]
+        assert more.received[2:] == (0, 1)
+        assert isinstance(gone, PipeGone)
+        assert isinstance(late, PipeGone)
+        assert (gone.side, gone.late, gone.replica, gone.generation) == ("previous", 0, 0, 0)
+        assert (late.side, late.late) == ("previous", 1)
+        # Generation 2 of replica 3; and a link without a replica (a stage of one process
+        # that does not restart): generation 0, and its gone names none (any process).
+        session.receive(b"pipe-link-1.2-r3", frame("pipe", [1], ["c"], [1], {}, 3), 0.0)
+        session.receive(b"pipe-link-0.0", frame("pipe", [1], ["d"], [1]), 0.0)
+        session.receive(A, frame("gone", "previous", "pipe-link-1.2-r3"), 0.0)
+        session.receive(A, frame("gone", "previous", "pipe-link-0.0"), 0.0)
+        (c, d, gone3, gone0), _ = take(session)
+        assert c.received[2:] == (3, 2)
+        assert d.received[2:] == (0, 0)
+        assert (gone3.replica, gone3.generation) == (3, 2)
+        assert (gone0.replica, gone0.generation) == (0, None)
 
     def test_a_credit_becomes_a_control(self, session: StageSession) -> None:
         session.receive(A, frame("credit", 3, 1200), 0.0)

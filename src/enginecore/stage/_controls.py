@@ -101,12 +101,12 @@ class StageTarget(Protocol):
         kinds: list[int],
         req_ids: list[str],
         data: list[Any],
-        received: tuple[int, int, int],
+        received: tuple[int, int, int, int],
     ) -> None: ...
 
     def pipe_credit(self, items: int, nbytes: int, replica: int) -> None: ...
 
-    def pipe_gone(self, side: str, late: int, replica: int) -> None: ...
+    def pipe_gone(self, side: str, late: int, replica: int, generation: int | None) -> None: ...
 
     def pipe_link(self, replica: int, address: str, slots: str, server_key: str) -> None: ...
 
@@ -297,14 +297,15 @@ class PipeInput(Control):
         kinds: list[int],
         req_ids: list[str],
         data: list[Any],
-        received: tuple[int, int, int] = (0, 0, 0),
+        received: tuple[int, int, int, int] = (0, 0, 0, 0),
     ) -> None:
         self.kinds = kinds
         self.req_ids = req_ids
         self.data = data
         self.received = received
-        """``(items, nbytes, sender)`` of the whole frame, invalid items included: what the
-        stage gives back as credit to the one that sent it (*sender*: its replica index)."""
+        """``(items, nbytes, sender, generation)`` of the whole frame, invalid items
+        included: what the stage gives back as credit to the one that sent it (*sender*: its
+        replica index; *generation*: its process's, from its link's routing id)."""
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
         try:
@@ -340,17 +341,23 @@ class PipeGone(Control):
     """The coordinator's ``gone`` (``docs/wire.md`` section 8): the pipeline's stage on
     *side* of this one (``"previous"`` or ``"next"``) died (``StageEngine.pipe_gone``).
     With *late* > 0: the input side dropped that many messages that came from the gone
-    previous stage after the ``gone`` (counted; they are never decoded)."""
+    previous stage after the ``gone`` (counted; they are never decoded). *replica*: which
+    process of the stage on that side (a pool, or a stage that restarts); *generation*, on
+    the ``"previous"`` side: that process's generation (from the dead link's routing id),
+    ``None`` for a link without a replica (any process at that index)."""
 
-    __slots__ = ("late", "replica", "side")
+    __slots__ = ("generation", "late", "replica", "side")
 
-    def __init__(self, side: str, late: int = 0, replica: int = 0) -> None:
+    def __init__(
+        self, side: str, late: int = 0, replica: int = 0, generation: int | None = None
+    ) -> None:
         self.side = side
         self.late = late
-        self.replica = replica  # "next": which replica of the next stage (a pool)
+        self.replica = replica
+        self.generation = generation
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.pipe_gone(self.side, self.late, self.replica)
+        engine.pipe_gone(self.side, self.late, self.replica, self.generation)
 
     def __repr__(self) -> str:
         return f"PipeGone({self.side!r}, late={self.late})"

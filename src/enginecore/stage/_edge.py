@@ -18,6 +18,7 @@ __all__ = [
     "ONLY",
     "REPORT",
     "SENT_ON",
+    "link_generation",
     "link_id",
     "link_token",
     "slot_token",
@@ -80,6 +81,17 @@ def link_token(link: str) -> str | None:
         return None
     generation = head.rpartition(".")[2]
     return slot_token(int(replica), int(generation) if generation.isdigit() else 0)
+
+
+def link_generation(link: str) -> int:
+    """The generation of the process whose link has the routing id *link*
+    (:func:`link_id`): how many times it was started before; ``0`` for a link without a
+    replica (a stage of one process that is not restarted), or one that is not a link's."""
+    token = link_token(link)
+    if token is None:
+        return 0
+    generation = token.partition(".")[2]
+    return int(generation) if generation else 0
 
 
 class _Nothing:

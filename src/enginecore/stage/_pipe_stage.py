@@ -99,9 +99,15 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   stage was started again; the link to it is opened anew, to its new address, with an
   empty window and a new pool of slots named after its generation. The coordinator then
   calls :data:`~._edge.LINKS_UTILITY`, which the loop answers after it applied the ``link``.
+  If the next stage restarts (*next_restarts*), what this stage would send a process of it
+  that is gone is held meanwhile, per link, in order (``edge_held``), and sent down the new
+  link first: a request routed to the new process may reach this stage before its
+  ``link`` (they come on different connections). A request's held items go with its abort.
   A restarted previous stage's process needs nothing here: its link has a new routing id
-  (:func:`._edge.link_id`'s generation), and the credit still owed to the dead one was
-  forgotten with its ``gone``.
+  (:func:`._edge.link_id`'s generation), which the input side tells the stage with each
+  frame (:meth:`PipeStage.pipe_received`), and the credit still owed to the dead one is
+  forgotten with its ``gone`` (or as soon as the new one sends: the two may be read in
+  either order), which clears only what that generation sent.
 """
 
 from __future__ import annotations
@@ -199,7 +205,9 @@ class PipeStage:
     stage's replica index, named in its pipe messages for the credit. *downstream_keys*:
     per link, the next stage's CURVE public key, or ``None`` (no CURVE); a link with one is
     a CURVE client with *link_curve* (this stage's ``(public, secret)`` key pair), which
-    retries its handshake until the next stage admits the key. Loop thread only, like any
+    retries its handshake until the next stage admits the key. *next_restarts*: the next
+    stage's dead processes are started again (routed only): what goes to one that is gone
+    is held for the link to its successor (:meth:`pipe_link`). Loop thread only, like any
     engine."""
 
     def __init__(
@@ -222,6 +230,7 @@ class PipeStage:
         shm_factory: Callable[[str], _shm.ShmPool] | None = None,
         link_curve: tuple[bytes, bytes] | None = None,
         downstream_keys: Sequence[bytes | None] | None = None,
+        next_restarts: bool = False,
     ) -> None:
         self._inner = inner
         self._stage = stage
@@ -258,7 +267,10 @@ class PipeStage:
         # next step or when the loop would go idle):
         self._taken_items = 0
         self._taken_bytes = 0
-        self._taken_by: dict[int, list[int]] = {}  # routed: per sending replica, [items, bytes]
+        # Routed: per sending process, (replica, generation), [items, bytes]; and per
+        # replica, the newest generation that sent any (an older one is dead: pipe_received).
+        self._taken_by: dict[tuple[int, int], list[int]] = {}
+        self._newest: dict[int, int] = {}
         # Given back after a step once this much was taken (half the previous stage's
         # window), or CREDIT_DELAY_S after the loop went idle (at _credit_due, monotonic):
         self._credit_items = max(1, credit_items)
@@ -293,12 +305,14 @@ class PipeStage:
         # whose input is still open here (a feed engine's, between FIRST and END); those
         # whose END came with REPORT; those that ended here before their input did, whose
         # END from the previous stage is still to come. _open and _early map each to the
-        # process of the previous stage that sends its input (its replica index): if that
-        # one dies, the END of an early one never comes (pipe_gone).
-        self._open: dict[str, int] = {}
+        # process of the previous stage that sends its input (its replica index and its
+        # generation): if that one dies, the END of an early one never comes (pipe_gone).
+        self._open: dict[str, tuple[int, int]] = {}
         self._report: set[str] = set()
-        self._early: dict[str, int] = {}
-        self._sender = 0  # the replica of the previous stage that sent the frame being applied
+        self._early: dict[str, tuple[int, int]] = {}
+        # The process of the previous stage that sent the frame being applied: (replica,
+        # generation).
+        self._sender = (0, 0)
         self._spoke: set[str] = set()  # live requests whose edge sent the caller payloads
         self._quiet: list[str] = []  # ended in this step without a report (take_ended)
         self._gathered: dict[str, list[Any]] = {}  # inputs of a request, for an engine without feed
@@ -323,6 +337,12 @@ class PipeStage:
         self._next_gone = False
         self._last = nlinks == 0
         self._edge_dropped = 0
+        # A next stage that restarts (routed): what is sent to a process that is gone is
+        # held, per link, in order, until the link to its successor (pipe_link), which sends
+        # it first; a request's held items go with its abort (_unhold). Each: (kind,
+        # request, item, the rest of its route for a first item, else None).
+        self._holds = routed and next_restarts
+        self._holding: dict[int, list[tuple[int, str, Any, list[int] | None]]] = {}
         self._previous_gone = False
         self._late_dropped = 0  # messages of the gone previous stage, dropped unread
         # The replay log (retry), per request: what it sent on, in order, and its size; the
@@ -431,21 +451,46 @@ class PipeStage:
         """The stage runtime's ``emit`` (loop thread), for the credit events."""
         self._emit = emit
 
-    def pipe_received(self, items: int, nbytes: int, sender: int = 0) -> None:
+    def pipe_received(self, items: int, nbytes: int, sender: int = 0, generation: int = 0) -> None:
         """The stage runtime applies a pipe frame of *items* items, *nbytes* bytes, from
-        replica *sender* of the previous stage (called before its items): give it back as
-        credit after the next step (or when the loop would go idle), and note the sender of
-        the items (``pipe_gone``)."""
-        self._sender = sender
-        self._taken_items += items
-        self._taken_bytes += nbytes
+        replica *sender* of the previous stage, its process of *generation* (called before
+        its items): give it back as credit after the next step (or when the loop would go
+        idle), and note the sender of the items (``pipe_gone``).
+
+        A process of a stage that restarts sends under its replica index, as the dead one
+        at that index did, and the two can be read in any order (the dead one's messages
+        still queued here, the ``gone`` that names it on another connection): so the sender
+        is told by its generation too. Once a newer generation at that index sent anything,
+        the older one is dead: the credit still owed to it is forgotten, and a late frame of
+        it is given no credit (the credit goes to the replica index, that is, to the new
+        process, whose window never held those items)."""
+        self._sender = key = (sender, generation)
         if self._pooled and items:
-            by = self._taken_by.get(sender)
+            newest = self._newest.get(sender)
+            if newest is None or generation > newest:
+                self._newest[sender] = generation
+                if newest is not None:
+                    self._forgive(sender, newest)
+            elif generation < newest:  # a dead process's frame, read after its successor's
+                return
+            by = self._taken_by.get(key)
             if by is None:
-                self._taken_by[sender] = [items, nbytes]
+                self._taken_by[key] = [items, nbytes]
             else:
                 by[0] += items
                 by[1] += nbytes
+        self._taken_items += items
+        self._taken_bytes += nbytes
+
+    def _forgive(self, replica: int, generation: int | None) -> None:
+        """Forget the credit owed to the previous stage's process *replica* of *generation*
+        and to every older one at that index (``None``: every generation): they died."""
+        taken = self._taken_by
+        for key in [k for k in taken if k[0] == replica]:
+            if generation is None or key[1] <= generation:
+                owed = taken.pop(key)
+                self._taken_items = max(0, self._taken_items - owed[0])
+                self._taken_bytes = max(0, self._taken_bytes - owed[1])
 
     def pipe_credit(self, items: int, nbytes: int, replica: int = 0) -> None:
         """The next stage (its replica *replica*) took *items* items, *nbytes* bytes, of
@@ -470,37 +515,50 @@ class PipeStage:
                 nxt[rid] = route[0]
                 rest[rid] = route[1:]
 
-    def pipe_gone(self, side: str, late: int, replica: int = 0) -> None:
+    def pipe_gone(
+        self, side: str, late: int, replica: int = 0, generation: int | None = None
+    ) -> None:
         """The coordinator's ``gone``: the stage on *side* died.
 
-        - ``"previous"`` (its replica *replica*, of a pool or a stage that restarts): the
-          input side drops every later message of its link, unread (*late* of them each
-          time it does: counted as ``pipe_dropped``); the requests it sent are aborted by
-          the coordinator's abort, which follows the ``gone``. Those of them that ended
-          here before their input did wait for an ``END`` that may have been among the
-          dropped messages: they wait no more. (Such a request may be over for the
-          coordinator already, with no abort to come: its previous stage reported its own
-          end.)
+        - ``"previous"`` (its process *replica* of *generation*, of a pool or a stage that
+          restarts; *generation* ``None``: a link without a replica, whichever process sent
+          at that index): the input side drops every later message of its link, unread
+          (*late* of them each time it does: counted as ``pipe_dropped``); the requests it
+          sent are aborted by the coordinator's abort, which follows the ``gone``. Those of
+          them that ended here before their input did wait for an ``END`` that may have
+          been among the dropped messages: they wait no more. (Such a request may be over
+          for the coordinator already, with no abort to come: its previous stage reported
+          its own end.) The credit still owed to that process is forgotten. Only what that
+          generation sent: a process started again at that index may have sent already (its
+          messages and this ``gone`` come on different connections, in no order), and its
+          requests and credit stay.
         - ``"next"`` (its replica *replica*, of a pool): nothing more is sent to it (what
           would have been is counted as ``edge_dropped``), what is still queued for it is
           let go, its window is empty, and the shared-memory slots, which it can no longer
           release, are unlinked and unmapped, so that their memory returns now, not at
-          shutdown."""
+          shutdown. If the next stage restarts (*next_restarts*), what would have been sent
+          to it is held instead, in order (``edge_held``), for the link to the process
+          started in its place (:meth:`pipe_link`); a request's held items are dropped
+          (``edge_dropped``) when its abort is applied here."""
         if side == "previous":
             self._previous_gone = True
             self._late_dropped += late
+            if late:
+                return
             early = self._early
-            if not late and early:
-                for rid in [rid for rid, sender in early.items() if sender == replica]:
+            if early:
+                dead = [
+                    rid
+                    for rid, (r, g) in early.items()
+                    if r == replica and (generation is None or g <= generation)
+                ]
+                for rid in dead:
                     del early[rid]
-            if not late and self._pooled:
-                # That producer (replica) is gone: the credit owed to it goes with it, so
-                # that a process started again in its place gets none of it (its window
-                # starts empty).
-                owed = self._taken_by.pop(replica, None)
-                if owed is not None:
-                    self._taken_items = max(0, self._taken_items - owed[0])
-                    self._taken_bytes = max(0, self._taken_bytes - owed[1])
+            if self._pooled:
+                # That producer is gone: the credit owed to it goes with it, so that a
+                # process started again in its place gets none of it (its window starts
+                # empty); what its successor sent is owed to the successor.
+                self._forgive(replica, generation)
             return
         links = self._links
         if side != "next" or not 0 <= replica < len(links) or replica in self._gone:
@@ -526,7 +584,19 @@ class PipeStage:
         listens on TCP with CURVE: the link is a CURVE client with this stage's link keys (a
         stage launched without them, whose next stage did not listen on TCP, logs an error
         and does not replace the link: down after the usual ``gone``). Requests are routed
-        to it from then on."""
+        to it from then on.
+
+        What was held for that index since its ``gone`` (a next stage that restarts) goes
+        down the new link first, in order (the requests whose first item is held:
+        :meth:`_send_held`). It belongs to requests routed to the new process: the
+        coordinator makes the new process routable once the start is done, and from the
+        third stage on sends the ``link`` only once this stage applied the abort of every
+        request the dead process held (``PipelineCore.linkable``), which dropped their held
+        items; so a request routed to the new process whose data this stage applies before
+        the ``link`` is not lost. (That data comes on another connection than the ``link``;
+        it can come first once the coordinator made the new process routable without this
+        stage's confirmation of the ``link`` (:data:`LINKS_UTILITY`), which it waits for up
+        to ``startup_timeout``: a stage whose loop was held up through the restart.)"""
         links = self._links
         if not 0 <= replica < len(links) or self._ctx is None:
             return
@@ -552,6 +622,52 @@ class PipeStage:
         self._next_gone = False
         self._out_items[replica] = self._out_bytes[replica] = 0
         self._waiting = False
+        held = self._holding.pop(replica, None)
+        if held:
+            self._send_held(replica, held)
+
+    def _send_held(self, index: int, held: list[tuple[int, str, Any, list[int] | None]]) -> None:
+        """Send what was held for link *index* while its process was gone (:meth:`pipe_link`):
+        in order, before anything newer, counted against the new link's window as any
+        send. An item the encoder refuses ends its request with an ``error`` event (the step
+        that made it is over). Only the requests whose first item is held: the earlier
+        items of the others went to the dead process, so the rest is of no use to the new
+        one (a request the dead process had ended, whose last items came after its
+        ``gone``; the coordinator may count it done, with no abort to come), and would be
+        taken for a later request's under that id there: dropped (``edge_dropped``)."""
+        firsts = {h[1] for h in held if h[0] & FIRST}
+        if len(firsts) < len({h[1] for h in held}):
+            kept = [h for h in held if h[1] in firsts]
+            self._edge_dropped += len(held) - len(kept)
+            held = kept
+            if not held:
+                return
+        kinds = [h[0] for h in held]
+        ids = [h[1] for h in held]
+        items = [h[2] for h in held]
+        routes = {h[1]: h[3] for h in held if h[3] is not None}
+        out_r: list[Any] = []
+        out_p: list[Any] = []
+        self._send_link(index, kinds, ids, items, routes, out_r, [], out_p)
+        if out_r and self._emit is not None:
+            for rid in dict.fromkeys(out_r):
+                why = out_p[out_r.index(rid)]
+                self._emit(("error", rid, str(why)))
+
+    def _unhold(self, req_ids: Sequence[str]) -> None:
+        """Drop what is held for *req_ids* (:meth:`pipe_link`), counted as ``edge_dropped``:
+        their abort was applied here, or they are otherwise over here."""
+        drop = set(req_ids)
+        holding = self._holding
+        for index in list(holding):
+            held = holding[index]
+            kept = [h for h in held if h[1] not in drop]
+            if len(kept) < len(held):
+                self._edge_dropped += len(held) - len(kept)
+                if kept:
+                    holding[index] = kept
+                else:
+                    del holding[index]
 
     def take_credit(self, force: bool = False) -> tuple[Any, ...] | None:
         """The ``credit`` event for what the engine has taken since the last one, or
@@ -579,7 +695,7 @@ class PipeStage:
             return ("credit", give, give_bytes)
         self._taken_items = self._taken_bytes = 0
         if self._pooled:
-            links = [[s, i, b] for s, (i, b) in self._taken_by.items()]
+            links = [[s, i, b] for (s, _), (i, b) in self._taken_by.items()]
             self._taken_by.clear()
             return ("credit", items, nbytes, links)
         return ("credit", items, nbytes)
@@ -588,17 +704,17 @@ class PipeStage:
         """The credit of *items* items, per sending replica (first come, first given back;
         each one's bytes pro rata), taken out of what is owed to each."""
         links: list[list[int]] = []
-        for sender, by in list(self._taken_by.items()):
+        for key, by in list(self._taken_by.items()):
             if not items:
                 break
             give = min(items, by[0])
             nbytes = by[1] if give == by[0] else by[1] * give // by[0]
-            links.append([sender, give, nbytes])
+            links.append([key[0], give, nbytes])
             items -= give
             by[0] -= give
             by[1] -= nbytes
             if not by[0]:
-                del self._taken_by[sender]
+                del self._taken_by[key]
         return links
 
     def _give_credit(self, force: bool = False) -> None:
@@ -616,9 +732,13 @@ class PipeStage:
         taken), ``shm_refused`` (refused: their lease had expired, or their slot was gone),
         ``shm_held`` (taken and still alive here) and ``shm_mapped`` (its slots mapped
         here). After a stage next to this one died: ``edge_dropped`` (payloads not sent to
-        a dead next stage), ``pipe_dropped`` (late messages of a dead previous stage,
-        dropped unread). With a replay log (its edge retries): ``replay_logged`` (requests
-        logged now), ``replay_logged_bytes`` (their estimated size) and ``replays``."""
+        a dead next stage; from its ``gone`` on, also once relinked), ``edge_held`` (before
+        a stage that restarts, always: payloads held for the successor of a dead process
+        of it, sent once it is linked in, not in ``edge_in_flight`` until then; dropped
+        with their request's abort, and counted in ``edge_dropped`` then),
+        ``pipe_dropped`` (late messages of a dead previous stage, dropped unread). With a
+        replay log (its edge retries): ``replay_logged`` (requests logged now),
+        ``replay_logged_bytes`` (their estimated size) and ``replays``."""
         out = dict(self._inner_stats()) if self._inner_stats is not None else {}
         if not self._last:
             out["edge_in_flight"] = sum(self._out_items)
@@ -626,8 +746,10 @@ class PipeStage:
             out["edge_sent"] = self._sent_items
             out["edge_sent_bytes"] = self._sent_bytes
             out["edge_waits"] = self._waits
-            if self._gone:
+            if self._gone or self._edge_dropped:
                 out["edge_dropped"] = self._edge_dropped
+            if self._holds:
+                out["edge_held"] = sum([len(held) for held in self._holding.values()])
             pools = [pool.stats() for pool in self._shms if pool is not None]
             for numbers in pools:  # summed over the links
                 for key, value in numbers.items():
@@ -649,6 +771,8 @@ class PipeStage:
     def add(self, req_id: str, data: Any) -> None:
         """A request from the coordinator: the first stage's whole input (an engine with
         ``close_input`` is told so at once)."""
+        if self._holding:  # an id freed and added again: the old request's are over
+            self._unhold((req_id,))
         self._inner.add(req_id, data)
         self._live.add(req_id)
         if self._close_input is not None and self._feed is not None:
@@ -659,6 +783,8 @@ class PipeStage:
         the stage, except for a *kind* with :data:`FIRST`, which makes it live; a
         :class:`~enginecore.RequestRejected` from the engine ends only this request."""
         inner = self._inner
+        if kind & FIRST and self._holding:  # an id freed and used again: the old request's
+            self._unhold((req_id,))  # held items are over (its items come after its first)
         if self._feed is not None:
             if kind & FIRST:
                 inner.add(req_id, item)
@@ -712,6 +838,8 @@ class PipeStage:
             report.discard(rid)
             early.pop(rid, None)
             spoke.discard(rid)
+        if self._holding:
+            self._unhold(req_ids)
         if self._pooled:
             nxt, rest = self._next, self._rest
             for rid in req_ids:
@@ -754,10 +882,15 @@ class PipeStage:
 
     def pipe_release(self, req_ids: list[str]) -> None:
         """The coordinator's ``release``: *req_ids* are done in the pipeline; their logs go
-        (not that of a request live here: a new one under a freed id)."""
-        if self._replay_bytes is not None:
+        (not that of a request live here: a new one under a freed id), and so does what is
+        held of them for a gone process's successor (:meth:`pipe_link`)."""
+        if self._replay_bytes is not None or self._holding:
             live = self._live
-            self._forget([rid for rid in req_ids if rid not in live])
+            done = [rid for rid in req_ids if rid not in live]
+            if self._replay_bytes is not None:
+                self._forget(done)
+            if self._holding:
+                self._unhold(done)
 
     def pipe_replay(self, req_id: str) -> tuple[bool, str]:
         """The coordinator's ``replay``: the next stage failed *req_id*. Send an ``abort`` of
@@ -1060,7 +1193,8 @@ class PipeStage:
         out_f: list[bool],
         out_p: list[Any],
     ) -> None:
-        if self._next_gone:  # nobody to send to: the coordinator ends these requests
+        if self._next_gone and not self._holds:  # nobody to send to, for good: the
+            # coordinator ends these requests
             self._edge_dropped += len(kinds)
             return
         if not self._pooled:
@@ -1081,6 +1215,13 @@ class PipeStage:
             if kind & FIRST:
                 group[3][rid] = rest.get(rid, [])
         for index, (g_kinds, g_ids, g_items, g_routes) in groups.items():
+            if index in self._gone and self._holds:
+                # Its process died and a new one is coming: a request routed to the new one
+                # may come before its link (pipe_link), which sends these first.
+                held = self._holding.setdefault(index, [])
+                for kind, rid, item in zip(g_kinds, g_ids, g_items, strict=True):
+                    held.append((kind, rid, item, g_routes.get(rid) if kind & FIRST else None))
+                continue
             if index in self._gone or not 0 <= index < len(self._links):
                 self._edge_dropped += len(g_kinds)
                 continue
@@ -1171,6 +1312,7 @@ class PipelinedPipeStage(PipeStage):
         shm_factory: Callable[[str], _shm.ShmPool] | None = None,
         link_curve: tuple[bytes, bytes] | None = None,
         downstream_keys: Sequence[bytes | None] | None = None,
+        next_restarts: bool = False,
     ) -> None:
         super().__init__(
             inner,
@@ -1190,6 +1332,7 @@ class PipelinedPipeStage(PipeStage):
             shm_factory=shm_factory,
             link_curve=link_curve,
             downstream_keys=downstream_keys,
+            next_restarts=next_restarts,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -1228,6 +1371,7 @@ def pipe_stage(
     credit_bytes: int = 1,
     link_keys: list[bytes] | None = None,
     downstream_keys: list[bytes | None] | None = None,
+    next_restarts: bool = False,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
@@ -1252,7 +1396,8 @@ def pipe_stage(
     TCP: placed on Ray, or local after one), or ``None`` (ipc, no CURVE); *link_keys*:
     ``[public, secret]``, this stage's key pair for those links (made by the coordinator
     for a local stage, in the actor for one on Ray, ``docs/pipelines.md``, "Stages on other
-    hosts")."""
+    hosts"). *next_restarts*: the next stage's dead processes are started again: what this
+    stage sends to one that is gone is held for its successor (:meth:`PipeStage.pipe_link`)."""
     reader = (
         None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
     )
@@ -1291,6 +1436,7 @@ def pipe_stage(
         "credit_bytes": credit_bytes,
         "link_curve": None if link_keys is None else (link_keys[0], link_keys[1]),
         "downstream_keys": downstream_keys,
+        "next_restarts": next_restarts,
     }
     if isinstance(pool, list):
         options["shm_factory"] = shm_factory

@@ -143,7 +143,16 @@ there, and every fence due there), or its process on the route died. Until then 
 may still apply an abort, a replay's fence or the request's data, which it would send down
 the new link, into a process that never held the request; once it has applied the abort, it
 sends nothing more of it, and what it sent before went to the dead process. No stage
-answers differently for it: any build answers aborts and applies messages in order.
+answers differently for it: any build answers aborts and applies messages in order. The
+IO layer then waits for that stage to confirm the ``link`` (its loop applied it), up to the
+startup timeout, and makes the new process routable anyway after it: a request routed to it
+may then reach that stage ahead of the ``link`` (on another connection), and the stage holds
+such data until the ``link`` rather than dropping it (``PipeStage.pipe_link``); what it
+holds then can only be the new process's, since it applied the abort of each of the dead
+process's requests first, dropping theirs. Open still: data of such a request applied there
+before even the ``gone`` goes down the old link, to the dead process, and is lost; and an
+abort of it applied there before the ``link`` is not chased to the new process (which never
+got its data), whose answer the coordinator then waits for.
 """
 
 from __future__ import annotations

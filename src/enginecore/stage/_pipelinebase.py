@@ -363,6 +363,8 @@ def pipe_kwargs(
         )
         if isinstance(spec.on_next_error, Retry):
             kwargs["replay_bytes"] = spec.on_next_error.max_bytes
+        if routed and downstream_spec is not None and downstream_spec.restart:
+            kwargs["next_restarts"] = True  # hold what goes to a dead process for its successor
         if shm_out is not None and spec.shm_threshold is not None:
             if pooled_out:
                 nlinks = 1 if isinstance(downstream, str) else len(downstream)

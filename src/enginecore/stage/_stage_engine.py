@@ -201,7 +201,7 @@ class StageEngine:
         self._pipe_input: Callable[[int, str, Any], None] | None = (
             pipe_input if callable(pipe_input) else None
         )
-        self._pipe_received: Callable[[int, int, int], None] | None = getattr(
+        self._pipe_received: Callable[[int, int, int, int], None] | None = getattr(
             engine, "pipe_received", None
         )
         self._pipe_credit: Callable[[int, int, int], None] | None = getattr(
@@ -212,7 +212,9 @@ class StageEngine:
         )
         # chase_abort(req_ids), or chase_abort(req_ids, True) for a replay's fence.
         self._chase_abort: Callable[..., None] | None = getattr(engine, "chase_abort", None)
-        self._pipe_gone: Callable[[str, int, int], None] | None = getattr(engine, "pipe_gone", None)
+        self._pipe_gone: Callable[[str, int, int, int | None], None] | None = getattr(
+            engine, "pipe_gone", None
+        )
         self._pipe_late: Callable[[str, int], None] | None = getattr(engine, "pipe_late", None)
         self._pipe_link: Callable[[int, str, str, str], None] | None = getattr(
             engine, "pipe_link", None
@@ -296,7 +298,7 @@ class StageEngine:
         kinds: list[int],
         req_ids: list[str],
         data: list[Any],
-        received: tuple[int, int, int],
+        received: tuple[int, int, int, int],
     ) -> None:
         """:class:`~._controls.PipeInput`: input from a pipeline's previous stage, item by
         item. An item that starts a request (*kinds* bit 0) is refused as an ``add`` would
@@ -307,7 +309,8 @@ class StageEngine:
         a request that ended here before its input did. A
         :class:`~enginecore.RequestRejected` ends that request with an ``error`` event.
         Any other exception is fatal, as from ``add``. The engine is first
-        told what the frame holds (*received*: items, bytes and the sender's replica index),
+        told what the frame holds (*received*: items, bytes, the sender's replica index and its
+        process's generation),
         for the credit it gives back to the stage that sent it, and so that it knows which
         process of the previous stage sent the items that follow."""
         pipe_input = self._pipe_input
@@ -347,12 +350,14 @@ class StageEngine:
         if self._pipe_credit is not None:
             self._pipe_credit(items, nbytes, replica)
 
-    def pipe_gone(self, side: str, late: int, replica: int = 0) -> None:
-        """:class:`~._controls.PipeGone`: the stage before this one (*side* ``"previous"``)
-        or after it (``"next"``, its *replica*) died; *late*: messages of the gone previous
-        stage that the input side dropped."""
+    def pipe_gone(
+        self, side: str, late: int, replica: int = 0, generation: int | None = None
+    ) -> None:
+        """:class:`~._controls.PipeGone`: the stage before this one (*side* ``"previous"``,
+        its process *replica* of *generation*) or after it (``"next"``, its *replica*) died;
+        *late*: messages of the gone previous stage that the input side dropped."""
         if self._pipe_gone is not None:
-            self._pipe_gone(side, late, replica)
+            self._pipe_gone(side, late, replica, generation)
 
     def pipe_link(self, replica: int, address: str, slots: str, server_key: str) -> None:
         """:class:`~._controls.PipeLink`: replica *replica* of the next stage was started

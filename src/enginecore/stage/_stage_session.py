@@ -69,7 +69,7 @@ from ._controls import (
     SessionChange,
     Stop,
 )
-from ._edge import link_token
+from ._edge import link_generation, link_token
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_MS",
@@ -343,6 +343,9 @@ class StageSession:
         self.gone_links: set[bytes] = set()
         """The routing ids of a pipeline's previous stage that the coordinator said is gone
         (``gone``): every later message from one is dropped before it is decoded."""
+        self._generations: dict[bytes, int] = {}
+        """The generation of each previous stage's link that sent a ``pipe`` message (its
+        routing id's, :func:`._edge.link_generation`), told to the loop with each frame."""
         self.events: list[Event] = []
         """Events for the client (input errors, pongs), for the input side to post."""
         self.replies: list[tuple[bytes, bytes]] = []
@@ -430,7 +433,7 @@ class StageSession:
                 self.to_loop.append(Abort(msg.req_ids))
         elif cls is _wire.PipeMsg:
             # The frame's size, and the bytes of its arrays in shared memory (the credit).
-            self._pipe(msg, sum(map(len, parts)) + self._decoder.shm_bytes)
+            self._pipe(msg, sum(map(len, parts)) + self._decoder.shm_bytes, ident)
         elif cls is _wire.CreditMsg:
             self.to_loop.append(PipeCredit(msg.items, msg.nbytes, msg.replica))
         elif cls is _wire.RouteMsg:
@@ -517,13 +520,23 @@ class StageSession:
             return
         self.to_loop.append(PipeRoute(req_ids, routes, abort))
 
-    def _pipe(self, msg: _wire.PipeMsg, nbytes: int) -> None:
-        """Input from a pipeline's previous stage (*nbytes*: the frame's size): one
-        :class:`PipeInput` of the items that are valid, and an ``error`` for the request of
-        each one that is not. The control carries the whole frame's size and item count,
-        so that the credit the stage gives back covers the invalid items too."""
+    def _pipe(self, msg: _wire.PipeMsg, nbytes: int, ident: bytes = b"") -> None:
+        """Input from a pipeline's previous stage (*nbytes*: the frame's size, *ident*: the
+        routing id of the link it came on): one :class:`PipeInput` of the items that are
+        valid, and an ``error`` for the request of each one that is not. The control carries
+        the whole frame's size and item count, so that the credit the stage gives back
+        covers the invalid items too, and the sender: its replica index (the message's) and
+        its process's generation (the link's routing id's), so that a ``gone`` of a dead
+        process clears only what that process sent, not what its successor at the same
+        index sent already (``docs/wire.md`` section 8, "Restarts")."""
         kinds, req_ids, data = msg.kinds, msg.req_ids, msg.data
-        received = (len(kinds), nbytes, msg.sender)
+        generations = self._generations
+        generation = generations.get(ident)
+        if generation is None:
+            generation = link_generation(ident.decode("utf-8", "replace"))
+            if len(generations) < 4096:  # a link's id, one per process ever linked in
+                generations[ident] = generation
+        received = (len(kinds), nbytes, msg.sender, generation)
         if msg.routes:
             routed = msg.routes
             self._routes(list(routed), list(routed.values()))
@@ -575,8 +588,10 @@ class StageSession:
             # "-r", and the generation of the process that died), or the whole stage.
             token = link_token(msg.link)
             _shm.upstream_gone(token)
-            if token is not None:  # which replica: its credit owed goes with it
-                self.to_loop.append(PipeGone(side, 0, int(token.partition(".")[0])))
+            if token is not None:  # which process: its credit owed goes with it
+                replica, _, generation = token.partition(".")
+                gone = PipeGone(side, 0, int(replica), int(generation) if generation else 0)
+                self.to_loop.append(gone)
                 return
         elif side != "next":
             why = f"invalid message: gone side must be previous or next, got {side!r}"
