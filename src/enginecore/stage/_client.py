@@ -218,8 +218,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     # who reads the output socket (_owner, _want); the reader
     # takes it once per frame, and it is never held while user code runs (futures are
     # resolved after release, see _apply) nor while waiting for _send_lock's socket: only
-    # _send_nowait (add_many's frame, NOBLOCK) takes _send_lock under it, and nothing takes
-    # _lock under _send_lock. _cond (on _lock) is
+    # _send_nowait (add_many's frame, NOBLOCK) and _claim_send (a pool member's add, which
+    # sends after releasing _lock) take _send_lock under it, and nothing takes _lock under
+    # _send_lock. _cond (on _lock) is
     # where the receiver thread parks while it does not own the socket. _send_lock serialises
     # every use of the DEALER socket (zmq sockets are not thread-safe) and guards
     # _sockets_closed, the one send-after-close guard. _event_lock lets one event-stream
@@ -884,6 +885,20 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             if self._sockets_closed:
                 raise StageClosedError("this stage client is closed")
             _codec.send_parts(self._dealer, parts, 0)
+
+    def _claim_send(self) -> bool:
+        self._send_lock.acquire()  # under _lock, as _send_nowait takes it
+        return True
+
+    def _send_claimed(self, parts: _session.Parts) -> None:
+        try:
+            if self._sockets_closed:
+                raise StageClosedError("this stage client is closed")
+            _codec.send_parts(self._dealer, parts, 0)
+        finally:
+            self._send_lock.release()
+        if self._owner is None:
+            self._resume()  # as _send: what the message brings back needs a reader
 
     def _apply(self, d: Deliveries[RequestStream, _AnyWaiter]) -> None:
         """Carry out what the session decided; called without _lock held."""

@@ -119,12 +119,12 @@ class ClientBase(Generic[S, W]):
         the request (a ``QuietRequest``), pointed here at the session's table of requests
         without a stream, under the lock that registers it there.
 
-        A pool's member sends in that same hold of the lock when the socket takes the frame
-        at once (:meth:`_send_nowait`): a removal of the replica, which marks the session
-        closing under the lock before it sends the stage its ``shutdown``, then either
-        comes first (the registration raises :class:`StageClosedError`, and the pool routes
-        the request to another replica) or after the request is on its way (the stage
-        drains it); sent after the ``shutdown``, the stage would refuse it ("draining")."""
+        A pool's member claims the next send (:meth:`_claim_send`) in that same hold of the
+        lock: a removal of the replica, which marks the session closing under the lock and
+        then sends the stage its ``shutdown``, either comes first (the registration raises
+        :class:`StageClosedError`, and the pool routes the request to another replica) or
+        sends after this request (the stage drains it); sent after the ``shutdown``, the
+        stage would refuse it ("draining")."""
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
@@ -141,16 +141,12 @@ class ClientBase(Generic[S, W]):
                 self._session.open_request(req_id, None)
                 if new is not None:
                     new._in = self._session.quiet  # type: ignore[attr-defined]
-            try:
-                sent = live is not None and self._send_nowait(parts)
-            except BaseException:
-                self._session.cancel_streams((req_id,))
-                raise
-        if sent:
-            self._sent()
-            return new
+            claimed = live is not None and self._claim_send()
         try:
-            self._send(parts)
+            if claimed:
+                self._send_claimed(parts)
+            else:
+                self._send(parts)
         except BaseException:
             with self._lock:
                 self._session.cancel_streams((req_id,))
@@ -223,6 +219,18 @@ class ClientBase(Generic[S, W]):
         """Send one message if the socket takes it at once; ``False`` (nothing sent) if it
         is at its high-water mark. Never waits, so it may run under the session's lock;
         :class:`StageClosedError` once the sockets are closed."""
+        raise NotImplementedError
+
+    def _claim_send(self) -> bool:
+        """Under the session's lock: take the right to send the next message, so that what
+        another thread sends after this hold of the lock (a close's ``shutdown``) goes
+        after it; :meth:`_send_claimed` sends it and gives the right back. ``False``: this
+        client's sends never wait, so they cannot be overtaken (the asyncio one)."""
+        return False
+
+    def _send_claimed(self, parts: Parts) -> None:
+        """Send one message with the right :meth:`_claim_send` took (given back even if the
+        send fails); as :meth:`_send`."""
         raise NotImplementedError
 
     def _sent(self) -> None:
