@@ -4,6 +4,8 @@ stage processes. Counts only, never a time (docs/soak.md)."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import collections
 import contextlib
 import os
@@ -11,11 +13,28 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KILL_SEEN_S", "Ids", "Life", "Report", "Rules", "draw", "killer", "left_behind"]
+__all__ = [
+    "KILL_SEEN_S",
+    "ChaosConfig",
+    "Ids",
+    "Life",
+    "Load",
+    "Report",
+    "Rules",
+    "chaos_threads",
+    "draw",
+    "drive_async",
+    "drive_sync",
+    "killer",
+    "left_behind",
+    "run_kind",
+    "wave_async",
+    "wave_sync",
+]
 
 KILL_SEEN_S = 2.0
 """A request may fail with its process's death if a process was killed at most this long
@@ -214,3 +233,273 @@ def left_behind(report: Report) -> None:
         except ProcessLookupError:
             continue
         report.problem(f"stage process {pid} is still there after the shutdown")
+
+
+@dataclass(frozen=True)
+class Load:
+    """The requests a soak sends until *end_at* (``time.monotonic()``): *concurrency* in
+    flight, ids drawn from *ids*, *abort_share* of them aborted, each allowed *deadline*
+    seconds from its add to its end; *seed* draws them."""
+
+    end_at: float
+    concurrency: int
+    ids: int
+    abort_share: float
+    deadline: float
+    seed: int
+
+
+def drive_sync(
+    target: Any,
+    load: Load,
+    report: Report,
+    rules: Rules,
+    dead: type[BaseException],
+    where: Callable[[str], str],
+) -> None:
+    """Drive *target* (a ``Pipeline`` or ``StagePool``: ``add``, ``abort``, streams with
+    ``get``) from ``load.concurrency`` threads until ``load.end_at``: each request is added,
+    read to its end (aborted as :func:`draw` says) and checked (:class:`Life`). *dead*: the
+    error of a request whose process was killed; *where*: what the target says of a request
+    that hung."""
+    from enginecore.stage import NoReplicaError
+
+    rng = random.Random(load.seed)
+    rng_lock = threading.Lock()
+    ids = Ids(load.ids, rng)
+
+    def one(life: Life) -> None:
+        rid = life.rid
+        try:
+            stream = target.add(rid, life.n)
+        except (NoReplicaError, ValueError) as exc:
+            life.refused(exc)
+            time.sleep(0.01)  # nothing to route to now: no busy loop
+            return
+        deadline = time.monotonic() + load.deadline
+        if life.abort_after == 0:
+            target.abort([rid])
+        try:
+            while True:
+                try:
+                    payload = stream.get(timeout=max(0.0, deadline - time.monotonic()))
+                except StopIteration:
+                    break
+                life.got.append(payload)
+                if len(life.got) == life.abort_after:
+                    target.abort([rid])
+        except dead as exc:
+            life.end("dead", exc)
+        except TimeoutError:
+            life.end("hung", where=where(rid))
+        except Exception as exc:
+            life.end("error", exc)
+        else:
+            life.end("aborted" if stream.aborted else "finished")
+
+    def worker() -> None:
+        while time.monotonic() < load.end_at:
+            rid = ids.take()
+            if rid is None:
+                time.sleep(0.01)
+                continue
+            with rng_lock:
+                n, abort_after = draw(rng, load.abort_share)
+            try:
+                one(Life(rid, n, abort_after, report, rules))
+            except Exception as exc:
+                report.problem(f"{rid}: {type(exc).__name__}: {exc}")
+            finally:
+                ids.give(rid)
+
+    workers = [threading.Thread(target=worker) for _ in range(load.concurrency)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+
+
+async def drive_async(
+    target: Any,
+    load: Load,
+    report: Report,
+    rules: Rules,
+    dead: type[BaseException],
+    where: Callable[[str], str],
+) -> None:
+    """:func:`drive_sync` for an ``AsyncPipeline`` or ``AsyncStagePool``: one task per
+    request, ``load.concurrency`` at once."""
+    from enginecore.stage import NoReplicaError
+
+    rng = random.Random(load.seed)
+    ids = Ids(load.ids, rng)
+    sem = asyncio.Semaphore(load.concurrency)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(life: Life) -> None:
+        rid = life.rid
+        try:
+            try:
+                stream = await target.add(rid, life.n)
+            except (NoReplicaError, ValueError) as exc:
+                life.refused(exc)
+                await asyncio.sleep(0.01)  # nothing to route to now: no busy loop
+                return
+            deadline = time.monotonic() + load.deadline
+            if life.abort_after == 0:
+                await target.abort([rid])
+            try:
+                while True:
+                    try:
+                        payload = await stream.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except StopAsyncIteration:
+                        break
+                    life.got.append(payload)
+                    if len(life.got) == life.abort_after:
+                        await target.abort([rid])
+            except dead as exc:
+                life.end("dead", exc)
+            except TimeoutError:
+                life.end("hung", where=where(rid))
+            except Exception as exc:
+                life.end("error", exc)
+            else:
+                life.end("aborted" if stream.aborted else "finished")
+        except Exception as exc:
+            report.problem(f"{rid}: {type(exc).__name__}: {exc}")
+        finally:
+            ids.give(rid)
+            sem.release()
+
+    while time.monotonic() < load.end_at:
+        await sem.acquire()
+        rid = ids.take()
+        if rid is None:
+            sem.release()
+            await asyncio.sleep(0.01)
+            continue
+        task = asyncio.create_task(one(Life(rid, *draw(rng, load.abort_share), report, rules)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks)
+
+
+def wave_sync(target: Any, n: int, timeout: float) -> list[list[Any] | Exception]:
+    """The last wave: *n* requests of 5 outputs through *target*, each one's outputs or
+    its error (the add's error alone, if an add fails)."""
+    try:
+        streams = [target.add(f"last{i}", 5) for i in range(n)]
+    except Exception as exc:
+        return [exc]
+    out: list[list[Any] | Exception] = []
+    for stream in streams:
+        try:
+            out.append(stream.collect(timeout=timeout))
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
+async def wave_async(target: Any, n: int, timeout: float) -> list[list[Any] | Exception]:
+    """:func:`wave_sync` for an asyncio target."""
+    try:
+        streams = [await target.add(f"last{i}", 5) for i in range(n)]
+    except Exception as exc:
+        return [exc]
+    return list(
+        await asyncio.gather(*(s.collect(timeout=timeout) for s in streams), return_exceptions=True)
+    )
+
+
+def chaos_threads(
+    stop: threading.Event,
+    report: Report,
+    until: float,
+    seed: int,
+    targets: Callable[[], list[tuple[str, int]]],
+    freeze_share: float,
+    kills: bool = True,
+) -> list[threading.Thread]:
+    """The :func:`killer`'s thread (none without *kills*), not started."""
+    if not kills:
+        return []
+    return [
+        threading.Thread(
+            target=killer,
+            args=(random.Random(seed + 1), until, stop, report),
+            kwargs={"targets": targets, "freeze_share": freeze_share},
+            daemon=True,
+        )
+    ]
+
+
+@dataclass
+class ChaosConfig:
+    """What both soaks take: how long (*seconds*, the chaos stopping *quiet* seconds before
+    the end), the requests (:class:`Load`'s), which client (*kind*: ``"sync"`` or
+    ``"async"``) and the share of the killer's picks that freeze instead of kill."""
+
+    seconds: float = 60.0
+    seed: int = 1
+    concurrency: int = 32
+    ids: int = 48
+    abort_share: float = 0.2
+    deadline: float = 30.0
+    quiet: float = 5.0
+    kind: str = "async"
+    freeze_share: float = 0.0
+
+    def load(self) -> Load:
+        """The requests, from now for :attr:`seconds`."""
+        return Load(
+            end_at=time.monotonic() + self.seconds,
+            concurrency=self.concurrency,
+            ids=self.ids,
+            abort_share=self.abort_share,
+            deadline=self.deadline,
+            seed=self.seed,
+        )
+
+    @staticmethod
+    def arguments(parser: argparse.ArgumentParser) -> None:
+        """Add the command-line options of these settings to *parser*."""
+        c = ChaosConfig
+        parser.add_argument("--seconds", type=float, default=c.seconds)
+        parser.add_argument("--seed", type=int, default=c.seed)
+        parser.add_argument("--concurrency", type=int, default=c.concurrency)
+        parser.add_argument("--ids", type=int, default=c.ids)
+        parser.add_argument("--deadline", type=float, default=c.deadline)
+        parser.add_argument("--kind", choices=("sync", "async"), default=c.kind)
+        parser.add_argument("--freeze-share", type=float, default=c.freeze_share)
+
+    @staticmethod
+    def settings(args: argparse.Namespace) -> dict[str, Any]:
+        """The settings :meth:`arguments` parsed, as keyword arguments."""
+        return {
+            "seconds": args.seconds,
+            "seed": args.seed,
+            "concurrency": args.concurrency,
+            "ids": args.ids,
+            "deadline": args.deadline,
+            "kind": args.kind,
+            "freeze_share": args.freeze_share,
+            "quiet": min(ChaosConfig.quiet, args.seconds / 2),
+        }
+
+
+def run_kind(
+    kind: str,
+    sync: Callable[[Report], None],
+    asynchronous: Callable[[Report], Coroutine[Any, Any, None]],
+) -> Report:
+    """Run a soak in the form *kind* names, then look for processes left behind."""
+    report = Report()
+    if kind == "async":
+        asyncio.run(asynchronous(report))
+    elif kind == "sync":
+        sync(report)
+    else:
+        raise ValueError(f"kind must be 'sync' or 'async', got {kind!r}")
+    left_behind(report)
+    return report

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import sys
 import threading
 import time
@@ -43,7 +42,17 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from ._soak_chaos import Ids, Life, Report, Rules, draw, killer, left_behind
+from ._soak_chaos import (
+    ChaosConfig,
+    Report,
+    Rules,
+    chaos_threads,
+    drive_async,
+    drive_sync,
+    run_kind,
+    wave_async,
+    wave_sync,
+)
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -55,17 +64,8 @@ requests on purpose, and a failure that outlasts the retries reaches the caller.
 
 
 @dataclass
-class Config:
-    seconds: float = 60.0
-    seed: int = 1
-    concurrency: int = 32
-    ids: int = 48
-    abort_share: float = 0.2
-    deadline: float = 30.0
-    quiet: float = 5.0
-    kind: str = "async"
+class Config(ChaosConfig):
     topology: str = "basic"
-    freeze_share: float = 0.0
 
 
 def _stages(topology: str) -> list[Any]:
@@ -154,96 +154,32 @@ def _targets(pipe: Any, report: Report) -> list[tuple[str, int]]:
 
 
 def _run_sync(cfg: Config, report: Report) -> None:
-    from enginecore.stage import (
-        NoReplicaError,
-        Pipeline,
-        PipelineRequestError,
-        PipelineStageDeadError,
-    )
+    from enginecore.stage import Pipeline, PipelineStageDeadError
 
-    rng = random.Random(cfg.seed)
-    rng_lock = threading.Lock()
-    ids = Ids(cfg.ids, rng)
-    start = time.monotonic()
-    end_at = start + cfg.seconds
+    load = cfg.load()
     with Pipeline.launch(_stages(cfg.topology), startup_timeout=60) as pipe:
         stop = threading.Event()
-        chaos = threading.Thread(
-            target=killer,
-            args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
-            kwargs={"targets": lambda: _targets(pipe, report), "freeze_share": cfg.freeze_share},
-            daemon=True,
+        chaos = chaos_threads(
+            stop,
+            report,
+            load.end_at - cfg.quiet,
+            cfg.seed,
+            lambda: _targets(pipe, report),
+            cfg.freeze_share,
         )
-        chaos.start()
-
-        def one(life: Life) -> None:
-            rid = life.rid
-            try:
-                stream = pipe.add(rid, life.n)
-            except (NoReplicaError, ValueError) as exc:
-                life.refused(exc)
-                time.sleep(0.01)  # a stage restarting: no busy loop
-                return
-            deadline = time.monotonic() + cfg.deadline
-            if life.abort_after == 0:
-                pipe.abort([rid])
-            try:
-                while True:
-                    try:
-                        payload = stream.get(timeout=max(0.0, deadline - time.monotonic()))
-                    except StopIteration:
-                        break
-                    life.got.append(payload)
-                    if len(life.got) == life.abort_after:
-                        pipe.abort([rid])
-            except PipelineStageDeadError as exc:
-                life.end("dead", exc)
-            except PipelineRequestError as exc:
-                life.end("error", exc)
-            except TimeoutError:
-                life.end("hung", where=_where(pipe, rid))
-            else:
-                life.end("aborted" if stream.aborted else "finished")
-
-        def worker() -> None:
-            while time.monotonic() < end_at:
-                rid = ids.take()
-                if rid is None:
-                    time.sleep(0.01)
-                    continue
-                with rng_lock:
-                    n, abort_after = draw(rng, cfg.abort_share)
-                try:
-                    one(Life(rid, n, abort_after, report, RULES))
-                except Exception as exc:
-                    report.problem(f"{rid}: {type(exc).__name__}: {exc}")
-                finally:
-                    ids.give(rid)
-
-        workers = [threading.Thread(target=worker) for _ in range(cfg.concurrency)]
-        for t in workers:
+        for t in chaos:
             t.start()
-        for t in workers:
-            t.join()
+        drive_sync(pipe, load, report, RULES, PipelineStageDeadError, lambda r: _where(pipe, r))
         stop.set()
-        chaos.join(5)
+        for t in chaos:
+            t.join(5)
 
         class View:
             def health(self) -> dict[str, str]:
                 return dict(pipe.health())
 
             def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]:
-                try:
-                    streams = [pipe.add(f"last{i}", 5) for i in range(n)]
-                except Exception as exc:
-                    return [exc]
-                out: list[list[Any] | Exception] = []
-                for stream in streams:
-                    try:
-                        out.append(stream.collect(timeout=timeout))
-                    except Exception as exc:
-                        out.append(exc)
-                return out
+                return wave_sync(pipe, n, timeout)
 
             def in_flight(self) -> int:
                 return pipe.in_flight
@@ -264,112 +200,46 @@ def _run_sync(cfg: Config, report: Report) -> None:
 
 
 async def _run_async(cfg: Config, report: Report) -> None:
-    from enginecore.stage import (
-        AsyncPipeline,
-        NoReplicaError,
-        PipelineRequestError,
-        PipelineStageDeadError,
-    )
+    from enginecore.stage import AsyncPipeline, PipelineStageDeadError
 
-    rng = random.Random(cfg.seed)
-    ids = Ids(cfg.ids, rng)
+    load = cfg.load()
     loop = asyncio.get_running_loop()
-    start = time.monotonic()
-    end_at = start + cfg.seconds
     pipe = await AsyncPipeline.launch(_stages(cfg.topology), startup_timeout=60)
 
     def on_loop(coro: Coroutine[Any, Any, T]) -> T:  # from another thread
         return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
 
-    async def targets() -> list[tuple[str, int]]:
-        return _targets(pipe, report)
+    async def read(fn: Callable[[], T]) -> T:
+        return fn()
 
     try:
         stop = threading.Event()
-        chaos = threading.Thread(
-            target=killer,
-            args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
-            kwargs={"targets": lambda: on_loop(targets()), "freeze_share": cfg.freeze_share},
-            daemon=True,
+        chaos = chaos_threads(
+            stop,
+            report,
+            load.end_at - cfg.quiet,
+            cfg.seed,
+            lambda: on_loop(read(lambda: _targets(pipe, report))),
+            cfg.freeze_share,
         )
-        chaos.start()
-        sem = asyncio.Semaphore(cfg.concurrency)
-        tasks: set[asyncio.Task[None]] = set()
-
-        async def one(life: Life) -> None:
-            rid = life.rid
-            try:
-                try:
-                    stream = await pipe.add(rid, life.n)
-                except (NoReplicaError, ValueError) as exc:
-                    life.refused(exc)
-                    await asyncio.sleep(0.01)  # a stage restarting: no busy loop
-                    return
-                deadline = time.monotonic() + cfg.deadline
-                if life.abort_after == 0:
-                    await pipe.abort([rid])
-                try:
-                    while True:
-                        try:
-                            left = max(0.0, deadline - time.monotonic())
-                            payload = await stream.get(timeout=left)
-                        except StopAsyncIteration:
-                            break
-                        life.got.append(payload)
-                        if len(life.got) == life.abort_after:
-                            await pipe.abort([rid])
-                except PipelineStageDeadError as exc:
-                    life.end("dead", exc)
-                except PipelineRequestError as exc:
-                    life.end("error", exc)
-                except TimeoutError:
-                    life.end("hung", where=_where(pipe, rid))
-                else:
-                    life.end("aborted" if stream.aborted else "finished")
-            except Exception as exc:
-                report.problem(f"{rid}: {type(exc).__name__}: {exc}")
-            finally:
-                ids.give(rid)
-                sem.release()
-
-        while time.monotonic() < end_at:
-            await sem.acquire()
-            rid = ids.take()
-            if rid is None:
-                sem.release()
-                await asyncio.sleep(0.01)
-                continue
-            task = asyncio.create_task(one(Life(rid, *draw(rng, cfg.abort_share), report, RULES)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        for t in chaos:
+            t.start()
+        await drive_async(
+            pipe, load, report, RULES, PipelineStageDeadError, lambda r: _where(pipe, r)
+        )
         stop.set()
-        if tasks:
-            await asyncio.wait(tasks)
-        await asyncio.to_thread(chaos.join, 5)
-
-        async def wave(n: int, timeout: float) -> list[list[Any] | Exception]:
-            try:
-                streams = [await pipe.add(f"last{i}", 5) for i in range(n)]
-            except Exception as exc:
-                return [exc]
-            return list(
-                await asyncio.gather(
-                    *(s.collect(timeout=timeout) for s in streams), return_exceptions=True
-                )
-            )
+        for t in chaos:
+            await asyncio.to_thread(t.join, 5)
 
         async def held(stage: str) -> Any:
             return await pipe.call_utility(stage, "num_requests", timeout=10)
-
-        async def read(fn: Callable[[], T]) -> T:
-            return fn()
 
         class View:
             def health(self) -> dict[str, str]:
                 return on_loop(read(lambda: dict(pipe.health())))
 
             def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]:
-                return on_loop(wave(n, timeout))
+                return on_loop(wave_async(pipe, n, timeout))
 
             def in_flight(self) -> int:
                 return on_loop(read(lambda: pipe.in_flight))
@@ -381,7 +251,7 @@ async def _run_async(cfg: Config, report: Report) -> None:
                 return on_loop(read(lambda: dict(pipe.restarts)))
 
             def note_pids(self) -> None:
-                on_loop(targets())
+                on_loop(read(lambda: _targets(pipe, report)))
 
             def stages(self) -> tuple[str, ...]:
                 return tuple(pipe.stages)
@@ -398,39 +268,17 @@ def _where(pipe: Any, rid: str) -> str:
 
 
 def run(cfg: Config) -> Report:
-    report = Report()
-    if cfg.kind == "async":
-        asyncio.run(_run_async(cfg, report))
-    elif cfg.kind == "sync":
-        _run_sync(cfg, report)
-    else:
-        raise ValueError(f"kind must be 'sync' or 'async', got {cfg.kind!r}")
-    left_behind(report)
-    return report
+    return run_kind(
+        cfg.kind, lambda report: _run_sync(cfg, report), lambda report: _run_async(cfg, report)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=Config.seconds)
-    parser.add_argument("--seed", type=int, default=Config.seed)
-    parser.add_argument("--concurrency", type=int, default=Config.concurrency)
-    parser.add_argument("--ids", type=int, default=Config.ids)
-    parser.add_argument("--deadline", type=float, default=Config.deadline)
-    parser.add_argument("--kind", choices=("sync", "async"), default=Config.kind)
+    ChaosConfig.arguments(parser)
     parser.add_argument("--topology", choices=("basic", "wide"), default=Config.topology)
-    parser.add_argument("--freeze-share", type=float, default=Config.freeze_share)
     args = parser.parse_args(argv)
-    cfg = Config(
-        seconds=args.seconds,
-        seed=args.seed,
-        concurrency=args.concurrency,
-        ids=args.ids,
-        deadline=args.deadline,
-        kind=args.kind,
-        topology=args.topology,
-        freeze_share=args.freeze_share,
-        quiet=min(Config.quiet, args.seconds / 2),
-    )
+    cfg = Config(**ChaosConfig.settings(args), topology=args.topology)
     t0 = time.monotonic()
     report = run(cfg)
     title = (

@@ -40,7 +40,17 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from ._soak_chaos import Ids, Life, Report, Rules, draw, killer, left_behind
+from ._soak_chaos import (
+    ChaosConfig,
+    Report,
+    Rules,
+    chaos_threads,
+    drive_async,
+    drive_sync,
+    run_kind,
+    wave_async,
+    wave_sync,
+)
 
 COUNTDOWN = "enginecore:CountdownEngine"
 T = TypeVar("T")
@@ -49,17 +59,8 @@ PING_S = 0.25
 
 
 @dataclass
-class Config:
-    seconds: float = 60.0
-    seed: int = 1
-    concurrency: int = 32
-    ids: int = 48
-    abort_share: float = 0.2
-    deadline: float = 30.0
-    quiet: float = 5.0
-    kind: str = "async"
+class Config(ChaosConfig):
     replicas: int = 3
-    freeze_share: float = 0.0
     membership: bool = True
     kills: bool = True
 
@@ -160,13 +161,32 @@ def _settle(view: _View, cfg: Config, report: Report) -> None:
     view.note_pids()
 
 
-def _run_sync(cfg: Config, report: Report) -> None:
-    from enginecore.stage import NoReplicaError, ReplicaDeadError, StagePool
+def _threads(
+    cfg: Config,
+    stop: threading.Event,
+    report: Report,
+    until: float,
+    targets: Callable[[], list[tuple[str, int]]],
+    members: _Membership,
+) -> list[threading.Thread]:
+    """The chaos: the killer, and (``cfg.membership``) the membership changer, not started."""
+    threads = chaos_threads(stop, report, until, cfg.seed, targets, cfg.freeze_share, cfg.kills)
+    if cfg.membership:
+        threads.append(
+            threading.Thread(
+                target=_changer,
+                args=(random.Random(cfg.seed + 2), until, stop, report),
+                kwargs={"size": cfg.replicas, "pool": members},
+                daemon=True,
+            )
+        )
+    return threads
 
-    rng = random.Random(cfg.seed)
-    rng_lock = threading.Lock()
-    ids = Ids(cfg.ids, rng)
-    end_at = time.monotonic() + cfg.seconds
+
+def _run_sync(cfg: Config, report: Report) -> None:
+    from enginecore.stage import ReplicaDeadError, StagePool
+
+    load = cfg.load()
     with StagePool.launch(
         COUNTDOWN,
         replicas=cfg.replicas,
@@ -186,78 +206,11 @@ def _run_sync(cfg: Config, report: Report) -> None:
             def replicas(self) -> list[Any]:
                 return list(pool.replicas)
 
-        threads = [
-            threading.Thread(
-                target=killer,
-                args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
-                kwargs={
-                    "targets": lambda: _targets(pool, report),
-                    "freeze_share": cfg.freeze_share,
-                },
-                daemon=True,
-            )
-        ]
-        if cfg.membership:
-            threads.append(
-                threading.Thread(
-                    target=_changer,
-                    args=(random.Random(cfg.seed + 2), end_at - cfg.quiet, stop, report),
-                    kwargs={"size": cfg.replicas, "pool": Members()},
-                    daemon=True,
-                )
-            )
+        until = load.end_at - cfg.quiet
+        threads = _threads(cfg, stop, report, until, lambda: _targets(pool, report), Members())
         for t in threads:
             t.start()
-
-        def one(life: Life) -> None:
-            rid = life.rid
-            try:
-                stream = pool.add(rid, life.n)
-            except (NoReplicaError, ValueError) as exc:
-                life.refused(exc)
-                time.sleep(0.01)  # nothing to route to now: no busy loop
-                return
-            deadline = time.monotonic() + cfg.deadline
-            if life.abort_after == 0:
-                pool.abort([rid])
-            try:
-                while True:
-                    try:
-                        payload = stream.get(timeout=max(0.0, deadline - time.monotonic()))
-                    except StopIteration:
-                        break
-                    life.got.append(payload)
-                    if len(life.got) == life.abort_after:
-                        pool.abort([rid])
-            except ReplicaDeadError as exc:
-                life.end("dead", exc)
-            except TimeoutError:
-                life.end("hung", where=_where(pool, rid))
-            except Exception as exc:
-                life.end("error", exc)
-            else:
-                life.end("aborted" if stream.aborted else "finished")
-
-        def worker() -> None:
-            while time.monotonic() < end_at:
-                rid = ids.take()
-                if rid is None:
-                    time.sleep(0.01)
-                    continue
-                with rng_lock:
-                    n, abort_after = draw(rng, cfg.abort_share)
-                try:
-                    one(Life(rid, n, abort_after, report, RULES))
-                except Exception as exc:
-                    report.problem(f"{rid}: {type(exc).__name__}: {exc}")
-                finally:
-                    ids.give(rid)
-
-        workers = [threading.Thread(target=worker) for _ in range(cfg.concurrency)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join()
+        drive_sync(pool, load, report, RULES, ReplicaDeadError, lambda r: _where(pool, r))
         stop.set()
         for t in threads:
             t.join(cfg.deadline)
@@ -267,17 +220,7 @@ def _run_sync(cfg: Config, report: Report) -> None:
                 return len(_serving(pool)), len(pool.replicas)
 
             def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]:
-                try:
-                    streams = [pool.add(f"last{i}", 5) for i in range(n)]
-                except Exception as exc:
-                    return [exc]
-                out: list[list[Any] | Exception] = []
-                for stream in streams:
-                    try:
-                        out.append(stream.collect(timeout=timeout))
-                    except Exception as exc:
-                        out.append(exc)
-                return out
+                return wave_sync(pool, n, timeout)
 
             def in_flight(self) -> int:
                 return sum(r.in_flight for r in pool.replicas)
@@ -295,12 +238,10 @@ def _run_sync(cfg: Config, report: Report) -> None:
 
 
 async def _run_async(cfg: Config, report: Report) -> None:
-    from enginecore.stage import AsyncStagePool, NoReplicaError, ReplicaDeadError
+    from enginecore.stage import AsyncStagePool, ReplicaDeadError
 
-    rng = random.Random(cfg.seed)
-    ids = Ids(cfg.ids, rng)
+    load = cfg.load()
     loop = asyncio.get_running_loop()
-    end_at = time.monotonic() + cfg.seconds
     pool = await AsyncStagePool.launch(
         COUNTDOWN,
         replicas=cfg.replicas,
@@ -328,100 +269,28 @@ async def _run_async(cfg: Config, report: Report) -> None:
             def replicas(self) -> list[Any]:
                 return on_loop(read(lambda: list(pool.replicas)))
 
-        threads = [
-            threading.Thread(
-                target=killer,
-                args=(random.Random(cfg.seed + 1), end_at - cfg.quiet, stop, report),
-                kwargs={
-                    "targets": lambda: on_loop(read(lambda: _targets(pool, report))),
-                    "freeze_share": cfg.freeze_share,
-                },
-                daemon=True,
-            )
-        ][: int(cfg.kills)]
-        if cfg.membership:
-            threads.append(
-                threading.Thread(
-                    target=_changer,
-                    args=(random.Random(cfg.seed + 2), end_at - cfg.quiet, stop, report),
-                    kwargs={"size": cfg.replicas, "pool": Members()},
-                    daemon=True,
-                )
-            )
+        until = load.end_at - cfg.quiet
+        threads = _threads(
+            cfg,
+            stop,
+            report,
+            until,
+            lambda: on_loop(read(lambda: _targets(pool, report))),
+            Members(),
+        )
         for t in threads:
             t.start()
-        sem = asyncio.Semaphore(cfg.concurrency)
-        tasks: set[asyncio.Task[None]] = set()
-
-        async def one(life: Life) -> None:
-            rid = life.rid
-            try:
-                try:
-                    stream = await pool.add(rid, life.n)
-                except (NoReplicaError, ValueError) as exc:
-                    life.refused(exc)
-                    await asyncio.sleep(0.01)  # nothing to route to now: no busy loop
-                    return
-                deadline = time.monotonic() + cfg.deadline
-                if life.abort_after == 0:
-                    await pool.abort([rid])
-                try:
-                    while True:
-                        try:
-                            left = max(0.0, deadline - time.monotonic())
-                            payload = await stream.get(timeout=left)
-                        except StopAsyncIteration:
-                            break
-                        life.got.append(payload)
-                        if len(life.got) == life.abort_after:
-                            await pool.abort([rid])
-                except ReplicaDeadError as exc:
-                    life.end("dead", exc)
-                except TimeoutError:
-                    life.end("hung", where=_where(pool, rid))
-                except Exception as exc:
-                    life.end("error", exc)
-                else:
-                    life.end("aborted" if stream.aborted else "finished")
-            except Exception as exc:
-                report.problem(f"{rid}: {type(exc).__name__}: {exc}")
-            finally:
-                ids.give(rid)
-                sem.release()
-
-        while time.monotonic() < end_at:
-            await sem.acquire()
-            rid = ids.take()
-            if rid is None:
-                sem.release()
-                await asyncio.sleep(0.01)
-                continue
-            task = asyncio.create_task(one(Life(rid, *draw(rng, cfg.abort_share), report, RULES)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        await drive_async(pool, load, report, RULES, ReplicaDeadError, lambda r: _where(pool, r))
         stop.set()
-        if tasks:
-            await asyncio.wait(tasks)
         for t in threads:
             await asyncio.to_thread(t.join, cfg.deadline)
-
-        async def wave(n: int, timeout: float) -> list[list[Any] | Exception]:
-            try:
-                streams = [await pool.add(f"last{i}", 5) for i in range(n)]
-            except Exception as exc:
-                return [exc]
-            return list(
-                await asyncio.gather(
-                    *(s.collect(timeout=timeout) for s in streams), return_exceptions=True
-                )
-            )
 
         class View:
             def serving(self) -> tuple[int, int]:
                 return on_loop(read(lambda: (len(_serving(pool)), len(pool.replicas))))
 
             def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]:
-                return on_loop(wave(n, timeout))
+                return on_loop(wave_async(pool, n, timeout))
 
             def in_flight(self) -> int:
                 return on_loop(read(lambda: sum(r.in_flight for r in pool.replicas)))
@@ -446,42 +315,23 @@ def _where(pool: Any, rid: str) -> str:
 
 
 def run(cfg: Config) -> Report:
-    report = Report()
-    if cfg.kind == "async":
-        asyncio.run(_run_async(cfg, report))
-    elif cfg.kind == "sync":
-        _run_sync(cfg, report)
-    else:
-        raise ValueError(f"kind must be 'sync' or 'async', got {cfg.kind!r}")
-    left_behind(report)
-    return report
+    return run_kind(
+        cfg.kind, lambda report: _run_sync(cfg, report), lambda report: _run_async(cfg, report)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=Config.seconds)
-    parser.add_argument("--seed", type=int, default=Config.seed)
-    parser.add_argument("--concurrency", type=int, default=Config.concurrency)
-    parser.add_argument("--ids", type=int, default=Config.ids)
-    parser.add_argument("--deadline", type=float, default=Config.deadline)
-    parser.add_argument("--kind", choices=("sync", "async"), default=Config.kind)
+    ChaosConfig.arguments(parser)
     parser.add_argument("--replicas", type=int, default=Config.replicas)
-    parser.add_argument("--freeze-share", type=float, default=Config.freeze_share)
     parser.add_argument("--no-membership", action="store_true")
     parser.add_argument("--no-kills", action="store_true")
     args = parser.parse_args(argv)
     cfg = Config(
-        seconds=args.seconds,
-        seed=args.seed,
-        concurrency=args.concurrency,
-        ids=args.ids,
-        deadline=args.deadline,
-        kind=args.kind,
+        **ChaosConfig.settings(args),
         replicas=args.replicas,
-        freeze_share=args.freeze_share,
         membership=not args.no_membership,
         kills=not args.no_kills,
-        quiet=min(Config.quiet, args.seconds / 2),
     )
     t0 = time.monotonic()
     report = run(cfg)
