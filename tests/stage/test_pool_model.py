@@ -127,6 +127,7 @@ class ModelMember:
     _send_request = _CB._send_request
     _send_requests = _CB._send_requests
     _send_abort = _CB._send_abort
+    _claim_send = _CB._claim_send  # False: a model's sends never wait, as the asyncio pool's
     del _CB
 
     def _send(self, parts: list[Any]) -> None:
