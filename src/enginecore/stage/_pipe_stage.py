@@ -1131,19 +1131,20 @@ class PipeStage:
         for (index, gen), (ids, rests) in by_link.items():
             if not 0 <= index < len(links):
                 continue
+            link = links[index]
             known = self._link_gens[index] if gen is not None else None
-            if known is not None and gen != known:
+            if known is not None and (gen != known or link is None):
                 assert gen is not None
-                if gen > known:
+                if gen >= known:
                     # Routed to a process started again whose link has not come yet (its
                     # data is held, or was dropped by the abort: _unhold): its answer is
-                    # awaited, so the abort goes down that link when it comes.
+                    # awaited, so the abort goes down that link when it comes (one held
+                    # for a dead process's generation is dropped then: _by_generation).
                     held = self._holding.setdefault(index, [])
                     for rid, rest in zip(ids, rests, strict=True):
                         held.append((_HELD_ABORT, rid, (fence, tag), rest, gen))
                 # Older: its process died (a new one never held it): no further, as -1.
                 continue
-            link = links[index]
             if link is not None:
                 link.send(self._encoder.encode(_abort_message(ids, rests, fence, tag))[0])
 
@@ -1409,13 +1410,16 @@ class PipeStage:
     ) -> tuple[list[int], list[str], list[Any]]:
         """Sort items for link *index* by the generation of the next stage's process that
         each one's route names (``docs/wire.md`` section 8, "Restarts"), against the
-        generation of the process the link goes to: that one's (unless the link is *gone*:
-        its process died, and what was meant for it is dropped, ``edge_dropped``) and the
-        items whose route names none are returned, to go as any; a newer one's are held
-        for its ``link`` (:meth:`pipe_link`), in order, even before the dead process's
-        ``gone`` (a request routed to the new process may reach this stage first: the
-        link still goes to the dead one, and what went down it would be lost); an older
-        one's are dropped (its process died)."""
+        generation of the process the link goes to: that one's, the link up, and the items
+        whose route names none are returned, to go as any; a newer one's, or that one's
+        once the link is *gone*, are held for the next ``link`` (:meth:`pipe_link`), in
+        order, even before the dead process's ``gone`` (a request routed to the new
+        process may reach this stage first: the link still goes to the dead one, and what
+        went down it would be lost); an older one's are dropped (its process died). The
+        next ``link`` drops what is held for an older generation than its own: held for
+        the link's own generation once it is gone, an item is dropped then, unless that
+        ``link`` is of the same generation (a process that started with a link to a dead
+        process, whose successor's generation it was told at its launch)."""
         known = self._link_gens[index] if 0 <= index < len(self._link_gens) else None
         if known is None:
             return kinds, ids, items
@@ -1428,13 +1432,13 @@ class PipeStage:
             gen = gens.get(rid)
             if gen is None:
                 pass
-            elif gen > known:
+            elif gen < known:
+                self._edge_dropped += 1
+                continue
+            elif gen > known or gone:
                 if held is None:
                     held = self._holding.setdefault(index, [])
                 held.append((kind, rid, item, routes.get(rid) if kind & FIRST else None, gen))
-                continue
-            elif gen < known or gone:
-                self._edge_dropped += 1
                 continue
             out_k.append(kind)
             out_r.append(rid)
