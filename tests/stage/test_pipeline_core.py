@@ -603,3 +603,120 @@ def test_a_replica_death_after_the_pipeline_failed_aborts_what_it_cut_off_again(
     d = PipelineDeliveries()
     core.replica_dead(0, (route[0] + 1) % 3, EngineDeadError("killed"), 1.2, d)
     assert d.stage_aborts == []  # nothing was routed through another (not the last) one
+
+
+def _restarting_core(gens: bool) -> PipelineCore[StreamCore]:
+    """a -> b[2] -> c, b and c restart; every process of this build (``"tags"``), and
+    ``"gens"`` too if *gens*."""
+    policy = RestartPolicy(first_delay=0.1)
+    core: PipelineCore[StreamCore] = PipelineCore(
+        ["a", "b", "c"], replicas=[1, 2, 1], restart=[None, policy, policy]
+    )
+    for k, count in enumerate(core.replicas):
+        for r in range(count):
+            core.tagged(k, r, True)
+            core.generational(k, r, gens)
+    return core
+
+
+def test_a_route_names_the_generation_of_each_process_of_a_stage_that_restarts() -> None:
+    # docs/wire.md section 8, "Restarts": a route, as sent (the rest of it from a stage
+    # on), names each process of a stage that restarts as [replica, generation], so that
+    # the stage before it tells a request of the process started again from one of the
+    # dead process at that index. The generation is the one the request was routed to.
+    core = _restarting_core(True)
+    core.open("r", StreamCore("r"))
+    route = core.route("r")
+    assert route is not None
+    assert core.wire_route(route, 1) == [[route[1], 0], [0, 0]]
+    assert core.wire_route(route, 2) == [[0, 0]]
+    assert core.wire_route(route, 0) == [0, [route[1], 0], [0, 0]]  # a does not restart
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(2, 0, EngineDeadError("killed"), 1.0, d)
+    assert d.routes["r"] == (0, route[1], -1)
+    assert core.wire_route(d.routes["r"], 1) == [[route[1], 0], -1]  # the abort's route
+    core.aborted(0, ["r"], 1.1, d)
+    core.aborted(1, ["r"], 1.1, d)
+    assert core.state("r") is None
+    assert core.restarting(2, 0) == 1
+    core.tagged(2, 0, True)  # (the new process's welcome)
+    core.generational(2, 0, True)
+    assert core.started(2, 0)
+    core.open("q", StreamCore("q"))
+    q = core.route("q")
+    assert q is not None
+    assert core.wire_route(q, 1) == [[q[1], 0], [0, 1]]  # generation 1 of c
+    d = PipelineDeliveries()
+    core.abort(["q"], d)
+    assert core.wire_route(d.routes["q"], 1) == [[q[1], 0], [0, 1]]
+
+
+def test_a_route_through_a_process_of_an_older_build_names_no_generation() -> None:
+    # An older build (its welcome does not say "gens") would refuse a route entry that is
+    # not an int: a route through one is sent as plain replica indexes, as before. So is
+    # every route of a pipeline with no stage that restarts.
+    core = _restarting_core(True)
+    core.open("r", StreamCore("r"))
+    route = core.route("r")
+    assert route is not None
+    core.generational(1, route[1], False)
+    assert core.wire_route(route, 1) == [route[1], 0]
+    core.generational(1, route[1], True)
+    core.generational(0, 0, False)  # a passes the route on: it must take it too
+    assert core.wire_route(route, 1) == [route[1], 0]
+    assert _restarting_core(False).wire_route((0, 1, 0), 1) == [1, 0]
+    pools: PipelineCore[StreamCore] = PipelineCore(["a", "b"], replicas=[1, 2])
+    pools.generational(0, 0, True)
+    pools.generational(1, 0, True)
+    pools.generational(1, 1, True)
+    assert pools.wire_route((0, 1), 1) == [1]
+
+
+def test_adds_aborts_and_links_carry_generations_only_to_processes_that_say_gens() -> None:
+    # The coordinator's messages (no I/O: its routing only): the route sent before an add,
+    # an abort's routes, and the link of a process started again name generations only to
+    # processes whose welcome said "gens".
+    import msgspec
+
+    from enginecore.stage._pipelinebase import PipelineBase
+
+    sent: list[tuple[tuple[int, int], object]] = []
+
+    class Replica:  # the coordinator's connection to one process: what it is sent
+        def __init__(self, k: int, r: int) -> None:
+            self.at = (k, r)
+
+        def _send(self, parts: list[bytes]) -> None:
+            sent.append((self.at, msgspec.msgpack.decode(parts[0])))
+
+        def _send_request(self, rid: str, parts: list[bytes], wait: bool) -> None:
+            sent.append((self.at, "add"))
+
+    for gens in (True, False):
+        sent.clear()
+        core = _restarting_core(gens)
+        coordinator = object.__new__(PipelineBase)
+        coordinator._core = core
+        coordinator._replicas = [[Replica(k, r) for r in range(n)] for k, n in enumerate((1, 2, 1))]
+        core.open("r", StreamCore("r"))
+        route = core.route("r")
+        assert route is not None
+        coordinator._send_routed(["r"], [], False, None)
+        coordinator._send_routed_aborts(0, ["r"], {"r": route})
+        b = [route[1], 0] if gens else route[1]
+        c = [0, 0] if gens else 0
+        assert sent == [
+            ((0, 0), ["route", ["r"], [[b, c]]]),
+            ((0, 0), "add"),
+            ((0, 0), ["abort", ["r"], [[b, c]]]),
+        ]
+    # A link names the new process's generation after its CURVE key ("" without one) when
+    # it names one at all, which the coordinator does to a process that said "gens".
+    from enginecore.stage._session import ClientSession
+
+    def link(*args: object) -> object:
+        return msgspec.msgpack.decode(ClientSession.link_frame(*args)[0])  # type: ignore[arg-type]
+
+    assert link(1, "ipc:///x", "s") == ["link", 1, "ipc:///x", "s"]
+    assert link(1, "ipc:///x", "s", "", 2) == ["link", 1, "ipc:///x", "s", "", 2]
+    assert link(1, "ipc:///x", "s", "K", 2) == ["link", 1, "ipc:///x", "s", "K", 2]

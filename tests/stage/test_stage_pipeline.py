@@ -37,6 +37,7 @@ from enginecore.stage import (
 )
 from enginecore.stage._edge import BEFORE, END, ENDED, FIRST, MORE, ONLY, REPORT, SENT_ON, link_id
 from enginecore.stage._pipe_stage import CREDIT_DELAY_S, PipeStage
+from enginecore.stage._pipeline_core import PipelineCore
 from enginecore.stage._pipelinebase import (
     DEFAULT_WINDOW,
     DEFAULT_WINDOW_BYTES,
@@ -396,6 +397,209 @@ class TestDataFlow:
             new.close()
             ctx.term()
 
+    def test_routes_that_name_generations_tell_a_restarted_process_from_the_dead_one(
+        self,
+    ) -> None:
+        # docs/wire.md section 8, "Restarts": a route names each process of a stage that
+        # restarts as [replica, generation], and a link the new process's generation.
+        # Process 0 of the next stage (generation 0) died and generation 1 is routed to
+        # before this stage has even applied the gone (its loop held up: the data comes on
+        # another connection). The data of a request routed to generation 1 is held, not
+        # sent down the old link (to the dead process: lost); an abort of such a request,
+        # applied before the link, is held in order (its data goes with it) and chased
+        # down the new link after what was held before it; what is meant for generation 0
+        # is dropped once that process is known gone (or once generation 1 is linked), and
+        # its abort is chased no further.
+        ctx = zmq.Context()
+        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        ports = []
+        for router in (old, new):
+            router.setsockopt(zmq.LINGER, 0)
+            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
+        stage = PipeStage(
+            CountdownEngine(),
+            stage="s",
+            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
+            routed=True,
+            next_restarts=True,
+            next_generations=[0],
+            window=8,
+        )
+
+        def received(router: zmq.Socket[Any]) -> Any:
+            assert router.poll(5000)
+            _ident, body = router.recv_multipart()
+            return msgspec.msgpack.decode(body)
+
+        try:
+            stage.pipe_route(
+                ["z", "a", "b"], [[[0, 0]], [[0, 1], [1, 4]], [[0, 1], 6]], abort=False
+            )
+            stage.add("z", 1)  # ONLY 0, to generation 0: the link's
+            stage.add("a", 2)  # 1, 0
+            stage.add("b", 2)  # 1, 0
+            stage.route_outputs(stage.step())  # z: ONLY 0; a: FIRST 1; b: FIRST 1
+            assert received(old) == ["pipe", [ONLY], ["z"], [0], {"z": []}, 0]
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_in_flight"]) == (2, 1)
+            assert "edge_dropped" not in stats  # none yet
+            # b's abort, applied here before the link: its held data goes, the abort is
+            # held (the coordinator waits for generation 1's answer), after a's FIRST.
+            stage.pipe_route(["b"], [[[0, 1], [1, 5]]], abort=True)
+            stage.abort(["b"])
+            stage.chase_abort(["b"])
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (1, 1)
+            stage.route_outputs(stage.step())  # a: MORE 0, END
+            assert not old.poll(100)  # nothing of a or b down the old link
+            stage.pipe_gone("next", 0, 0)  # the dead process's gone, late
+            stage.pipe_route(["d"], [[[0, 0]]], abort=False)
+            stage.add("d", 1)
+            stage.route_outputs(stage.step())  # d: ONLY 0, for the dead process: held
+            stats = stage.stats()  # (until the link says which generation comes)
+            assert (stats["edge_held"], stats["edge_dropped"]) == (4, 1)
+            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "", "", 1)
+            assert received(new) == ["pipe", [FIRST], ["a"], [1], {"a": [[1, 4]]}, 0]
+            assert received(new) == ["abort", ["b"], [[[1, 5]]]]
+            assert received(new) == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
+            assert not new.poll(100)
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (0, 2)  # d: dropped
+            # After the link: data routed to generation 0 (its process died) is dropped,
+            # and an abort routed there goes no further (as -1); generation 1's go on.
+            stage.pipe_route(["e", "c"], [[[0, 0]], [[0, 1]]], abort=False)
+            stage.add("e", 1)
+            stage.add("c", 1)
+            stage.route_outputs(stage.step())  # e: dropped; c: ONLY 0
+            assert received(new) == ["pipe", [ONLY], ["c"], [0], {"c": []}, 0]
+            assert stage.stats()["edge_dropped"] == 3
+            stage.pipe_route(["f", "g"], [[[0, 0]], [[0, 1]]], abort=True)
+            stage.abort(["f", "g"])
+            stage.chase_abort(["f", "g"])
+            assert received(new) == ["abort", ["g"], [[]]]
+            assert not new.poll(100)
+            assert not old.poll(0)
+        finally:
+            for link in stage._links:
+                if link is not None:
+                    link.close(linger=0)
+            old.close()
+            new.close()
+            ctx.term()
+
+    def test_what_is_meant_for_a_gone_link_s_own_generation_waits_for_the_next_link(
+        self,
+    ) -> None:
+        # A link that is gone, to a process of the generation a request's route names: the
+        # items are held for the next link, sent if it is of that generation (a stage
+        # started with a link to a dead process, told its successor's generation at its
+        # launch), dropped if it is of a newer one (that process died).
+        ctx = zmq.Context()
+        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        ports = []
+        for router in (old, new):
+            router.setsockopt(zmq.LINGER, 0)
+            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
+        stage = PipeStage(
+            CountdownEngine(),
+            stage="s",
+            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
+            routed=True,
+            next_restarts=True,
+            next_generations=[1],
+        )
+        try:
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a"], [[[0, 1]]], abort=False)
+            stage.add("a", 1)
+            stage.route_outputs(stage.step())  # a: ONLY 0, held
+            stage.pipe_route(["b"], [[[0, 1]]], abort=True)
+            stage.abort(["b"])
+            stage.chase_abort(["b"])  # held too
+            assert stage.stats()["edge_held"] == 1
+            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "", "", 1)
+            assert new.poll(5000)
+            assert msgspec.msgpack.decode(new.recv_multipart()[1]) == [
+                "pipe",
+                [ONLY],
+                ["a"],
+                [0],
+                {"a": []},
+                0,
+            ]
+            assert new.poll(5000)
+            assert msgspec.msgpack.decode(new.recv_multipart()[1]) == ["abort", ["b"], [[]]]
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["c"], [[[0, 1]]], abort=False)
+            stage.add("c", 1)
+            stage.route_outputs(stage.step())  # c: held, for generation 1, which died
+            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[0]}", "", "", 2)
+            assert not old.poll(200)
+            assert not new.poll(0)
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (0, 1)
+        finally:
+            for link in stage._links:
+                if link is not None:
+                    link.close(linger=0)
+            old.close()
+            new.close()
+            ctx.term()
+
+    def test_a_fence_held_for_a_restarted_process_goes_before_the_replay_it_fences(
+        self,
+    ) -> None:
+        # A replay's fence for a request routed to generation 1, applied here before the
+        # link, then the request's items again (from the stage before): the fence is held
+        # and the items after it, and both go down the new link in that order. A tagged
+        # abort keeps its tag.
+        ctx = zmq.Context()
+        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        ports = []
+        for router in (old, new):
+            router.setsockopt(zmq.LINGER, 0)
+            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
+        stage = PipeStage(
+            CountdownEngine(),
+            stage="s",
+            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
+            routed=True,
+            next_restarts=True,
+            next_generations=[0],
+        )
+
+        def received(router: zmq.Socket[Any]) -> Any:
+            assert router.poll(5000)
+            _ident, body = router.recv_multipart()
+            return msgspec.msgpack.decode(body)
+
+        try:
+            stage.pipe_route(["a"], [[[0, 1]]], abort=False)
+            stage.add("a", 1)
+            stage.route_outputs(stage.step())  # a: ONLY 0, held
+            stage.pipe_route(["a"], [[[0, 1]]], abort=True)
+            stage.abort(["a"])
+            stage.chase_abort(["a"], True)  # the fence
+            stage.pipe_route(["a"], [[[0, 1]]], abort=False)
+            stage.add("a", 1)  # the replay's items (here: the request again)
+            stage.route_outputs(stage.step())
+            stage.pipe_route(["t"], [[[0, 1]]], abort=True)
+            stage.abort(["t"])
+            stage.chase_abort(["t"], False, 9)
+            assert not old.poll(100)
+            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "", "", 1)
+            assert received(new) == ["abort", ["a"], [[]], True]
+            assert received(new) == ["pipe", [ONLY], ["a"], [0], {"a": []}, 0]
+            assert received(new) == ["abort", ["t"], [[]], False, 9]
+            assert not new.poll(100)
+        finally:
+            for link in stage._links:
+                if link is not None:
+                    link.close(linger=0)
+            old.close()
+            new.close()
+            ctx.term()
+
     def test_without_a_restart_what_goes_to_a_gone_process_is_dropped(self) -> None:
         # A next stage that does not restart: nothing will take what would go to a dead
         # process (the coordinator ends its requests): dropped and counted, as before.
@@ -463,6 +667,7 @@ class TestDataFlow:
 
         coordinator = object.__new__(PipelineBase)  # only its routing of aborts, no I/O
         coordinator._replicas = [[Replica(k, r) for r in range(2)] for k in range(4)]
+        coordinator._core = PipelineCore(["a", "b", "c", "d"], replicas=[2, 2, 2, 2])
         routes = {"x": (1, 0, -1, 1), "y": (0, -1, 0, 0)}
         coordinator._send_routed_aborts(1, ["x", "y"], routes, {(1, "x"): 7})
         assert sent == [((1, 0), ["abort", ["x"], [[-1, 1]], False, 7])]

@@ -26,6 +26,7 @@ from enginecore.stage._controls import (
     PipeFence,
     PipeGone,
     PipeInput,
+    PipeLink,
     PipeRoute,
     SessionChange,
     Stop,
@@ -479,6 +480,65 @@ class TestValidation:
         )
         assert session.events == [refusal, refusal]
         assert [type(m) for m in session.to_loop] == [Abort]  # r3's abort, without a route
+
+    def test_a_route_may_name_the_generation_of_a_process_and_a_link_its_own(
+        self, session: StageSession
+    ) -> None:
+        # docs/wire.md section 8, "Restarts": a stage that restarts may be named
+        # [replica, generation] in any route (route, pipe, abort: with -1 beside it in an
+        # abort's), and a link may name the new process's generation.
+        welcome(session)
+        session.receive(A, frame("route", ["r1"], [[[0, 1], 2]]), 1.0)
+        session.receive(A, frame("abort", ["r2"], [[-1, [1, 3]]]), 1.0)
+        session.receive(A, frame("pipe", [1], ["r3"], [5], {"r3": [[0, 0], 1]}, 0), 1.0)
+        session.receive(A, frame("link", 1, "ipc:///x", "", "", 2), 1.0)
+        session.receive(A, frame("link", 1, "ipc:///x", ""), 1.0)
+        route, aborted_route, abort, pipe_route, _pipe, link, older = session.to_loop
+        assert isinstance(route, PipeRoute)
+        assert (route.routes, route.abort) == ([[[0, 1], 2]], False)
+        assert isinstance(aborted_route, PipeRoute)
+        assert (aborted_route.routes, aborted_route.abort) == ([[-1, [1, 3]]], True)
+        assert abort == Abort(["r2"])
+        assert isinstance(pipe_route, PipeRoute)
+        assert pipe_route.routes == [[[0, 0], 1]]
+        assert isinstance(link, PipeLink)
+        assert (link.replica, link.address, link.generation) == (1, "ipc:///x", 2)
+        assert isinstance(older, PipeLink)
+        assert older.generation is None
+        assert not session.events
+
+    @pytest.mark.parametrize(
+        "entry",
+        [[0, -1], [-1, 0], [0], [0, 1, 2], []],
+    )
+    def test_a_bad_generation_in_a_route_is_an_unscoped_error(
+        self, session: StageSession, entry: list[Any]
+    ) -> None:
+        # A generation or a replica below 0, or not a pair: the routes are refused (the
+        # abort goes without them, as for any bad route). One that is not an int at all
+        # is refused by the decoder, with the whole message, as a replica that is not one.
+        welcome(session)
+        session.receive(A, frame("route", ["r1"], [[entry]]), 1.0)
+        session.receive(A, frame("abort", ["r2"], [[entry]]), 1.0)
+        assert [type(m) for m in session.to_loop] == [Abort]  # r2's abort, without a route
+        assert len(session.events) == 2
+        for kind, rid, what in session.events:
+            assert (kind, rid) == ("error", None)
+            assert what.startswith("invalid message")
+
+    @pytest.mark.parametrize("generation", [-1, "1", 1.5, [1]])
+    def test_a_bad_generation_in_a_link_is_an_unscoped_error(
+        self, session: StageSession, generation: Any
+    ) -> None:
+        welcome(session)
+        session.receive(A, frame("link", 0, "ipc:///x", "", "", generation), 1.0)
+        session.receive(A, frame("route", ["r1"], [[[0, "1"]]]), 1.0)
+        session.receive(A, frame("abort", ["r2"], [[[0, [1]]]]), 1.0)
+        assert not session.to_loop
+        assert len(session.events) == 3
+        for kind, rid, what in session.events:
+            assert (kind, rid) == ("error", None)
+            assert what.startswith("invalid message")
 
     def test_ping_is_answered_with_pong(self, session: StageSession) -> None:
         session.receive(A, frame("ping", 42), 0.0)

@@ -81,7 +81,8 @@ class ClientBase(Generic[S, W]):
         self._launched = target.launched
         self.features: frozenset[str] = frozenset(welcome.features)
         """What the stage's ``welcome`` says it does beyond the protocol's version
-        (``docs/wire.md`` section 3): a pipeline's stage of this build, ``"tags"``."""
+        (``docs/wire.md`` section 3): a pipeline's stage of this build, ``"tags"`` and
+        ``"gens"``."""
         self._session: ClientSession[S, W] = ClientSession(
             pid=welcome.pid,
             address=target.address,

@@ -108,9 +108,11 @@ class StageTarget(Protocol):
 
     def pipe_gone(self, side: str, late: int, replica: int, generation: int | None) -> None: ...
 
-    def pipe_link(self, replica: int, address: str, slots: str, server_key: str) -> None: ...
+    def pipe_link(
+        self, replica: int, address: str, slots: str, server_key: str, generation: int | None
+    ) -> None: ...
 
-    def pipe_route(self, req_ids: list[str], routes: list[list[int]], abort: bool) -> None: ...
+    def pipe_route(self, req_ids: list[str], routes: list[list[Any]], abort: bool) -> None: ...
 
     def pipe_replay(self, req_id: str, attempt: int) -> None: ...
 
@@ -367,18 +369,27 @@ class PipeLink(Control):
     """The coordinator's ``link`` (``docs/wire.md`` section 8): replica *replica* of the
     next stage was started again at *address* (``StageEngine.pipe_link``); *slots*: the
     new link's shared-memory slot prefix (``""``: none); *server_key*: its CURVE public key
-    (Z85) if it listens on TCP (``""``: ipc)."""
+    (Z85) if it listens on TCP (``""``: ipc); *generation*: the new process's (``None``: a
+    coordinator that does not say it), which the routes' generations are told against."""
 
-    __slots__ = ("address", "replica", "server_key", "slots")
+    __slots__ = ("address", "generation", "replica", "server_key", "slots")
 
-    def __init__(self, replica: int, address: str, slots: str = "", server_key: str = "") -> None:
+    def __init__(
+        self,
+        replica: int,
+        address: str,
+        slots: str = "",
+        server_key: str = "",
+        generation: int | None = None,
+    ) -> None:
         self.replica = replica
         self.address = address
         self.slots = slots
         self.server_key = server_key
+        self.generation = generation
 
     def apply(self, engine: StageTarget, loop: EngineCoreLoop) -> None:
-        engine.pipe_link(self.replica, self.address, self.slots, self.server_key)
+        engine.pipe_link(self.replica, self.address, self.slots, self.server_key, self.generation)
 
     def __repr__(self) -> str:
         return f"PipeLink({self.replica}, {self.address!r})"
@@ -420,13 +431,14 @@ class PipeRelease(Control):
 
 class PipeRoute(Control):
     """A pipeline with replica pools (``docs/wire.md`` section 8): the routes of *req_ids*
-    (per id, the replicas of the stages after this one), from the coordinator's ``route``
+    (per id, the replicas of the stages after this one; ``[replica, generation]`` for a
+    stage that restarts, section 8, "Restarts"), from the coordinator's ``route``
     before their add, a ``pipe``'s first inputs, or an ``abort`` (*abort*: for chasing it,
     applied right before it) (``StageEngine.pipe_route``)."""
 
     __slots__ = ("abort", "req_ids", "routes")
 
-    def __init__(self, req_ids: list[str], routes: list[list[int]], abort: bool = False) -> None:
+    def __init__(self, req_ids: list[str], routes: list[list[Any]], abort: bool = False) -> None:
         self.req_ids = req_ids
         self.routes = routes
         self.abort = abort

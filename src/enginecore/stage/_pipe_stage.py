@@ -103,6 +103,12 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   that is gone is held meanwhile, per link, in order (``edge_held``), and sent down the new
   link first: a request routed to the new process may reach this stage before its
   ``link`` (they come on different connections). A request's held items go with its abort.
+  Where the routes name the generation of each request's process of the next stage
+  (``[replica, generation]``, and the ``link`` the new process's: ``docs/wire.md`` section
+  8, "Restarts"), the stage sorts by it: what is meant for its link's process goes, what is
+  meant for a newer one is held (even before the dead one's ``gone``: down the old link it
+  would be lost), and so is the chased abort of such a request, in order, for that
+  generation's ``link``; what is meant for a dead one is dropped, its abort not chased.
   A restarted previous stage's process needs nothing here: its link has a new routing id
   (:func:`._edge.link_id`'s generation), which the input side tells the stage with each
   frame (:meth:`PipeStage.pipe_received`), and the credit still owed to the dead one is
@@ -116,7 +122,7 @@ import atexit
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import zmq
 
@@ -155,6 +161,27 @@ _LINK_LINGER_MS: Final = 2000
 Edge = Callable[[Any], tuple[Any, Any]]
 
 _NO_COLUMNS: Final[tuple[list[Any], list[bool], list[Any]]] = ([], [], [])
+
+_Held: TypeAlias = "tuple[int, str, Any, list[Any] | None, int | None]"
+"""What a stage holds for a gone process's successor (:meth:`PipeStage.pipe_link`):
+``(kind, request, item, the rest of its route for a first item else None, the generation
+its route names else None)``; an abort to chase is ``(_HELD_ABORT, request, (fence, tag),
+the rest of its route, generation)``."""
+_HELD_ABORT: Final = -1  # the kind of a held abort (no pipe kind is negative)
+
+
+def _abort_message(
+    req_ids: list[str], rests: list[list[Any]], fence: bool, tag: int | None
+) -> tuple[Any, ...]:
+    """The ``abort`` a routed stage chases down a link (``docs/wire.md`` section 8): with
+    the rest of each request's route, and a fence's flag or a tag after it."""
+    if tag is not None:
+        return ("abort", req_ids, rests, fence, tag)
+    if fence:
+        return ("abort", req_ids, rests, True)
+    return ("abort", req_ids, rests)
+
+
 _UNBOUNDED: Final = 1 << 62
 
 CREDIT_DELAY_S: Final = 0.002
@@ -207,7 +234,9 @@ class PipeStage:
     a CURVE client with *link_curve* (this stage's ``(public, secret)`` key pair), which
     retries its handshake until the next stage admits the key. *next_restarts*: the next
     stage's dead processes are started again (routed only): what goes to one that is gone
-    is held for the link to its successor (:meth:`pipe_link`). Loop thread only, like any
+    is held for the link to its successor (:meth:`pipe_link`); *next_generations*: per link,
+    the generation of the process it goes to, which the routes' generations are told
+    against (``None``: not known, nothing is told apart by it). Loop thread only, like any
     engine."""
 
     def __init__(
@@ -231,6 +260,7 @@ class PipeStage:
         link_curve: tuple[bytes, bytes] | None = None,
         downstream_keys: Sequence[bytes | None] | None = None,
         next_restarts: bool = False,
+        next_generations: Sequence[int] | None = None,
     ) -> None:
         self._inner = inner
         self._stage = stage
@@ -282,9 +312,22 @@ class PipeStage:
         self._pooled = routed
         self._replica = replica
         self._next: dict[str, int] = {}
-        self._rest: dict[str, list[int]] = {}
-        self._abort_routes: dict[str, list[int]] = {}
-        self._log_route: dict[str, tuple[int, list[int]]] = {}
+        self._rest: dict[str, list[Any]] = {}
+        self._abort_routes: dict[str, list[Any]] = {}
+        self._log_route: dict[str, tuple[int, list[Any], int | None]] = {}
+        # A next stage that restarts, with routes that name generations (docs/wire.md
+        # section 8, "Restarts"): per request whose route names one, the generation of its
+        # process of the next stage; per link, the generation of the process it goes to
+        # (None: not known, an older coordinator's link: no request is told apart by it).
+        self._gen: dict[str, int] = {}
+        # The requests of _gen whose generation is not their link's: their items are sorted
+        # one by one (_by_generation); the others go as any.
+        self._odd: set[str] = set()
+        self._link_gens: list[int | None] = (
+            [None] * nlinks if next_generations is None else list(next_generations)
+        )
+        if len(self._link_gens) != nlinks:
+            raise ValueError(f"{len(self._link_gens)} generations for {nlinks} links")
         self._unroute: list[str] = []  # ended in this step: their routes go after the send
         self._emit: Callable[[Any], None] | None = None
         pending = getattr(inner, "pending_inputs", None)
@@ -340,9 +383,11 @@ class PipeStage:
         # A next stage that restarts (routed): what is sent to a process that is gone is
         # held, per link, in order, until the link to its successor (pipe_link), which sends
         # it first; a request's held items go with its abort (_unhold). Each: (kind,
-        # request, item, the rest of its route for a first item, else None).
+        # request, item, the rest of its route for a first item, else None, the generation
+        # its route names, else None); an abort to chase (_HELD_ABORT, request, (fence,
+        # tag), the rest of its route, generation).
         self._holds = routed and next_restarts
-        self._holding: dict[int, list[tuple[int, str, Any, list[int] | None]]] = {}
+        self._holding: dict[int, list[_Held]] = {}
         self._previous_gone = False
         self._late_dropped = 0  # messages of the gone previous stage, dropped unread
         # The replay log (retry), per request: what it sent on, in order, and its size; the
@@ -500,7 +545,7 @@ class PipeStage:
             self._out_bytes[replica] = max(0, self._out_bytes[replica] - nbytes)
         self._waiting = False
 
-    def pipe_route(self, req_ids: list[str], routes: list[list[int]], abort: bool) -> None:
+    def pipe_route(self, req_ids: list[str], routes: list[list[Any]], abort: bool) -> None:
         """Routes through the replica pools after this stage (module docstring): per id,
         the next stage's replica first. *abort*: for the abort that follows, which
         :meth:`chase_abort` sends along them; otherwise the routes of requests whose first
@@ -509,10 +554,23 @@ class PipeStage:
         if abort:
             self._abort_routes.update(zip(req_ids, routes, strict=True))
             return
-        nxt, rest = self._next, self._rest
+        nxt, rest, gens = self._next, self._rest, self._gen
         for rid, route in zip(req_ids, routes, strict=True):
             if route:
-                nxt[rid] = route[0]
+                first = route[0]
+                if first.__class__ is list:  # [replica, generation]: a stage that restarts
+                    index = nxt[rid] = first[0]
+                    gen = gens[rid] = first[1]
+                    link_gens = self._link_gens
+                    known = link_gens[index] if 0 <= index < len(link_gens) else None
+                    if known is not None and gen != known:
+                        self._odd.add(rid)
+                    elif self._odd:
+                        self._odd.discard(rid)
+                else:
+                    nxt[rid] = first
+                    if gens:
+                        self._unroute_gen(rid)
                 rest[rid] = route[1:]
 
     def pipe_gone(
@@ -575,7 +633,14 @@ class PipeStage:
         if pool is not None:
             pool.close()
 
-    def pipe_link(self, replica: int, address: str, slots: str, server_key: str = "") -> None:
+    def pipe_link(
+        self,
+        replica: int,
+        address: str,
+        slots: str,
+        server_key: str = "",
+        generation: int | None = None,
+    ) -> None:
         """The coordinator's ``link``: replica *replica* of the next stage was started again
         and listens at *address*. The link to it is replaced by a new one (a link still
         open, to a dead process the ``gone`` has not reached yet, is closed first), with an
@@ -596,7 +661,13 @@ class PipeStage:
         the ``link`` is not lost. (That data comes on another connection than the ``link``;
         it can come first once the coordinator made the new process routable without this
         stage's confirmation of the ``link`` (:data:`LINKS_UTILITY`), which it waits for up
-        to ``startup_timeout``: a stage whose loop was held up through the restart.)"""
+        to ``startup_timeout``: a stage whose loop was held up through the restart.)
+
+        *generation*: the new process's (``None``: a coordinator that does not say it).
+        Where the routes name generations (``docs/wire.md`` section 8, "Restarts"), what was
+        held for that generation goes now, what was held for an older one is dropped (its
+        process died: an abort is not chased there, as for ``-1``), and what is held for a
+        newer one stays held, for its own ``link``."""
         links = self._links
         if not 0 <= replica < len(links) or self._ctx is None:
             return
@@ -622,26 +693,74 @@ class PipeStage:
         self._next_gone = False
         self._out_items[replica] = self._out_bytes[replica] = 0
         self._waiting = False
+        self._link_gens[replica] = generation
+        gens = self._gen
+        if gens:  # which requests' generation is not their link's now
+            odd, nxt = self._odd, self._next
+            for rid, gen in gens.items():
+                if nxt.get(rid) == replica:
+                    if generation is not None and gen != generation:
+                        odd.add(rid)
+                    else:
+                        odd.discard(rid)
         held = self._holding.pop(replica, None)
         if held:
-            self._send_held(replica, held)
+            self._send_held(replica, held, generation)
 
-    def _send_held(self, index: int, held: list[tuple[int, str, Any, list[int] | None]]) -> None:
+    def _unroute_gen(self, rid: str) -> None:
+        """Forget the generation *rid*'s route named (its route is forgotten here)."""
+        self._gen.pop(rid, None)
+        self._odd.discard(rid)
+
+    def _send_held(self, index: int, held: list[_Held], generation: int | None = None) -> None:
         """Send what was held for link *index* while its process was gone (:meth:`pipe_link`):
         in order, before anything newer, counted against the new link's window as any
-        send. An item the encoder refuses ends its request with an ``error`` event (the step
-        that made it is over). Only the requests whose first item is held: the earlier
-        items of the others went to the dead process, so the rest is of no use to the new
-        one (a request the dead process had ended, whose last items came after its
+        send; a held abort goes as its own ``abort`` message, after the data held before
+        it. An item the encoder refuses ends its request with an ``error`` event (the step
+        that made it is over). *generation*: the new process's; what was held for an older
+        one is dropped (its process died), what was held for a newer one stays held (its
+        own ``link`` is still to come). Only the requests whose first item is held: the
+        earlier items of the others went to the dead process, so the rest is of no use to
+        the new one (a request the dead process had ended, whose last items came after its
         ``gone``; the coordinator may count it done, with no abort to come), and would be
         taken for a later request's under that id there: dropped (``edge_dropped``)."""
-        firsts = {h[1] for h in held if h[0] & FIRST}
-        if len(firsts) < len({h[1] for h in held}):
-            kept = [h for h in held if h[1] in firsts]
-            self._edge_dropped += len(held) - len(kept)
-            held = kept
-            if not held:
-                return
+        ready: list[_Held] = []
+        later: list[_Held] = []
+        for h in held:
+            gen = h[4]
+            if gen is None or generation is None or gen == generation:
+                ready.append(h)
+            elif gen > generation:
+                later.append(h)
+            elif h[0] != _HELD_ABORT:
+                self._edge_dropped += 1
+        if later:
+            self._holding[index] = later
+        data = [h for h in ready if h[0] != _HELD_ABORT]
+        firsts = {h[1] for h in data if h[0] & FIRST}
+        if len(firsts) < len({h[1] for h in data}):
+            kept = [h for h in ready if h[0] == _HELD_ABORT or h[1] in firsts]
+            self._edge_dropped += len(ready) - len(kept)
+            ready = kept
+        run: list[_Held] = []
+        for h in ready:
+            if h[0] != _HELD_ABORT:
+                run.append(h)
+                continue
+            if run:
+                self._send_run(index, run)
+                run = []
+            link = self._links[index]
+            if link is not None:
+                fence, tag = h[2]
+                assert h[3] is not None
+                abort = _abort_message([h[1]], [h[3]], fence, tag)
+                link.send(self._encoder.encode(abort)[0])
+        if run:
+            self._send_run(index, run)
+
+    def _send_run(self, index: int, held: list[_Held]) -> None:
+        """Send held data items down link *index* (:meth:`_send_held`) as one ``pipe``."""
         kinds = [h[0] for h in held]
         ids = [h[1] for h in held]
         items = [h[2] for h in held]
@@ -655,13 +774,24 @@ class PipeStage:
                 self._emit(("error", rid, str(why)))
 
     def _unhold(self, req_ids: Sequence[str]) -> None:
-        """Drop what is held for *req_ids* (:meth:`pipe_link`), counted as ``edge_dropped``:
-        their abort was applied here, or they are otherwise over here."""
+        """Drop the data held for *req_ids* (:meth:`pipe_link`), counted as
+        ``edge_dropped``: their abort was applied here, or they are otherwise over here.
+
+        A held abort stays. The abort of a request whose data is held for a newer
+        generation is held too, once applied here (:meth:`chase_abort`, right after this):
+        the coordinator routed the request to the new process, and waits for that
+        process's answer to the abort (and the later stages'), which only a chased abort
+        brings. Its data need not go first: the new process answers an abort of a request
+        it does not hold, and chases it on as any. A held abort is only ever of a request
+        the coordinator still holds (it frees an id once every stage on its route answered
+        the abort, or died), or of a dead process's, dropped at the next ``link``: so a
+        first item of the same id (a replay after a fence, or an id added again) leaves
+        it, and a ``release`` (a request done) never meets one."""
         drop = set(req_ids)
         holding = self._holding
         for index in list(holding):
             held = holding[index]
-            kept = [h for h in held if h[1] not in drop]
+            kept = [h for h in held if h[1] not in drop or h[0] == _HELD_ABORT]
             if len(kept) < len(held):
                 self._edge_dropped += len(held) - len(kept)
                 if kept:
@@ -749,7 +879,9 @@ class PipeStage:
             if self._gone or self._edge_dropped:
                 out["edge_dropped"] = self._edge_dropped
             if self._holds:
-                out["edge_held"] = sum([len(held) for held in self._holding.values()])
+                out["edge_held"] = sum(
+                    [h[0] != _HELD_ABORT for held in self._holding.values() for h in held]
+                )
             pools = [pool.stats() for pool in self._shms if pool is not None]
             for numbers in pools:  # summed over the links
                 for key, value in numbers.items():
@@ -845,6 +977,9 @@ class PipeStage:
             for rid in req_ids:
                 nxt.pop(rid, None)
                 rest.pop(rid, None)
+            if self._gen:
+                for rid in req_ids:
+                    self._unroute_gen(rid)
         if self._replay_bytes is not None:
             self._forget(req_ids)
 
@@ -868,7 +1003,11 @@ class PipeStage:
             log[rid] = [item]
             size[rid] = payload_size(item)
             if self._pooled:
-                self._log_route[rid] = (self._next.get(rid, 0), self._rest.get(rid, []))
+                self._log_route[rid] = (
+                    self._next.get(rid, 0),
+                    self._rest.get(rid, []),
+                    self._gen.get(rid),
+                )
         else:
             items = log.get(rid)
             if items is None:  # not retryable any more
@@ -898,12 +1037,15 @@ class PipeStage:
         ``aborted`` answers), then its logged items again, first to last (with the end if
         the request ended here); what this stage sends of it later follows them. Returns
         whether it replayed, and if not why."""
-        index, rest = self._log_route.get(req_id) or (
+        index, rest, gen = self._log_route.get(req_id) or (
             self._next.get(req_id, 0),
             self._rest.get(req_id, []),
+            self._gen.get(req_id),
         )
         link = self._links[index] if 0 <= index < len(self._links) else None
-        if link is None:
+        known = self._link_gens[index] if link is not None else None
+        if link is None or (gen is not None and known is not None and gen != known):
+            # (Another generation: the process the request went to died.)
             return False, "the next stage is gone"
         # The fence, flagged as such (docs/wire.md section 8: a trailing true, after the
         # routes, nil without pools).
@@ -935,11 +1077,14 @@ class PipeStage:
         routed = self._pooled and req_id not in self._next
         if routed:  # it ended here: its route again, for the replay (the log's)
             self._next[req_id], self._rest[req_id] = index, rest
+            if gen is not None:
+                self._gen[req_id] = gen
         try:
             self._send_on(kinds, [req_id] * len(kinds), on_p, out_r, [], [])
         finally:
             if routed:
                 del self._next[req_id], self._rest[req_id]
+                self._unroute_gen(req_id)
         if out_r:  # an item the encoder refused (the request failed here when it was sent)
             return False, "its inputs could not be encoded again"
         self._replays += 1
@@ -957,7 +1102,7 @@ class PipeStage:
         the abort was a replay's fence, and goes on flagged as one; *tag*: the abort was
         tagged by the coordinator (an abort after a death), and goes on with its tag."""
         links = self._links
-        if not links or self._next_gone:
+        if not links or (self._next_gone and not self._holds):
             self._abort_routes.clear()
             return
         if not self._pooled:
@@ -971,24 +1116,37 @@ class PipeStage:
             return
         # Along each request's route (the abort's routes, from the coordinator or the
         # previous stage; none: replica 0 of each stage, where it never went). -1: the
-        # request's process there died (a new one never held it): no further.
+        # request's process there died (a new one never held it): no further. [replica,
+        # generation]: a stage that restarts, its process of that generation (below).
         routes = self._abort_routes
-        by_link: dict[int, tuple[list[str], list[list[int]]]] = {}
+        by_link: dict[tuple[int, int | None], tuple[list[str], list[list[Any]]]] = {}
         for rid in req_ids:
             route = routes.pop(rid, None) or [0]
-            ids, rests = by_link.setdefault(route[0], ([], []))
+            first = route[0]
+            key = (first[0], first[1]) if first.__class__ is list else (first, None)
+            ids, rests = by_link.setdefault(key, ([], []))
             ids.append(rid)
             rests.append(route[1:])
         routes.clear()
-        for index, (ids, rests) in by_link.items():
-            link = links[index] if 0 <= index < len(links) else None
+        for (index, gen), (ids, rests) in by_link.items():
+            if not 0 <= index < len(links):
+                continue
+            link = links[index]
+            known = self._link_gens[index] if gen is not None else None
+            if known is not None and (gen != known or link is None):
+                assert gen is not None
+                if gen >= known:
+                    # Routed to a process started again whose link has not come yet (its
+                    # data is held, or was dropped by the abort: _unhold): its answer is
+                    # awaited, so the abort goes down that link when it comes (one held
+                    # for a dead process's generation is dropped then: _by_generation).
+                    held = self._holding.setdefault(index, [])
+                    for rid, rest in zip(ids, rests, strict=True):
+                        held.append((_HELD_ABORT, rid, (fence, tag), rest, gen))
+                # Older: its process died (a new one never held it): no further, as -1.
+                continue
             if link is not None:
-                chased: tuple[Any, ...] = ("abort", ids, rests)
-                if tag is not None:
-                    chased = (*chased, fence, tag)
-                elif fence:
-                    chased = (*chased, True)
-                link.send(self._encoder.encode(chased)[0])
+                link.send(self._encoder.encode(_abort_message(ids, rests, fence, tag))[0])
 
     def step(self) -> list[Any]:
         return self._routed(self._inner.step())  # type: ignore[union-attr]
@@ -1161,6 +1319,9 @@ class PipeStage:
             for rid in unroute:
                 nxt.pop(rid, None)
                 rest.pop(rid, None)
+            if self._gen:
+                for rid in unroute:
+                    self._unroute_gen(rid)
             unroute.clear()
         return out_r, out_f, out_p
 
@@ -1203,7 +1364,7 @@ class PipeStage:
         # Routed (module docstring): each item on its request's link, in order; a first
         # input carries the rest of its request's route.
         nxt, rest = self._next, self._rest
-        groups: dict[int, tuple[list[int], list[str], list[Any], dict[str, list[int]]]] = {}
+        groups: dict[int, tuple[list[int], list[str], list[Any], dict[str, list[Any]]]] = {}
         for kind, rid, item in zip(kinds, on_r, on_p, strict=True):
             index = nxt.get(rid, 0)
             group = groups.get(index)
@@ -1214,18 +1375,75 @@ class PipeStage:
             group[2].append(item)
             if kind & FIRST:
                 group[3][rid] = rest.get(rid, [])
-        for index, (g_kinds, g_ids, g_items, g_routes) in groups.items():
-            if index in self._gone and self._holds:
+        odd = self._odd
+        for index, group in groups.items():
+            g_kinds, g_ids, g_items, g_routes = group
+            gone = index in self._gone
+            if (gone or (odd and not odd.isdisjoint(g_ids))) and self._gen:
+                # Routes that name generations: what is not for the link's process now.
+                g_kinds, g_ids, g_items = self._by_generation(
+                    index, gone, g_kinds, g_ids, g_items, g_routes
+                )
+                if not g_kinds:
+                    continue
+            if gone and self._holds:
                 # Its process died and a new one is coming: a request routed to the new one
                 # may come before its link (pipe_link), which sends these first.
                 held = self._holding.setdefault(index, [])
                 for kind, rid, item in zip(g_kinds, g_ids, g_items, strict=True):
-                    held.append((kind, rid, item, g_routes.get(rid) if kind & FIRST else None))
+                    tail = g_routes.get(rid) if kind & FIRST else None
+                    held.append((kind, rid, item, tail, None))
                 continue
-            if index in self._gone or not 0 <= index < len(self._links):
+            if gone or not 0 <= index < len(self._links):
                 self._edge_dropped += len(g_kinds)
                 continue
             self._send_link(index, g_kinds, g_ids, g_items, g_routes, out_r, out_f, out_p)
+
+    def _by_generation(
+        self,
+        index: int,
+        gone: bool,
+        kinds: list[int],
+        ids: list[str],
+        items: list[Any],
+        routes: dict[str, list[Any]],
+    ) -> tuple[list[int], list[str], list[Any]]:
+        """Sort items for link *index* by the generation of the next stage's process that
+        each one's route names (``docs/wire.md`` section 8, "Restarts"), against the
+        generation of the process the link goes to: that one's, the link up, and the items
+        whose route names none are returned, to go as any; a newer one's, or that one's
+        once the link is *gone*, are held for the next ``link`` (:meth:`pipe_link`), in
+        order, even before the dead process's ``gone`` (a request routed to the new
+        process may reach this stage first: the link still goes to the dead one, and what
+        went down it would be lost); an older one's are dropped (its process died). The
+        next ``link`` drops what is held for an older generation than its own: held for
+        the link's own generation once it is gone, an item is dropped then, unless that
+        ``link`` is of the same generation (a process that started with a link to a dead
+        process, whose successor's generation it was told at its launch)."""
+        known = self._link_gens[index] if 0 <= index < len(self._link_gens) else None
+        if known is None:
+            return kinds, ids, items
+        gens = self._gen
+        out_k: list[int] = []
+        out_r: list[str] = []
+        out_p: list[Any] = []
+        held: list[_Held] | None = None
+        for kind, rid, item in zip(kinds, ids, items, strict=True):
+            gen = gens.get(rid)
+            if gen is None:
+                pass
+            elif gen < known:
+                self._edge_dropped += 1
+                continue
+            elif gen > known or gone:
+                if held is None:
+                    held = self._holding.setdefault(index, [])
+                held.append((kind, rid, item, routes.get(rid) if kind & FIRST else None, gen))
+                continue
+            out_k.append(kind)
+            out_r.append(rid)
+            out_p.append(item)
+        return out_k, out_r, out_p
 
     def _send_link(
         self,
@@ -1233,7 +1451,7 @@ class PipeStage:
         kinds: list[int],
         on_r: list[str],
         on_p: list[Any],
-        routes: dict[str, list[int]] | None,
+        routes: dict[str, list[Any]] | None,
         out_r: list[Any],
         out_f: list[bool],
         out_p: list[Any],
@@ -1313,6 +1531,7 @@ class PipelinedPipeStage(PipeStage):
         link_curve: tuple[bytes, bytes] | None = None,
         downstream_keys: Sequence[bytes | None] | None = None,
         next_restarts: bool = False,
+        next_generations: Sequence[int] | None = None,
     ) -> None:
         super().__init__(
             inner,
@@ -1333,6 +1552,7 @@ class PipelinedPipeStage(PipeStage):
             link_curve=link_curve,
             downstream_keys=downstream_keys,
             next_restarts=next_restarts,
+            next_generations=next_generations,
         )
         self.launch = inner.launch
         collect = inner.collect
@@ -1372,6 +1592,7 @@ def pipe_stage(
     link_keys: list[bytes] | None = None,
     downstream_keys: list[bytes | None] | None = None,
     next_restarts: bool = False,
+    next_generations: list[int] | None = None,
 ) -> PipeStage:
     """The factory a pipeline launches each stage with: builds *factory*'s engine
     (``factory(**kwargs)``) and wraps it (:class:`PipeStage`). *edge* is the edge
@@ -1397,7 +1618,9 @@ def pipe_stage(
     ``[public, secret]``, this stage's key pair for those links (made by the coordinator
     for a local stage, in the actor for one on Ray, ``docs/pipelines.md``, "Stages on other
     hosts"). *next_restarts*: the next stage's dead processes are started again: what this
-    stage sends to one that is gone is held for its successor (:meth:`PipeStage.pipe_link`)."""
+    stage sends to one that is gone is held for its successor (:meth:`PipeStage.pipe_link`);
+    *next_generations*: then, per link, the generation of the process it goes to (the routes
+    name the generation of each request's process: ``docs/wire.md`` section 8)."""
     reader = (
         None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
     )
@@ -1437,6 +1660,7 @@ def pipe_stage(
         "link_curve": None if link_keys is None else (link_keys[0], link_keys[1]),
         "downstream_keys": downstream_keys,
         "next_restarts": next_restarts,
+        "next_generations": next_generations,
     }
     if isinstance(pool, list):
         options["shm_factory"] = shm_factory

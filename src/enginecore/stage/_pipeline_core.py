@@ -147,12 +147,20 @@ answers differently for it: any build answers aborts and applies messages in ord
 IO layer then waits for that stage to confirm the ``link`` (its loop applied it), up to the
 startup timeout, and makes the new process routable anyway after it: a request routed to it
 may then reach that stage ahead of the ``link`` (on another connection), and the stage holds
-such data until the ``link`` rather than dropping it (``PipeStage.pipe_link``); what it
-holds then can only be the new process's, since it applied the abort of each of the dead
-process's requests first, dropping theirs. Open still: data of such a request applied there
-before even the ``gone`` goes down the old link, to the dead process, and is lost; and an
-abort of it applied there before the ``link`` is not chased to the new process (which never
-got its data), whose answer the coordinator then waits for.
+such data until the ``link`` rather than dropping it (``PipeStage.pipe_link``). It could
+not tell such a request from one of the dead process by its route alone (replica indexes,
+which outlive a process): data applied there before even the ``gone`` would go down the old
+link, to the dead process, and be lost; and an abort of it applied there before the
+``link`` would not be chased to the new process, whose answer the coordinator waits for. So
+the route a message carries (:meth:`wire_route`) names each process of a stage that
+restarts as ``[replica, generation]``, the generation the request was routed to (the
+current one of a process on its route that is live: the requests routed through a process
+are all cut when it dies, before it is started again as the next generation), and the
+``link`` names the new process's (``docs/wire.md`` section 8, "Restarts"). The stage holds
+what is meant for a newer generation than its link's, aborts included, for that
+generation's ``link``, and drops what is meant for an older one. Only to processes whose
+``welcome`` says ``"gens"`` (:meth:`generational`): an older build refuses a route entry
+that is not an int, and gets plain routes (the two cases stay open through it).
 """
 
 from __future__ import annotations
@@ -368,6 +376,10 @@ class PipelineCore(Generic[S]):
         # _tag: the last tag given to the aborts of a death (replica_dead).
         self._tagging = [[False] * r for r in replicas]
         self._tag = 0
+        # Per process: whether it takes routes and links that name generations (its welcome
+        # says "gens": generational()); only a pipeline with a stage that restarts sends any.
+        self._generational = [[False] * r for r in replicas]
+        self._regenerates = any(p is not None for p in policies)
         # The failure as an End: check() raises it with the traceback it had then, so that
         # refused adds do not grow it (see _session.End).
         self._failure_end: End | None = None
@@ -1129,6 +1141,43 @@ class PipelineCore(Generic[S]):
         ``docs/wire.md`` section 8). Until told, a process is taken for an older build's:
         the aborts sent after a death are confirmed by its first answer, as before tags."""
         self._tagging[k][r] = tags
+
+    def generational(self, k: int, r: int, gens: bool = True) -> None:
+        """Whether process *r* of stage *k* (as launched now, or started again) takes routes
+        that name a generation for each process of a stage that restarts, and a ``link``
+        that names the new process's (its ``welcome`` says ``"gens"``, ``docs/wire.md``
+        section 8, "Restarts"; a build that says it says ``"tags"`` too). Until told, a
+        process is taken for an older build's, which would refuse them: it gets plain
+        routes and links, as before."""
+        self._generational[k][r] = gens
+
+    def says_generations(self, k: int, r: int) -> bool:
+        """Whether process *r* of stage *k* is sent a ``link`` that names the new process's
+        generation (:meth:`generational`)."""
+        return self._generational[k][r]
+
+    def wire_route(self, route: Sequence[int], start: int) -> list[Any]:
+        """*route* (as :attr:`PipelineDeliveries.routes` has it: ``-1`` at a dead process)
+        from stage *start* on, as the route a message carries: each process of a stage that
+        restarts as ``[replica, generation]`` (module docstring, "Restarts"), so that the
+        stage before it tells a request meant for a process started again from one meant
+        for the dead one at that index. Only where every process on the route takes them
+        (:meth:`generational`: the stages before *start* passed the route on, and each
+        stage sends on what follows it); otherwise, and without restarts, the plain
+        indexes. The generation of a live process on a route is the current one: the
+        requests routed to a process are all cut (``-1``) when it dies, before it is
+        started again as the next generation."""
+        rest = list(route[start:])
+        if not self._regenerates:
+            return rest
+        generational = self._generational
+        if not all(r < 0 or generational[j][r] for j, r in enumerate(route)):
+            return rest
+        restart, generations = self.restart, self._generations
+        return [
+            [r, generations[j][r]] if r >= 0 and restart[j] is not None else r
+            for j, r in enumerate(rest, start)
+        ]
 
     def load(self, k: int) -> list[int]:
         """Per replica of stage *k*: the requests routed there that are in the pipeline."""

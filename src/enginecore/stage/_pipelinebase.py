@@ -365,6 +365,9 @@ def pipe_kwargs(
             kwargs["replay_bytes"] = spec.on_next_error.max_bytes
         if routed and downstream_spec is not None and downstream_spec.restart:
             kwargs["next_restarts"] = True  # hold what goes to a dead process for its successor
+            # The generation of each process its links go to: the routes name each request's.
+            nlinks = 1 if isinstance(downstream, str) else len(downstream)
+            kwargs["next_generations"] = list(next_generations or [0] * nlinks)
         if shm_out is not None and spec.shm_threshold is not None:
             if pooled_out:
                 nlinks = 1 if isinstance(downstream, str) else len(downstream)
@@ -680,7 +683,9 @@ class PipelineBase(Generic[S, C]):
             start += count
             for r, client in enumerate(self._replicas[k]):
                 # Whether it answers and chases tagged aborts (its welcome says so).
-                self._core.tagged(k, r, "tags" in getattr(client, "features", ()))
+                features = getattr(client, "features", ())
+                self._core.tagged(k, r, "tags" in features)
+                self._core.generational(k, r, "gens" in features)
         self._names = tuple(names)
         self._keys = [
             name if count == 1 else f"{name}[{r}]"
@@ -832,7 +837,8 @@ class PipelineBase(Generic[S, C]):
         for r, picked in groups.items():
             client = self._replicas[0][r]
             g_ids = [ids[i] for i in picked]
-            client._send(ClientSession.route_frame(g_ids, [list(routes[i][1:]) for i in picked]))
+            rests = [core.wire_route(routes[i], 1) for i in picked]
+            client._send(ClientSession.route_frame(g_ids, rests))
             if len(groups) == 1:
                 g_parts = parts
             else:
@@ -943,7 +949,8 @@ class PipelineBase(Generic[S, C]):
         *tags* names one (``(k, id)``: an abort after a death, docs/wire.md section 8). A
         route's ``-1`` is a stage whose process on it died: nothing is sent there, and the
         stages chase the abort no further than the stage before it."""
-        by: dict[tuple[int, int | None], tuple[list[str], list[list[int]]]] = {}
+        by: dict[tuple[int, int | None], tuple[list[str], list[list[Any]]]] = {}
+        core = self._core
         for rid in req_ids:
             route = routes.get(rid)
             r = route[k] if route else 0
@@ -952,7 +959,7 @@ class PipelineBase(Generic[S, C]):
             tag = tags.get((k, rid)) if tags else None
             ids, rests = by.setdefault((r, tag), ([], []))
             ids.append(rid)
-            rests.append(list(route[k + 1 :]) if route else [])
+            rests.append(core.wire_route(route, k + 1) if route else [])
         for (r, tag), (ids, rests) in by.items():
             with contextlib.suppress(Exception):
                 self._replicas[k][r]._send(ClientSession.abort_frame(ids, rests, tag))
@@ -1101,7 +1108,9 @@ class PipelineBase(Generic[S, C]):
         with self._lock:
             self._replicas[k][r] = client
             self._clients[sum(core.replicas[:k]) + r] = client
-            core.tagged(k, r, "tags" in getattr(client, "features", ()))
+            features = getattr(client, "features", ())
+            core.tagged(k, r, "tags" in features)
+            core.generational(k, r, "gens" in features)
         self._take_events(k, r, client)  # anything that came before the sink was set
         sends: list[tuple[C, Parts]] = []
         if k + 1 < len(specs):
@@ -1125,7 +1134,9 @@ class PipelineBase(Generic[S, C]):
                     assert prefix is not None
                     slots = link_slots(prefix, k - 1, r, generation, j, core.generation(k - 1, j))
                 before = self._replicas[k - 1][j]
-                frame = ClientSession.link_frame(r, client.address, slots, server_key)
+                # The new process's generation, to a process that tells routes by it.
+                gen = generation if core.says_generations(k - 1, j) else None
+                frame = ClientSession.link_frame(r, client.address, slots, server_key, gen)
                 sends.append((before, frame))
                 barrier.append(before)
                 linked_from.append(j)

@@ -279,9 +279,10 @@ class StageRuntime:
                     output_address=self.output_address,
                     session_timeout=session_timeout,
                     statistics=self._statistics,
-                    # A pipeline's stage answers and chases tagged aborts (docs/wire.md
-                    # section 8): its welcome says so to the coordinator.
-                    features=("tags",) if hasattr(engine, "chase_abort") else (),
+                    # A pipeline's stage answers and chases tagged aborts, and takes routes
+                    # and links that name generations (docs/wire.md section 8): its welcome
+                    # says so to the coordinator.
+                    features=("tags", "gens") if hasattr(engine, "chase_abort") else (),
                 )
             else:
                 self._session = MultiStageSession(

@@ -769,7 +769,7 @@ class ClientSession(Generic[S, W]):
 
     @staticmethod
     def abort_frame(
-        req_ids: Sequence[str], routes: list[list[int]] | None = None, tag: int | None = None
+        req_ids: Sequence[str], routes: list[list[Any]] | None = None, tag: int | None = None
     ) -> Parts:
         """An ``abort``. A bare ``str`` is refused (it is a sequence of chars). *routes*: a
         pipeline with replica pools' (``docs/wire.md`` section 8), one per id; *tag*, a
@@ -803,17 +803,26 @@ class ClientSession(Generic[S, W]):
         return [_encode_flat(("gone", side, link))]
 
     @staticmethod
-    def link_frame(replica: int, address: str, slots: str = "", server_key: str = "") -> Parts:
+    def link_frame(
+        replica: int,
+        address: str,
+        slots: str = "",
+        server_key: str = "",
+        generation: int | None = None,
+    ) -> Parts:
         """A ``link`` for a pipeline's stage (``docs/wire.md`` section 8): replica *replica*
         of the next stage was started again and listens at *address*; *slots*: the new
         link's shared-memory slot prefix (``""``: none); *server_key*: its CURVE public key
-        (Z85), for a process on TCP (``""``: ipc, no CURVE)."""
+        (Z85), for a process on TCP (``""``: ipc, no CURVE); *generation*: the new
+        process's, for a stage whose ``welcome`` says ``"gens"`` (``None``: not said)."""
+        if generation is not None:
+            return [_encode_flat(("link", replica, address, slots, server_key, generation))]
         if server_key:
             return [_encode_flat(("link", replica, address, slots, server_key))]
         return [_encode_flat(("link", replica, address, slots))]
 
     @staticmethod
-    def route_frame(req_ids: list[str], routes: list[list[int]]) -> Parts:
+    def route_frame(req_ids: list[str], routes: list[list[Any]]) -> Parts:
         """A ``route`` for the first stage of a pipeline with replica pools (``docs/wire.md``
         section 8): per id, the replicas of the stages after it that the request goes
         through; sent right before the request's add."""

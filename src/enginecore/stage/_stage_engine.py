@@ -207,7 +207,7 @@ class StageEngine:
         self._pipe_credit: Callable[[int, int, int], None] | None = getattr(
             engine, "pipe_credit", None
         )
-        self._pipe_route: Callable[[list[str], list[list[int]], bool], None] | None = getattr(
+        self._pipe_route: Callable[[list[str], list[list[Any]], bool], None] | None = getattr(
             engine, "pipe_route", None
         )
         # chase_abort(req_ids), or chase_abort(req_ids, True) for a replay's fence.
@@ -216,7 +216,7 @@ class StageEngine:
             engine, "pipe_gone", None
         )
         self._pipe_late: Callable[[str, int], None] | None = getattr(engine, "pipe_late", None)
-        self._pipe_link: Callable[[int, str, str, str], None] | None = getattr(
+        self._pipe_link: Callable[[int, str, str, str, int | None], None] | None = getattr(
             engine, "pipe_link", None
         )
         self._pipe_replay: Callable[[str], tuple[bool, str]] | None = getattr(
@@ -359,13 +359,16 @@ class StageEngine:
         if self._pipe_gone is not None:
             self._pipe_gone(side, late, replica, generation)
 
-    def pipe_link(self, replica: int, address: str, slots: str, server_key: str) -> None:
+    def pipe_link(
+        self, replica: int, address: str, slots: str, server_key: str, generation: int | None
+    ) -> None:
         """:class:`~._controls.PipeLink`: replica *replica* of the next stage was started
-        again at *address* (with CURVE, *server_key*, if not ``""``)."""
+        again at *address* (with CURVE, *server_key*, if not ``""``), as its *generation*
+        (``None``: not said)."""
         if self._pipe_link is not None:
-            self._pipe_link(replica, address, slots, server_key)
+            self._pipe_link(replica, address, slots, server_key, generation)
 
-    def pipe_route(self, req_ids: list[str], routes: list[list[int]], abort: bool) -> None:
+    def pipe_route(self, req_ids: list[str], routes: list[list[Any]], abort: bool) -> None:
         """:class:`~._controls.PipeRoute`: the routes of requests through the replica pools
         after this stage (*abort*: for the abort that follows)."""
         if self._pipe_route is not None:

@@ -104,6 +104,19 @@ _RECEIVED_FLAT: Final = frozenset({type(None), bool, int, float, str, bytes})
 # REPORT (8).
 _PIPE_KINDS: Final = frozenset({0, 1, 2, 3, 10, 11})
 
+
+def _generational(entry: list[Any]) -> bool:
+    """Whether a route's *entry* that is a list is ``[replica, generation]``, both ints >= 0
+    (``docs/wire.md`` section 8, "Restarts")."""
+    return (
+        len(entry) == 2
+        and type(entry[0]) is int
+        and type(entry[1]) is int
+        and entry[0] >= 0
+        and entry[1] >= 0
+    )
+
+
 Event = tuple[Any, ...]
 
 NOT_ATTACHED: Final = (
@@ -441,7 +454,7 @@ class StageSession:
         elif cls is _wire.GoneMsg:
             self._gone(msg)
         elif cls is _wire.LinkMsg:
-            self.to_loop.append(PipeLink(msg.replica, msg.address, msg.slots, msg.server_key))
+            self._link(msg)
         elif cls is _wire.ReplayMsg:
             self.to_loop.append(PipeReplay(msg.req_id, msg.attempt))
         elif cls is _wire.ReleaseMsg:
@@ -501,14 +514,23 @@ class StageSession:
             self.to_loop.append(AddBurst(ok_ids, ok_data))
         self.events += errors
 
-    def _routes(self, req_ids: list[str], routes: list[list[int]], abort: bool = False) -> None:
+    def _routes(self, req_ids: list[str], routes: list[list[Any]], abort: bool = False) -> None:
         """Routes of a pipeline with replica pools (``docs/wire.md`` section 8): one
         :class:`PipeRoute`, or an unscoped ``error`` if they do not match the ids. An
         abort's routes may say ``-1``: the request's process of that stage died (the abort
-        goes no further)."""
+        goes no further). A stage that restarts may be named ``[replica, generation]``
+        (section 8, "Restarts"), both ints >= 0 (the decoder took only ints there)."""
         least = -1 if abort else 0
         if len(routes) != len(req_ids) or not all(
-            type(r) is list and all(type(i) is int and i >= least for i in r) for r in routes
+            type(r) is list
+            and (
+                all(type(i) is int and i >= least for i in r)
+                or all(
+                    (type(i) is int and i >= least) or (type(i) is list and _generational(i))
+                    for i in r
+                )
+            )
+            for r in routes
         ):
             self.events.append(
                 (
@@ -519,6 +541,18 @@ class StageSession:
             )
             return
         self.to_loop.append(PipeRoute(req_ids, routes, abort))
+
+    def _link(self, msg: _wire.LinkMsg) -> None:
+        """The coordinator's ``link`` (``docs/wire.md`` section 8): one :class:`PipeLink`,
+        or an unscoped ``error`` for a generation that is not an int >= 0 (the decoder took
+        only an int or nil there)."""
+        generation = msg.generation
+        if generation is not None and generation < 0:
+            why = f"invalid message: link generation must be an int >= 0, got {generation}"
+            self.events.append(("error", None, why))
+            return
+        link = PipeLink(msg.replica, msg.address, msg.slots, msg.server_key, generation)
+        self.to_loop.append(link)
 
     def _pipe(self, msg: _wire.PipeMsg, nbytes: int, ident: bytes = b"") -> None:
         """Input from a pipeline's previous stage (*nbytes*: the frame's size, *ident*: the

@@ -64,8 +64,9 @@ class AbortMsg(msgspec.Struct, array_like=True, frozen=True, tag="abort"):
     req_ids: list[str]
     # A pipeline with replica pools (docs/wire.md section 8): per id, the replicas of the
     # stages after the receiver that the request's route goes through (the abort chases
-    # the data along it). Absent: replica 0 of each.
-    routes: list[list[int]] | None = None
+    # the data along it). Absent: replica 0 of each. A stage that restarts may be named
+    # [replica, generation]: its process of that generation (section 8, "Restarts").
+    routes: list[list[int | list[int]]] | None = None
     # A replay's fence (docs/wire.md section 8): true in the abort a stage sends down its
     # link for the coordinator's `replay`, and in that abort chased on; the stage answers it
     # with an `aborted` that says so. Absent (an older sender): an ordinary abort.
@@ -109,8 +110,9 @@ class PipeMsg(msgspec.Struct, array_like=True, frozen=True, tag="pipe"):
     data: list[Any]
     # A pipeline with replica pools: the routes of the requests whose first input this
     # message carries (per id, the replicas of the stages after the receiver), and the
-    # sending stage's replica index (for the credit it is owed).
-    routes: dict[str, list[int]] | None = None
+    # sending stage's replica index (for the credit it is owed). As an abort's routes, a
+    # stage that restarts may be named [replica, generation].
+    routes: dict[str, list[int | list[int]]] | None = None
     sender: int = 0
 
 
@@ -140,18 +142,21 @@ class LinkMsg(msgspec.Struct, array_like=True, frozen=True, tag="link"):
     # with an empty window and, if *slots* is not "", a new pool of shared-memory slots
     # named with that prefix; if *server_key* is not "", the process listens on TCP with
     # CURVE, that public key (Z85): the link is a CURVE client with this stage's link keys.
+    # *generation*: the new process's, to a stage whose welcome said "gens" (None: not
+    # said), which the routes' [replica, generation] are told against.
     replica: int
     address: str
     slots: str = ""
     server_key: str = ""
+    generation: int | None = None
 
 
 class RouteMsg(msgspec.Struct, array_like=True, frozen=True, tag="route"):
     # The coordinator -> the first stage of a pipeline with replica pools, right before the
     # add of *req_ids*: per id, the replicas of the stages after it that the request goes
-    # through.
+    # through (a stage that restarts may be named [replica, generation]).
     req_ids: list[str]
-    routes: list[list[int]]
+    routes: list[list[int | list[int]]]
 
 
 class ReplayMsg(msgspec.Struct, array_like=True, frozen=True, tag="replay"):
@@ -196,7 +201,8 @@ class WelcomeMsg(msgspec.Struct, array_like=True, frozen=True, tag="welcome"):
     pid: int
     engine: str
     # What the stage does beyond the protocol's version (docs/wire.md section 3): a
-    # pipeline's stage of this build says "tags" (section 8, "Tagged aborts"). Absent from
+    # pipeline's stage of this build says "tags" (section 8, "Tagged aborts") and "gens"
+    # (section 8, "Restarts": routes and links that name generations). Absent from
     # an older build's welcome, and from that of a stage that is no pipeline's.
     features: tuple[str, ...] = ()
 
