@@ -648,8 +648,26 @@ class PipelineModel(RuleBasedStateMachine):
         """A replica of stage *k* died (PooledModel): the requests routed through it end;
         the live ones are aborted from the first stage, all of them from the stage after it
         (after its `gone`), tagged: check that and send them."""
-        held = {i.rid: i for i in before}
         r = self.dying
+        later = dict(d.stage_aborts)
+        if self.failure is not None:
+            # The pipeline has failed: its requests are over, but the aborts sent at the
+            # failure to the stage after a dead one may have gone to this process, dead
+            # before the core heard: the stage after it gets those routed through it again.
+            assert not d.aborts, f"aborts {d.aborts} from the first stage after the failure"
+            targets = {
+                rid: i
+                for rid, i in self.orphans.items()
+                if i.route is not None and i.route[k] == r and k not in i.cut
+            }
+            if k + 1 < self.n and targets:
+                assert set(later) == {k + 1}, f"{later} after a replica of {k} died"
+                assert set(later[k + 1]) == set(targets), f"{later} after a replica of {k} died"
+                self.send_aborts(k + 1, later[k + 1], "dead", targets, d.routes)
+            else:
+                assert not later, f"{later} after a replica of {k} died"
+            return
+        held = {i.rid: i for i in before}
         through = {rid: i for rid, i in held.items() if i.route is not None and i.route[k] == r}
         live = {rid for rid in through if states[id(held[rid])] is LIVE}
         assert set(d.aborts) == (live if k > 0 else set()), f"{d.aborts}: {live} live"
@@ -657,7 +675,6 @@ class PipelineModel(RuleBasedStateMachine):
             inc = held[rid]
             assert not inc.coord_abort, f"{inc} aborted twice by the core"
             inc.coord_abort = True
-        later = dict(d.stage_aborts)
         # Aborted after it too, unless its replica there died before (no one to reach).
         after = {rid for rid, i in through.items() if k + 1 < self.n and k + 1 not in i.cut}
         if after:
@@ -1156,14 +1173,18 @@ class PipelineModel(RuleBasedStateMachine):
                     functools.partial(core.replayed, k, rid, attempt, ok, why), "replayed", k, rid
                 )
             elif kind == "replica_dead":  # PooledModel: its events so far came first
-                if not self.closed and self.failure is None:
+                # As _take_events hands it over: also once the pipeline has failed (the core
+                # then sends the aborts that may have gone to the dead process again), not
+                # after the close.
+                if not self.closed:
                     self.dying = r = ev[1]
-                    for inc in self.in_core():
-                        if inc.route is not None and inc.route[k] == r:
-                            inc.cut.add(k)
+                    if self.failure is None:
+                        for inc in self.in_core():
+                            if inc.route is not None and inc.route[k] == r:
+                                inc.cut.add(k)
                     exc = EngineDeadError("stage process 1 was killed by SIGKILL", exit_code=-9)
                     d = self.call(
-                        functools.partial(core.replica_dead, k, ev[1], exc), "replica_dead", k
+                        functools.partial(core.replica_dead, k, r, exc), "replica_dead", k
                     )
                     self.heard_dead(k, r, d)
             else:
