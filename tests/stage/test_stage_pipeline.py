@@ -7,8 +7,10 @@ The coordinator's rules alone are checked against a model in ``test_pipeline_mod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import random
 import signal
 import struct
 import threading
@@ -36,7 +38,7 @@ from enginecore.stage import (
     _shm,
 )
 from enginecore.stage._edge import BEFORE, END, ENDED, FIRST, MORE, ONLY, REPORT, SENT_ON, link_id
-from enginecore.stage._pipe_stage import CREDIT_DELAY_S, PipeStage
+from enginecore.stage._pipe_stage import CREDIT_DELAY_S, PipeStage, payload_size
 from enginecore.stage._pipeline_core import PipelineCore
 from enginecore.stage._pipelinebase import (
     DEFAULT_WINDOW,
@@ -74,6 +76,67 @@ def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch
 def _wait_live(pipe: Pipeline, stage: str, n: int) -> None:
     """Until *n* requests are live in the relay stage *stage* (its utility says so)."""
     assert wait_until(lambda: pipe.call_utility(stage, "num_requests") == n, 10)
+
+
+@contextlib.contextmanager
+def _next_processes(
+    n: int = 2, links: int = 1, **kwargs: Any
+) -> Iterator[tuple[PipeStage, list[zmq.Socket[Any]], list[str]]]:
+    """A routed :class:`PipeStage` around a ``CountdownEngine``, with *n* ``ROUTER``
+    sockets on TCP for the next stage's processes (``routers``, at ``addresses``): its
+    *links* links go to the first ones (unless *kwargs* name ``downstream``), the others
+    stand for processes started in their place (:meth:`PipeStage.pipe_link`). All closed
+    after."""
+    ctx = zmq.Context()
+    routers: list[zmq.Socket[Any]] = []
+    addresses: list[str] = []
+    try:
+        for _ in range(n):
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            routers.append(router)
+            addresses.append(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}")
+        kwargs.setdefault("downstream", addresses[:links])
+        stage = PipeStage(CountdownEngine(), stage="s", routed=True, **kwargs)
+        try:
+            yield stage, routers, addresses
+        finally:
+            for link in stage._links:
+                if link is not None:
+                    link.close(linger=0)
+    finally:
+        for router in routers:
+            router.close()
+        ctx.term()
+
+
+def _received(router: zmq.Socket[Any]) -> Any:
+    """The next message on *router* (a next stage's process), decoded."""
+    assert router.poll(5000)
+    _ident, body, *_arrays = router.recv_multipart()  # (arrays: frames after it)
+    return msgspec.msgpack.decode(body)
+
+
+def _step_while_room(stage: PipeStage, most: int = 20) -> int:
+    """Step *stage* as the loop does, while ``has_work()`` says so (at most *most*
+    times): how many steps it took."""
+    for n in range(most):
+        if not stage.has_work():
+            return n
+        stage.route_outputs(stage.step())
+    return most
+
+
+def _held_counts_hold(stage: PipeStage) -> bool:
+    """The held counters per link equal what is held (recomputed: data items, not aborts,
+    and their payload sizes)."""
+    for index in range(len(stage._links)):
+        held = [h for h in stage._holding.get(index, []) if h[0] >= 0]
+        if stage._held_items[index] != len(held):
+            return False
+        if stage._held_bytes[index] != sum(payload_size(h[2]) for h in held):
+            return False
+    return True
 
 
 class TestDataFlow:
@@ -320,7 +383,8 @@ class TestDataFlow:
         # whose data this stage applies before the link (the data comes on another
         # connection than the link) is held, in order, its END and later items too, and
         # goes down the new link first, before anything newer; one aborted meanwhile
-        # (here b) leaves nothing to send. Held items are not in flight until sent.
+        # (here b) leaves nothing to send. Held items are not in flight until sent, but
+        # count against the window meanwhile.
         ctx = zmq.Context()
         old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
         ports = []
@@ -351,10 +415,11 @@ class TestDataFlow:
             assert stage.take_ended() == ["b"]
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_in_flight"], stats["edge_dropped"]) == (5, 0, 0)
-            assert stage.has_work()  # held items take no room in the window
+            assert not stage.has_work()  # held items count against the window (4)
             stage.abort(["b"])  # its abort, applied here: its held items go
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_dropped"]) == (2, 3)
+            assert stage.has_work()  # room again
             stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "")
             assert stage.stats()["edge_in_flight"] == 2  # sent now: in flight now
             stage.route_outputs(stage.step())  # a: MORE 0, END, after what was held
@@ -599,6 +664,200 @@ class TestDataFlow:
             old.close()
             new.close()
             ctx.term()
+
+    def test_a_window_full_of_held_data_holds_the_steps_back(self) -> None:
+        # What is held for a process of the next stage that restarts counts against its
+        # link's window: a stage whose held data reaches the window waits (has_work False,
+        # counted once in edge_waits), as for a full window, instead of holding without
+        # bound while the new process starts.
+        with _next_processes(window=4, next_restarts=True) as (stage, routers, _):
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a", "b"], [[0], [0]], abort=False)
+            stage.add("a", 5)
+            stage.add("b", 5)
+            assert _step_while_room(stage) == 2  # 2 items a step: 4 held
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_in_flight"]) == (4, 0)
+            assert stats["edge_waits"] == 1
+            assert not stage.has_work()
+            assert stage.stats()["edge_waits"] == 1  # the same wait
+            assert _held_counts_hold(stage)
+            assert not routers[0].poll(100)
+
+    def test_held_data_sent_down_the_new_link_is_in_flight_until_credited(self) -> None:
+        # The link comes: what was held goes down it, out of the hold and into the window
+        # as in flight (its encoded size), so the stage still waits; the new process's
+        # credit gives it back, and the stage steps again.
+        with _next_processes(window=4, next_restarts=True) as (stage, routers, addresses):
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a", "b"], [[0], [0]], abort=False)
+            stage.add("a", 5)
+            stage.add("b", 5)
+            assert _step_while_room(stage) == 2
+            assert stage.stats()["edge_held_bytes"] == 4 * 8  # an int is 8
+            stage.pipe_link(0, addresses[1], "")
+            assert _received(routers[1]) == [
+                "pipe",
+                [FIRST, FIRST, MORE, MORE],
+                ["a", "b", "a", "b"],
+                [4, 4, 3, 3],
+                {"a": [], "b": []},
+                0,
+            ]
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_held_bytes"]) == (0, 0)
+            assert (stats["edge_in_flight"], stats["edge_sent"]) == (4, 4)
+            sent_bytes = stats["edge_in_flight_bytes"]
+            assert sent_bytes == stats["edge_sent_bytes"] > 0
+            assert not stage.has_work()  # in flight now: the window is still full
+            assert _held_counts_hold(stage)
+            stage.pipe_credit(4, int(sent_bytes), 0)
+            stats = stage.stats()
+            assert (stats["edge_in_flight"], stats["edge_in_flight_bytes"]) == (0, 0)
+            assert _step_while_room(stage) == 2  # 2 more a step, down the new link
+            assert _received(routers[1])[1:4] == [[MORE, MORE], ["a", "b"], [2, 2]]
+            assert stage.stats()["edge_in_flight"] == 4
+
+    def test_a_dropped_request_s_held_data_frees_its_share_of_the_window(self) -> None:
+        # Held data that is dropped (its request's abort, the release of a request done,
+        # an id used again, or at the link: meant for a dead generation, or of a request
+        # whose first item went to the dead process) leaves the window too.
+        with _next_processes(window=4, next_restarts=True, next_generations=[0]) as (
+            stage,
+            routers,
+            addresses,
+        ):
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a", "b"], [[[0, 1]], [[0, 1]]], abort=False)
+            stage.add("a", 5)
+            stage.add("b", 5)
+            assert _step_while_room(stage) == 2  # a, b: 2 each, held
+            stage.abort(["a"])
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (2, 2)
+            assert _held_counts_hold(stage)
+            assert _step_while_room(stage) == 2  # b alone: 4 held again
+            assert stage.stats()["edge_waits"] == 2
+            # A request that ended here (c: ONLY 0), released (done in the pipeline).
+            stage.abort(["b"])
+            stage.pipe_route(["c"], [[[0, 1]]], abort=False)
+            stage.add("c", 1)
+            stage.route_outputs(stage.step())
+            assert stage.stats()["edge_held"] == 1
+            stage.pipe_release(["c"])
+            assert stage.stats()["edge_held"] == 0
+            # An id used again: the old request's held items go.
+            stage.pipe_route(["d"], [[[0, 1]]], abort=False)
+            stage.add("d", 1)
+            stage.route_outputs(stage.step())
+            stage.pipe_route(["d"], [[[0, 1]]], abort=False)
+            stage.add("d", 5)
+            assert stage.stats()["edge_held"] == 0
+            assert _held_counts_hold(stage)
+            # At the link: d's (generation 1) go, e's (generation 0: dead) are dropped,
+            # f's (generation 2) stay held, counted.
+            stage.pipe_route(["e", "f"], [[[0, 0]], [[0, 2]]], abort=False)
+            stage.add("e", 5)
+            stage.add("f", 5)
+            assert _step_while_room(stage) == 2  # d, e, f: 2 each: 6 held
+            stage.pipe_link(0, addresses[1], "", "", 1)
+            assert _received(routers[1])[1:4] == [[FIRST, MORE], ["d", "d"], [4, 3]]
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_in_flight"]) == (2, 2)
+            assert _held_counts_hold(stage)
+            assert not stage.has_work()  # f's held and d's in flight fill it
+            stage.pipe_credit(2, int(stats["edge_in_flight_bytes"]), 0)
+            assert stage.has_work()
+
+    def test_held_bytes_count_against_the_byte_window(self) -> None:
+        # The byte window bounds held data too, by its payload_size: an array's nbytes.
+        def edge(n: int) -> tuple[Any, Any]:
+            return np.full(256, n, dtype=np.float32), NOTHING  # 1 KiB
+
+        with _next_processes(window_bytes=3000, next_restarts=True, edge=edge) as (
+            stage,
+            routers,
+            addresses,
+        ):
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a", "b"], [[0], [0]], abort=False)
+            stage.add("a", 9)
+            stage.add("b", 9)
+            assert _step_while_room(stage) == 2  # 2 KiB, then 4 KiB: the window's reached
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_held_bytes"]) == (4, 4096)
+            assert stats["edge_waits"] == 1
+            stage.abort(["a"])
+            assert stage.stats()["edge_held_bytes"] == 2048
+            assert _step_while_room(stage) == 1
+            assert stage.stats()["edge_held_bytes"] == 3072
+            stage.pipe_link(0, addresses[1], "")
+            assert _received(routers[1])[1:3] == [[FIRST, MORE, MORE], ["b", "b", "b"]]
+            stats = stage.stats()
+            assert stats["edge_held_bytes"] == 0
+            assert stats["edge_in_flight_bytes"] > 3072  # encoded: the arrays and more
+            assert not stage.has_work()
+
+    @pytest.mark.parametrize("seed", range(6))
+    def test_held_counts_match_what_is_held_through_any_sequence(self, seed: int) -> None:
+        # Random adds (routes with and without generations, ids used again), steps, aborts
+        # (chased: held for a newer generation), releases, gones, links and credits on two
+        # links: after each, the held counters are what is held, recomputed.
+        rng = random.Random(seed)
+        with _next_processes(2, links=2, window=6, next_restarts=True, next_generations=[0, 0]) as (
+            stage,
+            _routers,
+            addresses,
+        ):
+            gens = [0, 0]
+            routes: dict[str, list[Any]] = {}
+            for n in range(300):
+                op = rng.choice(
+                    [
+                        "add",
+                        "add",
+                        "step",
+                        "step",
+                        "step",
+                        "abort",
+                        "release",
+                        "gone",
+                        "link",
+                        "credit",
+                    ]
+                )
+                index = rng.randrange(2)
+                ids = list(routes)
+                if op == "add":
+                    free = [rid for rid in ids if rid not in stage._live]
+                    rid = rng.choice(free) if free and rng.random() < 0.3 else f"r{n}"
+                    if rng.random() < 0.2:
+                        route: list[Any] = [index]
+                    else:
+                        route = [[index, max(0, gens[index] + rng.choice([-1, 0, 1]))]]
+                    routes[rid] = route
+                    stage.pipe_route([rid], [route], abort=False)
+                    stage.add(rid, rng.randint(1, 4))
+                elif op == "step":
+                    if stage._inner.has_work():
+                        stage.route_outputs(stage.step())
+                elif op == "abort" and ids:
+                    rid = rng.choice(ids)
+                    stage.pipe_route([rid], [routes[rid]], abort=True)
+                    stage.abort([rid])
+                    stage.chase_abort([rid])
+                elif op == "release" and ids:
+                    stage.pipe_release([rng.choice(ids)])
+                elif op == "gone":
+                    stage.pipe_gone("next", 0, index)
+                elif op == "link":
+                    gens[index] += rng.choice([0, 1])
+                    stage.pipe_link(index, addresses[index], "", "", gens[index])
+                elif op == "credit":
+                    stage.pipe_credit(rng.randint(1, 4), rng.randint(1, 100), index)
+                assert _held_counts_hold(stage), (n, op)
+                stats = stage.stats()
+                assert stats["edge_held"] == sum(stage._held_items)
 
     def test_without_a_restart_what_goes_to_a_gone_process_is_dropped(self) -> None:
         # A next stage that does not restart: nothing will take what would go to a dead

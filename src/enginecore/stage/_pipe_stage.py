@@ -162,11 +162,13 @@ Edge = Callable[[Any], tuple[Any, Any]]
 
 _NO_COLUMNS: Final[tuple[list[Any], list[bool], list[Any]]] = ([], [], [])
 
-_Held: TypeAlias = "tuple[int, str, Any, list[Any] | None, int | None]"
+_Held: TypeAlias = "tuple[int, str, Any, list[Any] | None, int | None, int]"
 """What a stage holds for a gone process's successor (:meth:`PipeStage.pipe_link`):
 ``(kind, request, item, the rest of its route for a first item else None, the generation
-its route names else None)``; an abort to chase is ``(_HELD_ABORT, request, (fence, tag),
-the rest of its route, generation)``."""
+its route names else None, the item's size)``; an abort to chase is ``(_HELD_ABORT,
+request, (fence, tag), the rest of its route, generation, 0)``. The size
+(:func:`payload_size`, taken once, as the item is held) is what the item counts against
+the link's byte window while it is held (:meth:`PipeStage.has_work`)."""
 _HELD_ABORT: Final = -1  # the kind of a held abort (no pipe kind is negative)
 
 
@@ -388,6 +390,12 @@ class PipeStage:
         # tag), the rest of its route, generation).
         self._holds = routed and next_restarts
         self._holding: dict[int, list[_Held]] = {}
+        # Per link, the data items held (not the aborts) and their sizes (_Held's last
+        # field): they count against the link's window as if in flight (has_work), so that
+        # what is held while a process restarts is bounded as what is sent is. Kept exact
+        # by _hold (adding) and _set_held (every removal: sent, dropped).
+        self._held_items = [0] * nlinks
+        self._held_bytes = [0] * nlinks
         self._previous_gone = False
         self._late_dropped = 0  # messages of the gone previous stage, dropped unread
         # The replay log (retry), per request: what it sent on, in order, and its size; the
@@ -455,12 +463,18 @@ class PipeStage:
         return self._inner_utility(name, args)
 
     def has_work(self) -> bool:
-        """The engine's, unless the window to the next stage is full. Gives back the credit
-        for what it took from the previous stage when the loop would go idle."""
+        """The engine's, unless the window to the next stage is full: on some link, what is
+        in flight and what is held for a process that restarts (:meth:`pipe_link`) reach
+        the window, in items or bytes. Gives back the credit for what it took from the
+        previous stage when the loop would go idle."""
         if self._inner_has_work():
+            out_items, out_bytes = self._out_items, self._out_bytes
+            if self._holding:  # held for a process that restarts: as if in flight
+                out_items = [o + h for o, h in zip(out_items, self._held_items, strict=True)]
+                out_bytes = [o + h for o, h in zip(out_bytes, self._held_bytes, strict=True)]
             if (
-                max(self._out_items, default=0) < self._window_items
-                and max(self._out_bytes, default=0) < self._window_bytes
+                max(out_items, default=0) < self._window_items
+                and max(out_bytes, default=0) < self._window_bytes
             ):
                 return True
             if not self._waiting:
@@ -703,14 +717,40 @@ class PipeStage:
                         odd.add(rid)
                     else:
                         odd.discard(rid)
-        held = self._holding.pop(replica, None)
+        held = self._holding.get(replica)
         if held:
+            self._set_held(replica, [])  # out of the hold: in flight once sent
             self._send_held(replica, held, generation)
 
     def _unroute_gen(self, rid: str) -> None:
         """Forget the generation *rid*'s route named (its route is forgotten here)."""
         self._gen.pop(rid, None)
         self._odd.discard(rid)
+
+    def _hold(
+        self, index: int, kind: int, rid: str, item: Any, tail: list[Any] | None, gen: int | None
+    ) -> None:
+        """Hold a data item for link *index* (:meth:`pipe_link`), counted against its
+        window (:meth:`has_work`) by its :func:`payload_size`: not the encoded size, which
+        is known only once sent (a new link's encoder, the new process's shared-memory
+        slots), but close to it for what matters (an array or a buffer: its ``nbytes``,
+        taken at no cost), and cheap (the same estimate as the replay log's)."""
+        size = payload_size(item)
+        self._holding.setdefault(index, []).append((kind, rid, item, tail, gen, size))
+        self._held_items[index] += 1
+        self._held_bytes[index] += size
+
+    def _set_held(self, index: int, held: list[_Held]) -> None:
+        """What link *index* holds is now *held* (less than before: sent, or dropped), its
+        counts recomputed from it; the room freed lets a step start (as a credit does)."""
+        if held:
+            self._holding[index] = held
+        else:
+            self._holding.pop(index, None)
+        sizes = [h[5] for h in held if h[0] != _HELD_ABORT]
+        self._held_items[index] = len(sizes)
+        self._held_bytes[index] = sum(sizes)
+        self._waiting = False
 
     def _send_held(self, index: int, held: list[_Held], generation: int | None = None) -> None:
         """Send what was held for link *index* while its process was gone (:meth:`pipe_link`):
@@ -735,7 +775,7 @@ class PipeStage:
             elif h[0] != _HELD_ABORT:
                 self._edge_dropped += 1
         if later:
-            self._holding[index] = later
+            self._set_held(index, later)
         data = [h for h in ready if h[0] != _HELD_ABORT]
         firsts = {h[1] for h in data if h[0] & FIRST}
         if len(firsts) < len({h[1] for h in data}):
@@ -794,10 +834,7 @@ class PipeStage:
             kept = [h for h in held if h[1] not in drop or h[0] == _HELD_ABORT]
             if len(kept) < len(held):
                 self._edge_dropped += len(held) - len(kept)
-                if kept:
-                    holding[index] = kept
-                else:
-                    del holding[index]
+                self._set_held(index, kept)
 
     def take_credit(self, force: bool = False) -> tuple[Any, ...] | None:
         """The ``credit`` event for what the engine has taken since the last one, or
@@ -879,9 +916,8 @@ class PipeStage:
             if self._gone or self._edge_dropped:
                 out["edge_dropped"] = self._edge_dropped
             if self._holds:
-                out["edge_held"] = sum(
-                    [h[0] != _HELD_ABORT for held in self._holding.values() for h in held]
-                )
+                out["edge_held"] = sum(self._held_items)
+                out["edge_held_bytes"] = sum(self._held_bytes)
             pools = [pool.stats() for pool in self._shms if pool is not None]
             for numbers in pools:  # summed over the links
                 for key, value in numbers.items():
@@ -1142,7 +1178,7 @@ class PipeStage:
                     # for a dead process's generation is dropped then: _by_generation).
                     held = self._holding.setdefault(index, [])
                     for rid, rest in zip(ids, rests, strict=True):
-                        held.append((_HELD_ABORT, rid, (fence, tag), rest, gen))
+                        held.append((_HELD_ABORT, rid, (fence, tag), rest, gen, 0))
                 # Older: its process died (a new one never held it): no further, as -1.
                 continue
             if link is not None:
@@ -1389,10 +1425,9 @@ class PipeStage:
             if gone and self._holds:
                 # Its process died and a new one is coming: a request routed to the new one
                 # may come before its link (pipe_link), which sends these first.
-                held = self._holding.setdefault(index, [])
                 for kind, rid, item in zip(g_kinds, g_ids, g_items, strict=True):
                     tail = g_routes.get(rid) if kind & FIRST else None
-                    held.append((kind, rid, item, tail, None))
+                    self._hold(index, kind, rid, item, tail, None)
                 continue
             if gone or not 0 <= index < len(self._links):
                 self._edge_dropped += len(g_kinds)
@@ -1427,7 +1462,6 @@ class PipeStage:
         out_k: list[int] = []
         out_r: list[str] = []
         out_p: list[Any] = []
-        held: list[_Held] | None = None
         for kind, rid, item in zip(kinds, ids, items, strict=True):
             gen = gens.get(rid)
             if gen is None:
@@ -1436,9 +1470,7 @@ class PipeStage:
                 self._edge_dropped += 1
                 continue
             elif gen > known or gone:
-                if held is None:
-                    held = self._holding.setdefault(index, [])
-                held.append((kind, rid, item, routes.get(rid) if kind & FIRST else None, gen))
+                self._hold(index, kind, rid, item, routes.get(rid) if kind & FIRST else None, gen)
                 continue
             out_k.append(kind)
             out_r.append(rid)
