@@ -129,10 +129,12 @@ def _step_while_room(stage: PipeStage, most: int = 20) -> int:
 
 def _held_counts_hold(stage: PipeStage) -> bool:
     """The held counters per link equal what is held (recomputed: data items, not aborts,
-    and their payload sizes)."""
+    their payload sizes, and the requests whose first item is held)."""
     for index in range(len(stage._links)):
         held = [h for h in stage._holding.get(index, []) if h[0] >= 0]
         if stage._held_items[index] != len(held):
+            return False
+        if stage._held_firsts.get(index, set()) != {h[1] for h in held if h[0] & FIRST}:
             return False
         if stage._held_bytes[index] != sum(payload_size(h[2]) for h in held):
             return False
@@ -430,10 +432,11 @@ class TestDataFlow:
             stats = stage.stats()
             assert (stats["edge_in_flight"], stats["edge_sent"]) == (4, 4)
             assert stats["edge_held"] == 0
-            # e's first item went to the process that dies next; its later items are held,
-            # and dropped at the link (of no use to the new process). An id freed and added
-            # again while the old request's END is held: the old one is over, its held END
-            # goes; and so do the held items of a request released (done).
+            # e's first item went to the process that dies next; its later items are
+            # dropped, not held (of no use to the new process: they would take room in the
+            # window until a link that may never come). An id freed and added again while
+            # the old request's END is held: the old one is over, its held END goes; and
+            # so do the held items of a request released (done).
             stage.pipe_route(["e"], [[0]], abort=False)
             stage.add("e", 2)  # 1, 0
             stage.route_outputs(stage.step())
@@ -443,12 +446,13 @@ class TestDataFlow:
             stage.add("c", 1)
             stage.add("d", 1)
             stage.route_outputs(stage.step())  # c: ONLY 0; d: ONLY 0; e: MORE 0, END
-            assert stage.stats()["edge_held"] == 4
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (2, 5)
             stage.pipe_route(["c"], [[0]], abort=False)
             stage.add("c", 2)  # the id again
             stage.pipe_release(["d"])
             stats = stage.stats()
-            assert (stats["edge_held"], stats["edge_dropped"]) == (2, 5)
+            assert (stats["edge_held"], stats["edge_dropped"]) == (0, 7)
             stage.route_outputs(stage.step())  # c (the new one): FIRST 1
             stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "")
             assert received() == ["pipe", [FIRST], ["c"], [1], {"c": []}, 0]
@@ -768,6 +772,22 @@ class TestDataFlow:
             assert not stage.has_work()  # f's held and d's in flight fill it
             stage.pipe_credit(2, int(stats["edge_in_flight_bytes"]), 0)
             assert stage.has_work()
+
+    def test_later_items_of_a_request_sent_to_the_dead_process_are_not_held(self) -> None:
+        # A request whose first item went to the process that died: its later items are
+        # of no use to the new one (dropped at the link anyway), and the coordinator may
+        # count it done with no abort to come; held, they would fill the window until a
+        # link that may never come (a restart that fails for good). Dropped at once.
+        with _next_processes(window=2, next_restarts=True) as (stage, routers, _):
+            stage.pipe_route(["a"], [[0]], abort=False)
+            stage.add("a", 6)
+            stage.route_outputs(stage.step())  # a: FIRST 5, to the process that dies
+            assert _received(routers[0])[1:3] == [[FIRST], ["a"]]
+            stage.pipe_gone("next", 0, 0)  # (its window empty: what it had is let go)
+            assert _step_while_room(stage) == 5  # every later item, none held
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (0, 6)  # 4, 3 ... 0, END
+            assert stage.stats()["edge_waits"] == 0
 
     def test_held_bytes_count_against_the_byte_window(self) -> None:
         # The byte window bounds held data too, by its payload_size: an array's nbytes.

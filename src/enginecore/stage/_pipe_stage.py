@@ -396,6 +396,8 @@ class PipeStage:
         # by _hold (adding) and _set_held (every removal: sent, dropped).
         self._held_items = [0] * nlinks
         self._held_bytes = [0] * nlinks
+        # Per link, the requests whose first item is held: only theirs is held (_hold).
+        self._held_firsts: dict[int, set[str]] = {}
         self._previous_gone = False
         self._late_dropped = 0  # messages of the gone previous stage, dropped unread
         # The replay log (retry), per request: what it sent on, in order, and its size; the
@@ -734,7 +736,20 @@ class PipeStage:
         window (:meth:`has_work`) by its :func:`payload_size`: not the encoded size, which
         is known only once sent (a new link's encoder, the new process's shared-memory
         slots), but close to it for what matters (an array or a buffer: its ``nbytes``,
-        taken at no cost), and cheap (the same estimate as the replay log's)."""
+        taken at no cost), and cheap (the same estimate as the replay log's).
+
+        A later item of a request whose first item is not held there is dropped at once
+        (``edge_dropped``): its first item went to the dead process, and the new one has
+        no use for the rest (:meth:`_send_held` would drop it at the link). Held, it would
+        take room in the window until a ``link`` that may never come (a process that failed
+        for good), when the coordinator counts the request done with no abort to drop it
+        (one the dead process had ended, whose last items this stage made after its
+        ``gone``)."""
+        if kind & FIRST:
+            self._held_firsts.setdefault(index, set()).add(rid)
+        elif rid not in self._held_firsts.get(index, ()):
+            self._edge_dropped += 1
+            return
         size = payload_size(item)
         self._holding.setdefault(index, []).append((kind, rid, item, tail, gen, size))
         self._held_items[index] += 1
@@ -747,9 +762,14 @@ class PipeStage:
             self._holding[index] = held
         else:
             self._holding.pop(index, None)
-        sizes = [h[5] for h in held if h[0] != _HELD_ABORT]
-        self._held_items[index] = len(sizes)
-        self._held_bytes[index] = sum(sizes)
+        data = [h for h in held if h[0] != _HELD_ABORT]
+        self._held_items[index] = len(data)
+        self._held_bytes[index] = sum([h[5] for h in data])
+        firsts = {h[1] for h in data if h[0] & FIRST}
+        if firsts:
+            self._held_firsts[index] = firsts
+        else:
+            self._held_firsts.pop(index, None)
         self._waiting = False
 
     def _send_held(self, index: int, held: list[_Held], generation: int | None = None) -> None:
@@ -763,7 +783,8 @@ class PipeStage:
         earlier items of the others went to the dead process, so the rest is of no use to
         the new one (a request the dead process had ended, whose last items came after its
         ``gone``; the coordinator may count it done, with no abort to come), and would be
-        taken for a later request's under that id there: dropped (``edge_dropped``)."""
+        taken for a later request's under that id there: dropped (``edge_dropped``; as
+        they are held already, :meth:`_hold`: this only makes sure)."""
         ready: list[_Held] = []
         later: list[_Held] = []
         for h in held:
