@@ -879,6 +879,33 @@ class TestDataFlow:
                 stats = stage.stats()
                 assert stats["edge_held"] == sum(stage._held_items)
 
+    def test_a_replay_for_a_process_that_died_is_refused(self) -> None:
+        # docs/wire.md section 8, "Restarts": a request whose route names a generation of
+        # the next stage's process other than its link's now went to a process that died
+        # (its link was replaced since): its replay is refused, with no fence down the new
+        # link (the new process never held the request). One routed to the new process
+        # replays there.
+        with _next_processes(next_restarts=True, next_generations=[0], replay_bytes=1 << 20) as (
+            stage,
+            routers,
+            addresses,
+        ):
+            stage.pipe_route(["a"], [[[0, 0]]], abort=False)
+            stage.add("a", 3)
+            stage.route_outputs(stage.step())  # a: FIRST 2, to generation 0, logged
+            assert _received(routers[0])[1:4] == [[FIRST], ["a"], [2]]
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_link(0, addresses[1], "", "", 1)
+            assert stage.pipe_replay("a") == (False, "the next stage is gone")
+            assert not routers[1].poll(100)
+            stage.pipe_route(["b"], [[[0, 1]]], abort=False)
+            stage.add("b", 3)
+            stage.route_outputs(stage.step())  # a: dropped (generation 0); b: FIRST 2
+            assert _received(routers[1])[1:4] == [[FIRST], ["b"], [2]]
+            assert stage.pipe_replay("b") == (True, "")
+            assert _received(routers[1]) == ["abort", ["b"], [[]], True]
+            assert _received(routers[1])[1:4] == [[FIRST], ["b"], [2]]
+
     def test_without_a_restart_what_goes_to_a_gone_process_is_dropped(self) -> None:
         # A next stage that does not restart: nothing will take what would go to a dead
         # process (the coordinator ends its requests): dropped and counted, as before.
