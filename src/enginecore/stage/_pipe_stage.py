@@ -103,6 +103,10 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   that is gone is held meanwhile, per link, in order (``edge_held``), and sent down the new
   link first: a request routed to the new process may reach this stage before its
   ``link`` (they come on different connections). A request's held items go with its abort.
+  What is held counts against its link's window as if in flight (items, and bytes by
+  :func:`payload_size`), so a stage holding a window's worth stops stepping until the
+  ``link`` sends it or aborts drop it (the loop applies messages while it waits); the later
+  items of a request whose first item went to the dead process are dropped, not held.
   Where the routes name the generation of each request's process of the next stage
   (``[replica, generation]``, and the ``link`` the new process's: ``docs/wire.md`` section
   8, "Restarts"), the stage sorts by it: what is meant for its link's process goes, what is
@@ -236,7 +240,8 @@ class PipeStage:
     a CURVE client with *link_curve* (this stage's ``(public, secret)`` key pair), which
     retries its handshake until the next stage admits the key. *next_restarts*: the next
     stage's dead processes are started again (routed only): what goes to one that is gone
-    is held for the link to its successor (:meth:`pipe_link`); *next_generations*: per link,
+    is held for the link to its successor (:meth:`pipe_link`), counted against that link's
+    window (*window*, *window_bytes*) meanwhile; *next_generations*: per link,
     the generation of the process it goes to, which the routes' generations are told
     against (``None``: not known, nothing is told apart by it). Loop thread only, like any
     engine."""
@@ -612,7 +617,8 @@ class PipeStage:
           release, are unlinked and unmapped, so that their memory returns now, not at
           shutdown. If the next stage restarts (*next_restarts*), what would have been sent
           to it is held instead, in order (``edge_held``), for the link to the process
-          started in its place (:meth:`pipe_link`); a request's held items are dropped
+          started in its place (:meth:`pipe_link`), counted against that link's window
+          meanwhile (:meth:`has_work`); a request's held items are dropped
           (``edge_dropped``) when its abort is applied here."""
         if side == "previous":
             self._previous_gone = True
@@ -920,10 +926,12 @@ class PipeStage:
         taken), ``shm_refused`` (refused: their lease had expired, or their slot was gone),
         ``shm_held`` (taken and still alive here) and ``shm_mapped`` (its slots mapped
         here). After a stage next to this one died: ``edge_dropped`` (payloads not sent to
-        a dead next stage; from its ``gone`` on, also once relinked), ``edge_held`` (before
-        a stage that restarts, always: payloads held for the successor of a dead process
-        of it, sent once it is linked in, not in ``edge_in_flight`` until then; dropped
-        with their request's abort, and counted in ``edge_dropped`` then),
+        a dead next stage; from its ``gone`` on, also once relinked), ``edge_held`` and
+        ``edge_held_bytes`` (before a stage that restarts, always: payloads held for the
+        successor of a dead process of it, and their :func:`payload_size`, sent once it is
+        linked in, not in ``edge_in_flight`` until then, but counted against the window
+        with it: a stage holding a window's worth waits, in ``edge_waits``; dropped with
+        their request's abort, and counted in ``edge_dropped`` then),
         ``pipe_dropped`` (late messages of a dead previous stage, dropped unread). With a
         replay log (its edge retries): ``replay_logged`` (requests logged now),
         ``replay_logged_bytes`` (their estimated size) and ``replays``."""
