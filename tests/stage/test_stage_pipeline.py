@@ -110,10 +110,14 @@ def _next_processes(
         ctx.term()
 
 
-def _received(router: zmq.Socket[Any]) -> Any:
-    """The next message on *router* (a next stage's process), decoded."""
+def _received(router: zmq.Socket[Any], arrays: bool = False) -> Any:
+    """The next message on *router* (a next stage's process), decoded: one frame, or with
+    *arrays*, any number of frames after it (arrays out of band)."""
     assert router.poll(5000)
-    _ident, body, *_arrays = router.recv_multipart()  # (arrays: frames after it)
+    if arrays:
+        _ident, body, *_frames = router.recv_multipart()
+    else:
+        _ident, body = router.recv_multipart()
     return msgspec.msgpack.decode(body)
 
 
@@ -387,27 +391,7 @@ class TestDataFlow:
         # goes down the new link first, before anything newer; one aborted meanwhile
         # (here b) leaves nothing to send. Held items are not in flight until sent, but
         # count against the window meanwhile.
-        ctx = zmq.Context()
-        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-        ports = []
-        for router in (old, new):
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
-            routed=True,
-            next_restarts=True,
-            window=4,
-        )
-
-        def received() -> Any:
-            assert new.poll(5000)
-            _ident, body = new.recv_multipart()
-            return msgspec.msgpack.decode(body)
-
-        try:
+        with _next_processes(window=4, next_restarts=True) as (stage, (old, new), addresses):
             stage.pipe_gone("next", 0, 0)
             stage.pipe_route(["a", "b"], [[0, 5], [0, 6]], abort=False)
             stage.add("a", 3)  # 2, 1, 0
@@ -422,11 +406,11 @@ class TestDataFlow:
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_dropped"]) == (2, 3)
             assert stage.has_work()  # room again
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "")
+            stage.pipe_link(0, addresses[1], "")
             assert stage.stats()["edge_in_flight"] == 2  # sent now: in flight now
             stage.route_outputs(stage.step())  # a: MORE 0, END, after what was held
-            assert received() == ["pipe", [FIRST, MORE], ["a", "a"], [2, 1], {"a": [5]}, 0]
-            assert received() == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
+            assert _received(new) == ["pipe", [FIRST, MORE], ["a", "a"], [2, 1], {"a": [5]}, 0]
+            assert _received(new) == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
             assert not new.poll(100)
             assert not old.poll(0)
             stats = stage.stats()
@@ -440,7 +424,7 @@ class TestDataFlow:
             stage.pipe_route(["e"], [[0]], abort=False)
             stage.add("e", 2)  # 1, 0
             stage.route_outputs(stage.step())
-            assert received() == ["pipe", [FIRST], ["e"], [1], {"e": []}, 0]
+            assert _received(new) == ["pipe", [FIRST], ["e"], [1], {"e": []}, 0]
             stage.pipe_gone("next", 0, 0)
             stage.pipe_route(["c", "d"], [[0], [0]], abort=False)
             stage.add("c", 1)
@@ -454,17 +438,10 @@ class TestDataFlow:
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_dropped"]) == (0, 7)
             stage.route_outputs(stage.step())  # c (the new one): FIRST 1
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "")
-            assert received() == ["pipe", [FIRST], ["c"], [1], {"c": []}, 0]
+            stage.pipe_link(0, addresses[1], "")
+            assert _received(new) == ["pipe", [FIRST], ["c"], [1], {"c": []}, 0]
             assert not new.poll(100)
             assert stage.stats()["edge_dropped"] == 7
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            old.close()
-            new.close()
-            ctx.term()
 
     def test_routes_that_name_generations_tell_a_restarted_process_from_the_dead_one(
         self,
@@ -479,28 +456,11 @@ class TestDataFlow:
         # down the new link after what was held before it; what is meant for generation 0
         # is dropped once that process is known gone (or once generation 1 is linked), and
         # its abort is chased no further.
-        ctx = zmq.Context()
-        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-        ports = []
-        for router in (old, new):
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
-            routed=True,
-            next_restarts=True,
-            next_generations=[0],
-            window=8,
-        )
-
-        def received(router: zmq.Socket[Any]) -> Any:
-            assert router.poll(5000)
-            _ident, body = router.recv_multipart()
-            return msgspec.msgpack.decode(body)
-
-        try:
+        with _next_processes(window=8, next_restarts=True, next_generations=[0]) as (
+            stage,
+            (old, new),
+            addresses,
+        ):
             stage.pipe_route(
                 ["z", "a", "b"], [[[0, 0]], [[0, 1], [1, 4]], [[0, 1], 6]], abort=False
             )
@@ -508,7 +468,7 @@ class TestDataFlow:
             stage.add("a", 2)  # 1, 0
             stage.add("b", 2)  # 1, 0
             stage.route_outputs(stage.step())  # z: ONLY 0; a: FIRST 1; b: FIRST 1
-            assert received(old) == ["pipe", [ONLY], ["z"], [0], {"z": []}, 0]
+            assert _received(old) == ["pipe", [ONLY], ["z"], [0], {"z": []}, 0]
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_in_flight"]) == (2, 1)
             assert "edge_dropped" not in stats  # none yet
@@ -527,10 +487,10 @@ class TestDataFlow:
             stage.route_outputs(stage.step())  # d: ONLY 0, for the dead process: held
             stats = stage.stats()  # (until the link says which generation comes)
             assert (stats["edge_held"], stats["edge_dropped"]) == (4, 1)
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "", "", 1)
-            assert received(new) == ["pipe", [FIRST], ["a"], [1], {"a": [[1, 4]]}, 0]
-            assert received(new) == ["abort", ["b"], [[[1, 5]]]]
-            assert received(new) == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
+            stage.pipe_link(0, addresses[1], "", "", 1)
+            assert _received(new) == ["pipe", [FIRST], ["a"], [1], {"a": [[1, 4]]}, 0]
+            assert _received(new) == ["abort", ["b"], [[[1, 5]]]]
+            assert _received(new) == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
             assert not new.poll(100)
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_dropped"]) == (0, 2)  # d: dropped
@@ -540,21 +500,14 @@ class TestDataFlow:
             stage.add("e", 1)
             stage.add("c", 1)
             stage.route_outputs(stage.step())  # e: dropped; c: ONLY 0
-            assert received(new) == ["pipe", [ONLY], ["c"], [0], {"c": []}, 0]
+            assert _received(new) == ["pipe", [ONLY], ["c"], [0], {"c": []}, 0]
             assert stage.stats()["edge_dropped"] == 3
             stage.pipe_route(["f", "g"], [[[0, 0]], [[0, 1]]], abort=True)
             stage.abort(["f", "g"])
             stage.chase_abort(["f", "g"])
-            assert received(new) == ["abort", ["g"], [[]]]
+            assert _received(new) == ["abort", ["g"], [[]]]
             assert not new.poll(100)
             assert not old.poll(0)
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            old.close()
-            new.close()
-            ctx.term()
 
     def test_what_is_meant_for_a_gone_link_s_own_generation_waits_for_the_next_link(
         self,
@@ -563,21 +516,11 @@ class TestDataFlow:
         # items are held for the next link, sent if it is of that generation (a stage
         # started with a link to a dead process, told its successor's generation at its
         # launch), dropped if it is of a newer one (that process died).
-        ctx = zmq.Context()
-        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-        ports = []
-        for router in (old, new):
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
-            routed=True,
-            next_restarts=True,
-            next_generations=[1],
-        )
-        try:
+        with _next_processes(next_restarts=True, next_generations=[1]) as (
+            stage,
+            (old, new),
+            addresses,
+        ):
             stage.pipe_gone("next", 0, 0)
             stage.pipe_route(["a"], [[[0, 1]]], abort=False)
             stage.add("a", 1)
@@ -586,7 +529,7 @@ class TestDataFlow:
             stage.abort(["b"])
             stage.chase_abort(["b"])  # held too
             assert stage.stats()["edge_held"] == 1
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "", "", 1)
+            stage.pipe_link(0, addresses[1], "", "", 1)
             assert new.poll(5000)
             assert msgspec.msgpack.decode(new.recv_multipart()[1]) == [
                 "pipe",
@@ -602,18 +545,11 @@ class TestDataFlow:
             stage.pipe_route(["c"], [[[0, 1]]], abort=False)
             stage.add("c", 1)
             stage.route_outputs(stage.step())  # c: held, for generation 1, which died
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[0]}", "", "", 2)
+            stage.pipe_link(0, addresses[0], "", "", 2)
             assert not old.poll(200)
             assert not new.poll(0)
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_dropped"]) == (0, 1)
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            old.close()
-            new.close()
-            ctx.term()
 
     def test_a_fence_held_for_a_restarted_process_goes_before_the_replay_it_fences(
         self,
@@ -622,27 +558,11 @@ class TestDataFlow:
         # link, then the request's items again (from the stage before): the fence is held
         # and the items after it, and both go down the new link in that order. A tagged
         # abort keeps its tag.
-        ctx = zmq.Context()
-        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-        ports = []
-        for router in (old, new):
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
-            routed=True,
-            next_restarts=True,
-            next_generations=[0],
-        )
-
-        def received(router: zmq.Socket[Any]) -> Any:
-            assert router.poll(5000)
-            _ident, body = router.recv_multipart()
-            return msgspec.msgpack.decode(body)
-
-        try:
+        with _next_processes(next_restarts=True, next_generations=[0]) as (
+            stage,
+            (old, new),
+            addresses,
+        ):
             stage.pipe_route(["a"], [[[0, 1]]], abort=False)
             stage.add("a", 1)
             stage.route_outputs(stage.step())  # a: ONLY 0, held
@@ -656,18 +576,11 @@ class TestDataFlow:
             stage.abort(["t"])
             stage.chase_abort(["t"], False, 9)
             assert not old.poll(100)
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "", "", 1)
-            assert received(new) == ["abort", ["a"], [[]], True]
-            assert received(new) == ["pipe", [ONLY], ["a"], [0], {"a": []}, 0]
-            assert received(new) == ["abort", ["t"], [[]], False, 9]
+            stage.pipe_link(0, addresses[1], "", "", 1)
+            assert _received(new) == ["abort", ["a"], [[]], True]
+            assert _received(new) == ["pipe", [ONLY], ["a"], [0], {"a": []}, 0]
+            assert _received(new) == ["abort", ["t"], [[]], False, 9]
             assert not new.poll(100)
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            old.close()
-            new.close()
-            ctx.term()
 
     def test_a_window_full_of_held_data_holds_the_steps_back(self) -> None:
         # What is held for a process of the next stage that restarts counts against its
@@ -812,7 +725,10 @@ class TestDataFlow:
             assert _step_while_room(stage) == 1
             assert stage.stats()["edge_held_bytes"] == 3072
             stage.pipe_link(0, addresses[1], "")
-            assert _received(routers[1])[1:3] == [[FIRST, MORE, MORE], ["b", "b", "b"]]
+            assert _received(routers[1], arrays=True)[1:3] == [
+                [FIRST, MORE, MORE],
+                ["b", "b", "b"],
+            ]
             stats = stage.stats()
             assert stats["edge_held_bytes"] == 0
             assert stats["edge_in_flight_bytes"] > 3072  # encoded: the arrays and more
@@ -909,14 +825,7 @@ class TestDataFlow:
     def test_without_a_restart_what_goes_to_a_gone_process_is_dropped(self) -> None:
         # A next stage that does not restart: nothing will take what would go to a dead
         # process (the coordinator ends its requests): dropped and counted, as before.
-        ctx = zmq.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        stage = PipeStage(
-            CountdownEngine(), stage="s", downstream=[f"tcp://127.0.0.1:{port}"], routed=True
-        )
-        try:
+        with _next_processes(1) as (stage, _routers, _addresses):
             stage.pipe_gone("next", 0, 0)
             stage.pipe_route(["a"], [[0]], abort=False)
             stage.add("a", 2)
@@ -924,28 +833,13 @@ class TestDataFlow:
             stats = stage.stats()
             assert (stats["edge_dropped"], stats["edge_in_flight"]) == (1, 0)
             assert "edge_held" not in stats
-        finally:
-            router.close()
-            ctx.term()
 
     def test_an_abort_chases_no_further_than_a_dead_process_on_its_route(self) -> None:
         # docs/wire.md section 8, "Restarts": -1 in an abort's route is a stage whose
         # process on the request's route died; a restarted process at that index never
         # held the request. The stage before it applies the abort and answers it, and
         # sends it no further; the coordinator sends nothing there either.
-        ctx = zmq.Context()
-        routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
-        ports = []
-        for router in routers:
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{port}" for port in ports],
-            routed=True,
-        )
-        try:
+        with _next_processes(2, links=2) as (stage, routers, _addresses):
             stage.pipe_route(["x", "y"], [[-1, 0], [1, -1]], abort=True)
             stage.abort(["x", "y"])
             stage.chase_abort(["x", "y"], tag=7)
@@ -954,13 +848,6 @@ class TestDataFlow:
             assert msgspec.msgpack.decode(body) == ["abort", ["y"], [[-1]], False, 7]
             assert not routers[0].poll(100)  # x: nothing down any link
             assert not routers[1].poll(0)
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            for router in routers:
-                router.close()
-            ctx.term()
 
         sent: list[Any] = []
 
