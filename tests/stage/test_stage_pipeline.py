@@ -7,8 +7,10 @@ The coordinator's rules alone are checked against a model in ``test_pipeline_mod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import random
 import signal
 import struct
 import threading
@@ -36,7 +38,7 @@ from enginecore.stage import (
     _shm,
 )
 from enginecore.stage._edge import BEFORE, END, ENDED, FIRST, MORE, ONLY, REPORT, SENT_ON, link_id
-from enginecore.stage._pipe_stage import CREDIT_DELAY_S, PipeStage
+from enginecore.stage._pipe_stage import CREDIT_DELAY_S, PipeStage, payload_size
 from enginecore.stage._pipeline_core import PipelineCore
 from enginecore.stage._pipelinebase import (
     DEFAULT_WINDOW,
@@ -74,6 +76,73 @@ def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch
 def _wait_live(pipe: Pipeline, stage: str, n: int) -> None:
     """Until *n* requests are live in the relay stage *stage* (its utility says so)."""
     assert wait_until(lambda: pipe.call_utility(stage, "num_requests") == n, 10)
+
+
+@contextlib.contextmanager
+def _next_processes(
+    n: int = 2, links: int = 1, **kwargs: Any
+) -> Iterator[tuple[PipeStage, list[zmq.Socket[Any]], list[str]]]:
+    """A routed :class:`PipeStage` around a ``CountdownEngine``, with *n* ``ROUTER``
+    sockets on TCP for the next stage's processes (``routers``, at ``addresses``): its
+    *links* links go to the first ones (unless *kwargs* name ``downstream``), the others
+    stand for processes started in their place (:meth:`PipeStage.pipe_link`). All closed
+    after."""
+    ctx = zmq.Context()
+    routers: list[zmq.Socket[Any]] = []
+    addresses: list[str] = []
+    try:
+        for _ in range(n):
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            routers.append(router)
+            addresses.append(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}")
+        kwargs.setdefault("downstream", addresses[:links])
+        stage = PipeStage(CountdownEngine(), stage="s", routed=True, **kwargs)
+        try:
+            yield stage, routers, addresses
+        finally:
+            for link in stage._links:
+                if link is not None:
+                    link.close(linger=0)
+    finally:
+        for router in routers:
+            router.close()
+        ctx.term()
+
+
+def _received(router: zmq.Socket[Any], arrays: bool = False) -> Any:
+    """The next message on *router* (a next stage's process), decoded: one frame, or with
+    *arrays*, any number of frames after it (arrays out of band)."""
+    assert router.poll(5000)
+    if arrays:
+        _ident, body, *_frames = router.recv_multipart()
+    else:
+        _ident, body = router.recv_multipart()
+    return msgspec.msgpack.decode(body)
+
+
+def _step_while_room(stage: PipeStage, most: int = 20) -> int:
+    """Step *stage* as the loop does, while ``has_work()`` says so (at most *most*
+    times): how many steps it took."""
+    for n in range(most):
+        if not stage.has_work():
+            return n
+        stage.route_outputs(stage.step())
+    return most
+
+
+def _held_counts_hold(stage: PipeStage) -> bool:
+    """The held counters per link equal what is held (recomputed: data items, not aborts,
+    their payload sizes, and the requests whose first item is held)."""
+    for index in range(len(stage._links)):
+        held = [h for h in stage._holding.get(index, []) if h[0] >= 0]
+        if stage._held_items[index] != len(held):
+            return False
+        if stage._held_firsts.get(index, set()) != {h[1] for h in held if h[0] & FIRST}:
+            return False
+        if stage._held_bytes[index] != sum(payload_size(h[2]) for h in held):
+            return False
+    return True
 
 
 class TestDataFlow:
@@ -320,28 +389,9 @@ class TestDataFlow:
         # whose data this stage applies before the link (the data comes on another
         # connection than the link) is held, in order, its END and later items too, and
         # goes down the new link first, before anything newer; one aborted meanwhile
-        # (here b) leaves nothing to send. Held items are not in flight until sent.
-        ctx = zmq.Context()
-        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-        ports = []
-        for router in (old, new):
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
-            routed=True,
-            next_restarts=True,
-            window=4,
-        )
-
-        def received() -> Any:
-            assert new.poll(5000)
-            _ident, body = new.recv_multipart()
-            return msgspec.msgpack.decode(body)
-
-        try:
+        # (here b) leaves nothing to send. Held items are not in flight until sent, but
+        # count against the window meanwhile.
+        with _next_processes(window=4, next_restarts=True) as (stage, (old, new), addresses):
             stage.pipe_gone("next", 0, 0)
             stage.pipe_route(["a", "b"], [[0, 5], [0, 6]], abort=False)
             stage.add("a", 3)  # 2, 1, 0
@@ -351,51 +401,47 @@ class TestDataFlow:
             assert stage.take_ended() == ["b"]
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_in_flight"], stats["edge_dropped"]) == (5, 0, 0)
-            assert stage.has_work()  # held items take no room in the window
+            assert not stage.has_work()  # held items count against the window (4)
             stage.abort(["b"])  # its abort, applied here: its held items go
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_dropped"]) == (2, 3)
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "")
+            assert stage.has_work()  # room again
+            stage.pipe_link(0, addresses[1], "")
             assert stage.stats()["edge_in_flight"] == 2  # sent now: in flight now
             stage.route_outputs(stage.step())  # a: MORE 0, END, after what was held
-            assert received() == ["pipe", [FIRST, MORE], ["a", "a"], [2, 1], {"a": [5]}, 0]
-            assert received() == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
+            assert _received(new) == ["pipe", [FIRST, MORE], ["a", "a"], [2, 1], {"a": [5]}, 0]
+            assert _received(new) == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
             assert not new.poll(100)
             assert not old.poll(0)
             stats = stage.stats()
             assert (stats["edge_in_flight"], stats["edge_sent"]) == (4, 4)
             assert stats["edge_held"] == 0
-            # e's first item went to the process that dies next; its later items are held,
-            # and dropped at the link (of no use to the new process). An id freed and added
-            # again while the old request's END is held: the old one is over, its held END
-            # goes; and so do the held items of a request released (done).
+            # e's first item went to the process that dies next; its later items are
+            # dropped, not held (of no use to the new process: they would take room in the
+            # window until a link that may never come). An id freed and added again while
+            # the old request's END is held: the old one is over, its held END goes; and
+            # so do the held items of a request released (done).
             stage.pipe_route(["e"], [[0]], abort=False)
             stage.add("e", 2)  # 1, 0
             stage.route_outputs(stage.step())
-            assert received() == ["pipe", [FIRST], ["e"], [1], {"e": []}, 0]
+            assert _received(new) == ["pipe", [FIRST], ["e"], [1], {"e": []}, 0]
             stage.pipe_gone("next", 0, 0)
             stage.pipe_route(["c", "d"], [[0], [0]], abort=False)
             stage.add("c", 1)
             stage.add("d", 1)
             stage.route_outputs(stage.step())  # c: ONLY 0; d: ONLY 0; e: MORE 0, END
-            assert stage.stats()["edge_held"] == 4
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (2, 5)
             stage.pipe_route(["c"], [[0]], abort=False)
             stage.add("c", 2)  # the id again
             stage.pipe_release(["d"])
             stats = stage.stats()
-            assert (stats["edge_held"], stats["edge_dropped"]) == (2, 5)
+            assert (stats["edge_held"], stats["edge_dropped"]) == (0, 7)
             stage.route_outputs(stage.step())  # c (the new one): FIRST 1
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "")
-            assert received() == ["pipe", [FIRST], ["c"], [1], {"c": []}, 0]
+            stage.pipe_link(0, addresses[1], "")
+            assert _received(new) == ["pipe", [FIRST], ["c"], [1], {"c": []}, 0]
             assert not new.poll(100)
             assert stage.stats()["edge_dropped"] == 7
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            old.close()
-            new.close()
-            ctx.term()
 
     def test_routes_that_name_generations_tell_a_restarted_process_from_the_dead_one(
         self,
@@ -410,28 +456,11 @@ class TestDataFlow:
         # down the new link after what was held before it; what is meant for generation 0
         # is dropped once that process is known gone (or once generation 1 is linked), and
         # its abort is chased no further.
-        ctx = zmq.Context()
-        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-        ports = []
-        for router in (old, new):
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
-            routed=True,
-            next_restarts=True,
-            next_generations=[0],
-            window=8,
-        )
-
-        def received(router: zmq.Socket[Any]) -> Any:
-            assert router.poll(5000)
-            _ident, body = router.recv_multipart()
-            return msgspec.msgpack.decode(body)
-
-        try:
+        with _next_processes(window=8, next_restarts=True, next_generations=[0]) as (
+            stage,
+            (old, new),
+            addresses,
+        ):
             stage.pipe_route(
                 ["z", "a", "b"], [[[0, 0]], [[0, 1], [1, 4]], [[0, 1], 6]], abort=False
             )
@@ -439,7 +468,7 @@ class TestDataFlow:
             stage.add("a", 2)  # 1, 0
             stage.add("b", 2)  # 1, 0
             stage.route_outputs(stage.step())  # z: ONLY 0; a: FIRST 1; b: FIRST 1
-            assert received(old) == ["pipe", [ONLY], ["z"], [0], {"z": []}, 0]
+            assert _received(old) == ["pipe", [ONLY], ["z"], [0], {"z": []}, 0]
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_in_flight"]) == (2, 1)
             assert "edge_dropped" not in stats  # none yet
@@ -458,10 +487,10 @@ class TestDataFlow:
             stage.route_outputs(stage.step())  # d: ONLY 0, for the dead process: held
             stats = stage.stats()  # (until the link says which generation comes)
             assert (stats["edge_held"], stats["edge_dropped"]) == (4, 1)
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "", "", 1)
-            assert received(new) == ["pipe", [FIRST], ["a"], [1], {"a": [[1, 4]]}, 0]
-            assert received(new) == ["abort", ["b"], [[[1, 5]]]]
-            assert received(new) == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
+            stage.pipe_link(0, addresses[1], "", "", 1)
+            assert _received(new) == ["pipe", [FIRST], ["a"], [1], {"a": [[1, 4]]}, 0]
+            assert _received(new) == ["abort", ["b"], [[[1, 5]]]]
+            assert _received(new) == ["pipe", [MORE, END], ["a", "a"], [0, None], {}, 0]
             assert not new.poll(100)
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_dropped"]) == (0, 2)  # d: dropped
@@ -471,21 +500,14 @@ class TestDataFlow:
             stage.add("e", 1)
             stage.add("c", 1)
             stage.route_outputs(stage.step())  # e: dropped; c: ONLY 0
-            assert received(new) == ["pipe", [ONLY], ["c"], [0], {"c": []}, 0]
+            assert _received(new) == ["pipe", [ONLY], ["c"], [0], {"c": []}, 0]
             assert stage.stats()["edge_dropped"] == 3
             stage.pipe_route(["f", "g"], [[[0, 0]], [[0, 1]]], abort=True)
             stage.abort(["f", "g"])
             stage.chase_abort(["f", "g"])
-            assert received(new) == ["abort", ["g"], [[]]]
+            assert _received(new) == ["abort", ["g"], [[]]]
             assert not new.poll(100)
             assert not old.poll(0)
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            old.close()
-            new.close()
-            ctx.term()
 
     def test_what_is_meant_for_a_gone_link_s_own_generation_waits_for_the_next_link(
         self,
@@ -494,21 +516,11 @@ class TestDataFlow:
         # items are held for the next link, sent if it is of that generation (a stage
         # started with a link to a dead process, told its successor's generation at its
         # launch), dropped if it is of a newer one (that process died).
-        ctx = zmq.Context()
-        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-        ports = []
-        for router in (old, new):
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
-            routed=True,
-            next_restarts=True,
-            next_generations=[1],
-        )
-        try:
+        with _next_processes(next_restarts=True, next_generations=[1]) as (
+            stage,
+            (old, new),
+            addresses,
+        ):
             stage.pipe_gone("next", 0, 0)
             stage.pipe_route(["a"], [[[0, 1]]], abort=False)
             stage.add("a", 1)
@@ -517,7 +529,7 @@ class TestDataFlow:
             stage.abort(["b"])
             stage.chase_abort(["b"])  # held too
             assert stage.stats()["edge_held"] == 1
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "", "", 1)
+            stage.pipe_link(0, addresses[1], "", "", 1)
             assert new.poll(5000)
             assert msgspec.msgpack.decode(new.recv_multipart()[1]) == [
                 "pipe",
@@ -533,18 +545,11 @@ class TestDataFlow:
             stage.pipe_route(["c"], [[[0, 1]]], abort=False)
             stage.add("c", 1)
             stage.route_outputs(stage.step())  # c: held, for generation 1, which died
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[0]}", "", "", 2)
+            stage.pipe_link(0, addresses[0], "", "", 2)
             assert not old.poll(200)
             assert not new.poll(0)
             stats = stage.stats()
             assert (stats["edge_held"], stats["edge_dropped"]) == (0, 1)
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            old.close()
-            new.close()
-            ctx.term()
 
     def test_a_fence_held_for_a_restarted_process_goes_before_the_replay_it_fences(
         self,
@@ -553,27 +558,11 @@ class TestDataFlow:
         # link, then the request's items again (from the stage before): the fence is held
         # and the items after it, and both go down the new link in that order. A tagged
         # abort keeps its tag.
-        ctx = zmq.Context()
-        old, new = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-        ports = []
-        for router in (old, new):
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{ports[0]}"],
-            routed=True,
-            next_restarts=True,
-            next_generations=[0],
-        )
-
-        def received(router: zmq.Socket[Any]) -> Any:
-            assert router.poll(5000)
-            _ident, body = router.recv_multipart()
-            return msgspec.msgpack.decode(body)
-
-        try:
+        with _next_processes(next_restarts=True, next_generations=[0]) as (
+            stage,
+            (old, new),
+            addresses,
+        ):
             stage.pipe_route(["a"], [[[0, 1]]], abort=False)
             stage.add("a", 1)
             stage.route_outputs(stage.step())  # a: ONLY 0, held
@@ -587,30 +576,256 @@ class TestDataFlow:
             stage.abort(["t"])
             stage.chase_abort(["t"], False, 9)
             assert not old.poll(100)
-            stage.pipe_link(0, f"tcp://127.0.0.1:{ports[1]}", "", "", 1)
-            assert received(new) == ["abort", ["a"], [[]], True]
-            assert received(new) == ["pipe", [ONLY], ["a"], [0], {"a": []}, 0]
-            assert received(new) == ["abort", ["t"], [[]], False, 9]
+            stage.pipe_link(0, addresses[1], "", "", 1)
+            assert _received(new) == ["abort", ["a"], [[]], True]
+            assert _received(new) == ["pipe", [ONLY], ["a"], [0], {"a": []}, 0]
+            assert _received(new) == ["abort", ["t"], [[]], False, 9]
             assert not new.poll(100)
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            old.close()
-            new.close()
-            ctx.term()
+
+    def test_a_window_full_of_held_data_holds_the_steps_back(self) -> None:
+        # What is held for a process of the next stage that restarts counts against its
+        # link's window: a stage whose held data reaches the window waits (has_work False,
+        # counted once in edge_waits), as for a full window, instead of holding without
+        # bound while the new process starts.
+        with _next_processes(window=4, next_restarts=True) as (stage, routers, _):
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a", "b"], [[0], [0]], abort=False)
+            stage.add("a", 5)
+            stage.add("b", 5)
+            assert _step_while_room(stage) == 2  # 2 items a step: 4 held
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_in_flight"]) == (4, 0)
+            assert stats["edge_waits"] == 1
+            assert not stage.has_work()
+            assert stage.stats()["edge_waits"] == 1  # the same wait
+            assert _held_counts_hold(stage)
+            assert not routers[0].poll(100)
+
+    def test_held_data_sent_down_the_new_link_is_in_flight_until_credited(self) -> None:
+        # The link comes: what was held goes down it, out of the hold and into the window
+        # as in flight (its encoded size), so the stage still waits; the new process's
+        # credit gives it back, and the stage steps again.
+        with _next_processes(window=4, next_restarts=True) as (stage, routers, addresses):
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a", "b"], [[0], [0]], abort=False)
+            stage.add("a", 5)
+            stage.add("b", 5)
+            assert _step_while_room(stage) == 2
+            assert stage.stats()["edge_held_bytes"] == 4 * 8  # an int is 8
+            stage.pipe_link(0, addresses[1], "")
+            assert _received(routers[1]) == [
+                "pipe",
+                [FIRST, FIRST, MORE, MORE],
+                ["a", "b", "a", "b"],
+                [4, 4, 3, 3],
+                {"a": [], "b": []},
+                0,
+            ]
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_held_bytes"]) == (0, 0)
+            assert (stats["edge_in_flight"], stats["edge_sent"]) == (4, 4)
+            sent_bytes = stats["edge_in_flight_bytes"]
+            assert sent_bytes == stats["edge_sent_bytes"] > 0
+            assert not stage.has_work()  # in flight now: the window is still full
+            assert _held_counts_hold(stage)
+            stage.pipe_credit(4, int(sent_bytes), 0)
+            stats = stage.stats()
+            assert (stats["edge_in_flight"], stats["edge_in_flight_bytes"]) == (0, 0)
+            assert _step_while_room(stage) == 2  # 2 more a step, down the new link
+            assert _received(routers[1])[1:4] == [[MORE, MORE], ["a", "b"], [2, 2]]
+            assert stage.stats()["edge_in_flight"] == 4
+
+    def test_a_dropped_request_s_held_data_frees_its_share_of_the_window(self) -> None:
+        # Held data that is dropped (its request's abort, the release of a request done,
+        # an id used again, or at the link: meant for a dead generation, or of a request
+        # whose first item went to the dead process) leaves the window too.
+        with _next_processes(window=4, next_restarts=True, next_generations=[0]) as (
+            stage,
+            routers,
+            addresses,
+        ):
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a", "b"], [[[0, 1]], [[0, 1]]], abort=False)
+            stage.add("a", 5)
+            stage.add("b", 5)
+            assert _step_while_room(stage) == 2  # a, b: 2 each, held
+            stage.abort(["a"])
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (2, 2)
+            assert _held_counts_hold(stage)
+            assert _step_while_room(stage) == 2  # b alone: 4 held again
+            assert stage.stats()["edge_waits"] == 2
+            # A request that ended here (c: ONLY 0), released (done in the pipeline).
+            stage.abort(["b"])
+            stage.pipe_route(["c"], [[[0, 1]]], abort=False)
+            stage.add("c", 1)
+            stage.route_outputs(stage.step())
+            assert stage.stats()["edge_held"] == 1
+            stage.pipe_release(["c"])
+            assert stage.stats()["edge_held"] == 0
+            # An id used again: the old request's held items go.
+            stage.pipe_route(["d"], [[[0, 1]]], abort=False)
+            stage.add("d", 1)
+            stage.route_outputs(stage.step())
+            stage.pipe_route(["d"], [[[0, 1]]], abort=False)
+            stage.add("d", 5)
+            assert stage.stats()["edge_held"] == 0
+            assert _held_counts_hold(stage)
+            # At the link: d's (generation 1) go, e's (generation 0: dead) are dropped,
+            # f's (generation 2) stay held, counted.
+            stage.pipe_route(["e", "f"], [[[0, 0]], [[0, 2]]], abort=False)
+            stage.add("e", 5)
+            stage.add("f", 5)
+            assert _step_while_room(stage) == 2  # d, e, f: 2 each: 6 held
+            stage.pipe_link(0, addresses[1], "", "", 1)
+            assert _received(routers[1])[1:4] == [[FIRST, MORE], ["d", "d"], [4, 3]]
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_in_flight"]) == (2, 2)
+            assert _held_counts_hold(stage)
+            assert not stage.has_work()  # f's held and d's in flight fill it
+            stage.pipe_credit(2, int(stats["edge_in_flight_bytes"]), 0)
+            assert stage.has_work()
+
+    def test_later_items_of_a_request_sent_to_the_dead_process_are_not_held(self) -> None:
+        # A request whose first item went to the process that died: its later items are
+        # of no use to the new one (dropped at the link anyway), and the coordinator may
+        # count it done with no abort to come; held, they would fill the window until a
+        # link that may never come (a restart that fails for good). Dropped at once.
+        with _next_processes(window=2, next_restarts=True) as (stage, routers, _):
+            stage.pipe_route(["a"], [[0]], abort=False)
+            stage.add("a", 6)
+            stage.route_outputs(stage.step())  # a: FIRST 5, to the process that dies
+            assert _received(routers[0])[1:3] == [[FIRST], ["a"]]
+            stage.pipe_gone("next", 0, 0)  # (its window empty: what it had is let go)
+            assert _step_while_room(stage) == 5  # every later item, none held
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_dropped"]) == (0, 6)  # 4, 3 ... 0, END
+            assert stage.stats()["edge_waits"] == 0
+
+    def test_held_bytes_count_against_the_byte_window(self) -> None:
+        # The byte window bounds held data too, by its payload_size: an array's nbytes.
+        def edge(n: int) -> tuple[Any, Any]:
+            return np.full(256, n, dtype=np.float32), NOTHING  # 1 KiB
+
+        with _next_processes(window_bytes=3000, next_restarts=True, edge=edge) as (
+            stage,
+            routers,
+            addresses,
+        ):
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_route(["a", "b"], [[0], [0]], abort=False)
+            stage.add("a", 9)
+            stage.add("b", 9)
+            assert _step_while_room(stage) == 2  # 2 KiB, then 4 KiB: the window's reached
+            stats = stage.stats()
+            assert (stats["edge_held"], stats["edge_held_bytes"]) == (4, 4096)
+            assert stats["edge_waits"] == 1
+            stage.abort(["a"])
+            assert stage.stats()["edge_held_bytes"] == 2048
+            assert _step_while_room(stage) == 1
+            assert stage.stats()["edge_held_bytes"] == 3072
+            stage.pipe_link(0, addresses[1], "")
+            assert _received(routers[1], arrays=True)[1:3] == [
+                [FIRST, MORE, MORE],
+                ["b", "b", "b"],
+            ]
+            stats = stage.stats()
+            assert stats["edge_held_bytes"] == 0
+            assert stats["edge_in_flight_bytes"] > 3072  # encoded: the arrays and more
+            assert not stage.has_work()
+
+    @pytest.mark.parametrize("seed", range(6))
+    def test_held_counts_match_what_is_held_through_any_sequence(self, seed: int) -> None:
+        # Random adds (routes with and without generations, ids used again), steps, aborts
+        # (chased: held for a newer generation), releases, gones, links and credits on two
+        # links: after each, the held counters are what is held, recomputed.
+        rng = random.Random(seed)
+        with _next_processes(2, links=2, window=6, next_restarts=True, next_generations=[0, 0]) as (
+            stage,
+            _routers,
+            addresses,
+        ):
+            gens = [0, 0]
+            routes: dict[str, list[Any]] = {}
+            for n in range(300):
+                op = rng.choice(
+                    [
+                        "add",
+                        "add",
+                        "step",
+                        "step",
+                        "step",
+                        "abort",
+                        "release",
+                        "gone",
+                        "link",
+                        "credit",
+                    ]
+                )
+                index = rng.randrange(2)
+                ids = list(routes)
+                if op == "add":
+                    free = [rid for rid in ids if rid not in stage._live]
+                    rid = rng.choice(free) if free and rng.random() < 0.3 else f"r{n}"
+                    if rng.random() < 0.2:
+                        route: list[Any] = [index]
+                    else:
+                        route = [[index, max(0, gens[index] + rng.choice([-1, 0, 1]))]]
+                    routes[rid] = route
+                    stage.pipe_route([rid], [route], abort=False)
+                    stage.add(rid, rng.randint(1, 4))
+                elif op == "step":
+                    if stage._inner.has_work():
+                        stage.route_outputs(stage.step())
+                elif op == "abort" and ids:
+                    rid = rng.choice(ids)
+                    stage.pipe_route([rid], [routes[rid]], abort=True)
+                    stage.abort([rid])
+                    stage.chase_abort([rid])
+                elif op == "release" and ids:
+                    stage.pipe_release([rng.choice(ids)])
+                elif op == "gone":
+                    stage.pipe_gone("next", 0, index)
+                elif op == "link":
+                    gens[index] += rng.choice([0, 1])
+                    stage.pipe_link(index, addresses[index], "", "", gens[index])
+                elif op == "credit":
+                    stage.pipe_credit(rng.randint(1, 4), rng.randint(1, 100), index)
+                assert _held_counts_hold(stage), (n, op)
+                stats = stage.stats()
+                assert stats["edge_held"] == sum(stage._held_items)
+
+    def test_a_replay_for_a_process_that_died_is_refused(self) -> None:
+        # docs/wire.md section 8, "Restarts": a request whose route names a generation of
+        # the next stage's process other than its link's now went to a process that died
+        # (its link was replaced since): its replay is refused, with no fence down the new
+        # link (the new process never held the request). One routed to the new process
+        # replays there.
+        with _next_processes(next_restarts=True, next_generations=[0], replay_bytes=1 << 20) as (
+            stage,
+            routers,
+            addresses,
+        ):
+            stage.pipe_route(["a"], [[[0, 0]]], abort=False)
+            stage.add("a", 3)
+            stage.route_outputs(stage.step())  # a: FIRST 2, to generation 0, logged
+            assert _received(routers[0])[1:4] == [[FIRST], ["a"], [2]]
+            stage.pipe_gone("next", 0, 0)
+            stage.pipe_link(0, addresses[1], "", "", 1)
+            assert stage.pipe_replay("a") == (False, "the next stage is gone")
+            assert not routers[1].poll(100)
+            stage.pipe_route(["b"], [[[0, 1]]], abort=False)
+            stage.add("b", 3)
+            stage.route_outputs(stage.step())  # a: dropped (generation 0); b: FIRST 2
+            assert _received(routers[1])[1:4] == [[FIRST], ["b"], [2]]
+            assert stage.pipe_replay("b") == (True, "")
+            assert _received(routers[1]) == ["abort", ["b"], [[]], True]
+            assert _received(routers[1])[1:4] == [[FIRST], ["b"], [2]]
 
     def test_without_a_restart_what_goes_to_a_gone_process_is_dropped(self) -> None:
         # A next stage that does not restart: nothing will take what would go to a dead
         # process (the coordinator ends its requests): dropped and counted, as before.
-        ctx = zmq.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        stage = PipeStage(
-            CountdownEngine(), stage="s", downstream=[f"tcp://127.0.0.1:{port}"], routed=True
-        )
-        try:
+        with _next_processes(1) as (stage, _routers, _addresses):
             stage.pipe_gone("next", 0, 0)
             stage.pipe_route(["a"], [[0]], abort=False)
             stage.add("a", 2)
@@ -618,28 +833,13 @@ class TestDataFlow:
             stats = stage.stats()
             assert (stats["edge_dropped"], stats["edge_in_flight"]) == (1, 0)
             assert "edge_held" not in stats
-        finally:
-            router.close()
-            ctx.term()
 
     def test_an_abort_chases_no_further_than_a_dead_process_on_its_route(self) -> None:
         # docs/wire.md section 8, "Restarts": -1 in an abort's route is a stage whose
         # process on the request's route died; a restarted process at that index never
         # held the request. The stage before it applies the abort and answers it, and
         # sends it no further; the coordinator sends nothing there either.
-        ctx = zmq.Context()
-        routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
-        ports = []
-        for router in routers:
-            router.setsockopt(zmq.LINGER, 0)
-            ports.append(router.bind_to_random_port("tcp://127.0.0.1"))
-        stage = PipeStage(
-            CountdownEngine(),
-            stage="s",
-            downstream=[f"tcp://127.0.0.1:{port}" for port in ports],
-            routed=True,
-        )
-        try:
+        with _next_processes(2, links=2) as (stage, routers, _addresses):
             stage.pipe_route(["x", "y"], [[-1, 0], [1, -1]], abort=True)
             stage.abort(["x", "y"])
             stage.chase_abort(["x", "y"], tag=7)
@@ -648,13 +848,6 @@ class TestDataFlow:
             assert msgspec.msgpack.decode(body) == ["abort", ["y"], [[-1]], False, 7]
             assert not routers[0].poll(100)  # x: nothing down any link
             assert not routers[1].poll(0)
-        finally:
-            for link in stage._links:
-                if link is not None:
-                    link.close(linger=0)
-            for router in routers:
-                router.close()
-            ctx.term()
 
         sent: list[Any] = []
 

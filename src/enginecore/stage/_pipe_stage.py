@@ -103,6 +103,10 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
   that is gone is held meanwhile, per link, in order (``edge_held``), and sent down the new
   link first: a request routed to the new process may reach this stage before its
   ``link`` (they come on different connections). A request's held items go with its abort.
+  What is held counts against its link's window as if in flight (items, and bytes by
+  :func:`payload_size`), so a stage holding a window's worth stops stepping until the
+  ``link`` sends it or aborts drop it (the loop applies messages while it waits); the later
+  items of a request whose first item went to the dead process are dropped, not held.
   Where the routes name the generation of each request's process of the next stage
   (``[replica, generation]``, and the ``link`` the new process's: ``docs/wire.md`` section
   8, "Restarts"), the stage sorts by it: what is meant for its link's process goes, what is
@@ -162,11 +166,13 @@ Edge = Callable[[Any], tuple[Any, Any]]
 
 _NO_COLUMNS: Final[tuple[list[Any], list[bool], list[Any]]] = ([], [], [])
 
-_Held: TypeAlias = "tuple[int, str, Any, list[Any] | None, int | None]"
+_Held: TypeAlias = "tuple[int, str, Any, list[Any] | None, int | None, int]"
 """What a stage holds for a gone process's successor (:meth:`PipeStage.pipe_link`):
 ``(kind, request, item, the rest of its route for a first item else None, the generation
-its route names else None)``; an abort to chase is ``(_HELD_ABORT, request, (fence, tag),
-the rest of its route, generation)``."""
+its route names else None, the item's size)``; an abort to chase is ``(_HELD_ABORT,
+request, (fence, tag), the rest of its route, generation, 0)``. The size
+(:func:`payload_size`, taken once, as the item is held) is what the item counts against
+the link's byte window while it is held (:meth:`PipeStage.has_work`)."""
 _HELD_ABORT: Final = -1  # the kind of a held abort (no pipe kind is negative)
 
 
@@ -234,7 +240,8 @@ class PipeStage:
     a CURVE client with *link_curve* (this stage's ``(public, secret)`` key pair), which
     retries its handshake until the next stage admits the key. *next_restarts*: the next
     stage's dead processes are started again (routed only): what goes to one that is gone
-    is held for the link to its successor (:meth:`pipe_link`); *next_generations*: per link,
+    is held for the link to its successor (:meth:`pipe_link`), counted against that link's
+    window (*window*, *window_bytes*) meanwhile; *next_generations*: per link,
     the generation of the process it goes to, which the routes' generations are told
     against (``None``: not known, nothing is told apart by it). Loop thread only, like any
     engine."""
@@ -388,6 +395,14 @@ class PipeStage:
         # tag), the rest of its route, generation).
         self._holds = routed and next_restarts
         self._holding: dict[int, list[_Held]] = {}
+        # Per link, the data items held (not the aborts) and their sizes (_Held's last
+        # field): they count against the link's window as if in flight (has_work), so that
+        # what is held while a process restarts is bounded as what is sent is. Kept exact
+        # by _hold (adding) and _set_held (every removal: sent, dropped).
+        self._held_items = [0] * nlinks
+        self._held_bytes = [0] * nlinks
+        # Per link, the requests whose first item is held: only theirs is held (_hold).
+        self._held_firsts: dict[int, set[str]] = {}
         self._previous_gone = False
         self._late_dropped = 0  # messages of the gone previous stage, dropped unread
         # The replay log (retry), per request: what it sent on, in order, and its size; the
@@ -455,12 +470,18 @@ class PipeStage:
         return self._inner_utility(name, args)
 
     def has_work(self) -> bool:
-        """The engine's, unless the window to the next stage is full. Gives back the credit
-        for what it took from the previous stage when the loop would go idle."""
+        """The engine's, unless the window to the next stage is full: on some link, what is
+        in flight and what is held for a process that restarts (:meth:`pipe_link`) reach
+        the window, in items or bytes. Gives back the credit for what it took from the
+        previous stage when the loop would go idle."""
         if self._inner_has_work():
+            out_items, out_bytes = self._out_items, self._out_bytes
+            if self._holding:  # held for a process that restarts: as if in flight
+                out_items = [o + h for o, h in zip(out_items, self._held_items, strict=True)]
+                out_bytes = [o + h for o, h in zip(out_bytes, self._held_bytes, strict=True)]
             if (
-                max(self._out_items, default=0) < self._window_items
-                and max(self._out_bytes, default=0) < self._window_bytes
+                max(out_items, default=0) < self._window_items
+                and max(out_bytes, default=0) < self._window_bytes
             ):
                 return True
             if not self._waiting:
@@ -596,7 +617,8 @@ class PipeStage:
           release, are unlinked and unmapped, so that their memory returns now, not at
           shutdown. If the next stage restarts (*next_restarts*), what would have been sent
           to it is held instead, in order (``edge_held``), for the link to the process
-          started in its place (:meth:`pipe_link`); a request's held items are dropped
+          started in its place (:meth:`pipe_link`), counted against that link's window
+          meanwhile (:meth:`has_work`); a request's held items are dropped
           (``edge_dropped``) when its abort is applied here."""
         if side == "previous":
             self._previous_gone = True
@@ -703,14 +725,58 @@ class PipeStage:
                         odd.add(rid)
                     else:
                         odd.discard(rid)
-        held = self._holding.pop(replica, None)
+        held = self._holding.get(replica)
         if held:
+            self._set_held(replica, [])  # out of the hold: in flight once sent
             self._send_held(replica, held, generation)
 
     def _unroute_gen(self, rid: str) -> None:
         """Forget the generation *rid*'s route named (its route is forgotten here)."""
         self._gen.pop(rid, None)
         self._odd.discard(rid)
+
+    def _hold(
+        self, index: int, kind: int, rid: str, item: Any, tail: list[Any] | None, gen: int | None
+    ) -> None:
+        """Hold a data item for link *index* (:meth:`pipe_link`), counted against its
+        window (:meth:`has_work`) by its :func:`payload_size`: not the encoded size, which
+        is known only once sent (a new link's encoder, the new process's shared-memory
+        slots), but close to it for what matters (an array or a buffer: its ``nbytes``,
+        taken at no cost), and cheap (the same estimate as the replay log's).
+
+        A later item of a request whose first item is not held there is dropped at once
+        (``edge_dropped``): its first item went to the dead process, and the new one has
+        no use for the rest (:meth:`_send_held` would drop it at the link). Held, it would
+        take room in the window until a ``link`` that may never come (a process that failed
+        for good), when the coordinator counts the request done with no abort to drop it
+        (one the dead process had ended, whose last items this stage made after its
+        ``gone``)."""
+        if kind & FIRST:
+            self._held_firsts.setdefault(index, set()).add(rid)
+        elif rid not in self._held_firsts.get(index, ()):
+            self._edge_dropped += 1
+            return
+        size = payload_size(item)
+        self._holding.setdefault(index, []).append((kind, rid, item, tail, gen, size))
+        self._held_items[index] += 1
+        self._held_bytes[index] += size
+
+    def _set_held(self, index: int, held: list[_Held]) -> None:
+        """What link *index* holds is now *held* (less than before: sent, or dropped), its
+        counts recomputed from it; the room freed lets a step start (as a credit does)."""
+        if held:
+            self._holding[index] = held
+        else:
+            self._holding.pop(index, None)
+        data = [h for h in held if h[0] != _HELD_ABORT]
+        self._held_items[index] = len(data)
+        self._held_bytes[index] = sum([h[5] for h in data])
+        firsts = {h[1] for h in data if h[0] & FIRST}
+        if firsts:
+            self._held_firsts[index] = firsts
+        else:
+            self._held_firsts.pop(index, None)
+        self._waiting = False
 
     def _send_held(self, index: int, held: list[_Held], generation: int | None = None) -> None:
         """Send what was held for link *index* while its process was gone (:meth:`pipe_link`):
@@ -723,7 +789,8 @@ class PipeStage:
         earlier items of the others went to the dead process, so the rest is of no use to
         the new one (a request the dead process had ended, whose last items came after its
         ``gone``; the coordinator may count it done, with no abort to come), and would be
-        taken for a later request's under that id there: dropped (``edge_dropped``)."""
+        taken for a later request's under that id there: dropped (``edge_dropped``; as
+        they are held already, :meth:`_hold`: this only makes sure)."""
         ready: list[_Held] = []
         later: list[_Held] = []
         for h in held:
@@ -735,7 +802,7 @@ class PipeStage:
             elif h[0] != _HELD_ABORT:
                 self._edge_dropped += 1
         if later:
-            self._holding[index] = later
+            self._set_held(index, later)
         data = [h for h in ready if h[0] != _HELD_ABORT]
         firsts = {h[1] for h in data if h[0] & FIRST}
         if len(firsts) < len({h[1] for h in data}):
@@ -794,10 +861,7 @@ class PipeStage:
             kept = [h for h in held if h[1] not in drop or h[0] == _HELD_ABORT]
             if len(kept) < len(held):
                 self._edge_dropped += len(held) - len(kept)
-                if kept:
-                    holding[index] = kept
-                else:
-                    del holding[index]
+                self._set_held(index, kept)
 
     def take_credit(self, force: bool = False) -> tuple[Any, ...] | None:
         """The ``credit`` event for what the engine has taken since the last one, or
@@ -862,10 +926,12 @@ class PipeStage:
         taken), ``shm_refused`` (refused: their lease had expired, or their slot was gone),
         ``shm_held`` (taken and still alive here) and ``shm_mapped`` (its slots mapped
         here). After a stage next to this one died: ``edge_dropped`` (payloads not sent to
-        a dead next stage; from its ``gone`` on, also once relinked), ``edge_held`` (before
-        a stage that restarts, always: payloads held for the successor of a dead process
-        of it, sent once it is linked in, not in ``edge_in_flight`` until then; dropped
-        with their request's abort, and counted in ``edge_dropped`` then),
+        a dead next stage; from its ``gone`` on, also once relinked), ``edge_held`` and
+        ``edge_held_bytes`` (before a stage that restarts, always: payloads held for the
+        successor of a dead process of it, and their :func:`payload_size`, sent once it is
+        linked in, not in ``edge_in_flight`` until then, but counted against the window
+        with it: a stage holding a window's worth waits, in ``edge_waits``; dropped with
+        their request's abort, and counted in ``edge_dropped`` then),
         ``pipe_dropped`` (late messages of a dead previous stage, dropped unread). With a
         replay log (its edge retries): ``replay_logged`` (requests logged now),
         ``replay_logged_bytes`` (their estimated size) and ``replays``."""
@@ -879,9 +945,8 @@ class PipeStage:
             if self._gone or self._edge_dropped:
                 out["edge_dropped"] = self._edge_dropped
             if self._holds:
-                out["edge_held"] = sum(
-                    [h[0] != _HELD_ABORT for held in self._holding.values() for h in held]
-                )
+                out["edge_held"] = sum(self._held_items)
+                out["edge_held_bytes"] = sum(self._held_bytes)
             pools = [pool.stats() for pool in self._shms if pool is not None]
             for numbers in pools:  # summed over the links
                 for key, value in numbers.items():
@@ -1142,7 +1207,7 @@ class PipeStage:
                     # for a dead process's generation is dropped then: _by_generation).
                     held = self._holding.setdefault(index, [])
                     for rid, rest in zip(ids, rests, strict=True):
-                        held.append((_HELD_ABORT, rid, (fence, tag), rest, gen))
+                        held.append((_HELD_ABORT, rid, (fence, tag), rest, gen, 0))
                 # Older: its process died (a new one never held it): no further, as -1.
                 continue
             if link is not None:
@@ -1389,10 +1454,9 @@ class PipeStage:
             if gone and self._holds:
                 # Its process died and a new one is coming: a request routed to the new one
                 # may come before its link (pipe_link), which sends these first.
-                held = self._holding.setdefault(index, [])
                 for kind, rid, item in zip(g_kinds, g_ids, g_items, strict=True):
                     tail = g_routes.get(rid) if kind & FIRST else None
-                    held.append((kind, rid, item, tail, None))
+                    self._hold(index, kind, rid, item, tail, None)
                 continue
             if gone or not 0 <= index < len(self._links):
                 self._edge_dropped += len(g_kinds)
@@ -1427,7 +1491,6 @@ class PipeStage:
         out_k: list[int] = []
         out_r: list[str] = []
         out_p: list[Any] = []
-        held: list[_Held] | None = None
         for kind, rid, item in zip(kinds, ids, items, strict=True):
             gen = gens.get(rid)
             if gen is None:
@@ -1436,9 +1499,7 @@ class PipeStage:
                 self._edge_dropped += 1
                 continue
             elif gen > known or gone:
-                if held is None:
-                    held = self._holding.setdefault(index, [])
-                held.append((kind, rid, item, routes.get(rid) if kind & FIRST else None, gen))
+                self._hold(index, kind, rid, item, routes.get(rid) if kind & FIRST else None, gen)
                 continue
             out_k.append(kind)
             out_r.append(rid)
