@@ -1935,9 +1935,12 @@ def _lease_ran_out() -> bool:
         return False
     fd = os.open(os.path.join(_shm.SHM_DIR, names[0]), os.O_RDONLY)
     try:
-        header = struct.unpack("=8q", os.pread(fd, 64, 0))
+        raw = os.pread(fd, 64, 0)
     finally:
         os.close(fd)
+    if len(raw) < 64:  # created, not sized yet: no header to read
+        return False
+    header = struct.unpack("=8q", raw)
     until = header[_shm._H_LEASE_UNTIL]  # written after the generation: 0 until then
     return bool(header[_shm._H_GEN] == 1 and 0 < until < time.monotonic_ns())
 
