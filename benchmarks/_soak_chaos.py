@@ -225,13 +225,22 @@ def killer(
         thaw(float("inf"))
 
 
-def left_behind(report: Report) -> None:
-    """After the shutdown: a process the soak saw that still exists is a problem."""
-    for pid in sorted(report.pids):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def left_behind(report: Report, within: float = 0.0) -> None:
+    """After the shutdown: a process the soak saw that still exists (*within* seconds
+    after, for processes that another process ends in its own time: Ray's actors) is a
+    problem."""
+    until = time.monotonic() + within
+    while (left := [p for p in sorted(report.pids) if _exists(p)]) and time.monotonic() < until:
+        time.sleep(0.1)
+    for pid in left:
         report.problem(f"stage process {pid} is still there after the shutdown")
 
 
@@ -492,8 +501,10 @@ def run_kind(
     kind: str,
     sync: Callable[[Report], None],
     asynchronous: Callable[[Report], Coroutine[Any, Any, None]],
+    gone_within: float = 0.0,
 ) -> Report:
-    """Run a soak in the form *kind* names, then look for processes left behind."""
+    """Run a soak in the form *kind* names, then look for processes left behind (allowed
+    *gone_within* seconds to go, :func:`left_behind`)."""
     report = Report()
     if kind == "async":
         asyncio.run(asynchronous(report))
@@ -501,5 +512,5 @@ def run_kind(
         sync(report)
     else:
         raise ValueError(f"kind must be 'sync' or 'async', got {kind!r}")
-    left_behind(report)
+    left_behind(report, gone_within)
     return report
