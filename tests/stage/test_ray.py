@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import signal
@@ -329,6 +330,68 @@ def test_a_silent_stage_is_dead_after_the_heartbeat_timeout() -> None:
     finally:
         os.kill(pid, signal.SIGCONT)
         client.close()  # shutdown ignored by a stage it cannot reach: ray.kill
+    assert no_actor_left()
+
+
+def test_a_stage_presumed_dead_is_killed_at_its_close_without_waiting() -> None:
+    # Presumed dead by its heartbeat (a stopped actor, which Ray believes alive), the stage
+    # was sent no shutdown: the close kills its actor at once, instead of waiting 5 s for
+    # an exit nobody asked for and 1 s more after an actor.stop it cannot take.
+    client = launch_on_ray(
+        COUNTDOWN, placement=SMALL, heartbeat_interval=0.2, heartbeat_timeout=1.0
+    )
+    stage = ray_stage(client)
+    os.kill(stage.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(EngineDeadError, match="presumed dead"):
+            client.call_utility("div", 1, 2, timeout=10)
+        start = time.monotonic()
+        client.close()
+        assert time.monotonic() - start < 3.0
+        assert stage.reap() == -int(signal.SIGKILL)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stage.process.pid, signal.SIGCONT)
+    assert no_actor_left()
+
+
+def test_a_pool_replica_presumed_dead_is_killed_at_once_and_restarts() -> None:
+    # The pool soak's case (benchmarks/soak_pool.py --ray): a replica stopped past its
+    # heartbeat timeout is dead for the pool; its actor is ray.kill-ed as soon as that is
+    # heard (it held its resources 6 s more before), and the replica is placed again.
+    from enginecore.stage import AsyncStagePool
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch_on_ray(
+            COUNTDOWN,
+            replicas=1,
+            placement=SMALL,
+            restart=RestartPolicy(first_delay=0.05),
+            heartbeat_interval=0.2,
+            heartbeat_timeout=1.0,
+        )
+        async with pool:
+            (replica,) = pool.replicas
+            old = ray_stage(replica._client)
+            os.kill(old.process.pid, signal.SIGSTOP)
+            try:
+                stream = await pool.add("r1", 10**9)
+                with pytest.raises(ReplicaDeadError, match="presumed dead"):
+                    await stream.collect(timeout=10)
+                assert await asyncio.to_thread(old.wait_exit, 3.0)
+                assert old.reap() == -int(signal.SIGKILL)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(old.process.pid, signal.SIGCONT)
+            assert await asyncio.to_thread(
+                wait_until,
+                lambda: replica.state is ReplicaState.SERVING and replica.pid != old.process.pid,
+                30.0,
+            )
+            stream = await pool.add("r2", 3)
+            assert await stream.collect(timeout=10) == [2, 1, 0]
+
+    asyncio.run(main())
     assert no_actor_left()
 
 

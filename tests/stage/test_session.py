@@ -754,6 +754,13 @@ class TestHeartbeat:
             == "stage process 42: no heartbeat from tcp://127.0.0.1:5570 for 5.0 s; presumed dead"
         )
         assert s.tick(200.0) == (None, None, None)
+        assert s.presumed_dead  # an owner kills it at its close, without waiting
+
+    def test_only_the_heartbeat_presumes_a_stage_dead(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 5.0), now=0.0)
+        s.fail(EngineDeadError("its process exited"), 1.0)
+        s.tick(10.0)  # past the heartbeat timeout, but the session had failed already
+        assert not s.presumed_dead
 
     def test_every_frame_is_a_sign_of_life(self) -> None:
         s = session(launched=False, heartbeat=(1.0, 5.0), now=0.0)

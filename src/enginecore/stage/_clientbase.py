@@ -437,9 +437,24 @@ def close_sockets(ctx: zmq.Context[Any], *socks: zmq.Socket[Any] | None) -> None
     ctx.term()
 
 
-def escalate(pid: int | None) -> Iterator[tuple[signal.Signals, float | None]]:
+def exit_wait(presumed_dead: bool, timeout: float) -> float:
+    """How long a close waits for a launched stage's exit before :func:`escalate`:
+    *timeout*, or nothing for a stage the heartbeat presumed dead (a stage placed on Ray
+    that stopped answering): it was sent no ``shutdown``, and its process, if it runs on,
+    is stopped or cut off."""
+    return 0.0 if presumed_dead else timeout
+
+
+def escalate(
+    pid: int | None, presumed_dead: bool = False
+) -> Iterator[tuple[signal.Signals, float | None]]:
     """The steps after a launched stage ignored ``shutdown``: each signal to send, and how
-    long to wait for the exit after it (``None``: as long as it takes)."""
+    long to wait for the exit after it (``None``: as long as it takes). A stage the
+    heartbeat presumed dead gets SIGKILL at once (``ray.kill`` on Ray)."""
+    if presumed_dead:
+        logger.warning("enginecore: stage %s presumed dead; SIGKILL", pid)
+        yield signal.SIGKILL, None
+        return
     logger.warning("enginecore: stage %s ignored shutdown; SIGTERM", pid)
     yield signal.SIGTERM, 1.0
     logger.warning("enginecore: stage %s ignored SIGTERM; SIGKILL", pid)

@@ -579,6 +579,9 @@ class ClientSession(Generic[S, W]):
         # a launched process that exits on its own before its last event died then.
         self._drain_close = False
         self._escalated = False
+        # The heartbeat presumed the stage dead (its process may run on, unreachable or
+        # stopped): a client that owns it kills it at its close, without waiting for it.
+        self._presumed_dead = False
         self._fatal: str | None = None  # the fatal event's message, if one came
         # The ordered event stream (None when off): events in the stage's order, then at
         # most one End. Consumers pop from it; _events_waiting as StreamCore._waiting.
@@ -683,6 +686,14 @@ class ClientSession(Generic[S, W]):
     def last_heard(self) -> float:
         """When the last frame from the stage arrived (a ``time.monotonic()`` reading)."""
         return self._last_heard
+
+    @property
+    def presumed_dead(self) -> bool:
+        """Whether the session failed because the heartbeat presumed the stage dead: its
+        process may still run (stopped, or cut off). A client that owns the stage (placed
+        on Ray) kills it at its close at once: it was never asked to exit, so waiting for
+        its exit would only hold its resources and delay a pool's restart."""
+        return self._presumed_dead
 
     @property
     def release_due(self) -> bool:
@@ -1255,6 +1266,7 @@ class ClientSession(Generic[S, W]):
             if now >= dead_at:
                 reason = f"no heartbeat from {self.address} for {timeout} s; presumed dead"
                 d = self.fail(self.end_error(reason=reason), now)
+                self._presumed_dead = d is not None
                 self._release_due = not self._closing
                 return None, None, d
         d = None
