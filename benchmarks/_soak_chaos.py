@@ -180,11 +180,14 @@ def killer(
     *,
     targets: Callable[[], list[tuple[str, int]]],
     freeze_share: float = 0.0,
+    freezes_kill: bool = False,
 ) -> None:
     """Until *until*: every 0.2 to 1.2 s, SIGKILL one of the processes *targets* lists (by
     key, ``name`` or ``name[r]``, and pid: those up now), or, *freeze_share* of the time,
     freeze it (SIGSTOP) for 0.1 to 3 s while the chaos goes on. Every frozen process is
-    thawed (SIGCONT) before this returns."""
+    thawed (SIGCONT) before this returns. With *freezes_kill* (a freeze may outlast the
+    heartbeat timeout: the client presumes the stage dead), a freeze counts as a kill for
+    the requests near it (``report.last_kill``)."""
     frozen: dict[int, float] = {}  # pid: when to thaw it
 
     def thaw(now: float) -> None:
@@ -211,6 +214,8 @@ def killer(
             with contextlib.suppress(ProcessLookupError):
                 if rng.random() < freeze_share:
                     frozen[pid] = time.monotonic() + rng.uniform(0.1, 3.0)
+                    if freezes_kill:
+                        report.last_kill = time.monotonic()
                     os.kill(pid, signal.SIGSTOP)
                     report.count(report.freezes, key)
                     report.event(
@@ -429,6 +434,7 @@ def chaos_threads(
     targets: Callable[[], list[tuple[str, int]]],
     freeze_share: float,
     kills: bool = True,
+    freezes_kill: bool = False,
 ) -> list[threading.Thread]:
     """The :func:`killer`'s thread (none without *kills*), not started."""
     if not kills:
@@ -437,7 +443,11 @@ def chaos_threads(
         threading.Thread(
             target=killer,
             args=(random.Random(seed + 1), until, stop, report),
-            kwargs={"targets": targets, "freeze_share": freeze_share},
+            kwargs={
+                "targets": targets,
+                "freeze_share": freeze_share,
+                "freezes_kill": freezes_kill,
+            },
             daemon=True,
         )
     ]

@@ -31,7 +31,9 @@ shutdown none of the processes the soak saw left (docs/soak.md).
 With ``--ray``, the same soak with the replicas placed on a local Ray cluster that the soak
 starts (``RAY_CPUS`` logical CPUs, a quarter of one per replica; shut down at the end):
 ``StagePool.launch_on_ray``, ``add_replica(..., ray=RayPlacement(...))``, heartbeats every
-0.25 s instead of pings (presumed dead after ``HEARTBEAT_TIMEOUT_S``). The killer signals
+0.25 s instead of pings, presumed dead after ``--heartbeat-timeout`` (6 s, longer than the
+longest freeze; at 4 s or less a freeze may end in a presumed death, and counts as a kill
+for the requests near it). The killer signals
 the Ray actor's process, whose pid is the replica's ``pid`` (the stage runs in it, and says
 so in its handshake). The seconds count once the pool serves, its launch aside. At
 the end, besides the processes: no stage actor alive in Ray's actor table, and every CPU of
@@ -77,6 +79,7 @@ class Config(ChaosConfig):
     membership: bool = True
     kills: bool = True
     ray: bool = False  # the replicas placed on a local Ray cluster (ray_cluster)
+    heartbeat_timeout: float = 6.0  # on Ray: a replica silent this long is presumed dead
 
 
 # On Ray: a small share of a CPU per replica's actor, so that a restart never waits for
@@ -86,8 +89,8 @@ RAY_CPUS = 8
 RAY_ACTOR_CPUS = 0.25
 # A Ray replica's liveness is its heartbeat (no ping_interval): every PING_S, so that a
 # frozen one leaves the routing as fast as a launched one; presumed dead after
-# HEARTBEAT_TIMEOUT_S without a frame, longer than the longest freeze (3 s).
-HEARTBEAT_TIMEOUT_S = 6.0
+# Config.heartbeat_timeout without a frame: by default longer than the longest freeze.
+LONGEST_FREEZE_S = 3.0
 # How long a Ray actor's process may take to go after the pool's shutdown: Ray ends it
 # (ray.kill) in its own time, not the pool.
 RAY_GONE_S = 15.0
@@ -107,7 +110,7 @@ def _options(cfg: Config) -> dict[str, Any]:
         return {"ping_interval": PING_S, "startup_timeout": 60}
     return {
         "heartbeat_interval": PING_S,
-        "heartbeat_timeout": HEARTBEAT_TIMEOUT_S,
+        "heartbeat_timeout": cfg.heartbeat_timeout,
         "startup_timeout": 60,
     }
 
@@ -239,7 +242,11 @@ def _threads(
     members: _Membership,
 ) -> list[threading.Thread]:
     """The chaos: the killer, and (``cfg.membership``) the membership changer, not started."""
-    threads = chaos_threads(stop, report, until, cfg.seed, targets, cfg.freeze_share, cfg.kills)
+    # On Ray, a freeze that may outlast the heartbeat timeout may be a death.
+    freezes_kill = cfg.ray and cfg.heartbeat_timeout <= LONGEST_FREEZE_S + 1.0
+    threads = chaos_threads(
+        stop, report, until, cfg.seed, targets, cfg.freeze_share, cfg.kills, freezes_kill
+    )
     if cfg.membership:
         threads.append(
             threading.Thread(
@@ -440,6 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ray", action="store_true", help="place the replicas on a local Ray cluster"
     )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=Config.heartbeat_timeout,
+        help="on Ray: presume a silent replica dead after this; at most 4 s, a freeze "
+        "counts as a kill for the requests near it",
+    )
     args = parser.parse_args(argv)
     cfg = Config(
         **ChaosConfig.settings(args),
@@ -447,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         membership=not args.no_membership,
         kills=not args.no_kills,
         ray=args.ray,
+        heartbeat_timeout=args.heartbeat_timeout,
     )
     t0 = time.monotonic()
     report = run(cfg)
