@@ -1265,7 +1265,7 @@ class ClientSession(Generic[S, W]):
             dead_at = self._last_heard + timeout
             if now >= dead_at:
                 reason = f"no heartbeat from {self.address} for {timeout} s; presumed dead"
-                d = self.fail(self.end_error(reason=reason), now)
+                d = self.fail(self.end_error(reason=reason, presumed=True), now)
                 self._presumed_dead = d is not None
                 self._release_due = not self._closing
                 return None, None, d
@@ -1445,6 +1445,7 @@ class ClientSession(Generic[S, W]):
         exit_code: int | None = None,
         remote_shutdown: bool = False,
         reason: str | None = None,
+        presumed: bool = False,
     ) -> StageClosedError | EngineDeadError:
         """What every waiter gets once the stage is gone: :class:`StageClosedError` if this
         client was closing it, else an :class:`EngineDeadError` whose message says all we
@@ -1452,12 +1453,12 @@ class ClientSession(Generic[S, W]):
 
         A shutdown with drain lets the live requests run to their end: a launched process
         that exits before its last event, unless the client signalled it after the drain and
-        the timeout, died during the drain, and its requests get that death's
-        :class:`EngineDeadError` (a replica pool's, :class:`ReplicaDeadError`), not
-        :class:`StageClosedError`."""
+        the timeout, died during the drain, and so did a stage the heartbeat presumes dead
+        (*presumed*) during it; their requests get that death's :class:`EngineDeadError`
+        (a replica pool's, :class:`ReplicaDeadError`), not :class:`StageClosedError`."""
         died_draining = (
             self._drain_close
-            and self._exited
+            and (self._exited or presumed)
             and not self._escalated
             and not remote_shutdown
             and self._state is not StageState.STOPPED
