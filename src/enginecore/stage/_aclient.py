@@ -679,6 +679,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             logger.warning("enginecore: %s", message)
         if d.over:
             self._over.set()
+            self._kill_if_presumed_dead()
         sink = self._event_sink
         if sink is not None:
             sink()

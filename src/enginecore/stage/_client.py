@@ -919,6 +919,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             logger.warning("enginecore: %s", message)
         if d.over:
             self._over.set()
+            self._kill_if_presumed_dead()
         sink = self._event_sink
         if sink is not None:
             sink()
