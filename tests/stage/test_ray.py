@@ -421,6 +421,37 @@ def test_a_replica_presumed_dead_while_it_drains_is_killed_then() -> None:
     assert no_actor_left()
 
 
+def test_an_async_pool_replica_presumed_dead_while_it_drains_is_killed_then() -> None:
+    # The asyncio twin of the test above (the AsyncStageClient's close awaits the exit).
+    from enginecore.stage import AsyncStagePool
+
+    beat: dict[str, Any] = {"heartbeat_interval": 0.2, "heartbeat_timeout": 3.0}
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch_on_ray(COUNTDOWN, placement=SMALL, **beat)
+        async with pool:
+            (r0,) = pool.replicas
+            stage = ray_stage(r0._client)
+            stream = await pool.add("long", 10**9)
+            assert await stream.get(timeout=10) == 10**9 - 1
+            r1 = await pool.add_replica(COUNTDOWN, ray=SMALL, **beat)
+            os.kill(stage.process.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                await pool.remove_replica(r0, drain=True, timeout=30)
+                assert time.monotonic() - start < 12  # 31 s before
+                assert stage.wait_exit(0)
+                with pytest.raises(ReplicaDeadError, match="presumed dead"):
+                    await stream.collect(timeout=10)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stage.process.pid, signal.SIGCONT)
+            assert await pool.call_utility("div", 1, 2, replica=r1) == 0.5
+
+    asyncio.run(main())
+    assert no_actor_left()
+
+
 def test_importing_the_module_does_not_import_ray() -> None:
     code = (
         "import sys\n"
