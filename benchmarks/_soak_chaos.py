@@ -180,11 +180,14 @@ def killer(
     *,
     targets: Callable[[], list[tuple[str, int]]],
     freeze_share: float = 0.0,
+    freezes_kill: bool = False,
 ) -> None:
     """Until *until*: every 0.2 to 1.2 s, SIGKILL one of the processes *targets* lists (by
     key, ``name`` or ``name[r]``, and pid: those up now), or, *freeze_share* of the time,
     freeze it (SIGSTOP) for 0.1 to 3 s while the chaos goes on. Every frozen process is
-    thawed (SIGCONT) before this returns."""
+    thawed (SIGCONT) before this returns. With *freezes_kill* (a freeze may outlast the
+    heartbeat timeout: the client presumes the stage dead), a freeze counts as a kill for
+    the requests near it (``report.last_kill``)."""
     frozen: dict[int, float] = {}  # pid: when to thaw it
 
     def thaw(now: float) -> None:
@@ -211,6 +214,8 @@ def killer(
             with contextlib.suppress(ProcessLookupError):
                 if rng.random() < freeze_share:
                     frozen[pid] = time.monotonic() + rng.uniform(0.1, 3.0)
+                    if freezes_kill:
+                        report.last_kill = time.monotonic()
                     os.kill(pid, signal.SIGSTOP)
                     report.count(report.freezes, key)
                     report.event(
@@ -225,13 +230,22 @@ def killer(
         thaw(float("inf"))
 
 
-def left_behind(report: Report) -> None:
-    """After the shutdown: a process the soak saw that still exists is a problem."""
-    for pid in sorted(report.pids):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def left_behind(report: Report, within: float = 0.0) -> None:
+    """After the shutdown: a process the soak saw that still exists (*within* seconds
+    after, for processes that another process ends in its own time: Ray's actors) is a
+    problem."""
+    until = time.monotonic() + within
+    while (left := [p for p in sorted(report.pids) if _exists(p)]) and time.monotonic() < until:
+        time.sleep(0.1)
+    for pid in left:
         report.problem(f"stage process {pid} is still there after the shutdown")
 
 
@@ -420,6 +434,7 @@ def chaos_threads(
     targets: Callable[[], list[tuple[str, int]]],
     freeze_share: float,
     kills: bool = True,
+    freezes_kill: bool = False,
 ) -> list[threading.Thread]:
     """The :func:`killer`'s thread (none without *kills*), not started."""
     if not kills:
@@ -428,7 +443,11 @@ def chaos_threads(
         threading.Thread(
             target=killer,
             args=(random.Random(seed + 1), until, stop, report),
-            kwargs={"targets": targets, "freeze_share": freeze_share},
+            kwargs={
+                "targets": targets,
+                "freeze_share": freeze_share,
+                "freezes_kill": freezes_kill,
+            },
             daemon=True,
         )
     ]
@@ -492,8 +511,10 @@ def run_kind(
     kind: str,
     sync: Callable[[Report], None],
     asynchronous: Callable[[Report], Coroutine[Any, Any, None]],
+    gone_within: float = 0.0,
 ) -> Report:
-    """Run a soak in the form *kind* names, then look for processes left behind."""
+    """Run a soak in the form *kind* names, then look for processes left behind (allowed
+    *gone_within* seconds to go, :func:`left_behind`)."""
     report = Report()
     if kind == "async":
         asyncio.run(asynchronous(report))
@@ -501,5 +522,5 @@ def run_kind(
         sync(report)
     else:
         raise ValueError(f"kind must be 'sync' or 'async', got {kind!r}")
-    left_behind(report)
+    left_behind(report, gone_within)
     return report

@@ -7,6 +7,7 @@ Usage (from the repository root)::
 
     python -m benchmarks.soak_pool                     # 60 s
     python -m benchmarks.soak_pool --seconds 120 --kind sync --freeze-share 0.5
+    python -m benchmarks.soak_pool --seconds 60 --kind sync --ray   # replicas on Ray
 
 The pool: ``--replicas`` (3) ``CountdownEngine`` stages, each restarted when it dies
 (``RestartPolicy(first_delay=0.05)``, no limit on deaths), pinged every 0.25 s (a frozen
@@ -26,17 +27,31 @@ during its life or at most ``KILL_SEEN_S`` before its add), with a prefix of its
 ``add`` may refuse with ``NoReplicaError`` or ``ValueError`` (its id still live in the
 pool), nothing else. At the end: no request in the pool or in any replica, and after the
 shutdown none of the processes the soak saw left (docs/soak.md).
+
+With ``--ray``, the same soak with the replicas placed on a local Ray cluster that the soak
+starts (``RAY_CPUS`` logical CPUs, a quarter of one per replica; shut down at the end):
+``StagePool.launch_on_ray``, ``add_replica(..., ray=RayPlacement(...))``, heartbeats every
+0.25 s instead of pings, presumed dead after ``--heartbeat-timeout`` (6 s, longer than the
+longest freeze; at 4 s or less a freeze may end in a presumed death, and counts as a kill
+for the requests near it). The killer signals
+the Ray actor's process, whose pid is the replica's ``pid`` (the stage runs in it, and says
+so in its handshake). The seconds count once the pool serves, its launch aside. At
+the end, besides the processes: no stage actor alive in Ray's actor table, and every CPU of
+the cluster free again, within ``RAY_GONE_S`` (Ray ends an actor's process in its own time).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib
+import logging
 import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -63,12 +78,69 @@ class Config(ChaosConfig):
     replicas: int = 3
     membership: bool = True
     kills: bool = True
+    ray: bool = False  # the replicas placed on a local Ray cluster (ray_cluster)
+    heartbeat_timeout: float = 6.0  # on Ray: a replica silent this long is presumed dead
+
+
+# On Ray: a small share of a CPU per replica's actor, so that a restart never waits for
+# the resources of the actor it replaces (Ray frees them once it has seen it die); the
+# cluster has CPUs for every replica and more.
+RAY_CPUS = 8
+RAY_ACTOR_CPUS = 0.25
+# A Ray replica's liveness is its heartbeat (no ping_interval): every PING_S, so that a
+# frozen one leaves the routing as fast as a launched one; presumed dead after
+# Config.heartbeat_timeout without a frame: by default longer than the longest freeze.
+LONGEST_FREEZE_S = 3.0
+# How long a Ray actor's process may take to go after the pool's shutdown: Ray ends it
+# (ray.kill) in its own time, not the pool.
+RAY_GONE_S = 15.0
 
 
 def _policy() -> Any:
     from enginecore.stage import RestartPolicy
 
     return RestartPolicy(first_delay=0.05, max_delay=0.2, max_failures=10**6)
+
+
+def _options(cfg: Config) -> dict[str, Any]:
+    """The options of each replica's start (at launch and at ``add_replica``): launched,
+    pinged every ``PING_S``; or (``cfg.ray``) placed on Ray, its heartbeat every
+    ``PING_S``."""
+    if not cfg.ray:
+        return {"ping_interval": PING_S, "startup_timeout": 60}
+    return {
+        "heartbeat_interval": PING_S,
+        "heartbeat_timeout": cfg.heartbeat_timeout,
+        "startup_timeout": 60,
+    }
+
+
+def _placement(cfg: Config, key: str) -> dict[str, Any]:
+    """On Ray (``cfg.ray``), ``{key: RayPlacement(...)}`` (``"placement"`` at launch,
+    ``"ray"`` at ``add_replica``); else nothing."""
+    if not cfg.ray:
+        return {}
+    from enginecore.stage.ray import RayPlacement
+
+    return {key: RayPlacement(num_cpus=RAY_ACTOR_CPUS)}
+
+
+def _launch(cls: Any, cfg: Config) -> Any:
+    """``cls.launch(...)`` or ``cls.launch_on_ray(...)`` (``cfg.ray``) of the soak's pool:
+    a ``StagePool``, or the awaitable of an ``AsyncStagePool``."""
+    launch = cls.launch_on_ray if cfg.ray else cls.launch
+    return launch(
+        COUNTDOWN,
+        replicas=cfg.replicas,
+        restart=_policy(),
+        **_options(cfg),
+        **_placement(cfg, "placement"),
+    )
+
+
+def _add(pool: Any, cfg: Config) -> Any:
+    """``pool.add_replica(...)`` of one more replica like the others (on Ray too)."""
+    return pool.add_replica(COUNTDOWN, **_options(cfg), **_placement(cfg, "ray"))
 
 
 def _targets(pool: Any, report: Report) -> list[tuple[str, int]]:
@@ -170,7 +242,11 @@ def _threads(
     members: _Membership,
 ) -> list[threading.Thread]:
     """The chaos: the killer, and (``cfg.membership``) the membership changer, not started."""
-    threads = chaos_threads(stop, report, until, cfg.seed, targets, cfg.freeze_share, cfg.kills)
+    # On Ray, a freeze that may outlast the heartbeat timeout may be a death.
+    freezes_kill = cfg.ray and cfg.heartbeat_timeout <= LONGEST_FREEZE_S + 1.0
+    threads = chaos_threads(
+        stop, report, until, cfg.seed, targets, cfg.freeze_share, cfg.kills, freezes_kill
+    )
     if cfg.membership:
         threads.append(
             threading.Thread(
@@ -186,19 +262,14 @@ def _threads(
 def _run_sync(cfg: Config, report: Report) -> None:
     from enginecore.stage import ReplicaDeadError, StagePool
 
-    load = cfg.load()
-    with StagePool.launch(
-        COUNTDOWN,
-        replicas=cfg.replicas,
-        restart=_policy(),
-        ping_interval=PING_S,
-        startup_timeout=60,
-    ) as pool:
+    pool: StagePool
+    with _launch(StagePool, cfg) as pool:
+        load = cfg.load()
         stop = threading.Event()
 
         class Members:
             def grow(self) -> None:
-                pool.add_replica(COUNTDOWN, ping_interval=PING_S, startup_timeout=60)
+                _add(pool, cfg)
 
             def shrink(self, replica: Any) -> None:
                 pool.remove_replica(replica, drain=True, timeout=cfg.deadline)
@@ -240,15 +311,9 @@ def _run_sync(cfg: Config, report: Report) -> None:
 async def _run_async(cfg: Config, report: Report) -> None:
     from enginecore.stage import AsyncStagePool, ReplicaDeadError
 
-    load = cfg.load()
     loop = asyncio.get_running_loop()
-    pool = await AsyncStagePool.launch(
-        COUNTDOWN,
-        replicas=cfg.replicas,
-        restart=_policy(),
-        ping_interval=PING_S,
-        startup_timeout=60,
-    )
+    pool: AsyncStagePool = await _launch(AsyncStagePool, cfg)
+    load = cfg.load()
 
     def on_loop(coro: Coroutine[Any, Any, T]) -> T:  # from another thread
         return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
@@ -261,7 +326,7 @@ async def _run_async(cfg: Config, report: Report) -> None:
 
         class Members:
             def grow(self) -> None:
-                on_loop(pool.add_replica(COUNTDOWN, ping_interval=PING_S, startup_timeout=60))
+                on_loop(_add(pool, cfg))
 
             def shrink(self, replica: Any) -> None:
                 on_loop(pool.remove_replica(replica, drain=True, timeout=cfg.deadline))
@@ -315,9 +380,62 @@ def _where(pool: Any, rid: str) -> str:
 
 
 def run(cfg: Config) -> Report:
-    return run_kind(
-        cfg.kind, lambda report: _run_sync(cfg, report), lambda report: _run_async(cfg, report)
+    with _ray_cluster(cfg.ray) as leftover_actors:
+        report = run_kind(
+            cfg.kind,
+            lambda report: _run_sync(cfg, report),
+            lambda report: _run_async(cfg, report),
+            gone_within=RAY_GONE_S if cfg.ray else 0.0,
+        )
+        for what in leftover_actors():
+            report.problem(what)
+    return report
+
+
+@contextlib.contextmanager
+def _ray_cluster(on: bool) -> Iterator[Callable[[], list[str]]]:
+    """With *on*, a local Ray cluster of its own for the soak (``RAY_CPUS`` CPUs, no
+    dashboard: as tests/stage/test_ray.py starts one), shut down on the way out; yields
+    the check of what the pool left on it after its shutdown (:func:`_ray_leftovers`)."""
+    if not on:
+        yield list
+        return
+    import ray
+
+    ray.init(
+        address="local",  # its own, never the latest local cluster of another process
+        num_cpus=RAY_CPUS,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
     )
+    try:
+        yield _ray_leftovers
+    finally:
+        ray.shutdown()
+
+
+def _ray_leftovers() -> list[str]:
+    """After the pool's shutdown: a stage actor that Ray still lists as alive, or CPUs of
+    the cluster still held, within ``RAY_GONE_S``; each as a problem."""
+    ray: Any = importlib.import_module("ray")  # untyped
+    state: Any = importlib.import_module("ray._private.state")  # the actor table (private)
+
+    def found() -> list[str]:
+        alive = [
+            info.get("ActorID", "?")
+            for info in state.actors().values()
+            if info.get("State") == "ALIVE" and info.get("ActorClassName") == "_StageActor"
+        ]
+        free = ray.available_resources().get("CPU", 0.0)
+        return [f"stage actor {a} is alive after the shutdown" for a in alive] + (
+            [] if free == RAY_CPUS else [f"{RAY_CPUS - free:g} CPUs of the cluster still held"]
+        )
+
+    until = time.monotonic() + RAY_GONE_S
+    while (left := found()) and time.monotonic() < until:
+        time.sleep(0.1)
+    return left
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,17 +444,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=Config.replicas)
     parser.add_argument("--no-membership", action="store_true")
     parser.add_argument("--no-kills", action="store_true")
+    parser.add_argument(
+        "--ray", action="store_true", help="place the replicas on a local Ray cluster"
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=Config.heartbeat_timeout,
+        help="on Ray: presume a silent replica dead after this; at most 4 s, a freeze "
+        "counts as a kill for the requests near it",
+    )
     args = parser.parse_args(argv)
     cfg = Config(
         **ChaosConfig.settings(args),
         replicas=args.replicas,
         membership=not args.no_membership,
         kills=not args.no_kills,
+        ray=args.ray,
+        heartbeat_timeout=args.heartbeat_timeout,
     )
     t0 = time.monotonic()
     report = run(cfg)
     took = time.monotonic() - t0
-    text, ok = report.render(f"soak_pool: {took:.1f} s, {cfg.kind}, seed {cfg.seed}")
+    where = ", on Ray" if cfg.ray else ""
+    text, ok = report.render(f"soak_pool: {took:.1f} s, {cfg.kind}{where}, seed {cfg.seed}")
     print(text)
     return 0 if ok else 1
 

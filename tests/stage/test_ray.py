@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import signal
@@ -329,6 +330,125 @@ def test_a_silent_stage_is_dead_after_the_heartbeat_timeout() -> None:
     finally:
         os.kill(pid, signal.SIGCONT)
         client.close()  # shutdown ignored by a stage it cannot reach: ray.kill
+    assert no_actor_left()
+
+
+def test_a_stage_presumed_dead_is_killed_at_its_close_without_waiting() -> None:
+    # Presumed dead by its heartbeat (a stopped actor, which Ray believes alive), the stage
+    # was sent no shutdown: the close kills its actor at once, instead of waiting 5 s for
+    # an exit nobody asked for and 1 s more after an actor.stop it cannot take.
+    client = launch_on_ray(
+        COUNTDOWN, placement=SMALL, heartbeat_interval=0.2, heartbeat_timeout=3.0
+    )
+    stage = ray_stage(client)
+    os.kill(stage.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(EngineDeadError, match="presumed dead"):
+            client.call_utility("div", 1, 2, timeout=10)
+        start = time.monotonic()
+        client.close()
+        assert time.monotonic() - start < 3.0  # 6 s before
+        assert stage.wait_exit(0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stage.process.pid, signal.SIGCONT)
+    assert no_actor_left()
+
+
+def test_a_pool_replica_presumed_dead_is_killed_at_once_and_restarts() -> None:
+    # The pool soak's case (benchmarks/soak_pool.py --ray): a replica stopped past its
+    # heartbeat timeout is dead for the pool; its actor is ray.kill-ed as soon as that is
+    # heard (it held its resources 6 s more before), and the replica is placed again.
+    from enginecore.stage import AsyncStagePool
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch_on_ray(
+            COUNTDOWN,
+            replicas=1,
+            placement=SMALL,
+            restart=RestartPolicy(first_delay=0.05),
+            heartbeat_interval=0.2,
+            heartbeat_timeout=3.0,
+        )
+        async with pool:
+            (replica,) = pool.replicas
+            old = ray_stage(replica._client)
+            os.kill(old.process.pid, signal.SIGSTOP)
+            try:
+                stream = await pool.add("r1", 10**9)
+                with pytest.raises(ReplicaDeadError, match="presumed dead"):
+                    await stream.collect(timeout=10)
+                assert await asyncio.to_thread(old.wait_exit, 3.0)  # 6 s before
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(old.process.pid, signal.SIGCONT)
+            assert await asyncio.to_thread(
+                wait_until,
+                lambda: replica.state is ReplicaState.SERVING and replica.pid != old.process.pid,
+                30.0,
+            )
+            stream = await pool.add("r2", 3)
+            assert await stream.collect(timeout=10) == [2, 1, 0]
+
+    asyncio.run(main())
+    assert no_actor_left()
+
+
+def test_a_replica_presumed_dead_while_it_drains_is_killed_then() -> None:
+    # remove_replica(drain=True) waits for the replica's exit; a replica that stops
+    # answering meanwhile will not exit: once the heartbeat presumes it dead, its requests
+    # end as dead (not closed: the drain let them run on) and its actor is killed, and the
+    # removal returns, instead of waiting out the drain's timeout and 1 s after actor.stop.
+    beat: dict[str, Any] = {"heartbeat_interval": 0.2, "heartbeat_timeout": 3.0}
+    with StagePool.launch_on_ray(COUNTDOWN, placement=SMALL, **beat) as pool:
+        (r0,) = pool.replicas
+        stage = ray_stage(r0._client)
+        stream = pool.add("long", 10**9)
+        assert stream.get(timeout=10) == 10**9 - 1
+        r1 = pool.add_replica(COUNTDOWN, ray=SMALL, **beat)
+        os.kill(stage.process.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            pool.remove_replica(r0, drain=True, timeout=30)
+            assert time.monotonic() - start < 12  # 31 s before
+            assert stage.wait_exit(0)
+            with pytest.raises(ReplicaDeadError, match="presumed dead"):
+                stream.collect(timeout=10)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stage.process.pid, signal.SIGCONT)
+        assert pool.call_utility("div", 1, 2, replica=r1) == 0.5
+    assert no_actor_left()
+
+
+def test_an_async_pool_replica_presumed_dead_while_it_drains_is_killed_then() -> None:
+    # The asyncio twin of the test above (the AsyncStageClient's close awaits the exit).
+    from enginecore.stage import AsyncStagePool
+
+    beat: dict[str, Any] = {"heartbeat_interval": 0.2, "heartbeat_timeout": 3.0}
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch_on_ray(COUNTDOWN, placement=SMALL, **beat)
+        async with pool:
+            (r0,) = pool.replicas
+            stage = ray_stage(r0._client)
+            stream = await pool.add("long", 10**9)
+            assert await stream.get(timeout=10) == 10**9 - 1
+            r1 = await pool.add_replica(COUNTDOWN, ray=SMALL, **beat)
+            os.kill(stage.process.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                await pool.remove_replica(r0, drain=True, timeout=30)
+                assert time.monotonic() - start < 12  # 31 s before
+                assert stage.wait_exit(0)
+                with pytest.raises(ReplicaDeadError, match="presumed dead"):
+                    await stream.collect(timeout=10)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stage.process.pid, signal.SIGCONT)
+            assert await pool.call_utility("div", 1, 2, replica=r1) == 0.5
+
+    asyncio.run(main())
     assert no_actor_left()
 
 

@@ -754,6 +754,31 @@ class TestHeartbeat:
             == "stage process 42: no heartbeat from tcp://127.0.0.1:5570 for 5.0 s; presumed dead"
         )
         assert s.tick(200.0) == (None, None, None)
+        assert s.presumed_dead  # an owner kills it at its close, without waiting
+
+    def test_presumed_dead_during_a_drain_is_a_death(self) -> None:
+        # A drain lets the live requests run to their end: a stage that stops answering
+        # meanwhile (stopped, cut off) fails them as dead (a pool: ReplicaDeadError), as a
+        # process that exits during the drain does; found by soak_pool --ray with freezes
+        # past the heartbeat timeout of replicas being removed.
+        s = session(launched=True, heartbeat=(1.0, 5.0), now=0.0)
+        assert s.begin_close(drain=True)
+        s.tick(5.0)
+        assert isinstance(s.failure, EngineDeadError)
+        assert "presumed dead" in str(s.failure)
+        assert s.presumed_dead
+
+    def test_presumed_dead_during_a_plain_close_is_a_closed_client(self) -> None:
+        s = session(launched=True, heartbeat=(1.0, 5.0), now=0.0)
+        assert s.begin_close()
+        s.tick(5.0)
+        assert isinstance(s.failure, StageClosedError)
+
+    def test_only_the_heartbeat_presumes_a_stage_dead(self) -> None:
+        s = session(launched=False, heartbeat=(1.0, 5.0), now=0.0)
+        s.fail(EngineDeadError("its process exited"), 1.0)
+        s.tick(10.0)  # past the heartbeat timeout, but the session had failed already
+        assert not s.presumed_dead
 
     def test_every_frame_is_a_sign_of_life(self) -> None:
         s = session(launched=False, heartbeat=(1.0, 5.0), now=0.0)

@@ -47,6 +47,24 @@ def test_a_short_pool_soak_under_kills_freezes_and_membership_changes(kind: str)
     assert report.pids
 
 
+@pytest.mark.timeout(120)
+def test_a_short_pool_soak_on_ray_under_kills_freezes_and_membership_changes() -> None:
+    # The pool soak with its replicas on a local Ray cluster of the soak's own (--ray): the
+    # killer signals the actors' processes, the pool hears their deaths through Ray, places
+    # them again, and adds replicas on Ray; after the shutdown no stage actor is alive and
+    # every CPU of the cluster is free (and ray.shutdown leaves no child process).
+    cfg = soak_pool.Config(seconds=10, quiet=3, kind="sync", seed=5, freeze_share=0.3, ray=True)
+    report = soak_pool.run(cfg)
+    assert not report.problems, report.problems
+    assert report.last_wave == 16
+    assert sum(report.kills.values()) >= 3, report.kills
+    assert sum(report.restarts.values()) >= 1, report.restarts
+    assert report.membership["added"] >= 1, report.membership
+    assert report.ends["finished"] > 100, report.ends
+    assert report.ends["aborted"] > 0, report.ends
+    assert report.pids
+
+
 def test_a_request_left_hanging_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     # The mutation: a replica's death no longer ends the requests routed through it.
     real = PipelineCore.replica_dead

@@ -620,9 +620,10 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                 timeout += drain
             launched = self._launched
             if launched is not None:
-                if not await _until_set(self._exited, timeout):
+                presumed = self._session.presumed_dead
+                if not await _until_set(self._exited, _clientbase.exit_wait(presumed, timeout)):
                     self._session.escalating()
-                    for sig, wait in _clientbase.escalate(self._session.pid):
+                    for sig, wait in _clientbase.escalate(self._session.pid, presumed):
                         launched.send_signal(sig)
                         if await _until_set(self._exited, wait):
                             break
@@ -678,6 +679,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             logger.warning("enginecore: %s", message)
         if d.over:
             self._over.set()
+            self._kill_if_presumed_dead()
         sink = self._event_sink
         if sink is not None:
             sink()

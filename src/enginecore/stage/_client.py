@@ -825,10 +825,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             timeout += drain
         launched = self._launched
         if launched is not None:
-            if not launched.wait_exit(timeout):
+            presumed = self._session.presumed_dead
+            if not launched.wait_exit(_clientbase.exit_wait(presumed, timeout)):
                 with self._lock:
                     self._session.escalating()
-                for sig, wait in _clientbase.escalate(self._session.pid):
+                for sig, wait in _clientbase.escalate(self._session.pid, presumed):
                     launched.send_signal(sig)
                     if launched.wait_exit(wait):
                         break
@@ -918,6 +919,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             logger.warning("enginecore: %s", message)
         if d.over:
             self._over.set()
+            self._kill_if_presumed_dead()
         sink = self._event_sink
         if sink is not None:
             sink()

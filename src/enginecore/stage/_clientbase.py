@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
@@ -292,6 +293,19 @@ class ClientBase(Generic[S, W]):
                 self._send(frame)
         return alive
 
+    def _kill_if_presumed_dead(self) -> None:
+        """The session is over (``Deliveries.over``): if the heartbeat presumed the stage
+        dead while a close waited for its exit (a drain), that exit will not come: kill it
+        now (``ray.kill`` on Ray), on a thread of its own, so that the close goes on at once
+        and the thread applying this (a receiver, an event loop) is not held by Ray."""
+        session = self._session
+        launched = self._launched
+        if launched is None or not (session.presumed_dead and session.closing):
+            return
+        threading.Thread(
+            target=_kill_quietly, args=(launched,), name="enginecore-kill", daemon=True
+        ).start()
+
     def _fail_closed(self) -> None:
         """The end of a close: whoever still waits gets :class:`StageClosedError` (or, if
         the process died during a drain, that death's error: ``ClientSession.end_error``)."""
@@ -437,9 +451,29 @@ def close_sockets(ctx: zmq.Context[Any], *socks: zmq.Socket[Any] | None) -> None
     ctx.term()
 
 
-def escalate(pid: int | None) -> Iterator[tuple[signal.Signals, float | None]]:
+def _kill_quietly(launched: Launched) -> None:
+    with contextlib.suppress(OSError):
+        launched.send_signal(signal.SIGKILL)
+
+
+def exit_wait(presumed_dead: bool, timeout: float) -> float:
+    """How long a close waits for a launched stage's exit before :func:`escalate`:
+    *timeout*, or nothing for a stage the heartbeat presumed dead (a stage placed on Ray
+    that stopped answering): it was sent no ``shutdown``, and its process, if it runs on,
+    is stopped or cut off."""
+    return 0.0 if presumed_dead else timeout
+
+
+def escalate(
+    pid: int | None, presumed_dead: bool = False
+) -> Iterator[tuple[signal.Signals, float | None]]:
     """The steps after a launched stage ignored ``shutdown``: each signal to send, and how
-    long to wait for the exit after it (``None``: as long as it takes)."""
+    long to wait for the exit after it (``None``: as long as it takes). A stage the
+    heartbeat presumed dead gets SIGKILL at once (``ray.kill`` on Ray)."""
+    if presumed_dead:
+        logger.warning("enginecore: stage %s presumed dead; SIGKILL", pid)
+        yield signal.SIGKILL, None
+        return
     logger.warning("enginecore: stage %s ignored shutdown; SIGTERM", pid)
     yield signal.SIGTERM, 1.0
     logger.warning("enginecore: stage %s ignored SIGTERM; SIGKILL", pid)

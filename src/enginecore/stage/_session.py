@@ -579,6 +579,9 @@ class ClientSession(Generic[S, W]):
         # a launched process that exits on its own before its last event died then.
         self._drain_close = False
         self._escalated = False
+        # The heartbeat presumed the stage dead (its process may run on, unreachable or
+        # stopped): a client that owns it kills it at its close, without waiting for it.
+        self._presumed_dead = False
         self._fatal: str | None = None  # the fatal event's message, if one came
         # The ordered event stream (None when off): events in the stage's order, then at
         # most one End. Consumers pop from it; _events_waiting as StreamCore._waiting.
@@ -683,6 +686,14 @@ class ClientSession(Generic[S, W]):
     def last_heard(self) -> float:
         """When the last frame from the stage arrived (a ``time.monotonic()`` reading)."""
         return self._last_heard
+
+    @property
+    def presumed_dead(self) -> bool:
+        """Whether the session failed because the heartbeat presumed the stage dead: its
+        process may still run (stopped, or cut off). A client that owns the stage (placed
+        on Ray) kills it at its close at once: it was never asked to exit, so waiting for
+        its exit would only hold its resources and delay a pool's restart."""
+        return self._presumed_dead
 
     @property
     def release_due(self) -> bool:
@@ -1254,7 +1265,8 @@ class ClientSession(Generic[S, W]):
             dead_at = self._last_heard + timeout
             if now >= dead_at:
                 reason = f"no heartbeat from {self.address} for {timeout} s; presumed dead"
-                d = self.fail(self.end_error(reason=reason), now)
+                d = self.fail(self.end_error(reason=reason, presumed=True), now)
+                self._presumed_dead = d is not None
                 self._release_due = not self._closing
                 return None, None, d
         d = None
@@ -1433,6 +1445,7 @@ class ClientSession(Generic[S, W]):
         exit_code: int | None = None,
         remote_shutdown: bool = False,
         reason: str | None = None,
+        presumed: bool = False,
     ) -> StageClosedError | EngineDeadError:
         """What every waiter gets once the stage is gone: :class:`StageClosedError` if this
         client was closing it, else an :class:`EngineDeadError` whose message says all we
@@ -1440,12 +1453,12 @@ class ClientSession(Generic[S, W]):
 
         A shutdown with drain lets the live requests run to their end: a launched process
         that exits before its last event, unless the client signalled it after the drain and
-        the timeout, died during the drain, and its requests get that death's
-        :class:`EngineDeadError` (a replica pool's, :class:`ReplicaDeadError`), not
-        :class:`StageClosedError`."""
+        the timeout, died during the drain, and so did a stage the heartbeat presumes dead
+        (*presumed*) during it; their requests get that death's :class:`EngineDeadError`
+        (a replica pool's, :class:`ReplicaDeadError`), not :class:`StageClosedError`."""
         died_draining = (
             self._drain_close
-            and self._exited
+            and (self._exited or presumed)
             and not self._escalated
             and not remote_shutdown
             and self._state is not StageState.STOPPED
