@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "KILL_SEEN_S",
+    "LONGEST_FREEZE_S",
     "ChaosConfig",
     "Ids",
     "Life",
@@ -35,6 +36,9 @@ __all__ = [
     "wave_async",
     "wave_sync",
 ]
+
+LONGEST_FREEZE_S = 3.0
+"""The longest SIGSTOP freeze of the :func:`killer` (the shortest: 0.1 s)."""
 
 KILL_SEEN_S = 2.0
 """A request may fail with its process's death if a process was killed at most this long
@@ -57,6 +61,7 @@ class Report:
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     kills: collections.Counter[str] = field(default_factory=collections.Counter)
     freezes: collections.Counter[str] = field(default_factory=collections.Counter)
+    presumed: int = 0  # requests that ended dead because the heartbeat presumed a stage dead
     membership: collections.Counter[str] = field(default_factory=collections.Counter)
     problems: list[str] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
@@ -92,7 +97,8 @@ class Report:
             f"  ends: {dict(self.ends)}",
             f"  refused at add: {dict(self.refused)}",
             f"  kills: {dict(self.kills)}; restarts: {self.restarts}",
-            f"  freezes: {dict(self.freezes)}",
+            f"  freezes: {dict(self.freezes)}"
+            + (f"; requests ended by a presumed death: {self.presumed}" if self.presumed else ""),
             *([f"  membership: {dict(self.membership)}"] if self.membership else []),
             f"  last wave: {self.last_wave}/{waves} complete",
         ]
@@ -153,6 +159,9 @@ class Life:
             report.problem(f"{rid}: aborted, but the soak did not abort it")
         elif how == "dead" and report.last_kill < self.added - KILL_SEEN_S:
             report.problem(f"{rid}: {exc!r}, with no kill near its life")
+        if how == "dead" and "presumed dead" in str(exc):
+            with report._lock:
+                report.presumed += 1
         elif how == "hung":
             report.problem(
                 f"{rid}: no end within the deadline (n={self.n}, got {len(self.got)}, {where})"
@@ -187,8 +196,10 @@ def killer(
     freeze it (SIGSTOP) for 0.1 to 3 s while the chaos goes on. Every frozen process is
     thawed (SIGCONT) before this returns. With *freezes_kill* (a freeze may outlast the
     heartbeat timeout: the client presumes the stage dead), a freeze counts as a kill for
-    the requests near it (``report.last_kill``)."""
+    the requests near it (``report.last_kill``), and the first freeze lasts the longest
+    (3 s), so that a soak with a short heartbeat timeout always takes that path once."""
     frozen: dict[int, float] = {}  # pid: when to thaw it
+    longest_first = freezes_kill
 
     def thaw(now: float) -> None:
         for pid, at in list(frozen.items()):
@@ -213,7 +224,10 @@ def killer(
             key, pid = rng.choice(up)
             with contextlib.suppress(ProcessLookupError):
                 if rng.random() < freeze_share:
-                    frozen[pid] = time.monotonic() + rng.uniform(0.1, 3.0)
+                    hold = rng.uniform(0.1, LONGEST_FREEZE_S)
+                    if longest_first:
+                        hold, longest_first = LONGEST_FREEZE_S, False
+                    frozen[pid] = time.monotonic() + hold
                     if freezes_kill:
                         report.last_kill = time.monotonic()
                     os.kill(pid, signal.SIGSTOP)

@@ -33,7 +33,8 @@ starts (``RAY_CPUS`` logical CPUs, a quarter of one per replica; shut down at th
 ``StagePool.launch_on_ray``, ``add_replica(..., ray=RayPlacement(...))``, heartbeats every
 0.25 s instead of pings, presumed dead after ``--heartbeat-timeout`` (6 s, longer than the
 longest freeze; at 4 s or less a freeze may end in a presumed death, and counts as a kill
-for the requests near it). The killer signals
+for the requests near it, and the first freeze lasts the longest, 3 s, so that one does;
+the report counts the requests so ended). The killer signals
 the Ray actor's process, whose pid is the replica's ``pid`` (the stage runs in it, and says
 so in its handshake). The seconds count once the pool serves, its launch aside. At
 the end, besides the processes: no stage actor alive in Ray's actor table, and every CPU of
@@ -56,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ._soak_chaos import (
+    LONGEST_FREEZE_S,
     ChaosConfig,
     Report,
     Rules,
@@ -89,8 +91,8 @@ RAY_CPUS = 8
 RAY_ACTOR_CPUS = 0.25
 # A Ray replica's liveness is its heartbeat (no ping_interval): every PING_S, so that a
 # frozen one leaves the routing as fast as a launched one; presumed dead after
-# Config.heartbeat_timeout without a frame: by default longer than the longest freeze.
-LONGEST_FREEZE_S = 3.0
+# Config.heartbeat_timeout without a frame: by default longer than the longest freeze
+# (LONGEST_FREEZE_S).
 # How long a Ray actor's process may take to go after the pool's shutdown: Ray ends it
 # (ray.kill) in its own time, not the pool.
 RAY_GONE_S = 15.0

@@ -65,6 +65,26 @@ def test_a_short_pool_soak_on_ray_under_kills_freezes_and_membership_changes() -
     assert report.pids
 
 
+@pytest.mark.timeout(120)
+def test_a_short_pool_soak_on_ray_whose_heartbeat_presumes_frozen_replicas_dead() -> None:
+    # The same with a heartbeat timeout (2 s) shorter than the longest freeze (3 s, the
+    # soak's first freeze then): a frozen replica is presumed dead, killed and placed again
+    # while the pool serves, drains and removes replicas around it. Its requests end with a
+    # ReplicaDeadError that says so, and nothing else may go wrong (the three bugs of this
+    # path that the soak found are in docs/soak.md).
+    cfg = soak_pool.Config(
+        seconds=10, quiet=3, kind="async", seed=7, freeze_share=0.5, ray=True,
+        heartbeat_timeout=2.0,
+    )  # fmt: skip
+    report = soak_pool.run(cfg)
+    assert not report.problems, report.problems
+    assert report.last_wave == 16
+    assert sum(report.freezes.values()) >= 1, report.freezes
+    assert report.presumed >= 1, (report.presumed, report.ends, report.events)
+    assert report.ends["finished"] > 100, report.ends
+    assert report.pids
+
+
 def test_a_request_left_hanging_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     # The mutation: a replica's death no longer ends the requests routed through it.
     real = PipelineCore.replica_dead
