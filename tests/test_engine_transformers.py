@@ -457,6 +457,17 @@ BAD: list[tuple[Any, str]] = [
     ({"prompt": [5], "top_p": 0}, "top_p"),
     ({"prompt": [5], "top_p": 1.5}, "top_p"),
     ({"prompt": [5], "seed": "x"}, "seed"),
+    # Out of a C integer's range: a rejection, not an OverflowError or ValueError from float()
+    # or torch (an exception other than RequestRejected from add would be fatal in a stage).
+    ({"prompt": [5], "temperature": 10**400}, "temperature"),
+    ({"prompt": [5], "top_p": -(10**400)}, "top_p"),
+    ({"prompt": [5], "seed": 2**64, "temperature": 1.0}, "seed"),
+    ({"prompt": [5], "seed": -(2**63) - 1}, "seed"),
+    ({"prompt": [5], "stop_token_ids": 0}, "stop_token_ids"),
+    # Too many digits for repr() (ValueError): the message still names the parameter.
+    ({"prompt": [5], "max_tokens": 10**5000}, "max_tokens"),
+    ({"prompt": [5, 10**5000]}, "out of the vocabulary"),
+    ({"prompt": [5], "temperature": 10**5000}, "temperature"),
     ({"prompt": [5], "stop_token_ids": [VOCAB]}, "out of the vocabulary"),
     ({"prompt": [5], "stop_token_ids": 3}, "stop_token_ids"),
 ]

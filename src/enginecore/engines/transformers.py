@@ -59,6 +59,8 @@ __all__ = ["TransformersEngine", "make_random_model"]
 #: Keys a request dict may have.
 REQUEST_KEYS = frozenset({"prompt", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids"})
 _ATTN_NAME = "enginecore_rows"
+#: The seeds ``torch.Generator.manual_seed`` takes.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 Output = tuple[str, dict[str, Any], bool]
 
@@ -462,7 +464,7 @@ class TransformersEngine:
 
     def _parse(self, rid: str, data: Any) -> _Request:
         if not isinstance(data, dict):
-            raise RequestRejected(f"a request is a dict with a 'prompt', got {data!r:.100}")
+            raise RequestRejected(f"a request is a dict with a 'prompt', got {_show(data)}")
         unknown = set(data) - REQUEST_KEYS
         if unknown:
             raise RequestRejected(
@@ -482,18 +484,18 @@ class TransformersEngine:
             ids = list(prompt)
         else:
             raise RequestRejected(
-                f"'prompt' must be a list of token ids or a str, got {prompt!r:.100}"
+                f"'prompt' must be a list of token ids or a str, got {_show(prompt)}"
             )
         if not ids:
             raise RequestRejected("the prompt is empty")
         _check_ids(ids, self.vocab_size, "prompt")
         max_tokens = data.get("max_tokens", 16)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestRejected(f"'max_tokens' must be an int >= 1, got {max_tokens!r:.100}")
+            raise RequestRejected(f"'max_tokens' must be an int >= 1, got {_show(max_tokens)}")
         if len(ids) + max_tokens > self.max_positions:
             raise RequestRejected(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                f"{self.max_positions} positions"
+                f"prompt ({len(ids)} tokens) + max_tokens ({_show(max_tokens)}) exceeds the "
+                f"model's {self.max_positions} positions"
             )
         temperature = _number(data.get("temperature", 0.0), "temperature")
         if temperature < 0:
@@ -502,11 +504,17 @@ class TransformersEngine:
         if not 0 < top_p <= 1:
             raise RequestRejected(f"'top_p' must be in (0, 1], got {top_p!r}")
         seed = data.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestRejected(f"'seed' must be an int or None, got {seed!r:.100}")
-        stop_ids = data.get("stop_token_ids") or []
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX
+        ):
+            raise RequestRejected(
+                f"'seed' must be an int in [-2**63, 2**64 - 1] or None, got {_show(seed)}"
+            )
+        stop_ids = data.get("stop_token_ids")
+        if stop_ids is None:
+            stop_ids = []
         if not isinstance(stop_ids, list | tuple):
-            raise RequestRejected(f"'stop_token_ids' must be a list of ints, got {stop_ids!r:.100}")
+            raise RequestRejected(f"'stop_token_ids' must be a list of ints, got {_show(stop_ids)}")
         _check_ids(list(stop_ids), self.vocab_size, "stop_token_ids")
         reserve = len(ids) + max_tokens
         if reserve > self.kv_budget:
@@ -647,15 +655,32 @@ class TransformersEngine:
 def _check_ids(ids: list[Any], vocab: int, what: str) -> None:
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int):
-            raise RequestRejected(f"'{what}' must hold ints (token ids), got {t!r:.100}")
+            raise RequestRejected(f"'{what}' must hold ints (token ids), got {_show(t)}")
         if not 0 <= t < vocab:
-            raise RequestRejected(f"token id {t} in '{what}' is out of the vocabulary [0, {vocab})")
+            raise RequestRejected(
+                f"token id {_show(t)} in '{what}' is out of the vocabulary [0, {vocab})"
+            )
+
+
+def _show(value: Any) -> str:
+    """*value*'s repr for a message, cut at 100 characters; an int too long for ``repr`` (over
+    ``sys.get_int_max_str_digits()`` digits: ``ValueError``) is shown by its size."""
+    try:
+        return f"{value!r:.100}"
+    except ValueError:
+        return f"<{type(value).__name__} too large to show>"
 
 
 def _number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestRejected(f"'{name}' must be a finite number, got {value!r:.100}")
-    return float(value)
+    if not isinstance(value, bool) and isinstance(value, int | float):
+        try:
+            number = float(value)  # an int too large for a float raises OverflowError
+        except OverflowError:
+            pass
+        else:
+            if math.isfinite(number):
+                return number
+    raise RequestRejected(f"'{name}' must be a finite number, got {_show(value)}")
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
