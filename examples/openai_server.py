@@ -22,6 +22,16 @@ numbers). Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "
 400 for a bad parameter or a request the engine refused, 404 for another model's name, 503
 when the stage is dead.
 
+Parameters: ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``, ``top_p``,
+``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
+(``include_usage``) are honoured. Every other parameter of OpenAI's API is refused with a 400
+naming it (``param``) when it asks for something (``echo``, ``logprobs`` (0 included),
+``logit_bias``, penalties, ``response_format`` other than text, tools, ``best_of``,
+``suffix``, ...), and accepted when it asks for nothing or cannot change the tokens (``user``,
+``metadata``, ``store``, ``tool_choice: "none"``, ...). A parameter OpenAI's API does not
+have (another server's extension, such as ``top_k`` or ``min_tokens``) is refused as
+unrecognized, as OpenAI refuses it.
+
 A client that disconnects, during a stream or while it waits for a whole completion, has its
 request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open streams get
 ``--graceful-timeout`` seconds), then shuts the stage down: no process is left.
@@ -167,12 +177,24 @@ def _stage_error(exc: BaseException) -> ApiError:
 # -- parameters ------------------------------------------------------------------------------
 
 
-def _int(body: dict[str, Any], key: str, default: int | None, least: int) -> int | None:
+#: The integers the stage's wire (msgpack) carries: a JSON integer is unbounded.
+WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1
+
+
+def _show(value: Any) -> str:
+    """*value* for a message: its JSON, cut at 100 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _int(
+    body: dict[str, Any], key: str, default: int | None, least: int, most: int = WIRE_INT_MAX
+) -> int | None:
     value = body.get(key)
     if value is None:
         return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise _bad(f"{key} must be an integer >= {least}, got {value!r}", key)
+    if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+        raise _bad(f"{key} must be an integer in [{least}, {most}], got {_show(value)}", key)
     return value
 
 
@@ -181,8 +203,45 @@ def _number(body: dict[str, Any], key: str, default: float, low: float, high: fl
     if value is None:
         return default
     if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
-        raise _bad(f"{key} must be a number in [{low}, {high}], got {value!r}", key)
+        raise _bad(f"{key} must be a number in [{low}, {high}], got {_show(value)}", key)
     return float(value)
+
+
+#: The parameters each endpoint takes: honoured, or refused by UNSUPPORTED when set to
+#: anything that would change the result, or (user, metadata, ...) without effect on it.
+_COMMON_PARAMETERS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n"}
+_COMMON_PARAMETERS |= {"stream", "stream_options", "user", "logprobs", "logit_bias"}
+_COMMON_PARAMETERS |= {"presence_penalty", "frequency_penalty"}
+COMPLETION_PARAMETERS = frozenset(_COMMON_PARAMETERS | {"prompt", "echo", "best_of", "suffix"})
+CHAT_PARAMETERS = frozenset(
+    _COMMON_PARAMETERS
+    | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+    | {"parallel_tool_calls", "functions", "function_call", "response_format", "audio"}
+    | {"modalities", "metadata", "store", "service_tier", "prediction", "reasoning_effort"}
+    | {"verbosity", "web_search_options", "prompt_cache_key", "safety_identifier"}
+)
+#: Parameters this server does not honour, and the values of them that ask for nothing (None,
+#: the default, or an explicit "off"): any other value is a 400 naming the parameter.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "echo": lambda v: v not in (None, False),
+    "best_of": lambda v: v not in (None, 1),
+    "suffix": lambda v: v not in (None, ""),
+    "logprobs": lambda v: v is not None and v is not False,  # 0 asks for the chosen tokens'
+    "top_logprobs": lambda v: v is not None,
+    "logit_bias": lambda v: v not in (None, {}),
+    "presence_penalty": lambda v: v is not None and (isinstance(v, bool) or v != 0),
+    "frequency_penalty": lambda v: v is not None and (isinstance(v, bool) or v != 0),
+    "tools": lambda v: v not in (None, []),
+    "functions": lambda v: v not in (None, []),
+    "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "function_call": lambda v: v not in (None, "none", "auto"),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+    "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "reasoning_effort": lambda v: v is not None,
+    "verbosity": lambda v: v is not None,
+    "web_search_options": lambda v: v is not None,
+}
 
 
 class Sampling:
@@ -199,7 +258,7 @@ class Sampling:
         if top_p == 0:
             raise _bad("top_p must be > 0", "top_p")
         self.top_p = top_p
-        self.seed = _int(body, "seed", None, -(2**63))
+        self.seed = _int(body, "seed", None, WIRE_INT_MIN)
         stop = body.get("stop")
         if stop is None:
             stop = []
@@ -215,20 +274,18 @@ class Sampling:
             raise _bad("stream must be a boolean", "stream")
         self.stream = stream
         options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise _bad("stream_options must be an object", "stream_options")
-        self.include_usage = bool(options.get("include_usage", False))
-        unsupported: dict[str, Callable[[Any], bool]] = {
-            "echo": lambda v: v is True,
-            "best_of": lambda v: v not in (None, 1),
-            "suffix": lambda v: v is not None,
-            "logprobs": lambda v: v not in (None, False),
-            "top_logprobs": lambda v: v is not None,
-            "tools": bool,
-            "functions": bool,
-        }
-        for key, used in unsupported.items():
-            if used(body.get(key)):
+        include_usage = options.get("include_usage", False) if isinstance(options, dict) else None
+        if not isinstance(include_usage, bool):
+            raise _bad(
+                'stream_options must be an object like {"include_usage": true}', "stream_options"
+            )
+        self.include_usage = include_usage
+        known = CHAT_PARAMETERS if chat else COMPLETION_PARAMETERS
+        unknown = sorted(str(key) for key in body if key not in known)
+        if unknown:
+            raise _bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        for key, used in UNSUPPORTED.items():
+            if key in known and used(body.get(key)):
                 raise _bad(f"{key} is not supported by this server", key)
 
     def engine_data(self, prompt: list[int], stop_token_ids: list[int]) -> dict[str, Any]:
@@ -553,7 +610,8 @@ class Server:
         if isinstance(prompt, str):
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= WIRE_INT_MAX
+            for t in prompt
         ):
             ids = prompt
         else:
@@ -584,6 +642,8 @@ class Server:
             stream = await self.stage.add(req_id, sampling.engine_data(prompt, stop_ids))
         except (EngineDeadError, StageClosedError) as exc:
             raise _stage_error(exc) from exc
+        except TypeError as exc:  # a value the wire cannot carry (checked above: a backstop)
+            raise _bad(f"the request cannot be sent to the model's stage: {exc}"[:300]) from exc
         gen = Generation(self, stream, prompt, sampling, stop_ids)
         try:
             # The first output (or the engine's refusal) before any header: a refused

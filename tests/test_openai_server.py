@@ -355,6 +355,74 @@ class TestEndpoints:
             assert _body(info.value)["type"] == "invalid_request_error", kwargs
 
     @pytest.mark.timeout(30)
+    def test_parameters_that_would_change_the_result_are_refused_by_name(
+        self, server: Served
+    ) -> None:
+        # Not honoured, so never silently ignored: each is a 400 whose param names it. Those
+        # that cannot change the tokens (user, metadata, ...) are accepted.
+        completions: list[tuple[dict[str, Any], str]] = [
+            ({"logprobs": 0}, "logprobs"),  # 0 asks for the chosen tokens' logprobs
+            ({"logit_bias": {"7": 100}}, "logit_bias"),
+            ({"presence_penalty": 1.0}, "presence_penalty"),
+            ({"frequency_penalty": -0.5}, "frequency_penalty"),
+            ({"min_tokens": 4}, "min_tokens"),  # another server's extension: unknown here
+            ({"ignore_eos": True}, "ignore_eos"),
+            ({"stream_options": {"include_usage": "no"}}, "stream_options"),
+        ]
+        chat: list[tuple[dict[str, Any], str]] = [
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"top_k": 3}, "top_k"),
+        ]
+        for path, base, cases in (
+            ("/v1/completions", {"prompt": PROMPT}, completions),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}, chat),
+        ):
+            for extra, param in cases:
+                body = {"model": "tiny-words", "max_tokens": 4, **base, **extra}
+                reply = httpx.post(server.url + path, json=body, timeout=10)
+                assert reply.status_code == 400, (extra, reply.text)
+                error = reply.json()["error"]
+                assert error["param"] == param, error
+                assert param in error["message"], error
+        fine = {"user": "u", "metadata": {"k": "v"}, "logit_bias": {}, "presence_penalty": 0}
+        reply = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={
+                "model": "tiny-words",
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 2,
+                "response_format": {"type": "text"},
+                "tool_choice": "none",
+                **fine,
+            },
+            timeout=10,
+        )
+        assert reply.status_code == 200, reply.text
+        assert server.wait_idle()["live"] == 0
+
+    @pytest.mark.timeout(30)
+    def test_integers_out_of_the_wires_range_are_400s_not_500s(self, server: Served) -> None:
+        # JSON integers are unbounded; the stage's wire (msgpack) takes -2**63..2**64-1.
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"max_tokens": 10**30}, "max_tokens"),
+            ({"max_tokens": 10**400}, "max_tokens"),  # too large for a float too
+            ({"temperature": 10**400}, "temperature"),
+            ({"seed": 2**64}, "seed"),
+            ({"prompt": [7, 2**70]}, "prompt"),
+        ]
+        for extra, param in cases:
+            for stream in (False, True):
+                body = {"model": "tiny-words", "prompt": PROMPT, "stream": stream, **extra}
+                reply = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
+                assert reply.status_code == 400, (extra, reply.text)
+                error = reply.json()["error"]
+                assert error["type"] == "invalid_request_error", error
+                assert error["param"] == param, error
+                assert len(error["message"]) < 200, error
+        assert server.wait_idle()["live"] == 0
+
+    @pytest.mark.timeout(30)
     def test_a_request_the_engine_refuses_is_a_400(self, server: Served) -> None:
         client = server.client()
         for stream in (False, True):  # streamed too: the refusal comes before any header
