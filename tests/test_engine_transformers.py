@@ -631,6 +631,27 @@ class TestRequests:
         with pytest.raises(FileNotFoundError, match="no-such-model"):
             TransformersEngine(str(missing))
 
+    @pytest.mark.parametrize(
+        ("kwargs", "match"),
+        [
+            ({"max_batch": 0}, "max_batch"),
+            ({"max_batch": 2.5}, "max_batch"),
+            ({"max_batch": True}, "max_batch"),
+            ({"max_prefill_tokens": -1}, "max_prefill_tokens"),
+            ({"kv_budget_tokens": 0}, "kv_budget_tokens"),  # not the default budget
+            ({"kv_budget_tokens": "100"}, "kv_budget_tokens"),
+            ({"dtype": "bogus"}, "dtype"),
+            ({"dtype": "Tensor"}, "dtype"),  # an attribute of torch, not a dtype
+        ],
+    )
+    def test_bad_constructor_arguments_are_named(
+        self, model_path: str, kwargs: dict[str, Any], match: str
+    ) -> None:
+        # Checked before the model is loaded; a ValueError naming the argument (in a stage:
+        # StageStartupError with that message), not a TypeError or AttributeError from inside.
+        with pytest.raises(ValueError, match=match):
+            TransformersEngine(model_path, **kwargs)
+
 
 # -- a launched stage ----------------------------------------------------------------------------
 

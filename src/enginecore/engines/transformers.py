@@ -273,8 +273,12 @@ class TransformersEngine:
         kv_budget_tokens: KV tokens that running requests may reserve together. A request
             reserves ``len(prompt) + max_tokens`` when it is admitted and frees it when it
             ends or is aborted; one that needs more than the whole budget is rejected.
-            Default: ``max_batch * max_position_embeddings``.
+            Default: ``max_batch * min(max_position_embeddings, 65536)``.
         max_batch: most requests running at once (decoded together in one forward pass).
+
+    ``max_batch``, ``max_prefill_tokens`` and ``kv_budget_tokens`` are ints >= 1, and a
+    ``dtype`` name must name a torch dtype: anything else is a :class:`ValueError` naming the
+    argument, before the model is loaded.
         max_prefill_tokens: prompt tokens prefilled per step at most (at least one request is
             always prefilled when one can be admitted), so that long prompts arriving
             together do not stall the running requests' decode for long.
@@ -297,13 +301,21 @@ class TransformersEngine:
         path = os.fspath(model)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model path {path!r} does not exist (or is not a folder)")
-        if max_batch < 1 or max_prefill_tokens < 1:
-            raise ValueError("max_batch and max_prefill_tokens must be >= 1")
+        for name, value in (
+            ("max_batch", max_batch),
+            ("max_prefill_tokens", max_prefill_tokens),
+            ("kv_budget_tokens", 1 if kv_budget_tokens is None else kv_budget_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {_show(value)}")
+        if isinstance(dtype, str):
+            named = getattr(torch, dtype, None)
+            if not isinstance(named, torch.dtype):
+                raise ValueError(f"dtype {dtype!r:.100} is not a torch dtype (e.g. 'float32')")
+            dtype = named
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
         if dtype is None and self.device.type == "cpu":
             dtype = torch.float32
         # Typed Any: the model's config and cache attributes are dynamic in transformers.
@@ -359,9 +371,11 @@ class TransformersEngine:
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
-        self.kv_budget = kv_budget_tokens or max_batch * min(self.max_positions, 1 << 16)
-        if self.kv_budget < 1:
-            raise ValueError("kv_budget_tokens must be >= 1")
+        self.kv_budget = (
+            kv_budget_tokens
+            if kv_budget_tokens is not None
+            else max_batch * min(self.max_positions, 1 << 16)
+        )
         self._waiting: deque[_Request] = deque()
         self._running: dict[str, _Request] = {}
         self._live: set[str] = set()
