@@ -33,8 +33,10 @@ have (another server's extension, such as ``top_k`` or ``min_tokens``) is refuse
 unrecognized, as OpenAI refuses it.
 
 A client that disconnects, during a stream or while it waits for a whole completion, has its
-request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open streams get
-``--graceful-timeout`` seconds), then shuts the stage down: no process is left.
+request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open requests get
+``--graceful-timeout`` seconds; one still running then ends with a 503 in OpenAI's shape, code
+``server_shutting_down``, sent in a stream as its last event before ``[DONE]``), then shuts
+the stage down: no process is left.
 """
 
 from __future__ import annotations
@@ -163,6 +165,12 @@ class ApiError(Exception):
 
 def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def _shutting_down() -> ApiError:
+    """What a request still running when the server stops answers (uvicorn cancels it once
+    ``--graceful-timeout`` has passed)."""
+    return ApiError(503, "the server is shutting down", code="server_shutting_down")
 
 
 def _stage_error(exc: BaseException) -> ApiError:
@@ -444,8 +452,12 @@ class EventStream(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
         async def send_all() -> None:
+            nonlocal started
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            started = True
             async for event in self.events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -454,6 +466,13 @@ class EventStream(Response):
             await _unless_disconnected(receive, send_all())
         except OSError:  # the client went while we sent
             pass
+        except asyncio.CancelledError:  # the server stops: its graceful timeout has passed
+            with contextlib.suppress(Exception):
+                if not started:
+                    await _shutting_down().response()(scope, receive, send)
+                else:
+                    end = _sse(_shutting_down().body()) + b"data: [DONE]\n\n"
+                    await send({"type": "http.response.body", "body": end, "more_body": False})
         finally:
             await self.on_close()
 
@@ -660,6 +679,9 @@ class Server:
             if text is None:
                 await gen.abort()
                 return Response(status_code=499)
+        except asyncio.CancelledError:  # the server stops: its graceful timeout has passed
+            await gen.abort()
+            return _shutting_down().response()
         except BaseException:
             await gen.abort()
             raise

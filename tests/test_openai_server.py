@@ -496,6 +496,42 @@ class TestLifecycle:
         assert "Traceback" not in served.output()
 
     @pytest.mark.timeout(60)
+    def test_requests_cut_by_the_graceful_timeout_end_with_an_error(
+        self, words: Path, tmp_path: Path
+    ) -> None:
+        # Past --graceful-timeout uvicorn cancels what is still running: a whole completion
+        # gets a 503 in OpenAI's shape, a stream an error event and [DONE]; no traceback.
+        served = _start(
+            words, tmp_path, "--engine-kwargs", '{"step_delay": 0.01}', "--graceful-timeout", "0.5"
+        )
+        try:
+            family = _descendants(served.proc.pid)
+            body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 1500}  # 15 s of steps
+            with ThreadPoolExecutor(1) as pool:
+                whole = pool.submit(
+                    httpx.post, served.url + "/v1/completions", json=body, timeout=20
+                )
+                stream = {**body, "stream": True}
+                with httpx.stream("POST", served.url + "/v1/completions", json=stream) as reply:
+                    lines = reply.iter_lines()
+                    assert next(lines).startswith("data: ")
+                    deadline = time.monotonic() + 10
+                    while served.stats()["live"] < 2 and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    served.proc.send_signal(signal.SIGTERM)
+                    events = [line for line in lines if line.startswith("data: ")]
+                answer = whole.result()
+            assert served.proc.wait(15) == -signal.SIGTERM, served.output()
+        finally:
+            _stop(served)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "server_shutting_down"
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "server_shutting_down"
+        assert _left(family) == []
+        assert "Traceback" not in served.output()
+
+    @pytest.mark.timeout(60)
     def test_ctrl_c_stops_it_too(self, words_no_chat: Path, tmp_path: Path) -> None:
         served = _start(words_no_chat, tmp_path)
         try:
