@@ -20,7 +20,8 @@ the tokenizer has a chat template), streaming over server-sent events or not, wi
 ``GET /enginecore/stats`` (the stage's statistics: live requests, steps, the engine's
 numbers). Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
 400 for a bad parameter or a request the engine refused, 404 for another model's name, 503
-when the stage is dead.
+when the stage is dead, 413 for a body over ``--max-body-bytes`` (8 MiB by default: the
+tokenizer runs on the event loop, so a huge prompt would hold every other request up).
 
 Parameters: ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``, ``top_p``,
 ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
@@ -139,6 +140,7 @@ _ERROR_TYPES = {
     404: "not_found_error",
     503: "service_unavailable_error",
 }
+MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
 
 
 class ApiError(Exception):
@@ -154,7 +156,8 @@ class ApiError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        kind = _ERROR_TYPES.get(self.status, "server_error")
+        default = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = _ERROR_TYPES.get(self.status, default)
         return {
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }
@@ -494,8 +497,10 @@ class Server:
         engine: str,
         engine_kwargs: dict[str, Any],
         name: str,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.model = model
+        self.max_body_bytes = max_body_bytes
         self.tokenizer = tokenizer
         self.engine = engine
         self.engine_kwargs = engine_kwargs
@@ -605,9 +610,28 @@ class Server:
 
     # -- helpers -----------------------------------------------------------------------------
 
+    async def _read(self, request: Request) -> bytes:
+        """The request's body, refused (413) past ``max_body_bytes`` without reading on:
+        before any of it when its Content-Length says so, else once it has grown past."""
+        limit = self.max_body_bytes
+        too_large = ApiError(
+            413, f"the request body is larger than this server's limit of {limit} bytes"
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _body(self, request: Request) -> dict[str, Any]:
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await self._read(request))
         except ValueError as exc:
             raise _bad(f"the body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
@@ -769,6 +793,12 @@ def parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds that open requests get on SIGTERM or Ctrl-C (default: 5)",
     )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help=f"a larger request body is a 413 (default: {MAX_BODY_BYTES})",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -783,6 +813,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.error(f"--engine-kwargs is not valid JSON: {exc}")
     if not isinstance(engine_kwargs, dict):
         cli.error("--engine-kwargs must be a JSON object")
+    if args.max_body_bytes < 1:
+        cli.error("--max-body-bytes must be >= 1")
     model = Path(args.model) if args.model else tiny_model()
     if not model.is_dir():
         cli.error(f"--model {model}: no such folder")
@@ -792,6 +824,7 @@ def main(argv: list[str] | None = None) -> int:
         args.engine,
         engine_kwargs,
         args.served_model_name or model.name,
+        args.max_body_bytes,
     )
     config = uvicorn.Config(
         server.app(),

@@ -444,6 +444,28 @@ class TestEndpoints:
         assert reply.status_code == 404
         assert reply.json()["error"]["type"] == "not_found_error"
 
+    @pytest.mark.timeout(30)
+    def test_a_body_over_the_limit_is_a_413_read_no_further(self, server: Served) -> None:
+        # Default --max-body-bytes: 8 MiB. Announced by Content-Length, or streamed (chunked,
+        # no length): refused once past the limit, never tokenized or sent to the stage.
+        big = json.dumps({"model": "tiny-words", "prompt": "hello " * (1_500_000)}).encode()
+        assert len(big) > 8 * 2**20
+
+        def chunked() -> Iterator[bytes]:
+            for at in range(0, len(big), 2**20):
+                yield big[at : at + 2**20]
+
+        for content in (big, chunked()):
+            reply = httpx.post(server.url + "/v1/completions", content=content, timeout=20)
+            assert reply.status_code == 413, reply.text[:200]
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert "8388608" in error["message"]
+        reply = httpx.put(server.url + "/v1/completions", timeout=10)  # a 4xx is the client's
+        assert reply.status_code == 405
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+        assert server.get("/health").status_code == 200
+
 
 class TestDisconnect:
     @pytest.mark.timeout(30)
