@@ -23,7 +23,8 @@ numbers). Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "
 when the stage is dead, 413 for a body over ``--max-body-bytes`` (8 MiB by default: the
 tokenizer runs on the event loop, so a huge prompt would hold every other request up).
 
-Parameters: ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``, ``top_p``,
+Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
+prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``, ``top_p``,
 ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
 (``include_usage``) are honoured. Every other parameter of OpenAI's API is refused with a 400
 naming it (``param``) when it asks for something (``echo``, ``logprobs`` (0 included),
