@@ -14,18 +14,19 @@ Without ``--model`` it serves a small random-weight Llama model that it builds o
 ``~/.cache/enginecore/tiny-llama``): no hub access. Its output is noise, but real noise: a
 real model's forward passes, KV cache and sampling.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (when
-the tokenizer has a chat template), streaming over server-sent events or not, with
-``usage``; and two of enginecore's own: ``GET /health`` (503 once the stage is dead) and
-``GET /enginecore/stats`` (the stage's statistics: live requests, steps, the engine's
-numbers). Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
-400 for a bad parameter or a request the engine refused, 404 for another model's name, 503
-when the stage is dead, 413 for a body over ``--max-body-bytes`` (8 MiB by default: the
-tokenizer runs on the event loop, so a huge prompt would hold every other request up).
+Endpoints: ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completions``,
+``POST /v1/chat/completions`` (when the tokenizer has a chat template), streaming over
+server-sent events or not, with ``usage``; and two of enginecore's own: ``GET /health`` (503
+once the stage is dead) and ``GET /enginecore/stats`` (the stage's statistics: live requests,
+steps, the engine's numbers). Errors have OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or a request
+the engine refused, 404 for another model's name, 503 when the stage is dead, 413 for a body
+over ``--max-body-bytes`` (8 MiB by default: the tokenizer runs on the event loop, so a huge
+prompt would hold every other request up).
 
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
-prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``, ``top_p``,
-``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
+prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
+``top_p``, ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
 (``include_usage``) are honoured. Every other parameter of OpenAI's API is refused with a 400
 naming it (``param``) when it asks for something (``echo``, ``logprobs`` (0 included),
 ``logit_bias``, penalties, ``response_format`` other than text, tools, ``best_of``,
@@ -531,6 +532,7 @@ class Server:
     def app(self) -> Starlette:
         routes = [
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -553,14 +555,30 @@ class Server:
 
     # -- endpoints ---------------------------------------------------------------------------
 
-    async def models(self, request: Request) -> Response:
-        card = {
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.name,
             "object": "model",
             "created": self.created,
             "owned_by": "enginecore",
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    def _not_found(self, model: Any) -> ApiError:
+        return ApiError(
+            404,
+            f"the model {_show(model)} does not exist; this server serves {self.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.name:
+            raise self._not_found(name)
+        return JSONResponse(self._card())
 
     async def health(self, request: Request) -> Response:
         state = str(self.stage.health().value)
@@ -639,12 +657,7 @@ class Server:
             raise _bad("the body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.name:
-            raise ApiError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._not_found(model)
         return body
 
     def _prompt_ids(self, prompt: Any) -> list[int]:

@@ -215,6 +215,10 @@ class TestEndpoints:
         models = server.client().models.list()
         assert [m.id for m in models.data] == ["tiny-words"]
         assert models.data[0].object == "model"
+        assert server.client().models.retrieve("tiny-words") == models.data[0]
+        with pytest.raises(openai.NotFoundError) as info:
+            server.client().models.retrieve("gpt-4")
+        assert _body(info.value)["code"] == "model_not_found"
 
     @pytest.mark.timeout(30)
     def test_completion_with_usage(self, server: Served) -> None:
