@@ -21,8 +21,8 @@ once the stage is dead) and ``GET /enginecore/stats`` (the stage's statistics: l
 steps, the engine's numbers). Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or a request
 the engine refused, 404 for another model's name, 503 when the stage is dead, 413 for a body
-over ``--max-body-bytes`` (8 MiB by default: the tokenizer runs on the event loop, so a huge
-prompt would hold every other request up).
+over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
+the event loop, so a long prompt does not hold the other requests up.
 
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
 prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
@@ -57,6 +57,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -503,6 +504,10 @@ class Server:
     ) -> None:
         self.model = model
         self.max_body_bytes = max_body_bytes
+        # Text to token ids off the event loop (a long prompt takes seconds; the fast
+        # tokenizers release the GIL), one call at a time: a tokenizer is not made for
+        # concurrent encodes. Decoding a step's few ids stays on the loop.
+        self._encoder: ThreadPoolExecutor | None = None
         self.tokenizer = tokenizer
         self.engine = engine
         self.engine_kwargs = engine_kwargs
@@ -520,12 +525,22 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # A first encode before any request: one that changes the tokenizer's truncation or
+        # padding state does it now, never while the loop decodes.
+        with contextlib.suppress(Exception):
+            await self._encode(lambda: self.tokenizer(""))
         kwargs = {"model": str(self.model), **self.engine_kwargs}
-        self._stage = await AsyncStageClient.launch(self.engine, kwargs, name="openai-server")
+        try:
+            self._stage = await AsyncStageClient.launch(self.engine, kwargs, name="openai-server")
+        except BaseException:
+            self._encoder.shutdown(wait=False)
+            raise
         logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
         try:
             yield
         finally:
+            self._encoder.shutdown(wait=False, cancel_futures=True)
             code = await self._stage.shutdown()
             logger.info("stage exited with code %s", code)
 
@@ -603,7 +618,7 @@ class Server:
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         sampling = Sampling(body, chat=False)
-        prompt = self._prompt_ids(body.get("prompt"))
+        prompt = await self._prompt_ids(body.get("prompt"))
         return await self._respond(request, prompt, sampling, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -618,13 +633,22 @@ class Server:
         if not isinstance(messages, list) or not messages:
             raise _bad("messages must be a non-empty list", "messages")
         chat = [self._message(m) for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
+
+        def render() -> str:
+            text: str = self.tokenizer.apply_chat_template(
                 chat, add_generation_prompt=True, tokenize=False
             )
+            return text
+
+        try:
+            text = await self._encode(render)
+        except ApiError:
+            raise
         except Exception as exc:  # the template's own checks (roles, order)
             raise _bad(f"the chat template refused the messages: {exc}", "messages") from exc
-        prompt = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompt = await self._encode(
+            lambda: list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        )
         return await self._respond(request, prompt, sampling, chat=True)
 
     # -- helpers -----------------------------------------------------------------------------
@@ -660,12 +684,19 @@ class Server:
             raise self._not_found(model)
         return body
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
+    async def _encode(self, work: Callable[[], T]) -> T:
+        """*work* (a tokenizer call) on the tokenizer's thread."""
+        if self._encoder is None:
+            raise ApiError(503, "the server is not running", code="stage_dead")
+        return await asyncio.get_running_loop().run_in_executor(self._encoder, work)
+
+    async def _prompt_ids(self, prompt: Any) -> list[int]:
         # One prompt: a string or a list of token ids (or a list of one of them).
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            text = prompt
+            ids = await self._encode(lambda: list(self.tokenizer(text)["input_ids"]))
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= WIRE_INT_MAX
             for t in prompt

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -469,6 +470,46 @@ class TestEndpoints:
         assert reply.status_code == 405
         assert reply.json()["error"]["type"] == "invalid_request_error"
         assert server.get("/health").status_code == 200
+
+    @pytest.mark.timeout(60)
+    def test_text_is_tokenized_off_the_event_loop(self, words: Path) -> None:
+        # A long prompt takes seconds to tokenize: on the event loop it would hold every
+        # stream and /health up. In process (Starlette's TestClient runs the lifespan, so a
+        # real stage), with a tokenizer that records the thread of each call.
+        from starlette.testclient import TestClient
+
+        transformers: Any = importlib.import_module("transformers")
+        module = _load_server_module()
+        real = transformers.AutoTokenizer.from_pretrained(str(words), local_files_only=True)
+        threads: list[str] = []
+
+        class Recording:
+            chat_template = real.chat_template
+            eos_token_id = real.eos_token_id
+
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                threads.append(threading.current_thread().name)
+                return real(*args, **kwargs)
+
+            def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+                threads.append(threading.current_thread().name)
+                return real.apply_chat_template(*args, **kwargs)
+
+            def decode(self, *args: Any, **kwargs: Any) -> Any:
+                return real.decode(*args, **kwargs)
+
+        server = module.Server(words, Recording(), ECHO, {}, "tiny-words")
+        with TestClient(server.app()) as client:
+            done = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            assert done.status_code == 200, done.text
+            assert done.json()["choices"][0]["text"] == " hello world the cat"
+            chat = client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2},
+            )
+            assert chat.status_code == 200, chat.text
+        assert len(threads) >= 4  # the warm-up, the prompt, the template, the chat's text
+        assert all(name.startswith("tokenizer") for name in threads), threads
 
 
 class TestDisconnect:
