@@ -27,13 +27,14 @@ the event loop, so a long prompt does not hold the other requests up.
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
 prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
-(``include_usage``) are honoured. Every other parameter of OpenAI's API is refused with a 400
-naming it (``param``) when it asks for something (``echo``, ``logprobs`` (0 included),
-``logit_bias``, penalties, ``response_format`` other than text, tools, ``best_of``,
-``suffix``, ...), and accepted when it asks for nothing or cannot change the tokens (``user``,
-``metadata``, ``store``, ``tool_choice: "none"``, ...). A parameter OpenAI's API does not
-have (another server's extension, such as ``top_k`` or ``min_tokens``) is refused as
-unrecognized, as OpenAI refuses it.
+(``include_usage``) are honoured (a ``temperature`` under 1e-5 is greedy, as 0 is). Every
+other parameter of OpenAI's API is refused with a 400 naming it (``param``) when it asks for
+something (``echo``, ``logprobs`` (0 included), ``logit_bias``, penalties,
+``response_format`` other than text, tools, ``best_of``, ``suffix``, ...), and accepted when
+it asks for nothing or cannot change the tokens (``user``, ``metadata``, ``store``,
+``tool_choice: "none"``, ...). A parameter OpenAI's API does not have (another server's
+extension, such as ``top_k`` or ``min_tokens``) is refused as unrecognized, as OpenAI
+refuses it.
 
 A client that disconnects, during a stream or while it waits for a whole completion, has its
 request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open requests get
@@ -144,6 +145,7 @@ _ERROR_TYPES = {
     503: "service_unavailable_error",
 }
 MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
+GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)
 
 
 class ApiError(Exception):
@@ -267,7 +269,10 @@ class Sampling:
         else:
             default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
             self.max_tokens = _int(body, "max_tokens", default, 1)
-        self.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        # Under 1e-5 (the engine's least positive temperature: below, logits / temperature
+        # can overflow float32) sampling is greedy in all but exact ties: take it greedily.
+        self.temperature = 0.0 if temperature < GREEDY_BELOW else temperature
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
         if top_p == 0:
             raise _bad("top_p must be > 0", "top_p")

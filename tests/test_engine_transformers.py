@@ -454,6 +454,10 @@ BAD: list[tuple[Any, str]] = [
     ({"prompt": [5] * 500, "max_tokens": 20}, "positions"),
     ({"prompt": [5], "temperature": -0.1}, "temperature"),
     ({"prompt": [5], "temperature": float("nan")}, "temperature"),
+    # So small that logits / temperature overflows float32: NaN probabilities, and a fatal
+    # error in step() had it been accepted.
+    ({"prompt": [5], "temperature": 1e-45}, "temperature"),
+    ({"prompt": [5], "temperature": 5e-6}, "temperature"),
     ({"prompt": [5], "top_p": 0}, "top_p"),
     ({"prompt": [5], "top_p": 1.5}, "top_p"),
     ({"prompt": [5], "seed": "x"}, "seed"),

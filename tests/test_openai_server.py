@@ -739,6 +739,12 @@ class TestTheRealEngine:
             )
             assert chat.usage is not None
             assert chat.usage.completion_tokens <= 4
+            # A temperature so small that logits / temperature would overflow (NaN in the
+            # softmax, a fatal error in the stage): under 1e-5 the server samples greedily.
+            for tiny in (1e-45, 1e-6):
+                greedy = client.completions.create(**ask, temperature=tiny)
+                assert greedy.choices[0].text == first.choices[0].text
+            assert served.get("/health").json() == {"status": "ok"}
             # Everything finished: the engine holds no KV memory.
             stats = served.wait_idle()
             assert stats["live"] == 0

@@ -21,6 +21,8 @@ Requests are dicts::
     {"prompt": [token ids] or "text", "max_tokens": 16, "temperature": 0.0, "top_p": 1.0,
      "seed": None, "stop_token_ids": []}
 
+(``temperature`` 0 is greedy; a positive one is at least ``MIN_TEMPERATURE``, 1e-5.)
+
 and each output is ``(req_id, payload, finished)``, routed by :meth:`route_outputs`; the
 payload is ``{"token_ids": [new ids]}``, plus ``"finish_reason": "length" | "stop"`` on the
 last one.
@@ -59,6 +61,9 @@ __all__ = ["TransformersEngine", "make_random_model"]
 #: Keys a request dict may have.
 REQUEST_KEYS = frozenset({"prompt", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids"})
 _ATTN_NAME = "enginecore_rows"
+#: The least positive temperature: below it, logits / temperature can overflow float32 (the
+#: softmax then gives NaN probabilities); 0 is greedy.
+MIN_TEMPERATURE = 1e-5
 #: The seeds ``torch.Generator.manual_seed`` takes.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -514,6 +519,11 @@ class TransformersEngine:
         temperature = _number(data.get("temperature", 0.0), "temperature")
         if temperature < 0:
             raise RequestRejected(f"'temperature' must be >= 0, got {temperature!r}")
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise RequestRejected(
+                f"'temperature' must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature!r}: "
+                "below, logits / temperature can overflow float32"
+            )
         top_p = _number(data.get("top_p", 1.0), "top_p")
         if not 0 < top_p <= 1:
             raise RequestRejected(f"'top_p' must be in (0, 1], got {top_p!r}")
