@@ -243,7 +243,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: v not in (None, ""),
     "logprobs": lambda v: v is not None and v is not False,  # 0 asks for the chosen tokens'
-    "top_logprobs": lambda v: v is not None,
+    "top_logprobs": lambda v: v is not None and (isinstance(v, bool) or v != 0),
     "logit_bias": lambda v: v not in (None, {}),
     "presence_penalty": lambda v: v is not None and (isinstance(v, bool) or v != 0),
     "frequency_penalty": lambda v: v is not None and (isinstance(v, bool) or v != 0),

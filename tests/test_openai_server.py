@@ -378,6 +378,7 @@ class TestEndpoints:
             ({"response_format": {"type": "json_object"}}, "response_format"),
             ({"tool_choice": "required"}, "tool_choice"),
             ({"top_k": 3}, "top_k"),
+            ({"top_logprobs": 2}, "top_logprobs"),
         ]
         for path, base, cases in (
             ("/v1/completions", {"prompt": PROMPT}, completions),
@@ -391,6 +392,7 @@ class TestEndpoints:
                 assert error["param"] == param, error
                 assert param in error["message"], error
         fine = {"user": "u", "metadata": {"k": "v"}, "logit_bias": {}, "presence_penalty": 0}
+        fine |= {"top_logprobs": 0, "logprobs": False}
         reply = httpx.post(
             server.url + "/v1/chat/completions",
             json={
