@@ -210,7 +210,12 @@ def _int(
     if value is None:
         return default
     if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
-        raise _bad(f"{key} must be an integer in [{least}, {most}], got {_show(value)}", key)
+        span = f">= {least}" if most == WIRE_INT_MAX else f"in [{least}, {most}]"
+        if most == WIRE_INT_MAX and least != WIRE_INT_MIN:
+            span += " (and below 2**64)"
+        elif most == WIRE_INT_MAX:
+            span = "in [-2**63, 2**64)"
+        raise _bad(f"{key} must be an integer {span}, got {_show(value)}", key)
     return value
 
 
