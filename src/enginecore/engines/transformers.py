@@ -280,10 +280,6 @@ class TransformersEngine:
             ends or is aborted; one that needs more than the whole budget is rejected.
             Default: ``max_batch * min(max_position_embeddings, 65536)``.
         max_batch: most requests running at once (decoded together in one forward pass).
-
-    ``max_batch``, ``max_prefill_tokens`` and ``kv_budget_tokens`` are ints >= 1, and a
-    ``dtype`` name must name a torch dtype: anything else is a :class:`ValueError` naming the
-    argument, before the model is loaded.
         max_prefill_tokens: prompt tokens prefilled per step at most (at least one request is
             always prefilled when one can be admitted), so that long prompts arriving
             together do not stall the running requests' decode for long.
@@ -291,6 +287,10 @@ class TransformersEngine:
             whose greedy tokens are certified by an error bound (see the module docstring).
             ``False`` uses one batched GEMM per linear layer: faster, and equal to
             ``generate`` alone only up to rounding (tokens may differ on near-ties).
+
+    ``max_batch``, ``max_prefill_tokens`` and ``kv_budget_tokens`` are ints >= 1, and a
+    ``dtype`` name must name a torch dtype: anything else is a :class:`ValueError` naming the
+    argument, before the model is loaded.
     """
 
     def __init__(
