@@ -14,17 +14,33 @@ Without ``--model`` it serves a small random-weight Llama model that it builds o
 ``~/.cache/enginecore/tiny-llama``): no hub access. Its output is noise, but real noise: a
 real model's forward passes, KV cache and sampling.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (when
-the tokenizer has a chat template), streaming over server-sent events or not, with
-``usage``; and two of enginecore's own: ``GET /health`` (503 once the stage is dead) and
-``GET /enginecore/stats`` (the stage's statistics: live requests, steps, the engine's
-numbers). Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
-400 for a bad parameter or a request the engine refused, 404 for another model's name, 503
-when the stage is dead.
+Endpoints: ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completions``,
+``POST /v1/chat/completions`` (when the tokenizer has a chat template), streaming over
+server-sent events or not, with ``usage``; and two of enginecore's own: ``GET /health`` (503
+once the stage is dead) and ``GET /enginecore/stats`` (the stage's statistics: live requests,
+steps, the engine's numbers). Errors have OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or a request
+the engine refused, 404 for another model's name, 503 when the stage is dead, 413 for a body
+over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
+the event loop, so a long prompt does not hold the other requests up.
+
+Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
+prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
+``top_p``, ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
+(``include_usage``) are honoured (a ``temperature`` under 1e-5 is greedy, as 0 is). Every
+other parameter of OpenAI's API is refused with a 400 naming it (``param``) when it asks for
+something (``echo``, ``logprobs`` (0 included), ``logit_bias``, penalties,
+``response_format`` other than text, tools, ``best_of``, ``suffix``, ...), and accepted when
+it asks for nothing or cannot change the tokens (``user``, ``metadata``, ``store``,
+``tool_choice: "none"``, ...). A parameter OpenAI's API does not have (another server's
+extension, such as ``top_k`` or ``min_tokens``) is refused as unrecognized, as OpenAI
+refuses it.
 
 A client that disconnects, during a stream or while it waits for a whole completion, has its
-request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open streams get
-``--graceful-timeout`` seconds), then shuts the stage down: no process is left.
+request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open requests get
+``--graceful-timeout`` seconds; one still running then ends with a 503 in OpenAI's shape, code
+``server_shutting_down``, sent in a stream as its last event before ``[DONE]``), then shuts
+the stage down: no process is left.
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -127,6 +144,8 @@ _ERROR_TYPES = {
     404: "not_found_error",
     503: "service_unavailable_error",
 }
+MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
+GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)
 
 
 class ApiError(Exception):
@@ -142,7 +161,8 @@ class ApiError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        kind = _ERROR_TYPES.get(self.status, "server_error")
+        default = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = _ERROR_TYPES.get(self.status, default)
         return {
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }
@@ -153,6 +173,12 @@ class ApiError(Exception):
 
 def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def _shutting_down() -> ApiError:
+    """What a request still running when the server stops answers (uvicorn cancels it once
+    ``--graceful-timeout`` has passed)."""
+    return ApiError(503, "the server is shutting down", code="server_shutting_down")
 
 
 def _stage_error(exc: BaseException) -> ApiError:
@@ -167,12 +193,29 @@ def _stage_error(exc: BaseException) -> ApiError:
 # -- parameters ------------------------------------------------------------------------------
 
 
-def _int(body: dict[str, Any], key: str, default: int | None, least: int) -> int | None:
+#: The integers the stage's wire (msgpack) carries: a JSON integer is unbounded.
+WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1
+
+
+def _show(value: Any) -> str:
+    """*value* for a message: its JSON, cut at 100 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _int(
+    body: dict[str, Any], key: str, default: int | None, least: int, most: int = WIRE_INT_MAX
+) -> int | None:
     value = body.get(key)
     if value is None:
         return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise _bad(f"{key} must be an integer >= {least}, got {value!r}", key)
+    if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+        span = f">= {least}" if most == WIRE_INT_MAX else f"in [{least}, {most}]"
+        if most == WIRE_INT_MAX and least != WIRE_INT_MIN:
+            span += " (and below 2**64)"
+        elif most == WIRE_INT_MAX:
+            span = "in [-2**63, 2**64)"
+        raise _bad(f"{key} must be an integer {span}, got {_show(value)}", key)
     return value
 
 
@@ -181,8 +224,45 @@ def _number(body: dict[str, Any], key: str, default: float, low: float, high: fl
     if value is None:
         return default
     if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
-        raise _bad(f"{key} must be a number in [{low}, {high}], got {value!r}", key)
+        raise _bad(f"{key} must be a number in [{low}, {high}], got {_show(value)}", key)
     return float(value)
+
+
+#: The parameters each endpoint takes: honoured, or refused by UNSUPPORTED when set to
+#: anything that would change the result, or (user, metadata, ...) without effect on it.
+_COMMON_PARAMETERS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n"}
+_COMMON_PARAMETERS |= {"stream", "stream_options", "user", "logprobs", "logit_bias"}
+_COMMON_PARAMETERS |= {"presence_penalty", "frequency_penalty"}
+COMPLETION_PARAMETERS = frozenset(_COMMON_PARAMETERS | {"prompt", "echo", "best_of", "suffix"})
+CHAT_PARAMETERS = frozenset(
+    _COMMON_PARAMETERS
+    | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+    | {"parallel_tool_calls", "functions", "function_call", "response_format", "audio"}
+    | {"modalities", "metadata", "store", "service_tier", "prediction", "reasoning_effort"}
+    | {"verbosity", "web_search_options", "prompt_cache_key", "safety_identifier"}
+)
+#: Parameters this server does not honour, and the values of them that ask for nothing (None,
+#: the default, or an explicit "off"): any other value is a 400 naming the parameter.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "echo": lambda v: v not in (None, False),
+    "best_of": lambda v: v not in (None, 1),
+    "suffix": lambda v: v not in (None, ""),
+    "logprobs": lambda v: v is not None and v is not False,  # 0 asks for the chosen tokens'
+    "top_logprobs": lambda v: v is not None and (isinstance(v, bool) or v != 0),
+    "logit_bias": lambda v: v not in (None, {}),
+    "presence_penalty": lambda v: v is not None and (isinstance(v, bool) or v != 0),
+    "frequency_penalty": lambda v: v is not None and (isinstance(v, bool) or v != 0),
+    "tools": lambda v: v not in (None, []),
+    "functions": lambda v: v not in (None, []),
+    "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "function_call": lambda v: v not in (None, "none", "auto"),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+    "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "reasoning_effort": lambda v: v is not None,
+    "verbosity": lambda v: v is not None,
+    "web_search_options": lambda v: v is not None,
+}
 
 
 class Sampling:
@@ -194,12 +274,15 @@ class Sampling:
         else:
             default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
             self.max_tokens = _int(body, "max_tokens", default, 1)
-        self.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        # Under 1e-5 (the engine's least positive temperature: below, logits / temperature
+        # can overflow float32) sampling is greedy in all but exact ties: take it greedily.
+        self.temperature = 0.0 if temperature < GREEDY_BELOW else temperature
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
         if top_p == 0:
             raise _bad("top_p must be > 0", "top_p")
         self.top_p = top_p
-        self.seed = _int(body, "seed", None, -(2**63))
+        self.seed = _int(body, "seed", None, WIRE_INT_MIN)
         stop = body.get("stop")
         if stop is None:
             stop = []
@@ -215,20 +298,18 @@ class Sampling:
             raise _bad("stream must be a boolean", "stream")
         self.stream = stream
         options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise _bad("stream_options must be an object", "stream_options")
-        self.include_usage = bool(options.get("include_usage", False))
-        unsupported: dict[str, Callable[[Any], bool]] = {
-            "echo": lambda v: v is True,
-            "best_of": lambda v: v not in (None, 1),
-            "suffix": lambda v: v is not None,
-            "logprobs": lambda v: v not in (None, False),
-            "top_logprobs": lambda v: v is not None,
-            "tools": bool,
-            "functions": bool,
-        }
-        for key, used in unsupported.items():
-            if used(body.get(key)):
+        include_usage = options.get("include_usage", False) if isinstance(options, dict) else None
+        if not isinstance(include_usage, bool):
+            raise _bad(
+                'stream_options must be an object like {"include_usage": true}', "stream_options"
+            )
+        self.include_usage = include_usage
+        known = CHAT_PARAMETERS if chat else COMPLETION_PARAMETERS
+        unknown = sorted(str(key) for key in body if key not in known)
+        if unknown:
+            raise _bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        for key, used in UNSUPPORTED.items():
+            if key in known and used(body.get(key)):
                 raise _bad(f"{key} is not supported by this server", key)
 
     def engine_data(self, prompt: list[int], stop_token_ids: list[int]) -> dict[str, Any]:
@@ -387,8 +468,12 @@ class EventStream(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
         async def send_all() -> None:
+            nonlocal started
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            started = True
             async for event in self.events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -397,6 +482,13 @@ class EventStream(Response):
             await _unless_disconnected(receive, send_all())
         except OSError:  # the client went while we sent
             pass
+        except asyncio.CancelledError:  # the server stops: its graceful timeout has passed
+            with contextlib.suppress(Exception):
+                if not started:
+                    await _shutting_down().response()(scope, receive, send)
+                else:
+                    end = _sse(_shutting_down().body()) + b"data: [DONE]\n\n"
+                    await send({"type": "http.response.body", "body": end, "more_body": False})
         finally:
             await self.on_close()
 
@@ -418,8 +510,14 @@ class Server:
         engine: str,
         engine_kwargs: dict[str, Any],
         name: str,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.model = model
+        self.max_body_bytes = max_body_bytes
+        # Text to token ids off the event loop (a long prompt takes seconds; the fast
+        # tokenizers release the GIL), one call at a time: a tokenizer is not made for
+        # concurrent encodes. Decoding a step's few ids stays on the loop.
+        self._encoder: ThreadPoolExecutor | None = None
         self.tokenizer = tokenizer
         self.engine = engine
         self.engine_kwargs = engine_kwargs
@@ -437,18 +535,29 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # A first encode before any request: one that changes the tokenizer's truncation or
+        # padding state does it now, never while the loop decodes.
+        with contextlib.suppress(Exception):
+            await self._encode(lambda: self.tokenizer(""))
         kwargs = {"model": str(self.model), **self.engine_kwargs}
-        self._stage = await AsyncStageClient.launch(self.engine, kwargs, name="openai-server")
+        try:
+            self._stage = await AsyncStageClient.launch(self.engine, kwargs, name="openai-server")
+        except BaseException:
+            self._encoder.shutdown(wait=False)
+            raise
         logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
         try:
             yield
         finally:
+            self._encoder.shutdown(wait=False, cancel_futures=True)
             code = await self._stage.shutdown()
             logger.info("stage exited with code %s", code)
 
     def app(self) -> Starlette:
         routes = [
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -471,14 +580,30 @@ class Server:
 
     # -- endpoints ---------------------------------------------------------------------------
 
-    async def models(self, request: Request) -> Response:
-        card = {
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.name,
             "object": "model",
             "created": self.created,
             "owned_by": "enginecore",
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    def _not_found(self, model: Any) -> ApiError:
+        return ApiError(
+            404,
+            f"the model {_show(model)} does not exist; this server serves {self.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.name:
+            raise self._not_found(name)
+        return JSONResponse(self._card())
 
     async def health(self, request: Request) -> Response:
         state = str(self.stage.health().value)
@@ -503,7 +628,7 @@ class Server:
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         sampling = Sampling(body, chat=False)
-        prompt = self._prompt_ids(body.get("prompt"))
+        prompt = await self._prompt_ids(body.get("prompt"))
         return await self._respond(request, prompt, sampling, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -518,42 +643,73 @@ class Server:
         if not isinstance(messages, list) or not messages:
             raise _bad("messages must be a non-empty list", "messages")
         chat = [self._message(m) for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
+
+        def render() -> str:
+            text: str = self.tokenizer.apply_chat_template(
                 chat, add_generation_prompt=True, tokenize=False
             )
+            return text
+
+        try:
+            text = await self._encode(render)
+        except ApiError:
+            raise
         except Exception as exc:  # the template's own checks (roles, order)
             raise _bad(f"the chat template refused the messages: {exc}", "messages") from exc
-        prompt = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompt = await self._encode(
+            lambda: list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        )
         return await self._respond(request, prompt, sampling, chat=True)
 
     # -- helpers -----------------------------------------------------------------------------
 
+    async def _read(self, request: Request) -> bytes:
+        """The request's body, refused (413) past ``max_body_bytes`` without reading on:
+        before any of it when its Content-Length says so, else once it has grown past."""
+        limit = self.max_body_bytes
+        too_large = ApiError(
+            413, f"the request body is larger than this server's limit of {limit} bytes"
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _body(self, request: Request) -> dict[str, Any]:
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await self._read(request))
         except ValueError as exc:
             raise _bad(f"the body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.name:
-            raise ApiError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._not_found(model)
         return body
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
+    async def _encode(self, work: Callable[[], T]) -> T:
+        """*work* (a tokenizer call) on the tokenizer's thread."""
+        if self._encoder is None:
+            raise ApiError(503, "the server is not running", code="stage_dead")
+        return await asyncio.get_running_loop().run_in_executor(self._encoder, work)
+
+    async def _prompt_ids(self, prompt: Any) -> list[int]:
         # One prompt: a string or a list of token ids (or a list of one of them).
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            text = prompt
+            ids = await self._encode(lambda: list(self.tokenizer(text)["input_ids"]))
         elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= WIRE_INT_MAX
+            for t in prompt
         ):
             ids = prompt
         else:
@@ -584,6 +740,8 @@ class Server:
             stream = await self.stage.add(req_id, sampling.engine_data(prompt, stop_ids))
         except (EngineDeadError, StageClosedError) as exc:
             raise _stage_error(exc) from exc
+        except TypeError as exc:  # a value the wire cannot carry (checked above: a backstop)
+            raise _bad(f"the request cannot be sent to the model's stage: {exc}"[:300]) from exc
         gen = Generation(self, stream, prompt, sampling, stop_ids)
         try:
             # The first output (or the engine's refusal) before any header: a refused
@@ -600,6 +758,9 @@ class Server:
             if text is None:
                 await gen.abort()
                 return Response(status_code=499)
+        except asyncio.CancelledError:  # the server stops: its graceful timeout has passed
+            await gen.abort()
+            return _shutting_down().response()
         except BaseException:
             await gen.abort()
             raise
@@ -687,6 +848,12 @@ def parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds that open requests get on SIGTERM or Ctrl-C (default: 5)",
     )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help=f"a larger request body is a 413 (default: {MAX_BODY_BYTES})",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -701,6 +868,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.error(f"--engine-kwargs is not valid JSON: {exc}")
     if not isinstance(engine_kwargs, dict):
         cli.error("--engine-kwargs must be a JSON object")
+    if args.max_body_bytes < 1:
+        cli.error("--max-body-bytes must be >= 1")
     model = Path(args.model) if args.model else tiny_model()
     if not model.is_dir():
         cli.error(f"--model {model}: no such folder")
@@ -710,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
         args.engine,
         engine_kwargs,
         args.served_model_name or model.name,
+        args.max_body_bytes,
     )
     config = uvicorn.Config(
         server.app(),

@@ -454,9 +454,24 @@ BAD: list[tuple[Any, str]] = [
     ({"prompt": [5] * 500, "max_tokens": 20}, "positions"),
     ({"prompt": [5], "temperature": -0.1}, "temperature"),
     ({"prompt": [5], "temperature": float("nan")}, "temperature"),
+    # So small that logits / temperature overflows float32: NaN probabilities, and a fatal
+    # error in step() had it been accepted.
+    ({"prompt": [5], "temperature": 1e-45}, "temperature"),
+    ({"prompt": [5], "temperature": 5e-6}, "temperature"),
     ({"prompt": [5], "top_p": 0}, "top_p"),
     ({"prompt": [5], "top_p": 1.5}, "top_p"),
     ({"prompt": [5], "seed": "x"}, "seed"),
+    # Out of a C integer's range: a rejection, not an OverflowError or ValueError from float()
+    # or torch (an exception other than RequestRejected from add would be fatal in a stage).
+    ({"prompt": [5], "temperature": 10**400}, "temperature"),
+    ({"prompt": [5], "top_p": -(10**400)}, "top_p"),
+    ({"prompt": [5], "seed": 2**64, "temperature": 1.0}, "seed"),
+    ({"prompt": [5], "seed": -(2**63) - 1}, "seed"),
+    ({"prompt": [5], "stop_token_ids": 0}, "stop_token_ids"),
+    # Too many digits for repr() (ValueError): the message still names the parameter.
+    ({"prompt": [5], "max_tokens": 10**5000}, "max_tokens"),
+    ({"prompt": [5, 10**5000]}, "out of the vocabulary"),
+    ({"prompt": [5], "temperature": 10**5000}, "temperature"),
     ({"prompt": [5], "stop_token_ids": [VOCAB]}, "out of the vocabulary"),
     ({"prompt": [5], "stop_token_ids": 3}, "stop_token_ids"),
 ]
@@ -619,6 +634,27 @@ class TestRequests:
         missing = tmp_path / "no-such-model"
         with pytest.raises(FileNotFoundError, match="no-such-model"):
             TransformersEngine(str(missing))
+
+    @pytest.mark.parametrize(
+        ("kwargs", "match"),
+        [
+            ({"max_batch": 0}, "max_batch"),
+            ({"max_batch": 2.5}, "max_batch"),
+            ({"max_batch": True}, "max_batch"),
+            ({"max_prefill_tokens": -1}, "max_prefill_tokens"),
+            ({"kv_budget_tokens": 0}, "kv_budget_tokens"),  # not the default budget
+            ({"kv_budget_tokens": "100"}, "kv_budget_tokens"),
+            ({"dtype": "bogus"}, "dtype"),
+            ({"dtype": "Tensor"}, "dtype"),  # an attribute of torch, not a dtype
+        ],
+    )
+    def test_bad_constructor_arguments_are_named(
+        self, model_path: str, kwargs: dict[str, Any], match: str
+    ) -> None:
+        # Checked before the model is loaded; a ValueError naming the argument (in a stage:
+        # StageStartupError with that message), not a TypeError or AttributeError from inside.
+        with pytest.raises(ValueError, match=match):
+            TransformersEngine(model_path, **kwargs)
 
 
 # -- a launched stage ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -215,6 +216,10 @@ class TestEndpoints:
         models = server.client().models.list()
         assert [m.id for m in models.data] == ["tiny-words"]
         assert models.data[0].object == "model"
+        assert server.client().models.retrieve("tiny-words") == models.data[0]
+        with pytest.raises(openai.NotFoundError) as info:
+            server.client().models.retrieve("gpt-4")
+        assert _body(info.value)["code"] == "model_not_found"
 
     @pytest.mark.timeout(30)
     def test_completion_with_usage(self, server: Served) -> None:
@@ -355,6 +360,76 @@ class TestEndpoints:
             assert _body(info.value)["type"] == "invalid_request_error", kwargs
 
     @pytest.mark.timeout(30)
+    def test_parameters_that_would_change_the_result_are_refused_by_name(
+        self, server: Served
+    ) -> None:
+        # Not honoured, so never silently ignored: each is a 400 whose param names it. Those
+        # that cannot change the tokens (user, metadata, ...) are accepted.
+        completions: list[tuple[dict[str, Any], str]] = [
+            ({"logprobs": 0}, "logprobs"),  # 0 asks for the chosen tokens' logprobs
+            ({"logit_bias": {"7": 100}}, "logit_bias"),
+            ({"presence_penalty": 1.0}, "presence_penalty"),
+            ({"frequency_penalty": -0.5}, "frequency_penalty"),
+            ({"min_tokens": 4}, "min_tokens"),  # another server's extension: unknown here
+            ({"ignore_eos": True}, "ignore_eos"),
+            ({"stream_options": {"include_usage": "no"}}, "stream_options"),
+        ]
+        chat: list[tuple[dict[str, Any], str]] = [
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"top_k": 3}, "top_k"),
+            ({"top_logprobs": 2}, "top_logprobs"),
+        ]
+        for path, base, cases in (
+            ("/v1/completions", {"prompt": PROMPT}, completions),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}, chat),
+        ):
+            for extra, param in cases:
+                body = {"model": "tiny-words", "max_tokens": 4, **base, **extra}
+                reply = httpx.post(server.url + path, json=body, timeout=10)
+                assert reply.status_code == 400, (extra, reply.text)
+                error = reply.json()["error"]
+                assert error["param"] == param, error
+                assert param in error["message"], error
+        fine = {"user": "u", "metadata": {"k": "v"}, "logit_bias": {}, "presence_penalty": 0}
+        fine |= {"top_logprobs": 0, "logprobs": False}
+        reply = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={
+                "model": "tiny-words",
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 2,
+                "response_format": {"type": "text"},
+                "tool_choice": "none",
+                **fine,
+            },
+            timeout=10,
+        )
+        assert reply.status_code == 200, reply.text
+        assert server.wait_idle()["live"] == 0
+
+    @pytest.mark.timeout(30)
+    def test_integers_out_of_the_wires_range_are_400s_not_500s(self, server: Served) -> None:
+        # JSON integers are unbounded; the stage's wire (msgpack) takes -2**63..2**64-1.
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"max_tokens": 10**30}, "max_tokens"),
+            ({"max_tokens": 10**400}, "max_tokens"),  # too large for a float too
+            ({"temperature": 10**400}, "temperature"),
+            ({"seed": 2**64}, "seed"),
+            ({"prompt": [7, 2**70]}, "prompt"),
+        ]
+        for extra, param in cases:
+            for stream in (False, True):
+                body = {"model": "tiny-words", "prompt": PROMPT, "stream": stream, **extra}
+                reply = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
+                assert reply.status_code == 400, (extra, reply.text)
+                error = reply.json()["error"]
+                assert error["type"] == "invalid_request_error", error
+                assert error["param"] == param, error
+                assert len(error["message"]) < 200, error
+        assert server.wait_idle()["live"] == 0
+
+    @pytest.mark.timeout(30)
     def test_a_request_the_engine_refuses_is_a_400(self, server: Served) -> None:
         client = server.client()
         for stream in (False, True):  # streamed too: the refusal comes before any header
@@ -375,6 +450,68 @@ class TestEndpoints:
         reply = httpx.get(server.url + "/v1/nowhere", timeout=10)
         assert reply.status_code == 404
         assert reply.json()["error"]["type"] == "not_found_error"
+
+    @pytest.mark.timeout(30)
+    def test_a_body_over_the_limit_is_a_413_read_no_further(self, server: Served) -> None:
+        # Default --max-body-bytes: 8 MiB. Announced by Content-Length, or streamed (chunked,
+        # no length): refused once past the limit, never tokenized or sent to the stage.
+        big = json.dumps({"model": "tiny-words", "prompt": "hello " * (1_500_000)}).encode()
+        assert len(big) > 8 * 2**20
+
+        def chunked() -> Iterator[bytes]:
+            for at in range(0, len(big), 2**20):
+                yield big[at : at + 2**20]
+
+        for content in (big, chunked()):
+            reply = httpx.post(server.url + "/v1/completions", content=content, timeout=20)
+            assert reply.status_code == 413, reply.text[:200]
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert "8388608" in error["message"]
+        reply = httpx.put(server.url + "/v1/completions", timeout=10)  # a 4xx is the client's
+        assert reply.status_code == 405
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+        assert server.get("/health").status_code == 200
+
+    @pytest.mark.timeout(60)
+    def test_text_is_tokenized_off_the_event_loop(self, words: Path) -> None:
+        # A long prompt takes seconds to tokenize: on the event loop it would hold every
+        # stream and /health up. In process (Starlette's TestClient runs the lifespan, so a
+        # real stage), with a tokenizer that records the thread of each call.
+        from starlette.testclient import TestClient
+
+        transformers: Any = importlib.import_module("transformers")
+        module = _load_server_module()
+        real = transformers.AutoTokenizer.from_pretrained(str(words), local_files_only=True)
+        threads: list[str] = []
+
+        class Recording:
+            chat_template = real.chat_template
+            eos_token_id = real.eos_token_id
+
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                threads.append(threading.current_thread().name)
+                return real(*args, **kwargs)
+
+            def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+                threads.append(threading.current_thread().name)
+                return real.apply_chat_template(*args, **kwargs)
+
+            def decode(self, *args: Any, **kwargs: Any) -> Any:
+                return real.decode(*args, **kwargs)
+
+        server = module.Server(words, Recording(), ECHO, {}, "tiny-words")
+        with TestClient(server.app()) as client:
+            done = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            assert done.status_code == 200, done.text
+            assert done.json()["choices"][0]["text"] == " hello world the cat"
+            chat = client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2},
+            )
+            assert chat.status_code == 200, chat.text
+        assert len(threads) >= 4  # the warm-up, the prompt, the template, the chat's text
+        assert all(name.startswith("tokenizer") for name in threads), threads
 
 
 class TestDisconnect:
@@ -424,6 +561,42 @@ class TestLifecycle:
                 assert served.proc.wait(15) == -signal.SIGTERM, served.output()
         finally:
             _stop(served)
+        assert _left(family) == []
+        assert "Traceback" not in served.output()
+
+    @pytest.mark.timeout(60)
+    def test_requests_cut_by_the_graceful_timeout_end_with_an_error(
+        self, words: Path, tmp_path: Path
+    ) -> None:
+        # Past --graceful-timeout uvicorn cancels what is still running: a whole completion
+        # gets a 503 in OpenAI's shape, a stream an error event and [DONE]; no traceback.
+        served = _start(
+            words, tmp_path, "--engine-kwargs", '{"step_delay": 0.01}', "--graceful-timeout", "0.5"
+        )
+        try:
+            family = _descendants(served.proc.pid)
+            body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 1500}  # 15 s of steps
+            with ThreadPoolExecutor(1) as pool:
+                whole = pool.submit(
+                    httpx.post, served.url + "/v1/completions", json=body, timeout=20
+                )
+                stream = {**body, "stream": True}
+                with httpx.stream("POST", served.url + "/v1/completions", json=stream) as reply:
+                    lines = reply.iter_lines()
+                    assert next(lines).startswith("data: ")
+                    deadline = time.monotonic() + 10
+                    while served.stats()["live"] < 2 and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    served.proc.send_signal(signal.SIGTERM)
+                    events = [line for line in lines if line.startswith("data: ")]
+                answer = whole.result()
+            assert served.proc.wait(15) == -signal.SIGTERM, served.output()
+        finally:
+            _stop(served)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "server_shutting_down"
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "server_shutting_down"
         assert _left(family) == []
         assert "Traceback" not in served.output()
 
@@ -568,6 +741,12 @@ class TestTheRealEngine:
             )
             assert chat.usage is not None
             assert chat.usage.completion_tokens <= 4
+            # A temperature so small that logits / temperature would overflow (NaN in the
+            # softmax, a fatal error in the stage): under 1e-5 the server samples greedily.
+            for tiny in (1e-45, 1e-6):
+                greedy = client.completions.create(**ask, temperature=tiny)
+                assert greedy.choices[0].text == first.choices[0].text
+            assert served.get("/health").json() == {"status": "ok"}
             # Everything finished: the engine holds no KV memory.
             stats = served.wait_idle()
             assert stats["live"] == 0

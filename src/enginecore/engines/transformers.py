@@ -21,6 +21,8 @@ Requests are dicts::
     {"prompt": [token ids] or "text", "max_tokens": 16, "temperature": 0.0, "top_p": 1.0,
      "seed": None, "stop_token_ids": []}
 
+(``temperature`` 0 is greedy; a positive one is at least ``MIN_TEMPERATURE``, 1e-5.)
+
 and each output is ``(req_id, payload, finished)``, routed by :meth:`route_outputs`; the
 payload is ``{"token_ids": [new ids]}``, plus ``"finish_reason": "length" | "stop"`` on the
 last one.
@@ -59,6 +61,11 @@ __all__ = ["TransformersEngine", "make_random_model"]
 #: Keys a request dict may have.
 REQUEST_KEYS = frozenset({"prompt", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids"})
 _ATTN_NAME = "enginecore_rows"
+#: The least positive temperature: below it, logits / temperature can overflow float32 (the
+#: softmax then gives NaN probabilities); 0 is greedy.
+MIN_TEMPERATURE = 1e-5
+#: The seeds ``torch.Generator.manual_seed`` takes.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 Output = tuple[str, dict[str, Any], bool]
 
@@ -271,7 +278,7 @@ class TransformersEngine:
         kv_budget_tokens: KV tokens that running requests may reserve together. A request
             reserves ``len(prompt) + max_tokens`` when it is admitted and frees it when it
             ends or is aborted; one that needs more than the whole budget is rejected.
-            Default: ``max_batch * max_position_embeddings``.
+            Default: ``max_batch * min(max_position_embeddings, 65536)``.
         max_batch: most requests running at once (decoded together in one forward pass).
         max_prefill_tokens: prompt tokens prefilled per step at most (at least one request is
             always prefilled when one can be admitted), so that long prompts arriving
@@ -280,6 +287,10 @@ class TransformersEngine:
             whose greedy tokens are certified by an error bound (see the module docstring).
             ``False`` uses one batched GEMM per linear layer: faster, and equal to
             ``generate`` alone only up to rounding (tokens may differ on near-ties).
+
+    ``max_batch``, ``max_prefill_tokens`` and ``kv_budget_tokens`` are ints >= 1, and a
+    ``dtype`` name must name a torch dtype: anything else is a :class:`ValueError` naming the
+    argument, before the model is loaded.
     """
 
     def __init__(
@@ -295,13 +306,21 @@ class TransformersEngine:
         path = os.fspath(model)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model path {path!r} does not exist (or is not a folder)")
-        if max_batch < 1 or max_prefill_tokens < 1:
-            raise ValueError("max_batch and max_prefill_tokens must be >= 1")
+        for name, value in (
+            ("max_batch", max_batch),
+            ("max_prefill_tokens", max_prefill_tokens),
+            ("kv_budget_tokens", 1 if kv_budget_tokens is None else kv_budget_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {_show(value)}")
+        if isinstance(dtype, str):
+            named = getattr(torch, dtype, None)
+            if not isinstance(named, torch.dtype):
+                raise ValueError(f"dtype {dtype!r:.100} is not a torch dtype (e.g. 'float32')")
+            dtype = named
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
         if dtype is None and self.device.type == "cpu":
             dtype = torch.float32
         # Typed Any: the model's config and cache attributes are dynamic in transformers.
@@ -357,9 +376,11 @@ class TransformersEngine:
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
-        self.kv_budget = kv_budget_tokens or max_batch * min(self.max_positions, 1 << 16)
-        if self.kv_budget < 1:
-            raise ValueError("kv_budget_tokens must be >= 1")
+        self.kv_budget = (
+            kv_budget_tokens
+            if kv_budget_tokens is not None
+            else max_batch * min(self.max_positions, 1 << 16)
+        )
         self._waiting: deque[_Request] = deque()
         self._running: dict[str, _Request] = {}
         self._live: set[str] = set()
@@ -462,7 +483,7 @@ class TransformersEngine:
 
     def _parse(self, rid: str, data: Any) -> _Request:
         if not isinstance(data, dict):
-            raise RequestRejected(f"a request is a dict with a 'prompt', got {data!r:.100}")
+            raise RequestRejected(f"a request is a dict with a 'prompt', got {_show(data)}")
         unknown = set(data) - REQUEST_KEYS
         if unknown:
             raise RequestRejected(
@@ -482,31 +503,42 @@ class TransformersEngine:
             ids = list(prompt)
         else:
             raise RequestRejected(
-                f"'prompt' must be a list of token ids or a str, got {prompt!r:.100}"
+                f"'prompt' must be a list of token ids or a str, got {_show(prompt)}"
             )
         if not ids:
             raise RequestRejected("the prompt is empty")
         _check_ids(ids, self.vocab_size, "prompt")
         max_tokens = data.get("max_tokens", 16)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestRejected(f"'max_tokens' must be an int >= 1, got {max_tokens!r:.100}")
+            raise RequestRejected(f"'max_tokens' must be an int >= 1, got {_show(max_tokens)}")
         if len(ids) + max_tokens > self.max_positions:
             raise RequestRejected(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                f"{self.max_positions} positions"
+                f"prompt ({len(ids)} tokens) + max_tokens ({_show(max_tokens)}) exceeds the "
+                f"model's {self.max_positions} positions"
             )
         temperature = _number(data.get("temperature", 0.0), "temperature")
         if temperature < 0:
             raise RequestRejected(f"'temperature' must be >= 0, got {temperature!r}")
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise RequestRejected(
+                f"'temperature' must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature!r}: "
+                "below, logits / temperature can overflow float32"
+            )
         top_p = _number(data.get("top_p", 1.0), "top_p")
         if not 0 < top_p <= 1:
             raise RequestRejected(f"'top_p' must be in (0, 1], got {top_p!r}")
         seed = data.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestRejected(f"'seed' must be an int or None, got {seed!r:.100}")
-        stop_ids = data.get("stop_token_ids") or []
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX
+        ):
+            raise RequestRejected(
+                f"'seed' must be an int in [-2**63, 2**64 - 1] or None, got {_show(seed)}"
+            )
+        stop_ids = data.get("stop_token_ids")
+        if stop_ids is None:
+            stop_ids = []
         if not isinstance(stop_ids, list | tuple):
-            raise RequestRejected(f"'stop_token_ids' must be a list of ints, got {stop_ids!r:.100}")
+            raise RequestRejected(f"'stop_token_ids' must be a list of ints, got {_show(stop_ids)}")
         _check_ids(list(stop_ids), self.vocab_size, "stop_token_ids")
         reserve = len(ids) + max_tokens
         if reserve > self.kv_budget:
@@ -647,15 +679,32 @@ class TransformersEngine:
 def _check_ids(ids: list[Any], vocab: int, what: str) -> None:
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int):
-            raise RequestRejected(f"'{what}' must hold ints (token ids), got {t!r:.100}")
+            raise RequestRejected(f"'{what}' must hold ints (token ids), got {_show(t)}")
         if not 0 <= t < vocab:
-            raise RequestRejected(f"token id {t} in '{what}' is out of the vocabulary [0, {vocab})")
+            raise RequestRejected(
+                f"token id {_show(t)} in '{what}' is out of the vocabulary [0, {vocab})"
+            )
+
+
+def _show(value: Any) -> str:
+    """*value*'s repr for a message, cut at 100 characters; an int too long for ``repr`` (over
+    ``sys.get_int_max_str_digits()`` digits: ``ValueError``) is shown by its size."""
+    try:
+        return f"{value!r:.100}"
+    except ValueError:
+        return f"<{type(value).__name__} too large to show>"
 
 
 def _number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestRejected(f"'{name}' must be a finite number, got {value!r:.100}")
-    return float(value)
+    if not isinstance(value, bool) and isinstance(value, int | float):
+        try:
+            number = float(value)  # an int too large for a float raises OverflowError
+        except OverflowError:
+            pass
+        else:
+            if math.isfinite(number):
+                return number
+    raise RequestRejected(f"'{name}' must be a finite number, got {_show(value)}")
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
