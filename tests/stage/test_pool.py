@@ -322,6 +322,21 @@ def test_utilities_go_to_one_replica_or_to_all(launch: Open) -> None:
         assert s.name.endswith(f"/{r.name}")
 
 
+def test_a_utility_call_to_a_replica_not_in_the_pool_is_refused(launch: Open) -> None:
+    pool = launch(replicas=2)
+    other = launch(replicas=1)
+    theirs = other.replicas[0]
+    with pytest.raises(ValueError, match="not in this pool"):
+        pool.call_utility("pid", replica=theirs)  # never reaches the other pool's stage
+    with pytest.raises(ValueError, match="not in this pool"):
+        pool.call_utility("pid", replica=cast(Any, "r0"))
+    removed = pool.replicas[1]
+    pool.remove_replica(removed)
+    with pytest.raises(NoReplicaError, match="removed"):
+        pool.call_utility("pid", replica=removed)
+    assert pool.call_utility("pid", replica=pool.replicas[0]) == pool.replicas[0].pid
+
+
 # -- a dead or stuck replica ---------------------------------------------------------------
 
 
@@ -735,6 +750,28 @@ def test_bad_pool_arguments() -> None:
         StagePool.launch(COUNTDOWN, replicas=3, group=["g", "g"])
     stream_types = (PoolRequestStream, AsyncPoolRequestStream)
     assert all(hasattr(t, "replica") for t in stream_types)
+
+
+def test_bad_launch_and_connect_arguments_are_refused_before_anything_starts(
+    pools: tuple[Open, Open],
+) -> None:
+    launch, connect = pools
+    for bad in ("2", 1.5, True):
+        with pytest.raises(TypeError, match="replicas must be an int"):
+            launch(COUNTDOWN, replicas=bad)
+    for ping in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ping_interval"):
+            launch(COUNTDOWN, ping_interval=ping)
+    with pytest.raises(TypeError, match="ping_interval"):
+        launch(COUNTDOWN, ping_interval="1")
+    with pytest.raises(TypeError, match="group must be a str"):
+        launch(COUNTDOWN, replicas=2, group=5)
+    with pytest.raises(ValueError, match="at least one address"):
+        connect([])
+    pool = launch(COUNTDOWN, replicas=1)
+    with pytest.raises(ValueError, match="ping_interval"):
+        pool.add_replica(COUNTDOWN, ping_interval=float("nan"))
+    assert len(pool.replicas) == 1
 
 
 # -- the event stream, and requests without a stream --------------------------------------

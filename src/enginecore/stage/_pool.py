@@ -608,8 +608,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         replica: Replica | None = None,
         broadcast: bool = False,
     ) -> Any:
-        """Call ``engine.utility(name, args)`` on one replica (*replica*, else the least
-        loaded) and return its result, raising as
+        """Call ``engine.utility(name, args)`` on one replica (*replica*, one of
+        :attr:`replicas`: :class:`ValueError` for another, :class:`NoReplicaError` for one
+        removed or not serving; else the least loaded) and return its result, raising as
         :meth:`StageClient.call_utility <enginecore.stage.StageClient.call_utility>` does
         (:class:`~enginecore.stage.ReplicaDeadError` if the replica dies first).
 
