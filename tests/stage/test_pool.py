@@ -703,6 +703,34 @@ def test_an_async_pool_starts_its_replicas_together_without_a_thread_each(
 # -- routing policies ----------------------------------------------------------------------
 
 
+GATED = "enginecore.stage.testing:gated_factory"
+
+
+def test_a_cancelled_add_replica_leaves_the_async_pool_unchanged(
+    no_leftovers: str, barrier_dir: Path
+) -> None:
+    """add_replica() cancelled while its stage starts (its factory held) leaves no
+    replica behind in pool.replicas (it was left "starting" for ever) and no process."""
+    (barrier_dir / "hold").touch()
+
+    async def main() -> None:
+        async with await AsyncStagePool.launch(COUNTDOWN, replicas=1) as pool:
+            before = pool.replicas
+            adding = asyncio.ensure_future(pool.add_replica(GATED, {"directory": str(barrier_dir)}))
+            while len(os.listdir(barrier_dir)) < 2:  # "hold" and the new stage's pid
+                await asyncio.sleep(0.01)
+            [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
+            adding.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await adding
+            assert pool.replicas == before
+            assert all(r.state is ReplicaState.SERVING for r in pool.replicas)
+            assert wait_until(lambda: pid_gone(pid), 10)
+            assert await (await pool.add("a", 2)).collect(timeout=10) == [1, 0]
+
+    asyncio.run(main())
+
+
 def test_sticky_keys_go_home(launch: Open) -> None:
     pool = launch(COUNTDOWN, replicas=3, routing=Sticky())
     homes: dict[str, Replica | None] = {}

@@ -276,7 +276,12 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def _add_replicas(self, specs: list[dict[str, Any]]) -> list[Replica]:
         self._check_open()
         new = [self._core.new_replica(spec) for spec in specs]
-        results = await asyncio.gather(*(self._start(r) for r in new), return_exceptions=True)
+        try:
+            results: list[Any] = await asyncio.gather(
+                *(self._start(r) for r in new), return_exceptions=True
+            )
+        except BaseException as exc:  # cancelled, and the starts with it: as a failed start
+            results = [exc]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for r in new:
