@@ -473,6 +473,44 @@ def test_a_restart_group_is_stopped_and_started_again_together(launch: Open) -> 
         assert s.migrations == 0
 
 
+def test_a_request_aborted_before_its_replica_died_does_not_move(launch: Open) -> None:
+    """abort() sent, the replica stopped before it could apply it, then killed: the
+    request is not handed to on_replica_death (it would run again elsewhere, its abort
+    lost) but ends with ReplicaDeadError, with and without a stream."""
+    seen: list[str] = []
+
+    def resume(request: PoolRequest, delivered: int) -> PoolRequest | None:
+        seen.append(request.req_id)
+        return PoolRequest(request.req_id, 3)
+
+    pool = launch(replicas=1, kwargs={"step_s": 0.01}, on_replica_death=resume, ordered_events=True)
+    log = EventLog(pool)
+    kept = pool.add("kept", 10**6)
+    aborted = pool.add("aborted", 10**6)
+    assert pool.add("quiet", 10**6, stream=False) is None
+    [victim] = pool.replicas
+    pool.add_replica(DEVICE, {"step_s": 0.01})  # where the kept one moves
+    kept.get(10)
+    aborted.get(10)
+    pid = cast(int, victim.pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        pool.abort(["aborted", "quiet"])
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+    with pytest.raises(ReplicaDeadError):
+        aborted.collect(10)
+    assert aborted.migrations == 0
+    assert kept.collect(10)[-3:] == [2, 1, 0]  # moved on, and finished there
+    assert kept.migrations == 1
+    log.until_ended(["quiet"])
+    [end] = log.ends["quiet"]
+    assert isinstance(end, RequestFailed)
+    assert isinstance(end.error, ReplicaDeadError)
+    assert seen == ["kept"]
+
+
 def test_on_replica_death_moves_a_request_on(launch: Open) -> None:
     seen: list[tuple[PoolRequest, int]] = []
 

@@ -62,7 +62,7 @@ class AsyncPoolRequestStream(AsyncRequestStream, PoolStreamCore):
     iterator, plus the replica that serves it (:attr:`replica`) and how often it moved
     (:attr:`migrations`). Ends as :class:`~enginecore.stage.PoolRequestStream` does."""
 
-    __slots__ = ("_migrations", "_replica", "_request")
+    __slots__ = ("_aborted", "_migrations", "_replica", "_request")
 
 
 class _AsyncMember(AsyncStageClient):

@@ -73,7 +73,7 @@ class PoolRequestStream(RequestStream, PoolStreamCore):
     unless the pool's ``on_replica_death`` sent it to another replica: then it goes on
     with that replica's outputs, after every output it had."""
 
-    __slots__ = ("_migrations", "_replica", "_request")
+    __slots__ = ("_aborted", "_migrations", "_replica", "_request")
 
 
 class _Member(StageClient):
@@ -128,10 +128,10 @@ class StagePool(PoolBase[PoolRequestStream]):
         (lowest wins). *restart*: ``True`` or a
         :class:`~enginecore.stage.RestartPolicy` to start dead launched replicas again.
         *on_replica_death*: ``hook(request, delivered) -> PoolRequest | None``, called for
-        each request live on a replica that died; a returned request (same ``req_id``) goes
-        to another replica and its stream goes on, at most *max_migrations* times per
-        request. *ordered_events*: keep every replica's events for :meth:`get_events`
-        (and allow requests without a stream)."""
+        each request live on a replica that died (but not one :meth:`abort` was called for);
+        a returned request (same ``req_id``) goes to another replica and its stream goes
+        on, at most *max_migrations* times per request. *ordered_events*: keep every
+        replica's events for :meth:`get_events` (and allow requests without a stream)."""
         super().__init__(routing, restart, on_replica_death, max_migrations, ordered_events)
         self._lock = threading.Lock()  # every member's session lock, and the core's
         self._event_lock = threading.Lock()  # one waiting consumer of the event stream

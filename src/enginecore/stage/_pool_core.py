@@ -580,7 +580,7 @@ class QuietRequest:
     lock that registers the id (``ClientBase._send_request``). ``_earlier``: the outputs its
     dead attempts delivered (a table counts only its own attempt's)."""
 
-    __slots__ = ("_earlier", "_in", "_migrations", "_replica", "_request", "req_id")
+    __slots__ = ("_aborted", "_earlier", "_in", "_migrations", "_replica", "_request", "req_id")
 
     def __init__(self, req_id: str, request: PoolRequest | None) -> None:
         self.req_id: Final = req_id
@@ -985,8 +985,9 @@ class PoolCore:
         """What becomes of *stream* (or a request without one, its :class:`QuietRequest`,
         with the outputs it had *delivered*), live on *replica* when its member failed with
         *failure*: its error, and the request to send to another replica instead (from
-        ``on_replica_death``, within ``max_migrations``), or ``None`` (end it with the
-        error). Calls the user's hook: call it without a lock."""
+        ``on_replica_death``, within ``max_migrations``, and never for a request that
+        ``abort()`` was called for), or ``None`` (end it with the error). Calls the user's
+        hook: call it without a lock."""
         if delivered is None:
             delivered = len(stream._arrivals)
         err = self.dead_error(replica, failure, delivered)
@@ -999,6 +1000,7 @@ class PoolCore:
             or self.closing
             or not isinstance(err, ReplicaDeadError)
             or getattr(stream, "_migrations", 0) >= self.max_migrations
+            or getattr(stream, "_aborted", False)  # abort() asked for its end: no move
         ):
             return err, None
         try:

@@ -56,6 +56,7 @@ class PoolStreamCore(StreamCore):
     ``add_many()`` gets them just after its frame left, so readers use ``getattr``."""
 
     __slots__ = ()
+    _aborted: bool  # set by abort() with on_replica_death: the request never moves
     _migrations: int
     _replica: Replica
     _request: PoolRequest | None
@@ -546,12 +547,15 @@ class PoolBase(Generic[S]):
         ids = list(req_ids)
         ClientSession.abort_frame(ids)  # checks the ids
         by_replica: dict[Replica, list[str]] = {}
+        hook = self._core.on_replica_death is not None
         with self._lock:
             self._check_open()
             for rid in ids:
                 stream = self._core.stream_of(rid)
                 if stream is not None:
                     by_replica.setdefault(stream._replica, []).append(rid)
+                    if hook:  # a stream or QuietRequest: its replica's death must not move it
+                        stream._aborted = True
             sends: list[tuple[ClientBase[Any, Any], list[str]]] = []
             for replica, group in by_replica.items():
                 member: ClientBase[Any, Any] | None = replica._client
