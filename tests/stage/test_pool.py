@@ -744,6 +744,37 @@ def test_an_async_pool_starts_its_replicas_together_without_a_thread_each(
 GATED = "enginecore.stage.testing:gated_factory"
 
 
+def test_a_cancelled_remove_replica_still_removes_it(no_leftovers: str) -> None:
+    """remove_replica() cancelled while its replica drains: the removal it began goes on
+    (its requests finish, its stage stops, it leaves pool.replicas) instead of leaving
+    the replica "draining" in the pool for ever."""
+
+    async def main() -> None:
+        async with await AsyncStagePool.launch(
+            DEVICE, {"step_s": 0.01}, replicas=2, restart=True
+        ) as pool:
+            r0, r1 = pool.replicas
+            streams = [await pool.add(f"a{i}", 30) for i in range(4)]
+            assert {s.replica for s in streams} == {r0, r1}
+            pid = cast(int, r0.pid)
+            removing = asyncio.ensure_future(pool.remove_replica(r0, timeout=20))
+            await asyncio.sleep(0)
+            assert r0.state.value == "draining"  # the removal began
+            removing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await removing
+            for s in streams:  # drained, not cut off
+                assert (await s.collect(timeout=10))[-1] == 0
+            deadline = time.monotonic() + 10
+            while r0.state is not ReplicaState.REMOVED and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert r0.state is ReplicaState.REMOVED
+            assert pool.replicas == (r1,)
+            assert wait_until(lambda: pid_gone(pid), 10)
+
+    asyncio.run(main())
+
+
 def test_a_cancelled_add_replica_leaves_the_async_pool_unchanged(
     no_leftovers: str, barrier_dir: Path
 ) -> None:

@@ -109,7 +109,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self._closed = asyncio.Event()
         self._close_lock = asyncio.Lock()
         self._closed_done = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._exit_codes: dict[Replica, int | None] = {}
 
     # -- construction ------------------------------------------------------------------------
@@ -512,9 +512,18 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             raise ValueError(f"{replica!r} is not in this pool")
         was = replica.state
         self._core.set_state(replica, ReplicaState.DRAINING)
+        # A task of the pool's (close() waits for it), shielded: a cancelled caller stops
+        # waiting, but the removal it began goes on to its end (else the replica stayed
+        # "draining" in pool.replicas, its stage stopped or not).
+        task = self._loop.create_task(self._remove(replica, was, timeout if drain else None))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _remove(self, replica: Replica, was: ReplicaState, drain: float | None) -> int | None:
         code = None
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
-            code = await self._stop_member(replica, drain=timeout if drain else None, timeout=5.0)
+            code = await self._stop_member(replica, drain=drain, timeout=5.0)
         self._core.set_state(replica, ReplicaState.REMOVED)
         return code
 
