@@ -868,6 +868,11 @@ def test_bad_launch_and_connect_arguments_are_refused_before_anything_starts(
     pool = launch(COUNTDOWN, replicas=1)
     with pytest.raises(ValueError, match="ping_interval"):
         pool.add_replica(COUNTDOWN, ping_interval=float("nan"))
+    # An option of the other kind of replica, or none at all, is named, not ignored.
+    with pytest.raises(TypeError, match=r"unexpected options \['bogus'\] for a launched"):
+        pool.add_replica(COUNTDOWN, bogus=1)
+    with pytest.raises(TypeError, match=r"\['ping_interval'\] for a connected"):
+        pool.add_replica(address="tcp://127.0.0.1:1", ping_interval=1.0)
     assert len(pool.replicas) == 1
 
 

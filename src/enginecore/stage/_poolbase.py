@@ -169,6 +169,27 @@ def connect_specs(addresses: Sequence[str], options: dict[str, Any]) -> list[dic
     return [{"address": a, **options} for a in addresses]
 
 
+# The options of add_replica() for a replica the pool launches (launch()'s) and for one it
+# connects to (connect()'s); a replica placed on Ray (ray=...) has its options checked by
+# its plan.
+_LAUNCH_OPTIONS: Final = frozenset(
+    {
+        "startup_timeout",
+        "name",
+        "step_timeout",
+        "kill_after",
+        "log_level",
+        "forward_logs",
+        "load_interval",
+        "ping_interval",
+        "group",
+    }
+)
+_CONNECT_OPTIONS: Final = frozenset(
+    {"timeout", "heartbeat_interval", "heartbeat_timeout", "curve", "group"}
+)
+
+
 def replica_spec(
     factory: str | None, kwargs: dict[str, Any] | None, address: str | None, options: dict[str, Any]
 ) -> dict[str, Any]:
@@ -176,6 +197,15 @@ def replica_spec(
     to *address*, one of the two."""
     if (factory is None) == (address is None):
         raise TypeError("add_replica() takes a factory or an address=, not both")
+    if "ray" not in options:  # else checked by its plan, before anything is placed
+        known = _LAUNCH_OPTIONS if factory is not None else _CONNECT_OPTIONS
+        unknown = sorted(set(options) - known)
+        if unknown:
+            what = "a launched" if factory is not None else "a connected"
+            raise TypeError(
+                f"add_replica() got unexpected options {unknown} for {what} replica; it "
+                f"takes {sorted(known)}"
+            )
     if address is not None and options.get("group") is not None:
         raise ValueError(
             "group= is for replicas the pool launches: it cannot start a connected one again"
