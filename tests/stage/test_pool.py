@@ -337,6 +337,37 @@ def test_a_utility_call_to_a_replica_not_in_the_pool_is_refused(launch: Open) ->
     assert pool.call_utility("pid", replica=pool.replicas[0]) == pool.replicas[0].pid
 
 
+def test_stats_asks_every_replica_at_once(no_leftovers: str) -> None:
+    """The blocking pool's stats() asks every replica before it waits for one, as the
+    asyncio pool's does (it asked them one after the other, so that each stopped replica
+    added a whole *timeout* to the wait)."""
+    with StagePool.launch(COUNTDOWN, replicas=3) as pool:
+        r0, r1, r2 = pool.replicas
+        asked: list[Replica] = []
+        for r in pool.replicas:
+            member = r._client
+            start = member._start_call
+
+            def recorded(*args: Any, _r: Replica = r, _start: Any = start, **kw: Any) -> Any:
+                asked.append(_r)
+                return _start(*args, **kw)
+
+            member._start_call = recorded
+        pid = cast(int, r0.pid)
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                got = ex.submit(pool.stats, None)
+                assert wait_until(lambda: {r1, r2} <= set(asked), 10), asked  # r0 silent
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            stats = got.result(10)
+        assert set(stats) == {r0, r1, r2}
+        assert all(isinstance(s, StageStatistics) for s in stats.values())
+        with pytest.raises(ValueError, match="timeout"):
+            pool.stats(-1)
+
+
 # -- a dead or stuck replica ---------------------------------------------------------------
 
 

@@ -652,15 +652,34 @@ class StagePool(PoolBase[PoolRequestStream]):
 
     def stats(self, timeout: float | None = 10.0) -> dict[Replica, StageStatistics | Exception]:
         """Every serving replica's statistics (:meth:`StageClient.stats
-        <enginecore.stage.StageClient.stats>`), as ``{replica: statistics or exception}``.
-        Thread-safe."""
-        out: dict[Replica, StageStatistics | Exception] = {}
+        <enginecore.stage.StageClient.stats>`), as ``{replica: statistics or exception}``:
+        asked of every replica at once, so *timeout* bounds the whole wait (a replica that
+        has not answered by then gets a :class:`TimeoutError`). Thread-safe."""
+        deadline = _clientbase.deadline_after(timeout)  # ValueError if negative
+        asked: dict[Replica, Any] = {}
         for r in self._core.replicas:
-            if r.state is ReplicaState.SERVING:
-                try:
-                    out[r] = r._client.stats(timeout)
-                except Exception as exc:
-                    out[r] = exc
+            if r.state is not ReplicaState.SERVING:
+                continue
+            member: _Member = r._client
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            try:
+                asked[r] = (member, member._start_call("stats", (), future, stats=True), future)
+            except Exception as exc:
+                asked[r] = exc
+        out: dict[Replica, StageStatistics | Exception] = {}
+        for r, call in asked.items():
+            if isinstance(call, Exception):
+                out[r] = call
+                continue
+            member, call_id, future = call
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out[r] = StageStatistics.from_wire(future.result(left))
+            except concurrent.futures.TimeoutError:
+                member._forget_call(call_id)  # the late answer is dropped
+                out[r] = TimeoutError(f"stats did not answer within {timeout} s")
+            except Exception as exc:
+                out[r] = exc
         return out
 
     # -- membership --------------------------------------------------------------------------
