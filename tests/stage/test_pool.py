@@ -368,6 +368,35 @@ def test_stats_asks_every_replica_at_once(no_leftovers: str) -> None:
             pool.stats(-1)
 
 
+def test_an_abort_racing_an_add_many_in_another_thread(no_leftovers: str) -> None:
+    """abort() of ids that an add_many() in another thread is sending: each id is
+    either aborted or ignored (not yet live on a replica), never an AttributeError (an
+    id held while its frame left has no replica yet)."""
+    with StagePool.launch(COUNTDOWN, replicas=2) as pool:
+        errors: list[BaseException] = []
+        burst = [0]
+        stop = threading.Event()
+
+        def aborter() -> None:
+            while not stop.is_set():
+                try:
+                    pool.abort([f"b{burst[0]}-{i}" for i in range(100)])
+                except BaseException as exc:  # whatever escapes is the bug
+                    errors.append(exc)
+
+        thread = threading.Thread(target=aborter)
+        thread.start()
+        try:
+            for n in range(300):
+                burst[0] = n
+                for s in pool.add_many([(f"b{n}-{i}", 3) for i in range(100)]):
+                    s.collect(10)  # finished or aborted, either ends it
+        finally:
+            stop.set()
+            thread.join(10)
+        assert not errors, errors[:3]
+
+
 # -- a dead or stuck replica ---------------------------------------------------------------
 
 

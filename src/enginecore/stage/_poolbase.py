@@ -582,8 +582,12 @@ class PoolBase(Generic[S]):
             self._check_open()
             for rid in ids:
                 stream = self._core.stream_of(rid)
-                if stream is not None:
-                    by_replica.setdefault(stream._replica, []).append(rid)
+                # getattr: an add_many() in another thread holds the id, or has sent it but
+                # not yet marked its stream: not on a replica yet, so ignored, as an id
+                # that is not live is.
+                replica = getattr(stream, "_replica", None)
+                if replica is not None:
+                    by_replica.setdefault(replica, []).append(rid)
                     if hook:  # a stream or QuietRequest: its replica's death must not move it
                         stream._aborted = True
             sends: list[tuple[ClientBase[Any, Any], list[str]]] = []
