@@ -905,6 +905,18 @@ def test_bad_pool_arguments() -> None:
         StagePool().add_replica(address="tcp://127.0.0.1:1", group="g")
     with pytest.raises(ValueError, match="2 groups for 3 replicas"):
         StagePool.launch(COUNTDOWN, replicas=3, group=["g", "g"])
+    # Types named at once, not met later as a bare comparison error (or, for restart=,
+    # as an AttributeError at the first death, on the receiver's thread).
+    with pytest.raises(TypeError, match="restart must be a bool or a RestartPolicy"):
+        StagePool(restart=cast(Any, "yes"))
+    with pytest.raises(TypeError, match="max_migrations must be an int"):
+        StagePool(max_migrations=cast(Any, "1"))
+    with pytest.raises(TypeError, match="spill_above and slack must be numbers"):
+        Sticky(spill_above=cast(Any, "2"))
+    with pytest.raises(ValueError, match="spill_above"):
+        Sticky(spill_above=float("nan"))
+    with pytest.raises(TypeError, match="k and exhaustive must be ints"):
+        LeastLoaded(k=cast(Any, 1.5))
     stream_types = (PoolRequestStream, AsyncPoolRequestStream)
     assert all(hasattr(t, "replica") for t in stream_types)
 

@@ -350,6 +350,8 @@ class LeastLoaded(Routing):
     drawn at random are ("power of k choices": ~1 µs whatever the pool's size)."""
 
     def __init__(self, *, k: int = 2, exhaustive: int = 8, seed: int | None = None) -> None:
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (k, exhaustive)):
+            raise TypeError("k and exhaustive must be ints")
         if k < 1 or exhaustive < 1:
             raise ValueError("need k >= 1 and exhaustive >= 1")
         self.k: Final = k
@@ -419,7 +421,11 @@ class Sticky(Routing):
     a point or two of the same cap without slack); the slack keeps a light load at home."""
 
     def __init__(self, *, spill_above: float = 1.25, slack: int = 2, seed: int | None = None):
-        if spill_above < 1 or slack < 0:
+        if not all(
+            isinstance(n, (int, float)) and not isinstance(n, bool) for n in (spill_above, slack)
+        ):
+            raise TypeError("spill_above and slack must be numbers")
+        if not (spill_above >= 1 and slack >= 0):  # NaN too
             raise ValueError("need spill_above >= 1 and slack >= 0")
         self.spill_above: Final = spill_above
         self.slack: Final = slack
@@ -704,8 +710,15 @@ class PoolCore:
     ) -> None:
         if on_replica_death is not None and not callable(on_replica_death):
             raise TypeError("on_replica_death must be callable")
+        if isinstance(max_migrations, bool) or not isinstance(max_migrations, int):
+            raise TypeError(f"max_migrations must be an int, got {type(max_migrations).__name__}")
         if max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
+        if not isinstance(restart, (bool, RestartPolicy)):
+            # checked now: else the first death would meet it, on the receiver's thread
+            raise TypeError(
+                f"restart must be a bool or a RestartPolicy, got {type(restart).__name__}"
+            )
         self.routing: Final = as_routing(routing)
         if restart is True:
             restart = RestartPolicy()
