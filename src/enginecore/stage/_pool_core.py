@@ -438,7 +438,10 @@ class Sticky(Routing):
         if self._members is not replicas:
             self._members = replicas
             self._homes.clear()
-        home = self._homes.get(key)
+        try:
+            home = self._homes.get(key)
+        except TypeError:
+            raise TypeError(f"a Sticky key must be hashable, got {type(key).__name__}") from None
         if home is None:
             k = _key_bytes(key)
             home = max(replicas, key=lambda r: _rendezvous(k, r.name))
@@ -536,7 +539,7 @@ def _key_bytes(key: Hashable) -> bytes:
     if isinstance(key, bytes):
         return b"b" + key
     if isinstance(key, str):
-        return b"s" + key.encode()
+        return b"s" + key.encode("utf-8", "surrogatepass")  # a lone surrogate too
     return b"r" + repr(key).encode()
 
 
