@@ -804,6 +804,32 @@ def test_an_async_pool_starts_its_replicas_together_without_a_thread_each(
 GATED = "enginecore.stage.testing:gated_factory"
 
 
+def test_an_async_pool_that_closes_kills_a_restart_in_progress(
+    no_leftovers: str, barrier_dir: Path
+) -> None:
+    """close() while a replica's stage starts again (its factory held for 40 s): the
+    start is stopped, its stage killed, instead of close() waiting for the factory (a
+    model that loads for minutes)."""
+
+    async def main() -> None:
+        kwargs = {"directory": str(barrier_dir), "timeout": 40}
+        policy = RestartPolicy(first_delay=0.05)
+        pool = await AsyncStagePool.launch(GATED, kwargs, replicas=1, restart=policy)
+        try:
+            [r0] = pool.replicas
+            first = cast(int, r0.pid)
+            (barrier_dir / "hold").touch()
+            os.kill(first, signal.SIGKILL)
+            while len(os.listdir(barrier_dir)) < 3:  # the first pid, hold, the new pid
+                await asyncio.sleep(0.01)
+            [again] = [int(n) for n in os.listdir(barrier_dir) if n not in ("hold", str(first))]
+        finally:
+            await asyncio.wait_for(pool.close(), 20)  # well before the factory gives up
+        assert wait_until(lambda: pid_gone(again), 10)
+
+    asyncio.run(main())
+
+
 def test_a_cancelled_remove_replica_still_removes_it(no_leftovers: str) -> None:
     """remove_replica() cancelled while its replica drains: the removal it began goes on
     (its requests finish, its stage stops, it leaves pool.replicas) instead of leaving

@@ -299,9 +299,14 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         members of *replicas* at once, then make them serve; if one does not start, close
         those that did and raise its error."""
         generations = [r._generation for r in replicas]
-        results = await asyncio.gather(
-            *(self._open_member(r) for r in replicas), return_exceptions=True
-        )
+        opening = [asyncio.ensure_future(self._open_member(r)) for r in replicas]
+        try:
+            results = await asyncio.gather(*opening, return_exceptions=True)
+        except BaseException:  # cancelled (a pool that closes stops a restart so)
+            for t in opening:  # done: the gather waited for each; close those that opened
+                if not t.cancelled() and t.exception() is None:
+                    await t.result().close()
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for m in results:
@@ -575,8 +580,18 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 if not starting:
                     return
                 names = ", ".join(r.name for r in starting)
+                start = asyncio.ensure_future(self._start_all(starting))
+                closing = asyncio.ensure_future(self._closed.wait())
                 try:
-                    await self._start_all(starting)
+                    await asyncio.wait({start, closing}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    closing.cancel()
+                if not start.done():  # the pool closes: a stage being started is killed,
+                    start.cancel()  # not waited for (its factory may take minutes)
+                    await asyncio.wait({start})
+                    return
+                try:
+                    await start
                     logger.warning("enginecore: replica %s started again", names)
                     return
                 except Exception as exc:
