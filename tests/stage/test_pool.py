@@ -830,6 +830,32 @@ def test_an_async_pool_that_closes_kills_a_restart_in_progress(
     asyncio.run(main())
 
 
+def test_an_async_pool_that_closes_stops_an_add_replica_in_progress(
+    no_leftovers: str, barrier_dir: Path
+) -> None:
+    """close() while add_replica() waits for its stage's start (its factory held for
+    40 s): the add raises StageClosedError and the half-started stage is killed, instead
+    of the add waiting for the factory after close() returned."""
+    (barrier_dir / "hold").touch()
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch(COUNTDOWN, replicas=1)
+        adding = asyncio.ensure_future(
+            pool.add_replica(GATED, {"directory": str(barrier_dir), "timeout": 40})
+        )
+        try:
+            while len(os.listdir(barrier_dir)) < 2:  # "hold" and the new stage's pid
+                await asyncio.sleep(0.01)
+            [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
+        finally:
+            await pool.close()
+        with pytest.raises(StageClosedError):
+            await asyncio.wait_for(adding, 20)  # well before the factory gives up
+        assert wait_until(lambda: pid_gone(pid), 10)
+
+    asyncio.run(main())
+
+
 def test_a_cancelled_remove_replica_still_removes_it(no_leftovers: str) -> None:
     """remove_replica() cancelled while its replica drains: the removal it began goes on
     (its requests finish, its stage stops, it leaves pool.replicas) instead of leaving

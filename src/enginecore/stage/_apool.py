@@ -110,6 +110,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self._close_lock = asyncio.Lock()
         self._closed_done = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._starting: set[asyncio.Future[Any]] = set()  # add_replica()s' starts
+        self._stopped_starts: set[asyncio.Future[Any]] = set()  # those close() cancelled
         self._exit_codes: dict[Replica, int | None] = {}
 
     # -- construction ------------------------------------------------------------------------
@@ -276,12 +278,16 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def _add_replicas(self, specs: list[dict[str, Any]]) -> list[Replica]:
         self._check_open()
         new = [self._core.new_replica(spec) for spec in specs]
+        starts = asyncio.gather(*(self._start(r) for r in new), return_exceptions=True)
+        self._starting.add(starts)
         try:
-            results: list[Any] = await asyncio.gather(
-                *(self._start(r) for r in new), return_exceptions=True
-            )
+            results: list[Any] = await starts
         except BaseException as exc:  # cancelled, and the starts with it: as a failed start
-            results = [exc]
+            by_close = starts in self._stopped_starts
+            results = [StageClosedError("this stage pool is closed") if by_close else exc]
+        finally:
+            self._starting.discard(starts)
+            self._stopped_starts.discard(starts)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for r in new:
@@ -647,6 +653,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 return dict(self._exit_codes)
             self._core.begin_close()
             self._closed.set()
+            for starts in list(self._starting):  # an add_replica() that waits for a start:
+                self._stopped_starts.add(starts)  # its half-started stage is killed, and it
+                starts.cancel()  # raises StageClosedError
             replicas = list(self._core.replicas)
 
             async def stop_one(r: Replica) -> None:
