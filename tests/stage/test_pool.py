@@ -322,6 +322,81 @@ def test_utilities_go_to_one_replica_or_to_all(launch: Open) -> None:
         assert s.name.endswith(f"/{r.name}")
 
 
+def test_a_utility_call_to_a_replica_not_in_the_pool_is_refused(launch: Open) -> None:
+    pool = launch(replicas=2)
+    other = launch(replicas=1)
+    theirs = other.replicas[0]
+    with pytest.raises(ValueError, match="not in this pool"):
+        pool.call_utility("pid", replica=theirs)  # never reaches the other pool's stage
+    with pytest.raises(ValueError, match="not in this pool"):
+        pool.call_utility("pid", replica=cast(Any, "r0"))
+    removed = pool.replicas[1]
+    pool.remove_replica(removed)
+    with pytest.raises(NoReplicaError, match="removed"):
+        pool.call_utility("pid", replica=removed)
+    assert pool.call_utility("pid", replica=pool.replicas[0]) == pool.replicas[0].pid
+
+
+def test_stats_asks_every_replica_at_once(no_leftovers: str) -> None:
+    """The blocking pool's stats() asks every replica before it waits for one, as the
+    asyncio pool's does (it asked them one after the other, so that each stopped replica
+    added a whole *timeout* to the wait)."""
+    with StagePool.launch(COUNTDOWN, replicas=3) as pool:
+        r0, r1, r2 = pool.replicas
+        asked: list[Replica] = []
+        for r in pool.replicas:
+            member = r._client
+            start = member._start_call
+
+            def recorded(*args: Any, _r: Replica = r, _start: Any = start, **kw: Any) -> Any:
+                asked.append(_r)
+                return _start(*args, **kw)
+
+            member._start_call = recorded
+        pid = cast(int, r0.pid)
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                got = ex.submit(pool.stats, None)
+                assert wait_until(lambda: {r1, r2} <= set(asked), 10), asked  # r0 silent
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            stats = got.result(10)
+        assert set(stats) == {r0, r1, r2}
+        assert all(isinstance(s, StageStatistics) for s in stats.values())
+        with pytest.raises(ValueError, match="timeout"):
+            pool.stats(-1)
+
+
+def test_an_abort_racing_an_add_many_in_another_thread(no_leftovers: str) -> None:
+    """abort() of ids that an add_many() in another thread is sending: each id is
+    either aborted or ignored (not yet live on a replica), never an AttributeError (an
+    id held while its frame left has no replica yet)."""
+    with StagePool.launch(COUNTDOWN, replicas=2) as pool:
+        errors: list[BaseException] = []
+        burst = [0]
+        stop = threading.Event()
+
+        def aborter() -> None:
+            while not stop.is_set():
+                try:
+                    pool.abort([f"b{burst[0]}-{i}" for i in range(100)])
+                except BaseException as exc:  # whatever escapes is the bug
+                    errors.append(exc)
+
+        thread = threading.Thread(target=aborter)
+        thread.start()
+        try:
+            for n in range(300):
+                burst[0] = n
+                for s in pool.add_many([(f"b{n}-{i}", 3) for i in range(100)]):
+                    s.collect(10)  # finished or aborted, either ends it
+        finally:
+            stop.set()
+            thread.join(10)
+        assert not errors, errors[:3]
+
+
 # -- a dead or stuck replica ---------------------------------------------------------------
 
 
@@ -456,6 +531,44 @@ def test_a_restart_group_is_stopped_and_started_again_together(launch: Open) -> 
     for s in on[r2]:  # untouched by the group's death
         assert s.collect(10)[-1] >= 0
         assert s.migrations == 0
+
+
+def test_a_request_aborted_before_its_replica_died_does_not_move(launch: Open) -> None:
+    """abort() sent, the replica stopped before it could apply it, then killed: the
+    request is not handed to on_replica_death (it would run again elsewhere, its abort
+    lost) but ends with ReplicaDeadError, with and without a stream."""
+    seen: list[str] = []
+
+    def resume(request: PoolRequest, delivered: int) -> PoolRequest | None:
+        seen.append(request.req_id)
+        return PoolRequest(request.req_id, 3)
+
+    pool = launch(replicas=1, kwargs={"step_s": 0.01}, on_replica_death=resume, ordered_events=True)
+    log = EventLog(pool)
+    kept = pool.add("kept", 10**6)
+    aborted = pool.add("aborted", 10**6)
+    assert pool.add("quiet", 10**6, stream=False) is None
+    [victim] = pool.replicas
+    pool.add_replica(DEVICE, {"step_s": 0.01})  # where the kept one moves
+    kept.get(10)
+    aborted.get(10)
+    pid = cast(int, victim.pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        pool.abort(["aborted", "quiet"])
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+    with pytest.raises(ReplicaDeadError):
+        aborted.collect(10)
+    assert aborted.migrations == 0
+    assert kept.collect(10)[-3:] == [2, 1, 0]  # moved on, and finished there
+    assert kept.migrations == 1
+    log.until_ended(["quiet"])
+    [end] = log.ends["quiet"]
+    assert isinstance(end, RequestFailed)
+    assert isinstance(end.error, ReplicaDeadError)
+    assert seen == ["kept"]
 
 
 def test_on_replica_death_moves_a_request_on(launch: Open) -> None:
@@ -688,6 +801,117 @@ def test_an_async_pool_starts_its_replicas_together_without_a_thread_each(
 # -- routing policies ----------------------------------------------------------------------
 
 
+GATED = "enginecore.stage.testing:gated_factory"
+
+
+def test_an_async_pool_that_closes_kills_a_restart_in_progress(
+    no_leftovers: str, barrier_dir: Path
+) -> None:
+    """close() while a replica's stage starts again (its factory held for 40 s): the
+    start is stopped, its stage killed, instead of close() waiting for the factory (a
+    model that loads for minutes)."""
+
+    async def main() -> None:
+        kwargs = {"directory": str(barrier_dir), "timeout": 40}
+        policy = RestartPolicy(first_delay=0.05)
+        pool = await AsyncStagePool.launch(GATED, kwargs, replicas=1, restart=policy)
+        try:
+            [r0] = pool.replicas
+            first = cast(int, r0.pid)
+            (barrier_dir / "hold").touch()
+            os.kill(first, signal.SIGKILL)
+            while len(os.listdir(barrier_dir)) < 3:  # the first pid, hold, the new pid
+                await asyncio.sleep(0.01)
+            [again] = [int(n) for n in os.listdir(barrier_dir) if n not in ("hold", str(first))]
+        finally:
+            await asyncio.wait_for(pool.close(), 20)  # well before the factory gives up
+        assert wait_until(lambda: pid_gone(again), 10)
+
+    asyncio.run(main())
+
+
+def test_an_async_pool_that_closes_stops_an_add_replica_in_progress(
+    no_leftovers: str, barrier_dir: Path
+) -> None:
+    """close() while add_replica() waits for its stage's start (its factory held for
+    40 s): the add raises StageClosedError and the half-started stage is killed, instead
+    of the add waiting for the factory after close() returned."""
+    (barrier_dir / "hold").touch()
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch(COUNTDOWN, replicas=1)
+        adding = asyncio.ensure_future(
+            pool.add_replica(GATED, {"directory": str(barrier_dir), "timeout": 40})
+        )
+        try:
+            while len(os.listdir(barrier_dir)) < 2:  # "hold" and the new stage's pid
+                await asyncio.sleep(0.01)
+            [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
+        finally:
+            await pool.close()
+        with pytest.raises(StageClosedError):
+            await asyncio.wait_for(adding, 20)  # well before the factory gives up
+        assert wait_until(lambda: pid_gone(pid), 10)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_remove_replica_still_removes_it(no_leftovers: str) -> None:
+    """remove_replica() cancelled while its replica drains: the removal it began goes on
+    (its requests finish, its stage stops, it leaves pool.replicas) instead of leaving
+    the replica "draining" in the pool for ever."""
+
+    async def main() -> None:
+        async with await AsyncStagePool.launch(
+            DEVICE, {"step_s": 0.01}, replicas=2, restart=True
+        ) as pool:
+            r0, r1 = pool.replicas
+            streams = [await pool.add(f"a{i}", 30) for i in range(4)]
+            assert {s.replica for s in streams} == {r0, r1}
+            pid = cast(int, r0.pid)
+            removing = asyncio.ensure_future(pool.remove_replica(r0, timeout=20))
+            await asyncio.sleep(0)
+            assert r0.state.value == "draining"  # the removal began
+            removing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await removing
+            for s in streams:  # drained, not cut off
+                assert (await s.collect(timeout=10))[-1] == 0
+            deadline = time.monotonic() + 10
+            while r0.state is not ReplicaState.REMOVED and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert r0.state is ReplicaState.REMOVED
+            assert pool.replicas == (r1,)
+            assert wait_until(lambda: pid_gone(pid), 10)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_add_replica_leaves_the_async_pool_unchanged(
+    no_leftovers: str, barrier_dir: Path
+) -> None:
+    """add_replica() cancelled while its stage starts (its factory held) leaves no
+    replica behind in pool.replicas (it was left "starting" for ever) and no process."""
+    (barrier_dir / "hold").touch()
+
+    async def main() -> None:
+        async with await AsyncStagePool.launch(COUNTDOWN, replicas=1) as pool:
+            before = pool.replicas
+            adding = asyncio.ensure_future(pool.add_replica(GATED, {"directory": str(barrier_dir)}))
+            while len(os.listdir(barrier_dir)) < 2:  # "hold" and the new stage's pid
+                await asyncio.sleep(0.01)
+            [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
+            adding.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await adding
+            assert pool.replicas == before
+            assert all(r.state is ReplicaState.SERVING for r in pool.replicas)
+            assert wait_until(lambda: pid_gone(pid), 10)
+            assert await (await pool.add("a", 2)).collect(timeout=10) == [1, 0]
+
+    asyncio.run(main())
+
+
 def test_sticky_keys_go_home(launch: Open) -> None:
     pool = launch(COUNTDOWN, replicas=3, routing=Sticky())
     homes: dict[str, Replica | None] = {}
@@ -733,8 +957,47 @@ def test_bad_pool_arguments() -> None:
         StagePool().add_replica(address="tcp://127.0.0.1:1", group="g")
     with pytest.raises(ValueError, match="2 groups for 3 replicas"):
         StagePool.launch(COUNTDOWN, replicas=3, group=["g", "g"])
+    # Types named at once, not met later as a bare comparison error (or, for restart=,
+    # as an AttributeError at the first death, on the receiver's thread).
+    with pytest.raises(TypeError, match="restart must be a bool or a RestartPolicy"):
+        StagePool(restart=cast(Any, "yes"))
+    with pytest.raises(TypeError, match="max_migrations must be an int"):
+        StagePool(max_migrations=cast(Any, "1"))
+    with pytest.raises(TypeError, match="spill_above and slack must be numbers"):
+        Sticky(spill_above=cast(Any, "2"))
+    with pytest.raises(ValueError, match="spill_above"):
+        Sticky(spill_above=float("nan"))
+    with pytest.raises(TypeError, match="k and exhaustive must be ints"):
+        LeastLoaded(k=cast(Any, 1.5))
     stream_types = (PoolRequestStream, AsyncPoolRequestStream)
     assert all(hasattr(t, "replica") for t in stream_types)
+
+
+def test_bad_launch_and_connect_arguments_are_refused_before_anything_starts(
+    pools: tuple[Open, Open],
+) -> None:
+    launch, connect = pools
+    for bad in ("2", 1.5, True):
+        with pytest.raises(TypeError, match="replicas must be an int"):
+            launch(COUNTDOWN, replicas=bad)
+    for ping in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ping_interval"):
+            launch(COUNTDOWN, ping_interval=ping)
+    with pytest.raises(TypeError, match="ping_interval"):
+        launch(COUNTDOWN, ping_interval="1")
+    with pytest.raises(TypeError, match="group must be a str"):
+        launch(COUNTDOWN, replicas=2, group=5)
+    with pytest.raises(ValueError, match="at least one address"):
+        connect([])
+    pool = launch(COUNTDOWN, replicas=1)
+    with pytest.raises(ValueError, match="ping_interval"):
+        pool.add_replica(COUNTDOWN, ping_interval=float("nan"))
+    # An option of the other kind of replica, or none at all, is named, not ignored.
+    with pytest.raises(TypeError, match=r"unexpected options \['bogus'\] for a launched"):
+        pool.add_replica(COUNTDOWN, bogus=1)
+    with pytest.raises(TypeError, match=r"\['ping_interval'\] for a connected"):
+        pool.add_replica(address="tcp://127.0.0.1:1", ping_interval=1.0)
+    assert len(pool.replicas) == 1
 
 
 # -- the event stream, and requests without a stream --------------------------------------

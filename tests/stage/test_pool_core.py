@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import given
@@ -174,6 +174,17 @@ def test_sticky_keys_stay_home_and_spill_when_home_is_overloaded() -> None:
     core.set_state(gone, ReplicaState.DEAD)
     after = {k: core.route("q", None, k) for k in homes}
     assert all(after[k] is homes[k] for k in homes if homes[k] is not gone)
+
+
+def test_sticky_takes_any_str_key_and_names_an_unhashable_one() -> None:
+    core, _ = make_core(3, Sticky())
+    lone = "user-\ud800"  # a lone surrogate, as json.loads gives for "\\ud800"
+    home = core.route("a", None, lone)
+    assert all(core.route(f"a{i}", None, lone) is home for i in range(5))
+    other, _ = make_core(3, Sticky())
+    assert other.route("b", None, lone).name == home.name
+    with pytest.raises(TypeError, match="Sticky key must be hashable, got list"):
+        core.route("c", None, cast(Any, ["user"]))
 
 
 def test_a_score_function_sees_views() -> None:

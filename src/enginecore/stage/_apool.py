@@ -62,7 +62,7 @@ class AsyncPoolRequestStream(AsyncRequestStream, PoolStreamCore):
     iterator, plus the replica that serves it (:attr:`replica`) and how often it moved
     (:attr:`migrations`). Ends as :class:`~enginecore.stage.PoolRequestStream` does."""
 
-    __slots__ = ("_migrations", "_replica", "_request")
+    __slots__ = ("_aborted", "_migrations", "_replica", "_request")
 
 
 class _AsyncMember(AsyncStageClient):
@@ -109,7 +109,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self._closed = asyncio.Event()
         self._close_lock = asyncio.Lock()
         self._closed_done = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._starting: set[asyncio.Future[Any]] = set()  # add_replica()s' starts
+        self._stopped_starts: set[asyncio.Future[Any]] = set()  # those close() cancelled
         self._exit_codes: dict[Replica, int | None] = {}
 
     # -- construction ------------------------------------------------------------------------
@@ -276,7 +278,16 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def _add_replicas(self, specs: list[dict[str, Any]]) -> list[Replica]:
         self._check_open()
         new = [self._core.new_replica(spec) for spec in specs]
-        results = await asyncio.gather(*(self._start(r) for r in new), return_exceptions=True)
+        starts = asyncio.gather(*(self._start(r) for r in new), return_exceptions=True)
+        self._starting.add(starts)
+        try:
+            results: list[Any] = await starts
+        except BaseException as exc:  # cancelled, and the starts with it: as a failed start
+            by_close = starts in self._stopped_starts
+            results = [StageClosedError("this stage pool is closed") if by_close else exc]
+        finally:
+            self._starting.discard(starts)
+            self._stopped_starts.discard(starts)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for r in new:
@@ -294,9 +305,14 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         members of *replicas* at once, then make them serve; if one does not start, close
         those that did and raise its error."""
         generations = [r._generation for r in replicas]
-        results = await asyncio.gather(
-            *(self._open_member(r) for r in replicas), return_exceptions=True
-        )
+        opening = [asyncio.ensure_future(self._open_member(r)) for r in replicas]
+        try:
+            results = await asyncio.gather(*opening, return_exceptions=True)
+        except BaseException:  # cancelled (a pool that closes stops a restart so)
+            for t in opening:  # done: the gather waited for each; close those that opened
+                if not t.cancelled() and t.exception() is None:
+                    await t.result().close()
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for m in results:
@@ -507,9 +523,18 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             raise ValueError(f"{replica!r} is not in this pool")
         was = replica.state
         self._core.set_state(replica, ReplicaState.DRAINING)
+        # A task of the pool's (close() waits for it), shielded: a cancelled caller stops
+        # waiting, but the removal it began goes on to its end (else the replica stayed
+        # "draining" in pool.replicas, its stage stopped or not).
+        task = self._loop.create_task(self._remove(replica, was, timeout if drain else None))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _remove(self, replica: Replica, was: ReplicaState, drain: float | None) -> int | None:
         code = None
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
-            code = await self._stop_member(replica, drain=timeout if drain else None, timeout=5.0)
+            code = await self._stop_member(replica, drain=drain, timeout=5.0)
         self._core.set_state(replica, ReplicaState.REMOVED)
         return code
 
@@ -561,8 +586,18 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 if not starting:
                     return
                 names = ", ".join(r.name for r in starting)
+                start = asyncio.ensure_future(self._start_all(starting))
+                closing = asyncio.ensure_future(self._closed.wait())
                 try:
-                    await self._start_all(starting)
+                    await asyncio.wait({start, closing}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    closing.cancel()
+                if not start.done():  # the pool closes: a stage being started is killed,
+                    start.cancel()  # not waited for (its factory may take minutes)
+                    await asyncio.wait({start})
+                    return
+                try:
+                    await start
                     logger.warning("enginecore: replica %s started again", names)
                     return
                 except Exception as exc:
@@ -618,6 +653,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 return dict(self._exit_codes)
             self._core.begin_close()
             self._closed.set()
+            for starts in list(self._starting):  # an add_replica() that waits for a start:
+                self._stopped_starts.add(starts)  # its half-started stage is killed, and it
+                starts.cancel()  # raises StageClosedError
             replicas = list(self._core.replicas)
 
             async def stop_one(r: Replica) -> None:

@@ -73,7 +73,7 @@ class PoolRequestStream(RequestStream, PoolStreamCore):
     unless the pool's ``on_replica_death`` sent it to another replica: then it goes on
     with that replica's outputs, after every output it had."""
 
-    __slots__ = ("_migrations", "_replica", "_request")
+    __slots__ = ("_aborted", "_migrations", "_replica", "_request")
 
 
 class _Member(StageClient):
@@ -128,10 +128,10 @@ class StagePool(PoolBase[PoolRequestStream]):
         (lowest wins). *restart*: ``True`` or a
         :class:`~enginecore.stage.RestartPolicy` to start dead launched replicas again.
         *on_replica_death*: ``hook(request, delivered) -> PoolRequest | None``, called for
-        each request live on a replica that died; a returned request (same ``req_id``) goes
-        to another replica and its stream goes on, at most *max_migrations* times per
-        request. *ordered_events*: keep every replica's events for :meth:`get_events`
-        (and allow requests without a stream)."""
+        each request live on a replica that died (but not one :meth:`abort` was called for);
+        a returned request (same ``req_id``) goes to another replica and its stream goes
+        on, at most *max_migrations* times per request. *ordered_events*: keep every
+        replica's events for :meth:`get_events` (and allow requests without a stream)."""
         super().__init__(routing, restart, on_replica_death, max_migrations, ordered_events)
         self._lock = threading.Lock()  # every member's session lock, and the core's
         self._event_lock = threading.Lock()  # one waiting consumer of the event stream
@@ -608,8 +608,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         replica: Replica | None = None,
         broadcast: bool = False,
     ) -> Any:
-        """Call ``engine.utility(name, args)`` on one replica (*replica*, else the least
-        loaded) and return its result, raising as
+        """Call ``engine.utility(name, args)`` on one replica (*replica*, one of
+        :attr:`replicas`: :class:`ValueError` for another, :class:`NoReplicaError` for one
+        removed or not serving; else the least loaded) and return its result, raising as
         :meth:`StageClient.call_utility <enginecore.stage.StageClient.call_utility>` does
         (:class:`~enginecore.stage.ReplicaDeadError` if the replica dies first).
 
@@ -651,15 +652,34 @@ class StagePool(PoolBase[PoolRequestStream]):
 
     def stats(self, timeout: float | None = 10.0) -> dict[Replica, StageStatistics | Exception]:
         """Every serving replica's statistics (:meth:`StageClient.stats
-        <enginecore.stage.StageClient.stats>`), as ``{replica: statistics or exception}``.
-        Thread-safe."""
-        out: dict[Replica, StageStatistics | Exception] = {}
+        <enginecore.stage.StageClient.stats>`), as ``{replica: statistics or exception}``:
+        asked of every replica at once, so *timeout* bounds the whole wait (a replica that
+        has not answered by then gets a :class:`TimeoutError`). Thread-safe."""
+        deadline = _clientbase.deadline_after(timeout)  # ValueError if negative
+        asked: dict[Replica, Any] = {}
         for r in self._core.replicas:
-            if r.state is ReplicaState.SERVING:
-                try:
-                    out[r] = r._client.stats(timeout)
-                except Exception as exc:
-                    out[r] = exc
+            if r.state is not ReplicaState.SERVING:
+                continue
+            member: _Member = r._client
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            try:
+                asked[r] = (member, member._start_call("stats", (), future, stats=True), future)
+            except Exception as exc:
+                asked[r] = exc
+        out: dict[Replica, StageStatistics | Exception] = {}
+        for r, call in asked.items():
+            if isinstance(call, Exception):
+                out[r] = call
+                continue
+            member, call_id, future = call
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out[r] = StageStatistics.from_wire(future.result(left))
+            except concurrent.futures.TimeoutError:
+                member._forget_call(call_id)  # the late answer is dropped
+                out[r] = TimeoutError(f"stats did not answer within {timeout} s")
+            except Exception as exc:
+                out[r] = exc
         return out
 
     # -- membership --------------------------------------------------------------------------

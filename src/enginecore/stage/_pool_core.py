@@ -350,6 +350,8 @@ class LeastLoaded(Routing):
     drawn at random are ("power of k choices": ~1 µs whatever the pool's size)."""
 
     def __init__(self, *, k: int = 2, exhaustive: int = 8, seed: int | None = None) -> None:
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (k, exhaustive)):
+            raise TypeError("k and exhaustive must be ints")
         if k < 1 or exhaustive < 1:
             raise ValueError("need k >= 1 and exhaustive >= 1")
         self.k: Final = k
@@ -419,7 +421,11 @@ class Sticky(Routing):
     a point or two of the same cap without slack); the slack keeps a light load at home."""
 
     def __init__(self, *, spill_above: float = 1.25, slack: int = 2, seed: int | None = None):
-        if spill_above < 1 or slack < 0:
+        if not all(
+            isinstance(n, (int, float)) and not isinstance(n, bool) for n in (spill_above, slack)
+        ):
+            raise TypeError("spill_above and slack must be numbers")
+        if not (spill_above >= 1 and slack >= 0):  # NaN too
             raise ValueError("need spill_above >= 1 and slack >= 0")
         self.spill_above: Final = spill_above
         self.slack: Final = slack
@@ -432,7 +438,10 @@ class Sticky(Routing):
         if self._members is not replicas:
             self._members = replicas
             self._homes.clear()
-        home = self._homes.get(key)
+        try:
+            home = self._homes.get(key)
+        except TypeError:
+            raise TypeError(f"a Sticky key must be hashable, got {type(key).__name__}") from None
         if home is None:
             k = _key_bytes(key)
             home = max(replicas, key=lambda r: _rendezvous(k, r.name))
@@ -530,7 +539,7 @@ def _key_bytes(key: Hashable) -> bytes:
     if isinstance(key, bytes):
         return b"b" + key
     if isinstance(key, str):
-        return b"s" + key.encode()
+        return b"s" + key.encode("utf-8", "surrogatepass")  # a lone surrogate too
     return b"r" + repr(key).encode()
 
 
@@ -580,7 +589,7 @@ class QuietRequest:
     lock that registers the id (``ClientBase._send_request``). ``_earlier``: the outputs its
     dead attempts delivered (a table counts only its own attempt's)."""
 
-    __slots__ = ("_earlier", "_in", "_migrations", "_replica", "_request", "req_id")
+    __slots__ = ("_aborted", "_earlier", "_in", "_migrations", "_replica", "_request", "req_id")
 
     def __init__(self, req_id: str, request: PoolRequest | None) -> None:
         self.req_id: Final = req_id
@@ -704,8 +713,15 @@ class PoolCore:
     ) -> None:
         if on_replica_death is not None and not callable(on_replica_death):
             raise TypeError("on_replica_death must be callable")
+        if isinstance(max_migrations, bool) or not isinstance(max_migrations, int):
+            raise TypeError(f"max_migrations must be an int, got {type(max_migrations).__name__}")
         if max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
+        if not isinstance(restart, (bool, RestartPolicy)):
+            # checked now: else the first death would meet it, on the receiver's thread
+            raise TypeError(
+                f"restart must be a bool or a RestartPolicy, got {type(restart).__name__}"
+            )
         self.routing: Final = as_routing(routing)
         if restart is True:
             restart = RestartPolicy()
@@ -985,8 +1001,9 @@ class PoolCore:
         """What becomes of *stream* (or a request without one, its :class:`QuietRequest`,
         with the outputs it had *delivered*), live on *replica* when its member failed with
         *failure*: its error, and the request to send to another replica instead (from
-        ``on_replica_death``, within ``max_migrations``), or ``None`` (end it with the
-        error). Calls the user's hook: call it without a lock."""
+        ``on_replica_death``, within ``max_migrations``, and never for a request that
+        ``abort()`` was called for), or ``None`` (end it with the error). Calls the user's
+        hook: call it without a lock."""
         if delivered is None:
             delivered = len(stream._arrivals)
         err = self.dead_error(replica, failure, delivered)
@@ -999,6 +1016,7 @@ class PoolCore:
             or self.closing
             or not isinstance(err, ReplicaDeadError)
             or getattr(stream, "_migrations", 0) >= self.max_migrations
+            or getattr(stream, "_aborted", False)  # abort() asked for its end: no move
         ):
             return err, None
         try:

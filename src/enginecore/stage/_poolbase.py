@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -55,6 +56,7 @@ class PoolStreamCore(StreamCore):
     ``add_many()`` gets them just after its frame left, so readers use ``getattr``."""
 
     __slots__ = ()
+    _aborted: bool  # set by abort() with on_replica_death: the request never moves
     _migrations: int
     _replica: Replica
     _request: PoolRequest | None
@@ -89,11 +91,27 @@ def events_off() -> RuntimeError:
 def launch_specs(
     factory: str, kwargs: dict[str, Any] | None, replicas: int, options: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    """The specs of *replicas* launched replicas (``launch()``); :class:`ValueError` for
-    fewer than one."""
+    """The specs of *replicas* launched replicas (``launch()``); :class:`TypeError` for a
+    count that is not an ``int``, :class:`ValueError` for fewer than one, and as
+    :func:`check_ping_interval` for the options' ``ping_interval``."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise TypeError(f"replicas must be an int, got {type(replicas).__name__}")
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
+    check_ping_interval(options)
     return [{"factory": factory, "kwargs": kwargs, **options}] * replicas
+
+
+def check_ping_interval(options: dict[str, Any]) -> None:
+    """Check the ``ping_interval`` in a launched replica's *options*, if any: a positive,
+    finite number of seconds (:class:`TypeError`, :class:`ValueError`). Checked before
+    anything starts: a bad one would make the replica flap between stalled and serving,
+    or stop the pool's receiver."""
+    ping = options.get("ping_interval", _session.LAUNCHED_PING_S)
+    if isinstance(ping, bool) or not isinstance(ping, (int, float)):
+        raise TypeError(f"ping_interval must be a number of seconds, got {type(ping).__name__}")
+    if not 0 < ping < math.inf:
+        raise ValueError(f"ping_interval must be a positive, finite number of seconds, got {ping}")
 
 
 def with_groups(
@@ -105,6 +123,11 @@ def with_groups(
         return specs
     if isinstance(group, str):
         groups: list[str | None] = [group] * len(specs)
+    elif not isinstance(group, Sequence):
+        raise TypeError(
+            f"group must be a str, or a sequence of one str or None per replica, "
+            f"got {type(group).__name__}"
+        )
     else:
         groups = list(group)
         if len(groups) != len(specs):
@@ -140,8 +163,31 @@ def connect_specs(addresses: Sequence[str], options: dict[str, Any]) -> list[dic
     :class:`TypeError` for a bare ``str``, :class:`ValueError` for bad heartbeats."""
     if isinstance(addresses, str):
         raise TypeError("connect() takes a sequence of addresses")
+    if not addresses:
+        raise ValueError("connect() needs at least one address")
     check_heartbeat(options["heartbeat_interval"], options["heartbeat_timeout"])
     return [{"address": a, **options} for a in addresses]
+
+
+# The options of add_replica() for a replica the pool launches (launch()'s) and for one it
+# connects to (connect()'s); a replica placed on Ray (ray=...) has its options checked by
+# its plan.
+_LAUNCH_OPTIONS: Final = frozenset(
+    {
+        "startup_timeout",
+        "name",
+        "step_timeout",
+        "kill_after",
+        "log_level",
+        "forward_logs",
+        "load_interval",
+        "ping_interval",
+        "group",
+    }
+)
+_CONNECT_OPTIONS: Final = frozenset(
+    {"timeout", "heartbeat_interval", "heartbeat_timeout", "curve", "group"}
+)
 
 
 def replica_spec(
@@ -151,11 +197,21 @@ def replica_spec(
     to *address*, one of the two."""
     if (factory is None) == (address is None):
         raise TypeError("add_replica() takes a factory or an address=, not both")
+    if "ray" not in options:  # else checked by its plan, before anything is placed
+        known = _LAUNCH_OPTIONS if factory is not None else _CONNECT_OPTIONS
+        unknown = sorted(set(options) - known)
+        if unknown:
+            what = "a launched" if factory is not None else "a connected"
+            raise TypeError(
+                f"add_replica() got unexpected options {unknown} for {what} replica; it "
+                f"takes {sorted(known)}"
+            )
     if address is not None and options.get("group") is not None:
         raise ValueError(
             "group= is for replicas the pool launches: it cannot start a connected one again"
         )
     if factory is not None:
+        check_ping_interval(options)
         return {"factory": factory, "kwargs": kwargs, **options}
     return {"address": address, **options}
 
@@ -271,6 +327,14 @@ class PoolBase(Generic[S]):
         """The member client a utility call goes to: *replica*'s, else the least-loaded
         serving replica's."""
         self._check_open()
+        # Not one of ours: another pool's replica or a name must not reach a member (a
+        # removed replica, of this pool or another, is refused below as not serving).
+        if (
+            replica is not None
+            and replica not in self._core._replicas
+            and not (isinstance(replica, Replica) and replica.state is ReplicaState.REMOVED)
+        ):
+            raise ValueError(f"{replica!r} is not in this pool")
         target = replica if replica is not None else self._core.route("", None, None)
         if target._client is None or target.state is not ReplicaState.SERVING:
             raise NoReplicaError(f"replica {target.name} is {target.state.value}")
@@ -513,12 +577,19 @@ class PoolBase(Generic[S]):
         ids = list(req_ids)
         ClientSession.abort_frame(ids)  # checks the ids
         by_replica: dict[Replica, list[str]] = {}
+        hook = self._core.on_replica_death is not None
         with self._lock:
             self._check_open()
             for rid in ids:
                 stream = self._core.stream_of(rid)
-                if stream is not None:
-                    by_replica.setdefault(stream._replica, []).append(rid)
+                # getattr: an add_many() in another thread holds the id, or has sent it but
+                # not yet marked its stream: not on a replica yet, so ignored, as an id
+                # that is not live is.
+                replica = getattr(stream, "_replica", None)
+                if replica is not None:
+                    by_replica.setdefault(replica, []).append(rid)
+                    if hook:  # a stream or QuietRequest: its replica's death must not move it
+                        stream._aborted = True
             sends: list[tuple[ClientBase[Any, Any], list[str]]] = []
             for replica, group in by_replica.items():
                 member: ClientBase[Any, Any] | None = replica._client
