@@ -230,6 +230,15 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
         StagePool.launch_on_ray(COUNTDOWN, replicas=2, placement=[SMALL])
     with pytest.raises(TypeError):
         StagePool.launch_on_ray(COUNTDOWN, placement="anywhere")  # type: ignore[arg-type]
+    for bad in ("2", 1.5, True):  # as launch()'s (a str once raised a bare comparison error)
+        with pytest.raises(TypeError, match="replicas must be an int"):
+            StagePool.launch_on_ray(COUNTDOWN, replicas=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        StagePool.launch_on_ray(COUNTDOWN, replicas=0)
+    from enginecore.stage import AsyncStagePool
+
+    with pytest.raises(TypeError, match="replicas must be an int"):
+        asyncio.run(AsyncStagePool.launch_on_ray(COUNTDOWN, replicas="2"))  # type: ignore[arg-type]
 
 
 def test_pool_of_two_ray_replicas_routes_survives_a_kill_and_restarts() -> None:

@@ -830,7 +830,10 @@ def ray_specs(
 ) -> list[dict[str, Any]]:
     """The replica specs of ``launch_on_ray(...)``: one placement for every replica, or
     one per replica (e.g. the bundles of a placement group, in order). Checks the options
-    once, before anything is placed."""
+    once, before anything is placed: :class:`TypeError` for a count that is not an
+    ``int``, :class:`ValueError` for fewer than one, as ``launch()``'s."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise TypeError(f"replicas must be an int, got {type(replicas).__name__}")
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
     if placement is None or isinstance(placement, RayPlacement):
