@@ -1454,6 +1454,18 @@ class TestLifecycle:
         with pytest.raises(StageStartupError, match="on purpose"):
             launch([COUNTDOWN, f"{T}:failing_factory", RELAY])
 
+    @pytest.mark.parametrize("factory", ["failing_factory", "exiting_factory"])
+    def test_a_stage_that_fails_to_start_is_named_in_the_error(
+        self, launch: Any, factory: str
+    ) -> None:
+        # The error names the pipeline's stage and its factory, not the wrapper every
+        # stage process runs (enginecore.stage._pipe_stage:pipe_stage).
+        with pytest.raises(StageStartupError) as info:
+            launch([COUNTDOWN, PipelineStage(f"{T}:{factory}", name="vocoder"), RELAY])
+        message = str(info.value)
+        assert f"pipeline stage 'vocoder' (factory '{T}:{factory}')" in message
+        assert "_pipe_stage" not in message.split("\n", maxsplit=1)[0]
+
     def test_stats_and_health_by_stage_name(self, launch: Any) -> None:
         pipe = launch([PipelineStage(COUNTDOWN, name="a"), PipelineStage(RELAY, name="b")])
         pipe.add("r", 3).collect(timeout=10)

@@ -22,6 +22,7 @@ from typing import Any
 from . import _clientbase
 from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._edge import LINKS_UTILITY
+from ._errors import StageStartupError
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
     PIPE_FACTORY,
@@ -30,6 +31,7 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     launch_options,
+    named_startup_error,
     order_clients,
     retry_counts,
     stage_specs,
@@ -145,9 +147,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     await _grant(links, key)
                 if plan is None:
                     options = launch_options(specs, k, r)
-                    client = await AsyncStageClient._launch(
-                        PIPE_FACTORY, kwargs, startup_timeout, True, options
-                    )
+                    try:
+                        client = await AsyncStageClient._launch(
+                            PIPE_FACTORY, kwargs, startup_timeout, True, options
+                        )
+                    except StageStartupError as exc:
+                        raise named_startup_error(specs[k], r, exc) from None
                 else:
                     from .ray import open_on_ray_async
 

@@ -30,6 +30,7 @@ from typing import Any
 from . import _clientbase
 from ._client import RequestStream, StageClient
 from ._edge import LINKS_UTILITY
+from ._errors import StageStartupError
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
     PIPE_FACTORY,
@@ -38,6 +39,7 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     launch_options,
+    named_startup_error,
     order_clients,
     retry_counts,
     stage_specs,
@@ -178,9 +180,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                     _grant(links, key)
                 if plan is None:
                     options = launch_options(specs, k, r)
-                    client = StageClient._launch(
-                        PIPE_FACTORY, kwargs, startup_timeout, True, options
-                    )
+                    try:
+                        client = StageClient._launch(
+                            PIPE_FACTORY, kwargs, startup_timeout, True, options
+                        )
+                    except StageStartupError as exc:
+                        raise named_startup_error(specs[k], r, exc) from None
                 else:
                     from .ray import open_on_ray
 

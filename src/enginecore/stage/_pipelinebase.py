@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, TypeVa
 from . import _shm
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
-from ._errors import EngineDeadError, StageClosedError
+from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import ReplicaState, RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
@@ -41,6 +41,7 @@ __all__ = [
     "check_drain",
     "launch_options",
     "launch_plan",
+    "named_startup_error",
     "new_shm_prefix",
     "pipe_kwargs",
     "retry_counts",
@@ -409,6 +410,21 @@ def replica_name(spec: PipelineStage, replica: int) -> str:
     added in a pool."""
     name = spec.name or spec.factory
     return f"{name}[{replica}]" if spec.replicas > 1 else name
+
+
+def named_startup_error(
+    spec: PipelineStage, replica: int, exc: StageStartupError
+) -> StageStartupError:
+    """*exc*, the failed start of replica *replica* of the stage *spec*, with a message that
+    names the pipeline's stage and its factory instead of :data:`PIPE_FACTORY` (the wrapper
+    every stage process runs, which says nothing to the user)."""
+    what = f"pipeline stage {replica_name(spec, replica)!r} (factory {spec.factory!r})"
+    message = str(exc)
+    named = message.replace(f"engine factory {PIPE_FACTORY!r}", what)
+    named = named.replace(f"stage {PIPE_FACTORY!r}", what)
+    if named == message:
+        named = f"{what}: {message}"
+    return StageStartupError(named, child_traceback=exc.child_traceback, exit_code=exc.exit_code)
 
 
 def launch_options(
