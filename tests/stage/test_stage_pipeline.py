@@ -1227,6 +1227,11 @@ class TestCredits:
         with pytest.raises(ValueError, match="window_bytes must be an int >= 1 or None"):
             PipelineStage(COUNTDOWN, window_bytes=bad)
 
+    @pytest.mark.parametrize("bad", [[1], ("step_s", 0.1), "step_s=0.1"])
+    def test_kwargs_that_are_not_a_mapping_are_refused(self, bad: Any) -> None:
+        with pytest.raises(TypeError, match="kwargs must be a mapping"):
+            PipelineStage(RELAY, kwargs=bad)
+
     def test_credit_in_the_stage_process_step_by_step(self) -> None:
         # The producer side: a full window stops steps until credit comes; the consumer
         # side: what a pipe frame brought is given back after the next step (the runtime
@@ -1450,6 +1455,28 @@ class TestLifecycle:
             pipe.add("s", 1)
         pipe.shutdown()  # idempotent
 
+    def test_an_add_during_a_drain_is_refused_as_the_pipeline_shut_down(self, launch: Any) -> None:
+        # Once shutdown(drain=...) has begun, an add is the pipeline's StageClosedError
+        # ("the pipeline was shut down"), as after it, not a stage client's internal one
+        # ("this stage client is closed"), and an add waiting for room is woken to it.
+        pipe = launch([PipelineStage(DEVICE, {"step_s": 0.01}), RELAY])
+        stream = pipe.add("long", 10**6)
+        stream.get(timeout=10)
+        closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 3.0})
+        closer.start()
+        refused: list[StageClosedError] = []
+
+        def refused_now() -> bool:
+            try:
+                pipe.add("late", 1).collect(timeout=10)  # done before the shutdown began
+            except StageClosedError as exc:
+                refused.append(exc)
+            return bool(refused)
+
+        assert wait_until(refused_now, 10)
+        closer.join(30)
+        assert "the pipeline was shut down" in str(refused[0])
+
     def test_a_stage_that_fails_to_start_leaves_nothing_behind(self, launch: Any) -> None:
         with pytest.raises(StageStartupError, match="on purpose"):
             launch([COUNTDOWN, f"{T}:failing_factory", RELAY])
@@ -1477,6 +1504,8 @@ class TestLifecycle:
         assert stats["b"].name == "b"
         with pytest.raises(KeyError, match="no stage named 'c'"):
             pipe.client("c")
+        with pytest.raises(IndexError, match=r"stage 'b' has no replica 1 \(it has 1: 0\)"):
+            pipe.call_utility("b", "pid", replica=1)
 
     @pytest.mark.parametrize(
         ("stages", "why"),

@@ -211,7 +211,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         core = self._core
         ids, parts, nbytes = self._frame(items, many)
         deadline = _clientbase.deadline_after(timeout)
-        while not core.admissible(ids, nbytes):
+        while not self._check_open() and not core.admissible(ids, nbytes):
             if not wait:
                 raise core.full_error(None)
             left = None if deadline is None else deadline - time.monotonic()
@@ -411,6 +411,10 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             return
         self._closing = asyncio.get_running_loop().create_future()
         self._closed = True
+        waiters, self._room_waiters = self._room_waiters, []
+        for room in waiters:  # an add waiting for room: it is refused
+            if not room.done():
+                room.set_result(None)
         self._stopping.set()
         self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
         try:

@@ -253,7 +253,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         now = time.monotonic()
         streams = [PipelineStream(rid, self._thread_lock, now) for rid in ids]
         with self._thread_lock:
-            while not core.admissible(ids, nbytes):
+            while not self._check_open() and not core.admissible(ids, nbytes):
                 if not wait:
                     raise core.full_error(None)
                 left = None if deadline is None else deadline - time.monotonic()
@@ -455,6 +455,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             with self._thread_lock:
                 self._closed = True
                 restarts = list(self._restart_threads)
+                self._room.notify_all()  # an add waiting for room: it is refused
             self._stopping.set()
             self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
             for thread in restarts:  # a start under way: it stops what it started

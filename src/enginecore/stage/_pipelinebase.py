@@ -182,6 +182,11 @@ class PipelineStage:
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str):
             raise TypeError(f"factory must be an import string, got {self.factory!r}")
+        if self.kwargs is not None and not isinstance(self.kwargs, Mapping):
+            raise TypeError(
+                f"kwargs must be a mapping of the factory's keyword arguments or None, "
+                f"got {self.kwargs!r}"
+            )
         if self.placement is not None:
             from .ray import RayPlacement  # imports no Ray
 
@@ -749,7 +754,10 @@ class PipelineBase(Generic[S, C]):
         if isinstance(replica, bool) or not isinstance(replica, int):
             raise TypeError(f"replica must be an int, got {replica!r}")
         if not 0 <= replica < len(replicas):
-            raise IndexError(f"stage {stage!r} has {len(replicas)} replica(s), not {replica}")
+            last = f"0..{len(replicas) - 1}" if len(replicas) > 1 else "0"
+            raise IndexError(
+                f"stage {stage!r} has no replica {replica} (it has {len(replicas)}: {last})"
+            )
         return replicas[replica]
 
     def _utility_clients(self, stage: str, replica: int | None) -> tuple[list[C], bool]:
@@ -806,6 +814,15 @@ class PipelineBase(Generic[S, C]):
         nbytes = sum([len(p) if p.__class__ is bytes else memoryview(p).nbytes for p in parts])
         self._core.check_size(len(ids), nbytes)
         return ids, parts, nbytes
+
+    def _check_open(self) -> bool:
+        """Before an add: :class:`~enginecore.stage.StageClosedError` once :meth:`shutdown`
+        has begun (a drain under way included: the stages' clients are closing), unless the
+        pipeline failed first (its failure is raised, by the core's check). Returns
+        ``False``, for use in a loop's condition."""
+        if self._closed and self._core.failure is None:
+            raise StageClosedError("the pipeline was shut down")
+        return False
 
     def _open_and_send(
         self,
