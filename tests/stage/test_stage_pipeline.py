@@ -1696,6 +1696,38 @@ class TestRetry:
         assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
         assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
 
+    def test_an_error_it_would_retry_after_the_callers_abort_ends_the_request_aborted(
+        self, launch: Any, no_leftovers: str
+    ) -> None:
+        # The other order: the caller aborts first, and the next stage fails the request
+        # before that abort reaches it. The two crossed: the stream ends aborted, not with
+        # that error (which a retry would have hidden), and nothing is replayed.
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first", on_next_error=Retry(3)),
+                PipelineStage(FLAKY, {"fail_first": 3, "when": "first"}, name="mid"),
+            ]
+        )
+        pipe.call_utility("mid", "hold", True)  # mid takes r, and steps only when told
+        stream = pipe.add("r", "x")
+        assert wait_until(lambda: pipe.call_utility("mid", "num_requests") == 1, 10)
+        gate = pathlib.Path(no_leftovers, "gate")
+        gate.touch()  # first's loop blocks: the abort waits there, behind the gate
+        holder = threading.Thread(target=pipe.call_utility, args=("first", "gate", str(gate), 30.0))
+        holder.start()
+        assert wait_until(lambda: pipe.stats()["first"].loop.utility_calls >= 1, 10)
+        pipe.abort(["r"])
+        pipe.call_utility("mid", "hold", False)  # mid fails r: its error reaches the caller
+        # mid's answer comes after its error on the same connection: the error is in.
+        assert wait_until(lambda: pipe.call_utility("mid", "num_requests") == 0, 10)
+        gate.unlink()
+        holder.join(10)
+        assert stream.collect(timeout=10) == []
+        assert stream.aborted
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert pipe.stats()["first"].engine["replays"] == 0
+        assert pipe.add("r", "y").collect(timeout=10) == ["y"]
+
     @pytest.mark.skipif(not _shm.available(), reason="no /dev/shm")
     def test_arrays_in_shared_memory_are_replayed(self, launch: Any) -> None:
         # The log holds the arrays the first stage sent; the replay writes them into its
