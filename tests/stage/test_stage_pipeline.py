@@ -7,6 +7,7 @@ The coordinator's rules alone are checked against a model in ``test_pipeline_mod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pathlib
@@ -26,6 +27,7 @@ import zmq
 from enginecore import CountdownEngine
 from enginecore.stage import (
     NOTHING,
+    AsyncPipeline,
     Pipeline,
     PipelineFullError,
     PipelineRequestError,
@@ -1476,6 +1478,18 @@ class TestLifecycle:
         assert wait_until(refused_now, 10)
         closer.join(30)
         assert "the pipeline was shut down" in str(refused[0])
+
+    @pytest.mark.parametrize(
+        ("bad", "error"),
+        [(0, ValueError), (-1, ValueError), (float("nan"), ValueError), ("5", TypeError)],
+    )
+    def test_a_bad_startup_timeout_is_refused_before_any_process_starts(
+        self, bad: Any, error: type[Exception], no_leftovers: str
+    ) -> None:
+        with pytest.raises(error, match="startup_timeout must be"):
+            Pipeline.launch([COUNTDOWN, RELAY], startup_timeout=bad)
+        with pytest.raises(error, match="startup_timeout must be"):
+            asyncio.run(AsyncPipeline.launch([COUNTDOWN, RELAY], startup_timeout=bad))
 
     def test_a_stage_that_fails_to_start_leaves_nothing_behind(self, launch: Any) -> None:
         with pytest.raises(StageStartupError, match="on purpose"):

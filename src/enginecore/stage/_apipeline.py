@@ -30,6 +30,7 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
+    check_startup_timeout,
     launch_options,
     named_startup_error,
     order_clients,
@@ -138,6 +139,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         ones started are shut down (a stage on Ray: its actor killed)."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
+        check_startup_timeout(startup_timeout)
         clients: list[AsyncStageClient] = []
         links = LaunchLinks(specs, startup_timeout)
         try:

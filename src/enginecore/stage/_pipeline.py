@@ -38,6 +38,7 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
+    check_startup_timeout,
     launch_options,
     named_startup_error,
     order_clients,
@@ -171,6 +172,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         launch or a shutdown."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
+        check_startup_timeout(startup_timeout)
         clients: list[StageClient] = []
         links = LaunchLinks(specs, startup_timeout)
         try:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "PipelineStage",
     "Retry",
     "check_drain",
+    "check_startup_timeout",
     "launch_options",
     "launch_plan",
     "named_startup_error",
@@ -417,13 +419,28 @@ def replica_name(spec: PipelineStage, replica: int) -> str:
     return f"{name}[{replica}]" if spec.replicas > 1 else name
 
 
+def check_startup_timeout(startup_timeout: object) -> None:
+    """:class:`TypeError` / :class:`ValueError` unless *startup_timeout* is a number of
+    seconds > 0: checked before any process starts (a stage given no time to start would
+    be spawned and killed, and the error would blame it)."""
+    if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)):
+        raise TypeError(f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}")
+    if not 0 < startup_timeout < math.inf:
+        raise ValueError(
+            f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}"
+        )
+
+
 def named_startup_error(
     spec: PipelineStage, replica: int, exc: StageStartupError
 ) -> StageStartupError:
     """*exc*, the failed start of replica *replica* of the stage *spec*, with a message that
     names the pipeline's stage and its factory instead of :data:`PIPE_FACTORY` (the wrapper
     every stage process runs, which says nothing to the user)."""
-    what = f"pipeline stage {replica_name(spec, replica)!r} (factory {spec.factory!r})"
+    name = replica_name(spec, replica)
+    what = f"pipeline stage {name!r}"
+    if name != spec.factory:
+        what = f"{what} (factory {spec.factory!r})"
     message = str(exc)
     named = message.replace(f"engine factory {PIPE_FACTORY!r}", what)
     named = named.replace(f"stage {PIPE_FACTORY!r}", what)
