@@ -327,9 +327,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             await _authorize(self._grants(k, r, key))
         if plan is None:  # on TCP: the stage before's link keys admitted at start
             options = launch_options(self._specs, k, r, self._admitted(k) or ())
-            return await AsyncStageClient._launch(
-                PIPE_FACTORY, kwargs, self._startup_timeout, True, options
-            )
+            try:
+                return await AsyncStageClient._launch(
+                    PIPE_FACTORY, kwargs, self._startup_timeout, True, options
+                )
+            except StageStartupError as exc:
+                raise named_startup_error(self._specs[k], r, exc) from None
         from .ray import authorize_clients_async, open_on_ray_async
 
         async def grant(key: bytes) -> None:

@@ -367,7 +367,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             _authorize(self._grants(k, r, key))
         if plan is None:  # on TCP: the stage before's link keys admitted at start
             options = launch_options(self._specs, k, r, self._admitted(k) or ())
-            return StageClient._launch(PIPE_FACTORY, kwargs, self._startup_timeout, True, options)
+            try:
+                return StageClient._launch(
+                    PIPE_FACTORY, kwargs, self._startup_timeout, True, options
+                )
+            except StageStartupError as exc:
+                raise named_startup_error(self._specs[k], r, exc) from None
         from .ray import authorize_clients, open_on_ray
 
         def grant(key: bytes) -> None:
