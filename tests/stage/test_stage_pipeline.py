@@ -1491,6 +1491,18 @@ class TestLifecycle:
         with pytest.raises(error, match="startup_timeout must be"):
             asyncio.run(AsyncPipeline.launch([COUNTDOWN, RELAY], startup_timeout=bad))
 
+    def test_shutdown_right_after_a_death_leaves_no_thread_behind(self, launch: Any) -> None:
+        # After a death the parent unlinks the segments around the dead stage, and again
+        # half a second later, on a timer thread: shutdown() cancels it (its own unlink
+        # covers every segment of the pipeline), so no thread of the pipeline outlives it.
+        before = {t for t in threading.enumerate() if isinstance(t, threading.Timer)}
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid")])
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid"] == "dead", 10)
+        pipe.shutdown()
+        timers = {t for t in threading.enumerate() if isinstance(t, threading.Timer)}
+        assert not timers - before
+
     def test_a_stage_that_fails_to_start_leaves_nothing_behind(self, launch: Any) -> None:
         with pytest.raises(StageStartupError, match="on purpose"):
             launch([COUNTDOWN, f"{T}:failing_factory", RELAY])

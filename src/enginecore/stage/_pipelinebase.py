@@ -705,6 +705,7 @@ class PipelineBase(Generic[S, C]):
             ]
         self._specs = list(specs)
         self._startup_timeout = startup_timeout
+        self._sweeps: list[threading.Timer] = []  # second unlinks after deaths, pending
         policies = [restart_policy(spec) for spec in self._specs]
         self._core: PipelineCore[S] = PipelineCore(
             names, max_in_flight, max_bytes, retry, counts, policies
@@ -923,6 +924,10 @@ class PipelineBase(Generic[S, C]):
         """Every stage is stopped: streams still open end with
         :class:`~enginecore.stage.StageClosedError`, and no shared-memory segment of the
         pipeline is left (a stage unlinks its own at exit; this covers a killed one)."""
+        sweeps, self._sweeps = self._sweeps, []
+        for timer in sweeps:  # no thread left behind: the unlink below covers theirs
+            timer.cancel()
+            timer.join(1.0)
         if self._shm_prefix is not None:
             _shm.unlink_prefix(self._shm_prefix)
         d: PipelineDeliveries[S] = PipelineDeliveries()
@@ -1047,7 +1052,10 @@ class PipelineBase(Generic[S, C]):
 
         sweep()
         timer = threading.Timer(SHM_SWEEP_S, sweep)
+        timer.name = "enginecore-pipeline-shm-sweep"
         timer.daemon = True
+        self._sweeps = [t for t in self._sweeps if t.is_alive()]
+        self._sweeps.append(timer)  # shutdown cancels it: its own unlink covers the rest
         timer.start()
 
     # -- restarts (PipelineStage(restart=...)) -------------------------------------------------
