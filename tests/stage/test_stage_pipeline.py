@@ -1503,6 +1503,38 @@ class TestLifecycle:
         timers = {t for t in threading.enumerate() if isinstance(t, threading.Timer)}
         assert not timers - before
 
+    def test_a_cancelled_collect_of_an_async_stream_keeps_what_it_read(
+        self, no_leftovers: str
+    ) -> None:
+        # asyncio.wait_for(stream.collect(), t) or a task's cancel() while collect() waits
+        # for the end: the payloads it had read stay in the stream, as with its timeout.
+        async def main() -> list[Any]:
+            stages = [
+                PipelineStage(COUNTDOWN, name="first", edge=f"{T}:tee"),
+                PipelineStage(RELAY, name="last"),
+            ]
+            async with await AsyncPipeline.launch(stages, startup_timeout=30) as pipe:
+                await pipe.call_utility("last", "hold", True)  # r does not end meanwhile
+                stream = await pipe.add("r", 5)
+
+                async def sent() -> bool:  # its answer follows the tee's 5 to the caller
+                    stats = (await pipe.stats())["first"]
+                    assert not isinstance(stats, Exception)
+                    return bool(stats.engine.get("edge_sent", 0) >= 5)
+
+                while not await sent():
+                    await asyncio.sleep(0.01)
+                task = asyncio.ensure_future(stream.collect())
+                for _ in range(3):
+                    await asyncio.sleep(0)  # it takes the 5, then waits for the end
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await pipe.call_utility("last", "hold", False)
+                return await stream.collect(timeout=10)
+
+        assert asyncio.run(main()) == [4, 3, 2, 1, 0] * 2
+
     def test_a_stage_that_fails_to_start_leaves_nothing_behind(self, launch: Any) -> None:
         with pytest.raises(StageStartupError, match="on purpose"):
             launch([COUNTDOWN, f"{T}:failing_factory", RELAY])
