@@ -1535,6 +1535,17 @@ class TestLifecycle:
 
         assert asyncio.run(main()) == [4, 3, 2, 1, 0] * 2
 
+    @pytest.mark.parametrize(
+        ("drain", "error"), [(-1.0, ValueError), (float("nan"), ValueError), ("5", TypeError)]
+    )
+    def test_a_bad_drain_is_refused_and_the_pipeline_goes_on(
+        self, launch: Any, drain: Any, error: type[Exception]
+    ) -> None:
+        pipe = launch([COUNTDOWN, RELAY])
+        with pytest.raises(error, match="drain must be"):
+            pipe.shutdown(drain=drain)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+
     def test_a_stage_that_fails_to_start_leaves_nothing_behind(self, launch: Any) -> None:
         with pytest.raises(StageStartupError, match="on purpose"):
             launch([COUNTDOWN, f"{T}:failing_factory", RELAY])

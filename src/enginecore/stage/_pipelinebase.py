@@ -667,8 +667,13 @@ def order_clients(specs: Sequence[PipelineStage], clients: Sequence[C]) -> list[
 
 
 def check_drain(drain: float | None) -> None:
-    """:class:`ValueError` for a drain that is not ``None`` or a number >= 0."""
-    if drain is not None and not drain >= 0:
+    """:class:`TypeError` / :class:`ValueError` for a drain that is not ``None`` or a
+    number >= 0."""
+    if drain is None:
+        return
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)):
+        raise TypeError(f"drain must be a number of seconds >= 0 or None, got {drain!r}")
+    if not drain >= 0:
         raise ValueError(f"drain must be >= 0, got {drain}")
 
 
