@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import pathlib
 import random
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 import zmq
 
-from enginecore import CountdownEngine
+from enginecore import CountdownEngine, RequestRejected
 from enginecore.stage import (
     NOTHING,
     AsyncPipeline,
@@ -934,6 +935,25 @@ class TestDataFlow:
     def test_a_pipelined_engine_can_be_a_stage(self, launch: Any) -> None:
         pipe = launch([f"{T}:pipelined", RELAY])
         assert pipe.add("r", 4).collect(timeout=10) == [3, 2, 1, 0]
+
+
+class TestOmniExample:
+    @pytest.mark.parametrize("tokens", [0, -2, "abc", 2.5, True])
+    def test_the_thinker_refuses_a_bad_token_count_alone(self, tokens: Any) -> None:
+        # A bad "tokens" used to stream forever (0) or raise ValueError from add(), which
+        # is fatal to the stage and so to the whole pipeline.
+        path = pathlib.Path(__file__).parents[2] / "examples" / "omni_pipeline.py"
+        spec = importlib.util.spec_from_file_location("omni_pipeline_under_test", path)
+        assert spec is not None
+        assert spec.loader is not None
+        omni = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(omni)
+        thinker = omni.Thinker()
+        with pytest.raises(RequestRejected, match="tokens must be an int >= 1"):
+            thinker.add("r", {"prompt": "hi", "tokens": tokens})
+        assert not thinker.has_work()
+        thinker.add("r", {"prompt": "hi there"})
+        assert [out[2]["text"] for out in thinker.step() + thinker.step()] == ["hi", "there"]
 
 
 class TestRelayEngine:
