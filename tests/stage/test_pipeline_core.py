@@ -291,6 +291,16 @@ def test_an_error_past_its_retries_after_the_callers_abort_still_says_so() -> No
     assert exc.message.endswith("refused (retried 1 time)")
 
 
+def test_an_id_whose_stream_ended_but_not_freed_yet_says_why_it_is_still_in() -> None:
+    core = _core("r", "q")
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(1, "r", "refused", 1.0, d)  # its stream ended; the abort is on its way
+    with pytest.raises(ValueError, match=r"'r' is still in the pipeline \(it ended or was"):
+        core.check(["r"])
+    with pytest.raises(ValueError, match=r"'q' is still in the pipeline$"):
+        core.check(["q"])
+
+
 def test_bad_retry_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="one count >= 0 per stage"):
         PipelineCore(["a", "b"], retry=[1, 0])

@@ -421,8 +421,15 @@ class PipelineCore(Generic[S]):
             return  # the usual case, in C
         seen: set[str] = set()
         for rid in req_ids:
-            if rid in requests:
-                raise ValueError(f"request {rid!r} is still in the pipeline")
+            req = requests.get(rid)
+            if req is not None:
+                why = ""
+                if req.state is not RequestState.LIVE:  # "still"? its stream may have ended
+                    why = (
+                        " (it ended or was aborted; its id is free once every stage has "
+                        "applied its abort)"
+                    )
+                raise ValueError(f"request {rid!r} is still in the pipeline{why}")
             if rid in seen:
                 raise ValueError(f"request {rid!r} appears twice")
             seen.add(rid)
