@@ -1249,6 +1249,22 @@ class TestCredits:
         with pytest.raises(ValueError, match="window_bytes must be an int >= 1 or None"):
             PipelineStage(COUNTDOWN, window_bytes=bad)
 
+    def test_names_that_would_share_a_key_of_health_and_stats_are_refused(self) -> None:
+        # An empty name was taken for the factory string, so two stages could be named
+        # the same; a stage named like a pool's process ("mid[1]") shared its key, and
+        # health()/stats() silently had one entry for the two.
+        with pytest.raises(ValueError, match="must not be empty"):
+            Pipeline.launch([COUNTDOWN, PipelineStage(RELAY, name=""), RELAY])
+        with pytest.raises(ValueError, match="would share the key 'mid\\[1\\]'"):
+            Pipeline.launch(
+                [
+                    PipelineStage(COUNTDOWN, name="mid[1]"),
+                    PipelineStage(RELAY, name="mid", replicas=2),
+                ]
+            )
+        with pytest.raises(TypeError, match="name must be a str"):
+            Pipeline.launch([COUNTDOWN, PipelineStage(RELAY, name=3)])  # type: ignore[arg-type]
+
     @pytest.mark.parametrize("bad", [[1], ("step_s", 0.1), "step_s=0.1"])
     def test_kwargs_that_are_not_a_mapping_are_refused(self, bad: Any) -> None:
         with pytest.raises(TypeError, match="kwargs must be a mapping"):

@@ -258,15 +258,29 @@ def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
                 f"on_next_error: {spec.on_next_error!r}"
             )
     names: list[str] = []
+    keys: dict[str, str] = {}  # health()'s and stats()'s keys: a pool's are name[r]
     for k, spec in enumerate(specs):
         name = spec.name
         if name is None:
             name = spec.factory
             if sum(s.factory == spec.factory and s.name is None for s in specs) > 1:
                 name = f"{spec.factory}[{k}]"
+        elif not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        elif not name:
+            raise ValueError("a stage's name must not be empty (None: the factory string)")
         if name in names:
             raise ValueError(f"two stages are named {name!r}")
         names.append(name)
+        count = spec.replicas
+        for key in [name] if count == 1 else [f"{name}[{r}]" for r in range(count)]:
+            if key in keys:
+                raise ValueError(
+                    f"stage {name!r} and stage {keys[key]!r} would share the key {key!r} in "
+                    f"health(), stats() and restarts (a pool's processes are name[r]): "
+                    f"rename one"
+                )
+            keys[key] = name
     return [dataclasses.replace(s, name=n) for s, n in zip(specs, names, strict=True)]
 
 
