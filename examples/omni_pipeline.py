@@ -40,7 +40,11 @@ class Thinker:
         if not isinstance(data, dict) or not isinstance(data.get("prompt"), str):
             raise RequestRejected('need {"prompt": str, "tokens": int}')
         words = data["prompt"].split() or ["..."]
-        self._live[req_id] = (words, 0, int(data.get("tokens", len(words))))
+        tokens = data.get("tokens", len(words))
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            # Refused alone; any other exception here would be fatal to the stage.
+            raise RequestRejected(f"tokens must be an int >= 1, got {tokens!r}")
+        self._live[req_id] = (words, 0, tokens)
 
     def abort(self, req_ids: Sequence[str]) -> None:
         for rid in req_ids:

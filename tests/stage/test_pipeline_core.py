@@ -257,6 +257,50 @@ def test_done_while_a_fence_is_unanswered_aborts_the_request_everywhere() -> Non
     assert core.in_flight == 0
 
 
+def test_an_error_it_would_retry_after_the_callers_abort_ends_the_request_aborted() -> None:
+    # The caller aborted r; before the abort reached b, b failed r with an error its edge
+    # would retry. The abort and the retry crossed: r ends aborted, not with b's error
+    # (docs/pipelines.md, "Retry"), once every stage has applied the abort.
+    core, stream = _retrying(2)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.abort(["r"], d)
+    assert d.aborts == ["r"]
+    core.error(1, "r", "refused", 2.0, d)
+    assert not d.replays  # moot: the abort is on its way
+    assert stream._ended is None
+    assert core.state("r") is RequestState.ABORTING
+    for k in range(3):
+        core.aborted(k, ["r"], 3.0, d)
+    assert stream._ended is not None
+    assert stream._ended.exc is None
+    assert stream._ended.aborted
+    assert core.in_flight == 0
+
+
+def test_an_error_past_its_retries_after_the_callers_abort_still_says_so() -> None:
+    core, stream = _retrying(1)
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(1, "r", "refused", 1.0, d)  # retried once
+    core.aborted(1, ["r"], 2.0, d)
+    core.aborted(2, ["r"], 2.0, d)
+    core.abort(["r"], d)
+    core.error(1, "r", "refused", 3.0, d)  # the last retry failed too: that error stands
+    assert stream._ended is not None
+    exc = stream._ended.exc
+    assert isinstance(exc, PipelineRequestError)
+    assert exc.message.endswith("refused (retried 1 time)")
+
+
+def test_an_id_whose_stream_ended_but_not_freed_yet_says_why_it_is_still_in() -> None:
+    core = _core("r", "q")
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.error(1, "r", "refused", 1.0, d)  # its stream ended; the abort is on its way
+    with pytest.raises(ValueError, match=r"'r' is still in the pipeline \(it ended or was"):
+        core.check(["r"])
+    with pytest.raises(ValueError, match=r"'q' is still in the pipeline$"):
+        core.check(["q"])
+
+
 def test_bad_retry_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="one count >= 0 per stage"):
         PipelineCore(["a", "b"], retry=[1, 0])

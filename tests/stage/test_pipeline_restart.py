@@ -310,8 +310,13 @@ class TestSingleProcessStage:
             os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
             assert wait_until(lambda: pipe.health()["mid"] == StageHealth.DEAD, 30)
             assert pipe.restarts["mid"] == 2  # two tries
-            with pytest.raises(PipelineStageDeadError, match="mid"):
+            with pytest.raises(PipelineStageDeadError, match="mid") as info:
                 pipe.add("later", 1)
+            # The failed start names the stage's factory, not the wrapper every stage
+            # process runs.
+            first_line = str(info.value).split("\n", maxsplit=1)[0]
+            assert f"pipeline stage 'mid' (factory '{T}:relay_once')" in first_line
+            assert "_pipe_stage" not in first_line
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)

@@ -7,7 +7,9 @@ The coordinator's rules alone are checked against a model in ``test_pipeline_mod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib.util
 import os
 import pathlib
 import random
@@ -23,9 +25,10 @@ import numpy as np
 import pytest
 import zmq
 
-from enginecore import CountdownEngine
+from enginecore import CountdownEngine, RequestRejected
 from enginecore.stage import (
     NOTHING,
+    AsyncPipeline,
     Pipeline,
     PipelineFullError,
     PipelineRequestError,
@@ -934,6 +937,25 @@ class TestDataFlow:
         assert pipe.add("r", 4).collect(timeout=10) == [3, 2, 1, 0]
 
 
+class TestOmniExample:
+    @pytest.mark.parametrize("tokens", [0, -2, "abc", 2.5, True])
+    def test_the_thinker_refuses_a_bad_token_count_alone(self, tokens: Any) -> None:
+        # A bad "tokens" used to stream forever (0) or raise ValueError from add(), which
+        # is fatal to the stage and so to the whole pipeline.
+        path = pathlib.Path(__file__).parents[2] / "examples" / "omni_pipeline.py"
+        spec = importlib.util.spec_from_file_location("omni_pipeline_under_test", path)
+        assert spec is not None
+        assert spec.loader is not None
+        omni = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(omni)
+        thinker = omni.Thinker()
+        with pytest.raises(RequestRejected, match="tokens must be an int >= 1"):
+            thinker.add("r", {"prompt": "hi", "tokens": tokens})
+        assert not thinker.has_work()
+        thinker.add("r", {"prompt": "hi there"})
+        assert [out[2]["text"] for out in thinker.step() + thinker.step()] == ["hi", "there"]
+
+
 class TestRelayEngine:
     def test_gate_blocks_until_its_file_is_removed_or_the_timeout(self, no_leftovers: str) -> None:
         engine = RelayEngine()
@@ -1227,6 +1249,27 @@ class TestCredits:
         with pytest.raises(ValueError, match="window_bytes must be an int >= 1 or None"):
             PipelineStage(COUNTDOWN, window_bytes=bad)
 
+    def test_names_that_would_share_a_key_of_health_and_stats_are_refused(self) -> None:
+        # An empty name was taken for the factory string, so two stages could be named
+        # the same; a stage named like a pool's process ("mid[1]") shared its key, and
+        # health()/stats() silently had one entry for the two.
+        with pytest.raises(ValueError, match="must not be empty"):
+            Pipeline.launch([COUNTDOWN, PipelineStage(RELAY, name=""), RELAY])
+        with pytest.raises(ValueError, match="would share the key 'mid\\[1\\]'"):
+            Pipeline.launch(
+                [
+                    PipelineStage(COUNTDOWN, name="mid[1]"),
+                    PipelineStage(RELAY, name="mid", replicas=2),
+                ]
+            )
+        with pytest.raises(TypeError, match="name must be a str"):
+            Pipeline.launch([COUNTDOWN, PipelineStage(RELAY, name=3)])  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("bad", [[1], ("step_s", 0.1), "step_s=0.1"])
+    def test_kwargs_that_are_not_a_mapping_are_refused(self, bad: Any) -> None:
+        with pytest.raises(TypeError, match="kwargs must be a mapping"):
+            PipelineStage(RELAY, kwargs=bad)
+
     def test_credit_in_the_stage_process_step_by_step(self) -> None:
         # The producer side: a full window stops steps until credit comes; the consumer
         # side: what a pipe frame brought is given back after the next step (the runtime
@@ -1450,9 +1493,110 @@ class TestLifecycle:
             pipe.add("s", 1)
         pipe.shutdown()  # idempotent
 
+    def test_an_add_during_a_drain_is_refused_as_the_pipeline_shut_down(self, launch: Any) -> None:
+        # Once shutdown(drain=...) has begun, an add is the pipeline's StageClosedError
+        # ("the pipeline was shut down"), as after it, not a stage client's internal one
+        # ("this stage client is closed"), and an add waiting for room is woken to it.
+        pipe = launch([PipelineStage(DEVICE, {"step_s": 0.01}), RELAY])
+        stream = pipe.add("long", 10**6)
+        stream.get(timeout=10)
+        closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 3.0})
+        closer.start()
+        refused: list[StageClosedError] = []
+
+        def refused_now() -> bool:
+            try:
+                pipe.add("late", 1).collect(timeout=10)  # done before the shutdown began
+            except StageClosedError as exc:
+                refused.append(exc)
+            return bool(refused)
+
+        assert wait_until(refused_now, 10)
+        closer.join(30)
+        assert "the pipeline was shut down" in str(refused[0])
+
+    @pytest.mark.parametrize(
+        ("bad", "error"),
+        [(0, ValueError), (-1, ValueError), (float("nan"), ValueError), ("5", TypeError)],
+    )
+    def test_a_bad_startup_timeout_is_refused_before_any_process_starts(
+        self, bad: Any, error: type[Exception], no_leftovers: str
+    ) -> None:
+        with pytest.raises(error, match="startup_timeout must be"):
+            Pipeline.launch([COUNTDOWN, RELAY], startup_timeout=bad)
+        with pytest.raises(error, match="startup_timeout must be"):
+            asyncio.run(AsyncPipeline.launch([COUNTDOWN, RELAY], startup_timeout=bad))
+
+    def test_shutdown_right_after_a_death_leaves_no_thread_behind(self, launch: Any) -> None:
+        # After a death the parent unlinks the segments around the dead stage, and again
+        # half a second later, on a timer thread: shutdown() cancels it (its own unlink
+        # covers every segment of the pipeline), so no thread of the pipeline outlives it.
+        before = {t for t in threading.enumerate() if isinstance(t, threading.Timer)}
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid")])
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid"] == "dead", 10)
+        pipe.shutdown()
+        timers = {t for t in threading.enumerate() if isinstance(t, threading.Timer)}
+        assert not timers - before
+
+    def test_a_cancelled_collect_of_an_async_stream_keeps_what_it_read(
+        self, no_leftovers: str
+    ) -> None:
+        # asyncio.wait_for(stream.collect(), t) or a task's cancel() while collect() waits
+        # for the end: the payloads it had read stay in the stream, as with its timeout.
+        async def main() -> list[Any]:
+            stages = [
+                PipelineStage(COUNTDOWN, name="first", edge=f"{T}:tee"),
+                PipelineStage(RELAY, name="last"),
+            ]
+            async with await AsyncPipeline.launch(stages, startup_timeout=30) as pipe:
+                await pipe.call_utility("last", "hold", True)  # r does not end meanwhile
+                stream = await pipe.add("r", 5)
+
+                async def sent() -> bool:  # its answer follows the tee's 5 to the caller
+                    stats = (await pipe.stats())["first"]
+                    assert not isinstance(stats, Exception)
+                    return bool(stats.engine.get("edge_sent", 0) >= 5)
+
+                while not await sent():
+                    await asyncio.sleep(0.01)
+                task = asyncio.ensure_future(stream.collect())
+                for _ in range(3):
+                    await asyncio.sleep(0)  # it takes the 5, then waits for the end
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await pipe.call_utility("last", "hold", False)
+                return await stream.collect(timeout=10)
+
+        assert asyncio.run(main()) == [4, 3, 2, 1, 0] * 2
+
+    @pytest.mark.parametrize(
+        ("drain", "error"), [(-1.0, ValueError), (float("nan"), ValueError), ("5", TypeError)]
+    )
+    def test_a_bad_drain_is_refused_and_the_pipeline_goes_on(
+        self, launch: Any, drain: Any, error: type[Exception]
+    ) -> None:
+        pipe = launch([COUNTDOWN, RELAY])
+        with pytest.raises(error, match="drain must be"):
+            pipe.shutdown(drain=drain)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+
     def test_a_stage_that_fails_to_start_leaves_nothing_behind(self, launch: Any) -> None:
         with pytest.raises(StageStartupError, match="on purpose"):
             launch([COUNTDOWN, f"{T}:failing_factory", RELAY])
+
+    @pytest.mark.parametrize("factory", ["failing_factory", "exiting_factory"])
+    def test_a_stage_that_fails_to_start_is_named_in_the_error(
+        self, launch: Any, factory: str
+    ) -> None:
+        # The error names the pipeline's stage and its factory, not the wrapper every
+        # stage process runs (enginecore.stage._pipe_stage:pipe_stage).
+        with pytest.raises(StageStartupError) as info:
+            launch([COUNTDOWN, PipelineStage(f"{T}:{factory}", name="vocoder"), RELAY])
+        message = str(info.value)
+        assert f"pipeline stage 'vocoder' (factory '{T}:{factory}')" in message
+        assert "_pipe_stage" not in message.split("\n", maxsplit=1)[0]
 
     def test_stats_and_health_by_stage_name(self, launch: Any) -> None:
         pipe = launch([PipelineStage(COUNTDOWN, name="a"), PipelineStage(RELAY, name="b")])
@@ -1465,6 +1609,8 @@ class TestLifecycle:
         assert stats["b"].name == "b"
         with pytest.raises(KeyError, match="no stage named 'c'"):
             pipe.client("c")
+        with pytest.raises(IndexError, match=r"stage 'b' has no replica 1 \(it has 1: 0\)"):
+            pipe.call_utility("b", "pid", replica=1)
 
     @pytest.mark.parametrize(
         ("stages", "why"),
@@ -1654,6 +1800,38 @@ class TestRetry:
         assert pipe.call_utility("last", "num_requests") == 0
         assert wait_until(lambda: pipe.stats()["first"].engine["replay_logged"] == 0, 10)
         assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+
+    def test_an_error_it_would_retry_after_the_callers_abort_ends_the_request_aborted(
+        self, launch: Any, no_leftovers: str
+    ) -> None:
+        # The other order: the caller aborts first, and the next stage fails the request
+        # before that abort reaches it. The two crossed: the stream ends aborted, not with
+        # that error (which a retry would have hidden), and nothing is replayed.
+        pipe = launch(
+            [
+                PipelineStage(RELAY, name="first", on_next_error=Retry(3)),
+                PipelineStage(FLAKY, {"fail_first": 3, "when": "first"}, name="mid"),
+            ]
+        )
+        pipe.call_utility("mid", "hold", True)  # mid takes r, and steps only when told
+        stream = pipe.add("r", "x")
+        assert wait_until(lambda: pipe.call_utility("mid", "num_requests") == 1, 10)
+        gate = pathlib.Path(no_leftovers, "gate")
+        gate.touch()  # first's loop blocks: the abort waits there, behind the gate
+        holder = threading.Thread(target=pipe.call_utility, args=("first", "gate", str(gate), 30.0))
+        holder.start()
+        assert wait_until(lambda: pipe.stats()["first"].loop.utility_calls >= 1, 10)
+        pipe.abort(["r"])
+        pipe.call_utility("mid", "hold", False)  # mid fails r: its error reaches the caller
+        # mid's answer comes after its error on the same connection: the error is in.
+        assert wait_until(lambda: pipe.call_utility("mid", "num_requests") == 0, 10)
+        gate.unlink()
+        holder.join(10)
+        assert stream.collect(timeout=10) == []
+        assert stream.aborted
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        assert pipe.stats()["first"].engine["replays"] == 0
+        assert pipe.add("r", "y").collect(timeout=10) == ["y"]
 
     @pytest.mark.skipif(not _shm.available(), reason="no /dev/shm")
     def test_arrays_in_shared_memory_are_replayed(self, launch: Any) -> None:

@@ -96,7 +96,8 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
 
     async def collect(self, timeout: float | None = None) -> list[Any]:
         """All remaining payloads until the stream ends, as one list. *timeout* bounds the
-        whole wait (:class:`TimeoutError`, and the payloads read so far stay in the stream).
+        whole wait (:class:`TimeoutError`, and the payloads read so far stay in the stream,
+        as they do when the call is cancelled).
         Raises the stream's error if it ends with one; the payloads before it are then
         dropped."""
         deadline = None if timeout is None else _clientbase.deadline_after(timeout)
@@ -104,10 +105,14 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
         if done is not None:
             return done
         out: list[Any] = []
-        while not self._take_all(out):
-            if _clientbase.passed(deadline) or not await self._wait(deadline):
-                self._put_back(out)
-                raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
+        try:
+            while not self._take_all(out):
+                if _clientbase.passed(deadline) or not await self._wait(deadline):
+                    self._put_back(out)
+                    raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
+        except asyncio.CancelledError:  # asyncio.wait_for, a task's cancel(): as a timeout
+            self._put_back(out)
+            raise
         return out
 
     async def _wait(self, deadline: float | None) -> bool:

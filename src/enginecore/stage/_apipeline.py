@@ -22,6 +22,7 @@ from typing import Any
 from . import _clientbase
 from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._edge import LINKS_UTILITY
+from ._errors import StageStartupError
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
     PIPE_FACTORY,
@@ -29,7 +30,9 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
+    check_startup_timeout,
     launch_options,
+    named_startup_error,
     order_clients,
     retry_counts,
     stage_specs,
@@ -136,6 +139,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         ones started are shut down (a stage on Ray: its actor killed)."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
+        check_startup_timeout(startup_timeout)
         clients: list[AsyncStageClient] = []
         links = LaunchLinks(specs, startup_timeout)
         try:
@@ -145,9 +149,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     await _grant(links, key)
                 if plan is None:
                     options = launch_options(specs, k, r)
-                    client = await AsyncStageClient._launch(
-                        PIPE_FACTORY, kwargs, startup_timeout, True, options
-                    )
+                    try:
+                        client = await AsyncStageClient._launch(
+                            PIPE_FACTORY, kwargs, startup_timeout, True, options
+                        )
+                    except StageStartupError as exc:
+                        raise named_startup_error(specs[k], r, exc) from None
                 else:
                     from .ray import open_on_ray_async
 
@@ -206,7 +213,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         core = self._core
         ids, parts, nbytes = self._frame(items, many)
         deadline = _clientbase.deadline_after(timeout)
-        while not core.admissible(ids, nbytes):
+        while not self._check_open() and not core.admissible(ids, nbytes):
             if not wait:
                 raise core.full_error(None)
             left = None if deadline is None else deadline - time.monotonic()
@@ -320,9 +327,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             await _authorize(self._grants(k, r, key))
         if plan is None:  # on TCP: the stage before's link keys admitted at start
             options = launch_options(self._specs, k, r, self._admitted(k) or ())
-            return await AsyncStageClient._launch(
-                PIPE_FACTORY, kwargs, self._startup_timeout, True, options
-            )
+            try:
+                return await AsyncStageClient._launch(
+                    PIPE_FACTORY, kwargs, self._startup_timeout, True, options
+                )
+            except StageStartupError as exc:
+                raise named_startup_error(self._specs[k], r, exc) from None
         from .ray import authorize_clients_async, open_on_ray_async
 
         async def grant(key: bytes) -> None:
@@ -406,6 +416,10 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             return
         self._closing = asyncio.get_running_loop().create_future()
         self._closed = True
+        waiters, self._room_waiters = self._room_waiters, []
+        for room in waiters:  # an add waiting for room: it is refused
+            if not room.done():
+                room.set_result(None)
         self._stopping.set()
         self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
         try:

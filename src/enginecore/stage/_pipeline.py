@@ -30,6 +30,7 @@ from typing import Any
 from . import _clientbase
 from ._client import RequestStream, StageClient
 from ._edge import LINKS_UTILITY
+from ._errors import StageStartupError
 from ._pipeline_core import PipelineDeliveries, check_budget
 from ._pipelinebase import (
     PIPE_FACTORY,
@@ -37,7 +38,9 @@ from ._pipelinebase import (
     PipelineBase,
     PipelineStage,
     check_drain,
+    check_startup_timeout,
     launch_options,
+    named_startup_error,
     order_clients,
     retry_counts,
     stage_specs,
@@ -169,6 +172,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         launch or a shutdown."""
         specs = stage_specs(stages)
         check_budget(max_in_flight, max_bytes)
+        check_startup_timeout(startup_timeout)
         clients: list[StageClient] = []
         links = LaunchLinks(specs, startup_timeout)
         try:
@@ -178,9 +182,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                     _grant(links, key)
                 if plan is None:
                     options = launch_options(specs, k, r)
-                    client = StageClient._launch(
-                        PIPE_FACTORY, kwargs, startup_timeout, True, options
-                    )
+                    try:
+                        client = StageClient._launch(
+                            PIPE_FACTORY, kwargs, startup_timeout, True, options
+                        )
+                    except StageStartupError as exc:
+                        raise named_startup_error(specs[k], r, exc) from None
                 else:
                     from .ray import open_on_ray
 
@@ -248,7 +255,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         now = time.monotonic()
         streams = [PipelineStream(rid, self._thread_lock, now) for rid in ids]
         with self._thread_lock:
-            while not core.admissible(ids, nbytes):
+            while not self._check_open() and not core.admissible(ids, nbytes):
                 if not wait:
                     raise core.full_error(None)
                 left = None if deadline is None else deadline - time.monotonic()
@@ -360,7 +367,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             _authorize(self._grants(k, r, key))
         if plan is None:  # on TCP: the stage before's link keys admitted at start
             options = launch_options(self._specs, k, r, self._admitted(k) or ())
-            return StageClient._launch(PIPE_FACTORY, kwargs, self._startup_timeout, True, options)
+            try:
+                return StageClient._launch(
+                    PIPE_FACTORY, kwargs, self._startup_timeout, True, options
+                )
+            except StageStartupError as exc:
+                raise named_startup_error(self._specs[k], r, exc) from None
         from .ray import authorize_clients, open_on_ray
 
         def grant(key: bytes) -> None:
@@ -450,6 +462,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             with self._thread_lock:
                 self._closed = True
                 restarts = list(self._restart_threads)
+                self._room.notify_all()  # an add waiting for room: it is refused
             self._stopping.set()
             self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
             for thread in restarts:  # a start under way: it stops what it started

@@ -59,7 +59,9 @@ end or an error is not counted. What stages ``>= k`` had ended is forgotten. Aft
 replays of one edge, the next error ends the request (``"... (retried n times)"``); an
 error after stage ``k`` or a later one sent the caller something ends it too (``"... (not
 retried: ...)"``), and so does a replay that failed (the ``replayed`` answer: the producer
-no longer held the inputs, or they outgrew its log's bound). A fence's ``aborted`` (flagged)
+no longer held the inputs, or they outgrew its log's bound). An error it would retry of a
+request the caller aborted (the two crossed) is dropped: no replay, and the request ends
+aborted once every stage has applied the abort. A fence's ``aborted`` (flagged)
 is never counted as the confirmation of a coordinator's abort, nor an unflagged one as a
 fence's answer: a request leaves only when both are in. (A stage of an older build answers
 fences unflagged: an unflagged answer while a fence is due is then taken for the fence's,
@@ -419,8 +421,15 @@ class PipelineCore(Generic[S]):
             return  # the usual case, in C
         seen: set[str] = set()
         for rid in req_ids:
-            if rid in requests:
-                raise ValueError(f"request {rid!r} is still in the pipeline")
+            req = requests.get(rid)
+            if req is not None:
+                why = ""
+                if req.state is not RequestState.LIVE:  # "still"? its stream may have ended
+                    why = (
+                        " (it ended or was aborted; its id is free once every stage has "
+                        "applied its abort)"
+                    )
+                raise ValueError(f"request {rid!r} is still in the pipeline{why}")
             if rid in seen:
                 raise ValueError(f"request {rid!r} appears twice")
             seen.add(rid)
@@ -595,7 +604,7 @@ class PipelineCore(Generic[S]):
         if fences is not None and fences[k]:
             return  # an earlier attempt's
         allowed = self.retry[k]
-        if allowed and req.state is RequestState.LIVE:
+        if allowed:
             done = 0 if req.replays is None else req.replays.retries.get(k, 0)
             if done >= allowed:
                 message = f"{message} (retried {allowed} time{'s' if allowed > 1 else ''})"
@@ -605,8 +614,13 @@ class PipelineCore(Generic[S]):
                     f"{message} (not retried: stage {self.stages[spoke]!r} had sent the "
                     f"caller outputs of it)"
                 )
-            else:
+            elif req.state is RequestState.LIVE:
                 self._replay(req, k, message, d)
+                return
+            else:
+                # An error it would retry, after the caller's abort: the two crossed, and
+                # the request ends aborted once every stage has applied the abort
+                # (module docstring, "Retry"); no replay, which the abort makes moot.
                 return
         self._fail(req, k, message, now, d)
 

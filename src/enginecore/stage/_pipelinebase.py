@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, TypeVa
 from . import _shm
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
-from ._errors import EngineDeadError, StageClosedError
+from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import ReplicaState, RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
@@ -39,8 +40,10 @@ __all__ = [
     "PipelineStage",
     "Retry",
     "check_drain",
+    "check_startup_timeout",
     "launch_options",
     "launch_plan",
+    "named_startup_error",
     "new_shm_prefix",
     "pipe_kwargs",
     "retry_counts",
@@ -181,6 +184,11 @@ class PipelineStage:
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str):
             raise TypeError(f"factory must be an import string, got {self.factory!r}")
+        if self.kwargs is not None and not isinstance(self.kwargs, Mapping):
+            raise TypeError(
+                f"kwargs must be a mapping of the factory's keyword arguments or None, "
+                f"got {self.kwargs!r}"
+            )
         if self.placement is not None:
             from .ray import RayPlacement  # imports no Ray
 
@@ -250,15 +258,29 @@ def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
                 f"on_next_error: {spec.on_next_error!r}"
             )
     names: list[str] = []
+    keys: dict[str, str] = {}  # health()'s and stats()'s keys: a pool's are name[r]
     for k, spec in enumerate(specs):
         name = spec.name
         if name is None:
             name = spec.factory
             if sum(s.factory == spec.factory and s.name is None for s in specs) > 1:
                 name = f"{spec.factory}[{k}]"
+        elif not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        elif not name:
+            raise ValueError("a stage's name must not be empty (None: the factory string)")
         if name in names:
             raise ValueError(f"two stages are named {name!r}")
         names.append(name)
+        count = spec.replicas
+        for key in [name] if count == 1 else [f"{name}[{r}]" for r in range(count)]:
+            if key in keys:
+                raise ValueError(
+                    f"stage {name!r} and stage {keys[key]!r} would share the key {key!r} in "
+                    f"health(), stats() and restarts (a pool's processes are name[r]): "
+                    f"rename one"
+                )
+            keys[key] = name
     return [dataclasses.replace(s, name=n) for s, n in zip(specs, names, strict=True)]
 
 
@@ -409,6 +431,36 @@ def replica_name(spec: PipelineStage, replica: int) -> str:
     added in a pool."""
     name = spec.name or spec.factory
     return f"{name}[{replica}]" if spec.replicas > 1 else name
+
+
+def check_startup_timeout(startup_timeout: object) -> None:
+    """:class:`TypeError` / :class:`ValueError` unless *startup_timeout* is a number of
+    seconds > 0: checked before any process starts (a stage given no time to start would
+    be spawned and killed, and the error would blame it)."""
+    if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)):
+        raise TypeError(f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}")
+    if not 0 < startup_timeout < math.inf:
+        raise ValueError(
+            f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}"
+        )
+
+
+def named_startup_error(
+    spec: PipelineStage, replica: int, exc: StageStartupError
+) -> StageStartupError:
+    """*exc*, the failed start of replica *replica* of the stage *spec*, with a message that
+    names the pipeline's stage and its factory instead of :data:`PIPE_FACTORY` (the wrapper
+    every stage process runs, which says nothing to the user)."""
+    name = replica_name(spec, replica)
+    what = f"pipeline stage {name!r}"
+    if name != spec.factory:
+        what = f"{what} (factory {spec.factory!r})"
+    message = str(exc)
+    named = message.replace(f"engine factory {PIPE_FACTORY!r}", what)
+    named = named.replace(f"stage {PIPE_FACTORY!r}", what)
+    if named == message:
+        named = f"{what}: {message}"
+    return StageStartupError(named, child_traceback=exc.child_traceback, exit_code=exc.exit_code)
 
 
 def launch_options(
@@ -629,8 +681,13 @@ def order_clients(specs: Sequence[PipelineStage], clients: Sequence[C]) -> list[
 
 
 def check_drain(drain: float | None) -> None:
-    """:class:`ValueError` for a drain that is not ``None`` or a number >= 0."""
-    if drain is not None and not drain >= 0:
+    """:class:`TypeError` / :class:`ValueError` for a drain that is not ``None`` or a
+    number >= 0."""
+    if drain is None:
+        return
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)):
+        raise TypeError(f"drain must be a number of seconds >= 0 or None, got {drain!r}")
+    if not drain >= 0:
         raise ValueError(f"drain must be >= 0, got {drain}")
 
 
@@ -667,6 +724,7 @@ class PipelineBase(Generic[S, C]):
             ]
         self._specs = list(specs)
         self._startup_timeout = startup_timeout
+        self._sweeps: list[threading.Timer] = []  # second unlinks after deaths, pending
         policies = [restart_policy(spec) for spec in self._specs]
         self._core: PipelineCore[S] = PipelineCore(
             names, max_in_flight, max_bytes, retry, counts, policies
@@ -733,7 +791,10 @@ class PipelineBase(Generic[S, C]):
         if isinstance(replica, bool) or not isinstance(replica, int):
             raise TypeError(f"replica must be an int, got {replica!r}")
         if not 0 <= replica < len(replicas):
-            raise IndexError(f"stage {stage!r} has {len(replicas)} replica(s), not {replica}")
+            last = f"0..{len(replicas) - 1}" if len(replicas) > 1 else "0"
+            raise IndexError(
+                f"stage {stage!r} has no replica {replica} (it has {len(replicas)}: {last})"
+            )
         return replicas[replica]
 
     def _utility_clients(self, stage: str, replica: int | None) -> tuple[list[C], bool]:
@@ -790,6 +851,15 @@ class PipelineBase(Generic[S, C]):
         nbytes = sum([len(p) if p.__class__ is bytes else memoryview(p).nbytes for p in parts])
         self._core.check_size(len(ids), nbytes)
         return ids, parts, nbytes
+
+    def _check_open(self) -> bool:
+        """Before an add: :class:`~enginecore.stage.StageClosedError` once :meth:`shutdown`
+        has begun (a drain under way included: the stages' clients are closing), unless the
+        pipeline failed first (its failure is raised, by the core's check). Returns
+        ``False``, for use in a loop's condition."""
+        if self._closed and self._core.failure is None:
+            raise StageClosedError("the pipeline was shut down")
+        return False
 
     def _open_and_send(
         self,
@@ -873,6 +943,10 @@ class PipelineBase(Generic[S, C]):
         """Every stage is stopped: streams still open end with
         :class:`~enginecore.stage.StageClosedError`, and no shared-memory segment of the
         pipeline is left (a stage unlinks its own at exit; this covers a killed one)."""
+        sweeps, self._sweeps = self._sweeps, []
+        for timer in sweeps:  # no thread left behind: the unlink below covers theirs
+            timer.cancel()
+            timer.join(1.0)
         if self._shm_prefix is not None:
             _shm.unlink_prefix(self._shm_prefix)
         d: PipelineDeliveries[S] = PipelineDeliveries()
@@ -997,7 +1071,10 @@ class PipelineBase(Generic[S, C]):
 
         sweep()
         timer = threading.Timer(SHM_SWEEP_S, sweep)
+        timer.name = "enginecore-pipeline-shm-sweep"
         timer.daemon = True
+        self._sweeps = [t for t in self._sweeps if t.is_alive()]
+        self._sweeps.append(timer)  # shutdown cancels it: its own unlink covers the rest
         timer.start()
 
     # -- restarts (PipelineStage(restart=...)) -------------------------------------------------
