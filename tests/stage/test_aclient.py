@@ -148,6 +148,29 @@ class TestCancellation:
 
         run_with_stage(body)
 
+    def test_a_cancelled_collect_keeps_the_payloads_it_had_read(self) -> None:
+        # asyncio.wait_for(stream.collect(), t), or a task's cancel(), while collect() waits
+        # for the end: what it had taken from the stream stays there, as after its own
+        # timeout (it was lost before). A relay stage outside a pipeline emits each request's
+        # input once and never ends it, so collect() takes "x" and then waits.
+        async def main() -> None:
+            async with await AsyncStageClient.launch("enginecore.stage.testing:relay") as c:
+                stream = await c.add("r", "x")
+                probe = await c.add("p", "y")
+                # p's output comes in r's frame or after it: r's "x" has arrived by now.
+                assert await probe.get() == "y"
+                collect = asyncio.ensure_future(stream.collect())
+                for _ in range(3):
+                    await asyncio.sleep(0)  # it takes "x", then waits for the end
+                assert not collect.done()
+                collect.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await collect
+                assert await asyncio.wait_for(stream.get(), 5) == "x"
+                await c.abort(["r", "p"])
+
+        asyncio.run(main())
+
     def test_a_cancelled_event_reader_leaves_the_stream_readable(self) -> None:
         async def body(client: AsyncStageClient) -> None:
             reader = asyncio.ensure_future(client.get_event())
