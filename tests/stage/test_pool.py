@@ -804,56 +804,60 @@ def test_an_async_pool_starts_its_replicas_together_without_a_thread_each(
 GATED = "enginecore.stage.testing:gated_factory"
 
 
-def test_an_async_pool_that_closes_kills_a_restart_in_progress(
-    no_leftovers: str, barrier_dir: Path
+def test_a_pool_that_closes_kills_a_restart_in_progress(
+    pools: tuple[Open, Open], barrier_dir: Path
 ) -> None:
     """close() while a replica's stage starts again (its factory held for 40 s): the
     start is stopped, its stage killed, instead of close() waiting for the factory (a
-    model that loads for minutes)."""
-
-    async def main() -> None:
-        kwargs = {"directory": str(barrier_dir), "timeout": 40}
-        policy = RestartPolicy(first_delay=0.05)
-        pool = await AsyncStagePool.launch(GATED, kwargs, replicas=1, restart=policy)
-        try:
-            [r0] = pool.replicas
-            first = cast(int, r0.pid)
-            (barrier_dir / "hold").touch()
-            os.kill(first, signal.SIGKILL)
-            while len(os.listdir(barrier_dir)) < 3:  # the first pid, hold, the new pid
-                await asyncio.sleep(0.01)
-            [again] = [int(n) for n in os.listdir(barrier_dir) if n not in ("hold", str(first))]
-        finally:
-            await asyncio.wait_for(pool.close(), 20)  # well before the factory gives up
-        assert wait_until(lambda: pid_gone(again), 10)
-
-    asyncio.run(main())
-
-
-def test_an_async_pool_that_closes_stops_an_add_replica_in_progress(
-    no_leftovers: str, barrier_dir: Path
-) -> None:
-    """close() while add_replica() waits for its stage's start (its factory held for
-    40 s): the add raises StageClosedError and the half-started stage is killed, instead
-    of the add waiting for the factory after close() returned."""
+    model that loads for minutes). The blocking pool's start waits in a thread of the
+    pool's, the asyncio pool's in a task: both are cancelled."""
+    launch, _ = pools
+    kwargs = {"directory": str(barrier_dir), "timeout": 40}
+    pool = launch(GATED, kwargs, replicas=1, restart=RestartPolicy(first_delay=0.05))
+    [r0] = pool.replicas
+    first = cast(int, r0.pid)
     (barrier_dir / "hold").touch()
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: len(os.listdir(barrier_dir)) >= 3, 20)  # first pid, hold, new
+    [again] = [int(n) for n in os.listdir(barrier_dir) if n not in ("hold", str(first))]
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    closer.join(20)  # well before the factory gives up (40 s)
+    assert not closer.is_alive(), "close() waited for the restart's factory"
+    assert wait_until(lambda: pid_gone(again), 10)
 
-    async def main() -> None:
-        pool = await AsyncStagePool.launch(COUNTDOWN, replicas=1)
-        adding = asyncio.ensure_future(
-            pool.add_replica(GATED, {"directory": str(barrier_dir), "timeout": 40})
-        )
+
+def test_a_pool_that_closes_stops_an_add_replica_in_progress(
+    pools: tuple[Open, Open], barrier_dir: Path
+) -> None:
+    """close() while add_replica() (another thread) waits for its stage's start (its
+    factory held for 40 s): the add raises StageClosedError and the half-started stage is
+    killed, instead of the add waiting for the factory after close() returned."""
+    launch, _ = pools
+    (barrier_dir / "hold").touch()
+    pool = launch(COUNTDOWN, replicas=1)
+    raised: list[BaseException] = []
+
+    def add() -> None:
         try:
-            while len(os.listdir(barrier_dir)) < 2:  # "hold" and the new stage's pid
-                await asyncio.sleep(0.01)
-            [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
-        finally:
-            await pool.close()
-        with pytest.raises(StageClosedError):
-            await asyncio.wait_for(adding, 20)  # well before the factory gives up
-        assert wait_until(lambda: pid_gone(pid), 10)
+            pool.add_replica(GATED, {"directory": str(barrier_dir), "timeout": 40})
+        except BaseException as exc:
+            raised.append(exc)
 
-    asyncio.run(main())
+    adding = threading.Thread(target=add)
+    adding.start()
+    try:
+        assert wait_until(lambda: len(os.listdir(barrier_dir)) >= 2, 20)  # hold, new pid
+        [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
+    finally:
+        pool.close()
+    adding.join(20)  # well before the factory gives up
+    assert not adding.is_alive(), "add_replica() waited for its factory after close()"
+    assert len(raised) == 1, raised
+    assert isinstance(raised[0], StageClosedError), raised
+    assert "this stage pool is closed" in str(raised[0])
+    assert wait_until(lambda: pid_gone(pid), 10)
+    assert all(r.state != "starting" for r in pool.replicas), pool.replicas
 
 
 def test_a_cancelled_remove_replica_still_removes_it(no_leftovers: str) -> None:

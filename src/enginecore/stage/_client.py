@@ -44,6 +44,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import multiprocessing.connection
 import os
 import queue
 import threading
@@ -419,15 +420,18 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         ping_s: float = _session.LAUNCHED_PING_S,
         lock: threading.Lock | None = None,
         hub: Receiver | None = None,
+        cancel: multiprocessing.connection.Connection | None = None,
     ) -> StageClient:
         """:meth:`launch`, with the stage's *options* (its keyword arguments from *name*
         on, and ``listen``: a pipeline's stage that listens on TCP, ``_launch.TcpListen``)
         as a dict, how often to ping the stage (*ping_s*: a pool's health check), the
-        lock of the client's session (*lock*: one for every member of a pool), and the
-        shared :class:`Receiver` that reads its events (*hub*)."""
+        lock of the client's session (*lock*: one for every member of a pool), the
+        shared :class:`Receiver` that reads its events (*hub*), and a pipe end whose
+        readiness cancels the start (*cancel*: a pool's, written when it closes;
+        :class:`StageClosedError`)."""
         options = dict(options)
         launched = launch_process(
-            factory, kwargs, startup_timeout, options.pop("name", None), **options
+            factory, kwargs, startup_timeout, options.pop("name", None), cancel=cancel, **options
         )
         try:
             return cls._open(

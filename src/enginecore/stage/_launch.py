@@ -27,7 +27,7 @@ import msgspec
 
 from . import _codec, _logs, _wire
 from ._curve import CurveKeys, ServerCurve
-from ._errors import EngineDeadError, StageStartupError, describe_exit
+from ._errors import EngineDeadError, StageClosedError, StageStartupError, describe_exit
 from ._statistics import LOAD_INTERVAL, check_load_interval
 from ._watchdog import STEP_TIMEOUT, check_watchdog
 
@@ -216,12 +216,15 @@ def launch_process(
     forward_logs: bool = False,
     load_interval: float | None = LOAD_INTERVAL,
     listen: TcpListen | None = None,
+    cancel: multiprocessing.connection.Connection | None = None,
 ) -> Launched:
     """Spawn a stage process and wait until it is ready. Blocks up to *startup_timeout*.
 
     Raises :class:`StageStartupError` (no process left behind) if the factory raised, the child
     died, or it was not ready in time; :class:`ValueError` / :class:`TypeError` for bad
-    arguments, before anything is started. The other arguments are :func:`start_process`'s.
+    arguments, before anything is started; :class:`StageClosedError` (the process killed)
+    once *cancel* (the read end of a pipe: a pool's, written when it closes) is readable
+    before the stage is ready. The other arguments are :func:`start_process`'s.
     """
     launched = start_process(
         factory,
@@ -235,7 +238,7 @@ def launch_process(
         listen=listen,
     )
     try:
-        _wait_ready(launched, factory, startup_timeout)
+        _wait_ready(launched, factory, startup_timeout, cancel)
     except BaseException:
         launched.kill_and_clean()
         raise
@@ -441,9 +444,17 @@ def _not_ready(launched: Launched, factory: str, startup_timeout: float) -> Stag
     )
 
 
-def _wait_ready(launched: Launched, factory: str, startup_timeout: float) -> None:
+def _wait_ready(
+    launched: Launched,
+    factory: str,
+    startup_timeout: float,
+    cancel: multiprocessing.connection.Connection | None = None,
+) -> None:
     waitables: list[Any] = [launched.conn, launched.process.sentinel]
+    if cancel is not None:
+        waitables.append(cancel)
     deadline = time.monotonic() + startup_timeout
+    ready: list[Any] = []
     while True:
         report = _read_report(launched)
         if report is not None:
@@ -452,10 +463,15 @@ def _wait_ready(launched: Launched, factory: str, startup_timeout: float) -> Non
                 return
             launched.process.join(timeout=5)
             raise _startup_failure(launched, factory, report)
+        if cancel is not None and cancel in ready:
+            raise StageClosedError(
+                f"the start of stage {factory!r} (pid {launched.process.pid}) was cancelled; "
+                f"it was killed"
+            )
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _not_ready(launched, factory, startup_timeout)
-        multiprocessing.connection.wait(waitables, remaining)
+        ready = multiprocessing.connection.wait(waitables, remaining)
 
 
 async def _await_report(launched: Launched, startup_timeout: float) -> tuple[Any, ...] | None:

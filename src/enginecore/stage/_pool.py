@@ -20,6 +20,8 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import threading
@@ -138,6 +140,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         self._event_wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._hub = Receiver()  # one thread reads every member's events
         self._closed = threading.Event()  # set when close begins: timers stop waiting
+        # Written when close begins: a launch waiting for its stage's start (a restart, an
+        # add_replica()) stops waiting and kills that stage (launch_process's cancel).
+        self._cancel_starts, self._starts_cancelled = multiprocessing.Pipe(duplex=False)
         self._close_lock = threading.Lock()
         self._closed_done = False
         self._threads: set[threading.Thread] = set()  # restart timers and closers
@@ -355,6 +360,8 @@ class StagePool(PoolBase[PoolRequestStream]):
                 self._stop_member(r, drain=None, timeout=5.0)
                 with self._lock:
                     self._core.set_state(r, ReplicaState.REMOVED)
+            if self._closed.is_set() and isinstance(errors[0], StageClosedError):
+                raise StageClosedError("this stage pool is closed") from errors[0]
             raise errors[0]
         return new
 
@@ -449,6 +456,7 @@ class StagePool(PoolBase[PoolRequestStream]):
                 ping_s=ping_s,
                 lock=self._lock,
                 hub=self._hub,
+                cancel=self._cancel_starts,
             )
         assert isinstance(member, _Member)
         return member
@@ -755,6 +763,8 @@ class StagePool(PoolBase[PoolRequestStream]):
                 logger.warning("enginecore: replica %s started again", names)
                 return
             except Exception as exc:
+                if self._closed.is_set():
+                    return  # the pool closes (and cancelled the start)
                 logger.warning("enginecore: replica %s did not start again: %s", names, exc)
                 with self._lock:
                     left = [r for r in starting if r.state is ReplicaState.STARTING]
@@ -829,6 +839,7 @@ class StagePool(PoolBase[PoolRequestStream]):
                 self._core.begin_close()
                 replicas = list(self._core.replicas)
             self._closed.set()
+            self._starts_cancelled.send_bytes(b"closed")  # starts in progress stop waiting
 
             def stop_one(r: Replica) -> None:
                 member: _Member | None = r._client
