@@ -113,6 +113,14 @@ class TestRoundTrip:
         assert stream.get(5) == 999_998  # nothing was lost to the timeout
         with pytest.raises(ValueError, match="non-negative"):
             stream.get(-1)
+        with pytest.raises(ValueError, match="non-negative"):  # NaN would never pass
+            stream.collect(timeout=float("nan"))
+        for bad in ("1", True):  # a bare comparison error, and True taken for 1 s, before
+            with pytest.raises(TypeError, match="'timeout' must be a number of seconds"):
+                stream.get(bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="'timeout' must be a number of seconds"):
+                stage_client.call_utility("echo", 1, timeout=bad)  # type: ignore[arg-type]
+        assert stream.get(5) == 999_997
 
     def test_collect_of_a_stream_whose_end_has_come(self, stage_client: StageClient) -> None:
         # collect()'s fast path (no lock): the end is in the buffer before the first read.

@@ -32,6 +32,18 @@ class TestStartup:
         assert err.child_traceback in str(err)
         assert err.exit_code == 1
 
+    def test_a_bad_startup_timeout_is_refused_before_any_process_starts(
+        self, launch: Launch
+    ) -> None:
+        # Before, 0, -1 and NaN spawned the stage and killed it, the error blaming the
+        # stage ("did not report ready within 0 s"), and "5" failed in an addition.
+        for bad in (0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="startup_timeout must be a number of seconds"):
+                launch(COUNTDOWN, startup_timeout=bad)
+        for wrong in ("5", True, None):
+            with pytest.raises(TypeError, match="startup_timeout must be a number of seconds"):
+                launch(COUNTDOWN, startup_timeout=wrong)
+
     def test_missing_module_is_a_startup_error(self, launch: Launch) -> None:
         with pytest.raises(StageStartupError, match="ModuleNotFoundError"):
             launch("no_such_module_anywhere:factory")

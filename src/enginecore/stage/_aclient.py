@@ -232,7 +232,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
-        Waits until the stage is ready, at most *startup_timeout* seconds, without holding
+        Waits until the stage is ready, at most *startup_timeout* seconds (a number > 0,
+        else :class:`TypeError` / :class:`ValueError` before anything starts), without holding
         a thread: the process is spawned on the event loop's thread (one fork and exec),
         and its ready report awaited with event-loop readers on its pipe and its sentinel,
         so the event loop keeps running and any number of launches (an async pool's

@@ -339,7 +339,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
-        Blocks until the stage is ready, at most *startup_timeout* seconds. Raises
+        Blocks until the stage is ready, at most *startup_timeout* seconds (a number > 0:
+        :class:`TypeError` / :class:`ValueError` otherwise, before anything starts). Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
         factory raised) if it does not come up; no process or socket file is left behind.
         """

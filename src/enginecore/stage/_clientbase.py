@@ -357,11 +357,16 @@ class ClientBase(Generic[S, W]):
 
 def deadline_after(timeout: float | None) -> float | None:
     """The ``time.monotonic()`` reading *timeout* seconds from now (``None``: no deadline);
-    :class:`ValueError` if *timeout* is negative."""
+    :class:`TypeError` if *timeout* is not a number (a ``bool`` neither), :class:`ValueError`
+    if it is negative or NaN (which would never pass)."""
     if timeout is None:
         return None
-    if timeout < 0:
-        raise ValueError("'timeout' must be a non-negative number")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            f"'timeout' must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    if not timeout >= 0:  # NaN too
+        raise ValueError(f"'timeout' must be a non-negative number, got {timeout!r}")
     return time.monotonic() + timeout
 
 

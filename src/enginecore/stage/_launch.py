@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import math
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
@@ -204,6 +205,18 @@ def _validate_factory(factory: str) -> None:
         raise ValueError(f"engine factory must look like 'pkg.module:factory', got {factory!r}")
 
 
+def check_startup_timeout(startup_timeout: object) -> None:
+    """:class:`TypeError` / :class:`ValueError` unless *startup_timeout* is a number of
+    seconds > 0: checked before any process starts (a stage given no time to start would
+    be spawned and killed, and the error would blame it)."""
+    if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)):
+        raise TypeError(f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}")
+    if not 0 < startup_timeout < math.inf:
+        raise ValueError(
+            f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}"
+        )
+
+
 def launch_process(
     factory: str,
     kwargs: dict[str, Any] | None,
@@ -226,6 +239,7 @@ def launch_process(
     once *cancel* (the read end of a pipe: a pool's, written when it closes) is readable
     before the stage is ready. The other arguments are :func:`start_process`'s.
     """
+    check_startup_timeout(startup_timeout)
     launched = start_process(
         factory,
         kwargs,
@@ -266,6 +280,7 @@ async def launch_process_async(
     kills the half-started stage and awaits its exit before the exception propagates; if
     that wait is cancelled too, the stage is still reaped and its files removed once it
     has exited (:func:`kill_and_clean_async`)."""
+    check_startup_timeout(startup_timeout)
     launched = start_process(
         factory,
         kwargs,

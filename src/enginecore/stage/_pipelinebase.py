@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +23,7 @@ from . import _shm
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
+from ._launch import check_startup_timeout
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import ReplicaState, RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore
@@ -431,18 +431,6 @@ def replica_name(spec: PipelineStage, replica: int) -> str:
     added in a pool."""
     name = spec.name or spec.factory
     return f"{name}[{replica}]" if spec.replicas > 1 else name
-
-
-def check_startup_timeout(startup_timeout: object) -> None:
-    """:class:`TypeError` / :class:`ValueError` unless *startup_timeout* is a number of
-    seconds > 0: checked before any process starts (a stage given no time to start would
-    be spawned and killed, and the error would blame it)."""
-    if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)):
-        raise TypeError(f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}")
-    if not 0 < startup_timeout < math.inf:
-        raise ValueError(
-            f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}"
-        )
 
 
 def named_startup_error(
