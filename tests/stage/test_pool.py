@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import shutil
 import signal
@@ -604,12 +605,18 @@ def test_on_replica_death_moves_a_request_on(launch: Open) -> None:
     assert seen[0][1] >= 3
 
 
-def test_a_stopped_replica_leaves_the_routing_until_it_answers(launch: Open) -> None:
+def test_a_stopped_replica_leaves_the_routing_until_it_answers(
+    launch: Open, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="enginecore.stage")
     pool = launch(COUNTDOWN, replicas=2, ping_interval=0.2)
     r0, r1 = pool.replicas
     os.kill(cast(int, r0.pid), signal.SIGSTOP)
     try:
         assert wait_until(lambda: r0.health == StageHealth.STALLED, 5)
+        # The warning says which replica, not only its process.
+        said = f"replica r0 (stage process {r0.pid}) has not answered"
+        assert wait_until(lambda: any(said in r.getMessage() for r in caplog.records), 5)
         assert wait_until(lambda: not r0.routable, 5)  # the receiver's timer has fired
         assert r1.routable
         streams = [pool.add(f"s{i}", 2) for i in range(6)]

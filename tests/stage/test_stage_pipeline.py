@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import logging
 import os
 import pathlib
 import random
@@ -1611,6 +1612,22 @@ class TestLifecycle:
             pipe.client("c")
         with pytest.raises(IndexError, match=r"stage 'b' has no replica 1 \(it has 1: 0\)"):
             pipe.call_utility("b", "pid", replica=1)
+
+    def test_a_stopped_stage_is_stalled_and_its_warning_names_it(
+        self, launch: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.WARNING, logger="enginecore.stage")
+        pipe = launch([PipelineStage(COUNTDOWN, name="a"), PipelineStage(RELAY, name="b")])
+        pid = pipe.call_utility("b", "pid")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: pipe.health()["b"] == "stalled", 10)
+            said = f"pipeline stage 'b' (stage process {pid}) has not answered"
+            assert wait_until(lambda: any(said in r.getMessage() for r in caplog.records), 5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert wait_until(lambda: pipe.health()["b"] == "ok", 10)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
 
     @pytest.mark.parametrize(
         ("stages", "why"),

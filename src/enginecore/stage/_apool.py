@@ -322,6 +322,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         for replica, member, generation in zip(replicas, results, generations, strict=True):
             assert isinstance(member, _AsyncMember)
             member._replica = replica
+            member._session.label = f"replica {replica.name}"  # its warnings say which
             member._pool = self
             on_ray = "ray" in replica.spec
             if on_ray:  # a key rotation may have come while it was placed: before it serves

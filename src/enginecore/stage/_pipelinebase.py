@@ -738,6 +738,8 @@ class PipelineBase(Generic[S, C]):
             for name, count in zip(self._names, counts, strict=True)
             for r in range(count)
         ]
+        for key, client in zip(self._keys, self._clients, strict=True):
+            client._session.label = f"pipeline stage {key!r}"  # its warnings say which
         self._pooled = self._core.pooled
         self._closed = False
         # A restart's link barrier under way: per restarted process (stage, replica), the
@@ -1170,9 +1172,11 @@ class PipelineBase(Generic[S, C]):
         specs, core = self._specs, self._core
         generation = core.generation(k, r)
         client._event_sink = functools.partial(self._take_events, k, r, client)
+        i = sum(core.replicas[:k]) + r
+        client._session.label = f"pipeline stage {self._keys[i]!r}"
         with self._lock:
             self._replicas[k][r] = client
-            self._clients[sum(core.replicas[:k]) + r] = client
+            self._clients[i] = client
             features = getattr(client, "features", ())
             core.tagged(k, r, "tags" in features)
             core.generational(k, r, "gens" in features)

@@ -413,6 +413,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         for replica, member, generation in zip(replicas, members, generations, strict=True):
             assert member is not None
             member._replica = replica
+            member._session.label = f"replica {replica.name}"  # its warnings say which
             member._pool = self
             on_ray = "ray" in replica.spec
             if on_ray:  # a key rotation may have come while it was placed: before it serves

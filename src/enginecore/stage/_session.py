@@ -532,6 +532,10 @@ class ClientSession(Generic[S, W]):
         silent_after: float = 2.0,
     ) -> None:
         self.pid: Final = pid
+        # What the session's warnings call the stage, before its process: a pool member's
+        # "replica r1", a pipeline's "pipeline stage 'mid'" (set by its owner); None: a
+        # client's own stage, named by its process or address alone.
+        self.label: str | None = None
         # When the session fails, hand its live streams over (Deliveries.orphans) instead of
         # ending them: a replica pool's member client, whose pool decides each stream's end.
         self._adopt_orphans = adopt_orphans
@@ -1317,9 +1321,10 @@ class ClientSession(Generic[S, W]):
         return StageHealth.OK
 
     def _who(self) -> str:
-        if self.pid is not None:
-            return f"stage process {self.pid}"
-        return f"the stage at {self.address}"
+        where = f"stage process {self.pid}" if self.pid is not None else f"at {self.address}"
+        if self.label is not None:
+            return f"{self.label} ({where})"
+        return where if self.pid is not None else f"the stage {where}"
 
     def process_exited(
         self, exit_code: int | None, now: float, reason: str | None = None
