@@ -919,7 +919,8 @@ class PipeStage:
 
     def stats(self) -> dict[str, float]:
         """The engine's own numbers, and the edge's: ``edge_in_flight`` and
-        ``edge_in_flight_bytes`` (sent to the next stage, not yet taken), ``edge_sent`` and
+        ``edge_in_flight_bytes`` (sent to the next stage, not yet taken; items are payloads
+        and each request's end of input, one item, as the window counts), ``edge_sent`` and
         ``edge_sent_bytes`` (in all), ``edge_waits`` (how often the window held a step
         back); with shared memory, the pool's ``shm_*`` (:meth:`._shm.ShmPool.stats`); and
         in a stage whose previous stage sends through shared memory, ``shm_taken`` (arrays
