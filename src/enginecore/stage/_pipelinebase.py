@@ -816,7 +816,7 @@ class PipelineBase(Generic[S, C]):
     @property
     def restarts(self) -> dict[str, int]:
         """How many times each stage process was started again (a stage with ``restart``),
-        by name, as :meth:`health`'s keys."""
+        by name, as :meth:`health`'s keys: every try counts, a start that failed too."""
         core = self._core
         with self._lock:
             counts = [core.restarts(k, r) for k, n in enumerate(core.replicas) for r in range(n)]
