@@ -468,3 +468,28 @@ def test_utility_calls_alone_do_not_sample_the_engine_again() -> None:
     lt.join()
     # Once when it first went idle, once after the add and its step; none per utility call.
     assert len(made) == 2
+
+
+def test_a_failing_stats_is_called_at_most_every_interval_not_every_step() -> None:
+    # A stats() that fails keeps no sample: the 50 ms interval still counts from the call,
+    # or a broken stats() would run (and raise) after every step.
+    calls: list[float] = []
+
+    def fail(e: RecordingEngine) -> Any:
+        calls.append(time.perf_counter())
+        raise RuntimeError("no stats")
+
+    engine = _WithStats(fail)
+    log = EventLog()
+    loop = EngineCoreLoop(engine, log)
+    loop.submit(Add("a", 300))
+    started = time.perf_counter()
+    lt = LoopThread(loop).start()
+    log.wait_for(lambda ev: ("output", ("a", 0)) in ev, timeout=30)
+    elapsed = time.perf_counter() - started
+    loop.request_shutdown()
+    lt.join()
+    assert loop.statistics().engine_errors == len(calls)
+    # One sample per 50 ms while stepping, and one on going idle (and one at start).
+    assert len(calls) <= 3 + elapsed / 0.05, (len(calls), elapsed)
+    assert len(calls) < 300

@@ -163,6 +163,7 @@ class _Counters:
         "engine",
         "engine_errors",
         "histogram",
+        "sampled",
         "idle",
         "last_drain",
         "max",
@@ -195,6 +196,9 @@ class _Counters:
         # (the engine's last stats() sample; the perf_counter it was taken at, 0.0: never)
         self.engine: tuple[Mapping[str, float], float] = (_EMPTY, 0.0)
         self.engine_errors = 0
+        # The perf_counter of the last stats() call, failed or not: the 50 ms interval
+        # counts from it, so a stats() that fails is not called again after every step.
+        self.sampled = 0.0
 
     def snapshot(self, queue_depth: int) -> LoopStatistics:
         now = time.perf_counter()
@@ -235,6 +239,7 @@ class _Counters:
     def sample_engine(self, stats: Callable[[], Any], now: float) -> Mapping[str, float] | None:
         """Loop thread: call the engine's ``stats()`` and keep its numbers. Returns them, or
         ``None`` if the call failed (logged, counted; the previous sample stays)."""
+        self.sampled = now
         try:
             raw = stats()
             sample = _check_engine_stats(raw)
@@ -303,7 +308,7 @@ class StepTimer:
             self.block = nxt = BLOCK
         else:
             nxt = self._count(block, steps, seconds, outputs)
-        if self._stats is not None and now - c.engine[1] >= ENGINE_STATS_INTERVAL:
+        if self._stats is not None and now - c.sampled >= ENGINE_STATS_INTERVAL:
             c.sample_engine(self._stats, now)
             return -nxt
         return nxt
