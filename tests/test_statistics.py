@@ -72,6 +72,18 @@ class TestBeforeAndAfter:
         assert s.engine_age is None
         assert s.step_quantile(0.5) == 0.0
 
+    @pytest.mark.parametrize(
+        ("q", "error"),
+        [("0.5", TypeError), (None, TypeError), (True, TypeError), (float("nan"), ValueError)],
+        ids=["str", "none", "bool", "nan"],
+    )
+    def test_step_quantile_refuses_a_q_that_is_not_a_fraction(
+        self, q: Any, error: type[Exception]
+    ) -> None:
+        s = EngineCoreLoop(RecordingEngine(), EventLog()).statistics()
+        with pytest.raises(error, match="q must be"):
+            s.step_quantile(q)
+
     def test_frozen(self) -> None:
         s = EngineCoreLoop(RecordingEngine(), EventLog()).statistics()
         with pytest.raises(dataclasses.FrozenInstanceError):

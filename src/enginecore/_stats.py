@@ -128,7 +128,10 @@ class LoopStatistics:
     def step_quantile(self, q: float) -> float:
         """An estimate of the *q*-quantile (0 ≤ *q* ≤ 1) of the step time, from the
         histogram: the upper bound of the bucket it falls in (``math.inf`` for the last).
-        0.0 before the first step."""
+        0.0 before the first step. :class:`ValueError` for a *q* outside [0, 1] (NaN
+        included), :class:`TypeError` for one that is not a number (``bool`` included)."""
+        if isinstance(q, bool) or not isinstance(q, (int, float)):
+            raise TypeError(f"q must be a number between 0 and 1, got {q!r}")
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"q must be between 0 and 1, got {q!r}")
         return quantile(self.step_histogram, STEP_BUCKETS, q)
