@@ -272,6 +272,8 @@ class TestCollector:
                 metrics.add(client, stage="s")
             metrics.remove("s")
             assert metrics.stages == ()
+            with pytest.raises(KeyError, match="no stage is reported as 's'"):
+                metrics.remove("s")
             assert metrics.collect() == metrics.collect()  # nothing left to report
 
 

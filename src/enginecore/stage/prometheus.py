@@ -317,7 +317,8 @@ class StageCollector(Collector):
         """Stop reporting *stage* (its series, time to first output included, disappear).
         :class:`KeyError` if it is not reported."""
         with self._lock:
-            del self._stages[stage]
+            if self._stages.pop(stage, None) is None:
+                raise KeyError(f"no stage is reported as {stage!r}")
 
     @property
     def stages(self) -> tuple[str, ...]:
