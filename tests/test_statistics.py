@@ -72,6 +72,18 @@ class TestBeforeAndAfter:
         assert s.engine_age is None
         assert s.step_quantile(0.5) == 0.0
 
+    @pytest.mark.parametrize(
+        ("q", "error"),
+        [("0.5", TypeError), (None, TypeError), (True, TypeError), (float("nan"), ValueError)],
+        ids=["str", "none", "bool", "nan"],
+    )
+    def test_step_quantile_refuses_a_q_that_is_not_a_fraction(
+        self, q: Any, error: type[Exception]
+    ) -> None:
+        s = EngineCoreLoop(RecordingEngine(), EventLog()).statistics()
+        with pytest.raises(error, match="q must be"):
+            s.step_quantile(q)
+
     def test_frozen(self) -> None:
         s = EngineCoreLoop(RecordingEngine(), EventLog()).statistics()
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -468,3 +480,28 @@ def test_utility_calls_alone_do_not_sample_the_engine_again() -> None:
     lt.join()
     # Once when it first went idle, once after the add and its step; none per utility call.
     assert len(made) == 2
+
+
+def test_a_failing_stats_is_called_at_most_every_interval_not_every_step() -> None:
+    # A stats() that fails keeps no sample: the 50 ms interval still counts from the call,
+    # or a broken stats() would run (and raise) after every step.
+    calls: list[float] = []
+
+    def fail(e: RecordingEngine) -> Any:
+        calls.append(time.perf_counter())
+        raise RuntimeError("no stats")
+
+    engine = _WithStats(fail)
+    log = EventLog()
+    loop = EngineCoreLoop(engine, log)
+    loop.submit(Add("a", 300))
+    started = time.perf_counter()
+    lt = LoopThread(loop).start()
+    log.wait_for(lambda ev: ("output", ("a", 0)) in ev, timeout=30)
+    elapsed = time.perf_counter() - started
+    loop.request_shutdown()
+    lt.join()
+    assert loop.statistics().engine_errors == len(calls)
+    # One sample per 50 ms while stepping, and one on going idle (and one at start).
+    assert len(calls) <= 3 + elapsed / 0.05, (len(calls), elapsed)
+    assert len(calls) < 300

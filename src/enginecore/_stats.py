@@ -128,7 +128,10 @@ class LoopStatistics:
     def step_quantile(self, q: float) -> float:
         """An estimate of the *q*-quantile (0 ≤ *q* ≤ 1) of the step time, from the
         histogram: the upper bound of the bucket it falls in (``math.inf`` for the last).
-        0.0 before the first step."""
+        0.0 before the first step. :class:`ValueError` for a *q* outside [0, 1] (NaN
+        included), :class:`TypeError` for one that is not a number (``bool`` included)."""
+        if isinstance(q, bool) or not isinstance(q, (int, float)):
+            raise TypeError(f"q must be a number between 0 and 1, got {q!r}")
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"q must be between 0 and 1, got {q!r}")
         return quantile(self.step_histogram, STEP_BUCKETS, q)
@@ -168,6 +171,7 @@ class _Counters:
         "max",
         "outputs",
         "peak_drain",
+        "sampled",
         "started",
         "step_sum",
         "stopped",
@@ -195,6 +199,9 @@ class _Counters:
         # (the engine's last stats() sample; the perf_counter it was taken at, 0.0: never)
         self.engine: tuple[Mapping[str, float], float] = (_EMPTY, 0.0)
         self.engine_errors = 0
+        # The perf_counter of the last stats() call, failed or not: the 50 ms interval
+        # counts from it, so a stats() that fails is not called again after every step.
+        self.sampled = 0.0
 
     def snapshot(self, queue_depth: int) -> LoopStatistics:
         now = time.perf_counter()
@@ -235,6 +242,7 @@ class _Counters:
     def sample_engine(self, stats: Callable[[], Any], now: float) -> Mapping[str, float] | None:
         """Loop thread: call the engine's ``stats()`` and keep its numbers. Returns them, or
         ``None`` if the call failed (logged, counted; the previous sample stays)."""
+        self.sampled = now
         try:
             raw = stats()
             sample = _check_engine_stats(raw)
@@ -303,7 +311,7 @@ class StepTimer:
             self.block = nxt = BLOCK
         else:
             nxt = self._count(block, steps, seconds, outputs)
-        if self._stats is not None and now - c.engine[1] >= ENGINE_STATS_INTERVAL:
+        if self._stats is not None and now - c.sampled >= ENGINE_STATS_INTERVAL:
             c.sample_engine(self._stats, now)
             return -nxt
         return nxt

@@ -390,7 +390,8 @@ def main(
     curve: Sequence[CurveKeys | None] | None = None,
 ) -> int:
     """Entry point for ``python -m enginecore top``: exit code 2 when an optional
-    dependency is missing."""
+    dependency is missing, or for the live view (no *once*) when stdout is not a
+    terminal."""
     try:
         import rich  # noqa: F401
     except ImportError:
@@ -403,5 +404,13 @@ def main(
         import enginecore.stage  # noqa: F401
     except ImportError as exc:
         print(f"python -m enginecore top: {exc}", file=sys.stderr)
+        return 2
+    if not once and not sys.stdout.isatty():
+        # rich's Live draws nothing off a terminal: the view would run unseen until killed.
+        print(
+            "python -m enginecore top: the live view needs a terminal on stdout; "
+            "use --once to print one table (for a pipe, a file or a script)",
+            file=sys.stderr,
+        )
         return 2
     return run(addresses, interval=interval, once=once, curve=curve)

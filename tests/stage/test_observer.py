@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from enginecore.stage import StageClient, StageObserver, StageStatistics
+from enginecore.stage import StageClient, StageClosedError, StageObserver, StageStatistics
 
 from .conftest import Server
 from .raw import RawClient
@@ -182,3 +182,38 @@ class TestStageObserver:
             assert time.monotonic() - started < 2.0
             for _ in range(20):  # never blocks, even with the queue full
                 obs.request()
+
+    @pytest.mark.parametrize(
+        ("timeout", "error"),
+        [
+            ("1", TypeError),
+            (None, TypeError),
+            (True, TypeError),
+            (-1, ValueError),
+            (float("nan"), ValueError),
+        ],
+        ids=["str", "none", "bool", "negative", "nan"],
+    )
+    def test_a_timeout_that_is_not_seconds_is_refused(
+        self, timeout: Any, error: type[Exception]
+    ) -> None:
+        # Before: a bare comparison error, one second for True, and an immediate
+        # TimeoutError for a negative or NaN timeout.
+        with StageObserver("tcp://127.0.0.1:1") as obs:
+            with pytest.raises(error, match="timeout"):
+                obs.stats(timeout=timeout)
+            with pytest.raises(error, match="timeout"):
+                obs.answer(timeout)
+
+    def test_an_address_that_is_not_a_str_is_a_type_error(self) -> None:
+        with pytest.raises(TypeError, match="address must be a str"):
+            StageObserver(5)  # type: ignore[arg-type]
+
+    def test_a_closed_observer_says_so(self) -> None:
+        obs = StageObserver("tcp://127.0.0.1:1")
+        obs.close()
+        obs.close()  # idempotent
+        # Before: a bare ZMQError ("Socket operation on non-socket").
+        for call in (obs.stats, obs.request, obs.answer, obs.failure):
+            with pytest.raises(StageClosedError, match="observer is closed"):
+                call()

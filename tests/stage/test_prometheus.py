@@ -227,6 +227,43 @@ class TestCollector:
         samples, _ = parse(generate_latest(registry).decode())
         assert not [k for k in samples if k[0].startswith("enginecore_")]
 
+    @pytest.mark.parametrize(
+        ("timeout", "error"),
+        [("1", TypeError), (None, TypeError), (True, TypeError), (float("inf"), ValueError)],
+        ids=["str", "none", "bool", "inf"],
+    )
+    def test_a_timeout_that_is_not_seconds_is_refused_clearly(
+        self, timeout: Any, error: type[Exception]
+    ) -> None:
+        with pytest.raises(error, match="timeout must be"):
+            StageCollector(timeout=timeout)
+
+    @pytest.mark.parametrize(
+        ("seconds", "error"),
+        [
+            (float("nan"), ValueError),
+            (-1.0, ValueError),
+            (float("inf"), ValueError),
+            (True, TypeError),
+            ("0.5", TypeError),
+        ],
+        ids=["nan", "negative", "inf", "bool", "str"],
+    )
+    def test_observe_refuses_a_time_that_is_not_seconds(
+        self, seconds: Any, error: type[Exception]
+    ) -> None:
+        # A NaN would turn the histogram's sum into NaN for the life of the process.
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry)
+        with StageClient.launch(COUNTDOWN, startup_timeout=30) as client:
+            metrics.add(client, stage="s")
+            with pytest.raises(error, match="seconds"):
+                metrics.observe(seconds, "s")
+            assert metrics.observe(0, "s") == 0.0
+            samples, _ = parse(generate_latest(registry).decode())
+        assert value(samples, "enginecore_time_to_first_output_seconds_sum", stage="s") == 0.0
+        assert value(samples, "enginecore_time_to_first_output_seconds_count", stage="s") == 1
+
     def test_a_label_is_taken_once_and_can_be_removed(self) -> None:
         metrics = StageCollector()
         with StageClient.launch(COUNTDOWN, startup_timeout=30) as client:
@@ -235,6 +272,8 @@ class TestCollector:
                 metrics.add(client, stage="s")
             metrics.remove("s")
             assert metrics.stages == ()
+            with pytest.raises(KeyError, match="no stage is reported as 's'"):
+                metrics.remove("s")
             assert metrics.collect() == metrics.collect()  # nothing left to report
 
 

@@ -129,6 +129,22 @@ class TestOnce:
         assert out.returncode == 2
         assert "needs rich: pip install 'enginecore[top]'" in out.stderr
 
+    def test_the_live_view_without_a_terminal_says_so_and_exits(self) -> None:
+        # Before: with stdout a pipe or a file, the live view drew nothing (rich's Live
+        # shows nothing off a terminal) and ran until killed, silently.
+        pytest.importorskip("rich")
+        out = subprocess.run(
+            [*TOP, "tcp://127.0.0.1:1", "--interval", "0.1"],
+            check=False,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=30,
+        )
+        assert out.returncode == 2
+        assert "needs a terminal" in out.stderr
+        assert "--once" in out.stderr
+
     @pytest.mark.parametrize("interval", ["0", "-1", "nan", "x"])
     def test_a_bad_interval_is_a_usage_error(self, interval: str) -> None:
         out = subprocess.run(

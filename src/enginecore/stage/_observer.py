@@ -29,7 +29,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ._curve import HANDSHAKE_EVENTS, CurveKeys, HandshakeWatch, secure_client
-from ._errors import AuthenticationError, ProtocolError, UtilityError
+from ._errors import AuthenticationError, ProtocolError, StageClosedError, UtilityError
 from ._statistics import StageStatistics
 from ._wire import is_ipv6_endpoint
 
@@ -58,7 +58,10 @@ class StageObserver:
         curve: CurveKeys | None = None,
     ) -> None:
         """*curve* (:class:`~enginecore.stage.CurveKeys`: a key pair the stage lists and
-        the stage's public key) observes a stage served with CURVE."""
+        the stage's public key) observes a stage served with CURVE. :class:`TypeError` for
+        an *address* that is not a ``str``."""
+        if not isinstance(address, str):
+            raise TypeError(f"address must be a str, got {type(address).__name__}")
         if curve is not None and not isinstance(curve, CurveKeys):
             raise TypeError(f"curve must be CurveKeys, got {type(curve).__name__}")
         self.address = address
@@ -98,6 +101,7 @@ class StageObserver:
         not list, a wrong server key, CURVE on one side only), or ``None``. A later
         successful handshake (the stage restarted with the right keys) clears it. Never
         blocks."""
+        self._check_open()
         while True:
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
@@ -111,6 +115,7 @@ class StageObserver:
         """Ask for the stage's statistics; never blocks. Only the answer to the latest
         request counts (an older one that arrives late is dropped). ``False`` when the
         request could not even be queued (the stage has been unreachable for a while)."""
+        self._check_open()
         call_id = self._ids()
         self._pending = call_id
         try:
@@ -126,8 +131,11 @@ class StageObserver:
         refused the request, :class:`ProtocolError` if its answer is not statistics, and
         :class:`~enginecore.stage.AuthenticationError` (a ``ProtocolError``) as soon as the
         stage refuses the observer's handshake (:meth:`failure`), or its key once a key
-        rotation removed it (the stage's ``reject``)."""
-        deadline = time.monotonic() + max(0.0, timeout)
+        rotation removed it (the stage's ``reject``). *timeout*: seconds >= 0
+        (:class:`ValueError` for a negative or NaN one, :class:`TypeError` for a
+        non-number)."""
+        self._check_open()
+        deadline = time.monotonic() + _seconds(timeout)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
@@ -168,7 +176,10 @@ class StageObserver:
         """Ask for the stage's statistics and wait for them; :class:`TimeoutError` if no
         answer comes within *timeout* seconds (no stage there, or not one that answers
         observers), :class:`~enginecore.stage.AuthenticationError` if the stage refuses
-        the observer (with CURVE: as soon as its handshake fails)."""
+        the observer (with CURVE: as soon as its handshake fails). *timeout* as for
+        :meth:`answer`; on a closed observer, :class:`~enginecore.stage.StageClosedError`
+        (so do :meth:`request`, :meth:`answer` and :meth:`failure`)."""
+        _seconds(timeout)
         self.request()
         stats = self.answer(timeout)
         if stats is None:
@@ -177,6 +188,10 @@ class StageObserver:
                 raise failure
             raise TimeoutError(f"no answer from a stage at {self.address} in {timeout:g} s")
         return stats
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StageClosedError(f"this observer is closed (stage at {self.address})")
 
     def _read(self) -> list[Any] | None:
         try:
@@ -209,3 +224,12 @@ class StageObserver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _seconds(timeout: object) -> float:
+    """*timeout*, checked: seconds >= 0, not NaN, not a ``bool``."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+    if not timeout >= 0:  # NaN too
+        raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+    return float(timeout)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
@@ -262,10 +263,12 @@ class StageCollector(Collector):
         prometheus_client.start_http_server(8000, registry=registry)
 
     Each scrape (:meth:`collect`) asks every stage for its statistics at once, on threads
-    of its own, and waits at most *timeout* seconds for them: a stage that does not answer
-    in time, or is dead or closed, is skipped (``enginecore_stage_up`` 0, its other series
-    absent from that scrape) and counted in ``enginecore_scrape_errors_total``. Counters
-    are the stage's own, so they stay exact however many stages (and collectors) report.
+    of its own, and waits at most *timeout* seconds for them (a finite number > 0:
+    :class:`ValueError` otherwise, :class:`TypeError` for a non-number): a stage that does
+    not answer in time, or is dead or closed, is skipped (``enginecore_stage_up`` 0, its
+    other series absent from that scrape) and counted in ``enginecore_scrape_errors_total``.
+    Counters are the stage's own, so they stay exact however many stages (and collectors)
+    report.
 
     An :class:`AsyncStageClient` is asked on its own event loop
     (``asyncio.run_coroutine_threadsafe``): scrape from another thread, as
@@ -284,8 +287,10 @@ class StageCollector(Collector):
         timeout: float = SCRAPE_TIMEOUT,
         ttft_buckets: Sequence[float] = TTFT_BUCKETS,
     ) -> None:
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be > 0 seconds and finite, got {timeout!r}")
         bounds = tuple(float(b) for b in ttft_buckets)
         if not bounds or list(bounds) != sorted(set(bounds)):
             raise ValueError(f"ttft_buckets must be increasing bounds, got {ttft_buckets!r}")
@@ -312,7 +317,8 @@ class StageCollector(Collector):
         """Stop reporting *stage* (its series, time to first output included, disappear).
         :class:`KeyError` if it is not reported."""
         with self._lock:
-            del self._stages[stage]
+            if self._stages.pop(stage, None) is None:
+                raise KeyError(f"no stage is reported as {stage!r}")
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -328,13 +334,19 @@ class StageCollector(Collector):
 
         *stream* is a stream of that stage's client, read in O(1) (its send time and first
         arrival, as in :attr:`~enginecore.stage.StreamTimings.time_to_first_output`), or the
-        time in seconds, for a consumer that times requests itself. Call it once per request,
+        time in seconds (>= 0 and finite: :class:`ValueError` otherwise, :class:`TypeError`
+        for a non-number), for a consumer that times requests itself. Call it once per request,
         from any thread, typically when its stream ends (once more counts it twice)."""
         if isinstance(stream, (RequestStream, AsyncRequestStream)):
             arrivals = stream._arrivals
             if not arrivals:
                 return None
             seconds = arrivals[0] - stream._sent_at
+        elif isinstance(stream, bool) or not isinstance(stream, (int, float)):
+            raise TypeError(f"observe() takes a stream or seconds, got {stream!r}")
+        elif not 0 <= stream < math.inf:
+            # A NaN or an infinity would stay in the histogram's sum for good.
+            raise ValueError(f"observe() takes seconds >= 0 and finite, got {stream!r}")
         else:
             seconds = float(stream)
         try:
