@@ -224,6 +224,18 @@ class TestServe:
 
         asyncio.run(main())
 
+    def test_connect_to_an_address_zeromq_refuses_raises_and_does_not_hang(self) -> None:
+        # The DEALER whose connect() failed was never closed: the cleanup's context term()
+        # then waited for it for ever.
+        with pytest.raises(zmq.ZMQError):
+            StageClient.connect("tcp://no-port", timeout=5)
+
+        async def main() -> None:
+            with pytest.raises(zmq.ZMQError):
+                await AsyncStageClient.connect("tcp://no-port", timeout=5)
+
+        asyncio.run(main())
+
     def test_connect_to_nothing_times_out(self) -> None:
         with pytest.raises(TimeoutError, match="no handshake reply"):
             StageClient.connect("tcp://127.0.0.1:9", timeout=0.3)
