@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--session-timeout",
-        type=float,
+        type=_positive_float,
         default=10.0,
         metavar="SECONDS",
         help="a new client may take over once the attached one has been silent this long "
@@ -343,6 +343,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .stage import PROTOCOL_VERSION, check_encodable
         from .stage._logs import check_log_level
         from .stage._process import MetricsBindError, serve
+        from .stage._runtime import StageBindError
         from .stage._statistics import LOAD_INTERVAL, SHARED_LOAD_INTERVAL
         from .stage._watchdog import check_watchdog
 
@@ -446,6 +447,9 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except MetricsBindError as exc:
         print(f"python -m enginecore serve: --metrics-port: {exc}", file=sys.stderr)
         return 2
+    except StageBindError as exc:
+        print(f"python -m enginecore serve: the stage failed to start: {exc}", file=sys.stderr)
+        return 1
     except Exception:
         print("python -m enginecore serve: the stage failed to start:", file=sys.stderr)
         traceback.print_exc()

@@ -17,7 +17,7 @@ import zmq
 
 from enginecore import CountdownEngine, RequestRejected
 from enginecore.stage import PROTOCOL_VERSION
-from enginecore.stage._runtime import EXIT_FATAL, EXIT_OK
+from enginecore.stage._runtime import EXIT_FATAL, EXIT_OK, StageBindError, StageRuntime
 from enginecore.stage._stage_engine import LIVE_IN_STAGE
 from enginecore.stage.testing import EchoEngine, ScriptedEngine
 
@@ -719,3 +719,32 @@ class TestLifecycle:
             stage.stop()
         assert (tag, version, engine) == ("welcome", PROTOCOL_VERSION, "test")
         assert output == stage.runtime.output_address
+
+
+@pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
+def test_a_session_timeout_that_is_not_a_positive_number_is_refused(value: float) -> None:
+    # Checked before anything binds: a negative or NaN one let any new hello take over the
+    # attached client's session at once.
+    with pytest.raises(ValueError, match="session_timeout must be a number of seconds > 0"):
+        StageRuntime(
+            CountdownEngine(),
+            "tcp://127.0.0.1:*",
+            "tcp://127.0.0.1:*",
+            engine_name="countdown",
+            session_timeout=value,
+            handle_signals=(),
+        )
+
+
+def test_a_bind_failure_names_the_socket_and_the_address(no_leftovers: str) -> None:
+    address = f"ipc://{no_leftovers}/missing/stage"
+    with pytest.raises(
+        StageBindError, match=re.escape(f"cannot bind the input socket to {address!r}")
+    ):
+        StageRuntime(
+            CountdownEngine(),
+            address,
+            address + ".out",
+            engine_name="countdown",
+            handle_signals=(),
+        )

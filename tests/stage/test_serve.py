@@ -224,6 +224,18 @@ class TestServe:
 
         asyncio.run(main())
 
+    def test_connect_to_an_address_zeromq_refuses_raises_and_does_not_hang(self) -> None:
+        # The DEALER whose connect() failed was never closed: the cleanup's context term()
+        # then waited for it for ever.
+        with pytest.raises(zmq.ZMQError):
+            StageClient.connect("tcp://no-port", timeout=5)
+
+        async def main() -> None:
+            with pytest.raises(zmq.ZMQError):
+                await AsyncStageClient.connect("tcp://no-port", timeout=5)
+
+        asyncio.run(main())
+
     def test_connect_to_nothing_times_out(self) -> None:
         with pytest.raises(TimeoutError, match="no handshake reply"):
             StageClient.connect("tcp://127.0.0.1:9", timeout=0.3)
@@ -665,6 +677,33 @@ class TestServeCommandLine:
         result = self._run("serve", "--engine", SCRIPTED, "--detached-buffer", "-1")
         assert result.returncode == 2
         assert "--detached-buffer" in result.stderr
+
+    @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+    def test_a_session_timeout_that_is_not_a_positive_number_is_refused(self, value: str) -> None:
+        # It was taken as is: with -1 or nan, any new hello took over the attached client's
+        # session at once, however recently it had spoken.
+        result = self._run("serve", "--engine", SCRIPTED, "--session-timeout", value)
+        assert result.returncode == 2
+        assert "--session-timeout" in result.stderr
+
+    def test_a_port_in_use_is_one_clear_line(self) -> None:
+        # It printed a traceback of zmq internals.
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            result = self._run("serve", "--engine", SCRIPTED, "--bind", f"tcp://127.0.0.1:{port}")
+        assert result.returncode == 1
+        assert "Traceback" not in result.stderr
+        assert f"cannot bind the input socket to 'tcp://127.0.0.1:{port}'" in result.stderr
+        assert "Address already in use" in result.stderr
+
+    def test_an_ipc_path_in_a_missing_directory_is_one_clear_line(self, no_leftovers: str) -> None:
+        address = f"ipc://{no_leftovers}/missing/stage"
+        result = self._run("serve", "--engine", SCRIPTED, "--bind", address)
+        assert result.returncode == 1
+        assert "Traceback" not in result.stderr
+        assert f"cannot bind the input socket to {address!r}" in result.stderr
 
     def test_missing_command_prints_usage(self) -> None:
         result = self._run()

@@ -415,7 +415,14 @@ def dealer_for(
     if curve is not None:
         secure_client(dealer, curve)
     monitor = dealer.get_monitor_socket(HANDSHAKE_EVENTS) if watch else None
-    dealer.connect(address)
+    try:
+        dealer.connect(address)
+    except BaseException:
+        # Closed here: the caller never gets them, and its context's term() would wait
+        # for them for ever (connect() to an address ZeroMQ refuses hung).
+        stop_watching(dealer, monitor)
+        dealer.close(linger=0)
+        raise
     return dealer, monitor
 
 

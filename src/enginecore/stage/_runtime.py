@@ -162,6 +162,7 @@ class StageRuntime:
         check_watchdog(step_timeout, kill_after)
         check_max_clients(max_clients, keep_requests_on_detach=keep_requests_on_detach)
         check_client_buffer(client_buffer)
+        check_session_timeout(session_timeout)
         self._curve = curve
         load_interval = check_load_interval(load_interval)
         started = time.monotonic()
@@ -196,8 +197,8 @@ class StageRuntime:
                     secure_server(sock, curve)
             in_sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(input_address))
             out_sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(output_address))
-            in_sock.bind(input_address)
-            out_sock.bind(output_address)
+            _bind(in_sock, "input", input_address)
+            _bind(out_sock, "output", output_address)
             out_monitor = out_sock.get_monitor_socket(
                 zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
             )
@@ -499,6 +500,33 @@ class StageRuntime:
         # How the loop ended: the terminal event it handed over, sent or not (with no
         # client to read, the output thread may still hold an earlier frame at term()).
         return EXIT_OK if self._output.terminal == "shutdown" else EXIT_FATAL
+
+
+class StageBindError(OSError):
+    """A stage's socket could not bind its address (a port in use, an ipc path in a missing
+    directory or too long for a socket): the message names the socket, the address and why,
+    so ``serve`` prints it as one line instead of a traceback of ZeroMQ's internals."""
+
+
+def _bind(sock: zmq.Socket[bytes], which: str, address: str) -> None:
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise StageBindError(
+            f"cannot bind the {which} socket to {address!r}: {exc.strerror}"
+        ) from exc
+
+
+def check_session_timeout(session_timeout: float) -> None:
+    """:class:`TypeError` / :class:`ValueError` for a bad ``session_timeout`` (a finite
+    number of seconds > 0). A negative or NaN one let any new ``hello`` take over the
+    attached client's session at once, however recently it had spoken."""
+    if isinstance(session_timeout, bool) or not isinstance(session_timeout, (int, float)):
+        raise TypeError(f"session_timeout must be a number of seconds, got {session_timeout!r}")
+    if not 0 < session_timeout < float("inf"):
+        raise ValueError(
+            f"session_timeout must be a number of seconds > 0, got {session_timeout!r}"
+        )
 
 
 def check_client_buffer(client_buffer: int) -> None:
