@@ -267,7 +267,10 @@ def _load_interval(text: str) -> float | None:
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:  # argparse would name this function: "invalid _positive_float value"
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
     return value

@@ -678,13 +678,15 @@ class TestServeCommandLine:
         assert result.returncode == 2
         assert "--detached-buffer" in result.stderr
 
-    @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+    @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "abc"])
     def test_a_session_timeout_that_is_not_a_positive_number_is_refused(self, value: str) -> None:
         # It was taken as is: with -1 or nan, any new hello took over the attached client's
-        # session at once, however recently it had spoken.
+        # session at once, however recently it had spoken. Not a number: argparse named the
+        # private type function ("invalid _positive_float value").
         result = self._run("serve", "--engine", SCRIPTED, "--session-timeout", value)
         assert result.returncode == 2
-        assert "--session-timeout" in result.stderr
+        assert "--session-timeout: must be a number of seconds > 0" in result.stderr
+        assert "_positive_float" not in result.stderr
 
     def test_a_port_in_use_is_one_clear_line(self) -> None:
         # It printed a traceback of zmq internals.

@@ -154,7 +154,8 @@ class TestOnce:
             text=True,
         )
         assert out.returncode == 2
-        assert "--interval" in out.stderr
+        assert "--interval: must be a number of seconds > 0" in out.stderr  # "x" too: it
+        assert "_positive_float" not in out.stderr  # named the private type function
 
 
 class TestRows:
