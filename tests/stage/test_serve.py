@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -699,6 +703,37 @@ class TestServeCommandLine:
         assert "Traceback" not in result.stderr
         assert f"cannot bind the input socket to 'tcp://127.0.0.1:{port}'" in result.stderr
         assert "Address already in use" in result.stderr
+
+    def test_a_port_in_use_fails_before_the_engine_is_built(self) -> None:
+        # The bind came after the factory: a model that loads for minutes, then "Address
+        # already in use". gated_factory writes a file named after its pid when it runs
+        # (in a directory outside the test's private temp dir, whose files are checked).
+        tmp_path = Path(tempfile.mkdtemp(prefix="ecBind", dir="/tmp"))
+        try:
+            self._port_in_use_before_the_factory(tmp_path)
+        finally:
+            shutil.rmtree(tmp_path, ignore_errors=True)
+
+    def _port_in_use_before_the_factory(self, tmp_path: Path) -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            taken_address = f"tcp://127.0.0.1:{port}"
+            for which, binds in (
+                ("input", ["--bind", taken_address]),
+                ("output", ["--bind", "tcp://127.0.0.1:*", "--output-bind", taken_address]),
+            ):
+                result = self._run(
+                    "serve", "--engine", "enginecore.stage.testing:gated_factory",
+                    "--kwargs", json.dumps({"directory": str(tmp_path), "timeout": 1}),
+                    *binds,
+                )  # fmt: skip
+                assert result.returncode == 1, result.stderr
+                assert f"cannot bind the {which} socket to 'tcp://127.0.0.1:{port}'" in (
+                    result.stderr
+                )
+                assert os.listdir(tmp_path) == []  # the factory never ran
 
     def test_an_ipc_path_in_a_missing_directory_is_one_clear_line(self, no_leftovers: str) -> None:
         address = f"ipc://{no_leftovers}/missing/stage"

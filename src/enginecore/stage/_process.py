@@ -28,7 +28,7 @@ from .._signals import shutdown_on_signals
 from ._curve import ServerCurve, _check_key, read_authorized
 from ._fanout import CLIENT_BUFFER
 from ._logs import configure_stage
-from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime
+from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime, probe_bind
 from ._statistics import LOAD_INTERVAL
 from ._watchdog import STEP_TIMEOUT
 
@@ -202,6 +202,10 @@ def serve(
     """
     label = name or factory
     configure_stage(label, log_level, None)
+    # A port in use (or an ipc path in a missing directory) fails now, not once the engine
+    # has loaded minutes later (probe_bind: what it can tell before the real bind).
+    probe_bind(bind, "input")
+    probe_bind(output_bind, "output")
     # The endpoint is bound first: a port in use fails before the engine loads, and a
     # scrape while it loads reads enginecore_stage_up 0.
     built: list[StageRuntime] = []

@@ -16,10 +16,12 @@ the loop and tears everything down in a fixed order (see :meth:`StageRuntime.run
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -506,6 +508,43 @@ class StageBindError(OSError):
     """A stage's socket could not bind its address (a port in use, an ipc path in a missing
     directory or too long for a socket): the message names the socket, the address and why,
     so ``serve`` prints it as one line instead of a traceback of ZeroMQ's internals."""
+
+
+def probe_bind(address: str, which: str) -> None:
+    """Before a stage's engine is built (a model may load for minutes): raise
+    :class:`StageBindError` if *address* certainly cannot be bound (a TCP port already in
+    use, or one this process may not bind; an ipc path in a missing directory), as the bind
+    itself would after the engine was built. Anything this check cannot tell (``*`` or 0
+    ports, an interface name, an address that does not resolve here) is left to the bind.
+    A port taken between this check and the bind still fails there."""
+    scheme, _, rest = address.partition("://")
+    if scheme == "ipc":
+        directory = os.path.dirname(rest)
+        if directory and not os.path.isdir(directory):
+            raise StageBindError(
+                f"cannot bind the {which} socket to {address!r}: No such file or directory"
+            )
+        return
+    host, _, port_text = rest.rpartition(":")
+    if scheme != "tcp" or not port_text.isdigit() or int(port_text) == 0:
+        return
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        infos = socket.getaddrinfo(
+            host or None, int(port_text), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, UnicodeError):
+        return  # an interface name, or a host ZeroMQ resolves otherwise: the bind tells
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise StageBindError(
+                    f"cannot bind the {which} socket to {address!r}: {exc.strerror}"
+                ) from exc
 
 
 def _bind(sock: zmq.Socket[bytes], which: str, address: str) -> None:
