@@ -645,6 +645,17 @@ def test_keygen_writes_a_key_pair_and_never_overwrites(tmp_path: Path) -> None:
     assert again.returncode == 1
     assert "not overwriting" in again.stderr
     assert secret.read_bytes() == before
+    (tmp_path / "file").write_text("")  # a path that is a file: said so, not "File exists"
+    onto_a_file = _run("keygen", str(tmp_path / "file"))
+    assert onto_a_file.returncode == 1
+    assert "exists and is not a directory" in onto_a_file.stderr
+    # serve given the key directory instead of the key file: said so, not "no such file"
+    served = _run(
+        "serve", "--engine", "enginecore:CountdownEngine", "--curve-secret-key",
+        str(tmp_path / "k"), "--authorized-clients", str(tmp_path / "k"),
+    )  # fmt: skip
+    assert served.returncode == 2
+    assert "is a directory; give the stage's NAME.key_secret file in it" in served.stderr
 
 
 def test_curve_keys_are_checked_and_hide_the_secret(keys: Keys) -> None:

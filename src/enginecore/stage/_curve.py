@@ -136,6 +136,10 @@ def load_server_curve(
     directory, or one without any client public key (``*.key``); a secret key file that
     others may read is logged as a warning."""
     path = Path(secret_key_file)
+    if path.is_dir():
+        raise ValueError(
+            f"{os.fspath(path)!r} is a directory; give the stage's NAME.key_secret file in it"
+        )
     if not path.is_file():
         raise ValueError(f"no such secret key file: {os.fspath(path)!r}")
     public, secret = zmq.auth.load_certificate(path)
@@ -505,6 +509,8 @@ def keygen(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
     to keep). :class:`FileExistsError` rather than overwrite a key. Returns the two paths."""
     if not name or os.sep in name or name.startswith("."):
         raise ValueError(f"--name must be a plain file name, got {name!r}")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"{os.fspath(directory)} exists and is not a directory")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     public = os.path.join(directory, f"{name}.key")
     secret = os.path.join(directory, f"{name}.key_secret")
