@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 from typing import TYPE_CHECKING
 
@@ -230,3 +231,16 @@ class PipelineFullError(EngineCoreError, RuntimeError):
     """Raised by a pipeline's ``add()`` / ``add_many()`` when its admission budget
     (``max_in_flight`` requests) has no room: at once with ``wait=False``, or once
     ``timeout`` has passed. Nothing was sent."""
+
+
+def positive_seconds(value: object, what: str) -> float:
+    """*value*, an argument named *what*, checked as a finite number of seconds > 0:
+    :class:`TypeError` for a non-number (a ``bool`` too), :class:`ValueError` for 0, a
+    negative, NaN or an infinity. Both say ``"<what> must be a number of seconds > 0, got
+    <value>"``. The one check of ``startup_timeout``, ``session_timeout`` and
+    ``ping_interval``, made before anything starts."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds > 0, got {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{what} must be a number of seconds > 0, got {value!r}")
+    return float(value)

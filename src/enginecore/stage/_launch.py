@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import math
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
@@ -28,7 +27,13 @@ import msgspec
 
 from . import _codec, _logs, _wire
 from ._curve import CurveKeys, ServerCurve
-from ._errors import EngineDeadError, StageClosedError, StageStartupError, describe_exit
+from ._errors import (
+    EngineDeadError,
+    StageClosedError,
+    StageStartupError,
+    describe_exit,
+    positive_seconds,
+)
 from ._statistics import LOAD_INTERVAL, check_load_interval
 from ._watchdog import STEP_TIMEOUT, check_watchdog
 
@@ -209,12 +214,7 @@ def check_startup_timeout(startup_timeout: object) -> None:
     """:class:`TypeError` / :class:`ValueError` unless *startup_timeout* is a number of
     seconds > 0: checked before any process starts (a stage given no time to start would
     be spawned and killed, and the error would blame it)."""
-    if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)):
-        raise TypeError(f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}")
-    if not 0 < startup_timeout < math.inf:
-        raise ValueError(
-            f"startup_timeout must be a number of seconds > 0, got {startup_timeout!r}"
-        )
+    positive_seconds(startup_timeout, "startup_timeout")
 
 
 def launch_process(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import math
 import signal
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -16,7 +15,7 @@ from typing import Any, Final, Generic, TypeVar
 
 from . import _session
 from ._clientbase import ClientBase, Target, check_heartbeat
-from ._errors import EngineDeadError, NoReplicaError, StageClosedError
+from ._errors import EngineDeadError, NoReplicaError, StageClosedError, positive_seconds
 from ._pool_core import (
     DeathHook,
     PoolCore,
@@ -107,11 +106,7 @@ def check_ping_interval(options: dict[str, Any]) -> None:
     finite number of seconds (:class:`TypeError`, :class:`ValueError`). Checked before
     anything starts: a bad one would make the replica flap between stalled and serving,
     or stop the pool's receiver."""
-    ping = options.get("ping_interval", _session.LAUNCHED_PING_S)
-    if isinstance(ping, bool) or not isinstance(ping, (int, float)):
-        raise TypeError(f"ping_interval must be a number of seconds, got {type(ping).__name__}")
-    if not 0 < ping < math.inf:
-        raise ValueError(f"ping_interval must be a positive, finite number of seconds, got {ping}")
+    positive_seconds(options.get("ping_interval", _session.LAUNCHED_PING_S), "ping_interval")
 
 
 def with_groups(

@@ -34,6 +34,7 @@ from .._loop import EngineCoreLoop
 from .._signals import shutdown_on_signals
 from ._controls import DropEnded, Stop
 from ._curve import Authenticator, KeyWatch, ServerCurve, secure_server, start_authenticator
+from ._errors import positive_seconds
 from ._fanout import CLIENT_BUFFER, RECHECK_MS, Fanout, session_endpoint
 from ._inbox import Inbox
 from ._input_queue import IdleTimer, InputQueue
@@ -560,12 +561,7 @@ def check_session_timeout(session_timeout: float) -> None:
     """:class:`TypeError` / :class:`ValueError` for a bad ``session_timeout`` (a finite
     number of seconds > 0). A negative or NaN one let any new ``hello`` take over the
     attached client's session at once, however recently it had spoken."""
-    if isinstance(session_timeout, bool) or not isinstance(session_timeout, (int, float)):
-        raise TypeError(f"session_timeout must be a number of seconds, got {session_timeout!r}")
-    if not 0 < session_timeout < float("inf"):
-        raise ValueError(
-            f"session_timeout must be a number of seconds > 0, got {session_timeout!r}"
-        )
+    positive_seconds(session_timeout, "session_timeout")
 
 
 def check_client_buffer(client_buffer: int) -> None:
