@@ -4,6 +4,7 @@ HTTP from real stage processes and parsed with prometheus-client's own parser.""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import os
 import re
@@ -21,10 +22,21 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginecore import LoopStatistics
-from enginecore.stage import AsyncStageClient, StageClient
+from enginecore.stage import (
+    AsyncPipeline,
+    AsyncStageClient,
+    AsyncStagePool,
+    Pipeline,
+    PipelineStage,
+    ReplicaState,
+    StageClient,
+    StagePool,
+)
 from enginecore.stage.prometheus import StageCollector
 
-from .conftest import COUNTDOWN, SCRIPTED, Server
+from .conftest import COUNTDOWN, SCRIPTED, EventLoopThread, Server, wait_until
+
+RELAY = "enginecore.stage.testing:relay"
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -42,8 +54,12 @@ def parse(text: str) -> tuple[Samples, dict[str, str]]:
     return samples, types
 
 
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, frozenset(labels.items()))]
+def labels(**kv: str) -> frozenset[tuple[str, str]]:
+    return frozenset(kv.items())
+
+
+def value(samples: Samples, name: str, **kv: str) -> float:
+    return samples[(name, labels(**kv))]
 
 
 def scrape(url: str, timeout: float = 10.0) -> str:
@@ -272,9 +288,173 @@ class TestCollector:
                 metrics.add(client, stage="s")
             metrics.remove("s")
             assert metrics.stages == ()
-            with pytest.raises(KeyError, match="no stage is reported as 's'"):
+            with pytest.raises(KeyError, match="is reported as 's'"):
                 metrics.remove("s")
             assert metrics.collect() == metrics.collect()  # nothing left to report
+
+
+class Side:
+    """The blocking or the asyncio form of a pool or a pipeline, driven from the test's
+    thread: an awaitable a method returns is run on an event loop thread of its own, where
+    the asyncio object lives, so that scrapes (from this thread) ask it as a server would."""
+
+    def __init__(self, kind: str) -> None:
+        self.runner = EventLoopThread() if kind == "async" else None
+
+    def __call__(self, obj: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(obj, method)(*args, **kwargs)
+        if inspect.isawaitable(result):
+            assert self.runner is not None
+            return self.runner.run(_awaited(result))
+        return result
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            self.runner.stop()
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+@pytest.fixture(params=["sync", "async"])
+def side(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Side]:
+    s = Side(request.param)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+class TestPoolsAndPipelines:
+    def test_a_pool_is_reported_per_replica_and_follows_its_replicas(self, side: Side) -> None:
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry, timeout=5)
+        cls = StagePool if side.runner is None else AsyncStagePool
+        pool = side(cls, "launch", COUNTDOWN, replicas=2, startup_timeout=30)
+        try:
+            metrics.add(pool, stage="llm")
+            streams = [side(pool, "add", f"q{i}", 3) for i in range(8)]
+            for stream in streams:
+                assert side(stream, "collect", 10) == [2, 1, 0]
+                metrics.observe(stream, "llm")
+            first, second = pool.replicas
+
+            def adds() -> float:
+                samples, _ = parse(generate_latest(registry).decode())
+                return sum(
+                    value(samples, "enginecore_messages_total", stage="llm", replica=r, kind="add")
+                    for r in ("r0", "r1")
+                )
+
+            assert wait_until(lambda: adds() == 8, 10)  # every add, in one of the two
+            samples, types = parse(generate_latest(registry).decode())
+            assert types["enginecore_pool_replicas"] == "gauge"
+            for r in (first, second):
+                assert value(samples, "enginecore_stage_up", stage="llm", replica=r.name) == 1
+                assert value(samples, "enginecore_steps_total", stage="llm", replica=r.name) > 0
+            assert value(samples, "enginecore_pool_replicas", stage="llm", state="serving") == 2
+            assert value(samples, "enginecore_pool_replicas", stage="llm", state="dead") == 0
+            # One histogram for the pool: the time to first output is the pool's.
+            assert_histogram(samples, "enginecore_time_to_first_output_seconds", "llm", 8)
+
+            # A dead replica reads down, and is no scrape error: it has no process to ask.
+            assert first.pid is not None
+            os.kill(first.pid, signal.SIGKILL)
+            assert wait_until(lambda: first.state is ReplicaState.DEAD, 20)
+            samples, _ = parse(generate_latest(registry).decode())
+            assert value(samples, "enginecore_stage_up", stage="llm", replica="r0") == 0
+            assert value(samples, "enginecore_scrape_errors_total", stage="llm", replica="r0") == 0
+            assert ("enginecore_steps_total", labels(stage="llm", replica="r0")) not in samples
+            assert value(samples, "enginecore_stage_up", stage="llm", replica="r1") == 1
+            assert value(samples, "enginecore_pool_replicas", stage="llm", state="dead") == 1
+            assert value(samples, "enginecore_pool_replicas", stage="llm", state="serving") == 1
+
+            # A removed replica's series go with it.
+            side(pool, "remove_replica", first)
+            samples, _ = parse(generate_latest(registry).decode())
+            assert [k for k in samples if ("replica", "r0") in k[1]] == []
+            assert value(samples, "enginecore_stage_up", stage="llm", replica="r1") == 1
+        finally:
+            side(pool, "shutdown")
+        # A closed pool: its replicas are gone, nothing hangs.
+        samples, _ = parse(generate_latest(registry).decode())
+        assert [
+            k for k in samples if ("replica", "r1") in k[1] and k[0] == "enginecore_steps_total"
+        ] == []
+
+    def test_a_pipeline_is_reported_per_stage_and_replica(self, side: Side) -> None:
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry, timeout=5)
+        cls = Pipeline if side.runner is None else AsyncPipeline
+        pipe = side(
+            cls,
+            "launch",
+            [COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2)],
+            startup_timeout=30,
+        )
+        try:
+            metrics.add(pipe, pipeline="omni")
+            assert metrics.stages == ("omni",)
+            streams = [side(pipe, "add", f"p{i}", 3) for i in range(6)]
+            for stream in streams:
+                assert side(stream, "collect", 10) == [2, 1, 0]
+                metrics.observe(stream, "omni")
+            mid = [{"pipeline": "omni", "stage": "mid", "replica": r} for r in ("0", "1")]
+
+            def mid_adds() -> float:
+                samples, _ = parse(generate_latest(registry).decode())
+                return sum(
+                    value(samples, "enginecore_messages_total", kind="add", **m) for m in mid
+                )
+
+            assert wait_until(lambda: mid_adds() == 6, 10)
+            samples, _ = parse(generate_latest(registry).decode())
+            first = {"pipeline": "omni", "stage": COUNTDOWN}  # one replica: no replica label
+            assert value(samples, "enginecore_stage_up", **first) == 1
+            assert value(samples, "enginecore_messages_total", kind="add", **first) == 6
+            for m in mid:
+                assert value(samples, "enginecore_stage_up", **m) == 1
+            counts = [
+                v
+                for (n, lb), v in samples.items()
+                if n == "enginecore_time_to_first_output_seconds_count"
+            ]
+            assert counts == [6]
+            assert (
+                value(samples, "enginecore_time_to_first_output_seconds_count", pipeline="omni")
+                == 6
+            )
+        finally:
+            side(pipe, "shutdown")
+
+    def test_a_pool_or_pipeline_is_added_with_the_right_name(self, side: Side) -> None:
+        metrics = StageCollector()
+        cls = Pipeline if side.runner is None else AsyncPipeline
+        pipe = side(cls, "launch", [COUNTDOWN], startup_timeout=30)
+        try:
+            with pytest.raises(TypeError, match="pipeline=<name>"):
+                metrics.add(pipe, stage="omni")
+            with pytest.raises(TypeError, match="pipeline=<name>"):
+                metrics.add(pipe)
+            with pytest.raises(ValueError, match="pipeline must be a non-empty str"):
+                metrics.add(pipe, pipeline="")
+            metrics.add(pipe, pipeline="omni")
+            with pytest.raises(ValueError, match="already reported as 'omni'"):
+                metrics.add(pipe, pipeline="omni")
+            metrics.remove("omni")
+            assert metrics.stages == ()
+        finally:
+            side(pipe, "shutdown")
+        pool_cls = StagePool if side.runner is None else AsyncStagePool
+        pool = side(pool_cls, "launch", COUNTDOWN, replicas=1, startup_timeout=30)
+        try:
+            with pytest.raises(TypeError, match="stage=<label>"):
+                metrics.add(pool, pipeline="x")
+            with pytest.raises(TypeError, match="stage=<label>"):
+                metrics.add(pool)
+        finally:
+            side(pool, "shutdown")
 
 
 def test_the_stage_package_does_not_import_prometheus_client() -> None:

@@ -4,7 +4,9 @@ Two ways to expose the same metric names (``docs/observability.md``, "Prometheus
 
 - :class:`StageCollector`, in the parent process: register it with your own
   ``CollectorRegistry`` (as vLLM's frontend does), :meth:`~StageCollector.add` each stage's
-  client with a ``stage`` label, and every scrape asks each stage for its statistics
+  client with a ``stage`` label (or a replica pool, each replica labelled ``replica`` too,
+  or a pipeline, its stages labelled ``pipeline``), and every scrape asks each stage for its
+  statistics
   (``client.stats()``, answered by the stage's input side without waiting for its loop).
   A stage that does not answer within the collector's timeout is skipped and counted in
   ``enginecore_scrape_errors_total``; the scrape never hangs on it.
@@ -24,9 +26,10 @@ import logging
 import math
 import threading
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 try:
     from prometheus_client import CollectorRegistry
@@ -46,7 +49,12 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 
 from .._stats import STEP_BUCKETS
 from ._aclient import AsyncRequestStream, AsyncStageClient
+from ._apipeline import AsyncPipeline
+from ._apool import AsyncStagePool
 from ._client import RequestStream, StageClient
+from ._pipeline import Pipeline
+from ._pool import StagePool
+from ._pool_core import ReplicaState
 from ._statistics import StageStatistics
 
 if TYPE_CHECKING:
@@ -73,7 +81,24 @@ TTFT_BUCKETS: Final = (
 """The default upper bounds (seconds) of ``enginecore_time_to_first_output_seconds``: vLLM's
 time-to-first-token buckets."""
 
-_STAGE: Final = ("stage",)
+_LABELS: Final = ("pipeline", "stage", "replica")
+"""Every series' labels: ``stage``, and ``replica`` for a pool's replica, ``pipeline`` for a
+pipeline's stage. An empty value is left out of the sample (:func:`_trim`), so that a plain
+stage's series carry ``stage`` alone."""
+
+_Key: TypeAlias = "tuple[str, str, str]"
+"""A series' (pipeline, stage, replica) labels; ``""``: absent."""
+
+
+def _trim(metrics: list[Metric]) -> list[Metric]:
+    """Drop the empty ``pipeline`` and ``replica`` labels from every sample (a plain stage's
+    series are ``{stage="a"}``, not ``{pipeline="",replica="",stage="a"}``)."""
+    for m in metrics:
+        m.samples = [
+            s._replace(labels={k: v for k, v in s.labels.items() if v or k not in _LABELS})
+            for s in m.samples
+        ]
+    return metrics
 
 
 def _buckets(counts: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, float]]:
@@ -93,96 +118,100 @@ class _Families:
 
     def __init__(self) -> None:
         c, g = CounterMetricFamily, GaugeMetricFamily
-        self.steps = c("enginecore_steps", "Engine steps that returned.", labels=_STAGE)
+        self.steps = c("enginecore_steps", "Engine steps that returned.", labels=_LABELS)
         self.outputs = c(
             "enginecore_outputs",
             "Outputs the stage handed to its output thread.",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.messages = c(
             "enginecore_messages",
             "Messages the loop applied, by kind (add, abort, utility, control).",
-            labels=("stage", "kind"),
+            labels=(*_LABELS, "kind"),
         )
         self.utility_errors = c(
-            "enginecore_utility_errors", "Utility calls answered with an error.", labels=_STAGE
+            "enginecore_utility_errors", "Utility calls answered with an error.", labels=_LABELS
         )
         self.busy = c(
             "enginecore_busy_seconds",
             "Time the loop ran without waiting for a message.",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.idle = c(
-            "enginecore_idle_seconds", "Time the loop blocked waiting for a message.", labels=_STAGE
+            "enginecore_idle_seconds",
+            "Time the loop blocked waiting for a message.",
+            labels=_LABELS,
         )
         self.engine_errors = c(
             "enginecore_engine_stats_errors",
             "Calls of the engine's stats() that failed.",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.load_reports = c(
-            "enginecore_load_reports", "Load reports the stage sent.", labels=_STAGE
+            "enginecore_load_reports", "Load reports the stage sent.", labels=_LABELS
         )
         self.cut_clients = c(
             "enginecore_cut_clients",
             "Clients the shared stage cut for falling behind.",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.live = g(
             "enginecore_live_requests",
             "Requests live in the stage (added, not yet ended).",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.queue_depth = g(
-            "enginecore_queue_depth", "Messages waiting in the loop's input queue.", labels=_STAGE
+            "enginecore_queue_depth", "Messages waiting in the loop's input queue.", labels=_LABELS
         )
         self.backlog = g(
             "enginecore_output_backlog",
             "Events waiting for the stage's output thread.",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.last_drain = g(
             "enginecore_last_drain_messages",
             "Messages applied by the last drain that applied any.",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.peak_drain = g(
-            "enginecore_peak_drain_messages", "The most messages one drain applied.", labels=_STAGE
+            "enginecore_peak_drain_messages", "The most messages one drain applied.", labels=_LABELS
         )
-        self.step_max = g("enginecore_step_seconds_max", "The longest step so far.", labels=_STAGE)
+        self.step_max = g("enginecore_step_seconds_max", "The longest step so far.", labels=_LABELS)
         self.uptime = g(
-            "enginecore_uptime_seconds", "Seconds since the stage started.", labels=_STAGE
+            "enginecore_uptime_seconds", "Seconds since the stage started.", labels=_LABELS
         )
-        self.running = g("enginecore_loop_running", "1 while the stage's loop runs.", labels=_STAGE)
+        self.running = g(
+            "enginecore_loop_running", "1 while the stage's loop runs.", labels=_LABELS
+        )
         self.stalled = g(
             "enginecore_step_stalled",
             "1 while a step has run past the stage's step_timeout.",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.engine = g(
             "enginecore_engine_stat",
             "The engine's own numbers, from its stats(), by field name.",
-            labels=("stage", "name"),
+            labels=(*_LABELS, "name"),
         )
         self.engine_age = g(
             "enginecore_engine_stats_age_seconds",
             "Age of the engine's stats() sample.",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.up = g(
             "enginecore_stage_up",
             "1 if the stage answered this scrape, 0 if it was skipped.",
-            labels=_STAGE,
+            labels=_LABELS,
         )
         self.info = InfoMetricFamily(
-            "enginecore_stage", "The stage's engine factory and pid.", labels=_STAGE
+            "enginecore_stage", "The stage's engine factory and pid.", labels=_LABELS
         )
         self.step_seconds = HistogramMetricFamily(
-            "enginecore_step_seconds", "Step time.", labels=_STAGE
+            "enginecore_step_seconds", "Step time.", labels=_LABELS
         )
 
-    def add(self, stage: str, s: StageStatistics) -> None:
-        lp, lb = s.loop, [stage]
+    def add(self, key: _Key, s: StageStatistics) -> None:
+        lp, lb = s.loop, list(key)
         self.steps.add_metric(lb, lp.steps)
         self.outputs.add_metric(lb, s.outputs)
         for kind, n in (
@@ -191,7 +220,7 @@ class _Families:
             ("utility", lp.utility_calls),
             ("control", lp.controls),
         ):
-            self.messages.add_metric([stage, kind], n)
+            self.messages.add_metric([*key, kind], n)
         self.utility_errors.add_metric(lb, lp.utility_errors)
         self.busy.add_metric(lb, lp.busy_seconds)
         self.idle.add_metric(lb, lp.idle_seconds)
@@ -208,7 +237,7 @@ class _Families:
         self.running.add_metric(lb, 1.0 if lp.running else 0.0)
         self.stalled.add_metric(lb, 1.0 if s.stalled else 0.0)
         for name, value in lp.engine.items():
-            self.engine.add_metric([stage, name], value)
+            self.engine.add_metric([*key, name], value)
         if lp.engine_age is not None:
             self.engine_age.add_metric(lb, lp.engine_age)
         self.up.add_metric(lb, 1.0)
@@ -217,7 +246,7 @@ class _Families:
         self.step_seconds.add_metric(lb, _buckets(lp.step_histogram, STEP_BUCKETS), lp.step_seconds)
 
     def all(self) -> list[Metric]:
-        return [m for m in vars(self).values() if isinstance(m, Metric)]
+        return _trim([m for m in vars(self).values() if isinstance(m, Metric)])
 
 
 def stage_families(stats: Iterable[tuple[str, StageStatistics]]) -> list[Metric]:
@@ -225,7 +254,7 @@ def stage_families(stats: Iterable[tuple[str, StageStatistics]]) -> list[Metric]
     what both :class:`StageCollector` and the stage's own endpoint report."""
     families = _Families()
     for stage, s in stats:
-        families.add(stage, s)
+        families.add(("", stage, ""), s)
     return families.all()
 
 
@@ -243,38 +272,90 @@ class _Ttft:
         self.lock = threading.Lock()
 
 
+_Client: TypeAlias = "StageClient | AsyncStageClient"
+_Target: TypeAlias = (
+    "StageClient | AsyncStageClient | StagePool | AsyncStagePool | Pipeline | AsyncPipeline"
+)
+_POOLS: Final = (StagePool, AsyncStagePool)
+_PIPELINES: Final = (Pipeline, AsyncPipeline)
+_CLIENTS: Final = (StageClient, AsyncStageClient)
+_RUNNING: Final = (ReplicaState.SERVING, ReplicaState.DRAINING)
+"""A pool's replicas that a scrape asks: the others have no stage process to ask now."""
+
+
 @dataclass
-class _Stage:
-    client: StageClient | AsyncStageClient
+class _Reported:
+    """What one :meth:`StageCollector.add` reports: a stage's client, a pool or a pipeline."""
+
+    target: _Target
     ttft: _Ttft
-    errors: int = 0
-    down: bool = False  # skipped by the last scrape (logged once per outage)
+    errors: dict[_Key, int] = field(default_factory=dict)  # scrapes that skipped a series
+    down: set[_Key] = field(default_factory=set)  # skipped by the last scrape (logged once)
+
+    def ttft_key(self, name: str) -> _Key:
+        return (name, "", "") if isinstance(self.target, _PIPELINES) else ("", name, "")
+
+    def members(self, name: str) -> list[tuple[_Key, _Client | None]]:
+        """Each stage process to ask now, with its series' labels; ``None`` for a pool's
+        replica that has none running (starting, dead or failed): reported down, without
+        a scrape error."""
+        t = self.target
+        if isinstance(t, _POOLS):
+            return [
+                (("", name, r.name), r._client if r.state in _RUNNING else None) for r in t.replicas
+            ]
+        if isinstance(t, (Pipeline, AsyncPipeline)):
+            out: list[tuple[_Key, _Client | None]] = []
+            stages: Sequence[Sequence[_Client]] = t._replicas
+            for stage, clients in zip(t._names, list(stages), strict=True):
+                replicas = list(clients)  # a restart replaces one
+                for r, client in enumerate(replicas):
+                    out.append(((name, stage, str(r) if len(replicas) > 1 else ""), client))
+            return out
+        return [(("", name, ""), t)]
+
+
+def _describe(key: _Key) -> str:
+    pipeline, stage, replica = key
+    where = f"pipeline {pipeline} stage {stage}" if pipeline else f"stage {stage}"
+    return f"{where} replica {replica}" if replica else where
 
 
 class StageCollector(Collector):
-    """Prometheus metrics of the stages this process talks to, one ``stage`` label each.
+    """Prometheus metrics of the stages this process talks to: its clients' stages, its
+    replica pools' replicas and its pipelines' stages.
 
     ::
 
         registry = CollectorRegistry()
         metrics = StageCollector(registry)           # or registry.register(StageCollector())
         metrics.add(prefill, stage="prefill-0")      # a StageClient or an AsyncStageClient
-        metrics.add(decode, stage="decode-0")
+        metrics.add(pool, stage="decode")            # a StagePool or an AsyncStagePool
+        metrics.add(pipe, pipeline="omni")           # a Pipeline or an AsyncPipeline
         prometheus_client.start_http_server(8000, registry=registry)
 
-    Each scrape (:meth:`collect`) asks every stage for its statistics at once, on threads
-    of its own, and waits at most *timeout* seconds for them (a finite number > 0:
+    Every series has a ``stage`` label. A pool's replicas add ``replica`` (the replica's
+    name, ``r0``, ``r1``, ...), so that ``sum by (stage)`` adds up a pool; a pipeline's
+    stages are labelled ``pipeline`` and ``stage`` (the stage's name in the pipeline), and
+    a stage run by several replicas adds ``replica`` (``0``, ``1``, ...). A pool also
+    reports ``enginecore_pool_replicas{stage, state}``, its replicas by state.
+
+    Each scrape (:meth:`collect`) asks every stage process for its statistics at once, on
+    threads of its own, and waits at most *timeout* seconds for them (a finite number > 0:
     :class:`ValueError` otherwise, :class:`TypeError` for a non-number): a stage that does
     not answer in time, or is dead or closed, is skipped (``enginecore_stage_up`` 0, its
     other series absent from that scrape) and counted in ``enginecore_scrape_errors_total``.
+    A pool's replica that has no process running now (starting, dead, failed) reads
+    ``enginecore_stage_up`` 0 and is not counted as an error; a removed one's series go.
     Counters are the stage's own, so they stay exact however many stages (and collectors)
     report.
 
-    An :class:`AsyncStageClient` is asked on its own event loop
-    (``asyncio.run_coroutine_threadsafe``): scrape from another thread, as
-    ``prometheus_client.start_http_server`` does. A scrape on that event loop's thread (an
-    ASGI ``make_asgi_app`` mounted in the same app) cannot wait for it, and skips the stage
-    as an error; run ``generate_latest(registry)`` in ``asyncio.to_thread`` there instead.
+    An :class:`AsyncStageClient` (an asyncio pool's replica, an asyncio pipeline's stage)
+    is asked on its own event loop (``asyncio.run_coroutine_threadsafe``): scrape from
+    another thread, as ``prometheus_client.start_http_server`` does. A scrape on that event
+    loop's thread (an ASGI ``make_asgi_app`` mounted in the same app) cannot wait for it,
+    and skips the stage as an error; run ``generate_latest(registry)`` in
+    ``asyncio.to_thread`` there instead.
 
     Time to first output (``enginecore_time_to_first_output_seconds``) is fed by
     :meth:`observe`, once per stream: nothing is recorded per output.
@@ -296,46 +377,79 @@ class StageCollector(Collector):
             raise ValueError(f"ttft_buckets must be increasing bounds, got {ttft_buckets!r}")
         self.timeout = timeout
         self._ttft_bounds = bounds
-        self._stages: dict[str, _Stage] = {}
+        self._reported: dict[str, _Reported] = {}
         self._lock = threading.Lock()
         if registry is not None:
             registry.register(self)
 
-    def add(self, client: StageClient | AsyncStageClient, stage: str) -> None:
-        """Report *client*'s stage under the label ``stage=<stage>``. :class:`ValueError`
-        if the label is taken."""
-        if not isinstance(client, (StageClient, AsyncStageClient)):
-            raise TypeError(f"not a StageClient or an AsyncStageClient: {client!r}")
-        if not isinstance(stage, str) or not stage:
-            raise ValueError(f"stage must be a non-empty str, got {stage!r}")
+    def add(
+        self, target: _Target, stage: str | None = None, *, pipeline: str | None = None
+    ) -> None:
+        """Report *target*: a :class:`~enginecore.stage.StageClient` or an
+        :class:`~enginecore.stage.AsyncStageClient` (its stage, labelled
+        ``stage=<stage>``), a :class:`~enginecore.stage.StagePool` or an
+        :class:`~enginecore.stage.AsyncStagePool` (each replica, labelled
+        ``stage=<stage>, replica=<its name>``: the replicas it has at each scrape), or a
+        :class:`~enginecore.stage.Pipeline` or an :class:`~enginecore.stage.AsyncPipeline`
+        (each stage, labelled ``pipeline=<pipeline>, stage=<its name>``), given by
+        ``pipeline=`` instead of ``stage=``.
+
+        :class:`TypeError` for another kind of target or the wrong one of ``stage`` and
+        ``pipeline``; :class:`ValueError` if the name is empty, not a ``str``, or taken
+        (a stage and a pipeline share the names :meth:`remove` and :meth:`observe` take)."""
+        if isinstance(target, _PIPELINES):
+            if stage is not None or pipeline is None:
+                raise TypeError(
+                    f"a {type(target).__name__} is added with pipeline=<name> (its stages "
+                    f"are labelled with their own names), got stage={stage!r}, "
+                    f"pipeline={pipeline!r}"
+                )
+            what, name = "pipeline", pipeline
+        elif isinstance(target, (*_CLIENTS, *_POOLS)):
+            if pipeline is not None or stage is None:
+                raise TypeError(
+                    f"a {type(target).__name__} is added with stage=<label>, got "
+                    f"stage={stage!r}, pipeline={pipeline!r}"
+                )
+            what, name = "stage", stage
+        else:
+            raise TypeError(
+                "not a StageClient, an AsyncStageClient, a StagePool, an AsyncStagePool, "
+                f"a Pipeline or an AsyncPipeline: {target!r}"
+            )
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{what} must be a non-empty str, got {name!r}")
         with self._lock:
-            if stage in self._stages:
-                raise ValueError(f"a stage is already reported as {stage!r}")
-            self._stages[stage] = _Stage(client, _Ttft(len(self._ttft_bounds)))
+            if name in self._reported:
+                raise ValueError(f"a stage or pipeline is already reported as {name!r}")
+            self._reported[name] = _Reported(target, _Ttft(len(self._ttft_bounds)))
 
     def remove(self, stage: str) -> None:
-        """Stop reporting *stage* (its series, time to first output included, disappear).
-        :class:`KeyError` if it is not reported."""
+        """Stop reporting the stage, pool or pipeline added as *stage* (its series, time
+        to first output included, disappear). :class:`KeyError` if it is not reported."""
         with self._lock:
-            if self._stages.pop(stage, None) is None:
-                raise KeyError(f"no stage is reported as {stage!r}")
+            if self._reported.pop(stage, None) is None:
+                raise KeyError(f"no stage or pipeline is reported as {stage!r}")
 
     @property
     def stages(self) -> tuple[str, ...]:
-        """The labels reported, in the order they were added."""
+        """The names reported (stages, pools and pipelines), in the order they were added."""
         with self._lock:
-            return tuple(self._stages)
+            return tuple(self._reported)
 
     def observe(
         self, stream: RequestStream | AsyncRequestStream | float, stage: str
     ) -> float | None:
         """Record a request's time to first output in *stage*'s histogram and return it;
-        ``None`` (nothing recorded) if its first output has not arrived.
+        ``None`` (nothing recorded) if its first output has not arrived. *stage* is the
+        name it was added as: a pool's (one histogram for the pool, not per replica) or a
+        pipeline's (labelled ``pipeline=<name>``).
 
-        *stream* is a stream of that stage's client, read in O(1) (its send time and first
-        arrival, as in :attr:`~enginecore.stage.StreamTimings.time_to_first_output`), or the
-        time in seconds (>= 0 and finite: :class:`ValueError` otherwise, :class:`TypeError`
-        for a non-number), for a consumer that times requests itself. Call it once per request,
+        *stream* is a stream of that stage's client (or pool, or pipeline), read in O(1)
+        (its send time and first arrival, as in
+        :attr:`~enginecore.stage.StreamTimings.time_to_first_output`), or the time in
+        seconds (>= 0 and finite: :class:`ValueError` otherwise, :class:`TypeError` for a
+        non-number), for a consumer that times requests itself. Call it once per request,
         from any thread, typically when its stream ends (once more counts it twice)."""
         if isinstance(stream, (RequestStream, AsyncRequestStream)):
             arrivals = stream._arrivals
@@ -350,9 +464,9 @@ class StageCollector(Collector):
         else:
             seconds = float(stream)
         try:
-            h = self._stages[stage].ttft
+            h = self._reported[stage].ttft
         except KeyError:
-            raise KeyError(f"no stage is reported as {stage!r}") from None
+            raise KeyError(f"no stage or pipeline is reported as {stage!r}") from None
         with h.lock:
             h.counts[bisect_left(self._ttft_bounds, seconds)] += 1
             h.sum += seconds
@@ -364,75 +478,99 @@ class StageCollector(Collector):
         return [*_Families().all(), *self._own_families()]
 
     def collect(self) -> list[Metric]:
-        """One scrape: every stage's statistics, fetched at once; at most about *timeout*
-        seconds however many stages are slow or gone."""
+        """One scrape: every stage process's statistics, fetched at once; at most about
+        *timeout* seconds however many stages are slow or gone."""
         with self._lock:
-            stages = list(self._stages.items())
-        results = self._fetch(stages)
+            reported = list(self._reported.items())
+        members = [(name, rep, rep.members(name)) for name, rep in reported]
+        results = self._fetch([m for _, _, ms in members for m in ms if m[1] is not None])
         families = _Families()
-        errors, ttft = self._own_families()
-        for label, st in stages:
-            stats = results.get(label)
-            if isinstance(stats, StageStatistics):
-                families.add(label, stats)
-                st.down = False
-            else:
-                families.up.add_metric([label], 0.0)
-                st.errors += 1
-                if not st.down:
-                    st.down = True
-                    logger.warning(
-                        "enginecore: stage %s did not answer the metrics scrape (%s); "
-                        "skipped, and counted in enginecore_scrape_errors_total",
-                        label,
-                        stats,
-                    )
-            errors.add_metric([label], st.errors)
-            with st.ttft.lock:
-                counts, total = list(st.ttft.counts), st.ttft.sum
-            ttft.add_metric([label], _buckets(counts, self._ttft_bounds), total)
-        return [*families.all(), errors, ttft]
+        errors, ttft, replicas = self._own_families()
+        skipped: list[tuple[_Key, str]] = []
+        with self._lock:  # two scrapes at once (a threaded HTTP server) count apart
+            for name, rep, ms in members:
+                for key, client in ms:
+                    stats = results.get(key) if client is not None else None
+                    if isinstance(stats, StageStatistics):
+                        families.add(key, stats)
+                        rep.down.discard(key)
+                    else:
+                        families.up.add_metric(list(key), 0.0)
+                        if client is not None:
+                            rep.errors[key] = rep.errors.get(key, 0) + 1
+                            if key not in rep.down:
+                                rep.down.add(key)
+                                skipped.append((key, str(stats)))
+                    errors.add_metric(list(key), rep.errors.get(key, 0))
+                keys = {key for key, _ in ms}  # a removed replica's counts go with it
+                rep.errors = {k: n for k, n in rep.errors.items() if k in keys}
+                rep.down &= keys
+                with rep.ttft.lock:
+                    counts, total = list(rep.ttft.counts), rep.ttft.sum
+                ttft.add_metric(
+                    list(rep.ttft_key(name)), _buckets(counts, self._ttft_bounds), total
+                )
+                if isinstance(rep.target, _POOLS):
+                    states = Counter(r.state for r in rep.target.replicas)
+                    for state in ReplicaState:
+                        if state is not ReplicaState.REMOVED:
+                            replicas.add_metric([name, state.value], states[state])
+        for key, why in skipped:
+            logger.warning(
+                "enginecore: %s did not answer the metrics scrape (%s); skipped, and "
+                "counted in enginecore_scrape_errors_total",
+                _describe(key),
+                why,
+            )
+        return [*families.all(), *_trim([errors, ttft]), replicas]
 
     @staticmethod
-    def _own_families() -> tuple[CounterMetricFamily, HistogramMetricFamily]:
+    def _own_families() -> tuple[CounterMetricFamily, HistogramMetricFamily, GaugeMetricFamily]:
         return (
             CounterMetricFamily(
                 "enginecore_scrape_errors",
                 "Scrapes that skipped the stage: no answer in time, dead or closed.",
-                labels=_STAGE,
+                labels=_LABELS,
             ),
             HistogramMetricFamily(
                 "enginecore_time_to_first_output_seconds",
                 "Time from sending a request to its first output's arrival, in the client.",
-                labels=_STAGE,
+                labels=_LABELS,
+            ),
+            GaugeMetricFamily(
+                "enginecore_pool_replicas",
+                "A replica pool's replicas, by state.",
+                labels=("stage", "state"),
             ),
         )
 
-    def _fetch(self, stages: list[tuple[str, _Stage]]) -> dict[str, StageStatistics | str]:
-        """Every stage's statistics, or why not (a short reason)."""
-        if not stages:
+    def _fetch(
+        self, members: list[tuple[_Key, _Client | None]]
+    ) -> dict[_Key, StageStatistics | str]:
+        """Every member's statistics, or why not (a short reason)."""
+        if not members:
             return {}
         try:
             here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             here = None
         timeout = self.timeout
-        out: dict[str, StageStatistics | str] = {}
+        out: dict[_Key, StageStatistics | str] = {}
         pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(len(stages), 16), thread_name_prefix="enginecore-metrics"
+            max_workers=min(len(members), 16), thread_name_prefix="enginecore-metrics"
         )
         try:
-            pending: dict[concurrent.futures.Future[StageStatistics], str] = {}
-            for label, st in stages:
-                client = st.client
+            pending: dict[concurrent.futures.Future[StageStatistics], _Key] = {}
+            for key, client in members:
                 if isinstance(client, AsyncStageClient):
                     if client._loop is here:
-                        out[label] = "scraped on its own event loop's thread"
+                        out[key] = "scraped on its own event loop's thread"
                         continue
                     fut = pool.submit(_fetch_async, client, timeout)
                 else:
+                    assert client is not None
                     fut = pool.submit(client.stats, timeout)
-                pending[fut] = label
+                pending[fut] = key
             # Each call has its own timeout; the extra half second only covers its thread
             # starting late on a loaded machine. Whatever is still out then is skipped.
             done, not_done = concurrent.futures.wait(pending, timeout + 0.5)
@@ -476,7 +614,7 @@ class _RuntimeCollector(Collector):
         if stats is not None:
             return stage_families([(self._stage, stats)])
         families = _Families()
-        families.up.add_metric([self._stage], 0.0)
+        families.up.add_metric(["", self._stage, ""], 0.0)
         return families.all()
 
 
