@@ -29,6 +29,7 @@ from enginecore.stage import (
     Pipeline,
     PipelineStage,
     ReplicaState,
+    RestartPolicy,
     StageClient,
     StagePool,
 )
@@ -37,6 +38,7 @@ from enginecore.stage.prometheus import StageCollector
 from .conftest import COUNTDOWN, SCRIPTED, EventLoopThread, Server, wait_until
 
 RELAY = "enginecore.stage.testing:relay"
+FAST = RestartPolicy(first_delay=0.05, max_delay=0.05)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -390,7 +392,7 @@ class TestPoolsAndPipelines:
         pipe = side(
             cls,
             "launch",
-            [COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2)],
+            [COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2, restart=FAST)],
             startup_timeout=30,
         )
         try:
@@ -425,6 +427,21 @@ class TestPoolsAndPipelines:
                 value(samples, "enginecore_time_to_first_output_seconds_count", pipeline="omni")
                 == 6
             )
+
+            # A restart: the process started in place of a dead one is the one asked.
+            old = side(pipe, "call_utility", "mid", "pid", replica=1)
+            os.kill(old, signal.SIGKILL)
+            assert wait_until(lambda: pipe.restarts["mid[1]"] >= 1, 20)
+
+            def mid_pid() -> str | None:
+                samples, _ = parse(generate_latest(registry).decode())
+                for (n, lb), _v in samples.items():
+                    if n == "enginecore_stage_info" and ("replica", "1") in lb:
+                        return dict(lb)["pid"]
+                return None
+
+            assert wait_until(lambda: mid_pid() not in (None, str(old)), 20)
+            assert mid_pid() == str(side(pipe, "call_utility", "mid", "pid", replica=1))
         finally:
             side(pipe, "shutdown")
 
