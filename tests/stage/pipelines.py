@@ -87,8 +87,8 @@ class BlockingAsyncPipeline:
     def health(self) -> Any:
         return self._on_loop(self._pipe.health)
 
-    def stats(self) -> Any:
-        return self._runner.run(self._pipe.stats())
+    def stats(self, timeout: float | None = 5.0) -> Any:
+        return self._runner.run(self._pipe.stats(timeout))
 
     def client(self, stage: str, replica: int = 0) -> Any:
         return self._pipe.client(stage, replica)

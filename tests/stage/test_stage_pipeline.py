@@ -8,6 +8,7 @@ The coordinator's rules alone are checked against a model in ``test_pipeline_mod
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib.util
 import logging
@@ -39,6 +40,7 @@ from enginecore.stage import (
     StageClient,
     StageClosedError,
     StageStartupError,
+    StageStatistics,
     _shm,
 )
 from enginecore.stage._edge import BEFORE, END, ENDED, FIRST, MORE, ONLY, REPORT, SENT_ON, link_id
@@ -1050,6 +1052,39 @@ class TestAbort:
 
 
 class TestErrors:
+    def test_stats_asks_every_stage_at_once_and_checks_its_timeout(self, launch: Any) -> None:
+        """stats() asks every stage before it waits for one (the blocking pipeline asked
+        them one after the other, so that each stopped stage added a whole *timeout*); a
+        timeout that is not seconds is the call's error, not each stage's entry."""
+        pipe = launch(
+            [COUNTDOWN, PipelineStage(RELAY, name="mid"), PipelineStage(RELAY, name="last")]
+        )
+        with pytest.raises(ValueError, match="timeout"):
+            pipe.stats(-1)
+        with pytest.raises(TypeError, match="timeout"):
+            pipe.stats("1")
+        asked: list[str] = []
+        for name in pipe.stages:
+            client = pipe.client(name)
+            stats = client.stats
+
+            def recorded(*args: Any, _name: str = name, _stats: Any = stats, **kw: Any) -> Any:
+                asked.append(_name)
+                return _stats(*args, **kw)
+
+            client.stats = recorded
+        pid = pipe.client(COUNTDOWN).pid
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                got = ex.submit(pipe.stats, None)
+                assert wait_until(lambda: {"mid", "last"} <= set(asked), 10), asked
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            stats = got.result(10)
+        assert list(stats) == [COUNTDOWN, "mid", "last"]
+        assert all(isinstance(s, StageStatistics) for s in stats.values())
+
     def test_an_error_in_a_later_stage_names_it_and_aborts_the_request_everywhere(
         self, launch: Any
     ) -> None:

@@ -265,7 +265,9 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     async def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics | Exception]:
         """:meth:`Pipeline.stats <enginecore.stage.Pipeline.stats>`, awaited: every stage
         is asked at once, and a stage that failed to answer (dead, or not within
-        *timeout* seconds) has its exception as its entry."""
+        *timeout* seconds) has its exception as its entry. :class:`ValueError` for a
+        negative or NaN *timeout*, :class:`TypeError` for a non-number."""
+        _clientbase.deadline_after(timeout)  # the call's error, not each stage's entry
         results = await asyncio.gather(
             *(client.stats(timeout) for client in self._clients), return_exceptions=True
         )

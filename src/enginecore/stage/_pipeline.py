@@ -299,13 +299,22 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         <enginecore.stage.StagePool.stats>` answers: a dead stage's entry is its
         :class:`~enginecore.stage.EngineDeadError` (and one that did not answer within
         *timeout* seconds, a :class:`TimeoutError`), so that the live stages' numbers can
-        still be read once one died. A replica pool's replicas are ``name[r]``. Thread-safe."""
+        still be read once one died. A replica pool's replicas are ``name[r]``. Every stage is asked
+        at once (on threads of the call's), so a stage that does not answer costs one
+        *timeout*, however many do not. :class:`ValueError` for a negative or NaN
+        *timeout*, :class:`TypeError` for a non-number. Thread-safe."""
+        _clientbase.deadline_after(timeout)  # the call's error, not each stage's entry
+        asked = list(zip(self._keys, self._clients, strict=True))
         out: dict[str, StageStatistics | Exception] = {}
-        for name, client in zip(self._keys, self._clients, strict=True):
-            try:
-                out[name] = client.stats(timeout=timeout)
-            except Exception as exc:
-                out[name] = exc
+        with concurrent.futures.ThreadPoolExecutor(
+            len(asked), thread_name_prefix="enginecore-pipeline-stats"
+        ) as ex:
+            futures = [(name, ex.submit(client.stats, timeout)) for name, client in asked]
+            for name, future in futures:
+                try:
+                    out[name] = future.result()
+                except Exception as exc:
+                    out[name] = exc
         return out
 
     # -- restarts ----------------------------------------------------------------------------
