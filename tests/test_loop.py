@@ -11,6 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -763,6 +764,71 @@ class TestRule18Controls:
         assert loop.input_queue.qsize() == 3
         with pytest.raises(TypeError, match="Wakeup or a Control, got object"):
             loop.submit(object())  # type: ignore[arg-type]
+
+
+class _Unprintable(Exception):
+    """An exception whose ``repr()`` itself raises (a buggy ``__repr__`` in an engine)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__ is broken")
+
+
+_UNPRINTABLE = "_Unprintable(<repr() raised RuntimeError: __repr__ is broken>)"
+
+
+class _DividedRaises:
+    """``x / 1`` raises :class:`_Unprintable`, or returns a future that fails with it: the
+    ``div`` utility of both test engines then fails that way, with no engine subclass."""
+
+    def __init__(self, deferred: bool = False) -> None:
+        self.deferred = deferred
+
+    def __truediv__(self, other: object) -> Future[Any]:
+        if not self.deferred:
+            raise _Unprintable
+        future: Future[Any] = Future()
+        threading.Timer(0.01, future.set_exception, (_Unprintable(),)).start()
+        return future
+
+
+class TestRule8UnprintableExceptions:
+    """An exception whose repr() raises still gets its event, on both loops: a utility's is
+    that call's answer (the loop goes on), any other's is the fatal event (run() returns)."""
+
+    @LOOPS
+    @pytest.mark.parametrize("deferred", [False, True], ids=["raised", "deferred"])
+    def test_a_utility_error_is_still_that_calls_answer(
+        self, kind: str, depth: int, deferred: bool
+    ) -> None:
+        log = EventLog()
+        loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+        loop.submit(Utility(1, "div", (_DividedRaises(deferred), 1)))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: len(ev) == 1)
+        loop.submit(Utility(2, "div", (4, 2)))
+        log.wait_for(lambda ev: len(ev) == 2)
+        loop.request_shutdown()
+        lt.join()
+        assert log.events == [
+            ("utility", 1, None, _UNPRINTABLE),
+            ("utility", 2, 2.0, None),
+            ("shutdown",),
+        ]
+
+    @LOOPS
+    def test_a_fatal_error_still_ends_the_run_with_a_fatal_event(
+        self, kind: str, depth: int, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        def fail(lp: EngineCoreLoop) -> None:
+            raise _Unprintable
+
+        log = EventLog()
+        loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+        loop.submit(Add("a", 5))
+        loop.submit(_Record([], fail))
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            loop.run()  # returns: reported, not raised
+        assert log.events == [("fatal", _UNPRINTABLE)]
 
 
 class _Note(Control):

@@ -91,6 +91,28 @@ _ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
 _PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
 
 
+def _describe(exc: BaseException) -> str:
+    """``repr(exc)`` for an event, or a stand-in naming its type if that raises.
+
+    An engine's exception may have a broken ``__repr__``: its utility call must still get
+    its answer, and the run its fatal event (rules 7, 8).
+    """
+    try:
+        return repr(exc)
+    except Exception as repr_exc:
+        return (
+            f"{type(exc).__qualname__}(<repr() raised {type(repr_exc).__qualname__}: "
+            f"{_str_or_nothing(repr_exc)}>)"
+        )
+
+
+def _str_or_nothing(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "?"
+
+
 class _Deferred:
     """A deferred utility call: its ``Utility`` message's id and name, and the future.
 
@@ -128,7 +150,7 @@ class _Deferred:
             return ("utility", self.call_id, None, repr(err))
         exc = future.exception(timeout=0)
         if exc is not None:
-            return ("utility", self.call_id, None, repr(exc))
+            return ("utility", self.call_id, None, _describe(exc))
         return ("utility", self.call_id, future.result(timeout=0), None)
 
 
@@ -167,6 +189,7 @@ class EngineCoreLoop:
     event itself fails (``("fatal", ...)`` or ``("shutdown",)``), :meth:`run` raises that
     exception, chained to the first one if any, so the failure can never pass unnoticed.
     ``KeyboardInterrupt`` and ``SystemExit`` are reported the same way and then re-raised.
+    An exception whose ``repr()`` raises is reported with a stand-in naming its type.
     """
 
     # Concurrency invariants:
@@ -641,7 +664,7 @@ class EngineCoreLoop:
             result = self._engine.utility(msg.name, msg.args)
         except Exception as exc:
             c.utility_errors += 1
-            event: Event = ("utility", msg.call_id, None, repr(exc))
+            event: Event = ("utility", msg.call_id, None, _describe(exc))
         else:
             if isinstance(result, Future):
                 self._defer(msg, result)
@@ -705,7 +728,7 @@ class EngineCoreLoop:
                 self._deferred.clear()
         self._timer.stopped()
         try:
-            self._emit(("fatal", repr(exc)))
+            self._emit(("fatal", _describe(exc)))
         except BaseException as emit_exc:
             logger.error("enginecore: emit failed for the fatal event", exc_info=emit_exc)
             raise
