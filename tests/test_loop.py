@@ -568,7 +568,12 @@ class TestConstruction:
             ([], TypeError, "input_queue must be a queue.Queue, got list"),
             (queue.Queue(maxsize=4), ValueError, "must be unbounded, got maxsize=4"),
             ("full", ValueError, "input_queue must be empty"),
+            # Not FIFO: the idle get() would return the last message (an Abort before the
+            # Add it follows), or order them, and put() compare them.
+            (queue.LifoQueue(), TypeError, "input_queue must be a FIFO.*got LifoQueue"),
+            (queue.PriorityQueue(), TypeError, "input_queue must be a FIFO.*got PriorityQueue"),
         ],
+        ids=["list", "bounded", "not-empty", "lifo", "priority"],
     )
     def test_rejects_an_input_queue_it_cannot_use(
         self, bad: Any, error: type[Exception], match: str

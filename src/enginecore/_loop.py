@@ -172,9 +172,10 @@ class EngineCoreLoop:
     call :meth:`submit`. Any thread, or a signal handler, may call :meth:`request_shutdown`.
 
     *input_queue*, if given, is the queue to use instead of a new :class:`queue.Queue`: an
-    empty, unbounded ``queue.Queue`` or subclass (:class:`TypeError` / :class:`ValueError`
-    otherwise). The loop calls its ``get()``, with no arguments, only while idle (rule 1), and
-    otherwise takes messages from its deque under its ``mutex``. A subclass may override
+    empty, unbounded, FIFO ``queue.Queue`` or subclass (:class:`TypeError` /
+    :class:`ValueError` otherwise: a ``LifoQueue`` or ``PriorityQueue`` is refused). The loop
+    calls its ``get()``, with no arguments, only while idle (rule 1), and otherwise takes
+    messages from its deque under its ``mutex``. A subclass may override
     ``get()`` to wait for more than the queue, as long as it returns the next message once
     one is queued: a put from any thread (``Queue.put``, :meth:`submit`,
     :meth:`request_shutdown`) ends in ``not_empty.notify()`` under ``mutex``, which it can
@@ -255,6 +256,17 @@ class EngineCoreLoop:
             input_queue = queue.Queue()
         elif not isinstance(input_queue, queue.Queue):
             raise TypeError(f"input_queue must be a queue.Queue, got {type(input_queue).__name__}")
+        elif (
+            not isinstance(input_queue.queue, deque)
+            or type(input_queue)._get is not queue.Queue._get
+            or type(input_queue)._put is not queue.Queue._put
+        ):
+            # The loop takes messages from the deque's left and appends to its right (rules
+            # 3, 9): a LifoQueue's or PriorityQueue's get() would reorder them.
+            raise TypeError(
+                f"input_queue must be a FIFO queue.Queue (a subclass may override get(), not "
+                f"_get()/_put() or its deque), got {type(input_queue).__name__}"
+            )
         elif input_queue.maxsize > 0:
             # A bounded queue would block submit() and request_shutdown()'s waker.
             raise ValueError(f"input_queue must be unbounded, got maxsize={input_queue.maxsize}")
