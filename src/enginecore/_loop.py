@@ -347,7 +347,8 @@ class EngineCoreLoop:
         were queued before the call are still applied (the loop drains, then sees the flag);
         no ``step()`` or ``launch()`` starts after the loop has seen it, and the steps a
         pipelined engine has in flight are still collected and their outputs emitted. Called
-        before :meth:`run`, that run emits only ``("shutdown",)``.
+        before :meth:`run`, that run emits only ``("shutdown",)``: it applies nothing, not
+        even the messages queued before this call.
 
         Never blocks, never raises, idempotent. Thread-safe and **safe inside a signal
         handler**: it only ever *tries* to take ``input_queue.mutex`` (the interrupted thread
