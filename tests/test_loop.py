@@ -836,6 +836,52 @@ class TestRule8UnprintableExceptions:
         assert log.events == [("fatal", _UNPRINTABLE)]
 
 
+class TestRule8StepOutputsNotIterable:
+    """A step (or collect) that returns no iterable, often a forgotten ``return``, is fatal
+    with an error that names the method, not only "'NoneType' object is not iterable"."""
+
+    @LOOPS
+    @pytest.mark.parametrize("returned", [None, 7], ids=["none", "int"])
+    def test_the_fatal_error_names_the_method(
+        self, kind: str, depth: int, returned: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        engine = _engine_for(kind)
+        method = "step" if kind == "step" else "collect"
+        original = getattr(engine, method)
+
+        def bad(*args: Any) -> Any:
+            original(*args)
+            return returned
+
+        setattr(engine, method, bad)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            LoopThread(loop).start().join()
+        ((what, error),) = log.events
+        assert what == "fatal"
+        assert error.startswith(f"TypeError(\"engine.{method}() must return an iterable")
+        assert f"'{type(returned).__name__}' object is not iterable" in error
+
+    @LOOPS
+    def test_a_type_error_raised_inside_the_engine_is_left_as_it_is(
+        self, kind: str, depth: int
+    ) -> None:
+        engine = _engine_for(kind)
+        method = "step" if kind == "step" else "collect"
+
+        def bad(*args: Any) -> Any:
+            return list(None)  # type: ignore[call-overload]
+
+        setattr(engine, method, bad)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        LoopThread(loop).start().join()
+        assert log.events == [("fatal", repr(TypeError("'NoneType' object is not iterable")))]
+
+
 class _Note(Control):
     """A control that does nothing: what the test watches is whether it stays alive."""
 

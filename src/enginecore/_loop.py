@@ -106,6 +106,24 @@ def _describe(exc: BaseException) -> str:
         )
 
 
+def _outputs_not_iterable(exc: BaseException, method: str) -> BaseException:
+    """*exc*, or, if it is the ``TypeError`` of iterating what ``engine.<method>()``
+    returned (a forgotten ``return``: None), one that names the method, chained to it.
+
+    Told apart without a cost on the hot path: that error is raised in the loop's own frame
+    (the ``for`` over the result), so its traceback ends there; one raised inside the
+    engine has the engine's frames after it.
+    """
+    tb = exc.__traceback__
+    if type(exc) is TypeError and tb is not None and tb.tb_next is None:
+        text = _str_or_nothing(exc)
+        if text.endswith("object is not iterable"):
+            named = TypeError(f"engine.{method}() must return an iterable of outputs: {text}")
+            named.__cause__ = exc
+            return named.with_traceback(tb)
+    return exc
+
+
 def _str_or_nothing(exc: BaseException) -> str:
     try:
         return str(exc)
@@ -515,7 +533,7 @@ class EngineCoreLoop:
                 self._abandon_deferred()
         except BaseException as exc:
             timer.flush(block, done, t0, outs)
-            self._die(exc)
+            self._die(_outputs_not_iterable(exc, "step"))
             if not isinstance(exc, Exception):
                 raise
             return
@@ -600,7 +618,7 @@ class EngineCoreLoop:
                     self._cancel(inflight)
             finally:
                 # Even if a cancel() raised KeyboardInterrupt: the fatal event goes out.
-                self._die(exc)
+                self._die(_outputs_not_iterable(exc, "collect"))
             if not isinstance(exc, Exception):
                 raise
             return
