@@ -859,10 +859,9 @@ class TestRule8StepOutputsNotIterable:
         loop.submit(Add("a", 2))
         with caplog.at_level(logging.ERROR, logger="enginecore"):
             LoopThread(loop).start().join()
-        ((what, error),) = log.events
-        assert what == "fatal"
-        assert error.startswith(f"TypeError(\"engine.{method}() must return an iterable")
-        assert f"'{type(returned).__name__}' object is not iterable" in error
+        not_iterable = f"'{type(returned).__name__}' object is not iterable"
+        named = TypeError(f"engine.{method}() must return an iterable of outputs: {not_iterable}")
+        assert log.events == [("fatal", repr(named))]
 
     @LOOPS
     def test_a_type_error_raised_inside_the_engine_is_left_as_it_is(
