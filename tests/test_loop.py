@@ -558,6 +558,21 @@ class TestConstruction:
         with pytest.raises(TypeError, match="lacks add, abort, utility, step"):
             EngineCoreLoop(Half(), print)  # type: ignore[arg-type]
 
+    @pytest.mark.parametrize("pipelined", [False, True], ids=["step", "pipelined"])
+    def test_rejects_an_engine_whose_method_is_not_callable(self, pipelined: bool) -> None:
+        # A method written as a property passes the protocol's isinstance() check (it only
+        # looks for the names); without this, the first call in run() was a fatal
+        # "'bool' object is not callable" that did not say which method.
+        base: Any = CountdownPipeline if pipelined else CountdownEngine
+
+        class AProperty(base):  # type: ignore[misc]
+            @property
+            def has_work(self) -> bool:
+                return False
+
+        with pytest.raises(TypeError, match=r"engine\.has_work must be a method, got bool"):
+            EngineCoreLoop(AProperty(), print)
+
     def test_rejects_a_non_callable_emit(self) -> None:
         with pytest.raises(TypeError, match="emit must be callable"):
             EngineCoreLoop(CountdownEngine(), [])  # type: ignore[arg-type]

@@ -259,6 +259,15 @@ class EngineCoreLoop:
                 f"engine must implement the enginecore.{protocol} protocol; "
                 f"{type(engine).__name__} lacks {', '.join(missing)}"
             )
+        # The protocols' isinstance() only looks for the names: a property or an attribute
+        # by a method's name passes it, and would fail at the first call, in run().
+        for name in _PIPELINED_METHODS if pipelined else _ENGINE_METHODS:
+            method = getattr(engine, name)
+            if not callable(method):
+                raise TypeError(
+                    f"engine.{name} must be a method, got {type(method).__name__} "
+                    f"({type(engine).__name__}.{name} is not callable)"
+                )
         if not callable(emit):
             raise TypeError(f"emit must be callable, got {type(emit).__name__}")
         if isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int):
