@@ -5,6 +5,7 @@ The rule numbers match the docstring of ``enginecore/_loop.py`` and ``docs/contr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -894,6 +895,51 @@ class TestRule8StepOutputsNotIterable:
         loop.submit(Add("a", 2))
         LoopThread(loop).start().join()
         assert log.events == [("fatal", repr(TypeError("'NoneType' object is not iterable")))]
+
+
+class _DividedCancelled:
+    """``x / 1`` raises :class:`asyncio.CancelledError`, a ``BaseException`` that is not an
+    ``Exception`` (a utility that runs ``asyncio.run()`` on a task that was cancelled)."""
+
+    def __truediv__(self, other: object) -> Any:
+        raise asyncio.CancelledError("the utility's task was cancelled")
+
+
+class TestRule8UtilityBaseExceptions:
+    @LOOPS
+    def test_a_base_exception_from_a_utility_is_that_calls_answer(
+        self, kind: str, depth: int
+    ) -> None:
+        # As when a future it returned fails with it: the call's answer, and the loop goes on.
+        log = EventLog()
+        loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+        loop.submit_many([Utility(1, "div", (_DividedCancelled(), 1)), Utility(2, "div", (4, 2))])
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: len(ev) == 2)
+        loop.request_shutdown()
+        lt.join()
+        cancelled = asyncio.CancelledError("the utility's task was cancelled")
+        assert log.events == [
+            ("utility", 1, None, repr(cancelled)),
+            ("utility", 2, 2.0, None),
+            ("shutdown",),
+        ]
+
+    @LOOPS
+    @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+    def test_keyboard_interrupt_and_system_exit_from_a_utility_still_propagate(
+        self, kind: str, depth: int, exc_type: type[BaseException]
+    ) -> None:
+        class Interrupting:
+            def __truediv__(self, other: object) -> Any:
+                raise exc_type
+
+        log = EventLog()
+        loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+        loop.submit(Utility(1, "div", (Interrupting(), 1)))
+        with pytest.raises(exc_type):
+            loop.run()
+        assert log.events == [("fatal", repr(exc_type()))]
 
 
 class _Note(Control):

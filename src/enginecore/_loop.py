@@ -200,7 +200,8 @@ class EngineCoreLoop:
     hook. A stage's queue reads its input socket there (``docs/stage.md``).
 
     Errors: an exception from ``engine.utility`` becomes that call's ``"utility"`` event and the
-    loop goes on; so does a future it returned that fails or is cancelled. An exception from
+    loop goes on (any but ``KeyboardInterrupt``/``SystemExit``: an
+    ``asyncio.CancelledError`` too); so does a future it returned that fails or is cancelled. An exception from
     ``has_work``, ``add``, ``abort``, ``step``, ``launch``, ``collect`` or from *emit* itself
     is fatal: it is logged with its traceback, the handles still in flight are cancelled (if
     the engine has ``cancel``), every deferred utility still pending is answered with an
@@ -702,7 +703,11 @@ class EngineCoreLoop:
         c.utility_calls += 1
         try:
             result = self._engine.utility(msg.name, msg.args)
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise  # fatal, then out of run(), from anywhere (rule 8)
+        except BaseException as exc:
+            # Any other, asyncio.CancelledError included, is this call's answer: as when a
+            # future it returned fails with it.
             c.utility_errors += 1
             event: Event = ("utility", msg.call_id, None, _describe(exc))
         else:
