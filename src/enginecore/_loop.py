@@ -201,11 +201,12 @@ class EngineCoreLoop:
 
     Errors: an exception from ``engine.utility`` becomes that call's ``"utility"`` event and the
     loop goes on (any but ``KeyboardInterrupt``/``SystemExit``: an
-    ``asyncio.CancelledError`` too); so does a future it returned that fails or is cancelled. An exception from
-    ``has_work``, ``add``, ``abort``, ``step``, ``launch``, ``collect`` or from *emit* itself
-    is fatal: it is logged with its traceback, the handles still in flight are cancelled (if
-    the engine has ``cancel``), every deferred utility still pending is answered with an
-    error, ``("fatal", repr(exc))`` is emitted and :meth:`run` returns. If emitting the final
+    ``asyncio.CancelledError`` too); so does a future it returned that fails or is
+    cancelled. An exception from ``has_work``, ``add``, ``abort``, ``step``, ``launch``,
+    ``collect`` or from *emit* itself is fatal: it is logged with its traceback, the handles
+    still in flight are cancelled (if the engine has ``cancel``), every deferred utility
+    still pending is answered with an error, ``("fatal", repr(exc))`` is emitted and
+    :meth:`run` returns. If emitting the final
     event itself fails (``("fatal", ...)`` or ``("shutdown",)``), :meth:`run` raises that
     exception, chained to the first one if any, so the failure can never pass unnoticed.
     ``KeyboardInterrupt`` and ``SystemExit`` are reported the same way and then re-raised.
