@@ -193,11 +193,10 @@ class EngineCoreLoop:
     empty, unbounded, FIFO ``queue.Queue`` or subclass (:class:`TypeError` /
     :class:`ValueError` otherwise: a ``LifoQueue`` or ``PriorityQueue`` is refused). The loop
     calls its ``get()``, with no arguments, only while idle (rule 1), and otherwise takes
-    messages from its deque under its ``mutex``. A subclass may override
-    ``get()`` to wait for more than the queue, as long as it returns the next message once
-    one is queued: a put from any thread (``Queue.put``, :meth:`submit`,
-    :meth:`request_shutdown`) ends in ``not_empty.notify()`` under ``mutex``, which it can
-    hook. A stage's queue reads its input socket there (``docs/stage.md``).
+    messages from its deque under its ``mutex``. A subclass may override ``get()`` to wait
+    for more than the queue, as long as it returns the next message once one is queued: a
+    put from any thread (``Queue.put``, :meth:`submit`, :meth:`request_shutdown`) ends in
+    ``not_empty.notify()`` under ``mutex``, which it can hook. A stage's queue reads its input socket there (``docs/stage.md``).
 
     Errors: an exception from ``engine.utility`` becomes that call's ``"utility"`` event and the
     loop goes on (any but ``KeyboardInterrupt``/``SystemExit``: an
@@ -206,11 +205,11 @@ class EngineCoreLoop:
     ``collect`` or from *emit* itself is fatal: it is logged with its traceback, the handles
     still in flight are cancelled (if the engine has ``cancel``), every deferred utility
     still pending is answered with an error, ``("fatal", repr(exc))`` is emitted and
-    :meth:`run` returns. If emitting the final
-    event itself fails (``("fatal", ...)`` or ``("shutdown",)``), :meth:`run` raises that
-    exception, chained to the first one if any, so the failure can never pass unnoticed.
-    ``KeyboardInterrupt`` and ``SystemExit`` are reported the same way and then re-raised.
-    An exception whose ``repr()`` raises is reported with a stand-in naming its type.
+    :meth:`run` returns. If emitting the final event itself fails (``("fatal", ...)`` or
+    ``("shutdown",)``), :meth:`run` raises that exception, chained to the first one if any,
+    so the failure can never pass unnoticed. ``KeyboardInterrupt`` and ``SystemExit`` are
+    reported the same way and then re-raised. An exception whose ``repr()`` raises is
+    reported with a stand-in naming its type.
     """
 
     # Concurrency invariants:
