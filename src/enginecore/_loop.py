@@ -196,7 +196,8 @@ class EngineCoreLoop:
     messages from its deque under its ``mutex``. A subclass may override ``get()`` to wait
     for more than the queue, as long as it returns the next message once one is queued: a
     put from any thread (``Queue.put``, :meth:`submit`, :meth:`request_shutdown`) ends in
-    ``not_empty.notify()`` under ``mutex``, which it can hook. A stage's queue reads its input socket there (``docs/stage.md``).
+    ``not_empty.notify()`` under ``mutex``, which it can hook. A stage's queue reads its
+    input socket there (``docs/stage.md``).
 
     Errors: an exception from ``engine.utility`` becomes that call's ``"utility"`` event and the
     loop goes on (any but ``KeyboardInterrupt``/``SystemExit``: an
