@@ -5,12 +5,14 @@ The rule numbers match the docstring of ``enginecore/_loop.py`` and ``docs/contr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -557,6 +559,21 @@ class TestConstruction:
         with pytest.raises(TypeError, match="lacks add, abort, utility, step"):
             EngineCoreLoop(Half(), print)  # type: ignore[arg-type]
 
+    @pytest.mark.parametrize("pipelined", [False, True], ids=["step", "pipelined"])
+    def test_rejects_an_engine_whose_method_is_not_callable(self, pipelined: bool) -> None:
+        # A method written as a property passes the protocol's isinstance() check (it only
+        # looks for the names); without this, the first call in run() was a fatal
+        # "'bool' object is not callable" that did not say which method.
+        base: Any = CountdownPipeline if pipelined else CountdownEngine
+
+        class AProperty(base):  # type: ignore[misc]
+            @property
+            def has_work(self) -> bool:
+                return False
+
+        with pytest.raises(TypeError, match=r"engine\.has_work must be a method, got bool"):
+            EngineCoreLoop(AProperty(), print)
+
     def test_rejects_a_non_callable_emit(self) -> None:
         with pytest.raises(TypeError, match="emit must be callable"):
             EngineCoreLoop(CountdownEngine(), [])  # type: ignore[arg-type]
@@ -567,7 +584,12 @@ class TestConstruction:
             ([], TypeError, "input_queue must be a queue.Queue, got list"),
             (queue.Queue(maxsize=4), ValueError, "must be unbounded, got maxsize=4"),
             ("full", ValueError, "input_queue must be empty"),
+            # Not FIFO: the idle get() would return the last message (an Abort before the
+            # Add it follows), or order them, and put() compare them.
+            (queue.LifoQueue(), TypeError, "input_queue must be a FIFO.*got LifoQueue"),
+            (queue.PriorityQueue(), TypeError, "input_queue must be a FIFO.*got PriorityQueue"),
         ],
+        ids=["list", "bounded", "not-empty", "lifo", "priority"],
     )
     def test_rejects_an_input_queue_it_cannot_use(
         self, bad: Any, error: type[Exception], match: str
@@ -763,6 +785,161 @@ class TestRule18Controls:
         assert loop.input_queue.qsize() == 3
         with pytest.raises(TypeError, match="Wakeup or a Control, got object"):
             loop.submit(object())  # type: ignore[arg-type]
+
+
+class _Unprintable(Exception):
+    """An exception whose ``repr()`` itself raises (a buggy ``__repr__`` in an engine)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__ is broken")
+
+
+_UNPRINTABLE = "_Unprintable(<repr() raised RuntimeError: __repr__ is broken>)"
+
+
+class _DividedRaises:
+    """``x / 1`` raises :class:`_Unprintable`, or returns a future that fails with it: the
+    ``div`` utility of both test engines then fails that way, with no engine subclass."""
+
+    def __init__(self, deferred: bool = False) -> None:
+        self.deferred = deferred
+
+    def __truediv__(self, other: object) -> Future[Any]:
+        if not self.deferred:
+            raise _Unprintable
+        future: Future[Any] = Future()
+        threading.Timer(0.01, future.set_exception, (_Unprintable(),)).start()
+        return future
+
+
+class TestRule8UnprintableExceptions:
+    """An exception whose repr() raises still gets its event, on both loops: a utility's is
+    that call's answer (the loop goes on), any other's is the fatal event (run() returns)."""
+
+    @LOOPS
+    @pytest.mark.parametrize("deferred", [False, True], ids=["raised", "deferred"])
+    def test_a_utility_error_is_still_that_calls_answer(
+        self, kind: str, depth: int, deferred: bool
+    ) -> None:
+        log = EventLog()
+        loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+        loop.submit(Utility(1, "div", (_DividedRaises(deferred), 1)))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: len(ev) == 1)
+        loop.submit(Utility(2, "div", (4, 2)))
+        log.wait_for(lambda ev: len(ev) == 2)
+        loop.request_shutdown()
+        lt.join()
+        assert log.events == [
+            ("utility", 1, None, _UNPRINTABLE),
+            ("utility", 2, 2.0, None),
+            ("shutdown",),
+        ]
+
+    @LOOPS
+    def test_a_fatal_error_still_ends_the_run_with_a_fatal_event(
+        self, kind: str, depth: int, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        def fail(lp: EngineCoreLoop) -> None:
+            raise _Unprintable
+
+        log = EventLog()
+        loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+        loop.submit(Add("a", 5))
+        loop.submit(_Record([], fail))
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            loop.run()  # returns: reported, not raised
+        assert log.events == [("fatal", _UNPRINTABLE)]
+
+
+class TestRule8StepOutputsNotIterable:
+    """A step (or collect) that returns no iterable, often a forgotten ``return``, is fatal
+    with an error that names the method, not only "'NoneType' object is not iterable"."""
+
+    @LOOPS
+    @pytest.mark.parametrize("returned", [None, 7], ids=["none", "int"])
+    def test_the_fatal_error_names_the_method(
+        self, kind: str, depth: int, returned: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        engine = _engine_for(kind)
+        method = "step" if kind == "step" else "collect"
+        original = getattr(engine, method)
+
+        def bad(*args: Any) -> Any:
+            original(*args)
+            return returned
+
+        setattr(engine, method, bad)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            LoopThread(loop).start().join()
+        not_iterable = f"'{type(returned).__name__}' object is not iterable"
+        named = TypeError(f"engine.{method}() must return an iterable of outputs: {not_iterable}")
+        assert log.events == [("fatal", repr(named))]
+
+    @LOOPS
+    def test_a_type_error_raised_inside_the_engine_is_left_as_it_is(
+        self, kind: str, depth: int
+    ) -> None:
+        engine = _engine_for(kind)
+        method = "step" if kind == "step" else "collect"
+
+        def bad(*args: Any) -> Any:
+            return list(None)  # type: ignore[call-overload]
+
+        setattr(engine, method, bad)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        LoopThread(loop).start().join()
+        assert log.events == [("fatal", repr(TypeError("'NoneType' object is not iterable")))]
+
+
+class _DividedCancelled:
+    """``x / 1`` raises :class:`asyncio.CancelledError`, a ``BaseException`` that is not an
+    ``Exception`` (a utility that runs ``asyncio.run()`` on a task that was cancelled)."""
+
+    def __truediv__(self, other: object) -> Any:
+        raise asyncio.CancelledError("the utility's task was cancelled")
+
+
+class TestRule8UtilityBaseExceptions:
+    @LOOPS
+    def test_a_base_exception_from_a_utility_is_that_calls_answer(
+        self, kind: str, depth: int
+    ) -> None:
+        # As when a future it returned fails with it: the call's answer, and the loop goes on.
+        log = EventLog()
+        loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+        loop.submit_many([Utility(1, "div", (_DividedCancelled(), 1)), Utility(2, "div", (4, 2))])
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: len(ev) == 2)
+        loop.request_shutdown()
+        lt.join()
+        cancelled = asyncio.CancelledError("the utility's task was cancelled")
+        assert log.events == [
+            ("utility", 1, None, repr(cancelled)),
+            ("utility", 2, 2.0, None),
+            ("shutdown",),
+        ]
+
+    @LOOPS
+    @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+    def test_keyboard_interrupt_and_system_exit_from_a_utility_still_propagate(
+        self, kind: str, depth: int, exc_type: type[BaseException]
+    ) -> None:
+        class Interrupting:
+            def __truediv__(self, other: object) -> Any:
+                raise exc_type
+
+        log = EventLog()
+        loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+        loop.submit(Utility(1, "div", (Interrupting(), 1)))
+        with pytest.raises(exc_type):
+            loop.run()
+        assert log.events == [("fatal", repr(exc_type()))]
 
 
 class _Note(Control):

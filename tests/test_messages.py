@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,27 @@ class TestValidation:
     def test_abort_of_a_bare_string_is_rejected(self) -> None:
         with pytest.raises(TypeError, match=r"Abort\(\['r1'\]\)"):
             Abort("r1")
+
+    @pytest.mark.parametrize(
+        ("req_ids", "match"),
+        [
+            (None, "got NoneType"),
+            (7, "got int"),
+            (iter(["r1"]), "got list_iterator"),
+            ((rid for rid in ["r1"]), "got generator"),
+        ],
+        ids=["none", "int", "iterator", "generator"],
+    )
+    def test_abort_of_no_collection_is_rejected(self, req_ids: Any, match: str) -> None:
+        # A one-shot iterator would be consumed by the first pass of an engine's abort():
+        # one that logs the ids, or calls super().abort(req_ids) and then iterates them
+        # again, silently aborts nothing.
+        with pytest.raises(TypeError, match=rf"Abort\(req_ids\) takes a collection.*{match}"):
+            Abort(req_ids)
+
+    @pytest.mark.parametrize("req_ids", [["r1"], ("r1", "r2"), {"r1"}, {"r1": 0}.keys(), []])
+    def test_abort_takes_any_collection(self, req_ids: Any) -> None:
+        assert Abort(req_ids).req_ids is req_ids
 
     def test_utility_args_must_be_a_tuple(self) -> None:
         with pytest.raises(TypeError, match="must be a tuple, got list"):

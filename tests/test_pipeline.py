@@ -35,6 +35,14 @@ from .conftest import EventLog, LoopThread, RecordingEngine
 from .pipeline_engines import Boom, CountdownPipeline, NoCancelPipeline
 from .test_loop import _wait_until_blocked
 
+
+class _IdsThatFail(list[str]):
+    """Request ids whose iteration raises: the engine's ``abort()`` fails on them."""
+
+    def __iter__(self) -> Any:
+        raise Boom("abort")
+
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -398,7 +406,7 @@ class TestRule16ErrorsReleaseWhatIsInFlight:
                 elif where == "add":
                     loop.submit(Add("bad", 0))
                 elif where == "abort":
-                    loop.submit(Abort(None))  # type: ignore[arg-type]
+                    loop.submit(Abort(_IdsThatFail()))
 
         engine.on_launch = on_launch
         loop.submit(Add("a", 50))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any
 
 import pytest
 
@@ -154,3 +155,45 @@ class TestHandlerInstallation:
         assert len(errors) == 1
         assert isinstance(errors[0], ValueError)
         assert "main thread" in str(errors[0])
+
+    def test_a_signal_listed_twice_is_still_restored_on_exit(self) -> None:
+        def mine(signum: int, frame: object) -> None:
+            pass
+
+        old = signal.signal(signal.SIGUSR1, mine)
+        try:
+            loop = EngineCoreLoop(CountdownEngine(), lambda e: None)
+            with shutdown_on_signals(loop, [signal.SIGUSR1, signal.SIGUSR2, int(signal.SIGUSR1)]):
+                assert signal.getsignal(signal.SIGUSR1) is not mine
+            # Not the block's own handler, which the second install had taken for "previous".
+            assert signal.getsignal(signal.SIGUSR1) is mine
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+
+    @pytest.mark.parametrize(
+        ("loop_given", "signals", "error", "match"),
+        [
+            (False, [signal.SIGUSR1], TypeError, "loop must have a request_shutdown"),
+            (True, signal.SIGUSR1, TypeError, "signals must be an iterable.*got Signals"),
+            (True, 10, TypeError, "signals must be an iterable.*got int"),
+            (True, [signal.SIGUSR1, "SIGTERM"], TypeError, "signals must hold signal.*'SIGTERM'"),
+            (True, [signal.SIGUSR1, True], TypeError, "signals must hold signal.*True"),
+            (True, [signal.SIGUSR1, signal.SIGKILL], ValueError, "SIGKILL"),
+            (True, [signal.SIGUSR1, 100_000], ValueError, "100000"),
+        ],
+        ids=["no-loop", "one-signal", "one-int", "a-name", "a-bool", "sigkill", "out-of-range"],
+    )
+    def test_bad_arguments_raise_a_clear_error_and_leave_the_handlers_alone(
+        self, loop_given: bool, signals: Any, error: type[Exception], match: str
+    ) -> None:
+        def mine(signum: int, frame: object) -> None:
+            pass
+
+        loop: Any = EngineCoreLoop(CountdownEngine(), lambda e: None) if loop_given else None
+        old = signal.signal(signal.SIGUSR1, mine)
+        try:
+            with pytest.raises(error, match=match), shutdown_on_signals(loop, signals):
+                pytest.fail("the block must not run")
+            assert signal.getsignal(signal.SIGUSR1) is mine
+        finally:
+            signal.signal(signal.SIGUSR1, old)

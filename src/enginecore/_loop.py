@@ -91,6 +91,46 @@ _ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
 _PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
 
 
+def _describe(exc: BaseException) -> str:
+    """``repr(exc)`` for an event, or a stand-in naming its type if that raises.
+
+    An engine's exception may have a broken ``__repr__``: its utility call must still get
+    its answer, and the run its fatal event (rules 7, 8).
+    """
+    try:
+        return repr(exc)
+    except Exception as repr_exc:
+        return (
+            f"{type(exc).__qualname__}(<repr() raised {type(repr_exc).__qualname__}: "
+            f"{_str_or_nothing(repr_exc)}>)"
+        )
+
+
+def _outputs_not_iterable(exc: BaseException, method: str) -> BaseException:
+    """*exc*, or, if it is the ``TypeError`` of iterating what ``engine.<method>()``
+    returned (a forgotten ``return``: None), one that names the method, chained to it.
+
+    Told apart without a cost on the hot path: that error is raised in the loop's own frame
+    (the ``for`` over the result), so its traceback ends there; one raised inside the
+    engine has the engine's frames after it.
+    """
+    tb = exc.__traceback__
+    if type(exc) is TypeError and tb is not None and tb.tb_next is None:
+        text = _str_or_nothing(exc)
+        if text.endswith("object is not iterable"):
+            named = TypeError(f"engine.{method}() must return an iterable of outputs: {text}")
+            named.__cause__ = exc
+            return named.with_traceback(tb)
+    return exc
+
+
+def _str_or_nothing(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "?"
+
+
 class _Deferred:
     """A deferred utility call: its ``Utility`` message's id and name, and the future.
 
@@ -128,7 +168,7 @@ class _Deferred:
             return ("utility", self.call_id, None, repr(err))
         exc = future.exception(timeout=0)
         if exc is not None:
-            return ("utility", self.call_id, None, repr(exc))
+            return ("utility", self.call_id, None, _describe(exc))
         return ("utility", self.call_id, future.result(timeout=0), None)
 
 
@@ -150,23 +190,27 @@ class EngineCoreLoop:
     call :meth:`submit`. Any thread, or a signal handler, may call :meth:`request_shutdown`.
 
     *input_queue*, if given, is the queue to use instead of a new :class:`queue.Queue`: an
-    empty, unbounded ``queue.Queue`` or subclass (:class:`TypeError` / :class:`ValueError`
-    otherwise). The loop calls its ``get()``, with no arguments, only while idle (rule 1), and
-    otherwise takes messages from its deque under its ``mutex``. A subclass may override
-    ``get()`` to wait for more than the queue, as long as it returns the next message once
-    one is queued: a put from any thread (``Queue.put``, :meth:`submit`,
-    :meth:`request_shutdown`) ends in ``not_empty.notify()`` under ``mutex``, which it can
-    hook. A stage's queue reads its input socket there (``docs/stage.md``).
+    empty, unbounded, FIFO ``queue.Queue`` or subclass (:class:`TypeError` /
+    :class:`ValueError` otherwise: a ``LifoQueue`` or ``PriorityQueue`` is refused). The loop
+    calls its ``get()``, with no arguments, only while idle (rule 1), and otherwise takes
+    messages from its deque under its ``mutex``. A subclass may override ``get()`` to wait
+    for more than the queue, as long as it returns the next message once one is queued: a
+    put from any thread (``Queue.put``, :meth:`submit`, :meth:`request_shutdown`) ends in
+    ``not_empty.notify()`` under ``mutex``, which it can hook. A stage's queue reads its
+    input socket there (``docs/stage.md``).
 
     Errors: an exception from ``engine.utility`` becomes that call's ``"utility"`` event and the
-    loop goes on; so does a future it returned that fails or is cancelled. An exception from
-    ``has_work``, ``add``, ``abort``, ``step``, ``launch``, ``collect`` or from *emit* itself
-    is fatal: it is logged with its traceback, the handles still in flight are cancelled (if
-    the engine has ``cancel``), every deferred utility still pending is answered with an
-    error, ``("fatal", repr(exc))`` is emitted and :meth:`run` returns. If emitting the final
-    event itself fails (``("fatal", ...)`` or ``("shutdown",)``), :meth:`run` raises that
-    exception, chained to the first one if any, so the failure can never pass unnoticed.
-    ``KeyboardInterrupt`` and ``SystemExit`` are reported the same way and then re-raised.
+    loop goes on (any but ``KeyboardInterrupt``/``SystemExit``: an
+    ``asyncio.CancelledError`` too); so does a future it returned that fails or is
+    cancelled. An exception from ``has_work``, ``add``, ``abort``, ``step``, ``launch``,
+    ``collect`` or from *emit* itself is fatal: it is logged with its traceback, the handles
+    still in flight are cancelled (if the engine has ``cancel``), every deferred utility
+    still pending is answered with an error, ``("fatal", repr(exc))`` is emitted and
+    :meth:`run` returns. If emitting the final event itself fails (``("fatal", ...)`` or
+    ``("shutdown",)``), :meth:`run` raises that exception, chained to the first one if any,
+    so the failure can never pass unnoticed. ``KeyboardInterrupt`` and ``SystemExit`` are
+    reported the same way and then re-raised. An exception whose ``repr()`` raises is
+    reported with a stand-in naming its type.
     """
 
     # Concurrency invariants:
@@ -217,6 +261,15 @@ class EngineCoreLoop:
                 f"engine must implement the enginecore.{protocol} protocol; "
                 f"{type(engine).__name__} lacks {', '.join(missing)}"
             )
+        # The protocols' isinstance() only looks for the names: a property or an attribute
+        # by a method's name passes it, and would fail at the first call, in run().
+        for name in _PIPELINED_METHODS if pipelined else _ENGINE_METHODS:
+            method = getattr(engine, name)
+            if not callable(method):
+                raise TypeError(
+                    f"engine.{name} must be a method, got {type(method).__name__} "
+                    f"({type(engine).__name__}.{name} is not callable)"
+                )
         if not callable(emit):
             raise TypeError(f"emit must be callable, got {type(emit).__name__}")
         if isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int):
@@ -232,6 +285,17 @@ class EngineCoreLoop:
             input_queue = queue.Queue()
         elif not isinstance(input_queue, queue.Queue):
             raise TypeError(f"input_queue must be a queue.Queue, got {type(input_queue).__name__}")
+        elif (
+            not isinstance(input_queue.queue, deque)
+            or type(input_queue)._get is not queue.Queue._get
+            or type(input_queue)._put is not queue.Queue._put
+        ):
+            # The loop takes messages from the deque's left and appends to its right (rules
+            # 3, 9): a LifoQueue's or PriorityQueue's get() would reorder them.
+            raise TypeError(
+                f"input_queue must be a FIFO queue.Queue (a subclass may override get(), not "
+                f"_get()/_put() or its deque), got {type(input_queue).__name__}"
+            )
         elif input_queue.maxsize > 0:
             # A bounded queue would block submit() and request_shutdown()'s waker.
             raise ValueError(f"input_queue must be unbounded, got maxsize={input_queue.maxsize}")
@@ -312,7 +376,8 @@ class EngineCoreLoop:
         were queued before the call are still applied (the loop drains, then sees the flag);
         no ``step()`` or ``launch()`` starts after the loop has seen it, and the steps a
         pipelined engine has in flight are still collected and their outputs emitted. Called
-        before :meth:`run`, that run emits only ``("shutdown",)``.
+        before :meth:`run`, that run emits only ``("shutdown",)``: it applies nothing, not
+        even the messages queued before this call.
 
         Never blocks, never raises, idempotent. Thread-safe and **safe inside a signal
         handler**: it only ever *tries* to take ``input_queue.mutex`` (the interrupted thread
@@ -479,7 +544,7 @@ class EngineCoreLoop:
                 self._abandon_deferred()
         except BaseException as exc:
             timer.flush(block, done, t0, outs)
-            self._die(exc)
+            self._die(_outputs_not_iterable(exc, "step"))
             if not isinstance(exc, Exception):
                 raise
             return
@@ -564,7 +629,7 @@ class EngineCoreLoop:
                     self._cancel(inflight)
             finally:
                 # Even if a cancel() raised KeyboardInterrupt: the fatal event goes out.
-                self._die(exc)
+                self._die(_outputs_not_iterable(exc, "collect"))
             if not isinstance(exc, Exception):
                 raise
             return
@@ -639,9 +704,13 @@ class EngineCoreLoop:
         c.utility_calls += 1
         try:
             result = self._engine.utility(msg.name, msg.args)
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise  # fatal, then out of run(), from anywhere (rule 8)
+        except BaseException as exc:
+            # Any other, asyncio.CancelledError included, is this call's answer: as when a
+            # future it returned fails with it.
             c.utility_errors += 1
-            event: Event = ("utility", msg.call_id, None, repr(exc))
+            event: Event = ("utility", msg.call_id, None, _describe(exc))
         else:
             if isinstance(result, Future):
                 self._defer(msg, result)
@@ -705,7 +774,7 @@ class EngineCoreLoop:
                 self._deferred.clear()
         self._timer.stopped()
         try:
-            self._emit(("fatal", repr(exc)))
+            self._emit(("fatal", _describe(exc)))
         except BaseException as emit_exc:
             logger.error("enginecore: emit failed for the fatal event", exc_info=emit_exc)
             raise

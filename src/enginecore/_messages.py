@@ -6,7 +6,7 @@ Both are part of the public contract (see ``docs/contract.md``), so their shapes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -57,16 +57,26 @@ class Abort:
     """Abort the requests *req_ids*: ``engine.abort(req_ids)``.
 
     Raises :class:`TypeError` if *req_ids* is a single ``str``: ``Abort("r1")`` would otherwise
-    abort the requests ``"r"`` and ``"1"``. Pass ``Abort(["r1"])``.
+    abort the requests ``"r"`` and ``"1"``. Pass ``Abort(["r1"])``. Also for anything that
+    is not a collection, a one-shot iterator or generator included: an engine may iterate
+    *req_ids* more than once, and the second pass would find nothing to abort.
     """
 
     req_ids: Sequence[str]
 
     def __post_init__(self) -> None:
-        if isinstance(self.req_ids, (str, bytes)):
+        req_ids = self.req_ids
+        if type(req_ids) is list or type(req_ids) is tuple:
+            return
+        if isinstance(req_ids, (str, bytes)):
             raise TypeError(
                 f"Abort(req_ids) takes a sequence of request ids, not a single "
-                f"{type(self.req_ids).__name__}; write Abort([{self.req_ids!r}])"
+                f"{type(req_ids).__name__}; write Abort([{req_ids!r}])"
+            )
+        if isinstance(req_ids, Iterator) or not isinstance(req_ids, Iterable):
+            raise TypeError(
+                f"Abort(req_ids) takes a collection of request ids (a list), got "
+                f"{type(req_ids).__name__}; write Abort(list(req_ids))"
             )
 
 

@@ -19,6 +19,13 @@ class _SupportsRequestShutdown(Protocol):
 _DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+def _name(sig: int) -> str:
+    try:
+        return f"{signal.Signals(sig).name} ({sig})"
+    except ValueError:
+        return str(sig)
+
+
 @contextlib.contextmanager
 def shutdown_on_signals(
     loop: _SupportsRequestShutdown,
@@ -34,20 +41,47 @@ def shutdown_on_signals(
     :meth:`EngineCoreLoop.request_shutdown` is written to be safe there. On exit the previous
     handlers are restored, even if the block raised.
 
-    Must be entered in the main thread (a :class:`ValueError` from :func:`signal.signal`
-    otherwise, re-raised with a clearer message). Repeated signals are harmless:
-    ``request_shutdown()`` is idempotent.
+    Must be entered in the main thread (:class:`ValueError` otherwise). Repeated signals
+    are harmless: ``request_shutdown()`` is idempotent. Checked on entry, before the block
+    runs and with every handler left as it was: a *loop* without ``request_shutdown()`` and
+    *signals* that is not an iterable of signal numbers raise :class:`TypeError`; a signal
+    that cannot have a handler (``SIGKILL``, a number out of range) :class:`ValueError`. A
+    signal listed twice is handled once.
     """
     if threading.current_thread() is not threading.main_thread():
         raise ValueError("shutdown_on_signals() must be used in the main thread")
+    if not callable(getattr(loop, "request_shutdown", None)):
+        raise TypeError(
+            f"shutdown_on_signals(): loop must have a request_shutdown() method "
+            f"(an EngineCoreLoop), got {type(loop).__name__}"
+        )
+    if isinstance(signals, (int, str, bytes)) or not isinstance(signals, Iterable):
+        raise TypeError(
+            f"shutdown_on_signals(): signals must be an iterable of signals, such as "
+            f"(signal.SIGTERM,), got {type(signals).__name__}"
+        )
+    wanted: list[int] = []
+    for sig in signals:
+        if isinstance(sig, bool) or not isinstance(sig, int):
+            raise TypeError(
+                f"shutdown_on_signals(): signals must hold signal numbers (signal.Signals "
+                f"or int), got {type(sig).__name__} {sig!r:.50}"
+            )
+        if int(sig) not in wanted:
+            wanted.append(int(sig))
 
     def handler(signum: int, frame: FrameType | None) -> None:
         loop.request_shutdown()
 
     previous: dict[int, signal.Handlers | int | signal._HANDLER] = {}
     try:
-        for sig in signals:
-            previous[int(sig)] = signal.signal(sig, handler)
+        for sig in wanted:
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except (OSError, ValueError) as exc:
+                raise ValueError(
+                    f"shutdown_on_signals(): cannot handle signal {_name(sig)}: {exc}"
+                ) from exc
         yield
     finally:
         for sig, old in previous.items():
