@@ -50,3 +50,31 @@ class RequestRejected(EngineCoreError, ValueError):
         super().__init__(message)
         self.message = message
         """Why the request was refused; what the client sees."""
+
+
+# -- for the runtime: not exported --------------------------------------------------------------
+
+
+def describe(exc: BaseException) -> str:
+    """``repr(exc)`` for an event or an error message, or a stand-in naming its type if that
+    raises.
+
+    An engine's (or an edge's, or a factory's) exception may have a broken ``__repr__``: its
+    utility call must still get its answer, the run its fatal event, the request its error
+    (rules 7, 8).
+    """
+    try:
+        return repr(exc)
+    except Exception as repr_exc:
+        return (
+            f"{type(exc).__qualname__}(<repr() raised {type(repr_exc).__qualname__}: "
+            f"{str_or_nothing(repr_exc)}>)"
+        )
+
+
+def str_or_nothing(exc: BaseException) -> str:
+    """``str(exc)``, or ``"?"`` if that raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return "?"

@@ -77,7 +77,7 @@ from concurrent.futures import CancelledError, Future
 from typing import Any
 
 from ._engine import Engine, PipelinedEngine
-from ._exceptions import LoopAlreadyRunError, LoopEndedError
+from ._exceptions import LoopAlreadyRunError, LoopEndedError, describe, str_or_nothing
 from ._messages import Abort, Add, Control, Event, Message, Utility, UtilityEvent, Wakeup
 from ._stats import LoopStatistics, StepTimer, _Counters
 
@@ -91,21 +91,6 @@ _ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
 _PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
 
 
-def _describe(exc: BaseException) -> str:
-    """``repr(exc)`` for an event, or a stand-in naming its type if that raises.
-
-    An engine's exception may have a broken ``__repr__``: its utility call must still get
-    its answer, and the run its fatal event (rules 7, 8).
-    """
-    try:
-        return repr(exc)
-    except Exception as repr_exc:
-        return (
-            f"{type(exc).__qualname__}(<repr() raised {type(repr_exc).__qualname__}: "
-            f"{_str_or_nothing(repr_exc)}>)"
-        )
-
-
 def _outputs_not_iterable(exc: BaseException, method: str) -> BaseException:
     """*exc*, or, if it is the ``TypeError`` of iterating what ``engine.<method>()``
     returned (a forgotten ``return``: None), one that names the method, chained to it.
@@ -116,19 +101,12 @@ def _outputs_not_iterable(exc: BaseException, method: str) -> BaseException:
     """
     tb = exc.__traceback__
     if type(exc) is TypeError and tb is not None and tb.tb_next is None:
-        text = _str_or_nothing(exc)
+        text = str_or_nothing(exc)
         if text.endswith("object is not iterable"):
             named = TypeError(f"engine.{method}() must return an iterable of outputs: {text}")
             named.__cause__ = exc
             return named.with_traceback(tb)
     return exc
-
-
-def _str_or_nothing(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception:
-        return "?"
 
 
 class _Deferred:
@@ -168,7 +146,7 @@ class _Deferred:
             return ("utility", self.call_id, None, repr(err))
         exc = future.exception(timeout=0)
         if exc is not None:
-            return ("utility", self.call_id, None, _describe(exc))
+            return ("utility", self.call_id, None, describe(exc))
         return ("utility", self.call_id, future.result(timeout=0), None)
 
 
@@ -710,7 +688,7 @@ class EngineCoreLoop:
             # Any other, asyncio.CancelledError included, is this call's answer: as when a
             # future it returned fails with it.
             c.utility_errors += 1
-            event: Event = ("utility", msg.call_id, None, _describe(exc))
+            event: Event = ("utility", msg.call_id, None, describe(exc))
         else:
             if isinstance(result, Future):
                 self._defer(msg, result)
@@ -774,7 +752,7 @@ class EngineCoreLoop:
                 self._deferred.clear()
         self._timer.stopped()
         try:
-            self._emit(("fatal", _describe(exc)))
+            self._emit(("fatal", describe(exc)))
         except BaseException as emit_exc:
             logger.error("enginecore: emit failed for the fatal event", exc_info=emit_exc)
             raise

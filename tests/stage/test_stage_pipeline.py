@@ -998,7 +998,12 @@ class TestEdges:
         assert pipe.in_flight == 0
 
     @pytest.mark.parametrize(
-        ("data", "why"), [("boom", "ValueError"), ("unencodable", "not wire-encodable")]
+        ("data", "why"),
+        [
+            ("boom", "ValueError"),
+            ("unencodable", "not wire-encodable"),
+            ("unprintable", "_Unprintable"),
+        ],
     )
     def test_a_failing_edge_ends_only_its_request_naming_the_stage(
         self, launch: Any, data: str, why: str

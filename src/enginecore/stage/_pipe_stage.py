@@ -131,7 +131,7 @@ from typing import Any, Final, TypeAlias
 import zmq
 
 from .._engine import Engine, PipelinedEngine
-from .._exceptions import RequestRejected
+from .._exceptions import RequestRejected, describe
 from . import _codec, _shm
 from ._codec import only_types
 from ._edge import (
@@ -1405,7 +1405,7 @@ class PipeStage:
         if failed is None:
             failed = set()
         failed.add(rid)
-        why = exc if isinstance(exc, RequestRejected) else repr(exc)
+        why = exc if isinstance(exc, RequestRejected) else describe(exc)
         out_r.append(rid)
         out_f.append(False)
         out_p.append(RequestRejected(f"the edge to the next stage failed: {why}"))

@@ -970,13 +970,25 @@ def last_fails(payload: Any) -> tuple[Any, Any]:
 
 def checked_edge(payload: Any) -> tuple[Any, Any]:
     """Edge: every output to the next stage, except that ``"boom"`` raises
-    :class:`ValueError` and ``"unencodable"`` sends on an object that cannot cross the wire
-    (each ends its request with an error naming this stage's edge)."""
+    :class:`ValueError`, ``"unencodable"`` sends on an object that cannot cross the wire
+    and ``"unprintable"`` raises an exception whose ``repr()`` raises (each ends its
+    request with an error naming this stage's edge)."""
     if payload == "boom":
         raise ValueError("the edge refuses 'boom' on purpose")
     if payload == "unencodable":
         return object(), NOTHING
+    if payload == "unprintable":
+        raise _Unprintable
     return payload, NOTHING
+
+
+class _Unprintable(Exception):
+    """An exception whose ``repr()`` and ``str()`` raise (an engine author's mistake)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+    __str__ = __repr__
 
 
 def device(step_s: float = 0.005) -> DeviceEngine:
