@@ -35,9 +35,11 @@ from ._pool_core import (
     ScoreFn,
 )
 from ._poolbase import (
+    DRAIN_EXIT_S,
     PoolBase,
     PoolStreamCore,
     connect_specs,
+    cut_drain,
     events_off,
     fail_with_group,
     launch_specs,
@@ -533,10 +535,27 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         return await asyncio.shield(task)
 
     async def _remove(self, replica: Replica, was: ReplicaState, drain: float | None) -> int | None:
-        code = None
+        code, cut = None, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
-            code = await self._stop_member(replica, drain=drain, timeout=5.0)
+            if drain is not None:
+                if self._core.closing:  # a close has begun: it stops the stage now
+                    cut, drain = True, None
+                else:
+                    self._drains.add(replica)
+            try:
+                code = await self._stop_member(
+                    replica, drain=drain, timeout=DRAIN_EXIT_S if drain is not None else 5.0
+                )
+            finally:
+                self._drains.discard(replica)
+                cut = cut or replica in self._cut
+                self._cut.discard(replica)
         self._core.set_state(replica, ReplicaState.REMOVED)
+        if cut:
+            raise StageClosedError(
+                f"this stage pool closed while {replica.name} drained: its requests still "
+                "live ended with StageClosedError"
+            )
         return code
 
     async def _stop_member(
@@ -550,7 +569,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if drain is not None:  # a connected stage: wait for the pool's requests, then detach
             deadline = time.monotonic() + drain
             while member._session.in_flight and member._session.failure is None:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or self._closed.is_set():
                     break
                 await asyncio.sleep(0.01)
         await member.close()
@@ -654,6 +673,11 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 return dict(self._exit_codes)
             self._core.begin_close()
             self._closed.set()
+            if drain is None:  # a removal's drain under way stops now, as the others do
+                for r in list(self._drains):
+                    self._cut.add(r)
+                    if r._client is not None:
+                        cut_drain(r._client)
             for starts in list(self._starting):  # an add_replica() that waits for a start:
                 self._stopped_starts.add(starts)  # its half-started stage is killed, and it
                 starts.cancel()  # raises StageClosedError
