@@ -728,6 +728,42 @@ def test_a_close_cuts_short_a_drained_removal_under_way(launch: Open) -> None:
     assert pid_gone(cast(int, pid))
 
 
+def test_a_close_cuts_short_the_drain_of_a_stopped_replica_too(launch: Open) -> None:
+    # The stage of the drained replica is stopped (SIGSTOP): the cut cannot stop it, so the
+    # close signals it after its own timeout, as it does any other replica that does not
+    # stop, instead of waiting for the drain's 100 s.
+    pool = launch(replicas=2, kwargs={"step_s": 0.005}, ping_interval=0.2)
+    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
+    for s in streams:
+        s.get(10)
+    victim = pool.replicas[0]
+    pid = cast(int, victim.pid)
+    outcome: list[object] = []
+
+    def remove() -> None:
+        try:
+            outcome.append(pool.remove_replica(victim, drain=True, timeout=100))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    os.kill(pid, signal.SIGSTOP)
+    remover = threading.Thread(target=remove)
+    remover.start()
+    try:
+        assert wait_until(lambda: victim.state is ReplicaState.DRAINING, 10)
+        pool.close()
+        for s in streams:
+            with pytest.raises(StageClosedError):
+                s.collect(10)
+    finally:
+        remover.join(30)
+        if not pid_gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not remover.is_alive()
+    assert isinstance(outcome[0], StageClosedError), outcome
+    assert pid_gone(pid)
+
+
 def test_a_drained_removal_of_a_stopped_replica_keeps_to_its_timeout(launch: Open) -> None:
     # A SIGSTOPped replica cannot end its drain: the removal waits its timeout and 1 s for
     # the exit, then SIGTERM and a second, then SIGKILL; not the 5 s of a close on top.

@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from . import _clientbase, _session
-from ._aclient import AsyncRequestStream, AsyncStageClient, _until
+from ._aclient import AsyncRequestStream, AsyncStageClient, _until, _until_set
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
@@ -40,6 +40,7 @@ from ._poolbase import (
     PoolStreamCore,
     connect_specs,
     cut_drain,
+    escalate_steps,
     events_off,
     fail_with_group,
     launch_specs,
@@ -673,11 +674,11 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 return dict(self._exit_codes)
             self._core.begin_close()
             self._closed.set()
-            if drain is None:  # a removal's drain under way stops now, as the others do
-                for r in list(self._drains):
-                    self._cut.add(r)
-                    if r._client is not None:
-                        cut_drain(r._client)
+            cut = list(self._drains) if drain is None else []
+            for r in cut:  # a removal's drain under way stops now, as the others do
+                self._cut.add(r)
+                if r._client is not None:
+                    cut_drain(r._client)
             for starts in list(self._starting):  # an add_replica() that waits for a start:
                 self._stopped_starts.add(starts)  # its half-started stage is killed, and it
                 starts.cancel()  # raises StageClosedError
@@ -687,6 +688,18 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 member: _AsyncMember | None = r._client
                 if member is None:
                     return
+                launched = member._launched
+                if (
+                    r in cut
+                    and launched is not None
+                    and not await _until_set(member._exited, timeout)
+                ):
+                    # Its removal waits for the drain's end: a stage that did not stop on
+                    # the cut (stopped, stuck) is signalled now, as the others are.
+                    for sig, wait in escalate_steps(member):
+                        launched.send_signal(sig)
+                        if await _until_set(member._exited, wait):
+                            break
                 if stop or member._launched is not None:
                     code = await member.shutdown(timeout, drain=drain)
                 else:

@@ -50,6 +50,7 @@ from ._poolbase import (
     PoolStreamCore,
     connect_specs,
     cut_drain,
+    escalate_steps,
     events_off,
     fail_with_group,
     launch_specs,
@@ -883,6 +884,14 @@ class StagePool(PoolBase[PoolRequestStream]):
                 member: _Member | None = r._client
                 if member is None:
                     return
+                launched = member._launched
+                if r in cut and launched is not None and not launched.wait_exit(timeout):
+                    # Its removal waits for the drain's end: a stage that did not stop on
+                    # the cut (stopped, stuck) is signalled now, as the others are.
+                    for sig, wait in escalate_steps(member):
+                        launched.send_signal(sig)
+                        if launched.wait_exit(wait):
+                            break
                 if stop or member._launched is not None:
                     code = member.shutdown(timeout, drain=drain)
                 else:

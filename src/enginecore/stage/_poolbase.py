@@ -15,7 +15,7 @@ from typing import Any, Final, Generic, TypeVar
 
 import zmq
 
-from . import _session
+from . import _clientbase, _session
 from ._clientbase import ClientBase, Target, check_heartbeat
 from ._errors import EngineDeadError, NoReplicaError, StageClosedError, positive_seconds
 from ._pool_core import (
@@ -41,6 +41,7 @@ __all__ = [
     "PoolStreamCore",
     "connect_specs",
     "cut_drain",
+    "escalate_steps",
     "fail_with_group",
     "launch_specs",
     "member_plan",
@@ -176,6 +177,15 @@ def cut_drain(member: Any) -> None:
     if alive and member._launched is not None:
         with contextlib.suppress(zmq.ZMQError, StageClosedError):
             member._send(_session.shutdown_frame(None))
+
+
+def escalate_steps(member: Any) -> Any:
+    """A cut drain's stage (:func:`cut_drain`) did not stop within the close's timeout
+    (stopped, stuck): mark the exit as the close's doing and return the signals to send,
+    as a client's own close does after its timeout (SIGTERM, a second, SIGKILL)."""
+    with member._lock:
+        member._session.escalating()
+    return _clientbase.escalate(member._session.pid, member._session.presumed_dead)
 
 
 def connect_specs(addresses: Sequence[str], options: dict[str, Any]) -> list[dict[str, Any]]:
