@@ -20,7 +20,10 @@ server-sent events or not, with ``usage``; and two of enginecore's own: ``GET /h
 once the stage is dead) and ``GET /enginecore/stats`` (the stage's statistics: live requests,
 steps, the engine's numbers). Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or a request
-the engine refused, 404 for another model's name, 503 when the stage is dead, 413 for a body
+the engine refused (a prompt that, with ``max_tokens``, does not fit the model's context is
+refused before it is sent: code ``context_length_exceeded``; the limit is the engine's
+``model_info`` utility's ``max_positions``, asked once at startup), 404 for another model's
+name, 503 when the stage is dead, 413 for a body
 over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
 the event loop, so a long prompt does not hold the other requests up.
 
@@ -40,7 +43,9 @@ A client that disconnects, during a stream or while it waits for a whole complet
 request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open requests get
 ``--graceful-timeout`` seconds; one still running then ends with a 503 in OpenAI's shape, code
 ``server_shutting_down``, sent in a stream as its last event before ``[DONE]``), then shuts
-the stage down: no process is left.
+the stage down: no process is left. A second Ctrl-C stops the wait for open requests: the
+stage is shut down at once (a request still open ends with a 503, code ``stage_dead``) and
+the server exits quietly.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -77,6 +83,7 @@ from enginecore.stage import (
     EngineDeadError,
     RequestError,
     StageClosedError,
+    UtilityError,
 )
 
 DEFAULT_ENGINE = "enginecore.engines.transformers:TransformersEngine"
@@ -269,7 +276,9 @@ class Sampling:
     """The request's parameters that the engine and the detokenizer use."""
 
     def __init__(self, body: dict[str, Any], *, chat: bool) -> None:
+        self.max_tokens_key = "max_tokens"
         if chat and body.get("max_completion_tokens") is not None:
+            self.max_tokens_key = "max_completion_tokens"
             self.max_tokens = _int(body, "max_completion_tokens", None, 1)
         else:
             default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
@@ -524,6 +533,7 @@ class Server:
         self.name = name
         self.created = int(time.time())
         self._stage: AsyncStageClient | None = None
+        self.max_positions: int | None = None  # the model's, from the engine's model_info
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else []
 
@@ -548,11 +558,38 @@ class Server:
             raise
         logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
         try:
+            self.max_positions = await self._max_positions(self._stage)
             yield
         finally:
             self._encoder.shutdown(wait=False, cancel_futures=True)
             code = await self._stage.shutdown()
             logger.info("stage exited with code %s", code)
+
+    @staticmethod
+    async def _max_positions(stage: AsyncStageClient) -> int | None:
+        """The model's context length (prompt plus new tokens), from the engine's
+        ``model_info`` utility (``max_positions``); ``None`` for an engine without it (its
+        own refusal then says what is too long)."""
+        try:
+            info = await stage.call_utility("model_info", timeout=30.0)
+        except UtilityError:
+            return None
+        limit = info.get("max_positions") if isinstance(info, dict) else None
+        return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+    def _check_length(self, prompt: list[int], sampling: Sampling, *, chat: bool) -> None:
+        """A 400 for a prompt that, with its new tokens, does not fit the model's context:
+        before it is sent to the stage (a huge prompt is not shipped only to be refused)."""
+        limit = self.max_positions
+        if limit is None or len(prompt) + (sampling.max_tokens or 0) <= limit:
+            return
+        raise ApiError(
+            400,
+            f"the prompt ({len(prompt)} tokens) plus {sampling.max_tokens_key} "
+            f"({sampling.max_tokens}) is longer than the model's context of {limit} tokens",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
 
     def app(self) -> Starlette:
         routes = [
@@ -734,6 +771,7 @@ class Server:
     async def _respond(
         self, request: Request, prompt: list[int], sampling: Sampling, *, chat: bool
     ) -> Response:
+        self._check_length(prompt, sampling, chat=chat)
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stop_ids = list(self.eos_ids)
         try:
@@ -826,6 +864,21 @@ class Server:
         yield b"data: [DONE]\n\n"
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, except that a second Ctrl-C still shuts the stage down.
+
+    On a second Ctrl-C uvicorn stops waiting for the open connections ("force quit") and
+    skips the app's lifespan shutdown; the lifespan, left waiting, was then cancelled as the
+    event loop closed, and logged that cancellation's traceback. Here the lifespan shuts
+    down in either case (the stage's ``shutdown``: it stops at once, and the requests still
+    open end with a 503), and the server exits quietly."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            await self.lifespan.shutdown()
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line's parser."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -889,11 +942,11 @@ def main(argv: list[str] | None = None) -> int:
         lifespan="on",
         timeout_graceful_shutdown=args.graceful_timeout,
     )
-    # After a graceful shutdown on a signal, uvicorn raises that signal again, so the process
-    # ends as the signal's default would have it: SIGTERM's exit status, Ctrl-C's
-    # KeyboardInterrupt (here: exit code 130, without a traceback).
+    # After a shutdown on a signal, uvicorn raises that signal again, so the process ends as
+    # the signal's default would have it: SIGTERM's exit status, Ctrl-C's KeyboardInterrupt
+    # (here: exit code 130, without a traceback; a second Ctrl-C too: _Uvicorn).
     try:
-        uvicorn.Server(config).run()
+        _Uvicorn(config).run()
     except KeyboardInterrupt:
         return 130
     return 0

@@ -165,7 +165,8 @@ def _serving(model: Path, tmp: Path, *extra: str) -> Iterator[Served]:
 def server(words: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     # A step every 2 ms: a long request stays live long enough to be seen and aborted.
     tmp = tmp_path_factory.mktemp("server")
-    with _serving(words, tmp, "--engine-kwargs", '{"step_delay": 0.002}') as served:
+    kwargs = '{"step_delay": 0.002, "vocab_size": 64}'
+    with _serving(words, tmp, "--engine-kwargs", kwargs) as served:
         yield served
 
 
@@ -433,12 +434,47 @@ class TestEndpoints:
     def test_a_request_the_engine_refuses_is_a_400(self, server: Served) -> None:
         client = server.client()
         for stream in (False, True):  # streamed too: the refusal comes before any header
-            with pytest.raises(openai.BadRequestError, match="2048 positions") as info:
+            with pytest.raises(openai.BadRequestError, match="vocabulary of 64") as info:
                 client.completions.create(
-                    model="tiny-words", prompt=PROMPT, max_tokens=3000, stream=stream
+                    model="tiny-words", prompt=[ID["cat"], 100], max_tokens=3, stream=stream
                 )
             assert _body(info.value)["code"] == "request_rejected"
         assert server.stats()["engine"]["running"] == 0
+
+    @pytest.mark.timeout(30)
+    def test_a_prompt_longer_than_the_context_is_refused_before_it_is_sent(
+        self, server: Served
+    ) -> None:
+        # The limit is the engine's model_info (max_positions: 2048 here); the server refuses
+        # in its own words (code context_length_exceeded), so the stage never saw it (its
+        # own refusal would be request_rejected).
+        client = server.client()
+        added = server.stats()["engine"]["added"]
+        huge = [ID["cat"]] * 200_000
+        cases: list[tuple[Any, int, str]] = [(PROMPT, 3000, "4 tokens"), (huge, 3, "200000")]
+        for prompt, max_tokens, said in cases:
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError, match="2048 tokens") as info:
+                    client.completions.create(
+                        model="tiny-words", prompt=prompt, max_tokens=max_tokens, stream=stream
+                    )
+                error = _body(info.value)
+                assert error["code"] == "context_length_exceeded", error
+                assert error["param"] == "prompt", error
+                assert said in error["message"], error
+        messages: Any = [{"role": "user", "content": "hello " * 3000}]
+        with pytest.raises(openai.BadRequestError, match="max_completion_tokens") as info:
+            client.chat.completions.create(
+                model="tiny-words", messages=messages, max_completion_tokens=5
+            )
+        assert _body(info.value)["param"] == "messages"
+        # Exactly the limit fits.
+        reply = client.completions.create(
+            model="tiny-words", prompt=[ID["cat"]] * 2040, max_tokens=8
+        )
+        assert reply.usage is not None
+        assert reply.usage.total_tokens == 2048
+        assert server.stats()["engine"]["added"] == added + 1
 
     @pytest.mark.timeout(30)
     def test_errors_have_openais_shape(self, server: Served) -> None:
@@ -615,6 +651,40 @@ class TestLifecycle:
             _stop(served)
         assert family
         assert _left(family) == []
+
+    @pytest.mark.timeout(60)
+    def test_a_second_ctrl_c_exits_at_once_and_quietly(self, words: Path, tmp_path: Path) -> None:
+        # The first Ctrl-C waits for the open stream (graceful timeout: 60 s); the second
+        # stops waiting, and the stage is still shut down through the lifespan: no
+        # traceback, nothing left, exit code 130 (KeyboardInterrupt).
+        served = _start(
+            words,
+            tmp_path,
+            "--engine-kwargs",
+            '{"step_delay": 0.025}',
+            "--graceful-timeout",
+            "60",
+            "--log-level",
+            "info",
+        )
+        try:
+            family = _descendants(served.proc.pid)
+            body = {"prompt": PROMPT, "max_tokens": 2000, "stream": True}  # 50 s of steps
+            with httpx.stream("POST", served.url + "/v1/completions", json=body) as reply:
+                lines = reply.iter_lines()
+                assert next(lines).startswith("data: ")
+                served.proc.send_signal(signal.SIGINT)
+                deadline = time.monotonic() + 10
+                while "Waiting for connections" not in served.output():
+                    assert time.monotonic() < deadline, served.output()
+                    time.sleep(0.05)
+                served.proc.send_signal(signal.SIGINT)
+                assert served.proc.wait(15) == 130, served.output()
+        finally:
+            _stop(served)
+        assert _left(family) == []
+        assert "Traceback" not in served.output(), served.output()
+        assert "Application shutdown complete" in served.output()
 
     @pytest.mark.timeout(60)
     def test_a_dead_stage_is_a_503(self, words: Path, tmp_path: Path) -> None:

@@ -235,6 +235,45 @@ class TestForwardLogs:
         assert record.process == client.pid
         assert record.stage == "slow"  # type: ignore[attr-defined]
 
+    @pytest.mark.parametrize("raise_exceptions", [True, False])
+    def test_a_parent_handler_that_raises_is_reported_as_logging_does(
+        self,
+        launch: Launch,
+        records: Callable[[str], Records],
+        capfd: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch,
+        raise_exceptions: bool,
+    ) -> None:
+        # A handler whose emit() raises (not calling handleError) neither ends the log
+        # thread nor goes unseen: the error is on stderr as logging.Handler.handleError
+        # writes it, unless logging.raiseExceptions is off (then silent, as there).
+        monkeypatch.setattr(logging, "raiseExceptions", raise_exceptions)
+
+        class Broken(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                raise RuntimeError("the broken handler")
+
+        broken = Broken()
+        logging.getLogger("enginecore.test.broken").addHandler(broken)
+        try:
+            got = records("enginecore.test")
+            client = launch(SCRIPTED, name="fwd", log_level="INFO", forward_logs=True)
+            client.call_utility("emit_log", "enginecore.test.broken", logging.INFO, "to it")
+            client.call_utility("emit_log", "enginecore.test", logging.INFO, "after it")
+            got.wait_for("after it")  # the thread goes on
+            assert "to it" not in got.messages()  # its propagation stopped at the raise
+            err = capfd.readouterr().err
+        finally:
+            logging.getLogger("enginecore.test.broken").removeHandler(broken)
+        if raise_exceptions:
+            assert "--- Logging error ---" in err
+            assert "RuntimeError: the broken handler" in err
+            assert f"forwarded from stage fwd (pid {client.pid})" in err
+            assert "Message: 'to it'" in err
+        else:
+            assert "Logging error" not in err
+            assert "broken handler" not in err
+
     def test_the_log_thread_ends_when_the_stage_ends(self, launch: Launch) -> None:
         client = launch(SCRIPTED, forward_logs=True)
         thread = receiver_thread()

@@ -691,6 +691,106 @@ def test_a_replica_killed_while_it_drains_fails_its_requests_with_its_death(
         assert s.aborted
 
 
+def test_a_close_cuts_short_a_drained_removal_under_way(launch: Open) -> None:
+    # close() does not wait for a remove_replica(drain=True) of another thread: the
+    # draining stage stops at once, its requests end as a close ends them, and the removal
+    # raises StageClosedError.
+    pool = launch(replicas=2, kwargs={"step_s": 0.005})
+    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
+    for s in streams:
+        s.get(10)
+    victim = pool.replicas[0]
+    pid = victim.pid
+    assert any(s.replica is victim for s in streams)
+    outcome: list[object] = []
+
+    def remove() -> None:
+        try:
+            outcome.append(pool.remove_replica(victim, drain=True, timeout=20))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    remover = threading.Thread(target=remove)
+    remover.start()
+    try:
+        assert wait_until(lambda: victim.state is ReplicaState.DRAINING, 10)
+        pool.close()
+        for s in streams:  # the drained replica's too: not RequestError at the drain's end
+            with pytest.raises(StageClosedError):
+                s.collect(10)
+    finally:
+        remover.join(30)
+    assert not remover.is_alive()
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], StageClosedError), outcome
+    assert "closed while r0 drained" in str(outcome[0])
+    assert victim.state is ReplicaState.REMOVED
+    assert pid_gone(cast(int, pid))
+
+
+def test_a_close_cuts_short_the_drain_of_a_stopped_replica_too(launch: Open) -> None:
+    # The stage of the drained replica is stopped (SIGSTOP): the cut cannot stop it, so the
+    # close signals it after its own timeout, as it does any other replica that does not
+    # stop, instead of waiting for the drain's 100 s.
+    pool = launch(replicas=2, kwargs={"step_s": 0.005}, ping_interval=0.2)
+    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
+    for s in streams:
+        s.get(10)
+    victim = pool.replicas[0]
+    pid = cast(int, victim.pid)
+    outcome: list[object] = []
+
+    def remove() -> None:
+        try:
+            outcome.append(pool.remove_replica(victim, drain=True, timeout=100))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    os.kill(pid, signal.SIGSTOP)
+    remover = threading.Thread(target=remove)
+    remover.start()
+    try:
+        assert wait_until(lambda: victim.state is ReplicaState.DRAINING, 10)
+        pool.close()
+        for s in streams:
+            with pytest.raises(StageClosedError):
+                s.collect(10)
+    finally:
+        remover.join(30)
+        if not pid_gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not remover.is_alive()
+    assert isinstance(outcome[0], StageClosedError), outcome
+    assert pid_gone(pid)
+
+
+def test_a_drained_removal_of_a_stopped_replica_keeps_to_its_timeout(launch: Open) -> None:
+    # A SIGSTOPped replica cannot end its drain: the removal waits its timeout and 1 s for
+    # the exit, then SIGTERM and a second, then SIGKILL; not the 5 s of a close on top.
+    pool = launch(replicas=2, kwargs={"step_s": 0.005}, ping_interval=0.2)
+    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
+    for s in streams:
+        s.get(10)
+    victim = pool.replicas[0]
+    on_victim = [s for s in streams if s.replica is victim]
+    assert on_victim
+    os.kill(cast(int, victim.pid), signal.SIGSTOP)
+    started = time.monotonic()
+    code = pool.remove_replica(victim, drain=True, timeout=1)
+    took = time.monotonic() - started
+    assert code == -signal.SIGKILL
+    assert took < 1 + 2 + 2.5, took  # was 7 s and more: 1 + 5 + 1, then the kill
+    for s in on_victim:
+        with pytest.raises(StageClosedError):
+            s.collect(10)
+    assert len(pool.replicas) == 1
+    assert victim not in pool.replicas
+    survivors = [s for s in streams if s.replica is not victim]
+    pool.abort([s.req_id for s in survivors])
+    for s in survivors:
+        s.collect(10)
+
+
 def test_a_pool_over_connected_and_launched_replicas(pools: tuple[Open, Open]) -> None:
     _, connect = pools
     server = Server("--engine", COUNTDOWN, "--bind", "tcp://127.0.0.1:*")

@@ -1283,12 +1283,26 @@ class TestCredits:
         assert chunk <= most <= 3 * chunk + 300
         assert wait_until(lambda: pipe.stats()["fast"].engine["edge_in_flight_bytes"] == 0, 10)
 
-    @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
-    def test_a_bad_window_is_refused(self, bad: Any) -> None:
-        with pytest.raises(ValueError, match="window must be an int >= 1 or None"):
-            PipelineStage(COUNTDOWN, window=bad)
-        with pytest.raises(ValueError, match="window_bytes must be an int >= 1 or None"):
-            PipelineStage(COUNTDOWN, window_bytes=bad)
+    @pytest.mark.parametrize(
+        ("bad", "error"),
+        [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError), ("8", TypeError)],
+    )
+    def test_a_bad_window_is_refused(self, bad: Any, error: type[Exception]) -> None:
+        # A value of the wrong type is a TypeError (as for a pool's replicas), a bad int a
+        # ValueError; the message is the same.
+        for what in ("window", "window_bytes", "shm_threshold"):
+            with pytest.raises(error, match=f"^{what} must be an int >= 1 or None"):
+                PipelineStage(COUNTDOWN, **{what: bad})
+        if error is TypeError:
+            with pytest.raises(TypeError, match="shm_pool_bytes must be an int >= 1"):
+                PipelineStage(COUNTDOWN, shm_pool_bytes=bad)
+        with pytest.raises(error, match="replicas must be an int >= 1"):
+            PipelineStage(COUNTDOWN, replicas=bad)
+
+    @pytest.mark.parametrize(("bad", "error"), [(0, ValueError), ("1", TypeError)])
+    def test_a_bad_shm_lease_is_refused(self, bad: Any, error: type[Exception]) -> None:
+        with pytest.raises(error, match="shm_lease must be seconds > 0"):
+            PipelineStage(COUNTDOWN, shm_lease=bad)
 
     def test_names_that_would_share_a_key_of_health_and_stats_are_refused(self) -> None:
         # An empty name was taken for the factory string, so two stages could be named
@@ -2053,20 +2067,22 @@ class TestSharedMemory:
         assert wait_until(lambda: pipe.stats()["a"].engine["edge_in_flight_bytes"] == 0, 10)
 
     @pytest.mark.parametrize(
-        "bad",
+        ("bad", "error"),
         [
-            {"shm_threshold": 0},
-            {"shm_threshold": 1.5},
-            {"shm_pool_bytes": 0},
-            {"shm_pool_bytes": True},
-            {"shm_lease": 0},
-            {"shm_lease": -1.0},
-            {"shm_lease": True},
-            {"shm_lease": "10"},
+            ({"shm_threshold": 0}, ValueError),
+            ({"shm_threshold": 1.5}, TypeError),  # the wrong type: TypeError
+            ({"shm_pool_bytes": 0}, ValueError),
+            ({"shm_pool_bytes": True}, TypeError),
+            ({"shm_lease": 0}, ValueError),
+            ({"shm_lease": -1.0}, ValueError),
+            ({"shm_lease": True}, TypeError),
+            ({"shm_lease": "10"}, TypeError),
         ],
     )
-    def test_bad_shared_memory_options_are_refused(self, bad: dict[str, Any]) -> None:
-        with pytest.raises(ValueError, match=next(iter(bad))):
+    def test_bad_shared_memory_options_are_refused(
+        self, bad: dict[str, Any], error: type[Exception]
+    ) -> None:
+        with pytest.raises(error, match=next(iter(bad))):
             PipelineStage(ECHO, **bad)
 
     @pytest.mark.parametrize("killed", ["a", "b"])

@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from . import _clientbase, _session
-from ._aclient import AsyncRequestStream, AsyncStageClient, _until
+from ._aclient import AsyncRequestStream, AsyncStageClient, _until, _until_set
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
@@ -35,9 +35,12 @@ from ._pool_core import (
     ScoreFn,
 )
 from ._poolbase import (
+    DRAIN_EXIT_S,
     PoolBase,
     PoolStreamCore,
     connect_specs,
+    cut_drain,
+    escalate_steps,
     events_off,
     fail_with_group,
     launch_specs,
@@ -533,10 +536,27 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         return await asyncio.shield(task)
 
     async def _remove(self, replica: Replica, was: ReplicaState, drain: float | None) -> int | None:
-        code = None
+        code, cut = None, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
-            code = await self._stop_member(replica, drain=drain, timeout=5.0)
+            if drain is not None:
+                if self._core.closing:  # a close has begun: it stops the stage now
+                    cut, drain = True, None
+                else:
+                    self._drains.add(replica)
+            try:
+                code = await self._stop_member(
+                    replica, drain=drain, timeout=DRAIN_EXIT_S if drain is not None else 5.0
+                )
+            finally:
+                self._drains.discard(replica)
+                cut = cut or replica in self._cut
+                self._cut.discard(replica)
         self._core.set_state(replica, ReplicaState.REMOVED)
+        if cut:
+            raise StageClosedError(
+                f"this stage pool closed while {replica.name} drained: its requests still "
+                "live ended with StageClosedError"
+            )
         return code
 
     async def _stop_member(
@@ -550,7 +570,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if drain is not None:  # a connected stage: wait for the pool's requests, then detach
             deadline = time.monotonic() + drain
             while member._session.in_flight and member._session.failure is None:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or self._closed.is_set():
                     break
                 await asyncio.sleep(0.01)
         await member.close()
@@ -654,6 +674,11 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 return dict(self._exit_codes)
             self._core.begin_close()
             self._closed.set()
+            cut = list(self._drains) if drain is None else []
+            for r in cut:  # a removal's drain under way stops now, as the others do
+                self._cut.add(r)
+                if r._client is not None:
+                    cut_drain(r._client)
             for starts in list(self._starting):  # an add_replica() that waits for a start:
                 self._stopped_starts.add(starts)  # its half-started stage is killed, and it
                 starts.cancel()  # raises StageClosedError
@@ -663,6 +688,18 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 member: _AsyncMember | None = r._client
                 if member is None:
                     return
+                launched = member._launched
+                if (
+                    r in cut
+                    and launched is not None
+                    and not await _until_set(member._exited, timeout)
+                ):
+                    # Its removal waits for the drain's end: a stage that did not stop on
+                    # the cut (stopped, stuck) is signalled now, as the others are.
+                    for sig, wait in escalate_steps(member):
+                        launched.send_signal(sig)
+                        if await _until_set(member._exited, wait):
+                            break
                 if stop or member._launched is not None:
                     code = await member.shutdown(timeout, drain=drain)
                 else:

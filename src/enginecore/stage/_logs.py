@@ -47,6 +47,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Final
 
 import msgspec
@@ -485,9 +486,33 @@ def _reemit(message: _Record) -> None:
         }
     )
     target = logging.getLogger() if message.name == "root" else logging.getLogger(message.name)
-    # A handler that raises instead of calling handleError must not end the log thread.
-    with contextlib.suppress(Exception):
+    try:
         target.handle(record)
+    except Exception:
+        # A handler that raises instead of calling its handleError() (as the stdlib's
+        # handlers do) must not end the log thread, nor go unseen: reported as
+        # logging.Handler.handleError reports an error.
+        _handle_error(record)
+
+
+def _handle_error(record: logging.LogRecord) -> None:
+    """What :meth:`logging.Handler.handleError` does with an error in ``emit()``, for a
+    parent-side handler that raised on a forwarded *record*: the traceback and the record on
+    ``sys.stderr`` (each time), unless :data:`logging.raiseExceptions` is false (then,
+    as there, nothing)."""
+    if not (logging.raiseExceptions and sys.stderr):
+        return
+    try:
+        sys.stderr.write("--- Logging error ---\n")
+        traceback.print_exc(file=sys.stderr)
+        stage = getattr(record, "stage", "?")
+        sys.stderr.write(
+            f"A handler of logger {record.name!r} raised on a record forwarded from stage "
+            f"{stage} (pid {record.process}); the log forwarding goes on.\n"
+            f"Message: {record.msg!r}\n"
+        )
+    except OSError:  # as logging: stderr is gone
+        pass
 
 
 _lock = threading.Lock()

@@ -211,20 +211,20 @@ class PipelineStage:
         if self.replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
         if isinstance(self.shm_pool_bytes, bool) or not isinstance(self.shm_pool_bytes, int):
-            raise ValueError(f"shm_pool_bytes must be an int >= 1, got {self.shm_pool_bytes!r}")
+            raise TypeError(f"shm_pool_bytes must be an int >= 1, got {self.shm_pool_bytes!r}")
         if self.shm_pool_bytes < 1:
             raise ValueError(f"shm_pool_bytes must be an int >= 1, got {self.shm_pool_bytes!r}")
-        if (
-            isinstance(self.shm_lease, bool)
-            or not isinstance(self.shm_lease, (int, float))
-            or not 0 < self.shm_lease < 1e6
-        ):
+        if isinstance(self.shm_lease, bool) or not isinstance(self.shm_lease, (int, float)):
+            raise TypeError(f"shm_lease must be seconds > 0, got {self.shm_lease!r}")
+        if not 0 < self.shm_lease < 1e6:
             raise ValueError(f"shm_lease must be seconds > 0, got {self.shm_lease!r}")
         for what in ("window", "window_bytes", "shm_threshold"):
             value = getattr(self, what)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):  # the wrong type
+                raise TypeError(f"{what} must be an int >= 1 or None, got {value!r}")
+            if value < 1:
                 raise ValueError(f"{what} must be an int >= 1 or None, got {value!r}")
         if not isinstance(self.restart, (bool, RestartPolicy)):
             raise TypeError(f"restart must be a bool or a RestartPolicy, got {self.restart!r}")

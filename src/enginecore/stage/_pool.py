@@ -45,9 +45,12 @@ from ._pool_core import (
     ScoreFn,
 )
 from ._poolbase import (
+    DRAIN_EXIT_S,
     PoolBase,
     PoolStreamCore,
     connect_specs,
+    cut_drain,
+    escalate_steps,
     events_off,
     fail_with_group,
     launch_specs,
@@ -701,17 +704,46 @@ class StagePool(PoolBase[PoolRequestStream]):
         seconds; those still live then are aborted by the stage and end with
         :class:`~enginecore.stage.RequestError`); without, they end with
         :class:`~enginecore.stage.StageClosedError`. A launched replica is stopped, a
-        connected one detached from. Returns the exit code (``None`` if unknown). Blocks."""
+        connected one detached from. Returns the exit code (``None`` if unknown). Blocks:
+        with *drain*, at most *timeout* seconds plus 1 s for the stage to exit, then
+        SIGTERM, one more second, and SIGKILL (a stopped or stuck stage).
+
+        A :meth:`close` (or :meth:`shutdown` without a drain) while the replica drains
+        cuts the drain short: the stage stops at once, its requests still live end with
+        :class:`~enginecore.stage.StageClosedError` as the close ends every other one,
+        the replica is removed, and this call raises
+        :class:`~enginecore.stage.StageClosedError`."""
         with self._lock:
             if replica not in self._core.replicas:
                 raise ValueError(f"{replica!r} is not in this pool")
             was = replica.state
             self._core.set_state(replica, ReplicaState.DRAINING)
-        code = None
+        code, cut = None, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
-            code = self._stop_member(replica, drain=timeout if drain else None, timeout=5.0)
+            if drain:
+                with self._lock:
+                    if self._core.closing:  # a close has begun: it stops the stage now
+                        cut, drain = True, False
+                    else:
+                        self._drains.add(replica)
+            try:
+                code = self._stop_member(
+                    replica,
+                    drain=timeout if drain else None,
+                    timeout=DRAIN_EXIT_S if drain else 5.0,
+                )
+            finally:
+                with self._lock:
+                    self._drains.discard(replica)
+                    cut = cut or replica in self._cut
+                    self._cut.discard(replica)
         with self._lock:
             self._core.set_state(replica, ReplicaState.REMOVED)
+        if cut:
+            raise StageClosedError(
+                f"this stage pool closed while {replica.name} drained: its requests still "
+                "live ended with StageClosedError"
+            )
         return code
 
     def _stop_member(self, replica: Replica, *, drain: float | None, timeout: float) -> int | None:
@@ -723,7 +755,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         if drain is not None:  # a connected stage: wait for the pool's requests, then detach
             deadline = time.monotonic() + drain
             while member._session.in_flight and member._session.failure is None:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or self._closed.is_set():
                     break
                 time.sleep(0.01)
         member.close()
@@ -816,7 +848,8 @@ class StagePool(PoolBase[PoolRequestStream]):
 
     def close(self) -> None:
         """Release the pool: launched replicas are shut down, connected ones detached
-        from. Blocks; idempotent."""
+        from (a replica that :meth:`remove_replica` drains too: its drain is cut short).
+        Blocks; idempotent."""
         self._close(stop=False, timeout=5.0, drain=None)
 
     def __enter__(self) -> StagePool:
@@ -839,13 +872,26 @@ class StagePool(PoolBase[PoolRequestStream]):
             with self._lock:
                 self._core.begin_close()
                 replicas = list(self._core.replicas)
+                cut = [r for r in self._drains if drain is None]
+                self._cut.update(cut)
             self._closed.set()
+            for r in cut:  # a removal's drain under way stops now, as the others do
+                if r._client is not None:
+                    cut_drain(r._client)
             self._starts_cancelled.send_bytes(b"closed")  # starts in progress stop waiting
 
             def stop_one(r: Replica) -> None:
                 member: _Member | None = r._client
                 if member is None:
                     return
+                launched = member._launched
+                if r in cut and launched is not None and not launched.wait_exit(timeout):
+                    # Its removal waits for the drain's end: a stage that did not stop on
+                    # the cut (stopped, stuck) is signalled now, as the others are.
+                    for sig, wait in escalate_steps(member):
+                        launched.send_signal(sig)
+                        if launched.wait_exit(wait):
+                            break
                 if stop or member._launched is not None:
                     code = member.shutdown(timeout, drain=drain)
                 else:

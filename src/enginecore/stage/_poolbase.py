@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Final, Generic, TypeVar
 
-from . import _session
+import zmq
+
+from . import _clientbase, _session
 from ._clientbase import ClientBase, Target, check_heartbeat
 from ._errors import EngineDeadError, NoReplicaError, StageClosedError, positive_seconds
 from ._pool_core import (
@@ -34,9 +36,12 @@ from ._session import ClientSession, Deliveries, End, StageHealth, StreamCore
 from ._wire import Aborted, ErrorReport, Outputs
 
 __all__ = [
+    "DRAIN_EXIT_S",
     "PoolBase",
     "PoolStreamCore",
     "connect_specs",
+    "cut_drain",
+    "escalate_steps",
     "fail_with_group",
     "launch_specs",
     "member_plan",
@@ -151,6 +156,36 @@ def fail_with_group(member: Any, replica: Replica, dead: Replica) -> None:
     if launched is not None:
         with contextlib.suppress(OSError):
             launched.send_signal(signal.SIGKILL)
+
+
+DRAIN_EXIT_S: Final = 1.0
+"""How long ``remove_replica(drain=True, timeout=t)`` waits for a launched stage's exit
+after the *t* seconds of its drain (the stage aborts what is still live then, and stops)
+before it signals the stage (SIGTERM, one more second, SIGKILL): a stage that is stopped
+(SIGSTOP) or stuck cannot hold the removal past *t* + 2 s and its kill."""
+
+
+def cut_drain(member: Any) -> None:
+    """The pool closes, without a drain, while *member*'s stage drains for a
+    ``remove_replica(drain=True)``: stop it now, as the close does every other replica
+    (a ``shutdown`` without a drain stops a draining stage at once), so that the close does
+    not wait for the drain. Its requests still live end with
+    :class:`~enginecore.stage.StageClosedError`, as a close ends them (not as a death
+    during a drain). The removal's own close of *member* then sees the stage's exit."""
+    with member._lock:
+        alive = member._session.begin_close(False)
+    if alive and member._launched is not None:
+        with contextlib.suppress(zmq.ZMQError, StageClosedError):
+            member._send(_session.shutdown_frame(None))
+
+
+def escalate_steps(member: Any) -> Any:
+    """A cut drain's stage (:func:`cut_drain`) did not stop within the close's timeout
+    (stopped, stuck): mark the exit as the close's doing and return the signals to send,
+    as a client's own close does after its timeout (SIGTERM, a second, SIGKILL)."""
+    with member._lock:
+        member._session.escalating()
+    return _clientbase.escalate(member._session.pid, member._session.presumed_dead)
 
 
 def connect_specs(addresses: Sequence[str], options: dict[str, Any]) -> list[dict[str, Any]]:
@@ -275,6 +310,10 @@ class PoolBase(Generic[S]):
         )
         self._events_waiting = False  # its consumer waits: the next append wakes it
         self._events_closed = False  # the End is in _events (or was read)
+        # The replicas that a remove_replica(drain=True) drains now, and those of them whose
+        # drain a close without a drain cut short (their removal raises StageClosedError).
+        self._drains: set[Replica] = set()
+        self._cut: set[Replica] = set()
 
     def _wake(self, stream: S) -> None:
         """Wake *stream*'s consumer, which waits."""

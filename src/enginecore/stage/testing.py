@@ -384,9 +384,10 @@ class TokenEchoEngine:
 
     A request is a dict ``{"prompt": [token ids], "max_tokens": int = 16, "temperature":
     float = 0, "top_p": float = 1, "seed": int | None, "stop_token_ids": [int]}``; any
-    other key, a text prompt (this engine has no tokenizer), an empty prompt, a negative id,
-    ``max_tokens < 1``, ``temperature < 0``, ``top_p`` outside ``(0, 1]``, or a prompt plus
-    ``max_tokens`` longer than *max_model_len* is a :class:`~enginecore.RequestRejected`.
+    other key, a text prompt (this engine has no tokenizer), an empty prompt, a negative id
+    (or one >= *vocab_size*, when given), ``max_tokens < 1``, ``temperature < 0``, ``top_p``
+    outside ``(0, 1]``, or a prompt plus ``max_tokens`` longer than *max_model_len* is a
+    :class:`~enginecore.RequestRejected`.
 
     Every step (after sleeping *step_delay* seconds, when there is work) gives each live
     request one token: the prompt's ids in a cycle, starting at the prompt's first id, or,
@@ -397,15 +398,21 @@ class TokenEchoEngine:
     with the same arguments as the real engine.
 
     ``stats()`` reports ``running``, ``added``, ``aborted`` and ``finished``; utility
-    ``"num_requests"`` returns the live requests.
+    ``"num_requests"`` returns the live requests, and ``"model_info"`` (as the transformers
+    engine's) ``{"max_positions": max_model_len, "vocab_size": vocab_size}``.
     """
 
     def __init__(
-        self, model: str | None = None, step_delay: float = 0.0, max_model_len: int = 2048
+        self,
+        model: str | None = None,
+        step_delay: float = 0.0,
+        max_model_len: int = 2048,
+        vocab_size: int | None = None,
     ) -> None:
         self.model = model
         self.step_delay = step_delay
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self._live: dict[str, _TokenRequest] = {}
         self._added = 0
         self._aborted = 0
@@ -433,6 +440,10 @@ class TokenEchoEngine:
             raise RequestRejected("prompt must be a non-empty list of token ids")
         if not all(_is_int(t) and t >= 0 for t in prompt):
             raise RequestRejected("prompt must be a list of token ids (ints >= 0)")
+        if self.vocab_size is not None and max(prompt) >= self.vocab_size:
+            raise RequestRejected(
+                f"prompt has token id {max(prompt)}, outside the vocabulary of {self.vocab_size}"
+            )
         max_tokens = data.get("max_tokens", 16)
         if not _is_int(max_tokens) or max_tokens < 1:
             raise RequestRejected(f"max_tokens must be an int >= 1, got {max_tokens!r}")
@@ -464,7 +475,11 @@ class TokenEchoEngine:
     def utility(self, name: str, args: tuple[Any, ...]) -> Any:
         if name == "num_requests":
             return len(self._live)
-        raise ValueError(f"TokenEchoEngine has no utility {name!r}; known: 'num_requests'")
+        if name == "model_info":
+            return {"max_positions": self.max_model_len, "vocab_size": self.vocab_size}
+        raise ValueError(
+            f"TokenEchoEngine has no utility {name!r}; known: 'num_requests', 'model_info'"
+        )
 
     def stats(self) -> dict[str, float]:
         return {
