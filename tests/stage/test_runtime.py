@@ -139,7 +139,6 @@ class TestRouteHooks:
         assert events[1:-1] == [["outputs", ["a"], [False], [1]]]
         assert "Canned.route_output() must return" in events[-1][1]
 
-
     @pytest.mark.parametrize("hook", ["route_outputs", "route_output", None])
     @pytest.mark.parametrize("result", [None, 5])
     def test_a_step_that_returns_no_iterable_is_fatal_naming_the_step(

@@ -486,6 +486,55 @@ class TestSessions:
         ]
         assert _but_idle_reports(second, later) == []
 
+    def test_a_taken_over_client_that_comes_back_is_refused_and_told_why(
+        self, server: Server
+    ) -> None:
+        # A client stopped (SIGSTOP) past the session timeout and the ZMTP heartbeat: its
+        # PULL connection was dropped, and the next client took its session over. Run again,
+        # it still believed itself attached: its messages reached the engine (a shutdown
+        # stopped the stage under the new client), its pings were answered on the new
+        # client's output socket (where its PULL, connected again, took every other event
+        # of the new client's), and its streams and calls hung. Now each of its messages is
+        # refused with a "session lost" reject, which the Python clients raise as
+        # SessionLostError (releasing their PULL).
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        pull = ctx.socket(zmq.PULL)
+        try:
+            dealer.setsockopt(zmq.ROUTING_ID, b"ec-first-client")
+            dealer.connect(server.address)
+            dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "first"]))
+            assert dealer.poll(5000)
+            tag, _, output, *_ = msgspec.msgpack.decode(dealer.recv())
+            assert tag == "welcome"
+            pull.connect("tcp://127.0.0.1:" + output.rsplit(":", 1)[1])
+            dealer.send(msgspec.msgpack.encode(["add", "first-big", 10**8]))
+            assert pull.poll(5000)  # its output: the request runs
+            pull.close(linger=0)  # its PULL connection dropped; silent past the timeout
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    second = StageClient.connect(server.address)
+                    break
+                except ProtocolError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            with second:
+                for msg in (["ping", 1], ["add", "late", 1], ["shutdown"]):
+                    dealer.send(msgspec.msgpack.encode(msg))
+                    assert dealer.poll(5000), msg
+                    tag, _, reason = msgspec.msgpack.decode(dealer.recv())
+                    assert tag == "reject"
+                    assert reason.startswith(_stage_session.SESSION_LOST), reason
+                    assert "another client took this client's session over" in reason
+                assert second.call_utility("log", timeout=5) == ["add first-big", "abort first-big"]
+                assert list(second.add("r", 3)) == [2, 1, 0]
+        finally:
+            pull.close(linger=0)
+            dealer.close(linger=0)
+            ctx.term()
+        assert server.proc.poll() is None  # the first client's shutdown was refused
+
     def test_a_blocking_clients_close_aborts_its_requests(self, server: Server) -> None:
         with StageClient.connect(server.address) as first:
             first.add("big", 10**8).get(5)
