@@ -666,6 +666,14 @@ def test_curve_keys_are_checked_and_hide_the_secret(keys: Keys) -> None:
         CurveKeys.load(keys.stage_public, keys.stage_public)
 
 
+def test_curve_keys_whose_public_key_is_not_the_secret_keys_are_refused(keys: Keys) -> None:
+    # Before, they were accepted, and connect() blamed the server key ("likely wrong").
+    with pytest.raises(ValueError, match="public_key is not the public key of secret_key"):
+        CurveKeys(keys.alice.public_key, keys.mallory.secret_key, keys.alice.server_key)
+    with pytest.raises(ValueError, match="public_key is not the public key of secret_key"):
+        CurveKeys(keys.alice.server_key, keys.alice.secret_key, keys.alice.server_key)
+
+
 # -- observers: StageObserver and top ----------------------------------------------------------
 
 

@@ -139,6 +139,24 @@ class TestRouteHooks:
         assert events[1:-1] == [["outputs", ["a"], [False], [1]]]
         assert "Canned.route_output() must return" in events[-1][1]
 
+    @pytest.mark.parametrize("hook", ["route_outputs", "route_output", None])
+    @pytest.mark.parametrize("result", [None, 5])
+    def test_a_step_that_returns_no_iterable_is_fatal_naming_the_step(
+        self, no_leftovers: str, hook: str | None, result: Any
+    ) -> None:
+        engine = Canned(result)
+        if hook == "route_outputs":
+            engine.route_outputs = lambda outs: ([None] * len(outs), [False] * len(outs), outs)  # type: ignore[attr-defined]
+        elif hook == "route_output":
+            engine.route_output = lambda out: (None, False, out)  # type: ignore[attr-defined]
+        with in_process_stage(engine, no_leftovers) as (stage, client):
+            client.send("utility", 1, "step", [])
+            events = client.until(lambda ev: ev[0] == "fatal")
+            assert stage.wait() == EXIT_FATAL
+        message = events[-1][1]
+        assert "Canned.step() must return an iterable of outputs (a list)" in message
+        assert f"got {result!r}" in message
+
 
 class _Unencodable:
     pass

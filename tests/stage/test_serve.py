@@ -486,6 +486,95 @@ class TestSessions:
         ]
         assert _but_idle_reports(second, later) == []
 
+    def test_a_taken_over_client_that_comes_back_is_refused_and_told_why(
+        self, server: Server
+    ) -> None:
+        # A client stopped (SIGSTOP) past the session timeout and the ZMTP heartbeat: its
+        # PULL connection was dropped, and the next client took its session over. Run again,
+        # it still believed itself attached: its messages reached the engine (a shutdown
+        # stopped the stage under the new client), its pings were answered on the new
+        # client's output socket (where its PULL, connected again, took every other event
+        # of the new client's), and its streams and calls hung. Now each of its messages is
+        # refused with a "session lost" reject, which the Python clients raise as
+        # SessionLostError (releasing their PULL).
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        pull = ctx.socket(zmq.PULL)
+        try:
+            dealer.setsockopt(zmq.ROUTING_ID, b"ec-first-client")
+            dealer.connect(server.address)
+            dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "first"]))
+            assert dealer.poll(5000)
+            tag, _, output, *_ = msgspec.msgpack.decode(dealer.recv())
+            assert tag == "welcome"
+            pull.connect("tcp://127.0.0.1:" + output.rsplit(":", 1)[1])
+            dealer.send(msgspec.msgpack.encode(["add", "first-big", 10**8]))
+            assert pull.poll(5000)  # its output: the request runs
+            pull.close(linger=0)  # its PULL connection dropped; silent past the timeout
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    second = StageClient.connect(server.address)
+                    break
+                except ProtocolError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            with second:
+                for msg in (["ping", 1], ["add", "late", 1], ["shutdown"]):
+                    dealer.send(msgspec.msgpack.encode(msg))
+                    assert dealer.poll(5000), msg
+                    tag, _, reason = msgspec.msgpack.decode(dealer.recv())
+                    assert tag == "reject"
+                    assert reason.startswith(_stage_session.SESSION_LOST), reason
+                    assert "another client took this client's session over" in reason
+                assert second.call_utility("log", timeout=5) == ["add first-big", "abort first-big"]
+                assert list(second.add("r", 3)) == [2, 1, 0]
+        finally:
+            pull.close(linger=0)
+            dealer.close(linger=0)
+            ctx.term()
+        assert server.proc.poll() is None  # the first client's shutdown was refused
+
+    @pytest.mark.slow  # stopped past the 5 s ZMTP heartbeat, so that the next one gets in
+    @pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+    def test_a_stopped_client_whose_session_was_taken_over_fails_when_it_runs_again(
+        self, server: Server, kind: str
+    ) -> None:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _TAKEN_OVER_CLIENT, server.address, kind],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "streaming"
+            os.kill(child.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        second = StageClient.connect(server.address, timeout=6)
+                        break
+                    except ProtocolError:  # held, then refused, until its PULL is dropped
+                        assert time.monotonic() < deadline
+            finally:
+                os.kill(child.pid, signal.SIGCONT)
+            with second:
+                out, _ = child.communicate(timeout=30)
+                lines = out.splitlines()
+                assert len(lines) == 3, out  # the stream, the pending call, a later call
+                for line in lines:
+                    assert line.startswith("SessionLostError: "), out
+                    assert "another client took this client's session over" in line, out
+                log = second.call_utility("log", timeout=5)
+                assert log[:2] == ["add first", "abort first"]
+                assert "add late" not in log  # what it sent after its session was lost
+                assert list(second.add("r", 50)) == list(range(49, -1, -1))
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
     def test_a_blocking_clients_close_aborts_its_requests(self, server: Server) -> None:
         with StageClient.connect(server.address) as first:
             first.add("big", 10**8).get(5)
@@ -572,6 +661,65 @@ class TestSessions:
             code = stage.wait()
         assert code == 0
         assert stage.runtime._outbox.terminal == "shutdown"
+
+
+_TAKEN_OVER_CLIENT = """
+import asyncio, sys
+from enginecore.stage import AsyncStageClient, StageClient
+
+def report(exc):
+    print(f"{type(exc).__name__}: {exc}", flush=True)
+
+def blocking(address):
+    with StageClient.connect(address, heartbeat_timeout=120.0) as client:
+        stream = client.add("first", 10**8)
+        next(stream)
+        pending = client.call_utility_future("sleep", 0.2)
+        pending.result(5)
+        pending = client.call_utility_future("deferred_never")
+        print("streaming", flush=True)  # then the test stops this process
+        try:
+            for _ in stream:
+                pass
+        except Exception as exc:
+            report(exc)
+        try:
+            pending.result(60)
+        except Exception as exc:
+            report(exc)
+        try:
+            client.add("late", 1)
+            client.call_utility("echo", 1, timeout=60)
+        except Exception as exc:
+            report(exc)
+
+async def main(address):
+    async with await AsyncStageClient.connect(address, heartbeat_timeout=120.0) as client:
+        stream = await client.add("first", 10**8)
+        await stream.__anext__()
+        pending = asyncio.ensure_future(client.call_utility("deferred_never"))
+        await asyncio.sleep(0.2)
+        print("streaming", flush=True)
+        try:
+            async for _ in stream:
+                pass
+        except Exception as exc:
+            report(exc)
+        try:
+            await asyncio.wait_for(pending, 60)
+        except Exception as exc:
+            report(exc)
+        try:
+            await client.add("late", 1)
+            await client.call_utility("echo", 1, timeout=60)
+        except Exception as exc:
+            report(exc)
+
+if sys.argv[2] == "blocking":
+    blocking(sys.argv[1])
+else:
+    asyncio.run(main(sys.argv[1]))
+"""
 
 
 def _comm(pid: int, tid: int) -> str:

@@ -186,6 +186,58 @@ class TestHandshake:
         assert isinstance(change, SessionChange)
         assert change.epoch == 2
 
+    @pytest.mark.parametrize(
+        "msg",
+        [
+            ("ping", 7),
+            ("add", "r1", 1),
+            ("adds", ["r1"], [1]),
+            ("abort", ["r1"]),
+            ("utility", 3, "div", [1, 2]),
+            ("shutdown",),
+        ],
+    )
+    def test_a_taken_over_client_that_comes_back_is_told_its_session_is_lost(
+        self, session: StageSession, msg: tuple[Any, ...]
+    ) -> None:
+        # It was stopped (SIGSTOP) past the session timeout and B took over: nothing it
+        # sends reaches the engine or B's output stream, and it learns why, so that its
+        # client fails its streams and calls (SessionLostError) and closes its PULL (which
+        # the output socket would otherwise deal B's events to).
+        welcome(session)
+        session.receive(B, frame("hello", V, "test"), 10.0)
+        replies(session)
+        take(session)
+        session.receive(A, frame(*msg), 11.0)
+        assert take(session) == ([], [])
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (A, "reject")
+        assert reply[2].startswith(SESSION_LOST)
+        assert "another client took this client's session over (session 2)" in reply[2]
+        assert "silent for more than the session timeout (10 s)" in reply[2]
+        assert session.client == B
+
+    def test_a_taken_over_client_may_attach_again_observe_and_say_bye(
+        self, session: StageSession
+    ) -> None:
+        welcome(session)
+        session.receive(B, frame("hello", V, "test"), 10.0)
+        replies(session)
+        session.receive(A, frame("stats", 4), 11.0)  # answered on the input socket
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (A, "utility")
+        session.receive(A, frame("bye"), 11.0)  # nothing to end: B's session goes on
+        assert session.client == B
+        session.receive(A, frame("ping", 1), 11.0)  # forgotten after its bye: as before
+        assert not session.replies
+        session.receive(A, frame("hello", V, "test"), 30.0)  # B silent since 10.0
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (A, "welcome")
+        take(session)
+        session.receive(A, frame("ping", 2), 31.0)
+        assert not session.replies
+        assert take(session) == ([], [("pong", 2)])
+
     def test_a_silent_client_still_connected_holds_the_hello_then_it_is_rejected(
         self, session: StageSession
     ) -> None:

@@ -89,7 +89,9 @@ class CurveKeys:
 
     :meth:`load` reads the files that ``python -m enginecore keygen`` writes. The secret
     key is left out of ``repr()``. :class:`ValueError` for a key that is not Z85 of the
-    right length.
+    right length, and for a *public_key* that is not the public key of *secret_key* (keys
+    of two pairs: the stage would refuse every connection, and the client could only guess
+    that the server key was wrong).
     """
 
     public_key: bytes
@@ -99,6 +101,17 @@ class CurveKeys:
     def __post_init__(self) -> None:
         for name in ("public_key", "secret_key", "server_key"):
             object.__setattr__(self, name, _check_key(getattr(self, name), name))
+        try:
+            derived = zmq.curve_public(self.secret_key)
+        except zmq.ZMQError:  # a libzmq without CURVE: connect() says so
+            return
+        if derived != self.public_key:
+            raise ValueError(
+                f"public_key is not the public key of secret_key: they are not one key pair "
+                f"(secret_key's public key is {derived.decode()}, public_key is "
+                f"{self.public_key.decode()}); give the client's own pair, from its "
+                f"NAME.key_secret"
+            )
 
     @classmethod
     def load(

@@ -606,6 +606,7 @@ def _make_handle_outputs(
     counts: _Counts | None = None,
     reporter: LoadReporter | None = None,
     has_work: Callable[[], bool] | None = None,
+    what: str = "step",
 ) -> Callable[[Callable[[], Iterable[Any]]], None]:
     """``handle(produce)``: call *produce* (the engine's ``step``, or a ``collect`` of one
     handle) under the *watchdog*, route its outputs on the loop thread (before the engine
@@ -620,8 +621,11 @@ def _make_handle_outputs(
     propagates (fatal), and what was routed before it is still sent first. A request's
     output routed with ``finished=True`` takes its id out of *live*, as does one a
     pipeline's stage ended without an output (its ``take_ended``); during a *drain*, the
-    step that leaves *live* empty ends it."""
+    step that leaves *live* empty ends it. *produce* returning something that is not
+    iterable is a :class:`TypeError` that names the engine's method (*what*: ``step`` or
+    ``collect``), fatal like any other mistake of the engine's."""
     route = make_router(engine)
+    method = f"{type(engine).__name__}.{what}()"
     # A pipeline's stage gives back credit after each step, in the step's frame.
     take_credit: Callable[[], Any] | None = getattr(engine, "take_credit", None)
     # ... and ends some requests without an output (those it sent on: its END tells the
@@ -646,11 +650,17 @@ def _make_handle_outputs(
             if watchdog is not None:
                 watchdog.begin()
                 try:
-                    route(produce(), rids, fins, payloads)
+                    outs = produce()
+                    if outs.__class__ is not list:
+                        outs = _iterable(outs, method)
+                    route(outs, rids, fins, payloads)
                 finally:
                     watchdog.end()
             else:
-                route(produce(), rids, fins, payloads)
+                outs = produce()
+                if outs.__class__ is not list:
+                    outs = _iterable(outs, method)
+                route(outs, rids, fins, payloads)
         finally:
             # Once the stage has aborted anything: in C, ~10 ns per output, the outputs of
             # requests not live are looked at further, for an abort the engine lost.
@@ -705,6 +715,19 @@ def _make_handle_outputs(
                 drain.done()
 
     return handle
+
+
+def _iterable(outs: Any, method: str) -> Iterable[Any]:
+    """*outs*, what the engine's *method* returned, if it is iterable; else the
+    :class:`TypeError` that says so (not the bare ``'NoneType' object is not iterable`` of
+    the routing's ``for``)."""
+    try:
+        iter(outs)
+    except TypeError:
+        raise TypeError(
+            f"{method} must return an iterable of outputs (a list), got {outs!r:.200}"
+        ) from None
+    return outs  # type: ignore[no-any-return]
 
 
 def make_step(
@@ -792,7 +815,7 @@ def make_collect(
     handle, handled as a step is (:func:`_make_handle_outputs`); returns nothing to the
     loop."""
     handle_outputs = _make_handle_outputs(
-        engine, outbox, live, drain, stale, watchdog, counts, reporter
+        engine, outbox, live, drain, stale, watchdog, counts, reporter, what="collect"
     )
     engine_collect = engine.collect
 

@@ -375,6 +375,10 @@ class StageSession:
         self._seen = 0.0  # when the attached client was last heard from
         self._unheard = False  # welcomed, and no message from it yet
         self._told_detached = True  # what the output side was last told
+        self._taken_over: dict[bytes, str] = {}
+        """Clients whose session the next client took over (they were silent past the
+        session timeout): routing id -> the ``reject`` reason for their later messages (the
+        last :data:`_LOST_REMEMBERED`, oldest first)."""
         self.expires = False
         """Whether :meth:`settle` has a deadline to keep besides a held ``hello`` (a
         multi-client stage's session timeouts): the input side calls it after every read,
@@ -424,6 +428,12 @@ class StageSession:
                 # anything more (Outbox._resync).
                 self._unheard = False
                 self._output.resync = True
+        elif (
+            self._taken_over
+            and ident in self._taken_over
+            and self._refused_after_takeover(ident, type(msg))
+        ):
+            return
         cls = type(msg)
         if cls is _wire.AddMsg:
             data = msg.data
@@ -774,7 +784,8 @@ class StageSession:
         return ids
 
     def _accept(self, ident: bytes, now: float) -> None:
-        self._unheard = ident != self.client
+        previous = self.client
+        self._unheard = ident != previous
         if self._unheard:
             # A new client: nothing queued for the previous one may reach it. (Its output
             # connection is gone: a hello is only welcomed with no output peer.)
@@ -787,10 +798,38 @@ class StageSession:
             self.epoch = epoch
             self.to_loop.append(SessionChange(epoch))
             self.state = SessionState.WELCOMED
+            if previous is not None:  # it was silent past the session timeout
+                taken = self._taken_over
+                taken[previous] = (
+                    f"{SESSION_LOST}another client took this client's session over (session "
+                    f"{epoch}) after this client was silent for more than the session timeout "
+                    f"({self._session_timeout:g} s). Send hello to attach again"
+                )
+                while len(taken) > _LOST_REMEMBERED:
+                    del taken[next(iter(taken))]
+        self._taken_over.pop(ident, None)
         self.client = ident
         self._seen = now
         self._update_state()
         self.replies.append((ident, self._welcome))
+
+    def _refused_after_takeover(self, ident: bytes, cls: type) -> bool:
+        """A message from *ident*, a client whose session the next one took over: was it
+        refused? It may still say ``hello`` (a new session, if the stage takes one), ask for
+        ``stats`` (answered on the input socket, as an observer's) and say ``bye`` (then it
+        is forgotten). Anything else, its pings included, never reaches the engine or the
+        attached client's output, and is answered with a :data:`SESSION_LOST` ``reject``:
+        its client fails its streams and calls with
+        :class:`~enginecore.stage.SessionLostError` and closes its ``PULL``, which, once
+        it connected again after its pause, the output socket would deal the attached
+        client's events to."""
+        if cls is _wire.HelloMsg or cls is _wire.StatsMsg:
+            return False
+        if cls is _wire.ByeMsg:
+            del self._taken_over[ident]
+        else:
+            self._reject(ident, self._taken_over[ident])
+        return True
 
     def output_peers_changed(self, delta: int) -> None:
         """The output socket's monitor saw a connection accepted (+1) or closed (-1)."""
