@@ -157,6 +157,21 @@ class TestRouteHooks:
         assert "Canned.step() must return an iterable of outputs (a list)" in message
         assert f"got {result!r}" in message
 
+    @pytest.mark.parametrize("result", ["ab", b"ab", {"a": 1}], ids=repr)
+    def test_a_step_that_returns_a_str_or_a_mapping_is_fatal_naming_the_step(
+        self, no_leftovers: str, result: Any
+    ) -> None:
+        # Iterable, but characters or keys are no outputs: the request would wait for ever.
+        engine = Canned(result)
+        with in_process_stage(engine, no_leftovers) as (stage, client):
+            client.send("utility", 1, "step", [])
+            events = client.until(lambda ev: ev[0] == "fatal")
+            assert stage.wait() == EXIT_FATAL
+        message = events[-1][1]
+        assert f"Canned.step() must return a list of outputs, got a {type(result).__name__}" in (
+            message
+        )
+
 
 class _Unencodable:
     pass

@@ -32,7 +32,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import compress
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -720,14 +720,30 @@ def _make_handle_outputs(
 def _iterable(outs: Any, method: str) -> Iterable[Any]:
     """*outs*, what the engine's *method* returned, if it is iterable; else the
     :class:`TypeError` that says so (not the bare ``'NoneType' object is not iterable`` of
-    the routing's ``for``)."""
+    the routing's ``for``). A ``str``, ``bytes`` or mapping is refused too: iterable,
+    but not a collection of outputs (``return {rid: token}`` would route its keys)."""
+    if isinstance(outs, (str, bytes, bytearray, Mapping)):
+        # Iterable, but its items (characters, keys) are no outputs: a request would never
+        # see its own, and nothing would say why.
+        raise TypeError(
+            f"{method} must return a list of outputs, got a {type(outs).__name__} "
+            f"({_shown(outs)}): its items would be taken for the outputs"
+        )
     try:
         iter(outs)
     except TypeError:
         raise TypeError(
-            f"{method} must return an iterable of outputs (a list), got {outs!r:.200}"
+            f"{method} must return an iterable of outputs (a list), got {_shown(outs)}"
         ) from None
     return outs  # type: ignore[no-any-return]
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut at 200 characters, or its type's name if ``repr`` raises."""
+    try:
+        return f"{value!r:.200}"
+    except Exception:
+        return f"<{type(value).__qualname__} whose repr() raised>"
 
 
 def make_step(
