@@ -32,6 +32,13 @@ class TestStartup:
         assert err.child_traceback in str(err)
         assert err.exit_code == 1
 
+    def test_a_factory_exception_whose_repr_raises_is_still_reported(self, launch: Launch) -> None:
+        with pytest.raises(StageStartupError) as info:
+            launch("enginecore.stage.testing:failing_factory", kwargs={"unprintable": True})
+        assert "_Unprintable(<repr() raised RuntimeError: no repr>)" in str(info.value)
+        assert info.value.child_traceback is not None
+        assert info.value.exit_code == 1
+
     def test_a_bad_startup_timeout_is_refused_before_any_process_starts(
         self, launch: Launch
     ) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Final
 import msgspec
 
 from .._engine import Engine, PipelinedEngine
+from .._exceptions import describe
 from .._signals import shutdown_on_signals
 from ._curve import ServerCurve, _check_key, read_authorized
 from ._fanout import CLIENT_BUFFER
@@ -135,7 +136,7 @@ def run_launched(
             curve=curve,
         )
     except BaseException as exc:
-        _report(conn, "error", repr(exc), traceback.format_exc())
+        _report(conn, "error", describe(exc), traceback.format_exc())
         sys.exit(EXIT_FATAL)
     parent.runtime = runtime
     if curve is None:

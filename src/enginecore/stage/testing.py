@@ -1028,8 +1028,13 @@ def scripted(log: str | None = None) -> ScriptedEngine:
     return ScriptedEngine()
 
 
-def failing_factory(message: str = "factory failed on purpose") -> CountdownEngine:
-    """Factory that raises ``RuntimeError(message)``."""
+def failing_factory(
+    message: str = "factory failed on purpose", unprintable: bool = False
+) -> CountdownEngine:
+    """Factory that raises ``RuntimeError(message)`` (with *unprintable*, an exception
+    whose ``repr()`` and ``str()`` raise)."""
+    if unprintable:
+        raise _Unprintable
     raise RuntimeError(message)
 
 
