@@ -215,7 +215,31 @@ class TestHandshake:
         assert reply[2].startswith(SESSION_LOST)
         assert "another client took this client's session over (session 2)" in reply[2]
         assert "silent for more than the session timeout (10 s)" in reply[2]
+        assert "its live requests were aborted" in reply[2]
         assert session.client == B
+
+    def test_a_taken_over_client_of_a_stage_that_keeps_requests_is_told_so(
+        self, output: FakeOutput, calls: CallTable
+    ) -> None:
+        # keep_requests_on_detach: its requests run on, for the next client; its reason
+        # must not say they were aborted.
+        session = StageSession(
+            output,
+            calls,
+            engine_name="eng",
+            output_address="ipc://out",
+            session_timeout=10.0,
+            keep_requests=True,
+        )
+        welcome(session)
+        session.receive(B, frame("hello", V, "test"), 10.0)
+        replies(session)
+        take(session)
+        session.receive(A, frame("ping", 1), 11.0)
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (A, "reject")
+        assert "its live requests were kept running in the stage" in reply[2]
+        assert "aborted" not in reply[2]
 
     def test_a_taken_over_client_may_attach_again_observe_and_say_bye(
         self, session: StageSession

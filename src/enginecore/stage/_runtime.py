@@ -287,6 +287,7 @@ class StageRuntime:
                     # and links that name generations (docs/wire.md section 8): its welcome
                     # says so to the coordinator.
                     features=("tags", "gens") if hasattr(engine, "chase_abort") else (),
+                    keep_requests=keep_requests_on_detach,
                 )
             else:
                 self._session = MultiStageSession(

@@ -1389,10 +1389,9 @@ class ClientSession(Generic[S, W]):
         if self._closing:
             exc: BaseException = StageClosedError("this stage client is closed")
         else:
-            exc = SessionLostError(
-                f"{self._who()} ended this client's session: {msg[2]}; this client's requests "
-                f"were aborted"
-            )
+            # The reason says what became of this client's requests: a stage that keeps a
+            # detached client's requests (--keep-requests-on-detach) did not abort them.
+            exc = SessionLostError(f"{self._who()} ended this client's session: {msg[2]}")
         d = self.fail(exc, now)
         self._release_due = not self._closing
         return d

@@ -134,9 +134,9 @@ again."""
 
 NO_SESSION: Final = (
     f"{SESSION_LOST}this peer has no session on this stage: the stage detached it (its log "
-    "says why), or its connection was made again under a new routing id (a client without "
-    "one of its own, after a pause longer than the 5 s heartbeat), or it never said hello. "
-    "Send hello to attach"
+    "says why) and aborted its requests, or its connection was made again under a new "
+    "routing id (a client without one of its own, after a pause longer than the 5 s "
+    "heartbeat), or it never said hello. Send hello to attach"
 )
 """The ``reject`` reason for a ``ping`` from a peer that a multi-client stage has no
 session for, and does not remember detaching."""
@@ -155,7 +155,8 @@ def key_revoked(key: str) -> str:
     return (
         f"{SESSION_LOST}the stage no longer authorizes this client's CURVE public key "
         f"{key or '(unknown)'}: its authorized client keys were changed (key rotation, "
-        f"docs/security.md). Connect again with a key the stage lists"
+        f"docs/security.md), and its live requests were aborted. Connect again with a key "
+        f"the stage lists"
     )
 
 
@@ -339,8 +340,17 @@ class StageSession:
         session_timeout: float,
         statistics: Callable[[], Any] = dict,
         features: Sequence[str] = (),
+        keep_requests: bool = False,
     ) -> None:
         self._output = output
+        # What became of a detached client's requests, for the reason a client whose
+        # session was taken over is given (StageRuntime's keep_requests_on_detach).
+        self._fate = (
+            "its live requests were kept running in the stage (keep_requests_on_detach): "
+            "the next client receives their outputs"
+            if keep_requests
+            else "its live requests were aborted"
+        )
         self._calls = calls
         self._statistics = statistics
         # *features*: what the welcome says beyond the version (a pipeline's stage: "tags",
@@ -803,7 +813,7 @@ class StageSession:
                 taken[previous] = (
                     f"{SESSION_LOST}another client took this client's session over (session "
                     f"{epoch}) after this client was silent for more than the session timeout "
-                    f"({self._session_timeout:g} s). Send hello to attach again"
+                    f"({self._session_timeout:g} s); {self._fate}. Send hello to attach again"
                 )
                 while len(taken) > _LOST_REMEMBERED:
                     del taken[next(iter(taken))]
