@@ -520,6 +520,50 @@ def test_both_clients_place_a_stage_on_ray(ray_launch: Callable[..., StageClient
     assert no_actor_left()
 
 
+_SHUTDOWN_UNDER_CLIENTS = """
+import asyncio, logging, ray
+from enginecore.stage import AsyncStageClient, EngineDeadError, StageClient
+from enginecore.stage.ray import RayPlacement
+
+ray.init(address="local", num_cpus=1, include_dashboard=False,
+         logging_level=logging.ERROR, log_to_driver=False)
+SMALL = RayPlacement(num_cpus=0.25)
+
+async def main():
+    blocking = await asyncio.to_thread(
+        StageClient.launch_on_ray, "enginecore.stage.testing:scripted", placement=SMALL)
+    client = await AsyncStageClient.launch_on_ray(
+        "enginecore.stage.testing:scripted", placement=SMALL)
+    pending = [
+        asyncio.wrap_future(blocking.call_utility_future("deferred_never")),
+        asyncio.ensure_future(client.call_utility("deferred_never")),
+    ]
+    await asyncio.sleep(0.1)
+    ray.shutdown()
+    later = asyncio.to_thread(blocking.call_utility, "div", 1, 2)
+    for call in [*pending, later, client.call_utility("div", 1, 2)]:
+        try:
+            await asyncio.wait_for(call, 4)  # well within the heartbeat's 5 s
+        except EngineDeadError as exc:
+            assert "ray.shutdown" in str(exc), exc
+        else:
+            raise AssertionError("the call did not fail")
+    blocking.close()
+    await client.close()
+    assert not ray.is_initialized(), "a close started a Ray cluster of its own"
+
+asyncio.run(main())
+"""
+
+
+def test_ray_shutdown_under_live_clients_ends_their_calls_and_starts_no_cluster() -> None:
+    # ray.shutdown() ends the actors this process owns but completes no pending ray.get:
+    # both clients once heard of it only from their heartbeat timeout, and their close
+    # then ray.kill-ed the actor, which started a new local Ray cluster of its own. In a
+    # process of its own, so that this module's cluster stays up.
+    subprocess.run([sys.executable, "-c", _SHUTDOWN_UNDER_CLIENTS], check=True, timeout=90)
+
+
 def test_both_clients_report_a_failed_start_and_leave_no_actor(
     ray_launch: Callable[..., StageClient],
 ) -> None:

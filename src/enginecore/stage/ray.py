@@ -39,6 +39,7 @@ Ray.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -78,6 +79,10 @@ _AUTHORIZE_TIMEOUT: Final = 30.0
 # How long the handshake with a started actor's stage may take: a peer that cannot be
 # reached (a firewall between hosts, a wrong node IP) fails within this, not after minutes.
 _MAX_CONNECT_TIMEOUT: Final = 30.0
+# How often a client's watch of its actor looks whether Ray is still initialized: a
+# ``ray.shutdown()`` in this process ends every actor it owns but completes no pending
+# ``ray.get``, so only a look tells the client that its stage went with it.
+_WATCH_POLL: Final = 0.25
 
 
 def _import_ray() -> Any:
@@ -86,6 +91,18 @@ def _import_ray() -> Any:
     except ImportError as exc:  # pragma: no cover - the extra is installed in the tests
         raise ImportError("placing stages on Ray needs Ray: pip install 'enginecore[ray]'") from exc
     return ray
+
+
+def _kill_actor(ray: Any, actor: Any) -> None:
+    """``ray.kill(actor)``, unless Ray is no longer initialized in this process (a
+    ``ray.shutdown()``: the actors it owned are gone with it, and ``ray.kill`` would start a
+    new local cluster of its own)."""
+    if ray.is_initialized():
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+
+
+_SHUT_DOWN: Final = "Ray was shut down in this process (ray.shutdown()); its actor went with it"
 
 
 @dataclass(frozen=True)
@@ -209,12 +226,24 @@ class RayStage:
 
     def _watch(self) -> None:
         ray = _import_ray()
-        try:
-            code = ray.get(self._watch_ref)
-        except Exception as exc:  # RayActorError and kin: the actor died
-            self._ended(None, f"its Ray actor died ({_first_line(exc)})")
-        else:
+        # The answer as a future that Ray completes from its own thread, waited on here: a
+        # ray.get may block for good once Ray is shut down, and a ray.get after the
+        # shutdown would start a cluster of its own.
+        answer = self._watch_ref.future()
+        while not self._exited.is_set():
+            if not ray.is_initialized():
+                self._ended(None, _SHUT_DOWN)
+                return
+            try:
+                code = answer.result(timeout=_WATCH_POLL)
+            except concurrent.futures.TimeoutError:
+                continue
+            except BaseException as exc:  # RayActorError and kin: the actor died
+                died = f"its Ray actor died ({_first_line(exc)})"
+                self._ended(None, died if ray.is_initialized() else _SHUT_DOWN)
+                return
             self._ended(code, None)
+            return
 
     def _ended(self, code: int | None, death: str | None) -> None:
         with self.lock:
@@ -239,10 +268,9 @@ class RayStage:
         stage to shut down (``actor.stop``)."""
         ray = _import_ray()
         if sig == signal.SIGKILL:
-            with contextlib.suppress(Exception):
-                ray.kill(self.actor, no_restart=True)
+            _kill_actor(ray, self.actor)
             self._ended(-int(signal.SIGKILL), "killed with ray.kill")
-        elif not self._exited.is_set():
+        elif not self._exited.is_set() and ray.is_initialized():
             with contextlib.suppress(Exception):
                 self.actor.stop.remote()
 
@@ -253,8 +281,7 @@ class RayStage:
             if self._released:
                 return
             self._released = True
-        with contextlib.suppress(Exception):
-            _import_ray().kill(self.actor, no_restart=True)
+        _kill_actor(_import_ray(), self.actor)
         self._ended(self._exit_code, self.death)
         if self.logs is not None:
             self.logs.release()
@@ -448,8 +475,7 @@ class RayPlan:
     @staticmethod
     def _abandon(ray: Any, actor: Any, logs: _logs.LogSource | None) -> None:
         """A failed start: kill the actor, release the log socket."""
-        with contextlib.suppress(Exception):
-            ray.kill(actor, no_restart=True)
+        _kill_actor(ray, actor)
         if logs is not None:
             logs.release()
 
