@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -226,6 +227,11 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
         RayPlacement(bundle_index=0)
     with pytest.raises(ValueError, match="connect_timeout"):
         launch_on_ray(COUNTDOWN, connect_timeout=60)
+    for bad in ("5", math.nan, math.inf):  # "5" was a bare comparison error, nan passed
+        with pytest.raises((TypeError, ValueError), match="startup_timeout must be a number"):
+            launch_on_ray(COUNTDOWN, startup_timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises((TypeError, ValueError), match="connect_timeout must be a number"):
+            launch_on_ray(COUNTDOWN, connect_timeout=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="placements for 2 replicas"):
         StagePool.launch_on_ray(COUNTDOWN, replicas=2, placement=[SMALL])
     with pytest.raises(TypeError):
@@ -239,6 +245,30 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
 
     with pytest.raises(TypeError, match="replicas must be an int"):
         asyncio.run(AsyncStagePool.launch_on_ray(COUNTDOWN, replicas="2"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"num_cpus": "1"}, TypeError, "num_cpus must be a number >= 0, got '1'"),
+        ({"num_cpus": True}, TypeError, "num_cpus must be a number >= 0, got True"),
+        ({"num_gpus": math.nan}, ValueError, "num_gpus must be a number >= 0, got nan"),
+        ({"num_gpus": -1}, ValueError, "num_gpus must be a number >= 0"),
+        ({"resources": ["GPU"]}, TypeError, "resources must be a mapping"),
+        ({"resources": {"tts": -1}}, ValueError, r"resources\['tts'\] must be a number >= 0"),
+        ({"resources": {1: 1}}, TypeError, "a resource name must be a str"),
+        ({"placement_group": "pg"}, TypeError, "placement_group must be a ray.util"),
+        ({"runtime_env": ["pip"]}, TypeError, "runtime_env must be a mapping"),
+        ({"bundle_index": 1.0}, TypeError, "bundle_index must be an int >= -1"),
+    ],
+)
+def test_a_placement_is_checked_when_it_is_made(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    # Before, these passed and failed only at the launch, with Ray's bare errors
+    # ("'<' not supported ...", an AssertionError, "cannot convert float NaN to integer").
+    with pytest.raises(error, match=message):
+        RayPlacement(**options)
 
 
 def test_pool_of_two_ray_replicas_routes_survives_a_kill_and_restarts() -> None:

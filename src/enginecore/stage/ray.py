@@ -42,8 +42,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -53,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Final
 from . import _clientbase, _codec, _logs, _wire
 from ._clientbase import Target
 from ._curve import CurveKeys, _check_key
-from ._errors import StageStartupError
+from ._errors import StageStartupError, positive_seconds
 from ._launch import _validate_factory
 from ._ray_actor import CONNECT_TIMEOUT, _StageActor
 from ._statistics import LOAD_INTERVAL, check_load_interval
@@ -102,6 +104,15 @@ def _kill_actor(ray: Any, actor: Any) -> None:
             ray.kill(actor, no_restart=True)
 
 
+def _check_amount(value: object, what: str) -> None:
+    """A resource amount of a :class:`RayPlacement`: a finite number >= 0
+    (:class:`TypeError` for a non-number, a ``bool`` too; :class:`ValueError` else)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number >= 0, got {value!r}")
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{what} must be a number >= 0, got {value!r}")
+
+
 _SHUT_DOWN: Final = "Ray was shut down in this process (ray.shutdown()); its actor went with it"
 
 
@@ -124,10 +135,35 @@ class RayPlacement:
     runtime_env: Mapping[str, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError("num_cpus and num_gpus must be >= 0")
-        if not isinstance(self.bundle_index, int) or self.bundle_index < -1:
+        # Checked here, when the placement is made: Ray's own errors come only at the
+        # launch, and some are bare (an AssertionError for a placement_group that is not one).
+        _check_amount(self.num_cpus, "num_cpus")
+        _check_amount(self.num_gpus, "num_gpus")
+        if self.resources is not None:
+            if not isinstance(self.resources, Mapping):
+                raise TypeError(
+                    f"resources must be a mapping of resource name to amount, got "
+                    f"{type(self.resources).__name__}"
+                )
+            for name, amount in self.resources.items():
+                if not isinstance(name, str):
+                    raise TypeError(f"a resource name must be a str, got {name!r}")
+                _check_amount(amount, f"resources[{name!r}]")
+        if self.runtime_env is not None and not isinstance(self.runtime_env, Mapping):
+            raise TypeError(f"runtime_env must be a mapping, got {type(self.runtime_env).__name__}")
+        if isinstance(self.bundle_index, bool) or not isinstance(self.bundle_index, int):
+            raise TypeError(f"bundle_index must be an int >= -1, got {self.bundle_index!r}")
+        if self.bundle_index < -1:
             raise ValueError(f"bundle_index must be an int >= -1, got {self.bundle_index!r}")
+        if self.placement_group is not None:
+            # A PlacementGroup exists only once Ray is imported: no import here.
+            module = sys.modules.get("ray.util.placement_group")
+            group_type = getattr(module, "PlacementGroup", None)
+            if group_type is None or not isinstance(self.placement_group, group_type):
+                raise TypeError(
+                    f"placement_group must be a ray.util.placement_group.PlacementGroup, got "
+                    f"{type(self.placement_group).__name__}"
+                )
         if self.bundle_index != -1 and self.placement_group is None:
             raise ValueError("bundle_index needs a placement_group")
 
@@ -351,10 +387,9 @@ class RayPlan:
             placement = RayPlacement()
         if not isinstance(placement, RayPlacement):
             raise TypeError(f"placement must be a RayPlacement, got {type(placement).__name__}")
-        if not 0 < connect_timeout <= _MAX_CONNECT_TIMEOUT:
+        if positive_seconds(connect_timeout, "connect_timeout") > _MAX_CONNECT_TIMEOUT:
             raise ValueError(f"connect_timeout must be in (0, {_MAX_CONNECT_TIMEOUT}] seconds")
-        if startup_timeout <= 0:
-            raise ValueError("startup_timeout must be > 0")
+        positive_seconds(startup_timeout, "startup_timeout")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         if not isinstance(forward_logs, bool):
