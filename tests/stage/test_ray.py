@@ -776,8 +776,18 @@ def test_your_own_keys_are_checked(own_keys: OwnKeys) -> None:
         launch_on_ray(
             COUNTDOWN, placement=SMALL, curve=keys.wrong_server, stage_secret_key=keys.stage_secret
         )
-    with pytest.raises(StageStartupError, match="no such file"):
+    # Each names the node, with the actor's own error first (not Ray's coloured wrapping).
+    node = r"on the node of this stage \(\d"
+    with pytest.raises(
+        StageStartupError, match=f"in its Ray actor: ValueError: .*no such file .*{node}"
+    ):
         launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key="/no/such/stage.key_secret")
+    stage_dir = os.path.dirname(keys.stage_secret)
+    with pytest.raises(StageStartupError, match=f"is a directory {node}"):  # was "no such file"
+        launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key=stage_dir)
+    public_file = keys.stage_secret.removesuffix("_secret")  # the stage's NAME.key
+    with pytest.raises(StageStartupError, match=f"{node}.* holds no secret key"):
+        launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key=public_file)
     with pytest.raises(ValueError, match="give stage_secret_key"):
         launch_on_ray(COUNTDOWN, curve=keys.client)
     with pytest.raises(ValueError, match="insecure=True uses no CURVE"):

@@ -545,8 +545,12 @@ class RayPlan:
 
     def _failed(self, ray: Any, exc: BaseException) -> StageStartupError:
         if isinstance(exc, ray.exceptions.RayTaskError):
+            # The actor's own exception, not Ray's wrapping of it (a coloured header and
+            # the traceback, which stays in child_traceback).
+            cause = getattr(exc, "cause", None)
+            why = f"{type(cause).__name__}: {cause}" if isinstance(cause, Exception) else exc
             return StageStartupError(
-                f"stage {self.factory!r} failed to start in its Ray actor: {exc}",
+                f"stage {self.factory!r} failed to start in its Ray actor: {why}",
                 child_traceback=str(exc),
             )
         return StageStartupError(
