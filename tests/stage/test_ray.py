@@ -551,8 +551,9 @@ def test_both_clients_place_a_stage_on_ray(ray_launch: Callable[..., StageClient
 
 
 _SHUTDOWN_UNDER_CLIENTS = """
-import asyncio, logging, ray
-from enginecore.stage import AsyncStageClient, EngineDeadError, StageClient
+import asyncio, logging, ray, time
+from enginecore.stage import (
+    AsyncStageClient, EngineDeadError, ReplicaState, RestartPolicy, StageClient, StagePool)
 from enginecore.stage.ray import RayPlacement
 
 ray.init(address="local", num_cpus=1, include_dashboard=False,
@@ -564,6 +565,10 @@ async def main():
         StageClient.launch_on_ray, "enginecore.stage.testing:scripted", placement=SMALL)
     client = await AsyncStageClient.launch_on_ray(
         "enginecore.stage.testing:scripted", placement=SMALL)
+    fast = RestartPolicy(first_delay=0.05, max_delay=0.05)
+    pool = await asyncio.to_thread(
+        StagePool.launch_on_ray, "enginecore.stage.testing:scripted", placement=SMALL,
+        restart=fast)
     pending = [
         asyncio.wrap_future(blocking.call_utility_future("deferred_never")),
         asyncio.ensure_future(client.call_utility("deferred_never")),
@@ -580,7 +585,14 @@ async def main():
             raise AssertionError("the call did not fail")
     blocking.close()
     await client.close()
-    assert not ray.is_initialized(), "a close started a Ray cluster of its own"
+    # The pool's restarts are refused (StageStartupError) until it marks the replica failed.
+    (replica,) = pool.replicas
+    deadline = time.monotonic() + 30
+    while replica.state is not ReplicaState.FAILED and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert replica.state is ReplicaState.FAILED, replica.state
+    pool.close()
+    assert not ray.is_initialized(), "a close or a restart started a Ray cluster of its own"
 
 asyncio.run(main())
 """
@@ -589,8 +601,9 @@ asyncio.run(main())
 def test_ray_shutdown_under_live_clients_ends_their_calls_and_starts_no_cluster() -> None:
     # ray.shutdown() ends the actors this process owns but completes no pending ray.get:
     # both clients once heard of it only from their heartbeat timeout, and their close
-    # then ray.kill-ed the actor, which started a new local Ray cluster of its own. In a
-    # process of its own, so that this module's cluster stays up.
+    # then ray.kill-ed the actor, which started a new local Ray cluster of its own, as a
+    # pool's restart placed its replica again on one. In a process of its own, so that
+    # this module's cluster stays up.
     subprocess.run([sys.executable, "-c", _SHUTDOWN_UNDER_CLIENTS], check=True, timeout=90)
 
 

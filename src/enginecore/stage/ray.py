@@ -114,6 +114,15 @@ def _check_amount(value: object, what: str) -> None:
 
 
 _SHUT_DOWN: Final = "Ray was shut down in this process (ray.shutdown()); its actor went with it"
+# Set once a stage of this process saw Ray shut down under it: from then on a start (a
+# pool's or a pipeline's restart, a new launch) never lets Ray start a cluster of its own
+# (ray.init()'s default) while Ray is not initialized again.
+_shut_down_under_stages = False
+
+
+def _shut_down() -> None:
+    global _shut_down_under_stages
+    _shut_down_under_stages = True
 
 
 @dataclass(frozen=True)
@@ -268,6 +277,7 @@ class RayStage:
         answer = self._watch_ref.future()
         while not self._exited.is_set():
             if not ray.is_initialized():
+                _shut_down()
                 self._ended(None, _SHUT_DOWN)
                 return
             try:
@@ -275,8 +285,11 @@ class RayStage:
             except concurrent.futures.TimeoutError:
                 continue
             except BaseException as exc:  # RayActorError and kin: the actor died
-                died = f"its Ray actor died ({_first_line(exc)})"
-                self._ended(None, died if ray.is_initialized() else _SHUT_DOWN)
+                if not ray.is_initialized():
+                    _shut_down()
+                    self._ended(None, _SHUT_DOWN)
+                else:
+                    self._ended(None, f"its Ray actor died ({_first_line(exc)})")
                 return
             self._ended(code, None)
             return
@@ -478,6 +491,12 @@ class RayPlan:
         keys: ``(ray, actor, this client's key pair or None, the keys for the actor)``.
         The key pair is made while Ray places the actor, off the launch's path."""
         ray = _import_ray()
+        if _shut_down_under_stages and not ray.is_initialized():
+            raise StageStartupError(
+                f"stage {self.factory!r} was not placed: Ray was shut down in this process "
+                f"(ray.shutdown()) under stages placed on it; call ray.init() to place "
+                f"stages again (enginecore does not start a Ray cluster of its own then)"
+            )
         actor = _remote_actor_class(ray).options(**self.placement.actor_options()).remote()
         if self.insecure:
             return ray, actor, None, None
@@ -643,17 +662,18 @@ def launch_on_ray(
     same; ``AsyncStageClient.launch_on_ray`` its asyncio twin.
 
     Uses the Ray cluster this process is connected to (``ray.init()``; Ray's own default
-    starts or finds one). The stage binds TCP on the actor's node IP; the client connects
-    with CURVE unless *insecure*: by default with keys made for this stage (public keys
-    exchanged through the actor); with your own keys, *curve* (this client's
-    :class:`~enginecore.stage.CurveKeys`, whose ``server_key`` is the stage's) and
-    *stage_secret_key* (the stage's ``NAME.key_secret``, a path on the nodes where it may be
-    placed: read by the actor, never sent); *authorized_clients* lists the public keys of
-    other clients the stage admits too (an observer such as ``enginecore top``). The
-    stage options are :meth:`StageClient.launch
+    starts or finds one, except after a ``ray.shutdown()`` under stages placed from this
+    process: :class:`~enginecore.stage.StageStartupError` until ``ray.init()``). The stage
+    binds TCP on the actor's node IP; the client connects with CURVE unless *insecure*: by
+    default with keys made for this stage (public keys exchanged through the actor); with
+    your own keys, *curve* (this client's :class:`~enginecore.stage.CurveKeys`, whose
+    ``server_key`` is the stage's) and *stage_secret_key* (the stage's ``NAME.key_secret``,
+    a path on the nodes where it may be placed: read by the actor, never sent);
+    *authorized_clients* lists the public keys of other clients the stage admits too (an
+    observer such as ``enginecore top``). The stage options are :meth:`StageClient.launch
     <enginecore.stage.StageClient.launch>`'s; with *forward_logs*, the stage's records are
-    re-emitted in this process (over a TCP socket of their own, with the same CURVE
-    keys). Blocks until the stage is ready, at most *startup_timeout* seconds for the actor
+    re-emitted in this process (over a TCP socket of their own, with the same CURVE keys).
+    Blocks until the stage is ready, at most *startup_timeout* seconds for the actor
     (placement included) and *connect_timeout* (at most 30 s) for the handshake over TCP;
     :class:`~enginecore.stage.StageStartupError` otherwise, with no actor left behind.
 
