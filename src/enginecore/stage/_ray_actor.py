@@ -70,8 +70,7 @@ class _StageActor:
                     public, loaded = zmq.auth.load_certificate(secret_file)
                 except (OSError, ValueError) as exc:
                     raise ValueError(
-                        f"stage_secret_key: cannot read a key from {secret_file!r} {where}: "
-                        f"{exc}"
+                        f"stage_secret_key: cannot read a key from {secret_file!r} {where}: {exc}"
                     ) from exc
                 if loaded is None:
                     raise ValueError(
