@@ -943,6 +943,19 @@ def test_the_keys_of_a_pool_on_ray_rotate_for_its_replicas_and_their_restarts(
         assert pool.add("r1", 2).collect() == [1, 0]
     with pytest.raises(TypeError, match="placed on Ray"):
         authorize_clients(object(), [keys.mallory.public_key])
+    # Checked before any actor is called (before: a bare "'NoneType' object is not
+    # iterable", an OverflowError, a rotation that "took longer than -1 s").
+    with pytest.raises(TypeError, match="keys must be a sequence of public keys, got NoneType"):
+        authorize_clients(pool, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="timeout must be a number of seconds > 0, got '5'"):
+        authorize_clients(pool, [], timeout="5")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0, got -1"):
+        asyncio.run(authorize_clients_async(pool, [], timeout=-1))
+    with (
+        StagePool.launch(COUNTDOWN, replicas=1) as local,  # rotated nothing, returned 0
+        pytest.raises(TypeError, match="StagePool has no replica placed on Ray"),
+    ):
+        authorize_clients(local, [keys.mallory.public_key])
     assert no_actor_left()
 
 

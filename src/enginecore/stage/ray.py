@@ -48,7 +48,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -743,13 +743,18 @@ async def open_on_ray_async(
         _clientbase.raise_startup_error(plan.factory, exc)
 
 
-def _rotation(target: Any, keys: Sequence[bytes | str]) -> tuple[list[RayStage], list[str]]:
+def _rotation(
+    target: Any, keys: Sequence[bytes | str], timeout: float
+) -> tuple[list[RayStage], list[str]]:
     """What :func:`authorize_clients` acts on: the Ray stages of *target* (a client placed
     on Ray, or a pool's replicas placed on Ray that run now), and *keys* checked, as Z85
     text. A pool's Ray replicas keep the new keys, for their restarts (and for a start
-    under way now: :func:`catch_up_keys`)."""
+    under way now: :func:`catch_up_keys`). *timeout* is checked too."""
+    positive_seconds(timeout, "timeout")
     if isinstance(keys, (str, bytes)):
         raise TypeError("keys must be a sequence of public keys, not one key")
+    if not isinstance(keys, Iterable):
+        raise TypeError(f"keys must be a sequence of public keys, got {type(keys).__name__}")
     checked = [_check_key(k, "an authorized client key").decode("ascii") for k in keys]
     stages: list[RayStage] = []
     if hasattr(target, "replicas"):  # a pool
@@ -760,6 +765,12 @@ def _rotation(target: Any, keys: Sequence[bytes | str]) -> tuple[list[RayStage],
             if replica.spec.get("insecure"):
                 raise ValueError(f"replica {replica.name} was placed with insecure=True: no CURVE")
             replicas.append(replica)
+        if not replicas:
+            raise TypeError(
+                f"authorize_clients takes a client or a pool of stages placed on Ray: this "
+                f"{type(target).__name__} has no replica placed on Ray (a launched replica "
+                f"uses ipc, without CURVE)"
+            )
         # The new keys first, then the stages that run: a restart that was placed with the
         # old keys and serves after this line brings itself up to date (catch_up_keys), and
         # one that serves before it is among the stages below.
@@ -805,7 +816,7 @@ def authorize_clients(
     ``insecure=True``, :class:`TypeError` for a target not placed on Ray, and Ray's error
     (``GetTimeoutError`` past *timeout*, ``RayActorError`` for a dead actor) if an actor
     did not answer. Blocks: from asyncio, ``await`` :func:`authorize_clients_async`."""
-    stages, checked = _rotation(target, keys)
+    stages, checked = _rotation(target, keys, timeout)
     ray = _import_ray()
     if stages:
         ray.get([stage.actor.authorize.remote(checked) for stage in stages], timeout=timeout)
@@ -819,7 +830,7 @@ async def authorize_clients_async(
 ) -> int:
     """:func:`authorize_clients`, awaited: the actors' answers are awaited as Ray's
     futures, and no thread is held; ``TimeoutError`` past *timeout*."""
-    stages, checked = _rotation(target, keys)
+    stages, checked = _rotation(target, keys, timeout)
     if stages:
         futures = [
             asyncio.wrap_future(stage.actor.authorize.remote(checked).future()) for stage in stages
