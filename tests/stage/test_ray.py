@@ -227,6 +227,12 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
         RayPlacement(bundle_index=0)
     with pytest.raises(ValueError, match="connect_timeout"):
         launch_on_ray(COUNTDOWN, connect_timeout=60)
+    with pytest.raises(TypeError, match="insecure must be a bool, got str"):
+        launch_on_ray(COUNTDOWN, insecure="no")  # type: ignore[arg-type]  # was true: no CURVE
+    with pytest.raises(TypeError, match="factory kwargs must be a dict, got list"):
+        launch_on_ray(COUNTDOWN, [("n", 1)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="factory kwargs must be a dict, got str"):
+        StagePool.launch_on_ray(COUNTDOWN, "n=1")  # type: ignore[arg-type]
     for bad in ("5", math.nan, math.inf):  # "5" was a bare comparison error, nan passed
         with pytest.raises((TypeError, ValueError), match="startup_timeout must be a number"):
             launch_on_ray(COUNTDOWN, startup_timeout=bad)  # type: ignore[arg-type]
@@ -793,8 +799,13 @@ def test_your_own_keys_are_checked(own_keys: OwnKeys) -> None:
     node = r"on the node of this stage \(\d"
     with pytest.raises(
         StageStartupError, match=f"in its Ray actor: ValueError: .*no such file .*{node}"
-    ):
+    ) as info:
         launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key="/no/such/stage.key_secret")
+    traceback = info.value.child_traceback
+    assert traceback is not None
+    assert "_server_curve" in traceback
+    assert traceback in str(info.value)  # as a launched stage's
+    assert "\x1b[" not in str(info.value)  # no terminal colours (Ray's header had them)
     stage_dir = os.path.dirname(keys.stage_secret)
     with pytest.raises(StageStartupError, match=f"is a directory {node}"):  # was "no such file"
         launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key=stage_dir)

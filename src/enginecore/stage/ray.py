@@ -44,6 +44,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -56,7 +57,7 @@ from . import _clientbase, _codec, _logs, _wire
 from ._clientbase import Target
 from ._curve import CurveKeys, _check_key
 from ._errors import StageStartupError, positive_seconds
-from ._launch import _validate_factory
+from ._launch import _validate_factory, factory_kwargs
 from ._ray_actor import CONNECT_TIMEOUT, _StageActor
 from ._statistics import LOAD_INTERVAL, check_load_interval
 from ._watchdog import STEP_TIMEOUT, check_watchdog
@@ -222,6 +223,10 @@ class _ActorProcess:
     def mark_exited(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._w)
+
+
+# Ray's text of a remote error colours its header for a terminal.
+_ANSI: Final = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -407,10 +412,12 @@ class RayPlan:
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         if not isinstance(forward_logs, bool):
             raise TypeError(f"forward_logs must be a bool, got {type(forward_logs).__name__}")
+        if not isinstance(insecure, bool):  # "no" would be true: CURVE off
+            raise TypeError(f"insecure must be a bool, got {type(insecure).__name__}")
         secret_file, authorized = _check_keys(insecure, curve, stage_secret_key, authorized_clients)
         if link_kwarg is not None and insecure:
             raise ValueError("link keys are CURVE keys: insecure=True makes none")
-        kwargs = dict(kwargs or {})
+        kwargs = factory_kwargs(kwargs)
         _wire.check_encodable(kwargs, "factory kwargs")
         if not all(type(k) is str for k in kwargs):
             raise TypeError("factory kwargs must have str keys")
@@ -564,13 +571,15 @@ class RayPlan:
 
     def _failed(self, ray: Any, exc: BaseException) -> StageStartupError:
         if isinstance(exc, ray.exceptions.RayTaskError):
-            # The actor's own exception, not Ray's wrapping of it (a coloured header and
-            # the traceback, which stays in child_traceback).
+            # The actor's own exception first, then the actor's traceback, as a launched
+            # stage's reads (Ray's text of it, without its terminal colours).
             cause = getattr(exc, "cause", None)
-            why = f"{type(cause).__name__}: {cause}" if isinstance(cause, Exception) else exc
+            why = f"{type(cause).__name__}: {cause}" if isinstance(cause, Exception) else None
+            traceback = _ANSI.sub("", str(exc)).strip()
             return StageStartupError(
-                f"stage {self.factory!r} failed to start in its Ray actor: {why}",
-                child_traceback=str(exc),
+                f"stage {self.factory!r} failed to start in its Ray actor: "
+                f"{why or _first_line(exc)}\n\nActor traceback:\n{traceback}",
+                child_traceback=traceback,
             )
         return StageStartupError(
             f"the Ray actor of stage {self.factory!r} died during startup: {exc}"
