@@ -818,6 +818,10 @@ def test_your_own_keys_are_checked(own_keys: OwnKeys) -> None:
         launch_on_ray(COUNTDOWN, insecure=True, authorized_clients=[keys.observer_public])
     with pytest.raises(ValueError, match="authorized_clients"):
         launch_on_ray(COUNTDOWN, authorized_clients=[b"short"])
+    with pytest.raises(TypeError, match="authorized_clients must be a sequence of public keys"):
+        launch_on_ray(COUNTDOWN, authorized_clients=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="stage_secret_key must be a path"):
+        launch_on_ray(COUNTDOWN, stage_secret_key=5)  # type: ignore[arg-type]
     assert no_actor_left()
 
 

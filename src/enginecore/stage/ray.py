@@ -623,6 +623,16 @@ def _check_keys(
     other clients' public keys."""
     if isinstance(authorized_clients, (str, bytes)):
         raise TypeError("authorized_clients must be a sequence of public keys, not one key")
+    if not isinstance(authorized_clients, Iterable):
+        raise TypeError(
+            f"authorized_clients must be a sequence of public keys, got "
+            f"{type(authorized_clients).__name__}"
+        )
+    if stage_secret_key is not None and not isinstance(stage_secret_key, (str, os.PathLike)):
+        raise TypeError(
+            f"stage_secret_key must be a path (str or os.PathLike), got "
+            f"{type(stage_secret_key).__name__}"
+        )
     authorized = tuple(_check_key(k, "a key of authorized_clients") for k in authorized_clients)
     if insecure:
         if curve is not None or stage_secret_key is not None or authorized:
