@@ -51,6 +51,11 @@ class TestStartup:
             with pytest.raises(TypeError, match="startup_timeout must be a number of seconds"):
                 launch(COUNTDOWN, startup_timeout=wrong)
 
+    def test_kwargs_that_are_not_a_mapping_are_refused(self, launch: Launch) -> None:
+        # Before: "cannot convert dictionary update sequence element #0 to a sequence".
+        with pytest.raises(TypeError, match="factory kwargs must be a dict, got list"):
+            launch(COUNTDOWN, kwargs=[("n", 1)])
+
     def test_missing_module_is_a_startup_error(self, launch: Launch) -> None:
         with pytest.raises(StageStartupError, match="ModuleNotFoundError"):
             launch("no_such_module_anywhere:factory")

@@ -183,7 +183,10 @@ class TestStartup:
             PipelineStage(FAILING if failing == "mid" else RELAY, name="mid", placement=SMALL),
             PipelineStage(RELAY, name="last", placement=SMALL),
         ]
-        with pytest.raises(StageStartupError, match="factory failed on purpose"):
+        # Named by its pipeline stage and factory, on Ray as locally (a stage on Ray was
+        # "stage 'enginecore.stage._pipe_stage:pipe_stage'", the wrapper every stage runs).
+        named = f"pipeline stage '{failing}' \\(factory '{FAILING}'\\)"
+        with pytest.raises(StageStartupError, match=f"^{named}.*factory failed on purpose"):
             launch(stages)
         assert no_actor_left()
 

@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -226,6 +227,17 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
         RayPlacement(bundle_index=0)
     with pytest.raises(ValueError, match="connect_timeout"):
         launch_on_ray(COUNTDOWN, connect_timeout=60)
+    with pytest.raises(TypeError, match="insecure must be a bool, got str"):
+        launch_on_ray(COUNTDOWN, insecure="no")  # type: ignore[arg-type]  # was true: no CURVE
+    with pytest.raises(TypeError, match="factory kwargs must be a dict, got list"):
+        launch_on_ray(COUNTDOWN, [("n", 1)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="factory kwargs must be a dict, got str"):
+        StagePool.launch_on_ray(COUNTDOWN, "n=1")  # type: ignore[arg-type]
+    for bad in ("5", math.nan, math.inf):  # "5" was a bare comparison error, nan passed
+        with pytest.raises((TypeError, ValueError), match="startup_timeout must be a number"):
+            launch_on_ray(COUNTDOWN, startup_timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises((TypeError, ValueError), match="connect_timeout must be a number"):
+            launch_on_ray(COUNTDOWN, connect_timeout=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="placements for 2 replicas"):
         StagePool.launch_on_ray(COUNTDOWN, replicas=2, placement=[SMALL])
     with pytest.raises(TypeError):
@@ -239,6 +251,30 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
 
     with pytest.raises(TypeError, match="replicas must be an int"):
         asyncio.run(AsyncStagePool.launch_on_ray(COUNTDOWN, replicas="2"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"num_cpus": "1"}, TypeError, "num_cpus must be a number >= 0, got '1'"),
+        ({"num_cpus": True}, TypeError, "num_cpus must be a number >= 0, got True"),
+        ({"num_gpus": math.nan}, ValueError, "num_gpus must be a number >= 0, got nan"),
+        ({"num_gpus": -1}, ValueError, "num_gpus must be a number >= 0"),
+        ({"resources": ["GPU"]}, TypeError, "resources must be a mapping"),
+        ({"resources": {"tts": -1}}, ValueError, r"resources\['tts'\] must be a number >= 0"),
+        ({"resources": {1: 1}}, TypeError, "a resource name must be a str"),
+        ({"placement_group": "pg"}, TypeError, "placement_group must be a ray.util"),
+        ({"runtime_env": ["pip"]}, TypeError, "runtime_env must be a mapping"),
+        ({"bundle_index": 1.0}, TypeError, "bundle_index must be an int >= -1"),
+    ],
+)
+def test_a_placement_is_checked_when_it_is_made(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    # Before, these passed and failed only at the launch, with Ray's bare errors
+    # ("'<' not supported ...", an AssertionError, "cannot convert float NaN to integer").
+    with pytest.raises(error, match=message):
+        RayPlacement(**options)
 
 
 def test_pool_of_two_ray_replicas_routes_survives_a_kill_and_restarts() -> None:
@@ -520,6 +556,63 @@ def test_both_clients_place_a_stage_on_ray(ray_launch: Callable[..., StageClient
     assert no_actor_left()
 
 
+_SHUTDOWN_UNDER_CLIENTS = """
+import asyncio, logging, ray, time
+from enginecore.stage import (
+    AsyncStageClient, EngineDeadError, ReplicaState, RestartPolicy, StageClient, StagePool)
+from enginecore.stage.ray import RayPlacement
+
+ray.init(address="local", num_cpus=1, include_dashboard=False,
+         logging_level=logging.ERROR, log_to_driver=False)
+SMALL = RayPlacement(num_cpus=0.25)
+
+async def main():
+    blocking = await asyncio.to_thread(
+        StageClient.launch_on_ray, "enginecore.stage.testing:scripted", placement=SMALL)
+    client = await AsyncStageClient.launch_on_ray(
+        "enginecore.stage.testing:scripted", placement=SMALL)
+    fast = RestartPolicy(first_delay=0.05, max_delay=0.05)
+    pool = await asyncio.to_thread(
+        StagePool.launch_on_ray, "enginecore.stage.testing:scripted", placement=SMALL,
+        restart=fast)
+    pending = [
+        asyncio.wrap_future(blocking.call_utility_future("deferred_never")),
+        asyncio.ensure_future(client.call_utility("deferred_never")),
+    ]
+    await asyncio.sleep(0.1)
+    ray.shutdown()
+    later = asyncio.to_thread(blocking.call_utility, "div", 1, 2)
+    for call in [*pending, later, client.call_utility("div", 1, 2)]:
+        try:
+            await asyncio.wait_for(call, 4)  # well within the heartbeat's 5 s
+        except EngineDeadError as exc:
+            assert "ray.shutdown" in str(exc), exc
+        else:
+            raise AssertionError("the call did not fail")
+    blocking.close()
+    await client.close()
+    # The pool's restarts are refused (StageStartupError) until it marks the replica failed.
+    (replica,) = pool.replicas
+    deadline = time.monotonic() + 30
+    while replica.state is not ReplicaState.FAILED and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert replica.state is ReplicaState.FAILED, replica.state
+    pool.close()
+    assert not ray.is_initialized(), "a close or a restart started a Ray cluster of its own"
+
+asyncio.run(main())
+"""
+
+
+def test_ray_shutdown_under_live_clients_ends_their_calls_and_starts_no_cluster() -> None:
+    # ray.shutdown() ends the actors this process owns but completes no pending ray.get:
+    # both clients once heard of it only from their heartbeat timeout, and their close
+    # then ray.kill-ed the actor, which started a new local Ray cluster of its own, as a
+    # pool's restart placed its replica again on one. In a process of its own, so that
+    # this module's cluster stays up.
+    subprocess.run([sys.executable, "-c", _SHUTDOWN_UNDER_CLIENTS], check=True, timeout=90)
+
+
 def test_both_clients_report_a_failed_start_and_leave_no_actor(
     ray_launch: Callable[..., StageClient],
 ) -> None:
@@ -702,14 +795,33 @@ def test_your_own_keys_are_checked(own_keys: OwnKeys) -> None:
         launch_on_ray(
             COUNTDOWN, placement=SMALL, curve=keys.wrong_server, stage_secret_key=keys.stage_secret
         )
-    with pytest.raises(StageStartupError, match="no such file"):
+    # Each names the node, with the actor's own error first (not Ray's coloured wrapping).
+    node = r"on the node of this stage \(\d"
+    with pytest.raises(
+        StageStartupError, match=f"in its Ray actor: ValueError: .*no such file .*{node}"
+    ) as info:
         launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key="/no/such/stage.key_secret")
+    traceback = info.value.child_traceback
+    assert traceback is not None
+    assert "_server_curve" in traceback
+    assert traceback in str(info.value)  # as a launched stage's
+    assert "\x1b[" not in str(info.value)  # no terminal colours (Ray's header had them)
+    stage_dir = os.path.dirname(keys.stage_secret)
+    with pytest.raises(StageStartupError, match=f"is a directory {node}"):  # was "no such file"
+        launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key=stage_dir)
+    public_file = keys.stage_secret.removesuffix("_secret")  # the stage's NAME.key
+    with pytest.raises(StageStartupError, match=f"{node}.* holds no secret key"):
+        launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key=public_file)
     with pytest.raises(ValueError, match="give stage_secret_key"):
         launch_on_ray(COUNTDOWN, curve=keys.client)
     with pytest.raises(ValueError, match="insecure=True uses no CURVE"):
         launch_on_ray(COUNTDOWN, insecure=True, authorized_clients=[keys.observer_public])
     with pytest.raises(ValueError, match="authorized_clients"):
         launch_on_ray(COUNTDOWN, authorized_clients=[b"short"])
+    with pytest.raises(TypeError, match="authorized_clients must be a sequence of public keys"):
+        launch_on_ray(COUNTDOWN, authorized_clients=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="stage_secret_key must be a path"):
+        launch_on_ray(COUNTDOWN, stage_secret_key=5)  # type: ignore[arg-type]
     assert no_actor_left()
 
 
@@ -846,6 +958,19 @@ def test_the_keys_of_a_pool_on_ray_rotate_for_its_replicas_and_their_restarts(
         assert pool.add("r1", 2).collect() == [1, 0]
     with pytest.raises(TypeError, match="placed on Ray"):
         authorize_clients(object(), [keys.mallory.public_key])
+    # Checked before any actor is called (before: a bare "'NoneType' object is not
+    # iterable", an OverflowError, a rotation that "took longer than -1 s").
+    with pytest.raises(TypeError, match="keys must be a sequence of public keys, got NoneType"):
+        authorize_clients(pool, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="timeout must be a number of seconds > 0, got '5'"):
+        authorize_clients(pool, [], timeout="5")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0, got -1"):
+        asyncio.run(authorize_clients_async(pool, [], timeout=-1))
+    with (
+        StagePool.launch(COUNTDOWN, replicas=1) as local,  # rotated nothing, returned 0
+        pytest.raises(TypeError, match="StagePool has no replica placed on Ray"),
+    ):
+        authorize_clients(local, [keys.mallory.public_key])
     assert no_actor_left()
 
 

@@ -159,9 +159,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     from .ray import open_on_ray_async
 
                     grant = functools.partial(_grant, links)
-                    client = await open_on_ray_async(
-                        plan, AsyncStageClient._open, ordered_events=True, grant=grant
-                    )
+                    try:
+                        client = await open_on_ray_async(
+                            plan, AsyncStageClient._open, ordered_events=True, grant=grant
+                        )
+                    except StageStartupError as exc:  # named as a local stage's is
+                        raise named_startup_error(specs[k], r, exc) from None
                 clients.append(client)
                 links.started(k, r, client)
         except BaseException:
@@ -340,9 +343,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         async def grant(key: bytes) -> None:
             await _authorize(self._grants(k, r, key))
 
-        client: AsyncStageClient = await open_on_ray_async(
-            plan, AsyncStageClient._open, ordered_events=True, grant=grant
-        )
+        try:
+            client: AsyncStageClient = await open_on_ray_async(
+                plan, AsyncStageClient._open, ordered_events=True, grant=grant
+            )
+        except StageStartupError as exc:  # named as a local stage's is
+            raise named_startup_error(self._specs[k], r, exc) from None
         try:
             admitted = self._admitted(k)
             if admitted is not None:  # before the stage before it links to it

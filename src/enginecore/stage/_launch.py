@@ -20,6 +20,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -202,6 +203,17 @@ def _disown_stages_in_forked_child() -> None:
 os.register_at_fork(after_in_child=_disown_stages_in_forked_child)
 
 
+def factory_kwargs(kwargs: object) -> dict[str, Any]:
+    """The engine factory's *kwargs* (``None``: none) as a new dict: :class:`TypeError`
+    for anything but a mapping (a list once failed with "cannot convert dictionary update
+    sequence element #0 to a sequence")."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"factory kwargs must be a dict, got {type(kwargs).__name__}")
+    return dict(kwargs)
+
+
 def _validate_factory(factory: str) -> None:
     if not isinstance(factory, str):
         raise TypeError(f"engine factory must be an import string, got {type(factory).__name__}")
@@ -340,7 +352,7 @@ def start_process(
     if not isinstance(forward_logs, bool):
         raise TypeError(f"forward_logs must be a bool, got {type(forward_logs).__name__}")
     stage = name or factory
-    kwargs = dict(kwargs or {})
+    kwargs = factory_kwargs(kwargs)
     _wire.check_encodable(kwargs, "factory kwargs")
     if not all(type(k) is str for k in kwargs):
         raise TypeError("factory kwargs must have str keys")

@@ -192,7 +192,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                     from .ray import open_on_ray
 
                     grant = functools.partial(_grant, links)
-                    client = open_on_ray(plan, StageClient._open, ordered_events=True, grant=grant)
+                    try:
+                        client = open_on_ray(
+                            plan, StageClient._open, ordered_events=True, grant=grant
+                        )
+                    except StageStartupError as exc:  # named as a local stage's is
+                        raise named_startup_error(specs[k], r, exc) from None
                 clients.append(client)
                 links.started(k, r, client)
         except BaseException:
@@ -387,7 +392,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         def grant(key: bytes) -> None:
             _authorize(self._grants(k, r, key))
 
-        client: StageClient = open_on_ray(plan, StageClient._open, ordered_events=True, grant=grant)
+        try:
+            client: StageClient = open_on_ray(
+                plan, StageClient._open, ordered_events=True, grant=grant
+            )
+        except StageStartupError as exc:  # named as a local stage's is
+            raise named_startup_error(self._specs[k], r, exc) from None
         try:
             admitted = self._admitted(k)
             if admitted is not None:  # before the stage before it links to it

@@ -58,16 +58,24 @@ class _StageActor:
             if secret_file is None:
                 public, secret = zmq.curve_keypair()
             else:
-                if not os.path.isfile(secret_file):
+                where = f"on the node of this stage ({_import_ray().util.get_node_ip_address()})"
+                if os.path.isdir(secret_file):
                     raise ValueError(
-                        f"stage_secret_key: no such file {secret_file!r} on the node of this "
-                        f"stage ({_import_ray().util.get_node_ip_address()})"
+                        f"stage_secret_key: {secret_file!r} is a directory {where}: give the "
+                        f"stage's NAME.key_secret file in it"
                     )
-                public, loaded = zmq.auth.load_certificate(secret_file)
+                if not os.path.isfile(secret_file):
+                    raise ValueError(f"stage_secret_key: no such file {secret_file!r} {where}")
+                try:
+                    public, loaded = zmq.auth.load_certificate(secret_file)
+                except (OSError, ValueError) as exc:
+                    raise ValueError(
+                        f"stage_secret_key: cannot read a key from {secret_file!r} {where}: {exc}"
+                    ) from exc
                 if loaded is None:
                     raise ValueError(
-                        f"stage_secret_key: {secret_file!r} holds no secret key (give the "
-                        f"stage's NAME.key_secret)"
+                        f"stage_secret_key: {secret_file!r} {where} holds no secret key (give "
+                        f"the stage's NAME.key_secret)"
                     )
                 secret = loaded
             self._owner = keys["authorized"][0]

@@ -39,21 +39,25 @@ Ray.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import math
 import os
+import re
 import signal
+import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from . import _clientbase, _codec, _logs, _wire
 from ._clientbase import Target
 from ._curve import CurveKeys, _check_key
-from ._errors import StageStartupError
-from ._launch import _validate_factory
+from ._errors import StageStartupError, positive_seconds
+from ._launch import _validate_factory, factory_kwargs
 from ._ray_actor import CONNECT_TIMEOUT, _StageActor
 from ._statistics import LOAD_INTERVAL, check_load_interval
 from ._watchdog import STEP_TIMEOUT, check_watchdog
@@ -78,6 +82,10 @@ _AUTHORIZE_TIMEOUT: Final = 30.0
 # How long the handshake with a started actor's stage may take: a peer that cannot be
 # reached (a firewall between hosts, a wrong node IP) fails within this, not after minutes.
 _MAX_CONNECT_TIMEOUT: Final = 30.0
+# How often a client's watch of its actor looks whether Ray is still initialized: a
+# ``ray.shutdown()`` in this process ends every actor it owns but completes no pending
+# ``ray.get``, so only a look tells the client that its stage went with it.
+_WATCH_POLL: Final = 0.25
 
 
 def _import_ray() -> Any:
@@ -86,6 +94,36 @@ def _import_ray() -> Any:
     except ImportError as exc:  # pragma: no cover - the extra is installed in the tests
         raise ImportError("placing stages on Ray needs Ray: pip install 'enginecore[ray]'") from exc
     return ray
+
+
+def _kill_actor(ray: Any, actor: Any) -> None:
+    """``ray.kill(actor)``, unless Ray is no longer initialized in this process (a
+    ``ray.shutdown()``: the actors it owned are gone with it, and ``ray.kill`` would start a
+    new local cluster of its own)."""
+    if ray.is_initialized():
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+
+
+def _check_amount(value: object, what: str) -> None:
+    """A resource amount of a :class:`RayPlacement`: a finite number >= 0
+    (:class:`TypeError` for a non-number, a ``bool`` too; :class:`ValueError` else)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number >= 0, got {value!r}")
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{what} must be a number >= 0, got {value!r}")
+
+
+_SHUT_DOWN: Final = "Ray was shut down in this process (ray.shutdown()); its actor went with it"
+# Set once a stage of this process saw Ray shut down under it: from then on a start (a
+# pool's or a pipeline's restart, a new launch) never lets Ray start a cluster of its own
+# (ray.init()'s default) while Ray is not initialized again.
+_shut_down_under_stages = False
+
+
+def _shut_down() -> None:
+    global _shut_down_under_stages
+    _shut_down_under_stages = True
 
 
 @dataclass(frozen=True)
@@ -107,10 +145,35 @@ class RayPlacement:
     runtime_env: Mapping[str, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError("num_cpus and num_gpus must be >= 0")
-        if not isinstance(self.bundle_index, int) or self.bundle_index < -1:
+        # Checked here, when the placement is made: Ray's own errors come only at the
+        # launch, and some are bare (an AssertionError for a placement_group that is not one).
+        _check_amount(self.num_cpus, "num_cpus")
+        _check_amount(self.num_gpus, "num_gpus")
+        if self.resources is not None:
+            if not isinstance(self.resources, Mapping):
+                raise TypeError(
+                    f"resources must be a mapping of resource name to amount, got "
+                    f"{type(self.resources).__name__}"
+                )
+            for name, amount in self.resources.items():
+                if not isinstance(name, str):
+                    raise TypeError(f"a resource name must be a str, got {name!r}")
+                _check_amount(amount, f"resources[{name!r}]")
+        if self.runtime_env is not None and not isinstance(self.runtime_env, Mapping):
+            raise TypeError(f"runtime_env must be a mapping, got {type(self.runtime_env).__name__}")
+        if isinstance(self.bundle_index, bool) or not isinstance(self.bundle_index, int):
+            raise TypeError(f"bundle_index must be an int >= -1, got {self.bundle_index!r}")
+        if self.bundle_index < -1:
             raise ValueError(f"bundle_index must be an int >= -1, got {self.bundle_index!r}")
+        if self.placement_group is not None:
+            # A PlacementGroup exists only once Ray is imported: no import here.
+            module = sys.modules.get("ray.util.placement_group")
+            group_type = getattr(module, "PlacementGroup", None)
+            if group_type is None or not isinstance(self.placement_group, group_type):
+                raise TypeError(
+                    f"placement_group must be a ray.util.placement_group.PlacementGroup, got "
+                    f"{type(self.placement_group).__name__}"
+                )
         if self.bundle_index != -1 and self.placement_group is None:
             raise ValueError("bundle_index needs a placement_group")
 
@@ -162,6 +225,10 @@ class _ActorProcess:
             os.close(self._w)
 
 
+# Ray's text of a remote error colours its header for a terminal.
+_ANSI: Final = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _first_line(exc: BaseException) -> str:
     """``Type: the first line of its message`` (Ray's are long)."""
     text = str(exc).strip().splitlines()
@@ -209,12 +276,28 @@ class RayStage:
 
     def _watch(self) -> None:
         ray = _import_ray()
-        try:
-            code = ray.get(self._watch_ref)
-        except Exception as exc:  # RayActorError and kin: the actor died
-            self._ended(None, f"its Ray actor died ({_first_line(exc)})")
-        else:
+        # The answer as a future that Ray completes from its own thread, waited on here: a
+        # ray.get may block for good once Ray is shut down, and a ray.get after the
+        # shutdown would start a cluster of its own.
+        answer = self._watch_ref.future()
+        while not self._exited.is_set():
+            if not ray.is_initialized():
+                _shut_down()
+                self._ended(None, _SHUT_DOWN)
+                return
+            try:
+                code = answer.result(timeout=_WATCH_POLL)
+            except concurrent.futures.TimeoutError:
+                continue
+            except BaseException as exc:  # RayActorError and kin: the actor died
+                if not ray.is_initialized():
+                    _shut_down()
+                    self._ended(None, _SHUT_DOWN)
+                else:
+                    self._ended(None, f"its Ray actor died ({_first_line(exc)})")
+                return
             self._ended(code, None)
+            return
 
     def _ended(self, code: int | None, death: str | None) -> None:
         with self.lock:
@@ -239,10 +322,9 @@ class RayStage:
         stage to shut down (``actor.stop``)."""
         ray = _import_ray()
         if sig == signal.SIGKILL:
-            with contextlib.suppress(Exception):
-                ray.kill(self.actor, no_restart=True)
+            _kill_actor(ray, self.actor)
             self._ended(-int(signal.SIGKILL), "killed with ray.kill")
-        elif not self._exited.is_set():
+        elif not self._exited.is_set() and ray.is_initialized():
             with contextlib.suppress(Exception):
                 self.actor.stop.remote()
 
@@ -253,8 +335,7 @@ class RayStage:
             if self._released:
                 return
             self._released = True
-        with contextlib.suppress(Exception):
-            _import_ray().kill(self.actor, no_restart=True)
+        _kill_actor(_import_ray(), self.actor)
         self._ended(self._exit_code, self.death)
         if self.logs is not None:
             self.logs.release()
@@ -324,18 +405,19 @@ class RayPlan:
             placement = RayPlacement()
         if not isinstance(placement, RayPlacement):
             raise TypeError(f"placement must be a RayPlacement, got {type(placement).__name__}")
-        if not 0 < connect_timeout <= _MAX_CONNECT_TIMEOUT:
+        if positive_seconds(connect_timeout, "connect_timeout") > _MAX_CONNECT_TIMEOUT:
             raise ValueError(f"connect_timeout must be in (0, {_MAX_CONNECT_TIMEOUT}] seconds")
-        if startup_timeout <= 0:
-            raise ValueError("startup_timeout must be > 0")
+        positive_seconds(startup_timeout, "startup_timeout")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         if not isinstance(forward_logs, bool):
             raise TypeError(f"forward_logs must be a bool, got {type(forward_logs).__name__}")
+        if not isinstance(insecure, bool):  # "no" would be true: CURVE off
+            raise TypeError(f"insecure must be a bool, got {type(insecure).__name__}")
         secret_file, authorized = _check_keys(insecure, curve, stage_secret_key, authorized_clients)
         if link_kwarg is not None and insecure:
             raise ValueError("link keys are CURVE keys: insecure=True makes none")
-        kwargs = dict(kwargs or {})
+        kwargs = factory_kwargs(kwargs)
         _wire.check_encodable(kwargs, "factory kwargs")
         if not all(type(k) is str for k in kwargs):
             raise TypeError("factory kwargs must have str keys")
@@ -416,6 +498,12 @@ class RayPlan:
         keys: ``(ray, actor, this client's key pair or None, the keys for the actor)``.
         The key pair is made while Ray places the actor, off the launch's path."""
         ray = _import_ray()
+        if _shut_down_under_stages and not ray.is_initialized():
+            raise StageStartupError(
+                f"stage {self.factory!r} was not placed: Ray was shut down in this process "
+                f"(ray.shutdown()) under stages placed on it; call ray.init() to place "
+                f"stages again (enginecore does not start a Ray cluster of its own then)"
+            )
         actor = _remote_actor_class(ray).options(**self.placement.actor_options()).remote()
         if self.insecure:
             return ray, actor, None, None
@@ -448,8 +536,7 @@ class RayPlan:
     @staticmethod
     def _abandon(ray: Any, actor: Any, logs: _logs.LogSource | None) -> None:
         """A failed start: kill the actor, release the log socket."""
-        with contextlib.suppress(Exception):
-            ray.kill(actor, no_restart=True)
+        _kill_actor(ray, actor)
         if logs is not None:
             logs.release()
 
@@ -484,9 +571,15 @@ class RayPlan:
 
     def _failed(self, ray: Any, exc: BaseException) -> StageStartupError:
         if isinstance(exc, ray.exceptions.RayTaskError):
+            # The actor's own exception first, then the actor's traceback, as a launched
+            # stage's reads (Ray's text of it, without its terminal colours).
+            cause = getattr(exc, "cause", None)
+            why = f"{type(cause).__name__}: {cause}" if isinstance(cause, Exception) else None
+            traceback = _ANSI.sub("", str(exc)).strip()
             return StageStartupError(
-                f"stage {self.factory!r} failed to start in its Ray actor: {exc}",
-                child_traceback=str(exc),
+                f"stage {self.factory!r} failed to start in its Ray actor: "
+                f"{why or _first_line(exc)}\n\nActor traceback:\n{traceback}",
+                child_traceback=traceback,
             )
         return StageStartupError(
             f"the Ray actor of stage {self.factory!r} died during startup: {exc}"
@@ -530,6 +623,16 @@ def _check_keys(
     other clients' public keys."""
     if isinstance(authorized_clients, (str, bytes)):
         raise TypeError("authorized_clients must be a sequence of public keys, not one key")
+    if not isinstance(authorized_clients, Iterable):
+        raise TypeError(
+            f"authorized_clients must be a sequence of public keys, got "
+            f"{type(authorized_clients).__name__}"
+        )
+    if stage_secret_key is not None and not isinstance(stage_secret_key, (str, os.PathLike)):
+        raise TypeError(
+            f"stage_secret_key must be a path (str or os.PathLike), got "
+            f"{type(stage_secret_key).__name__}"
+        )
     authorized = tuple(_check_key(k, "a key of authorized_clients") for k in authorized_clients)
     if insecure:
         if curve is not None or stage_secret_key is not None or authorized:
@@ -578,17 +681,18 @@ def launch_on_ray(
     same; ``AsyncStageClient.launch_on_ray`` its asyncio twin.
 
     Uses the Ray cluster this process is connected to (``ray.init()``; Ray's own default
-    starts or finds one). The stage binds TCP on the actor's node IP; the client connects
-    with CURVE unless *insecure*: by default with keys made for this stage (public keys
-    exchanged through the actor); with your own keys, *curve* (this client's
-    :class:`~enginecore.stage.CurveKeys`, whose ``server_key`` is the stage's) and
-    *stage_secret_key* (the stage's ``NAME.key_secret``, a path on the nodes where it may be
-    placed: read by the actor, never sent); *authorized_clients* lists the public keys of
-    other clients the stage admits too (an observer such as ``enginecore top``). The
-    stage options are :meth:`StageClient.launch
+    starts or finds one, except after a ``ray.shutdown()`` under stages placed from this
+    process: :class:`~enginecore.stage.StageStartupError` until ``ray.init()``). The stage
+    binds TCP on the actor's node IP; the client connects with CURVE unless *insecure*: by
+    default with keys made for this stage (public keys exchanged through the actor); with
+    your own keys, *curve* (this client's :class:`~enginecore.stage.CurveKeys`, whose
+    ``server_key`` is the stage's) and *stage_secret_key* (the stage's ``NAME.key_secret``,
+    a path on the nodes where it may be placed: read by the actor, never sent);
+    *authorized_clients* lists the public keys of other clients the stage admits too (an
+    observer such as ``enginecore top``). The stage options are :meth:`StageClient.launch
     <enginecore.stage.StageClient.launch>`'s; with *forward_logs*, the stage's records are
-    re-emitted in this process (over a TCP socket of their own, with the same CURVE
-    keys). Blocks until the stage is ready, at most *startup_timeout* seconds for the actor
+    re-emitted in this process (over a TCP socket of their own, with the same CURVE keys).
+    Blocks until the stage is ready, at most *startup_timeout* seconds for the actor
     (placement included) and *connect_timeout* (at most 30 s) for the handshake over TCP;
     :class:`~enginecore.stage.StageStartupError` otherwise, with no actor left behind.
 
@@ -658,13 +762,18 @@ async def open_on_ray_async(
         _clientbase.raise_startup_error(plan.factory, exc)
 
 
-def _rotation(target: Any, keys: Sequence[bytes | str]) -> tuple[list[RayStage], list[str]]:
+def _rotation(
+    target: Any, keys: Sequence[bytes | str], timeout: float
+) -> tuple[list[RayStage], list[str]]:
     """What :func:`authorize_clients` acts on: the Ray stages of *target* (a client placed
     on Ray, or a pool's replicas placed on Ray that run now), and *keys* checked, as Z85
     text. A pool's Ray replicas keep the new keys, for their restarts (and for a start
-    under way now: :func:`catch_up_keys`)."""
+    under way now: :func:`catch_up_keys`). *timeout* is checked too."""
+    positive_seconds(timeout, "timeout")
     if isinstance(keys, (str, bytes)):
         raise TypeError("keys must be a sequence of public keys, not one key")
+    if not isinstance(keys, Iterable):
+        raise TypeError(f"keys must be a sequence of public keys, got {type(keys).__name__}")
     checked = [_check_key(k, "an authorized client key").decode("ascii") for k in keys]
     stages: list[RayStage] = []
     if hasattr(target, "replicas"):  # a pool
@@ -675,6 +784,12 @@ def _rotation(target: Any, keys: Sequence[bytes | str]) -> tuple[list[RayStage],
             if replica.spec.get("insecure"):
                 raise ValueError(f"replica {replica.name} was placed with insecure=True: no CURVE")
             replicas.append(replica)
+        if not replicas:
+            raise TypeError(
+                f"authorize_clients takes a client or a pool of stages placed on Ray: this "
+                f"{type(target).__name__} has no replica placed on Ray (a launched replica "
+                f"uses ipc, without CURVE)"
+            )
         # The new keys first, then the stages that run: a restart that was placed with the
         # old keys and serves after this line brings itself up to date (catch_up_keys), and
         # one that serves before it is among the stages below.
@@ -720,7 +835,7 @@ def authorize_clients(
     ``insecure=True``, :class:`TypeError` for a target not placed on Ray, and Ray's error
     (``GetTimeoutError`` past *timeout*, ``RayActorError`` for a dead actor) if an actor
     did not answer. Blocks: from asyncio, ``await`` :func:`authorize_clients_async`."""
-    stages, checked = _rotation(target, keys)
+    stages, checked = _rotation(target, keys, timeout)
     ray = _import_ray()
     if stages:
         ray.get([stage.actor.authorize.remote(checked) for stage in stages], timeout=timeout)
@@ -734,7 +849,7 @@ async def authorize_clients_async(
 ) -> int:
     """:func:`authorize_clients`, awaited: the actors' answers are awaited as Ray's
     futures, and no thread is held; ``TimeoutError`` past *timeout*."""
-    stages, checked = _rotation(target, keys)
+    stages, checked = _rotation(target, keys, timeout)
     if stages:
         futures = [
             asyncio.wrap_future(stage.actor.authorize.remote(checked).future()) for stage in stages
