@@ -27,7 +27,7 @@ from enginecore.stage import (
     UtilityResult,
 )
 
-from .conftest import COUNTDOWN, ECHO, Launch
+from .conftest import COUNTDOWN, ECHO, Connect, Launch
 
 
 def outputs_of(events: Iterable[object]) -> list[tuple[str | None, bool, Any]]:
@@ -715,3 +715,24 @@ class TestClose:
         assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
         client.close()
         assert not os.path.exists(ipc_dir)
+
+
+@pytest.mark.parametrize(
+    ("interval", "timeout", "error"),
+    [
+        (float("nan"), 5.0, ValueError),
+        (1.0, float("nan"), ValueError),  # a silent stage would never be presumed dead
+        (1.0, float("inf"), ValueError),
+        (0, 5.0, ValueError),
+        (2.0, 1.0, ValueError),
+        ("1", 5.0, TypeError),
+        (1.0, None, TypeError),
+        (True, 5.0, TypeError),
+    ],
+    ids=["nan-interval", "nan-timeout", "inf-timeout", "zero", "order", "str", "none", "bool"],
+)
+def test_bad_heartbeats_are_refused_before_connecting(
+    connect: Connect, interval: Any, timeout: Any, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="heartbeat_"):
+        connect("tcp://127.0.0.1:1", heartbeat_interval=interval, heartbeat_timeout=timeout)

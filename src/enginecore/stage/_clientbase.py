@@ -18,7 +18,7 @@ import zmq
 
 from . import _session
 from ._curve import HANDSHAKE_EVENTS, CurveKeys, HandshakeWatch, secure_client
-from ._errors import StageClosedError, StageStartupError
+from ._errors import StageClosedError, StageStartupError, positive_seconds
 from ._launch import Launched
 from ._session import ClientSession, Deliveries, Parts, StageHealth, StreamCore, output_address_for
 from ._statistics import StageLoad
@@ -376,9 +376,15 @@ def passed(deadline: float | None) -> bool:
 
 
 def check_heartbeat(interval: float, timeout: float) -> tuple[float, float]:
-    """``connect()``'s heartbeat arguments, checked."""
-    if interval <= 0 or timeout <= interval:
-        raise ValueError("need 0 < heartbeat_interval < heartbeat_timeout")
+    """``connect()``'s heartbeat arguments, checked: each a finite number of seconds > 0
+    (:func:`~._errors.positive_seconds`: a NaN timeout would never declare a silent stage
+    dead), the interval below the timeout (:class:`ValueError`)."""
+    interval = positive_seconds(interval, "heartbeat_interval")
+    timeout = positive_seconds(timeout, "heartbeat_timeout")
+    if timeout <= interval:
+        raise ValueError(
+            f"need 0 < heartbeat_interval < heartbeat_timeout, got {interval:g} and {timeout:g}"
+        )
     return interval, timeout
 
 
