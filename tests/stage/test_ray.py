@@ -30,6 +30,7 @@ from enginecore.stage import (
     ReplicaState,
     RestartPolicy,
     StageClient,
+    StageClosedError,
     StageObserver,
     StagePool,
     StageStartupError,
@@ -339,6 +340,37 @@ def test_add_replica_on_ray_beside_a_launched_one() -> None:
         assert pool.call_utility("div", 3, 4, replica=replica) == 0.75
         assert pool.remove_replica(replica) == 0
     assert no_actor_left()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_close_stops_a_ray_replica_s_placement_under_way(kind: str) -> None:
+    # A placement Ray cannot satisfy waits out the startup timeout; a close stops that
+    # wait: the add_replica raises StageClosedError at once and no actor is left (the
+    # blocking pool's waited the whole 60 s).
+    from enginecore.stage import AsyncStagePool
+
+    gpu = RayPlacement(num_gpus=1)  # the test cluster has none
+    if kind == "sync":
+        pool = StagePool()
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            adding = ex.submit(pool.add_replica, COUNTDOWN, ray=gpu, startup_timeout=60)
+            assert wait_until(lambda: len(pool.replicas) == 1, 10)
+            pool.close()
+            with pytest.raises(StageClosedError):
+                adding.result(10)
+    else:
+
+        async def main() -> None:
+            pool = AsyncStagePool()
+            adding = asyncio.ensure_future(pool.add_replica(COUNTDOWN, ray=gpu, startup_timeout=60))
+            while not pool.replicas:
+                await asyncio.sleep(0.01)
+            await pool.close()
+            with pytest.raises(StageClosedError):
+                await asyncio.wait_for(adding, 10)
+
+        asyncio.run(main())
+    assert wait_until(no_actor_left, 10)
 
 
 def test_async_pool_on_ray() -> None:

@@ -448,6 +448,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             member = open_on_ray(
                 plan[1],
                 lambda t: _Member._open(t._replace(ordered_events=events), self._lock, self._hub),
+                cancel=self._cancel_starts,  # a close stops the placement's wait
             )
         else:
             _, factory, kwargs, startup_timeout, options, ping_s = plan

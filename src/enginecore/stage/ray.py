@@ -43,6 +43,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import multiprocessing.connection
 import os
 import re
 import signal
@@ -56,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Final
 from . import _clientbase, _codec, _logs, _wire
 from ._clientbase import Target
 from ._curve import CurveKeys, _check_key
-from ._errors import StageStartupError, positive_seconds
+from ._errors import StageClosedError, StageStartupError, positive_seconds
 from ._launch import _validate_factory, factory_kwargs
 from ._ray_actor import CONNECT_TIMEOUT, _StageActor
 from ._statistics import LOAD_INTERVAL, check_load_interval
@@ -444,26 +445,32 @@ class RayPlan:
             link_kwarg=link_kwarg,
         )
 
-    def start(self, grant: Callable[[bytes], None] | None = None) -> RayStage:
+    def start(
+        self,
+        grant: Callable[[bytes], None] | None = None,
+        cancel: multiprocessing.connection.Connection | None = None,
+    ) -> RayStage:
         """Place the actor and start its stage; blocks until it is ready, at most
         *startup_timeout* seconds (placement included). :class:`StageStartupError` if it
         does not come up; no actor is left behind then. With :attr:`link_kwarg`, the
         actor's link key is made first and ``grant(public key)`` called with it before
         the stage starts (a pipeline: the next stage admits it before this one
-        connects)."""
+        connects). Once *cancel* (the read end of a pipe: a pool's, written when it
+        closes) is readable, the wait stops within 0.1 s: the actor is killed and
+        :class:`~enginecore.stage.StageClosedError` raised."""
         deadline = time.monotonic() + self.startup_timeout
         ray, actor, client_keys, keys = self._place()
         logs: _logs.LogSource | None = None
         try:
             if self.link_kwarg is not None and grant is not None:
-                grant(self._get(ray, actor.link_key.remote(), deadline))
+                grant(self._get(ray, actor.link_key.remote(), deadline, cancel))
             if self.forward_logs:
                 ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
-                logs = self._forward_logs(self._get(ray, ref, deadline), client_keys)
+                logs = self._forward_logs(self._get(ray, ref, deadline, cancel), client_keys)
             ref = actor.start.remote(
                 self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
-            info = self._check_server_key(self._get(ray, ref, deadline))
+            info = self._check_server_key(self._get(ray, ref, deadline, cancel))
             return RayStage(actor, info, self.stage, client_keys, logs, self.authorized_clients)
         except BaseException:
             self._abandon(ray, actor, logs)
@@ -540,11 +547,30 @@ class RayPlan:
         if logs is not None:
             logs.release()
 
-    def _get(self, ray: Any, ref: Any, deadline: float) -> Any:
+    def _get(
+        self,
+        ray: Any,
+        ref: Any,
+        deadline: float,
+        cancel: multiprocessing.connection.Connection | None = None,
+    ) -> Any:
         """``ray.get(ref)`` before *deadline*, its failures as
-        :class:`StageStartupError`."""
+        :class:`StageStartupError`; :class:`StageClosedError` once *cancel* is readable
+        (looked at every 0.1 s: Ray's wait cannot also wait for a pipe)."""
         try:
-            return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            if cancel is None:
+                return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ray.exceptions.GetTimeoutError
+                if ray.wait([ref], timeout=min(left, 0.1))[0]:
+                    return ray.get(ref)
+                if cancel.poll():
+                    raise StageClosedError(
+                        f"the start of stage {self.factory!r} on Ray was cancelled; its "
+                        f"actor was killed"
+                    )
         except ray.exceptions.GetTimeoutError:
             raise self._timed_out() from None
         except ray.exceptions.RayError as exc:
@@ -731,11 +757,12 @@ def open_on_ray(
     *,
     ordered_events: bool = False,
     grant: Callable[[bytes], None] | None = None,
+    cancel: multiprocessing.connection.Connection | None = None,
 ) -> Any:
     """Start *plan*'s stage and open a client on it with ``opener(target)``; if the open
-    fails, kill the actor and raise :class:`~enginecore.stage.StageStartupError`. *grant*:
-    :meth:`RayPlan.start`'s."""
-    stage = plan.start(grant)
+    fails, kill the actor and raise :class:`~enginecore.stage.StageStartupError`. *grant*
+    and *cancel*: :meth:`RayPlan.start`'s."""
+    stage = plan.start(grant, cancel)
     try:
         return opener(plan.target(stage, ping_s, ordered_events))
     except BaseException as exc:
