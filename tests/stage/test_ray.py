@@ -547,8 +547,8 @@ def test_an_unreachable_stage_fails_within_the_connect_timeout(
     # TEST-NET-2 (RFC 5737), where nothing answers.
     real_start = RayPlan.start
 
-    def start(plan: RayPlan, grant: Any = None) -> RayStage:
-        stage = real_start(plan, grant)
+    def start(plan: RayPlan, grant: Any = None, cancel: Any = None) -> RayStage:
+        stage = real_start(plan, grant, cancel)
         stage.input_address = "tcp://198.51.100.1:5570"
         return stage
 
