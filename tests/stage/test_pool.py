@@ -660,10 +660,7 @@ def test_a_replica_killed_while_it_drains_fails_its_requests_with_its_death(
 ) -> None:
     # A drained removal lets the replica's requests run to their end: if it dies meanwhile,
     # they end with its death (ReplicaDeadError), as without a removal, not StageClosedError.
-    pool = launch(replicas=2, kwargs={"step_s": 0.005})
-    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
-    for s in streams:
-        s.get(10)
+    pool, streams = _busy(launch)
     victim = pool.replicas[0]
     pid = victim.pid
     on_victim = [s for s in streams if s.replica is victim]
@@ -691,14 +688,21 @@ def test_a_replica_killed_while_it_drains_fails_its_requests_with_its_death(
         assert s.aborted
 
 
+def _busy(launch: Open, **options: Any) -> tuple[Any, list[Any]]:
+    """A pool of two device-engine replicas with four requests that run until aborted,
+    each past its first output (so both replicas serve some)."""
+    pool = launch(replicas=2, kwargs={"step_s": 0.005}, **options)
+    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
+    for s in streams:
+        s.get(10)
+    return pool, streams
+
+
 def test_a_close_cuts_short_a_drained_removal_under_way(launch: Open) -> None:
     # close() does not wait for a remove_replica(drain=True) of another thread: the
     # draining stage stops at once, its requests end as a close ends them, and the removal
     # raises StageClosedError.
-    pool = launch(replicas=2, kwargs={"step_s": 0.005})
-    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
-    for s in streams:
-        s.get(10)
+    pool, streams = _busy(launch)
     victim = pool.replicas[0]
     pid = victim.pid
     assert any(s.replica is victim for s in streams)
@@ -732,10 +736,7 @@ def test_a_close_cuts_short_the_drain_of_a_stopped_replica_too(launch: Open) -> 
     # The stage of the drained replica is stopped (SIGSTOP): the cut cannot stop it, so the
     # close signals it after its own timeout, as it does any other replica that does not
     # stop, instead of waiting for the drain's 100 s.
-    pool = launch(replicas=2, kwargs={"step_s": 0.005}, ping_interval=0.2)
-    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
-    for s in streams:
-        s.get(10)
+    pool, streams = _busy(launch, ping_interval=0.2)
     victim = pool.replicas[0]
     pid = cast(int, victim.pid)
     outcome: list[object] = []
@@ -767,10 +768,7 @@ def test_a_close_cuts_short_the_drain_of_a_stopped_replica_too(launch: Open) -> 
 def test_a_drained_removal_of_a_stopped_replica_keeps_to_its_timeout(launch: Open) -> None:
     # A SIGSTOPped replica cannot end its drain: the removal waits its timeout and 1 s for
     # the exit, then SIGTERM and a second, then SIGKILL; not the 5 s of a close on top.
-    pool = launch(replicas=2, kwargs={"step_s": 0.005}, ping_interval=0.2)
-    streams = [pool.add(f"a{i}", 10**6) for i in range(4)]
-    for s in streams:
-        s.get(10)
+    pool, streams = _busy(launch, ping_interval=0.2)
     victim = pool.replicas[0]
     on_victim = [s for s in streams if s.replica is victim]
     assert on_victim

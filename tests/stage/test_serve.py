@@ -47,6 +47,36 @@ _SYS_TGKILL = (
 )
 
 
+def _welcomed(
+    ctx: zmq.Context[zmq.Socket[bytes]], address: str, name: str, routing_id: bytes | None = None
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A raw client attached to the stage at *address*: its DEALER, welcomed as *name*,
+    and its PULL, connected to the output address of the welcome."""
+    dealer = ctx.socket(zmq.DEALER)
+    pull = ctx.socket(zmq.PULL)
+    if routing_id is not None:
+        dealer.setsockopt(zmq.ROUTING_ID, routing_id)
+    dealer.connect(address)
+    dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, name]))
+    assert dealer.poll(5000)
+    tag, _, output, *_ = msgspec.msgpack.decode(dealer.recv())
+    assert tag == "welcome"
+    pull.connect("tcp://127.0.0.1:" + output.rsplit(":", 1)[1])
+    return dealer, pull
+
+
+def _connect_once_free(address: str, timeout: float) -> StageClient:
+    """``StageClient.connect(address)``, tried again while the stage refuses it (another
+    client's session still holds it), for at most *timeout* seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return StageClient.connect(address)
+        except ProtocolError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
 class TestServe:
     def test_connect_round_trip_and_detach(self, server: Server) -> None:
         with StageClient.connect(server.address) as client:
@@ -70,15 +100,8 @@ class TestServe:
         # The output socket is a PUSH: with two clients' PULLs connected it deals events out
         # round-robin, so the new client would lose about half of its answers.
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        pull = ctx.socket(zmq.PULL)
+        dealer, pull = _welcomed(ctx, server.address, "silent")
         try:
-            dealer.connect(server.address)
-            dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "silent"]))
-            assert dealer.poll(5000)
-            tag, _, output, *_ = msgspec.msgpack.decode(dealer.recv())
-            assert tag == "welcome"
-            pull.connect("tcp://127.0.0.1:" + output.rsplit(":", 1)[1])
             time.sleep(1.2)  # past the session timeout (1 s): the session itself has expired
             with pytest.raises(ProtocolError, match="still connected"):
                 StageClient.connect(server.address)
@@ -87,15 +110,7 @@ class TestServe:
             dealer.close(linger=0)
             ctx.term()
         # Its connection gone, the next client takes over and gets every answer.
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                client = StageClient.connect(server.address)
-                break
-            except ProtocolError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        with client:
+        with _connect_once_free(server.address, 5) as client:
             for i in range(20):
                 assert client.call_utility("echo", i, timeout=5) == [i]
 
@@ -498,28 +513,12 @@ class TestSessions:
         # refused with a "session lost" reject, which the Python clients raise as
         # SessionLostError (releasing their PULL).
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        pull = ctx.socket(zmq.PULL)
+        dealer, pull = _welcomed(ctx, server.address, "first", routing_id=b"ec-first-client")
         try:
-            dealer.setsockopt(zmq.ROUTING_ID, b"ec-first-client")
-            dealer.connect(server.address)
-            dealer.send(msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "first"]))
-            assert dealer.poll(5000)
-            tag, _, output, *_ = msgspec.msgpack.decode(dealer.recv())
-            assert tag == "welcome"
-            pull.connect("tcp://127.0.0.1:" + output.rsplit(":", 1)[1])
             dealer.send(msgspec.msgpack.encode(["add", "first-big", 10**8]))
             assert pull.poll(5000)  # its output: the request runs
             pull.close(linger=0)  # its PULL connection dropped; silent past the timeout
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    second = StageClient.connect(server.address)
-                    break
-                except ProtocolError:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
-            with second:
+            with _connect_once_free(server.address, 10) as second:
                 for msg in (["ping", 1], ["add", "late", 1], ["shutdown"]):
                     dealer.send(msgspec.msgpack.encode(msg))
                     assert dealer.poll(5000), msg
