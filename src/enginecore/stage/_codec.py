@@ -389,7 +389,13 @@ class Decoder:
 
     def _buffer(self, index: object) -> memoryview:
         if type(index) is not int or not 0 <= index < len(self._bufs) - 1:
-            raise _ExtError(f"reference to out-of-band buffer {index!r}, which is not there")
+            # What it holds, briefly: the message goes back to the client (an error event).
+            what = (
+                f"msgpack extension {index.code}"
+                if type(index) is msgspec.msgpack.Ext
+                else f"{index!r:.100}"
+            )
+            raise _ExtError(f"reference to out-of-band buffer {what}, which is not there")
         return memoryview(_view(self._bufs[index + 1]))
 
     def _ext(self, code: int, data: memoryview) -> Any:
