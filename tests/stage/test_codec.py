@@ -924,6 +924,13 @@ class TestDecoderStrictness:
         assert len(message) < 200
         assert " object at 0x" not in message
 
+    @pytest.mark.parametrize("dtype", ["x" * 5000, "<M8[" + "s" * 5000 + "]", "|V" + "9" * 4000])
+    def test_a_long_bad_dtype_is_named_briefly(self, dtype: str) -> None:
+        with pytest.raises(msgspec.DecodeError) as info:
+            receive([body(["add", "r1", ext(1, [dtype, [1], b"\0"])])], strict=True)
+        assert "array dtype '" in str(info.value)
+        assert len(str(info.value)) < 400
+
     def test_valid_values_beside_an_invalid_one_decode_normally(self) -> None:
         parts = [body([ext(2, 0), ext(9, 0), ext(1, ["|u1", [2], b"ab"])]), b"bytes"]
         got = receive(parts, strict=False)
