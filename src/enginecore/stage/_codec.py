@@ -440,7 +440,7 @@ class Decoder:
         try:
             dtype = np.dtype(head[0])
         except Exception as exc:  # TypeError, SyntaxError ("1)"), a warning made an error
-            raise _ExtError(f"invalid array dtype {head[0]!r:.100}: {str(exc):.200}") from None
+            raise _ExtError(f"invalid array dtype {head[0]!r:.100}: {exc!s:.200}") from None
         if dtype.kind not in _ARRAY_KINDS or dtype.fields is not None:
             raise _ExtError(f"array dtype {head[0]!r:.100} is not allowed on the wire")
         data = head[2]
