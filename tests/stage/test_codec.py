@@ -870,6 +870,14 @@ BAD_EXTENSIONS: list[tuple[str, msgspec.msgpack.Ext, list[bytes], str]] = [
     ("bytes inline", ext(2, b"abc"), [], "reference to out-of-band buffer b'abc'"),
     ("buffer index past the end", ext(3, 2), [b"x", b"y"], "out-of-band buffer 2"),
     ("buffer as a str", ext(3, "abc"), [], "reference to out-of-band buffer 'abc'"),
+    # What a reference holds is named, and cut short: not an object's repr with its
+    # address, nor a repr as long as the message.
+    (
+        "array data an extension",
+        ext(1, ["|u1", [1], msgspec.msgpack.Ext(2, body(0))]),
+        [b"x"],
+        "reference to out-of-band buffer msgpack extension 2, which is not there",
+    ),
 ]
 BAD_IDS = [case[0] for case in BAD_EXTENSIONS]
 
@@ -899,6 +907,29 @@ class TestDecoderStrictness:
         with pytest.raises(ValueError, match=r"^data\['k'\]\[1\]: ") as info:
             check_received(msg[2], "data")
         assert message in str(info.value)
+
+    @pytest.mark.parametrize(
+        "reference",
+        [[0] * 5000, "x" * 5000, {"k": [0] * 5000}, msgspec.msgpack.Ext(2, body(0))],
+        ids=["long list", "long str", "map", "extension"],
+    )
+    def test_a_bad_buffer_reference_is_named_briefly(self, reference: object) -> None:
+        # docs/wire.md section 6: the error goes back to the client, which should read what
+        # was wrong, not an object's address or a repr as long as the message.
+        with pytest.raises(msgspec.DecodeError) as info:
+            receive([body(["add", "r1", ext(3, reference)]), b"x"], strict=True)
+        message = str(info.value)
+        assert message.startswith("reference to out-of-band buffer ")
+        assert message.endswith(", which is not there")
+        assert len(message) < 200
+        assert " object at 0x" not in message
+
+    @pytest.mark.parametrize("dtype", ["x" * 5000, "<M8[" + "s" * 5000 + "]", "|V" + "9" * 4000])
+    def test_a_long_bad_dtype_is_named_briefly(self, dtype: str) -> None:
+        with pytest.raises(msgspec.DecodeError) as info:
+            receive([body(["add", "r1", ext(1, [dtype, [1], b"\0"])])], strict=True)
+        assert "array dtype '" in str(info.value)
+        assert len(str(info.value)) < 400
 
     def test_valid_values_beside_an_invalid_one_decode_normally(self) -> None:
         parts = [body([ext(2, 0), ext(9, 0), ext(1, ["|u1", [2], b"ab"])]), b"bytes"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import __future__
 
 import dataclasses
+import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -250,3 +252,47 @@ class TestPublicApi:
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
         ).stdout
         assert "pip install 'enginecore[zmq]'" in out
+
+
+class TestWorkedExample:
+    """docs/wire.md section 10: each frame it shows, in hex, is what this implementation
+    sends for the value it names (so a port to another language can trust the bytes)."""
+
+    @staticmethod
+    def _frames() -> list[tuple[str, bytes]]:
+        """The example's entries: (the line naming the value, its body as shown in hex)."""
+        doc = (pathlib.Path(__file__).parents[2] / "docs" / "wire.md").read_text()
+        section = doc.split("## 10. Worked example", 1)[1].split("```", 2)[1]
+        frames: list[tuple[str, bytes]] = []
+        for line in section.splitlines():
+            if line.startswith(("client → stage", "stage → client")):
+                frames.append((line, b""))
+                continue
+            shown = re.fullmatch(r"\s+(?:part 1: )?((?:[0-9a-f]{2} ?)+)", line)
+            if shown is not None:  # not "part 2: the 4,096 bytes of the array"
+                frames[-1] = (frames[-1][0], frames[-1][1] + bytes.fromhex(shown.group(1)))
+        return frames
+
+    def test_every_frame_is_what_the_implementation_sends(self) -> None:
+        import numpy as np
+
+        big = np.zeros((32, 32), "<f4")
+        expected: list[object] = [
+            ["hello", 2, "enginecore-python"],
+            _wire.welcome_frame("tcp://127.0.0.1:40001", 4242, "enginecore:CountdownEngine"),
+            ["add", "r1", 3],
+            ["adds", ["r2", "r3"], [1, 2]],
+            ["utility", 7, "div", [1, 4]],
+            [("utility", 7, 0.25, None)],
+            [("outputs", ["r1", "r2", "r3"], [False, True, False], [2, 0, 1])],
+            ["abort", ["r1", "r3"]],
+            [("aborted", ["r1", "r3"])],
+            ["add", "img", np.zeros((2, 3), "<f4")],
+            ["add", "big", big],
+            ["shutdown"],
+        ]
+        frames = self._frames()
+        assert len(frames) == len(expected), [line for line, _ in frames]
+        for (line, shown), value in zip(frames, expected, strict=True):
+            sent = value if isinstance(value, bytes) else _codec.Encoder().encode(value)[0]
+            assert bytes(sent) == shown, line

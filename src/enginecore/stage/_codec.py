@@ -389,7 +389,13 @@ class Decoder:
 
     def _buffer(self, index: object) -> memoryview:
         if type(index) is not int or not 0 <= index < len(self._bufs) - 1:
-            raise _ExtError(f"reference to out-of-band buffer {index!r}, which is not there")
+            # What it holds, briefly: the message goes back to the client (an error event).
+            what = (
+                f"msgpack extension {index.code}"
+                if type(index) is msgspec.msgpack.Ext
+                else f"{index!r:.100}"
+            )
+            raise _ExtError(f"reference to out-of-band buffer {what}, which is not there")
         return memoryview(_view(self._bufs[index + 1]))
 
     def _ext(self, code: int, data: memoryview) -> Any:
@@ -434,9 +440,9 @@ class Decoder:
         try:
             dtype = np.dtype(head[0])
         except Exception as exc:  # TypeError, SyntaxError ("1)"), a warning made an error
-            raise _ExtError(f"invalid array dtype {head[0]!r}: {exc}") from None
+            raise _ExtError(f"invalid array dtype {head[0]!r:.100}: {exc!s:.200}") from None
         if dtype.kind not in _ARRAY_KINDS or dtype.fields is not None:
-            raise _ExtError(f"array dtype {head[0]!r} is not allowed on the wire")
+            raise _ExtError(f"array dtype {head[0]!r:.100} is not allowed on the wire")
         data = head[2]
         buf = memoryview(data) if type(data) is bytes else self._buffer(data)
         shape = tuple(head[1])

@@ -569,9 +569,10 @@ class ClientSession(Generic[S, W]):
         # the pool never has to look for the ended ones among them.
         self._pool_live: dict[str, Any] | None = None
         # call id -> (waiter, utility name). Call ids are consecutive from a random start in
-        # 1 .. 2**52: a stage answers every call it received, even after its caller detached,
-        # and that answer goes to the next client attached; a random start keeps it from
-        # matching one of that client's calls. Below 2**53, ids stay exact as JS doubles.
+        # 1 .. 2**52. A stage drops the answers to the calls of a client that detached
+        # (docs/wire.md section 4); the random start is a second guard: no answer meant for
+        # another session can match one of this client's calls. Below 2**53, ids stay exact
+        # as JS doubles.
         self._calls: dict[int, tuple[W, str]] = {}
         self._call_ids: Iterator[int] = itertools.count(secrets.randbits(52) + 1)
         self._state = StageState.RUNNING
