@@ -411,16 +411,16 @@ def _ray_cluster(on: bool) -> Iterator[Callable[[], list[str]]]:
         return
     import ray
 
-    ray.init(
-        address="local",  # its own, never the latest local cluster of another process
-        num_cpus=RAY_CPUS,
-        include_dashboard=False,
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-    )
     try:
+        ray.init(
+            address="local",  # its own, never the latest local cluster of another process
+            num_cpus=RAY_CPUS,
+            include_dashboard=False,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
         yield _ray_leftovers
-    finally:
+    finally:  # also after a ray.init cut short (Ctrl-C): the processes it started
         ray.shutdown()
 
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 from benchmarks import soak_stage
@@ -243,3 +243,34 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return "?"
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_ctrl_c_while_the_serve_stage_starts_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Phase 1's `serve` process started, then Ctrl-C before it said where it listens (a
+    # SIGINT to the soak alone, `kill -INT`): it was left running, with its socket folder.
+    from benchmarks import _soak_fuzz
+
+    class Interrupted(subprocess.Popen[str]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            assert self.stdout is not None
+            self.stdout.readline = self.interrupt  # type: ignore[method-assign]
+
+        def interrupt(self, *args: Any) -> str:
+            raise KeyboardInterrupt
+
+    started: list[Interrupted] = []
+
+    def popen(*args: Any, **kwargs: Any) -> Interrupted:
+        started.append(Interrupted(*args, **kwargs))
+        return started[-1]
+
+    fake = type("subprocess", (), {"Popen": staticmethod(popen), "PIPE": subprocess.PIPE})
+    monkeypatch.setattr(_soak_fuzz, "subprocess", fake)
+    with pytest.raises(KeyboardInterrupt):
+        _soak_fuzz._Server()
+    (proc,) = started
+    assert proc.returncode is not None  # stopped and reaped (no_leftovers: no socket file)
