@@ -1,6 +1,7 @@
 """What the command-line tools of ``benchmarks/`` share: argument types that refuse a bad
 value with a one-line usage error before anything runs (never a traceback, a hang or a
-run that ends in an error minutes later), and Ctrl-C as one line and exit status 130."""
+run that ends in an error minutes later), and Ctrl-C (or SIGTERM) as one line and exit
+status 130 (143), after the stages are closed."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ __all__ = [
 
 INTERRUPTED = 130
 """The exit status of a tool stopped by Ctrl-C (128 + SIGINT), as a shell reports it."""
+
+TERMINATED = 143
+"""The exit status of a tool stopped by SIGTERM (128 + SIGTERM)."""
 
 
 class RawHelp(argparse.RawDescriptionHelpFormatter):
@@ -82,13 +86,28 @@ def output_path(text: str) -> str:
 
 
 def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
-    """``main(argv)``'s exit status; Ctrl-C is one line on stderr and status 130 instead
-    of a traceback (the tools' ``with`` blocks have closed their stages by then)."""
+    """``main(argv)``'s exit status. Ctrl-C is one line on stderr and status 130 instead of
+    a traceback; SIGTERM (``timeout``, a CI job cancelled) takes the same way out, status
+    143, where it used to end the process at once and leave its stages' socket folders and
+    shared-memory segments behind. Either way the tools' ``with`` blocks close their stages
+    first. Call from the main thread."""
+    terminated: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return main(argv)
     except KeyboardInterrupt:
+        if terminated:
+            print("terminated (SIGTERM)", file=sys.stderr)
+            return TERMINATED
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def ignore_ctrl_c() -> None:
