@@ -365,11 +365,11 @@ def main_single(run: Callable[[bool], list[Record]], doc: str | None) -> None:
     """``python -m benchmarks.bench_x [--quick] [--json PATH]`` for one benchmark module."""
     from ._cli import output_path, run_main
 
-    first = (doc or "").strip().splitlines()
+    first = " ".join((doc or "").strip().split("\n\n")[0].split())  # the first paragraph
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     parser = argparse.ArgumentParser(
         prog=f"python -m {spec.name}" if spec is not None else None,
-        description=first[0] if first else None,
+        description=first or None,
     )
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument(

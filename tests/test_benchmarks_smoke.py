@@ -231,6 +231,7 @@ class TestBenchmarksRun:
         assert_records(idle, 2)
 
     @pytest.mark.timeout(180)
+    @pytest.mark.usefixtures("no_leftovers")  # a stage script: no process or socket left
     def test_pool_is_registered_and_runs_quick(self) -> None:
         assert "bench_pool" in MODULES
         records = bench_pool.run(quick=True)
@@ -239,6 +240,7 @@ class TestBenchmarksRun:
         assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
 
     @pytest.mark.timeout(120)
+    @pytest.mark.usefixtures("no_leftovers")  # a stage script: no process or socket left
     def test_curve_is_registered_and_runs_quick(self) -> None:
         assert "bench_stage_curve" in MODULES
         records = bench_stage_curve.run(quick=True)
@@ -248,6 +250,7 @@ class TestBenchmarksRun:
         assert all(r.value > 0 and r.baseline > 0 for r in records)
 
     @pytest.mark.timeout(120)
+    @pytest.mark.usefixtures("no_leftovers")  # a stage script: no process or socket left
     def test_ray_is_registered_and_runs_quick(self) -> None:
         pytest.importorskip("ray", reason="the ray extra is not installed")
         assert "bench_ray" in MODULES
