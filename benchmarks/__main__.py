@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from ._cli import output_path, run_main
 from ._harness import Record, Skipped, fmt_per_round, format_table, write_json
 
 MODULES = (
@@ -118,9 +119,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="enginecore benchmarks, each side by side with its raw baseline.",
     )
     parser.add_argument("--quick", action="store_true", help="small smoke run (a few minutes)")
-    parser.add_argument("--json", metavar="PATH", help="write one JSON object per metric")
-    parser.add_argument("--chart", metavar="PATH", help="write a PNG chart (needs matplotlib)")
-    parser.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_path, help="write one JSON object per metric"
+    )
+    parser.add_argument(
+        "--chart", metavar="PATH", type=output_path, help="write a PNG chart (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--markdown", metavar="PATH", type=output_path, help="write the table as Markdown"
+    )
     parser.add_argument(
         "--only",
         metavar="NAMES",
@@ -129,8 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     selected = list(MODULES)
-    if args.only:
+    if args.only is not None:
         wanted = {n.strip().removeprefix("bench_") for n in args.only.split(",") if n.strip()}
+        if not wanted:
+            parser.error(f"--only names no benchmark: {args.only!r}")
         unknown = wanted - {m.removeprefix("bench_") for m in MODULES}
         if unknown:
             parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
@@ -171,4 +180,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -363,18 +363,33 @@ def write_json(path: str, records: Sequence[Record], quick: bool) -> None:
 
 def main_single(run: Callable[[bool], list[Record]], doc: str | None) -> None:
     """``python -m benchmarks.bench_x [--quick] [--json PATH]`` for one benchmark module."""
-    first = (doc or "").strip().splitlines()
-    parser = argparse.ArgumentParser(description=first[0] if first else None)
+    from ._cli import output_path, run_main
+
+    first = " ".join((doc or "").strip().split("\n\n")[0].split())  # the first paragraph
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {spec.name}" if spec is not None else None,
+        description=first or None,
+    )
     parser.add_argument("--quick", action="store_true", help="small smoke run")
-    parser.add_argument("--json", metavar="PATH", help="also write the records as JSON")
-    args = parser.parse_args()
-    t0 = time.perf_counter()
-    try:
-        records = run(args.quick)
-    except Skipped as exc:
-        print(f"skipped: {exc}")
-        return
-    print(format_table(records))
-    print(f"\n({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    if args.json:
-        write_json(args.json, records, args.quick)
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_path, help="also write the records as JSON"
+    )
+
+    def main(argv: Sequence[str] | None) -> int:
+        args = parser.parse_args(argv)
+        t0 = time.perf_counter()
+        try:
+            records = run(args.quick)
+        except Skipped as exc:
+            print(f"skipped: {exc}")
+            return 0
+        print(format_table(records))
+        print(f"\n({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+        if args.json:
+            write_json(args.json, records, args.quick)
+        return 0
+
+    code = run_main(main)
+    if code:
+        sys.exit(code)

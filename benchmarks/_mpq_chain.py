@@ -26,6 +26,8 @@ import queue
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+from ._cli import ignore_ctrl_c
+
 __all__ = ["MpqChain", "serve"]
 
 _ORPHAN_CHECK_S: Final = 1.0  # a child whose parent is gone notices within this long
@@ -34,6 +36,7 @@ Q = multiprocessing.queues.Queue
 
 def serve(inq: Q[Any], outq: Q[Any], parent_pid: int, factory: Callable[..., Any], kw: Any) -> None:
     """Target of one stage's child: the engine loop between two queues."""
+    ignore_ctrl_c()
     engine = factory(**kw)
     has_work, step, route = engine.has_work, engine.step, engine.route_outputs
     add = engine.add

@@ -37,6 +37,8 @@ from typing import Any, Final
 
 from enginecore import CountdownEngine
 
+from ._cli import ignore_ctrl_c
+
 __all__ = ["MpqStage", "serve"]
 
 # A child whose parent is gone notices within this long and exits (no orphans).
@@ -47,6 +49,7 @@ Q = multiprocessing.queues.Queue
 
 def serve(inq: Q[Any], outq: Q[Any], parent_pid: int, factory: Callable[[], Any]) -> None:
     """Target of the child process: the engine loop over two ``multiprocessing.Queue``\\ s."""
+    ignore_ctrl_c()
     engine = factory()
     get, put, clock = inq.get, outq.put, time.monotonic
     has_work, step, add = engine.has_work, engine.step, engine.add

@@ -30,6 +30,8 @@ import zmq
 
 from enginecore.stage.testing import RelayEngine
 
+from ._cli import ignore_ctrl_c
+
 __all__ = ["ONE_SHOT_RELAY", "OneShotRelay", "ZmqChain", "hop_server", "one_shot_relay"]
 
 ONE_SHOT_RELAY: Final = "benchmarks._pipeline_peers:one_shot_relay"
@@ -53,6 +55,7 @@ def one_shot_relay(step_s: float = 0.0) -> OneShotRelay:
 def hop_server(in_address: str, out_address: str, parent_pid: int) -> None:
     """Target of one hop of the raw chain: ``recv``, decode, encode, ``send`` on, one
     thread. ``["quit"]`` is passed on, then the hop returns."""
+    ignore_ctrl_c()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVTIMEO, _ORPHAN_CHECK_MS)  # a blocking recv that looks up now and then

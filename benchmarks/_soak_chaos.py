@@ -17,6 +17,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._cli import at_least, seconds, share
+
 __all__ = [
     "KILL_SEEN_S",
     "LONGEST_FREEZE_S",
@@ -325,8 +327,10 @@ def drive_sync(
         else:
             life.end("aborted" if stream.aborted else "finished")
 
+    stop = threading.Event()  # Ctrl-C: each thread ends its request, then stops
+
     def worker() -> None:
-        while time.monotonic() < load.end_at:
+        while not stop.is_set() and time.monotonic() < load.end_at:
             rid = ids.take()
             if rid is None:
                 time.sleep(0.01)
@@ -341,10 +345,17 @@ def drive_sync(
                 ids.give(rid)
 
     workers = [threading.Thread(target=worker) for _ in range(load.concurrency)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join()
+    try:
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    except BaseException:  # KeyboardInterrupt: stop now, not at load.end_at
+        stop.set()
+        for t in workers:
+            if t.ident is not None:
+                t.join(load.deadline)
+        raise
 
 
 async def drive_async(
@@ -498,13 +509,50 @@ class ChaosConfig:
     def arguments(parser: argparse.ArgumentParser) -> None:
         """Add the command-line options of these settings to *parser*."""
         c = ChaosConfig
-        parser.add_argument("--seconds", type=float, default=c.seconds)
-        parser.add_argument("--seed", type=int, default=c.seed)
-        parser.add_argument("--concurrency", type=int, default=c.concurrency)
-        parser.add_argument("--ids", type=int, default=c.ids)
-        parser.add_argument("--deadline", type=float, default=c.deadline)
-        parser.add_argument("--kind", choices=("sync", "async"), default=c.kind)
-        parser.add_argument("--freeze-share", type=float, default=c.freeze_share)
+        parser.add_argument(
+            "--seconds",
+            type=seconds,
+            default=c.seconds,
+            help=f"how long the load runs (default {c.seconds:g}); the chaos stops "
+            f"{c.quiet:g} s (at most half the run) before the end, then a last wave of "
+            "requests must complete",
+        )
+        parser.add_argument(
+            "--seed", type=int, default=c.seed, help=f"seeds every draw (default {c.seed})"
+        )
+        parser.add_argument(
+            "--concurrency",
+            type=at_least(1),
+            default=c.concurrency,
+            help=f"requests in flight (default {c.concurrency})",
+        )
+        parser.add_argument(
+            "--ids",
+            type=at_least(1),
+            default=c.ids,
+            help=f"request ids drawn from this many (default {c.ids}), so that an id is reused "
+            "soon after it ends",
+        )
+        parser.add_argument(
+            "--deadline",
+            type=seconds,
+            default=c.deadline,
+            help=f"seconds a request may take from its add to its end (default {c.deadline:g})",
+        )
+        parser.add_argument(
+            "--kind",
+            choices=("sync", "async"),
+            default=c.kind,
+            help="the blocking client, driven from threads, or the asyncio one, from tasks "
+            f"(default {c.kind})",
+        )
+        parser.add_argument(
+            "--freeze-share",
+            type=share,
+            default=c.freeze_share,
+            help="the share (0 to 1) of the killer's picks that freeze (SIGSTOP for "
+            f"0.1 to {LONGEST_FREEZE_S:g} s) instead of SIGKILL (default {c.freeze_share:g})",
+        )
 
     @staticmethod
     def settings(args: argparse.Namespace) -> dict[str, Any]:

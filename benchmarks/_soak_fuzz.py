@@ -180,31 +180,39 @@ class _Server:
         self.log_path = os.path.join(self.dir, "serve.log")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "enginecore",
-                    "serve",
-                    "--engine",
-                    FACTORY,
-                    "--bind",
-                    f"ipc://{self.dir}/in",
-                    "--keep-requests-on-detach",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=env,
-            )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        match = re.search(r"listening on (\S+)", line)
-        if match is None:
+        try:
+            with open(self.log_path, "w") as log:
+                self.proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "enginecore",
+                        "serve",
+                        "--engine",
+                        FACTORY,
+                        "--bind",
+                        f"ipc://{self.dir}/in",
+                        "--keep-requests-on-detach",
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    env=env,
+                )
+        except BaseException:
+            self.remove()
+            raise
+        try:
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+            match = re.search(r"listening on (\S+)", line)
+            if match is None:
+                raise RuntimeError(f"serve did not start: {line!r}\n{self.log_tail()}")
+            self.address = match.group(1)
+        except BaseException:  # Ctrl-C too: no serve process or socket folder left
             self.stop()
-            raise RuntimeError(f"serve did not start: {line!r}\n{self.log_tail()}")
-        self.address = match.group(1)
+            self.remove()
+            raise
 
     def log_tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError), open(self.log_path) as f:

@@ -32,6 +32,8 @@ import zmq
 
 from enginecore import CountdownEngine
 
+from ._cli import ignore_ctrl_c
+
 __all__ = ["ECHO_FACTORY", "SINK_FACTORY", "EchoEngine", "RawPeer", "SinkEngine", "raw_server"]
 
 SINK_FACTORY: Final = "benchmarks._stage:SinkEngine"
@@ -126,6 +128,7 @@ def raw_server(
     With *zero_copy*, every message but ``["quit"]`` is sent back as it came, all its frames,
     received and sent with ``copy=False`` (the parent sends a body and the array's buffer).
     """
+    ignore_ctrl_c()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     # A blocking recv that gives up now and then to look for the parent: no per-message poll.

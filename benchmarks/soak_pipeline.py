@@ -14,8 +14,8 @@ deaths). Requests of 1 to 40 outputs arrive while ``--concurrency`` are in fligh
 drawn from a small set (``--ids``), so that an id is added again soon after it was freed,
 while its last aborts may still be on their way (the race the tagged aborts close). 20 % are
 aborted after a random number of outputs (0: at once, before any is read). A killer sends
-SIGKILL to a random live process every 0.2 to 1.2 s; the chaos stops ``--quiet`` seconds
-before the end, then every process must be up again and serve a last wave of requests.
+SIGKILL to a random live process every 0.2 to 1.2 s; the chaos stops 5 s before the end (half
+the run if shorter), then every process must be up again and serve a last wave of requests.
 
 Every request must end within ``--deadline`` seconds of its add, and end one way:
 
@@ -38,10 +38,11 @@ import asyncio
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from ._cli import RawHelp, run_main
 from ._soak_chaos import (
     ChaosConfig,
     Report,
@@ -169,8 +170,10 @@ def _run_sync(cfg: Config, report: Report) -> None:
         )
         for t in chaos:
             t.start()
-        drive_sync(pipe, load, report, RULES, PipelineStageDeadError, lambda r: _where(pipe, r))
-        stop.set()
+        try:
+            drive_sync(pipe, load, report, RULES, PipelineStageDeadError, lambda r: _where(pipe, r))
+        finally:  # Ctrl-C too: the killer thaws what it froze, and stops
+            stop.set()
         for t in chaos:
             t.join(5)
 
@@ -224,10 +227,12 @@ async def _run_async(cfg: Config, report: Report) -> None:
         )
         for t in chaos:
             t.start()
-        await drive_async(
-            pipe, load, report, RULES, PipelineStageDeadError, lambda r: _where(pipe, r)
-        )
-        stop.set()
+        try:
+            await drive_async(
+                pipe, load, report, RULES, PipelineStageDeadError, lambda r: _where(pipe, r)
+            )
+        finally:  # Ctrl-C too: the killer thaws what it froze, and stops
+            stop.set()
         for t in chaos:
             await asyncio.to_thread(t.join, 5)
 
@@ -273,10 +278,21 @@ def run(cfg: Config) -> Report:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak_pipeline",
+        description="\n\n".join(__doc__.split("\n\n")[:3]).replace("::", ":"),
+        formatter_class=RawHelp,
+    )
     ChaosConfig.arguments(parser)
-    parser.add_argument("--topology", choices=("basic", "wide"), default=Config.topology)
+    parser.add_argument(
+        "--topology",
+        choices=("basic", "wide"),
+        default=Config.topology,
+        help="basic: three stages, the middle one a pool of two; wide: four stages, two "
+        "pools, a Retry(2) edge into a stage that fails each id's first attempt (default "
+        f"{Config.topology})",
+    )
     args = parser.parse_args(argv)
     cfg = Config(**ChaosConfig.settings(args), topology=args.topology)
     t0 = time.monotonic()
@@ -290,4 +306,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

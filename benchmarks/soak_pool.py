@@ -17,8 +17,8 @@ aborted, at once or after a random number of outputs. A killer sends SIGKILL to 
 serving replica every 0.2 to 1.2 s, or (``--freeze-share``) freezes it for 0.1 to 3 s; and
 every 1 to 3 s the pool grows by one replica (``add_replica``) or, back at its size plus
 one, loses a random serving one (``remove_replica(drain=True)``: its requests run to their
-end first). The chaos stops ``--quiet`` seconds before the end; then every replica left
-must serve and a last wave of requests complete.
+end first). The chaos stops 5 s before the end (half the run if shorter); then every replica
+left must serve and a last wave of requests complete.
 
 Every request must end within ``--deadline`` seconds of its add, once: finished, with
 exactly its outputs ``n-1, ..., 0`` in order; aborted (only one the soak aborted), or
@@ -52,10 +52,11 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from ._cli import RawHelp, at_least, run_main, seconds
 from ._soak_chaos import (
     LONGEST_FREEZE_S,
     ChaosConfig,
@@ -283,8 +284,10 @@ def _run_sync(cfg: Config, report: Report) -> None:
         threads = _threads(cfg, stop, report, until, lambda: _targets(pool, report), Members())
         for t in threads:
             t.start()
-        drive_sync(pool, load, report, RULES, ReplicaDeadError, lambda r: _where(pool, r))
-        stop.set()
+        try:
+            drive_sync(pool, load, report, RULES, ReplicaDeadError, lambda r: _where(pool, r))
+        finally:  # Ctrl-C too: the killer thaws what it froze, and stops
+            stop.set()
         for t in threads:
             t.join(cfg.deadline)
 
@@ -347,8 +350,12 @@ async def _run_async(cfg: Config, report: Report) -> None:
         )
         for t in threads:
             t.start()
-        await drive_async(pool, load, report, RULES, ReplicaDeadError, lambda r: _where(pool, r))
-        stop.set()
+        try:
+            await drive_async(
+                pool, load, report, RULES, ReplicaDeadError, lambda r: _where(pool, r)
+            )
+        finally:  # Ctrl-C too: the killer thaws what it froze, and stops
+            stop.set()
         for t in threads:
             await asyncio.to_thread(t.join, cfg.deadline)
 
@@ -404,16 +411,16 @@ def _ray_cluster(on: bool) -> Iterator[Callable[[], list[str]]]:
         return
     import ray
 
-    ray.init(
-        address="local",  # its own, never the latest local cluster of another process
-        num_cpus=RAY_CPUS,
-        include_dashboard=False,
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-    )
     try:
+        ray.init(
+            address="local",  # its own, never the latest local cluster of another process
+            num_cpus=RAY_CPUS,
+            include_dashboard=False,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
         yield _ray_leftovers
-    finally:
+    finally:  # also after a ray.init cut short (Ctrl-C): the processes it started
         ray.shutdown()
 
 
@@ -440,30 +447,45 @@ def _ray_leftovers() -> list[str]:
     return left
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak_pool",
+        description="\n\n".join(__doc__.split("\n\n")[:3]).replace("::", ":"),
+        formatter_class=RawHelp,
+    )
     ChaosConfig.arguments(parser)
-    parser.add_argument("--replicas", type=int, default=Config.replicas)
-    parser.add_argument("--no-membership", action="store_true")
-    parser.add_argument("--no-kills", action="store_true")
+    parser.add_argument(
+        "--replicas",
+        type=at_least(1),
+        default=Config.replicas,
+        help=f"replicas at the start (default {Config.replicas}); the membership changer "
+        "adds one, then removes one",
+    )
+    parser.add_argument("--no-membership", action="store_true", help="no replica added or removed")
+    parser.add_argument("--no-kills", action="store_true", help="no killer (and no freezes)")
     parser.add_argument(
         "--ray", action="store_true", help="place the replicas on a local Ray cluster"
     )
     parser.add_argument(
         "--heartbeat-timeout",
-        type=float,
-        default=Config.heartbeat_timeout,
-        help="on Ray: presume a silent replica dead after this; at most 4 s, a freeze "
-        "counts as a kill for the requests near it",
+        type=seconds,
+        default=None,
+        help=f"with --ray: presume a silent replica dead after this many seconds (default "
+        f"{Config.heartbeat_timeout:g}); at 4 or less, a freeze counts as a kill for the "
+        "requests near it",
     )
     args = parser.parse_args(argv)
+    if args.heartbeat_timeout is not None and not args.ray:
+        parser.error("--heartbeat-timeout is for replicas on Ray: add --ray")
     cfg = Config(
         **ChaosConfig.settings(args),
         replicas=args.replicas,
         membership=not args.no_membership,
         kills=not args.no_kills,
         ray=args.ray,
-        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_timeout=(
+            Config.heartbeat_timeout if args.heartbeat_timeout is None else args.heartbeat_timeout
+        ),
     )
     t0 = time.monotonic()
     report = run(cfg)
@@ -475,4 +497,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

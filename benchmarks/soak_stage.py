@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ._cli import at_least, run_main
 from ._soak_abort import AbortConfig, run_abort
 from ._soak_engine import POISONS
 from ._soak_fuzz import FuzzConfig, run_fuzz
@@ -79,13 +80,25 @@ def _commit() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak_stage", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small counts: a few seconds")
-    parser.add_argument("--adds", type=int, help="phase 1 adds (default 100,000; 0 skips it)")
-    parser.add_argument(
-        "--requests", type=int, help="phase 2 requests (default 1,000,000; 0 skips it)"
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak_stage",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--handovers", type=int, help="phase 1 session handovers (default 10)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"small counts: {QUICK_ADDS:,} adds, {QUICK_REQUESTS:,} requests, 2 handovers",
+    )
+    parser.add_argument(
+        "--adds", type=at_least(0), help="phase 1 adds (default 100,000; 0 skips it)"
+    )
+    parser.add_argument(
+        "--requests", type=at_least(0), help="phase 2 requests (default 1,000,000; 0 skips it)"
+    )
+    parser.add_argument(
+        "--handovers", type=at_least(0), help="phase 1 session handovers (default 10)"
+    )
     parser.add_argument(
         "--poison-kinds",
         default=",".join(POISONS),
@@ -93,12 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ", ".join(POISONS)
         + ")",
     )
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="seeds every draw (default 1)")
     args = parser.parse_args(argv)
-    poisons = [k for k in args.poison_kinds.split(",") if k]
+    poisons = [k.strip() for k in args.poison_kinds.split(",") if k.strip()]
     unknown = set(poisons) - set(POISONS)
-    if unknown or not poisons:
+    if unknown:
         parser.error(f"unknown poison kinds {sorted(unknown)}; known: {', '.join(POISONS)}")
+    if not poisons:
+        parser.error(f"--poison-kinds names no kind; known: {', '.join(POISONS)}")
     adds = args.adds if args.adds is not None else (QUICK_ADDS if args.quick else 100_000)
     requests = (
         args.requests
@@ -106,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else (QUICK_REQUESTS if args.quick else 1_000_000)
     )
     handovers = args.handovers if args.handovers is not None else (2 if args.quick else 10)
+    if not adds and not requests:
+        parser.error("--adds and --requests are both 0: nothing to run")
     print(
         f"stage soak: {adds:,} adds, {requests:,} requests, seed {args.seed}, "
         f"commit {_commit()}, {time.strftime('%Y-%m-%d %H:%M %Z')}",
@@ -122,4 +139,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -230,6 +231,7 @@ class TestBenchmarksRun:
         assert_records(idle, 2)
 
     @pytest.mark.timeout(180)
+    @pytest.mark.usefixtures("no_leftovers")  # a stage script: no process or socket left
     def test_pool_is_registered_and_runs_quick(self) -> None:
         assert "bench_pool" in MODULES
         records = bench_pool.run(quick=True)
@@ -238,6 +240,7 @@ class TestBenchmarksRun:
         assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
 
     @pytest.mark.timeout(120)
+    @pytest.mark.usefixtures("no_leftovers")  # a stage script: no process or socket left
     def test_curve_is_registered_and_runs_quick(self) -> None:
         assert "bench_stage_curve" in MODULES
         records = bench_stage_curve.run(quick=True)
@@ -247,6 +250,7 @@ class TestBenchmarksRun:
         assert all(r.value > 0 and r.baseline > 0 for r in records)
 
     @pytest.mark.timeout(120)
+    @pytest.mark.usefixtures("no_leftovers")  # a stage script: no process or socket left
     def test_ray_is_registered_and_runs_quick(self) -> None:
         pytest.importorskip("ray", reason="the ray extra is not installed")
         assert "bench_ray" in MODULES
@@ -557,6 +561,36 @@ class TestStageBenchmarks:
         assert all(r.value > 0 and r.baseline > 0 for r in records[2:])
         assert gc_disables == []
 
+    def test_every_peer_process_ignores_ctrl_c_like_a_stage(self) -> None:
+        # Ctrl-C in a terminal reaches the whole process group. A launched stage ignores it
+        # and its parent closes it; the benchmarks' own peers must too: one that died of it
+        # printed a traceback, and left the raw chain's close waiting 5 s for its answer.
+        from benchmarks._mpq_chain import MpqChain
+        from benchmarks._mpq_stage import MpqStage
+        from benchmarks._pipeline_peers import ZmqChain
+        from benchmarks._stage import RawPeer
+
+        from enginecore.stage.testing import device, relay
+
+        with (
+            RawPeer() as peer,
+            MpqStage() as stage,
+            ZmqChain(2) as chain,
+            MpqChain([(device, {"step_s": 0.0}), (relay, {})]) as mpq,
+        ):
+            assert mpq.run([("a", 2)]) == {"a": [1, 0]}  # the others answered a handshake
+            processes = [peer.process, stage.process, *chain.processes, *mpq.processes]
+            for proc in processes:
+                assert proc.pid is not None
+                with open(f"/proc/{proc.pid}/status", encoding="utf-8") as f:
+                    ignored = next(line for line in f if line.startswith("SigIgn:"))
+                assert int(ignored.split()[1], 16) & (1 << (signal.SIGINT - 1)), proc
+                os.kill(proc.pid, signal.SIGINT)
+            assert peer.call(("utility", 1, "x", [])) == ["utility", 1, None, None]
+            assert chain.trip(("req", 1, [1])) == ["req", 1, [1]]
+            assert mpq.run([("b", 1)]) == {"b": [0]}
+        assert [p.exitcode for p in processes] == [0] * len(processes)
+
     def test_stage_pipeline_peers_work_and_leave_nothing_behind(self) -> None:
         from benchmarks._mpq_chain import MpqChain
         from benchmarks._pipeline_peers import ONE_SHOT_RELAY, ZmqChain
@@ -611,3 +645,92 @@ class TestStageBenchmarks:
             assert bench_stage_ingest.run_raw(peer, 50) > 0
         with StageClient.launch(SINK_FACTORY) as client:
             assert bench_stage_ingest.run_stage(client, 50) > 0
+
+
+def _env() -> dict[str, str]:
+    """This process's environment, with the repository root on the path (``-m benchmarks``)."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+class TestCommandLine:
+    """``python -m benchmarks`` and ``python -m benchmarks.bench_x`` as a user runs them: a
+    bad option is a usage error (exit 2, one line that names it) before anything runs, never
+    a traceback at the end of a run or a run of everything."""
+
+    @pytest.mark.parametrize(
+        ("argv", "says"),
+        [
+            (["--only", ","], "--only names no benchmark"),
+            (["--only", ""], "--only names no benchmark"),
+            (["--only", "overhead,nope"], "unknown benchmark(s): nope"),
+            (["--json", "/nonexistent/folder/r.json"], "argument --json: folder"),
+            (["--markdown", "/nonexistent/folder/t.md"], "argument --markdown: folder"),
+            (["--chart", "/nonexistent/folder/c.png"], "argument --chart: folder"),
+            (["--json", "."], "argument --json: '.' is a directory"),
+        ],
+    )
+    def test_a_bad_option_is_a_usage_error_before_anything_runs(
+        self,
+        argv: list[str],
+        says: str,
+        monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str],
+    ) -> None:
+        import benchmarks.__main__ as runner
+
+        def no_run(name: str) -> Any:
+            raise AssertionError(f"{argv} ran {name}")
+
+        monkeypatch.setattr(runner, "importlib", type("NoImport", (), {"import_module": no_run}))
+        with pytest.raises(SystemExit) as exc:
+            main(["--quick", "--only", "overhead", *argv])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert says in err.splitlines()[-1], err
+
+    def test_one_script_alone_refuses_a_json_path_it_cannot_write(self, tmp_path: Path) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_overhead", "--quick", "--json",
+             str(tmp_path / "no" / "r.json")],
+            capture_output=True, text=True, env=_env(), timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc
+        assert "Traceback" not in proc.stderr
+        last = proc.stderr.splitlines()[-1]
+        assert last.startswith("python -m benchmarks.bench_overhead: error: argument --json:")
+        assert proc.stdout == ""  # nothing measured
+
+    def test_a_benchmark_whose_extra_is_missing_is_skipped_saying_why(self) -> None:
+        # Without any extra: every benchmark but those of the core loop raises Skipped (and
+        # the runner prints why), none an ImportError that ends the whole run.
+        core = {
+            "bench_idle_cpu", "bench_throughput", "bench_overhead", "bench_statistics",
+            "bench_wake_latency", "bench_shutdown_latency", "bench_pipeline",
+        }  # fmt: skip
+        blocked = (
+            "zmq", "msgspec", "numpy", "matplotlib", "prometheus_client", "ray", "torch",
+            "transformers", "starlette", "uvicorn", "httpx", "openai",
+        )  # fmt: skip
+        script = (
+            "import importlib, sys\n"
+            f"for name in {blocked!r}:\n"
+            "    sys.modules[name] = None  # import fails, find_spec finds nothing\n"
+            "from benchmarks._harness import Skipped\n"
+            f"for name in {sorted(set(MODULES) - core)!r}:\n"
+            "    try:\n"
+            "        importlib.import_module('benchmarks.' + name).run(True)\n"
+            "    except Skipped as exc:\n"
+            "        print(name, 'skipped:', exc)\n"
+            "    else:\n"
+            "        print(name, 'ran')\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True, text=True, env=_env(), timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert len(lines) == len(set(MODULES) - core), proc.stdout
+        for line in lines:
+            assert " skipped: needs " in line, line

@@ -1,8 +1,19 @@
 """The stage soak (``benchmarks/soak_stage.py``) in its quick size: every expectation holds,
 every kind of invalid input was exercised, and nothing is left behind (no child process,
-no socket directory). Counts only, never a time."""
+no socket directory). Counts only, never a time. And the command lines of the soaks: a bad
+option is a usage error before anything runs, and Ctrl-C stops a chaos soak at once."""
 
 from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
 
 import pytest
 from benchmarks import soak_stage
@@ -77,3 +88,200 @@ def test_unknown_poison_kind_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         soak_stage.main(["--poison-kinds", "nope"])
     assert exc.value.code == 2
+
+
+CHAOS_BAD = [
+    (["--seconds", "-1"], "argument --seconds: must be finite and above 0"),
+    (["--seconds", "0"], "argument --seconds: must be finite and above 0"),
+    (["--seconds", "nan"], "argument --seconds: must be finite and above 0"),
+    (["--seconds", "inf"], "argument --seconds: must be finite and above 0"),
+    (["--seconds", "soon"], "argument --seconds: must be a number of seconds"),
+    (["--freeze-share", "1.5"], "argument --freeze-share: must be from 0 to 1"),
+    (["--freeze-share", "-0.1"], "argument --freeze-share: must be from 0 to 1"),
+    (["--freeze-share", "nan"], "argument --freeze-share: must be from 0 to 1"),
+    (["--concurrency", "0"], "argument --concurrency: must be 1 or more"),
+    (["--ids", "0"], "argument --ids: must be 1 or more"),
+    (["--deadline", "-5"], "argument --deadline: must be finite and above 0"),
+    (["--kind", "threads"], "argument --kind: invalid choice: 'threads'"),
+]
+POOL_BAD = [
+    (["--replicas", "0"], "argument --replicas: must be 1 or more"),
+    (["--ray", "--heartbeat-timeout", "-1"], "argument --heartbeat-timeout: must be finite"),
+    (["--heartbeat-timeout", "2"], "--heartbeat-timeout is for replicas on Ray: add --ray"),
+]
+STAGE_BAD = [
+    (["--adds", "-1"], "argument --adds: must be 0 or more"),
+    (["--requests", "-1"], "argument --requests: must be 0 or more"),
+    (["--handovers", "-1"], "argument --handovers: must be 0 or more"),
+    (["--adds", "0", "--requests", "0"], "--adds and --requests are both 0: nothing to run"),
+    (["--poison-kinds", ","], "--poison-kinds names no kind"),
+]
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv", "says"),
+    [
+        *[("soak_pipeline", argv, says) for argv, says in CHAOS_BAD],
+        *[("soak_pool", argv, says) for argv, says in [*CHAOS_BAD, *POOL_BAD]],
+        *[("soak_stage", argv, says) for argv, says in STAGE_BAD],
+    ],
+)
+def test_a_bad_option_is_a_usage_error_before_the_soak_runs(
+    tool: str,
+    argv: list[str],
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Not a soak that passes with nothing done, runs forever (inf), or fails at its end
+    # with a traceback: exit 2 and one line that names the option, before anything runs.
+    module = importlib.import_module(f"benchmarks.{tool}")
+
+    def no_run(*args: object, **kwargs: object) -> object:
+        raise AssertionError(f"{tool} {argv} ran")
+
+    monkeypatch.setattr(module, "run", no_run)
+    with pytest.raises(SystemExit) as exc:
+        module.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"python -m benchmarks.{tool}: error: "), err
+    assert says in err.splitlines()[-1], err
+
+
+def _stage_children(pid: int) -> list[int]:
+    """The processes whose parent is *pid*."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("argv", "sig"),
+    [
+        (["benchmarks.soak_pool", "--kind", "sync", "--replicas", "1", "--no-membership"], "INT"),
+        (["benchmarks.soak_pool", "--kind", "async", "--replicas", "1", "--no-membership"], "INT"),
+        (["benchmarks.soak_pipeline", "--kind", "sync"], "INT"),
+        (["benchmarks.soak_pipeline", "--kind", "async"], "TERM"),
+    ],
+    ids=["pool-sync", "pool-async", "pipeline-sync", "pipeline-async-sigterm"],
+)
+def test_ctrl_c_stops_a_chaos_soak_at_once_and_leaves_nothing(
+    argv: list[str], sig: str, tmp_path: Path
+) -> None:
+    # Ctrl-C in a terminal, once the load runs: SIGINT to the whole process group. The soak
+    # stops then (the blocking form used to run on to the end of --seconds), says so in one
+    # line, exits 130, and leaves no stage process, socket file or shared-memory segment.
+    # SIGTERM to the soak alone (`timeout`, a cancelled CI job) the same way, exit 143: it
+    # used to end the soak at once and leave the stages' socket folders and segments.
+    root = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        "TMPDIR": str(tmp_path),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *argv, "--seconds", "600"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    lines: list[str] = []
+    restarted = threading.Event()
+
+    def read(stream: IO[str]) -> None:
+        for line in stream:
+            lines.append(line)
+            if "started again" in line:  # the load runs, and a killed stage is back
+                restarted.set()
+
+    reader = threading.Thread(target=read, args=(proc.stderr,), daemon=True)
+    reader.start()
+    try:
+        while not restarted.wait(0.1):
+            assert proc.poll() is None, "".join(lines)
+        children = _stage_children(proc.pid)
+        if sig == "INT":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(60)  # not the 600 s of the run
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(10)
+        proc.stderr.close()
+    err = "".join(lines)
+    # Not the soak's own KeyboardInterrupt traceback (exit -2). (A stage process that the
+    # SIGINT catches while it is being spawned, before it ignores SIGINT, may print one of
+    # its own.)
+    if sig == "INT":
+        assert proc.returncode == 130, err
+        assert err.rstrip().endswith("interrupted (Ctrl-C)"), err
+    else:
+        assert proc.returncode == 143, err
+        assert err.rstrip().endswith("terminated (SIGTERM)"), err
+    deadline = time.monotonic() + 10  # a process that exits with its parent: allow its exit
+    while not all(map(_gone, children)):
+        left = [(pid, _cmdline(pid)) for pid in children if not _gone(pid)]
+        assert time.monotonic() < deadline, f"processes left: {left}"
+        time.sleep(0.05)
+    assert not [p for p in tmp_path.rglob("*")], list(tmp_path.rglob("*"))
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"enginecore-{proc.pid}-")]
+
+
+def _gone(pid: int) -> bool:
+    """Whether *pid* no longer runs (absent, or a zombie waiting for a reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_ctrl_c_while_the_serve_stage_starts_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Phase 1's `serve` process started, then Ctrl-C before it said where it listens (a
+    # SIGINT to the soak alone, `kill -INT`): it was left running, with its socket folder.
+    from benchmarks import _soak_fuzz
+
+    class Interrupted(subprocess.Popen[str]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            assert self.stdout is not None
+            self.stdout.readline = self.interrupt  # type: ignore[method-assign]
+
+        def interrupt(self, *args: Any) -> str:
+            raise KeyboardInterrupt
+
+    started: list[Interrupted] = []
+
+    def popen(*args: Any, **kwargs: Any) -> Interrupted:
+        started.append(Interrupted(*args, **kwargs))
+        return started[-1]
+
+    fake = type("subprocess", (), {"Popen": staticmethod(popen), "PIPE": subprocess.PIPE})
+    monkeypatch.setattr(_soak_fuzz, "subprocess", fake)
+    with pytest.raises(KeyboardInterrupt):
+        _soak_fuzz._Server()
+    (proc,) = started
+    assert proc.returncode is not None  # stopped and reaped (no_leftovers: no socket file)
