@@ -16,6 +16,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 
 from ._cli import output_path, run_main
@@ -148,15 +149,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = f"{'quick' if args.quick else 'full'} run on {machine()}"
     print(header, flush=True)
     records: list[Record] = []
+    failed: list[str] = []
     t_all = time.perf_counter()
     for name in selected:
-        mod = importlib.import_module(f"{__package__}.{name}")
-        run: Callable[[bool], list[Record]] = mod.run
         t0 = time.perf_counter()
         try:
+            mod = importlib.import_module(f"{__package__}.{name}")
+            run: Callable[[bool], list[Record]] = mod.run
             got = run(args.quick)
         except Skipped as exc:
             print(f"  {name}: skipped: {exc}", file=sys.stderr, flush=True)
+            continue
+        except Exception:
+            # One broken benchmark must not lose the others' records (minutes of them):
+            # its traceback now, the run goes on, and the command fails at the end.
+            print(f"  {name}: FAILED:", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            failed.append(name)
             continue
         records.extend(got)
         print(f"  {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
@@ -175,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f.write(f"{header}\n\n{table}\n")
     if args.chart:
         write_chart(args.chart, records)
+    if failed:
+        print(f"failed (no records): {', '.join(failed)}", file=sys.stderr)
+        return 1
     # Timing never fails the command: CI runs --quick as a smoke test only.
     return 0
 

@@ -689,6 +689,37 @@ class TestCommandLine:
         err = capsys.readouterr().err
         assert says in err.splitlines()[-1], err
 
+    def test_a_benchmark_that_raises_does_not_lose_the_others(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str],
+    ) -> None:
+        # Before, the run stopped at the traceback: the records measured so far were lost
+        # and no JSON was written.
+        import importlib
+
+        import benchmarks.__main__ as runner
+
+        real = importlib.import_module
+
+        def import_module(name: str) -> Any:
+            if name.endswith("bench_throughput"):
+                return type("Broken", (), {"run": staticmethod(lambda quick: 1 / 0)})
+            return real(name)
+
+        monkeypatch.setattr(runner, "importlib", type("I", (), {"import_module": import_module}))
+        out = tmp_path / "r.json"
+        code = main(["--quick", "--only", "throughput,overhead", "--json", str(out)])
+        assert code == 1
+        err = capsys.readouterr().err
+        assert "bench_throughput: FAILED" in err
+        assert "ZeroDivisionError" in err
+        assert "failed (no records): bench_throughput" in err
+        records = json.loads(out.read_text())
+        assert records
+        assert [r["name"] for r in records] == ["loop overhead per iteration"], records
+
     def test_one_script_alone_refuses_a_json_path_it_cannot_write(self, tmp_path: Path) -> None:
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.bench_overhead", "--quick", "--json",
