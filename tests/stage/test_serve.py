@@ -752,6 +752,43 @@ def _start_serve() -> subprocess.Popen[str]:
     return proc
 
 
+def test_a_client_whose_output_was_lost_past_the_detached_buffer_is_ended(
+    no_leftovers: str,
+) -> None:
+    # Its PULL connection dropped while its input stayed (a network blip on one socket) and
+    # a request streamed on: past --detached-buffer the stage drops events, so the client's
+    # streams would miss outputs (their last ones too) and wait for ever. When its PULL
+    # connects again, the stage ends its session, and its next message learns why.
+    stage = InProcessStage(ScriptedEngine(), no_leftovers, detached_buffer=10)
+    try:
+        with RawClient(stage.address) as client:
+            welcome = client.hello()
+            assert welcome[0] == "welcome"
+            client.send("add", "long", 10**8)
+            client.until(_is_output_of({"long"}))
+            assert client.pull is not None
+            client.pull.close(linger=0)
+            session = stage.runtime._session
+            assert wait_until(lambda: session.output_peers == 0, 10)
+            assert wait_until(lambda: stage.runtime._outbox._gate.dropped > 0, 10)
+            client.pull = client.ctx.socket(zmq.PULL)
+            client.pull.setsockopt(zmq.LINGER, 0)
+            client.pull.connect(welcome[2])  # connected again
+            assert wait_until(lambda: session.client is None, 10)
+            client.send("ping", 1)
+            reply = client.reply()
+            assert reply[0] == "reject", reply
+            assert reply[2].startswith(_stage_session.SESSION_LOST), reply
+            assert "output connection was lost" in reply[2], reply
+        # The stage is free for the next client; the long request was aborted with the
+        # session.
+        with RawClient(stage.address) as second:
+            _hello(second)
+            assert second.call(1, "num_requests")[-1][2] == 0
+    finally:
+        stage.stop()
+
+
 def test_drops_while_detached_are_logged_when_the_stage_stops_detached(
     no_leftovers: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -389,6 +389,48 @@ class TestSessions:
             welcome(session)
         assert "dropped 5 events" in caplog.text
 
+    def test_an_attached_client_whose_events_were_dropped_while_its_output_was_lost_is_ended(
+        self, session: StageSession, output: FakeOutput, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # Its streams miss outputs (perhaps their last) and its calls their answers: they
+        # would wait for ever. Its session ends instead, and its next message learns why.
+        welcome(session)
+        session.receive(A, frame("add", "r1", 1), 0.5)
+        session.output_peers_changed(1)
+        take(session)
+        session.output_peers_changed(-1)
+        assert state_of(session) is SessionState.OUTPUT_LOST
+        output.dropped_at_attach = 3  # past the bound while it could not read
+        with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+            session.output_peers_changed(1)
+        assert "ended the session of client" in caplog.text
+        assert state_of(session) is SessionState.NONE
+        assert session.client is None
+        assert output.cuts == 1  # its PULL must not take the next client's events
+        [change], _ = take(session)
+        assert isinstance(change, SessionChange)
+        assert change.epoch is None
+        assert not change.abort  # its requests go as a bye's do (kept, on a stage that keeps)
+        session.receive(A, frame("ping", 1), 1.0)
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (A, "reject")
+        assert reply[2].startswith(SESSION_LOST)
+        assert "output connection was lost" in reply[2]
+        assert "3 were dropped" in reply[2]
+        assert "its live requests were aborted" in reply[2]
+        assert take(session) == ([], [])  # nothing of it reaches the engine
+
+    def test_a_client_whose_output_came_back_without_drops_goes_on(
+        self, session: StageSession, output: FakeOutput
+    ) -> None:
+        welcome(session)
+        session.output_peers_changed(1)
+        session.output_peers_changed(-1)
+        session.output_peers_changed(1)  # nothing dropped
+        assert state_of(session) is SessionState.CONNECTED
+        assert session.client == A
+        assert output.cuts == 0
+
 
 class TestRevoke:
     """A CURVE key the stage no longer authorizes (``revoke``, called by the input side's

@@ -387,8 +387,9 @@ class StageSession:
         self._told_detached = True  # what the output side was last told
         self._taken_over: dict[bytes, str] = {}
         """Clients whose session the next client took over (they were silent past the
-        session timeout): routing id -> the ``reject`` reason for their later messages (the
-        last :data:`_LOST_REMEMBERED`, oldest first)."""
+        session timeout), or that the stage ended (:meth:`_output_overflowed`): routing id
+        -> the ``reject`` reason for their later messages (the last
+        :data:`_LOST_REMEMBERED`, oldest first)."""
         self.expires = False
         """Whether :meth:`settle` has a deadline to keep besides a held ``hello`` (a
         multi-client stage's session timeouts): the input side calls it after every read,
@@ -860,16 +861,51 @@ class StageSession:
                 self.state = SessionState.CONNECTED
             elif state is SessionState.CONNECTED:
                 self.state = SessionState.OUTPUT_LOST
-        self._tell_detached()
+        dropped = self._tell_detached()
+        if dropped and state is SessionState.OUTPUT_LOST and self.state is SessionState.CONNECTED:
+            self._output_overflowed(dropped)
 
-    def _tell_detached(self) -> None:
+    def _tell_detached(self) -> int:
         # The outbox learns each change once; it logs nothing itself, so the drops of a
-        # detached period that ends are logged here.
+        # detached period that ends are logged here. Returns them.
         detached = self.detached
         if detached == self._told_detached:
-            return
+            return 0
         self._told_detached = detached
-        log_detached_drops(self._output.set_detached(detached), self._output.detached_max)
+        dropped = self._output.set_detached(detached)
+        log_detached_drops(dropped, self._output.detached_max)
+        return dropped
+
+    def _output_overflowed(self, dropped: int) -> None:
+        """The attached client's output connection came back after the stage dropped
+        *dropped* of its events past the detached bound: its streams miss outputs (their
+        last ones perhaps) and its calls their answers, which would wait for ever. Its
+        session ends, as a multi-client stage ends a reader that fell behind: its requests
+        go as a ``bye``'s do, its ``PULL`` is cut, and its next message (a ``ping``) gets a
+        :data:`SESSION_LOST` ``reject``, which its client raises as
+        :class:`~enginecore.stage.SessionLostError` in every stream and call."""
+        client = self.client
+        assert client is not None  # CONNECTED: a client is attached
+        epoch = self.epoch
+        self._end_session()
+        self._output.cut_connections()  # its PULL must not take the next client's events
+        logger.warning(
+            "enginecore: ended the session of client %r (session %d): its output connection "
+            "was lost while %d events were dropped past the detached buffer (%d); %s",
+            client,
+            epoch,
+            dropped,
+            self._output.detached_max,
+            self._fate,
+        )
+        self._taken_over[client] = (
+            f"{SESSION_LOST}the stage ended this client's session (session {epoch}): its "
+            f"output connection was lost for longer than the stage's detached buffer holds "
+            f"({self._output.detached_max} events; {dropped} were dropped), and "
+            f"{self._fate}. Send hello to attach again"
+        )
+        while len(self._taken_over) > _LOST_REMEMBERED:
+            del self._taken_over[next(iter(self._taken_over))]
 
     def _reject(self, ident: bytes, reason: str) -> None:
         reject = _wire.RejectMsg(_wire.PROTOCOL_VERSION, reason)
