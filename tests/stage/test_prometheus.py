@@ -4,6 +4,7 @@ HTTP from real stage processes and parsed with prometheus-client's own parser.""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import itertools
 import os
@@ -12,9 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -202,6 +204,33 @@ class TestCollector:
                 assert value(samples, "enginecore_scrape_errors_total", stage=stage) == n
                 assert ("enginecore_steps_total", frozenset({("stage", stage)})) not in samples
 
+    def test_stages_behind_many_hanging_ones_are_asked_at_once(self, no_leftovers: str) -> None:
+        # 33 clients of one frozen shared stage hang for the whole timeout each: the live
+        # stage added after them is still asked at the start of the scrape, not queued
+        # behind them past its end (a pool of 16 threads asked it after two timeouts).
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry, timeout=3)
+        srv = Server("--engine", COUNTDOWN, "--bind", "tcp://127.0.0.1:*", "--max-clients", "40")
+        hung: list[StageClient] = []
+        try:
+            for i in range(33):
+                hung.append(StageClient.connect(srv.address))
+                metrics.add(hung[-1], stage=f"hung-{i}")
+            with StageClient.launch(COUNTDOWN, startup_timeout=30) as live:
+                metrics.add(live, stage="live")
+                os.kill(srv.proc.pid, signal.SIGSTOP)
+                try:
+                    samples, _ = parse(generate_latest(registry).decode())
+                finally:
+                    os.kill(srv.proc.pid, signal.SIGCONT)
+        finally:
+            for client in hung:
+                client.close()
+            srv.stop()
+        assert value(samples, "enginecore_stage_up", stage="live") == 1
+        assert value(samples, "enginecore_scrape_errors_total", stage="live") == 0
+        assert value(samples, "enginecore_stage_up", stage="hung-32") == 0
+
     def test_an_async_client_is_scraped_from_another_thread(self) -> None:
         registry = CollectorRegistry()
         metrics = StageCollector(registry, timeout=5)
@@ -288,6 +317,10 @@ class TestCollector:
             metrics.add(client, stage="s")
             with pytest.raises(ValueError, match="already"):
                 metrics.add(client, stage="s")
+            # The same client under a second label would count everything twice in a sum.
+            with pytest.raises(ValueError, match="already reported as 's'"):
+                metrics.add(client, stage="t")
+            assert list(metrics.stages) == ["s"]
             metrics.remove("s")
             assert metrics.stages == ()
             with pytest.raises(KeyError, match="is reported as 's'"):
@@ -317,6 +350,28 @@ class Side:
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+def _scrape_while(act: Callable[[], object], registry: CollectorRegistry) -> str:
+    """A scrape, with *act* done once the scrape is asking the stages (its threads run)."""
+    done: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+    def scrape() -> None:
+        try:
+            done.set_result(generate_latest(registry).decode())
+        except BaseException as exc:  # pragma: no cover - the test fails on it below
+            done.set_exception(exc)
+
+    thread = threading.Thread(target=scrape, name="test-scrape")
+    thread.start()
+
+    def asking() -> bool:
+        return any(t.name.startswith("enginecore-metrics") for t in threading.enumerate())
+
+    assert wait_until(asking, 10)
+    act()
+    thread.join(30)
+    return done.result(0)
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -412,7 +467,8 @@ class TestPoolsAndPipelines:
 
             assert wait_until(lambda: mid_adds() == 6, 10)
             samples, _ = parse(generate_latest(registry).decode())
-            first = {"pipeline": "omni", "stage": COUNTDOWN}  # one replica: no replica label
+            # One process: an empty replica (stored as no label), as the family has pooled ones.
+            first = {"pipeline": "omni", "stage": COUNTDOWN, "replica": ""}
             assert value(samples, "enginecore_stage_up", **first) == 1
             assert value(samples, "enginecore_messages_total", kind="add", **first) == 6
             for m in mid:
@@ -445,6 +501,94 @@ class TestPoolsAndPipelines:
         finally:
             side(pipe, "shutdown")
 
+    def test_every_family_has_one_set_of_label_names(self, no_leftovers: str) -> None:
+        # A plain stage, a pool's replicas and a pipeline's stages in one scrape: a family
+        # whose samples differ in their label names is invalid to client_golang's registry
+        # and whatever re-exposes through one ("label dimensions inconsistent"). The ones
+        # without a label carry it empty, which Prometheus stores as no label.
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry, timeout=5)
+        with (
+            StageClient.launch(COUNTDOWN, startup_timeout=30) as client,
+            StagePool.launch(COUNTDOWN, replicas=1, startup_timeout=30) as pool,
+            Pipeline.launch(
+                [COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2)], startup_timeout=30
+            ) as pipe,
+        ):
+            metrics.add(client, stage="one")
+            metrics.add(pool, stage="llm")
+            metrics.add(pipe, pipeline="omni")
+            for stream in (pool.add("a", 2), pipe.add("b", 2)):
+                stream.collect(timeout=10)
+                metrics.observe(stream, "llm" if stream.req_id == "a" else "omni")
+            text = generate_latest(registry).decode()
+        families = list(text_string_to_metric_families(text))
+        assert len(families) > 20
+        for family in families:
+            names = {frozenset(s.labels) - {"le"} for s in family.samples}
+            assert len(names) <= 1, f"{family.name}: {sorted(map(sorted, names))}"
+        samples, _ = parse(text)
+        assert value(samples, "enginecore_stage_up", pipeline="", stage="one", replica="") == 1
+        assert value(samples, "enginecore_stage_up", pipeline="", stage="llm", replica="r0") == 1
+        mid = {"pipeline": "omni", "stage": "mid", "replica": "1"}
+        assert value(samples, "enginecore_stage_up", **mid) == 1
+        ttft = "enginecore_time_to_first_output_seconds_count"
+        assert value(samples, ttft, pipeline="", stage="one") == 0
+        assert value(samples, ttft, pipeline="", stage="llm") == 1
+        assert value(samples, ttft, pipeline="omni", stage="") == 1
+
+    def test_a_replica_that_dies_while_it_is_asked_is_no_scrape_error(
+        self, side: Side, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # Stopped, then killed while the scrape waits for it: the pool hears of its death
+        # during the scrape. Down, as a replica already dead is, not a scrape error.
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry, timeout=20)
+        cls = StagePool if side.runner is None else AsyncStagePool
+        pool = side(cls, "launch", COUNTDOWN, replicas=2, startup_timeout=30)
+        try:
+            metrics.add(pool, stage="llm")
+            first = pool.replicas[0]
+            assert first.pid is not None
+            os.kill(first.pid, signal.SIGSTOP)
+            text = _scrape_while(lambda: os.kill(first.pid, signal.SIGKILL), registry)
+            samples, _ = parse(text)
+            assert value(samples, "enginecore_stage_up", stage="llm", replica="r0") == 0
+            assert value(samples, "enginecore_scrape_errors_total", stage="llm", replica="r0") == 0
+            assert value(samples, "enginecore_stage_up", stage="llm", replica="r1") == 1
+            assert "did not answer the metrics scrape" not in caplog.text
+        finally:
+            side(pool, "shutdown")
+
+    def test_a_pipeline_process_that_dies_or_restarts_is_no_scrape_error(
+        self, side: Side, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # As a pool's replica: dead while asked, then waiting for its restart, it reads
+        # down and is not counted as a scrape error, every scrape.
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry, timeout=20)
+        cls = Pipeline if side.runner is None else AsyncPipeline
+        slow = RestartPolicy(first_delay=60, max_delay=60)  # restarting until shutdown
+        stages = [COUNTDOWN, PipelineStage(RELAY, name="mid", restart=slow)]
+        pipe = side(cls, "launch", stages, startup_timeout=30)
+        try:
+            metrics.add(pipe, pipeline="omni")
+            pid = side(pipe, "call_utility", "mid", "pid")
+            os.kill(pid, signal.SIGSTOP)
+            for text in (
+                _scrape_while(lambda: os.kill(pid, signal.SIGKILL), registry),
+                generate_latest(registry).decode(),
+            ):
+                samples, _ = parse(text)
+                mid = {"pipeline": "omni", "stage": "mid"}
+                assert value(samples, "enginecore_stage_up", **mid) == 0
+                assert value(samples, "enginecore_scrape_errors_total", **mid) == 0
+                assert value(samples, "enginecore_stage_up", pipeline="omni", stage=COUNTDOWN) == 1
+            assert pipe.health()["mid"].value == "restarting"
+            assert "did not answer the metrics scrape" not in caplog.text
+        finally:
+            side(pipe, "shutdown")
+
     def test_a_pool_or_pipeline_is_added_with_the_right_name(self, side: Side) -> None:
         metrics = StageCollector()
         cls = Pipeline if side.runner is None else AsyncPipeline
@@ -459,6 +603,8 @@ class TestPoolsAndPipelines:
             metrics.add(pipe, pipeline="omni")
             with pytest.raises(ValueError, match="already reported as 'omni'"):
                 metrics.add(pipe, pipeline="omni")
+            with pytest.raises(ValueError, match="already reported as 'omni'"):
+                metrics.add(pipe, pipeline="omni2")
             metrics.remove("omni")
             assert metrics.stages == ()
         finally:

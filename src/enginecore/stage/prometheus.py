@@ -52,9 +52,10 @@ from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._apipeline import AsyncPipeline
 from ._apool import AsyncStagePool
 from ._client import RequestStream, StageClient
+from ._errors import EngineDeadError, StageClosedError
 from ._pipeline import Pipeline
 from ._pool import StagePool
-from ._pool_core import ReplicaState
+from ._pool_core import Replica, ReplicaState
 from ._statistics import StageStatistics
 
 if TYPE_CHECKING:
@@ -83,21 +84,30 @@ time-to-first-token buckets."""
 
 _LABELS: Final = ("pipeline", "stage", "replica")
 """Every series' labels: ``stage``, and ``replica`` for a pool's replica, ``pipeline`` for a
-pipeline's stage. An empty value is left out of the sample (:func:`_trim`), so that a plain
-stage's series carry ``stage`` alone."""
+pipeline's stage. A label that is empty in every sample of a family is left out of it
+(:func:`_trim`), so that a plain stage's series carry ``stage`` alone."""
 
 _Key: TypeAlias = "tuple[str, str, str]"
 """A series' (pipeline, stage, replica) labels; ``""``: absent."""
 
 
 def _trim(metrics: list[Metric]) -> list[Metric]:
-    """Drop the empty ``pipeline`` and ``replica`` labels from every sample (a plain stage's
-    series are ``{stage="a"}``, not ``{pipeline="",replica="",stage="a"}``)."""
+    """Drop each of :data:`_LABELS` from a family where no sample has it (plain stages'
+    series are ``{stage="a"}``, not ``{pipeline="",replica="",stage="a"}``; a pipeline's
+    time to first output ``{pipeline="omni"}``).
+
+    Per family, not per sample: every sample of a family keeps the same label names (a
+    plain stage's series next to a pool's carry ``replica=""``, which Prometheus stores as
+    no label). A family whose samples differ in their label names is refused by other
+    client libraries' registries (client_golang: "label dimensions inconsistent") and by
+    anything that re-exposes the scrape through one."""
     for m in metrics:
-        m.samples = [
-            s._replace(labels={k: v for k, v in s.labels.items() if v or k not in _LABELS})
-            for s in m.samples
-        ]
+        unused = {k for k in _LABELS if not any(s.labels.get(k) for s in m.samples)}
+        if unused:
+            m.samples = [
+                s._replace(labels={k: v for k, v in s.labels.items() if k not in unused})
+                for s in m.samples
+            ]
     return metrics
 
 
@@ -279,8 +289,25 @@ _Target: TypeAlias = (
 _POOLS: Final = (StagePool, AsyncStagePool)
 _PIPELINES: Final = (Pipeline, AsyncPipeline)
 _CLIENTS: Final = (StageClient, AsyncStageClient)
+_GONE: Final = (EngineDeadError, StageClosedError)
+"""What a pool's or a pipeline's process raises once it is dead, or its client was closed
+by the pool or pipeline (removed, replaced after a restart, shut down)."""
 _RUNNING: Final = (ReplicaState.SERVING, ReplicaState.DRAINING)
 """A pool's replicas that a scrape asks: the others have no stage process to ask now."""
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One stage process a scrape reports: its series' labels, and the client to ask
+    (``None``: a pool's replica or a pipeline's process that has no process running now,
+    reported down without a scrape error)."""
+
+    key: _Key
+    client: _Client | None
+    running: Callable[[], bool | None] | None = None
+    """A pool's or a pipeline's: after the scrape asked it, whether it is still the
+    running process it was (``False``: it died, is starting again or was replaced meanwhile,
+    so a failure is no scrape error; ``None``: it was removed, and its series go)."""
 
 
 @dataclass
@@ -295,24 +322,57 @@ class _Reported:
     def ttft_key(self, name: str) -> _Key:
         return (name, "", "") if isinstance(self.target, _PIPELINES) else ("", name, "")
 
-    def members(self, name: str) -> list[tuple[_Key, _Client | None]]:
-        """Each stage process to ask now, with its series' labels; ``None`` for a pool's
-        replica that has none running (starting, dead or failed): reported down, without
-        a scrape error."""
+    def members(self, name: str) -> list[_Member]:
+        """Each stage process to report now, with its series' labels."""
         t = self.target
         if isinstance(t, _POOLS):
-            return [
-                (("", name, r.name), r._client if r.state in _RUNNING else None) for r in t.replicas
-            ]
-        if isinstance(t, (Pipeline, AsyncPipeline)):
-            out: list[tuple[_Key, _Client | None]] = []
-            stages: Sequence[Sequence[_Client]] = t._replicas
-            for stage, clients in zip(t._names, list(stages), strict=True):
-                replicas = list(clients)  # a restart replaces one
-                for r, client in enumerate(replicas):
-                    out.append(((name, stage, str(r) if len(replicas) > 1 else ""), client))
-            return out
-        return [(("", name, ""), t)]
+            return [_pool_member(name, r) for r in t.replicas]
+        if isinstance(t, _PIPELINES):
+            return _pipeline_members(name, t)
+        return [_Member(("", name, ""), t)]
+
+
+def _pool_member(name: str, replica: Replica) -> _Member:
+    key = ("", name, replica.name)
+    client = replica._client
+    if replica.state not in _RUNNING or client is None:
+        return _Member(key, None)
+
+    def running() -> bool | None:
+        if replica.state is ReplicaState.REMOVED:
+            return None
+        return replica.state in _RUNNING and replica._client is client
+
+    return _Member(key, client, running)
+
+
+def _pipeline_members(name: str, pipe: Pipeline | AsyncPipeline) -> list[_Member]:
+    core = pipe._core
+    with pipe._lock:  # the processes and their states, as health() reads them
+        stages: list[list[_Client]] = [list(c) for c in pipe._replicas]  # a restart replaces one
+        states = [[core.process_state(k, r) for r in range(len(c))] for k, c in enumerate(stages)]
+    out: list[_Member] = []
+    for k, (stage, clients) in enumerate(zip(pipe._names, stages, strict=True)):
+        for r, client in enumerate(clients):
+            key = (name, stage, str(r) if len(clients) > 1 else "")
+            serving = states[k][r] is ReplicaState.SERVING
+            out.append(
+                _Member(key, client, _serving(pipe, k, r, client))
+                if serving
+                else _Member(key, None)
+            )
+    return out
+
+
+def _serving(pipe: Pipeline | AsyncPipeline, k: int, r: int, client: _Client) -> Callable[[], bool]:
+    """Whether process *r* of stage *k* still serves, as *client*'s process."""
+
+    def running() -> bool:
+        with pipe._lock:
+            same: bool = pipe._replicas[k][r] is client
+            return same and pipe._core.process_state(k, r) is ReplicaState.SERVING
+
+    return running
 
 
 def _describe(key: _Key) -> str:
@@ -338,15 +398,20 @@ class StageCollector(Collector):
     name, ``r0``, ``r1``, ...), so that ``sum by (stage)`` adds up a pool; a pipeline's
     stages are labelled ``pipeline`` and ``stage`` (the stage's name in the pipeline), and
     a stage run by several replicas adds ``replica`` (``0``, ``1``, ...). A pool also
-    reports ``enginecore_pool_replicas{stage, state}``, its replicas by state.
+    reports ``enginecore_pool_replicas{stage, state}``, its replicas by state. Every
+    series of a family has the same label names: where some have a ``replica`` or a
+    ``pipeline`` and others not, those carry it empty (Prometheus stores it as no label).
 
     Each scrape (:meth:`collect`) asks every stage process for its statistics at once, on
     threads of its own, and waits at most *timeout* seconds for them (a finite number > 0:
     :class:`ValueError` otherwise, :class:`TypeError` for a non-number): a stage that does
     not answer in time, or is dead or closed, is skipped (``enginecore_stage_up`` 0, its
     other series absent from that scrape) and counted in ``enginecore_scrape_errors_total``.
-    A pool's replica that has no process running now (starting, dead, failed) reads
-    ``enginecore_stage_up`` 0 and is not counted as an error; a removed one's series go.
+    A pool's replica or a pipeline's process that has no process running now (starting,
+    dead, failed, waiting for its restart) reads ``enginecore_stage_up`` 0 and is not
+    counted as an error, nor is one that dies or is removed while it is asked; a removed
+    replica's series go. Each stage process is asked on a thread of its own, so that
+    however many hang, the others are asked at once.
     Counters are the stage's own, so they stay exact however many stages (and collectors)
     report.
 
@@ -396,7 +461,8 @@ class StageCollector(Collector):
 
         :class:`TypeError` for another kind of target or the wrong one of ``stage`` and
         ``pipeline``; :class:`ValueError` if the name is empty, not a ``str``, or taken
-        (a stage and a pipeline share the names :meth:`remove` and :meth:`observe` take)."""
+        (a stage and a pipeline share the names :meth:`remove` and :meth:`observe` take),
+        or if *target* is reported already (under another name)."""
         if isinstance(target, _PIPELINES):
             if stage is not None or pipeline is None:
                 raise TypeError(
@@ -422,6 +488,12 @@ class StageCollector(Collector):
         with self._lock:
             if name in self._reported:
                 raise ValueError(f"a stage or pipeline is already reported as {name!r}")
+            for other, rep in self._reported.items():
+                if rep.target is target:  # its counters would count twice in every sum
+                    raise ValueError(
+                        f"this {type(target).__name__} is already reported as {other!r}; "
+                        f"remove({other!r}) first to report it as {name!r}"
+                    )
             self._reported[name] = _Reported(target, _Ttft(len(self._ttft_bounds)))
 
     def remove(self, stage: str) -> None:
@@ -483,26 +555,38 @@ class StageCollector(Collector):
         with self._lock:
             reported = list(self._reported.items())
         members = [(name, rep, rep.members(name)) for name, rep in reported]
-        results = self._fetch([m for _, _, ms in members for m in ms if m[1] is not None])
+        results = self._fetch([m for _, _, ms in members for m in ms if m.client is not None])
         families = _Families()
         errors, ttft, replicas = self._own_families()
         skipped: list[tuple[_Key, str]] = []
         with self._lock:  # two scrapes at once (a threaded HTTP server) count apart
             for name, rep, ms in members:
-                for key, client in ms:
-                    stats = results.get(key) if client is not None else None
+                keys = set()
+                for m in ms:
+                    key = m.key
+                    stats = results.get(key) if m.client is not None else None
                     if isinstance(stats, StageStatistics):
                         families.add(key, stats)
                         rep.down.discard(key)
                     else:
+                        # A pool's or a pipeline's process that died, was replaced or was
+                        # being removed while it was asked is down, not a scrape error, as
+                        # one that was so before: its death (which the pool may not have
+                        # heard of yet) or its client closed by the pool is no scrape's.
+                        now = m.running() if m.running is not None else True
+                        if now is None:
+                            continue  # removed: its series go
+                        if m.running is not None and isinstance(stats, _GONE):
+                            now = False
                         families.up.add_metric(list(key), 0.0)
-                        if client is not None:
+                        if m.client is not None and now:
                             rep.errors[key] = rep.errors.get(key, 0) + 1
                             if key not in rep.down:
                                 rep.down.add(key)
-                                skipped.append((key, str(stats)))
+                                skipped.append((key, _reason(stats)))
+                    keys.add(key)
                     errors.add_metric(list(key), rep.errors.get(key, 0))
-                keys = {key for key, _ in ms}  # a removed replica's counts go with it
+                # a removed replica's counts go with it
                 rep.errors = {k: n for k, n in rep.errors.items() if k in keys}
                 rep.down &= keys
                 with rep.ttft.lock:
@@ -544,10 +628,8 @@ class StageCollector(Collector):
             ),
         )
 
-    def _fetch(
-        self, members: list[tuple[_Key, _Client | None]]
-    ) -> dict[_Key, StageStatistics | str]:
-        """Every member's statistics, or why not (a short reason)."""
+    def _fetch(self, members: list[_Member]) -> dict[_Key, StageStatistics | BaseException]:
+        """Every member's statistics, or why not."""
         if not members:
             return {}
         try:
@@ -555,35 +637,52 @@ class StageCollector(Collector):
         except RuntimeError:
             here = None
         timeout = self.timeout
-        out: dict[_Key, StageStatistics | str] = {}
+        out: dict[_Key, StageStatistics | BaseException] = {}
+        # A thread per stage process: every one is asked at once, so however many hang, a
+        # scrape waits one timeout for them all, and asks the others at the start (a
+        # bounded pool would queue the ones behind its first hanging threads past it).
         pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(len(members), 16), thread_name_prefix="enginecore-metrics"
+            max_workers=len(members), thread_name_prefix="enginecore-metrics"
         )
         try:
             pending: dict[concurrent.futures.Future[StageStatistics], _Key] = {}
-            for key, client in members:
+            for m in members:
+                client = m.client
                 if isinstance(client, AsyncStageClient):
                     if client._loop is here:
-                        out[key] = "scraped on its own event loop's thread"
+                        out[m.key] = _OnItsLoop("scraped on its own event loop's thread")
                         continue
                     fut = pool.submit(_fetch_async, client, timeout)
                 else:
                     assert client is not None
                     fut = pool.submit(client.stats, timeout)
-                pending[fut] = key
+                pending[fut] = m.key
             # Each call has its own timeout; the extra half second only covers its thread
             # starting late on a loaded machine. Whatever is still out then is skipped.
             done, not_done = concurrent.futures.wait(pending, timeout + 0.5)
             for fut in not_done:
-                out[pending[fut]] = f"no answer within {timeout} s"
+                out[pending[fut]] = TimeoutError(f"no answer within {timeout} s")
             for fut in done:
                 try:
                     out[pending[fut]] = fut.result()
                 except Exception as exc:
-                    out[pending[fut]] = f"{type(exc).__name__}: {exc}"
+                    out[pending[fut]] = exc
         finally:
             pool.shutdown(wait=False)
         return out
+
+
+class _OnItsLoop(RuntimeError):
+    """An asyncio client scraped on its own event loop's thread, which cannot wait for it."""
+
+
+def _reason(why: StageStatistics | BaseException | None) -> str:
+    """Why a stage was skipped, in a warning: the error's type and message."""
+    if isinstance(why, _OnItsLoop):
+        return str(why)
+    if isinstance(why, TimeoutError) and str(why).startswith("no answer within"):
+        return str(why)
+    return f"{type(why).__name__}: {why}"
 
 
 def _fetch_async(client: AsyncStageClient, timeout: float) -> StageStatistics:
