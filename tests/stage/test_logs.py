@@ -224,6 +224,37 @@ class TestForwardLogs:
         # Records are not written to the stage's stderr as well.
         assert "hello parent" not in capfd.readouterr().err
 
+    def test_a_main_script_that_configures_logging_shows_each_record_once(self) -> None:
+        # The documented example: basicConfig() at the top of the main script. A launched
+        # stage is spawned, which imports that script again in the stage (as __mp_main__),
+        # and so configured a handler there too: each forwarded record was written twice,
+        # once by the stage itself and once by the parent.
+        here = tempfile.mkdtemp(prefix="ecmain", dir="/tmp")  # not in the ipc dir checked
+        script = os.path.join(here, "main.py")
+        with open(script, "w") as f:
+            f.write(
+                "import logging, sys\n"
+                "from enginecore.stage import StageClient\n"
+                "logging.basicConfig(format='%(stage)s[%(process)d] %(message)s', "
+                "stream=sys.stdout)\n"
+                "if __name__ == '__main__':\n"
+                f"    with StageClient.launch({SCRIPTED!r}, name='fwd', log_level='INFO',\n"
+                "                            forward_logs=True, startup_timeout=30) as client:\n"
+                "        client.call_utility('emit_log', 'enginecore.test', 20, 'hello once')\n"
+                "        pid = client.pid\n"
+                "    print('pid', pid)\n"
+            )
+        try:
+            done = subprocess.run(
+                [sys.executable, script], capture_output=True, text=True, timeout=60, check=False
+            )
+        finally:
+            shutil.rmtree(here, ignore_errors=True)
+        assert done.returncode == 0, done.stderr
+        pid = done.stdout.split("pid ")[-1].strip()
+        assert done.stdout.count(f"fwd[{pid}] hello once") == 1, done.stdout
+        assert "hello once" not in done.stderr
+
     def test_the_stages_own_records_are_forwarded(
         self, launch: Launch, records: Callable[[str], Records]
     ) -> None:

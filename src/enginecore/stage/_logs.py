@@ -12,7 +12,9 @@ In the stage process, :func:`configure_stage` (called first thing by ``run_launc
   no level of its own: the handler that :mod:`logging` uses only while no handler is
   configured, so it yields to any configuration the engine makes (``basicConfig()`` in the
   factory, say) and costs nothing then;
-- with forwarding, adds a :class:`ForwardHandler` to the root logger instead.
+- with forwarding, adds a :class:`ForwardHandler` to the root logger instead, in a launched
+  stage in place of the handlers there (those that the parent's main module configured as
+  the spawn imported it again: the parent shows the forwarded records with its own).
 
 Forwarding. The child pushes each record, as a msgpack array of plain fields (never a
 pickle), on a ZMQ ``PUSH`` socket that it *connects* to a ``PULL`` socket the parent bound in
@@ -179,9 +181,18 @@ def configure_stage(
     if level is not None:
         logging.getLogger().setLevel(level)
     if forward is not None or forward_address is not None:
+        root = logging.getLogger()
+        if forward is None:
+            # A launched stage is spawned: its root logger's handlers now are the ones the
+            # parent's main module made as spawn imported it again here (a module-level
+            # ``logging.basicConfig()``). The parent has the same ones and shows every
+            # forwarded record with them: kept here, they would show each one twice.
+            for old in root.handlers[:]:
+                root.removeHandler(old)
+                old.close()
         handler: logging.Handler = forward or ForwardHandler(forward_address or "", stage)
         handler.addFilter(_StageFilter(stage))
-        logging.getLogger().addHandler(handler)
+        root.addHandler(handler)
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(STAGE_LOG_FORMAT))
