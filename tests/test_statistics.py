@@ -321,8 +321,11 @@ class TestEngineStats:
             (lambda e: {"a": "x"}, r"\['a'\] must be an int or a float"),
             (lambda e: {"a": True}, "must be an int or a float, got bool"),
             (lambda e: {1: 1}, "returned a key of type int"),
+            # A stage could not send it (msgpack): its stats() calls and load reports failed.
+            (lambda e: {"a": 2**64}, r"\['a'\] = 18446744073709551616 is outside"),
+            (lambda e: {"a": -(2**63) - 1}, r"\['a'\] = -9223372036854775809 is outside"),
         ],
-        ids=["raises", "not-a-mapping", "a-string", "a-bool", "an-int-key"],
+        ids=["raises", "not-a-mapping", "a-string", "a-bool", "an-int-key", "huge", "-huge"],
     )
     def test_a_bad_stats_is_logged_and_counted_and_the_loop_goes_on(
         self, stats: Callable[[RecordingEngine], Any], message: str, caplog: Any

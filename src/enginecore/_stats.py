@@ -259,6 +259,11 @@ class _Counters:
         return sample
 
 
+_INT_MIN: Final = -(2**63)
+_INT_MAX: Final = 2**64 - 1
+"""The ints of an engine's ``stats()`` that msgpack (a stage's wire) can carry."""
+
+
 def _check_engine_stats(raw: object) -> Mapping[str, float]:
     if not isinstance(raw, Mapping):
         raise TypeError(
@@ -271,6 +276,13 @@ def _check_engine_stats(raw: object) -> Mapping[str, float]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(
                 f"engine.stats()[{key!r}] must be an int or a float, got {type(value).__name__}"
+            )
+        if isinstance(value, int) and not _INT_MIN <= value <= _INT_MAX:
+            # A stage sends the sample (msgpack): it could answer no stats() call, and send
+            # no load report, for as long as this one stayed the latest.
+            raise ValueError(
+                f"engine.stats()[{key!r}] = {value} is outside the ints a stage can send "
+                f"(-2**63..2**64-1); return a float for it"
             )
         out[key] = value
     return MappingProxyType(out)
