@@ -333,6 +333,7 @@ class _Reported:
 
 
 def _pool_member(name: str, replica: Replica) -> _Member:
+    """A pool's replica: asked while it serves or drains, as the client it has now."""
     key = ("", name, replica.name)
     client = replica._client
     if replica.state not in _RUNNING or client is None:
@@ -347,6 +348,8 @@ def _pool_member(name: str, replica: Replica) -> _Member:
 
 
 def _pipeline_members(name: str, pipe: Pipeline | AsyncPipeline) -> list[_Member]:
+    """Every process of a pipeline, stage by stage: asked while it serves (not while it is
+    dead, waits for its restart, starts again, or failed for good)."""
     core = pipe._core
     with pipe._lock:  # the processes and their states, as health() reads them
         stages: list[list[_Client]] = [list(c) for c in pipe._replicas]  # a restart replaces one
