@@ -260,7 +260,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load_interval(text: str) -> float | None:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:  # argparse would name this function: "invalid _load_interval value"
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds >= 0, got {text!r}"
+        ) from None
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value or None
@@ -277,7 +282,10 @@ def _positive_float(text: str) -> float:
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # argparse would name this function: "invalid _non_negative_int value"
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value

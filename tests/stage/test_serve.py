@@ -866,6 +866,22 @@ class TestServeCommandLine:
         assert result.returncode == 2
         assert "--detached-buffer" in result.stderr
 
+    @pytest.mark.parametrize(
+        ("option", "message"),
+        [
+            ("--load-interval", "must be a number of seconds >= 0, got 'abc'"),
+            ("--detached-buffer", "must be an int >= 0, got 'abc'"),
+        ],
+    )
+    def test_a_value_that_is_not_a_number_is_refused_clearly(
+        self, option: str, message: str
+    ) -> None:
+        # argparse named the private type function: "invalid _load_interval value: 'abc'".
+        result = self._run("serve", "--engine", SCRIPTED, option, "abc")
+        assert result.returncode == 2
+        assert f"{option}: {message}" in result.stderr
+        assert "invalid _" not in result.stderr
+
     @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "abc"])
     def test_a_session_timeout_that_is_not_a_positive_number_is_refused(self, value: str) -> None:
         # It was taken as is: with -1 or nan, any new hello took over the attached client's
