@@ -24,6 +24,8 @@ from enginecore import (
     CountdownEngine,
     EngineCoreLoop,
     LoopAlreadyRunError,
+    LoopEndedError,
+    Message,
     RequestRejected,
     Utility,
     Wakeup,
@@ -411,14 +413,18 @@ class TestRule8Errors:
         loop = EngineCoreLoop(engine, log)
 
         def blow_up(n: int) -> None:
+            loop.input_queue.put(Add("b", 1))
             loop.input_queue.put(Utility(1, "div", (1, 1)))
             raise _Boom("step")
 
         engine.on_step = blow_up
         loop.input_queue.put(Add("a", 1))
         loop.run()
-        assert log.events == [("fatal", "_Boom('step')")]
-        assert not loop.input_queue.empty()
+        # Not applied; the utility is answered (TestRule17QueuedUtilitiesAtTheEnd).
+        err = "LoopEndedError(\"the engine loop ended before it applied utility 'div' (call 1)\")"
+        assert log.events == [("utility", 1, None, err), ("fatal", "_Boom('step')")]
+        assert ("add", "b", 1) not in engine.calls
+        assert list(loop.input_queue.queue) == [Add("b", 1)]
 
     def test_emit_failure_is_fatal(self, caplog: pytest.LogCaptureFixture) -> None:
         events: list[Any] = []
@@ -494,13 +500,16 @@ class TestRule9RequestShutdown:
         assert log.events == [("shutdown",)]
         assert loop.shutdown_requested
 
-    def test_before_run_emits_only_shutdown(self, engine: RecordingEngine, log: EventLog) -> None:
+    def test_before_run_applies_nothing_and_answers_the_queued_utilities(
+        self, engine: RecordingEngine, log: EventLog
+    ) -> None:
         loop = EngineCoreLoop(engine, log)
         loop.input_queue.put(Add("a", 1))
         loop.input_queue.put(Utility(1, "div", (1, 1)))
         loop.request_shutdown()
         loop.run()
-        assert log.events == [("shutdown",)]
+        err = "LoopEndedError(\"the engine loop ended before it applied utility 'div' (call 1)\")"
+        assert log.events == [("utility", 1, None, err), ("shutdown",)]
         assert engine.calls == []
 
     def test_never_blocks_on_a_held_queue_mutex_and_still_wakes_the_loop(
@@ -971,3 +980,114 @@ class TestIdleLoopHoldsNothing:
         finally:
             loop.request_shutdown()
             lt.join()
+
+
+def _ended(call_id: int, name: str = "div") -> tuple[Any, ...]:
+    err = LoopEndedError(
+        f"the engine loop ended before it applied utility {name!r} (call {call_id})"
+    )
+    return ("utility", call_id, None, repr(err))
+
+
+def _on_first_step(engine: RecordingEngine | CountdownPipeline, hook: Callable[[], None]) -> None:
+    calls = 0
+
+    def once(_: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            hook()
+
+    if isinstance(engine, RecordingEngine):
+        engine.on_step = once
+    else:
+        engine.on_launch = once
+
+
+class TestRule17QueuedUtilitiesAtTheEnd:
+    """Rules 8, 9 and 17, on both loops: a ``Utility`` still queued when the loop ends is
+    not applied but answered with a ``LoopEndedError``, in queue order, exactly once, before
+    the last event; the other messages stay queued, unapplied; ``submit()`` afterwards
+    raises ``LoopEndedError`` and queues nothing."""
+
+    @LOOPS
+    def test_utilities_queued_behind_a_fatal_error_are_answered(
+        self, kind: str, depth: int
+    ) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        late: list[Message] = [Utility(1, "div", (1, 1)), Add("late", 1), Utility(2, "div", (4, 2))]
+
+        def fail() -> None:
+            loop.submit_many(late)
+            raise _Boom("step")
+
+        _on_first_step(engine, fail)
+        loop.submit(Add("a", 3))
+        LoopThread(loop).start().join()
+        assert log.events == [_ended(1), _ended(2), ("fatal", "_Boom('step')")]
+        assert ("utility", "div", (1, 1)) not in engine.calls
+        assert all(call[:2] != ("add", "late") for call in engine.calls)
+        # The Add is left where it was, never applied; the answered calls are gone.
+        assert list(loop.input_queue.queue) == [late[1]]
+        s = loop.statistics()
+        assert (s.utility_calls, s.utility_errors) == (0, 0)
+
+    @LOOPS
+    def test_utilities_queued_before_a_shutdown_before_run_are_answered(
+        self, kind: str, depth: int
+    ) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        add = Add("a", 1)
+        loop.submit_many([Utility(3, "div", (1, 1)), add, Utility(4, "nope", ())])
+        loop.request_shutdown()
+        loop.run()
+        assert log.events == [_ended(3), _ended(4, "nope"), ("shutdown",)]
+        assert engine.calls == []
+        assert list(loop.input_queue.queue) == [add, Wakeup()]
+
+    @LOOPS
+    def test_a_utility_queued_after_the_last_drain_is_answered(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        pending: Future[Any] = Future()
+        engine.utility = lambda name, args: pending  # type: ignore[method-assign]
+
+        def stop(lp: EngineCoreLoop) -> None:
+            lp.request_shutdown()
+            lp.submit(Utility(6, "div", (1, 1)))  # behind the drain's snapshot
+
+        loop.submit_many([Utility(5, "slow", ()), _Record([], stop)])
+        LoopThread(loop).start().join()
+        deferred = LoopEndedError("the engine loop ended before utility 'slow' (call 5) completed")
+        # The deferred call first (it was made first), then the queued one.
+        assert log.events == [
+            ("utility", 5, None, repr(deferred)),
+            _ended(6),
+            ("shutdown",),
+        ]
+        s = loop.statistics()
+        assert (s.utility_calls, s.utility_errors) == (1, 1)
+
+    @LOOPS
+    def test_submit_after_the_end_raises_and_queues_nothing(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
+        left = list(loop.input_queue.queue)
+        with pytest.raises(LoopEndedError, match=r"has ended.*Utility was not queued"):
+            loop.submit(Utility(7, "div", (1, 1)))
+        with pytest.raises(LoopEndedError, match=r"has ended.*Add was not queued"):
+            loop.submit_many([Add("b", 1), Utility(8, "div", (1, 1))])
+        assert list(loop.input_queue.queue) == left
+        assert log.events[-1] == ("shutdown",)
+        assert all(e[0] != "utility" for e in log.events)

@@ -14,11 +14,21 @@ import threading
 from collections import deque
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from enginecore import Abort, Add, CountdownEngine, EngineCoreLoop, Event, Utility, Wakeup
+from enginecore import (
+    Abort,
+    Add,
+    CountdownEngine,
+    EngineCoreLoop,
+    Event,
+    LoopEndedError,
+    Utility,
+    Wakeup,
+)
 
 from .conftest import RecordingEngine
 
@@ -63,10 +73,23 @@ class ContractModel:
                 else:
                     self.events.append(("utility", msg.call_id, result, None))
         except Exception as exc:
+            self._end()
             self.events.append(("fatal", repr(exc)))
             self.at = "done"
             return False
         return True
+
+    def _end(self) -> None:
+        # Rule 17: what is still queued is not applied; its utilities are answered, in
+        # order, and leave the queue; the rest stays.
+        for msg in self.pending:
+            if isinstance(msg, Utility):
+                err = LoopEndedError(
+                    f"the engine loop ended before it applied utility {msg.name!r} "
+                    f"(call {msg.call_id})"
+                )
+                self.events.append(("utility", msg.call_id, None, repr(err)))
+        self.pending = deque(m for m in self.pending if not isinstance(m, Utility))
 
     def run_to_checkpoint(self) -> None:
         # One loop iteration: drain a snapshot, check shutdown, then step or block.
@@ -77,6 +100,7 @@ class ContractModel:
                 if not self._apply(msg):
                     return
         if self.shutdown:
+            self._end()
             self.events.append(("shutdown",))
             self.at = "done"
         elif self.engine.has_work():
@@ -141,7 +165,15 @@ class LoopMachine(RuleBasedStateMachine):
         self.real_at = self.notices.get(timeout=10)
 
     def _put(self, msg: Any) -> None:
-        self.loop.input_queue.put(msg)
+        if not isinstance(msg, (Add, Abort, Utility, Wakeup)):
+            self.loop.input_queue.put(msg)  # submit() would refuse it
+        elif self.model.at == "done":
+            # Rule 17: refused once the loop has ended, and nothing is queued.
+            with pytest.raises(LoopEndedError):
+                self.loop.submit(msg)
+            return
+        else:
+            self.loop.submit(msg)
         self.model.put(msg)
 
     # -- producers (also after the run ended: then nothing may happen) -------------------------

@@ -121,6 +121,16 @@ class PipelineModel:
         for call_id, name, fut in self.deferred.values():
             self._emit(_answer(call_id, name, fut) if fut.done() else _ended(call_id, name))
         self.deferred.clear()
+        # Then the utilities still queued, never applied: answered in queue order, and
+        # taken off the queue; the other messages stay there (rule 17).
+        for msg in self.pending:
+            if isinstance(msg, Utility):
+                err = LoopEndedError(
+                    f"the engine loop ended before it applied utility {msg.name!r} "
+                    f"(call {msg.call_id})"
+                )
+                self._emit(("utility", msg.call_id, None, repr(err)))
+        self.pending = deque(m for m in self.pending if not isinstance(m, Utility))
 
     def _fatal(self, exc: Exception) -> None:
         for handle in self.inflight:
@@ -400,10 +410,17 @@ class PipelineMachine(RuleBasedStateMachine):
         assert engine.collected + engine.cancelled == engine.launched
         assert engine.in_flight == 0
         # Every deferred call the engine saw is answered exactly once (its call id is its
-        # future's key), and nothing else of it.
+        # future's key), and nothing else of it; one the loop ended before applying is
+        # answered once too, and never reached the engine.
         made = [item[2][0] for item in self.trace if item[:2] == ("utility", "future")]
         answered = [e[1] for e in events if e[0] == "utility" and e[1] in self.futures]
-        assert sorted(answered) == sorted(made)
+        unapplied = [
+            e[1]
+            for e in events
+            if e[0] == "utility" and e[1] in self.futures and "before it applied" in str(e[3])
+        ]
+        assert not set(made) & set(unapplied)
+        assert sorted(answered) == sorted(made + unapplied)
         # Abort exactness, seen from the producer: once an Abort naming rid is put, no
         # collect that begins afterwards returns an output of rid.
         abort_put: dict[str, int] = {}

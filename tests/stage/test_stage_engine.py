@@ -188,3 +188,21 @@ class TestLiveSet:
                 suppress_health_check=[HealthCheck.too_slow],
             ),
         )
+
+
+def test_a_late_submit_after_the_loop_ended_is_dropped_not_raised() -> None:
+    """The drain's timer, a signal's drain thread and the output thread submit to the loop
+    from other threads, possibly after it ended, when ``submit()`` raises
+    ``LoopEndedError`` (docs/contract.md, rule 17): they drop the message instead."""
+    from enginecore import CountdownEngine, EngineCoreLoop, LoopEndedError
+    from enginecore.stage._controls import DrainDeadline
+    from enginecore.stage._stage_engine import submit_unless_ended
+
+    loop = EngineCoreLoop(CountdownEngine(), lambda event: None)
+    loop.request_shutdown()
+    loop.run()
+    with pytest.raises(LoopEndedError):
+        loop.submit(DrainDeadline(1))
+    left = list(loop.input_queue.queue)
+    submit_unless_ended(loop, DrainDeadline(1))
+    assert list(loop.input_queue.queue) == left

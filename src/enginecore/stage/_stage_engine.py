@@ -28,6 +28,7 @@ Every other exception from the engine stays fatal to the loop (``docs/contract.m
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -37,8 +38,8 @@ from itertools import compress
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from .._engine import Engine, PipelinedEngine
-from .._exceptions import RequestRejected
-from .._messages import Event
+from .._exceptions import LoopEndedError, RequestRejected
+from .._messages import Event, Message
 from . import _codec
 from ._codec import only_types
 from ._controls import DrainDeadline, StageTarget
@@ -53,6 +54,14 @@ if TYPE_CHECKING:
     from ._stage_session import CallTable
 
 logger = logging.getLogger("enginecore.stage")
+
+
+def submit_unless_ended(loop: EngineCoreLoop, message: Message) -> None:
+    """``loop.submit(message)``, or nothing once the loop has ended (a timer, a signal's
+    thread or the output thread may be late: the loop has nothing left to apply it to)."""
+    with contextlib.suppress(LoopEndedError):
+        loop.submit(message)
+
 
 __all__ = [
     "DRAINING",
@@ -458,7 +467,7 @@ class _Drain:
             self.done()
             return
         self._timers += 1
-        timer = threading.Timer(seconds, loop.submit, (DrainDeadline(self._timers),))
+        timer = threading.Timer(seconds, submit_unless_ended, (loop, DrainDeadline(self._timers)))
         timer.daemon = True
         timer.name = "enginecore-drain"
         self._timer = timer
