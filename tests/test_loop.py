@@ -392,8 +392,10 @@ class TestRule8Errors:
         assert log.events[-1] == ("fatal", repr(_Boom(where)))
         assert ("shutdown",) not in log.events
         if where in ("add", "abort"):
-            # Messages after the failing one are never processed.
-            assert not any(e[0] == "utility" for e in log.events)
+            # Messages after the failing one are never processed: the utility is answered
+            # without reaching the engine (TestRule17UtilitiesLeftOfAFailedDrain).
+            assert ("utility", "div", (1, 1)) not in engine.calls
+            assert [e for e in log.events if e[0] == "utility"] == [_ended(9)]
         assert any("fatal error" in r.getMessage() for r in caplog.records)
 
     def test_request_rejected_from_add_is_fatal_in_a_bare_loop(self) -> None:
@@ -1091,3 +1093,52 @@ class TestRule17QueuedUtilitiesAtTheEnd:
         assert list(loop.input_queue.queue) == left
         assert log.events[-1] == ("shutdown",)
         assert all(e[0] != "utility" for e in log.events)
+
+
+class TestRule17UtilitiesLeftOfAFailedDrain:
+    """Rules 8 and 17, on both loops: a fatal error in the middle of a drain leaves the
+    rest of that drain unapplied; each ``Utility`` among it is answered with a
+    ``LoopEndedError``, before those still queued and the fatal event, exactly once."""
+
+    @LOOPS
+    def test_the_utilities_after_the_message_that_failed_are_answered(
+        self, kind: str, depth: int
+    ) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+
+        def fail(lp: EngineCoreLoop) -> None:
+            lp.submit(Utility(4, "div", (1, 1)))  # queued behind the drain
+            raise ValueError("control failed")
+
+        again = Utility(3, "div", (9, 3))
+        msgs: list[Message] = [Utility(1, "div", (4, 2)), _Record([], fail), Utility(2, "nope", ())]
+        loop.submit_many([*msgs, Add("x", 1), again])
+        LoopThread(loop).start().join()
+        assert log.events == [
+            ("utility", 1, 2.0, None),
+            _ended(2, "nope"),
+            _ended(3),
+            _ended(4),
+            ("fatal", "ValueError('control failed')"),
+        ]
+        assert ("utility", "nope", ()) not in engine.calls
+        assert all(call[:2] != ("add", "x") for call in engine.calls)
+
+    def test_a_message_object_twice_in_the_drain_is_never_answered_twice(self) -> None:
+        engine = RecordingEngine()
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log)
+        boom = _Record([], lambda lp: (_ for _ in ()).throw(ValueError("control failed")))
+        call = Utility(5, "div", (1, 1))
+        # The first time it is applied, the control raises: what follows was not applied,
+        # but the same object comes again later, so only what follows its last occurrence
+        # is known not to have been applied.
+        loop.submit_many([call, boom, Utility(6, "div", (1, 1)), boom, Utility(7, "div", (1, 1))])
+        LoopThread(loop).start().join()
+        answers = [e[1] for e in log.events if e[0] == "utility"]
+        assert len(answers) == len(set(answers))
+        assert answers[0] == 5
+        assert 7 in answers
+        assert log.events[-1] == ("fatal", "ValueError('control failed')")

@@ -55,8 +55,8 @@ class ContractModel:
             self.shutdown = True
             self.pending.append(Wakeup())
 
-    def _apply(self, msg: Any) -> bool:
-        """Apply one message; False if it was fatal."""
+    def _apply(self, msg: Any, rest: list[Any] | None = None) -> bool:
+        """Apply one message (*rest*: those after it in its drain); False if it was fatal."""
         try:
             if isinstance(msg, Add):
                 self.calls.append(("add", msg.req_id, msg.data))
@@ -73,16 +73,16 @@ class ContractModel:
                 else:
                     self.events.append(("utility", msg.call_id, result, None))
         except Exception as exc:
-            self._end()
+            self._end(rest or [])
             self.events.append(("fatal", repr(exc)))
             self.at = "done"
             return False
         return True
 
-    def _end(self) -> None:
+    def _end(self, rest: list[Any] | None = None) -> None:
         # Rule 17: what is still queued is not applied; its utilities are answered, in
-        # order, and leave the queue; the rest stays.
-        for msg in self.pending:
+        # order (those of a drain that failed first), and leave the queue; the rest stays.
+        for msg in [*(rest or []), *self.pending]:
             if isinstance(msg, Utility):
                 err = LoopEndedError(
                     f"the engine loop ended before it applied utility {msg.name!r} "
@@ -96,8 +96,8 @@ class ContractModel:
         if self.pending:
             batch = list(self.pending)
             self.pending.clear()
-            for msg in batch:
-                if not self._apply(msg):
+            for i, msg in enumerate(batch):
+                if not self._apply(msg, batch[i + 1 :]):
                     return
         if self.shutdown:
             self._end()

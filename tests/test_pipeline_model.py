@@ -78,6 +78,7 @@ class PipelineModel:
         self.inflight: deque[int] = deque()
         self.deferred: dict[int, tuple[int, str, Future[Any]]] = {}  # in call order
         self.at = "start"  # "launch" | "collect" | "get" | "done": where the loop is parked
+        self.left: list[Any] = []  # the messages of the drain under way not applied yet
 
     def put(self, msg: Any) -> None:
         self.pending.append(msg)
@@ -121,9 +122,10 @@ class PipelineModel:
         for call_id, name, fut in self.deferred.values():
             self._emit(_answer(call_id, name, fut) if fut.done() else _ended(call_id, name))
         self.deferred.clear()
-        # Then the utilities still queued, never applied: answered in queue order, and
-        # taken off the queue; the other messages stay there (rule 17).
-        for msg in self.pending:
+        # Then the utilities never applied, those of a drain that failed first, then those
+        # still queued: answered in order, and taken off the queue; the other messages stay
+        # there (rule 17).
+        for msg in [*self.left, *self.pending]:
             if isinstance(msg, Utility):
                 err = LoopEndedError(
                     f"the engine loop ended before it applied utility {msg.name!r} "
@@ -149,8 +151,10 @@ class PipelineModel:
         try:
             batch = list(self.pending)
             self.pending.clear()
-            for msg in batch:
+            for i, msg in enumerate(batch):
+                self.left = batch[i + 1 :]
                 self._apply(msg)
+            self.left = []
             if self.shutdown:
                 if self.inflight:
                     self._park("collect")

@@ -16,7 +16,8 @@ proves each rule):
 7. Events are tuples: ``("output", out)``, ``("utility", call_id, result, err)``,
    ``("shutdown",)``, ``("fatal", repr(exc))``; exactly one of the last two ends every run.
 8. Utility exceptions are reported and the loop goes on; any other exception is fatal.
-   Messages still queued then are never applied (their utilities are answered: rule 17).
+   Messages still queued then, or left of the drain it cut short, are never applied
+   (their utilities are answered: rule 17).
 9. ``request_shutdown()`` sets the flag *and* enqueues a Wakeup; idempotent, never waits.
    Called before ``run()``, that run applies nothing (rule 17 answers its utilities).
 10. ``request_shutdown()`` never takes the queue's mutex in a way that could deadlock when it
@@ -47,8 +48,9 @@ Deferred utilities:
     it. Its done-callback (any thread) puts a message on ``input_queue``, and the loop
     answers the call when it applies that message, in order with its other events. A future
     still pending when the loop ends is answered with an error (``LoopEndedError``) before
-    the last event; so is, after them, every ``Utility`` message still queued then (taken
-    under the queue's mutex; never applied; the other messages stay queued, unapplied).
+    the last event; so is, after them, every ``Utility`` message never applied: those
+    left of a drain a fatal error cut short, then those still queued (taken under the
+    queue's mutex; the other messages stay queued, unapplied).
     From then on ``submit()``/``submit_many()`` raise ``LoopEndedError``.
 
 Controls:
@@ -194,7 +196,8 @@ class EngineCoreLoop:
     cancelled. An exception from ``has_work``, ``add``, ``abort``, ``step``, ``launch``,
     ``collect`` or from *emit* itself is fatal: it is logged with its traceback, the handles
     still in flight are cancelled (if the engine has ``cancel``), every deferred utility
-    still pending, and every ``Utility`` still queued, is answered with an error
+    still pending, and every ``Utility`` not applied (still queued, or left of the drain
+    that failed), is answered with an error
     (:class:`~enginecore.LoopEndedError`), ``("fatal", repr(exc))`` is emitted and
     :meth:`run` returns. If emitting the final event itself fails (``("fatal", ...)`` or
     ``("shutdown",)``), :meth:`run` raises that exception, chained to the first one if any,
@@ -768,12 +771,14 @@ class EngineCoreLoop:
                 event = ("utility", call.call_id, None, repr(err))
             self._emit(event)
 
-    def _end_input(self) -> None:
+    def _end_input(self, left: list[Any] | None = None) -> None:
         # The loop ends (rules 8, 9, 17): it applies nothing more. Under the mutex, as the
         # drain's snapshot, so that submit() refuses from here on and nothing it queued can
         # be left behind unanswered. Every Utility still queued is taken off the queue and
         # answered with a LoopEndedError, in queue order, exactly once; the other messages
-        # stay queued, never applied. Runs once, at the end: the message path pays nothing.
+        # stay queued, never applied. *left*: what a drain that failed had not applied yet
+        # (_left_of_drain), its utilities answered first. Runs once, at the end: the
+        # message path pays nothing.
         q = self.input_queue
         with q.mutex:
             self._ended = True
@@ -783,6 +788,8 @@ class EngineCoreLoop:
                 rest = [msg for msg in pending if not isinstance(msg, Utility)]
                 pending.clear()
                 pending.extend(rest)
+        if left:
+            calls[:0] = [msg for msg in left if isinstance(msg, Utility)]
         emit = self._emit
         for msg in calls:
             err = LoopEndedError(
@@ -816,7 +823,7 @@ class EngineCoreLoop:
                 self._deferred.clear()
         if not self._ended:
             try:
-                self._end_input()
+                self._end_input(_left_of_drain(exc))
             except BaseException as emit_exc:
                 logger.error(
                     "enginecore: emit failed for a queued utility's answer", exc_info=emit_exc
@@ -827,6 +834,28 @@ class EngineCoreLoop:
         except BaseException as emit_exc:
             logger.error("enginecore: emit failed for the fatal event", exc_info=emit_exc)
             raise
+
+
+_APPLY_CODE = EngineCoreLoop._apply.__code__
+
+
+def _left_of_drain(exc: BaseException) -> list[Any]:
+    """The messages of the drain that *exc* ended, after the one that raised: taken off the
+    queue, never applied. Read from the traceback (``_apply``'s frame: its batch and the
+    message it was applying), so that the drain itself pays nothing for it. The same
+    message object twice in one drain: after its last occurrence, so that nothing is ever
+    answered twice."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _APPLY_CODE:
+            names = tb.tb_frame.f_locals
+            batch, msg = names.get("batch"), names.get("msg", _APPLY_CODE)
+            if batch is None or msg is _APPLY_CODE:
+                return []
+            at = max((i for i, m in enumerate(batch) if m is msg), default=len(batch))
+            return list(batch[at + 1 :])
+        tb = tb.tb_next
+    return []
 
 
 class _Waker:
