@@ -97,6 +97,16 @@ _ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
 _PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
 
 
+_UNAPPLIED = "the engine loop ended before it applied utility "
+
+
+def is_unapplied_answer(event: Event) -> bool:
+    """Whether *event* is the loop's answer to a ``Utility`` it ended without applying
+    (rule 17): a stage answers those calls itself, as its process ends."""
+    err = event[3] if event[0] == "utility" else None
+    return isinstance(err, str) and err.startswith("LoopEndedError(") and _UNAPPLIED in err
+
+
 def _ended_error(message: object) -> LoopEndedError:
     return LoopEndedError(
         f"the engine loop has ended: it applies no more messages, so this "
@@ -792,9 +802,7 @@ class EngineCoreLoop:
             calls[:0] = [msg for msg in left if isinstance(msg, Utility)]
         emit = self._emit
         for msg in calls:
-            err = LoopEndedError(
-                f"the engine loop ended before it applied utility {msg.name!r} (call {msg.call_id})"
-            )
+            err = LoopEndedError(f"{_UNAPPLIED}{msg.name!r} (call {msg.call_id})")
             emit(("utility", msg.call_id, None, repr(err)))
 
     def _stopped_before_run(self) -> None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from .._engine import Engine, PipelinedEngine
 from .._exceptions import LoopEndedError, RequestRejected
+from .._loop import is_unapplied_answer
 from .._messages import Event, Message
 from . import _codec
 from ._codec import only_types
@@ -418,6 +419,8 @@ class StageEngine:
         the answer to a call whose client has since been replaced (a deferred utility that
         completed after the new session began) is dropped."""
         if event[0] == "utility":
+            if is_unapplied_answer(event):
+                return  # as the stage ends, its own way: EngineDeadError if it died
             call = self._calls.close(event[1])
             if call is None or call[0] != self.epoch:
                 return
@@ -429,6 +432,8 @@ class StageEngine:
         goes to the session that made the call, if it is still attached (``Fanout.answer``);
         anything else as :meth:`emit`."""
         if event[0] == "utility":
+            if is_unapplied_answer(event):
+                return  # as in emit()
             call = self._calls.close(event[1])
             if call is not None and self._clients is not None:
                 self._clients.answer(call[0], ("utility", call[1], event[2], event[3]))
