@@ -24,6 +24,8 @@ from enginecore import (
     CountdownEngine,
     EngineCoreLoop,
     LoopAlreadyRunError,
+    LoopEndedError,
+    Message,
     RequestRejected,
     Utility,
     Wakeup,
@@ -390,8 +392,10 @@ class TestRule8Errors:
         assert log.events[-1] == ("fatal", repr(_Boom(where)))
         assert ("shutdown",) not in log.events
         if where in ("add", "abort"):
-            # Messages after the failing one are never processed.
-            assert not any(e[0] == "utility" for e in log.events)
+            # Messages after the failing one are never processed: the utility is answered
+            # without reaching the engine (TestRule17UtilitiesLeftOfAFailedDrain).
+            assert ("utility", "div", (1, 1)) not in engine.calls
+            assert [e for e in log.events if e[0] == "utility"] == [_ended(9)]
         assert any("fatal error" in r.getMessage() for r in caplog.records)
 
     def test_request_rejected_from_add_is_fatal_in_a_bare_loop(self) -> None:
@@ -411,14 +415,18 @@ class TestRule8Errors:
         loop = EngineCoreLoop(engine, log)
 
         def blow_up(n: int) -> None:
+            loop.input_queue.put(Add("b", 1))
             loop.input_queue.put(Utility(1, "div", (1, 1)))
             raise _Boom("step")
 
         engine.on_step = blow_up
         loop.input_queue.put(Add("a", 1))
         loop.run()
-        assert log.events == [("fatal", "_Boom('step')")]
-        assert not loop.input_queue.empty()
+        # Not applied; the utility is answered (TestRule17QueuedUtilitiesAtTheEnd).
+        err = "LoopEndedError(\"the engine loop ended before it applied utility 'div' (call 1)\")"
+        assert log.events == [("utility", 1, None, err), ("fatal", "_Boom('step')")]
+        assert ("add", "b", 1) not in engine.calls
+        assert list(loop.input_queue.queue) == [Add("b", 1)]
 
     def test_emit_failure_is_fatal(self, caplog: pytest.LogCaptureFixture) -> None:
         events: list[Any] = []
@@ -494,13 +502,16 @@ class TestRule9RequestShutdown:
         assert log.events == [("shutdown",)]
         assert loop.shutdown_requested
 
-    def test_before_run_emits_only_shutdown(self, engine: RecordingEngine, log: EventLog) -> None:
+    def test_before_run_applies_nothing_and_answers_the_queued_utilities(
+        self, engine: RecordingEngine, log: EventLog
+    ) -> None:
         loop = EngineCoreLoop(engine, log)
         loop.input_queue.put(Add("a", 1))
         loop.input_queue.put(Utility(1, "div", (1, 1)))
         loop.request_shutdown()
         loop.run()
-        assert log.events == [("shutdown",)]
+        err = "LoopEndedError(\"the engine loop ended before it applied utility 'div' (call 1)\")"
+        assert log.events == [("utility", 1, None, err), ("shutdown",)]
         assert engine.calls == []
 
     def test_never_blocks_on_a_held_queue_mutex_and_still_wakes_the_loop(
@@ -971,3 +982,163 @@ class TestIdleLoopHoldsNothing:
         finally:
             loop.request_shutdown()
             lt.join()
+
+
+def _ended(call_id: int, name: str = "div") -> tuple[Any, ...]:
+    err = LoopEndedError(
+        f"the engine loop ended before it applied utility {name!r} (call {call_id})"
+    )
+    return ("utility", call_id, None, repr(err))
+
+
+def _on_first_step(engine: RecordingEngine | CountdownPipeline, hook: Callable[[], None]) -> None:
+    calls = 0
+
+    def once(_: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            hook()
+
+    if isinstance(engine, RecordingEngine):
+        engine.on_step = once
+    else:
+        engine.on_launch = once
+
+
+class TestRule17QueuedUtilitiesAtTheEnd:
+    """Rules 8, 9 and 17, on both loops: a ``Utility`` still queued when the loop ends is
+    not applied but answered with a ``LoopEndedError``, in queue order, exactly once, before
+    the last event; the other messages stay queued, unapplied; ``submit()`` afterwards
+    raises ``LoopEndedError`` and queues nothing."""
+
+    @LOOPS
+    def test_utilities_queued_behind_a_fatal_error_are_answered(
+        self, kind: str, depth: int
+    ) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        late: list[Message] = [Utility(1, "div", (1, 1)), Add("late", 1), Utility(2, "div", (4, 2))]
+
+        def fail() -> None:
+            loop.submit_many(late)
+            raise _Boom("step")
+
+        _on_first_step(engine, fail)
+        loop.submit(Add("a", 3))
+        LoopThread(loop).start().join()
+        assert log.events == [_ended(1), _ended(2), ("fatal", "_Boom('step')")]
+        assert ("utility", "div", (1, 1)) not in engine.calls
+        assert all(call[:2] != ("add", "late") for call in engine.calls)
+        # The Add is left where it was, never applied; the answered calls are gone.
+        assert list(loop.input_queue.queue) == [late[1]]
+        s = loop.statistics()
+        assert (s.utility_calls, s.utility_errors) == (0, 0)
+
+    @LOOPS
+    def test_utilities_queued_before_a_shutdown_before_run_are_answered(
+        self, kind: str, depth: int
+    ) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        add = Add("a", 1)
+        loop.submit_many([Utility(3, "div", (1, 1)), add, Utility(4, "nope", ())])
+        loop.request_shutdown()
+        loop.run()
+        assert log.events == [_ended(3), _ended(4, "nope"), ("shutdown",)]
+        assert engine.calls == []
+        assert list(loop.input_queue.queue) == [add, Wakeup()]
+
+    @LOOPS
+    def test_a_utility_queued_after_the_last_drain_is_answered(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        pending: Future[Any] = Future()
+        engine.utility = lambda name, args: pending  # type: ignore[method-assign]
+
+        def stop(lp: EngineCoreLoop) -> None:
+            lp.request_shutdown()
+            lp.submit(Utility(6, "div", (1, 1)))  # behind the drain's snapshot
+
+        loop.submit_many([Utility(5, "slow", ()), _Record([], stop)])
+        LoopThread(loop).start().join()
+        deferred = LoopEndedError("the engine loop ended before utility 'slow' (call 5) completed")
+        # The deferred call first (it was made first), then the queued one.
+        assert log.events == [
+            ("utility", 5, None, repr(deferred)),
+            _ended(6),
+            ("shutdown",),
+        ]
+        s = loop.statistics()
+        assert (s.utility_calls, s.utility_errors) == (1, 1)
+
+    @LOOPS
+    def test_submit_after_the_end_raises_and_queues_nothing(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
+        left = list(loop.input_queue.queue)
+        with pytest.raises(LoopEndedError, match=r"has ended.*Utility was not queued"):
+            loop.submit(Utility(7, "div", (1, 1)))
+        with pytest.raises(LoopEndedError, match=r"has ended.*Add was not queued"):
+            loop.submit_many([Add("b", 1), Utility(8, "div", (1, 1))])
+        assert list(loop.input_queue.queue) == left
+        assert log.events[-1] == ("shutdown",)
+        assert all(e[0] != "utility" for e in log.events)
+
+
+class TestRule17UtilitiesLeftOfAFailedDrain:
+    """Rules 8 and 17, on both loops: a fatal error in the middle of a drain leaves the
+    rest of that drain unapplied; each ``Utility`` among it is answered with a
+    ``LoopEndedError``, before those still queued and the fatal event, exactly once."""
+
+    @LOOPS
+    def test_the_utilities_after_the_message_that_failed_are_answered(
+        self, kind: str, depth: int
+    ) -> None:
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+
+        def fail(lp: EngineCoreLoop) -> None:
+            lp.submit(Utility(4, "div", (1, 1)))  # queued behind the drain
+            raise ValueError("control failed")
+
+        again = Utility(3, "div", (9, 3))
+        msgs: list[Message] = [Utility(1, "div", (4, 2)), _Record([], fail), Utility(2, "nope", ())]
+        loop.submit_many([*msgs, Add("x", 1), again])
+        LoopThread(loop).start().join()
+        assert log.events == [
+            ("utility", 1, 2.0, None),
+            _ended(2, "nope"),
+            _ended(3),
+            _ended(4),
+            ("fatal", "ValueError('control failed')"),
+        ]
+        assert ("utility", "nope", ()) not in engine.calls
+        assert all(call[:2] != ("add", "x") for call in engine.calls)
+
+    def test_a_message_object_twice_in_the_drain_is_never_answered_twice(self) -> None:
+        engine = RecordingEngine()
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log)
+        boom = _Record([], lambda lp: (_ for _ in ()).throw(ValueError("control failed")))
+        call = Utility(5, "div", (1, 1))
+        # The first time it is applied, the control raises: what follows was not applied,
+        # but the same object comes again later, so only what follows its last occurrence
+        # is known not to have been applied.
+        loop.submit_many([call, boom, Utility(6, "div", (1, 1)), boom, Utility(7, "div", (1, 1))])
+        LoopThread(loop).start().join()
+        answers = [e[1] for e in log.events if e[0] == "utility"]
+        assert len(answers) == len(set(answers))
+        assert answers[0] == 5
+        assert 7 in answers
+        assert log.events[-1] == ("fatal", "ValueError('control failed')")

@@ -14,11 +14,21 @@ import threading
 from collections import deque
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from enginecore import Abort, Add, CountdownEngine, EngineCoreLoop, Event, Utility, Wakeup
+from enginecore import (
+    Abort,
+    Add,
+    CountdownEngine,
+    EngineCoreLoop,
+    Event,
+    LoopEndedError,
+    Utility,
+    Wakeup,
+)
 
 from .conftest import RecordingEngine
 
@@ -45,8 +55,8 @@ class ContractModel:
             self.shutdown = True
             self.pending.append(Wakeup())
 
-    def _apply(self, msg: Any) -> bool:
-        """Apply one message; False if it was fatal."""
+    def _apply(self, msg: Any, rest: list[Any] | None = None) -> bool:
+        """Apply one message (*rest*: those after it in its drain); False if it was fatal."""
         try:
             if isinstance(msg, Add):
                 self.calls.append(("add", msg.req_id, msg.data))
@@ -63,20 +73,34 @@ class ContractModel:
                 else:
                     self.events.append(("utility", msg.call_id, result, None))
         except Exception as exc:
+            self._end(rest or [])
             self.events.append(("fatal", repr(exc)))
             self.at = "done"
             return False
         return True
+
+    def _end(self, rest: list[Any] | None = None) -> None:
+        # Rule 17: what is still queued is not applied; its utilities are answered, in
+        # order (those of a drain that failed first), and leave the queue; the rest stays.
+        for msg in [*(rest or []), *self.pending]:
+            if isinstance(msg, Utility):
+                err = LoopEndedError(
+                    f"the engine loop ended before it applied utility {msg.name!r} "
+                    f"(call {msg.call_id})"
+                )
+                self.events.append(("utility", msg.call_id, None, repr(err)))
+        self.pending = deque(m for m in self.pending if not isinstance(m, Utility))
 
     def run_to_checkpoint(self) -> None:
         # One loop iteration: drain a snapshot, check shutdown, then step or block.
         if self.pending:
             batch = list(self.pending)
             self.pending.clear()
-            for msg in batch:
-                if not self._apply(msg):
+            for i, msg in enumerate(batch):
+                if not self._apply(msg, batch[i + 1 :]):
                     return
         if self.shutdown:
+            self._end()
             self.events.append(("shutdown",))
             self.at = "done"
         elif self.engine.has_work():
@@ -141,7 +165,15 @@ class LoopMachine(RuleBasedStateMachine):
         self.real_at = self.notices.get(timeout=10)
 
     def _put(self, msg: Any) -> None:
-        self.loop.input_queue.put(msg)
+        if not isinstance(msg, (Add, Abort, Utility, Wakeup)):
+            self.loop.input_queue.put(msg)  # submit() would refuse it
+        elif self.model.at == "done":
+            # Rule 17: refused once the loop has ended, and nothing is queued.
+            with pytest.raises(LoopEndedError):
+                self.loop.submit(msg)
+            return
+        else:
+            self.loop.submit(msg)
         self.model.put(msg)
 
     # -- producers (also after the run ended: then nothing may happen) -------------------------

@@ -78,6 +78,7 @@ class PipelineModel:
         self.inflight: deque[int] = deque()
         self.deferred: dict[int, tuple[int, str, Future[Any]]] = {}  # in call order
         self.at = "start"  # "launch" | "collect" | "get" | "done": where the loop is parked
+        self.left: list[Any] = []  # the messages of the drain under way not applied yet
 
     def put(self, msg: Any) -> None:
         self.pending.append(msg)
@@ -121,6 +122,17 @@ class PipelineModel:
         for call_id, name, fut in self.deferred.values():
             self._emit(_answer(call_id, name, fut) if fut.done() else _ended(call_id, name))
         self.deferred.clear()
+        # Then the utilities never applied, those of a drain that failed first, then those
+        # still queued: answered in order, and taken off the queue; the other messages stay
+        # there (rule 17).
+        for msg in [*self.left, *self.pending]:
+            if isinstance(msg, Utility):
+                err = LoopEndedError(
+                    f"the engine loop ended before it applied utility {msg.name!r} "
+                    f"(call {msg.call_id})"
+                )
+                self._emit(("utility", msg.call_id, None, repr(err)))
+        self.pending = deque(m for m in self.pending if not isinstance(m, Utility))
 
     def _fatal(self, exc: Exception) -> None:
         for handle in self.inflight:
@@ -139,8 +151,10 @@ class PipelineModel:
         try:
             batch = list(self.pending)
             self.pending.clear()
-            for msg in batch:
+            for i, msg in enumerate(batch):
+                self.left = batch[i + 1 :]
                 self._apply(msg)
+            self.left = []
             if self.shutdown:
                 if self.inflight:
                     self._park("collect")
@@ -400,10 +414,17 @@ class PipelineMachine(RuleBasedStateMachine):
         assert engine.collected + engine.cancelled == engine.launched
         assert engine.in_flight == 0
         # Every deferred call the engine saw is answered exactly once (its call id is its
-        # future's key), and nothing else of it.
+        # future's key), and nothing else of it; one the loop ended before applying is
+        # answered once too, and never reached the engine.
         made = [item[2][0] for item in self.trace if item[:2] == ("utility", "future")]
         answered = [e[1] for e in events if e[0] == "utility" and e[1] in self.futures]
-        assert sorted(answered) == sorted(made)
+        unapplied = [
+            e[1]
+            for e in events
+            if e[0] == "utility" and e[1] in self.futures and "before it applied" in str(e[3])
+        ]
+        assert not set(made) & set(unapplied)
+        assert sorted(answered) == sorted(made + unapplied)
         # Abort exactness, seen from the producer: once an Abort naming rid is put, no
         # collect that begins afterwards returns an output of rid.
         abort_put: dict[str, int] = {}

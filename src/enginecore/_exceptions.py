@@ -18,14 +18,16 @@ class LoopAlreadyRunError(EngineCoreError, RuntimeError):
 
 
 class LoopEndedError(EngineCoreError, RuntimeError):
-    """The answer of a deferred utility whose future was still pending when the loop ended.
+    """The loop has ended: the answer of a utility call it can no longer make, and what
+    :meth:`EngineCoreLoop.submit` raises then.
 
-    Never raised by enginecore itself: when :meth:`EngineCoreLoop.run` ends (shutdown or a
-    fatal error) while a future returned by ``engine.utility`` is not done, the loop answers
-    that call with ``("utility", call_id, None, repr(LoopEndedError(...)))`` before its last
-    event, so no caller waits forever for an answer that can no longer come
-    (``docs/contract.md``, rule 17). A client that turns error answers back into exceptions
-    may raise it.
+    When :meth:`EngineCoreLoop.run` ends (shutdown or a fatal error) while a future returned
+    by ``engine.utility`` is not done, or while a ``Utility`` message is still queued, the
+    loop answers that call with ``("utility", call_id, None, repr(LoopEndedError(...)))``
+    before its last event, so no caller waits forever for an answer that can no longer come
+    (``docs/contract.md``, rule 17). After that, :meth:`EngineCoreLoop.submit` and
+    :meth:`EngineCoreLoop.submit_many` raise it and queue nothing. A client that turns error
+    answers back into exceptions may raise it too.
     """
 
 

@@ -16,7 +16,10 @@ proves each rule):
 7. Events are tuples: ``("output", out)``, ``("utility", call_id, result, err)``,
    ``("shutdown",)``, ``("fatal", repr(exc))``; exactly one of the last two ends every run.
 8. Utility exceptions are reported and the loop goes on; any other exception is fatal.
+   Messages still queued then, or left of the drain it cut short, are never applied
+   (their utilities are answered: rule 17).
 9. ``request_shutdown()`` sets the flag *and* enqueues a Wakeup; idempotent, never waits.
+   Called before ``run()``, that run applies nothing (rule 17 answers its utilities).
 10. ``request_shutdown()`` never takes the queue's mutex in a way that could deadlock when it
     runs inside a signal handler.
 11. Single writer: only the thread in ``run()`` touches the engine.
@@ -45,7 +48,10 @@ Deferred utilities:
     it. Its done-callback (any thread) puts a message on ``input_queue``, and the loop
     answers the call when it applies that message, in order with its other events. A future
     still pending when the loop ends is answered with an error (``LoopEndedError``) before
-    the last event.
+    the last event; so is, after them, every ``Utility`` message never applied: those
+    left of a drain a fatal error cut short, then those still queued (taken under the
+    queue's mutex; the other messages stay queued, unapplied).
+    From then on ``submit()``/``submit_many()`` raise ``LoopEndedError``.
 
 Controls:
 
@@ -89,6 +95,23 @@ _WAKEUP = Wakeup()
 _MESSAGE_TYPES = (Add, Abort, Utility, Wakeup, Control)
 _ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
 _PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
+
+
+_UNAPPLIED = "the engine loop ended before it applied utility "
+
+
+def is_unapplied_answer(event: Event) -> bool:
+    """Whether *event* is the loop's answer to a ``Utility`` it ended without applying
+    (rule 17): a stage answers those calls itself, as its process ends."""
+    err = event[3] if event[0] == "utility" else None
+    return isinstance(err, str) and err.startswith("LoopEndedError(") and _UNAPPLIED in err
+
+
+def _ended_error(message: object) -> LoopEndedError:
+    return LoopEndedError(
+        f"the engine loop has ended: it applies no more messages, so this "
+        f"{type(message).__name__} was not queued"
+    )
 
 
 def _outputs_not_iterable(exc: BaseException, method: str) -> BaseException:
@@ -183,7 +206,9 @@ class EngineCoreLoop:
     cancelled. An exception from ``has_work``, ``add``, ``abort``, ``step``, ``launch``,
     ``collect`` or from *emit* itself is fatal: it is logged with its traceback, the handles
     still in flight are cancelled (if the engine has ``cancel``), every deferred utility
-    still pending is answered with an error, ``("fatal", repr(exc))`` is emitted and
+    still pending, and every ``Utility`` not applied (still queued, or left of the drain
+    that failed), is answered with an error
+    (:class:`~enginecore.LoopEndedError`), ``("fatal", repr(exc))`` is emitted and
     :meth:`run` returns. If emitting the final event itself fails (``("fatal", ...)`` or
     ``("shutdown",)``), :meth:`run` raises that exception, chained to the first one if any,
     so the failure can never pass unnoticed. ``KeyboardInterrupt`` and ``SystemExit`` are
@@ -210,6 +235,7 @@ class EngineCoreLoop:
         "_deferred",
         "_depth",
         "_emit",
+        "_ended",
         "_engine",
         "_pipelined",
         "_run_lock",
@@ -289,6 +315,7 @@ class EngineCoreLoop:
         The loop owns it: do not ``get()`` from it, and do not replace it.
         """
         self._shutdown = False
+        self._ended = False
         self._started = False
         self._run_lock = threading.Lock()
         self._token = b""
@@ -311,15 +338,26 @@ class EngineCoreLoop:
         is unbounded); thread-safe; **not** safe in a signal handler (use
         :meth:`request_shutdown` there). A message submitted after :meth:`request_shutdown`
         is applied if it lands before the loop's next drain takes its snapshot (rule 6: the
-        loop drains, then sees the flag), and never otherwise; after the loop has ended it is
-        queued but never applied.
+        loop drains, then sees the flag), and never otherwise. Once the loop has ended (it
+        emitted its last event, or is about to) it raises
+        :class:`~enginecore.LoopEndedError` and queues nothing: what it would queue could
+        never be applied, nor a ``Utility`` answered (rule 17).
         """
         if not isinstance(message, _MESSAGE_TYPES):
             raise TypeError(
                 f"submit() takes Add, Abort, Utility, Wakeup or a Control, "
                 f"got {type(message).__name__}"
             )
-        self.input_queue.put(message)
+        q = self.input_queue
+        with q.mutex:
+            # What Queue.put does (the queue is unbounded), plus the check: under the mutex,
+            # so a message either lands before the loop's last snapshot (_end_input) or is
+            # refused, never queued behind it.
+            if self._ended:
+                raise _ended_error(message)
+            q.queue.append(message)
+            q.unfinished_tasks += 1
+            q.not_empty.notify()
 
     def submit_many(self, messages: Iterable[Message]) -> None:
         """Queue *messages*, in order, as one burst: one lock and one wake-up of the loop.
@@ -328,7 +366,8 @@ class EngineCoreLoop:
         wake the loop (and contend for the mutex) once per message. The messages land together,
         so the loop applies them in the same drain. All are type-checked first; a
         :class:`TypeError` queues none of them. Never blocks (the queue is unbounded);
-        thread-safe; **not** safe in a signal handler.
+        thread-safe; **not** safe in a signal handler. Once the loop has ended it raises
+        :class:`~enginecore.LoopEndedError` and queues none of them, as :meth:`submit` does.
         """
         batch = list(messages)
         for message in batch:
@@ -341,6 +380,8 @@ class EngineCoreLoop:
             return
         q = self.input_queue
         with q.mutex:
+            if self._ended:
+                raise _ended_error(batch[0])
             # What len(batch) calls of Queue.put would do, with a single notify: the loop is
             # the queue's only consumer.
             q.queue.extend(batch)
@@ -354,8 +395,9 @@ class EngineCoreLoop:
         were queued before the call are still applied (the loop drains, then sees the flag);
         no ``step()`` or ``launch()`` starts after the loop has seen it, and the steps a
         pipelined engine has in flight are still collected and their outputs emitted. Called
-        before :meth:`run`, that run emits only ``("shutdown",)``: it applies nothing, not
-        even the messages queued before this call.
+        before :meth:`run`, that run applies nothing, not even the messages queued before
+        this call: it answers each ``Utility`` among them with a
+        :class:`~enginecore.LoopEndedError` and emits ``("shutdown",)``.
 
         Never blocks, never raises, idempotent. Thread-safe and **safe inside a signal
         handler**: it only ever *tries* to take ``input_queue.mutex`` (the interrupted thread
@@ -436,8 +478,7 @@ class EngineCoreLoop:
         emit = self._emit
         timer = self._timer
         if self._shutdown:
-            timer.stopped()
-            emit(("shutdown",))
+            self._stopped_before_run()
             return
         engine = self._engine
         has_work = engine.has_work
@@ -520,6 +561,7 @@ class EngineCoreLoop:
             done = outs = 0
             if self._deferred:
                 self._abandon_deferred()
+            self._end_input()
         except BaseException as exc:
             timer.flush(block, done, t0, outs)
             self._die(_outputs_not_iterable(exc, "step"))
@@ -535,8 +577,7 @@ class EngineCoreLoop:
         emit = self._emit
         timer = self._timer
         if self._shutdown:
-            timer.stopped()
-            emit(("shutdown",))
+            self._stopped_before_run()
             return
         engine: PipelinedEngine[Any] = self._engine  # type: ignore[assignment]
         has_work = engine.has_work
@@ -600,6 +641,7 @@ class EngineCoreLoop:
             left, outs = block, 0
             if self._deferred:
                 self._abandon_deferred()
+            self._end_input()
         except BaseException as exc:
             timer.flush(block, block - left, t0, outs)
             try:
@@ -739,6 +781,43 @@ class EngineCoreLoop:
                 event = ("utility", call.call_id, None, repr(err))
             self._emit(event)
 
+    def _end_input(self, left: list[Any] | None = None) -> None:
+        # The loop ends (rules 8, 9, 17): it applies nothing more. Under the mutex, as the
+        # drain's snapshot, so that submit() refuses from here on and nothing it queued can
+        # be left behind unanswered. Every Utility still queued is taken off the queue and
+        # answered with a LoopEndedError, in queue order, exactly once; the other messages
+        # stay queued, never applied. *left*: what a drain that failed had not applied yet
+        # (_left_of_drain), its utilities answered first. Runs once, at the end: the
+        # message path pays nothing.
+        q = self.input_queue
+        with q.mutex:
+            self._ended = True
+            pending = q.queue
+            calls = [msg for msg in pending if isinstance(msg, Utility)]
+            if calls:
+                rest = [msg for msg in pending if not isinstance(msg, Utility)]
+                pending.clear()
+                pending.extend(rest)
+        if left:
+            calls[:0] = [msg for msg in left if isinstance(msg, Utility)]
+        emit = self._emit
+        for msg in calls:
+            err = LoopEndedError(f"{_UNAPPLIED}{msg.name!r} (call {msg.call_id})")
+            emit(("utility", msg.call_id, None, repr(err)))
+
+    def _stopped_before_run(self) -> None:
+        # request_shutdown() came before run(): apply nothing (rule 9); answer the queued
+        # utilities, then ("shutdown",). An emit that fails for an answer is fatal (rule 8).
+        try:
+            self._end_input()
+        except BaseException as exc:
+            self._die(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._timer.stopped()
+        self._emit(("shutdown",))
+
     def _die(self, exc: BaseException) -> None:
         logger.error("enginecore: fatal error in the engine loop", exc_info=exc)
         if self._deferred:
@@ -750,12 +829,41 @@ class EngineCoreLoop:
                     "enginecore: emit failed for a deferred utility's answer", exc_info=emit_exc
                 )
                 self._deferred.clear()
+        if not self._ended:
+            try:
+                self._end_input(_left_of_drain(exc))
+            except BaseException as emit_exc:
+                logger.error(
+                    "enginecore: emit failed for a queued utility's answer", exc_info=emit_exc
+                )
         self._timer.stopped()
         try:
             self._emit(("fatal", describe(exc)))
         except BaseException as emit_exc:
             logger.error("enginecore: emit failed for the fatal event", exc_info=emit_exc)
             raise
+
+
+_APPLY_CODE = EngineCoreLoop._apply.__code__
+
+
+def _left_of_drain(exc: BaseException) -> list[Any]:
+    """The messages of the drain that *exc* ended, after the one that raised: taken off the
+    queue, never applied. Read from the traceback (``_apply``'s frame: its batch and the
+    message it was applying), so that the drain itself pays nothing for it. The same
+    message object twice in one drain: after its last occurrence, so that nothing is ever
+    answered twice."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _APPLY_CODE:
+            names = tb.tb_frame.f_locals
+            batch, msg = names.get("batch"), names.get("msg", _APPLY_CODE)
+            if batch is None or msg is _APPLY_CODE:
+                return []
+            at = max((i for i, m in enumerate(batch) if m is msg), default=len(batch))
+            return list(batch[at + 1 :])
+        tb = tb.tb_next
+    return []
 
 
 class _Waker:

@@ -85,7 +85,9 @@ class LoopStatistics:
     utility_calls: int
     """``Utility`` messages applied."""
     utility_errors: int
-    """Utility calls answered with an error (raised, or a future that failed)."""
+    """Utility calls answered with an error (raised, a future that failed, or one still
+    pending when the loop ended). A ``Utility`` still queued when the loop ended, answered
+    with a ``LoopEndedError`` without being applied, counts in neither."""
     controls: int
     """``Control`` messages applied."""
     busy_seconds: float

@@ -272,3 +272,95 @@ class TestTcpListen:
         server = ServerCurve(server_public, server_secret, frozenset(), "(test)")
         with pytest.raises(ValueError, match="own key"):
             TcpListen("127.0.0.1", server, CurveKeys(public, secret, server_public))
+
+
+# A terminal's Ctrl-C: SIGINT to the whole process group (the harness is a session of its
+# own), sent at a chosen point of the stage's spawn, once the child's Python has set up its
+# own SIGINT handling (caught, ignored or blocked: /proc's Sig* masks), so that without the
+# parent's care it lands while the child imports. The harness catches its KeyboardInterrupt
+# and waits a while for the stage to be gone, all of its stderr kept.
+_CTRL_C_HARNESS = """
+import asyncio, os, signal, sys, time
+import multiprocessing.process as mp, multiprocessing.util as mu
+from enginecore.stage import AsyncStageClient, AsyncStagePool, StageClient, StagePool
+
+where, form = sys.argv[1], sys.argv[2]
+stage = []
+
+def ctrl_c(pid):
+    for _ in range(10000):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(ln.split(":\\t", 1) for ln in f.read().splitlines() if ":\\t" in ln)
+        except OSError:
+            break
+        if (int(status["SigCgt"], 16) | int(status["SigIgn"], 16) | int(status["SigBlk"], 16)) & 2:
+            break
+        time.sleep(0.001)
+    os.killpg(os.getpgid(0), signal.SIGINT)
+
+if where == "spawned":  # inside Process.start(), the child started, its pid not yet kept
+    spawnv = mu.spawnv_passfds
+    def spawned(path, args, passfds):
+        pid = spawnv(path, args, passfds)
+        if "--multiprocessing-fork" in args:
+            stage.append(pid)
+            ctrl_c(pid)
+        return pid
+    mu.spawnv_passfds = spawned
+else:  # just after Process.start() returned
+    start = mp.BaseProcess.start
+    def started(self):
+        start(self)
+        stage.append(self.pid)
+        ctrl_c(self.pid)
+    mp.BaseProcess.start = started
+
+FACTORY = "enginecore.stage.testing:countdown"
+try:
+    if form == "sync":
+        StageClient.launch(FACTORY).close()
+    elif form == "pool":
+        StagePool.launch(FACTORY, replicas=1).close()
+    elif form == "async":
+        asyncio.run(AsyncStageClient.launch(FACTORY))
+    else:
+        asyncio.run(AsyncStagePool.launch(FACTORY, replicas=1))
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+deadline = time.monotonic() + 5
+while time.monotonic() < deadline and os.path.exists(f"/proc/{stage[0]}") and not open(
+    f"/proc/{stage[0]}/stat"
+).read().rsplit(")", 1)[1].split()[0] == "Z":
+    time.sleep(0.01)
+print("stage", stage[0], flush=True)
+"""
+
+
+class TestCtrlCDuringTheSpawn:
+    """A Ctrl-C while a stage is being spawned: one clean KeyboardInterrupt in the parent,
+    no traceback from the child (it starts with SIGINT blocked until it ignores it), and
+    no stage left behind, whether the signal comes inside ``Process.start()`` or just
+    after, for a client or a pool, blocking or asyncio."""
+
+    @pytest.mark.parametrize("form", ["sync", "async", "pool", "apool"])
+    @pytest.mark.parametrize("where", ["spawned", "started"])
+    def test_one_keyboard_interrupt_in_the_parent_and_nothing_from_the_child(
+        self, no_leftovers: str, where: str, form: str
+    ) -> None:
+        env = dict(os.environ, TMPDIR=no_leftovers)
+        done = subprocess.run(
+            [sys.executable, "-c", _CTRL_C_HARNESS, where, form],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=50,
+            start_new_session=True,  # the Ctrl-C reaches this harness and its children only
+        )
+        lines = done.stdout.split()
+        assert done.returncode == 0, done.stderr
+        assert lines[0] == "KeyboardInterrupt", done.stdout
+        assert "Traceback" not in done.stderr
+        assert "KeyboardInterrupt" not in done.stderr
+        assert pid_gone(int(lines[2])), "the stage outlived the interrupted launch"

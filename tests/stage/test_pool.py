@@ -965,6 +965,38 @@ def test_a_pool_that_closes_stops_an_add_replica_in_progress(
     assert all(r.state != "starting" for r in pool.replicas), pool.replicas
 
 
+def test_a_pool_that_closes_stops_an_add_replica_connecting(
+    pools: tuple[Open, Open], no_leftovers: str
+) -> None:
+    """close() while add_replica(address=...) (another thread) waits for the stage's
+    handshake (nothing answers there; its timeout is 40 s): the connect is cut short, the
+    add raises StageClosedError and the pool keeps nothing of it, instead of the add
+    waiting out its timeout after close() returned."""
+    launch, _ = pools
+    pool = launch(COUNTDOWN, replicas=1)
+    nowhere = f"ipc://{no_leftovers}/nothing-listens-here"
+    raised: list[BaseException] = []
+
+    def add() -> None:
+        try:
+            pool.add_replica(address=nowhere, timeout=40)
+        except BaseException as exc:
+            raised.append(exc)
+
+    adding = threading.Thread(target=add)
+    adding.start()
+    try:
+        assert wait_until(lambda: any(r.state == "starting" for r in pool.replicas), 20)
+    finally:
+        pool.close()
+    adding.join(20)  # well before the connect gives up
+    assert not adding.is_alive(), "add_replica() waited for its connect after close()"
+    assert len(raised) == 1, raised
+    assert isinstance(raised[0], StageClosedError), raised
+    assert "this stage pool is closed" in str(raised[0])
+    assert all(r.state != "starting" for r in pool.replicas), pool.replicas
+
+
 def test_a_cancelled_remove_replica_still_removes_it(no_leftovers: str) -> None:
     """remove_replica() cancelled while its replica drains: the removal it began goes on
     (its requests finish, its stage stops, it leaves pool.replicas) instead of leaving

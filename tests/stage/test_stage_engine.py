@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from enginecore import RequestRejected
+from enginecore import Control, RequestRejected
 from enginecore.stage._stage_engine import LIVE_IN_STAGE
 
 from .raw import Event, RawClient, in_process_stage
@@ -188,3 +188,54 @@ class TestLiveSet:
                 suppress_health_check=[HealthCheck.too_slow],
             ),
         )
+
+
+def test_a_late_submit_after_the_loop_ended_is_dropped_not_raised() -> None:
+    """The drain's timer, a signal's drain thread and the output thread submit to the loop
+    from other threads, possibly after it ended, when ``submit()`` raises
+    ``LoopEndedError`` (docs/contract.md, rule 17): they drop the message instead."""
+    from enginecore import CountdownEngine, EngineCoreLoop, LoopEndedError
+    from enginecore.stage._controls import DrainDeadline
+    from enginecore.stage._stage_engine import submit_unless_ended
+
+    loop = EngineCoreLoop(CountdownEngine(), lambda event: None)
+    loop.request_shutdown()
+    loop.run()
+    with pytest.raises(LoopEndedError):
+        loop.submit(DrainDeadline(1))
+    left = list(loop.input_queue.queue)
+    submit_unless_ended(loop, DrainDeadline(1))
+    assert list(loop.input_queue.queue) == left
+
+
+def test_the_stage_knows_the_loop_s_answers_to_utilities_it_never_applied() -> None:
+    """A bare loop answers a Utility it ended without applying with a LoopEndedError
+    (docs/contract.md, rule 17); a stage drops those answers (StageEngine.emit) and ends
+    such calls its own way, EngineDeadError when it dies (tests/stage/test_death.py). Only
+    those: a deferred call's answer at the end, or a utility's own error, still goes out."""
+    from concurrent.futures import Future
+
+    from enginecore import CountdownEngine, EngineCoreLoop, Utility
+    from enginecore._loop import is_unapplied_answer
+
+    class Deferring(CountdownEngine):
+        def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+            if name == "later":
+                return Future()
+            return super().utility(name, args)
+
+    events: list[Any] = []
+    loop = EngineCoreLoop(Deferring(), events.append)
+    loop.submit_many([Utility(1, "later", ()), Utility(2, "div", (1, 0))])
+    loop.submit(Utility(3, "nope", ()))
+
+    class Stop(Control):
+        def apply(self, engine: Any, lp: EngineCoreLoop) -> None:
+            lp.request_shutdown()
+            lp.submit(Utility(4, 'it\'s "quoted"', ()))
+
+    loop.submit(Stop())
+    loop.run()
+    answers = {e[1]: is_unapplied_answer(e) for e in events if e[0] == "utility"}
+    assert answers == {1: False, 2: False, 3: False, 4: True}
+    assert not is_unapplied_answer(("shutdown",))

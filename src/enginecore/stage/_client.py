@@ -483,8 +483,16 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
 
     @classmethod
     def _open(
-        cls, target: Target, lock: threading.Lock | None = None, hub: Receiver | None = None
+        cls,
+        target: Target,
+        lock: threading.Lock | None = None,
+        hub: Receiver | None = None,
+        *,
+        cancel: multiprocessing.connection.Connection | None = None,
     ) -> StageClient:
+        """Connect to *target* and do the handshake, up to its timeout. *cancel*: a pipe
+        end whose readiness cuts the handshake short (a pool's, written when it closes:
+        :class:`StageClosedError`)."""
         address, timeout, launched = target.address, target.timeout, target.launched
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         dealer = pull = monitor = None
@@ -501,6 +509,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 poller.register(launched.process.sentinel, zmq.POLLIN)
             if monitor is not None:
                 poller.register(monitor, zmq.POLLIN)
+            if cancel is not None:
+                poller.register(cancel.fileno(), zmq.POLLIN)
             watch = _clientbase.handshake_watch(target)
             deadline = time.monotonic() + timeout
             while True:
@@ -520,6 +530,10 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                     break
                 if launched is not None and launched.process.sentinel in ready:
                     raise StageStartupError("the stage process exited during the handshake")
+                if cancel is not None and cancel.fileno() in ready:
+                    raise StageClosedError(
+                        f"the connection to the stage at {address} was cancelled"
+                    )
             welcome = _session.parse_welcome(dealer.recv(), address)
             _clientbase.stop_watching(dealer, monitor)
             monitor = None

@@ -20,8 +20,9 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from typing import Any, Final
 
 import msgspec
@@ -405,18 +406,66 @@ def start_process(
     launched = Launched(process, parent_conn, ipc_dir, input_address, stage, logs)
     if listen is not None:
         launched.curve = listen.client
+    started = False
     try:
-        process.start()
-        _live.add(launched)
+        # Started first if it is not running yet: its own start unblocks SIGINT on this
+        # thread (multiprocessing's code), which would undo _sigint_held for our child.
+        resource_tracker.ensure_running()
+        with _sigint_held():
+            process.start()
+            _live.add(launched)
+            started = True
     except BaseException:
         child_conn.close()
-        parent_conn.close()
-        if logs is not None:
-            logs.release()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        if started:  # a Ctrl-C held back while it started: the stage goes
+            launched.kill_and_clean()
+        else:
+            parent_conn.close()
+            if logs is not None:
+                logs.release()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
         raise
     child_conn.close()  # else the child could never see EOF from our side, nor we from its
     return launched
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) back while a stage process is spawned, and raise it after.
+
+    A terminal's Ctrl-C goes to the child too (same process group). The child ignores it
+    once ``_process.run_launched`` runs, but it spends a while importing before that: a
+    SIGINT then printed a KeyboardInterrupt traceback from the child. So this thread blocks
+    SIGINT around the spawn, and the child, which inherits the mask through fork and exec,
+    starts with it blocked; ``run_launched`` unblocks it once it ignores it (a pending one
+    is then dropped). What ``multiprocessing.resource_tracker`` does for its own process.
+
+    In the main thread the signal may still reach another thread, and its Python handler
+    would raise in the middle of ``Process.start()``, with the child started and its pid
+    not yet known (an orphan); so there the handler is swapped for one that notes the
+    signal, and the real one is called once the start is over (``default_int_handler``:
+    ``KeyboardInterrupt``, out of this block). Elsewhere a Ctrl-C is the main thread's.
+    """
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler: Any = None
+    caught: list[Any] = []
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+        else:
+            handler = None  # SIG_IGN or SIG_DFL: nothing to hold back
+    try:
+        yield
+    finally:
+        try:
+            # A SIGINT pending on this thread is delivered now, to the noting handler.
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        finally:
+            if handler is not None:
+                signal.signal(signal.SIGINT, handler)
+                if caught:
+                    handler(signal.SIGINT, caught[0])
 
 
 def _read_report(launched: Launched) -> tuple[Any, ...] | None:

@@ -441,7 +441,12 @@ class StagePool(PoolBase[PoolRequestStream]):
         plan = member_plan(replica)
         events = self._events is not None  # each member keeps its events for the pool's
         if plan[0] == "connect":
-            member = _Member._open(plan[1]._replace(ordered_events=events), self._lock, self._hub)
+            member = _Member._open(
+                plan[1]._replace(ordered_events=events),
+                self._lock,
+                self._hub,
+                cancel=self._cancel_starts,  # a close cuts the handshake short
+            )
         elif plan[0] == "ray":
             from .ray import open_on_ray
 

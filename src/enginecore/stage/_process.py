@@ -111,8 +111,12 @@ def run_launched(
     (:class:`_Parent`).
     """
     # The parent owns this process's lifecycle: a terminal Ctrl-C goes to the parent, whose
-    # client shuts the stage down; should the parent die instead, the pipe says so.
+    # client shuts the stage down; should the parent die instead, the pipe says so. The
+    # parent spawned this process with SIGINT blocked (_launch._sigint_held), so that a
+    # Ctrl-C during its imports printed no traceback: unblocked only now that it is ignored
+    # (which drops one pending).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     parent = _Parent(conn, ipc_dir)
     curve = None
     if listen is not None:

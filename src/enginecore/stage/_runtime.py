@@ -39,7 +39,7 @@ from ._fanout import CLIENT_BUFFER, RECHECK_MS, Fanout, session_endpoint
 from ._inbox import Inbox
 from ._input_queue import IdleTimer, InputQueue
 from ._outbox import Outbox, StageOutput
-from ._stage_engine import StageEngine
+from ._stage_engine import StageEngine, submit_unless_ended
 from ._stage_session import (
     HEARTBEAT_TIMEOUT_MS,
     CallTable,
@@ -332,7 +332,8 @@ class StageRuntime:
         # Output side -> loop input: an output of req_id could not be encoded, or was a
         # RequestRejected, before req_id's last output: the stage has ended the request
         # with an error, and drops it from the engine (loop or output thread).
-        self.loop.submit(DropEnded((req_id,)))
+        # After the loop ended there is no engine left to drop it from.
+        submit_unless_ended(self.loop, DropEnded((req_id,)))
 
     def _stalled(self) -> bool:
         # Any thread: the watchdog's verdict on the step running now.
@@ -433,8 +434,8 @@ class StageRuntime:
         """Drain, then stop: as a client's ``shutdown`` with a drain of *seconds*, applied
         in order after what is queued for the loop. Any thread, before or during
         :meth:`run`; never blocks. Not for a signal handler (it takes the queue's lock):
-        ``serve`` hands a signal to a thread of its own first."""
-        self.loop.submit(Stop(seconds))
+        ``serve`` hands a signal to a thread of its own first. After the loop ended: nothing."""
+        submit_unless_ended(self.loop, Stop(seconds))
 
     def abandon(self) -> None:
         """The parent process is gone: shut down without waiting for the last frames to be

@@ -28,6 +28,7 @@ Every other exception from the engine stays fatal to the loop (``docs/contract.m
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -37,8 +38,9 @@ from itertools import compress
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from .._engine import Engine, PipelinedEngine
-from .._exceptions import RequestRejected
-from .._messages import Event
+from .._exceptions import LoopEndedError, RequestRejected
+from .._loop import is_unapplied_answer
+from .._messages import Event, Message
 from . import _codec
 from ._codec import only_types
 from ._controls import DrainDeadline, StageTarget
@@ -53,6 +55,14 @@ if TYPE_CHECKING:
     from ._stage_session import CallTable
 
 logger = logging.getLogger("enginecore.stage")
+
+
+def submit_unless_ended(loop: EngineCoreLoop, message: Message) -> None:
+    """``loop.submit(message)``, or nothing once the loop has ended (a timer, a signal's
+    thread or the output thread may be late: the loop has nothing left to apply it to)."""
+    with contextlib.suppress(LoopEndedError):
+        loop.submit(message)
+
 
 __all__ = [
     "DRAINING",
@@ -409,6 +419,8 @@ class StageEngine:
         the answer to a call whose client has since been replaced (a deferred utility that
         completed after the new session began) is dropped."""
         if event[0] == "utility":
+            if is_unapplied_answer(event):
+                return  # as the stage ends, its own way: EngineDeadError if it died
             call = self._calls.close(event[1])
             if call is None or call[0] != self.epoch:
                 return
@@ -420,6 +432,8 @@ class StageEngine:
         goes to the session that made the call, if it is still attached (``Fanout.answer``);
         anything else as :meth:`emit`."""
         if event[0] == "utility":
+            if is_unapplied_answer(event):
+                return  # as in emit()
             call = self._calls.close(event[1])
             if call is not None and self._clients is not None:
                 self._clients.answer(call[0], ("utility", call[1], event[2], event[3]))
@@ -458,7 +472,7 @@ class _Drain:
             self.done()
             return
         self._timers += 1
-        timer = threading.Timer(seconds, loop.submit, (DrainDeadline(self._timers),))
+        timer = threading.Timer(seconds, submit_unless_ended, (loop, DrainDeadline(self._timers)))
         timer.daemon = True
         timer.name = "enginecore-drain"
         self._timer = timer
