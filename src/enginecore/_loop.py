@@ -232,6 +232,7 @@ class EngineCoreLoop:
 
     __slots__ = (
         "__weakref__",
+        "_cut",
         "_deferred",
         "_depth",
         "_emit",
@@ -316,6 +317,7 @@ class EngineCoreLoop:
         """
         self._shutdown = False
         self._ended = False
+        self._cut: tuple[list[Any] | tuple[Any], object] | None = None
         self._started = False
         self._run_lock = threading.Lock()
         self._token = b""
@@ -689,6 +691,11 @@ class EngineCoreLoop:
                     self._call_utility(msg)
                 elif cls is not Wakeup:
                     self._apply_unusual(msg)
+        except BaseException:
+            # Fatal (rule 8): the messages after msg are off the queue and never applied;
+            # the end answers their utilities (rule 17). Free on the path without one.
+            self._cut = (batch, msg)
+            raise
         finally:
             if adds:
                 c.adds += adds
@@ -818,6 +825,17 @@ class EngineCoreLoop:
         self._timer.stopped()
         self._emit(("shutdown",))
 
+    def _left_of_drain(self) -> list[Any]:
+        """The messages of the drain a fatal error cut short (:meth:`_apply`), after the
+        one that raised: taken off the queue, never applied. The same message object twice
+        in that drain: after its last occurrence, so that nothing is answered twice."""
+        cut, self._cut = self._cut, None
+        if cut is None:
+            return []
+        batch, msg = cut
+        at = max((i for i, m in enumerate(batch) if m is msg), default=len(batch))
+        return list(batch[at + 1 :])
+
     def _die(self, exc: BaseException) -> None:
         logger.error("enginecore: fatal error in the engine loop", exc_info=exc)
         if self._deferred:
@@ -831,7 +849,7 @@ class EngineCoreLoop:
                 self._deferred.clear()
         if not self._ended:
             try:
-                self._end_input(_left_of_drain(exc))
+                self._end_input(self._left_of_drain())
             except BaseException as emit_exc:
                 logger.error(
                     "enginecore: emit failed for a queued utility's answer", exc_info=emit_exc
@@ -842,28 +860,6 @@ class EngineCoreLoop:
         except BaseException as emit_exc:
             logger.error("enginecore: emit failed for the fatal event", exc_info=emit_exc)
             raise
-
-
-_APPLY_CODE = EngineCoreLoop._apply.__code__
-
-
-def _left_of_drain(exc: BaseException) -> list[Any]:
-    """The messages of the drain that *exc* ended, after the one that raised: taken off the
-    queue, never applied. Read from the traceback (``_apply``'s frame: its batch and the
-    message it was applying), so that the drain itself pays nothing for it. The same
-    message object twice in one drain: after its last occurrence, so that nothing is ever
-    answered twice."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is _APPLY_CODE:
-            names = tb.tb_frame.f_locals
-            batch, msg = names.get("batch"), names.get("msg", _APPLY_CODE)
-            if batch is None or msg is _APPLY_CODE:
-                return []
-            at = max((i for i, m in enumerate(batch) if m is msg), default=len(batch))
-            return list(batch[at + 1 :])
-        tb = tb.tb_next
-    return []
 
 
 class _Waker:
