@@ -474,6 +474,9 @@ BAD: list[tuple[Any, str]] = [
     ({"prompt": [5], "temperature": 10**5000}, "temperature"),
     ({"prompt": [5], "stop_token_ids": [VOCAB]}, "out of the vocabulary"),
     ({"prompt": [5], "stop_token_ids": 3}, "stop_token_ids"),
+    # Text the tokenizer cannot take (a lone surrogate: JSON's "\ud800" decodes to one): a
+    # rejection, not the tokenizer's TypeError (fatal in an EngineCoreLoop).
+    ({"prompt": "a\ud800b"}, "the tokenizer refused the prompt"),
 ]
 
 
@@ -646,6 +649,8 @@ class TestRequests:
             ({"kv_budget_tokens": "100"}, "kv_budget_tokens"),
             ({"dtype": "bogus"}, "dtype"),
             ({"dtype": "Tensor"}, "dtype"),  # an attribute of torch, not a dtype
+            ({"device": "nope"}, "device"),  # not a device name: torch's RuntimeError before
+            ({"device": "cuda:99"}, "device"),  # no such device: torch's AssertionError before
         ],
     )
     def test_bad_constructor_arguments_are_named(

@@ -288,9 +288,9 @@ class TransformersEngine:
             ``False`` uses one batched GEMM per linear layer: faster, and equal to
             ``generate`` alone only up to rounding (tokens may differ on near-ties).
 
-    ``max_batch``, ``max_prefill_tokens`` and ``kv_budget_tokens`` are ints >= 1, and a
-    ``dtype`` name must name a torch dtype: anything else is a :class:`ValueError` naming the
-    argument, before the model is loaded.
+    ``max_batch``, ``max_prefill_tokens`` and ``kv_budget_tokens`` are ints >= 1, a
+    ``dtype`` name must name a torch dtype, and ``device`` must be one this torch can use:
+    anything else is a :class:`ValueError` naming the argument, before the model is loaded.
     """
 
     def __init__(
@@ -320,7 +320,12 @@ class TransformersEngine:
             dtype = named
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+            torch.empty(0, device=self.device)  # a device this torch has, and can reach
+        except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+            # torch's RuntimeError for a bad name, AssertionError for CUDA without it.
+            raise ValueError(f"device {device!r:.100} is not usable here: {exc}") from exc
         if dtype is None and self.device.type == "cpu":
             dtype = torch.float32
         # Typed Any: the model's config and cache attributes are dynamic in transformers.
@@ -498,7 +503,12 @@ class TransformersEngine:
                 raise RequestRejected(
                     "a text prompt needs a tokenizer, and this checkpoint has none: send token ids"
                 )
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            try:
+                ids = list(self.tokenizer(prompt)["input_ids"])
+            except Exception as exc:  # e.g. a lone surrogate (JSON's "\ud800"): TypeError
+                raise RequestRejected(
+                    f"the tokenizer refused the prompt: {type(exc).__name__}: {exc}"[:300]
+                ) from exc
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
         else:
