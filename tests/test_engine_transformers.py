@@ -695,3 +695,21 @@ class TestStage:
         missing = str(tmp_path / "no-such-model")
         with pytest.raises(StageStartupError, match="no-such-model"):
             StageClient.launch(FACTORY, {"model": missing})
+
+
+class TestRandomModel:
+    def test_a_path_that_is_a_file_is_refused(self, tmp_path: Path) -> None:
+        # save_pretrained only logs "should be a directory" and writes nothing: the path
+        # came back as if a model were there.
+        file = tmp_path / "a-file"
+        file.write_text("not a model")
+        with pytest.raises(NotADirectoryError, match="a-file"):
+            make_random_model(file)
+        assert file.read_text() == "not a model"
+
+    def test_kv_heads_must_divide_heads(self, tmp_path: Path) -> None:
+        # Written, such a model loaded and failed at its first forward pass (a RuntimeError
+        # in step(): fatal in a stage).
+        with pytest.raises(ValueError, match="kv_heads"):
+            make_random_model(tmp_path / "m", heads=4, kv_heads=3)
+        assert not (tmp_path / "m").exists()

@@ -759,13 +759,19 @@ def make_random_model(
     The tokenizer is byte-level with no merges (any text encodes, one token per byte), ids
     0-2 being ``<unk>``, ``<s>`` (BOS) and ``</s>`` (EOS), then the 256 bytes, then filler
     tokens ``<extra_i>`` up to *vocab* (>= 259+). With *chat_template*, a minimal chat
-    template (``<|role|>content`` lines) is saved with it.
+    template (``<|role|>content`` lines) is saved with it. *kv_heads* must divide *heads*
+    (``ValueError``), and a *path* that exists must be a folder (``NotADirectoryError``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     if vocab < 259:
         raise ValueError("vocab must be >= 259 (3 special tokens and 256 bytes)")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
     out = os.fspath(path)
+    if os.path.exists(out) and not os.path.isdir(out):
+        # save_pretrained would only log it, write nothing, and the path would come back.
+        raise NotADirectoryError(f"{out!r} exists and is not a folder")
     specials = ["<unk>", "<s>", "</s>"]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tokens = specials + sorted(alphabet)
