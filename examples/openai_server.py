@@ -22,7 +22,9 @@ steps, the engine's numbers). Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or a request
 the engine refused (a prompt that, with ``max_tokens``, does not fit the model's context is
 refused before it is sent: code ``context_length_exceeded``; the limit is the engine's
-``model_info`` utility's ``max_positions``, asked once at startup), 404 for another model's
+``model_info`` utility's ``max_positions``, asked once at startup; a ``max_tokens`` not sent,
+16 or 256 in a chat, is cut to what the context leaves, as vLLM does), a string holding a
+lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for another model's
 name, 503 when the stage is dead, 413 for a body
 over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
 the event loop, so a long prompt does not hold the other requests up.
@@ -57,6 +59,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -152,6 +155,7 @@ _ERROR_TYPES = {
     503: "service_unavailable_error",
 }
 MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of a surrogate
 GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)
 
 
@@ -283,6 +287,8 @@ class Sampling:
         else:
             default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
             self.max_tokens = _int(body, "max_tokens", default, 1)
+        # Not sent: the server's default, cut to what the context leaves (_check_length).
+        self.max_tokens_given = body.get(self.max_tokens_key) is not None
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
         # Under 1e-5 (the engine's least positive temperature: below, logits / temperature
         # can overflow float32) sampling is greedy in all but exact ties: take it greedily.
@@ -579,9 +585,25 @@ class Server:
 
     def _check_length(self, prompt: list[int], sampling: Sampling, *, chat: bool) -> None:
         """A 400 for a prompt that, with its new tokens, does not fit the model's context:
-        before it is sent to the stage (a huge prompt is not shipped only to be refused)."""
+        before it is sent to the stage (a huge prompt is not shipped only to be refused).
+        A ``max_tokens`` the request did not send (the default) is cut to what the context
+        leaves, as vLLM does: only a prompt that leaves no room is refused then."""
         limit = self.max_positions
-        if limit is None or len(prompt) + (sampling.max_tokens or 0) <= limit:
+        if limit is None:
+            return
+        room = limit - len(prompt)
+        if not sampling.max_tokens_given:  # the default: what the context leaves, at most
+            if room >= 1:
+                sampling.max_tokens = min(sampling.max_tokens or room, room)
+                return
+            raise ApiError(
+                400,
+                f"the prompt ({len(prompt)} tokens) leaves no room for a new token in the "
+                f"model's context of {limit} tokens",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
+        if (sampling.max_tokens or 0) <= room:
             return
         raise ApiError(
             400,
@@ -720,12 +742,21 @@ class Server:
         return b"".join(chunks)
 
     async def _body(self, request: Request) -> dict[str, Any]:
+        raw = await self._read(request)
         try:
-            body = json.loads(await self._read(request))
+            body = json.loads(raw)
         except ValueError as exc:
             raise _bad(f"the body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
+        if _SURROGATE_ESCAPE.search(raw):  # maybe a lone one: the tokenizer would raise
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError as exc:
+                raise _bad(
+                    "the body holds a lone surrogate (a \\ud800-\\udfff escape without its "
+                    "pair): not a Unicode string"
+                ) from exc
         model = body.get("model")
         if model is not None and model != self.name:
             raise self._not_found(model)

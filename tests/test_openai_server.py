@@ -477,6 +477,37 @@ class TestEndpoints:
         assert server.stats()["engine"]["added"] == added + 1
 
     @pytest.mark.timeout(30)
+    def test_a_default_max_tokens_is_cut_to_what_the_context_leaves(
+        self, server: Served
+    ) -> None:
+        # Not sent, max_tokens is the server's default (16; 256 in a chat), not the user's:
+        # where the prompt leaves less of the context (2048 here), the request gets what is
+        # left, as vLLM does, rather than a 400 naming a parameter the user never sent.
+        client = server.client()
+        # "user : hello ... assistant :": 2 + 2040 + 2 = 2044 tokens, 4 left.
+        messages: Any = [{"role": "user", "content": "hello " * 2040}]
+        chat = client.chat.completions.create(model="tiny-words", messages=messages)
+        assert chat.usage is not None
+        assert chat.usage.prompt_tokens == 2044
+        assert chat.usage.completion_tokens == 4
+        assert chat.choices[0].finish_reason == "length"
+        text = client.completions.create(model="tiny-words", prompt=[ID["cat"]] * 2040)
+        assert text.usage is not None
+        assert text.usage.completion_tokens == 8
+        # A prompt that fills the context leaves no room at all: still a 400, in words that
+        # do not name a max_tokens the user did not send.
+        full: Any = [{"role": "user", "content": "hello " * 2044}]
+        with pytest.raises(openai.BadRequestError, match="no room") as info:
+            client.chat.completions.create(model="tiny-words", messages=full)
+        error = _body(info.value)
+        assert error["code"] == "context_length_exceeded", error
+        assert "max_tokens" not in error["message"], error
+        # Sent, max_tokens is the user's: too many is a 400, as before.
+        with pytest.raises(openai.BadRequestError, match="context"):
+            client.chat.completions.create(model="tiny-words", messages=messages, max_tokens=5)
+        assert server.wait_idle()["live"] == 0
+
+    @pytest.mark.timeout(30)
     def test_errors_have_openais_shape(self, server: Served) -> None:
         with pytest.raises(openai.NotFoundError, match="tiny-words"):
             server.client().completions.create(model="gpt-4", prompt=PROMPT)
@@ -486,6 +517,31 @@ class TestEndpoints:
         reply = httpx.get(server.url + "/v1/nowhere", timeout=10)
         assert reply.status_code == 404
         assert reply.json()["error"]["type"] == "not_found_error"
+
+    @pytest.mark.timeout(30)
+    def test_a_lone_surrogate_is_a_400_not_a_500(self, server: Served) -> None:
+        # JSON's "\ud800" escape decodes to a lone surrogate, which no tokenizer takes (nor
+        # the stage's wire): it was a 500 in plain text, with the tokenizer's traceback.
+        bodies = [
+            ("/v1/completions", b'{"prompt": "hello \\ud800", "max_tokens": 2}'),
+            ("/v1/completions", b'{"prompt": "hello", "stop": ["\\udc00"], "max_tokens": 2}'),
+            (
+                "/v1/chat/completions",
+                b'{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}',
+            ),
+        ]
+        for path, raw in bodies:
+            reply = httpx.post(server.url + path, content=raw, timeout=10)
+            assert reply.status_code == 400, (raw, reply.text)
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error", error
+            assert "surrogate" in error["message"], error
+        assert "TextEncodeInput" not in server.output()  # the tokenizer's error, logged
+        # A pair is a character: "hello" then an emoji (an unknown word to this tokenizer).
+        raw = b'{"prompt": "hello \\ud83d\\ude00", "max_tokens": 2}'
+        reply = httpx.post(server.url + "/v1/completions", content=raw, timeout=10)
+        assert reply.status_code == 200, reply.text
+        assert server.wait_idle()["live"] == 0
 
     @pytest.mark.timeout(30)
     def test_a_body_over_the_limit_is_a_413_read_no_further(self, server: Served) -> None:
