@@ -308,7 +308,9 @@ class Sampling:
         self.stop: list[str] = stop
         if _int(body, "n", 1, 1) != 1:
             raise _bad("this server returns one choice per request: n must be 1", "n")
-        stream = body.get("stream", False)
+        stream = body.get("stream")
+        if stream is None:  # null: the default, as for every optional parameter
+            stream = False
         if not isinstance(stream, bool):
             raise _bad("stream must be a boolean", "stream")
         self.stream = stream

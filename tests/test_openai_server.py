@@ -361,6 +361,22 @@ class TestEndpoints:
             assert _body(info.value)["type"] == "invalid_request_error", kwargs
 
     @pytest.mark.timeout(30)
+    def test_null_asks_for_the_default(self, server: Served) -> None:
+        # OpenAI's API types the optional parameters "or null": null is the default, stream
+        # included (it was a 400, "stream must be a boolean").
+        nulls = dict.fromkeys(["stream", "stream_options", "stop", "seed", "n", "temperature"])
+        nulls |= dict.fromkeys(["top_p", "user", "logprobs", "logit_bias", "presence_penalty"])
+        for path, base in (
+            ("/v1/completions", {"prompt": PROMPT, "echo": None}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+        ):
+            body = {"model": "tiny-words", "max_tokens": 2, **base, **nulls}
+            reply = httpx.post(server.url + path, json=body, timeout=10)
+            assert reply.status_code == 200, (path, reply.text)
+            assert reply.json()["usage"]["completion_tokens"] == 2  # not streamed
+        assert server.wait_idle()["live"] == 0
+
+    @pytest.mark.timeout(30)
     def test_parameters_that_would_change_the_result_are_refused_by_name(
         self, server: Served
     ) -> None:
