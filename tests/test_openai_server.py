@@ -493,9 +493,7 @@ class TestEndpoints:
         assert server.stats()["engine"]["added"] == added + 1
 
     @pytest.mark.timeout(30)
-    def test_a_default_max_tokens_is_cut_to_what_the_context_leaves(
-        self, server: Served
-    ) -> None:
+    def test_a_default_max_tokens_is_cut_to_what_the_context_leaves(self, server: Served) -> None:
         # Not sent, max_tokens is the server's default (16; 256 in a chat), not the user's:
         # where the prompt leaves less of the context (2048 here), the request gets what is
         # left, as vLLM does, rather than a 400 naming a parameter the user never sent.
