@@ -475,7 +475,8 @@ BAD: list[tuple[Any, str]] = [
     ({"prompt": [5], "stop_token_ids": [VOCAB]}, "out of the vocabulary"),
     ({"prompt": [5], "stop_token_ids": 3}, "stop_token_ids"),
     # Text the tokenizer cannot take (a lone surrogate: JSON's "\ud800" decodes to one): a
-    # rejection, not the tokenizer's TypeError (fatal in an EngineCoreLoop).
+    # rejection, not the tokenizer's TypeError (any other exception from add is fatal in a
+    # stage).
     ({"prompt": "a\ud800b"}, "the tokenizer refused the prompt"),
 ]
 
