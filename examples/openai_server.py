@@ -6,8 +6,9 @@
 One :class:`~enginecore.stage.AsyncStageClient` over one stage process for the server's
 life (launched in the app's lifespan, shut down with it). The stage runs the engine
 (``--engine MODULE:FACTORY``, by default ``enginecore.engines.transformers:TransformersEngine``)
-with ``{"model": PATH}`` plus ``--engine-kwargs``; this process owns the tokenizer (text to
-token ids, chat template, ids back to text), so the engine sees token ids only.
+with ``{"model": PATH}`` plus ``--engine-kwargs`` (which may not hold ``model``: the engine's
+model is the tokenizer's); this process owns the tokenizer (text to token ids, chat
+template, ids back to text), so the engine sees token ids only.
 
 Without ``--model`` it serves a small random-weight Llama model that it builds once, with
 ``make_random_model``, into ``$ENGINECORE_CACHE/tiny-llama`` (default
@@ -954,6 +955,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.error(f"--engine-kwargs is not valid JSON: {exc}")
     if not isinstance(engine_kwargs, dict):
         cli.error("--engine-kwargs must be a JSON object")
+    if "model" in engine_kwargs:  # the engine's model is the tokenizer's: --model's
+        cli.error('--engine-kwargs may not hold "model": give the model folder as --model')
     if args.max_body_bytes < 1:
         cli.error("--max-body-bytes must be >= 1")
     model = Path(args.model) if args.model else tiny_model()

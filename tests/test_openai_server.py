@@ -781,6 +781,29 @@ def _load_server_module() -> Any:
     return module
 
 
+class TestCommandLine:
+    @pytest.mark.timeout(60)
+    @pytest.mark.parametrize(
+        ("args", "said"),
+        [
+            (["--engine-kwargs", "{nope"], "not valid JSON"),
+            (["--engine-kwargs", "[1]"], "a JSON object"),
+            (["--max-body-bytes", "0"], "--max-body-bytes"),
+            # The engine's model is --model's, the folder this process takes its tokenizer
+            # from: a "model" in --engine-kwargs replaced it in the engine alone, and the
+            # server decoded one model's ids with another's tokenizer.
+            (["--engine-kwargs", '{"model": "/elsewhere"}'], "--model"),
+        ],
+    )
+    def test_bad_arguments_exit_with_a_usage_error(
+        self, words: Path, args: list[str], said: str
+    ) -> None:
+        argv = [sys.executable, str(SERVER), "--model", str(words), "--engine", ECHO, *args]
+        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=50)
+        assert done.returncode == 2, done.stderr
+        assert said in done.stderr, done.stderr
+
+
 class TestReadme:
     """The README's "Serve a model" commands are what the server and pyproject accept."""
 
