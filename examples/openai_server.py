@@ -24,7 +24,8 @@ steps, the engine's numbers). Errors have OpenAI's shape,
 the engine refused (a prompt that, with ``max_tokens``, does not fit the model's context is
 refused before it is sent: code ``context_length_exceeded``; the limit is the engine's
 ``model_info`` utility's ``max_positions``, asked once at startup; a ``max_tokens`` not sent,
-16 or 256 in a chat, is cut to what the context leaves, as vLLM does), a string holding a
+16 or 256 in a chat, is cut to what the context and the engine's KV budget
+(``kv_budget_tokens``) leave, as vLLM does), a string holding a
 lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for another model's
 name, 503 when the stage is dead, 413 for a body
 over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
@@ -543,6 +544,7 @@ class Server:
         self.created = int(time.time())
         self._stage: AsyncStageClient | None = None
         self.max_positions: int | None = None  # the model's, from the engine's model_info
+        self.kv_budget: int | None = None  # the engine's KV tokens, from model_info too
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else []
 
@@ -567,7 +569,7 @@ class Server:
             raise
         logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
         try:
-            self.max_positions = await self._max_positions(self._stage)
+            self.max_positions, self.kv_budget = await self._limits(self._stage)
             yield
         finally:
             self._encoder.shutdown(wait=False, cancel_futures=True)
@@ -575,29 +577,38 @@ class Server:
             logger.info("stage exited with code %s", code)
 
     @staticmethod
-    async def _max_positions(stage: AsyncStageClient) -> int | None:
-        """The model's context length (prompt plus new tokens), from the engine's
-        ``model_info`` utility (``max_positions``); ``None`` for an engine without it (its
-        own refusal then says what is too long)."""
+    async def _limits(stage: AsyncStageClient) -> tuple[int | None, int | None]:
+        """The model's context length and the engine's KV budget (each in tokens: prompt
+        plus new tokens), from the engine's ``model_info`` utility (``max_positions``,
+        ``kv_budget_tokens``); ``None`` for what an engine does not say (its own refusal
+        then says what is too long)."""
         try:
             info = await stage.call_utility("model_info", timeout=30.0)
         except UtilityError:
-            return None
-        limit = info.get("max_positions") if isinstance(info, dict) else None
-        return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+            return None, None
+
+        def whole(key: str) -> int | None:
+            value = info.get(key) if isinstance(info, dict) else None
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            return value if ok else None
+
+        return whole("max_positions"), whole("kv_budget_tokens")
 
     def _check_length(self, prompt: list[int], sampling: Sampling, *, chat: bool) -> None:
         """A 400 for a prompt that, with its new tokens, does not fit the model's context:
         before it is sent to the stage (a huge prompt is not shipped only to be refused).
         A ``max_tokens`` the request did not send (the default) is cut to what the context
-        leaves, as vLLM does: only a prompt that leaves no room is refused then."""
+        and the engine's KV budget leave, as vLLM does: only a prompt that leaves no room in
+        the context is refused then (and one that leaves none in the budget, by the engine)."""
         limit = self.max_positions
+        budget = self.kv_budget
         if limit is None:
             return
         room = limit - len(prompt)
         if not sampling.max_tokens_given:  # the default: what the context leaves, at most
             if room >= 1:
-                sampling.max_tokens = min(sampling.max_tokens or room, room)
+                fits = room if budget is None else max(1, min(room, budget - len(prompt)))
+                sampling.max_tokens = min(sampling.max_tokens or fits, fits)
                 return
             raise ApiError(
                 400,

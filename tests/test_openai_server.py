@@ -914,3 +914,30 @@ class TestTheRealEngine:
             stats = served.wait_idle()
             assert stats["live"] == 0
             assert stats["engine"]["kv_usage"] == 0
+
+    @pytest.mark.timeout(120)
+    def test_a_default_max_tokens_is_cut_to_the_kv_budget(
+        self, tmp_path_factory: pytest.TempPathFactory
+    ) -> None:
+        # A chat's default max_tokens (256) over the engine's KV budget was the engine's
+        # refusal, a 400 naming a max_tokens the client never sent: the default is cut to
+        # what the budget leaves, as to what the context leaves.
+        from enginecore.engines.transformers import make_random_model
+
+        tmp = tmp_path_factory.mktemp("budget")
+        model = Path(make_random_model(tmp / "tiny-llama"))  # a context of 512 tokens
+        engine = "enginecore.engines.transformers:TransformersEngine"
+        kwargs = '{"kv_budget_tokens": 40}'
+        with _serving(model, tmp, "--engine", engine, "--engine-kwargs", kwargs) as served:
+            client = served.client()
+            messages: Any = [{"role": "user", "content": "hi"}]  # 24 tokens, 16 left
+            chat = client.chat.completions.create(
+                model="tiny-llama", messages=messages, temperature=0
+            )
+            assert chat.usage is not None
+            assert chat.usage.prompt_tokens == 24
+            assert 1 <= chat.usage.completion_tokens <= 16
+            # Sent, max_tokens is the client's: over the budget, the engine refuses it.
+            with pytest.raises(openai.BadRequestError, match="budget of 40"):
+                client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=17)
+            assert served.wait_idle()["engine"]["kv_usage"] == 0
