@@ -639,6 +639,28 @@ class TestRequests:
         with pytest.raises(FileNotFoundError, match="no-such-model"):
             TransformersEngine(str(missing))
 
+    def test_a_model_with_sliding_window_layers_is_refused(self, tmp_path: Path) -> None:
+        # The engine keeps every position's K/V and attends over all of them; a sliding
+        # window's cache keeps the last window - 1 only. Such a model decoded other tokens
+        # than generate past the window, and a prompt longer than the window raised a
+        # RuntimeError in step() (fatal in a stage).
+        from transformers import MistralConfig, MistralForCausalLM
+
+        config = MistralConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            sliding_window=8,
+        )
+        path = tmp_path / "sliding"
+        MistralForCausalLM(config).save_pretrained(path)
+        with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
+            TransformersEngine(str(path))
+
     @pytest.mark.parametrize(
         ("kwargs", "match"),
         [

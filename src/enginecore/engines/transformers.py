@@ -46,6 +46,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
+    DynamicLayer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -272,6 +273,8 @@ class TransformersEngine:
     Parameters:
         model: a folder written by ``save_pretrained`` (config, weights, and optionally a
             tokenizer). A path that does not exist raises :class:`FileNotFoundError` naming it.
+            Every layer must attend to all positions: a model with sliding-window, chunked
+            or linear-attention layers is a :class:`ValueError` naming its cache's layers.
         device: ``"cpu"``, ``"cuda"``, ...; default: CUDA when available, else the CPU.
         dtype: a ``torch.dtype`` or its name (``"float32"``, ``"bfloat16"``); default float32
             on the CPU, the checkpoint's own dtype elsewhere.
@@ -335,6 +338,23 @@ class TransformersEngine:
                 path, dtype=dtype if dtype is not None else "auto", local_files_only=True
             ),
         )
+        # Full attention only: the prefill keeps every position's K/V and the decode attends
+        # over all of them. A layer whose cache keeps a window (sliding or chunked
+        # attention), or no K/V (linear attention), would decode other tokens than generate,
+        # or fail in step() once a prompt outgrew the window.
+        other = sorted(
+            {
+                type(layer).__name__
+                for layer in DynamicCache(config=self.model.config).layers
+                if type(layer) is not DynamicLayer
+            }
+        )
+        if other:
+            raise ValueError(
+                f"model {path!r:.200} has attention layers that TransformersEngine does not "
+                f"support (their cache: {', '.join(other)}; sliding-window, chunked or linear "
+                "attention): it serves models whose every layer attends to all positions"
+            )
         self.model.to(self.device)
         self.model.eval()
         if self.model.config._attn_implementation != "sdpa":
