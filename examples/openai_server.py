@@ -6,8 +6,9 @@
 One :class:`~enginecore.stage.AsyncStageClient` over one stage process for the server's
 life (launched in the app's lifespan, shut down with it). The stage runs the engine
 (``--engine MODULE:FACTORY``, by default ``enginecore.engines.transformers:TransformersEngine``)
-with ``{"model": PATH}`` plus ``--engine-kwargs``; this process owns the tokenizer (text to
-token ids, chat template, ids back to text), so the engine sees token ids only.
+with ``{"model": PATH}`` plus ``--engine-kwargs`` (which may not hold ``model``: the engine's
+model is the tokenizer's); this process owns the tokenizer (text to token ids, chat
+template, ids back to text), so the engine sees token ids only.
 
 Without ``--model`` it serves a small random-weight Llama model that it builds once, with
 ``make_random_model``, into ``$ENGINECORE_CACHE/tiny-llama`` (default
@@ -22,7 +23,10 @@ steps, the engine's numbers). Errors have OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or a request
 the engine refused (a prompt that, with ``max_tokens``, does not fit the model's context is
 refused before it is sent: code ``context_length_exceeded``; the limit is the engine's
-``model_info`` utility's ``max_positions``, asked once at startup), 404 for another model's
+``model_info`` utility's ``max_positions``, asked once at startup; a ``max_tokens`` not sent,
+16 or 256 in a chat, is cut to what the context and the engine's KV budget
+(``kv_budget_tokens``) leave, as vLLM does), a string holding a
+lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for another model's
 name, 503 when the stage is dead, 413 for a body
 over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
 the event loop, so a long prompt does not hold the other requests up.
@@ -57,6 +61,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -152,6 +157,7 @@ _ERROR_TYPES = {
     503: "service_unavailable_error",
 }
 MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of a surrogate
 GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)
 
 
@@ -283,6 +289,8 @@ class Sampling:
         else:
             default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
             self.max_tokens = _int(body, "max_tokens", default, 1)
+        # Not sent: the server's default, cut to what the context leaves (_check_length).
+        self.max_tokens_given = body.get(self.max_tokens_key) is not None
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
         # Under 1e-5 (the engine's least positive temperature: below, logits / temperature
         # can overflow float32) sampling is greedy in all but exact ties: take it greedily.
@@ -302,7 +310,9 @@ class Sampling:
         self.stop: list[str] = stop
         if _int(body, "n", 1, 1) != 1:
             raise _bad("this server returns one choice per request: n must be 1", "n")
-        stream = body.get("stream", False)
+        stream = body.get("stream")
+        if stream is None:  # null: the default, as for every optional parameter
+            stream = False
         if not isinstance(stream, bool):
             raise _bad("stream must be a boolean", "stream")
         self.stream = stream
@@ -534,6 +544,7 @@ class Server:
         self.created = int(time.time())
         self._stage: AsyncStageClient | None = None
         self.max_positions: int | None = None  # the model's, from the engine's model_info
+        self.kv_budget: int | None = None  # the engine's KV tokens, from model_info too
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else []
 
@@ -558,7 +569,7 @@ class Server:
             raise
         logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
         try:
-            self.max_positions = await self._max_positions(self._stage)
+            self.max_positions, self.kv_budget = await self._limits(self._stage)
             yield
         finally:
             self._encoder.shutdown(wait=False, cancel_futures=True)
@@ -566,22 +577,47 @@ class Server:
             logger.info("stage exited with code %s", code)
 
     @staticmethod
-    async def _max_positions(stage: AsyncStageClient) -> int | None:
-        """The model's context length (prompt plus new tokens), from the engine's
-        ``model_info`` utility (``max_positions``); ``None`` for an engine without it (its
-        own refusal then says what is too long)."""
+    async def _limits(stage: AsyncStageClient) -> tuple[int | None, int | None]:
+        """The model's context length and the engine's KV budget (each in tokens: prompt
+        plus new tokens), from the engine's ``model_info`` utility (``max_positions``,
+        ``kv_budget_tokens``); ``None`` for what an engine does not say (its own refusal
+        then says what is too long)."""
         try:
             info = await stage.call_utility("model_info", timeout=30.0)
         except UtilityError:
-            return None
-        limit = info.get("max_positions") if isinstance(info, dict) else None
-        return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+            return None, None
+
+        def whole(key: str) -> int | None:
+            value = info.get(key) if isinstance(info, dict) else None
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            return value if ok else None
+
+        return whole("max_positions"), whole("kv_budget_tokens")
 
     def _check_length(self, prompt: list[int], sampling: Sampling, *, chat: bool) -> None:
         """A 400 for a prompt that, with its new tokens, does not fit the model's context:
-        before it is sent to the stage (a huge prompt is not shipped only to be refused)."""
+        before it is sent to the stage (a huge prompt is not shipped only to be refused).
+        A ``max_tokens`` the request did not send (the default) is cut to what the context
+        and the engine's KV budget leave, as vLLM does: only a prompt that leaves no room in
+        the context is refused then (and one that leaves none in the budget, by the engine)."""
         limit = self.max_positions
-        if limit is None or len(prompt) + (sampling.max_tokens or 0) <= limit:
+        budget = self.kv_budget
+        if limit is None:
+            return
+        room = limit - len(prompt)
+        if not sampling.max_tokens_given:  # the default: what the context leaves, at most
+            if room >= 1:
+                fits = room if budget is None else max(1, min(room, budget - len(prompt)))
+                sampling.max_tokens = min(sampling.max_tokens or fits, fits)
+                return
+            raise ApiError(
+                400,
+                f"the prompt ({len(prompt)} tokens) leaves no room for a new token in the "
+                f"model's context of {limit} tokens",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
+        if (sampling.max_tokens or 0) <= room:
             return
         raise ApiError(
             400,
@@ -720,12 +756,21 @@ class Server:
         return b"".join(chunks)
 
     async def _body(self, request: Request) -> dict[str, Any]:
+        raw = await self._read(request)
         try:
-            body = json.loads(await self._read(request))
+            body = json.loads(raw)
         except ValueError as exc:
             raise _bad(f"the body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
+        if _SURROGATE_ESCAPE.search(raw):  # maybe a lone one: the tokenizer would raise
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError as exc:
+                raise _bad(
+                    "the body holds a lone surrogate (a \\ud800-\\udfff escape without its "
+                    "pair): not a Unicode string"
+                ) from exc
         model = body.get("model")
         if model is not None and model != self.name:
             raise self._not_found(model)
@@ -921,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.error(f"--engine-kwargs is not valid JSON: {exc}")
     if not isinstance(engine_kwargs, dict):
         cli.error("--engine-kwargs must be a JSON object")
+    if "model" in engine_kwargs:  # the engine's model is the tokenizer's: --model's
+        cli.error('--engine-kwargs may not hold "model": give the model folder as --model')
     if args.max_body_bytes < 1:
         cli.error("--max-body-bytes must be >= 1")
     model = Path(args.model) if args.model else tiny_model()

@@ -474,6 +474,10 @@ BAD: list[tuple[Any, str]] = [
     ({"prompt": [5], "temperature": 10**5000}, "temperature"),
     ({"prompt": [5], "stop_token_ids": [VOCAB]}, "out of the vocabulary"),
     ({"prompt": [5], "stop_token_ids": 3}, "stop_token_ids"),
+    # Text the tokenizer cannot take (a lone surrogate: JSON's "\ud800" decodes to one): a
+    # rejection, not the tokenizer's TypeError (any other exception from add is fatal in a
+    # stage).
+    ({"prompt": "a\ud800b"}, "the tokenizer refused the prompt"),
 ]
 
 
@@ -635,6 +639,28 @@ class TestRequests:
         with pytest.raises(FileNotFoundError, match="no-such-model"):
             TransformersEngine(str(missing))
 
+    def test_a_model_with_sliding_window_layers_is_refused(self, tmp_path: Path) -> None:
+        # The engine keeps every position's K/V and attends over all of them; a sliding
+        # window's cache keeps the last window - 1 only. Such a model decoded other tokens
+        # than generate past the window, and a prompt longer than the window raised a
+        # RuntimeError in step() (fatal in a stage).
+        from transformers import MistralConfig, MistralForCausalLM
+
+        config = MistralConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            sliding_window=8,
+        )
+        path = tmp_path / "sliding"
+        MistralForCausalLM(config).save_pretrained(path)
+        with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
+            TransformersEngine(str(path))
+
     @pytest.mark.parametrize(
         ("kwargs", "match"),
         [
@@ -646,6 +672,8 @@ class TestRequests:
             ({"kv_budget_tokens": "100"}, "kv_budget_tokens"),
             ({"dtype": "bogus"}, "dtype"),
             ({"dtype": "Tensor"}, "dtype"),  # an attribute of torch, not a dtype
+            ({"device": "nope"}, "device"),  # not a device name: torch's RuntimeError before
+            ({"device": "cuda:99"}, "device"),  # no such device: torch's AssertionError before
         ],
     )
     def test_bad_constructor_arguments_are_named(
@@ -690,3 +718,21 @@ class TestStage:
         missing = str(tmp_path / "no-such-model")
         with pytest.raises(StageStartupError, match="no-such-model"):
             StageClient.launch(FACTORY, {"model": missing})
+
+
+class TestRandomModel:
+    def test_a_path_that_is_a_file_is_refused(self, tmp_path: Path) -> None:
+        # save_pretrained only logs "should be a directory" and writes nothing: the path
+        # came back as if a model were there.
+        file = tmp_path / "a-file"
+        file.write_text("not a model")
+        with pytest.raises(NotADirectoryError, match="a-file"):
+            make_random_model(file)
+        assert file.read_text() == "not a model"
+
+    def test_kv_heads_must_divide_heads(self, tmp_path: Path) -> None:
+        # Written, such a model loaded and failed at its first forward pass (a RuntimeError
+        # in step(): fatal in a stage).
+        with pytest.raises(ValueError, match="kv_heads"):
+            make_random_model(tmp_path / "m", heads=4, kv_heads=3)
+        assert not (tmp_path / "m").exists()

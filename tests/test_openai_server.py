@@ -361,6 +361,22 @@ class TestEndpoints:
             assert _body(info.value)["type"] == "invalid_request_error", kwargs
 
     @pytest.mark.timeout(30)
+    def test_null_asks_for_the_default(self, server: Served) -> None:
+        # OpenAI's API types the optional parameters "or null": null is the default, stream
+        # included (it was a 400, "stream must be a boolean").
+        nulls = dict.fromkeys(["stream", "stream_options", "stop", "seed", "n", "temperature"])
+        nulls |= dict.fromkeys(["top_p", "user", "logprobs", "logit_bias", "presence_penalty"])
+        for path, base in (
+            ("/v1/completions", {"prompt": PROMPT, "echo": None}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+        ):
+            body = {"model": "tiny-words", "max_tokens": 2, **base, **nulls}
+            reply = httpx.post(server.url + path, json=body, timeout=10)
+            assert reply.status_code == 200, (path, reply.text)
+            assert reply.json()["usage"]["completion_tokens"] == 2  # not streamed
+        assert server.wait_idle()["live"] == 0
+
+    @pytest.mark.timeout(30)
     def test_parameters_that_would_change_the_result_are_refused_by_name(
         self, server: Served
     ) -> None:
@@ -477,6 +493,35 @@ class TestEndpoints:
         assert server.stats()["engine"]["added"] == added + 1
 
     @pytest.mark.timeout(30)
+    def test_a_default_max_tokens_is_cut_to_what_the_context_leaves(self, server: Served) -> None:
+        # Not sent, max_tokens is the server's default (16; 256 in a chat), not the user's:
+        # where the prompt leaves less of the context (2048 here), the request gets what is
+        # left, as vLLM does, rather than a 400 naming a parameter the user never sent.
+        client = server.client()
+        # "user : hello ... assistant :": 2 + 2040 + 2 = 2044 tokens, 4 left.
+        messages: Any = [{"role": "user", "content": "hello " * 2040}]
+        chat = client.chat.completions.create(model="tiny-words", messages=messages)
+        assert chat.usage is not None
+        assert chat.usage.prompt_tokens == 2044
+        assert chat.usage.completion_tokens == 4
+        assert chat.choices[0].finish_reason == "length"
+        text = client.completions.create(model="tiny-words", prompt=[ID["cat"]] * 2040)
+        assert text.usage is not None
+        assert text.usage.completion_tokens == 8
+        # A prompt that fills the context leaves no room at all: still a 400, in words that
+        # do not name a max_tokens the user did not send.
+        full: Any = [{"role": "user", "content": "hello " * 2044}]
+        with pytest.raises(openai.BadRequestError, match="no room") as info:
+            client.chat.completions.create(model="tiny-words", messages=full)
+        error = _body(info.value)
+        assert error["code"] == "context_length_exceeded", error
+        assert "max_tokens" not in error["message"], error
+        # Sent, max_tokens is the user's: too many is a 400, as before.
+        with pytest.raises(openai.BadRequestError, match="context"):
+            client.chat.completions.create(model="tiny-words", messages=messages, max_tokens=5)
+        assert server.wait_idle()["live"] == 0
+
+    @pytest.mark.timeout(30)
     def test_errors_have_openais_shape(self, server: Served) -> None:
         with pytest.raises(openai.NotFoundError, match="tiny-words"):
             server.client().completions.create(model="gpt-4", prompt=PROMPT)
@@ -486,6 +531,31 @@ class TestEndpoints:
         reply = httpx.get(server.url + "/v1/nowhere", timeout=10)
         assert reply.status_code == 404
         assert reply.json()["error"]["type"] == "not_found_error"
+
+    @pytest.mark.timeout(30)
+    def test_a_lone_surrogate_is_a_400_not_a_500(self, server: Served) -> None:
+        # JSON's "\ud800" escape decodes to a lone surrogate, which no tokenizer takes (nor
+        # the stage's wire): it was a 500 in plain text, with the tokenizer's traceback.
+        bodies = [
+            ("/v1/completions", b'{"prompt": "hello \\ud800", "max_tokens": 2}'),
+            ("/v1/completions", b'{"prompt": "hello", "stop": ["\\udc00"], "max_tokens": 2}'),
+            (
+                "/v1/chat/completions",
+                b'{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}',
+            ),
+        ]
+        for path, raw in bodies:
+            reply = httpx.post(server.url + path, content=raw, timeout=10)
+            assert reply.status_code == 400, (raw, reply.text)
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error", error
+            assert "surrogate" in error["message"], error
+        assert "TextEncodeInput" not in server.output()  # the tokenizer's error, logged
+        # A pair is a character: "hello" then an emoji (an unknown word to this tokenizer).
+        raw = b'{"prompt": "hello \\ud83d\\ude00", "max_tokens": 2}'
+        reply = httpx.post(server.url + "/v1/completions", content=raw, timeout=10)
+        assert reply.status_code == 200, reply.text
+        assert server.wait_idle()["live"] == 0
 
     @pytest.mark.timeout(30)
     def test_a_body_over_the_limit_is_a_413_read_no_further(self, server: Served) -> None:
@@ -711,6 +781,29 @@ def _load_server_module() -> Any:
     return module
 
 
+class TestCommandLine:
+    @pytest.mark.timeout(60)
+    @pytest.mark.parametrize(
+        ("args", "said"),
+        [
+            (["--engine-kwargs", "{nope"], "not valid JSON"),
+            (["--engine-kwargs", "[1]"], "a JSON object"),
+            (["--max-body-bytes", "0"], "--max-body-bytes"),
+            # The engine's model is --model's, the folder this process takes its tokenizer
+            # from: a "model" in --engine-kwargs replaced it in the engine alone, and the
+            # server decoded one model's ids with another's tokenizer.
+            (["--engine-kwargs", '{"model": "/elsewhere"}'], "--model"),
+        ],
+    )
+    def test_bad_arguments_exit_with_a_usage_error(
+        self, words: Path, args: list[str], said: str
+    ) -> None:
+        argv = [sys.executable, str(SERVER), "--model", str(words), "--engine", ECHO, *args]
+        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=50)
+        assert done.returncode == 2, done.stderr
+        assert said in done.stderr, done.stderr
+
+
 class TestReadme:
     """The README's "Serve a model" commands are what the server and pyproject accept."""
 
@@ -821,3 +914,30 @@ class TestTheRealEngine:
             stats = served.wait_idle()
             assert stats["live"] == 0
             assert stats["engine"]["kv_usage"] == 0
+
+    @pytest.mark.timeout(120)
+    def test_a_default_max_tokens_is_cut_to_the_kv_budget(
+        self, tmp_path_factory: pytest.TempPathFactory
+    ) -> None:
+        # A chat's default max_tokens (256) over the engine's KV budget was the engine's
+        # refusal, a 400 naming a max_tokens the client never sent: the default is cut to
+        # what the budget leaves, as to what the context leaves.
+        from enginecore.engines.transformers import make_random_model
+
+        tmp = tmp_path_factory.mktemp("budget")
+        model = Path(make_random_model(tmp / "tiny-llama"))  # a context of 512 tokens
+        engine = "enginecore.engines.transformers:TransformersEngine"
+        kwargs = '{"kv_budget_tokens": 40}'
+        with _serving(model, tmp, "--engine", engine, "--engine-kwargs", kwargs) as served:
+            client = served.client()
+            messages: Any = [{"role": "user", "content": "hi"}]  # 24 tokens, 16 left
+            chat = client.chat.completions.create(
+                model="tiny-llama", messages=messages, temperature=0
+            )
+            assert chat.usage is not None
+            assert chat.usage.prompt_tokens == 24
+            assert 1 <= chat.usage.completion_tokens <= 16
+            # Sent, max_tokens is the client's: over the budget, the engine refuses it.
+            with pytest.raises(openai.BadRequestError, match="budget of 40"):
+                client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=17)
+            assert served.wait_idle()["engine"]["kv_usage"] == 0

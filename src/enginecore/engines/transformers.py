@@ -46,6 +46,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
+    DynamicLayer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -272,6 +273,8 @@ class TransformersEngine:
     Parameters:
         model: a folder written by ``save_pretrained`` (config, weights, and optionally a
             tokenizer). A path that does not exist raises :class:`FileNotFoundError` naming it.
+            Every layer must attend to all positions: a model with sliding-window, chunked
+            or linear-attention layers is a :class:`ValueError` naming its cache's layers.
         device: ``"cpu"``, ``"cuda"``, ...; default: CUDA when available, else the CPU.
         dtype: a ``torch.dtype`` or its name (``"float32"``, ``"bfloat16"``); default float32
             on the CPU, the checkpoint's own dtype elsewhere.
@@ -288,9 +291,9 @@ class TransformersEngine:
             ``False`` uses one batched GEMM per linear layer: faster, and equal to
             ``generate`` alone only up to rounding (tokens may differ on near-ties).
 
-    ``max_batch``, ``max_prefill_tokens`` and ``kv_budget_tokens`` are ints >= 1, and a
-    ``dtype`` name must name a torch dtype: anything else is a :class:`ValueError` naming the
-    argument, before the model is loaded.
+    ``max_batch``, ``max_prefill_tokens`` and ``kv_budget_tokens`` are ints >= 1, a
+    ``dtype`` name must name a torch dtype, and ``device`` must be one this torch can use:
+    anything else is a :class:`ValueError` naming the argument, before the model is loaded.
     """
 
     def __init__(
@@ -320,7 +323,12 @@ class TransformersEngine:
             dtype = named
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+            torch.empty(0, device=self.device)  # a device this torch has, and can reach
+        except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+            # torch's RuntimeError for a bad name, AssertionError for CUDA without it.
+            raise ValueError(f"device {device!r:.100} is not usable here: {exc}") from exc
         if dtype is None and self.device.type == "cpu":
             dtype = torch.float32
         # Typed Any: the model's config and cache attributes are dynamic in transformers.
@@ -330,6 +338,23 @@ class TransformersEngine:
                 path, dtype=dtype if dtype is not None else "auto", local_files_only=True
             ),
         )
+        # Full attention only: the prefill keeps every position's K/V and the decode attends
+        # over all of them. A layer whose cache keeps a window (sliding or chunked
+        # attention), or no K/V (linear attention), would decode other tokens than generate,
+        # or fail in step() once a prompt outgrew the window.
+        other = sorted(
+            {
+                type(layer).__name__
+                for layer in DynamicCache(config=self.model.config).layers
+                if type(layer) is not DynamicLayer
+            }
+        )
+        if other:
+            raise ValueError(
+                f"model {path!r:.200} has attention layers that TransformersEngine does not "
+                f"support (their cache: {', '.join(other)}; sliding-window, chunked or linear "
+                "attention): it serves models whose every layer attends to all positions"
+            )
         self.model.to(self.device)
         self.model.eval()
         if self.model.config._attn_implementation != "sdpa":
@@ -498,7 +523,12 @@ class TransformersEngine:
                 raise RequestRejected(
                     "a text prompt needs a tokenizer, and this checkpoint has none: send token ids"
                 )
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            try:
+                ids = list(self.tokenizer(prompt)["input_ids"])
+            except Exception as exc:  # e.g. a lone surrogate (JSON's "\ud800"): TypeError
+                raise RequestRejected(
+                    f"the tokenizer refused the prompt: {type(exc).__name__}: {exc}"[:300]
+                ) from exc
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
         else:
@@ -749,13 +779,19 @@ def make_random_model(
     The tokenizer is byte-level with no merges (any text encodes, one token per byte), ids
     0-2 being ``<unk>``, ``<s>`` (BOS) and ``</s>`` (EOS), then the 256 bytes, then filler
     tokens ``<extra_i>`` up to *vocab* (>= 259+). With *chat_template*, a minimal chat
-    template (``<|role|>content`` lines) is saved with it.
+    template (``<|role|>content`` lines) is saved with it. *kv_heads* must divide *heads*
+    (``ValueError``), and a *path* that exists must be a folder (``NotADirectoryError``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     if vocab < 259:
         raise ValueError("vocab must be >= 259 (3 special tokens and 256 bytes)")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
     out = os.fspath(path)
+    if os.path.exists(out) and not os.path.isdir(out):
+        # save_pretrained would only log it, write nothing, and the path would come back.
+        raise NotADirectoryError(f"{out!r} exists and is not a folder")
     specials = ["<unk>", "<s>", "</s>"]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tokens = specials + sorted(alphabet)
