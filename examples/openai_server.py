@@ -645,10 +645,22 @@ class Server:
             assert isinstance(exc, HTTPException)
             return ApiError(exc.status_code, str(exc.detail)).response()
 
+        async def server_error(request: Request, exc: Exception) -> Response:
+            # A bug: OpenAI's shape all the same (its SDKs parse the body of an error), the
+            # type only (no internals to the client). Starlette logs the traceback after it.
+            return ApiError(
+                500,
+                f"internal server error ({type(exc).__name__}); the server's log has the traceback",
+            ).response()
+
         return Starlette(
             routes=routes,
             lifespan=self.lifespan,
-            exception_handlers={ApiError: api_error, HTTPException: http_error},
+            exception_handlers={
+                ApiError: api_error,
+                HTTPException: http_error,
+                Exception: server_error,
+            },
         )
 
     # -- endpoints ---------------------------------------------------------------------------

@@ -619,6 +619,43 @@ class TestEndpoints:
         assert len(threads) >= 4  # the warm-up, the prompt, the template, the chat's text
         assert all(name.startswith("tokenizer") for name in threads), threads
 
+    @pytest.mark.timeout(60)
+    def test_an_unexpected_error_is_a_500_in_openai_s_shape(self, words: Path) -> None:
+        # No path of the server is known to raise something unexpected: a tokenizer that
+        # fails stands in for the bug that would. The client still gets OpenAI's error
+        # shape (an SDK parses it), not Starlette's plain-text "Internal Server Error" (which
+        # still re-raises it after the reply, for uvicorn to log with its traceback).
+        from starlette.testclient import TestClient
+
+        transformers: Any = importlib.import_module("transformers")
+        module = _load_server_module()
+        real = transformers.AutoTokenizer.from_pretrained(str(words), local_files_only=True)
+        broken = threading.Event()
+
+        class Failing:
+            chat_template = real.chat_template
+            eos_token_id = real.eos_token_id
+
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                if broken.is_set():
+                    raise RuntimeError("tokenizer bug")
+                return real(*args, **kwargs)
+
+            def decode(self, *args: Any, **kwargs: Any) -> Any:
+                return real.decode(*args, **kwargs)
+
+        server = module.Server(words, Failing(), ECHO, {}, "tiny-words")
+        with TestClient(server.app(), raise_server_exceptions=False) as client:
+            broken.set()
+            reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert reply.status_code == 500, reply.text
+            error = reply.json()["error"]
+            assert error["type"] == "server_error"
+            assert "RuntimeError" in error["message"]
+            broken.clear()
+            again = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert again.status_code == 200, again.text  # the server goes on
+
 
 class TestDisconnect:
     @pytest.mark.timeout(30)
