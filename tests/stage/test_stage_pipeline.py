@@ -1662,6 +1662,9 @@ class TestLifecycle:
         assert stats["a"].loop.adds == 1
         assert stats["b"].loop.adds == 1  # b's add came from a
         assert stats["b"].name == "b"
+        # Each stage's factory is the user's, not the wrapper every stage is launched with
+        # (it is what enginecore_stage_info{engine=} shows for a pipeline's process).
+        assert (stats["a"].factory, stats["b"].factory) == (COUNTDOWN, RELAY)
         with pytest.raises(KeyError, match="no stage named 'c'"):
             pipe.client("c")
         with pytest.raises(IndexError, match=r"stage 'b' has no replica 1 \(it has 1: 0\)"):

@@ -79,6 +79,19 @@ def build_engine(spec: str, kwargs: dict[str, Any]) -> Engine | PipelinedEngine[
     return engine
 
 
+# The factory every stage of a pipeline is launched with (``_pipelinebase.PIPE_FACTORY``,
+# not imported here: that is the client's side): it wraps the user's, kwargs["factory"].
+_PIPE_FACTORY: Final = "enginecore.stage._pipe_stage:pipe_stage"
+
+
+def engine_name(spec: str, kwargs: dict[str, Any]) -> str:
+    """The factory a stage reports (its welcome, ``StageStatistics.factory``, Prometheus's
+    ``enginecore_stage_info{engine=}``): *spec*, or for a pipeline's stage the user's factory
+    that the pipeline's wrapper builds."""
+    inner = kwargs.get("factory") if spec == _PIPE_FACTORY else None
+    return inner if isinstance(inner, str) else spec
+
+
 def run_launched(
     factory: str,
     kwargs_frame: bytes,
@@ -131,7 +144,7 @@ def run_launched(
             engine,
             input_address,
             output_address,
-            engine_name=factory,
+            engine_name=engine_name(factory, kwargs),
             step_timeout=step_timeout,
             kill_after=kill_after,
             handle_signals=(signal.SIGTERM,),

@@ -145,7 +145,7 @@ class _StageActor:
         raises."""
         import msgspec
 
-        from ._process import build_engine
+        from ._process import build_engine, engine_name
         from ._runtime import StageRuntime
 
         if self._runtime is not None:
@@ -171,7 +171,7 @@ class _StageActor:
             engine,
             f"tcp://{host}:0",
             f"tcp://{host}:0",
-            engine_name=factory,
+            engine_name=engine_name(factory, kwargs),
             step_timeout=options.get("step_timeout"),
             kill_after=options.get("kill_after"),
             handle_signals=(),
