@@ -452,6 +452,8 @@ BAD: list[tuple[Any, str]] = [
     ({"prompt": [5], "max_tokens": 2.0}, "max_tokens"),
     ({"prompt": [5], "max_tokens": True}, "max_tokens"),
     ({"prompt": [5] * 500, "max_tokens": 20}, "positions"),
+    # Too long is said first, before the ids are walked one by one (a million of them).
+    ({"prompt": [VOCAB] * 500, "max_tokens": 20}, "positions"),
     ({"prompt": [5], "temperature": -0.1}, "temperature"),
     ({"prompt": [5], "temperature": float("nan")}, "temperature"),
     # So small that logits / temperature overflows float32: NaN probabilities, and a fatal

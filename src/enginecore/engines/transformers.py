@@ -537,15 +537,17 @@ class TransformersEngine:
             )
         if not ids:
             raise RequestRejected("the prompt is empty")
-        _check_ids(ids, self.vocab_size, "prompt")
         max_tokens = data.get("max_tokens", 16)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestRejected(f"'max_tokens' must be an int >= 1, got {_show(max_tokens)}")
         if len(ids) + max_tokens > self.max_positions:
+            # Before the ids are checked one by one: a prompt of a million ids is refused
+            # at once, not after a walk over them on the loop's thread.
             raise RequestRejected(
                 f"prompt ({len(ids)} tokens) + max_tokens ({_show(max_tokens)}) exceeds the "
                 f"model's {self.max_positions} positions"
             )
+        _check_ids(ids, self.vocab_size, "prompt")
         temperature = _number(data.get("temperature", 0.0), "temperature")
         if temperature < 0:
             raise RequestRejected(f"'temperature' must be >= 0, got {temperature!r}")
