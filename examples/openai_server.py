@@ -34,7 +34,7 @@ the event loop, so a long prompt does not hold the other requests up.
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
 prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
-(``include_usage``) are honoured (a ``temperature`` under 1e-5 is greedy, as 0 is). Every
+(``include_usage``; with ``stream`` only, as OpenAI's API says) are honoured (a ``temperature`` under 1e-5 is greedy, as 0 is). Every
 other parameter of OpenAI's API is refused with a 400 naming it (``param``) when it asks for
 something (``echo``, ``logprobs`` (0 included), ``logit_bias``, penalties,
 ``response_format`` other than text, tools, ``best_of``, ``suffix``, ...), and accepted when
@@ -322,6 +322,8 @@ class Sampling:
             raise _bad(
                 'stream_options must be an object like {"include_usage": true}', "stream_options"
             )
+        if not stream and body.get("stream_options") is not None:
+            raise _bad("stream_options is only allowed with stream: true", "stream_options")
         self.include_usage = include_usage
         known = CHAT_PARAMETERS if chat else COMPLETION_PARAMETERS
         unknown = sorted(str(key) for key in body if key not in known)

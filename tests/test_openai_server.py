@@ -390,6 +390,9 @@ class TestEndpoints:
             ({"min_tokens": 4}, "min_tokens"),  # another server's extension: unknown here
             ({"ignore_eos": True}, "ignore_eos"),
             ({"stream_options": {"include_usage": "no"}}, "stream_options"),
+            # Only with stream: true (as OpenAI's API and vLLM refuse it).
+            ({"stream_options": {"include_usage": True}}, "stream_options"),
+            ({"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
         ]
         chat: list[tuple[dict[str, Any], str]] = [
             ({"response_format": {"type": "json_object"}}, "response_format"),
