@@ -34,9 +34,10 @@ the event loop, so a long prompt does not hold the other requests up.
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
 prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
-(``include_usage``; with ``stream`` only, as OpenAI's API says) are honoured (a ``temperature`` under 1e-5 is greedy, as 0 is). Every
-other parameter of OpenAI's API is refused with a 400 naming it (``param``) when it asks for
-something (``echo``, ``logprobs`` (0 included), ``logit_bias``, penalties,
+(``include_usage``; with ``stream`` only, as OpenAI's API says) are honoured (a
+``temperature`` under 1e-5 is greedy, as 0 is). Every other parameter of OpenAI's API is
+refused with a 400 naming it (``param``) when it asks for something (``echo``,
+``logprobs`` (0 included), ``logit_bias``, penalties,
 ``response_format`` other than text, tools, ``best_of``, ``suffix``, ...), and accepted when
 it asks for nothing or cannot change the tokens (``user``, ``metadata``, ``store``,
 ``tool_choice: "none"``, ...). A parameter OpenAI's API does not have (another server's

@@ -641,27 +641,40 @@ class TestRequests:
         with pytest.raises(FileNotFoundError, match="no-such-model"):
             TransformersEngine(str(missing))
 
-    def test_a_model_with_sliding_window_layers_is_refused(self, tmp_path: Path) -> None:
+    def test_a_sliding_window_model_is_served_within_its_window(self, tmp_path: Path) -> None:
         # The engine keeps every position's K/V and attends over all of them; a sliding
-        # window's cache keeps the last window - 1 only. Such a model decoded other tokens
-        # than generate past the window, and a prompt longer than the window raised a
-        # RuntimeError in step() (fatal in a stage).
+        # window's cache keeps the last window - 1 only. Past the window such a model decoded
+        # other tokens than generate, and a prompt longer than the window raised a
+        # RuntimeError in step() (fatal in a stage). Within it the two are the same
+        # attention: the engine serves the model with its positions cut to the window, and
+        # its tokens equal generate's there, in one batch.
         from transformers import MistralConfig, MistralForCausalLM
 
+        window = 16
         config = MistralConfig(
             vocab_size=300,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
             max_position_embeddings=64,
-            sliding_window=8,
+            sliding_window=window,
         )
+        torch.manual_seed(0)
         path = tmp_path / "sliding"
         MistralForCausalLM(config).save_pretrained(path)
-        with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
-            TransformersEngine(str(path))
+        engine = TransformersEngine(str(path), max_batch=8)
+        assert engine.max_positions == window
+        assert engine.utility("model_info", ())["max_positions"] == window
+        with pytest.raises(RequestRejected, match="16 positions"):
+            engine.add("long", {"prompt": [5] * 10, "max_tokens": window - 9})
+        requests = {f"r{n}": (tuple(range(7, 7 + n)), window - n) for n in (1, 4, 9, 15)}
+        for rid, (prompt, max_tokens) in requests.items():
+            engine.add(rid, {"prompt": list(prompt), "max_tokens": max_tokens})
+        got = drain(engine)
+        alone = generate_alone(str(path))
+        assert got == {rid: alone(*request) for rid, request in requests.items()}
 
     @pytest.mark.parametrize(
         ("kwargs", "match"),

@@ -51,6 +51,7 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
+from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.generation.logits_process import TopPLogitsWarper
 from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.modeling_utils import AttentionInterface
@@ -338,22 +339,26 @@ class TransformersEngine:
                 path, dtype=dtype if dtype is not None else "auto", local_files_only=True
             ),
         )
-        # Full attention only: the prefill keeps every position's K/V and the decode attends
-        # over all of them. A layer whose cache keeps a window (sliding or chunked
-        # attention), or no K/V (linear attention), would decode other tokens than generate,
-        # or fail in step() once a prompt outgrew the window.
-        other = sorted(
-            {
-                type(layer).__name__
-                for layer in DynamicCache(config=self.model.config).layers
-                if type(layer) is not DynamicLayer
-            }
-        )
+        # Full attention: the prefill keeps every position's K/V and the decode attends over
+        # all of them. A sliding-window layer's cache keeps the last window - 1 positions,
+        # so its query sees the last `window` ones: within a window that is all of them,
+        # and the model is served with its positions cut to its smallest window (tested
+        # equal to generate, batched). Beyond it the tokens would differ from generate's,
+        # and a prompt longer than the window would fail in step(). A chunked or linear
+        # attention layer (another cache, or no K/V) is refused.
+        windows: list[int] = []
+        other: set[str] = set()
+        for layer in DynamicCache(config=self.model.config).layers:
+            if type(layer) is DynamicSlidingWindowLayer:
+                windows.append(int(layer.sliding_window))
+            elif type(layer) is not DynamicLayer:
+                other.add(type(layer).__name__)
         if other:
             raise ValueError(
                 f"model {path!r:.200} has attention layers that TransformersEngine does not "
-                f"support (their cache: {', '.join(other)}; sliding-window, chunked or linear "
-                "attention): it serves models whose every layer attends to all positions"
+                f"support (their cache: {', '.join(sorted(other))}; chunked or linear "
+                "attention): it serves models whose every layer attends to all positions, "
+                "or to a sliding window"
             )
         self.model.to(self.device)
         self.model.eval()
@@ -397,6 +402,8 @@ class TransformersEngine:
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 2**31)
+        if windows:  # within the smallest window, sliding attention is full attention
+            self.max_positions = min(self.max_positions, *windows)
         self.num_layers = int(config.num_hidden_layers)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self.max_batch = max_batch
