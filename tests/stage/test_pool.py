@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import pytest
 
+from enginecore.stage import _session
 from enginecore.stage import (
     Aborted,
     AsyncPoolRequestStream,
@@ -433,6 +434,28 @@ def test_a_killed_replica_fails_only_its_own_requests(launch: Open) -> None:
             pool.abort([s.req_id])
             s.collect(10)
     assert pool.health() == StageHealth.OK
+
+
+def test_a_replica_whose_process_exited_leaves_the_routing_at_once(
+    launch: Open, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sentinel is seen at once, but the replica is dead (and its requests fail) only
+    # once its last frames are read (EXIT_GRACE_S, here widened). Before, it stayed in the
+    # routing all that while: a request added after the exit went to it and failed.
+    monkeypatch.setattr(_session, "EXIT_GRACE_S", 3.0)
+    pool = launch(COUNTDOWN, replicas=2, routing=Sticky())
+    victim, other = pool.replicas
+    key = next(f"u{i}" for i in range(100) if pool.add(f"h{i}", 1, key=f"u{i}").replica is victim)
+    pid = cast(int, victim.pid)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 10)  # reaped: seen
+    assert victim.state is ReplicaState.SERVING  # its last frames are still being read
+    assert not victim.routable
+    streams = [pool.add(f"a{i}", 2, key=key) for i in range(4)]
+    streams += pool.add_many([(f"b{i}", 2) for i in range(4)])
+    assert [s.replica for s in streams] == [other] * 8
+    for s in streams:
+        assert s.collect(10) == [1, 0]
 
 
 def test_a_call_on_a_dying_replica_gets_replica_dead_error(launch: Open) -> None:
@@ -1047,6 +1070,43 @@ def test_a_score_function_routes(launch: Open) -> None:
     assert all(isinstance(v.in_flight, int) for v in views)
     for s in streams:
         s.collect(10)
+
+
+def test_a_score_function_sees_the_request_and_a_bad_score_is_named(launch: Open) -> None:
+    seen: list[PoolRequest] = []
+
+    def by_size(view: ReplicaView, request: PoolRequest) -> float:
+        seen.append(request)
+        return abs(int(view.replica.name[1:]) - request.data % 2)
+
+    pool = launch(COUNTDOWN, replicas=2, routing=by_size)
+    # The score sees the request's data (before, None unless on_replica_death was set).
+    assert pool.add("odd", 3, key="k").replica is pool.replicas[1]
+    assert seen[-1] == PoolRequest("odd", 3, "k")
+    assert pool.add("even", 2).replica is pool.replicas[0]
+    r0, r1 = pool.replicas
+    assert [s.replica for s in pool.add_many([("b1", 1), ("b2", 2)])] == [r1, r0]
+    assert seen[-1] == PoolRequest("b2", 2, None)
+    # A score that is not a real number, or NaN (which compares as neither better nor
+    # worse, so that a NaN replica could win), is an error that names it, not a bare
+    # comparison TypeError or a silent pick; nothing is sent.
+    bad: list[Any] = [None]
+    pool2 = launch(COUNTDOWN, replicas=2, routing=lambda view, request: bad[0])
+    for value, error, match in [
+        (None, TypeError, r"must be a real number, got NoneType \(None\) for replica r\d"),
+        ("1", TypeError, "got str"),
+        (True, TypeError, "got bool"),
+        (1j, TypeError, "got complex"),
+        (float("nan"), ValueError, "score of replica r\\d for request 'x' is NaN"),
+    ]:
+        bad[0] = value
+        with pytest.raises(error, match=match):
+            pool2.add("x", 1)
+        with pytest.raises(error):
+            pool2.add_many([("y", 1)])
+    bad[0] = float("inf")  # a number, however large
+    assert pool2.add("x", 1).collect(10) == [0]
+    assert [r.in_flight for r in pool2.replicas] == [0, 0]
 
 
 def test_bad_pool_arguments() -> None:

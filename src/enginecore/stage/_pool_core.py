@@ -25,6 +25,8 @@ import enum
 import hashlib
 import itertools
 import logging
+import math
+import numbers
 import random
 import time
 from collections import deque
@@ -303,13 +305,15 @@ def replica_load(r: Replica, now: float) -> int:
 
 
 def routable(r: Replica) -> bool:
-    """Whether *r* may take a request now: serving, its stage not gone and not stalled (a
-    step past its ``step_timeout``, or 1.75 ping intervals without a frame)."""
+    """Whether *r* may take a request now: serving, its stage not gone (nor its process
+    exited, while its last frames are read) and not stalled (a step past its
+    ``step_timeout``, or 1.75 ping intervals without a frame)."""
     session = r._session
     return (
         r._state is ReplicaState.SERVING
         and session is not None
         and session._failure is None
+        and not session._exited
         and not session._step_stalled
         and not session._silent
     )
@@ -529,10 +533,31 @@ class Scored(Routing):
                         view.age,
                     )
             score = self.score(view, request)
+            if type(score) is not float and type(score) is not int:
+                score = _checked_score(score, r, request)
+            elif score != score:  # NaN: it would compare as neither better nor worse
+                raise ValueError(
+                    f"the routing score of replica {r.name} for request {request.req_id!r} is NaN"
+                )
             if best is None or score < best_score:
                 best, best_score = r, score
         assert best is not None
         return best
+
+
+def _checked_score(score: object, r: Replica, request: PoolRequest) -> float:
+    """*score*, a routing score that is not a plain float or int, if it is a real number
+    (not a bool, not NaN); else the error that names the replica and the request."""
+    if not isinstance(score, numbers.Real) or isinstance(score, bool):
+        raise TypeError(
+            f"a routing score must be a real number, got {type(score).__name__} ({score!r})"
+            f" for replica {r.name} and request {request.req_id!r}"
+        )
+    if math.isnan(score):
+        raise ValueError(
+            f"the routing score of replica {r.name} for request {request.req_id!r} is NaN"
+        )
+    return score  # type: ignore[return-value]
 
 
 def _key_bytes(key: Hashable) -> bytes:
@@ -901,7 +926,11 @@ class PoolCore:
             return serving  # the common case: the same tuple (Sticky caches on it)
         if healthy:
             return healthy
-        return tuple(r for r in serving if r._session is not None and r._session._failure is None)
+        return tuple(
+            r
+            for r in serving
+            if r._session is not None and r._session._failure is None and not r._session._exited
+        )
 
     def route(self, req_id: str, data: Any, key: Hashable | None) -> Replica:
         """The replica for one request (the only candidate, without asking the policy)."""

@@ -407,7 +407,7 @@ class PoolBase(Generic[S]):
     def _add_routed(self, req_id: str, data: Any, key: Hashable | None) -> S:
         parts = ClientSession.add_frame(req_id, data)
         request = PoolRequest(req_id, data, key) if self._core.on_replica_death else None
-        new: S = self._send(req_id, parts, request, key, 0, None)
+        new: S = self._send(req_id, parts, request, key, 0, None, data=data)
         return new
 
     def _add_quiet(self, req_id: str, data: Any, key: Hashable | None) -> None:
@@ -418,7 +418,7 @@ class PoolBase(Generic[S]):
             raise events_off()
         parts = ClientSession.add_frame(req_id, data)
         if self._core.on_replica_death is None:
-            self._send(req_id, parts, None, key, 0, None, quiet=True)
+            self._send(req_id, parts, None, key, 0, None, quiet=True, data=data)
             return
         request = PoolRequest(req_id, data, key)
         self._send(req_id, parts, request, key, 0, QuietRequest(req_id, request), quiet=True)
@@ -433,6 +433,7 @@ class PoolBase(Generic[S]):
         stream: Any,
         *,
         quiet: bool = False,
+        data: Any = None,
     ) -> Any:
         """Route and send one request; *stream* continues a moved one (its stream, or its
         :class:`QuietRequest`). A new request without a stream (*quiet*) has its record as
@@ -441,7 +442,7 @@ class PoolBase(Generic[S]):
         run under the member's hold of the lock that registers the stream
         (``_send_request(live=)``): one hold per request, as a single client's. A replica
         that left between the choice and the send gets the next choice instead, a few
-        times."""
+        times. *data* is the request's, for the routing, when there is no *request*."""
         core = self._core
         if core.closing:
             raise StageClosedError("this stage pool is closed")
@@ -460,7 +461,8 @@ class PoolBase(Generic[S]):
             new._migrations = migrations
             quiet = type(new) is QuietRequest
         table = quiet and new is None  # a QuietTable per replica stands for the request
-        data = None if request is None else request.data
+        if request is not None:
+            data = request.data
         try:
             for _ in range(8):
                 replica = core.route(req_id, data, key)
@@ -550,7 +552,7 @@ class PoolBase(Generic[S]):
                         request = requests[i] if keep and requests is not None else None
                         record = QuietRequest(rid, request) if keep and not streams else None
                         by_index[i] = self._send(
-                            rid, frame, request, None, 0, record, quiet=not streams
+                            rid, frame, request, None, 0, record, quiet=not streams, data=data
                         )
                     continue
                 if not streams:
