@@ -18,7 +18,6 @@ from typing import Any, cast
 
 import pytest
 
-from enginecore.stage import _session
 from enginecore.stage import (
     Aborted,
     AsyncPoolRequestStream,
@@ -46,6 +45,7 @@ from enginecore.stage import (
     Sticky,
     UtilityError,
     UtilityResult,
+    _session,
 )
 
 from .conftest import BlockingAsyncStream, EventLoopThread, Server, pid_gone, wait_until

@@ -533,12 +533,9 @@ class Scored(Routing):
                         view.age,
                     )
             score = self.score(view, request)
-            if type(score) is not float and type(score) is not int:
-                score = _checked_score(score, r, request)
-            elif score != score:  # NaN: it would compare as neither better nor worse
-                raise ValueError(
-                    f"the routing score of replica {r.name} for request {request.req_id!r} is NaN"
-                )
+            kind = type(score)
+            if kind is not int and (kind is not float or math.isnan(score)):
+                score = _checked_score(score, r, request)  # another real passes; else named
             if best is None or score < best_score:
                 best, best_score = r, score
         assert best is not None
