@@ -1077,7 +1077,7 @@ def test_a_score_function_sees_the_request_and_a_bad_score_is_named(launch: Open
 
     def by_size(view: ReplicaView, request: PoolRequest) -> float:
         seen.append(request)
-        return abs(int(view.replica.name[1:]) - request.data % 2)
+        return float(abs(int(view.replica.name[1:]) - request.data % 2))
 
     pool = launch(COUNTDOWN, replicas=2, routing=by_size)
     # The score sees the request's data (before, None unless on_replica_death was set).
