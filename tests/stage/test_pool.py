@@ -788,16 +788,19 @@ def test_a_close_cuts_short_the_drain_of_a_stopped_replica_too(launch: Open) -> 
     assert pid_gone(pid)
 
 
-def test_a_drained_removal_of_a_stopped_replica_keeps_to_its_timeout(launch: Open) -> None:
+@pytest.mark.parametrize("drain", [True, False], ids=["drained", "undrained"])
+def test_a_removal_of_a_stopped_replica_keeps_to_its_timeout(launch: Open, drain: bool) -> None:
     # A SIGSTOPped replica cannot end its drain: the removal waits its timeout and 1 s for
     # the exit, then SIGTERM and a second, then SIGKILL; not the 5 s of a close on top.
+    # Without a drain, the stage gets at most the timeout to exit (it got 5 s whatever
+    # the timeout).
     pool, streams = _busy(launch, ping_interval=0.2)
     victim = pool.replicas[0]
     on_victim = [s for s in streams if s.replica is victim]
     assert on_victim
     os.kill(cast(int, victim.pid), signal.SIGSTOP)
     started = time.monotonic()
-    code = pool.remove_replica(victim, drain=True, timeout=1)
+    code = pool.remove_replica(victim, drain=drain, timeout=1)
     took = time.monotonic() - started
     assert code == -signal.SIGKILL
     assert took < 1 + 2 + 2.5, took  # was 7 s and more: 1 + 5 + 1, then the kill
@@ -810,6 +813,25 @@ def test_a_drained_removal_of_a_stopped_replica_keeps_to_its_timeout(launch: Ope
     pool.abort([s.req_id for s in survivors])
     for s in survivors:
         s.collect(10)
+
+
+def test_a_bad_removal_timeout_is_refused_before_the_replica_leaves(launch: Open) -> None:
+    # Checked first: before, the stage's drain check raised (naming "drain") once the
+    # replica had left the routing, and it stayed "draining" for good; None meant no drain.
+    pool = launch(COUNTDOWN, replicas=2)
+    r0 = pool.replicas[0]
+    for bad, error in [(-1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError)]:
+        with pytest.raises(error, match="timeout must be a finite number of seconds >= 0"):
+            pool.remove_replica(r0, timeout=bad)
+    for bad in ("1", None, True):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+            pool.remove_replica(r0, drain=False, timeout=bad)
+    assert r0.state is ReplicaState.SERVING
+    assert pool.replicas == (r0, pool.replicas[1])
+    streams = [pool.add(f"x{i}", 2) for i in range(4)]
+    assert {s.replica for s in streams} == set(pool.replicas)
+    assert [s.collect(10) for s in streams] == [[1, 0]] * 4
+    assert pool.remove_replica(r0, timeout=0) == 0
 
 
 def test_a_pool_over_connected_and_launched_replicas(pools: tuple[Open, Open]) -> None:

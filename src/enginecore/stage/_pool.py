@@ -46,6 +46,7 @@ from ._pool_core import (
 )
 from ._poolbase import (
     DRAIN_EXIT_S,
+    STOP_EXIT_S,
     PoolBase,
     PoolStreamCore,
     connect_specs,
@@ -55,6 +56,7 @@ from ._poolbase import (
     fail_with_group,
     launch_specs,
     member_plan,
+    removal_timeout,
     replica_spec,
     with_groups,
 )
@@ -707,13 +709,16 @@ class StagePool(PoolBase[PoolRequestStream]):
         :class:`~enginecore.stage.StageClosedError`. A launched replica is stopped, a
         connected one detached from. Returns the exit code (``None`` if unknown). Blocks:
         with *drain*, at most *timeout* seconds plus 1 s for the stage to exit, then
-        SIGTERM, one more second, and SIGKILL (a stopped or stuck stage).
+        SIGTERM, one more second, and SIGKILL (a stopped or stuck stage); without, at most
+        *timeout* (5 s at most) for the exit, then the same signals. *timeout* must be a
+        finite number of seconds >= 0 (checked before the replica leaves the routing).
 
         A :meth:`close` (or :meth:`shutdown` without a drain) while the replica drains
         cuts the drain short: the stage stops at once, its requests still live end with
         :class:`~enginecore.stage.StageClosedError` as the close ends every other one,
         the replica is removed, and this call raises
         :class:`~enginecore.stage.StageClosedError`."""
+        timeout = removal_timeout(timeout)
         with self._lock:
             if replica not in self._core.replicas:
                 raise ValueError(f"{replica!r} is not in this pool")
@@ -731,7 +736,7 @@ class StagePool(PoolBase[PoolRequestStream]):
                 code = self._stop_member(
                     replica,
                     drain=timeout if drain else None,
-                    timeout=DRAIN_EXIT_S if drain else 5.0,
+                    timeout=DRAIN_EXIT_S if drain else min(timeout, STOP_EXIT_S),
                 )
             finally:
                 with self._lock:

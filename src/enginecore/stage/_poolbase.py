@@ -159,6 +159,21 @@ def fail_with_group(member: Any, replica: Replica, dead: Replica) -> None:
 
 
 DRAIN_EXIT_S: Final = 1.0
+# How long remove_replica(drain=False) lets a launched stage exit before the signals (at
+# most its timeout).
+STOP_EXIT_S: Final = 5.0
+
+
+def removal_timeout(timeout: object) -> float:
+    """``remove_replica``'s *timeout*, checked before the replica leaves the routing: a
+    number of seconds, finite and >= 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not 0 <= timeout < float("inf"):  # NaN too
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+    return float(timeout)
+
+
 """How long ``remove_replica(drain=True, timeout=t)`` waits for a launched stage's exit
 after the *t* seconds of its drain (the stage aborts what is still live then, and stops)
 before it signals the stage (SIGTERM, one more second, SIGKILL): a stage that is stopped
