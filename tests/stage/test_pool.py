@@ -322,6 +322,14 @@ def test_utilities_go_to_one_replica_or_to_all(launch: Open) -> None:
         assert isinstance(s, StageStatistics)
         assert s.pid == r.pid
         assert s.name.endswith(f"/{r.name}")
+    # A bad timeout raises, as a single call's does, before anything is sent: not a
+    # TimeoutError per replica "within -1 s" (blocking) or a ValueError each (asyncio).
+    for bad, error in [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError)]:
+        with pytest.raises(error, match="'timeout' must be"):
+            pool.call_utility("pid", broadcast=True, timeout=bad)
+        with pytest.raises(error, match="'timeout' must be"):
+            pool.stats(bad)
+    assert pool.call_utility("pid", broadcast=True, timeout=10) == answers
 
 
 def test_a_utility_call_to_a_replica_not_in_the_pool_is_refused(launch: Open) -> None:

@@ -497,6 +497,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if broadcast:
             if replica is not None:
                 raise TypeError("call_utility() takes replica= or broadcast=True, not both")
+            _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
             self._check_open()
             serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
             results = await asyncio.gather(
@@ -512,6 +513,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     ) -> dict[Replica, StageStatistics | Exception]:
         """:meth:`StagePool.stats <enginecore.stage.StagePool.stats>`, awaited (the
         replicas answer at once)."""
+        _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
         serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
         results = await asyncio.gather(
             *(r._client.stats(timeout) for r in serving), return_exceptions=True

@@ -643,6 +643,7 @@ class StagePool(PoolBase[PoolRequestStream]):
     def _broadcast(
         self, name: str, args: tuple[Any, ...], timeout: float | None
     ) -> dict[Replica, Any]:
+        deadline = _clientbase.deadline_after(timeout)  # a bad one raises before a send
         self._check_open()
         futures: dict[Replica, concurrent.futures.Future[Any]] = {}
         out: dict[Replica, Any] = {}
@@ -653,7 +654,6 @@ class StagePool(PoolBase[PoolRequestStream]):
                 futures[r] = r._client.call_utility_future(name, *args)
             except Exception as exc:
                 out[r] = exc
-        deadline = None if timeout is None else time.monotonic() + timeout
         for r, fut in futures.items():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
