@@ -324,7 +324,12 @@ def test_utilities_go_to_one_replica_or_to_all(launch: Open) -> None:
         assert s.name.endswith(f"/{r.name}")
     # A bad timeout raises, as a single call's does, before anything is sent: not a
     # TimeoutError per replica "within -1 s" (blocking) or a ValueError each (asyncio).
-    for bad, error in [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError)]:
+    bads: list[tuple[Any, type[Exception]]] = [
+        (-1, ValueError),
+        (float("nan"), ValueError),
+        ("1", TypeError),
+    ]
+    for bad, error in bads:
         with pytest.raises(error, match="'timeout' must be"):
             pool.call_utility("pid", broadcast=True, timeout=bad)
         with pytest.raises(error, match="'timeout' must be"):
@@ -831,9 +836,9 @@ def test_a_bad_removal_timeout_is_refused_before_the_replica_leaves(launch: Open
     for bad, error in [(-1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError)]:
         with pytest.raises(error, match="timeout must be a finite number of seconds >= 0"):
             pool.remove_replica(r0, timeout=bad)
-    for bad in ("1", None, True):
+    for wrong in ("1", None, True):
         with pytest.raises(TypeError, match="timeout must be a number of seconds"):
-            pool.remove_replica(r0, drain=False, timeout=bad)
+            pool.remove_replica(r0, drain=False, timeout=cast(Any, wrong))
     assert r0.state is ReplicaState.SERVING
     assert pool.replicas == (r0, pool.replicas[1])
     streams = [pool.add(f"x{i}", 2) for i in range(4)]
