@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import shutil
@@ -12,7 +13,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -38,6 +39,7 @@ from enginecore.stage import (
     RequestError,
     RequestFailed,
     RestartPolicy,
+    Routing,
     StageClosedError,
     StageHealth,
     StagePool,
@@ -1142,6 +1144,41 @@ def test_a_score_function_sees_the_request_and_a_bad_score_is_named(launch: Open
     bad[0] = float("inf")  # a number, however large
     assert pool2.add("x", 1).collect(10) == [0]
     assert [r.in_flight for r in pool2.replicas] == [0, 0]
+
+
+class _Returns(Routing):
+    """A policy of one's own that returns whatever it is told to."""
+
+    def __init__(self) -> None:
+        self.pick: Callable[[Sequence[Replica]], Any] = lambda replicas: replicas[-1]
+
+    def choose(
+        self, replicas: Sequence[Replica], req_id: str, data: Any, key: Any, now: float
+    ) -> Replica:
+        return cast(Replica, self.pick(replicas))
+
+
+def test_a_policy_that_chooses_no_replica_of_its_own_is_named(pools: tuple[Open, Open]) -> None:
+    # Before: a bare AttributeError ('NoneType' object has no attribute '_client'), a
+    # misleading NoReplicaError for a removed replica, and another pool's replica took the
+    # request, through that pool's client, while this pool's table kept it live.
+    launch = pools[0]
+    policy = _Returns()
+    pool = launch(COUNTDOWN, replicas=3, routing=policy, startup_timeout=30)
+    other = launch(COUNTDOWN, replicas=1, startup_timeout=30)
+    assert pool.add("ok", 2).collect(10) == [1, 0]
+    removed = pool.replicas[2]
+    pool.remove_replica(removed)
+    wrongs: list[Any] = [None, "r0", 0, removed, other.replicas[0]]
+    for wrong in wrongs:
+        policy.pick = functools.partial(lambda wrong, replicas: wrong, wrong)
+        with pytest.raises(TypeError, match=r"_Returns\.choose\(\) chose .* not one of the"):
+            pool.add("x", 2)
+        with pytest.raises(TypeError, match=r"_Returns\.assign\(\) chose .* not one of the"):
+            pool.add_many([("y", 2), ("z", 2)])
+    assert [r.in_flight for r in (*pool.replicas, *other.replicas)] == [0, 0, 0]
+    policy.pick = lambda replicas: replicas[0]
+    assert [s.collect(10) for s in pool.add_many([("x", 2), ("y", 2)])] == [[1, 0]] * 2
 
 
 def test_bad_pool_arguments() -> None:

@@ -332,7 +332,8 @@ class Routing:
     ) -> Replica:
         """The replica, among *replicas* (those that may take a request now: two or more;
         with one, the pool does not ask), that gets request *req_id*. Runs on the caller's
-        thread under no lock; must not block. *now* is a ``time.monotonic()`` reading."""
+        thread under no lock; must not block. *now* is a ``time.monotonic()`` reading.
+        Anything but one of *replicas* is refused (:class:`TypeError`; nothing is sent)."""
         raise NotImplementedError
 
     def assign(
@@ -745,6 +746,8 @@ class PoolCore:
                 f"restart must be a bool or a RestartPolicy, got {type(restart).__name__}"
             )
         self.routing: Final = as_routing(routing)
+        # A policy of the user's own: its choices are checked (one of the candidates).
+        self._checked = type(self.routing) not in (LeastLoaded, Sticky, Scored)
         if restart is True:
             restart = RestartPolicy()
         self.restart: Final[RestartPolicy | None] = restart or None
@@ -936,11 +939,38 @@ class PoolCore:
             candidates = self.candidates()
         if len(candidates) == 1:
             return candidates[0]
-        return self.routing.choose(candidates, req_id, data, key, time.monotonic())
+        chosen = self.routing.choose(candidates, req_id, data, key, time.monotonic())
+        if self._checked and not any(chosen is r for r in candidates):
+            raise self._bad_choice("choose", chosen)
+        return chosen
 
     def route_many(self, requests: Sequence[PoolRequest]) -> list[Replica]:
         """The replica of each request of a burst."""
-        return self.routing.assign(self.candidates(), requests, time.monotonic())
+        return self.assign(self.candidates(), requests)
+
+    def assign(
+        self, candidates: Sequence[Replica], requests: Sequence[PoolRequest]
+    ) -> list[Replica]:
+        """The policy's replica for each of *requests* among *candidates* (checked, for a
+        policy of the user's own)."""
+        chosen = self.routing.assign(candidates, requests, time.monotonic())
+        if self._checked:
+            if not isinstance(chosen, list) or len(chosen) != len(requests):
+                raise TypeError(
+                    f"{type(self.routing).__name__}.assign() must return a list of "
+                    f"{len(requests)} replicas, one per request, got {chosen!r:.200}"
+                )
+            ids = {id(r) for r in candidates}
+            for r in chosen:
+                if id(r) not in ids:
+                    raise self._bad_choice("assign", r)
+        return chosen
+
+    def _bad_choice(self, method: str, chosen: object) -> Exception:
+        return TypeError(
+            f"{type(self.routing).__name__}.{method}() chose {chosen!r:.200}, which is not "
+            "one of the replicas it was given"
+        )
 
     # -- the live-request table (under the blocking pool's lock) -------------------------
 

@@ -529,7 +529,7 @@ class PoolBase(Generic[S]):
                 groups = {candidates[0]: None}
             else:
                 assert requests is not None
-                chosen = core.routing.assign(candidates, requests, time.monotonic())
+                chosen = core.assign(candidates, requests)
                 index: dict[Replica, list[int]] = {}
                 for i, r in enumerate(chosen):
                     index.setdefault(r, []).append(i)
