@@ -471,6 +471,12 @@ def test_a_replica_whose_process_exited_leaves_the_routing_at_once(
     assert [s.replica for s in streams] == [other] * 8
     for s in streams:
         assert s.collect(10) == [1, 0]
+    # None left to route to: refused at once, not sent to a dead stage.
+    pid = cast(int, other.pid)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 10)
+    with pytest.raises(NoReplicaError, match=r"r1 serving \(its process exited\)"):
+        pool.add("late", 2)
 
 
 def test_a_call_on_a_dying_replica_gets_replica_dead_error(launch: Open) -> None:

@@ -543,6 +543,14 @@ class Scored(Routing):
         return best
 
 
+def _described(r: Replica) -> str:
+    """*r*'s name and state, for "no replica can take requests"."""
+    session = r._session
+    if r._state is ReplicaState.SERVING and session is not None and session._exited:
+        return f"{r.name} serving (its process exited)"
+    return f"{r.name} {r._state.value}"
+
+
 def _checked_score(score: object, r: Replica, request: PoolRequest) -> float:
     """*score*, a routing score that is not a plain float or int, if it is a real number
     (not a bool, not NaN); else the error that names the replica and the request."""
@@ -915,7 +923,7 @@ class PoolCore:
         if not routable:
             raise NoReplicaError(
                 "no replica can take requests: "
-                + (", ".join(f"{r.name} {r._state.value}" for r in self._replicas) or "none left")
+                + (", ".join(_described(r) for r in self._replicas) or "none left")
             )
         return routable
 
