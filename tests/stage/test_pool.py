@@ -1216,6 +1216,15 @@ def test_bad_pool_arguments() -> None:
         Sticky(spill_above=float("nan"))
     with pytest.raises(TypeError, match="k and exhaustive must be ints"):
         LeastLoaded(k=cast(Any, 1.5))
+    # Named, not a bare '<' TypeError; NaN and a fractional count not taken silently.
+    with pytest.raises(TypeError, match="first_delay must be a number of seconds, got str"):
+        RestartPolicy(first_delay=cast(Any, "1"))
+    with pytest.raises(TypeError, match="window must be a number of seconds, got NoneType"):
+        RestartPolicy(window=cast(Any, None))
+    with pytest.raises(TypeError, match="max_failures must be an int, got float"):
+        RestartPolicy(max_failures=cast(Any, 2.5))
+    with pytest.raises(ValueError, match="window > 0"):
+        RestartPolicy(window=float("nan"))
     stream_types = (PoolRequestStream, AsyncPoolRequestStream)
     assert all(hasattr(t, "replica") for t in stream_types)
 

@@ -140,9 +140,15 @@ class RestartPolicy:
     window: float = 60.0
 
     def __post_init__(self) -> None:
+        for name in ("first_delay", "max_delay", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int):
+            raise TypeError(f"max_failures must be an int, got {type(self.max_failures).__name__}")
         if not 0 < self.first_delay <= self.max_delay:
             raise ValueError("need 0 < first_delay <= max_delay")
-        if self.max_failures < 1 or self.window <= 0:
+        if not (self.max_failures >= 1 and self.window > 0):  # NaN too
             raise ValueError("need max_failures >= 1 and window > 0")
 
     def delay(self, deaths: deque[float], now: float) -> float | None:
