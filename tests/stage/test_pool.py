@@ -935,6 +935,34 @@ def test_the_replicas_start_together(launch: Open, barrier_dir: Path) -> None:
     assert sorted(os.listdir(barrier_dir)) == pids
 
 
+class _Interrupt(BaseException):
+    """What a Ctrl-C is to the blocking pool's launch: raised in the waiting thread."""
+
+
+def test_an_interrupted_launch_stops_its_starts_at_once(barrier_dir: Path) -> None:
+    # Before: the interrupt waited, inside the executor's exit, for every start to end by
+    # itself (here the factories' 40 s barrier), then went on.
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1))
+    started = time.monotonic()
+    try:
+        timer.start()
+        with pytest.raises(_Interrupt):
+            StagePool.launch(
+                BARRIER,
+                {"directory": str(barrier_dir), "parties": 99, "timeout": 40.0},
+                replicas=2,
+                startup_timeout=50,
+            )
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    assert time.monotonic() - started < 20
+
+
 class _CountingExecutor(concurrent.futures.ThreadPoolExecutor):
     """An event loop's default executor of one thread that counts what it is given."""
 

@@ -356,10 +356,18 @@ class StagePool(PoolBase[PoolRequestStream]):
                 errors.append(exc)
         else:
             with concurrent.futures.ThreadPoolExecutor(len(new)) as ex:
-                for fut in [ex.submit(self._start, r) for r in new]:
-                    failed = fut.exception()
-                    if failed is not None:
-                        errors.append(failed)
+                futures = [ex.submit(self._start, r) for r in new]
+                try:
+                    for fut in futures:
+                        failed = fut.exception()
+                        if failed is not None:
+                            errors.append(failed)
+                except BaseException:
+                    # Ctrl-C in a launch (the pool then closes): the starts stop now, as a
+                    # close stops them, not at their startup_timeout, which the executor's
+                    # exit would wait for before the interrupt went on.
+                    self._starts_cancelled.send_bytes(b"closed")
+                    raise
         if errors:
             for r in new:
                 self._stop_member(r, drain=None, timeout=5.0)
