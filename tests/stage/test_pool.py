@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import shutil
@@ -12,7 +13,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -38,6 +39,7 @@ from enginecore.stage import (
     RequestError,
     RequestFailed,
     RestartPolicy,
+    Routing,
     StageClosedError,
     StageHealth,
     StagePool,
@@ -45,6 +47,7 @@ from enginecore.stage import (
     Sticky,
     UtilityError,
     UtilityResult,
+    _session,
 )
 
 from .conftest import BlockingAsyncStream, EventLoopThread, Server, pid_gone, wait_until
@@ -321,6 +324,19 @@ def test_utilities_go_to_one_replica_or_to_all(launch: Open) -> None:
         assert isinstance(s, StageStatistics)
         assert s.pid == r.pid
         assert s.name.endswith(f"/{r.name}")
+    # A bad timeout raises, as a single call's does, before anything is sent: not a
+    # TimeoutError per replica "within -1 s" (blocking) or a ValueError each (asyncio).
+    bads: list[tuple[Any, type[Exception]]] = [
+        (-1, ValueError),
+        (float("nan"), ValueError),
+        ("1", TypeError),
+    ]
+    for bad, error in bads:
+        with pytest.raises(error, match="'timeout' must be"):
+            pool.call_utility("pid", broadcast=True, timeout=bad)
+        with pytest.raises(error, match="'timeout' must be"):
+            pool.stats(bad)
+    assert pool.call_utility("pid", broadcast=True, timeout=10) == answers
 
 
 def test_a_utility_call_to_a_replica_not_in_the_pool_is_refused(launch: Open) -> None:
@@ -433,6 +449,34 @@ def test_a_killed_replica_fails_only_its_own_requests(launch: Open) -> None:
             pool.abort([s.req_id])
             s.collect(10)
     assert pool.health() == StageHealth.OK
+
+
+def test_a_replica_whose_process_exited_leaves_the_routing_at_once(
+    launch: Open, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sentinel is seen at once, but the replica is dead (and its requests fail) only
+    # once its last frames are read (EXIT_GRACE_S, here widened). Before, it stayed in the
+    # routing all that while: a request added after the exit went to it and failed.
+    monkeypatch.setattr(_session, "EXIT_GRACE_S", 3.0)
+    pool = launch(COUNTDOWN, replicas=2, routing=Sticky())
+    victim, other = pool.replicas
+    key = next(f"u{i}" for i in range(100) if pool.add(f"h{i}", 1, key=f"u{i}").replica is victim)
+    pid = cast(int, victim.pid)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 10)  # reaped: seen
+    assert victim.state is ReplicaState.SERVING  # its last frames are still being read
+    assert not victim.routable
+    streams = [pool.add(f"a{i}", 2, key=key) for i in range(4)]
+    streams += pool.add_many([(f"b{i}", 2) for i in range(4)])
+    assert [s.replica for s in streams] == [other] * 8
+    for s in streams:
+        assert s.collect(10) == [1, 0]
+    # None left to route to: refused at once, not sent to a dead stage.
+    pid = cast(int, other.pid)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 10)
+    with pytest.raises(NoReplicaError, match=r"r1 serving \(its process exited\)"):
+        pool.add("late", 2)
 
 
 def test_a_call_on_a_dying_replica_gets_replica_dead_error(launch: Open) -> None:
@@ -765,16 +809,19 @@ def test_a_close_cuts_short_the_drain_of_a_stopped_replica_too(launch: Open) -> 
     assert pid_gone(pid)
 
 
-def test_a_drained_removal_of_a_stopped_replica_keeps_to_its_timeout(launch: Open) -> None:
+@pytest.mark.parametrize("drain", [True, False], ids=["drained", "undrained"])
+def test_a_removal_of_a_stopped_replica_keeps_to_its_timeout(launch: Open, drain: bool) -> None:
     # A SIGSTOPped replica cannot end its drain: the removal waits its timeout and 1 s for
     # the exit, then SIGTERM and a second, then SIGKILL; not the 5 s of a close on top.
+    # Without a drain, the stage gets at most the timeout to exit (it got 5 s whatever
+    # the timeout).
     pool, streams = _busy(launch, ping_interval=0.2)
     victim = pool.replicas[0]
     on_victim = [s for s in streams if s.replica is victim]
     assert on_victim
     os.kill(cast(int, victim.pid), signal.SIGSTOP)
     started = time.monotonic()
-    code = pool.remove_replica(victim, drain=True, timeout=1)
+    code = pool.remove_replica(victim, drain=drain, timeout=1)
     took = time.monotonic() - started
     assert code == -signal.SIGKILL
     assert took < 1 + 2 + 2.5, took  # was 7 s and more: 1 + 5 + 1, then the kill
@@ -787,6 +834,25 @@ def test_a_drained_removal_of_a_stopped_replica_keeps_to_its_timeout(launch: Ope
     pool.abort([s.req_id for s in survivors])
     for s in survivors:
         s.collect(10)
+
+
+def test_a_bad_removal_timeout_is_refused_before_the_replica_leaves(launch: Open) -> None:
+    # Checked first: before, the stage's drain check raised (naming "drain") once the
+    # replica had left the routing, and it stayed "draining" for good; None meant no drain.
+    pool = launch(COUNTDOWN, replicas=2)
+    r0 = pool.replicas[0]
+    for bad, error in [(-1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError)]:
+        with pytest.raises(error, match="timeout must be a finite number of seconds >= 0"):
+            pool.remove_replica(r0, timeout=bad)
+    for wrong in ("1", None, True):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+            pool.remove_replica(r0, drain=False, timeout=cast(Any, wrong))
+    assert r0.state is ReplicaState.SERVING
+    assert pool.replicas == (r0, pool.replicas[1])
+    streams = [pool.add(f"x{i}", 2) for i in range(4)]
+    assert {s.replica for s in streams} == set(pool.replicas)
+    assert [s.collect(10) for s in streams] == [[1, 0]] * 4
+    assert pool.remove_replica(r0, timeout=0) == 0
 
 
 def test_a_pool_over_connected_and_launched_replicas(pools: tuple[Open, Open]) -> None:
@@ -867,6 +933,34 @@ def test_the_replicas_start_together(launch: Open, barrier_dir: Path) -> None:
     pids = sorted(str(r.pid) for r in pool.replicas)
     assert len(set(pids)) == 6
     assert sorted(os.listdir(barrier_dir)) == pids
+
+
+class _Interrupt(BaseException):
+    """What a Ctrl-C is to the blocking pool's launch: raised in the waiting thread."""
+
+
+def test_an_interrupted_launch_stops_its_starts_at_once(barrier_dir: Path) -> None:
+    # Before: the interrupt waited, inside the executor's exit, for every start to end by
+    # itself (here the factories' 40 s barrier), then went on.
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1))
+    started = time.monotonic()
+    try:
+        timer.start()
+        with pytest.raises(_Interrupt):
+            StagePool.launch(
+                BARRIER,
+                {"directory": str(barrier_dir), "parties": 99, "timeout": 40.0},
+                replicas=2,
+                startup_timeout=50,
+            )
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    assert time.monotonic() - started < 20
 
 
 class _CountingExecutor(concurrent.futures.ThreadPoolExecutor):
@@ -1081,6 +1175,78 @@ def test_a_score_function_routes(launch: Open) -> None:
         s.collect(10)
 
 
+def test_a_score_function_sees_the_request_and_a_bad_score_is_named(launch: Open) -> None:
+    seen: list[PoolRequest] = []
+
+    def by_size(view: ReplicaView, request: PoolRequest) -> float:
+        seen.append(request)
+        return float(abs(int(view.replica.name[1:]) - request.data % 2))
+
+    pool = launch(COUNTDOWN, replicas=2, routing=by_size)
+    # The score sees the request's data (before, None unless on_replica_death was set).
+    assert pool.add("odd", 3, key="k").replica is pool.replicas[1]
+    assert seen[-1] == PoolRequest("odd", 3, "k")
+    assert pool.add("even", 2).replica is pool.replicas[0]
+    r0, r1 = pool.replicas
+    assert [s.replica for s in pool.add_many([("b1", 1), ("b2", 2)])] == [r1, r0]
+    assert seen[-1] == PoolRequest("b2", 2, None)
+    # A score that is not a real number, or NaN (which compares as neither better nor
+    # worse, so that a NaN replica could win), is an error that names it, not a bare
+    # comparison TypeError or a silent pick; nothing is sent.
+    bad: list[Any] = [None]
+    pool2 = launch(COUNTDOWN, replicas=2, routing=lambda view, request: bad[0])
+    for value, error, match in [
+        (None, TypeError, r"must be a real number, got NoneType \(None\) for replica r\d"),
+        ("1", TypeError, "got str"),
+        (True, TypeError, "got bool"),
+        (1j, TypeError, "got complex"),
+        (float("nan"), ValueError, "score of replica r\\d for request 'x' is NaN"),
+    ]:
+        bad[0] = value
+        with pytest.raises(error, match=match):
+            pool2.add("x", 1)
+        with pytest.raises(error):
+            pool2.add_many([("y", 1)])
+    bad[0] = float("inf")  # a number, however large
+    assert pool2.add("x", 1).collect(10) == [0]
+    assert [r.in_flight for r in pool2.replicas] == [0, 0]
+
+
+class _Returns(Routing):
+    """A policy of one's own that returns whatever it is told to."""
+
+    def __init__(self) -> None:
+        self.pick: Callable[[Sequence[Replica]], Any] = lambda replicas: replicas[-1]
+
+    def choose(
+        self, replicas: Sequence[Replica], req_id: str, data: Any, key: Any, now: float
+    ) -> Replica:
+        return cast(Replica, self.pick(replicas))
+
+
+def test_a_policy_that_chooses_no_replica_of_its_own_is_named(pools: tuple[Open, Open]) -> None:
+    # Before: a bare AttributeError ('NoneType' object has no attribute '_client'), a
+    # misleading NoReplicaError for a removed replica, and another pool's replica took the
+    # request, through that pool's client, while this pool's table kept it live.
+    launch = pools[0]
+    policy = _Returns()
+    pool = launch(COUNTDOWN, replicas=3, routing=policy, startup_timeout=30)
+    other = launch(COUNTDOWN, replicas=1, startup_timeout=30)
+    assert pool.add("ok", 2).collect(10) == [1, 0]
+    removed = pool.replicas[2]
+    pool.remove_replica(removed)
+    wrongs: list[Any] = [None, "r0", 0, removed, other.replicas[0]]
+    for wrong in wrongs:
+        policy.pick = functools.partial(lambda wrong, replicas: wrong, wrong)
+        with pytest.raises(TypeError, match=r"_Returns\.choose\(\) chose .* not one of the"):
+            pool.add("x", 2)
+        with pytest.raises(TypeError, match=r"_Returns\.assign\(\) chose .* not one of the"):
+            pool.add_many([("y", 2), ("z", 2)])
+    assert [r.in_flight for r in (*pool.replicas, *other.replicas)] == [0, 0, 0]
+    policy.pick = lambda replicas: replicas[0]
+    assert [s.collect(10) for s in pool.add_many([("x", 2), ("y", 2)])] == [[1, 0]] * 2
+
+
 def test_bad_pool_arguments() -> None:
     with pytest.raises(TypeError, match="routing"):
         StagePool(routing=cast(Any, 3))
@@ -1110,6 +1276,15 @@ def test_bad_pool_arguments() -> None:
         Sticky(spill_above=float("nan"))
     with pytest.raises(TypeError, match="k and exhaustive must be ints"):
         LeastLoaded(k=cast(Any, 1.5))
+    # Named, not a bare '<' TypeError; NaN and a fractional count not taken silently.
+    with pytest.raises(TypeError, match="first_delay must be a number of seconds, got str"):
+        RestartPolicy(first_delay=cast(Any, "1"))
+    with pytest.raises(TypeError, match="window must be a number of seconds, got NoneType"):
+        RestartPolicy(window=cast(Any, None))
+    with pytest.raises(TypeError, match="max_failures must be an int, got float"):
+        RestartPolicy(max_failures=cast(Any, 2.5))
+    with pytest.raises(ValueError, match="window > 0"):
+        RestartPolicy(window=float("nan"))
     stream_types = (PoolRequestStream, AsyncPoolRequestStream)
     assert all(hasattr(t, "replica") for t in stream_types)
 

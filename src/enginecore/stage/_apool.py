@@ -36,6 +36,7 @@ from ._pool_core import (
 )
 from ._poolbase import (
     DRAIN_EXIT_S,
+    STOP_EXIT_S,
     PoolBase,
     PoolStreamCore,
     connect_specs,
@@ -45,6 +46,7 @@ from ._poolbase import (
     fail_with_group,
     launch_specs,
     member_plan,
+    removal_timeout,
     replica_spec,
     with_groups,
 )
@@ -495,6 +497,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if broadcast:
             if replica is not None:
                 raise TypeError("call_utility() takes replica= or broadcast=True, not both")
+            _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
             self._check_open()
             serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
             results = await asyncio.gather(
@@ -510,6 +513,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     ) -> dict[Replica, StageStatistics | Exception]:
         """:meth:`StagePool.stats <enginecore.stage.StagePool.stats>`, awaited (the
         replicas answer at once)."""
+        _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
         serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
         results = await asyncio.gather(
             *(r._client.stats(timeout) for r in serving), return_exceptions=True
@@ -523,6 +527,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     ) -> int | None:
         """:meth:`StagePool.remove_replica <enginecore.stage.StagePool.remove_replica>`,
         awaited."""
+        timeout = removal_timeout(timeout)
         if replica not in self._core.replicas:
             raise ValueError(f"{replica!r} is not in this pool")
         was = replica.state
@@ -530,12 +535,16 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         # A task of the pool's (close() waits for it), shielded: a cancelled caller stops
         # waiting, but the removal it began goes on to its end (else the replica stayed
         # "draining" in pool.replicas, its stage stopped or not).
-        task = self._loop.create_task(self._remove(replica, was, timeout if drain else None))
+        task = self._loop.create_task(
+            self._remove(replica, was, timeout if drain else None, timeout)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    async def _remove(self, replica: Replica, was: ReplicaState, drain: float | None) -> int | None:
+    async def _remove(
+        self, replica: Replica, was: ReplicaState, drain: float | None, timeout: float
+    ) -> int | None:
         code, cut = None, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
             if drain is not None:
@@ -545,7 +554,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                     self._drains.add(replica)
             try:
                 code = await self._stop_member(
-                    replica, drain=drain, timeout=DRAIN_EXIT_S if drain is not None else 5.0
+                    replica,
+                    drain=drain,
+                    timeout=DRAIN_EXIT_S if drain is not None else min(timeout, STOP_EXIT_S),
                 )
             finally:
                 self._drains.discard(replica)

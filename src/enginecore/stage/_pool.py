@@ -46,6 +46,7 @@ from ._pool_core import (
 )
 from ._poolbase import (
     DRAIN_EXIT_S,
+    STOP_EXIT_S,
     PoolBase,
     PoolStreamCore,
     connect_specs,
@@ -55,6 +56,7 @@ from ._poolbase import (
     fail_with_group,
     launch_specs,
     member_plan,
+    removal_timeout,
     replica_spec,
     with_groups,
 )
@@ -354,10 +356,18 @@ class StagePool(PoolBase[PoolRequestStream]):
                 errors.append(exc)
         else:
             with concurrent.futures.ThreadPoolExecutor(len(new)) as ex:
-                for fut in [ex.submit(self._start, r) for r in new]:
-                    failed = fut.exception()
-                    if failed is not None:
-                        errors.append(failed)
+                futures = [ex.submit(self._start, r) for r in new]
+                try:
+                    for fut in futures:
+                        failed = fut.exception()
+                        if failed is not None:
+                            errors.append(failed)
+                except BaseException:
+                    # Ctrl-C in a launch (the pool then closes): the starts stop now, as a
+                    # close stops them, not at their startup_timeout, which the executor's
+                    # exit would wait for before the interrupt went on.
+                    self._starts_cancelled.send_bytes(b"closed")
+                    raise
         if errors:
             for r in new:
                 self._stop_member(r, drain=None, timeout=5.0)
@@ -646,6 +656,7 @@ class StagePool(PoolBase[PoolRequestStream]):
     def _broadcast(
         self, name: str, args: tuple[Any, ...], timeout: float | None
     ) -> dict[Replica, Any]:
+        deadline = _clientbase.deadline_after(timeout)  # a bad one raises before a send
         self._check_open()
         futures: dict[Replica, concurrent.futures.Future[Any]] = {}
         out: dict[Replica, Any] = {}
@@ -656,7 +667,6 @@ class StagePool(PoolBase[PoolRequestStream]):
                 futures[r] = r._client.call_utility_future(name, *args)
             except Exception as exc:
                 out[r] = exc
-        deadline = None if timeout is None else time.monotonic() + timeout
         for r, fut in futures.items():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -712,13 +722,16 @@ class StagePool(PoolBase[PoolRequestStream]):
         :class:`~enginecore.stage.StageClosedError`. A launched replica is stopped, a
         connected one detached from. Returns the exit code (``None`` if unknown). Blocks:
         with *drain*, at most *timeout* seconds plus 1 s for the stage to exit, then
-        SIGTERM, one more second, and SIGKILL (a stopped or stuck stage).
+        SIGTERM, one more second, and SIGKILL (a stopped or stuck stage); without, at most
+        *timeout* (5 s at most) for the exit, then the same signals. *timeout* must be a
+        finite number of seconds >= 0 (checked before the replica leaves the routing).
 
         A :meth:`close` (or :meth:`shutdown` without a drain) while the replica drains
         cuts the drain short: the stage stops at once, its requests still live end with
         :class:`~enginecore.stage.StageClosedError` as the close ends every other one,
         the replica is removed, and this call raises
         :class:`~enginecore.stage.StageClosedError`."""
+        timeout = removal_timeout(timeout)
         with self._lock:
             if replica not in self._core.replicas:
                 raise ValueError(f"{replica!r} is not in this pool")
@@ -736,7 +749,7 @@ class StagePool(PoolBase[PoolRequestStream]):
                 code = self._stop_member(
                     replica,
                     drain=timeout if drain else None,
-                    timeout=DRAIN_EXIT_S if drain else 5.0,
+                    timeout=DRAIN_EXIT_S if drain else min(timeout, STOP_EXIT_S),
                 )
             finally:
                 with self._lock:

@@ -25,6 +25,8 @@ import enum
 import hashlib
 import itertools
 import logging
+import math
+import numbers
 import random
 import time
 from collections import deque
@@ -138,9 +140,15 @@ class RestartPolicy:
     window: float = 60.0
 
     def __post_init__(self) -> None:
+        for name in ("first_delay", "max_delay", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int):
+            raise TypeError(f"max_failures must be an int, got {type(self.max_failures).__name__}")
         if not 0 < self.first_delay <= self.max_delay:
             raise ValueError("need 0 < first_delay <= max_delay")
-        if self.max_failures < 1 or self.window <= 0:
+        if not (self.max_failures >= 1 and self.window > 0):  # NaN too
             raise ValueError("need max_failures >= 1 and window > 0")
 
     def delay(self, deaths: deque[float], now: float) -> float | None:
@@ -303,13 +311,15 @@ def replica_load(r: Replica, now: float) -> int:
 
 
 def routable(r: Replica) -> bool:
-    """Whether *r* may take a request now: serving, its stage not gone and not stalled (a
-    step past its ``step_timeout``, or 1.75 ping intervals without a frame)."""
+    """Whether *r* may take a request now: serving, its stage not gone (nor its process
+    exited, while its last frames are read) and not stalled (a step past its
+    ``step_timeout``, or 1.75 ping intervals without a frame)."""
     session = r._session
     return (
         r._state is ReplicaState.SERVING
         and session is not None
         and session._failure is None
+        and not session._exited
         and not session._step_stalled
         and not session._silent
     )
@@ -328,7 +338,8 @@ class Routing:
     ) -> Replica:
         """The replica, among *replicas* (those that may take a request now: two or more;
         with one, the pool does not ask), that gets request *req_id*. Runs on the caller's
-        thread under no lock; must not block. *now* is a ``time.monotonic()`` reading."""
+        thread under no lock; must not block. *now* is a ``time.monotonic()`` reading.
+        Anything but one of *replicas* is refused (:class:`TypeError`; nothing is sent)."""
         raise NotImplementedError
 
     def assign(
@@ -529,10 +540,36 @@ class Scored(Routing):
                         view.age,
                     )
             score = self.score(view, request)
+            kind = type(score)
+            if kind is not int and (kind is not float or math.isnan(score)):
+                score = _checked_score(score, r, request)  # another real passes; else named
             if best is None or score < best_score:
                 best, best_score = r, score
         assert best is not None
         return best
+
+
+def _described(r: Replica) -> str:
+    """*r*'s name and state, for "no replica can take requests"."""
+    session = r._session
+    if r._state is ReplicaState.SERVING and session is not None and session._exited:
+        return f"{r.name} serving (its process exited)"
+    return f"{r.name} {r._state.value}"
+
+
+def _checked_score(score: object, r: Replica, request: PoolRequest) -> float:
+    """*score*, a routing score that is not a plain float or int, if it is a real number
+    (not a bool, not NaN); else the error that names the replica and the request."""
+    if not isinstance(score, numbers.Real) or isinstance(score, bool):
+        raise TypeError(
+            f"a routing score must be a real number, got {type(score).__name__} ({score!r})"
+            f" for replica {r.name} and request {request.req_id!r}"
+        )
+    if math.isnan(score):
+        raise ValueError(
+            f"the routing score of replica {r.name} for request {request.req_id!r} is NaN"
+        )
+    return score  # type: ignore[return-value]
 
 
 def _key_bytes(key: Hashable) -> bytes:
@@ -723,6 +760,8 @@ class PoolCore:
                 f"restart must be a bool or a RestartPolicy, got {type(restart).__name__}"
             )
         self.routing: Final = as_routing(routing)
+        # A policy of the user's own: its choices are checked (one of the candidates).
+        self._checked = type(self.routing) not in (LeastLoaded, Sticky, Scored)
         if restart is True:
             restart = RestartPolicy()
         self.restart: Final[RestartPolicy | None] = restart or None
@@ -890,7 +929,7 @@ class PoolCore:
         if not routable:
             raise NoReplicaError(
                 "no replica can take requests: "
-                + (", ".join(f"{r.name} {r._state.value}" for r in self._replicas) or "none left")
+                + (", ".join(_described(r) for r in self._replicas) or "none left")
             )
         return routable
 
@@ -901,7 +940,11 @@ class PoolCore:
             return serving  # the common case: the same tuple (Sticky caches on it)
         if healthy:
             return healthy
-        return tuple(r for r in serving if r._session is not None and r._session._failure is None)
+        return tuple(
+            r
+            for r in serving
+            if r._session is not None and r._session._failure is None and not r._session._exited
+        )
 
     def route(self, req_id: str, data: Any, key: Hashable | None) -> Replica:
         """The replica for one request (the only candidate, without asking the policy)."""
@@ -910,11 +953,38 @@ class PoolCore:
             candidates = self.candidates()
         if len(candidates) == 1:
             return candidates[0]
-        return self.routing.choose(candidates, req_id, data, key, time.monotonic())
+        chosen = self.routing.choose(candidates, req_id, data, key, time.monotonic())
+        if self._checked and not any(chosen is r for r in candidates):
+            raise self._bad_choice("choose", chosen)
+        return chosen
 
     def route_many(self, requests: Sequence[PoolRequest]) -> list[Replica]:
         """The replica of each request of a burst."""
-        return self.routing.assign(self.candidates(), requests, time.monotonic())
+        return self.assign(self.candidates(), requests)
+
+    def assign(
+        self, candidates: Sequence[Replica], requests: Sequence[PoolRequest]
+    ) -> list[Replica]:
+        """The policy's replica for each of *requests* among *candidates* (checked, for a
+        policy of the user's own)."""
+        chosen = self.routing.assign(candidates, requests, time.monotonic())
+        if self._checked:
+            if not isinstance(chosen, list) or len(chosen) != len(requests):
+                raise TypeError(
+                    f"{type(self.routing).__name__}.assign() must return a list of "
+                    f"{len(requests)} replicas, one per request, got {chosen!r:.200}"
+                )
+            ids = {id(r) for r in candidates}
+            for r in chosen:
+                if id(r) not in ids:
+                    raise self._bad_choice("assign", r)
+        return chosen
+
+    def _bad_choice(self, method: str, chosen: object) -> Exception:
+        return TypeError(
+            f"{type(self.routing).__name__}.{method}() chose {chosen!r:.200}, which is not "
+            "one of the replicas it was given"
+        )
 
     # -- the live-request table (under the blocking pool's lock) -------------------------
 

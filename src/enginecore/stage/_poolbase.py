@@ -159,6 +159,21 @@ def fail_with_group(member: Any, replica: Replica, dead: Replica) -> None:
 
 
 DRAIN_EXIT_S: Final = 1.0
+# How long remove_replica(drain=False) lets a launched stage exit before the signals (at
+# most its timeout).
+STOP_EXIT_S: Final = 5.0
+
+
+def removal_timeout(timeout: object) -> float:
+    """``remove_replica``'s *timeout*, checked before the replica leaves the routing: a
+    number of seconds, finite and >= 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not 0 <= timeout < float("inf"):  # NaN too
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+    return float(timeout)
+
+
 """How long ``remove_replica(drain=True, timeout=t)`` waits for a launched stage's exit
 after the *t* seconds of its drain (the stage aborts what is still live then, and stops)
 before it signals the stage (SIGTERM, one more second, SIGKILL): a stage that is stopped
@@ -407,7 +422,7 @@ class PoolBase(Generic[S]):
     def _add_routed(self, req_id: str, data: Any, key: Hashable | None) -> S:
         parts = ClientSession.add_frame(req_id, data)
         request = PoolRequest(req_id, data, key) if self._core.on_replica_death else None
-        new: S = self._send(req_id, parts, request, key, 0, None)
+        new: S = self._send(req_id, parts, request, key, 0, None, data=data)
         return new
 
     def _add_quiet(self, req_id: str, data: Any, key: Hashable | None) -> None:
@@ -418,7 +433,7 @@ class PoolBase(Generic[S]):
             raise events_off()
         parts = ClientSession.add_frame(req_id, data)
         if self._core.on_replica_death is None:
-            self._send(req_id, parts, None, key, 0, None, quiet=True)
+            self._send(req_id, parts, None, key, 0, None, quiet=True, data=data)
             return
         request = PoolRequest(req_id, data, key)
         self._send(req_id, parts, request, key, 0, QuietRequest(req_id, request), quiet=True)
@@ -433,6 +448,7 @@ class PoolBase(Generic[S]):
         stream: Any,
         *,
         quiet: bool = False,
+        data: Any = None,
     ) -> Any:
         """Route and send one request; *stream* continues a moved one (its stream, or its
         :class:`QuietRequest`). A new request without a stream (*quiet*) has its record as
@@ -441,7 +457,7 @@ class PoolBase(Generic[S]):
         run under the member's hold of the lock that registers the stream
         (``_send_request(live=)``): one hold per request, as a single client's. A replica
         that left between the choice and the send gets the next choice instead, a few
-        times."""
+        times. *data* is the request's, for the routing, when there is no *request*."""
         core = self._core
         if core.closing:
             raise StageClosedError("this stage pool is closed")
@@ -460,7 +476,8 @@ class PoolBase(Generic[S]):
             new._migrations = migrations
             quiet = type(new) is QuietRequest
         table = quiet and new is None  # a QuietTable per replica stands for the request
-        data = None if request is None else request.data
+        if request is not None:
+            data = request.data
         try:
             for _ in range(8):
                 replica = core.route(req_id, data, key)
@@ -512,7 +529,7 @@ class PoolBase(Generic[S]):
                 groups = {candidates[0]: None}
             else:
                 assert requests is not None
-                chosen = core.routing.assign(candidates, requests, time.monotonic())
+                chosen = core.assign(candidates, requests)
                 index: dict[Replica, list[int]] = {}
                 for i, r in enumerate(chosen):
                     index.setdefault(r, []).append(i)
@@ -550,7 +567,7 @@ class PoolBase(Generic[S]):
                         request = requests[i] if keep and requests is not None else None
                         record = QuietRequest(rid, request) if keep and not streams else None
                         by_index[i] = self._send(
-                            rid, frame, request, None, 0, record, quiet=not streams
+                            rid, frame, request, None, 0, record, quiet=not streams, data=data
                         )
                     continue
                 if not streams:

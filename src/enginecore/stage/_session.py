@@ -1341,6 +1341,7 @@ class ClientSession(Generic[S, W]):
         self._exit_code = exit_code
         self._exit_reason = reason
         self._linger_until = None
+        self._health_changed()  # a pool's member: out of the routing at once
         if self._state is StageState.STOPPED:
             err = self.end_error(exit_code=exit_code, remote_shutdown=True, reason=reason)
             return self.fail(err, now)
