@@ -1626,6 +1626,35 @@ class TestLifecycle:
 
         assert asyncio.run(main()) == [4, 3, 2, 1, 0] * 2
 
+    @pytest.mark.parametrize("drain", [None, 30.0])
+    def test_a_cancelled_async_shutdown_still_stops_every_stage(
+        self, drain: float | None, no_leftovers: str
+    ) -> None:
+        # asyncio.wait_for(pipe.shutdown(), t) or a task's cancel() while shutdown() waits
+        # for a stage: the shutdown goes on, and a second call waits for it. (It stopped
+        # where it was cancelled, and the second call returned at once: the stages after
+        # it kept running, and their streams never ended.)
+        async def main() -> None:
+            stages = [PipelineStage(DEVICE, {"step_s": 0.005}), PipelineStage(RELAY, name="b")]
+            pipe = await AsyncPipeline.launch(stages, startup_timeout=30)
+            stream = await pipe.add("r", 10**6 if drain is None else 400)
+            await stream.__anext__()
+            assert len(child_pids()) == 2
+            task = asyncio.ensure_future(pipe.shutdown(drain=drain))
+            await asyncio.sleep(0)  # it waits for the first stage now
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(pipe.shutdown(), 60)
+            assert not child_pids()
+            if drain is None:
+                with pytest.raises(StageClosedError):
+                    await stream.collect(timeout=10)
+            else:
+                assert len(await stream.collect(timeout=10)) == 399
+
+        asyncio.run(main())
+
     @pytest.mark.parametrize(
         ("drain", "error"), [(-1.0, ValueError), (float("nan"), ValueError), ("5", TypeError)]
     )
