@@ -1655,6 +1655,34 @@ class TestLifecycle:
 
         asyncio.run(main())
 
+    def test_a_shutdown_interrupted_by_ctrl_c_is_finished_by_the_next_call(
+        self, no_leftovers: str
+    ) -> None:
+        # A KeyboardInterrupt while Pipeline.shutdown() waits for a stage: a second call
+        # stops the stages the first one had not reached. (It returned at once: they kept
+        # running, and their streams never ended.)
+        pipe = Pipeline.launch([COUNTDOWN, PipelineStage(RELAY, name="b")], startup_timeout=30)
+        try:
+            stream = pipe.add("r", 3)
+            pipe.call_utility("b", "hold", True)  # r stays in b
+            first = pipe.client(COUNTDOWN)
+            real = first.shutdown
+
+            def interrupted(*args: Any, **kwargs: Any) -> Any:
+                real(*args, **kwargs)
+                raise KeyboardInterrupt
+
+            first.shutdown = interrupted  # type: ignore[method-assign]
+            with pytest.raises(KeyboardInterrupt):
+                pipe.shutdown()
+            del first.shutdown  # the real one again
+            assert len(child_pids()) == 1
+        finally:
+            pipe.shutdown()
+        assert not child_pids()
+        with pytest.raises(StageClosedError):
+            stream.collect(timeout=10)
+
     @pytest.mark.parametrize(
         ("drain", "error"), [(-1.0, ValueError), (float("nan"), ValueError), ("5", TypeError)]
     )

@@ -742,6 +742,7 @@ class PipelineBase(Generic[S, C]):
             client._session.label = f"pipeline stage {key!r}"  # its warnings say which
         self._pooled = self._core.pooled
         self._closed = False
+        self._shutdown_done = False  # Pipeline.shutdown() went through to its end
         # A restart's link barrier under way: per restarted process (stage, replica), the
         # processes of the stage before it sent a ``link`` to it (_install, _started).
         self._linking: dict[tuple[int, int], list[int]] = {}
