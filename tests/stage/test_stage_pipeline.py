@@ -1570,6 +1570,38 @@ class TestLifecycle:
         closer.join(30)
         assert "the pipeline was shut down" in str(refused[0])
 
+    def test_a_stage_that_dies_during_a_drain_ends_its_requests_as_a_death(
+        self, launch: Any
+    ) -> None:
+        # A stage killed while shutdown(drain=...) drains the stages before it: its requests
+        # end with its PipelineStageDeadError at once, and are aborted in the stages still
+        # draining, as at any other time. (The death was ignored once the shutdown had
+        # begun: the drain waited out its deadline for requests that could not finish, and
+        # they ended with StageClosedError, naming no stage.)
+        pipe = launch(
+            [PipelineStage(DEVICE, {"step_s": 0.005}), PipelineStage(RELAY, name="b"), RELAY]
+        )
+        victim = pipe.call_utility("b", "pid")
+        stream = pipe.add("r", 10**6)
+        stream.get(timeout=10)
+        closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 40.0})
+        closer.start()
+
+        def draining() -> bool:
+            try:
+                pipe.add("late", 1).collect(timeout=10)
+            except StageClosedError:
+                return True
+            return False
+
+        assert wait_until(draining, 10)
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(PipelineStageDeadError) as info:
+            stream.collect(timeout=30)
+        assert info.value.stage == "b"
+        closer.join(30)  # the first stage's drain is over: its request was aborted
+        assert not closer.is_alive()
+
     @pytest.mark.parametrize(
         ("bad", "error"),
         [(0, ValueError), (-1, ValueError), (float("nan"), ValueError), ("5", TypeError)],
