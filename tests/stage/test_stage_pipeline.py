@@ -1570,6 +1570,30 @@ class TestLifecycle:
         closer.join(30)
         assert "the pipeline was shut down" in str(refused[0])
 
+    def test_an_abort_during_a_drain_reaches_the_first_stage(self, launch: Any) -> None:
+        # The first stage drains its request (the pipeline's shutdown has begun): the
+        # caller's abort still reaches it. (Its client, closing, refused to send it: the
+        # request ran on until the deadline.)
+        pipe = launch([PipelineStage(DEVICE, {"step_s": 0.005}), RELAY])
+        stream = pipe.add("r", 10**6)
+        stream.get(timeout=10)
+        closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 40.0})
+        closer.start()
+
+        def draining() -> bool:
+            try:
+                pipe.add("late", 1).collect(timeout=10)
+            except StageClosedError:
+                return True
+            return False
+
+        assert wait_until(draining, 10)
+        pipe.abort(["r"])
+        stream.collect(timeout=30)
+        assert stream.aborted
+        closer.join(30)
+        assert not closer.is_alive()
+
     def test_a_stage_that_dies_during_a_drain_ends_its_requests_as_a_death(
         self, launch: Any
     ) -> None:
