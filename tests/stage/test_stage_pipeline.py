@@ -1016,6 +1016,19 @@ class TestEdges:
         assert pipe.add("good", "fine").collect(timeout=10) == [["fine"]][0]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
 
+    def test_an_edge_output_for_the_caller_that_cannot_cross_the_wire_fails_its_request(
+        self, launch: Any
+    ) -> None:
+        # The stage drops the output and ends its request with an error. (The request's
+        # end went out before that error, in the same step: the request ended finished,
+        # without the output and without a word.)
+        pipe = launch([PipelineStage(ECHO, name="first", edge=f"{T}:checked_edge"), RELAY])
+        with pytest.raises(PipelineRequestError, match="cannot be encoded") as info:
+            pipe.add("bad", "unencodable to the caller").collect(timeout=10)
+        assert info.value.stage == "first"
+        assert pipe.add("good", "fine").collect(timeout=10) == ["fine"]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
     def test_nothing_is_falsy_and_one_object(self) -> None:
         from enginecore.stage import _edge
 
