@@ -1695,14 +1695,17 @@ class TestLifecycle:
 
         assert asyncio.run(main()) == [4, 3, 2, 1, 0] * 2
 
-    @pytest.mark.parametrize("drain", [None, 30.0])
+    @pytest.mark.parametrize(
+        ("drain", "cancel"), [(None, "caller"), (30.0, "caller"), (None, "every task")]
+    )
     def test_a_cancelled_async_shutdown_still_stops_every_stage(
-        self, drain: float | None, no_leftovers: str
+        self, drain: float | None, cancel: str, no_leftovers: str
     ) -> None:
         # asyncio.wait_for(pipe.shutdown(), t) or a task's cancel() while shutdown() waits
         # for a stage: the shutdown goes on, and a second call waits for it. (It stopped
         # where it was cancelled, and the second call returned at once: the stages after
-        # it kept running, and their streams never ended.)
+        # it kept running, and their streams never ended.) An application that cancels
+        # every task as it exits cancels the shutdown's own: a second call does the rest.
         async def main() -> None:
             stages = [PipelineStage(DEVICE, {"step_s": 0.005}), PipelineStage(RELAY, name="b")]
             pipe = await AsyncPipeline.launch(stages, startup_timeout=30)
@@ -1711,7 +1714,12 @@ class TestLifecycle:
             assert len(child_pids()) == 2
             task = asyncio.ensure_future(pipe.shutdown(drain=drain))
             await asyncio.sleep(0)  # it waits for the first stage now
-            task.cancel()
+            if cancel == "caller":
+                task.cancel()
+            else:
+                for other in asyncio.all_tasks():
+                    if other is not asyncio.current_task():
+                        other.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             await asyncio.wait_for(pipe.shutdown(), 60)

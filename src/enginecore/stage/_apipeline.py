@@ -419,9 +419,13 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         (with *drain*, the stages drain one after the other, first to last). Idempotent: a
         second call waits for the first. Cancelling the call (``asyncio.wait_for``, a task's
         ``cancel()``) cancels only the wait: the shutdown goes on, in a task of its own, and
-        a later call waits for it."""
+        a later call waits for it (or, if that task was cancelled itself, does the rest)."""
         check_drain(drain)
-        if self._closing is None:
+        closing = self._closing
+        if closing is None or (closing.done() and (closing.cancelled() or closing.exception())):
+            # Not begun, or its task did not finish (cancelled itself: an application that
+            # cancels every task as it exits; or failed): this call does it (each step is
+            # idempotent).
             self._closed = True
             waiters, self._room_waiters = self._room_waiters, []
             for room in waiters:  # an add waiting for room: it is refused
@@ -432,8 +436,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             # A task, so that a cancelled caller leaves no stage running: stopped where
             # it was cancelled, the stages after it would run on, and a second call, seeing
             # the shutdown begun, would return at once.
-            self._closing = asyncio.ensure_future(self._shut_down(timeout, drain))
-        await asyncio.shield(self._closing)
+            self._closing = closing = asyncio.ensure_future(self._shut_down(timeout, drain))
+        await asyncio.shield(closing)
 
     async def _shut_down(self, timeout: float, drain: float | None) -> None:
         if self._restart_tasks:  # a start under way: it stops what it started
