@@ -1695,6 +1695,34 @@ class TestLifecycle:
 
         assert asyncio.run(main()) == [4, 3, 2, 1, 0] * 2
 
+    def test_a_collect_interrupted_by_ctrl_c_keeps_what_it_read(self, no_leftovers: str) -> None:
+        # The blocking stream's collect(), waiting for the end, gets a KeyboardInterrupt:
+        # the payloads it had read stay in the stream, as with its timeout (and as a
+        # cancelled async collect() keeps them). They were lost.
+        stages = [
+            PipelineStage(COUNTDOWN, name="first", edge=f"{T}:tee"),
+            PipelineStage(RELAY, name="last"),
+        ]
+        with Pipeline.launch(stages, startup_timeout=30) as pipe:
+            pipe.call_utility("last", "hold", True)  # r does not end meanwhile
+            stream = pipe.add("r", 5)
+
+            def sent() -> bool:  # its answer follows the tee's 5 to the caller
+                stats = pipe.stats()["first"]
+                assert not isinstance(stats, Exception)
+                return bool(stats.engine.get("edge_sent", 0) >= 5)
+
+            assert wait_until(sent, 10)
+            timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    stream.collect(timeout=30)  # it takes the 5, then waits for the end
+            finally:
+                timer.join()
+            pipe.call_utility("last", "hold", False)
+            assert stream.collect(timeout=10) == [4, 3, 2, 1, 0] * 2
+
     @pytest.mark.parametrize(
         ("drain", "cancel"), [(None, "caller"), (30.0, "caller"), (None, "every task")]
     )
