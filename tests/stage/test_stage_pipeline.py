@@ -1607,20 +1607,24 @@ class TestLifecycle:
         closer.join(30)
         assert not closer.is_alive()
 
+    @pytest.mark.parametrize("when", ["before its own drain", "in its own drain"])
     def test_a_stage_that_dies_during_a_drain_ends_its_requests_as_a_death(
-        self, launch: Any
+        self, launch: Any, when: str
     ) -> None:
-        # A stage killed while shutdown(drain=...) drains the stages before it: its requests
-        # end with its PipelineStageDeadError at once, and are aborted in the stages still
-        # draining, as at any other time. (The death was ignored once the shutdown had
-        # begun: the drain waited out its deadline for requests that could not finish, and
-        # they ended with StageClosedError, naming no stage.)
-        pipe = launch(
-            [PipelineStage(DEVICE, {"step_s": 0.005}), PipelineStage(RELAY, name="b"), RELAY]
-        )
+        # A stage killed while shutdown(drain=...) drains the stages before it, or itself:
+        # its requests end with its PipelineStageDeadError at once, and are aborted in the
+        # stages still draining, as at any other time. (The death was ignored once the
+        # shutdown had begun: the drains waited out their deadline for requests that could
+        # not finish, and they ended with StageClosedError, naming no stage.)
+        first = PipelineStage(DEVICE, {"step_s": 0.005}, name="a")
+        pipe = launch([first, PipelineStage(RELAY, name="b"), RELAY])
         victim = pipe.call_utility("b", "pid")
-        stream = pipe.add("r", 10**6)
-        stream.get(timeout=10)
+        if when == "before its own drain":
+            stream = pipe.add("r", 10**6)  # the first stage's drain lasts
+            stream.get(timeout=10)
+        else:
+            pipe.call_utility("b", "hold", True)  # b's drain lasts
+            stream = pipe.add("r", 3)
         closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 40.0})
         closer.start()
 
@@ -1632,11 +1636,13 @@ class TestLifecycle:
             return False
 
         assert wait_until(draining, 10)
+        if when == "in its own drain":  # its client closes once the first stage's is done
+            assert wait_until(lambda: pipe.health()["b"] == "dead", 10)
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(PipelineStageDeadError) as info:
             stream.collect(timeout=30)
         assert info.value.stage == "b"
-        closer.join(30)  # the first stage's drain is over: its request was aborted
+        closer.join(30)  # the drains are over: the request was aborted everywhere
         assert not closer.is_alive()
 
     @pytest.mark.parametrize(

@@ -1360,13 +1360,12 @@ class PipelineBase(Generic[S, C]):
 
     def _death(self, client: C, exc: BaseException) -> bool:
         """Whether the end of *client*'s event stream with *exc* is its process's death:
-        always before :meth:`shutdown`; during one (a drain of the stages before it), only
-        a process that died before its own client began to close (``EngineDeadError``),
-        whose requests could otherwise never finish: the stages still draining would wait
-        out the deadline for them. The end of a stage the shutdown stopped is not one."""
-        if not self._closed:
-            return True
-        return isinstance(exc, EngineDeadError) and not client._session.closing
+        always before :meth:`shutdown`; during one, an ``EngineDeadError`` (the process
+        died: while the stages before it drained, or in its own drain), whose requests could
+        otherwise never finish: the stages still draining would wait out the deadline for
+        them. The end of a stage the shutdown stopped is none (no error, or the client's
+        ``StageClosedError`` once it had to kill it)."""
+        return not self._closed or isinstance(exc, EngineDeadError)
 
     def _take_events(self, k: int, r: int = 0, client: C | None = None) -> None:
         """Stage *k*'s client (its replica *r*'s) appended to its ordered event stream: hand
