@@ -170,8 +170,9 @@ class RequestStream(StreamCore, Iterator[Any]):
     def collect(self, timeout: float | None = None) -> list[Any]:
         """All remaining payloads until the stream ends, as one list. Blocks; *timeout*
         bounds the whole wait (:class:`TimeoutError`, and the payloads read so far stay in
-        the stream, as they do if a ``KeyboardInterrupt`` interrupts the wait). Raises the stream's error if it ends with one (see the class
-        docstring); the payloads before it are then dropped."""
+        the stream, as they do if a ``KeyboardInterrupt`` interrupts the wait). Raises the
+        stream's error if it ends with one (see the class docstring); the payloads before it
+        are then dropped."""
         deadline = None if timeout is None else _clientbase.deadline_after(timeout)
         done = self._take_ended()  # the end has come: all in one take, without the lock
         if done is not None:
