@@ -1306,6 +1306,52 @@ class TestWithoutNumpy:
         assert out["sent"] == 2
         assert out["refused"].startswith("value: builtins.set")
 
+    def test_an_array_decoded_while_another_thread_imports_numpy_waits_for_it(self) -> None:
+        # A pipeline's coordinator decodes each stage's events on that stage's receiver
+        # thread: two arrays arriving at once in a process without numpy imported yet.
+        # The second decoder saw numpy in sys.modules half initialized and failed ("module
+        # 'numpy' has no attribute 'dtype'"): an invalid frame, taken for a dead stage.
+        parts = send(["add", "r1", np.arange(3, dtype=np.float32)])
+        code = (
+            "import importlib.abc, importlib.util, sys, threading\n"
+            "from enginecore.stage import _codec\n"
+            "parts = [bytes.fromhex(h) for h in sys.argv[1:]]\n"
+            "inserted, decoded = threading.Event(), threading.Event()\n"
+            "class Pause(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name != 'numpy':\n"
+            "            return None\n"
+            "        sys.meta_path.remove(self)\n"
+            "        spec = importlib.util.find_spec('numpy')\n"
+            "        real = spec.loader.exec_module\n"
+            "        def exec_module(module):\n"
+            "            inserted.set()  # in sys.modules now, not initialized yet\n"
+            "            decoded.wait(1.0)  # the decode fails meanwhile, or waits for it\n"
+            "            real(module)\n"
+            "        spec.loader.exec_module = exec_module\n"
+            "        return spec\n"
+            "sys.meta_path.insert(0, Pause())\n"
+            "importer = threading.Thread(target=lambda: __import__('numpy'))\n"
+            "importer.start()\n"
+            "inserted.wait(30)\n"
+            "try:\n"
+            "    msg = _codec.Decoder(strict=True).decode(parts)\n"
+            "    print(type(msg[2]).__name__, msg[2].tolist())\n"
+            "except Exception as exc:\n"
+            "    print('error', exc)\n"
+            "decoded.set()\n"
+            "importer.join()\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *(bytes(p).hex() for p in parts)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "ndarray [0.0, 1.0, 2.0]"
+
     def test_decoding_plain_values_does_not_import_numpy(self) -> None:
         code = (
             "import sys, msgspec\n"

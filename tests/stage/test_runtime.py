@@ -220,6 +220,24 @@ class TestUnencodableOutputs:
         assert error[2].startswith("the last output cannot be encoded")
         assert engine.aborted == []  # the engine is done with it already
 
+    def test_the_error_of_a_bad_output_ends_its_request_before_its_later_outputs(
+        self, no_leftovers: str
+    ) -> None:
+        # A bad output, then more of its request in the same step, its last one included:
+        # the error is the request's last event, once. (The last output went out first:
+        # the request ended finished, the error came late and was ignored, and the bad
+        # output was lost without a word; a second bad one made a second error.)
+        engine = Canned([("a", {1}), ("a", 2), ("a", {3}), ("b", 1), ("a", "last")])
+        engine.is_finished = lambda out: out[1] == "last"  # type: ignore[attr-defined]
+        with in_process_stage(engine, no_leftovers) as (_, client):
+            events = _step(client, 1)
+            events += client.call(3, "sync")
+        outputs = [ev for ev in events if ev[0] == "outputs"]
+        assert outputs == [["outputs", ["b"], [False], [1]]]
+        [error] = [ev for ev in events if ev[0] == "error"]
+        assert error[1] == "a"
+        assert error[2].startswith("output cannot be encoded, request aborted")
+
     def test_an_unrouted_unencodable_output_is_an_unscoped_error(self, no_leftovers: str) -> None:
         engine = Canned([("a", 1), {3}])
         with in_process_stage(engine, no_leftovers) as (_, client):

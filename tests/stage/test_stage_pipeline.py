@@ -1016,6 +1016,19 @@ class TestEdges:
         assert pipe.add("good", "fine").collect(timeout=10) == [["fine"]][0]
         assert wait_until(lambda: pipe.in_flight == 0, 10)
 
+    def test_an_edge_output_for_the_caller_that_cannot_cross_the_wire_fails_its_request(
+        self, launch: Any
+    ) -> None:
+        # The stage drops the output and ends its request with an error. (The request's
+        # end went out before that error, in the same step: the request ended finished,
+        # without the output and without a word.)
+        pipe = launch([PipelineStage(ECHO, name="first", edge=f"{T}:checked_edge"), RELAY])
+        with pytest.raises(PipelineRequestError, match="cannot be encoded") as info:
+            pipe.add("bad", "unencodable to the caller").collect(timeout=10)
+        assert info.value.stage == "first"
+        assert pipe.add("good", "fine").collect(timeout=10) == ["fine"]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+
     def test_nothing_is_falsy_and_one_object(self) -> None:
         from enginecore.stage import _edge
 
@@ -1570,6 +1583,68 @@ class TestLifecycle:
         closer.join(30)
         assert "the pipeline was shut down" in str(refused[0])
 
+    def test_an_abort_during_a_drain_reaches_the_first_stage(self, launch: Any) -> None:
+        # The first stage drains its request (the pipeline's shutdown has begun): the
+        # caller's abort still reaches it. (Its client, closing, refused to send it: the
+        # request ran on until the deadline.)
+        pipe = launch([PipelineStage(DEVICE, {"step_s": 0.005}), RELAY])
+        stream = pipe.add("r", 10**6)
+        stream.get(timeout=10)
+        closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 40.0})
+        closer.start()
+
+        def draining() -> bool:
+            try:
+                pipe.add("late", 1).collect(timeout=10)
+            except StageClosedError:
+                return True
+            return False
+
+        assert wait_until(draining, 10)
+        pipe.abort(["r"])
+        stream.collect(timeout=30)
+        assert stream.aborted
+        closer.join(30)
+        assert not closer.is_alive()
+
+    @pytest.mark.parametrize("when", ["before its own drain", "in its own drain"])
+    def test_a_stage_that_dies_during_a_drain_ends_its_requests_as_a_death(
+        self, launch: Any, when: str
+    ) -> None:
+        # A stage killed while shutdown(drain=...) drains the stages before it, or itself:
+        # its requests end with its PipelineStageDeadError at once, and are aborted in the
+        # stages still draining, as at any other time. (The death was ignored once the
+        # shutdown had begun: the drains waited out their deadline for requests that could
+        # not finish, and they ended with StageClosedError, naming no stage.)
+        first = PipelineStage(DEVICE, {"step_s": 0.005}, name="a")
+        pipe = launch([first, PipelineStage(RELAY, name="b"), RELAY])
+        victim = pipe.call_utility("b", "pid")
+        if when == "before its own drain":
+            stream = pipe.add("r", 10**6)  # the first stage's drain lasts
+            stream.get(timeout=10)
+        else:
+            pipe.call_utility("b", "hold", True)  # b's drain lasts
+            stream = pipe.add("r", 3)
+        closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 40.0})
+        closer.start()
+
+        def draining() -> bool:
+            try:
+                pipe.add("late", 1).collect(timeout=10)
+            except StageClosedError:
+                return True
+            return False
+
+        assert wait_until(draining, 10)
+        if when == "in its own drain":  # its client closes once the first stage's is done
+            assert wait_until(lambda: pipe.health()["b"] == "dead", 10)
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(PipelineStageDeadError) as info:
+            stream.collect(timeout=30)
+        assert info.value.stage == "b"
+        closer.join(30)  # the drains are over: the request was aborted everywhere
+        assert not closer.is_alive()
+
     @pytest.mark.parametrize(
         ("bad", "error"),
         [(0, ValueError), (-1, ValueError), (float("nan"), ValueError), ("5", TypeError)],
@@ -1625,6 +1700,99 @@ class TestLifecycle:
                 return await stream.collect(timeout=10)
 
         assert asyncio.run(main()) == [4, 3, 2, 1, 0] * 2
+
+    def test_a_collect_interrupted_by_ctrl_c_keeps_what_it_read(self, no_leftovers: str) -> None:
+        # The blocking stream's collect(), waiting for the end, gets a KeyboardInterrupt:
+        # the payloads it had read stay in the stream, as with its timeout (and as a
+        # cancelled async collect() keeps them). They were lost.
+        stages = [
+            PipelineStage(COUNTDOWN, name="first", edge=f"{T}:tee"),
+            PipelineStage(RELAY, name="last"),
+        ]
+        with Pipeline.launch(stages, startup_timeout=30) as pipe:
+            pipe.call_utility("last", "hold", True)  # r does not end meanwhile
+            stream = pipe.add("r", 5)
+
+            def sent() -> bool:  # its answer follows the tee's 5 to the caller
+                stats = pipe.stats()["first"]
+                assert not isinstance(stats, Exception)
+                return bool(stats.engine.get("edge_sent", 0) >= 5)
+
+            assert wait_until(sent, 10)
+            timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    stream.collect(timeout=30)  # it takes the 5, then waits for the end
+            finally:
+                timer.join()
+            pipe.call_utility("last", "hold", False)
+            assert stream.collect(timeout=10) == [4, 3, 2, 1, 0] * 2
+
+    @pytest.mark.parametrize(
+        ("drain", "cancel"), [(None, "caller"), (30.0, "caller"), (None, "every task")]
+    )
+    def test_a_cancelled_async_shutdown_still_stops_every_stage(
+        self, drain: float | None, cancel: str, no_leftovers: str
+    ) -> None:
+        # asyncio.wait_for(pipe.shutdown(), t) or a task's cancel() while shutdown() waits
+        # for a stage: the shutdown goes on, and a second call waits for it. (It stopped
+        # where it was cancelled, and the second call returned at once: the stages after
+        # it kept running, and their streams never ended.) An application that cancels
+        # every task as it exits cancels the shutdown's own: a second call does the rest.
+        async def main() -> None:
+            stages = [PipelineStage(DEVICE, {"step_s": 0.005}), PipelineStage(RELAY, name="b")]
+            pipe = await AsyncPipeline.launch(stages, startup_timeout=30)
+            stream = await pipe.add("r", 10**6 if drain is None else 400)
+            await stream.__anext__()
+            assert len(child_pids()) == 2
+            task = asyncio.ensure_future(pipe.shutdown(drain=drain))
+            await asyncio.sleep(0)  # it waits for the first stage now
+            if cancel == "caller":
+                task.cancel()
+            else:
+                for other in asyncio.all_tasks():
+                    if other is not asyncio.current_task():
+                        other.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(pipe.shutdown(), 60)
+            assert not child_pids()
+            if drain is None:
+                with pytest.raises(StageClosedError):
+                    await stream.collect(timeout=10)
+            else:
+                assert len(await stream.collect(timeout=10)) == 399
+
+        asyncio.run(main())
+
+    def test_a_shutdown_interrupted_by_ctrl_c_is_finished_by_the_next_call(
+        self, no_leftovers: str
+    ) -> None:
+        # A KeyboardInterrupt while Pipeline.shutdown() waits for a stage: a second call
+        # stops the stages the first one had not reached. (It returned at once: they kept
+        # running, and their streams never ended.)
+        pipe = Pipeline.launch([COUNTDOWN, PipelineStage(RELAY, name="b")], startup_timeout=30)
+        try:
+            stream = pipe.add("r", 3)
+            pipe.call_utility("b", "hold", True)  # r stays in b
+            first = pipe.client(COUNTDOWN)
+            real = first.shutdown
+
+            def interrupted(*args: Any, **kwargs: Any) -> Any:
+                real(*args, **kwargs)
+                raise KeyboardInterrupt
+
+            first.shutdown = interrupted  # type: ignore[method-assign]
+            with pytest.raises(KeyboardInterrupt):
+                pipe.shutdown()
+            del first.shutdown  # the real one again
+            assert len(child_pids()) == 1
+        finally:
+            pipe.shutdown()
+        assert not child_pids()
+        with pytest.raises(StageClosedError):
+            stream.collect(timeout=10)
 
     @pytest.mark.parametrize(
         ("drain", "error"), [(-1.0, ValueError), (float("nan"), ValueError), ("5", TypeError)]

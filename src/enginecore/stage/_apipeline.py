@@ -113,7 +113,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             link_keys,
         )
         self._room_waiters: list[asyncio.Future[None]] = []
-        self._closing: asyncio.Future[None] | None = None
+        self._closing: asyncio.Future[None] | None = None  # the shutdown task
         # Restarts (PipelineStage(restart=...)): one task per process being restarted, one
         # start at a time; set when the pipeline closes, which ends every backoff.
         self._restart_tasks: set[asyncio.Task[None]] = set()
@@ -417,30 +417,37 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     async def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
         """Stop every stage, as :meth:`Pipeline.shutdown <enginecore.stage.Pipeline.shutdown>`
         (with *drain*, the stages drain one after the other, first to last). Idempotent: a
-        second call waits for the first."""
+        second call waits for the first. Cancelling the call (``asyncio.wait_for``, a task's
+        ``cancel()``) cancels only the wait: the shutdown goes on, in a task of its own, and
+        a later call waits for it (or, if that task was cancelled itself, does the rest)."""
         check_drain(drain)
-        if self._closing is not None:
-            await asyncio.shield(self._closing)
-            return
-        self._closing = asyncio.get_running_loop().create_future()
-        self._closed = True
-        waiters, self._room_waiters = self._room_waiters, []
-        for room in waiters:  # an add waiting for room: it is refused
-            if not room.done():
-                room.set_result(None)
-        self._stopping.set()
-        self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
-        try:
-            if self._restart_tasks:  # a start under way: it stops what it started
-                await asyncio.gather(*list(self._restart_tasks), return_exceptions=True)
-            deadline = None if drain is None else time.monotonic() + drain
-            for client in self._clients:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                with contextlib.suppress(Exception):
-                    await client.shutdown(timeout, drain=left)
-            self._close_core()
-        finally:
-            self._closing.set_result(None)
+        closing = self._closing
+        if closing is None or (closing.done() and (closing.cancelled() or closing.exception())):
+            # Not begun, or its task did not finish (cancelled itself: an application that
+            # cancels every task as it exits; or failed): this call does it (each step is
+            # idempotent).
+            self._closed = True
+            waiters, self._room_waiters = self._room_waiters, []
+            for room in waiters:  # an add waiting for room: it is refused
+                if not room.done():
+                    room.set_result(None)
+            self._stopping.set()
+            self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
+            # A task, so that a cancelled caller leaves no stage running: stopped where
+            # it was cancelled, the stages after it would run on, and a second call, seeing
+            # the shutdown begun, would return at once.
+            self._closing = closing = asyncio.ensure_future(self._shut_down(timeout, drain))
+        await asyncio.shield(closing)
+
+    async def _shut_down(self, timeout: float, drain: float | None) -> None:
+        if self._restart_tasks:  # a start under way: it stops what it started
+            await asyncio.gather(*list(self._restart_tasks), return_exceptions=True)
+        deadline = None if drain is None else time.monotonic() + drain
+        for client in self._clients:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with contextlib.suppress(Exception):
+                await client.shutdown(timeout, drain=left)
+        self._close_core()
 
     close = shutdown
 

@@ -170,15 +170,22 @@ class RequestStream(StreamCore, Iterator[Any]):
     def collect(self, timeout: float | None = None) -> list[Any]:
         """All remaining payloads until the stream ends, as one list. Blocks; *timeout*
         bounds the whole wait (:class:`TimeoutError`, and the payloads read so far stay in
-        the stream). Raises the stream's error if it ends with one (see the class
-        docstring); the payloads before it are then dropped."""
+        the stream, as they do if a ``KeyboardInterrupt`` interrupts the wait). Raises the
+        stream's error if it ends with one (see the class docstring); the payloads before it
+        are then dropped."""
         deadline = None if timeout is None else _clientbase.deadline_after(timeout)
         done = self._take_ended()  # the end has come: all in one take, without the lock
         if done is not None:
             return done
         out: list[Any] = []
         while not self._take_all(out):
-            if _clientbase.passed(deadline) or not self._wait(deadline):
+            try:
+                more = not _clientbase.passed(deadline) and self._wait(deadline)
+            except BaseException:
+                # Interrupted as it waits (Ctrl-C): what it read stays in the stream, first.
+                self._put_back(out + list(self._ready[self._pos :]))
+                raise
+            if not more:
                 self._put_back(out)
                 raise TimeoutError(f"request {self.req_id!r} did not end within {timeout} s")
         return out

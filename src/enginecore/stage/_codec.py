@@ -128,8 +128,13 @@ class Invalid:
 
 def _numpy() -> Any:
     """The numpy module if it has been imported in this process, else ``None``: a value can
-    only be an array if numpy is already loaded, so the check costs a dict lookup."""
-    return sys.modules.get("numpy")
+    only be an array if numpy is already loaded, so the check costs a dict lookup. A numpy
+    that another thread is still importing (in ``sys.modules``, half initialized) is
+    ``None`` too: a decoder then imports it, which waits for that import to finish."""
+    np = sys.modules.get("numpy")
+    if np is not None and getattr(getattr(np, "__spec__", None), "_initializing", False):
+        return None
+    return np
 
 
 # -- sending --------------------------------------------------------------------------------

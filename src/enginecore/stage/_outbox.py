@@ -748,6 +748,17 @@ class Outbox:
         if not bad:
             return [("outputs", rids, fins, payloads)]
         skip = {i for i, _ in bad}
+        # The error is its request's last event: a request's later outputs in this step (its
+        # last one too, which would end it before the error came: the error would be late,
+        # and the bad output lost without a word) go, and so do its later bad ones.
+        first: dict[Any, int] = {}
+        for i, _ in bad:
+            rid = rids[i]
+            if rid is not None and rid not in first:
+                first[rid] = i
+        if first:
+            skip.update(j for j, rid in enumerate(rids) if j > first.get(rid, j))
+            bad = [(i, exc) for i, exc in bad if rids[i] is None or first[rids[i]] == i]
         keep = [i for i in range(len(payloads)) if i not in skip]
         events: Events = []
         if keep:
@@ -776,7 +787,8 @@ class Outbox:
                 else:
                     message = f"output cannot be encoded, request aborted: {exc}"
             if rid is not None and not fins[i]:
-                # The engine still has the request: drop it there before it steps again.
+                # The engine may still have the request (unless a later output of it in this
+                # step was its last): drop it there before it steps again.
                 self._abort_request(rid)
             events.append(("error", rid, message))
         return events

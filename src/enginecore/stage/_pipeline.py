@@ -473,10 +473,11 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         with :class:`~enginecore.stage.StageClosedError`. With *drain* (seconds), the stages
         drain one after the other, first to last, so that each finishes what the one before
         sent it; requests still live in a stage at the deadline end with an error naming
-        that stage. Blocks; idempotent; thread-safe."""
+        that stage. Blocks; idempotent; thread-safe. A call interrupted (``KeyboardInterrupt``
+        while it waits for a stage) is finished by the next one."""
         check_drain(drain)
         with self._close_lock:
-            if self._closed:
+            if self._shutdown_done:
                 return
             with self._thread_lock:
                 self._closed = True
@@ -492,6 +493,9 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 with contextlib.suppress(Exception):
                     client.shutdown(timeout, drain=left)
             self._close_core()
+            # Only now: a call interrupted before here (Ctrl-C while a stage drains) left
+            # stages running, and the next call stops them (each step is idempotent).
+            self._shutdown_done = True
 
     close = shutdown
 

@@ -742,6 +742,7 @@ class PipelineBase(Generic[S, C]):
             client._session.label = f"pipeline stage {key!r}"  # its warnings say which
         self._pooled = self._core.pooled
         self._closed = False
+        self._shutdown_done = False  # Pipeline.shutdown() went through to its end
         # A restart's link barrier under way: per restarted process (stage, replica), the
         # processes of the stage before it sent a ``link`` to it (_install, _started).
         self._linking: dict[tuple[int, int], list[int]] = {}
@@ -955,12 +956,14 @@ class PipelineBase(Generic[S, C]):
             with contextlib.suppress(Exception):
                 replicas[k][r]._send(self._gone_frame(side, dead, dead_r))
         if not self._pooled:
+            # Sent as they are (the coordinator, not the client, awaits their answers): also
+            # to a stage whose client closes, which a drain leaves applying aborts.
             if d.aborts:
                 with contextlib.suppress(Exception):
-                    self._clients[0]._send_abort(d.aborts)
+                    self._clients[0]._send(ClientSession.abort_frame(d.aborts))
             for k, req_ids in d.stage_aborts:
                 with contextlib.suppress(Exception):
-                    self._clients[k]._send_abort(req_ids)
+                    self._clients[k]._send(ClientSession.abort_frame(req_ids))
             for k, rid, attempt in d.replays:  # a gone stage: its failure ends the request
                 with contextlib.suppress(Exception):
                     self._clients[k]._send(ClientSession.replay_frame(rid, attempt))
@@ -1355,6 +1358,15 @@ class PipelineBase(Generic[S, C]):
 
     # -- what the stages say ------------------------------------------------------------------
 
+    def _death(self, client: C, exc: BaseException) -> bool:
+        """Whether the end of *client*'s event stream with *exc* is its process's death:
+        always before :meth:`shutdown`; during one, an ``EngineDeadError`` (the process
+        died: while the stages before it drained, or in its own drain), whose requests could
+        otherwise never finish: the stages still draining would wait out the deadline for
+        them. The end of a stage the shutdown stopped is none (no error, or the client's
+        ``StageClosedError`` once it had to kill it)."""
+        return not self._closed or isinstance(exc, EngineDeadError)
+
     def _take_events(self, k: int, r: int = 0, client: C | None = None) -> None:
         """Stage *k*'s client (its replica *r*'s) appended to its ordered event stream: hand
         every event to the core, in order. Taken under the pipeline's lock, so two threads
@@ -1400,7 +1412,7 @@ class PipelineBase(Generic[S, C]):
                         logger.warning(
                             "enginecore: pipeline stage %r: %s", self._names[k], ev.message
                         )
-                elif isinstance(ev, End) and ev.exc is not None and not self._closed:
+                elif isinstance(ev, End) and ev.exc is not None and self._death(client, ev.exc):
                     # The stage's event stream ended with its failure: it is gone.
                     dead = ev.exc
                     exc = dead if isinstance(dead, EngineDeadError) else EngineDeadError(str(dead))
@@ -1423,6 +1435,15 @@ class PipelineBase(Generic[S, C]):
         if dead is not None:
             if self._shm_prefix is not None:
                 self._unlink_dead(k, r)
+            if self._closed:  # during a drain: nothing starts again, nothing more comes in
+                logger.error(
+                    "enginecore: pipeline stage %r, process %d, is gone (%s) during the "
+                    "pipeline's shutdown; its requests ended",
+                    self._names[k],
+                    r,
+                    dead,
+                )
+                return
             for k2, r2, delay in d.restarts:
                 logger.error(
                     "enginecore: pipeline stage %r, process %d, is gone (%s); its requests "

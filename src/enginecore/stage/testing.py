@@ -987,11 +987,14 @@ def checked_edge(payload: Any) -> tuple[Any, Any]:
     """Edge: every output to the next stage, except that ``"boom"`` raises
     :class:`ValueError`, ``"unencodable"`` sends on an object that cannot cross the wire
     and ``"unprintable"`` raises an exception whose ``repr()`` raises (each ends its
-    request with an error naming this stage's edge)."""
+    request with an error naming this stage's edge); ``"unencodable to the caller"`` sends
+    the caller such an object (its request ends with an error naming this stage)."""
     if payload == "boom":
         raise ValueError("the edge refuses 'boom' on purpose")
     if payload == "unencodable":
         return object(), NOTHING
+    if payload == "unencodable to the caller":
+        return NOTHING, object()
     if payload == "unprintable":
         raise _Unprintable
     return payload, NOTHING
