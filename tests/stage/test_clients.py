@@ -375,6 +375,9 @@ class TestAbort:
     def test_abort_rejects_a_bare_string(self, stage_client: StageClient) -> None:
         with pytest.raises(TypeError, match=r"abort\(\['r1'\]\)"):
             stage_client.abort("r1")
+        # Not iterable at all: said so, not Python's "'int' object is not iterable".
+        with pytest.raises(TypeError, match="abort\\(\\) takes a sequence of request ids, got int"):
+            stage_client.abort(5)  # type: ignore[arg-type]
 
     def test_add_abort_add_reach_the_engine_in_order(self, stage_client: StageClient) -> None:
         # The loop's contract end to end: three frames back to back, applied in order.

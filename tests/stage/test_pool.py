@@ -269,6 +269,8 @@ def test_bad_requests_are_refused_before_anything_is_sent(launch: Open) -> None:
         pool.add("z", {1, 2})
     with pytest.raises(TypeError):
         pool.abort("dup")
+    with pytest.raises(TypeError, match="takes a sequence of request ids, got int"):
+        pool.abort(5)  # type: ignore[arg-type]
     # Nothing of the refused ones was sent or reserved: the ids are free.
     assert pool.add("x", 1).collect(10) == [0]
     assert pool.add("y", 1).collect(10) == [0]

@@ -1067,6 +1067,8 @@ class TestAbort:
         assert pipe.add("r", 1).collect(timeout=10) == [0]
         with pytest.raises(TypeError):
             pipe.abort("r")
+        with pytest.raises(TypeError, match="takes a sequence of request ids, got int"):
+            pipe.abort(5)
 
 
 class TestErrors:
@@ -1490,6 +1492,8 @@ class TestAdmission:
         pipe.add("b", 1)
         with pytest.raises(PipelineFullError):
             pipe.add("c", 1, wait=False)
+        with pytest.raises(TypeError, match="wait must be a bool, got str"):
+            pipe.add("c", 1, wait="no")  # truthy: it would have waited
         started = time.monotonic()
         with pytest.raises(PipelineFullError, match=r"within 0\.2 s"):
             pipe.add("c", 1, timeout=0.2)

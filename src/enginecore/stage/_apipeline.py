@@ -211,6 +211,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     async def _admit(
         self, items: list[tuple[str, Any]], wait: bool, timeout: float | None, many: bool
     ) -> list[AsyncPipelineStream]:
+        if type(wait) is not bool:
+            raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
         if not items:
             return []
         core = self._core

@@ -252,6 +252,8 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     def _admit(
         self, items: list[tuple[str, Any]], wait: bool, timeout: float | None, many: bool
     ) -> list[PipelineStream]:
+        if type(wait) is not bool:
+            raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
         if not items:
             return []
         core = self._core

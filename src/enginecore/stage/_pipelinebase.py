@@ -26,7 +26,7 @@ from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import check_startup_timeout
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import ReplicaState, RestartPolicy
-from ._session import ClientSession, End, Parts, StageHealth, StreamCore
+from ._session import ClientSession, End, Parts, StageHealth, StreamCore, abort_ids
 from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
 if TYPE_CHECKING:
@@ -918,11 +918,10 @@ class PipelineBase(Generic[S, C]):
         raise exc
 
     def _abort(self, req_ids: Sequence[str]) -> None:
-        if isinstance(req_ids, str):
-            raise TypeError("abort() takes a sequence of request ids, not a str")
+        ids = abort_ids(req_ids)
         d: PipelineDeliveries[S] = PipelineDeliveries()
         with self._lock:
-            self._core.abort(req_ids, d)
+            self._core.abort(ids, d)
         self._deliver(d)
 
     def _deliver(self, d: PipelineDeliveries[S]) -> None:

@@ -32,7 +32,7 @@ from ._pool_core import (
     Routing,
     ScoreFn,
 )
-from ._session import ClientSession, Deliveries, End, StageHealth, StreamCore
+from ._session import ClientSession, Deliveries, End, StageHealth, StreamCore, abort_ids
 from ._wire import Aborted, ErrorReport, Outputs
 
 __all__ = [
@@ -623,10 +623,7 @@ class PoolBase(Generic[S]):
 
     def _abort(self, req_ids: Sequence[str]) -> None:
         """``abort()``: each id to the replica that serves it."""
-        if isinstance(req_ids, (str, bytes)):
-            raise TypeError(f"abort() takes a sequence of request ids; write abort([{req_ids!r}])")
-        ids = list(req_ids)
-        ClientSession.abort_frame(ids)  # checks the ids
+        ids = abort_ids(req_ids)
         by_replica: dict[Replica, list[str]] = {}
         hook = self._core.on_replica_death is not None
         with self._lock:

@@ -89,6 +89,7 @@ __all__ = [
     "End",
     "StageState",
     "StreamCore",
+    "abort_ids",
     "event_stream_off",
     "events_before_end",
     "output_address_for",
@@ -168,6 +169,23 @@ def _encode(msg: object, what: str) -> Parts:
 def _check_req_id(req_id: object) -> None:
     if type(req_id) is not str:
         raise TypeError(f"req_id must be a str, got {type(req_id).__name__}")
+
+
+def abort_ids(req_ids: object) -> list[str]:
+    """The ids of an ``abort()`` (clients, pools, pipelines), as a list: :class:`TypeError`
+    for a bare ``str`` or ``bytes`` (a sequence of chars), for anything not iterable, and
+    for an id that is not a ``str``."""
+    if isinstance(req_ids, (str, bytes)):
+        raise TypeError(f"abort() takes a sequence of request ids; write abort([{req_ids!r}])")
+    try:
+        ids: list[str] = list(req_ids)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"abort() takes a sequence of request ids, got {type(req_ids).__name__}"
+        ) from None
+    for rid in ids:
+        _check_req_id(rid)
+    return ids
 
 
 # -- streams --------------------------------------------------------------------------------
@@ -790,11 +808,7 @@ class ClientSession(Generic[S, W]):
         """An ``abort``. A bare ``str`` is refused (it is a sequence of chars). *routes*: a
         pipeline with replica pools' (``docs/wire.md`` section 8), one per id; *tag*, a
         pipeline's tag for an abort after a death (section 8, "Tagged aborts")."""
-        if isinstance(req_ids, (str, bytes)):
-            raise TypeError(f"abort() takes a sequence of request ids; write abort([{req_ids!r}])")
-        ids = list(req_ids)
-        for rid in ids:
-            _check_req_id(rid)
+        ids = abort_ids(req_ids)
         if tag is not None:
             return _encode(("abort", ids, routes, False, tag), "abort")
         if routes is not None:
