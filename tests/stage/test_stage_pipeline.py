@@ -1484,6 +1484,15 @@ class TestCredits:
         assert stage.idle_due() is None  # the two still held: no deadline again
 
 
+def _refuses_adds(pipe: Any) -> bool:
+    """Whether *pipe*'s shutdown has begun: an add is refused (``StageClosedError``)."""
+    try:
+        pipe.add("late", 1).collect(timeout=10)
+    except StageClosedError:
+        return True
+    return False
+
+
 class TestAdmission:
     def test_max_in_flight_waits_or_refuses_and_frees_at_the_end(self, launch: Any) -> None:
         pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="held")], max_in_flight=2)
@@ -1596,15 +1605,7 @@ class TestLifecycle:
         stream.get(timeout=10)
         closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 40.0})
         closer.start()
-
-        def draining() -> bool:
-            try:
-                pipe.add("late", 1).collect(timeout=10)
-            except StageClosedError:
-                return True
-            return False
-
-        assert wait_until(draining, 10)
+        assert wait_until(lambda: _refuses_adds(pipe), 10)
         pipe.abort(["r"])
         stream.collect(timeout=30)
         assert stream.aborted
@@ -1631,15 +1632,7 @@ class TestLifecycle:
             stream = pipe.add("r", 3)
         closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 40.0})
         closer.start()
-
-        def draining() -> bool:
-            try:
-                pipe.add("late", 1).collect(timeout=10)
-            except StageClosedError:
-                return True
-            return False
-
-        assert wait_until(draining, 10)
+        assert wait_until(lambda: _refuses_adds(pipe), 10)
         if when == "in its own drain":  # its client closes once the first stage's is done
             assert wait_until(lambda: pipe.health()["b"] == "dead", 10)
         os.kill(victim, signal.SIGKILL)
