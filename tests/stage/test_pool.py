@@ -1583,3 +1583,49 @@ def test_a_cancelled_async_shutdown_still_stops_every_replica(no_leftovers: str,
 
     asyncio.run(main())
     assert all(pid_gone(p) for p in pids)
+
+
+@pytest.mark.parametrize("how", ["shutdown", "loop_ends"])
+def test_a_cancelled_async_shutdown_stops_starting_and_restarting_replicas(
+    no_leftovers: str, barrier_dir: Path, how: str
+) -> None:
+    """AsyncStagePool.shutdown() cancelled while a replica restarts (its factory held),
+    another is being added (held too) and a third is frozen (SIGSTOP): no process is left,
+    whether a later call waits for the shutdown or the event loop ends first."""
+    kwargs = {"directory": str(barrier_dir)}
+    pids: list[int] = []
+
+    def started() -> set[int]:
+        return {int(n) for n in os.listdir(barrier_dir) if n != "hold"}
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch(
+            GATED, kwargs, replicas=2, startup_timeout=30, restart=RestartPolicy(first_delay=0.01)
+        )
+        r0, r1 = pool.replicas
+        pids.extend(cast(int, r.pid) for r in (r0, r1))
+        (barrier_dir / "hold").touch()
+        os.kill(pids[0], signal.SIGKILL)  # r0 restarts: its new stage is held
+        while len(started()) < 3:
+            await asyncio.sleep(0.01)
+        adding = asyncio.ensure_future(pool.add_replica(GATED, kwargs))
+        while len(started()) < 4:
+            await asyncio.sleep(0.01)
+        pids.extend(started() - set(pids))
+        os.kill(pids[1], signal.SIGSTOP)
+        task = asyncio.ensure_future(pool.shutdown(timeout=1))
+        await asyncio.sleep(0)  # it waits for the replicas now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pool.closed
+        if how == "loop_ends":
+            return
+        await asyncio.wait_for(pool.shutdown(), 30)
+        with pytest.raises(StageClosedError):
+            await adding
+        assert all(pid_gone(p) for p in pids)
+
+    asyncio.run(main())
+    assert len(pids) == 4
+    assert wait_until(lambda: all(pid_gone(p) for p in pids), 10)
