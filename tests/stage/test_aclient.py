@@ -125,7 +125,7 @@ class TestLaunch:
 
 
 class TestCancellation:
-    @pytest.mark.parametrize("how", ["wait_for", "cancel", "close", "loop_ends"])
+    @pytest.mark.parametrize("how", ["wait_for", "cancel", "close", "aexit", "loop_ends"])
     def test_a_cancelled_shutdown_still_stops_the_stage(self, how: str) -> None:
         # shutdown()/close() cancelled while it waits for a stage that cannot stop (frozen:
         # SIGSTOP): the shutdown goes on in a task of its own, the stream ends, the stage
@@ -146,7 +146,13 @@ class TestCancellation:
                 with pytest.raises(asyncio.TimeoutError):
                     await asyncio.wait_for(c.shutdown(timeout=1), 0.05)
             else:
-                closing = c.close() if how == "close" else c.shutdown(timeout=1)
+                closing: Awaitable[Any]
+                if how == "close":
+                    closing = c.close()
+                elif how == "aexit":  # an `async with` whose exit is cancelled
+                    closing = c.__aexit__(None, None, None)
+                else:
+                    closing = c.shutdown(timeout=1)
                 task = asyncio.ensure_future(closing)
                 await asyncio.sleep(0)  # it waits for the stage now
                 task.cancel()
