@@ -687,7 +687,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         launched = self._launched
         if launched is not None:
             session.escalating()  # its end is this close's doing, not a death
-            launched.send_signal(signal.SIGKILL)
+            with contextlib.suppress(OSError):  # gone already
+                launched.send_signal(signal.SIGKILL)
             launched.wait_exit(5.0)
             launched.reap()
         self._exited.set()  # a shutdown task still waiting ends at once
