@@ -8,6 +8,7 @@ each client.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -15,14 +16,16 @@ import sys
 import textwrap
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
-from enginecore.stage import AsyncStageClient, StageStartupError
+from enginecore.stage import AsyncStageClient, StageClosedError, StageStartupError, _clientbase
 
 from .conftest import SCRIPTED, child_pids, pid_gone, wait_until
 
 SLEEPING = "enginecore.stage.testing:sleeping_factory"
+DEVICE = "enginecore.stage.testing:device"
 
 
 def spawned_children(pid: int) -> list[int]:
@@ -122,6 +125,93 @@ class TestLaunch:
 
 
 class TestCancellation:
+    @pytest.mark.parametrize("how", ["wait_for", "cancel", "close", "aexit", "loop_ends"])
+    def test_a_cancelled_shutdown_still_stops_the_stage(self, how: str) -> None:
+        # shutdown()/close() cancelled while it waits for a stage that cannot stop (frozen:
+        # SIGSTOP): the shutdown goes on in a task of its own, the stream ends, the stage
+        # is killed, and a later call waits for that shutdown and returns its exit code.
+        # (It stopped where it was cancelled: closed, but the stage left frozen and its
+        # streams never ended until a later call; the end of asyncio.run() left it.)
+        pids: list[int] = []
+
+        async def main() -> None:
+            c = await AsyncStageClient.launch(DEVICE, {"step_s": 0.01}, startup_timeout=30)
+            pid = c.pid
+            assert pid is not None
+            pids.append(pid)
+            stream = await c.add("r", 10**6)
+            await stream.__anext__()
+            os.kill(pid, signal.SIGSTOP)
+            if how == "wait_for":
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.shutdown(timeout=1), 0.05)
+            else:
+                closing: Awaitable[Any]
+                if how == "close":
+                    closing = c.close()
+                elif how == "aexit":  # an `async with` whose exit is cancelled
+                    closing = c.__aexit__(None, None, None)
+                else:
+                    closing = c.shutdown(timeout=1)
+                task = asyncio.ensure_future(closing)
+                await asyncio.sleep(0)  # it waits for the stage now
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert c.closed
+            if how == "loop_ends":
+                return  # asyncio.run cancels the shutdown task: the stage is killed
+            with pytest.raises(StageClosedError):
+                await stream.collect(timeout=30)
+            code = await asyncio.wait_for(c.shutdown(), 30)
+            assert code is not None
+            assert code == c.exit_code
+            assert await c.shutdown() == code
+            assert pid_gone(pid)
+
+        asyncio.run(main())
+        assert pid_gone(pids[0])
+
+    def test_a_failed_shutdown_reaches_its_callers_and_kills_the_stage(
+        self, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # An error in the shutdown task reaches every caller that waits for it (and is
+        # logged, not "never retrieved", when none does); the stage is killed all the same.
+        def broken(pid: int | None, presumed: bool) -> list[Any]:
+            raise RuntimeError("no signals today")
+
+        monkeypatch.setattr(_clientbase, "escalate", broken)
+
+        async def main() -> None:
+            for waiting in (True, False):
+                c = await AsyncStageClient.launch(DEVICE, startup_timeout=30)
+                pid = c.pid
+                assert pid is not None
+                os.kill(pid, signal.SIGSTOP)
+                task = asyncio.ensure_future(c.shutdown(timeout=0.1))
+                await asyncio.sleep(0)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                if waiting:
+                    with pytest.raises(RuntimeError, match="no signals today"):
+                        await asyncio.wait_for(c.shutdown(), 30)
+                    with pytest.raises(RuntimeError, match="no signals today"):
+                        await c.close()
+                else:
+                    closing = c._closing
+                    assert closing is not None
+                    await asyncio.wait({closing})
+                    await asyncio.sleep(0)  # its done callbacks run
+                assert pid_gone(pid)
+
+        with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+            asyncio.run(main())
+        failed = [r.getMessage() for r in caplog.records if "closing the stage" in r.getMessage()]
+        assert len(failed) == 1, failed
+        assert "no signals today" in failed[0]
+        assert "never retrieved" not in caplog.text
+
     def test_a_cancelled_call_drops_its_answer(self) -> None:
         async def body(client: AsyncStageClient) -> None:
             call = asyncio.ensure_future(client.call_utility("sleep", 0.2))

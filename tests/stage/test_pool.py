@@ -1536,3 +1536,98 @@ def test_without_the_event_stream_requests_need_streams(launch: Open) -> None:
     with pytest.raises(RuntimeError, match="ordered_events=True"):
         pool.get_events(1)
     assert pool.add("x", 1).collect(10) == [0]  # nothing was reserved
+
+
+@pytest.mark.parametrize("how", ["wait_for", "cancel", "loop_ends"])
+def test_a_cancelled_async_shutdown_still_stops_every_replica(no_leftovers: str, how: str) -> None:
+    """AsyncStagePool.shutdown() cancelled while it waits for a frozen replica (SIGSTOP),
+    with another one draining its removal: the shutdown goes on in a task of its own,
+    every stream ends, no process is left, and a later call waits for that shutdown and
+    returns its exit codes. (It stopped where it was cancelled: the pool closed, but the
+    frozen replica ran on and its streams never ended; the end of asyncio.run() left it.)"""
+    pids: list[int] = []
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch(
+            DEVICE, {"step_s": 0.01}, replicas=3, startup_timeout=30, restart=True
+        )
+        streams = [await pool.add(f"a{i}", 10**6) for i in range(6)]
+        for s in streams:
+            await s.__anext__()
+        r0, r1, r2 = pool.replicas
+        pids.extend(cast(int, r.pid) for r in (r0, r1, r2))
+        os.kill(pids[0], signal.SIGSTOP)
+        removing = asyncio.ensure_future(pool.remove_replica(r1, timeout=60))
+        await asyncio.sleep(0)
+        assert r1.state.value == "draining"
+        if how == "wait_for":
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(pool.shutdown(timeout=1), 0.05)
+        else:
+            task = asyncio.ensure_future(pool.shutdown(timeout=1))
+            await asyncio.sleep(0)  # it waits for the replicas now
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert pool.closed
+        if how == "loop_ends":
+            return  # asyncio.run cancels the shutdown task: every replica is killed
+        for s in streams:
+            with pytest.raises(StageClosedError):
+                await s.collect(timeout=30)
+        with pytest.raises(StageClosedError):
+            await removing
+        codes = await asyncio.wait_for(pool.shutdown(), 30)
+        assert set(codes) == {r0, r1, r2}
+        assert await pool.shutdown() == codes
+        await pool.close()
+        assert all(pid_gone(p) for p in pids)
+
+    asyncio.run(main())
+    assert all(pid_gone(p) for p in pids)
+
+
+@pytest.mark.parametrize("how", ["shutdown", "loop_ends"])
+def test_a_cancelled_async_shutdown_stops_starting_and_restarting_replicas(
+    no_leftovers: str, barrier_dir: Path, how: str
+) -> None:
+    """AsyncStagePool.shutdown() cancelled while a replica restarts (its factory held),
+    another is being added (held too) and a third is frozen (SIGSTOP): no process is left,
+    whether a later call waits for the shutdown or the event loop ends first."""
+    kwargs = {"directory": str(barrier_dir)}
+    pids: list[int] = []
+
+    def started() -> set[int]:
+        return {int(n) for n in os.listdir(barrier_dir) if n != "hold"}
+
+    async def main() -> None:
+        pool = await AsyncStagePool.launch(
+            GATED, kwargs, replicas=2, startup_timeout=30, restart=RestartPolicy(first_delay=0.01)
+        )
+        r0, r1 = pool.replicas
+        pids.extend(cast(int, r.pid) for r in (r0, r1))
+        (barrier_dir / "hold").touch()
+        os.kill(pids[0], signal.SIGKILL)  # r0 restarts: its new stage is held
+        while len(started()) < 3:
+            await asyncio.sleep(0.01)
+        adding = asyncio.ensure_future(pool.add_replica(GATED, kwargs))
+        while len(started()) < 4:
+            await asyncio.sleep(0.01)
+        pids.extend(started() - set(pids))
+        os.kill(pids[1], signal.SIGSTOP)
+        task = asyncio.ensure_future(pool.shutdown(timeout=1))
+        await asyncio.sleep(0)  # it waits for the replicas now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pool.closed
+        if how == "loop_ends":
+            return
+        await asyncio.wait_for(pool.shutdown(), 30)
+        with pytest.raises(StageClosedError):
+            await adding
+        assert all(pid_gone(p) for p in pids)
+
+    asyncio.run(main())
+    assert len(pids) == 4
+    assert wait_until(lambda: all(pid_gone(p) for p in pids), 10)

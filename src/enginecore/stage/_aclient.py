@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
@@ -167,7 +168,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._reading = False  # _on_readable is registered as the reader of _pull_fd
         self._read_again: asyncio.Handle | None = None  # its call on the next iteration
         self._sockets_closed = False
-        self._close_lock = asyncio.Lock()
+        self._closing: asyncio.Future[int | None] | None = None  # the shutdown task
+        self._close_waiters = 0  # callers awaiting it
         self._closed_done = False
         self._released = False  # a bye was sent after the heartbeat presumed the stage dead
         self._over = asyncio.Event()  # Deliveries.over came: last event, or failure
@@ -594,14 +596,18 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         their streams raise :class:`~enginecore.stage.RequestError`. The wait is then at most
         *drain* + *timeout*. :class:`ValueError` for a negative drain, before anything.
 
-        Waits; idempotent (a second call waits for the first).
+        Waits; idempotent (a second call waits for the first, and returns or raises as it
+        does). Cancelling the call (``asyncio.wait_for``, a task's ``cancel()``) cancels
+        only the wait: the shutdown goes on in a task of its own, and a later call waits for
+        it; if the event loop ends first, the stage is killed (SIGKILL) and reaped.
         """
         _session.shutdown_frame(drain)  # a bad drain raises before anything
         return await self._close(stop_stage=True, timeout=timeout, drain=drain)
 
     async def close(self) -> None:
         """Release this client. A launched stage is shut down (as :meth:`shutdown`); a
-        connected stage is only detached from and keeps running. Waits; idempotent."""
+        connected stage is only detached from and keeps running. Waits; idempotent; a
+        cancelled call cancels only the wait, as for :meth:`shutdown`."""
         await self._close(stop_stage=self._launched is not None, timeout=5.0)
 
     async def __aenter__(self) -> AsyncStageClient:
@@ -618,13 +624,39 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     async def _close(
         self, *, stop_stage: bool, timeout: float, drain: float | None = None
     ) -> int | None:
-        async with self._close_lock:  # a second caller waits for the first, then returns
-            if self._closed_done:
-                return self.exit_code
+        closing = self._closing
+        if closing is None:
             alive = self._begin_close(stop_stage, drain)
+            # A task, so that a cancelled caller (asyncio.wait_for, a task's cancel(), an
+            # `async with` whose exit is cancelled) leaves no stage behind: stopped where it
+            # was cancelled, the stage would run on, and its streams never end.
+            closing = self._closing = asyncio.ensure_future(
+                self._shut_down(alive, stop_stage, timeout, drain)
+            )
+            closing.add_done_callback(self._closing_done)
+        self._close_waiters += 1
+        try:
+            return await asyncio.shield(closing)
+        finally:
+            self._close_waiters -= 1
+
+    def _closing_done(self, task: asyncio.Future[int | None]) -> None:
+        """The shutdown task's end: its error reaches every caller still waiting; with none
+        left (each was cancelled), it is logged, not lost ("never retrieved")."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not self._close_waiters:
+            logger.warning("enginecore: closing the stage client failed: %r", exc)
+
+    async def _shut_down(
+        self, alive: bool, stop_stage: bool, timeout: float, drain: float | None
+    ) -> int | None:
+        """The shutdown task: wait for the stage's end (or escalate), then release all."""
+        launched = self._launched
+        try:
             if drain is not None:
                 timeout += drain
-            launched = self._launched
             if launched is not None:
                 presumed = self._session.presumed_dead
                 if not await _until_set(self._exited, _clientbase.exit_wait(presumed, timeout)):
@@ -634,21 +666,54 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                         if await _until_set(self._exited, wait):
                             break
                 await _until_set(self._over, _session.EXIT_READ_MAX_S)  # its last frames
-                self._loop.remove_reader(launched.process.sentinel)
             elif stop_stage and alive:
                 await _until_set(self._over, timeout)
-            self._stop_reading()
-            if self._timer is not None:
-                self._timer.cancel()
-            self._fail_closed()
-            self._sockets_closed = True
-            # A bye or shutdown to a live stage deserves a moment to leave the queue.
-            self._dealer.close(linger=500 if alive or self._released else 0)
-            _clientbase.close_sockets(self._ctx, self._pull)
-            if launched is not None:
-                launched.release()
-            self._closed_done = True
-            return self.exit_code
+        except BaseException:
+            # The loop's end cancels this task (asyncio.run cancels the tasks left), or a
+            # wait failed: no one will wait for the stage any more, so it is killed now.
+            self._kill_now()
+            raise
+        self._release_all(alive)
+        return self.exit_code
+
+    def _kill_now(self) -> None:
+        """Without the event loop: begin the close if not begun, SIGKILL a launched stage
+        and wait (blocking, briefly) for its exit, then release everything. For a close
+        that cannot be awaited any more (its loop ends). Idempotent."""
+        if self._closed_done:
+            return
+        session = self._session
+        alive = self._begin_close(self._launched is not None) if not session.closing else False
+        launched = self._launched
+        if launched is not None:
+            session.escalating()  # its end is this close's doing, not a death
+            with contextlib.suppress(OSError):  # gone already
+                launched.send_signal(signal.SIGKILL)
+            launched.wait_exit(5.0)
+            launched.reap()
+        self._exited.set()  # a shutdown task still waiting ends at once
+        self._over.set()
+        self._release_all(alive)
+
+    def _release_all(self, alive: bool) -> None:
+        """The end of a close: stop reading, fail what still waits, close the sockets and
+        release a launched stage's process. Idempotent."""
+        if self._closed_done:
+            return
+        self._closed_done = True
+        launched = self._launched
+        if launched is not None:
+            self._loop.remove_reader(launched.process.sentinel)
+        self._stop_reading()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._fail_closed()
+        self._sockets_closed = True
+        # A bye or shutdown to a live stage deserves a moment to leave the queue.
+        self._dealer.close(linger=500 if alive or self._released else 0)
+        _clientbase.close_sockets(self._ctx, self._pull)
+        if launched is not None:
+            launched.release()
 
     # -- IO ----------------------------------------------------------------------------------
 

@@ -112,7 +112,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self._event_waiters: list[asyncio.Future[None]] = []
         self._loop = asyncio.get_running_loop()
         self._closed = asyncio.Event()
-        self._close_lock = asyncio.Lock()
+        self._closing: asyncio.Future[dict[Replica, int | None]] | None = None  # shutdown task
+        self._close_waiters = 0  # callers awaiting it
         self._closed_done = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._starting: set[asyncio.Future[Any]] = set()  # add_replica()s' starts
@@ -658,12 +659,16 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def shutdown(
         self, timeout: float = 5.0, *, drain: float | None = None
     ) -> dict[Replica, int | None]:
-        """:meth:`StagePool.shutdown <enginecore.stage.StagePool.shutdown>`, awaited."""
+        """:meth:`StagePool.shutdown <enginecore.stage.StagePool.shutdown>`, awaited.
+        Cancelling the call cancels only the wait: the shutdown goes on in a task of its
+        own (every stream still ends), and a later call waits for it and returns or raises
+        as it does; replicas still running when the event loop ends are killed."""
         _session.shutdown_frame(drain)  # a bad drain raises before anything
         return await self._close(stop=True, timeout=timeout, drain=drain)
 
     async def close(self) -> None:
-        """:meth:`StagePool.close <enginecore.stage.StagePool.close>`, awaited."""
+        """:meth:`StagePool.close <enginecore.stage.StagePool.close>`, awaited; a cancelled
+        call cancels only the wait, as for :meth:`shutdown`."""
         await self._close(stop=False, timeout=5.0, drain=None)
 
     async def __aenter__(self) -> AsyncStagePool:
@@ -680,9 +685,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def _close(
         self, *, stop: bool, timeout: float, drain: float | None
     ) -> dict[Replica, int | None]:
-        async with self._close_lock:
-            if self._closed_done:
-                return dict(self._exit_codes)
+        closing = self._closing
+        if closing is None:
             self._core.begin_close()
             self._closed.set()
             cut = list(self._drains) if drain is None else []
@@ -693,41 +697,80 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             for starts in list(self._starting):  # an add_replica() that waits for a start:
                 self._stopped_starts.add(starts)  # its half-started stage is killed, and it
                 starts.cancel()  # raises StageClosedError
-            replicas = list(self._core.replicas)
+            # A task, so that a cancelled caller (asyncio.wait_for, a task's cancel(), an
+            # `async with` whose exit is cancelled) leaves no replica behind: stopped where
+            # it was cancelled, the replicas not yet stopped would run on.
+            closing = self._closing = asyncio.ensure_future(
+                self._shut_down(stop=stop, timeout=timeout, drain=drain, cut=cut)
+            )
+            closing.add_done_callback(self._closing_done)
+        self._close_waiters += 1
+        try:
+            return dict(await asyncio.shield(closing))
+        finally:
+            self._close_waiters -= 1
 
-            async def stop_one(r: Replica) -> None:
-                member: _AsyncMember | None = r._client
-                if member is None:
-                    return
-                launched = member._launched
-                if (
-                    r in cut
-                    and launched is not None
-                    and not await _until_set(member._exited, timeout)
-                ):
-                    # Its removal waits for the drain's end: a stage that did not stop on
-                    # the cut (stopped, stuck) is signalled now, as the others are.
-                    for sig, wait in escalate_steps(member):
-                        launched.send_signal(sig)
-                        if await _until_set(member._exited, wait):
-                            break
-                if stop or member._launched is not None:
-                    code = await member.shutdown(timeout, drain=drain)
-                else:
-                    await member.close()
-                    code = None
-                self._exit_codes.setdefault(r, code)
+    def _closing_done(self, task: asyncio.Future[dict[Replica, int | None]]) -> None:
+        """The shutdown task's end: its error reaches every caller still waiting; with none
+        left (each was cancelled), it is logged, not lost ("never retrieved")."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not self._close_waiters:
+            logger.warning("enginecore: closing the stage pool failed: %r", exc)
 
+    async def _shut_down(
+        self, *, stop: bool, timeout: float, drain: float | None, cut: list[Replica]
+    ) -> dict[Replica, int | None]:
+        """The shutdown task: stop every replica (all at once), wait for the restart tasks,
+        end what is left."""
+        replicas = list(self._core.replicas)
+
+        async def stop_one(r: Replica) -> None:
+            member: _AsyncMember | None = r._client
+            if member is None:
+                return
+            launched = member._launched
+            if r in cut and launched is not None and not await _until_set(member._exited, timeout):
+                # Its removal waits for the drain's end: a stage that did not stop on
+                # the cut (stopped, stuck) is signalled now, as the others are.
+                for sig, wait in escalate_steps(member):
+                    launched.send_signal(sig)
+                    if await _until_set(member._exited, wait):
+                        break
+            if stop or member._launched is not None:
+                code = await member.shutdown(timeout, drain=drain)
+            else:
+                await member.close()
+                code = None
+            self._exit_codes.setdefault(r, code)
+
+        try:
             results = await asyncio.gather(*(stop_one(r) for r in replicas), return_exceptions=True)
             for result in results:
                 if isinstance(result, BaseException):
                     logger.warning("enginecore: closing a replica failed: %r", result)
             while self._tasks:  # restart tasks see _closed and return
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
-            closed = StageClosedError("this stage pool is closed")
-            for s in self._core.live_streams():  # moving between replicas as the pool closed
-                self._end(s, closed)
-            self._core.closed()
-            self._end_events()
-            self._closed_done = True
-            return dict(self._exit_codes)
+        except BaseException:
+            # The loop's end cancels this task (asyncio.run cancels the tasks left): no one
+            # will wait for the replicas any more, so each one left is killed now.
+            for r in self._core.replicas:
+                member = r._client
+                if member is not None:
+                    member._kill_now()
+                    self._exit_codes.setdefault(r, member.exit_code)
+            self._finish_close()
+            raise
+        self._finish_close()
+        return self._exit_codes
+
+    def _finish_close(self) -> None:
+        if self._closed_done:
+            return
+        closed = StageClosedError("this stage pool is closed")
+        for s in self._core.live_streams():  # moving between replicas as the pool closed
+            self._end(s, closed)
+        self._core.closed()
+        self._end_events()
+        self._closed_done = True
