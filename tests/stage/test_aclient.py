@@ -274,6 +274,39 @@ class TestCancellation:
         run_with_stage(body, ordered_events=True)
 
 
+class TestUnclosed:
+    @pytest.mark.timeout(60)
+    def test_a_client_never_closed_does_not_hang_the_garbage_collector(
+        self, no_leftovers: str
+    ) -> None:
+        # asyncio.run() ends with the client never closed, and a gc.collect() finalises
+        # its ZeroMQ context: pyzmq's Context.__del__ waited for ever in term() for the
+        # client's sockets, garbage in the same pass but not closed yet. Now the client's
+        # own finalizer closes them (with a ResourceWarning, as an unclosed file), and the
+        # stage is stopped at exit, as any stage left unclosed.
+        script = textwrap.dedent(
+            f"""
+            import asyncio, gc, tempfile, warnings
+            from enginecore.stage import AsyncStageClient
+            tempfile.tempdir = {no_leftovers!r}
+            async def main():
+                client = await AsyncStageClient.launch({SCRIPTED!r})
+                await client.call_utility("num_requests")
+            asyncio.run(main())
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                gc.collect()
+            print("collected", [str(w.message) for w in seen if w.category is ResourceWarning])
+            """
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=40
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("collected"), proc.stdout
+        assert "unclosed AsyncStageClient" in proc.stdout, proc.stdout
+
+
 class TestEventLoop:
     def test_other_tasks_run_while_a_call_waits(self) -> None:
         async def body(client: AsyncStageClient) -> None:

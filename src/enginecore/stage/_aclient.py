@@ -24,6 +24,8 @@ import logging
 import os
 import signal
 import time
+import warnings
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -179,6 +181,13 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         # event stream as it grows (_apipeline). It must not block.
         self._event_sink: Callable[[], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        # Never closed, then collected (asyncio.run() ended first): its sockets and context
+        # are closed then, or pyzmq's Context.__del__ would wait for ever in term() for
+        # sockets collected in the same pass. Not at exit (the stage is stopped then).
+        self._finalizer = weakref.finalize(
+            self, _collected_unclosed, ctx, self._dealer, self._pull, target.address
+        )
+        self._finalizer.atexit = False
         self._loop.add_reader(self._pull_fd, self._on_readable)
         self._reading = True
         self._read_soon()  # frames that came before the reader did: no signal for them
@@ -701,6 +710,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         if self._closed_done:
             return
         self._closed_done = True
+        self._finalizer.detach()
         launched = self._launched
         if launched is not None:
             self._loop.remove_reader(launched.process.sentinel)
@@ -926,3 +936,15 @@ async def _handshake_reply(
                 fut.cancel()
                 with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
                     await fut
+
+
+def _collected_unclosed(ctx: zmq.asyncio.Context, dealer: Any, pull: Any, address: str) -> None:
+    """An :class:`AsyncStageClient` never closed was collected: say so, as an unclosed file
+    does, and close what would otherwise hang the context's own finalizer."""
+    warnings.warn(
+        f"unclosed AsyncStageClient of the stage at {address}: close it, or use it as an "
+        "async context manager",
+        ResourceWarning,
+        stacklevel=1,
+    )
+    _clientbase.close_sockets(ctx, dealer, pull)
