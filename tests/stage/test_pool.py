@@ -896,6 +896,8 @@ def test_close_ends_everything_with_stage_closed_error(launch: Open) -> None:
             s.collect(10)
     with pytest.raises(StageClosedError):
         pool.add("late", 1)
+    with pytest.raises(StageClosedError, match="pool is closed"):
+        pool.stats()  # as a closed client's: not {} ("no replica serves")
     assert pool.closed
     assert pool.health() == StageHealth.DEAD
     assert all(pid_gone(cast(int, p)) for p in pids)

@@ -515,6 +515,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         """:meth:`StagePool.stats <enginecore.stage.StagePool.stats>`, awaited (the
         replicas answer at once)."""
         _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
+        if self._core.closing:
+            raise StageClosedError("this stage pool is closed")
         serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
         results = await asyncio.gather(
             *(r._client.stats(timeout) for r in serving), return_exceptions=True

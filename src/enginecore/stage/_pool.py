@@ -682,8 +682,11 @@ class StagePool(PoolBase[PoolRequestStream]):
         """Every serving replica's statistics (:meth:`StageClient.stats
         <enginecore.stage.StageClient.stats>`), as ``{replica: statistics or exception}``:
         asked of every replica at once, so *timeout* bounds the whole wait (a replica that
-        has not answered by then gets a :class:`TimeoutError`). Thread-safe."""
+        has not answered by then gets a :class:`TimeoutError`). Thread-safe.
+        :class:`~enginecore.stage.StageClosedError` once the pool is closed."""
         deadline = _clientbase.deadline_after(timeout)  # ValueError if negative
+        if self._core.closing:
+            raise StageClosedError("this stage pool is closed")
         asked: dict[Replica, Any] = {}
         for r in self._core.replicas:
             if r.state is not ReplicaState.SERVING:
