@@ -375,6 +375,15 @@ async def drive_async(
     sem = asyncio.Semaphore(load.concurrency)
     tasks: set[asyncio.Task[None]] = set()
 
+    def _settled(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            # one() handles every Exception; what ends it otherwise (a Ctrl-C or SIGTERM
+            # that landed in it) has left the event loop already, to the soak's way out:
+            # taken here, it is not logged again as "Task exception was never retrieved"
+            # after the soak's last line.
+            task.exception()
+
     async def one(life: Life) -> None:
         rid = life.rid
         try:
@@ -419,7 +428,7 @@ async def drive_async(
             continue
         task = asyncio.create_task(one(Life(rid, *draw(rng, load.abort_share), report, rules)))
         tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        task.add_done_callback(_settled)
     if tasks:
         await asyncio.wait(tasks)
 
