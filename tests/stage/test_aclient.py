@@ -199,7 +199,7 @@ class TestCancellation:
                     with pytest.raises(RuntimeError, match="no signals today"):
                         await c.close()
                 else:
-                    closing = c._closing
+                    closing = c._closing.task
                     assert closing is not None
                     await asyncio.wait({closing})
                     await asyncio.sleep(0)  # its done callbacks run
@@ -272,6 +272,88 @@ class TestCancellation:
             assert (await client.get_events(5))[0].result == [1]  # type: ignore[union-attr]
 
         run_with_stage(body, ordered_events=True)
+
+
+class TestClosingTask:
+    """The close that the asyncio client, pool and pipeline share, without sockets."""
+
+    def test_a_cancelled_wait_leaves_the_close_running_for_the_next(self) -> None:
+        async def main() -> None:
+            closing: _clientbase.ClosingTask[int] = _clientbase.ClosingTask("a thing")
+            release = asyncio.Event()
+            runs = 0
+
+            async def close() -> int:
+                nonlocal runs
+                runs += 1
+                await release.wait()
+                return 7
+
+            assert closing.unstarted()
+            closing.start(close())
+            assert not closing.unstarted()
+            first = asyncio.ensure_future(closing.wait())
+            await asyncio.sleep(0)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            task = closing.task
+            assert task is not None and not task.done()  # only the wait was cancelled
+            release.set()
+            assert await closing.wait() == 7
+            assert runs == 1
+
+        asyncio.run(main())
+
+    @pytest.mark.parametrize("waiting", [True, False])
+    def test_an_error_reaches_the_waiters_or_else_the_log(
+        self, waiting: bool, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        async def main() -> None:
+            closing: _clientbase.ClosingTask[None] = _clientbase.ClosingTask("a thing")
+
+            async def close() -> None:
+                await asyncio.sleep(0)
+                raise RuntimeError("no close today")
+
+            closing.start(close())
+            if waiting:
+                with pytest.raises(RuntimeError, match="no close today"):
+                    await closing.wait()
+            else:
+                task = closing.task
+                assert task is not None
+                await asyncio.wait({task})
+                await asyncio.sleep(0)  # its done callbacks run
+
+        with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+            asyncio.run(main())
+        logged = [r.getMessage() for r in caplog.records if "closing a thing" in r.getMessage()]
+        assert len(logged) == (0 if waiting else 1), logged
+        assert "never retrieved" not in caplog.text
+
+    def test_an_unfinished_close_is_redone_only_when_asked(self) -> None:
+        async def main() -> None:
+            closing: _clientbase.ClosingTask[None] = _clientbase.ClosingTask("a thing")
+
+            async def close() -> None:
+                await asyncio.Event().wait()
+
+            closing.start(close())
+            task = closing.task
+            assert task is not None
+            assert not closing.unstarted(redo_unfinished=True)  # still running
+            task.cancel()
+            await asyncio.wait({task})
+            assert not closing.unstarted()
+            assert closing.unstarted(redo_unfinished=True)
+
+        asyncio.run(main())
+
+    def test_waiting_before_the_start_is_a_clear_error(self) -> None:
+        closing: _clientbase.ClosingTask[None] = _clientbase.ClosingTask("a thing")
+        with pytest.raises(RuntimeError, match="not started"):
+            asyncio.run(closing.wait())
 
 
 class TestUnclosed:

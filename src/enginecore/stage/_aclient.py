@@ -170,8 +170,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._reading = False  # _on_readable is registered as the reader of _pull_fd
         self._read_again: asyncio.Handle | None = None  # its call on the next iteration
         self._sockets_closed = False
-        self._closing: asyncio.Future[int | None] | None = None  # the shutdown task
-        self._close_waiters = 0  # callers awaiting it
+        self._closing: _clientbase.ClosingTask[int | None] = _clientbase.ClosingTask(
+            "the stage client"
+        )
         self._closed_done = False
         self._released = False  # a bye was sent after the heartbeat presumed the stage dead
         self._over = asyncio.Event()  # Deliveries.over came: last event, or failure
@@ -633,30 +634,10 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     async def _close(
         self, *, stop_stage: bool, timeout: float, drain: float | None = None
     ) -> int | None:
-        closing = self._closing
-        if closing is None:
+        if self._closing.unstarted():
             alive = self._begin_close(stop_stage, drain)
-            # A task, so that a cancelled caller (asyncio.wait_for, a task's cancel(), an
-            # `async with` whose exit is cancelled) leaves no stage behind: stopped where it
-            # was cancelled, the stage would run on, and its streams never end.
-            closing = self._closing = asyncio.ensure_future(
-                self._shut_down(alive, stop_stage, timeout, drain)
-            )
-            closing.add_done_callback(self._closing_done)
-        self._close_waiters += 1
-        try:
-            return await asyncio.shield(closing)
-        finally:
-            self._close_waiters -= 1
-
-    def _closing_done(self, task: asyncio.Future[int | None]) -> None:
-        """The shutdown task's end: its error reaches every caller still waiting; with none
-        left (each was cancelled), it is logged, not lost ("never retrieved")."""
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None and not self._close_waiters:
-            logger.warning("enginecore: closing the stage client failed: %r", exc)
+            self._closing.start(self._shut_down(alive, stop_stage, timeout, drain))
+        return await self._closing.wait()
 
     async def _shut_down(
         self, alive: bool, stop_stage: bool, timeout: float, drain: float | None

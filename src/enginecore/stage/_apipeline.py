@@ -113,7 +113,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             link_keys,
         )
         self._room_waiters: list[asyncio.Future[None]] = []
-        self._closing: asyncio.Future[None] | None = None  # the shutdown task
+        self._closing: _clientbase.ClosingTask[None] = _clientbase.ClosingTask("the pipeline")
         # Restarts (PipelineStage(restart=...)): one task per process being restarted, one
         # start at a time; set when the pipeline closes, which ends every backoff.
         self._restart_tasks: set[asyncio.Task[None]] = set()
@@ -423,8 +423,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         ``cancel()``) cancels only the wait: the shutdown goes on, in a task of its own, and
         a later call waits for it (or, if that task was cancelled itself, does the rest)."""
         check_drain(drain)
-        closing = self._closing
-        if closing is None or (closing.done() and (closing.cancelled() or closing.exception())):
+        if self._closing.unstarted(redo_unfinished=True):
             # Not begun, or its task did not finish (cancelled itself: an application that
             # cancels every task as it exits; or failed): this call does it (each step is
             # idempotent).
@@ -435,11 +434,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     room.set_result(None)
             self._stopping.set()
             self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
-            # A task, so that a cancelled caller leaves no stage running: stopped where
-            # it was cancelled, the stages after it would run on, and a second call, seeing
-            # the shutdown begun, would return at once.
-            self._closing = closing = asyncio.ensure_future(self._shut_down(timeout, drain))
-        await asyncio.shield(closing)
+            self._closing.start(self._shut_down(timeout, drain))
+        await self._closing.wait()
 
     async def _shut_down(self, timeout: float, drain: float | None) -> None:
         if self._restart_tasks:  # a start under way: it stops what it started

@@ -112,8 +112,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self._event_waiters: list[asyncio.Future[None]] = []
         self._loop = asyncio.get_running_loop()
         self._closed = asyncio.Event()
-        self._closing: asyncio.Future[dict[Replica, int | None]] | None = None  # shutdown task
-        self._close_waiters = 0  # callers awaiting it
+        self._closing: _clientbase.ClosingTask[dict[Replica, int | None]] = _clientbase.ClosingTask(
+            "the stage pool"
+        )
         self._closed_done = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._starting: set[asyncio.Future[Any]] = set()  # add_replica()s' starts
@@ -687,8 +688,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def _close(
         self, *, stop: bool, timeout: float, drain: float | None
     ) -> dict[Replica, int | None]:
-        closing = self._closing
-        if closing is None:
+        if self._closing.unstarted():
             self._core.begin_close()
             self._closed.set()
             cut = list(self._drains) if drain is None else []
@@ -699,27 +699,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             for starts in list(self._starting):  # an add_replica() that waits for a start:
                 self._stopped_starts.add(starts)  # its half-started stage is killed, and it
                 starts.cancel()  # raises StageClosedError
-            # A task, so that a cancelled caller (asyncio.wait_for, a task's cancel(), an
-            # `async with` whose exit is cancelled) leaves no replica behind: stopped where
-            # it was cancelled, the replicas not yet stopped would run on.
-            closing = self._closing = asyncio.ensure_future(
-                self._shut_down(stop=stop, timeout=timeout, drain=drain, cut=cut)
-            )
-            closing.add_done_callback(self._closing_done)
-        self._close_waiters += 1
-        try:
-            return dict(await asyncio.shield(closing))
-        finally:
-            self._close_waiters -= 1
-
-    def _closing_done(self, task: asyncio.Future[dict[Replica, int | None]]) -> None:
-        """The shutdown task's end: its error reaches every caller still waiting; with none
-        left (each was cancelled), it is logged, not lost ("never retrieved")."""
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None and not self._close_waiters:
-            logger.warning("enginecore: closing the stage pool failed: %r", exc)
+            self._closing.start(self._shut_down(stop=stop, timeout=timeout, drain=drain, cut=cut))
+        return dict(await self._closing.wait())
 
     async def _shut_down(
         self, *, stop: bool, timeout: float, drain: float | None, cut: list[Replica]

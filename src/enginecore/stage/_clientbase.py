@@ -5,13 +5,14 @@ shutdown. The clients add the waiting."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
 import zmq
@@ -26,6 +27,7 @@ from ._wire import WelcomeMsg, is_ipv6_endpoint
 
 __all__ = [
     "ClientBase",
+    "ClosingTask",
     "Target",
     "check_heartbeat",
     "close_sockets",
@@ -43,6 +45,7 @@ __all__ = [
 logger = logging.getLogger("enginecore.stage")
 
 S = TypeVar("S", bound=StreamCore)
+T = TypeVar("T")
 W = TypeVar("W")
 Sock = TypeVar("Sock", bound=zmq.Socket[Any])
 
@@ -496,3 +499,62 @@ def escalate(
     yield signal.SIGTERM, 1.0
     logger.warning("enginecore: stage %s ignored SIGTERM; SIGKILL", pid)
     yield signal.SIGKILL, None
+
+
+class ClosingTask(Generic[T]):
+    """The close of an asyncio client, pool or pipeline: run once, in a task of its own,
+    each caller awaiting it through :func:`asyncio.shield`.
+
+    A task, so that a cancelled caller (``asyncio.wait_for``, a task's ``cancel()``, an
+    ``async with`` whose exit is cancelled) cancels only its own wait: stopped where it was
+    cancelled, the close would leave stages running and their streams open. A later caller
+    waits for the same task. The task's error reaches every caller still waiting; with none
+    left (each was cancelled), it is logged as ``closing <what> failed``, not lost as "Task
+    exception was never retrieved".
+    """
+
+    __slots__ = ("_task", "_waiters", "_what")
+
+    def __init__(self, what: str) -> None:
+        self._task: asyncio.Future[T] | None = None
+        self._waiters = 0
+        self._what = what
+
+    @property
+    def task(self) -> asyncio.Future[T] | None:
+        """The close's task; None before it began."""
+        return self._task
+
+    def unstarted(self, *, redo_unfinished: bool = False) -> bool:
+        """Whether a close is still to be started: none began, or (with *redo_unfinished*)
+        the last one ended without finishing (cancelled itself, or failed) and the caller
+        does the rest (for a close whose steps are each idempotent)."""
+        task = self._task
+        if task is None:
+            return True
+        if not redo_unfinished or not task.done():
+            return False
+        return task.cancelled() or task.exception() is not None
+
+    def start(self, close: Coroutine[Any, Any, T]) -> None:
+        """Run *close* as the close's task (on the running loop)."""
+        task = self._task = asyncio.ensure_future(close)
+        task.add_done_callback(self._done)
+
+    async def wait(self) -> T:
+        """Await the close's task; a cancelled call cancels only this wait."""
+        task = self._task
+        if task is None:
+            raise RuntimeError("enginecore: the close was not started")
+        self._waiters += 1
+        try:
+            return await asyncio.shield(task)
+        finally:
+            self._waiters -= 1
+
+    def _done(self, task: asyncio.Future[T]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()  # retrieved: a later redo or wait sees it too
+        if exc is not None and not self._waiters:
+            logger.warning("enginecore: closing %s failed: %r", self._what, exc)
