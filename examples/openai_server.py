@@ -42,7 +42,10 @@ refused with a 400 naming it (``param``) when it asks for something (``echo``,
 it asks for nothing or cannot change the tokens (``user``, ``metadata``, ``store``,
 ``tool_choice: "none"``, ...). A parameter OpenAI's API does not have (another server's
 extension, such as ``top_k`` or ``min_tokens``) is refused as unrecognized, as OpenAI
-refuses it.
+refuses it. So is a chat message's: ``role``, ``content`` (a string, or text parts) and
+``name`` (passed on to the chat template, which may render it) are used; ``tool_calls``,
+``tool_call_id``, ``function_call``, ``audio`` and ``refusal`` are refused when not empty
+(``param`` names the message, as ``messages[1].tool_calls``); any other field is refused.
 
 A client that disconnects, during a stream or while it waits for a whole completion, has its
 request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open requests get
@@ -276,6 +279,21 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "reasoning_effort": lambda v: v is not None,
     "verbosity": lambda v: v is not None,
     "web_search_options": lambda v: v is not None,
+}
+
+
+# A chat message's fields: role and content, and name (the participant's, passed on to the
+# chat template, which may render it). OpenAI's other message fields ask for what this
+# server does not do (tool and function calls, audio, a refusal): refused when they ask for
+# something, accepted when empty, as the request's parameters are. Any other field is
+# refused as unrecognized.
+MESSAGE_KEYS = frozenset({"role", "content", "name"})
+MESSAGE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tool_calls": lambda v: v not in (None, []),
+    "function_call": lambda v: v is not None,
+    "tool_call_id": lambda v: v is not None,
+    "audio": lambda v: v is not None,
+    "refusal": lambda v: v is not None,
 }
 
 
@@ -730,7 +748,7 @@ class Server:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("messages must be a non-empty list", "messages")
-        chat = [self._message(m) for m in messages]
+        chat = [self._message(i, m) for i, m in enumerate(messages)]
 
         def render() -> str:
             text: str = self.tokenizer.apply_chat_template(
@@ -816,17 +834,34 @@ class Server:
         return ids
 
     @staticmethod
-    def _message(message: Any) -> dict[str, str]:
+    def _message(index: int, message: Any) -> dict[str, str]:
+        where = f"messages[{index}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _bad("each message must be an object with a role and a content", "messages")
+            raise _bad("each message must be an object with a role and a content", where)
+        for key, value in message.items():
+            if key in MESSAGE_KEYS:
+                continue
+            used = MESSAGE_UNSUPPORTED.get(key)
+            if used is None:
+                raise _bad(f"unrecognized field in {where}: {key}", f"{where}.{key}")
+            if used(value):
+                raise _bad(f"{key} in a message is not supported by this server", f"{where}.{key}")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise _bad("only text content parts are supported", "messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+                raise _bad("only text content parts are supported", f"{where}.content")
+            if not all(isinstance(p.get("text"), str) for p in content):
+                raise _bad("a text content part's text must be a string", f"{where}.content")
+            content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise _bad("a message's content must be a string", "messages")
-        return {"role": message["role"], "content": content}
+            raise _bad("a message's content must be a string", f"{where}.content")
+        chat = {"role": message["role"], "content": content}
+        name = message.get("name")
+        if name is not None:  # the participant's name: the chat template may render it
+            if not isinstance(name, str) or not name:
+                raise _bad("a message's name must be a non-empty string", f"{where}.name")
+            chat["name"] = name
+        return chat
 
     async def _respond(
         self, request: Request, prompt: list[int], sampling: Sampling, *, chat: bool

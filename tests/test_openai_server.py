@@ -49,7 +49,8 @@ WORDS = ["<unk>", "<s>", "</s>", "user", "assistant", "system", ":", "hello", "w
 WORDS += ["the", "a", "cat", "sat", "on", "mat", "stop", "!"]
 ID = {w: i for i, w in enumerate(WORDS)}
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% for m in messages %}{{ m['role'] }}{% if m['name'] %} {{ m['name'] }}{% endif %} : "
+    "{{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}assistant :{% endif %}"
 )
 PROMPT = "hello world the cat"  # ids 7 8 9 11: the echo engine answers " hello world the cat ..."
@@ -426,6 +427,54 @@ class TestEndpoints:
             timeout=10,
         )
         assert reply.status_code == 200, reply.text
+        assert server.wait_idle()["live"] == 0
+
+    @pytest.mark.timeout(30)
+    def test_a_messages_fields_are_used_or_refused_never_dropped(self, server: Served) -> None:
+        # A message's name reaches the chat template (this one renders it); OpenAI's fields
+        # this server does not do, and fields OpenAI does not have, were dropped silently.
+        def chat(*messages: dict[str, Any], max_tokens: int = 5) -> httpx.Response:
+            body = {"model": "tiny-words", "max_tokens": max_tokens, "messages": list(messages)}
+            return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10)
+
+        reply = chat({"role": "user", "name": "cat", "content": "hello"})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == " user cat : hello assistant"
+        parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": " world"}]
+        unused: dict[str, Any] = {
+            "tool_calls": [],
+            "function_call": None,
+            "refusal": None,
+            "audio": None,
+        }
+        reply = chat(
+            {"role": "user", "content": "cat"},
+            {"role": "assistant", "content": parts, **unused},
+            max_tokens=9,
+        )
+        assert reply.status_code == 200, reply.text
+        text = reply.json()["choices"][0]["message"]["content"]
+        assert text == " user : cat assistant : hello world assistant :"
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        cases: list[tuple[dict[str, Any], str]] = [
+            (
+                {"role": "assistant", "content": "hi", "tool_calls": [call]},
+                "messages[1].tool_calls",
+            ),
+            ({"role": "tool", "content": "hi", "tool_call_id": "c1"}, "messages[1].tool_call_id"),
+            ({"role": "user", "content": "hi", "weight": 2}, "messages[1].weight"),
+            ({"role": "user", "content": "hi", "name": 7}, "messages[1].name"),
+            ({"role": "user", "content": [{"type": "text"}]}, "messages[1].content"),
+            ({"role": "user", "content": [{"type": "image_url"}]}, "messages[1].content"),
+            ({"role": "user", "content": None}, "messages[1].content"),
+            ({"content": "hi"}, "messages[1]"),
+        ]
+        for message, param in cases:
+            reply = chat({"role": "user", "content": "hello"}, message)
+            assert reply.status_code == 400, (message, reply.text)
+            error = reply.json()["error"]
+            assert error["param"] == param, error
+            assert error["type"] == "invalid_request_error", error
         assert server.wait_idle()["live"] == 0
 
     @pytest.mark.timeout(30)

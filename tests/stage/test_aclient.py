@@ -298,7 +298,8 @@ class TestClosingTask:
             with pytest.raises(asyncio.CancelledError):
                 await first
             task = closing.task
-            assert task is not None and not task.done()  # only the wait was cancelled
+            assert task is not None
+            assert not task.done()  # only the wait was cancelled
             release.set()
             assert await closing.wait() == 7
             assert runs == 1
