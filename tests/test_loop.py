@@ -984,6 +984,48 @@ class TestIdleLoopHoldsNothing:
             lt.join()
 
 
+class TestRule17UnappliedAnswersAreToldApartByType:
+    """A stage drops the loop's answers to the utilities it never applied (rule 17) and
+    forwards every other answer. It tells them apart by the type the loop gives their error
+    text, never by the text: an engine's utility may raise (or a deferred one fail with) a
+    ``LoopEndedError`` whose ``repr`` is exactly the loop's, and its caller must get it."""
+
+    @LOOPS
+    def test_a_utility_s_own_error_that_reads_like_the_loop_s_is_not_taken_for_it(
+        self, kind: str, depth: int
+    ) -> None:
+        from enginecore._loop import is_unapplied_answer
+
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        mimic = LoopEndedError("the engine loop ended before it applied utility 'div' (call 1)")
+        failed: Future[Any] = Future()
+        failed.set_exception(LoopEndedError(*mimic.args))
+
+        def utility(name: str, args: tuple[Any, ...]) -> Any:
+            if name == "deferred":
+                return failed
+            raise mimic
+
+        engine.utility = utility  # type: ignore[method-assign]
+
+        def stop(lp: EngineCoreLoop) -> None:
+            lp.request_shutdown()
+            lp.submit(Utility(1, "div", ()))  # behind the drain's snapshot: never applied
+
+        loop.submit_many([Utility(1, "div", ()), Utility(1, "deferred", ()), _Record([], stop)])
+        LoopThread(loop).start().join()
+        answers = [e for e in log.events if e[0] == "utility"]
+        # Three answers with the very same text; only the last is the loop's own.
+        assert answers == [_ended(1)] * 3
+        assert [is_unapplied_answer(e) for e in answers] == [False, False, True]
+        assert not is_unapplied_answer(("utility", 1, None, str(answers[-1][3])))
+        assert not is_unapplied_answer(("shutdown",))
+        s = loop.statistics()
+        assert (s.utility_calls, s.utility_errors) == (2, 2)
+
+
 def _ended(call_id: int, name: str = "div") -> tuple[Any, ...]:
     err = LoopEndedError(
         f"the engine loop ended before it applied utility {name!r} (call {call_id})"

@@ -97,14 +97,21 @@ _ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
 _PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
 
 
-_UNAPPLIED = "the engine loop ended before it applied utility "
+class _UnappliedAnswer(str):
+    """The error text of the loop's answer to a ``Utility`` it ended without applying
+    (rule 17): a plain ``str`` to anyone reading the event (equal to ``repr`` of its
+    ``LoopEndedError``), told apart from any other error text by its type alone, never by
+    what it says: a utility of the engine's own may raise a ``LoopEndedError`` that reads
+    the same, and its answer must still go out."""
+
+    __slots__ = ()
 
 
 def is_unapplied_answer(event: Event) -> bool:
     """Whether *event* is the loop's answer to a ``Utility`` it ended without applying
-    (rule 17): a stage answers those calls itself, as its process ends."""
-    err = event[3] if event[0] == "utility" else None
-    return isinstance(err, str) and err.startswith("LoopEndedError(") and _UNAPPLIED in err
+    (rule 17): a stage answers those calls itself, as its process ends. Told by the type
+    of its error text (:class:`_UnappliedAnswer`), which only the loop makes."""
+    return event[0] == "utility" and type(event[3]) is _UnappliedAnswer
 
 
 def _ended_error(message: object) -> LoopEndedError:
@@ -809,8 +816,10 @@ class EngineCoreLoop:
             calls[:0] = [msg for msg in left if isinstance(msg, Utility)]
         emit = self._emit
         for msg in calls:
-            err = LoopEndedError(f"{_UNAPPLIED}{msg.name!r} (call {msg.call_id})")
-            emit(("utility", msg.call_id, None, repr(err)))
+            err = LoopEndedError(
+                f"the engine loop ended before it applied utility {msg.name!r} (call {msg.call_id})"
+            )
+            emit(("utility", msg.call_id, None, _UnappliedAnswer(repr(err))))
 
     def _stopped_before_run(self) -> None:
         # request_shutdown() came before run(): apply nothing (rule 9); answer the queued
