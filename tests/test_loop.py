@@ -585,6 +585,18 @@ class TestConstruction:
         with pytest.raises(TypeError, match=r"engine\.has_work must be a method, got bool"):
             EngineCoreLoop(AProperty(), print)
 
+    @pytest.mark.parametrize("pipelined", [False, True], ids=["step", "pipelined"])
+    def test_rejects_the_engine_class_instead_of_an_instance(self, pipelined: bool) -> None:
+        # The class has every method, as functions: it passed the protocol check, and the
+        # first call in run() was a fatal "has_work() missing 1 required positional
+        # argument: 'self'" that did not say what was wrong.
+        cls: Any = CountdownPipeline if pipelined else CountdownEngine
+        name = cls.__name__
+        with pytest.raises(
+            TypeError, match=rf"an engine instance, got the class {name}.*{name}\(\)"
+        ):
+            EngineCoreLoop(cls, print)
+
     def test_rejects_a_non_callable_emit(self) -> None:
         with pytest.raises(TypeError, match="emit must be callable"):
             EngineCoreLoop(CountdownEngine(), [])  # type: ignore[arg-type]
@@ -914,6 +926,36 @@ class _DividedCancelled:
 
     def __truediv__(self, other: object) -> Any:
         raise asyncio.CancelledError("the utility's task was cancelled")
+
+
+class _NotAnException(BaseException):
+    """A ``BaseException`` of the user's own, not an ``Exception``."""
+
+
+class TestRule8BaseExceptionsPropagate:
+    @LOOPS
+    @pytest.mark.parametrize(
+        "exc_type",
+        [KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError, _NotAnException],
+    )
+    def test_any_base_exception_from_the_engine_is_reported_then_propagates(
+        self, kind: str, depth: int, exc_type: type[BaseException]
+    ) -> None:
+        # Rule 8: an exception from the engine is fatal; one that is not an Exception (any
+        # BaseException, not only KeyboardInterrupt/SystemExit) is emitted as fatal, then
+        # run() raises it instead of returning.
+        engine = _engine_for(kind)
+
+        def fail() -> None:
+            raise exc_type
+
+        _on_first_step(engine, fail)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        with pytest.raises(exc_type):
+            loop.run()
+        assert log.events == [("fatal", repr(exc_type()))]
 
 
 class TestRule8UtilityBaseExceptions:

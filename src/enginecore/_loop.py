@@ -190,7 +190,9 @@ class EngineCoreLoop:
     *engine* is an :class:`~enginecore.Engine` (``step()``), or a
     :class:`~enginecore.PipelinedEngine` (``launch()`` / ``collect(handle)``), which the loop
     keeps up to *pipeline_depth* steps in flight for: while the device runs step *n+1*, the
-    loop collects and post-processes step *n*. *pipeline_depth* must be at least 1
+    loop collects and post-processes step *n*. It is checked on construction: an object that
+    lacks one of the methods, has one that is not callable, or is a class rather than an
+    instance, is a :class:`TypeError`. *pipeline_depth* must be at least 1
     (:class:`ValueError`), and above 1 only a PipelinedEngine can use it (:class:`TypeError`).
     An Engine runs exactly as it always has.
 
@@ -218,9 +220,10 @@ class EngineCoreLoop:
     (:class:`~enginecore.LoopEndedError`), ``("fatal", repr(exc))`` is emitted and
     :meth:`run` returns. If emitting the final event itself fails (``("fatal", ...)`` or
     ``("shutdown",)``), :meth:`run` raises that exception, chained to the first one if any,
-    so the failure can never pass unnoticed. ``KeyboardInterrupt`` and ``SystemExit`` are
-    reported the same way and then re-raised. An exception whose ``repr()`` raises is
-    reported with a stand-in naming its type.
+    so the failure can never pass unnoticed. One that is not an ``Exception``
+    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, an ``asyncio.CancelledError``,
+    any other ``BaseException``) is reported the same way and then re-raised. An exception
+    whose ``repr()`` raises is reported with a stand-in naming its type.
     """
 
     # Concurrency invariants:
@@ -263,6 +266,13 @@ class EngineCoreLoop:
         pipeline_depth: int = 1,
         input_queue: queue.Queue[Any] | None = None,
     ) -> None:
+        if isinstance(engine, type):
+            # Its methods are plain functions: it would pass the protocol check below, and
+            # the first call in run() would fail for want of self.
+            raise TypeError(
+                f"engine must be an engine instance, got the class {engine.__name__}; "
+                f"write {engine.__name__}()"
+            )
         pipelined = isinstance(engine, PipelinedEngine)
         if not pipelined and not isinstance(engine, Engine):
             two_phase = hasattr(engine, "launch") or hasattr(engine, "collect")
