@@ -472,8 +472,9 @@ class EngineCoreLoop:
 
         Blocks for the life of the loop. Returns after emitting ``("shutdown",)`` or
         ``("fatal", ...)``. A loop runs once: a second call raises
-        :class:`~enginecore.LoopAlreadyRunError`. ``KeyboardInterrupt``/``SystemExit`` raised
-        inside the loop are emitted as ``("fatal", ...)`` and then propagate.
+        :class:`~enginecore.LoopAlreadyRunError`. A ``BaseException`` that is not an
+        ``Exception`` (``KeyboardInterrupt``, ``SystemExit``, ...) raised inside the loop is
+        emitted as ``("fatal", ...)`` and then propagates.
         """
         with self._run_lock:
             if self._started:
