@@ -682,6 +682,16 @@ class TestConstruction:
             loop.submit_many([Add("a", 1), 42])  # type: ignore[list-item]
         assert loop.input_queue.empty()
 
+    @pytest.mark.parametrize("one", [Add("a", 1), 7], ids=["a-message", "int"])
+    def test_submit_many_of_one_message_says_to_pass_an_iterable(
+        self, loop: EngineCoreLoop, one: Any
+    ) -> None:
+        # It said only "'Add' object is not iterable", without naming submit_many().
+        name = type(one).__name__
+        with pytest.raises(TypeError, match=rf"submit_many\(\) takes an iterable .* got {name}"):
+            loop.submit_many(one)
+        assert loop.input_queue.empty()
+
     def test_submit_rejects_non_messages(self, loop: EngineCoreLoop) -> None:
         with pytest.raises(TypeError, match="got tuple"):
             loop.submit(("add", "r", 1))  # type: ignore[arg-type]

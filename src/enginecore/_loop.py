@@ -388,7 +388,15 @@ class EngineCoreLoop:
         thread-safe; **not** safe in a signal handler. Once the loop has ended it raises
         :class:`~enginecore.LoopEndedError` and queues none of them, as :meth:`submit` does.
         """
-        batch = list(messages)
+        try:
+            batch = list(messages)
+        except TypeError:
+            if isinstance(messages, Iterable):
+                raise  # from the iterable itself
+            raise TypeError(
+                f"submit_many() takes an iterable of messages (a list), got "
+                f"{type(messages).__name__}; submit() queues one message"
+            ) from None
         for message in batch:
             if not isinstance(message, _MESSAGE_TYPES):
                 raise TypeError(
