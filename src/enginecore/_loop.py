@@ -80,7 +80,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future
-from typing import Any
+from typing import Any, cast
 
 from ._engine import Engine, PipelinedEngine
 from ._exceptions import LoopAlreadyRunError, LoopEndedError, describe, str_or_nothing
@@ -97,21 +97,25 @@ _ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
 _PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
 
 
-class _UnappliedAnswer(str):
-    """The error text of the loop's answer to a ``Utility`` it ended without applying
-    (rule 17): a plain ``str`` to anyone reading the event (equal to ``repr`` of its
-    ``LoopEndedError``), told apart from any other error text by its type alone, never by
-    what it says: a utility of the engine's own may raise a ``LoopEndedError`` that reads
-    the same, and its answer must still go out."""
+class _UnappliedAnswer(tuple):  # type: ignore[type-arg]
+    """The loop's answer to a ``Utility`` it ended without applying (rule 17):
+    ``("utility", call_id, None, repr(LoopEndedError(...)))``, a tuple equal to that one,
+    whose fields are the same plain values (its error text a plain ``str``), told apart
+    from any other answer by its type alone, never by what its text says: a utility of the
+    engine's own may raise a ``LoopEndedError`` that reads the same, and its answer must
+    still go out. The mark lives in this process only: pickled, it is a plain tuple."""
 
     __slots__ = ()
+
+    def __reduce__(self) -> tuple[type[tuple[Any, ...]], tuple[tuple[Any, ...]]]:
+        return (tuple, (tuple(self),))
 
 
 def is_unapplied_answer(event: Event) -> bool:
     """Whether *event* is the loop's answer to a ``Utility`` it ended without applying
-    (rule 17): a stage answers those calls itself, as its process ends. Told by the type
-    of its error text (:class:`_UnappliedAnswer`), which only the loop makes."""
-    return event[0] == "utility" and type(event[3]) is _UnappliedAnswer
+    (rule 17): a stage answers those calls itself, as its process ends. Told by the
+    event's type (:class:`_UnappliedAnswer`), which only the loop makes."""
+    return type(event) is _UnappliedAnswer
 
 
 def _ended_error(message: object) -> LoopEndedError:
@@ -838,7 +842,7 @@ class EngineCoreLoop:
             err = LoopEndedError(
                 f"the engine loop ended before it applied utility {msg.name!r} (call {msg.call_id})"
             )
-            emit(("utility", msg.call_id, None, _UnappliedAnswer(repr(err))))
+            emit(cast(UtilityEvent, _UnappliedAnswer(("utility", msg.call_id, None, repr(err)))))
 
     def _stopped_before_run(self) -> None:
         # request_shutdown() came before run(): apply nothing (rule 9); answer the queued
