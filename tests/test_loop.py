@@ -1195,6 +1195,47 @@ class TestRule17QueuedUtilitiesAtTheEnd:
         assert all(e[0] != "utility" for e in log.events)
 
 
+class TestRule17AnEndCutShort:
+    """Rules 8 and 17, on both loops: when the emit of one unapplied call's answer raises
+    (or a KeyboardInterrupt lands in it), the calls after it are still answered, each once,
+    before the fatal event."""
+
+    @LOOPS
+    @pytest.mark.parametrize("exc_type", [_Boom, KeyboardInterrupt])
+    @pytest.mark.parametrize("when", ["before-run", "at-the-end"])
+    def test_the_calls_after_a_failed_answer_are_still_answered(
+        self, kind: str, depth: int, exc_type: type[BaseException], when: str
+    ) -> None:
+        events: list[Any] = []
+        failed: list[Any] = []
+
+        def emit(event: Any) -> None:
+            if event == _ended(1) and not failed:
+                failed.append(event)
+                raise exc_type("emit")
+            events.append(event)
+
+        loop = EngineCoreLoop(_engine_for(kind), emit, pipeline_depth=depth)
+        calls = [Utility(i, "div", (1, 1)) for i in (1, 2, 3)]
+
+        def stop(lp: EngineCoreLoop) -> None:
+            lp.request_shutdown()
+            lp.submit_many(calls)  # behind the drain's snapshot: never applied
+
+        if when == "before-run":
+            loop.submit_many(calls)
+            loop.request_shutdown()
+        else:
+            loop.submit(_Record([], stop))
+        if exc_type is KeyboardInterrupt:
+            with pytest.raises(KeyboardInterrupt):
+                loop.run()
+        else:
+            loop.run()
+        assert failed == [_ended(1)]
+        assert events == [_ended(2), _ended(3), ("fatal", repr(exc_type("emit")))]
+
+
 class TestRule17UtilitiesLeftOfAFailedDrain:
     """Rules 8 and 17, on both loops: a fatal error in the middle of a drain leaves the
     rest of that drain unapplied; each ``Utility`` among it is answered with a

@@ -259,6 +259,7 @@ class EngineCoreLoop:
         "_stats",
         "_timer",
         "_token",
+        "_unanswered",
         "input_queue",
     )
 
@@ -343,6 +344,8 @@ class EngineCoreLoop:
         self._run_lock = threading.Lock()
         self._token = b""
         self._deferred: dict[_Deferred, None] = {}
+        # The Utility messages the end took off the queue and has not answered yet (rule 17).
+        self._unanswered: deque[Utility] = deque()
         self._stats = _Counters()
         self._timer = StepTimer(self._stats, engine)
 
@@ -837,8 +840,16 @@ class EngineCoreLoop:
                 pending.extend(rest)
         if left:
             calls[:0] = [msg for msg in left if isinstance(msg, Utility)]
+        self._unanswered.extend(calls)
+        self._answer_unapplied()
+
+    def _answer_unapplied(self) -> None:
+        # Each call leaves _unanswered before its answer is emitted: if that emit raises
+        # (or a KeyboardInterrupt lands in it), _die answers the ones after it, none twice.
+        calls = self._unanswered
         emit = self._emit
-        for msg in calls:
+        while calls:
+            msg = calls.popleft()
             err = LoopEndedError(
                 f"the engine loop ended before it applied utility {msg.name!r} (call {msg.call_id})"
             )
@@ -886,6 +897,17 @@ class EngineCoreLoop:
                 logger.error(
                     "enginecore: emit failed for a queued utility's answer", exc_info=emit_exc
                 )
+                self._unanswered.clear()
+        elif self._unanswered:
+            # The end was answering the calls it never applied when it failed (an emit that
+            # raised, a KeyboardInterrupt): the others still get their answer.
+            try:
+                self._answer_unapplied()
+            except BaseException as emit_exc:
+                logger.error(
+                    "enginecore: emit failed for a queued utility's answer", exc_info=emit_exc
+                )
+                self._unanswered.clear()
         self._timer.stopped()
         try:
             self._emit(("fatal", describe(exc)))
