@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import queue
 import threading
 import time
@@ -585,6 +586,18 @@ class TestConstruction:
         with pytest.raises(TypeError, match=r"engine\.has_work must be a method, got bool"):
             EngineCoreLoop(AProperty(), print)
 
+    @pytest.mark.parametrize("pipelined", [False, True], ids=["step", "pipelined"])
+    def test_rejects_the_engine_class_instead_of_an_instance(self, pipelined: bool) -> None:
+        # The class has every method, as functions: it passed the protocol check, and the
+        # first call in run() was a fatal "has_work() missing 1 required positional
+        # argument: 'self'" that did not say what was wrong.
+        cls: Any = CountdownPipeline if pipelined else CountdownEngine
+        name = cls.__name__
+        with pytest.raises(
+            TypeError, match=rf"an engine instance, got the class {name}.*{name}\(\)"
+        ):
+            EngineCoreLoop(cls, print)
+
     def test_rejects_a_non_callable_emit(self) -> None:
         with pytest.raises(TypeError, match="emit must be callable"):
             EngineCoreLoop(CountdownEngine(), [])  # type: ignore[arg-type]
@@ -668,6 +681,16 @@ class TestConstruction:
     ) -> None:
         with pytest.raises(TypeError, match="got int"):
             loop.submit_many([Add("a", 1), 42])  # type: ignore[list-item]
+        assert loop.input_queue.empty()
+
+    @pytest.mark.parametrize("one", [Add("a", 1), 7], ids=["a-message", "int"])
+    def test_submit_many_of_one_message_says_to_pass_an_iterable(
+        self, loop: EngineCoreLoop, one: Any
+    ) -> None:
+        # It said only "'Add' object is not iterable", without naming submit_many().
+        name = type(one).__name__
+        with pytest.raises(TypeError, match=rf"submit_many\(\) takes an iterable .* got {name}"):
+            loop.submit_many(one)
         assert loop.input_queue.empty()
 
     def test_submit_rejects_non_messages(self, loop: EngineCoreLoop) -> None:
@@ -916,6 +939,36 @@ class _DividedCancelled:
         raise asyncio.CancelledError("the utility's task was cancelled")
 
 
+class _NotAnException(BaseException):
+    """A ``BaseException`` of the user's own, not an ``Exception``."""
+
+
+class TestRule8BaseExceptionsPropagate:
+    @LOOPS
+    @pytest.mark.parametrize(
+        "exc_type",
+        [KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError, _NotAnException],
+    )
+    def test_any_base_exception_from_the_engine_is_reported_then_propagates(
+        self, kind: str, depth: int, exc_type: type[BaseException]
+    ) -> None:
+        # Rule 8: an exception from the engine is fatal; one that is not an Exception (any
+        # BaseException, not only KeyboardInterrupt/SystemExit) is emitted as fatal, then
+        # run() raises it instead of returning.
+        engine = _engine_for(kind)
+
+        def fail() -> None:
+            raise exc_type
+
+        _on_first_step(engine, fail)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        with pytest.raises(exc_type):
+            loop.run()
+        assert log.events == [("fatal", repr(exc_type()))]
+
+
 class TestRule8UtilityBaseExceptions:
     @LOOPS
     def test_a_base_exception_from_a_utility_is_that_calls_answer(
@@ -982,6 +1035,53 @@ class TestIdleLoopHoldsNothing:
         finally:
             loop.request_shutdown()
             lt.join()
+
+
+class TestRule17UnappliedAnswersAreToldApartByType:
+    """A stage drops the loop's answers to the utilities it never applied (rule 17) and
+    forwards every other answer. It tells them apart by the type the loop gives those
+    events, never by their text: an engine's utility may raise (or a deferred one fail with) a
+    ``LoopEndedError`` whose ``repr`` is exactly the loop's, and its caller must get it."""
+
+    @LOOPS
+    def test_a_utility_s_own_error_that_reads_like_the_loop_s_is_not_taken_for_it(
+        self, kind: str, depth: int
+    ) -> None:
+        from enginecore._loop import is_unapplied_answer
+
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        mimic = LoopEndedError("the engine loop ended before it applied utility 'div' (call 1)")
+        failed: Future[Any] = Future()
+        failed.set_exception(LoopEndedError(*mimic.args))
+
+        def utility(name: str, args: tuple[Any, ...]) -> Any:
+            if name == "deferred":
+                return failed
+            raise mimic
+
+        engine.utility = utility  # type: ignore[method-assign]
+
+        def stop(lp: EngineCoreLoop) -> None:
+            lp.request_shutdown()
+            lp.submit(Utility(1, "div", ()))  # behind the drain's snapshot: never applied
+
+        loop.submit_many([Utility(1, "div", ()), Utility(1, "deferred", ()), _Record([], stop)])
+        LoopThread(loop).start().join()
+        answers = [e for e in log.events if e[0] == "utility"]
+        # Three answers with the very same text; only the last is the loop's own.
+        assert answers == [_ended(1)] * 3
+        assert [is_unapplied_answer(e) for e in answers] == [False, False, True]
+        # Marked by the event's type alone: equal to the plain tuple, with the same plain
+        # fields (encoders that take only exact types still take them), and a plain tuple
+        # once pickled.
+        assert all(type(e[3]) is str for e in answers)
+        assert not is_unapplied_answer(tuple(answers[-1]))
+        assert type(pickle.loads(pickle.dumps(answers[-1]))) is tuple
+        assert not is_unapplied_answer(("shutdown",))
+        s = loop.statistics()
+        assert (s.utility_calls, s.utility_errors) == (2, 2)
 
 
 def _ended(call_id: int, name: str = "div") -> tuple[Any, ...]:
@@ -1093,6 +1193,47 @@ class TestRule17QueuedUtilitiesAtTheEnd:
         assert list(loop.input_queue.queue) == left
         assert log.events[-1] == ("shutdown",)
         assert all(e[0] != "utility" for e in log.events)
+
+
+class TestRule17AnEndCutShort:
+    """Rules 8 and 17, on both loops: when the emit of one unapplied call's answer raises
+    (or a KeyboardInterrupt lands in it), the calls after it are still answered, each once,
+    before the fatal event."""
+
+    @LOOPS
+    @pytest.mark.parametrize("exc_type", [_Boom, KeyboardInterrupt])
+    @pytest.mark.parametrize("when", ["before-run", "at-the-end"])
+    def test_the_calls_after_a_failed_answer_are_still_answered(
+        self, kind: str, depth: int, exc_type: type[BaseException], when: str
+    ) -> None:
+        events: list[Any] = []
+        failed: list[Any] = []
+
+        def emit(event: Any) -> None:
+            if event == _ended(1) and not failed:
+                failed.append(event)
+                raise exc_type("emit")
+            events.append(event)
+
+        loop = EngineCoreLoop(_engine_for(kind), emit, pipeline_depth=depth)
+        calls = [Utility(i, "div", (1, 1)) for i in (1, 2, 3)]
+
+        def stop(lp: EngineCoreLoop) -> None:
+            lp.request_shutdown()
+            lp.submit_many(calls)  # behind the drain's snapshot: never applied
+
+        if when == "before-run":
+            loop.submit_many(calls)
+            loop.request_shutdown()
+        else:
+            loop.submit(_Record([], stop))
+        if exc_type is KeyboardInterrupt:
+            with pytest.raises(KeyboardInterrupt):
+                loop.run()
+        else:
+            loop.run()
+        assert failed == [_ended(1)]
+        assert events == [_ended(2), _ended(3), ("fatal", repr(exc_type("emit")))]
 
 
 class TestRule17UtilitiesLeftOfAFailedDrain:

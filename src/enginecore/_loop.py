@@ -80,7 +80,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future
-from typing import Any
+from typing import Any, cast
 
 from ._engine import Engine, PipelinedEngine
 from ._exceptions import LoopAlreadyRunError, LoopEndedError, describe, str_or_nothing
@@ -97,14 +97,25 @@ _ENGINE_METHODS = ("has_work", "add", "abort", "utility", "step")
 _PIPELINED_METHODS = ("has_work", "add", "abort", "utility", "launch", "collect")
 
 
-_UNAPPLIED = "the engine loop ended before it applied utility "
+class _UnappliedAnswer(tuple):  # type: ignore[type-arg]
+    """The loop's answer to a ``Utility`` it ended without applying (rule 17):
+    ``("utility", call_id, None, repr(LoopEndedError(...)))``, a tuple equal to that one,
+    whose fields are the same plain values (its error text a plain ``str``), told apart
+    from any other answer by its type alone, never by what its text says: a utility of the
+    engine's own may raise a ``LoopEndedError`` that reads the same, and its answer must
+    still go out. The mark lives in this process only: pickled, it is a plain tuple."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[type[tuple[Any, ...]], tuple[tuple[Any, ...]]]:
+        return (tuple, (tuple(self),))
 
 
 def is_unapplied_answer(event: Event) -> bool:
     """Whether *event* is the loop's answer to a ``Utility`` it ended without applying
-    (rule 17): a stage answers those calls itself, as its process ends."""
-    err = event[3] if event[0] == "utility" else None
-    return isinstance(err, str) and err.startswith("LoopEndedError(") and _UNAPPLIED in err
+    (rule 17): a stage answers those calls itself, as its process ends. Told by the
+    event's type (:class:`_UnappliedAnswer`), which only the loop makes."""
+    return type(event) is _UnappliedAnswer
 
 
 def _ended_error(message: object) -> LoopEndedError:
@@ -183,7 +194,9 @@ class EngineCoreLoop:
     *engine* is an :class:`~enginecore.Engine` (``step()``), or a
     :class:`~enginecore.PipelinedEngine` (``launch()`` / ``collect(handle)``), which the loop
     keeps up to *pipeline_depth* steps in flight for: while the device runs step *n+1*, the
-    loop collects and post-processes step *n*. *pipeline_depth* must be at least 1
+    loop collects and post-processes step *n*. It is checked on construction: an object that
+    lacks one of the methods, has one that is not callable, or is a class rather than an
+    instance, is a :class:`TypeError`. *pipeline_depth* must be at least 1
     (:class:`ValueError`), and above 1 only a PipelinedEngine can use it (:class:`TypeError`).
     An Engine runs exactly as it always has.
 
@@ -211,9 +224,10 @@ class EngineCoreLoop:
     (:class:`~enginecore.LoopEndedError`), ``("fatal", repr(exc))`` is emitted and
     :meth:`run` returns. If emitting the final event itself fails (``("fatal", ...)`` or
     ``("shutdown",)``), :meth:`run` raises that exception, chained to the first one if any,
-    so the failure can never pass unnoticed. ``KeyboardInterrupt`` and ``SystemExit`` are
-    reported the same way and then re-raised. An exception whose ``repr()`` raises is
-    reported with a stand-in naming its type.
+    so the failure can never pass unnoticed. One that is not an ``Exception``
+    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, an ``asyncio.CancelledError``,
+    any other ``BaseException``) is reported the same way and then re-raised. An exception
+    whose ``repr()`` raises is reported with a stand-in naming its type.
     """
 
     # Concurrency invariants:
@@ -245,6 +259,7 @@ class EngineCoreLoop:
         "_stats",
         "_timer",
         "_token",
+        "_unanswered",
         "input_queue",
     )
 
@@ -256,6 +271,13 @@ class EngineCoreLoop:
         pipeline_depth: int = 1,
         input_queue: queue.Queue[Any] | None = None,
     ) -> None:
+        if isinstance(engine, type):
+            # Its methods are plain functions: it would pass the protocol check below, and
+            # the first call in run() would fail for want of self.
+            raise TypeError(
+                f"engine must be an engine instance, got the class {engine.__name__}; "
+                f"write {engine.__name__}()"
+            )
         pipelined = isinstance(engine, PipelinedEngine)
         if not pipelined and not isinstance(engine, Engine):
             two_phase = hasattr(engine, "launch") or hasattr(engine, "collect")
@@ -322,6 +344,8 @@ class EngineCoreLoop:
         self._run_lock = threading.Lock()
         self._token = b""
         self._deferred: dict[_Deferred, None] = {}
+        # The Utility messages the end took off the queue and has not answered yet (rule 17).
+        self._unanswered: deque[Utility] = deque()
         self._stats = _Counters()
         self._timer = StepTimer(self._stats, engine)
 
@@ -371,7 +395,15 @@ class EngineCoreLoop:
         thread-safe; **not** safe in a signal handler. Once the loop has ended it raises
         :class:`~enginecore.LoopEndedError` and queues none of them, as :meth:`submit` does.
         """
-        batch = list(messages)
+        try:
+            batch = list(messages)
+        except TypeError:
+            if isinstance(messages, Iterable):
+                raise  # from the iterable itself
+            raise TypeError(
+                f"submit_many() takes an iterable of messages (a list), got "
+                f"{type(messages).__name__}; submit() queues one message"
+            ) from None
         for message in batch:
             if not isinstance(message, _MESSAGE_TYPES):
                 raise TypeError(
@@ -455,8 +487,9 @@ class EngineCoreLoop:
 
         Blocks for the life of the loop. Returns after emitting ``("shutdown",)`` or
         ``("fatal", ...)``. A loop runs once: a second call raises
-        :class:`~enginecore.LoopAlreadyRunError`. ``KeyboardInterrupt``/``SystemExit`` raised
-        inside the loop are emitted as ``("fatal", ...)`` and then propagate.
+        :class:`~enginecore.LoopAlreadyRunError`. A ``BaseException`` that is not an
+        ``Exception`` (``KeyboardInterrupt``, ``SystemExit``, ...) raised inside the loop is
+        emitted as ``("fatal", ...)`` and then propagates.
         """
         with self._run_lock:
             if self._started:
@@ -807,10 +840,20 @@ class EngineCoreLoop:
                 pending.extend(rest)
         if left:
             calls[:0] = [msg for msg in left if isinstance(msg, Utility)]
+        self._unanswered.extend(calls)
+        self._answer_unapplied()
+
+    def _answer_unapplied(self) -> None:
+        # Each call leaves _unanswered before its answer is emitted: if that emit raises
+        # (or a KeyboardInterrupt lands in it), _die answers the ones after it, none twice.
+        calls = self._unanswered
         emit = self._emit
-        for msg in calls:
-            err = LoopEndedError(f"{_UNAPPLIED}{msg.name!r} (call {msg.call_id})")
-            emit(("utility", msg.call_id, None, repr(err)))
+        while calls:
+            msg = calls.popleft()
+            err = LoopEndedError(
+                f"the engine loop ended before it applied utility {msg.name!r} (call {msg.call_id})"
+            )
+            emit(cast(UtilityEvent, _UnappliedAnswer(("utility", msg.call_id, None, repr(err)))))
 
     def _stopped_before_run(self) -> None:
         # request_shutdown() came before run(): apply nothing (rule 9); answer the queued
@@ -854,6 +897,17 @@ class EngineCoreLoop:
                 logger.error(
                     "enginecore: emit failed for a queued utility's answer", exc_info=emit_exc
                 )
+                self._unanswered.clear()
+        elif self._unanswered:
+            # The end was answering the calls it never applied when it failed (an emit that
+            # raised, a KeyboardInterrupt): the others still get their answer.
+            try:
+                self._answer_unapplied()
+            except BaseException as emit_exc:
+                logger.error(
+                    "enginecore: emit failed for a queued utility's answer", exc_info=emit_exc
+                )
+                self._unanswered.clear()
         self._timer.stopped()
         try:
             self._emit(("fatal", describe(exc)))
