@@ -6,6 +6,7 @@ The rule numbers match the docstring of ``enginecore/_loop.py`` and ``docs/contr
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import pickle
 import queue
@@ -1004,6 +1005,41 @@ class TestRule8UtilityBaseExceptions:
         with pytest.raises(exc_type):
             loop.run()
         assert log.events == [("fatal", repr(exc_type()))]
+
+
+class TestRule17CoroutinesAreNotAnswers:
+    @LOOPS
+    def test_a_utility_that_returns_a_coroutine_is_answered_with_a_clear_error(
+        self, kind: str, depth: int, recwarn: pytest.WarningsRecorder
+    ) -> None:
+        # An `async def utility` returns a coroutine that nothing would run: it was the
+        # call's answer (a bare loop's caller got a coroutine object, with a "never
+        # awaited" warning at its collection; a stage's a wire-encoding error).
+        async def later() -> int:
+            return 3
+
+        class AsyncDivisor:
+            def __truediv__(self, other: object) -> Any:
+                return later()
+
+        log = EventLog()
+        loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+        loop.submit_many([Utility(1, "div", (AsyncDivisor(), 1)), Utility(2, "div", (4, 2))])
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: len(ev) == 2)
+        loop.request_shutdown()
+        lt.join()
+        events: list[Any] = list(log.events)
+        first, second, last = events
+        assert first[:3] == ("utility", 1, None)
+        error: str = first[3]
+        assert error.startswith("TypeError(")
+        assert "returned a coroutine" in error
+        assert "concurrent.futures.Future" in error
+        assert (second, last) == (("utility", 2, 2.0, None), ("shutdown",))
+        assert loop.statistics().utility_errors == 1
+        gc.collect()
+        assert not [w for w in recwarn if "never awaited" in str(w.message)]
 
 
 class _Note(Control):

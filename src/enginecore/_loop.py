@@ -77,6 +77,7 @@ import os
 import queue
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future
@@ -775,7 +776,19 @@ class EngineCoreLoop:
             if isinstance(result, Future):
                 self._defer(msg, result)
                 return
-            event = ("utility", msg.call_id, result, None)
+            if isinstance(result, types.CoroutineType):
+                # An `async def utility`: nothing here would ever run it, and its caller
+                # would get a coroutine object (or a wire error) for an answer.
+                result.close()  # never started: no "never awaited" warning
+                c.utility_errors += 1
+                error = TypeError(
+                    f"utility {msg.name!r} returned a coroutine (an async def?): the loop "
+                    f"does not run coroutines; return the result, or a "
+                    f"concurrent.futures.Future (asyncio.run_coroutine_threadsafe gives one)"
+                )
+                event = ("utility", msg.call_id, None, describe(error))
+            else:
+                event = ("utility", msg.call_id, result, None)
         # Outside the try: an emit failure is fatal, not this call's error.
         self._emit(event)
 
