@@ -1284,14 +1284,23 @@ def test_bad_pool_arguments() -> None:
     with pytest.raises(TypeError, match="k and exhaustive must be ints"):
         LeastLoaded(k=cast(Any, 1.5))
     # Named, not a bare '<' TypeError; NaN and a fractional count not taken silently.
-    with pytest.raises(TypeError, match="first_delay must be a number of seconds, got str"):
+    # The seconds go through the shared check (_errors.positive_seconds) that names the
+    # argument and the value it got.
+    with pytest.raises(TypeError, match="first_delay must be a number of seconds > 0, got '1'"):
         RestartPolicy(first_delay=cast(Any, "1"))
-    with pytest.raises(TypeError, match="window must be a number of seconds, got NoneType"):
+    with pytest.raises(TypeError, match="window must be a number of seconds > 0, got None"):
         RestartPolicy(window=cast(Any, None))
+    with pytest.raises(TypeError, match="max_delay must be a number of seconds > 0, got True"):
+        RestartPolicy(max_delay=cast(Any, True))
     with pytest.raises(TypeError, match="max_failures must be an int, got float"):
         RestartPolicy(max_failures=cast(Any, 2.5))
-    with pytest.raises(ValueError, match="window > 0"):
-        RestartPolicy(window=float("nan"))
+    for name, bad in [("window", float("nan")), ("first_delay", 0), ("max_delay", -1.0)]:
+        with pytest.raises(ValueError, match=f"{name} must be a number of seconds > 0, got"):
+            RestartPolicy(**{name: bad})
+    with pytest.raises(ValueError, match="need first_delay <= max_delay, got 2 > 1"):
+        RestartPolicy(first_delay=2, max_delay=1)
+    with pytest.raises(ValueError, match="max_failures must be an int >= 1, got 0"):
+        RestartPolicy(max_failures=0)
     stream_types = (PoolRequestStream, AsyncPoolRequestStream)
     assert all(hasattr(t, "replica") for t in stream_types)
 

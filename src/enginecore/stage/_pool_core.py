@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias
 
-from ._errors import EngineDeadError, NoReplicaError, ReplicaDeadError, StageClosedError
+from ._errors import (
+    EngineDeadError,
+    NoReplicaError,
+    ReplicaDeadError,
+    StageClosedError,
+    positive_seconds,
+)
 from ._session import StageHealth
 from ._wire import StageEvent
 
@@ -132,7 +138,9 @@ class RestartPolicy:
     (failed restarts included) within *window*, the replica is marked ``failed`` and stays
     out. The replicas of a restart group (``group=``) count their deaths together: one
     member's death (or a failed start of the group) is one death of the group, which
-    restarts, or fails, as a whole."""
+    restarts, or fails, as a whole. The three durations are finite numbers of seconds > 0
+    (:class:`TypeError`, :class:`ValueError` otherwise, naming the argument), with
+    ``first_delay <= max_delay``; *max_failures* is an int >= 1."""
 
     first_delay: float = 0.5
     max_delay: float = 30.0
@@ -141,15 +149,15 @@ class RestartPolicy:
 
     def __post_init__(self) -> None:
         for name in ("first_delay", "max_delay", "window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+            positive_seconds(getattr(self, name), name)  # finite, > 0: NaN refused too
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int):
             raise TypeError(f"max_failures must be an int, got {type(self.max_failures).__name__}")
-        if not 0 < self.first_delay <= self.max_delay:
-            raise ValueError("need 0 < first_delay <= max_delay")
-        if not (self.max_failures >= 1 and self.window > 0):  # NaN too
-            raise ValueError("need max_failures >= 1 and window > 0")
+        if self.first_delay > self.max_delay:
+            raise ValueError(
+                f"need first_delay <= max_delay, got {self.first_delay} > {self.max_delay}"
+            )
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures must be an int >= 1, got {self.max_failures}")
 
     def delay(self, deaths: deque[float], now: float) -> float | None:
         """Record a death at *now* in *deaths* (the replica's recent deaths); the delay
