@@ -1033,12 +1033,15 @@ def test_a_pool_that_closes_kills_a_restart_in_progress(
     assert wait_until(lambda: pid_gone(again), 10)
 
 
+@pytest.mark.parametrize("how", ["launching", "connecting"])
 def test_a_pool_that_closes_stops_an_add_replica_in_progress(
-    pools: tuple[Open, Open], barrier_dir: Path
+    pools: tuple[Open, Open], barrier_dir: Path, no_leftovers: str, how: str
 ) -> None:
-    """close() while add_replica() (another thread) waits for its stage's start (its
-    factory held for 40 s): the add raises StageClosedError and the half-started stage is
-    killed, instead of the add waiting for the factory after close() returned."""
+    """close() while add_replica() (another thread) waits for its replica: a launch whose
+    factory is held for 40 s, or a connect (add_replica(address=...)) to where nothing
+    answers, with a 40 s timeout. The add raises StageClosedError, a half-started stage is
+    killed and the pool keeps nothing of it, instead of the add waiting out its factory or
+    its timeout after close() returned."""
     launch, _ = pools
     (barrier_dir / "hold").touch()
     pool = launch(COUNTDOWN, replicas=1)
@@ -1046,55 +1049,31 @@ def test_a_pool_that_closes_stops_an_add_replica_in_progress(
 
     def add() -> None:
         try:
-            pool.add_replica(GATED, {"directory": str(barrier_dir), "timeout": 40})
+            if how == "launching":
+                pool.add_replica(GATED, {"directory": str(barrier_dir), "timeout": 40})
+            else:
+                pool.add_replica(address=f"ipc://{no_leftovers}/nothing-listens-here", timeout=40)
         except BaseException as exc:
             raised.append(exc)
 
     adding = threading.Thread(target=add)
     adding.start()
+    pid = None
     try:
-        assert wait_until(lambda: len(os.listdir(barrier_dir)) >= 2, 20)  # hold, new pid
-        [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
+        if how == "launching":
+            assert wait_until(lambda: len(os.listdir(barrier_dir)) >= 2, 20)  # hold, new pid
+            [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
+        else:
+            assert wait_until(lambda: any(r.state == "starting" for r in pool.replicas), 20)
     finally:
         pool.close()
-    adding.join(20)  # well before the factory gives up
-    assert not adding.is_alive(), "add_replica() waited for its factory after close()"
+    adding.join(20)  # well before the factory or the connect gives up
+    assert not adding.is_alive(), "add_replica() waited for its start after close()"
     assert len(raised) == 1, raised
     assert isinstance(raised[0], StageClosedError), raised
     assert "this stage pool is closed" in str(raised[0])
-    assert wait_until(lambda: pid_gone(pid), 10)
-    assert all(r.state != "starting" for r in pool.replicas), pool.replicas
-
-
-def test_a_pool_that_closes_stops_an_add_replica_connecting(
-    pools: tuple[Open, Open], no_leftovers: str
-) -> None:
-    """close() while add_replica(address=...) (another thread) waits for the stage's
-    handshake (nothing answers there; its timeout is 40 s): the connect is cut short, the
-    add raises StageClosedError and the pool keeps nothing of it, instead of the add
-    waiting out its timeout after close() returned."""
-    launch, _ = pools
-    pool = launch(COUNTDOWN, replicas=1)
-    nowhere = f"ipc://{no_leftovers}/nothing-listens-here"
-    raised: list[BaseException] = []
-
-    def add() -> None:
-        try:
-            pool.add_replica(address=nowhere, timeout=40)
-        except BaseException as exc:
-            raised.append(exc)
-
-    adding = threading.Thread(target=add)
-    adding.start()
-    try:
-        assert wait_until(lambda: any(r.state == "starting" for r in pool.replicas), 20)
-    finally:
-        pool.close()
-    adding.join(20)  # well before the connect gives up
-    assert not adding.is_alive(), "add_replica() waited for its connect after close()"
-    assert len(raised) == 1, raised
-    assert isinstance(raised[0], StageClosedError), raised
-    assert "this stage pool is closed" in str(raised[0])
+    if pid is not None:
+        assert wait_until(lambda: pid_gone(pid), 10)
     assert all(r.state != "starting" for r in pool.replicas), pool.replicas
 
 
