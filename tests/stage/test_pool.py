@@ -525,6 +525,25 @@ def test_restart_brings_a_killed_replica_back(launch: Open) -> None:
         assert s.collect(10) == [1, 0]
 
 
+def test_a_replicas_pid_is_its_live_process_or_none(launch: Open) -> None:
+    # pool.replicas reported the pid of a stage that had died (while the replica was dead,
+    # restarting, or removed): a user who signals it may hit an unrelated process.
+    pool = launch(replicas=2, restart=RestartPolicy(first_delay=2.0))
+    victim, other = pool.replicas
+    old = cast(int, victim.pid)
+    assert pool.call_utility("pid", replica=victim) == old
+    os.kill(old, signal.SIGKILL)
+    assert wait_until(lambda: victim.state is ReplicaState.DEAD, 10)
+    assert victim.pid is None
+    assert f"pid={old}" not in repr(victim)
+    assert wait_until(lambda: victim.state is ReplicaState.SERVING, 20)
+    assert victim.pid is not None and victim.pid != old
+    assert pool.call_utility("pid", replica=victim) == victim.pid
+    pool.remove_replica(other)
+    assert other.state is ReplicaState.REMOVED
+    assert other.pid is None
+
+
 def test_a_restart_group_is_stopped_and_started_again_together(launch: Open) -> None:
     to_move: set[str] = set()
     moved: list[str] = []

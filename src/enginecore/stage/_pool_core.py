@@ -234,10 +234,18 @@ class Replica:
 
     @property
     def pid(self) -> int | None:
-        """Its stage process's pid where the pool launched it (the current one, after a
-        restart), else ``None``."""
+        """Its stage process's pid where the pool launched it, while that process serves
+        or drains (the new one after a restart); ``None`` while the replica starts, once
+        its process has exited (dead, failed, removed), and for a connected replica."""
         session = self._session
-        return session.pid if session is not None and self.launched else None
+        if (
+            session is None
+            or not self.launched
+            or self._state not in (ReplicaState.SERVING, ReplicaState.DRAINING)
+            or session._exited
+        ):
+            return None
+        return session.pid
 
     @property
     def in_flight(self) -> int:
@@ -296,7 +304,7 @@ class Replica:
 
     def __repr__(self) -> str:
         pid = self.pid
-        where = f" pid={pid}" if pid is not None else f" {self.address}"
+        where = f" pid={pid}" if pid is not None else "" if self.launched else f" {self.address}"
         group = f" group={self.group!r}" if self.group is not None else ""
         return f"<Replica {self.name} {self._state.value}{where}{group} in_flight={self.in_flight}>"
 
