@@ -537,7 +537,8 @@ def test_a_replicas_pid_is_its_live_process_or_none(launch: Open) -> None:
     assert victim.pid is None
     assert f"pid={old}" not in repr(victim)
     assert wait_until(lambda: victim.state is ReplicaState.SERVING, 20)
-    assert victim.pid is not None and victim.pid != old
+    assert victim.pid is not None
+    assert victim.pid != old
     assert pool.call_utility("pid", replica=victim) == victim.pid
     pool.remove_replica(other)
     assert other.state is ReplicaState.REMOVED
@@ -795,9 +796,66 @@ def test_a_close_cuts_short_a_drained_removal_under_way(launch: Open) -> None:
     assert not remover.is_alive()
     assert len(outcome) == 1
     assert isinstance(outcome[0], StageClosedError), outcome
-    assert "closed while r0 drained" in str(outcome[0])
+    assert (
+        "the stage pool closed while replica r0 (stage 'enginecore.stage.testing:device/r0')"
+        " drained" in str(outcome[0])
+    )
     assert victim.state is ReplicaState.REMOVED
     assert pid_gone(cast(int, pid))
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+def test_a_removal_without_drain_cuts_short_a_drained_removal_under_way(
+    launch: Open, stopped: bool
+) -> None:
+    # remove_replica(r, drain=False) while remove_replica(r, drain=True) drains r in another
+    # thread: the user asked to stop waiting, so the drain is cut short, as a close cuts it
+    # (the stage stops at once; one that does not, stopped here, is signalled after this
+    # call's timeout), its requests still live end with StageClosedError, this call returns
+    # the exit code and the drained removal raises StageClosedError. Before, the second
+    # call waited for the drain's end (here 100 s) and its requests ended with
+    # RequestError then.
+    pool, streams = _busy(launch, ping_interval=0.2)
+    victim = pool.replicas[0]
+    pid = cast(int, victim.pid)
+    on_victim = [s for s in streams if s.replica is victim]
+    assert on_victim
+    outcome: list[object] = []
+
+    def remove() -> None:
+        try:
+            outcome.append(pool.remove_replica(victim, drain=True, timeout=100))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    if stopped:
+        os.kill(pid, signal.SIGSTOP)
+    remover = threading.Thread(target=remove)
+    remover.start()
+    try:
+        assert wait_until(lambda: victim.state is ReplicaState.DRAINING, 10)
+        code = pool.remove_replica(victim, drain=False, timeout=1)
+        assert code == (-signal.SIGKILL if stopped else 0)
+        for s in on_victim:
+            with pytest.raises(StageClosedError, match="removed from its stage pool without"):
+                s.collect(10)
+    finally:
+        remover.join(30)  # well before the drain's 100 s
+        if not pid_gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not remover.is_alive(), "the drained removal was not cut short"
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], StageClosedError), outcome
+    assert "remove_replica(r0, drain=False) cut short the drain of replica r0" in str(outcome[0])
+    assert victim.state is ReplicaState.REMOVED
+    assert len(pool.replicas) == 1
+    assert victim not in pool.replicas
+    assert pid_gone(pid)
+    survivors = [s for s in streams if s.replica is not victim]
+    pool.abort([s.req_id for s in survivors])
+    for s in survivors:
+        s.collect(10)
+        assert s.aborted
 
 
 def test_a_close_cuts_short_the_drain_of_a_stopped_replica_too(launch: Open) -> None:
@@ -921,6 +979,48 @@ def test_close_ends_everything_with_stage_closed_error(launch: Open) -> None:
     assert pool.health() == StageHealth.DEAD
     assert all(pid_gone(cast(int, p)) for p in pids)
     pool.close()  # idempotent
+
+
+def test_a_removal_without_drain_and_a_close_name_the_replica_in_their_errors(
+    launch: Open,
+) -> None:
+    # They said "this stage client is closed": with several pools, which one? The error
+    # names the replica and its stage (whose name is the pool's: name= or the factory).
+    pool = launch(name="llm", kwargs={"step_s": 0.01}, ordered_events=True)
+    r0, r1 = pool.replicas
+    streams = [pool.add(f"c{i}", 10_000) for i in range(4)]
+    assert {s.replica for s in streams} == {r0, r1}
+    pool.remove_replica(r0, drain=False)
+    for s in streams:
+        if s.replica is r0:
+            with pytest.raises(
+                StageClosedError,
+                match=r"replica r0 \(stage 'llm/r0'\) was removed from its stage pool "
+                "without a drain",
+            ):
+                s.collect(10)
+    pool.close()
+    for s in streams:
+        if s.replica is r1:
+            with pytest.raises(
+                StageClosedError, match=r"the stage pool of replica r1 \(stage 'llm/r1'\) is closed"
+            ):
+                s.collect(10)
+    gone: dict[Replica, str] = {}
+    failed: list[str] = []
+    while True:
+        try:
+            ev = pool.get_event(10)
+        except (StopIteration, StopAsyncIteration):
+            break
+        if isinstance(ev, ReplicaGone):
+            gone[ev.replica] = str(ev.error)
+        elif isinstance(ev, RequestFailed):
+            failed.append(str(ev.error))
+    assert "removed from its stage pool without a drain" in gone[r0], gone
+    assert "the stage pool of replica r1 (stage 'llm/r1') is closed" in gone[r1], gone
+    assert len(failed) == 4, failed
+    assert all("replica r" in f for f in failed), failed
 
 
 def test_shutdown_with_drain_finishes_live_requests(launch: Open) -> None:
@@ -1294,7 +1394,7 @@ def test_bad_pool_arguments() -> None:
         RestartPolicy(max_failures=cast(Any, 2.5))
     for name, bad in [("window", float("nan")), ("first_delay", 0), ("max_delay", -1.0)]:
         with pytest.raises(ValueError, match=f"{name} must be a number of seconds > 0, got"):
-            RestartPolicy(**{name: bad})
+            RestartPolicy(**cast(Any, {name: bad}))
     with pytest.raises(ValueError, match="need first_delay <= max_delay, got 2 > 1"):
         RestartPolicy(first_delay=2, max_delay=1)
     with pytest.raises(ValueError, match="max_failures must be an int >= 1, got 0"):

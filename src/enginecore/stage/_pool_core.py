@@ -302,6 +302,16 @@ class Replica:
             report.age + max(0.0, now - received),
         )
 
+    @property
+    def _described(self) -> str:
+        """The replica and its stage, for an error that must say which pool's replica it
+        concerns: ``"replica r0 (stage 'llm/r0')"`` (a launched one's stage name, the
+        pool's ``name`` or factory), or ``"replica r0 (at tcp://...)"``."""
+        if self.launched:
+            base = self.spec.get("name") or self.spec["factory"]
+            return f"replica {self.name} (stage '{base}/{self.name}')"
+        return f"replica {self.name} (at {self.address})"
+
     def __repr__(self) -> str:
         pid = self.pid
         where = f" pid={pid}" if pid is not None else "" if self.launched else f" {self.address}"
@@ -1066,9 +1076,19 @@ class PoolCore:
     # -- a dead replica's requests -------------------------------------------------------
 
     def dead_error(self, replica: Replica, failure: BaseException, delivered: int) -> Exception:
-        """What a request or call of dead *replica* ends with: *failure* itself when the
-        pool closed the member (:class:`StageClosedError`), else a
+        """What a request or call of dead *replica* ends with: a
+        :class:`StageClosedError` that names the replica when the pool closed the member
+        (the pool closes, or removed the replica without a drain), else a
         :class:`ReplicaDeadError`."""
+        if isinstance(failure, StageClosedError):
+            # The member's own words ("this stage client is closed") do not say which
+            # pool's replica: with several pools, a user could not tell.
+            if self.closing:
+                return StageClosedError(f"the stage pool of {replica._described} is closed")
+            if replica._state in (ReplicaState.DRAINING, ReplicaState.REMOVED):
+                return StageClosedError(
+                    f"{replica._described} was removed from its stage pool without a drain"
+                )
         if isinstance(failure, StageClosedError) or not isinstance(failure, EngineDeadError):
             return failure if isinstance(failure, Exception) else StageClosedError(str(failure))
         err = ReplicaDeadError(
