@@ -1156,6 +1156,33 @@ def test_a_pool_that_closes_kills_a_restart_in_progress(
     assert wait_until(lambda: pid_gone(again), 10)
 
 
+def test_a_replica_removed_while_it_starts_again_is_not_said_to_have_started(
+    pools: tuple[Open, Open], barrier_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """remove_replica() while the replica's restart is under way (its factory held): the
+    new stage, once up, is closed, not made to serve, and the pool does not log that the
+    replica "started again" (it did, for a replica no longer in the pool)."""
+    launch, _ = pools
+    kwargs = {"directory": str(barrier_dir), "timeout": 40}
+    pool = launch(GATED, kwargs, replicas=1, restart=RestartPolicy(first_delay=0.05))
+    [r0] = pool.replicas
+    first = cast(int, r0.pid)
+    (barrier_dir / "hold").touch()
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: len(os.listdir(barrier_dir)) >= 3, 20)  # first pid, hold, new
+    [again] = [int(n) for n in os.listdir(barrier_dir) if n not in ("hold", str(first))]
+    caplog.set_level(logging.WARNING, "enginecore.stage")
+    pool.remove_replica(r0)
+    assert r0.state is ReplicaState.REMOVED
+    (barrier_dir / "hold").unlink()
+    assert wait_until(lambda: pid_gone(again), 20)
+    assert pool.replicas == ()
+    assert r0.state is ReplicaState.REMOVED
+    assert r0.pid is None
+    pool.close()  # waits for the pool's restart thread (task): whatever it logs is in
+    assert not [r.message for r in caplog.records if "started again" in r.message]
+
+
 @pytest.mark.parametrize("how", ["launching", "connecting"])
 def test_a_pool_that_closes_stops_an_add_replica_in_progress(
     pools: tuple[Open, Open], barrier_dir: Path, no_leftovers: str, how: str

@@ -662,7 +662,10 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                     return
                 try:
                     await start
-                    logger.warning("enginecore: replica %s started again", names)
+                    # (one removed while it started is not: its new stage was closed)
+                    served = [r.name for r in starting if r.state is ReplicaState.SERVING]
+                    if served:
+                        logger.warning("enginecore: replica %s started again", ", ".join(served))
                     return
                 except Exception as exc:
                     logger.warning("enginecore: replica %s did not start again: %s", names, exc)

@@ -841,7 +841,10 @@ class StagePool(PoolBase[PoolRequestStream]):
             names = ", ".join(r.name for r in starting)
             try:
                 self._start_all(starting)
-                logger.warning("enginecore: replica %s started again", names)
+                # (one removed while it started is not: its new stage was closed)
+                served = [r.name for r in starting if r.state is ReplicaState.SERVING]
+                if served:
+                    logger.warning("enginecore: replica %s started again", ", ".join(served))
                 return
             except Exception as exc:
                 if self._closed.is_set():
