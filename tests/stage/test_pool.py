@@ -516,13 +516,37 @@ def test_restart_brings_a_killed_replica_back(launch: Open) -> None:
     victim = pool.replicas[0]
     old_pid = victim.pid
     os.kill(cast(int, old_pid), signal.SIGKILL)
-    assert wait_until(lambda: victim.state is ReplicaState.SERVING and victim.pid != old_pid, 10)
+    # (pid reads None from the exit on, while the replica's last frames are read: it is
+    # never the dead process's)
+    assert wait_until(
+        lambda: victim.state is ReplicaState.SERVING and victim.pid not in (None, old_pid), 10
+    )
     assert victim.restarts == 1
     assert pid_gone(cast(int, old_pid))
     streams = [pool.add(f"r{i}", 2) for i in range(4)]
     assert {s.replica for s in streams} == set(pool.replicas)
     for s in streams:
         assert s.collect(10) == [1, 0]
+
+
+def test_a_replicas_pid_is_its_live_process_or_none(launch: Open) -> None:
+    # pool.replicas reported the pid of a stage that had died (while the replica was dead,
+    # restarting, or removed): a user who signals it may hit an unrelated process.
+    pool = launch(replicas=2, restart=RestartPolicy(first_delay=2.0))
+    victim, other = pool.replicas
+    old = cast(int, victim.pid)
+    assert pool.call_utility("pid", replica=victim) == old
+    os.kill(old, signal.SIGKILL)
+    assert wait_until(lambda: victim.state is ReplicaState.DEAD, 10)
+    assert victim.pid is None
+    assert f"pid={old}" not in repr(victim)
+    assert wait_until(lambda: victim.state is ReplicaState.SERVING, 20)
+    assert victim.pid is not None
+    assert victim.pid != old
+    assert pool.call_utility("pid", replica=victim) == victim.pid
+    pool.remove_replica(other)
+    assert other.state is ReplicaState.REMOVED
+    assert other.pid is None
 
 
 def test_a_restart_group_is_stopped_and_started_again_together(launch: Open) -> None:
@@ -776,9 +800,66 @@ def test_a_close_cuts_short_a_drained_removal_under_way(launch: Open) -> None:
     assert not remover.is_alive()
     assert len(outcome) == 1
     assert isinstance(outcome[0], StageClosedError), outcome
-    assert "closed while r0 drained" in str(outcome[0])
+    assert (
+        "the stage pool closed while replica r0 (stage 'enginecore.stage.testing:device/r0')"
+        " drained" in str(outcome[0])
+    )
     assert victim.state is ReplicaState.REMOVED
     assert pid_gone(cast(int, pid))
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+def test_a_removal_without_drain_cuts_short_a_drained_removal_under_way(
+    launch: Open, stopped: bool
+) -> None:
+    # remove_replica(r, drain=False) while remove_replica(r, drain=True) drains r in another
+    # thread: the user asked to stop waiting, so the drain is cut short, as a close cuts it
+    # (the stage stops at once; one that does not, stopped here, is signalled after this
+    # call's timeout), its requests still live end with StageClosedError, this call returns
+    # the exit code and the drained removal raises StageClosedError. Before, the second
+    # call waited for the drain's end (here 100 s) and its requests ended with
+    # RequestError then.
+    pool, streams = _busy(launch, ping_interval=0.2)
+    victim = pool.replicas[0]
+    pid = cast(int, victim.pid)
+    on_victim = [s for s in streams if s.replica is victim]
+    assert on_victim
+    outcome: list[object] = []
+
+    def remove() -> None:
+        try:
+            outcome.append(pool.remove_replica(victim, drain=True, timeout=100))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    if stopped:
+        os.kill(pid, signal.SIGSTOP)
+    remover = threading.Thread(target=remove)
+    remover.start()
+    try:
+        assert wait_until(lambda: victim.state is ReplicaState.DRAINING, 10)
+        code = pool.remove_replica(victim, drain=False, timeout=1)
+        assert code == (-signal.SIGKILL if stopped else 0)
+        for s in on_victim:
+            with pytest.raises(StageClosedError, match="removed from its stage pool without"):
+                s.collect(10)
+    finally:
+        remover.join(30)  # well before the drain's 100 s
+        if not pid_gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not remover.is_alive(), "the drained removal was not cut short"
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], StageClosedError), outcome
+    assert "remove_replica(r0, drain=False) cut short the drain of replica r0" in str(outcome[0])
+    assert victim.state is ReplicaState.REMOVED
+    assert len(pool.replicas) == 1
+    assert victim not in pool.replicas
+    assert pid_gone(pid)
+    survivors = [s for s in streams if s.replica is not victim]
+    pool.abort([s.req_id for s in survivors])
+    for s in survivors:
+        s.collect(10)
+        assert s.aborted
 
 
 def test_a_close_cuts_short_the_drain_of_a_stopped_replica_too(launch: Open) -> None:
@@ -902,6 +983,48 @@ def test_close_ends_everything_with_stage_closed_error(launch: Open) -> None:
     assert pool.health() == StageHealth.DEAD
     assert all(pid_gone(cast(int, p)) for p in pids)
     pool.close()  # idempotent
+
+
+def test_a_removal_without_drain_and_a_close_name_the_replica_in_their_errors(
+    launch: Open,
+) -> None:
+    # They said "this stage client is closed": with several pools, which one? The error
+    # names the replica and its stage (whose name is the pool's: name= or the factory).
+    pool = launch(name="llm", kwargs={"step_s": 0.01}, ordered_events=True)
+    r0, r1 = pool.replicas
+    streams = [pool.add(f"c{i}", 10_000) for i in range(4)]
+    assert {s.replica for s in streams} == {r0, r1}
+    pool.remove_replica(r0, drain=False)
+    for s in streams:
+        if s.replica is r0:
+            with pytest.raises(
+                StageClosedError,
+                match=r"replica r0 \(stage 'llm/r0'\) was removed from its stage pool "
+                "without a drain",
+            ):
+                s.collect(10)
+    pool.close()
+    for s in streams:
+        if s.replica is r1:
+            with pytest.raises(
+                StageClosedError, match=r"the stage pool of replica r1 \(stage 'llm/r1'\) is closed"
+            ):
+                s.collect(10)
+    gone: dict[Replica, str] = {}
+    failed: list[str] = []
+    while True:
+        try:
+            ev = pool.get_event(10)
+        except (StopIteration, StopAsyncIteration):
+            break
+        if isinstance(ev, ReplicaGone):
+            gone[ev.replica] = str(ev.error)
+        elif isinstance(ev, RequestFailed):
+            failed.append(str(ev.error))
+    assert "removed from its stage pool without a drain" in gone[r0], gone
+    assert "the stage pool of replica r1 (stage 'llm/r1') is closed" in gone[r1], gone
+    assert len(failed) == 4, failed
+    assert all("replica r" in f for f in failed), failed
 
 
 def test_shutdown_with_drain_finishes_live_requests(launch: Open) -> None:
@@ -1033,12 +1156,42 @@ def test_a_pool_that_closes_kills_a_restart_in_progress(
     assert wait_until(lambda: pid_gone(again), 10)
 
 
-def test_a_pool_that_closes_stops_an_add_replica_in_progress(
-    pools: tuple[Open, Open], barrier_dir: Path
+def test_a_replica_removed_while_it_starts_again_is_not_said_to_have_started(
+    pools: tuple[Open, Open], barrier_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """close() while add_replica() (another thread) waits for its stage's start (its
-    factory held for 40 s): the add raises StageClosedError and the half-started stage is
-    killed, instead of the add waiting for the factory after close() returned."""
+    """remove_replica() while the replica's restart is under way (its factory held): the
+    new stage, once up, is closed, not made to serve, and the pool does not log that the
+    replica "started again" (it did, for a replica no longer in the pool)."""
+    launch, _ = pools
+    kwargs = {"directory": str(barrier_dir), "timeout": 40}
+    pool = launch(GATED, kwargs, replicas=1, restart=RestartPolicy(first_delay=0.05))
+    [r0] = pool.replicas
+    first = cast(int, r0.pid)
+    (barrier_dir / "hold").touch()
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: len(os.listdir(barrier_dir)) >= 3, 20)  # first pid, hold, new
+    [again] = [int(n) for n in os.listdir(barrier_dir) if n not in ("hold", str(first))]
+    caplog.set_level(logging.WARNING, "enginecore.stage")
+    pool.remove_replica(r0)
+    assert r0.state is ReplicaState.REMOVED
+    (barrier_dir / "hold").unlink()
+    assert wait_until(lambda: pid_gone(again), 20)
+    assert pool.replicas == ()
+    assert r0.state is ReplicaState.REMOVED
+    assert r0.pid is None
+    pool.close()  # waits for the pool's restart thread (task): whatever it logs is in
+    assert not [r.message for r in caplog.records if "started again" in r.message]
+
+
+@pytest.mark.parametrize("how", ["launching", "connecting"])
+def test_a_pool_that_closes_stops_an_add_replica_in_progress(
+    pools: tuple[Open, Open], barrier_dir: Path, no_leftovers: str, how: str
+) -> None:
+    """close() while add_replica() (another thread) waits for its replica: a launch whose
+    factory is held for 40 s, or a connect (add_replica(address=...)) to where nothing
+    answers, with a 40 s timeout. The add raises StageClosedError, a half-started stage is
+    killed and the pool keeps nothing of it, instead of the add waiting out its factory or
+    its timeout after close() returned."""
     launch, _ = pools
     (barrier_dir / "hold").touch()
     pool = launch(COUNTDOWN, replicas=1)
@@ -1046,55 +1199,31 @@ def test_a_pool_that_closes_stops_an_add_replica_in_progress(
 
     def add() -> None:
         try:
-            pool.add_replica(GATED, {"directory": str(barrier_dir), "timeout": 40})
+            if how == "launching":
+                pool.add_replica(GATED, {"directory": str(barrier_dir), "timeout": 40})
+            else:
+                pool.add_replica(address=f"ipc://{no_leftovers}/nothing-listens-here", timeout=40)
         except BaseException as exc:
             raised.append(exc)
 
     adding = threading.Thread(target=add)
     adding.start()
+    pid = None
     try:
-        assert wait_until(lambda: len(os.listdir(barrier_dir)) >= 2, 20)  # hold, new pid
-        [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
+        if how == "launching":
+            assert wait_until(lambda: len(os.listdir(barrier_dir)) >= 2, 20)  # hold, new pid
+            [pid] = [int(n) for n in os.listdir(barrier_dir) if n != "hold"]
+        else:
+            assert wait_until(lambda: any(r.state == "starting" for r in pool.replicas), 20)
     finally:
         pool.close()
-    adding.join(20)  # well before the factory gives up
-    assert not adding.is_alive(), "add_replica() waited for its factory after close()"
+    adding.join(20)  # well before the factory or the connect gives up
+    assert not adding.is_alive(), "add_replica() waited for its start after close()"
     assert len(raised) == 1, raised
     assert isinstance(raised[0], StageClosedError), raised
     assert "this stage pool is closed" in str(raised[0])
-    assert wait_until(lambda: pid_gone(pid), 10)
-    assert all(r.state != "starting" for r in pool.replicas), pool.replicas
-
-
-def test_a_pool_that_closes_stops_an_add_replica_connecting(
-    pools: tuple[Open, Open], no_leftovers: str
-) -> None:
-    """close() while add_replica(address=...) (another thread) waits for the stage's
-    handshake (nothing answers there; its timeout is 40 s): the connect is cut short, the
-    add raises StageClosedError and the pool keeps nothing of it, instead of the add
-    waiting out its timeout after close() returned."""
-    launch, _ = pools
-    pool = launch(COUNTDOWN, replicas=1)
-    nowhere = f"ipc://{no_leftovers}/nothing-listens-here"
-    raised: list[BaseException] = []
-
-    def add() -> None:
-        try:
-            pool.add_replica(address=nowhere, timeout=40)
-        except BaseException as exc:
-            raised.append(exc)
-
-    adding = threading.Thread(target=add)
-    adding.start()
-    try:
-        assert wait_until(lambda: any(r.state == "starting" for r in pool.replicas), 20)
-    finally:
-        pool.close()
-    adding.join(20)  # well before the connect gives up
-    assert not adding.is_alive(), "add_replica() waited for its connect after close()"
-    assert len(raised) == 1, raised
-    assert isinstance(raised[0], StageClosedError), raised
-    assert "this stage pool is closed" in str(raised[0])
+    if pid is not None:
+        assert wait_until(lambda: pid_gone(pid), 10)
     assert all(r.state != "starting" for r in pool.replicas), pool.replicas
 
 
@@ -1284,14 +1413,23 @@ def test_bad_pool_arguments() -> None:
     with pytest.raises(TypeError, match="k and exhaustive must be ints"):
         LeastLoaded(k=cast(Any, 1.5))
     # Named, not a bare '<' TypeError; NaN and a fractional count not taken silently.
-    with pytest.raises(TypeError, match="first_delay must be a number of seconds, got str"):
+    # The seconds go through the shared check (_errors.positive_seconds) that names the
+    # argument and the value it got.
+    with pytest.raises(TypeError, match="first_delay must be a number of seconds > 0, got '1'"):
         RestartPolicy(first_delay=cast(Any, "1"))
-    with pytest.raises(TypeError, match="window must be a number of seconds, got NoneType"):
+    with pytest.raises(TypeError, match="window must be a number of seconds > 0, got None"):
         RestartPolicy(window=cast(Any, None))
+    with pytest.raises(TypeError, match="max_delay must be a number of seconds > 0, got True"):
+        RestartPolicy(max_delay=cast(Any, True))
     with pytest.raises(TypeError, match="max_failures must be an int, got float"):
         RestartPolicy(max_failures=cast(Any, 2.5))
-    with pytest.raises(ValueError, match="window > 0"):
-        RestartPolicy(window=float("nan"))
+    for name, bad in [("window", float("nan")), ("first_delay", 0), ("max_delay", -1.0)]:
+        with pytest.raises(ValueError, match=f"{name} must be a number of seconds > 0, got"):
+            RestartPolicy(**cast(Any, {name: bad}))
+    with pytest.raises(ValueError, match="need first_delay <= max_delay, got 2 > 1"):
+        RestartPolicy(first_delay=2, max_delay=1)
+    with pytest.raises(ValueError, match="max_failures must be an int >= 1, got 0"):
+        RestartPolicy(max_failures=0)
     stream_types = (PoolRequestStream, AsyncPoolRequestStream)
     assert all(hasattr(t, "replica") for t in stream_types)
 

@@ -41,6 +41,7 @@ from ._poolbase import (
     PoolStreamCore,
     connect_specs,
     cut_drain,
+    drain_cut_error,
     escalate_steps,
     events_off,
     fail_with_group,
@@ -536,43 +537,71 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             raise ValueError(f"{replica!r} is not in this pool")
         was = replica.state
         self._core.set_state(replica, ReplicaState.DRAINING)
+        # A drained removal under way: the user asks to stop waiting for it.
+        cutting = not drain and replica in self._drains
+        if cutting:
+            self._cut.add(replica)
+            self._cut_by_removal.add(replica)
         # A task of the pool's (close() waits for it), shielded: a cancelled caller stops
         # waiting, but the removal it began goes on to its end (else the replica stayed
         # "draining" in pool.replicas, its stage stopped or not).
         task = self._loop.create_task(
-            self._remove(replica, was, timeout if drain else None, timeout)
+            self._remove(replica, was, timeout if drain else None, timeout, cutting=cutting)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
     async def _remove(
-        self, replica: Replica, was: ReplicaState, drain: float | None, timeout: float
+        self,
+        replica: Replica,
+        was: ReplicaState,
+        drain: float | None,
+        timeout: float,
+        *,
+        cutting: bool = False,
     ) -> int | None:
-        code, cut = None, False
+        code, cut, owner, by_removal = None, False, False, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
             if drain is not None:
                 if self._core.closing:  # a close has begun: it stops the stage now
                     cut, drain = True, None
                 else:
                     self._drains.add(replica)
+                    owner = True
             try:
+                if cutting:
+                    await self._cut_now(replica, min(timeout, STOP_EXIT_S))
                 code = await self._stop_member(
                     replica,
                     drain=drain,
                     timeout=DRAIN_EXIT_S if drain is not None else min(timeout, STOP_EXIT_S),
                 )
             finally:
-                self._drains.discard(replica)
-                cut = cut or replica in self._cut
-                self._cut.discard(replica)
+                if owner:  # the drained removal: it reads, and clears, whether it was cut
+                    self._drains.discard(replica)
+                    cut = cut or replica in self._cut
+                    by_removal = replica in self._cut_by_removal and not self._core.closing
+                    self._cut.discard(replica)
+                    self._cut_by_removal.discard(replica)
         self._core.set_state(replica, ReplicaState.REMOVED)
         if cut:
-            raise StageClosedError(
-                f"this stage pool closed while {replica.name} drained: its requests still "
-                "live ended with StageClosedError"
-            )
+            raise drain_cut_error(replica, by_removal=by_removal)
         return code
+
+    async def _cut_now(self, replica: Replica, timeout: float) -> None:
+        """:meth:`StagePool._cut_now <enginecore.stage.StagePool._cut_now>`, awaited: a
+        removal without a drain stops the stage that another one drains."""
+        member: _AsyncMember | None = replica._client
+        if member is None:
+            return
+        cut_drain(member)
+        launched = member._launched
+        if launched is not None and not await _until_set(member._exited, timeout):
+            for sig, wait in escalate_steps(member):
+                launched.send_signal(sig)
+                if await _until_set(member._exited, wait):
+                    break
 
     async def _stop_member(
         self, replica: Replica, *, drain: float | None, timeout: float
@@ -585,7 +614,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if drain is not None:  # a connected stage: wait for the pool's requests, then detach
             deadline = time.monotonic() + drain
             while member._session.in_flight and member._session.failure is None:
-                if time.monotonic() >= deadline or self._closed.is_set():
+                if time.monotonic() >= deadline or self._closed.is_set() or replica in self._cut:
                     break
                 await asyncio.sleep(0.01)
         await member.close()
@@ -634,7 +663,10 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                     return
                 try:
                     await start
-                    logger.warning("enginecore: replica %s started again", names)
+                    # (one removed while it started is not: its new stage was closed)
+                    served = [r.name for r in starting if r.state is ReplicaState.SERVING]
+                    if served:
+                        logger.warning("enginecore: replica %s started again", ", ".join(served))
                     return
                 except Exception as exc:
                     logger.warning("enginecore: replica %s did not start again: %s", names, exc)

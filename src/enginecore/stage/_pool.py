@@ -51,6 +51,7 @@ from ._poolbase import (
     PoolStreamCore,
     connect_specs,
     cut_drain,
+    drain_cut_error,
     escalate_steps,
     events_off,
     fail_with_group,
@@ -733,14 +734,21 @@ class StagePool(PoolBase[PoolRequestStream]):
         cuts the drain short: the stage stops at once, its requests still live end with
         :class:`~enginecore.stage.StageClosedError` as the close ends every other one,
         the replica is removed, and this call raises
-        :class:`~enginecore.stage.StageClosedError`."""
+        :class:`~enginecore.stage.StageClosedError`. So does a call without *drain* for
+        the same replica (another thread's): it stops the stage as a close would (one that
+        does not stop is signalled after its *timeout*) and returns the exit code."""
         timeout = removal_timeout(timeout)
         with self._lock:
             if replica not in self._core.replicas:
                 raise ValueError(f"{replica!r} is not in this pool")
             was = replica.state
             self._core.set_state(replica, ReplicaState.DRAINING)
-        code, cut = None, False
+            # A drained removal under way: the user asks to stop waiting for it.
+            cutting = not drain and replica in self._drains
+            if cutting:
+                self._cut.add(replica)
+                self._cut_by_removal.add(replica)
+        code, cut, owner, by_removal = None, False, False, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
             if drain:
                 with self._lock:
@@ -748,25 +756,43 @@ class StagePool(PoolBase[PoolRequestStream]):
                         cut, drain = True, False
                     else:
                         self._drains.add(replica)
+                        owner = True
             try:
+                if cutting:
+                    self._cut_now(replica, min(timeout, STOP_EXIT_S))
                 code = self._stop_member(
                     replica,
                     drain=timeout if drain else None,
                     timeout=DRAIN_EXIT_S if drain else min(timeout, STOP_EXIT_S),
                 )
             finally:
-                with self._lock:
-                    self._drains.discard(replica)
-                    cut = cut or replica in self._cut
-                    self._cut.discard(replica)
+                if owner:  # the drained removal: it reads, and clears, whether it was cut
+                    with self._lock:
+                        self._drains.discard(replica)
+                        cut = cut or replica in self._cut
+                        by_removal = replica in self._cut_by_removal and not self._core.closing
+                        self._cut.discard(replica)
+                        self._cut_by_removal.discard(replica)
         with self._lock:
             self._core.set_state(replica, ReplicaState.REMOVED)
         if cut:
-            raise StageClosedError(
-                f"this stage pool closed while {replica.name} drained: its requests still "
-                "live ended with StageClosedError"
-            )
+            raise drain_cut_error(replica, by_removal=by_removal)
         return code
+
+    def _cut_now(self, replica: Replica, timeout: float) -> None:
+        """A removal without a drain cuts short the drain of *replica* that another one
+        waits for: stop its stage at once, as a close does (:func:`cut_drain`), and signal
+        it after *timeout* if it has not exited (stopped, stuck)."""
+        member: _Member | None = replica._client
+        if member is None:
+            return
+        cut_drain(member)
+        launched = member._launched
+        if launched is not None and not launched.wait_exit(timeout):
+            for sig, wait in escalate_steps(member):
+                launched.send_signal(sig)
+                if launched.wait_exit(wait):
+                    break
 
     def _stop_member(self, replica: Replica, *, drain: float | None, timeout: float) -> int | None:
         member: _Member | None = replica._client
@@ -777,7 +803,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         if drain is not None:  # a connected stage: wait for the pool's requests, then detach
             deadline = time.monotonic() + drain
             while member._session.in_flight and member._session.failure is None:
-                if time.monotonic() >= deadline or self._closed.is_set():
+                if time.monotonic() >= deadline or self._closed.is_set() or replica in self._cut:
                     break
                 time.sleep(0.01)
         member.close()
@@ -815,7 +841,10 @@ class StagePool(PoolBase[PoolRequestStream]):
             names = ", ".join(r.name for r in starting)
             try:
                 self._start_all(starting)
-                logger.warning("enginecore: replica %s started again", names)
+                # (one removed while it started is not: its new stage was closed)
+                served = [r.name for r in starting if r.state is ReplicaState.SERVING]
+                if served:
+                    logger.warning("enginecore: replica %s started again", ", ".join(served))
                 return
             except Exception as exc:
                 if self._closed.is_set():
@@ -924,10 +953,11 @@ class StagePool(PoolBase[PoolRequestStream]):
 
             if replicas:
                 with concurrent.futures.ThreadPoolExecutor(len(replicas)) as ex:
-                    for fut in [ex.submit(stop_one, r) for r in replicas]:
+                    futures = [(r, ex.submit(stop_one, r)) for r in replicas]
+                    for r, fut in futures:
                         exc = fut.exception()
                         if exc is not None:
-                            logger.warning("enginecore: closing a replica failed: %r", exc)
+                            logger.warning("enginecore: closing %s failed: %r", r._described, exc)
             while True:  # restart timers see _closed and return
                 with self._lock:
                     threads = [t for t in self._threads if t is not threading.current_thread()]

@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias
 
-from ._errors import EngineDeadError, NoReplicaError, ReplicaDeadError, StageClosedError
+from ._errors import (
+    EngineDeadError,
+    NoReplicaError,
+    ReplicaDeadError,
+    StageClosedError,
+    positive_seconds,
+)
 from ._session import StageHealth
 from ._wire import StageEvent
 
@@ -132,7 +138,9 @@ class RestartPolicy:
     (failed restarts included) within *window*, the replica is marked ``failed`` and stays
     out. The replicas of a restart group (``group=``) count their deaths together: one
     member's death (or a failed start of the group) is one death of the group, which
-    restarts, or fails, as a whole."""
+    restarts, or fails, as a whole. The three durations are finite numbers of seconds > 0
+    (:class:`TypeError`, :class:`ValueError` otherwise, naming the argument), with
+    ``first_delay <= max_delay``; *max_failures* is an int >= 1."""
 
     first_delay: float = 0.5
     max_delay: float = 30.0
@@ -141,15 +149,15 @@ class RestartPolicy:
 
     def __post_init__(self) -> None:
         for name in ("first_delay", "max_delay", "window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+            positive_seconds(getattr(self, name), name)  # finite, > 0: NaN refused too
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int):
             raise TypeError(f"max_failures must be an int, got {type(self.max_failures).__name__}")
-        if not 0 < self.first_delay <= self.max_delay:
-            raise ValueError("need 0 < first_delay <= max_delay")
-        if not (self.max_failures >= 1 and self.window > 0):  # NaN too
-            raise ValueError("need max_failures >= 1 and window > 0")
+        if self.first_delay > self.max_delay:
+            raise ValueError(
+                f"need first_delay <= max_delay, got {self.first_delay} > {self.max_delay}"
+            )
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures must be an int >= 1, got {self.max_failures}")
 
     def delay(self, deaths: deque[float], now: float) -> float | None:
         """Record a death at *now* in *deaths* (the replica's recent deaths); the delay
@@ -226,10 +234,18 @@ class Replica:
 
     @property
     def pid(self) -> int | None:
-        """Its stage process's pid where the pool launched it (the current one, after a
-        restart), else ``None``."""
+        """Its stage process's pid where the pool launched it, while that process serves
+        or drains (the new one after a restart); ``None`` while the replica starts, once
+        its process has exited (dead, failed, removed), and for a connected replica."""
         session = self._session
-        return session.pid if session is not None and self.launched else None
+        if (
+            session is None
+            or not self.launched
+            or self._state not in (ReplicaState.SERVING, ReplicaState.DRAINING)
+            or session._exited
+        ):
+            return None
+        return session.pid
 
     @property
     def in_flight(self) -> int:
@@ -286,9 +302,19 @@ class Replica:
             report.age + max(0.0, now - received),
         )
 
+    @property
+    def _described(self) -> str:
+        """The replica and its stage, for an error that must say which pool's replica it
+        concerns: ``"replica r0 (stage 'llm/r0')"`` (a launched one's stage name, the
+        pool's ``name`` or factory), or ``"replica r0 (at tcp://...)"``."""
+        if self.launched:
+            base = self.spec.get("name") or self.spec["factory"]
+            return f"replica {self.name} (stage '{base}/{self.name}')"
+        return f"replica {self.name} (at {self.address})"
+
     def __repr__(self) -> str:
         pid = self.pid
-        where = f" pid={pid}" if pid is not None else f" {self.address}"
+        where = f" pid={pid}" if pid is not None else "" if self.launched else f" {self.address}"
         group = f" group={self.group!r}" if self.group is not None else ""
         return f"<Replica {self.name} {self._state.value}{where}{group} in_flight={self.in_flight}>"
 
@@ -1050,9 +1076,19 @@ class PoolCore:
     # -- a dead replica's requests -------------------------------------------------------
 
     def dead_error(self, replica: Replica, failure: BaseException, delivered: int) -> Exception:
-        """What a request or call of dead *replica* ends with: *failure* itself when the
-        pool closed the member (:class:`StageClosedError`), else a
+        """What a request or call of dead *replica* ends with: a
+        :class:`StageClosedError` that names the replica when the pool closed the member
+        (the pool closes, or removed the replica without a drain), else a
         :class:`ReplicaDeadError`."""
+        if isinstance(failure, StageClosedError):
+            # The member's own words ("this stage client is closed") do not say which
+            # pool's replica: with several pools, a user could not tell.
+            if self.closing:
+                return StageClosedError(f"the stage pool of {replica._described} is closed")
+            if replica._state in (ReplicaState.DRAINING, ReplicaState.REMOVED):
+                return StageClosedError(
+                    f"{replica._described} was removed from its stage pool without a drain"
+                )
         if isinstance(failure, StageClosedError) or not isinstance(failure, EngineDeadError):
             return failure if isinstance(failure, Exception) else StageClosedError(str(failure))
         err = ReplicaDeadError(

@@ -194,6 +194,21 @@ def cut_drain(member: Any) -> None:
             member._send(_session.shutdown_frame(None))
 
 
+def drain_cut_error(replica: Replica, *, by_removal: bool) -> StageClosedError:
+    """What a ``remove_replica(drain=True)`` raises when its drain was cut short: by a
+    ``remove_replica(drain=False)`` of the same replica (*by_removal*), or by the pool's
+    close."""
+    if by_removal:
+        return StageClosedError(
+            f"remove_replica({replica.name}, drain=False) cut short the drain of "
+            f"{replica._described}: its requests still live ended with StageClosedError"
+        )
+    return StageClosedError(
+        f"the stage pool closed while {replica._described} drained: its requests still "
+        "live ended with StageClosedError"
+    )
+
+
 def escalate_steps(member: Any) -> Any:
     """A cut drain's stage (:func:`cut_drain`) did not stop within the close's timeout
     (stopped, stuck): mark the exit as the close's doing and return the signals to send,
@@ -326,9 +341,11 @@ class PoolBase(Generic[S]):
         self._events_waiting = False  # its consumer waits: the next append wakes it
         self._events_closed = False  # the End is in _events (or was read)
         # The replicas that a remove_replica(drain=True) drains now, and those of them whose
-        # drain a close without a drain cut short (their removal raises StageClosedError).
+        # drain a close without a drain, or a remove_replica(drain=False), cut short (their
+        # removal raises StageClosedError); _cut_by_removal: those the removal cut.
         self._drains: set[Replica] = set()
         self._cut: set[Replica] = set()
+        self._cut_by_removal: set[Replica] = set()
 
     def _wake(self, stream: S) -> None:
         """Wake *stream*'s consumer, which waits."""
