@@ -762,9 +762,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
 
         try:
             results = await asyncio.gather(*(stop_one(r) for r in replicas), return_exceptions=True)
-            for result in results:
+            for r, result in zip(replicas, results, strict=True):
                 if isinstance(result, BaseException):
-                    logger.warning("enginecore: closing a replica failed: %r", result)
+                    logger.warning("enginecore: closing %s failed: %r", r._described, result)
             while self._tasks:  # restart tasks see _closed and return
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
         except BaseException:
