@@ -592,7 +592,7 @@ _SHUTDOWN_UNDER_CLIENTS = """
 import asyncio, logging, ray, time
 from enginecore.stage import (
     AsyncStageClient, EngineDeadError, ReplicaState, RestartPolicy, StageClient, StagePool)
-from enginecore.stage.ray import RayPlacement
+from enginecore.stage.ray import RayPlacement, authorize_clients, authorize_clients_async
 
 ray.init(address="local", num_cpus=1, include_dashboard=False,
          logging_level=logging.ERROR, log_to_driver=False)
@@ -613,6 +613,20 @@ async def main():
     ]
     await asyncio.sleep(0.1)
     ray.shutdown()
+    # A key rotation right after it (before the clients' watch has looked) calls Ray no
+    # more: it raised Ray's "Can't find actor" after starting a new local cluster.
+    for rotation in [
+        lambda: asyncio.to_thread(authorize_clients, blocking, []),
+        lambda: authorize_clients_async(client, []),
+    ]:
+        try:
+            await rotation()
+        except EngineDeadError as exc:
+            assert "ray.shutdown" in str(exc), exc
+        else:
+            raise AssertionError("the rotation did not fail")
+    assert authorize_clients(pool, []) == 0  # none of its stages runs
+    assert not ray.is_initialized(), "a key rotation started a Ray cluster of its own"
     later = asyncio.to_thread(blocking.call_utility, "div", 1, 2)
     for call in [*pending, later, client.call_utility("div", 1, 2)]:
         try:
@@ -844,6 +858,20 @@ def test_your_own_keys_are_checked(own_keys: OwnKeys) -> None:
     public_file = keys.stage_secret.removesuffix("_secret")  # the stage's NAME.key
     with pytest.raises(StageStartupError, match=f"{node}.* holds no secret key"):
         launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key=public_file)
+    # A file whose public key is not its secret key's (edited by hand): the stage announced
+    # that public key, and the client, given it as curve.server_key, then waited out its
+    # connect timeout (10 s) for a handshake that could never succeed.
+    mixed = os.path.join(os.path.dirname(keys.stage_secret), "mixed.key_secret")
+    with open(keys.stage_secret) as f:
+        text = f.read()
+    stage_public = keys.client.server_key.decode()
+    with open(mixed, "w") as f:
+        f.write(text.replace(stage_public, keys.observer_public.decode()))
+    mixed_client = CurveKeys(
+        keys.client.public_key, keys.client.secret_key, keys.observer_public
+    )  # the stage's public key as that file states it
+    with pytest.raises(StageStartupError, match=f"{node}.* is not one key pair"):
+        launch_on_ray(COUNTDOWN, placement=SMALL, curve=mixed_client, stage_secret_key=mixed)
     with pytest.raises(ValueError, match="give stage_secret_key"):
         launch_on_ray(COUNTDOWN, curve=keys.client)
     with pytest.raises(ValueError, match="insecure=True uses no CURVE"):
@@ -960,6 +988,37 @@ def test_the_keys_of_a_stage_on_ray_rotate_without_a_restart(
     with pytest.raises(ValueError, match="authorized client key"):
         authorize_clients(client, ["short"])
     client.close()
+    assert no_actor_left()
+
+
+def test_a_key_rotation_of_a_gone_stage_says_why(
+    ray_launch: Callable[..., StageClient], own_keys: OwnKeys
+) -> None:
+    """A stage whose actor died, or whose client is closed, has no keys to rotate: the
+    client's own errors, not Ray's ``ActorDiedError`` (the same for a closed pool, which
+    returned 0 as if it had no replica to change)."""
+    client = ray_launch(SCRIPTED, placement=SMALL)
+    new = [own_keys.observer_public]
+    runner = getattr(client, "_runner", None)
+
+    def rotate() -> int:
+        if runner is None:
+            return authorize_clients(client, new)
+        return runner.run(authorize_clients_async(client._client, new))  # type: ignore[no-any-return,attr-defined]
+
+    pending = client.call_utility_future("deferred_never")
+    ray.kill(actor_of(client))
+    with pytest.raises(EngineDeadError):
+        pending.result(5)  # the client has heard of the death
+    with pytest.raises(EngineDeadError, match="on Ray has ended: its Ray actor died"):
+        rotate()
+    client.close()
+    with pytest.raises(StageClosedError, match="client is closed"):
+        rotate()
+    pool = StagePool.launch_on_ray(COUNTDOWN, replicas=1, placement=SMALL)
+    pool.close()
+    with pytest.raises(StageClosedError, match="pool is closed"):
+        authorize_clients(pool, new)
     assert no_actor_left()
 
 

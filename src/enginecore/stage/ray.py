@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Final
 from . import _clientbase, _codec, _logs, _wire
 from ._clientbase import Target
 from ._curve import CurveKeys, _check_key
-from ._errors import StageClosedError, StageStartupError, positive_seconds
+from ._errors import EngineDeadError, StageClosedError, StageStartupError, positive_seconds
 from ._launch import _validate_factory, factory_kwargs
 from ._ray_actor import CONNECT_TIMEOUT, _StageActor
 from ._statistics import LOAD_INTERVAL, check_load_interval
@@ -802,8 +802,13 @@ def _rotation(
     if not isinstance(keys, Iterable):
         raise TypeError(f"keys must be a sequence of public keys, got {type(keys).__name__}")
     checked = [_check_key(k, "an authorized client key").decode("ascii") for k in keys]
+    # Ray shut down in this process under its stages: they went with it, and a call to an
+    # actor now would start a new local cluster of Ray's own (as ray.kill would).
+    initialized = _import_ray().is_initialized()
     stages: list[RayStage] = []
     if hasattr(target, "replicas"):  # a pool
+        if getattr(target, "closed", False) is True:
+            raise StageClosedError("this stage pool is closed")
         replicas: list[Any] = []
         for replica in target.replicas:
             if "ray" not in replica.spec:
@@ -824,7 +829,12 @@ def _rotation(
             replica._authorized_clients = tuple(k.encode("ascii") for k in checked)
         for replica in replicas:
             stage = getattr(replica._client, "_launched", None)
-            if isinstance(stage, RayStage) and stage.reap() is None and stage.death is None:
+            if (
+                initialized
+                and isinstance(stage, RayStage)
+                and stage.reap() is None
+                and stage.death is None
+            ):
                 stages.append(stage)
     else:
         stage = getattr(target, "_launched", None)
@@ -835,6 +845,17 @@ def _rotation(
             )
         if stage.curve is None:
             raise ValueError("this stage was placed with insecure=True: it uses no CURVE")
+        # A stage that is gone has no keys to rotate: say so, as the client's calls do,
+        # rather than Ray's error for a dead actor (or, after ray.shutdown(), a new cluster).
+        if getattr(target, "_sockets_closed", False):
+            raise StageClosedError("this stage client is closed (its stage on Ray is stopped)")
+        if not initialized:
+            _shut_down()
+            raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
+        if stage.wait_exit(0):
+            code = stage.reap()
+            why = stage.death or (f"exit code {code}" if code is not None else "it ended")
+            raise EngineDeadError(f"stage {stage.stage!r} on Ray has ended: {why}")
         stages.append(stage)
     return stages, checked
 
@@ -859,9 +880,13 @@ def authorize_clients(
     :class:`~enginecore.stage.SessionLostError`) before this returns. The keys travel
     through Ray as a list of ``str``; no secret does. Returns how many stages were
     changed. :class:`ValueError` for a key that is not Z85 or a stage placed with
-    ``insecure=True``, :class:`TypeError` for a target not placed on Ray, and Ray's error
-    (``GetTimeoutError`` past *timeout*, ``RayActorError`` for a dead actor) if an actor
-    did not answer. Blocks: from asyncio, ``await`` :func:`authorize_clients_async`."""
+    ``insecure=True``, :class:`TypeError` for a target not placed on Ray,
+    :class:`~enginecore.stage.StageClosedError` for a closed client or pool and
+    :class:`~enginecore.stage.EngineDeadError` for a client whose stage has ended (its
+    actor dead, or Ray shut down in this process: Ray is not called then; a pool's replicas
+    that are not running are skipped), and Ray's error (``GetTimeoutError`` past
+    *timeout*, ``RayActorError`` for an actor that died meanwhile) if an actor did not
+    answer. Blocks: from asyncio, ``await`` :func:`authorize_clients_async`."""
     stages, checked = _rotation(target, keys, timeout)
     ray = _import_ray()
     if stages:
