@@ -659,6 +659,74 @@ def test_ray_shutdown_under_live_clients_ends_their_calls_and_starts_no_cluster(
     subprocess.run([sys.executable, "-c", _SHUTDOWN_UNDER_CLIENTS], check=True, timeout=90)
 
 
+_SHUTDOWN_UNDER_STARTS = """
+import asyncio, logging, ray, threading, time
+from ray._private import state
+from enginecore.stage import (
+    AsyncStageClient, ReplicaState, RestartPolicy, StageClient, StagePool, StageStartupError)
+from enginecore.stage.ray import RayPlacement
+
+ray.init(address="local", num_cpus=1, include_dashboard=False,
+         logging_level=logging.ERROR, log_to_driver=False)
+SMALL = RayPlacement(num_cpus=0.25)
+SLOW = "enginecore.stage.testing:sleeping_factory"
+
+def alive():
+    return sum(1 for info in state.actors().values() if info.get("State") == "ALIVE")
+
+async def main():
+    fast = RestartPolicy(first_delay=0.05, max_delay=0.05)
+    pool = await asyncio.to_thread(
+        StagePool.launch_on_ray, SLOW, {"seconds": 4.0}, placement=SMALL, restart=fast,
+        startup_timeout=60)
+    (replica,) = pool.replicas
+    ray.kill(replica._client._launched.actor)  # its restart sleeps 4 s in its actor
+    blocking = asyncio.to_thread(
+        StageClient.launch_on_ray, SLOW, {"seconds": 60.0}, placement=SMALL,
+        startup_timeout=60)
+    launch = asyncio.ensure_future(AsyncStageClient.launch_on_ray(
+        SLOW, {"seconds": 60.0}, placement=SMALL, startup_timeout=60))
+    blocking = asyncio.ensure_future(blocking)
+    deadline = time.monotonic() + 30
+    while alive() < 3 and time.monotonic() < deadline:  # all three actors placed
+        await asyncio.sleep(0.02)
+    assert alive() == 3, alive()
+    ray.shutdown()
+    for start in (blocking, launch):
+        try:
+            await asyncio.wait_for(start, 10)  # not the startup timeout's 60 s
+        except StageStartupError as exc:
+            assert "ray.shutdown" in str(exc), exc
+        else:
+            raise AssertionError("the start did not fail")
+    # The restart under way at the shutdown is refused, as the ones after it.
+    deadline = time.monotonic() + 30
+    while replica.state is not ReplicaState.FAILED and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert replica.state is ReplicaState.FAILED, replica.state
+    pool.close()
+    assert not ray.is_initialized(), "a start started a Ray cluster of its own"
+    print("checked")  # not a SystemExit(0) on the way
+
+asyncio.run(main())
+"""
+
+
+def test_ray_shutdown_under_starts_fails_them_and_starts_no_cluster() -> None:
+    # A ray.shutdown() while stages were being placed: a start's ray.get raised SystemExit
+    # (a launch in a thread ended silently), and a pool's restart under way called Ray
+    # again (ray.wait), which started a new local cluster and placed the replica there.
+    # In a process of its own, so that this module's cluster stays up.
+    run = subprocess.run(
+        [sys.executable, "-c", _SHUTDOWN_UNDER_STARTS],
+        check=True,
+        timeout=90,
+        capture_output=True,
+        text=True,
+    )
+    assert run.stdout.strip().endswith("checked"), run.stderr
+
+
 def test_both_clients_report_a_failed_start_and_leave_no_actor(
     ray_launch: Callable[..., StageClient],
 ) -> None:

@@ -87,6 +87,9 @@ _MAX_CONNECT_TIMEOUT: Final = 30.0
 # ``ray.shutdown()`` in this process ends every actor it owns but completes no pending
 # ``ray.get``, so only a look tells the client that its stage went with it.
 _WATCH_POLL: Final = 0.25
+# How often a start on Ray looks whether it was cancelled (a pool's close) or Ray was shut
+# down in this process while it waits for the actor's answer.
+_PLACE_POLL: Final = 0.1
 
 
 def _import_ray() -> Any:
@@ -463,14 +466,18 @@ class RayPlan:
         logs: _logs.LogSource | None = None
         try:
             if self.link_kwarg is not None and grant is not None:
-                grant(self._get(ray, actor.link_key.remote(), deadline, cancel))
+                ref = self._submit(ray, actor.link_key)
+                grant(self._get(ray, ref, deadline, cancel))
             if self.forward_logs:
-                ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
+                ref = self._submit(
+                    ray, actor.open_logs, self.stage, self.options["log_level"], keys
+                )
                 logs = self._forward_logs(self._get(ray, ref, deadline, cancel), client_keys)
-            ref = actor.start.remote(
-                self.factory, self.kwargs_frame, self.stage, self.options, keys
+            ref = self._submit(
+                ray, actor.start, self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
             info = self._check_server_key(self._get(ray, ref, deadline, cancel))
+            self._check_ray(ray)
             return RayStage(actor, info, self.stage, client_keys, logs, self.authorized_clients)
         except BaseException:
             self._abandon(ray, actor, logs)
@@ -487,14 +494,18 @@ class RayPlan:
         logs: _logs.LogSource | None = None
         try:
             if self.link_kwarg is not None and grant is not None:
-                await grant(await self._get_async(ray, actor.link_key.remote(), deadline))
+                ref = self._submit(ray, actor.link_key)
+                await grant(await self._get_async(ray, ref, deadline))
             if self.forward_logs:
-                ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
+                ref = self._submit(
+                    ray, actor.open_logs, self.stage, self.options["log_level"], keys
+                )
                 logs = self._forward_logs(await self._get_async(ray, ref, deadline), client_keys)
-            ref = actor.start.remote(
-                self.factory, self.kwargs_frame, self.stage, self.options, keys
+            ref = self._submit(
+                ray, actor.start, self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
             info = self._check_server_key(await self._get_async(ray, ref, deadline))
+            self._check_ray(ray)
             return RayStage(actor, info, self.stage, client_keys, logs, self.authorized_clients)
         except BaseException:
             self._abandon(ray, actor, logs)
@@ -547,6 +558,24 @@ class RayPlan:
         if logs is not None:
             logs.release()
 
+    def _check_ray(self, ray: Any) -> None:
+        """:class:`StageStartupError` if Ray was shut down in this process while this stage
+        was being placed: its actor went with it, and a call to Ray now (a ``ray.wait``, a
+        ``.remote()``) would start a new local cluster of Ray's own and place the stage
+        there. From then on, starts are refused until ``ray.init()`` (:func:`_shut_down`)."""
+        if not ray.is_initialized():
+            _shut_down()
+            raise StageStartupError(
+                f"stage {self.factory!r} was not placed: Ray was shut down in this process "
+                f"(ray.shutdown()) while it was being placed, and its actor went with it; "
+                f"call ray.init() to place stages again"
+            )
+
+    def _submit(self, ray: Any, method: Any, *args: Any) -> Any:
+        """``method.remote(*args)`` (a call to the actor), unless Ray was shut down."""
+        self._check_ray(ray)
+        return method.remote(*args)
+
     def _get(
         self,
         ray: Any,
@@ -555,18 +584,25 @@ class RayPlan:
         cancel: multiprocessing.connection.Connection | None = None,
     ) -> Any:
         """``ray.get(ref)`` before *deadline*, its failures as
-        :class:`StageStartupError`; :class:`StageClosedError` once *cancel* is readable
-        (looked at every 0.1 s: Ray's wait cannot also wait for a pipe)."""
+        :class:`StageStartupError`; :class:`StageClosedError` once *cancel* is readable.
+        Waits in slices of :data:`_PLACE_POLL` (Ray's wait cannot also wait for a pipe),
+        and looks between them whether Ray was shut down in this process (:meth:`_check_ray`):
+        a wait under way then raises ``SystemExit`` in Ray 2.60, and a new one would start
+        a cluster of Ray's own."""
         try:
-            if cancel is None:
-                return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             while True:
+                self._check_ray(ray)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ray.exceptions.GetTimeoutError
-                if ray.wait([ref], timeout=min(left, 0.1))[0]:
-                    return ray.get(ref)
-                if cancel.poll():
+                try:
+                    if ray.wait([ref], timeout=min(left, _PLACE_POLL))[0]:
+                        return ray.get(ref)
+                except SystemExit:  # Ray's answer to a wait at a ray.shutdown()
+                    if ray.is_initialized():
+                        raise
+                    self._check_ray(ray)
+                if cancel is not None and cancel.poll():
                     raise StageClosedError(
                         f"the start of stage {self.factory!r} on Ray was cancelled; its "
                         f"actor was killed"
@@ -578,15 +614,23 @@ class RayPlan:
 
     async def _get_async(self, ray: Any, ref: Any, deadline: float) -> Any:
         """:meth:`_get`, awaited (``ref.future()``: Ray completes it from its own
-        thread)."""
+        thread); it too looks every :data:`_PLACE_POLL` whether Ray was shut down (the
+        future is never completed then)."""
+        answer = asyncio.wrap_future(ref.future())
         try:
-            return await asyncio.wait_for(
-                asyncio.wrap_future(ref.future()), max(0.0, deadline - time.monotonic())
-            )
-        except asyncio.TimeoutError:
-            raise self._timed_out() from None
+            while True:
+                self._check_ray(ray)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._timed_out()
+                done, _ = await asyncio.wait({answer}, timeout=min(left, _PLACE_POLL))
+                if done:
+                    return answer.result()
         except ray.exceptions.RayError as exc:
             raise self._failed(ray, exc) from None
+        finally:
+            if not answer.done():
+                answer.cancel()
 
     def _timed_out(self) -> StageStartupError:
         return StageStartupError(
@@ -890,7 +934,13 @@ def authorize_clients(
     stages, checked = _rotation(target, keys, timeout)
     ray = _import_ray()
     if stages:
-        ray.get([stage.actor.authorize.remote(checked) for stage in stages], timeout=timeout)
+        try:
+            ray.get([stage.actor.authorize.remote(checked) for stage in stages], timeout=timeout)
+        except SystemExit:  # Ray's answer to a call under way at a ray.shutdown()
+            if ray.is_initialized():
+                raise
+            _shut_down()
+            raise EngineDeadError(_SHUT_DOWN) from None
     for stage in stages:
         stage.authorized_clients = tuple(k.encode("ascii") for k in checked)
     return len(stages)
@@ -935,11 +985,15 @@ def catch_up_keys(replica: Any, member: Any, timeout: float = _AUTHORIZE_TIMEOUT
     stage = getattr(member, "_launched", None)
     if not isinstance(stage, RayStage):
         return
+    ray = _import_ray()
     try:
         while (keys := _keys_behind(replica, stage.authorized_clients)) is not None:
-            ray = _import_ray()
             ray.get(_authorize_ref(stage, keys), timeout=timeout)
             stage.authorized_clients = keys
+    except SystemExit:  # Ray's answer to a call under way at a ray.shutdown()
+        if ray.is_initialized():
+            raise
+        _kill_behind(replica, stage)
     except Exception:
         _kill_behind(replica, stage)
 
@@ -961,7 +1015,12 @@ async def catch_up_keys_async(
 
 
 def _authorize_ref(stage: RayStage, keys: tuple[bytes, ...]) -> Any:
-    """The actor's ``authorize`` call with *keys* (as Z85 text), under way: its Ray ref."""
+    """The actor's ``authorize`` call with *keys* (as Z85 text), under way: its Ray ref;
+    :class:`EngineDeadError` without a call once Ray was shut down in this process (a call
+    would start a new local cluster)."""
+    if not _import_ray().is_initialized():
+        _shut_down()
+        raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
     return stage.actor.authorize.remote([k.decode("ascii") for k in keys])
 
 
