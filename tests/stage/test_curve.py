@@ -688,6 +688,12 @@ def test_curve_keys_are_checked_and_hide_the_secret(keys: Keys) -> None:
         CurveKeys(public_key=b"short", secret_key=keys.alice.secret_key, server_key=b"x" * 40)
     with pytest.raises(ValueError, match="holds no secret key"):
         CurveKeys.load(keys.stage_public, keys.stage_public)
+    # A key of the wrong form in a file: the error names the files (it named the key only).
+    short = keys.stage_secret.parent / "short.key_secret"
+    short.write_text('metadata\ncurve\n    public-key = "abc"\n    secret-key = "def"\n')
+    with pytest.raises(ValueError, match=r"40-character.*read from .*short\.key_secret"):
+        CurveKeys.load(short, keys.stage_public)
+    short.unlink()
     # Text that is not ASCII: a ValueError naming the key (was a bare UnicodeEncodeError).
     with pytest.raises(ValueError, match="server_key is not a valid Z85"):
         CurveKeys(keys.alice.public_key, keys.alice.secret_key, "é" * 40)  # type: ignore[arg-type]

@@ -132,7 +132,13 @@ class CurveKeys:
                 f"NAME.key_secret, not its public NAME.key)"
             )
         server, _ = zmq.auth.load_certificate(server_public_file)
-        return cls(public_key=public, secret_key=secret, server_key=server)
+        try:
+            return cls(public_key=public, secret_key=secret, server_key=server)
+        except ValueError as exc:  # a key of the wrong form: say which files held them
+            raise ValueError(
+                f"{exc} (read from {os.fspath(secret_key_file)!r} and "
+                f"{os.fspath(server_public_file)!r})"
+            ) from None
 
 
 def check_server_pair(public: bytes, secret: bytes, where: str) -> tuple[bytes, bytes]:
