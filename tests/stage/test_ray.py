@@ -660,13 +660,14 @@ def test_ray_shutdown_under_live_clients_ends_their_calls_and_starts_no_cluster(
 
 
 _SHUTDOWN_UNDER_STARTS = """
-import asyncio, logging, ray, threading, time
+import asyncio, logging, os, ray, signal, threading, time
 from ray._private import state
 from enginecore.stage import (
-    AsyncStageClient, ReplicaState, RestartPolicy, StageClient, StagePool, StageStartupError)
-from enginecore.stage.ray import RayPlacement
+    AsyncStageClient, EngineDeadError, ReplicaState, RestartPolicy, StageClient, StagePool,
+    StageStartupError)
+from enginecore.stage.ray import RayPlacement, authorize_clients, authorize_clients_async
 
-ray.init(address="local", num_cpus=1, include_dashboard=False,
+ray.init(address="local", num_cpus=2, include_dashboard=False,
          logging_level=logging.ERROR, log_to_driver=False)
 SMALL = RayPlacement(num_cpus=0.25)
 SLOW = "enginecore.stage.testing:sleeping_factory"
@@ -675,6 +676,19 @@ def alive():
     return sum(1 for info in state.actors().values() if info.get("State") == "ALIVE")
 
 async def main():
+    # Two stages that do not answer (stopped), each with a key rotation under way.
+    frozen = await asyncio.to_thread(
+        StageClient.launch_on_ray, "enginecore.stage.testing:scripted", placement=SMALL,
+        heartbeat_timeout=60)
+    afrozen = await AsyncStageClient.launch_on_ray(
+        "enginecore.stage.testing:scripted", placement=SMALL, heartbeat_timeout=60)
+    for client in (frozen, afrozen):
+        os.kill(client.pid, signal.SIGSTOP)
+    rotations = [
+        asyncio.ensure_future(asyncio.to_thread(authorize_clients, frozen, [], timeout=60)),
+        asyncio.ensure_future(authorize_clients_async(afrozen, [], timeout=60)),
+    ]
+    await asyncio.sleep(0)  # the async rotation's call is under way
     fast = RestartPolicy(first_delay=0.05, max_delay=0.05)
     pool = await asyncio.to_thread(
         StagePool.launch_on_ray, SLOW, {"seconds": 4.0}, placement=SMALL, restart=fast,
@@ -688,10 +702,19 @@ async def main():
         SLOW, {"seconds": 60.0}, placement=SMALL, startup_timeout=60))
     blocking = asyncio.ensure_future(blocking)
     deadline = time.monotonic() + 30
-    while alive() < 3 and time.monotonic() < deadline:  # all three actors placed
+    while alive() < 5 and time.monotonic() < deadline:  # all five actors placed
         await asyncio.sleep(0.02)
-    assert alive() == 3, alive()
+    assert alive() == 5, alive()
     ray.shutdown()
+    for rotation in rotations:  # not after their timeout's 60 s
+        try:
+            await asyncio.wait_for(rotation, 10)
+        except EngineDeadError as exc:
+            assert "ray.shutdown" in str(exc), exc
+        else:
+            raise AssertionError("the rotation did not fail")
+    frozen.close()
+    await afrozen.close()
     for start in (blocking, launch):
         try:
             await asyncio.wait_for(start, 10)  # not the startup timeout's 60 s

@@ -610,6 +610,7 @@ class RayPlan:
         except ray.exceptions.GetTimeoutError:
             raise self._timed_out() from None
         except ray.exceptions.RayError as exc:
+            self._check_ray(ray)  # the actor went with a ray.shutdown() (its owner died)
             raise self._failed(ray, exc) from None
 
     async def _get_async(self, ray: Any, ref: Any, deadline: float) -> Any:
@@ -627,6 +628,7 @@ class RayPlan:
                 if done:
                     return answer.result()
         except ray.exceptions.RayError as exc:
+            self._check_ray(ray)  # the actor went with a ray.shutdown() (its owner died)
             raise self._failed(ray, exc) from None
         finally:
             if not answer.done():
@@ -953,18 +955,41 @@ async def authorize_clients_async(
     futures, and no thread is held; ``TimeoutError`` past *timeout*."""
     stages, checked = _rotation(target, keys, timeout)
     if stages:
-        futures = [
-            asyncio.wrap_future(stage.actor.authorize.remote(checked).future()) for stage in stages
-        ]
-        try:
-            await asyncio.wait_for(asyncio.gather(*futures), timeout)
-        except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
-            raise TimeoutError(
-                f"a key rotation of {len(stages)} stages on Ray took longer than {timeout:g} s"
-            ) from None
+        refs = [stage.actor.authorize.remote(checked) for stage in stages]
+        await _answers(
+            refs,
+            timeout,
+            f"a key rotation of {len(stages)} stages on Ray took longer than {timeout:g} s",
+        )
     for stage in stages:
         stage.authorized_clients = tuple(k.encode("ascii") for k in checked)
     return len(stages)
+
+
+async def _answers(refs: list[Any], timeout: float, late: str) -> list[Any]:
+    """The answers of the actors' calls *refs*, awaited as Ray's futures (no thread held):
+    Ray's error if a call failed, ``TimeoutError(late)`` past *timeout*, and
+    :class:`EngineDeadError` within :data:`_PLACE_POLL` once Ray is shut down in this
+    process (Ray then completes none of them)."""
+    ray = _import_ray()
+    gathered = asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if not ray.is_initialized():
+                _shut_down()
+                raise EngineDeadError(_SHUT_DOWN)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(late)
+            done, _ = await asyncio.wait({gathered}, timeout=min(left, _PLACE_POLL))
+            if done:
+                return gathered.result()
+    finally:
+        if not gathered.done():
+            gathered.cancel()
+            # Taken, so that asyncio does not log it as never retrieved.
+            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _keys_behind(replica: Any, launched: tuple[bytes, ...]) -> tuple[bytes, ...] | None:
@@ -1007,8 +1032,8 @@ async def catch_up_keys_async(
         return
     try:
         while (keys := _keys_behind(replica, stage.authorized_clients)) is not None:
-            future = _authorize_ref(stage, keys).future()
-            await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+            late = f"replica {replica.name} took longer than {timeout:g} s to take the keys"
+            await _answers([_authorize_ref(stage, keys)], timeout, late)
             stage.authorized_clients = keys
     except Exception:
         _kill_behind(replica, stage)
