@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import msgspec
 import pytest
 import zmq
+import zmq.auth
 
 from enginecore.stage import (
     PROTOCOL_VERSION,
@@ -630,6 +631,29 @@ def test_curve_files_are_checked_at_start(keys: Keys, tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "holds no secret key" in result.stderr
+    # A public key that is not the secret key's (a file edited by hand): the ready line
+    # announced it, and every client given it waited out its connect timeout.
+    public = zmq.auth.load_certificate(keys.stage_secret)[0]
+    other = keys.mallory.public_key  # another pair's
+    mixed = tmp_path / "mixed.key_secret"
+    mixed.write_text(keys.stage_secret.read_text().replace(public.decode(), other.decode()))
+    mixed.chmod(0o600)
+    result = _run(
+        "serve", "--engine", SCRIPTED, "--curve-secret-key", str(mixed),
+        "--authorized-clients", str(keys.authorized),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "is not one key pair" in result.stderr
+    # A client key that cannot be read is named by its file.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "broken.key").write_text('metadata\ncurve\n    public-key = "short"\n')
+    result = _run(
+        "serve", "--engine", SCRIPTED, "--curve-secret-key", str(keys.stage_secret),
+        "--authorized-clients", str(bad),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "broken.key" in result.stderr
 
 
 def test_keygen_writes_a_key_pair_and_never_overwrites(tmp_path: Path) -> None:
@@ -664,6 +688,15 @@ def test_curve_keys_are_checked_and_hide_the_secret(keys: Keys) -> None:
         CurveKeys(public_key=b"short", secret_key=keys.alice.secret_key, server_key=b"x" * 40)
     with pytest.raises(ValueError, match="holds no secret key"):
         CurveKeys.load(keys.stage_public, keys.stage_public)
+    # A key of the wrong form in a file: the error names the files (it named the key only).
+    short = keys.stage_secret.parent / "short.key_secret"
+    short.write_text('metadata\ncurve\n    public-key = "abc"\n    secret-key = "def"\n')
+    with pytest.raises(ValueError, match=r"40-character.*read from .*short\.key_secret"):
+        CurveKeys.load(short, keys.stage_public)
+    short.unlink()
+    # Text that is not ASCII: a ValueError naming the key (was a bare UnicodeEncodeError).
+    with pytest.raises(ValueError, match="server_key is not a valid Z85"):
+        CurveKeys(keys.alice.public_key, keys.alice.secret_key, "é" * 40)  # type: ignore[arg-type]
 
 
 def test_curve_keys_whose_public_key_is_not_the_secret_keys_are_refused(keys: Keys) -> None:

@@ -592,7 +592,7 @@ _SHUTDOWN_UNDER_CLIENTS = """
 import asyncio, logging, ray, time
 from enginecore.stage import (
     AsyncStageClient, EngineDeadError, ReplicaState, RestartPolicy, StageClient, StagePool)
-from enginecore.stage.ray import RayPlacement
+from enginecore.stage.ray import RayPlacement, authorize_clients, authorize_clients_async
 
 ray.init(address="local", num_cpus=1, include_dashboard=False,
          logging_level=logging.ERROR, log_to_driver=False)
@@ -613,6 +613,20 @@ async def main():
     ]
     await asyncio.sleep(0.1)
     ray.shutdown()
+    # A key rotation right after it (before the clients' watch has looked) calls Ray no
+    # more: it raised Ray's "Can't find actor" after starting a new local cluster.
+    for rotation in [
+        lambda: asyncio.to_thread(authorize_clients, blocking, []),
+        lambda: authorize_clients_async(client, []),
+    ]:
+        try:
+            await rotation()
+        except EngineDeadError as exc:
+            assert "ray.shutdown" in str(exc), exc
+        else:
+            raise AssertionError("the rotation did not fail")
+    assert authorize_clients(pool, []) == 0  # none of its stages runs
+    assert not ray.is_initialized(), "a key rotation started a Ray cluster of its own"
     later = asyncio.to_thread(blocking.call_utility, "div", 1, 2)
     for call in [*pending, later, client.call_utility("div", 1, 2)]:
         try:
@@ -643,6 +657,97 @@ def test_ray_shutdown_under_live_clients_ends_their_calls_and_starts_no_cluster(
     # pool's restart placed its replica again on one. In a process of its own, so that
     # this module's cluster stays up.
     subprocess.run([sys.executable, "-c", _SHUTDOWN_UNDER_CLIENTS], check=True, timeout=90)
+
+
+_SHUTDOWN_UNDER_STARTS = """
+import asyncio, logging, os, ray, signal, threading, time
+from ray._private import state
+from enginecore.stage import (
+    AsyncStageClient, EngineDeadError, ReplicaState, RestartPolicy, StageClient, StagePool,
+    StageStartupError)
+from enginecore.stage.ray import RayPlacement, authorize_clients, authorize_clients_async
+
+ray.init(address="local", num_cpus=2, include_dashboard=False,
+         logging_level=logging.ERROR, log_to_driver=False)
+SMALL = RayPlacement(num_cpus=0.25)
+SLOW = "enginecore.stage.testing:sleeping_factory"
+
+def alive():
+    return sum(1 for info in state.actors().values() if info.get("State") == "ALIVE")
+
+async def main():
+    # Two stages that do not answer (stopped), each with a key rotation under way.
+    frozen = await asyncio.to_thread(
+        StageClient.launch_on_ray, "enginecore.stage.testing:scripted", placement=SMALL,
+        heartbeat_timeout=60)
+    afrozen = await AsyncStageClient.launch_on_ray(
+        "enginecore.stage.testing:scripted", placement=SMALL, heartbeat_timeout=60)
+    for client in (frozen, afrozen):
+        os.kill(client.pid, signal.SIGSTOP)
+    rotations = [
+        asyncio.ensure_future(asyncio.to_thread(authorize_clients, frozen, [], timeout=60)),
+        asyncio.ensure_future(authorize_clients_async(afrozen, [], timeout=60)),
+    ]
+    await asyncio.sleep(0)  # the async rotation's call is under way
+    fast = RestartPolicy(first_delay=0.05, max_delay=0.05)
+    pool = await asyncio.to_thread(
+        StagePool.launch_on_ray, SLOW, {"seconds": 4.0}, placement=SMALL, restart=fast,
+        startup_timeout=60)
+    (replica,) = pool.replicas
+    ray.kill(replica._client._launched.actor)  # its restart sleeps 4 s in its actor
+    blocking = asyncio.to_thread(
+        StageClient.launch_on_ray, SLOW, {"seconds": 60.0}, placement=SMALL,
+        startup_timeout=60)
+    launch = asyncio.ensure_future(AsyncStageClient.launch_on_ray(
+        SLOW, {"seconds": 60.0}, placement=SMALL, startup_timeout=60))
+    blocking = asyncio.ensure_future(blocking)
+    deadline = time.monotonic() + 30
+    while alive() < 5 and time.monotonic() < deadline:  # all five actors placed
+        await asyncio.sleep(0.02)
+    assert alive() == 5, alive()
+    ray.shutdown()
+    for rotation in rotations:  # not after their timeout's 60 s
+        try:
+            await asyncio.wait_for(rotation, 10)
+        except EngineDeadError as exc:
+            assert "ray.shutdown" in str(exc), exc
+        else:
+            raise AssertionError("the rotation did not fail")
+    frozen.close()
+    await afrozen.close()
+    for start in (blocking, launch):
+        try:
+            await asyncio.wait_for(start, 10)  # not the startup timeout's 60 s
+        except StageStartupError as exc:
+            assert "ray.shutdown" in str(exc), exc
+        else:
+            raise AssertionError("the start did not fail")
+    # The restart under way at the shutdown is refused, as the ones after it.
+    deadline = time.monotonic() + 30
+    while replica.state is not ReplicaState.FAILED and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert replica.state is ReplicaState.FAILED, replica.state
+    pool.close()
+    assert not ray.is_initialized(), "a start started a Ray cluster of its own"
+    print("checked")  # not a SystemExit(0) on the way
+
+asyncio.run(main())
+"""
+
+
+def test_ray_shutdown_under_starts_fails_them_and_starts_no_cluster() -> None:
+    # A ray.shutdown() while stages were being placed: a start's ray.get raised SystemExit
+    # (a launch in a thread ended silently), and a pool's restart under way called Ray
+    # again (ray.wait), which started a new local cluster and placed the replica there.
+    # In a process of its own, so that this module's cluster stays up.
+    run = subprocess.run(
+        [sys.executable, "-c", _SHUTDOWN_UNDER_STARTS],
+        check=True,
+        timeout=90,
+        capture_output=True,
+        text=True,
+    )
+    assert run.stdout.strip().endswith("checked"), run.stderr
 
 
 def test_both_clients_report_a_failed_start_and_leave_no_actor(
@@ -844,6 +949,20 @@ def test_your_own_keys_are_checked(own_keys: OwnKeys) -> None:
     public_file = keys.stage_secret.removesuffix("_secret")  # the stage's NAME.key
     with pytest.raises(StageStartupError, match=f"{node}.* holds no secret key"):
         launch_on_ray(COUNTDOWN, placement=SMALL, stage_secret_key=public_file)
+    # A file whose public key is not its secret key's (edited by hand): the stage announced
+    # that public key, and the client, given it as curve.server_key, then waited out its
+    # connect timeout (10 s) for a handshake that could never succeed.
+    mixed = os.path.join(os.path.dirname(keys.stage_secret), "mixed.key_secret")
+    with open(keys.stage_secret) as f:
+        text = f.read()
+    stage_public = keys.client.server_key.decode()
+    with open(mixed, "w") as f:
+        f.write(text.replace(stage_public, keys.observer_public.decode()))
+    mixed_client = CurveKeys(
+        keys.client.public_key, keys.client.secret_key, keys.observer_public
+    )  # the stage's public key as that file states it
+    with pytest.raises(StageStartupError, match=f"{node}.* is not one key pair"):
+        launch_on_ray(COUNTDOWN, placement=SMALL, curve=mixed_client, stage_secret_key=mixed)
     with pytest.raises(ValueError, match="give stage_secret_key"):
         launch_on_ray(COUNTDOWN, curve=keys.client)
     with pytest.raises(ValueError, match="insecure=True uses no CURVE"):
@@ -960,6 +1079,37 @@ def test_the_keys_of_a_stage_on_ray_rotate_without_a_restart(
     with pytest.raises(ValueError, match="authorized client key"):
         authorize_clients(client, ["short"])
     client.close()
+    assert no_actor_left()
+
+
+def test_a_key_rotation_of_a_gone_stage_says_why(
+    ray_launch: Callable[..., StageClient], own_keys: OwnKeys
+) -> None:
+    """A stage whose actor died, or whose client is closed, has no keys to rotate: the
+    client's own errors, not Ray's ``ActorDiedError`` (the same for a closed pool, which
+    returned 0 as if it had no replica to change)."""
+    client = ray_launch(SCRIPTED, placement=SMALL)
+    new = [own_keys.observer_public]
+    runner = getattr(client, "_runner", None)
+
+    def rotate() -> int:
+        if runner is None:
+            return authorize_clients(client, new)
+        return runner.run(authorize_clients_async(client._client, new))  # type: ignore[no-any-return,attr-defined]
+
+    pending = client.call_utility_future("deferred_never")
+    ray.kill(actor_of(client))
+    with pytest.raises(EngineDeadError):
+        pending.result(5)  # the client has heard of the death
+    with pytest.raises(EngineDeadError, match="on Ray has ended: its Ray actor died"):
+        rotate()
+    client.close()
+    with pytest.raises(StageClosedError, match="client is closed"):
+        rotate()
+    pool = StagePool.launch_on_ray(COUNTDOWN, replicas=1, placement=SMALL)
+    pool.close()
+    with pytest.raises(StageClosedError, match="pool is closed"):
+        authorize_clients(pool, new)
     assert no_actor_left()
 
 

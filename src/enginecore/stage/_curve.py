@@ -21,6 +21,7 @@ Keys are Z85 text (40 bytes), as ``zmq.curve_keypair()`` and ``zmq.auth`` write 
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import stat
@@ -66,7 +67,10 @@ _KNOWN_MAX: Final = 4096
 
 def _check_key(value: bytes | str, what: str) -> bytes:
     if isinstance(value, str):
-        value = value.encode("ascii")
+        try:
+            value = value.encode("ascii")
+        except UnicodeEncodeError:
+            raise ValueError(f"{what} is not a valid Z85 CURVE key (not ASCII text)") from None
     if not isinstance(value, bytes):
         raise TypeError(f"{what} must be a Z85 key (bytes), got {type(value).__name__}")
     if len(value) != _Z85_KEY_LEN:
@@ -128,7 +132,33 @@ class CurveKeys:
                 f"NAME.key_secret, not its public NAME.key)"
             )
         server, _ = zmq.auth.load_certificate(server_public_file)
-        return cls(public_key=public, secret_key=secret, server_key=server)
+        try:
+            return cls(public_key=public, secret_key=secret, server_key=server)
+        except ValueError as exc:  # a key of the wrong form: say which files held them
+            raise ValueError(
+                f"{exc} (read from {os.fspath(secret_key_file)!r} and "
+                f"{os.fspath(server_public_file)!r})"
+            ) from None
+
+
+def check_server_pair(public: bytes, secret: bytes, where: str) -> tuple[bytes, bytes]:
+    """A stage's key pair, as read from *where* (its ``NAME.key_secret``): both keys Z85 of
+    the right length, and *public* the public key of *secret*. :class:`ValueError` else: a
+    file whose public key is not its secret key's (edited by hand, or two files pasted
+    together) would announce a key that no client can handshake with, and each would wait
+    out its connect timeout."""
+    public = _check_key(public, f"the public key in {where}")
+    secret = _check_key(secret, f"the secret key in {where}")
+    try:
+        derived = zmq.curve_public(secret)
+    except zmq.ZMQError:  # a libzmq without CURVE: the bind says so
+        return public, secret
+    if derived != public:
+        raise ValueError(
+            f"{where} is not one key pair: its public key {public.decode()} is not the public "
+            f"key of its secret key ({derived.decode()}); make a new pair with keygen"
+        )
+    return public, secret
 
 
 @dataclass(frozen=True)
@@ -167,9 +197,10 @@ def load_server_curve(
             path,
             stat.S_IMODE(mode),
         )
+    public, secret = check_server_pair(public, secret, repr(os.fspath(path)))
     return ServerCurve(
-        public_key=_check_key(public, "the stage's public key"),
-        secret_key=_check_key(secret, "the stage's secret key"),
+        public_key=public,
+        secret_key=secret,
         authorized=read_authorized(authorized_dir),
         authorized_dir=os.fspath(authorized_dir),
     )
@@ -181,12 +212,23 @@ def read_authorized(authorized_dir: str | os.PathLike[str]) -> frozenset[bytes]:
     directory = Path(authorized_dir)
     if not directory.is_dir():
         raise ValueError(f"no such directory of authorized client keys: {os.fspath(directory)!r}")
-    keys = frozenset(zmq.auth.load_certificates(directory))
+    keys: set[bytes] = set()
+    # The files zmq.auth.load_certificates reads (glob's *.key: not hidden files), each
+    # read here so that an error names its file.
+    for name in sorted(glob.glob("*.key", root_dir=directory)):
+        path = directory / name
+        try:
+            public, _ = zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"cannot read a client public key from {os.fspath(path)!r}: {exc}"
+            ) from exc
+        keys.add(_check_key(public, f"the client public key in {os.fspath(path)!r}"))
     if not keys:
         raise ValueError(
             f"no client public key (*.key) in {os.fspath(directory)!r}: no client could connect"
         )
-    return frozenset(_check_key(k, "an authorized client key") for k in keys)
+    return frozenset(keys)
 
 
 def secure_server(sock: zmq.Socket[Any], curve: ServerCurve) -> None:

@@ -52,7 +52,7 @@ class _StageActor:
             import zmq
             import zmq.auth
 
-            from ._curve import ServerCurve
+            from ._curve import ServerCurve, check_server_pair
 
             secret_file = keys.get("secret_file")
             if secret_file is None:
@@ -77,7 +77,9 @@ class _StageActor:
                         f"stage_secret_key: {secret_file!r} {where} holds no secret key (give "
                         f"the stage's NAME.key_secret)"
                     )
-                secret = loaded
+                public, secret = check_server_pair(
+                    public, loaded, f"stage_secret_key {secret_file!r} {where}"
+                )
             self._owner = keys["authorized"][0]
             self._curve = ServerCurve(
                 public_key=public,

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Final
 from . import _clientbase, _codec, _logs, _wire
 from ._clientbase import Target
 from ._curve import CurveKeys, _check_key
-from ._errors import StageClosedError, StageStartupError, positive_seconds
+from ._errors import EngineDeadError, StageClosedError, StageStartupError, positive_seconds
 from ._launch import _validate_factory, factory_kwargs
 from ._ray_actor import CONNECT_TIMEOUT, _StageActor
 from ._statistics import LOAD_INTERVAL, check_load_interval
@@ -87,6 +87,9 @@ _MAX_CONNECT_TIMEOUT: Final = 30.0
 # ``ray.shutdown()`` in this process ends every actor it owns but completes no pending
 # ``ray.get``, so only a look tells the client that its stage went with it.
 _WATCH_POLL: Final = 0.25
+# How often a start on Ray looks whether it was cancelled (a pool's close) or Ray was shut
+# down in this process while it waits for the actor's answer.
+_PLACE_POLL: Final = 0.1
 
 
 def _import_ray() -> Any:
@@ -463,14 +466,18 @@ class RayPlan:
         logs: _logs.LogSource | None = None
         try:
             if self.link_kwarg is not None and grant is not None:
-                grant(self._get(ray, actor.link_key.remote(), deadline, cancel))
+                ref = self._submit(ray, actor.link_key)
+                grant(self._get(ray, ref, deadline, cancel))
             if self.forward_logs:
-                ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
+                ref = self._submit(
+                    ray, actor.open_logs, self.stage, self.options["log_level"], keys
+                )
                 logs = self._forward_logs(self._get(ray, ref, deadline, cancel), client_keys)
-            ref = actor.start.remote(
-                self.factory, self.kwargs_frame, self.stage, self.options, keys
+            ref = self._submit(
+                ray, actor.start, self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
             info = self._check_server_key(self._get(ray, ref, deadline, cancel))
+            self._check_ray(ray)
             return RayStage(actor, info, self.stage, client_keys, logs, self.authorized_clients)
         except BaseException:
             self._abandon(ray, actor, logs)
@@ -487,14 +494,18 @@ class RayPlan:
         logs: _logs.LogSource | None = None
         try:
             if self.link_kwarg is not None and grant is not None:
-                await grant(await self._get_async(ray, actor.link_key.remote(), deadline))
+                ref = self._submit(ray, actor.link_key)
+                await grant(await self._get_async(ray, ref, deadline))
             if self.forward_logs:
-                ref = actor.open_logs.remote(self.stage, self.options["log_level"], keys)
+                ref = self._submit(
+                    ray, actor.open_logs, self.stage, self.options["log_level"], keys
+                )
                 logs = self._forward_logs(await self._get_async(ray, ref, deadline), client_keys)
-            ref = actor.start.remote(
-                self.factory, self.kwargs_frame, self.stage, self.options, keys
+            ref = self._submit(
+                ray, actor.start, self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
             info = self._check_server_key(await self._get_async(ray, ref, deadline))
+            self._check_ray(ray)
             return RayStage(actor, info, self.stage, client_keys, logs, self.authorized_clients)
         except BaseException:
             self._abandon(ray, actor, logs)
@@ -547,6 +558,24 @@ class RayPlan:
         if logs is not None:
             logs.release()
 
+    def _check_ray(self, ray: Any) -> None:
+        """:class:`StageStartupError` if Ray was shut down in this process while this stage
+        was being placed: its actor went with it, and a call to Ray now (a ``ray.wait``, a
+        ``.remote()``) would start a new local cluster of Ray's own and place the stage
+        there. From then on, starts are refused until ``ray.init()`` (:func:`_shut_down`)."""
+        if not ray.is_initialized():
+            _shut_down()
+            raise StageStartupError(
+                f"stage {self.factory!r} was not placed: Ray was shut down in this process "
+                f"(ray.shutdown()) while it was being placed, and its actor went with it; "
+                f"call ray.init() to place stages again"
+            )
+
+    def _submit(self, ray: Any, method: Any, *args: Any) -> Any:
+        """``method.remote(*args)`` (a call to the actor), unless Ray was shut down."""
+        self._check_ray(ray)
+        return method.remote(*args)
+
     def _get(
         self,
         ray: Any,
@@ -555,18 +584,25 @@ class RayPlan:
         cancel: multiprocessing.connection.Connection | None = None,
     ) -> Any:
         """``ray.get(ref)`` before *deadline*, its failures as
-        :class:`StageStartupError`; :class:`StageClosedError` once *cancel* is readable
-        (looked at every 0.1 s: Ray's wait cannot also wait for a pipe)."""
+        :class:`StageStartupError`; :class:`StageClosedError` once *cancel* is readable.
+        Waits in slices of :data:`_PLACE_POLL` (Ray's wait cannot also wait for a pipe),
+        and looks between them whether Ray was shut down in this process (:meth:`_check_ray`):
+        a wait under way then raises ``SystemExit`` in Ray 2.60, and a new one would start
+        a cluster of Ray's own."""
         try:
-            if cancel is None:
-                return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             while True:
+                self._check_ray(ray)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ray.exceptions.GetTimeoutError
-                if ray.wait([ref], timeout=min(left, 0.1))[0]:
-                    return ray.get(ref)
-                if cancel.poll():
+                try:
+                    if ray.wait([ref], timeout=min(left, _PLACE_POLL))[0]:
+                        return ray.get(ref)
+                except SystemExit:  # Ray's answer to a wait at a ray.shutdown()
+                    if ray.is_initialized():
+                        raise
+                    self._check_ray(ray)
+                if cancel is not None and cancel.poll():
                     raise StageClosedError(
                         f"the start of stage {self.factory!r} on Ray was cancelled; its "
                         f"actor was killed"
@@ -574,19 +610,29 @@ class RayPlan:
         except ray.exceptions.GetTimeoutError:
             raise self._timed_out() from None
         except ray.exceptions.RayError as exc:
+            self._check_ray(ray)  # the actor went with a ray.shutdown() (its owner died)
             raise self._failed(ray, exc) from None
 
     async def _get_async(self, ray: Any, ref: Any, deadline: float) -> Any:
         """:meth:`_get`, awaited (``ref.future()``: Ray completes it from its own
-        thread)."""
+        thread); it too looks every :data:`_PLACE_POLL` whether Ray was shut down (the
+        future is never completed then)."""
+        answer = asyncio.wrap_future(ref.future())
         try:
-            return await asyncio.wait_for(
-                asyncio.wrap_future(ref.future()), max(0.0, deadline - time.monotonic())
-            )
-        except asyncio.TimeoutError:
-            raise self._timed_out() from None
+            while True:
+                self._check_ray(ray)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._timed_out()
+                done, _ = await asyncio.wait({answer}, timeout=min(left, _PLACE_POLL))
+                if done:
+                    return answer.result()
         except ray.exceptions.RayError as exc:
+            self._check_ray(ray)  # the actor went with a ray.shutdown() (its owner died)
             raise self._failed(ray, exc) from None
+        finally:
+            if not answer.done():
+                answer.cancel()
 
     def _timed_out(self) -> StageStartupError:
         return StageStartupError(
@@ -802,8 +848,13 @@ def _rotation(
     if not isinstance(keys, Iterable):
         raise TypeError(f"keys must be a sequence of public keys, got {type(keys).__name__}")
     checked = [_check_key(k, "an authorized client key").decode("ascii") for k in keys]
+    # Ray shut down in this process under its stages: they went with it, and a call to an
+    # actor now would start a new local cluster of Ray's own (as ray.kill would).
+    initialized = _import_ray().is_initialized()
     stages: list[RayStage] = []
     if hasattr(target, "replicas"):  # a pool
+        if getattr(target, "closed", False) is True:
+            raise StageClosedError("this stage pool is closed")
         replicas: list[Any] = []
         for replica in target.replicas:
             if "ray" not in replica.spec:
@@ -824,7 +875,12 @@ def _rotation(
             replica._authorized_clients = tuple(k.encode("ascii") for k in checked)
         for replica in replicas:
             stage = getattr(replica._client, "_launched", None)
-            if isinstance(stage, RayStage) and stage.reap() is None and stage.death is None:
+            if (
+                initialized
+                and isinstance(stage, RayStage)
+                and stage.reap() is None
+                and stage.death is None
+            ):
                 stages.append(stage)
     else:
         stage = getattr(target, "_launched", None)
@@ -835,6 +891,17 @@ def _rotation(
             )
         if stage.curve is None:
             raise ValueError("this stage was placed with insecure=True: it uses no CURVE")
+        # A stage that is gone has no keys to rotate: say so, as the client's calls do,
+        # rather than Ray's error for a dead actor (or, after ray.shutdown(), a new cluster).
+        if getattr(target, "_sockets_closed", False):
+            raise StageClosedError("this stage client is closed (its stage on Ray is stopped)")
+        if not initialized:
+            _shut_down()
+            raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
+        if stage.wait_exit(0):
+            code = stage.reap()
+            why = stage.death or (f"exit code {code}" if code is not None else "it ended")
+            raise EngineDeadError(f"stage {stage.stage!r} on Ray has ended: {why}")
         stages.append(stage)
     return stages, checked
 
@@ -859,13 +926,23 @@ def authorize_clients(
     :class:`~enginecore.stage.SessionLostError`) before this returns. The keys travel
     through Ray as a list of ``str``; no secret does. Returns how many stages were
     changed. :class:`ValueError` for a key that is not Z85 or a stage placed with
-    ``insecure=True``, :class:`TypeError` for a target not placed on Ray, and Ray's error
-    (``GetTimeoutError`` past *timeout*, ``RayActorError`` for a dead actor) if an actor
-    did not answer. Blocks: from asyncio, ``await`` :func:`authorize_clients_async`."""
+    ``insecure=True``, :class:`TypeError` for a target not placed on Ray,
+    :class:`~enginecore.stage.StageClosedError` for a closed client or pool and
+    :class:`~enginecore.stage.EngineDeadError` for a client whose stage has ended (its
+    actor dead, or Ray shut down in this process: Ray is not called then; a pool's replicas
+    that are not running are skipped), and Ray's error (``GetTimeoutError`` past
+    *timeout*, ``RayActorError`` for an actor that died meanwhile) if an actor did not
+    answer. Blocks: from asyncio, ``await`` :func:`authorize_clients_async`."""
     stages, checked = _rotation(target, keys, timeout)
     ray = _import_ray()
     if stages:
-        ray.get([stage.actor.authorize.remote(checked) for stage in stages], timeout=timeout)
+        try:
+            ray.get([stage.actor.authorize.remote(checked) for stage in stages], timeout=timeout)
+        except SystemExit:  # Ray's answer to a call under way at a ray.shutdown()
+            if ray.is_initialized():
+                raise
+            _shut_down()
+            raise EngineDeadError(_SHUT_DOWN) from None
     for stage in stages:
         stage.authorized_clients = tuple(k.encode("ascii") for k in checked)
     return len(stages)
@@ -878,18 +955,41 @@ async def authorize_clients_async(
     futures, and no thread is held; ``TimeoutError`` past *timeout*."""
     stages, checked = _rotation(target, keys, timeout)
     if stages:
-        futures = [
-            asyncio.wrap_future(stage.actor.authorize.remote(checked).future()) for stage in stages
-        ]
-        try:
-            await asyncio.wait_for(asyncio.gather(*futures), timeout)
-        except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
-            raise TimeoutError(
-                f"a key rotation of {len(stages)} stages on Ray took longer than {timeout:g} s"
-            ) from None
+        refs = [stage.actor.authorize.remote(checked) for stage in stages]
+        await _answers(
+            refs,
+            timeout,
+            f"a key rotation of {len(stages)} stages on Ray took longer than {timeout:g} s",
+        )
     for stage in stages:
         stage.authorized_clients = tuple(k.encode("ascii") for k in checked)
     return len(stages)
+
+
+async def _answers(refs: list[Any], timeout: float, late: str) -> list[Any]:
+    """The answers of the actors' calls *refs*, awaited as Ray's futures (no thread held):
+    Ray's error if a call failed, ``TimeoutError(late)`` past *timeout*, and
+    :class:`EngineDeadError` within :data:`_PLACE_POLL` once Ray is shut down in this
+    process (Ray then completes none of them)."""
+    ray = _import_ray()
+    gathered = asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if not ray.is_initialized():
+                _shut_down()
+                raise EngineDeadError(_SHUT_DOWN)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(late)
+            done, _ = await asyncio.wait({gathered}, timeout=min(left, _PLACE_POLL))
+            if done:
+                return gathered.result()
+    finally:
+        if not gathered.done():
+            gathered.cancel()
+            # Taken, so that asyncio does not log it as never retrieved.
+            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _keys_behind(replica: Any, launched: tuple[bytes, ...]) -> tuple[bytes, ...] | None:
@@ -910,11 +1010,15 @@ def catch_up_keys(replica: Any, member: Any, timeout: float = _AUTHORIZE_TIMEOUT
     stage = getattr(member, "_launched", None)
     if not isinstance(stage, RayStage):
         return
+    ray = _import_ray()
     try:
         while (keys := _keys_behind(replica, stage.authorized_clients)) is not None:
-            ray = _import_ray()
             ray.get(_authorize_ref(stage, keys), timeout=timeout)
             stage.authorized_clients = keys
+    except SystemExit:  # Ray's answer to a call under way at a ray.shutdown()
+        if ray.is_initialized():
+            raise
+        _kill_behind(replica, stage)
     except Exception:
         _kill_behind(replica, stage)
 
@@ -928,15 +1032,20 @@ async def catch_up_keys_async(
         return
     try:
         while (keys := _keys_behind(replica, stage.authorized_clients)) is not None:
-            future = _authorize_ref(stage, keys).future()
-            await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+            late = f"replica {replica.name} took longer than {timeout:g} s to take the keys"
+            await _answers([_authorize_ref(stage, keys)], timeout, late)
             stage.authorized_clients = keys
     except Exception:
         _kill_behind(replica, stage)
 
 
 def _authorize_ref(stage: RayStage, keys: tuple[bytes, ...]) -> Any:
-    """The actor's ``authorize`` call with *keys* (as Z85 text), under way: its Ray ref."""
+    """The actor's ``authorize`` call with *keys* (as Z85 text), under way: its Ray ref;
+    :class:`EngineDeadError` without a call once Ray was shut down in this process (a call
+    would start a new local cluster)."""
+    if not _import_ray().is_initialized():
+        _shut_down()
+        raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
     return stage.actor.authorize.remote([k.decode("ascii") for k in keys])
 
 
