@@ -445,6 +445,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         if self._restart_tasks:  # a start under way: it stops what it started
             await asyncio.gather(*list(self._restart_tasks), return_exceptions=True)
         deadline = None if drain is None else time.monotonic() + drain
+        self._draining = drain is not None  # health(): the stage draining is alive
         for client in self._clients:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             with contextlib.suppress(Exception):

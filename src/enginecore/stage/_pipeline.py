@@ -490,6 +490,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             for thread in restarts:  # a start under way: it stops what it started
                 thread.join()
             deadline = None if drain is None else time.monotonic() + drain
+            self._draining = drain is not None  # health(): the stage draining is alive
             for client in self._clients:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 with contextlib.suppress(Exception):

@@ -743,6 +743,9 @@ class PipelineBase(Generic[S, C]):
         self._pooled = self._core.pooled
         self._closed = False
         self._shutdown_done = False  # Pipeline.shutdown() went through to its end
+        # A shutdown(drain=...) under way: its stages are drained one after the other, and
+        # the one draining is alive though its client, closing, reads "dead" (health()).
+        self._draining = False
         # A restart's link barrier under way: per restarted process (stage, replica), the
         # processes of the stage before it sent a ``link`` to it (_install, _started).
         self._linking: dict[tuple[int, int], list[int]] = {}
@@ -799,20 +802,36 @@ class PipelineBase(Generic[S, C]):
     def health(self) -> dict[str, StageHealth]:
         """Each stage's health, by name (a replica pool's replicas as ``name[r]``): its
         client's, or :attr:`StageHealth.RESTARTING` for a process that died and is being
-        started again, or waits for its restart's backoff (its stage restarts). Never
-        blocks."""
+        started again, or waits for its restart's backoff (its stage restarts). During
+        ``shutdown(drain=...)``, a process still draining reads ``OK`` (its client, closing,
+        would say ``DEAD``); one that has stopped, or died, reads ``DEAD``. Never blocks."""
         core = self._core
         with self._lock:  # which processes are coming back (the clients' health: unlocked)
             pending = core.failure is None and not self._closed
+            draining = self._draining
             each = [
-                (client, pending and core.coming(k, r))
+                (client, pending and core.coming(k, r), core.alive(k)[r])
                 for k, clients in enumerate(self._replicas)
                 for r, client in enumerate(clients)
             ]
-        return {
-            key: StageHealth.RESTARTING if coming else client.health()
-            for key, (client, coming) in zip(self._keys, each, strict=True)
-        }
+        # The process draining now: the last whose client closed (the drain closes them
+        # in order, each once the one before it has stopped), while alive.
+        now = -1
+        if draining:
+            closed = [i for i, (client, _, _) in enumerate(each) if client.closed]
+            if closed:
+                client, _, alive = each[closed[-1]]
+                if alive and client.exit_code is None:
+                    now = closed[-1]
+        health: dict[str, StageHealth] = {}
+        for i, (key, (client, coming, _)) in enumerate(zip(self._keys, each, strict=True)):
+            if coming:
+                health[key] = StageHealth.RESTARTING
+            elif i == now:
+                health[key] = StageHealth.OK  # its own health() is "dead" while it closes
+            else:
+                health[key] = client.health()
+        return health
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -933,6 +952,7 @@ class PipelineBase(Generic[S, C]):
         """Every stage is stopped: streams still open end with
         :class:`~enginecore.stage.StageClosedError`, and no shared-memory segment of the
         pipeline is left (a stage unlinks its own at exit; this covers a killed one)."""
+        self._draining = False  # every stage has stopped
         sweeps, self._sweeps = self._sweeps, []
         for timer in sweeps:  # no thread left behind: the unlink below covers theirs
             timer.cancel()
