@@ -732,6 +732,9 @@ class PipelineBase(Generic[S, C]):
                 features = getattr(client, "features", ())
                 self._core.tagged(k, r, "tags" in features)
                 self._core.generational(k, r, "gens" in features)
+        # The stages of more than one process, with their replicas' clients (the lists
+        # are _replicas', which a restart updates in place): routing avoids exited ones.
+        self._pools = [(k, clients) for k, clients in enumerate(self._replicas) if len(clients) > 1]
         self._names = tuple(names)
         self._keys = [
             name if count == 1 else f"{name}[{r}]"
@@ -886,7 +889,7 @@ class PipelineBase(Generic[S, C]):
         the requests leave the pipeline again, and the error is returned with the
         deliveries to carry out outside the lock (:meth:`_failed_send`)."""
         core = self._core
-        core.open_many(ids, streams, nbytes)
+        core.open_many(ids, streams, nbytes, self._exited() if self._pools else ())
         try:
             if self._pooled:
                 self._send_routed(ids, parts, many, items)
@@ -899,6 +902,19 @@ class PipelineBase(Generic[S, C]):
             core.forget(ids, d)
             return exc, d
         return None
+
+    def _exited(self) -> list[tuple[int, int]]:
+        """The processes of pool stages whose exit their client has seen, but whose death
+        it has not reported yet (it first reads their last frames, for up to the exit's
+        grace): new requests are not routed to them (:meth:`PipelineCore.open`), as a
+        :class:`~enginecore.stage.StagePool` takes an exited replica out of its routing at
+        once."""
+        return [
+            (k, r)
+            for k, clients in self._pools
+            for r, client in enumerate(clients)
+            if client._session._exited
+        ]
 
     def _send_routed(
         self, ids: list[str], parts: Parts, many: bool, items: list[tuple[str, Any]] | None
