@@ -45,13 +45,29 @@ logger = logging.getLogger("enginecore.stage")
 __all__ = ["AsyncPipeline", "AsyncPipelineStream"]
 
 
+def _other_loop() -> RuntimeError:
+    return RuntimeError(
+        "this AsyncPipeline was launched on another event loop: use it, and its streams, "
+        "from that loop (its stages' events are handled there); from other threads or "
+        "loops, use a Pipeline"
+    )
+
+
 class AsyncPipelineStream(AsyncRequestStream):
     """The outputs of one request of an :class:`AsyncPipeline`: what
     :class:`~enginecore.stage.PipelineStream` is to a :class:`~enginecore.stage.Pipeline`,
     as an async iterator (``async for``, :meth:`get`, :meth:`collect`, :attr:`finished`,
-    :attr:`aborted`, :attr:`timings`)."""
+    :attr:`aborted`, :attr:`timings`). Read it on the pipeline's event loop: a wait on
+    another loop raises :class:`RuntimeError` (it would never be woken)."""
 
-    __slots__ = ()
+    __slots__ = ("_loop",)
+
+    _loop: asyncio.AbstractEventLoop | None
+
+    async def _wait(self, deadline: float | None) -> bool:
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise _other_loop()
+        return await super()._wait(deadline)
 
 
 async def _grant(links: LaunchLinks, key: bytes) -> None:
@@ -112,6 +128,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             startup_timeout,
             link_keys,
         )
+        # The event loop it belongs to (its clients' readers run there): the one it is
+        # launched on. Every coroutine checks that it runs there (_on_its_loop).
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # built outside a loop (a test): no check
+            self._loop = None
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing: asyncio.Future[None] | None = None  # the shutdown task
         # Restarts (PipelineStage(restart=...)): one task per process being restarted, one
@@ -208,9 +230,17 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         :meth:`Pipeline.add_many <enginecore.stage.Pipeline.add_many>`."""
         return await self._admit(list(items), wait, timeout, many=True)
 
+    def _on_its_loop(self) -> None:
+        """:class:`RuntimeError` unless called on the pipeline's event loop: elsewhere, an
+        add's stream, a room or an answer would wait on a future its loop never wakes (a
+        hang), or asyncio would refuse it with a message that names no pipeline."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise _other_loop()
+
     async def _admit(
         self, items: list[tuple[str, Any]], wait: bool, timeout: float | None, many: bool
     ) -> list[AsyncPipelineStream]:
+        self._on_its_loop()
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
         if not items:
@@ -234,6 +264,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     self._room_waiters.remove(room)
         now = time.monotonic()
         streams = [AsyncPipelineStream(rid, NO_LOCK, now) for rid in ids]
+        for stream in streams:
+            stream._loop = self._loop
         failed = self._open_and_send(ids, streams, parts, nbytes, many, items)
         if failed is not None:
             self._failed_send(failed)
@@ -242,6 +274,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     async def abort(self, req_ids: Sequence[str]) -> None:
         """Abort requests in every stage that holds them, as :meth:`Pipeline.abort
         <enginecore.stage.Pipeline.abort>`. Never waits."""
+        self._on_its_loop()
         self._abort(req_ids)
 
     # -- stages ------------------------------------------------------------------------------
@@ -258,6 +291,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         """Call utility *name* of the stage named *stage*. A replica pool: with *replica*,
         that replica's answer; without, a list of every replica's answers, in order (the
         first error raises)."""
+        self._on_its_loop()
         clients, many = self._utility_clients(stage, replica)
         if not many:
             return await clients[0].call_utility(name, *args, timeout=timeout)
@@ -273,6 +307,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         *timeout* seconds) has its exception as its entry. :class:`ValueError` for a
         negative or NaN *timeout*, :class:`TypeError` for a non-number."""
         _clientbase.deadline_after(timeout)  # the call's error, not each stage's entry
+        self._on_its_loop()
         results = await asyncio.gather(
             *(client.stats(timeout) for client in self._clients), return_exceptions=True
         )
@@ -423,6 +458,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         ``cancel()``) cancels only the wait: the shutdown goes on, in a task of its own, and
         a later call waits for it (or, if that task was cancelled itself, does the rest)."""
         check_drain(drain)
+        self._on_its_loop()
         closing = self._closing
         if closing is None or (closing.done() and (closing.cancelled() or closing.exception())):
             # Not begun, or its task did not finish (cancelled itself: an application that
