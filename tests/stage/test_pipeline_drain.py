@@ -66,3 +66,19 @@ class TestHealthWhileDraining:
         closer.join(60)
         assert not closer.is_alive()
         assert set(pipe.health().values()) == {StageHealth.DEAD}  # all stopped
+
+
+class TestShutdownArguments:
+    @pytest.mark.parametrize(
+        ("bad", "error"),
+        [("5", TypeError), (True, TypeError), (-1, ValueError), (float("nan"), ValueError)],
+    )
+    def test_a_bad_timeout_is_refused_before_anything_stops(
+        self, launch: Any, bad: Any, error: type[Exception]
+    ) -> None:
+        # As a bad drain is: the stages' clients would each have raised it, unseen (every
+        # stage's shutdown error is suppressed, so that the others stop too).
+        pipe = launch([PipelineStage(DEVICE, name="a"), RELAY])
+        with pytest.raises(error, match="timeout must be"):
+            pipe.shutdown(bad)
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]  # nothing stopped

@@ -31,6 +31,7 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     check_startup_timeout,
+    check_timeout,
     launch_options,
     named_startup_error,
     order_clients,
@@ -458,6 +459,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         ``cancel()``) cancels only the wait: the shutdown goes on, in a task of its own, and
         a later call waits for it (or, if that task was cancelled itself, does the rest)."""
         check_drain(drain)
+        check_timeout(timeout)
         self._on_its_loop()
         closing = self._closing
         if closing is None or (closing.done() and (closing.cancelled() or closing.exception())):

@@ -41,6 +41,7 @@ __all__ = [
     "Retry",
     "check_drain",
     "check_startup_timeout",
+    "check_timeout",
     "launch_options",
     "launch_plan",
     "named_startup_error",
@@ -666,6 +667,19 @@ def order_clients(specs: Sequence[PipelineStage], clients: Sequence[C]) -> list[
         ordered += clients[start - spec.replicas : start]
         start -= spec.replicas
     return ordered
+
+
+def check_timeout(timeout: float | None) -> None:
+    """:class:`TypeError` / :class:`ValueError` for a shutdown's *timeout* that is not a
+    number of seconds >= 0 (or ``None``), before anything stops: given to each stage's
+    client, whose errors the shutdown suppresses (so that every stage is stopped), it would
+    have left stages running, unseen."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0, got {timeout}")
 
 
 def check_drain(drain: float | None) -> None:
