@@ -129,12 +129,6 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             startup_timeout,
             link_keys,
         )
-        # The event loop it belongs to (its clients' readers run there): the one it is
-        # launched on. Every coroutine checks that it runs there (_on_its_loop).
-        try:
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:  # built outside a loop (a test): no check
-            self._loop = None
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing: asyncio.Future[None] | None = None  # the shutdown task
         # Restarts (PipelineStage(restart=...)): one task per process being restarted, one
@@ -146,6 +140,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             for r, client in enumerate(stage_clients):
                 client._event_sink = functools.partial(self._take_events, k, r, client)
                 self._take_events(k, r, client)  # anything that came before the sink was set
+        # The event loop it belongs to (its clients' readers run there): the one it is
+        # launched on. Every coroutine checks that it runs there (_on_its_loop).
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # built outside a loop (a test): no check
+            self._loop = None
 
     @classmethod
     async def launch(
@@ -458,9 +458,9 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         second call waits for the first. Cancelling the call (``asyncio.wait_for``, a task's
         ``cancel()``) cancels only the wait: the shutdown goes on, in a task of its own, and
         a later call waits for it (or, if that task was cancelled itself, does the rest)."""
-        check_drain(drain)
-        check_timeout(timeout)
         self._on_its_loop()
+        check_timeout(timeout)
+        check_drain(drain)
         closing = self._closing
         if closing is None or (closing.done() and (closing.cancelled() or closing.exception())):
             # Not begun, or its task did not finish (cancelled itself: an application that
