@@ -764,3 +764,17 @@ def test_adds_aborts_and_links_carry_generations_only_to_processes_that_say_gens
     assert link(1, "ipc:///x", "s") == ["link", 1, "ipc:///x", "s"]
     assert link(1, "ipc:///x", "s", "", 2) == ["link", 1, "ipc:///x", "s", "", 2]
     assert link(1, "ipc:///x", "s", "K", 2) == ["link", 1, "ipc:///x", "s", "K", 2]
+
+
+def test_routing_avoids_an_exited_replica_and_takes_one_only_when_no_other_is_live() -> None:
+    # An exited process (its death not reported yet) is taken out of the routing at once;
+    # when every live replica of a stage has exited, one of them is taken anyway (the
+    # request then ends with the death, as it would have).
+    core: PipelineCore[StreamCore] = PipelineCore(["a", "b", "c"], replicas=[1, 3, 1])
+    for i in range(6):
+        core.open(f"r{i}", StreamCore(f"r{i}"), exited=[(1, 0)])
+    assert {core.route(f"r{i}") for i in range(6)} == {(0, 1, 0), (0, 2, 0)}
+    core.open("s", StreamCore("s"), exited=[(1, 0), (1, 1), (1, 2)])
+    assert core.route("s") == (0, 0, 0)  # the least loaded of those still alive
+    core.open_many(["t", "u"], [StreamCore("t"), StreamCore("u")], 0, exited=[(1, 1)])
+    assert [core.route("t"), core.route("u")] == [(0, 0, 0), (0, 0, 0)]  # loads 1, 3, 3

@@ -270,6 +270,23 @@ class TestReplicaDeath:
         assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]
         assert wait_until(lambda: pipe.call_utility("last", "num_requests") == 0, 10)
 
+    def test_requests_added_right_after_a_replica_exits_are_routed_around_it(
+        self, launch: Any
+    ) -> None:
+        # Once the replica's process has exited (its client saw the exit), no new request
+        # is routed to it, as a StagePool does: not for the exit's grace (the client reads
+        # the dead process's last frames before it reports the death), where each request
+        # routed there would end with its PipelineStageDeadError.
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2), RELAY])
+        os.kill(pipe.call_utility("mid", "pid", replica=0), signal.SIGKILL)
+        session = pipe.client("mid", 0)._session
+        assert wait_until(lambda: session._exited, 10)
+        streams = [pipe.add(f"r{i}", 3) for i in range(8)]
+        assert [s.collect(timeout=10) for s in streams] == [[2, 1, 0]] * 8
+        assert wait_until(lambda: pipe.health()["mid[0]"] == StageHealth.DEAD, 10)
+        later = [pipe.add(f"later{i}", 3) for i in range(4)]  # after the death: as before
+        assert [s.collect(timeout=10) for s in later] == [[2, 1, 0]] * 4
+
     def test_when_every_replica_is_dead_the_stage_is_dead(self, launch: Any) -> None:
         pipe = launch(
             [

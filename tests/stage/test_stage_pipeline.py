@@ -1634,7 +1634,7 @@ class TestLifecycle:
         closer.start()
         assert wait_until(lambda: _refuses_adds(pipe), 10)
         if when == "in its own drain":  # its client closes once the first stage's is done
-            assert wait_until(lambda: pipe.health()["b"] == "dead", 10)
+            assert wait_until(lambda: pipe.client("b").closed, 10)
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(PipelineStageDeadError) as info:
             stream.collect(timeout=30)

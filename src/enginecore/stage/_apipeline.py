@@ -31,6 +31,7 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     check_startup_timeout,
+    check_timeout,
     launch_options,
     named_startup_error,
     order_clients,
@@ -45,13 +46,29 @@ logger = logging.getLogger("enginecore.stage")
 __all__ = ["AsyncPipeline", "AsyncPipelineStream"]
 
 
+def _other_loop() -> RuntimeError:
+    return RuntimeError(
+        "this AsyncPipeline was launched on another event loop: use it, and its streams, "
+        "from that loop (its stages' events are handled there); from other threads or "
+        "loops, use a Pipeline"
+    )
+
+
 class AsyncPipelineStream(AsyncRequestStream):
     """The outputs of one request of an :class:`AsyncPipeline`: what
     :class:`~enginecore.stage.PipelineStream` is to a :class:`~enginecore.stage.Pipeline`,
     as an async iterator (``async for``, :meth:`get`, :meth:`collect`, :attr:`finished`,
-    :attr:`aborted`, :attr:`timings`)."""
+    :attr:`aborted`, :attr:`timings`). Read it on the pipeline's event loop: a wait on
+    another loop raises :class:`RuntimeError` (it would never be woken)."""
 
-    __slots__ = ()
+    __slots__ = ("_loop",)
+
+    _loop: asyncio.AbstractEventLoop | None
+
+    async def _wait(self, deadline: float | None) -> bool:
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise _other_loop()
+        return await super()._wait(deadline)
 
 
 async def _grant(links: LaunchLinks, key: bytes) -> None:
@@ -123,6 +140,12 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             for r, client in enumerate(stage_clients):
                 client._event_sink = functools.partial(self._take_events, k, r, client)
                 self._take_events(k, r, client)  # anything that came before the sink was set
+        # The event loop it belongs to (its clients' readers run there): the one it is
+        # launched on. Every coroutine checks that it runs there (_on_its_loop).
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # built outside a loop (a test): no check
+            self._loop = None
 
     @classmethod
     async def launch(
@@ -208,9 +231,17 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         :meth:`Pipeline.add_many <enginecore.stage.Pipeline.add_many>`."""
         return await self._admit(list(items), wait, timeout, many=True)
 
+    def _on_its_loop(self) -> None:
+        """:class:`RuntimeError` unless called on the pipeline's event loop: elsewhere, an
+        add's stream, a room or an answer would wait on a future its loop never wakes (a
+        hang), or asyncio would refuse it with a message that names no pipeline."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise _other_loop()
+
     async def _admit(
         self, items: list[tuple[str, Any]], wait: bool, timeout: float | None, many: bool
     ) -> list[AsyncPipelineStream]:
+        self._on_its_loop()
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
         if not items:
@@ -234,6 +265,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     self._room_waiters.remove(room)
         now = time.monotonic()
         streams = [AsyncPipelineStream(rid, NO_LOCK, now) for rid in ids]
+        for stream in streams:
+            stream._loop = self._loop
         failed = self._open_and_send(ids, streams, parts, nbytes, many, items)
         if failed is not None:
             self._failed_send(failed)
@@ -242,6 +275,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     async def abort(self, req_ids: Sequence[str]) -> None:
         """Abort requests in every stage that holds them, as :meth:`Pipeline.abort
         <enginecore.stage.Pipeline.abort>`. Never waits."""
+        self._on_its_loop()
         self._abort(req_ids)
 
     # -- stages ------------------------------------------------------------------------------
@@ -258,6 +292,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         """Call utility *name* of the stage named *stage*. A replica pool: with *replica*,
         that replica's answer; without, a list of every replica's answers, in order (the
         first error raises)."""
+        self._on_its_loop()
         clients, many = self._utility_clients(stage, replica)
         if not many:
             return await clients[0].call_utility(name, *args, timeout=timeout)
@@ -273,6 +308,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         *timeout* seconds) has its exception as its entry. :class:`ValueError` for a
         negative or NaN *timeout*, :class:`TypeError` for a non-number."""
         _clientbase.deadline_after(timeout)  # the call's error, not each stage's entry
+        self._on_its_loop()
         results = await asyncio.gather(
             *(client.stats(timeout) for client in self._clients), return_exceptions=True
         )
@@ -422,6 +458,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         second call waits for the first. Cancelling the call (``asyncio.wait_for``, a task's
         ``cancel()``) cancels only the wait: the shutdown goes on, in a task of its own, and
         a later call waits for it (or, if that task was cancelled itself, does the rest)."""
+        self._on_its_loop()
+        check_timeout(timeout)
         check_drain(drain)
         if self._closing.unstarted(redo_unfinished=True):
             # Not begun, or its task did not finish (cancelled itself: an application that
@@ -441,6 +479,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         if self._restart_tasks:  # a start under way: it stops what it started
             await asyncio.gather(*list(self._restart_tasks), return_exceptions=True)
         deadline = None if drain is None else time.monotonic() + drain
+        self._draining = drain is not None  # health(): the stage draining is alive
         for client in self._clients:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             with contextlib.suppress(Exception):

@@ -123,6 +123,7 @@ drives any engine; nothing else in the runtime knows about pipelines but one mes
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -146,7 +147,7 @@ from ._edge import (
     REPORT,
     SENT_ON,
 )
-from ._process import build_engine, import_factory
+from ._process import build_engine
 from ._routing import make_router
 from ._wire import is_ipv6_endpoint
 
@@ -1630,6 +1631,27 @@ class PipelinedPipeStage(PipeStage):
             self.cancel = cancel
 
 
+def import_edge(spec: str) -> Callable[[Any], Any]:
+    """The edge function ``"pkg.module:fn"`` names (``fn`` may be dotted). Its errors say
+    that it is the edge that does not resolve, not the engine's factory:
+    :class:`ValueError` for a malformed string, :class:`ImportError` /
+    :class:`AttributeError` if it does not resolve, :class:`TypeError` if not callable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"edge must look like 'pkg.module:fn', got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except ImportError as exc:
+        raise ImportError(f"edge {spec!r} does not resolve: {exc}") from exc
+    except AttributeError as exc:
+        raise AttributeError(f"edge {spec!r} does not resolve: {exc}") from exc
+    if not callable(obj):
+        raise TypeError(f"edge {spec!r} is a {type(obj).__name__}, not callable")
+    return obj  # type: ignore[no-any-return]
+
+
 def pipe_stage(
     factory: str,
     stage: str,
@@ -1687,7 +1709,7 @@ def pipe_stage(
         None if shm_upstream is None else _shm.configure_reader(shm_upstream, shm_upstream_pooled)
     )
     inner = build_engine(factory, dict(kwargs or {}))
-    edge_fn = None if edge is None else import_factory(edge)
+    edge_fn = None if edge is None else import_edge(edge)
     pool: _shm.ShmPool | list[_shm.ShmPool] | None = None
     if shm_prefix is not None and downstream is not None and not shm_links:
         pool = _shm.ShmPool(

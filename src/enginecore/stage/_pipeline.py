@@ -39,6 +39,7 @@ from ._pipelinebase import (
     PipelineStage,
     check_drain,
     check_startup_timeout,
+    check_timeout,
     launch_options,
     named_startup_error,
     order_clients,
@@ -478,6 +479,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         that stage. Blocks; idempotent; thread-safe. A call interrupted (``KeyboardInterrupt``
         while it waits for a stage) is finished by the next one."""
         check_drain(drain)
+        check_timeout(timeout)
         with self._close_lock:
             if self._shutdown_done:
                 return
@@ -490,6 +492,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             for thread in restarts:  # a start under way: it stops what it started
                 thread.join()
             deadline = None if drain is None else time.monotonic() + drain
+            self._draining = drain is not None  # health(): the stage draining is alive
             for client in self._clients:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 with contextlib.suppress(Exception):

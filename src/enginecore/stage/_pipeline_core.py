@@ -169,7 +169,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Generic, TypeVar
@@ -464,16 +464,23 @@ class PipelineCore(Generic[S]):
             f"no room in the pipeline within {timeout} s: it holds {holds} ({budget})"
         )
 
-    def open(self, req_id: str, stream: S, nbytes: int = 0) -> None:
-        """Admit *req_id*, *nbytes* of the bytes budget (checked with :meth:`admissible`)."""
+    def open(
+        self, req_id: str, stream: S, nbytes: int = 0, exited: Collection[tuple[int, int]] = ()
+    ) -> None:
+        """Admit *req_id*, *nbytes* of the bytes budget (checked with :meth:`admissible`).
+        *exited*: the processes (stage, replica) whose exit was seen but whose death is not
+        reported yet (the client reads their last frames first): not routed to
+        (:meth:`_pick`)."""
         req = self._requests[req_id] = _Request(req_id, stream, nbytes)
         self.bytes_in += nbytes
         if self.pooled:
-            req.route = self._pick()
+            req.route = self._pick(exited)
 
-    def _pick(self) -> tuple[int, ...]:
+    def _pick(self, exited: Collection[tuple[int, int]] = ()) -> tuple[int, ...]:
         """A new request's route: per stage, the live replica with the fewest requests
-        routed there (ties: round robin), counted in."""
+        routed there (ties: round robin), counted in. A replica in *exited* (its process
+        has exited, its death not reported yet) is taken only when no other is alive, as a
+        :class:`~enginecore.stage.StagePool` routes."""
         route: list[int] = []
         for k, (load, alive) in enumerate(zip(self._load, self._alive, strict=True)):
             count = len(load)
@@ -485,8 +492,13 @@ class PipelineCore(Generic[S]):
             best = -1
             for i in range(count):
                 r = (start + i) % count
-                if alive[r] and (best < 0 or load[r] < load[best]):
+                if alive[r] and (best < 0 or load[r] < load[best]) and (k, r) not in exited:
                     best = r
+            if best < 0 and exited:  # every live replica has exited: one of them anyway
+                for i in range(count):
+                    r = (start + i) % count
+                    if alive[r] and (best < 0 or load[r] < load[best]):
+                        best = r
             best = max(best, 0)  # every replica dead: the pipeline has failed (check raises)
             self._turn[k] = (best + 1) % count
             load[best] += 1
@@ -499,14 +511,20 @@ class PipelineCore(Generic[S]):
         req = self._requests.get(req_id)
         return None if req is None else req.route
 
-    def open_many(self, req_ids: Sequence[str], streams: Sequence[S], nbytes: int) -> None:
+    def open_many(
+        self,
+        req_ids: Sequence[str],
+        streams: Sequence[S],
+        nbytes: int,
+        exited: Collection[tuple[int, int]] = (),
+    ) -> None:
         """:meth:`open` for a burst of *nbytes* in all, each request with its share."""
         requests = self._requests
         share, extra = divmod(nbytes, len(req_ids))
         if self.pooled:
             for i, (rid, stream) in enumerate(zip(req_ids, streams, strict=True)):
                 req = requests[rid] = _Request(rid, stream, share + (i < extra))
-                req.route = self._pick()
+                req.route = self._pick(exited)
         elif extra:
             for i, (rid, stream) in enumerate(zip(req_ids, streams, strict=True)):
                 requests[rid] = _Request(rid, stream, share + (i < extra))

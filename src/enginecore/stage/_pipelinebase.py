@@ -41,6 +41,7 @@ __all__ = [
     "Retry",
     "check_drain",
     "check_startup_timeout",
+    "check_timeout",
     "launch_options",
     "launch_plan",
     "named_startup_error",
@@ -668,6 +669,19 @@ def order_clients(specs: Sequence[PipelineStage], clients: Sequence[C]) -> list[
     return ordered
 
 
+def check_timeout(timeout: float | None) -> None:
+    """:class:`TypeError` / :class:`ValueError` for a shutdown's *timeout* that is not a
+    number of seconds >= 0 (or ``None``), before anything stops: given to each stage's
+    client, whose errors the shutdown suppresses (so that every stage is stopped), it would
+    have left stages running, unseen."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0, got {timeout}")
+
+
 def check_drain(drain: float | None) -> None:
     """:class:`TypeError` / :class:`ValueError` for a drain that is not ``None`` or a
     number >= 0."""
@@ -732,6 +746,9 @@ class PipelineBase(Generic[S, C]):
                 features = getattr(client, "features", ())
                 self._core.tagged(k, r, "tags" in features)
                 self._core.generational(k, r, "gens" in features)
+        # The stages of more than one process, with their replicas' clients (the lists
+        # are _replicas', which a restart updates in place): routing avoids exited ones.
+        self._pools = [(k, clients) for k, clients in enumerate(self._replicas) if len(clients) > 1]
         self._names = tuple(names)
         self._keys = [
             name if count == 1 else f"{name}[{r}]"
@@ -743,6 +760,9 @@ class PipelineBase(Generic[S, C]):
         self._pooled = self._core.pooled
         self._closed = False
         self._shutdown_done = False  # Pipeline.shutdown() went through to its end
+        # A shutdown(drain=...) under way: its stages are drained one after the other, and
+        # the one draining is alive though its client, closing, reads "dead" (health()).
+        self._draining = False
         # A restart's link barrier under way: per restarted process (stage, replica), the
         # processes of the stage before it sent a ``link`` to it (_install, _started).
         self._linking: dict[tuple[int, int], list[int]] = {}
@@ -799,20 +819,36 @@ class PipelineBase(Generic[S, C]):
     def health(self) -> dict[str, StageHealth]:
         """Each stage's health, by name (a replica pool's replicas as ``name[r]``): its
         client's, or :attr:`StageHealth.RESTARTING` for a process that died and is being
-        started again, or waits for its restart's backoff (its stage restarts). Never
-        blocks."""
+        started again, or waits for its restart's backoff (its stage restarts). During
+        ``shutdown(drain=...)``, a process still draining reads ``OK`` (its client, closing,
+        would say ``DEAD``); one that has stopped, or died, reads ``DEAD``. Never blocks."""
         core = self._core
         with self._lock:  # which processes are coming back (the clients' health: unlocked)
             pending = core.failure is None and not self._closed
+            draining = self._draining
             each = [
-                (client, pending and core.coming(k, r))
+                (client, pending and core.coming(k, r), core.alive(k)[r])
                 for k, clients in enumerate(self._replicas)
                 for r, client in enumerate(clients)
             ]
-        return {
-            key: StageHealth.RESTARTING if coming else client.health()
-            for key, (client, coming) in zip(self._keys, each, strict=True)
-        }
+        # The process draining now: the last whose client closed (the drain closes them
+        # in order, each once the one before it has stopped), while alive.
+        now = -1
+        if draining:
+            closed = [i for i, (client, _, _) in enumerate(each) if client.closed]
+            if closed:
+                client, _, alive = each[closed[-1]]
+                if alive and client.exit_code is None:
+                    now = closed[-1]
+        health: dict[str, StageHealth] = {}
+        for i, (key, (client, coming, _)) in enumerate(zip(self._keys, each, strict=True)):
+            if coming:
+                health[key] = StageHealth.RESTARTING
+            elif i == now:
+                health[key] = StageHealth.OK  # its own health() is "dead" while it closes
+            else:
+                health[key] = client.health()
+        return health
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -867,7 +903,7 @@ class PipelineBase(Generic[S, C]):
         the requests leave the pipeline again, and the error is returned with the
         deliveries to carry out outside the lock (:meth:`_failed_send`)."""
         core = self._core
-        core.open_many(ids, streams, nbytes)
+        core.open_many(ids, streams, nbytes, self._exited() if self._pools else ())
         try:
             if self._pooled:
                 self._send_routed(ids, parts, many, items)
@@ -880,6 +916,19 @@ class PipelineBase(Generic[S, C]):
             core.forget(ids, d)
             return exc, d
         return None
+
+    def _exited(self) -> list[tuple[int, int]]:
+        """The processes of pool stages whose exit their client has seen, but whose death
+        it has not reported yet (it first reads their last frames, for up to the exit's
+        grace): new requests are not routed to them (:meth:`PipelineCore.open`), as a
+        :class:`~enginecore.stage.StagePool` takes an exited replica out of its routing at
+        once."""
+        return [
+            (k, r)
+            for k, clients in self._pools
+            for r, client in enumerate(clients)
+            if client._session._exited
+        ]
 
     def _send_routed(
         self, ids: list[str], parts: Parts, many: bool, items: list[tuple[str, Any]] | None
@@ -933,6 +982,7 @@ class PipelineBase(Generic[S, C]):
         """Every stage is stopped: streams still open end with
         :class:`~enginecore.stage.StageClosedError`, and no shared-memory segment of the
         pipeline is left (a stage unlinks its own at exit; this covers a killed one)."""
+        self._draining = False  # every stage has stopped
         sweeps, self._sweeps = self._sweeps, []
         for timer in sweeps:  # no thread left behind: the unlink below covers theirs
             timer.cancel()

@@ -1,0 +1,84 @@
+"""A pipeline's ``shutdown(drain=...)`` as the caller sees it while it drains
+(``docs/pipelines.md``, "Shutdown" and "Stages"): ``health()`` and a late ``abort()``.
+
+One suite for :class:`~enginecore.stage.Pipeline` and
+:class:`~enginecore.stage.AsyncPipeline` (``[sync]``, ``[async]``), as in
+``test_stage_pipeline.py``; the conftest's autouse fixture checks that nothing is left
+behind."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from enginecore.stage import PipelineStage, StageClosedError, StageHealth
+
+from .conftest import wait_until
+from .pipelines import Launch, launcher
+
+RELAY = "enginecore.stage.testing:relay"
+DEVICE = "enginecore.stage.testing:device"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(params=["sync", "async"])
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
+    """``launch(stages, **kwargs)``: either pipeline (``pipelines.launcher``); each is shut
+    down after the test."""
+    with launcher(request.param) as launch_:
+        yield launch_
+
+
+def _refuses_adds(pipe: Any) -> bool:
+    """Whether *pipe*'s shutdown has begun: an add is refused (``StageClosedError``)."""
+    try:
+        pipe.add("late", 1).collect(timeout=10)
+    except StageClosedError:
+        return True
+    return False
+
+
+class TestHealthWhileDraining:
+    def test_a_stage_still_draining_reads_ok_and_one_that_stopped_reads_dead(
+        self, launch: Any
+    ) -> None:
+        # The first stage drains a long request: it is alive and working, and must not read
+        # dead (its client, closing, says "dead"); the stages after it have not begun to
+        # drain. Once the request is aborted, every drain ends, and every stage reads dead.
+        first = PipelineStage(DEVICE, {"step_s": 0.005}, name="a")
+        pipe = launch([first, PipelineStage(RELAY, name="b"), RELAY])
+        stream = pipe.add("r", 10**6)
+        stream.get(timeout=10)
+        closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 40.0})
+        closer.start()
+        try:
+            assert wait_until(lambda: _refuses_adds(pipe), 10)
+            assert pipe.client("a").closed  # its drain has begun
+            assert pipe.health() == {"a": "ok", "b": "ok", RELAY: "ok"}
+        finally:
+            pipe.abort(["r"])
+        stream.collect(timeout=30)
+        assert stream.aborted
+        closer.join(60)
+        assert not closer.is_alive()
+        assert set(pipe.health().values()) == {StageHealth.DEAD}  # all stopped
+
+
+class TestShutdownArguments:
+    @pytest.mark.parametrize(
+        ("bad", "error"),
+        [("5", TypeError), (True, TypeError), (-1, ValueError), (float("nan"), ValueError)],
+    )
+    def test_a_bad_timeout_is_refused_before_anything_stops(
+        self, launch: Any, bad: Any, error: type[Exception]
+    ) -> None:
+        # As a bad drain is: the stages' clients would each have raised it, unseen (every
+        # stage's shutdown error is suppressed, so that the others stop too).
+        pipe = launch([PipelineStage(DEVICE, name="a"), RELAY])
+        with pytest.raises(error, match="timeout must be"):
+            pipe.shutdown(bad)
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]  # nothing stopped
