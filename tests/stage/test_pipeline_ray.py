@@ -38,7 +38,7 @@ from .raw import refused_handshake
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
-from enginecore.stage.ray import RayPlacement, RayStage  # noqa: E402
+from enginecore.stage.ray import RayPlacement, RayStage, authorize_clients  # noqa: E402
 
 # This module's own local cluster, as test_ray's (a module-scoped autouse fixture).
 from .test_ray import CPUS, alive_stage_actors, ray_cluster  # noqa: E402, F401
@@ -110,10 +110,11 @@ class TestOutputs:
             for before, name in (("first", "mid"), ("mid", "last")):
                 producer = ray_stage(pipe, before)
                 assert producer.link_key is not None
-                assert ray_stage(pipe, name).authorized_clients == (producer.link_key,)
+                assert ray_stage(pipe, name).link_keys == (producer.link_key,)
+                assert ray_stage(pipe, name).authorized_clients == ()
                 assert producer.curve is not None
                 assert producer.link_key != producer.curve.server_key
-            assert ray_stage(pipe, "first").authorized_clients == ()
+            assert ray_stage(pipe, "first").link_keys == ()
             assert ray_stage(pipe, "last").link_key is None  # it links nowhere
         assert pipe.add("r1", 3).collect(timeout=30) == [2, 1, 0]
         streams = pipe.add_many([(f"r{i}", 1 + i % 4) for i in range(100)])
@@ -251,6 +252,20 @@ class TestCurveLinks:
         keys = (public, secret, local_curve(pipe, "last").server_key)
         refused_handshake(address, pipe_message, curve=keys, routing_id=link_id(1).encode())
         refused_handshake(address, pipe_message)  # a NULL client (no CURVE at all)
+        assert pipe.add("r2", 2).collect(timeout=30) == [1, 0]
+        assert pipe.call_utility("last", "added") == 2
+
+    def test_a_key_rotation_on_a_stage_of_the_pipeline_keeps_its_links(self, launch: Any) -> None:
+        # authorize_clients on a pipeline's stage replaced every key it admitted, the link
+        # keys of the stage before it too: the link was cut, and every later request hung.
+        pipe = launch(three("all"))
+        assert pipe.add("r1", 2).collect(timeout=30) == [1, 0]
+        observer, _ = zmq.curve_keypair()
+        for before, name in (("first", "mid"), ("mid", "last")):
+            assert authorize_clients(pipe.client(name), [observer]) == 1
+            stage = ray_stage(pipe, name)
+            assert stage.authorized_clients == (observer,)
+            assert stage.link_keys == (ray_stage(pipe, before).link_key,)
         assert pipe.add("r2", 2).collect(timeout=30) == [1, 0]
         assert pipe.call_utility("last", "added") == 2
 
@@ -411,11 +426,11 @@ class TestRestart:
         assert wait_until(lambda: pipe.restarts["mid"] == 1, 60)
         assert wait_until(lambda: pipe.health()["mid"] == StageHealth.OK, 30)
         new = ray_stage(pipe, "mid")
-        assert new.authorized_clients == (first.link_key,)
+        assert new.link_keys == (first.link_key,)
         # The last stage admits the new process's link key instead of the dead one's.
         assert new.link_key is not None
         assert new.link_key != old.link_key
-        assert ray_stage(pipe, "last").authorized_clients == (new.link_key,)
+        assert ray_stage(pipe, "last").link_keys == (new.link_key,)
         assert pipe.add("r", 3).collect(timeout=30) == [2, 1, 0]
 
     def test_a_local_stage_on_tcp_admits_a_restarted_producer_s_key_instead_of_the_dead_one_s(

@@ -1245,6 +1245,7 @@ def test_a_restarted_stage_that_cannot_take_the_new_keys_is_killed(
     stage = RayStage.__new__(RayStage)
     stage.actor = type("Actor", (), {"authorize": Refusing()})()
     stage.authorized_clients = (b"o" * 40,)
+    stage.link_keys = ()
     stage.kill_and_clean = lambda: killed.append("killed")  # type: ignore[method-assign]
     member = type("Member", (), {"_launched": stage})()
     replica = type("Replica", (), {"name": "r0", "_authorized_clients": (b"m" * 40,)})()

@@ -88,9 +88,9 @@ async def _authorize(grants: list[tuple[AsyncStageClient, list[bytes]]]) -> None
         if isinstance(launched, Launched):
             await asyncio.to_thread(launched.authorize, keys)
         else:
-            from .ray import authorize_clients_async
+            from .ray import grant_links_async
 
-            await authorize_clients_async(target, keys)
+            await grant_links_async(target, keys)
 
 
 class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
@@ -376,7 +376,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                 )
             except StageStartupError as exc:
                 raise named_startup_error(self._specs[k], r, exc) from None
-        from .ray import authorize_clients_async, open_on_ray_async
+        from .ray import grant_links_async, open_on_ray_async
 
         async def grant(key: bytes) -> None:
             await _authorize(self._grants(k, r, key))
@@ -390,7 +390,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         try:
             admitted = self._admitted(k)
             if admitted is not None:  # before the stage before it links to it
-                await authorize_clients_async(client, admitted)
+                await grant_links_async(client, admitted)
         except BaseException:
             with contextlib.suppress(Exception):
                 await client.shutdown(1.0)

@@ -86,9 +86,9 @@ def _authorize(grants: list[tuple[StageClient, list[bytes]]]) -> None:
         if isinstance(launched, Launched):
             launched.authorize(keys)
         else:
-            from .ray import authorize_clients
+            from .ray import grant_links
 
-            authorize_clients(target, keys)
+            grant_links(target, keys)
 
 
 class Pipeline(PipelineBase[PipelineStream, StageClient]):
@@ -390,7 +390,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 )
             except StageStartupError as exc:
                 raise named_startup_error(self._specs[k], r, exc) from None
-        from .ray import authorize_clients, open_on_ray
+        from .ray import grant_links, open_on_ray
 
         def grant(key: bytes) -> None:
             _authorize(self._grants(k, r, key))
@@ -404,7 +404,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         try:
             admitted = self._admitted(k)
             if admitted is not None:  # before the stage before it links to it
-                authorize_clients(client, admitted)
+                grant_links(client, admitted)
         except BaseException:
             with contextlib.suppress(Exception):
                 client.shutdown(1.0)

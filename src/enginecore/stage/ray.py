@@ -261,6 +261,9 @@ class RayStage:
         # The keys it admits besides its owner's: those it was placed with, then each
         # rotation's (catch_up_keys; authorize_clients keeps them on the pool's replica).
         self.authorized_clients = authorized_clients
+        # A pipeline stage's: the public keys of the previous stage's links, which it admits
+        # besides authorized_clients (grant_links); a key rotation keeps them.
+        self.link_keys: tuple[bytes, ...] = ()
         self.input_address: str = info["input"]
         self.output_address: str = info["output"]
         self.node_ip: str = info["node_ip"]
@@ -937,7 +940,8 @@ def authorize_clients(
     ray = _import_ray()
     if stages:
         try:
-            ray.get([stage.actor.authorize.remote(checked) for stage in stages], timeout=timeout)
+            refs = [stage.actor.authorize.remote(_with_links(stage, checked)) for stage in stages]
+            ray.get(refs, timeout=timeout)
         except SystemExit:  # Ray's answer to a call under way at a ray.shutdown()
             if ray.is_initialized():
                 raise
@@ -955,7 +959,7 @@ async def authorize_clients_async(
     futures, and no thread is held; ``TimeoutError`` past *timeout*."""
     stages, checked = _rotation(target, keys, timeout)
     if stages:
-        refs = [stage.actor.authorize.remote(checked) for stage in stages]
+        refs = [stage.actor.authorize.remote(_with_links(stage, checked)) for stage in stages]
         await _answers(
             refs,
             timeout,
@@ -1046,7 +1050,61 @@ def _authorize_ref(stage: RayStage, keys: tuple[bytes, ...]) -> Any:
     if not _import_ray().is_initialized():
         _shut_down()
         raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
-    return stage.actor.authorize.remote([k.decode("ascii") for k in keys])
+    return stage.actor.authorize.remote(_with_links(stage, [k.decode("ascii") for k in keys]))
+
+
+def _with_links(stage: RayStage, keys: list[str]) -> list[str]:
+    """What *stage* is to admit for a rotation to *keys* (Z85 text): those, and the link
+    keys of the pipeline stage before it (:func:`grant_links`), which a rotation keeps."""
+    return [*keys, *(k.decode("ascii") for k in stage.link_keys if k.decode("ascii") not in keys)]
+
+
+def _link_target(target: Any) -> RayStage:
+    stage = getattr(target, "_launched", None)
+    if not isinstance(stage, RayStage):
+        raise TypeError(f"grant_links takes a client placed on Ray, got {type(target).__name__}")
+    return stage
+
+
+def grant_links(target: Any, keys: Sequence[bytes], *, timeout: float = _AUTHORIZE_TIMEOUT) -> None:
+    """A pipeline's: the stage of *target* (a client placed on Ray) admits *keys*, the
+    public keys of the links of the pipeline stage before it, from now on, instead of the
+    link keys it admitted so far, and keeps admitting its ``authorized_clients``: a key
+    rotation (:func:`authorize_clients`) keeps the link keys, and this keeps the rotation's
+    keys. Its errors are :func:`authorize_clients`'s."""
+    stage = _link_target(target)
+    link_keys = tuple(keys)
+    admitted = [k.decode("ascii") for k in stage.authorized_clients]
+    stage.link_keys = link_keys  # before the call: a rotation racing with it keeps them
+    ray = _import_ray()
+    if not ray.is_initialized():
+        _shut_down()
+        raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
+    try:
+        ray.get(stage.actor.authorize.remote(_with_links(stage, admitted)), timeout=timeout)
+    except SystemExit:  # Ray's answer to a call under way at a ray.shutdown()
+        if ray.is_initialized():
+            raise
+        _shut_down()
+        raise EngineDeadError(_SHUT_DOWN) from None
+
+
+async def grant_links_async(
+    target: Any, keys: Sequence[bytes], *, timeout: float = _AUTHORIZE_TIMEOUT
+) -> None:
+    """:func:`grant_links`, awaited (no thread held)."""
+    stage = _link_target(target)
+    stage.link_keys = tuple(keys)
+    admitted = [k.decode("ascii") for k in stage.authorized_clients]
+    if not _import_ray().is_initialized():
+        _shut_down()
+        raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
+    ref = stage.actor.authorize.remote(_with_links(stage, admitted))
+    await _answers(
+        [ref],
+        timeout,
+        f"stage {stage.stage!r} took longer than {timeout:g} s to take its link keys",
+    )
 
 
 def _kill_behind(replica: Any, stage: RayStage) -> None:
