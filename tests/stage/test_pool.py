@@ -1183,6 +1183,106 @@ def test_a_replica_removed_while_it_starts_again_is_not_said_to_have_started(
     assert not [r.message for r in caplog.records if "started again" in r.message]
 
 
+@pytest.mark.parametrize("how", ["restarting", "adding"])
+def test_a_removal_stops_the_start_of_its_replica_at_once(
+    pools: tuple[Open, Open], barrier_dir: Path, how: str
+) -> None:
+    """remove_replica() of a replica whose stage is being started (its restart, or the
+    add_replica() that adds it, with its factory held for 40 s) stops that start at once,
+    as a close does: the half-started stage is killed, instead of living on (a GPU held)
+    until its factory returns. The removal returns the exit code of the replica's last
+    stage (the killed one's for a restart, None for one that never served); an
+    add_replica() that waited for it raises StageClosedError naming the removal."""
+    launch, _ = pools
+    kwargs = {"directory": str(barrier_dir), "timeout": 40}
+    raised: list[BaseException] = []
+    adding = None
+    if how == "restarting":
+        pool = launch(GATED, kwargs, replicas=1, restart=RestartPolicy(first_delay=0.05))
+        [r0] = pool.replicas
+        first = cast(int, r0.pid)
+        (barrier_dir / "hold").touch()
+        os.kill(first, signal.SIGKILL)
+        old = {"hold", str(first)}
+    else:
+        pool = launch(COUNTDOWN, replicas=1)
+        [serving] = pool.replicas
+        (barrier_dir / "hold").touch()
+
+        def add() -> None:
+            try:
+                pool.add_replica(GATED, kwargs)
+            except BaseException as exc:
+                raised.append(exc)
+
+        adding = threading.Thread(target=add)
+        adding.start()
+        old = {"hold"}
+    assert wait_until(lambda: len(set(os.listdir(barrier_dir)) - old) >= 1, 20)
+    [again] = [int(n) for n in os.listdir(barrier_dir) if n not in old]
+    if how == "adding":
+        [r0] = [r for r in pool.replicas if r is not serving]
+    assert r0.state == "starting"
+    code = pool.remove_replica(r0)
+    assert code == (-signal.SIGKILL if how == "restarting" else None)
+    assert r0.state is ReplicaState.REMOVED
+    # Gone while the factory is still held (it gives up after 40 s): killed, not waited for.
+    assert wait_until(lambda: pid_gone(again), 10), "the half-started stage lives on"
+    assert (barrier_dir / "hold").exists()
+    if adding is not None:
+        adding.join(10)
+        assert not adding.is_alive(), "add_replica() waited for its start after the removal"
+        assert len(raised) == 1, raised
+        assert isinstance(raised[0], StageClosedError), raised
+        assert "removed" in str(raised[0]), raised
+    assert r0 not in pool.replicas
+    assert len(pool.replicas) == (1 if how == "adding" else 0)
+    pool.close()
+
+
+def test_a_removal_of_a_dead_replica_returns_its_exit_code(launch: Open) -> None:
+    """remove_replica() of a replica that died (no restart) returns at once with its
+    stage's exit code, as a removal of a replica that starts again does."""
+    pool = launch(COUNTDOWN, replicas=2)
+    r0, _ = pool.replicas
+    os.kill(cast(int, r0.pid), signal.SIGKILL)
+    assert wait_until(lambda: r0.state is ReplicaState.DEAD, 20)
+    assert pool.remove_replica(r0) == -signal.SIGKILL
+    assert r0 not in pool.replicas
+
+
+def test_a_removal_stops_only_its_own_start_in_a_restart_group(
+    pools: tuple[Open, Open], barrier_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restart group starts its members again together: removing one of them while the
+    group starts stops that member's start only (its half-started stage killed at once);
+    the others go on starting and serve, and the removal counts as no failed start of
+    the group (no "did not start again", no further restart)."""
+    launch, _ = pools
+    kwargs = {"directory": str(barrier_dir), "timeout": 40}
+    pool = launch(GATED, kwargs, replicas=2, group="g", restart=RestartPolicy(first_delay=0.05))
+    r0, r1 = pool.replicas
+    first = {str(r0.pid), str(r1.pid)}
+    (barrier_dir / "hold").touch()
+    caplog.set_level(logging.WARNING, "enginecore.stage")
+    os.kill(cast(int, r0.pid), signal.SIGKILL)
+    old = first | {"hold"}
+    assert wait_until(lambda: len(set(os.listdir(barrier_dir)) - old) >= 2, 20)
+    again = {int(n) for n in os.listdir(barrier_dir) if n not in old}
+    pool.remove_replica(r0)
+    assert r0.state is ReplicaState.REMOVED
+    assert wait_until(lambda: any(pid_gone(p) for p in again), 10), "its stage lives on"
+    assert (barrier_dir / "hold").exists()
+    [left] = [p for p in again if not pid_gone(p)]
+    (barrier_dir / "hold").unlink()
+    assert wait_until(lambda: r1.state is ReplicaState.SERVING, 20)
+    assert r1.pid == left
+    assert r1.restarts == 1
+    assert pool.replicas == (r1,)
+    pool.close()  # waits for the pool's restart thread (task): whatever it logs is in
+    assert not [r.message for r in caplog.records if "did not start again" in r.message]
+
+
 @pytest.mark.parametrize("how", ["launching", "connecting"])
 def test_a_pool_that_closes_stops_an_add_replica_in_progress(
     pools: tuple[Open, Open], barrier_dir: Path, no_leftovers: str, how: str

@@ -48,6 +48,8 @@ from ._poolbase import (
     launch_specs,
     member_plan,
     removal_timeout,
+    removed_meanwhile,
+    removed_while_starting,
     replica_spec,
     with_groups,
 )
@@ -120,6 +122,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._starting: set[asyncio.Future[Any]] = set()  # add_replica()s' starts
         self._stopped_starts: set[asyncio.Future[Any]] = set()  # those close() cancelled
+        # The start of each replica under way (a restart, an add_replica()): its removal
+        # cancels it (its half-started stage is killed), as a close cancels every start.
+        self._opening: dict[Replica, asyncio.Future[_AsyncMember]] = {}
         self._exit_codes: dict[Replica, int | None] = {}
 
     # -- construction ------------------------------------------------------------------------
@@ -302,6 +307,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 await self._stop_member(r, drain=None, timeout=5.0)
                 self._core.set_state(r, ReplicaState.REMOVED)
             raise errors[0]
+        removed = [r for r in new if r._client is None and removed_meanwhile(r, self._core)]
+        if removed:  # remove_replica() stopped its start
+            raise removed_while_starting(removed[0])
         return new
 
     async def _start(self, replica: Replica) -> None:
@@ -311,9 +319,14 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def _start_all(self, replicas: Sequence[Replica]) -> None:
         """:meth:`StagePool._start_all <enginecore.stage.StagePool._start_all>`: start the
         members of *replicas* at once, then make them serve; if one does not start, close
-        those that did and raise its error."""
+        those that did and raise its error. A replica's removal cancels its start: that is
+        no failure (the others go on)."""
         generations = [r._generation for r in replicas]
         opening = [asyncio.ensure_future(self._open_member(r)) for r in replicas]
+        for r, t in zip(replicas, opening, strict=True):
+            self._opening[r] = t
+            if removed_meanwhile(r, self._core):  # removed before its start began
+                t.cancel()
         try:
             results = await asyncio.gather(*opening, return_exceptions=True)
         except BaseException:  # cancelled (a pool that closes stops a restart so)
@@ -321,14 +334,23 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 if not t.cancelled() and t.exception() is None:
                     await t.result().close()
             raise
-        errors = [r for r in results if isinstance(r, BaseException)]
+        finally:
+            for r, t in zip(replicas, opening, strict=True):
+                if self._opening.get(r) is t:
+                    del self._opening[r]
+        errors = [
+            res
+            for r, res in zip(replicas, results, strict=True)
+            if isinstance(res, BaseException) and not removed_meanwhile(r, self._core)
+        ]
         if errors:
             for m in results:
                 if isinstance(m, _AsyncMember):
                     await m.close()
             raise errors[0]
         for replica, member, generation in zip(replicas, results, generations, strict=True):
-            assert isinstance(member, _AsyncMember)
+            if not isinstance(member, _AsyncMember):
+                continue  # removed while it started: its start was cancelled
             member._replica = replica
             member._session.label = f"replica {replica.name}"  # its warnings say which
             member._pool = self
@@ -542,11 +564,16 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if cutting:
             self._cut.add(replica)
             self._cut_by_removal.add(replica)
+        start = self._opening.get(replica)
+        if start is not None:  # its half-started stage is killed now, as a close does
+            start.cancel()
         # A task of the pool's (close() waits for it), shielded: a cancelled caller stops
         # waiting, but the removal it began goes on to its end (else the replica stayed
         # "draining" in pool.replicas, its stage stopped or not).
         task = self._loop.create_task(
-            self._remove(replica, was, timeout if drain else None, timeout, cutting=cutting)
+            self._remove(
+                replica, was, timeout if drain else None, timeout, cutting=cutting, start=start
+            )
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -560,7 +587,10 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         timeout: float,
         *,
         cutting: bool = False,
+        start: asyncio.Future[Any] | None = None,
     ) -> int | None:
+        if start is not None:  # its cancelled start: a kill and a reap, at once
+            await asyncio.wait({start}, timeout=min(timeout, STOP_EXIT_S))
         code, cut, owner, by_removal = None, False, False, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
             if drain is not None:
@@ -584,6 +614,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                     by_removal = replica in self._cut_by_removal and not self._core.closing
                     self._cut.discard(replica)
                     self._cut_by_removal.discard(replica)
+        elif replica._client is not None:  # dead or failed: its last stage's exit code
+            code = replica._client.exit_code
         self._core.set_state(replica, ReplicaState.REMOVED)
         if cut:
             raise drain_cut_error(replica, by_removal=by_removal)

@@ -249,8 +249,9 @@ def launch_process(
     Raises :class:`StageStartupError` (no process left behind) if the factory raised, the child
     died, or it was not ready in time; :class:`ValueError` / :class:`TypeError` for bad
     arguments, before anything is started; :class:`StageClosedError` (the process killed)
-    once *cancel* (the read end of a pipe: a pool's, written when it closes) is readable
-    before the stage is ready. The other arguments are :func:`start_process`'s.
+    once *cancel* (the read end of a pipe: a pool's, written when it closes or removes
+    the replica) is readable before the stage is ready. The other arguments are
+    :func:`start_process`'s.
     """
     check_startup_timeout(startup_timeout)
     launched = start_process(

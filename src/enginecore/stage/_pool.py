@@ -58,6 +58,8 @@ from ._poolbase import (
     launch_specs,
     member_plan,
     removal_timeout,
+    removed_meanwhile,
+    removed_while_starting,
     replica_spec,
     with_groups,
 )
@@ -103,6 +105,31 @@ class _Member(StageClient):
         pool._member_failed(self, d, failure)
 
 
+class _Start:
+    """One replica's start under way: the pipe whose read end its launch waits on besides
+    its stage (``cancel=``), written to stop the start; *done* is set once it ended."""
+
+    __slots__ = ("done", "stopped", "wait_end", "write_end")
+
+    def __init__(self) -> None:
+        self.wait_end, self.write_end = multiprocessing.Pipe(duplex=False)
+        self.stopped = False
+        self.done = threading.Event()
+
+    def stop(self) -> None:
+        """Stop the start (in the pool's lock, before :meth:`close`)."""
+        if not self.stopped:
+            self.stopped = True
+            self.write_end.send_bytes(b"stop")
+
+    def close(self) -> None:
+        """The start has ended (in the pool's lock): release the pipe."""
+        self.stopped = True
+        self.write_end.close()
+        self.wait_end.close()
+        self.done.set()
+
+
 class StagePool(PoolBase[PoolRequestStream]):
     """A blocking client over N stage replicas: launched by the pool
     (:meth:`launch`), headless stages it connects to (:meth:`connect`), or both
@@ -146,9 +173,12 @@ class StagePool(PoolBase[PoolRequestStream]):
         self._event_wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._hub = Receiver()  # one thread reads every member's events
         self._closed = threading.Event()  # set when close begins: timers stop waiting
-        # Written when close begins: a launch waiting for its stage's start (a restart, an
-        # add_replica()) stops waiting and kills that stage (launch_process's cancel).
-        self._cancel_starts, self._starts_cancelled = multiprocessing.Pipe(duplex=False)
+        # The starts under way (a restart, an add_replica()), one per replica: each one's
+        # launch also waits on a pipe (launch_process's cancel) that a close writes (every
+        # start's, and any start that begins after is stopped as it begins) or a removal
+        # of its replica: the launch stops waiting and kills its half-started stage.
+        self._starts: dict[Replica, _Start] = {}
+        self._starts_stopped = False
         self._close_lock = threading.Lock()
         self._closed_done = False
         self._threads: set[threading.Thread] = set()  # restart timers and closers
@@ -341,7 +371,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         :meth:`launch_on_ray`'s), or connect to *address* (options as :meth:`connect`'s).
         A launched replica may join a restart group (``group="name"``, see :meth:`launch`).
         Blocks until it is up; it takes requests from the next routing decision on. Raises
-        what the start raises; the pool is unchanged then."""
+        what the start raises; the pool is unchanged then. A :meth:`close`, or a
+        :meth:`remove_replica` of the new replica, while it starts stops the start (the
+        half-started stage killed): this raises :class:`~enginecore.stage.StageClosedError`."""
         spec = replica_spec(factory, kwargs, address, options)
         return self._add_replicas([spec])[0]
 
@@ -367,7 +399,7 @@ class StagePool(PoolBase[PoolRequestStream]):
                     # Ctrl-C in a launch (the pool then closes): the starts stop now, as a
                     # close stops them, not at their startup_timeout, which the executor's
                     # exit would wait for before the interrupt went on.
-                    self._starts_cancelled.send_bytes(b"closed")
+                    self._stop_starts()
                     raise
         if errors:
             for r in new:
@@ -377,6 +409,10 @@ class StagePool(PoolBase[PoolRequestStream]):
             if self._closed.is_set() and isinstance(errors[0], StageClosedError):
                 raise StageClosedError("this stage pool is closed") from errors[0]
             raise errors[0]
+        with self._lock:
+            removed = [r for r in new if r._client is None and removed_meanwhile(r, self._core)]
+        if removed:  # remove_replica() stopped its start
+            raise removed_while_starting(removed[0])
         return new
 
     _stream_type = PoolRequestStream
@@ -404,12 +440,12 @@ class StagePool(PoolBase[PoolRequestStream]):
         with self._lock:
             generations = [r._generation for r in replicas]
         members: list[_Member | None] = [None] * len(replicas)
-        errors: list[BaseException] = []
+        failures: list[tuple[Replica, BaseException]] = []
         if len(replicas) == 1:
             try:
                 members[0] = self._open_member(replicas[0])
             except BaseException as exc:
-                errors.append(exc)
+                failures.append((replicas[0], exc))
         else:
             with concurrent.futures.ThreadPoolExecutor(len(replicas)) as ex:
                 futures = [ex.submit(self._open_member, r) for r in replicas]
@@ -418,14 +454,17 @@ class StagePool(PoolBase[PoolRequestStream]):
                     if failed is None:
                         members[i] = fut.result()
                     else:
-                        errors.append(failed)
+                        failures.append((replicas[i], failed))
+        with self._lock:  # a start that its replica's removal stopped is no failure
+            errors = [exc for r, exc in failures if not removed_meanwhile(r, self._core)]
         if errors:
             for m in members:
                 if m is not None:
                     m.close()
             raise errors[0]
         for replica, member, generation in zip(replicas, members, generations, strict=True):
-            assert member is not None
+            if member is None:
+                continue  # removed while it started: its start was stopped
             member._replica = replica
             member._session.label = f"replica {replica.name}"  # its warnings say which
             member._pool = self
@@ -448,7 +487,33 @@ class StagePool(PoolBase[PoolRequestStream]):
             if failure is not None:  # died before _pool was set: nobody saw it
                 self._member_gone(member, failure)
 
+    def _stop_starts(self) -> None:
+        """Stop every start under way, and any that begins from now on: each one's
+        half-started stage is killed and its launch raises :class:`StageClosedError`."""
+        with self._lock:
+            self._starts_stopped = True
+            for start in self._starts.values():
+                start.stop()
+
     def _open_member(self, replica: Replica) -> _Member:
+        """Open *replica*'s member client; a close, or a removal of the replica, stops the
+        start (:class:`StageClosedError`, the half-started stage killed)."""
+        start = _Start()
+        with self._lock:
+            self._starts[replica] = start
+            if self._starts_stopped or removed_meanwhile(replica, self._core):
+                start.stop()  # the pool closes, or the replica was removed, meanwhile
+        try:
+            return self._open_member_with(replica, start.wait_end)
+        finally:
+            with self._lock:
+                if self._starts.get(replica) is start:
+                    del self._starts[replica]
+                start.close()
+
+    def _open_member_with(
+        self, replica: Replica, cancel: multiprocessing.connection.Connection
+    ) -> _Member:
         plan = member_plan(replica)
         events = self._events is not None  # each member keeps its events for the pool's
         if plan[0] == "connect":
@@ -456,7 +521,7 @@ class StagePool(PoolBase[PoolRequestStream]):
                 plan[1]._replace(ordered_events=events),
                 self._lock,
                 self._hub,
-                cancel=self._cancel_starts,  # a close cuts the handshake short
+                cancel=cancel,  # a close (or removal) cuts the handshake short
             )
         elif plan[0] == "ray":
             from .ray import open_on_ray
@@ -464,7 +529,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             member = open_on_ray(
                 plan[1],
                 lambda t: _Member._open(t._replace(ordered_events=events), self._lock, self._hub),
-                cancel=self._cancel_starts,  # a close stops the placement's wait
+                cancel=cancel,  # a close (or removal) stops the placement's wait
             )
         else:
             _, factory, kwargs, startup_timeout, options, ping_s = plan
@@ -477,7 +542,7 @@ class StagePool(PoolBase[PoolRequestStream]):
                 ping_s=ping_s,
                 lock=self._lock,
                 hub=self._hub,
-                cancel=self._cancel_starts,
+                cancel=cancel,
             )
         assert isinstance(member, _Member)
         return member
@@ -730,6 +795,13 @@ class StagePool(PoolBase[PoolRequestStream]):
         *timeout* (5 s at most) for the exit, then the same signals. *timeout* must be a
         finite number of seconds >= 0 (checked before the replica leaves the routing).
 
+        A replica that does not serve is removed at once: a dead or failed one, and one
+        that starts (again, or by an :meth:`add_replica` that waits for it), whose start
+        is stopped as :meth:`close` stops it (the half-started stage killed). Returns
+        then the exit code of its last stage (``None`` if it never had one); that
+        :meth:`add_replica` raises :class:`~enginecore.stage.StageClosedError`. In a
+        restart group, the other members' starts go on.
+
         A :meth:`close` (or :meth:`shutdown` without a drain) while the replica drains
         cuts the drain short: the stage stops at once, its requests still live end with
         :class:`~enginecore.stage.StageClosedError` as the close ends every other one,
@@ -748,6 +820,11 @@ class StagePool(PoolBase[PoolRequestStream]):
             if cutting:
                 self._cut.add(replica)
                 self._cut_by_removal.add(replica)
+            start = self._starts.get(replica)
+            if start is not None:  # its half-started stage is killed now, as a close does
+                start.stop()
+        if start is not None:  # (a kill and a reap: at once, unless a handshake is stuck)
+            start.done.wait(min(timeout, STOP_EXIT_S))
         code, cut, owner, by_removal = None, False, False, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
             if drain:
@@ -773,6 +850,8 @@ class StagePool(PoolBase[PoolRequestStream]):
                         by_removal = replica in self._cut_by_removal and not self._core.closing
                         self._cut.discard(replica)
                         self._cut_by_removal.discard(replica)
+        elif replica._client is not None:  # dead or failed: its last stage's exit code
+            code = replica._client.exit_code
         with self._lock:
             self._core.set_state(replica, ReplicaState.REMOVED)
         if cut:
@@ -929,7 +1008,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             for r in cut:  # a removal's drain under way stops now, as the others do
                 if r._client is not None:
                     cut_drain(r._client)
-            self._starts_cancelled.send_bytes(b"closed")  # starts in progress stop waiting
+            self._stop_starts()  # starts in progress stop waiting
 
             def stop_one(r: Replica) -> None:
                 member: _Member | None = r._client

@@ -209,6 +209,23 @@ def drain_cut_error(replica: Replica, *, by_removal: bool) -> StageClosedError:
     )
 
 
+def removed_meanwhile(replica: Replica, core: PoolCore) -> bool:
+    """Whether *replica*, whose start failed or was stopped, was removed while it started
+    (``remove_replica`` stops that start, as a close stops every start): then its start's
+    failure is none, neither of its restart group nor of the ``add_replica`` (which
+    raises :func:`removed_while_starting`)."""
+    return not core.closing and replica.state in (ReplicaState.DRAINING, ReplicaState.REMOVED)
+
+
+def removed_while_starting(replica: Replica) -> StageClosedError:
+    """What an ``add_replica`` raises when ``remove_replica`` removed its replica while it
+    started (the half-started stage killed)."""
+    return StageClosedError(
+        f"{replica._described} was removed from its stage pool while it started: its "
+        "start was stopped"
+    )
+
+
 def escalate_steps(member: Any) -> Any:
     """A cut drain's stage (:func:`cut_drain`) did not stop within the close's timeout
     (stopped, stuck): mark the exit as the close's doing and return the signals to send,
