@@ -435,8 +435,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         as a dict, how often to ping the stage (*ping_s*: a pool's health check), the
         lock of the client's session (*lock*: one for every member of a pool), the
         shared :class:`Receiver` that reads its events (*hub*), and a pipe end whose
-        readiness cancels the start (*cancel*: a pool's, written when it closes;
-        :class:`StageClosedError`)."""
+        readiness cancels the start (*cancel*: a pool's, written when it closes or
+        removes the replica: :class:`StageClosedError`)."""
         options = dict(options)
         launched = launch_process(
             factory, kwargs, startup_timeout, options.pop("name", None), cancel=cancel, **options
@@ -498,8 +498,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         cancel: multiprocessing.connection.Connection | None = None,
     ) -> StageClient:
         """Connect to *target* and do the handshake, up to its timeout. *cancel*: a pipe
-        end whose readiness cuts the handshake short (a pool's, written when it closes:
-        :class:`StageClosedError`)."""
+        end whose readiness cuts the handshake short (a pool's, written when it closes or
+        removes the replica: :class:`StageClosedError`)."""
         address, timeout, launched = target.address, target.timeout, target.launched
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         dealer = pull = monitor = None
