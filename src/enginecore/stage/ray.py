@@ -462,8 +462,8 @@ class RayPlan:
         actor's link key is made first and ``grant(public key)`` called with it before
         the stage starts (a pipeline: the next stage admits it before this one
         connects). Once *cancel* (the read end of a pipe: a pool's, written when it
-        closes or removes the replica) is readable, the wait stops within 0.1 s: the actor is killed and
-        :class:`~enginecore.stage.StageClosedError` raised."""
+        closes or removes the replica) is readable, the wait stops within 0.1 s: the
+        actor is killed and :class:`~enginecore.stage.StageClosedError` raised."""
         deadline = time.monotonic() + self.startup_timeout
         ray, actor, client_keys, keys = self._place()
         logs: _logs.LogSource | None = None
