@@ -182,6 +182,40 @@ class TestThreads:
         client.close()  # waits for the close the callback started
         assert client.exit_code == 0
 
+    @pytest.mark.parametrize("call", ["call_utility", "stats"])
+    def test_a_blocking_call_from_a_done_callback_raises_instead_of_hanging(
+        self, client: StageClient, call: str
+    ) -> None:
+        # The callback runs on the receiver thread, the only one that could read the answer:
+        # before, the call waited for itself, forever (or until its timeout).
+        outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+        def blocking_call(_: concurrent.futures.Future[object]) -> None:
+            try:
+                outcome.set_result(
+                    client.stats(timeout=None) if call == "stats" else client.call_utility("echo")
+                )
+            except BaseException as exc:
+                outcome.set_result(exc)
+
+        client.call_utility_future("sleep", 0.3).add_done_callback(blocking_call)
+        exc = outcome.result(10)
+        assert isinstance(exc, RuntimeError)
+        assert "done-callback" in str(exc) and "call_utility_future" in str(exc)
+        assert client.call_utility("echo", 2, timeout=5) == [2]  # the client goes on
+
+    @pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), "5", None])
+    def test_an_invalid_shutdown_timeout_raises_before_anything(
+        self, client: StageClient, timeout: Any
+    ) -> None:
+        # Before, -1 sent SIGTERM at once ("ignored shutdown"), and NaN, inf or a str raised
+        # an unrelated error halfway through the close.
+        error = ValueError if isinstance(timeout, float) else TypeError
+        with pytest.raises(error, match="timeout must be a"):
+            client.shutdown(timeout)
+        assert client.call_utility("echo", 1, timeout=5) == [1]
+        assert client.shutdown() == 0
+
     def test_a_cancelled_future_drops_its_answer(self) -> None:
         with StageClient.launch(COUNTDOWN) as client:
             future = client.call_utility_future("div", 1, 2)
@@ -353,6 +387,25 @@ class TestBorrowedSocket:
         assert outcome == {"value": ["x"]}  # sent before the shutdown: answered
         client.close()  # waits for the close the callback started
         assert client.exit_code == 0
+
+    def test_a_blocking_call_from_a_done_callback_on_a_borrowing_caller_raises(
+        self, client: StageClient, long_borrow: None
+    ) -> None:
+        # The future's answer is read by the thread blocked in call_utility, so its
+        # done-callback runs there: a blocking call in it could only wait for itself.
+        outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+        def blocking_call(_: concurrent.futures.Future[object]) -> None:
+            try:
+                outcome.set_result(client.call_utility("echo", "inner"))
+            except BaseException as exc:
+                outcome.set_result(exc)
+
+        client.call_utility_future("sleep", 0.5).add_done_callback(blocking_call)
+        thread, result = call_in_thread(client, "echo", "x")
+        thread.join(10)
+        assert result == {"value": ["x"]}
+        assert isinstance(outcome.result(10), RuntimeError)
 
     def test_close_from_a_done_callback_run_by_close_itself(self, server: Server) -> None:
         # close() fails the pending future on its own thread, which runs its callbacks.

@@ -664,6 +664,15 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self, name: str, args: tuple[Any, ...], timeout: float | None, *, stats: bool = False
     ) -> Any:
         deadline = _clientbase.deadline_after(timeout)  # ValueError if negative, as async
+        if threading.get_ident() in (self._reader, self._rx.ident):
+            # A future's done-callback, on the thread that reads the stage's events: the
+            # answer could only be read by this very thread, which would wait for itself.
+            what = "stats()" if stats else f"call_utility({name!r})"
+            raise RuntimeError(
+                f"{what} cannot block on the thread that reads the stage's events (a "
+                "done-callback of a call_utility_future future runs there); use "
+                "call_utility_future() and a callback of its own, or another thread"
+            )
         waiter = _Waiter()
         try:
             self._claim(waiter)
@@ -787,14 +796,17 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         utilities, and lets its live requests run to completion, delivered to their streams
         as usual; then it stops. Requests still live after *drain* seconds are aborted and
         their streams raise :class:`~enginecore.stage.RequestError`. The wait is then at most
-        *drain* + *timeout*. :class:`ValueError` for a negative drain, before anything.
+        *drain* + *timeout*. :class:`ValueError` for a negative drain or *timeout* (or one
+        that is not finite), :class:`TypeError` for one that is not a number, before
+        anything.
 
         Blocks; thread-safe; idempotent (a second call waits for the first). Called
         from a future's done-callback (which runs on the thread reading the stage's events:
         the client's receiver thread, or a thread blocked in :meth:`call_utility`), it
         cannot wait there: it starts the close in the background and returns ``None``.
         """
-        _session.shutdown_frame(drain)  # a bad drain raises before anything
+        _session.check_shutdown_timeout(timeout)  # a bad timeout or drain raises before
+        _session.shutdown_frame(drain)  # anything
         return self._close(stop_stage=True, timeout=timeout, drain=drain)
 
     def close(self) -> None:
