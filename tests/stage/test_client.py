@@ -201,7 +201,8 @@ class TestThreads:
         client.call_utility_future("sleep", 0.3).add_done_callback(blocking_call)
         exc = outcome.result(10)
         assert isinstance(exc, RuntimeError)
-        assert "done-callback" in str(exc) and "call_utility_future" in str(exc)
+        assert "done-callback" in str(exc)
+        assert "call_utility_future" in str(exc)
         assert client.call_utility("echo", 2, timeout=5) == [2]  # the client goes on
 
     @pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), "5", None])
