@@ -792,8 +792,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         call.
 
         With *drain* (seconds), the stage drains first: it refuses new adds (also those of
-        other threads of this client, which raise ``StageClosedError`` at once), answers
-        utilities, and lets its live requests run to completion, delivered to their streams
+        other threads of this client, which raise ``StageClosedError`` at once, as their
+        utility calls and aborts do), answers the utilities sent before, and lets its live requests run to completion, delivered to their streams
         as usual; then it stops. Requests still live after *drain* seconds are aborted and
         their streams raise :class:`~enginecore.stage.RequestError`. The wait is then at most
         *drain* + *timeout*. :class:`ValueError` for a negative drain or *timeout* (or one
