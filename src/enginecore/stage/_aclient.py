@@ -65,7 +65,8 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
 
     Reading waits (without blocking the event loop) until an output arrives; :meth:`get`
     and :meth:`collect` take a timeout. Outputs are buffered, so a stream may be consumed
-    late. Not thread-safe: use it on the client's event loop, from one task at a time; but
+    late. Not thread-safe: use it on the client's event loop, from one task at a time (a
+second task that waits on it while one does raises :class:`RuntimeError`); but
     :attr:`timings` (a :class:`~enginecore.stage.StreamTimings` snapshot: when the request
     was sent, when its outputs arrived, when and how it ended) may be read from any thread.
     """
@@ -121,6 +122,13 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
     async def _wait(self, deadline: float | None) -> bool:
         """Once everything read: wait until more has arrived and take it (``True``), or
         until *deadline* passes."""
+        if self._wakeup is not None:
+            # Another task waits on this stream: one wake-up future per stream, so the
+            # other task's would be lost and it would wait for ever, even past the end.
+            raise RuntimeError(
+                f"request {self.req_id!r}: another task is already waiting on this stream; "
+                "read a stream from one task at a time"
+            )
         while not self._take(wait=True):
             self._wakeup = wakeup = asyncio.get_running_loop().create_future()
             try:
