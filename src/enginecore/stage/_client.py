@@ -793,12 +793,12 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
 
         With *drain* (seconds), the stage drains first: it refuses new adds (also those of
         other threads of this client, which raise ``StageClosedError`` at once, as their
-        utility calls and aborts do), answers the utilities sent before, and lets its live requests run to completion, delivered to their streams
-        as usual; then it stops. Requests still live after *drain* seconds are aborted and
-        their streams raise :class:`~enginecore.stage.RequestError`. The wait is then at most
-        *drain* + *timeout*. :class:`ValueError` for a negative drain or *timeout* (or one
-        that is not finite), :class:`TypeError` for one that is not a number, before
-        anything.
+        utility calls and aborts do), answers the utilities sent before, and lets its live
+        requests run to completion, delivered to their streams as usual; then it stops.
+        Requests still live after *drain* seconds are aborted and their streams raise
+        :class:`~enginecore.stage.RequestError`. The wait is then at most *drain* +
+        *timeout*. :class:`ValueError` for a negative drain or *timeout* (or one that is
+        not finite), :class:`TypeError` for one that is not a number, before anything.
 
         Blocks; thread-safe; idempotent (a second call waits for the first). Called
         from a future's done-callback (which runs on the thread reading the stage's events:
