@@ -66,7 +66,7 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
     Reading waits (without blocking the event loop) until an output arrives; :meth:`get`
     and :meth:`collect` take a timeout. Outputs are buffered, so a stream may be consumed
     late. Not thread-safe: use it on the client's event loop, from one task at a time (a
-second task that waits on it while one does raises :class:`RuntimeError`); but
+    second task that waits on it while one does raises :class:`RuntimeError`); but
     :attr:`timings` (a :class:`~enginecore.stage.StreamTimings` snapshot: when the request
     was sent, when its outputs arrived, when and how it ended) may be read from any thread.
     """
