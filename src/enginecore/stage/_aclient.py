@@ -374,7 +374,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     ) -> AsyncStageClient:
         """Attach to a headless stage (``python -m enginecore serve``) at *address*.
 
-        Waits for the handshake, at most *timeout* seconds (:class:`TimeoutError`);
+        Waits for the handshake, at most *timeout* seconds (:class:`TimeoutError`; a finite
+        number > 0, else :class:`ValueError`, and *address* a ``str``, else :class:`TypeError`);
         :class:`~enginecore.stage.ProtocolError` if the stage rejects this client. The client
         pings every *heartbeat_interval* seconds and declares the stage dead
         (:class:`~enginecore.stage.EngineDeadError`) once *heartbeat_timeout* seconds have
@@ -388,6 +389,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :class:`~enginecore.stage.AuthenticationError` as soon as the handshake fails,
         within *timeout* at the latest (``docs/security.md``).
         """
+        _clientbase.check_connect(address, timeout)
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
         return await cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 

@@ -471,7 +471,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     ) -> StageClient:
         """Attach to a headless stage (``python -m enginecore serve``) at *address*.
 
-        Blocks for the handshake, at most *timeout* seconds (:class:`TimeoutError`);
+        Blocks for the handshake, at most *timeout* seconds (:class:`TimeoutError`; a finite
+        number > 0, else :class:`ValueError`, and *address* a ``str``, else :class:`TypeError`);
         :class:`~enginecore.stage.ProtocolError` if the stage rejects this client. The client
         pings every *heartbeat_interval* seconds and declares the stage dead
         (:class:`~enginecore.stage.EngineDeadError`) once *heartbeat_timeout* seconds have
@@ -485,6 +486,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         :class:`~enginecore.stage.AuthenticationError` as soon as the handshake fails,
         within *timeout* at the latest (``docs/security.md``).
         """
+        _clientbase.check_connect(address, timeout)
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
         return cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 
