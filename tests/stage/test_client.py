@@ -25,7 +25,7 @@ from enginecore.stage import (
     _client,
 )
 
-from .conftest import COUNTDOWN, ECHO, Server
+from .conftest import COUNTDOWN, ECHO, SCRIPTED, Server
 
 
 class TestInputBatches:
@@ -204,6 +204,46 @@ class TestThreads:
         assert "done-callback" in str(exc)
         assert "call_utility_future" in str(exc)
         assert client.call_utility("echo", 2, timeout=5) == [2]  # the client goes on
+
+    def test_a_stream_read_in_a_done_callback_raises_instead_of_hanging(
+        self, client: StageClient
+    ) -> None:
+        # The callback runs on the receiver thread, the only one that fills the stream:
+        # before, a read with no output to take waited for itself, for ever.
+        stream = client.add("long", 10_000_000)
+        first = stream.get(5)
+        outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+        def read_stream(_: concurrent.futures.Future[object]) -> None:
+            try:
+                while True:  # what is buffered is taken; then it would have to wait
+                    stream.get()
+            except BaseException as exc:
+                outcome.set_result(exc)
+
+        client.call_utility_future("sleep", 0.3).add_done_callback(read_stream)
+        exc = outcome.result(10)
+        assert isinstance(exc, RuntimeError)
+        assert "done-callback" in str(exc)
+        assert stream.get(5) < first  # the stream reads on, on this thread
+        client.abort(["long"])
+
+    def test_an_event_read_in_a_done_callback_raises_instead_of_hanging(self) -> None:
+        with StageClient.launch(SCRIPTED, ordered_events=True) as client:
+            outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+            def read_events(_: concurrent.futures.Future[object]) -> None:
+                try:
+                    while True:  # what is buffered is taken; then it would have to wait
+                        client.get_events()
+                except BaseException as exc:
+                    outcome.set_result(exc)
+
+            client.call_utility_future("sleep", 0.3).add_done_callback(read_events)
+            exc = outcome.result(10)
+            assert isinstance(exc, RuntimeError)
+            assert "done-callback" in str(exc)
+            assert client.call_utility("echo", 1, timeout=5) == [1]
 
     @pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), "5", None])
     def test_an_invalid_shutdown_timeout_raises_before_anything(

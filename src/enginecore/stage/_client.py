@@ -82,6 +82,11 @@ _BORROW_MAX_S = 0.05
 # How long the output socket may stay idle (lent, unread) after a call_utility got its
 # answer, for the next call to take it without waking the receiver thread.
 _IDLE_LEND_S = 0.005
+# The thread reading a client's events (its receiver thread, or a call_utility borrowing
+# the socket) keeps that client's _lock here as ``reads``, while the lock is the client's
+# own, so that a stream of that client read on it without an output to take (in a
+# done-callback) raises instead of waiting for itself.
+_tls = threading.local()
 
 
 class _Waiter:
@@ -193,6 +198,14 @@ class RequestStream(StreamCore, Iterator[Any]):
     def _wait(self, deadline: float | None) -> bool:
         """Once everything read: block until more has arrived and take it (``True``), or
         until *deadline* passes."""
+        if getattr(_tls, "reads", None) is self._lock:
+            if self._take(wait=False):
+                return True
+            raise RuntimeError(
+                f"request {self.req_id!r}: a stream cannot wait on the thread that reads the "
+                "stage's events (a done-callback of a call_utility_future future runs "
+                "there); read it on another thread"
+            )
         if self._wakeup is None:  # made before the receiver can see _waiting
             self._wakeup = queue.SimpleQueue()
         while not self._take(wait=True):
@@ -262,6 +275,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self._ctx = ctx
         self._dealer, self._pull = socks
         self._lock = threading.Lock() if lock is None else lock
+        self._own_lock = lock is None  # not a pool's, shared with other clients
         self._send_lock = threading.Lock()
         self._sockets_closed = False
         self._close_lock = threading.Lock()
@@ -758,6 +772,12 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                         _session.raise_end(session.events_end, StopIteration)
                     if buf:
                         continue
+                    if getattr(_tls, "reads", None) is self._lock:
+                        raise RuntimeError(
+                            "get_event() cannot wait on the thread that reads the stage's "
+                            "events (a done-callback of a call_utility_future future runs "
+                            "there); read the event stream on another thread"
+                        )
                     session.wait_for_events()
                 try:
                     self._event_wakeup.get(timeout=_left(deadline))
@@ -965,6 +985,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             sink()
 
     def _rx_main(self) -> None:
+        if self._own_lock:
+            _tls.reads = self._lock
         try:
             self._rx_loop()
         except BaseException as exc:
@@ -1188,6 +1210,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         the wake pipe (close, death) or the process sentinel fires. Then give the socket
         back, whatever happens (an interrupt, above all)."""
         self._reader = threading.get_ident()
+        reads = getattr(_tls, "reads", None)
+        if self._own_lock:
+            _tls.reads = self._lock
         try:
             end = time.monotonic() + _BORROW_MAX_S
             if deadline is not None and deadline < end:
@@ -1207,6 +1232,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 if len(ready) > 1 or ready[0][0] is not pull:
                     return  # close(), death or the process's exit: the receiver's job
         finally:
+            _tls.reads = reads
             self._reader = None
             self._give_back(waiter)
 
