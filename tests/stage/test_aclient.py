@@ -418,3 +418,20 @@ class TestEventLoop:
             assert got == [0, 1, 2]
 
         run_with_stage(body, ordered_events=True)
+
+
+class TestOneReaderPerStream:
+    def test_a_second_task_waiting_on_a_stream_raises_and_the_first_reads_on(self) -> None:
+        # Before, the second waiter replaced the first's wake-up: one of the two tasks
+        # waited for ever, even after the stream had ended.
+        async def body(c: AsyncStageClient) -> None:
+            await c.call_utility("pace", 0.01)
+            stream = await c.add("r", 50)
+            first = asyncio.ensure_future(stream.collect(timeout=30))
+            while stream._wakeup is None:  # the first task waits on the stream now
+                await asyncio.sleep(0)
+            with pytest.raises(RuntimeError, match="another task is already waiting"):
+                await stream.get(timeout=30)
+            assert await first == list(range(49, -1, -1))
+
+        run_with_stage(body)

@@ -25,7 +25,7 @@ from enginecore.stage import (
     _client,
 )
 
-from .conftest import COUNTDOWN, ECHO, Server
+from .conftest import COUNTDOWN, ECHO, SCRIPTED, Server
 
 
 class TestInputBatches:
@@ -181,6 +181,81 @@ class TestThreads:
         assert client.closed
         client.close()  # waits for the close the callback started
         assert client.exit_code == 0
+
+    @pytest.mark.parametrize("call", ["call_utility", "stats"])
+    def test_a_blocking_call_from_a_done_callback_raises_instead_of_hanging(
+        self, client: StageClient, call: str
+    ) -> None:
+        # The callback runs on the receiver thread, the only one that could read the answer:
+        # before, the call waited for itself, forever (or until its timeout).
+        outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+        def blocking_call(_: concurrent.futures.Future[object]) -> None:
+            try:
+                outcome.set_result(
+                    client.stats(timeout=None) if call == "stats" else client.call_utility("echo")
+                )
+            except BaseException as exc:
+                outcome.set_result(exc)
+
+        client.call_utility_future("sleep", 0.3).add_done_callback(blocking_call)
+        exc = outcome.result(10)
+        assert isinstance(exc, RuntimeError)
+        assert "done-callback" in str(exc)
+        assert "call_utility_future" in str(exc)
+        assert client.call_utility("echo", 2, timeout=5) == [2]  # the client goes on
+
+    def test_a_stream_read_in_a_done_callback_raises_instead_of_hanging(
+        self, client: StageClient
+    ) -> None:
+        # The callback runs on the receiver thread, the only one that fills the stream:
+        # before, a read with no output to take waited for itself, for ever.
+        stream = client.add("long", 10_000_000)
+        first = stream.get(5)
+        outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+        def read_stream(_: concurrent.futures.Future[object]) -> None:
+            try:
+                while True:  # what is buffered is taken; then it would have to wait
+                    stream.get()
+            except BaseException as exc:
+                outcome.set_result(exc)
+
+        client.call_utility_future("sleep", 0.3).add_done_callback(read_stream)
+        exc = outcome.result(10)
+        assert isinstance(exc, RuntimeError)
+        assert "done-callback" in str(exc)
+        assert stream.get(5) < first  # the stream reads on, on this thread
+        client.abort(["long"])
+
+    def test_an_event_read_in_a_done_callback_raises_instead_of_hanging(self) -> None:
+        with StageClient.launch(SCRIPTED, ordered_events=True) as client:
+            outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+            def read_events(_: concurrent.futures.Future[object]) -> None:
+                try:
+                    while True:  # what is buffered is taken; then it would have to wait
+                        client.get_events()
+                except BaseException as exc:
+                    outcome.set_result(exc)
+
+            client.call_utility_future("sleep", 0.3).add_done_callback(read_events)
+            exc = outcome.result(10)
+            assert isinstance(exc, RuntimeError)
+            assert "done-callback" in str(exc)
+            assert client.call_utility("echo", 1, timeout=5) == [1]
+
+    @pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), "5", None])
+    def test_an_invalid_shutdown_timeout_raises_before_anything(
+        self, client: StageClient, timeout: Any
+    ) -> None:
+        # Before, -1 sent SIGTERM at once ("ignored shutdown"), and NaN, inf or a str raised
+        # an unrelated error halfway through the close.
+        error = ValueError if isinstance(timeout, float) else TypeError
+        with pytest.raises(error, match="timeout must be a"):
+            client.shutdown(timeout)
+        assert client.call_utility("echo", 1, timeout=5) == [1]
+        assert client.shutdown() == 0
 
     def test_a_cancelled_future_drops_its_answer(self) -> None:
         with StageClient.launch(COUNTDOWN) as client:
@@ -353,6 +428,25 @@ class TestBorrowedSocket:
         assert outcome == {"value": ["x"]}  # sent before the shutdown: answered
         client.close()  # waits for the close the callback started
         assert client.exit_code == 0
+
+    def test_a_blocking_call_from_a_done_callback_on_a_borrowing_caller_raises(
+        self, client: StageClient, long_borrow: None
+    ) -> None:
+        # The future's answer is read by the thread blocked in call_utility, so its
+        # done-callback runs there: a blocking call in it could only wait for itself.
+        outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+        def blocking_call(_: concurrent.futures.Future[object]) -> None:
+            try:
+                outcome.set_result(client.call_utility("echo", "inner"))
+            except BaseException as exc:
+                outcome.set_result(exc)
+
+        client.call_utility_future("sleep", 0.5).add_done_callback(blocking_call)
+        thread, result = call_in_thread(client, "echo", "x")
+        thread.join(10)
+        assert result == {"value": ["x"]}
+        assert isinstance(outcome.result(10), RuntimeError)
 
     def test_close_from_a_done_callback_run_by_close_itself(self, server: Server) -> None:
         # close() fails the pending future on its own thread, which runs its callbacks.

@@ -739,3 +739,26 @@ def test_bad_heartbeats_are_refused_before_connecting(
 ) -> None:
     with pytest.raises(error, match="heartbeat_"):
         connect("tcp://127.0.0.1:1", heartbeat_interval=interval, heartbeat_timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("address", "timeout", "error", "message"),
+    [
+        # A non-str address left the client's own sockets open: the context's term() in
+        # the cleanup then waited for them for ever.
+        (5, 1.0, TypeError, "address must be a str"),
+        (b"tcp://127.0.0.1:1", 1.0, TypeError, "address must be a str"),
+        # A negative handshake timeout was a TimeoutError "in -1 s", NaN or a str an
+        # unrelated error from inside the handshake.
+        ("tcp://127.0.0.1:1", -1.0, ValueError, "timeout must be a number of seconds > 0"),
+        ("tcp://127.0.0.1:1", float("nan"), ValueError, "timeout must be"),
+        ("tcp://127.0.0.1:1", float("inf"), ValueError, "timeout must be"),
+        ("tcp://127.0.0.1:1", "1", TypeError, "timeout must be"),
+    ],
+    ids=["int-address", "bytes-address", "negative", "nan", "inf", "str-timeout"],
+)
+def test_a_bad_address_or_timeout_is_refused_before_connecting(
+    connect: Connect, address: Any, timeout: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        connect(address, timeout=timeout)

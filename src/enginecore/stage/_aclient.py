@@ -65,7 +65,8 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
 
     Reading waits (without blocking the event loop) until an output arrives; :meth:`get`
     and :meth:`collect` take a timeout. Outputs are buffered, so a stream may be consumed
-    late. Not thread-safe: use it on the client's event loop, from one task at a time; but
+    late. Not thread-safe: use it on the client's event loop, from one task at a time (a
+    second task that waits on it while one does raises :class:`RuntimeError`); but
     :attr:`timings` (a :class:`~enginecore.stage.StreamTimings` snapshot: when the request
     was sent, when its outputs arrived, when and how it ended) may be read from any thread.
     """
@@ -121,6 +122,13 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
     async def _wait(self, deadline: float | None) -> bool:
         """Once everything read: wait until more has arrived and take it (``True``), or
         until *deadline* passes."""
+        if self._wakeup is not None:
+            # Another task waits on this stream: one wake-up future per stream, so the
+            # other task's would be lost and it would wait for ever, even past the end.
+            raise RuntimeError(
+                f"request {self.req_id!r}: another task is already waiting on this stream; "
+                "read a stream from one task at a time"
+            )
         while not self._take(wait=True):
             self._wakeup = wakeup = asyncio.get_running_loop().create_future()
             try:
@@ -367,7 +375,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     ) -> AsyncStageClient:
         """Attach to a headless stage (``python -m enginecore serve``) at *address*.
 
-        Waits for the handshake, at most *timeout* seconds (:class:`TimeoutError`);
+        Waits for the handshake, at most *timeout* seconds (:class:`TimeoutError`; a finite
+        number > 0, else :class:`ValueError`, and *address* a ``str``, else :class:`TypeError`);
         :class:`~enginecore.stage.ProtocolError` if the stage rejects this client. The client
         pings every *heartbeat_interval* seconds and declares the stage dead
         (:class:`~enginecore.stage.EngineDeadError`) once *heartbeat_timeout* seconds have
@@ -381,6 +390,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :class:`~enginecore.stage.AuthenticationError` as soon as the handshake fails,
         within *timeout* at the latest (``docs/security.md``).
         """
+        _clientbase.check_connect(address, timeout)
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
         return await cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 

@@ -82,6 +82,11 @@ _BORROW_MAX_S = 0.05
 # How long the output socket may stay idle (lent, unread) after a call_utility got its
 # answer, for the next call to take it without waking the receiver thread.
 _IDLE_LEND_S = 0.005
+# The thread reading a client's events (its receiver thread, or a call_utility borrowing
+# the socket) keeps that client's _lock here as ``reads``, while the lock is the client's
+# own, so that a stream of that client read on it without an output to take (in a
+# done-callback) raises instead of waiting for itself.
+_tls = threading.local()
 
 
 class _Waiter:
@@ -193,6 +198,14 @@ class RequestStream(StreamCore, Iterator[Any]):
     def _wait(self, deadline: float | None) -> bool:
         """Once everything read: block until more has arrived and take it (``True``), or
         until *deadline* passes."""
+        if getattr(_tls, "reads", None) is self._lock:
+            if self._take(wait=False):
+                return True
+            raise RuntimeError(
+                f"request {self.req_id!r}: a stream cannot wait on the thread that reads the "
+                "stage's events (a done-callback of a call_utility_future future runs "
+                "there); read it on another thread"
+            )
         if self._wakeup is None:  # made before the receiver can see _waiting
             self._wakeup = queue.SimpleQueue()
         while not self._take(wait=True):
@@ -262,6 +275,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self._ctx = ctx
         self._dealer, self._pull = socks
         self._lock = threading.Lock() if lock is None else lock
+        self._own_lock = lock is None  # not a pool's, shared with other clients
         self._send_lock = threading.Lock()
         self._sockets_closed = False
         self._close_lock = threading.Lock()
@@ -471,7 +485,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     ) -> StageClient:
         """Attach to a headless stage (``python -m enginecore serve``) at *address*.
 
-        Blocks for the handshake, at most *timeout* seconds (:class:`TimeoutError`);
+        Blocks for the handshake, at most *timeout* seconds (:class:`TimeoutError`; a finite
+        number > 0, else :class:`ValueError`, and *address* a ``str``, else :class:`TypeError`);
         :class:`~enginecore.stage.ProtocolError` if the stage rejects this client. The client
         pings every *heartbeat_interval* seconds and declares the stage dead
         (:class:`~enginecore.stage.EngineDeadError`) once *heartbeat_timeout* seconds have
@@ -485,6 +500,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         :class:`~enginecore.stage.AuthenticationError` as soon as the handshake fails,
         within *timeout* at the latest (``docs/security.md``).
         """
+        _clientbase.check_connect(address, timeout)
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
         return cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 
@@ -664,6 +680,15 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self, name: str, args: tuple[Any, ...], timeout: float | None, *, stats: bool = False
     ) -> Any:
         deadline = _clientbase.deadline_after(timeout)  # ValueError if negative, as async
+        if threading.get_ident() in (self._reader, self._rx.ident):
+            # A future's done-callback, on the thread that reads the stage's events: the
+            # answer could only be read by this very thread, which would wait for itself.
+            what = "stats()" if stats else f"call_utility({name!r})"
+            raise RuntimeError(
+                f"{what} cannot block on the thread that reads the stage's events (a "
+                "done-callback of a call_utility_future future runs there); use "
+                "call_utility_future() and a callback of its own, or another thread"
+            )
         waiter = _Waiter()
         try:
             self._claim(waiter)
@@ -747,6 +772,12 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                         _session.raise_end(session.events_end, StopIteration)
                     if buf:
                         continue
+                    if getattr(_tls, "reads", None) is self._lock:
+                        raise RuntimeError(
+                            "get_event() cannot wait on the thread that reads the stage's "
+                            "events (a done-callback of a call_utility_future future runs "
+                            "there); read the event stream on another thread"
+                        )
                     session.wait_for_events()
                 try:
                     self._event_wakeup.get(timeout=_left(deadline))
@@ -783,18 +814,21 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         call.
 
         With *drain* (seconds), the stage drains first: it refuses new adds (also those of
-        other threads of this client, which raise ``StageClosedError`` at once), answers
-        utilities, and lets its live requests run to completion, delivered to their streams
-        as usual; then it stops. Requests still live after *drain* seconds are aborted and
-        their streams raise :class:`~enginecore.stage.RequestError`. The wait is then at most
-        *drain* + *timeout*. :class:`ValueError` for a negative drain, before anything.
+        other threads of this client, which raise ``StageClosedError`` at once, as their
+        utility calls and aborts do), answers the utilities sent before, and lets its live
+        requests run to completion, delivered to their streams as usual; then it stops.
+        Requests still live after *drain* seconds are aborted and their streams raise
+        :class:`~enginecore.stage.RequestError`. The wait is then at most *drain* +
+        *timeout*. :class:`ValueError` for a negative drain or *timeout* (or one that is
+        not finite), :class:`TypeError` for one that is not a number, before anything.
 
         Blocks; thread-safe; idempotent (a second call waits for the first). Called
         from a future's done-callback (which runs on the thread reading the stage's events:
         the client's receiver thread, or a thread blocked in :meth:`call_utility`), it
         cannot wait there: it starts the close in the background and returns ``None``.
         """
-        _session.shutdown_frame(drain)  # a bad drain raises before anything
+        _session.check_shutdown_timeout(timeout)  # a bad timeout or drain raises before
+        _session.shutdown_frame(drain)  # anything
         return self._close(stop_stage=True, timeout=timeout, drain=drain)
 
     def close(self) -> None:
@@ -951,6 +985,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             sink()
 
     def _rx_main(self) -> None:
+        if self._own_lock:
+            _tls.reads = self._lock
         try:
             self._rx_loop()
         except BaseException as exc:
@@ -1174,6 +1210,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         the wake pipe (close, death) or the process sentinel fires. Then give the socket
         back, whatever happens (an interrupt, above all)."""
         self._reader = threading.get_ident()
+        reads = getattr(_tls, "reads", None)
+        if self._own_lock:
+            _tls.reads = self._lock
         try:
             end = time.monotonic() + _BORROW_MAX_S
             if deadline is not None and deadline < end:
@@ -1193,6 +1232,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 if len(ready) > 1 or ready[0][0] is not pull:
                     return  # close(), death or the process's exit: the receiver's job
         finally:
+            _tls.reads = reads
             self._reader = None
             self._give_back(waiter)
 

@@ -391,6 +391,16 @@ def check_heartbeat(interval: float, timeout: float) -> tuple[float, float]:
     return interval, timeout
 
 
+def check_connect(address: object, timeout: object) -> None:
+    """``connect()``'s *address* (a ``str``: :class:`TypeError`) and handshake *timeout*
+    (:func:`~._errors.positive_seconds`), checked before any socket is made."""
+    if not isinstance(address, str):
+        raise TypeError(
+            f"address must be a str such as 'tcp://127.0.0.1:5570', got {type(address).__name__}"
+        )
+    positive_seconds(timeout, "timeout")
+
+
 def raise_startup_error(factory: str, exc: BaseException) -> NoReturn:
     """Raise what ``launch()`` raises when the handshake with a started stage failed."""
     if isinstance(exc, Exception) and not isinstance(exc, StageStartupError):
@@ -417,14 +427,15 @@ def dealer_for(
     (:data:`~._curve.HANDSHAKE_EVENTS`), attached before the connect so that no event is
     missed: :func:`handshake_watch` reads it."""
     dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.ROUTING_ID, routing_id())
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.SNDHWM, 0)  # sends never block; death is detected elsewhere
-    dealer.setsockopt(zmq.IPV6, is_ipv6_endpoint(address))
-    if curve is not None:
-        secure_client(dealer, curve)
-    monitor = dealer.get_monitor_socket(HANDSHAKE_EVENTS) if watch else None
+    monitor = None
     try:
+        dealer.setsockopt(zmq.ROUTING_ID, routing_id())
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDHWM, 0)  # sends never block; death is detected elsewhere
+        dealer.setsockopt(zmq.IPV6, is_ipv6_endpoint(address))
+        if curve is not None:
+            secure_client(dealer, curve)
+        monitor = dealer.get_monitor_socket(HANDSHAKE_EVENTS) if watch else None
         dealer.connect(address)
     except BaseException:
         # Closed here: the caller never gets them, and its context's term() would wait

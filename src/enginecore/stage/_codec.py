@@ -230,17 +230,17 @@ def _prepare(value: object, path: str, depth: int) -> object:
         if t is np.ndarray:
             return _prepare_array(np, value, path)
         if isinstance(value, np.generic):
-            if isinstance(value, (np.datetime64, np.timedelta64, np.void)):
-                # .item() would give an int for ns units, None for NaT, a tuple for a
-                # structured scalar: a silently different value.
-                raise TypeError(
-                    f"{path}: numpy scalar of type {t.__name__} is not wire-encodable "
-                    f"(send it inside an array, or convert it yourself)"
-                )
-            item = cast(Any, value).item()
-            if type(item) is t:  # .item() gave the numpy scalar back (np.void, np.object_)
-                raise TypeError(f"{path}: numpy scalar of type {t.__name__} is not wire-encodable")
-            return _prepare(item, path, depth)
+            # datetime64/timedelta64: .item() would give an int for ns units, None for NaT;
+            # void: a tuple for a structured scalar: a silently different value.
+            if not isinstance(value, (np.datetime64, np.timedelta64, np.void)):
+                item = cast(Any, value).item()
+                # Not the numpy scalar back (longdouble) nor a complex: name the numpy type.
+                if type(item) is not t and type(item) is not complex:
+                    return _prepare(item, path, depth)
+            raise TypeError(
+                f"{path}: numpy scalar of type {t.__name__} is not wire-encodable "
+                f"(send it inside an array, or convert it yourself)"
+            )
     raise TypeError(
         f"{path}: {t.__module__}.{t.__qualname__} is not wire-encodable; the wire carries "
         f"None, bool, int, float, str, bytes, bytearray, memoryview, numpy arrays and "

@@ -137,6 +137,16 @@ def shutdown_frame(drain: float | None) -> Parts:
     return [encode_plain(("shutdown", float(drain)), "shutdown")]
 
 
+def check_shutdown_timeout(timeout: float) -> None:
+    """:class:`TypeError` unless *timeout* (``shutdown(timeout=)``) is a number,
+    :class:`ValueError` unless it is a finite number of seconds >= 0: checked before
+    anything is sent, as the drain is."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not 0 <= timeout < float("inf"):
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+
+
 # Exact types of a value that needs no conversion; msgspec checks the int range itself.
 _FLAT: Final = _codec.FLAT_TYPES
 # Exact types that need not even that (prepare() would return them unchanged).
