@@ -688,6 +688,19 @@ class TestClose:
         assert client.shutdown() == 0
         assert [f.result(0) for f in futures] == [float(i) for i in range(20)]
 
+    @pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), "5", None])
+    def test_an_invalid_shutdown_timeout_raises_before_anything(
+        self, stage_client: StageClient, timeout: Any
+    ) -> None:
+        # Before, -1 sent SIGTERM at once ("ignored shutdown"), and NaN, inf or a str raised
+        # an unrelated error halfway through the close (the asyncio client's, again at
+        # every later shutdown(), with a "never awaited" warning).
+        error = ValueError if isinstance(timeout, float) else TypeError
+        with pytest.raises(error, match="timeout must be a"):
+            stage_client.shutdown(timeout)
+        assert stage_client.call_utility("echo", 1, timeout=5) == [1]
+        assert stage_client.shutdown() == 0
+
     def test_waiters_get_closed_error(self, stage_client: StageClient) -> None:
         stream = stage_client.add("long", 10_000_000)
         stream.get(5)

@@ -1036,6 +1036,21 @@ def test_shutdown_with_drain_finishes_live_requests(launch: Open) -> None:
         assert s.collect(10)[-1] == 0
 
 
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), "5"])
+def test_an_invalid_shutdown_timeout_raises_before_any_replica_stops(
+    launch: Open, timeout: Any
+) -> None:
+    # Before, the pool closed anyway: each replica's shutdown refused the timeout (a
+    # warning in the log), and the stage processes were left running, unowned.
+    pool = launch(replicas=2)
+    error = ValueError if isinstance(timeout, float) else TypeError
+    with pytest.raises(error, match="timeout must be a"):
+        pool.shutdown(timeout)
+    assert all(r.state is ReplicaState.SERVING for r in pool.replicas)
+    assert pool.add("after", 2).collect(10) == [1, 0]
+    assert list(pool.shutdown().values()) == [0, 0]
+
+
 def test_a_failed_start_leaves_nothing(pools: tuple[Open, Open]) -> None:
     launch, _ = pools
     from enginecore.stage import StageStartupError

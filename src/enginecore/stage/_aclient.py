@@ -621,7 +621,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         only the wait: the shutdown goes on in a task of its own, and a later call waits for
         it; if the event loop ends first, the stage is killed (SIGKILL) and reaped.
         """
-        _session.shutdown_frame(drain)  # a bad drain raises before anything
+        _session.check_shutdown_timeout(timeout)  # a bad timeout or drain raises before
+        _session.shutdown_frame(drain)  # anything is sent
         return await self._close(stop_stage=True, timeout=timeout, drain=drain)
 
     async def close(self) -> None:

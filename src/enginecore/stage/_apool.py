@@ -730,7 +730,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         Cancelling the call cancels only the wait: the shutdown goes on in a task of its
         own (every stream still ends), and a later call waits for it and returns or raises
         as it does; replicas still running when the event loop ends are killed."""
-        _session.shutdown_frame(drain)  # a bad drain raises before anything
+        _session.check_shutdown_timeout(timeout)  # a bad timeout or drain raises before
+        _session.shutdown_frame(drain)  # anything is stopped
         return await self._close(stop=True, timeout=timeout, drain=drain)
 
     async def close(self) -> None:

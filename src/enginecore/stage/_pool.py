@@ -973,7 +973,8 @@ class StagePool(PoolBase[PoolRequestStream]):
         once, with *drain* if given; return ``{replica: exit code}``. Pending calls and
         streams then raise :class:`~enginecore.stage.StageClosedError` (or keep the error
         they had). Blocks; idempotent."""
-        _session.shutdown_frame(drain)  # a bad drain raises before anything
+        _session.check_shutdown_timeout(timeout)  # a bad timeout or drain raises before
+        _session.shutdown_frame(drain)  # anything is stopped
         return self._close(stop=True, timeout=timeout, drain=drain)
 
     def close(self) -> None:
