@@ -701,6 +701,19 @@ class TestClose:
         assert stage_client.call_utility("echo", 1, timeout=5) == [1]
         assert stage_client.shutdown() == 0
 
+    def test_a_utilitys_own_loop_ended_error_reaches_its_caller(
+        self, stage_client: StageClient
+    ) -> None:
+        # The stage drops the loop's answers to calls it never applied (rule 17) and ends
+        # those calls its own way; it told them apart by their text, so a utility's own
+        # LoopEndedError that read the same was dropped, and its caller waited until its
+        # timeout.
+        message = "the engine loop ended before it applied utility 'mimic' (call 1)"
+        with pytest.raises(UtilityError, match="LoopEndedError") as info:
+            stage_client.call_utility("raise_loop_ended", message, timeout=10)
+        assert "applied utility 'mimic'" in str(info.value)
+        assert stage_client.call_utility("echo", 1, timeout=5) == [1]
+
     def test_waiters_get_closed_error(self, stage_client: StageClient) -> None:
         stream = stage_client.add("long", 10_000_000)
         stream.get(5)

@@ -52,7 +52,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
 from .._engine import CountdownEngine
-from .._exceptions import RequestRejected
+from .._exceptions import LoopEndedError, RequestRejected
 from ._edge import NOTHING
 
 __all__ = [
@@ -117,6 +117,9 @@ class ScriptedEngine(CountdownEngine):
     - ``log`` -> the list of ``"add <rid>"`` / ``"abort <rid>"`` calls seen, in order (a
       rejected ``add`` is logged too: the engine saw it).
     - ``echo`` -> its arguments, as a list.
+    - ``raise_loop_ended(message)`` -> raises ``LoopEndedError(message)``: the utility's own
+      error, which the caller must get even when it reads like the loop's answer to a call
+      it never applied.
     - ``fail_next_add`` -> the next ``add()`` raises ``RuntimeError("scripted add failure")``:
       not a :class:`~enginecore.RequestRejected`, so fatal, in a stage too.
     - ``reject(rid, message, last=False)`` -> the next output of *rid* is routed with the
@@ -192,6 +195,8 @@ class ScriptedEngine(CountdownEngine):
             return list(self.log)
         if name == "echo":
             return list(args)
+        if name == "raise_loop_ended":
+            raise LoopEndedError(args[0])
         if name == "fail_next_add":
             self._fail_next_add = True
             return None
