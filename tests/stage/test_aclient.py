@@ -22,7 +22,7 @@ import pytest
 
 from enginecore.stage import AsyncStageClient, StageClosedError, StageStartupError, _clientbase
 
-from .conftest import SCRIPTED, child_pids, pid_gone, wait_until
+from .conftest import SCRIPTED, EventLoopThread, child_pids, pid_gone, wait_until
 
 SLEEPING = "enginecore.stage.testing:sleeping_factory"
 DEVICE = "enginecore.stage.testing:device"
@@ -418,6 +418,45 @@ class TestEventLoop:
             assert got == [0, 1, 2]
 
         run_with_stage(body, ordered_events=True)
+
+
+class TestAnotherEventLoop:
+    @pytest.mark.timeout(60)
+    def test_a_wait_on_another_loop_raises_at_once(self, no_leftovers: str) -> None:
+        # A call awaited on another loop failed with asyncio's "attached to a different
+        # loop" (naming no client); a stream read there waited on a future that the
+        # client's loop set from its thread: woken late, by chance, or never.
+        runner = EventLoopThread()
+        client = runner.run(AsyncStageClient.launch(SCRIPTED, ordered_events=True))
+        try:
+            # Each step sleeps 2 s first: neither the stream nor the events have anything
+            # yet, so each read below has to wait.
+            runner.run(client.call_utility("pace", 2.0, timeout=5))
+            stream = runner.run(client.add("r1", 3))
+            runner.run(client.get_events(timeout=5))  # the answer to "pace": none is left
+
+            async def elsewhere() -> None:
+                calls = [
+                    client.call_utility("echo", 1, timeout=5),
+                    client.stats(timeout=5),
+                    client.get_events(timeout=5),
+                    stream.collect(timeout=5),
+                    client.shutdown(),
+                ]
+                for call in calls:
+                    with pytest.raises(RuntimeError, match="belongs to another event loop"):
+                        await call
+
+            asyncio.run(elsewhere())
+            # Nothing was taken or stopped: on its own loop, the client serves on.
+            assert runner.run(stream.collect(timeout=30)) == [2, 1, 0]
+            assert runner.run(client.call_utility("echo", 2, timeout=5)) == [2]
+            assert runner.run(client.shutdown()) == 0
+        finally:
+            try:
+                runner.run(client.shutdown())
+            finally:
+                runner.stop()
 
 
 class TestOneReaderPerStream:

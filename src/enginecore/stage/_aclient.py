@@ -52,6 +52,15 @@ __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 logger = logging.getLogger("enginecore.stage")
 
 
+def _other_loop(what: str) -> RuntimeError:
+    owner = "this AsyncStageClient" if what == "client" else "this AsyncStageClient's stream"
+    return RuntimeError(
+        f"{owner} belongs to another event loop: use the client, and its streams, from the "
+        f"loop it was opened on (its stage's events are handled there); from other "
+        f"threads, use a StageClient"
+    )
+
+
 class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
     """The outputs of one request, in order, as an async iterator. Returned by
     :meth:`AsyncStageClient.add` and :meth:`AsyncStageClient.add_many`.
@@ -129,8 +138,12 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
                 f"request {self.req_id!r}: another task is already waiting on this stream; "
                 "read a stream from one task at a time"
             )
+        loop = asyncio.get_running_loop()
+        owner = getattr(self._lock, "loop", loop)  # its client's (a pipeline's: no loop)
+        if owner is not loop:
+            raise _other_loop("stream")
         while not self._take(wait=True):
-            self._wakeup = wakeup = asyncio.get_running_loop().create_future()
+            self._wakeup = wakeup = loop.create_future()
             try:
                 if not await _until(wakeup, deadline):
                     return self._take(wait=False)
@@ -166,8 +179,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._dealer: zmq.asyncio.Socket
         self._pull: zmq.asyncio.Socket
         self._dealer, self._pull = socks
-        self._lock = _session.NO_LOCK  # one thread: nothing to guard against
         self._loop = asyncio.get_running_loop()
+        # One thread: nothing to guard against; its streams' waits check their loop by it.
+        self._lock = _session.LoopLock(self._loop)
         # A plain view of the same socket, for sending without a future (the DEALER has no
         # high-water mark: a send never waits).
         self._dealer_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._dealer.underlying)
@@ -494,6 +508,13 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         """
         self._send_abort(req_ids)
 
+    def _on_its_loop(self) -> None:
+        """:class:`RuntimeError` unless called on the client's event loop: elsewhere, a
+        wait would be on a future that the client's loop sets from another thread (late,
+        or never), or asyncio would refuse it with a message that names no client."""
+        if asyncio.get_running_loop() is not self._loop:
+            raise _other_loop("client")
+
     # -- utilities ---------------------------------------------------------------------------
 
     async def call_utility(self, name: str, /, *args: Any, timeout: float | None = None) -> Any:
@@ -525,6 +546,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     async def _call(
         self, name: str, args: tuple[Any, ...], timeout: float | None, *, stats: bool = False
     ) -> Any:
+        self._on_its_loop()
         future: asyncio.Future[Any] = self._loop.create_future()
         call_id = self._start_call(name, args, future, stats=stats)
         try:
@@ -576,6 +598,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                 return _session.events_before_end(out, StopAsyncIteration)
             if session.events_end is not None:
                 _session.raise_end(session.events_end, StopAsyncIteration)
+            self._on_its_loop()
             wakeup: asyncio.Future[None] = self._loop.create_future()
             self._event_waiters.append(wakeup)
             session.wait_for_events()
@@ -645,6 +668,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     async def _close(
         self, *, stop_stage: bool, timeout: float, drain: float | None = None
     ) -> int | None:
+        self._on_its_loop()
         if self._closing.unstarted():
             alive = self._begin_close(stop_stage, drain)
             self._closing.start(self._shut_down(alive, stop_stage, timeout, drain))

@@ -232,6 +232,17 @@ NO_LOCK: Final = contextlib.nullcontext()
 """The lock of a stream (and client) that lives on one thread: the asyncio client's."""
 
 
+class LoopLock(contextlib.nullcontext):  # type: ignore[type-arg]
+    """The lock of an asyncio client's streams: :data:`NO_LOCK`'s nothing (one thread),
+    and the event loop the client runs on (:attr:`loop`), which a stream's wait checks
+    for: on another loop it would wait on a future that the client's loop sets from
+    another thread (late, or never). It costs a stream nothing: it is the client's."""
+
+    def __init__(self, loop: object) -> None:
+        super().__init__()
+        self.loop = loop
+
+
 _SC = TypeVar("_SC", bound="StreamCore")
 
 
