@@ -1051,6 +1051,38 @@ def test_an_invalid_shutdown_timeout_raises_before_any_replica_stops(
     assert list(pool.shutdown().values()) == [0, 0]
 
 
+@pytest.mark.timeout(90)
+def test_an_async_pool_awaited_on_another_loop_raises_at_once(no_leftovers: str) -> None:
+    # A replica's call failed with its client's error (a broadcast or stats() returned it
+    # per replica), and a shutdown() failed for every replica and left them running.
+    runner = EventLoopThread()
+    pool: AsyncStagePool = runner.run(AsyncStagePool.launch(DEVICE, replicas=2))
+    try:
+        r0 = pool.replicas[0]
+
+        async def elsewhere() -> None:
+            calls = [
+                pool.call_utility("num_requests", timeout=5),
+                pool.call_utility("num_requests", timeout=5, broadcast=True),
+                pool.stats(timeout=5),
+                pool.remove_replica(r0),
+                pool.shutdown(),
+            ]
+            for call in calls:
+                with pytest.raises(RuntimeError, match="AsyncStagePool belongs to another"):
+                    await call
+
+        asyncio.run(elsewhere())
+        assert all(r.state is ReplicaState.SERVING for r in pool.replicas)
+        assert set(runner.run(pool.call_utility("num_requests", broadcast=True)).values()) == {0}
+        assert list(runner.run(pool.shutdown()).values()) == [0, 0]
+    finally:
+        try:
+            runner.run(pool.close())
+        finally:
+            runner.stop()
+
+
 def test_a_failed_start_leaves_nothing(pools: tuple[Open, Open]) -> None:
     launch, _ = pools
     from enginecore.stage import StageStartupError

@@ -289,6 +289,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         return (await self._add_replicas([spec]))[0]
 
     async def _add_replicas(self, specs: list[dict[str, Any]]) -> list[Replica]:
+        self._on_its_loop()
         self._check_open()
         new = [self._core.new_replica(spec) for spec in specs]
         starts = asyncio.gather(*(self._start(r) for r in new), return_exceptions=True)
@@ -496,6 +497,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
                 return _session.events_before_end(out, StopAsyncIteration)
             if self._events_closed:
                 raise StopAsyncIteration
+            self._on_its_loop()
             wakeup: asyncio.Future[None] = self._loop.create_future()
             self._event_waiters.append(wakeup)
             self._events_waiting = True
@@ -519,6 +521,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     ) -> Any:
         """:meth:`StagePool.call_utility <enginecore.stage.StagePool.call_utility>`,
         awaited."""
+        self._on_its_loop()
         if broadcast:
             if replica is not None:
                 raise TypeError("call_utility() takes replica= or broadcast=True, not both")
@@ -538,6 +541,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     ) -> dict[Replica, StageStatistics | Exception]:
         """:meth:`StagePool.stats <enginecore.stage.StagePool.stats>`, awaited (the
         replicas answer at once)."""
+        self._on_its_loop()
         _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
         if self._core.closing:
             raise StageClosedError("this stage pool is closed")
@@ -549,11 +553,24 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
 
     # -- membership --------------------------------------------------------------------------
 
+    def _on_its_loop(self) -> None:
+        """:class:`RuntimeError` unless called on the pool's event loop: elsewhere, a wait
+        would be on a future its loop sets from another thread, a replica's call would
+        fail with its client's error, and a close would fail for every replica, leaving
+        them running."""
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError(
+                "this AsyncStagePool belongs to another event loop: use the pool, and its "
+                "streams, from the loop it was opened on (its replicas' events are handled "
+                "there); from other threads, use a StagePool"
+            )
+
     async def remove_replica(
         self, replica: Replica, *, drain: bool = True, timeout: float = 30.0
     ) -> int | None:
         """:meth:`StagePool.remove_replica <enginecore.stage.StagePool.remove_replica>`,
         awaited."""
+        self._on_its_loop()
         timeout = removal_timeout(timeout)
         if replica not in self._core.replicas:
             raise ValueError(f"{replica!r} is not in this pool")
@@ -753,6 +770,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def _close(
         self, *, stop: bool, timeout: float, drain: float | None
     ) -> dict[Replica, int | None]:
+        self._on_its_loop()
         if self._closing.unstarted():
             self._core.begin_close()
             self._closed.set()
