@@ -942,7 +942,9 @@ def authorize_clients(
         try:
             refs = [stage.actor.authorize.remote(_with_links(stage, checked)) for stage in stages]
             ray.get(refs, timeout=timeout)
-        except SystemExit:  # Ray's answer to a call under way at a ray.shutdown()
+        except (SystemExit, Exception):
+            # Ray's answer to a call under way at a ray.shutdown(): SystemExit, or the
+            # actor's death with its owner (ActorDiedError), not an error of the stage's.
             if ray.is_initialized():
                 raise
             _shut_down()
@@ -988,7 +990,15 @@ async def _answers(refs: list[Any], timeout: float, late: str) -> list[Any]:
                 raise TimeoutError(late)
             done, _ = await asyncio.wait({gathered}, timeout=min(left, _PLACE_POLL))
             if done:
-                return gathered.result()
+                try:
+                    return gathered.result()
+                except Exception:
+                    # Ray's answer to a call under way at a ray.shutdown(): the actor died
+                    # with its owner (ActorDiedError), not an error of the stage's.
+                    if ray.is_initialized():
+                        raise
+                    _shut_down()
+                    raise EngineDeadError(_SHUT_DOWN) from None
     finally:
         if not gathered.done():
             gathered.cancel()
@@ -1082,7 +1092,7 @@ def grant_links(target: Any, keys: Sequence[bytes], *, timeout: float = _AUTHORI
         raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
     try:
         ray.get(stage.actor.authorize.remote(_with_links(stage, admitted)), timeout=timeout)
-    except SystemExit:  # Ray's answer to a call under way at a ray.shutdown()
+    except (SystemExit, Exception):  # as authorize_clients: a ray.shutdown() under way
         if ray.is_initialized():
             raise
         _shut_down()
