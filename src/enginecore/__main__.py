@@ -405,6 +405,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     remote_ok = curve is not None or args.insecure
     remote = _check_address(parser, args.bind, remote_ok)
     output = args.output_bind or _default_output(args.bind)
+    if output == args.bind and not output.endswith(":*"):
+        # tcp: the second bind fails once the engine is built; ipc: the output socket
+        # takes the path over, and no client reaches the input socket.
+        parser.error(f"--output-bind must differ from --bind, got {output!r} for both")
     remote = _check_address(parser, output, remote_ok) or remote
     if remote and curve is None:
         print(

@@ -968,6 +968,17 @@ class TestServeCommandLine:
         assert message in result.stderr
         assert "Traceback" not in result.stderr
 
+    @pytest.mark.parametrize("address", ["tcp://127.0.0.1:5571", "ipc:///tmp/ec-same"])
+    def test_the_same_address_for_both_sockets_is_a_usage_error(self, address: str) -> None:
+        # tcp: "Address already in use" for the output socket, after the engine was built;
+        # ipc: the output socket took the path over from the input socket, and the stage
+        # announced itself on a path where no client could reach it.
+        result = self._run(
+            "serve", "--engine", SCRIPTED, "--bind", address, "--output-bind", address
+        )
+        assert result.returncode == 2, result.stderr
+        assert "--output-bind must differ from --bind" in result.stderr
+
     def test_a_usage_error_shows_the_usage_of_serve(self) -> None:
         # It showed the top-level usage ("python -m enginecore [-h] {serve,top,keygen}").
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
