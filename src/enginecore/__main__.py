@@ -486,6 +486,13 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except StageBindError as exc:
         print(f"python -m enginecore serve: the stage failed to start: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        print(
+            "python -m enginecore serve: stdout was closed before the ready line could be "
+            "printed; stopped",
+            file=sys.stderr,
+        )
+        return 1
     except Exception:
         print("python -m enginecore serve: the stage failed to start:", file=sys.stderr)
         traceback.print_exc()

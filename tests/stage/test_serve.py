@@ -827,6 +827,28 @@ class TestServeSignals:
         srv.proc.send_signal(signal.SIGHUP)
         assert srv.stop() == 0  # no_leftovers: no socket file left
 
+    def test_a_stdout_closed_before_the_ready_line_stops_it_cleanly(
+        self, no_leftovers: str
+    ) -> None:
+        # The print raised BrokenPipeError out of serve: a traceback, and the ipc socket
+        # files left behind (the stage's sockets were bound, its teardown never ran).
+        read, write = os.pipe()
+        os.close(read)  # before the child can print: it imports for a while first
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "enginecore", "serve", "--engine", SCRIPTED,
+                 "--bind", f"ipc://{no_leftovers}/stage"],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        finally:
+            os.close(write)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 1, stderr
+        assert "stdout was closed before the ready line" in stderr
+        assert "Traceback" not in stderr  # no_leftovers: no socket file left
+
     def test_an_idle_serve_stops_at_once(self) -> None:
         # Issue 8: an idle serve took 1.07 s to stop, waiting to flush its "shutdown" event
         # to nobody. Measured ~0.03 s now (the goal is < 0.2 s; the bound leaves room for a

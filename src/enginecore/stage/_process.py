@@ -277,7 +277,14 @@ def serve(
             shutdown_on_signals(drainer or runtime.loop, stop_signals),
             contextlib.nullcontext() if reload is None else reload.on_sighup(),
         ):
-            ready(runtime.input_address, runtime.output_address)
+            try:
+                ready(runtime.input_address, runtime.output_address)
+            except BaseException:
+                # (A stdout closed before the ready line.) Nobody learns the address: stop,
+                # and close the sockets (the ipc files go) before the error propagates.
+                runtime.loop.request_shutdown()
+                runtime.run()
+                raise
             code = runtime.run()
     finally:
         if drainer is not None:
