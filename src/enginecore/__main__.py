@@ -256,6 +256,9 @@ def _parser() -> argparse.ArgumentParser:
     keygen.add_argument(
         "--name", default="enginecore", help="the files' base name (default: %(default)s)"
     )
+    # A usage error found after parsing shows the usage of its own command.
+    for command in (serve, top, keygen):
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -318,17 +321,9 @@ def _log_level(text: str) -> int | str:
 def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: bool) -> bool:
     """Exit with a usage error for a bad address, or a non-loopback one unless
     *allow_remote*; return whether *address* is remote (not loopback, not ipc)."""
-    if address.startswith("ipc://"):
-        if len(address) <= len("ipc://"):
-            parser.error(f"empty ipc path in {address!r}")
+    host = _check_syntax(parser, address, bind=True)
+    if host is None:
         return False
-    if not address.startswith("tcp://"):
-        parser.error(f"address must start with tcp:// or ipc://, got {address!r}")
-    rest = address[len("tcp://") :]
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not (port == "*" or port.isdigit()):
-        parser.error(f"tcp address must look like tcp://HOST:PORT, got {address!r}")
-    host = host.strip("[]")
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -340,6 +335,32 @@ def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: 
             f"--authorized-clients DIR (docs/security.md), or --insecure to do it anyway"
         )
     return not loopback
+
+
+def _check_syntax(parser: argparse.ArgumentParser, address: str, *, bind: bool) -> str | None:
+    """Exit with a usage error unless *address* is ``ipc://PATH`` or ``tcp://HOST:PORT``
+    (PORT ``*`` or 0 to bind, 1 to 65535 to connect; an IPv6 HOST in brackets): libzmq
+    takes a port past 65535 modulo 65536, and reads ``tcp://::1:5570`` as an interface
+    name. Return HOST (brackets stripped), ``None`` for ipc."""
+    if address.startswith("ipc://"):
+        if len(address) <= len("ipc://"):
+            parser.error(f"empty ipc path in {address!r}")
+        return None
+    if not address.startswith("tcp://"):
+        parser.error(f"address must start with tcp:// or ipc://, got {address!r}")
+    rest = address[len("tcp://") :]
+    host, sep, port = rest.rpartition(":")
+    numeric = port.isascii() and port.isdigit()
+    if not sep or not host or not (port == "*" or numeric):
+        parser.error(f"tcp address must look like tcp://HOST:PORT, got {address!r}")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if ":" in host and not bracketed:
+        parser.error(f"an IPv6 address goes in brackets: tcp://[{host}]:{port}, got {address!r}")
+    lowest = 0 if bind else 1
+    if not (numeric and lowest <= int(port) <= 65535) and not (bind and port == "*"):
+        ports = "0 to 65535 or *" if bind else "1 to 65535"
+        parser.error(f"a port is {ports}, got {address!r}")
+    return host[1:-1] if bracketed else host
 
 
 def _default_output(bind: str) -> str:
@@ -384,6 +405,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     remote_ok = curve is not None or args.insecure
     remote = _check_address(parser, args.bind, remote_ok)
     output = args.output_bind or _default_output(args.bind)
+    if output == args.bind and not output.endswith(":*"):
+        # tcp: the second bind fails once the engine is built; ipc: the output socket
+        # takes the path over, and no client reaches the input socket.
+        parser.error(f"--output-bind must differ from --bind, got {output!r} for both")
     remote = _check_address(parser, output, remote_ok) or remote
     if remote and curve is None:
         print(
@@ -461,6 +486,13 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except StageBindError as exc:
         print(f"python -m enginecore serve: the stage failed to start: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        print(
+            "python -m enginecore serve: stdout was closed before the ready line could be "
+            "printed; stopped",
+            file=sys.stderr,
+        )
+        return 1
     except Exception:
         print("python -m enginecore serve: the stage failed to start:", file=sys.stderr)
         traceback.print_exc()
@@ -512,12 +544,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m enginecore``; returns the exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
+    command_parser: argparse.ArgumentParser = args.command_parser
     if args.command == "serve":
-        return _serve(parser, args)
+        return _serve(command_parser, args)
     if args.command == "top":
         from ._top import main as top
 
-        curve = _top_curve(parser, args)
+        for address in args.addresses:
+            _check_syntax(command_parser, address, bind=False)
+        curve = _top_curve(command_parser, args)
         return top(args.addresses, interval=args.interval, once=args.once, curve=curve)
     if args.command == "keygen":
         return _keygen(args)

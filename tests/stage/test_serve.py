@@ -820,6 +820,35 @@ class TestServeSignals:
             assert proc.returncode == 0, stderr
             assert "Traceback" not in stderr
 
+    def test_sighup_without_curve_stops_it_cleanly(self, no_leftovers: str) -> None:
+        # SIGHUP reloads the authorized keys of a CURVE stage; without CURVE it kept its
+        # default action: exit -1 (129 in a shell), the ipc socket files left behind.
+        srv = Server("--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/stage")
+        srv.proc.send_signal(signal.SIGHUP)
+        assert srv.stop() == 0  # no_leftovers: no socket file left
+
+    def test_a_stdout_closed_before_the_ready_line_stops_it_cleanly(
+        self, no_leftovers: str
+    ) -> None:
+        # The print raised BrokenPipeError out of serve: a traceback, and the ipc socket
+        # files left behind (the stage's sockets were bound, its teardown never ran).
+        read, write = os.pipe()
+        os.close(read)  # before the child can print: it imports for a while first
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "enginecore", "serve", "--engine", SCRIPTED,
+                 "--bind", f"ipc://{no_leftovers}/stage"],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        finally:
+            os.close(write)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 1, stderr
+        assert "stdout was closed before the ready line" in stderr
+        assert "Traceback" not in stderr  # no_leftovers: no socket file left
+
     def test_an_idle_serve_stops_at_once(self) -> None:
         # Issue 8: an idle serve took 1.07 s to stop, waiting to flush its "shutdown" event
         # to nobody. Measured ~0.03 s now (the goal is < 0.2 s; the bound leaves room for a
@@ -941,6 +970,45 @@ class TestServeCommandLine:
         assert result.returncode == 1
         assert "Traceback" not in result.stderr
         assert f"cannot bind the input socket to {address!r}" in result.stderr
+
+    @pytest.mark.parametrize("option", ["--bind", "--output-bind"])
+    @pytest.mark.parametrize(
+        ("address", "message"),
+        [
+            # libzmq took the port modulo 65536: 99999 listened on 34463, silently.
+            ("tcp://127.0.0.1:99999", "a port is 0 to 65535 or *"),
+            ("tcp://127.0.0.1:65536", "a port is 0 to 65535 or *"),
+            # "No such device", exit 1, after the engine was built.
+            ("tcp://::1:5570", "an IPv6 address goes in brackets: tcp://[::1]:5570"),
+        ],
+    )
+    def test_a_bad_tcp_address_is_a_usage_error(
+        self, option: str, address: str, message: str
+    ) -> None:
+        result = self._run("serve", "--engine", SCRIPTED, option, address)
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr
+        assert "Traceback" not in result.stderr
+
+    @pytest.mark.parametrize("address", ["tcp://127.0.0.1:5571", "ipc:///tmp/ec-same"])
+    def test_the_same_address_for_both_sockets_is_a_usage_error(self, address: str) -> None:
+        # tcp: "Address already in use" for the output socket, after the engine was built;
+        # ipc: the output socket took the path over from the input socket, and the stage
+        # announced itself on a path where no client could reach it.
+        result = self._run(
+            "serve", "--engine", SCRIPTED, "--bind", address, "--output-bind", address
+        )
+        assert result.returncode == 2, result.stderr
+        assert "--output-bind must differ from --bind" in result.stderr
+
+    def test_a_usage_error_shows_the_usage_of_serve(self) -> None:
+        # It showed the top-level usage ("python -m enginecore [-h] {serve,top,keygen}").
+        result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
+        assert result.returncode == 2
+        assert "usage: python -m enginecore serve" in result.stderr
+        assert "python -m enginecore serve: error: --kwargs must be a JSON object" in (
+            result.stderr
+        )
 
     def test_missing_command_prints_usage(self) -> None:
         result = self._run()

@@ -145,6 +145,29 @@ class TestOnce:
         assert "needs a terminal" in out.stderr
         assert "--once" in out.stderr
 
+    @pytest.mark.parametrize(
+        ("address", "message"),
+        [
+            # An unreachable row and libzmq's "foo: Invalid argument" under it, exit 1.
+            ("foo", "address must start with tcp:// or ipc://"),
+            # libzmq took the port modulo 65536: 99999 read the stage on port 34463.
+            ("tcp://127.0.0.1:99999", "a port is 1 to 65535"),
+            ("tcp://::1:5570", "an IPv6 address goes in brackets: tcp://[::1]:5570"),
+            ("tcp://127.0.0.1:*", "a port is 1 to 65535"),
+        ],
+    )
+    def test_a_bad_address_is_a_usage_error(self, address: str, message: str) -> None:
+        out = subprocess.run(
+            [*TOP, address, "--once", "--interval", "0.1"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr
+        assert "unreachable" not in out.stdout
+
     @pytest.mark.parametrize("interval", ["0", "-1", "nan", "x"])
     def test_a_bad_interval_is_a_usage_error(self, interval: str) -> None:
         out = subprocess.run(

@@ -268,11 +268,23 @@ def serve(
         # once), not a default death (exit -15) or a KeyboardInterrupt traceback.
         drainer = None if drain_timeout is None else _DrainFirst(runtime, drain_timeout)
         reload = None if curve is None else _KeyReload(runtime, curve)
+        # SIGHUP reloads the keys of a CURVE stage; without CURVE there is nothing to
+        # reload, and its default action (death) would leave the ipc socket files behind.
+        stop_signals = (signal.SIGTERM, signal.SIGINT) + (
+            (signal.SIGHUP,) if reload is None else ()
+        )
         with (
-            shutdown_on_signals(drainer or runtime.loop, (signal.SIGTERM, signal.SIGINT)),
+            shutdown_on_signals(drainer or runtime.loop, stop_signals),
             contextlib.nullcontext() if reload is None else reload.on_sighup(),
         ):
-            ready(runtime.input_address, runtime.output_address)
+            try:
+                ready(runtime.input_address, runtime.output_address)
+            except BaseException:
+                # (A stdout closed before the ready line.) Nobody learns the address: stop,
+                # and close the sockets (the ipc files go) before the error propagates.
+                runtime.loop.request_shutdown()
+                runtime.run()
+                raise
             code = runtime.run()
     finally:
         if drainer is not None:
