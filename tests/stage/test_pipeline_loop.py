@@ -20,7 +20,7 @@ RELAY = "enginecore.stage.testing:relay"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-OTHER_LOOP = "launched on another event loop"
+OTHER_LOOP = "AsyncPipeline belongs to another event loop"
 
 
 @pytest.fixture

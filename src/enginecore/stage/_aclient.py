@@ -52,15 +52,6 @@ __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 logger = logging.getLogger("enginecore.stage")
 
 
-def _other_loop(what: str) -> RuntimeError:
-    owner = "this AsyncStageClient" if what == "client" else "this AsyncStageClient's stream"
-    return RuntimeError(
-        f"{owner} belongs to another event loop: use the client, and its streams, from the "
-        f"loop it was opened on (its stage's events are handled there); from other "
-        f"threads, use a StageClient"
-    )
-
-
 class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
     """The outputs of one request, in order, as an async iterator. Returned by
     :meth:`AsyncStageClient.add` and :meth:`AsyncStageClient.add_many`.
@@ -138,10 +129,10 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
                 f"request {self.req_id!r}: another task is already waiting on this stream; "
                 "read a stream from one task at a time"
             )
+        lock = self._lock
+        if isinstance(lock, _session.LoopLock):  # its client's, or its pipeline's
+            _clientbase.check_loop(lock.loop, lock.owner)
         loop = asyncio.get_running_loop()
-        owner = getattr(self._lock, "loop", loop)  # its client's (a pipeline's: no loop)
-        if owner is not loop:
-            raise _other_loop("stream")
         while not self._take(wait=True):
             self._wakeup = wakeup = loop.create_future()
             try:
@@ -181,7 +172,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._dealer, self._pull = socks
         self._loop = asyncio.get_running_loop()
         # One thread: nothing to guard against; its streams' waits check their loop by it.
-        self._lock = _session.LoopLock(self._loop)
+        self._lock = _session.LoopLock(self._loop, "AsyncStageClient")
         # A plain view of the same socket, for sending without a future (the DEALER has no
         # high-water mark: a send never waits).
         self._dealer_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._dealer.underlying)
@@ -509,11 +500,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._send_abort(req_ids)
 
     def _on_its_loop(self) -> None:
-        """:class:`RuntimeError` unless called on the client's event loop: elsewhere, a
-        wait would be on a future that the client's loop sets from another thread (late,
-        or never), or asyncio would refuse it with a message that names no client."""
-        if asyncio.get_running_loop() is not self._loop:
-            raise _other_loop("client")
+        _clientbase.check_loop(self._loop, "AsyncStageClient")
 
     # -- utilities ---------------------------------------------------------------------------
 

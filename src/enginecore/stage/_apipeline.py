@@ -38,20 +38,12 @@ from ._pipelinebase import (
     retry_counts,
     stage_specs,
 )
-from ._session import NO_LOCK
+from ._session import LoopLock
 from ._statistics import StageStatistics
 
 logger = logging.getLogger("enginecore.stage")
 
 __all__ = ["AsyncPipeline", "AsyncPipelineStream"]
-
-
-def _other_loop() -> RuntimeError:
-    return RuntimeError(
-        "this AsyncPipeline was launched on another event loop: use it, and its streams, "
-        "from that loop (its stages' events are handled there); from other threads or "
-        "loops, use a Pipeline"
-    )
 
 
 class AsyncPipelineStream(AsyncRequestStream):
@@ -61,14 +53,7 @@ class AsyncPipelineStream(AsyncRequestStream):
     :attr:`aborted`, :attr:`timings`). Read it on the pipeline's event loop: a wait on
     another loop raises :class:`RuntimeError` (it would never be woken)."""
 
-    __slots__ = ("_loop",)
-
-    _loop: asyncio.AbstractEventLoop | None
-
-    async def _wait(self, deadline: float | None) -> bool:
-        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
-            raise _other_loop()
-        return await super()._wait(deadline)
+    __slots__ = ()
 
 
 async def _grant(links: LaunchLinks, key: bytes) -> None:
@@ -116,12 +101,20 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         link_keys: Mapping[tuple[int, int], bytes] | None = None,
     ) -> None:
         # Private: use launch().
+        # The event loop it belongs to (its clients' readers run there): the one it is
+        # launched on. Every coroutine, and its streams' waits, check that they run there
+        # (_on_its_loop; the streams through their lock, a LoopLock).
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # built outside a loop (a test): no check
+            self._loop = None
+        self._streams_lock = LoopLock(self._loop, "AsyncPipeline")
         super().__init__(
             clients,
             names,
             max_in_flight,
             max_bytes,
-            NO_LOCK,
+            self._streams_lock,
             shm_prefix,
             retry,
             replicas,
@@ -140,12 +133,6 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             for r, client in enumerate(stage_clients):
                 client._event_sink = functools.partial(self._take_events, k, r, client)
                 self._take_events(k, r, client)  # anything that came before the sink was set
-        # The event loop it belongs to (its clients' readers run there): the one it is
-        # launched on. Every coroutine checks that it runs there (_on_its_loop).
-        try:
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:  # built outside a loop (a test): no check
-            self._loop = None
 
     @classmethod
     async def launch(
@@ -232,11 +219,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         return await self._admit(list(items), wait, timeout, many=True)
 
     def _on_its_loop(self) -> None:
-        """:class:`RuntimeError` unless called on the pipeline's event loop: elsewhere, an
-        add's stream, a room or an answer would wait on a future its loop never wakes (a
-        hang), or asyncio would refuse it with a message that names no pipeline."""
-        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
-            raise _other_loop()
+        _clientbase.check_loop(self._loop, "AsyncPipeline")
 
     async def _admit(
         self, items: list[tuple[str, Any]], wait: bool, timeout: float | None, many: bool
@@ -264,9 +247,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     room.cancel()
                     self._room_waiters.remove(room)
         now = time.monotonic()
-        streams = [AsyncPipelineStream(rid, NO_LOCK, now) for rid in ids]
-        for stream in streams:
-            stream._loop = self._loop
+        streams = [AsyncPipelineStream(rid, self._streams_lock, now) for rid in ids]
         failed = self._open_and_send(ids, streams, parts, nbytes, many, items)
         if failed is not None:
             self._failed_send(failed)

@@ -554,16 +554,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     # -- membership --------------------------------------------------------------------------
 
     def _on_its_loop(self) -> None:
-        """:class:`RuntimeError` unless called on the pool's event loop: elsewhere, a wait
-        would be on a future its loop sets from another thread, a replica's call would
-        fail with its client's error, and a close would fail for every replica, leaving
-        them running."""
-        if asyncio.get_running_loop() is not self._loop:
-            raise RuntimeError(
-                "this AsyncStagePool belongs to another event loop: use the pool, and its "
-                "streams, from the loop it was opened on (its replicas' events are handled "
-                "there); from other threads, use a StagePool"
-            )
+        _clientbase.check_loop(self._loop, "AsyncStagePool")
 
     async def remove_replica(
         self, replica: Replica, *, drain: bool = True, timeout: float = 30.0

@@ -512,6 +512,23 @@ def escalate(
     yield signal.SIGKILL, None
 
 
+def check_loop(loop: object, owner: str) -> None:
+    """:class:`RuntimeError` unless the running event loop is *loop*, the one the asyncio
+    *owner* (``"AsyncStageClient"``, ``"AsyncStagePool"``, ``"AsyncPipeline"``) was opened
+    on; ``None`` checks nothing (a pipeline built outside a loop, in a test).
+
+    Elsewhere a wait would be on a future that the owner's loop sets from another thread
+    (late, or never: a hang), a call would fail with a message that names no owner, and a
+    close would fail for every stage, leaving them running. The message names the owner's
+    blocking twin, which serves other threads and loops."""
+    if loop is not None and asyncio.get_running_loop() is not loop:
+        raise RuntimeError(
+            f"this {owner} belongs to another event loop: use it, and its streams, from the "
+            f"loop it was opened on (its events are handled there); from other threads or "
+            f"loops, use a {owner.removeprefix('Async')}"
+        )
+
+
 class ClosingTask(Generic[T]):
     """The close of an asyncio client, pool or pipeline: run once, in a task of its own,
     each caller awaiting it through :func:`asyncio.shield`.

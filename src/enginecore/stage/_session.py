@@ -233,14 +233,16 @@ NO_LOCK: Final = contextlib.nullcontext()
 
 
 class LoopLock(contextlib.nullcontext):  # type: ignore[type-arg]
-    """The lock of an asyncio client's streams: :data:`NO_LOCK`'s nothing (one thread),
-    and the event loop the client runs on (:attr:`loop`), which a stream's wait checks
-    for: on another loop it would wait on a future that the client's loop sets from
-    another thread (late, or never). It costs a stream nothing: it is the client's."""
+    """The lock of an asyncio client's (or pipeline's) streams: :data:`NO_LOCK`'s nothing
+    (one thread), and the event loop its *owner* runs on (:attr:`loop`; ``None``: none
+    known), which a stream's wait checks for (:func:`._clientbase.check_loop`): on another
+    loop it would wait on a future that the owner's loop sets from another thread (late,
+    or never). It costs a stream nothing: it is the owner's."""
 
-    def __init__(self, loop: object) -> None:
+    def __init__(self, loop: object, owner: str) -> None:
         super().__init__()
         self.loop = loop
+        self.owner = owner
 
 
 _SC = TypeVar("_SC", bound="StreamCore")
