@@ -25,7 +25,7 @@ from enginecore.stage import (
     _client,
 )
 
-from .conftest import COUNTDOWN, ECHO, SCRIPTED, Server
+from .conftest import COUNTDOWN, ECHO, Server
 
 
 class TestInputBatches:
@@ -205,45 +205,32 @@ class TestThreads:
         assert "call_utility_future" in str(exc)
         assert client.call_utility("echo", 2, timeout=5) == [2]  # the client goes on
 
-    def test_a_stream_read_in_a_done_callback_raises_instead_of_hanging(
-        self, client: StageClient
+    @pytest.mark.parametrize("what", ["stream", "events"])
+    def test_a_read_in_a_done_callback_raises_instead_of_hanging(
+        self, client: StageClient, what: str
     ) -> None:
-        # The callback runs on the receiver thread, the only one that fills the stream:
-        # before, a read with no output to take waited for itself, for ever.
+        # The callback runs on the receiver thread, the only one that fills a stream and the
+        # events: before, a read with nothing to take waited for itself, for ever.
         stream = client.add("long", 10_000_000)
         first = stream.get(5)
+        read = stream.get if what == "stream" else client.get_events
         outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
 
-        def read_stream(_: concurrent.futures.Future[object]) -> None:
+        def read_in_callback(_: concurrent.futures.Future[object]) -> None:
             try:
                 while True:  # what is buffered is taken; then it would have to wait
-                    stream.get()
+                    read()
             except BaseException as exc:
                 outcome.set_result(exc)
 
-        client.call_utility_future("sleep", 0.3).add_done_callback(read_stream)
+        client.call_utility_future("sleep", 0.3).add_done_callback(read_in_callback)
         exc = outcome.result(10)
         assert isinstance(exc, RuntimeError)
         assert "done-callback" in str(exc)
-        assert stream.get(5) < first  # the stream reads on, on this thread
+        # The client goes on, on this thread.
+        assert stream.get(5) < first
+        assert client.call_utility("echo", 1, timeout=5) == [1]
         client.abort(["long"])
-
-    def test_an_event_read_in_a_done_callback_raises_instead_of_hanging(self) -> None:
-        with StageClient.launch(SCRIPTED, ordered_events=True) as client:
-            outcome: concurrent.futures.Future[object] = concurrent.futures.Future()
-
-            def read_events(_: concurrent.futures.Future[object]) -> None:
-                try:
-                    while True:  # what is buffered is taken; then it would have to wait
-                        client.get_events()
-                except BaseException as exc:
-                    outcome.set_result(exc)
-
-            client.call_utility_future("sleep", 0.3).add_done_callback(read_events)
-            exc = outcome.result(10)
-            assert isinstance(exc, RuntimeError)
-            assert "done-callback" in str(exc)
-            assert client.call_utility("echo", 1, timeout=5) == [1]
 
     def test_a_cancelled_future_drops_its_answer(self) -> None:
         with StageClient.launch(COUNTDOWN) as client:
