@@ -280,7 +280,7 @@ class TestReplicaDeath:
         pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2), RELAY])
         os.kill(pipe.call_utility("mid", "pid", replica=0), signal.SIGKILL)
         session = pipe.client("mid", 0)._session
-        assert wait_until(lambda: session._exited, 10)
+        assert wait_until(lambda: session.exited, 10)
         streams = [pipe.add(f"r{i}", 3) for i in range(8)]
         assert [s.collect(timeout=10) for s in streams] == [[2, 1, 0]] * 8
         assert wait_until(lambda: pipe.health()["mid[0]"] == StageHealth.DEAD, 10)

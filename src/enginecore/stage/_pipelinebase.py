@@ -927,7 +927,7 @@ class PipelineBase(Generic[S, C]):
             (k, r)
             for k, clients in self._pools
             for r, client in enumerate(clients)
-            if client._session._exited
+            if client._session.exited
         ]
 
     def _send_routed(

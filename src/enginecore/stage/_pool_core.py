@@ -242,7 +242,7 @@ class Replica:
             session is None
             or not self.launched
             or self._state not in (ReplicaState.SERVING, ReplicaState.DRAINING)
-            or session._exited
+            or session.exited
         ):
             return None
         return session.pid
@@ -345,7 +345,7 @@ def routable(r: Replica) -> bool:
         r._state is ReplicaState.SERVING
         and session is not None
         and session._failure is None
-        and not session._exited
+        and not session.exited
         and not session._step_stalled
         and not session._silent
     )
@@ -578,7 +578,7 @@ class Scored(Routing):
 def _described(r: Replica) -> str:
     """*r*'s name and state, for "no replica can take requests"."""
     session = r._session
-    if r._state is ReplicaState.SERVING and session is not None and session._exited:
+    if r._state is ReplicaState.SERVING and session is not None and session.exited:
         return f"{r.name} serving (its process exited)"
     return f"{r.name} {r._state.value}"
 
@@ -969,7 +969,7 @@ class PoolCore:
         return tuple(
             r
             for r in serving
-            if r._session is not None and r._session._failure is None and not r._session._exited
+            if r._session is not None and r._session._failure is None and not r._session.exited
         )
 
     def route(self, req_id: str, data: Any, key: Hashable | None) -> Replica:

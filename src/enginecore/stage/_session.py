@@ -650,7 +650,9 @@ class ClientSession(Generic[S, W]):
         self._ping_seq = itertools.count()
         self._exit_code: int | None = None
         self._exit_reason: str | None = None  # why it ended, beyond its exit code
-        self._exited = False  # the launched process has exited (its sentinel fired)
+        # The launched process has exited (its sentinel fired): set by process_exited only;
+        # pools and pipelines read it (a replica or stage whose process is gone).
+        self.exited = False
         self._grace_until: float | None = None  # set when the process exited first
         self._grace_cap = 0.0  # the latest _grace_until may be pushed to, by frames read
         self._linger_until: float | None = None  # set when the last event came first
@@ -1271,7 +1273,7 @@ class ClientSession(Generic[S, W]):
                 ),
                 now,
             )
-        elif self._exited:
+        elif self.exited:
             err = self.end_error(
                 exit_code=self._exit_code, remote_shutdown=True, reason=self._exit_reason
             )
@@ -1374,7 +1376,7 @@ class ClientSession(Generic[S, W]):
         ``EXIT_READ_MAX_S`` after the exit at the latest."""
         if self._failure is not None:
             return None
-        self._exited = True
+        self.exited = True
         self._exit_code = exit_code
         self._exit_reason = reason
         self._linger_until = None
@@ -1501,7 +1503,7 @@ class ClientSession(Generic[S, W]):
         (a replica pool's, :class:`ReplicaDeadError`), not :class:`StageClosedError`."""
         died_draining = (
             self._drain_close
-            and (self._exited or presumed)
+            and (self.exited or presumed)
             and not self._escalated
             and not remote_shutdown
             and self._state is not StageState.STOPPED
