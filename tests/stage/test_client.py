@@ -232,6 +232,38 @@ class TestThreads:
         assert client.call_utility("echo", 1, timeout=5) == [1]
         client.abort(["long"])
 
+    def test_a_thread_given_a_dead_receivers_ident_is_no_done_callback(
+        self, no_leftovers: str
+    ) -> None:
+        # A thread's ident is handed to the next thread started once it has ended (glibc
+        # reuses the stack): after the stage died and the receiver thread ended, a call on
+        # such a thread was refused as a done-callback's (seen with a pipeline's stats() of
+        # a pool with a killed replica), instead of raising the client's EngineDeadError.
+        with StageClient.launch(ECHO) as client:
+            os.kill(client.pid, signal.SIGKILL)
+            receiver = client._rx
+            receiver.join(10)
+            assert not receiver.is_alive()
+            outcomes: list[tuple[int, BaseException | None]] = []
+
+            def call() -> None:
+                try:
+                    client.stats(timeout=5)
+                except BaseException as exc:
+                    outcomes.append((threading.get_ident(), exc))
+                else:
+                    outcomes.append((threading.get_ident(), None))
+
+            for _ in range(50):
+                thread = threading.Thread(target=call)
+                thread.start()
+                thread.join(10)
+                if outcomes[-1][0] == receiver.ident:
+                    break
+            ident, exc = outcomes[-1]
+            assert ident == receiver.ident, "no thread was given the receiver's ident"
+            assert isinstance(exc, EngineDeadError), exc
+
     def test_a_cancelled_future_drops_its_answer(self) -> None:
         with StageClient.launch(COUNTDOWN) as client:
             future = client.call_utility_future("div", 1, 2)

@@ -680,7 +680,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         self, name: str, args: tuple[Any, ...], timeout: float | None, *, stats: bool = False
     ) -> Any:
         deadline = _clientbase.deadline_after(timeout)  # ValueError if negative, as async
-        if threading.get_ident() in (self._reader, self._rx.ident):
+        if self._reads_here(threading.get_ident()):
             # A future's done-callback, on the thread that reads the stage's events: the
             # answer could only be read by this very thread, which would wait for itself.
             what = "stats()" if stats else f"call_utility({name!r})"
@@ -854,7 +854,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             # Called from a done-callback run by this very close() (it fails the waiters):
             # the close is under way on this thread and ends when the callback returns.
             return None
-        if me in (self._rx.ident, self._reader):
+        if self._reads_here(me):
             # Called from a future's done-callback, which runs on the thread reading the
             # socket: the receiver thread, or a call_utility that borrowed the socket (the
             # receiver is parked until it gives it back). Closing joins the receiver, so it
@@ -1157,6 +1157,12 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 self._owner = _RX
                 self._cond.notify()
 
+    def _reads_here(self, me: int) -> bool:
+        """Whether the thread of ident *me* reads the stage's events now: a call_utility
+        borrowing the socket, or the receiver thread while it runs (a dead thread's ident
+        is given to the next thread started: a call there is no done-callback)."""
+        return me == self._reader or (me == self._rx.ident and self._rx.is_alive())
+
     def _claim(self, waiter: _Waiter) -> None:
         """Caller of call_utility: become the socket's borrower, or ask the receiver for it.
         Not while another call does, nor on a thread that reads the socket already (a
@@ -1168,7 +1174,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 session.failure is not None
                 or session.closing
                 or self._hub is not None  # the shared receiver never lends a socket
-                or me in (self._reader, self._rx.ident)
+                or self._reads_here(me)
             ):
                 return
             owner = self._owner
