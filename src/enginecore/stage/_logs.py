@@ -219,6 +219,7 @@ class ForwardHandler(logging.Handler):
         self.dropped = 0
         self._unreported = 0
         self._pid = os.getpid()
+        self._fork_handler: tuple[int, logging.Handler] | None = None
         # A context of its own: the stage runtime terminates its context before the process
         # ends, and records logged after that must still go.
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
@@ -254,7 +255,12 @@ class ForwardHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         sock = self._sock
-        if sock is None or self._pid != os.getpid():  # closed, or a fork of the stage
+        if self._pid != os.getpid():
+            # A process the stage forked (an engine's fork worker): the socket is the
+            # stage's, not its own. Its records go to the stderr it shares with the stage.
+            self._forked_stderr().handle(record)
+            return
+        if sock is None:  # closed
             self.dropped += 1
             return
         try:
@@ -269,6 +275,15 @@ class ForwardHandler(logging.Handler):
             self._unreported += 1
         else:
             self._unreported = 0
+
+    def _forked_stderr(self) -> logging.Handler:
+        """In a fork of the stage: a stderr handler of the default format, made there."""
+        handler = self._fork_handler
+        if handler is None or handler[0] != os.getpid():
+            stream = logging.StreamHandler(sys.stderr)
+            stream.setFormatter(logging.Formatter(STAGE_LOG_FORMAT, defaults={"stage": self.stage}))
+            handler = self._fork_handler = (os.getpid(), stream)
+        return handler[1]
 
     def _encode(self, record: logging.LogRecord) -> bytes:
         exc_text = record.exc_text
