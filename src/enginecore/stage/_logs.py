@@ -203,8 +203,9 @@ def configure_stage(
 class ForwardHandler(logging.Handler):
     """Sends each record to the parent (see the module docstring); never waits.
 
-    :attr:`dropped` counts the records that the parent did not take in time (or that came
-    after :meth:`close`). ``logging.Handler.handle`` holds the handler's lock around
+    :attr:`dropped` counts the records that the parent did not take in time. Records that
+    come after :meth:`close`, or in a process that the stage forked, go to stderr in the
+    default format. ``logging.Handler.handle`` holds the handler's lock around
     :meth:`emit`, so the socket is used by one thread at a time.
     """
 
@@ -255,13 +256,12 @@ class ForwardHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         sock = self._sock
-        if self._pid != os.getpid():
-            # A process the stage forked (an engine's fork worker): the socket is the
-            # stage's, not its own. Its records go to the stderr it shares with the stage.
-            self._forked_stderr().handle(record)
-            return
-        if sock is None:  # closed
-            self.dropped += 1
+        if sock is None or self._pid != os.getpid():
+            # Closed (logging.shutdown at exit: the parent has had the end message), or a
+            # process the stage forked (an engine's fork worker: the socket is the stage's,
+            # not its own). Nothing reaches the parent from here: the record goes to the
+            # stderr the stage shares with it, rather than nowhere.
+            self._stderr().handle(record)
             return
         try:
             frame = self._encode(record)
@@ -276,8 +276,9 @@ class ForwardHandler(logging.Handler):
         else:
             self._unreported = 0
 
-    def _forked_stderr(self) -> logging.Handler:
-        """In a fork of the stage: a stderr handler of the default format, made there."""
+    def _stderr(self) -> logging.Handler:
+        """A stderr handler of the default format, made in this process (a fork makes its
+        own)."""
         handler = self._fork_handler
         if handler is None or handler[0] != os.getpid():
             stream = logging.StreamHandler(sys.stderr)
