@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -508,3 +509,37 @@ def test_a_failing_stats_is_called_at_most_every_interval_not_every_step() -> No
     # One sample per 50 ms while stepping, and one on going idle (and one at start).
     assert len(calls) <= 3 + elapsed / 0.05, (len(calls), elapsed)
     assert len(calls) < 300
+
+
+def test_a_snapshot_racing_the_loop_thread_never_sees_its_times_go_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A snapshot that read the clock before the loop thread's own clock read and write (an
+    # idle wait ending, a stats() sample) but the written numbers after: busy_seconds
+    # went back by the gap (a counter reset, for Prometheus' rate()), and engine_age was
+    # negative. The clock is read after the numbers now.
+    from enginecore import _stats
+
+    c = _stats._Counters()
+    c.started = 50.0
+    c.idle = (10.0, 95.0)  # 10 s idle before; waiting since 95
+    c.engine = (MappingProxyType({"running": 1}), 90.0)
+    clock = SimpleNamespace(perf_counter=lambda: 99.0)
+    monkeypatch.setattr(_stats, "time", clock)
+    before = c.snapshot(0)
+    assert (before.busy_seconds, before.idle_seconds) == (35.0, 14.0)
+
+    def racing() -> float:
+        # The loop thread, on another core: woke at 101 and sampled the engine at 100.5,
+        # just after this snapshot's clock read (100).
+        c.idle = (10.0 + 101.0 - 95.0, 0.0)
+        c.engine = (MappingProxyType({"running": 2}), 100.5)
+        clock.perf_counter = lambda: 102.0
+        return 100.0
+
+    clock.perf_counter = racing
+    after = c.snapshot(0)
+    assert after.busy_seconds >= before.busy_seconds
+    assert after.idle_seconds >= before.idle_seconds
+    assert after.engine_age is not None
+    assert after.engine_age >= 0

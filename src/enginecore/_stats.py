@@ -206,14 +206,17 @@ class _Counters:
         self.sampled = 0.0
 
     def snapshot(self, queue_depth: int) -> LoopStatistics:
-        now = time.perf_counter()
         # Read the moving parts first, each once: the loop thread may write between reads.
+        # The idle pair before stopped (the loop writes them in the other order at its
+        # end), and the clock last: the loop reads its clock before it writes, so no time
+        # read here is later than now, and busy and idle never go back between snapshots.
         histogram = tuple(self.histogram)
-        started, stopped = self.started, self.stopped
         idle, idle_since = self.idle
+        started, stopped = self.started, self.stopped
         engine, engine_at = self.engine
+        now = time.perf_counter()
         if idle_since:
-            idle += now - idle_since
+            idle += (stopped or now) - idle_since
         if started:
             elapsed = (stopped or now) - started
             busy = max(0.0, elapsed - idle)

@@ -350,6 +350,61 @@ class TestForwardLogs:
             assert_ends(receiver.thread)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_the_stage_forks_logs_to_stderr_not_nowhere(no_leftovers: str) -> None:
+    """A forwarding stage's fork (an engine's ``fork`` multiprocessing worker) has no socket
+    of its own: its records go to the stderr it shares with the stage, in the default
+    format. Before: dropped, silently (not forwarded, not on stderr either)."""
+    script = (
+        "import logging, os, sys\n"
+        "from enginecore.stage import _logs\n"
+        "_logs.configure_stage('st-0', None, sys.argv[1])\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    logging.getLogger('worker').warning('from the fork')\n"
+        "    sys.stderr.flush()\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(pid)\n"
+    )
+    address = f"ipc://{no_leftovers}/nobody"  # nothing binds it: the stage's records wait
+    proc = subprocess.run(
+        [sys.executable, "-c", script, address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    child = int(proc.stdout.split()[-1])
+    assert line_re("WARNING", "st-0", child, "worker", "from the fork").search(proc.stderr), (
+        proc.stderr
+    )
+
+
+def test_a_record_after_the_handler_closed_goes_to_stderr_not_nowhere(no_leftovers: str) -> None:
+    """After ``logging.shutdown`` (the stage's exit: the parent has its end message), a
+    record (a daemon thread's, an atexit hook's that ran late) cannot reach the parent; it
+    goes to stderr in the default format. Before: dropped, silently."""
+    script = (
+        "import logging, os, sys\n"
+        "from enginecore.stage import _logs\n"
+        "_logs.configure_stage('st-1', None, sys.argv[1])\n"
+        "logging.shutdown()\n"
+        "logging.getLogger('late').warning('after the end')\n"
+        "print(os.getpid())\n"
+    )
+    address = f"ipc://{no_leftovers}/nobody"
+    proc = subprocess.run(
+        [sys.executable, "-c", script, address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    pid = int(proc.stdout.split()[-1])
+    assert line_re("WARNING", "st-1", pid, "late", "after the end").search(proc.stderr), proc.stderr
+
+
 def _record(name: str, message: str) -> logging.LogRecord:
     return logging.LogRecord(name, logging.INFO, __file__, 1, message, None, None)
 

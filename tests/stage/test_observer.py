@@ -205,6 +205,18 @@ class TestStageObserver:
             with pytest.raises(error, match="timeout"):
                 obs.answer(timeout)
 
+    @pytest.mark.parametrize("timeout", [float("inf"), 1e300], ids=["inf", "huge"])
+    def test_an_unbounded_timeout_waits_for_the_answer(
+        self, server: Server, timeout: float
+    ) -> None:
+        # Before: OverflowError from the poll's millisecond count, before any answer.
+        with StageObserver(server.address) as obs:
+            assert obs.stats(timeout=timeout).pid == server.proc.pid
+            assert obs.request()
+            stats = obs.answer(timeout)
+            assert stats is not None
+            assert stats.pid == server.proc.pid
+
     def test_an_address_that_is_not_a_str_is_a_type_error(self) -> None:
         with pytest.raises(TypeError, match="address must be a str"):
             StageObserver(5)  # type: ignore[arg-type]

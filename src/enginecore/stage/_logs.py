@@ -203,8 +203,9 @@ def configure_stage(
 class ForwardHandler(logging.Handler):
     """Sends each record to the parent (see the module docstring); never waits.
 
-    :attr:`dropped` counts the records that the parent did not take in time (or that came
-    after :meth:`close`). ``logging.Handler.handle`` holds the handler's lock around
+    :attr:`dropped` counts the records that the parent did not take in time. Records that
+    come after :meth:`close`, or in a process that the stage forked, go to stderr in the
+    default format. ``logging.Handler.handle`` holds the handler's lock around
     :meth:`emit`, so the socket is used by one thread at a time.
     """
 
@@ -219,6 +220,7 @@ class ForwardHandler(logging.Handler):
         self.dropped = 0
         self._unreported = 0
         self._pid = os.getpid()
+        self._fork_handler: tuple[int, logging.Handler] | None = None
         # A context of its own: the stage runtime terminates its context before the process
         # ends, and records logged after that must still go.
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context(io_threads=1)
@@ -254,8 +256,12 @@ class ForwardHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         sock = self._sock
-        if sock is None or self._pid != os.getpid():  # closed, or a fork of the stage
-            self.dropped += 1
+        if sock is None or self._pid != os.getpid():
+            # Closed (logging.shutdown at exit: the parent has had the end message), or a
+            # process the stage forked (an engine's fork worker: the socket is the stage's,
+            # not its own). Nothing reaches the parent from here: the record goes to the
+            # stderr the stage shares with it, rather than nowhere.
+            self._stderr().handle(record)
             return
         try:
             frame = self._encode(record)
@@ -269,6 +275,16 @@ class ForwardHandler(logging.Handler):
             self._unreported += 1
         else:
             self._unreported = 0
+
+    def _stderr(self) -> logging.Handler:
+        """A stderr handler of the default format, made in this process (a fork makes its
+        own)."""
+        handler = self._fork_handler
+        if handler is None or handler[0] != os.getpid():
+            stream = logging.StreamHandler(sys.stderr)
+            stream.setFormatter(logging.Formatter(STAGE_LOG_FORMAT, defaults={"stage": self.stage}))
+            handler = self._fork_handler = (os.getpid(), stream)
+        return handler[1]
 
     def _encode(self, record: logging.LogRecord) -> bytes:
         exc_text = record.exc_text

@@ -36,6 +36,7 @@ from ._wire import is_ipv6_endpoint
 __all__ = ["StageObserver"]
 
 _SEND_HWM = 8  # requests queued for a stage that is not there yet; more are dropped
+_POLL_MAX_S = 3600.0  # the longest single poll of answer(): longer timeouts poll again
 
 
 class StageObserver:
@@ -131,23 +132,25 @@ class StageObserver:
         refused the request, :class:`ProtocolError` if its answer is not statistics, and
         :class:`~enginecore.stage.AuthenticationError` (a ``ProtocolError``) as soon as the
         stage refuses the observer's handshake (:meth:`failure`), or its key once a key
-        rotation removed it (the stage's ``reject``). *timeout*: seconds >= 0
-        (:class:`ValueError` for a negative or NaN one, :class:`TypeError` for a
-        non-number)."""
+        rotation removed it (the stage's ``reject``). *timeout*: seconds >= 0, ``math.inf``
+        for no limit (:class:`ValueError` for a negative or NaN one, :class:`TypeError`
+        for a non-number)."""
         self._check_open()
         deadline = time.monotonic() + _seconds(timeout)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         while self._pending is not None:
-            left_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            left = deadline - time.monotonic()
+            # An infinite or huge timeout waits in bounded polls (zmq takes a C int of ms).
+            left_ms = max(0, math.ceil(min(left, _POLL_MAX_S) * 1000))
             ready = dict(poller.poll(left_ms))
             if self.monitor in ready:
                 failure = self.failure()
                 if failure is not None:
                     raise failure
             if self.socket not in ready:
-                if not ready:
+                if not ready and left <= _POLL_MAX_S:
                     return None
                 continue
             reply = self._read()

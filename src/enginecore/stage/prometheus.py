@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
 __all__ = [
+    "MAX_SCRAPE_TIMEOUT",
     "SCRAPE_TIMEOUT",
     "TTFT_BUCKETS",
     "MetricsServer",
@@ -74,6 +75,9 @@ logger = logging.getLogger("enginecore.stage")
 
 SCRAPE_TIMEOUT: Final = 1.0
 """How long a :class:`StageCollector` scrape waits for a stage's statistics (seconds)."""
+
+MAX_SCRAPE_TIMEOUT: Final = 3600.0
+"""The longest *timeout* a :class:`StageCollector` takes (seconds)."""
 
 TTFT_BUCKETS: Final = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -406,9 +410,10 @@ class StageCollector(Collector):
     ``pipeline`` and others not, those carry it empty (Prometheus stores it as no label).
 
     Each scrape (:meth:`collect`) asks every stage process for its statistics at once, on
-    threads of its own, and waits at most *timeout* seconds for them (a finite number > 0:
-    :class:`ValueError` otherwise, :class:`TypeError` for a non-number): a stage that does
-    not answer in time, or is dead or closed, is skipped (``enginecore_stage_up`` 0, its
+    threads of its own, and waits at most *timeout* seconds for them (a number > 0, at
+    most an hour: :class:`ValueError` otherwise, :class:`TypeError` for a non-number): a
+    stage that does not answer in time, or is dead or closed, is skipped
+    (``enginecore_stage_up`` 0, its
     other series absent from that scrape) and counted in ``enginecore_scrape_errors_total``.
     A pool's replica or a pipeline's process that has no process running now (starting,
     dead, failed, waiting for its restart) reads ``enginecore_stage_up`` 0 and is not
@@ -438,8 +443,12 @@ class StageCollector(Collector):
     ) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
-        if not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be > 0 seconds and finite, got {timeout!r}")
+        if not 0 < timeout <= MAX_SCRAPE_TIMEOUT:
+            # Past about 2**33 s, a wait overflows a C time_t and every scrape raised.
+            raise ValueError(
+                f"timeout must be > 0 seconds and at most {MAX_SCRAPE_TIMEOUT:g} (an hour), "
+                f"got {timeout!r}"
+            )
         bounds = tuple(float(b) for b in ttft_buckets)
         if not bounds or list(bounds) != sorted(set(bounds)):
             raise ValueError(f"ttft_buckets must be increasing bounds, got {ttft_buckets!r}")
@@ -689,6 +698,9 @@ def _reason(why: StageStatistics | BaseException | None) -> str:
 
 
 def _fetch_async(client: AsyncStageClient, timeout: float) -> StageStatistics:
+    if client._loop.is_closed():
+        # Its client is closed too; and a coroutine made for a closed loop is never awaited.
+        raise StageClosedError("the client's event loop is closed")
     future = asyncio.run_coroutine_threadsafe(client.stats(timeout), client._loop)
     try:
         return future.result(timeout + 0.25)
