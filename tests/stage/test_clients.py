@@ -7,6 +7,7 @@ The death matrix is in ``test_death.py`` (same fixture); what only one client ca
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -319,6 +320,20 @@ class TestEventStream:
         assert len(events) == 1
         assert isinstance(events[0], UtilityResult)
         assert future.result(5) is None
+
+    def test_an_infinite_timeout_waits_without_limit(self, stage_client: StageClient) -> None:
+        # Each wait below outlasts a borrowed socket's read (the stage sleeps 0.3 s first):
+        # a blocking wait with a timeout past threading.TIMEOUT_MAX raised OverflowError.
+        for huge in (math.inf, 1e300):
+            assert stage_client.call_utility("sleep", 0.3, timeout=huge) is None
+            stage_client.call_utility_future("sleep", 0.3)
+            assert isinstance(stage_client.get_events(huge)[0], UtilityResult)
+            stage_client.call_utility_future("sleep", 0.3)
+            stream = stage_client.add(f"r{huge}", 2)
+            assert stream.get(huge) == 1
+            assert stream.collect(huge) == [0]
+            stage_client.get_events(5)  # the answer to the second sleep
+            assert stage_client.stats(timeout=huge).live == 0
 
     def test_stream_ends_after_our_shutdown(self, stage_client: StageClient) -> None:
         stage_client.add("r", 1).collect(timeout=5)

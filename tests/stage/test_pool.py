@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import math
 import os
 import shutil
 import signal
@@ -1694,6 +1695,14 @@ def test_requests_without_streams_end_once_in_the_event_stream(launch: Open) -> 
         pool.get_events(0.05)
     pool.add("q3", 1, stream=False)  # free again once ended
     log.until_ended(["q3"])
+
+
+def test_an_infinite_timeout_waits_without_limit(launch: Open) -> None:
+    # The blocking pool's event wait took math.inf to a lock: OverflowError.
+    pool = launch(kwargs={"step_s": 0.2}, ordered_events=True)
+    pool.add("q", 1, stream=False)
+    assert pool.get_events(math.inf)
+    assert all(isinstance(s, StageStatistics) for s in pool.stats(math.inf).values())
 
 
 def test_aborts_and_rejects_of_requests_without_streams(launch: Open) -> None:

@@ -359,9 +359,11 @@ class ClientBase(Generic[S, W]):
 
 
 def deadline_after(timeout: float | None) -> float | None:
-    """The ``time.monotonic()`` reading *timeout* seconds from now (``None``: no deadline);
-    :class:`TypeError` if *timeout* is not a number (a ``bool`` neither), :class:`ValueError`
-    if it is negative or NaN (which would never pass)."""
+    """The ``time.monotonic()`` reading *timeout* seconds from now (``None``: no deadline,
+    as for a timeout past :data:`threading.TIMEOUT_MAX`, ``math.inf`` included: a blocking
+    wait that long raises :class:`OverflowError`); :class:`TypeError` if *timeout* is not a
+    number (a ``bool`` neither), :class:`ValueError` if it is negative or NaN (which would
+    never pass)."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
@@ -370,6 +372,8 @@ def deadline_after(timeout: float | None) -> float | None:
         )
     if not timeout >= 0:  # NaN too
         raise ValueError(f"'timeout' must be a non-negative number, got {timeout!r}")
+    if timeout > threading.TIMEOUT_MAX:
+        return None
     return time.monotonic() + timeout
 
 

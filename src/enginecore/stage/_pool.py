@@ -666,7 +666,9 @@ class StagePool(PoolBase[PoolRequestStream]):
             raise events_off()
         deadline = _clientbase.deadline_after(timeout)
         # One waiting consumer at a time, so one wake-up token suffices.
-        if not self._event_lock.acquire(timeout=-1 if timeout is None else timeout):
+        if not self._event_lock.acquire(
+            timeout=-1 if timeout is None or deadline is None else timeout
+        ):
             raise TimeoutError(f"no pool event within {timeout} s")
         try:
             while True:
