@@ -5,6 +5,7 @@ step() loop and the pipelined one (depths 1 and 3)."""
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import logging
 import re
 import threading
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -314,6 +316,29 @@ class TestEngineStats:
         lt.join()
         assert 0 < seen[0] < 60
 
+    def test_numpy_numbers_are_taken_as_ints_and_floats(self) -> None:
+        # What an engine's arrays give (np.int64 from a sum, np.float32): counted as a
+        # failed call before, every sample.
+        engine = _WithStats(
+            lambda e: {
+                "running": np.int64(3),
+                "kv_usage": np.float32(0.5),
+                "share": fractions.Fraction(1, 4),
+            }
+        )
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log)
+        loop.submit(Add("a", 2))
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("output", ("a", 0)) in ev)
+        _wait(lambda: bool(loop.statistics().engine))
+        loop.request_shutdown()
+        lt.join()
+        s = loop.statistics()
+        assert s.engine_errors == 0
+        assert s.engine == {"running": 3, "kv_usage": 0.5, "share": 0.25}
+        assert [type(s.engine[k]) for k in ("running", "kv_usage", "share")] == [int, float, float]
+
     @pytest.mark.parametrize(
         ("stats", "message"),
         [
@@ -321,12 +346,24 @@ class TestEngineStats:
             (lambda e: [("a", 1)], "must return a dict"),
             (lambda e: {"a": "x"}, r"\['a'\] must be an int or a float"),
             (lambda e: {"a": True}, "must be an int or a float, got bool"),
+            (lambda e: {"a": np.True_}, "must be an int or a float, got bool"),
+            (lambda e: {"a": complex(1, 0)}, "must be an int or a float, got complex"),
             (lambda e: {1: 1}, "returned a key of type int"),
             # A stage could not send it (msgpack): its stats() calls and load reports failed.
             (lambda e: {"a": 2**64}, r"\['a'\] = 18446744073709551616 is outside"),
             (lambda e: {"a": -(2**63) - 1}, r"\['a'\] = -9223372036854775809 is outside"),
         ],
-        ids=["raises", "not-a-mapping", "a-string", "a-bool", "an-int-key", "huge", "-huge"],
+        ids=[
+            "raises",
+            "not-a-mapping",
+            "a-string",
+            "a-bool",
+            "a-numpy-bool",
+            "a-complex",
+            "an-int-key",
+            "huge",
+            "-huge",
+        ],
     )
     def test_a_bad_stats_is_logged_and_counted_and_the_loop_goes_on(
         self, stats: Callable[[RecordingEngine], Any], message: str, caplog: Any

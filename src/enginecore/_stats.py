@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Mapping
@@ -275,13 +276,19 @@ def _check_engine_stats(raw: object) -> Mapping[str, float]:
             f"engine.stats() must return a dict of str to int or float, got {type(raw).__name__}"
         )
     out: dict[str, float] = {}
-    for key, value in raw.items():
+    for key, given in raw.items():
+        value = given
         if not isinstance(key, str):
             raise TypeError(f"engine.stats() returned a key of type {type(key).__name__}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(
-                f"engine.stats()[{key!r}] must be an int or a float, got {type(value).__name__}"
-            )
+        if type(value) is not int and type(value) is not float:
+            # Another number type that says what it is: numpy's (np.int64 from an array's
+            # sum, np.float32), fractions. Taken as the int or float it stands for, which
+            # the stage's wire carries; a bool (numpy's is no number) is refused.
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(
+                    f"engine.stats()[{key!r}] must be an int or a float, got {type(value).__name__}"
+                )
+            value = int(value) if isinstance(value, numbers.Integral) else float(value)
         if isinstance(value, int) and not _INT_MIN <= value <= _INT_MAX:
             # A stage sends the sample (msgpack): it could answer no stats() call, and send
             # no load report, for as long as this one stayed the latest.
