@@ -971,6 +971,30 @@ class TestServeCommandLine:
         assert "Traceback" not in result.stderr
         assert f"cannot bind the input socket to {address!r}" in result.stderr
 
+    @pytest.mark.parametrize("which", ["input", "output"])
+    def test_an_ipc_path_another_serve_listens_on_is_refused(
+        self, no_leftovers: str, which: str
+    ) -> None:
+        # libzmq unlinks the socket file and binds anew: the second serve took the path
+        # over, the first kept running unreachable, and its stop removed the second's file.
+        first = Server("--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/first")
+        try:
+            taken = f"ipc://{no_leftovers}/first" + ("" if which == "input" else ".out")
+            binds = ["--bind", taken] if which == "input" else [
+                "--bind", f"ipc://{no_leftovers}/second", "--output-bind", taken
+            ]  # fmt: skip
+            result = self._run("serve", "--engine", SCRIPTED, *binds)
+            assert result.returncode == 1, result.stderr
+            assert "Traceback" not in result.stderr
+            assert (
+                f"the stage failed to start: cannot bind the {which} socket to {taken!r}: "
+                "Address already in use"
+            ) in result.stderr
+            with StageClient.connect(first.address, timeout=5) as client:  # still serving
+                assert client.add("a", 1).collect(timeout=5) == [0]
+        finally:
+            assert first.stop() == 0  # no_leftovers: no socket file left, the second's neither
+
     @pytest.mark.parametrize("option", ["--bind", "--output-bind"])
     @pytest.mark.parametrize(
         ("address", "message"),
