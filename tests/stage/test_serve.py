@@ -752,6 +752,26 @@ def _start_serve() -> subprocess.Popen[str]:
     return proc
 
 
+def _serve_held(gate: Path, *args: str) -> subprocess.Popen[str]:
+    """``serve`` of ``gated_factory`` held in its build (``gate/hold``): returns once the
+    factory runs (its pid file in *gate*), stdout and stderr piped."""
+    (gate / "hold").touch()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "enginecore", "serve",
+         "--engine", "enginecore.stage.testing:gated_factory",
+         "--kwargs", json.dumps({"directory": str(gate), "timeout": 60}), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    if not wait_until(lambda: (gate / str(proc.pid)).exists() or proc.poll() is not None, 30):
+        proc.kill()
+    if proc.poll() is not None:
+        _, err = proc.communicate()
+        pytest.fail(f"serve never built its engine: {err}")
+    return proc
+
+
 def test_a_client_whose_output_was_lost_past_the_detached_buffer_is_ended(
     no_leftovers: str,
 ) -> None:
@@ -848,6 +868,57 @@ class TestServeSignals:
         assert proc.returncode == 1, stderr
         assert "stdout was closed before the ready line" in stderr
         assert "Traceback" not in stderr  # no_leftovers: no socket file left
+
+    @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+    def test_a_signal_while_the_engine_is_built_stops_it_cleanly(
+        self, no_leftovers: str, sig: signal.Signals
+    ) -> None:
+        # The handlers went in after the build: a signal during a long model load was the
+        # default death (exit -15, -1), or a KeyboardInterrupt traceback (exit 1).
+        gate = Path(tempfile.mkdtemp(prefix="ecGate", dir="/tmp"))
+        try:
+            proc = _serve_held(gate, "--bind", f"ipc://{no_leftovers}/stage")
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            shutil.rmtree(gate, ignore_errors=True)
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err
+        assert out == ""  # never announced
+        assert f"{sig.name} while the engine was being built" in err, err
+
+    def test_sighup_while_a_curve_stage_is_built_reloads_the_keys_once_built(self) -> None:
+        # SIGHUP killed a CURVE stage that was still loading its engine (exit -1).
+        root = Path(tempfile.mkdtemp(prefix="ecKeys", dir="/tmp"))
+        try:
+            self._sighup_while_built(root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _sighup_while_built(self, root: Path) -> None:
+        from enginecore.stage._curve import keygen
+
+        _, secret = keygen(str(root / "stage"), "stage")
+        authorized = root / "authorized"
+        keygen(str(authorized), "alice")
+        gate = root / "gate"
+        gate.mkdir()
+        proc = _serve_held(
+            gate, "--bind", "tcp://127.0.0.1:*",
+            "--curve-secret-key", secret, "--authorized-clients", str(authorized),
+        )  # fmt: skip
+        try:
+            keygen(str(authorized), "bob")  # listed after the start: the SIGHUP adds it
+            proc.send_signal(signal.SIGHUP)
+            (gate / "hold").unlink()  # the build goes on
+            assert proc.stdout is not None
+            assert "listening on" in proc.stdout.readline()
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "reloaded the authorized client keys" in err, err
+        assert "2 keys (1 added, 0 removed)" in err, err
 
     def test_an_idle_serve_stops_at_once(self) -> None:
         # Issue 8: an idle serve took 1.07 s to stop, waiting to flush its "shutdown" event
