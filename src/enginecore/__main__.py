@@ -57,7 +57,14 @@ def _parser() -> argparse.ArgumentParser:
         help="run a headless stage process",
         description="Run a stage process on its own; attach with StageClient.connect(address).",
     )
-    serve.add_argument("--engine", required=True, metavar="MODULE:FACTORY", help="engine factory")
+    serve.add_argument(
+        "--engine",
+        required=True,
+        type=_factory_spec,
+        metavar="MODULE:FACTORY",
+        help="engine factory: a dotted module path, a colon, and the factory's name in it "
+        "(dotted for an attribute of an attribute), e.g. pkg.module:make_engine",
+    )
     serve.add_argument(
         "--kwargs", default="{}", metavar="JSON", help="factory keyword arguments, a JSON object"
     )
@@ -260,6 +267,23 @@ def _parser() -> argparse.ArgumentParser:
     for command in (serve, top, keygen):
         command.set_defaults(command_parser=command)
     return parser
+
+
+def _factory_spec(text: str) -> str:
+    """``--engine``: ``pkg.module:factory``, each dotted part an identifier (a usage error
+    otherwise, before anything is imported; a module or name that does not resolve is the
+    factory's failure, exit 1)."""
+    module, sep, attr = text.partition(":")
+    if not (
+        sep
+        and all(part.isidentifier() for part in module.split("."))
+        and all(part.isidentifier() for part in attr.split("."))
+    ):
+        raise argparse.ArgumentTypeError(
+            f"must look like 'pkg.module:factory' (a dotted module path, a colon, the "
+            f"factory's name), got {text!r}"
+        )
+    return text
 
 
 def _load_interval(text: str) -> float | None:

@@ -956,6 +956,25 @@ class TestServeCommandLine:
         assert result.returncode == 1
         assert "ModuleNotFoundError" in result.stderr
 
+    @pytest.mark.parametrize(
+        "spec",
+        [
+            "nocolon", ":factory", "pkg.module:", "pkg.module:a:b", "pkg.module:.a",
+            "pkg.module:a.", "pkg..module:a", ".relative:a", " pkg.module:a", "pkg.module:a ",
+            "pkg.module:a-b", "",
+        ],
+    )  # fmt: skip
+    def test_a_malformed_engine_factory_is_a_usage_error(self, spec: str) -> None:
+        # A traceback of import_factory's ValueError (exit 1), or of importlib / getattr
+        # (".relative:a": TypeError, "pkg.module:a:b": AttributeError) for forms that
+        # cannot name a factory at all.
+        result = self._run("serve", "--engine", spec)
+        assert result.returncode == 2, result.stderr
+        assert "usage: python -m enginecore serve" in result.stderr
+        assert "--engine: must look like 'pkg.module:factory'" in result.stderr
+        assert f"got {spec!r}" in result.stderr
+        assert "Traceback" not in result.stderr
+
     def test_bad_kwargs_json(self) -> None:
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
         assert result.returncode == 2
