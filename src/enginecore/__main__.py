@@ -549,12 +549,16 @@ def _top_curve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
     return keys * len(args.addresses) if len(keys) == 1 else keys
 
 
-def _keygen(args: argparse.Namespace) -> int:
+def _keygen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
-        from .stage._curve import keygen
+        from .stage._curve import check_key_name, keygen
     except ImportError as exc:
         print(f"python -m enginecore keygen: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_key_name(args.name)
+    except ValueError as exc:  # a path, not a name: a usage error, before anything is made
+        parser.error(str(exc))
     try:
         public, secret = keygen(args.directory, args.name)
     except (OSError, ValueError) as exc:
@@ -579,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         curve = _top_curve(command_parser, args)
         return top(args.addresses, interval=args.interval, once=args.once, curve=curve)
     if args.command == "keygen":
-        return _keygen(args)
+        return _keygen(command_parser, args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse checks
 
 

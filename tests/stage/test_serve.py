@@ -1160,6 +1160,27 @@ class TestServeCommandLine:
             assert srv.stop() == 0
 
 
+class TestKeygenCommandLine:
+    @pytest.mark.parametrize("name", ["../x", "a/b", "/tmp/x", "", ".", "..", ".hidden"])
+    def test_a_name_that_is_not_a_plain_file_name_is_a_usage_error(
+        self, no_leftovers: str, name: str
+    ) -> None:
+        # It exited 1, the code of a key that exists: --name is the files' base name, and
+        # DIR says where (docs/security.md).
+        result = subprocess.run(
+            [sys.executable, "-m", "enginecore", "keygen", f"{no_leftovers}/keys", "--name", name],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert result.returncode == 2, result.stderr
+        assert "usage: python -m enginecore keygen" in result.stderr
+        assert "--name must be a plain file name" in result.stderr
+        assert f"got {name!r}" in result.stderr
+        assert not os.path.exists(f"{no_leftovers}/keys")  # nothing made
+
+
 def _no_ipv6_loopback() -> str | None:
     """Why this machine cannot bind the IPv6 loopback address, or None if it can."""
     try:
