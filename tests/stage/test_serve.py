@@ -31,6 +31,7 @@ from enginecore.stage import (
     RequestError,
     StageClient,
     StageClosedError,
+    UtilityError,
     _stage_session,
 )
 from enginecore.stage._outbox import MAX_BATCH
@@ -86,6 +87,22 @@ class TestServe:
         with StageClient.connect(server.address) as client:
             assert client.call_utility("log", timeout=5) == ["add a"]
         assert server.proc.poll() is None
+
+    def test_a_long_utility_name_is_cut_in_the_error_message(
+        self, connect: Connect, server: Server
+    ) -> None:
+        # The message repeated a 100 KB name in full: "utility 'nnn...' failed in the stage:
+        # ValueError(\"... no utility 'nnn...'\")" (the engine's own message names it too).
+        name = "n" * 100_000
+        client = connect(server.address)
+        with pytest.raises(UtilityError) as caught:
+            client.call_utility(name, timeout=5)
+        message = str(caught.value)
+        assert message.startswith(f"utility {name[:100]!r:.100}"), message[:300]
+        assert "... (100000 characters) failed in the stage: ValueError(" in message[:300]
+        assert message.count(name) == 1  # the engine's own message only
+        assert caught.value.name == name  # the attribute keeps it whole
+        assert client.call_utility("echo", 1, timeout=5) == [1]  # the stage serves on
 
     def test_second_client_is_rejected_while_one_is_attached(self, server: Server) -> None:
         with StageClient.connect(server.address) as client:
