@@ -208,8 +208,9 @@ def serve(
     SIGINT shut it down gracefully, also one that arrives right after ``ready``: at once,
     or, with *drain_timeout*, after a drain of at most that many seconds (a second signal
     then stops it at once). One that arrives while the engine is built interrupts the
-    factory and stops the stage without calling ``ready`` (exit 0; :class:`_EarlySignals`). Raises what the factory raises, and what binding raises. Logging
-    is set up first (``_logs``): records named *name* (default: *factory*), at *log_level*.
+    factory and stops the stage without calling ``ready`` (exit 0; :class:`_EarlySignals`).
+    Raises what the factory raises, and what binding raises. Logging is set up first
+    (``_logs``): records named *name* (default: *factory*), at *log_level*.
 
     With *metrics* ``(host, port)``, an HTTP ``/metrics`` endpoint (``prometheus``; port 0:
     a free one) serves the stage's statistics, labelled ``stage=<name>``, from threads that
