@@ -937,6 +937,23 @@ class TestServeSignals:
         assert "reloaded the authorized client keys" in err, err
         assert "2 keys (1 added, 0 removed)" in err, err
 
+    def test_a_step_past_kill_after_leaves_no_ipc_file(self, no_leftovers: str) -> None:
+        # The watchdog ends the process with os._exit(1) from its own thread: the teardown
+        # that removes the ipc socket files never ran, and they were left behind.
+        srv = Server(
+            "--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/stage",
+            "--step-timeout", "0.1", "--kill-after", "0.3", stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            with StageClient.connect(srv.address) as client:
+                stream = client.add("r", 10**9)
+                stream.get(5)
+                client.call_utility("stall_next_step", 60, timeout=5)
+                with pytest.raises(EngineDeadError, match=r"kill_after=0\.3 s"):
+                    stream.collect(timeout=10)
+        finally:
+            assert srv.stop() == 1  # no_leftovers: no socket file left
+
     def test_an_idle_serve_stops_at_once(self) -> None:
         # Issue 8: an idle serve took 1.07 s to stop, waiting to flush its "shutdown" event
         # to nobody. Measured ~0.03 s now (the goal is < 0.2 s; the bound leaves room for a

@@ -413,6 +413,11 @@ class StageRuntime:
         term = threading.Thread(target=self._ctx.term, name="enginecore-term", daemon=True)
         term.start()
         term.join(self._flush_timeout)
+        # run()'s teardown never comes: its last step, removing the ipc socket files, here.
+        for address in (self.input_address, self.output_address):
+            if address.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.unlink(address[len("ipc://") :])
         logging.shutdown()
         os._exit(EXIT_FATAL)
 
