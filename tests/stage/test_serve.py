@@ -937,11 +937,15 @@ class TestServeSignals:
         assert "reloaded the authorized client keys" in err, err
         assert "2 keys (1 added, 0 removed)" in err, err
 
-    def test_a_step_past_kill_after_leaves_no_ipc_file(self, no_leftovers: str) -> None:
+    @pytest.mark.parametrize("clients", [[], ["--max-clients", "2"]])
+    def test_a_step_past_kill_after_leaves_no_ipc_file(
+        self, no_leftovers: str, clients: list[str]
+    ) -> None:
         # The watchdog ends the process with os._exit(1) from its own thread: the teardown
-        # that removes the ipc socket files never ran, and they were left behind.
+        # that removes the ipc socket files never ran, and they were left behind (a shared
+        # stage's per-client output sockets too).
         srv = Server(
-            "--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/stage",
+            "--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/stage", *clients,
             "--step-timeout", "0.1", "--kill-after", "0.3", stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:

@@ -413,7 +413,10 @@ class StageRuntime:
         term = threading.Thread(target=self._ctx.term, name="enginecore-term", daemon=True)
         term.start()
         term.join(self._flush_timeout)
-        # run()'s teardown never comes: its last step, removing the ipc socket files, here.
+        # run()'s teardown never comes: its last step, removing the ipc socket files, here
+        # (a shared stage's per-client ones too).
+        if self._fanout is not None:
+            self._fanout.unlink_all()
         for address in (self.input_address, self.output_address):
             if address.startswith("ipc://"):
                 with contextlib.suppress(OSError):
