@@ -846,7 +846,7 @@ def test_an_ipc_path_that_is_not_a_socket_is_refused_and_kept(no_leftovers: str)
     with open(path, "w", encoding="utf-8") as f:
         f.write("keep me")
     try:
-        with pytest.raises(StageBindError, match="exists and is not a socket"):
+        with pytest.raises(StageBindError, match="exists and is a file that is not a socket"):
             StageRuntime(
                 EchoEngine(), f"ipc://{path}", f"ipc://{path}.out", engine_name="x",
                 handle_signals=(),

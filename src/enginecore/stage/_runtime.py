@@ -582,9 +582,10 @@ def _probe_ipc(address: str, which: str) -> None:
     except OSError:
         return  # no such file (the usual case), or one the bind will report on
     if not stat.S_ISSOCK(mode):
+        what = "a directory" if stat.S_ISDIR(mode) else "a file that is not a socket"
         raise StageBindError(
-            f"cannot bind the {which} socket to {address!r}: the path exists and is not a "
-            f"socket (binding would replace the file)"
+            f"cannot bind the {which} socket to {address!r}: the path exists and is {what} "
+            f"(an ipc bind would replace it)"
         )
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.setblocking(False)
