@@ -1092,6 +1092,27 @@ class TestServeCommandLine:
                 )
                 assert os.listdir(tmp_path) == []  # the factory never ran
 
+    def test_an_ipc_path_too_long_is_one_short_line_before_the_engine_is_built(
+        self, no_leftovers: str
+    ) -> None:
+        # pyzmq's message named the path three times and suggested zmq.IPC_PATH_MAX_LEN, once
+        # the engine was built.
+        gate = Path(tempfile.mkdtemp(prefix="ecLong", dir="/tmp"))
+        address = f"ipc://{no_leftovers}/" + "x" * 120
+        try:
+            result = self._run(
+                "serve", "--engine", "enginecore.stage.testing:gated_factory",
+                "--kwargs", json.dumps({"directory": str(gate), "timeout": 1}),
+                "--bind", address,
+            )  # fmt: skip
+            assert os.listdir(gate) == []  # the factory never ran
+        finally:
+            shutil.rmtree(gate, ignore_errors=True)
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr
+        assert result.stderr.count("x" * 120) == 1, result.stderr
+        assert "a socket's path is at most 107 characters" in result.stderr
+
     def test_an_ipc_path_in_a_missing_directory_is_one_clear_line(self, no_leftovers: str) -> None:
         address = f"ipc://{no_leftovers}/missing/stage"
         result = self._run("serve", "--engine", SCRIPTED, "--bind", address)

@@ -569,14 +569,25 @@ def probe_bind(address: str, which: str) -> None:
                 ) from exc
 
 
+# The longest path a Unix socket's address holds (sockaddr_un.sun_path, less its NUL).
+_IPC_PATH_MAX: Final[int] = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
+
+
 def _probe_ipc(address: str, which: str) -> None:
     """:class:`StageBindError` if the ipc *address* names a path that libzmq's bind would
     take from someone: it unlinks whatever is there and binds anew. A socket file that a
     connect reaches (or whose backlog is full) is another process's live socket: taking it
     over would orphan that stage, "Address already in use". A file that is not a socket
-    would be destroyed. A socket file whose connect is refused is stale (its process ended
-    without removing it): the bind may take it over. Anything else is left to the bind."""
+    would be destroyed. A path too long for a socket's address fails too (in one short
+    line). A socket file whose connect is refused is stale (its process ended without
+    removing it): the bind may take it over. Anything else is left to the bind."""
     path = address[len("ipc://") :]
+    if len(path.encode()) > _IPC_PATH_MAX:  # pyzmq's own message names it three times
+        raise StageBindError(
+            f"cannot bind the {which} socket to {address!r}: the path is "
+            f"{len(path.encode())} characters long; a socket's path is at most "
+            f"{_IPC_PATH_MAX} characters"
+        )
     try:
         mode = os.stat(path).st_mode
     except OSError:
