@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -855,3 +856,31 @@ def test_an_ipc_path_that_is_not_a_socket_is_refused_and_kept(no_leftovers: str)
             assert f.read() == "keep me"
     finally:
         os.unlink(path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets: Linux")
+def test_an_abstract_ipc_name_binds_and_spares_a_file_of_that_name(
+    no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ipc://@NAME is in the abstract namespace: it binds, and its stop removes no file. But
+    # libzmq's bind unlinks a file named "@NAME" in the working directory all the same: such
+    # a file is refused as any other non-socket path, and kept.
+    monkeypatch.chdir(no_leftovers)
+    name = f"@enginecore-test-{os.getpid()}"
+    runtime = StageRuntime(
+        EchoEngine(), f"ipc://{name}", f"ipc://{name}.out", engine_name="x", handle_signals=()
+    )
+    runtime.abandon()
+    assert runtime.run() == EXIT_OK
+    with open(name, "w", encoding="utf-8") as f:
+        f.write("keep me")
+    try:
+        with pytest.raises(StageBindError, match="is a file that is not a socket"):
+            StageRuntime(
+                EchoEngine(), f"ipc://{name}", f"ipc://{name}.out", engine_name="x",
+                handle_signals=(),
+            )  # fmt: skip
+        with open(name, encoding="utf-8") as f:
+            assert f.read() == "keep me"
+    finally:
+        os.unlink(name)

@@ -327,9 +327,7 @@ class StageRuntime:
                 self._auth.stop()
             self._ctx.destroy(linger=0)
             for endpoint in bound:  # libzmq leaves the ipc socket files behind
-                if endpoint.startswith("ipc://"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(endpoint[len("ipc://") :])
+                _unlink_ipc(endpoint)
             if hasattr(self, "_input"):
                 self._input.close_pipe()
             raise
@@ -418,9 +416,7 @@ class StageRuntime:
         if self._fanout is not None:
             self._fanout.unlink_all()
         for address in (self.input_address, self.output_address):
-            if address.startswith("ipc://"):
-                with contextlib.suppress(OSError):
-                    os.unlink(address[len("ipc://") :])
+            _unlink_ipc(address)
         logging.shutdown()
         os._exit(EXIT_FATAL)
 
@@ -512,9 +508,7 @@ class StageRuntime:
                 self._fanout.join()
                 self._fanout.unlink_all()
             for address in (self.input_address, self.output_address):
-                if address.startswith("ipc://"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(address[len("ipc://") :])
+                _unlink_ipc(address)
             self.finished.set()
         if self._inbox.failed or self._output.failed:
             return EXIT_IO_FAILED
@@ -569,6 +563,15 @@ def probe_bind(address: str, which: str) -> None:
                 ) from exc
 
 
+def _unlink_ipc(address: str) -> None:
+    """Remove the socket file of an ipc *address* that libzmq left behind; nothing for
+    another transport or for a Linux abstract name (``ipc://@NAME``: no file; a file of
+    that name in the working directory is someone else's)."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):
+        with contextlib.suppress(OSError):
+            os.unlink(address[len("ipc://") :])
+
+
 # The longest path a Unix socket's address holds (sockaddr_un.sun_path, less its NUL).
 _IPC_PATH_MAX: Final[int] = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
 
@@ -589,6 +592,8 @@ def _probe_ipc(address: str, which: str) -> None:
             f"{_IPC_PATH_MAX} characters"
         )
     try:
+        # (For a Linux abstract name, ipc://@NAME, libzmq unlinks a file named @NAME in the
+        # working directory all the same: checked as a path too.)
         mode = os.stat(path).st_mode
     except OSError:
         return  # no such file (the usual case), or one the bind will report on
