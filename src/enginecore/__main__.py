@@ -261,7 +261,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     keygen.add_argument("directory", metavar="DIR", help="where to write (made if missing)")
     keygen.add_argument(
-        "--name", default="enginecore", help="the files' base name (default: %(default)s)"
+        "--name",
+        default="enginecore",
+        help="the files' base name, a plain file name: DIR says where (default: %(default)s)",
     )
     # A usage error found after parsing shows the usage of its own command.
     for command in (serve, top, keygen):
