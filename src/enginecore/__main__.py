@@ -57,7 +57,14 @@ def _parser() -> argparse.ArgumentParser:
         help="run a headless stage process",
         description="Run a stage process on its own; attach with StageClient.connect(address).",
     )
-    serve.add_argument("--engine", required=True, metavar="MODULE:FACTORY", help="engine factory")
+    serve.add_argument(
+        "--engine",
+        required=True,
+        type=_factory_spec,
+        metavar="MODULE:FACTORY",
+        help="engine factory: a dotted module path, a colon, and the factory's name in it "
+        "(dotted for an attribute of an attribute), e.g. pkg.module:make_engine",
+    )
     serve.add_argument(
         "--kwargs", default="{}", metavar="JSON", help="factory keyword arguments, a JSON object"
     )
@@ -254,12 +261,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     keygen.add_argument("directory", metavar="DIR", help="where to write (made if missing)")
     keygen.add_argument(
-        "--name", default="enginecore", help="the files' base name (default: %(default)s)"
+        "--name",
+        default="enginecore",
+        help="the files' base name, a plain file name: DIR says where (default: %(default)s)",
     )
     # A usage error found after parsing shows the usage of its own command.
     for command in (serve, top, keygen):
         command.set_defaults(command_parser=command)
     return parser
+
+
+def _factory_spec(text: str) -> str:
+    """``--engine``: ``pkg.module:factory``, each dotted part an identifier (a usage error
+    otherwise, before anything is imported; a module or name that does not resolve is the
+    factory's failure, exit 1)."""
+    module, sep, attr = text.partition(":")
+    if not (
+        sep
+        and all(part.isidentifier() for part in module.split("."))
+        and all(part.isidentifier() for part in attr.split("."))
+    ):
+        raise argparse.ArgumentTypeError(
+            f"must look like 'pkg.module:factory' (a dotted module path, a colon, the "
+            f"factory's name), got {text!r}"
+        )
+    return text
 
 
 def _load_interval(text: str) -> float | None:
@@ -525,12 +551,16 @@ def _top_curve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
     return keys * len(args.addresses) if len(keys) == 1 else keys
 
 
-def _keygen(args: argparse.Namespace) -> int:
+def _keygen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
-        from .stage._curve import keygen
+        from .stage._curve import check_key_name, keygen
     except ImportError as exc:
         print(f"python -m enginecore keygen: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_key_name(args.name)
+    except ValueError as exc:  # a path, not a name: a usage error, before anything is made
+        parser.error(str(exc))
     try:
         public, secret = keygen(args.directory, args.name)
     except (OSError, ValueError) as exc:
@@ -555,7 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         curve = _top_curve(command_parser, args)
         return top(args.addresses, interval=args.interval, once=args.once, curve=curve)
     if args.command == "keygen":
-        return _keygen(args)
+        return _keygen(command_parser, args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse checks
 
 

@@ -4,7 +4,10 @@ one frame, and what happens to what cannot cross the wire."""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -799,3 +802,85 @@ def test_a_bind_failure_names_the_socket_and_the_address(no_leftovers: str) -> N
             engine_name="countdown",
             handle_signals=(),
         )
+
+
+@pytest.mark.parametrize("which", ["input", "output"])
+def test_an_ipc_path_another_stage_listens_on_is_refused(no_leftovers: str, which: str) -> None:
+    # libzmq unlinks the socket file and binds anew: the second stage took the path over,
+    # and the first was left listening on a file nobody can reach any more.
+    first = InProcessStage(EchoEngine(), no_leftovers)
+    try:
+        taken = first.runtime.input_address if which == "input" else first.runtime.output_address
+        free = f"ipc://{no_leftovers}/other"
+        binds = (taken, free + ".out") if which == "input" else (free, taken)
+        with pytest.raises(
+            StageBindError,
+            match=re.escape(f"cannot bind the {which} socket to {taken!r}: Address already in use"),
+        ):
+            StageRuntime(EchoEngine(), *binds, engine_name="second", handle_signals=())
+        with RawClient(first.address) as client:  # the first one still serves
+            assert client.hello()[0] == "welcome"
+            assert client.call(1, "echo", "x")[-1][2] == ["x"]
+    finally:
+        first.stop()
+
+
+def test_a_stale_ipc_socket_file_is_taken_over(no_leftovers: str) -> None:
+    # A file whose process ended without removing it (killed): nobody listens, so the bind
+    # may take it over, as before.
+    path = f"{no_leftovers}/in"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()  # the file stays, nobody listens
+    stage = InProcessStage(EchoEngine(), no_leftovers)
+    try:
+        with RawClient(stage.address) as client:
+            assert client.hello()[0] == "welcome"
+    finally:
+        stage.stop()
+
+
+def test_an_ipc_path_that_is_not_a_socket_is_refused_and_kept(no_leftovers: str) -> None:
+    # libzmq unlinked whatever was there: --bind ipc://notes.txt replaced the file with a
+    # socket, and removed it at the stop.
+    path = f"{no_leftovers}/notes.txt"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("keep me")
+    try:
+        with pytest.raises(StageBindError, match="exists and is a file that is not a socket"):
+            StageRuntime(
+                EchoEngine(), f"ipc://{path}", f"ipc://{path}.out", engine_name="x",
+                handle_signals=(),
+            )  # fmt: skip
+        with open(path, encoding="utf-8") as f:
+            assert f.read() == "keep me"
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets: Linux")
+def test_an_abstract_ipc_name_binds_and_spares_a_file_of_that_name(
+    no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ipc://@NAME is in the abstract namespace: it binds, and its stop removes no file. But
+    # libzmq's bind unlinks a file named "@NAME" in the working directory all the same: such
+    # a file is refused as any other non-socket path, and kept.
+    monkeypatch.chdir(no_leftovers)
+    name = f"@enginecore-test-{os.getpid()}"
+    runtime = StageRuntime(
+        EchoEngine(), f"ipc://{name}", f"ipc://{name}.out", engine_name="x", handle_signals=()
+    )
+    runtime.abandon()
+    assert runtime.run() == EXIT_OK
+    with open(name, "w", encoding="utf-8") as f:
+        f.write("keep me")
+    try:
+        with pytest.raises(StageBindError, match="is a file that is not a socket"):
+            StageRuntime(
+                EchoEngine(), f"ipc://{name}", f"ipc://{name}.out", engine_name="x",
+                handle_signals=(),
+            )  # fmt: skip
+        with open(name, encoding="utf-8") as f:
+            assert f.read() == "keep me"
+    finally:
+        os.unlink(name)

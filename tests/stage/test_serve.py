@@ -31,6 +31,7 @@ from enginecore.stage import (
     RequestError,
     StageClient,
     StageClosedError,
+    UtilityError,
     _stage_session,
 )
 from enginecore.stage._outbox import MAX_BATCH
@@ -86,6 +87,22 @@ class TestServe:
         with StageClient.connect(server.address) as client:
             assert client.call_utility("log", timeout=5) == ["add a"]
         assert server.proc.poll() is None
+
+    def test_a_long_utility_name_is_cut_in_the_error_message(
+        self, connect: Connect, server: Server
+    ) -> None:
+        # The message repeated a 100 KB name in full: "utility 'nnn...' failed in the stage:
+        # ValueError(\"... no utility 'nnn...'\")" (the engine's own message names it too).
+        name = "n" * 100_000
+        client = connect(server.address)
+        with pytest.raises(UtilityError) as caught:
+            client.call_utility(name, timeout=5)
+        message = str(caught.value)
+        assert message.startswith(f"utility {name[:100]!r:.100}"), message[:300]
+        assert "... (100000 characters) failed in the stage: ValueError(" in message[:300]
+        assert message.count(name) == 1  # the engine's own message only
+        assert caught.value.name == name  # the attribute keeps it whole
+        assert client.call_utility("echo", 1, timeout=5) == [1]  # the stage serves on
 
     def test_second_client_is_rejected_while_one_is_attached(self, server: Server) -> None:
         with StageClient.connect(server.address) as client:
@@ -752,6 +769,26 @@ def _start_serve() -> subprocess.Popen[str]:
     return proc
 
 
+def _serve_held(gate: Path, *args: str) -> subprocess.Popen[str]:
+    """``serve`` of ``gated_factory`` held in its build (``gate/hold``): returns once the
+    factory runs (its pid file in *gate*), stdout and stderr piped."""
+    (gate / "hold").touch()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "enginecore", "serve",
+         "--engine", "enginecore.stage.testing:gated_factory",
+         "--kwargs", json.dumps({"directory": str(gate), "timeout": 60}), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    if not wait_until(lambda: (gate / str(proc.pid)).exists() or proc.poll() is not None, 30):
+        proc.kill()
+    if proc.poll() is not None:
+        _, err = proc.communicate()
+        pytest.fail(f"serve never built its engine: {err}")
+    return proc
+
+
 def test_a_client_whose_output_was_lost_past_the_detached_buffer_is_ended(
     no_leftovers: str,
 ) -> None:
@@ -849,6 +886,78 @@ class TestServeSignals:
         assert "stdout was closed before the ready line" in stderr
         assert "Traceback" not in stderr  # no_leftovers: no socket file left
 
+    @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+    def test_a_signal_while_the_engine_is_built_stops_it_cleanly(
+        self, no_leftovers: str, sig: signal.Signals
+    ) -> None:
+        # The handlers went in after the build: a signal during a long model load was the
+        # default death (exit -15, -1), or a KeyboardInterrupt traceback (exit 1).
+        gate = Path(tempfile.mkdtemp(prefix="ecGate", dir="/tmp"))
+        try:
+            proc = _serve_held(gate, "--bind", f"ipc://{no_leftovers}/stage")
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            shutil.rmtree(gate, ignore_errors=True)
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err
+        assert out == ""  # never announced
+        assert f"{sig.name} while the engine was being built" in err, err
+
+    def test_sighup_while_a_curve_stage_is_built_reloads_the_keys_once_built(self) -> None:
+        # SIGHUP killed a CURVE stage that was still loading its engine (exit -1).
+        root = Path(tempfile.mkdtemp(prefix="ecKeys", dir="/tmp"))
+        try:
+            self._sighup_while_built(root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _sighup_while_built(self, root: Path) -> None:
+        from enginecore.stage._curve import keygen
+
+        _, secret = keygen(str(root / "stage"), "stage")
+        authorized = root / "authorized"
+        keygen(str(authorized), "alice")
+        gate = root / "gate"
+        gate.mkdir()
+        proc = _serve_held(
+            gate, "--bind", "tcp://127.0.0.1:*",
+            "--curve-secret-key", secret, "--authorized-clients", str(authorized),
+        )  # fmt: skip
+        try:
+            keygen(str(authorized), "bob")  # listed after the start: the SIGHUP adds it
+            proc.send_signal(signal.SIGHUP)
+            (gate / "hold").unlink()  # the build goes on
+            assert proc.stdout is not None
+            assert "listening on" in proc.stdout.readline()
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "reloaded the authorized client keys" in err, err
+        assert "2 keys (1 added, 0 removed)" in err, err
+
+    @pytest.mark.parametrize("clients", [[], ["--max-clients", "2"]])
+    def test_a_step_past_kill_after_leaves_no_ipc_file(
+        self, no_leftovers: str, clients: list[str]
+    ) -> None:
+        # The watchdog ends the process with os._exit(1) from its own thread: the teardown
+        # that removes the ipc socket files never ran, and they were left behind (a shared
+        # stage's per-client output sockets too).
+        srv = Server(
+            "--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/stage", *clients,
+            "--step-timeout", "0.1", "--kill-after", "0.3", stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            with StageClient.connect(srv.address) as client:
+                stream = client.add("r", 10**9)
+                stream.get(5)
+                client.call_utility("stall_next_step", 60, timeout=5)
+                with pytest.raises(EngineDeadError, match=r"kill_after=0\.3 s"):
+                    stream.collect(timeout=10)
+        finally:
+            assert srv.stop() == 1  # no_leftovers: no socket file left
+
     def test_an_idle_serve_stops_at_once(self) -> None:
         # Issue 8: an idle serve took 1.07 s to stop, waiting to flush its "shutdown" event
         # to nobody. Measured ~0.03 s now (the goal is < 0.2 s; the bound leaves room for a
@@ -884,6 +993,25 @@ class TestServeCommandLine:
         result = self._run("serve", "--engine", "no_such_mod:f", "--bind", "tcp://127.0.0.1:*")
         assert result.returncode == 1
         assert "ModuleNotFoundError" in result.stderr
+
+    @pytest.mark.parametrize(
+        "spec",
+        [
+            "nocolon", ":factory", "pkg.module:", "pkg.module:a:b", "pkg.module:.a",
+            "pkg.module:a.", "pkg..module:a", ".relative:a", " pkg.module:a", "pkg.module:a ",
+            "pkg.module:a-b", "",
+        ],
+    )  # fmt: skip
+    def test_a_malformed_engine_factory_is_a_usage_error(self, spec: str) -> None:
+        # A traceback of import_factory's ValueError (exit 1), or of importlib / getattr
+        # (".relative:a": TypeError, "pkg.module:a:b": AttributeError) for forms that
+        # cannot name a factory at all.
+        result = self._run("serve", "--engine", spec)
+        assert result.returncode == 2, result.stderr
+        assert "usage: python -m enginecore serve" in result.stderr
+        assert "--engine: must look like 'pkg.module:factory'" in result.stderr
+        assert f"got {spec!r}" in result.stderr
+        assert "Traceback" not in result.stderr
 
     def test_bad_kwargs_json(self) -> None:
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
@@ -964,12 +1092,57 @@ class TestServeCommandLine:
                 )
                 assert os.listdir(tmp_path) == []  # the factory never ran
 
+    def test_an_ipc_path_too_long_is_one_short_line_before_the_engine_is_built(
+        self, no_leftovers: str
+    ) -> None:
+        # pyzmq's message named the path three times and suggested zmq.IPC_PATH_MAX_LEN, once
+        # the engine was built.
+        gate = Path(tempfile.mkdtemp(prefix="ecLong", dir="/tmp"))
+        address = f"ipc://{no_leftovers}/" + "x" * 120
+        try:
+            result = self._run(
+                "serve", "--engine", "enginecore.stage.testing:gated_factory",
+                "--kwargs", json.dumps({"directory": str(gate), "timeout": 1}),
+                "--bind", address,
+            )  # fmt: skip
+            assert os.listdir(gate) == []  # the factory never ran
+        finally:
+            shutil.rmtree(gate, ignore_errors=True)
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr
+        assert result.stderr.count("x" * 120) == 1, result.stderr
+        assert "a socket's path is at most 107 characters" in result.stderr
+
     def test_an_ipc_path_in_a_missing_directory_is_one_clear_line(self, no_leftovers: str) -> None:
         address = f"ipc://{no_leftovers}/missing/stage"
         result = self._run("serve", "--engine", SCRIPTED, "--bind", address)
         assert result.returncode == 1
         assert "Traceback" not in result.stderr
         assert f"cannot bind the input socket to {address!r}" in result.stderr
+
+    @pytest.mark.parametrize("which", ["input", "output"])
+    def test_an_ipc_path_another_serve_listens_on_is_refused(
+        self, no_leftovers: str, which: str
+    ) -> None:
+        # libzmq unlinks the socket file and binds anew: the second serve took the path
+        # over, the first kept running unreachable, and its stop removed the second's file.
+        first = Server("--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/first")
+        try:
+            taken = f"ipc://{no_leftovers}/first" + ("" if which == "input" else ".out")
+            binds = ["--bind", taken] if which == "input" else [
+                "--bind", f"ipc://{no_leftovers}/second", "--output-bind", taken
+            ]  # fmt: skip
+            result = self._run("serve", "--engine", SCRIPTED, *binds)
+            assert result.returncode == 1, result.stderr
+            assert "Traceback" not in result.stderr
+            assert (
+                f"the stage failed to start: cannot bind the {which} socket to {taken!r}: "
+                "Address already in use"
+            ) in result.stderr
+            with StageClient.connect(first.address, timeout=5) as client:  # still serving
+                assert client.add("a", 1).collect(timeout=5) == [0]
+        finally:
+            assert first.stop() == 0  # no_leftovers: no socket file left, the second's neither
 
     @pytest.mark.parametrize("option", ["--bind", "--output-bind"])
     @pytest.mark.parametrize(
@@ -1044,6 +1217,27 @@ class TestServeCommandLine:
             asyncio.run(main())
         finally:
             assert srv.stop() == 0
+
+
+class TestKeygenCommandLine:
+    @pytest.mark.parametrize("name", ["../x", "a/b", "/tmp/x", "", ".", "..", ".hidden"])
+    def test_a_name_that_is_not_a_plain_file_name_is_a_usage_error(
+        self, no_leftovers: str, name: str
+    ) -> None:
+        # It exited 1, the code of a key that exists: --name is the files' base name, and
+        # DIR says where (docs/security.md).
+        result = subprocess.run(
+            [sys.executable, "-m", "enginecore", "keygen", f"{no_leftovers}/keys", "--name", name],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert result.returncode == 2, result.stderr
+        assert "usage: python -m enginecore keygen" in result.stderr
+        assert "--name must be a plain file name" in result.stderr
+        assert f"got {name!r}" in result.stderr
+        assert not os.path.exists(f"{no_leftovers}/keys")  # nothing made
 
 
 def _no_ipv6_loopback() -> str | None:

@@ -558,12 +558,20 @@ class HandshakeWatch:
         )
 
 
+def check_key_name(name: str) -> None:
+    """:class:`ValueError` unless *name* is a plain file name for :func:`keygen`'s files: not
+    empty, no directory in it (the directory is given apart), not hidden (``.``, ``..``)."""
+    if not name or os.sep in name or (os.altsep and os.altsep in name) or name.startswith("."):
+        raise ValueError(
+            f"--name must be a plain file name (DIR says where the files go), got {name!r}"
+        )
+
+
 def keygen(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
     """Write a new CURVE key pair into *directory* (made, mode 700, if missing):
     ``NAME.key`` (the public key, to share) and ``NAME.key_secret`` (both keys, mode 600,
     to keep). :class:`FileExistsError` rather than overwrite a key. Returns the two paths."""
-    if not name or os.sep in name or name.startswith("."):
-        raise ValueError(f"--name must be a plain file name, got {name!r}")
+    check_key_name(name)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"{os.fspath(directory)} exists and is not a directory")
     os.makedirs(directory, mode=0o700, exist_ok=True)

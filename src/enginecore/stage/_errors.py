@@ -135,6 +135,10 @@ class StageClosedError(EngineCoreError, RuntimeError):
     """
 
 
+# How much of a utility's name a UtilityError's message shows.
+_NAME_SHOWN = 200
+
+
 class UtilityError(EngineCoreError):
     """Raised by ``call_utility()`` when the engine's ``utility()`` raised in the stage.
 
@@ -143,9 +147,12 @@ class UtilityError(EngineCoreError):
     """
 
     def __init__(self, name: str, remote_repr: str) -> None:
-        super().__init__(f"utility {name!r} failed in the stage: {remote_repr}")
+        shown = repr(name)
+        if len(shown) > _NAME_SHOWN:  # a name of any length crosses the wire
+            shown = f"{shown[:_NAME_SHOWN]}... ({len(name)} characters)"
+        super().__init__(f"utility {shown} failed in the stage: {remote_repr}")
         self.name = name
-        """The utility's name."""
+        """The utility's name (whole; the message cuts a long one)."""
         self.remote_repr = remote_repr
         """``repr()`` of the exception raised in the stage."""
 

@@ -29,7 +29,14 @@ from .._signals import shutdown_on_signals
 from ._curve import ServerCurve, _check_key, read_authorized
 from ._fanout import CLIENT_BUFFER
 from ._logs import configure_stage
-from ._runtime import DETACHED_BUFFER, EXIT_FATAL, EXIT_ORPHANED, StageRuntime, probe_bind
+from ._runtime import (
+    DETACHED_BUFFER,
+    EXIT_FATAL,
+    EXIT_OK,
+    EXIT_ORPHANED,
+    StageRuntime,
+    probe_bind,
+)
 from ._statistics import LOAD_INTERVAL
 from ._watchdog import STEP_TIMEOUT
 
@@ -200,8 +207,10 @@ def serve(
     are bound and the signal handlers are in place; returns the exit code. SIGTERM and
     SIGINT shut it down gracefully, also one that arrives right after ``ready``: at once,
     or, with *drain_timeout*, after a drain of at most that many seconds (a second signal
-    then stops it at once). Raises what the factory raises, and what binding raises. Logging
-    is set up first (``_logs``): records named *name* (default: *factory*), at *log_level*.
+    then stops it at once). One that arrives while the engine is built interrupts the
+    factory and stops the stage without calling ``ready`` (exit 0; :class:`_EarlySignals`).
+    Raises what the factory raises, and what binding raises. Logging is set up first
+    (``_logs``): records named *name* (default: *factory*), at *log_level*.
 
     With *metrics* ``(host, port)``, an HTTP ``/metrics`` endpoint (``prometheus``; port 0:
     a free one) serves the stage's statistics, labelled ``stage=<name>``, from threads that
@@ -243,8 +252,28 @@ def serve(
         if metrics_ready is not None:
             metrics_ready(server.url)
     drainer = reload = None
+    # SIGHUP reloads the keys of a CURVE stage; without CURVE there is nothing to reload,
+    # and its default action (death) would leave the ipc socket files behind.
+    stop_signals = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if curve is None else ())
+    early = _EarlySignals(stop_signals, reload=signal.SIGHUP if curve is not None else None)
     try:
-        engine = build_engine(factory, kwargs)
+        # The handlers go in before the engine is built (a model may load for minutes): a
+        # stop signal then ends the build (_EarlySignals) and the stage stops as on any
+        # stop, exit 0; a SIGHUP of a CURVE stage reloads the keys once it is built.
+        early.install()
+        try:
+            engine = build_engine(factory, kwargs)
+            early.building = False
+        except BaseException as exc:
+            if not early.stopped:
+                raise
+            logger.warning(
+                "enginecore: %s while the engine was being built (%s): stopped",
+                early.stopped,
+                describe(exc) if not isinstance(exc, _StopSignal) else "interrupted",
+            )
+            exit_soon(EXIT_OK)
+            return EXIT_OK
         runtime = StageRuntime(
             engine,
             bind,
@@ -268,15 +297,20 @@ def serve(
         # once), not a default death (exit -15) or a KeyboardInterrupt traceback.
         drainer = None if drain_timeout is None else _DrainFirst(runtime, drain_timeout)
         reload = None if curve is None else _KeyReload(runtime, curve)
-        # SIGHUP reloads the keys of a CURVE stage; without CURVE there is nothing to
-        # reload, and its default action (death) would leave the ipc socket files behind.
-        stop_signals = (signal.SIGTERM, signal.SIGINT) + (
-            (signal.SIGHUP,) if reload is None else ()
-        )
         with (
             shutdown_on_signals(drainer or runtime.loop, stop_signals),
             contextlib.nullcontext() if reload is None else reload.on_sighup(),
         ):
+            if early.stopped:  # after the build, before these handlers: never announced
+                logger.warning(
+                    "enginecore: %s while the engine was being built: stopped", early.stopped
+                )
+                runtime.loop.request_shutdown()
+                code = runtime.run()
+                exit_soon(code)
+                return code
+            if early.reloads and reload is not None:
+                reload.reload()  # a SIGHUP during the build: the directory as it is now
             try:
                 ready(runtime.input_address, runtime.output_address)
             except BaseException:
@@ -287,6 +321,7 @@ def serve(
                 raise
             code = runtime.run()
     finally:
+        early.restore()
         if drainer is not None:
             drainer.close()
         if reload is not None:
@@ -295,6 +330,50 @@ def serve(
             server.close()
     exit_soon(code)
     return code
+
+
+class _StopSignal(BaseException):
+    """Raised by :class:`_EarlySignals` into the engine's build: a stop signal came."""
+
+
+class _EarlySignals:
+    """``serve``'s signal handlers while the engine is built, before the runtime exists.
+
+    A stop signal (*stop_signals*) is recorded, and while :attr:`building` raises
+    :class:`_StopSignal` into the factory (as Python's own SIGINT handler raises
+    ``KeyboardInterrupt``), so that a model that loads for minutes need not finish first.
+    One that comes after the build, before the runtime's own handlers are in place, is only
+    recorded: ``serve`` then stops without announcing the stage. *reload* (SIGHUP of a
+    CURVE stage) is counted, and the keys are reloaded once the stage is built.
+    :meth:`restore` puts the previous handlers back.
+    """
+
+    def __init__(self, stop_signals: tuple[int, ...], *, reload: int | None) -> None:
+        self._stop = stop_signals
+        self._reload = reload
+        self.building = True
+        self.stopped = ""  # the name of the first stop signal that came, if any
+        self.reloads = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (*self._stop, *(() if self._reload is None else (self._reload,))):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == self._reload:
+            self.reloads += 1
+            return
+        if not self.stopped:
+            self.stopped = signal.Signals(signum).name
+        if self.building:
+            self.building = False  # once: the factory's own cleanup is not interrupted again
+            raise _StopSignal(self.stopped)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
 
 
 class _DrainFirst:

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -178,6 +179,7 @@ class StageRuntime:
         self._ctx = zmq.Context()
         self._auth: Authenticator | None = None
         self._keys: KeyWatch | None = None
+        bound: list[str] = []  # the endpoints bound so far: their ipc files go on a failure
         try:
             if curve is not None:
                 # The ZAP handler first: a CURVE server socket consults it for every client.
@@ -201,7 +203,9 @@ class StageRuntime:
             in_sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(input_address))
             out_sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(output_address))
             _bind(in_sock, "input", input_address)
+            bound.append(in_sock.getsockopt_string(zmq.LAST_ENDPOINT))
             _bind(out_sock, "output", output_address)
+            bound.append(out_sock.getsockopt_string(zmq.LAST_ENDPOINT))
             out_monitor = out_sock.get_monitor_socket(
                 zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
             )
@@ -322,6 +326,8 @@ class StageRuntime:
             if self._auth is not None:
                 self._auth.stop()
             self._ctx.destroy(linger=0)
+            for endpoint in bound:  # libzmq leaves the ipc socket files behind
+                _unlink_ipc(endpoint)
             if hasattr(self, "_input"):
                 self._input.close_pipe()
             raise
@@ -405,6 +411,12 @@ class StageRuntime:
         term = threading.Thread(target=self._ctx.term, name="enginecore-term", daemon=True)
         term.start()
         term.join(self._flush_timeout)
+        # run()'s teardown never comes: its last step, removing the ipc socket files, here
+        # (a shared stage's per-client ones too).
+        if self._fanout is not None:
+            self._fanout.unlink_all()
+        for address in (self.input_address, self.output_address):
+            _unlink_ipc(address)
         logging.shutdown()
         os._exit(EXIT_FATAL)
 
@@ -496,9 +508,7 @@ class StageRuntime:
                 self._fanout.join()
                 self._fanout.unlink_all()
             for address in (self.input_address, self.output_address):
-                if address.startswith("ipc://"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(address[len("ipc://") :])
+                _unlink_ipc(address)
             self.finished.set()
         if self._inbox.failed or self._output.failed:
             return EXIT_IO_FAILED
@@ -516,10 +526,12 @@ class StageBindError(OSError):
 def probe_bind(address: str, which: str) -> None:
     """Before a stage's engine is built (a model may load for minutes): raise
     :class:`StageBindError` if *address* certainly cannot be bound (a TCP port already in
-    use, or one this process may not bind; an ipc path in a missing directory), as the bind
-    itself would after the engine was built. Anything this check cannot tell (``*`` or 0
-    ports, an interface name, an address that does not resolve here) is left to the bind.
-    A port taken between this check and the bind still fails there."""
+    use, or one this process may not bind; an ipc path in a missing directory, one that
+    another process listens on, or one that is not a socket: :func:`_probe_ipc`), as the
+    bind itself would after the engine was built. Anything this check cannot tell (``*`` or
+    0 ports, an interface name, an address that does not resolve here) is left to the bind.
+    A port taken between this check and the bind still fails there (an ipc path is checked
+    again right before its bind)."""
     scheme, _, rest = address.partition("://")
     if scheme == "ipc":
         directory = os.path.dirname(rest)
@@ -527,6 +539,7 @@ def probe_bind(address: str, which: str) -> None:
             raise StageBindError(
                 f"cannot bind the {which} socket to {address!r}: No such file or directory"
             )
+        _probe_ipc(address, which)
         return
     host, _, port_text = rest.rpartition(":")
     if scheme != "tcp" or not port_text.isdigit() or int(port_text) == 0:
@@ -550,7 +563,62 @@ def probe_bind(address: str, which: str) -> None:
                 ) from exc
 
 
+def _unlink_ipc(address: str) -> None:
+    """Remove the socket file of an ipc *address* that libzmq left behind; nothing for
+    another transport or for a Linux abstract name (``ipc://@NAME``: no file; a file of
+    that name in the working directory is someone else's)."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):
+        with contextlib.suppress(OSError):
+            os.unlink(address[len("ipc://") :])
+
+
+# The longest path a Unix socket's address holds (sockaddr_un.sun_path, less its NUL).
+_IPC_PATH_MAX: Final[int] = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
+
+
+def _probe_ipc(address: str, which: str) -> None:
+    """:class:`StageBindError` if the ipc *address* names a path that libzmq's bind would
+    take from someone: it unlinks whatever is there and binds anew. A socket file that a
+    connect reaches (or whose backlog is full) is another process's live socket: taking it
+    over would orphan that stage, "Address already in use". A file that is not a socket
+    would be destroyed. A path too long for a socket's address fails too (in one short
+    line). A socket file whose connect is refused is stale (its process ended without
+    removing it): the bind may take it over. Anything else is left to the bind."""
+    path = address[len("ipc://") :]
+    if len(path.encode()) > _IPC_PATH_MAX:  # pyzmq's own message names it three times
+        raise StageBindError(
+            f"cannot bind the {which} socket to {address!r}: the path is "
+            f"{len(path.encode())} characters long; a socket's path is at most "
+            f"{_IPC_PATH_MAX} characters"
+        )
+    try:
+        # (For a Linux abstract name, ipc://@NAME, libzmq unlinks a file named @NAME in the
+        # working directory all the same: checked as a path too.)
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # no such file (the usual case), or one the bind will report on
+    if not stat.S_ISSOCK(mode):
+        what = "a directory" if stat.S_ISDIR(mode) else "a file that is not a socket"
+        raise StageBindError(
+            f"cannot bind the {which} socket to {address!r}: the path exists and is {what} "
+            f"(an ipc bind would replace it)"
+        )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(path)
+        except BlockingIOError:  # EAGAIN: a listener whose backlog is full
+            pass
+        except OSError:
+            return  # ECONNREFUSED: a stale file; EACCES and the like: the bind tells
+    raise StageBindError(f"cannot bind the {which} socket to {address!r}: Address already in use")
+
+
 def _bind(sock: zmq.Socket[bytes], which: str, address: str) -> None:
+    if address.startswith("ipc://"):
+        # Checked again here: another stage may have bound the path while the engine was
+        # built (probe_bind ran before), and a StageRuntime made in code is checked too.
+        _probe_ipc(address, which)
     try:
         sock.bind(address)
     except zmq.ZMQError as exc:
