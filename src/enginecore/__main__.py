@@ -275,16 +275,12 @@ def _factory_spec(text: str) -> str:
     """``--engine``: ``pkg.module:factory``, each dotted part an identifier (a usage error
     otherwise, before anything is imported; a module or name that does not resolve is the
     factory's failure, exit 1)."""
-    module, sep, attr = text.partition(":")
-    if not (
-        sep
-        and all(part.isidentifier() for part in module.split("."))
-        and all(part.isidentifier() for part in attr.split("."))
-    ):
-        raise argparse.ArgumentTypeError(
-            f"must look like 'pkg.module:factory' (a dotted module path, a colon, the "
-            f"factory's name), got {text!r}"
-        )
+    from .stage._launch import _validate_factory
+
+    try:
+        _validate_factory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("engine factory ")) from None
     return text
 
 

@@ -86,9 +86,23 @@ class TestStartup:
             )
         assert time.monotonic() - start < 5
 
-    def test_malformed_factory_string_is_refused_before_starting(self, launch: Launch) -> None:
+    @pytest.mark.parametrize(
+        "factory",
+        [
+            "enginecore.stage.testing.countdown",
+            # These started a process that failed as a StageStartupError.
+            "enginecore.stage.testing:countdown:x",
+            ".testing:countdown",
+            "enginecore.stage.testing:",
+            "enginecore..testing:countdown",
+            "enginecore.stage.testing:count-down",
+        ],
+    )
+    def test_malformed_factory_string_is_refused_before_starting(
+        self, launch: Launch, factory: str, no_leftovers: str
+    ) -> None:
         with pytest.raises(ValueError, match=r"pkg\.module:factory"):
-            launch("enginecore.stage.testing.countdown")
+            launch(factory)
 
     @pytest.mark.parametrize("value", [object(), "x\ud800", 2**64])
     def test_unencodable_factory_kwargs_are_refused(self, launch: Launch, value: object) -> None:

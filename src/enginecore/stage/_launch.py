@@ -216,11 +216,22 @@ def factory_kwargs(kwargs: object) -> dict[str, Any]:
 
 
 def _validate_factory(factory: str) -> None:
+    """:class:`TypeError` unless *factory* is a ``str``, :class:`ValueError` unless it is
+    ``pkg.module:factory``, each dotted part an identifier: checked before a process starts
+    (``"m:a:b"`` or ``".rel:f"`` failed in the child, as a startup error). ``serve
+    --engine`` checks the same. Whether it imports is the child's to find out."""
     if not isinstance(factory, str):
         raise TypeError(f"engine factory must be an import string, got {type(factory).__name__}")
     module, sep, attr = factory.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"engine factory must look like 'pkg.module:factory', got {factory!r}")
+    if not (
+        sep
+        and all(part.isidentifier() for part in module.split("."))
+        and all(part.isidentifier() for part in attr.split("."))
+    ):
+        raise ValueError(
+            f"engine factory must look like 'pkg.module:factory' (a dotted module path, a "
+            f"colon, the factory's name), got {factory!r:.200}"
+        )
 
 
 def check_startup_timeout(startup_timeout: object) -> None:
