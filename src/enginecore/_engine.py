@@ -154,7 +154,9 @@ class CountdownEngine:
             return a / b
         if name == "num_requests":
             return len(self._remaining)
-        raise ValueError(f"CountdownEngine has no utility {name!r}; known: 'div', 'num_requests'")
+        raise ValueError(
+            f"CountdownEngine has no utility {name!r:.200}; known: 'div', 'num_requests'"
+        )
 
     def stats(self) -> dict[str, float]:
         """The engine's own numbers (``docs/engines.md``): ``running``, the live requests,

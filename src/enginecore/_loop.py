@@ -176,7 +176,7 @@ class _Deferred:
         future = self.future
         if future.cancelled():
             err = CancelledError(
-                f"the future of utility {self.name!r} (call {self.call_id}) was cancelled"
+                f"the future of utility {self.name!r:.200} (call {self.call_id}) was cancelled"
             )
             return ("utility", self.call_id, None, repr(err))
         exc = future.exception(timeout=0)
@@ -782,7 +782,7 @@ class EngineCoreLoop:
                 result.close()  # never started: no "never awaited" warning
                 c.utility_errors += 1
                 error = TypeError(
-                    f"utility {msg.name!r} returned a coroutine (an async def?): the loop "
+                    f"utility {msg.name!r:.200} returned a coroutine (an async def?): the loop "
                     f"does not run coroutines; return the result, or a "
                     f"concurrent.futures.Future (asyncio.run_coroutine_threadsafe gives one)"
                 )
@@ -828,7 +828,7 @@ class EngineCoreLoop:
             else:
                 self._stats.utility_errors += 1
                 err = LoopEndedError(
-                    f"the engine loop ended before utility {call.name!r} "
+                    f"the engine loop ended before utility {call.name!r:.200} "
                     f"(call {call.call_id}) completed"
                 )
                 event = ("utility", call.call_id, None, repr(err))
@@ -864,7 +864,8 @@ class EngineCoreLoop:
         while calls:
             msg = calls.popleft()
             err = LoopEndedError(
-                f"the engine loop ended before it applied utility {msg.name!r} (call {msg.call_id})"
+                f"the engine loop ended before it applied utility {msg.name!r:.200} "
+                f"(call {msg.call_id})"
             )
             emit(cast(UtilityEvent, _UnappliedAnswer(("utility", msg.call_id, None, repr(err)))))
 

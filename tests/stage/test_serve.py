@@ -92,7 +92,7 @@ class TestServe:
         self, connect: Connect, server: Server
     ) -> None:
         # The message repeated a 100 KB name in full: "utility 'nnn...' failed in the stage:
-        # ValueError(\"... no utility 'nnn...'\")" (the engine's own message names it too).
+        # ValueError(\"... no utility 'nnn...'\")" (the engine's own message named it too).
         name = "n" * 100_000
         client = connect(server.address)
         with pytest.raises(UtilityError) as caught:
@@ -100,7 +100,8 @@ class TestServe:
         message = str(caught.value)
         assert message.startswith(f"utility {name[:100]!r:.100}"), message[:300]
         assert "... (100000 characters) failed in the stage: ValueError(" in message[:300]
-        assert message.count(name) == 1  # the engine's own message only
+        assert name not in message  # the engine's own message cuts it too
+        assert len(message) < 1000
         assert caught.value.name == name  # the attribute keeps it whole
         assert client.call_utility("echo", 1, timeout=5) == [1]  # the stage serves on
 

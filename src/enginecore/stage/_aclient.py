@@ -538,7 +538,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         call_id = self._start_call(name, args, future, stats=stats)
         try:
             if not await _until(future, _clientbase.deadline_after(timeout)):
-                what = "stats" if stats else f"utility {name!r}"
+                what = "stats" if stats else f"utility {name!r:.200}"
                 raise TimeoutError(f"{what} did not answer within {timeout} s")
             return future.result()
         finally:

@@ -683,7 +683,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         if self._reads_here(threading.get_ident()):
             # A future's done-callback, on the thread that reads the stage's events: the
             # answer could only be read by this very thread, which would wait for itself.
-            what = "stats()" if stats else f"call_utility({name!r})"
+            what = "stats()" if stats else f"call_utility({name!r:.200})"
             raise RuntimeError(
                 f"{what} cannot block on the thread that reads the stage's events (a "
                 "done-callback of a call_utility_future future runs there); use "
@@ -702,7 +702,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                     try:
                         waiter.wakeup.get(timeout=_left(deadline))
                     except queue.Empty:
-                        what = "stats" if stats else f"utility {name!r}"
+                        what = "stats" if stats else f"utility {name!r:.200}"
                         raise TimeoutError(f"{what} did not answer within {timeout} s") from None
             except BaseException:
                 self._forget_call(call_id)  # a late answer is dropped

@@ -741,7 +741,7 @@ class StagePool(PoolBase[PoolRequestStream]):
                 out[r] = fut.result(left)
             except concurrent.futures.TimeoutError:
                 fut.cancel()
-                out[r] = TimeoutError(f"utility {name!r} did not answer within {timeout} s")
+                out[r] = TimeoutError(f"utility {name!r:.200} did not answer within {timeout} s")
             except Exception as exc:
                 out[r] = exc
         return out

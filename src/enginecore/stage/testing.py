@@ -343,7 +343,7 @@ class EchoEngine:
             return list(args)
         if name == "num_requests":
             return len(self._waiting)
-        raise ValueError(f"EchoEngine has no utility {name!r}; known: 'echo', 'num_requests'")
+        raise ValueError(f"EchoEngine has no utility {name!r:.200}; known: 'echo', 'num_requests'")
 
     def step(self) -> list[tuple[str, Any]]:
         out = list(self._waiting.items())
@@ -483,7 +483,7 @@ class TokenEchoEngine:
         if name == "model_info":
             return {"max_positions": self.max_model_len, "vocab_size": self.vocab_size}
         raise ValueError(
-            f"TokenEchoEngine has no utility {name!r}; known: 'num_requests', 'model_info'"
+            f"TokenEchoEngine has no utility {name!r:.200}; known: 'num_requests', 'model_info'"
         )
 
     def stats(self) -> dict[str, float]:
@@ -737,7 +737,7 @@ class RelayEngine:
             self._hold = bool(args[0])
             return None
         raise ValueError(
-            f"RelayEngine has no utility {name!r}; known: 'pid', 'echo', 'num_requests', "
+            f"RelayEngine has no utility {name!r:.200}; known: 'pid', 'echo', 'num_requests', "
             f"'added', 'sleep', 'gate', 'hold'"
         )
 
