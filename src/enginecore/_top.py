@@ -18,6 +18,7 @@ both imported only when ``top`` runs.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import select
@@ -316,7 +317,32 @@ def _print_once(table: Table) -> None:
     # Not a terminal (a pipe, a file): as wide as the table wants, no colour, no styles.
     wide = Console(width=10_000, no_color=True)
     width = Measurement.get(wide, wide.options, table).maximum
-    Console(width=width, no_color=True, highlight=False).print(table)
+    out = io.StringIO()
+    Console(file=out, width=width, no_color=True, highlight=False).print(table)
+    # Without the padding a title or caption gets to the table's width.
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in out.getvalue().splitlines()))
+
+
+def _once(poller: Poller, interval: float) -> int:
+    """Two rounds *interval* apart, the table printed as soon as the second is in (printed
+    an interval later, every answer read a healthy stage ``stalled`` past 2 s). Exit code
+    1 unless every stage answered the second round: one that answered only the first is
+    named under the table."""
+    tick = time.monotonic() + interval
+    poller.request()
+    poller.collect(tick)
+    first = [row.answered_at for row in poller.rows]
+    time.sleep(max(0.0, tick - time.monotonic()))  # the rates cover one interval
+    poller.request()
+    poller.collect(time.monotonic() + interval)
+    silent = 0
+    for row, before in zip(poller.rows, first, strict=True):
+        if row.answered_at is None or row.answered_at == before:
+            silent += 1
+            if row.answered_at is not None and row.error is None:
+                row.error = f"no answer to the second request within {interval:g} s"
+    _print_once(render(poller.rows, time.monotonic(), interval=interval, live=False))
+    return 1 if silent else 0
 
 
 def run(
@@ -332,13 +358,7 @@ def run(
     poller = Poller(addresses, curve)
     try:
         if once:
-            for _ in range(2):
-                tick = time.monotonic() + interval
-                poller.request()
-                poller.collect(tick)
-                time.sleep(max(0.0, tick - time.monotonic()))
-            _print_once(render(poller.rows, time.monotonic(), interval=interval, live=False))
-            return 0 if all(r.stats is not None for r in poller.rows) else 1
+            return _once(poller, interval)
         return _live(poller, interval)
     finally:
         poller.close()

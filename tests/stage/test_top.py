@@ -8,14 +8,17 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
+from enginecore import _top
 from enginecore._top import StageRow, _print_once, render
 from enginecore.stage import StageClient, StageObserver
 
@@ -96,6 +99,44 @@ class TestOnce:
             assert client.health() == "ok"
             client.abort(["r1"])
             assert client.call_utility("num_requests") == 0
+
+    def test_the_table_is_printed_when_the_second_answers_are_in(self, server: Server) -> None:
+        # It slept one more interval first: past 2 s every stage read "stalled" (past 5 s
+        # "dead"), its answer that old when shown.
+        out = subprocess.run(
+            [*TOP, server.address, "--once", "--interval", "2.5"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+        assert _cells(out.stdout, server.address)[3] == "ok"
+        # Piped: no line padded to the table's width (the title was).
+        assert all(line == line.rstrip() for line in out.stdout.splitlines())
+
+    def test_a_stage_silent_in_the_second_round_is_exit_1_and_named(
+        self, server: Server, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        # It exited 0 when a stage answered the first round only (stopped, or killed, in
+        # between), its row still "ok" from its first answer.
+        pytest.importorskip("rich")
+        real_sleep = time.sleep
+
+        def stop_the_stage_then_sleep(seconds: float) -> None:  # between the two rounds
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            real_sleep(seconds)
+
+        clock = SimpleNamespace(monotonic=time.monotonic, sleep=stop_the_stage_then_sleep)
+        monkeypatch.setattr(_top, "time", clock)
+        try:
+            code = _top.run([server.address], interval=0.5, once=True)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        out = capsys.readouterr().out
+        assert code == 1
+        assert _cells(out, server.address)[1] == str(server.proc.pid)  # its first answer
+        assert "noanswertothesecondrequestwithin0.5s" in "".join(out.split())  # may wrap
 
     def test_an_unreachable_stage_is_shown_and_does_not_hold_up_the_others(
         self, server: Server
