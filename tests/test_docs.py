@@ -41,6 +41,7 @@ import ast
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import signal
@@ -434,3 +435,27 @@ def test_command_options_exist(doc: str, prefix: tuple[str, ...], options: str) 
     listed = set(re.findall(r"--[\w-]+", usage))
     missing = [opt for opt in options.split() if opt not in listed]
     assert not missing, f"{doc}: python {' '.join(prefix)} has no {missing}"
+
+
+# -- the signatures the docs spell out ------------------------------------------------------
+
+
+def test_pipeline_stage_signature_block_is_current() -> None:
+    """pipelines.md lists PipelineStage's parameters with their defaults, as a call: each is
+    a parameter of that name, in that order, with that default."""
+    from enginecore.stage import PipelineStage
+
+    (block,) = [
+        b for b in PYTHON if b.doc == "docs/pipelines.md" and b.code.startswith("PipelineStage(")
+    ]
+    call = _compile(block).body[0]
+    assert isinstance(call, ast.Expr)
+    assert isinstance(call.value, ast.Call)
+    parameters = inspect.signature(PipelineStage).parameters
+    documented = [arg.id for arg in call.value.args if isinstance(arg, ast.Name)]
+    documented += [kw.arg for kw in call.value.keywords if kw.arg is not None]
+    assert documented == list(parameters), "the block's parameters, in order"
+    for kw in call.value.keywords:
+        assert kw.arg is not None
+        default = eval(compile(ast.Expression(kw.value), block.id, "eval"), {})
+        assert default == parameters[kw.arg].default, f"{kw.arg}: documented {default!r}"
