@@ -32,7 +32,8 @@ says how else to treat a block:
 
 The shell commands are checked too: every ``--option`` given to ``python -m enginecore
 SUBCOMMAND``, ``python -m benchmarks[.MODULE]`` or ``python examples/NAME.py``, in a shell
-block or an inline code span, is one that command's ``--help`` lists.
+block, an inline code span or an example's docstring, is one that command's ``--help``
+lists.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ EXPECTED: dict[tuple[str, str], list[str]] = {
         r"total \d+\.\d\d ms, finished"
     ],
     ("docs/observability.md", "loop.statistics()"): [
-        r"(\d+ ){4}\d+\.\d+ \d+\.\d+",
+        r"(\d+ ){4}[\d.e+-]+ [\d.e+-]+",  # busy and idle seconds: 1e-05 too
         r"step p50 <= .*",
     ],
     ("docs/wire.md", "msgspec.msgpack.decode(body)"): [
@@ -374,9 +375,10 @@ _SUBCOMMANDS = ("serve", "top", "keygen")
 
 def _commands() -> list[tuple[str, tuple[str, ...], str]]:
     """(doc, the command's argv prefix, its options) for each command the docs show, in
-    shell blocks and inline code spans alike."""
+    shell blocks and inline code spans alike, and the examples' docstrings."""
     found: dict[tuple[str, tuple[str, ...]], set[str]] = {}
-    for doc in DOCS:
+    examples = sorted(f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py"))
+    for doc in [*DOCS, *examples]:  # the examples' docstrings say how to run them
         # A shell line continued with a backslash is one command.
         text = (ROOT / doc).read_text(encoding="utf-8").replace("\\\n", " ")
         for match in _COMMAND.finditer(text):
