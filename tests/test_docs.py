@@ -341,6 +341,7 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
 def test_block_runs_and_prints_what_it_says(block: Block, tmp_path: Path) -> None:
     tree = _compile(block)
