@@ -124,6 +124,17 @@ EXPECTED: dict[tuple[str, str], list[str]] = {
         re.escape("('output', ('r1', 'hello'))"),
         r"\('shutdown',\)",
     ],
+    # "{replica: 0, ...}": each of the four replicas answers 0
+    ("README.md", 'pool.call_utility("num_requests"'): [
+        re.escape("[2, 1, 0]"),
+        r"\{<Replica r0 [^>]*>: 0(, <Replica r[123] [^>]*>: 0){3}\}",
+    ],
+    # "{replica: answer, ...}": each of the four replicas answers its pid
+    ("docs/pool.md", 'pool.call_utility("pid"'): [
+        re.escape("['r0', 'r1', 'r2', 'r3', 'r0', 'r1', 'r2', 'r3']"),
+        "800",
+        r"\{<Replica r0 [^>]*pid=(\d+)[^>]*>: \1(, <Replica r[123] [^>]*pid=(\d+)[^>]*>: \3){3}\}",
+    ],
     # "It prints a's three outputs and b's first three, then ('shutdown',)."
     ("docs/engines.md", "class DeviceCountdown"): [
         *(
