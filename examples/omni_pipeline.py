@@ -7,6 +7,7 @@ of audio samples for the caller. Each stage takes its input as it arrives (``fee
 audio starts before the thinker has finished. Data goes stage to stage directly; the parent
 only admits, aborts and hears when a request ended (``docs/pipelines.md``).
 
+    pip install 'enginecore[zmq]' numpy     # the audio and hidden states are numpy arrays
     python examples/omni_pipeline.py
 """
 
