@@ -8,9 +8,6 @@ interleavings. The engine is ``CountdownPipeline`` (``tests/pipeline_engines.py`
 from __future__ import annotations
 
 import logging
-import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -682,24 +679,3 @@ class TestRule17DeferredUtilities:
         with caplog.at_level(logging.ERROR, logger="enginecore"):
             loop.run()
         assert events == [("fatal", "Boom('launch')")]
-
-
-class TestDocsExamples:
-    @pytest.mark.slow
-    @pytest.mark.parametrize("marker", ["pipeline_depth=2", "concurrent.futures"])
-    def test_engines_md_examples_run(self, tmp_path: Path, marker: str) -> None:
-        text = (ROOT / "docs" / "engines.md").read_text()
-        blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if marker in b]
-        assert blocks, f"docs/engines.md lost its example with {marker!r}"
-        for i, block in enumerate(blocks):
-            script = tmp_path / f"example_{i}.py"
-            script.write_text(block)
-            proc = subprocess.run(
-                [sys.executable, str(script)],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-            )
-            assert proc.returncode == 0, proc.stderr
-            assert proc.stdout.rstrip().endswith("('shutdown',)"), proc.stdout
