@@ -328,6 +328,16 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "attention_types": [[["global"], 2]],
     },
     "bloom": {"hidden_size": 64, "n_layer": 2, "n_head": 4},
+    # Soft-capped attention logits: transformers gives it no SDPA attention.
+    "gemma2": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+    },
 }
 
 
@@ -762,6 +772,13 @@ class TestRequests:
         # a ValueError in the first decode step (fatal in a stage). Refused when built.
         path = tiny_model_of(tmp_path / model_type, model_type)
         with pytest.raises(ValueError, match="AttentionInterface"):
+            TransformersEngine(path)
+
+    def test_gemma_2_is_refused_for_want_of_sdpa(self, tmp_path: Path) -> None:
+        # docs/engines.md: transformers has no SDPA attention for Gemma 2 (the engine's
+        # prefill runs the model's own SDPA path), and says so in a ValueError.
+        path = tiny_model_of(tmp_path / "gemma2", "gemma2")
+        with pytest.raises(ValueError, match="scaled_dot_product_attention"):
             TransformersEngine(path)
 
     @pytest.mark.parametrize(
