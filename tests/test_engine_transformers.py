@@ -774,6 +774,24 @@ class TestRequests:
         with pytest.raises(ValueError, match="AttentionInterface"):
             TransformersEngine(path)
 
+    @pytest.mark.parametrize("feature", ["position_bias", "softcap", "s_aux", "sinks"])
+    def test_attention_the_decode_step_would_not_apply_is_refused(
+        self, model_path: str, feature: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A model that passes its attention function a position bias, a soft cap or sinks
+        # (through AttentionInterface, with SDPA) had them ignored by the decode step's
+        # attention: wrong tokens, silently. Refused when the engine is built.
+        from transformers.models.llama import modeling_llama
+
+        attention = modeling_llama.LlamaAttention.forward
+
+        def passing(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return attention(self, *args, **kwargs, **{feature: torch.zeros(1)})
+
+        monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", passing)
+        with pytest.raises(ValueError, match=f"AttentionInterface.*{feature}"):
+            TransformersEngine(model_path)
+
     def test_gemma_2_is_refused_for_want_of_sdpa(self, tmp_path: Path) -> None:
         # docs/engines.md: transformers has no SDPA attention for Gemma 2 (the engine's
         # prefill runs the model's own SDPA path), and says so in a ValueError.

@@ -116,6 +116,12 @@ class _Decode:
 _DECODE_ROWS: list[_Decode] = []  # a stack; the top is the decode running now
 
 
+#: What a model may pass to its attention function that the decode step's attention does not
+#: apply (an additive position bias, soft-capped logits, attention sinks): such a model is
+#: refused when the engine is built (its tokens would be wrong), not served.
+_UNSUPPORTED_ATTENTION = ("position_bias", "softcap", "s_aux", "sinks")
+
+
 def _rows_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -137,6 +143,12 @@ def _rows_attention(
     on the same arguments, less Python per row. Where ``sdpa_attention_forward`` would take
     another path (grouped heads it cannot pass to SDPA as such), it is called per row.
     """
+    for feature in _UNSUPPORTED_ATTENTION:
+        if kwargs.get(feature) is not None:  # found by the engine's first decode step
+            raise ValueError(
+                f"the model's attention passes {feature!r}, which the decode step's "
+                "attention (plain SDPA over each row's K/V) would not apply"
+            )
     decode = _DECODE_ROWS[-1]
     decode.attention_calls += 1
     rows = decode.rows
@@ -309,7 +321,8 @@ class TransformersEngine:
             served within its smallest window): a model with chunked or linear-attention
             layers is a :class:`ValueError` naming its cache's layers, and so is one whose
             attention does not go through transformers' ``AttentionInterface`` (GPT-Neo,
-            XGLM, MPT, Bloom), found by one decode step run when the engine is built.
+            XGLM, MPT, Bloom) or passes it a position bias, a soft cap or attention sinks,
+            found by one decode step run when the engine is built.
         device: ``"cpu"``, ``"cuda"``, ...; default: CUDA when available, else the CPU.
         dtype: a ``torch.dtype`` or its name (``"float32"``, ``"bfloat16"``); default float32
             on the CPU, the checkpoint's own dtype elsewhere.
@@ -671,7 +684,9 @@ class TransformersEngine:
         went through :func:`_rows_attention` (registered with ``AttentionInterface``), which
         attends over each row's own K/V. A model with attention of its own (GPT-Neo, XGLM,
         MPT, Bloom) would attend over the step's new token only: wrong tokens, silently, or
-        an exception in ``step()``, fatal. :class:`ValueError` for such a model."""
+        an exception in ``step()``, fatal; so would one that passes its attention function
+        what the decode step's attention does not apply (``_UNSUPPORTED_ATTENTION``: that
+        function raises). :class:`ValueError` for such a model."""
         req = _Request("", [0, 0], 2, 0.0, 1.0, frozenset(), None)
         calls, error = -1, None
         try:
@@ -685,14 +700,18 @@ class TransformersEngine:
         if error is None and layers and calls == layers:
             return
         if error is not None:
-            detail = f"its decode step raised {type(error).__name__}: {error}"[:300]
+            detail = f"a first step of it (a prefill, a decode) raised {type(error).__name__}: "
+            detail = (detail + str(error))[:300]
         else:
-            detail = f"{max(calls, 0)} of its {layers} attention layers did"
+            detail = (
+                f"{max(calls, 0)} of its {layers} attention layers went through it (its "
+                "attention is its own, as GPT-Neo's, XGLM's, MPT's or Bloom's)"
+            )
         raise ValueError(
             f"model {path!r:.200} ({type(self.model).__name__}) cannot be served: "
-            "TransformersEngine's decode step needs every attention layer to go through "
-            f"transformers' AttentionInterface, and {detail} (a model whose attention is its "
-            "own, not the functional one, such as GPT-Neo, XGLM, MPT or Bloom)"
+            "TransformersEngine's decode step attends through a function registered with "
+            "transformers' AttentionInterface (plain SDPA over each request's own K/V), and "
+            f"{detail}"
         )
 
     @torch.inference_mode()
