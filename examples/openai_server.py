@@ -35,7 +35,10 @@ Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of
 prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
 ``top_p``, ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
 (``include_usage``; with ``stream`` only, as OpenAI's API says) are honoured (a
-``temperature`` under 1e-5 is greedy, as 0 is). Every other parameter of OpenAI's API is
+``temperature`` under 1e-5 is greedy, as 0 is). A completion that ends at an EOS token (the
+tokenizer's, or another the engine stops at: its ``model_info``'s ``eos_token_ids``, as a
+generation config's) has ``finish_reason`` ``stop``; the token counts in ``usage`` and is
+not in the text. Every other parameter of OpenAI's API is
 refused with a 400 naming it (``param``) when it asks for something (``echo``,
 ``logprobs`` (0 included), ``logit_bias``, penalties,
 ``response_format`` other than text, tools, ``best_of``, ``suffix``, ...), and accepted when
@@ -590,7 +593,10 @@ class Server:
             raise
         logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
         try:
-            self.max_positions, self.kv_budget = await self._limits(self._stage)
+            self.max_positions, self.kv_budget, eos = await self._limits(self._stage)
+            # The engine stops at its own EOS ids too (a generation config's): every stop
+            # token is counted, not shown.
+            self.eos_ids = sorted({*self.eos_ids, *eos})
             yield
         finally:
             self._encoder.shutdown(wait=False, cancel_futures=True)
@@ -598,22 +604,26 @@ class Server:
             logger.info("stage exited with code %s", code)
 
     @staticmethod
-    async def _limits(stage: AsyncStageClient) -> tuple[int | None, int | None]:
+    async def _limits(stage: AsyncStageClient) -> tuple[int | None, int | None, list[int]]:
         """The model's context length and the engine's KV budget (each in tokens: prompt
-        plus new tokens), from the engine's ``model_info`` utility (``max_positions``,
-        ``kv_budget_tokens``); ``None`` for what an engine does not say (its own refusal
-        then says what is too long)."""
+        plus new tokens), and the EOS ids the engine stops at, from the engine's
+        ``model_info`` utility (``max_positions``, ``kv_budget_tokens``, ``eos_token_ids``);
+        ``None`` (no ids) for what an engine does not say (its own refusal then says what is
+        too long)."""
         try:
             info = await stage.call_utility("model_info", timeout=30.0)
         except UtilityError:
-            return None, None
+            return None, None, []
 
         def whole(key: str) -> int | None:
             value = info.get(key) if isinstance(info, dict) else None
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
             return value if ok else None
 
-        return whole("max_positions"), whole("kv_budget_tokens")
+        eos = info.get("eos_token_ids") if isinstance(info, dict) else None
+        ids = eos if isinstance(eos, list) else []
+        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+        return whole("max_positions"), whole("kv_budget_tokens"), ids
 
     def _check_length(self, prompt: list[int], sampling: Sampling, *, chat: bool) -> None:
         """A 400 for a prompt that, with its new tokens, does not fit the model's context:

@@ -306,6 +306,91 @@ def generate_alone(path: str) -> Callable[[tuple[int, ...], int], list[int]]:
     return generate
 
 
+#: Small configs of other architectures than Llama's, for ``tiny_model_of``.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # Conv1D layers (a transposed linear layer of transformers' own), not nn.Linear.
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128},
+    # nn.Linear, but fc1/fc2 take the hidden states flattened to 2-D ([tokens, hidden]).
+    "opt": {
+        "hidden_size": 64,
+        "ffn_dim": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
+        "word_embed_proj_dim": 64,
+    },
+    # Attention of their own, not through AttentionInterface.
+    "gpt_neo": {
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "max_position_embeddings": 128,
+        "attention_types": [[["global"], 2]],
+    },
+    "bloom": {"hidden_size": 64, "n_layer": 2, "n_head": 4},
+    # Soft-capped attention logits: transformers gives it no SDPA attention.
+    "gemma2": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+    },
+}
+
+
+def tiny_model_of(path: Path, model_type: str) -> str:
+    """A random-weight model of *model_type* (a key of ARCHITECTURES), saved to *path*."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        **ARCHITECTURES[model_type],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    auto: Any = AutoModelForCausalLM  # from_config is untyped
+    auto.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_other_linear_layers_are_row_by_row_too(tmp_path: Path, model_type: str) -> None:
+    """GPT-2's Conv1D layers and OPT's flattened 2-D inputs to its linear layers ran as one
+    batched GEMM in the decode step: a row's logits then depended on the batch (in the last
+    bits, from four rows up), and a near-tie could flip a token. Each row's are now those of
+    the same request alone, and its tokens those of ``generate``."""
+    path = tiny_model_of(tmp_path / model_type, model_type)
+
+    def logits_of_a(prompts: dict[str, int]) -> list[Any]:
+        eng = TransformersEngine(path)
+        eng._head = None  # every row's logits computed (greedy rows' are not, batched)
+        seen: list[Any] = []
+        sample = eng._sample
+
+        def spy(req: Any, row: Any) -> int:
+            if req.rid == "a":
+                seen.append(row.clone())
+            return int(sample(req, row))
+
+        eng._sample = spy  # type: ignore[method-assign,assignment]
+        for rid, n in prompts.items():
+            eng.add(rid, {"prompt": list(range(3, 3 + n)), "max_tokens": 6})
+        drain(eng)
+        return seen
+
+    alone = logits_of_a({"a": 7})
+    batched = logits_of_a({"a": 7, "b": 20, "c": 33, "d": 12, "e": 25})
+    assert len(alone) == len(batched) == 6
+    assert all(torch.equal(x, y) for x, y in zip(alone, batched, strict=True))
+    eng = TransformersEngine(path)
+    reqs = [Req(tuple(range(3 + i, 9 + 4 * i)), 10, arrive=i % 3, abort_at=None)
+            for i in range(6)]  # fmt: skip
+    want = generate_alone(path)
+    check_against(run_loop(eng, reqs), reqs, lambda r: want(r.prompt, r.max_tokens))
+
+
 class TestCertifiedHead:
     """The output head of a batch-invariant decode: one batched GEMM, a greedy token taken
     from it only where the error bound proves it is the exact logits' argmax, the row
@@ -675,6 +760,44 @@ class TestRequests:
         got = drain(engine)
         alone = generate_alone(str(path))
         assert got == {rid: alone(*request) for rid, request in requests.items()}
+
+    @pytest.mark.parametrize("model_type", ["gpt_neo", "bloom"])
+    def test_a_model_whose_attention_bypasses_the_attention_interface_is_refused(
+        self, tmp_path: Path, model_type: str
+    ) -> None:
+        # The decode step attends through the function it registers with AttentionInterface,
+        # over each row's own K/V. A model with attention of its own (GPT-Neo, XGLM, MPT:
+        # "does not support setting its attention implementation dynamically") attended over
+        # the step's new token only, and was served wrong tokens, silently; Bloom's raised
+        # a ValueError in the first decode step (fatal in a stage). Refused when built.
+        path = tiny_model_of(tmp_path / model_type, model_type)
+        with pytest.raises(ValueError, match="AttentionInterface"):
+            TransformersEngine(path)
+
+    @pytest.mark.parametrize("feature", ["position_bias", "softcap", "s_aux", "sinks"])
+    def test_attention_the_decode_step_would_not_apply_is_refused(
+        self, model_path: str, feature: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A model that passes its attention function a position bias, a soft cap or sinks
+        # (through AttentionInterface, with SDPA) had them ignored by the decode step's
+        # attention: wrong tokens, silently. Refused when the engine is built.
+        from transformers.models.llama import modeling_llama
+
+        attention = modeling_llama.LlamaAttention.forward
+
+        def passing(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return attention(self, *args, **kwargs, **{feature: torch.zeros(1)})
+
+        monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", passing)
+        with pytest.raises(ValueError, match=f"AttentionInterface.*{feature}"):
+            TransformersEngine(model_path)
+
+    def test_gemma_2_is_refused_for_want_of_sdpa(self, tmp_path: Path) -> None:
+        # docs/engines.md: transformers has no SDPA attention for Gemma 2 (the engine's
+        # prefill runs the model's own SDPA path), and says so in a ValueError.
+        path = tiny_model_of(tmp_path / "gemma2", "gemma2")
+        with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+            TransformersEngine(path)
 
     @pytest.mark.parametrize(
         ("kwargs", "match"),

@@ -1030,3 +1030,40 @@ class TestTheRealEngine:
             with pytest.raises(openai.BadRequestError, match="budget of 40"):
                 client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=17)
             assert served.wait_idle()["engine"]["kv_usage"] == 0
+
+    @pytest.mark.timeout(120)
+    def test_the_engines_own_eos_ids_are_counted_not_shown(
+        self, tmp_path_factory: pytest.TempPathFactory
+    ) -> None:
+        # The engine stops at every EOS id of the checkpoint (generation config, model
+        # config, tokenizer), the stop token included in its output; the server dropped the
+        # tokenizer's EOS from the text only, so a generation config's other EOS id showed
+        # as text (unless the tokenizer skips it as special). It takes the engine's EOS ids
+        # (model_info) too: every stop token is counted, not shown, as vLLM does.
+        from transformers import AutoTokenizer, GenerationConfig
+
+        from enginecore.engines.transformers import TransformersEngine, make_random_model
+
+        tmp = tmp_path_factory.mktemp("eos")
+        model = Path(make_random_model(tmp / "tiny-llama"))
+        engine = TransformersEngine(str(model))
+        engine.add("r", {"prompt": "hello world", "max_tokens": 2})
+        first, second = [out[1]["token_ids"][0] for _ in range(2) for out in engine.step()]
+        tok: Any = AutoTokenizer.from_pretrained(str(model))
+        shown, stop = tok.decode([first]), tok.decode([second])
+        assert shown  # text of their own
+        assert stop
+        assert "\ufffd" not in shown + stop
+        config: Any = GenerationConfig  # untyped
+        config(eos_token_id=[2, second]).save_pretrained(str(model))
+        engine_name = "enginecore.engines.transformers:TransformersEngine"
+        with _serving(model, tmp, "--engine", engine_name) as served:
+            client = served.client()
+            ask = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 8}
+            done = client.completions.create(**ask, temperature=0)
+            assert done.choices[0].finish_reason == "stop"
+            assert done.choices[0].text == shown
+            assert done.usage is not None
+            assert done.usage.completion_tokens == 2
+            chunks = client.completions.create(**ask, temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in chunks) == shown

@@ -55,6 +55,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.generation.logits_process import TopPLogitsWarper
 from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.modeling_utils import AttentionInterface
+from transformers.pytorch_utils import Conv1D
 
 from .._exceptions import RequestRejected
 
@@ -109,9 +110,16 @@ class _Decode:
     head_in: torch.Tensor | None = None
     head_out: torch.Tensor | None = None
     logits: torch.Tensor | None = None  # the model's output logits
+    attention_calls: int = 0  # layers whose attention went through _rows_attention
 
 
 _DECODE_ROWS: list[_Decode] = []  # a stack; the top is the decode running now
+
+
+#: What a model may pass to its attention function that the decode step's attention does not
+#: apply (an additive position bias, soft-capped logits, attention sinks): such a model is
+#: refused when the engine is built (its tokens would be wrong), not served.
+_UNSUPPORTED_ATTENTION = ("position_bias", "softcap", "s_aux", "sinks")
 
 
 def _rows_attention(
@@ -135,7 +143,15 @@ def _rows_attention(
     on the same arguments, less Python per row. Where ``sdpa_attention_forward`` would take
     another path (grouped heads it cannot pass to SDPA as such), it is called per row.
     """
-    rows = _DECODE_ROWS[-1].rows
+    for feature in _UNSUPPORTED_ATTENTION:
+        if kwargs.get(feature) is not None:  # found by the engine's first decode step
+            raise ValueError(
+                f"the model's attention passes {feature!r}, which the decode step's "
+                "attention (plain SDPA over each row's K/V) would not apply"
+            )
+    decode = _DECODE_ROWS[-1]
+    decode.attention_calls += 1
+    rows = decode.rows
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     groups = int(getattr(module, "num_key_value_groups", 1))
     if groups > 1 and not use_gqa_in_sdpa(None, key, value):
@@ -206,14 +222,41 @@ class _RowLinear(nn.Linear):
     batched product would change the tokens. Outside a decode step it is ``nn.Linear``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if _DECODE_ROWS and input.dim() == 3 and input.shape[1] == 1 and input.shape[0] > 1:
+        rows = _decode_rows(input)
+        if rows is not None:  # [B, 1, in]: one token of each row
             if self.bias is None:
-                w = self.weight.t().expand(input.shape[0], -1, -1)
-                return torch.bmm(input, w)
-            return torch.cat(
-                [F.linear(input[i : i + 1], self.weight, self.bias) for i in range(len(input))]
-            )
+                out = torch.bmm(rows, self.weight.t().expand(rows.shape[0], -1, -1))
+            else:
+                out = torch.cat(
+                    [F.linear(rows[i : i + 1], self.weight, self.bias) for i in range(len(rows))]
+                )
+            return out.view(*input.shape[:-1], out.shape[-1])
         return super().forward(input)
+
+
+def _decode_rows(input: torch.Tensor) -> torch.Tensor | None:
+    """Inside a batch-invariant decode step, *input* (one token of each of several rows, as
+    ``[B, 1, in]`` or flattened to ``[B, in]``, as OPT's feed-forward layers take it) as
+    ``[B, 1, in]``; ``None`` elsewhere (a prefill, a batch of one)."""
+    if not _DECODE_ROWS or input.dim() < 2:
+        return None
+    tokens = input.numel() // max(1, input.shape[-1])
+    if tokens <= 1 or tokens != len(_DECODE_ROWS[-1].rows):
+        return None
+    return input.reshape(tokens, 1, input.shape[-1])
+
+
+class _RowConv1D(Conv1D):
+    """transformers' ``Conv1D`` (GPT-2's linear layers, weight ``[in, out]``) that, inside a
+    batch-invariant decode step, runs each row's ``addmm`` on its own: the very call that
+    ``generate`` makes for a batch of one (as :class:`_RowLinear`, for the same reason)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _decode_rows(x)
+        if rows is None:
+            return cast(torch.Tensor, super().forward(x))  # type: ignore[no-untyped-call]
+        out = torch.cat([torch.addmm(self.bias, rows[i], self.weight) for i in range(len(rows))])
+        return out.view(*x.shape[:-1], self.nf)
 
 
 class _HeadLinear(_RowLinear):
@@ -274,8 +317,12 @@ class TransformersEngine:
     Parameters:
         model: a folder written by ``save_pretrained`` (config, weights, and optionally a
             tokenizer). A path that does not exist raises :class:`FileNotFoundError` naming it.
-            Every layer must attend to all positions: a model with sliding-window, chunked
-            or linear-attention layers is a :class:`ValueError` naming its cache's layers.
+            Every layer must attend to all positions (a model with sliding-window layers is
+            served within its smallest window): a model with chunked or linear-attention
+            layers is a :class:`ValueError` naming its cache's layers, and so is one whose
+            attention does not go through transformers' ``AttentionInterface`` (GPT-Neo,
+            XGLM, MPT, Bloom) or passes it a position bias, a soft cap or attention sinks,
+            found by one decode step run when the engine is built.
         device: ``"cpu"``, ``"cuda"``, ...; default: CUDA when available, else the CPU.
         dtype: a ``torch.dtype`` or its name (``"float32"``, ``"bfloat16"``); default float32
             on the CPU, the checkpoint's own dtype elsewhere.
@@ -374,6 +421,8 @@ class TransformersEngine:
             for mod in self.model.modules():
                 if type(mod) is nn.Linear:
                     mod.__class__ = _RowLinear
+                elif type(mod) is Conv1D:
+                    mod.__class__ = _RowConv1D
             head = self.model.get_output_embeddings()
             if (
                 type(head) is _RowLinear
@@ -421,6 +470,7 @@ class TransformersEngine:
         self._prefill_tokens = 0
         self._decode_tokens = 0
         self._decode_steps = 0
+        self._check_attention(path)
 
     # -- the Engine protocol ----------------------------------------------------------------
 
@@ -603,6 +653,13 @@ class TransformersEngine:
     def _prefill(self, req: _Request) -> Output:
         """Run *req*'s prompt alone (a batch of one, as ``generate`` does), keep its KV in
         tensors sized for the whole request, and return its first token."""
+        logits = self._prefill_kv(req)
+        self._prefill_tokens += len(req.prompt)
+        self._running[req.rid] = req
+        return self._emit(req, self._sample(req, logits))
+
+    def _prefill_kv(self, req: _Request) -> torch.Tensor:
+        """*req*'s prompt through the model: its K/V into *req*'s tensors; the last logits."""
         cache = DynamicCache(config=self.model.config)
         ids = torch.tensor([req.prompt], device=self.device)
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -619,9 +676,43 @@ class TransformersEngine:
             req.keys.append(kt)
             req.values.append(vt)
         req.length = n
-        self._prefill_tokens += n
-        self._running[req.rid] = req
-        return self._emit(req, self._sample(req, out.logits[0, -1]))
+        return cast(torch.Tensor, out.logits[0, -1])
+
+    @torch.inference_mode()
+    def _check_attention(self, path: str) -> None:
+        """Run one decode step of a two-token request, and check that every attention layer
+        went through :func:`_rows_attention` (registered with ``AttentionInterface``), which
+        attends over each row's own K/V. A model with attention of its own (GPT-Neo, XGLM,
+        MPT, Bloom) would attend over the step's new token only: wrong tokens, silently, or
+        an exception in ``step()``, fatal; so would one that passes its attention function
+        what the decode step's attention does not apply (``_UNSUPPORTED_ATTENTION``: that
+        function raises). :class:`ValueError` for such a model."""
+        req = _Request("", [0, 0], 2, 0.0, 1.0, frozenset(), None)
+        calls, error = -1, None
+        try:
+            self._prefill_kv(req)
+            req.generated.append(0)
+            calls = self._forward([req], batched_head=False).attention_calls
+        except Exception as exc:  # e.g. Bloom's ALiBi, built from a 2-D mask: ValueError
+            error = exc
+        layers = len(req.keys)
+        self._release_kv(req)
+        if error is None and layers and calls == layers:
+            return
+        if error is not None:
+            detail = f"a first step of it (a prefill, a decode) raised {type(error).__name__}: "
+            detail = (detail + str(error))[:300]
+        else:
+            detail = (
+                f"{max(calls, 0)} of its {layers} attention layers went through it (its "
+                "attention is its own, as GPT-Neo's, XGLM's, MPT's or Bloom's)"
+            )
+        raise ValueError(
+            f"model {path!r:.200} ({type(self.model).__name__}) cannot be served: "
+            "TransformersEngine's decode step attends through a function registered with "
+            "transformers' AttentionInterface (plain SDPA over each request's own K/V), and "
+            f"{detail}"
+        )
 
     @torch.inference_mode()
     def _decode(self, rows: list[_Request]) -> list[Output]:
@@ -710,6 +801,10 @@ class TransformersEngine:
 
     def _release(self, req: _Request) -> None:
         self._reserved -= req.reserve
+        self._release_kv(req)
+
+    @staticmethod
+    def _release_kv(req: _Request) -> None:
         req.keys.clear()  # the KV tensors' last references: freed now
         req.values.clear()
         req.length = 0
