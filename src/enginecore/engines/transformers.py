@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -462,7 +462,9 @@ class TransformersEngine:
             if kv_budget_tokens is not None
             else max_batch * min(self.max_positions, 1 << 16)
         )
-        self._waiting: deque[_Request] = deque()
+        # FIFO, by request id: an abort takes one out in O(1) (a rebuild per aborted id
+        # made aborting n waiting requests O(n^2): 5,000 took 1 s of the loop's thread).
+        self._waiting: OrderedDict[str, _Request] = OrderedDict()
         self._running: dict[str, _Request] = {}
         self._live: set[str] = set()
         self._reserved = 0
@@ -480,7 +482,7 @@ class TransformersEngine:
     def add(self, req_id: str, data: Any) -> None:
         if req_id in self._live:
             raise RequestRejected(f"request {req_id!r} is already live in the engine")
-        self._waiting.append(self._parse(req_id, data))
+        self._waiting[req_id] = self._parse(req_id, data)
         self._live.add(req_id)
 
     def abort(self, req_ids: Sequence[str]) -> None:
@@ -492,7 +494,7 @@ class TransformersEngine:
             if req is not None:
                 self._release(req)
             else:
-                self._waiting = deque(r for r in self._waiting if r.rid != rid)
+                self._waiting.pop(rid, None)
 
     def utility(self, name: str, args: tuple[Any, ...]) -> Any:
         if name == "stats":
@@ -533,12 +535,12 @@ class TransformersEngine:
         prefilled = 0
         waiting = self._waiting
         while waiting and len(self._running) < self.max_batch:
-            head = waiting[0]
+            head = next(iter(waiting.values()))
             if self._reserved + head.reserve > self.kv_budget:
                 break  # FIFO: nothing overtakes the head
             if prefilled and prefilled + len(head.prompt) > self.max_prefill_tokens:
                 break
-            waiting.popleft()
+            waiting.popitem(last=False)
             self._reserved += head.reserve
             prefilled += len(head.prompt)
             outputs.append(self._prefill(head))
