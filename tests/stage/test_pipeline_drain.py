@@ -69,19 +69,28 @@ class TestHealthWhileDraining:
 
 
 class TestAbortWhileDraining:
-    @pytest.mark.parametrize("stages", [2, 3])
+    @pytest.mark.parametrize(
+        ("stages", "replicas"), [(2, 1), (3, 1), (2, 2)], ids=["two", "three", "pool"]
+    )
     def test_an_abort_reaches_a_request_held_in_a_later_stage_once_the_first_stopped(
-        self, launch: Any, stages: int
+        self, launch: Any, stages: int, replicas: int
     ) -> None:
         # r passed through a, which has drained and stopped; b holds it (its device
-        # waits), and drains. The abort goes to b, the first stage still running, which
-        # chases it on (to c): r ends aborted at once, and the drain with it, instead of
-        # running on until r is done or the deadline.
+        # waits), and drains. The abort goes to b, the first stage still running (to r's
+        # replica of it), which chases it on (to c): r ends aborted at once, and the drain
+        # with it, instead of running on until r is done or the deadline.
         names = ["a", "b", "c"][:stages]
-        pipe = launch([PipelineStage(RELAY, name=name) for name in names])
+        pipe = launch(
+            [PipelineStage(RELAY, name=n, replicas=replicas if n == "b" else 1) for n in names]
+        )
         pipe.call_utility("b", "hold", True)  # b's steps emit nothing: r stays there
+
+        def held() -> int:
+            got = pipe.call_utility("b", "num_requests")
+            return sum(got) if isinstance(got, list) else int(got)
+
         stream = pipe.add("r", "payload")
-        assert wait_until(lambda: pipe.call_utility("b", "num_requests") == 1, 10)
+        assert wait_until(lambda: held() == 1, 10)
         closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 60.0})
         closer.start()
         try:
