@@ -225,6 +225,37 @@ class TestClientDrain:
         with pytest.raises(StageClosedError):
             stream.collect(timeout=10)
 
+    def test_a_drain_under_way_takes_the_closers_aborts(self, launch: Launch) -> None:
+        # A server that drains on SIGTERM must still drop the requests of callers that went
+        # away meanwhile: the stage applies aborts during a drain, and the client that
+        # called shutdown(drain=...) sends them. New work stays refused.
+        client = launch(SCRIPTED)
+        gone = client.add("gone", 10**9)  # its caller left: only an abort ends it
+        kept = client.add("kept", 10**9)
+        gone.get(5)
+        kept.get(5)
+        codes: list[int | None] = []
+        closer = threading.Thread(target=lambda: codes.append(client.shutdown(drain=60)))
+        closer.start()
+        try:
+            assert wait_until(lambda: client.closed, 10)
+            with pytest.raises(StageClosedError):
+                client.add("late", 1)
+            with pytest.raises(StageClosedError):
+                client.call_utility("echo", 1, timeout=5)
+            client.abort(["gone"])
+            gone.collect(timeout=10)  # ended by the abort (it would run for hours)
+            assert gone.aborted
+            client.abort(["kept", "unknown"])
+            kept.collect(timeout=10)
+            assert kept.aborted
+        finally:
+            closer.join(30)
+        assert not closer.is_alive()
+        assert codes == [0]  # nothing live any more: the drain ended, not at its deadline
+        with pytest.raises(StageClosedError):  # the close is over: refused again
+            client.abort(["gone"])
+
     @pytest.mark.parametrize("drain", [-1.0, float("nan")])
     def test_an_invalid_drain_raises_before_anything(self, launch: Launch, drain: float) -> None:
         client = launch(SCRIPTED)

@@ -10,7 +10,7 @@ from enginecore.stage._edge import BEFORE, ENDED, SENT_ON
 from enginecore.stage._errors import EngineDeadError, PipelineRequestError, PipelineStageDeadError
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
 from enginecore.stage._pool_core import RestartPolicy
-from enginecore.stage._session import StreamCore
+from enginecore.stage._session import ABORTED, StreamCore
 
 HERE = ENDED | BEFORE  # a stage's end report: the request stops there, done in every stage
 
@@ -778,3 +778,65 @@ def test_routing_avoids_an_exited_replica_and_takes_one_only_when_no_other_is_li
     assert core.route("s") == (0, 0, 0)  # the least loaded of those still alive
     core.open_many(["t", "u"], [StreamCore("t"), StreamCore("u")], 0, exited=[(1, 1)])
     assert [core.route("t"), core.route("u")] == [(0, 0, 0), (0, 0, 0)]  # loads 1, 3, 3
+
+
+# -- a drain: the stages before the first one running have stopped ------------------------------
+
+
+def test_an_abort_once_the_first_stage_has_drained_goes_to_the_next_stage() -> None:
+    # shutdown(drain=...): a has drained and stopped while r runs on in b. The abort goes
+    # to b (which chases it to c), and a, which can answer nothing more, counts as applied.
+    core = _core("r")
+    stream = core._requests["r"].stream
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.stopped(0, 1.0, d)
+    assert core.first == 1
+    assert d.stage_aborts == []  # nothing was being aborted
+    d = PipelineDeliveries()
+    core.abort(["r"], d)
+    assert d.aborts == []
+    assert d.stage_aborts == [(1, ["r"])]
+    core.aborted(1, ["r"], 2.0, d)
+    assert stream._ended is None  # c has still to apply it
+    core.aborted(2, ["r"], 2.0, d)
+    assert stream._ended is ABORTED
+    assert d.freed == 1
+    # Once b has stopped too, an abort goes to c; once every stage has, nowhere.
+    core = _core("q")
+    for k in (0, 1):
+        core.stopped(k, 1.0, PipelineDeliveries())
+    d = PipelineDeliveries()
+    core.abort(["q"], d)
+    assert d.stage_aborts == [(2, ["q"])]
+
+
+def test_an_abort_the_stopped_stage_never_applied_is_sent_on_from_the_next() -> None:
+    # The abort of r reached a after a's drain had ended (a answers nothing more, and
+    # chased nothing on): once the coordinator hears that a stopped, b gets it. s's abort,
+    # which a applied and chased on, is not sent again.
+    core = _core("r", "s", "t")
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.abort(["r", "s"], d)
+    assert d.aborts == ["r", "s"]
+    core.aborted(0, ["s"], 1.0, d)
+    d = PipelineDeliveries()
+    core.stopped(0, 2.0, d)
+    assert d.stage_aborts == [(1, ["r"])]
+    for k in (1, 2):
+        core.aborted(k, ["r", "s"], 3.0, d)
+    assert core.state("r") is None
+    assert core.state("s") is None
+    assert core.state("t") is RequestState.LIVE
+
+
+def test_an_error_whose_replay_would_come_from_a_stopped_stage_ends_the_request() -> None:
+    core, stream = _retrying()
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.stopped(0, 1.0, d)
+    core.error(1, "r", "refused", 2.0, d)  # a cannot replay it: it has stopped
+    assert d.replays == []
+    assert stream._ended is not None
+    exc = stream._ended.exc
+    assert isinstance(exc, PipelineRequestError)
+    assert exc.message.endswith("refused (not retried: stage 'a' has drained and stopped)")
+    assert d.stage_aborts == [(1, ["r"])]  # from b, the first stage still running

@@ -68,6 +68,43 @@ class TestHealthWhileDraining:
         assert set(pipe.health().values()) == {StageHealth.DEAD}  # all stopped
 
 
+class TestAbortWhileDraining:
+    @pytest.mark.parametrize(
+        ("stages", "replicas"), [(2, 1), (3, 1), (2, 2)], ids=["two", "three", "pool"]
+    )
+    def test_an_abort_reaches_a_request_held_in_a_later_stage_once_the_first_stopped(
+        self, launch: Any, stages: int, replicas: int
+    ) -> None:
+        # r passed through a, which has drained and stopped; b holds it (its device
+        # waits), and drains. The abort goes to b, the first stage still running (to r's
+        # replica of it), which chases it on (to c): r ends aborted at once, and the drain
+        # with it, instead of running on until r is done or the deadline.
+        names = ["a", "b", "c"][:stages]
+        pipe = launch(
+            [PipelineStage(RELAY, name=n, replicas=replicas if n == "b" else 1) for n in names]
+        )
+        pipe.call_utility("b", "hold", True)  # b's steps emit nothing: r stays there
+
+        def held() -> int:
+            got = pipe.call_utility("b", "num_requests")
+            return sum(got) if isinstance(got, list) else int(got)
+
+        stream = pipe.add("r", "payload")
+        assert wait_until(lambda: held() == 1, 10)
+        closer = threading.Thread(target=pipe.shutdown, kwargs={"drain": 60.0})
+        closer.start()
+        try:
+            # b drains once a has stopped (the stages drain in order).
+            assert wait_until(lambda: pipe.client("b").closed, 10)
+            assert pipe.health()["a"] == StageHealth.DEAD
+            pipe.abort(["r"])
+            assert stream.collect(timeout=10) == []
+            assert stream.aborted
+        finally:
+            closer.join(60)
+        assert not closer.is_alive()
+
+
 class TestShutdownArguments:
     @pytest.mark.parametrize(
         ("bad", "error"),

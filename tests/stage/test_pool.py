@@ -1028,6 +1028,61 @@ def test_a_removal_without_drain_and_a_close_name_the_replica_in_their_errors(
     assert all("replica r" in f for f in failed), failed
 
 
+def test_a_drained_removal_takes_aborts_of_the_replicas_requests(launch: Open) -> None:
+    # A request routed to a replica that drains away (its caller gone) is dropped by an
+    # abort, as on a replica that serves: the drain then ends at once, not at its timeout.
+    pool, streams = _busy(launch)
+    victim = pool.replicas[0]
+    on_victim = [s for s in streams if s.replica is victim]
+    assert on_victim
+    codes: list[int | None] = []
+    remover = threading.Thread(
+        target=lambda: codes.append(pool.remove_replica(victim, drain=True, timeout=60))
+    )
+    remover.start()
+    try:
+        member = victim._client
+        assert member is not None
+        assert wait_until(lambda: member.closed, 10)  # its stage drains
+        pool.abort([s.req_id for s in on_victim])
+        for s in on_victim:
+            s.collect(10)
+            assert s.aborted
+    finally:
+        remover.join(30)
+    assert not remover.is_alive()
+    assert codes == [0]
+    assert victim.state is ReplicaState.REMOVED
+    rest = [s for s in streams if s.replica is not victim]
+    pool.abort([s.req_id for s in rest])
+    for s in rest:
+        s.collect(10)
+        assert s.aborted
+
+
+def test_a_drained_shutdown_takes_aborts(launch: Open) -> None:
+    pool, streams = _busy(launch)
+    outcome: list[object] = []
+    closer = threading.Thread(target=lambda: outcome.append(pool.shutdown(drain=60)))
+    closer.start()
+    try:
+        members = [r._client for r in pool.replicas]
+        assert wait_until(lambda: all(m is not None and m.closed for m in members), 10)
+        with pytest.raises(StageClosedError):
+            pool.add("late", 1)
+        pool.abort([s.req_id for s in streams])
+        for s in streams:
+            s.collect(10)
+            assert s.aborted
+    finally:
+        closer.join(30)
+    assert not closer.is_alive()
+    assert len(outcome) == 1
+    assert list(cast(dict[Any, Any], outcome[0]).values()) == [0, 0]
+    with pytest.raises(StageClosedError):  # the shutdown is over: refused again
+        pool.abort(["a0"])
+
+
 def test_shutdown_with_drain_finishes_live_requests(launch: Open) -> None:
     pool = launch(kwargs={"step_s": 0.005})
     streams = [pool.add(f"d{i}", 20) for i in range(6)]

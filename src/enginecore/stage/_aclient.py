@@ -495,7 +495,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         """Ask the stage to abort *req_ids* (unknown ids are ignored).
 
         Their streams stop once the stage has applied the abort; no output of theirs follows.
-        Raises :class:`TypeError` for a bare ``str``, else the client's failure. Never waits.
+        Raises :class:`TypeError` for a bare ``str``, else the client's failure; while this
+        client's :meth:`shutdown` with a *drain* drains the stage, the abort is still sent.
+        Never waits.
         """
         self._send_abort(req_ids)
 
@@ -620,11 +622,14 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         call.
 
         With *drain* (seconds), the stage drains first: it refuses new adds (also those of
-        other tasks of this client, which raise ``StageClosedError`` at once), answers
-        utilities, and lets its live requests run to completion, delivered to their streams
-        as usual; then it stops. Requests still live after *drain* seconds are aborted and
-        their streams raise :class:`~enginecore.stage.RequestError`. The wait is then at most
-        *drain* + *timeout*. :class:`ValueError` for a negative drain, before anything.
+        other tasks of this client, which raise ``StageClosedError`` at once, as their
+        utility calls do), answers utilities, and lets its live requests run to completion,
+        delivered to their streams as usual; then it stops. Meanwhile other tasks may still
+        :meth:`abort` this client's requests (those whose callers went away): until the
+        shutdown is over or gives up on the drain and signals the process. Requests still
+        live after *drain* seconds are aborted and their streams raise
+        :class:`~enginecore.stage.RequestError`. The wait is then at most *drain* +
+        *timeout*. :class:`ValueError` for a negative drain, before anything.
 
         Waits; idempotent (a second call waits for the first, and returns or raises as it
         does). Cancelling the call (``asyncio.wait_for``, a task's ``cancel()``) cancels

@@ -461,10 +461,13 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             await asyncio.gather(*list(self._restart_tasks), return_exceptions=True)
         deadline = None if drain is None else time.monotonic() + drain
         self._draining = drain is not None  # health(): the stage draining is alive
-        for client in self._clients:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            with contextlib.suppress(Exception):
-                await client.shutdown(timeout, drain=left)
+        for k, clients in enumerate(self._replicas):
+            for client in list(clients):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                with contextlib.suppress(Exception):
+                    await client.shutdown(timeout, drain=left)
+            if deadline is not None:
+                self._stage_stopped(k)  # later aborts go to the stages still draining
         self._close_core()
 
     close = shutdown

@@ -763,7 +763,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     ) -> dict[Replica, int | None]:
         self._on_its_loop()
         if self._closing.unstarted():
-            self._core.begin_close()
+            self._core.begin_close(drain is not None)
             self._closed.set()
             cut = list(self._drains) if drain is None else []
             for r in cut:  # a removal's drain under way stops now, as the others do

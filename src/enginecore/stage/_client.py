@@ -623,8 +623,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         """Ask the stage to abort *req_ids* (unknown ids are ignored).
 
         Their streams stop once the stage has applied the abort; no output of theirs follows.
-        Raises :class:`TypeError` for a bare ``str``, else the client's failure. Never
-        blocks; thread-safe.
+        Raises :class:`TypeError` for a bare ``str``, else the client's failure; while this
+        client's :meth:`shutdown` with a *drain* drains the stage, the abort is still sent.
+        Never blocks; thread-safe.
         """
         self._send_abort(req_ids)
 
@@ -817,8 +818,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
 
         With *drain* (seconds), the stage drains first: it refuses new adds (also those of
         other threads of this client, which raise ``StageClosedError`` at once, as their
-        utility calls and aborts do), answers the utilities sent before, and lets its live
-        requests run to completion, delivered to their streams as usual; then it stops.
+        utility calls do), answers the utilities sent before, and lets its live requests
+        run to completion, delivered to their streams as usual; then it stops. Meanwhile
+        other threads may still :meth:`abort` this client's requests (those whose callers
+        went away): until this call returns or gives up on the drain and signals the
+        process.
         Requests still live after *drain* seconds are aborted and their streams raise
         :class:`~enginecore.stage.RequestError`. The wait is then at most *drain* +
         *timeout*. :class:`ValueError` for a negative drain or *timeout* (or one that is

@@ -250,7 +250,7 @@ class ClientBase(Generic[S, W]):
         ids = list(req_ids)
         session = self._session
         with self._lock:
-            session.check_open()
+            session.check_abortable()  # a drain under way still takes aborts
             if not noted:
                 session.note_abort(ids)
         try:

@@ -493,10 +493,13 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 thread.join()
             deadline = None if drain is None else time.monotonic() + drain
             self._draining = drain is not None  # health(): the stage draining is alive
-            for client in self._clients:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                with contextlib.suppress(Exception):
-                    client.shutdown(timeout, drain=left)
+            for k, clients in enumerate(self._replicas):
+                for client in list(clients):
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    with contextlib.suppress(Exception):
+                        client.shutdown(timeout, drain=left)
+                if deadline is not None:
+                    self._stage_stopped(k)  # later aborts go to the stages still draining
             self._close_core()
             # Only now: a call interrupted before here (Ctrl-C while a stage drains) left
             # stages running, and the next call stops them (each step is idempotent).

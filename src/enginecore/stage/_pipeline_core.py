@@ -163,6 +163,16 @@ what is meant for a newer generation than its link's, aborts included, for that
 generation's ``link``, and drops what is meant for an older one. Only to processes whose
 ``welcome`` says ``"gens"`` (:meth:`generational`): an older build refuses a route entry
 that is not an int, and gets plain routes (the two cases stay open through it).
+
+**Drain** (``shutdown(drain=...)``: the stages drain and stop one after the other, first
+to last, and no add comes any more). Once stage ``k`` has stopped (:meth:`stopped`, after
+its last event), it holds no request and answers nothing more: it counts as having applied
+every abort, and an abort "from the first stage" goes to the first stage still running
+(:meth:`_abort_from_first`), which chases it on as the first stage would. An abort that
+stage ``k`` received only after its drain ended was neither answered nor chased: it is sent
+again from stage ``k + 1``. Since no id is used again, an abort applied twice, or an answer
+for an id already freed, is harmless. A retried edge out of a stopped stage retries no
+more: that stage cannot replay.
 """
 
 from __future__ import annotations
@@ -385,6 +395,11 @@ class PipelineCore(Generic[S]):
         # The failure as an End: check() raises it with the traceback it had then, so that
         # refused adds do not grow it (see _session.End).
         self._failure_end: End | None = None
+        # A shutdown(drain=...) under way: the stages before _first have drained and
+        # stopped (stopped()), _stopped has their bits. They count as having applied
+        # every abort, and an abort "from the first stage" goes to stage _first.
+        self._first = 0
+        self._stopped = 0
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -548,13 +563,25 @@ class PipelineCore(Generic[S]):
         """The caller's abort: each live request goes to ``ABORTING`` and is aborted in the
         first stage; other ids are ignored."""
         requests = self._requests
+        out: list[str] = []
         for rid in req_ids:
             req = requests.get(rid)
             if req is not None and req.state is RequestState.LIVE:
                 req.state = RequestState.ABORTING
-                d.aborts.append(rid)
+                out.append(rid)
                 if req.route is not None:
                     d.routes[rid] = req.route
+        if out:
+            self._abort_from_first(out, d)
+
+    def _abort_from_first(self, req_ids: list[str], d: PipelineDeliveries[S]) -> None:
+        """Abort *req_ids* from the first stage (the abort chases the data from there), or,
+        during a drain, from the first stage still running (:meth:`stopped`)."""
+        first = self._first
+        if not first:
+            d.aborts += req_ids
+        elif first < self._n:
+            d.stage_aborts.append((first, req_ids))
 
     # -- what a stage says --------------------------------------------------------------------
 
@@ -622,6 +649,12 @@ class PipelineCore(Generic[S]):
         if fences is not None and fences[k]:
             return  # an earlier attempt's
         allowed = self.retry[k]
+        if allowed and k <= self._first:
+            # The stage that would replay it has drained and stopped (stopped()): no
+            # replay can come, and the request would wait for it until the shutdown.
+            before = self.stages[k - 1]
+            message = f"{message} (not retried: stage {before!r} has drained and stopped)"
+            allowed = 0
         if allowed:
             done = 0 if req.replays is None else req.replays.retries.get(k, 0)
             if done >= allowed:
@@ -695,7 +728,7 @@ class PipelineCore(Generic[S]):
         caller's abort already is on its way)."""
         self._end(req, End(PipelineRequestError(req.req_id, self.stages[k], message)), now, d)
         if req.state is RequestState.LIVE:
-            d.aborts.append(req.req_id)
+            self._abort_from_first([req.req_id], d)
             if req.route is not None:
                 d.routes[req.req_id] = req.route
         req.state = RequestState.CLOSING
@@ -769,7 +802,7 @@ class PipelineCore(Generic[S]):
         """Once every stage has applied the coordinator's abort of *req*, and every fence is
         answered, it is over: an aborting one's stream ends (aborted), its place is free."""
         fences = req.fences
-        if req.confirms == every and (fences is None or not any(fences)):
+        if req.confirms | self._stopped == every and (fences is None or not any(fences)):
             if req.state is RequestState.ABORTING:
                 self._end(req, ABORTED, now, d)
             self._release(req, d)
@@ -842,14 +875,15 @@ class PipelineCore(Generic[S]):
         end = End(error)
         bit = 1 << k
         after: list[str] = []
+        first: list[str] = []  # (from the first stage still running, unless it is this one)
         tag = 0  # the tag of the aborts this death sends, once one is tagged
         for req in [q for q in self._requests.values() if q.route is not None and q.route[k] == r]:
             rid = req.req_id
             state = req.state
             if state is not RequestState.CLOSING:
                 self._end(req, end, now, d)
-            if state is RequestState.LIVE and k > 0:
-                d.aborts.append(rid)
+            if state is RequestState.LIVE and k > self._first:
+                first.append(rid)
             req.state = RequestState.CLOSING
             fences = req.fences
             if fences is not None:
@@ -875,6 +909,8 @@ class PipelineCore(Generic[S]):
                 # The last stage, or its process of the next stage died before (an abort
                 # sent there would reach no one): every stage may have applied the aborts.
                 self._confirmed(req, now, d, self._all)
+        if first:
+            self._abort_from_first(first, d)
         if after:
             d.stage_aborts.append((k + 1, after))
 
@@ -976,11 +1012,11 @@ class PipelineCore(Generic[S]):
             self._failure_end = End(error)
         requests = self._requests
         if requests:
-            if k > 0:
+            if k > self._first:  # (a stage before it drained and stopped: from the next)
                 closing = RequestState.CLOSING
                 live = [rid for rid, req in requests.items() if req.state is not closing]
                 if live:
-                    d.aborts += live
+                    self._abort_from_first(live, d)
             self._orphans.update((rid, self._sent_route(req)) for rid, req in requests.items())
         if self.pooled:
             d.routes.update((rid, route) for rid, route in self._orphans.items() if route)
@@ -1096,6 +1132,57 @@ class PipelineCore(Generic[S]):
         link's and its shared-memory slots' names carry it (:func:`._edge.slot_token`)."""
         return self._generations[k][r]
 
+    @property
+    def first(self) -> int:
+        """The first stage still running: 0, but during a ``shutdown(drain=...)`` the
+        number of stages that have drained and stopped (:meth:`stopped`)."""
+        return self._first
+
+    def stopped(self, k: int, now: float, d: PipelineDeliveries[S]) -> None:
+        """Stage *k* (every process of it) has drained and stopped during a
+        ``shutdown(drain=...)``, as every stage before it has, and the coordinator has
+        every event it sent (its last one included). No add comes any more, so no id is
+        used again: from now on stage *k* counts as having applied every abort (it holds no
+        request, and can answer nothing more), and an abort that would go to the first
+        stage goes to stage ``k + 1`` (:meth:`_abort_from_first`), which chases it on. A
+        request whose abort is out and that stage *k* never answered (it arrived after the
+        stage's drain ended, so it was not chased on either) is aborted again from stage
+        ``k + 1``; an abort that reaches a stage twice is answered twice, the second time
+        for an id no longer here, which is dropped. A fence still due at stage *k* is
+        moot. (Stage *k*'s last data may in principle be overtaken at stage ``k + 1`` by
+        an abort sent there now, since they come on two connections: the request then
+        ends aborted for the caller, and that stage may still run what arrives after,
+        dropped, to its end, as it would have without the abort.)"""
+        if k < self._first:
+            return
+        bit = 1 << k
+        self._stopped |= (bit << 1) - 1
+        self._first = k + 1
+        nxt = k + 1
+        again: list[str] = []
+        for req in list(self._requests.values()):
+            fences = req.fences
+            if fences is not None:
+                fences[: k + 1] = repeat(0, k + 1)
+            if req.state is RequestState.LIVE:
+                continue
+            if (
+                not req.confirms & bit
+                and nxt < self._n
+                and not req.cut >> nxt & 1
+                and not req.confirms >> nxt & 1
+            ):
+                again.append(req.req_id)
+                route = self._sent_route(req)
+                if route is not None:
+                    d.routes[req.req_id] = route
+                want = req.want
+                if want is not None and want[nxt]:
+                    d.tags[nxt, req.req_id] = want[nxt]
+            self._confirmed(req, now, d, self._all)
+        if again:
+            d.stage_aborts.append((nxt, again))
+
     def close(self, exc: BaseException, now: float, d: PipelineDeliveries[S]) -> None:
         """The pipeline is closed: every stream still open ends with *exc*."""
         if self.failure is None:
@@ -1133,7 +1220,7 @@ class PipelineCore(Generic[S]):
                 # A replay is still on its way (a later one made it moot): abort the request
                 # in every stage, so that what it replays ends too, and keep the id until
                 # every stage has applied that abort and answered every fence.
-                d.aborts.append(req.req_id)
+                self._abort_from_first([req.req_id], d)
                 req.state = RequestState.CLOSING
                 return
             self._release(req, d)

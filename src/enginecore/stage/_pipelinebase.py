@@ -978,6 +978,21 @@ class PipelineBase(Generic[S, C]):
         the first stage, wake adds that wait for room."""
         raise NotImplementedError
 
+    def _stage_stopped(self, k: int) -> None:
+        """During ``shutdown(drain=...)``: every process of stage *k* has drained and
+        stopped (or its client gave up on it and killed it), after every stage before it.
+        Its last events are the core's already (each client hands its events over as it
+        reads them, its end included); the core then counts it as having applied every
+        abort, sends what would go to the first stage to stage ``k + 1`` from now on, and
+        sends there again the aborts that stage *k* never applied
+        (:meth:`PipelineCore.stopped`)."""
+        for r in range(len(self._replicas[k])):
+            self._take_events(k, r)  # (nothing left, as a rule: its reader took them)
+        d: PipelineDeliveries[S] = PipelineDeliveries()
+        with self._lock:
+            self._core.stopped(k, time.monotonic(), d)
+        self._deliver(d)
+
     def _close_core(self) -> None:
         """Every stage is stopped: streams still open end with
         :class:`~enginecore.stage.StageClosedError`, and no shared-memory segment of the
@@ -1006,7 +1021,9 @@ class PipelineBase(Generic[S, C]):
                 replicas[k][r]._send(self._gone_frame(side, dead, dead_r))
         if not self._pooled:
             # Sent as they are (the coordinator, not the client, awaits their answers): also
-            # to a stage whose client closes, which a drain leaves applying aborts.
+            # to a stage whose client closes, which a drain leaves applying aborts. (Once a
+            # drain has stopped the first stages, the core sends "the first stage's" aborts
+            # to the first one still running, as stage_aborts: PipelineCore.stopped.)
             if d.aborts:
                 with contextlib.suppress(Exception):
                     self._clients[0]._send(ClientSession.abort_frame(d.aborts))

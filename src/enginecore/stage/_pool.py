@@ -1003,7 +1003,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             if self._closed_done:
                 return dict(self._exit_codes)
             with self._lock:
-                self._core.begin_close()
+                self._core.begin_close(drain is not None)
                 replicas = list(self._core.replicas)
                 cut = [r for r in self._drains if drain is None]
                 self._cut.update(cut)

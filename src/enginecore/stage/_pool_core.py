@@ -806,6 +806,9 @@ class PoolCore:
         self._live: dict[str, Any] = {}  # req_id -> its stream (ended ones pruned lazily)
         self._prune_at = 1024
         self.closing = False
+        # That close is a shutdown with a drain, under way: the pool still takes aborts
+        # (PoolBase._abort), which reach the replicas as they drain.
+        self.draining = False
         # The one replica to send to without routing: set when the routable set is one
         # replica and no hook needs the request kept; valid while health_epoch is
         # _routable_epoch (a pool of one's add reads only these two).
@@ -919,15 +922,18 @@ class PoolCore:
         replica._state = ReplicaState.STARTING
         return True
 
-    def begin_close(self) -> None:
+    def begin_close(self, drain: bool = False) -> None:
         """The pool begins to close: nothing new is routed (the epoch moves, so no add
-        takes the path that skips the checks)."""
+        takes the path that skips the checks); *drain*: a shutdown with a drain, which
+        still takes aborts until :meth:`closed`."""
         self.closing = True
+        self.draining = drain
         self._single = None
         self.health_epoch[0] += 1
 
     def closed(self) -> None:
         """The pool has closed: every replica left is ``dead``."""
+        self.draining = False
         for r in self._replicas:
             if r._state is not ReplicaState.FAILED:
                 r._state = ReplicaState.DEAD

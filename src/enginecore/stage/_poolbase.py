@@ -661,7 +661,8 @@ class PoolBase(Generic[S]):
         by_replica: dict[Replica, list[str]] = {}
         hook = self._core.on_replica_death is not None
         with self._lock:
-            self._check_open()
+            if not self._core.draining:  # a drained shutdown under way takes aborts
+                self._check_open()
             for rid in ids:
                 stream = self._core.stream_of(rid)
                 # getattr: an add_many() in another thread holds the id, or has sent it but

@@ -926,6 +926,16 @@ class ClientSession(Generic[S, W]):
         if self._closing:
             raise StageClosedError("this stage client is closed")
 
+    def check_abortable(self) -> None:
+        """Before an ``abort``: raise as :meth:`check_open`, except while this client's
+        shutdown drains the stage (``shutdown(drain=...)``, until the client gives up on it
+        and signals the process): the stage still applies aborts then, and an abort is the
+        only way to drop a request that no one waits for any more before the drain ends."""
+        if self._failure_end is not None:
+            self._failure_end.raise_exc()
+        if self._closing and not (self._drain_close and not self._escalated):
+            raise StageClosedError("this stage client is closed")
+
     def note_abort(self, req_ids: Iterable[str]) -> None:
         """Under the lock, just before an ``abort`` of *req_ids* is sent: its answer is due.
         For an id with no live request here (its end came already, or it never was), that
