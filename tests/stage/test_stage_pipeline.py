@@ -1771,8 +1771,8 @@ class TestLifecycle:
         # running, and their streams never ended.)
         pipe = Pipeline.launch([COUNTDOWN, PipelineStage(RELAY, name="b")], startup_timeout=30)
         try:
+            pipe.call_utility("b", "hold", True)  # before the add: r stays in b
             stream = pipe.add("r", 3)
-            pipe.call_utility("b", "hold", True)  # r stays in b
             first = pipe.client(COUNTDOWN)
             real = first.shutdown
 
