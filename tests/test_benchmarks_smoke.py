@@ -445,6 +445,34 @@ class TestStageBenchmarks:
         assert all(peer > 0 and parent > 0 for peer, parent in cpu.values())
         assert "enginecore" in bench_stage_utility.cpu_note(cpu)
 
+    def test_requests_ctrl_c_during_the_async_launch_leaves_nothing_behind(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Ctrl-C while the AsyncStageClient is being launched on the script's own event
+        # loop. Before, the loop was closed with the launch still pending: its clean-up
+        # never ran (no loop to run it on), the half-started stage stayed up, and the
+        # coroutine's collection printed "Exception ignored ... no running event loop".
+        import asyncio
+
+        real = asyncio.new_event_loop
+
+        def interrupting_loop() -> asyncio.AbstractEventLoop:
+            loop = real()
+
+            def ctrl_c() -> None:
+                raise KeyboardInterrupt
+
+            loop.call_later(0.05, ctrl_c)  # a spawned stage takes far longer to report
+            return loop
+
+        unraisable: list[Any] = []
+        monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+        monkeypatch.setattr(asyncio, "new_event_loop", interrupting_loop)
+        with pytest.raises(KeyboardInterrupt):
+            bench_stage_requests.measure(rounds=1, jobs=1)
+        gc.collect()
+        assert unraisable == []
+
     def test_requests_measures_every_side(self, gc_disables: list[str]) -> None:
         res = bench_stage_requests.measure(rounds=2, jobs=1)
         assert {len(v) for v in res.values()} == {2}
