@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from ._cli import output_path, run_main
-from ._harness import Record, Skipped, fmt_per_round, format_table, write_json
+from ._harness import Record, Skipped, fmt_per_round, fmt_ratio, format_table, write_json
 
 MODULES = (
     "bench_idle_cpu",
@@ -97,7 +97,7 @@ def write_chart(path: str, records: Sequence[Record]) -> bool:
         )
         if not any(heights):
             ax.set_ylim(0, 1)
-        ratio = "inf" if r.ratio == float("inf") else f"{r.ratio:.2f}x"
+        ratio = fmt_ratio(r.ratio)
         ax.set_title(
             f"{r.name}\n{ratio} (rounds {fmt_per_round(r)}), goal {r.goal}: "
             f"{'met' if r.met else 'MISSED'}",

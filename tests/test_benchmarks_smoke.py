@@ -184,6 +184,17 @@ class TestHarness:
         assert cells[1][5] == "0.2..0.25 µs"
         assert cells[2][5] == "n/a"
 
+    def test_a_ratio_that_is_not_a_number_reads_n_a_not_inf(self) -> None:
+        # An absolute line with no baseline (bench_transformers_aborts) has no ratio: its
+        # NaN read "inf" in the ratio column, as if enginecore were infinitely slower.
+        nan = _harness.Record("lost", 0.0, "streams", 0.0, float("nan"), "<= 0 streams", True)
+        inf = _harness.higher_is_better("x", [1.0], [0.0], "msgs/s", 1.0)
+        assert _harness.fmt_ratio(nan.ratio) == "n/a"
+        assert _harness.fmt_ratio(inf.ratio) == "inf"
+        header, _, row = _harness.format_table([nan]).splitlines()
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert cells[4] == "n/a", row
+
     def test_gc_on_enables_and_restores(self) -> None:
         was = gc.isenabled()
         try:
