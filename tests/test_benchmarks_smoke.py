@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from benchmarks import (
     _harness,
+    bench_gil_release,
     bench_idle_cpu,
     bench_metrics,
     bench_overhead,
@@ -33,6 +34,7 @@ from benchmarks import (
     bench_pool_faults,
     bench_pool_shared,
     bench_ray,
+    bench_shutdown_latency,
     bench_stage_arrays,
     bench_stage_curve,
     bench_stage_ingest,
@@ -43,6 +45,7 @@ from benchmarks import (
     bench_stage_utility,
     bench_statistics,
     bench_throughput,
+    bench_wake_latency,
 )
 from benchmarks.__main__ import MODULES, main
 
@@ -305,6 +308,36 @@ class TestBenchmarksRun:
         assert bench_throughput.run_loop(msgs) > 0
         assert bench_throughput.run_raw(msgs) > 0
 
+    @pytest.mark.parametrize(
+        ("module", "n"),
+        [
+            (bench_throughput, 1),
+            (bench_wake_latency, 2),
+            (bench_shutdown_latency, 2),
+            (bench_gil_release, 1),
+        ],
+    )
+    def test_core_script_runs_quick_and_is_judged_on_every_round(
+        self, module: Any, n: int
+    ) -> None:
+        # These were never run whole by the suite (only in CI's `--quick` run): a run()
+        # that raised, or judged on fewer rounds than it measured, went unseen here.
+        records = module.run(quick=True)
+        assert_records(records, n)
+        assert all(len(r.per_round) >= 2 for r in records), records
+        assert all(r.value > 0 and r.baseline > 0 for r in records), records
+
+    def test_every_benchmark_is_run_by_this_file(self) -> None:
+        # Each script of the runner's list is run whole here: its run(quick=True), here or
+        # in the parametrised test above; bench_stage_requests as run() does it, measure()
+        # then records(), on fewer rounds.
+        text = Path(__file__).read_text(encoding="utf-8")
+        for name in MODULES:
+            ways = [f"{name}.run(quick=True)", f"({name}, "]
+            if name == "bench_stage_requests":
+                ways = ["bench_stage_requests.records(res)"]
+            assert any(way in text for way in ways), f"{name} is never run here"
+
     def test_runner_writes_json_for_a_subset(
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
@@ -456,6 +489,14 @@ class TestStageBenchmarks:
         assert all(peer > 0 and parent > 0 for peer, parent in cpu.values())
         assert "enginecore" in bench_stage_utility.cpu_note(cpu)
 
+    def test_utility_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_stage_utility.run(quick=True)
+        assert_records(records, 4)
+        assert_gc_on(records)
+        assert [r.goal for r in records] == ["<= 1.5x", "<= 1.5x", "<= 1x", "<= 1x"]
+        assert all(len(r.per_round) == 4 for r in records)
+        assert gc_disables == []
+
     def test_requests_ctrl_c_during_the_async_launch_leaves_nothing_behind(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -516,16 +557,28 @@ class TestStageBenchmarks:
             assert bench_stage_arrays.trip_raw(peer, arr, 2) > 0
             assert bench_stage_arrays.trip_mpq(stage, arr, 2) > 0
 
-    def test_arrays_runs_or_skips_until_the_stage_carries_arrays(self) -> None:
-        skipped = ""
-        try:
-            records = bench_stage_arrays.run(quick=True)
-        except _harness.Skipped as exc:
-            records, skipped = [], str(exc)
-        if skipped:
-            assert "numpy arrays" in skipped
-        else:
-            assert_records(records, 2)
+    def test_arrays_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_stage_arrays.run(quick=True)
+        assert_records(records, 2)
+        assert_gc_on(records)
+        assert [r.goal for r in records] == [">= 0.7x", ">= 2x"]
+        assert all(len(r.per_round) == 2 for r in records)
+        assert gc_disables == []
+
+    def test_arrays_refused_by_the_stage_fail_the_run_not_skip_it(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The stage carries arrays since wire v2. Before, a stage that refused one made the
+        # script "skipped" (exit 0, no record): a regression that CI's smoke run and this
+        # file could not see.
+        from enginecore.stage import StageClient
+
+        def refuse(self: StageClient, req_id: str, data: Any, **kwargs: Any) -> Any:
+            raise TypeError("cannot encode an ndarray")
+
+        monkeypatch.setattr(StageClient, "add", refuse)
+        with pytest.raises(TypeError, match="cannot encode an ndarray"):
+            bench_stage_arrays.run(quick=True)
 
     def test_metrics_runs_quick_and_is_judged_on_every_round(self, gc_disables: list[str]) -> None:
         records = bench_metrics.run(quick=True)
