@@ -251,6 +251,7 @@ class TestBenchmarksRun:
         records = bench_pool.run(quick=True)
         assert_records(records, 7)
         assert "A/A control" in records[3].name
+        assert_gc_on(records)
         assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
 
     @pytest.mark.timeout(120)
@@ -260,6 +261,7 @@ class TestBenchmarksRun:
         records = bench_stage_curve.run(quick=True)
         assert_records(records, 3)
         assert [r.goal for r in records] == ["<= 1.2x", "report", "report"]
+        assert_gc_on(records)
         assert len(records[0].per_round) == 4
         assert all(r.value > 0 and r.baseline > 0 for r in records)
 
@@ -271,6 +273,7 @@ class TestBenchmarksRun:
         records = bench_ray.run(quick=True)
         assert_records(records, 5)
         assert [r.goal for r in records] == ["<= 1.1x", "report", ">= 0.8x", "<= 1x", "<= 1x"]
+        assert_gc_on(records)  # every stage row's note says so (docs/performance.md)
         assert all(r.value > 0 and r.baseline > 0 for r in records)
 
     def test_statistics_is_registered_and_runs_quick(self) -> None:
@@ -407,7 +410,7 @@ class TestStageBenchmarks:
     def test_load_reports_run_quick_with_gc_on(self) -> None:
         cost, age = bench_stage_load.run(quick=True)
         assert_records([cost, age], 2)
-        assert_gc_on([cost])
+        assert_gc_on([cost, age])
         assert len(cost.per_round) == 3
         assert len(age.per_round) == 2
 
