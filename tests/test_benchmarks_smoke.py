@@ -815,6 +815,29 @@ class TestCommandLine:
         assert records
         assert [r["name"] for r in records] == ["loop overhead per iteration"], records
 
+    @pytest.mark.parametrize(
+        ("argv", "says"),
+        [
+            (["--side"], "the following arguments are required: side, model"),
+            (["--side", "loop"], "the following arguments are required: model"),
+            (["--side", "bogus", "."], "argument side: invalid choice: 'bogus'"),
+            (["--side", "loop", "/nonexistent/model"], "'/nonexistent/model' is not a folder"),
+        ],
+    )
+    def test_transformers_one_side_refuses_bad_arguments_before_loading(
+        self, argv: list[str], says: str
+    ) -> None:
+        # `--side NAME MODEL` is how run() starts each side in a fresh interpreter. Before,
+        # a missing argument was an IndexError, and an unknown side or a wrong folder a
+        # traceback from transformers after loading (or failing to load) the model.
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_transformers", *argv],
+            capture_output=True, text=True, env=_env(), timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert says in proc.stderr.splitlines()[-1], proc.stderr
+
     def test_one_script_alone_refuses_a_json_path_it_cannot_write(self, tmp_path: Path) -> None:
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.bench_overhead", "--quick", "--json",
