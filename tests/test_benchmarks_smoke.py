@@ -583,6 +583,26 @@ class TestStageBenchmarks:
         with pytest.raises(TypeError, match="cannot encode an ndarray"):
             bench_stage_arrays.run(quick=True)
 
+    def test_metrics_kills_a_serve_that_outlives_its_sigterm_without_failing(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A serve process still up 10 s after its SIGTERM is killed; before, the wait's
+        # TimeoutExpired then escaped the run's clean-up and failed a finished benchmark.
+        real_wait = subprocess.Popen.wait
+        procs: list[subprocess.Popen[str]] = []
+
+        def slow_to_exit(self: subprocess.Popen[str], timeout: float | None = None) -> int:
+            procs.append(self)
+            if timeout is not None:  # the grace period runs out
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            return real_wait(self)
+
+        with bench_metrics.serving() as (_, url):
+            assert bench_metrics.scrape_ms(url) > 0
+            monkeypatch.setattr(subprocess.Popen, "wait", slow_to_exit)
+        (proc,) = set(procs)
+        assert proc.returncode is not None  # reaped: killed, or gone on its SIGTERM after all
+
     def test_metrics_runs_quick_and_is_judged_on_every_round(self, gc_disables: list[str]) -> None:
         records = bench_metrics.run(quick=True)
         assert_records(records, 1)
