@@ -194,7 +194,7 @@ class TestHarness:
         inf = _harness.higher_is_better("x", [1.0], [0.0], "msgs/s", 1.0)
         assert _harness.fmt_ratio(nan.ratio) == "n/a"
         assert _harness.fmt_ratio(inf.ratio) == "inf"
-        header, _, row = _harness.format_table([nan]).splitlines()
+        _, _, row = _harness.format_table([nan]).splitlines()
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert cells[4] == "n/a", row
 
@@ -320,9 +320,7 @@ class TestBenchmarksRun:
             (bench_gil_release, 1),
         ],
     )
-    def test_core_script_runs_quick_and_is_judged_on_every_round(
-        self, module: Any, n: int
-    ) -> None:
+    def test_core_script_runs_quick_and_is_judged_on_every_round(self, module: Any, n: int) -> None:
         # These were never run whole by the suite (only in CI's `--quick` run): a run()
         # that raised, or judged on fewer rounds than it measured, went unseen here.
         records = module.run(quick=True)
@@ -834,6 +832,41 @@ class TestCommandLine:
         records = json.loads(out.read_text())
         assert records
         assert [r["name"] for r in records] == ["loop overhead per iteration"], records
+
+    @pytest.mark.parametrize(
+        "call",
+        [
+            "bench_idle_cpu.window_loop(60.0)",
+            "bench_idle_cpu.window_bare(60.0)",
+            "bench_shutdown_latency.measure(10**6, 1)",
+            "bench_wake_latency.measure({'loop': bench_wake_latency.LoopSide, "
+            "'raw': bench_wake_latency.RawSide}, 10**6, 1)",
+            "bench_gil_release.run_loop(np, bench_gil_release.calibrate(np), 10**6)",
+        ],
+    )
+    def test_ctrl_c_in_a_core_benchmark_exits(self, call: str) -> None:
+        # Before, Ctrl-C in idle_cpu's window, shutdown_latency's samples or gil_release's
+        # loop printed "interrupted (Ctrl-C)" and then hung for good: the interpreter
+        # waited at exit for a helper thread that nothing would stop (a loop blocked in
+        # get(), the feeder thread).
+        script = (
+            "import os, signal, sys, threading\n"
+            "from benchmarks import (\n"
+            "    bench_gil_release, bench_idle_cpu, bench_shutdown_latency, bench_wake_latency)\n"
+            "from benchmarks._cli import run_main\n"
+            "np = bench_gil_release._import_numpy()\n"
+            "def main(argv):\n"
+            "    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            f"    {call}\n"
+            "    return 0\n"
+            "sys.exit(run_main(main))\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True, text=True, env=_env(), timeout=30, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 130, proc
+        assert proc.stderr.splitlines()[-1] == "interrupted (Ctrl-C)", proc.stderr
 
     @pytest.mark.parametrize(
         ("argv", "says"),
