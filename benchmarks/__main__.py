@@ -172,9 +172,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = format_table(records)
     print()
     print(table)
-    missed = [r.name for r in records if not r.met]
-    print(f"\n{len(records) - len(missed)}/{len(records)} goals met", end="")
+    # A row reported without a goal (an A/A control, a p99 for the record) is not a goal met.
+    judged = [r for r in records if r.goal != "report"]
+    missed = [r.name for r in judged if not r.met]
+    reported = len(records) - len(judged)
+    print(f"\n{len(judged) - len(missed)}/{len(judged)} goals met", end="")
     print(f"; missed: {', '.join(missed)}" if missed else "", end="")
+    print(
+        f"; {reported} row{'s' if reported != 1 else ''} reported without a goal"
+        if reported
+        else "",
+        end="",
+    )
     print(f" ({time.perf_counter() - t_all:.0f} s)")
 
     if args.json:

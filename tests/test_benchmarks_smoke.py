@@ -891,6 +891,30 @@ class TestCommandLine:
         assert "Traceback" not in proc.stderr, proc.stderr
         assert says in proc.stderr.splitlines()[-1], proc.stderr
 
+    def test_the_goals_met_line_counts_goals_not_reported_rows(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        # A row reported without a goal (an A/A control, a p99 for the record) is "met" in
+        # its record; the summary counted it as a goal met: "3/3 goals met" for one goal.
+        import importlib
+
+        import benchmarks.__main__ as runner
+
+        missed = _harness.higher_is_better("missed", [0.5, 1.1], [1.0, 1.0], "msgs/s", 1.0)
+        met = _harness.higher_is_better("met", [1.2, 1.1], [1.0, 1.0], "msgs/s", 1.0)
+        control = _harness.report_only(met)
+        assert control.met
+        fake = type("Fake", (), {"run": staticmethod(lambda quick: [missed, met, control])})
+        real = importlib.import_module
+
+        def import_module(name: str) -> Any:
+            return fake if name.endswith("bench_throughput") else real(name)
+
+        monkeypatch.setattr(runner, "importlib", type("I", (), {"import_module": import_module}))
+        assert main(["--quick", "--only", "throughput"]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last.startswith("1/2 goals met; missed: missed; 1 row reported without a goal ("), last
+
     def test_one_script_alone_refuses_a_json_path_it_cannot_write(self, tmp_path: Path) -> None:
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.bench_overhead", "--quick", "--json",
