@@ -913,7 +913,8 @@ class TestCommandLine:
         monkeypatch.setattr(runner, "importlib", type("I", (), {"import_module": import_module}))
         assert main(["--quick", "--only", "throughput"]) == 0
         last = capsys.readouterr().out.strip().splitlines()[-1]
-        assert last.startswith("1/2 goals met; missed: missed; 1 row reported without a goal ("), last
+        summary = "1/2 goals met; missed: missed; 1 row reported without a goal ("
+        assert last.startswith(summary), last
 
     def test_one_script_alone_refuses_a_json_path_it_cannot_write(self, tmp_path: Path) -> None:
         proc = subprocess.run(
