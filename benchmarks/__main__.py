@@ -71,6 +71,9 @@ def machine() -> str:
 
 def write_chart(path: str, records: Sequence[Record]) -> bool:
     """One small panel per metric: baseline and enginecore bars, titled with the ratio."""
+    if not records:  # every benchmark skipped or failed: nothing to draw (0 rows: an error)
+        print("chart skipped: no records", file=sys.stderr)
+        return False
     try:
         import matplotlib
 

@@ -916,6 +916,18 @@ class TestCommandLine:
         summary = "1/2 goals met; missed: missed; 1 row reported without a goal ("
         assert last.startswith(summary), last
 
+    def test_a_chart_of_no_records_is_skipped_saying_so(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        # Every selected benchmark skipped or failed: a grid of 0 rows is a ValueError in
+        # matplotlib, a traceback at the end of the run.
+        from benchmarks.__main__ import write_chart
+
+        path = tmp_path / "c.png"
+        assert write_chart(str(path), []) is False
+        assert "chart skipped: no records" in capsys.readouterr().err
+        assert not path.exists()
+
     def test_one_script_alone_refuses_a_json_path_it_cannot_write(self, tmp_path: Path) -> None:
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.bench_overhead", "--quick", "--json",
