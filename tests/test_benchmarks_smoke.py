@@ -621,6 +621,21 @@ class TestStageBenchmarks:
         assert by_name["pool membership: requests lost in a drained remove and an add"].met
         assert by_name["pool SIGKILL 1 of 4: requests failed that were not the dead replica's"].met
 
+    def test_pool_shared_ctrl_c_as_a_serve_starts_leaves_no_serve(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Ctrl-C (or SIGTERM) just as a serve process's ready line is read. Before, that
+        # serve was not yet in the list the run's clean-up stops, and it served on, with no
+        # client, after the run had exited (no_leftovers: no child left).
+        class Interrupted:
+            @staticmethod
+            def search(pattern: str, text: str) -> Any:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(bench_pool_shared, "re", Interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            bench_pool_shared.run(quick=True)
+
     @pytest.mark.timeout(180)  # 8 serve processes, 8 pools
     def test_pool_shared_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
         records = bench_pool_shared.run(quick=True)
