@@ -306,6 +306,29 @@ class TestBenchmarksRun:
         # The dev extra installs transformers[serving]: a skip here would be a broken install.
         assert_records(bench_openai_server.run(quick=True), 2)
 
+    @pytest.mark.timeout(120)  # torch imported here and in the server that is stopped
+    def test_openai_server_stops_ours_when_theirs_cannot_start(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Before, the first server was started outside the clean-up's reach: if starting
+        # the second raised (or Ctrl-C came just then), the first served on after the run.
+        from benchmarks import bench_openai_server
+
+        real = bench_openai_server.Server
+        made: list[Any] = []
+
+        def server(*args: Any) -> Any:
+            if made:
+                raise OSError("cannot start transformers serve")
+            made.append(real(*args))
+            return made[-1]
+
+        monkeypatch.setattr(bench_openai_server, "Server", server)
+        with pytest.raises(OSError, match="cannot start transformers serve"):
+            bench_openai_server.run(quick=True)
+        (ours,) = made
+        assert ours.proc.poll() is not None
+
     def test_throughput_measures_both_sides(self) -> None:
         msgs = bench_throughput.make_messages(500)
         assert bench_throughput.run_loop(msgs) > 0
