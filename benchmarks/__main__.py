@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from ._cli import output_path, run_main
-from ._harness import Record, Skipped, fmt_per_round, format_table, write_json
+from ._harness import Record, Skipped, fmt_per_round, fmt_ratio, format_table, write_json
 
 MODULES = (
     "bench_idle_cpu",
@@ -71,6 +71,9 @@ def machine() -> str:
 
 def write_chart(path: str, records: Sequence[Record]) -> bool:
     """One small panel per metric: baseline and enginecore bars, titled with the ratio."""
+    if not records:  # every benchmark skipped or failed: nothing to draw (0 rows: an error)
+        print("chart skipped: no records", file=sys.stderr)
+        return False
     try:
         import matplotlib
 
@@ -97,7 +100,7 @@ def write_chart(path: str, records: Sequence[Record]) -> bool:
         )
         if not any(heights):
             ax.set_ylim(0, 1)
-        ratio = "inf" if r.ratio == float("inf") else f"{r.ratio:.2f}x"
+        ratio = fmt_ratio(r.ratio)
         ax.set_title(
             f"{r.name}\n{ratio} (rounds {fmt_per_round(r)}), goal {r.goal}: "
             f"{'met' if r.met else 'MISSED'}",
@@ -172,9 +175,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = format_table(records)
     print()
     print(table)
-    missed = [r.name for r in records if not r.met]
-    print(f"\n{len(records) - len(missed)}/{len(records)} goals met", end="")
+    # A row reported without a goal (an A/A control, a p99 for the record) is not a goal met.
+    judged = [r for r in records if r.goal != "report"]
+    missed = [r.name for r in judged if not r.met]
+    reported = len(records) - len(judged)
+    print(f"\n{len(judged) - len(missed)}/{len(judged)} goals met", end="")
     print(f"; missed: {', '.join(missed)}" if missed else "", end="")
+    print(
+        f"; {reported} row{'s' if reported != 1 else ''} reported without a goal"
+        if reported
+        else "",
+        end="",
+    )
     print(f" ({time.perf_counter() - t_all:.0f} s)")
 
     if args.json:

@@ -322,6 +322,10 @@ def fmt_per_round(r: Record) -> str:
 
 
 def fmt_ratio(x: float) -> str:
+    """``1.23x``; ``inf`` for an infinite ratio (a zero baseline), ``n/a`` for none (NaN: an
+    absolute line without a baseline)."""
+    if math.isnan(x):
+        return "n/a"
     return "inf" if not math.isfinite(x) else f"{x:.2f}x"
 
 

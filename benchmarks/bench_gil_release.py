@@ -115,13 +115,15 @@ def run_loop(np: Any, n: int, steps: int) -> float:
     for i in range(IN_FLIGHT):
         q.put(Add(f"r{i}", None))
     done = threading.Event()
-    feeder = threading.Thread(target=_feed, args=(q.put, done), name="bench-feeder")
+    feeder = threading.Thread(target=_feed, args=(q.put, done), name="bench-feeder", daemon=True)
     feeder.start()
-    t0 = time.perf_counter()
-    loop.run()
-    t1 = time.perf_counter()
-    done.set()
-    feeder.join()
+    try:  # stopped however the loop ends (Ctrl-C in it included)
+        t0 = time.perf_counter()
+        loop.run()
+        t1 = time.perf_counter()
+    finally:
+        done.set()
+        feeder.join()
     assert engine.left == 0
     return steps / (t1 - t0)
 
@@ -141,7 +143,7 @@ def run_bare_with_feeder(np: Any, n: int, steps: int) -> float:
             pending.clear()
 
     done = threading.Event()
-    feeder = threading.Thread(target=_feed, args=(put, done), name="bench-feeder")
+    feeder = threading.Thread(target=_feed, args=(put, done), name="bench-feeder", daemon=True)
     feeder.start()
     try:
         return run_bare(np, n, steps)

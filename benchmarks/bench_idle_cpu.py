@@ -42,17 +42,21 @@ def window_loop(seconds: float) -> tuple[float, int]:
     """(CPU seconds, has_work calls) of a process whose only consumer is an idle loop."""
     engine = _CountingIdleEngine()
     loop = EngineCoreLoop(engine, sink())
-    t = threading.Thread(target=loop.run)
+    # A daemon, and stopped on the way out: Ctrl-C in the window must not leave the process
+    # waiting at exit for a loop that nothing will stop.
+    t = threading.Thread(target=loop.run, daemon=True)
     t.start()
-    engine.idle.wait()
-    time.sleep(0.05)  # let it settle into get()
-    calls0 = engine.calls
-    c0 = time.process_time()
-    time.sleep(seconds)
-    c1 = time.process_time()
-    calls = engine.calls - calls0
-    loop.request_shutdown()
-    t.join()
+    try:
+        engine.idle.wait()
+        time.sleep(0.05)  # let it settle into get()
+        calls0 = engine.calls
+        c0 = time.process_time()
+        time.sleep(seconds)
+        c1 = time.process_time()
+        calls = engine.calls - calls0
+    finally:
+        loop.request_shutdown()
+        t.join()
     return c1 - c0, calls
 
 
@@ -65,15 +69,17 @@ def window_bare(seconds: float) -> tuple[float, int]:
         ready.set()
         q.get()
 
-    t = threading.Thread(target=consume)
+    t = threading.Thread(target=consume, daemon=True)  # as window_loop's
     t.start()
-    ready.wait()
-    time.sleep(0.05)
-    c0 = time.process_time()
-    time.sleep(seconds)
-    c1 = time.process_time()
-    q.put(None)
-    t.join()
+    try:
+        ready.wait()
+        time.sleep(0.05)
+        c0 = time.process_time()
+        time.sleep(seconds)
+        c1 = time.process_time()
+    finally:
+        q.put(None)
+        t.join()
     return c1 - c0, 0
 
 

@@ -68,6 +68,8 @@ def serving() -> Iterator[tuple[str, str]]:
         proc.terminate()
         try:
             proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass  # still up: killed below, and the run goes on
         finally:
             if proc.poll() is None:
                 proc.kill()

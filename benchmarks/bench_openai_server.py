@@ -232,19 +232,23 @@ def run(quick: bool) -> list[Record]:
         longest = max(len(p) for p, _ in work) + max(n for _, n in work)
         blocks = 2 * len(work) * math.ceil(longest / PAGE)
         ours_port, theirs_port = _free_port(), _free_port()
-        ours = Server(
-            "examples/openai_server.py",
-            [sys.executable, str(SERVER), "--model", path, "--served-model-name", path,
-             "--port", str(ours_port), "--log-level", "warning"],
-            ours_port, "/health", Path(tmp) / "ours.log",
-        )  # fmt: skip
-        theirs = Server(
-            "transformers serve",
-            [*TRANSFORMERS_CLI, "serve", "--continuous-batching", path, "--host", "127.0.0.1",
-             "--port", str(theirs_port), "--cb-num-blocks", str(blocks), "--log-level", "warning"],
-            theirs_port, "/health", Path(tmp) / "theirs.log",
-        )  # fmt: skip
+        servers: list[Server] = []  # each stopped at the end, however the run ends
         try:
+            ours = Server(
+                "examples/openai_server.py",
+                [sys.executable, str(SERVER), "--model", path, "--served-model-name", path,
+                 "--port", str(ours_port), "--log-level", "warning"],
+                ours_port, "/health", Path(tmp) / "ours.log",
+            )  # fmt: skip
+            servers.append(ours)
+            theirs = Server(
+                "transformers serve",
+                [*TRANSFORMERS_CLI, "serve", "--continuous-batching", path, "--host",
+                 "127.0.0.1", "--port", str(theirs_port), "--cb-num-blocks", str(blocks),
+                 "--log-level", "warning"],
+                theirs_port, "/health", Path(tmp) / "theirs.log",
+            )  # fmt: skip
+            servers.append(theirs)
             why = ours.wait_ready()
             if why:
                 raise RuntimeError(why)
@@ -262,8 +266,8 @@ def run(quick: bool) -> list[Record]:
             }
             res = interleave(sides, rounds, warmup=1)
         finally:
-            ours.stop()
-            theirs.stop()
+            for server in servers:
+                server.stop()
         params = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) / 4
     out_tokens = [r.tokens for r in res["ours"]] + [r.tokens for r in res["theirs"]]
     note = (

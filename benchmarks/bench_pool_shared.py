@@ -100,7 +100,9 @@ class Shared:
         return self.samples, t0, t1, lost
 
 
-def _serve(*options: str) -> tuple[subprocess.Popen[str], str]:
+def _serve(procs: list[subprocess.Popen[str]], *options: str) -> str:
+    """Start a ``serve`` stage, in *procs* at once (the run's clean-up stops every one there,
+    this one too if Ctrl-C comes while it starts); its input address."""
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "enginecore", "serve", "--engine", DEVICE,
@@ -109,14 +111,13 @@ def _serve(*options: str) -> tuple[subprocess.Popen[str], str]:
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+    procs.append(proc)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     match = re.search(r"listening on (\S+)", line)
     if match is None:
-        proc.kill()
-        proc.wait()
         raise RuntimeError(f"serve did not start: {line!r}")
-    return proc, match.group(1)
+    return match.group(1)
 
 
 def run(quick: bool) -> list[Record]:
@@ -132,9 +133,7 @@ def run(quick: bool) -> list[Record]:
         addresses: dict[str, list[str]] = {"default": [], "50 ms": []}
         for kind, options in (("default", ()), ("50 ms", ("--load-interval", "0.05"))):
             for _ in range(REPLICAS):
-                proc, address = _serve(*options)
-                procs.append(proc)
-                addresses[kind].append(address)
+                addresses[kind].append(_serve(procs, *options))
         with contextlib.ExitStack() as stack:
             pools = {
                 kind: [

@@ -129,7 +129,8 @@ def round_trip_records(on_ray: Any, headless: Any, samples: int, blocks: int) ->
     p50, p99 = latency_records(
         "utility round trip, stage on Ray vs local headless", pooled, per_block, ROUND_TRIP_GOAL
     )
-    return [dataclasses.replace(p50, note=f"{p50.note}; GC on"), as_report(p99)]
+    p50, p99 = (dataclasses.replace(r, note=f"{r.note}; GC on") for r in (p50, p99))
+    return [p50, as_report(p99)]
 
 
 def throughput_record(on_ray: Any, headless: Any, rounds: int) -> Record:
@@ -182,7 +183,7 @@ def death_record(ray: Any, rounds: int) -> Record:
         [DEATH_GOAL_S] * rounds,
         "s",
         1.0,
-        note=f"{rounds} kills, each of a fresh stage with a call waiting",
+        note=f"{rounds} kills, each of a fresh stage with a call waiting; GC on",
     )
 
 
@@ -223,7 +224,7 @@ def launch_record(ray: Any, stages: int, rounds: int) -> Record:
         [one + LAUNCH_SLACK_S for one in ones],
         "s",
         1.0,
-        note=f"{rounds} rounds, each {stages} at once / one alone (s): {per_round}",
+        note=f"{rounds} rounds, each {stages} at once / one alone (s): {per_round}; GC on",
     )
 
 

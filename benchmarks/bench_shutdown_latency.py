@@ -54,13 +54,17 @@ def one_loop(rng: random.Random) -> float:
         loop.run()
         end.append(time.perf_counter_ns())
 
-    t = threading.Thread(target=target)
+    # A daemon, and stopped on the way out: Ctrl-C between samples must not leave the
+    # process waiting at exit for a loop that nothing will stop.
+    t = threading.Thread(target=target, daemon=True)
     t.start()
-    idle.wait()
-    time.sleep(rng.uniform(0.0005, 0.0015))
-    t0 = time.perf_counter_ns()
-    loop.request_shutdown()
-    t.join()
+    try:
+        idle.wait()
+        time.sleep(rng.uniform(0.0005, 0.0015))
+        t0 = time.perf_counter_ns()
+    finally:
+        loop.request_shutdown()
+        t.join()
     return (end[0] - t0) / 1e3
 
 
@@ -74,13 +78,15 @@ def one_raw(rng: random.Random) -> float:
         q.get()
         end.append(time.perf_counter_ns())
 
-    t = threading.Thread(target=target)
+    t = threading.Thread(target=target, daemon=True)  # as one_loop's
     t.start()
-    idle.wait()
-    time.sleep(rng.uniform(0.0005, 0.0015))
-    t0 = time.perf_counter_ns()
-    q.put(None)
-    t.join()
+    try:
+        idle.wait()
+        time.sleep(rng.uniform(0.0005, 0.0015))
+        t0 = time.perf_counter_ns()
+    finally:
+        q.put(None)
+        t.join()
     return (end[0] - t0) / 1e3
 
 

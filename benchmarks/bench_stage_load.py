@@ -215,7 +215,8 @@ def run(quick: bool) -> list[Record]:
         spread=spread(report_max),
         baseline_spread=spread(poll_max),
         note=f"median read {report_all[len(report_all) // 2] * 1e3:.1f} ms old; baseline: a "
-        f"utility polled every {INTERVAL * 1e3:g} ms, aged from its send; judged on the oldest",
+        f"utility polled every {INTERVAL * 1e3:g} ms, aged from its send; judged on the oldest; "
+        "GC on",
         per_round=tuple(report_max),
         per_round_unit="ms oldest",
     )

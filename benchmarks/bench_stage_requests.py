@@ -2,7 +2,7 @@
 
 The job: ``REQUESTS`` (2,000) requests, each a ``CountdownEngine`` request of ``STEPS`` (8)
 steps, so 16,000 outputs; the parent reads **every** output through per-request streams. The
-clock runs from the first send to the moment the parent holds the last output. Three
+clock runs from the first send to the moment the parent holds the last output. Four
 processes stay up for the whole run, each started with multiprocessing spawn:
 
 * enginecore: ``StageClient.launch("enginecore:CountdownEngine")``, and a second stage of
@@ -14,7 +14,7 @@ processes stay up for the whole run, each started with multiprocessing spawn:
   with a ``multiprocessing.Queue`` each way that drains every queued message before a step
   and puts each step's outputs as one list; the parent routes each output into a
   per-request list. Burst: one ``put`` of the whole list of ``(rid, 8)``; one message per
-  request: one ``put`` per request.
+  request: one ``put`` per request. A second copy of it runs the A/A control (below).
 
 Rounds run the six sides back to back (a second mp.Queue stage's burst, mp.Queue burst, sync
 burst, async burst, one add per request, one put per request; the order reversed every other
@@ -51,7 +51,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import count
 from typing import Any, NamedTuple
 
@@ -208,6 +208,27 @@ def single_mpq(stage: Any, jobs: int) -> Round:
     return _timed(stage.process.pid, job, _batches("n", jobs))
 
 
+@contextlib.contextmanager
+def event_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """A fresh event loop for the async client, closed the way ``asyncio.run`` closes its
+    own: a task still pending (a launch or a job that Ctrl-C interrupted) is cancelled and
+    run to its end first, so that its clean-up (the launch kills its half-started stage)
+    runs on a loop, not at the coroutine's collection, where it cannot."""
+    loop = asyncio.new_event_loop()
+    try:
+        yield loop
+    finally:
+        try:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
 def cpu_record(name: str, values: Sequence[float], baselines: Sequence[float]) -> Record:
     """CPU µs per output, judged against the absolute budget (see the module docstring) in
     every round: the verdict is the highest per-round figure."""
@@ -224,7 +245,7 @@ def cpu_record(name: str, values: Sequence[float], baselines: Sequence[float]) -
 
 
 def measure(rounds: int, jobs: int) -> dict[str, list[Round]]:
-    """Launch the three stages, run *rounds* interleaved rounds of the five sides, each side
+    """Launch the four stages, run *rounds* interleaved rounds of the six sides, each side
     running *jobs* jobs back to back per round."""
     try:
         from enginecore.stage import AsyncStageClient, StageClient
@@ -237,8 +258,7 @@ def measure(rounds: int, jobs: int) -> dict[str, list[Round]]:
         client = stack.enter_context(StageClient.launch(factory))
         stage = stack.enter_context(MpqStage())
         stage2 = stack.enter_context(MpqStage())  # the A/A control's second copy
-        loop = asyncio.new_event_loop()
-        stack.callback(loop.close)
+        loop = stack.enter_context(event_loop())
         aclient = loop.run_until_complete(AsyncStageClient.launch(factory))
         stack.callback(lambda: loop.run_until_complete(aclient.close()))
         # Neighbours are compared: mpq|burst (a), burst|async (c), single|mpq1 (b), and

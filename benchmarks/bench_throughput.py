@@ -80,7 +80,9 @@ def _timed(
     """Start *consumer*, wait until it is idle, then produce from a thread; return t0."""
     start = threading.Event()
     t0_box: list[float] = []
-    producer = threading.Thread(target=lambda: t0_box.append(_produce(q, msgs, start)))
+    # Daemons: Ctrl-C before the start leaves the producer waiting for it and the consumer
+    # blocked in get(), which must not keep the process from exiting.
+    producer = threading.Thread(target=lambda: t0_box.append(_produce(q, msgs, start)), daemon=True)
     consumer.start()
     ready.wait()
     producer.start()
@@ -97,7 +99,9 @@ def run_loop(msgs: list[Add | Abort]) -> float:
     loop = EngineCoreLoop(engine, sink())
     engine.loop = loop
     with no_gc():
-        t0 = _timed(loop.input_queue, msgs, threading.Thread(target=loop.run), engine.idle)
+        t0 = _timed(
+            loop.input_queue, msgs, threading.Thread(target=loop.run, daemon=True), engine.idle
+        )
     assert engine.left == 0
     return len(msgs) / (engine.t_end - t0)
 
@@ -126,7 +130,7 @@ def run_raw(msgs: list[Add | Abort]) -> float:
         t_end.append(time.perf_counter())
 
     with no_gc():
-        t0 = _timed(q, msgs, threading.Thread(target=consume), ready)
+        t0 = _timed(q, msgs, threading.Thread(target=consume, daemon=True), ready)
     return total / (t_end[0] - t0)
 
 

@@ -38,6 +38,7 @@ process.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import statistics
@@ -342,9 +343,32 @@ def _side(side: str, path: str, quick: bool) -> None:
     print(*rates, params)
 
 
+SIDES = ("bound", "generate", "generate_batch", "loop", "stage", "stage_fast", "decode")
+
+
+def _model_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder (a model written by run())")
+    return text
+
+
+def _side_main(argv: list[str]) -> None:
+    """``--side NAME MODEL [--quick]``, the arguments checked before any model is loaded: a
+    bad one is a usage error (exit 2), not a traceback."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_transformers --side",
+        description="One side of the benchmark, in this interpreter (run() starts each side "
+        "this way): prints its tokens/s figures and the model's parameter count.",
+    )
+    parser.add_argument("side", choices=SIDES)
+    parser.add_argument("model", type=_model_dir)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    _side(args.side, args.model, args.quick)
+
+
 if __name__ == "__main__":
     if "--side" in sys.argv:
-        i = sys.argv.index("--side")
-        _side(sys.argv[i + 1], sys.argv[i + 2], "--quick" in sys.argv)
+        _side_main([a for a in sys.argv[1:] if a != "--side"])
     else:
         main_single(run, __doc__)

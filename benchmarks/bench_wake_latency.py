@@ -83,7 +83,7 @@ class LoopSide:
         self.stamps: list[int] = []
         self.got = threading.Event()
         self.loop = EngineCoreLoop(_StampEngine(self.stamps, self.got), sink())
-        self.thread = threading.Thread(target=self.loop.run, name="bench-loop")
+        self.thread = threading.Thread(target=self.loop.run, name="bench-loop", daemon=True)
         self.thread.start()
 
     def sample(self, n: int, rng: random.Random) -> list[float]:
@@ -101,7 +101,7 @@ class RawSide:
         self.stamps: list[int] = []
         self.got = threading.Event()
         self.q: queue.Queue[Any] = queue.Queue()
-        self.thread = threading.Thread(target=self._consume, name="bench-raw")
+        self.thread = threading.Thread(target=self._consume, name="bench-raw", daemon=True)
         self.thread.start()
 
     def _consume(self) -> None:

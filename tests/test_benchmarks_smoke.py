@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from benchmarks import (
     _harness,
+    bench_gil_release,
     bench_idle_cpu,
     bench_metrics,
     bench_overhead,
@@ -33,6 +34,7 @@ from benchmarks import (
     bench_pool_faults,
     bench_pool_shared,
     bench_ray,
+    bench_shutdown_latency,
     bench_stage_arrays,
     bench_stage_curve,
     bench_stage_ingest,
@@ -43,6 +45,7 @@ from benchmarks import (
     bench_stage_utility,
     bench_statistics,
     bench_throughput,
+    bench_wake_latency,
 )
 from benchmarks.__main__ import MODULES, main
 
@@ -184,6 +187,17 @@ class TestHarness:
         assert cells[1][5] == "0.2..0.25 µs"
         assert cells[2][5] == "n/a"
 
+    def test_a_ratio_that_is_not_a_number_reads_n_a_not_inf(self) -> None:
+        # An absolute line with no baseline (bench_transformers_aborts) has no ratio: its
+        # NaN read "inf" in the ratio column, as if enginecore were infinitely slower.
+        nan = _harness.Record("lost", 0.0, "streams", 0.0, float("nan"), "<= 0 streams", True)
+        inf = _harness.higher_is_better("x", [1.0], [0.0], "msgs/s", 1.0)
+        assert _harness.fmt_ratio(nan.ratio) == "n/a"
+        assert _harness.fmt_ratio(inf.ratio) == "inf"
+        _, _, row = _harness.format_table([nan]).splitlines()
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert cells[4] == "n/a", row
+
     def test_gc_on_enables_and_restores(self) -> None:
         was = gc.isenabled()
         try:
@@ -237,6 +251,7 @@ class TestBenchmarksRun:
         records = bench_pool.run(quick=True)
         assert_records(records, 7)
         assert "A/A control" in records[3].name
+        assert_gc_on(records)
         assert all(len(r.per_round) == 2 for r in records if r.goal != "report")
 
     @pytest.mark.timeout(120)
@@ -246,6 +261,7 @@ class TestBenchmarksRun:
         records = bench_stage_curve.run(quick=True)
         assert_records(records, 3)
         assert [r.goal for r in records] == ["<= 1.2x", "report", "report"]
+        assert_gc_on(records)
         assert len(records[0].per_round) == 4
         assert all(r.value > 0 and r.baseline > 0 for r in records)
 
@@ -257,6 +273,7 @@ class TestBenchmarksRun:
         records = bench_ray.run(quick=True)
         assert_records(records, 5)
         assert [r.goal for r in records] == ["<= 1.1x", "report", ">= 0.8x", "<= 1x", "<= 1x"]
+        assert_gc_on(records)  # every stage row's note says so (docs/performance.md)
         assert all(r.value > 0 and r.baseline > 0 for r in records)
 
     def test_statistics_is_registered_and_runs_quick(self) -> None:
@@ -289,10 +306,61 @@ class TestBenchmarksRun:
         # The dev extra installs transformers[serving]: a skip here would be a broken install.
         assert_records(bench_openai_server.run(quick=True), 2)
 
+    @pytest.mark.timeout(120)  # torch imported here and in the server that is stopped
+    def test_openai_server_stops_ours_when_theirs_cannot_start(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Before, the first server was started outside the clean-up's reach: if starting
+        # the second raised (or Ctrl-C came just then), the first served on after the run.
+        from benchmarks import bench_openai_server
+
+        real = bench_openai_server.Server
+        made: list[Any] = []
+
+        def server(*args: Any) -> Any:
+            if made:
+                raise OSError("cannot start transformers serve")
+            made.append(real(*args))
+            return made[-1]
+
+        monkeypatch.setattr(bench_openai_server, "Server", server)
+        with pytest.raises(OSError, match="cannot start transformers serve"):
+            bench_openai_server.run(quick=True)
+        (ours,) = made
+        assert ours.proc.poll() is not None
+
     def test_throughput_measures_both_sides(self) -> None:
         msgs = bench_throughput.make_messages(500)
         assert bench_throughput.run_loop(msgs) > 0
         assert bench_throughput.run_raw(msgs) > 0
+
+    @pytest.mark.parametrize(
+        ("module", "n"),
+        [
+            (bench_throughput, 1),
+            (bench_wake_latency, 2),
+            (bench_shutdown_latency, 2),
+            (bench_gil_release, 1),
+        ],
+    )
+    def test_core_script_runs_quick_and_is_judged_on_every_round(self, module: Any, n: int) -> None:
+        # These were never run whole by the suite (only in CI's `--quick` run): a run()
+        # that raised, or judged on fewer rounds than it measured, went unseen here.
+        records = module.run(quick=True)
+        assert_records(records, n)
+        assert all(len(r.per_round) >= 2 for r in records), records
+        assert all(r.value > 0 and r.baseline > 0 for r in records), records
+
+    def test_every_benchmark_is_run_by_this_file(self) -> None:
+        # Each script of the runner's list is run whole here: its run(quick=True), here or
+        # in the parametrised test above; bench_stage_requests as run() does it, measure()
+        # then records(), on fewer rounds.
+        text = Path(__file__).read_text(encoding="utf-8")
+        for name in MODULES:
+            ways = [f"{name}.run(quick=True)", f"({name}, "]
+            if name == "bench_stage_requests":
+                ways = ["bench_stage_requests.records(res)"]
+            assert any(way in text for way in ways), f"{name} is never run here"
 
     def test_runner_writes_json_for_a_subset(
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -363,7 +431,7 @@ class TestStageBenchmarks:
     def test_load_reports_run_quick_with_gc_on(self) -> None:
         cost, age = bench_stage_load.run(quick=True)
         assert_records([cost, age], 2)
-        assert_gc_on([cost])
+        assert_gc_on([cost, age])
         assert len(cost.per_round) == 3
         assert len(age.per_round) == 2
 
@@ -445,6 +513,42 @@ class TestStageBenchmarks:
         assert all(peer > 0 and parent > 0 for peer, parent in cpu.values())
         assert "enginecore" in bench_stage_utility.cpu_note(cpu)
 
+    def test_utility_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_stage_utility.run(quick=True)
+        assert_records(records, 4)
+        assert_gc_on(records)
+        assert [r.goal for r in records] == ["<= 1.5x", "<= 1.5x", "<= 1x", "<= 1x"]
+        assert all(len(r.per_round) == 4 for r in records)
+        assert gc_disables == []
+
+    def test_requests_ctrl_c_during_the_async_launch_leaves_nothing_behind(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Ctrl-C while the AsyncStageClient is being launched on the script's own event
+        # loop. Before, the loop was closed with the launch still pending: its clean-up
+        # never ran (no loop to run it on), the half-started stage stayed up, and the
+        # coroutine's collection printed "Exception ignored ... no running event loop".
+        import asyncio
+
+        real = asyncio.new_event_loop
+
+        def interrupting_loop() -> asyncio.AbstractEventLoop:
+            loop = real()
+
+            def ctrl_c() -> None:
+                raise KeyboardInterrupt
+
+            loop.call_later(0.05, ctrl_c)  # a spawned stage takes far longer to report
+            return loop
+
+        unraisable: list[Any] = []
+        monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+        monkeypatch.setattr(asyncio, "new_event_loop", interrupting_loop)
+        with pytest.raises(KeyboardInterrupt):
+            bench_stage_requests.measure(rounds=1, jobs=1)
+        gc.collect()
+        assert unraisable == []
+
     def test_requests_measures_every_side(self, gc_disables: list[str]) -> None:
         res = bench_stage_requests.measure(rounds=2, jobs=1)
         assert {len(v) for v in res.values()} == {2}
@@ -477,16 +581,48 @@ class TestStageBenchmarks:
             assert bench_stage_arrays.trip_raw(peer, arr, 2) > 0
             assert bench_stage_arrays.trip_mpq(stage, arr, 2) > 0
 
-    def test_arrays_runs_or_skips_until_the_stage_carries_arrays(self) -> None:
-        skipped = ""
-        try:
-            records = bench_stage_arrays.run(quick=True)
-        except _harness.Skipped as exc:
-            records, skipped = [], str(exc)
-        if skipped:
-            assert "numpy arrays" in skipped
-        else:
-            assert_records(records, 2)
+    def test_arrays_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
+        records = bench_stage_arrays.run(quick=True)
+        assert_records(records, 2)
+        assert_gc_on(records)
+        assert [r.goal for r in records] == [">= 0.7x", ">= 2x"]
+        assert all(len(r.per_round) == 2 for r in records)
+        assert gc_disables == []
+
+    def test_arrays_refused_by_the_stage_fail_the_run_not_skip_it(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The stage carries arrays since wire v2. Before, a stage that refused one made the
+        # script "skipped" (exit 0, no record): a regression that CI's smoke run and this
+        # file could not see.
+        from enginecore.stage import StageClient
+
+        def refuse(self: StageClient, req_id: str, data: Any, **kwargs: Any) -> Any:
+            raise TypeError("cannot encode an ndarray")
+
+        monkeypatch.setattr(StageClient, "add", refuse)
+        with pytest.raises(TypeError, match="cannot encode an ndarray"):
+            bench_stage_arrays.run(quick=True)
+
+    def test_metrics_kills_a_serve_that_outlives_its_sigterm_without_failing(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A serve process still up 10 s after its SIGTERM is killed; before, the wait's
+        # TimeoutExpired then escaped the run's clean-up and failed a finished benchmark.
+        real_wait = subprocess.Popen.wait
+        procs: list[subprocess.Popen[str]] = []
+
+        def slow_to_exit(self: subprocess.Popen[str], timeout: float | None = None) -> int:
+            procs.append(self)
+            if timeout is not None:  # the grace period runs out
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            return real_wait(self)
+
+        with bench_metrics.serving() as (_, url):
+            assert bench_metrics.scrape_ms(url) > 0
+            monkeypatch.setattr(subprocess.Popen, "wait", slow_to_exit)
+        (proc,) = set(procs)
+        assert proc.returncode is not None  # reaped: killed, or gone on its SIGTERM after all
 
     def test_metrics_runs_quick_and_is_judged_on_every_round(self, gc_disables: list[str]) -> None:
         records = bench_metrics.run(quick=True)
@@ -507,6 +643,21 @@ class TestStageBenchmarks:
         by_name = {r.name: r for r in records}
         assert by_name["pool membership: requests lost in a drained remove and an add"].met
         assert by_name["pool SIGKILL 1 of 4: requests failed that were not the dead replica's"].met
+
+    def test_pool_shared_ctrl_c_as_a_serve_starts_leaves_no_serve(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Ctrl-C (or SIGTERM) just as a serve process's ready line is read. Before, that
+        # serve was not yet in the list the run's clean-up stops, and it served on, with no
+        # client, after the run had exited (no_leftovers: no child left).
+        class Interrupted:
+            @staticmethod
+            def search(pattern: str, text: str) -> Any:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(bench_pool_shared, "re", Interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            bench_pool_shared.run(quick=True)
 
     @pytest.mark.timeout(180)  # 8 serve processes, 8 pools
     def test_pool_shared_runs_quick_with_gc_on(self, gc_disables: list[str]) -> None:
@@ -719,6 +870,101 @@ class TestCommandLine:
         records = json.loads(out.read_text())
         assert records
         assert [r["name"] for r in records] == ["loop overhead per iteration"], records
+
+    @pytest.mark.parametrize(
+        "call",
+        [
+            "bench_idle_cpu.window_loop(60.0)",
+            "bench_idle_cpu.window_bare(60.0)",
+            "bench_shutdown_latency.measure(10**6, 1)",
+            "bench_wake_latency.measure({'loop': bench_wake_latency.LoopSide, "
+            "'raw': bench_wake_latency.RawSide}, 10**6, 1)",
+            "bench_gil_release.run_loop(np, bench_gil_release.calibrate(np), 10**6)",
+        ],
+    )
+    def test_ctrl_c_in_a_core_benchmark_exits(self, call: str) -> None:
+        # Before, Ctrl-C in idle_cpu's window, shutdown_latency's samples or gil_release's
+        # loop printed "interrupted (Ctrl-C)" and then hung for good: the interpreter
+        # waited at exit for a helper thread that nothing would stop (a loop blocked in
+        # get(), the feeder thread).
+        script = (
+            "import os, signal, sys, threading\n"
+            "from benchmarks import (\n"
+            "    bench_gil_release, bench_idle_cpu, bench_shutdown_latency, bench_wake_latency)\n"
+            "from benchmarks._cli import run_main\n"
+            "np = bench_gil_release._import_numpy()\n"
+            "def main(argv):\n"
+            "    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            f"    {call}\n"
+            "    return 0\n"
+            "sys.exit(run_main(main))\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True, text=True, env=_env(), timeout=30, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 130, proc
+        assert proc.stderr.splitlines()[-1] == "interrupted (Ctrl-C)", proc.stderr
+
+    @pytest.mark.parametrize(
+        ("argv", "says"),
+        [
+            (["--side"], "the following arguments are required: side, model"),
+            (["--side", "loop"], "the following arguments are required: model"),
+            (["--side", "bogus", "."], "argument side: invalid choice: 'bogus'"),
+            (["--side", "loop", "/nonexistent/model"], "'/nonexistent/model' is not a folder"),
+        ],
+    )
+    def test_transformers_one_side_refuses_bad_arguments_before_loading(
+        self, argv: list[str], says: str
+    ) -> None:
+        # `--side NAME MODEL` is how run() starts each side in a fresh interpreter. Before,
+        # a missing argument was an IndexError, and an unknown side or a wrong folder a
+        # traceback from transformers after loading (or failing to load) the model.
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_transformers", *argv],
+            capture_output=True, text=True, env=_env(), timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert says in proc.stderr.splitlines()[-1], proc.stderr
+
+    def test_the_goals_met_line_counts_goals_not_reported_rows(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        # A row reported without a goal (an A/A control, a p99 for the record) is "met" in
+        # its record; the summary counted it as a goal met: "3/3 goals met" for one goal.
+        import importlib
+
+        import benchmarks.__main__ as runner
+
+        missed = _harness.higher_is_better("missed", [0.5, 1.1], [1.0, 1.0], "msgs/s", 1.0)
+        met = _harness.higher_is_better("met", [1.2, 1.1], [1.0, 1.0], "msgs/s", 1.0)
+        control = _harness.report_only(met)
+        assert control.met
+        fake = type("Fake", (), {"run": staticmethod(lambda quick: [missed, met, control])})
+        real = importlib.import_module
+
+        def import_module(name: str) -> Any:
+            return fake if name.endswith("bench_throughput") else real(name)
+
+        monkeypatch.setattr(runner, "importlib", type("I", (), {"import_module": import_module}))
+        assert main(["--quick", "--only", "throughput"]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        summary = "1/2 goals met; missed: missed; 1 row reported without a goal ("
+        assert last.startswith(summary), last
+
+    def test_a_chart_of_no_records_is_skipped_saying_so(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        # Every selected benchmark skipped or failed: a grid of 0 rows is a ValueError in
+        # matplotlib, a traceback at the end of the run.
+        from benchmarks.__main__ import write_chart
+
+        path = tmp_path / "c.png"
+        assert write_chart(str(path), []) is False
+        assert "chart skipped: no records" in capsys.readouterr().err
+        assert not path.exists()
 
     def test_one_script_alone_refuses_a_json_path_it_cannot_write(self, tmp_path: Path) -> None:
         proc = subprocess.run(
