@@ -479,9 +479,13 @@ class TestRule8Errors:
 
         engine.on_step = interrupt
         loop.input_queue.put(Add("a", 1))
-        with caplog.at_level(logging.ERROR, logger="enginecore"), pytest.raises(KeyboardInterrupt):
+        with caplog.at_level(logging.INFO, logger="enginecore"), pytest.raises(KeyboardInterrupt):
             loop.run()
         assert log.events == [("fatal", "KeyboardInterrupt()")]
+        # The user's Ctrl-C: one line, no traceback (it was an error record with one).
+        assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records] == [
+            ("WARNING", "enginecore: the engine loop was interrupted (KeyboardInterrupt)", None)
+        ]
 
 
 class TestRule9RequestShutdown:

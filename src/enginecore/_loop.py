@@ -218,7 +218,8 @@ class EngineCoreLoop:
     loop goes on (any but ``KeyboardInterrupt``/``SystemExit``: an
     ``asyncio.CancelledError`` too); so does a future it returned that fails or is
     cancelled. An exception from ``has_work``, ``add``, ``abort``, ``step``, ``launch``,
-    ``collect`` or from *emit* itself is fatal: it is logged with its traceback, the handles
+    ``collect`` or from *emit* itself is fatal: it is logged with its traceback (a
+    ``KeyboardInterrupt``: one warning line, no traceback), the handles
     still in flight are cancelled (if the engine has ``cancel``), every deferred utility
     still pending, and every ``Utility`` not applied (still queued, or left of the drain
     that failed), is answered with an error
@@ -894,7 +895,12 @@ class EngineCoreLoop:
         return list(batch[at + 1 :])
 
     def _die(self, exc: BaseException) -> None:
-        logger.error("enginecore: fatal error in the engine loop", exc_info=exc)
+        if isinstance(exc, KeyboardInterrupt):
+            # The user's Ctrl-C (run() on the main thread), not a failure: one line, no
+            # traceback; it ends the loop as any fatal exception does and propagates.
+            logger.warning("enginecore: the engine loop was interrupted (KeyboardInterrupt)")
+        else:
+            logger.error("enginecore: fatal error in the engine loop", exc_info=exc)
         if self._deferred:
             try:
                 self._abandon_deferred()
