@@ -124,6 +124,29 @@ class TestLaunch:
         assert elapsed < 1.0
 
 
+class TestLaunchClosedWithItsLoop:
+    def test_a_launch_closed_with_its_event_loop_leaves_no_stage(
+        self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The loop closed while a launch awaited its stage, then the coroutine closed (at
+        # exit, or by the garbage collector): its clean-up awaited with no loop ("Exception
+        # ignored ... no running event loop"), and the half-started stage stayed up until
+        # the program's exit hook.
+        unraisable: list[Any] = []
+        monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+        before = set(child_pids())
+        loop = asyncio.new_event_loop()
+        coro = AsyncStageClient.launch(SLEEPING, startup_timeout=60)
+        task = loop.create_task(coro)
+        while not set(child_pids()) - before:  # spawned; its engine is being built
+            loop.run_until_complete(asyncio.sleep(0.05))
+        loop.close()
+        coro.close()
+        assert unraisable == []
+        assert wait_until(lambda: not set(child_pids()) - before, 10)
+        del task
+
+
 class TestCancellation:
     @pytest.mark.parametrize("how", ["wait_for", "cancel", "close", "aexit", "loop_ends"])
     def test_a_cancelled_shutdown_still_stops_the_stage(self, how: str) -> None:

@@ -326,6 +326,11 @@ async def launch_process_async(
             launched.reap()
             raise _startup_failure(launched, factory, report)
         _ready(launched, report)
+    except GeneratorExit:
+        # The coroutine closed unfinished (its loop closed, or it was dropped): no await
+        # is possible any more, so the half-started stage is killed here and now.
+        launched.kill_and_clean()
+        raise
     except BaseException:
         await kill_and_clean_async(launched)
         raise
