@@ -910,8 +910,8 @@ def _rotation(
     if not isinstance(keys, Iterable):
         raise TypeError(f"keys must be a sequence of public keys, got {type(keys).__name__}")
     checked = [_check_key(k, "an authorized client key").decode("ascii") for k in keys]
-    # Ray shut down in this process under its stages: they went with it, and a call to an
-    # actor now would start a new local cluster of Ray's own (as ray.kill would).
+    # Ray shut down in this process under its stages: they went with it (a pool's are
+    # skipped, a client's is EngineDeadError), and Ray is not called (_calling_ray).
     initialized = _import_ray().is_initialized()
     stages: list[RayStage] = []
     if hasattr(target, "replicas"):  # a pool
@@ -1054,8 +1054,8 @@ def _get_or_dead(ray: Any, calls: list[Any], timeout: float, late: str) -> list[
     futures in slices of :data:`_PLACE_POLL`: Ray's error if a call failed,
     ``GetTimeoutError(late)`` past *timeout*, and :class:`EngineDeadError` within
     :data:`_PLACE_POLL` once Ray is shut down in this process (Ray then completes none of
-    them, and a ``ray.get`` under way may not return before its timeout). Calls Ray no
-    more: :func:`_answers`, blocking."""
+    them, and a ``ray.get`` under way may not return before its timeout). No call to Ray
+    while it waits: :func:`_answers`, blocking."""
     futures = [future for _, future in calls]
     deadline = time.monotonic() + timeout
     while True:
