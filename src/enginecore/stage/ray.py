@@ -50,7 +50,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -100,15 +100,6 @@ def _import_ray() -> Any:
     return ray
 
 
-def _kill_actor(ray: Any, actor: Any) -> None:
-    """``ray.kill(actor)``, unless Ray is no longer initialized in this process (a
-    ``ray.shutdown()``: the actors it owned are gone with it, and ``ray.kill`` would start a
-    new local cluster of its own)."""
-    if ray.is_initialized():
-        with contextlib.suppress(Exception):
-            ray.kill(actor, no_restart=True)
-
-
 def _check_amount(value: object, what: str) -> None:
     """A resource amount of a :class:`RayPlacement`: a finite number >= 0
     (:class:`TypeError` for a non-number, a ``bool`` too; :class:`ValueError` else)."""
@@ -128,6 +119,75 @@ _shut_down_under_stages = False
 def _shut_down() -> None:
     global _shut_down_under_stages
     _shut_down_under_stages = True
+
+
+def _shutdown_lock(ray: Any) -> contextlib.AbstractContextManager[Any]:
+    """The lock that ``ray.init()`` (its connect) and ``ray.shutdown()`` hold in Ray 2.60:
+    ``ray._private.worker._connect_or_shutdown_lock``, an ``RLock``. It is private: where a
+    Ray version lacks it, no lock stands in (a ``nullcontext``), and :func:`_calling_ray`
+    falls back to a look that a ``ray.shutdown()`` in another thread can still race with
+    (Ray's auto-init may then start a local cluster: the race docs/ray.md named before)."""
+    worker = getattr(getattr(ray, "_private", None), "worker", None)
+    lock = getattr(worker, "_connect_or_shutdown_lock", None)
+    if lock is None or not callable(getattr(lock, "__enter__", None)):
+        return contextlib.nullcontext()
+    return lock  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _calling_ray(
+    ray: Any, gone: Callable[[], BaseException], *, placement: bool = False
+) -> Iterator[None]:
+    """Around every call enginecore makes to Ray (an actor's creation, an actor call's
+    ``.remote()``, ``ref.future()``, ``ray.kill``): raise ``gone()`` without a call if Ray
+    is not initialized in this process, and hold Ray's own :func:`_shutdown_lock` from that
+    look to the call's end. Ray's calls are wrapped by its auto-init (``ray.kill``, actor
+    creation and actor calls run ``ray.init()`` first when Ray is not initialized): a
+    ``ray.shutdown()`` in another thread between a bare look and the call started a new
+    local cluster, and one during the call met a Ray half torn down (its own errors). With
+    the lock, a shutdown comes wholly before the look or wholly after the call, so the call
+    never starts a cluster. Keep the calls inside short: a ``ray.shutdown()`` waits for
+    them (enginecore waits for Ray's answers outside, as futures).
+
+    *placement*: the creation of a stage's actor, which lets Ray's default
+    (``ray.init()``'s) start or find a cluster where this process never saw Ray shut down
+    under its stages (docs/ray.md)."""
+    with _shutdown_lock(ray):
+        if not ray.is_initialized() and not (placement and not _shut_down_under_stages):
+            _shut_down()
+            raise gone()
+        yield
+
+
+def _ray_up(ray: Any) -> bool:
+    """Whether Ray is initialized in this process, once any ``ray.shutdown()`` under way in
+    another thread has ended (it holds :func:`_shutdown_lock`): after a failed answer, tells
+    Ray's own error (kept) from the death of the actor with its owner at a shutdown."""
+    with _shutdown_lock(ray):
+        return bool(ray.is_initialized())
+
+
+def _kill_actor(ray: Any, actor: Any) -> None:
+    """``ray.kill(actor)``, unless Ray is no longer initialized in this process (a
+    ``ray.shutdown()``: the actors it owned are gone with it, and ``ray.kill`` would start a
+    new local cluster of its own)."""
+    with contextlib.suppress(Exception), _calling_ray(ray, _NotCalled):
+        ray.kill(actor, no_restart=True)
+
+
+class _NotCalled(Exception):
+    """Ray was not called: it was shut down in this process (:func:`_calling_ray`)."""
+
+
+def _not_placed(stage: str) -> StageStartupError:
+    """A start's error once Ray was shut down in this process while its stage was being
+    placed: its actor went with it (from then on, starts are refused until ``ray.init()``:
+    :func:`_shut_down`)."""
+    return StageStartupError(
+        f"stage {stage!r} was not placed: Ray was shut down in this process "
+        f"(ray.shutdown()) while it was being placed, and its actor went with it; "
+        f"call ray.init() to place stages again"
+    )
 
 
 @dataclass(frozen=True)
@@ -255,6 +315,14 @@ class RayStage:
         logs: _logs.LogSource | None = None,
         authorized_clients: tuple[bytes, ...] = (),
     ) -> None:
+        # First, before anything is opened: the actor's wait, whose answer (a future Ray
+        # completes from its own thread) the watch below waits on; a ray.get may block for
+        # good once Ray is shut down, and a Ray call after the shutdown would start a
+        # cluster of its own (_calling_ray).
+        ray = _import_ray()
+        with _calling_ray(ray, lambda: _not_placed(stage)):
+            self._watch_ref = actor.wait.remote()
+            self._answer: concurrent.futures.Future[Any] = self._watch_ref.future()
         self.actor = actor
         self.stage = stage
         self.logs = logs  # its forwarded records, if forwarded
@@ -278,26 +346,24 @@ class RayStage:
         self._exited = threading.Event()
         self._released = False
         self.death: str | None = None  # why the actor ended, if it died
-        self._watch_ref = actor.wait.remote()
         threading.Thread(target=self._watch, name="enginecore-ray-watch", daemon=True).start()
 
     def _watch(self) -> None:
         ray = _import_ray()
-        # The answer as a future that Ray completes from its own thread, waited on here: a
-        # ray.get may block for good once Ray is shut down, and a ray.get after the
-        # shutdown would start a cluster of its own.
-        answer = self._watch_ref.future()
+        answer = self._answer
         while not self._exited.is_set():
             if not ray.is_initialized():
                 _shut_down()
                 self._ended(None, _SHUT_DOWN)
                 return
-            try:
-                code = answer.result(timeout=_WATCH_POLL)
-            except concurrent.futures.TimeoutError:
+            # Not answer.result(timeout): a remote error is also an instance of its cause's
+            # class, a TimeoutError's too, which would read as "not yet".
+            if not concurrent.futures.wait([answer], timeout=_WATCH_POLL).done:
                 continue
+            try:
+                code = answer.result()
             except BaseException as exc:  # RayActorError and kin: the actor died
-                if not ray.is_initialized():
+                if not _ray_up(ray):
                     _shut_down()
                     self._ended(None, _SHUT_DOWN)
                 else:
@@ -331,8 +397,8 @@ class RayStage:
         if sig == signal.SIGKILL:
             _kill_actor(ray, self.actor)
             self._ended(-int(signal.SIGKILL), "killed with ray.kill")
-        elif not self._exited.is_set() and ray.is_initialized():
-            with contextlib.suppress(Exception):
+        elif not self._exited.is_set():
+            with contextlib.suppress(Exception), _calling_ray(ray, _NotCalled):
                 self.actor.stop.remote()
 
     def release(self) -> None:
@@ -469,18 +535,17 @@ class RayPlan:
         logs: _logs.LogSource | None = None
         try:
             if self.link_kwarg is not None and grant is not None:
-                ref = self._submit(ray, actor.link_key)
-                grant(self._get(ray, ref, deadline, cancel))
+                call = self._submit(ray, actor.link_key)
+                grant(self._get(ray, call, deadline, cancel))
             if self.forward_logs:
-                ref = self._submit(
+                call = self._submit(
                     ray, actor.open_logs, self.stage, self.options["log_level"], keys
                 )
-                logs = self._forward_logs(self._get(ray, ref, deadline, cancel), client_keys)
-            ref = self._submit(
+                logs = self._forward_logs(self._get(ray, call, deadline, cancel), client_keys)
+            call = self._submit(
                 ray, actor.start, self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
-            info = self._check_server_key(self._get(ray, ref, deadline, cancel))
-            self._check_ray(ray)
+            info = self._check_server_key(self._get(ray, call, deadline, cancel))
             return RayStage(actor, info, self.stage, client_keys, logs, self.authorized_clients)
         except BaseException:
             self._abandon(ray, actor, logs)
@@ -497,18 +562,17 @@ class RayPlan:
         logs: _logs.LogSource | None = None
         try:
             if self.link_kwarg is not None and grant is not None:
-                ref = self._submit(ray, actor.link_key)
-                await grant(await self._get_async(ray, ref, deadline))
+                call = self._submit(ray, actor.link_key)
+                await grant(await self._get_async(ray, call, deadline))
             if self.forward_logs:
-                ref = self._submit(
+                call = self._submit(
                     ray, actor.open_logs, self.stage, self.options["log_level"], keys
                 )
-                logs = self._forward_logs(await self._get_async(ray, ref, deadline), client_keys)
-            ref = self._submit(
+                logs = self._forward_logs(await self._get_async(ray, call, deadline), client_keys)
+            call = self._submit(
                 ray, actor.start, self.factory, self.kwargs_frame, self.stage, self.options, keys
             )
-            info = self._check_server_key(await self._get_async(ray, ref, deadline))
-            self._check_ray(ray)
+            info = self._check_server_key(await self._get_async(ray, call, deadline))
             return RayStage(actor, info, self.stage, client_keys, logs, self.authorized_clients)
         except BaseException:
             self._abandon(ray, actor, logs)
@@ -519,13 +583,14 @@ class RayPlan:
         keys: ``(ray, actor, this client's key pair or None, the keys for the actor)``.
         The key pair is made while Ray places the actor, off the launch's path."""
         ray = _import_ray()
-        if _shut_down_under_stages and not ray.is_initialized():
-            raise StageStartupError(
-                f"stage {self.factory!r} was not placed: Ray was shut down in this process "
-                f"(ray.shutdown()) under stages placed on it; call ray.init() to place "
-                f"stages again (enginecore does not start a Ray cluster of its own then)"
-            )
-        actor = _remote_actor_class(ray).options(**self.placement.actor_options()).remote()
+        refused = StageStartupError(
+            f"stage {self.factory!r} was not placed: Ray was shut down in this process "
+            f"(ray.shutdown()) under stages placed on it; call ray.init() to place "
+            f"stages again (enginecore does not start a Ray cluster of its own then)"
+        )
+        options = self.placement.actor_options()
+        with _calling_ray(ray, lambda: refused, placement=True):
+            actor = _remote_actor_class(ray).options(**options).remote()
         if self.insecure:
             return ray, actor, None, None
         try:
@@ -563,64 +628,56 @@ class RayPlan:
 
     def _check_ray(self, ray: Any) -> None:
         """:class:`StageStartupError` if Ray was shut down in this process while this stage
-        was being placed: its actor went with it, and a call to Ray now (a ``ray.wait``, a
-        ``.remote()``) would start a new local cluster of Ray's own and place the stage
-        there. From then on, starts are refused until ``ray.init()`` (:func:`_shut_down`)."""
+        was being placed: its actor went with it, and Ray completes none of its calls. From
+        then on, starts are refused until ``ray.init()`` (:func:`_shut_down`)."""
         if not ray.is_initialized():
             _shut_down()
-            raise StageStartupError(
-                f"stage {self.factory!r} was not placed: Ray was shut down in this process "
-                f"(ray.shutdown()) while it was being placed, and its actor went with it; "
-                f"call ray.init() to place stages again"
-            )
+            raise _not_placed(self.factory)
 
-    def _submit(self, ray: Any, method: Any, *args: Any) -> Any:
-        """``method.remote(*args)`` (a call to the actor), unless Ray was shut down."""
-        self._check_ray(ray)
-        return method.remote(*args)
+    def _submit(self, ray: Any, method: Any, *args: Any) -> tuple[Any, Any]:
+        """``method.remote(*args)`` (a call to the actor) and its answer as a future that
+        Ray completes from its own thread: ``(ref, future)`` (the ref is kept while the
+        answer is waited for). Unless Ray was shut down (:func:`_calling_ray`)."""
+        with _calling_ray(ray, lambda: _not_placed(self.factory)):
+            ref = method.remote(*args)
+            return ref, ref.future()
 
     def _get(
         self,
         ray: Any,
-        ref: Any,
+        call: tuple[Any, Any],
         deadline: float,
         cancel: multiprocessing.connection.Connection | None = None,
     ) -> Any:
-        """``ray.get(ref)`` before *deadline*, its failures as
+        """The answer of *call* (:meth:`_submit`'s) before *deadline*, its failures as
         :class:`StageStartupError`; :class:`StageClosedError` once *cancel* is readable.
-        Waits in slices of :data:`_PLACE_POLL` (Ray's wait cannot also wait for a pipe),
-        and looks between them whether Ray was shut down in this process (:meth:`_check_ray`):
-        a wait under way then raises ``SystemExit`` in Ray 2.60, and a new one would start
-        a cluster of Ray's own."""
-        try:
-            while True:
-                self._check_ray(ray)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ray.exceptions.GetTimeoutError
+        Waits on the answer's future in slices of :data:`_PLACE_POLL` (no wait of Ray's can
+        also wait for a pipe), and looks between them whether Ray was shut down in this
+        process (:meth:`_check_ray`: Ray completes the future never then). No call to Ray:
+        a ``ray.wait`` under way at a shutdown raised ``SystemExit`` (Ray 2.60)."""
+        answer = call[1]
+        while True:
+            self._check_ray(ray)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._timed_out()
+            if concurrent.futures.wait([answer], timeout=min(left, _PLACE_POLL)).done:
                 try:
-                    if ray.wait([ref], timeout=min(left, _PLACE_POLL))[0]:
-                        return ray.get(ref)
-                except SystemExit:  # Ray's answer to a wait at a ray.shutdown()
-                    if ray.is_initialized():
-                        raise
-                    self._check_ray(ray)
-                if cancel is not None and cancel.poll():
-                    raise StageClosedError(
-                        f"the start of stage {self.factory!r} on Ray was cancelled; its "
-                        f"actor was killed"
-                    )
-        except ray.exceptions.GetTimeoutError:
-            raise self._timed_out() from None
-        except ray.exceptions.RayError as exc:
-            self._check_ray(ray)  # the actor went with a ray.shutdown() (its owner died)
-            raise self._failed(ray, exc) from None
+                    return answer.result()
+                except ray.exceptions.RayError as exc:
+                    if not _ray_up(ray):  # the actor went with a ray.shutdown()
+                        self._check_ray(ray)
+                    raise self._failed(ray, exc) from None
+            if cancel is not None and cancel.poll():
+                raise StageClosedError(
+                    f"the start of stage {self.factory!r} on Ray was cancelled; its "
+                    f"actor was killed"
+                )
 
-    async def _get_async(self, ray: Any, ref: Any, deadline: float) -> Any:
-        """:meth:`_get`, awaited (``ref.future()``: Ray completes it from its own
-        thread); it too looks every :data:`_PLACE_POLL` whether Ray was shut down (the
-        future is never completed then)."""
-        answer = asyncio.wrap_future(ref.future())
+    async def _get_async(self, ray: Any, call: tuple[Any, Any], deadline: float) -> Any:
+        """:meth:`_get`, awaited; it too looks every :data:`_PLACE_POLL` whether Ray was
+        shut down (the future is never completed then)."""
+        answer = asyncio.wrap_future(call[1])
         try:
             while True:
                 self._check_ray(ray)
@@ -629,10 +686,12 @@ class RayPlan:
                     raise self._timed_out()
                 done, _ = await asyncio.wait({answer}, timeout=min(left, _PLACE_POLL))
                 if done:
-                    return answer.result()
-        except ray.exceptions.RayError as exc:
-            self._check_ray(ray)  # the actor went with a ray.shutdown() (its owner died)
-            raise self._failed(ray, exc) from None
+                    try:
+                        return answer.result()
+                    except ray.exceptions.RayError as exc:
+                        if not _ray_up(ray):  # the actor went with a ray.shutdown()
+                            self._check_ray(ray)
+                        raise self._failed(ray, exc) from None
         finally:
             if not answer.done():
                 answer.cancel()
@@ -851,8 +910,8 @@ def _rotation(
     if not isinstance(keys, Iterable):
         raise TypeError(f"keys must be a sequence of public keys, got {type(keys).__name__}")
     checked = [_check_key(k, "an authorized client key").decode("ascii") for k in keys]
-    # Ray shut down in this process under its stages: they went with it, and a call to an
-    # actor now would start a new local cluster of Ray's own (as ray.kill would).
+    # Ray shut down in this process under its stages: they went with it (a pool's are
+    # skipped, a client's is EngineDeadError), and Ray is not called (_calling_ray).
     initialized = _import_ray().is_initialized()
     stages: list[RayStage] = []
     if hasattr(target, "replicas"):  # a pool
@@ -935,20 +994,14 @@ def authorize_clients(
     actor dead, or Ray shut down in this process: Ray is not called then; a pool's replicas
     that are not running are skipped), and Ray's error (``GetTimeoutError`` past
     *timeout*, ``RayActorError`` for an actor that died meanwhile) if an actor did not
-    answer. Blocks: from asyncio, ``await`` :func:`authorize_clients_async`."""
+    answer. A ``ray.shutdown()`` while it is under way ends it with
+    :class:`~enginecore.stage.EngineDeadError` within 0.1 s. Blocks: from asyncio,
+    ``await`` :func:`authorize_clients_async`."""
     stages, checked = _rotation(target, keys, timeout)
-    ray = _import_ray()
     if stages:
-        try:
-            refs = [stage.actor.authorize.remote(_with_links(stage, checked)) for stage in stages]
-            ray.get(refs, timeout=timeout)
-        except (SystemExit, Exception):
-            # Ray's answer to a call under way at a ray.shutdown(): SystemExit, or the
-            # actor's death with its owner (ActorDiedError), not an error of the stage's.
-            if ray.is_initialized():
-                raise
-            _shut_down()
-            raise EngineDeadError(_SHUT_DOWN) from None
+        ray = _import_ray()
+        calls = _authorizing(ray, [(stage, _with_links(stage, checked)) for stage in stages])
+        _get_or_dead(ray, calls, timeout, _late_rotation(len(stages), timeout))
     for stage in stages:
         stage.authorized_clients = tuple(k.encode("ascii") for k in checked)
     return len(stages)
@@ -961,24 +1014,74 @@ async def authorize_clients_async(
     futures, and no thread is held; ``TimeoutError`` past *timeout*."""
     stages, checked = _rotation(target, keys, timeout)
     if stages:
-        refs = [stage.actor.authorize.remote(_with_links(stage, checked)) for stage in stages]
-        await _answers(
-            refs,
-            timeout,
-            f"a key rotation of {len(stages)} stages on Ray took longer than {timeout:g} s",
-        )
+        ray = _import_ray()
+        calls = _authorizing(ray, [(stage, _with_links(stage, checked)) for stage in stages])
+        await _answers(ray, calls, timeout, _late_rotation(len(stages), timeout))
     for stage in stages:
         stage.authorized_clients = tuple(k.encode("ascii") for k in checked)
     return len(stages)
 
 
-async def _answers(refs: list[Any], timeout: float, late: str) -> list[Any]:
-    """The answers of the actors' calls *refs*, awaited as Ray's futures (no thread held):
-    Ray's error if a call failed, ``TimeoutError(late)`` past *timeout*, and
-    :class:`EngineDeadError` within :data:`_PLACE_POLL` once Ray is shut down in this
-    process (Ray then completes none of them)."""
-    ray = _import_ray()
-    gathered = asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs))
+def _late_rotation(count: int, timeout: float) -> str:
+    return f"a key rotation of {count} stages on Ray took longer than {timeout:g} s"
+
+
+def _authorizing(ray: Any, rotations: Sequence[tuple[RayStage, list[str]]]) -> list[Any]:
+    """Each ``(stage, keys)``: the actor's ``authorize(keys)`` call (*keys* as Z85 text),
+    under way, as ``(ref, future)`` (the ref is kept while its answer is waited for);
+    :class:`EngineDeadError` without a call once Ray was shut down in this process
+    (:func:`_calling_ray`)."""
+    name = f"stage {rotations[0][0].stage!r}: " if len(rotations) == 1 else ""
+    calls = []
+    with _calling_ray(ray, lambda: EngineDeadError(f"{name}{_SHUT_DOWN}")):
+        for stage, keys in rotations:
+            ref = stage.actor.authorize.remote(keys)
+            calls.append((ref, ref.future()))
+    return calls
+
+
+def _dead_if_shut_down(ray: Any) -> None:
+    """After an actor call failed: :class:`EngineDeadError` if Ray was shut down in this
+    process (the actor died with its owner: Ray's ``ActorDiedError``, not an error of the
+    stage's); else nothing, and the caller raises Ray's error."""
+    if not _ray_up(ray):
+        _shut_down()
+        raise EngineDeadError(_SHUT_DOWN) from None
+
+
+def _get_or_dead(ray: Any, calls: list[Any], timeout: float, late: str) -> list[Any]:
+    """The answers of the actor calls *calls* (:func:`_authorizing`'s), waited for on their
+    futures in slices of :data:`_PLACE_POLL`: Ray's error if a call failed,
+    ``GetTimeoutError(late)`` past *timeout*, and :class:`EngineDeadError` within
+    :data:`_PLACE_POLL` once Ray is shut down in this process (Ray then completes none of
+    them, and a ``ray.get`` under way may not return before its timeout). No call to Ray
+    while it waits: :func:`_answers`, blocking."""
+    futures = [future for _, future in calls]
+    deadline = time.monotonic() + timeout
+    while True:
+        if not ray.is_initialized():
+            _shut_down()
+            raise EngineDeadError(_SHUT_DOWN)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ray.exceptions.GetTimeoutError(late)
+        done, pending = concurrent.futures.wait(
+            futures, timeout=min(left, _PLACE_POLL), return_when=concurrent.futures.FIRST_EXCEPTION
+        )
+        failed = [future for future in done if future.exception() is not None]
+        if failed:
+            _dead_if_shut_down(ray)
+            failed[0].result()  # raises Ray's error
+        if not pending:
+            return [future.result() for future in futures]
+
+
+async def _answers(ray: Any, calls: list[Any], timeout: float, late: str) -> list[Any]:
+    """The answers of the actor calls *calls* (:func:`_authorizing`'s), awaited as Ray's
+    futures (no thread held): Ray's error if a call failed, ``TimeoutError(late)`` past
+    *timeout*, and :class:`EngineDeadError` within :data:`_PLACE_POLL` once Ray is shut
+    down in this process (Ray then completes none of them)."""
+    gathered = asyncio.gather(*(asyncio.wrap_future(future) for _, future in calls))
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -990,15 +1093,9 @@ async def _answers(refs: list[Any], timeout: float, late: str) -> list[Any]:
                 raise TimeoutError(late)
             done, _ = await asyncio.wait({gathered}, timeout=min(left, _PLACE_POLL))
             if done:
-                try:
-                    return gathered.result()
-                except Exception:
-                    # Ray's answer to a call under way at a ray.shutdown(): the actor died
-                    # with its owner (ActorDiedError), not an error of the stage's.
-                    if ray.is_initialized():
-                        raise
-                    _shut_down()
-                    raise EngineDeadError(_SHUT_DOWN) from None
+                if gathered.exception() is not None:
+                    _dead_if_shut_down(ray)
+                return gathered.result()
     finally:
         if not gathered.done():
             gathered.cancel()
@@ -1019,20 +1116,18 @@ def catch_up_keys(replica: Any, member: Any, timeout: float = _AUTHORIZE_TIMEOUT
     keys before it, give the stage the rotation's keys now, until none is newer than the
     ones it has. The rotation sets the replicas' keys before it looks for their stages, so
     every stage gets them, from the rotation or from here. A stage that does not take them
-    (dead, or past *timeout*) is killed, so that no stage admits a removed key: the pool
-    sees the death and restarts it (with the current keys) as its policy says."""
+    (dead, past *timeout*, or Ray shut down) is killed, so that no stage admits a removed
+    key: the pool sees the death and restarts it (with the current keys) as its policy
+    says."""
     stage = getattr(member, "_launched", None)
     if not isinstance(stage, RayStage):
         return
     ray = _import_ray()
     try:
         while (keys := _keys_behind(replica, stage.authorized_clients)) is not None:
-            ray.get(_authorize_ref(stage, keys), timeout=timeout)
+            calls = _authorizing(ray, [(stage, _as_text(stage, keys))])
+            _get_or_dead(ray, calls, timeout, _late_keys(replica, timeout))
             stage.authorized_clients = keys
-    except SystemExit:  # Ray's answer to a call under way at a ray.shutdown()
-        if ray.is_initialized():
-            raise
-        _kill_behind(replica, stage)
     except Exception:
         _kill_behind(replica, stage)
 
@@ -1044,23 +1139,23 @@ async def catch_up_keys_async(
     stage = getattr(member, "_launched", None)
     if not isinstance(stage, RayStage):
         return
+    ray = _import_ray()
     try:
         while (keys := _keys_behind(replica, stage.authorized_clients)) is not None:
-            late = f"replica {replica.name} took longer than {timeout:g} s to take the keys"
-            await _answers([_authorize_ref(stage, keys)], timeout, late)
+            calls = _authorizing(ray, [(stage, _as_text(stage, keys))])
+            await _answers(ray, calls, timeout, _late_keys(replica, timeout))
             stage.authorized_clients = keys
     except Exception:
         _kill_behind(replica, stage)
 
 
-def _authorize_ref(stage: RayStage, keys: tuple[bytes, ...]) -> Any:
-    """The actor's ``authorize`` call with *keys* (as Z85 text), under way: its Ray ref;
-    :class:`EngineDeadError` without a call once Ray was shut down in this process (a call
-    would start a new local cluster)."""
-    if not _import_ray().is_initialized():
-        _shut_down()
-        raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
-    return stage.actor.authorize.remote(_with_links(stage, [k.decode("ascii") for k in keys]))
+def _late_keys(replica: Any, timeout: float) -> str:
+    return f"replica {replica.name} took longer than {timeout:g} s to take the keys"
+
+
+def _as_text(stage: RayStage, keys: tuple[bytes, ...]) -> list[str]:
+    """What *stage* is to admit for a rotation to *keys*: :func:`_with_links`, as text."""
+    return _with_links(stage, [k.decode("ascii") for k in keys])
 
 
 def _with_links(stage: RayStage, keys: list[str]) -> list[str]:
@@ -1083,20 +1178,10 @@ def grant_links(target: Any, keys: Sequence[bytes], *, timeout: float = _AUTHORI
     rotation (:func:`authorize_clients`) keeps the link keys, and this keeps the rotation's
     keys. Its errors are :func:`authorize_clients`'s."""
     stage = _link_target(target)
-    link_keys = tuple(keys)
-    admitted = [k.decode("ascii") for k in stage.authorized_clients]
-    stage.link_keys = link_keys  # before the call: a rotation racing with it keeps them
+    stage.link_keys = tuple(keys)  # before the call: a rotation racing with it keeps them
     ray = _import_ray()
-    if not ray.is_initialized():
-        _shut_down()
-        raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
-    try:
-        ray.get(stage.actor.authorize.remote(_with_links(stage, admitted)), timeout=timeout)
-    except (SystemExit, Exception):  # as authorize_clients: a ray.shutdown() under way
-        if ray.is_initialized():
-            raise
-        _shut_down()
-        raise EngineDeadError(_SHUT_DOWN) from None
+    calls = _authorizing(ray, [(stage, _as_text(stage, stage.authorized_clients))])
+    _get_or_dead(ray, calls, timeout, _late_links(stage, timeout))
 
 
 async def grant_links_async(
@@ -1105,16 +1190,13 @@ async def grant_links_async(
     """:func:`grant_links`, awaited (no thread held)."""
     stage = _link_target(target)
     stage.link_keys = tuple(keys)
-    admitted = [k.decode("ascii") for k in stage.authorized_clients]
-    if not _import_ray().is_initialized():
-        _shut_down()
-        raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
-    ref = stage.actor.authorize.remote(_with_links(stage, admitted))
-    await _answers(
-        [ref],
-        timeout,
-        f"stage {stage.stage!r} took longer than {timeout:g} s to take its link keys",
-    )
+    ray = _import_ray()
+    calls = _authorizing(ray, [(stage, _as_text(stage, stage.authorized_clients))])
+    await _answers(ray, calls, timeout, _late_links(stage, timeout))
+
+
+def _late_links(stage: RayStage, timeout: float) -> str:
+    return f"stage {stage.stage!r} took longer than {timeout:g} s to take its link keys"
 
 
 def _kill_behind(replica: Any, stage: RayStage) -> None:
