@@ -709,6 +709,8 @@ class PipeStage:
         if pool is not None:
             pool.close()
         new_pool = self._shm_factory(slots) if slots and self._shm_factory is not None else None
+        if pool is not None and new_pool is not None:
+            new_pool.carry_counts(pool)  # the stage's shm_* numbers count in all
         self._shms[replica] = new_pool
         self._encoders[replica] = _codec.Encoder(new_pool)
         links[replica] = self._connect(address, server_key.encode() or None)

@@ -66,6 +66,10 @@ PIPE_FACTORY: Final = "enginecore.stage._pipe_stage:pipe_stage"
 """The factory every pipeline stage is launched with: it builds the user's engine and
 wraps it (:mod:`._pipe_stage`)."""
 
+_MAX_INT: Final = 2**63
+"""The bound (exclusive) of a stage's int parameters: they travel to its process as
+MessagePack integers."""
+
 DEFAULT_REPLAY_BYTES: Final = 64 * 2**20
 """A :class:`Retry` edge's default bound on one request's replay log, in bytes (64 MiB)."""
 
@@ -121,7 +125,8 @@ class PipelineStage:
     overshoot by what it produces. *step_timeout*, *log_level* and *forward_logs* are
     :meth:`StageClient.launch`'s (and :meth:`AsyncStageClient.launch`'s).
 
-    *shm_threshold*: a numpy array of at least this many bytes that this stage sends the
+    *shm_threshold*: a numpy array of at least this many bytes (and at least 1 KiB: a
+    smaller one travels inside the message) that this stage sends the
     next one goes through shared memory (``/dev/shm``, Linux) instead of ZeroMQ, and the
     next stage gets a read-only array on that memory, no copy (``None``: never). The stage
     keeps at most *shm_pool_bytes* of reusable slots (an array that finds none free goes on
@@ -213,20 +218,22 @@ class PipelineStage:
             raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
         if isinstance(self.shm_pool_bytes, bool) or not isinstance(self.shm_pool_bytes, int):
             raise TypeError(f"shm_pool_bytes must be an int >= 1, got {self.shm_pool_bytes!r}")
-        if self.shm_pool_bytes < 1:
-            raise ValueError(f"shm_pool_bytes must be an int >= 1, got {self.shm_pool_bytes!r}")
+        if not 1 <= self.shm_pool_bytes < _MAX_INT:
+            raise ValueError(
+                f"shm_pool_bytes must be an int >= 1 (below 2**63), got {self.shm_pool_bytes!r}"
+            )
         if isinstance(self.shm_lease, bool) or not isinstance(self.shm_lease, (int, float)):
             raise TypeError(f"shm_lease must be seconds > 0, got {self.shm_lease!r}")
         if not 0 < self.shm_lease < 1e6:
-            raise ValueError(f"shm_lease must be seconds > 0, got {self.shm_lease!r}")
+            raise ValueError(f"shm_lease must be seconds > 0 (below 1e6), got {self.shm_lease!r}")
         for what in ("window", "window_bytes", "shm_threshold"):
             value = getattr(self, what)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):  # the wrong type
                 raise TypeError(f"{what} must be an int >= 1 or None, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{what} must be an int >= 1 or None, got {value!r}")
+            if not 1 <= value < _MAX_INT:
+                raise ValueError(f"{what} must be an int >= 1 (below 2**63) or None, got {value!r}")
         if not isinstance(self.restart, (bool, RestartPolicy)):
             raise TypeError(f"restart must be a bool or a RestartPolicy, got {self.restart!r}")
         policy = self.on_next_error

@@ -340,6 +340,15 @@ class ShmPool:
             "shm_retired": self.retired,
         }
 
+    def carry_counts(self, old: ShmPool) -> None:
+        """Go on counting from *old*'s counters (``shm_sent``, ``shm_sent_bytes``,
+        ``shm_fallbacks``, ``shm_retired``): this pool replaces it on a link to a next stage
+        started again, and the stage's numbers count in all, as ``edge_sent`` does."""
+        self.sent += old.sent
+        self.sent_bytes += old.sent_bytes
+        self.fallbacks += old.fallbacks
+        self.retired += old.retired
+
     def close(self) -> None:
         """Unlink every slot and let go of its mapping: at exit, or when the next stage
         died (no slot it held can be released any more). Idempotent; :meth:`put` takes no
