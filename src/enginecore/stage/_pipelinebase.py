@@ -220,7 +220,7 @@ class PipelineStage:
             raise TypeError(f"shm_pool_bytes must be an int >= 1, got {self.shm_pool_bytes!r}")
         if not 1 <= self.shm_pool_bytes < _MAX_INT:
             raise ValueError(
-                f"shm_pool_bytes must be an int >= 1 (below 2**63), got {self.shm_pool_bytes!r}"
+                f"shm_pool_bytes must be an int >= 1 (and below 2**63), got {self.shm_pool_bytes!r}"
             )
         if isinstance(self.shm_lease, bool) or not isinstance(self.shm_lease, (int, float)):
             raise TypeError(f"shm_lease must be seconds > 0, got {self.shm_lease!r}")
@@ -233,7 +233,9 @@ class PipelineStage:
             if isinstance(value, bool) or not isinstance(value, int):  # the wrong type
                 raise TypeError(f"{what} must be an int >= 1 or None, got {value!r}")
             if not 1 <= value < _MAX_INT:
-                raise ValueError(f"{what} must be an int >= 1 (below 2**63) or None, got {value!r}")
+                raise ValueError(
+                    f"{what} must be an int >= 1 or None (and below 2**63), got {value!r}"
+                )
         if not isinstance(self.restart, (bool, RestartPolicy)):
             raise TypeError(f"restart must be a bool or a RestartPolicy, got {self.restart!r}")
         policy = self.on_next_error
