@@ -191,6 +191,26 @@ class TestPoolAndReader:
         assert np.all(reader.array(big) == 2.0)
         pool.close()
 
+    def test_a_payload_that_cannot_fit_leaves_the_free_slots_alone(self, prefix: str) -> None:
+        # Bigger than the pool, or than what the held slots leave of it: it goes on ZeroMQ,
+        # and the free slots stay for the next payloads (no slot made again, no page
+        # faults on a fresh one).
+        pool, reader = _pool(prefix, max_bytes=3 * MIB), ShmReader(prefix)
+        free = [pool.put(_array(float(i))) for i in range(2)]
+        assert all(h is not None for h in free)
+        for head in free:
+            reader.array(head)
+        gc.collect()  # both released: free
+        held = reader.array(pool.put(_array(9.0)))  # one held, one free
+        assert pool.put(_array(3.0, n=4 * MIB // 4)) is None  # bigger than the pool
+        assert pool.put(_array(3.0, n=3 * MIB // 4)) is None  # more than the held slot leaves
+        assert pool.fallbacks == 2
+        assert pool.stats()["shm_slots"] == 2
+        assert pool.put(_array(4.0)) is not None  # the free slot, kept
+        assert pool.created == 2
+        assert float(held[0]) == 9.0
+        pool.close()
+
     def test_abandoned_payloads_free_their_slots(self, prefix: str) -> None:
         pool = _pool(prefix, max_bytes=MIB)
         assert pool.put(_array(1.0)) is not None

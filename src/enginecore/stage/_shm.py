@@ -284,6 +284,8 @@ class ShmPool:
         if best is not None:
             return best
         capacity = -(-nbytes // _ROUND) * _ROUND
+        if self._total - sum(s.capacity for s in free) + capacity > self._max_bytes:
+            return None  # no room even without every free slot: keep them for the next
         free.sort(key=lambda s: s.capacity)
         while self._total + capacity > self._max_bytes:
             if not free:
