@@ -109,9 +109,10 @@ def test_an_array_of_every_kind_crosses_shared_memory_unchanged(launch: Any) -> 
 @pytest.mark.parametrize("what", ["window", "window_bytes", "shm_threshold", "shm_pool_bytes"])
 def test_an_int_parameter_too_big_to_reach_the_stage_is_refused_at_once(what: str) -> None:
     """Not at launch, as a stage's ``factory kwargs[...]`` that the user never wrote."""
+    too_big: Any = 2**63
     with pytest.raises(ValueError, match=rf"^{what} must be an int >= 1 .*below 2\*\*63"):
-        PipelineStage(COUNTDOWN, **{what: 2**63})
-    PipelineStage(COUNTDOWN, **{what: 2**63 - 1})
+        PipelineStage(COUNTDOWN, **{what: too_big})
+    PipelineStage(COUNTDOWN, **{what: too_big - 1})
 
 
 def test_a_lease_out_of_range_says_its_range() -> None:
