@@ -369,6 +369,17 @@ class TestPrepare:
                 prepare(value)
             assert str(info.value).startswith(name), info.value
 
+    def test_an_ndarray_subclass_is_refused_saying_what_to_send(self) -> None:
+        # np.load(mmap_mode="r") gives a numpy.memmap: "the wire carries ... numpy arrays"
+        # alone read as if it were one.
+        mapped = np.arange(4.0).view(np.memmap)
+        for value in (mapped, np.ma.masked_array([1, 2], mask=[0, 1])):
+            with pytest.raises(TypeError, match="not wire-encodable") as info:
+                prepare({"x": [value]})
+            message = str(info.value)
+            assert message.startswith("value['x'][0]: numpy."), message
+            assert "subclass of numpy.ndarray" in message and "numpy.asarray" in message
+
     @pytest.mark.parametrize(
         ("value", "where"),
         [

@@ -241,6 +241,12 @@ def _prepare(value: object, path: str, depth: int) -> object:
                 f"{path}: numpy scalar of type {t.__name__} is not wire-encodable "
                 f"(send it inside an array, or convert it yourself)"
             )
+        if isinstance(value, np.ndarray):  # np.memmap (np.load(mmap_mode=...)), masked, ...
+            raise TypeError(
+                f"{path}: {t.__module__}.{t.__qualname__} is not wire-encodable: a subclass of "
+                f"numpy.ndarray; send a plain array, numpy.asarray(value) (what the subclass "
+                f"adds, a mask for one, does not cross the wire)"
+            )
     raise TypeError(
         f"{path}: {t.__module__}.{t.__qualname__} is not wire-encodable; the wire carries "
         f"None, bool, int, float, str, bytes, bytearray, memoryview, numpy arrays and "
