@@ -831,9 +831,7 @@ class TestConnectedStage:
             client.add("x", 1)
         assert client.shutdown() is None  # idempotent
 
-    def test_sigterm_to_the_server_is_seen_as_death(
-        self, connect: Connect, server: Server
-    ) -> None:
+    def test_sigterm_to_the_server_is_seen_as_death(self, connect: Connect, server: Server) -> None:
         client = connect(server.address)
         stream = client.add("r", 1_000_000_000)
         stream.get(5)
