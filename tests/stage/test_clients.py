@@ -8,6 +8,7 @@ The death matrix is in ``test_death.py`` (same fixture); what only one client ca
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,8 +18,10 @@ import pytest
 
 from enginecore.stage import (
     Aborted,
+    EngineDeadError,
     ErrorReport,
     Outputs,
+    ProtocolError,
     RequestError,
     Shutdown,
     StageClient,
@@ -28,7 +31,7 @@ from enginecore.stage import (
     UtilityResult,
 )
 
-from .conftest import COUNTDOWN, ECHO, Connect, Launch
+from .conftest import COUNTDOWN, ECHO, Connect, Launch, Server
 
 
 def outputs_of(events: Iterable[object]) -> list[tuple[str | None, bool, Any]]:
@@ -803,3 +806,61 @@ def test_a_bad_address_or_timeout_is_refused_before_connecting(
 ) -> None:
     with pytest.raises(error, match=message):
         connect(address, timeout=timeout)
+
+
+class TestConnectedStage:
+    """A client of a headless stage (``python -m enginecore serve``), through each client:
+    these were tested with the blocking client only (``test_serve.py``)."""
+
+    def test_second_client_is_rejected_while_one_is_attached(
+        self, connect: Connect, server: Server
+    ) -> None:
+        client = connect(server.address)
+        with pytest.raises(ProtocolError, match="another client is attached"):
+            connect(server.address)
+        assert client.call_utility("echo", 1, timeout=5) == [1]
+
+    def test_shutdown_from_the_client_stops_the_server(
+        self, connect: Connect, server: Server
+    ) -> None:
+        client = connect(server.address)
+        assert client.add("r", 1).collect(timeout=5) == [0]
+        assert client.shutdown() is None  # no process to read an exit code from
+        assert server.proc.wait(5) == 0
+        with pytest.raises(StageClosedError):
+            client.add("x", 1)
+        assert client.shutdown() is None  # idempotent
+
+    def test_sigterm_to_the_server_is_seen_as_death(self, connect: Connect, server: Server) -> None:
+        client = connect(server.address)
+        stream = client.add("r", 1_000_000_000)
+        stream.get(5)
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(EngineDeadError, match="not at this client's request"):
+            stream.collect(timeout=5)
+        with pytest.raises(EngineDeadError, match="not at this client's request"):
+            client.call_utility("echo", 1, timeout=5)
+        assert client.health() == "dead"
+        assert server.proc.wait(5) == 0
+
+    def test_a_clients_close_aborts_its_requests(self, connect: Connect, server: Server) -> None:
+        first = connect(server.address)
+        first.add("big", 10**8).get(5)
+        first.close()
+        second = connect(server.address)
+        assert second.call_utility("log", timeout=5) == ["add big", "abort big"]
+        # The id is free again: the request is gone from the stage.
+        assert second.add("big", 2).collect(timeout=5) == [1, 0]
+
+    def test_answer_to_a_detached_clients_call_does_not_resolve_the_next_clients_call(
+        self, connect: Connect, server: Server
+    ) -> None:
+        # The caller's call fails at its close; the stage drops the answer (it is the
+        # previous session's), so the next client's calls are answered as their own.
+        first = connect(server.address)
+        pending = first.call_utility_future("sleep", 0.5)
+        first.close()
+        with pytest.raises(StageClosedError):
+            pending.result(5)
+        second = connect(server.address)
+        assert second.call_utility("echo", "second", timeout=5) == ["second"]

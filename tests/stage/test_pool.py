@@ -56,6 +56,7 @@ from .conftest import BlockingAsyncStream, EventLoopThread, Server, pid_gone, wa
 DEVICE = "enginecore.stage.testing:device"
 COUNTDOWN = "enginecore.stage.testing:countdown"
 BARRIER = "enginecore.stage.testing:barrier_factory"
+RELAY = "enginecore.stage.testing:relay"
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1985,3 +1986,62 @@ def test_a_cancelled_async_shutdown_stops_starting_and_restarting_replicas(
     asyncio.run(main())
     assert len(pids) == 4
     assert wait_until(lambda: all(pid_gone(p) for p in pids), 10)
+
+
+# -- parity with the single client --------------------------------------------------------------
+
+
+def test_a_bad_connect_timeout_or_address_is_refused_as_the_clients_connect_refuses_it(
+    pools: tuple[Open, Open],
+) -> None:
+    """connect() and add_replica(address=...) check the handshake *timeout* and each
+    address as StageClient.connect() does, before any socket is made: a negative timeout
+    was each replica's TimeoutError "... in -1 s", NaN a wait without end."""
+    launch, connect = pools
+    address = "tcp://127.0.0.1:1"
+    for bad in (-1.0, 0, float("nan")):
+        with pytest.raises(ValueError, match=f"timeout must be a number of seconds > 0, got {bad}"):
+            connect([address], timeout=bad)
+    with pytest.raises(TypeError, match="timeout must be a number of seconds > 0, got '1'"):
+        connect([address], timeout="1")
+    with pytest.raises(TypeError, match="address must be a str such as"):
+        connect([address, cast(Any, 5)])
+    pool = launch(COUNTDOWN, replicas=1)
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0, got -1"):
+        pool.add_replica(address=address, timeout=-1.0)
+    with pytest.raises(TypeError, match="address must be a str such as"):
+        pool.add_replica(address=cast(Any, 5))
+    # Neither a factory nor an address: said so, not "not both".
+    with pytest.raises(TypeError, match="takes a factory or an address=, one of the two"):
+        pool.add_replica()
+    assert len(pool.replicas) == 1
+
+
+def test_a_wait_on_an_async_pool_stream_on_another_loop_raises_at_once(no_leftovers: str) -> None:
+    """A wait on an AsyncStagePool's stream from another event loop raises RuntimeError at
+    once, as one on an AsyncStageClient's or an AsyncPipeline's does (docs/pool.md): it
+    waited for its whole timeout (for ever without one) on a future that the pool's loop
+    never wakes, even as the outputs came."""
+    runner = EventLoopThread()
+    # A relay stage emits each request's input once and never ends it: after that output,
+    # a read waits.
+    pool: AsyncStagePool = runner.run(AsyncStagePool.launch(RELAY, replicas=1))
+    try:
+        stream = runner.run(pool.add("r", "x"))
+        assert runner.run(stream.get(timeout=10)) == "x"
+
+        async def elsewhere() -> None:
+            reads = [stream.get(timeout=5), stream.collect(timeout=5), stream.__anext__()]
+            for read in reads:
+                with pytest.raises(RuntimeError, match="AsyncStagePool belongs to another"):
+                    await read
+
+        asyncio.run(elsewhere())
+        runner.run(pool.abort(["r"]))
+        assert runner.run(stream.collect(timeout=10)) == []  # on its own loop, it reads
+        assert stream.aborted
+    finally:
+        try:
+            runner.run(pool.close())
+        finally:
+            runner.stop()

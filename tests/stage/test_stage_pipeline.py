@@ -2390,3 +2390,32 @@ def _mapped(pid: int, stage: str) -> list[str]:
     with open(f"/proc/{pid}/maps") as f:
         paths = {line.split(maxsplit=5)[5].strip() for line in f if head in line}
     return sorted(p for p in paths if p[len("/dev/shm/") :].split("-")[3] == stage)
+
+
+# -- parity of the blocking and asyncio pipelines ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"timeout": float("inf")}, ValueError, "timeout must be a finite number of seconds"),
+        ({"timeout": None}, TypeError, "timeout must be a number of seconds, got NoneType"),
+        ({"timeout": -1.0}, ValueError, "timeout must be a finite number of seconds >= 0"),
+        ({"drain": float("inf")}, ValueError, "drain must be a number of seconds >= 0, got inf"),
+        # Both bad: the timeout is named first, by either pipeline, as by a client or a pool.
+        ({"timeout": -1.0, "drain": -1.0}, ValueError, "timeout must be"),
+    ],
+)
+def test_a_shutdown_timeout_or_drain_no_stage_accepts_is_refused_before_anything_stops(
+    launch: Any, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """A timeout or drain that a stage's client refuses (infinite, or no timeout) is the
+    pipeline's error, with the client's message: given to each stage's client, whose errors
+    the shutdown suppresses, it returned at once with every stage still running."""
+    pipe = launch([COUNTDOWN, RELAY])
+    with pytest.raises(error, match=match):
+        pipe.shutdown(**kwargs)
+    assert all(health == "ok" for health in pipe.health().values())
+    assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+    pipe.shutdown()
+    assert all(health == "dead" for health in pipe.health().values())

@@ -111,9 +111,11 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         """An empty pool; add replicas with :meth:`add_replica`. The arguments are
         :class:`~enginecore.stage.StagePool`'s."""
         super().__init__(routing, restart, on_replica_death, max_migrations, ordered_events)
-        self._lock = _session.NO_LOCK  # one thread
         self._event_waiters: list[asyncio.Future[None]] = []
         self._loop = asyncio.get_running_loop()
+        # One thread: no lock; a LoopLock tells the pool's streams its loop, so that a wait
+        # on one from another loop raises at once, as a client's or a pipeline's does.
+        self._lock = _session.LoopLock(self._loop, "AsyncStagePool")
         self._closed = asyncio.Event()
         self._closing: _clientbase.ClosingTask[dict[Replica, int | None]] = _clientbase.ClosingTask(
             "the stage pool"

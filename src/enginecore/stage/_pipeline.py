@@ -478,8 +478,8 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         sent it; requests still live in a stage at the deadline end with an error naming
         that stage. Blocks; idempotent; thread-safe. A call interrupted (``KeyboardInterrupt``
         while it waits for a stage) is finished by the next one."""
-        check_drain(drain)
         check_timeout(timeout)
+        check_drain(drain)
         with self._close_lock:
             if self._shutdown_done:
                 return

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, TypeVar
 
-from . import _shm
+from . import _session, _shm
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
@@ -678,28 +678,19 @@ def order_clients(specs: Sequence[PipelineStage], clients: Sequence[C]) -> list[
     return ordered
 
 
-def check_timeout(timeout: float | None) -> None:
+def check_timeout(timeout: float) -> None:
     """:class:`TypeError` / :class:`ValueError` for a shutdown's *timeout* that is not a
-    number of seconds >= 0 (or ``None``), before anything stops: given to each stage's
-    client, whose errors the shutdown suppresses (so that every stage is stopped), it would
-    have left stages running, unseen."""
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
-    if not timeout >= 0:
-        raise ValueError(f"timeout must be >= 0, got {timeout}")
+    finite number of seconds >= 0, before anything stops, with a client's message: given
+    to each stage's client, whose errors the shutdown suppresses (so that every stage is
+    stopped), it would have left stages running, unseen (``None`` and ``inf`` did)."""
+    _session.check_shutdown_timeout(timeout)
 
 
 def check_drain(drain: float | None) -> None:
-    """:class:`TypeError` / :class:`ValueError` for a drain that is not ``None`` or a
-    number >= 0."""
-    if drain is None:
-        return
-    if isinstance(drain, bool) or not isinstance(drain, (int, float)):
-        raise TypeError(f"drain must be a number of seconds >= 0 or None, got {drain!r}")
-    if not drain >= 0:
-        raise ValueError(f"drain must be >= 0, got {drain}")
+    """:class:`TypeError` / :class:`ValueError` for a drain that is not ``None`` or a finite
+    number of seconds >= 0, with a client's message (an infinite one, refused by each
+    stage's client, left every stage running)."""
+    _session.shutdown_frame(drain)
 
 
 class PipelineBase(Generic[S, C]):

@@ -242,6 +242,8 @@ def connect_specs(addresses: Sequence[str], options: dict[str, Any]) -> list[dic
         raise TypeError("connect() takes a sequence of addresses")
     if not addresses:
         raise ValueError("connect() needs at least one address")
+    for address in addresses:  # as StageClient.connect() checks them
+        _clientbase.check_connect(address, options["timeout"])
     check_heartbeat(options["heartbeat_interval"], options["heartbeat_timeout"])
     return [{"address": a, **options} for a in addresses]
 
@@ -273,7 +275,7 @@ def replica_spec(
     """The spec of one replica (``add_replica()``): launched from *factory* or connected
     to *address*, one of the two."""
     if (factory is None) == (address is None):
-        raise TypeError("add_replica() takes a factory or an address=, not both")
+        raise TypeError("add_replica() takes a factory or an address=, one of the two")
     if "ray" not in options:  # else checked by its plan, before anything is placed
         known = _LAUNCH_OPTIONS if factory is not None else _CONNECT_OPTIONS
         unknown = sorted(set(options) - known)
@@ -290,6 +292,8 @@ def replica_spec(
     if factory is not None:
         check_ping_interval(options)
         return {"factory": factory, "kwargs": kwargs, **options}
+    if "ray" not in options:  # as StageClient.connect() checks them
+        _clientbase.check_connect(address, options.get("timeout", 10.0))
     return {"address": address, **options}
 
 
