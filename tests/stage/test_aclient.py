@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from enginecore.stage import AsyncStageClient, StageClosedError, StageStartupError, _clientbase
+from enginecore.stage import AsyncStageClient, StageClosedError, _clientbase
 
 from .conftest import SCRIPTED, EventLoopThread, child_pids, pid_gone, wait_until
 
@@ -59,14 +59,6 @@ def run_with_stage(body: Body, *, ordered_events: bool = False) -> None:
 
 
 class TestLaunch:
-    def test_failing_factory(self) -> None:
-        async def main() -> None:
-            with pytest.raises(StageStartupError, match="RuntimeError") as info:
-                await AsyncStageClient.launch("enginecore.stage.testing:failing_factory")
-            assert info.value.child_traceback is not None
-
-        asyncio.run(main())
-
     def test_cancelled_launch_leaves_no_stage_behind(self) -> None:
         # The fixture checks that no child process or socket file is left.
         async def main() -> None:
