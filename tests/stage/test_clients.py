@@ -314,6 +314,14 @@ class TestEventStream:
             stage_client.get_event(-1)
         with pytest.raises(ValueError, match="non-negative"):
             stage_client.get_events(-1)
+        # With an event ready too (it was returned, the timeout unchecked), and it stays.
+        assert stage_client.call_utility("echo", 1, timeout=5) == [1]
+        for bad in (-1, float("nan")):
+            with pytest.raises(ValueError, match="non-negative"):
+                stage_client.get_event(bad)
+        with pytest.raises(TypeError, match="number of seconds"):
+            stage_client.get_event("1")  # type: ignore[arg-type]
+        assert isinstance(stage_client.get_event(5), UtilityResult)
 
     def test_get_events_waits_for_the_first(self, stage_client: StageClient) -> None:
         future = stage_client.call_utility_future("sleep", 0.3)

@@ -1758,6 +1758,12 @@ def test_an_infinite_timeout_waits_without_limit(launch: Open) -> None:
     pool = launch(kwargs={"step_s": 0.2}, ordered_events=True)
     pool.add("q", 1, stream=False)
     assert pool.get_events(math.inf)
+    # A bad timeout is refused with an event ready too (it was returned, unchecked).
+    pool.add("q2", 1, stream=False)
+    time.sleep(0.5)  # its events arrive (the refusal must not depend on it)
+    with pytest.raises(ValueError, match="non-negative"):
+        pool.get_event(-1)
+    assert pool.get_event(5)
     assert all(isinstance(s, StageStatistics) for s in pool.stats(math.inf).values())
 
 

@@ -558,6 +558,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         shut the stage down, else the client's failure. Several tasks may read; each event
         goes to one of them.
         """
+        if timeout is not None:  # checked as a wait checks it, an event ready or not
+            _clientbase.deadline_after(timeout)
         buf = self._session.events
         if buf:
             item = buf.popleft()

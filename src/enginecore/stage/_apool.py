@@ -466,6 +466,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
     async def get_event(self, timeout: float | None = None) -> PoolEvent:
         """:meth:`StagePool.get_event <enginecore.stage.StagePool.get_event>`, awaited;
         :class:`StopAsyncIteration` once the pool is closed and every event was read."""
+        if timeout is not None:  # checked as a wait checks it, an event ready or not
+            _clientbase.deadline_after(timeout)
         buf = self._events
         if buf:
             item = buf.popleft()

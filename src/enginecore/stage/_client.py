@@ -732,6 +732,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         duplicated: one consumer sees each event, and each consumer sees its events in the
         stage's order.
         """
+        if timeout is not None:  # checked as a wait checks it, an event ready or not
+            _clientbase.deadline_after(timeout)
         buf = self._session.events
         if buf:
             try:

@@ -631,6 +631,8 @@ class StagePool(PoolBase[PoolRequestStream]):
         Blocks up to *timeout* seconds (:class:`TimeoutError`; :class:`ValueError` if
         negative). Once the pool is closed and every event has been read, raises
         :class:`StopIteration`. Thread-safe; each event goes to one consumer."""
+        if timeout is not None:  # checked as a wait checks it, an event ready or not
+            _clientbase.deadline_after(timeout)
         buf = self._events
         if buf:
             try:
