@@ -283,7 +283,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             )
         )
 
-    async def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics | Exception]:
+    async def stats(self, timeout: float | None = 10.0) -> dict[str, StageStatistics | Exception]:
         """:meth:`Pipeline.stats <enginecore.stage.Pipeline.stats>`, awaited: every stage
         is asked at once, and a stage that failed to answer (dead, or not within
         *timeout* seconds) has its exception as its entry. :class:`ValueError` for a

@@ -301,7 +301,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             return clients[0].call_utility(name, *args, timeout=timeout)
         return [client.call_utility(name, *args, timeout=timeout) for client in clients]
 
-    def stats(self, timeout: float | None = 5.0) -> dict[str, StageStatistics | Exception]:
+    def stats(self, timeout: float | None = 10.0) -> dict[str, StageStatistics | Exception]:
         """Each stage's statistics, by name (:meth:`StageClient.stats`), as ``{name:
         statistics or exception}``, as :meth:`StagePool.stats
         <enginecore.stage.StagePool.stats>` answers: a dead stage's entry is its
