@@ -2051,3 +2051,12 @@ def test_a_wait_on_an_async_pool_stream_on_another_loop_raises_at_once(no_leftov
             runner.run(pool.close())
         finally:
             runner.stop()
+
+
+def test_an_empty_add_many_after_close_is_refused_as_a_clients(launch: Open) -> None:
+    # It returned [] where a client's add_many([]) raises StageClosedError.
+    pool = launch()
+    assert pool.add_many([]) == []  # open: nothing to add, nothing sent
+    pool.shutdown()
+    with pytest.raises(StageClosedError):
+        pool.add_many([])

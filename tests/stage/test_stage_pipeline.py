@@ -2419,3 +2419,12 @@ def test_a_shutdown_timeout_or_drain_no_stage_accepts_is_refused_before_anything
     assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
     pipe.shutdown()
     assert all(health == "dead" for health in pipe.health().values())
+
+
+def test_an_empty_add_many_after_shutdown_is_refused_as_a_clients(launch: Any) -> None:
+    # It returned [] where a client's add_many([]) raises StageClosedError.
+    pipe = launch([COUNTDOWN, RELAY])
+    assert pipe.add_many([]) == []  # open: nothing to add, nothing sent
+    pipe.shutdown()
+    with pytest.raises(StageClosedError):
+        pipe.add_many([])

@@ -228,6 +228,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
         if not items:
+            self._check_open()  # refused as a client's once shut down, or failed
+            self._core.check(())
             return []
         core = self._core
         ids, parts, nbytes = self._frame(items, many)

@@ -256,6 +256,9 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
         if not items:
+            with self._thread_lock:  # refused as a client's once shut down, or failed
+                self._check_open()
+                self._core.check(())
             return []
         core = self._core
         ids, parts, nbytes = self._frame(items, many)

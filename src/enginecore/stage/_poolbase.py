@@ -550,6 +550,8 @@ class PoolBase(Generic[S]):
         items = list(items)
         ids, whole = ClientSession.adds_frame(items)  # checks everything once
         if not ids:
+            with self._lock:
+                self._check_open()  # refused once closed, as a client's
             return []
         core = self._core
         with self._lock:
