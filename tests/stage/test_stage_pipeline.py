@@ -2428,3 +2428,12 @@ def test_an_empty_add_many_after_shutdown_is_refused_as_a_clients(launch: Any) -
     pipe.shutdown()
     with pytest.raises(StageClosedError):
         pipe.add_many([])
+
+
+def test_an_abort_after_shutdown_is_refused_as_a_clients(launch: Any) -> None:
+    # It was ignored, where a closed client's (and pool's) abort raises StageClosedError.
+    pipe = launch([COUNTDOWN, RELAY])
+    pipe.abort(["nobody"])  # open: an unknown id is ignored
+    pipe.shutdown()
+    with pytest.raises(StageClosedError, match="shut down"):
+        pipe.abort(["nobody"])

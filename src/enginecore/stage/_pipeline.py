@@ -281,7 +281,9 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     def abort(self, req_ids: Sequence[str]) -> None:
         """Abort requests in every stage that holds them; unknown ids are ignored. Each
         one's stream stops (:attr:`PipelineStream.aborted`) once every stage has applied the
-        abort, unless the request was done first. Never blocks."""
+        abort, unless the request was done first. Never blocks. Once :meth:`shutdown` has
+        stopped every stage, :class:`~enginecore.stage.StageClosedError` (during a drain,
+        aborts are taken)."""
         self._abort(req_ids)
 
     # -- stages ------------------------------------------------------------------------------

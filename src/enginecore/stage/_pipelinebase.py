@@ -763,6 +763,7 @@ class PipelineBase(Generic[S, C]):
         # A shutdown(drain=...) under way: its stages are drained one after the other, and
         # the one draining is alive though its client, closing, reads "dead" (health()).
         self._draining = False
+        self._ended = False  # every stage stopped (_close_core): later aborts are refused
         # A restart's link barrier under way: per restarted process (stage, replica), the
         # processes of the stage before it sent a ``link`` to it (_install, _started).
         self._linking: dict[tuple[int, int], list[int]] = {}
@@ -968,6 +969,8 @@ class PipelineBase(Generic[S, C]):
 
     def _abort(self, req_ids: Sequence[str]) -> None:
         ids = abort_ids(req_ids)
+        if self._ended:  # as a closed client's: nothing could take it
+            raise StageClosedError("the pipeline was shut down")
         d: PipelineDeliveries[S] = PipelineDeliveries()
         with self._lock:
             self._core.abort(ids, d)
@@ -998,6 +1001,7 @@ class PipelineBase(Generic[S, C]):
         :class:`~enginecore.stage.StageClosedError`, and no shared-memory segment of the
         pipeline is left (a stage unlinks its own at exit; this covers a killed one)."""
         self._draining = False  # every stage has stopped
+        self._ended = True
         sweeps, self._sweeps = self._sweeps, []
         for timer in sweeps:  # no thread left behind: the unlink below covers theirs
             timer.cancel()
