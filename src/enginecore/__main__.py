@@ -567,7 +567,18 @@ def _keygen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m enginecore``; returns the exit code."""
+    """Entry point of ``python -m enginecore`` (and of the ``enginecore`` script); returns
+    the exit code. A Ctrl-C that lands outside a command's own handling (while ``serve``
+    imports its modules, before its signal handlers are in) ends it with one line and the
+    shell's code for SIGINT, 130, instead of a traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("python -m enginecore: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     command_parser: argparse.ArgumentParser = args.command_parser

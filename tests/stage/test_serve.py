@@ -937,6 +937,20 @@ class TestServeCommandLine:
             check=False,
         )
 
+    def test_a_ctrl_c_outside_a_commands_handling_is_one_line_and_130(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        # A Ctrl-C while serve imported its modules (before its handlers are in) printed a
+        # KeyboardInterrupt traceback.
+        import enginecore.__main__ as cli
+
+        def interrupted(argv: Any = None) -> int:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(cli, "_main", interrupted)
+        assert cli.main(["serve"]) == 130
+        assert capsys.readouterr().err == "python -m enginecore: interrupted\n"
+
     def test_non_loopback_bind_is_refused(self) -> None:
         # Without CURVE: refused, and the error names both ways out (tests/stage/test_curve.py
         # has the rest: --insecure starts it, CURVE starts it).
