@@ -243,6 +243,9 @@ class TestClientDrain:
                 client.add("late", 1)
             with pytest.raises(StageClosedError):
                 client.call_utility("echo", 1, timeout=5)
+            # Read-only, answered by the stage's input side: stats() is (a pool's replica
+            # being drained read "up 0" in its metrics).
+            assert client.stats(timeout=5).live == 2
             client.abort(["gone"])
             gone.collect(timeout=10)  # ended by the abort (it would run for hours)
             assert gone.aborted

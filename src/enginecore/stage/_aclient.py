@@ -627,10 +627,10 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         other tasks of this client, which raise ``StageClosedError`` at once, as their
         utility calls do), answers utilities, and lets its live requests run to completion,
         delivered to their streams as usual; then it stops. Meanwhile other tasks may still
-        :meth:`abort` this client's requests (those whose callers went away): until the
-        shutdown is over or gives up on the drain and signals the process. Requests still
-        live after *drain* seconds are aborted and their streams raise
-        :class:`~enginecore.stage.RequestError`. The wait is then at most *drain* +
+        :meth:`abort` this client's requests (those whose callers went away), and await
+        :meth:`stats`: until the shutdown is over or gives up on the drain and signals the
+        process. Requests still live after *drain* seconds are aborted and their streams
+        raise :class:`~enginecore.stage.RequestError`. The wait is then at most *drain* +
         *timeout*. :class:`ValueError` for a negative drain, before anything.
 
         Waits; idempotent (a second call waits for the first, and returns or raises as it

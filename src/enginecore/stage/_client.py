@@ -823,8 +823,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         utility calls do), answers the utilities sent before, and lets its live requests
         run to completion, delivered to their streams as usual; then it stops. Meanwhile
         other threads may still :meth:`abort` this client's requests (those whose callers
-        went away): until this call returns or gives up on the drain and signals the
-        process.
+        went away), and read :meth:`stats`: until this call returns or gives up on the
+        drain and signals the process.
         Requests still live after *drain* seconds are aborted and their streams raise
         :class:`~enginecore.stage.RequestError`. The wait is then at most *drain* +
         *timeout*. :class:`ValueError` for a negative drain or *timeout* (or one that is

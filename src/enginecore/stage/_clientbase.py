@@ -273,7 +273,7 @@ class ClientBase(Generic[S, W]):
         else:
             parts = session.utility_frame(call_id, name, args)
         with self._lock:
-            session.open_call(call_id, waiter, name)
+            session.open_call(call_id, waiter, name, stats=stats)
         try:
             self._send(parts)
         except BaseException:

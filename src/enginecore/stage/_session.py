@@ -1062,9 +1062,16 @@ class ClientSession(Generic[S, W]):
         """The next call id (thread-safe: ``itertools.count`` steps atomically)."""
         return next(self._call_ids)
 
-    def open_call(self, call_id: int, waiter: W, name: str) -> None:
-        """Register a call; its answer goes to *waiter*. Raises like :meth:`check_open`."""
-        self.check_open()
+    def open_call(self, call_id: int, waiter: W, name: str, *, stats: bool = False) -> None:
+        """Register a call; its answer goes to *waiter*. Raises like :meth:`check_open`; a
+        ``stats`` request (*stats*) like :meth:`check_abortable`: read-only, answered by
+        the stage's input side, it is taken while this client's shutdown drains the stage
+        (a pool's replica being drained stays in its metrics). If the stage stops before
+        it answers, it fails as every call left at the close does."""
+        if stats:
+            self.check_abortable()
+        else:
+            self.check_open()
         self._calls[call_id] = (waiter, name)
 
     def forget_call(self, call_id: int) -> None:
