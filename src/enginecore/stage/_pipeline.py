@@ -505,10 +505,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                         client.shutdown(timeout, drain=left)
                 if deadline is not None:
                     self._stage_stopped(k)  # later aborts go to the stages still draining
-            self._close_core()
-            # Only now: a call interrupted before here (Ctrl-C while a stage drains) left
-            # stages running, and the next call stops them (each step is idempotent).
-            self._shutdown_done = True
+            self._close_core()  # sets _shutdown_done, last
 
     close = shutdown
 

@@ -759,11 +759,12 @@ class PipelineBase(Generic[S, C]):
             client._session.label = f"pipeline stage {key!r}"  # its warnings say which
         self._pooled = self._core.pooled
         self._closed = False
-        self._shutdown_done = False  # Pipeline.shutdown() went through to its end
+        # shutdown() went through to its end (_close_core): later aborts are refused, and
+        # the blocking pipeline's next shutdown() returns at once.
+        self._shutdown_done = False
         # A shutdown(drain=...) under way: its stages are drained one after the other, and
         # the one draining is alive though its client, closing, reads "dead" (health()).
         self._draining = False
-        self._ended = False  # every stage stopped (_close_core): later aborts are refused
         # A restart's link barrier under way: per restarted process (stage, replica), the
         # processes of the stage before it sent a ``link`` to it (_install, _started).
         self._linking: dict[tuple[int, int], list[int]] = {}
@@ -969,7 +970,7 @@ class PipelineBase(Generic[S, C]):
 
     def _abort(self, req_ids: Sequence[str]) -> None:
         ids = abort_ids(req_ids)
-        if self._ended:  # as a closed client's: nothing could take it
+        if self._shutdown_done:  # as a closed client's: nothing could take it
             raise StageClosedError("the pipeline was shut down")
         d: PipelineDeliveries[S] = PipelineDeliveries()
         with self._lock:
@@ -1001,7 +1002,6 @@ class PipelineBase(Generic[S, C]):
         :class:`~enginecore.stage.StageClosedError`, and no shared-memory segment of the
         pipeline is left (a stage unlinks its own at exit; this covers a killed one)."""
         self._draining = False  # every stage has stopped
-        self._ended = True
         sweeps, self._sweeps = self._sweeps, []
         for timer in sweeps:  # no thread left behind: the unlink below covers theirs
             timer.cancel()
@@ -1012,6 +1012,9 @@ class PipelineBase(Generic[S, C]):
         with self._lock:
             self._core.close(StageClosedError("the pipeline was shut down"), time.monotonic(), d)
         self._deliver(d)
+        # Only now: a shutdown interrupted before here (Ctrl-C while a stage drains) left
+        # stages running, and the next call stops them (each step is idempotent).
+        self._shutdown_done = True
 
     def _send_aborts(self, d: PipelineDeliveries[S]) -> None:
         """To a dead stage's neighbours, that it is gone (first: the stage after it drops
