@@ -356,9 +356,26 @@ class TestTakeEnded:
         s.receive(frame(outputs(("a", False, 1), ("a", True, 0))), 1.0)
         got = a._take_ended()
         assert got == [1, 0]
-        assert a._buf == []
+        assert not a._buf
         assert a._buf is not got  # the list handed out is not the stream's
         assert a.finished
+
+    def test_an_ended_stream_keeps_no_container_of_its_own(self) -> None:
+        # A burst ends thousands of streams: each ended one shares its empty buffer and its
+        # kept end (one object fewer each for the cyclic GC), and the shared buffer is a
+        # tuple, so an append after the end fails instead of reaching every stream.
+        s = session()
+        a, b = open_streams(s, "a", "b")
+        s.receive(frame(outputs(("a", True, 0), ("b", True, 0))), 1.0)
+        assert a._take_ended() == [0]
+        assert b._take_ended() == [0]
+        assert a._buf is b._buf
+        assert a._ready is b._ready
+        with pytest.raises(AttributeError):
+            a._buf.append(1)
+        assert a._take(wait=False) is False
+        assert a.finished
+        assert b.finished
 
     def test_a_stream_without_its_end_is_left_alone(self) -> None:
         s = session()

@@ -227,6 +227,13 @@ class End:
 FINISHED: Final = End(None)
 ABORTED: Final = End(None, aborted=True)
 
+# What a consumer that reached the end keeps as ``_ready`` and ``_buf``: shared, not made
+# per stream (a burst ends thousands of streams, and each container made per stream is one
+# more object for the cyclic GC to track). A tuple, so that an append, which nothing may
+# do after an End, fails loudly instead of reaching every stream.
+_FINISHED_ALONE: Final = (FINISHED,)
+_TAKEN: Final = cast("list[Any]", ())
+
 
 NO_LOCK: Final = contextlib.nullcontext()
 """The lock of a stream (and client) that lives on one thread: the asyncio client's."""
@@ -367,7 +374,7 @@ class StreamCore:
     def _keep(self, end: End) -> None:
         """The consumer reached *end*: remember it, and keep it for every later read."""
         self._end = end
-        self._ready = (end,)
+        self._ready = _FINISHED_ALONE if end is FINISHED else (end,)
         self._pos = 0
 
     def _stop(self, end: End) -> NoReturn:
@@ -391,11 +398,11 @@ class StreamCore:
         buf = self._buf
         if not buf or buf[-1].__class__ is not End or self._pos < len(self._ready):
             return None
-        self._buf = []
+        self._buf = _TAKEN  # the receiver appends nothing after an End
         end: End = buf.pop()
         # _keep(end), inline: this runs once per request of a burst.
         self._end = end
-        self._ready = (end,)
+        self._ready = _FINISHED_ALONE if end is FINISHED else (end,)
         self._pos = 0
         if end.exc is not None:
             end.raise_exc()
