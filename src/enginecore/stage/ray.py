@@ -662,12 +662,7 @@ class RayPlan:
             if left <= 0:
                 raise self._timed_out()
             if concurrent.futures.wait([answer], timeout=min(left, _PLACE_POLL)).done:
-                try:
-                    return answer.result()
-                except ray.exceptions.RayError as exc:
-                    if not _ray_up(ray):  # the actor went with a ray.shutdown()
-                        self._check_ray(ray)
-                    raise self._failed(ray, exc) from None
+                return self._answer(ray, answer)
             if cancel is not None and cancel.poll():
                 raise StageClosedError(
                     f"the start of stage {self.factory!r} on Ray was cancelled; its "
@@ -686,15 +681,22 @@ class RayPlan:
                     raise self._timed_out()
                 done, _ = await asyncio.wait({answer}, timeout=min(left, _PLACE_POLL))
                 if done:
-                    try:
-                        return answer.result()
-                    except ray.exceptions.RayError as exc:
-                        if not _ray_up(ray):  # the actor went with a ray.shutdown()
-                            self._check_ray(ray)
-                        raise self._failed(ray, exc) from None
+                    return self._answer(ray, answer)
         finally:
             if not answer.done():
                 answer.cancel()
+
+    def _answer(
+        self, ray: Any, answer: concurrent.futures.Future[Any] | asyncio.Future[Any]
+    ) -> Any:
+        """The result of *answer*, a done future of :meth:`_submit`'s call; its Ray failure
+        as :class:`StageStartupError` (:meth:`_check_ray`'s error if Ray was shut down)."""
+        try:
+            return answer.result()
+        except ray.exceptions.RayError as exc:
+            if not _ray_up(ray):  # the actor went with a ray.shutdown()
+                self._check_ray(ray)
+            raise self._failed(ray, exc) from None
 
     def _timed_out(self) -> StageStartupError:
         return StageStartupError(
