@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import inspect
 import itertools
@@ -828,6 +829,30 @@ class TestServeMetrics:
             assert _created(om, at, openmetrics=True) == first
         finally:
             assert server.stop() == 0
+
+    def test_a_processs_start_is_estimated_once_and_moves_only_for_a_new_process(
+        self,
+    ) -> None:
+        from enginecore.stage.prometheus import _Starts
+
+        with StageClient.launch(COUNTDOWN, startup_timeout=30) as client:
+            real = client.stats(timeout=10)
+        starts = _Starts(slack=2.0)
+        key = ("", "s", "")
+
+        def at(pid: int, uptime: float) -> Any:
+            return dataclasses.replace(real, pid=pid, uptime_seconds=uptime)
+
+        start = starts.created(key, at(7, 100.0), 1000.0)
+        assert start == 900.0
+        assert starts.created(key, at(7, 110.0), 1010.3) == start  # no jitter
+        assert starts.created(key, at(7, 109.0), 1010.0) == start  # an older answer, late
+        assert starts.created(key, at(7, 120.0), 5000.0) == start  # the wall clock stepped
+        assert starts.created(key, at(8, 3.0), 1030.0) == 1027.0  # another process
+        assert starts.created(key, at(8, 50.0), 1077.0) == 1027.0
+        assert starts.created(key, at(8, 4.0), 1080.0) == 1076.0  # the same pid, started again
+        starts.keep(set())
+        assert starts.created(key, at(8, 10.0), 1086.0) == 1076.0  # forgotten: estimated anew
 
     def test_created_series_follow_prometheus_clients_switch(self) -> None:
         registry = CollectorRegistry()

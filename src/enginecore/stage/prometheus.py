@@ -152,27 +152,31 @@ class _Starts:
     reset from a decrease.
 
     A stage reports its uptime, not its start: the first scrape of a process estimates the
-    start as the scrape's wall clock minus that uptime (early or late by at most the time
-    the answer took), and later scrapes keep the estimate while the series' pid is the same
-    and its uptime has not gone back; a new pid, or an uptime that went back, is a new
-    process. Thread-safe."""
+    start as the scrape's wall clock minus that uptime (late by at most the time the answer
+    took), and later scrapes keep that estimate, so that it never jitters, nor follows a
+    step of the wall clock. A new process is one with another pid, or whose uptime is more
+    than *slack* seconds below the highest seen (the same pid again, in a container); two
+    scrapes at once may see one process's answers out of order by up to *slack*. Thread-safe.
+    """
 
-    __slots__ = ("_known", "_lock")
+    __slots__ = ("_known", "_lock", "_slack")
 
-    def __init__(self) -> None:
-        self._known: dict[_Key, tuple[int, float, float]] = {}  # pid, start, uptime
+    def __init__(self, slack: float) -> None:
+        self._known: dict[_Key, tuple[int, float, float]] = {}  # pid, start, highest uptime
         self._lock = threading.Lock()
+        self._slack = slack
 
     def created(self, key: _Key, s: StageStatistics, now: float) -> float:
         """The start of the process whose statistics *s* are, reported as *key*; *now*: the
         wall clock (``time.time()``) when they were taken."""
+        up = s.uptime_seconds
         with self._lock:
             known = self._known.get(key)
-            if known is not None and known[0] == s.pid and s.uptime_seconds >= known[2]:
-                start = known[1]
+            if known is not None and known[0] == s.pid and up > known[2] - self._slack:
+                start, up = known[1], max(up, known[2])
             else:
-                start = now - s.uptime_seconds
-            self._known[key] = (s.pid, start, s.uptime_seconds)
+                start = now - up
+            self._known[key] = (s.pid, start, up)
             return start
 
     def keep(self, keys: set[_Key]) -> None:
@@ -521,7 +525,8 @@ class StageCollector(Collector):
         self.timeout = timeout
         self._ttft_bounds = bounds
         self._reported: dict[str, _Reported] = {}
-        self._starts = _Starts()
+        # Answers of two scrapes at once come at most a wait (timeout + 0.5 s) apart.
+        self._starts = _Starts(slack=timeout + 1.0)
         self._lock = threading.Lock()
         if registry is not None:
             registry.register(self)
@@ -795,7 +800,7 @@ class _RuntimeCollector(Collector):
     def __init__(self, statistics: Callable[[], StageStatistics | None], stage: str) -> None:
         self._statistics = statistics
         self._stage = stage
-        self._starts = _Starts()  # one process: its start, estimated once, at every scrape
+        self._starts = _Starts(slack=1.0)  # one process: its start, estimated once
 
     def describe(self) -> list[Metric]:
         return _Families().all()
