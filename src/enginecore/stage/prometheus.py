@@ -138,10 +138,11 @@ def _created_series() -> bool:
 
 
 def _histogram_created(family: HistogramMetricFamily, labels: Sequence[str], at: float) -> None:
-    """Append a histogram's ``_created`` sample (``HistogramMetricFamily.add_metric`` takes
-    none), after the series' other samples, as OpenMetrics groups them."""
+    """Append the ``_created`` sample of a histogram labelled :data:`_LABELS`
+    (``HistogramMetricFamily.add_metric`` takes none), after the series' other samples, as
+    OpenMetrics groups them."""
     family.samples.append(
-        Sample(f"{family.name}_created", dict(zip(family._labelnames, labels, strict=True)), at)
+        Sample(f"{family.name}_created", dict(zip(_LABELS, labels, strict=True)), at)
     )
 
 
