@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import inspect
 import itertools
@@ -19,10 +20,14 @@ import time
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import metrics as client_metrics
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics import exposition as om_exposition
+from prometheus_client.openmetrics import parser as om_parser
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginecore import LoopStatistics
@@ -47,6 +52,13 @@ FAST = RestartPolicy(first_delay=0.05, max_delay=0.05)
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 pytestmark = pytest.mark.timeout(60)
+
+# prometheus-client's OpenMetrics exposition and parser, and its switch for _created series,
+# are untyped: typed here.
+openmetrics_latest: Callable[[CollectorRegistry], bytes] = om_exposition.generate_latest
+openmetrics_families: Callable[[str], Iterator[Metric]] = om_parser.text_string_to_metric_families
+disable_created_metrics: Callable[[], None] = client_metrics.disable_created_metrics
+enable_created_metrics: Callable[[], None] = client_metrics.enable_created_metrics
 
 
 def parse(text: str) -> tuple[Samples, dict[str, str]]:
@@ -616,6 +628,65 @@ class TestPoolsAndPipelines:
         finally:
             side(pipe, "shutdown")
 
+    def test_a_restarted_replicas_counters_carry_a_later_created(self, side: Side) -> None:
+        """A replica's process that restarts counts from 0 again: its counters' and step
+        histogram's ``_created`` is its process's start, the same at every scrape of one
+        process and later for the next one, so that a scraper tells the reset from a
+        decrease (OpenMetrics; Prometheus reads it as the series' created timestamp)."""
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry, timeout=5)
+        cls = StagePool if side.runner is None else AsyncStagePool
+        pool = side(cls, "launch", COUNTDOWN, replicas=1, restart=FAST, startup_timeout=30)
+        try:
+            metrics.add(pool, stage="llm")
+            (replica,) = pool.replicas
+            assert side(side(pool, "add", "q0", 3), "collect", 10) == [2, 1, 0]
+            at = labels(stage="llm", replica="r0")
+
+            errors_since: list[float] = []
+
+            def created() -> dict[str, float]:
+                got = _created(generate_latest(registry).decode(), at)
+                # The collector's own count of this replica's skipped scrapes: since it
+                # was first reported, across its restarts.
+                errors_since.append(got.pop("enginecore_scrape_errors"))
+                assert set(got) == set(_RESETTING), got  # every one, and only those
+                return got
+
+            before = time.time()
+            first = created()
+            assert len(set(first.values())) == 1  # one process, one start
+            start = first["enginecore_steps"]
+            assert start <= before
+            assert created() == first  # the same at the next scrape
+            # In the OpenMetrics exposition, which a Prometheus server asks for.
+            om = _created(openmetrics_latest(registry).decode(), at, openmetrics=True)
+            assert om.pop("enginecore_scrape_errors") == errors_since[0]
+            assert om == first
+            assert metrics.observe(0.5, "llm") == 0.5
+            ttft = _created(generate_latest(registry).decode(), labels(stage="llm"))
+            assert set(ttft) == {"enginecore_time_to_first_output_seconds"}
+
+            old = replica.pid
+            assert old is not None
+            os.kill(old, signal.SIGKILL)
+
+            def restarted() -> bool:
+                return replica.state is ReplicaState.SERVING and replica.pid not in (None, old)
+
+            assert wait_until(restarted, 30)
+            samples, _ = parse(generate_latest(registry).decode())
+            assert value(samples, "enginecore_stage_up", stage="llm", replica="r0") == 1
+            second = created()
+            assert len(set(second.values())) == 1
+            assert second["enginecore_steps"] > start
+            assert created() == second
+            # The collector's own series did not restart.
+            assert len(set(errors_since)) == 1, errors_since
+            assert _created(generate_latest(registry).decode(), labels(stage="llm")) == ttft
+        finally:
+            side(pool, "shutdown")
+
     def test_a_pool_or_pipeline_is_added_with_the_right_name(self, side: Side) -> None:
         metrics = StageCollector()
         cls = Pipeline if side.runner is None else AsyncPipeline
@@ -653,6 +724,42 @@ def test_the_stage_package_does_not_import_prometheus_client() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+_RESETTING: Final = (
+    "enginecore_steps", "enginecore_outputs", "enginecore_utility_errors",
+    "enginecore_busy_seconds", "enginecore_idle_seconds", "enginecore_engine_stats_errors",
+    "enginecore_load_reports", "enginecore_cut_clients", "enginecore_step_seconds",
+)  # fmt: skip
+"""The families that count from the stage process's start (``enginecore_messages`` too, one
+series per ``kind``: :func:`_created` checks those apart)."""
+
+
+def _created(
+    text: str, at: frozenset[tuple[str, str]], *, openmetrics: bool = False
+) -> dict[str, float]:
+    """Each family's ``_created`` for the series labelled *at* (``enginecore_messages``: the
+    same for each kind, or an ``AssertionError``), from the classic text format's
+    ``*_created`` gauges or, with *openmetrics*, the OpenMetrics samples."""
+    found: dict[str, set[float]] = {}
+    families = openmetrics_families(text) if openmetrics else text_string_to_metric_families(text)
+    for family in families:
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                continue
+            kv = dict(sample.labels)
+            kv.pop("kind", None)
+            if frozenset(kv.items()) == at:
+                found.setdefault(sample.name.removesuffix("_created"), set()).add(sample.value)
+    messages = found.pop("enginecore_messages", None)
+    if messages is not None:  # its 4 kinds, one start
+        assert len(messages) == 1, messages
+        assert found.get("enginecore_steps") == messages, found
+    out = {}
+    for name, values in found.items():
+        assert len(values) == 1, (name, values)
+        out[name] = values.pop()
+    return out
 
 
 def _metrics_url(server: Server) -> str:
@@ -695,6 +802,71 @@ class TestServeMetrics:
             assert ("process_cpu_seconds", "counter") in {(k, v) for k, v in types.items()}
         finally:
             assert server.stop() == 0
+
+    def test_counters_carry_the_stages_start_as_created(self) -> None:
+        server = Server(
+            "--engine", COUNTDOWN, "--bind", "tcp://127.0.0.1:*", "--name", "s0",
+            "--metrics-port", "0",
+        )  # fmt: skip
+        try:
+            url = _metrics_url(server)
+            at = labels(stage="s0")
+            first = _created(scrape(url), at)
+            assert set(first) == set(_RESETTING)
+            assert len(set(first.values())) == 1
+            assert first["enginecore_steps"] <= time.time()
+            samples, _ = parse(scrape(url))
+            start = time.time() - value(samples, "enginecore_uptime_seconds", stage="s0")
+            assert abs(first["enginecore_steps"] - start) < 5
+            with StageClient.connect(server.address) as client:
+                client.add("r", 3).collect(timeout=10)
+            assert _created(scrape(url), at) == first  # the same at every scrape
+            request = urllib.request.Request(
+                url, headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:
+                om = response.read().decode()
+            assert _created(om, at, openmetrics=True) == first
+        finally:
+            assert server.stop() == 0
+
+    def test_a_processs_start_is_estimated_once_and_moves_only_for_a_new_process(
+        self,
+    ) -> None:
+        from enginecore.stage.prometheus import _Starts
+
+        with StageClient.launch(COUNTDOWN, startup_timeout=30) as client:
+            real = client.stats(timeout=10)
+        starts = _Starts(slack=2.0)
+        key = ("", "s", "")
+
+        def at(pid: int, uptime: float) -> Any:
+            return dataclasses.replace(real, pid=pid, uptime_seconds=uptime)
+
+        start = starts.created(key, at(7, 100.0), 1000.0)
+        assert start == 900.0
+        assert starts.created(key, at(7, 110.0), 1010.3) == start  # no jitter
+        assert starts.created(key, at(7, 109.0), 1010.0) == start  # an older answer, late
+        assert starts.created(key, at(7, 120.0), 5000.0) == start  # the wall clock stepped
+        assert starts.created(key, at(8, 3.0), 1030.0) == 1027.0  # another process
+        assert starts.created(key, at(8, 50.0), 1077.0) == 1027.0
+        assert starts.created(key, at(8, 4.0), 1080.0) == 1076.0  # the same pid, started again
+        starts.keep(set())
+        assert starts.created(key, at(8, 10.0), 1086.0) == 1076.0  # forgotten: estimated anew
+
+    def test_created_series_follow_prometheus_clients_switch(self) -> None:
+        registry = CollectorRegistry()
+        metrics = StageCollector(registry)
+        with StageClient.launch(COUNTDOWN, startup_timeout=30) as client:
+            metrics.add(client, stage="s")
+            assert "_created" in generate_latest(registry).decode()
+            disable_created_metrics()
+            try:
+                text = generate_latest(registry).decode()
+            finally:
+                enable_created_metrics()
+        assert "enginecore_steps_total" in text
+        assert "_created" not in text
 
     def test_the_endpoint_answers_while_the_engine_is_built(self) -> None:
         proc = subprocess.Popen(

@@ -15,8 +15,10 @@ member's live requests, ``session.in_flight``: its streams and its requests with
 and each replica's load report (which rides on its output frames,
 ``docs/observability.md``) says how many requests live in the stage from every client.
 The pool counts a replica's load as its own live requests plus the others' (the report's
-``live`` minus the pool's own, taken when the pool first sees that report); a report older
-than :data:`REPORT_TTL` counts no others (a stage sends none while idle).
+``live`` minus the pool's own, taken when the pool first sees that report) until the next
+report: a stage sends one as it goes idle, so a report that ages describes an idle stage, or
+one in a long step (or with a long ``load_interval``) whose other clients' requests are still
+there, not an empty one.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ if TYPE_CHECKING:
     from ._statistics import StageLoad
 
 __all__ = [
-    "REPORT_TTL",
     "Death",
     "LeastLoaded",
     "PoolCore",
@@ -71,9 +72,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("enginecore.stage")
-
-REPORT_TTL: Final = 1.0
-"""Seconds after which a replica's load report no longer counts other clients' requests."""
 
 _EMPTY: Final[Mapping[str, float]] = MappingProxyType({})
 
@@ -321,17 +319,18 @@ class Replica:
 
 def replica_load(r: Replica, now: float) -> int:
     """*r*'s load: the pool's own live requests on it, plus the other clients' in its
-    latest load report (its ``live`` minus the pool's own live when it arrived), unless
-    that report is older than :data:`REPORT_TTL`. On the routing path: a few reads. *r*
-    must have started (routing only sees serving replicas)."""
+    latest load report (its ``live`` minus the pool's own live when it arrived), however
+    old: the stage reports as it goes idle, so an old report is not an empty replica (a
+    shared one in a step longer than a second kept its others' requests). *now* is unused.
+    On the routing path: a few reads. *r* must have started (routing only sees serving
+    replicas)."""
     session: ClientSession[Any, Any] = r._session  # type: ignore[assignment]
     own = len(session._streams) + len(session._quiet)  # type: ignore[arg-type]  # a member's
     latest = session._load
     if latest is None:
         return own
-    report, received, own_then = latest
-    others = report.live - own_then
-    if others <= 0 or now - received > REPORT_TTL:
+    others = latest[0].live - latest[2]
+    if others <= 0:
         return own
     return own + others
 

@@ -25,13 +25,15 @@ import concurrent.futures
 import logging
 import math
 import threading
+import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, TypeAlias
 
 try:
+    import prometheus_client.metrics as _client_metrics
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import (
         CounterMetricFamily,
@@ -41,6 +43,7 @@ try:
         Metric,
     )
     from prometheus_client.registry import Collector
+    from prometheus_client.samples import Sample
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         f"enginecore.stage.prometheus needs prometheus-client ({_exc}); "
@@ -125,6 +128,63 @@ def _buckets(counts: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, 
         out.append((repr(float(bound)), seen))
     out.append(("+Inf", sum(counts)))
     return out
+
+
+def _created_series() -> bool:
+    """Whether ``_created`` samples are written: prometheus-client's switch for its own
+    metrics (``disable_created_metrics()``, ``PROMETHEUS_DISABLE_CREATED_SERIES=True``)
+    turns ours off too."""
+    return bool(getattr(_client_metrics, "_use_created", True))
+
+
+def _histogram_created(family: HistogramMetricFamily, labels: Sequence[str], at: float) -> None:
+    """Append the ``_created`` sample of a histogram labelled :data:`_LABELS`
+    (``HistogramMetricFamily.add_metric`` takes none), after the series' other samples, as
+    OpenMetrics groups them."""
+    family.samples.append(
+        Sample(f"{family.name}_created", dict(zip(_LABELS, labels, strict=True)), at)
+    )
+
+
+class _Starts:
+    """When each stage process started (Unix seconds): its counters' and step histogram's
+    ``_created``, which must stay the same at every scrape of one process and move on when
+    a new process (a restart) starts its counts from 0 again, so that a scraper tells a
+    reset from a decrease.
+
+    A stage reports its uptime, not its start: the first scrape of a process estimates the
+    start as the scrape's wall clock minus that uptime (late by at most the time the answer
+    took), and later scrapes keep that estimate, so that it never jitters, nor follows a
+    step of the wall clock. A new process is one with another pid, or whose uptime is more
+    than *slack* seconds below the highest seen (the same pid again, in a container); two
+    scrapes at once may see one process's answers out of order by up to *slack*. Thread-safe.
+    """
+
+    __slots__ = ("_known", "_lock", "_slack")
+
+    def __init__(self, slack: float) -> None:
+        self._known: dict[_Key, tuple[int, float, float]] = {}  # pid, start, highest uptime
+        self._lock = threading.Lock()
+        self._slack = slack
+
+    def created(self, key: _Key, s: StageStatistics, now: float) -> float:
+        """The start of the process whose statistics *s* are, reported as *key*; *now*: the
+        wall clock (``time.time()``) when they were taken."""
+        up = s.uptime_seconds
+        with self._lock:
+            known = self._known.get(key)
+            if known is not None and known[0] == s.pid and up > known[2] - self._slack:
+                start, up = known[1], max(up, known[2])
+            else:
+                start = now - up
+            self._known[key] = (s.pid, start, up)
+            return start
+
+    def keep(self, keys: set[_Key]) -> None:
+        """Forget every series but *keys* (a removed replica's)."""
+        with self._lock:
+            for key in self._known.keys() - keys:
+                del self._known[key]
 
 
 class _Families:
@@ -224,23 +284,25 @@ class _Families:
             "enginecore_step_seconds", "Step time.", labels=_LABELS
         )
 
-    def add(self, key: _Key, s: StageStatistics) -> None:
+    def add(self, key: _Key, s: StageStatistics, created: float | None = None) -> None:
+        """One stage process's samples; its counters' and step histogram's ``_created``
+        is *created* (when the process started, Unix seconds), none if ``None``."""
         lp, lb = s.loop, list(key)
-        self.steps.add_metric(lb, lp.steps)
-        self.outputs.add_metric(lb, s.outputs)
+        self.steps.add_metric(lb, lp.steps, created)
+        self.outputs.add_metric(lb, s.outputs, created)
         for kind, n in (
             ("add", lp.adds),
             ("abort", lp.aborts),
             ("utility", lp.utility_calls),
             ("control", lp.controls),
         ):
-            self.messages.add_metric([*key, kind], n)
-        self.utility_errors.add_metric(lb, lp.utility_errors)
-        self.busy.add_metric(lb, lp.busy_seconds)
-        self.idle.add_metric(lb, lp.idle_seconds)
-        self.engine_errors.add_metric(lb, lp.engine_errors)
-        self.load_reports.add_metric(lb, s.load_reports)
-        self.cut_clients.add_metric(lb, s.cut_clients)
+            self.messages.add_metric([*key, kind], n, created)
+        self.utility_errors.add_metric(lb, lp.utility_errors, created)
+        self.busy.add_metric(lb, lp.busy_seconds, created)
+        self.idle.add_metric(lb, lp.idle_seconds, created)
+        self.engine_errors.add_metric(lb, lp.engine_errors, created)
+        self.load_reports.add_metric(lb, s.load_reports, created)
+        self.cut_clients.add_metric(lb, s.cut_clients, created)
         self.live.add_metric(lb, s.live)
         self.queue_depth.add_metric(lb, lp.queue_depth)
         self.backlog.add_metric(lb, s.backlog)
@@ -258,17 +320,24 @@ class _Families:
         self.info.add_metric(lb, {"engine": s.factory, "pid": str(s.pid)})
         # steps == sum(step_histogram) in one snapshot: _count and the +Inf bucket agree.
         self.step_seconds.add_metric(lb, _buckets(lp.step_histogram, STEP_BUCKETS), lp.step_seconds)
+        if created is not None:
+            _histogram_created(self.step_seconds, lb, created)
 
     def all(self) -> list[Metric]:
         return _trim([m for m in vars(self).values() if isinstance(m, Metric)])
 
 
-def stage_families(stats: Iterable[tuple[str, StageStatistics]]) -> list[Metric]:
+def stage_families(
+    stats: Iterable[tuple[str, StageStatistics]], *, created: Mapping[str, float] | None = None
+) -> list[Metric]:
     """The metric families of the stages in *stats*, ``(stage label, statistics)`` pairs:
-    what both :class:`StageCollector` and the stage's own endpoint report."""
+    what both :class:`StageCollector` and the stage's own endpoint report. *created* maps a
+    stage label to the Unix time its process started: its counters' and step histogram's
+    ``_created`` (none for a stage it does not name; keep the value the same at every
+    scrape of one process)."""
     families = _Families()
     for stage, s in stats:
-        families.add(("", stage, ""), s)
+        families.add(("", stage, ""), s, None if created is None else created.get(stage))
     return families.all()
 
 
@@ -321,6 +390,8 @@ class _Reported:
     target: _Target
     ttft: _Ttft
     errors: dict[_Key, int] = field(default_factory=dict)  # scrapes that skipped a series
+    since: dict[_Key, float] = field(default_factory=dict)  # when a series' errors count began
+    added_at: float = field(default_factory=time.time)  # the time to first output's start
     down: set[_Key] = field(default_factory=set)  # skipped by the last scrape (logged once)
 
     def ttft_key(self, name: str) -> _Key:
@@ -455,6 +526,8 @@ class StageCollector(Collector):
         self.timeout = timeout
         self._ttft_bounds = bounds
         self._reported: dict[str, _Reported] = {}
+        # Answers of two scrapes at once come at most a wait (timeout + 0.5 s) apart.
+        self._starts = _Starts(slack=timeout + 1.0)
         self._lock = threading.Lock()
         if registry is not None:
             registry.register(self)
@@ -571,6 +644,9 @@ class StageCollector(Collector):
         families = _Families()
         errors, ttft, replicas = self._own_families()
         skipped: list[tuple[_Key, str]] = []
+        wall = time.time()
+        created = _created_series()
+        everyone: set[_Key] = set()
         with self._lock:  # two scrapes at once (a threaded HTTP server) count apart
             for name, rep, ms in members:
                 keys = set()
@@ -578,7 +654,8 @@ class StageCollector(Collector):
                     key = m.key
                     stats = results.get(key) if m.client is not None else None
                     if isinstance(stats, StageStatistics):
-                        families.add(key, stats)
+                        start = self._starts.created(key, stats, wall) if created else None
+                        families.add(key, stats, start)
                         rep.down.discard(key)
                     else:
                         # A pool's or a pipeline's process that died, was replaced or was
@@ -597,20 +674,25 @@ class StageCollector(Collector):
                                 rep.down.add(key)
                                 skipped.append((key, _reason(stats)))
                     keys.add(key)
-                    errors.add_metric(list(key), rep.errors.get(key, 0))
+                    since = rep.since.setdefault(key, wall)
+                    errors.add_metric(list(key), rep.errors.get(key, 0), since if created else None)
                 # a removed replica's counts go with it
                 rep.errors = {k: n for k, n in rep.errors.items() if k in keys}
+                rep.since = {k: t for k, t in rep.since.items() if k in keys}
                 rep.down &= keys
+                everyone |= keys
                 with rep.ttft.lock:
                     counts, total = list(rep.ttft.counts), rep.ttft.sum
-                ttft.add_metric(
-                    list(rep.ttft_key(name)), _buckets(counts, self._ttft_bounds), total
-                )
+                ttft_key = list(rep.ttft_key(name))
+                ttft.add_metric(ttft_key, _buckets(counts, self._ttft_bounds), total)
+                if created:
+                    _histogram_created(ttft, ttft_key, rep.added_at)
                 if isinstance(rep.target, _POOLS):
                     states = Counter(r.state for r in rep.target.replicas)
                     for state in ReplicaState:
                         if state is not ReplicaState.REMOVED:
                             replicas.add_metric([name, state.value], states[state])
+            self._starts.keep(everyone)
         for key, why in skipped:
             logger.warning(
                 "enginecore: %s did not answer the metrics scrape (%s); skipped, and "
@@ -719,6 +801,7 @@ class _RuntimeCollector(Collector):
     def __init__(self, statistics: Callable[[], StageStatistics | None], stage: str) -> None:
         self._statistics = statistics
         self._stage = stage
+        self._starts = _Starts(slack=1.0)  # one process: its start, estimated once
 
     def describe(self) -> list[Metric]:
         return _Families().all()
@@ -726,7 +809,11 @@ class _RuntimeCollector(Collector):
     def collect(self) -> list[Metric]:
         stats = self._statistics()
         if stats is not None:
-            return stage_families([(self._stage, stats)])
+            created = None
+            if _created_series():
+                start = self._starts.created(("", self._stage, ""), stats, time.time())
+                created = {self._stage: start}
+            return stage_families([(self._stage, stats)], created=created)
         families = _Families()
         families.up.add_metric(["", self._stage, ""], 0.0)
         return families.all()
