@@ -29,6 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 from enginecore.stage import (
     PROTOCOL_VERSION,
     EngineDeadError,
+    Outputs,
     ReplicaDeadError,
     RequestError,
     SessionLostError,
@@ -628,6 +629,25 @@ def test_two_clients_share_a_stage(connect: Connect, shared: Server) -> None:
     assert "abort kept" not in log
     second.abort(["kept"])
     kept.collect(timeout=5)
+
+
+def test_another_clients_steps_reach_a_client_as_load_reports_not_as_events(
+    connect: Connect, shared: Server
+) -> None:
+    """A shared stage sends each client its load reports, on their own while the steps are
+    another client's. They update that client's load(), and are no event of its: its
+    ordered event stream gets no empty Outputs (one Outputs is one step of its own)."""
+    watcher = connect(shared.address, ordered_events=True)
+    worker = connect(shared.address)
+    assert worker.add("w", 20).collect(timeout=10) == list(range(19, -1, -1))
+    assert wait_until(lambda: watcher.load() is not None, 10)
+    # A request of its own: every event before its end has been read once it is.
+    assert watcher.add("mine", 2).collect(timeout=10) == [1, 0]
+    events: list[Any] = []
+    while not any(type(ev) is Outputs and True in ev.finished for ev in events):
+        events += watcher.get_events(timeout=10)
+    assert [ev for ev in events if type(ev) is Outputs and not ev.req_ids] == []
+    assert [ev.req_ids for ev in events if type(ev) is Outputs] == [["mine"], ["mine"]]
 
 
 def test_a_client_whose_session_the_stage_ended_gets_session_lost(

@@ -1201,7 +1201,7 @@ class ClientSession(Generic[S, W]):
         events = self._events
         if events is not None:
             if loaded:  # the report is the client's (load()), not part of the event
-                batch = [_without_load(ev) for ev in batch]
+                batch = [ev for ev in map(_without_load, batch) if ev is not None]
             events.extend([ev for ev in batch if ev.__class__ not in _LIVENESS] if pongs else batch)
             if self._events_waiting and events:
                 self._events_waiting = False
@@ -1628,7 +1628,11 @@ _NO_QUIET: Final[Mapping[str, int]] = MappingProxyType({})
 
 
 def _without_load(ev: Any) -> Any:
-    """*ev*, without the load report if it is an ``outputs`` event that carries one."""
+    """*ev*, without the load report if it is an ``outputs`` event that carries one;
+    ``None`` for an ``outputs`` event that is only a report (a shared stage's, while the
+    steps are another client's): no event of this client's, whose ``Outputs`` are steps."""
     if ev.__class__ is Outputs and ev.load is not None:
+        if not ev.req_ids:
+            return None
         return Outputs(ev.req_ids, ev.finished, ev.payloads)
     return ev
