@@ -806,8 +806,31 @@ def test_bad_heartbeats_are_refused_before_connecting(
         ("tcp://127.0.0.1:1", float("nan"), ValueError, "timeout must be"),
         ("tcp://127.0.0.1:1", float("inf"), ValueError, "timeout must be"),
         ("tcp://127.0.0.1:1", "1", TypeError, "timeout must be"),
+        # A malformed address was libzmq's bare ZMQError "Invalid argument"; a port past
+        # 65535 was taken modulo 65536 (99999: port 34463), then only timed out.
+        ("nonsense", 1.0, ValueError, "must start with tcp:// or ipc://, got 'nonsense'"),
+        ("tcp://127.0.0.1", 1.0, ValueError, "must look like tcp://HOST:PORT"),
+        ("tcp://127.0.0.1:99999", 1.0, ValueError, "a port is 1 to 65535"),
+        ("tcp://127.0.0.1:0", 1.0, ValueError, "a port is 1 to 65535"),
+        ("tcp://::1:5570", 1.0, ValueError, r"brackets: tcp://\[::1\]:5570"),
+        ("tcp://*:5570", 1.0, ValueError, "connect to a host"),
+        ("ipc://", 1.0, ValueError, "empty ipc path"),
     ],
-    ids=["int-address", "bytes-address", "negative", "nan", "inf", "str-timeout"],
+    ids=[
+        "int-address",
+        "bytes-address",
+        "negative",
+        "nan",
+        "inf",
+        "str-timeout",
+        "no-scheme",
+        "no-port",
+        "port-past-65535",
+        "port-0",
+        "bare-ipv6",
+        "wildcard",
+        "empty-ipc",
+    ],
 )
 def test_a_bad_address_or_timeout_is_refused_before_connecting(
     connect: Connect, address: Any, timeout: Any, error: type[Exception], message: str

@@ -221,6 +221,19 @@ class TestStageObserver:
         with pytest.raises(TypeError, match="address must be a str"):
             StageObserver(5)  # type: ignore[arg-type]
 
+    @pytest.mark.parametrize(
+        ("address", "message"),
+        [
+            # Before: libzmq's bare ZMQError "Invalid argument".
+            ("nonsense", "must start with tcp:// or ipc://"),
+            # Before: accepted (port 99999 is 34463 to libzmq), then only timed out.
+            ("tcp://127.0.0.1:99999", "a port is 1 to 65535"),
+        ],
+    )
+    def test_a_malformed_address_is_a_value_error(self, address: str, message: str) -> None:
+        with pytest.raises(ValueError, match=message):
+            StageObserver(address)
+
     def test_a_closed_observer_says_so(self) -> None:
         obs = StageObserver("tcp://127.0.0.1:1")
         obs.close()

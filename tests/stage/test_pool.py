@@ -2012,11 +2012,15 @@ def test_a_bad_connect_timeout_or_address_is_refused_as_the_clients_connect_refu
         connect([address], timeout="1")
     with pytest.raises(TypeError, match="address must be a str such as"):
         connect([address, cast(Any, 5)])
+    with pytest.raises(ValueError, match="a port is 1 to 65535, got 'tcp://127\\.0\\.0\\.1:99999'"):
+        connect([address, "tcp://127.0.0.1:99999"])
     pool = launch(COUNTDOWN, replicas=1)
     with pytest.raises(ValueError, match="timeout must be a number of seconds > 0, got -1"):
         pool.add_replica(address=address, timeout=-1.0)
     with pytest.raises(TypeError, match="address must be a str such as"):
         pool.add_replica(address=cast(Any, 5))
+    with pytest.raises(ValueError, match="must start with tcp:// or ipc://"):
+        pool.add_replica(address="nonsense")
     # Neither a factory nor an address: said so, not "not both".
     with pytest.raises(TypeError, match="takes a factory or an address=, one of the two"):
         pool.add_replica()

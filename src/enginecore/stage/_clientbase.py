@@ -18,6 +18,7 @@ from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 import zmq
 
 from . import _session
+from ._address import check_address
 from ._curve import HANDSHAKE_EVENTS, CurveKeys, HandshakeWatch, secure_client
 from ._errors import StageClosedError, StageStartupError, positive_seconds
 from ._launch import Launched
@@ -396,12 +397,15 @@ def check_heartbeat(interval: float, timeout: float) -> tuple[float, float]:
 
 
 def check_connect(address: object, timeout: object) -> None:
-    """``connect()``'s *address* (a ``str``: :class:`TypeError`) and handshake *timeout*
-    (:func:`~._errors.positive_seconds`), checked before any socket is made."""
+    """``connect()``'s *address* (a ``str``: :class:`TypeError`; ``ipc://PATH`` or
+    ``tcp://HOST:PORT``: :class:`ValueError`, :func:`~._address.check_address`) and
+    handshake *timeout* (:func:`~._errors.positive_seconds`), checked before any socket is
+    made."""
     if not isinstance(address, str):
         raise TypeError(
             f"address must be a str such as 'tcp://127.0.0.1:5570', got {type(address).__name__}"
         )
+    check_address(address, bind=False)
     positive_seconds(timeout, "timeout")
 
 

@@ -28,6 +28,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ._address import check_address
 from ._curve import HANDSHAKE_EVENTS, CurveKeys, HandshakeWatch, secure_client
 from ._errors import AuthenticationError, ProtocolError, StageClosedError, UtilityError
 from ._statistics import StageStatistics
@@ -60,9 +61,11 @@ class StageObserver:
     ) -> None:
         """*curve* (:class:`~enginecore.stage.CurveKeys`: a key pair the stage lists and
         the stage's public key) observes a stage served with CURVE. :class:`TypeError` for
-        an *address* that is not a ``str``."""
+        an *address* that is not a ``str``, :class:`ValueError` for one that is neither
+        ``ipc://PATH`` nor ``tcp://HOST:PORT`` (a port from 1 to 65535)."""
         if not isinstance(address, str):
             raise TypeError(f"address must be a str, got {type(address).__name__}")
+        check_address(address, bind=False)
         if curve is not None and not isinstance(curve, CurveKeys):
             raise TypeError(f"curve must be CurveKeys, got {type(curve).__name__}")
         self.address = address
