@@ -169,6 +169,48 @@ class TestPoolAndReader:
         reader.close()
         pool.close()
 
+    def test_the_keeper_sleeps_while_the_consumer_holds_nothing(self, prefix: str) -> None:
+        """A tiny lease (allowed: any number of seconds > 0) once had the keeper thread
+        wake every quarter of it for as long as the stage lived, idle or not: a busy CPU.
+        It renews only while an array is held; with none, it sleeps until one is taken."""
+        pool, reader = _pool(prefix, lease=0.004), ShmReader(prefix)  # a round a ms
+        head = pool.put(_array(1.0))
+        assert head is not None
+        held = reader.array(head)
+        assert wait_until(lambda: reader.rounds >= 3, 10)  # renewing what it holds
+        del held
+        assert wait_until(lambda: reader.held == 0, 5)
+        time.sleep(0.05)  # the keeper's round in progress, if any, ends
+        rounds = reader.rounds
+        time.sleep(0.3)  # idle: ~300 rounds before, none now (a count, not a time)
+        assert reader.rounds <= rounds + 1, reader.rounds - rounds
+        again = pool.put(_array(2.0))  # the slot was released: reused
+        assert again is not None
+        assert again[2] == head[2]
+        held = reader.array(again)
+        assert wait_until(lambda: reader.rounds >= rounds + 3, 10)  # awake again
+        assert np.all(held == 2.0)
+        del held
+        reader.close()
+        pool.close()
+
+    def test_a_consumer_that_only_refuses_lets_go_of_retired_slots(self, prefix: str) -> None:
+        """A refused payload is never released, so the producer retires its slot and makes
+        another: the consumer, whose keeper never ran (it took nothing), does not keep
+        every retired slot it ever mapped (their memory, unlinked, but mapped)."""
+        pool, reader = _pool(prefix, lease=0.001), ShmReader(prefix)
+        for i in range(10):
+            head = pool.put(_array(float(i)))
+            assert head is not None
+            pool.commit()
+            time.sleep(0.005)  # the lease runs out before the consumer reads the payload
+            with pytest.raises(ShmError, match=EXPIRED):
+                reader.array(head)
+        assert pool.retired == 9
+        assert reader.mapped <= 2, reader.mapped
+        assert len(_mapped_here(prefix)) <= 2
+        pool.close()
+
     def test_the_pool_stays_within_its_bytes_and_falls_back_counted(self, prefix: str) -> None:
         pool, reader = _pool(prefix, max_bytes=2 * MIB), ShmReader(prefix)
         heads = [pool.put(_array(float(i))) for i in range(3)]

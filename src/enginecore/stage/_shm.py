@@ -396,6 +396,11 @@ class ShmReader:
         self._period = DEFAULT_LEASE / 4
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
+        # Set when an array is handed out: the keeper sleeps on it while it holds nothing,
+        # so an idle stage's keeper never wakes, whatever the lease (a tiny one would have
+        # it wake thousands of times a second for nothing).
+        self._busy = threading.Event()
+        self.rounds = 0  # the keeper's renewal rounds (tests: none while nothing is held)
         self.taken = 0
         self.expired = 0  # refused: lease expired, slot retired, gone or rewritten
         self.gone = False  # the previous stage died (gone()): no more mappings
@@ -462,6 +467,7 @@ class ShmReader:
         weakref.finalize(arr, self._release, key, header, gen)
         self.taken += 1
         self._start_keeper(lease_ns)
+        self._busy.set()
         try:
             return arr.view(dtype).reshape(shape)
         except ValueError as exc:  # a zero itemsize, more than 64 dimensions, ...
@@ -529,8 +535,18 @@ class ShmReader:
             mapped = _Mapped(mm)
             if mapped.header[_H_MAGIC] != _MAGIC:
                 raise ShmError(f"shared-memory segment {name!r} is not a slot")
+            # A new slot: the producer may have retired others meanwhile (a refused payload
+            # is never released, so its slot is retired): let go of their mappings now,
+            # not only in the keeper's rounds, which run only while an array is held.
+            self._forget_retired()
             self._maps[name] = mapped
             return mapped
+
+    def _forget_retired(self) -> None:
+        """Drop the mappings of retired slots (under ``_maps_lock``): never written again,
+        their memory goes when the last array on it does."""
+        for name in [n for n, m in self._maps.items() if m.header[_H_RETIRED]]:
+            del self._maps[name]
 
     def _release(self, key: int, header: Any, gen: int) -> None:
         """The last reference to an array is gone: release its generation (any thread)."""
@@ -547,8 +563,15 @@ class ShmReader:
             self._keeper.start()
 
     def _keep(self) -> None:
-        """Renew every lease held, a quarter lease apart; forget retired slots."""
+        """Renew every lease held, a quarter lease apart, while any is held; forget
+        retired slots. With nothing held, sleep until an array is handed out."""
         while not self._stop.wait(self._period):
+            if not self._held:
+                self._busy.clear()
+                if not self._held:  # (an array handed out after the clear sets it again)
+                    self._busy.wait()
+                    continue  # renew a full period after it was taken, as below
+            self.rounds += 1
             try:
                 self.renew()
             except Exception:  # a bug: say so, and keep renewing the others
@@ -562,8 +585,7 @@ class ShmReader:
             if header[_H_GEN] == gen and header[_H_LEASE_UNTIL] >= now:
                 header[_H_LEASE_UNTIL] = now + lease_ns
         with self._maps_lock:
-            for name in [n for n, m in self._maps.items() if m.header[_H_RETIRED]]:
-                del self._maps[name]
+            self._forget_retired()
 
     def upstream_gone(self, producer: int | str | None = None) -> None:
         """The previous stage died: let go of the mappings of its slots, and map none
@@ -596,6 +618,7 @@ class ShmReader:
     def close(self) -> None:
         """Stop renewing (at exit)."""
         self._stop.set()
+        self._busy.set()
 
 
 _reader: ShmReader | None = None
