@@ -136,11 +136,17 @@ sys.stdin.read()
 
 
 def _dead(pid: int) -> bool:
+    """Whether every thread of *pid* has exited (so its files are closed, its locks gone):
+    a zombie leader's other threads may still be exiting, its files open."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        tasks = os.listdir(f"/proc/{pid}/task")
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return False
     except OSError:
-        return True
+        return True  # gone (or going)
+    return True
 
 
 def test_the_segments_of_a_pipeline_killed_with_its_stages_go_at_the_next_launch(
