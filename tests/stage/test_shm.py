@@ -38,12 +38,16 @@ MIB = 1 << 20
 @pytest.fixture
 def prefix() -> Iterator[str]:
     """A fresh segment prefix; after the test, none of its segments is left."""
-    p = _shm.stage_prefix(_shm.pipeline_prefix(), 0)
+    pipeline = _shm.pipeline_prefix()
+    p = _shm.stage_prefix(pipeline, 0)
     try:
         yield p
     finally:
         left = _shm.unlink_prefix(p)
         assert left == [], f"segments left behind: {left}"
+        locks = [n for n in os.listdir(_shm.SHM_DIR) if n.startswith(f".{pipeline}")]
+        _shm.unlink_prefix(pipeline)
+        assert locks == [], f"lock files left behind: {locks}"
 
 
 def _pool(prefix: str, *, max_bytes: int = 8 * MIB, lease: float = 10.0) -> ShmPool:
@@ -169,6 +173,53 @@ class TestPoolAndReader:
         reader.close()
         pool.close()
 
+    def test_the_keeper_sleeps_while_the_consumer_holds_nothing(self, prefix: str) -> None:
+        """A short lease (allowed: any number of seconds > 0) once had the keeper thread
+        wake every quarter of it for as long as the stage lived, idle or not: with a tiny
+        one, a busy CPU. It renews only while an array is held; with none, it sleeps until
+        one is taken."""
+        pool, reader = _pool(prefix, lease=0.04), ShmReader(prefix)  # a round per 10 ms
+        try:
+            head = pool.put(_array(1.0))
+            assert head is not None
+            held = reader.array(head)
+            assert wait_until(lambda: reader.rounds >= 3, 10)  # renewing what it holds
+            del held
+            assert wait_until(lambda: reader.held == 0, 5)
+            time.sleep(0.05)  # the keeper's round in progress, if any, ends
+            rounds = reader.rounds
+            time.sleep(0.5)  # idle: ~50 rounds before, none now (a count, not a time)
+            assert reader.rounds <= rounds + 1, reader.rounds - rounds
+            again = pool.put(_array(2.0))  # the slot was released: reused
+            assert again is not None
+            assert again[2] == head[2]
+            held = reader.array(again)
+            assert wait_until(lambda: reader.rounds >= rounds + 3, 10)  # awake again
+            assert np.all(held == 2.0)
+            del held
+        finally:
+            reader.close()
+            pool.close()
+
+    def test_a_consumer_that_only_refuses_lets_go_of_retired_slots(self, prefix: str) -> None:
+        """A refused payload is never released, so the producer retires its slot and makes
+        another: the consumer, whose keeper never ran (it took nothing), does not keep
+        every retired slot it ever mapped (their memory, unlinked, but mapped)."""
+        pool, reader = _pool(prefix, lease=0.001), ShmReader(prefix)
+        try:
+            for i in range(10):
+                head = pool.put(_array(float(i)))
+                assert head is not None
+                pool.commit()
+                time.sleep(0.005)  # the lease runs out before the consumer reads the payload
+                with pytest.raises(ShmError, match=EXPIRED):
+                    reader.array(head)
+            assert pool.retired == 9
+            assert reader.mapped <= 2, reader.mapped
+            assert len(_mapped_here(prefix)) <= 2
+        finally:
+            pool.close()
+
     def test_the_pool_stays_within_its_bytes_and_falls_back_counted(self, prefix: str) -> None:
         pool, reader = _pool(prefix, max_bytes=2 * MIB), ShmReader(prefix)
         heads = [pool.put(_array(float(i))) for i in range(3)]
@@ -242,6 +293,52 @@ class TestPoolAndReader:
         assert pool.put(_array(1.0)) is None
         assert pool.stats()["shm_slots"] == 0
 
+    def test_a_pool_holds_its_pipeline_lock_while_it_has_slots(self, prefix: str) -> None:
+        """A sweep (the next launch's) never unlinks the slots of a live producer; the last
+        producer of a pipeline to close takes the lock file with it."""
+        pipeline = prefix[: -len("0-")]
+        lock = f".{pipeline}lock"
+        pool = _pool(prefix)
+        assert lock not in os.listdir(_shm.SHM_DIR)  # no slot yet: no lock
+        assert pool.put(_array(1.0)) is not None
+        pool.commit()
+        assert lock in os.listdir(_shm.SHM_DIR)
+        assert _shm.sweep_stale(pipeline) == []
+        assert _shm.pipeline_prefix() != pipeline  # a launch sweeps: not this one
+        assert len(_shm.segments(prefix)) == 1
+        pool.close()
+        assert _shm.segments(prefix) == []
+        assert lock not in os.listdir(_shm.SHM_DIR)
+
+    def test_the_last_producer_to_close_unlinks_what_dead_ones_left(self, prefix: str) -> None:
+        """Stage 0 dies (its lock goes with its process; here, its descriptor closed) and
+        leaves its slots; stage 1, the pipeline's last producer, unlinks them as it closes."""
+        pipeline = prefix[: -len("0-")]
+        dead, last = _pool(prefix), _pool(_shm.stage_prefix(pipeline, 1))
+        assert dead.put(_array(1.0)) is not None
+        assert last.put(_array(2.0)) is not None
+        dead._unlock()  # killed: the kernel drops its lock (its descriptor closed), and
+        # nobody unlinks its slots
+        assert len(_shm.segments(pipeline)) == 2
+        assert _shm.sweep_stale(pipeline) == []  # stage 1 lives: nothing is swept
+        last.close()
+        assert _shm.segments(pipeline) == []
+
+    def test_a_pool_that_cannot_hold_the_lock_makes_no_slot(
+        self, prefix: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Its slots could be swept under it: its arrays go on ZeroMQ, counted."""
+
+        def fail(pipeline: str) -> int:
+            raise OSError("no")
+
+        monkeypatch.setattr(_shm, "_hold", fail)
+        pool = _pool(prefix)
+        assert pool.put(_array(1.0)) is None
+        assert pool.fallbacks == 1
+        assert _shm.segments(prefix) == []
+        pool.close()
+
     @pytest.mark.parametrize(
         ("head", "why"),
         [
@@ -277,6 +374,7 @@ class TestPoolAndReader:
         assert len(_shm.unlink_prefix(prefix)) == 1
         assert _shm.segments(prefix) == []
         assert len(_shm.segments(other)) == 1
+        a.close()
         b.close()
 
 

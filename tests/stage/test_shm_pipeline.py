@@ -1,5 +1,6 @@
 """Shared memory between pipeline stages, end to end (``docs/pipelines.md``, "Big arrays
-through shared memory"): what the statistics count across a restart of the next stage.
+through shared memory"): what the statistics count across a restart of the next stage, and
+that the segments of a pipeline killed with its stages do not outlive the next launch.
 
 The conftest's autouse fixture checks that no process, socket or segment is left."""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,3 +121,62 @@ def test_an_int_parameter_too_big_to_reach_the_stage_is_refused_at_once(what: st
 def test_a_lease_out_of_range_says_its_range() -> None:
     with pytest.raises(ValueError, match=r"shm_lease must be seconds > 0 \(below 1e6\)"):
         PipelineStage(COUNTDOWN, shm_lease=1e6)
+
+
+_KILLED_WITH_ITS_STAGES = """
+import sys
+import numpy as np
+from enginecore.stage import Pipeline, PipelineStage
+T = "enginecore.stage.testing"
+pipe = Pipeline.launch([PipelineStage(f"{T}:echo"), PipelineStage(f"{T}:relay")])
+pipe.add("r", np.ones(2**20, np.uint8)).collect(timeout=30)  # through a slot, kept
+print(*(pipe.client(s).pid for s in pipe.stages), flush=True)
+sys.stdin.read()
+"""
+
+
+def _dead(pid: int) -> bool:
+    """Whether every thread of *pid* has exited (so its files are closed, its locks gone):
+    a zombie leader's other threads may still be exiting, its files open."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return False
+    except OSError:
+        return True  # gone (or going)
+    return True
+
+
+def test_the_segments_of_a_pipeline_killed_with_its_stages_go_at_the_next_launch(
+    no_leftovers: str,
+) -> None:
+    """A SIGKILL of the whole process group (parent and stages, as the OOM killer may take
+    them) leaves nobody to unlink the producing stage's slots; the next pipeline launched
+    on the host finds their lock free (no producer of theirs lives) and unlinks them."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    with subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WITH_ITS_STAGES],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the stages too
+        env=env,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            stages = [int(pid) for pid in child.stdout.readline().split()]
+            assert len(stages) == 2, stages
+            prefix = f"enginecore-{child.pid}-"
+            assert len(_shm.segments(prefix)) == 1  # the slot the array went through
+            live = _shm.pipeline_prefix()  # another launch, while it lives: nothing is swept
+            assert live.startswith(f"enginecore-{os.getpid()}-")
+            assert len(_shm.segments(prefix)) == 1
+        finally:
+            os.killpg(child.pid, signal.SIGKILL)
+    assert wait_until(lambda: all(_dead(pid) for pid in stages), 30)
+    assert len(_shm.segments(prefix)) == 1  # nobody survived to unlink it
+    _shm.pipeline_prefix()  # the next launch
+    assert _shm.segments(prefix) == []
+    assert [n for n in os.listdir(_shm.SHM_DIR) if f"-{child.pid}-" in n] == []  # its lock

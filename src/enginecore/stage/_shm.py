@@ -33,7 +33,10 @@ describe it; in short:
   took). So no array the consumer holds ever changes under it.
 - **No segment outlives its stage.** A stage unlinks its slots when it exits; the parent's
   pipeline unlinks every segment of a stage it saw die (its prefix) and of the whole
-  pipeline at shutdown.
+  pipeline at shutdown. A producing stage killed together with its parent leaves its slots
+  to the next launch on the host: each producer holds a shared lock on its pipeline's lock
+  file while it has slots, and a pipeline whose lock is free has no producer alive
+  (:func:`sweep_stale`).
 
 Linux only (``/dev/shm``); elsewhere the pipeline keeps every payload on ZeroMQ.
 """
@@ -41,9 +44,11 @@ Linux only (``/dev/shm``); elsewhere the pipeline keeps every payload on ZeroMQ.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import sys
 import threading
@@ -68,6 +73,7 @@ __all__ = [
     "read_array",
     "segments",
     "stage_prefix",
+    "sweep_stale",
     "unlink_prefix",
     "upstream_gone",
 ]
@@ -113,8 +119,107 @@ def available() -> bool:
 
 
 def pipeline_prefix() -> str:
-    """A prefix for the segments of a new pipeline: unique on the host."""
+    """A prefix for the segments of a new pipeline: unique on the host. First, the
+    segments of pipelines none of whose producing stages lives any more are unlinked
+    (:func:`sweep_stale`): those of a pipeline killed with its stages."""
+    sweep_stale()
     return f"enginecore-{os.getpid()}-{secrets.token_hex(4)}-"
+
+
+# -- who may sweep: a lock file per pipeline -------------------------------------------------
+#
+# A stage unlinks its slots when it exits, and the parent those of a stage it saw die; but a
+# producing stage killed together with its parent (SIGKILL of the process group, the OOM
+# killer) leaves nobody to. So every process that creates slots holds a shared flock(2) on
+# its pipeline's lock file, ``/dev/shm/.<pipeline prefix>lock``, from before it creates the
+# first until it has unlinked its own (ShmPool.close). The kernel drops the lock of a
+# process that dies, however it dies. A lock file that anyone can lock exclusively thus
+# belongs to a pipeline none of whose producers lives: every segment of that pipeline is
+# garbage, and whoever finds it so (the next launch on the host, or the last producer of the
+# pipeline as it closes) unlinks them and the lock file. Never a live pipeline's: a lock is
+# the kernel's, across processes and pid namespaces that share /dev/shm, unlike a pid. A
+# pool that cannot hold the lock creates no slot (its arrays go on ZeroMQ); segments with no
+# lock file at all (an older build's) are never touched.
+
+_PIPELINE: Final = re.compile(r"enginecore-[0-9]+-[0-9a-f]+-")
+_LOCK_SUFFIX: Final = "lock"
+
+
+def _lock_name(pipeline: str) -> str:
+    return f".{pipeline}{_LOCK_SUFFIX}"
+
+
+def _pipeline_of(prefix: str) -> str | None:
+    """The pipeline prefix that *prefix* (a stage's or a link's) starts with, or ``None``."""
+    match = _PIPELINE.match(prefix)
+    return match.group(0) if match else None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether *path* still names the file open at *fd* (not unlinked, not replaced)."""
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _hold(pipeline: str) -> int:
+    """A file descriptor holding a shared lock on *pipeline*'s lock file (made if need be);
+    ``OSError`` if it cannot be had."""
+    path = os.path.join(SHM_DIR, _lock_name(pipeline))
+    for _ in range(100):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)  # a sweeper unlinked it meanwhile: lock the new one
+    raise OSError(f"cannot lock {path}")
+
+
+def _sweep(pipeline: str, fd: int) -> list[str]:
+    """*fd* is *pipeline*'s lock file: if no producer holds it, unlink the pipeline's
+    segments and the lock file; the segments unlinked. Closes *fd*."""
+    path = os.path.join(SHM_DIR, _lock_name(pipeline))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return []  # a producer of the pipeline lives
+        if not _same_file(fd, path):
+            return []  # swept by another meanwhile
+        gone = _unlink(segments(pipeline))
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # last: a producer that waits for the lock then makes another
+        return gone
+    finally:
+        os.close(fd)
+
+
+def sweep_stale(prefix: str = "enginecore-") -> list[str]:
+    """Unlink the segments (and the lock files) of every pipeline whose prefix starts with
+    *prefix* and none of whose producing stages lives; the segments unlinked."""
+    gone: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return gone
+    for name in names:
+        if not name.startswith("." + prefix) or not name.endswith(_LOCK_SUFFIX):
+            continue
+        pipeline = _pipeline_of(name[1 : -len(_LOCK_SUFFIX)])
+        if pipeline is None or _lock_name(pipeline) != name:
+            continue
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        except OSError:
+            continue  # gone, or another user's
+        gone += _sweep(pipeline, fd)
+    return gone
 
 
 def stage_prefix(prefix: str, index: int) -> str:
@@ -166,8 +271,11 @@ def segments(prefix: str) -> list[str]:
 
 def unlink_prefix(prefix: str) -> list[str]:
     """Unlink every segment whose name starts with *prefix*; the names unlinked. A mapping
-    that a live process still holds stays valid until it drops it."""
-    return _unlink(segments(prefix))
+    that a live process still holds stays valid until it drops it. The lock files of the
+    pipelines whose prefix starts with *prefix* go too, if no producer holds them."""
+    gone = _unlink(segments(prefix))
+    sweep_stale(prefix)
+    return gone
 
 
 def _unlink(names: Iterable[str]) -> list[str]:
@@ -223,6 +331,9 @@ class ShmPool:
         self.retired = 0  # slots whose lease expired unreleased
         self.created = 0
         self.closed = False
+        self._pipeline = _pipeline_of(prefix)
+        self._lock: int | None = None  # the shared lock on the pipeline's lock file
+        self._unlock: weakref.finalize[..., Any]
 
     def put(self, arr: Any) -> list[Any] | None:
         """Copy the C-contiguous array *arr* into a free slot and return the ext 4 data that
@@ -294,6 +405,16 @@ class ShmPool:
         return self._create(capacity)
 
     def _create(self, capacity: int) -> _Slot | None:
+        if self._lock is None and self._pipeline is not None:
+            try:
+                self._lock = _hold(self._pipeline)
+            except OSError:
+                return None  # unprotected, it could be swept: the payload goes on ZeroMQ
+            # A pool dropped without close() does not keep its pipeline unsweepable. (Not
+            # at exit, where the descriptor goes with the process, and close() may come
+            # later, from an atexit callback of the stage's.)
+            self._unlock = weakref.finalize(self, os.close, self._lock)
+            self._unlock.atexit = False
         name = f"{self.prefix}{self._seq}"
         self._seq += 1
         path = os.path.join(SHM_DIR, name)
@@ -365,6 +486,12 @@ class ShmPool:
         self._pending.clear()
         self._pending_bytes = 0
         self._total = 0
+        lock, self._lock = self._lock, None
+        # (The descriptor is still ours unless the finalizer closed it: then never again.)
+        if lock is not None and self._pipeline is not None and self._unlock.detach():
+            # The last producer of the pipeline to close (the others died, killed with
+            # the parent perhaps) unlinks what they left, and the lock file.
+            _sweep(self._pipeline, lock)
 
 
 class _Mapped:
@@ -396,6 +523,11 @@ class ShmReader:
         self._period = DEFAULT_LEASE / 4
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
+        # Set when an array is handed out: the keeper sleeps on it while it holds nothing,
+        # so an idle stage's keeper never wakes, whatever the lease (a tiny one would have
+        # it wake thousands of times a second for nothing).
+        self._busy = threading.Event()
+        self.rounds = 0  # the keeper's renewal rounds (tests: none while nothing is held)
         self.taken = 0
         self.expired = 0  # refused: lease expired, slot retired, gone or rewritten
         self.gone = False  # the previous stage died (gone()): no more mappings
@@ -462,6 +594,7 @@ class ShmReader:
         weakref.finalize(arr, self._release, key, header, gen)
         self.taken += 1
         self._start_keeper(lease_ns)
+        self._busy.set()
         try:
             return arr.view(dtype).reshape(shape)
         except ValueError as exc:  # a zero itemsize, more than 64 dimensions, ...
@@ -529,8 +662,18 @@ class ShmReader:
             mapped = _Mapped(mm)
             if mapped.header[_H_MAGIC] != _MAGIC:
                 raise ShmError(f"shared-memory segment {name!r} is not a slot")
+            # A new slot: the producer may have retired others meanwhile (a refused payload
+            # is never released, so its slot is retired): let go of their mappings now,
+            # not only in the keeper's rounds, which run only while an array is held.
+            self._forget_retired()
             self._maps[name] = mapped
             return mapped
+
+    def _forget_retired(self) -> None:
+        """Drop the mappings of retired slots (under ``_maps_lock``): never written again,
+        their memory goes when the last array on it does."""
+        for name in [n for n, m in self._maps.items() if m.header[_H_RETIRED]]:
+            del self._maps[name]
 
     def _release(self, key: int, header: Any, gen: int) -> None:
         """The last reference to an array is gone: release its generation (any thread)."""
@@ -547,8 +690,15 @@ class ShmReader:
             self._keeper.start()
 
     def _keep(self) -> None:
-        """Renew every lease held, a quarter lease apart; forget retired slots."""
+        """Renew every lease held, a quarter lease apart, while any is held; forget
+        retired slots. With nothing held, sleep until an array is handed out."""
         while not self._stop.wait(self._period):
+            if not self._held:
+                self._busy.clear()
+                if not self._held:  # (an array handed out after the clear sets it again)
+                    self._busy.wait()
+                    continue  # renew a full period after it was taken, as below
+            self.rounds += 1
             try:
                 self.renew()
             except Exception:  # a bug: say so, and keep renewing the others
@@ -562,8 +712,7 @@ class ShmReader:
             if header[_H_GEN] == gen and header[_H_LEASE_UNTIL] >= now:
                 header[_H_LEASE_UNTIL] = now + lease_ns
         with self._maps_lock:
-            for name in [n for n, m in self._maps.items() if m.header[_H_RETIRED]]:
-                del self._maps[name]
+            self._forget_retired()
 
     def upstream_gone(self, producer: int | str | None = None) -> None:
         """The previous stage died: let go of the mappings of its slots, and map none
@@ -596,6 +745,7 @@ class ShmReader:
     def close(self) -> None:
         """Stop renewing (at exit)."""
         self._stop.set()
+        self._busy.set()
 
 
 _reader: ShmReader | None = None
