@@ -438,7 +438,8 @@ class EngineCoreLoop:
         Never blocks, never raises, idempotent. Thread-safe and **safe inside a signal
         handler**: it only ever *tries* to take ``input_queue.mutex`` (the interrupted thread
         may be holding it); if the mutex is busy, the Wakeup is handed to a helper thread
-        through a pipe with one ``os.write``. Has no effect on a loop that already ended.
+        through a pipe with one ``os.write``. Has no effect on a loop that already ended
+        (it queues nothing; :attr:`shutdown_requested` still says it was called).
         """
         if self._shutdown:
             return
@@ -447,10 +448,13 @@ class EngineCoreLoop:
         mutex = q.mutex
         if mutex.acquire(blocking=False):
             try:
-                # Exactly what Queue.put does, minus the blocking acquire.
-                q.queue.append(_WAKEUP)
-                q.unfinished_tasks += 1
-                q.not_empty.notify()
+                # Exactly what Queue.put does, minus the blocking acquire. Not once the loop
+                # has ended (_end_input sets _ended under this mutex): nobody would read it,
+                # and it would sit in the queue and in statistics().queue_depth for good.
+                if not self._ended:
+                    q.queue.append(_WAKEUP)
+                    q.unfinished_tasks += 1
+                    q.not_empty.notify()
             finally:
                 mutex.release()
             return
@@ -459,7 +463,7 @@ class EngineCoreLoop:
         # waker thread do a normal put(). Before run() there is no token, and none is needed:
         # run() reads the flag after it registers.
         token, w = self._token, _WAKER.w
-        if token and w >= 0:
+        if token and w >= 0 and not self._ended:
             # One atomic 8-byte write; the waker drains the pipe, so it cannot fill up.
             with contextlib.suppress(OSError):
                 os.write(w, token)
