@@ -1209,6 +1209,41 @@ class TestRule17CoroutinesAreNotAnswers:
         gc.collect()
         assert not [w for w in recwarn if "never awaited" in str(w.message)]
 
+    @LOOPS
+    def test_a_utility_that_returns_an_asyncio_future_is_answered_with_a_clear_error(
+        self, kind: str, depth: int
+    ) -> None:
+        # Not a concurrent.futures.Future: the loop cannot wait for it (it is bound to an
+        # event loop, and not thread-safe), and as a plain result the caller got the future
+        # object itself (a stage's caller a wire-encoding error).
+        aio = asyncio.new_event_loop()
+        try:
+            pending = aio.create_future()
+
+            class AsyncioDivisor:
+                def __truediv__(self, other: object) -> Any:
+                    return pending
+
+            log = EventLog()
+            loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+            loop.submit_many([Utility(1, "div", (AsyncioDivisor(), 1)), Utility(2, "div", (4, 2))])
+            lt = LoopThread(loop).start()
+            log.wait_for(lambda ev: len(ev) == 2)
+            loop.request_shutdown()
+            lt.join()
+        finally:
+            aio.close()
+        events: list[Any] = list(log.events)
+        first, second, last = events
+        assert first[:3] == ("utility", 1, None)
+        error: str = first[3]
+        assert error.startswith("TypeError(")
+        assert "returned an asyncio future" in error
+        assert "concurrent.futures.Future" in error
+        assert (second, last) == (("utility", 2, 2.0, None), ("shutdown",))
+        assert loop.statistics().utility_errors == 1
+        assert not pending.cancelled()  # the loop never cancels a future
+
 
 class _Note(Control):
     """A control that does nothing: what the test watches is whether it stays alive."""

@@ -792,6 +792,18 @@ class EngineCoreLoop:
                     f"concurrent.futures.Future (asyncio.run_coroutine_threadsafe gives one)"
                 )
                 event = ("utility", msg.call_id, None, describe(error))
+            elif getattr(type(result), "_asyncio_future_blocking", None) is not None:
+                # An asyncio.Future or Task (what asyncio.isfuture() tests, without importing
+                # asyncio): bound to its event loop and not thread-safe, the loop cannot wait
+                # for it, and as a result its caller would get the future object itself.
+                c.utility_errors += 1
+                error = TypeError(
+                    f"utility {msg.name!r:.200} returned an asyncio future "
+                    f"({type(result).__name__}): the loop does not wait for those; return "
+                    f"the result, or a concurrent.futures.Future "
+                    f"(asyncio.run_coroutine_threadsafe gives one)"
+                )
+                event = ("utility", msg.call_id, None, describe(error))
             else:
                 event = ("utility", msg.call_id, result, None)
         # Outside the try: an emit failure is fatal, not this call's error.
