@@ -368,6 +368,28 @@ class TestRule5Dispatch:
         assert "NoneType" in errors[1].getMessage()
 
     @LOOPS
+    def test_non_message_whose_repr_raises_is_still_logged_and_skipped(
+        self, kind: str, depth: int, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        class Unprintable:
+            def __repr__(self) -> str:
+                raise RuntimeError("no repr")
+
+        _, log, loop = _make(kind, depth)
+        lt = LoopThread(loop).start()
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            loop.input_queue.put(Unprintable())
+            loop.input_queue.put(Add("r", 1))
+            log.wait_for(lambda ev: ("output", ("r", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
+        # The record must format: a logging error instead of it would hide the producer bug.
+        (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+        text = error.getMessage()
+        assert "Unprintable" in text
+        assert "repr() raised RuntimeError: no repr" in text
+
+    @LOOPS
     def test_message_subclasses_are_dispatched(self, kind: str, depth: int) -> None:
         class TracedAdd(Add):
             __slots__ = ()

@@ -758,11 +758,12 @@ class EngineCoreLoop:
         elif isinstance(msg, Utility):
             self._call_utility(msg)
         elif not isinstance(msg, Wakeup):
+            # describe(): the record must format even if the object's repr() raises.
             logger.error(
                 "enginecore: ignoring an object of type %s on input_queue; "
-                "expected Add, Abort, Utility, Wakeup or a Control: %.200r",
+                "expected Add, Abort, Utility, Wakeup or a Control: %.200s",
                 type(msg).__name__,
-                msg,
+                describe(msg),
             )
 
     def _call_utility(self, msg: Utility) -> None:
