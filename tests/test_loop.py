@@ -683,6 +683,16 @@ class TestRule9RequestShutdown:
         assert loop.input_queue.qsize() == 0
 
     @LOOPS
+    def test_repeated_calls_queue_one_wakeup(self, kind: str, depth: int) -> None:
+        # As a signal handler that runs again and again: each call after the first is free.
+        _, log, loop = _make(kind, depth)
+        for _ in range(5):
+            loop.request_shutdown()
+        assert list(loop.input_queue.queue) == [Wakeup()]
+        loop.run()
+        assert log.events == [("shutdown",)]
+
+    @LOOPS
     def test_has_no_effect_after_a_fatal_end(self, kind: str, depth: int) -> None:
         engine, log, loop = _make(kind, depth)
 
