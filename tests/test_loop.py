@@ -753,13 +753,34 @@ class TestRule9RequestShutdown:
 class TestRule11SingleWriter:
     @LOOPS
     def test_only_the_loop_thread_touches_the_engine(self, kind: str, depth: int) -> None:
-        engine, log, loop = _make(kind, depth)
+        engine, log = _engine_for(kind), EventLog()
+        stats_threads: set[int] = set()
+
+        def stats() -> dict[str, float]:  # the optional hook: the loop's thread only too
+            stats_threads.add(threading.get_ident())
+            return {}
+
+        engine.stats = stats  # type: ignore[union-attr, method-assign]
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
         lt = LoopThread(loop).start()
 
         def produce(t: int) -> None:
+            # Every way in from another thread: put, submit, submit_many, statistics.
             for i in range(200):
-                for m in (Add(f"{t}-{i}", 2), Abort([f"{t}-{i}"]), Utility(i, "div", (i, 1))):
-                    loop.input_queue.put(m)
+                msgs: list[Message] = [
+                    Add(f"{t}-{i}", 2),
+                    Abort([f"{t}-{i}"]),
+                    Utility(i, "div", (i, 1)),
+                ]
+                if i % 3 == 0:
+                    for m in msgs:
+                        loop.input_queue.put(m)
+                elif i % 3 == 1:
+                    for m in msgs:
+                        loop.submit(m)
+                else:
+                    loop.submit_many(msgs)
+                loop.statistics()
 
         producers = [threading.Thread(target=produce, args=(t,)) for t in range(3)]
         for p in producers:
@@ -769,6 +790,7 @@ class TestRule11SingleWriter:
         loop.request_shutdown()
         lt.join()
         assert engine.threads == {lt.thread.ident}
+        assert stats_threads <= {lt.thread.ident}
         assert sum(1 for e in log.events if e[0] == "utility") == 600
 
 
