@@ -683,6 +683,30 @@ class TestRule9RequestShutdown:
         assert loop.input_queue.qsize() == 0
 
     @LOOPS
+    def test_from_another_thread_while_a_step_runs(self, kind: str, depth: int) -> None:
+        # The step finishes and its outputs go out (a pipelined loop collects what it has
+        # in flight: rule 15); no step begins after it.
+        engine, log, loop = _make(kind, depth)
+        in_step, release = threading.Event(), threading.Event()
+
+        def hold(n: int) -> None:
+            in_step.set()
+            assert release.wait(5)
+
+        _on_step(engine, hold)
+        loop.submit(Add("long", 100))
+        lt = LoopThread(loop).start()
+        assert in_step.wait(5)
+        stopper = threading.Thread(target=loop.request_shutdown)
+        stopper.start()
+        stopper.join(5)
+        assert not stopper.is_alive()  # it did not wait for the step
+        release.set()
+        lt.join()
+        assert _steps(engine) == 1
+        assert log.events == [("output", ("long", 99)), ("shutdown",)]
+
+    @LOOPS
     def test_repeated_calls_queue_one_wakeup(self, kind: str, depth: int) -> None:
         # As a signal handler that runs again and again: each call after the first is free.
         _, log, loop = _make(kind, depth)
