@@ -1354,6 +1354,56 @@ class TestIdleLoopHoldsNothing:
             lt.join()
 
 
+class _Payload:
+    """An output: what the test watches is whether it stays alive."""
+
+
+class _PayloadEngine(CountdownEngine):
+    """Each step's one output is a :class:`_Payload`, which it keeps a weak reference to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[_Payload]] = []
+
+    def step(self) -> list[Any]:
+        super().step()
+        out = _Payload()
+        self.refs.append(weakref.ref(out))
+        return [out]
+
+
+class _PayloadPipeline(_PayloadEngine):
+    def launch(self) -> list[Any]:
+        return self.step()
+
+    def collect(self, handle: list[Any]) -> list[Any]:
+        return handle
+
+
+class TestIdleLoopHoldsNoOutput:
+    @LOOPS
+    def test_an_idle_loop_keeps_no_output_it_emitted_alive(self, kind: str, depth: int) -> None:
+        # As for the messages (rule 1): once emit has handed an output off, the loop must
+        # not keep it while it waits (an encoder stage's array, the shared memory under it).
+        engine = _PayloadEngine() if kind == "step" else _PayloadPipeline()
+        log = EventLog()
+
+        def emit(event: Any) -> None:
+            log(event[:1])  # the kind only: the test's own log keeps no output
+
+        loop = EngineCoreLoop(engine, emit, pipeline_depth=depth)
+        loop.submit(Add("r", 2))
+        lt = LoopThread(loop).start()
+        try:
+            log.wait_for(lambda ev: len(ev) == 2)
+            _wait_until_blocked(loop)
+            assert len(engine.refs) == 2
+            assert [ref() for ref in engine.refs] == [None, None]
+        finally:
+            loop.request_shutdown()
+            lt.join()
+
+
 class TestRule17UnappliedAnswersAreToldApartByType:
     """A stage drops the loop's answers to the utilities it never applied (rule 17) and
     forwards every other answer. It tells them apart by the type the loop gives those

@@ -4,7 +4,7 @@ The whole contract lives in this file (``docs/contract.md`` restates it with the
 proves each rule):
 
 1. Idle means blocked: with no work the loop blocks in ``input_queue.get()``, no timeout.
-   It holds no message it applied while it waits.
+   It holds no message it applied, nor an output it emitted, while it waits.
 2. The message taken by that blocking ``get()`` is processed like any other.
 3. Before every step, every message already queued is applied, in queue order.
 4. The drain is bounded: it takes a snapshot of what is queued when it begins.
@@ -572,8 +572,9 @@ class EngineCoreLoop:
                         # here, with its *done* steps; a new one begins after the wait.
                         # The last batch drained must not live on while the loop waits:
                         # its messages' payloads (arrays, and the shared memory under
-                        # them) would stay alive until the next message.
-                        batch = None
+                        # them) would stay alive until the next message. Nor the last
+                        # output emitted, which emit has handed off.
+                        batch = out = None
                         t0 = timer.idle(block, done, t0, outs)
                         # Counted: a fatal error in the wait's message must not count them
                         # again.
@@ -656,7 +657,7 @@ class EngineCoreLoop:
                     inflight.append(launch())
                     continue
                 elif not inflight:
-                    batch = None  # as in the plain loop: nothing of it lives on while idle
+                    batch = out = None  # as in the plain loop: nothing lives on while idle
                     t0 = timer.idle(block, block - left, t0, outs)
                     # Counted: a fatal error in the wait's message must not count them again.
                     outs, left = 0, block
