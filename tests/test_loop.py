@@ -84,55 +84,133 @@ class TestReferenceTrace:
         ]
 
 
+def _engine_for(kind: str) -> RecordingEngine | CountdownPipeline:
+    return RecordingEngine() if kind == "step" else CountdownPipeline()
+
+
+LOOPS = pytest.mark.parametrize(
+    ("kind", "depth"), [("step", 1), ("pipelined", 1), ("pipelined", 3)], ids=str
+)
+"""Every shared rule is tested on both loops: the step() loop, and the pipelined one at
+depth 1 (launch and collect back to back) and 3."""
+
+
+def _make(
+    kind: str, depth: int
+) -> tuple[RecordingEngine | CountdownPipeline, EventLog, EngineCoreLoop]:
+    engine, log = _engine_for(kind), EventLog()
+    return engine, log, EngineCoreLoop(engine, log, pipeline_depth=depth)
+
+
+def _on_step(engine: RecordingEngine | CountdownPipeline, hook: Callable[[int], None]) -> None:
+    """Run ``hook(n)`` as the n-th step (1-based) begins: ``step()``, or ``launch()``."""
+    if isinstance(engine, RecordingEngine):
+        engine.on_step = hook
+    else:
+        engine.on_launch = lambda handle: hook(handle + 1)
+
+
+def _steps(engine: RecordingEngine | CountdownPipeline) -> int:
+    """How many steps began: ``step()`` calls, or ``launch()`` calls."""
+    return engine.steps if isinstance(engine, RecordingEngine) else len(engine.launched)
+
+
+def _applied(engine: RecordingEngine | CountdownPipeline) -> list[tuple[Any, ...]]:
+    """The engine's calls as the shared rules order them: a ``launch`` is a ``("step",)``,
+    and the collects are left out."""
+    return [
+        ("step",) if call[0] == "launch" else call
+        for call in engine.calls
+        if call[0] not in ("collect", "cancel", "has_work")
+    ]
+
+
+def _count_has_work(engine: Any) -> list[int]:
+    """Counts the engine's ``has_work()`` calls (the loop binds the method when it runs)."""
+    count = [0]
+    inner = engine.has_work
+
+    def has_work() -> bool:
+        count[0] += 1
+        return bool(inner())
+
+    engine.has_work = has_work
+    return count
+
+
 class TestRule1IdleBlocks:
     @pytest.mark.slow
+    @LOOPS
     def test_idle_loop_calls_has_work_a_handful_of_times_and_uses_no_cpu(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, running: LoopThread
+        self, kind: str, depth: int
     ) -> None:
-        _wait_until_blocked(loop)
-        clock = time.pthread_getcpuclockid(running.thread.ident or 0)
-        calls_before = engine.has_work_calls
-        thread_cpu_before = time.clock_gettime(clock)
-        process_cpu_before = time.process_time()
-        time.sleep(1.0)  # the idle period being measured, not a synchronisation guess
-        thread_cpu = time.clock_gettime(clock) - thread_cpu_before
-        process_cpu = time.process_time() - process_cpu_before
-        assert engine.has_work_calls - calls_before == 0
-        assert engine.has_work_calls < 10
-        assert engine.steps == 0
+        engine, log, loop = _make(kind, depth)
+        calls = _count_has_work(engine)
+        loop.submit(Add("r", 2))  # some work first: idle is what follows it
+        lt = LoopThread(loop).start()
+        try:
+            log.wait_for(lambda ev: len(ev) == 2)
+            _wait_until_blocked(loop)
+            clock = time.pthread_getcpuclockid(lt.thread.ident or 0)
+            calls_before = calls[0]
+            thread_cpu_before = time.clock_gettime(clock)
+            process_cpu_before = time.process_time()
+            time.sleep(1.0)  # the idle period being measured, not a synchronisation guess
+            thread_cpu = time.clock_gettime(clock) - thread_cpu_before
+            process_cpu = time.process_time() - process_cpu_before
+        finally:
+            loop.request_shutdown()
+            lt.join()
+        assert calls[0] - calls_before == 0
+        assert calls[0] < 10
+        assert _steps(engine) == 2
         # A get(timeout=0.01) poll would cost ~10 ms here and 100 has_work() calls; a spin ~1 s.
         assert thread_cpu < 0.005, f"idle loop thread used {thread_cpu:.4f} s of CPU"
         assert process_cpu < 0.05, f"idle process used {process_cpu:.4f} s of CPU"
 
-    def test_add_after_idle_runs_to_completion(
-        self, loop: EngineCoreLoop, log: EventLog, running: LoopThread
-    ) -> None:
+    @LOOPS
+    def test_add_after_idle_runs_to_completion(self, kind: str, depth: int) -> None:
+        _, log, loop = _make(kind, depth)
+        lt = LoopThread(loop).start()
         _wait_until_blocked(loop)
         loop.submit(Add("r", 3))
         log.wait_for(lambda ev: ("output", ("r", 0)) in ev)
-        assert log.outputs() == [("r", 2), ("r", 1), ("r", 0)]
+        loop.request_shutdown()
+        lt.join()
+        assert log.events == [
+            ("output", ("r", 2)),
+            ("output", ("r", 1)),
+            ("output", ("r", 0)),
+            ("shutdown",),
+        ]
 
 
 class TestRule2BlockingGetMessageIsProcessed:
-    def test_first_message_after_idle_is_not_lost(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog, running: LoopThread
-    ) -> None:
+    @LOOPS
+    def test_first_message_after_idle_is_not_lost(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
+        lt = LoopThread(loop).start()
         _wait_until_blocked(loop)
         loop.input_queue.put(Add("only", 1))  # the one message the blocking get() returns
         log.wait_for(lambda ev: len(ev) == 1)
+        loop.request_shutdown()
+        lt.join()
         assert engine.calls[0] == ("add", "only", 1)
-        assert log.events == [("output", ("only", 0))]
+        assert log.events == [("output", ("only", 0)), ("shutdown",)]
 
 
 class TestRule3FifoBeforeEveryStep:
-    def test_prequeued_add_abort_add_reach_engine_in_order(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
-    ) -> None:
-        engine.on_idle = lambda: loop.request_shutdown() if engine.steps else None
+    @LOOPS
+    def test_prequeued_add_abort_add_reach_engine_in_order(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
         for msg in (Add("r1", 2), Abort(["r1"]), Add("r2", 1)):
             loop.input_queue.put(msg)
-        loop.run()
-        assert engine.calls == [
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: len(ev) == 1)
+        _wait_until_blocked(loop)
+        loop.request_shutdown()
+        lt.join()
+        assert _applied(engine) == [
             ("add", "r1", 2),
             ("abort", ("r1",)),
             ("add", "r2", 1),
@@ -141,19 +219,25 @@ class TestRule3FifoBeforeEveryStep:
         # r1 was aborted before the step that would have run it: not a single output.
         assert log.events == [("output", ("r2", 0)), ("shutdown",)]
 
+    @LOOPS
     def test_messages_queued_during_a_step_all_apply_before_the_next_step(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
+        self, kind: str, depth: int
     ) -> None:
+        engine, log, loop = _make(kind, depth)
+
         def during_step(n: int) -> None:
             if n == 1:  # a producer puts these while step 1 runs
                 for msg in (Add("x", 1), Abort(["a", "x"]), Utility(1, "div", (4, 2))):
                     loop.input_queue.put(msg)
 
-        engine.on_step = during_step
-        engine.on_idle = lambda: loop.request_shutdown() if engine.steps else None
+        _on_step(engine, during_step)
         loop.input_queue.put(Add("a", 5))
-        loop.run()
-        assert engine.calls == [
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: ("utility", 1, 2.0, None) in ev)
+        _wait_until_blocked(loop)
+        loop.request_shutdown()
+        lt.join()
+        assert _applied(engine) == [
             ("add", "a", 5),
             ("step",),
             ("add", "x", 1),
@@ -161,17 +245,19 @@ class TestRule3FifoBeforeEveryStep:
             ("utility", "div", (4, 2)),
         ]
         # Both requests were aborted before step 2 could run them, so there was no step 2.
-        assert log.events == [("output", ("a", 4)), ("utility", 1, 2.0, None), ("shutdown",)]
+        # A pipelined engine drops the step in flight's output of "a" too (rule 13).
+        first = [("output", ("a", 4))] if kind == "step" else []
+        assert log.events == [*first, ("utility", 1, 2.0, None), ("shutdown",)]
 
 
 class TestRule4BoundedDrain:
-    def test_self_refilling_queue_cannot_starve_step(self) -> None:
+    @LOOPS
+    def test_self_refilling_queue_cannot_starve_step(self, kind: str, depth: int) -> None:
         """An add() that enqueues another Add models a producer faster than the loop.
 
         A drain "until Empty" would never return; the snapshot drain steps after each batch.
         """
-        engine, log = RecordingEngine(), EventLog()
-        loop = EngineCoreLoop(engine, log)
+        engine, log, loop = _make(kind, depth)
         original_add = engine.add
         counter = iter(range(1_000_000))
 
@@ -180,17 +266,21 @@ class TestRule4BoundedDrain:
             loop.input_queue.put(Add(f"r{next(counter)}", 1))
 
         engine.add = add  # type: ignore[method-assign]
-        engine.on_step = lambda n: loop.request_shutdown() if n == 3 else None
+        _on_step(engine, lambda n: loop.request_shutdown() if n == 3 else None)
         loop.input_queue.put(Add("seed", 1))
         lt = LoopThread(loop).start()
         lt.join(timeout=10)
-        assert engine.steps == 3
+        assert _steps(engine) == 3
         assert log.events[-1] == ("shutdown",)
 
     @pytest.mark.slow
+    @LOOPS
     def test_flood_from_many_producers_still_steps_and_shuts_down_promptly(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
+        self, kind: str, depth: int
     ) -> None:
+        engine, log, loop = _make(kind, depth)
+        stepped = threading.Event()
+        _on_step(engine, lambda n: stepped.set())
         stop = threading.Event()
 
         def producer(tag: int) -> None:
@@ -208,8 +298,8 @@ class TestRule4BoundedDrain:
             loop.input_queue.put(Add("steady", 10**9))  # always has work
             lt = LoopThread(loop).start()
             for _ in range(5):  # the loop keeps stepping under the flood
-                engine.stepped.clear()
-                assert engine.stepped.wait(5), "step() starved by the flood"
+                stepped.clear()
+                assert stepped.wait(5), "the steps starved by the flood"
             started = time.monotonic()
             loop.request_shutdown()
             lt.join(timeout=5)
@@ -223,16 +313,16 @@ class TestRule4BoundedDrain:
 
 
 class TestRule5Dispatch:
-    def test_utility_args_are_passed_as_one_tuple(self) -> None:
+    @LOOPS
+    def test_utility_args_are_passed_as_one_tuple(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
         seen: list[tuple[Any, ...]] = []
 
-        class Echo(CountdownEngine):
-            def utility(self, name: str, args: tuple[Any, ...]) -> Any:
-                seen.append(args)
-                return args
+        def echo(name: str, args: tuple[Any, ...]) -> Any:
+            seen.append(args)
+            return args
 
-        log = EventLog()
-        loop = EngineCoreLoop(Echo(), log)
+        engine.utility = echo  # type: ignore[method-assign]
         loop.input_queue.put(Utility(1, "echo", (1, 2, 3)))
         loop.input_queue.put(Utility(2, "echo", ()))
         loop.input_queue.put(Utility(3, "echo", ((1, 2),)))
@@ -247,99 +337,165 @@ class TestRule5Dispatch:
             ("utility", 3, ((1, 2),), None),
         ]
 
-    def test_wakeup_does_nothing_to_the_engine(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog, running: LoopThread
-    ) -> None:
+    @LOOPS
+    def test_wakeup_does_nothing_to_the_engine(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
+        lt = LoopThread(loop).start()
         for _ in range(3):
             loop.input_queue.put(Wakeup())
-        loop.input_queue.put(Utility(1, "num_requests", ()))
+        loop.input_queue.put(Utility(1, "div", (1, 1)))
         log.wait_for(lambda ev: len(ev) == 1)
-        assert engine.calls == [("utility", "num_requests", ())]
-        assert engine.steps == 0
+        loop.request_shutdown()
+        lt.join()
+        assert engine.calls == [("utility", "div", (1, 1))]
 
+    @LOOPS
     def test_non_message_is_logged_and_skipped(
-        self,
-        loop: EngineCoreLoop,
-        log: EventLog,
-        running: LoopThread,
-        caplog: pytest.LogCaptureFixture,
+        self, kind: str, depth: int, caplog: pytest.LogCaptureFixture
     ) -> None:
+        _, log, loop = _make(kind, depth)
+        lt = LoopThread(loop).start()
         with caplog.at_level(logging.ERROR, logger="enginecore"):
             loop.input_queue.put(("add", "r", 1))
             loop.input_queue.put(None)
             loop.input_queue.put(Add("r", 1))
             log.wait_for(lambda ev: ("output", ("r", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 2
         assert "tuple" in errors[0].getMessage()
         assert "NoneType" in errors[1].getMessage()
 
-    def test_message_subclasses_are_dispatched(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog, running: LoopThread
+    @LOOPS
+    def test_non_message_whose_repr_raises_is_still_logged_and_skipped(
+        self, kind: str, depth: int, caplog: pytest.LogCaptureFixture
     ) -> None:
+        class Unprintable:
+            def __repr__(self) -> str:
+                raise RuntimeError("no repr")
+
+        _, log, loop = _make(kind, depth)
+        lt = LoopThread(loop).start()
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            loop.input_queue.put(Unprintable())
+            loop.input_queue.put(Add("r", 1))
+            log.wait_for(lambda ev: ("output", ("r", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
+        # The record must format: a logging error instead of it would hide the producer bug.
+        (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+        text = error.getMessage()
+        assert "Unprintable" in text
+        assert "repr() raised RuntimeError: no repr" in text
+
+    @LOOPS
+    def test_message_subclasses_are_dispatched(self, kind: str, depth: int) -> None:
         class TracedAdd(Add):
             __slots__ = ()
 
-        loop.input_queue.put(TracedAdd("t", 1))
-        log.wait_for(lambda ev: ev == [("output", ("t", 0))])
-        assert engine.calls[0] == ("add", "t", 1)
+        class TracedAbort(Abort):
+            __slots__ = ()
+
+        class TracedUtility(Utility):
+            __slots__ = ()
+
+        class TracedWakeup(Wakeup):
+            __slots__ = ()
+
+        engine, log, loop = _make(kind, depth)
+        lt = LoopThread(loop).start()
+        loop.submit_many(
+            [TracedAbort(["x"]), TracedWakeup(), TracedUtility(1, "div", (1, 2)), TracedAdd("t", 1)]
+        )
+        log.wait_for(lambda ev: ("output", ("t", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
+        assert _applied(engine) == [
+            ("abort", ("x",)),
+            ("utility", "div", (1, 2)),
+            ("add", "t", 1),
+            ("step",),
+        ]
+        assert log.events == [("utility", 1, 0.5, None), ("output", ("t", 0)), ("shutdown",)]
 
 
 class TestRule6AfterTheDrain:
-    def test_drain_of_only_wakeup_abort_utility_does_not_step(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog, running: LoopThread
-    ) -> None:
+    @LOOPS
+    def test_drain_of_only_wakeup_abort_utility_does_not_step(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
+        lt = LoopThread(loop).start()
         for msg in (Wakeup(), Abort(["nope"]), Utility(1, "div", (1, 1))):
             loop.input_queue.put(msg)
         log.wait_for(lambda ev: len(ev) == 1)
         _wait_until_blocked(loop)
-        assert engine.steps == 0
+        loop.request_shutdown()
+        lt.join()
+        assert _steps(engine) == 0
 
-    def test_no_step_after_shutdown_is_seen(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
-    ) -> None:
-        engine.on_step = lambda n: loop.request_shutdown() if n == 2 else None
+    @LOOPS
+    def test_no_step_after_shutdown_is_seen(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
+        _on_step(engine, lambda n: loop.request_shutdown() if n == 2 else None)
         loop.input_queue.put(Add("long", 100))
         loop.run()
-        assert engine.steps == 2
+        assert _steps(engine) == 2
         assert log.events == [("output", ("long", 99)), ("output", ("long", 98)), ("shutdown",)]
 
-    def test_messages_queued_before_shutdown_are_still_applied(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
-    ) -> None:
+    @LOOPS
+    def test_messages_queued_before_shutdown_are_still_applied(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
+
         def during_step(n: int) -> None:
             loop.input_queue.put(Utility(5, "div", (1, 2)))
             loop.request_shutdown()
 
-        engine.on_step = during_step
+        _on_step(engine, during_step)
         loop.input_queue.put(Add("a", 10))
         loop.run()
-        assert log.events == [("output", ("a", 9)), ("utility", 5, 0.5, None), ("shutdown",)]
+        answer, output = ("utility", 5, 0.5, None), ("output", ("a", 9))
+        # The pipelined loop drains before the collect too (rule 13): the answer comes first.
+        expected = [output, answer] if kind == "step" else [answer, output]
+        assert log.events == [*expected, ("shutdown",)]
+        assert _steps(engine) == 1
 
 
 class TestRule7EventShapes:
-    def test_shutdown_event_is_a_one_element_tuple(
-        self, loop: EngineCoreLoop, log: EventLog
-    ) -> None:
-        loop.request_shutdown()
-        loop.run()
-        assert log.events == [("shutdown",)]
-        assert type(log.events[0]) is tuple
-        assert len(log.events[0]) == 1
+    @LOOPS
+    @pytest.mark.parametrize("when", ["before-run", "running"])
+    def test_shutdown_event_is_a_one_element_tuple(self, kind: str, depth: int, when: str) -> None:
+        _, log, loop = _make(kind, depth)
+        if when == "before-run":
+            loop.request_shutdown()
+            loop.run()
+            assert log.events == [("shutdown",)]
+        else:
+            loop.submit(Add("a", 1))
+            lt = LoopThread(loop).start()
+            log.wait_for(lambda ev: len(ev) == 1)
+            loop.request_shutdown()
+            lt.join()
+            assert log.events == [("output", ("a", 0)), ("shutdown",)]
+        assert type(log.events[-1]) is tuple
+        assert len(log.events[-1]) == 1
 
-    def test_each_output_of_a_step_is_one_event_in_order(
-        self, loop: EngineCoreLoop, log: EventLog, engine: RecordingEngine
-    ) -> None:
-        engine.on_idle = loop.request_shutdown
+    @LOOPS
+    def test_each_output_of_a_step_is_one_event_in_order(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
         for rid in "abc":
             loop.input_queue.put(Add(rid, 1))
-        loop.run()
+        lt = LoopThread(loop).start()
+        log.wait_for(lambda ev: len(ev) == 3)
+        loop.request_shutdown()
+        lt.join()
+        assert _steps(engine) == 1
         assert log.events == [
             ("output", ("a", 0)),
             ("output", ("b", 0)),
             ("output", ("c", 0)),
             ("shutdown",),
         ]
+        assert all(type(e) is tuple and len(e) == 2 for e in log.events[:3])
 
 
 class _Boom(Exception):
@@ -347,45 +503,42 @@ class _Boom(Exception):
 
 
 class TestRule8Errors:
+    @LOOPS
     def test_utility_error_is_reported_for_its_call_and_the_loop_goes_on(
-        self, loop: EngineCoreLoop, log: EventLog, running: LoopThread
+        self, kind: str, depth: int
     ) -> None:
+        _, log, loop = _make(kind, depth)
+        lt = LoopThread(loop).start()
         loop.input_queue.put(Utility(1, "no-such-utility", ()))
         loop.input_queue.put(Utility(2, "div", (1, 0)))
         loop.input_queue.put(Add("after", 1))
         log.wait_for(lambda ev: ("output", ("after", 0)) in ev)
+        loop.request_shutdown()
+        lt.join()
         first = log.events[0]
         assert first[:3] == ("utility", 1, None)
         assert "no-such-utility" in str(first[-1])
-        assert log.events[1] == ("utility", 2, None, "ZeroDivisionError('division by zero')")
+        assert log.events[1:] == [
+            ("utility", 2, None, "ZeroDivisionError('division by zero')"),
+            ("output", ("after", 0)),
+            ("shutdown",),
+        ]
 
+    @LOOPS
     @pytest.mark.parametrize("where", ["step", "add", "abort", "has_work"])
     def test_engine_exception_is_fatal_and_ends_the_run(
-        self, where: str, caplog: pytest.LogCaptureFixture
+        self, kind: str, depth: int, where: str, caplog: pytest.LogCaptureFixture
     ) -> None:
-        class Failing(RecordingEngine):
-            def has_work(self) -> bool:
-                if where == "has_work" and self.calls:
-                    raise _Boom("has_work")
-                return super().has_work()
+        engine, log, loop = _make(kind, depth)
+        name = "launch" if where == "step" and kind != "step" else where
+        inner = getattr(engine, name)
 
-            def abort(self, req_ids: Any) -> None:
-                if where == "abort":
-                    raise _Boom("abort")
-                super().abort(req_ids)
+        def failing(*args: Any) -> Any:
+            if where == "has_work" and not engine.calls:
+                return inner(*args)
+            raise _Boom(where)
 
-            def add(self, req_id: str, data: Any) -> None:
-                if where == "add":
-                    raise _Boom("add")
-                super().add(req_id, data)
-
-            def step(self) -> list[tuple[str, int]]:
-                if where == "step":
-                    raise _Boom("step")
-                return super().step()
-
-        engine, log = Failing(), EventLog()
-        loop = EngineCoreLoop(engine, log)
+        setattr(engine, name, failing)
         loop.input_queue.put(Abort(["x"]))
         loop.input_queue.put(Add("a", 3))
         loop.input_queue.put(Utility(9, "div", (1, 1)))
@@ -398,6 +551,7 @@ class TestRule8Errors:
             # without reaching the engine (TestRule17UtilitiesLeftOfAFailedDrain).
             assert ("utility", "div", (1, 1)) not in engine.calls
             assert [e for e in log.events if e[0] == "utility"] == [_ended(9)]
+        assert _steps(engine) == 0
         assert any("fatal error" in r.getMessage() for r in caplog.records)
 
     def test_request_rejected_from_add_is_fatal_in_a_bare_loop(self) -> None:
@@ -412,16 +566,16 @@ class TestRule8Errors:
             ("fatal", repr(RequestRejected("need an int >= 1 (a step count), got {'prompt': 42}")))
         ]
 
-    def test_messages_queued_after_fatal_are_never_processed(self) -> None:
-        engine, log = RecordingEngine(), EventLog()
-        loop = EngineCoreLoop(engine, log)
+    @LOOPS
+    def test_messages_queued_after_fatal_are_never_processed(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
 
         def blow_up(n: int) -> None:
             loop.input_queue.put(Add("b", 1))
             loop.input_queue.put(Utility(1, "div", (1, 1)))
             raise _Boom("step")
 
-        engine.on_step = blow_up
+        _on_step(engine, blow_up)
         loop.input_queue.put(Add("a", 1))
         loop.run()
         # Not applied; the utility is answered (TestRule17QueuedUtilitiesAtTheEnd).
@@ -430,7 +584,10 @@ class TestRule8Errors:
         assert ("add", "b", 1) not in engine.calls
         assert list(loop.input_queue.queue) == [Add("b", 1)]
 
-    def test_emit_failure_is_fatal(self, caplog: pytest.LogCaptureFixture) -> None:
+    @LOOPS
+    def test_emit_failure_is_fatal(
+        self, kind: str, depth: int, caplog: pytest.LogCaptureFixture
+    ) -> None:
         events: list[Any] = []
 
         def emit(event: Any) -> None:
@@ -438,19 +595,20 @@ class TestRule8Errors:
                 raise _Boom("emit")
             events.append(event)
 
-        loop = EngineCoreLoop(CountdownEngine(), emit)
+        loop = EngineCoreLoop(_engine_for(kind), emit, pipeline_depth=depth)
         loop.input_queue.put(Add("a", 1))
         with caplog.at_level(logging.ERROR, logger="enginecore"):
             loop.run()
         assert events == [("fatal", "_Boom('emit')")]
 
+    @LOOPS
     def test_emit_failing_for_the_fatal_event_too_raises_from_run(
-        self, caplog: pytest.LogCaptureFixture
+        self, kind: str, depth: int, caplog: pytest.LogCaptureFixture
     ) -> None:
         def emit(event: Any) -> None:
             raise _Boom(event[0])
 
-        loop = EngineCoreLoop(CountdownEngine(), emit)
+        loop = EngineCoreLoop(_engine_for(kind), emit, pipeline_depth=depth)
         loop.input_queue.put(Add("a", 1))
         with caplog.at_level(logging.ERROR, logger="enginecore"), pytest.raises(_Boom) as info:
             loop.run()
@@ -458,26 +616,39 @@ class TestRule8Errors:
         assert isinstance(info.value.__context__, _Boom)
         assert info.value.__context__.args == ("output",)
 
-    def test_emit_failing_for_the_shutdown_event_raises_from_run(self) -> None:
-        def emit(event: Any) -> None:
-            raise _Boom(event[0])
+    @LOOPS
+    @pytest.mark.parametrize("when", ["before-run", "running"])
+    def test_emit_failing_for_the_shutdown_event_raises_from_run(
+        self, kind: str, depth: int, when: str
+    ) -> None:
+        events: list[Any] = []
 
-        loop = EngineCoreLoop(CountdownEngine(), emit)
-        loop.request_shutdown()
+        def emit(event: Any) -> None:
+            if event[0] == "shutdown":
+                raise _Boom(event[0])
+            events.append(event)
+
+        engine = _engine_for(kind)
+        loop = EngineCoreLoop(engine, emit, pipeline_depth=depth)
+        if when == "before-run":
+            loop.request_shutdown()
+        else:
+            _on_step(engine, lambda n: loop.request_shutdown())
+            loop.submit(Add("a", 2))
         with pytest.raises(_Boom, match="shutdown"):
             loop.run()
+        assert events == ([] if when == "before-run" else [("output", ("a", 1))])
 
+    @LOOPS
     def test_keyboard_interrupt_in_step_is_reported_then_propagates(
-        self,
-        loop: EngineCoreLoop,
-        engine: RecordingEngine,
-        log: EventLog,
-        caplog: pytest.LogCaptureFixture,
+        self, kind: str, depth: int, caplog: pytest.LogCaptureFixture
     ) -> None:
+        engine, log, loop = _make(kind, depth)
+
         def interrupt(n: int) -> None:
             raise KeyboardInterrupt
 
-        engine.on_step = interrupt
+        _on_step(engine, interrupt)
         loop.input_queue.put(Add("a", 1))
         with caplog.at_level(logging.INFO, logger="enginecore"), pytest.raises(KeyboardInterrupt):
             loop.run()
@@ -489,16 +660,18 @@ class TestRule8Errors:
 
 
 class TestRule9RequestShutdown:
-    def test_wakes_an_idle_loop_from_another_thread(
-        self, loop: EngineCoreLoop, log: EventLog
-    ) -> None:
+    @LOOPS
+    def test_wakes_an_idle_loop_from_another_thread(self, kind: str, depth: int) -> None:
+        _, log, loop = _make(kind, depth)
         lt = LoopThread(loop).start()
         _wait_until_blocked(loop)
         loop.request_shutdown()
         lt.join(timeout=0.5)
         assert log.events == [("shutdown",)]
 
-    def test_is_idempotent(self, loop: EngineCoreLoop, log: EventLog) -> None:
+    @LOOPS
+    def test_is_idempotent(self, kind: str, depth: int) -> None:
+        _, log, loop = _make(kind, depth)
         lt = LoopThread(loop).start()
         _wait_until_blocked(loop)
         for _ in range(5):
@@ -507,11 +680,63 @@ class TestRule9RequestShutdown:
         loop.request_shutdown()  # after the end: no effect, no error
         assert log.events == [("shutdown",)]
         assert loop.shutdown_requested
+        assert loop.input_queue.qsize() == 0
 
+    @LOOPS
+    def test_from_another_thread_while_a_step_runs(self, kind: str, depth: int) -> None:
+        # The step finishes and its outputs go out (a pipelined loop collects what it has
+        # in flight: rule 15); no step begins after it.
+        engine, log, loop = _make(kind, depth)
+        in_step, release = threading.Event(), threading.Event()
+
+        def hold(n: int) -> None:
+            in_step.set()
+            assert release.wait(5)
+
+        _on_step(engine, hold)
+        loop.submit(Add("long", 100))
+        lt = LoopThread(loop).start()
+        assert in_step.wait(5)
+        stopper = threading.Thread(target=loop.request_shutdown)
+        stopper.start()
+        stopper.join(5)
+        assert not stopper.is_alive()  # it did not wait for the step
+        release.set()
+        lt.join()
+        assert _steps(engine) == 1
+        assert log.events == [("output", ("long", 99)), ("shutdown",)]
+
+    @LOOPS
+    def test_repeated_calls_queue_one_wakeup(self, kind: str, depth: int) -> None:
+        # As a signal handler that runs again and again: each call after the first is free.
+        _, log, loop = _make(kind, depth)
+        for _ in range(5):
+            loop.request_shutdown()
+        assert list(loop.input_queue.queue) == [Wakeup()]
+        loop.run()
+        assert log.events == [("shutdown",)]
+
+    @LOOPS
+    def test_has_no_effect_after_a_fatal_end(self, kind: str, depth: int) -> None:
+        engine, log, loop = _make(kind, depth)
+
+        def blow_up(n: int) -> None:
+            raise _Boom("step")
+
+        _on_step(engine, blow_up)
+        loop.submit(Add("a", 1))
+        loop.run()
+        loop.request_shutdown()
+        assert log.events == [("fatal", "_Boom('step')")]
+        # Nothing queued for a loop that will never read it, nor counted as waiting.
+        assert loop.input_queue.qsize() == 0
+        assert loop.statistics().queue_depth == 0
+
+    @LOOPS
     def test_before_run_applies_nothing_and_answers_the_queued_utilities(
-        self, engine: RecordingEngine, log: EventLog
+        self, kind: str, depth: int
     ) -> None:
-        loop = EngineCoreLoop(engine, log)
+        engine, log, loop = _make(kind, depth)
         loop.input_queue.put(Add("a", 1))
         loop.input_queue.put(Utility(1, "div", (1, 1)))
         loop.request_shutdown()
@@ -520,14 +745,16 @@ class TestRule9RequestShutdown:
         assert log.events == [("utility", 1, None, err), ("shutdown",)]
         assert engine.calls == []
 
+    @LOOPS
     def test_never_blocks_on_a_held_queue_mutex_and_still_wakes_the_loop(
-        self, loop: EngineCoreLoop, log: EventLog
+        self, kind: str, depth: int
     ) -> None:
         """The signal-handler situation without a signal: the caller holds the mutex.
 
         A request_shutdown() built on ``Queue.put`` deadlocks right here (the mutex is not
         reentrant); ours hands the Wakeup to the waker thread and returns.
         """
+        _, log, loop = _make(kind, depth)
         lt = LoopThread(loop).start()
         _wait_until_blocked(loop)
         returned = threading.Event()
@@ -538,7 +765,9 @@ class TestRule9RequestShutdown:
         lt.join(timeout=2)
         assert log.events == [("shutdown",)]
 
-    def test_run_twice_raises(self, loop: EngineCoreLoop) -> None:
+    @LOOPS
+    def test_run_twice_raises(self, kind: str, depth: int) -> None:
+        _, _, loop = _make(kind, depth)
         loop.request_shutdown()
         loop.run()
         with pytest.raises(LoopAlreadyRunError, match="already run"):
@@ -546,15 +775,36 @@ class TestRule9RequestShutdown:
 
 
 class TestRule11SingleWriter:
-    def test_only_the_loop_thread_touches_the_engine(
-        self, loop: EngineCoreLoop, engine: RecordingEngine, log: EventLog
-    ) -> None:
+    @LOOPS
+    def test_only_the_loop_thread_touches_the_engine(self, kind: str, depth: int) -> None:
+        engine, log = _engine_for(kind), EventLog()
+        stats_threads: set[int] = set()
+
+        def stats() -> dict[str, float]:  # the optional hook: the loop's thread only too
+            stats_threads.add(threading.get_ident())
+            return {}
+
+        engine.stats = stats  # type: ignore[union-attr, method-assign]
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
         lt = LoopThread(loop).start()
 
         def produce(t: int) -> None:
+            # Every way in from another thread: put, submit, submit_many, statistics.
             for i in range(200):
-                for m in (Add(f"{t}-{i}", 2), Abort([f"{t}-{i}"]), Utility(i, "div", (i, 1))):
-                    loop.input_queue.put(m)
+                msgs: list[Message] = [
+                    Add(f"{t}-{i}", 2),
+                    Abort([f"{t}-{i}"]),
+                    Utility(i, "div", (i, 1)),
+                ]
+                if i % 3 == 0:
+                    for m in msgs:
+                        loop.input_queue.put(m)
+                elif i % 3 == 1:
+                    for m in msgs:
+                        loop.submit(m)
+                else:
+                    loop.submit_many(msgs)
+                loop.statistics()
 
         producers = [threading.Thread(target=produce, args=(t,)) for t in range(3)]
         for p in producers:
@@ -564,6 +814,7 @@ class TestRule11SingleWriter:
         loop.request_shutdown()
         lt.join()
         assert engine.threads == {lt.thread.ident}
+        assert stats_threads <= {lt.thread.ident}
         assert sum(1 for e in log.events if e[0] == "utility") == 600
 
 
@@ -717,15 +968,6 @@ class _Record(Control):
         self.seen.append((threading.get_ident(), list(engine.calls), loop))
         if self.then is not None:
             self.then(loop)
-
-
-def _engine_for(kind: str) -> RecordingEngine | CountdownPipeline:
-    return RecordingEngine() if kind == "step" else CountdownPipeline()
-
-
-LOOPS = pytest.mark.parametrize(
-    ("kind", "depth"), [("step", 1), ("pipelined", 1), ("pipelined", 3)], ids=str
-)
 
 
 class TestRule18Controls:
@@ -1045,6 +1287,41 @@ class TestRule17CoroutinesAreNotAnswers:
         gc.collect()
         assert not [w for w in recwarn if "never awaited" in str(w.message)]
 
+    @LOOPS
+    def test_a_utility_that_returns_an_asyncio_future_is_answered_with_a_clear_error(
+        self, kind: str, depth: int
+    ) -> None:
+        # Not a concurrent.futures.Future: the loop cannot wait for it (it is bound to an
+        # event loop, and not thread-safe), and as a plain result the caller got the future
+        # object itself (a stage's caller a wire-encoding error).
+        aio = asyncio.new_event_loop()
+        try:
+            pending = aio.create_future()
+
+            class AsyncioDivisor:
+                def __truediv__(self, other: object) -> Any:
+                    return pending
+
+            log = EventLog()
+            loop = EngineCoreLoop(_engine_for(kind), log, pipeline_depth=depth)
+            loop.submit_many([Utility(1, "div", (AsyncioDivisor(), 1)), Utility(2, "div", (4, 2))])
+            lt = LoopThread(loop).start()
+            log.wait_for(lambda ev: len(ev) == 2)
+            loop.request_shutdown()
+            lt.join()
+        finally:
+            aio.close()
+        events: list[Any] = list(log.events)
+        first, second, last = events
+        assert first[:3] == ("utility", 1, None)
+        error: str = first[3]
+        assert error.startswith("TypeError(")
+        assert "returned an asyncio future" in error
+        assert "concurrent.futures.Future" in error
+        assert (second, last) == (("utility", 2, 2.0, None), ("shutdown",))
+        assert loop.statistics().utility_errors == 1
+        assert not pending.cancelled()  # the loop never cancels a future
+
 
 class _Note(Control):
     """A control that does nothing: what the test watches is whether it stays alive."""
@@ -1072,6 +1349,56 @@ class TestIdleLoopHoldsNothing:
             log.wait_for(lambda ev: ("output", ("r", 0)) in ev)
             _wait_until_blocked(loop)
             assert ref() is None
+        finally:
+            loop.request_shutdown()
+            lt.join()
+
+
+class _Payload:
+    """An output: what the test watches is whether it stays alive."""
+
+
+class _PayloadEngine(CountdownEngine):
+    """Each step's one output is a :class:`_Payload`, which it keeps a weak reference to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[_Payload]] = []
+
+    def step(self) -> list[Any]:
+        super().step()
+        out = _Payload()
+        self.refs.append(weakref.ref(out))
+        return [out]
+
+
+class _PayloadPipeline(_PayloadEngine):
+    def launch(self) -> list[Any]:
+        return self.step()
+
+    def collect(self, handle: list[Any]) -> list[Any]:
+        return handle
+
+
+class TestIdleLoopHoldsNoOutput:
+    @LOOPS
+    def test_an_idle_loop_keeps_no_output_it_emitted_alive(self, kind: str, depth: int) -> None:
+        # As for the messages (rule 1): once emit has handed an output off, the loop must
+        # not keep it while it waits (an encoder stage's array, the shared memory under it).
+        engine = _PayloadEngine() if kind == "step" else _PayloadPipeline()
+        log = EventLog()
+
+        def emit(event: Any) -> None:
+            log(event[:1])  # the kind only: the test's own log keeps no output
+
+        loop = EngineCoreLoop(engine, emit, pipeline_depth=depth)
+        loop.submit(Add("r", 2))
+        lt = LoopThread(loop).start()
+        try:
+            log.wait_for(lambda ev: len(ev) == 2)
+            _wait_until_blocked(loop)
+            assert len(engine.refs) == 2
+            assert [ref() for ref in engine.refs] == [None, None]
         finally:
             loop.request_shutdown()
             lt.join()

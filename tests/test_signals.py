@@ -33,7 +33,13 @@ _UNDER_MUTEX = textwrap.dedent(
                     pass
             return super().step()
 
-    loop = EngineCoreLoop(Engine(), events.append)
+    class Pipelined(Engine):  # the pipelined loop: the step runs in launch()
+        def launch(self):
+            return self.step()
+        def collect(self, handle):
+            return handle
+
+    loop = EngineCoreLoop(Pipelined() if sys.argv[2] == "pipelined" else Engine(), events.append)
     loop.input_queue.put(Add("a", 1_000_000))
     if sys.argv[1] == "naive":
         signal.signal(signal.SIG{sig}, lambda *_: loop.input_queue.put(Wakeup()))
@@ -51,8 +57,15 @@ _IDLE = textwrap.dedent(
     import json, sys
     from enginecore import CountdownEngine, EngineCoreLoop, shutdown_on_signals
 
+    class Pipelined(CountdownEngine):  # the pipelined loop
+        def launch(self):
+            return self.step()
+        def collect(self, handle):
+            return handle
+
     events = []
-    loop = EngineCoreLoop(CountdownEngine(), events.append)
+    engine = Pipelined() if sys.argv[1] == "pipelined" else CountdownEngine()
+    loop = EngineCoreLoop(engine, events.append)
     with shutdown_on_signals(loop):
         print("ready", flush=True)
         loop.run()
@@ -65,11 +78,18 @@ def _python(code: str, *args: str) -> list[str]:
     return [sys.executable, "-c", code, *args]
 
 
+FORMS = pytest.mark.parametrize("form", ["step", "pipelined"])
+"""Both loops: the step() one, and the pipelined one (``docs/contract.md``, rule 12)."""
+
+
 class TestSignalUnderQueueMutex:
+    @FORMS
     @pytest.mark.parametrize("sig", ["TERM", "INT"])
-    def test_signal_while_the_loop_thread_holds_the_queue_mutex_shuts_down(self, sig: str) -> None:
+    def test_signal_while_the_loop_thread_holds_the_queue_mutex_shuts_down(
+        self, sig: str, form: str
+    ) -> None:
         proc = subprocess.run(
-            _python(_UNDER_MUTEX.format(sig=sig), "safe"),
+            _python(_UNDER_MUTEX.format(sig=sig), "safe", form),
             check=False,
             capture_output=True,
             text=True,
@@ -82,7 +102,7 @@ class TestSignalUnderQueueMutex:
     def test_control_a_queue_put_handler_deadlocks_in_the_same_situation(self) -> None:
         """Shows the scenario above really puts the handler under the mutex."""
         proc = subprocess.Popen(
-            _python(_UNDER_MUTEX.format(sig="TERM"), "naive"),
+            _python(_UNDER_MUTEX.format(sig="TERM"), "naive", "step"),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
@@ -95,10 +115,11 @@ class TestSignalUnderQueueMutex:
 
 
 class TestSignalWhileIdle:
+    @FORMS
     @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-    def test_signal_wakes_a_loop_blocked_in_get(self, sig: signal.Signals) -> None:
+    def test_signal_wakes_a_loop_blocked_in_get(self, sig: signal.Signals, form: str) -> None:
         proc = subprocess.Popen(
-            _python(_IDLE), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            _python(_IDLE, form), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         try:
             assert proc.stdout is not None

@@ -42,7 +42,8 @@ class Engine(Protocol):
 
         Returning a :class:`concurrent.futures.Future` defers the answer: the loop does not
         wait for it, and answers the call once the future is done (``docs/contract.md``,
-        rule 17)."""
+        rule 17). A coroutine or an :mod:`asyncio` future is not one: the call is answered
+        with a :class:`TypeError`."""
         ...
 
     def step(self) -> Iterable[Any]:

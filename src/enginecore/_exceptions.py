@@ -57,13 +57,14 @@ class RequestRejected(EngineCoreError, ValueError):
 # -- for the runtime: not exported --------------------------------------------------------------
 
 
-def describe(exc: BaseException) -> str:
+def describe(exc: object) -> str:
     """``repr(exc)`` for an event or an error message, or a stand-in naming its type if that
     raises.
 
     An engine's (or an edge's, or a factory's) exception may have a broken ``__repr__``: its
     utility call must still get its answer, the run its fatal event, the request its error
-    (rules 7, 8).
+    (rules 7, 8). Any object: the loop's log line for a stray object on its queue uses it too
+    (rule 5).
     """
     try:
         return repr(exc)

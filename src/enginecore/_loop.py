@@ -4,7 +4,7 @@ The whole contract lives in this file (``docs/contract.md`` restates it with the
 proves each rule):
 
 1. Idle means blocked: with no work the loop blocks in ``input_queue.get()``, no timeout.
-   It holds no message it applied while it waits.
+   It holds no message it applied, nor an output it emitted, while it waits.
 2. The message taken by that blocking ``get()`` is processed like any other.
 3. Before every step, every message already queued is applied, in queue order.
 4. The drain is bounded: it takes a snapshot of what is queued when it begins.
@@ -438,7 +438,8 @@ class EngineCoreLoop:
         Never blocks, never raises, idempotent. Thread-safe and **safe inside a signal
         handler**: it only ever *tries* to take ``input_queue.mutex`` (the interrupted thread
         may be holding it); if the mutex is busy, the Wakeup is handed to a helper thread
-        through a pipe with one ``os.write``. Has no effect on a loop that already ended.
+        through a pipe with one ``os.write``. Has no effect on a loop that already ended
+        (it queues nothing; :attr:`shutdown_requested` still says it was called).
         """
         if self._shutdown:
             return
@@ -447,10 +448,13 @@ class EngineCoreLoop:
         mutex = q.mutex
         if mutex.acquire(blocking=False):
             try:
-                # Exactly what Queue.put does, minus the blocking acquire.
-                q.queue.append(_WAKEUP)
-                q.unfinished_tasks += 1
-                q.not_empty.notify()
+                # Exactly what Queue.put does, minus the blocking acquire. Not once the loop
+                # has ended (_end_input sets _ended under this mutex): nobody would read it,
+                # and it would sit in the queue and in statistics().queue_depth for good.
+                if not self._ended:
+                    q.queue.append(_WAKEUP)
+                    q.unfinished_tasks += 1
+                    q.not_empty.notify()
             finally:
                 mutex.release()
             return
@@ -459,7 +463,7 @@ class EngineCoreLoop:
         # waker thread do a normal put(). Before run() there is no token, and none is needed:
         # run() reads the flag after it registers.
         token, w = self._token, _WAKER.w
-        if token and w >= 0:
+        if token and w >= 0 and not self._ended:
             # One atomic 8-byte write; the waker drains the pipe, so it cannot fill up.
             with contextlib.suppress(OSError):
                 os.write(w, token)
@@ -568,8 +572,9 @@ class EngineCoreLoop:
                         # here, with its *done* steps; a new one begins after the wait.
                         # The last batch drained must not live on while the loop waits:
                         # its messages' payloads (arrays, and the shared memory under
-                        # them) would stay alive until the next message.
-                        batch = None
+                        # them) would stay alive until the next message. Nor the last
+                        # output emitted, which emit has handed off.
+                        batch = out = None
                         t0 = timer.idle(block, done, t0, outs)
                         # Counted: a fatal error in the wait's message must not count them
                         # again.
@@ -652,7 +657,7 @@ class EngineCoreLoop:
                     inflight.append(launch())
                     continue
                 elif not inflight:
-                    batch = None  # as in the plain loop: nothing of it lives on while idle
+                    batch = out = None  # as in the plain loop: nothing lives on while idle
                     t0 = timer.idle(block, block - left, t0, outs)
                     # Counted: a fatal error in the wait's message must not count them again.
                     outs, left = 0, block
@@ -754,11 +759,12 @@ class EngineCoreLoop:
         elif isinstance(msg, Utility):
             self._call_utility(msg)
         elif not isinstance(msg, Wakeup):
+            # describe(): the record must format even if the object's repr() raises.
             logger.error(
                 "enginecore: ignoring an object of type %s on input_queue; "
-                "expected Add, Abort, Utility, Wakeup or a Control: %.200r",
+                "expected Add, Abort, Utility, Wakeup or a Control: %.200s",
                 type(msg).__name__,
-                msg,
+                describe(msg),
             )
 
     def _call_utility(self, msg: Utility) -> None:
@@ -786,6 +792,18 @@ class EngineCoreLoop:
                     f"utility {msg.name!r:.200} returned a coroutine (an async def?): the loop "
                     f"does not run coroutines; return the result, or a "
                     f"concurrent.futures.Future (asyncio.run_coroutine_threadsafe gives one)"
+                )
+                event = ("utility", msg.call_id, None, describe(error))
+            elif getattr(type(result), "_asyncio_future_blocking", None) is not None:
+                # An asyncio.Future or Task (what asyncio.isfuture() tests, without importing
+                # asyncio): bound to its event loop and not thread-safe, the loop cannot wait
+                # for it, and as a result its caller would get the future object itself.
+                c.utility_errors += 1
+                error = TypeError(
+                    f"utility {msg.name!r:.200} returned an asyncio future "
+                    f"({type(result).__name__}): the loop does not wait for those; return "
+                    f"the result, or a concurrent.futures.Future "
+                    f"(asyncio.run_coroutine_threadsafe gives one)"
                 )
                 event = ("utility", msg.call_id, None, describe(error))
             else:
