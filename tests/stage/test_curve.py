@@ -24,6 +24,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
 
 from enginecore.stage import (
     PROTOCOL_VERSION,
@@ -36,7 +37,7 @@ from enginecore.stage import (
     StageObserver,
     StagePool,
 )
-from enginecore.stage._curve import keygen
+from enginecore.stage._curve import ServerCurve, keygen, secure_server, start_authenticator
 
 from .conftest import SCRIPTED, Connect, Server
 from .raw import RawClient, refused_handshake
@@ -496,6 +497,53 @@ def _send_and_wait_for_close(port: int, payload: bytes) -> None:
                 pass  # the stage's greeting, if it sends one, then EOF
         except (ConnectionResetError, BrokenPipeError):
             pass  # closed while we wrote: refused as well
+
+
+def _handshake(address: str, client: tuple[bytes, bytes], server_key: bytes) -> bool:
+    """Whether a CURVE DEALER with the key pair *client* completes its handshake with the
+    server at *address* (its first handshake event, success or failure: no waiting for a
+    message that does not come)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.curve_publickey, dealer.curve_secretkey = client
+        dealer.curve_serverkey = server_key
+        monitor = dealer.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        )
+        dealer.connect(address)
+        assert monitor.poll(10_000), f"no handshake event from {address}"
+        return bool(recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_curve_socket_admits_no_key_while_no_zap_handler_answers() -> None:
+    # CURVE without a ZAP handler admits any key pair that knows the server's public key:
+    # a stage's sockets outlive its handler for a moment at teardown. They must refuse
+    # every key then (fail closed), not admit every key.
+    server_public, server_secret = zmq.curve_keypair()
+    listed, unlisted = zmq.curve_keypair(), zmq.curve_keypair()
+    curve = ServerCurve(server_public, server_secret, frozenset([listed[0]]), "-")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    auth = start_authenticator(ctx, curve)
+    try:
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        secure_server(router, curve)
+        address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+        assert _handshake(address, listed, server_public)
+        assert not _handshake(address, unlisted, server_public)
+        auth.stop()  # the handler is gone; the socket is still bound
+        assert not _handshake(address, unlisted, server_public)
+        assert not _handshake(address, listed, server_public)
+    finally:
+        auth.stop()
+        ctx.destroy(linger=0)
 
 
 def test_raw_garbage_delivers_nothing(connect: Connect, curve_server: Server, keys: Keys) -> None:

@@ -63,6 +63,12 @@ _DENIED_LOG_S: Final = 10.0
 # Peers whose key a KeyWatch remembers before it forgets those without a session (each is
 # checked again at its next message).
 _KNOWN_MAX: Final = 4096
+# The ZAP domain of a stage's CURVE server sockets, enforced (ZMQ_ZAP_ENFORCE_DOMAIN): libzmq
+# then refuses every CURVE handshake while no ZAP handler answers for it (before the handler
+# starts, after it stops, or if it is gone). Without the domain, a CURVE server whose context
+# has no handler admits anyone who knows its (public) key. An empty domain must not be
+# enforced: libzmq 4.3.5 then skips ZAP altogether and admits every key.
+ZAP_DOMAIN: Final = b"enginecore"
 
 
 def _check_key(value: bytes | str, what: str) -> bytes:
@@ -232,7 +238,11 @@ def read_authorized(authorized_dir: str | os.PathLike[str]) -> frozenset[bytes]:
 
 
 def secure_server(sock: zmq.Socket[Any], curve: ServerCurve) -> None:
-    """Make *sock* a CURVE server, before it binds."""
+    """Make *sock* a CURVE server, before it binds: its handshakes go to the ZAP handler of
+    its context (:func:`start_authenticator`), and fail while none answers, so that no
+    moment of a stage's life (its teardown) admits keys that are not listed."""
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
@@ -289,7 +299,7 @@ class Authenticator:
         self._lock = threading.Lock()
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("enginecore.stage.zap"))
         self._auth.start()
-        self._auth.configure_curve_callback("*", self.check)
+        self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), self.check)
 
     @property
     def keys(self) -> frozenset[bytes]:
