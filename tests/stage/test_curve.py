@@ -730,6 +730,33 @@ def test_keygen_writes_a_key_pair_and_never_overwrites(tmp_path: Path) -> None:
     assert "is a directory; give the stage's NAME.key_secret file in it" in served.stderr
 
 
+@pytest.mark.parametrize("planted", ["node1.key", "node1.key_secret"])
+def test_keygen_never_writes_through_a_symbolic_link(tmp_path: Path, planted: str) -> None:
+    # A link planted where a key goes (a shared directory) that points nowhere yet: keygen
+    # wrote the key through it, to wherever the link pointed.
+    target = tmp_path / "elsewhere"
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / planted).symlink_to(target)
+    result = _run("keygen", str(tmp_path / "k"), "--name", "node1")
+    assert result.returncode == 1
+    assert f"{planted} exists; not overwriting a key" in result.stderr
+    assert not target.exists()
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == [planted]  # nothing else
+
+
+def test_keygen_modes_do_not_depend_on_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        public, secret = keygen(tmp_path / "k", "node1")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(public).st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "k").stat().st_mode) == 0o700
+    keys = CurveKeys.load(secret, public)  # zmq.auth reads them
+    assert zmq.auth.load_certificates(str(tmp_path / "k")) == {keys.public_key: True}
+
+
 def test_curve_keys_are_checked_and_hide_the_secret(keys: Keys) -> None:
     assert keys.alice.secret_key.decode() not in repr(keys.alice)
     with pytest.raises(ValueError, match="40-character"):

@@ -21,6 +21,7 @@ Keys are Z85 text (40 bytes), as ``zmq.curve_keypair()`` and ``zmq.auth`` write 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import glob
 import logging
 import os
@@ -577,10 +578,51 @@ def check_key_name(name: str) -> None:
         )
 
 
+def _create_new(path: str, data: bytes, mode: int) -> None:
+    """Write *data* into a new file at *path*, with *mode* whatever the umask:
+    :class:`FileExistsError` if anything is there, a symbolic link too (``O_EXCL``: never
+    written through a link someone planted, never a race between a check and the write)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, mode & 0o600)  # never readable by others, not even briefly
+    except FileExistsError:
+        raise FileExistsError(f"{path} exists; not overwriting a key") from None
+    try:
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def _certificate(kind: str, public: bytes, secret: bytes | None = None) -> bytes:
+    """A key file in the format of ``zmq.auth`` (czmq's ZPL certificates)."""
+    lines = [
+        f"#   ****  Generated on {datetime.datetime.now()} by enginecore keygen  ****",
+        f"#   ZeroMQ CURVE {kind} Certificate",
+        "#   Give it to the other side; check that it arrived unchanged."
+        if secret is None
+        else "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
+        "",
+        "metadata",
+        "curve",
+        f'    public-key = "{public.decode("ascii")}"',
+    ]
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode("ascii")}"')
+    return ("\n".join(lines) + "\n").encode("ascii")
+
+
 def keygen(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
     """Write a new CURVE key pair into *directory* (made, mode 700, if missing):
-    ``NAME.key`` (the public key, to share) and ``NAME.key_secret`` (both keys, mode 600,
-    to keep). :class:`FileExistsError` rather than overwrite a key. Returns the two paths."""
+    ``NAME.key`` (the public key, to share, mode 644) and ``NAME.key_secret`` (both keys,
+    mode 600, to keep), whatever the umask. :class:`FileExistsError` rather than overwrite
+    a key or write through a symbolic link found at either path. Returns the two paths."""
     check_key_name(name)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"{os.fspath(directory)} exists and is not a directory")
@@ -588,12 +630,14 @@ def keygen(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
     public = os.path.join(directory, f"{name}.key")
     secret = os.path.join(directory, f"{name}.key_secret")
     for path in (public, secret):
-        if os.path.exists(path):
+        if os.path.lexists(path):  # a dangling link too: it is not ours to write through
             raise FileExistsError(f"{path} exists; not overwriting a key")
-    old = os.umask(0o077)  # the secret file is never readable by others, not even briefly
+    public_key, secret_key = zmq.curve_keypair()
+    _create_new(secret, _certificate("**Secret**", public_key, secret_key), 0o600)
     try:
-        public, secret = zmq.auth.create_certificates(directory, name)
-    finally:
-        os.umask(old)
-    os.chmod(public, 0o644)
+        _create_new(public, _certificate("Public", public_key), 0o644)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a key pair is written whole or not at all
+            os.unlink(secret)
+        raise
     return public, secret
