@@ -6,6 +6,7 @@ listed client, after the attempt, and that the stage still serves that client.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import select
@@ -37,7 +38,13 @@ from enginecore.stage import (
     StageObserver,
     StagePool,
 )
-from enginecore.stage._curve import ServerCurve, keygen, secure_server, start_authenticator
+from enginecore.stage._curve import (
+    ServerCurve,
+    keygen,
+    read_authorized,
+    secure_server,
+    start_authenticator,
+)
 
 from .conftest import SCRIPTED, Connect, Server
 from .raw import RawClient, refused_handshake
@@ -702,6 +709,35 @@ def test_curve_files_are_checked_at_start(keys: Keys, tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "broken.key" in result.stderr
+
+
+def test_a_secret_key_among_the_authorized_keys_is_a_warning(
+    keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A client's secret key copied to the stage by mistake (its NAME.key_secret, or that
+    # file renamed NAME.key) was taken without a word: it should not be there at all.
+    authorized = tmp_path / "authorized"
+    shutil.copytree(keys.authorized, authorized)
+    mallory_secret = _secret_file(keys, "mallory")
+    shutil.copy(mallory_secret, authorized / "mallory.key_secret")
+    shutil.copy(mallory_secret, authorized / "renamed.key")
+    with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+        admitted = read_authorized(authorized)
+    assert admitted == {keys.alice.public_key, keys.mallory.public_key}  # as before
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "renamed.key, an authorized client's key, holds its secret key too" in warnings[0]
+    assert (
+        "mallory.key_secret, in the directory of authorized client keys, is a secret"
+        in (warnings[1])
+    )
+    for text in warnings:
+        assert "a secret key should never leave its client's host" in text
+        assert keys.mallory.secret_key.decode() not in text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+        read_authorized(keys.authorized)  # public keys only: nothing to say
+    assert not caplog.records
 
 
 def test_keygen_writes_a_key_pair_and_never_overwrites(tmp_path: Path) -> None:

@@ -215,7 +215,10 @@ def load_server_curve(
 
 def read_authorized(authorized_dir: str | os.PathLike[str]) -> frozenset[bytes]:
     """The client public keys (``*.key``) in *authorized_dir*: :class:`ValueError` for a
-    missing directory, one without any key, or a file that holds no valid key."""
+    missing directory, one without any key, or a file that holds no valid key. A client's
+    secret key found there (a ``*.key`` that holds one, or a ``*.key_secret``) is logged as
+    a warning: the stage needs only public keys, and a secret key belongs on its client's
+    host alone."""
     directory = Path(authorized_dir)
     if not directory.is_dir():
         raise ValueError(f"no such directory of authorized client keys: {os.fspath(directory)!r}")
@@ -225,17 +228,33 @@ def read_authorized(authorized_dir: str | os.PathLike[str]) -> frozenset[bytes]:
     for name in sorted(glob.glob("*.key", root_dir=directory)):
         path = directory / name
         try:
-            public, _ = zmq.auth.load_certificate(path)
+            public, secret = zmq.auth.load_certificate(path)
         except (OSError, ValueError) as exc:
             raise ValueError(
                 f"cannot read a client public key from {os.fspath(path)!r}: {exc}"
             ) from exc
         keys.add(_check_key(public, f"the client public key in {os.fspath(path)!r}"))
+        if secret:
+            _warn_secret_in_authorized(path, "an authorized client's key, holds its secret key too")
+    for name in sorted(glob.glob("*.key_secret", root_dir=directory)):
+        _warn_secret_in_authorized(
+            directory / name, "in the directory of authorized client keys, is a secret key file"
+        )
     if not keys:
         raise ValueError(
             f"no client public key (*.key) in {os.fspath(directory)!r}: no client could connect"
         )
     return frozenset(keys)
+
+
+def _warn_secret_in_authorized(path: Path, what: str) -> None:
+    logger.warning(
+        "enginecore: %s, %s: the stage needs only a client's "
+        "public NAME.key; a secret key should never leave its client's host (delete it "
+        "here, and make the client a new key pair if others may have read it)",
+        path,
+        what,
+    )
 
 
 def secure_server(sock: zmq.Socket[Any], curve: ServerCurve) -> None:
