@@ -485,6 +485,23 @@ def test_an_unknown_key_gets_a_named_error_and_delivers_nothing(
     assert f"refused a CURVE client whose public key {keys.mallory.public_key.decode()}" in err
 
 
+def test_refusals_not_reported_yet_are_counted_at_the_stop(
+    connect: Connect, curve_server: Server, keys: Keys
+) -> None:
+    # The refusals after the first within 10 s were counted for the next report, which a
+    # burst that ended never got: the log showed one refusal however many there were.
+    for _ in range(3):
+        with pytest.raises(AuthenticationError, match="not among the stage's authorized"):
+            connect(curve_server.address, curve=keys.mallory, timeout=5)
+    assert curve_server.stop() == 0
+    err = curve_server.stderr_path.read_text()  # type: ignore[attr-defined]
+    assert err.count("refused a CURVE client whose public key") == 1, err
+    match = re.search(r"refused (\d+) more CURVE clients whose key is not authorized", err)
+    assert match is not None, err
+    assert int(match.group(1)) >= 2
+    assert keys.mallory.secret_key.decode() not in err
+
+
 def _zmtp_null_greeting() -> bytes:
     # ZMTP 3.0: signature, version 3.0, mechanism NULL, as-server 0, filler.
     return b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32

@@ -305,6 +305,18 @@ class _Authorized:
         )
         return False
 
+    def report_unlogged(self) -> None:
+        """Log the refusals not reported yet (at the stop: a burst that ended within
+        :data:`_DENIED_LOG_S` of its first line was counted, never told)."""
+        with self._lock:
+            others, self._unlogged = self._unlogged, 0
+        if others:
+            logger.warning(
+                "enginecore: refused %d more CURVE clients whose key is not authorized since "
+                "the last report",
+                others,
+            )
+
 
 class Authenticator:
     """The stage's ZAP handler: a thread (pyzmq's :class:`ThreadAuthenticator`) on the
@@ -347,8 +359,10 @@ class Authenticator:
         return generation
 
     def stop(self) -> None:
-        """End the handler thread and close its socket."""
+        """End the handler thread and close its socket; log the refusals not reported
+        yet."""
         self._auth.stop()
+        self.check.report_unlogged()
 
 
 def start_authenticator(ctx: zmq.Context[Any], curve: ServerCurve) -> Authenticator:
