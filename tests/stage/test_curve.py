@@ -430,6 +430,41 @@ def test_authorize_needs_a_curve_stage(tmp_path: Path) -> None:
         stage.stop()
 
 
+def test_authorize_takes_str_keys_and_refuses_bad_ones_without_harm(
+    keys: Keys, no_leftovers: str
+) -> None:
+    # StageRuntime.authorize (a stage run in code, docs/security.md) with Z85 keys as str,
+    # as authorize_clients takes them, or with raw 32-byte keys: the input thread failed
+    # on them (AttributeError / UnicodeDecodeError) and the stage shut down, while
+    # authorize() returned as if all went well.
+    from enginecore import CountdownEngine
+
+    from .raw import InProcessStage
+
+    stage_public, stage_secret = zmq.curve_keypair()
+    alice = CurveKeys(keys.alice.public_key, keys.alice.secret_key, stage_public)
+    curve = ServerCurve(stage_public, stage_secret, frozenset([alice.public_key]), "-")
+    stage = InProcessStage(CountdownEngine(), no_leftovers, curve=curve)
+    try:
+        client = StageClient.connect(stage.address, curve=alice)
+        assert client.add("a", 2).collect(timeout=10) == [1, 0]
+        stage.runtime.authorize(frozenset([alice.public_key.decode()]))  # type: ignore[arg-type]
+        assert client.add("b", 2).collect(timeout=10) == [1, 0]  # still admitted
+        raw = zmq.utils.z85.decode(alice.public_key)
+        for bad, error, match in [
+            (frozenset([raw]), ValueError, "an authorized client key must be a 40-character"),
+            (frozenset(["é" * 40]), ValueError, "not a valid Z85"),
+            (alice.public_key, TypeError, "a collection of client public keys, not one key"),
+            (frozenset([7]), TypeError, "must be a Z85 key"),
+        ]:
+            with pytest.raises(error, match=match):
+                stage.runtime.authorize(bad)  # type: ignore[arg-type]
+        assert client.add("c", 2).collect(timeout=10) == [1, 0]  # nothing changed
+        client.close()
+    finally:
+        assert stage.stop() == 0
+
+
 def keys_of(directory: Path) -> bytes:
     """A fresh client public key, written by ``keygen`` into *directory*."""
     public, _ = keygen(directory / "k", "k")

@@ -344,14 +344,23 @@ class Authenticator:
         sessions of the keys removed."""
         self._listeners.append(listener)
 
-    def authorize(self, keys: frozenset[bytes]) -> int:
-        """Admit *keys* from now on, instead of the keys admitted so far: handshakes that
-        begin after this call are checked against them, and the listeners
-        (:meth:`on_change`) are told, so that the connections already made with a key
-        removed are cut (CURVE itself checks a key once, at the handshake). Returns the new
-        :attr:`generation`. Thread-safe."""
+    def authorize(self, keys: Iterable[bytes | str]) -> int:
+        """Admit *keys* (client public keys, Z85, ``bytes`` or ``str``) from now on, instead
+        of the keys admitted so far: handshakes that begin after this call are checked
+        against them, and the listeners (:meth:`on_change`) are told, so that the
+        connections already made with a key removed are cut (CURVE itself checks a key
+        once, at the handshake). Returns the new :attr:`generation`. Thread-safe.
+        :class:`ValueError` / :class:`TypeError` for a key that is not Z85 text of 40
+        characters, or a single key instead of a collection, before anything changes (the
+        input thread reads the keys as Z85 text: it would fail on them)."""
+        if isinstance(keys, (bytes, str, bytearray, memoryview)):
+            raise TypeError(
+                f"authorize takes a collection of client public keys, not one key: got "
+                f"{type(keys).__name__}"
+            )
+        checked = frozenset(_check_key(key, "an authorized client key") for key in keys)
         with self._lock:
-            self.check.keys = frozenset(keys)  # first: whoever sees the generation sees them
+            self.check.keys = checked  # first: whoever sees the generation sees them
             self.generation += 1
             generation = self.generation
         for listener in self._listeners:
