@@ -649,6 +649,24 @@ def test_a_plain_stage_that_never_answers_is_still_a_timeout(
         connect(f"tcp://127.0.0.1:{port}", timeout=0.3)
 
 
+def test_a_curve_stage_that_never_answers_is_a_timeout_not_an_authentication_error(
+    connect: Connect, curve_server: Server, keys: Keys
+) -> None:
+    # A stopped (or overloaded) stage: the kernel still completes the TCP connect, and the
+    # CURVE handshake never starts. That was an AuthenticationError ("... the CURVE
+    # handshake did not complete"), which sends the user to check keys that are right; the
+    # stage does not answer, which is a TimeoutError (docs/security.md).
+    curve_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError, match="does not answer") as info:
+            connect(curve_server.address, curve=keys.alice, timeout=0.5)
+        assert not isinstance(info.value, ProtocolError)
+        assert "CURVE handshake did not complete in 0.5 s" in str(info.value)
+    finally:
+        curve_server.proc.send_signal(signal.SIGCONT)
+    _engine_saw_nothing_and_still_serves(connect, curve_server.address, keys)
+
+
 # -- pools -------------------------------------------------------------------------------------
 
 

@@ -560,9 +560,12 @@ class HandshakeWatch:
         if self._silent:
             return self._silent_close()
         if self.connected and not self.succeeded and self._keys is not None:
-            return AuthenticationError(
+            # No refusal came: the stage did not answer (stopped, overloaded; the kernel
+            # completes a TCP connect for a process that never reads it). Not a key error.
+            return TimeoutError(
                 f"connected to the stage at {self._address}, but the CURVE handshake did not "
-                f"complete in {timeout} s"
+                f"complete in {timeout} s: the stage does not answer (a key it refused, or a "
+                f"wrong server key, would have been an AuthenticationError)"
             )
         return TimeoutError(f"no handshake reply from the stage at {self._address} in {timeout} s")
 
