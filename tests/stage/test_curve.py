@@ -6,6 +6,7 @@ listed client, after the attempt, and that the stage still serves that client.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import select
@@ -24,6 +25,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
 
 from enginecore.stage import (
     PROTOCOL_VERSION,
@@ -36,7 +38,13 @@ from enginecore.stage import (
     StageObserver,
     StagePool,
 )
-from enginecore.stage._curve import keygen
+from enginecore.stage._curve import (
+    ServerCurve,
+    keygen,
+    read_authorized,
+    secure_server,
+    start_authenticator,
+)
 
 from .conftest import SCRIPTED, Connect, Server
 from .raw import RawClient, refused_handshake
@@ -422,6 +430,41 @@ def test_authorize_needs_a_curve_stage(tmp_path: Path) -> None:
         stage.stop()
 
 
+def test_authorize_takes_str_keys_and_refuses_bad_ones_without_harm(
+    keys: Keys, no_leftovers: str
+) -> None:
+    # StageRuntime.authorize (a stage run in code, docs/security.md) with Z85 keys as str,
+    # as authorize_clients takes them, or with raw 32-byte keys: the input thread failed
+    # on them (AttributeError / UnicodeDecodeError) and the stage shut down, while
+    # authorize() returned as if all went well.
+    from enginecore import CountdownEngine
+
+    from .raw import InProcessStage
+
+    stage_public, stage_secret = zmq.curve_keypair()
+    alice = CurveKeys(keys.alice.public_key, keys.alice.secret_key, stage_public)
+    curve = ServerCurve(stage_public, stage_secret, frozenset([alice.public_key]), "-")
+    stage = InProcessStage(CountdownEngine(), no_leftovers, curve=curve)
+    try:
+        client = StageClient.connect(stage.address, curve=alice)
+        assert client.add("a", 2).collect(timeout=10) == [1, 0]
+        stage.runtime.authorize(frozenset([alice.public_key.decode()]))  # type: ignore[list-item]
+        assert client.add("b", 2).collect(timeout=10) == [1, 0]  # still admitted
+        raw = zmq.utils.z85.decode(alice.public_key)
+        for bad, error, match in [
+            (frozenset([raw]), ValueError, "an authorized client key must be a 40-character"),
+            (frozenset(["é" * 40]), ValueError, "not a valid Z85"),
+            (alice.public_key, TypeError, "a collection of client public keys, not one key"),
+            (frozenset([7]), TypeError, "must be a Z85 key"),
+        ]:
+            with pytest.raises(error, match=match):
+                stage.runtime.authorize(bad)  # type: ignore[arg-type]
+        assert client.add("c", 2).collect(timeout=10) == [1, 0]  # nothing changed
+        client.close()
+    finally:
+        assert stage.stop() == 0
+
+
 def keys_of(directory: Path) -> bytes:
     """A fresh client public key, written by ``keygen`` into *directory*."""
     public, _ = keygen(directory / "k", "k")
@@ -477,6 +520,23 @@ def test_an_unknown_key_gets_a_named_error_and_delivers_nothing(
     assert f"refused a CURVE client whose public key {keys.mallory.public_key.decode()}" in err
 
 
+def test_refusals_not_reported_yet_are_counted_at_the_stop(
+    connect: Connect, curve_server: Server, keys: Keys
+) -> None:
+    # The refusals after the first within 10 s were counted for the next report, which a
+    # burst that ended never got: the log showed one refusal however many there were.
+    for _ in range(3):
+        with pytest.raises(AuthenticationError, match="not among the stage's authorized"):
+            connect(curve_server.address, curve=keys.mallory, timeout=5)
+    assert curve_server.stop() == 0
+    err = curve_server.stderr_path.read_text()  # type: ignore[attr-defined]
+    assert err.count("refused a CURVE client whose public key") == 1, err
+    match = re.search(r"refused (\d+) more CURVE clients whose key is not authorized", err)
+    assert match is not None, err
+    assert int(match.group(1)) >= 2
+    assert keys.mallory.secret_key.decode() not in err
+
+
 def _zmtp_null_greeting() -> bytes:
     # ZMTP 3.0: signature, version 3.0, mechanism NULL, as-server 0, filler.
     return b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
@@ -496,6 +556,53 @@ def _send_and_wait_for_close(port: int, payload: bytes) -> None:
                 pass  # the stage's greeting, if it sends one, then EOF
         except (ConnectionResetError, BrokenPipeError):
             pass  # closed while we wrote: refused as well
+
+
+def _handshake(address: str, client: tuple[bytes, bytes], server_key: bytes) -> bool:
+    """Whether a CURVE DEALER with the key pair *client* completes its handshake with the
+    server at *address* (its first handshake event, success or failure: no waiting for a
+    message that does not come)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.curve_publickey, dealer.curve_secretkey = client
+        dealer.curve_serverkey = server_key
+        monitor = dealer.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        )
+        dealer.connect(address)
+        assert monitor.poll(10_000), f"no handshake event from {address}"
+        return bool(recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_curve_socket_admits_no_key_while_no_zap_handler_answers() -> None:
+    # CURVE without a ZAP handler admits any key pair that knows the server's public key:
+    # a stage's sockets outlive its handler for a moment at teardown. They must refuse
+    # every key then (fail closed), not admit every key.
+    server_public, server_secret = zmq.curve_keypair()
+    listed, unlisted = zmq.curve_keypair(), zmq.curve_keypair()
+    curve = ServerCurve(server_public, server_secret, frozenset([listed[0]]), "-")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    auth = start_authenticator(ctx, curve)
+    try:
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        secure_server(router, curve)
+        address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+        assert _handshake(address, listed, server_public)
+        assert not _handshake(address, unlisted, server_public)
+        auth.stop()  # the handler is gone; the socket is still bound
+        assert not _handshake(address, unlisted, server_public)
+        assert not _handshake(address, listed, server_public)
+    finally:
+        auth.stop()
+        ctx.destroy(linger=0)
 
 
 def test_raw_garbage_delivers_nothing(connect: Connect, curve_server: Server, keys: Keys) -> None:
@@ -540,6 +647,24 @@ def test_a_plain_stage_that_never_answers_is_still_a_timeout(
         port = probe.getsockname()[1]
     with pytest.raises(TimeoutError, match="no handshake reply"):
         connect(f"tcp://127.0.0.1:{port}", timeout=0.3)
+
+
+def test_a_curve_stage_that_never_answers_is_a_timeout_not_an_authentication_error(
+    connect: Connect, curve_server: Server, keys: Keys
+) -> None:
+    # A stopped (or overloaded) stage: the kernel still completes the TCP connect, and the
+    # CURVE handshake never starts. That was an AuthenticationError ("... the CURVE
+    # handshake did not complete"), which sends the user to check keys that are right; the
+    # stage does not answer, which is a TimeoutError (docs/security.md).
+    curve_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError, match="does not answer") as info:
+            connect(curve_server.address, curve=keys.alice, timeout=0.5)
+        assert not isinstance(info.value, ProtocolError)
+        assert "CURVE handshake did not complete in 0.5 s" in str(info.value)
+    finally:
+        curve_server.proc.send_signal(signal.SIGCONT)
+    _engine_saw_nothing_and_still_serves(connect, curve_server.address, keys)
 
 
 # -- pools -------------------------------------------------------------------------------------
@@ -656,6 +781,35 @@ def test_curve_files_are_checked_at_start(keys: Keys, tmp_path: Path) -> None:
     assert "broken.key" in result.stderr
 
 
+def test_a_secret_key_among_the_authorized_keys_is_a_warning(
+    keys: Keys, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A client's secret key copied to the stage by mistake (its NAME.key_secret, or that
+    # file renamed NAME.key) was taken without a word: it should not be there at all.
+    authorized = tmp_path / "authorized"
+    shutil.copytree(keys.authorized, authorized)
+    mallory_secret = _secret_file(keys, "mallory")
+    shutil.copy(mallory_secret, authorized / "mallory.key_secret")
+    shutil.copy(mallory_secret, authorized / "renamed.key")
+    with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+        admitted = read_authorized(authorized)
+    assert admitted == {keys.alice.public_key, keys.mallory.public_key}  # as before
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "renamed.key, an authorized client's key, holds its secret key too" in warnings[0]
+    assert (
+        "mallory.key_secret, in the directory of authorized client keys, is a secret"
+        in (warnings[1])
+    )
+    for text in warnings:
+        assert "a secret key should never leave its client's host" in text
+        assert keys.mallory.secret_key.decode() not in text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="enginecore.stage"):
+        read_authorized(keys.authorized)  # public keys only: nothing to say
+    assert not caplog.records
+
+
 def test_keygen_writes_a_key_pair_and_never_overwrites(tmp_path: Path) -> None:
     result = _run("keygen", str(tmp_path / "k"), "--name", "node1")
     assert result.returncode == 0, result.stderr
@@ -680,6 +834,33 @@ def test_keygen_writes_a_key_pair_and_never_overwrites(tmp_path: Path) -> None:
     )  # fmt: skip
     assert served.returncode == 2
     assert "is a directory; give the stage's NAME.key_secret file in it" in served.stderr
+
+
+@pytest.mark.parametrize("planted", ["node1.key", "node1.key_secret"])
+def test_keygen_never_writes_through_a_symbolic_link(tmp_path: Path, planted: str) -> None:
+    # A link planted where a key goes (a shared directory) that points nowhere yet: keygen
+    # wrote the key through it, to wherever the link pointed.
+    target = tmp_path / "elsewhere"
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / planted).symlink_to(target)
+    result = _run("keygen", str(tmp_path / "k"), "--name", "node1")
+    assert result.returncode == 1
+    assert f"{planted} exists; not overwriting a key" in result.stderr
+    assert not target.exists()
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == [planted]  # nothing else
+
+
+def test_keygen_modes_do_not_depend_on_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        public, secret = keygen(tmp_path / "k", "node1")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(public).st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "k").stat().st_mode) == 0o700
+    keys = CurveKeys.load(secret, public)  # zmq.auth reads them
+    assert zmq.auth.load_certificates(str(tmp_path / "k")) == {keys.public_key: True}
 
 
 def test_curve_keys_are_checked_and_hide_the_secret(keys: Keys) -> None:

@@ -21,6 +21,7 @@ Keys are Z85 text (40 bytes), as ``zmq.curve_keypair()`` and ``zmq.auth`` write 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import glob
 import logging
 import os
@@ -63,6 +64,12 @@ _DENIED_LOG_S: Final = 10.0
 # Peers whose key a KeyWatch remembers before it forgets those without a session (each is
 # checked again at its next message).
 _KNOWN_MAX: Final = 4096
+# The ZAP domain of a stage's CURVE server sockets, enforced (ZMQ_ZAP_ENFORCE_DOMAIN): libzmq
+# then refuses every CURVE handshake while no ZAP handler answers for it (before the handler
+# starts, after it stops, or if it is gone). Without the domain, a CURVE server whose context
+# has no handler admits anyone who knows its (public) key. An empty domain must not be
+# enforced: libzmq 4.3.5 then skips ZAP altogether and admits every key.
+ZAP_DOMAIN: Final = b"enginecore"
 
 
 def _check_key(value: bytes | str, what: str) -> bytes:
@@ -208,7 +215,10 @@ def load_server_curve(
 
 def read_authorized(authorized_dir: str | os.PathLike[str]) -> frozenset[bytes]:
     """The client public keys (``*.key``) in *authorized_dir*: :class:`ValueError` for a
-    missing directory, one without any key, or a file that holds no valid key."""
+    missing directory, one without any key, or a file that holds no valid key. A client's
+    secret key found there (a ``*.key`` that holds one, or a ``*.key_secret``) is logged as
+    a warning: the stage needs only public keys, and a secret key belongs on its client's
+    host alone."""
     directory = Path(authorized_dir)
     if not directory.is_dir():
         raise ValueError(f"no such directory of authorized client keys: {os.fspath(directory)!r}")
@@ -218,12 +228,18 @@ def read_authorized(authorized_dir: str | os.PathLike[str]) -> frozenset[bytes]:
     for name in sorted(glob.glob("*.key", root_dir=directory)):
         path = directory / name
         try:
-            public, _ = zmq.auth.load_certificate(path)
+            public, secret = zmq.auth.load_certificate(path)
         except (OSError, ValueError) as exc:
             raise ValueError(
                 f"cannot read a client public key from {os.fspath(path)!r}: {exc}"
             ) from exc
         keys.add(_check_key(public, f"the client public key in {os.fspath(path)!r}"))
+        if secret:
+            _warn_secret_in_authorized(path, "an authorized client's key, holds its secret key too")
+    for name in sorted(glob.glob("*.key_secret", root_dir=directory)):
+        _warn_secret_in_authorized(
+            directory / name, "in the directory of authorized client keys, is a secret key file"
+        )
     if not keys:
         raise ValueError(
             f"no client public key (*.key) in {os.fspath(directory)!r}: no client could connect"
@@ -231,8 +247,22 @@ def read_authorized(authorized_dir: str | os.PathLike[str]) -> frozenset[bytes]:
     return frozenset(keys)
 
 
+def _warn_secret_in_authorized(path: Path, what: str) -> None:
+    logger.warning(
+        "enginecore: %s, %s: the stage needs only a client's "
+        "public NAME.key; a secret key should never leave its client's host (delete it "
+        "here, and make the client a new key pair if others may have read it)",
+        path,
+        what,
+    )
+
+
 def secure_server(sock: zmq.Socket[Any], curve: ServerCurve) -> None:
-    """Make *sock* a CURVE server, before it binds."""
+    """Make *sock* a CURVE server, before it binds: its handshakes go to the ZAP handler of
+    its context (:func:`start_authenticator`), and fail while none answers, so that no
+    moment of a stage's life (its teardown) admits keys that are not listed."""
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
@@ -275,6 +305,18 @@ class _Authorized:
         )
         return False
 
+    def report_unlogged(self) -> None:
+        """Log the refusals not reported yet (at the stop: a burst that ended within
+        :data:`_DENIED_LOG_S` of its first line was counted, never told)."""
+        with self._lock:
+            others, self._unlogged = self._unlogged, 0
+        if others:
+            logger.warning(
+                "enginecore: refused %d more CURVE clients whose key is not authorized since "
+                "the last report",
+                others,
+            )
+
 
 class Authenticator:
     """The stage's ZAP handler: a thread (pyzmq's :class:`ThreadAuthenticator`) on the
@@ -289,7 +331,7 @@ class Authenticator:
         self._lock = threading.Lock()
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("enginecore.stage.zap"))
         self._auth.start()
-        self._auth.configure_curve_callback("*", self.check)
+        self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), self.check)
 
     @property
     def keys(self) -> frozenset[bytes]:
@@ -302,14 +344,23 @@ class Authenticator:
         sessions of the keys removed."""
         self._listeners.append(listener)
 
-    def authorize(self, keys: frozenset[bytes]) -> int:
-        """Admit *keys* from now on, instead of the keys admitted so far: handshakes that
-        begin after this call are checked against them, and the listeners
-        (:meth:`on_change`) are told, so that the connections already made with a key
-        removed are cut (CURVE itself checks a key once, at the handshake). Returns the new
-        :attr:`generation`. Thread-safe."""
+    def authorize(self, keys: Iterable[bytes | str]) -> int:
+        """Admit *keys* (client public keys, Z85, ``bytes`` or ``str``) from now on, instead
+        of the keys admitted so far: handshakes that begin after this call are checked
+        against them, and the listeners (:meth:`on_change`) are told, so that the
+        connections already made with a key removed are cut (CURVE itself checks a key
+        once, at the handshake). Returns the new :attr:`generation`. Thread-safe.
+        :class:`ValueError` / :class:`TypeError` for a key that is not Z85 text of 40
+        characters, or a single key instead of a collection, before anything changes (the
+        input thread reads the keys as Z85 text: it would fail on them)."""
+        if isinstance(keys, (bytes, str, bytearray, memoryview)):
+            raise TypeError(
+                f"authorize takes a collection of client public keys, not one key: got "
+                f"{type(keys).__name__}"
+            )
+        checked = frozenset(_check_key(key, "an authorized client key") for key in keys)
         with self._lock:
-            self.check.keys = frozenset(keys)  # first: whoever sees the generation sees them
+            self.check.keys = checked  # first: whoever sees the generation sees them
             self.generation += 1
             generation = self.generation
         for listener in self._listeners:
@@ -317,8 +368,10 @@ class Authenticator:
         return generation
 
     def stop(self) -> None:
-        """End the handler thread and close its socket."""
+        """End the handler thread and close its socket; log the refusals not reported
+        yet."""
         self._auth.stop()
+        self.check.report_unlogged()
 
 
 def start_authenticator(ctx: zmq.Context[Any], curve: ServerCurve) -> Authenticator:
@@ -507,9 +560,12 @@ class HandshakeWatch:
         if self._silent:
             return self._silent_close()
         if self.connected and not self.succeeded and self._keys is not None:
-            return AuthenticationError(
+            # No refusal came: the stage did not answer (stopped, overloaded; the kernel
+            # completes a TCP connect for a process that never reads it). Not a key error.
+            return TimeoutError(
                 f"connected to the stage at {self._address}, but the CURVE handshake did not "
-                f"complete in {timeout} s"
+                f"complete in {timeout} s: the stage does not answer (a key it refused, or a "
+                f"wrong server key, would have been an AuthenticationError)"
             )
         return TimeoutError(f"no handshake reply from the stage at {self._address} in {timeout} s")
 
@@ -567,10 +623,51 @@ def check_key_name(name: str) -> None:
         )
 
 
+def _create_new(path: str, data: bytes, mode: int) -> None:
+    """Write *data* into a new file at *path*, with *mode* whatever the umask:
+    :class:`FileExistsError` if anything is there, a symbolic link too (``O_EXCL``: never
+    written through a link someone planted, never a race between a check and the write)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, mode & 0o600)  # never readable by others, not even briefly
+    except FileExistsError:
+        raise FileExistsError(f"{path} exists; not overwriting a key") from None
+    try:
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def _certificate(kind: str, public: bytes, secret: bytes | None = None) -> bytes:
+    """A key file in the format of ``zmq.auth`` (czmq's ZPL certificates)."""
+    lines = [
+        f"#   ****  Generated on {datetime.datetime.now()} by enginecore keygen  ****",
+        f"#   ZeroMQ CURVE {kind} Certificate",
+        "#   Give it to the other side; check that it arrived unchanged."
+        if secret is None
+        else "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
+        "",
+        "metadata",
+        "curve",
+        f'    public-key = "{public.decode("ascii")}"',
+    ]
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode("ascii")}"')
+    return ("\n".join(lines) + "\n").encode("ascii")
+
+
 def keygen(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
     """Write a new CURVE key pair into *directory* (made, mode 700, if missing):
-    ``NAME.key`` (the public key, to share) and ``NAME.key_secret`` (both keys, mode 600,
-    to keep). :class:`FileExistsError` rather than overwrite a key. Returns the two paths."""
+    ``NAME.key`` (the public key, to share, mode 644) and ``NAME.key_secret`` (both keys,
+    mode 600, to keep), whatever the umask. :class:`FileExistsError` rather than overwrite
+    a key or write through a symbolic link found at either path. Returns the two paths."""
     check_key_name(name)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"{os.fspath(directory)} exists and is not a directory")
@@ -578,12 +675,14 @@ def keygen(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
     public = os.path.join(directory, f"{name}.key")
     secret = os.path.join(directory, f"{name}.key_secret")
     for path in (public, secret):
-        if os.path.exists(path):
+        if os.path.lexists(path):  # a dangling link too: it is not ours to write through
             raise FileExistsError(f"{path} exists; not overwriting a key")
-    old = os.umask(0o077)  # the secret file is never readable by others, not even briefly
+    public_key, secret_key = zmq.curve_keypair()
+    _create_new(secret, _certificate("**Secret**", public_key, secret_key), 0o600)
     try:
-        public, secret = zmq.auth.create_certificates(directory, name)
-    finally:
-        os.umask(old)
-    os.chmod(public, 0o644)
+        _create_new(public, _certificate("Public", public_key), 0o644)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a key pair is written whole or not at all
+            os.unlink(secret)
+        raise
     return public, secret
