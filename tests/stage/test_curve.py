@@ -448,7 +448,7 @@ def test_authorize_takes_str_keys_and_refuses_bad_ones_without_harm(
     try:
         client = StageClient.connect(stage.address, curve=alice)
         assert client.add("a", 2).collect(timeout=10) == [1, 0]
-        stage.runtime.authorize(frozenset([alice.public_key.decode()]))  # type: ignore[list-item]
+        stage.runtime.authorize(frozenset([alice.public_key.decode()]))
         assert client.add("b", 2).collect(timeout=10) == [1, 0]  # still admitted
         raw = zmq.utils.z85.decode(alice.public_key)
         for bad, error, match in [

@@ -25,7 +25,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final, cast
 
 import zmq
@@ -426,8 +426,10 @@ class StageRuntime:
         process)."""
         return StageStatistics.from_wire(self._statistics())
 
-    def authorize(self, keys: frozenset[bytes]) -> None:
-        """With CURVE: admit *keys* (client public keys, Z85) from now on, instead of those
+    def authorize(self, keys: Iterable[bytes | str]) -> None:
+        """With CURVE: admit *keys* (client public keys, Z85 text of 40 characters, ``bytes``
+        or ``str``; :class:`ValueError` for another key, :class:`TypeError` for one key
+        instead of a collection, before anything changes) from now on, instead of those
         admitted so far (``serve`` calls it on SIGHUP: key rotation, ``docs/security.md``).
         New connections are checked against them, and so is every message of the
         connections already made: a client whose key was removed has its session ended and
