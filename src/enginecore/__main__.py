@@ -216,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
         description="A live terminal view of stages: steps/s, outputs/s, running requests, "
         "queue depth, step time p50 and p99, health. Reads each stage as an observer, beside "
         "the client that uses it. Needs the top extra: pip install 'enginecore[top]'. "
-        "q or Ctrl-C quits.",
+        "q, Ctrl-C or SIGTERM quits (exit code 0).",
     )
     top.add_argument(
         "addresses",

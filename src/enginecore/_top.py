@@ -22,6 +22,7 @@ import io
 import math
 import os
 import select
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -307,6 +308,22 @@ def _keys() -> Iterator[int | None]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (``kill``, ``timeout``, a supervisor) quits the live view as Ctrl-C does:
+    its default action would end the process at once, leaving the terminal in the
+    alternate screen, in cbreak mode (typing unechoed) and with the cursor hidden."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _print_once(table: Table) -> None:
     from rich.console import Console
     from rich.measure import Measurement
@@ -371,6 +388,7 @@ def _live(poller: Poller, interval: float) -> int:
     console = Console()
     with (
         contextlib.suppress(KeyboardInterrupt),
+        _sigterm_interrupts(),
         _keys() as stdin,
         Live(console=console, screen=True, auto_refresh=False, transient=True) as view,
     ):
