@@ -439,7 +439,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    check_encodable(kwargs, "--kwargs")
+    try:
+        check_encodable(kwargs, "--kwargs")
+    except TypeError as exc:  # valid JSON past the codec: an int past 64 bits, too deep
+        parser.error(str(exc))
     step_timeout = args.step_timeout or None  # 0: no watchdog
     try:
         check_watchdog(step_timeout, args.kill_after)

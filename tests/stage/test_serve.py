@@ -988,6 +988,25 @@ class TestServeCommandLine:
         assert result.returncode == 2
         assert "JSON object" in result.stderr
 
+    @pytest.mark.parametrize(
+        ("kwargs", "message"),
+        [
+            ('{"n": 123456789012345678901234567890}', "--kwargs['n']: int 1234"),
+            ('{"n": ' + "[" * 70 + "]" * 70 + "}", "--kwargs"),
+        ],
+        ids=["int-past-msgpack", "nested-too-deep"],
+    )
+    def test_kwargs_that_cannot_cross_the_wire_are_a_usage_error(
+        self, kwargs: str, message: str
+    ) -> None:
+        # Valid JSON that the codec refuses: a TypeError traceback and exit 1 it was.
+        result = self._run("serve", "--engine", SCRIPTED, "--kwargs", kwargs)
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("python -m enginecore serve: error: "), last
+        assert message in last
+
     def test_negative_detached_buffer_is_refused(self) -> None:
         result = self._run("serve", "--engine", SCRIPTED, "--detached-buffer", "-1")
         assert result.returncode == 2
