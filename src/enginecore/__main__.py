@@ -406,6 +406,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"python -m enginecore serve: {exc}", file=sys.stderr)
         return 2
+    if args.name is not None and not args.name.strip():
+        # The log records would fall back to the factory, the statistics (top, the metrics'
+        # stage label) would carry the empty name.
+        parser.error("--name must not be empty (leave it out for the engine factory)")
     if args.metrics_port is not None and not args.metrics_host.strip():
         parser.error("--metrics-host must not be empty")
     try:

@@ -1007,6 +1007,14 @@ class TestServeCommandLine:
         assert last.startswith("python -m enginecore serve: error: "), last
         assert message in last
 
+    @pytest.mark.parametrize("name", ["", "  "])
+    def test_an_empty_name_is_a_usage_error(self, name: str) -> None:
+        # It started, its logs named the factory and its statistics (top, metrics) ''.
+        result = self._run("serve", "--engine", SCRIPTED, "--name", name)
+        assert result.returncode == 2, result.stderr
+        assert "--name must not be empty" in result.stderr
+        assert "Traceback" not in result.stderr
+
     def test_negative_detached_buffer_is_refused(self) -> None:
         result = self._run("serve", "--engine", SCRIPTED, "--detached-buffer", "-1")
         assert result.returncode == 2
