@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -303,7 +304,13 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
+    return _never_past_timeout_max(value)
+
+
+def _never_past_timeout_max(seconds: float) -> float:
+    """*seconds*, at most ``threading.TIMEOUT_MAX`` (292 years): a thread's wait, a ZMQ poll
+    or a sleep of longer raises ``OverflowError``; this long means "never" either way."""
+    return min(seconds, threading.TIMEOUT_MAX)
 
 
 def _non_negative_int(text: str) -> int:
@@ -462,6 +469,12 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--client-buffer must be >= 1, got {args.client_buffer}")
     if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
         parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    drain_timeout = (
+        None if args.drain_timeout is None else _never_past_timeout_max(args.drain_timeout)
+    )
+    if step_timeout is not None:
+        step_timeout = _never_past_timeout_max(step_timeout)
+    kill_after = None if args.kill_after is None else _never_past_timeout_max(args.kill_after)
 
     metrics_url: list[str] = []
 
@@ -492,9 +505,9 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             keep_requests_on_detach=args.keep_requests_on_detach,
             max_clients=args.max_clients,
             client_buffer=args.client_buffer,
-            drain_timeout=args.drain_timeout,
+            drain_timeout=drain_timeout,
             step_timeout=step_timeout,
-            kill_after=args.kill_after,
+            kill_after=kill_after,
             name=args.name,
             log_level=check_log_level(args.log_level, "--log-level"),
             load_interval=getattr(

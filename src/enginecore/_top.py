@@ -155,7 +155,8 @@ class Poller:
             left = until - time.monotonic()
             if left <= 0:
                 return False
-            ready = dict(poller.poll(max(1, math.ceil(left * 1000))))
+            # At most an hour a poll: libzmq takes the milliseconds as a C int (24.8 days).
+            ready = dict(poller.poll(min(max(1, math.ceil(left * 1000)), 3_600_000)))
             if stdin is not None and stdin in ready and _quit_key(stdin):
                 return True
             for i in list(self._waiting):

@@ -914,6 +914,50 @@ class TestServeSignals:
         finally:
             assert srv.stop() == 1  # no_leftovers: no socket file left
 
+    @pytest.mark.parametrize(
+        "option",
+        [
+            ["--drain-timeout", "1e300"],
+            ["--step-timeout", "1e300"],
+            ["--step-timeout", "1e10", "--kill-after", "1e300"],
+        ],
+        ids=["drain-timeout", "step-timeout", "kill-after"],
+    )
+    def test_seconds_past_what_a_thread_can_wait_mean_never(
+        self, option: list[str], no_leftovers: str
+    ) -> None:
+        # The drain's and the watchdog's threads died on an OverflowError ("timestamp out of
+        # range for platform time_t"), a traceback on stderr: the value is a valid number
+        # of seconds, and this large it means "never".
+        srv = Server(
+            "--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/stage", *option,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        probes = iter(range(1_000_000))
+
+        def draining(client: StageClient) -> bool:
+            try:
+                list(client.add(f"probe-{next(probes)}", 1))
+            except RequestError:  # refused: the drain is on
+                return True
+            return False
+
+        try:
+            with StageClient.connect(srv.address) as client:
+                stream = client.add("r", 10**9)
+                next(iter(stream))
+                srv.proc.send_signal(signal.SIGTERM)
+                if option[0] == "--drain-timeout":
+                    assert wait_until(lambda: draining(client), 10)
+                    client.abort(["r"])  # the drain ends, the stage stops
+                assert srv.proc.wait(10) == 0
+        finally:
+            assert srv.stop() == 0
+            assert srv.proc.stderr is not None
+            stderr = srv.proc.stderr.read()
+            srv.proc.stderr.close()
+        assert "Traceback" not in stderr, stderr
+
     def test_an_idle_serve_stops_at_once(self) -> None:
         # Issue 8: an idle serve took 1.07 s to stop, waiting to flush its "shutdown" event
         # to nobody. Measured ~0.03 s now (the goal is < 0.2 s; the bound leaves room for a

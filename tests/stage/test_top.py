@@ -347,6 +347,23 @@ class TestLive:
         tmux.keys("q")
         tmux.wait_for("TOP-EXITED-0")
 
+    def test_an_interval_past_what_a_poll_can_wait_shows_and_quits_on_q(
+        self, server: Server
+    ) -> None:
+        # An OverflowError traceback it was, from zmq's poll (milliseconds in a C int: an
+        # interval past 24.8 days) or, past 292 years, from the sleep.
+        if shutil.which("tmux") is None:
+            pytest.skip("tmux is not installed (.ci/run installs it with apt-get)")
+        argv = [*TOP, server.address, "--interval", "1e300"]
+        tmux = Tmux(f"{shlex.join(argv)} 2>&1; echo TOP-EXITED-$?; sleep 60")
+        try:
+            tmux.wait_for(r"│ ok ")
+            tmux.keys("q")
+            screen = tmux.wait_for("TOP-EXITED-0")
+            assert "Traceback" not in screen
+        finally:
+            tmux.kill()
+
     @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
     def test_ctrl_c_or_sigterm_quits_cleanly_and_gives_the_terminal_back(
         self, top_in_tmux: Tmux, stop: str
