@@ -356,7 +356,7 @@ def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: 
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
-        loopback = host in _LOOPBACK_NAMES
+        loopback = host.lower() in _LOOPBACK_NAMES  # host names are case-insensitive
     if not loopback and not allow_remote:
         parser.error(
             f"refusing to bind {address!r}: not a loopback address, and without CURVE anyone "

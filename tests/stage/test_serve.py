@@ -995,6 +995,12 @@ class TestServeCommandLine:
         assert cli.main(["serve"]) == 130
         assert capsys.readouterr().err == "python -m enginecore: interrupted\n"
 
+    @pytest.mark.parametrize("host", ["localhost", "LocalHost", "127.0.0.2", "[::1]"])
+    def test_a_loopback_bind_starts_without_curve(self, host: str, no_leftovers: str) -> None:
+        # "LocalHost" was refused as "not a loopback address" (host names have no case).
+        srv = Server("--engine", SCRIPTED, "--bind", f"tcp://{host}:*")
+        assert srv.stop() == 0
+
     def test_non_loopback_bind_is_refused(self) -> None:
         # Without CURVE: refused, and the error names both ways out (tests/stage/test_curve.py
         # has the rest: --insecure starts it, CURVE starts it).
