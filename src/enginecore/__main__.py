@@ -27,10 +27,12 @@ start, 2 for bad arguments or a failed IO thread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
 import math
+import os
 import sys
 import threading
 import traceback
@@ -590,12 +592,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m enginecore`` (and of the ``enginecore`` script); returns
     the exit code. A Ctrl-C that lands outside a command's own handling (while ``serve``
     imports its modules, before its signal handlers are in) ends it with one line and the
-    shell's code for SIGINT, 130, instead of a traceback."""
+    shell's code for SIGINT, 130, instead of a traceback. A stdout closed before the output
+    was written (``top --once | head -1``, ``keygen DIR >&-``) is one line and exit 1."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("python -m enginecore: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Python would try to flush stdout again at exit, and print another error.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(
+            "python -m enginecore: stdout was closed before the output was written", file=sys.stderr
+        )
+        return 1
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -1065,6 +1065,34 @@ class TestServeCommandLine:
         assert "--name must not be empty" in result.stderr
         assert "Traceback" not in result.stderr
 
+    @pytest.mark.parametrize("command", ["top", "keygen"])
+    def test_a_closed_stdout_is_one_line_not_a_traceback(
+        self, command: str, no_leftovers: str
+    ) -> None:
+        # top --once | head -1, keygen DIR | ...: a BrokenPipeError traceback it was.
+        args = {
+            "top": ["top", "tcp://127.0.0.1:1", "--once", "--interval", "0.1"],
+            "keygen": ["keygen", os.path.join(no_leftovers, "keys")],
+        }[command]
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "enginecore", *args],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+        finally:
+            os.close(write)
+            shutil.rmtree(os.path.join(no_leftovers, "keys"), ignore_errors=True)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr == (
+            "python -m enginecore: stdout was closed before the output was written\n"
+        )
+
     def test_negative_detached_buffer_is_refused(self) -> None:
         result = self._run("serve", "--engine", SCRIPTED, "--detached-buffer", "-1")
         assert result.returncode == 2
