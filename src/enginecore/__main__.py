@@ -394,6 +394,44 @@ def _check_syntax(parser: argparse.ArgumentParser, address: str, *, bind: bool) 
     return host[1:-1] if bracketed else host
 
 
+_WILDCARDS = frozenset({"*", "0.0.0.0", "::"})
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    """Whether binding *a* and *b* (both checked by :func:`_check_syntax`) would take the
+    same endpoint, however spelled: one ipc path (``/tmp/./s``), or one TCP port on the same
+    host (``localhost`` and ``127.0.0.1``, a host and the wildcard). Port ``*`` or 0 never
+    clashes. Names other than the loopback ones are compared as text (no DNS lookup)."""
+    if a.startswith("ipc://") and b.startswith("ipc://"):
+        return os.path.realpath(a[len("ipc://") :]) == os.path.realpath(b[len("ipc://") :])
+    if not (a.startswith("tcp://") and b.startswith("tcp://")):
+        return False
+    host_a, _, port_a = a[len("tcp://") :].rpartition(":")
+    host_b, _, port_b = b[len("tcp://") :].rpartition(":")
+    if port_a in ("*", "0") or port_b in ("*", "0") or int(port_a) != int(port_b):
+        return False
+    ip_a, ip_b = _bind_host(host_a), _bind_host(host_b)
+    if ip_a == ip_b:
+        return True
+    if ip_a in _WILDCARDS or ip_b in _WILDCARDS:  # the wildcard of the other's family
+        return (":" in ip_a) == (":" in ip_b) or "*" in (ip_a, ip_b)
+    return False
+
+
+def _bind_host(host: str) -> str:
+    """*host* (brackets stripped) as libzmq binds it: the loopback names (libzmq resolves
+    ``localhost`` to IPv4) as addresses, IP addresses in their canonical form."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return "127.0.0.1"
+    if host == "ip6-localhost":
+        return "::1"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
 def _default_output(bind: str) -> str:
     if bind.startswith("ipc://"):
         return bind + ".out"
@@ -440,7 +478,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     remote_ok = curve is not None or args.insecure
     remote = _check_address(parser, args.bind, remote_ok)
     output = args.output_bind or _default_output(args.bind)
-    if output == args.bind and not output.endswith(":*"):
+    if _same_endpoint(output, args.bind):
         # tcp: the second bind fails once the engine is built; ipc: the output socket
         # takes the path over, and no client reaches the input socket.
         parser.error(f"--output-bind must differ from --bind, got {output!r} for both")

@@ -1249,6 +1249,27 @@ class TestServeCommandLine:
         assert result.returncode == 2, result.stderr
         assert "--output-bind must differ from --bind" in result.stderr
 
+    @pytest.mark.parametrize(
+        ("bind", "output"),
+        [
+            ("tcp://127.0.0.1:5571", "tcp://localhost:5571"),
+            ("tcp://localhost:5571", "tcp://LOCALHOST:5571"),
+            ("tcp://127.0.0.1:5571", "tcp://0.0.0.0:5571"),
+            ("ipc:///tmp/ec-same", "ipc:///tmp/./ec-same"),
+            ("ipc:///tmp/ec-same", "ipc:///tmp/../tmp/ec-same"),
+        ],
+    )
+    def test_the_same_address_spelled_two_ways_is_a_usage_error(
+        self, bind: str, output: str
+    ) -> None:
+        # Only the same text was caught: the output bind failed with "Address already in
+        # use" once the engine was built (a model loaded for nothing).
+        result = self._run(
+            "serve", "--engine", SCRIPTED, "--insecure", "--bind", bind, "--output-bind", output
+        )
+        assert result.returncode == 2, result.stderr
+        assert "--output-bind must differ from --bind" in result.stderr
+
     def test_a_usage_error_shows_the_usage_of_serve(self) -> None:
         # It showed the top-level usage ("python -m enginecore [-h] {serve,top,keygen}").
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
