@@ -483,6 +483,19 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         # takes the path over, and no client reaches the input socket.
         parser.error(f"--output-bind must differ from --bind, got {output!r} for both")
     remote = _check_address(parser, output, remote_ok) or remote
+    if args.metrics_port:  # 0: a free port
+        host = args.metrics_host.strip().strip("[]")
+        metrics = (
+            f"tcp://[{host}]:{args.metrics_port}"
+            if ":" in host
+            else f"tcp://{host}:{args.metrics_port}"
+        )
+        for option, address in (("--bind", args.bind), ("--output-bind", output)):
+            if _same_endpoint(metrics, address):
+                # The endpoint is bound first: the stage's bind failed once the engine was built.
+                parser.error(
+                    f"--metrics-port {args.metrics_port} is the port of {option} {address!r}"
+                )
     if remote and curve is None:
         print(
             "enginecore serve: WARNING: --insecure: listening beyond loopback without CURVE; "

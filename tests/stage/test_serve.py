@@ -1270,6 +1270,28 @@ class TestServeCommandLine:
         assert result.returncode == 2, result.stderr
         assert "--output-bind must differ from --bind" in result.stderr
 
+    @pytest.mark.parametrize(
+        ("addresses", "host"),
+        [
+            (["--bind", "tcp://127.0.0.1:5571"], "127.0.0.1"),
+            (["--bind", "tcp://127.0.0.1:5571"], "0.0.0.0"),
+            (["--bind", "tcp://[::1]:5571"], "[::1]"),
+            (["--output-bind", "tcp://localhost:5571"], "127.0.0.1"),
+        ],
+    )
+    def test_a_metrics_port_that_is_a_stage_port_is_a_usage_error(
+        self, addresses: list[str], host: str
+    ) -> None:
+        # The endpoint is bound first: the stage's own bind failed with "Address already in
+        # use" once the engine was built.
+        pytest.importorskip("prometheus_client")
+        result = self._run(
+            "serve", "--engine", SCRIPTED, *addresses,
+            "--metrics-port", "5571", "--metrics-host", host,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert "--metrics-port 5571 is the port of " + addresses[0] in result.stderr
+
     def test_a_usage_error_shows_the_usage_of_serve(self) -> None:
         # It showed the top-level usage ("python -m enginecore [-h] {serve,top,keygen}").
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
