@@ -432,6 +432,16 @@ def _bind_host(host: str) -> str:
         return host
 
 
+def _working_directory_on_path() -> None:
+    """Put the working directory first on ``sys.path`` unless it is there, so that
+    ``--engine mymodel:make`` imports ``mymodel.py`` beside the user from the ``enginecore``
+    script (whose own directory is ``sys.path[0]``) as it does from ``python -m
+    enginecore`` (which puts the working directory there)."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def _default_output(bind: str) -> str:
     if bind.startswith("ipc://"):
         return bind + ".out"
@@ -529,6 +539,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         step_timeout = _never_past_timeout_max(step_timeout)
     kill_after = None if args.kill_after is None else _never_past_timeout_max(args.kill_after)
 
+    _working_directory_on_path()
     metrics_url: list[str] = []
 
     def ready(input_address: str, output_address: str) -> None:

@@ -1292,6 +1292,38 @@ class TestServeCommandLine:
         assert result.returncode == 2, result.stderr
         assert "--metrics-port 5571 is the port of " + addresses[0] in result.stderr
 
+    def test_the_enginecore_script_imports_a_factory_from_the_working_directory(
+        self, no_leftovers: str
+    ) -> None:
+        # As python -m enginecore does: the script (its own directory first on sys.path,
+        # not the working directory) failed with ModuleNotFoundError for mymodel:make.
+        bin_dir, work = Path(no_leftovers, "bin"), Path(no_leftovers, "work")
+        bin_dir.mkdir()
+        work.mkdir()
+        script = bin_dir / "enginecore"  # what pip writes for [project.scripts]
+        script.write_text("import sys\nfrom enginecore.__main__ import main\nsys.exit(main())\n")
+        (work / "mymodel.py").write_text(
+            "from enginecore import CountdownEngine\n\ndef make():\n    return CountdownEngine()\n"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, str(script), "serve", "--engine", "mymodel:make",
+             "--bind", "tcp://127.0.0.1:*"],
+            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(bin_dir)
+            shutil.rmtree(work)
+        assert "listening on" in line, stderr
+        assert proc.returncode == 0, stderr
+
     def test_a_usage_error_shows_the_usage_of_serve(self) -> None:
         # It showed the top-level usage ("python -m enginecore [-h] {serve,top,keygen}").
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
