@@ -3,6 +3,7 @@ as the live view in a terminal (tmux: send keys, read the screen)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -306,9 +307,20 @@ class Tmux:
         return self._run("display-message", "-p", "-t", "top", fmt).strip()
 
     def kill(self) -> None:
+        # kill-server leaves the server's socket file behind (one per test in /tmp/tmux-UID).
+        path = subprocess.run(
+            ["tmux", "-L", self.socket, "display-message", "-p", "#{socket_path}"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         subprocess.run(
             ["tmux", "-L", self.socket, "kill-server"], check=False, capture_output=True, timeout=10
         )
+        if path:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 @pytest.fixture
