@@ -27,11 +27,14 @@ start, 2 for bad arguments or a failed IO thread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
 import math
+import os
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -216,7 +219,7 @@ def _parser() -> argparse.ArgumentParser:
         description="A live terminal view of stages: steps/s, outputs/s, running requests, "
         "queue depth, step time p50 and p99, health. Reads each stage as an observer, beside "
         "the client that uses it. Needs the top extra: pip install 'enginecore[top]'. "
-        "q or Ctrl-C quits.",
+        "q, Ctrl-C or SIGTERM quits (exit code 0).",
     )
     top.add_argument(
         "addresses",
@@ -303,7 +306,13 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
+    return _never_past_timeout_max(value)
+
+
+def _never_past_timeout_max(seconds: float) -> float:
+    """*seconds*, at most ``threading.TIMEOUT_MAX`` (292 years): a thread's wait, a ZMQ poll
+    or a sleep of longer raises ``OverflowError``; this long means "never" either way."""
+    return min(seconds, threading.TIMEOUT_MAX)
 
 
 def _non_negative_int(text: str) -> int:
@@ -349,7 +358,7 @@ def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: 
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
-        loopback = host in _LOOPBACK_NAMES
+        loopback = host.lower() in _LOOPBACK_NAMES  # host names are case-insensitive
     if not loopback and not allow_remote:
         parser.error(
             f"refusing to bind {address!r}: not a loopback address, and without CURVE anyone "
@@ -385,6 +394,54 @@ def _check_syntax(parser: argparse.ArgumentParser, address: str, *, bind: bool) 
     return host[1:-1] if bracketed else host
 
 
+_WILDCARDS = frozenset({"*", "0.0.0.0", "::"})
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    """Whether binding *a* and *b* (both checked by :func:`_check_syntax`) would take the
+    same endpoint, however spelled: one ipc path (``/tmp/./s``), or one TCP port on the same
+    host (``localhost`` and ``127.0.0.1``, a host and the wildcard). Port ``*`` or 0 never
+    clashes. Names other than the loopback ones are compared as text (no DNS lookup)."""
+    if a.startswith("ipc://") and b.startswith("ipc://"):
+        return os.path.realpath(a[len("ipc://") :]) == os.path.realpath(b[len("ipc://") :])
+    if not (a.startswith("tcp://") and b.startswith("tcp://")):
+        return False
+    host_a, _, port_a = a[len("tcp://") :].rpartition(":")
+    host_b, _, port_b = b[len("tcp://") :].rpartition(":")
+    if port_a in ("*", "0") or port_b in ("*", "0") or int(port_a) != int(port_b):
+        return False
+    ip_a, ip_b = _bind_host(host_a), _bind_host(host_b)
+    if ip_a == ip_b:
+        return True
+    if ip_a in _WILDCARDS or ip_b in _WILDCARDS:  # the wildcard of the other's family
+        return (":" in ip_a) == (":" in ip_b) or "*" in (ip_a, ip_b)
+    return False
+
+
+def _bind_host(host: str) -> str:
+    """*host* (brackets stripped) as libzmq binds it: the loopback names (libzmq resolves
+    ``localhost`` to IPv4) as addresses, IP addresses in their canonical form."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return "127.0.0.1"
+    if host == "ip6-localhost":
+        return "::1"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
+def _working_directory_on_path() -> None:
+    """Put the working directory first on ``sys.path`` unless it is there, so that
+    ``--engine mymodel:make`` imports ``mymodel.py`` beside the user from the ``enginecore``
+    script (whose own directory is ``sys.path[0]``) as it does from ``python -m
+    enginecore`` (which puts the working directory there)."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def _default_output(bind: str) -> str:
     if bind.startswith("ipc://"):
         return bind + ".out"
@@ -406,6 +463,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"python -m enginecore serve: {exc}", file=sys.stderr)
         return 2
+    if args.name is not None and not args.name.strip():
+        # The log records would fall back to the factory, the statistics (top, the metrics'
+        # stage label) would carry the empty name.
+        parser.error("--name must not be empty (leave it out for the engine factory)")
     if args.metrics_port is not None and not args.metrics_host.strip():
         parser.error("--metrics-host must not be empty")
     try:
@@ -427,11 +488,24 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     remote_ok = curve is not None or args.insecure
     remote = _check_address(parser, args.bind, remote_ok)
     output = args.output_bind or _default_output(args.bind)
-    if output == args.bind and not output.endswith(":*"):
+    if _same_endpoint(output, args.bind):
         # tcp: the second bind fails once the engine is built; ipc: the output socket
         # takes the path over, and no client reaches the input socket.
         parser.error(f"--output-bind must differ from --bind, got {output!r} for both")
     remote = _check_address(parser, output, remote_ok) or remote
+    if args.metrics_port:  # 0: a free port
+        host = args.metrics_host.strip().strip("[]")
+        metrics = (
+            f"tcp://[{host}]:{args.metrics_port}"
+            if ":" in host
+            else f"tcp://{host}:{args.metrics_port}"
+        )
+        for option, address in (("--bind", args.bind), ("--output-bind", output)):
+            if _same_endpoint(metrics, address):
+                # The endpoint is bound first: the stage's bind failed once the engine was built.
+                parser.error(
+                    f"--metrics-port {args.metrics_port} is the port of {option} {address!r}"
+                )
     if remote and curve is None:
         print(
             "enginecore serve: WARNING: --insecure: listening beyond loopback without CURVE; "
@@ -439,7 +513,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    check_encodable(kwargs, "--kwargs")
+    try:
+        check_encodable(kwargs, "--kwargs")
+    except TypeError as exc:  # valid JSON past the codec: an int past 64 bits, too deep
+        parser.error(str(exc))
     step_timeout = args.step_timeout or None  # 0: no watchdog
     try:
         check_watchdog(step_timeout, args.kill_after)
@@ -455,7 +532,14 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--client-buffer must be >= 1, got {args.client_buffer}")
     if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
         parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    drain_timeout = (
+        None if args.drain_timeout is None else _never_past_timeout_max(args.drain_timeout)
+    )
+    if step_timeout is not None:
+        step_timeout = _never_past_timeout_max(step_timeout)
+    kill_after = None if args.kill_after is None else _never_past_timeout_max(args.kill_after)
 
+    _working_directory_on_path()
     metrics_url: list[str] = []
 
     def ready(input_address: str, output_address: str) -> None:
@@ -485,9 +569,9 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             keep_requests_on_detach=args.keep_requests_on_detach,
             max_clients=args.max_clients,
             client_buffer=args.client_buffer,
-            drain_timeout=args.drain_timeout,
+            drain_timeout=drain_timeout,
             step_timeout=step_timeout,
-            kill_after=args.kill_after,
+            kill_after=kill_after,
             name=args.name,
             log_level=check_log_level(args.log_level, "--log-level"),
             load_interval=getattr(
@@ -570,12 +654,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m enginecore`` (and of the ``enginecore`` script); returns
     the exit code. A Ctrl-C that lands outside a command's own handling (while ``serve``
     imports its modules, before its signal handlers are in) ends it with one line and the
-    shell's code for SIGINT, 130, instead of a traceback."""
+    shell's code for SIGINT, 130, instead of a traceback. A stdout closed before the output
+    was written (``top --once | head -1``, ``keygen DIR >&-``) is one line and exit 1."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("python -m enginecore: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Python would try to flush stdout again at exit, and print another error.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(
+            "python -m enginecore: stdout was closed before the output was written", file=sys.stderr
+        )
+        return 1
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -22,6 +22,7 @@ import io
 import math
 import os
 import select
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -154,7 +155,8 @@ class Poller:
             left = until - time.monotonic()
             if left <= 0:
                 return False
-            ready = dict(poller.poll(max(1, math.ceil(left * 1000))))
+            # At most an hour a poll: libzmq takes the milliseconds as a C int (24.8 days).
+            ready = dict(poller.poll(min(max(1, math.ceil(left * 1000)), 3_600_000)))
             if stdin is not None and stdin in ready and _quit_key(stdin):
                 return True
             for i in list(self._waiting):
@@ -307,6 +309,22 @@ def _keys() -> Iterator[int | None]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (``kill``, ``timeout``, a supervisor) quits the live view as Ctrl-C does:
+    its default action would end the process at once, leaving the terminal in the
+    alternate screen, in cbreak mode (typing unechoed) and with the cursor hidden."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _print_once(table: Table) -> None:
     from rich.console import Console
     from rich.measure import Measurement
@@ -371,6 +389,7 @@ def _live(poller: Poller, interval: float) -> int:
     console = Console()
     with (
         contextlib.suppress(KeyboardInterrupt),
+        _sigterm_interrupts(),
         _keys() as stdin,
         Live(console=console, screen=True, auto_refresh=False, transient=True) as view,
     ):

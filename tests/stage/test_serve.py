@@ -914,6 +914,50 @@ class TestServeSignals:
         finally:
             assert srv.stop() == 1  # no_leftovers: no socket file left
 
+    @pytest.mark.parametrize(
+        "option",
+        [
+            ["--drain-timeout", "1e300"],
+            ["--step-timeout", "1e300"],
+            ["--step-timeout", "1e10", "--kill-after", "1e300"],
+        ],
+        ids=["drain-timeout", "step-timeout", "kill-after"],
+    )
+    def test_seconds_past_what_a_thread_can_wait_mean_never(
+        self, option: list[str], no_leftovers: str
+    ) -> None:
+        # The drain's and the watchdog's threads died on an OverflowError ("timestamp out of
+        # range for platform time_t"), a traceback on stderr: the value is a valid number
+        # of seconds, and this large it means "never".
+        srv = Server(
+            "--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/stage", *option,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        probes = iter(range(1_000_000))
+
+        def draining(client: StageClient) -> bool:
+            try:
+                list(client.add(f"probe-{next(probes)}", 1))
+            except RequestError:  # refused: the drain is on
+                return True
+            return False
+
+        try:
+            with StageClient.connect(srv.address) as client:
+                stream = client.add("r", 10**9)
+                next(iter(stream))
+                srv.proc.send_signal(signal.SIGTERM)
+                if option[0] == "--drain-timeout":
+                    assert wait_until(lambda: draining(client), 10)
+                    client.abort(["r"])  # the drain ends, the stage stops
+                assert srv.proc.wait(10) == 0
+        finally:
+            assert srv.stop() == 0
+            assert srv.proc.stderr is not None
+            stderr = srv.proc.stderr.read()
+            srv.proc.stderr.close()
+        assert "Traceback" not in stderr, stderr
+
     def test_an_idle_serve_stops_at_once(self) -> None:
         # Issue 8: an idle serve took 1.07 s to stop, waiting to flush its "shutdown" event
         # to nobody. Measured ~0.03 s now (the goal is < 0.2 s; the bound leaves room for a
@@ -951,6 +995,12 @@ class TestServeCommandLine:
         assert cli.main(["serve"]) == 130
         assert capsys.readouterr().err == "python -m enginecore: interrupted\n"
 
+    @pytest.mark.parametrize("host", ["localhost", "LocalHost", "127.0.0.2", "[::1]"])
+    def test_a_loopback_bind_starts_without_curve(self, host: str, no_leftovers: str) -> None:
+        # "LocalHost" was refused as "not a loopback address" (host names have no case).
+        srv = Server("--engine", SCRIPTED, "--bind", f"tcp://{host}:*")
+        assert srv.stop() == 0
+
     def test_non_loopback_bind_is_refused(self) -> None:
         # Without CURVE: refused, and the error names both ways out (tests/stage/test_curve.py
         # has the rest: --insecure starts it, CURVE starts it).
@@ -987,6 +1037,61 @@ class TestServeCommandLine:
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")
         assert result.returncode == 2
         assert "JSON object" in result.stderr
+
+    @pytest.mark.parametrize(
+        ("kwargs", "message"),
+        [
+            ('{"n": 123456789012345678901234567890}', "--kwargs['n']: int 1234"),
+            ('{"n": ' + "[" * 70 + "]" * 70 + "}", "--kwargs"),
+        ],
+        ids=["int-past-msgpack", "nested-too-deep"],
+    )
+    def test_kwargs_that_cannot_cross_the_wire_are_a_usage_error(
+        self, kwargs: str, message: str
+    ) -> None:
+        # Valid JSON that the codec refuses: a TypeError traceback and exit 1 it was.
+        result = self._run("serve", "--engine", SCRIPTED, "--kwargs", kwargs)
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("python -m enginecore serve: error: "), last
+        assert message in last
+
+    @pytest.mark.parametrize("name", ["", "  "])
+    def test_an_empty_name_is_a_usage_error(self, name: str) -> None:
+        # It started, its logs named the factory and its statistics (top, metrics) ''.
+        result = self._run("serve", "--engine", SCRIPTED, "--name", name)
+        assert result.returncode == 2, result.stderr
+        assert "--name must not be empty" in result.stderr
+        assert "Traceback" not in result.stderr
+
+    @pytest.mark.parametrize("command", ["top", "keygen"])
+    def test_a_closed_stdout_is_one_line_not_a_traceback(
+        self, command: str, no_leftovers: str
+    ) -> None:
+        # top --once | head -1, keygen DIR | ...: a BrokenPipeError traceback it was.
+        args = {
+            "top": ["top", "tcp://127.0.0.1:1", "--once", "--interval", "0.1"],
+            "keygen": ["keygen", os.path.join(no_leftovers, "keys")],
+        }[command]
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "enginecore", *args],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+        finally:
+            os.close(write)
+            shutil.rmtree(os.path.join(no_leftovers, "keys"), ignore_errors=True)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr == (
+            "python -m enginecore: stdout was closed before the output was written\n"
+        )
 
     def test_negative_detached_buffer_is_refused(self) -> None:
         result = self._run("serve", "--engine", SCRIPTED, "--detached-buffer", "-1")
@@ -1143,6 +1248,81 @@ class TestServeCommandLine:
         )
         assert result.returncode == 2, result.stderr
         assert "--output-bind must differ from --bind" in result.stderr
+
+    @pytest.mark.parametrize(
+        ("bind", "output"),
+        [
+            ("tcp://127.0.0.1:5571", "tcp://localhost:5571"),
+            ("tcp://localhost:5571", "tcp://LOCALHOST:5571"),
+            ("tcp://127.0.0.1:5571", "tcp://0.0.0.0:5571"),
+            ("ipc:///tmp/ec-same", "ipc:///tmp/./ec-same"),
+            ("ipc:///tmp/ec-same", "ipc:///tmp/../tmp/ec-same"),
+        ],
+    )
+    def test_the_same_address_spelled_two_ways_is_a_usage_error(
+        self, bind: str, output: str
+    ) -> None:
+        # Only the same text was caught: the output bind failed with "Address already in
+        # use" once the engine was built (a model loaded for nothing).
+        result = self._run(
+            "serve", "--engine", SCRIPTED, "--insecure", "--bind", bind, "--output-bind", output
+        )
+        assert result.returncode == 2, result.stderr
+        assert "--output-bind must differ from --bind" in result.stderr
+
+    @pytest.mark.parametrize(
+        ("addresses", "host"),
+        [
+            (["--bind", "tcp://127.0.0.1:5571"], "127.0.0.1"),
+            (["--bind", "tcp://127.0.0.1:5571"], "0.0.0.0"),
+            (["--bind", "tcp://[::1]:5571"], "[::1]"),
+            (["--output-bind", "tcp://localhost:5571"], "127.0.0.1"),
+        ],
+    )
+    def test_a_metrics_port_that_is_a_stage_port_is_a_usage_error(
+        self, addresses: list[str], host: str
+    ) -> None:
+        # The endpoint is bound first: the stage's own bind failed with "Address already in
+        # use" once the engine was built.
+        pytest.importorskip("prometheus_client")
+        result = self._run(
+            "serve", "--engine", SCRIPTED, *addresses,
+            "--metrics-port", "5571", "--metrics-host", host,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert "--metrics-port 5571 is the port of " + addresses[0] in result.stderr
+
+    def test_the_enginecore_script_imports_a_factory_from_the_working_directory(
+        self, no_leftovers: str
+    ) -> None:
+        # As python -m enginecore does: the script (its own directory first on sys.path,
+        # not the working directory) failed with ModuleNotFoundError for mymodel:make.
+        bin_dir, work = Path(no_leftovers, "bin"), Path(no_leftovers, "work")
+        bin_dir.mkdir()
+        work.mkdir()
+        script = bin_dir / "enginecore"  # what pip writes for [project.scripts]
+        script.write_text("import sys\nfrom enginecore.__main__ import main\nsys.exit(main())\n")
+        (work / "mymodel.py").write_text(
+            "from enginecore import CountdownEngine\n\ndef make():\n    return CountdownEngine()\n"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, str(script), "serve", "--engine", "mymodel:make",
+             "--bind", "tcp://127.0.0.1:*"],
+            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(bin_dir)
+            shutil.rmtree(work)
+        assert "listening on" in line, stderr
+        assert proc.returncode == 0, stderr
 
     def test_a_usage_error_shows_the_usage_of_serve(self) -> None:
         # It showed the top-level usage ("python -m enginecore [-h] {serve,top,keygen}").

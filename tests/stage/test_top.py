@@ -3,6 +3,7 @@ as the live view in a terminal (tmux: send keys, read the screen)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -301,10 +302,25 @@ class Tmux:
         assert wait_until(shows, timeout), f"{pattern!r} not on the screen:\n{seen[0]}"
         return seen[0]
 
+    def pane(self, fmt: str) -> str:
+        """A tmux format of the pane, e.g. ``#{alternate_on}``."""
+        return self._run("display-message", "-p", "-t", "top", fmt).strip()
+
     def kill(self) -> None:
+        # kill-server leaves the server's socket file behind (one per test in /tmp/tmux-UID).
+        path = subprocess.run(
+            ["tmux", "-L", self.socket, "display-message", "-p", "#{socket_path}"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         subprocess.run(
             ["tmux", "-L", self.socket, "kill-server"], check=False, capture_output=True, timeout=10
         )
+        if path:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 @pytest.fixture
@@ -312,8 +328,10 @@ def top_in_tmux(server: Server) -> Iterator[Tmux]:
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed (.ci/run installs it with apt-get)")
     argv = [*TOP, server.address, "--interval", "0.3"]
-    # The exit code stays on the screen after top has gone.
-    command = f"{shlex.join(argv)}; echo TOP-EXITED-$?; sleep 60"
+    # The exit code stays on the screen after top has gone, with the terminal's modes
+    # (TTY-icanon / TTY--icanon: whether top gave the terminal back as it found it).
+    modes = "stty -a | tr ' ;' '\\n\\n' | grep -x -- '-\\?icanon\\|-\\?echo' | sed 's/^/TTY-/'"
+    command = f"{shlex.join(argv)}; echo TOP-EXITED-$?; {modes}; sleep 60"
     tmux = Tmux(command)
     try:
         yield tmux
@@ -341,8 +359,39 @@ class TestLive:
         tmux.keys("q")
         tmux.wait_for("TOP-EXITED-0")
 
-    def test_ctrl_c_quits_cleanly(self, top_in_tmux: Tmux) -> None:
+    def test_an_interval_past_what_a_poll_can_wait_shows_and_quits_on_q(
+        self, server: Server
+    ) -> None:
+        # An OverflowError traceback it was, from zmq's poll (milliseconds in a C int: an
+        # interval past 24.8 days) or, past 292 years, from the sleep.
+        if shutil.which("tmux") is None:
+            pytest.skip("tmux is not installed (.ci/run installs it with apt-get)")
+        argv = [*TOP, server.address, "--interval", "1e300"]
+        tmux = Tmux(f"{shlex.join(argv)} 2>&1; echo TOP-EXITED-$?; sleep 60")
+        try:
+            tmux.wait_for(r"│ ok ")
+            tmux.keys("q")
+            screen = tmux.wait_for("TOP-EXITED-0")
+            assert "Traceback" not in screen
+        finally:
+            tmux.kill()
+
+    @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+    def test_ctrl_c_or_sigterm_quits_cleanly_and_gives_the_terminal_back(
+        self, top_in_tmux: Tmux, stop: str
+    ) -> None:
         top_in_tmux.wait_for(r"│ ok ")
-        top_in_tmux.keys("C-c")
-        screen = top_in_tmux.wait_for("TOP-EXITED-0")
+        if stop == "ctrl-c":
+            top_in_tmux.keys("C-c")
+        else:  # kill PID, timeout(1), a supervisor: top would die in cbreak mode, unechoed
+            shell = int(top_in_tmux.pane("#{pane_pid}"))
+            pids = subprocess.run(
+                ["pgrep", "-P", str(shell)], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.split()
+            assert len(pids) == 1, pids
+            os.kill(int(pids[0]), signal.SIGTERM)
+        screen = top_in_tmux.wait_for(r"TOP-EXITED-0(.|\n)*TTY-\S*echo")
         assert "Traceback" not in screen
+        assert "TTY-icanon" in screen, screen
+        assert "TTY-echo" in screen, screen
+        assert top_in_tmux.pane("#{alternate_on} #{cursor_flag}") == "0 1"
