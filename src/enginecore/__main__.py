@@ -370,28 +370,15 @@ def _check_address(parser: argparse.ArgumentParser, address: str, allow_remote: 
 
 def _check_syntax(parser: argparse.ArgumentParser, address: str, *, bind: bool) -> str | None:
     """Exit with a usage error unless *address* is ``ipc://PATH`` or ``tcp://HOST:PORT``
-    (PORT ``*`` or 0 to bind, 1 to 65535 to connect; an IPv6 HOST in brackets): libzmq
-    takes a port past 65535 modulo 65536, and reads ``tcp://::1:5570`` as an interface
-    name. Return HOST (brackets stripped), ``None`` for ipc."""
-    if address.startswith("ipc://"):
-        if len(address) <= len("ipc://"):
-            parser.error(f"empty ipc path in {address!r}")
-        return None
-    if not address.startswith("tcp://"):
-        parser.error(f"address must start with tcp:// or ipc://, got {address!r}")
-    rest = address[len("tcp://") :]
-    host, sep, port = rest.rpartition(":")
-    numeric = port.isascii() and port.isdigit()
-    if not sep or not host or not (port == "*" or numeric):
-        parser.error(f"tcp address must look like tcp://HOST:PORT, got {address!r}")
-    bracketed = host.startswith("[") and host.endswith("]")
-    if ":" in host and not bracketed:
-        parser.error(f"an IPv6 address goes in brackets: tcp://[{host}]:{port}, got {address!r}")
-    lowest = 0 if bind else 1
-    if not (numeric and lowest <= int(port) <= 65535) and not (bind and port == "*"):
-        ports = "0 to 65535 or *" if bind else "1 to 65535"
-        parser.error(f"a port is {ports}, got {address!r}")
-    return host[1:-1] if bracketed else host
+    (PORT ``*`` or 0 to bind, 1 to 65535 to connect; an IPv6 HOST in brackets): the check
+    every ``connect()`` makes too (:func:`~enginecore.stage._address.check_address`).
+    Return HOST (brackets stripped), ``None`` for ipc."""
+    from .stage._address import check_address
+
+    try:
+        return check_address(address, bind=bind)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 _WILDCARDS = frozenset({"*", "0.0.0.0", "::"})
