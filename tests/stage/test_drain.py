@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -28,7 +28,7 @@ from enginecore.stage import (
 from enginecore.stage._stage_engine import DRAINING
 from enginecore.stage.testing import ScriptedEngine
 
-from .conftest import SCRIPTED, Launch, Server, wait_until
+from .conftest import SCRIPTED, Connect, Launch, Server, wait_until
 from .raw import InProcessStage, RawClient
 
 Event = list[Any]
@@ -258,6 +258,42 @@ class TestClientDrain:
         assert codes == [0]  # nothing live any more: the drain ended, not at its deadline
         with pytest.raises(StageClosedError):  # the close is over: refused again
             client.abort(["gone"])
+
+    # Finite, so accepted; but the stage's drain timer and the client's wait for the
+    # stage's exit (poll() takes at most 24.8 days, a lock 292 years) raised OverflowError
+    # in their threads: the drain never ended, or shutdown() raised.
+    HUGE: ClassVar = pytest.mark.parametrize(
+        "how",
+        [{"drain": 1e300}, {"timeout": 1e300}, {"drain": 1e300, "timeout": 1e300}],
+        ids=["drain", "timeout", "both"],
+    )
+
+    @staticmethod
+    def _shut_down_with(client: StageClient, how: dict[str, float]) -> int | None:
+        stream = client.add("r", 20_000)  # live when the drain begins
+        assert stream.get(5) == 19_999
+        code = client.shutdown(**how)
+        if "drain" in how:
+            assert stream.collect(timeout=10) == list(range(19_998, -1, -1))
+        return code
+
+    @HUGE
+    def test_seconds_past_what_a_thread_can_wait_mean_as_long_as_it_takes(
+        self, launch: Launch, how: dict[str, float], capfd: pytest.CaptureFixture[str]
+    ) -> None:
+        assert self._shut_down_with(launch(SCRIPTED), how) == 0
+        assert "OverflowError" not in capfd.readouterr().err  # the stage's drain timer
+
+    @HUGE
+    def test_so_they_do_for_a_connected_stage(
+        self, connect: Connect, how: dict[str, float]
+    ) -> None:
+        server = Server("--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*")
+        try:
+            assert self._shut_down_with(connect(server.address), how) is None
+            assert server.proc.wait(10) == 0
+        finally:
+            server.stop()
 
     @pytest.mark.parametrize("drain", [-1.0, float("nan")])
     def test_an_invalid_drain_raises_before_anything(self, launch: Launch, drain: float) -> None:

@@ -54,6 +54,23 @@ def watchdog(recorder: Recorder, step_timeout: float, kill_after: float | None =
 
 
 class TestStepWatchdog:
+    @pytest.mark.parametrize("kill_after", [None, 1e300])
+    def test_seconds_past_what_a_thread_can_wait_mean_never(
+        self, recorder: Recorder, kill_after: float | None
+    ) -> None:
+        # launch(step_timeout=1e300) through the library (serve caps it on its command
+        # line): the watchdog's wait raised OverflowError and ended its thread.
+        wd = watchdog(recorder, 1e300, kill_after)
+        try:
+            wd.begin()
+            wd._thread.join(0.3)  # it takes the step, then waits on it
+            assert wd._thread.is_alive()
+        finally:
+            wd.close()
+        wd._thread.join(5)
+        assert not wd._thread.is_alive()
+        assert recorder.posted == []
+
     def test_a_long_step_is_reported_once_with_the_stacks_then_resumed(
         self, recorder: Recorder, capfd: pytest.CaptureFixture[str]
     ) -> None:

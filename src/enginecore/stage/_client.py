@@ -903,7 +903,9 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                         break
             self._over.wait(_session.EXIT_READ_MAX_S)  # its last frames: the session says when
         elif stop_stage and alive:
-            self._over.wait(timeout)
+            # At most TIMEOUT_MAX (292 years): a longer wait (timeout or drain 1e300)
+            # raised OverflowError.
+            self._over.wait(min(timeout, threading.TIMEOUT_MAX))
         self._stopping = True  # before the byte: the receiver reads the flag after it
         _poke(self._wake_w)  # for the receiver or a borrower, whichever polls
         self._resume()  # for a receiver parked with an idle socket

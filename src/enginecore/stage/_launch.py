@@ -52,6 +52,8 @@ __all__ = [
 _MAX_IPC_PATH: Final = 107
 # How long a launched stage may take to admit new keys (Launched.authorize).
 _AUTHORIZE_TIMEOUT: Final = 30.0
+# The longest single wait for a process's exit: poll() takes at most INT_MAX ms (24.8 days).
+_POLL_MAX_S: Final = 86400.0
 
 
 @dataclass(frozen=True)
@@ -137,8 +139,19 @@ class Launched:
         return int(reply[2])
 
     def wait_exit(self, timeout: float | None) -> bool:
-        """Block until the process has exited (not reaped), at most *timeout* s."""
-        return bool(multiprocessing.connection.wait([self.process.sentinel], timeout))
+        """Block until the process has exited (not reaped), at most *timeout* s (any
+        number: ``shutdown(timeout=1e300)`` waits as ``None`` does)."""
+        sentinel = [self.process.sentinel]
+        if timeout is None or timeout <= _POLL_MAX_S:
+            return bool(multiprocessing.connection.wait(sentinel, timeout))
+        # poll() takes at most INT_MAX ms (24.8 days): a longer wait raised OverflowError.
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if multiprocessing.connection.wait(sentinel, min(max(left, 0.0), _POLL_MAX_S)):
+                return True
+            if left <= _POLL_MAX_S:
+                return False
 
     def reap(self) -> int | None:
         """Reap the process if it has exited; return its exit code (``None``: still alive)."""

@@ -80,8 +80,9 @@ def build_engine(spec: str, kwargs: dict[str, Any]) -> Engine | PipelinedEngine[
     engine = import_factory(spec)(**kwargs)
     if not isinstance(engine, (Engine, PipelinedEngine)):
         raise TypeError(
-            f"engine factory {spec!r} returned a {type(engine).__name__}, which does not "
-            f"implement the enginecore.Engine protocol (nor enginecore.PipelinedEngine)"
+            f"engine factory {spec!r} returned an object of type {type(engine).__name__}, "
+            f"which does not implement the enginecore.Engine protocol (nor "
+            f"enginecore.PipelinedEngine)"
         )
     return engine
 

@@ -472,7 +472,10 @@ class _Drain:
             self.done()
             return
         self._timers += 1
-        timer = threading.Timer(seconds, submit_unless_ended, (loop, DrainDeadline(self._timers)))
+        # At most TIMEOUT_MAX (292 years): a longer drain (any client may ask for 1e300 s)
+        # raised OverflowError in the timer's thread, and the drain never ended.
+        wait = min(seconds, threading.TIMEOUT_MAX)
+        timer = threading.Timer(wait, submit_unless_ended, (loop, DrainDeadline(self._timers)))
         timer.daemon = True
         timer.name = "enginecore-drain"
         self._timer = timer

@@ -182,8 +182,10 @@ class StepWatchdog:
     def _sleep(self, seconds: float) -> None:
         # The event stays set while armed, so the thread sleeps on a condition of its own,
         # which close() notifies.
+        # At most TIMEOUT_MAX (292 years): a step_timeout past it (1e300) means "never",
+        # where a longer wait raised OverflowError and ended the watchdog's thread.
         with self._cond:
-            self._cond.wait_for(lambda: self._closed, seconds)
+            self._cond.wait_for(lambda: self._closed, min(seconds, threading.TIMEOUT_MAX))
 
     def _report_stall(self, seq: int, started: float, ran: float) -> None:
         with self._lock:
