@@ -6,49 +6,28 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
-from enginecore.stage import AsyncStagePool, StageClient, StagePool
+from enginecore.stage import StageClient
 
-from .conftest import EventLoopThread, Server, wait_until
-from .test_pool import BlockingAsyncPool
+from . import test_pool
+from .conftest import Server, wait_until
+from .test_pool import Open
 
 DEVICE = "enginecore.stage.testing:device"
 
 pytestmark = pytest.mark.timeout(90)
 
+pools = test_pool.pools  # the fixture: StagePool's and AsyncStagePool's, closed afterwards
 
-@pytest.fixture(params=["sync", "async"])
-def connect(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Any]:
+
+@pytest.fixture
+def connect(pools: tuple[Open, Open]) -> Open:
     """``connect(addresses, **kwargs)``: StagePool's or AsyncStagePool's (behind the
-    adapter), closed afterwards."""
-    runner = EventLoopThread() if request.param == "async" else None
-    opened: list[Any] = []
-
-    def open_(addresses: list[str], **kwargs: Any) -> StagePool:
-        if runner is None:
-            pool: Any = StagePool.connect(addresses, **kwargs)
-        else:
-
-            async def make() -> AsyncStagePool:
-                return await AsyncStagePool.connect(addresses, **kwargs)
-
-            pool = BlockingAsyncPool(runner, runner.run(make()))
-        opened.append(pool)
-        return cast(StagePool, pool)
-
-    try:
-        yield open_
-    finally:
-        try:
-            for pool in opened:
-                pool.close()
-        finally:
-            if runner is not None:
-                runner.stop()
+    adapter), closed afterwards (test_pool's ``pools``)."""
+    return pools[1]
 
 
 def _shared(step_s: float) -> Server:
