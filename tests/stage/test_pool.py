@@ -510,6 +510,12 @@ def test_no_replica_left_raises(launch: Open) -> None:
         pool.add("x", 1)
     with pytest.raises(NoReplicaError):
         pool.call_utility("num_requests")
+    # A call on every serving replica raises too, as a dead client's stats() does: an
+    # empty answer would read as "nothing to report", not "no replica serves".
+    with pytest.raises(NoReplicaError, match="no replica serves: r0 dead"):
+        pool.stats()
+    with pytest.raises(NoReplicaError, match="no replica serves: r0 dead"):
+        pool.call_utility("num_requests", broadcast=True)
     assert pool.health() == StageHealth.DEAD
 
 

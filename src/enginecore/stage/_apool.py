@@ -530,8 +530,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             if replica is not None:
                 raise TypeError("call_utility() takes replica= or broadcast=True, not both")
             _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
-            self._check_open()
-            serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
+            serving = self._serving()
             results = await asyncio.gather(
                 *(r._client.call_utility(name, *args, timeout=timeout) for r in serving),
                 return_exceptions=True,
@@ -547,9 +546,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         replicas answer at once)."""
         self._on_its_loop()
         _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
-        if self._core.closing:
-            raise StageClosedError("this stage pool is closed")
-        serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
+        serving = self._serving()
         results = await asyncio.gather(
             *(r._client.stats(timeout) for r in serving), return_exceptions=True
         )

@@ -410,6 +410,20 @@ class PoolBase(Generic[S]):
         if self._core.closing:
             raise StageClosedError("this stage pool is closed")
 
+    def _serving(self) -> list[Replica]:
+        """The replicas a call on every one of them asks (``stats()``, a broadcast
+        ``call_utility()``): the serving ones; :class:`NoReplicaError` if none serves, as
+        ``add()`` and ``call_utility()`` raise (an empty answer would read as nothing to
+        report, as a dead client's ``stats()`` does not answer either)."""
+        self._check_open()
+        serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
+        if not serving:
+            raise NoReplicaError(
+                "no replica serves: "
+                + (", ".join(f"{r.name} {r.state.value}" for r in self._core.replicas) or "none")
+            )
+        return serving
+
     def _utility_target(self, replica: Replica | None) -> Any:
         """The member client a utility call goes to: *replica*'s, else the least-loaded
         serving replica's."""
