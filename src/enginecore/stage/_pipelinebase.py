@@ -812,7 +812,12 @@ class PipelineBase(Generic[S, C]):
 
     def _utility_clients(self, stage: str, replica: int | None) -> tuple[list[C], bool]:
         """The clients a ``call_utility`` of *stage* goes to, and whether it answers a list
-        (a replica pool's, without *replica*: one answer per replica)."""
+        (a replica pool's, without *replica*: one answer per replica).
+        :class:`~enginecore.stage.StageClosedError` once :meth:`shutdown` has begun (a
+        drain under way included), as a closing client's ``call_utility()`` raises: the
+        pipeline's, not a stage client's."""
+        if self._closed:
+            raise StageClosedError("the pipeline was shut down")
         if replica is not None:
             return [self.client(stage, replica)], False
         replicas = self._replicas[self._stage_index(stage)]
@@ -967,6 +972,13 @@ class PipelineBase(Generic[S, C]):
         exc, d = failed
         self._deliver(d)
         raise exc
+
+    def _check_shut_down(self) -> None:
+        """Before ``stats()``: :class:`~enginecore.stage.StageClosedError` once
+        :meth:`shutdown` has stopped every stage, as a closed client's and a closed pool's
+        ``stats()`` raise (during a drain, each stage's entry is its client's answer)."""
+        if self._shutdown_done:
+            raise StageClosedError("the pipeline was shut down")
 
     def _abort(self, req_ids: Sequence[str]) -> None:
         ids = abort_ids(req_ids)
