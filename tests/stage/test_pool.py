@@ -23,12 +23,14 @@ import pytest
 from enginecore.stage import (
     Aborted,
     AsyncPoolRequestStream,
+    AsyncStageClient,
     AsyncStagePool,
     EngineDeadError,
     ErrorReport,
     LeastLoaded,
     NoReplicaError,
     Outputs,
+    PipelineStage,
     PoolRequest,
     PoolRequestStream,
     Replica,
@@ -41,6 +43,7 @@ from enginecore.stage import (
     RequestFailed,
     RestartPolicy,
     Routing,
+    StageClient,
     StageClosedError,
     StageHealth,
     StagePool,
@@ -2066,3 +2069,50 @@ def test_an_empty_add_many_after_close_is_refused_as_a_clients(launch: Open) -> 
     pool.shutdown()
     with pytest.raises(StageClosedError):
         pool.add_many([])
+
+
+_NOWHERE = "ipc:///nonexistent/enginecore-test"
+_YES: Any = "yes"  # not a bool, as a user's config file may give
+
+
+async def _async_made(make: Callable[[], Any]) -> Any:
+    got = make()
+    return await got if asyncio.iscoroutine(got) else got
+
+
+@pytest.mark.parametrize(
+    ("make", "flag"),
+    [
+        (lambda: StageClient.launch(COUNTDOWN, ordered_events=_YES), "ordered_events"),
+        (lambda: StageClient.connect(_NOWHERE, ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStageClient.launch(COUNTDOWN, ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStageClient.connect(_NOWHERE, ordered_events=_YES), "ordered_events"),
+        (lambda: StagePool(ordered_events=_YES), "ordered_events"),
+        (lambda: StagePool.launch(COUNTDOWN, ordered_events=_YES), "ordered_events"),
+        (lambda: StagePool.connect([_NOWHERE], ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStagePool(ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStagePool.launch(COUNTDOWN, ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStagePool.connect([_NOWHERE], ordered_events=_YES), "ordered_events"),
+        (lambda: PipelineStage(COUNTDOWN, forward_logs=_YES), "forward_logs"),
+    ],
+    ids=[
+        *(
+            f"{cls}.{how}"
+            for cls in ("StageClient", "AsyncStageClient")
+            for how in ("launch", "connect")
+        ),
+        *(
+            f"{cls}{how}"
+            for cls in ("StagePool", "AsyncStagePool")
+            for how in ("()", ".launch", ".connect")
+        ),
+        "PipelineStage",
+    ],
+)
+def test_a_flag_that_is_not_a_bool_is_refused_before_anything_starts(
+    make: Callable[[], Any], flag: str, no_leftovers: str
+) -> None:
+    # "yes" (or "no", or 0.0) was taken for its truth: a pool made with
+    # ordered_events="no" kept an event stream that nobody reads, growing without bound.
+    with pytest.raises(TypeError, match=f"^{flag} must be a bool, got str$"):
+        asyncio.run(_async_made(make))

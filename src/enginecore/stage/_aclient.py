@@ -268,6 +268,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :func:`asyncio.run`) stops the wait at once and kills the half-started stage before
         the cancellation propagates. No process or socket file is left behind either way.
         """
+        _clientbase.check_flag(ordered_events, "ordered_events")
         options = {
             "name": name,
             "step_timeout": step_timeout,
@@ -308,6 +309,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         Cancelling it kills the actor; no actor is left behind either way."""
         from .ray import RayPlan, open_on_ray_async
 
+        _clientbase.check_flag(ordered_events, "ordered_events")
         plan = RayPlan.make(
             factory,
             kwargs,
@@ -396,6 +398,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         within *timeout* at the latest (``docs/security.md``).
         """
         _clientbase.check_connect(address, timeout)
+        _clientbase.check_flag(ordered_events, "ordered_events")
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
         return await cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 

@@ -365,6 +365,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
         factory raised) if it does not come up; no process or socket file is left behind.
         """
+        _clientbase.check_flag(ordered_events, "ordered_events")
         options = {
             "name": name,
             "step_timeout": step_timeout,
@@ -408,6 +409,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         behind."""
         from .ray import RayPlan, open_on_ray
 
+        _clientbase.check_flag(ordered_events, "ordered_events")
         plan = RayPlan.make(
             factory,
             kwargs,
@@ -501,6 +503,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         within *timeout* at the latest (``docs/security.md``).
         """
         _clientbase.check_connect(address, timeout)
+        _clientbase.check_flag(ordered_events, "ordered_events")
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
         return cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 

@@ -395,6 +395,13 @@ def check_heartbeat(interval: float, timeout: float) -> tuple[float, float]:
     return interval, timeout
 
 
+def check_flag(value: object, what: str) -> None:
+    """An option that is a ``bool`` (``ordered_events``, ...): :class:`TypeError` for
+    anything else, before anything starts (``"no"`` would be taken for true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {type(value).__name__}")
+
+
 def check_connect(address: object, timeout: object) -> None:
     """``connect()``'s *address* (a ``str``: :class:`TypeError`) and handshake *timeout*
     (:func:`~._errors.positive_seconds`), checked before any socket is made."""

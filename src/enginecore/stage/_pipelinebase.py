@@ -236,6 +236,8 @@ class PipelineStage:
                 raise ValueError(
                     f"{what} must be an int >= 1 or None (and below 2**63), got {value!r}"
                 )
+        if not isinstance(self.forward_logs, bool):  # "no" would be true
+            raise TypeError(f"forward_logs must be a bool, got {type(self.forward_logs).__name__}")
         if not isinstance(self.restart, (bool, RestartPolicy)):
             raise TypeError(f"restart must be a bool or a RestartPolicy, got {self.restart!r}")
         policy = self.on_next_error

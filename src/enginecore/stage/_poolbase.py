@@ -352,6 +352,7 @@ class PoolBase(Generic[S]):
         max_migrations: int,
         ordered_events: bool = False,
     ) -> None:
+        _clientbase.check_flag(ordered_events, "ordered_events")
         self._core = PoolCore(routing, restart, on_replica_death, max_migrations)
         # The pool's event stream (None when off): every replica's events, each replica's
         # in its order, then at most one End (the pool closed). Consumers pop from it; the
