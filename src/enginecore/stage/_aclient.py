@@ -45,6 +45,8 @@ from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from .ray import RayPlacement
 
 __all__ = ["AsyncRequestStream", "AsyncStageClient"]
@@ -78,7 +80,7 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
     _STOP = StopAsyncIteration
     _wakeup: asyncio.Future[None] | None
 
-    def __aiter__(self) -> AsyncRequestStream:
+    def __aiter__(self) -> Self:  # a pool's or a pipeline's stream: its own type
         return self
 
     async def __anext__(self) -> Any:

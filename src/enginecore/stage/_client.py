@@ -67,6 +67,8 @@ from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from .ray import RayPlacement
 
 __all__ = ["Receiver", "RequestStream", "StageClient"]
@@ -152,7 +154,7 @@ class RequestStream(StreamCore, Iterator[Any]):
     _STOP = StopIteration
     _wakeup: queue.SimpleQueue[None] | None
 
-    def __iter__(self) -> RequestStream:
+    def __iter__(self) -> Self:  # a pool's or a pipeline's stream: its own type
         return self
 
     def __next__(self) -> Any:
