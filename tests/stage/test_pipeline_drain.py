@@ -127,7 +127,9 @@ def test_stats_and_utilities_after_shutdown_are_refused_as_a_clients(launch: Any
     # pool's raise StageClosedError: the pipeline's, naming the pipeline.
     pipe = launch(["enginecore:CountdownEngine", RELAY])
     assert all(isinstance(s, StageStatistics) for s in pipe.stats().values())
+    assert not pipe.closed  # as a client's and a pool's closed
     pipe.shutdown()
+    assert pipe.closed
     with pytest.raises(StageClosedError, match="the pipeline was shut down"):
         pipe.stats()
     with pytest.raises(StageClosedError, match="the pipeline was shut down"):

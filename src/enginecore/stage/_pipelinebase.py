@@ -780,6 +780,12 @@ class PipelineBase(Generic[S, C]):
         return self._names
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`shutdown` (or ``close()``, leaving the ``with`` block) has begun,
+        as a client's and a pool's ``closed``. Never blocks."""
+        return self._closed
+
+    @property
     def in_flight(self) -> int:
         """Requests in the pipeline now (each holds its place in the budget until it is
         over in every stage)."""
