@@ -1080,6 +1080,15 @@ def test_a_drained_shutdown_takes_aborts(launch: Open) -> None:
         assert wait_until(lambda: all(m is not None and m.closed for m in members), 10)
         with pytest.raises(StageClosedError):
             pool.add("late", 1)
+        # stats() is taken during the drain, as a draining client's is (it raised
+        # StageClosedError): the replicas still work; a utility call stays refused.
+        got = pool.stats()
+        assert set(got) == set(pool.replicas)
+        assert all(isinstance(st, StageStatistics) for st in got.values()), got
+        with pytest.raises(StageClosedError):
+            pool.call_utility("num_requests")
+        with pytest.raises(StageClosedError):
+            pool.call_utility("num_requests", broadcast=True)
         pool.abort([s.req_id for s in streams])
         for s in streams:
             s.collect(10)

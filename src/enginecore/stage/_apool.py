@@ -546,7 +546,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         replicas answer at once)."""
         self._on_its_loop()
         _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
-        serving = self._serving()
+        serving = self._serving(stats=True)
         results = await asyncio.gather(
             *(r._client.stats(timeout) for r in serving), return_exceptions=True
         )

@@ -752,10 +752,11 @@ class StagePool(PoolBase[PoolRequestStream]):
         has not answered by then gets a :class:`TimeoutError`). Thread-safe.
         :class:`NoReplicaError` if no replica serves (every one dead, failed, starting or
         draining), as :meth:`add` raises; :class:`~enginecore.stage.StageClosedError` once
-        the pool is closed."""
+        the pool is closed (during a ``shutdown(drain=...)``, the replicas draining are
+        asked, as a draining client's ``stats()`` is taken)."""
         deadline = _clientbase.deadline_after(timeout)  # ValueError if negative
         asked: dict[Replica, Any] = {}
-        for r in self._serving():
+        for r in self._serving(stats=True):
             member: _Member = r._client
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             try:

@@ -411,12 +411,16 @@ class PoolBase(Generic[S]):
         if self._core.closing:
             raise StageClosedError("this stage pool is closed")
 
-    def _serving(self) -> list[Replica]:
+    def _serving(self, stats: bool = False) -> list[Replica]:
         """The replicas a call on every one of them asks (``stats()``, a broadcast
         ``call_utility()``): the serving ones; :class:`NoReplicaError` if none serves, as
         ``add()`` and ``call_utility()`` raise (an empty answer would read as nothing to
-        report, as a dead client's ``stats()`` does not answer either)."""
-        self._check_open()
+        report, as a dead client's ``stats()`` does not answer either). With *stats*, also
+        while a ``shutdown(drain=...)`` drains them, as a draining client's ``stats()``
+        is taken (a replica whose drain is over answers its
+        :class:`~enginecore.stage.StageClosedError`)."""
+        if not (stats and self._core.draining):
+            self._check_open()
         serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
         if not serving:
             raise NoReplicaError(
