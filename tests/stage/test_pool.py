@@ -2081,6 +2081,7 @@ def test_an_empty_add_many_after_close_is_refused_as_a_clients(launch: Open) -> 
 
 
 _NOWHERE = "ipc:///nonexistent/enginecore-test"
+_ONE: Any = 1  # not a str
 _YES: Any = "yes"  # not a bool, as a user's config file may give
 
 
@@ -2124,4 +2125,35 @@ def test_a_flag_that_is_not_a_bool_is_refused_before_anything_starts(
     # "yes" (or "no", or 0.0) was taken for its truth: a pool made with
     # ordered_events="no" kept an event stream that nobody reads, growing without bound.
     with pytest.raises(TypeError, match=f"^{flag} must be a bool, got str$"):
+        asyncio.run(_async_made(make))
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: StagePool.launch(COUNTDOWN, name=_ONE), TypeError, "name must be a str, got int"),
+        (
+            lambda: AsyncStagePool.launch(COUNTDOWN, name=_ONE),
+            TypeError,
+            "name must be a str, got int",
+        ),
+        (lambda: PipelineStage(COUNTDOWN, name=_ONE), TypeError, "name must be a str, got int"),
+        (lambda: PipelineStage(COUNTDOWN, step_timeout=0), ValueError, "step_timeout must be"),
+        (lambda: PipelineStage(COUNTDOWN, log_level="nope"), ValueError, "log_level must be"),
+    ],
+    ids=[
+        "StagePool.launch",
+        "AsyncStagePool.launch",
+        "PipelineStage-name",
+        "step_timeout",
+        "log_level",
+    ],
+)
+def test_a_bad_stage_option_is_refused_before_anything_starts(
+    make: Callable[[], Any], error: type[Exception], match: str, no_leftovers: str
+) -> None:
+    # A pool's name=1 was taken (its stages named "1/r0", where a client's launch raises),
+    # and a PipelineStage's bad option was found only as its process started, after the
+    # stages behind it had started.
+    with pytest.raises(error, match=match):
         asyncio.run(_async_made(make))

@@ -24,9 +24,11 @@ from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import check_startup_timeout
+from ._logs import check_log_level
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import ReplicaState, RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore, abort_ids
+from ._watchdog import check_watchdog
 from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
 if TYPE_CHECKING:
@@ -236,6 +238,12 @@ class PipelineStage:
                 raise ValueError(
                     f"{what} must be an int >= 1 or None (and below 2**63), got {value!r}"
                 )
+        # The stage options its process checks, checked here too: before any process of
+        # the pipeline starts (the stages start last to first).
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {type(self.name).__name__}")
+        check_watchdog(self.step_timeout, None)
+        check_log_level(self.log_level)
         if not isinstance(self.forward_logs, bool):  # "no" would be true
             raise TypeError(f"forward_logs must be a bool, got {type(self.forward_logs).__name__}")
         if not isinstance(self.restart, (bool, RestartPolicy)):

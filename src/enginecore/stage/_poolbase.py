@@ -102,8 +102,19 @@ def launch_specs(
         raise TypeError(f"replicas must be an int, got {type(replicas).__name__}")
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
-    check_ping_interval(options)
+    check_launch_options(options)
     return [{"factory": factory, "kwargs": kwargs, **options}] * replicas
+
+
+def check_launch_options(options: dict[str, Any]) -> None:
+    """Check what a launched replica's *options* hold that the pool uses before its stage
+    starts: ``ping_interval`` (:func:`check_ping_interval`) and ``name`` (a ``str`` or
+    ``None``: :class:`TypeError`, as ``StageClient.launch()`` raises; the pool makes
+    ``"<name>/r<i>"`` of it, which would take any object)."""
+    check_ping_interval(options)
+    name = options.get("name")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
 
 
 def check_ping_interval(options: dict[str, Any]) -> None:
@@ -290,7 +301,7 @@ def replica_spec(
             "group= is for replicas the pool launches: it cannot start a connected one again"
         )
     if factory is not None:
-        check_ping_interval(options)
+        check_launch_options(options)
         return {"factory": factory, "kwargs": kwargs, **options}
     if "ray" not in options:  # as StageClient.connect() checks them
         _clientbase.check_connect(address, options.get("timeout", 10.0))
