@@ -436,7 +436,10 @@ class PoolBase(Generic[S]):
         if not serving:
             raise NoReplicaError(
                 "no replica serves: "
-                + (", ".join(f"{r.name} {r.state.value}" for r in self._core.replicas) or "none")
+                + (
+                    ", ".join(f"{r.name} {r.state.value}" for r in self._core.replicas)
+                    or "none left"
+                )
             )
         return serving
 
