@@ -2157,3 +2157,47 @@ def test_a_bad_stage_option_is_refused_before_anything_starts(
     # stages behind it had started.
     with pytest.raises(error, match=match):
         asyncio.run(_async_made(make))
+
+
+def test_a_per_call_flag_that_is_not_a_bool_is_refused_before_anything_is_sent(
+    launch: Open,
+) -> None:
+    # "no" was taken for true: add(stream="no") made a stream, call_utility(broadcast="no")
+    # broadcast, remove_replica(drain="no") drained; a pipeline's add(wait=) refuses one.
+    pool = launch(ordered_events=True)
+    first = pool.replicas[0]
+    with pytest.raises(TypeError, match=r"^stream must be a bool, got str$"):
+        pool.add("a", 1, cast(bool, "no"))
+    with pytest.raises(TypeError, match=r"^streams must be a bool, got str$"):
+        pool.add_many([("b", 1)], streams=cast(bool, "no"))
+    with pytest.raises(TypeError, match=r"^broadcast must be a bool, got str$"):
+        pool.call_utility("num_requests", broadcast=cast(bool, "no"))
+    with pytest.raises(TypeError, match=r"^drain must be a bool, got str$"):
+        pool.remove_replica(first, drain=cast(bool, "no"))
+    assert first.state is ReplicaState.SERVING  # it did not leave the routing
+    assert all(r.in_flight == 0 for r in pool.replicas)  # nothing was sent
+    assert pool.add("a", 2).collect(10) == [1, 0]  # the ids are free
+
+
+@pytest.mark.parametrize("form", ["sync", "async"])
+def test_a_clients_per_call_flag_that_is_not_a_bool_is_refused(
+    form: str, no_leftovers: str
+) -> None:
+    if form == "sync":
+        with StageClient.launch(COUNTDOWN, ordered_events=True) as client:
+            with pytest.raises(TypeError, match=r"^stream must be a bool, got str$"):
+                client.add("a", 1, cast(bool, "no"))
+            with pytest.raises(TypeError, match=r"^streams must be a bool, got str$"):
+                client.add_many([("b", 1)], streams=cast(bool, "no"))
+            assert client.add("a", 2).collect(10) == [1, 0]
+        return
+
+    async def main() -> None:
+        async with await AsyncStageClient.launch(COUNTDOWN, ordered_events=True) as client:
+            with pytest.raises(TypeError, match=r"^stream must be a bool, got str$"):
+                await client.add("a", 1, cast(bool, "no"))
+            with pytest.raises(TypeError, match=r"^streams must be a bool, got str$"):
+                await client.add_many([("b", 1)], streams=cast(bool, "no"))
+            assert await (await client.add("a", 2)).collect(10) == [1, 0]
+
+    asyncio.run(main())

@@ -431,8 +431,10 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self, req_id: str, data: Any, stream: bool = True, *, key: Hashable | None = None
     ) -> AsyncPoolRequestStream | None:
         """:meth:`StagePool.add <enginecore.stage.StagePool.add>`; never waits."""
-        if stream:
+        if stream is True:
             return self._add_one(req_id, data, key)
+        if stream is not False:  # "no" would make a stream
+            _clientbase.check_flag(stream, "stream")
         self._add_quiet(req_id, data, key)
         return None
 
@@ -526,6 +528,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         """:meth:`StagePool.call_utility <enginecore.stage.StagePool.call_utility>`,
         awaited."""
         self._on_its_loop()
+        _clientbase.check_flag(broadcast, "broadcast")  # "no" would broadcast
         if broadcast:
             if replica is not None:
                 raise TypeError("call_utility() takes replica= or broadcast=True, not both")
@@ -563,6 +566,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         """:meth:`StagePool.remove_replica <enginecore.stage.StagePool.remove_replica>`,
         awaited."""
         self._on_its_loop()
+        _clientbase.check_flag(drain, "drain")  # "no" would drain
         timeout = removal_timeout(timeout)
         if replica not in self._core.replicas:
             raise ValueError(f"{replica!r} is not in this pool")

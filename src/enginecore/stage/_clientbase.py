@@ -130,6 +130,8 @@ class ClientBase(Generic[S, W]):
         :class:`StageClosedError`, and the pool routes the request to another replica) or
         sends after this request (the stage drains it); sent after the ``shutdown``, the
         stage would refuse it ("draining")."""
+        if stream is not True and stream is not False:  # "no" would make a stream
+            check_flag(stream, "stream")
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
@@ -181,6 +183,8 @@ class ClientBase(Generic[S, W]):
         stream is registered. Otherwise (the socket is at its high-water mark): register,
         then send and wait, as :meth:`_send_request`. Either way every stream's
         ``sent_at`` is one clock reading, taken just before the send."""
+        if streams is not True and streams is not False:  # "no" would make streams
+            check_flag(streams, "streams")
         session = self._session
         lock = self._lock
         if streams and req_ids:

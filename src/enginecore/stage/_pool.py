@@ -583,8 +583,10 @@ class StagePool(PoolBase[PoolRequestStream]):
         :class:`~enginecore.stage.NoReplicaError` if no replica serves, and
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`. Never blocks;
         thread-safe."""
-        if stream:
+        if stream is True:
             return self._add_one(req_id, data, key)
+        if stream is not False:  # "no" would make a stream
+            _clientbase.check_flag(stream, "stream")
         self._add_quiet(req_id, data, key)
         return None
 
@@ -716,6 +718,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         ``{replica: result or exception}`` (the exceptions are returned, not raised;
         *timeout* bounds the whole wait, and a replica that has not answered by then gets a
         :class:`TimeoutError`; :class:`NoReplicaError` if no replica serves). Thread-safe."""
+        _clientbase.check_flag(broadcast, "broadcast")  # "no" would broadcast
         if broadcast:
             if replica is not None:
                 raise TypeError("call_utility() takes replica= or broadcast=True, not both")
@@ -809,6 +812,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         :class:`~enginecore.stage.StageClosedError`. So does a call without *drain* for
         the same replica (another thread's): it stops the stage as a close would (one that
         does not stop is signalled after its *timeout*) and returns the exit code."""
+        _clientbase.check_flag(drain, "drain")  # "no" would drain
         timeout = removal_timeout(timeout)
         with self._lock:
             if replica not in self._core.replicas:

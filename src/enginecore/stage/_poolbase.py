@@ -578,6 +578,8 @@ class PoolBase(Generic[S]):
         that all goes to one replica) sends the frame that checked the burst. Without
         *streams*, each request gets the pool's record (:class:`QuietRequest`) instead, and
         ``[]`` is returned."""
+        if streams is not True and streams is not False:  # "no" would make streams
+            _clientbase.check_flag(streams, "streams")
         if not streams and self._events is None:
             raise events_off()
         items = list(items)
