@@ -146,6 +146,41 @@ EngineCoreLoop(CollectTakesNoHandle(), print, pipeline_depth=2)
 wrong: PipelinedEngine[int] = HandleMismatch()
 """
 
+# Iterating a pool's or a pipeline's stream: iter() / aiter() give the stream's own type,
+# with its own attributes (a pool stream's replica and migrations), not the base class's.
+_STREAMS = """
+from enginecore.stage import (
+    AsyncPipeline,
+    AsyncPipelineStream,
+    AsyncPoolRequestStream,
+    AsyncRequestStream,
+    AsyncStageClient,
+    AsyncStagePool,
+    Pipeline,
+    PipelineStream,
+    PoolRequestStream,
+    RequestStream,
+    StageClient,
+    StagePool,
+)
+
+
+def blocking(client: StageClient, pool: StagePool, pipe: Pipeline) -> None:
+    plain: RequestStream = iter(client.add("a", 1))
+    pooled: PoolRequestStream = iter(pool.add("b", 1))
+    print(plain, pooled.replica, pooled.migrations)
+    piped: PipelineStream = iter(pipe.add("c", 1))
+    print(piped.aborted)
+
+
+async def awaited(client: AsyncStageClient, pool: AsyncStagePool, pipe: AsyncPipeline) -> None:
+    plain: AsyncRequestStream = aiter(await client.add("a", 1))
+    pooled: AsyncPoolRequestStream = aiter(await pool.add("b", 1))
+    print(plain, pooled.replica, pooled.migrations)
+    piped: AsyncPipelineStream = aiter(await pipe.add("c", 1))
+    print(piped.aborted)
+"""
+
 
 def _mypy(tmp_path: Path, source: str) -> tuple[str, int]:
     path = tmp_path / "user_engine.py"
@@ -180,3 +215,10 @@ class TestEngineProtocolUnderMypy:
         for block in blocks:
             out, status = _mypy(tmp_path, block)
             assert status == 0, f"{out}\n{block}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_iterating_a_pool_or_pipeline_stream_keeps_its_type(tmp_path: Path) -> None:
+    out, status = _mypy(tmp_path, _STREAMS)
+    assert status == 0, out

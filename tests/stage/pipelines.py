@@ -55,6 +55,10 @@ class BlockingAsyncPipeline:
         return self._pipe.replicas
 
     @property
+    def closed(self) -> bool:
+        return bool(self._on_loop(lambda: self._pipe.closed))
+
+    @property
     def in_flight(self) -> int:
         return int(self._on_loop(lambda: self._pipe.in_flight))
 

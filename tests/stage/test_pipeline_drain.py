@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from enginecore.stage import PipelineStage, StageClosedError, StageHealth
+from enginecore.stage import PipelineStage, StageClosedError, StageHealth, StageStatistics
 
 from .conftest import wait_until
 from .pipelines import Launch, launcher
@@ -119,3 +119,20 @@ class TestShutdownArguments:
         with pytest.raises(error, match="timeout must be"):
             pipe.shutdown(bad)
         assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]  # nothing stopped
+
+
+def test_stats_and_utilities_after_shutdown_are_refused_as_a_clients(launch: Any) -> None:
+    # stats() answered a dict of each stage client's "this stage client is closed", and
+    # call_utility() raised a stage client's error, where a closed client's and a closed
+    # pool's raise StageClosedError: the pipeline's, naming the pipeline.
+    pipe = launch(["enginecore:CountdownEngine", RELAY])
+    assert all(isinstance(s, StageStatistics) for s in pipe.stats().values())
+    assert not pipe.closed  # as a client's and a pool's closed
+    pipe.shutdown()
+    assert pipe.closed
+    with pytest.raises(StageClosedError, match="the pipeline was shut down"):
+        pipe.stats()
+    with pytest.raises(StageClosedError, match="the pipeline was shut down"):
+        pipe.call_utility(pipe.stages[0], "num_requests")
+    with pytest.raises(ValueError, match="timeout"):  # a bad timeout is still named first
+        pipe.stats(-1.0)

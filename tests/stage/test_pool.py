@@ -23,12 +23,14 @@ import pytest
 from enginecore.stage import (
     Aborted,
     AsyncPoolRequestStream,
+    AsyncStageClient,
     AsyncStagePool,
     EngineDeadError,
     ErrorReport,
     LeastLoaded,
     NoReplicaError,
     Outputs,
+    PipelineStage,
     PoolRequest,
     PoolRequestStream,
     Replica,
@@ -41,6 +43,7 @@ from enginecore.stage import (
     RequestFailed,
     RestartPolicy,
     Routing,
+    StageClient,
     StageClosedError,
     StageHealth,
     StagePool,
@@ -510,6 +513,12 @@ def test_no_replica_left_raises(launch: Open) -> None:
         pool.add("x", 1)
     with pytest.raises(NoReplicaError):
         pool.call_utility("num_requests")
+    # A call on every serving replica raises too, as a dead client's stats() does: an
+    # empty answer would read as "nothing to report", not "no replica serves".
+    with pytest.raises(NoReplicaError, match="no replica serves: r0 dead"):
+        pool.stats()
+    with pytest.raises(NoReplicaError, match="no replica serves: r0 dead"):
+        pool.call_utility("num_requests", broadcast=True)
     assert pool.health() == StageHealth.DEAD
 
 
@@ -1071,6 +1080,15 @@ def test_a_drained_shutdown_takes_aborts(launch: Open) -> None:
         assert wait_until(lambda: all(m is not None and m.closed for m in members), 10)
         with pytest.raises(StageClosedError):
             pool.add("late", 1)
+        # stats() is taken during the drain, as a draining client's is (it raised
+        # StageClosedError): the replicas still work; a utility call stays refused.
+        got = pool.stats()
+        assert set(got) == set(pool.replicas)
+        assert all(isinstance(st, StageStatistics) for st in got.values()), got
+        with pytest.raises(StageClosedError):
+            pool.call_utility("num_requests")
+        with pytest.raises(StageClosedError):
+            pool.call_utility("num_requests", broadcast=True)
         pool.abort([s.req_id for s in streams])
         for s in streams:
             s.collect(10)
@@ -2064,3 +2082,126 @@ def test_an_empty_add_many_after_close_is_refused_as_a_clients(launch: Open) -> 
     pool.shutdown()
     with pytest.raises(StageClosedError):
         pool.add_many([])
+
+
+_NOWHERE = "ipc:///nonexistent/enginecore-test"
+_ONE: Any = 1  # not a str
+_YES: Any = "yes"  # not a bool, as a user's config file may give
+
+
+async def _async_made(make: Callable[[], Any]) -> Any:
+    got = make()
+    return await got if asyncio.iscoroutine(got) else got
+
+
+@pytest.mark.parametrize(
+    ("make", "flag"),
+    [
+        (lambda: StageClient.launch(COUNTDOWN, ordered_events=_YES), "ordered_events"),
+        (lambda: StageClient.connect(_NOWHERE, ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStageClient.launch(COUNTDOWN, ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStageClient.connect(_NOWHERE, ordered_events=_YES), "ordered_events"),
+        (lambda: StagePool(ordered_events=_YES), "ordered_events"),
+        (lambda: StagePool.launch(COUNTDOWN, ordered_events=_YES), "ordered_events"),
+        (lambda: StagePool.connect([_NOWHERE], ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStagePool(ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStagePool.launch(COUNTDOWN, ordered_events=_YES), "ordered_events"),
+        (lambda: AsyncStagePool.connect([_NOWHERE], ordered_events=_YES), "ordered_events"),
+        (lambda: PipelineStage(COUNTDOWN, forward_logs=_YES), "forward_logs"),
+    ],
+    ids=[
+        *(
+            f"{cls}.{how}"
+            for cls in ("StageClient", "AsyncStageClient")
+            for how in ("launch", "connect")
+        ),
+        *(
+            f"{cls}{how}"
+            for cls in ("StagePool", "AsyncStagePool")
+            for how in ("()", ".launch", ".connect")
+        ),
+        "PipelineStage",
+    ],
+)
+def test_a_flag_that_is_not_a_bool_is_refused_before_anything_starts(
+    make: Callable[[], Any], flag: str, no_leftovers: str
+) -> None:
+    # "yes" (or "no", or 0.0) was taken for its truth: a pool made with
+    # ordered_events="no" kept an event stream that nobody reads, growing without bound.
+    with pytest.raises(TypeError, match=f"^{flag} must be a bool, got str$"):
+        asyncio.run(_async_made(make))
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: StagePool.launch(COUNTDOWN, name=_ONE), TypeError, "name must be a str, got int"),
+        (
+            lambda: AsyncStagePool.launch(COUNTDOWN, name=_ONE),
+            TypeError,
+            "name must be a str, got int",
+        ),
+        (lambda: PipelineStage(COUNTDOWN, name=_ONE), TypeError, "name must be a str, got int"),
+        (lambda: PipelineStage(COUNTDOWN, step_timeout=0), ValueError, "step_timeout must be"),
+        (lambda: PipelineStage(COUNTDOWN, log_level="nope"), ValueError, "log_level must be"),
+    ],
+    ids=[
+        "StagePool.launch",
+        "AsyncStagePool.launch",
+        "PipelineStage-name",
+        "step_timeout",
+        "log_level",
+    ],
+)
+def test_a_bad_stage_option_is_refused_before_anything_starts(
+    make: Callable[[], Any], error: type[Exception], match: str, no_leftovers: str
+) -> None:
+    # A pool's name=1 was taken (its stages named "1/r0", where a client's launch raises),
+    # and a PipelineStage's bad option was found only as its process started, after the
+    # stages behind it had started.
+    with pytest.raises(error, match=match):
+        asyncio.run(_async_made(make))
+
+
+def test_a_per_call_flag_that_is_not_a_bool_is_refused_before_anything_is_sent(
+    launch: Open,
+) -> None:
+    # "no" was taken for true: add(stream="no") made a stream, call_utility(broadcast="no")
+    # broadcast, remove_replica(drain="no") drained; a pipeline's add(wait=) refuses one.
+    pool = launch(ordered_events=True)
+    first = pool.replicas[0]
+    with pytest.raises(TypeError, match=r"^stream must be a bool, got str$"):
+        pool.add("a", 1, cast(bool, "no"))
+    with pytest.raises(TypeError, match=r"^streams must be a bool, got str$"):
+        pool.add_many([("b", 1)], streams=cast(bool, "no"))
+    with pytest.raises(TypeError, match=r"^broadcast must be a bool, got str$"):
+        pool.call_utility("num_requests", broadcast=cast(bool, "no"))
+    with pytest.raises(TypeError, match=r"^drain must be a bool, got str$"):
+        pool.remove_replica(first, drain=cast(bool, "no"))
+    assert first.state is ReplicaState.SERVING  # it did not leave the routing
+    assert all(r.in_flight == 0 for r in pool.replicas)  # nothing was sent
+    assert pool.add("a", 2).collect(10) == [1, 0]  # the ids are free
+
+
+@pytest.mark.parametrize("form", ["sync", "async"])
+def test_a_clients_per_call_flag_that_is_not_a_bool_is_refused(
+    form: str, no_leftovers: str
+) -> None:
+    if form == "sync":
+        with StageClient.launch(COUNTDOWN, ordered_events=True) as client:
+            with pytest.raises(TypeError, match=r"^stream must be a bool, got str$"):
+                client.add("a", 1, cast(bool, "no"))
+            with pytest.raises(TypeError, match=r"^streams must be a bool, got str$"):
+                client.add_many([("b", 1)], streams=cast(bool, "no"))
+            assert client.add("a", 2).collect(10) == [1, 0]
+        return
+
+    async def main() -> None:
+        async with await AsyncStageClient.launch(COUNTDOWN, ordered_events=True) as client:
+            with pytest.raises(TypeError, match=r"^stream must be a bool, got str$"):
+                await client.add("a", 1, cast(bool, "no"))
+            with pytest.raises(TypeError, match=r"^streams must be a bool, got str$"):
+                await client.add_many([("b", 1)], streams=cast(bool, "no"))
+            assert await (await client.add("a", 2)).collect(10) == [1, 0]
+
+    asyncio.run(main())

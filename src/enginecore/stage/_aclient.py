@@ -45,6 +45,8 @@ from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from .ray import RayPlacement
 
 __all__ = ["AsyncRequestStream", "AsyncStageClient"]
@@ -78,7 +80,7 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
     _STOP = StopAsyncIteration
     _wakeup: asyncio.Future[None] | None
 
-    def __aiter__(self) -> AsyncRequestStream:
+    def __aiter__(self) -> Self:  # a pool's or a pipeline's stream: its own type
         return self
 
     async def __anext__(self) -> Any:
@@ -268,6 +270,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :func:`asyncio.run`) stops the wait at once and kills the half-started stage before
         the cancellation propagates. No process or socket file is left behind either way.
         """
+        _clientbase.check_flag(ordered_events, "ordered_events")
         options = {
             "name": name,
             "step_timeout": step_timeout,
@@ -308,6 +311,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         Cancelling it kills the actor; no actor is left behind either way."""
         from .ray import RayPlan, open_on_ray_async
 
+        _clientbase.check_flag(ordered_events, "ordered_events")
         plan = RayPlan.make(
             factory,
             kwargs,
@@ -396,6 +400,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         within *timeout* at the latest (``docs/security.md``).
         """
         _clientbase.check_connect(address, timeout)
+        _clientbase.check_flag(ordered_events, "ordered_events")
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
         return await cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 

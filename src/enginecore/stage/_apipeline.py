@@ -292,6 +292,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         negative or NaN *timeout*, :class:`TypeError` for a non-number."""
         _clientbase.deadline_after(timeout)  # the call's error, not each stage's entry
         self._on_its_loop()
+        self._check_shut_down()
         results = await asyncio.gather(
             *(client.stats(timeout) for client in self._clients), return_exceptions=True
         )

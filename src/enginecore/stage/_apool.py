@@ -431,8 +431,10 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self, req_id: str, data: Any, stream: bool = True, *, key: Hashable | None = None
     ) -> AsyncPoolRequestStream | None:
         """:meth:`StagePool.add <enginecore.stage.StagePool.add>`; never waits."""
-        if stream:
+        if stream is True:
             return self._add_one(req_id, data, key)
+        if stream is not False:  # "no" would make a stream
+            _clientbase.check_flag(stream, "stream")
         self._add_quiet(req_id, data, key)
         return None
 
@@ -526,12 +528,12 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         """:meth:`StagePool.call_utility <enginecore.stage.StagePool.call_utility>`,
         awaited."""
         self._on_its_loop()
+        _clientbase.check_flag(broadcast, "broadcast")  # "no" would broadcast
         if broadcast:
             if replica is not None:
                 raise TypeError("call_utility() takes replica= or broadcast=True, not both")
             _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
-            self._check_open()
-            serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
+            serving = self._serving()
             results = await asyncio.gather(
                 *(r._client.call_utility(name, *args, timeout=timeout) for r in serving),
                 return_exceptions=True,
@@ -547,9 +549,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         replicas answer at once)."""
         self._on_its_loop()
         _clientbase.deadline_after(timeout)  # a bad one raises, not once per replica
-        if self._core.closing:
-            raise StageClosedError("this stage pool is closed")
-        serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
+        serving = self._serving(stats=True)
         results = await asyncio.gather(
             *(r._client.stats(timeout) for r in serving), return_exceptions=True
         )
@@ -566,6 +566,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         """:meth:`StagePool.remove_replica <enginecore.stage.StagePool.remove_replica>`,
         awaited."""
         self._on_its_loop()
+        _clientbase.check_flag(drain, "drain")  # "no" would drain
         timeout = removal_timeout(timeout)
         if replica not in self._core.replicas:
             raise ValueError(f"{replica!r} is not in this pool")

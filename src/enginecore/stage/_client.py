@@ -67,6 +67,8 @@ from ._watchdog import STEP_TIMEOUT
 from ._wire import StageEvent, WelcomeMsg
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from .ray import RayPlacement
 
 __all__ = ["Receiver", "RequestStream", "StageClient"]
@@ -152,7 +154,7 @@ class RequestStream(StreamCore, Iterator[Any]):
     _STOP = StopIteration
     _wakeup: queue.SimpleQueue[None] | None
 
-    def __iter__(self) -> RequestStream:
+    def __iter__(self) -> Self:  # a pool's or a pipeline's stream: its own type
         return self
 
     def __next__(self) -> Any:
@@ -365,6 +367,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
         factory raised) if it does not come up; no process or socket file is left behind.
         """
+        _clientbase.check_flag(ordered_events, "ordered_events")
         options = {
             "name": name,
             "step_timeout": step_timeout,
@@ -408,6 +411,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         behind."""
         from .ray import RayPlan, open_on_ray
 
+        _clientbase.check_flag(ordered_events, "ordered_events")
         plan = RayPlan.make(
             factory,
             kwargs,
@@ -501,6 +505,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         within *timeout* at the latest (``docs/security.md``).
         """
         _clientbase.check_connect(address, timeout)
+        _clientbase.check_flag(ordered_events, "ordered_events")
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
         return cls._open(Target(address, timeout, None, heartbeat, ordered_events, curve))
 

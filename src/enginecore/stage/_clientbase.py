@@ -131,6 +131,8 @@ class ClientBase(Generic[S, W]):
         :class:`StageClosedError`, and the pool routes the request to another replica) or
         sends after this request (the stage drains it); sent after the ``shutdown``, the
         stage would refuse it ("draining")."""
+        if stream is not True and stream is not False:  # "no" would make a stream
+            check_flag(stream, "stream")
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
@@ -182,6 +184,8 @@ class ClientBase(Generic[S, W]):
         stream is registered. Otherwise (the socket is at its high-water mark): register,
         then send and wait, as :meth:`_send_request`. Either way every stream's
         ``sent_at`` is one clock reading, taken just before the send."""
+        if streams is not True and streams is not False:  # "no" would make streams
+            check_flag(streams, "streams")
         session = self._session
         lock = self._lock
         if streams and req_ids:
@@ -394,6 +398,13 @@ def check_heartbeat(interval: float, timeout: float) -> tuple[float, float]:
             f"need 0 < heartbeat_interval < heartbeat_timeout, got {interval:g} and {timeout:g}"
         )
     return interval, timeout
+
+
+def check_flag(value: object, what: str) -> None:
+    """An option that is a ``bool`` (``ordered_events``, ...): :class:`TypeError` for
+    anything else, before anything starts (``"no"`` would be taken for true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {type(value).__name__}")
 
 
 def check_connect(address: object, timeout: object) -> None:

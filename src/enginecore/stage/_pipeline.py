@@ -300,7 +300,8 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         """Call utility *name* of the stage named *stage* (as
         :meth:`StageClient.call_utility`). A replica pool: with *replica*, that replica's
         answer; without, a list of every replica's answers, in order (the first error
-        raises)."""
+        raises). :class:`~enginecore.stage.StageClosedError` once :meth:`shutdown` has
+        begun, as a closing client's."""
         clients, many = self._utility_clients(stage, replica)
         if not many:
             return clients[0].call_utility(name, *args, timeout=timeout)
@@ -315,8 +316,11 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         still be read once one died. A replica pool's replicas are ``name[r]``. Every stage is asked
         at once (on threads of the call's), so a stage that does not answer costs one
         *timeout*, however many do not. :class:`ValueError` for a negative or NaN
-        *timeout*, :class:`TypeError` for a non-number. Thread-safe."""
+        *timeout*, :class:`TypeError` for a non-number;
+        :class:`~enginecore.stage.StageClosedError` once :meth:`shutdown` is over, as a
+        closed client's and a closed pool's. Thread-safe."""
         _clientbase.deadline_after(timeout)  # the call's error, not each stage's entry
+        self._check_shut_down()
         asked = list(zip(self._keys, self._clients, strict=True))
         out: dict[str, StageStatistics | Exception] = {}
         with concurrent.futures.ThreadPoolExecutor(

@@ -24,9 +24,11 @@ from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import check_startup_timeout
+from ._logs import check_log_level
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import ReplicaState, RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore, abort_ids
+from ._watchdog import check_watchdog
 from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
 
 if TYPE_CHECKING:
@@ -236,6 +238,14 @@ class PipelineStage:
                 raise ValueError(
                     f"{what} must be an int >= 1 or None (and below 2**63), got {value!r}"
                 )
+        # The stage options its process checks, checked here too: before any process of
+        # the pipeline starts (the stages start last to first).
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {type(self.name).__name__}")
+        check_watchdog(self.step_timeout, None)
+        check_log_level(self.log_level)
+        if not isinstance(self.forward_logs, bool):  # "no" would be true
+            raise TypeError(f"forward_logs must be a bool, got {type(self.forward_logs).__name__}")
         if not isinstance(self.restart, (bool, RestartPolicy)):
             raise TypeError(f"restart must be a bool or a RestartPolicy, got {self.restart!r}")
         policy = self.on_next_error
@@ -778,6 +788,12 @@ class PipelineBase(Generic[S, C]):
         return self._names
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`shutdown` (or ``close()``, leaving the ``with`` block) has begun,
+        as a client's and a pool's ``closed``. Never blocks."""
+        return self._closed
+
+    @property
     def in_flight(self) -> int:
         """Requests in the pipeline now (each holds its place in the budget until it is
         over in every stage)."""
@@ -812,7 +828,12 @@ class PipelineBase(Generic[S, C]):
 
     def _utility_clients(self, stage: str, replica: int | None) -> tuple[list[C], bool]:
         """The clients a ``call_utility`` of *stage* goes to, and whether it answers a list
-        (a replica pool's, without *replica*: one answer per replica)."""
+        (a replica pool's, without *replica*: one answer per replica).
+        :class:`~enginecore.stage.StageClosedError` once :meth:`shutdown` has begun (a
+        drain under way included), as a closing client's ``call_utility()`` raises: the
+        pipeline's, not a stage client's."""
+        if self._closed:
+            raise StageClosedError("the pipeline was shut down")
         if replica is not None:
             return [self.client(stage, replica)], False
         replicas = self._replicas[self._stage_index(stage)]
@@ -967,6 +988,13 @@ class PipelineBase(Generic[S, C]):
         exc, d = failed
         self._deliver(d)
         raise exc
+
+    def _check_shut_down(self) -> None:
+        """Before ``stats()``: :class:`~enginecore.stage.StageClosedError` once
+        :meth:`shutdown` has stopped every stage, as a closed client's and a closed pool's
+        ``stats()`` raise (during a drain, each stage's entry is its client's answer)."""
+        if self._shutdown_done:
+            raise StageClosedError("the pipeline was shut down")
 
     def _abort(self, req_ids: Sequence[str]) -> None:
         ids = abort_ids(req_ids)

@@ -583,8 +583,10 @@ class StagePool(PoolBase[PoolRequestStream]):
         :class:`~enginecore.stage.NoReplicaError` if no replica serves, and
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`. Never blocks;
         thread-safe."""
-        if stream:
+        if stream is True:
             return self._add_one(req_id, data, key)
+        if stream is not False:  # "no" would make a stream
+            _clientbase.check_flag(stream, "stream")
         self._add_quiet(req_id, data, key)
         return None
 
@@ -715,7 +717,8 @@ class StagePool(PoolBase[PoolRequestStream]):
         With *broadcast*, call it on every serving replica at once and return
         ``{replica: result or exception}`` (the exceptions are returned, not raised;
         *timeout* bounds the whole wait, and a replica that has not answered by then gets a
-        :class:`TimeoutError`). Thread-safe."""
+        :class:`TimeoutError`; :class:`NoReplicaError` if no replica serves). Thread-safe."""
+        _clientbase.check_flag(broadcast, "broadcast")  # "no" would broadcast
         if broadcast:
             if replica is not None:
                 raise TypeError("call_utility() takes replica= or broadcast=True, not both")
@@ -727,12 +730,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         self, name: str, args: tuple[Any, ...], timeout: float | None
     ) -> dict[Replica, Any]:
         deadline = _clientbase.deadline_after(timeout)  # a bad one raises before a send
-        self._check_open()
         futures: dict[Replica, concurrent.futures.Future[Any]] = {}
         out: dict[Replica, Any] = {}
-        for r in self._core.replicas:
-            if r.state is not ReplicaState.SERVING:
-                continue
+        for r in self._serving():
             try:
                 futures[r] = r._client.call_utility_future(name, *args)
             except Exception as exc:
@@ -753,14 +753,13 @@ class StagePool(PoolBase[PoolRequestStream]):
         <enginecore.stage.StageClient.stats>`), as ``{replica: statistics or exception}``:
         asked of every replica at once, so *timeout* bounds the whole wait (a replica that
         has not answered by then gets a :class:`TimeoutError`). Thread-safe.
-        :class:`~enginecore.stage.StageClosedError` once the pool is closed."""
+        :class:`NoReplicaError` if no replica serves (every one dead, failed, starting or
+        draining), as :meth:`add` raises; :class:`~enginecore.stage.StageClosedError` once
+        the pool is closed (during a ``shutdown(drain=...)``, the replicas draining are
+        asked, as a draining client's ``stats()`` is taken)."""
         deadline = _clientbase.deadline_after(timeout)  # ValueError if negative
-        if self._core.closing:
-            raise StageClosedError("this stage pool is closed")
         asked: dict[Replica, Any] = {}
-        for r in self._core.replicas:
-            if r.state is not ReplicaState.SERVING:
-                continue
+        for r in self._serving(stats=True):
             member: _Member = r._client
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             try:
@@ -813,6 +812,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         :class:`~enginecore.stage.StageClosedError`. So does a call without *drain* for
         the same replica (another thread's): it stops the stage as a close would (one that
         does not stop is signalled after its *timeout*) and returns the exit code."""
+        _clientbase.check_flag(drain, "drain")  # "no" would drain
         timeout = removal_timeout(timeout)
         with self._lock:
             if replica not in self._core.replicas:

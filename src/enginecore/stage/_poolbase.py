@@ -102,8 +102,19 @@ def launch_specs(
         raise TypeError(f"replicas must be an int, got {type(replicas).__name__}")
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
-    check_ping_interval(options)
+    check_launch_options(options)
     return [{"factory": factory, "kwargs": kwargs, **options}] * replicas
+
+
+def check_launch_options(options: dict[str, Any]) -> None:
+    """Check what a launched replica's *options* hold that the pool uses before its stage
+    starts: ``ping_interval`` (:func:`check_ping_interval`) and ``name`` (a ``str`` or
+    ``None``: :class:`TypeError`, as ``StageClient.launch()`` raises; the pool makes
+    ``"<name>/r<i>"`` of it, which would take any object)."""
+    check_ping_interval(options)
+    name = options.get("name")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
 
 
 def check_ping_interval(options: dict[str, Any]) -> None:
@@ -290,7 +301,7 @@ def replica_spec(
             "group= is for replicas the pool launches: it cannot start a connected one again"
         )
     if factory is not None:
-        check_ping_interval(options)
+        check_launch_options(options)
         return {"factory": factory, "kwargs": kwargs, **options}
     if "ray" not in options:  # as StageClient.connect() checks them
         _clientbase.check_connect(address, options.get("timeout", 10.0))
@@ -352,6 +363,7 @@ class PoolBase(Generic[S]):
         max_migrations: int,
         ordered_events: bool = False,
     ) -> None:
+        _clientbase.check_flag(ordered_events, "ordered_events")
         self._core = PoolCore(routing, restart, on_replica_death, max_migrations)
         # The pool's event stream (None when off): every replica's events, each replica's
         # in its order, then at most one End (the pool closed). Consumers pop from it; the
@@ -409,6 +421,27 @@ class PoolBase(Generic[S]):
     def _check_open(self) -> None:
         if self._core.closing:
             raise StageClosedError("this stage pool is closed")
+
+    def _serving(self, stats: bool = False) -> list[Replica]:
+        """The replicas a call on every one of them asks (``stats()``, a broadcast
+        ``call_utility()``): the serving ones; :class:`NoReplicaError` if none serves, as
+        ``add()`` and ``call_utility()`` raise (an empty answer would read as nothing to
+        report, as a dead client's ``stats()`` does not answer either). With *stats*, also
+        while a ``shutdown(drain=...)`` drains them, as a draining client's ``stats()``
+        is taken (a replica whose drain is over answers its
+        :class:`~enginecore.stage.StageClosedError`)."""
+        if not (stats and self._core.draining):
+            self._check_open()
+        serving = [r for r in self._core.replicas if r.state is ReplicaState.SERVING]
+        if not serving:
+            raise NoReplicaError(
+                "no replica serves: "
+                + (
+                    ", ".join(f"{r.name} {r.state.value}" for r in self._core.replicas)
+                    or "none left"
+                )
+            )
+        return serving
 
     def _utility_target(self, replica: Replica | None) -> Any:
         """The member client a utility call goes to: *replica*'s, else the least-loaded
@@ -545,6 +578,8 @@ class PoolBase(Generic[S]):
         that all goes to one replica) sends the frame that checked the burst. Without
         *streams*, each request gets the pool's record (:class:`QuietRequest`) instead, and
         ``[]`` is returned."""
+        if streams is not True and streams is not False:  # "no" would make streams
+            _clientbase.check_flag(streams, "streams")
         if not streams and self._events is None:
             raise events_off()
         items = list(items)
