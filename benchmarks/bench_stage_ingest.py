@@ -62,12 +62,18 @@ def run_stage(client: Any, n: int) -> float:
 
 def run_raw(peer: Any, n: int) -> float:
     """Adds per second as raw msgspec frames on a DEALER into the one-thread server."""
+    import zmq
+
     ids = _ids(n)
     send, encode = peer.dealer.send, peer.encode
     with gc_on():
         t0 = time.perf_counter()
         for rid in ids:
-            send(encode(("add", rid, 1)))
+            frame = encode(("add", rid, 1))
+            try:
+                send(frame)
+            except zmq.Again:  # blocked a while: a dead peer fails the run (RawPeer.wait)
+                peer.wait(lambda: send(frame))  # noqa: B023 - called at once
         got = peer.call(("count", 1))[2]
         t1 = time.perf_counter()
     assert got == n, (got, n)

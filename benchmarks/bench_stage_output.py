@@ -92,6 +92,8 @@ def run_stage(client: Any, steps: int, streams: bool = False) -> float:
 
 def run_raw(peer: Any, steps: int) -> float:
     """Outputs per second from the raw one-thread producer to a PULL in this process."""
+    import zmq
+
     total = REQUESTS * steps
     recv, decode = peer.pull.recv, peer.decode
     v2 = columnar()
@@ -99,12 +101,22 @@ def run_raw(peer: Any, steps: int) -> float:
         t0 = time.perf_counter()
         peer.dealer.send(peer.encode(("stream", REQUESTS, steps, v2)))
         seen = 0
+        # A recv that waited LIVENESS_MS for a frame finishes in RawPeer.wait: a dead
+        # peer fails the run instead of hanging it.
         if v2:
             while seen < total:
-                seen += len(decode(recv())[0][3])
+                try:
+                    frame = recv()
+                except zmq.Again:
+                    frame = peer.wait(recv)
+                seen += len(decode(frame)[0][3])
         else:
             while seen < total:
-                seen += len(decode(recv()))
+                try:
+                    frame = recv()
+                except zmq.Again:
+                    frame = peer.wait(recv)
+                seen += len(decode(frame))
         t1 = time.perf_counter()
     return total / (t1 - t0)
 

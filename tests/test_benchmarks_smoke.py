@@ -742,6 +742,55 @@ class TestStageBenchmarks:
             assert mpq.run([("b", 1)]) == {"b": [0]}
         assert [p.exitcode for p in processes] == [0] * len(processes)
 
+    @pytest.mark.parametrize(
+        "side",
+        ["call", "output", "utility", "ingest", "arrays", "zmq_chain", "mpq_chain"],
+    )
+    def test_a_dead_peer_fails_the_benchmark_instead_of_hanging_it(self, side: str) -> None:
+        # Before, a raw peer (or a hop of a chain) that died left the parent blocked for
+        # good in a recv (or a send, once the socket's queue was full): the benchmark hung.
+        # Now the parent looks whenever nothing came for LIVENESS_MS and raises, naming it.
+        from benchmarks._mpq_chain import MpqChain
+        from benchmarks._pipeline_peers import ZmqChain
+        from benchmarks._stage import RawPeer
+
+        from enginecore.stage.testing import device, relay
+
+        def kill(proc: Any) -> None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+
+        if side == "zmq_chain":
+            with ZmqChain(3) as chain:
+                kill(chain.processes[1])
+                with pytest.raises(RuntimeError, match="a hop of the raw chain died"):
+                    chain.trip(("req", 1, [1]))
+            return
+        if side == "mpq_chain":
+            stages: list[tuple[Callable[..., Any], dict[str, Any]]] = [
+                (device, {"step_s": 0.0}),
+                (relay, {}),
+            ]
+            with MpqChain(stages) as mpq:
+                kill(mpq.processes[0])
+                with pytest.raises(RuntimeError, match=r"a stage of the mp\.Queue chain died"):
+                    mpq.run([("a", 2)])
+            return
+        import numpy as np
+
+        arr = np.zeros(1024, dtype=np.float32)
+        with RawPeer(zero_copy=side == "arrays") as peer:
+            use: dict[str, Callable[[], object]] = {
+                "call": lambda: peer.call(("utility", 1, "x", [])),
+                "output": lambda: bench_stage_output.run_raw(peer, steps=3),
+                "utility": lambda: bench_stage_utility.sample_raw(peer, 3),
+                "ingest": lambda: bench_stage_ingest.run_raw(peer, 5000),  # > the send queue
+                "arrays": lambda: bench_stage_arrays.trip_raw(peer, arr, 2),
+            }
+            kill(peer.process)
+            with pytest.raises(RuntimeError, match="the raw baseline process died"):
+                use[side]()
+
     def test_stage_pipeline_peers_work_and_leave_nothing_behind(self) -> None:
         from benchmarks._mpq_chain import MpqChain
         from benchmarks._pipeline_peers import ONE_SHOT_RELAY, ZmqChain
