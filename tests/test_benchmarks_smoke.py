@@ -422,9 +422,15 @@ class TestStageBenchmarks:
 
     def test_output_and_ingest_run_quick_with_gc_on(self, gc_disables: list[str]) -> None:
         records = bench_stage_output.run(quick=True) + bench_stage_ingest.run(quick=True)
-        assert_records(records, 3)
+        assert_records(records, 5)
         assert_gc_on(records)
-        assert [r.goal for r in records] == [">= 0.5x", "report", ">= 0.5x"]
+        # Each against raw pyzmq and against the hand-written mp.Queue stage (the side a
+        # user would write instead), in the same rounds.
+        assert [r.goal for r in records] == [">= 0.5x", ">= 1x", "report", ">= 0.5x", ">= 1x"]
+        assert "mp.Queue stage" in records[1].name
+        assert "mp.Queue stage" in records[4].name
+        assert records[0].value == records[1].value  # the same enginecore rounds
+        assert records[3].value == records[4].value
         assert all(len(r.per_round) == 3 for r in records if r.goal != "report")
         assert gc_disables == []
 
@@ -838,20 +844,27 @@ class TestStageBenchmarks:
         assert rate == pytest.approx(40 / 8)
         assert per_s == pytest.approx(20)
 
-    def test_output_and_ingest_measure_both_sides(self) -> None:
-        from benchmarks._stage import SINK_FACTORY, RawPeer
+    def test_output_and_ingest_measure_every_side(self) -> None:
+        from benchmarks._mpq_stage import MpqStage
+        from benchmarks._stage import SINK_FACTORY, RawPeer, SinkEngine
 
         from enginecore.stage import StageClient
 
         with (
             StageClient.launch("enginecore:CountdownEngine", ordered_events=True) as client,
             RawPeer() as peer,
+            MpqStage() as stage,
         ):
             assert bench_stage_output.run_stage(client, steps=3) > 0
             assert bench_stage_output.run_raw(peer, steps=3) > 0
+            assert bench_stage_output.run_mpq(stage, steps=3) > 0
             assert bench_stage_ingest.run_raw(peer, 50) > 0
-        with StageClient.launch(SINK_FACTORY) as client:
+            assert not stage.streams  # the outputs were counted, never routed
+        with StageClient.launch(SINK_FACTORY) as client, MpqStage(SinkEngine) as sink:
             assert bench_stage_ingest.run_stage(client, 50) > 0
+            assert bench_stage_ingest.run_mpq(sink, 50) > 0
+            assert not sink.streams
+            assert not sink.live
 
 
 def _env() -> dict[str, str]:
