@@ -5,7 +5,7 @@ output lengths 16-128 (smaller with ``--quick``) drawn from a fixed seed, arrivi
 Poisson process within the first 2 s (0.2 s quick), greedy. A random-weight Llama of about
 20 M parameters (``make_random_model``; a tiny one quick), float32 on the CPU. Each side
 below runs in its own fresh interpreter, started once (all at once, before any clock) and
-kept for the run, each warmed up with a short request of its own; the sides then run the
+kept for the run, each warmed up with a few short requests of its own; the sides run the
 whole workload once per round, one after the other, the order reversed every other round
 (``_harness.interleave``), while the others wait idle (their processes use no CPU then).
 ``ROUNDS`` rounds (2 with ``--quick``; no warm-up round: each side warmed itself up);
@@ -67,7 +67,17 @@ from ._harness import Record, Skipped, higher_is_better, interleave, main_single
 NAME = "transformers"
 MAX_BATCH = 32  # TransformersEngine's default max_batch
 ROUNDS = 3  # full run; --quick: 2 after a warm-up round
-WARM = (0.0, [5, 6], 2)  # each side's own warm-up request: (arrival, prompt, max_tokens)
+WARM = (0.0, [5, 6], 2)  # the stage's first request, at its launch
+
+
+def warm_work(work: list[tuple[float, list[int], int]]) -> list[tuple[float, list[int], int]]:
+    """Each side's own warm-up before its first round: 4 short requests of the workload at
+    once (batched prefill and decode; one 2-token request left a side's first round up to
+    10x slower than its next ones)."""
+    return [(0.0, prompt[:16], 4) for _, prompt, _ in work[:4]]
+
+
+PREFIX = "@side: "  # the lines a side answers with, told apart from anything else it prints
 
 
 def workload(quick: bool) -> list[tuple[float, list[int], int]]:
@@ -374,17 +384,20 @@ class _Sides:
         return [float(x) for x in self._read(side).split()]
 
     def _read(self, side: str) -> str:
-        """The next line *side* prints; a side that died (or printed nothing) fails the run
-        with its exit status and the end of its stderr."""
+        """The next line *side* answers with (``PREFIX`` stripped; any other line it prints,
+        a library's chatter, is skipped); a side that died fails the run with its exit
+        status and the end of its stderr."""
         proc = self.procs[side]
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            code = proc.wait()
-            err = self._errs[side]
-            err.seek(0)
-            raise RuntimeError(f"the {side} side failed ({code}):\n{err.read()[-3000:]}")
-        return line.strip()
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                code = proc.wait()
+                err = self._errs[side]
+                err.seek(0)
+                raise RuntimeError(f"the {side} side failed ({code}):\n{err.read()[-3000:]}")
+            if line.startswith(PREFIX):
+                return line.removeprefix(PREFIX).strip()
 
     def close(self) -> None:
         for proc in self.procs.values():
@@ -418,7 +431,7 @@ def _side(side: str, path: str, quick: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     work = workload(quick)
-    warm = [WARM]
+    warm = warm_work(work)
     model = AutoModelForCausalLM.from_pretrained(path)
     params = sum(p.numel() for p in model.parameters())
     once: Callable[[str], list[float]]
@@ -441,6 +454,7 @@ def _side(side: str, path: str, quick: bool) -> None:
                 once = lambda tag: [run_loop(engine, work, tag)]  # noqa: E731
             elif side in ("stage", "stage_fast"):
                 client = stack.enter_context(launch_stage(path, batch_invariant=side == "stage"))
+                run_stage(client, warm, "warm")
                 once = lambda tag: [run_stage(client, work, tag)]  # noqa: E731
             elif side == "decode":
                 rounds, steps = (2, 4) if quick else (5, 8)
@@ -453,10 +467,10 @@ def _side(side: str, path: str, quick: bool) -> None:
 
             else:
                 raise SystemExit(f"unknown side {side!r}")
-        print("ready", params, flush=True)
+        print(PREFIX + "ready", params, flush=True)
         for line in sys.stdin:
             _, tag = line.split()
-            print(*once(tag), flush=True)
+            print(PREFIX + " ".join(map(str, once(tag))), flush=True)
 
 
 SIDES = ("bound", "generate", "generate_batch", "loop", "stage", "stage_fast", "decode")
