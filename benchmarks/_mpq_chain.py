@@ -23,6 +23,7 @@ import multiprocessing
 import multiprocessing.queues
 import os
 import queue
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -107,23 +108,45 @@ class MpqChain:
             raise
 
     def run(self, items: list[tuple[str, Any]], timeout: float = 60.0) -> dict[str, list[Any]]:
-        """Send *items* to the first stage at once; return each request's outputs."""
+        """Send *items* to the first stage at once; return each request's outputs.
+
+        ``RuntimeError`` if a stage's child has died (looked for whenever no message came
+        for ``_ORPHAN_CHECK_S``), ``TimeoutError`` if none came for *timeout* seconds."""
         streams: dict[str, list[Any]] = {rid: [] for rid, _ in items}
         left = len(streams)
         self._queues[0].put(("adds", items))
         get = self._queues[-1].get
         while left:
-            msg = get(timeout=timeout)  # queue.Empty: the chain is stuck or dead
+            try:
+                msg = get(timeout=_ORPHAN_CHECK_S)
+            except queue.Empty:
+                msg = self._wait(timeout)
             for rid, payload, last in msg:
                 streams[rid].append(payload)
                 left -= last
         return streams
 
+    def _wait(self, timeout: float) -> Any:
+        """The last queue's next message, waited for while every child runs."""
+        deadline = time.monotonic() + timeout
+        while True:
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead:
+                codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
+                raise RuntimeError(f"a stage of the mp.Queue chain died ({codes})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the mp.Queue chain did not answer within {timeout:g} s")
+            try:
+                return self._queues[-1].get(timeout=_ORPHAN_CHECK_S)
+            except queue.Empty:
+                pass
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if all(p.is_alive() for p in self.processes):
+        whole = all(p.is_alive() for p in self.processes)
+        if whole:
             self._queues[0].put(None)
             try:
                 while self._queues[-1].get(timeout=5.0) is not None:
@@ -133,7 +156,8 @@ class MpqChain:
         for proc in self.processes:
             if proc.pid is None:  # never started
                 continue
-            proc.join(5)
+            # A broken chain cannot pass the None on: its live children are killed at once.
+            proc.join(5 if whole else 0)
             if proc.exitcode is None:
                 proc.kill()
                 proc.join()

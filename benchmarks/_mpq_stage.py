@@ -4,7 +4,8 @@ A child process started with multiprocessing *spawn* (like a launched stage), on
 ``multiprocessing.Queue`` in each direction, pickle on both (the queues' own format), and
 nothing else: no IO threads of our own, no wire protocol, no checks. It is the baseline of
 the "what does enginecore buy over the obvious thing" benchmarks (``bench_stage_requests``,
-``bench_stage_utility``, ``bench_stage_arrays``).
+``bench_stage_utility``, ``bench_stage_arrays``, ``bench_stage_output``,
+``bench_stage_ingest``).
 
 The child (:func:`serve`) blocks in ``get()`` while its engine is idle (with a timeout, only
 to notice a dead parent; a busy child looks for its parent once a second), drains every
@@ -142,14 +143,41 @@ class MpqStage:
         self.live.add(rid)
         self._in.put(("add", rid, data))
 
-    def add_many(self, items: Iterable[tuple[str, Any]]) -> None:
-        """One put for a whole burst of ``(rid, data)`` pairs."""
+    def add_many(self, items: Iterable[tuple[str, Any]], streams: bool = True) -> None:
+        """One put for a whole burst of ``(rid, data)`` pairs. Without *streams*, nothing
+        is registered for them: their outputs are for :meth:`read_outputs` (a consumer of
+        the outputs in order, like a stage client's ``add_many(..., streams=False)``)."""
         items = list(items)
-        streams, live = self.streams, self.live
-        for rid, _ in items:
-            streams[rid] = []
-            live.add(rid)
+        if streams:
+            per_rid, live = self.streams, self.live
+            for rid, _ in items:
+                per_rid[rid] = []
+                live.add(rid)
         self._in.put(("adds", items))
+
+    def read_outputs(self, n: int, timeout: float = 60.0) -> int:
+        """Read the child's step lists in order until *n* outputs have come, without
+        routing them (requests added with ``streams=False``); returns how many came (the
+        last list may hold more)."""
+        deadline = time.monotonic() + timeout
+        get = self._out.get
+        seen = 0
+        while seen < n:
+            try:
+                msg = get(timeout=_ORPHAN_CHECK_S)
+            except queue.Empty:
+                msg = self._get(deadline - time.monotonic())  # raises if the child died
+            if msg.__class__ is list:
+                seen += len(msg)
+            else:
+                self._handle(msg)
+        return seen
+
+    def forget(self, rids: Iterable[str]) -> None:
+        """Drop the bookkeeping of *rids* (requests whose engine never ends them)."""
+        for rid in rids:
+            self.streams.pop(rid, None)
+            self.live.discard(rid)
 
     def abort(self, rids: list[str]) -> None:
         """Ask the child to abort *rids*; they leave :attr:`live` once it has."""

@@ -31,6 +31,7 @@ import zmq
 from enginecore.stage.testing import RelayEngine
 
 from ._cli import ignore_ctrl_c
+from ._stage import LIVENESS_MS, wait_for
 
 __all__ = ["ONE_SHOT_RELAY", "OneShotRelay", "ZmqChain", "hop_server", "one_shot_relay"]
 
@@ -85,7 +86,9 @@ def hop_server(in_address: str, out_address: str, parent_pid: int) -> None:
 class ZmqChain:
     """The parent's end of a chain of *n* :func:`hop_server` processes. Single thread.
 
-    :meth:`trip` sends one message through the chain and blocks for it. ``close()``
+    :meth:`trip` sends one message through the chain and blocks for it; if a hop process
+    has died, it raises ``RuntimeError`` instead of waiting forever (the parent's sockets
+    give up a blocked ``recv`` or ``send`` every ``LIVENESS_MS`` to look). ``close()``
     (idempotent; also on leaving a ``with`` block) stops the hops, kills any that does not
     stop within 5 s, and removes the socket directory."""
 
@@ -96,6 +99,8 @@ class ZmqChain:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.push = self._ctx.socket(zmq.PUSH)
         self.pull = self._ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVTIMEO, LIVENESS_MS)
+        self.push.setsockopt(zmq.SNDTIMEO, LIVENESS_MS)
         self.encode = msgspec.msgpack.Encoder().encode
         self.decode = msgspec.msgpack.Decoder().decode
         self._closed = False
@@ -120,21 +125,31 @@ class ZmqChain:
             raise
 
     def trip(self, msg: tuple[Any, ...]) -> Any:
-        """Send *msg* through the chain; block for it at the end; return it decoded."""
-        self.push.send(self.encode(msg))
-        return self.decode(self.pull.recv())
+        """Send *msg* through the chain; block for it at the end; return it decoded. A dead
+        hop is a ``RuntimeError`` (see :func:`~benchmarks._stage.wait_for`)."""
+        frame = self.encode(msg)
+        try:
+            self.push.send(frame)
+        except zmq.Again:
+            wait_for(lambda: self.push.send(frame), self.processes, "a hop of the raw chain")
+        try:
+            return self.decode(self.pull.recv())
+        except zmq.Again:
+            return self.decode(wait_for(self.pull.recv, self.processes, "a hop of the raw chain"))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         started = [p for p in self.processes if p.pid is not None]
-        if started and all(p.is_alive() for p in started):
+        whole = bool(started) and all(p.is_alive() for p in started)
+        if whole:
             with contextlib.suppress(zmq.ZMQError):
                 self.push.send(self.encode(("quit",)), zmq.NOBLOCK)
                 self.pull.poll(5000)  # the quit came through: every hop has returned
         for proc in started:
-            proc.join(5)
+            # A broken chain cannot pass the quit on: its live hops are killed at once.
+            proc.join(5 if whole else 0)
             if proc.exitcode is None:
                 proc.kill()
                 proc.join()

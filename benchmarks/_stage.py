@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import multiprocessing
+import multiprocessing.process
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 import zmq
@@ -34,13 +36,56 @@ from enginecore import CountdownEngine
 
 from ._cli import ignore_ctrl_c
 
-__all__ = ["ECHO_FACTORY", "SINK_FACTORY", "EchoEngine", "RawPeer", "SinkEngine", "raw_server"]
+__all__ = [
+    "ECHO_FACTORY",
+    "LIVENESS_MS",
+    "REPLY_TIMEOUT_S",
+    "SINK_FACTORY",
+    "EchoEngine",
+    "RawPeer",
+    "SinkEngine",
+    "raw_server",
+    "wait_for",
+]
 
 SINK_FACTORY: Final = "benchmarks._stage:SinkEngine"
 ECHO_FACTORY: Final = "benchmarks._stage:EchoEngine"
 
 # A raw server whose parent is gone notices within this long and exits (no orphans).
 _ORPHAN_CHECK_MS: Final = 1000
+
+# The parent's sockets give up a blocked recv (or send) this often to see whether the peer
+# process still runs: a dead peer fails the benchmark instead of hanging it. The hot loops
+# pay nothing for it until a recv has waited this long (a socket option, no poll per call).
+LIVENESS_MS: Final = 1000
+
+# How long the parent waits for an answer from a live peer before it gives up.
+REPLY_TIMEOUT_S: Final = 60.0
+
+T = TypeVar("T")
+
+
+def wait_for(
+    attempt: Callable[[], T],
+    processes: Sequence[multiprocessing.process.BaseProcess],
+    what: str,
+    timeout: float = REPLY_TIMEOUT_S,
+) -> T:
+    """Retry *attempt* (a recv or send on a socket with a ``LIVENESS_MS`` timeout, which
+    raises ``zmq.Again`` when that runs out) until it succeeds. Between tries, raise
+    ``RuntimeError`` naming *what* if one of *processes* has exited (a dead peer would
+    otherwise be waited for forever), and ``TimeoutError`` after *timeout* seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return attempt()
+        except zmq.Again:
+            dead = [p for p in processes if not p.is_alive()]
+            if dead:
+                codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
+                raise RuntimeError(f"{what} died ({codes}); no answer will come") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not answer within {timeout:g} s") from None
 
 
 class SinkEngine:
@@ -201,6 +246,13 @@ class RawPeer:
 
     *zero_copy* starts the server as a zero-copy echo of multipart frames (see there).
 
+    Both sockets give up a blocked ``recv`` (the DEALER a blocked ``send`` too) after
+    ``LIVENESS_MS`` with ``zmq.Again``. :meth:`call` handles that itself; a benchmark that
+    uses the sockets directly in its hot loop catches ``zmq.Again`` and finishes the call
+    with :meth:`wait`, which raises ``RuntimeError`` if the server process has died (and
+    ``TimeoutError`` if a live one does not answer within ``REPLY_TIMEOUT_S``) instead of
+    waiting forever.
+
     ``close()`` (idempotent; also on leaving a ``with`` block) stops the process, kills it if
     it does not stop within 5 s, and removes its socket directory.
     """
@@ -212,6 +264,9 @@ class RawPeer:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.dealer = self._ctx.socket(zmq.DEALER)
         self.pull = self._ctx.socket(zmq.PULL)
+        for sock in (self.dealer, self.pull):
+            sock.setsockopt(zmq.RCVTIMEO, LIVENESS_MS)
+        self.dealer.setsockopt(zmq.SNDTIMEO, LIVENESS_MS)
         self.encode = msgspec.msgpack.Encoder().encode
         self.decode = msgspec.msgpack.Decoder().decode
         self._closed = False
@@ -237,9 +292,23 @@ class RawPeer:
             raise
 
     def call(self, msg: tuple[Any, ...]) -> Any:
-        """Send *msg*, block for the reply on the DEALER, return it decoded."""
-        self.dealer.send(self.encode(msg))
-        return self.decode(self.dealer.recv())
+        """Send *msg*, block for the reply on the DEALER, return it decoded. A dead server
+        is a ``RuntimeError`` (see :meth:`wait`)."""
+        frame = self.encode(msg)
+        try:
+            self.dealer.send(frame)
+        except zmq.Again:
+            self.wait(lambda: self.dealer.send(frame))
+        try:
+            return self.decode(self.dealer.recv())
+        except zmq.Again:
+            return self.decode(self.wait(self.dealer.recv))
+
+    def wait(self, attempt: Callable[[], T]) -> T:
+        """Finish a ``recv``/``send`` on this peer's sockets that raised ``zmq.Again``:
+        retry *attempt* while the server process runs; ``RuntimeError`` once it has died,
+        ``TimeoutError`` after ``REPLY_TIMEOUT_S``."""
+        return wait_for(attempt, [self.process], "the raw baseline process")
 
     def close(self) -> None:
         if self._closed:

@@ -34,7 +34,10 @@ c. **64 MiB between two stages on one host**, against a ``memcpy`` of 64 MiB (``
    stage never hears of the request). That is one hop as a request meets it: the copy into
    a shared-memory slot the first stage reuses (the default 1 MiB threshold), the frame
    that names it, the second stage's input thread, its decode (the array read in place),
-   its loop's ``feed`` and step. Goal: memcpy time / hop time >= 0.5, every round. Until
+   its loop's ``feed`` and step. Goal: hop time / memcpy time <= 2, every round (the hop
+   at least half as fast as a memcpy; the ratio is enginecore over its baseline, as in
+   every other row: until 2026-12-05 this row printed the inverse, memcpy / hop >= 0.5,
+   which the older figures in docs/performance.md still quote). Until
    2026-12-03 the hop was a 2-stage pipeline's round trip minus one stage's, a difference
    of two ~50 ms round trips through the parent that came out near 0 (ratios in the
    thousands) or well above the hop in some rounds.
@@ -51,7 +54,7 @@ import threading
 import time
 from typing import Any
 
-from ._harness import Record, Skipped, gc_on, main_single, spread
+from ._harness import Record, Skipped, gc_on, lower_is_better, main_single, spread
 
 NAME = "pipeline_faults"
 T = "enginecore.stage.testing"
@@ -64,7 +67,7 @@ SAMPLE_S = 0.1
 BIG = 64 * 2**20
 GOAL_KILL_S = 1.0
 GOAL_RSS = 0.10
-GOAL_BIG = 0.5
+GOAL_BIG = 2.0  # the hop's time over a memcpy's, every round
 KILL_LEASE = 1.0
 
 
@@ -294,7 +297,6 @@ def big_part(rounds: int) -> list[Record]:
     big = np.ones(BIG, dtype=np.uint8)
     dst = np.empty_like(big)
     np.copyto(dst, big)  # touch every page once
-    ratios: list[float] = []
     hops: list[float] = []
     copies: list[float] = []
     stages = [
@@ -310,22 +312,21 @@ def big_part(rounds: int) -> list[Record]:
             (hop,) = pipe.add(f"big{r}", big).collect(timeout=60)
             if r == 0:
                 continue  # the first round maps the slots: a warm-up
-            copies.append(copy)
-            hops.append(hop)
-            ratios.append(copy / hop)
+            copies.append(copy * 1e3)
+            hops.append(hop * 1e3)
+    # Per round: the hop's time over the memcpy's (enginecore over its baseline, as every
+    # other row); judged on the highest.
     return [
-        Record(
+        lower_is_better(
             "pipeline 64 MiB array, one stage to the next, vs memcpy",
-            statistics.median(hops) * 1e3, "ms", statistics.median(copies) * 1e3,
-            statistics.median(ratios), f">= {GOAL_BIG:g}x memcpy's speed, every round",
-            min(ratios) >= GOAL_BIG, spread(hops) * 1e3, spread(copies) * 1e3,
+            hops, copies, "ms", GOAL_BIG,
             note=(
-                f"{rounds} rounds after a warm-up; the hop timed inside a 3-stage pipeline "
-                f"(echo, relay, relay), from the first stage's step to the second's edge "
-                f"(testing:stamp, testing:hop_seconds); through shared memory (one copy into "
-                f"a reused slot, read in place); GC on"
+                f"{rounds} rounds after a warm-up; ratio: hop time / memcpy time (<= "
+                f"{GOAL_BIG:g}x: at least {1 / GOAL_BIG:g}x memcpy's speed); the hop timed "
+                f"inside a 3-stage pipeline (echo, relay, relay), from the first stage's step "
+                f"to the second's edge (testing:stamp, testing:hop_seconds); through shared "
+                f"memory (one copy into a reused slot, read in place); GC on"
             ),
-            per_round=tuple(ratios),
         )
     ]  # fmt: skip
 

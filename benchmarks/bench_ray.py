@@ -21,6 +21,15 @@ Metrics:
 * **launching 8 stages** on Ray in parallel against one launch + 2 s (the baseline column):
   3 rounds, each a launch alone and then 8 at once (each round judged against its own
   single launch; the cluster's CPUs free again before each); quick mode, 1 round of 2.
+* **against a plain Ray actor** (the side a Ray user would write instead of enginecore): an
+  actor holding the same ``countdown`` engine whose caller drives it, with ``add_many``,
+  ``step`` and ``utility`` methods called through ``ray.get(actor.method.remote(...))``.
+  Its utility round trip is one actor call (``utility("div", 1, 2)``), blocks alternated
+  with the Ray stage's ``call_utility``: goal, the Ray stage's p50 <= 1.0x the actor's in
+  every block. Its burst is the same 64 x 50 requests: one ``add_many`` call, then
+  ``step`` calls until every request has ended (one actor call per step), rounds
+  alternated with the Ray stage's burst: goal, the Ray stage >= 1.0x the actor's outputs/s
+  in every round. The actor takes the same ``num_cpus=0.5`` as the Ray stage.
 
 The cyclic GC is on everywhere (``_harness.gc_on`` in the parent).
 """
@@ -228,6 +237,108 @@ def launch_record(ray: Any, stages: int, rounds: int) -> Record:
     )
 
 
+def plain_actor(ray: Any, num_cpus: float) -> Any:
+    """A plain Ray actor holding a ``countdown`` engine, driven by its caller: what a Ray
+    user writes instead of a stage. The class is made here, so that Ray ships it by value
+    (its workers need not import this module)."""
+
+    class PlainEngineActor:
+        def __init__(self) -> None:
+            from enginecore.stage.testing import countdown
+
+            self.engine = countdown()
+
+        def utility(self, name: str, *args: Any) -> Any:
+            return self.engine.utility(name, args)
+
+        def add_many(self, items: list[tuple[str, int]]) -> None:
+            for rid, n in items:
+                self.engine.add(rid, n)
+
+        def step(self) -> list[Any]:
+            return self.engine.step() if self.engine.has_work() else []
+
+    actor = ray.remote(num_cpus=num_cpus)(PlainEngineActor).remote()
+    ray.get(actor.utility.remote("div", 1, 2))  # up and answering
+    return actor
+
+
+def sample_actor_utility(ray: Any, actor: Any, n: int) -> list[float]:
+    call, get = actor.utility.remote, ray.get
+    clock = time.perf_counter_ns
+    out: list[float] = []
+    for _ in range(n):
+        t0 = clock()
+        get(call("div", 1, 2))
+        out.append((clock() - t0) / 1e3)
+    return out
+
+
+def plain_actor_records(
+    ray: Any, on_ray: Any, samples: int, blocks: int, rounds: int
+) -> list[Record]:
+    """The Ray stage against a plain Ray actor whose caller drives the engine."""
+    actor = plain_actor(ray, 0.5)
+    try:
+        sides = {
+            "loop": lambda: sample_utility(on_ray, samples),
+            "raw": lambda: sample_actor_utility(ray, actor, samples),
+        }
+        sample_utility(on_ray, 100)  # warm-up
+        sample_actor_utility(ray, actor, 100)
+        per_block: dict[str, list[list[float]]] = {n: [] for n in sides}
+        names = list(sides)
+        for i in range(blocks):
+            for name in names if i % 2 == 0 else names[::-1]:
+                with gc_on():
+                    per_block[name].append(sides[name]())
+        pooled = {n: [x for block in per_block[n] for x in block] for n in names}
+        p50, _ = latency_records(
+            "utility round trip, stage on Ray vs a plain Ray actor", pooled, per_block, 1.0
+        )
+        p50 = dataclasses.replace(
+            p50, note=f"{p50.note}; baseline: ray.get(actor.utility.remote(...)); GC on"
+        )
+        ids = iter(range(1 << 30))
+
+        def burst_actor() -> float:
+            items = [(f"p{next(ids)}", STEPS) for _ in range(BURST)]
+            with gc_on():
+                t0 = time.perf_counter()
+                ray.get(actor.add_many.remote(items))
+                left, n = BURST, 0
+                while left:
+                    outs = ray.get(actor.step.remote())
+                    n += len(outs)
+                    left -= sum(1 for _, remaining in outs if remaining == 0)
+                elapsed = time.perf_counter() - t0
+            assert n == BURST * STEPS
+            return n / elapsed
+
+        def burst_stage() -> float:
+            items = [(f"q{next(ids)}", STEPS) for _ in range(BURST)]
+            with gc_on():
+                t0 = time.perf_counter()
+                n = sum(len(s.collect()) for s in on_ray.add_many(items))
+                elapsed = time.perf_counter() - t0
+            assert n == BURST * STEPS
+            return n / elapsed
+
+        out = interleave({"ray": burst_stage, "actor": burst_actor}, rounds)
+        burst = higher_is_better(
+            "output throughput, stage on Ray vs a plain Ray actor driven by its caller",
+            out["ray"],
+            out["actor"],
+            "outputs/s",
+            1.0,
+            note=f"{rounds} rounds of {BURST} requests x {STEPS} steps; baseline: one "
+            "add_many call, then one step call per step; GC on",
+        )
+    finally:
+        ray.kill(actor)
+    return [p50, burst]
+
+
 def run(quick: bool) -> list[Record]:
     samples, blocks, rounds, kills = (150, 2, 2, 1) if quick else (1000, 10, 10, 5)
     stages, launch_rounds = (2, 1) if quick else (8, 3)
@@ -235,6 +346,7 @@ def run(quick: bool) -> list[Record]:
         with both_stages() as (on_ray, headless):
             records = round_trip_records(on_ray, headless, samples, blocks)
             records.append(throughput_record(on_ray, headless, rounds))
+            records += plain_actor_records(ray, on_ray, samples, blocks, rounds)
         records.append(death_record(ray, kills))
         records.append(launch_record(ray, stages, launch_rounds))
     return records

@@ -78,6 +78,7 @@ def trip_stage(client: Any, arr: Any, trips: int) -> float:
 def trip_raw(peer: Any, arr: Any, trips: int) -> float:
     """GB/s through the raw zero-copy echo: a header frame and the array's buffer."""
     import numpy as np
+    import zmq
 
     send, recv = peer.dealer.send_multipart, peer.dealer.recv_multipart
     encode, decode = peer.encode, peer.decode
@@ -86,7 +87,10 @@ def trip_raw(peer: Any, arr: Any, trips: int) -> float:
         t0 = time.perf_counter()
         for _ in range(trips):
             send([encode(("echo", arr.dtype.str, arr.shape)), arr], copy=False)
-            head, buf = recv(copy=False)
+            try:
+                head, buf = recv(copy=False)
+            except zmq.Again:  # no answer for a while: a dead peer fails the run
+                head, buf = peer.wait(lambda: recv(copy=False))
             _, dtype, shape = decode(head.buffer)
             out = np.frombuffer(buf.buffer, dtype=dtype).reshape(shape)
         t1 = time.perf_counter()

@@ -1,7 +1,8 @@
 """Output streaming: a stage emitting many outputs per step, read from the ordered event stream.
 
-Both producers are processes started with multiprocessing spawn, streaming to the parent over
-an ipc PUSH -> PULL pair in a private temporary directory. Each round streams
+Every producer is a process started with multiprocessing spawn; the stage and the raw
+server stream to the parent over an ipc PUSH -> PULL pair in a private temporary
+directory, the mp.Queue stage over its ``multiprocessing.Queue``. Each round streams
 ``REQUESTS x steps`` outputs; the clock runs from the parent's first send to the moment the
 parent holds the last output.
 
@@ -20,10 +21,17 @@ parent holds the last output.
   in the stage's event shape (v2: one ``["outputs", req_ids, finished, remainings]``; v1:
   ``["output", req_id, finished, remaining]`` per output); the parent ``recv``\\ s on its
   PULL, decodes each frame with msgspec and counts the outputs.
+* the side a user would write instead: the hand-written mp.Queue stage of
+  ``benchmarks/_mpq_stage.py`` running the same ``CountdownEngine``; the parent puts the
+  ``REQUESTS`` requests as one message (``add_many(..., streams=False)``: nothing
+  registered per request, as on the stage side), and reads the child's step lists (one
+  pickled list of ``(req_id, remaining)`` per step) from its queue in order, counting the
+  outputs (``MpqStage.read_outputs``).
 
-Rounds are interleaved; the result is outputs per second. Goal: enginecore >= 0.5x raw in
-every round, judged on the lowest per-round ratio (see docs/performance.md for what the
-stage's two extra thread hand-offs per output cost). The cyclic GC is on in every process,
+Rounds are interleaved (the stage's side next to each baseline in every round); the result
+is outputs per second. Goals, judged on the lowest per-round ratio: enginecore >= 0.5x raw
+(see docs/performance.md for what the stage's two extra thread hand-offs per output cost)
+and >= 1.0x the mp.Queue stage, in every round. The cyclic GC is on in every process,
 on both sides, as users run (``_harness.gc_on`` in the parent: a ``gc.collect()`` before each
 round's clock, so no side pays for the garbage of the one before it).
 """
@@ -47,6 +55,7 @@ from ._harness import (
 
 NAME = "stage_output"
 GOAL = 0.5
+GOAL_MPQ = 1.0
 REQUESTS = 256  # outputs per step; one raw frame per step, under the stage's 512 cap
 
 _rounds = count()
@@ -92,6 +101,8 @@ def run_stage(client: Any, steps: int, streams: bool = False) -> float:
 
 def run_raw(peer: Any, steps: int) -> float:
     """Outputs per second from the raw one-thread producer to a PULL in this process."""
+    import zmq
+
     total = REQUESTS * steps
     recv, decode = peer.pull.recv, peer.decode
     v2 = columnar()
@@ -99,13 +110,38 @@ def run_raw(peer: Any, steps: int) -> float:
         t0 = time.perf_counter()
         peer.dealer.send(peer.encode(("stream", REQUESTS, steps, v2)))
         seen = 0
+        # A recv that waited LIVENESS_MS for a frame finishes in RawPeer.wait: a dead
+        # peer fails the run instead of hanging it.
         if v2:
             while seen < total:
-                seen += len(decode(recv())[0][3])
+                try:
+                    frame = recv()
+                except zmq.Again:
+                    frame = peer.wait(recv)
+                seen += len(decode(frame)[0][3])
         else:
             while seen < total:
-                seen += len(decode(recv()))
+                try:
+                    frame = recv()
+                except zmq.Again:
+                    frame = peer.wait(recv)
+                seen += len(decode(frame))
         t1 = time.perf_counter()
+    return total / (t1 - t0)
+
+
+def run_mpq(stage: Any, steps: int) -> float:
+    """Outputs per second from the hand-written mp.Queue stage, its step lists read in order
+    and counted."""
+    total = REQUESTS * steps
+    prefix = f"m{next(_rounds)}-"
+    items = [(f"{prefix}{i}", steps) for i in range(REQUESTS)]
+    with gc_on():
+        t0 = time.perf_counter()
+        stage.add_many(items, streams=False)
+        seen = stage.read_outputs(total)
+        t1 = time.perf_counter()
+    assert seen == total, (seen, total)
     return total / (t1 - t0)
 
 
@@ -113,6 +149,7 @@ def run(quick: bool) -> list[Record]:
     try:
         from enginecore.stage import StageClient
 
+        from ._mpq_stage import MpqStage
         from ._stage import RawPeer
     except ImportError as exc:
         raise Skipped(f"needs the zmq extra (pip install -e '.[zmq]'): {exc}") from None
@@ -120,12 +157,15 @@ def run(quick: bool) -> list[Record]:
     with (
         StageClient.launch("enginecore:CountdownEngine", ordered_events=True) as client,
         RawPeer() as peer,
+        MpqStage() as stage,
     ):
+        # The stage's side sits between its two baselines: next to each in every round.
         res = interleave(
             {
-                "loop": lambda: run_stage(client, steps),
-                "raw": lambda: run_raw(peer, steps),
                 "streams": lambda: run_stage(client, steps, streams=True),
+                "raw": lambda: run_raw(peer, steps),
+                "loop": lambda: run_stage(client, steps),
+                "mpq": lambda: run_mpq(stage, steps),
             },
             rounds=rounds,
         )
@@ -137,6 +177,15 @@ def run(quick: bool) -> list[Record]:
             "msgs/s",
             GOAL,
             note="requests added without streams, read from the ordered event stream; GC on",
+        ),
+        higher_is_better(
+            f"stage output stream vs mp.Queue stage, {REQUESTS} requests x {steps} steps",
+            res["loop"],
+            res["mpq"],
+            "msgs/s",
+            GOAL_MPQ,
+            note="baseline: the hand-written mp.Queue stage, one put of the requests, its "
+            "step lists read in order; GC on",
         ),
         report_only(
             higher_is_better(

@@ -3,8 +3,13 @@
 The workload of issue 21: N requests (64; 8 with ``--quick``), prompt lengths 16-256 and
 output lengths 16-128 (smaller with ``--quick``) drawn from a fixed seed, arriving as a
 Poisson process within the first 2 s (0.2 s quick), greedy. A random-weight Llama of about
-20 M parameters (``make_random_model``; a tiny one quick), float32 on the CPU. Measured in
-one run, one round each (the workload is long; the verdict is that round):
+20 M parameters (``make_random_model``; a tiny one quick), float32 on the CPU. Each side
+below runs in its own fresh interpreter, started once (all at once, before any clock) and
+kept for the run, each warmed up with a few short requests of its own; the sides run the
+whole workload once per round, one after the other, the order reversed every other round
+(``_harness.interleave``), while the others wait idle (their processes use no CPU then).
+``ROUNDS`` rounds (2 with ``--quick``; no warm-up round: each side warmed itself up);
+every goal is judged on its lowest per-round ratio:
 
 - the engine in an in-process ``EngineCoreLoop`` (adds submitted at their arrival times from
   another thread), output tokens / wall time from the first arrival to the last token;
@@ -31,6 +36,11 @@ note of the "stage vs bound" line.
 Each side uses torch's default thread count (one per CPU) unless ``OMP_NUM_THREADS`` is set,
 which every side then inherits; the note says which.
 
+Why fresh interpreters: whatever one side leaves behind in a process that ran torch (its
+thread pool, its allocator) taxed the next; in one process the stage side after the others
+measured 0.66x of the loop, each in its own process 0.93-1.23x. A side's process is
+reused only by that side.
+
 Goals (issue 21): engine on a stage >= 0.7x the bound; engine on a stage >= 2x
 ``generate_batch``; engine in process >= 3x generate one at a time; the stage >= 0.95x in
 process.
@@ -39,6 +49,7 @@ process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -49,12 +60,24 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ._harness import Record, Skipped, higher_is_better, interleave, main_single
 
 NAME = "transformers"
 MAX_BATCH = 32  # TransformersEngine's default max_batch
+ROUNDS = 3  # full run; --quick: 2 after a warm-up round
+WARM = (0.0, [5, 6], 2)  # the stage's first request, at its launch
+
+
+def warm_work(work: list[tuple[float, list[int], int]]) -> list[tuple[float, list[int], int]]:
+    """Each side's own warm-up before its first round: 4 short requests of the workload at
+    once (batched prefill and decode; one 2-token request left a side's first round up to
+    10x slower than its next ones)."""
+    return [(0.0, prompt[:16], 4) for _, prompt, _ in work[:4]]
+
+
+PREFIX = "@side: "  # the lines a side answers with, told apart from anything else it prints
 
 
 def workload(quick: bool) -> list[tuple[float, list[int], int]]:
@@ -70,11 +93,11 @@ def workload(quick: bool) -> list[tuple[float, list[int], int]]:
     return out
 
 
-def run_loop(path: str, work: list[tuple[float, list[int], int]]) -> float:
+def run_loop(engine: Any, work: list[tuple[float, list[int], int]], tag: str) -> float:
+    """One pass of *work* through a new ``EngineCoreLoop`` on *engine* (request ids
+    prefixed with *tag*)."""
     from enginecore import Add, EngineCoreLoop
-    from enginecore.engines.transformers import TransformersEngine
 
-    engine = TransformersEngine(path)
     left = len(work)
     tokens = 0
     end = [0.0]
@@ -94,7 +117,7 @@ def run_loop(path: str, work: list[tuple[float, list[int], int]]) -> float:
     def feed(t0: float) -> None:
         for i, (at, prompt, n) in enumerate(work):
             time.sleep(max(0.0, t0 + at - time.perf_counter()))
-            loop.submit(Add(str(i), {"prompt": prompt, "max_tokens": n}))
+            loop.submit(Add(f"{tag}{i}", {"prompt": prompt, "max_tokens": n}))
 
     t0 = time.perf_counter()
     feeder = threading.Thread(target=feed, args=(t0,))
@@ -104,23 +127,31 @@ def run_loop(path: str, work: list[tuple[float, list[int], int]]) -> float:
     return tokens / (end[0] - t0)
 
 
-def run_stage(
-    path: str, work: list[tuple[float, list[int], int]], batch_invariant: bool = True
-) -> float:
+def launch_stage(path: str, batch_invariant: bool = True) -> Any:
+    """A launched stage of the engine, warmed up with one short request."""
     from enginecore.stage import StageClient
 
-    with StageClient.launch(
+    client = StageClient.launch(
         "enginecore.engines.transformers:TransformersEngine",
         {"model": path, "batch_invariant": batch_invariant},
-    ) as client:
-        client.add("warm", {"prompt": [5, 6], "max_tokens": 2})
-        streams = []
-        t0 = time.perf_counter()
-        for i, (at, prompt, n) in enumerate(work):
-            time.sleep(max(0.0, t0 + at - time.perf_counter()))
-            streams.append(client.add(str(i), {"prompt": prompt, "max_tokens": n}))
-        tokens = sum(len(p["token_ids"]) for s in streams for p in s)
-        return tokens / (time.perf_counter() - t0)
+    )
+    try:
+        client.add("warm", {"prompt": WARM[1], "max_tokens": WARM[2]}).collect()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def run_stage(client: Any, work: list[tuple[float, list[int], int]], tag: str) -> float:
+    """One pass of *work* through the launched stage *client* (ids prefixed with *tag*)."""
+    streams = []
+    t0 = time.perf_counter()
+    for i, (at, prompt, n) in enumerate(work):
+        time.sleep(max(0.0, t0 + at - time.perf_counter()))
+        streams.append(client.add(f"{tag}{i}", {"prompt": prompt, "max_tokens": n}))
+    tokens = sum(len(p["token_ids"]) for s in streams for p in s)
+    return tokens / (time.perf_counter() - t0)
 
 
 def run_generate(model: Any, work: list[tuple[float, list[int], int]]) -> float:
@@ -251,6 +282,7 @@ def run(quick: bool) -> list[Record]:
             f"needs torch and transformers (pip install -e '.[transformers]'): {exc}"
         ) from None
     work = workload(quick)
+    rounds = 2 if quick else ROUNDS
     with tempfile.TemporaryDirectory() as tmp:
         if quick:
             path = make_random_model(tmp, hidden_size=64, layers=2, vocab=512)
@@ -259,88 +291,186 @@ def run(quick: bool) -> list[Record]:
                 tmp, hidden_size=384, layers=8, heads=6, kv_heads=2, vocab=8192,
                 intermediate_size=1024, max_positions=512,
             )  # fmt: skip
-        # Each side in a fresh interpreter: torch's thread pool and allocator state from one
-        # side must not tax the next (in one process, the stage side after the others
-        # measured 0.66x of the loop; each in its own process, 0.93-1.23x).
-        (limit,), params = _fresh("bound", path, quick)
-        (gen,), _ = _fresh("generate", path, quick)
-        (batch,), _ = _fresh("generate_batch", path, quick)
-        (loop,), _ = _fresh("loop", path, quick)
-        (stage,), _ = _fresh("stage", path, quick)
-        (fast,), _ = _fresh("stage_fast", path, quick)
-        rates, _ = _fresh("decode", path, quick)
+        with _Sides(path, quick) as sides:
+
+            def side(name: str) -> Callable[[], float]:
+                return lambda: sides.round(name)[0]
+
+            # The sides of each goal's pair run close together in every round (the order is
+            # reversed every other round); stage_fast only feeds the note.
+            order = ("generate", "loop", "stage", "generate_batch", "bound", "stage_fast")
+            res = interleave({name: side(name) for name in order}, rounds, warmup=0)
+            rates = sides.round("decode")
+            params = sides.params
     threads = os.environ.get("OMP_NUM_THREADS") or f"torch's default ({os.cpu_count()})"
     note = (
         f"{params / 1e6:.1f} M params, float32 CPU, {threads} torch thread(s), "
         f"{len(work)} requests, {sum(n for *_, n in work)} output tokens; "
-        "batch_invariant=True; one round"
+        f"batch_invariant=True; {rounds} rounds alternated, each side in its own interpreter"
     )
+    stage, limit, fast = res["stage"], res["bound"], res["stage_fast"]
     inv, not_inv = rates[0::2], rates[1::2]
     per_round = [f / t for t, f in zip(inv, not_inv, strict=True)]
+    fast_bound = [f / b for f, b in zip(fast, limit, strict=True)]
+    fast_stage = [f / s for f, s in zip(fast, stage, strict=True)]
     trade = (
-        f"; batch_invariant=False: stage {fast:.0f} tok/s ({fast / limit:.2f}x the bound, "
-        f"{fast / stage:.2f}x the invariant stage); decode step at batch "
-        f"{min(len(work), MAX_BATCH)}: {statistics.median(inv):.0f} tok/s invariant, "
-        f"{statistics.median(not_inv):.0f} not ({statistics.median(per_round):.2f}x, rounds "
-        f"{min(per_round):.2f}..{max(per_round):.2f})"
+        f"; batch_invariant=False: stage {statistics.median(fast):.0f} tok/s "
+        f"({statistics.median(fast_bound):.2f}x the bound, "
+        f"{statistics.median(fast_stage):.2f}x the invariant stage, medians of the rounds); "
+        f"decode step at batch {min(len(work), MAX_BATCH)}: {statistics.median(inv):.0f} tok/s "
+        f"invariant, {statistics.median(not_inv):.0f} not ({statistics.median(per_round):.2f}x, "
+        f"rounds {min(per_round):.2f}..{max(per_round):.2f})"
     )
     return [
+        higher_is_better("transformers: stage vs bound", stage, limit, "tok/s", 0.7, note + trade),
         higher_is_better(
-            "transformers: stage vs bound", [stage], [limit], "tok/s", 0.7, note + trade
+            "transformers: stage vs generate_batch",
+            stage,
+            res["generate_batch"],
+            "tok/s",
+            2.0,
+            note,
         ),
         higher_is_better(
-            "transformers: stage vs generate_batch", [stage], [batch], "tok/s", 2.0, note
+            "transformers: loop vs generate alone",
+            res["loop"],
+            res["generate"],
+            "tok/s",
+            3.0,
+            note,
         ),
-        higher_is_better("transformers: loop vs generate alone", [loop], [gen], "tok/s", 3.0, note),
-        higher_is_better("transformers: stage vs loop", [stage], [loop], "tok/s", 0.95, note),
+        higher_is_better("transformers: stage vs loop", stage, res["loop"], "tok/s", 0.95, note),
     ]
 
 
-def _fresh(side: str, path: str, quick: bool) -> tuple[list[float], int]:
-    """Run one side in a new interpreter; its tokens/s figures and the model's parameter
-    count."""
-    argv = [sys.executable, "-m", "benchmarks.bench_transformers", "--side", side, path]
-    out = subprocess.run(
-        [*argv, *(["--quick"] if quick else [])],
-        cwd=Path(__file__).resolve().parent.parent,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if out.returncode:
-        raise RuntimeError(f"the {side} side failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    *rates, params = out.stdout.splitlines()[-1].split()
-    return [float(r) for r in rates], int(params)
+class _Sides:
+    """One fresh interpreter per side (``--side NAME MODEL``), all started at once and kept
+    for the run: :meth:`round` has one run the workload once and returns its figures.
+    ``close()`` (also on leaving a ``with`` block) ends them all."""
+
+    def __init__(self, path: str, quick: bool) -> None:
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self._errs: dict[str, IO[str]] = {}
+        self._rounds = 0
+        self.params = 0
+        root = Path(__file__).resolve().parent.parent
+        try:
+            for side in SIDES:
+                argv = [sys.executable, "-m", "benchmarks.bench_transformers", "--side", side, path]
+                self._errs[side] = err = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115
+                self.procs[side] = subprocess.Popen(
+                    [*argv, *(["--quick"] if quick else [])],
+                    cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                    text=True,
+                )  # fmt: skip
+            for side in SIDES:  # each loads its model and warms up, in parallel
+                ready, params = self._read(side).split()
+                assert ready == "ready", ready
+                self.params = int(params)
+        except BaseException:
+            self.close()
+            raise
+
+    def round(self, side: str) -> list[float]:
+        """Run the workload once on *side*; its tokens/s figures."""
+        proc = self.procs[side]
+        assert proc.stdin is not None
+        self._rounds += 1
+        try:
+            proc.stdin.write(f"round r{self._rounds}-\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: _read says how
+        return [float(x) for x in self._read(side).split()]
+
+    def _read(self, side: str) -> str:
+        """The next line *side* answers with (``PREFIX`` stripped; any other line it prints,
+        a library's chatter, is skipped); a side that died fails the run with its exit
+        status and the end of its stderr."""
+        proc = self.procs[side]
+        assert proc.stdout is not None
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                code = proc.wait()
+                err = self._errs[side]
+                err.seek(0)
+                raise RuntimeError(f"the {side} side failed ({code}):\n{err.read()[-3000:]}")
+            if line.startswith(PREFIX):
+                return line.removeprefix(PREFIX).strip()
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(OSError):
+                if proc.stdin is not None:
+                    proc.stdin.close()  # end of input: the side returns
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for err in self._errs.values():
+            err.close()
+
+    def __enter__(self) -> _Sides:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _side(side: str, path: str, quick: bool) -> None:
-    """``--side NAME PATH [--quick]``: one side of the benchmark, printed as one line
-    ``RATE... PARAMS`` (the decode side: invariant and not, alternating, one pair a round)."""
+    """``--side NAME PATH [--quick]``: one side of the benchmark, served over stdin. Loads
+    the model (and for the stage sides, launches the stage), warms up, prints ``ready
+    PARAMS``; then for each line ``round TAG`` runs the workload once (request ids prefixed
+    with TAG) and prints its tokens/s figures on one line (the decode side: invariant and
+    not, alternating, one pair a round of its own); returns at the end of its input."""
     from transformers import AutoModelForCausalLM
 
     work = workload(quick)
+    warm = warm_work(work)
     model = AutoModelForCausalLM.from_pretrained(path)
     params = sum(p.numel() for p in model.parameters())
-    rates: list[float]
-    if side == "bound":
-        rates = [bound(model, work, min(len(work), MAX_BATCH))]
-    elif side == "generate":
-        rates = [run_generate(model, work)]
-    elif side == "generate_batch":
-        rates = [run_generate_batch(model, work)]
-    else:
-        del model  # the engine loads its own
-        if side == "loop":
-            rates = [run_loop(path, work)]
-        elif side in ("stage", "stage_fast"):
-            rates = [run_stage(path, work, batch_invariant=side == "stage")]
-        elif side == "decode":
-            rounds, steps = (2, 4) if quick else (5, 8)
-            t, f = decode_rates(path, work, min(len(work), MAX_BATCH), rounds, steps)
-            rates = [x for pair in zip(t, f, strict=True) for x in pair]
+    once: Callable[[str], list[float]]
+    with contextlib.ExitStack() as stack:
+        if side == "bound":
+            bound(model, warm, 1)
+            once = lambda tag: [bound(model, work, min(len(work), MAX_BATCH))]  # noqa: E731
+        elif side == "generate":
+            run_generate(model, warm)
+            once = lambda tag: [run_generate(model, work)]  # noqa: E731
+        elif side == "generate_batch":
+            once = lambda tag: [run_generate_batch(model, work)]  # noqa: E731 - warms itself
         else:
-            raise SystemExit(f"unknown side {side!r}")
-    print(*rates, params)
+            del model  # the engine loads its own
+            if side == "loop":
+                from enginecore.engines.transformers import TransformersEngine
+
+                engine = TransformersEngine(path)
+                run_loop(engine, warm, "warm")
+                once = lambda tag: [run_loop(engine, work, tag)]  # noqa: E731
+            elif side in ("stage", "stage_fast"):
+                client = stack.enter_context(launch_stage(path, batch_invariant=side == "stage"))
+                run_stage(client, warm, "warm")
+                once = lambda tag: [run_stage(client, work, tag)]  # noqa: E731
+            elif side == "decode":
+                rounds, steps = (2, 4) if quick else (5, 8)
+
+                def decode_once(tag: str) -> list[float]:
+                    t, f = decode_rates(path, work, min(len(work), MAX_BATCH), rounds, steps)
+                    return [x for pair in zip(t, f, strict=True) for x in pair]
+
+                once = decode_once
+
+            else:
+                raise SystemExit(f"unknown side {side!r}")
+        print(PREFIX + "ready", params, flush=True)
+        for line in sys.stdin:
+            _, tag = line.split()
+            print(PREFIX + " ".join(map(str, once(tag))), flush=True)
 
 
 SIDES = ("bound", "generate", "generate_batch", "loop", "stage", "stage_fast", "decode")
@@ -358,7 +488,8 @@ def _side_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_transformers --side",
         description="One side of the benchmark, in this interpreter (run() starts each side "
-        "this way): prints its tokens/s figures and the model's parameter count.",
+        "this way): loads the model, warms up and prints 'ready PARAMS'; then for each line "
+        "'round TAG' on its input runs the workload once and prints its tokens/s figures.",
     )
     parser.add_argument("side", choices=SIDES)
     parser.add_argument("model", type=_model_dir)
