@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from enginecore import CountdownEngine, RequestRejected
 
-__all__ = ["POISONS", "REFUSED_BY_MSGSPEC", "SoakEngine", "soak_engine"]
+__all__ = ["POISONS", "REFUSED_BY_MSGSPEC", "LosingEngine", "SoakEngine", "soak_engine"]
 
 
 def _deep(depth: int) -> list[Any]:
@@ -144,3 +144,15 @@ class SoakEngine(CountdownEngine):
 def soak_engine() -> SoakEngine:
     """Factory: a fresh :class:`SoakEngine`."""
     return SoakEngine()
+
+
+class LosingEngine(CountdownEngine):
+    """A faulty :class:`~enginecore.CountdownEngine`, for the soak's own tests: it takes a
+    request whose id ends in ``"77"`` and never steps it (no output, no error: a lost
+    request), and holds it to the end. The abort phase must report it lost."""
+
+    def add(self, req_id: str, data: Any) -> None:
+        if req_id.endswith("77"):
+            self.lost = getattr(self, "lost", 0) + 1
+            return
+        super().add(req_id, data)

@@ -277,6 +277,7 @@ class _Fuzz:
         self.weights = list(SHARES.values())
         self.ops: collections.Counter[str] = collections.Counter()
         self.engine_live: Any = None
+        self.stage_live: int | None = None  # the stage's own live requests, at the end
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -624,6 +625,7 @@ class _Fuzz:
         self.r.rss_kib.append((sent, read_rss_kib(self.pid)))
         # The intruder's hello rejects travel on its own socket: wait for them too.
         self.wait(lambda: self.got["rejects"] >= self.expect["rejects"], "the hello rejects")
+        self.stage_live = self.main.stats(timeout=30).live
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -722,10 +724,16 @@ def _checks(r: PhaseReport, fuzz: _Fuzz | None, died: str, code: int | None, tai
         "0 outputs after a request's error (or after its aborted event)", f"{after:,}", after == 0
     )
     live = fuzz.engine_live
+    not_asked = "not asked: the phase ended early"
     r.check(
         "the engine holds nothing at the end ([countdowns, held, poisoned])",
-        repr(live),
+        not_asked if live is None else repr(live),
         live == [0, 0, 0],
+    )
+    r.check(
+        "the stage holds nothing at the end (its live requests)",
+        not_asked if fuzz.stage_live is None else f"{fuzz.stage_live:,}",
+        fuzz.stage_live == 0,
     )
     ops = fuzz.ops
     total = sum(ops.values())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from typing import IO, Any
 
 import pytest
 from benchmarks import soak_stage
+from benchmarks._soak_abort import AbortConfig, run_abort
 from benchmarks._soak_engine import REFUSED_BY_MSGSPEC
 from benchmarks._soak_frames import BAD_HELLO, SCOPED_ADD, SCOPED_ADDS, SCOPED_CALL, UNSCOPED
 from benchmarks._soak_report import PhaseReport
@@ -50,6 +52,12 @@ class TestSoak:
         assert a["aborted: abort sent after an output"] > 0
         assert a["finished, not aborted"] > 0
         assert a["outputs checked"] > soak_stage.QUICK_REQUESTS
+        # The stage's own live set is checked, not only the engine's: a stage that kept an
+        # aborted id (a per-request leak) passed a quick run, where RSS is not judged.
+        for phase in (fuzz, abort):
+            (held,) = [c for c in phase.checks if c.expectation.startswith("the stage holds")]
+            assert held.ok, held
+            assert held.measured == "0", held
 
     def test_refused_by_msgspec_ends_the_request(self) -> None:
         # Refused only when the output thread encodes them, after the loop has stepped the
@@ -65,6 +73,42 @@ class TestSoak:
         assert "## abort: 2,000 requests" in out
         assert "| FAIL" not in out
         assert out.rstrip().splitlines()[-1].startswith("PASS")
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_lost_request_fails_the_abort_phase_with_the_right_numbers() -> None:
+    # The mutation: an engine that takes the ids ending in "77" and never steps them. The
+    # phase must report them lost, count the aborts it actually sent (an abort planned
+    # after an output that never comes is not sent: it used to be counted as sent, beside
+    # "0 unanswered"), and say that it did not ask the engine or the stage what they hold.
+    cfg = AbortConfig(
+        requests=2000, seed=3, engine="benchmarks._soak_engine:LosingEngine", stall_s=2.0
+    )
+    report = run_abort(cfg)
+    assert not report.ok
+    checks = {c.expectation: c for c in report.checks}
+    lost = checks["0 lost: every request finished with all its outputs, or got its aborted event"]
+    assert not lost.ok
+    n_lost = int(lost.measured.split()[0].replace(",", ""))
+    assert 0 < n_lost <= sum(f"r{i}".endswith("77") for i in range(2000)), lost.measured
+    answered = checks["every abort answered by 1 aborted event (in order), with that abort's ids"]
+    match = re.fullmatch(
+        r"([\d,]+) aborted / ([\d,]+) aborts sent \(([\d,]+) planned\); 0 unanswered",
+        answered.measured,
+    )
+    assert match is not None, answered.measured
+    aborted, sent, planned = (int(g.replace(",", "")) for g in match.groups())
+    # Every abort sent was answered (the stage answers an abort of a lost id too); those
+    # planned after an output of a lost request were never sent.
+    assert aborted == sent < planned, answered.measured
+    assert not answered.ok
+    assert report.violations["stalled"] == 1
+    for what in (
+        "the engine holds nothing at the end",
+        "the stage holds nothing at the end (its live requests)",
+    ):
+        assert checks[what].measured == "not asked: the phase ended early", checks[what]
+        assert not checks[what].ok
 
 
 def test_a_violated_expectation_exits_1(
