@@ -606,21 +606,32 @@ class _Fuzz:
     def run(self) -> None:
         cfg = self.cfg
         sent = 0
-        every = cfg.adds // (cfg.handovers + 1) if cfg.handovers else cfg.adds + 1
-        next_handover = every
+        # Handover i (1-based) comes once i * adds / (handovers + 1) adds are sent: a batch
+        # never runs past the next one, and any left (more handovers than adds) come at the
+        # end, so that the run makes exactly cfg.handovers of them.
+        def done() -> int:
+            return self.r.counts["session handovers"]
+
+        def due() -> int:  # adds sent before the next handover
+            return (done() + 1) * cfg.adds // (cfg.handovers + 1)
+
         next_rss = 0
         while sent < cfg.adds:
-            if sent >= next_handover and self.r.counts["session handovers"] < cfg.handovers:
+            while done() < cfg.handovers and sent >= due():
                 self.handover()
-                next_handover += every
             if sent >= next_rss:
                 self.r.rss_kib.append((sent, read_rss_kib(self.pid)))
                 next_rss += max(1, cfg.adds // 20)
             if len(self.live) < cfg.window:
-                sent += self.send_ops(min(256, cfg.adds - sent))
+                batch = min(256, cfg.adds - sent)
+                if done() < cfg.handovers:
+                    batch = min(batch, due() - sent)
+                sent += self.send_ops(batch)
                 self.pump(0)
             else:
                 self.pump(1.0)
+        while done() < cfg.handovers:
+            self.handover()
         self.drain()
         self.r.rss_kib.append((sent, read_rss_kib(self.pid)))
         # The intruder's hello rejects travel on its own socket: wait for them too.

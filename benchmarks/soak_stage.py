@@ -97,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--requests", type=at_least(0), help="phase 2 requests (default 1,000,000; 0 skips it)"
     )
     parser.add_argument(
-        "--handovers", type=at_least(0), help="phase 1 session handovers (default 10)"
+        "--handovers",
+        type=at_least(0),
+        help="phase 1 session handovers, evenly spaced (default 10)",
     )
     parser.add_argument(
         "--poison-kinds",

@@ -65,6 +65,14 @@ class TestSoak:
         (fuzz,) = soak_stage.run(3000, 0, handovers=0, poisons=REFUSED_BY_MSGSPEC)
         assert fuzz.ok, failures(fuzz)
 
+    def test_every_handover_asked_for_is_made(self) -> None:
+        # 12 handovers in 300 adds: a batch of adds (up to 256) used to run past the points
+        # where they were due, and the run made 2, silently.
+        (fuzz,) = soak_stage.run(300, 0, handovers=12)
+        assert fuzz.ok, failures(fuzz)
+        assert fuzz.counts["session handovers"] == 12
+        assert fuzz.counts["sent duplicate id (next session)"] == 24
+
     def test_cli_prints_a_table_and_exits_0(self, capsys: pytest.CaptureFixture[str]) -> None:
         argv = ["--adds", "1000", "--requests", "2000"]
         assert soak_stage.main(argv) == 0
