@@ -91,20 +91,27 @@ class Report:
         with self._lock:
             counter[key] += 1
 
-    def render(self, title: str, waves: int = 16) -> tuple[str, bool]:
+    def render(self, title: str, waves: int = 16, interrupted: bool = False) -> tuple[str, bool]:
         """The report as text under *title*, and whether the soak passed (no problem, and
-        the last wave of *waves* requests complete)."""
+        the last wave of *waves* requests complete). *interrupted*: the soak was stopped
+        (Ctrl-C, SIGTERM) before its end: what it counted so far, and the problems seen,
+        without a verdict (and without the chaos's events: a long run has many)."""
         lines = [
             title,
             f"  ends: {dict(self.ends)}",
             f"  refused at add: {dict(self.refused)}",
-            f"  kills: {dict(self.kills)}; restarts: {self.restarts}",
+            # restarts and the last wave are read after the chaos: not in an interrupted run
+            f"  kills: {dict(self.kills)}"
+            + ("" if interrupted else f"; restarts: {self.restarts}"),
             f"  freezes: {dict(self.freezes)}"
             + (f"; requests ended by a presumed death: {self.presumed}" if self.presumed else ""),
             *([f"  membership: {dict(self.membership)}"] if self.membership else []),
-            f"  last wave: {self.last_wave}/{waves} complete",
+            *([] if interrupted else [f"  last wave: {self.last_wave}/{waves} complete"]),
         ]
         lines += [f"  PROBLEM: {p}" for p in self.problems]
+        if interrupted:
+            lines.append("  INTERRUPTED: the counts so far")
+            return "\n".join(lines), False
         ok = not self.problems and self.last_wave == waves
         if not ok:
             lines += [f"  chaos: {e}" for e in self.events]
@@ -583,10 +590,12 @@ def run_kind(
     sync: Callable[[Report], None],
     asynchronous: Callable[[Report], Coroutine[Any, Any, None]],
     gone_within: float = 0.0,
+    report: Report | None = None,
 ) -> Report:
     """Run a soak in the form *kind* names, then look for processes left behind (allowed
-    *gone_within* seconds to go, :func:`left_behind`)."""
-    report = Report()
+    *gone_within* seconds to go, :func:`left_behind`). Its findings go into *report* (a new
+    one by default), which the caller can render if the soak is interrupted."""
+    report = Report() if report is None else report
     if kind == "async":
         asyncio.run(asynchronous(report))
     elif kind == "sync":

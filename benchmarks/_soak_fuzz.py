@@ -606,6 +606,7 @@ class _Fuzz:
     def run(self) -> None:
         cfg = self.cfg
         sent = 0
+
         # Handover i (1-based) comes once i * adds / (handovers + 1) adds are sent: a batch
         # never runs past the next one, and any left (more handovers than adds) come at the
         # end, so that the run makes exactly cfg.handovers of them.

@@ -272,9 +272,13 @@ def _where(pipe: Any, rid: str) -> str:
     return f"state {core.state(rid)!r}, route {core.route(rid)!r}"
 
 
-def run(cfg: Config) -> Report:
+def run(cfg: Config, report: Report | None = None) -> Report:
+    """Run the soak; its report (*report*, filled as it goes, if given)."""
     return run_kind(
-        cfg.kind, lambda report: _run_sync(cfg, report), lambda report: _run_async(cfg, report)
+        cfg.kind,
+        lambda report: _run_sync(cfg, report),
+        lambda report: _run_async(cfg, report),
+        report=report,
     )
 
 
@@ -296,11 +300,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = Config(**ChaosConfig.settings(args), topology=args.topology)
     t0 = time.monotonic()
-    report = run(cfg)
-    title = (
-        f"soak_pipeline: {time.monotonic() - t0:.1f} s, {cfg.kind}, {cfg.topology}, seed {cfg.seed}"
-    )
-    text, ok = report.render(title)
+    report = Report()
+
+    def title() -> str:
+        took = time.monotonic() - t0
+        return f"soak_pipeline: {took:.1f} s, {cfg.kind}, {cfg.topology}, seed {cfg.seed}"
+
+    try:
+        run(cfg, report)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (run_main): what was seen so far
+        print(report.render(title(), interrupted=True)[0], flush=True)
+        raise
+    text, ok = report.render(title())
     print(text)
     return 0 if ok else 1
 

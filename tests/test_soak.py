@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import pytest
 from benchmarks import soak_stage
+from benchmarks._cli import run_main
 from benchmarks._soak_abort import AbortConfig, run_abort
 from benchmarks._soak_engine import REFUSED_BY_MSGSPEC
 from benchmarks._soak_frames import BAD_HELLO, SCOPED_ADD, SCOPED_ADDS, SCOPED_CALL, UNSCOPED
@@ -117,6 +118,22 @@ def test_a_lost_request_fails_the_abort_phase_with_the_right_numbers() -> None:
     ):
         assert checks[what].measured == "not asked: the phase ended early", checks[what]
         assert not checks[what].ok
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_ctrl_c_in_phase_2_still_shows_phase_1s_report(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each phase's table is printed as the phase ends: Ctrl-C in the abort phase (here,
+    # as it starts) used to print only the header and "interrupted (Ctrl-C)".
+    def interrupted(*args: object, **kwargs: object) -> PhaseReport:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(soak_stage, "run_abort", interrupted)
+    assert run_main(soak_stage.main, ["--adds", "300", "--requests", "1000"]) == 130
+    captured = capsys.readouterr()
+    assert "## fuzz: 300 adds, 30 % invalid: PASS" in captured.out
+    assert captured.err.rstrip().endswith("interrupted (Ctrl-C)")
 
 
 def test_a_violated_expectation_exits_1(
@@ -234,6 +251,7 @@ def test_ctrl_c_stops_a_chaos_soak_at_once_and_leaves_nothing(
     # line, exits 130, and leaves no stage process, socket file or shared-memory segment.
     # SIGTERM to the soak alone (`timeout`, a cancelled CI job) the same way, exit 143: it
     # used to end the soak at once and leave the stages' socket folders and segments.
+    # Either way the soak prints what it counted so far.
     root = str(Path(__file__).resolve().parents[1])
     env = {
         **os.environ,
@@ -242,7 +260,7 @@ def test_ctrl_c_stops_a_chaos_soak_at_once_and_leaves_nothing(
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", *argv, "--seconds", "600"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
     )  # fmt: skip
     assert proc.stderr is not None
@@ -272,7 +290,14 @@ def test_ctrl_c_stops_a_chaos_soak_at_once_and_leaves_nothing(
             proc.wait()
         reader.join(10)
         proc.stderr.close()
+        assert proc.stdout is not None
+        out = proc.stdout.read()  # the soak writes its report at the end only: no deadlock
+        proc.stdout.close()
     err = "".join(lines)
+    # What the soak counted until then (it used to print nothing): requests ended, kills.
+    assert "INTERRUPTED: the counts so far" in out, out
+    assert re.search(r"ends: \{.*'finished': [1-9]", out), out
+    assert re.search(r"kills: \{.+\}", out), out
     # Not the soak's own KeyboardInterrupt traceback (exit -2). (A stage process that the
     # SIGINT catches while it is being spawned, before it ignores SIGINT, may print one of
     # its own.)
