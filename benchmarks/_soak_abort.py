@@ -37,7 +37,7 @@ from enginecore.stage import (
     UtilityResult,
 )
 
-from ._soak_report import PhaseReport, Stall, read_rss_kib, rss_samples
+from ._soak_report import PhaseReport, Stall, handle_samples, rss_samples
 
 __all__ = ["AbortConfig", "run_abort"]
 
@@ -133,7 +133,7 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
                     fifo.append(now_abort)
                     abort_ids += len(now_abort)
                 if sent >= next_rss:
-                    r.rss_kib.append((sent, read_rss_kib(pid)))
+                    r.sample(sent, pid)
                     next_rss += rss_every
                 timeout = 0.0
             else:
@@ -204,7 +204,7 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
                 to_abort = []
             if r.violations["wrong payload"] > 1000:
                 raise Stall("too many wrong payloads")
-        r.rss_kib.append((sent, read_rss_kib(pid)))
+        r.sample(sent, pid)
         counts["outputs checked"] = outputs
         remaining = client.call_utility("num_requests", timeout=30)
         stage_live = client.stats(timeout=30).live
@@ -284,3 +284,5 @@ def _rss_check(r: PhaseReport, cfg: AbortConfig) -> None:
             worst <= RSS_TOLERANCE,
         )
     r.notes.append(rss_samples(samples, "requests sent"))
+    if r.handles:
+        r.notes.append(handle_samples(r.handles, "requests sent"))

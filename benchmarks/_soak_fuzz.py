@@ -63,7 +63,7 @@ from enginecore.stage import (
 
 from . import _soak_frames as frames
 from ._soak_engine import POISONS
-from ._soak_report import PhaseReport, Stall, read_rss_kib, rss_samples
+from ._soak_report import PhaseReport, Stall, handle_samples, rss_samples
 
 __all__ = ["FuzzConfig", "run_fuzz"]
 
@@ -621,7 +621,7 @@ class _Fuzz:
             while done() < cfg.handovers and sent >= due():
                 self.handover()
             if sent >= next_rss:
-                self.r.rss_kib.append((sent, read_rss_kib(self.pid)))
+                self.r.sample(sent, self.pid)
                 next_rss += max(1, cfg.adds // 20)
             if len(self.live) < cfg.window:
                 batch = min(256, cfg.adds - sent)
@@ -634,7 +634,7 @@ class _Fuzz:
         while done() < cfg.handovers:
             self.handover()
         self.drain()
-        self.r.rss_kib.append((sent, read_rss_kib(self.pid)))
+        self.r.sample(sent, self.pid)
         # The intruder's hello rejects travel on its own socket: wait for them too.
         self.wait(lambda: self.got["rejects"] >= self.expect["rejects"], "the hello rejects")
         self.stage_live = self.main.stats(timeout=30).live
@@ -760,6 +760,8 @@ def _checks(r: PhaseReport, fuzz: _Fuzz | None, died: str, code: int | None, tai
     )
     if r.rss_kib:
         r.notes.append(rss_samples(r.rss_kib, "adds sent") + " (reported, not gated)")
+    if r.handles:
+        r.notes.append(handle_samples(r.handles, "adds sent"))
     if not r.ok and tail:
         r.notes.append("stage log (tail):\n" + tail)
     r.finish()

@@ -59,6 +59,10 @@ class TestSoak:
             (held,) = [c for c in phase.checks if c.expectation.startswith("the stage holds")]
             assert held.ok, held
             assert held.measured == "0", held
+            # The stage's fds and threads are sampled with its RSS, and printed.
+            assert phase.handles, phase.name
+            assert all(fds > 0 and threads > 0 for _, fds, threads in phase.handles)
+            assert any(n.startswith("stage fds/threads") for n in phase.notes), phase.notes
 
     def test_refused_by_msgspec_ends_the_request(self) -> None:
         # Refused only when the output thread encodes them, after the loop has stepped the
