@@ -530,10 +530,13 @@ class _Fuzz:
                 )
             self.end(rid)
         elif kind is ANCHOR:
-            if "live in the stage" not in message:
-                self.r.violation("a duplicate id refused by another check", f"{rid}: {message}")
             req.dup_errors += 1
-            self.r.counts["duplicate refused (live in the stage)"] += 1
+            if "live in the stage" not in message:
+                # The engine saw it (its own "already live" rejection): not the stage's
+                # refusal, so not counted as one.
+                self.r.violation("a duplicate id refused by another check", f"{rid}: {message}")
+            else:
+                self.r.counts["duplicate refused (live in the stage)"] += 1
             if req.dup_errors > req.dups_sent:
                 self.r.violation("more errors than duplicates for an anchor", rid)
         else:

@@ -5,6 +5,7 @@ option is a usage error before anything runs, and Ctrl-C stops a chaos soak at o
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
 import re
@@ -138,6 +139,30 @@ def test_ctrl_c_in_phase_2_still_shows_phase_1s_report(
     captured = capsys.readouterr()
     assert "## fuzz: 300 adds, 30 % invalid: PASS" in captured.out
     assert captured.err.rstrip().endswith("interrupted (Ctrl-C)")
+
+
+def test_a_duplicate_the_engine_refused_is_not_counted_as_refused_by_the_stage() -> None:
+    # A duplicate id that reached the engine (its "already live in the engine" came back)
+    # is a violation, and the duplicates row must not count it as refused by the stage: it
+    # read "256 / 256" PASS with the stage's check removed, every refusal the engine's.
+    from benchmarks import _soak_fuzz
+
+    fuzz = object.__new__(_soak_fuzz._Fuzz)
+    fuzz.r = report = PhaseReport("fuzz")
+    fuzz.got, fuzz.expect, fuzz.ops = (collections.Counter() for _ in range(3))
+    fuzz.engine_live, fuzz.stage_live = [0, 0, 0], 0
+    anchor = _soak_fuzz._Req(_soak_fuzz.ANCHOR, "anchor (held until aborted)")
+    anchor.dups_sent = 2
+    fuzz.live = {"A1": anchor}
+    report.counts["sent duplicate id (other peer, concurrently)"] = 2
+    fuzz.on_error("A1", "add refused: this request id is live in the stage (...)")
+    fuzz.on_error("A1", "request 'A1' is already live in the engine")
+    assert anchor.dup_errors == 2  # both answered: the run goes on
+    assert report.violations["a duplicate id refused by another check"] == 1
+    _soak_fuzz._checks(report, fuzz, "", 0, "")
+    (row,) = [c for c in report.checks if c.expectation.startswith("every duplicate id")]
+    assert row.measured == "1 / 2", row
+    assert not row.ok
 
 
 def test_a_violated_expectation_exits_1(
