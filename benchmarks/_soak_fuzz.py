@@ -663,8 +663,10 @@ def run_fuzz(cfg: FuzzConfig) -> PhaseReport:
             fuzz.run()
         except Stall as exc:
             r.violation("stalled", str(exc))
+            fuzz.engine_live = None  # a handover's barrier read it, not the end's
         except EngineDeadError as exc:
             died = str(exc)
+            fuzz.engine_live = None
         if server.proc.poll() is not None:
             died = died or f"exit code {server.proc.returncode}"
         if not died:

@@ -165,6 +165,29 @@ def test_a_duplicate_the_engine_refused_is_not_counted_as_refused_by_the_stage()
     assert not row.ok
 
 
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_stage_death_fails_the_fuzz_phase_and_nothing_stale_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The mutation: an engine whose step raises after 1,300 adds, past the first of two
+    # handovers. The phase reports the death, and says it did not ask what the engine
+    # holds: it used to show what the handover's barrier had read before the death.
+    from benchmarks import _soak_fuzz
+
+    monkeypatch.setattr(_soak_fuzz, "FACTORY", "benchmarks._soak_engine:DyingSoakEngine")
+    report = _soak_fuzz.run_fuzz(_soak_fuzz.FuzzConfig(adds=3000, handovers=2))
+    checks = {c.expectation: c for c in report.checks}
+    death = checks["0 stage deaths (alive to the end; exit code 0 after shutdown)"]
+    assert not death.ok
+    assert "dies after 1300 adds" in death.measured, death
+    assert report.counts["session handovers"] >= 1, report.counts
+    for what in (
+        "the engine holds nothing at the end ([countdowns, held, poisoned])",
+        "the stage holds nothing at the end (its live requests)",
+    ):
+        assert checks[what].measured == "not asked: the phase ended early", checks[what]
+
+
 def test_a_violated_expectation_exits_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
