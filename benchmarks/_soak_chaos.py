@@ -261,15 +261,48 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def left_behind(report: Report, within: float = 0.0) -> None:
+def _children() -> set[int]:
+    """This process's child processes (a zombie too: not reaped), but multiprocessing's
+    resource tracker, which lives as long as the interpreter on purpose."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != me:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"resource_tracker" in f.read():
+                    continue
+        except (OSError, IndexError, ValueError):
+            continue
+        found.add(int(entry))
+    return found
+
+
+def left_behind(
+    report: Report, within: float = 0.0, children_before: set[int] | None = None
+) -> None:
     """After the shutdown: a process the soak saw that still exists (*within* seconds
     after, for processes that another process ends in its own time: Ray's actors) is a
-    problem."""
+    problem; and with *children_before* (this process's children before the soak), so is
+    a child process started since and still there, one the soak never saw serving too (a
+    restart or an added replica that the killer and the last phase missed)."""
     until = time.monotonic() + within
-    while (left := [p for p in sorted(report.pids) if _exists(p)]) and time.monotonic() < until:
+
+    def find() -> list[int]:
+        seen = {p for p in report.pids if _exists(p)}
+        if children_before is not None:
+            seen |= _children() - children_before
+        return sorted(seen)
+
+    while (left := find()) and time.monotonic() < until:
         time.sleep(0.1)
     for pid in left:
-        report.problem(f"stage process {pid} is still there after the shutdown")
+        where = "" if pid in report.pids else " (a child the soak never saw serving)"
+        report.problem(f"stage process {pid} is still there after the shutdown{where}")
 
 
 @dataclass(frozen=True)
@@ -591,16 +624,20 @@ def run_kind(
     asynchronous: Callable[[Report], Coroutine[Any, Any, None]],
     gone_within: float = 0.0,
     report: Report | None = None,
+    children: bool = True,
 ) -> Report:
     """Run a soak in the form *kind* names, then look for processes left behind (allowed
     *gone_within* seconds to go, :func:`left_behind`). Its findings go into *report* (a new
-    one by default), which the caller can render if the soak is interrupted."""
+    one by default), which the caller can render if the soak is interrupted. With
+    *children*, a child process of this one started during the soak and still there after
+    it is a problem too (whether the soak saw its pid or not)."""
     report = Report() if report is None else report
+    before = _children() if children else None
     if kind == "async":
         asyncio.run(asynchronous(report))
     elif kind == "sync":
         sync(report)
     else:
         raise ValueError(f"kind must be 'sync' or 'async', got {kind!r}")
-    left_behind(report, gone_within)
+    left_behind(report, gone_within, before)
     return report

@@ -157,8 +157,8 @@ def _targets(pipe: Any, report: Report) -> list[tuple[str, int]]:
 def _run_sync(cfg: Config, report: Report) -> None:
     from enginecore.stage import Pipeline, PipelineStageDeadError
 
-    load = cfg.load()
     with Pipeline.launch(_stages(cfg.topology), startup_timeout=60) as pipe:
+        load = cfg.load()  # the seconds count once the pipeline serves, its launch aside
         stop = threading.Event()
         chaos = chaos_threads(
             stop,
@@ -205,9 +205,9 @@ def _run_sync(cfg: Config, report: Report) -> None:
 async def _run_async(cfg: Config, report: Report) -> None:
     from enginecore.stage import AsyncPipeline, PipelineStageDeadError
 
-    load = cfg.load()
     loop = asyncio.get_running_loop()
     pipe = await AsyncPipeline.launch(_stages(cfg.topology), startup_timeout=60)
+    load = cfg.load()  # the seconds count once the pipeline serves, its launch aside
 
     def on_loop(coro: Coroutine[Any, Any, T]) -> T:  # from another thread
         return asyncio.run_coroutine_threadsafe(coro, loop).result(60)

@@ -26,7 +26,8 @@ failed with :class:`~enginecore.stage.ReplicaDeadError` (only if a replica was k
 during its life or at most ``KILL_SEEN_S`` before its add), with a prefix of its outputs.
 ``add`` may refuse with ``NoReplicaError`` or ``ValueError`` (its id still live in the
 pool), nothing else. At the end: no request in the pool or in any replica, and after the
-shutdown none of the processes the soak saw left (docs/soak.md).
+shutdown none of the processes the soak saw left, nor a child process of the soak started
+during it (docs/soak.md).
 
 With ``--ray``, the same soak with the replicas placed on a local Ray cluster that the soak
 starts (``RAY_CPUS`` logical CPUs, a quarter of one per replica; shut down at the end):
@@ -397,6 +398,7 @@ def run(cfg: Config, report: Report | None = None) -> Report:
             lambda report: _run_async(cfg, report),
             gone_within=RAY_GONE_S if cfg.ray else 0.0,
             report=report,
+            children=not cfg.ray,  # Ray's actors are the raylet's children, not the soak's
         )
         for what in leftover_actors():
             report.problem(what)
