@@ -88,6 +88,7 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
     died = ""
     code: int | None = None
     stage_live: int | None = None
+    stage_outputs: int | None = None  # the stage's own count of outputs it sent
     client = StageClient.launch(cfg.engine, ordered_events=True)
     pid = client.pid
     sent = done = outputs = 0
@@ -207,7 +208,8 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
         r.sample(sent, pid)
         counts["outputs checked"] = outputs
         remaining = client.call_utility("num_requests", timeout=30)
-        stage_live = client.stats(timeout=30).live
+        stats = client.stats(timeout=30)
+        stage_live, stage_outputs = stats.live, stats.outputs
         code = client.shutdown(timeout=30)
     except Stall as exc:
         r.violation("stalled", str(exc))
@@ -239,6 +241,13 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
     )
     after = sum(v for k, v in r.violations.items() if "after its aborted" in k)
     r.check("0 outputs after an aborted event", f"{after:,}", after == 0)
+    r.check(
+        "every output the stage sent arrived and was checked (its stats().outputs)",
+        "not asked: the phase ended early"
+        if stage_outputs is None
+        else f"{outputs:,} checked / {stage_outputs:,} sent",
+        outputs == stage_outputs,
+    )
     not_asked = "not asked: the phase ended early"
     r.check(
         "the engine holds nothing at the end",

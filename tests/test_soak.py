@@ -54,6 +54,10 @@ class TestSoak:
         assert a["aborted: abort sent after an output"] > 0
         assert a["finished, not aborted"] > 0
         assert a["outputs checked"] > soak_stage.QUICK_REQUESTS
+        # ... and the count matches the stage's own count of the outputs it sent.
+        (sent,) = [c for c in abort.checks if c.expectation.startswith("every output the stage")]
+        assert sent.ok, sent
+        assert sent.measured == f"{a['outputs checked']:,} checked / {a['outputs checked']:,} sent"
         # The stage's own live set is checked, not only the engine's: a stage that kept an
         # aborted id (a per-request leak) passed a quick run, where RSS is not judged.
         for phase in (fuzz, abort):
