@@ -37,7 +37,7 @@ from enginecore.stage import (
     UtilityResult,
 )
 
-from ._soak_report import PhaseReport, Stall, read_rss_kib, rss_samples
+from ._soak_report import PhaseReport, Stall, handle_samples, rss_samples
 
 __all__ = ["AbortConfig", "run_abort"]
 
@@ -59,6 +59,8 @@ class AbortConfig:
         window: int = 8192,
         batch: int = 512,
         max_steps: int = 32,
+        engine: str = "enginecore:CountdownEngine",
+        stall_s: float = STALL_S,
     ) -> None:
         self.requests = requests
         self.seed = seed
@@ -67,6 +69,8 @@ class AbortConfig:
         self.window = window
         self.batch = batch
         self.max_steps = max_steps
+        self.engine = engine  # the stage's factory (a faulty one in the soak's own tests)
+        self.stall_s = stall_s  # no event for this long while requests are live: a stall
 
 
 def run_abort(cfg: AbortConfig) -> PhaseReport:
@@ -83,10 +87,13 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
     counts = r.counts
     died = ""
     code: int | None = None
-    client = StageClient.launch("enginecore:CountdownEngine", ordered_events=True)
+    stage_live: int | None = None
+    stage_outputs: int | None = None  # the stage's own count of outputs it sent
+    client = StageClient.launch(cfg.engine, ordered_events=True)
     pid = client.pid
     sent = done = outputs = 0
-    planned = 0
+    planned = 0  # requests drawn to be aborted
+    abort_ids = 0  # ids sent in abort messages (planned ones whose point was reached)
     rss_every = max(1, n // RSS_SAMPLES)
     next_rss = 0
     last_event = time.monotonic()
@@ -125,8 +132,9 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
                 if now_abort:
                     client.abort(now_abort)
                     fifo.append(now_abort)
+                    abort_ids += len(now_abort)
                 if sent >= next_rss:
-                    r.rss_kib.append((sent, read_rss_kib(pid)))
+                    r.sample(sent, pid)
                     next_rss += rss_every
                 timeout = 0.0
             else:
@@ -134,8 +142,8 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
             try:
                 events = client.get_events(timeout)
             except TimeoutError:
-                if time.monotonic() - last_event > STALL_S:
-                    raise Stall(f"no event for {STALL_S:.0f} s, {n - done:,} not ended") from None
+                if time.monotonic() - last_event > cfg.stall_s:
+                    raise Stall(f"no event for {cfg.stall_s:g} s, {n - done:,} not ended") from None
                 continue
             last_event = time.monotonic()
             get = live.get
@@ -193,19 +201,22 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
             if to_abort:
                 client.abort(to_abort)
                 fifo.append(to_abort)
+                abort_ids += len(to_abort)
                 to_abort = []
             if r.violations["wrong payload"] > 1000:
                 raise Stall("too many wrong payloads")
-        r.rss_kib.append((sent, read_rss_kib(pid)))
+        r.sample(sent, pid)
         counts["outputs checked"] = outputs
         remaining = client.call_utility("num_requests", timeout=30)
+        stats = client.stats(timeout=30)
+        stage_live, stage_outputs = stats.live, stats.outputs
         code = client.shutdown(timeout=30)
     except Stall as exc:
         r.violation("stalled", str(exc))
-        remaining = None
+        remaining = stage_live = None
     except EngineDeadError as exc:
         died = str(exc)
-        remaining = None
+        remaining = stage_live = None
     finally:
         client.close()
         code = client.exit_code if code is None else code
@@ -221,14 +232,33 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
         lost == 0,
     )
     aborted = status.count(ABORTED)
+    unanswered = sum(map(len, fifo))
     r.check(
         "every abort answered by 1 aborted event (in order), with that abort's ids",
-        f"{aborted:,} aborted / {planned:,} aborts sent; {len(fifo)} unanswered",
-        aborted == planned and not fifo,
+        f"{aborted:,} aborted / {abort_ids:,} aborts sent ({planned:,} planned); "
+        f"{unanswered:,} unanswered",
+        aborted == abort_ids == planned and not fifo,
     )
     after = sum(v for k, v in r.violations.items() if "after its aborted" in k)
     r.check("0 outputs after an aborted event", f"{after:,}", after == 0)
-    r.check("the engine holds nothing at the end", repr(remaining), remaining == 0)
+    r.check(
+        "every output the stage sent arrived and was checked (its stats().outputs)",
+        "not asked: the phase ended early"
+        if stage_outputs is None
+        else f"{outputs:,} checked / {stage_outputs:,} sent",
+        outputs == stage_outputs,
+    )
+    not_asked = "not asked: the phase ended early"
+    r.check(
+        "the engine holds nothing at the end",
+        not_asked if remaining is None else f"{remaining:,}",
+        remaining == 0,
+    )
+    r.check(
+        "the stage holds nothing at the end (its live requests)",
+        not_asked if stage_live is None else f"{stage_live:,}",
+        stage_live == 0,
+    )
     _rss_check(r, cfg)
     r.finish()
     return r
@@ -263,3 +293,5 @@ def _rss_check(r: PhaseReport, cfg: AbortConfig) -> None:
             worst <= RSS_TOLERANCE,
         )
     r.notes.append(rss_samples(samples, "requests sent"))
+    if r.handles:
+        r.notes.append(handle_samples(r.handles, "requests sent"))

@@ -91,20 +91,27 @@ class Report:
         with self._lock:
             counter[key] += 1
 
-    def render(self, title: str, waves: int = 16) -> tuple[str, bool]:
+    def render(self, title: str, waves: int = 16, interrupted: bool = False) -> tuple[str, bool]:
         """The report as text under *title*, and whether the soak passed (no problem, and
-        the last wave of *waves* requests complete)."""
+        the last wave of *waves* requests complete). *interrupted*: the soak was stopped
+        (Ctrl-C, SIGTERM) before its end: what it counted so far, and the problems seen,
+        without a verdict (and without the chaos's events: a long run has many)."""
         lines = [
             title,
             f"  ends: {dict(self.ends)}",
             f"  refused at add: {dict(self.refused)}",
-            f"  kills: {dict(self.kills)}; restarts: {self.restarts}",
+            # restarts and the last wave are read after the chaos: not in an interrupted run
+            f"  kills: {dict(self.kills)}"
+            + ("" if interrupted else f"; restarts: {self.restarts}"),
             f"  freezes: {dict(self.freezes)}"
             + (f"; requests ended by a presumed death: {self.presumed}" if self.presumed else ""),
             *([f"  membership: {dict(self.membership)}"] if self.membership else []),
-            f"  last wave: {self.last_wave}/{waves} complete",
+            *([] if interrupted else [f"  last wave: {self.last_wave}/{waves} complete"]),
         ]
         lines += [f"  PROBLEM: {p}" for p in self.problems]
+        if interrupted:
+            lines.append("  INTERRUPTED: the counts so far")
+            return "\n".join(lines), False
         ok = not self.problems and self.last_wave == waves
         if not ok:
             lines += [f"  chaos: {e}" for e in self.events]
@@ -254,15 +261,48 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def left_behind(report: Report, within: float = 0.0) -> None:
+def _children() -> set[int]:
+    """This process's child processes (a zombie too: not reaped), but multiprocessing's
+    resource tracker, which lives as long as the interpreter on purpose."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != me:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"resource_tracker" in f.read():
+                    continue
+        except (OSError, IndexError, ValueError):
+            continue
+        found.add(int(entry))
+    return found
+
+
+def left_behind(
+    report: Report, within: float = 0.0, children_before: set[int] | None = None
+) -> None:
     """After the shutdown: a process the soak saw that still exists (*within* seconds
     after, for processes that another process ends in its own time: Ray's actors) is a
-    problem."""
+    problem; and with *children_before* (this process's children before the soak), so is
+    a child process started since and still there, one the soak never saw serving too (a
+    restart or an added replica that the killer and the last phase missed)."""
     until = time.monotonic() + within
-    while (left := [p for p in sorted(report.pids) if _exists(p)]) and time.monotonic() < until:
+
+    def find() -> list[int]:
+        seen = {p for p in report.pids if _exists(p)}
+        if children_before is not None:
+            seen |= _children() - children_before
+        return sorted(seen)
+
+    while (left := find()) and time.monotonic() < until:
         time.sleep(0.1)
     for pid in left:
-        report.problem(f"stage process {pid} is still there after the shutdown")
+        where = "" if pid in report.pids else " (a child the soak never saw serving)"
+        report.problem(f"stage process {pid} is still there after the shutdown{where}")
 
 
 @dataclass(frozen=True)
@@ -583,15 +623,21 @@ def run_kind(
     sync: Callable[[Report], None],
     asynchronous: Callable[[Report], Coroutine[Any, Any, None]],
     gone_within: float = 0.0,
+    report: Report | None = None,
+    children: bool = True,
 ) -> Report:
     """Run a soak in the form *kind* names, then look for processes left behind (allowed
-    *gone_within* seconds to go, :func:`left_behind`)."""
-    report = Report()
+    *gone_within* seconds to go, :func:`left_behind`). Its findings go into *report* (a new
+    one by default), which the caller can render if the soak is interrupted. With
+    *children*, a child process of this one started during the soak and still there after
+    it is a problem too (whether the soak saw its pid or not)."""
+    report = Report() if report is None else report
+    before = _children() if children else None
     if kind == "async":
         asyncio.run(asynchronous(report))
     elif kind == "sync":
         sync(report)
     else:
         raise ValueError(f"kind must be 'sync' or 'async', got {kind!r}")
-    left_behind(report, gone_within)
+    left_behind(report, gone_within, before)
     return report

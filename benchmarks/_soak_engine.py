@@ -23,7 +23,14 @@ from typing import Any, Final
 
 from enginecore import CountdownEngine, RequestRejected
 
-__all__ = ["POISONS", "REFUSED_BY_MSGSPEC", "SoakEngine", "soak_engine"]
+__all__ = [
+    "POISONS",
+    "REFUSED_BY_MSGSPEC",
+    "DyingSoakEngine",
+    "LosingEngine",
+    "SoakEngine",
+    "soak_engine",
+]
 
 
 def _deep(depth: int) -> list[Any]:
@@ -144,3 +151,36 @@ class SoakEngine(CountdownEngine):
 def soak_engine() -> SoakEngine:
     """Factory: a fresh :class:`SoakEngine`."""
     return SoakEngine()
+
+
+class LosingEngine(CountdownEngine):
+    """A faulty :class:`~enginecore.CountdownEngine`, for the soak's own tests: it takes a
+    request whose id ends in ``"77"`` and never steps it (no output, no error: a lost
+    request), and holds it to the end. The abort phase must report it lost."""
+
+    def add(self, req_id: str, data: Any) -> None:
+        if req_id.endswith("77"):
+            self.lost = getattr(self, "lost", 0) + 1
+            return
+        super().add(req_id, data)
+
+
+class DyingSoakEngine(SoakEngine):
+    """A faulty :class:`SoakEngine`, for the soak's own tests: its step raises once it has
+    taken ``DIE_AFTER`` adds (the engine loop dies, and the stage with it). The fuzz phase
+    must report the death, and not what a barrier before it read."""
+
+    DIE_AFTER = 1300
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adds = 0
+
+    def add(self, req_id: str, data: Any) -> None:
+        self.adds += 1
+        super().add(req_id, data)
+
+    def step(self) -> list[Any]:
+        if self.adds >= self.DIE_AFTER:
+            raise RuntimeError(f"DyingSoakEngine: dies after {self.DIE_AFTER} adds")
+        return super().step()

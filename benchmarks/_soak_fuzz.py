@@ -63,7 +63,7 @@ from enginecore.stage import (
 
 from . import _soak_frames as frames
 from ._soak_engine import POISONS
-from ._soak_report import PhaseReport, Stall, read_rss_kib, rss_samples
+from ._soak_report import PhaseReport, Stall, handle_samples, rss_samples
 
 __all__ = ["FuzzConfig", "run_fuzz"]
 
@@ -277,6 +277,7 @@ class _Fuzz:
         self.weights = list(SHARES.values())
         self.ops: collections.Counter[str] = collections.Counter()
         self.engine_live: Any = None
+        self.stage_live: int | None = None  # the stage's own live requests, at the end
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -529,10 +530,13 @@ class _Fuzz:
                 )
             self.end(rid)
         elif kind is ANCHOR:
-            if "live in the stage" not in message:
-                self.r.violation("a duplicate id refused by another check", f"{rid}: {message}")
             req.dup_errors += 1
-            self.r.counts["duplicate refused (live in the stage)"] += 1
+            if "live in the stage" not in message:
+                # The engine saw it (its own "already live" rejection): not the stage's
+                # refusal, so not counted as one.
+                self.r.violation("a duplicate id refused by another check", f"{rid}: {message}")
+            else:
+                self.r.counts["duplicate refused (live in the stage)"] += 1
             if req.dup_errors > req.dups_sent:
                 self.r.violation("more errors than duplicates for an anchor", rid)
         else:
@@ -605,25 +609,38 @@ class _Fuzz:
     def run(self) -> None:
         cfg = self.cfg
         sent = 0
-        every = cfg.adds // (cfg.handovers + 1) if cfg.handovers else cfg.adds + 1
-        next_handover = every
+
+        # Handover i (1-based) comes once i * adds / (handovers + 1) adds are sent: a batch
+        # never runs past the next one, and any left (more handovers than adds) come at the
+        # end, so that the run makes exactly cfg.handovers of them.
+        def done() -> int:
+            return self.r.counts["session handovers"]
+
+        def due() -> int:  # adds sent before the next handover
+            return (done() + 1) * cfg.adds // (cfg.handovers + 1)
+
         next_rss = 0
         while sent < cfg.adds:
-            if sent >= next_handover and self.r.counts["session handovers"] < cfg.handovers:
+            while done() < cfg.handovers and sent >= due():
                 self.handover()
-                next_handover += every
             if sent >= next_rss:
-                self.r.rss_kib.append((sent, read_rss_kib(self.pid)))
+                self.r.sample(sent, self.pid)
                 next_rss += max(1, cfg.adds // 20)
             if len(self.live) < cfg.window:
-                sent += self.send_ops(min(256, cfg.adds - sent))
+                batch = min(256, cfg.adds - sent)
+                if done() < cfg.handovers:
+                    batch = min(batch, due() - sent)
+                sent += self.send_ops(batch)
                 self.pump(0)
             else:
                 self.pump(1.0)
+        while done() < cfg.handovers:
+            self.handover()
         self.drain()
-        self.r.rss_kib.append((sent, read_rss_kib(self.pid)))
+        self.r.sample(sent, self.pid)
         # The intruder's hello rejects travel on its own socket: wait for them too.
         self.wait(lambda: self.got["rejects"] >= self.expect["rejects"], "the hello rejects")
+        self.stage_live = self.main.stats(timeout=30).live
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -646,8 +663,10 @@ def run_fuzz(cfg: FuzzConfig) -> PhaseReport:
             fuzz.run()
         except Stall as exc:
             r.violation("stalled", str(exc))
+            fuzz.engine_live = None  # a handover's barrier read it, not the end's
         except EngineDeadError as exc:
             died = str(exc)
+            fuzz.engine_live = None
         if server.proc.poll() is not None:
             died = died or f"exit code {server.proc.returncode}"
         if not died:
@@ -722,10 +741,16 @@ def _checks(r: PhaseReport, fuzz: _Fuzz | None, died: str, code: int | None, tai
         "0 outputs after a request's error (or after its aborted event)", f"{after:,}", after == 0
     )
     live = fuzz.engine_live
+    not_asked = "not asked: the phase ended early"
     r.check(
         "the engine holds nothing at the end ([countdowns, held, poisoned])",
-        repr(live),
+        not_asked if live is None else repr(live),
         live == [0, 0, 0],
+    )
+    r.check(
+        "the stage holds nothing at the end (its live requests)",
+        not_asked if fuzz.stage_live is None else f"{fuzz.stage_live:,}",
+        fuzz.stage_live == 0,
     )
     ops = fuzz.ops
     total = sum(ops.values())
@@ -740,6 +765,8 @@ def _checks(r: PhaseReport, fuzz: _Fuzz | None, died: str, code: int | None, tai
     )
     if r.rss_kib:
         r.notes.append(rss_samples(r.rss_kib, "adds sent") + " (reported, not gated)")
+    if r.handles:
+        r.notes.append(handle_samples(r.handles, "adds sent"))
     if not r.ok and tail:
         r.notes.append("stage log (tail):\n" + tail)
     r.finish()

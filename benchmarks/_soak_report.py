@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from typing import Final
 
-__all__ = ["Check", "PhaseReport", "Stall", "read_rss_kib", "rss_samples"]
+__all__ = [
+    "Check",
+    "PhaseReport",
+    "Stall",
+    "handle_samples",
+    "read_handles",
+    "read_rss_kib",
+    "rss_samples",
+]
 
 MAX_EXAMPLES: Final = 5
 """Examples kept per kind of violation (distinct ones)."""
@@ -37,6 +46,7 @@ class PhaseReport:
         self.examples: dict[str, list[str]] = {}
         self.counts: collections.Counter[str] = collections.Counter()
         self.rss_kib: list[tuple[int, int]] = []  # (progress, VmRSS in KiB)
+        self.handles: list[tuple[int, int, int]] = []  # (progress, open fds, threads)
         self.notes: list[str] = []
         self.started = time.monotonic()
         self.elapsed = 0.0
@@ -47,6 +57,11 @@ class PhaseReport:
         examples = self.examples.setdefault(kind, [])
         if len(examples) < MAX_EXAMPLES and example not in examples:
             examples.append(example)
+
+    def sample(self, progress: int, pid: int) -> None:
+        """Sample process *pid*'s RSS, open fds and threads, at *progress*."""
+        self.rss_kib.append((progress, read_rss_kib(pid)))
+        self.handles.append((progress, *read_handles(pid)))
 
     def check(self, expectation: str, measured: str, ok: bool) -> None:
         self.checks.append(Check(expectation, measured, ok))
@@ -103,3 +118,27 @@ def read_rss_kib(pid: int) -> int:
     except OSError:
         pass
     return -1
+
+
+def read_handles(pid: int) -> tuple[int, int]:
+    """Open file descriptors and threads of process *pid* (``-1`` each if it cannot be
+    read: the process is gone)."""
+    try:
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    except (OSError, StopIteration):
+        return -1, -1
+    return fds, threads
+
+
+def handle_samples(samples: list[tuple[int, int, int]], unit: str, n: int = 10) -> str:
+    """About *n* of *samples* ``(progress, fds, threads)``, evenly spaced, the last one
+    included."""
+    every = max(1, len(samples) // n)
+    picked = samples[::every]
+    if picked[-1] != samples[-1]:
+        picked.append(samples[-1])
+    return f"stage fds/threads ({unit}: fds/threads): " + ", ".join(
+        f"{i:,}: {fds}/{threads}" for i, fds, threads in picked
+    )

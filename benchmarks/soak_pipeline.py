@@ -157,8 +157,8 @@ def _targets(pipe: Any, report: Report) -> list[tuple[str, int]]:
 def _run_sync(cfg: Config, report: Report) -> None:
     from enginecore.stage import Pipeline, PipelineStageDeadError
 
-    load = cfg.load()
     with Pipeline.launch(_stages(cfg.topology), startup_timeout=60) as pipe:
+        load = cfg.load()  # the seconds count once the pipeline serves, its launch aside
         stop = threading.Event()
         chaos = chaos_threads(
             stop,
@@ -205,9 +205,9 @@ def _run_sync(cfg: Config, report: Report) -> None:
 async def _run_async(cfg: Config, report: Report) -> None:
     from enginecore.stage import AsyncPipeline, PipelineStageDeadError
 
-    load = cfg.load()
     loop = asyncio.get_running_loop()
     pipe = await AsyncPipeline.launch(_stages(cfg.topology), startup_timeout=60)
+    load = cfg.load()  # the seconds count once the pipeline serves, its launch aside
 
     def on_loop(coro: Coroutine[Any, Any, T]) -> T:  # from another thread
         return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
@@ -272,9 +272,13 @@ def _where(pipe: Any, rid: str) -> str:
     return f"state {core.state(rid)!r}, route {core.route(rid)!r}"
 
 
-def run(cfg: Config) -> Report:
+def run(cfg: Config, report: Report | None = None) -> Report:
+    """Run the soak; its report (*report*, filled as it goes, if given)."""
     return run_kind(
-        cfg.kind, lambda report: _run_sync(cfg, report), lambda report: _run_async(cfg, report)
+        cfg.kind,
+        lambda report: _run_sync(cfg, report),
+        lambda report: _run_async(cfg, report),
+        report=report,
     )
 
 
@@ -296,11 +300,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = Config(**ChaosConfig.settings(args), topology=args.topology)
     t0 = time.monotonic()
-    report = run(cfg)
-    title = (
-        f"soak_pipeline: {time.monotonic() - t0:.1f} s, {cfg.kind}, {cfg.topology}, seed {cfg.seed}"
-    )
-    text, ok = report.render(title)
+    report = Report()
+
+    def title() -> str:
+        took = time.monotonic() - t0
+        return f"soak_pipeline: {took:.1f} s, {cfg.kind}, {cfg.topology}, seed {cfg.seed}"
+
+    try:
+        run(cfg, report)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (run_main): what was seen so far
+        print(report.render(title(), interrupted=True)[0], flush=True)
+        raise
+    text, ok = report.render(title())
     print(text)
     return 0 if ok else 1
 

@@ -26,7 +26,8 @@ failed with :class:`~enginecore.stage.ReplicaDeadError` (only if a replica was k
 during its life or at most ``KILL_SEEN_S`` before its add), with a prefix of its outputs.
 ``add`` may refuse with ``NoReplicaError`` or ``ValueError`` (its id still live in the
 pool), nothing else. At the end: no request in the pool or in any replica, and after the
-shutdown none of the processes the soak saw left (docs/soak.md).
+shutdown none of the processes the soak saw left, nor a child process of the soak started
+during it (docs/soak.md).
 
 With ``--ray``, the same soak with the replicas placed on a local Ray cluster that the soak
 starts (``RAY_CPUS`` logical CPUs, a quarter of one per replica; shut down at the end):
@@ -388,13 +389,16 @@ def _where(pool: Any, rid: str) -> str:
     return f"on {[r.name for r in pool.replicas if r.state == 'serving']!r} serving"
 
 
-def run(cfg: Config) -> Report:
+def run(cfg: Config, report: Report | None = None) -> Report:
+    """Run the soak; its report (*report*, filled as it goes, if given)."""
     with _ray_cluster(cfg.ray) as leftover_actors:
         report = run_kind(
             cfg.kind,
             lambda report: _run_sync(cfg, report),
             lambda report: _run_async(cfg, report),
             gone_within=RAY_GONE_S if cfg.ray else 0.0,
+            report=report,
+            children=not cfg.ray,  # Ray's actors are the raylet's children, not the soak's
         )
         for what in leftover_actors():
             report.problem(what)
@@ -488,10 +492,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     )
     t0 = time.monotonic()
-    report = run(cfg)
-    took = time.monotonic() - t0
-    where = ", on Ray" if cfg.ray else ""
-    text, ok = report.render(f"soak_pool: {took:.1f} s, {cfg.kind}{where}, seed {cfg.seed}")
+    report = Report()
+
+    def title() -> str:
+        where = ", on Ray" if cfg.ray else ""
+        return f"soak_pool: {time.monotonic() - t0:.1f} s, {cfg.kind}{where}, seed {cfg.seed}"
+
+    try:
+        run(cfg, report)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (run_main): what was seen so far
+        print(report.render(title(), interrupted=True)[0], flush=True)
+        raise
+    text, ok = report.render(title())
     print(text)
     return 0 if ok else 1
 

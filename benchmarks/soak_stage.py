@@ -27,7 +27,7 @@ import argparse
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ._cli import at_least, run_main
 from ._soak_abort import AbortConfig, run_abort
@@ -50,18 +50,24 @@ def run(
     abort_share: float = 0.3,
     warmup: float = 0.1,
     poisons: Sequence[str] = tuple(POISONS),
+    on_report: Callable[[PhaseReport], None] | None = None,
 ) -> list[PhaseReport]:
-    """Run the phases whose count is not 0; their reports."""
+    """Run the phases whose count is not 0; their reports, each also given to *on_report*
+    as soon as its phase ends."""
     reports = []
     if adds:
         cfg = FuzzConfig(adds=adds, seed=seed, handovers=handovers, poisons=poisons)
         reports.append(run_fuzz(cfg))
+        if on_report is not None:
+            on_report(reports[-1])
     if requests:
         reports.append(
             run_abort(
                 AbortConfig(requests=requests, seed=seed, abort_share=abort_share, warmup=warmup)
             )
         )
+        if on_report is not None:
+            on_report(reports[-1])
     return reports
 
 
@@ -97,7 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--requests", type=at_least(0), help="phase 2 requests (default 1,000,000; 0 skips it)"
     )
     parser.add_argument(
-        "--handovers", type=at_least(0), help="phase 1 session handovers (default 10)"
+        "--handovers",
+        type=at_least(0),
+        help="phase 1 session handovers, evenly spaced (default 10)",
     )
     parser.add_argument(
         "--poison-kinds",
@@ -129,10 +137,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     start = time.monotonic()
-    reports = run(adds, requests, seed=args.seed, handovers=handovers, poisons=poisons)
-    for report in reports:
+    shown: list[PhaseReport] = []
+
+    def show(report: PhaseReport) -> None:
+        # Each phase's table as soon as it ends: a run stopped by Ctrl-C in phase 2 still
+        # shows phase 1's.
         print()
-        print(report.render())
+        print(report.render(), flush=True)
+        shown.append(report)
+
+    reports = run(
+        adds, requests, seed=args.seed, handovers=handovers, poisons=poisons, on_report=show
+    )
+    for report in reports:
+        if not any(report is s for s in shown):
+            show(report)
     ok = all(r.ok for r in reports)
     print(f"\n{'PASS' if ok else 'FAIL'}: {time.monotonic() - start:.1f} s in all")
     return 0 if ok else 1

@@ -5,8 +5,10 @@ option is a usage error before anything runs, and Ctrl-C stops a chaos soak at o
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from typing import IO, Any
 
 import pytest
 from benchmarks import soak_stage
+from benchmarks._cli import run_main
+from benchmarks._soak_abort import AbortConfig, run_abort
 from benchmarks._soak_engine import REFUSED_BY_MSGSPEC
 from benchmarks._soak_frames import BAD_HELLO, SCOPED_ADD, SCOPED_ADDS, SCOPED_CALL, UNSCOPED
 from benchmarks._soak_report import PhaseReport
@@ -50,12 +54,34 @@ class TestSoak:
         assert a["aborted: abort sent after an output"] > 0
         assert a["finished, not aborted"] > 0
         assert a["outputs checked"] > soak_stage.QUICK_REQUESTS
+        # ... and the count matches the stage's own count of the outputs it sent.
+        (sent,) = [c for c in abort.checks if c.expectation.startswith("every output the stage")]
+        assert sent.ok, sent
+        assert sent.measured == f"{a['outputs checked']:,} checked / {a['outputs checked']:,} sent"
+        # The stage's own live set is checked, not only the engine's: a stage that kept an
+        # aborted id (a per-request leak) passed a quick run, where RSS is not judged.
+        for phase in (fuzz, abort):
+            (held,) = [c for c in phase.checks if c.expectation.startswith("the stage holds")]
+            assert held.ok, held
+            assert held.measured == "0", held
+            # The stage's fds and threads are sampled with its RSS, and printed.
+            assert phase.handles, phase.name
+            assert all(fds > 0 and threads > 0 for _, fds, threads in phase.handles)
+            assert any(n.startswith("stage fds/threads") for n in phase.notes), phase.notes
 
     def test_refused_by_msgspec_ends_the_request(self) -> None:
         # Refused only when the output thread encodes them, after the loop has stepped the
         # request again: those later outputs must not follow the request's error.
         (fuzz,) = soak_stage.run(3000, 0, handovers=0, poisons=REFUSED_BY_MSGSPEC)
         assert fuzz.ok, failures(fuzz)
+
+    def test_every_handover_asked_for_is_made(self) -> None:
+        # 12 handovers in 300 adds: a batch of adds (up to 256) used to run past the points
+        # where they were due, and the run made 2, silently.
+        (fuzz,) = soak_stage.run(300, 0, handovers=12)
+        assert fuzz.ok, failures(fuzz)
+        assert fuzz.counts["session handovers"] == 12
+        assert fuzz.counts["sent duplicate id (next session)"] == 24
 
     def test_cli_prints_a_table_and_exits_0(self, capsys: pytest.CaptureFixture[str]) -> None:
         argv = ["--adds", "1000", "--requests", "2000"]
@@ -65,6 +91,105 @@ class TestSoak:
         assert "## abort: 2,000 requests" in out
         assert "| FAIL" not in out
         assert out.rstrip().splitlines()[-1].startswith("PASS")
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_lost_request_fails_the_abort_phase_with_the_right_numbers() -> None:
+    # The mutation: an engine that takes the ids ending in "77" and never steps them. The
+    # phase must report them lost, count the aborts it actually sent (an abort planned
+    # after an output that never comes is not sent: it used to be counted as sent, beside
+    # "0 unanswered"), and say that it did not ask the engine or the stage what they hold.
+    cfg = AbortConfig(
+        requests=2000, seed=3, engine="benchmarks._soak_engine:LosingEngine", stall_s=2.0
+    )
+    report = run_abort(cfg)
+    assert not report.ok
+    checks = {c.expectation: c for c in report.checks}
+    lost = checks["0 lost: every request finished with all its outputs, or got its aborted event"]
+    assert not lost.ok
+    n_lost = int(lost.measured.split()[0].replace(",", ""))
+    assert 0 < n_lost <= sum(f"r{i}".endswith("77") for i in range(2000)), lost.measured
+    answered = checks["every abort answered by 1 aborted event (in order), with that abort's ids"]
+    match = re.fullmatch(
+        r"([\d,]+) aborted / ([\d,]+) aborts sent \(([\d,]+) planned\); 0 unanswered",
+        answered.measured,
+    )
+    assert match is not None, answered.measured
+    aborted, sent, planned = (int(g.replace(",", "")) for g in match.groups())
+    # Every abort sent was answered (the stage answers an abort of a lost id too); those
+    # planned after an output of a lost request were never sent.
+    assert aborted == sent < planned, answered.measured
+    assert not answered.ok
+    assert report.violations["stalled"] == 1
+    for what in (
+        "the engine holds nothing at the end",
+        "the stage holds nothing at the end (its live requests)",
+    ):
+        assert checks[what].measured == "not asked: the phase ended early", checks[what]
+        assert not checks[what].ok
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_ctrl_c_in_phase_2_still_shows_phase_1s_report(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each phase's table is printed as the phase ends: Ctrl-C in the abort phase (here,
+    # as it starts) used to print only the header and "interrupted (Ctrl-C)".
+    def interrupted(*args: object, **kwargs: object) -> PhaseReport:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(soak_stage, "run_abort", interrupted)
+    assert run_main(soak_stage.main, ["--adds", "300", "--requests", "1000"]) == 130
+    captured = capsys.readouterr()
+    assert "## fuzz: 300 adds, 30 % invalid: PASS" in captured.out
+    assert captured.err.rstrip().endswith("interrupted (Ctrl-C)")
+
+
+def test_a_duplicate_the_engine_refused_is_not_counted_as_refused_by_the_stage() -> None:
+    # A duplicate id that reached the engine (its "already live in the engine" came back)
+    # is a violation, and the duplicates row must not count it as refused by the stage: it
+    # read "256 / 256" PASS with the stage's check removed, every refusal the engine's.
+    from benchmarks import _soak_fuzz
+
+    fuzz = object.__new__(_soak_fuzz._Fuzz)
+    fuzz.r = report = PhaseReport("fuzz")
+    fuzz.got, fuzz.expect, fuzz.ops = (collections.Counter() for _ in range(3))
+    fuzz.engine_live, fuzz.stage_live = [0, 0, 0], 0
+    anchor = _soak_fuzz._Req(_soak_fuzz.ANCHOR, "anchor (held until aborted)")
+    anchor.dups_sent = 2
+    fuzz.live = {"A1": anchor}
+    report.counts["sent duplicate id (other peer, concurrently)"] = 2
+    fuzz.on_error("A1", "add refused: this request id is live in the stage (...)")
+    fuzz.on_error("A1", "request 'A1' is already live in the engine")
+    assert anchor.dup_errors == 2  # both answered: the run goes on
+    assert report.violations["a duplicate id refused by another check"] == 1
+    _soak_fuzz._checks(report, fuzz, "", 0, "")
+    (row,) = [c for c in report.checks if c.expectation.startswith("every duplicate id")]
+    assert row.measured == "1 / 2", row
+    assert not row.ok
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_stage_death_fails_the_fuzz_phase_and_nothing_stale_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The mutation: an engine whose step raises after 1,300 adds, past the first of two
+    # handovers. The phase reports the death, and says it did not ask what the engine
+    # holds: it used to show what the handover's barrier had read before the death.
+    from benchmarks import _soak_fuzz
+
+    monkeypatch.setattr(_soak_fuzz, "FACTORY", "benchmarks._soak_engine:DyingSoakEngine")
+    report = _soak_fuzz.run_fuzz(_soak_fuzz.FuzzConfig(adds=3000, handovers=2))
+    checks = {c.expectation: c for c in report.checks}
+    death = checks["0 stage deaths (alive to the end; exit code 0 after shutdown)"]
+    assert not death.ok
+    assert "dies after 1300 adds" in death.measured, death
+    assert report.counts["session handovers"] >= 1, report.counts
+    for what in (
+        "the engine holds nothing at the end ([countdowns, held, poisoned])",
+        "the stage holds nothing at the end (its live requests)",
+    ):
+        assert checks[what].measured == "not asked: the phase ended early", checks[what]
 
 
 def test_a_violated_expectation_exits_1(
@@ -182,6 +307,7 @@ def test_ctrl_c_stops_a_chaos_soak_at_once_and_leaves_nothing(
     # line, exits 130, and leaves no stage process, socket file or shared-memory segment.
     # SIGTERM to the soak alone (`timeout`, a cancelled CI job) the same way, exit 143: it
     # used to end the soak at once and leave the stages' socket folders and segments.
+    # Either way the soak prints what it counted so far.
     root = str(Path(__file__).resolve().parents[1])
     env = {
         **os.environ,
@@ -190,7 +316,7 @@ def test_ctrl_c_stops_a_chaos_soak_at_once_and_leaves_nothing(
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", *argv, "--seconds", "600"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
     )  # fmt: skip
     assert proc.stderr is not None
@@ -220,7 +346,14 @@ def test_ctrl_c_stops_a_chaos_soak_at_once_and_leaves_nothing(
             proc.wait()
         reader.join(10)
         proc.stderr.close()
+        assert proc.stdout is not None
+        out = proc.stdout.read()  # the soak writes its report at the end only: no deadlock
+        proc.stdout.close()
     err = "".join(lines)
+    # What the soak counted until then (it used to print nothing): requests ended, kills.
+    assert "INTERRUPTED: the counts so far" in out, out
+    assert re.search(r"ends: \{.*'finished': [1-9]", out), out
+    assert re.search(r"kills: \{.+\}", out), out
     # Not the soak's own KeyboardInterrupt traceback (exit -2). (A stage process that the
     # SIGINT catches while it is being spawned, before it ignores SIGINT, may print one of
     # its own.)

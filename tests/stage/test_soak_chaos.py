@@ -8,6 +8,8 @@ that forgets a dead process's requests makes it report them as hung."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -83,6 +85,64 @@ def test_a_short_pool_soak_on_ray_whose_heartbeat_presumes_frozen_replicas_dead(
     assert report.presumed >= 1, (report.presumed, report.ends, report.events)
     assert report.ends["finished"] > 100, report.ends
     assert report.pids
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_pipeline_soaks_seconds_count_once_it_serves(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The load's end (and the chaos's, `quiet` before it) was set before the launch: a
+    # short run spent its chaos window launching (`--seconds 8 --topology wide`: 0 kills,
+    # and OK). As the pool soak, the seconds count once the pipeline serves.
+    from enginecore.stage import AsyncPipeline, Pipeline
+
+    order: list[str] = []
+    real_sync, real_async = Pipeline.launch.__func__, AsyncPipeline.launch.__func__  # type: ignore[attr-defined]
+
+    def launch(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        pipe = real_sync(cls, *args, **kwargs)
+        order.append("launched")
+        return pipe
+
+    async def alaunch(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        pipe = await real_async(cls, *args, **kwargs)
+        order.append("launched")
+        return pipe
+
+    real_load = soak_pipeline.Config.load
+
+    def load(self: Any) -> Any:
+        order.append("load")
+        return real_load(self)
+
+    monkeypatch.setattr(Pipeline, "launch", classmethod(launch))
+    monkeypatch.setattr(AsyncPipeline, "launch", classmethod(alaunch))
+    monkeypatch.setattr(soak_pipeline.Config, "load", load)
+    report = soak_pipeline.run(soak_pipeline.Config(seconds=1, quiet=0.5, kind=kind, seed=5))
+    assert not report.problems, report.problems
+    assert order == ["launched", "load"], order
+
+
+def test_a_child_process_the_soak_never_saw_is_reported_left_behind() -> None:
+    # The leftover check knew only the pids the killer and the last phase saw serving: a
+    # stage process started since and never seen (a restart, an added replica between two
+    # looks) could outlive the shutdown unreported. Now any child of the soak's process
+    # started during the soak and still there is a problem.
+    from benchmarks._soak_chaos import Report, _children, left_behind
+
+    report = Report()
+    before = _children()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        left_behind(report, 0.0, before)
+    finally:
+        child.kill()
+        child.wait()
+    assert report.problems, report.problems
+    assert f"stage process {child.pid} is still there after the shutdown" in report.problems[0]
+    assert "never saw serving" in report.problems[0]
+    left_behind(after := Report(), 0.0, before)  # once reaped, nothing
+    assert not after.problems, after.problems
 
 
 def test_a_request_left_hanging_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
