@@ -91,11 +91,15 @@ class Report:
         with self._lock:
             counter[key] += 1
 
-    def render(self, title: str, waves: int = 16, interrupted: bool = False) -> tuple[str, bool]:
-        """The report as text under *title*, and whether the soak passed (no problem, and
-        the last wave of *waves* requests complete). *interrupted*: the soak was stopped
-        (Ctrl-C, SIGTERM) before its end: what it counted so far, and the problems seen,
-        without a verdict (and without the chaos's events: a long run has many)."""
+    def render(
+        self, title: str, waves: int = 16, interrupted: bool = False, chaos: bool = False
+    ) -> tuple[str, bool]:
+        """The report as text under *title*, and whether the soak passed (no problem, the
+        last wave of *waves* requests complete and, with *chaos* (the killer ran), at least
+        one kill or freeze: a run too short for one tested no recovery). *interrupted*: the
+        soak was stopped (Ctrl-C, SIGTERM) before its end: what it counted so far, and the
+        problems seen, without a verdict (and without the chaos's events: a long run has
+        many)."""
         lines = [
             title,
             f"  ends: {dict(self.ends)}",
@@ -112,7 +116,13 @@ class Report:
         if interrupted:
             lines.append("  INTERRUPTED: the counts so far")
             return "\n".join(lines), False
-        ok = not self.problems and self.last_wave == waves
+        idle = chaos and not self.kills and not self.freezes
+        if idle:
+            lines.append(
+                "  PROBLEM: the killer made no kill nor freeze: the run ended before the "
+                "chaos began (give more --seconds), and tested no recovery"
+            )
+        ok = not self.problems and self.last_wave == waves and not idle
         if not ok:
             lines += [f"  chaos: {e}" for e in self.events]
         lines.append("  OK" if ok else "  FAILED")

@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (run_main): what was seen so far
         print(report.render(title(), interrupted=True)[0], flush=True)
         raise
-    text, ok = report.render(title())
+    text, ok = report.render(title(), chaos=True)
     print(text)
     return 0 if ok else 1
 

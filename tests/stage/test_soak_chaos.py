@@ -161,3 +161,18 @@ def test_a_request_left_hanging_is_reported(monkeypatch: pytest.MonkeyPatch) -> 
     cfg = soak_pipeline.Config(seconds=6, quiet=2, kind="sync", seed=5, deadline=3)
     report = soak_pipeline.run(cfg)
     assert any("no end within the deadline" in p for p in report.problems), report.problems
+
+
+def test_a_chaos_soak_whose_killer_never_struck_does_not_pass() -> None:
+    # `soak_pool --seconds 0.5` ended before the killer's first pick (0.2 to 1.2 s in) and
+    # said OK: it had tested no recovery at all.
+    from benchmarks._soak_chaos import Report
+
+    report = Report(last_wave=16)
+    text, ok = report.render("soak", chaos=True)
+    assert not ok
+    assert "PROBLEM: the killer made no kill nor freeze" in text
+    assert text.endswith("FAILED")
+    report.count(report.freezes, "r0")
+    assert report.render("soak", chaos=True)[1]
+    assert Report(last_wave=16).render("soak")[1]  # --no-kills: no killer to judge
