@@ -441,7 +441,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .stage import PROTOCOL_VERSION, check_encodable
         from .stage._logs import check_log_level
         from .stage._process import MetricsBindError, serve
-        from .stage._runtime import StageBindError
+        from .stage._runtime import StageBindError, check_client_paths
         from .stage._statistics import LOAD_INTERVAL, SHARED_LOAD_INTERVAL
         from .stage._watchdog import check_watchdog
 
@@ -517,6 +517,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--keep-requests-on-detach needs --max-clients 1")
     if args.client_buffer < 1:
         parser.error(f"--client-buffer must be >= 1, got {args.client_buffer}")
+    try:
+        check_client_paths(output, args.max_clients)
+    except ValueError as exc:
+        parser.error(f"--max-clients {args.max_clients}: {exc}")
     if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
         parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     drain_timeout = (
