@@ -815,6 +815,22 @@ class TestServeSignals:
             assert proc.returncode == 0, stderr
             assert "Traceback" not in stderr
 
+    @pytest.mark.parametrize("drain", [(), ("--drain-timeout", "5")], ids=["stop", "drain"])
+    def test_more_stop_signals_during_the_teardown_keep_the_exit_code(
+        self, no_leftovers: str, drain: tuple[str, ...]
+    ) -> None:
+        # The default handlers came back before serve's exit: a second signal that landed
+        # there ended it with -15 or -2 (11 of 16 tries), or a KeyboardInterrupt (130).
+        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        for _ in range(3):
+            srv = Server("--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/s", *drain)
+            sent = 0
+            while srv.proc.poll() is None:  # a zombie takes the signals, harmlessly
+                srv.proc.send_signal(signals[sent % 3])
+                sent += 1
+                time.sleep(0.0005)
+            assert srv.stop() == 0, sent
+
     def test_sighup_without_curve_stops_it_cleanly(self, no_leftovers: str) -> None:
         # SIGHUP reloads the authorized keys of a CURVE stage; without CURVE it kept its
         # default action: exit -1 (129 in a shell), the ipc socket files left behind.

@@ -208,7 +208,8 @@ def serve(
     are bound and the signal handlers are in place; returns the exit code. SIGTERM and
     SIGINT shut it down gracefully, also one that arrives right after ``ready``: at once,
     or, with *drain_timeout*, after a drain of at most that many seconds (a second signal
-    then stops it at once). One that arrives while the engine is built interrupts the
+    then stops it at once); once the stage has stopped, they are ignored (the exit code
+    stays the stage's). One that arrives while the engine is built interrupts the
     factory and stops the stage without calling ``ready`` (exit 0; :class:`_EarlySignals`).
     Raises what the factory raises, and what binding raises. Logging is set up first
     (``_logs``): records named *name* (default: *factory*), at *log_level*.
@@ -322,7 +323,11 @@ def serve(
                 raise
             code = runtime.run()
     finally:
-        early.restore()
+        # The stage has stopped (or failed to start), and the process ends once this
+        # returns: a stop signal from now on has nothing left to stop. The default action
+        # would end the process with -15 (a KeyboardInterrupt, 130) instead of the exit
+        # code, as a second signal sent just after the first did. So they are ignored.
+        early.ignore()
         if drainer is not None:
             drainer.close()
         if reload is not None:
@@ -346,7 +351,7 @@ class _EarlySignals:
     One that comes after the build, before the runtime's own handlers are in place, is only
     recorded: ``serve`` then stops without announcing the stage. *reload* (SIGHUP of a
     CURVE stage) is counted, and the keys are reloaded once the stage is built.
-    :meth:`restore` puts the previous handlers back.
+    :meth:`ignore` ignores them all once ``serve`` has ended.
     """
 
     def __init__(self, stop_signals: tuple[int, ...], *, reload: int | None) -> None:
@@ -371,9 +376,10 @@ class _EarlySignals:
             self.building = False  # once: the factory's own cleanup is not interrupted again
             raise _StopSignal(self.stopped)
 
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+    def ignore(self) -> None:
+        """Ignore the signals handled here from now on (``serve`` has ended)."""
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
         self._previous.clear()
 
 
