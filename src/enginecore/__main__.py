@@ -440,7 +440,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         from .stage import PROTOCOL_VERSION, check_encodable
         from .stage._logs import check_log_level
-        from .stage._process import MetricsBindError, serve
+        from .stage._process import MetricsBindError, NotAnEngineError, serve
         from .stage._runtime import StageBindError, check_client_paths
         from .stage._statistics import LOAD_INTERVAL, SHARED_LOAD_INTERVAL
         from .stage._watchdog import check_watchdog
@@ -580,7 +580,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except MetricsBindError as exc:
         print(f"python -m enginecore serve: --metrics-port: {exc}", file=sys.stderr)
         return 2
-    except StageBindError as exc:
+    except (StageBindError, NotAnEngineError) as exc:
         print(f"python -m enginecore serve: the stage failed to start: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:

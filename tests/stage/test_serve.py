@@ -1342,6 +1342,16 @@ class TestServeCommandLine:
         assert "listening on" in line, stderr
         assert proc.returncode == 0, stderr
 
+    def test_a_factory_that_returns_no_engine_is_one_line(self) -> None:
+        # The TypeError came with a traceback of enginecore's own frames (11 lines).
+        result = self._run("serve", "--engine", "builtins:object", "--bind", "tcp://127.0.0.1:*")
+        assert result.returncode == 1
+        assert result.stderr == (
+            "python -m enginecore serve: the stage failed to start: engine factory "
+            "'builtins:object' returned an object of type object, which does not implement "
+            "the enginecore.Engine protocol (nor enginecore.PipelinedEngine)\n"
+        )
+
     def test_a_usage_error_shows_the_usage_of_serve(self) -> None:
         # It showed the top-level usage ("python -m enginecore [-h] {serve,top,keygen}").
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")

@@ -42,6 +42,7 @@ from ._watchdog import STEP_TIMEOUT
 
 __all__ = [
     "MetricsBindError",
+    "NotAnEngineError",
     "build_engine",
     "exit_soon",
     "import_factory",
@@ -74,12 +75,18 @@ def import_factory(spec: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
+class NotAnEngineError(TypeError):
+    """The engine factory returned something that is not an :class:`~enginecore.Engine` nor
+    a :class:`~enginecore.PipelinedEngine`: the message says it all (``serve`` prints it as
+    one line, without a traceback of enginecore's frames)."""
+
+
 def build_engine(spec: str, kwargs: dict[str, Any]) -> Engine | PipelinedEngine[Any]:
     """Call the factory; check that it returned an :class:`~enginecore.Engine` or a
-    :class:`~enginecore.PipelinedEngine`."""
+    :class:`~enginecore.PipelinedEngine` (:class:`NotAnEngineError` otherwise)."""
     engine = import_factory(spec)(**kwargs)
     if not isinstance(engine, (Engine, PipelinedEngine)):
-        raise TypeError(
+        raise NotAnEngineError(
             f"engine factory {spec!r} returned an object of type {type(engine).__name__}, "
             f"which does not implement the enginecore.Engine protocol (nor "
             f"enginecore.PipelinedEngine)"
