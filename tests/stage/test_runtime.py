@@ -841,6 +841,20 @@ def test_a_stale_ipc_socket_file_is_taken_over(no_leftovers: str) -> None:
         stage.stop()
 
 
+def test_a_tcp_bind_error_names_the_address_once() -> None:
+    # The bind's own error (a port taken after serve's check, or a StageRuntime made in
+    # code) repeated the address: "...: Address already in use (addr='tcp://...')".
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(StageBindError) as info:
+            StageRuntime(
+                EchoEngine(), address, "tcp://127.0.0.1:*", engine_name="x", handle_signals=()
+            )
+    assert str(info.value) == f"cannot bind the input socket to {address!r}: Address already in use"
+
+
 def test_an_ipc_path_that_is_not_a_socket_is_refused_and_kept(no_leftovers: str) -> None:
     # libzmq unlinked whatever was there: --bind ipc://notes.txt replaced the file with a
     # socket, and removed it at the stop.

@@ -683,8 +683,10 @@ def _bind(sock: zmq.Socket[bytes], which: str, address: str) -> None:
     try:
         sock.bind(address)
     except zmq.ZMQError as exc:
+        # zmq.strerror: pyzmq's own strerror repeats the address ("(addr='tcp://...')").
         raise StageBindError(
-            f"cannot bind the {which} socket to {address!r}: {exc.strerror}"
+            f"cannot bind the {which} socket to {address!r}: "
+            f"{zmq.strerror(exc.errno) if exc.errno else exc}"
         ) from exc
 
 
