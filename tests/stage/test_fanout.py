@@ -570,6 +570,12 @@ class TestServeOptions:
         err = self._fails("--max-clients", "2", "--keep-requests-on-detach")
         assert "--keep-requests-on-detach needs --max-clients 1" in err
 
+    @pytest.mark.parametrize("args", [(), ("--max-clients", "1")])
+    def test_client_buffer_needs_more_than_one_client(self, args: tuple[str, ...]) -> None:
+        # It was accepted, and did nothing: a one-client stage has no client to cut.
+        err = self._fails(*args, "--client-buffer", "10")
+        assert "--client-buffer needs --max-clients above 1" in err
+
     @pytest.mark.parametrize(
         ("args", "expected"),
         [
