@@ -376,7 +376,7 @@ class StageRuntime:
             if self._curve is not None:
                 secure_server(sock, self._curve)
             sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(endpoint))
-            sock.bind(endpoint)
+            _bind(sock, "client's output", endpoint)  # a StageBindError names the path
             # An address of our own: pyzmq's default names the socket's fd, which a closed
             # client socket may still hold while the next one is opened.
             monitor = sock.get_monitor_socket(
