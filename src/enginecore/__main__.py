@@ -12,7 +12,8 @@ Usage::
 
 The stage binds its input socket at ``--bind`` and its output socket at ``--output-bind``
 (default: a free port on the same host, or ``<path>.out`` for ``ipc://``), prints one line
-``enginecore serve: listening on <address> ...`` to stdout, and serves one client at a time
+``enginecore serve: listening on <address> ...`` to stdout (its first line: what the
+engine factory prints goes to stderr), and serves one client at a time
 (``StageClient.connect(address)``; up to N with ``--max-clients N``) until SIGTERM / SIGINT
 or a client's ``shutdown()``.
 With ``--curve-secret-key`` and ``--authorized-clients``, both sockets are ZeroMQ CURVE

@@ -1352,6 +1352,42 @@ class TestServeCommandLine:
             "the enginecore.Engine protocol (nor enginecore.PipelinedEngine)\n"
         )
 
+    def test_what_the_factory_prints_goes_to_stderr_not_before_the_ready_line(
+        self, no_leftovers: str
+    ) -> None:
+        # A model's loading messages came out on stdout before the ready line, so a script
+        # that reads the first line of stdout for the address read them instead.
+        work = tempfile.mkdtemp(prefix="ecNoisy", dir="/tmp")
+        with open(os.path.join(work, "noisy.py"), "w", encoding="utf-8") as f:
+            f.write(
+                "import os\n"
+                "from enginecore import CountdownEngine\n"
+                "def make():\n"
+                "    print('loading the model')\n"  # left in the buffer
+                "    os.write(1, b'native noise\\n')\n"  # as a C library writes
+                "    return CountdownEngine()\n"
+            )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "enginecore", "serve", "--engine", "noisy:make",
+             "--bind", f"ipc://{no_leftovers}/s"],
+            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            proc.send_signal(signal.SIGTERM)
+            rest, stderr = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(work)
+        assert line.startswith("enginecore serve: listening on"), (line, stderr)
+        assert rest == ""
+        assert "loading the model" in stderr
+        assert "native noise" in stderr
+        assert proc.returncode == 0, stderr
+
     def test_a_usage_error_shows_the_usage_of_serve(self) -> None:
         # It showed the top-level usage ("python -m enginecore [-h] {serve,top,keygen}").
         result = self._run("serve", "--engine", SCRIPTED, "--kwargs", "[1]")

@@ -218,6 +218,8 @@ def serve(
     then stops it at once); once the stage has stopped, they are ignored (the exit code
     stays the stage's). One that arrives while the engine is built interrupts the
     factory and stops the stage without calling ``ready`` (exit 0; :class:`_EarlySignals`).
+    What the factory writes to stdout while it builds the engine goes to stderr
+    (:func:`_stdout_to_stderr`): stdout's first line is ``ready``'s.
     Raises what the factory raises, and what binding raises. Logging is set up first
     (``_logs``): records named *name* (default: *factory*), at *log_level*.
 
@@ -271,7 +273,10 @@ def serve(
         # stop, exit 0; a SIGHUP of a CURVE stage reloads the keys once it is built.
         early.install()
         try:
-            engine = build_engine(factory, kwargs)
+            # What the factory prints (a model's loading messages) goes to stderr: stdout's
+            # first line is the ready line, which a script reads for the address.
+            with _stdout_to_stderr():
+                engine = build_engine(factory, kwargs)
             early.building = False
         except BaseException as exc:
             if not early.stopped:
@@ -343,6 +348,39 @@ def serve(
             server.close()
     exit_soon(code)
     return code
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Within the block, what is written to stdout goes to stderr: ``print()`` (through
+    ``sys.stdout``) and writes to file descriptor 1 (a C library's). Nothing is done if
+    stdout or stderr is closed. (A C library's own stdio buffer, written to fd 1 after the
+    block, is out of reach.)"""
+    python_stdout, python_stderr = sys.stdout, sys.stderr
+    saved = None
+    if python_stdout is not None and python_stderr is not None:
+        with contextlib.suppress(OSError, ValueError):  # no fd 1, or a stream closed
+            python_stdout.flush()
+            python_stderr.flush()
+            saved = os.dup(1)
+    if saved is None:
+        yield  # (not in the except clause: a factory's error would chain to that one)
+        return
+    try:
+        try:
+            os.dup2(2, 1)
+        except OSError:  # no fd 2: stdout stays as it is
+            pass
+        else:
+            sys.stdout = python_stderr
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        if sys.stdout is python_stderr:  # unless the factory set one of its own
+            sys.stdout = python_stdout
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 class _StopSignal(BaseException):
