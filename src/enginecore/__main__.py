@@ -12,7 +12,8 @@ Usage::
 
 The stage binds its input socket at ``--bind`` and its output socket at ``--output-bind``
 (default: a free port on the same host, or ``<path>.out`` for ``ipc://``), prints one line
-``enginecore serve: listening on <address> ...`` to stdout, and serves one client at a time
+``enginecore serve: listening on <address> ...`` to stdout (its first line: what the
+engine factory prints goes to stderr), and serves one client at a time
 (``StageClient.connect(address)``; up to N with ``--max-clients N``) until SIGTERM / SIGINT
 or a client's ``shutdown()``.
 With ``--curve-secret-key`` and ``--authorized-clients``, both sockets are ZeroMQ CURVE
@@ -161,11 +162,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--client-buffer",
         type=int,
-        default=65536,
+        default=None,
         metavar="N",
-        help="with --max-clients above 1: a client with more than N events (one per output) "
-        "queued for it is detached (its requests aborted, its queue dropped) instead of "
-        "holding the engine back for every client (default: %(default)s)",
+        help="with --max-clients above 1 (a usage error otherwise): a client with more than "
+        "N events (one per output) queued for it is detached (its requests aborted, its "
+        "queue dropped) instead of holding the engine back for every client (default: "
+        "65536)",
     )
     serve.add_argument(
         "--log-level",
@@ -439,9 +441,10 @@ def _default_output(bind: str) -> str:
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         from .stage import PROTOCOL_VERSION, check_encodable
+        from .stage._fanout import CLIENT_BUFFER
         from .stage._logs import check_log_level
-        from .stage._process import MetricsBindError, serve
-        from .stage._runtime import StageBindError
+        from .stage._process import MetricsBindError, NotAnEngineError, serve
+        from .stage._runtime import StageBindError, check_client_paths
         from .stage._statistics import LOAD_INTERVAL, SHARED_LOAD_INTERVAL
         from .stage._watchdog import check_watchdog
 
@@ -515,8 +518,15 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--max-clients must be >= 1, got {args.max_clients}")
     if args.max_clients > 1 and args.keep_requests_on_detach:
         parser.error("--keep-requests-on-detach needs --max-clients 1")
-    if args.client_buffer < 1:
+    if args.client_buffer is not None and args.client_buffer < 1:
         parser.error(f"--client-buffer must be >= 1, got {args.client_buffer}")
+    if args.client_buffer is not None and args.max_clients == 1:
+        # It would do nothing: a one-client stage has no client to detach for falling behind.
+        parser.error("--client-buffer needs --max-clients above 1")
+    try:
+        check_client_paths(output, args.max_clients)
+    except ValueError as exc:
+        parser.error(f"--max-clients {args.max_clients}: {exc}")
     if args.drain_timeout is not None and not 0 <= args.drain_timeout < math.inf:
         parser.error(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     drain_timeout = (
@@ -555,7 +565,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             detached_buffer=args.detached_buffer,
             keep_requests_on_detach=args.keep_requests_on_detach,
             max_clients=args.max_clients,
-            client_buffer=args.client_buffer,
+            client_buffer=CLIENT_BUFFER if args.client_buffer is None else args.client_buffer,
             drain_timeout=drain_timeout,
             step_timeout=step_timeout,
             kill_after=kill_after,
@@ -576,7 +586,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except MetricsBindError as exc:
         print(f"python -m enginecore serve: --metrics-port: {exc}", file=sys.stderr)
         return 2
-    except StageBindError as exc:
+    except (StageBindError, NotAnEngineError) as exc:
         print(f"python -m enginecore serve: the stage failed to start: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:

@@ -570,6 +570,12 @@ class TestServeOptions:
         err = self._fails("--max-clients", "2", "--keep-requests-on-detach")
         assert "--keep-requests-on-detach needs --max-clients 1" in err
 
+    @pytest.mark.parametrize("args", [(), ("--max-clients", "1")])
+    def test_client_buffer_needs_more_than_one_client(self, args: tuple[str, ...]) -> None:
+        # It was accepted, and did nothing: a one-client stage has no client to cut.
+        err = self._fails(*args, "--client-buffer", "10")
+        assert "--client-buffer needs --max-clients above 1" in err
+
     @pytest.mark.parametrize(
         ("args", "expected"),
         [
@@ -601,6 +607,50 @@ class TestServeOptions:
                 assert _outputs_of(b.until(_finished("b"))) == {"b": [2, 1, 0]}
         finally:
             assert srv.stop() == 0
+
+    def test_a_clients_ipc_path_taken_by_another_process_is_skipped(
+        self, no_leftovers: str
+    ) -> None:
+        # Each client's output socket is bound at the output path with "-<n>" appended. A
+        # live socket of another serve there was taken over (that stage became unreachable),
+        # and a regular file there was replaced, then deleted at exit. They are skipped now.
+        other = Server("--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/s.out-1")
+        kept = Path(no_leftovers, "s.out-2")
+        kept.write_text("mine")
+        Path(no_leftovers, "s.out-3").symlink_to(Path(no_leftovers, "nowhere"))
+        srv = _serve("--bind", f"ipc://{no_leftovers}/s", clients=3)
+        try:
+            with RawClient(srv.address) as a, RawClient(srv.address) as b:
+                paths = {_welcomed(a), _welcomed(b)}
+                taken = {f"ipc://{no_leftovers}/s.out-{n}" for n in (1, 2, 3)}
+                assert len(paths) == 2
+                assert not paths & taken, paths
+                a.send("add", "a", 2)
+                b.send("add", "b", 3)
+                assert _outputs_of(a.until(_finished("a"))) == {"a": [1, 0]}
+                assert _outputs_of(b.until(_finished("b"))) == {"b": [2, 1, 0]}
+            with RawClient(other.address) as c:  # the other stage still answers
+                _welcomed(c)
+        finally:
+            assert srv.stop() == 0
+            assert other.stop() == 0
+        assert kept.read_text() == "mine"
+        assert Path(no_leftovers, "s.out-3").is_symlink()
+        kept.unlink()
+        Path(no_leftovers, "s.out-3").unlink()
+
+    def test_an_ipc_path_too_long_for_the_clients_sockets_is_a_usage_error(
+        self, no_leftovers: str
+    ) -> None:
+        # A path that fits, but not with a client's "-<n>" after it: the stage started, and
+        # every connect() failed on a raw ZMQError while the stage printed a traceback.
+        base = os.path.join(no_leftovers, "d" * (100 - len(no_leftovers)))
+        assert len(base) + len(".out") <= 107
+        err = self._fails("--bind", f"ipc://{base}", "--max-clients", "2")
+        assert "a socket's path is at most 107 characters" in err, err
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1].startswith("python -m enginecore serve: error:")
+        Server("--engine", SCRIPTED, "--bind", f"ipc://{base}").stop()  # one client: fine
 
 
 # -- the clients ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ one frame, and what happens to what cannot cross the wire."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -840,6 +841,20 @@ def test_a_stale_ipc_socket_file_is_taken_over(no_leftovers: str) -> None:
         stage.stop()
 
 
+def test_a_tcp_bind_error_names_the_address_once() -> None:
+    # The bind's own error (a port taken after serve's check, or a StageRuntime made in
+    # code) repeated the address: "...: Address already in use (addr='tcp://...')".
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(StageBindError) as info:
+            StageRuntime(
+                EchoEngine(), address, "tcp://127.0.0.1:*", engine_name="x", handle_signals=()
+            )
+    assert str(info.value) == f"cannot bind the input socket to {address!r}: Address already in use"
+
+
 def test_an_ipc_path_that_is_not_a_socket_is_refused_and_kept(no_leftovers: str) -> None:
     # libzmq unlinked whatever was there: --bind ipc://notes.txt replaced the file with a
     # socket, and removed it at the stop.
@@ -856,6 +871,43 @@ def test_an_ipc_path_that_is_not_a_socket_is_refused_and_kept(no_leftovers: str)
             assert f.read() == "keep me"
     finally:
         os.unlink(path)
+
+
+@pytest.mark.parametrize("target", ["nowhere", "notes.txt"])
+def test_an_ipc_path_that_is_a_symbolic_link_is_refused_and_kept(
+    no_leftovers: str, target: str
+) -> None:
+    # A dangling link (or one to a file) passed the check, and the bind replaced the link.
+    path = f"{no_leftovers}/s"
+    os.symlink(f"{no_leftovers}/{target}", path)
+    if target == "notes.txt":
+        with open(f"{no_leftovers}/{target}", "w", encoding="utf-8") as f:
+            f.write("keep me")
+    try:
+        with pytest.raises(StageBindError, match="exists and is a symbolic link"):
+            StageRuntime(
+                EchoEngine(), f"ipc://{path}", f"ipc://{path}.out", engine_name="x",
+                handle_signals=(),
+            )  # fmt: skip
+        assert os.path.islink(path)
+    finally:
+        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{no_leftovers}/{target}")
+
+
+def test_a_shared_stages_ipc_path_too_long_for_its_clients_is_refused_at_once(
+    no_leftovers: str,
+) -> None:
+    # Each client's output path is the output path with "-<n>" after it: a path with no
+    # room left for it failed at every connect() instead.
+    path = os.path.join(no_leftovers, "d" * (100 - len(no_leftovers)))
+    with pytest.raises(ValueError, match="a socket's path is at most 107 characters"):
+        StageRuntime(
+            EchoEngine(), f"ipc://{path}", f"ipc://{path}.out", engine_name="x",
+            handle_signals=(), max_clients=2,
+        )  # fmt: skip
+    assert os.listdir(no_leftovers) == []
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets: Linux")

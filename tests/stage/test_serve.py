@@ -815,6 +815,22 @@ class TestServeSignals:
             assert proc.returncode == 0, stderr
             assert "Traceback" not in stderr
 
+    @pytest.mark.parametrize("drain", [(), ("--drain-timeout", "5")], ids=["stop", "drain"])
+    def test_more_stop_signals_during_the_teardown_keep_the_exit_code(
+        self, no_leftovers: str, drain: tuple[str, ...]
+    ) -> None:
+        # The default handlers came back before serve's exit: a second signal that landed
+        # there ended it with -15 or -2 (11 of 16 tries), or a KeyboardInterrupt (130).
+        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        for _ in range(3):
+            srv = Server("--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/s", *drain)
+            sent = 0
+            while srv.proc.poll() is None:  # a zombie takes the signals, harmlessly
+                srv.proc.send_signal(signals[sent % 3])
+                sent += 1
+                time.sleep(0.0005)
+            assert srv.stop() == 0, sent
+
     def test_sighup_without_curve_stops_it_cleanly(self, no_leftovers: str) -> None:
         # SIGHUP reloads the authorized keys of a CURVE stage; without CURVE it kept its
         # default action: exit -1 (129 in a shell), the ipc socket files left behind.
@@ -1324,6 +1340,52 @@ class TestServeCommandLine:
             shutil.rmtree(bin_dir)
             shutil.rmtree(work)
         assert "listening on" in line, stderr
+        assert proc.returncode == 0, stderr
+
+    def test_a_factory_that_returns_no_engine_is_one_line(self) -> None:
+        # The TypeError came with a traceback of enginecore's own frames (11 lines).
+        result = self._run("serve", "--engine", "builtins:object", "--bind", "tcp://127.0.0.1:*")
+        assert result.returncode == 1
+        assert result.stderr == (
+            "python -m enginecore serve: the stage failed to start: engine factory "
+            "'builtins:object' returned an object of type object, which does not implement "
+            "the enginecore.Engine protocol (nor enginecore.PipelinedEngine)\n"
+        )
+
+    def test_what_the_factory_prints_goes_to_stderr_not_before_the_ready_line(
+        self, no_leftovers: str
+    ) -> None:
+        # A model's loading messages came out on stdout before the ready line, so a script
+        # that reads the first line of stdout for the address read them instead.
+        work = tempfile.mkdtemp(prefix="ecNoisy", dir="/tmp")
+        with open(os.path.join(work, "noisy.py"), "w", encoding="utf-8") as f:
+            f.write(
+                "import os\n"
+                "from enginecore import CountdownEngine\n"
+                "def make():\n"
+                "    print('loading the model')\n"  # left in the buffer
+                "    os.write(1, b'native noise\\n')\n"  # as a C library writes
+                "    return CountdownEngine()\n"
+            )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "enginecore", "serve", "--engine", "noisy:make",
+             "--bind", f"ipc://{no_leftovers}/s"],
+            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            proc.send_signal(signal.SIGTERM)
+            rest, stderr = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(work)
+        assert line.startswith("enginecore serve: listening on"), (line, stderr)
+        assert rest == ""
+        assert "loading the model" in stderr
+        assert "native noise" in stderr
         assert proc.returncode == 0, stderr
 
     def test_a_usage_error_shows_the_usage_of_serve(self) -> None:

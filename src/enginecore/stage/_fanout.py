@@ -584,7 +584,8 @@ def _unlink(address: str) -> None:
 def session_endpoint(base: str, epoch: int) -> str:
     """Where a multi-client stage binds session *epoch*'s output socket, given its own
     output endpoint *base*: on tcp, the same host and a port the system picks; otherwise
-    (ipc) *base* with ``-<epoch>`` appended."""
+    (ipc) *base* with ``-<epoch>`` appended (the runtime counts on past a path that is not
+    free: ``StageRuntime._client_endpoint``)."""
     if base.startswith("tcp://"):
         host = base[len("tcp://") :].rsplit(":", 1)[0]
         return f"tcp://{host}:*"

@@ -42,6 +42,7 @@ from ._watchdog import STEP_TIMEOUT
 
 __all__ = [
     "MetricsBindError",
+    "NotAnEngineError",
     "build_engine",
     "exit_soon",
     "import_factory",
@@ -74,12 +75,18 @@ def import_factory(spec: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
+class NotAnEngineError(TypeError):
+    """The engine factory returned something that is not an :class:`~enginecore.Engine` nor
+    a :class:`~enginecore.PipelinedEngine`: the message says it all (``serve`` prints it as
+    one line, without a traceback of enginecore's frames)."""
+
+
 def build_engine(spec: str, kwargs: dict[str, Any]) -> Engine | PipelinedEngine[Any]:
     """Call the factory; check that it returned an :class:`~enginecore.Engine` or a
-    :class:`~enginecore.PipelinedEngine`."""
+    :class:`~enginecore.PipelinedEngine` (:class:`NotAnEngineError` otherwise)."""
     engine = import_factory(spec)(**kwargs)
     if not isinstance(engine, (Engine, PipelinedEngine)):
-        raise TypeError(
+        raise NotAnEngineError(
             f"engine factory {spec!r} returned an object of type {type(engine).__name__}, "
             f"which does not implement the enginecore.Engine protocol (nor "
             f"enginecore.PipelinedEngine)"
@@ -208,8 +215,11 @@ def serve(
     are bound and the signal handlers are in place; returns the exit code. SIGTERM and
     SIGINT shut it down gracefully, also one that arrives right after ``ready``: at once,
     or, with *drain_timeout*, after a drain of at most that many seconds (a second signal
-    then stops it at once). One that arrives while the engine is built interrupts the
+    then stops it at once); once the stage has stopped, they are ignored (the exit code
+    stays the stage's). One that arrives while the engine is built interrupts the
     factory and stops the stage without calling ``ready`` (exit 0; :class:`_EarlySignals`).
+    What the factory writes to stdout while it builds the engine goes to stderr
+    (:func:`_stdout_to_stderr`): stdout's first line is ``ready``'s.
     Raises what the factory raises, and what binding raises. Logging is set up first
     (``_logs``): records named *name* (default: *factory*), at *log_level*.
 
@@ -263,7 +273,10 @@ def serve(
         # stop, exit 0; a SIGHUP of a CURVE stage reloads the keys once it is built.
         early.install()
         try:
-            engine = build_engine(factory, kwargs)
+            # What the factory prints (a model's loading messages) goes to stderr: stdout's
+            # first line is the ready line, which a script reads for the address.
+            with _stdout_to_stderr():
+                engine = build_engine(factory, kwargs)
             early.building = False
         except BaseException as exc:
             if not early.stopped:
@@ -322,7 +335,11 @@ def serve(
                 raise
             code = runtime.run()
     finally:
-        early.restore()
+        # The stage has stopped (or failed to start), and the process ends once this
+        # returns: a stop signal from now on has nothing left to stop. The default action
+        # would end the process with -15 (a KeyboardInterrupt, 130) instead of the exit
+        # code, as a second signal sent just after the first did. So they are ignored.
+        early.ignore()
         if drainer is not None:
             drainer.close()
         if reload is not None:
@@ -331,6 +348,39 @@ def serve(
             server.close()
     exit_soon(code)
     return code
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Within the block, what is written to stdout goes to stderr: ``print()`` (through
+    ``sys.stdout``) and writes to file descriptor 1 (a C library's). Nothing is done if
+    stdout or stderr is closed. (A C library's own stdio buffer, written to fd 1 after the
+    block, is out of reach.)"""
+    python_stdout, python_stderr = sys.stdout, sys.stderr
+    saved = None
+    if python_stdout is not None and python_stderr is not None:
+        with contextlib.suppress(OSError, ValueError):  # no fd 1, or a stream closed
+            python_stdout.flush()
+            python_stderr.flush()
+            saved = os.dup(1)
+    if saved is None:
+        yield  # (not in the except clause: a factory's error would chain to that one)
+        return
+    try:
+        try:
+            os.dup2(2, 1)
+        except OSError:  # no fd 2: stdout stays as it is
+            pass
+        else:
+            sys.stdout = python_stderr
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        if sys.stdout is python_stderr:  # unless the factory set one of its own
+            sys.stdout = python_stdout
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 class _StopSignal(BaseException):
@@ -346,7 +396,7 @@ class _EarlySignals:
     One that comes after the build, before the runtime's own handlers are in place, is only
     recorded: ``serve`` then stops without announcing the stage. *reload* (SIGHUP of a
     CURVE stage) is counted, and the keys are reloaded once the stage is built.
-    :meth:`restore` puts the previous handlers back.
+    :meth:`ignore` ignores them all once ``serve`` has ended.
     """
 
     def __init__(self, stop_signals: tuple[int, ...], *, reload: int | None) -> None:
@@ -371,9 +421,10 @@ class _EarlySignals:
             self.building = False  # once: the factory's own cleanup is not interrupted again
             raise _StopSignal(self.stopped)
 
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+    def ignore(self) -> None:
+        """Ignore the signals handled here from now on (``serve`` has ended)."""
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
         self._previous.clear()
 
 

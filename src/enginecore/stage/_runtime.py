@@ -60,6 +60,7 @@ __all__ = [
     "EXIT_ORPHANED",
     "StageRuntime",
     "check_client_buffer",
+    "check_client_paths",
     "check_max_clients",
     "pipeline_depth_of",
 ]
@@ -166,6 +167,8 @@ class StageRuntime:
         check_watchdog(step_timeout, kill_after)
         check_max_clients(max_clients, keep_requests_on_detach=keep_requests_on_detach)
         check_client_buffer(client_buffer)
+        check_client_paths(output_address, max_clients)
+        self._client_path = 0  # the last "-<n>" of a client's ipc output path (input thread)
         check_session_timeout(session_timeout)
         self._curve = curve
         load_interval = check_load_interval(load_interval)
@@ -363,7 +366,7 @@ class StageRuntime:
         # Input thread, at a welcome on a multi-client stage: the client's own PUSH, set up
         # as the shared one is, its outbox (not detached: the welcomed client reads), and a
         # monitor on it for the input side (its connections, and its close).
-        endpoint = session_endpoint(self.output_address, epoch)
+        endpoint = self._client_endpoint(epoch)
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
         monitor: zmq.Socket[bytes] | None = None
         try:
@@ -373,7 +376,7 @@ class StageRuntime:
             if self._curve is not None:
                 secure_server(sock, self._curve)
             sock.setsockopt(zmq.IPV6, is_ipv6_endpoint(endpoint))
-            sock.bind(endpoint)
+            _bind(sock, "client's output", endpoint)  # a StageBindError names the path
             # An address of our own: pyzmq's default names the socket's fd, which a closed
             # client socket may still hold while the next one is opened.
             monitor = sock.get_monitor_socket(
@@ -399,6 +402,29 @@ class StageRuntime:
                 monitor.close(linger=0)
             sock.close(linger=0)
             raise
+
+    def _client_endpoint(self, epoch: int) -> str:
+        # Input thread: where the next client's output socket binds. On tcp, a free port;
+        # on ipc, the output path with "-<n>" after it, n counting up from the epoch and
+        # past the paths that are not free: another process's live socket there, or a file
+        # that is not a socket, was taken over (and deleted at exit) by libzmq's bind.
+        base = self.output_address
+        if not base.startswith("ipc://"):
+            return session_endpoint(base, epoch)
+        first = max(epoch, self._client_path + 1)
+        for number in range(first, first + _CLIENT_PATH_TRIES):
+            endpoint = session_endpoint(base, number)
+            try:
+                _probe_ipc(endpoint, "client's output")
+            except StageBindError as exc:
+                logger.warning("enginecore: %s; trying the next path", exc)
+                continue
+            self._client_path = number
+            return endpoint
+        raise StageBindError(
+            f"cannot bind a client's output socket: the {_CLIENT_PATH_TRIES} paths from "
+            f"{session_endpoint(base, first)!r} on are not free"
+        )
 
     def _kill_stalled(self, message: str) -> None:
         # Watchdog thread: a step passed kill_after. The loop thread is stuck in it and
@@ -576,6 +602,31 @@ def _unlink_ipc(address: str) -> None:
 
 # The longest path a Unix socket's address holds (sockaddr_un.sun_path, less its NUL).
 _IPC_PATH_MAX: Final[int] = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
+# The most digits of the "-<n>" after a client's ipc output path that the check at start
+# makes room for (n counts the sessions: ten billion of them).
+_CLIENT_PATH_DIGITS: Final = 10
+# How many paths after a taken one a client's output socket tries before it gives up.
+_CLIENT_PATH_TRIES: Final = 100
+
+
+def check_client_paths(output_address: str, max_clients: int) -> None:
+    """:class:`ValueError` if a stage that serves *max_clients* (above 1) binds each
+    client's output socket on ipc at a path too long for a socket: the *output_address*
+    path with ``-<n>`` after it (:func:`~._fanout.session_endpoint`), room left for
+    :data:`_CLIENT_PATH_DIGITS` digits. Without it, every ``connect()`` failed once the
+    engine was built. Nothing for tcp, one client, or ``ipc://*`` (a short path of
+    libzmq's own)."""
+    if max_clients <= 1 or not output_address.startswith("ipc://") or output_address == "ipc://*":
+        return
+    longest = session_endpoint(output_address, 10**_CLIENT_PATH_DIGITS - 1)
+    length = len(longest[len("ipc://") :].encode())
+    if length > _IPC_PATH_MAX:
+        raise ValueError(
+            f"with more than one client, each client's output socket is bound at the "
+            f"output path with '-<n>' after it, up to {longest!r}: {length} characters "
+            f"long, and a socket's path is at most {_IPC_PATH_MAX} characters; choose an "
+            f"output path of at most {_IPC_PATH_MAX - 1 - _CLIENT_PATH_DIGITS} characters"
+        )
 
 
 def _probe_ipc(address: str, which: str) -> None:
@@ -583,9 +634,10 @@ def _probe_ipc(address: str, which: str) -> None:
     take from someone: it unlinks whatever is there and binds anew. A socket file that a
     connect reaches (or whose backlog is full) is another process's live socket: taking it
     over would orphan that stage, "Address already in use". A file that is not a socket
-    would be destroyed. A path too long for a socket's address fails too (in one short
-    line). A socket file whose connect is refused is stale (its process ended without
-    removing it): the bind may take it over. Anything else is left to the bind."""
+    (a symbolic link too, dangling or not) would be destroyed. A path too long for a
+    socket's address fails too (in one short line). A socket file whose connect is refused
+    is stale (its process ended without removing it): the bind may take it over. Anything
+    else is left to the bind."""
     path = address[len("ipc://") :]
     if len(path.encode()) > _IPC_PATH_MAX:  # pyzmq's own message names it three times
         raise StageBindError(
@@ -596,11 +648,18 @@ def _probe_ipc(address: str, which: str) -> None:
     try:
         # (For a Linux abstract name, ipc://@NAME, libzmq unlinks a file named @NAME in the
         # working directory all the same: checked as a path too.)
-        mode = os.stat(path).st_mode
+        mode = os.lstat(path).st_mode
     except OSError:
         return  # no such file (the usual case), or one the bind will report on
     if not stat.S_ISSOCK(mode):
-        what = "a directory" if stat.S_ISDIR(mode) else "a file that is not a socket"
+        # (A symbolic link, dangling or not, is replaced too: the bind unlinks the link.)
+        what = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a symbolic link"
+            if stat.S_ISLNK(mode)
+            else "a file that is not a socket"
+        )
         raise StageBindError(
             f"cannot bind the {which} socket to {address!r}: the path exists and is {what} "
             f"(an ipc bind would replace it)"
@@ -624,8 +683,10 @@ def _bind(sock: zmq.Socket[bytes], which: str, address: str) -> None:
     try:
         sock.bind(address)
     except zmq.ZMQError as exc:
+        # zmq.strerror: pyzmq's own strerror repeats the address ("(addr='tcp://...')").
         raise StageBindError(
-            f"cannot bind the {which} socket to {address!r}: {exc.strerror}"
+            f"cannot bind the {which} socket to {address!r}: "
+            f"{zmq.strerror(exc.errno) if exc.errno else exc}"
         ) from exc
 
 
