@@ -30,9 +30,11 @@ from enginecore.stage import (
     PROTOCOL_VERSION,
     EngineDeadError,
     Outputs,
+    ProtocolError,
     ReplicaDeadError,
     RequestError,
     SessionLostError,
+    StageClient,
     StageObserver,
     StagePool,
 )
@@ -651,6 +653,31 @@ class TestServeOptions:
         assert "Traceback" not in err
         assert err.strip().splitlines()[-1].startswith("python -m enginecore serve: error:")
         Server("--engine", SCRIPTED, "--bind", f"ipc://{base}").stop()  # one client: fine
+
+    def test_a_client_whose_output_socket_cannot_be_bound_is_refused_in_one_log_line(
+        self, no_leftovers: str
+    ) -> None:
+        # The client got a clear reject, but the stage logged a traceback of its own frames
+        # for a bind that failed (its directory removed while the stage ran).
+        sub = Path(no_leftovers, "sub")
+        sub.mkdir()
+        log = Path(no_leftovers, "stage.err")
+        with log.open("w") as err:
+            srv = Server(
+                "--engine", SCRIPTED, "--bind", f"ipc://{no_leftovers}/in",
+                "--output-bind", f"ipc://{sub}/out", "--max-clients", "2",
+                stderr=err,
+            )  # fmt: skip
+        try:
+            shutil.rmtree(sub)
+            with pytest.raises(ProtocolError, match="cannot open an output socket"):
+                StageClient.connect(srv.address, timeout=10)
+        finally:
+            assert srv.stop() == 0
+        text = log.read_text()
+        log.unlink()
+        assert "cannot open an output socket for a new client: " in text, text
+        assert "Traceback" not in text, text
 
 
 # -- the clients ---------------------------------------------------------------------------

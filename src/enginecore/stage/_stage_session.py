@@ -1099,7 +1099,10 @@ class MultiStageSession(StageSession):
         try:
             address = self._clients.open_session(epoch)
         except Exception as exc:
-            logger.exception("enginecore: cannot open an output socket for a new client")
+            if isinstance(exc, OSError):  # a bind that failed (StageBindError): its message says it
+                logger.error("enginecore: cannot open an output socket for a new client: %s", exc)
+            else:  # not expected: its traceback
+                logger.exception("enginecore: cannot open an output socket for a new client")
             self._reject(ident, f"the stage cannot open an output socket for this client: {exc}")
             return
         welcome = _wire.welcome_frame(address, os.getpid(), self._engine_name)
