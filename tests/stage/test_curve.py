@@ -6,6 +6,7 @@ listed client, after the attempt, and that the stage still serves that client.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -962,3 +963,35 @@ def test_bad_top_curve_arguments_are_usage_errors(args: list[str], message: str)
     result = _run("top", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "--once", *args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_peer_announcing_a_huge_frame_to_the_output_port_is_cut_off_at_once(
+    no_leftovers: str,
+) -> None:
+    """Before any handshake, a peer could announce a frame of gigabytes to the output port
+    and libzmq kept the connection (and what arrived of the frame, in memory) until the
+    handshake interval ended. The output socket takes no message from a peer: a frame over
+    64 KiB ends the connection at once."""
+    server = Server("--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*")
+    try:
+        match = re.search(r"\(output (tcp://\S+?)[,)]", server.ready_line)
+        assert match, server.ready_line
+        port = int(match.group(1).rpartition(":")[2])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as peer:
+            # ZMTP 3.0's greeting, NULL mechanism, then a command frame of 3 GiB.
+            peer.sendall(
+                b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+            )
+            greeting = b""
+            while len(greeting) < 64:
+                chunk = peer.recv(64 - len(greeting))
+                assert chunk, "the stage closed before its greeting"
+                greeting += chunk
+            peer.sendall(b"\x06" + (3 * 2**30).to_bytes(8, "big") + bytes(65536))
+            peer.settimeout(5)  # without the bound: still open here, reading the frame
+            with contextlib.suppress(ConnectionResetError):  # cut off: what is wanted
+                while peer.recv(65536):  # the stage's own READY command, then the end
+                    pass
+        assert server.proc.poll() is None
+    finally:
+        assert server.stop() == 0

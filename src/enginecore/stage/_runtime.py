@@ -78,6 +78,11 @@ DETACHED_BUFFER: Final = 1024
 
 # How long the output socket may take to deliver the last frames when the stage ends.
 _OUTPUT_LINGER_MS: Final = 1000
+# The largest frame an output socket takes from a peer: none sends it a message (a PUSH),
+# only the handshake's commands (under 1 KiB with CURVE) and heartbeats. Without a bound a
+# peer that has no key yet may announce a frame of gigabytes before its handshake, and
+# libzmq holds it in memory while it arrives (docs/security.md).
+_OUTPUT_MAX_FRAME: Final = 64 * 1024
 # How long authorize() waits for the input side to cut the peers of the keys removed.
 _SWEEP_WAIT_S: Final = 5.0
 
@@ -197,6 +202,7 @@ class StageRuntime:
             in_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             out_sock = self._ctx.socket(zmq.PUSH)
             out_sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
+            out_sock.setsockopt(zmq.MAXMSGSIZE, _OUTPUT_MAX_FRAME)
             for sock in (in_sock, out_sock):
                 # ZMTP heartbeats drop a TCP peer that vanished without closing its connection.
                 sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
@@ -371,6 +377,7 @@ class StageRuntime:
         monitor: zmq.Socket[bytes] | None = None
         try:
             sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
+            sock.setsockopt(zmq.MAXMSGSIZE, _OUTPUT_MAX_FRAME)
             sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             if self._curve is not None:
