@@ -5,6 +5,7 @@ Run through both clients (``stage_client`` / ``launch`` fixtures: ``[sync]``, ``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -153,6 +154,33 @@ class TestProcessDeath:
         with pytest.raises(EngineDeadError, match="not at this client's request") as info:
             stream.collect(timeout=5)
         assert info.value.exit_code == 0
+
+    def test_more_sigterms_during_the_teardown_keep_the_exit_code(
+        self, stage_client: StageClient
+    ) -> None:
+        # The default action came back when the loop ended: a SIGTERM landing in the
+        # teardown (kill sends several; so does a supervisor that retries) ended the stage
+        # with -15 instead of its clean exit (8 of 8 tries).
+        stream = stage_client.add("r", 1_000_000_000)
+        stream.get(5)  # the loop runs: its handler is in place
+        pid = stage_client.pid
+        assert pid is not None
+        sent = 0
+        while True:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break  # reaped: it ended
+            sent += 1
+            time.sleep(0.0005)
+            if sent > 20_000:  # 10 s
+                raise AssertionError("the stage did not stop")
+            with contextlib.suppress(EngineDeadError):
+                if stage_client.health() == "dead":
+                    break
+        with pytest.raises(EngineDeadError) as info:
+            stream.collect(timeout=10)
+        assert info.value.exit_code == 0, sent
 
     def test_dead_stage_then_close_keeps_the_dead_error(self, launch: Launch) -> None:
         client = launch(SCRIPTED)

@@ -109,8 +109,9 @@ class StageRuntime:
     endpoints are :attr:`input_address` and :attr:`output_address`. *engine_name* is sent to
     clients in the handshake; *name* (default: *engine_name*) names the stage in its
     statistics. *handle_signals* turn into a graceful shutdown while
-    :meth:`run` runs (in the main thread only); with none, ``run()`` may be called from any
-    thread.
+    :meth:`run` runs (in the main thread only), and are ignored from the loop's end on (the
+    runtime is then its process's: a second signal must not cut the teardown short); with
+    none, ``run()`` may be called from any thread.
 
     Sessions: when a client detaches (``bye``, or a new client takes its session over), the
     requests live in the stage are aborted, in order after what it sent, unless
@@ -510,6 +511,11 @@ class StageRuntime:
             with signals, self._input.signals_wake(), contextlib.suppress(BaseException):
                 self.loop.run()
         finally:
+            # The stop is under way: a later stop signal (kill and a terminal send several)
+            # must not end the teardown by the default action, -15 in place of the exit
+            # code. Ignored until the process exits: the runtime is the process's.
+            for sig in self._signals:
+                signal.signal(sig, signal.SIG_IGN)
             # Teardown, in this order:
             # 1. The output thread sends what is queued, the terminal event included (unless
             #    emit itself failed), and ends; we wait at most the flush timeout for it, and
