@@ -30,14 +30,15 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from . import _clientbase, _codec, _session
+from . import _clientbase, _codec, _session, _wire
 from ._clientbase import Target
 from ._curve import CurveKeys
-from ._errors import EngineDeadError, StageClosedError, StageStartupError
+from ._errors import AuthenticationError, EngineDeadError, StageClosedError, StageStartupError
 from ._launch import kill_and_clean_async, launch_process_async
 from ._session import ClientSession, Deliveries, End, StreamCore
 from ._statistics import LOAD_INTERVAL, StageStatistics
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
 __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 
 logger = logging.getLogger("enginecore.stage")
+
+# How long a connect that gives up lets its bye leave (it blocks the loop at most that long,
+# and only when the stage does not take it).
+_BYE_LINGER_MS = 200
 
 
 class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
@@ -414,6 +419,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         if launched is not None:
             loop.add_reader(launched.process.sentinel, on_exit)
         monitor = None
+        reply: bytes | None = None
         try:
             # A connected stage's handshake is watched through the socket monitor: a refused
             # CURVE key is otherwise silent (docs/security.md).
@@ -426,8 +432,10 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             _clientbase.stop_watching(dealer, monitor)
             monitor = None
             pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
-        except BaseException:
+        except BaseException as exc:
             _clientbase.stop_watching(dealer, monitor)
+            if dealer is not None and launched is None and _may_hold_a_session(exc, reply):
+                _give_up_session(dealer)
             _clientbase.close_sockets(ctx, dealer, pull)
             raise
         finally:
@@ -904,6 +912,30 @@ async def _until_set(event: asyncio.Event, timeout: float | None) -> bool:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(event.wait(), timeout)
     return event.is_set()
+
+
+def _may_hold_a_session(exc: BaseException, reply: bytes | None) -> bool:
+    """Whether a connect that failed with *exc* after sending its ``hello`` may hold a
+    session on the stage: the stage may have welcomed it, or holds its ``hello`` to welcome
+    it later (``docs/wire.md`` section 3), unless it rejected it or the security handshake
+    failed (then nothing reached it)."""
+    if isinstance(exc, AuthenticationError):
+        return False
+    if reply is None:  # no answer yet (a timeout, a cancellation): it may come
+        return True
+    try:
+        return not isinstance(_wire.handshake_decoder.decode(reply), _wire.RejectMsg)
+    except msgspec.DecodeError:
+        return False
+
+
+def _give_up_session(dealer: zmq.asyncio.Socket) -> None:
+    """Say ``bye`` for a connect that gives up: the stage ends the session it welcomed, or
+    drops the ``hello`` it holds, instead of keeping every other client of a one-client
+    stage out for its session timeout. Best effort, given a moment to leave the queue."""
+    with contextlib.suppress(zmq.ZMQError):
+        _codec.send_parts(zmq.Socket.shadow(dealer.underlying), _session.BYE_FRAME, zmq.NOBLOCK)
+        dealer.close(linger=_BYE_LINGER_MS)
 
 
 async def _handshake_reply(
