@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -510,6 +511,76 @@ class TestAnotherEventLoop:
                 runner.run(client.shutdown())
             finally:
                 runner.stop()
+
+
+class TestAnotherEventLoopSends:
+    @pytest.mark.timeout(60)
+    def test_an_add_or_abort_on_another_loop_raises_and_sends_nothing(
+        self, no_leftovers: str
+    ) -> None:
+        # add(), add_many() and abort() never wait, so they went out from any loop: the
+        # request ran in the stage while its stream could be read on no loop (each read
+        # raised), and nothing ever aborted it. Now they raise as the waits do, before
+        # anything is sent.
+        runner = EventLoopThread()
+        client = runner.run(AsyncStageClient.launch(SCRIPTED))
+        try:
+
+            async def elsewhere() -> None:
+                sends = [
+                    client.add("r1", 3),
+                    client.add("r2", 3, stream=False),
+                    client.add_many([("r3", 3)]),
+                    client.abort(["r1"]),
+                ]
+                for send in sends:
+                    with pytest.raises(RuntimeError, match="belongs to another event loop"):
+                        await send
+
+            asyncio.run(elsewhere())
+            assert runner.run(client.call_utility("log", timeout=10)) == []
+            stream = runner.run(client.add("r1", 2))  # its id is free
+            assert runner.run(stream.collect(timeout=30)) == [1, 0]
+        finally:
+            try:
+                runner.run(client.shutdown())
+            finally:
+                runner.stop()
+
+    @pytest.mark.timeout(60)
+    @pytest.mark.parametrize("how", ["shutdown", "close"])
+    def test_a_client_whose_loop_has_closed_can_still_be_closed(
+        self, how: str, no_leftovers: str
+    ) -> None:
+        # asyncio.run(AsyncStageClient.launch(...)) returns a client whose loop is gone (a
+        # pytest-asyncio fixture of a wider scope than the test's loop does the same). Its
+        # close() and shutdown() raised "belongs to another event loop", for ever: nothing
+        # could stop the stage or close the sockets until the garbage collector warned and
+        # the program's exit killed it. Now they close it at once, as the end of the loop
+        # does for a close under way: the stage is killed and reaped.
+        client = asyncio.run(AsyncStageClient.launch(SCRIPTED))
+        pid = client.pid
+        assert pid is not None
+
+        async def close() -> int | None:
+            if how == "close":
+                await client.close()
+                return client.exit_code
+            return await client.shutdown()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            code = asyncio.run(close())
+        assert code == -signal.SIGKILL == client.exit_code
+        assert pid_gone(pid)
+        assert client.closed
+        assert asyncio.run(client.shutdown()) == code  # idempotent
+
+        async def add() -> None:
+            await client.add("r", 1)
+
+        with pytest.raises(StageClosedError):
+            asyncio.run(add())
 
 
 class TestOneReaderPerStream:

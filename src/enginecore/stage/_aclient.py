@@ -470,6 +470,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never waits: the
         frame is queued for sending before it returns.
         """
+        self._on_its_loop()  # its stream could be read on no other loop
         parts = ClientSession.add_frame(req_id, data)
         return self._send_request(req_id, parts, stream)
 
@@ -496,6 +497,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         for a bad pair or payload, :class:`ValueError` for an id that has a live stream or
         appears twice, both before anything is sent; else as :meth:`add`. Never waits.
         """
+        self._on_its_loop()
         ids, parts = ClientSession.adds_frame(items)
         return self._send_requests(ids, parts, streams)
 
@@ -507,10 +509,12 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         client's :meth:`shutdown` with a *drain* drains the stage, the abort is still sent.
         Never waits.
         """
+        self._on_its_loop()
         self._send_abort(req_ids)
 
     def _on_its_loop(self) -> None:
-        _clientbase.check_loop(self._loop, "AsyncStageClient")
+        if not self._closed_done:  # closed: every call raises StageClosedError, on any loop
+            _clientbase.check_loop(self._loop, "AsyncStageClient")
 
     # -- utilities ---------------------------------------------------------------------------
 
@@ -644,7 +648,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         Waits; idempotent (a second call waits for the first, and returns or raises as it
         does). Cancelling the call (``asyncio.wait_for``, a task's ``cancel()``) cancels
         only the wait: the shutdown goes on in a task of its own, and a later call waits for
-        it; if the event loop ends first, the stage is killed (SIGKILL) and reaped.
+        it; if the event loop ends first, the stage is killed (SIGKILL) and reaped. Once
+        the client's loop has closed, a call on any loop closes it so at once.
         """
         _session.check_shutdown_timeout(timeout)  # a bad timeout or drain raises before
         _session.shutdown_frame(drain)  # anything is sent
@@ -670,7 +675,12 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     async def _close(
         self, *, stop_stage: bool, timeout: float, drain: float | None = None
     ) -> int | None:
-        self._on_its_loop()
+        if self._loop.is_closed():
+            # Its loop has ended (asyncio.run() returned first): nothing can await the stage
+            # there any more, and nothing else could ever close it. As at the loop's end.
+            self._kill_now(stop_stage)
+            return self.exit_code
+        _clientbase.check_loop(self._loop, "AsyncStageClient")  # its close task's loop
         if self._closing.unstarted():
             alive = self._begin_close(stop_stage, drain)
             self._closing.start(self._shut_down(alive, stop_stage, timeout, drain))
@@ -703,14 +713,17 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._release_all(alive)
         return self.exit_code
 
-    def _kill_now(self) -> None:
-        """Without the event loop: begin the close if not begun, SIGKILL a launched stage
-        and wait (blocking, briefly) for its exit, then release everything. For a close
-        that cannot be awaited any more (its loop ends). Idempotent."""
+    def _kill_now(self, stop_stage: bool | None = None) -> None:
+        """Without the event loop: begin the close if not begun (a connected stage is told
+        to stop with *stop_stage*, else detached from), SIGKILL a launched stage and wait
+        (blocking, briefly) for its exit, then release everything. For a close that cannot
+        be awaited any more (its loop ends, or has ended). Idempotent."""
         if self._closed_done:
             return
         session = self._session
-        alive = self._begin_close(self._launched is not None) if not session.closing else False
+        if stop_stage is None:
+            stop_stage = self._launched is not None
+        alive = self._begin_close(stop_stage) if not session.closing else False
         launched = self._launched
         if launched is not None:
             session.escalating()  # its end is this close's doing, not a death
