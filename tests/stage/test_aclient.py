@@ -328,6 +328,58 @@ class TestCancelledConnect:
             srv.stop()
 
 
+class TestCancelledAsItIsAnswered:
+    @pytest.mark.parametrize("wait", ["call_utility", "stats", "get", "get_event"])
+    def test_a_cancel_that_comes_with_the_answer_is_not_swallowed(self, wait: str) -> None:
+        # A wait with a timeout went through asyncio.wait_for, which (before Python 3.12)
+        # returns the result, and drops the cancellation, when the awaited answer and the
+        # cancel come in the same loop iteration: a task cancelled by a TaskGroup, or by
+        # asyncio.timeout(), went on as if nothing had happened (a consumer loop never
+        # stopped, and the TaskGroup waited for it for ever). Here the cancel is sent by
+        # the very callback that delivers the answer.
+        async def body(client: AsyncStageClient) -> None:
+            stream = await client.add("r", 1) if wait == "get" else None
+            if stream is not None:
+                await client.call_utility("pace", 0.2)  # r's output comes after a wait
+            waits: dict[str, Callable[[], Awaitable[Any]]] = {
+                "call_utility": lambda: client.call_utility("sleep", 0.2, timeout=30),
+                "stats": lambda: client.stats(timeout=30),
+                "get": lambda: stream.get(timeout=30),  # type: ignore[union-attr]
+                "get_event": lambda: client.get_event(timeout=30),
+            }
+            task = asyncio.ensure_future(waits[wait]())
+            if wait == "get_event":  # the answer is the event it gets
+                answer = asyncio.ensure_future(client.call_utility("sleep", 0.2))
+            await asyncio.sleep(0)  # it waits now
+            session = client._session
+
+            def answered() -> bool:
+                if stream is not None:
+                    return bool(stream._buf)
+                if wait == "get_event":
+                    return bool(session.events)
+                return not session._calls
+
+            def cancel_as_answered() -> None:  # called right after a frame's deliveries
+                if answered():
+                    task.cancel()
+
+            client._event_sink = cancel_as_answered
+            try:
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                client._event_sink = None
+            if stream is not None:
+                await client.call_utility("pace", 0)
+                assert await stream.collect(timeout=30) == [0]  # the output stayed there
+            if wait == "get_event":
+                await answer
+                assert (await client.get_event(timeout=30)).result is None  # type: ignore[union-attr]
+
+        run_with_stage(body, ordered_events=True)
+
+
 class TestClosingTask:
     """The close that the asyncio client, pool and pipeline share, without sockets."""
 

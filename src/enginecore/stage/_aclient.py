@@ -909,14 +909,35 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
 
 async def _until(future: asyncio.Future[Any], deadline: float | None) -> bool:
     """Wait for *future* until *deadline* (a ``time.monotonic()`` reading; ``None``: no
-    limit); whether it is done. On timeout it is cancelled; its exception is raised."""
-    try:
-        if deadline is None:
-            await future
-        else:
-            await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
-        return False
+    limit); whether it is done. On timeout it is cancelled; its exception is raised.
+
+    Not :func:`asyncio.wait_for`: before Python 3.12 it returns the result, and drops the
+    cancellation, when *future* completes in the loop iteration where the waiting task is
+    cancelled (a TaskGroup's task, ``asyncio.timeout()``), so the task went on. Here the
+    task waits on a future of its own, which the answer or the timer completes; a cancel
+    always propagates (a call's answer is then dropped, a stream's output stays buffered)."""
+    if deadline is None:
+        await future
+        return True
+    if not future.done():
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def release(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        timer = loop.call_later(max(0.0, deadline - time.monotonic()), release)
+        future.add_done_callback(release)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            future.remove_done_callback(release)
+        if not future.done():
+            future.cancel()
+            return False
+    future.result()  # its exception, if it has one
     return True
 
 
