@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 import warnings
 import weakref
@@ -52,9 +53,9 @@ __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 
 logger = logging.getLogger("enginecore.stage")
 
-# How long a connect that gives up lets its bye leave (it blocks the loop at most that long,
-# and only when the stage does not take it).
-_BYE_LINGER_MS = 200
+# How long a connect that gives up lets its bye leave (only a stage that does not take it
+# makes the context's term() wait that long).
+_BYE_LINGER_MS = 500
 
 
 class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
@@ -435,8 +436,9 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         except BaseException as exc:
             _clientbase.stop_watching(dealer, monitor)
             if dealer is not None and launched is None and _may_hold_a_session(exc, reply):
-                _give_up_session(dealer)
-            _clientbase.close_sockets(ctx, dealer, pull)
+                _give_up_session(ctx, dealer, pull)
+            else:
+                _clientbase.close_sockets(ctx, dealer, pull)
             raise
         finally:
             if launched is not None:
@@ -963,13 +965,20 @@ def _may_hold_a_session(exc: BaseException, reply: bytes | None) -> bool:
         return False
 
 
-def _give_up_session(dealer: zmq.asyncio.Socket) -> None:
-    """Say ``bye`` for a connect that gives up: the stage ends the session it welcomed, or
-    drops the ``hello`` it holds, instead of keeping every other client of a one-client
-    stage out for its session timeout. Best effort, given a moment to leave the queue."""
+def _give_up_session(
+    ctx: zmq.asyncio.Context, dealer: zmq.asyncio.Socket, pull: zmq.asyncio.Socket | None
+) -> None:
+    """Say ``bye`` for a connect that gives up, and close its sockets: the stage ends the
+    session it welcomed, or drops the ``hello`` it holds, instead of keeping every other
+    client of a one-client stage out for its session timeout. Best effort: the bye gets
+    :data:`_BYE_LINGER_MS` to leave, waited for by a short-lived thread (the context's
+    ``term()``), not by the event loop (a stage that is unreachable never takes it)."""
     with contextlib.suppress(zmq.ZMQError):
         _codec.send_parts(zmq.Socket.shadow(dealer.underlying), _session.BYE_FRAME, zmq.NOBLOCK)
-        dealer.close(linger=_BYE_LINGER_MS)
+    dealer.close(linger=_BYE_LINGER_MS)
+    if pull is not None:
+        pull.close(linger=0)
+    threading.Thread(target=ctx.term, name="enginecore-bye", daemon=True).start()
 
 
 async def _handshake_reply(
