@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,7 +23,8 @@ import pytest
 
 from enginecore.stage import AsyncStageClient, StageClosedError, _clientbase
 
-from .conftest import SCRIPTED, EventLoopThread, child_pids, pid_gone, wait_until
+from .conftest import SCRIPTED, EventLoopThread, Server, child_pids, pid_gone, wait_until
+from .raw import RawClient
 
 SLEEPING = "enginecore.stage.testing:sleeping_factory"
 DEVICE = "enginecore.stage.testing:device"
@@ -289,6 +291,95 @@ class TestCancellation:
         run_with_stage(body, ordered_events=True)
 
 
+class TestCancelledConnect:
+    def test_a_connect_given_up_while_its_hello_is_held_leaves_no_session(
+        self, no_leftovers: str
+    ) -> None:
+        # A one-client stage holds a hello while the previous client's PULL is connected.
+        # The connect that sent it was cancelled (asyncio.timeout, wait_for, a TaskGroup)
+        # and closed its sockets without a word: the stage welcomed the held hello once
+        # that PULL went, and the ghost session kept every other client out ("another
+        # client is attached") for the session timeout. Now it says bye as it gives up.
+        srv = Server("--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--session-timeout", "1")
+        try:
+            with RawClient(srv.address) as silent:
+                assert silent.hello()[0] == "welcome"
+                time.sleep(1.2)  # silent past the session timeout, its PULL still connected
+
+                async def give_up() -> None:
+                    connecting = asyncio.ensure_future(
+                        AsyncStageClient.connect(srv.address, timeout=30)
+                    )
+                    await asyncio.sleep(0.3)  # its hello is held (for up to 5 s)
+                    assert not connecting.done()
+                    connecting.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await connecting
+
+                asyncio.run(give_up())
+            # The silent client's PULL is gone: a held hello would be welcomed now.
+
+            async def attach() -> None:
+                async with await AsyncStageClient.connect(srv.address, timeout=10) as c:
+                    assert await c.call_utility("echo", 1, timeout=10) == [1]
+
+            asyncio.run(attach())
+        finally:
+            srv.stop()
+
+
+class TestCancelledAsItIsAnswered:
+    @pytest.mark.parametrize("wait", ["call_utility", "stats", "get", "get_event"])
+    def test_a_cancel_that_comes_with_the_answer_is_not_swallowed(self, wait: str) -> None:
+        # A wait with a timeout went through asyncio.wait_for, which (before Python 3.12)
+        # returns the result, and drops the cancellation, when the awaited answer and the
+        # cancel come in the same loop iteration: a task cancelled by a TaskGroup, or by
+        # asyncio.timeout(), went on as if nothing had happened (a consumer loop never
+        # stopped, and the TaskGroup waited for it for ever). Here the cancel is sent by
+        # the very callback that delivers the answer.
+        async def body(client: AsyncStageClient) -> None:
+            stream = await client.add("r", 1) if wait == "get" else None
+            if stream is not None:
+                await client.call_utility("pace", 0.2)  # r's output comes after a wait
+            waits: dict[str, Callable[[], Awaitable[Any]]] = {
+                "call_utility": lambda: client.call_utility("sleep", 0.2, timeout=30),
+                "stats": lambda: client.stats(timeout=30),
+                "get": lambda: stream.get(timeout=30),  # type: ignore[union-attr]
+                "get_event": lambda: client.get_event(timeout=30),
+            }
+            task = asyncio.ensure_future(waits[wait]())
+            if wait == "get_event":  # the answer is the event it gets
+                answer = asyncio.ensure_future(client.call_utility("sleep", 0.2))
+            await asyncio.sleep(0)  # it waits now
+            session = client._session
+
+            def answered() -> bool:
+                if stream is not None:
+                    return bool(stream._buf)
+                if wait == "get_event":
+                    return bool(session.events)
+                return not session._calls
+
+            def cancel_as_answered() -> None:  # called right after a frame's deliveries
+                if answered():
+                    task.cancel()
+
+            client._event_sink = cancel_as_answered
+            try:
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                client._event_sink = None
+            if stream is not None:
+                await client.call_utility("pace", 0)
+                assert await stream.collect(timeout=30) == [0]  # the output stayed there
+            if wait == "get_event":
+                await answer
+                assert (await client.get_event(timeout=30)).result is None  # type: ignore[union-attr]
+
+        run_with_stage(body, ordered_events=True)
+
+
 class TestClosingTask:
     """The close that the asyncio client, pool and pipeline share, without sockets."""
 
@@ -472,6 +563,76 @@ class TestAnotherEventLoop:
                 runner.run(client.shutdown())
             finally:
                 runner.stop()
+
+
+class TestAnotherEventLoopSends:
+    @pytest.mark.timeout(60)
+    def test_an_add_or_abort_on_another_loop_raises_and_sends_nothing(
+        self, no_leftovers: str
+    ) -> None:
+        # add(), add_many() and abort() never wait, so they went out from any loop: the
+        # request ran in the stage while its stream could be read on no loop (each read
+        # raised), and nothing ever aborted it. Now they raise as the waits do, before
+        # anything is sent.
+        runner = EventLoopThread()
+        client = runner.run(AsyncStageClient.launch(SCRIPTED))
+        try:
+
+            async def elsewhere() -> None:
+                sends = [
+                    client.add("r1", 3),
+                    client.add("r2", 3, stream=False),
+                    client.add_many([("r3", 3)]),
+                    client.abort(["r1"]),
+                ]
+                for send in sends:
+                    with pytest.raises(RuntimeError, match="belongs to another event loop"):
+                        await send
+
+            asyncio.run(elsewhere())
+            assert runner.run(client.call_utility("log", timeout=10)) == []
+            stream = runner.run(client.add("r1", 2))  # its id is free
+            assert runner.run(stream.collect(timeout=30)) == [1, 0]
+        finally:
+            try:
+                runner.run(client.shutdown())
+            finally:
+                runner.stop()
+
+    @pytest.mark.timeout(60)
+    @pytest.mark.parametrize("how", ["shutdown", "close"])
+    def test_a_client_whose_loop_has_closed_can_still_be_closed(
+        self, how: str, no_leftovers: str
+    ) -> None:
+        # asyncio.run(AsyncStageClient.launch(...)) returns a client whose loop is gone (a
+        # pytest-asyncio fixture of a wider scope than the test's loop does the same). Its
+        # close() and shutdown() raised "belongs to another event loop", for ever: nothing
+        # could stop the stage or close the sockets until the garbage collector warned and
+        # the program's exit killed it. Now they close it at once, as the end of the loop
+        # does for a close under way: the stage is killed and reaped.
+        client = asyncio.run(AsyncStageClient.launch(SCRIPTED))
+        pid = client.pid
+        assert pid is not None
+
+        async def close() -> int | None:
+            if how == "close":
+                await client.close()
+                return client.exit_code
+            return await client.shutdown()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            code = asyncio.run(close())
+        assert code == -signal.SIGKILL == client.exit_code
+        assert pid_gone(pid)
+        assert client.closed
+        assert asyncio.run(client.shutdown()) == code  # idempotent
+
+        async def add() -> None:
+            await client.add("r", 1)
+
+        with pytest.raises(StageClosedError):
+            asyncio.run(add())
 
 
 class TestOneReaderPerStream:

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 import warnings
 import weakref
@@ -30,14 +31,15 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from . import _clientbase, _codec, _session
+from . import _clientbase, _codec, _session, _wire
 from ._clientbase import Target
 from ._curve import CurveKeys
-from ._errors import EngineDeadError, StageClosedError, StageStartupError
+from ._errors import AuthenticationError, EngineDeadError, StageClosedError, StageStartupError
 from ._launch import kill_and_clean_async, launch_process_async
 from ._session import ClientSession, Deliveries, End, StreamCore
 from ._statistics import LOAD_INTERVAL, StageStatistics
@@ -52,6 +54,10 @@ if TYPE_CHECKING:
 __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 
 logger = logging.getLogger("enginecore.stage")
+
+# How long a connect that gives up lets its bye leave (only a stage that does not take it
+# makes the context's term() wait that long).
+_BYE_LINGER_MS = 500
 
 
 class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
@@ -419,6 +425,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         if launched is not None:
             loop.add_reader(launched.process.sentinel, on_exit)
         monitor = None
+        reply: bytes | None = None
         try:
             # A connected stage's handshake is watched through the socket monitor: a refused
             # CURVE key is otherwise silent (docs/security.md).
@@ -431,9 +438,12 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             _clientbase.stop_watching(dealer, monitor)
             monitor = None
             pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
-        except BaseException:
+        except BaseException as exc:
             _clientbase.stop_watching(dealer, monitor)
-            _clientbase.close_sockets(ctx, dealer, pull)
+            if dealer is not None and launched is None and _may_hold_a_session(exc, reply):
+                _give_up_session(ctx, dealer, pull)
+            else:
+                _clientbase.close_sockets(ctx, dealer, pull)
             raise
         finally:
             if launched is not None:
@@ -467,6 +477,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never waits: the
         frame is queued for sending before it returns.
         """
+        self._on_its_loop()  # its stream could be read on no other loop
         parts = ClientSession.add_frame(req_id, data)
         return self._send_request(req_id, parts, stream)
 
@@ -493,6 +504,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         for a bad pair or payload, :class:`ValueError` for an id that has a live stream or
         appears twice, both before anything is sent; else as :meth:`add`. Never waits.
         """
+        self._on_its_loop()
         ids, parts = ClientSession.adds_frame(items)
         return self._send_requests(ids, parts, streams)
 
@@ -504,10 +516,12 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         client's :meth:`shutdown` with a *drain* drains the stage, the abort is still sent.
         Never waits.
         """
+        self._on_its_loop()
         self._send_abort(req_ids)
 
     def _on_its_loop(self) -> None:
-        _clientbase.check_loop(self._loop, "AsyncStageClient")
+        if not self._closed_done:  # closed: every call raises StageClosedError, on any loop
+            _clientbase.check_loop(self._loop, "AsyncStageClient")
 
     # -- utilities ---------------------------------------------------------------------------
 
@@ -641,7 +655,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         Waits; idempotent (a second call waits for the first, and returns or raises as it
         does). Cancelling the call (``asyncio.wait_for``, a task's ``cancel()``) cancels
         only the wait: the shutdown goes on in a task of its own, and a later call waits for
-        it; if the event loop ends first, the stage is killed (SIGKILL) and reaped.
+        it; if the event loop ends first, the stage is killed (SIGKILL) and reaped. Once
+        the client's loop has closed, a call on any loop closes it so at once.
         """
         _session.check_shutdown_timeout(timeout)  # a bad timeout or drain raises before
         _session.shutdown_frame(drain)  # anything is sent
@@ -667,7 +682,12 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     async def _close(
         self, *, stop_stage: bool, timeout: float, drain: float | None = None
     ) -> int | None:
-        self._on_its_loop()
+        if self._loop.is_closed():
+            # Its loop has ended (asyncio.run() returned first): nothing can await the stage
+            # there any more, and nothing else could ever close it. As at the loop's end.
+            self._kill_now(stop_stage)
+            return self.exit_code
+        _clientbase.check_loop(self._loop, "AsyncStageClient")  # its close task's loop
         if self._closing.unstarted():
             alive = self._begin_close(stop_stage, drain)
             self._closing.start(self._shut_down(alive, stop_stage, timeout, drain))
@@ -700,14 +720,17 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         self._release_all(alive)
         return self.exit_code
 
-    def _kill_now(self) -> None:
-        """Without the event loop: begin the close if not begun, SIGKILL a launched stage
-        and wait (blocking, briefly) for its exit, then release everything. For a close
-        that cannot be awaited any more (its loop ends). Idempotent."""
+    def _kill_now(self, stop_stage: bool | None = None) -> None:
+        """Without the event loop: begin the close if not begun (a connected stage is told
+        to stop with *stop_stage*, else detached from), SIGKILL a launched stage and wait
+        (blocking, briefly) for its exit, then release everything. For a close that cannot
+        be awaited any more (its loop ends, or has ended). Idempotent."""
         if self._closed_done:
             return
         session = self._session
-        alive = self._begin_close(self._launched is not None) if not session.closing else False
+        if stop_stage is None:
+            stop_stage = self._launched is not None
+        alive = self._begin_close(stop_stage) if not session.closing else False
         launched = self._launched
         if launched is not None:
             session.escalating()  # its end is this close's doing, not a death
@@ -893,14 +916,35 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
 
 async def _until(future: asyncio.Future[Any], deadline: float | None) -> bool:
     """Wait for *future* until *deadline* (a ``time.monotonic()`` reading; ``None``: no
-    limit); whether it is done. On timeout it is cancelled; its exception is raised."""
-    try:
-        if deadline is None:
-            await future
-        else:
-            await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
-        return False
+    limit); whether it is done. On timeout it is cancelled; its exception is raised.
+
+    Not :func:`asyncio.wait_for`: before Python 3.12 it returns the result, and drops the
+    cancellation, when *future* completes in the loop iteration where the waiting task is
+    cancelled (a TaskGroup's task, ``asyncio.timeout()``), so the task went on. Here the
+    task waits on a future of its own, which the answer or the timer completes; a cancel
+    always propagates (a call's answer is then dropped, a stream's output stays buffered)."""
+    if deadline is None:
+        await future
+        return True
+    if not future.done():
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def release(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        timer = loop.call_later(max(0.0, deadline - time.monotonic()), release)
+        future.add_done_callback(release)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            future.remove_done_callback(release)
+        if not future.done():
+            future.cancel()
+            return False
+    future.result()  # its exception, if it has one
     return True
 
 
@@ -909,6 +953,37 @@ async def _until_set(event: asyncio.Event, timeout: float | None) -> bool:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(event.wait(), timeout)
     return event.is_set()
+
+
+def _may_hold_a_session(exc: BaseException, reply: bytes | None) -> bool:
+    """Whether a connect that failed with *exc* after sending its ``hello`` may hold a
+    session on the stage: the stage may have welcomed it, or holds its ``hello`` to welcome
+    it later (``docs/wire.md`` section 3), unless it rejected it or the security handshake
+    failed (then nothing reached it)."""
+    if isinstance(exc, AuthenticationError):
+        return False
+    if reply is None:  # no answer yet (a timeout, a cancellation): it may come
+        return True
+    try:
+        return not isinstance(_wire.handshake_decoder.decode(reply), _wire.RejectMsg)
+    except msgspec.DecodeError:
+        return False
+
+
+def _give_up_session(
+    ctx: zmq.asyncio.Context, dealer: zmq.asyncio.Socket, pull: zmq.asyncio.Socket | None
+) -> None:
+    """Say ``bye`` for a connect that gives up, and close its sockets: the stage ends the
+    session it welcomed, or drops the ``hello`` it holds, instead of keeping every other
+    client of a one-client stage out for its session timeout. Best effort: the bye gets
+    :data:`_BYE_LINGER_MS` to leave, waited for by a short-lived thread (the context's
+    ``term()``), not by the event loop (a stage that is unreachable never takes it)."""
+    with contextlib.suppress(zmq.ZMQError):
+        _codec.send_parts(zmq.Socket.shadow(dealer.underlying), _session.BYE_FRAME, zmq.NOBLOCK)
+    dealer.close(linger=_BYE_LINGER_MS)
+    if pull is not None:
+        pull.close(linger=0)
+    threading.Thread(target=ctx.term, name="enginecore-bye", daemon=True).start()
 
 
 async def _handshake_reply(
