@@ -23,8 +23,7 @@ import pytest
 
 from enginecore.stage import AsyncStageClient, StageClosedError, _clientbase
 
-from .conftest import SCRIPTED, EventLoopThread, Server, child_pids, pid_gone, wait_until
-from .raw import RawClient
+from .conftest import SCRIPTED, EventLoopThread, child_pids, pid_gone, wait_until
 
 SLEEPING = "enginecore.stage.testing:sleeping_factory"
 DEVICE = "enginecore.stage.testing:device"
@@ -289,43 +288,6 @@ class TestCancellation:
             assert (await client.get_events(5))[0].result == [1]  # type: ignore[union-attr]
 
         run_with_stage(body, ordered_events=True)
-
-
-class TestCancelledConnect:
-    def test_a_connect_given_up_while_its_hello_is_held_leaves_no_session(
-        self, no_leftovers: str
-    ) -> None:
-        # A one-client stage holds a hello while the previous client's PULL is connected.
-        # The connect that sent it was cancelled (asyncio.timeout, wait_for, a TaskGroup)
-        # and closed its sockets without a word: the stage welcomed the held hello once
-        # that PULL went, and the ghost session kept every other client out ("another
-        # client is attached") for the session timeout. Now it says bye as it gives up.
-        srv = Server("--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--session-timeout", "1")
-        try:
-            with RawClient(srv.address) as silent:
-                assert silent.hello()[0] == "welcome"
-                time.sleep(1.2)  # silent past the session timeout, its PULL still connected
-
-                async def give_up() -> None:
-                    connecting = asyncio.ensure_future(
-                        AsyncStageClient.connect(srv.address, timeout=30)
-                    )
-                    await asyncio.sleep(0.3)  # its hello is held (for up to 5 s)
-                    assert not connecting.done()
-                    connecting.cancel()
-                    with pytest.raises(asyncio.CancelledError):
-                        await connecting
-
-                asyncio.run(give_up())
-            # The silent client's PULL is gone: a held hello would be welcomed now.
-
-            async def attach() -> None:
-                async with await AsyncStageClient.connect(srv.address, timeout=10) as c:
-                    assert await c.call_utility("echo", 1, timeout=10) == [1]
-
-            asyncio.run(attach())
-        finally:
-            srv.stop()
 
 
 class TestCancelledAsItIsAnswered:

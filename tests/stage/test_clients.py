@@ -7,6 +7,7 @@ The death matrix is in ``test_death.py`` (same fixture); what only one client ca
 
 from __future__ import annotations
 
+import asyncio
 import math
 import signal
 import time
@@ -18,6 +19,7 @@ import pytest
 
 from enginecore.stage import (
     Aborted,
+    AsyncStageClient,
     EngineDeadError,
     ErrorReport,
     Outputs,
@@ -31,7 +33,8 @@ from enginecore.stage import (
     UtilityResult,
 )
 
-from .conftest import COUNTDOWN, ECHO, Connect, Launch, Server
+from .conftest import COUNTDOWN, ECHO, SCRIPTED, Connect, Launch, Server
+from .raw import RawClient
 
 
 def outputs_of(events: Iterable[object]) -> list[tuple[str | None, bool, Any]]:
@@ -837,6 +840,47 @@ def test_a_bad_address_or_timeout_is_refused_before_connecting(
 ) -> None:
     with pytest.raises(error, match=message):
         connect(address, timeout=timeout)
+
+
+@pytest.mark.parametrize("how", ["sync-timeout", "async-timeout", "async-cancel"])
+def test_a_connect_given_up_while_its_hello_is_held_leaves_no_session(
+    no_leftovers: str, how: str
+) -> None:
+    """A one-client stage holds a hello while the previous client's PULL is connected. The
+    connect that sent it gave up (its timeout; a cancel: asyncio.timeout, a TaskGroup) and
+    closed its sockets without a word: the stage welcomed the held hello once that PULL
+    went, and the ghost session kept every other client out ("another client is attached")
+    for the session timeout. Now it says bye as it gives up."""
+    srv = Server("--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--session-timeout", "1")
+    try:
+        with RawClient(srv.address) as silent:
+            assert silent.hello()[0] == "welcome"
+            time.sleep(1.2)  # silent past the session timeout, its PULL still connected
+            if how == "sync-timeout":
+                with pytest.raises(TimeoutError):
+                    StageClient.connect(srv.address, timeout=0.5)  # held for up to 5 s
+            else:
+
+                async def give_up() -> None:
+                    if how == "async-timeout":
+                        with pytest.raises(TimeoutError):
+                            await AsyncStageClient.connect(srv.address, timeout=0.5)
+                        return
+                    connecting = asyncio.ensure_future(
+                        AsyncStageClient.connect(srv.address, timeout=30)
+                    )
+                    await asyncio.sleep(0.3)  # its hello is held (for up to 5 s)
+                    assert not connecting.done()
+                    connecting.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await connecting
+
+                asyncio.run(give_up())
+        # The silent client's PULL is gone: a held hello would be welcomed now.
+        with StageClient.connect(srv.address, timeout=10) as client:
+            assert client.call_utility("echo", 1, timeout=10) == [1]
+    finally:
+        srv.stop()
 
 
 class TestConnectedStage:

@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 import signal
-import threading
 import time
 import warnings
 import weakref
@@ -31,15 +30,14 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from . import _clientbase, _codec, _session, _wire
+from . import _clientbase, _codec, _session
 from ._clientbase import Target
 from ._curve import CurveKeys
-from ._errors import AuthenticationError, EngineDeadError, StageClosedError, StageStartupError
+from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import kill_and_clean_async, launch_process_async
 from ._session import ClientSession, Deliveries, End, StreamCore
 from ._statistics import LOAD_INTERVAL, StageStatistics
@@ -54,10 +52,6 @@ if TYPE_CHECKING:
 __all__ = ["AsyncRequestStream", "AsyncStageClient"]
 
 logger = logging.getLogger("enginecore.stage")
-
-# How long a connect that gives up lets its bye leave (only a stage that does not take it
-# makes the context's term() wait that long).
-_BYE_LINGER_MS = 500
 
 
 class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
@@ -440,8 +434,12 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
         except BaseException as exc:
             _clientbase.stop_watching(dealer, monitor)
-            if dealer is not None and launched is None and _may_hold_a_session(exc, reply):
-                _give_up_session(ctx, dealer, pull)
+            if (
+                dealer is not None
+                and launched is None
+                and _clientbase.may_hold_a_session(exc, reply)
+            ):
+                _clientbase.give_up_session(ctx, dealer, pull)
             else:
                 _clientbase.close_sockets(ctx, dealer, pull)
             raise
@@ -953,37 +951,6 @@ async def _until_set(event: asyncio.Event, timeout: float | None) -> bool:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(event.wait(), timeout)
     return event.is_set()
-
-
-def _may_hold_a_session(exc: BaseException, reply: bytes | None) -> bool:
-    """Whether a connect that failed with *exc* after sending its ``hello`` may hold a
-    session on the stage: the stage may have welcomed it, or holds its ``hello`` to welcome
-    it later (``docs/wire.md`` section 3), unless it rejected it or the security handshake
-    failed (then nothing reached it)."""
-    if isinstance(exc, AuthenticationError):
-        return False
-    if reply is None:  # no answer yet (a timeout, a cancellation): it may come
-        return True
-    try:
-        return not isinstance(_wire.handshake_decoder.decode(reply), _wire.RejectMsg)
-    except msgspec.DecodeError:
-        return False
-
-
-def _give_up_session(
-    ctx: zmq.asyncio.Context, dealer: zmq.asyncio.Socket, pull: zmq.asyncio.Socket | None
-) -> None:
-    """Say ``bye`` for a connect that gives up, and close its sockets: the stage ends the
-    session it welcomed, or drops the ``hello`` it holds, instead of keeping every other
-    client of a one-client stage out for its session timeout. Best effort: the bye gets
-    :data:`_BYE_LINGER_MS` to leave, waited for by a short-lived thread (the context's
-    ``term()``), not by the event loop (a stage that is unreachable never takes it)."""
-    with contextlib.suppress(zmq.ZMQError):
-        _codec.send_parts(zmq.Socket.shadow(dealer.underlying), _session.BYE_FRAME, zmq.NOBLOCK)
-    dealer.close(linger=_BYE_LINGER_MS)
-    if pull is not None:
-        pull.close(linger=0)
-    threading.Thread(target=ctx.term, name="enginecore-bye", daemon=True).start()
 
 
 async def _handshake_reply(

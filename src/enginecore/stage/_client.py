@@ -524,6 +524,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         address, timeout, launched = target.address, target.timeout, target.launched
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         dealer = pull = monitor = None
+        reply: bytes | None = None
         try:
             # A connected stage's handshake is watched through the socket monitor: a refused
             # CURVE key is otherwise silent (docs/security.md).
@@ -562,13 +563,24 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                     raise StageClosedError(
                         f"the connection to the stage at {address} was cancelled"
                     )
-            welcome = _session.parse_welcome(dealer.recv(), address)
+            reply = dealer.recv()
+            welcome = _session.parse_welcome(reply, address)
             _clientbase.stop_watching(dealer, monitor)
             monitor = None
             pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
-        except BaseException:
+        except BaseException as exc:
             _clientbase.stop_watching(dealer, monitor)
-            _clientbase.close_sockets(ctx, dealer, pull)
+            if (
+                dealer is not None
+                and launched is None
+                and _clientbase.may_hold_a_session(exc, reply)
+            ):
+                # A timeout, a cancel or a bad welcome: the stage may hold this hello to
+                # welcome it later, or have welcomed it. Say bye, or the session would keep
+                # every other client of a one-client stage out for its session timeout.
+                _clientbase.give_up_session(ctx, dealer, pull)
+            else:
+                _clientbase.close_sockets(ctx, dealer, pull)
             raise
         return cls(target, welcome, ctx, dealer, pull, lock=lock, hub=hub)
 

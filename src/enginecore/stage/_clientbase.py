@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
+import msgspec
 import zmq
 
-from . import _session
+from . import _codec, _session, _wire
 from ._address import check_address
 from ._curve import HANDSHAKE_EVENTS, CurveKeys, HandshakeWatch, secure_client
-from ._errors import StageClosedError, StageStartupError, positive_seconds
+from ._errors import AuthenticationError, StageClosedError, StageStartupError, positive_seconds
 from ._launch import Launched
 from ._session import ClientSession, Deliveries, Parts, StageHealth, StreamCore, output_address_for
 from ._statistics import StageLoad
@@ -492,6 +493,43 @@ def pull_for(
         secure_client(pull, curve)
     pull.connect(output)
     return pull
+
+
+# How long a connect that gives up lets its bye leave (only a stage that does not take it
+# makes the context's term() wait that long).
+BYE_LINGER_MS = 500
+
+
+def may_hold_a_session(exc: BaseException, reply: bytes | None) -> bool:
+    """Whether a connect that failed with *exc* after sending its ``hello`` may hold a
+    session on the stage: the stage may have welcomed it, or holds its ``hello`` to welcome
+    it later (``docs/wire.md`` section 3), unless it rejected it or the security handshake
+    failed (then nothing reached it)."""
+    if isinstance(exc, AuthenticationError):
+        return False
+    if reply is None:  # no answer yet (a timeout, a cancellation): it may come
+        return True
+    try:
+        return not isinstance(_wire.handshake_decoder.decode(reply), _wire.RejectMsg)
+    except msgspec.DecodeError:
+        return False
+
+
+def give_up_session(
+    ctx: zmq.Context[Any], dealer: zmq.Socket[Any], pull: zmq.Socket[Any] | None
+) -> None:
+    """Say ``bye`` for a connect that gives up (either client's; a socket of
+    ``zmq.asyncio`` too), and close its sockets: the stage ends the session it welcomed, or
+    drops the ``hello`` it holds, instead of keeping every other client of a one-client
+    stage out for its session timeout. Best effort: the bye gets :data:`BYE_LINGER_MS` to
+    leave, waited for by a short-lived thread (the context's ``term()``), not by the caller
+    (a stage that is unreachable never takes it)."""
+    with contextlib.suppress(zmq.ZMQError):
+        _codec.send_parts(zmq.Socket.shadow(dealer.underlying), _session.BYE_FRAME, zmq.NOBLOCK)
+    dealer.close(linger=BYE_LINGER_MS)
+    if pull is not None:
+        pull.close(linger=0)
+    threading.Thread(target=ctx.term, name="enginecore-bye", daemon=True).start()
 
 
 def close_sockets(ctx: zmq.Context[Any], *socks: zmq.Socket[Any] | None) -> None:
