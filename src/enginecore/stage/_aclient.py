@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from . import _clientbase, _codec, _session
+from . import _aio, _clientbase, _codec, _session
 from ._clientbase import Target
 from ._curve import CurveKeys
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
@@ -138,7 +138,7 @@ class AsyncRequestStream(StreamCore, AsyncIterator[Any]):
         while not self._take(wait=True):
             self._wakeup = wakeup = loop.create_future()
             try:
-                if not await _until(wakeup, deadline):
+                if not await _aio.until(wakeup, deadline):
                     return self._take(wait=False)
             finally:
                 self._wakeup = None
@@ -556,7 +556,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         future: asyncio.Future[Any] = self._loop.create_future()
         call_id = self._start_call(name, args, future, stats=stats)
         try:
-            if not await _until(future, _clientbase.deadline_after(timeout)):
+            if not await _aio.until(future, _clientbase.deadline_after(timeout)):
                 what = "stats" if stats else f"utility {name!r:.200}"
                 raise TimeoutError(f"{what} did not answer within {timeout} s")
             return future.result()
@@ -611,7 +611,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             self._event_waiters.append(wakeup)
             session.wait_for_events()
             try:
-                if not await _until(wakeup, deadline) and not buf:
+                if not await _aio.until(wakeup, deadline) and not buf:
                     raise TimeoutError(f"no stage event within {timeout} s")
             finally:
                 with contextlib.suppress(ValueError):  # gone if _apply woke it
@@ -701,15 +701,16 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                 timeout += drain
             if launched is not None:
                 presumed = self._session.presumed_dead
-                if not await _until_set(self._exited, _clientbase.exit_wait(presumed, timeout)):
+                waited = _clientbase.exit_wait(presumed, timeout)
+                if not await _aio.wait_event(self._exited, waited):
                     self._session.escalating()
                     for sig, wait in _clientbase.escalate(self._session.pid, presumed):
                         launched.send_signal(sig)
-                        if await _until_set(self._exited, wait):
+                        if await _aio.wait_event(self._exited, wait):
                             break
-                await _until_set(self._over, _session.EXIT_READ_MAX_S)  # its last frames
+                await _aio.wait_event(self._over, _session.EXIT_READ_MAX_S)  # its last frames
             elif stop_stage and alive:
-                await _until_set(self._over, timeout)
+                await _aio.wait_event(self._over, timeout)
         except BaseException:
             # The loop's end cancels this task (asyncio.run cancels the tasks left), or a
             # wait failed: no one will wait for the stage any more, so it is killed now.
@@ -910,47 +911,6 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         if d is not None:
             self._apply(d)
         self._run_timers()  # the grace period for the frames still in flight
-
-
-async def _until(future: asyncio.Future[Any], deadline: float | None) -> bool:
-    """Wait for *future* until *deadline* (a ``time.monotonic()`` reading; ``None``: no
-    limit); whether it is done. On timeout it is cancelled; its exception is raised.
-
-    Not :func:`asyncio.wait_for`: before Python 3.12 it returns the result, and drops the
-    cancellation, when *future* completes in the loop iteration where the waiting task is
-    cancelled (a TaskGroup's task, ``asyncio.timeout()``), so the task went on. Here the
-    task waits on a future of its own, which the answer or the timer completes; a cancel
-    always propagates (a call's answer is then dropped, a stream's output stays buffered)."""
-    if deadline is None:
-        await future
-        return True
-    if not future.done():
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
-
-        def release(_: object = None) -> None:
-            if not waiter.done():
-                waiter.set_result(None)
-
-        timer = loop.call_later(max(0.0, deadline - time.monotonic()), release)
-        future.add_done_callback(release)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            future.remove_done_callback(release)
-        if not future.done():
-            future.cancel()
-            return False
-    future.result()  # its exception, if it has one
-    return True
-
-
-async def _until_set(event: asyncio.Event, timeout: float | None) -> bool:
-    """Wait for *event* at most *timeout* seconds (``None``: no limit); whether it is set."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout)
-    return event.is_set()
 
 
 async def _handshake_reply(

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import _clientbase
+from . import _aio, _clientbase
 from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._edge import LINKS_UTILITY
 from ._errors import StageStartupError
@@ -319,9 +319,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             with contextlib.suppress(Exception):
                 await self._replicas[k][r].shutdown(1.0)  # dead: reap it, close its sockets
             while delay is not None:
-                with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not the builtin
-                    await asyncio.wait_for(self._stopping.wait(), delay)
-                if self._stopping.is_set():
+                if await _aio.wait_event(self._stopping, delay):
                     return
                 async with self._restart_lock:
                     generation = self._restarting(k, r)
@@ -427,8 +425,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._unlinkable(k, r)
-                with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not the builtin
-                    await asyncio.wait_for(ready.wait(), left)
+                await _aio.wait_event(ready, left)
                 ready.clear()
         finally:
             self._link_wait(k, r, None)

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from . import _clientbase, _session
-from ._aclient import AsyncRequestStream, AsyncStageClient, _until, _until_set
+from . import _aio, _clientbase, _session
+from ._aclient import AsyncRequestStream, AsyncStageClient
 from ._curve import CurveKeys
 from ._errors import StageClosedError
 from ._pool_core import (
@@ -508,7 +508,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             self._event_waiters.append(wakeup)
             self._events_waiting = True
             try:
-                if not await _until(wakeup, deadline) and not buf:
+                if not await _aio.until(wakeup, deadline) and not buf:
                     raise TimeoutError(f"no pool event within {timeout} s")
             finally:
                 with contextlib.suppress(ValueError):  # gone if _wake_events woke it
@@ -642,10 +642,10 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             return
         cut_drain(member)
         launched = member._launched
-        if launched is not None and not await _until_set(member._exited, timeout):
+        if launched is not None and not await _aio.wait_event(member._exited, timeout):
             for sig, wait in escalate_steps(member):
                 launched.send_signal(sig)
-                if await _until_set(member._exited, wait):
+                if await _aio.wait_event(member._exited, wait):
                     break
 
     async def _stop_member(
@@ -689,8 +689,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             self._exit_codes[replica] = member.exit_code
             delay, group = death.delay, death.restart
             while delay is not None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._closed.wait(), delay)
+                if await _aio.wait_event(self._closed, delay):
                     return  # the pool closes
                 starting = [r for r in group if self._core.restarting(r)]
                 if not starting:
@@ -793,12 +792,16 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             if member is None:
                 return
             launched = member._launched
-            if r in cut and launched is not None and not await _until_set(member._exited, timeout):
+            if (
+                r in cut
+                and launched is not None
+                and not await _aio.wait_event(member._exited, timeout)
+            ):
                 # Its removal waits for the drain's end: a stage that did not stop on
                 # the cut (stopped, stuck) is signalled now, as the others are.
                 for sig, wait in escalate_steps(member):
                     launched.send_signal(sig)
-                    if await _until_set(member._exited, wait):
+                    if await _aio.wait_event(member._exited, wait):
                         break
             if stop or member._launched is not None:
                 code = await member.shutdown(timeout, drain=drain)

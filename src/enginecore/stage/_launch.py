@@ -27,7 +27,7 @@ from typing import Any, Final
 
 import msgspec
 
-from . import _codec, _logs, _wire
+from . import _aio, _codec, _logs, _wire
 from ._curve import CurveKeys, ServerCurve
 from ._errors import (
     EngineDeadError,
@@ -598,8 +598,7 @@ async def _await_report(launched: Launched, startup_timeout: float) -> tuple[Any
             left = deadline - loop.time()
             if left <= 0:
                 return None
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(woke.wait(), left)
+            await _aio.wait_event(woke, left)  # a cancel propagates (not wait_for's)
     finally:
         for fd in fds:
             loop.remove_reader(fd)
@@ -619,8 +618,7 @@ async def _await_exit(launched: Launched, timeout: float | None) -> None:
 
     loop.add_reader(sentinel, on_exit)
     try:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(exited, timeout)
+        await _aio.until(exited, None if timeout is None else time.monotonic() + timeout)
     finally:
         loop.remove_reader(sentinel)
 

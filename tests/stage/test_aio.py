@@ -1,0 +1,79 @@
+"""The asyncio side's waits with a timeout (``_aio``): they time out, and a cancel that comes
+in the same loop iteration as what they wait for is never swallowed (``asyncio.wait_for``
+before Python 3.12 returned the result instead, and the cancelled task went on: a
+``launch()`` cancelled as its stage reported ready returned a client nobody closed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from enginecore.stage._aio import until, wait_event
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _cancelled_as_it_completes(
+    wait: Callable[[asyncio.Event, asyncio.Future[Any]], Awaitable[Any]],
+) -> None:
+    """Run *wait* in a task; from one callback, complete what it waits for and cancel the
+    task: the task must end cancelled."""
+
+    async def main() -> None:
+        event = asyncio.Event()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(wait(event, future))
+        await asyncio.sleep(0)  # it waits now
+
+        def both() -> None:
+            event.set()
+            future.set_result(1)
+            task.cancel()
+
+        asyncio.get_running_loop().call_soon(both)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert task.cancelled()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_wait_event_never_swallows_a_cancel(timeout: float | None) -> None:
+    _cancelled_as_it_completes(lambda event, _: wait_event(event, timeout))
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_until_never_swallows_a_cancel(timeout: float | None) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    _cancelled_as_it_completes(lambda _, future: until(future, deadline))
+
+
+def test_wait_event_says_whether_the_event_was_set() -> None:
+    async def main() -> None:
+        event = asyncio.Event()
+        assert await wait_event(event, 0.01) is False
+        asyncio.get_running_loop().call_later(0.01, event.set)
+        assert await wait_event(event, 30) is True
+        assert await wait_event(event, 0) is True  # set already: no wait
+        assert len(asyncio.all_tasks()) == 1  # no waiting task left behind
+
+    asyncio.run(main())
+
+
+def test_until_times_out_cancelling_the_future_and_raises_its_error() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        late: asyncio.Future[Any] = loop.create_future()
+        assert await until(late, time.monotonic() + 0.01) is False
+        assert late.cancelled()
+        failed: asyncio.Future[Any] = loop.create_future()
+        loop.call_soon(failed.set_exception, ValueError("its error"))
+        with pytest.raises(ValueError, match="its error"):
+            await until(failed, time.monotonic() + 30)
+
+    asyncio.run(main())
