@@ -77,3 +77,17 @@ def test_until_times_out_cancelling_the_future_and_raises_its_error() -> None:
             await until(failed, time.monotonic() + 30)
 
     asyncio.run(main())
+
+
+def test_a_wait_closed_after_its_loop_closes_quietly() -> None:
+    # A launch() whose loop closed while it waited, then closed (at exit, by the garbage
+    # collector): the wait's clean-up raised "Event loop is closed" in place of the
+    # GeneratorExit, and the launch's own clean-up (kill the half-started stage) never ran.
+    loop = asyncio.new_event_loop()
+    event = asyncio.Event()
+    coro = wait_event(event, 30)
+    task = loop.create_task(coro)
+    loop.run_until_complete(asyncio.sleep(0.01))  # it waits now
+    loop.close()
+    coro.close()  # raised RuntimeError
+    del task

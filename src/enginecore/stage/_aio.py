@@ -12,6 +12,7 @@ always propagates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -58,5 +59,8 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         await until(waiting, deadline)
     finally:
-        waiting.cancel()
+        # Also when the coroutine is closed after its loop (GeneratorExit): a cancel then
+        # raises "Event loop is closed", which must not replace what is under way.
+        with contextlib.suppress(RuntimeError):
+            waiting.cancel()
     return event.is_set()
