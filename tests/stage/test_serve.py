@@ -989,6 +989,24 @@ class TestServeSignals:
         assert elapsed < 0.5
 
 
+def _serve_once(argv: list[str], cwd: str | Path) -> tuple[str, str, str, int]:
+    """Run *argv* (a ``serve``) in *cwd*, read the first line of its stdout, then SIGTERM
+    it: that line, the rest of stdout, stderr, and its exit code."""
+    proc = subprocess.Popen(
+        argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        rest, stderr = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return line, rest, stderr, proc.returncode
+
+
 class TestServeCommandLine:
     def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -1323,24 +1341,17 @@ class TestServeCommandLine:
         (work / "mymodel.py").write_text(
             "from enginecore import CountdownEngine\n\ndef make():\n    return CountdownEngine()\n"
         )
-        proc = subprocess.Popen(
-            [sys.executable, str(script), "serve", "--engine", "mymodel:make",
-             "--bind", "tcp://127.0.0.1:*"],
-            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
         try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            proc.send_signal(signal.SIGTERM)
-            _, stderr = proc.communicate(timeout=10)
+            line, _, stderr, code = _serve_once(
+                [sys.executable, str(script), "serve", "--engine", "mymodel:make",
+                 "--bind", "tcp://127.0.0.1:*"],
+                cwd=work,
+            )  # fmt: skip
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
             shutil.rmtree(bin_dir)
             shutil.rmtree(work)
         assert "listening on" in line, stderr
-        assert proc.returncode == 0, stderr
+        assert code == 0, stderr
 
     def test_a_factory_that_returns_no_engine_is_one_line(self) -> None:
         # The TypeError came with a traceback of enginecore's own frames (11 lines).
@@ -1367,26 +1378,19 @@ class TestServeCommandLine:
                 "    os.write(1, b'native noise\\n')\n"  # as a C library writes
                 "    return CountdownEngine()\n"
             )
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "enginecore", "serve", "--engine", "noisy:make",
-             "--bind", f"ipc://{no_leftovers}/s"],
-            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
         try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            proc.send_signal(signal.SIGTERM)
-            rest, stderr = proc.communicate(timeout=10)
+            line, rest, stderr, code = _serve_once(
+                [sys.executable, "-m", "enginecore", "serve", "--engine", "noisy:make",
+                 "--bind", f"ipc://{no_leftovers}/s"],
+                cwd=work,
+            )  # fmt: skip
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
             shutil.rmtree(work)
         assert line.startswith("enginecore serve: listening on"), (line, stderr)
         assert rest == ""
         assert "loading the model" in stderr
         assert "native noise" in stderr
-        assert proc.returncode == 0, stderr
+        assert code == 0, stderr
 
     def test_a_usage_error_shows_the_usage_of_serve(self) -> None:
         # It showed the top-level usage ("python -m enginecore [-h] {serve,top,keygen}").

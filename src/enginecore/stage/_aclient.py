@@ -433,15 +433,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             monitor = None
             pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
         except BaseException as exc:
-            _clientbase.stop_watching(dealer, monitor)
-            if (
-                dealer is not None
-                and launched is None
-                and _clientbase.may_hold_a_session(exc, reply)
-            ):
-                _clientbase.give_up_session(ctx, dealer, pull)
-            else:
-                _clientbase.close_sockets(ctx, dealer, pull)
+            _clientbase.handshake_failed(ctx, dealer, monitor, pull, launched, exc, reply)
             raise
         finally:
             if launched is not None:

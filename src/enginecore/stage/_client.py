@@ -569,18 +569,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             monitor = None
             pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
         except BaseException as exc:
-            _clientbase.stop_watching(dealer, monitor)
-            if (
-                dealer is not None
-                and launched is None
-                and _clientbase.may_hold_a_session(exc, reply)
-            ):
-                # A timeout, a cancel or a bad welcome: the stage may hold this hello to
-                # welcome it later, or have welcomed it. Say bye, or the session would keep
-                # every other client of a one-client stage out for its session timeout.
-                _clientbase.give_up_session(ctx, dealer, pull)
-            else:
-                _clientbase.close_sockets(ctx, dealer, pull)
+            _clientbase.handshake_failed(ctx, dealer, monitor, pull, launched, exc, reply)
             raise
         return cls(target, welcome, ctx, dealer, pull, lock=lock, hub=hub)
 

@@ -532,6 +532,27 @@ def give_up_session(
     threading.Thread(target=ctx.term, name="enginecore-bye", daemon=True).start()
 
 
+def handshake_failed(
+    ctx: zmq.Context[Any],
+    dealer: zmq.Socket[Any] | None,
+    monitor: zmq.Socket[Any] | None,
+    pull: zmq.Socket[Any] | None,
+    launched: Launched | None,
+    exc: BaseException,
+    reply: bytes | None,
+) -> None:
+    """Either client's ``connect()``/``launch()`` failed with *exc* after making its
+    sockets (*reply*: the stage's answer to ``hello``, if one came): close them. A connected
+    stage that may hold this ``hello`` to welcome it later, or have welcomed it (a timeout,
+    a cancel, a bad welcome), is told ``bye``, or the session would keep every other client
+    of a one-client stage out for its session timeout."""
+    stop_watching(dealer, monitor)
+    if dealer is not None and launched is None and may_hold_a_session(exc, reply):
+        give_up_session(ctx, dealer, pull)
+    else:
+        close_sockets(ctx, dealer, pull)
+
+
 def close_sockets(ctx: zmq.Context[Any], *socks: zmq.Socket[Any] | None) -> None:
     """Close *socks* without lingering, then the context."""
     for sock in socks:
