@@ -104,9 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--allow-remote",
-        dest="insecure",
         action="store_true",
-        help="deprecated alias of --insecure",
+        help="deprecated alias of --insecure (says so on stderr)",
     )
     serve.add_argument(
         "--session-timeout",
@@ -475,6 +474,13 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             curve = load_server_curve(args.curve_secret_key, args.authorized_clients)
         except (OSError, ValueError) as exc:
             parser.error(f"CURVE: {exc}")
+    if args.allow_remote:
+        print(
+            "enginecore serve: --allow-remote is deprecated: use --insecure (the same)",
+            file=sys.stderr,
+            flush=True,
+        )
+        args.insecure = True
     remote_ok = curve is not None or args.insecure
     remote = _check_address(parser, args.bind, remote_ok)
     output = args.output_bind or _default_output(args.bind)

@@ -704,15 +704,20 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_non_loopback_bind_starts_with_insecure(no_leftovers: str, tmp_path: Path) -> None:
-    err_path = tmp_path / "err"
+@pytest.mark.parametrize("flag", ["--insecure", "--allow-remote"])
+def test_a_non_loopback_bind_starts_with_insecure(no_leftovers: str, flag: str) -> None:
+    err_path = Path(no_leftovers, "err")
     with open(err_path, "w") as err:
-        srv = Server("--engine", SCRIPTED, "--bind", "tcp://0.0.0.0:*", "--insecure", stderr=err)
+        srv = Server("--engine", SCRIPTED, "--bind", "tcp://0.0.0.0:*", flag, stderr=err)
     try:
         assert "curve" not in srv.ready_line
     finally:
         assert srv.stop() == 0
-    assert "WARNING: --insecure" in err_path.read_text()
+    text = err_path.read_text()
+    err_path.unlink()
+    assert "WARNING: --insecure" in text
+    # The deprecated alias said nothing of it.
+    assert ("--allow-remote is deprecated: use --insecure" in text) == (flag == "--allow-remote")
 
 
 def test_a_non_loopback_bind_starts_with_curve(
