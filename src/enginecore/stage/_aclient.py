@@ -36,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import _aio, _clientbase, _codec, _session
 from ._clientbase import Target
-from ._curve import CurveKeys
+from ._curve import CurveKeys, HandshakeWatch
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import kill_and_clean_async, launch_process_async
 from ._session import ClientSession, Deliveries, End, StreamCore
@@ -420,6 +420,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             loop.add_reader(launched.process.sentinel, on_exit)
         monitor = None
         reply: bytes | None = None
+        watch: HandshakeWatch | None = None
         try:
             # A connected stage's handshake is watched through the socket monitor: a refused
             # CURVE key is otherwise silent (docs/security.md).
@@ -427,13 +428,14 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                 ctx, address, target.curve, watch=launched is None
             )
             await dealer.send(_session.HELLO_FRAME[0])
-            reply = await _handshake_reply(dealer, monitor, exited, target)
+            watch = _clientbase.handshake_watch(target)
+            reply = await _handshake_reply(dealer, monitor, exited, target, watch)
             welcome = _session.parse_welcome(reply, address)
             _clientbase.stop_watching(dealer, monitor)
             monitor = None
             pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
         except BaseException as exc:
-            _clientbase.handshake_failed(ctx, dealer, monitor, pull, launched, exc, reply)
+            _clientbase.handshake_failed(ctx, dealer, monitor, pull, launched, exc, reply, watch)
             raise
         finally:
             if launched is not None:
@@ -910,12 +912,13 @@ async def _handshake_reply(
     monitor: zmq.asyncio.Socket | None,
     exited: asyncio.Future[Any],
     target: Target,
+    watch: HandshakeWatch,
 ) -> bytes:
     """The stage's reply to ``hello``, within ``target.timeout``: :class:`TimeoutError`,
     :class:`~enginecore.stage.AuthenticationError` as soon as *monitor* says the security
-    handshake failed, :class:`~enginecore.stage.StageStartupError` if *exited* is set."""
+    handshake failed (fed to *watch*), :class:`~enginecore.stage.StageStartupError` if
+    *exited* is set."""
     loop = asyncio.get_running_loop()
-    watch = _clientbase.handshake_watch(target)
     recv: asyncio.Future[bytes] = asyncio.ensure_future(dealer.recv())
     events: asyncio.Future[Any] | None = None
     deadline = loop.time() + target.timeout

@@ -58,7 +58,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import _clientbase, _codec, _session
 from ._clientbase import ClientBase, Target
-from ._curve import CurveKeys
+from ._curve import CurveKeys, HandshakeWatch
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
 from ._launch import launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
@@ -525,6 +525,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         dealer = pull = monitor = None
         reply: bytes | None = None
+        watch: HandshakeWatch | None = None
         try:
             # A connected stage's handshake is watched through the socket monitor: a refused
             # CURVE key is otherwise silent (docs/security.md).
@@ -569,7 +570,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             monitor = None
             pull = _clientbase.pull_for(ctx, address, welcome, target.curve)
         except BaseException as exc:
-            _clientbase.handshake_failed(ctx, dealer, monitor, pull, launched, exc, reply)
+            _clientbase.handshake_failed(ctx, dealer, monitor, pull, launched, exc, reply, watch)
             raise
         return cls(target, welcome, ctx, dealer, pull, lock=lock, hub=hub)
 

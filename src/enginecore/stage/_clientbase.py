@@ -17,6 +17,7 @@ from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import _codec, _session, _wire
 from ._address import check_address
@@ -540,17 +541,49 @@ def handshake_failed(
     launched: Launched | None,
     exc: BaseException,
     reply: bytes | None,
+    watch: HandshakeWatch | None,
 ) -> None:
     """Either client's ``connect()``/``launch()`` failed with *exc* after making its
-    sockets (*reply*: the stage's answer to ``hello``, if one came): close them. A connected
-    stage that may hold this ``hello`` to welcome it later, or have welcomed it (a timeout,
-    a cancel, a bad welcome), is told ``bye``, or the session would keep every other client
-    of a one-client stage out for its session timeout."""
+    sockets (*reply*: the stage's answer to ``hello``, if one came; *watch*: what its
+    monitor said so far): close them. A connected stage that may hold this ``hello`` to
+    welcome it later, or have welcomed it (a timeout, a cancel, a bad welcome), is told
+    ``bye``, or the session would keep every other client of a one-client stage out for its
+    session timeout. Not while the security handshake is incomplete (a stopped stage): the
+    ``hello`` has not left, and closing at once drops it; a bye lingering behind it would
+    let the stage take the ``hello`` alone once it runs again."""
+    gave_up = (
+        dealer is not None
+        and launched is None
+        and may_hold_a_session(exc, reply)
+        and (reply is not None or _handshake_done(monitor, watch))
+    )
     stop_watching(dealer, monitor)
-    if dealer is not None and launched is None and may_hold_a_session(exc, reply):
+    if gave_up:
+        assert dealer is not None
         give_up_session(ctx, dealer, pull)
     else:
         close_sockets(ctx, dealer, pull)
+
+
+def _handshake_done(monitor: zmq.Socket[Any] | None, watch: HandshakeWatch | None) -> bool:
+    """Whether the connection's security handshake completed (then a ``hello`` may have
+    left): the events *watch* read, then those still queued on *monitor*. Unwatched: it may
+    have."""
+    if watch is not None and watch.succeeded:
+        return True
+    if monitor is None:
+        return True
+    # Through a plain socket: an asyncio monitor's too, read without waiting.
+    sock: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
+    while True:
+        try:
+            event = recv_monitor_message(sock, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError:
+            return True
+        if int(event["event"]) == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return True
 
 
 def close_sockets(ctx: zmq.Context[Any], *socks: zmq.Socket[Any] | None) -> None:
