@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from enginecore.stage import StageStartupError
+from enginecore.stage._launch import Launched, kill_and_clean_async
 
-from .conftest import COUNTDOWN, Launch, pid_gone, wait_until
+from .conftest import COUNTDOWN, Launch, child_pids, pid_gone, wait_until
 
 
 class TestStartup:
@@ -378,3 +383,47 @@ class TestCtrlCDuringTheSpawn:
         assert "Traceback" not in done.stderr
         assert "KeyboardInterrupt" not in done.stderr
         assert pid_gone(int(lines[2])), "the stage outlived the interrupted launch"
+
+
+def _fork_a_sentinel_holder(directory: str) -> None:
+    """A stage's stand-in whose exit the parent's sentinel does not see at once: a
+    grandchild (as an engine's worker would) keeps the sentinel pipe open until the file
+    ``release`` appears."""
+    if os.fork() == 0:
+        while not os.path.exists(os.path.join(directory, "release")):
+            time.sleep(0.01)
+        os._exit(0)
+    open(os.path.join(directory, "forked"), "w").close()
+    time.sleep(60)
+
+
+def test_a_kill_cancelled_before_the_exit_is_seen_still_reaps_after_the_loop_ends(
+    no_leftovers: str,
+) -> None:
+    """``kill_and_clean_async`` cancelled before its event-loop reader saw the exit (as
+    ``asyncio.run``'s end cancels it), the loop closed at once: the process is reaped
+    and its ipc dir removed once it has exited, not at the interpreter's exit (a flaky
+    pool test saw the zombie)."""
+    directory = tempfile.mkdtemp(dir=no_leftovers)
+    ipc_dir = tempfile.mkdtemp(dir=no_leftovers)
+    ctx = multiprocessing.get_context("spawn")
+    process = ctx.Process(target=_fork_a_sentinel_holder, args=(directory,))
+    process.start()
+    conn, other = ctx.Pipe()
+    other.close()
+    launched = Launched(process, conn, ipc_dir, "ipc://unused", "holder")
+    loop = asyncio.new_event_loop()
+    try:
+        assert wait_until(lambda: os.path.exists(os.path.join(directory, "forked")), 30)
+        task = loop.create_task(kill_and_clean_async(launched))
+        loop.run_until_complete(asyncio.sleep(0.05))  # killed; the sentinel is still open
+        assert wait_until(lambda: pid_gone(cast(int, process.pid)), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            loop.run_until_complete(task)
+    finally:
+        loop.close()
+        open(os.path.join(directory, "release"), "w").close()
+    assert wait_until(lambda: process.pid not in child_pids(), 10), "left a zombie"
+    assert wait_until(lambda: not os.path.exists(ipc_dir), 10), "left its ipc dir"
+    shutil.rmtree(directory)

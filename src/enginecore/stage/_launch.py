@@ -101,6 +101,7 @@ class Launched:
     curve: CurveKeys | None = None
     control: threading.Lock = field(default_factory=threading.Lock)  # one authorize at a time
     _requests: int = 0  # authorize requests sent: each answer names its request's number
+    _released: bool = False  # release() has run
 
     def authorize(self, keys: list[bytes], timeout: float = _AUTHORIZE_TIMEOUT) -> int:
         """A stage that listens on TCP with CURVE (:class:`TcpListen`): admit the parent's
@@ -170,7 +171,12 @@ class Launched:
 
     def release(self) -> None:
         """After the process has exited: close the pipe, remove the ipc dir, let the log
-        thread finish with the stage's records. Idempotent."""
+        thread finish with the stage's records. Idempotent, and safe from two threads at
+        once (a reaper thread and the exit hook): only the first call does it."""
+        with self.lock:
+            if self._released:
+                return
+            self._released = True
         self.conn.close()
         if self.logs is not None:
             self.logs.release()
@@ -626,8 +632,10 @@ async def _await_exit(launched: Launched, timeout: float | None) -> None:
 async def kill_and_clean_async(launched: Launched) -> None:
     """:meth:`Launched.kill_and_clean`, awaited: SIGKILL, then the exit awaited with an
     event-loop reader on the sentinel, whose callback reaps the process and removes its
-    files. If this wait is cancelled, the callback still does that once the process has
-    exited (and, should the loop stop first, the exit hook does)."""
+    files. If this wait is cancelled before then, a daemon thread takes the reader's place
+    and does that once the process has exited: a cancel is often the event loop's own end
+    (``asyncio.run`` cancels what is left), and a reader left on a stopped loop never ran,
+    so the killed stage stayed a zombie, its ipc dir on disk, until the interpreter's exit."""
     loop = asyncio.get_running_loop()
     launched.send_signal(signal.SIGKILL)
     done: asyncio.Future[None] = loop.create_future()
@@ -641,4 +649,12 @@ async def kill_and_clean_async(launched: Launched) -> None:
             done.set_result(None)
 
     loop.add_reader(sentinel, on_exit)
-    await asyncio.shield(done)
+    try:
+        await asyncio.shield(done)
+    except asyncio.CancelledError:
+        if not done.done():  # on_exit has not run (it runs on this thread): it never will
+            loop.remove_reader(sentinel)
+            threading.Thread(
+                target=launched.kill_and_clean, name="enginecore-reaper", daemon=True
+            ).start()
+        raise
