@@ -300,9 +300,9 @@ class TestCancelledAsItIsAnswered:
         # stopped, and the TaskGroup waited for it for ever). Here the cancel is sent by
         # the very callback that delivers the answer.
         async def body(client: AsyncStageClient) -> None:
+            if wait == "get":  # r's output comes after a wait: paced before r is added
+                await client.call_utility("pace", 0.2)  # (after, a step could come first)
             stream = await client.add("r", 1) if wait == "get" else None
-            if stream is not None:
-                await client.call_utility("pace", 0.2)  # r's output comes after a wait
             waits: dict[str, Callable[[], Awaitable[Any]]] = {
                 "call_utility": lambda: client.call_utility("sleep", 0.2, timeout=30),
                 "stats": lambda: client.stats(timeout=30),
