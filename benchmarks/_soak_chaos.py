@@ -128,6 +128,19 @@ class Report:
         lines.append("  OK" if ok else "  FAILED")
         return "\n".join(lines), ok
 
+    def finish(self, run: Callable[[], object], title: Callable[[], str], chaos: bool) -> int:
+        """A soak's end, for its ``main``: call *run*, print this report under *title()*
+        and return the exit code (0: it passed). Ctrl-C or SIGTERM (``run_main``) prints
+        what was counted so far, then goes on as a :class:`KeyboardInterrupt`."""
+        try:
+            run()
+        except KeyboardInterrupt:
+            print(self.render(title(), interrupted=True)[0], flush=True)
+            raise
+        text, ok = self.render(title(), chaos=chaos)
+        print(text)
+        return 0 if ok else 1
+
 
 class Ids:
     """A small set of request ids; one is taken while its request is live at the caller."""

@@ -306,14 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         took = time.monotonic() - t0
         return f"soak_pipeline: {took:.1f} s, {cfg.kind}, {cfg.topology}, seed {cfg.seed}"
 
-    try:
-        run(cfg, report)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (run_main): what was seen so far
-        print(report.render(title(), interrupted=True)[0], flush=True)
-        raise
-    text, ok = report.render(title(), chaos=True)
-    print(text)
-    return 0 if ok else 1
+    return report.finish(lambda: run(cfg, report), title, chaos=True)
 
 
 if __name__ == "__main__":

@@ -498,14 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = ", on Ray" if cfg.ray else ""
         return f"soak_pool: {time.monotonic() - t0:.1f} s, {cfg.kind}{where}, seed {cfg.seed}"
 
-    try:
-        run(cfg, report)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (run_main): what was seen so far
-        print(report.render(title(), interrupted=True)[0], flush=True)
-        raise
-    text, ok = report.render(title(), chaos=cfg.kills)
-    print(text)
-    return 0 if ok else 1
+    return report.finish(lambda: run(cfg, report), title, chaos=cfg.kills)
 
 
 if __name__ == "__main__":
