@@ -6,13 +6,14 @@ before Python 3.12 returned the result instead, and the cancelled task went on: 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from enginecore.stage._aio import until, wait_event
+from enginecore.stage._aio import background, until, wait_event
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -91,3 +92,33 @@ def test_a_wait_closed_after_its_loop_closes_quietly() -> None:
     loop.close()
     coro.close()  # raised RuntimeError
     del task
+
+
+def test_a_background_task_ended_by_keyboard_interrupt_is_not_reported_twice() -> None:
+    """The interrupt leaves the event loop once; the task that it ended is not logged as
+    "Task exception was never retrieved" when collected (a Ctrl-C during an
+    AsyncPipeline's restart printed its traceback a second time). An ordinary exception
+    goes to the loop's exception handler when the task ends; the set forgets both."""
+    loop = asyncio.new_event_loop()
+    seen: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    tasks: set[asyncio.Task[Any]] = set()
+
+    async def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    async def failing() -> None:
+        raise ValueError("broken")
+
+    try:
+        background(loop, interrupted(), tasks)
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_forever()
+        background(loop, failing(), tasks)
+        loop.run_until_complete(asyncio.sleep(0.01))
+    finally:
+        loop.close()
+    assert not tasks
+    gc.collect()  # an unretrieved exception is logged when its task is collected
+    assert [type(c.get("exception")) for c in seen] == [ValueError], seen
+    assert seen[0]["message"] == "enginecore background task failed"

@@ -1,4 +1,5 @@
-"""Waits with a timeout for the asyncio side, that never swallow a cancellation.
+"""Waits with a timeout for the asyncio side, that never swallow a cancellation, and the
+background tasks of pools and pipelines.
 
 Not :func:`asyncio.wait_for`: before Python 3.12 it returns the result, and drops the
 cancellation, when the awaited future completes in the loop iteration in which the waiting
@@ -14,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Coroutine
 from typing import Any
 
-__all__ = ["until", "wait_event"]
+__all__ = ["background", "until", "wait_event"]
 
 
 async def until(future: asyncio.Future[Any], deadline: float | None) -> bool:
@@ -64,3 +66,31 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
         with contextlib.suppress(RuntimeError):
             waiting.cancel()
     return event.is_set()
+
+
+def background(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[Any]]
+) -> asyncio.Task[None]:
+    """*coro* as a task of its owner's that nobody awaits (a restart, a replica's
+    supervision), kept in *tasks* (the owner's close waits for those) until it ends.
+
+    A ``KeyboardInterrupt`` or ``SystemExit`` that ends it is not logged again as "Task
+    exception was never retrieved" at exit: asyncio has already raised it out of the event
+    loop (a Ctrl-C or ``SIGTERM`` that struck while a pipeline restarted a stage printed
+    its traceback twice). Any other exception goes to the loop's exception handler at once,
+    not only if the task is collected before the owner's close gathers it."""
+    task = loop.create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(lambda done: _forget(done, tasks))
+    return task
+
+
+def _forget(task: asyncio.Task[None], tasks: set[asyncio.Task[Any]]) -> None:
+    tasks.discard(task)
+    if task.cancelled():
+        return
+    exc = task.exception()  # marks it retrieved
+    if exc is not None and isinstance(exc, Exception):
+        task.get_loop().call_exception_handler(
+            {"message": "enginecore background task failed", "exception": exc, "task": task}
+        )

@@ -308,9 +308,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     def _schedule_restart(self, k: int, r: int, delay: float) -> None:
         if self._closed:
             return
-        task = asyncio.get_running_loop().create_task(self._restart(k, r, delay))
-        self._restart_tasks.add(task)
-        task.add_done_callback(self._restart_tasks.discard)
+        _aio.background(asyncio.get_running_loop(), self._restart(k, r, delay), self._restart_tasks)
 
     async def _restart(self, k: int, r: int, delay: float | None) -> None:
         """Task: :meth:`Pipeline._restart <enginecore.stage.Pipeline._restart>`'s, on the

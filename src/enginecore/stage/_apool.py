@@ -675,9 +675,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if isinstance(failure, StageClosedError):
             return  # the pool closed it, and closes it
         logger.warning("enginecore: replica %s is gone: %s", replica.name, failure)
-        task = self._loop.create_task(self._supervise(replica, member, death))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        _aio.background(self._loop, self._supervise(replica, member, death), self._tasks)
 
     async def _supervise(self, replica: Replica, member: _AsyncMember, death: Death) -> None:
         """Task: release a dead member and stop the rest of its restart group; with a
