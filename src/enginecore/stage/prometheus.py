@@ -824,6 +824,7 @@ class MetricsServer:
     """A running ``/metrics`` endpoint, from :func:`start_metrics_server`."""
 
     host: str
+    """The bound address, as the server reports it."""
     port: int
     """The bound port (the one picked, for port 0)."""
     _httpd: WSGIServer
@@ -831,6 +832,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
+        """``http://HOST:PORT/metrics`` (an IPv6 host in brackets): what ``serve`` prints."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/metrics"
 
