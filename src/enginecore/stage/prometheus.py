@@ -607,7 +607,12 @@ class StageCollector(Collector):
         :attr:`~enginecore.stage.StreamTimings.time_to_first_output`), or the time in
         seconds (>= 0 and finite: :class:`ValueError` otherwise, :class:`TypeError` for a
         non-number), for a consumer that times requests itself. Call it once per request,
-        from any thread, typically when its stream ends (once more counts it twice)."""
+        from any thread, typically when its stream ends (once more counts it twice).
+        :class:`KeyError` if *stage* is not reported, whether or not there is a time."""
+        try:
+            h = self._reported[stage].ttft
+        except KeyError:
+            raise KeyError(f"no stage or pipeline is reported as {stage!r}") from None
         if isinstance(stream, (RequestStream, AsyncRequestStream)):
             arrivals = stream._arrivals
             if not arrivals:
@@ -620,10 +625,6 @@ class StageCollector(Collector):
             raise ValueError(f"observe() takes seconds >= 0 and finite, got {stream!r}")
         else:
             seconds = float(stream)
-        try:
-            h = self._reported[stage].ttft
-        except KeyError:
-            raise KeyError(f"no stage or pipeline is reported as {stage!r}") from None
         with h.lock:
             h.counts[bisect_left(self._ttft_bounds, seconds)] += 1
             h.sum += seconds
