@@ -34,6 +34,13 @@ The shell commands are checked too: every ``--option`` given to ``python -m engi
 SUBCOMMAND``, ``python -m benchmarks[.MODULE]`` or ``python examples/NAME.py``, in a shell
 block, an inline code span or an example's docstring, is one that command's ``--help``
 lists.
+
+And the cross-references: every relative link of the Markdown files (the CHANGELOG and
+``docs/performance.md`` included) names a file that exists and, with ``#anchor``, an anchor
+(a heading's, as GitHub makes it) of that file; every ``docs/NAME.md#anchor`` the code
+names too; and every place, in the docs or the code, that names a doc's section in words
+(``wire.md`` section 8, "Restarts"; ``pipelines.md``, "Restart") names a numbered heading,
+a heading or a bold run-in heading (``**Restarts.**``) that the doc has.
 """
 
 from __future__ import annotations
@@ -473,3 +480,177 @@ def test_pipeline_stage_signature_block_is_current() -> None:
         assert kw.arg is not None
         default = eval(compile(ast.Expression(kw.value), block.id, "eval"), {})
         assert default == parameters[kw.arg].default, f"{kw.arg}: documented {default!r}"
+
+
+# -- links, anchors and named sections ------------------------------------------------------
+
+# Every Markdown file a link may point into: the docs, performance.md and the CHANGELOG too.
+MARKDOWN = [
+    "README.md",
+    "CHANGELOG.md",
+    *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
+]
+# Where prose names a doc's section in words: the docstrings and comments of the code too.
+SOURCES = [
+    *MARKDOWN,
+    *sorted(str(p.relative_to(ROOT)) for d in ("src", "tests", "benchmarks", "examples")
+            for p in (ROOT / d).rglob("*.py")),
+]  # fmt: skip
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+# ``docs/wire.md`` section 8, "Restarts" / pipelines.md, "Restart" / stage.md ("Limits")
+_SECTION_REF = re.compile(
+    r"(?:docs/)?(?P<doc>[a-z]+)\.md`{0,2}\)?,?\s+"
+    r"\(?(?:section (?P<number>\d+)(?:,\s+\"(?P<sub>[^\"]+)\")?|\"(?P<title>[^\"]+)\")"
+)
+
+
+def _prose_lines(text: str) -> Iterator[str]:
+    """*text*'s lines outside fenced code blocks."""
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            yield line
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: its text (markup gone) lowercased, punctuation but
+    ``-`` and ``_`` dropped, spaces made ``-``."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text
+    text = re.sub(r"<[^>]+>", "", text).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors a Markdown *text* defines: its headings' (a repeated one gets ``-1``,
+    ``-2``, ... as on GitHub) and its explicit ``<a id=...>`` / ``<a name=...>``."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for line in _prose_lines(text):
+        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading:
+            base = slug(heading.group(1))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            found.add(base if count == 0 else f"{base}-{count}")
+        found.update(re.findall(r"<a\s+(?:id|name)=\"([^\"]+)\"", line))
+    return found
+
+
+def titles(text: str) -> list[str]:
+    """What prose may name a section of *text* by: its headings and its bold run-in
+    headings (``**Tagged aborts.**``), code marks dropped, spaces collapsed."""
+    found = []
+    for line in _prose_lines(text):
+        heading = re.match(r"#{1,6}\s+(.*)", line)
+        found += [heading.group(1)] if heading else []
+        found += re.findall(r"\*\*([^*]+?)\*\*", line)
+    return [" ".join(t.replace("`", "").split()) for t in found]
+
+
+def broken_links(doc: str, text: str, read: dict[str, str]) -> list[str]:
+    """The relative links of Markdown *text* (at path *doc*) whose file is missing, or
+    whose ``#anchor`` that file (a Markdown one, in *read*: path -> text) does not define."""
+    problems = []
+    here = Path(doc).parent
+    for line in _prose_lines(text):
+        for target in _LINK.findall(line):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = os.path.normpath(here / path) if path else doc
+            if resolved not in read and not (ROOT / resolved).exists():
+                problems.append(f"{doc}: link {target!r}: no file {resolved}")
+            elif (
+                anchor
+                and resolved.endswith(".md")
+                and anchor not in anchors(read.get(resolved) or (ROOT / resolved).read_text())
+            ):
+                problems.append(f"{doc}: link {target!r}: {resolved} has no #{anchor}")
+    return problems
+
+
+def broken_section_refs(source: str, text: str, read: dict[str, str]) -> list[str]:
+    """The places in *text* that name a section of a doc (``wire.md section 8,
+    "Restarts"``; ``pipelines.md``, "Restart"``) that the doc (in *read*: its path under
+    ``docs/`` -> its text) does not have, as a numbered heading or a title's start."""
+    problems = []
+    for ref in _SECTION_REF.finditer(text):
+        doc = f"docs/{ref['doc']}.md"
+        if doc not in read:
+            continue  # another project's file, or README.md
+        named = titles(read[doc])
+        if ref["number"] and not any(t.startswith(f"{ref['number']}. ") for t in named):
+            problems.append(f"{source}: {ref[0]!r}: {doc} has no section {ref['number']}")
+        title = ref["sub"] or ref["title"]
+        if title and not any(t.startswith(" ".join(title.split())) for t in named):
+            problems.append(f"{source}: {ref[0]!r}: {doc} has no section {title!r}")
+    return problems
+
+
+@cache
+def _markdown() -> dict[str, str]:
+    return {doc: (ROOT / doc).read_text(encoding="utf-8") for doc in MARKDOWN}
+
+
+class TestLinkCheck:
+    """The checkers themselves catch a link, an anchor or a section name that rotted."""
+
+    def test_slugs_are_githubs(self) -> None:
+        assert slug("Retry: `on_next_error=Retry(n)`") == "retry-on_next_errorretryn"
+        assert slug('Routing outputs to requests, and "finished"') == (
+            "routing-outputs-to-requests-and-finished"
+        )
+        assert anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+    def test_a_missing_file_or_anchor_is_reported(self) -> None:
+        read = {"docs/a.md": "# Top\n## Some part\n", "docs/b.md": "## Here\n"}
+        assert (
+            broken_links("docs/b.md", "[x](a.md#some-part) [y](#here) [z](../README.md)", read)
+            == []
+        )
+        assert broken_links("docs/b.md", "[y](#top)", read) == [
+            "docs/b.md: link '#top': docs/b.md has no #top"
+        ]
+        assert broken_links("docs/b.md", "[x](a.md#some-parts)", read) == [
+            "docs/b.md: link 'a.md#some-parts': docs/a.md has no #some-parts"
+        ]
+        assert broken_links("docs/b.md", "[x](gone.md)", read) == [
+            "docs/b.md: link 'gone.md': no file docs/gone.md"
+        ]
+        assert broken_links("docs/b.md", "```\n[x](gone.md)\n```\n[w](https://x.org)", read) == []
+
+    def test_a_missing_section_is_reported(self) -> None:
+        read = {"docs/a.md": "## 3. Handshake\n**Observers.** A peer\n### Restart: `x`\n"}
+        good = 'a.md section 3, "Observers"; ``docs/a.md``, "Restart"; a.md ("Restart")'
+        assert broken_section_refs("s.py", good, read) == []
+        assert broken_section_refs("s.py", 'a.md section 4 and a.md, "Threads"', read) == [
+            "s.py: 'a.md section 4': docs/a.md has no section 4",
+            "s.py: 'a.md, \"Threads\"': docs/a.md has no section 'Threads'",
+        ]
+
+
+def test_links_and_anchors_resolve() -> None:
+    read = _markdown()
+    problems = [p for doc, text in read.items() for p in broken_links(doc, text, read)]
+    # The code names pages by path, sometimes with an anchor: docs/observability.md#prometheus
+    for source in SOURCES:
+        if source.endswith(".py") and source != "tests/test_docs.py":  # not its own examples
+            text = (ROOT / source).read_text(encoding="utf-8")
+            for doc, anchor in re.findall(r"\b(docs/[a-z]+\.md)(?:#([\w-]+))?", text):
+                if doc not in read:
+                    problems.append(f"{source}: names {doc}, which does not exist")
+                elif anchor and anchor not in anchors(read[doc]):
+                    problems.append(f"{source}: names {doc}#{anchor}, which it does not define")
+    assert not problems, "\n".join(problems)
+
+
+def test_named_sections_exist() -> None:
+    read = {doc: text for doc, text in _markdown().items() if doc.startswith("docs/")}
+    problems = []
+    for source in SOURCES:
+        text = (ROOT / source).read_text(encoding="utf-8")
+        problems += broken_section_refs(source, text, read)
+    assert not problems, "\n".join(problems)

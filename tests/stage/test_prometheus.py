@@ -38,6 +38,7 @@ from enginecore.stage import (
     Pipeline,
     PipelineStage,
     ReplicaState,
+    RequestError,
     RestartPolicy,
     StageClient,
     StagePool,
@@ -349,6 +350,20 @@ class TestCollector:
             samples, _ = parse(generate_latest(registry).decode())
         assert value(samples, "enginecore_time_to_first_output_seconds_sum", stage="s") == 0.0
         assert value(samples, "enginecore_time_to_first_output_seconds_count", stage="s") == 1
+
+    def test_observe_of_a_stream_without_output_still_checks_the_label(self) -> None:
+        # A request that ended before its first output (refused, aborted) records nothing,
+        # but a label that is not reported is the caller's bug all the same: a typo must
+        # not pass silently on exactly the requests that never produced anything.
+        metrics = StageCollector()
+        with StageClient.launch(COUNTDOWN, startup_timeout=30) as client:
+            metrics.add(client, stage="s")
+            stream = client.add("r1", 0)  # CountdownEngine refuses a count below 1
+            with pytest.raises(RequestError):
+                stream.collect()
+            assert metrics.observe(stream, "s") is None
+            with pytest.raises(KeyError, match="is reported as 'nope'"):
+                metrics.observe(stream, "nope")
 
     def test_a_label_is_taken_once_and_can_be_removed(self) -> None:
         metrics = StageCollector()

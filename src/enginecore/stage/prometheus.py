@@ -607,7 +607,12 @@ class StageCollector(Collector):
         :attr:`~enginecore.stage.StreamTimings.time_to_first_output`), or the time in
         seconds (>= 0 and finite: :class:`ValueError` otherwise, :class:`TypeError` for a
         non-number), for a consumer that times requests itself. Call it once per request,
-        from any thread, typically when its stream ends (once more counts it twice)."""
+        from any thread, typically when its stream ends (once more counts it twice).
+        :class:`KeyError` if *stage* is not reported, whether or not there is a time."""
+        try:
+            h = self._reported[stage].ttft
+        except KeyError:
+            raise KeyError(f"no stage or pipeline is reported as {stage!r}") from None
         if isinstance(stream, (RequestStream, AsyncRequestStream)):
             arrivals = stream._arrivals
             if not arrivals:
@@ -620,10 +625,6 @@ class StageCollector(Collector):
             raise ValueError(f"observe() takes seconds >= 0 and finite, got {stream!r}")
         else:
             seconds = float(stream)
-        try:
-            h = self._reported[stage].ttft
-        except KeyError:
-            raise KeyError(f"no stage or pipeline is reported as {stage!r}") from None
         with h.lock:
             h.counts[bisect_left(self._ttft_bounds, seconds)] += 1
             h.sum += seconds
@@ -824,6 +825,7 @@ class MetricsServer:
     """A running ``/metrics`` endpoint, from :func:`start_metrics_server`."""
 
     host: str
+    """The bound address, as the server reports it."""
     port: int
     """The bound port (the one picked, for port 0)."""
     _httpd: WSGIServer
@@ -831,6 +833,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
+        """``http://HOST:PORT/metrics`` (an IPv6 host in brackets): what ``serve`` prints."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/metrics"
 
