@@ -481,16 +481,19 @@ def _sigint_held() -> Iterator[None]:
     not yet known (an orphan); so there the handler is swapped for one that notes the
     signal, and the real one is called once the start is over (``default_int_handler``:
     ``KeyboardInterrupt``, out of this block). Elsewhere a Ctrl-C is the main thread's.
+    The same goes for a Python handler of SIGTERM (a program that turns it into an
+    exception, as the benchmarks' ``run_main`` does: the child read half its start-up
+    data and printed an ``EOFError``); SIGTERM is not masked, as it is no terminal's.
     """
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler: Any = None
-    caught: list[Any] = []
+    handlers: dict[signal.Signals, Any] = {}
+    caught: list[tuple[int, Any]] = []
     if threading.current_thread() is threading.main_thread():
-        handler = signal.getsignal(signal.SIGINT)
-        if callable(handler):
-            signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-        else:
-            handler = None  # SIG_IGN or SIG_DFL: nothing to hold back
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(signum)
+            if callable(handler):  # not SIG_IGN or SIG_DFL: nothing to hold back then
+                handlers[signum] = handler
+                signal.signal(signum, lambda num, frame: caught.append((num, frame)))
     try:
         yield
     finally:
@@ -498,10 +501,10 @@ def _sigint_held() -> Iterator[None]:
             # A SIGINT pending on this thread is delivered now, to the noting handler.
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         finally:
-            if handler is not None:
-                signal.signal(signal.SIGINT, handler)
-                if caught:
-                    handler(signal.SIGINT, caught[0])
+            for held, handler in handlers.items():
+                signal.signal(held, handler)
+            for num, frame in caught:  # in their order; the first to raise ends it
+                handlers[signal.Signals(num)](num, frame)
 
 
 def _read_report(launched: Launched) -> tuple[Any, ...] | None:
