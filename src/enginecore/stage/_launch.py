@@ -172,16 +172,18 @@ class Launched:
     def release(self) -> None:
         """After the process has exited: close the pipe, remove the ipc dir, let the log
         thread finish with the stage's records. Idempotent, and safe from two threads at
-        once (a reaper thread and the exit hook): only the first call does it."""
+        once (a reaper thread and the exit hook): the first does it, under :attr:`lock`,
+        and a second returns once it is done (the exit hook must not find the files still
+        there)."""
         with self.lock:
             if self._released:
                 return
             self._released = True
-        self.conn.close()
-        if self.logs is not None:
-            self.logs.release()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
-        _live.discard(self)
+            self.conn.close()
+            if self.logs is not None:
+                self.logs.release()
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            _live.discard(self)
 
     def kill_and_clean(self) -> None:
         """SIGKILL the process if alive, reap it, close the pipe, remove the ipc dir."""
