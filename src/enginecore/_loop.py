@@ -72,6 +72,7 @@ Statistics:
 from __future__ import annotations
 
 import contextlib
+import dis
 import logging
 import os
 import queue
@@ -142,6 +143,48 @@ def _outputs_not_iterable(exc: BaseException, method: str) -> BaseException:
             named.__cause__ = exc
             return named.with_traceback(tb)
     return exc
+
+
+_TRUTH_TESTS = frozenset(
+    op
+    for name, op in dis.opmap.items()
+    if name in {"TO_BOOL", "UNARY_NOT"} or "_IF_FALSE" in name or "_IF_TRUE" in name
+)
+"""The opcodes that test a value's truth (they differ between Python versions)."""
+
+
+def _has_work_not_bool(exc: BaseException, has_work: Callable[[], object]) -> BaseException:
+    """*exc*, or, if it was raised by the loop's own truth test of what ``has_work()``
+    returned (an object with no truth value: a numpy array of several elements), a
+    ``TypeError`` that names ``has_work`` and the result's type, chained to it.
+
+    Told apart on the fatal path only: the loop's frame (the first of the traceback) was at
+    a truth test, and the only value of the engine's that a run loop tests is ``has_work()``'s
+    result (the loop's other tests are of its own ints, flags and containers). One raised
+    inside ``has_work`` leaves the loop's frame at the call instead. The result is gone by
+    then: its type is learnt from one more ``has_work()`` call, and left out if that fails.
+    """
+    tb = exc.__traceback__
+    if not isinstance(exc, Exception) or tb is None:
+        return exc
+    code = tb.tb_frame.f_code.co_code
+    if not 0 <= tb.tb_lasti < len(code) or code[tb.tb_lasti] not in _TRUTH_TESTS:
+        return exc
+    try:
+        kind = type(has_work())
+    except Exception:
+        what = "its result "
+    else:
+        name = kind.__qualname__
+        if kind.__module__ != "builtins":
+            name = f"{kind.__module__}.{name}"
+        what = f"its result, a {name}, "
+    named = TypeError(
+        f"engine.has_work() must return a bool: {what}has no truth value "
+        f"({type(exc).__name__}: {str_or_nothing(exc)})"
+    )
+    named.__cause__ = exc
+    return named.with_traceback(tb)
 
 
 class _Deferred:
@@ -606,7 +649,7 @@ class EngineCoreLoop:
             self._end_input()
         except BaseException as exc:
             timer.flush(block, done, t0, outs)
-            self._die(_outputs_not_iterable(exc, "step"))
+            self._die(_has_work_not_bool(_outputs_not_iterable(exc, "step"), has_work))
             if not isinstance(exc, Exception):
                 raise
             return
@@ -691,7 +734,7 @@ class EngineCoreLoop:
                     self._cancel(inflight)
             finally:
                 # Even if a cancel() raised KeyboardInterrupt: the fatal event goes out.
-                self._die(_outputs_not_iterable(exc, "collect"))
+                self._die(_has_work_not_bool(_outputs_not_iterable(exc, "collect"), has_work))
             if not isinstance(exc, Exception):
                 raise
             return
