@@ -1661,6 +1661,41 @@ class TestRule17AnEndCutShort:
         assert events == [_ended(2), _ended(3), ("fatal", repr(exc_type("emit")))]
 
 
+class TestRule17FuturesDoneAfterTheEnd:
+    """Rule 17, on both loops: a deferred utility's future still pending when the loop ends
+    is answered with a ``LoopEndedError``; completed later, it queues nothing on the loop's
+    input queue, which nobody reads any more (not even when it completes while the end is
+    answering it), and its caller gets no second answer."""
+
+    @LOOPS
+    @pytest.mark.parametrize("done", ["after-the-end", "while-the-end-answers"])
+    def test_a_late_future_queues_nothing(self, kind: str, depth: int, done: str) -> None:
+        fut: Future[Any] = Future()
+        ended = (
+            "utility",
+            1,
+            None,
+            repr(LoopEndedError("the engine loop ended before utility 'f' (call 1) completed")),
+        )
+        log = EventLog()
+
+        def emit(event: Any) -> None:
+            log(event)
+            if done == "while-the-end-answers" and event == ended:
+                fut.set_result("too late")  # its callback runs here, on the loop's thread
+
+        engine = _engine_for(kind)
+        engine.utility = lambda name, args: fut  # type: ignore[method-assign]
+        loop = EngineCoreLoop(engine, emit, pipeline_depth=depth)
+        loop.submit_many([Utility(1, "f", ()), _Record([], EngineCoreLoop.request_shutdown)])
+        loop.run()
+        if done == "after-the-end":
+            fut.set_result("too late")
+        assert log.events == [ended, ("shutdown",)]
+        # Nothing but the Wakeup of the control's request_shutdown(), after the last drain.
+        assert [m for m in loop.input_queue.queue if not isinstance(m, Wakeup)] == []
+
+
 class TestRule17UtilitiesLeftOfAFailedDrain:
     """Rules 8 and 17, on both loops: a fatal error in the middle of a drain leaves the
     rest of that drain unapplied; each ``Utility`` among it is answered with a
