@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import random
 import time
+from collections.abc import Callable
 from typing import Any, Final, cast
 
 from enginecore.stage import (
@@ -73,8 +74,12 @@ class AbortConfig:
         self.stall_s = stall_s  # no event for this long while requests are live: a stall
 
 
-def run_abort(cfg: AbortConfig) -> PhaseReport:
-    """Run the phase; its report (``report.ok``)."""
+def run_abort(
+    cfg: AbortConfig, on_interrupt: Callable[[PhaseReport], None] | None = None
+) -> PhaseReport:
+    """Run the phase; its report (``report.ok``). Stopped by a ``KeyboardInterrupt``
+    (Ctrl-C, or SIGTERM through ``run_main``), it gives *on_interrupt* the report of what
+    it counted so far (:meth:`PhaseReport.interrupt`), then lets the interrupt go on."""
     r = PhaseReport(f"abort: {cfg.requests:,} requests, {cfg.abort_share:.0%} aborted")
     n = cfg.requests
     rng = random.Random(cfg.seed)
@@ -217,6 +222,14 @@ def run_abort(cfg: AbortConfig) -> PhaseReport:
     except EngineDeadError as exc:
         died = str(exc)
         remaining = stage_live = None
+    except KeyboardInterrupt:
+        counts["sent"] = sent
+        counts["ended (finished or aborted)"] = done
+        counts["outputs checked"] = outputs
+        r.interrupt()
+        if on_interrupt is not None:
+            on_interrupt(r)
+        raise
     finally:
         client.close()
         code = client.exit_code if code is None else code

@@ -87,6 +87,12 @@ class Report:
         with self._lock:
             self.events.append(f"{time.monotonic() - self._t0:7.3f} s: {what}")
 
+    def note_restarts(self, name: str, restarts: int) -> None:
+        """How many times *name* (a pool's replica, a pipeline's stage) was restarted, all
+        told: noted as a replica leaves the pool, and for the others after the chaos."""
+        with self._lock:
+            self.restarts[name] = restarts
+
     def count(self, counter: collections.Counter[str], key: str) -> None:
         with self._lock:
             counter[key] += 1

@@ -50,6 +50,7 @@ class PhaseReport:
         self.notes: list[str] = []
         self.started = time.monotonic()
         self.elapsed = 0.0
+        self.interrupted = False
 
     def violation(self, kind: str, example: str) -> None:
         """Record one violated expectation of kind *kind*."""
@@ -74,20 +75,28 @@ class PhaseReport:
             not self.violations,
         )
 
+    def interrupt(self) -> None:
+        """The phase was stopped (Ctrl-C, SIGTERM) before its end: :meth:`render` shows
+        what it counted so far, without a verdict."""
+        self.elapsed = time.monotonic() - self.started
+        self.interrupted = True
+
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
+        return not self.interrupted and all(c.ok for c in self.checks)
 
     def render(self) -> str:
-        lines = [f"## {self.name}: {'PASS' if self.ok else 'FAIL'} ({self.elapsed:.1f} s)", ""]
-        width = max((len(c.expectation) for c in self.checks), default=10)
-        lines.append(f"| {'expectation':<{width}} | result | measured |")
-        lines.append(f"|{'-' * (width + 2)}|--------|----------|")
-        for c in self.checks:
-            verdict = "PASS" if c.ok else "FAIL"
-            lines.append(f"| {c.expectation:<{width}} | {verdict:<6} | {c.measured} |")
-        if self.counts:
+        verdict = "INTERRUPTED, no verdict" if self.interrupted else "PASS" if self.ok else "FAIL"
+        lines = [f"## {self.name}: {verdict} ({self.elapsed:.1f} s)", ""]
+        if self.checks:
+            width = max(len(c.expectation) for c in self.checks)
+            lines.append(f"| {'expectation':<{width}} | result | measured |")
+            lines.append(f"|{'-' * (width + 2)}|--------|----------|")
+            for c in self.checks:
+                verdict = "PASS" if c.ok else "FAIL"
+                lines.append(f"| {c.expectation:<{width}} | {verdict:<6} | {c.measured} |")
             lines.append("")
+        if self.counts:
             lines.append(
                 "counts: " + ", ".join(f"{k} {v:,}" for k, v in sorted(self.counts.items()))
             )

@@ -208,7 +208,11 @@ class _View(Protocol):
     def run_wave(self, n: int, timeout: float) -> list[list[Any] | Exception]: ...
     def in_flight(self) -> int: ...
     def held(self) -> dict[Any, Any]: ...
-    def restarts(self) -> dict[str, int]: ...
+    def restarts(self) -> dict[str, int]:
+        """The restarts of the replicas still in the pool (the membership changer noted
+        those of the replicas it removed)."""
+        ...
+
     def note_pids(self) -> None: ...
 
 
@@ -233,7 +237,8 @@ def _settle(view: _View, cfg: Config, report: Report) -> None:
     for replica, held in view.held().items():
         if held != 0:
             report.problem(f"replica {replica} still holds requests: {held!r}")
-    report.restarts = view.restarts()
+    for name, restarts in view.restarts().items():
+        report.note_restarts(name, restarts)
     view.note_pids()
 
 
@@ -276,7 +281,10 @@ def _run_sync(cfg: Config, report: Report) -> None:
                 _add(pool, cfg)
 
             def shrink(self, replica: Any) -> None:
-                pool.remove_replica(replica, drain=True, timeout=cfg.deadline)
+                try:
+                    pool.remove_replica(replica, drain=True, timeout=cfg.deadline)
+                finally:  # if it is still in the pool, the count after the chaos wins
+                    report.note_restarts(replica.name, replica.restarts)
 
             def replicas(self) -> list[Any]:
                 return list(pool.replicas)
@@ -335,7 +343,10 @@ async def _run_async(cfg: Config, report: Report) -> None:
                 on_loop(_add(pool, cfg))
 
             def shrink(self, replica: Any) -> None:
-                on_loop(pool.remove_replica(replica, drain=True, timeout=cfg.deadline))
+                try:
+                    on_loop(pool.remove_replica(replica, drain=True, timeout=cfg.deadline))
+                finally:  # if it is still in the pool, the count after the chaos wins
+                    report.note_restarts(replica.name, on_loop(read(lambda: replica.restarts)))
 
             def replicas(self) -> list[Any]:
                 return on_loop(read(lambda: list(pool.replicas)))

@@ -53,7 +53,8 @@ def run(
     on_report: Callable[[PhaseReport], None] | None = None,
 ) -> list[PhaseReport]:
     """Run the phases whose count is not 0; their reports, each also given to *on_report*
-    as soon as its phase ends."""
+    as soon as its phase ends (phase 2's also if Ctrl-C stops it: what it counted so far,
+    without a verdict, before the interrupt goes on)."""
     reports = []
     if adds:
         cfg = FuzzConfig(adds=adds, seed=seed, handovers=handovers, poisons=poisons)
@@ -63,7 +64,8 @@ def run(
     if requests:
         reports.append(
             run_abort(
-                AbortConfig(requests=requests, seed=seed, abort_share=abort_share, warmup=warmup)
+                AbortConfig(requests=requests, seed=seed, abort_share=abort_share, warmup=warmup),
+                on_interrupt=on_report,
             )
         )
         if on_report is not None:
@@ -141,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def show(report: PhaseReport) -> None:
         # Each phase's table as soon as it ends: a run stopped by Ctrl-C in phase 2 still
-        # shows phase 1's.
+        # shows phase 1's, and phase 2's counts so far.
         print()
         print(report.render(), flush=True)
         shown.append(report)

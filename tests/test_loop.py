@@ -1178,6 +1178,64 @@ class TestRule8StepOutputsNotIterable:
         assert log.events == [("fatal", repr(TypeError("'NoneType' object is not iterable")))]
 
 
+class _NoTruthValue:
+    """Has no truth value: ``bool()`` of it raises, as of a numpy array of several elements."""
+
+    def __bool__(self) -> bool:
+        raise ValueError("the truth value of this is ambiguous")
+
+
+class TestRule8HasWorkWithoutATruthValue:
+    """A ``has_work()`` whose result has no truth value (a numpy array of several elements)
+    is fatal with an error that names ``has_work`` and the result's type, not only the
+    truth test's own error, which names neither."""
+
+    @LOOPS
+    @pytest.mark.parametrize("returned", ["numpy", "python"])
+    def test_the_fatal_error_names_has_work_and_the_type(
+        self, kind: str, depth: int, returned: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        if returned == "numpy":
+            np = pytest.importorskip("numpy")
+            result: Any = np.array([True, False])
+            type_name, cause = "numpy.ndarray", ValueError
+        else:
+            result, type_name, cause = _NoTruthValue(), f"{__name__}._NoTruthValue", ValueError
+        engine = _engine_for(kind)
+        engine.has_work = lambda: result  # type: ignore[method-assign]
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        with caplog.at_level(logging.ERROR, logger="enginecore"):
+            LoopThread(loop).start().join()
+        assert len(log.events) == 1
+        assert log.events[0][0] == "fatal"
+        text = log.events[0][1]
+        assert text.startswith("TypeError(")
+        assert "engine.has_work() must return a bool" in text
+        assert type_name in text
+        assert cause.__name__ in text
+        # The log's traceback keeps the truth test's own error, as the cause.
+        (record,) = [r for r in caplog.records if r.exc_info]
+        assert record.exc_info is not None
+        assert isinstance(record.exc_info[1], TypeError)
+        assert isinstance(record.exc_info[1].__cause__, cause)
+
+    @LOOPS
+    def test_an_error_raised_inside_has_work_is_left_as_it_is(self, kind: str, depth: int) -> None:
+        engine = _engine_for(kind)
+
+        def bad() -> bool:
+            return bool(_NoTruthValue())
+
+        engine.has_work = bad  # type: ignore[method-assign]
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+        loop.submit(Add("a", 2))
+        LoopThread(loop).start().join()
+        assert log.events == [("fatal", repr(ValueError("the truth value of this is ambiguous")))]
+
+
 class _DividedCancelled:
     """``x / 1`` raises :class:`asyncio.CancelledError`, a ``BaseException`` that is not an
     ``Exception`` (a utility that runs ``asyncio.run()`` on a task that was cancelled)."""
@@ -1601,6 +1659,41 @@ class TestRule17AnEndCutShort:
             loop.run()
         assert failed == [_ended(1)]
         assert events == [_ended(2), _ended(3), ("fatal", repr(exc_type("emit")))]
+
+
+class TestRule17FuturesDoneAfterTheEnd:
+    """Rule 17, on both loops: a deferred utility's future still pending when the loop ends
+    is answered with a ``LoopEndedError``; completed later, it queues nothing on the loop's
+    input queue, which nobody reads any more (not even when it completes while the end is
+    answering it), and its caller gets no second answer."""
+
+    @LOOPS
+    @pytest.mark.parametrize("done", ["after-the-end", "while-the-end-answers"])
+    def test_a_late_future_queues_nothing(self, kind: str, depth: int, done: str) -> None:
+        fut: Future[Any] = Future()
+        ended = (
+            "utility",
+            1,
+            None,
+            repr(LoopEndedError("the engine loop ended before utility 'f' (call 1) completed")),
+        )
+        log = EventLog()
+
+        def emit(event: Any) -> None:
+            log(event)
+            if done == "while-the-end-answers" and event == ended:
+                fut.set_result("too late")  # its callback runs here, on the loop's thread
+
+        engine = _engine_for(kind)
+        engine.utility = lambda name, args: fut  # type: ignore[method-assign]
+        loop = EngineCoreLoop(engine, emit, pipeline_depth=depth)
+        loop.submit_many([Utility(1, "f", ()), _Record([], EngineCoreLoop.request_shutdown)])
+        loop.run()
+        if done == "after-the-end":
+            fut.set_result("too late")
+        assert log.events == [ended, ("shutdown",)]
+        # Nothing but the Wakeup of the control's request_shutdown(), after the last drain.
+        assert [m for m in loop.input_queue.queue if not isinstance(m, Wakeup)] == []
 
 
 class TestRule17UtilitiesLeftOfAFailedDrain:

@@ -639,7 +639,8 @@ class TestRule17DeferredUtilities:
             )
         assert [e for e in log.events if e[:2] == ("utility", n)] == [("utility", n, "ok", None)]
         assert log.events[-1] == ("shutdown",)
-        # A future completed after the end: its callback queues a message nobody reads.
+        # A future completed after the end: no second answer (nor a message queued:
+        # TestRule17FuturesDoneAfterTheEnd).
         engine.futures[0].set_result("too late")
         assert log.events[-1] == ("shutdown",)
         assert sum(1 for e in log.events if e[:2] == ("utility", 0)) == 1

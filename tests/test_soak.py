@@ -145,6 +145,36 @@ def test_ctrl_c_in_phase_2_still_shows_phase_1s_report(
     assert captured.err.rstrip().endswith("interrupted (Ctrl-C)")
 
 
+@pytest.mark.usefixtures("no_leftovers")
+def test_ctrl_c_in_the_middle_of_phase_2_shows_its_counts_so_far(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Ctrl-C while the abort phase runs (here, at its client's 20th wait for events): the
+    # report showed nothing of phase 2, however long it had run.
+    from enginecore.stage import StageClient
+
+    get_events = StageClient.get_events
+    waits = [0]
+
+    def interrupted(self: StageClient, timeout: float | None = None) -> Any:
+        waits[0] += 1
+        if waits[0] == 20:
+            raise KeyboardInterrupt
+        return get_events(self, timeout)
+
+    monkeypatch.setattr(StageClient, "get_events", interrupted)
+    assert run_main(soak_stage.main, ["--adds", "0", "--requests", "100000"]) == 130
+    captured = capsys.readouterr()
+    assert "## abort: 100,000 requests, 30% aborted: INTERRUPTED, no verdict" in captured.out
+    counts = re.search(r"^counts: (.*)$", captured.out, re.MULTILINE)
+    assert counts is not None, captured.out
+    sent = re.search(r"sent ([0-9,]+)", counts[1])
+    assert sent is not None, counts[1]
+    assert int(sent[1].replace(",", "")) > 0, counts[1]
+    assert "outputs checked" in counts[1], counts[1]
+    assert captured.err.rstrip().endswith("interrupted (Ctrl-C)")
+
+
 def test_a_duplicate_the_engine_refused_is_not_counted_as_refused_by_the_stage() -> None:
     # A duplicate id that reached the engine (its "already live in the engine" came back)
     # is a violation, and the duplicates row must not count it as refused by the stage: it

@@ -72,6 +72,7 @@ Statistics:
 from __future__ import annotations
 
 import contextlib
+import dis
 import logging
 import os
 import queue
@@ -144,6 +145,48 @@ def _outputs_not_iterable(exc: BaseException, method: str) -> BaseException:
     return exc
 
 
+_TRUTH_TESTS = frozenset(
+    op
+    for name, op in dis.opmap.items()
+    if name in {"TO_BOOL", "UNARY_NOT"} or "_IF_FALSE" in name or "_IF_TRUE" in name
+)
+"""The opcodes that test a value's truth (they differ between Python versions)."""
+
+
+def _has_work_not_bool(exc: BaseException, has_work: Callable[[], object]) -> BaseException:
+    """*exc*, or, if it was raised by the loop's own truth test of what ``has_work()``
+    returned (an object with no truth value: a numpy array of several elements), a
+    ``TypeError`` that names ``has_work`` and the result's type, chained to it.
+
+    Told apart on the fatal path only: the loop's frame (the first of the traceback) was at
+    a truth test, and the only value of the engine's that a run loop tests is ``has_work()``'s
+    result (the loop's other tests are of its own ints, flags and containers). One raised
+    inside ``has_work`` leaves the loop's frame at the call instead. The result is gone by
+    then: its type is learnt from one more ``has_work()`` call, and left out if that fails.
+    """
+    tb = exc.__traceback__
+    if not isinstance(exc, Exception) or tb is None:
+        return exc
+    code = tb.tb_frame.f_code.co_code
+    if not 0 <= tb.tb_lasti < len(code) or code[tb.tb_lasti] not in _TRUTH_TESTS:
+        return exc
+    try:
+        kind = type(has_work())
+    except Exception:
+        what = "its result "
+    else:
+        name = kind.__qualname__
+        if kind.__module__ != "builtins":
+            name = f"{kind.__module__}.{name}"
+        what = f"its result, a {name}, "
+    named = TypeError(
+        f"engine.has_work() must return a bool: {what}has no truth value "
+        f"({type(exc).__name__}: {str_or_nothing(exc)})"
+    )
+    named.__cause__ = exc
+    return named.with_traceback(tb)
+
+
 class _Deferred:
     """A deferred utility call: its ``Utility`` message's id and name, and the future.
 
@@ -151,25 +194,34 @@ class _Deferred:
     future's done-callback it puts itself on the queue (from whichever thread completed the
     future, or from the loop's own thread if the future was already done), and the loop
     answers the call when it applies it, in order with everything else. Hashed by identity:
-    the loop keeps the pending ones in a dict, so each call is answered once.
+    the loop keeps the pending ones in a dict, so each call is answered once. Once the loop
+    has ended it (:meth:`EngineCoreLoop._abandon_deferred`, under the queue's mutex), the
+    callback queues nothing: nobody reads the queue any more.
     """
 
-    __slots__ = ("call_id", "future", "name", "put")
+    __slots__ = ("abandoned", "call_id", "future", "name", "queue")
 
-    def __init__(
-        self, call_id: int, name: str, future: Future[Any], put: Callable[[Any], object]
-    ) -> None:
+    def __init__(self, call_id: int, name: str, future: Future[Any], q: queue.Queue[Any]) -> None:
         self.call_id = call_id
         self.name = name
         self.future = future
-        self.put = put
+        self.queue = q
+        self.abandoned = False
 
     def __call__(self, future: Future[Any]) -> None:
-        # The done-callback. Queue.put: the same path as a producer's message, so it also
-        # wakes a loop blocked in get(). Never called with input_queue.mutex held: the
-        # loop's own code holds it only to snapshot the deque, and a queue subclass's get()
-        # (the stage's) holds it only for its own bookkeeping; neither completes a future.
-        self.put(self)
+        # The done-callback. What Queue.put does (the queue is unbounded; a put wakes a loop
+        # blocked in get()), plus the check, under the mutex as submit()'s is, so that the
+        # message either lands before the loop abandons the call or not at all. Never
+        # called with the mutex held: the loop's own code holds it only to snapshot or end
+        # the deque, and a queue subclass's get() (the stage's) holds it only for its own
+        # bookkeeping; none of them completes a future.
+        q = self.queue
+        with q.mutex:
+            if self.abandoned:
+                return
+            q.queue.append(self)
+            q.unfinished_tasks += 1
+            q.not_empty.notify()
 
     def answer(self) -> UtilityEvent:
         """The ``"utility"`` event for the done future. Never blocks."""
@@ -606,7 +658,7 @@ class EngineCoreLoop:
             self._end_input()
         except BaseException as exc:
             timer.flush(block, done, t0, outs)
-            self._die(_outputs_not_iterable(exc, "step"))
+            self._die(_has_work_not_bool(_outputs_not_iterable(exc, "step"), has_work))
             if not isinstance(exc, Exception):
                 raise
             return
@@ -691,7 +743,7 @@ class EngineCoreLoop:
                     self._cancel(inflight)
             finally:
                 # Even if a cancel() raised KeyboardInterrupt: the fatal event goes out.
-                self._die(_outputs_not_iterable(exc, "collect"))
+                self._die(_has_work_not_bool(_outputs_not_iterable(exc, "collect"), has_work))
             if not isinstance(exc, Exception):
                 raise
             return
@@ -812,7 +864,7 @@ class EngineCoreLoop:
         self._emit(event)
 
     def _defer(self, msg: Utility, future: Future[Any]) -> None:
-        call = _Deferred(msg.call_id, msg.name, future, self.input_queue.put)
+        call = _Deferred(msg.call_id, msg.name, future, self.input_queue)
         if future.done():
             # Answered now, exactly where a plain result would have been.
             self._emit(self._answer(call))
@@ -836,9 +888,20 @@ class EngineCoreLoop:
     def _abandon_deferred(self) -> None:
         # The loop ends: answer every pending deferred call, in the order they were made.
         # A future that is done (its callback's message not drained yet) gets its real
-        # answer; one still pending gets a LoopEndedError. Its callback may still fire later:
-        # it puts a message on a queue nobody reads, which is harmless.
+        # answer; one still pending gets a LoopEndedError. First, under the mutex, every
+        # call is marked abandoned and the messages of those already done leave the queue:
+        # a callback that fires from here on (another thread's, or the loop's own while an
+        # answer is emitted) queues nothing on a queue nobody will read.
         deferred = self._deferred
+        q = self.input_queue
+        with q.mutex:
+            for call in deferred:
+                call.abandoned = True
+            pending = q.queue
+            if any(msg.__class__ is _Deferred for msg in pending):
+                rest = [msg for msg in pending if msg.__class__ is not _Deferred]
+                pending.clear()
+                pending.extend(rest)
         while deferred:
             call = next(iter(deferred))
             del deferred[call]

@@ -166,6 +166,20 @@ class _Stderr:
                 self.text += chunk.decode()
         return self.text
 
+    def line(self, text: str, timeout: float = 10.0) -> str:
+        """The whole line that *text* is written in, once it is (read up to its end)."""
+        at = self.wait_for(text, timeout).index(text)
+        deadline = time.monotonic() + timeout
+        while "\n" not in self.text[at:]:
+            left = deadline - time.monotonic()
+            assert left > 0, f"the line of {text!r} never ended; the stage wrote {self.text!r}"
+            if select.select([self._fd], [], [], left)[0]:
+                chunk = os.read(self._fd, 65536)
+                assert chunk, f"stderr closed in the line of {text!r}: {self.text!r}"
+                self.text += chunk.decode()
+        start = self.text.rfind("\n", 0, at) + 1
+        return self.text[start : self.text.index("\n", at)]
+
 
 def test_sighup_rotates_the_authorized_keys(
     connect: Connect, keys: Keys, no_leftovers: str, tmp_path: Path
@@ -241,14 +255,16 @@ def test_a_connected_client_whose_key_is_removed_loses_its_session(
         # A rotation that keeps alice's key (mallory's added): she goes on.
         shutil.copy(keys.authorized.parent / "mallory" / "mallory.key", authorized)
         srv.proc.send_signal(signal.SIGHUP)
-        stderr.wait_for("3 keys (1 added, 0 removed)")
+        # No key removed: nobody was cut, and the log says none was (it said "were cut").
+        assert "cut" not in stderr.line("3 keys (1 added, 0 removed)")
         assert alice.call_utility("echo", 1, timeout=10) == [1]
         assert next(stream) < 99_999
 
         # A rotation that removes it: the stage cuts her session before it logs the reload.
         (authorized / "alice.key").unlink()
         srv.proc.send_signal(signal.SIGHUP)
-        stderr.wait_for("2 keys (0 added, 1 removed)")
+        line = stderr.line("2 keys (0 added, 1 removed)")
+        assert line.endswith("clients cut (connected with a removed key): 1"), line
         key = keys.alice.public_key.decode()
         assert f"CURVE key {key} is no longer authorized" in stderr.text
         revoked = f"no longer authorizes this client's CURVE public key {key}"
@@ -265,6 +281,12 @@ def test_a_connected_client_whose_key_is_removed_loses_its_session(
         assert bob.call_utility("log") == ["add long", "abort long", "add b"]
         with pytest.raises(AuthenticationError, match="not among the stage's authorized"):
             connect(srv.address, curve=keys.alice, timeout=5)  # a new connection: refused
+
+        # A key removed that no connected client used (mallory's): nobody was cut.
+        (authorized / "mallory.key").unlink()
+        srv.proc.send_signal(signal.SIGHUP)
+        assert "cut" not in stderr.line("1 keys (0 added, 1 removed)")
+        assert bob.call_utility("echo", 3, timeout=10) == [3]
     finally:
         assert srv.stop() == 0
         assert srv.proc.stderr is not None

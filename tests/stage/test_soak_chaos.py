@@ -44,6 +44,10 @@ def test_a_short_pool_soak_under_kills_freezes_and_membership_changes(kind: str)
     assert sum(report.kills.values()) >= 3, report.kills
     assert report.membership["added"] >= 1, report.membership
     assert report.membership["removed"] >= 1, report.membership
+    # Every replica's restarts, the removed ones' too (only those still in the pool were
+    # counted): the pool names them r0, r1, ... in the order it adds them.
+    added = cfg.replicas + report.membership["added"]
+    assert set(report.restarts) == {f"r{i}" for i in range(added)}, report.restarts
     assert report.ends["finished"] > 100, report.ends
     assert report.ends["aborted"] > 0, report.ends
     assert report.pids

@@ -423,6 +423,9 @@ class KeyWatch:
         self._known: dict[bytes, str] = {}  # routing id -> the last key admit() read for it
         self.swept = auth.generation
         """The last generation of keys :meth:`sweep` applied."""
+        self.cut = 0
+        """How many sessions the sweeps ended, all told (peers of a removed key that had
+        one); read under the condition, as :attr:`swept` is."""
         self._cond = threading.Condition()
         self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         auth.on_change(self._wake)
@@ -471,9 +474,10 @@ class KeyWatch:
         self.allowed[ident] = key
         return None
 
-    def sweep(self) -> list[tuple[bytes, str]]:
-        """Apply the current keys: the peers whose key was removed, as ``(routing id,
-        key)``, forgotten here. Empties the wake-up pipe."""
+    def sweep(self, revoke: Callable[[bytes, str], bool]) -> None:
+        """Apply the current keys: ``revoke(routing id, key)`` for each peer whose key was
+        removed (forgotten here), which says whether that peer had a session (counted in
+        :attr:`cut`); then the generation is :attr:`swept`. Empties the wake-up pipe."""
         with contextlib.suppress(OSError):
             os.read(self.wake_fd, 4096)
         generation = self._auth.generation
@@ -483,22 +487,31 @@ class KeyWatch:
         for ident, _ in revoked:
             del known[ident]
             self.allowed.pop(ident, None)
+        # Before the generation counts as swept: whoever waits for it (authorize(), the
+        # SIGHUP reload's log) sees these sessions ended, and counted.
+        cut = sum(1 for ident, key in revoked if revoke(ident, key))
         with self._cond:
+            self.cut += cut
             self.swept = generation
             self._cond.notify_all()
-        return revoked
 
-    def wait_swept(self, generation: int, timeout: float, alive: Callable[[], bool]) -> bool:
+    def wait_swept(self, generation: int, timeout: float, alive: Callable[[], bool]) -> int | None:
         """Wait until :meth:`sweep` has applied *generation* (or a later one), at most
-        *timeout* seconds, and while *alive()*; whether it has."""
+        *timeout* seconds, and while *alive()*: :attr:`cut` then, or ``None`` if it has
+        not."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self.swept < generation:
                 left = deadline - time.monotonic()
                 if left <= 0 or not alive():
-                    return False
+                    return None
                 self._cond.wait(min(left, 0.1))
-        return True
+            return self.cut
+
+    def cut_now(self) -> int:
+        """:attr:`cut`, read under the condition."""
+        with self._cond:
+            return self.cut
 
     def close(self) -> None:
         """Close the wake-up pipe (once nobody polls it)."""

@@ -186,8 +186,7 @@ class Inbox:
             if keys.monitor in ready:  # a new connection: every peer's key is read again
                 keys.connected()
             if keys.stale or keys.wake_fd in ready:
-                for ident, key in keys.sweep():  # the keys changed: cut the removed keys' peers
-                    session.revoke(ident, key)
+                keys.sweep(session.revoke)  # the keys changed: cut the removed keys' peers
         if self.sock in ready:
             sock = self.sock
             receive = self._receive

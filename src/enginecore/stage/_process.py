@@ -478,7 +478,8 @@ class _KeyReload:
     As for :class:`_DrainFirst`, the signal handler only writes a byte to a pipe; a thread
     of its own reads the directory and swaps the keys, and logs what changed (a warning, so
     that it shows at the default level). A directory that cannot be read, or that lists no
-    key, is logged and changes nothing. :meth:`close` ends the thread.
+    key, is logged and changes nothing. :meth:`close` ends the thread. The log says how
+    many clients were cut only when some were.
     """
 
     def __init__(self, runtime: StageRuntime, curve: ServerCurve) -> None:
@@ -523,17 +524,23 @@ class _KeyReload:
             )
             return
         added, removed = len(keys - self._keys), len(self._keys - keys)
-        self._runtime.authorize(keys)
+        cut = self._runtime.authorize(keys)
         self._keys = keys
         self.reloads += 1
+        if cut is None:  # the input side was held up: it cuts them as soon as it is free
+            cuts = "; the clients connected with a removed key are cut at the input's next turn"
+        elif cut:
+            cuts = f"; clients cut (connected with a removed key): {cut}"
+        else:
+            cuts = ""
         logger.warning(
             "enginecore: SIGHUP: reloaded the authorized client keys from %s: %d keys "
-            "(%d added, %d removed); new connections are checked against them, and the "
-            "clients connected with a removed key were cut",
+            "(%d added, %d removed); new connections are checked against them%s",
             self._directory,
             len(keys),
             added,
             removed,
+            cuts,
         )
 
     def close(self) -> None:

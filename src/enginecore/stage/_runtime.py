@@ -460,7 +460,7 @@ class StageRuntime:
         process)."""
         return StageStatistics.from_wire(self._statistics())
 
-    def authorize(self, keys: Iterable[bytes | str]) -> None:
+    def authorize(self, keys: Iterable[bytes | str]) -> int | None:
         """With CURVE: admit *keys* (client public keys, Z85 text of 40 characters, ``bytes``
         or ``str``; :class:`ValueError` for another key, :class:`TypeError` for one key
         instead of a collection, before anything changes) from now on, instead of those
@@ -470,13 +470,18 @@ class StageRuntime:
         its live requests aborted, and it is told (a ``reject``: its client raises
         :class:`~enginecore.stage.SessionLostError`); its later messages are refused.
         While the stage runs, returns once the input side has done that (at most a few
-        seconds, while a long step holds the input side). :class:`RuntimeError` for a
-        stage without CURVE. Not from the loop's thread; any other, any time."""
+        seconds, while a long step holds the input side), with how many sessions it ended
+        (``None`` if it was not done in time: they are ended as soon as it is; 0 while the
+        stage does not run, with no session to end). :class:`RuntimeError` for a stage
+        without CURVE. Not from the loop's thread; any other, any time."""
         if self._auth is None or self._keys is None:
             raise RuntimeError("this stage does not use CURVE: it has no authorized keys")
+        before = self._keys.cut_now()
         generation = self._auth.authorize(keys)
-        if self._inbox.running and not self.finished.is_set():
-            self._keys.wait_swept(generation, _SWEEP_WAIT_S, alive=lambda: self._inbox.running)
+        if not self._inbox.running or self.finished.is_set():
+            return 0
+        cut = self._keys.wait_swept(generation, _SWEEP_WAIT_S, alive=lambda: self._inbox.running)
+        return None if cut is None else cut - before
 
     def request_drain(self, seconds: float) -> None:
         """Drain, then stop: as a client's ``shutdown`` with a drain of *seconds*, applied

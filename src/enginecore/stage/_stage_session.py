@@ -764,14 +764,16 @@ class StageSession:
         self.to_loop.append(SessionChange(None, abort=abort))
         self._tell_detached()
 
-    def revoke(self, ident: bytes, key: str) -> None:
+    def revoke(self, ident: bytes, key: str) -> bool:
         """*ident* connected with the CURVE key *key*, which the stage no longer authorizes
         (the input side's :class:`~._curve.KeyWatch` says so, at a message of it or at the
         change of the keys): its session ends as after a ``bye``, its live requests are
         aborted even on a stage that keeps them, a held ``hello`` of it is dropped, and it
         gets a ``reject`` (:func:`key_revoked`) that its client raises as
-        :class:`~enginecore.stage.SessionLostError`. Its message, if any, is dropped."""
-        if ident == self.client:
+        :class:`~enginecore.stage.SessionLostError`. Its message, if any, is dropped.
+        Whether it had a session (which ended)."""
+        ended = ident == self.client
+        if ended:
             self._end_session(abort=True)
             logger.warning(
                 "enginecore: ended the session of the client whose CURVE key %s is no longer "
@@ -786,6 +788,7 @@ class StageSession:
         elif self.held is not None and self.held.ident == ident:
             self.held = None
         self._reject(ident, key_revoked(key))
+        return ended
 
     def with_session(self) -> list[bytes]:
         """The routing ids of the peers that have a session (or a held ``hello``)."""
@@ -1151,9 +1154,10 @@ class MultiStageSession(StageSession):
         while len(lost_) > _LOST_REMEMBERED:
             del lost_[next(iter(lost_))]
 
-    def revoke(self, ident: bytes, key: str) -> None:
+    def revoke(self, ident: bytes, key: str) -> bool:
         """As :meth:`StageSession.revoke`: the client of *ident*, if attached, is detached
-        (its requests aborted, its output socket closed), and gets a ``reject``."""
+        (its requests aborted, its output socket closed), and gets a ``reject``. Whether it
+        was attached."""
         client = self.clients.get(ident)
         if client is not None:
             self._detach(
@@ -1161,6 +1165,7 @@ class MultiStageSession(StageSession):
             )
         self._lost.pop(ident, None)  # its later messages are revoked again, by their key
         self._reject(ident, key_revoked(key))
+        return client is not None
 
     def with_session(self) -> list[bytes]:
         """The routing ids of the attached clients."""
