@@ -267,6 +267,11 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
         ({"placement_group": "pg"}, TypeError, "placement_group must be a ray.util"),
         ({"runtime_env": ["pip"]}, TypeError, "runtime_env must be a mapping"),
         ({"bundle_index": 1.0}, TypeError, "bundle_index must be an int >= -1"),
+        # Ray's own refusals, which came only at the launch, as Ray's bare ValueError.
+        ({"resources": {"CPU": 1}}, ValueError, r"resources\['CPU'\]: give num_cpus"),
+        ({"resources": {"GPU": 1}}, ValueError, r"resources\['GPU'\]: give num_gpus"),
+        ({"num_cpus": 0.00001}, ValueError, "num_cpus must be 0 or at least 0.0001, got 1e-05"),
+        ({"resources": {"tts": 1e-5}}, ValueError, r"resources\['tts'\] must be 0 or at least"),
     ],
 )
 def test_a_placement_is_checked_when_it_is_made(
