@@ -230,6 +230,8 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
         launch_on_ray(COUNTDOWN, connect_timeout=60)
     with pytest.raises(TypeError, match="insecure must be a bool, got str"):
         launch_on_ray(COUNTDOWN, insecure="no")  # type: ignore[arg-type]  # was true: no CURVE
+    with pytest.raises(TypeError, match="ordered_events must be a bool, got str"):
+        launch_on_ray(COUNTDOWN, ordered_events="no")  # type: ignore[arg-type]  # was true
     with pytest.raises(TypeError, match="factory kwargs must be a dict, got list"):
         launch_on_ray(COUNTDOWN, [("n", 1)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="factory kwargs must be a dict, got str"):

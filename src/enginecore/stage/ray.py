@@ -849,6 +849,7 @@ def launch_on_ray(
     The client pings the stage every *heartbeat_interval* seconds and presumes it dead
     after *heartbeat_timeout* without a frame; the actor's death (``ray.kill``, a crash) is
     :class:`~enginecore.stage.EngineDeadError` within a second (``docs/ray.md``)."""
+    _clientbase.check_flag(ordered_events, "ordered_events")
     plan = RayPlan.make(
         factory,
         kwargs,
