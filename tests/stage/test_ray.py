@@ -350,6 +350,32 @@ def test_add_replica_on_ray_beside_a_launched_one() -> None:
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_ray_replica_refuses_a_ping_interval(kind: str) -> None:
+    # A Ray replica's liveness is its heartbeat: ping_interval= was taken and dropped, so a
+    # caller who asked for a faster check got none, without a word.
+    from enginecore.stage import AsyncStagePool
+
+    message = "a replica placed on Ray takes no ping_interval"
+    if kind == "sync":
+        pool = StagePool()
+        with pytest.raises(TypeError, match=message):
+            pool.add_replica(COUNTDOWN, ray=SMALL, ping_interval=0.2)
+        assert not pool.replicas
+        pool.close()
+    else:
+
+        async def main() -> None:
+            pool = AsyncStagePool()
+            with pytest.raises(TypeError, match=message):
+                await pool.add_replica(COUNTDOWN, ray=SMALL, ping_interval=0.2)
+            assert not pool.replicas
+            await pool.close()
+
+        asyncio.run(main())
+    assert no_actor_left()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_close_stops_a_ray_replica_s_placement_under_way(kind: str) -> None:
     # A placement Ray cannot satisfy waits out the startup timeout; a close stops that
     # wait: the add_replica raises StageClosedError at once and no actor is left (the

@@ -1234,7 +1234,6 @@ def plan_from_spec(spec: Mapping[str, Any], replica_name: str) -> RayPlan:
     placement = spec.pop("ray")
     factory = spec.pop("factory")
     kwargs = spec.pop("kwargs", None)
-    spec.pop("ping_interval", None)  # a Ray replica's liveness is its heartbeat
     base = spec.pop("name", None) or factory
     return RayPlan.make(factory, kwargs, placement=placement, name=f"{base}/{replica_name}", **spec)
 
