@@ -1017,6 +1017,11 @@ def test_a_stage_on_ray_with_your_own_keys_admits_the_listed_clients(own_keys: O
             pytest.raises(AuthenticationError, match="not among"),
         ):
             observer.stats(5)
+        # The refusal names the remedy for a stage on Ray too, not only serve's directory.
+        with pytest.raises(
+            AuthenticationError, match=r"placed on Ray: authorized_clients= or authorize_clients"
+        ):
+            StageClient.connect(client.address, curve=keys.mallory, timeout=5)
     assert no_actor_left()
 
 
