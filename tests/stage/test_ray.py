@@ -230,6 +230,8 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
         launch_on_ray(COUNTDOWN, connect_timeout=60)
     with pytest.raises(TypeError, match="insecure must be a bool, got str"):
         launch_on_ray(COUNTDOWN, insecure="no")  # type: ignore[arg-type]  # was true: no CURVE
+    with pytest.raises(TypeError, match="ordered_events must be a bool, got str"):
+        launch_on_ray(COUNTDOWN, ordered_events="no")  # type: ignore[arg-type]  # was true
     with pytest.raises(TypeError, match="factory kwargs must be a dict, got list"):
         launch_on_ray(COUNTDOWN, [("n", 1)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="factory kwargs must be a dict, got str"):
@@ -267,6 +269,11 @@ def test_bad_arguments_fail_before_anything_is_placed() -> None:
         ({"placement_group": "pg"}, TypeError, "placement_group must be a ray.util"),
         ({"runtime_env": ["pip"]}, TypeError, "runtime_env must be a mapping"),
         ({"bundle_index": 1.0}, TypeError, "bundle_index must be an int >= -1"),
+        # Ray's own refusals, which came only at the launch, as Ray's bare ValueError.
+        ({"resources": {"CPU": 1}}, ValueError, r"resources\['CPU'\]: give num_cpus"),
+        ({"resources": {"GPU": 1}}, ValueError, r"resources\['GPU'\]: give num_gpus"),
+        ({"num_cpus": 0.00001}, ValueError, "num_cpus must be 0 or at least 0.0001, got 1e-05"),
+        ({"resources": {"tts": 1e-5}}, ValueError, r"resources\['tts'\] must be 0 or at least"),
     ],
 )
 def test_a_placement_is_checked_when_it_is_made(
@@ -339,6 +346,32 @@ def test_add_replica_on_ray_beside_a_launched_one() -> None:
         assert replica.address.startswith("tcp://")
         assert pool.call_utility("div", 3, 4, replica=replica) == 0.75
         assert pool.remove_replica(replica) == 0
+    assert no_actor_left()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_ray_replica_refuses_a_ping_interval(kind: str) -> None:
+    # A Ray replica's liveness is its heartbeat: ping_interval= was taken and dropped, so a
+    # caller who asked for a faster check got none, without a word.
+    from enginecore.stage import AsyncStagePool
+
+    message = "a replica placed on Ray takes no ping_interval"
+    if kind == "sync":
+        pool = StagePool()
+        with pytest.raises(TypeError, match=message):
+            pool.add_replica(COUNTDOWN, ray=SMALL, ping_interval=0.2)
+        assert not pool.replicas
+        pool.close()
+    else:
+
+        async def main() -> None:
+            pool = AsyncStagePool()
+            with pytest.raises(TypeError, match=message):
+                await pool.add_replica(COUNTDOWN, ray=SMALL, ping_interval=0.2)
+            assert not pool.replicas
+            await pool.close()
+
+        asyncio.run(main())
     assert no_actor_left()
 
 
@@ -984,6 +1017,11 @@ def test_a_stage_on_ray_with_your_own_keys_admits_the_listed_clients(own_keys: O
             pytest.raises(AuthenticationError, match="not among"),
         ):
             observer.stats(5)
+        # The refusal names the remedy for a stage on Ray too, not only serve's directory.
+        with pytest.raises(
+            AuthenticationError, match=r"placed on Ray: authorized_clients= or authorize_clients"
+        ):
+            StageClient.connect(client.address, curve=keys.mallory, timeout=5)
     assert no_actor_left()
 
 

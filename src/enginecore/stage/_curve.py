@@ -590,7 +590,8 @@ class HandshakeWatch:
         return AuthenticationError(
             f"the stage at {self._address} refused this client's key (ZAP status {status}): "
             f"its public key {self._keys.public_key.decode()} is not among the stage's "
-            f"authorized clients (serve --authorized-clients DIR)"
+            f"authorized clients (serve --authorized-clients DIR; a stage placed on Ray: "
+            f"authorized_clients= or authorize_clients(), docs/ray.md)"
         )
 
     def _protocol(self, code: int) -> AuthenticationError:

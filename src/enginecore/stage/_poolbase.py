@@ -301,6 +301,11 @@ def replica_spec(
             "group= is for replicas the pool launches: it cannot start a connected one again"
         )
     if factory is not None:
+        if "ray" in options and "ping_interval" in options:  # it would go unused
+            raise TypeError(
+                "a replica placed on Ray takes no ping_interval: its liveness is its "
+                "heartbeat (heartbeat_interval=, heartbeat_timeout=)"
+            )
         check_launch_options(options)
         return {"factory": factory, "kwargs": kwargs, **options}
     if "ray" not in options:  # as StageClient.connect() checks them

@@ -100,13 +100,21 @@ def _import_ray() -> Any:
     return ray
 
 
+# The finest fraction of a resource Ray takes (its RESOURCE_UNIT_SCALING, 10000 in Ray 2.60):
+# a smaller amount other than 0 is Ray's ValueError at the actor's creation.
+_RESOURCE_UNIT: Final = 0.0001
+
+
 def _check_amount(value: object, what: str) -> None:
-    """A resource amount of a :class:`RayPlacement`: a finite number >= 0
-    (:class:`TypeError` for a non-number, a ``bool`` too; :class:`ValueError` else)."""
+    """A resource amount of a :class:`RayPlacement`: a finite number >= 0, and 0 or at
+    least :data:`_RESOURCE_UNIT` (:class:`TypeError` for a non-number, a ``bool`` too;
+    :class:`ValueError` else)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number >= 0, got {value!r}")
     if not 0 <= value < math.inf:
         raise ValueError(f"{what} must be a number >= 0, got {value!r}")
+    if 0 < value < _RESOURCE_UNIT:
+        raise ValueError(f"{what} must be 0 or at least {_RESOURCE_UNIT}, got {value!r}")
 
 
 _SHUT_DOWN: Final = "Ray was shut down in this process (ray.shutdown()); its actor went with it"
@@ -195,7 +203,8 @@ class RayPlacement:
     """Where and with what a stage's actor runs: Ray's actor options.
 
     *num_cpus*, *num_gpus* and *resources* (custom resources, e.g. ``{"node:10.0.0.5":
-    0.01}`` or your own labels) are reserved for the actor. With *placement_group* (a
+    0.01}`` or your own labels; not ``"CPU"`` or ``"GPU"``) are reserved for the actor:
+    each amount 0 or at least 0.0001 (Ray's unit). With *placement_group* (a
     ``ray.util.placement_group.PlacementGroup``), the actor goes into that group's bundle
     *bundle_index* (``-1``: any bundle); its resources then come from the bundle.
     *runtime_env* is passed to Ray as is. A placement that no node can satisfy keeps the
@@ -222,6 +231,11 @@ class RayPlacement:
             for name, amount in self.resources.items():
                 if not isinstance(name, str):
                     raise TypeError(f"a resource name must be a str, got {name!r}")
+                if name in ("CPU", "GPU"):  # Ray refuses them there, at the launch
+                    raise ValueError(
+                        f"resources[{name!r}]: give num_{name.lower()}s= instead (Ray takes "
+                        f"CPUs and GPUs only there)"
+                    )
                 _check_amount(amount, f"resources[{name!r}]")
         if self.runtime_env is not None and not isinstance(self.runtime_env, Mapping):
             raise TypeError(f"runtime_env must be a mapping, got {type(self.runtime_env).__name__}")
@@ -835,6 +849,7 @@ def launch_on_ray(
     The client pings the stage every *heartbeat_interval* seconds and presumes it dead
     after *heartbeat_timeout* without a frame; the actor's death (``ray.kill``, a crash) is
     :class:`~enginecore.stage.EngineDeadError` within a second (``docs/ray.md``)."""
+    _clientbase.check_flag(ordered_events, "ordered_events")
     plan = RayPlan.make(
         factory,
         kwargs,
@@ -1219,7 +1234,6 @@ def plan_from_spec(spec: Mapping[str, Any], replica_name: str) -> RayPlan:
     placement = spec.pop("ray")
     factory = spec.pop("factory")
     kwargs = spec.pop("kwargs", None)
-    spec.pop("ping_interval", None)  # a Ray replica's liveness is its heartbeat
     base = spec.pop("name", None) or factory
     return RayPlan.make(factory, kwargs, placement=placement, name=f"{base}/{replica_name}", **spec)
 
