@@ -1111,6 +1111,25 @@ def test_shutdown_with_drain_finishes_live_requests(launch: Open) -> None:
         assert s.collect(10)[-1] == 0
 
 
+def test_shutdown_reports_the_exit_code_of_the_stage_it_stopped(launch: Open) -> None:
+    # shutdown() returned a restarted replica's dead stage's exit code (-9), not that of
+    # the stage it stopped (0), and it listed a replica removed before it (one that had
+    # died), though not one removed while it served.
+    pool = launch(COUNTDOWN, replicas=4, restart=True)
+    restarted, died_removed, removed, kept = pool.replicas
+    old = cast(int, restarted.pid)
+    os.kill(old, signal.SIGKILL)
+    assert wait_until(
+        lambda: restarted.state is ReplicaState.SERVING and restarted.pid not in (None, old), 20
+    )
+    os.kill(cast(int, died_removed.pid), signal.SIGKILL)
+    assert wait_until(lambda: died_removed.state is not ReplicaState.SERVING, 20)
+    assert pool.remove_replica(died_removed) == -signal.SIGKILL
+    assert pool.remove_replica(removed) == 0
+    assert pool.shutdown() == {restarted: 0, kept: 0}
+    assert pool.shutdown() == {restarted: 0, kept: 0}  # idempotent
+
+
 @pytest.mark.parametrize("timeout", [-1.0, float("nan"), "5"])
 def test_an_invalid_shutdown_timeout_raises_before_any_replica_stops(
     launch: Open, timeout: Any

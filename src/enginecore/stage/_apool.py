@@ -808,7 +808,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             else:
                 await member.close()
                 code = None
-            self._exit_codes.setdefault(r, code)
+            # Its current stage's: a restarted replica's dead stage's code is old.
+            if code is not None or r not in self._exit_codes:
+                self._exit_codes[r] = code
 
         try:
             results = await asyncio.gather(*(stop_one(r) for r in replicas), return_exceptions=True)
@@ -828,7 +830,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             self._finish_close()
             raise
         self._finish_close()
-        return self._exit_codes
+        # The replicas of the pool as it closed (not those removed before it).
+        codes = self._exit_codes
+        return {r: codes[r] for r in replicas if r in codes}
 
     def _finish_close(self) -> None:
         if self._closed_done:

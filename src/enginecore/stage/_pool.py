@@ -181,6 +181,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         self._starts_stopped = False
         self._close_lock = threading.Lock()
         self._closed_done = False
+        self._shutdown_codes: dict[Replica, int | None] = {}  # what _close() returned
         self._threads: set[threading.Thread] = set()  # restart timers and closers
         self._exit_codes: dict[Replica, int | None] = {}
 
@@ -974,7 +975,9 @@ class StagePool(PoolBase[PoolRequestStream]):
     ) -> dict[Replica, int | None]:
         """Stop every replica (connected ones too) as
         :meth:`StageClient.shutdown <enginecore.stage.StageClient.shutdown>` does, all at
-        once, with *drain* if given; return ``{replica: exit code}``. Pending calls and
+        once, with *drain* if given; return ``{replica: exit code}`` for the replicas in
+        the pool as it closed (a restarted one's current stage's code; a dead one's, its
+        last stage's; not those removed before). Pending calls and
         streams then raise :class:`~enginecore.stage.StageClosedError` (or keep the error
         they had). Blocks; idempotent."""
         _session.check_shutdown_timeout(timeout)  # a bad timeout or drain raises before
@@ -1003,7 +1006,7 @@ class StagePool(PoolBase[PoolRequestStream]):
     ) -> dict[Replica, int | None]:
         with self._close_lock:
             if self._closed_done:
-                return dict(self._exit_codes)
+                return dict(self._shutdown_codes)
             with self._lock:
                 self._core.begin_close(drain is not None)
                 replicas = list(self._core.replicas)
@@ -1033,7 +1036,9 @@ class StagePool(PoolBase[PoolRequestStream]):
                     member.close()
                     code = None
                 with self._lock:
-                    self._exit_codes.setdefault(r, code)
+                    # Its current stage's: a restarted replica's dead stage's code is old.
+                    if code is not None or r not in self._exit_codes:
+                        self._exit_codes[r] = code
 
             if replicas:
                 with concurrent.futures.ThreadPoolExecutor(len(replicas)) as ex:
@@ -1058,5 +1063,8 @@ class StagePool(PoolBase[PoolRequestStream]):
                 self._core.closed()
             self._end_events()
             self._hub.close()
+            # The replicas of the pool as it closed (not those removed before it).
+            codes = self._exit_codes
+            self._shutdown_codes = {r: codes[r] for r in replicas if r in codes}
             self._closed_done = True
-            return dict(self._exit_codes)
+            return dict(self._shutdown_codes)
