@@ -1824,6 +1824,29 @@ def test_aborts_and_rejects_of_requests_without_streams(launch: Open) -> None:
     assert [r.in_flight for r in pool.replicas] == [0, 0]
 
 
+def test_an_abort_sent_twice_ends_its_request_once_in_the_event_stream(launch: Open) -> None:
+    # The stage answers every abort, live id or not: an abort sent twice (or one racing
+    # its request's finish) put a second Aborted into the event stream after the request
+    # had ended, against "one end each" (and after the id was added again, it read as the
+    # new request's end). The members knew the answer was stale, and dropped it only for
+    # the streams.
+    pool = launch(kwargs={"step_s": 0.01}, replicas=1, ordered_events=True)
+    log = EventLog(pool)
+    pool.add("quiet", 10_000, stream=False)
+    streamed = pool.add("streamed", 10_000)
+    pool.abort(["quiet", "streamed"])
+    pool.abort(["quiet", "streamed"])
+    pool.abort(["quiet"])
+    # The stage answers in order: the answers to every abort come before the marker's
+    # outputs (one replica).
+    pool.add("marker", 2, stream=False)
+    log.until_ended(["quiet", "streamed", "marker"])
+    log.check_one_end_each()
+    streamed.collect(10)
+    assert streamed.aborted
+    assert pool.replicas[0].in_flight == 0
+
+
 def test_a_killed_replica_ends_each_request_without_stream_once(launch: Open) -> None:
     pool = launch(kwargs={"step_s": 0.01}, ordered_events=True)
     log = EventLog(pool)
