@@ -1102,6 +1102,29 @@ def test_a_drained_shutdown_takes_aborts(launch: Open) -> None:
         pool.abort(["a0"])
 
 
+def test_a_drained_removal_during_a_drained_shutdown_returns_its_exit_code(
+    launch: Open,
+) -> None:
+    # A remove_replica(drain=True) begun while a shutdown(drain=) drained the pool took
+    # itself for cut short and raised StageClosedError ("its requests still live ended with
+    # StageClosedError"), while they ran to their end in the shutdown's drain.
+    pool = launch(kwargs={"step_s": 0.01}, replicas=1)
+    (replica,) = pool.replicas
+    stream = pool.add("long", 300)
+    outcome: list[object] = []
+    closer = threading.Thread(target=lambda: outcome.append(pool.shutdown(drain=60)))
+    closer.start()
+    try:
+        member = replica._client
+        assert wait_until(lambda: member is not None and member.closed, 10)  # it drains
+        assert pool.remove_replica(replica) == 0
+    finally:
+        closer.join(30)
+    assert not closer.is_alive()
+    assert stream.collect(10)[-1] == 0
+    assert outcome == [{replica: 0}]
+
+
 def test_shutdown_with_drain_finishes_live_requests(launch: Open) -> None:
     pool = launch(kwargs={"step_s": 0.005})
     streams = [pool.add(f"d{i}", 20) for i in range(6)]

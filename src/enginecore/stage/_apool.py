@@ -607,7 +607,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         code, cut, owner, by_removal = None, False, False, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
             if drain is not None:
-                if self._core.closing:  # a close has begun: it stops the stage now
+                # A close has begun: it stops the stage now (a drained shutdown drains
+                # it: the removal waits for that drain, uncut).
+                if self._core.closing and not self._core.draining:
                     cut, drain = True, None
                 else:
                     self._drains.add(replica)

@@ -810,7 +810,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         cuts the drain short: the stage stops at once, its requests still live end with
         :class:`~enginecore.stage.StageClosedError` as the close ends every other one,
         the replica is removed, and this call raises
-        :class:`~enginecore.stage.StageClosedError`. So does a call without *drain* for
+        :class:`~enginecore.stage.StageClosedError` (a ``shutdown(drain=...)`` does not
+        cut it: the removal waits for the pool's drain and returns the exit code). So
+        does a call without *drain* for
         the same replica (another thread's): it stops the stage as a close would (one that
         does not stop is signalled after its *timeout*) and returns the exit code."""
         _clientbase.check_flag(drain, "drain")  # "no" would drain
@@ -834,7 +836,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
             if drain:
                 with self._lock:
-                    if self._core.closing:  # a close has begun: it stops the stage now
+                    # A close has begun: it stops the stage now (a drained shutdown
+                    # drains it: the removal waits for that drain, uncut).
+                    if self._core.closing and not self._core.draining:
                         cut, drain = True, False
                     else:
                         self._drains.add(replica)
