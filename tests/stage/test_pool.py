@@ -1109,6 +1109,29 @@ def test_a_drained_shutdown_takes_aborts(launch: Open) -> None:
         pool.abort(["a0"])
 
 
+def test_a_drained_removal_during_a_drained_shutdown_returns_its_exit_code(
+    launch: Open,
+) -> None:
+    # A remove_replica(drain=True) begun while a shutdown(drain=) drained the pool took
+    # itself for cut short and raised StageClosedError ("its requests still live ended with
+    # StageClosedError"), while they ran to their end in the shutdown's drain.
+    pool = launch(kwargs={"step_s": 0.01}, replicas=1)
+    (replica,) = pool.replicas
+    stream = pool.add("long", 300)
+    outcome: list[object] = []
+    closer = threading.Thread(target=lambda: outcome.append(pool.shutdown(drain=60)))
+    closer.start()
+    try:
+        member = replica._client
+        assert wait_until(lambda: member is not None and member.closed, 10)  # it drains
+        assert pool.remove_replica(replica) == 0
+    finally:
+        closer.join(30)
+    assert not closer.is_alive()
+    assert stream.collect(10)[-1] == 0
+    assert outcome == [{replica: 0}]
+
+
 def test_shutdown_with_drain_finishes_live_requests(launch: Open) -> None:
     pool = launch(kwargs={"step_s": 0.005})
     streams = [pool.add(f"d{i}", 20) for i in range(6)]
@@ -1116,6 +1139,25 @@ def test_shutdown_with_drain_finishes_live_requests(launch: Open) -> None:
     assert list(codes.values()) == [0, 0]
     for s in streams:
         assert s.collect(10)[-1] == 0
+
+
+def test_shutdown_reports_the_exit_code_of_the_stage_it_stopped(launch: Open) -> None:
+    # shutdown() returned a restarted replica's dead stage's exit code (-9), not that of
+    # the stage it stopped (0), and it listed a replica removed before it (one that had
+    # died), though not one removed while it served.
+    pool = launch(COUNTDOWN, replicas=4, restart=True)
+    restarted, died_removed, removed, kept = pool.replicas
+    old = cast(int, restarted.pid)
+    os.kill(old, signal.SIGKILL)
+    assert wait_until(
+        lambda: restarted.state is ReplicaState.SERVING and restarted.pid not in (None, old), 20
+    )
+    os.kill(cast(int, died_removed.pid), signal.SIGKILL)
+    assert wait_until(lambda: died_removed.state is not ReplicaState.SERVING, 20)
+    assert pool.remove_replica(died_removed) == -signal.SIGKILL
+    assert pool.remove_replica(removed) == 0
+    assert pool.shutdown() == {restarted: 0, kept: 0}
+    assert pool.shutdown() == {restarted: 0, kept: 0}  # idempotent
 
 
 @pytest.mark.parametrize("timeout", [-1.0, float("nan"), "5"])
@@ -1810,6 +1852,29 @@ def test_aborts_and_rejects_of_requests_without_streams(launch: Open) -> None:
     log.until_ended(["a0", "a3"])
     log.check_one_end_each()
     assert [r.in_flight for r in pool.replicas] == [0, 0]
+
+
+def test_an_abort_sent_twice_ends_its_request_once_in_the_event_stream(launch: Open) -> None:
+    # The stage answers every abort, live id or not: an abort sent twice (or one racing
+    # its request's finish) put a second Aborted into the event stream after the request
+    # had ended, against "one end each" (and after the id was added again, it read as the
+    # new request's end). The members knew the answer was stale, and dropped it only for
+    # the streams.
+    pool = launch(kwargs={"step_s": 0.01}, replicas=1, ordered_events=True)
+    log = EventLog(pool)
+    pool.add("quiet", 10_000, stream=False)
+    streamed = pool.add("streamed", 10_000)
+    pool.abort(["quiet", "streamed"])
+    pool.abort(["quiet", "streamed"])
+    pool.abort(["quiet"])
+    # The stage answers in order: the answers to every abort come before the marker's
+    # outputs (one replica).
+    pool.add("marker", 2, stream=False)
+    log.until_ended(["quiet", "streamed", "marker"])
+    log.check_one_end_each()
+    streamed.collect(10)
+    assert streamed.aborted
+    assert pool.replicas[0].in_flight == 0
 
 
 def test_a_killed_replica_ends_each_request_without_stream_once(launch: Open) -> None:

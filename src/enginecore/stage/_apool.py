@@ -607,7 +607,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         code, cut, owner, by_removal = None, False, False, False
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
             if drain is not None:
-                if self._core.closing:  # a close has begun: it stops the stage now
+                # A close has begun: it stops the stage now (a drained shutdown drains
+                # it: the removal waits for that drain, uncut).
+                if self._core.closing and not self._core.draining:
                     cut, drain = True, None
                 else:
                     self._drains.add(replica)
@@ -806,7 +808,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             else:
                 await member.close()
                 code = None
-            self._exit_codes.setdefault(r, code)
+            # Its current stage's: a restarted replica's dead stage's code is old.
+            if code is not None or r not in self._exit_codes:
+                self._exit_codes[r] = code
 
         try:
             results = await asyncio.gather(*(stop_one(r) for r in replicas), return_exceptions=True)
@@ -826,7 +830,9 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             self._finish_close()
             raise
         self._finish_close()
-        return self._exit_codes
+        # The replicas of the pool as it closed (not those removed before it).
+        codes = self._exit_codes
+        return {r: codes[r] for r in replicas if r in codes}
 
     def _finish_close(self) -> None:
         if self._closed_done:

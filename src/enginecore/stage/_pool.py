@@ -181,6 +181,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         self._starts_stopped = False
         self._close_lock = threading.Lock()
         self._closed_done = False
+        self._shutdown_codes: dict[Replica, int | None] = {}  # what _close() returned
         self._threads: set[threading.Thread] = set()  # restart timers and closers
         self._exit_codes: dict[Replica, int | None] = {}
 
@@ -809,7 +810,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         cuts the drain short: the stage stops at once, its requests still live end with
         :class:`~enginecore.stage.StageClosedError` as the close ends every other one,
         the replica is removed, and this call raises
-        :class:`~enginecore.stage.StageClosedError`. So does a call without *drain* for
+        :class:`~enginecore.stage.StageClosedError` (a ``shutdown(drain=...)`` does not
+        cut it: the removal waits for the pool's drain and returns the exit code). So
+        does a call without *drain* for
         the same replica (another thread's): it stops the stage as a close would (one that
         does not stop is signalled after its *timeout*) and returns the exit code."""
         _clientbase.check_flag(drain, "drain")  # "no" would drain
@@ -833,7 +836,9 @@ class StagePool(PoolBase[PoolRequestStream]):
         if was in (ReplicaState.SERVING, ReplicaState.DRAINING, ReplicaState.STARTING):
             if drain:
                 with self._lock:
-                    if self._core.closing:  # a close has begun: it stops the stage now
+                    # A close has begun: it stops the stage now (a drained shutdown
+                    # drains it: the removal waits for that drain, uncut).
+                    if self._core.closing and not self._core.draining:
                         cut, drain = True, False
                     else:
                         self._drains.add(replica)
@@ -974,7 +979,9 @@ class StagePool(PoolBase[PoolRequestStream]):
     ) -> dict[Replica, int | None]:
         """Stop every replica (connected ones too) as
         :meth:`StageClient.shutdown <enginecore.stage.StageClient.shutdown>` does, all at
-        once, with *drain* if given; return ``{replica: exit code}``. Pending calls and
+        once, with *drain* if given; return ``{replica: exit code}`` for the replicas in
+        the pool as it closed (a restarted one's current stage's code; a dead one's, its
+        last stage's; not those removed before). Pending calls and
         streams then raise :class:`~enginecore.stage.StageClosedError` (or keep the error
         they had). Blocks; idempotent."""
         _session.check_shutdown_timeout(timeout)  # a bad timeout or drain raises before
@@ -1003,7 +1010,7 @@ class StagePool(PoolBase[PoolRequestStream]):
     ) -> dict[Replica, int | None]:
         with self._close_lock:
             if self._closed_done:
-                return dict(self._exit_codes)
+                return dict(self._shutdown_codes)
             with self._lock:
                 self._core.begin_close(drain is not None)
                 replicas = list(self._core.replicas)
@@ -1033,7 +1040,9 @@ class StagePool(PoolBase[PoolRequestStream]):
                     member.close()
                     code = None
                 with self._lock:
-                    self._exit_codes.setdefault(r, code)
+                    # Its current stage's: a restarted replica's dead stage's code is old.
+                    if code is not None or r not in self._exit_codes:
+                        self._exit_codes[r] = code
 
             if replicas:
                 with concurrent.futures.ThreadPoolExecutor(len(replicas)) as ex:
@@ -1058,5 +1067,8 @@ class StagePool(PoolBase[PoolRequestStream]):
                 self._core.closed()
             self._end_events()
             self._hub.close()
+            # The replicas of the pool as it closed (not those removed before it).
+            codes = self._exit_codes
+            self._shutdown_codes = {r: codes[r] for r in replicas if r in codes}
             self._closed_done = True
-            return dict(self._exit_codes)
+            return dict(self._shutdown_codes)

@@ -1143,6 +1143,7 @@ class ClientSession(Generic[S, W]):
         streams = self._streams
         wake = d.wake
         pongs = terminal = loaded = False
+        stale: dict[int, Aborted | None] | None = None  # aborted events to cut down
         for ev in batch:
             cls = ev.__class__
             if cls is Outputs:
@@ -1169,6 +1170,14 @@ class ClientSession(Generic[S, W]):
                 ended = ev.req_ids
                 if self._aborts_due and not ev.fence and ev.tag is None:
                     ended = self._answered(ended)
+                    if self._adopt_orphans and len(ended) != len(ev.req_ids):
+                        # A pool's event stream ends each request once: a stale answer
+                        # (an abort sent twice, or after the request's end) is not passed
+                        # on, as its stream drops it (a pool member knows every request
+                        # live on it, streamed or not).
+                        if stale is None:
+                            stale = {}
+                        stale[id(ev)] = Aborted(ended) if ended else None
                 for rid in ended:
                     self._end_stream(rid, ABORTED, wake, now)
                 if self._quiet:
@@ -1200,6 +1209,8 @@ class ClientSession(Generic[S, W]):
                 terminal = True
         events = self._events
         if events is not None:
+            if stale is not None:
+                batch = [e for e in (stale.get(id(e), e) for e in batch) if e is not None]
             if loaded:  # the report is the client's (load()), not part of the event
                 batch = [ev for ev in map(_without_load, batch) if ev is not None]
             events.extend([ev for ev in batch if ev.__class__ not in _LIVENESS] if pongs else batch)
