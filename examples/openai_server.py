@@ -20,10 +20,11 @@ Endpoints: ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completion
 server-sent events or not, with ``usage``; and two of enginecore's own: ``GET /health`` (503
 once the stage is dead) and ``GET /enginecore/stats`` (the stage's statistics: live requests,
 steps, the engine's numbers). Errors have OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or a request
-the engine refused (a prompt that, with ``max_tokens``, does not fit the model's context is
-refused before it is sent: code ``context_length_exceeded``; the limit is the engine's
-``model_info`` utility's ``max_positions``, asked once at startup; a ``max_tokens`` not sent,
+``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter, a body that
+is not JSON (or is nested too deeply to parse) or a request the engine refused (a prompt
+that, with ``max_tokens``, does not fit the model's context is refused before it is sent:
+code ``context_length_exceeded``; the limit is the engine's ``model_info`` utility's
+``max_positions``, asked once at startup; a ``max_tokens`` not sent,
 16 or 256 in a chat, is cut to what the context and the engine's KV budget
 (``kv_budget_tokens``) leave, as vLLM does), a string holding a
 lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for another model's
@@ -219,7 +220,10 @@ WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1
 
 def _show(value: Any) -> str:
     """*value* for a message: its JSON, cut at 100 characters."""
-    text = json.dumps(value)
+    try:
+        text = json.dumps(value)
+    except RecursionError:  # parsed, but nested too deeply to write back from here
+        return f"a {type(value).__name__} nested too deeply"
     return text if len(text) <= 100 else text[:97] + "..."
 
 
@@ -804,6 +808,8 @@ class Server:
             body = json.loads(raw)
         except ValueError as exc:
             raise _bad(f"the body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # nested deeper than the parser goes: not a bug here
+            raise _bad("the body is not valid JSON: nested too deeply") from exc
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
         if _SURROGATE_ESCAPE.search(raw):  # maybe a lone one: the tokenizer would raise

@@ -1,0 +1,58 @@
+"""examples/openai_server.py against what OpenAI's API and the ``openai`` client expect: the
+request checks found wanting by a black-box audit (a real server process, real HTTP).
+
+The server, its engine (``TokenEchoEngine``) and the word-level tokenizer are
+tests/test_openai_server.py's; this module starts a server of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests import test_openai_server as base
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[base.Served]:
+    model: Path = base._write_tokenizer(tmp_path_factory.mktemp("models") / "tiny-words", chat=True)
+    tmp = tmp_path_factory.mktemp("server")
+    with base._serving(model, tmp, "--engine-kwargs", '{"vocab_size": 64}') as served:
+        yield served
+
+
+def _post(served: base.Served, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:
+    return httpx.post(served.url + path, json=body, timeout=10, **kwargs)
+
+
+CHAT = {"model": "tiny-words", "messages": [{"role": "user", "content": "hello"}]}
+TEXT = {"model": "tiny-words", "prompt": base.PROMPT}
+
+
+class TestRequestChecks:
+    def test_json_nested_past_the_parsers_depth_is_a_400_not_a_500(
+        self, server: base.Served
+    ) -> None:
+        # json.loads raises RecursionError (not a ValueError) for arrays nested deeper than
+        # the interpreter's recursion limit: it was a 500, "internal server error".
+        deep = b"[" * 100_000 + b"]" * 100_000
+        for raw in (deep, b'{"prompt": ' + deep + b"}"):
+            reply = httpx.post(server.url + "/v1/completions", content=raw, timeout=10)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error", error
+            assert "JSON" in error["message"], error
+        # Just shallow enough to parse, a wrong value was a 500 all the same: the message
+        # that shows it wrote it back as JSON, from a deeper stack than the parser's.
+        for depth in range(900, 1001, 2):
+            nested = b"[" * depth + b"]" * depth
+            raw = b'{"prompt": "hello", "max_tokens": ' + nested + b"}"
+            reply = httpx.post(server.url + "/v1/completions", content=raw, timeout=10)
+            assert reply.status_code == 400, (depth, reply.text)
+        assert server.get("/health").status_code == 200
