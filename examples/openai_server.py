@@ -34,10 +34,11 @@ the event loop, so a long prompt does not hold the other requests up.
 
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
 prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
-``top_p``, ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
-(``include_usage``; with ``stream`` only, as OpenAI's API says) are honoured (a
-``temperature`` under 1e-5 is greedy, as 0 is). A completion that ends at an EOS token (the
-tokenizer's, or another the engine stops at: its ``model_info``'s ``eos_token_ids``, as a
+``top_p``, ``seed``, ``stop`` (up to 4 strings, as OpenAI's API takes), ``n`` (1 only),
+``stream`` and ``stream_options`` (``include_usage``; with ``stream`` only, as OpenAI's API
+says) are honoured (a ``temperature`` under 1e-5 is greedy, as 0 is). A completion that
+ends at an EOS token (the tokenizer's, or another the engine stops at: its
+``model_info``'s ``eos_token_ids``, as a
 generation config's) has ``finish_reason`` ``stop``; the token counts in ``usage`` and is
 not in the text. Every other parameter of OpenAI's API is
 refused with a 400 naming it (``param``) when it asks for something (``echo``,
@@ -167,6 +168,7 @@ _ERROR_TYPES = {
 MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of a surrogate
 GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)
+MAX_STOP = 4  # stop sequences a request may have (OpenAI's API: "up to 4")
 
 
 class ApiError(Exception):
@@ -333,6 +335,8 @@ class Sampling:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise _bad("stop must be a non-empty string or a list of them", "stop")
+        if len(stop) > MAX_STOP:  # each is looked for at every new token, on the event loop
+            raise _bad(f"stop takes at most {MAX_STOP} sequences, got {len(stop)}", "stop")
         self.stop: list[str] = stop
         if _int(body, "n", 1, 1) != 1:
             raise _bad("this server returns one choice per request: n must be 1", "n")

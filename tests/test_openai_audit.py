@@ -56,3 +56,21 @@ class TestRequestChecks:
             reply = httpx.post(server.url + "/v1/completions", content=raw, timeout=10)
             assert reply.status_code == 400, (depth, reply.text)
         assert server.get("/health").status_code == 200
+
+    def test_more_stop_sequences_than_openais_four_are_refused(self, server: base.Served) -> None:
+        # OpenAI's API takes up to 4. Each one is looked for in the text at every new token,
+        # on the event loop: 300,000 of them (3.5 MB) held every other request, /health
+        # included, for seconds at a time, and one request of 400 tokens took 90 s.
+        client = server.client()
+        four = ["zz", "yy", "xx", "ww"]
+        done = client.completions.create(model="tiny-words", prompt=base.PROMPT, stop=four)
+        assert done.choices[0].finish_reason == "length"
+        for path, body in (("/v1/completions", TEXT), ("/v1/chat/completions", CHAT)):
+            for stream in (False, True):
+                ask = {**body, "stop": [*four, "vv"], "stream": stream, "max_tokens": 2}
+                reply = _post(server, path, ask)
+                assert reply.status_code == 400, reply.text
+                error = reply.json()["error"]
+                assert error["param"] == "stop", error
+                assert "4" in error["message"], error
+        assert server.wait_idle()["live"] == 0
