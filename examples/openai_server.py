@@ -33,12 +33,12 @@ over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of i
 the event loop, so a long prompt does not hold the other requests up.
 
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
-prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
-``top_p``, ``seed``, ``stop`` (up to 4 strings, as OpenAI's API takes), ``n`` (1 only),
-``stream`` and ``stream_options`` (``include_usage``; with ``stream`` only, as OpenAI's API
-says) are honoured (a ``temperature`` under 1e-5 is greedy, as 0 is). A completion that
-ends at an EOS token (the tokenizer's, or another the engine stops at: its
-``model_info``'s ``eos_token_ids``, as a
+prompts is a 400); ``max_tokens`` (in a chat ``max_completion_tokens`` wins when both are
+sent; both are checked), ``temperature``, ``top_p``, ``seed``, ``stop`` (up to 4 strings,
+as OpenAI's API takes), ``n`` (1 only), ``stream`` and ``stream_options``
+(``include_usage``; with ``stream`` only, as OpenAI's API says) are honoured (a
+``temperature`` under 1e-5 is greedy, as 0 is). A completion that ends at an EOS token (the
+tokenizer's, or another the engine stops at: its ``model_info``'s ``eos_token_ids``, as a
 generation config's) has ``finish_reason`` ``stop``; the token counts in ``usage`` and is
 not in the text. Every other parameter of OpenAI's API is
 refused with a 400 naming it (``param``) when it asks for something (``echo``,
@@ -311,12 +311,11 @@ class Sampling:
 
     def __init__(self, body: dict[str, Any], *, chat: bool) -> None:
         self.max_tokens_key = "max_tokens"
-        if chat and body.get("max_completion_tokens") is not None:
+        default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
+        self.max_tokens = _int(body, "max_tokens", default, 1)  # checked even if not used
+        if chat and body.get("max_completion_tokens") is not None:  # the newer name wins
             self.max_tokens_key = "max_completion_tokens"
             self.max_tokens = _int(body, "max_completion_tokens", None, 1)
-        else:
-            default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
-            self.max_tokens = _int(body, "max_tokens", default, 1)
         # Not sent: the server's default, cut to what the context leaves (_check_length).
         self.max_tokens_given = body.get(self.max_tokens_key) is not None
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)

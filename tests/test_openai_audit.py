@@ -74,3 +74,19 @@ class TestRequestChecks:
                 assert error["param"] == "stop", error
                 assert "4" in error["message"], error
         assert server.wait_idle()["live"] == 0
+
+    def test_a_chats_max_tokens_is_checked_beside_max_completion_tokens(
+        self, server: base.Served
+    ) -> None:
+        # With max_completion_tokens set, max_tokens was not looked at: a wrong type or a
+        # value out of range was accepted silently.
+        for bad in ("x", 0, -1, 1.5, True):
+            body = {**CHAT, "max_completion_tokens": 2, "max_tokens": bad}
+            reply = _post(server, "/v1/chat/completions", body)
+            assert reply.status_code == 400, (bad, reply.text)
+            assert reply.json()["error"]["param"] == "max_tokens", reply.text
+        # Both valid: max_completion_tokens, the newer name, is the one used (as vLLM does).
+        body = {**CHAT, "max_completion_tokens": 2, "max_tokens": 5}
+        reply = _post(server, "/v1/chat/completions", body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 2
