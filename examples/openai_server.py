@@ -35,10 +35,11 @@ the event loop, so a long prompt does not hold the other requests up.
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
 prompts is a 400); ``max_tokens`` (in a chat ``max_completion_tokens`` wins when both are
 sent; both are checked), ``temperature``, ``top_p``, ``seed``, ``stop`` (up to 4 strings,
-as OpenAI's API takes), ``n`` (1 only), ``stream`` and ``stream_options``
-(``include_usage``; with ``stream`` only, as OpenAI's API says) are honoured (a
-``temperature`` under 1e-5 is greedy, as 0 is). A completion that ends at an EOS token (the
-tokenizer's, or another the engine stops at: its ``model_info``'s ``eos_token_ids``, as a
+as OpenAI's API takes), ``n`` (1 only), ``stream`` and ``stream_options`` (an object:
+``include_usage``, and ``include_obfuscation``, accepted and not done; with ``stream``
+only, as OpenAI's API says) are honoured (a ``temperature`` under 1e-5 is greedy, as 0
+is). A completion that ends at an EOS token (the tokenizer's, or another the engine stops
+at: its ``model_info``'s ``eos_token_ids``, as a
 generation config's) has ``finish_reason`` ``stop``; the token counts in ``usage`` and is
 not in the text. Every other parameter of OpenAI's API is
 refused with a 400 naming it (``param``) when it asks for something (``echo``,
@@ -169,6 +170,9 @@ MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of a surrogate
 GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)
 MAX_STOP = 4  # stop sequences a request may have (OpenAI's API: "up to 4")
+#: stream_options' keys: include_usage is honoured; include_obfuscation (random padding in
+#: each event) is accepted and not done (it cannot change the tokens).
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 
 
 class ApiError(Exception):
@@ -345,12 +349,20 @@ class Sampling:
         if not isinstance(stream, bool):
             raise _bad("stream must be a boolean", "stream")
         self.stream = stream
-        options = body.get("stream_options") or {}
-        include_usage = options.get("include_usage", False) if isinstance(options, dict) else None
-        if not isinstance(include_usage, bool):
+        options = body.get("stream_options")
+        if options is None:
+            options = {}
+        if (
+            not isinstance(options, dict)
+            or not options.keys() <= STREAM_OPTIONS
+            or not all(isinstance(v, bool) for v in options.values())
+        ):
             raise _bad(
-                'stream_options must be an object like {"include_usage": true}', "stream_options"
+                'stream_options must be an object like {"include_usage": true} (keys: '
+                f"{', '.join(sorted(STREAM_OPTIONS))}; booleans), got {_show(options)}",
+                "stream_options",
             )
+        include_usage = options.get("include_usage", False)
         if not stream and body.get("stream_options") is not None:
             raise _bad("stream_options is only allowed with stream: true", "stream_options")
         self.include_usage = include_usage

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests import test_openai_server as base
@@ -90,3 +91,38 @@ class TestRequestChecks:
         reply = _post(server, "/v1/chat/completions", body)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 2
+
+    def test_stream_options_is_an_object_of_openais_keys(self, server: base.Served) -> None:
+        # A stream_options that is not an object but is falsy ([], 0, "", false) was taken as
+        # no options, and a key OpenAI's API does not have was dropped silently.
+        wrong: list[Any] = [[], 0, "", False, {"include_usage": True, "usage": True}]
+        for options in wrong:
+            body = {**TEXT, "max_tokens": 2, "stream": True, "stream_options": options}
+            reply = _post(server, "/v1/completions", body)
+            assert reply.status_code == 400, (options, reply.text)
+            assert reply.json()["error"]["param"] == "stream_options", reply.text
+        # OpenAI's include_obfuscation (random padding in each event) asks for nothing
+        # about the tokens: accepted, as a boolean.
+        client = server.client()
+        chunks = list(
+            client.completions.create(
+                model="tiny-words",
+                prompt=base.PROMPT,
+                max_tokens=2,
+                stream=True,
+                stream_options={"include_usage": True, "include_obfuscation": False},
+            )
+        )
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 2
+        body = {**TEXT, "stream": True, "stream_options": {"include_obfuscation": 1}}
+        reply = _post(server, "/v1/completions", body)
+        assert reply.status_code == 400, reply.text
+        extra: Any = {"include_usage": True, "extra": True}  # not in the client's TypedDict
+        with pytest.raises(openai.BadRequestError, match="stream_options"):
+            client.chat.completions.create(
+                model="tiny-words",
+                messages=[{"role": "user", "content": "hello"}],
+                stream=True,
+                stream_options=extra,
+            )
