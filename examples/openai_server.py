@@ -54,7 +54,8 @@ refuses it. So is a chat message's: ``role``, ``content`` (a string, or text par
 (``param`` names the message, as ``messages[1].tool_calls``); any other field is refused.
 
 A client that disconnects, during a stream or while it waits for a whole completion, has its
-request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open requests get
+request aborted in the stage at once; one that goes while it sends its body is dropped
+quietly (no error logged). SIGTERM or Ctrl-C stops the server (open requests get
 ``--graceful-timeout`` seconds; one still running then ends with a 503 in OpenAI's shape, code
 ``server_shutting_down``, sent in a stream as its last event before ``[DONE]``), then shuts
 the stage down: no process is left. A second Ctrl-C stops the wait for open requests: the
@@ -86,7 +87,7 @@ from typing import Any, TypeVar
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -800,7 +801,8 @@ class Server:
 
     async def _read(self, request: Request) -> bytes:
         """The request's body, refused (413) past ``max_body_bytes`` without reading on:
-        before any of it when its Content-Length says so, else once it has grown past."""
+        before any of it when its Content-Length says so, else once it has grown past. A
+        client that goes before the body is whole gets a 499 (sent to no one), not a 500."""
         limit = self.max_body_bytes
         too_large = ApiError(
             413, f"the request body is larger than this server's limit of {limit} bytes"
@@ -810,11 +812,14 @@ class Server:
             raise too_large
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body was whole: no one to answer
+            raise ApiError(499, "the client closed the connection") from None
         return b"".join(chunks)
 
     async def _body(self, request: Request) -> dict[str, Any]:

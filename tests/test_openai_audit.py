@@ -7,6 +7,7 @@ tests/test_openai_server.py's; this module starts a server of its own.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,22 @@ class TestRequestChecks:
                 stream=True,
                 stream_options=extra,
             )
+
+    def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(
+        self, server: base.Served
+    ) -> None:
+        # Starlette raises ClientDisconnect from the body's stream: it went to the catch-all
+        # handler, a 500 to no one, and uvicorn logged "Exception in ASGI application" with
+        # its traceback, as for a bug.
+        heads = [
+            b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "hel',
+            b"Transfer-Encoding: chunked\r\n\r\n" + b'5\r\n{"pro\r\n',
+        ]
+        for head in heads:
+            with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head)
+        # A whole request after them: the server has handled both disconnects by then.
+        done = server.client().completions.create(model="tiny-words", prompt=base.PROMPT)
+        assert done.choices[0].finish_reason == "length"
+        assert "ClientDisconnect" not in server.output()
+        assert "Exception in ASGI application" not in server.output()
