@@ -967,18 +967,19 @@ class Server:
             "model": self.name,
         }
 
+        extra = {"usage": None} if sampling.include_usage else {}  # null in all but the last
+
         def chunk(text: str | None, finish: str | None) -> bytes:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
             if chat:
                 choice["delta"] = {} if text is None else {"content": text}
             else:
                 choice["text"] = text or ""
-            extra = {"usage": None} if sampling.include_usage else {}
             return _sse({**head, "choices": [choice], **extra})
 
         if chat:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-            yield _sse({**head, "choices": [{**role, "finish_reason": None}]})
+            yield _sse({**head, "choices": [{**role, "finish_reason": None}], **extra})
         delta: str | None = first
         try:
             while delta is not None:

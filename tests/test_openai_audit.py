@@ -7,6 +7,7 @@ tests/test_openai_server.py's; this module starts a server of its own.
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,3 +147,19 @@ class TestRequestChecks:
         assert done.choices[0].finish_reason == "length"
         assert "ClientDisconnect" not in server.output()
         assert "Exception in ASGI application" not in server.output()
+
+    def test_every_chunk_of_a_stream_with_include_usage_has_a_usage(
+        self, server: base.Served
+    ) -> None:
+        # With include_usage, OpenAI's API gives every chunk a "usage" (null but in the last):
+        # a chat's first chunk, the assistant's role, had none.
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+            ask = {**body, "max_tokens": 2, "stream": True}
+            ask["stream_options"] = {"include_usage": True}
+            reply = _post(server, path, ask)
+            assert reply.status_code == 200, reply.text
+            events = [e[6:] for e in reply.text.split("\n\n") if e.startswith("data: {")]
+            chunks = [json.loads(e) for e in events]
+            assert len(chunks) >= 3, chunks
+            assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+            assert chunks[-1]["usage"]["completion_tokens"] == 2
