@@ -20,10 +20,11 @@ Endpoints: ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completion
 server-sent events or not, with ``usage``; and two of enginecore's own: ``GET /health`` (503
 once the stage is dead) and ``GET /enginecore/stats`` (the stage's statistics: live requests,
 steps, the engine's numbers). Errors have OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or a request
-the engine refused (a prompt that, with ``max_tokens``, does not fit the model's context is
-refused before it is sent: code ``context_length_exceeded``; the limit is the engine's
-``model_info`` utility's ``max_positions``, asked once at startup; a ``max_tokens`` not sent,
+``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter, a body that
+is not JSON (or is nested too deeply to parse) or a request the engine refused (a prompt
+that, with ``max_tokens``, does not fit the model's context is refused before it is sent:
+code ``context_length_exceeded``; the limit is the engine's ``model_info`` utility's
+``max_positions``, asked once at startup; a ``max_tokens`` not sent,
 16 or 256 in a chat, is cut to what the context and the engine's KV budget
 (``kv_budget_tokens``) leave, as vLLM does), a string holding a
 lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for another model's
@@ -32,11 +33,13 @@ over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of i
 the event loop, so a long prompt does not hold the other requests up.
 
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
-prompts is a 400); ``max_tokens`` (``max_completion_tokens`` in a chat), ``temperature``,
-``top_p``, ``seed``, ``stop`` (strings), ``n`` (1 only), ``stream`` and ``stream_options``
-(``include_usage``; with ``stream`` only, as OpenAI's API says) are honoured (a
-``temperature`` under 1e-5 is greedy, as 0 is). A completion that ends at an EOS token (the
-tokenizer's, or another the engine stops at: its ``model_info``'s ``eos_token_ids``, as a
+prompts is a 400); ``max_tokens`` (in a chat ``max_completion_tokens`` wins when both are
+sent; both are checked), ``temperature``, ``top_p``, ``seed``, ``stop`` (up to 4 strings,
+as OpenAI's API takes), ``n`` (1 only), ``stream`` and ``stream_options`` (an object:
+``include_usage``, and ``include_obfuscation``, accepted and not done; with ``stream``
+only, as OpenAI's API says) are honoured (a ``temperature`` under 1e-5 is greedy, as 0
+is). A completion that ends at an EOS token (the tokenizer's, or another the engine stops
+at: its ``model_info``'s ``eos_token_ids``, as a
 generation config's) has ``finish_reason`` ``stop``; the token counts in ``usage`` and is
 not in the text. Every other parameter of OpenAI's API is
 refused with a 400 naming it (``param``) when it asks for something (``echo``,
@@ -51,7 +54,8 @@ refuses it. So is a chat message's: ``role``, ``content`` (a string, or text par
 (``param`` names the message, as ``messages[1].tool_calls``); any other field is refused.
 
 A client that disconnects, during a stream or while it waits for a whole completion, has its
-request aborted in the stage at once. SIGTERM or Ctrl-C stops the server (open requests get
+request aborted in the stage at once; one that goes while it sends its body is dropped
+quietly (no error logged). SIGTERM or Ctrl-C stops the server (open requests get
 ``--graceful-timeout`` seconds; one still running then ends with a 503 in OpenAI's shape, code
 ``server_shutting_down``, sent in a stream as its last event before ``[DONE]``), then shuts
 the stage down: no process is left. A second Ctrl-C stops the wait for open requests: the
@@ -83,7 +87,7 @@ from typing import Any, TypeVar
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -166,6 +170,10 @@ _ERROR_TYPES = {
 MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of a surrogate
 GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)
+MAX_STOP = 4  # stop sequences a request may have (OpenAI's API: "up to 4")
+#: stream_options' keys: include_usage is honoured; include_obfuscation (random padding in
+#: each event) is accepted and not done (it cannot change the tokens).
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 
 
 class ApiError(Exception):
@@ -219,7 +227,10 @@ WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1
 
 def _show(value: Any) -> str:
     """*value* for a message: its JSON, cut at 100 characters."""
-    text = json.dumps(value)
+    try:
+        text = json.dumps(value)
+    except RecursionError:  # parsed, but nested too deeply to write back from here
+        return f"a {type(value).__name__} nested too deeply"
     return text if len(text) <= 100 else text[:97] + "..."
 
 
@@ -305,12 +316,11 @@ class Sampling:
 
     def __init__(self, body: dict[str, Any], *, chat: bool) -> None:
         self.max_tokens_key = "max_tokens"
-        if chat and body.get("max_completion_tokens") is not None:
+        default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
+        self.max_tokens = _int(body, "max_tokens", default, 1)  # checked even if not used
+        if chat and body.get("max_completion_tokens") is not None:  # the newer name wins
             self.max_tokens_key = "max_completion_tokens"
             self.max_tokens = _int(body, "max_completion_tokens", None, 1)
-        else:
-            default = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
-            self.max_tokens = _int(body, "max_tokens", default, 1)
         # Not sent: the server's default, cut to what the context leaves (_check_length).
         self.max_tokens_given = body.get(self.max_tokens_key) is not None
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
@@ -329,6 +339,8 @@ class Sampling:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise _bad("stop must be a non-empty string or a list of them", "stop")
+        if len(stop) > MAX_STOP:  # each is looked for at every new token, on the event loop
+            raise _bad(f"stop takes at most {MAX_STOP} sequences, got {len(stop)}", "stop")
         self.stop: list[str] = stop
         if _int(body, "n", 1, 1) != 1:
             raise _bad("this server returns one choice per request: n must be 1", "n")
@@ -338,12 +350,20 @@ class Sampling:
         if not isinstance(stream, bool):
             raise _bad("stream must be a boolean", "stream")
         self.stream = stream
-        options = body.get("stream_options") or {}
-        include_usage = options.get("include_usage", False) if isinstance(options, dict) else None
-        if not isinstance(include_usage, bool):
+        options = body.get("stream_options")
+        if options is None:
+            options = {}
+        if (
+            not isinstance(options, dict)
+            or not options.keys() <= STREAM_OPTIONS
+            or not all(isinstance(v, bool) for v in options.values())
+        ):
             raise _bad(
-                'stream_options must be an object like {"include_usage": true}', "stream_options"
+                'stream_options must be an object like {"include_usage": true} (keys: '
+                f"{', '.join(sorted(STREAM_OPTIONS))}; booleans), got {_show(options)}",
+                "stream_options",
             )
+        include_usage = options.get("include_usage", False)
         if not stream and body.get("stream_options") is not None:
             raise _bad("stream_options is only allowed with stream: true", "stream_options")
         self.include_usage = include_usage
@@ -781,7 +801,8 @@ class Server:
 
     async def _read(self, request: Request) -> bytes:
         """The request's body, refused (413) past ``max_body_bytes`` without reading on:
-        before any of it when its Content-Length says so, else once it has grown past."""
+        before any of it when its Content-Length says so, else once it has grown past. A
+        client that goes before the body is whole gets a 499 (sent to no one), not a 500."""
         limit = self.max_body_bytes
         too_large = ApiError(
             413, f"the request body is larger than this server's limit of {limit} bytes"
@@ -791,11 +812,14 @@ class Server:
             raise too_large
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body was whole: no one to answer
+            raise ApiError(499, "the client closed the connection") from None
         return b"".join(chunks)
 
     async def _body(self, request: Request) -> dict[str, Any]:
@@ -804,6 +828,8 @@ class Server:
             body = json.loads(raw)
         except ValueError as exc:
             raise _bad(f"the body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # nested deeper than the parser goes: not a bug here
+            raise _bad("the body is not valid JSON: nested too deeply") from exc
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
         if _SURROGATE_ESCAPE.search(raw):  # maybe a lone one: the tokenizer would raise
@@ -941,18 +967,19 @@ class Server:
             "model": self.name,
         }
 
+        extra = {"usage": None} if sampling.include_usage else {}  # null in all but the last
+
         def chunk(text: str | None, finish: str | None) -> bytes:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
             if chat:
                 choice["delta"] = {} if text is None else {"content": text}
             else:
                 choice["text"] = text or ""
-            extra = {"usage": None} if sampling.include_usage else {}
             return _sse({**head, "choices": [choice], **extra})
 
         if chat:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-            yield _sse({**head, "choices": [{**role, "finish_reason": None}]})
+            yield _sse({**head, "choices": [{**role, "finish_reason": None}], **extra})
         delta: str | None = first
         try:
             while delta is not None:

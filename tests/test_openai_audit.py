@@ -1,0 +1,165 @@
+"""examples/openai_server.py against what OpenAI's API and the ``openai`` client expect: the
+request checks found wanting by a black-box audit (a real server process, real HTTP).
+
+The server, its engine (``TokenEchoEngine``) and the word-level tokenizer are
+tests/test_openai_server.py's; this module starts a server of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests import test_openai_server as base
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[base.Served]:
+    model: Path = base._write_tokenizer(tmp_path_factory.mktemp("models") / "tiny-words", chat=True)
+    tmp = tmp_path_factory.mktemp("server")
+    with base._serving(model, tmp, "--engine-kwargs", '{"vocab_size": 64}') as served:
+        yield served
+
+
+def _post(served: base.Served, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:
+    return httpx.post(served.url + path, json=body, timeout=10, **kwargs)
+
+
+CHAT = {"model": "tiny-words", "messages": [{"role": "user", "content": "hello"}]}
+TEXT = {"model": "tiny-words", "prompt": base.PROMPT}
+
+
+class TestRequestChecks:
+    def test_json_nested_past_the_parsers_depth_is_a_400_not_a_500(
+        self, server: base.Served
+    ) -> None:
+        # json.loads raises RecursionError (not a ValueError) for arrays nested deeper than
+        # the interpreter's recursion limit: it was a 500, "internal server error".
+        deep = b"[" * 100_000 + b"]" * 100_000
+        for raw in (deep, b'{"prompt": ' + deep + b"}"):
+            reply = httpx.post(server.url + "/v1/completions", content=raw, timeout=10)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error", error
+            assert "JSON" in error["message"], error
+        # Just shallow enough to parse, a wrong value was a 500 all the same: the message
+        # that shows it wrote it back as JSON, from a deeper stack than the parser's.
+        for depth in range(900, 1001, 2):
+            nested = b"[" * depth + b"]" * depth
+            raw = b'{"prompt": "hello", "max_tokens": ' + nested + b"}"
+            reply = httpx.post(server.url + "/v1/completions", content=raw, timeout=10)
+            assert reply.status_code == 400, (depth, reply.text)
+        assert server.get("/health").status_code == 200
+
+    def test_more_stop_sequences_than_openais_four_are_refused(self, server: base.Served) -> None:
+        # OpenAI's API takes up to 4. Each one is looked for in the text at every new token,
+        # on the event loop: 300,000 of them (3.5 MB) held every other request, /health
+        # included, for seconds at a time, and one request of 400 tokens took 90 s.
+        client = server.client()
+        four = ["zz", "yy", "xx", "ww"]
+        done = client.completions.create(model="tiny-words", prompt=base.PROMPT, stop=four)
+        assert done.choices[0].finish_reason == "length"
+        for path, body in (("/v1/completions", TEXT), ("/v1/chat/completions", CHAT)):
+            for stream in (False, True):
+                ask = {**body, "stop": [*four, "vv"], "stream": stream, "max_tokens": 2}
+                reply = _post(server, path, ask)
+                assert reply.status_code == 400, reply.text
+                error = reply.json()["error"]
+                assert error["param"] == "stop", error
+                assert "4" in error["message"], error
+        assert server.wait_idle()["live"] == 0
+
+    def test_a_chats_max_tokens_is_checked_beside_max_completion_tokens(
+        self, server: base.Served
+    ) -> None:
+        # With max_completion_tokens set, max_tokens was not looked at: a wrong type or a
+        # value out of range was accepted silently.
+        for bad in ("x", 0, -1, 1.5, True):
+            body = {**CHAT, "max_completion_tokens": 2, "max_tokens": bad}
+            reply = _post(server, "/v1/chat/completions", body)
+            assert reply.status_code == 400, (bad, reply.text)
+            assert reply.json()["error"]["param"] == "max_tokens", reply.text
+        # Both valid: max_completion_tokens, the newer name, is the one used (as vLLM does).
+        body = {**CHAT, "max_completion_tokens": 2, "max_tokens": 5}
+        reply = _post(server, "/v1/chat/completions", body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 2
+
+    def test_stream_options_is_an_object_of_openais_keys(self, server: base.Served) -> None:
+        # A stream_options that is not an object but is falsy ([], 0, "", false) was taken as
+        # no options, and a key OpenAI's API does not have was dropped silently.
+        wrong: list[Any] = [[], 0, "", False, {"include_usage": True, "usage": True}]
+        for options in wrong:
+            body = {**TEXT, "max_tokens": 2, "stream": True, "stream_options": options}
+            reply = _post(server, "/v1/completions", body)
+            assert reply.status_code == 400, (options, reply.text)
+            assert reply.json()["error"]["param"] == "stream_options", reply.text
+        # OpenAI's include_obfuscation (random padding in each event) asks for nothing
+        # about the tokens: accepted, as a boolean.
+        client = server.client()
+        chunks = list(
+            client.completions.create(
+                model="tiny-words",
+                prompt=base.PROMPT,
+                max_tokens=2,
+                stream=True,
+                stream_options={"include_usage": True, "include_obfuscation": False},
+            )
+        )
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 2
+        body = {**TEXT, "stream": True, "stream_options": {"include_obfuscation": 1}}
+        reply = _post(server, "/v1/completions", body)
+        assert reply.status_code == 400, reply.text
+        extra: Any = {"include_usage": True, "extra": True}  # not in the client's TypedDict
+        with pytest.raises(openai.BadRequestError, match="stream_options"):
+            client.chat.completions.create(
+                model="tiny-words",
+                messages=[{"role": "user", "content": "hello"}],
+                stream=True,
+                stream_options=extra,
+            )
+
+    def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(
+        self, server: base.Served
+    ) -> None:
+        # Starlette raises ClientDisconnect from the body's stream: it went to the catch-all
+        # handler, a 500 to no one, and uvicorn logged "Exception in ASGI application" with
+        # its traceback, as for a bug.
+        heads = [
+            b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "hel',
+            b"Transfer-Encoding: chunked\r\n\r\n" + b'5\r\n{"pro\r\n',
+        ]
+        for head in heads:
+            with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head)
+        # A whole request after them: the server has handled both disconnects by then.
+        done = server.client().completions.create(model="tiny-words", prompt=base.PROMPT)
+        assert done.choices[0].finish_reason == "length"
+        assert "ClientDisconnect" not in server.output()
+        assert "Exception in ASGI application" not in server.output()
+
+    def test_every_chunk_of_a_stream_with_include_usage_has_a_usage(
+        self, server: base.Served
+    ) -> None:
+        # With include_usage, OpenAI's API gives every chunk a "usage" (null but in the last):
+        # a chat's first chunk, the assistant's role, had none.
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+            ask = {**body, "max_tokens": 2, "stream": True}
+            ask["stream_options"] = {"include_usage": True}
+            reply = _post(server, path, ask)
+            assert reply.status_code == 200, reply.text
+            events = [e[6:] for e in reply.text.split("\n\n") if e.startswith("data: {")]
+            chunks = [json.loads(e) for e in events]
+            assert len(chunks) >= 3, chunks
+            assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+            assert chunks[-1]["usage"]["completion_tokens"] == 2
