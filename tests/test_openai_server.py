@@ -132,15 +132,20 @@ def _start(model: Path, tmp: Path, *extra: str) -> Served:
         )
     served = Served(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + 45
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{served.output()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if served.get("/health").status_code == 200:
-                return served
-        time.sleep(0.1)
-    _stop(served)
-    raise AssertionError(f"the server did not start within 45 s:\n{served.output()}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"the server exited with {proc.returncode}:\n{served.output()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if served.get("/health").status_code == 200:
+                    return served
+            time.sleep(0.1)
+        raise AssertionError(f"the server did not start within 45 s:\n{served.output()}")
+    except BaseException:  # pytest-timeout's too: the server and its stage must not stay
+        _stop(served)
+        raise
 
 
 def _stop(served: Served) -> None:
