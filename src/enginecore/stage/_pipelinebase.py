@@ -23,13 +23,13 @@ from . import _session, _shm
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
-from ._launch import check_startup_timeout
+from ._launch import _validate_factory, check_startup_timeout
 from ._logs import check_log_level
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import ReplicaState, RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore, abort_ids
 from ._watchdog import check_watchdog
-from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
+from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed, check_encodable
 
 if TYPE_CHECKING:
     from ._launch import TcpListen
@@ -197,6 +197,13 @@ class PipelineStage:
                 f"kwargs must be a mapping of the factory's keyword arguments or None, "
                 f"got {self.kwargs!r}"
             )
+        # As StageClient.launch checks them, with its errors: before any process of the
+        # pipeline starts (the child would find them only after the later stages started).
+        _validate_factory(self.factory)
+        if self.kwargs is not None:
+            check_encodable(dict(self.kwargs), "factory kwargs")
+            if not all(type(k) is str for k in self.kwargs):
+                raise TypeError("factory kwargs must have str keys")
         if self.placement is not None:
             from .ray import RayPlacement  # imports no Ray
 

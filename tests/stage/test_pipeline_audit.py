@@ -1,0 +1,72 @@
+"""Stage pipelines against their documented promises (``docs/pipelines.md``): what a
+black-box audit of :class:`~enginecore.stage.Pipeline` and
+:class:`~enginecore.stage.AsyncPipeline` found, each with real stage processes, both forms
+(``[sync]``, ``[async]``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from enginecore.stage import PipelineStage, StageClient
+
+from .pipelines import Launch, launcher
+
+RELAY = "enginecore.stage.testing:relay"
+T = "enginecore.stage.testing"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=["sync", "async"])
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
+    """``launch(stages, **kwargs)``: either pipeline; each is shut down after the test."""
+    with launcher(request.param) as launch_:
+        yield launch_
+
+
+class TestStageArgumentsAsAClients:
+    """``PipelineStage(factory, kwargs)`` takes them "as for ``StageClient.launch``": a
+    factory that is not ``pkg.module:factory`` and kwargs that cannot cross the wire are
+    that launch's :class:`ValueError` / :class:`TypeError`, with its message, before any
+    process of the pipeline starts (the stages start last to first: the first stage's
+    mistake was found only after the others had started, in its child, as a
+    ``StageStartupError``, or as a ``TypeError`` naming the wrapper's
+    ``kwargs['kwargs']``)."""
+
+    @pytest.mark.parametrize(
+        ("factory", "kwargs", "error", "message"),
+        [
+            ("nocolon", None, ValueError, "engine factory must look like 'pkg.module:factory'"),
+            ("", None, ValueError, "engine factory must look like 'pkg.module:factory'"),
+            (RELAY, {"x": object()}, TypeError, "factory kwargs['x']: builtins.object"),
+            (RELAY, {1: 2}, TypeError, "factory kwargs must have str keys"),
+        ],
+    )
+    def test_a_bad_factory_or_kwargs_fails_before_any_process_starts(
+        self,
+        launch: Launch,
+        factory: str,
+        kwargs: Any,
+        error: type[Exception],
+        message: str,
+    ) -> None:
+        with pytest.raises(error) as client_error:
+            StageClient.launch(factory, kwargs)
+        assert message in str(client_error.value)
+        # The last stage, started first, makes the file (outside the checked dir).
+        marker = f"/tmp/ecA-{os.getpid()}-{time.monotonic_ns()}"
+        last = PipelineStage(f"{T}:relay_once", {"marker": marker})
+        try:
+            with pytest.raises(error) as pipe_error:
+                launch([PipelineStage(factory, kwargs), last])
+            assert str(pipe_error.value) == str(client_error.value)
+            assert not os.path.exists(marker)  # no process started
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
