@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from enginecore.stage import PipelineStage, StageClient
+from enginecore.stage import PipelineStage, PipelineStageDeadError, StageClient
 
-from .pipelines import Launch, launcher
+from .pipelines import BlockingAsyncPipeline, Launch, launcher
 
+COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
 T = "enginecore.stage.testing"
 
@@ -70,3 +71,32 @@ class TestStageArgumentsAsAClients:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)
+
+
+def _shut_down_client(pipe: Any, stage: str) -> None:
+    """``pipe.client(stage).shutdown()``, on the pipeline's event loop for the async form."""
+    client = pipe.client(stage)
+    if isinstance(pipe, BlockingAsyncPipeline):
+        pipe._runner.run(client.shutdown())
+    else:
+        client.shutdown()
+
+
+class TestAStageStoppedThroughItsClient:
+    """``pipe.client(stage)`` is the stage's client, "for what the pipeline does not wrap".
+    A stage stopped through it (its ``shutdown()``) is gone for the pipeline as a stage
+    that exited on its own is: its requests end with ``PipelineStageDeadError`` naming it,
+    and later adds raise it. Its clean end was taken for nothing: its requests waited
+    forever, and the pipeline took new ones that could never end."""
+
+    def test_its_requests_end_and_later_adds_raise(self, launch: Launch) -> None:
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid"), RELAY])
+        stream = pipe.add("long", 10**9)
+        assert stream.get(timeout=10) == 10**9 - 1  # through every stage
+        _shut_down_client(pipe, "mid")
+        with pytest.raises(PipelineStageDeadError) as info:
+            stream.collect(timeout=10)
+        assert info.value.stage == "mid"
+        with pytest.raises(PipelineStageDeadError, match="mid"):
+            pipe.add("later", 1)
+        assert pipe.in_flight == 0

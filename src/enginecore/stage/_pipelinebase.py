@@ -1466,13 +1466,15 @@ class PipelineBase(Generic[S, C]):
 
     # -- what the stages say ------------------------------------------------------------------
 
-    def _death(self, client: C, exc: BaseException) -> bool:
+    def _death(self, client: C, exc: BaseException | None) -> bool:
         """Whether the end of *client*'s event stream with *exc* is its process's death:
-        always before :meth:`shutdown`; during one, an ``EngineDeadError`` (the process
-        died: while the stages before it drained, or in its own drain), whose requests could
-        otherwise never finish: the stages still draining would wait out the deadline for
-        them. The end of a stage the shutdown stopped is none (no error, or the client's
-        ``StageClosedError`` once it had to kill it)."""
+        always before :meth:`shutdown` (a clean end too, *exc* ``None``: the stage was
+        stopped through its client, and nothing else ends its requests); during one, an
+        ``EngineDeadError`` (the process died: while the stages before it drained, or in
+        its own drain), whose requests could otherwise never finish: the stages still
+        draining would wait out the deadline for them. The end of a stage the shutdown
+        stopped is none (no error, or the client's ``StageClosedError`` once it had to kill
+        it)."""
         return not self._closed or isinstance(exc, EngineDeadError)
 
     def _take_events(self, k: int, r: int = 0, client: C | None = None) -> None:
@@ -1520,9 +1522,13 @@ class PipelineBase(Generic[S, C]):
                         logger.warning(
                             "enginecore: pipeline stage %r: %s", self._names[k], ev.message
                         )
-                elif isinstance(ev, End) and ev.exc is not None and self._death(client, ev.exc):
-                    # The stage's event stream ended with its failure: it is gone.
-                    dead = ev.exc
+                elif isinstance(ev, End) and self._death(client, ev.exc):
+                    # The stage's event stream ended with its failure: it is gone. A clean
+                    # end before the pipeline's shutdown is one too: the stage was stopped
+                    # through its client (pipe.client(stage).shutdown()), not the pipeline.
+                    dead = ev.exc or EngineDeadError(
+                        "its client was shut down (pipe.client(...).shutdown()), not the pipeline"
+                    )
                     exc = dead if isinstance(dead, EngineDeadError) else EngineDeadError(str(dead))
                     if self._pooled:
                         core.replica_dead(k, r, exc, now, d)
