@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from enginecore.stage import PipelineStage, PipelineStageDeadError, StageClient
+from enginecore.stage import (
+    PipelineStage,
+    PipelineStageDeadError,
+    StageClient,
+    StageHealth,
+    UtilityError,
+)
 
+from .conftest import wait_until
 from .pipelines import BlockingAsyncPipeline, Launch, launcher
 
 COUNTDOWN = "enginecore:CountdownEngine"
@@ -100,3 +108,19 @@ class TestAStageStoppedThroughItsClient:
         with pytest.raises(PipelineStageDeadError, match="mid"):
             pipe.add("later", 1)
         assert pipe.in_flight == 0
+
+
+class TestAPoolStagesUtilityErrorIsTheFirstReplicas:
+    """``pipe.call_utility(pool_stage, ...)`` answers "a list of their answers, in replica
+    order (the first error raises)": the first replica's error in that order, in both forms.
+    The async form raised whichever error came first in time (``asyncio.gather``): a dead
+    replica 1's ``EngineDeadError``, at once, before replica 0's answer, where the blocking
+    form raised replica 0's ``UtilityError``."""
+
+    def test_replica_0s_error_raises_before_a_dead_replica_1s(self, launch: Launch) -> None:
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2)])
+        os.kill(pipe.call_utility("mid", "pid", replica=1), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid[1]"] == StageHealth.DEAD, 10)
+        with pytest.raises(UtilityError, match="no utility 'nope'"):
+            pipe.call_utility("mid", "nope")
+        assert pipe.call_utility("mid", "echo", 1, replica=0) == [1]  # replica 0 goes on
