@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from enginecore.stage import (
+    AsyncPipeline,
     PipelineStage,
     PipelineStageDeadError,
     StageClient,
@@ -124,3 +126,36 @@ class TestAPoolStagesUtilityErrorIsTheFirstReplicas:
         with pytest.raises(UtilityError, match="no utility 'nope'"):
             pipe.call_utility("mid", "nope")
         assert pipe.call_utility("mid", "echo", 1, replica=0) == [1]  # replica 0 goes on
+
+
+def _waiting_for_room(pipe: Any) -> bool:
+    """Whether an ``add`` of *pipe* waits for room in the budget now."""
+    inner = getattr(pipe, "_pipe", pipe)
+    if isinstance(inner, AsyncPipeline):
+        return bool(inner._room_waiters)
+    return bool(inner._room._waiters)  # threading.Condition's
+
+
+class TestSentAtIsWhenTheRequestIsSent:
+    """``stream.timings.sent_at`` is read "just before the request's frame is handed to the
+    socket" (docs/observability.md), on both forms: an ``add`` that waited for room in the
+    budget is sent once it has room. The blocking form read it before the wait, so its
+    ``time_to_first_output`` and ``total`` counted the wait for admission too (the async
+    form's did not)."""
+
+    def test_an_add_that_waited_for_room_was_sent_after_the_wait(self, launch: Launch) -> None:
+        pipe = launch([COUNTDOWN, RELAY], max_in_flight=1)
+        first = pipe.add("first", 10**9)
+        added: list[Any] = []
+        waiter = threading.Thread(target=lambda: added.append(pipe.add("second", 2)))
+        waiter.start()
+        try:
+            assert wait_until(lambda: _waiting_for_room(pipe), 10)
+            room_made = time.monotonic()
+            pipe.abort(["first"])  # its place is free only once every stage applied it
+            first.collect(timeout=10)
+        finally:
+            waiter.join(10)
+        (second,) = added
+        assert second.collect(timeout=10) == [1, 0]
+        assert second.timings.sent_at >= room_made
