@@ -19,6 +19,7 @@ from enginecore.stage import (
     AsyncPipeline,
     PipelineStage,
     PipelineStageDeadError,
+    Retry,
     StageClient,
     StageHealth,
     UtilityError,
@@ -159,3 +160,19 @@ class TestSentAtIsWhenTheRequestIsSent:
         (second,) = added
         assert second.collect(timeout=10) == [1, 0]
         assert second.timings.sent_at >= room_made
+
+
+class TestRetryMaxBytesIsBoundedAsTheOtherByteOptions:
+    """``Retry(n, max_bytes=...)`` travels to the stage process, as ``window_bytes`` does:
+    one of 2**63 or more is a :class:`ValueError` at once, as theirs is ("below 2**63"). It
+    was taken, and the launch failed after the later stages had started, with a
+    ``TypeError`` about ``factory kwargs['replay_bytes']`` (a name the caller never gave)."""
+
+    def test_max_bytes_of_2_63_is_a_value_error(self) -> None:
+        with pytest.raises(ValueError, match=r"Retry max_bytes must be an int >= 1 .*2\*\*63"):
+            Retry(1, max_bytes=2**63)
+
+    def test_the_largest_max_bytes_launches_and_retries(self, launch: Launch) -> None:
+        retry = Retry(1, max_bytes=2**63 - 1)
+        pipe = launch([PipelineStage(COUNTDOWN, on_next_error=retry), f"{T}:flaky"])
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]  # retried once

@@ -90,7 +90,8 @@ class Retry:
     A retry happens only while nothing of the failed stage or a later one has reached the
     caller for the request (else the request fails at once: its outputs are not sent
     twice). This stage keeps a log of what it sent on for each request, until the request
-    is over in the pipeline: a request whose logged payloads exceed *max_bytes* (estimated:
+    is over in the pipeline: a request whose logged payloads exceed *max_bytes* (an int
+    >= 1, below 2**63, as ``window_bytes``; estimated:
     arrays' and bytes' sizes, strings' lengths) is not retryable, and fails as with
     ``"fail"``, saying why. A stage's death is not retried: it fails every request, as
     with ``"fail"``.
@@ -106,6 +107,10 @@ class Retry:
                 raise TypeError(f"Retry {what} must be an int >= 1, got {value!r}")
             if value < 1:
                 raise ValueError(f"Retry {what} must be an int >= 1, got {value!r}")
+        if self.max_bytes >= _MAX_INT:  # it goes to the stage process, as window_bytes does
+            raise ValueError(
+                f"Retry max_bytes must be an int >= 1 (and below 2**63), got {self.max_bytes!r}"
+            )
 
 
 @dataclass(frozen=True)
