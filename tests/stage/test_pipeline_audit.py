@@ -176,3 +176,16 @@ class TestRetryMaxBytesIsBoundedAsTheOtherByteOptions:
         retry = Retry(1, max_bytes=2**63 - 1)
         pipe = launch([PipelineStage(COUNTDOWN, on_next_error=retry), f"{T}:flaky"])
         assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]  # retried once
+
+
+class TestALongStartupTimeout:
+    """``startup_timeout`` is "a number > 0" (finite): the blocking launch waited for each
+    stage's ready report with one ``poll`` of the whole timeout, which takes at most about
+    24 days (an int of milliseconds), so ``startup_timeout=1e7`` raised ``OverflowError``
+    ("timeout is too large") in ``Pipeline.launch`` (and ``StageClient.launch``) while
+    ``AsyncPipeline.launch`` started the pipeline."""
+
+    @pytest.mark.parametrize("seconds", [1e7, 1e300])
+    def test_it_launches(self, launch: Launch, seconds: float) -> None:
+        pipe = launch([COUNTDOWN, RELAY], startup_timeout=seconds)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
