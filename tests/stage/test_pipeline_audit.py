@@ -19,6 +19,7 @@ from enginecore.stage import (
     AsyncPipeline,
     PipelineStage,
     PipelineStageDeadError,
+    RestartPolicy,
     Retry,
     StageClient,
     StageHealth,
@@ -189,3 +190,25 @@ class TestALongStartupTimeout:
     def test_it_launches(self, launch: Launch, seconds: float) -> None:
         pipe = launch([COUNTDOWN, RELAY], startup_timeout=seconds)
         assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+
+    def test_a_restart_that_waits_to_link_in_is_not_a_failed_start(
+        self, launch: Launch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # "c" dies holding a request while "b", the stage before it, is in a 3 s step: the
+        # restart waits, up to the startup timeout, for b to apply that request's abort
+        # before it links the new process in. The blocking form waited on a
+        # threading.Event with the whole timeout, past threading.TIMEOUT_MAX: an
+        # OverflowError, so a failed start, logged, and a second start.
+        policy = RestartPolicy(first_delay=0.05, max_delay=0.05)
+        slow = PipelineStage(RELAY, {"step_s": 3.0}, name="b")
+        last = PipelineStage(RELAY, name="c", restart=policy)
+        pipe = launch([COUNTDOWN, slow, last], startup_timeout=1e300)
+        stream = pipe.add("long", 10**9)
+        assert stream.get(timeout=30) == 10**9 - 1  # c holds it; b is in its next step
+        os.kill(pipe.call_utility("c", "pid"), signal.SIGKILL)
+        with pytest.raises(PipelineStageDeadError):
+            stream.collect(timeout=10)
+        assert wait_until(lambda: pipe.health()["c"] == StageHealth.OK, 30)
+        assert pipe.add("r", 2).collect(timeout=30) == [1, 0]
+        assert pipe.restarts["c"] == 1
+        assert "linking it in failed" not in caplog.text

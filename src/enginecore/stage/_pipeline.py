@@ -478,7 +478,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._unlinkable(k, r)
-                ready.wait(left)
+                ready.wait(min(left, threading.TIMEOUT_MAX))  # a longer one: OverflowError
                 ready.clear()
         finally:
             self._link_wait(k, r, None)
