@@ -274,16 +274,25 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     ) -> Any:
         """Call utility *name* of the stage named *stage*. A replica pool: with *replica*,
         that replica's answer; without, a list of every replica's answers, in order (the
-        first error raises)."""
+        first error raises: the first in replica order, as :meth:`Pipeline.call_utility
+        <enginecore.stage.Pipeline.call_utility>`'s, whichever came first; the replicas
+        are asked at once, and the calls still pending then are cancelled)."""
         self._on_its_loop()
         clients, many = self._utility_clients(stage, replica)
         if not many:
             return await clients[0].call_utility(name, *args, timeout=timeout)
-        return list(
-            await asyncio.gather(
-                *(client.call_utility(name, *args, timeout=timeout) for client in clients)
-            )
-        )
+        calls = [
+            asyncio.ensure_future(client.call_utility(name, *args, timeout=timeout))
+            for client in clients
+        ]
+        try:
+            return [await call for call in calls]  # in replica order: its first error
+        finally:
+            for call in calls:
+                if not call.done():
+                    call.cancel()  # a cancelled call's late answer is dropped
+                elif not call.cancelled():
+                    call.exception()  # retrieved: no "never retrieved" warning
 
     async def stats(self, timeout: float | None = 10.0) -> dict[str, StageStatistics | Exception]:
         """:meth:`Pipeline.stats <enginecore.stage.Pipeline.stats>`, awaited: every stage

@@ -60,7 +60,7 @@ from . import _clientbase, _codec, _session
 from ._clientbase import ClientBase, Target
 from ._curve import CurveKeys, HandshakeWatch
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
-from ._launch import launch_process
+from ._launch import _POLL_MAX_S, launch_process
 from ._session import ClientSession, Deliveries, End, StreamCore
 from ._statistics import LOAD_INTERVAL, StageStatistics
 from ._watchdog import STEP_TIMEOUT
@@ -547,7 +547,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise watch.timed_out(timeout)
-                ready = dict(poller.poll(max(1, round(left * 1000))))
+                # At most _POLL_MAX_S a poll (it takes an int of ms), then look again.
+                ready = dict(poller.poll(max(1, round(min(left, _POLL_MAX_S) * 1000))))
                 if monitor is not None and monitor in ready:
                     while True:
                         try:

@@ -588,7 +588,8 @@ def _wait_ready(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _not_ready(launched, factory, startup_timeout)
-        ready = multiprocessing.connection.wait(waitables, remaining)
+        # At most _POLL_MAX_S a wait (poll takes an int of ms: ~24 days), then look again.
+        ready = multiprocessing.connection.wait(waitables, min(remaining, _POLL_MAX_S))
 
 
 async def _await_report(launched: Launched, startup_timeout: float) -> tuple[Any, ...] | None:

@@ -266,6 +266,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         now = time.monotonic()
         streams = [PipelineStream(rid, self._thread_lock, now) for rid in ids]
         with self._thread_lock:
+            waited = False
             while not self._check_open() and not core.admissible(ids, nbytes):
                 if not wait:
                     raise core.full_error(None)
@@ -273,6 +274,11 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 if left is not None and left <= 0:
                     raise core.full_error(timeout)
                 self._room.wait(left)
+                waited = True
+            if waited:  # sent now, not when the wait for room began (the timings' sent_at)
+                now = time.monotonic()
+                for stream in streams:
+                    stream._sent_at = now
             failed = self._open_and_send(ids, streams, parts, nbytes, many, items)
         if failed is not None:
             self._failed_send(failed)
@@ -472,7 +478,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._unlinkable(k, r)
-                ready.wait(left)
+                ready.wait(min(left, threading.TIMEOUT_MAX))  # a longer one: OverflowError
                 ready.clear()
         finally:
             self._link_wait(k, r, None)

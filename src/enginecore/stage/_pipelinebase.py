@@ -23,13 +23,13 @@ from . import _session, _shm
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
 from ._errors import EngineDeadError, StageClosedError, StageStartupError
-from ._launch import check_startup_timeout
+from ._launch import _validate_factory, check_startup_timeout
 from ._logs import check_log_level
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import ReplicaState, RestartPolicy
 from ._session import ClientSession, End, Parts, StageHealth, StreamCore, abort_ids
 from ._watchdog import check_watchdog
-from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed
+from ._wire import Aborted, Credit, ErrorReport, Outputs, Replayed, check_encodable
 
 if TYPE_CHECKING:
     from ._launch import TcpListen
@@ -90,7 +90,8 @@ class Retry:
     A retry happens only while nothing of the failed stage or a later one has reached the
     caller for the request (else the request fails at once: its outputs are not sent
     twice). This stage keeps a log of what it sent on for each request, until the request
-    is over in the pipeline: a request whose logged payloads exceed *max_bytes* (estimated:
+    is over in the pipeline: a request whose logged payloads exceed *max_bytes* (an int
+    >= 1, below 2**63, as ``window_bytes``; estimated:
     arrays' and bytes' sizes, strings' lengths) is not retryable, and fails as with
     ``"fail"``, saying why. A stage's death is not retried: it fails every request, as
     with ``"fail"``.
@@ -106,6 +107,10 @@ class Retry:
                 raise TypeError(f"Retry {what} must be an int >= 1, got {value!r}")
             if value < 1:
                 raise ValueError(f"Retry {what} must be an int >= 1, got {value!r}")
+        if self.max_bytes >= _MAX_INT:  # it goes to the stage process, as window_bytes does
+            raise ValueError(
+                f"Retry max_bytes must be an int >= 1 (and below 2**63), got {self.max_bytes!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,13 @@ class PipelineStage:
                 f"kwargs must be a mapping of the factory's keyword arguments or None, "
                 f"got {self.kwargs!r}"
             )
+        # As StageClient.launch checks them, with its errors: before any process of the
+        # pipeline starts (the child would find them only after the later stages started).
+        _validate_factory(self.factory)
+        if self.kwargs is not None:
+            check_encodable(dict(self.kwargs), "factory kwargs")
+            if not all(type(k) is str for k in self.kwargs):
+                raise TypeError("factory kwargs must have str keys")
         if self.placement is not None:
             from .ray import RayPlacement  # imports no Ray
 
@@ -1459,13 +1471,15 @@ class PipelineBase(Generic[S, C]):
 
     # -- what the stages say ------------------------------------------------------------------
 
-    def _death(self, client: C, exc: BaseException) -> bool:
+    def _death(self, client: C, exc: BaseException | None) -> bool:
         """Whether the end of *client*'s event stream with *exc* is its process's death:
-        always before :meth:`shutdown`; during one, an ``EngineDeadError`` (the process
-        died: while the stages before it drained, or in its own drain), whose requests could
-        otherwise never finish: the stages still draining would wait out the deadline for
-        them. The end of a stage the shutdown stopped is none (no error, or the client's
-        ``StageClosedError`` once it had to kill it)."""
+        always before :meth:`shutdown` (a clean end too, *exc* ``None``: the stage was
+        stopped through its client, and nothing else ends its requests); during one, an
+        ``EngineDeadError`` (the process died: while the stages before it drained, or in
+        its own drain), whose requests could otherwise never finish: the stages still
+        draining would wait out the deadline for them. The end of a stage the shutdown
+        stopped is none (no error, or the client's ``StageClosedError`` once it had to kill
+        it)."""
         return not self._closed or isinstance(exc, EngineDeadError)
 
     def _take_events(self, k: int, r: int = 0, client: C | None = None) -> None:
@@ -1513,9 +1527,13 @@ class PipelineBase(Generic[S, C]):
                         logger.warning(
                             "enginecore: pipeline stage %r: %s", self._names[k], ev.message
                         )
-                elif isinstance(ev, End) and ev.exc is not None and self._death(client, ev.exc):
-                    # The stage's event stream ended with its failure: it is gone.
-                    dead = ev.exc
+                elif isinstance(ev, End) and self._death(client, ev.exc):
+                    # The stage's event stream ended with its failure: it is gone. A clean
+                    # end before the pipeline's shutdown is one too: the stage was stopped
+                    # through its client (pipe.client(stage).shutdown()), not the pipeline.
+                    dead = ev.exc or EngineDeadError(
+                        "its client was shut down (pipe.client(...).shutdown()), not the pipeline"
+                    )
                     exc = dead if isinstance(dead, EngineDeadError) else EngineDeadError(str(dead))
                     if self._pooled:
                         core.replica_dead(k, r, exc, now, d)

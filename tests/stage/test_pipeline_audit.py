@@ -1,0 +1,214 @@
+"""Stage pipelines against their documented promises (``docs/pipelines.md``): what a
+black-box audit of :class:`~enginecore.stage.Pipeline` and
+:class:`~enginecore.stage.AsyncPipeline` found, each with real stage processes, both forms
+(``[sync]``, ``[async]``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from enginecore.stage import (
+    AsyncPipeline,
+    PipelineStage,
+    PipelineStageDeadError,
+    RestartPolicy,
+    Retry,
+    StageClient,
+    StageHealth,
+    UtilityError,
+)
+
+from .conftest import wait_until
+from .pipelines import BlockingAsyncPipeline, Launch, launcher
+
+COUNTDOWN = "enginecore:CountdownEngine"
+RELAY = "enginecore.stage.testing:relay"
+T = "enginecore.stage.testing"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=["sync", "async"])
+def launch(request: pytest.FixtureRequest, no_leftovers: str) -> Iterator[Launch]:
+    """``launch(stages, **kwargs)``: either pipeline; each is shut down after the test."""
+    with launcher(request.param) as launch_:
+        yield launch_
+
+
+class TestStageArgumentsAsAClients:
+    """``PipelineStage(factory, kwargs)`` takes them "as for ``StageClient.launch``": a
+    factory that is not ``pkg.module:factory`` and kwargs that cannot cross the wire are
+    that launch's :class:`ValueError` / :class:`TypeError`, with its message, before any
+    process of the pipeline starts (the stages start last to first: the first stage's
+    mistake was found only after the others had started, in its child, as a
+    ``StageStartupError``, or as a ``TypeError`` naming the wrapper's
+    ``kwargs['kwargs']``)."""
+
+    @pytest.mark.parametrize(
+        ("factory", "kwargs", "error", "message"),
+        [
+            ("nocolon", None, ValueError, "engine factory must look like 'pkg.module:factory'"),
+            ("", None, ValueError, "engine factory must look like 'pkg.module:factory'"),
+            (RELAY, {"x": object()}, TypeError, "factory kwargs['x']: builtins.object"),
+            (RELAY, {1: 2}, TypeError, "factory kwargs must have str keys"),
+        ],
+    )
+    def test_a_bad_factory_or_kwargs_fails_before_any_process_starts(
+        self,
+        launch: Launch,
+        factory: str,
+        kwargs: Any,
+        error: type[Exception],
+        message: str,
+    ) -> None:
+        with pytest.raises(error) as client_error:
+            StageClient.launch(factory, kwargs)
+        assert message in str(client_error.value)
+        # The last stage, started first, makes the file (outside the checked dir).
+        marker = f"/tmp/ecA-{os.getpid()}-{time.monotonic_ns()}"
+        last = PipelineStage(f"{T}:relay_once", {"marker": marker})
+        try:
+            with pytest.raises(error) as pipe_error:
+                launch([PipelineStage(factory, kwargs), last])
+            assert str(pipe_error.value) == str(client_error.value)
+            assert not os.path.exists(marker)  # no process started
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
+
+
+def _shut_down_client(pipe: Any, stage: str) -> None:
+    """``pipe.client(stage).shutdown()``, on the pipeline's event loop for the async form."""
+    client = pipe.client(stage)
+    if isinstance(pipe, BlockingAsyncPipeline):
+        pipe._runner.run(client.shutdown())
+    else:
+        client.shutdown()
+
+
+class TestAStageStoppedThroughItsClient:
+    """``pipe.client(stage)`` is the stage's client, "for what the pipeline does not wrap".
+    A stage stopped through it (its ``shutdown()``) is gone for the pipeline as a stage
+    that exited on its own is: its requests end with ``PipelineStageDeadError`` naming it,
+    and later adds raise it. Its clean end was taken for nothing: its requests waited
+    forever, and the pipeline took new ones that could never end."""
+
+    def test_its_requests_end_and_later_adds_raise(self, launch: Launch) -> None:
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid"), RELAY])
+        stream = pipe.add("long", 10**9)
+        assert stream.get(timeout=10) == 10**9 - 1  # through every stage
+        _shut_down_client(pipe, "mid")
+        with pytest.raises(PipelineStageDeadError) as info:
+            stream.collect(timeout=10)
+        assert info.value.stage == "mid"
+        with pytest.raises(PipelineStageDeadError, match="mid"):
+            pipe.add("later", 1)
+        assert pipe.in_flight == 0
+
+
+class TestAPoolStagesUtilityErrorIsTheFirstReplicas:
+    """``pipe.call_utility(pool_stage, ...)`` answers "a list of their answers, in replica
+    order (the first error raises)": the first replica's error in that order, in both forms.
+    The async form raised whichever error came first in time (``asyncio.gather``): a dead
+    replica 1's ``EngineDeadError``, at once, before replica 0's answer, where the blocking
+    form raised replica 0's ``UtilityError``."""
+
+    def test_replica_0s_error_raises_before_a_dead_replica_1s(self, launch: Launch) -> None:
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2)])
+        os.kill(pipe.call_utility("mid", "pid", replica=1), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid[1]"] == StageHealth.DEAD, 10)
+        with pytest.raises(UtilityError, match="no utility 'nope'"):
+            pipe.call_utility("mid", "nope")
+        assert pipe.call_utility("mid", "echo", 1, replica=0) == [1]  # replica 0 goes on
+
+
+def _waiting_for_room(pipe: Any) -> bool:
+    """Whether an ``add`` of *pipe* waits for room in the budget now."""
+    inner = getattr(pipe, "_pipe", pipe)
+    if isinstance(inner, AsyncPipeline):
+        return bool(inner._room_waiters)
+    return bool(inner._room._waiters)  # threading.Condition's
+
+
+class TestSentAtIsWhenTheRequestIsSent:
+    """``stream.timings.sent_at`` is read "just before the request's frame is handed to the
+    socket" (docs/observability.md), on both forms: an ``add`` that waited for room in the
+    budget is sent once it has room. The blocking form read it before the wait, so its
+    ``time_to_first_output`` and ``total`` counted the wait for admission too (the async
+    form's did not)."""
+
+    def test_an_add_that_waited_for_room_was_sent_after_the_wait(self, launch: Launch) -> None:
+        pipe = launch([COUNTDOWN, RELAY], max_in_flight=1)
+        first = pipe.add("first", 10**9)
+        added: list[Any] = []
+        waiter = threading.Thread(target=lambda: added.append(pipe.add("second", 2)))
+        waiter.start()
+        try:
+            assert wait_until(lambda: _waiting_for_room(pipe), 10)
+            room_made = time.monotonic()
+            pipe.abort(["first"])  # its place is free only once every stage applied it
+            first.collect(timeout=10)
+        finally:
+            waiter.join(10)
+        (second,) = added
+        assert second.collect(timeout=10) == [1, 0]
+        assert second.timings.sent_at >= room_made
+
+
+class TestRetryMaxBytesIsBoundedAsTheOtherByteOptions:
+    """``Retry(n, max_bytes=...)`` travels to the stage process, as ``window_bytes`` does:
+    one of 2**63 or more is a :class:`ValueError` at once, as theirs is ("below 2**63"). It
+    was taken, and the launch failed after the later stages had started, with a
+    ``TypeError`` about ``factory kwargs['replay_bytes']`` (a name the caller never gave)."""
+
+    def test_max_bytes_of_2_63_is_a_value_error(self) -> None:
+        with pytest.raises(ValueError, match=r"Retry max_bytes must be an int >= 1 .*2\*\*63"):
+            Retry(1, max_bytes=2**63)
+
+    def test_the_largest_max_bytes_launches_and_retries(self, launch: Launch) -> None:
+        retry = Retry(1, max_bytes=2**63 - 1)
+        pipe = launch([PipelineStage(COUNTDOWN, on_next_error=retry), f"{T}:flaky"])
+        assert pipe.add("r", 3).collect(timeout=10) == [2, 1, 0]  # retried once
+
+
+class TestALongStartupTimeout:
+    """``startup_timeout`` is "a number > 0" (finite): the blocking launch waited for each
+    stage's ready report with one ``poll`` of the whole timeout, which takes at most about
+    24 days (an int of milliseconds), so ``startup_timeout=1e7`` raised ``OverflowError``
+    ("timeout is too large") in ``Pipeline.launch`` (and ``StageClient.launch``) while
+    ``AsyncPipeline.launch`` started the pipeline."""
+
+    @pytest.mark.parametrize("seconds", [1e7, 1e300])
+    def test_it_launches(self, launch: Launch, seconds: float) -> None:
+        pipe = launch([COUNTDOWN, RELAY], startup_timeout=seconds)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+
+    def test_a_restart_that_waits_to_link_in_is_not_a_failed_start(
+        self, launch: Launch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # "c" dies holding a request while "b", the stage before it, is in a 3 s step: the
+        # restart waits, up to the startup timeout, for b to apply that request's abort
+        # before it links the new process in. The blocking form waited on a
+        # threading.Event with the whole timeout, past threading.TIMEOUT_MAX: an
+        # OverflowError, so a failed start, logged, and a second start.
+        policy = RestartPolicy(first_delay=0.05, max_delay=0.05)
+        slow = PipelineStage(RELAY, {"step_s": 3.0}, name="b")
+        last = PipelineStage(RELAY, name="c", restart=policy)
+        pipe = launch([COUNTDOWN, slow, last], startup_timeout=1e300)
+        stream = pipe.add("long", 10**9)
+        assert stream.get(timeout=30) == 10**9 - 1  # c holds it; b is in its next step
+        os.kill(pipe.call_utility("c", "pid"), signal.SIGKILL)
+        with pytest.raises(PipelineStageDeadError):
+            stream.collect(timeout=10)
+        assert wait_until(lambda: pipe.health()["c"] == StageHealth.OK, 30)
+        assert pipe.add("r", 2).collect(timeout=30) == [1, 0]
+        assert pipe.restarts["c"] == 1
+        assert "linking it in failed" not in caplog.text
