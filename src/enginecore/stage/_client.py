@@ -688,7 +688,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     def _call(
         self, name: str, args: tuple[Any, ...], timeout: float | None, *, stats: bool = False
     ) -> Any:
-        deadline = _clientbase.deadline_after(timeout)  # ValueError if negative, as async
+        deadline = None if timeout is None else _clientbase.deadline_after(timeout)  # ValueError
         if self._reads_here(threading.get_ident()):
             # A future's done-callback, on the thread that reads the stage's events: the
             # answer could only be read by this very thread, which would wait for itself.
@@ -698,11 +698,23 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 "done-callback of a call_utility_future future runs there); use "
                 "call_utility_future() and a callback of its own, or another thread"
             )
+        session = self._session
+        call_id = session.new_call_id()
+        # Encoded first: arguments that cannot cross the wire raise before anything else.
+        if stats:
+            parts = session.stats_frame(call_id)
+        else:
+            parts = session.utility_frame(call_id, name, args)
         waiter = _Waiter()
         try:
-            self._claim(waiter)
-            call_id = self._start_call(name, args, waiter, stats=stats)
             try:
+                self._open_claimed(call_id, waiter, name, stats)
+                with self._send_lock:  # _send, inlined: this is the round trip's hot path
+                    if self._sockets_closed:
+                        raise StageClosedError("this stage client is closed")
+                    _codec.send_parts(self._dealer, parts, 0)
+                if self._owner is None:
+                    self._resume()  # as _send: what the message brings back needs a reader
                 while not waiter.done:
                     if self._owner is waiter:  # ours since the claim, or handed over
                         self._read_until(waiter, deadline)
@@ -717,7 +729,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 self._forget_call(call_id)  # a late answer is dropped
                 raise
         finally:
-            # Whatever happened, even an interrupt inside _claim: the socket is not left
+            # Whatever happened, even an interrupt inside _open_claimed: the socket is not left
             # with this call. _read_until gave it back already, unless the receiver was
             # still to hand it over: then _want is still this waiter (_lend sets _owner
             # before it clears _want, so one of the two shows it, read in this order).
@@ -1181,20 +1193,17 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         is given to the next thread started: a call there is no done-callback)."""
         return me == self._reader or (me == self._rx.ident and self._rx.is_alive())
 
-    def _claim(self, waiter: _Waiter) -> None:
-        """Caller of call_utility: become the socket's borrower, or ask the receiver for it.
-        Not while another call does, nor on a thread that reads the socket already (a
-        done-callback: it would wait for itself); the call then waits for its answer."""
-        me = threading.get_ident()
+    def _open_claimed(self, call_id: int, waiter: _Waiter, name: str, stats: bool) -> None:
+        """Caller of call_utility, before it sends: register the call (raises as
+        :meth:`ClientSession.open_call`) and, under the same hold of ``_lock``, become the
+        socket's borrower or ask the receiver for it. Not while another call does, nor with
+        a shared receiver; the call then waits for its answer. (``_call`` has refused a
+        thread that reads the socket already: a done-callback would wait for itself.)"""
+        session = self._session
         with self._lock:
-            session = self._session
-            if (
-                session.failure is not None
-                or session.closing
-                or self._hub is not None  # the shared receiver never lends a socket
-                or self._reads_here(me)
-            ):
-                return
+            session.open_call(call_id, waiter, name, stats=stats)
+            if session.closing or self._hub is not None:  # the hub never lends a socket
+                return  # a stats request may be open while closing: it claims nothing
             owner = self._owner
             if owner is None:  # idle: no one to wake
                 self._owner = waiter
@@ -1211,16 +1220,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
                 self._want = None
             if self._owner is not waiter:
                 return
-            session = self._session
-            if (
-                waiter.done
-                and not session.streams
-                and not session.calls
-                and session.events is None
-                and session.state is _session.StageState.RUNNING
-                and not session.closing
-                and not self._exit_seen
-            ):
+            if waiter.done and not self._exit_seen and self._session.quiet_and_running():
                 self._owner = None
                 # No wake-up: the parked receiver looks again within _BORROW_MAX_S.
                 self._idle_until = time.monotonic() + _IDLE_LEND_S
@@ -1238,23 +1238,28 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         if self._own_lock:
             _tls.reads = self._lock
         try:
-            end = time.monotonic() + _BORROW_MAX_S
+            now = time.monotonic()
+            end = now + _BORROW_MAX_S
             if deadline is not None and deadline < end:
                 end = deadline
-            poll = self._poller.poll
+            # zmq_poll itself, not Poller.poll (a Python wrapper that checks its timeout).
+            items = self._poller.sockets
             pull = self._pull
             session = self._session
             while not waiter.done and session.failure is None:
-                timeout_ms = math.ceil((end - time.monotonic()) * 1000)
+                timeout_ms = math.ceil((end - now) * 1000)
                 if timeout_ms <= 0:
                     return
-                ready = poll(timeout_ms)
+                ready = zmq.zmq_poll(items, timeout_ms)
                 if not ready:
                     return
                 if ready[0][0] is pull:
                     self._drain(waiter)
                 if len(ready) > 1 or ready[0][0] is not pull:
                     return  # close(), death or the process's exit: the receiver's job
+                if waiter.done:
+                    return  # the usual end: no clock reading for a round that won't come
+                now = time.monotonic()
         finally:
             _tls.reads = reads
             self._reader = None

@@ -714,6 +714,19 @@ class ClientSession(Generic[S, W]):
         ``GONE``); ``None`` before."""
         return self._failure
 
+    def quiet_and_running(self) -> bool:
+        """Whether nothing is in flight (no stream, no call, no ordered event stream) and
+        the stage runs, not closing: what a blocking call that got its answer checks before
+        it leaves the output socket idle. One call, not five property reads (it runs once
+        per ``call_utility``)."""
+        return (
+            not self._streams
+            and not self._calls
+            and self._events is None
+            and self._state is StageState.RUNNING
+            and not self._closing
+        )
+
     @property
     def closing(self) -> bool:
         """Whether ``close()`` has begun (:meth:`begin_close`): nothing new is registered."""
