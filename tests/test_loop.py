@@ -1721,6 +1721,28 @@ class TestRule17FuturesDoneAfterTheEnd:
         assert log.events == [("utility", 1, 42, None), last]
         assert [m for m in loop.input_queue.queue if not isinstance(m, Wakeup)] == []
 
+    @LOOPS
+    def test_at_a_fatal_end_pending_futures_are_answered_before_unapplied_calls(
+        self, kind: str, depth: int
+    ) -> None:
+        fut: Future[Any] = Future()
+        engine = _engine_for(kind)
+        engine.utility = lambda name, args: fut  # type: ignore[method-assign]
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+
+        def fail(lp: EngineCoreLoop) -> None:
+            raise _Boom("control failed")
+
+        loop.submit_many([Utility(1, "f", ()), _Record([], fail), Utility(2, "div", (1, 1))])
+        LoopThread(loop).start().join()
+        pending = LoopEndedError("the engine loop ended before utility 'f' (call 1) completed")
+        assert log.events == [
+            ("utility", 1, None, repr(pending)),
+            _ended(2),
+            ("fatal", repr(_Boom("control failed"))),
+        ]
+
 
 class TestRule17UtilitiesLeftOfAFailedDrain:
     """Rules 8 and 17, on both loops: a fatal error in the middle of a drain leaves the
