@@ -1695,6 +1695,54 @@ class TestRule17FuturesDoneAfterTheEnd:
         # Nothing but the Wakeup of the control's request_shutdown(), after the last drain.
         assert [m for m in loop.input_queue.queue if not isinstance(m, Wakeup)] == []
 
+    @LOOPS
+    @pytest.mark.parametrize("end", ["shutdown", "fatal"])
+    def test_a_future_done_before_the_end_gets_its_real_answer(
+        self, kind: str, depth: int, end: str
+    ) -> None:
+        # Completed after the loop's last drain took its snapshot, before the end answers
+        # the pending calls: its done-callback's message is still queued. The caller gets
+        # the result, not a LoopEndedError, and the message leaves the queue.
+        fut: Future[Any] = Future()
+        engine = _engine_for(kind)
+        engine.utility = lambda name, args: fut  # type: ignore[method-assign]
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+
+        def complete_then_end(lp: EngineCoreLoop) -> None:
+            fut.set_result(42)  # the callback queues its message, on the loop's thread
+            if end == "fatal":
+                raise _Boom("control failed")
+            lp.request_shutdown()
+
+        loop.submit_many([Utility(1, "f", ()), _Record([], complete_then_end)])
+        LoopThread(loop).start().join()
+        last = ("fatal", repr(_Boom("control failed"))) if end == "fatal" else ("shutdown",)
+        assert log.events == [("utility", 1, 42, None), last]
+        assert [m for m in loop.input_queue.queue if not isinstance(m, Wakeup)] == []
+
+    @LOOPS
+    def test_at_a_fatal_end_pending_futures_are_answered_before_unapplied_calls(
+        self, kind: str, depth: int
+    ) -> None:
+        fut: Future[Any] = Future()
+        engine = _engine_for(kind)
+        engine.utility = lambda name, args: fut  # type: ignore[method-assign]
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+
+        def fail(lp: EngineCoreLoop) -> None:
+            raise _Boom("control failed")
+
+        loop.submit_many([Utility(1, "f", ()), _Record([], fail), Utility(2, "div", (1, 1))])
+        LoopThread(loop).start().join()
+        pending = LoopEndedError("the engine loop ended before utility 'f' (call 1) completed")
+        assert log.events == [
+            ("utility", 1, None, repr(pending)),
+            _ended(2),
+            ("fatal", repr(_Boom("control failed"))),
+        ]
+
 
 class TestRule17UtilitiesLeftOfAFailedDrain:
     """Rules 8 and 17, on both loops: a fatal error in the middle of a drain leaves the
@@ -1743,3 +1791,27 @@ class TestRule17UtilitiesLeftOfAFailedDrain:
         assert answers[0] == 5
         assert 7 in answers
         assert log.events[-1] == ("fatal", "ValueError('control failed')")
+
+    def test_a_call_between_two_occurrences_of_the_message_that_failed_is_answered_once(
+        self,
+    ) -> None:
+        # The same control twice in one drain, failing the second time: the call between
+        # them was applied and answered; only what follows the last occurrence is not.
+        engine = RecordingEngine()
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log)
+        applied = [0]
+
+        def second_time_fails(lp: EngineCoreLoop) -> None:
+            applied[0] += 1
+            if applied[0] == 2:
+                raise ValueError("control failed")
+
+        twice = _Record([], second_time_fails)
+        loop.submit_many([twice, Utility(6, "div", (1, 1)), twice, Utility(7, "div", (1, 1))])
+        LoopThread(loop).start().join()
+        assert log.events == [
+            ("utility", 6, 1.0, None),
+            _ended(7),
+            ("fatal", "ValueError('control failed')"),
+        ]

@@ -171,6 +171,34 @@ class TestBeforeAndAfter:
         assert s.steps == sum(s.step_histogram) == 100 == _steps_of(engine)
         assert s.outputs == len(log.outputs())
 
+    @LOOPS
+    def test_outputs_emitted_by_a_step_that_then_fails_are_counted(
+        self, kind: str, depth: int
+    ) -> None:
+        """A step (or collect) whose outputs fail part-way: the one emitted counts as an
+        output, the step that did not return as no step."""
+        engine = _engine_for(kind)
+        log = EventLog()
+        loop = EngineCoreLoop(engine, log, pipeline_depth=depth)
+
+        def first_then_fail(outs: Any) -> Any:
+            yield next(iter(outs))
+            raise RuntimeError("failed after its first output")
+
+        if isinstance(engine, RecordingEngine):
+            step = engine.step
+            engine.step = lambda: first_then_fail(step())  # type: ignore[method-assign]
+        else:
+            collect = engine.collect
+            engine.collect = lambda h: first_then_fail(collect(h))  # type: ignore[method-assign, assignment]
+        loop.submit(Add("a", 3))
+        LoopThread(loop).start().join()
+        assert log.events[-1][0] == "fatal"
+        assert len(log.outputs()) == 1
+        s = loop.statistics()
+        assert s.outputs == 1
+        assert s.steps == sum(s.step_histogram) == 0
+
 
 class _Boom(Control):
     __slots__ = ()

@@ -239,6 +239,18 @@ class TestAbortAnswers:
         s.unnote_abort(["a"])
         assert s._aborts_due == s._aborts_stale == {}
 
+    def test_an_unsent_second_abort_of_an_ended_id_leaves_nothing_stale_behind(self) -> None:
+        s = session()
+        s.note_abort(["a"])  # no live "a": both answers would be stale...
+        s.note_abort(["a"])
+        s.unnote_abort(["a"])  # ...but the second could not be sent: one answer comes
+        received(s, frame(["aborted", ["a"]]))
+        assert s._aborts_due == s._aborts_stale == {}
+        (a,) = open_streams(s, "a")
+        s.note_abort(["a"])  # a's own abort ends a
+        received(s, frame(["aborted", ["a"]]))
+        assert list(a._buf) == [ABORTED]
+
     def test_a_pool_members_request_without_a_stream_added_again(self) -> None:
         s: Session = ClientSession(
             pid=42,
@@ -588,6 +600,18 @@ class TestLastEvent:
         assert s.events_end is not None
         assert s.events_end.exc is None
 
+    def test_our_own_close_without_the_last_event_ends_the_event_stream_with_its_error(
+        self,
+    ) -> None:
+        # A clean end (StopIteration) only once the stage's last event came: a close that
+        # gave up before it is the event stream's error.
+        s = session(launched=False, ordered_events=True)
+        assert s.begin_close()
+        s.fail(s.closed_error(), 101.0)
+        assert isinstance(s.failure, StageClosedError)
+        assert s.events_end is not None
+        assert s.events_end.exc is s.failure
+
     def test_launched_stage_waits_for_the_process_then_gives_up(self) -> None:
         s = session(launched=True)
         d = s.receive(frame(["fatal", "E()"]), 200.0)
@@ -723,6 +747,16 @@ class TestFail:
             open_streams(s, "a")
         with pytest.raises(StageClosedError):
             s.open_call(1, Waiter(), "echo")
+
+    def test_a_draining_close_takes_aborts_until_the_client_signals_the_process(self) -> None:
+        s = session()
+        assert s.begin_close(drain=True)
+        s.check_abortable()  # the stage still applies aborts while it drains
+        with pytest.raises(StageClosedError):
+            s.check_open()
+        s.escalating()  # the client gave up on the drain
+        with pytest.raises(StageClosedError):
+            s.check_abortable()
 
     @pytest.mark.parametrize(
         "parts",

@@ -32,6 +32,7 @@ from enginecore.stage._controls import (
     Stop,
 )
 from enginecore.stage._stage_session import (
+    _LOST_REMEMBERED,
     HELLO_HOLD_S,
     NO_SESSION,
     NOT_ATTACHED,
@@ -315,6 +316,53 @@ class TestHandshake:
         [(who, reply)] = replies(session)
         assert (who, reply[0]) == (B, "reject")
         assert reply[2] == "another client is connecting to this stage"
+
+    def test_waiting_wait_ms_is_enough_for_the_held_hello_s_deadline(
+        self, session: StageSession
+    ) -> None:
+        # The input side waits wait_ms() and then calls settle(): rounded down, it would
+        # wake before the deadline, settle nothing, and spin on waits of 0 ms until it.
+        session.output_peers_changed(1)
+        session.receive(A, frame("hello", V, "test"), 0.0)
+        now = HELLO_HOLD_S - 0.0004
+        wait = session.wait_ms(now)
+        assert wait == 1
+        session.settle(now + wait / 1000)
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (A, "reject")
+        assert session.held is None
+
+    def test_a_client_that_attached_again_is_no_longer_taken_over(
+        self, session: StageSession
+    ) -> None:
+        welcome(session)
+        session.receive(B, frame("hello", V, "test"), 10.0)  # A silent: B takes over
+        replies(session)
+        session.receive(A, frame("hello", V, "test"), 30.0)  # B silent: A takes over
+        [(who, reply)] = replies(session)
+        assert (who, reply[0]) == (A, "welcome")
+        session.receive(A, frame("bye"), 31.0)  # its own session ends, as any other's
+        take(session)
+        session.receive(A, frame("ping", 1), 32.0)  # not told of the session B took
+        assert not session.replies
+        assert take(session) == ([], [("pong", 1)])
+
+    def test_only_the_last_taken_over_clients_are_remembered(self, session: StageSession) -> None:
+        # Each client is taken over by the next: what the session remembers is bounded.
+        clients = [b"client-%d" % i for i in range(_LOST_REMEMBERED + 2)]
+        for i, ident in enumerate(clients):
+            session.receive(ident, frame("hello", V, "test"), 20.0 * i)
+        replies(session)
+        take(session)
+        now = 20.0 * len(clients)
+        for ident in (clients[-2], clients[1]):  # the last _LOST_REMEMBERED taken over
+            session.receive(ident, frame("ping", 1), now)
+            [(who, reply)] = replies(session)
+            assert (who, reply[0]) == (ident, "reject")
+            assert reply[2].startswith(SESSION_LOST)
+        session.receive(clients[0], frame("ping", 2), now)  # the oldest is forgotten
+        assert not session.replies
+        assert take(session) == ([], [("pong", 2)])
 
     def test_a_held_client_that_says_bye_gives_up(self, session: StageSession) -> None:
         session.output_peers_changed(1)
@@ -879,6 +927,19 @@ class TestSessionGate:
         assert not gate.gated
         gate.set_detached(True)
         assert gate.admit(False, 3)
+
+    def test_a_session_the_loop_begins_while_detached_stays_gated(self) -> None:
+        # The client's output connection was lost before the loop applied its session:
+        # the detached bound still holds for the loop's events.
+        gate = SessionGate(detached_max=1)
+        gate.set_detached(False)
+        epoch = gate.begin()
+        gate.set_detached(True)
+        gate.loop_begun(epoch)
+        assert gate.gated
+        assert gate.admit_loop(False, 1)
+        assert not gate.admit_loop(False, 1)
+        assert gate.take_dropped() == 1
 
 
 # -- a stage that serves several clients (serve --max-clients) ---------------------------------
