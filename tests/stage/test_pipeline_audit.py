@@ -6,7 +6,9 @@ black-box audit of :class:`~enginecore.stage.Pipeline` and
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import re
 import signal
 import threading
 import time
@@ -23,6 +25,7 @@ from enginecore.stage import (
     Retry,
     StageClient,
     StageHealth,
+    StageStatistics,
     UtilityError,
 )
 
@@ -112,6 +115,123 @@ class TestAStageStoppedThroughItsClient:
         with pytest.raises(PipelineStageDeadError, match="mid"):
             pipe.add("later", 1)
         assert pipe.in_flight == 0
+
+
+# The calls a pipeline's own client of a stage refuses, and the pipeline call that does it.
+REFUSED = [
+    ("add", ("x", 1), "pipe.add"),
+    ("add_many", ([("x", 1)],), "pipe.add_many"),
+    ("abort", (["long"],), "pipe.abort"),
+    ("get_event", (1.0,), "streams"),
+    ("get_events", (1.0,), "streams"),
+    ("events", (), "streams"),
+]
+
+
+def _client_call(pipe: Any, client: Any, name: str, *args: Any) -> Any:
+    """``client.name(*args)``; for the async form on the pipeline's event loop, awaited when
+    it answers an awaitable (``events()`` answers an async iterator: only called)."""
+    if not isinstance(pipe, BlockingAsyncPipeline):
+        return getattr(client, name)(*args)
+
+    async def call() -> Any:
+        result = getattr(client, name)(*args)
+        return await result if inspect.isawaitable(result) else result
+
+    return pipe._runner.run(call())
+
+
+def _processes(pipe: Any) -> list[tuple[str, int]]:
+    """Every process of *pipe*: (stage, replica)."""
+    return [(s, r) for s, n in zip(pipe.stages, pipe.replicas, strict=True) for r in range(n)]
+
+
+class TestThePipelinesClientOfAStage:
+    """``pipe.client(stage)`` is the pipeline's own client of the stage: it takes every
+    event of the stage and keeps no stream of its own. Its request and event calls could
+    only bypass the pipeline and hang: an ``add`` returned a stream that never got anything,
+    an ``abort`` of a pipeline request in a later stage left its pipeline stream waiting and
+    its place in the budget held, and ``get_event(s)``/``events()`` never returned. They
+    raise :class:`RuntimeError` at once, saying what to use instead, on every process of
+    the pipeline (a replica pool's too, and one started again), in both forms; the calls
+    the docs present it for go on."""
+
+    @pytest.mark.parametrize(("name", "args", "instead"), REFUSED, ids=[r[0] for r in REFUSED])
+    def test_request_and_event_calls_raise_at_once(
+        self, launch: Launch, name: str, args: tuple[Any, ...], instead: str
+    ) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first"),
+                PipelineStage(RELAY, name="mid", replicas=2),
+                PipelineStage(RELAY, name="last"),
+            ]
+        )
+        stream = pipe.add("long", 10**9)
+        assert stream.get(timeout=10) == 10**9 - 1  # through every stage
+        for stage, replica in _processes(pipe):
+            client = pipe.client(stage, replica)
+            key = f"{stage}[{replica}]" if stage == "mid" else stage
+            with pytest.raises(RuntimeError, match=f"pipeline stage '{re.escape(key)}'") as info:
+                _client_call(pipe, client, name, *args)
+            assert f"{name}()" in str(info.value)
+            assert instead in str(info.value)
+        # Nothing reached the stages, nor the pipeline's accounting: its request goes on,
+        # ends by its abort, and the pipeline serves new ones.
+        assert stream.get(timeout=10) == 10**9 - 2
+        assert pipe.in_flight == 1
+        pipe.abort(["long"])
+        stream.collect(timeout=10)
+        assert stream.aborted
+        assert pipe.add("after", 3).collect(timeout=10) == [2, 1, 0]
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
+        for stage in pipe.stages:
+            assert wait_until(lambda s=stage: _live(pipe, s) == 0, 10)
+
+    def test_what_it_is_for_still_works(self, launch: Launch) -> None:
+        pipe = launch(
+            [
+                PipelineStage(COUNTDOWN, name="first"),
+                PipelineStage(RELAY, name="mid", replicas=2),
+            ]
+        )
+        stream = pipe.add("long", 10**9)
+        assert stream.get(timeout=10) == 10**9 - 1
+        live = dict.fromkeys(pipe.stages, 0)
+        for stage, replica in _processes(pipe):
+            client = pipe.client(stage, replica)
+            live[stage] += _client_call(pipe, client, "call_utility", "num_requests")
+            assert isinstance(_client_call(pipe, client, "stats"), StageStatistics)
+            assert client.health() == StageHealth.OK
+            load = client.load()
+            assert load is None or load.live >= 0
+            assert client.address
+            assert client.exit_code is None
+            assert not client.closed
+            assert "tags" in client.features
+        assert live == {"first": 1, "mid": 1}  # "long" is in each stage, on one replica
+        pipe.abort(["long"])
+        stream.collect(timeout=10)
+        assert pipe.add("after", 2).collect(timeout=10) == [1, 0]
+
+    def test_a_restarted_stages_new_client_refuses_them_too(self, launch: Launch) -> None:
+        policy = RestartPolicy(first_delay=0.05, max_delay=0.05)
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", restart=policy)])
+        old = pipe.client("mid")
+        os.kill(old.pid, signal.SIGKILL)
+        assert wait_until(lambda: pipe.restarts["mid"] == 1, 30)
+        assert wait_until(lambda: pipe.health()["mid"] == StageHealth.OK, 30)
+        new = pipe.client("mid")
+        assert new is not old
+        with pytest.raises(RuntimeError, match=r"use pipe\.add\("):
+            _client_call(pipe, new, "add", "x", 1)
+        assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+
+
+def _live(pipe: Any, stage: str) -> int:
+    """The live requests of every process of *stage*."""
+    answer = pipe.call_utility(stage, "num_requests")
+    return sum(answer) if isinstance(answer, list) else int(answer)
 
 
 class TestAPoolStagesUtilityErrorIsTheFirstReplicas:

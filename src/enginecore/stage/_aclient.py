@@ -165,6 +165,11 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
     every pending call, every waiting iterator and every later call raises the same
     :class:`~enginecore.stage.EngineDeadError`, within a second. After :meth:`close` they
     raise :class:`~enginecore.stage.StageClosedError` instead.
+
+    A pipeline's own client of a stage (:meth:`AsyncPipeline.client
+    <enginecore.stage.AsyncPipeline.client>`) raises :class:`RuntimeError` from
+    :meth:`add`, :meth:`add_many`, :meth:`abort`, :meth:`get_event`, :meth:`get_events` and
+    :meth:`events` (at the call): the pipeline owns the stage's requests and events.
     """
 
     _stream_type = AsyncRequestStream
@@ -475,6 +480,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never waits: the
         frame is queued for sending before it returns.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("add")
         self._on_its_loop()  # its stream could be read on no other loop
         parts = ClientSession.add_frame(req_id, data)
         return self._send_request(req_id, parts, stream)
@@ -502,6 +509,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         for a bad pair or payload, :class:`ValueError` for an id that has a live stream or
         appears twice, both before anything is sent; else as :meth:`add`. Never waits.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("add_many")
         self._on_its_loop()
         ids, parts = ClientSession.adds_frame(items)
         return self._send_requests(ids, parts, streams)
@@ -514,6 +523,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         client's :meth:`shutdown` with a *drain* drains the stage, the abort is still sent.
         Never waits.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("abort")
         self._on_its_loop()
         self._send_abort(req_ids)
 
@@ -575,6 +586,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         shut the stage down, else the client's failure. Several tasks may read; each event
         goes to one of them.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("get_event")
         if timeout is not None:  # checked as a wait checks it, an event ready or not
             _clientbase.deadline_after(timeout)
         buf = self._session.events
@@ -592,6 +605,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         Waits only while there is none, up to *timeout* seconds; raises like
         :meth:`get_event`, but only once every event before the end has been returned.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("get_events")
         return await self._take_events(timeout, every=True)
 
     async def _take_events(self, timeout: float | None, *, every: bool) -> list[Any]:
@@ -617,9 +632,14 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
                 with contextlib.suppress(ValueError):  # gone if _apply woke it
                     self._event_waiters.remove(wakeup)
 
-    async def events(self) -> AsyncIterator[StageEvent]:
+    def events(self) -> AsyncIterator[StageEvent]:
         """Iterate over :meth:`get_event` until the stream ends. Waits between events;
         raises the client's failure unless this client shut the stage down."""
+        if self._pipeline_key is not None:  # at the call, not at the first __anext__()
+            raise self._piped_error("events")
+        return self._iter_events()
+
+    async def _iter_events(self) -> AsyncIterator[StageEvent]:
         while True:
             try:
                 event = await self.get_event()

@@ -234,6 +234,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     raise :class:`~enginecore.stage.StageClosedError` instead. While a blocking
     :meth:`call_utility` waits, it may read the stage's events itself instead of that thread
     (see the module docstring); done-callbacks of futures then run on the thread reading.
+
+    A pipeline's own client of a stage (:meth:`Pipeline.client
+    <enginecore.stage.Pipeline.client>`) raises :class:`RuntimeError` at once from
+    :meth:`add`, :meth:`add_many`, :meth:`abort`, :meth:`get_event`, :meth:`get_events` and
+    :meth:`events`: the pipeline owns the stage's requests and events.
     """
 
     # Lock rules: _lock guards the session (every session method that changes its state:
@@ -599,6 +604,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never blocks;
         thread-safe.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("add")
         parts = ClientSession.add_frame(req_id, data)
         return self._send_request(req_id, parts, stream)
 
@@ -624,6 +631,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         appears twice, both before anything is sent; else as :meth:`add`. Never blocks;
         thread-safe.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("add_many")
         ids, parts = ClientSession.adds_frame(items)
         return self._send_requests(ids, parts, streams)
 
@@ -635,6 +644,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         client's :meth:`shutdown` with a *drain* drains the stage, the abort is still sent.
         Never blocks; thread-safe.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("abort")
         self._send_abort(req_ids)
 
     # -- utilities ---------------------------------------------------------------------------
@@ -752,6 +763,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         duplicated: one consumer sees each event, and each consumer sees its events in the
         stage's order.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("get_event")
         if timeout is not None:  # checked as a wait checks it, an event ready or not
             _clientbase.deadline_after(timeout)
         buf = self._session.events
@@ -774,6 +787,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         :meth:`get_event`, but only once every event before the end has been returned.
         Thread-safe.
         """
+        if self._pipeline_key is not None:
+            raise self._piped_error("get_events")
         return self._take_events(timeout, every=True)
 
     def _take_events(self, timeout: float | None, *, every: bool) -> list[Any]:
@@ -818,6 +833,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
     def events(self) -> Iterator[StageEvent]:
         """Iterate over :meth:`get_event` until the stream ends. Blocks between events;
         raises the client's failure unless this client shut the stage down."""
+        if self._pipeline_key is not None:  # at the call, not at the first next()
+            raise self._piped_error("events")
+        return self._iter_events()
+
+    def _iter_events(self) -> Iterator[StageEvent]:
         while True:
             try:
                 event = self.get_event()

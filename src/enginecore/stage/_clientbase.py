@@ -81,6 +81,13 @@ class ClientBase(Generic[S, W]):
     # as it grows): set by each client's __init__ (None), then by a pipeline.
     _event_sink: Callable[[], None] | None
 
+    # Set by a pipeline on its own client of each of its processes: that process's name
+    # ("mid", "mid[1]"). The pipeline takes every event of the stage and sends its requests
+    # and aborts with _send_request(s) / _send_abort, keeping no stream of this client's:
+    # the public request and event calls, which could only bypass it and hang, raise
+    # (_piped_error). A class attribute: nothing to set, one load to read, elsewhere.
+    _pipeline_key: str | None = None
+
     _adopt_orphans = False  # a pool's member client: see ClientSession(adopt_orphans=)
     _silent_after = 2.0  # ping intervals without a frame that read as stalled (a pool's: 1.75)
 
@@ -323,6 +330,32 @@ class ClientBase(Generic[S, W]):
             d = self._session.fail(self._session.closed_error())
         if d is not None:
             self._apply(d)
+
+    def _piped_error(self, call: str) -> RuntimeError:
+        """What *call* (a request or event-stream method) raises on a pipeline's own client
+        (``_pipeline_key`` set), which :meth:`Pipeline.client
+        <enginecore.stage.Pipeline.client>` hands out: it would bypass the pipeline, which
+        reads every event of the stage and keeps no stream of this client's, and hang."""
+        if call in ("add", "add_many"):
+            why = (
+                "a request added here would never end (the pipeline keeps no stream of "
+                f"this client's, and tracks only its own requests); use pipe.{call}(...)"
+            )
+        elif call == "abort":
+            why = (
+                "an abort here would leave the request's pipeline stream waiting and its "
+                "place in the budget held; use pipe.abort(...), which ends it in every stage"
+            )
+        else:
+            why = (
+                "the pipeline takes every event of this stage, so none would come here; read "
+                "requests' outputs from the streams that pipe.add(...) returns"
+            )
+        return RuntimeError(
+            f"{call}() on the client of pipeline stage {self._pipeline_key!r}: this client "
+            f"belongs to the pipeline; {why}. It serves utilities, stats, health, load and "
+            "shutdown only"
+        )
 
     def load(self) -> StageLoad | None:
         """The stage's latest load report (:class:`~enginecore.stage.StageLoad`): its

@@ -779,6 +779,7 @@ class PipelineBase(Generic[S, C]):
         ]
         for key, client in zip(self._keys, self._clients, strict=True):
             client._session.label = f"pipeline stage {key!r}"  # its warnings say which
+            client._pipeline_key = key  # client(): its request and event calls raise
         self._pooled = self._core.pooled
         self._closed = False
         # shutdown() went through to its end (_close_core): later aborts are refused, and
@@ -825,9 +826,17 @@ class PipelineBase(Generic[S, C]):
             raise KeyError(f"no stage named {stage!r}; the stages are {stages}") from None
 
     def client(self, stage: str, replica: int = 0) -> C:
-        """The client of the stage named *stage* (for what the pipeline does not wrap): of
-        its replica *replica*, in a replica pool. :class:`KeyError` for an unknown name,
-        :class:`IndexError` for a replica it does not have."""
+        """The pipeline's own client of the stage named *stage* (for what the pipeline does
+        not wrap): of its replica *replica*, in a replica pool. :class:`KeyError` for an
+        unknown name, :class:`IndexError` for a replica it does not have.
+
+        Its utilities, ``stats()``, ``health()``, ``load()``, properties and
+        ``shutdown()`` / ``close()`` work as on any client (a stage stopped through it is,
+        for the pipeline, a stage that died). Its request and event calls (``add``,
+        ``add_many``, ``abort``, ``get_event``, ``get_events``, ``events``) raise
+        :class:`RuntimeError` at once: the pipeline reads every event of the stage and
+        tracks each request through every stage, so they could only bypass it and hang.
+        Use the pipeline's ``add``, ``add_many`` and ``abort``, and its streams."""
         replicas = self._replicas[self._stage_index(stage)]
         if isinstance(replica, bool) or not isinstance(replica, int):
             raise TypeError(f"replica must be an int, got {replica!r}")
@@ -1290,6 +1299,7 @@ class PipelineBase(Generic[S, C]):
         client._event_sink = functools.partial(self._take_events, k, r, client)
         i = sum(core.replicas[:k]) + r
         client._session.label = f"pipeline stage {self._keys[i]!r}"
+        client._pipeline_key = self._keys[i]
         with self._lock:
             self._replicas[k][r] = client
             self._clients[i] = client
