@@ -1039,13 +1039,25 @@ def parser() -> argparse.ArgumentParser:
         default=MAX_BODY_BYTES,
         help=f"a larger request body is a 413 (default: {MAX_BODY_BYTES})",
     )
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="default: info",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
+    # Checked before anything starts: uvicorn took a port out of range only once the stage
+    # was up (an OverflowError, a traceback).
+    if not 0 <= args.port <= 65535:
+        cli.error(f"--port must be from 0 to 65535, got {args.port}")
+    if not args.graceful_timeout >= 0:
+        cli.error(f"--graceful-timeout must be >= 0 seconds, got {args.graceful_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
         engine_kwargs = json.loads(args.engine_kwargs)

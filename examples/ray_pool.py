@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -43,6 +46,7 @@ def main() -> None:
     else:
         # A cluster of its own (Ray's default would join the latest one started here).
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
+    signal.signal(signal.SIGTERM, on_sigterm)  # ray.init replaced it
 
     bundles = placement_group([{"CPU": 0.5}] * 3)
     ray.get(bundles.ready(), timeout=60)
@@ -99,5 +103,29 @@ def main() -> None:
     ray.shutdown()
 
 
+TERMINATED: list[int] = []
+
+
+def on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM stops the example as Ctrl-C does (set again after ``ray.init``, which puts
+    a handler of its own in place)."""
+    TERMINATED.append(signum)
+    raise KeyboardInterrupt
+
+
+def interruptible(main: Callable[[], None]) -> int:
+    """Run *main*; Ctrl-C or SIGTERM stops it early, cleanly: the ``with`` and ``finally``
+    blocks close the pool and the placement group on the way out, then one line on stderr
+    and status 130 or 143 (no traceback)."""
+    terminated = TERMINATED
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(interruptible(main))

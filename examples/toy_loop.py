@@ -9,6 +9,7 @@ waits for the work to finish, then asks the loop to shut down.
 
 from __future__ import annotations
 
+import argparse
 import threading
 
 from enginecore import (
@@ -66,4 +67,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(  # --help: this docstring
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     raise SystemExit(main())

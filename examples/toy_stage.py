@@ -1,6 +1,6 @@
 """A real stage process: a CountdownEngine in a child process, driven through StageClient.
 
-Run it:  python examples/toy_stage.py     (Ctrl-C ends it early, cleanly)
+Run it:  python examples/toy_stage.py     (Ctrl-C or SIGTERM ends it early, cleanly)
 
 The parent launches the stage (multiprocessing spawn; the engine loop runs on the child's
 main thread, with ZMQ IO threads around it), submits about a thousand requests of random
@@ -13,9 +13,12 @@ cleanly.
 
 from __future__ import annotations
 
+import argparse
 import random
+import signal
 import sys
 import time
+from collections.abc import Callable
 
 from enginecore.stage import Aborted, Outputs, StageClient, UtilityError
 
@@ -150,10 +153,26 @@ def main() -> int:
     return 0 if exit_code == 0 else 1
 
 
-if __name__ == "__main__":
+def cli(main: Callable[[], int | None]) -> int:
+    """Run *main* as a command: ``--help`` prints this module's docstring, and Ctrl-C or
+    SIGTERM stops it early, cleanly: the ``with`` blocks shut the stages down on the way out,
+    then one line on stderr and status 130 or 143 (no traceback, nothing left behind)."""
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
+    terminated = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        sys.exit(main())
+        return main() or 0
     except KeyboardInterrupt:
-        # Leaving the with block above already shut the stage down.
-        print("\ninterrupted; the stage was shut down", file=sys.stderr)
-        sys.exit(130)
+        print("terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+
+
+if __name__ == "__main__":
+    sys.exit(cli(main))

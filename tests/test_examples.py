@@ -3,9 +3,15 @@ README's included, are run by tests/test_docs.py.)"""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +23,142 @@ def _run(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(path)], capture_output=True, text=True, timeout=60, check=False
     )
+
+
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process under *pid*, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A TMPDIR of the example's own, short enough for its stages' ipc socket paths."""
+    path = Path(tempfile.mkdtemp(prefix="ex-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class TestCommandLine:
+    """Every example says what it does on --help, and refuses what it does not know,
+    without starting anything."""
+
+    @pytest.mark.parametrize("name", EXAMPLES)
+    def test_help_describes_the_example_and_runs_nothing(self, name: str) -> None:
+        if name == "ray_pool.py":
+            pytest.importorskip("ray", reason="the ray extra is not installed")
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / name), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("usage: "), proc.stdout[:300]
+        assert proc.stderr == ""
+
+    @pytest.mark.parametrize("name", EXAMPLES)
+    def test_an_unknown_option_is_a_usage_error(self, name: str) -> None:
+        if name == "ray_pool.py":
+            pytest.importorskip("ray", reason="the ray extra is not installed")
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / name), "--no-such-option"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "unrecognized arguments: --no-such-option" in proc.stderr
+        assert proc.stdout == ""
+
+
+class TestInterrupted:
+    """Ctrl-C or SIGTERM in the middle of an example: it shuts its stages down and exits
+    with one line, no traceback, leaving no process, socket folder or shared memory."""
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+    @pytest.mark.parametrize(
+        ("name", "line"),
+        [
+            ("toy_stage.py", "request 'hello' streamed"),
+            ("pool.py", "burst "),
+            ("omni_pipeline.py", "stages "),
+            ("ray_pool.py", "burst "),
+        ],
+    )
+    def test_a_signal_mid_run_exits_cleanly(
+        self, name: str, line: str, signum: signal.Signals, short_tmp: Path
+    ) -> None:
+        if name == "ray_pool.py":
+            pytest.importorskip("ray", reason="the ray extra is not installed")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(short_tmp))
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / name)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            assert proc.stdout is not None
+            seen = []
+            for out in proc.stdout:  # mid-run: its stages are up and serving
+                seen.append(out)
+                if out.startswith(line):
+                    break
+            assert seen, "no output"
+            assert seen[-1].startswith(line), "".join(seen)
+            children = _descendants(proc.pid)
+            assert children
+            proc.send_signal(signum)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 128 + signum, err
+        assert "Traceback" not in err, err
+        assert "parent process is gone" not in err, err  # shut down, not orphaned
+        assert err.strip().splitlines()[-1] in (
+            "interrupted (Ctrl-C)",
+            "terminated (SIGTERM)",
+        ), err
+        deadline = time.monotonic() + 10
+        while any(map(_running, children)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in children if _running(pid)]
+        assert [f for f in os.listdir(short_tmp) if f != "ray"] == []  # Ray's own session logs
+        ours = [proc.pid, *children]
+        assert not [
+            f for f in os.listdir("/dev/shm") if any(f.startswith(f"enginecore-{p}-") for p in ours)
+        ]
 
 
 class TestExamples:

@@ -887,6 +887,12 @@ class TestCommandLine:
             # from: a "model" in --engine-kwargs replaced it in the engine alone, and the
             # server decoded one model's ids with another's tokenizer.
             (["--engine-kwargs", '{"model": "/elsewhere"}'], "--model"),
+            # Checked before the stage starts: a port out of range was uvicorn's OverflowError,
+            # two tracebacks after the stage's start; a bad level, logging's ValueError.
+            (["--port", "65536"], "--port"),
+            (["--port", "-1"], "--port"),
+            (["--log-level", "loud"], "--log-level"),
+            (["--graceful-timeout", "-1"], "--graceful-timeout"),
         ],
     )
     def test_bad_arguments_exit_with_a_usage_error(
@@ -896,6 +902,7 @@ class TestCommandLine:
         done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=50)
         assert done.returncode == 2, done.stderr
         assert said in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
 
 
 class TestReadme:
