@@ -5,6 +5,7 @@ black-box audit of :class:`~enginecore.stage.Pipeline` and
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import inspect
 import os
@@ -19,6 +20,7 @@ import pytest
 
 from enginecore.stage import (
     AsyncPipeline,
+    PipelineRequestError,
     PipelineStage,
     PipelineStageDeadError,
     RestartPolicy,
@@ -113,6 +115,40 @@ class TestAStageStoppedThroughItsClient:
             stream.collect(timeout=10)
         assert info.value.stage == "mid"
         with pytest.raises(PipelineStageDeadError, match="mid"):
+            pipe.add("later", 1)
+        assert pipe.in_flight == 0
+
+    @pytest.mark.parametrize("stage", ["first", "mid"])
+    def test_an_add_while_its_client_drains_is_refused_by_that_stage(
+        self, launch: Launch, stage: str
+    ) -> None:
+        # While pipe.client(stage).shutdown(drain=) drained the first stage, pipe.add raised
+        # the client's bare StageClosedError ("this stage client is closed"); a later
+        # stage's refusal ends the stream with PipelineRequestError naming it. Both now.
+        pipe = launch(
+            [PipelineStage(COUNTDOWN, name="first"), PipelineStage(RELAY, name="mid"), RELAY]
+        )
+        stream = pipe.add("long", 10**9)
+        assert stream.get(timeout=10) == 10**9 - 1  # live in every stage: the drain waits
+        client = pipe.client(stage)
+        draining: Any
+        if isinstance(pipe, BlockingAsyncPipeline):
+            draining = pipe._runner.submit(client.shutdown(drain=30))
+        else:
+            draining = concurrent.futures.ThreadPoolExecutor(1).submit(client.shutdown, drain=30)
+        try:
+            assert wait_until(lambda: client.closed, 10)  # its drain has begun
+            late = pipe.add("late", 1)
+            with pytest.raises(PipelineRequestError, match="the stage is draining") as info:
+                late.collect(timeout=10)
+            assert info.value.stage == stage
+            assert info.value.req_id == "late"
+        finally:
+            pipe.abort(["long"])
+            assert draining.result(30) == 0
+        with contextlib.suppress(PipelineStageDeadError):  # aborted, or the stage gone first
+            stream.collect(timeout=10)
+        with pytest.raises(PipelineStageDeadError, match=stage):
             pipe.add("later", 1)
         assert pipe.in_flight == 0
 

@@ -2159,6 +2159,22 @@ def test_an_empty_add_many_after_close_is_refused_as_a_clients(launch: Open) -> 
         pool.add_many([])
 
 
+@pytest.mark.parametrize("how", ["close", "shutdown"])
+def test_remove_replica_after_close_is_refused_as_add_replica_is(launch: Open, how: str) -> None:
+    # remove_replica() after close()/shutdown() returned the replica's exit code, while
+    # add_replica() (and every other call) raised StageClosedError.
+    pool = launch(COUNTDOWN, replicas=1)
+    (r0,) = pool.replicas
+    getattr(pool, how)()
+    with pytest.raises(StageClosedError, match="pool is closed"):
+        pool.add_replica(COUNTDOWN, startup_timeout=30)
+    for drain in (True, False):
+        with pytest.raises(StageClosedError, match="pool is closed"):
+            pool.remove_replica(r0, drain=drain)
+    with pytest.raises(StageClosedError, match="pool is closed"):
+        pool.remove_replica(r0, drain=False, timeout=0)
+
+
 _NOWHERE = "ipc:///nonexistent/enginecore-test"
 _ONE: Any = 1  # not a str
 _YES: Any = "yes"  # not a bool, as a user's config file may give

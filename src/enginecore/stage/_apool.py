@@ -568,6 +568,8 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         self._on_its_loop()
         _clientbase.check_flag(drain, "drain")  # "no" would drain
         timeout = removal_timeout(timeout)
+        if not self._core.draining:  # closed: refused, as add_replica is
+            self._check_open()
         if replica not in self._core.replicas:
             raise ValueError(f"{replica!r} is not in this pool")
         was = replica.state

@@ -235,7 +235,9 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         *req_id* is still in the pipeline (both before anything is sent),
         :class:`~enginecore.stage.NoReplicaError` at once while a stage that restarts has
         no live process (``PipelineStage(restart=...)``: it is being started again), else
-        the pipeline's failure (a stage died, or it was closed)."""
+        the pipeline's failure (a stage died, or it was closed). While a stage's client
+        drains it (``pipe.client(stage).shutdown(drain=...)``), the first stage's included,
+        the stream ends with that stage's :class:`~enginecore.stage.PipelineRequestError`."""
         return self._admit([(req_id, data)], wait, timeout, many=False)[0]
 
     def add_many(

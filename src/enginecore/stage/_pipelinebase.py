@@ -17,12 +17,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar
 
 from . import _session, _shm
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
-from ._errors import EngineDeadError, StageClosedError, StageStartupError
+from ._errors import (
+    EngineDeadError,
+    PipelineRequestError,
+    StageClosedError,
+    StageStartupError,
+)
 from ._launch import _validate_factory, check_startup_timeout
 from ._logs import check_log_level
 from ._pipeline_core import PipelineCore, PipelineDeliveries
@@ -940,12 +945,16 @@ class PipelineBase(Generic[S, C]):
         nbytes: int,
         many: bool,
         items: list[tuple[str, Any]] | None = None,
-    ) -> tuple[BaseException, PipelineDeliveries[S]] | None:
+    ) -> tuple[BaseException | None, PipelineDeliveries[S]] | None:
         """Admit *ids* and send the frame of :meth:`_frame` to the first stage, with the
         lock held (after :meth:`PipelineCore.admissible`): an abort of one of them, which
         takes the same lock, is then sent after the add, never before it. If the send fails,
         the requests leave the pipeline again, and the error is returned with the
-        deliveries to carry out outside the lock (:meth:`_failed_send`)."""
+        deliveries to carry out outside the lock (:meth:`_failed_send`). A first stage
+        whose client the user shuts down (``pipe.client(stage).shutdown(drain=...)``, the
+        pipeline still open: its own shutdown sets ``_closed`` under this lock) refuses
+        them as a later stage that drains does: each stream ends with that stage's
+        :class:`~enginecore.stage.PipelineRequestError` (no error is returned then)."""
         core = self._core
         core.open_many(ids, streams, nbytes, self._exited() if self._pools else ())
         try:
@@ -958,6 +967,17 @@ class PipelineBase(Generic[S, C]):
         except BaseException as exc:
             d: PipelineDeliveries[S] = PipelineDeliveries()
             core.forget(ids, d)
+            if isinstance(exc, StageClosedError) and not self._closed:
+                # The stage's own words for a refused add while it drains (imported here:
+                # the stage engine's module is not a client's import otherwise).
+                from ._stage_engine import DRAINING as STAGE_DRAINING
+
+                now = time.monotonic()
+                for rid, stream in zip(ids, streams, strict=True):
+                    refused = PipelineRequestError(rid, core.stages[0], STAGE_DRAINING)
+                    refused.__cause__ = exc
+                    stream._end_with(End(refused), now)  # new: no one waits on it yet
+                return None, d
             return exc, d
         return None
 
@@ -1003,12 +1023,13 @@ class PipelineBase(Generic[S, C]):
             else:
                 client._send_request(g_ids[0], g_parts, False)
 
-    def _failed_send(self, failed: tuple[BaseException, PipelineDeliveries[S]]) -> NoReturn:
+    def _failed_send(self, failed: tuple[BaseException | None, PipelineDeliveries[S]]) -> None:
         """Outside the lock: carry out what :meth:`_open_and_send` returned, and raise its
-        error."""
+        error (if any: the streams may have ended with theirs)."""
         exc, d = failed
         self._deliver(d)
-        raise exc
+        if exc is not None:
+            raise exc
 
     def _check_shut_down(self) -> None:
         """Before ``stats()``: :class:`~enginecore.stage.StageClosedError` once

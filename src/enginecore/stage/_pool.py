@@ -814,10 +814,16 @@ class StagePool(PoolBase[PoolRequestStream]):
         cut it: the removal waits for the pool's drain and returns the exit code). So
         does a call without *drain* for
         the same replica (another thread's): it stops the stage as a close would (one that
-        does not stop is signalled after its *timeout*) and returns the exit code."""
+        does not stop is signalled after its *timeout*) and returns the exit code.
+
+        Once the pool closes (:meth:`close`, :meth:`shutdown`), this raises
+        :class:`~enginecore.stage.StageClosedError`, as :meth:`add_replica` does (not
+        while a ``shutdown(drain=...)`` drains the pool: see above)."""
         _clientbase.check_flag(drain, "drain")  # "no" would drain
         timeout = removal_timeout(timeout)
         with self._lock:
+            if not self._core.draining:  # closed: refused, as add_replica is
+                self._check_open()
             if replica not in self._core.replicas:
                 raise ValueError(f"{replica!r} is not in this pool")
             was = replica.state
