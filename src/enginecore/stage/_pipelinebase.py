@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar
 
-from . import _session, _shm
+from . import _session, _shm, _wire
 from ._clientbase import ClientBase
 from ._edge import link_id, slot_token
 from ._errors import (
@@ -968,13 +968,10 @@ class PipelineBase(Generic[S, C]):
             d: PipelineDeliveries[S] = PipelineDeliveries()
             core.forget(ids, d)
             if isinstance(exc, StageClosedError) and not self._closed:
-                # The stage's own words for a refused add while it drains (imported here:
-                # the stage engine's module is not a client's import otherwise).
-                from ._stage_engine import DRAINING as STAGE_DRAINING
-
+                # The stage's own words for a refused add while it drains.
                 now = time.monotonic()
                 for rid, stream in zip(ids, streams, strict=True):
-                    refused = PipelineRequestError(rid, core.stages[0], STAGE_DRAINING)
+                    refused = PipelineRequestError(rid, core.stages[0], _wire.DRAINING)
                     refused.__cause__ = exc
                     stream._end_with(End(refused), now)  # new: no one waits on it yet
                 return None, d

@@ -48,6 +48,7 @@ from ._outbox import BACKLOG_MAX, StageOutput
 from ._routing import make_router
 from ._statistics import LoadReporter
 from ._watchdog import StepWatchdog
+from ._wire import DRAINING
 
 if TYPE_CHECKING:
     from .._loop import EngineCoreLoop
@@ -81,10 +82,6 @@ LIVE_IN_STAGE: Final = (
     "aborted or ended by an error)"
 )
 """The message of the ``error`` event for an ``add`` of a request id that is live."""
-
-
-DRAINING: Final = "add refused: the stage is draining (shutting down once its live requests end)"
-"""The message of the ``error`` event for an ``add`` that arrives during a drain."""
 
 
 def drain_timed_out(seconds: float) -> str:

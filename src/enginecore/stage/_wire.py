@@ -17,6 +17,7 @@ import msgspec
 from ._codec import check_encodable
 
 __all__ = [
+    "DRAINING",
     "PROTOCOL_VERSION",
     "Aborted",
     "ErrorReport",
@@ -31,6 +32,11 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 2
 """Bumped on any incompatible change of ``docs/wire.md``; checked in the handshake."""
+
+DRAINING: Final = "add refused: the stage is draining (shutting down once its live requests end)"
+"""The message of the ``error`` event for an ``add`` that arrives during a drain. Here, not
+in the stage engine's module: a pipeline whose first stage's client drains refuses an add
+with the same words, without loading the stage's side."""
 
 
 def is_ipv6_endpoint(address: str) -> bool:
