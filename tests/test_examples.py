@@ -25,7 +25,7 @@ def _run(path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
 def _descendants(pid: int) -> list[int]:
