@@ -712,10 +712,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         session = self._session
         call_id = session.new_call_id()
         # Encoded first: arguments that cannot cross the wire raise before anything else.
-        if stats:
-            parts = session.stats_frame(call_id)
-        else:
-            parts = session.utility_frame(call_id, name, args)
+        parts = session.call_frame(call_id, name, args, stats)
         waiter = _Waiter()
         try:
             try:

@@ -282,10 +282,7 @@ class ClientBase(Generic[S, W]):
         (never by its engine or its loop); *name* then only names it in errors."""
         session = self._session
         call_id = session.new_call_id()
-        if stats:
-            parts = session.stats_frame(call_id)
-        else:
-            parts = session.utility_frame(call_id, name, args)
+        parts = session.call_frame(call_id, name, args, stats)
         with self._lock:
             session.open_call(call_id, waiter, name, stats=stats)
         try:

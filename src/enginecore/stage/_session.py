@@ -916,11 +916,6 @@ class ClientSession(Generic[S, W]):
         return [_encode_flat(("release", req_ids))]
 
     @staticmethod
-    def stats_frame(call_id: int) -> Parts:
-        """A ``stats`` request, answered like a utility call."""
-        return [encode_plain(("stats", call_id), "stats")]
-
-    @staticmethod
     def utility_frame(call_id: int, name: str, args: tuple[Any, ...]) -> Parts:
         """A ``utility`` call; :class:`TypeError` if *args* cannot cross the wire."""
         if type(name) is not str:
@@ -934,6 +929,15 @@ class ClientSession(Generic[S, W]):
                 pass  # the slow path names what it refuses
         prepared = cast("Sequence[Any]", _codec.prepare(args, f"arguments of utility {name!r}"))
         return _encode(("utility", call_id, name, list(prepared)), f"utility call {name!r}")
+
+    @staticmethod
+    def call_frame(call_id: int, name: str, args: tuple[Any, ...], stats: bool) -> Parts:
+        """The frame of one call: with *stats*, a ``stats`` request (answered like a utility
+        call, by the stage itself; *name* then only names it in errors); else a ``utility``
+        call (:meth:`utility_frame`: :class:`TypeError` if *args* cannot cross the wire)."""
+        if stats:
+            return [encode_plain(("stats", call_id), "stats")]
+        return ClientSession.utility_frame(call_id, name, args)
 
     # -- opening and forgetting (under the client's lock) -----------------------------------
 
