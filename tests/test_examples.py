@@ -67,32 +67,28 @@ class TestCommandLine:
     """Every example says what it does on --help, and refuses what it does not know,
     without starting anything."""
 
-    @pytest.mark.parametrize("name", EXAMPLES)
-    def test_help_describes_the_example_and_runs_nothing(self, name: str) -> None:
+    @staticmethod
+    def _run(name: str, option: str) -> subprocess.CompletedProcess[str]:
         if name == "ray_pool.py":
             pytest.importorskip("ray", reason="the ray extra is not installed")
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / name), "--help"],
+        return subprocess.run(
+            [sys.executable, str(ROOT / "examples" / name), option],
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
         )
+
+    @pytest.mark.parametrize("name", EXAMPLES)
+    def test_help_describes_the_example_and_runs_nothing(self, name: str) -> None:
+        proc = self._run(name, "--help")
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith("usage: "), proc.stdout[:300]
         assert proc.stderr == ""
 
     @pytest.mark.parametrize("name", EXAMPLES)
     def test_an_unknown_option_is_a_usage_error(self, name: str) -> None:
-        if name == "ray_pool.py":
-            pytest.importorskip("ray", reason="the ray extra is not installed")
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / name), "--no-such-option"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        proc = self._run(name, "--no-such-option")
         assert proc.returncode == 2, proc.stderr
         assert "unrecognized arguments: --no-such-option" in proc.stderr
         assert proc.stdout == ""
