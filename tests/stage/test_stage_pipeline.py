@@ -1574,6 +1574,26 @@ class TestLifecycle:
             pipe.add("s", 1)
         pipe.shutdown()  # idempotent
 
+    def test_shutdown_without_a_drain_stops_every_stage_at_once(self, launch: Any) -> None:
+        # Stage a is frozen (SIGSTOP), so its stop waits out the shutdown's timeout. The
+        # stages were stopped one after the other: b heard of the shutdown only once a had
+        # exited. All are told at once now, as a pool's replicas are: b exits while a is
+        # still frozen.
+        pipe = launch([PipelineStage(COUNTDOWN, name="a"), PipelineStage(RELAY, name="b")])
+        a, b = pipe.client("a").pid, pipe.client("b").pid
+        os.kill(a, signal.SIGSTOP)
+        stopper = threading.Thread(target=pipe.shutdown, kwargs={"timeout": 30})
+        try:
+            stopper.start()
+            assert wait_until(lambda: b not in child_pids(), 20)
+            with open(f"/proc/{a}/stat") as f:  # a: still there, still frozen
+                assert f.read().rsplit(")", 1)[1].split()[0] == "T"
+        finally:
+            os.kill(a, signal.SIGCONT)
+            stopper.join(60)
+        assert not stopper.is_alive()
+        assert not child_pids()
+
     def test_an_add_during_a_drain_is_refused_as_the_pipeline_shut_down(self, launch: Any) -> None:
         # Once shutdown(drain=...) has begun, an add is the pipeline's StageClosedError
         # ("the pipeline was shut down"), as after it, not a stage client's internal one
@@ -1763,28 +1783,35 @@ class TestLifecycle:
 
         asyncio.run(main())
 
+    @pytest.mark.parametrize("drain", [None, 10.0])
     def test_a_shutdown_interrupted_by_ctrl_c_is_finished_by_the_next_call(
-        self, no_leftovers: str
+        self, drain: float | None, no_leftovers: str
     ) -> None:
-        # A KeyboardInterrupt while Pipeline.shutdown() waits for a stage: a second call
-        # stops the stages the first one had not reached. (It returned at once: they kept
-        # running, and their streams never ended.)
+        # A KeyboardInterrupt while Pipeline.shutdown() waits for a stage (every stage at
+        # once without a drain; stage by stage with one): a second call finishes it, stops
+        # what the first had not, and ends the streams. (It returned at once: the stages
+        # not yet stopped kept running, and their streams never ended.)
         pipe = Pipeline.launch([COUNTDOWN, PipelineStage(RELAY, name="b")], startup_timeout=30)
         try:
             pipe.call_utility("b", "hold", True)  # before the add: r stays in b
             stream = pipe.add("r", 3)
             first = pipe.client(COUNTDOWN)
             real = first.shutdown
+            main = threading.main_thread().ident
+            assert main == threading.get_ident()
 
             def interrupted(*args: Any, **kwargs: Any) -> Any:
-                real(*args, **kwargs)
-                raise KeyboardInterrupt
+                code = real(*args, **kwargs)
+                if threading.get_ident() == main:
+                    raise KeyboardInterrupt
+                signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, while the caller waits
+                return code
 
             first.shutdown = interrupted  # type: ignore[method-assign]
             with pytest.raises(KeyboardInterrupt):
-                pipe.shutdown()
+                pipe.shutdown(drain=drain)
             del first.shutdown  # the real one again
-            assert len(child_pids()) == 1
+            assert not pipe.client("b").closed or drain is None  # drained: b not reached
         finally:
             pipe.shutdown()
         assert not child_pids()

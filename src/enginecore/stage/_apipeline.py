@@ -468,12 +468,20 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             await asyncio.gather(*list(self._restart_tasks), return_exceptions=True)
         deadline = None if drain is None else time.monotonic() + drain
         self._draining = drain is not None  # health(): the stage draining is alive
-        for k, clients in enumerate(self._replicas):
-            for client in list(clients):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                with contextlib.suppress(Exception):
-                    await client.shutdown(timeout, drain=left)
-            if deadline is not None:
+        for k, wave in self._stop_waves(drain is not None):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            results = await asyncio.gather(
+                *(client.shutdown(timeout, drain=left) for _, client in wave),
+                return_exceptions=True,
+            )
+            for (name, _), result in zip(wave, results, strict=True):
+                if isinstance(result, BaseException):
+                    if not isinstance(result, Exception):
+                        raise result  # an interrupt: the next call does the rest
+                    logger.warning(
+                        "enginecore: stopping pipeline stage %r failed: %r", name, result
+                    )
+            if k is not None:
                 self._stage_stopped(k)  # later aborts go to the stages still draining
         self._close_core()
 

@@ -53,6 +53,15 @@ __all__ = ["Pipeline", "PipelineStream"]
 logger = logging.getLogger("enginecore.stage")
 
 
+def _stop_stage(name: str, client: StageClient, timeout: float, drain: float | None) -> None:
+    """Shut one stage process down for :meth:`Pipeline.shutdown`, which stops the others
+    whatever happens to this one: a failure is logged, not raised."""
+    try:
+        client.shutdown(timeout, drain=drain)
+    except Exception as exc:
+        logger.warning("enginecore: stopping pipeline stage %r failed: %r", name, exc)
+
+
 class PipelineStream(RequestStream):
     """The outputs of one request of a :class:`Pipeline`, in order of arrival: every payload
     that a stage's edge sent to the caller, and the last stage's outputs. The same iterator
@@ -489,12 +498,14 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     # -- closing -----------------------------------------------------------------------------
 
     def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
-        """Stop every stage. Without *drain*, at once: requests still in the pipeline end
-        with :class:`~enginecore.stage.StageClosedError`. With *drain* (seconds), the stages
-        drain one after the other, first to last, so that each finishes what the one before
-        sent it; requests still live in a stage at the deadline end with an error naming
-        that stage. Blocks; idempotent; thread-safe. A call interrupted (``KeyboardInterrupt``
-        while it waits for a stage) is finished by the next one."""
+        """Stop every stage. Without *drain*, every stage process at once, now: requests
+        still in the pipeline end with :class:`~enginecore.stage.StageClosedError`. With
+        *drain* (seconds), the stages drain one after the other, first to last (a stage's
+        replicas at once), so that each finishes what the one before sent it; requests
+        still live in a stage at the deadline end with an error naming that stage. A stage
+        that fails to stop is logged (``enginecore.stage``); the others still stop.
+        Blocks; idempotent; thread-safe. A call interrupted (``KeyboardInterrupt`` while it
+        waits for a stage) is finished by the next one."""
         check_timeout(timeout)
         check_drain(drain)
         with self._close_lock:
@@ -510,12 +521,15 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                 thread.join()
             deadline = None if drain is None else time.monotonic() + drain
             self._draining = drain is not None  # health(): the stage draining is alive
-            for k, clients in enumerate(self._replicas):
-                for client in list(clients):
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    with contextlib.suppress(Exception):
-                        client.shutdown(timeout, drain=left)
-                if deadline is not None:
+            for k, wave in self._stop_waves(drain is not None):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if len(wave) == 1:
+                    _stop_stage(*wave[0], timeout, left)
+                else:
+                    with concurrent.futures.ThreadPoolExecutor(len(wave)) as ex:
+                        for name, client in wave:
+                            ex.submit(_stop_stage, name, client, timeout, left)
+                if k is not None:
                     self._stage_stopped(k)  # later aborts go to the stages still draining
             self._close_core()  # sets _shutdown_done, last
 

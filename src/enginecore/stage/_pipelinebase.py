@@ -1049,6 +1049,22 @@ class PipelineBase(Generic[S, C]):
         the first stage, wake adds that wait for room."""
         raise NotImplementedError
 
+    def _stop_waves(self, drain: bool) -> list[tuple[int | None, list[tuple[str, C]]]]:
+        """What a shutdown stops together, in order: ``(stage, [(name, client), ...])``.
+        Without *drain*, every process at once (stage ``None``): nothing is owed to a
+        request, and one after the other a pipeline of N stages took N stops. With it,
+        stage by stage, first to last (each stage drains what the one before sent it),
+        the replicas of a stage at once (they share the drain's deadline)."""
+        named = list(zip(self._keys, self._clients, strict=True))
+        if not drain:
+            return [(None, named)]
+        waves: list[tuple[int | None, list[tuple[str, C]]]] = []
+        start = 0
+        for k, clients in enumerate(self._replicas):
+            waves.append((k, named[start : start + len(clients)]))
+            start += len(clients)
+        return waves
+
     def _stage_stopped(self, k: int) -> None:
         """During ``shutdown(drain=...)``: every process of stage *k* has drained and
         stopped (or its client gave up on it and killed it), after every stage before it.
