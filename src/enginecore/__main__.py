@@ -22,7 +22,7 @@ reads the directory again: new connections are checked against its keys, and cli
 connected with a key removed lose their sessions. TCP binds
 to a non-loopback address only with CURVE, or with ``--insecure`` (no authentication, no
 encryption). Exit code: 0 after a clean shutdown, 1 after a fatal error or a failed
-start, 2 for bad arguments or a failed IO thread.
+start, 2 for bad arguments (nothing started), 4 after a failed IO thread.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ logger = logging.getLogger("enginecore.stage")
 # Exit codes of a stage process.
 EXIT_OK: Final = 0  # clean shutdown
 EXIT_FATAL: Final = 1  # the engine loop died of an exception (or startup failed)
-EXIT_IO_FAILED: Final = 2  # an IO thread failed; the stage could no longer talk
+EXIT_IO_FAILED: Final = 4  # an IO thread failed; the stage could no longer talk
+# (not 2: that is a usage error, argparse's, for ``serve``)
 EXIT_ORPHANED: Final = 3  # the parent died and a graceful shutdown did not finish in time
 
 DETACHED_BUFFER: Final = 1024
