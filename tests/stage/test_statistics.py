@@ -271,6 +271,65 @@ def test_check_load_interval() -> None:
         check_load_interval(True)
 
 
+class _Holding(ScriptedEngine):
+    """Holds its requests without stepping them once utility ``hold`` was called: live in
+    the stage, yet the loop idles (an engine waiting for a resource, a pipeline stage
+    waiting for credit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = False
+        self.steps = 0
+
+    def has_work(self) -> bool:
+        return not self.held and super().has_work()
+
+    def step(self) -> list[tuple[str, int]]:
+        self.steps += 1
+        return super().step()
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "hold":
+            self.held = True
+            return None
+        return super().utility(name, args)
+
+
+class TestIdleLoad:
+    """What is live can change while the loop idles (an abort, an add the engine holds):
+    with no step to carry a report, the idle loop sends one, at most one an interval, so a
+    router does not go on with the count from before."""
+
+    def test_an_abort_while_idle_is_reported_without_a_step(self, no_leftovers: str) -> None:
+        engine = _Holding()
+        with in_process_stage(engine, no_leftovers, load_interval=0.05) as (_, client):
+            client.send("adds", ["a", "b"], [10**6, 10**6])
+            client.until(lambda ev: ev[0] == "outputs")  # stepping
+            client.send("utility", 1, "hold", [])
+            client.until(lambda ev: ev[0] == "utility")
+            # Held: the loop idles with both live, and its last report says so.
+            client.send("utility", 2, "echo", [])
+            client.until(lambda ev: ev[0] == "utility")
+            assert client.loads[-1]["live"] == 2, client.loads
+            steps = engine.steps
+            client.send("abort", ["a"])
+            client.until(lambda ev: ev[0] == "aborted")
+            # The report of the abort, with no step: it said 2 live until the next step.
+            client.until(lambda ev: ev[0] == "outputs" and client.loads[-1]["live"] == 1)
+            assert engine.steps == steps
+            assert client.loads[-1]["engine"]["running"] == 1
+
+    def test_an_add_held_while_idle_is_reported_without_a_step(self, no_leftovers: str) -> None:
+        engine = _Holding()
+        with in_process_stage(engine, no_leftovers, load_interval=0.05) as (_, client):
+            client.send("utility", 1, "hold", [])
+            client.until(lambda ev: ev[0] == "utility")
+            client.send("add", "a", 5)
+            client.until(lambda ev: ev[0] == "outputs" and client.loads[-1]["live"] == 1)
+            assert engine.steps == 0
+            assert [report["live"] for report in client.loads] == [1]
+
+
 class TestRawProtocol:
     def test_stats_is_answered_as_a_utility_call(self, no_leftovers: str) -> None:
         with in_process_stage(ScriptedEngine(), no_leftovers) as (_, client):

@@ -128,6 +128,11 @@ class IdleReport(Protocol):
         """Send a load report made now, as the loop goes idle."""
         ...
 
+    def report_changes(self) -> float | None:
+        """While the loop idles: send a report if what is live changed since the latest
+        and the interval allows; else the seconds until it will (``None``: nothing due)."""
+        ...
+
 
 class IdleTimer(Protocol):
     """A deadline of the engine's own for its idle loop (a pipeline stage's credit held
@@ -247,18 +252,26 @@ class InputQueue(queue.Queue[Any]):
         self._drain_pipe()
 
     def _idle_ms(self) -> int | None:
-        """The idle wait's timeout: until :attr:`idle_timer` is due (in ms, rounded up), or
-        ``None``. Fires it first if it is due already."""
+        """The idle wait's timeout: until :attr:`idle_timer` is due, or a load report of a
+        change in what is live (:attr:`idle_report`) may go (in ms, rounded up), or
+        ``None``. Fires the timer, then sends the report, first if they are due already."""
+        left = None
         timer = self.idle_timer
-        if timer is None:
-            return None
-        due = timer.idle_due()
-        if due is not None and due <= time.monotonic():
-            timer.idle_fire()
+        if timer is not None:
             due = timer.idle_due()
-        if due is None:
+            if due is not None and due <= time.monotonic():
+                timer.idle_fire()
+                due = timer.idle_due()
+            if due is not None:
+                left = due - time.monotonic()
+        report = self.idle_report
+        if report is not None:
+            wait = report.report_changes()
+            if wait is not None and (left is None or wait < left):
+                left = wait
+        if left is None:
             return None
-        return max(1, math.ceil((due - time.monotonic()) * 1000))
+        return max(1, math.ceil(left * 1000))
 
     def _drain_pipe(self) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -13,7 +13,9 @@ Two signals, two paths (``docs/observability.md``):
   ignore. Its age is computed when the output thread encodes the frame, so a client knows
   how old the numbers were when they left the stage. An idle stage sends none; as the loop
   goes idle after a report went out while it was busy, one more, alone
-  (:meth:`LoadReporter.report_idle`).
+  (:meth:`LoadReporter.report_idle`); and while it idles, one when what is live changed
+  (an abort, an add the engine holds), at most one an interval
+  (:meth:`LoadReporter.report_changes`).
 """
 
 from __future__ import annotations
@@ -114,19 +116,36 @@ class LoadReporter:
     lists), still at most two an interval. A plain engine's last step has usually sent it
     already: then the loop pays one flag test as it blocks, nothing per step.
 
+    What is live may also change while the loop idles, with no step to report it: an abort
+    applied while the engine holds requests it does not step (``has_work()`` false), an
+    add it holds. So each time the idle loop is about to wait, the input queue calls
+    :meth:`report_changes`, which compares the live count with the latest report's and
+    sends one (alone, as :meth:`report_idle` does) once the interval allows: at most one
+    an interval, and the steps pay nothing for it.
+
     The engine's numbers come from :attr:`sample`, which the stage sets to its loop's
     sampler (:meth:`enginecore._stats.StepTimer.sample_engine`) once the loop exists: the
     report's ``stats()`` call is also the loop's, which then skips its own for an interval,
     so a stepping stage calls ``stats()`` once per sample, not once for each. Until then,
     reports carry no engine numbers."""
 
-    __slots__ = ("_live", "idle_reported", "interval", "next_at", "post", "sample", "seq")
+    __slots__ = (
+        "_live",
+        "idle_reported",
+        "interval",
+        "next_at",
+        "post",
+        "reported_live",
+        "sample",
+        "seq",
+    )
 
     def __init__(self, interval: float, live: set[str]) -> None:
         self.interval = interval
         self.next_at = 0.0
         self.seq = 0  # reports made so far
         self.idle_reported = True  # the latest report was made as the loop idled (or none)
+        self.reported_live = 0  # the latest report's live count (none: nothing live)
         self._live = live
         self.sample: Callable[[float], Mapping[str, float] | None] = _no_sample
         """``sample(now)``: the engine's ``stats()`` sampled at *now*, or ``None`` (none,
@@ -141,8 +160,9 @@ class LoadReporter:
         self.next_at = now + self.interval
         self.idle_reported = idle
         self.seq += 1
+        self.reported_live = live = len(self._live)
         engine = self.sample(now)
-        return LoadReport(self.seq, now, len(self._live), _EMPTY if engine is None else engine)
+        return LoadReport(self.seq, now, live, _EMPTY if engine is None else engine)
 
     def report_idle(self) -> None:
         """Loop thread, as the loop blocks for its next message while the latest report was
@@ -151,6 +171,19 @@ class LoadReporter:
         while the output thread is idle (``post_step(last=True)``)."""
         report = self.report(time.perf_counter(), idle=True)
         self.post([("outputs", [], [], [], report)], 0, True)
+
+    def report_changes(self) -> float | None:
+        """Loop thread, as the idle loop is about to wait: if what is live is no longer what
+        the latest report says, send a report alone (:meth:`report_idle`) if the interval
+        has passed since the latest, else return the seconds left until it has (the wait's
+        timeout: the loop calls this again then). ``None``: nothing to send."""
+        if len(self._live) == self.reported_live:
+            return None
+        left = self.next_at - time.perf_counter()
+        if left > 0:
+            return left
+        self.report_idle()
+        return None
 
 
 def stage_statistics(
