@@ -224,6 +224,52 @@ class TestNoOrphans:
             harness.stdout.close()
 
 
+_NEVER_CLOSED = """
+import sys
+from enginecore.stage import Pipeline, StageClient, StagePool
+
+kind = sys.argv[1]
+if kind == "client":
+    used = StageClient.launch("enginecore:CountdownEngine")
+    pids = [used.pid]
+elif kind == "pipeline":
+    used = Pipeline.launch(["enginecore:CountdownEngine", "enginecore.stage.testing:relay"])
+    pids = [used.client(name).pid for name in used.stages]
+else:
+    used = StagePool.launch("enginecore:CountdownEngine", replicas=2, restart=kind == "restart")
+    pids = [r.pid for r in used.replicas]
+assert used.add("a", 2).collect(timeout=30) == [1, 0]
+print(*pids, flush=True)
+raise RuntimeError("the program's own bug")
+"""
+
+
+class TestNeverClosed:
+    @pytest.mark.parametrize("kind", ["client", "pool", "restart", "pipeline"])
+    def test_a_program_that_ends_without_closing_stops_its_stages_quietly(
+        self, kind: str, no_leftovers: str
+    ) -> None:
+        # The interpreter's exit stops the stages of a client, pool or pipeline never
+        # closed. A pool or pipeline then logged each stage as gone ("it shut down, but not
+        # at this client's request"), and a pool with restart=True began to restart them.
+        env = dict(os.environ, TMPDIR=no_leftovers)
+        done = subprocess.run(
+            [sys.executable, "-c", _NEVER_CLOSED, kind],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.rstrip().endswith("RuntimeError: the program's own bug")
+        assert "enginecore" not in done.stderr.split("Traceback", 1)[0]
+        assert "enginecore:" not in done.stderr, done.stderr
+        pids = [int(p) for p in done.stdout.split()]
+        assert len(pids) == (1 if kind == "client" else 2)
+        assert all(wait_until(lambda p=p: pid_gone(p), 5) for p in pids)
+
+
 class TestTcpListen:
     """A launched stage that listens on TCP with CURVE (``_launch.TcpListen``: a pipeline's
     local stage after a stage on Ray): its parent's key admitted from the start, others

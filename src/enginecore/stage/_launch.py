@@ -199,9 +199,19 @@ class Launched:
 # so an engine may start worker processes of its own; instead this hook, which runs before
 # multiprocessing's (atexit is LIFO and multiprocessing.util is imported above), stops them.
 _live: set[Launched] = set()
+_exiting = False
+
+
+def at_exit() -> bool:
+    """Whether the interpreter's exit is stopping the stages that were never closed: a
+    pool or pipeline that sees one of its stages end then reports no death and restarts
+    nothing (the program is over)."""
+    return _exiting
 
 
 def _stop_live_stages_at_exit() -> None:
+    global _exiting
+    _exiting = True
     stages = list(_live)
     for stage in stages:
         stage.send_signal(signal.SIGTERM)

@@ -28,7 +28,7 @@ from ._errors import (
     StageClosedError,
     StageStartupError,
 )
-from ._launch import _validate_factory, check_startup_timeout
+from ._launch import _validate_factory, at_exit, check_startup_timeout
 from ._logs import check_log_level
 from ._pipeline_core import PipelineCore, PipelineDeliveries
 from ._pool_core import ReplicaState, RestartPolicy
@@ -1598,6 +1598,8 @@ class PipelineBase(Generic[S, C]):
         if dead is not None:
             if self._shm_prefix is not None:
                 self._unlink_dead(k, r)
+            if at_exit():
+                return  # a pipeline never closed, its stages stopped as the program ends
             if self._closed:  # during a drain: nothing starts again, nothing more comes in
                 logger.error(
                     "enginecore: pipeline stage %r, process %d, is gone (%s) during the "

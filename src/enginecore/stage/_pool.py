@@ -34,6 +34,7 @@ from . import _clientbase, _session
 from ._client import Receiver, RequestStream, StageClient
 from ._curve import CurveKeys
 from ._errors import StageClosedError
+from ._launch import at_exit
 from ._pool_core import (
     Death,
     DeathHook,
@@ -913,6 +914,8 @@ class StagePool(PoolBase[PoolRequestStream]):
             death = self._core.died(replica, time.monotonic())
         if isinstance(failure, StageClosedError):
             return  # the pool closed it, and closes it
+        if at_exit():
+            return  # a pool never closed, its stages stopped as the program ends
         logger.warning("enginecore: replica %s is gone: %s", replica.name, failure)
         self._spawn(self._supervise, replica, member, death)
 
