@@ -130,6 +130,21 @@ def test_a_lost_request_fails_the_abort_phase_with_the_right_numbers() -> None:
 
 
 @pytest.mark.usefixtures("no_leftovers")
+def test_aborts_land_after_an_output_however_far_ahead_the_stage_runs() -> None:
+    # On a loaded machine the client reads each output long after the stage sent it: by
+    # then the request (32 steps at most) has finished, and the abort it draws after an
+    # output lands on a finished request. The quick soak counted 0 "aborted: abort sent
+    # after an output" now and then. Here the stage runs 64 steps ahead at every step,
+    # so that every request of the soak's draw finishes before its abort.
+    cfg = AbortConfig(requests=3000, engine="benchmarks._soak_engine:RunningAheadEngine")
+    report = run_abort(cfg)
+    assert report.ok, failures(report)
+    a = report.counts
+    assert a["aborted: finished before the abort applied"] > 0
+    assert a["aborted: abort sent after an output"] >= 3, a  # r0, r1000, r2000
+
+
+@pytest.mark.usefixtures("no_leftovers")
 def test_ctrl_c_in_phase_2_still_shows_phase_1s_report(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
