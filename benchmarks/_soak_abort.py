@@ -10,6 +10,12 @@ have produced more outputs, or finished the request, before it applies the abort
 are sent in batches, one ``abort`` message per batch, and each must be answered by one
 ``aborted`` event listing the same ids, in the order the messages were sent.
 
+That race is lost by the abort whenever the client reads slower than the stage steps (a
+loaded machine): each request has finished before its output is read, and no abort lands
+after an output. So one request in ``LONG_EVERY`` (``r0``, ``r1000``, ...) is a long one,
+aborted after its ``k``-th output (``k`` in 1..32) of ``LONG_STEPS``: it cannot finish
+first, and the abort lands after an output, the stage's outputs racing it, in every run.
+
 The client reads every event in the stage's order (``ordered_events=True``,
 ``get_events()``) and checks, per output, that it belongs to a live request and is the next
 payload expected. So it sees **lost** requests (a request with no finished output and no
@@ -46,6 +52,12 @@ STALL_S: Final = 30.0
 RSS_SAMPLES: Final = 50
 RSS_TOLERANCE: Final = 0.10
 RSS_MIN_REQUESTS: Final = 200_000  # shorter runs report the stage's RSS without judging it
+
+LONG_EVERY: Final = 1000
+"""Request ``rK`` with ``K % LONG_EVERY == 0`` is a long one (:data:`LONG_STEPS`)."""
+LONG_STEPS: Final = 2**40
+"""A long request's steps: it cannot finish before the abort sent after its ``k``-th
+output, however far the stage runs ahead of the client."""
 
 LIVE, FINISHED, ABORTED = 1, 2, 3
 
@@ -98,6 +110,7 @@ def run_abort(
     pid = client.pid
     sent = done = outputs = 0
     planned = 0  # requests drawn to be aborted
+    longs = 0  # long requests (LONG_EVERY): each one aborted after an output, surely
     abort_ids = 0  # ids sent in abort messages (planned ones whose point was reached)
     rss_every = max(1, n // RSS_SAMPLES)
     next_rss = 0
@@ -121,7 +134,12 @@ def run_abort(
                     k = rng.randint(1, cfg.max_steps)
                     at = 0
                     now = False
-                    if rng.random() < cfg.abort_share:
+                    if i % LONG_EVERY == 0:  # a long one: aborted after its k-th output
+                        planned += 1
+                        longs += 1
+                        at = LONG_STEPS - k
+                        k = LONG_STEPS
+                    elif rng.random() < cfg.abort_share:
                         planned += 1
                         j = rng.randrange(k)  # abort after j outputs
                         if j == 0:
@@ -251,6 +269,13 @@ def run_abort(
         f"{aborted:,} aborted / {abort_ids:,} aborts sent ({planned:,} planned); "
         f"{unanswered:,} unanswered",
         aborted == abort_ids == planned and not fifo,
+    )
+    after_output = counts["aborted: abort sent after an output"]
+    r.check(
+        f"aborts after an output of a running request: at least 1 in {LONG_EVERY:,} "
+        "requests (the long ones)",
+        f"{after_output:,} ({longs:,} long)",
+        after_output >= longs,
     )
     after = sum(v for k, v in r.violations.items() if "after its aborted" in k)
     r.check("0 outputs after an aborted event", f"{after:,}", after == 0)

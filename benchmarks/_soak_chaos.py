@@ -447,10 +447,10 @@ async def drive_async(
     def _settled(task: asyncio.Task[None]) -> None:
         tasks.discard(task)
         if not task.cancelled():
-            # one() handles every Exception; what ends it otherwise (a Ctrl-C or SIGTERM
-            # that landed in it) has left the event loop already, to the soak's way out:
-            # taken here, it is not logged again as "Task exception was never retrieved"
-            # after the soak's last line.
+            # one() handles every Exception; what ends it otherwise (a KeyboardInterrupt
+            # raised in it) has left the event loop already, to the soak's way out: taken
+            # here, it is not logged again as "Task exception was never retrieved" after
+            # the soak's last line.
             task.exception()
 
     async def one(life: Life) -> None:
@@ -488,18 +488,25 @@ async def drive_async(
             ids.give(rid)
             sem.release()
 
-    while time.monotonic() < load.end_at:
-        await sem.acquire()
-        rid = ids.take()
-        if rid is None:
-            sem.release()
-            await asyncio.sleep(0.01)
-            continue
-        task = asyncio.create_task(one(Life(rid, *draw(rng, load.abort_share), report, rules)))
-        tasks.add(task)
-        task.add_done_callback(_settled)
-    if tasks:
-        await asyncio.wait(tasks)
+    try:
+        while time.monotonic() < load.end_at:
+            await sem.acquire()
+            rid = ids.take()
+            if rid is None:
+                sem.release()
+                await asyncio.sleep(0.01)
+                continue
+            task = asyncio.create_task(one(Life(rid, *draw(rng, load.abort_share), report, rules)))
+            tasks.add(task)
+            task.add_done_callback(_settled)
+        if tasks:
+            await asyncio.wait(tasks)
+    except asyncio.CancelledError:  # Ctrl-C or SIGTERM: the requests in flight end uncounted
+        left = list(tasks)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        raise
 
 
 def wave_sync(target: Any, n: int, timeout: float) -> list[list[Any] | Exception]:
@@ -647,6 +654,52 @@ class ChaosConfig:
         }
 
 
+async def _stopped_by_signals(soak: Coroutine[Any, Any, None]) -> None:
+    """Await *soak* (an async soak's body) in the main task, which SIGINT and SIGTERM
+    cancel; once it has cleaned up (its ``finally``: the pipeline's or pool's shutdown),
+    the signal goes on to the handler it had before (``run_main``'s), as a
+    :class:`KeyboardInterrupt`.
+
+    Not a handler that raises where it lands: the event loop's thread is mostly in another
+    task or a callback (a request's task, the pipeline's readers, a restart), and a
+    :class:`KeyboardInterrupt` raised there left the loop from there, so that ``asyncio.run``
+    cancelled every task at once, the pipeline's own among them (a restart mid-way), while
+    the soak's ``finally`` awaited its shutdown; a task left pending by that teardown
+    printed "Task was destroyed but it is pending!" at exit, after the soak's last line.
+    A second signal before the cleanup ends is raised at once, as before."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    caught: list[int] = []
+    previous: dict[int, Any] = {}
+
+    def pass_on(signum: int, frame: Any) -> None:
+        old = previous[signum]
+        if callable(old):
+            old(signum, frame)  # run_main's: a KeyboardInterrupt
+        raise KeyboardInterrupt
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if caught:  # a second one: the cleanup hangs, or the user is in a hurry
+            pass_on(signum, frame)
+        caught.append(signum)
+        loop.call_soon_threadsafe(main.cancel)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) not in (signal.SIG_IGN, None):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        await soak
+    except asyncio.CancelledError:
+        if not caught:
+            raise
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+    if caught:
+        pass_on(caught[0], None)
+
+
 def run_kind(
     kind: str,
     sync: Callable[[Report], None],
@@ -663,7 +716,7 @@ def run_kind(
     report = Report() if report is None else report
     before = _children() if children else None
     if kind == "async":
-        asyncio.run(asynchronous(report))
+        asyncio.run(_stopped_by_signals(asynchronous(report)))
     elif kind == "sync":
         sync(report)
     else:

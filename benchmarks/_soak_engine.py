@@ -28,6 +28,7 @@ __all__ = [
     "REFUSED_BY_MSGSPEC",
     "DyingSoakEngine",
     "LosingEngine",
+    "RunningAheadEngine",
     "SoakEngine",
     "soak_engine",
 ]
@@ -163,6 +164,24 @@ class LosingEngine(CountdownEngine):
             self.lost = getattr(self, "lost", 0) + 1
             return
         super().add(req_id, data)
+
+
+class RunningAheadEngine(CountdownEngine):
+    """A :class:`~enginecore.CountdownEngine` that runs ahead, for the soak's own tests:
+    each step takes every request ``AHEAD`` steps on at once (all their outputs in one
+    batch), as a stage on a loaded machine runs far ahead of a client that reads an output
+    and then aborts. A request of up to ``AHEAD`` steps has finished before the client
+    reads its first output; the abort phase must still abort some after an output."""
+
+    AHEAD = 64
+
+    def step(self) -> list[tuple[str, int]]:
+        outputs: list[tuple[str, int]] = []
+        for _ in range(self.AHEAD):
+            if not self._remaining:
+                break
+            outputs += super().step()
+        return outputs
 
 
 class DyingSoakEngine(SoakEngine):

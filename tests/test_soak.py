@@ -5,6 +5,7 @@ option is a usage error before anything runs, and Ctrl-C stops a chaos soak at o
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import importlib
 import os
@@ -127,6 +128,21 @@ def test_a_lost_request_fails_the_abort_phase_with_the_right_numbers() -> None:
     ):
         assert checks[what].measured == "not asked: the phase ended early", checks[what]
         assert not checks[what].ok
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_aborts_land_after_an_output_however_far_ahead_the_stage_runs() -> None:
+    # On a loaded machine the client reads each output long after the stage sent it: by
+    # then the request (32 steps at most) has finished, and the abort it draws after an
+    # output lands on a finished request. The quick soak counted 0 "aborted: abort sent
+    # after an output" now and then. Here the stage runs 64 steps ahead at every step,
+    # so that every request of the soak's draw finishes before its abort.
+    cfg = AbortConfig(requests=3000, engine="benchmarks._soak_engine:RunningAheadEngine")
+    report = run_abort(cfg)
+    assert report.ok, failures(report)
+    a = report.counts
+    assert a["aborted: finished before the abort applied"] > 0
+    assert a["aborted: abort sent after an output"] >= 3, a  # r0, r1000, r2000
 
 
 @pytest.mark.usefixtures("no_leftovers")
@@ -400,6 +416,52 @@ def test_ctrl_c_stops_a_chaos_soak_at_once_and_leaves_nothing(
         time.sleep(0.05)
     assert not [p for p in tmp_path.rglob("*")], list(tmp_path.rglob("*"))
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"enginecore-{proc.pid}-")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_stops_an_async_soak_by_its_main_task_alone(
+    sig: signal.Signals, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The signal landed wherever the event loop's thread was, mostly in another task or a
+    # callback (a request's task, the pipeline's readers, a restart): its KeyboardInterrupt
+    # left the loop from there, and asyncio.run cancelled every task at once, the pipeline's
+    # own among them, while the soak's `finally` awaited `pipe.shutdown()`: a task left
+    # pending printed "Task was destroyed but it is pending!" after the soak's last line
+    # (test_ctrl_c_stops_a_chaos_soak_at_once_and_leaves_nothing[pipeline-async-sigterm],
+    # now and then under load). Here the signal lands in another task, which the main
+    # task's cleanup needs alive, as the shutdown needs the pipeline's tasks.
+    from benchmarks._soak_chaos import Report, run_kind
+
+    steps: list[str] = []
+
+    async def soak(report: Report) -> None:
+        stop, stopped = asyncio.Event(), asyncio.Event()
+
+        async def worker() -> None:  # a task of the pipeline
+            signal.raise_signal(sig)  # its handler runs here, in this task
+            steps.append("worker ran on")
+            await stop.wait()
+            stopped.set()
+
+        task = asyncio.create_task(worker())
+        try:
+            await asyncio.Event().wait()  # the load, until the signal ends it
+        finally:
+            stop.set()
+            await asyncio.wait_for(stopped.wait(), 10)  # the shutdown, with its tasks alive
+            steps.append("shut down")
+            await task
+
+    def main(argv: object) -> int:
+        run_kind("async", lambda report: None, soak, children=False)
+        return 0
+
+    status = run_main(main, [])
+    assert steps == ["worker ran on", "shut down"], steps
+    assert status == (143 if sig == signal.SIGTERM else 130)
+    assert capsys.readouterr().err.strip() == (
+        "terminated (SIGTERM)" if sig == signal.SIGTERM else "interrupted (Ctrl-C)"
+    )
 
 
 def _gone(pid: int) -> bool:
