@@ -48,8 +48,11 @@ refused with a 400 naming it (``param``) when it asks for something (``echo``,
 it asks for nothing or cannot change the tokens (``user``, ``metadata``, ``store``,
 ``tool_choice: "none"``, ...). A parameter OpenAI's API does not have (another server's
 extension, such as ``top_k`` or ``min_tokens``) is refused as unrecognized, as OpenAI
-refuses it. So is a chat message's: ``role``, ``content`` (a string, or text parts) and
-``name`` (passed on to the chat template, which may render it) are used; ``tool_calls``,
+refuses it. So is a chat message's: ``role`` (``system``, ``developer``, ``user`` or
+``assistant``: another, ``tool`` and ``function`` included, is a 400 naming it, as OpenAI
+answers), ``content`` (a string, or a list of text parts, joined with ``"\\n"`` as vLLM
+joins them; a part of another type is a 400 naming it, as ``messages[0].content[1].type``)
+and ``name`` (passed on to the chat template, which may render it) are used; ``tool_calls``,
 ``tool_call_id``, ``function_call``, ``audio`` and ``refusal`` are refused when not empty
 (``param`` names the message, as ``messages[1].tool_calls``); any other field is refused.
 
@@ -302,6 +305,11 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 # something, accepted when empty, as the request's parameters are. Any other field is
 # refused as unrecognized.
 MESSAGE_KEYS = frozenset({"role", "content", "name"})
+#: The roles of OpenAI's API that this server takes, passed on to the chat template as they
+#: are (whether it renders "developer" is the template's business). OpenAI's "tool" and
+#: "function" answer a tool call, which this server does not make; any other role is a 400,
+#: as OpenAI's API answers (vLLM passes any role on).
+ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_calls": lambda v: v not in (None, []),
     "function_call": lambda v: v is not None,
@@ -309,6 +317,27 @@ MESSAGE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: v is not None,
     "refusal": lambda v: v is not None,
 }
+
+
+def _text_part(where: str, part: Any) -> str:
+    """A message's content part's text: a text part's, else a 400 naming the part."""
+    if not isinstance(part, dict):
+        raise _bad(
+            f'{where} must be a content part object, like {{"type": "text", "text": "..."}}',
+            where,
+        )
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        raise _bad(f"{where} has no type (a string): text parts only", f"{where}.type")
+    if kind != "text":
+        raise _bad(
+            f"content parts of type {kind!r:.50} are not supported by this server: text only",
+            f"{where}.type",
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"{where}.text must be a string", f"{where}.text")
+    return text
 
 
 class Sampling:
@@ -882,16 +911,24 @@ class Server:
                 raise _bad(f"unrecognized field in {where}: {key}", f"{where}.{key}")
             if used(value):
                 raise _bad(f"{key} in a message is not supported by this server", f"{where}.{key}")
+        role = message["role"]
+        if role not in ROLES:
+            why = (
+                f"a message of role {role!r} answers a tool call, which this server does not make"
+                if role in ("tool", "function")
+                else f"invalid role {role!r:.50}"
+            )
+            roles = ", ".join(map(repr, ROLES))
+            raise _bad(f"{why}: the roles are {roles}", f"{where}.role")
         content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise _bad("only text content parts are supported", f"{where}.content")
-            if not all(isinstance(p.get("text"), str) for p in content):
-                raise _bad("a text content part's text must be a string", f"{where}.content")
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):  # content parts: text only, joined as vLLM joins them
+            if not content:
+                raise _bad("a message's content is an empty array of parts", f"{where}.content")
+            parts = [_text_part(f"{where}.content[{j}]", p) for j, p in enumerate(content)]
+            content = "\n".join(parts)
         if not isinstance(content, str):
             raise _bad("a message's content must be a string", f"{where}.content")
-        chat = {"role": message["role"], "content": content}
+        chat = {"role": role, "content": content}
         name = message.get("name")
         if name is not None:  # the participant's name: the chat template may render it
             if not isinstance(name, str) or not name:

@@ -163,3 +163,56 @@ class TestRequestChecks:
             assert len(chunks) >= 3, chunks
             assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
             assert chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def _chat(served: base.Served, *messages: Any, max_tokens: int = 9) -> httpx.Response:
+    body = {"model": "tiny-words", "max_tokens": max_tokens, "messages": list(messages)}
+    return _post(served, "/v1/chat/completions", body)
+
+
+class TestChatMessages:
+    def test_a_role_openais_api_does_not_have_is_a_400(self, server: base.Served) -> None:
+        # "wizard" went to the chat template, which rendered it; OpenAI's API answers a 400
+        # naming the message's role. Its tool and function roles answer a tool call, which
+        # this server does not make: refused too.
+        for role in ("wizard", "", "USER", "tool", "function"):
+            reply = _chat(
+                server, {"role": "user", "content": "hello"}, {"role": role, "content": "hi"}
+            )
+            assert reply.status_code == 400, (role, reply.text)
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error", error
+            assert error["param"] == "messages[1].role", error
+            assert repr(role) in error["message"], error
+        # OpenAI's others reach the template as they are.
+        for role in ("system", "developer", "user", "assistant"):
+            reply = _chat(server, {"role": role, "content": "hello"}, max_tokens=2)
+            assert reply.status_code == 200, (role, reply.text)
+        assert server.wait_idle()["live"] == 0
+
+    def test_text_parts_are_joined_with_a_newline(self, server: base.Served) -> None:
+        # Joined with "" ("hello" "world": "helloworld", one unknown word here); vLLM joins a
+        # message's text parts with "\n".
+        parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+        reply = _chat(server, {"role": "user", "content": parts}, max_tokens=6)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == " user : hello world assistant :"
+
+    def test_a_part_that_is_not_text_is_a_400_naming_it(self, server: base.Served) -> None:
+        image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+        text = {"type": "text", "text": "hello"}
+        cases: list[tuple[Any, str, str]] = [
+            ([text, image], "messages[0].content[1].type", "'image_url'"),
+            ([{"type": "refusal", "refusal": "no"}], "messages[0].content[0].type", "'refusal'"),
+            ([{"text": "hello"}], "messages[0].content[0].type", "type"),
+            (["hello"], "messages[0].content[0]", "object"),
+            ([{"type": "text", "text": 7}], "messages[0].content[0].text", "string"),
+            ([], "messages[0].content", "empty"),
+        ]
+        for content, param, said in cases:
+            reply = _chat(server, {"role": "user", "content": content})
+            assert reply.status_code == 400, (content, reply.text)
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error", error
+            assert error["param"] == param, error
+            assert said in error["message"], error

@@ -469,8 +469,8 @@ class TestEndpoints:
             ({"role": "tool", "content": "hi", "tool_call_id": "c1"}, "messages[1].tool_call_id"),
             ({"role": "user", "content": "hi", "weight": 2}, "messages[1].weight"),
             ({"role": "user", "content": "hi", "name": 7}, "messages[1].name"),
-            ({"role": "user", "content": [{"type": "text"}]}, "messages[1].content"),
-            ({"role": "user", "content": [{"type": "image_url"}]}, "messages[1].content"),
+            ({"role": "user", "content": [{"type": "text"}]}, "messages[1].content[0].text"),
+            ({"role": "user", "content": [{"type": "image_url"}]}, "messages[1].content[0].type"),
             ({"role": "user", "content": None}, "messages[1].content"),
             ({"content": "hi"}, "messages[1]"),
         ]
