@@ -28,7 +28,8 @@ code ``context_length_exceeded``; the limit is the engine's ``model_info`` utili
 16 or 256 in a chat, is cut to what the context and the engine's KV budget
 (``kv_budget_tokens``) leave, as vLLM does), a string holding a
 lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for another model's
-name, 503 when the stage is dead, 413 for a body
+name (type ``invalid_request_error``, as every 4xx, code ``model_not_found``: OpenAI's), 503
+when the stage is dead, 413 for a body
 over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
 the event loop, so a long prompt does not hold the other requests up.
 
@@ -165,11 +166,10 @@ def load_tokenizer(path: Path) -> Any:
 
 # -- errors ----------------------------------------------------------------------------------
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    503: "service_unavailable_error",
-}
+#: An error's type, by status: "invalid_request_error" for every 4xx (OpenAI's API answers
+#: a model or a path it does not have with a 404 of that type), "service_unavailable_error"
+#: for a 503 (as OpenAI's overload answer), "server_error" for another 5xx.
+_ERROR_TYPES = {503: "service_unavailable_error"}
 MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of a surrogate
 GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)

@@ -216,3 +216,21 @@ class TestChatMessages:
             assert error["type"] == "invalid_request_error", error
             assert error["param"] == param, error
             assert said in error["message"], error
+
+
+class TestErrorBodies:
+    def test_a_404_is_an_invalid_request_error_as_openais(self, server: base.Served) -> None:
+        # OpenAI's API answers a model it does not have, and a path it does not serve, with a
+        # 404 of type "invalid_request_error" (code "model_not_found" for the model); this
+        # server's type was "not_found_error", a type OpenAI's API does not use.
+        replies = [
+            _post(server, "/v1/completions", {**TEXT, "model": "gpt-4"}),
+            _post(server, "/v1/chat/completions", {**CHAT, "model": "gpt-4"}),
+            server.get("/v1/models/gpt-4"),
+            server.get("/v1/nowhere"),
+        ]
+        for reply in replies:
+            assert reply.status_code == 404, reply.text
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error", error
+        assert [r.json()["error"]["code"] for r in replies[:3]] == ["model_not_found"] * 3

@@ -587,7 +587,7 @@ class TestEndpoints:
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
         reply = httpx.get(server.url + "/v1/nowhere", timeout=10)
         assert reply.status_code == 404
-        assert reply.json()["error"]["type"] == "not_found_error"
+        assert reply.json()["error"]["type"] == "invalid_request_error"
 
     @pytest.mark.timeout(30)
     def test_a_lone_surrogate_is_a_400_not_a_500(self, server: Served) -> None:
