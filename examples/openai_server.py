@@ -26,11 +26,12 @@ that, with ``max_tokens``, does not fit the model's context is refused before it
 code ``context_length_exceeded``; the limit is the engine's ``model_info`` utility's
 ``max_positions``, asked once at startup; a ``max_tokens`` not sent,
 16 or 256 in a chat, is cut to what the context and the engine's KV budget
-(``kv_budget_tokens``) leave, as vLLM does), a string holding a
-lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for another model's
-name (type ``invalid_request_error``, as every 4xx, code ``model_not_found``: OpenAI's), 503
-when the stage is dead, 413 for a body
-over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
+(``kv_budget_tokens``) leave, as vLLM does), a prompt's token id outside the vocabulary
+(the larger of the tokenizer's and the engine's ``model_info`` ``vocab_size``, as vLLM
+checks it), a string holding a lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for
+another model's name (type ``invalid_request_error``, as every 4xx, code
+``model_not_found``: OpenAI's), 503 when the stage is dead, 413 for a body over
+``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
 the event loop, so a long prompt does not hold the other requests up.
 
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
@@ -317,6 +318,15 @@ MESSAGE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: v is not None,
     "refusal": lambda v: v is not None,
 }
+
+
+def _size(tokenizer: Any) -> int | None:
+    """The tokenizer's vocabulary, added tokens included (``len``); ``None`` if it has none."""
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        return None
+    return size if isinstance(size, int) and size >= 1 else None
 
 
 def _text_part(where: str, part: Any) -> str:
@@ -618,6 +628,9 @@ class Server:
         self._stage: AsyncStageClient | None = None
         self.max_positions: int | None = None  # the model's, from the engine's model_info
         self.kv_budget: int | None = None  # the engine's KV tokens, from model_info too
+        # A prompt's token ids must be under it: the larger of the tokenizer's vocabulary and
+        # the model's (model_info's vocab_size), as vLLM checks them.
+        self.vocab: int | None = _size(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else []
 
@@ -642,7 +655,9 @@ class Server:
             raise
         logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
         try:
-            self.max_positions, self.kv_budget, eos = await self._limits(self._stage)
+            self.max_positions, self.kv_budget, vocab, eos = await self._limits(self._stage)
+            if vocab is not None:
+                self.vocab = max(vocab, self.vocab or 0)
             # The engine stops at its own EOS ids too (a generation config's): every stop
             # token is counted, not shown.
             self.eos_ids = sorted({*self.eos_ids, *eos})
@@ -653,16 +668,18 @@ class Server:
             logger.info("stage exited with code %s", code)
 
     @staticmethod
-    async def _limits(stage: AsyncStageClient) -> tuple[int | None, int | None, list[int]]:
+    async def _limits(
+        stage: AsyncStageClient,
+    ) -> tuple[int | None, int | None, int | None, list[int]]:
         """The model's context length and the engine's KV budget (each in tokens: prompt
-        plus new tokens), and the EOS ids the engine stops at, from the engine's
-        ``model_info`` utility (``max_positions``, ``kv_budget_tokens``, ``eos_token_ids``);
-        ``None`` (no ids) for what an engine does not say (its own refusal then says what is
-        too long)."""
+        plus new tokens), its vocabulary's size, and the EOS ids the engine stops at, from
+        the engine's ``model_info`` utility (``max_positions``, ``kv_budget_tokens``,
+        ``vocab_size``, ``eos_token_ids``); ``None`` (no ids) for what an engine does not
+        say (its own refusal then says what is too long)."""
         try:
             info = await stage.call_utility("model_info", timeout=30.0)
         except UtilityError:
-            return None, None, []
+            return None, None, None, []
 
         def whole(key: str) -> int | None:
             value = info.get(key) if isinstance(info, dict) else None
@@ -672,7 +689,7 @@ class Server:
         eos = info.get("eos_token_ids") if isinstance(info, dict) else None
         ids = eos if isinstance(eos, list) else []
         ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
-        return whole("max_positions"), whole("kv_budget_tokens"), ids
+        return whole("max_positions"), whole("kv_budget_tokens"), whole("vocab_size"), ids
 
     def _check_length(self, prompt: list[int], sampling: Sampling, *, chat: bool) -> None:
         """A 400 for a prompt that, with its new tokens, does not fit the model's context:
@@ -896,6 +913,13 @@ class Server:
             raise _bad("prompt must be a string or a list of token ids (one prompt)", "prompt")
         if not ids:
             raise _bad("prompt is empty", "prompt")
+        if self.vocab is not None and (top := max(ids)) >= self.vocab:
+            # The engine may not check (a custom one), and the tokenizer cannot decode it.
+            raise _bad(
+                f"prompt has token id {top}, outside the vocabulary of {self.vocab} tokens "
+                f"(ids 0 to {self.vocab - 1})",
+                "prompt",
+            )
         return ids
 
     @staticmethod

@@ -234,3 +234,43 @@ class TestErrorBodies:
             error = reply.json()["error"]
             assert error["type"] == "invalid_request_error", error
         assert [r.json()["error"]["code"] for r in replies[:3]] == ["model_not_found"] * 3
+
+
+def _in_process(model: Path, tokenizer: Any) -> Any:
+    """A Starlette TestClient over the server, with *tokenizer*, in this process (the
+    lifespan runs: a real stage of TokenEchoEngine, without a vocab_size)."""
+    from starlette.testclient import TestClient
+
+    module = base._load_server_module()
+    server = module.Server(model, tokenizer, base.ECHO, {}, "tiny-words")
+    return TestClient(server.app(), raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return base._write_tokenizer(tmp_path_factory.mktemp("models") / "tiny-words", chat=True)
+
+
+class TestTokenIds:
+    @pytest.mark.timeout(60)
+    def test_a_prompt_id_outside_the_vocabulary_is_a_400_naming_it(self, words: Path) -> None:
+        # An engine that does not check its prompt's ids (TokenEchoEngine without a
+        # vocab_size, as a custom engine may not) echoed 2**32 back, and decoding it with the
+        # tokenizer raised OverflowError: a 500. The server checks them, as vLLM does,
+        # against the larger of the tokenizer's vocabulary and the engine's (here: the
+        # tokenizer's, 17 words; the engine says none).
+        module = base._load_server_module()
+        with _in_process(words, module.load_tokenizer(words)) as client:
+            for bad in (2**32, len(base.WORDS), 2**64 - 1):
+                for stream in (False, True):
+                    body = {"prompt": [7, bad, 8], "max_tokens": 2, "stream": stream}
+                    reply = client.post("/v1/completions", json=body)
+                    assert reply.status_code == 400, (bad, reply.text)
+                    error = reply.json()["error"]
+                    assert error["type"] == "invalid_request_error", error
+                    assert error["param"] == "prompt", error
+                    assert str(bad) in error["message"], error
+            last = len(base.WORDS) - 1
+            reply = client.post("/v1/completions", json={"prompt": [7, last], "max_tokens": 2})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["prompt_tokens"] == 2
