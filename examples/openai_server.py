@@ -31,8 +31,10 @@ code ``context_length_exceeded``; the limit is the engine's ``model_info`` utili
 checks it), a string holding a lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for
 another model's name (type ``invalid_request_error``, as every 4xx, code
 ``model_not_found``: OpenAI's), 503 when the stage is dead, 413 for a body over
-``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
-the event loop, so a long prompt does not hold the other requests up.
+``--max-body-bytes`` (8 MiB by default). Text is tokenized off the event loop, on two
+threads: texts of 64 Ki characters or more on one (with a copy of the tokenizer), shorter
+ones on the other, so a long prompt (8 MiB take seconds) holds up only the long ones behind
+it, never the short ones nor the running streams.
 
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
 prompts is a 400); ``max_tokens`` (in a chat ``max_completion_tokens`` wins when both are
@@ -73,6 +75,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import importlib
 import json
 import logging
@@ -112,6 +115,9 @@ TINY_MODEL = "tiny-llama"
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 256
 DETOKENIZE_CONTEXT = 5  # prompt ids decoded before the first new one (its leading space)
+#: Characters from which a text is tokenized on the long texts' thread (64 Ki characters take
+#: tens of milliseconds; the 8 MiB a body may hold, seconds).
+LONG_TEXT = 2**16
 
 logger = logging.getLogger("openai_server")
 T = TypeVar("T")
@@ -617,9 +623,12 @@ class Server:
         self.model = model
         self.max_body_bytes = max_body_bytes
         # Text to token ids off the event loop (a long prompt takes seconds; the fast
-        # tokenizers release the GIL), one call at a time: a tokenizer is not made for
-        # concurrent encodes. Decoding a step's few ids stays on the loop.
-        self._encoder: ThreadPoolExecutor | None = None
+        # tokenizers release the GIL), on two lanes, each a thread with a tokenizer of its
+        # own (a tokenizer is not made for concurrent encodes): texts under LONG_TEXT
+        # characters on one, longer ones on the other (with a copy of the tokenizer), so a
+        # long text holds up only the long texts behind it. Decoding a step's few ids stays
+        # on the loop.
+        self._lanes: list[tuple[ThreadPoolExecutor, Any]] = []
         self.tokenizer = tokenizer
         self.engine = engine
         self.engine_kwargs = engine_kwargs
@@ -642,16 +651,17 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        # A first encode before any request: one that changes the tokenizer's truncation or
-        # padding state does it now, never while the loop decodes.
-        with contextlib.suppress(Exception):
-            await self._encode(lambda: self.tokenizer(""))
+        self._lanes = self._open_lanes()
+        # A first encode on each before any request: one that changes the tokenizer's
+        # truncation or padding state does it now, never while the loop decodes.
+        for size in (0, LONG_TEXT):
+            with contextlib.suppress(Exception):
+                await self._encode(lambda tok: tok(""), size)
         kwargs = {"model": str(self.model), **self.engine_kwargs}
         try:
             self._stage = await AsyncStageClient.launch(self.engine, kwargs, name="openai-server")
         except BaseException:
-            self._encoder.shutdown(wait=False)
+            self._close_lanes()
             raise
         logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
         try:
@@ -663,9 +673,25 @@ class Server:
             self.eos_ids = sorted({*self.eos_ids, *eos})
             yield
         finally:
-            self._encoder.shutdown(wait=False, cancel_futures=True)
+            self._close_lanes()
             code = await self._stage.shutdown()
             logger.info("stage exited with code %s", code)
+
+    def _open_lanes(self) -> list[tuple[ThreadPoolExecutor, Any]]:
+        """The tokenizer's two lanes (short texts, long texts): a thread and a tokenizer
+        each. One that cannot be copied serves both lanes on one thread, one text at a time."""
+        short = (ThreadPoolExecutor(1, thread_name_prefix="tokenizer"), self.tokenizer)
+        try:
+            other = copy.deepcopy(self.tokenizer)
+        except Exception as exc:
+            logger.warning("cannot copy the tokenizer (%r): one thread tokenizes every text", exc)
+            return [short, short]
+        return [short, (ThreadPoolExecutor(1, thread_name_prefix="tokenizer-long"), other)]
+
+    def _close_lanes(self) -> None:
+        for executor, _ in self._lanes:
+            executor.shutdown(wait=False, cancel_futures=True)
+        self._lanes = []
 
     @staticmethod
     async def _limits(
@@ -826,20 +852,20 @@ class Server:
             raise _bad("messages must be a non-empty list", "messages")
         chat = [self._message(i, m) for i, m in enumerate(messages)]
 
-        def render() -> str:
-            text: str = self.tokenizer.apply_chat_template(
+        def render(tokenizer: Any) -> str:
+            text: str = tokenizer.apply_chat_template(
                 chat, add_generation_prompt=True, tokenize=False
             )
             return text
 
         try:
-            text = await self._encode(render)
+            text = await self._encode(render, sum(len(m["content"]) for m in chat))
         except ApiError:
             raise
         except Exception as exc:  # the template's own checks (roles, order)
             raise _bad(f"the chat template refused the messages: {exc}", "messages") from exc
         prompt = await self._encode(
-            lambda: list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            lambda tok: list(tok(text, add_special_tokens=False)["input_ids"]), len(text)
         )
         return await self._respond(request, prompt, sampling, chat=True)
 
@@ -891,11 +917,13 @@ class Server:
             raise self._not_found(model)
         return body
 
-    async def _encode(self, work: Callable[[], T]) -> T:
-        """*work* (a tokenizer call) on the tokenizer's thread."""
-        if self._encoder is None:
+    async def _encode(self, work: Callable[[Any], T], size: int) -> T:
+        """*work* (a call of the tokenizer it is given) for a text of *size* characters,
+        on the lane of its size."""
+        if not self._lanes:
             raise ApiError(503, "the server is not running", code="stage_dead")
-        return await asyncio.get_running_loop().run_in_executor(self._encoder, work)
+        executor, tokenizer = self._lanes[size >= LONG_TEXT]
+        return await asyncio.get_running_loop().run_in_executor(executor, work, tokenizer)
 
     async def _prompt_ids(self, prompt: Any) -> list[int]:
         # One prompt: a string or a list of token ids (or a list of one of them).
@@ -903,7 +931,7 @@ class Server:
             prompt = prompt[0]
         if isinstance(prompt, str):
             text = prompt
-            ids = await self._encode(lambda: list(self.tokenizer(text)["input_ids"]))
+            ids = await self._encode(lambda tok: list(tok(text)["input_ids"]), len(text))
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= WIRE_INT_MAX
             for t in prompt

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +276,52 @@ class TestTokenIds:
             reply = client.post("/v1/completions", json={"prompt": [7, last], "max_tokens": 2})
             assert reply.status_code == 200, reply.text
             assert reply.json()["usage"]["prompt_tokens"] == 2
+
+
+class TestTokenizerThreads:
+    @pytest.mark.timeout(60)
+    def test_a_long_text_does_not_hold_up_a_short_ones_tokenization(self, words: Path) -> None:
+        # One tokenizer thread for every request: a chat of 7.9 MB held it 24 s, and every
+        # other request, however short, waited for it before it could start. Here the long
+        # text's tokenization is held (an event) until the short request has been answered.
+        module = base._load_server_module()
+        real = module.load_tokenizer(words)
+        entered = threading.Event()
+        release = threading.Event()
+        long_text = 500_000  # characters; the server's "long" begins well below
+
+        class Gated:
+            chat_template = real.chat_template
+            eos_token_id = real.eos_token_id
+
+            def __call__(self, text: str, *args: Any, **kwargs: Any) -> Any:
+                if len(text) >= long_text:
+                    entered.set()
+                    release.wait(30)
+                return real(text, *args, **kwargs)
+
+            def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+                return real.apply_chat_template(*args, **kwargs)
+
+            def decode(self, *args: Any, **kwargs: Any) -> Any:
+                return real.decode(*args, **kwargs)
+
+            def __len__(self) -> int:
+                return len(real)
+
+        chat = {"messages": [{"role": "user", "content": "hello " * (long_text // 6 + 1)}]}
+        short = {"prompt": base.PROMPT, "max_tokens": 2}
+        with _in_process(words, Gated()) as client, ThreadPoolExecutor(2) as pool:
+            try:
+                held = pool.submit(client.post, "/v1/chat/completions", json=chat)
+                assert entered.wait(20), "the long text never reached the tokenizer"
+                answer = pool.submit(client.post, "/v1/completions", json=short)
+                reply = answer.result(timeout=20)  # behind the long text: TimeoutError
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == " hello world"
+                assert not held.done()
+            finally:
+                release.set()
+            refused = held.result(timeout=30)  # 83,000 tokens: over the context of 2048
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "context_length_exceeded"
