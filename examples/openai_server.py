@@ -26,11 +26,15 @@ that, with ``max_tokens``, does not fit the model's context is refused before it
 code ``context_length_exceeded``; the limit is the engine's ``model_info`` utility's
 ``max_positions``, asked once at startup; a ``max_tokens`` not sent,
 16 or 256 in a chat, is cut to what the context and the engine's KV budget
-(``kv_budget_tokens``) leave, as vLLM does), a string holding a
-lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for another model's
-name, 503 when the stage is dead, 413 for a body
-over ``--max-body-bytes`` (8 MiB by default). Text is tokenized on a thread of its own, off
-the event loop, so a long prompt does not hold the other requests up.
+(``kv_budget_tokens``) leave, as vLLM does), a prompt's token id outside the vocabulary
+(the larger of the tokenizer's and the engine's ``model_info`` ``vocab_size``, as vLLM
+checks it), a string holding a lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for
+another model's name (type ``invalid_request_error``, as every 4xx, code
+``model_not_found``: OpenAI's), 503 when the stage is dead, 413 for a body over
+``--max-body-bytes`` (8 MiB by default). Text is tokenized off the event loop, on two
+threads: texts of 64 Ki characters or more on one (with a copy of the tokenizer), shorter
+ones on the other, so a long prompt (8 MiB take seconds) holds up only the long ones behind
+it, never the short ones nor the running streams.
 
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
 prompts is a 400); ``max_tokens`` (in a chat ``max_completion_tokens`` wins when both are
@@ -48,8 +52,11 @@ refused with a 400 naming it (``param``) when it asks for something (``echo``,
 it asks for nothing or cannot change the tokens (``user``, ``metadata``, ``store``,
 ``tool_choice: "none"``, ...). A parameter OpenAI's API does not have (another server's
 extension, such as ``top_k`` or ``min_tokens``) is refused as unrecognized, as OpenAI
-refuses it. So is a chat message's: ``role``, ``content`` (a string, or text parts) and
-``name`` (passed on to the chat template, which may render it) are used; ``tool_calls``,
+refuses it. So is a chat message's: ``role`` (``system``, ``developer``, ``user`` or
+``assistant``: another, ``tool`` and ``function`` included, is a 400 naming it, as OpenAI
+answers), ``content`` (a string, or a list of text parts, joined with ``"\\n"`` as vLLM
+joins them; a part of another type is a 400 naming it, as ``messages[0].content[1].type``)
+and ``name`` (passed on to the chat template, which may render it) are used; ``tool_calls``,
 ``tool_call_id``, ``function_call``, ``audio`` and ``refusal`` are refused when not empty
 (``param`` names the message, as ``messages[1].tool_calls``); any other field is refused.
 
@@ -68,6 +75,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import importlib
 import json
 import logging
@@ -107,6 +115,9 @@ TINY_MODEL = "tiny-llama"
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 256
 DETOKENIZE_CONTEXT = 5  # prompt ids decoded before the first new one (its leading space)
+#: Characters from which a text is tokenized on the long texts' thread (64 Ki characters take
+#: tens of milliseconds; the 8 MiB a body may hold, seconds).
+LONG_TEXT = 2**16
 
 logger = logging.getLogger("openai_server")
 T = TypeVar("T")
@@ -162,11 +173,10 @@ def load_tokenizer(path: Path) -> Any:
 
 # -- errors ----------------------------------------------------------------------------------
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    503: "service_unavailable_error",
-}
+#: An error's type, by status: "invalid_request_error" for every 4xx (OpenAI's API answers
+#: a model or a path it does not have with a 404 of that type), "service_unavailable_error"
+#: for a 503 (as OpenAI's overload answer), "server_error" for another 5xx.
+_ERROR_TYPES = {503: "service_unavailable_error"}
 MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of a surrogate
 GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)
@@ -302,6 +312,11 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 # something, accepted when empty, as the request's parameters are. Any other field is
 # refused as unrecognized.
 MESSAGE_KEYS = frozenset({"role", "content", "name"})
+#: The roles of OpenAI's API that this server takes, passed on to the chat template as they
+#: are (whether it renders "developer" is the template's business). OpenAI's "tool" and
+#: "function" answer a tool call, which this server does not make; any other role is a 400,
+#: as OpenAI's API answers (vLLM passes any role on).
+ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_calls": lambda v: v not in (None, []),
     "function_call": lambda v: v is not None,
@@ -309,6 +324,36 @@ MESSAGE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: v is not None,
     "refusal": lambda v: v is not None,
 }
+
+
+def _size(tokenizer: Any) -> int | None:
+    """The tokenizer's vocabulary, added tokens included (``len``); ``None`` if it has none."""
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        return None
+    return size if isinstance(size, int) and size >= 1 else None
+
+
+def _text_part(where: str, part: Any) -> str:
+    """A message's content part's text: a text part's, else a 400 naming the part."""
+    if not isinstance(part, dict):
+        raise _bad(
+            f'{where} must be a content part object, like {{"type": "text", "text": "..."}}',
+            where,
+        )
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        raise _bad(f"{where} has no type (a string): text parts only", f"{where}.type")
+    if kind != "text":
+        raise _bad(
+            f"content parts of type {kind!r:.50} are not supported by this server: text only",
+            f"{where}.type",
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"{where}.text must be a string", f"{where}.text")
+    return text
 
 
 class Sampling:
@@ -578,9 +623,12 @@ class Server:
         self.model = model
         self.max_body_bytes = max_body_bytes
         # Text to token ids off the event loop (a long prompt takes seconds; the fast
-        # tokenizers release the GIL), one call at a time: a tokenizer is not made for
-        # concurrent encodes. Decoding a step's few ids stays on the loop.
-        self._encoder: ThreadPoolExecutor | None = None
+        # tokenizers release the GIL), on two lanes, each a thread with a tokenizer of its
+        # own (a tokenizer is not made for concurrent encodes): texts under LONG_TEXT
+        # characters on one, longer ones on the other (with a copy of the tokenizer), so a
+        # long text holds up only the long texts behind it. Decoding a step's few ids stays
+        # on the loop.
+        self._lanes: list[tuple[ThreadPoolExecutor, Any]] = []
         self.tokenizer = tokenizer
         self.engine = engine
         self.engine_kwargs = engine_kwargs
@@ -589,6 +637,9 @@ class Server:
         self._stage: AsyncStageClient | None = None
         self.max_positions: int | None = None  # the model's, from the engine's model_info
         self.kv_budget: int | None = None  # the engine's KV tokens, from model_info too
+        # A prompt's token ids must be under it: the larger of the tokenizer's vocabulary and
+        # the model's (model_info's vocab_size), as vLLM checks them.
+        self.vocab: int | None = _size(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else []
 
@@ -600,40 +651,61 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        # A first encode before any request: one that changes the tokenizer's truncation or
-        # padding state does it now, never while the loop decodes.
-        with contextlib.suppress(Exception):
-            await self._encode(lambda: self.tokenizer(""))
+        self._lanes = self._open_lanes()
+        # A first encode on each before any request: one that changes the tokenizer's
+        # truncation or padding state does it now, never while the loop decodes.
+        for size in (0, LONG_TEXT):
+            with contextlib.suppress(Exception):
+                await self._encode(lambda tok: tok(""), size)
         kwargs = {"model": str(self.model), **self.engine_kwargs}
         try:
             self._stage = await AsyncStageClient.launch(self.engine, kwargs, name="openai-server")
         except BaseException:
-            self._encoder.shutdown(wait=False)
+            self._close_lanes()
             raise
         logger.info("stage %s (pid %d) serves %s", self.engine, self._stage.pid, self.model)
         try:
-            self.max_positions, self.kv_budget, eos = await self._limits(self._stage)
+            self.max_positions, self.kv_budget, vocab, eos = await self._limits(self._stage)
+            if vocab is not None:
+                self.vocab = max(vocab, self.vocab or 0)
             # The engine stops at its own EOS ids too (a generation config's): every stop
             # token is counted, not shown.
             self.eos_ids = sorted({*self.eos_ids, *eos})
             yield
         finally:
-            self._encoder.shutdown(wait=False, cancel_futures=True)
+            self._close_lanes()
             code = await self._stage.shutdown()
             logger.info("stage exited with code %s", code)
 
+    def _open_lanes(self) -> list[tuple[ThreadPoolExecutor, Any]]:
+        """The tokenizer's two lanes (short texts, long texts): a thread and a tokenizer
+        each. One that cannot be copied serves both lanes on one thread, one text at a time."""
+        short = (ThreadPoolExecutor(1, thread_name_prefix="tokenizer"), self.tokenizer)
+        try:
+            other = copy.deepcopy(self.tokenizer)
+        except Exception as exc:
+            logger.warning("cannot copy the tokenizer (%r): one thread tokenizes every text", exc)
+            return [short, short]
+        return [short, (ThreadPoolExecutor(1, thread_name_prefix="tokenizer-long"), other)]
+
+    def _close_lanes(self) -> None:
+        for executor, _ in self._lanes:
+            executor.shutdown(wait=False, cancel_futures=True)
+        self._lanes = []
+
     @staticmethod
-    async def _limits(stage: AsyncStageClient) -> tuple[int | None, int | None, list[int]]:
+    async def _limits(
+        stage: AsyncStageClient,
+    ) -> tuple[int | None, int | None, int | None, list[int]]:
         """The model's context length and the engine's KV budget (each in tokens: prompt
-        plus new tokens), and the EOS ids the engine stops at, from the engine's
-        ``model_info`` utility (``max_positions``, ``kv_budget_tokens``, ``eos_token_ids``);
-        ``None`` (no ids) for what an engine does not say (its own refusal then says what is
-        too long)."""
+        plus new tokens), its vocabulary's size, and the EOS ids the engine stops at, from
+        the engine's ``model_info`` utility (``max_positions``, ``kv_budget_tokens``,
+        ``vocab_size``, ``eos_token_ids``); ``None`` (no ids) for what an engine does not
+        say (its own refusal then says what is too long)."""
         try:
             info = await stage.call_utility("model_info", timeout=30.0)
         except UtilityError:
-            return None, None, []
+            return None, None, None, []
 
         def whole(key: str) -> int | None:
             value = info.get(key) if isinstance(info, dict) else None
@@ -643,7 +715,7 @@ class Server:
         eos = info.get("eos_token_ids") if isinstance(info, dict) else None
         ids = eos if isinstance(eos, list) else []
         ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
-        return whole("max_positions"), whole("kv_budget_tokens"), ids
+        return whole("max_positions"), whole("kv_budget_tokens"), whole("vocab_size"), ids
 
     def _check_length(self, prompt: list[int], sampling: Sampling, *, chat: bool) -> None:
         """A 400 for a prompt that, with its new tokens, does not fit the model's context:
@@ -780,20 +852,20 @@ class Server:
             raise _bad("messages must be a non-empty list", "messages")
         chat = [self._message(i, m) for i, m in enumerate(messages)]
 
-        def render() -> str:
-            text: str = self.tokenizer.apply_chat_template(
+        def render(tokenizer: Any) -> str:
+            text: str = tokenizer.apply_chat_template(
                 chat, add_generation_prompt=True, tokenize=False
             )
             return text
 
         try:
-            text = await self._encode(render)
+            text = await self._encode(render, sum(len(m["content"]) for m in chat))
         except ApiError:
             raise
         except Exception as exc:  # the template's own checks (roles, order)
             raise _bad(f"the chat template refused the messages: {exc}", "messages") from exc
         prompt = await self._encode(
-            lambda: list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            lambda tok: list(tok(text, add_special_tokens=False)["input_ids"]), len(text)
         )
         return await self._respond(request, prompt, sampling, chat=True)
 
@@ -845,11 +917,13 @@ class Server:
             raise self._not_found(model)
         return body
 
-    async def _encode(self, work: Callable[[], T]) -> T:
-        """*work* (a tokenizer call) on the tokenizer's thread."""
-        if self._encoder is None:
+    async def _encode(self, work: Callable[[Any], T], size: int) -> T:
+        """*work* (a call of the tokenizer it is given) for a text of *size* characters,
+        on the lane of its size."""
+        if not self._lanes:
             raise ApiError(503, "the server is not running", code="stage_dead")
-        return await asyncio.get_running_loop().run_in_executor(self._encoder, work)
+        executor, tokenizer = self._lanes[size >= LONG_TEXT]
+        return await asyncio.get_running_loop().run_in_executor(executor, work, tokenizer)
 
     async def _prompt_ids(self, prompt: Any) -> list[int]:
         # One prompt: a string or a list of token ids (or a list of one of them).
@@ -857,7 +931,7 @@ class Server:
             prompt = prompt[0]
         if isinstance(prompt, str):
             text = prompt
-            ids = await self._encode(lambda: list(self.tokenizer(text)["input_ids"]))
+            ids = await self._encode(lambda tok: list(tok(text)["input_ids"]), len(text))
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= WIRE_INT_MAX
             for t in prompt
@@ -867,6 +941,13 @@ class Server:
             raise _bad("prompt must be a string or a list of token ids (one prompt)", "prompt")
         if not ids:
             raise _bad("prompt is empty", "prompt")
+        if self.vocab is not None and (top := max(ids)) >= self.vocab:
+            # The engine may not check (a custom one), and the tokenizer cannot decode it.
+            raise _bad(
+                f"prompt has token id {top}, outside the vocabulary of {self.vocab} tokens "
+                f"(ids 0 to {self.vocab - 1})",
+                "prompt",
+            )
         return ids
 
     @staticmethod
@@ -882,16 +963,24 @@ class Server:
                 raise _bad(f"unrecognized field in {where}: {key}", f"{where}.{key}")
             if used(value):
                 raise _bad(f"{key} in a message is not supported by this server", f"{where}.{key}")
+        role = message["role"]
+        if role not in ROLES:
+            why = (
+                f"a message of role {role!r} answers a tool call, which this server does not make"
+                if role in ("tool", "function")
+                else f"invalid role {role!r:.50}"
+            )
+            roles = ", ".join(map(repr, ROLES))
+            raise _bad(f"{why}: the roles are {roles}", f"{where}.role")
         content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise _bad("only text content parts are supported", f"{where}.content")
-            if not all(isinstance(p.get("text"), str) for p in content):
-                raise _bad("a text content part's text must be a string", f"{where}.content")
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):  # content parts: text only, joined as vLLM joins them
+            if not content:
+                raise _bad("a message's content is an empty array of parts", f"{where}.content")
+            parts = [_text_part(f"{where}.content[{j}]", p) for j, p in enumerate(content)]
+            content = "\n".join(parts)
         if not isinstance(content, str):
             raise _bad("a message's content must be a string", f"{where}.content")
-        chat = {"role": message["role"], "content": content}
+        chat = {"role": role, "content": content}
         name = message.get("name")
         if name is not None:  # the participant's name: the chat template may render it
             if not isinstance(name, str) or not name:

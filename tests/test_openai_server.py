@@ -469,8 +469,8 @@ class TestEndpoints:
             ({"role": "tool", "content": "hi", "tool_call_id": "c1"}, "messages[1].tool_call_id"),
             ({"role": "user", "content": "hi", "weight": 2}, "messages[1].weight"),
             ({"role": "user", "content": "hi", "name": 7}, "messages[1].name"),
-            ({"role": "user", "content": [{"type": "text"}]}, "messages[1].content"),
-            ({"role": "user", "content": [{"type": "image_url"}]}, "messages[1].content"),
+            ({"role": "user", "content": [{"type": "text"}]}, "messages[1].content[0].text"),
+            ({"role": "user", "content": [{"type": "image_url"}]}, "messages[1].content[0].type"),
             ({"role": "user", "content": None}, "messages[1].content"),
             ({"content": "hi"}, "messages[1]"),
         ]
@@ -504,15 +504,24 @@ class TestEndpoints:
         assert server.wait_idle()["live"] == 0
 
     @pytest.mark.timeout(30)
-    def test_a_request_the_engine_refuses_is_a_400(self, server: Served) -> None:
+    def test_a_prompt_id_outside_the_models_vocabulary_is_a_400(self, server: Served) -> None:
+        # The engine's vocabulary (model_info's vocab_size: 64) is larger than the
+        # tokenizer's (17 words): the larger is the limit, as vLLM's. An id past it is
+        # refused before it is sent (the engine's own refusal: test_a_default_max_tokens_is_
+        # cut_to_the_kv_budget).
         client = server.client()
+        added = server.stats()["engine"]["added"]
         for stream in (False, True):  # streamed too: the refusal comes before any header
             with pytest.raises(openai.BadRequestError, match="vocabulary of 64") as info:
                 client.completions.create(
                     model="tiny-words", prompt=[ID["cat"], 100], max_tokens=3, stream=stream
                 )
-            assert _body(info.value)["code"] == "request_rejected"
-        assert server.stats()["engine"]["running"] == 0
+            assert _body(info.value)["param"] == "prompt"
+            assert "100" in _body(info.value)["message"]
+        done = client.completions.create(model="tiny-words", prompt=[ID["cat"], 63], max_tokens=2)
+        assert done.usage is not None
+        assert done.usage.prompt_tokens == 2
+        assert server.wait_idle()["engine"]["added"] == added + 1
 
     @pytest.mark.timeout(30)
     def test_a_prompt_longer_than_the_context_is_refused_before_it_is_sent(
@@ -587,7 +596,7 @@ class TestEndpoints:
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
         reply = httpx.get(server.url + "/v1/nowhere", timeout=10)
         assert reply.status_code == 404
-        assert reply.json()["error"]["type"] == "not_found_error"
+        assert reply.json()["error"]["type"] == "invalid_request_error"
 
     @pytest.mark.timeout(30)
     def test_a_lone_surrogate_is_a_400_not_a_500(self, server: Served) -> None:
@@ -1038,9 +1047,14 @@ class TestTheRealEngine:
             assert chat.usage is not None
             assert chat.usage.prompt_tokens == 24
             assert 1 <= chat.usage.completion_tokens <= 16
-            # Sent, max_tokens is the client's: over the budget, the engine refuses it.
-            with pytest.raises(openai.BadRequestError, match="budget of 40"):
-                client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=17)
+            # Sent, max_tokens is the client's: over the budget, the engine refuses it (a
+            # stream too: the refusal comes before any header).
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError, match="budget of 40") as info:
+                    client.chat.completions.create(
+                        model="tiny-llama", messages=messages, max_tokens=17, stream=stream
+                    )
+                assert _body(info.value)["code"] == "request_rejected"
             assert served.wait_idle()["engine"]["kv_usage"] == 0
 
     @pytest.mark.timeout(120)
