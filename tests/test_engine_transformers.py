@@ -355,27 +355,14 @@ def tiny_model_of(path: Path, model_type: str) -> str:
     return str(path)
 
 
-def _intel_cpu() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return "GenuineIntel" in f.read()
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("model_type", ["gpt2", "opt"])
-@pytest.mark.xfail(
-    _intel_cpu(),
-    reason="found 2026-12-05: on an Intel Xeon host GPT-2's and OPT's decode rows are not "
-    "bit-identical to the same request alone (exact on AMD EPYC, where this test was "
-    "written; Llama-style models stay exact on both); the cause is not yet found",
-    strict=False,
-)
 def test_other_linear_layers_are_row_by_row_too(tmp_path: Path, model_type: str) -> None:
     """GPT-2's Conv1D layers and OPT's flattened 2-D inputs to its linear layers ran as one
     batched GEMM in the decode step: a row's logits then depended on the batch (in the last
     bits, from four rows up), and a near-tie could flip a token. Each row's are now those of
-    the same request alone, and its tokens those of ``generate``."""
+    the same request alone, and its tokens those of ``generate``. (On an Intel Xeon it also
+    caught the per-row ``bmm`` of their 300-wide heads, which ``eng._head = None`` runs
+    through the per-row linear layer: see the test above.)"""
     path = tiny_model_of(tmp_path / model_type, model_type)
 
     def logits_of_a(prompts: dict[str, int]) -> list[Any]:
@@ -404,6 +391,53 @@ def test_other_linear_layers_are_row_by_row_too(tmp_path: Path, model_type: str)
             for i in range(6)]  # fmt: skip
     want = generate_alone(path)
     check_against(run_loop(eng, reqs), reqs, lambda r: want(r.prompt, r.max_tokens))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_decode_steps_linear_rows_are_each_row_alone_at_any_thread_count(threads: int) -> None:
+    """Each row of a per-row linear layer in a decode step has the bits of the same layer on
+    that row alone (a batch of one, as ``generate`` runs it), at whatever thread count. The
+    rows were one ``bmm`` by the broadcast weight: MKL computes each as on one thread, while
+    one row alone at two or more threads has its output columns split among the threads,
+    and on an Intel Xeon (AVX-512) the last columns of a block rounded otherwise where its
+    width was not a multiple of 8 (300 wide at two threads, 130 at two, 4,096 at three)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from enginecore.engines.transformers import _DECODE_ROWS, _Decode, _RowConv1D, _RowLinear
+
+    before = torch.get_num_threads()
+    torch.manual_seed(0)
+    try:
+        torch.set_num_threads(threads)
+        for k, n in [(64, 130), (64, 300), (64, 4096), (48, 1001)]:
+            layers: list[tuple[Any, Any]] = []
+            for bias in (False, True):
+                lin = torch.nn.Linear(k, n, bias=bias)
+                alone = torch.nn.Linear(k, n, bias=bias)
+                alone.load_state_dict(lin.state_dict())
+                lin.__class__ = _RowLinear
+                layers.append((lin, alone))
+            conv = Conv1D(n, k)  # type: ignore[no-untyped-call]
+            torch.nn.init.normal_(conv.bias)
+            conv_alone = Conv1D(n, k)  # type: ignore[no-untyped-call]
+            conv_alone.load_state_dict(conv.state_dict())
+            conv.__class__ = _RowConv1D
+            layers.append((conv, conv_alone))
+            for rows in (2, 5, 9):
+                x = torch.randn(rows, 1, k)
+                for layer, alone in layers:
+                    want = torch.cat([alone(x[i : i + 1]) for i in range(rows)])
+                    _DECODE_ROWS.append(_Decode(rows=[None] * rows))  # type: ignore[list-item]
+                    try:
+                        with torch.inference_mode():
+                            got = layer(x)
+                            flat = layer(x.view(rows, k))  # as OPT's feed-forward takes it
+                    finally:
+                        _DECODE_ROWS.pop()
+                    assert torch.equal(got, want), (type(layer).__name__, k, n, rows)
+                    assert torch.equal(flat, want.view(rows, n)), (type(layer).__name__, k, n)
+    finally:
+        torch.set_num_threads(before)
 
 
 class TestCertifiedHead:

@@ -216,20 +216,22 @@ class _RowCache:
 
 class _RowLinear(nn.Linear):
     """``nn.Linear`` that, inside a batch-invariant decode step, multiplies each row on its
-    own (``bmm`` of ``[B, 1, in]`` by the weight broadcast over B, one ``1 x in`` product
-    per row): on the CPU, MKL's GEMM rounds a row of a batch differently from the same row
-    alone (a different kernel and reduction order for each batch size below 16), so a
-    batched product would change the tokens. Outside a decode step it is ``nn.Linear``."""
+    own: ``F.linear`` of ``[1, 1, in]``, the very call that ``generate`` makes for a batch of
+    one. On the CPU, MKL's GEMM rounds a row of a batch differently from the same row alone
+    (a different kernel and reduction order for each batch size below 16), so a batched
+    product would change the tokens. Not ``bmm`` of ``[B, 1, in]`` by the weight broadcast
+    over B either, though that is one call: MKL's batched GEMM computes each row as one
+    thread would, while ``F.linear`` of one row at two or more threads splits the output
+    columns among the threads, and on an Intel Xeon (AVX-512) rounds some of the last
+    columns of a thread's block otherwise than one thread does where the block's width is
+    not a multiple of 8 (GPT-2's and OPT's tiny test heads, 300 wide, at two threads; a
+    4,096-wide layer at three). Outside a decode step it is ``nn.Linear``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows = _decode_rows(input)
         if rows is not None:  # [B, 1, in]: one token of each row
-            if self.bias is None:
-                out = torch.bmm(rows, self.weight.t().expand(rows.shape[0], -1, -1))
-            else:
-                out = torch.cat(
-                    [F.linear(rows[i : i + 1], self.weight, self.bias) for i in range(len(rows))]
-                )
+            weight, bias = self.weight, self.bias
+            out = torch.cat([F.linear(row, weight, bias) for row in torch.split(rows, 1)])
             return out.view(*input.shape[:-1], out.shape[-1])
         return super().forward(input)
 
