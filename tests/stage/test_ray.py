@@ -464,32 +464,37 @@ def test_a_ray_replica_refuses_a_ping_interval(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_close_stops_a_ray_replica_s_placement_under_way(kind: str) -> None:
-    # A placement Ray cannot satisfy waits out the startup timeout; a close stops that
-    # wait: the add_replica raises StageClosedError at once and no actor is left (the
+    # A placement that waits for resources waits out the startup timeout; a close stops
+    # that wait: the add_replica raises StageClosedError at once and no actor is left (the
     # blocking pool's waited the whole 60 s).
     from enginecore.stage import AsyncStagePool
 
-    gpu = RayPlacement(num_gpus=1)  # the test cluster has none
-    if kind == "sync":
-        pool = StagePool()
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            adding = ex.submit(pool.add_replica, COUNTDOWN, ray=gpu, startup_timeout=60)
-            assert wait_until(lambda: len(pool.replicas) == 1, 10)
-            pool.close()
-            with pytest.raises(StageClosedError):
-                adding.result(10)
-    else:
+    # Every CPU of the node, while a stage holds a share of one: it waits (an infeasible
+    # placement, one that no node could ever take, is refused before any wait).
+    every_cpu = RayPlacement(num_cpus=CPUS)
+    with launch_on_ray(COUNTDOWN, placement=SMALL):
+        if kind == "sync":
+            pool = StagePool()
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                adding = ex.submit(pool.add_replica, COUNTDOWN, ray=every_cpu, startup_timeout=60)
+                assert wait_until(lambda: len(pool.replicas) == 1, 10)
+                pool.close()
+                with pytest.raises(StageClosedError):
+                    adding.result(10)
+        else:
 
-        async def main() -> None:
-            pool = AsyncStagePool()
-            adding = asyncio.ensure_future(pool.add_replica(COUNTDOWN, ray=gpu, startup_timeout=60))
-            while not pool.replicas:
-                await asyncio.sleep(0.01)
-            await pool.close()
-            with pytest.raises(StageClosedError):
-                await asyncio.wait_for(adding, 10)
+            async def main() -> None:
+                pool = AsyncStagePool()
+                adding = asyncio.ensure_future(
+                    pool.add_replica(COUNTDOWN, ray=every_cpu, startup_timeout=60)
+                )
+                while not pool.replicas:
+                    await asyncio.sleep(0.01)
+                await pool.close()
+                with pytest.raises(StageClosedError):
+                    await asyncio.wait_for(adding, 10)
 
-        asyncio.run(main())
+            asyncio.run(main())
     assert wait_until(no_actor_left, 10)
 
 
