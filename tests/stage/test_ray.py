@@ -181,16 +181,79 @@ def test_a_factory_error_is_a_startup_error_and_leaves_no_actor() -> None:
     assert no_actor_left()
 
 
-def test_an_unsatisfiable_placement_fails_after_the_startup_timeout(
+def autoscaler_reported() -> bool:
+    """Ray's monitor has reported this cluster as one that does not scale (it does so a few
+    seconds after the cluster starts, its first report without the nodes): until then,
+    enginecore cannot tell, and an infeasible placement waits out its startup_timeout."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from enginecore.stage.ray import _fixed_cluster
+
+    return wait_until(
+        lambda: _fixed_cluster(
+            _internal_kv_get("__autoscaling_status"),
+            _internal_kv_get("__autoscaler_v2_enabled", namespace="__autoscaler"),
+        ),
+        30,
+    )
+
+
+@pytest.mark.parametrize(
+    ("placement", "named"),
+    [
+        (RayPlacement(num_cpus=0.25, num_gpus=1), "GPU"),
+        (RayPlacement(num_cpus=0.25, resources={"no-such-node": 1}), "no-such-node"),
+        (RayPlacement(num_cpus=CPUS + 1), "CPU"),
+    ],
+    ids=["gpu", "custom", "cpus"],
+)
+def test_an_infeasible_placement_fails_at_once_naming_the_resource(
+    ray_launch: Callable[..., StageClient], placement: RayPlacement, named: str
+) -> None:
+    # No node of this cluster (which does not scale) can ever offer it: the launch waited
+    # out its whole startup_timeout (60 s) before it failed.
+    assert autoscaler_reported()
+    start = time.monotonic()
+    with pytest.raises(StageStartupError, match=f"no node .* {named}") as info:
+        ray_launch(COUNTDOWN, placement=placement, startup_timeout=60)
+    assert time.monotonic() - start < 30
+    assert "does not scale" in str(info.value)
+    assert no_actor_left()
+
+
+def test_a_placement_that_waits_for_resources_fails_after_the_startup_timeout(
     ray_launch: Callable[..., StageClient],
 ) -> None:
-    start = time.monotonic()
-    with pytest.raises(StageStartupError, match="not ready within"):
-        ray_launch(
-            COUNTDOWN, placement=RayPlacement(resources={"no-such-node": 1}), startup_timeout=1
-        )
-    assert time.monotonic() - start < 10
+    # Feasible (the node has 2 CPUs) but not now (a stage holds a share): pending, so the
+    # startup_timeout tells, not the infeasibility check.
+    assert autoscaler_reported()
+    with launch_on_ray(COUNTDOWN, placement=SMALL):
+        start = time.monotonic()
+        with pytest.raises(StageStartupError, match="not ready within"):
+            ray_launch(COUNTDOWN, placement=RayPlacement(num_cpus=CPUS), startup_timeout=1)
+        assert time.monotonic() - start < 10
     assert no_actor_left()
+
+
+def test_the_rule_for_a_cluster_that_does_not_scale() -> None:
+    # Only Ray's readonly monitor (every node its own type, node_<id>) says so; an
+    # autoscaler's node types, a status that is missing or unreadable, and autoscaler v2
+    # never do: then a placement waits as before.
+    from enginecore.stage.ray import _fixed_cluster
+
+    def status(mapping: dict[str, str]) -> bytes:
+        import json
+
+        return json.dumps({"autoscaler_report": {"node_type_mapping": mapping}}).encode()
+
+    assert _fixed_cluster(status({"ab12": "node_ab12", "cd34": "node_cd34"}), None)
+    assert _fixed_cluster(status({"ab12": "node_ab12"}), b"0")
+    assert not _fixed_cluster(status({"ab12": "node_ab12"}), b"1")  # autoscaler v2
+    assert not _fixed_cluster(status({"ab12": "node_ab12", "cd34": "gpu_workers"}), None)
+    assert not _fixed_cluster(status({}), None)
+    assert not _fixed_cluster(None, None)
+    assert not _fixed_cluster(b"not json", None)
+    assert not _fixed_cluster(b'{"autoscaler_report": null}', None)
 
 
 def test_a_slow_start_fails_after_the_startup_timeout(
@@ -338,6 +401,30 @@ def test_a_restart_group_on_ray_dies_and_is_placed_again_together() -> None:
     assert no_actor_left()
 
 
+def test_a_restart_in_a_removed_placement_group_fails_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Each restart of a replica whose placement group was removed waited out its
+    # startup_timeout: max_failures x 60 s before the replica was marked failed.
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([{"CPU": 0.25}])
+    ray.get(group.ready(), timeout=30)
+    placement = RayPlacement(num_cpus=0.25, placement_group=group, bundle_index=0)
+    restart = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=3)
+    with (
+        caplog.at_level(logging.WARNING, "enginecore"),
+        StagePool.launch_on_ray(
+            SCRIPTED, placement=placement, restart=restart, startup_timeout=60
+        ) as pool,
+    ):
+        (replica,) = pool.replicas
+        remove_placement_group(group)  # its actor goes with it
+        assert wait_until(lambda: replica.state is ReplicaState.FAILED, 20)
+    assert f"placement group {group.id.hex()} was removed" in caplog.text
+    assert no_actor_left()
+
+
 def test_add_replica_on_ray_beside_a_launched_one() -> None:
     with StagePool.launch(COUNTDOWN, replicas=1) as pool:
         replica = pool.add_replica(COUNTDOWN, ray=SMALL)
@@ -377,32 +464,37 @@ def test_a_ray_replica_refuses_a_ping_interval(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_close_stops_a_ray_replica_s_placement_under_way(kind: str) -> None:
-    # A placement Ray cannot satisfy waits out the startup timeout; a close stops that
-    # wait: the add_replica raises StageClosedError at once and no actor is left (the
+    # A placement that waits for resources waits out the startup timeout; a close stops
+    # that wait: the add_replica raises StageClosedError at once and no actor is left (the
     # blocking pool's waited the whole 60 s).
     from enginecore.stage import AsyncStagePool
 
-    gpu = RayPlacement(num_gpus=1)  # the test cluster has none
-    if kind == "sync":
-        pool = StagePool()
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            adding = ex.submit(pool.add_replica, COUNTDOWN, ray=gpu, startup_timeout=60)
-            assert wait_until(lambda: len(pool.replicas) == 1, 10)
-            pool.close()
-            with pytest.raises(StageClosedError):
-                adding.result(10)
-    else:
+    # Every CPU of the node, while a stage holds a share of one: it waits (an infeasible
+    # placement, one that no node could ever take, is refused before any wait).
+    every_cpu = RayPlacement(num_cpus=CPUS)
+    with launch_on_ray(COUNTDOWN, placement=SMALL):
+        if kind == "sync":
+            pool = StagePool()
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                adding = ex.submit(pool.add_replica, COUNTDOWN, ray=every_cpu, startup_timeout=60)
+                assert wait_until(lambda: len(pool.replicas) == 1, 10)
+                pool.close()
+                with pytest.raises(StageClosedError):
+                    adding.result(10)
+        else:
 
-        async def main() -> None:
-            pool = AsyncStagePool()
-            adding = asyncio.ensure_future(pool.add_replica(COUNTDOWN, ray=gpu, startup_timeout=60))
-            while not pool.replicas:
-                await asyncio.sleep(0.01)
-            await pool.close()
-            with pytest.raises(StageClosedError):
-                await asyncio.wait_for(adding, 10)
+            async def main() -> None:
+                pool = AsyncStagePool()
+                adding = asyncio.ensure_future(
+                    pool.add_replica(COUNTDOWN, ray=every_cpu, startup_timeout=60)
+                )
+                while not pool.replicas:
+                    await asyncio.sleep(0.01)
+                await pool.close()
+                with pytest.raises(StageClosedError):
+                    await asyncio.wait_for(adding, 10)
 
-        asyncio.run(main())
+            asyncio.run(main())
     assert wait_until(no_actor_left, 10)
 
 
@@ -837,6 +929,75 @@ def test_a_ray_shutdown_between_a_look_and_a_call_to_ray_starts_no_cluster() -> 
         [sys.executable, "-c", _SHUTDOWN_BETWEEN_LOOK_AND_CALL],
         check=False,
         timeout=90,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("checked"), run.stderr
+
+
+_PLACED_AGAIN_AFTER_INIT = """
+import logging, os, ray, sys, traceback
+from enginecore.stage import StageClient, StageStartupError
+from enginecore.stage.ray import RayPlacement, _calling_ray
+
+SMALL = RayPlacement(num_cpus=0.25)
+SCRIPTED = "enginecore.stage.testing:scripted"
+
+def init():
+    ray.init(address="local", num_cpus=1, include_dashboard=False,
+             logging_level=logging.ERROR, log_to_driver=False)
+
+def shut_down_under_a_stage():
+    client = StageClient.launch_on_ray(SCRIPTED, placement=SMALL)
+    ray.shutdown()
+    assert client._launched.wait_exit(10), "the client did not hear of the shutdown"
+    try:
+        StageClient.launch_on_ray(SCRIPTED, placement=SMALL)
+    except StageStartupError as exc:
+        assert "ray.init()" in str(exc), exc
+    else:
+        raise AssertionError("a placement after the shutdown was not refused")
+    client.close()
+
+def refuses() -> bool:
+    # What a placement does first: refuse, or let Ray's default (ray.init()'s) have its way.
+    try:
+        with _calling_ray(ray, lambda: AssertionError("refused"), placement=True):
+            return False
+    except AssertionError:
+        return True
+
+try:
+    init()
+    shut_down_under_a_stage()
+    init()  # a new session: stages are placed again
+    with StageClient.launch_on_ray(SCRIPTED, placement=SMALL) as client:
+        assert client.add("r1", 2).collect() == [1, 0]
+    ray.shutdown()  # a clean one, no stage under it
+    assert not refuses(), "a clean ray.init()/ray.shutdown() kept the refusal"
+    init()
+    shut_down_under_a_stage()
+    init()  # nothing placed in this session
+    ray.shutdown()
+    assert not refuses(), "a ray.init() without a placement kept the refusal"
+    assert not ray.is_initialized()
+except BaseException:  # shown, then out: Ray's excepthook may hang on a shut-down Ray
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
+print("checked", flush=True)
+"""
+
+
+def test_the_refusal_after_a_shutdown_under_stages_ends_with_a_new_ray_session() -> None:
+    # Once Ray was shut down under stages, placements were refused for the rest of the
+    # process, after a new ray.init() and a clean ray.shutdown() too. In a process of its
+    # own, so that this module's cluster stays up.
+    run = subprocess.run(
+        [sys.executable, "-c", _PLACED_AGAIN_AFTER_INIT],
+        check=False,
+        timeout=110,
         capture_output=True,
         text=True,
     )

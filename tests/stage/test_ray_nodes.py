@@ -194,7 +194,7 @@ def test_a_lost_node_fails_only_its_replicas_and_a_restart_places_them_again(
             restart=restart,
             heartbeat_interval=0.5,
             heartbeat_timeout=heartbeat_timeout,
-            startup_timeout=10.0,  # r0's placements, which no node left satisfies, fail soon
+            startup_timeout=10.0,  # r0's placements: no node left satisfies them
         ) as pool:
             r0, r1, r2 = pool.replicas
             assert [nodes.of(r.pid) for r in pool.replicas if r.pid is not None] == [

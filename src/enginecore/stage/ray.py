@@ -120,13 +120,40 @@ def _check_amount(value: object, what: str) -> None:
 _SHUT_DOWN: Final = "Ray was shut down in this process (ray.shutdown()); its actor went with it"
 # Set once a stage of this process saw Ray shut down under it: from then on a start (a
 # pool's or a pipeline's restart, a new launch) never lets Ray start a cluster of its own
-# (ray.init()'s default) while Ray is not initialized again.
+# (ray.init()'s default) while Ray is not initialized again. Cleared when a new Ray
+# session is up (_new_session): a later clean ray.shutdown() is Ray's default again.
 _shut_down_under_stages = False
+_hooked = False
 
 
 def _shut_down() -> None:
+    """A stage of this process saw Ray shut down under it: refuse placements until a new
+    Ray session is up. Set only while Ray is still not initialized, looked at under Ray's
+    :func:`_shutdown_lock` (which ``ray.init()`` holds): a watch that saw the shutdown but
+    sets the flag only after a new ``ray.init()`` would keep the refusal for good."""
+    global _shut_down_under_stages, _hooked
+    ray = _import_ray()
+    with _shutdown_lock(ray):
+        if ray.is_initialized():
+            return
+        _shut_down_under_stages = True
+        if not _hooked:
+            # Ray runs these after each ray.init() (a private name of Ray's, Ray 2.60; where
+            # it is missing, the flag is cleared at enginecore's next call to Ray instead:
+            # _calling_ray).
+            hooks = getattr(
+                getattr(getattr(ray, "_private", None), "worker", None), "_post_init_hooks", None
+            )
+            if isinstance(hooks, list):
+                hooks.append(_new_session)
+                _hooked = True
+
+
+def _new_session() -> None:
+    """Ray is initialized again (a ``ray.init()`` hook of Ray's, or seen by
+    :func:`_calling_ray`): placements are no longer refused."""
     global _shut_down_under_stages
-    _shut_down_under_stages = True
+    _shut_down_under_stages = False
 
 
 def _shutdown_lock(ray: Any) -> contextlib.AbstractContextManager[Any]:
@@ -161,7 +188,9 @@ def _calling_ray(
     (``ray.init()``'s) start or find a cluster where this process never saw Ray shut down
     under its stages (docs/ray.md)."""
     with _shutdown_lock(ray):
-        if not ray.is_initialized() and not (placement and not _shut_down_under_stages):
+        if ray.is_initialized():
+            _new_session()
+        elif not (placement and not _shut_down_under_stages):
             _shut_down()
             raise gone()
         yield
@@ -198,6 +227,81 @@ def _not_placed(stage: str) -> StageStartupError:
     )
 
 
+# Where Ray's autoscaler monitor publishes the cluster's status (``ray status`` reads it),
+# and the key that says autoscaler v2 runs (Ray 2.60's names).
+_AUTOSCALING_STATUS: Final = "__autoscaling_status"
+_AUTOSCALER_V2_KEY: Final = "__autoscaler_v2_enabled"
+_AUTOSCALER_NAMESPACE: Final = "__autoscaler"
+
+
+def _fixed_cluster(status: bytes | None, v2: bytes | None) -> bool:
+    """Whether the cluster is one that does not scale, read from the status that Ray's
+    autoscaler monitor (v1) publishes, *status*, and autoscaler v2's key *v2*: only when
+    the monitor runs with Ray's readonly provider (a cluster made by hand, ``ray start`` or
+    ``ray.init()``: every node a type of its own, named ``node_<node id>``). Anything else
+    (an autoscaler's node types, autoscaler v2, no status yet, one this code cannot read)
+    is a cluster that may grow."""
+    if v2 == b"1" or not status:
+        return False
+    try:
+        import json
+
+        mapping = json.loads(status)["autoscaler_report"]["node_type_mapping"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return (
+        isinstance(mapping, dict)
+        and bool(mapping)
+        and all(kind == f"node_{node}" for node, kind in mapping.items())
+    )
+
+
+def _unplaceable(ray: Any, placement: RayPlacement) -> str | None:
+    """Why no node of the cluster can ever take *placement*, or ``None`` (it may be
+    placed, now or later, or this cannot be told). Conservative: a placement group that is
+    removed (or unknown to the cluster) is named; else a request that no live node's total
+    resources cover, only in a cluster that does not scale (:func:`_fixed_cluster`). A
+    placement group's bundle is not checked here (Ray checks that the request fits it). Any
+    error of Ray's while looking is "cannot be told"."""
+    try:
+        group = placement.placement_group
+        if group is not None:
+            table = ray.util.placement_group_table(group)
+            if not table or table.get("state") == "REMOVED":
+                return (
+                    f"its placement group {group.id.hex()} was removed (or is unknown to this "
+                    f"Ray cluster): make a new group for it"
+                )
+            return None
+        wanted = {
+            "CPU": placement.num_cpus,
+            "GPU": placement.num_gpus,
+            **(placement.resources or {}),
+        }
+        wanted = {name: amount for name, amount in wanted.items() if amount > 0}
+        totals = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+        if any(all(t.get(name, 0) >= amount for name, amount in wanted.items()) for t in totals):
+            return None
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        v2 = _internal_kv_get(_AUTOSCALER_V2_KEY, namespace=_AUTOSCALER_NAMESPACE)
+        if not _fixed_cluster(_internal_kv_get(_AUTOSCALING_STATUS), v2):
+            return None
+    except Exception:  # cannot be told: the startup_timeout tells
+        return None
+    short = sorted(
+        name
+        for name, amount in wanted.items()
+        if max((t.get(name, 0) for t in totals), default=0) < amount
+    )
+    most = {name: max((t.get(name, 0) for t in totals), default=0) for name in short}
+    what = ", ".join(f"{name}: {wanted[name]:g} (most on a node: {most[name]:g})" for name in short)
+    return (
+        f"no node of this Ray cluster can ever offer {what or 'all of ' + repr(wanted)}, and "
+        f"the cluster does not scale (no autoscaler adds nodes)"
+    )
+
+
 @dataclass(frozen=True)
 class RayPlacement:
     """Where and with what a stage's actor runs: Ray's actor options.
@@ -207,8 +311,11 @@ class RayPlacement:
     each amount 0 or at least 0.0001 (Ray's unit). With *placement_group* (a
     ``ray.util.placement_group.PlacementGroup``), the actor goes into that group's bundle
     *bundle_index* (``-1``: any bundle); its resources then come from the bundle.
-    *runtime_env* is passed to Ray as is. A placement that no node can satisfy keeps the
-    actor pending: the launch then fails after its ``startup_timeout``."""
+    *runtime_env* is passed to Ray as is. A placement that no live node's total resources
+    cover, in a cluster that does not scale, or in a removed placement group, fails at
+    once (:class:`~enginecore.stage.StageStartupError`, docs/ray.md's rule); one that
+    waits for resources keeps the actor pending, and the launch fails after its
+    ``startup_timeout``."""
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -603,6 +710,8 @@ class RayPlan:
             f"stages again (enginecore does not start a Ray cluster of its own then)"
         )
         options = self.placement.actor_options()
+        if ray.is_initialized() and (why := _unplaceable(ray, self.placement)) is not None:
+            raise StageStartupError(f"stage {self.factory!r} cannot be placed on Ray: {why}")
         with _calling_ray(ray, lambda: refused, placement=True):
             actor = _remote_actor_class(ray).options(**options).remote()
         if self.insecure:
@@ -832,7 +941,9 @@ def launch_on_ray(
 
     Uses the Ray cluster this process is connected to (``ray.init()``; Ray's own default
     starts or finds one, except after a ``ray.shutdown()`` under stages placed from this
-    process: :class:`~enginecore.stage.StageStartupError` until ``ray.init()``). The stage
+    process: :class:`~enginecore.stage.StageStartupError` until a new ``ray.init()``). A
+    placement no node can ever take (a cluster that does not scale) or in a removed
+    placement group is a :class:`~enginecore.stage.StageStartupError` at once. The stage
     binds TCP on the actor's node IP; the client connects with CURVE unless *insecure*: by
     default with keys made for this stage (public keys exchanged through the actor); with
     your own keys, *curve* (this client's :class:`~enginecore.stage.CurveKeys`, whose
