@@ -26,6 +26,8 @@ from enginecore.stage import (
     AuthenticationError,
     CurveKeys,
     EngineDeadError,
+    Pipeline,
+    PipelineStage,
     ReplicaDeadError,
     ReplicaState,
     RestartPolicy,
@@ -55,6 +57,7 @@ from enginecore.stage.ray import (  # noqa: E402
 
 COUNTDOWN = "enginecore.stage.testing:countdown"
 SCRIPTED = "enginecore.stage.testing:scripted"
+RELAY = "enginecore.stage.testing:relay"
 CPUS = 2
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -346,6 +349,36 @@ def test_a_placement_is_checked_when_it_is_made(
     # ("'<' not supported ...", an AssertionError, "cannot convert float NaN to integer").
     with pytest.raises(error, match=message):
         RayPlacement(**options)
+
+
+def _stage_actors_ever() -> int:
+    """How many stage actors Ray's actor table lists, in any state (dead ones too)."""
+    from ray._private import state
+
+    return sum(1 for info in state.actors().values() if info["ActorClassName"] == "_StageActor")
+
+
+@pytest.mark.parametrize("kind", ["pool", "pipeline"])
+def test_rays_own_refusal_of_a_placement_fails_the_launch_before_any_is_placed(
+    kind: str,
+) -> None:
+    # Ray refuses some accelerator requests only in ActorClass.options() (a TPU count it
+    # has no chip configuration for), which RayPlacement cannot call without importing
+    # Ray. A pool or pipeline met the refusal when its launch reached that placement:
+    # after it had placed (and then had to close) the replicas or stages before it.
+    bad = RayPlacement(resources={"TPU": 0.5})
+    before = _stage_actors_ever()
+    launch: Callable[[], object] = (
+        (lambda: StagePool.launch_on_ray(SCRIPTED, replicas=2, placement=[SMALL, bad]))
+        if kind == "pool"
+        else lambda: Pipeline.launch(
+            # (its stages start last to first: the bad one last)
+            [PipelineStage(SCRIPTED, placement=bad), PipelineStage(RELAY, placement=SMALL)]
+        )
+    )
+    with pytest.raises(ValueError, match=r"RayPlacement\(.*.TPU.: 0.5.*not a supported chip"):
+        launch()
+    assert _stage_actors_ever() == before
 
 
 def test_pool_of_two_ray_replicas_routes_survives_a_kill_and_restarts() -> None:

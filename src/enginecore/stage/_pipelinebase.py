@@ -318,6 +318,11 @@ def stage_specs(stages: Sequence[PipelineStage | str]) -> list[PipelineStage]:
                     f"rename one"
                 )
             keys[key] = name
+    placed = [p for s in specs for r in range(s.replicas) if (p := placement_of(s, r))]
+    if placed:  # every placement, before any stage is placed
+        from .ray import check_actor_options
+
+        check_actor_options(placed)
     return [dataclasses.replace(s, name=n) for s, n in zip(specs, names, strict=True)]
 
 

@@ -397,6 +397,25 @@ def _remote_actor_class(ray: Any) -> Any:
         return _actor_class
 
 
+def check_actor_options(placements: Iterable[RayPlacement]) -> None:
+    """Ray's own checks of each placement's actor options, the ones a
+    :class:`RayPlacement` cannot make without importing Ray (an accelerator's: ``TPU`` in
+    the chip counts Ray supports, ``neuron_cores`` in whole numbers, ...), made by
+    ``ActorClass.options()``, which places nothing and needs no cluster. A pool or
+    pipeline checks all of its placements so before it places any: a bad one then fails
+    the launch at once, not when the launch reaches it after placing the others.
+    Ray's :class:`ValueError` (or :class:`TypeError`), with the placement named."""
+    checked: list[RayPlacement] = []
+    for placement in placements:
+        if any(placement is seen for seen in checked):
+            continue
+        checked.append(placement)
+        try:
+            _remote_actor_class(_import_ray()).options(**placement.actor_options())
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{placement!r}: {exc}") from None
+
+
 class _ActorProcess:
     """What a client reads of a launched stage's ``process``: its sentinel (a pipe that
     turns readable when the actor's stage has ended or the actor died) and pid."""
@@ -599,6 +618,7 @@ class RayPlan:
             placement = RayPlacement()
         if not isinstance(placement, RayPlacement):
             raise TypeError(f"placement must be a RayPlacement, got {type(placement).__name__}")
+        check_actor_options([placement])
         if positive_seconds(connect_timeout, "connect_timeout") > _MAX_CONNECT_TIMEOUT:
             raise ValueError(f"connect_timeout must be in (0, {_MAX_CONNECT_TIMEOUT}] seconds")
         positive_seconds(startup_timeout, "startup_timeout")
@@ -1377,4 +1397,5 @@ def ray_specs(
                 f"placement lists {len(placements)} placements for {replicas} replicas"
             )
     RayPlan.make(factory, kwargs, placement=placements[0], **options)  # checks, places nothing
+    check_actor_options(placements[1:])  # (make() checked the first)
     return [{"ray": p, "factory": factory, "kwargs": kwargs, **options} for p in placements]
