@@ -215,6 +215,29 @@ def test_a_finished_stream_leaves_the_pools_table_as_it_ends(launch: Open) -> No
     assert wait_until(lambda: not core._live, 10)
 
 
+def test_a_pool_of_ones_burst_checks_the_pools_table_in_the_members_hold(launch: Open) -> None:
+    # A burst on a pool of one routable replica goes without a reservation in the pool's
+    # table: the pool's checks (open, no id live in the pool, with or without a stream)
+    # run in the member's hold of the lock that registers the streams. All or nothing.
+    pool = launch(replicas=1, kwargs={"step_s": 0.01}, ordered_events=True)
+    core = getattr(pool, "_pool", pool)._core
+    (replica,) = pool.replicas
+    pool.add("live", 50)
+    pool.add("quiet", 50, stream=False)
+    for rid in ("live", "quiet"):
+        with pytest.raises(ValueError, match="still live in this pool"):
+            pool.add_many([("x", 1), (rid, 1)])
+    assert "x" not in core._live
+    streams = pool.add_many([("x", 2), ("y", 3)])
+    assert [s.replica for s in streams] == [replica, replica]
+    assert [core._live[rid].req_id for rid in ("x", "y")] == ["x", "y"]  # in the table
+    assert [s.collect(10) for s in streams] == [[1, 0], [2, 1, 0]]
+    assert wait_until(lambda: "x" not in core._live and "y" not in core._live, 10)
+    pool.close()
+    with pytest.raises(StageClosedError):
+        pool.add_many([("z", 1)])
+
+
 def test_requests_spread_over_the_replicas_and_stream_their_outputs(launch: Open) -> None:
     pool = launch(kwargs={"step_s": 0.01})
     r0, r1 = pool.replicas

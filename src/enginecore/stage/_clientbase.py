@@ -177,6 +177,7 @@ class ClientBase(Generic[S, W]):
         streams: bool,
         live: dict[str, Any] | None = None,
         entry: Any = None,
+        check: Callable[[list[str]], None] | None = None,
     ) -> list[S] | None:
         """:meth:`_send_request` for many requests in one message. A replica pool passes
         its table of live requests (*live*): without *streams*, it is filled with *entry*
@@ -192,13 +193,21 @@ class ClientBase(Generic[S, W]):
         thread builds the streams (~0.15 µs each), and no output can be routed before its
         stream is registered. Otherwise (the socket is at its high-water mark): register,
         then send and wait, as :meth:`_send_request`. Either way every stream's
-        ``sent_at`` is one clock reading, taken just before the send."""
+        ``sent_at`` is one clock reading, taken just before the send.
+
+        *check* (a pool of one's burst, with *streams* and *live*): the pool's own check of
+        *req_ids* (open, none live in its table), run first in the hold of the lock that
+        registers the streams, instead of a reservation of the ids in the table before it.
+        With it the burst goes only if its frame can leave at once; otherwise nothing is
+        registered or sent and ``None`` is returned (the pool takes its general path)."""
         if streams is not True and streams is not False:  # "no" would make streams
             check_flag(streams, "streams")
         session = self._session
         lock = self._lock
         if streams and req_ids:
             with lock:
+                if check is not None:
+                    check(req_ids)
                 session.check_open()
                 session.check_free(req_ids)
                 sent_at = time.monotonic()
@@ -212,6 +221,8 @@ class ClientBase(Generic[S, W]):
             if sent:
                 self._sent()
                 return early
+            if check is not None:
+                return None
         if streams:
             sent_at = time.monotonic()
             stream_type = self._stream_type

@@ -1027,6 +1027,20 @@ class PoolCore:
             if stream is not None and stream._live_as(rid):
                 raise ValueError(f"request {rid!r} is still live in this pool")
 
+    def check_burst(self, req_ids: list[str]) -> None:
+        """A burst that goes to the one routable replica without a reservation, in the
+        member's hold of the lock that registers its streams: :class:`StageClosedError`
+        once the pool closes, :class:`ValueError` if one of *req_ids* is live in this pool
+        (checked in C, as :meth:`reserve`)."""
+        if self.closing:
+            raise StageClosedError("this stage pool is closed")
+        live = self._live
+        clash = live.keys() & req_ids
+        if clash:
+            for rid in req_ids:  # the first live one, in the caller's order
+                if rid in clash and live[rid]._live_as(rid):
+                    raise ValueError(f"request {rid!r} is still live in this pool")
+
     def reserve(self, req_ids: list[str]) -> None:
         """Check that none of *req_ids* is live in this pool (:class:`ValueError`), then
         hold them (``add_many`` sends their frame next). The checks run in C: a burst has

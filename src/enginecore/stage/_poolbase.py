@@ -594,6 +594,12 @@ class PoolBase(Generic[S]):
                 self._check_open()  # refused once closed, as a client's
             return []
         core = self._core
+        if streams:
+            replica = core._single
+            if replica is not None and core.health_epoch[0] == core._routable_epoch:
+                single = self._add_many_single(replica, ids, whole)
+                if single is not None:
+                    return single
         with self._lock:
             self._check_open()
             core.reserve(ids)
@@ -674,6 +680,33 @@ class PoolBase(Generic[S]):
                 with self._lock:
                     core.release(ids)
         return out
+
+    def _add_many_single(
+        self, replica: Replica, ids: list[str], whole: _session.Parts
+    ) -> list[S] | None:
+        """``add_many()`` with streams on a pool of one routable replica and no hook, as
+        :meth:`_add_one` sends: no reservation of the ids in the pool's table and no
+        routing; the pool's check runs in the member's hold of the lock that registers
+        the streams and puts them in the table. ``None``: nothing was sent (the frame
+        could not leave at once, or the replica went away meanwhile), for the general
+        path."""
+        core = self._core
+        member: ClientBase[Any, Any] = replica._client
+        live = core._live
+        try:
+            sent = member._send_requests(ids, whole, True, live, check=core.check_burst)
+        except (EngineDeadError, StageClosedError):
+            if member._session.failure is None and not member._session.closing:
+                raise
+            return None
+        if sent is None:
+            return None
+        for stream in sent:  # no hook: _request and _migrations read as their defaults
+            stream._replica = replica
+        if len(live) > core._prune_at:
+            with self._lock:
+                core._maybe_prune()
+        return sent
 
     def _quiet_records(
         self,
