@@ -393,6 +393,67 @@ class TestShutdown:
         assert pipe.health()["mid"] == StageHealth.DEAD
 
 
+@pytest.mark.parametrize("cancelled", ["restart", "shutdown"])
+def test_async_a_restart_cancelled_before_linking_in_stops_its_new_process(
+    no_leftovers: str, cancelled: str
+) -> None:
+    # AsyncPipeline's restart is a task: cancelled (an application that cancels every task,
+    # asyncio.run's teardown; or a shutdown's task that waits for it) after the new process
+    # started, before it was put in place (here: held in the link barrier), it stopped
+    # nothing, and the new process ran on (the conftest's no_leftovers) until the parent's
+    # exit. It stops it now, as the sync Pipeline's restart thread stops what it started.
+    new_pids: list[int] = []
+
+    async def main() -> None:
+        pipe = await AsyncPipeline.launch(
+            [COUNTDOWN, PipelineStage(RELAY, name="mid", restart=FAST)], startup_timeout=30
+        )
+        try:
+            real_start, real_await = pipe._start, pipe._await_linkable
+            waiting, gate = asyncio.Event(), asyncio.Event()
+
+            async def start(k: int, r: int, generation: int) -> Any:
+                client = await real_start(k, r, generation)
+                new_pids.append(client.pid)
+                return client
+
+            async def await_linkable(k: int, r: int) -> bool:
+                waiting.set()
+                await gate.wait()  # never set: the restart is held here
+                return await real_await(k, r)
+
+            pipe._start = start  # type: ignore[method-assign]
+            pipe._await_linkable = await_linkable  # type: ignore[method-assign]
+            os.kill(await pipe.call_utility("mid", "pid"), signal.SIGKILL)
+            await asyncio.wait_for(waiting.wait(), 30)
+            (restart,) = pipe._restart_tasks
+            if cancelled == "restart":
+                restart.cancel()
+            else:  # the shutdown's task waits for the restart; it is cancelled
+                closing = asyncio.ensure_future(pipe.shutdown())
+                await asyncio.sleep(0)  # shutdown() starts its task,
+                await asyncio.sleep(0)  # which begins to wait for the restart
+                task = pipe._closing.task
+                assert task is not None
+                assert not task.done()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await closing
+            await asyncio.gather(restart, return_exceptions=True)
+            assert restart.cancelled()
+        finally:
+            await pipe.shutdown()  # (again: the rest of the cancelled one)
+
+    try:
+        asyncio.run(main())
+        assert len(new_pids) == 1
+        assert wait_until(lambda: _dead(new_pids[0]), 10), "the new process runs on"
+    finally:
+        for pid in new_pids:  # before the fix: not left to the next tests
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
 class TestRetry:
     """``on_next_error=Retry(n)`` on the edge into a stage that restarts (docs/pipelines.md,
     "Retry" and "Restart"). A retry goes to the request's own process, over the link that

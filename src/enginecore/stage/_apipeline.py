@@ -321,7 +321,8 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
 
     async def _restart(self, k: int, r: int, delay: float | None) -> None:
         """Task: :meth:`Pipeline._restart <enginecore.stage.Pipeline._restart>`'s, on the
-        event loop."""
+        event loop. Cancelled, it stops the process it started if that was not yet put in
+        place (one put in place is stopped by :meth:`shutdown`)."""
         try:
             with contextlib.suppress(Exception):
                 await self._replicas[k][r].shutdown(1.0)  # dead: reap it, close its sockets
@@ -345,6 +346,18 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                             await client.shutdown(1.0)
                         delay = self._unheard_start(k, r, exc)
                         continue
+                    except BaseException:
+                        # Cancelled (an application that cancels every task, asyncio.run's
+                        # end, a shutdown's cancelled task): a process not yet put in place
+                        # is nobody's, and would run on until the parent's exit. Stop it,
+                        # as the sync Pipeline's thread does; its shutdown goes on in a task
+                        # of its own even if this wait is cancelled too (and kills it if the
+                        # loop ends first). One put in place is the pipeline's: its
+                        # shutdown() stops it.
+                        if self._replicas[k][r] is not client:
+                            with contextlib.suppress(Exception):
+                                await client.shutdown(1.0)
+                        raise
                     if not up:
                         with contextlib.suppress(Exception):
                             await client.shutdown(1.0)
