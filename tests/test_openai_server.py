@@ -131,7 +131,9 @@ def _start(model: Path, tmp: Path, *extra: str) -> Served:
             stderr=subprocess.STDOUT,
         )
     served = Served(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + 45
+    # The real engine's server took 28 s to come up by hand on a loaded 2-CPU machine, and
+    # twice missed a 45 s limit there: the test's own timeout is the tighter bound.
+    deadline = time.monotonic() + 90
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -142,7 +144,7 @@ def _start(model: Path, tmp: Path, *extra: str) -> Served:
                 if served.get("/health").status_code == 200:
                     return served
             time.sleep(0.1)
-        raise AssertionError(f"the server did not start within 45 s:\n{served.output()}")
+        raise AssertionError(f"the server did not start within 90 s:\n{served.output()}")
     except BaseException:  # pytest-timeout's too: the server and its stage must not stay
         _stop(served)
         raise
