@@ -1215,6 +1215,24 @@ def test_a_failed_start_leaves_nothing(pools: tuple[Open, Open]) -> None:
         launch("enginecore.stage.testing:failing_factory", replicas=2, startup_timeout=30)
 
 
+def test_a_failed_add_replica_uses_up_no_name(launch: Open) -> None:
+    """add_replica() that fails leaves the pool "unchanged": its name (``r1`` here) is the
+    next replica's, as if it had never been tried. It was used up: the next one was ``r2``,
+    a gap in the names that metrics, logs and Sticky's homes (hashed from the names, so
+    that two pools of the same replicas agree) then carried."""
+    from enginecore.stage import StageStartupError
+
+    pool = launch(replicas=1)
+    with pytest.raises(StageStartupError):
+        pool.add_replica("enginecore.stage.testing:failing_factory", startup_timeout=30)
+    assert [r.name for r in pool.replicas] == ["r0"]
+    added = pool.add_replica(DEVICE, startup_timeout=30)
+    assert [r.name for r in pool.replicas] == ["r0", "r1"]
+    stats = pool.stats()[added]
+    assert isinstance(stats, StageStatistics)
+    assert stats.name.endswith("/r1")
+
+
 @pytest.fixture
 def barrier_dir() -> Iterator[Path]:
     """A directory for ``barrier_factory``'s files, outside the test's private temp dir

@@ -800,7 +800,7 @@ class PoolCore:
         self.health_epoch = [0]
         self._routable: tuple[Replica, ...] = ()
         self._routable_epoch = -1
-        self._names = itertools.count()
+        self._next_name = 0  # replica r<n>'s n: the next name given
         self._group_deaths: dict[str, deque[float]] = {}  # each restart group's deaths
         self._live: dict[str, Any] = {}  # req_id -> its stream (ended ones pruned lazily)
         self._prune_at = 1024
@@ -833,11 +833,23 @@ class PoolCore:
                     "group= is for replicas the pool launches: it cannot start a connected "
                     "one again"
                 )
-        replica = Replica(f"r{next(self._names)}", MappingProxyType(spec), group)
+        replica = Replica(f"r{self._next_name}", MappingProxyType(spec), group)
+        self._next_name += 1
         if group is not None:
             self._group_deaths.setdefault(group, deque())
         self._replicas.append(replica)
         return replica
+
+    def add_failed(self, replicas: Sequence[Replica]) -> None:
+        """The ``add_replica`` (or launch) of *replicas* failed: they are removed, and
+        their names are given again, as if never given (the pool is unchanged), unless a
+        later name was given meanwhile (an add that went on at the same time keeps its
+        name, and no two replicas of the pool share one)."""
+        for replica in replicas:
+            self.set_state(replica, ReplicaState.REMOVED)
+        given = {r.name for r in replicas}
+        while self._next_name and f"r{self._next_name - 1}" in given:
+            self._next_name -= 1
 
     def started(self, replica: Replica, client: Any, generation: int | None = None) -> bool:
         """*replica*'s member *client* is up: it serves from the next routing decision on.
