@@ -1584,6 +1584,40 @@ def test_sticky_keys_go_home(launch: Open) -> None:
     assert len(set(homes.values())) > 1
 
 
+def test_a_replica_busy_with_a_utility_call_counts_it_as_load(
+    launch: Open, barrier_dir: Path
+) -> None:
+    """A utility call runs on the stage's loop: while it is in flight, the replica's new
+    requests wait behind it, as behind a request. The pool's own calls in flight count in
+    the built-in load as its requests do (``docs/pool.md``, "Routing"): a replica held in a
+    call lost ties to an idle one. Before, they counted for nothing, and a replica blocked
+    in a call took every other new request (round robin between equals)."""
+    pool = launch(RELAY, replicas=2)
+    r0, r1 = pool.replicas
+    gate = barrier_dir / "gate"
+    gate.touch()
+    calling = threading.Thread(
+        target=pool.call_utility, args=("gate", str(gate), 30.0), kwargs={"replica": r0}
+    )
+    calling.start()
+    try:
+        assert wait_until(lambda: len(r0._session.calls) == 1, 10)  # type: ignore[union-attr]
+        assert r0.in_flight == 0  # a call is no request
+        for i in range(3):  # each time: loads 1 (the call) and 0
+            stream = pool.add(f"q{i}", 1)
+            assert stream.replica is r1
+            pool.abort([stream.req_id])
+            stream.collect(10)
+            assert stream.aborted
+    finally:
+        gate.unlink()
+        calling.join(30)
+    assert not calling.is_alive()
+    assert wait_until(lambda: not r0._session.calls, 10)  # type: ignore[union-attr]
+    # Idle again, both: ties go round robin once more.
+    assert {pool.add(f"t{i}", 1).replica for i in range(2)} == {r0, r1}
+
+
 def test_a_score_function_routes(launch: Open) -> None:
     views: list[ReplicaView] = []
 

@@ -114,8 +114,9 @@ class ReplicaView:
     in_flight: int
     """This pool's requests live on the replica (exact)."""
     load: int
-    """The replica's load as the built-in routing counts it: :attr:`in_flight` plus the
-    other clients' requests in its latest load report."""
+    """The replica's load as the built-in routing counts it: :attr:`in_flight`, plus this
+    pool's utility calls in flight on it, plus the other clients' requests in its latest
+    load report."""
     live: int | None
     """Requests live in the stage, every client's, from its latest load report; ``None``
     before the first report."""
@@ -289,7 +290,8 @@ class Replica:
         in_flight = session.in_flight
         latest = session._load
         if latest is None:
-            return ReplicaView(self, in_flight, in_flight, None, _EMPTY, None)
+            load = in_flight + len(session._utility_calls)
+            return ReplicaView(self, in_flight, load, None, _EMPTY, None)
         report, received, _ = latest
         return ReplicaView(
             self,
@@ -318,14 +320,19 @@ class Replica:
 
 
 def replica_load(r: Replica, now: float) -> int:
-    """*r*'s load: the pool's own live requests on it, plus the other clients' in its
-    latest load report (its ``live`` minus the pool's own live when it arrived), however
-    old: the stage reports as it goes idle, so an old report is not an empty replica (a
-    shared one in a step longer than a second kept its others' requests). *now* is unused.
-    On the routing path: a few reads. *r* must have started (routing only sees serving
-    replicas)."""
+    """*r*'s load: the pool's own live requests and utility calls in flight on it (a call
+    runs on the stage's loop: new requests wait behind it, as behind a request), plus the
+    other clients' requests in its latest load report (its ``live`` minus the pool's own
+    live when it arrived), however old: the stage reports as it goes idle, so an old report
+    is not an empty replica (a shared one in a step longer than a second kept its others'
+    requests). *now* is unused. On the routing path: a few reads. *r* must have started
+    (routing only sees serving replicas)."""
     session: ClientSession[Any, Any] = r._session  # type: ignore[assignment]
-    own = len(session._streams) + len(session._quiet)  # type: ignore[arg-type]  # a member's
+    own = (
+        len(session._streams)
+        + len(session._quiet)  # type: ignore[arg-type]  # a member's
+        + len(session._utility_calls)
+    )
     latest = session._load
     if latest is None:
         return own
@@ -381,7 +388,8 @@ class Routing:
 
 class LeastLoaded(Routing):
     """The default: the replica with the least load (its exact in-flight count from this
-    pool plus the other clients' requests in its latest load report). Up to *exhaustive*
+    pool, plus this pool's utility calls in flight on it, plus the other clients' requests
+    in its latest load report). Up to *exhaustive*
     replicas, every one is looked at and ties go round-robin; above that, *k* replicas
     drawn at random are ("power of k choices": ~1 µs whatever the pool's size)."""
 
