@@ -1572,6 +1572,38 @@ def test_a_cancelled_add_replica_leaves_the_async_pool_unchanged(
     asyncio.run(main())
 
 
+def test_a_cancelled_read_of_an_async_pool_stream_stops_the_read_not_the_request(
+    no_leftovers: str,
+) -> None:
+    """As the asyncio client's ("A stream is a buffer, not a task": ``docs/stage.md``,
+    "asyncio"): a collect() cancelled (``asyncio.wait_for``, a task's ``cancel()``) leaves
+    the request live on its replica, counted there, and loses nothing: a later collect()
+    gets every output; abort() is how a reader that gives up ends it (``docs/pool.md``)."""
+
+    async def main() -> None:
+        async with await AsyncStagePool.launch(DEVICE, {"step_s": 0.01}, replicas=2) as pool:
+            stream = await pool.add("x", 20)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(stream.collect(), 0.05)
+            assert stream.replica is not None
+            assert stream.replica.in_flight == 1
+            assert await stream.collect(timeout=10) == list(range(19, -1, -1))
+            gone = await pool.add("y", 10**6)
+            reading = asyncio.ensure_future(gone.collect())
+            await asyncio.sleep(0.05)
+            reading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            assert gone.replica is not None
+            assert gone.replica.in_flight == 1
+            await pool.abort(["y"])
+            await gone.collect(timeout=10)  # the rest of its outputs, then its end
+            assert gone.aborted
+            assert sum(r.in_flight for r in pool.replicas) == 0
+
+    asyncio.run(main())
+
+
 def test_sticky_keys_go_home(launch: Open) -> None:
     pool = launch(COUNTDOWN, replicas=3, routing=Sticky())
     homes: dict[str, Replica | None] = {}
