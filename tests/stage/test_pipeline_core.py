@@ -745,7 +745,7 @@ def test_adds_aborts_and_links_carry_generations_only_to_processes_that_say_gens
         core.open("r", StreamCore("r"))
         route = core.route("r")
         assert route is not None
-        coordinator._send_routed(["r"], [], False, None)
+        coordinator._send_routed(["r"], [], False, None, [])
         coordinator._send_routed_aborts(0, ["r"], {"r": route})
         b = [route[1], 0] if gens else route[1]
         c = [0, 0] if gens else 0

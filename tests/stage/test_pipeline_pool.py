@@ -9,6 +9,7 @@ the requests routed to each replica are checked alone, against a model, at the e
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 
 from enginecore.stage import (
     EngineDeadError,
+    PipelineRequestError,
     PipelineStage,
     PipelineStageDeadError,
     Retry,
@@ -36,7 +38,7 @@ from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, Re
 from enginecore.stage._session import StreamCore
 
 from .conftest import wait_until
-from .pipelines import Launch, launcher
+from .pipelines import BlockingAsyncPipeline, Launch, launcher
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -187,6 +189,43 @@ class TestAbort:
         assert streams["x"].collect(timeout=10) == [1, 0]
         assert streams["z"].collect(timeout=10) == [1, 0]
         assert pipe.in_flight == 0
+
+
+class TestABurstSplitOverReplicas:
+    def test_a_burst_whose_second_send_fails_leaves_nothing_running(self, launch: Any) -> None:
+        # add_many is all or nothing. A burst split over the first stage's replicas goes as
+        # one frame per replica: when the second was refused (its replica's client drains),
+        # every stream ended with the refusal, but the part already sent to the first
+        # replica was forgotten, not aborted: it ran there, its outputs going nowhere.
+        pipe = launch([PipelineStage(RELAY, name="first", replicas=2), RELAY])
+        pipe.call_utility("first", "hold", True)  # every replica: its requests stay there
+        pipe.add_many([("long0", 1), ("long1", 1)])
+        assert [pipe._core.route(f"long{i}")[0] for i in range(2)] == [0, 1]
+        assert wait_until(lambda: sum(pipe.call_utility("first", "num_requests")) == 2, 10)
+        client = pipe.client("first", replica=1)
+        draining: Any
+        if isinstance(pipe, BlockingAsyncPipeline):
+            draining = pipe._runner.submit(client.shutdown(drain=30))
+        else:
+            draining = concurrent.futures.ThreadPoolExecutor(1).submit(client.shutdown, drain=30)
+        try:
+            assert wait_until(lambda: client.closed, 10)  # its drain has begun (long1 holds it)
+            # Loads 1 and 1, replica 0's turn: "a" goes to replica 0, "b" to replica 1.
+            burst = pipe.add_many([("a", 1), ("b", 1)])
+            for stream in burst:
+                with pytest.raises(PipelineRequestError, match="the stage is draining") as info:
+                    stream.collect(timeout=10)
+                assert info.value.stage == "first"
+            assert pipe.call_utility("first", "added", replica=0) == 2  # "a" reached it
+            # ... and is aborted there: only long0 is left, and the pipeline holds only
+            # the two long requests once the abort is answered.
+            held = pipe.call_utility
+            assert wait_until(lambda: held("first", "num_requests", replica=0) == 1, 10)
+            assert wait_until(lambda: pipe.in_flight == 2, 10)
+        finally:
+            pipe.abort(["long0", "long1"])
+            assert draining.result(30) == 0
+        assert wait_until(lambda: pipe.in_flight == 0, 10)
 
 
 class TestReplicaDeath:

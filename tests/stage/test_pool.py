@@ -1240,6 +1240,24 @@ def test_a_failed_start_leaves_nothing(pools: tuple[Open, Open]) -> None:
         launch("enginecore.stage.testing:failing_factory", replicas=2, startup_timeout=30)
 
 
+def test_a_failed_add_replica_uses_up_no_name(launch: Open) -> None:
+    """add_replica() that fails leaves the pool "unchanged": its name (``r1`` here) is the
+    next replica's, as if it had never been tried. It was used up: the next one was ``r2``,
+    a gap in the names that metrics, logs and Sticky's homes (hashed from the names, so
+    that two pools of the same replicas agree) then carried."""
+    from enginecore.stage import StageStartupError
+
+    pool = launch(replicas=1)
+    with pytest.raises(StageStartupError):
+        pool.add_replica("enginecore.stage.testing:failing_factory", startup_timeout=30)
+    assert [r.name for r in pool.replicas] == ["r0"]
+    added = pool.add_replica(DEVICE, startup_timeout=30)
+    assert [r.name for r in pool.replicas] == ["r0", "r1"]
+    stats = pool.stats()[added]
+    assert isinstance(stats, StageStatistics)
+    assert stats.name.endswith("/r1")
+
+
 @pytest.fixture
 def barrier_dir() -> Iterator[Path]:
     """A directory for ``barrier_factory``'s files, outside the test's private temp dir
@@ -1579,6 +1597,38 @@ def test_a_cancelled_add_replica_leaves_the_async_pool_unchanged(
     asyncio.run(main())
 
 
+def test_a_cancelled_read_of_an_async_pool_stream_stops_the_read_not_the_request(
+    no_leftovers: str,
+) -> None:
+    """As the asyncio client's ("A stream is a buffer, not a task": ``docs/stage.md``,
+    "asyncio"): a collect() cancelled (``asyncio.wait_for``, a task's ``cancel()``) leaves
+    the request live on its replica, counted there, and loses nothing: a later collect()
+    gets every output; abort() is how a reader that gives up ends it (``docs/pool.md``)."""
+
+    async def main() -> None:
+        async with await AsyncStagePool.launch(DEVICE, {"step_s": 0.01}, replicas=2) as pool:
+            stream = await pool.add("x", 20)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(stream.collect(), 0.05)
+            assert stream.replica is not None
+            assert stream.replica.in_flight == 1
+            assert await stream.collect(timeout=10) == list(range(19, -1, -1))
+            gone = await pool.add("y", 10**6)
+            reading = asyncio.ensure_future(gone.collect())
+            await asyncio.sleep(0.05)
+            reading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            assert gone.replica is not None
+            assert gone.replica.in_flight == 1
+            await pool.abort(["y"])
+            await gone.collect(timeout=10)  # the rest of its outputs, then its end
+            assert gone.aborted
+            assert sum(r.in_flight for r in pool.replicas) == 0
+
+    asyncio.run(main())
+
+
 def test_sticky_keys_go_home(launch: Open) -> None:
     pool = launch(COUNTDOWN, replicas=3, routing=Sticky())
     homes: dict[str, Replica | None] = {}
@@ -1589,6 +1639,40 @@ def test_sticky_keys_go_home(launch: Open) -> None:
         assert s.replica is homes[key]
         s.collect(10)
     assert len(set(homes.values())) > 1
+
+
+def test_a_replica_busy_with_a_utility_call_counts_it_as_load(
+    launch: Open, barrier_dir: Path
+) -> None:
+    """A utility call runs on the stage's loop: while it is in flight, the replica's new
+    requests wait behind it, as behind a request. The pool's own calls in flight count in
+    the built-in load as its requests do (``docs/pool.md``, "Routing"): a replica held in a
+    call lost ties to an idle one. Before, they counted for nothing, and a replica blocked
+    in a call took every other new request (round robin between equals)."""
+    pool = launch(RELAY, replicas=2)
+    r0, r1 = pool.replicas
+    gate = barrier_dir / "gate"
+    gate.touch()
+    calling = threading.Thread(
+        target=pool.call_utility, args=("gate", str(gate), 30.0), kwargs={"replica": r0}
+    )
+    calling.start()
+    try:
+        assert wait_until(lambda: len(r0._session.calls) == 1, 10)  # type: ignore[union-attr]
+        assert r0.in_flight == 0  # a call is no request
+        for i in range(3):  # each time: loads 1 (the call) and 0
+            stream = pool.add(f"q{i}", 1)
+            assert stream.replica is r1
+            pool.abort([stream.req_id])
+            stream.collect(10)
+            assert stream.aborted
+    finally:
+        gate.unlink()
+        calling.join(30)
+    assert not calling.is_alive()
+    assert wait_until(lambda: not r0._session.calls, 10)  # type: ignore[union-attr]
+    # Idle again, both: ties go round robin once more.
+    assert {pool.add(f"t{i}", 1).replica for i in range(2)} == {r0, r1}
 
 
 def test_a_score_function_routes(launch: Open) -> None:

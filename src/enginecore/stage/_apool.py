@@ -308,7 +308,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         if errors:
             for r in new:
                 await self._stop_member(r, drain=None, timeout=5.0)
-                self._core.set_state(r, ReplicaState.REMOVED)
+            self._core.add_failed(new)
             raise errors[0]
         removed = [r for r in new if r._client is None and removed_meanwhile(r, self._core)]
         if removed:  # remove_replica() stopped its start

@@ -557,6 +557,24 @@ class PipelineCore(Generic[S]):
             if req is not None:
                 self._release(req, d)
 
+    def withdraw(
+        self,
+        req_ids: Iterable[str],
+        message: str,
+        now: float,
+        d: PipelineDeliveries[S],
+        cause: BaseException | None = None,
+    ) -> None:
+        """Requests of a burst that reached the first stage (one replica of it) while the
+        send of the rest of the burst failed: the add fails as a whole, so each ends with
+        the first stage's :class:`~enginecore.stage.PipelineRequestError` (*message*, its
+        ``__cause__`` *cause*) and is aborted in every stage, as a request that stage
+        refused; its id and place stay until every stage has applied the abort."""
+        for rid in req_ids:
+            req = self._requests.get(rid)
+            if req is not None and req.state is RequestState.LIVE:
+                self._fail(req, 0, message, now, d, cause)
+
     # -- what the caller does ----------------------------------------------------------------
 
     def abort(self, req_ids: Iterable[str], d: PipelineDeliveries[S]) -> None:
@@ -722,11 +740,20 @@ class PipelineCore(Generic[S]):
             d.routes[req.req_id] = req.route
 
     def _fail(
-        self, req: _Request[S], k: int, message: str, now: float, d: PipelineDeliveries[S]
+        self,
+        req: _Request[S],
+        k: int,
+        message: str,
+        now: float,
+        d: PipelineDeliveries[S],
+        cause: BaseException | None = None,
     ) -> None:
         """End *req* with stage *k*'s error, and abort it in every stage (unless the
         caller's abort already is on its way)."""
-        self._end(req, End(PipelineRequestError(req.req_id, self.stages[k], message)), now, d)
+        error = PipelineRequestError(req.req_id, self.stages[k], message)
+        if cause is not None:
+            error.__cause__ = cause
+        self._end(req, End(error), now, d)
         if req.state is RequestState.LIVE:
             self._abort_from_first([req.req_id], d)
             if req.route is not None:

@@ -962,23 +962,37 @@ class PipelineBase(Generic[S, C]):
         :class:`~enginecore.stage.PipelineRequestError` (no error is returned then)."""
         core = self._core
         core.open_many(ids, streams, nbytes, self._exited() if self._pools else ())
+        sent: list[str] = []
         try:
             if self._pooled:
-                self._send_routed(ids, parts, many, items)
+                self._send_routed(ids, parts, many, items, sent)
             elif many:
                 self._clients[0]._send_requests(ids, parts, False)
             else:
                 self._clients[0]._send_request(ids[0], parts, False)
         except BaseException as exc:
             d: PipelineDeliveries[S] = PipelineDeliveries()
-            core.forget(ids, d)
-            if isinstance(exc, StageClosedError) and not self._closed:
+            now = time.monotonic()
+            refused = isinstance(exc, StageClosedError) and not self._closed
+            message = _wire.DRAINING if refused else f"the add failed: {exc!r}"
+            if sent:
+                # A burst split over the first stage's replicas, whose part to one replica
+                # went before the send to another failed: all or nothing, so that part ends
+                # as the rest does, and is aborted where it runs (its id and place kept
+                # until every stage has applied the abort, as for a refused request).
+                core.withdraw(sent, message, now, d, exc)
+                gone = set(sent)
+                unsent = [rid for rid in ids if rid not in gone]
+            else:
+                unsent = ids
+            core.forget(unsent, d)
+            if refused:
                 # The stage's own words for a refused add while it drains.
-                now = time.monotonic()
                 for rid, stream in zip(ids, streams, strict=True):
-                    refused = PipelineRequestError(rid, core.stages[0], _wire.DRAINING)
-                    refused.__cause__ = exc
-                    stream._end_with(End(refused), now)  # new: no one waits on it yet
+                    if stream._end is None:  # (a withdrawn one has ended already)
+                        error = PipelineRequestError(rid, core.stages[0], message)
+                        error.__cause__ = exc
+                        stream._end_with(End(error), now)  # new: no one waits on it yet
                 return None, d
             return exc, d
         return None
@@ -997,11 +1011,17 @@ class PipelineBase(Generic[S, C]):
         ]
 
     def _send_routed(
-        self, ids: list[str], parts: Parts, many: bool, items: list[tuple[str, Any]] | None
+        self,
+        ids: list[str],
+        parts: Parts,
+        many: bool,
+        items: list[tuple[str, Any]] | None,
+        sent: list[str],
     ) -> None:
         """Replica pools: each request to its route's replica of the first stage, right
         after a ``route`` message with the rest of its route (``docs/wire.md`` section 8).
-        A burst split over replicas goes as one ``adds`` frame per replica."""
+        A burst split over replicas goes as one ``adds`` frame per replica; *sent* gets the
+        ids of each frame that went, so that a failed send later can withdraw them."""
         core = self._core
         groups: dict[int, list[int]] = {}
         routes: list[tuple[int, ...]] = []
@@ -1024,6 +1044,7 @@ class PipelineBase(Generic[S, C]):
                 client._send_requests(g_ids, g_parts, False)
             else:
                 client._send_request(g_ids[0], g_parts, False)
+            sent += g_ids
 
     def _failed_send(self, failed: tuple[BaseException | None, PipelineDeliveries[S]]) -> None:
         """Outside the lock: carry out what :meth:`_open_and_send` returned, and raise its

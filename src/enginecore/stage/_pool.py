@@ -373,7 +373,8 @@ class StagePool(PoolBase[PoolRequestStream]):
         :meth:`launch_on_ray`'s), or connect to *address* (options as :meth:`connect`'s).
         A launched replica may join a restart group (``group="name"``, see :meth:`launch`).
         Blocks until it is up; it takes requests from the next routing decision on. Raises
-        what the start raises; the pool is unchanged then. A :meth:`close`, or a
+        what the start raises; the pool is unchanged then (the next replica added gets the
+        name this one had: ``docs/pool.md``, "Building a pool"). A :meth:`close`, or a
         :meth:`remove_replica` of the new replica, while it starts stops the start (the
         half-started stage killed): this raises :class:`~enginecore.stage.StageClosedError`."""
         spec = replica_spec(factory, kwargs, address, options)
@@ -406,8 +407,8 @@ class StagePool(PoolBase[PoolRequestStream]):
         if errors:
             for r in new:
                 self._stop_member(r, drain=None, timeout=5.0)
-                with self._lock:
-                    self._core.set_state(r, ReplicaState.REMOVED)
+            with self._lock:
+                self._core.add_failed(new)
             if self._closed.is_set() and isinstance(errors[0], StageClosedError):
                 raise StageClosedError("this stage pool is closed") from errors[0]
             raise errors[0]

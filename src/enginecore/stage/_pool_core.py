@@ -114,8 +114,9 @@ class ReplicaView:
     in_flight: int
     """This pool's requests live on the replica (exact)."""
     load: int
-    """The replica's load as the built-in routing counts it: :attr:`in_flight` plus the
-    other clients' requests in its latest load report."""
+    """The replica's load as the built-in routing counts it: :attr:`in_flight`, plus this
+    pool's utility calls in flight on it, plus the other clients' requests in its latest
+    load report."""
     live: int | None
     """Requests live in the stage, every client's, from its latest load report; ``None``
     before the first report."""
@@ -289,7 +290,8 @@ class Replica:
         in_flight = session.in_flight
         latest = session._load
         if latest is None:
-            return ReplicaView(self, in_flight, in_flight, None, _EMPTY, None)
+            load = in_flight + len(session._utility_calls)
+            return ReplicaView(self, in_flight, load, None, _EMPTY, None)
         report, received, _ = latest
         return ReplicaView(
             self,
@@ -318,14 +320,19 @@ class Replica:
 
 
 def replica_load(r: Replica, now: float) -> int:
-    """*r*'s load: the pool's own live requests on it, plus the other clients' in its
-    latest load report (its ``live`` minus the pool's own live when it arrived), however
-    old: the stage reports as it goes idle, so an old report is not an empty replica (a
-    shared one in a step longer than a second kept its others' requests). *now* is unused.
-    On the routing path: a few reads. *r* must have started (routing only sees serving
-    replicas)."""
+    """*r*'s load: the pool's own live requests and utility calls in flight on it (a call
+    runs on the stage's loop: new requests wait behind it, as behind a request), plus the
+    other clients' requests in its latest load report (its ``live`` minus the pool's own
+    live when it arrived), however old: the stage reports as it goes idle, so an old report
+    is not an empty replica (a shared one in a step longer than a second kept its others'
+    requests). *now* is unused. On the routing path: a few reads. *r* must have started
+    (routing only sees serving replicas)."""
     session: ClientSession[Any, Any] = r._session  # type: ignore[assignment]
-    own = len(session._streams) + len(session._quiet)  # type: ignore[arg-type]  # a member's
+    own = (
+        len(session._streams)
+        + len(session._quiet)  # type: ignore[arg-type]  # a member's
+        + len(session._utility_calls)
+    )
     latest = session._load
     if latest is None:
         return own
@@ -381,7 +388,8 @@ class Routing:
 
 class LeastLoaded(Routing):
     """The default: the replica with the least load (its exact in-flight count from this
-    pool plus the other clients' requests in its latest load report). Up to *exhaustive*
+    pool, plus this pool's utility calls in flight on it, plus the other clients' requests
+    in its latest load report). Up to *exhaustive*
     replicas, every one is looked at and ties go round-robin; above that, *k* replicas
     drawn at random are ("power of k choices": ~1 µs whatever the pool's size)."""
 
@@ -800,7 +808,7 @@ class PoolCore:
         self.health_epoch = [0]
         self._routable: tuple[Replica, ...] = ()
         self._routable_epoch = -1
-        self._names = itertools.count()
+        self._next_name = 0  # replica r<n>'s n: the next name given
         self._group_deaths: dict[str, deque[float]] = {}  # each restart group's deaths
         self._live: dict[str, Any] = {}  # req_id -> its stream (ended ones pruned lazily)
         self._prune_at = 1024
@@ -833,11 +841,23 @@ class PoolCore:
                     "group= is for replicas the pool launches: it cannot start a connected "
                     "one again"
                 )
-        replica = Replica(f"r{next(self._names)}", MappingProxyType(spec), group)
+        replica = Replica(f"r{self._next_name}", MappingProxyType(spec), group)
+        self._next_name += 1
         if group is not None:
             self._group_deaths.setdefault(group, deque())
         self._replicas.append(replica)
         return replica
+
+    def add_failed(self, replicas: Sequence[Replica]) -> None:
+        """The ``add_replica`` (or launch) of *replicas* failed: they are removed, and
+        their names are given again, as if never given (the pool is unchanged), unless a
+        later name was given meanwhile (an add that went on at the same time keeps its
+        name, and no two replicas of the pool share one)."""
+        for replica in replicas:
+            self.set_state(replica, ReplicaState.REMOVED)
+        given = {r.name for r in replicas}
+        while self._next_name and f"r{self._next_name - 1}" in given:
+            self._next_name -= 1
 
     def started(self, replica: Replica, client: Any, generation: int | None = None) -> bool:
         """*replica*'s member *client* is up: it serves from the next routing decision on.

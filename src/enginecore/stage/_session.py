@@ -622,6 +622,9 @@ class ClientSession(Generic[S, W]):
         # another session can match one of this client's calls. Below 2**53, ids stay exact
         # as JS doubles.
         self._calls: dict[int, tuple[W, str]] = {}
+        # The ids of those calls that are utilities, not stats requests (which the stage's
+        # input side answers, never its loop): a pool counts them in a replica's load.
+        self._utility_calls: set[int] = set()
         self._call_ids: Iterator[int] = itertools.count(secrets.randbits(52) + 1)
         self._state = StageState.RUNNING
         self._failure: BaseException | None = None  # set once, with state GONE
@@ -697,6 +700,12 @@ class ClientSession(Generic[S, W]):
         """The live requests: streams, and a pool member's requests without a stream."""
         quiet = self._quiet
         return len(self._streams) + (len(quiet) if quiet is not None else 0)
+
+    @property
+    def utility_calls(self) -> int:
+        """How many of :attr:`calls` are utility calls (not ``stats`` requests): work
+        queued for the stage's loop, which a pool counts in the replica's load."""
+        return len(self._utility_calls)
 
     @property
     def calls(self) -> Mapping[int, tuple[W, str]]:
@@ -1096,12 +1105,14 @@ class ClientSession(Generic[S, W]):
             self.check_abortable()
         else:
             self.check_open()
+            self._utility_calls.add(call_id)
         self._calls[call_id] = (waiter, name)
 
     def forget_call(self, call_id: int) -> None:
         """Drop a call (timed out, cancelled, or its frame could not be sent): a late answer
         is then ignored."""
         self._calls.pop(call_id, None)
+        self._utility_calls.discard(call_id)
 
     # -- receiving ----------------------------------------------------------------------------
 
@@ -1178,6 +1189,7 @@ class ClientSession(Generic[S, W]):
             elif cls is UtilityResult:
                 entry = self._calls.pop(ev.call_id, None)
                 if entry is not None:  # else: timed out, or a detached client's call
+                    self._utility_calls.discard(ev.call_id)
                     waiter, name = entry
                     if ev.error is None:
                         d.answers.append((waiter, ev.result, None))
@@ -1526,6 +1538,7 @@ class ClientSession(Generic[S, W]):
         self._aborts_stale.clear()
         d.answers.extend((waiter, None, exc) for waiter, _ in self._calls.values())
         self._calls.clear()
+        self._utility_calls.clear()
         if self._events is not None:
             # A clean end (StopIteration) when this client shut the stage down itself and
             # the stage's last event came.
