@@ -1054,10 +1054,15 @@ class PoolCore:
         (checked in C, as :meth:`reserve`)."""
         if self.closing:
             raise StageClosedError("this stage pool is closed")
+        self._check_clash(req_ids)
+
+    def _check_clash(self, req_ids: list[str]) -> None:
+        """:class:`ValueError` naming the first of *req_ids* (in the caller's order) live
+        in this pool; the set intersection runs in C: a burst has thousands of ids."""
         live = self._live
         clash = live.keys() & req_ids
         if clash:
-            for rid in req_ids:  # the first live one, in the caller's order
+            for rid in req_ids:
                 if rid in clash and live[rid]._live_as(rid):
                     raise ValueError(f"request {rid!r} is still live in this pool")
 
@@ -1065,13 +1070,8 @@ class PoolCore:
         """Check that none of *req_ids* is live in this pool (:class:`ValueError`), then
         hold them (``add_many`` sends their frame next). The checks run in C: a burst has
         thousands of ids."""
-        live = self._live
-        clash = live.keys() & req_ids
-        if clash:
-            for rid in req_ids:  # the first live one, in the caller's order
-                if rid in clash and live[rid]._live_as(rid):
-                    raise ValueError(f"request {rid!r} is still live in this pool")
-        live.update(dict.fromkeys(req_ids, _HELD))
+        self._check_clash(req_ids)
+        self._live.update(dict.fromkeys(req_ids, _HELD))
         self._maybe_prune()
 
     def release(self, req_ids: list[str]) -> None:
