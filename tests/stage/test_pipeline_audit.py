@@ -138,6 +138,13 @@ class TestAStageStoppedThroughItsClient:
             draining = concurrent.futures.ThreadPoolExecutor(1).submit(client.shutdown, drain=30)
         try:
             assert wait_until(lambda: client.closed, 10)  # its drain has begun
+            # ...and the stage has read its drain: its input side answers stats() in the
+            # order it reads frames. (Without it, under load, "late" reached "mid" from the
+            # first stage, on another connection, before the parent's drain did: admitted.)
+            if isinstance(pipe, BlockingAsyncPipeline):
+                pipe._runner.run(client.stats())
+            else:
+                client.stats()
             late = pipe.add("late", 1)
             with pytest.raises(PipelineRequestError, match="the stage is draining") as info:
                 late.collect(timeout=10)
