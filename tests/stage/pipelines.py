@@ -97,8 +97,8 @@ class BlockingAsyncPipeline:
     def client(self, stage: str, replica: int = 0) -> Any:
         return self._pipe.client(stage, replica)
 
-    def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
-        self._runner.run(self._pipe.shutdown(timeout, drain=drain))
+    def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> dict[str, Any]:
+        return self._runner.run(self._pipe.shutdown(timeout, drain=drain))
 
     # The coordinator's state, which some tests read (the routes, the segments' prefix).
 

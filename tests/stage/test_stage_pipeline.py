@@ -1574,6 +1574,21 @@ class TestLifecycle:
             pipe.add("s", 1)
         pipe.shutdown()  # idempotent
 
+    @pytest.mark.parametrize("drain", [None, 10.0])
+    def test_shutdown_returns_every_processs_exit_code_by_its_name(
+        self, launch: Any, drain: float | None
+    ) -> None:
+        # As a pool's shutdown() returns {replica: exit code}; it returned None, so a
+        # process that had died or did not stop cleanly went unseen.
+        pipe = launch(
+            [PipelineStage(COUNTDOWN, name="a"), PipelineStage(RELAY, name="b", replicas=2)]
+        )
+        os.kill(pipe.client("b", 1).pid, signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["b[1]"] != "ok", 10)
+        codes = {"a": 0, "b[0]": 0, "b[1]": -signal.SIGKILL}
+        assert pipe.shutdown(drain=drain) == codes
+        assert pipe.shutdown() == codes  # idempotent, the same answer
+
     def test_shutdown_without_a_drain_stops_every_stage_at_once(self, launch: Any) -> None:
         # Stage a is frozen (SIGSTOP), so its stop waits out the shutdown's timeout. The
         # stages were stopped one after the other: b heard of the shutdown only once a had

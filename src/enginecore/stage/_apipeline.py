@@ -453,8 +453,11 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
 
     # -- closing -----------------------------------------------------------------------------
 
-    async def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
+    async def shutdown(
+        self, timeout: float = 5.0, *, drain: float | None = None
+    ) -> dict[str, int | None]:
         """Stop every stage, as :meth:`Pipeline.shutdown <enginecore.stage.Pipeline.shutdown>`
+        (the same exit codes returned)
         (with *drain*, the stages drain one after the other, first to last). Idempotent: a
         second call waits for the first. Cancelling the call (``asyncio.wait_for``, a task's
         ``cancel()``) cancels only the wait: the shutdown goes on, in a task of its own, and
@@ -475,6 +478,7 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
             self._wake_link_waits(every=True)  # a restart waiting to link in: it stops
             self._closing.start(self._shut_down(timeout, drain))
         await self._closing.wait()
+        return self._shutdown_result()
 
     async def _shut_down(self, timeout: float, drain: float | None) -> None:
         if self._restart_tasks:  # a start under way: it stops what it started
@@ -488,12 +492,13 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                 return_exceptions=True,
             )
             for (name, _), result in zip(wave, results, strict=True):
-                if isinstance(result, BaseException):
-                    if not isinstance(result, Exception):
-                        raise result  # an interrupt: the next call does the rest
-                    logger.warning(
-                        "enginecore: stopping pipeline stage %r failed: %r", name, result
-                    )
+                if not isinstance(result, BaseException):
+                    self._exit_codes[name] = result
+                    continue
+                if not isinstance(result, Exception):
+                    raise result  # an interrupt: the next call does the rest
+                logger.warning("enginecore: stopping pipeline stage %r failed: %r", name, result)
+                self._exit_codes[name] = None
             if k is not None:
                 self._stage_stopped(k)  # later aborts go to the stages still draining
         self._close_core()

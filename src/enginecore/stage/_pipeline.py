@@ -53,13 +53,15 @@ __all__ = ["Pipeline", "PipelineStream"]
 logger = logging.getLogger("enginecore.stage")
 
 
-def _stop_stage(name: str, client: StageClient, timeout: float, drain: float | None) -> None:
+def _stop_stage(name: str, client: StageClient, timeout: float, drain: float | None) -> int | None:
     """Shut one stage process down for :meth:`Pipeline.shutdown`, which stops the others
-    whatever happens to this one: a failure is logged, not raised."""
+    whatever happens to this one; its exit code. A failure is logged, not raised
+    (``None``)."""
     try:
-        client.shutdown(timeout, drain=drain)
+        return client.shutdown(timeout, drain=drain)
     except Exception as exc:
         logger.warning("enginecore: stopping pipeline stage %r failed: %r", name, exc)
+        return None
 
 
 class PipelineStream(RequestStream):
@@ -497,8 +499,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
 
     # -- closing -----------------------------------------------------------------------------
 
-    def shutdown(self, timeout: float = 5.0, *, drain: float | None = None) -> None:
-        """Stop every stage. Without *drain*, every stage process at once, now: requests
+    def shutdown(
+        self, timeout: float = 5.0, *, drain: float | None = None
+    ) -> dict[str, int | None]:
+        """Stop every stage; return each stage process's exit code, by its name (a pooled
+        stage's processes ``name[r]``, as :meth:`health` names them; ``None``: unknown, or
+        its stop failed). Without *drain*, every stage process at once, now: requests
         still in the pipeline end with :class:`~enginecore.stage.StageClosedError`. With
         *drain* (seconds), the stages drain one after the other, first to last (a stage's
         replicas at once), so that each finishes what the one before sent it; requests
@@ -510,7 +516,7 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
         check_drain(drain)
         with self._close_lock:
             if self._shutdown_done:
-                return
+                return self._shutdown_result()
             with self._thread_lock:
                 self._closed = True
                 restarts = list(self._restart_threads)
@@ -524,14 +530,20 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
             for k, wave in self._stop_waves(drain is not None):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if len(wave) == 1:
-                    _stop_stage(*wave[0], timeout, left)
+                    name, client = wave[0]
+                    self._exit_codes[name] = _stop_stage(name, client, timeout, left)
                 else:
                     with concurrent.futures.ThreadPoolExecutor(len(wave)) as ex:
-                        for name, client in wave:
-                            ex.submit(_stop_stage, name, client, timeout, left)
+                        stops = [
+                            (name, ex.submit(_stop_stage, name, client, timeout, left))
+                            for name, client in wave
+                        ]
+                    for name, stop in stops:
+                        self._exit_codes[name] = stop.result()
                 if k is not None:
                     self._stage_stopped(k)  # later aborts go to the stages still draining
             self._close_core()  # sets _shutdown_done, last
+            return self._shutdown_result()
 
     close = shutdown
 

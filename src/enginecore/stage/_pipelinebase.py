@@ -795,6 +795,9 @@ class PipelineBase(Generic[S, C]):
         # shutdown() went through to its end (_close_core): later aborts are refused, and
         # the blocking pipeline's next shutdown() returns at once.
         self._shutdown_done = False
+        # What shutdown() returns: each process's exit code, by its key (_keys), as its
+        # client's shutdown() gave it (None: unknown, or the stop failed).
+        self._exit_codes: dict[str, int | None] = {}
         # A shutdown(drain=...) under way: its stages are drained one after the other, and
         # the one draining is alive though its client, closing, reads "dead" (health()).
         self._draining = False
@@ -1090,6 +1093,10 @@ class PipelineBase(Generic[S, C]):
             waves.append((k, named[start : start + len(clients)]))
             start += len(clients)
         return waves
+
+    def _shutdown_result(self) -> dict[str, int | None]:
+        """``shutdown()``'s result: every process's exit code, by its key, in order."""
+        return {key: self._exit_codes.get(key) for key in self._keys}
 
     def _stage_stopped(self, k: int) -> None:
         """During ``shutdown(drain=...)``: every process of stage *k* has drained and
