@@ -487,10 +487,20 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
         self._draining = drain is not None  # health(): the stage draining is alive
         for k, wave in self._stop_waves(drain is not None):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            results = await asyncio.gather(
-                *(client.shutdown(timeout, drain=left) for _, client in wave),
-                return_exceptions=True,
-            )
+            results: list[int | BaseException | None]
+            if len(wave) == 1:
+                # Awaited here, not in a task of gather's: its client is closing from this
+                # step on (the pipeline refuses adds from the step before), as before the
+                # stages stopped together.
+                try:
+                    results = [await wave[0][1].shutdown(timeout, drain=left)]
+                except Exception as exc:
+                    results = [exc]
+            else:
+                results = await asyncio.gather(
+                    *(client.shutdown(timeout, drain=left) for _, client in wave),
+                    return_exceptions=True,
+                )
             for (name, _), result in zip(wave, results, strict=True):
                 if not isinstance(result, BaseException):
                     self._exit_codes[name] = result
