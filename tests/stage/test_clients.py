@@ -109,8 +109,9 @@ class TestRoundTrip:
         stage_client.add("r", 100_000)
         with pytest.raises(ValueError, match="still live"):
             stage_client.add("r", 1)
-        stage_client.add("done", 1).collect(timeout=5)
-        assert stage_client.add("done", 2).collect(timeout=5) == [1, 0]
+        # A bound for a failure only: "r" runs flat out beside them, on a loaded machine.
+        stage_client.add("done", 1).collect(timeout=30)
+        assert stage_client.add("done", 2).collect(timeout=30) == [1, 0]
 
     def test_collect_timeout_keeps_what_it_read(self, stage_client: StageClient) -> None:
         stream = stage_client.add("long", 1_000_000)

@@ -14,6 +14,7 @@ import traceback
 import pytest
 
 from enginecore.stage import EngineDeadError, Fatal, StageClient
+from enginecore.stage._session import EXIT_READ_MAX_S
 
 from .conftest import SCRIPTED, Launch
 
@@ -90,20 +91,23 @@ class TestFatal:
 
 class TestProcessDeath:
     @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
-    def test_killed_mid_stream_fails_all_waiters_within_1s(
+    def test_killed_mid_stream_fails_all_waiters_once_its_backlog_is_read(
         self, stage_client: StageClient, sig: signal.Signals
     ) -> None:
+        # The stream runs flat out: what it sent before the kill is read first, for up to
+        # EXIT_READ_MAX_S on a loaded machine (docs/stage.md, "Death is never silent"), and
+        # then every waiter fails, the utility calls long before their 10 s sleep is over.
         stream = stage_client.add("r", 1_000_000_000)
         stream.get(5)
         pending = [stage_client.call_utility_future("sleep", 10) for _ in range(3)]
         os.kill(stage_client.pid, sig)
         killed_at = time.monotonic()
         with pytest.raises(EngineDeadError, match=f"killed by {sig.name}") as info:
-            stream.collect(timeout=5)
+            stream.collect(timeout=30)
         for future in pending:
             with pytest.raises(EngineDeadError):
-                future.result(5)
-        assert time.monotonic() - killed_at < 1.0
+                future.result(30)
+        assert time.monotonic() - killed_at < EXIT_READ_MAX_S + 2.0
         assert info.value.exit_code == -sig
         assert info.value.fatal is None
         with pytest.raises(EngineDeadError):

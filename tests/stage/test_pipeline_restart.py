@@ -321,6 +321,38 @@ class TestSingleProcessStage:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)
 
+    def test_a_death_the_coordinator_has_not_heard_of_reads_restarting_not_dead(
+        self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A stage's client sees its process die before the pipeline's coordinator hears of
+        # it (the client's event sink hands it the end). In between, health() read the
+        # client's "dead", final to a caller watching for it, though the stage was to be
+        # started again. Pipeline only: the sink is held on the receiver's thread.
+        from enginecore.stage import Pipeline
+
+        gate = threading.Event()
+        held = threading.Event()
+        take = Pipeline._take_events
+
+        def gated(self: Any, k: int, r: int = 0, client: Any = None) -> None:
+            if k == 1 and not gate.is_set() and client is not None and client.exit_code:
+                held.set()
+                gate.wait(30)
+            take(self, k, r, client)
+
+        monkeypatch.setattr(Pipeline, "_take_events", gated)
+        with launcher("sync") as launch:
+            pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", restart=FAST)])
+            try:
+                os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+                assert held.wait(30)
+                assert pipe.client("mid").health() == StageHealth.DEAD
+                assert pipe.health()["mid"] == StageHealth.RESTARTING
+            finally:
+                gate.set()
+            assert wait_until(lambda: _up(pipe, "mid"), 30)
+            assert pipe.add("r", 2).collect(timeout=10) == [1, 0]
+
 
 class TestShutdown:
     def test_shutdown_as_a_restart_thread_starts_waits_for_it(
