@@ -375,7 +375,7 @@ class TestBorrowedSocket:
         started = time.monotonic()
         with pytest.raises(TimeoutError):
             client.call_utility("sleep", 1.0, timeout=0.2)
-        assert 0.2 <= time.monotonic() - started < 0.4
+        assert 0.2 <= time.monotonic() - started < 0.9  # at the timeout, not the 1 s answer
         assert client.call_utility("echo", 1, timeout=5) == [1]
 
     def test_death_while_a_call_borrows_the_socket(
@@ -408,7 +408,7 @@ class TestBorrowedSocket:
         started = time.monotonic()
         client.close()
         thread.join(5)
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 0.9  # woken by close(), not the 1 s answer
         assert isinstance(outcome.get("exc"), StageClosedError)
 
     def test_close_from_a_done_callback_on_a_borrowing_caller(
@@ -500,8 +500,8 @@ class TestBorrowedSocket:
         monkeypatch.setattr(client._session, "tick", broken)  # runs on the receiver thread
         started = time.monotonic()
         with pytest.raises(EngineDeadError, match="receiver thread failed"):
-            client.call_utility("sleep", 0.5, timeout=5)
-        assert time.monotonic() - started < 0.3  # not at the answer: at the failure
+            client.call_utility("sleep", 2.0, timeout=5)
+        assert time.monotonic() - started < 1.5  # not at the answer (2 s): at the failure
         monkeypatch.undo()
         assert client.shutdown(timeout=0.1) is not None
 

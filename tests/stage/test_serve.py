@@ -979,14 +979,14 @@ class TestServeSignals:
     def test_an_idle_serve_stops_at_once(self) -> None:
         # Issue 8: an idle serve took 1.07 s to stop, waiting to flush its "shutdown" event
         # to nobody. Measured ~0.03 s now (the goal is < 0.2 s; the bound leaves room for a
-        # loaded machine).
+        # loaded machine, and still fails the old 1.07 s).
         proc = _start_serve()
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=10)
         elapsed = time.monotonic() - started
         assert proc.returncode == 0
-        assert elapsed < 0.5
+        assert elapsed < 0.9
 
 
 def _serve_once(argv: list[str], cwd: str | Path) -> tuple[str, str, str, int]:
