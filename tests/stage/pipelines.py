@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any, cast
 
 import pytest
@@ -109,6 +110,23 @@ class BlockingAsyncPipeline:
     @property
     def _shm_prefix(self) -> Any:
         return self._pipe._shm_prefix
+
+
+def shutdown_in_background(pipe: Any, client: Any, drain: float) -> Future[Any]:
+    """``client.shutdown(drain=drain)`` of a stage client of *pipe* (either pipeline),
+    begun in the background: its exit code, from the future."""
+    if isinstance(pipe, BlockingAsyncPipeline):
+        return pipe._runner.submit(client.shutdown(drain=drain))
+    done: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(client.shutdown(drain=drain))
+        except BaseException as exc:  # handed to the test, which reads the future
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="test-drain", daemon=True).start()
+    return done
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ black-box audit of :class:`~enginecore.stage.Pipeline` and
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import inspect
 import os
@@ -32,7 +31,7 @@ from enginecore.stage import (
 )
 
 from .conftest import wait_until
-from .pipelines import BlockingAsyncPipeline, Launch, launcher
+from .pipelines import BlockingAsyncPipeline, Launch, launcher, shutdown_in_background
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -131,11 +130,7 @@ class TestAStageStoppedThroughItsClient:
         stream = pipe.add("long", 10**9)
         assert stream.get(timeout=10) == 10**9 - 1  # live in every stage: the drain waits
         client = pipe.client(stage)
-        draining: Any
-        if isinstance(pipe, BlockingAsyncPipeline):
-            draining = pipe._runner.submit(client.shutdown(drain=30))
-        else:
-            draining = concurrent.futures.ThreadPoolExecutor(1).submit(client.shutdown, drain=30)
+        draining = shutdown_in_background(pipe, client, drain=30)
         try:
             assert wait_until(lambda: client.closed, 10)  # its drain has begun
             # ...and the stage has read its drain: its input side answers stats() in the

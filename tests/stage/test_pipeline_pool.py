@@ -9,7 +9,6 @@ the requests routed to each replica are checked alone, against a model, at the e
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import re
 import signal
@@ -38,7 +37,7 @@ from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, Re
 from enginecore.stage._session import StreamCore
 
 from .conftest import wait_until
-from .pipelines import BlockingAsyncPipeline, Launch, launcher
+from .pipelines import Launch, launcher, shutdown_in_background
 
 COUNTDOWN = "enginecore:CountdownEngine"
 RELAY = "enginecore.stage.testing:relay"
@@ -203,11 +202,7 @@ class TestABurstSplitOverReplicas:
         assert [pipe._core.route(f"long{i}")[0] for i in range(2)] == [0, 1]
         assert wait_until(lambda: sum(pipe.call_utility("first", "num_requests")) == 2, 10)
         client = pipe.client("first", replica=1)
-        draining: Any
-        if isinstance(pipe, BlockingAsyncPipeline):
-            draining = pipe._runner.submit(client.shutdown(drain=30))
-        else:
-            draining = concurrent.futures.ThreadPoolExecutor(1).submit(client.shutdown, drain=30)
+        draining = shutdown_in_background(pipe, client, drain=30)
         try:
             assert wait_until(lambda: client.closed, 10)  # its drain has begun (long1 holds it)
             # Loads 1 and 1, replica 0's turn: "a" goes to replica 0, "b" to replica 1.

@@ -746,6 +746,16 @@ def test_both_clients_place_a_stage_on_ray(ray_launch: Callable[..., StageClient
     assert no_actor_left()
 
 
+_CHECKED_END = """
+except BaseException:  # shown, then out: Ray's excepthook may hang on a shut-down Ray
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
+print("checked", flush=True)
+"""
+"""The end of a script for :func:`_run_checked` whose checks run in one ``try:``."""
+
+
 _SHUTDOWN_UNDER_CLIENTS = """
 import asyncio, logging, ray, time
 from enginecore.stage import (
@@ -815,6 +825,20 @@ def test_ray_shutdown_under_live_clients_ends_their_calls_and_starts_no_cluster(
     # pool's restart placed its replica again on one. In a process of its own, so that
     # this module's cluster stays up.
     subprocess.run([sys.executable, "-c", _SHUTDOWN_UNDER_CLIENTS], check=True, timeout=90)
+
+
+def _run_checked(script: str, timeout: float) -> None:
+    """Runs *script* in a Python process of its own (so that this module's cluster stays
+    up): it must exit 0 and print ``checked`` last; its stderr says why not."""
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("checked"), run.stderr
 
 
 _SHUTDOWN_UNDER_STARTS = """
@@ -905,18 +929,11 @@ def test_ray_shutdown_under_starts_and_rotations_fails_them_and_starts_no_cluste
     # there, and a blocking rotation's ray.get could wait out its timeout (60 s: a run in
     # CI went past 90 s), or a shutdown between a look and a call started a cluster. In a
     # process of its own, so that this module's cluster stays up.
-    run = subprocess.run(
-        [sys.executable, "-c", _SHUTDOWN_UNDER_STARTS],
-        check=False,
-        timeout=110,  # within the test's timeout (120 s)
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip().endswith("checked"), run.stderr
+    _run_checked(_SHUTDOWN_UNDER_STARTS, timeout=110)  # within the test's (120 s)
 
 
-_SHUTDOWN_BETWEEN_LOOK_AND_CALL = """
+_SHUTDOWN_BETWEEN_LOOK_AND_CALL = (
+    """
 import logging, os, ray, sys, threading, traceback
 from enginecore.stage import EngineDeadError, StageClient
 from enginecore.stage.ray import RayPlacement, _calling_ray, _shutdown_lock, authorize_clients
@@ -945,12 +962,9 @@ try:
         raise AssertionError("the rotation did not fail")
     client.close()
     assert not ray.is_initialized(), "a Ray cluster was started again"
-except BaseException:  # shown, then out: Ray's excepthook may hang on a shut-down Ray
-    traceback.print_exc()
-    sys.stderr.flush()
-    os._exit(1)
-print("checked", flush=True)
 """
+    + _CHECKED_END
+)
 
 
 def test_a_ray_shutdown_between_a_look_and_a_call_to_ray_starts_no_cluster() -> None:
@@ -958,18 +972,11 @@ def test_a_ray_shutdown_between_a_look_and_a_call_to_ray_starts_no_cluster() -> 
     # another thread between the two let Ray's auto-init (ray.kill, actor creation and
     # actor calls) start a new local cluster. Each call now holds Ray's own lock around
     # ray.shutdown() from its look to its end.
-    run = subprocess.run(
-        [sys.executable, "-c", _SHUTDOWN_BETWEEN_LOOK_AND_CALL],
-        check=False,
-        timeout=90,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip().endswith("checked"), run.stderr
+    _run_checked(_SHUTDOWN_BETWEEN_LOOK_AND_CALL, timeout=90)
 
 
-_PLACED_AGAIN_AFTER_INIT = """
+_PLACED_AGAIN_AFTER_INIT = (
+    """
 import logging, os, ray, sys, traceback
 from enginecore.stage import StageClient, StageStartupError
 from enginecore.stage.ray import RayPlacement, _calling_ray
@@ -1015,27 +1022,16 @@ try:
     ray.shutdown()
     assert not refuses(), "a ray.init() without a placement kept the refusal"
     assert not ray.is_initialized()
-except BaseException:  # shown, then out: Ray's excepthook may hang on a shut-down Ray
-    traceback.print_exc()
-    sys.stderr.flush()
-    os._exit(1)
-print("checked", flush=True)
 """
+    + _CHECKED_END
+)
 
 
 def test_the_refusal_after_a_shutdown_under_stages_ends_with_a_new_ray_session() -> None:
     # Once Ray was shut down under stages, placements were refused for the rest of the
     # process, after a new ray.init() and a clean ray.shutdown() too. In a process of its
     # own, so that this module's cluster stays up.
-    run = subprocess.run(
-        [sys.executable, "-c", _PLACED_AGAIN_AFTER_INIT],
-        check=False,
-        timeout=110,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip().endswith("checked"), run.stderr
+    _run_checked(_PLACED_AGAIN_AFTER_INIT, timeout=110)
 
 
 def test_both_clients_report_a_failed_start_and_leave_no_actor(
