@@ -1072,19 +1072,6 @@ class PipelineCore(Generic[S]):
             state is ReplicaState.STARTING or state is ReplicaState.DEAD
         )
 
-    def restarts_when_dead(self, k: int, r: int, now: float) -> bool:
-        """Whether process *r* of stage *k*, live as far as the coordinator knows, would be
-        started again if it died at *now*: its stage restarts, the pipeline has not failed,
-        and one more death would not make it ``failed``. (Its client may see the death
-        before the coordinator does: :meth:`health` reads it as coming back meanwhile.)"""
-        policy = self.restart[k]
-        return (
-            policy is not None
-            and self.failure is None
-            and self._states[k][r] is ReplicaState.SERVING
-            and not policy.fails(self._deaths[k][r], now)
-        )
-
     def restarting(self, k: int, r: int) -> int | None:
         """The restart timer of process *r* of stage *k* fired: whether to start it now
         (it is then ``starting``), as the generation to start it with; ``None``: not (the

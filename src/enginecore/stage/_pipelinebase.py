@@ -880,7 +880,6 @@ class PipelineBase(Generic[S, C]):
         ``shutdown(drain=...)``, a process still draining reads ``OK`` (its client, closing,
         would say ``DEAD``); one that has stopped, or died, reads ``DEAD``. Never blocks."""
         core = self._core
-        now = time.monotonic()
         with self._lock:  # which processes are coming back (the clients' health: unlocked)
             pending = core.failure is None and not self._closed
             draining = self._draining
@@ -889,34 +888,23 @@ class PipelineBase(Generic[S, C]):
                 for k, clients in enumerate(self._replicas)
                 for r, client in enumerate(clients)
             ]
-            # A client sees its process die before the coordinator hears of it: until then,
-            # one that would be started again reads as coming back, never as a passing
-            # ``DEAD`` (final, to a caller watching for it).
-            unheard = [
-                pending and not draining and core.restarts_when_dead(k, r, now)
-                for k, clients in enumerate(self._replicas)
-                for r in range(len(clients))
-            ]
         # The process draining now: the last whose client closed (the drain closes them
         # in order, each once the one before it has stopped), while alive.
-        current = -1
+        now = -1
         if draining:
             closed = [i for i, (client, _, _) in enumerate(each) if client.closed]
             if closed:
                 client, _, alive = each[closed[-1]]
                 if alive and client.exit_code is None:
-                    current = closed[-1]
+                    now = closed[-1]
         health: dict[str, StageHealth] = {}
         for i, (key, (client, coming, _)) in enumerate(zip(self._keys, each, strict=True)):
             if coming:
                 health[key] = StageHealth.RESTARTING
-            elif i == current:
+            elif i == now:
                 health[key] = StageHealth.OK  # its own health() is "dead" while it closes
             else:
-                seen = client.health()
-                if seen is StageHealth.DEAD and unheard[i]:
-                    seen = StageHealth.RESTARTING
-                health[key] = seen
+                health[key] = client.health()
         return health
 
     @property

@@ -158,12 +158,6 @@ class RestartPolicy:
         if self.max_failures < 1:
             raise ValueError(f"max_failures must be an int >= 1, got {self.max_failures}")
 
-    def fails(self, deaths: deque[float], now: float) -> bool:
-        """Whether one more death at *now* would mark the replica ``failed`` (what
-        :meth:`delay` would return ``None`` for), without recording it."""
-        recent = sum(1 for t in deaths if t > now - self.window)
-        return recent + 1 >= self.max_failures
-
     def delay(self, deaths: deque[float], now: float) -> float | None:
         """Record a death at *now* in *deaths* (the replica's recent deaths); the delay
         before the next start, or ``None`` once the replica has failed."""
