@@ -326,6 +326,52 @@ class TestSingleProcessStage:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)
 
+    def test_a_death_the_coordinator_has_not_heard_of_reads_restarting_and_is_known(
+        self, no_leftovers: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A stage's client sees its process die before the pipeline's coordinator hears of
+        # it (the client's event sink, on the thread that read the end, hands it over). In
+        # between, health() read the client's "dead", final to a caller watching for it,
+        # though the stage was to be started again. health() now hands the end over itself:
+        # it reads RESTARTING, and RESTARTING still means the pipeline knows (add refuses).
+        # Pipeline only: an AsyncPipeline's reader sees the death and calls the sink in one
+        # loop callback, so no read on its loop falls between them.
+        gate = threading.Event()
+        held = threading.Event()
+        take = Pipeline._take_events
+
+        def gated(self: Any, k: int, r: int = 0, client: Any = None) -> None:
+            if (
+                k == 1
+                and threading.current_thread() is not threading.main_thread()
+                and client is not None
+                and client.exit_code is not None
+                and not gate.is_set()
+            ):
+                held.set()
+                gate.wait(30)
+            take(self, k, r, client)
+
+        monkeypatch.setattr(Pipeline, "_take_events", gated)
+        with launcher("sync") as launch:
+            pipe = launch(
+                [COUNTDOWN, PipelineStage(RELAY, name="mid", restart=RestartPolicy(first_delay=30))]
+            )
+            try:
+                os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+                assert held.wait(30)  # the sink is held: the coordinator has not heard
+                assert pipe.client("mid").health() == StageHealth.DEAD
+                assert pipe.health()["mid"] == StageHealth.RESTARTING
+                with pytest.raises(NoReplicaError):
+                    pipe.add("r", 1)
+                assert isinstance(pipe.stats()["mid"], EngineDeadError)
+            finally:
+                gate.set()
+            started = time.monotonic()
+            pipe.shutdown()
+            assert time.monotonic() - started < 10  # the 30 s backoff ended at once
+            assert pipe.restarts["mid"] == 0
+
 
 class TestShutdown:
     def test_shutdown_as_a_restart_thread_starts_waits_for_it(

@@ -526,6 +526,13 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
     ) -> None:
         await self.shutdown()
 
+    def _hands_over_deaths(self) -> bool:
+        # No: a stage's events are handled on the event loop only (_deliver sets futures).
+        # There is nothing to hand over on it either: a client's reader sees a death and
+        # calls its event sink in one callback, so health() read on the loop is always the
+        # coordinator's. (Read from another thread, it may read DEAD in that callback.)
+        return False
+
     def _deliver(self, d: PipelineDeliveries[AsyncPipelineStream]) -> None:
         for stream in d.wake:
             wakeup = stream._wakeup

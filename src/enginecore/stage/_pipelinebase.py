@@ -878,8 +878,30 @@ class PipelineBase(Generic[S, C]):
         client's, or :attr:`StageHealth.RESTARTING` for a process that died and is being
         started again, or waits for its restart's backoff (its stage restarts). During
         ``shutdown(drain=...)``, a process still draining reads ``OK`` (its client, closing,
-        would say ``DEAD``); one that has stopped, or died, reads ``DEAD``. Never blocks."""
+        would say ``DEAD``); one that has stopped, or died, reads ``DEAD``. Never blocks.
+
+        A process's client sees it die before the pipeline's coordinator hears of it (the
+        client's event sink hands the end over next, on the thread that read it): a client
+        that reads ``DEAD`` while the coordinator thinks its process live has its events
+        handed over here first, so the health read is the coordinator's (``RESTARTING`` for
+        a process to be started again, and then ``add`` knows it too), never a passing
+        ``DEAD``."""
         core = self._core
+        if self._hands_over_deaths():
+            with self._lock:
+                unheard = (
+                    [
+                        (k, r, client)
+                        for k, clients in enumerate(self._replicas)
+                        for r, client in enumerate(clients)
+                        if core.alive(k)[r]
+                    ]
+                    if core.failure is None and not self._closed
+                    else []
+                )
+            for k, r, client in unheard:
+                if client.health() is StageHealth.DEAD:
+                    self._take_events(k, r, client)
         with self._lock:  # which processes are coming back (the clients' health: unlocked)
             pending = core.failure is None and not self._closed
             draining = self._draining
@@ -1558,6 +1580,11 @@ class PipelineBase(Generic[S, C]):
         stopped is none (no error, or the client's ``StageClosedError`` once it had to kill
         it)."""
         return not self._closed or isinstance(exc, EngineDeadError)
+
+    def _hands_over_deaths(self) -> bool:
+        """Whether :meth:`health` may hand a dead client's events to the coordinator on the
+        calling thread (:meth:`_take_events`): :class:`Pipeline`'s from any thread."""
+        return True
 
     def _take_events(self, k: int, r: int = 0, client: C | None = None) -> None:
         """Stage *k*'s client (its replica *r*'s) appended to its ordered event stream: hand
