@@ -497,7 +497,7 @@ class PipelineModel(RuleBasedStateMachine):
 
     def call(
         self,
-        fn: Callable[[float, PipelineDeliveries[StreamCore]], None],
+        fn: Callable[[float, PipelineDeliveries[StreamCore]], object],
         via: str,
         k: int | None = None,
         rid: str | None = None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import pathlib
 import signal
@@ -446,7 +447,7 @@ class TestShutdown:
 
 @pytest.mark.parametrize("cancelled", ["restart", "shutdown"])
 def test_async_a_restart_cancelled_before_linking_in_stops_its_new_process(
-    no_leftovers: str, cancelled: str
+    no_leftovers: str, cancelled: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # AsyncPipeline's restart is a task: cancelled (an application that cancels every task,
     # asyncio.run's teardown; or a shutdown's task that waits for it) after the new process
@@ -499,10 +500,179 @@ def test_async_a_restart_cancelled_before_linking_in_stops_its_new_process(
         asyncio.run(main())
         assert len(new_pids) == 1
         assert wait_until(lambda: _dead(new_pids[0]), 10), "the new process runs on"
+        # A cancel by the pipeline's own shutdown is no failure: nothing is logged for it.
+        cancel_logged = _CANCELLED in caplog.text
+        assert cancel_logged == (cancelled == "restart")
     finally:
         for pid in new_pids:  # before the fix: not left to the next tests
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+SLOW = RestartPolicy(first_delay=600.0, max_delay=600.0)
+"""A backoff that outlasts the test: the restart task waits in it."""
+
+_CANCELLED = "its restart task was cancelled"
+"""What the error logged for a restart task cancelled while the pipeline is open says."""
+
+
+async def _restart_task(pipe: AsyncPipeline) -> asyncio.Task[None]:
+    """The one restart task of *pipe*, once its coordinator has heard a death (the death's
+    handling schedules it)."""
+    deadline = time.monotonic() + 30
+    while not pipe._restart_tasks:
+        assert time.monotonic() < deadline, "no restart was scheduled"
+        await asyncio.sleep(0.01)
+    (task,) = pipe._restart_tasks
+    return task
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    """Cancel *task* as an application does, and check that the cancel propagated: the task
+    ends cancelled (it did not swallow it, nor end some other way)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
+
+
+def _cancel_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        rec.getMessage()
+        for rec in caplog.records
+        if rec.levelno == logging.ERROR and _CANCELLED in rec.getMessage()
+    ]
+
+
+class TestAsyncRestartTaskCancelled:
+    """An :class:`AsyncPipeline`'s restart is a task of its own, which an application may
+    cancel while the pipeline stays open (one that cancels every task it does not own, a
+    TaskGroup's teardown). It left the process ``restarting`` for good: ``health()`` said
+    so, and ``add`` refused ("it is restarting") forever, with no retry and no word. Now
+    the process is failed, as after ``max_failures`` (docs/pipelines.md, "Restart"), an
+    error says why, and the cancel still propagates; a process the task had started is
+    stopped."""
+
+    def test_cancelled_in_its_backoff_the_process_is_failed_and_the_stage_dead(
+        self, no_leftovers: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        async def main() -> None:
+            pipe = await AsyncPipeline.launch(
+                [COUNTDOWN, PipelineStage(RELAY, name="mid", restart=SLOW)], startup_timeout=30
+            )
+            try:
+                os.kill(await pipe.call_utility("mid", "pid"), signal.SIGKILL)
+                restart = await _restart_task(pipe)
+                assert pipe.health()["mid"] == StageHealth.RESTARTING
+                await _cancel(restart)
+                assert pipe.health()["mid"] == StageHealth.DEAD  # not "restarting" for good
+                assert pipe.restarts["mid"] == 0  # no try was made
+                with pytest.raises(PipelineStageDeadError, match="restart task was cancelled") as e:
+                    await pipe.add("later", 1)  # not NoReplicaError ("it is restarting")
+                assert e.value.stage == "mid"
+                assert not pipe._restart_tasks
+            finally:
+                await pipe.shutdown()
+
+        asyncio.run(main())
+        (message,) = _cancel_errors(caplog)
+        assert "'mid'" in message
+
+    def test_cancelled_in_its_backoff_a_pool_serves_on_with_its_other_replica(
+        self, no_leftovers: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        async def main() -> None:
+            pipe = await AsyncPipeline.launch(
+                [COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=2, restart=SLOW)],
+                startup_timeout=30,
+            )
+            try:
+                os.kill(await pipe.call_utility("mid", "pid", replica=0), signal.SIGKILL)
+                await _cancel(await _restart_task(pipe))
+                health = pipe.health()
+                assert health["mid[0]"] == StageHealth.DEAD
+                assert health["mid[1]"] == StageHealth.OK
+                streams = [await pipe.add(f"r{i}", 3) for i in range(4)]
+                for stream in streams:
+                    assert await stream.collect(timeout=10) == [2, 1, 0]
+                assert pipe._core.process_state(1, 0) is ReplicaState.FAILED
+            finally:
+                await pipe.shutdown()
+
+        asyncio.run(main())
+        (message,) = _cancel_errors(caplog)
+        assert "'mid', process 0" in message
+
+    @pytest.mark.parametrize("replicas", [1, 2])
+    def test_cancelled_while_linking_in_its_new_process_is_stopped(
+        self, no_leftovers: str, caplog: pytest.LogCaptureFixture, replicas: int
+    ) -> None:
+        # The cancel lands in the link barrier: the new process is in place (_install),
+        # not yet routable (_started). It was left so until the pipeline's shutdown: alive,
+        # unrouted, and the process "restarting" for good.
+        new_pids: list[int] = []
+
+        async def main() -> None:
+            pipe = await AsyncPipeline.launch(
+                [COUNTDOWN, PipelineStage(RELAY, name="mid", replicas=replicas, restart=FAST)],
+                startup_timeout=30,
+            )
+            try:
+                real_start, real_install = pipe._start, pipe._install
+                installed, gate = asyncio.Event(), asyncio.Event()
+
+                async def start(k: int, r: int, generation: int) -> Any:
+                    client = await real_start(k, r, generation)
+                    new_pids.append(client.pid)
+                    return client
+
+                def install(k: int, r: int, client: Any) -> Any:
+                    barrier = real_install(k, r, client)
+                    assert barrier
+                    for target in barrier:
+
+                        async def held(*args: Any, target: Any = target, **kw: Any) -> Any:
+                            target.__dict__.pop("call_utility", None)
+                            await gate.wait()  # never set: the barrier waits here
+
+                        target.call_utility = held  # type: ignore[method-assign]
+                    installed.set()
+                    return barrier
+
+                pipe._start = start  # type: ignore[method-assign]
+                pipe._install = install  # type: ignore[method-assign]
+                os.kill(await pipe.call_utility("mid", "pid", replica=0), signal.SIGKILL)
+                await asyncio.wait_for(installed.wait(), 30)
+                await _cancel(await _restart_task(pipe))
+                deadline = time.monotonic() + 10
+                while not _dead(new_pids[0]):
+                    assert time.monotonic() < deadline, "the new process runs on, unrouted"
+                    await asyncio.sleep(0.01)
+                key = "mid" if replicas == 1 else "mid[0]"
+                assert pipe.health()[key] == StageHealth.DEAD
+                assert pipe._core.process_state(1, 0) is ReplicaState.FAILED
+                assert not pipe._linking
+                if replicas == 1:
+                    with pytest.raises(PipelineStageDeadError, match="restart task was cancel"):
+                        await pipe.add("later", 1)
+                else:
+                    assert pipe.health()["mid[1]"] == StageHealth.OK
+                    streams = [await pipe.add(f"r{i}", 3) for i in range(4)]
+                    for stream in streams:
+                        assert await stream.collect(timeout=10) == [2, 1, 0]
+            finally:
+                await pipe.shutdown()
+
+        try:
+            asyncio.run(main())
+            assert len(new_pids) == 1
+            (message,) = _cancel_errors(caplog)
+            assert "'mid'" in message
+            # The end of the new process, stopped by the restart, is not another death.
+            assert "its client was shut down" not in caplog.text
+        finally:
+            for pid in new_pids:  # before the fix: not left to the next tests
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 class TestRetry:
@@ -1470,6 +1640,40 @@ def test_core_a_death_while_starting_is_a_failed_start() -> None:
     assert core.started(1, 0)
 
 
+def test_core_a_restart_given_up_fails_the_process_as_max_failures_would() -> None:
+    # The IO layer gives a restart up (AsyncPipeline: its task was cancelled, the pipeline
+    # open): in the backoff (dead) or while starting, the process is failed; its stage is
+    # dead once it has no process live or coming back.
+    core = _core((1, 2, 1), RestartPolicy(first_delay=0.1))
+    d: PipelineDeliveries[StreamCore] = PipelineDeliveries()
+    core.replica_dead(1, 0, _Dead("killed"), 1.0, d)
+    assert core.abandoned(1, 0, _Dead("given up"), 1.1, d)  # in its backoff
+    assert core.process_state(1, 0) is ReplicaState.FAILED
+    assert core.restarting(1, 0) is None  # no start after it
+    assert not core.abandoned(1, 0, _Dead("given up"), 1.1, d)  # failed already: nothing
+    assert not core.abandoned(1, 1, _Dead("given up"), 1.1, d)  # serving: nothing
+    assert core.failure is None
+    core.check(["x"])  # replica 1 serves
+    core.replica_dead(1, 1, _Dead("killed"), 2.0, d)
+    with pytest.raises(NoReplicaError):
+        core.check(["x"])  # restarting
+    assert core.restarting(1, 1) == 1
+    d = PipelineDeliveries()
+    assert core.abandoned(1, 1, _Dead("its restart task was cancelled"), 2.1, d)  # starting
+    assert core.process_state(1, 1) is ReplicaState.FAILED
+    assert not core.started(1, 1)  # the IO layer stops what it started
+    assert isinstance(core.failure, PipelineStageDeadError)
+    assert core.failure.stage == "b"
+    assert core.failure.replica == 1
+    with pytest.raises(PipelineStageDeadError, match="restart task was cancelled"):
+        core.check(["x"])
+    # Once the pipeline failed or closed, there is nothing to give up.
+    core = _core((1, 1, 1), RestartPolicy(first_delay=0.1))
+    core.replica_dead(1, 0, _Dead("killed"), 1.0, d)
+    core.close(EngineDeadError("closed"), 1.0, d)
+    assert not core.abandoned(1, 0, _Dead("given up"), 1.1, d)
+
+
 @pytest.mark.parametrize("late_fence", [False, True], ids=["fence lost", "fence late"])
 def test_core_a_death_during_a_retry_frees_the_request(late_fence: bool) -> None:
     # b failed r and a replays it (fences at b and c); then b's process dies. c's fence
@@ -1527,6 +1731,8 @@ _ops = st.lists(
         st.tuples(st.just("kill"), st.integers(0, 2), st.integers(0, 2)),
         st.tuples(st.just("start"), st.integers(0, 2), st.integers(0, 2)),
         st.tuples(st.just("fail_start"), st.integers(0, 2), st.integers(0, 2)),
+        st.tuples(st.just("give_up"), st.integers(0, 2), st.integers(0, 2)),
+        st.tuples(st.just("give_up_start"), st.integers(0, 2), st.integers(0, 2)),
     ),
     max_size=80,
 )
@@ -1535,13 +1741,14 @@ _ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(_ops)
 def test_core_restarts_against_a_model(ops: list[tuple[str, int, int]]) -> None:
-    """Deaths, restarts (the backoff over: ``restarting``, then ``started``) and failed
-    starts of every stage's processes, interleaved with requests, against a model of each
-    process's state (``up``, ``dead`` with a restart pending, ``starting``, ``failed``
-    after ``max_failures`` deaths): routes name live processes only, the counts per process
-    are the requests routed there, a dead process's requests end with its error, an add is
-    refused (``NoReplicaError``) while a stage has no live process but one coming, and the
-    pipeline fails only once a stage has neither."""
+    """Deaths, restarts (the backoff over: ``restarting``, then ``started``), failed
+    starts and restarts given up (``abandoned``: in the backoff, or while starting) of every
+    stage's processes, interleaved with requests, against a model of each process's state
+    (``up``, ``dead`` with a restart pending, ``starting``, ``failed`` after
+    ``max_failures`` deaths or a restart given up): routes name live processes only, the
+    counts per process are the requests routed there, a dead process's requests end with
+    its error, an add is refused (``NoReplicaError``) while a stage has no live process but
+    one coming, and the pipeline fails only once a stage has neither."""
     replicas = (1, 3, 2)
     names = ["a", "b", "c"]
     policy = RestartPolicy(first_delay=0.1, max_delay=0.4, max_failures=3, window=1e9)
@@ -1603,7 +1810,13 @@ def test_core_restarts_against_a_model(ops: list[tuple[str, int, int]]) -> None:
                         if j != k:
                             core.aborted(j, [rid], now, d, route[j])
                 assert core.state(rid) is None
-        else:  # the backoff is over: a start, which succeeds or fails
+        elif op == "give_up":  # in the backoff
+            k, r = x, y % replicas[x]
+            given_up = core.abandoned(k, r, _Dead("cancelled"), now, d)
+            assert given_up == (state[k][r] == "dead")
+            if given_up:
+                state[k][r] = "failed"
+        else:  # the backoff is over: a start, which succeeds, fails or is given up
             k, r = x, y % replicas[x]
             generation = core.restarting(k, r)
             if state[k][r] != "dead":
@@ -1615,6 +1828,10 @@ def test_core_restarts_against_a_model(ops: list[tuple[str, int, int]]) -> None:
             if op == "start":
                 assert core.started(k, r)
                 state[k][r] = "up"
+            elif op == "give_up_start":
+                assert core.abandoned(k, r, _Dead("cancelled"), now, d)
+                assert not core.started(k, r)
+                state[k][r] = "failed"
             else:
                 delay = core.start_failed(k, r, _Dead("no"), now, d)
                 deaths[k][r] += 1

@@ -321,8 +321,18 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
 
     async def _restart(self, k: int, r: int, delay: float | None) -> None:
         """Task: :meth:`Pipeline._restart <enginecore.stage.Pipeline._restart>`'s, on the
-        event loop. Cancelled, it stops the process it started if that was not yet put in
-        place (one put in place is stopped by :meth:`shutdown`)."""
+        event loop. Cancelled before the process is up, it lets the cancel propagate, and:
+
+        - unless the pipeline closes (a cancel of its shutdown's task, which waits for this
+          one, is no failure), the process is failed, as after ``max_failures``, and an
+          error says so (:meth:`_give_up_restart`): nothing would start it again, and it
+          would read ``restarting`` for good, ``add`` refused while its stage had no live
+          process;
+        - the process it started is stopped: one not yet put in place is nobody's, and one
+          put in place but not yet routable would never be routed to. Only one put in place
+          as the pipeline closes is left to its shutdown, which stops it."""
+        starting = False  # this try has begun to start the process (``starting``: its own)
+        client: AsyncStageClient | None = None  # what this try started, not yet up
         try:
             with contextlib.suppress(Exception):
                 await self._replicas[k][r].shutdown(1.0)  # dead: reap it, close its sockets
@@ -333,9 +343,11 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                     generation = self._restarting(k, r)
                     if generation is None:
                         return
+                    starting = True
                     try:
                         client = await self._start(k, r, generation)
                     except Exception as exc:
+                        starting = False
                         delay = self._start_failed(k, r, exc)
                         continue
                     try:
@@ -344,26 +356,30 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                         self._link_failed(k, r, exc)
                         with contextlib.suppress(Exception):
                             await client.shutdown(1.0)
+                        client, starting = None, False
                         delay = self._unheard_start(k, r, exc)
                         continue
-                    except BaseException:
-                        # Cancelled (an application that cancels every task, asyncio.run's
-                        # end, a shutdown's cancelled task): a process not yet put in place
-                        # is nobody's, and would run on until the parent's exit. Stop it,
-                        # as the sync Pipeline's thread does; its shutdown goes on in a task
-                        # of its own even if this wait is cancelled too (and kills it if the
-                        # loop ends first). One put in place is the pipeline's: its
-                        # shutdown() stops it.
-                        if self._replicas[k][r] is not client:
-                            with contextlib.suppress(Exception):
-                                await client.shutdown(1.0)
-                        raise
-                    if not up:
+                    if not up:  # the pipeline failed or closes
                         with contextlib.suppress(Exception):
                             await client.shutdown(1.0)
                     return
         except Exception:
             logger.exception("enginecore: restarting a pipeline stage failed")
+        except BaseException:
+            # Cancelled (an application that cancels every task it does not own, a
+            # TaskGroup's teardown, asyncio.run's end, a shutdown's cancelled task). First
+            # the process is failed (so that the end of the one started here, stopped
+            # below, is no news to the core); then what was started is stopped. Its
+            # shutdown goes on in a task of its own even if this wait is cancelled too (and
+            # kills it if the loop ends first). Nothing here replaces the cancel.
+            try:
+                self._give_up_restart(k, r, starting)
+            except Exception:
+                logger.exception("enginecore: giving up a pipeline stage's restart failed")
+            if client is not None and (not self._closed or self._replicas[k][r] is not client):
+                with contextlib.suppress(Exception):
+                    await client.shutdown(1.0)
+            raise
 
     async def _start(self, k: int, r: int, generation: int) -> AsyncStageClient:
         """:meth:`Pipeline._start <enginecore.stage.Pipeline._start>`'s, awaited."""

@@ -137,7 +137,9 @@ last live process: the pipeline then refuses adds (:class:`~._errors.NoReplicaEr
 one is back, and fails only when a stage has no process live or coming back. The IO layer
 starts the process when the delay is over (:meth:`restarting`: ``starting``, one more
 generation), links it in, and then :meth:`started` makes it routable; a start that failed
-is a death too (:meth:`start_failed`), and so is a death while starting. It links it in
+is a death too (:meth:`start_failed`), and so is a death while starting; a restart the IO
+layer gives up (an ``AsyncPipeline``'s restart task cancelled, the pipeline open) makes
+the process ``failed`` at once (:meth:`abandoned`). It links it in
 (sends the stage before the ``link``) only once :meth:`linkable`: from the third stage on
 (the first stage hears only the coordinator, in order), the stage before has
 answered for every request routed through the dead process (the abort that confirms it
@@ -836,7 +838,7 @@ class PipelineCore(Generic[S]):
 
     def replica_dead(
         self, k: int, r: int, exc: EngineDeadError, now: float, d: PipelineDeliveries[S]
-    ) -> None:
+    ) -> bool:
         """Replica *r* of stage *k* is gone. The last live one of its stage: the stage is
         dead (:meth:`stage_dead`). Otherwise only the requests routed through it end, each
         with a :class:`~._errors.PipelineStageDeadError` naming the stage and *r* (a closing
@@ -854,10 +856,14 @@ class PipelineCore(Generic[S]):
 
         Once the pipeline has failed (:meth:`stage_dead`), the requests it held are aborted
         again from the stage after *r*, those routed through it: the aborts sent at the
-        failure may have gone to it, dead before the coordinator heard."""
+        failure may have gone to it, dead before the coordinator heard.
+
+        Whether the death is news: ``False`` if the process was down already and not
+        starting (then nothing changes: a restart given up, :meth:`abandoned`, whose new
+        process the IO layer stopped after it)."""
         alive = self._alive[k]
         if not alive[r] and self._states[k][r] is not ReplicaState.STARTING:
-            return
+            return False
         # (A process started again that dies before it is up is one more death of it: a
         # failed start, which :meth:`started` then refuses.)
         alive[r] = False
@@ -873,7 +879,7 @@ class PipelineCore(Generic[S]):
         if not any(alive):
             if not self._coming(k):
                 self.stage_dead(k, exc, now, d, r)
-                return
+                return True
             self._down.add(k)
         self._gone_around(k, r, d)
         if self.failure is not None:
@@ -890,7 +896,7 @@ class PipelineCore(Generic[S]):
                 if through:
                     d.routes.update(through)
                     d.stage_aborts.append((k + 1, [rid for rid, _ in through]))
-            return
+            return True
         error = PipelineStageDeadError(
             str(exc),
             stage=self.stages[k],
@@ -940,6 +946,7 @@ class PipelineCore(Generic[S]):
             self._abort_from_first(first, d)
         if after:
             d.stage_aborts.append((k + 1, after))
+        return True
 
     def _sent_route(self, req: _Request[S]) -> tuple[int, ...] | None:
         """*req*'s route as the IO layer sends it (:attr:`PipelineDeliveries.routes`):
@@ -1139,10 +1146,36 @@ class PipelineCore(Generic[S]):
         if policy is None or states[r] is not ReplicaState.STARTING or self.failure is not None:
             return None
         delay = policy.delay(self._deaths[k][r], now)
-        states[r] = ReplicaState.FAILED if delay is None else ReplicaState.DEAD
-        if delay is None and not any(self._alive[k]) and not self._coming(k):
-            self.stage_dead(k, exc, now, d, r)
+        if delay is None:
+            self._failed(k, r, exc, now, d)
+        else:
+            states[r] = ReplicaState.DEAD
         return delay
+
+    def abandoned(
+        self, k: int, r: int, exc: EngineDeadError, now: float, d: PipelineDeliveries[S]
+    ) -> bool:
+        """The IO layer gave up the restart of process *r* of stage *k* at *now*, before the
+        process was up (an :class:`~enginecore.stage.AsyncPipeline`'s restart task was
+        cancelled, the pipeline still open): nothing will start it again, so it is
+        ``failed``, as after ``max_failures`` (:meth:`start_failed`): out for good, and if
+        no other process of its stage is live or coming, the stage is dead
+        (:meth:`stage_dead`, with *exc*). Whether it was coming back (``dead`` with its
+        restart pending, or ``starting``); ``False`` changes nothing: it is up or failed
+        already, or the pipeline failed or closed meanwhile (no restart was due)."""
+        if self.failure is not None or not self.coming(k, r):
+            return False
+        self._failed(k, r, exc, now, d)
+        return True
+
+    def _failed(
+        self, k: int, r: int, exc: EngineDeadError, now: float, d: PipelineDeliveries[S]
+    ) -> None:
+        """Process *r* of stage *k*, down, will not be started again: ``failed``; its stage
+        is dead if that leaves it no process live or coming back."""
+        self._states[k][r] = ReplicaState.FAILED
+        if not any(self._alive[k]) and not self._coming(k):
+            self.stage_dead(k, exc, now, d, r)
 
     def process_state(self, k: int, r: int) -> ReplicaState:
         """Where process *r* of stage *k* is: ``serving``; ``dead`` (restarted later if its

@@ -1519,27 +1519,83 @@ class PipelineBase(Generic[S, C]):
         the delay before the next try, or ``None`` (no try left, or the death was heard,
         and that death's own restart, if any, takes over). Its live neighbours are told it
         is gone, as after a death (the previous stage's processes may have linked to it)."""
-        core = self._core
         with self._lock:
-            if core.process_state(k, r) is not ReplicaState.STARTING:
+            if self._core.process_state(k, r) is not ReplicaState.STARTING:
                 return None
-            gone: list[tuple[C, Parts]] = []
-            if k > 0:
-                gone += [
-                    (c, self._gone_frame("next", k, r))
-                    for c, up in zip(self._replicas[k - 1], core.alive(k - 1), strict=True)
-                    if up
-                ]
-            if k + 1 < len(self._specs):
-                gone += [
-                    (c, self._gone_frame("previous", k, r))
-                    for c, up in zip(self._replicas[k + 1], core.alive(k + 1), strict=True)
-                    if up
-                ]
+            gone = self._gone_to_neighbours(k, r)
+        self._send_gone(gone)
+        return self._start_failed(k, r, exc)
+
+    def _gone_to_neighbours(self, k: int, r: int) -> list[tuple[C, Parts]]:
+        """With the lock held: the ``gone`` that tell each live neighbour of the new process
+        *r* of stage *k*, started but never up, that it is gone (the previous stage's
+        processes may have linked to it, and it linked to the next stage's at its start):
+        sent by :meth:`_send_gone`, outside the lock."""
+        core = self._core
+        gone: list[tuple[C, Parts]] = []
+        if k > 0:
+            gone += [
+                (c, self._gone_frame("next", k, r))
+                for c, up in zip(self._replicas[k - 1], core.alive(k - 1), strict=True)
+                if up
+            ]
+        if k + 1 < len(self._specs):
+            gone += [
+                (c, self._gone_frame("previous", k, r))
+                for c, up in zip(self._replicas[k + 1], core.alive(k + 1), strict=True)
+                if up
+            ]
+        return gone
+
+    @staticmethod
+    def _send_gone(gone: list[tuple[C, Parts]]) -> None:
         for client, frame in gone:
             with contextlib.suppress(Exception):  # a process that died: its death tells
                 client._send(frame)
-        return self._start_failed(k, r, exc)
+
+    def _give_up_restart(self, k: int, r: int, starting: bool) -> None:
+        """The restart of process *r* of stage *k* ends before the process is up, its task
+        cancelled (:class:`~enginecore.stage.AsyncPipeline`: an application that cancels
+        tasks it does not own, a TaskGroup's teardown; ``asyncio.run``'s end) in its backoff
+        (the process ``dead``), or, *starting*, once it had begun to start it
+        (``starting``). Nothing would start it again, and it would read ``restarting`` for
+        good, ``add`` refused while its stage has no live process. So it is failed, as
+        after ``max_failures`` (:meth:`PipelineCore.abandoned`): it stays out, and if that
+        leaves its stage no process live or coming back, the stage is dead (every request
+        ends with its error naming it, and the pipeline takes no more); its live neighbours
+        are told a started one is gone (as after a failed start, :meth:`_unheard_start`);
+        an error says so. The caller stops the process it started (its end, heard after
+        this, is no news to the core).
+
+        Nothing once the pipeline closes (its shutdown's task, cancelled, cancels the
+        restarts it waits for: no failure, and no word), or if the process is no longer the
+        task's to start (the death of the process it started was heard, and that death's
+        own restart takes over; or the pipeline failed)."""
+        core = self._core
+        d: PipelineDeliveries[S] = PipelineDeliveries()
+        exc = EngineDeadError(
+            "its restart task was cancelled while the pipeline was open: it is not started again"
+        )
+        with self._lock:
+            self._linking.pop((k, r), None)
+            owned = ReplicaState.STARTING if starting else ReplicaState.DEAD
+            if self._closed or core.process_state(k, r) is not owned:
+                return
+            gone = self._gone_to_neighbours(k, r) if starting else []
+            if not core.abandoned(k, r, exc, time.monotonic(), d):
+                return
+            failed = core.failure is not None
+        self._deliver(d)
+        self._send_gone(gone)
+        logger.error(
+            "enginecore: pipeline stage %r, process %d: its restart task was cancelled while "
+            "the pipeline was open; it is failed and stays out%s",
+            self._names[k],
+            r,
+            "; its stage has no process left: the pipeline takes no more requests"
+            if failed
+            else "",
+        )
 
     def _link_unconfirmed(self, k: int, r: int, exc: BaseException) -> None:
         """A process of the stage before *k* did not confirm its link to the restarted
@@ -1602,6 +1658,7 @@ class PipelineBase(Generic[S, C]):
         core = self._core
         d: PipelineDeliveries[S] = PipelineDeliveries()
         dead: BaseException | None = None
+        news = True  # the death: not known to the core before (PipelineCore.replica_dead)
         credit_items = credit_bytes = 0
         credits: dict[int, list[int]] = {}  # a pool's: per replica of stage k - 1
         with self._lock:
@@ -1640,7 +1697,7 @@ class PipelineBase(Generic[S, C]):
                     )
                     exc = dead if isinstance(dead, EngineDeadError) else EngineDeadError(str(dead))
                     if self._pooled:
-                        core.replica_dead(k, r, exc, now, d)
+                        news = core.replica_dead(k, r, exc, now, d)
                     else:
                         core.stage_dead(k, exc, now, d)
         self._deliver(d)
@@ -1660,6 +1717,8 @@ class PipelineBase(Generic[S, C]):
                 self._unlink_dead(k, r)
             if at_exit():
                 return  # a pipeline never closed, its stages stopped as the program ends
+            if not news:
+                return  # a restart given up stopped its new process: it said so
             if self._closed:  # during a drain: nothing starts again, nothing more comes in
                 logger.error(
                     "enginecore: pipeline stage %r, process %d, is gone (%s) during the "
