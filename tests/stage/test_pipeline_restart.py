@@ -47,7 +47,7 @@ from enginecore.stage._curve import Authenticator, ServerCurve, secure_server
 from enginecore.stage._edge import END, FIRST, LINKS_UTILITY, MORE, ONLY, link_id
 from enginecore.stage._errors import EngineDeadError as _Dead
 from enginecore.stage._pipeline_core import PipelineCore, PipelineDeliveries, RequestState
-from enginecore.stage._pipelinebase import PIPE_FACTORY, pipe_kwargs
+from enginecore.stage._pipelinebase import PIPE_FACTORY, PipelineBase, pipe_kwargs
 from enginecore.stage._session import ClientSession, StreamCore
 from enginecore.stage._wire import ErrorReport
 
@@ -372,6 +372,32 @@ class TestSingleProcessStage:
             pipe.shutdown()
             assert time.monotonic() - started < 10  # the 30 s backoff ended at once
             assert pipe.restarts["mid"] == 0
+
+    def test_an_unexpected_error_in_the_restart_fails_the_process_never_restarting_for_good(
+        self, launch: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # A bug in the restart itself (not a failed start, which is counted and tried
+        # again) was logged, and left the process "restarting" for good: add refused ("it
+        # is restarting") forever. Now it is logged and the process failed, the stage dead.
+        def broken(self: Any, k: int, r: int) -> int | None:
+            raise RuntimeError("a bug in the restart")
+
+        monkeypatch.setattr(PipelineBase, "_restarting", broken)
+        pipe = launch([COUNTDOWN, PipelineStage(RELAY, name="mid", restart=FAST)])
+        os.kill(pipe.call_utility("mid", "pid"), signal.SIGKILL)
+        assert wait_until(lambda: pipe.health()["mid"] == StageHealth.DEAD, 30)
+        with pytest.raises(PipelineStageDeadError, match="its restart failed") as info:
+            pipe.add("r", 1)
+        assert info.value.stage == "mid"
+        assert "a bug in the restart" in str(info.value)
+
+        def logged(text: str) -> bool:  # the restart's thread logs just after the failure
+            errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            return any(text in m and "'mid'" in m for m in errors)
+
+        assert wait_until(lambda: logged("it is failed and stays out"), 10)
+        assert any("restarting a pipeline stage failed" in r.getMessage() for r in caplog.records)
+        assert pipe.restarts["mid"] == 0
 
 
 class TestShutdown:

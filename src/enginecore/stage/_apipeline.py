@@ -330,7 +330,10 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
           process;
         - the process it started is stopped: one not yet put in place is nobody's, and one
           put in place but not yet routable would never be routed to. Only one put in place
-          as the pipeline closes is left to its shutdown, which stops it."""
+          as the pipeline closes is left to its shutdown, which stops it.
+
+        An unexpected error in the restart itself (not a failed start: those are counted and
+        tried again) is logged and ends it the same way, the process failed."""
         starting = False  # this try has begun to start the process (``starting``: its own)
         client: AsyncStageClient | None = None  # what this try started, not yet up
         try:
@@ -363,23 +366,30 @@ class AsyncPipeline(PipelineBase[AsyncPipelineStream, AsyncStageClient]):
                         with contextlib.suppress(Exception):
                             await client.shutdown(1.0)
                     return
-        except Exception:
-            logger.exception("enginecore: restarting a pipeline stage failed")
-        except BaseException:
+        except BaseException as exc:
             # Cancelled (an application that cancels every task it does not own, a
             # TaskGroup's teardown, asyncio.run's end, a shutdown's cancelled task). First
             # the process is failed (so that the end of the one started here, stopped
             # below, is no news to the core); then what was started is stopped. Its
             # shutdown goes on in a task of its own even if this wait is cancelled too (and
             # kills it if the loop ends first). Nothing here replaces the cancel.
+            # An unexpected error (a bug: the restart's own failures are handled above)
+            # gives the restart up the same way, once logged: never restarting for good.
+            cancelled = not isinstance(exc, Exception)
+            if cancelled:
+                why = "its restart task was cancelled while the pipeline was open"
+            else:
+                logger.exception("enginecore: restarting a pipeline stage failed")
+                why = f"its restart failed ({exc!r})"
             try:
-                self._give_up_restart(k, r, starting)
+                self._give_up_restart(k, r, starting, why)
             except Exception:
                 logger.exception("enginecore: giving up a pipeline stage's restart failed")
             if client is not None and (not self._closed or self._replicas[k][r] is not client):
                 with contextlib.suppress(Exception):
                     await client.shutdown(1.0)
-            raise
+            if cancelled:
+                raise
 
     async def _start(self, k: int, r: int, generation: int) -> AsyncStageClient:
         """:meth:`Pipeline._start <enginecore.stage.Pipeline._start>`'s, awaited."""

@@ -369,7 +369,12 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
     def _restart(self, k: int, r: int, delay: float | None) -> None:
         """Thread: release the dead process's client, then start the process again after
         *delay*, and after each failed start's delay, until it is up, fails for good or the
-        pipeline closes (a process started as it closes is stopped here)."""
+        pipeline closes (a process started as it closes is stopped here). An unexpected
+        error in the restart itself (not a failed start: those are counted and tried again)
+        is logged, and the process failed (:meth:`_give_up_restart`): it would otherwise read
+        ``restarting`` for good; a process it had started is stopped."""
+        starting = False  # this try has begun to start the process (``starting``: its own)
+        client: StageClient | None = None  # what this try started, not yet up
         try:
             with contextlib.suppress(Exception):
                 self._replicas[k][r].shutdown(1.0)  # dead: reap it, close its sockets
@@ -380,9 +385,11 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                     generation = self._restarting(k, r)
                     if generation is None:
                         return
+                    starting = True
                     try:
                         client = self._start(k, r, generation)
                     except Exception as exc:
+                        starting = False
                         delay = self._start_failed(k, r, exc)
                         continue
                     try:
@@ -391,14 +398,22 @@ class Pipeline(PipelineBase[PipelineStream, StageClient]):
                         self._link_failed(k, r, exc)
                         with contextlib.suppress(Exception):
                             client.shutdown(1.0)
+                        client, starting = None, False
                         delay = self._unheard_start(k, r, exc)
                         continue
                     if not up:
                         with contextlib.suppress(Exception):
                             client.shutdown(1.0)
                     return
-        except Exception:
+        except Exception as exc:
             logger.exception("enginecore: restarting a pipeline stage failed")
+            try:
+                self._give_up_restart(k, r, starting, f"its restart failed ({exc!r})")
+            except Exception:
+                logger.exception("enginecore: giving up a pipeline stage's restart failed")
+            if client is not None and (not self._closed or self._replicas[k][r] is not client):
+                with contextlib.suppress(Exception):
+                    client.shutdown(1.0)
         finally:
             with self._thread_lock:
                 self._restart_threads.discard(threading.current_thread())

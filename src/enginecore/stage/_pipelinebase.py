@@ -1553,12 +1553,13 @@ class PipelineBase(Generic[S, C]):
             with contextlib.suppress(Exception):  # a process that died: its death tells
                 client._send(frame)
 
-    def _give_up_restart(self, k: int, r: int, starting: bool) -> None:
-        """The restart of process *r* of stage *k* ends before the process is up, its task
-        cancelled (:class:`~enginecore.stage.AsyncPipeline`: an application that cancels
-        tasks it does not own, a TaskGroup's teardown; ``asyncio.run``'s end) in its backoff
-        (the process ``dead``), or, *starting*, once it had begun to start it
-        (``starting``). Nothing would start it again, and it would read ``restarting`` for
+    def _give_up_restart(self, k: int, r: int, starting: bool, why: str) -> None:
+        """The restart of process *r* of stage *k* ends before the process is up, *why*
+        (its task cancelled, :class:`~enginecore.stage.AsyncPipeline`: an application that
+        cancels tasks it does not own, a TaskGroup's teardown, ``asyncio.run``'s end; or an
+        unexpected error in the restart itself, in either pipeline, logged by the caller)
+        in its backoff (the process ``dead``), or, *starting*, once it had begun to start
+        it (``starting``). Nothing would start it again, and it would read ``restarting`` for
         good, ``add`` refused while its stage has no live process. So it is failed, as
         after ``max_failures`` (:meth:`PipelineCore.abandoned`): it stays out, and if that
         leaves its stage no process live or coming back, the stage is dead (every request
@@ -1573,9 +1574,7 @@ class PipelineBase(Generic[S, C]):
         own restart takes over; or the pipeline failed)."""
         core = self._core
         d: PipelineDeliveries[S] = PipelineDeliveries()
-        exc = EngineDeadError(
-            "its restart task was cancelled while the pipeline was open: it is not started again"
-        )
+        exc = EngineDeadError(f"{why}: it is not started again")
         with self._lock:
             self._linking.pop((k, r), None)
             owned = ReplicaState.STARTING if starting else ReplicaState.DEAD
@@ -1588,10 +1587,10 @@ class PipelineBase(Generic[S, C]):
         self._deliver(d)
         self._send_gone(gone)
         logger.error(
-            "enginecore: pipeline stage %r, process %d: its restart task was cancelled while "
-            "the pipeline was open; it is failed and stays out%s",
+            "enginecore: pipeline stage %r, process %d: %s; it is failed and stays out%s",
             self._names[k],
             r,
+            why,
             "; its stage has no process left: the pipeline takes no more requests"
             if failed
             else "",
