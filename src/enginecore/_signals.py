@@ -48,6 +48,23 @@ def shutdown_on_signals(
     that cannot have a handler (``SIGKILL``, a number out of range) :class:`ValueError`. A
     signal listed twice is handled once.
     """
+    previous: dict[int, signal._HANDLER] = {}
+    try:
+        previous.update(install_shutdown_handlers(loop, signals))
+        yield
+    finally:
+        _restore(previous)
+
+
+def install_shutdown_handlers(
+    loop: _SupportsRequestShutdown, signals: Iterable[signal.Signals | int]
+) -> dict[int, signal._HANDLER]:
+    """:func:`shutdown_on_signals`' entry, checks and errors included (every handler left as
+    it was if one fails), with no exit: the handlers stay. Returns the previous ones. For
+    :class:`~enginecore.stage.StageRuntime`, which owns its process: when its loop ends it
+    replaces them with ``SIG_IGN`` in one step each, where a restore would pass through the
+    default action (``SIG_DFL``) and a stop signal landing in between (``kill`` sends
+    several; so do supervisors) would end the teardown with -15."""
     if threading.current_thread() is not threading.main_thread():
         raise ValueError("shutdown_on_signals() must be used in the main thread")
     if not callable(getattr(loop, "request_shutdown", None)):
@@ -73,7 +90,7 @@ def shutdown_on_signals(
     def handler(signum: int, frame: FrameType | None) -> None:
         loop.request_shutdown()
 
-    previous: dict[int, signal.Handlers | int | signal._HANDLER] = {}
+    previous: dict[int, signal._HANDLER] = {}
     try:
         for sig in wanted:
             try:
@@ -82,8 +99,13 @@ def shutdown_on_signals(
                 raise ValueError(
                     f"shutdown_on_signals(): cannot handle signal {_name(sig)}: {exc}"
                 ) from exc
-        yield
-    finally:
-        for sig, old in previous.items():
-            # None means the old handler was installed from C; the default is the best we can do.
-            signal.signal(sig, signal.SIG_DFL if old is None else old)
+    except BaseException:
+        _restore(previous)
+        raise
+    return previous
+
+
+def _restore(previous: dict[int, signal._HANDLER]) -> None:
+    for sig, old in previous.items():
+        # None means the old handler was installed from C; the default is the best we can do.
+        signal.signal(sig, signal.SIG_DFL if old is None else old)

@@ -32,7 +32,7 @@ import zmq
 
 from .._engine import Engine, PipelinedEngine
 from .._loop import EngineCoreLoop
-from .._signals import shutdown_on_signals
+from .._signals import install_shutdown_handlers
 from ._controls import DropEnded, Stop
 from ._curve import Authenticator, KeyWatch, ServerCurve, secure_server, start_authenticator
 from ._errors import positive_seconds
@@ -505,21 +505,22 @@ class StageRuntime:
             self._fanout.start()
         if self._watchdog is not None:
             self._watchdog.start()
-        signals = (
-            shutdown_on_signals(self.loop, self._signals)
-            if self._signals
-            else contextlib.nullcontext()
-        )
         try:
+            if self._signals:
+                # Not restored when the loop ends (shutdown_on_signals would restore them):
+                # replaced below, each in one step.
+                install_shutdown_handlers(self.loop, self._signals)
             # SystemExit / KeyboardInterrupt from the engine: the loop has logged it, emitted
             # its fatal event and re-raised. Propagating would skip exit_soon() and let
             # SystemExit(0) end the process with 0; the exit code below says fatal.
-            with signals, self._input.signals_wake(), contextlib.suppress(BaseException):
+            with self._input.signals_wake(), contextlib.suppress(BaseException):
                 self.loop.run()
         finally:
             # The stop is under way: a later stop signal (kill and a terminal send several)
             # must not end the teardown by the default action, -15 in place of the exit
-            # code. Ignored until the process exits: the runtime is the process's.
+            # code. Ignored until the process exits: the runtime is the process's. Straight
+            # from the handler to SIG_IGN: a restore of the previous handler first (SIG_DFL)
+            # left a window where a signal of a burst ended the process with -15.
             for sig in self._signals:
                 signal.signal(sig, signal.SIG_IGN)
             # Teardown, in this order:
