@@ -18,14 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enginecore import LoopStatistics
-from enginecore.stage import StageClosedError, StageLoad, StageStatistics
+from enginecore.stage import StageClosedError, StageLoad, StageObserver, StageStatistics
 from enginecore.stage._statistics import _wire_fields, check_load_interval, statistics_to_wire
 from enginecore.stage.testing import ScriptedEngine
 
-from .conftest import SCRIPTED, Launch, wait_until
-from .raw import in_process_stage
+from .conftest import SCRIPTED, Launch, Server, wait_until
+from .raw import RawClient, in_process_stage
 
 PIPELINED = "enginecore.stage.testing:pipelined"
+# Outside a pipeline a request's input never closes: after its first output it stays live,
+# with nothing to step, and the loop idles.
+RELAY = "enginecore.stage.testing:relay"
 
 
 class TestStats:
@@ -328,6 +331,106 @@ class TestIdleLoad:
             client.until(lambda ev: ev[0] == "outputs" and client.loads[-1]["live"] == 1)
             assert engine.steps == 0
             assert [report["live"] for report in client.loads] == [1]
+
+
+def _serve(*args: str, engine: str) -> Server:
+    return Server("--engine", engine, "--bind", "tcp://127.0.0.1:*", *args)
+
+
+def _welcomed_once_free(address: str, timeout: float = 10.0) -> RawClient:
+    """A raw client welcomed by a one-client stage whose previous client said ``bye`` on
+    another connection: until the stage has read that ``bye``, a ``hello`` is rejected
+    (the previous client is still attached), so try again until it is welcomed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        client = RawClient(address)
+        reply = client.hello()
+        if reply[0] == "welcome":
+            return client
+        client.close()
+        assert reply[0] == "reject", reply
+        assert time.monotonic() < deadline, f"not welcomed within {timeout} s: {reply}"
+        time.sleep(0.05)
+
+
+def _stats(client: RawClient, call_id: int) -> StageStatistics:
+    """The stage's statistics, asked by the attached raw *client*."""
+    client.send("stats", call_id)
+    answer = client.until(lambda ev: ev[0] == "utility" and ev[1] == call_id)[-1]
+    return StageStatistics.from_wire(answer[2])
+
+
+class TestNewClientLoad:
+    """A report the stage made before a new client was its current one (for the client
+    before it, for nobody, or while the new one was being welcomed) never reached it, so it
+    does not count as sent to it: the stage sends the new client its load at the next
+    chance (the idle wait, or the next step), rather than leaving it with none until what
+    is live changes."""
+
+    @pytest.mark.parametrize(
+        ("keep", "live", "made"),
+        [(False, 0, 2), (True, 1, 1)],
+        ids=["aborted-on-detach", "kept-on-detach"],
+    )
+    def test_the_next_client_of_an_idle_stage_gets_its_load(
+        self, no_leftovers: str, keep: bool, live: int, made: int
+    ) -> None:
+        """A one-client stage: the first client leaves a request live and idle (a relay
+        engine holds it), then says ``bye``. With the requests aborted on detach, the stage
+        reports the change alone while no client is attached (queued for nobody, dropped
+        when the next client is welcomed); kept, it has nothing new to report. Either way
+        the next client must get a report of what is live now."""
+        args = ("--load-interval", "0.05", *(("--keep-requests-on-detach",) if keep else ()))
+        srv = _serve(*args, engine=RELAY)
+        try:
+            with RawClient(srv.address) as first:
+                assert first.hello()[0] == "welcome"
+                first.send("add", "held", "x")
+                first.until(lambda ev: ev[0] == "outputs" and ev[1] == ["held"])
+                assert [r["live"] for r in first.loads] == [1]  # the step before it idled
+                first.send("bye")
+            with StageObserver(srv.address) as observer:
+                # The stage has read the bye and made the reports it makes for it.
+                assert wait_until(lambda: observer.stats(timeout=10).load_reports == made, 10)
+            with _welcomed_once_free(srv.address) as second:
+                # Two round trips: the report is posted as the loop next blocks for a
+                # message, so before the second call's answer at the latest.
+                second.call(1, "echo")
+                second.call(2, "echo")
+                assert [(r["seq"], r["live"]) for r in second.loads] == [(made + 1, live)]
+                assert second.loads[0]["engine"] == {}  # the relay engine has no stats()
+        finally:
+            assert srv.stop() == 0
+
+    def test_a_client_welcomed_during_a_step_gets_that_steps_report(
+        self, no_leftovers: str
+    ) -> None:
+        """A shared stage welcomes a second client while its loop is inside a step, whose
+        report (the one after which the loop idles) goes out before the loop has applied
+        the new client's session: only the first client gets it. Nothing changes after:
+        the second must still get the stage's load once it is attached."""
+        srv = _serve(
+            "--max-clients", "2", "--step-timeout", "0.2", "--load-interval", "60",
+            engine=SCRIPTED,
+        )  # fmt: skip
+        try:
+            with RawClient(srv.address) as first, RawClient(srv.address) as second:
+                assert first.hello()[0] == "welcome"
+                first.call(1, "pace", 2.0)  # every step sleeps 2 s first
+                first.send("add", "r", 1)  # one step, after which the loop idles
+                assert wait_until(lambda: _stats(first, 2).stalled, 10)  # inside it
+                assert second.hello()[0] == "welcome"
+                # Welcomed while the step runs: its report is not made yet.
+                during = _stats(second, 1)
+                assert (during.stalled, during.load_reports) == (True, 0)
+                first.until(lambda ev: ev[0] == "outputs" and ev[2] == [True], timeout=10)
+                assert (first.loads[0]["seq"], first.loads[0]["live"]) == (1, 0)
+                second.call(2, "echo")
+                second.call(3, "echo")
+                assert [(r["seq"], r["live"]) for r in second.loads] == [(2, 0)]
+                assert second.loads[0]["engine"]["running"] == 0
+        finally:
+            assert srv.stop() == 0
 
 
 class TestRawProtocol:

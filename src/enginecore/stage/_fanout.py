@@ -31,7 +31,9 @@ Routing, on the loop thread, in the loop's order (the controls of :mod:`._contro
 - The stage's load report rides on every client's frames: a step that carries one sends
   it to each attached client, on that client's ``outputs`` event, or on an ``outputs``
   event with no output for a client that has none in the step. So the pools of different
-  clients see each other's load (``docs/pool.md``).
+  clients see each other's load (``docs/pool.md``). A client that joins gets a report at
+  the stage's next chance (:meth:`Fanout.bind`'s *joined*): the ones before went to the
+  others.
 - ``stalled``, ``resumed``, ``shutdown`` and ``fatal`` go to every client.
 
 :class:`~._controls.ClientLeft` (a ``bye``, silence past the session timeout, a lost
@@ -242,12 +244,24 @@ class Fanout:
         self._shared = False
         self._live: set[str] = set()
         self._drop: Callable[[Sequence[str]], None] = lambda ids: None
+        self._on_joined: Callable[[], None] = lambda: None
 
-    def bind(self, live: set[str], drop: Callable[[Sequence[str]], None]) -> None:
-        """The stage's live requests, and the function that drops requests from the engine
-        (no ``aborted`` event): a leaving client's requests go through it."""
+    def bind(
+        self,
+        live: set[str],
+        drop: Callable[[Sequence[str]], None],
+        *,
+        joined: Callable[[], None] | None = None,
+    ) -> None:
+        """The stage's live requests, the function that drops requests from the engine
+        (no ``aborted`` event): a leaving client's requests go through it, and *joined*,
+        called on the loop thread once a client's route is in place (:meth:`joined`): the
+        stage's load reports send that client one at the next chance
+        (``LoadReporter.resend``)."""
         self._live = live
         self._drop = drop
+        if joined is not None:
+            self._on_joined = joined
 
     # -- input thread ------------------------------------------------------------------------
 
@@ -305,6 +319,9 @@ class Fanout:
             self._owner = dict.fromkeys(self._live, first)
         routes[epoch] = entry[0]
         self._shared = len(routes) > 1
+        # The reports made so far went to the others only (this one, welcomed on the input
+        # side, had no route yet): the next chance sends one to every client.
+        self._on_joined()
 
     def sender(self, epoch: int) -> None:
         """:class:`~._controls.ClientInput`."""

@@ -243,7 +243,13 @@ class StageEngine:
         self.epoch = 0  # the session the loop's events belong to (the last SessionChange's)
         self._clients = clients
         if clients is not None:
-            clients.bind(self.live, self._drop)
+            # A client that joins gets the stage's load at the next chance, as on a
+            # one-client stage (change_session): the reports before it went to the others.
+            clients.bind(
+                self.live,
+                self._drop,
+                joined=None if self.reporter is None else self.reporter.resend,
+            )
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """The loop's ``abort``: the engine's, then an ``aborted`` event, ordered with the
@@ -408,6 +414,10 @@ class StageEngine:
         if epoch is not None:
             self.epoch = epoch
             self._outbox.loop_epoch(epoch)
+            if self.reporter is not None:
+                # No report made before reached the new client (dropped while it was being
+                # welcomed, or gone to the one before it): the next chance sends one.
+                self.reporter.resend()
 
     def emit(self, event: Event) -> None:
         """The loop's ``emit``: utility answers and the terminal event (never an

@@ -15,7 +15,9 @@ Two signals, two paths (``docs/observability.md``):
   goes idle after a report went out while it was busy, one more, alone
   (:meth:`LoadReporter.report_idle`); and while it idles, one when what is live changed
   (an abort, an add the engine holds), at most one an interval
-  (:meth:`LoadReporter.report_changes`).
+  (:meth:`LoadReporter.report_changes`). A client that becomes the stage's current one
+  (its session applied by the loop) after a report went out gets one at the next chance
+  (:meth:`LoadReporter.resend`).
 """
 
 from __future__ import annotations
@@ -123,6 +125,14 @@ class LoadReporter:
     sends one (alone, as :meth:`report_idle` does) once the interval allows: at most one
     an interval, and the steps pay nothing for it.
 
+    Each of these counts a report as sent once it is posted: it reaches the clients whose
+    session the loop has applied (a one-client stage's ``SessionChange``, a shared stage's
+    ``ClientJoined``). A new client gets none made before that: those went to the clients
+    before it, or were dropped while it was being welcomed (its handshake done on the
+    input side, its session not yet applied by the loop) or while nobody was attached.
+    So the loop calls :meth:`resend` once it applies a new client's session, and the next
+    chance sends a report again; the steps pay nothing for it.
+
     The engine's numbers come from :attr:`sample`, which the stage sets to its loop's
     sampler (:meth:`enginecore._stats.StepTimer.sample_engine`) once the loop exists: the
     report's ``stats()`` call is also the loop's, which then skips its own for an interval,
@@ -171,6 +181,16 @@ class LoadReporter:
         while the output thread is idle (``post_step(last=True)``)."""
         report = self.report(time.perf_counter(), idle=True)
         self.post([("outputs", [], [], [], report)], 0, True)
+
+    def resend(self) -> None:
+        """Loop thread, once it has applied a new client's session: no report made so far
+        reached that client (see the class docstring), so none counts as sent. The next
+        chance sends one: the next step with outputs (:attr:`next_at` has passed), or, if
+        the loop idles first, the idle wait (``not idle_reported``: :meth:`report_idle`).
+        Nothing while no report was ever made: a stage that has not stepped sends none."""
+        if self.seq:
+            self.next_at = 0.0
+            self.idle_reported = False
 
     def report_changes(self) -> float | None:
         """Loop thread, as the idle loop is about to wait: if what is live is no longer what
