@@ -34,6 +34,8 @@ import openai
 import pytest
 import tokenizers
 
+from enginecore.stage.testing import TokenEchoEngine
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -119,7 +121,7 @@ class Served:
         return self.log.read_text(errors="replace")
 
 
-def _start(model: Path, tmp: Path, *extra: str) -> Served:
+def _start(model: Path, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Served:
     port = _free_port()
     log = tmp / f"server-{port}.log"
     argv = [sys.executable, str(SERVER), "--model", str(model), "--engine", ECHO]
@@ -129,6 +131,7 @@ def _start(model: Path, tmp: Path, *extra: str) -> Served:
             argv,
             stdout=out,
             stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
         )
     served = Served(proc, f"http://127.0.0.1:{port}", log)
     # The real engine's server took 28 s to come up by hand on a loaded 2-CPU machine, and
@@ -161,8 +164,10 @@ def _stop(served: Served) -> None:
 
 
 @contextlib.contextmanager
-def _serving(model: Path, tmp: Path, *extra: str) -> Iterator[Served]:
-    served = _start(model, tmp, *extra)
+def _serving(
+    model: Path, tmp: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[Served]:
+    served = _start(model, tmp, *extra, env=env)
     try:
         yield served
     finally:
@@ -176,6 +181,18 @@ def server(words: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     kwargs = '{"step_delay": 0.002, "vocab_size": 64}'
     with _serving(words, tmp, "--engine-kwargs", kwargs) as served:
         yield served
+
+
+class SilentVocabEcho(TokenEchoEngine):
+    """A custom engine's stand-in (``--engine tests.test_openai_server:SilentVocabEcho``):
+    :class:`TokenEchoEngine`, refusing a prompt id at or past its *vocab_size*, without a
+    ``model_info`` utility, so the server cannot check the ids itself beyond its tokenizer's
+    vocabulary."""
+
+    def utility(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name == "model_info":
+            raise ValueError("SilentVocabEcho has no utility 'model_info'")
+        return super().utility(name, args)
 
 
 def _descendants(pid: int) -> set[int]:
@@ -723,6 +740,37 @@ class TestEndpoints:
             broken.clear()
             again = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
             assert again.status_code == 200, again.text  # the server goes on
+
+    @pytest.mark.timeout(60)
+    def test_a_custom_engines_refusal_of_a_prompt_id_is_a_400_with_its_message(
+        self, words: Path, tmp_path: Path
+    ) -> None:
+        # An engine without model_info: the server checks ids against its tokenizer's
+        # vocabulary only (17 words), and the engine (10) refuses those past its own.
+        engine = "tests.test_openai_server:SilentVocabEcho"  # imported from the checkout
+        path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        args = ("--engine", engine, "--engine-kwargs", '{"vocab_size": 10}')
+        env = {"PYTHONPATH": os.pathsep.join(path)}
+        with _serving(words, tmp_path, *args, env=env) as served:
+            client = served.client()
+            for stream in (False, True):  # the refusal comes before any header
+                with pytest.raises(openai.BadRequestError) as info:
+                    client.completions.create(
+                        model="tiny-words", prompt=[ID["cat"], ID["hello"]], stream=stream
+                    )
+                error = _body(info.value)
+                assert error["code"] == "request_rejected", error
+                assert error["type"] == "invalid_request_error", error
+                # The engine's own words, not the server's check (a vocabulary of 17).
+                assert error["message"] == "prompt has token id 11, outside the vocabulary of 10"
+            messages: Any = [{"role": "user", "content": "cat"}]  # rendered: id 11
+            with pytest.raises(openai.BadRequestError, match="token id 11") as info:
+                client.chat.completions.create(model="tiny-words", messages=messages)
+            assert _body(info.value)["code"] == "request_rejected"
+            done = client.completions.create(model="tiny-words", prompt=[ID["hello"]], max_tokens=2)
+            assert done.choices[0].text == " hello hello"
+            assert served.wait_idle()["live"] == 0
+            assert "Traceback" not in served.output()
 
 
 class TestDisconnect:
