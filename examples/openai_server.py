@@ -30,11 +30,12 @@ code ``context_length_exceeded``; the limit is the engine's ``model_info`` utili
 (the larger of the tokenizer's and the engine's ``model_info`` ``vocab_size``, as vLLM
 checks it), a string holding a lone surrogate (JSON's ``"\\ud800"``) a 400 too, 404 for
 another model's name (type ``invalid_request_error``, as every 4xx, code
-``model_not_found``: OpenAI's), 503 when the stage is dead, 413 for a body over
-``--max-body-bytes`` (8 MiB by default). Text is tokenized off the event loop, on two
-threads: texts of 64 Ki characters or more on one (with a copy of the tokenizer), shorter
-ones on the other, so a long prompt (8 MiB take seconds) holds up only the long ones behind
-it, never the short ones nor the running streams.
+``model_not_found``: OpenAI's) or a path it does not serve (``Invalid URL (GET /path)``, as
+OpenAI words it), 405 for another method (with its ``Allow`` header), 503 when the stage is
+dead, 413 for a body over ``--max-body-bytes`` (8 MiB by default). Text is tokenized off
+the event loop, on two threads: texts of 64 Ki characters or more on one (with a copy of
+the tokenizer), shorter ones on the other, so a long prompt (8 MiB take seconds) holds up
+only the long ones behind it, never the short ones nor the running streams.
 
 Parameters: ``prompt`` is one prompt, a string or a list of token ids (a list of several
 prompts is a 400); ``max_tokens`` (in a chat ``max_completion_tokens`` wins when both are
@@ -765,8 +766,15 @@ class Server:
             return exc.response()
 
         async def http_error(request: Request, exc: Exception) -> Response:
+            # Routing's: a path not served (in OpenAI's words), a method not taken (with its
+            # Allow header, as HTTP requires).
             assert isinstance(exc, HTTPException)
-            return ApiError(exc.status_code, str(exc.detail)).response()
+            message = str(exc.detail)
+            if exc.status_code == 404:
+                message = f"Invalid URL ({request.method} {request.url.path})"
+            response = ApiError(exc.status_code, message).response()
+            response.headers.update(exc.headers or {})
+            return response
 
         async def server_error(request: Request, exc: Exception) -> Response:
             # A bug: OpenAI's shape all the same (its SDKs parse the body of an error), the

@@ -615,6 +615,14 @@ class TestEndpoints:
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
         reply = httpx.get(server.url + "/v1/nowhere", timeout=10)
         assert reply.status_code == 404
+        # OpenAI's words for a path it does not serve (the server said "Not Found").
+        error = {"message": "Invalid URL (GET /v1/nowhere)", "param": None, "code": None}
+        assert reply.json() == {"error": {**error, "type": "invalid_request_error"}}
+        # A served path with another method: a 405 with its Allow header (HTTP requires
+        # it; it was dropped with Starlette's own body).
+        reply = httpx.get(server.url + "/v1/completions", timeout=10)
+        assert reply.status_code == 405
+        assert reply.headers["allow"] == "POST"
         assert reply.json()["error"]["type"] == "invalid_request_error"
 
     @pytest.mark.timeout(30)
