@@ -55,11 +55,12 @@ it asks for nothing or cannot change the tokens (``user``, ``metadata``, ``store
 extension, such as ``top_k`` or ``min_tokens``) is refused as unrecognized, as OpenAI
 refuses it. So is a chat message's: ``role`` (``system``, ``developer``, ``user`` or
 ``assistant``: another, ``tool`` and ``function`` included, is a 400 naming it, as OpenAI
-answers), ``content`` (a string, or a list of text parts, joined with ``"\\n"`` as vLLM
-joins them; a part of another type is a 400 naming it, as ``messages[0].content[1].type``)
-and ``name`` (passed on to the chat template, which may render it) are used; ``tool_calls``,
-``tool_call_id``, ``function_call``, ``audio`` and ``refusal`` are refused when not empty
-(``param`` names the message, as ``messages[1].tool_calls``); any other field is refused.
+answers; so is a role missing or not a string: ``param`` ``messages[1].role``), ``content``
+(a string, or a list of text parts, joined with ``"\\n"`` as vLLM joins them; a part of
+another type is a 400 naming it, as ``messages[0].content[1].type``) and ``name`` (passed
+on to the chat template, which may render it) are used; ``tool_calls``, ``tool_call_id``,
+``function_call``, ``audio`` and ``refusal`` are refused when not empty (``param`` names
+the message, as ``messages[1].tool_calls``); any other field is refused.
 
 A client that disconnects, during a stream or while it waits for a whole completion, has its
 request aborted in the stage at once; one that goes while it sends its body is dropped
@@ -961,8 +962,14 @@ class Server:
     @staticmethod
     def _message(index: int, message: Any) -> dict[str, str]:
         where = f"messages[{index}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        if not isinstance(message, dict):
             raise _bad("each message must be an object with a role and a content", where)
+        if "role" not in message:
+            raise _bad(f"missing required parameter: '{where}.role'", f"{where}.role")
+        if not isinstance(message["role"], str):
+            raise _bad(
+                f"{where}.role must be a string, got {_show(message['role'])}", f"{where}.role"
+            )
         for key, value in message.items():
             if key in MESSAGE_KEYS:
                 continue

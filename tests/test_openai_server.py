@@ -480,7 +480,7 @@ class TestEndpoints:
         text = reply.json()["choices"][0]["message"]["content"]
         assert text == " user : cat assistant : hello world assistant :"
         call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-        cases: list[tuple[dict[str, Any], str]] = [
+        cases: list[tuple[Any, str]] = [
             (
                 {"role": "assistant", "content": "hi", "tool_calls": [call]},
                 "messages[1].tool_calls",
@@ -491,7 +491,10 @@ class TestEndpoints:
             ({"role": "user", "content": [{"type": "text"}]}, "messages[1].content[0].text"),
             ({"role": "user", "content": [{"type": "image_url"}]}, "messages[1].content[0].type"),
             ({"role": "user", "content": None}, "messages[1].content"),
-            ({"content": "hi"}, "messages[1]"),
+            # The role's own param, as OpenAI's (was the message's, for a missing role too).
+            ({"content": "hi"}, "messages[1].role"),
+            ({"role": 7, "content": "hi"}, "messages[1].role"),
+            ("hi", "messages[1]"),
         ]
         for message, param in cases:
             reply = chat({"role": "user", "content": "hello"}, message)
