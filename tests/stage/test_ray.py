@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -827,11 +827,12 @@ def test_ray_shutdown_under_live_clients_ends_their_calls_and_starts_no_cluster(
     subprocess.run([sys.executable, "-c", _SHUTDOWN_UNDER_CLIENTS], check=True, timeout=90)
 
 
-def _run_checked(script: str, timeout: float) -> None:
-    """Runs *script* in a Python process of its own (so that this module's cluster stays
-    up): it must exit 0 and print ``checked`` last; its stderr says why not."""
+def _run_checked(script: str, timeout: float, args: Sequence[str] = ()) -> None:
+    """Runs *script* (with *args* as ``sys.argv[1:]``) in a Python process of its own (so
+    that this module's cluster stays up): it must exit 0 and print ``checked`` last; its
+    stderr says why not."""
     run = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", script, *args],
         check=False,
         timeout=timeout,
         capture_output=True,
@@ -1111,38 +1112,44 @@ def test_a_watch_that_sees_a_shutdown_only_in_a_later_ray_session_refuses_nothin
 _RESTART_WITHOUT_HOOKS = (
     """
 import logging, os, ray, sys, time, traceback
-from enginecore.stage import ReplicaState, RestartPolicy, StagePool
+from enginecore.stage import Pipeline, PipelineStage, ReplicaState, RestartPolicy, StagePool
 from enginecore.stage import ray as enginecore_ray
 from enginecore.stage.ray import RayPlacement, _calling_ray
 
 # A Ray without ray.init()'s hooks for enginecore (a private list of Ray's; Ray's own
 # stay, as a tuple): the refusal ends at enginecore's next call to Ray while it is
-# initialized, here a pool's restart.
+# initialized, here a pool's (or a pipeline's) restart.
 import ray._common.usage.usage_lib  # Ray adds its own hook when it is imported
 
 ray._private.worker._post_init_hooks = tuple(ray._private.worker._post_init_hooks)
 SMALL = RayPlacement(num_cpus=0.25)
+SCRIPTED = "enginecore.stage.testing:scripted"
+KIND = sys.argv[1]
 """
     + _REFUSES
     + """
 try:
     init()
     fast = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=1000)
-    pool = StagePool.launch_on_ray(
-        "enginecore.stage.testing:scripted", placement=SMALL, restart=fast)
-    (replica,) = pool.replicas
-    ray.shutdown()  # under the replica: its restarts are refused
+    if KIND == "pool":
+        group = StagePool.launch_on_ray(SCRIPTED, placement=SMALL, restart=fast)
+        (replica,) = group.replicas
+        serving = lambda: replica.state is ReplicaState.SERVING
+    else:
+        group = Pipeline.launch([PipelineStage(SCRIPTED, placement=SMALL, restart=fast)])
+        serving = lambda: set(group.health().values()) == {"ok"}
+    ray.shutdown()  # under the stage: its restarts are refused
     deadline = time.monotonic() + 10
     while not enginecore_ray._shut_down_under_stages and time.monotonic() < deadline:
         time.sleep(0.02)
     assert refuses(), "no refusal after a shutdown under a stage"
-    init()  # while the pool restarts the replica
+    init()  # while the stage is restarted
     deadline = time.monotonic() + 30
-    while replica.state is not ReplicaState.SERVING and time.monotonic() < deadline:
+    while not serving() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert replica.state is ReplicaState.SERVING, replica.state
-    assert pool.call_utility("div", 1, 2) == 0.5
-    pool.close()
+    assert serving(), "the stage was not placed again after ray.init()"
+    assert group.add("r1", 2).collect() == [1, 0]
+    group.close()
     ray.shutdown()  # a clean one
     assert not refuses(), "a clean ray.shutdown() kept the refusal"
     assert not ray.is_initialized()
@@ -1151,11 +1158,14 @@ try:
 )
 
 
-def test_a_restart_placed_again_after_ray_init_ends_the_refusal_without_ray_hooks() -> None:
-    # Without Ray's ray.init() hooks, the pool's restart is the call to Ray that sees the
-    # new session, and a later clean ray.shutdown() refuses nothing. In a process of its
-    # own, so that this module's cluster stays up.
-    _run_checked(_RESTART_WITHOUT_HOOKS, timeout=110)
+@pytest.mark.parametrize("kind", ["pool", "pipeline"])
+def test_a_restart_placed_again_after_ray_init_ends_the_refusal_without_ray_hooks(
+    kind: str,
+) -> None:
+    # Without Ray's ray.init() hooks, the pool's or pipeline's restart is the call to Ray
+    # that sees the new session, and a later clean ray.shutdown() refuses nothing. In a
+    # process of its own, so that this module's cluster stays up.
+    _run_checked(_RESTART_WITHOUT_HOOKS, timeout=110, args=[kind])
 
 
 def test_both_clients_report_a_failed_start_and_leave_no_actor(
