@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -827,11 +827,12 @@ def test_ray_shutdown_under_live_clients_ends_their_calls_and_starts_no_cluster(
     subprocess.run([sys.executable, "-c", _SHUTDOWN_UNDER_CLIENTS], check=True, timeout=90)
 
 
-def _run_checked(script: str, timeout: float) -> None:
-    """Runs *script* in a Python process of its own (so that this module's cluster stays
-    up): it must exit 0 and print ``checked`` last; its stderr says why not."""
+def _run_checked(script: str, timeout: float, args: Sequence[str] = ()) -> None:
+    """Runs *script* (with *args* as ``sys.argv[1:]``) in a Python process of its own (so
+    that this module's cluster stays up): it must exit 0 and print ``checked`` last; its
+    stderr says why not."""
     run = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", script, *args],
         check=False,
         timeout=timeout,
         capture_output=True,
@@ -998,7 +999,7 @@ def shut_down_under_a_stage():
         assert "ray.init()" in str(exc), exc
     else:
         raise AssertionError("a placement after the shutdown was not refused")
-    client.close()
+    return client
 
 def refuses() -> bool:
     # What a placement does first: refuse, or let Ray's default (ray.init()'s) have its way.
@@ -1010,14 +1011,16 @@ def refuses() -> bool:
 
 try:
     init()
-    shut_down_under_a_stage()
+    old = shut_down_under_a_stage()
     init()  # a new session: stages are placed again
     with StageClient.launch_on_ray(SCRIPTED, placement=SMALL) as client:
         assert client.add("r1", 2).collect() == [1, 0]
     ray.shutdown()  # a clean one, no stage under it
     assert not refuses(), "a clean ray.init()/ray.shutdown() kept the refusal"
+    old.close()  # a client of the first session, closed only now
+    assert not refuses(), "the close of a stage of an earlier session refused placements"
     init()
-    shut_down_under_a_stage()
+    shut_down_under_a_stage().close()
     init()  # nothing placed in this session
     ray.shutdown()
     assert not refuses(), "a ray.init() without a placement kept the refusal"
@@ -1032,6 +1035,137 @@ def test_the_refusal_after_a_shutdown_under_stages_ends_with_a_new_ray_session()
     # process, after a new ray.init() and a clean ray.shutdown() too. In a process of its
     # own, so that this module's cluster stays up.
     _run_checked(_PLACED_AGAIN_AFTER_INIT, timeout=110)
+
+
+_REFUSES = """
+def init():
+    ray.init(address="local", num_cpus=1, include_dashboard=False,
+             logging_level=logging.ERROR, log_to_driver=False)
+
+def refuses() -> bool:
+    # What a placement does first: refuse, or let Ray's default (ray.init()'s) have its way.
+    try:
+        with _calling_ray(ray, lambda: AssertionError("refused"), placement=True):
+            return False
+    except AssertionError:
+        return True
+"""
+
+
+_LATE_WATCH = (
+    """
+import logging, os, ray, sys, threading, traceback
+from enginecore.stage import StageClient
+from enginecore.stage.ray import RayPlacement, RayStage, _calling_ray
+
+SMALL = RayPlacement(num_cpus=0.25)
+SCRIPTED = "enginecore.stage.testing:scripted"
+# The stage's watch looks only once a new Ray session is up (it was late, as a watch
+# starved of the GIL, or a shutdown and an init within one of its 0.25 s polls).
+late = threading.Event()
+watch = RayStage._watch
+
+def late_watch(stage):
+    late.wait()
+    watch(stage)
+
+RayStage._watch = late_watch
+"""
+    + _REFUSES
+    + """
+try:
+    init()
+    old = StageClient.launch_on_ray(SCRIPTED, placement=SMALL)
+    ray.shutdown()  # under the stage
+    init()
+    late.set()
+    # Its session is over: its client hears of it all the same (Ray completes none of the
+    # old actor's calls), without refusing the placements of the new session.
+    assert old._launched.wait_exit(10), "the client never heard of its stage's end"
+    assert "ray.shutdown" in (old._launched.death or ""), old._launched.death
+    assert not refuses(), "a stage of an ended session refused the new one's placements"
+    with StageClient.launch_on_ray(SCRIPTED, placement=SMALL) as client:
+        assert client.add("r1", 2).collect() == [1, 0]
+    ray.shutdown()  # a clean one: the new session had no stage under it
+    assert not refuses(), "a stage of an earlier session kept the refusal"
+    old.close()  # closed only now: still no refusal, and no call to Ray
+    assert not refuses(), "the close of a stage of an earlier session refused placements"
+    assert not ray.is_initialized(), "a close started a Ray cluster of its own"
+    # Ray's default, as promised: the launch's first call to Ray starts a local cluster.
+    with StageClient.launch_on_ray(SCRIPTED, placement=SMALL) as client:
+        assert client.add("r1", 1).collect() == [0]
+    assert ray.is_initialized()
+    ray.shutdown()
+"""
+    + _CHECKED_END
+)
+
+
+def test_a_watch_that_sees_a_shutdown_only_in_a_later_ray_session_refuses_nothing() -> None:
+    # A stage whose watch looked only after a new ray.init() waited on its dead actor for
+    # the whole new session (its client never heard of the end), then took that session's
+    # clean ray.shutdown() for one under it: placements were refused from then on. In a
+    # process of its own, so that this module's cluster stays up.
+    _run_checked(_LATE_WATCH, timeout=110)
+
+
+_RESTART_WITHOUT_HOOKS = (
+    """
+import logging, os, ray, sys, time, traceback
+from enginecore.stage import Pipeline, PipelineStage, ReplicaState, RestartPolicy, StagePool
+from enginecore.stage import ray as enginecore_ray
+from enginecore.stage.ray import RayPlacement, _calling_ray
+
+# A Ray without ray.init()'s hooks for enginecore (a private list of Ray's; Ray's own
+# stay, as a tuple): the refusal ends at enginecore's next call to Ray while it is
+# initialized, here a pool's (or a pipeline's) restart.
+import ray._common.usage.usage_lib  # Ray adds its own hook when it is imported
+
+ray._private.worker._post_init_hooks = tuple(ray._private.worker._post_init_hooks)
+SMALL = RayPlacement(num_cpus=0.25)
+SCRIPTED = "enginecore.stage.testing:scripted"
+KIND = sys.argv[1]
+"""
+    + _REFUSES
+    + """
+try:
+    init()
+    fast = RestartPolicy(first_delay=0.05, max_delay=0.05, max_failures=1000)
+    if KIND == "pool":
+        group = StagePool.launch_on_ray(SCRIPTED, placement=SMALL, restart=fast)
+        (replica,) = group.replicas
+        serving = lambda: replica.state is ReplicaState.SERVING
+    else:
+        group = Pipeline.launch([PipelineStage(SCRIPTED, placement=SMALL, restart=fast)])
+        serving = lambda: set(group.health().values()) == {"ok"}
+    ray.shutdown()  # under the stage: its restarts are refused
+    deadline = time.monotonic() + 10
+    while not enginecore_ray._shut_down_under_stages and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert refuses(), "no refusal after a shutdown under a stage"
+    init()  # while the stage is restarted
+    deadline = time.monotonic() + 30
+    while not serving() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert serving(), "the stage was not placed again after ray.init()"
+    assert group.add("r1", 2).collect() == [1, 0]
+    group.close()
+    ray.shutdown()  # a clean one
+    assert not refuses(), "a clean ray.shutdown() kept the refusal"
+    assert not ray.is_initialized()
+"""
+    + _CHECKED_END
+)
+
+
+@pytest.mark.parametrize("kind", ["pool", "pipeline"])
+def test_a_restart_placed_again_after_ray_init_ends_the_refusal_without_ray_hooks(
+    kind: str,
+) -> None:
+    # Without Ray's ray.init() hooks, the pool's or pipeline's restart is the call to Ray
+    # that sees the new session, and a later clean ray.shutdown() refuses nothing. In a
+    # process of its own, so that this module's cluster stays up.
+    _run_checked(_RESTART_WITHOUT_HOOKS, timeout=110, args=[kind])
 
 
 def test_both_clients_report_a_failed_start_and_leave_no_actor(

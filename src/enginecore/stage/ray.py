@@ -50,6 +50,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -124,36 +125,66 @@ _SHUT_DOWN: Final = "Ray was shut down in this process (ray.shutdown()); its act
 # session is up (_new_session): a later clean ray.shutdown() is Ray's default again.
 _shut_down_under_stages = False
 _hooked = False
+# The Ray sessions of this process that enginecore has seen, counted (_new_session): a
+# stage keeps the one it was placed in (RayStage.session), so that a stage of an ended
+# session neither takes a later session's ray.shutdown() for one under it nor calls Ray
+# in a later session. _session_node: the last one's node, weakly (Ray makes one a session).
+_sessions = 0
+_session_node: weakref.ref[Any] | None = None
+_session_lock = threading.Lock()  # Ray runs its hook outside its own lock
 
 
-def _shut_down() -> None:
+def _shut_down(session: int | None = None) -> None:
     """A stage of this process saw Ray shut down under it: refuse placements until a new
     Ray session is up. Set only while Ray is still not initialized, looked at under Ray's
     :func:`_shutdown_lock` (which ``ray.init()`` holds): a watch that saw the shutdown but
-    sets the flag only after a new ``ray.init()`` would keep the refusal for good."""
-    global _shut_down_under_stages, _hooked
+    sets the flag only after a new ``ray.init()`` would keep the refusal for good. Nor
+    where *session* (the stage's, :data:`_sessions`; ``None``: the last one) is not the
+    last session seen: the stage's session ended before a later one began, and the
+    shutdown seen now is that later session's, with none of its stages under it."""
+    global _shut_down_under_stages
     ray = _import_ray()
     with _shutdown_lock(ray):
-        if ray.is_initialized():
+        if ray.is_initialized() or (session is not None and session != _sessions):
             return
         _shut_down_under_stages = True
-        if not _hooked:
-            # Ray runs these after each ray.init() (a private name of Ray's, Ray 2.60; where
-            # it is missing, the flag is cleared at enginecore's next call to Ray instead:
-            # _calling_ray).
-            hooks = getattr(
-                getattr(getattr(ray, "_private", None), "worker", None), "_post_init_hooks", None
-            )
-            if isinstance(hooks, list):
-                hooks.append(_new_session)
-                _hooked = True
+        _hook(ray)
+
+
+def _hook(ray: Any) -> None:
+    """Have Ray call :func:`_new_session` after each ``ray.init()``, once (its
+    ``ray._private.worker._post_init_hooks``, a private name of Ray's, Ray 2.60; where it
+    is missing, a new session is seen at enginecore's next call to Ray instead:
+    :func:`_calling_ray`)."""
+    global _hooked
+    if _hooked:
+        return
+    hooks = getattr(
+        getattr(getattr(ray, "_private", None), "worker", None), "_post_init_hooks", None
+    )
+    if isinstance(hooks, list):
+        hooks.append(_new_session)
+        _hooked = True
 
 
 def _new_session() -> None:
-    """Ray is initialized again (a ``ray.init()`` hook of Ray's, or seen by
-    :func:`_calling_ray`): placements are no longer refused."""
-    global _shut_down_under_stages
+    """Ray is initialized (a ``ray.init()`` hook of Ray's, or seen by
+    :func:`_calling_ray`): placements are no longer refused, and a session whose node is
+    not the last one seen is counted (:data:`_sessions`)."""
+    global _shut_down_under_stages, _sessions, _session_node
     _shut_down_under_stages = False
+    ray = _import_ray()
+    # Ray's node of this session (ray._private.worker.global_worker.node, private, Ray
+    # 2.60: a new one at each ray.init()); where it is missing, sessions are not told apart.
+    worker = getattr(getattr(getattr(ray, "_private", None), "worker", None), "global_worker", None)
+    node = getattr(worker, "node", None)
+    with _session_lock:
+        _hook(ray)
+        if node is None or (_session_node is not None and node is _session_node()):
+            return
+        with contextlib.suppress(TypeError):  # no weak reference to it: not told apart
+            _session_node = weakref.ref(node)
+            _sessions += 1
 
 
 def _shutdown_lock(ray: Any) -> contextlib.AbstractContextManager[Any]:
@@ -171,7 +202,11 @@ def _shutdown_lock(ray: Any) -> contextlib.AbstractContextManager[Any]:
 
 @contextlib.contextmanager
 def _calling_ray(
-    ray: Any, gone: Callable[[], BaseException], *, placement: bool = False
+    ray: Any,
+    gone: Callable[[], BaseException],
+    *,
+    placement: bool = False,
+    session: int | None = None,
 ) -> Iterator[None]:
     """Around every call enginecore makes to Ray (an actor's creation, an actor call's
     ``.remote()``, ``ref.future()``, ``ray.kill``): raise ``gone()`` without a call if Ray
@@ -186,12 +221,18 @@ def _calling_ray(
 
     *placement*: the creation of a stage's actor, which lets Ray's default
     (``ray.init()``'s) start or find a cluster where this process never saw Ray shut down
-    under its stages (docs/ray.md)."""
+    under its stages (docs/ray.md).
+
+    *session*: a call for a stage placed in that session (:attr:`RayStage.session`): once
+    a later session was seen, ``gone()`` too (its actor went with its session), and the
+    refusal is not set (:func:`_shut_down`)."""
     with _shutdown_lock(ray):
         if ray.is_initialized():
             _new_session()
+            if session is not None and session != _sessions:
+                raise gone()
         elif not (placement and not _shut_down_under_stages):
-            _shut_down()
+            _shut_down(session)
             raise gone()
         yield
 
@@ -204,11 +245,11 @@ def _ray_up(ray: Any) -> bool:
         return bool(ray.is_initialized())
 
 
-def _kill_actor(ray: Any, actor: Any) -> None:
+def _kill_actor(ray: Any, actor: Any, session: int | None = None) -> None:
     """``ray.kill(actor)``, unless Ray is no longer initialized in this process (a
     ``ray.shutdown()``: the actors it owned are gone with it, and ``ray.kill`` would start a
-    new local cluster of its own)."""
-    with contextlib.suppress(Exception), _calling_ray(ray, _NotCalled):
+    new local cluster of its own), or *session*, the actor's, has ended since."""
+    with contextlib.suppress(Exception), _calling_ray(ray, _NotCalled, session=session):
         ray.kill(actor, no_restart=True)
 
 
@@ -463,6 +504,8 @@ class RayStage:
         with _calling_ray(ray, lambda: _not_placed(stage)):
             self._watch_ref = actor.wait.remote()
             self._answer: concurrent.futures.Future[Any] = self._watch_ref.future()
+            # The Ray session it was placed in (_sessions): its actor goes with it.
+            self.session = _sessions
         self.actor = actor
         self.stage = stage
         self.logs = logs  # its forwarded records, if forwarded
@@ -492,8 +535,10 @@ class RayStage:
         ray = _import_ray()
         answer = self._answer
         while not self._exited.is_set():
-            if not ray.is_initialized():
-                _shut_down()
+            # A later session seen: this one was shut down (Ray completes none of its
+            # actor's calls, and a look now would take a later shutdown for its own).
+            if not ray.is_initialized() or self.session != _sessions:
+                _shut_down(self.session)
                 self._ended(None, _SHUT_DOWN)
                 return
             # Not answer.result(timeout): a remote error is also an instance of its cause's
@@ -503,8 +548,8 @@ class RayStage:
             try:
                 code = answer.result()
             except BaseException as exc:  # RayActorError and kin: the actor died
-                if not _ray_up(ray):
-                    _shut_down()
+                if not _ray_up(ray) or self.session != _sessions:
+                    _shut_down(self.session)
                     self._ended(None, _SHUT_DOWN)
                 else:
                     self._ended(None, f"its Ray actor died ({_first_line(exc)})")
@@ -535,10 +580,13 @@ class RayStage:
         stage to shut down (``actor.stop``)."""
         ray = _import_ray()
         if sig == signal.SIGKILL:
-            _kill_actor(ray, self.actor)
+            _kill_actor(ray, self.actor, self.session)
             self._ended(-int(signal.SIGKILL), "killed with ray.kill")
         elif not self._exited.is_set():
-            with contextlib.suppress(Exception), _calling_ray(ray, _NotCalled):
+            with (
+                contextlib.suppress(Exception),
+                _calling_ray(ray, _NotCalled, session=self.session),
+            ):
                 self.actor.stop.remote()
 
     def release(self) -> None:
@@ -548,7 +596,7 @@ class RayStage:
             if self._released:
                 return
             self._released = True
-        _kill_actor(_import_ray(), self.actor)
+        _kill_actor(_import_ray(), self.actor, self.session)
         self._ended(self._exit_code, self.death)
         if self.logs is not None:
             self.logs.release()
@@ -1106,7 +1154,7 @@ def _rotation(
         if getattr(target, "_sockets_closed", False):
             raise StageClosedError("this stage client is closed (its stage on Ray is stopped)")
         if not initialized:
-            _shut_down()
+            _shut_down(stage.session)
             raise EngineDeadError(f"stage {stage.stage!r}: {_SHUT_DOWN}")
         if stage.wait_exit(0):
             code = stage.reap()
