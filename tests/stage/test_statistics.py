@@ -23,7 +23,7 @@ from enginecore.stage._statistics import _wire_fields, check_load_interval, stat
 from enginecore.stage.testing import ScriptedEngine
 
 from .conftest import SCRIPTED, Launch, Server, wait_until
-from .raw import RawClient, in_process_stage
+from .raw import RawClient, in_process_stage, welcomed_once_free
 
 PIPELINED = "enginecore.stage.testing:pipelined"
 # Outside a pipeline a request's input never closes: after its first output it stays live,
@@ -337,22 +337,6 @@ def _serve(*args: str, engine: str) -> Server:
     return Server("--engine", engine, "--bind", "tcp://127.0.0.1:*", *args)
 
 
-def _welcomed_once_free(address: str, timeout: float = 10.0) -> RawClient:
-    """A raw client welcomed by a one-client stage whose previous client said ``bye`` on
-    another connection: until the stage has read that ``bye``, a ``hello`` is rejected
-    (the previous client is still attached), so try again until it is welcomed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        client = RawClient(address)
-        reply = client.hello()
-        if reply[0] == "welcome":
-            return client
-        client.close()
-        assert reply[0] == "reject", reply
-        assert time.monotonic() < deadline, f"not welcomed within {timeout} s: {reply}"
-        time.sleep(0.05)
-
-
 def _stats(client: RawClient, call_id: int) -> StageStatistics:
     """The stage's statistics, asked by the attached raw *client*."""
     client.send("stats", call_id)
@@ -392,7 +376,7 @@ class TestNewClientLoad:
             with StageObserver(srv.address) as observer:
                 # The stage has read the bye and made the reports it makes for it.
                 assert wait_until(lambda: observer.stats(timeout=10).load_reports == made, 10)
-            with _welcomed_once_free(srv.address) as second:
+            with welcomed_once_free(srv.address, rejected="another client is") as second:
                 # Two round trips: the report is posted as the loop next blocks for a
                 # message, so before the second call's answer at the latest.
                 second.call(1, "echo")
