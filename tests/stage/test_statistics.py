@@ -386,6 +386,46 @@ class TestNewClientLoad:
         finally:
             assert srv.stop() == 0
 
+    def test_a_client_that_takes_a_silent_clients_session_over_gets_its_load(
+        self, no_leftovers: str
+    ) -> None:
+        """A one-client stage that keeps requests on detach: the first client leaves a
+        request live and idle (a relay engine holds it), then goes silent, no ping and no
+        ``bye``, its ``PULL`` still connected. Past the session timeout, the next client's
+        ``hello`` is held until that ``PULL`` goes, then welcomed: it takes the session over,
+        and the request is kept for it. The stage's one report went to the first client
+        and nothing changes after, so the new client must still get a report of what is
+        live now: the kept request."""
+        srv = _serve(
+            "--keep-requests-on-detach", "--session-timeout", "0.5", "--load-interval", "0.05",
+            engine=RELAY,
+        )  # fmt: skip
+        try:
+            with RawClient(srv.address) as first, RawClient(srv.address) as second:
+                assert first.hello()[0] == "welcome"
+                first.send("add", "held", "x")
+                first.until(lambda ev: ev[0] == "outputs" and ev[1] == ["held"])
+                assert [r["live"] for r in first.loads] == [1]  # the step before it idled
+                # Silent from now on. Within the session timeout a hello is rejected at
+                # once; past it, it is held while the first client's PULL is connected (it
+                # is answered within 5 s only when that PULL goes).
+                deadline = time.monotonic() + 10
+                while True:
+                    second.send_hello()
+                    if not second.dealer.poll(1000):
+                        break  # held
+                    reply = second.reply()
+                    assert reply[0] == "reject", reply
+                    assert reply[2] == "another client is attached to this stage", reply
+                    assert time.monotonic() < deadline, "the session never timed out"
+                    time.sleep(0.05)
+                first.close()  # no bye: its PULL goes, and the held hello is welcomed
+                assert second.hello_reply()[0] == "welcome"
+                second.until(lambda _: bool(second.loads), timeout=5)
+                assert [(r["seq"], r["live"]) for r in second.loads] == [(2, 1)]
+        finally:
+            assert srv.stop() == 0
+
     def test_a_client_welcomed_during_a_step_gets_that_steps_report(
         self, no_leftovers: str
     ) -> None:
