@@ -137,6 +137,26 @@ class RawClient:
         self.close()
 
 
+def welcomed_once_free(address: str, *, rejected: str, timeout: float = 10.0) -> RawClient:
+    """A raw client welcomed in the place another client left with a ``bye``. That ``bye``
+    and this ``hello`` come on two connections, with no order between them (docs/wire.md,
+    section 1): until the stage has read the ``bye``, a ``hello`` is rejected with a reason
+    that contains *rejected* (a one-client stage: the other client is still attached; a
+    multi-client stage: one client too many), so try again until the place is free
+    (``AssertionError`` on another reply, or past *timeout*)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        client = RawClient(address)
+        reply = client.hello()
+        if reply[0] == "welcome":
+            return client
+        client.close()
+        assert reply[0] == "reject", reply
+        assert rejected in reply[2], reply
+        assert time.monotonic() < deadline, f"not welcomed within {timeout} s: {reply}"
+        time.sleep(0.05)
+
+
 def refused_handshake(
     address: str,
     *messages: bytes,

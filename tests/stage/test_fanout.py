@@ -44,7 +44,7 @@ from enginecore.stage._stage_engine import LIVE_IN_STAGE
 from enginecore.stage._stage_session import NOT_ATTACHED, SESSION_LOST
 
 from .conftest import SCRIPTED, Connect, Server, wait_until
-from .raw import Event, RawClient
+from .raw import Event, RawClient, welcomed_once_free
 
 DEVICE = "enginecore.stage.testing:device"
 
@@ -68,24 +68,6 @@ def _welcomed(client: RawClient) -> str:
     reply = client.hello()
     assert reply[0] == "welcome", reply
     return str(reply[2])
-
-
-def _welcomed_once_free(address: str, timeout: float = 10.0) -> RawClient:
-    """A client welcomed in the place another client left with a ``bye``. That ``bye`` and
-    this ``hello`` come on two connections, with no order between them (docs/wire.md,
-    section 1): until the stage has read the ``bye``, a ``hello`` is rejected as one too
-    many, so try again until the place is free (``AssertionError`` past *timeout*)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        client = RawClient(address)
-        reply = client.hello()
-        if reply[0] == "welcome":
-            return client
-        client.close()
-        assert reply[0] == "reject", reply
-        assert "at most" in reply[2], reply
-        assert time.monotonic() < deadline, f"no place freed within {timeout} s: {reply}"
-        time.sleep(0.05)
 
 
 def _finished(rid: str) -> Callable[[Event], bool]:
@@ -209,7 +191,7 @@ class TestRawClients:
                 assert reply[0] == "reject"
                 assert "at most 2 clients" in reply[2]
             b.send("bye")
-        with _welcomed_once_free(shared.address) as c:  # b's place
+        with welcomed_once_free(shared.address, rejected="at most") as c:  # b's place
             c.send("bye")
         with RawClient(shared.address) as a2:
             a2.send("bye")  # a is still attached: nothing more to do

@@ -976,6 +976,22 @@ def test_a_ray_shutdown_between_a_look_and_a_call_to_ray_starts_no_cluster() -> 
     _run_checked(_SHUTDOWN_BETWEEN_LOOK_AND_CALL, timeout=90)
 
 
+# The scripts' ray.init(), and a look at whether a placement is refused.
+_REFUSES = """
+def init():
+    ray.init(address="local", num_cpus=1, include_dashboard=False,
+             logging_level=logging.ERROR, log_to_driver=False)
+
+def refuses() -> bool:
+    # What a placement does first: refuse, or let Ray's default (ray.init()'s) have its way.
+    try:
+        with _calling_ray(ray, lambda: AssertionError("refused"), placement=True):
+            return False
+    except AssertionError:
+        return True
+"""
+
+
 _PLACED_AGAIN_AFTER_INIT = (
     """
 import logging, os, ray, sys, traceback
@@ -984,11 +1000,9 @@ from enginecore.stage.ray import RayPlacement, _calling_ray
 
 SMALL = RayPlacement(num_cpus=0.25)
 SCRIPTED = "enginecore.stage.testing:scripted"
-
-def init():
-    ray.init(address="local", num_cpus=1, include_dashboard=False,
-             logging_level=logging.ERROR, log_to_driver=False)
-
+"""
+    + _REFUSES
+    + """
 def shut_down_under_a_stage():
     client = StageClient.launch_on_ray(SCRIPTED, placement=SMALL)
     ray.shutdown()
@@ -1000,14 +1014,6 @@ def shut_down_under_a_stage():
     else:
         raise AssertionError("a placement after the shutdown was not refused")
     return client
-
-def refuses() -> bool:
-    # What a placement does first: refuse, or let Ray's default (ray.init()'s) have its way.
-    try:
-        with _calling_ray(ray, lambda: AssertionError("refused"), placement=True):
-            return False
-    except AssertionError:
-        return True
 
 try:
     init()
@@ -1035,21 +1041,6 @@ def test_the_refusal_after_a_shutdown_under_stages_ends_with_a_new_ray_session()
     # process, after a new ray.init() and a clean ray.shutdown() too. In a process of its
     # own, so that this module's cluster stays up.
     _run_checked(_PLACED_AGAIN_AFTER_INIT, timeout=110)
-
-
-_REFUSES = """
-def init():
-    ray.init(address="local", num_cpus=1, include_dashboard=False,
-             logging_level=logging.ERROR, log_to_driver=False)
-
-def refuses() -> bool:
-    # What a placement does first: refuse, or let Ray's default (ray.init()'s) have its way.
-    try:
-        with _calling_ray(ray, lambda: AssertionError("refused"), placement=True):
-            return False
-    except AssertionError:
-        return True
-"""
 
 
 _LATE_WATCH = (

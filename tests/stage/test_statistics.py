@@ -23,7 +23,7 @@ from enginecore.stage._statistics import _wire_fields, check_load_interval, stat
 from enginecore.stage.testing import ScriptedEngine
 
 from .conftest import SCRIPTED, Launch, Server, wait_until
-from .raw import RawClient, in_process_stage
+from .raw import RawClient, in_process_stage, welcomed_once_free
 
 PIPELINED = "enginecore.stage.testing:pipelined"
 # Outside a pipeline a request's input never closes: after its first output it stays live,
@@ -337,22 +337,6 @@ def _serve(*args: str, engine: str) -> Server:
     return Server("--engine", engine, "--bind", "tcp://127.0.0.1:*", *args)
 
 
-def _welcomed_once_free(address: str, timeout: float = 10.0) -> RawClient:
-    """A raw client welcomed by a one-client stage whose previous client said ``bye`` on
-    another connection: until the stage has read that ``bye``, a ``hello`` is rejected
-    (the previous client is still attached), so try again until it is welcomed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        client = RawClient(address)
-        reply = client.hello()
-        if reply[0] == "welcome":
-            return client
-        client.close()
-        assert reply[0] == "reject", reply
-        assert time.monotonic() < deadline, f"not welcomed within {timeout} s: {reply}"
-        time.sleep(0.05)
-
-
 def _stats(client: RawClient, call_id: int) -> StageStatistics:
     """The stage's statistics, asked by the attached raw *client*."""
     client.send("stats", call_id)
@@ -392,13 +376,53 @@ class TestNewClientLoad:
             with StageObserver(srv.address) as observer:
                 # The stage has read the bye and made the reports it makes for it.
                 assert wait_until(lambda: observer.stats(timeout=10).load_reports == made, 10)
-            with _welcomed_once_free(srv.address) as second:
+            with welcomed_once_free(srv.address, rejected="another client is") as second:
                 # Two round trips: the report is posted as the loop next blocks for a
                 # message, so before the second call's answer at the latest.
                 second.call(1, "echo")
                 second.call(2, "echo")
                 assert [(r["seq"], r["live"]) for r in second.loads] == [(made + 1, live)]
                 assert second.loads[0]["engine"] == {}  # the relay engine has no stats()
+        finally:
+            assert srv.stop() == 0
+
+    def test_a_client_that_takes_a_silent_clients_session_over_gets_its_load(
+        self, no_leftovers: str
+    ) -> None:
+        """A one-client stage that keeps requests on detach: the first client leaves a
+        request live and idle (a relay engine holds it), then goes silent, no ping and no
+        ``bye``, its ``PULL`` still connected. Past the session timeout, the next client's
+        ``hello`` is held until that ``PULL`` goes, then welcomed: it takes the session over,
+        and the request is kept for it. The stage's one report went to the first client
+        and nothing changes after, so the new client must still get a report of what is
+        live now: the kept request."""
+        srv = _serve(
+            "--keep-requests-on-detach", "--session-timeout", "0.5", "--load-interval", "0.05",
+            engine=RELAY,
+        )  # fmt: skip
+        try:
+            with RawClient(srv.address) as first, RawClient(srv.address) as second:
+                assert first.hello()[0] == "welcome"
+                first.send("add", "held", "x")
+                first.until(lambda ev: ev[0] == "outputs" and ev[1] == ["held"])
+                assert [r["live"] for r in first.loads] == [1]  # the step before it idled
+                # Silent from now on. Within the session timeout a hello is rejected at
+                # once; past it, it is held while the first client's PULL is connected (it
+                # is answered within 5 s only when that PULL goes).
+                deadline = time.monotonic() + 10
+                while True:
+                    second.send_hello()
+                    if not second.dealer.poll(1000):
+                        break  # held
+                    reply = second.reply()
+                    assert reply[0] == "reject", reply
+                    assert reply[2] == "another client is attached to this stage", reply
+                    assert time.monotonic() < deadline, "the session never timed out"
+                    time.sleep(0.05)
+                first.close()  # no bye: its PULL goes, and the held hello is welcomed
+                assert second.hello_reply()[0] == "welcome"
+                second.until(lambda _: bool(second.loads), timeout=5)
+                assert [(r["seq"], r["live"]) for r in second.loads] == [(2, 1)]
         finally:
             assert srv.stop() == 0
 

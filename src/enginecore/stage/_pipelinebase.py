@@ -893,8 +893,10 @@ class PipelineBase(Generic[S, C]):
                     [
                         (k, r, client)
                         for k, clients in enumerate(self._replicas)
-                        for r, client in enumerate(clients)
-                        if core.alive(k)[r]
+                        for r, (client, alive) in enumerate(
+                            zip(clients, core.alive(k), strict=True)
+                        )
+                        if alive
                     ]
                     if core.failure is None and not self._closed
                     else []
@@ -906,9 +908,9 @@ class PipelineBase(Generic[S, C]):
             pending = core.failure is None and not self._closed
             draining = self._draining
             each = [
-                (client, pending and core.coming(k, r), core.alive(k)[r])
+                (client, pending and core.coming(k, r), alive)
                 for k, clients in enumerate(self._replicas)
-                for r, client in enumerate(clients)
+                for r, (client, alive) in enumerate(zip(clients, core.alive(k), strict=True))
             ]
         # The process draining now: the last whose client closed (the drain closes them
         # in order, each once the one before it has stopped), while alive.
