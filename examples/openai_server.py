@@ -589,30 +589,62 @@ class SendTimeout(Exception):
     stopped reading, its connection open (the socket's buffers are full)."""
 
 
-def _bounded(send: Send, timeout: float) -> Send:
+class BoundedSend:
     """*send*, each call of it bounded by *timeout* seconds (:class:`SendTimeout`).
 
     uvicorn's ``send`` waits, before it writes, while the connection's write buffer is over
     its high-water mark (64 KiB, on top of the kernel's socket buffers): that wait, which
-    a client that stops reading makes endless, is what this bounds."""
+    a client that stops reading makes endless, is what this bounds. With one timer for all
+    the sends of a response, re-armed only when it comes due: a send costs a clock read
+    (an ``asyncio.timeout`` per send, a timer each, took some 5 us a send, and a loaded
+    server streamed visibly fewer events/s). Its timer is cancelled by :meth:`close`."""
 
-    async def send_within(message: Message) -> None:
+    def __init__(self, send: Send, timeout: float) -> None:
+        self._send = send
+        self._timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # when the send under way began
+        self._task: asyncio.Task[Any] | None = None  # the task that awaits it
+        self._timer: asyncio.TimerHandle | None = None
+        self._fired = False
+
+    async def __call__(self, message: Message) -> None:
+        self._since = since = self._loop.time()
+        self._task = task = asyncio.current_task()
         if sys.version_info >= (3, 11):
-            within = asyncio.timeout(timeout)
-            try:
-                async with within:
-                    await send(message)
-            except TimeoutError:
-                if not within.expired():  # the send's own (a socket's ETIMEDOUT)
-                    raise
-                raise SendTimeout from None
-        else:
-            try:
-                await asyncio.wait_for(send(message), timeout)
-            except asyncio.TimeoutError:
-                raise SendTimeout from None
+            cancels = task.cancelling() if task else 0
+        if self._timer is None:
+            self._timer = self._loop.call_at(since + self._timeout, self._check)
+        try:
+            await self._send(message)
+        except asyncio.CancelledError:
+            if not self._fired:
+                raise
+            self._fired = False
+            # Python 3.11+: cancelled from elsewhere too meanwhile (the server stops): that
+            # cancellation goes on.
+            if sys.version_info >= (3, 11) and task and task.uncancel() > cancels:
+                raise
+            raise SendTimeout from None
+        finally:
+            self._since = None
 
-    return send_within
+    def _check(self) -> None:
+        self._timer = None
+        since = self._since
+        if since is None or self._task is None:  # between sends: the next one arms it
+            return
+        due = since + self._timeout
+        if self._loop.time() >= due:
+            self._fired = True
+            self._task.cancel()
+        else:  # a later send, under way: due later
+            self._timer = self._loop.call_at(due, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 async def _drop(scope: Scope, req_id: str, timeout: float, done: str) -> None:
@@ -650,10 +682,13 @@ class BoundedJSON(JSONResponse):
         self.send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        bounded = BoundedSend(send, self.send_timeout)
         try:
-            await super().__call__(scope, receive, _bounded(send, self.send_timeout))
+            await super().__call__(scope, receive, bounded)
         except SendTimeout:
             await _drop(scope, self.req_id, self.send_timeout, "its response cut")
+        finally:
+            bounded.close()
 
 
 class EventStream(Response):
@@ -683,15 +718,16 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
-        send = _bounded(send, self.send_timeout)
+        bounded = BoundedSend(send, self.send_timeout)
 
         async def send_all() -> None:
             nonlocal started
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+            await bounded(start)
             started = True
             async for event in self.events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await bounded({"type": "http.response.body", "body": event, "more_body": True})
+            await bounded({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
             await _unless_disconnected(receive, send_all())
@@ -703,11 +739,12 @@ class EventStream(Response):
         except asyncio.CancelledError:  # the server stops: its graceful timeout has passed
             with contextlib.suppress(Exception):  # SendTimeout too: the server closes it
                 if not started:
-                    await _shutting_down().response()(scope, receive, send)
+                    await _shutting_down().response()(scope, receive, bounded)
                 else:
                     end = _sse(_shutting_down().body()) + b"data: [DONE]\n\n"
-                    await send({"type": "http.response.body", "body": end, "more_body": False})
+                    await bounded({"type": "http.response.body", "body": end, "more_body": False})
         finally:
+            bounded.close()
             await self.on_close()
 
 

@@ -949,6 +949,36 @@ class TestSlowReaders:
         assert stats["engine"]["finished"] == before["finished"] + 1
         assert bounded.output().count("WARNING") == warnings
 
+    def test_each_send_is_bounded_not_the_whole(self) -> None:
+        # One timer serves every send of a response: sends that each take most of the
+        # timeout go through, one that takes longer raises; a cancellation from elsewhere
+        # stays a cancellation.
+        module = _load_server_module()
+
+        async def main() -> None:
+            async def send(message: dict[str, Any]) -> None:
+                await asyncio.sleep(message["s"])
+
+            bounded = module.BoundedSend(send, 0.2)
+            started = time.monotonic()
+            for _ in range(5):
+                await bounded({"s": 0.13})
+            await asyncio.sleep(0.5)  # between sends: no send to bound
+            await bounded({"s": 0})
+            assert time.monotonic() - started >= 1.0
+            started = time.monotonic()
+            with pytest.raises(module.SendTimeout):
+                await bounded({"s": 10})
+            assert 0.2 <= time.monotonic() - started < 2
+            task = asyncio.ensure_future(bounded({"s": 10}))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            bounded.close()
+
+        asyncio.run(asyncio.wait_for(main(), 20))
+
     def test_a_whole_completions_send_is_bounded_too(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:
