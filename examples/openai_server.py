@@ -611,6 +611,7 @@ class BoundedSend:
     async def __call__(self, message: Message) -> None:
         self._since = since = self._loop.time()
         self._task = task = asyncio.current_task()
+        self._fired = False  # (a send that swallowed the timer's cancellation: a new start)
         if sys.version_info >= (3, 11):
             cancels = task.cancelling() if task else 0
         if self._timer is None:
