@@ -70,6 +70,21 @@ quietly (no error logged). SIGTERM or Ctrl-C stops the server (open requests get
 the stage down: no process is left. A second Ctrl-C stops the wait for open requests: the
 stage is shut down at once (a request still open ends with a 503, code ``stage_dead``) and
 the server exits quietly.
+
+A client that stops reading with its connection open (a stalled or vanished reader) would hold
+its request's place in the engine's batch and its KV cache for as long as it stalls: once
+the socket's buffers are full, a send to it that waits longer than ``--send-timeout``
+seconds (30 by default; a number > 0: a reader that reads nothing is never served, so there
+is no "off", and a long wait is a large value) aborts the request in the stage, logs one
+warning naming the request, and drops the connection with a reset (which frees the kernel's
+send buffer too). Until then the request's outputs wait in this process's memory: the token
+ids the engine makes in ``--send-timeout`` seconds, besides the bytes the buffers hold
+(uvicorn's 64 KiB and the kernel's send buffer, up to ``net.ipv4.tcp_wmem``'s maximum: 4 MiB
+by default on Linux). A whole completion's send has the same bound (uvicorn takes the body
+into its buffer without waiting, so it rarely applies). A client that reads slowly but keeps
+reading is not cut: each send waits only until the kernel takes more, once the client has
+read about a third of that send buffer (on loopback, 1.4 MB: a second at 1.5 MB/s), so keep
+the timeout well above the time the slowest client you serve takes to read that much.
 """
 
 from __future__ import annotations
@@ -81,10 +96,12 @@ import copy
 import importlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -100,7 +117,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from enginecore import EngineCoreError
 from enginecore.stage import (
@@ -180,6 +197,7 @@ def load_tokenizer(path: Path) -> Any:
 #: for a 503 (as OpenAI's overload answer), "server_error" for another 5xx.
 _ERROR_TYPES = {503: "service_unavailable_error"}
 MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes' default
+SEND_TIMEOUT = 30.0  # --send-timeout's default, in seconds
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's escape of a surrogate
 GREEDY_BELOW = 1e-5  # a temperature under it samples greedily (as vLLM does)
 MAX_STOP = 4  # stop sequences a request may have (OpenAI's API: "up to 4")
@@ -560,8 +578,124 @@ async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -
     return task.result() if not task.cancelled() else None
 
 
+# -- clients that stop reading ---------------------------------------------------------------
+
+#: The scope's key for the connection's transport (uvicorn's), where the app found it.
+TRANSPORT = "openai_server.transport"
+
+
+class SendTimeout(Exception):
+    """A send to the client did not complete within the server's send timeout: the client
+    stopped reading, its connection open (the socket's buffers are full)."""
+
+
+class BoundedSend:
+    """*send*, each call of it bounded by *timeout* seconds (:class:`SendTimeout`).
+
+    uvicorn's ``send`` waits, before it writes, while the connection's write buffer is over
+    its high-water mark (64 KiB, on top of the kernel's socket buffers): that wait, which
+    a client that stops reading makes endless, is what this bounds. With one timer for all
+    the sends of a response, re-armed only when it comes due: a send costs a clock read
+    (an ``asyncio.timeout`` per send, a timer each, took some 5 us a send, and a loaded
+    server streamed visibly fewer events/s). Its timer is cancelled by :meth:`close`."""
+
+    def __init__(self, send: Send, timeout: float) -> None:
+        self._send = send
+        self._timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # when the send under way began
+        self._task: asyncio.Task[Any] | None = None  # the task that awaits it
+        self._timer: asyncio.TimerHandle | None = None
+        self._fired = False
+
+    async def __call__(self, message: Message) -> None:
+        self._since = since = self._loop.time()
+        self._task = task = asyncio.current_task()
+        self._fired = False  # (a send that swallowed the timer's cancellation: a new start)
+        if sys.version_info >= (3, 11):
+            cancels = task.cancelling() if task else 0
+        if self._timer is None:
+            self._timer = self._loop.call_at(since + self._timeout, self._check)
+        try:
+            await self._send(message)
+        except asyncio.CancelledError:
+            if not self._fired:
+                raise
+            self._fired = False
+            # Python 3.11+: cancelled from elsewhere too meanwhile (the server stops): that
+            # cancellation goes on.
+            if sys.version_info >= (3, 11) and task and task.uncancel() > cancels:
+                raise
+            raise SendTimeout from None
+        finally:
+            self._since = None
+
+    def _check(self) -> None:
+        self._timer = None
+        since = self._since
+        if since is None or self._task is None:  # between sends: the next one arms it
+            return
+        due = since + self._timeout
+        if self._loop.time() >= due:
+            self._fired = True
+            self._task.cancel()
+        else:  # a later send, under way: due later
+            self._timer = self._loop.call_at(due, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+async def _drop(scope: Scope, req_id: str, timeout: float, done: str) -> None:
+    """Ends the connection of a client that stopped reading (*req_id*'s, over *timeout*
+    seconds): a reset, as nginx's ``reset_timedout_connection`` does, so that the kernel
+    frees what its send buffer holds at once rather than hold it for a peer that reads
+    nothing (a close would wait for that buffer to drain, forever). Where the connection's
+    transport is not known, the response is left incomplete: the server closes it. The
+    warning says what was *done* about the request."""
+    logger.warning(
+        "request %s: a send to its client waited past the send timeout (%g s; the client "
+        "stopped reading): %s, connection dropped",
+        req_id,
+        timeout,
+        done,
+    )
+    transport = scope.get(TRANSPORT)
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # linger 0: close with a reset, the buffer dropped
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+    await asyncio.sleep(0)  # the server sees the connection lost before the app returns
+
+
+class BoundedJSON(JSONResponse):
+    """A whole completion, its sends bounded by the server's send timeout (uvicorn writes a
+    body into its buffer at once, and waits only when that buffer is already full)."""
+
+    def __init__(self, content: Any, req_id: str, send_timeout: float) -> None:
+        super().__init__(content)
+        self.req_id = req_id
+        self.send_timeout = send_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        bounded = BoundedSend(send, self.send_timeout)
+        try:
+            await super().__call__(scope, receive, bounded)
+        except SendTimeout:
+            await _drop(scope, self.req_id, self.send_timeout, "its response cut")
+        finally:
+            bounded.close()
+
+
 class EventStream(Response):
-    """A server-sent event stream that ends early, calling *on_close*, when the client goes.
+    """A server-sent event stream that ends early, calling *on_close*, when the client goes,
+    or when one send to it waits longer than *send_timeout* seconds (a client that stopped
+    reading: its connection is dropped, see :func:`_drop`).
 
     Starlette's ``StreamingResponse`` only notices a disconnect this way on older ASGI
     versions; this does it always, and *on_close* runs however the stream ends."""
@@ -569,37 +703,49 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(
-        self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        req_id: str,
+        send_timeout: float,
     ) -> None:
         self.events = events
         self.on_close = on_close
+        self.req_id = req_id
+        self.send_timeout = send_timeout
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
+        bounded = BoundedSend(send, self.send_timeout)
 
         async def send_all() -> None:
             nonlocal started
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+            await bounded(start)
             started = True
             async for event in self.events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await bounded({"type": "http.response.body", "body": event, "more_body": True})
+            await bounded({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
             await _unless_disconnected(receive, send_all())
+        except SendTimeout:  # the client stopped reading: abort, then drop the connection
+            await self.on_close()
+            await _drop(scope, self.req_id, self.send_timeout, "request aborted")
         except OSError:  # the client went while we sent
             pass
         except asyncio.CancelledError:  # the server stops: its graceful timeout has passed
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # SendTimeout too: the server closes it
                 if not started:
-                    await _shutting_down().response()(scope, receive, send)
+                    await _shutting_down().response()(scope, receive, bounded)
                 else:
                     end = _sse(_shutting_down().body()) + b"data: [DONE]\n\n"
-                    await send({"type": "http.response.body", "body": end, "more_body": False})
+                    await bounded({"type": "http.response.body", "body": end, "more_body": False})
         finally:
+            bounded.close()
             await self.on_close()
 
 
@@ -621,9 +767,11 @@ class Server:
         engine_kwargs: dict[str, Any],
         name: str,
         max_body_bytes: int = MAX_BODY_BYTES,
+        send_timeout: float = SEND_TIMEOUT,
     ) -> None:
         self.model = model
         self.max_body_bytes = max_body_bytes
+        self.send_timeout = send_timeout
         # Text to token ids off the event loop (a long prompt takes seconds; the fast
         # tokenizers release the GIL), on two lanes, each a thread with a tokenizer of its
         # own (a tokenizer is not made for concurrent encodes): texts under LONG_TEXT
@@ -785,7 +933,7 @@ class Server:
                 f"internal server error ({type(exc).__name__}); the server's log has the traceback",
             ).response()
 
-        return Starlette(
+        return _App(
             routes=routes,
             lifespan=self.lifespan,
             exception_handlers={
@@ -1025,7 +1173,10 @@ class Server:
                 return Response(status_code=499)
             if sampling.stream:
                 return EventStream(
-                    self._chunks(req_id, gen, first or "", sampling, chat), gen.abort
+                    self._chunks(req_id, gen, first or "", sampling, chat),
+                    gen.abort,
+                    req_id,
+                    self.send_timeout,
                 )
             text = await _unless_disconnected(request.receive, self._rest(gen, first or ""))
             if text is None:
@@ -1037,7 +1188,7 @@ class Server:
         except BaseException:
             await gen.abort()
             raise
-        return JSONResponse(self._whole(req_id, gen, text, chat))
+        return BoundedJSON(self._whole(req_id, gen, text, chat), req_id, self.send_timeout)
 
     @staticmethod
     async def _rest(gen: Generation, text: str) -> str:
@@ -1100,6 +1251,19 @@ class Server:
         yield b"data: [DONE]\n\n"
 
 
+class _App(Starlette):
+    """Starlette, that puts the connection's transport in the scope (:data:`TRANSPORT`) when
+    it can find it (uvicorn's ``send`` is a method of an object that holds it), so that a
+    client that stops reading can have its connection dropped (:func:`_drop`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if callable(getattr(transport, "abort", None)):
+                scope[TRANSPORT] = transport
+        await super().__call__(scope, receive, send)
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server, except that a second Ctrl-C still shuts the stage down.
 
@@ -1138,6 +1302,15 @@ def parser() -> argparse.ArgumentParser:
         help="seconds that open requests get on SIGTERM or Ctrl-C (default: 5)",
     )
     parser.add_argument(
+        "--send-timeout",
+        type=float,
+        default=SEND_TIMEOUT,
+        metavar="SECONDS",
+        help="a response's send to its client that waits longer (a client that stopped "
+        "reading) aborts the request and drops the connection "
+        f"(default: {SEND_TIMEOUT:g})",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=MAX_BODY_BYTES,
@@ -1162,6 +1335,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.error(f"--port must be from 0 to 65535, got {args.port}")
     if not args.graceful_timeout >= 0:
         cli.error(f"--graceful-timeout must be >= 0 seconds, got {args.graceful_timeout}")
+    if not 0 < args.send_timeout < math.inf:
+        cli.error(f"--send-timeout must be a number of seconds > 0, got {args.send_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     try:
         engine_kwargs = json.loads(args.engine_kwargs)
@@ -1183,6 +1358,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_kwargs,
         args.served_model_name or model.name,
         args.max_body_bytes,
+        args.send_timeout,
     )
     config = uvicorn.Config(
         server.app(),

@@ -10,6 +10,7 @@ template, saved to a folder as a model's tokenizer is.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import importlib.util
@@ -58,10 +59,12 @@ CHAT_TEMPLATE = (
 PROMPT = "hello world the cat"  # ids 7 8 9 11: the echo engine answers " hello world the cat ..."
 
 
-def _write_tokenizer(path: Path, *, chat: bool) -> Path:
-    """A word-level tokenizer over WORDS, saved as a model folder's tokenizer."""
+def _write_tokenizer(path: Path, *, chat: bool, extra: tuple[str, ...] = ()) -> Path:
+    """A word-level tokenizer over WORDS (and *extra*, ids from ``len(WORDS)``), saved as a
+    model folder's tokenizer."""
     transformers: Any = importlib.import_module("transformers")  # untyped here: not analysed
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(ID, unk_token="<unk>"))
+    vocab = {**ID, **{w: len(WORDS) + i for i, w in enumerate(extra)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
     fast = transformers.PreTrainedTokenizerFast(
@@ -814,6 +817,201 @@ class TestDisconnect:
         assert stats["engine"]["finished"] == before["finished"]
 
 
+#: A word of 16 KiB: each streamed token is an event of that size, so a few hundred of them
+#: fill the socket buffers between the server and a reader that stops (on loopback the
+#: kernel takes some 3 MB before the server's send waits) in about a second.
+LONG_WORD = "z" * 2**14
+LONG_ID = len(WORDS)
+SEND_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def long_words(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_tokenizer(
+        tmp_path_factory.mktemp("models") / "long-words", chat=False, extra=(LONG_WORD,)
+    )
+
+
+@pytest.fixture(scope="module")
+def bounded(long_words: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A server with a short --send-timeout, over steps of 5 ms (16 KiB of text each)."""
+    tmp = tmp_path_factory.mktemp("bounded")
+    kwargs = '{"step_delay": 0.005, "max_model_len": 100000}'
+    extra = ("--engine-kwargs", kwargs, "--send-timeout", str(SEND_TIMEOUT))
+    with _serving(long_words, tmp, *extra) as served:
+        yield served
+
+
+def _raw_post(served: Served, body: dict[str, Any], rcvbuf: int | None = None) -> socket.socket:
+    """A socket that has sent ``POST /v1/completions`` with *body*, and read nothing yet
+    (its receive buffer set to *rcvbuf* bytes first, before the window is agreed)."""
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", int(served.url.rsplit(":", 1)[1])))
+    data = json.dumps(body).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def _read_until(sock: socket.socket, marker: bytes, got: bytearray, deadline: float) -> None:
+    """Reads into *got* until it holds *marker*."""
+    while marker not in got:
+        assert time.monotonic() < deadline, f"no {marker!r} in time; got {bytes(got[:300])!r}"
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection ended before {marker!r}"
+        got += chunk
+
+
+class TestSlowReaders:
+    """--send-timeout: a stream whose client stops reading (its connection open) is aborted
+    in the stage and its connection dropped; one that reads slowly but keeps up is not."""
+
+    @pytest.mark.timeout(60)
+    def test_a_stalled_reader_is_aborted_and_dropped(self, bounded: Served) -> None:
+        before = bounded.stats()["engine"]
+        body = {"prompt": [LONG_ID], "max_tokens": 20000, "stream": True}  # 100 s of steps
+        with contextlib.closing(_raw_post(bounded, body, rcvbuf=4096)) as sock:
+            got = bytearray()
+            _read_until(sock, b"\n\n", got, time.monotonic() + 10)  # the headers, one event
+            assert got.startswith(b"HTTP/1.1 200 "), bytes(got[:200])
+            found = re.search(rb'"id":"(cmpl-[0-9a-f]+)"', got)
+            assert found, bytes(got[:300])
+            req_id = found.group(1).decode()
+            assert bounded.stats()["live"] == 1
+            # It reads no more. The server's sends fill the socket's buffers, then wait: past
+            # the send timeout the request is aborted in the stage.
+            stopped = time.monotonic()
+            deadline = stopped + SEND_TIMEOUT + 20  # + filling the buffers, on a busy machine
+            while (stats := bounded.stats())["engine"]["aborted"] == before["aborted"]:
+                assert time.monotonic() < deadline, "the stalled stream was not aborted"
+                time.sleep(0.05)
+            waited = time.monotonic() - stopped
+            assert waited >= SEND_TIMEOUT
+            assert stats["engine"]["finished"] == before["finished"]
+            assert bounded.wait_idle(timeout=5)["live"] == 0
+            # One warning, naming the request.
+            lines = [line for line in bounded.output().splitlines() if req_id in line]
+            assert len(lines) == 1, bounded.output()[-2000:]
+            assert lines[0].startswith("WARNING:"), lines
+            assert "send timeout" in lines[0], lines
+            # The connection is dropped with a reset (not a close, which would wait for the
+            # client to read what the kernel holds): it ends without the stream's [DONE].
+            deadline = time.monotonic() + 20
+
+            def read_to_the_end() -> None:
+                while chunk := sock.recv(65536):
+                    assert time.monotonic() < deadline, "the connection stayed open"
+                    got.extend(chunk)
+
+            with pytest.raises(ConnectionResetError):
+                read_to_the_end()
+            assert b"[DONE]" not in got
+        # The server serves on.
+        done = bounded.client().completions.create(
+            model="long-words", prompt=[ID["hello"]], max_tokens=3
+        )
+        assert done.choices[0].text == " hello hello hello"
+        assert "Traceback" not in bounded.output()
+        assert "without completing" not in bounded.output()  # uvicorn's error, were it closed
+
+    @pytest.mark.timeout(90)
+    def test_a_slow_reader_that_keeps_up_is_served_in_full(self, bounded: Served) -> None:
+        # 600 events of 16 KiB: 9.8 MB, more than the buffers between the server and a
+        # reader of 64 KiB take (some 4 MB on loopback), read at 1.5 MB/s (the stage makes
+        # 3.2 MB/s): past the first 2.5 s the server's sends wait on the reader, and the
+        # whole takes 6.5 s, twice the send timeout. Each send waits until the kernel takes
+        # more: once the reader has emptied about a third of its send buffer (1.4 MB here,
+        # about 1 s; a send timeout of 0.5 s cuts this reader).
+        before = bounded.stats()["engine"]
+        warnings = bounded.output().count("WARNING")
+        tokens = 600
+        body = {"prompt": [LONG_ID], "max_tokens": tokens, "stream": True}
+        rate = 1.5e6  # bytes/s
+        started = time.monotonic()
+        got = bytearray()
+        with contextlib.closing(_raw_post(bounded, body, rcvbuf=2**16)) as sock:
+            deadline = started + 60
+            while not got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+                assert time.monotonic() < deadline, bytes(got[-300:])
+                chunk = sock.recv(2**15)
+                assert chunk, f"the connection ended early: {bytes(got[-300:])!r}"
+                got += chunk
+                time.sleep(max(0.0, started + len(got) / rate - time.monotonic()))
+        assert time.monotonic() - started >= 2 * SEND_TIMEOUT
+        assert got.count(LONG_WORD.encode()) == tokens
+        assert b'"finish_reason":"length"' in got
+        stats = bounded.wait_idle(timeout=5)
+        assert stats["engine"]["aborted"] == before["aborted"]
+        assert stats["engine"]["finished"] == before["finished"] + 1
+        assert bounded.output().count("WARNING") == warnings
+
+    def test_each_send_is_bounded_not_the_whole(self) -> None:
+        # One timer serves every send of a response: sends that each take most of the
+        # timeout go through, one that takes longer raises; a cancellation from elsewhere
+        # stays a cancellation.
+        module = _load_server_module()
+
+        async def main() -> None:
+            async def send(message: dict[str, Any]) -> None:
+                await asyncio.sleep(message["s"])
+
+            bounded = module.BoundedSend(send, 0.2)
+            started = time.monotonic()
+            for _ in range(5):
+                await bounded({"s": 0.13})
+            await asyncio.sleep(0.5)  # between sends: no send to bound
+            await bounded({"s": 0})
+            assert time.monotonic() - started >= 1.0
+            started = time.monotonic()
+            with pytest.raises(module.SendTimeout):
+                await bounded({"s": 10})
+            assert 0.2 <= time.monotonic() - started < 2
+            task = asyncio.ensure_future(bounded({"s": 10}))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            bounded.close()
+
+        asyncio.run(asyncio.wait_for(main(), 20))
+
+    def test_a_whole_completions_send_is_bounded_too(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # uvicorn takes a whole body into its buffer without waiting (it waits before a
+        # write, while the buffer is full): here a send that never completes stands for one.
+        module = _load_server_module()
+        calls: list[str] = []
+
+        class Transport:
+            def get_extra_info(self, name: str) -> None:
+                return None
+
+            def abort(self) -> None:
+                calls.append("abort")
+
+        async def send(message: dict[str, Any]) -> None:
+            calls.append(message["type"])
+            if message["type"] == "http.response.body":
+                await asyncio.Event().wait()  # a client that reads nothing
+
+        async def receive() -> dict[str, Any]:
+            raise AssertionError("not read")
+
+        response = module.BoundedJSON({"id": "cmpl-1"}, "cmpl-1", 0.2)
+        scope = {"type": "http", module.TRANSPORT: Transport()}
+        started = time.monotonic()
+        asyncio.run(asyncio.wait_for(response(scope, receive, send), 10))
+        assert 0.2 <= time.monotonic() - started < 5
+        assert calls == ["http.response.start", "http.response.body", "abort"]
+        (record,) = [r for r in caplog.records if "cmpl-1" in r.getMessage()]
+        assert record.levelname == "WARNING"
+
+
 class TestLifecycle:
     @pytest.mark.timeout(60)
     def test_sigterm_stops_the_server_and_its_stage(self, words: Path, tmp_path: Path) -> None:
@@ -963,6 +1161,10 @@ class TestCommandLine:
             (["--port", "-1"], "--port"),
             (["--log-level", "loud"], "--log-level"),
             (["--graceful-timeout", "-1"], "--graceful-timeout"),
+            (["--send-timeout", "0"], "--send-timeout"),
+            (["--send-timeout", "-1"], "--send-timeout"),
+            (["--send-timeout", "nan"], "--send-timeout"),
+            (["--send-timeout", "inf"], "--send-timeout"),
         ],
     )
     def test_bad_arguments_exit_with_a_usage_error(
