@@ -1011,6 +1011,38 @@ class TestSlowReaders:
         (record,) = [r for r in caplog.records if "cmpl-1" in r.getMessage()]
         assert record.levelname == "WARNING"
 
+    def test_a_long_wait_for_the_engine_is_not_a_send_wait(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # A slow engine: the next event comes long after the send timeout, to a client that
+        # reads all it is sent. Only sends are bounded: the stream is served in full.
+        module = _load_server_module()
+        sent: list[bytes] = []
+        closes: list[str] = []
+
+        async def events() -> Any:
+            yield b"a"
+            await asyncio.sleep(0.5)  # the engine's next token: 5 send timeouts later
+            yield b"b"
+            await asyncio.sleep(0.5)
+            yield b"c"
+
+        async def on_close() -> None:
+            closes.append("close")
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message.get("body", b"start"))
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()  # the client stays
+            raise AssertionError("unreachable")
+
+        stream = module.EventStream(events(), on_close, "cmpl-1", 0.1)
+        asyncio.run(asyncio.wait_for(stream({"type": "http"}, receive, send), 10))
+        assert sent == [b"start", b"a", b"b", b"c", b""]
+        assert closes == ["close"]
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
 
 class TestLifecycle:
     @pytest.mark.timeout(60)
