@@ -653,8 +653,9 @@ async def _drop(scope: Scope, req_id: str, timeout: float, done: str) -> None:
     seconds): a reset, as nginx's ``reset_timedout_connection`` does, so that the kernel
     frees what its send buffer holds at once rather than hold it for a peer that reads
     nothing (a close would wait for that buffer to drain, forever). Where the connection's
-    transport is not known, the response is left incomplete: the server closes it. The
-    warning says what was *done* about the request."""
+    transport is not known (or shared: HTTP/2, see :class:`_App`), the response is left
+    incomplete: the server closes it (over HTTP/2: resets its stream). The warning says
+    what was *done* about the request."""
     logger.warning(
         "request %s: a send to its client waited past the send timeout (%g s; the client "
         "stopped reading): %s, connection dropped",
@@ -1254,10 +1255,12 @@ class Server:
 class _App(Starlette):
     """Starlette, that puts the connection's transport in the scope (:data:`TRANSPORT`) when
     it can find it (uvicorn's ``send`` is a method of an object that holds it), so that a
-    client that stops reading can have its connection dropped (:func:`_drop`)."""
+    client that stops reading can have its connection dropped (:func:`_drop`). Over HTTP/1
+    only: an HTTP/2 connection carries other requests' streams too (the server resets the
+    one stream of a response left incomplete)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope.get("http_version") in ("1.0", "1.1"):
             transport = getattr(getattr(send, "__self__", None), "transport", None)
             if callable(getattr(transport, "abort", None)):
                 scope[TRANSPORT] = transport

@@ -1043,6 +1043,48 @@ class TestSlowReaders:
         assert closes == ["close"]
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
+    @pytest.mark.parametrize(("version", "dropped"), [("1.1", True), ("1.0", True), ("2", False)])
+    def test_only_an_http1_connection_is_dropped(self, version: str, dropped: bool) -> None:
+        # Over HTTP/2 (uvicorn's zttp) a request's send is a method of its stream, which holds
+        # the connection's transport, shared by every stream on it: a stream whose reader
+        # stopped must not drop the others' connection (the server resets that one stream).
+        module = _load_server_module()
+        from starlette.responses import PlainTextResponse
+        from starlette.routing import Route
+
+        found: list[Any] = []
+
+        async def endpoint(request: Any) -> Any:
+            found.append(request.scope.get(module.TRANSPORT))
+            return PlainTextResponse("")
+
+        class Transport:
+            def abort(self) -> None:
+                raise AssertionError("not dropped here")
+
+        class Cycle:  # uvicorn's request-response cycle: its send is a method
+            transport = Transport()
+
+            async def send(self, message: dict[str, Any]) -> None:
+                pass
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        app = module._App(routes=[Route("/", endpoint)])
+        scope = {
+            "type": "http",
+            "http_version": version,
+            "method": "GET",
+            "path": "/",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [],
+        }
+        cycle = Cycle()
+        asyncio.run(app(scope, receive, cycle.send))
+        assert found == [cycle.transport if dropped else None]
+
 
 class TestLifecycle:
     @pytest.mark.timeout(60)
