@@ -582,6 +582,7 @@ async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -
 
 #: The scope's key for the connection's transport (uvicorn's), where the app found it.
 TRANSPORT = "openai_server.transport"
+DROP_SEEN = 1.0  # seconds _drop waits for the server to see a dropped connection lost
 
 
 class SendTimeout(Exception):
@@ -648,14 +649,15 @@ class BoundedSend:
             self._timer = None
 
 
-async def _drop(scope: Scope, req_id: str, timeout: float, done: str) -> None:
+async def _drop(scope: Scope, receive: Receive, req_id: str, timeout: float, done: str) -> None:
     """Ends the connection of a client that stopped reading (*req_id*'s, over *timeout*
     seconds): a reset, as nginx's ``reset_timedout_connection`` does, so that the kernel
     frees what its send buffer holds at once rather than hold it for a peer that reads
     nothing (a close would wait for that buffer to drain, forever). Where the connection's
     transport is not known (or shared: HTTP/2, see :class:`_App`), the response is left
-    incomplete: the server closes it (over HTTP/2: resets its stream). The warning says
-    what was *done* about the request."""
+    incomplete: the server closes it (over HTTP/2: resets its stream). Else it returns once
+    the server has seen the connection lost (*receive*: ``http.disconnect``), so that the
+    response's end is no error to it. The warning says what was *done* about the request."""
     logger.warning(
         "request %s: a send to its client waited past the send timeout (%g s; the client "
         "stopped reading): %s, connection dropped",
@@ -671,7 +673,9 @@ async def _drop(scope: Scope, req_id: str, timeout: float, done: str) -> None:
         with contextlib.suppress(OSError):  # linger 0: close with a reset, the buffer dropped
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     transport.abort()
-    await asyncio.sleep(0)  # the server sees the connection lost before the app returns
+    # Some loop turns later (over TLS, two: asyncio's TLS protocol passes it on).
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(_disconnected(receive), DROP_SEEN)
 
 
 class BoundedJSON(JSONResponse):
@@ -688,7 +692,7 @@ class BoundedJSON(JSONResponse):
         try:
             await super().__call__(scope, receive, bounded)
         except SendTimeout:
-            await _drop(scope, self.req_id, self.send_timeout, "its response cut")
+            await _drop(scope, receive, self.req_id, self.send_timeout, "its response cut")
         finally:
             bounded.close()
 
@@ -735,7 +739,7 @@ class EventStream(Response):
             await _unless_disconnected(receive, send_all())
         except SendTimeout:  # the client stopped reading: abort, then drop the connection
             await self.on_close()
-            await _drop(scope, self.req_id, self.send_timeout, "request aborted")
+            await _drop(scope, receive, self.req_id, self.send_timeout, "request aborted")
         except OSError:  # the client went while we sent
             pass
         except asyncio.CancelledError:  # the server stops: its graceful timeout has passed

@@ -999,8 +999,9 @@ class TestSlowReaders:
             if message["type"] == "http.response.body":
                 await asyncio.Event().wait()  # a client that reads nothing
 
-        async def receive() -> dict[str, Any]:
-            raise AssertionError("not read")
+        async def receive() -> dict[str, Any]:  # read once the connection is dropped
+            assert calls[-1:] == ["abort"], calls
+            return {"type": "http.disconnect"}
 
         response = module.BoundedJSON({"id": "cmpl-1"}, "cmpl-1", 0.2)
         scope = {"type": "http", module.TRANSPORT: Transport()}
@@ -1084,6 +1085,59 @@ class TestSlowReaders:
         cycle = Cycle()
         asyncio.run(app(scope, receive, cycle.send))
         assert found == [cycle.transport if dropped else None]
+
+    def test_the_server_sees_the_connection_lost_before_the_app_returns(self) -> None:
+        # Over TLS, asyncio reports an aborted connection to the server's protocol two loop
+        # turns later (the socket's transport to the TLS protocol, that to uvicorn's): an
+        # app that returns before uvicorn sees it lost has uvicorn log an error ("ASGI
+        # callable returned without completing response"). Its receive says when it has.
+        module = _load_server_module()
+        loop_turns = 2
+
+        class Cycle:  # uvicorn's request-response cycle, over a transport as TLS's
+            def __init__(self) -> None:
+                self.disconnected = False
+                self.lost = asyncio.Event()
+                self.transport = self
+
+            def get_extra_info(self, name: str) -> None:
+                return None
+
+            def abort(self) -> None:
+                def lost(turns: int) -> None:
+                    if turns > 1:
+                        asyncio.get_running_loop().call_soon(lost, turns - 1)
+                    else:
+                        self.disconnected = True
+                        self.lost.set()
+
+                asyncio.get_running_loop().call_soon(lost, loop_turns)
+
+            async def send(self, message: dict[str, Any]) -> None:
+                if message.get("body"):
+                    await asyncio.Event().wait()  # a client that reads nothing
+
+            async def receive(self) -> dict[str, Any]:
+                await self.lost.wait()
+                return {"type": "http.disconnect"}
+
+        async def events() -> Any:
+            yield b"a"
+
+        async def on_close() -> None:
+            pass
+
+        async def main() -> None:
+            for response in (
+                module.EventStream(events(), on_close, "cmpl-1", 0.1),
+                module.BoundedJSON({"id": "cmpl-2"}, "cmpl-2", 0.1),
+            ):
+                cycle = Cycle()
+                scope = {"type": "http", module.TRANSPORT: cycle.transport}
+                await response(scope, cycle.receive, cycle.send)
+                assert cycle.disconnected, response
+
+        asyncio.run(asyncio.wait_for(main(), 10))
 
 
 class TestLifecycle:
