@@ -658,14 +658,15 @@ async def _drop(scope: Scope, receive: Receive, req_id: str, timeout: float, don
     incomplete: the server closes it (over HTTP/2: resets its stream). Else it returns once
     the server has seen the connection lost (*receive*: ``http.disconnect``), so that the
     response's end is no error to it. The warning says what was *done* about the request."""
+    transport = scope.get(TRANSPORT)
     logger.warning(
         "request %s: a send to its client waited past the send timeout (%g s; the client "
-        "stopped reading): %s, connection dropped",
+        "stopped reading): %s, %s",
         req_id,
         timeout,
         done,
+        "connection dropped" if transport is not None else "response left incomplete",
     )
-    transport = scope.get(TRANSPORT)
     if transport is None:
         return
     sock = transport.get_extra_info("socket")

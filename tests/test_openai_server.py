@@ -1139,6 +1139,22 @@ class TestSlowReaders:
 
         asyncio.run(asyncio.wait_for(main(), 10))
 
+    def test_the_warning_says_whether_the_connection_was_dropped(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # Without the connection's transport (HTTP/2, or a server whose send hides it) the
+        # response is left to the server to end: the warning does not say "dropped".
+        module = _load_server_module()
+
+        async def receive() -> dict[str, Any]:
+            raise AssertionError("not read")
+
+        asyncio.run(module._drop({"type": "http"}, receive, "cmpl-3", 0.1, "request aborted"))
+        (record,) = [r for r in caplog.records if "cmpl-3" in r.getMessage()]
+        assert "request aborted" in record.getMessage()
+        assert "dropped" not in record.getMessage()
+        assert "left incomplete" in record.getMessage()
+
 
 class TestLifecycle:
     @pytest.mark.timeout(60)
