@@ -239,6 +239,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
     ) -> AsyncStageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -270,6 +271,13 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
+        Frame size: with *max_message_bytes* (an int >= 1024), the stage's input socket
+        takes no frame (message part) larger than that many bytes, as ``serve
+        --max-message-bytes`` (``docs/security.md``); the client refuses a bigger
+        ``add`` / ``add_many`` / utility call before sending it
+        (:class:`~enginecore.stage.MessageTooLargeError`). ``None``: unbounded.
+        :class:`TypeError` / :class:`ValueError` for another value, before anything starts.
+
         Waits until the stage is ready, at most *startup_timeout* seconds (a number > 0,
         else :class:`TypeError` / :class:`ValueError` before anything starts), without holding
         a thread: the process is spawned on the event loop's thread (one fork and exec),
@@ -289,6 +297,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
         }
         return await cls._launch(factory, kwargs, startup_timeout, ordered_events, options)
 
@@ -476,6 +485,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         *data* may hold numpy arrays and buffers; they travel without a copy, so do not
         modify them after the call. Raises :class:`TypeError` (before sending) if *data* is
         not wire-encodable, :class:`ValueError` if *req_id* has a live stream in this client,
+        :class:`~enginecore.stage.MessageTooLargeError` (a :class:`ValueError`, before
+        sending) for a frame larger than the stage takes (``serve --max-message-bytes``),
         else the client's failure (:class:`~enginecore.stage.EngineDeadError`, or
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never waits: the
         frame is queued for sending before it returns.

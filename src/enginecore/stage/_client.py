@@ -336,6 +336,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
     ) -> StageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -367,6 +368,13 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
+        Frame size: with *max_message_bytes* (an int >= 1024), the stage's input socket
+        takes no frame (message part) larger than that many bytes, as ``serve
+        --max-message-bytes`` (``docs/security.md``); the client refuses a bigger
+        ``add`` / ``add_many`` / utility call before sending it
+        (:class:`~enginecore.stage.MessageTooLargeError`). ``None``: unbounded.
+        :class:`TypeError` / :class:`ValueError` for another value, before anything starts.
+
         Blocks until the stage is ready, at most *startup_timeout* seconds (a number > 0:
         :class:`TypeError` / :class:`ValueError` otherwise, before anything starts). Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
@@ -380,6 +388,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
         }
         return cls._launch(factory, kwargs, startup_timeout, ordered_events, options)
 
@@ -600,6 +609,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         *data* may hold numpy arrays and buffers; they travel without a copy, so do not
         modify them after the call. Raises :class:`TypeError` (before sending) if *data* is
         not wire-encodable, :class:`ValueError` if *req_id* has a live stream in this client,
+        :class:`~enginecore.stage.MessageTooLargeError` (a :class:`ValueError`, before
+        sending) for a frame larger than the stage takes (``serve --max-message-bytes``),
         else the client's failure (:class:`~enginecore.stage.EngineDeadError`, or
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never blocks;
         thread-safe.
@@ -713,6 +724,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         call_id = session.new_call_id()
         # Encoded first: arguments that cannot cross the wire raise before anything else.
         parts = session.call_frame(call_id, name, args, stats)
+        if self._max_frame is not None:
+            self._check_frames(parts, f"utility call {name!r:.100}")
         waiter = _Waiter()
         try:
             try:

@@ -22,7 +22,13 @@ from zmq.utils.monitor import recv_monitor_message
 from . import _codec, _session, _wire
 from ._address import check_address
 from ._curve import HANDSHAKE_EVENTS, CurveKeys, HandshakeWatch, secure_client
-from ._errors import AuthenticationError, StageClosedError, StageStartupError, positive_seconds
+from ._errors import (
+    AuthenticationError,
+    MessageTooLargeError,
+    StageClosedError,
+    StageStartupError,
+    positive_seconds,
+)
 from ._launch import Launched
 from ._session import ClientSession, Deliveries, Parts, StageHealth, StreamCore, output_address_for
 from ._statistics import StageLoad
@@ -97,6 +103,11 @@ class ClientBase(Generic[S, W]):
         """What the stage's ``welcome`` says it does beyond the protocol's version
         (``docs/wire.md`` section 3): a pipeline's stage of this build, ``"tags"`` and
         ``"gens"``."""
+        self._max_frame: int | None = welcome.max_message_bytes
+        """The largest frame the stage's input socket takes (``serve --max-message-bytes``,
+        said in its ``welcome``): a bigger message is refused before it is sent
+        (:meth:`_check_frames`), since the stage would drop the connection and the message
+        with it. ``None``: unbounded (or a stage too old to say)."""
         self._session: ClientSession[S, W] = ClientSession(
             pid=welcome.pid,
             address=target.address,
@@ -107,6 +118,26 @@ class ClientBase(Generic[S, W]):
             adopt_orphans=self._adopt_orphans,
             silent_after=self._silent_after,
         )
+
+    def _check_frames(self, parts: Parts, what: str) -> None:
+        """:class:`MessageTooLargeError` if a frame of *parts* (the body or an out-of-band
+        buffer: libzmq's bound is on each) is larger than the stage takes. Called before
+        anything is registered or sent: the message is refused whole, and nothing is lost
+        (a frame past the bound costs the connection, and libzmq's reconnection does not
+        send it again: its request would wait forever)."""
+        limit = self._max_frame
+        if limit is None:
+            return
+        for part in parts:
+            size = len(part) if type(part) is bytes else memoryview(part).nbytes
+            if size > limit:
+                raise MessageTooLargeError(
+                    f"{what} is too large for the stage at {self._session.address}: a frame "
+                    f"of {size} bytes, and the stage takes frames of at most {limit} bytes "
+                    f"(serve --max-message-bytes); nothing was sent",
+                    size,
+                    limit,
+                )
 
     def _send(self, parts: Parts) -> None:
         """Send one message; :class:`StageClosedError` once the sockets are closed."""
@@ -142,6 +173,8 @@ class ClientBase(Generic[S, W]):
         stage would refuse it ("draining")."""
         if stream is not True and stream is not False:  # "no" would make a stream
             check_flag(stream, "stream")
+        if self._max_frame is not None:
+            self._check_frames(parts, f"request {req_id!r}")
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
@@ -202,6 +235,8 @@ class ClientBase(Generic[S, W]):
         registered or sent and ``None`` is returned (the pool takes its general path)."""
         if streams is not True and streams is not False:  # "no" would make streams
             check_flag(streams, "streams")
+        if self._max_frame is not None:
+            self._check_frames(parts, f"add_many() of {len(req_ids)} requests")
         session = self._session
         lock = self._lock
         if streams and req_ids:
@@ -272,6 +307,8 @@ class ClientBase(Generic[S, W]):
         (:meth:`ClientSession.note_abort`; *noted*: a pool did it already, under the lock it
         found the ids' replica under)."""
         parts = ClientSession.abort_frame(req_ids)
+        if self._max_frame is not None:
+            self._check_frames(parts, f"abort() of {len(req_ids)} requests")
         ids = list(req_ids)
         session = self._session
         with self._lock:
@@ -294,6 +331,8 @@ class ClientBase(Generic[S, W]):
         session = self._session
         call_id = session.new_call_id()
         parts = session.call_frame(call_id, name, args, stats)
+        if self._max_frame is not None:
+            self._check_frames(parts, f"utility call {name!r:.100}")
         with self._lock:
             session.open_call(call_id, waiter, name, stats=stats)
         try:

@@ -1,0 +1,308 @@
+"""``serve --max-message-bytes N`` (``launch(max_message_bytes=N)``): the largest frame the
+stage's input socket takes. A peer that sends a bigger one is disconnected by libzmq before
+the frame is held in memory; the stage says its bound in its ``welcome``, and the Python
+clients refuse a bigger message before sending it (``docs/security.md``, ``docs/wire.md``).
+Real processes, real sockets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from enginecore import __main__ as cli
+from enginecore.stage import CurveKeys, MessageTooLargeError, StageClient
+from enginecore.stage._curve import keygen
+from enginecore.stage._wire import (
+    MIN_MESSAGE_BYTES,
+    WelcomeMsg,
+    handshake_decoder,
+    welcome_frame,
+)
+
+from .conftest import ECHO, Connect, Launch, Server
+from .raw import RawClient
+from .test_curve import Keys, _curve_args
+
+LIMIT = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def curve_keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    """A stage's key pair and a listed client's (``alice``), as ``test_curve`` makes them."""
+    root = tmp_path_factory.mktemp("curve")
+    stage_public, stage_secret = keygen(root / "stage", "stage")
+    keygen(root / "authorized", "alice")
+    _, alice_secret = keygen(root / "alice", "alice")
+    os.replace(root / "authorized" / "alice.key_secret", root / "alice" / "alice.key_secret")
+    alice = CurveKeys.load(alice_secret, stage_public)
+    return Keys(Path(stage_secret), Path(stage_public), root / "authorized", alice, alice, alice)
+
+
+def _add_of_size(size: int, req_id: str = "r") -> bytes:
+    """An ``add`` of bytes data whose encoding is exactly *size* bytes long."""
+    for n in range(size, size - 16, -1):
+        body = msgspec.msgpack.encode(["add", req_id, b"x" * n])
+        if len(body) == size:
+            return body
+    raise AssertionError(f"no add of exactly {size} bytes")
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+class _Watched(RawClient):
+    """A raw client whose DEALER's connection events are watched (a monitor socket)."""
+
+    def __init__(self, address: str, curve: CurveKeys | None = None) -> None:
+        super().__init__(address, curve=curve)
+        # (Its connection may be made before the monitor starts: only disconnections count.)
+        self.monitor = self.dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def disconnected(self, timeout: float) -> bool:
+        """Whether the stage drops this connection within *timeout* seconds."""
+        if not self.monitor.poll(round(timeout * 1000)):
+            return False
+        return bool(recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED)
+
+    def __enter__(self) -> _Watched:
+        return self
+
+    def close(self) -> None:
+        self.dealer.disable_monitor()
+        self.monitor.close()
+        super().close()
+
+
+def _serve(*extra: str) -> Server:
+    return Server("--engine", ECHO, "--bind", "tcp://127.0.0.1:*", "--max-clients", "2", *extra)
+
+
+class TestWelcome:
+    def test_the_welcome_says_the_bound_as_its_seventh_element(self) -> None:
+        frame = welcome_frame("tcp://h:1", 7, "e", (), max_message_bytes=LIMIT)
+        assert msgspec.msgpack.decode(frame) == ["welcome", 2, "tcp://h:1", 7, "e", [], LIMIT]
+        reply = handshake_decoder.decode(frame)
+        assert isinstance(reply, WelcomeMsg)
+        assert reply.max_message_bytes == LIMIT
+
+    def test_without_a_bound_the_welcome_is_as_before(self) -> None:
+        # Five elements (six with a pipeline stage's features): what older clients read.
+        assert msgspec.msgpack.decode(welcome_frame("tcp://h:1", 7, "e")) == [
+            "welcome",
+            2,
+            "tcp://h:1",
+            7,
+            "e",
+        ]
+        reply = handshake_decoder.decode(welcome_frame("tcp://h:1", 7, "e", ("tags",)))
+        assert isinstance(reply, WelcomeMsg)
+        assert reply.max_message_bytes is None
+
+
+class TestRawPeer:
+    def test_an_oversized_frame_drops_its_peer_and_nothing_else(self, no_leftovers: str) -> None:
+        srv = _serve("--max-message-bytes", str(LIMIT))
+        try:
+            with _Watched(srv.address) as peer, RawClient(srv.address) as other:
+                welcome = peer.hello()
+                assert welcome[0] == "welcome"
+                assert welcome[6] == LIMIT
+                assert other.hello()[0] == "welcome"
+                before = _rss_kib(srv.proc.pid)
+                # 256 MiB declared in one frame: libzmq reads the frame's size and drops the
+                # connection, without taking in the payload.
+                peer.send_raw(b"\x00" * (256 * 1024 * 1024))
+                assert peer.disconnected(30), "the oversized frame's connection was kept"
+                grown = _rss_kib(srv.proc.pid) - before
+                assert grown < 64 * 1024, f"the stage grew by {grown} KiB"
+                # The stage still serves: the other client, and the peer once reconnected.
+                other.send("add", "a", "small")
+                events = other.until(lambda ev: ev[0] == "outputs")
+                assert events[-1][1] == ["a"]
+        finally:
+            assert srv.stop() == 0
+
+    def test_a_frame_at_the_bound_passes_and_one_byte_more_does_not(
+        self, no_leftovers: str
+    ) -> None:
+        srv = _serve("--max-message-bytes", str(LIMIT))
+        try:
+            with _Watched(srv.address) as peer:
+                assert peer.hello()[0] == "welcome"
+                peer.send_raw(_add_of_size(LIMIT, "at"))
+                events = peer.until(lambda ev: ev[0] == "outputs")
+                assert events[-1][1] == ["at"]
+                peer.send_raw(_add_of_size(LIMIT + 1, "over"))
+                assert peer.disconnected(10)
+        finally:
+            assert srv.stop() == 0
+
+    def test_without_the_option_a_big_frame_is_taken(self, no_leftovers: str) -> None:
+        # Today's behaviour, the default: unbounded, and the welcome says nothing more.
+        srv = _serve()
+        try:
+            with _Watched(srv.address) as peer:
+                welcome = peer.hello()
+                assert len(welcome) == 5
+                peer.send_raw(_add_of_size(LIMIT + 1, "big"))
+                events = peer.until(lambda ev: ev[0] == "outputs")
+                assert events[-1][1] == ["big"]
+        finally:
+            assert srv.stop() == 0
+
+
+def test_with_curve_the_bound_is_on_the_frame_as_the_client_encodes_it(
+    connect: Connect, curve_keys: Keys, no_leftovers: str
+) -> None:
+    # CURVE adds its own bytes to each frame on the wire, and its handshake's commands go
+    # through the same check: at the least bound, the handshake passes, a frame of exactly
+    # the bound passes, and one byte more is refused, as without CURVE.
+    least = 1024
+    srv = _serve("--max-message-bytes", str(least), *_curve_args(curve_keys))
+    try:
+        client = connect(srv.address, curve=curve_keys.alice)
+        assert client.call_utility("echo", "x", timeout=10) == ["x"]
+        with _Watched(srv.address, curve=curve_keys.alice) as peer:
+            assert peer.hello()[6] == least
+            peer.send_raw(_add_of_size(least, "at"))
+            assert peer.until(lambda ev: ev[0] == "outputs")[-1][1] == ["at"]
+            peer.send_raw(_add_of_size(least + 1, "over"))
+            assert peer.disconnected(10)
+        with pytest.raises(MessageTooLargeError):
+            client.add("over", b"x" * (least + 1))
+        assert client.add("ok", b"x" * (least // 2)).collect(10) == [b"x" * (least // 2)]
+    finally:
+        assert srv.stop() == 0
+
+
+def _closed_within(port: int, payload: bytes, timeout: float) -> bool:
+    """Whether the stage closes a raw TCP connection to *port* within *timeout* seconds
+    after *payload* (its greeting is read and dropped)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        try:
+            sock.sendall(payload)
+            while sock.recv(65536):
+                pass
+        except TimeoutError:
+            return False
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    return True
+
+
+def test_a_peer_without_a_key_is_dropped_at_the_size_it_declares(
+    curve_keys: Keys, no_leftovers: str
+) -> None:
+    # Before any handshake: a CURVE greeting, then a command frame that declares 1 GiB.
+    # Unbounded, libzmq waits for it (and holds what arrives) until the 30 s handshake
+    # interval; bounded, it drops the connection at the frame's header.
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0")
+    greeting += b"\0" * 32
+    header = bytes([0x06]) + (1 << 30).to_bytes(8, "big")
+    srv = _serve("--max-message-bytes", "1024", *_curve_args(curve_keys))
+    try:
+        port = int(srv.address.rpartition(":")[2])
+        assert _closed_within(port, greeting + header + b"\0" * 4096, 10)
+    finally:
+        assert srv.stop() == 0
+
+
+def _refused(client: StageClient, what: Any) -> None:
+    with pytest.raises(MessageTooLargeError, match=rf"at most {LIMIT} bytes") as info:
+        what()
+    assert isinstance(info.value, ValueError)
+    assert "--max-message-bytes" in str(info.value)
+
+
+def _still_serves(client: StageClient) -> None:
+    assert client.add("ok", "small").collect(10) == ["small"]
+    assert client.call_utility("echo", "x", timeout=10) == ["x"]
+
+
+class TestClients:
+    def test_an_oversized_message_is_refused_before_it_is_sent(
+        self, connect: Connect, no_leftovers: str
+    ) -> None:
+        srv = _serve("--max-message-bytes", str(LIMIT))
+        try:
+            client = connect(srv.address)
+            big = b"x" * (LIMIT + 1)
+            _refused(client, lambda: client.add("big", big))
+            _refused(client, lambda: client.add("big", big, stream=False))
+            _refused(client, lambda: client.add_many([("a", "small"), ("b", big)]))
+            _refused(client, lambda: client.call_utility("echo", big, timeout=10))
+            # An array goes out of band, in a frame of its own: each frame is held to the
+            # bound, not the message (libzmq's MAXMSGSIZE is on a frame).
+            _refused(client, lambda: client.add("arr", np.zeros(LIMIT + 1, dtype=np.uint8)))
+            two = [np.ones(LIMIT, dtype=np.uint8), np.zeros(LIMIT, dtype=np.uint8)]
+            got = client.add("arr", two).collect(10)
+            assert [a.tobytes() for a in got[0]] == [a.tobytes() for a in two]
+            # Nothing was registered: the ids are free, the session goes on.
+            _still_serves(client)
+            assert client.add("big", b"x" * (LIMIT // 2)).collect(10) == [b"x" * (LIMIT // 2)]
+            assert client.health() == "ok"
+        finally:
+            assert srv.stop() == 0
+
+    def test_a_launched_stage_takes_the_bound(self, launch: Launch) -> None:
+        client = launch(ECHO, max_message_bytes=LIMIT)
+        _refused(client, lambda: client.add("big", b"x" * (LIMIT + 1)))
+        _still_serves(client)
+
+    @pytest.mark.parametrize("value", [0, -1, 1023, True, 1.5, "4096"])
+    def test_launch_refuses_a_bad_bound_before_starting(self, launch: Launch, value: Any) -> None:
+        with pytest.raises((TypeError, ValueError), match="max_message_bytes"):
+            launch(ECHO, max_message_bytes=value)
+
+
+class TestServeOption:
+    @pytest.mark.parametrize("value", ["0", "-5", "abc", "1.5", "1023"])
+    def test_a_bad_value_is_a_usage_error(self, value: str) -> None:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "enginecore",
+                "serve",
+                "--engine",
+                ECHO,
+                "--max-message-bytes",
+                value,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 2, result.stderr
+        assert "--max-message-bytes: must be an int >= 1024" in result.stderr
+        assert "invalid _" not in result.stderr
+
+    def test_the_cli_floor_is_the_stage_s(self) -> None:
+        # The parser is built without importing the stage (pyzmq): its own copy.
+        assert cli._MIN_MESSAGE_BYTES == MIN_MESSAGE_BYTES
+
+    def test_the_help_names_it(self) -> None:
+        result = subprocess.run(
+            [sys.executable, "-m", "enginecore", "serve", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert "--max-message-bytes" in result.stdout
