@@ -20,7 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from enginecore import __main__ as cli
-from enginecore.stage import CurveKeys, MessageTooLargeError, StageClient
+from enginecore.stage import CurveKeys, MessageTooLargeError, StageClient, StagePool
 from enginecore.stage._curve import keygen
 from enginecore.stage._wire import (
     MIN_MESSAGE_BYTES,
@@ -306,3 +306,26 @@ class TestServeOption:
             check=False,
         )
         assert "--max-message-bytes" in result.stdout
+
+
+def test_a_pool_member_refuses_it_too_and_the_pool_goes_on(no_leftovers: str) -> None:
+    # A pool's replicas are clients: each one's welcome carries its stage's bound, and the
+    # pool's add raises the member's refusal, with nothing left tracked for the id.
+    srv = _serve("--max-message-bytes", str(LIMIT))
+    try:
+        with StagePool.connect([srv.address]) as pool:
+            with pytest.raises(MessageTooLargeError):
+                pool.add("big", b"x" * (LIMIT + 1))
+            with pytest.raises(MessageTooLargeError):
+                pool.add_many([("a", "small"), ("big", b"x" * (LIMIT + 1))])
+            assert pool.add("big", "small").collect(10) == ["small"]
+            assert pool.add("a", "small").collect(10) == ["small"]
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_launched_pool_takes_the_bound(no_leftovers: str) -> None:
+    with StagePool.launch(ECHO, replicas=2, max_message_bytes=LIMIT, startup_timeout=30) as pool:
+        with pytest.raises(MessageTooLargeError):
+            pool.add("big", b"x" * (LIMIT + 1))
+        assert pool.add("big", "small").collect(10) == ["small"]

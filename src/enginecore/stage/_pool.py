@@ -220,6 +220,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
         ping_interval: float = _session.LAUNCHED_PING_S,
         ordered_events: bool = False,
         group: str | Sequence[str | None] | None = None,
@@ -242,6 +243,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
             "ping_interval": ping_interval,
         }
         return cls._opened(

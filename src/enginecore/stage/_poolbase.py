@@ -271,6 +271,7 @@ _LAUNCH_OPTIONS: Final = frozenset(
         "log_level",
         "forward_logs",
         "load_interval",
+        "max_message_bytes",
         "ping_interval",
         "group",
     }
