@@ -44,7 +44,7 @@ from typing import Any
 # build the parser; a test checks the two agree.
 _STEP_TIMEOUT = 60.0
 
-# enginecore.stage._runtime.MIN_MESSAGE_BYTES, for the same reason; a test checks it too.
+# enginecore.stage._wire.MIN_MESSAGE_BYTES, for the same reason; a test checks it too.
 _MIN_MESSAGE_BYTES = 1024
 
 _LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})

@@ -157,11 +157,11 @@ class StageRuntime:
     *keep_requests_on_detach* needs *max_clients* 1 (:class:`ValueError`).
 
     Frame size: with *max_message_bytes* (``serve --max-message-bytes``; an int >=
-    :data:`~._wire.MIN_MESSAGE_BYTES`), the input socket takes no frame (message part) larger than
-    that many bytes (``ZMQ_MAXMSGSIZE``, on the frame as the client encodes it, with CURVE
-    too): libzmq drops the connection of a peer that announces a bigger one before taking
-    it in, and the peer's message is lost. Every ``welcome`` says the bound, and the Python
-    clients refuse a bigger message before sending it
+    :data:`~._wire.MIN_MESSAGE_BYTES`), the input socket takes no frame (message part)
+    larger than that many bytes (``ZMQ_MAXMSGSIZE``, on the frame as the client encodes
+    it, with CURVE too): libzmq drops the connection of a peer that announces a bigger one
+    before taking it in, and the peer's message is lost. Every ``welcome`` says the
+    bound, and the Python clients refuse a bigger message before sending it
     (:class:`~enginecore.stage.MessageTooLargeError`). ``None`` (the default): unbounded.
     """
 
