@@ -324,6 +324,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
     ) -> AsyncStageClient:
         """:meth:`StageClient.launch_on_ray <enginecore.stage.StageClient.launch_on_ray>`,
         awaited: the actor's answers are awaited as Ray's futures, with no thread held, so
@@ -350,6 +351,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             log_level=log_level,
             forward_logs=forward_logs,
             load_interval=load_interval,
+            max_message_bytes=max_message_bytes,
         )
         client: AsyncStageClient = await open_on_ray_async(
             plan, cls._open, ordered_events=ordered_events

@@ -415,6 +415,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
     ) -> StageClient:
         """Place a stage running ``factory(**kwargs)`` on Ray, in an actor's own process,
         and return its client, which owns the actor (``pip install 'enginecore[ray]'``;
@@ -444,6 +445,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             log_level=log_level,
             forward_logs=forward_logs,
             load_interval=load_interval,
+            max_message_bytes=max_message_bytes,
         )
         client: StageClient = open_on_ray(plan, cls._open, ordered_events=ordered_events)
         return client

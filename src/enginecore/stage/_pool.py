@@ -282,6 +282,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
         ordered_events: bool = False,
         group: str | Sequence[str | None] | None = None,
     ) -> StagePool:
@@ -315,6 +316,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
         }
         return cls._opened(
             with_groups(ray_specs(factory, kwargs, replicas, placement, options), group),
