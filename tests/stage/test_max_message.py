@@ -21,7 +21,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from enginecore import __main__ as cli
 from enginecore.stage import CurveKeys, MessageTooLargeError, StageClient, StagePool
+from enginecore.stage._codec import OOB_THRESHOLD
 from enginecore.stage._curve import keygen
+from enginecore.stage._session import ClientSession
 from enginecore.stage._wire import (
     MIN_MESSAGE_BYTES,
     WelcomeMsg,
@@ -29,7 +31,7 @@ from enginecore.stage._wire import (
     welcome_frame,
 )
 
-from .conftest import ECHO, Connect, Launch, Server
+from .conftest import ECHO, SCRIPTED, Connect, Launch, Server
 from .raw import RawClient
 from .test_curve import Keys, _curve_args
 
@@ -329,3 +331,127 @@ def test_a_launched_pool_takes_the_bound(no_leftovers: str) -> None:
         with pytest.raises(MessageTooLargeError):
             pool.add("big", b"x" * (LIMIT + 1))
         assert pool.add("big", "small").collect(10) == ["small"]
+
+
+LEAST = MIN_MESSAGE_BYTES
+IDS = [f"request-{i:04d}" for i in range(200)]  # any message naming them all: ~2.6 kB
+
+
+def _scripted(*extra: str) -> Server:
+    return Server("--engine", SCRIPTED, "--bind", "tcp://127.0.0.1:*", "--max-clients", "2", *extra)
+
+
+class TestSplit:
+    """Over the bound, an ``abort`` or an ``add_many`` of many small parts goes in several
+    frames instead of being refused: only a part that alone does not fit is."""
+
+    def test_an_abort_of_many_ids_goes_in_several_frames(self, launch: Launch) -> None:
+        client = launch(SCRIPTED, max_message_bytes=LEAST)
+        assert len(ClientSession.abort_frame(IDS)[0]) > 2 * LEAST
+        client.call_utility("pace", 0.01, timeout=10)
+        streams = [client.add(rid, 1_000_000) for rid in IDS]
+        client.abort(IDS)
+        for stream in streams:
+            stream.collect(10)
+            assert stream.aborted
+        assert client.call_utility("num_requests", timeout=10) == 0
+        log = client.call_utility("log", timeout=10)
+        assert [e for e in log if e.startswith("abort")] == [f"abort {rid}" for rid in IDS]
+
+    def test_an_abort_with_an_id_that_alone_is_too_large_sends_nothing(
+        self, launch: Launch
+    ) -> None:
+        client = launch(SCRIPTED, max_message_bytes=LEAST)
+        client.call_utility("pace", 0.01, timeout=10)
+        stream = client.add("live", 1_000_000)
+        huge = "h" * (LEAST + 1)
+        with pytest.raises(MessageTooLargeError, match=r"request id 'hhh") as info:
+            client.abort([*IDS, "live", huge])
+        assert info.value.limit == LEAST
+        assert info.value.size > LEAST
+        log = client.call_utility("log", timeout=10)
+        assert not [e for e in log if e.startswith("abort")]
+        client.abort(["live"])  # the session goes on
+        stream.collect(10)
+        assert stream.aborted
+
+    def test_an_add_many_of_many_small_requests_goes_in_several_frames(
+        self, launch: Launch
+    ) -> None:
+        client = launch(SCRIPTED, max_message_bytes=LEAST)
+        items = [(rid, 3) for rid in IDS]
+        assert len(ClientSession.adds_frame(items)[1][0]) > 2 * LEAST
+        streams = client.add_many(items)
+        assert [s.req_id for s in streams] == IDS
+        assert [s.collect(10) for s in streams] == [[2, 1, 0]] * len(IDS)
+        log = client.call_utility("log", timeout=10)
+        assert log == [f"add {rid}" for rid in IDS]  # in order, each once
+
+    def test_an_add_many_with_one_request_too_large_sends_nothing(self, launch: Launch) -> None:
+        client = launch(SCRIPTED, max_message_bytes=LEAST)
+        items: list[tuple[str, Any]] = [(rid, 3) for rid in IDS]
+        items.insert(150, ("big", "x" * (LEAST + 1)))  # a str: in the body, not out of band
+        with pytest.raises(MessageTooLargeError, match=r"request 'big'"):
+            client.add_many(items)
+        assert client.call_utility("log", timeout=10) == []
+        # Nothing was registered: every id is free.
+        assert [s.collect(10) for s in client.add_many(items[:3])] == [[2, 1, 0]] * 3
+
+    def test_an_add_many_of_arrays_splits_their_frames_with_them(
+        self, connect: Connect, no_leftovers: str
+    ) -> None:
+        # Each array goes out of band, in a frame of its own; the body names them all. Split,
+        # each part's body names its own arrays, and each request gets its own data back.
+        srv = _serve("--max-message-bytes", str(LEAST))
+        try:
+            client = connect(srv.address)
+            size = OOB_THRESHOLD  # out of band, and at the bound: each array's frame fits
+            items = [(rid, np.full(size, i % 251, dtype=np.uint8)) for i, rid in enumerate(IDS)]
+            parts = ClientSession.adds_frame(items)[1]
+            assert len(parts) == len(IDS) + 1
+            assert len(parts[0]) > LEAST
+            streams = client.add_many(items)
+            assert [s.req_id for s in streams] == IDS
+            for stream, (_, data) in zip(streams, items, strict=True):
+                assert [a.tobytes() for a in stream.collect(10)] == [data.tobytes()]
+            # An array over the bound is its own frame: refused, whatever splitting does.
+            too_big = [("a", "small"), ("b", np.zeros(LEAST + 1, dtype=np.uint8))]
+            with pytest.raises(MessageTooLargeError):
+                client.add_many(too_big)
+            _still_serves(client)
+        finally:
+            assert srv.stop() == 0
+
+
+def test_a_pool_refuses_an_add_many_before_any_replica_s_part_is_sent(
+    no_leftovers: str,
+) -> None:
+    # Routed over two replicas: the request too large is refused before the other
+    # replica's part leaves, whichever replica it was routed to.
+    servers = [_scripted("--max-message-bytes", str(LEAST)) for _ in range(2)]
+    try:
+        watchers = [StageClient.connect(s.address) for s in servers]
+        try:
+            with StagePool.connect([s.address for s in servers]) as pool:
+                for at in (0, 1, 2, 3):
+                    items: list[tuple[str, Any]] = [(f"s{i}", 3) for i in range(8)]
+                    items.insert(at, ("big", "x" * (LEAST + 1)))
+                    with pytest.raises(MessageTooLargeError, match=r"request 'big'"):
+                        pool.add_many(items)
+                    for watcher in watchers:
+                        assert watcher.call_utility("log", timeout=10) == []
+                # Over the bound, many small requests go, split on each replica.
+                items = [(rid, 3) for rid in IDS]
+                streams = pool.add_many(items)
+                assert [s.req_id for s in streams] == IDS
+                assert [s.collect(10) for s in streams] == [[2, 1, 0]] * len(IDS)
+                logs = [watcher.call_utility("log", timeout=10) for watcher in watchers]
+                assert sorted(e for log in logs for e in log) == sorted(f"add {r}" for r in IDS)
+                assert all(logs)  # both replicas took a part
+                pool.abort(IDS)  # (ended: each replica's abort of its ids goes, in parts)
+        finally:
+            for watcher in watchers:
+                watcher.close()
+    finally:
+        for srv in servers:
+            assert srv.stop() == 0

@@ -643,11 +643,20 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         for a bad pair or payload, :class:`ValueError` for an id that has a live stream or
         appears twice, both before anything is sent; else as :meth:`add`. Never blocks;
         thread-safe.
-        """
+
+        Against a stage with a bound on frames (``serve --max-message-bytes``) that the
+        burst's frame is over, the requests go in several frames, each within it (halves,
+        in order), all built and checked before anything is registered or sent, with the
+        same streams in the same order: the stage applies them in order, but may step
+        between two frames. Only a request whose frame alone is over the bound, or an array
+        over it (each goes in a frame of its own), refuses the call, with nothing sent
+        (:class:`~enginecore.stage.MessageTooLargeError`)."""
         if self._pipeline_key is not None:
             raise self._piped_error("add_many")
+        if self._max_frame is not None:  # kept: over the bound, the burst is split from it
+            items = list(items)
         ids, parts = ClientSession.adds_frame(items)
-        return self._send_requests(ids, parts, streams)
+        return self._send_requests(ids, parts, streams, items=items)
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """Ask the stage to abort *req_ids* (unknown ids are ignored).
@@ -655,7 +664,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         Their streams stop once the stage has applied the abort; no output of theirs follows.
         Raises :class:`TypeError` for a bare ``str``, else the client's failure; while this
         client's :meth:`shutdown` with a *drain* drains the stage, the abort is still sent.
-        Never blocks; thread-safe.
+        Against a stage with a bound on frames (``serve --max-message-bytes``) that the
+        abort's frame is over, it goes as several ``abort`` messages, each within it (an
+        :class:`~enginecore.stage.Aborted` each); only an id that alone does not fit raises
+        :class:`~enginecore.stage.MessageTooLargeError`, with nothing sent. Never blocks;
+        thread-safe.
         """
         if self._pipeline_key is not None:
             raise self._piped_error("abort")

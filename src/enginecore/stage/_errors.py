@@ -179,9 +179,11 @@ class RequestError(EngineCoreError):
 
 
 class MessageTooLargeError(EngineCoreError, ValueError):
-    """Raised by a client's ``add()``, ``add_many()`` and ``call_utility()`` (and an
-    ``abort()`` of very many ids) when a frame of the message would be larger than the stage
-    takes: the stage said its bound (``serve --max-message-bytes``) in its ``welcome``, and
+    """Raised by a client's ``add()``, ``add_many()``, ``call_utility()`` and ``abort()``
+    when a frame of the message would be larger than the stage takes (for ``add_many()`` and
+    ``abort()``, which split a message over the bound into several frames: when one request,
+    one array or one id alone is): the stage said its bound (``serve --max-message-bytes``)
+    in its ``welcome``, and
     a bigger frame would cost the client its connection, and the message with it
     (``docs/security.md``). Nothing was sent or registered: the request ids are free, and
     the session goes on. A :class:`ValueError`: the input is too big for this stage.
