@@ -72,6 +72,19 @@ class Target(NamedTuple):
     curve: CurveKeys | None = None  # the client's CURVE keys and the stage's public key
 
 
+def _track_sent(live: dict[str, Any], req_ids: list[str], streams: list[Any]) -> None:
+    """Under the lock, after a pool's burst with streams went to a member: each id's entry
+    in the pool's table of live requests (the pool's hold, ``PoolCore.reserve``) becomes
+    its stream. A stream that ended meanwhile already left the member's session, and the
+    reader, which takes out of the table only the stream itself, left the hold there: it
+    is dropped, else it would keep the id live in the pool for ever."""
+    for rid, stream in zip(req_ids, streams, strict=True):
+        if stream._ended is None:
+            live[rid] = stream
+        else:
+            live.pop(rid, None)
+
+
 class ClientBase(Generic[S, W]):
     """The part of a client that neither blocks nor awaits: its session, the operations that
     only register and send, and the properties.
@@ -353,8 +366,8 @@ class ClientBase(Generic[S, W]):
                     session.cancel_streams(req_ids)
                 raise
         if live is not None and new is not None:
-            with lock:  # a stream that ended meanwhile already left the member's session
-                live.update((r, s) for r, s in zip(req_ids, new, strict=True) if s._ended is None)
+            with lock:
+                _track_sent(live, req_ids, new)
         return new
 
     def _send_bursts(
@@ -392,8 +405,8 @@ class ClientBase(Generic[S, W]):
                 session.cancel_streams(req_ids[done:])
             raise
         if live is not None and new is not None:
-            with lock:  # a stream that ended meanwhile already left the member's session
-                live.update((r, s) for r, s in zip(req_ids, new, strict=True) if s._ended is None)
+            with lock:
+                _track_sent(live, req_ids, new)
         return new
 
     def _send_nowait(self, parts: Parts) -> bool:
