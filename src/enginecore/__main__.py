@@ -44,6 +44,9 @@ from typing import Any
 # build the parser; a test checks the two agree.
 _STEP_TIMEOUT = 60.0
 
+# enginecore.stage._wire.MIN_MESSAGE_BYTES, for the same reason; a test checks it too.
+_MIN_MESSAGE_BYTES = 1024
+
 _LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 
 
@@ -167,6 +170,17 @@ def _parser() -> argparse.ArgumentParser:
         "N events (one per output) queued for it is detached (its requests aborted, its "
         "queue dropped) instead of holding the engine back for every client (default: "
         "65536)",
+    )
+    serve.add_argument(
+        "--max-message-bytes",
+        type=_message_bytes,
+        default=None,
+        metavar="N",
+        help="the largest frame (message part) the input socket takes, in bytes, at least "
+        f"{_MIN_MESSAGE_BYTES}: a peer that sends a bigger one is disconnected before the "
+        "stage holds it, keyed or not; the stage tells its clients the bound, and the "
+        "Python clients refuse a bigger request or call before sending it (default: "
+        "unbounded; docs/security.md)",
     )
     serve.add_argument(
         "--log-level",
@@ -323,6 +337,18 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _message_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:  # argparse would name this function: "invalid _message_bytes value"
+        value = None
+    if value is None or value < _MIN_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"must be an int >= {_MIN_MESSAGE_BYTES} (bytes), got {text!r}"
+        )
     return value
 
 
@@ -572,6 +598,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             keep_requests_on_detach=args.keep_requests_on_detach,
             max_clients=args.max_clients,
             client_buffer=CLIENT_BUFFER if args.client_buffer is None else args.client_buffer,
+            max_message_bytes=args.max_message_bytes,
             drain_timeout=drain_timeout,
             step_timeout=step_timeout,
             kill_after=kill_after,

@@ -26,6 +26,7 @@ from enginecore.stage import (
     AuthenticationError,
     CurveKeys,
     EngineDeadError,
+    MessageTooLargeError,
     Pipeline,
     PipelineStage,
     ReplicaDeadError,
@@ -58,6 +59,7 @@ from enginecore.stage.ray import (  # noqa: E402
 COUNTDOWN = "enginecore.stage.testing:countdown"
 SCRIPTED = "enginecore.stage.testing:scripted"
 RELAY = "enginecore.stage.testing:relay"
+ECHO = "enginecore.stage.testing:echo"
 CPUS = 2
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -742,6 +744,18 @@ def test_both_clients_place_a_stage_on_ray(ray_launch: Callable[..., StageClient
     with pytest.raises(EngineDeadError, match="its Ray actor died"):
         pending.result(5)
     assert time.monotonic() - start < 1.0
+    client.close()
+    assert no_actor_left()
+
+
+def test_both_clients_bound_a_stage_on_ray(ray_launch: Callable[..., StageClient]) -> None:
+    # launch_on_ray(max_message_bytes=): the actor's stage bounds its input socket (with
+    # CURVE, allowing for its bytes: a frame of exactly the bound passes), and says so in its
+    # welcome, so that the client refuses a bigger request before sending it.
+    client = ray_launch(ECHO, placement=SMALL, max_message_bytes=4096)
+    with pytest.raises(MessageTooLargeError, match="at most 4096 bytes"):
+        client.add("big", b"x" * 4097)
+    assert client.add("ok", b"x" * 4096).collect() == [b"x" * 4096]
     client.close()
     assert no_actor_left()
 

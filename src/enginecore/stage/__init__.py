@@ -37,6 +37,7 @@ _EXPORTS: _typing.Final[dict[str, str]] = {
     "ErrorReport": "_wire",
     "Fatal": "_wire",
     "LeastLoaded": "_pool_core",
+    "MessageTooLargeError": "_errors",
     "NOTHING": "_edge",
     "NoReplicaError": "_errors",
     "Outputs": "_wire",
@@ -92,6 +93,7 @@ if _typing.TYPE_CHECKING:
     from ._errors import (
         AuthenticationError,
         EngineDeadError,
+        MessageTooLargeError,
         NoReplicaError,
         PipelineFullError,
         PipelineRequestError,
@@ -154,6 +156,7 @@ __all__ = [
     "ErrorReport",
     "Fatal",
     "LeastLoaded",
+    "MessageTooLargeError",
     "NoReplicaError",
     "Outputs",
     "Pipeline",

@@ -239,6 +239,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
     ) -> AsyncStageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -270,6 +271,13 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
+        Frame size: with *max_message_bytes* (an int >= 1024), the stage's input socket
+        takes no frame (message part) larger than that many bytes, as ``serve
+        --max-message-bytes`` (``docs/security.md``); the client refuses a bigger
+        ``add`` / ``add_many`` / utility call before sending it
+        (:class:`~enginecore.stage.MessageTooLargeError`). ``None``: unbounded.
+        :class:`TypeError` / :class:`ValueError` for another value, before anything starts.
+
         Waits until the stage is ready, at most *startup_timeout* seconds (a number > 0,
         else :class:`TypeError` / :class:`ValueError` before anything starts), without holding
         a thread: the process is spawned on the event loop's thread (one fork and exec),
@@ -289,6 +297,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
         }
         return await cls._launch(factory, kwargs, startup_timeout, ordered_events, options)
 
@@ -315,6 +324,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
     ) -> AsyncStageClient:
         """:meth:`StageClient.launch_on_ray <enginecore.stage.StageClient.launch_on_ray>`,
         awaited: the actor's answers are awaited as Ray's futures, with no thread held, so
@@ -341,6 +351,7 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
             log_level=log_level,
             forward_logs=forward_logs,
             load_interval=load_interval,
+            max_message_bytes=max_message_bytes,
         )
         client: AsyncStageClient = await open_on_ray_async(
             plan, cls._open, ordered_events=ordered_events
@@ -476,6 +487,8 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         *data* may hold numpy arrays and buffers; they travel without a copy, so do not
         modify them after the call. Raises :class:`TypeError` (before sending) if *data* is
         not wire-encodable, :class:`ValueError` if *req_id* has a live stream in this client,
+        :class:`~enginecore.stage.MessageTooLargeError` (a :class:`ValueError`, before
+        sending) for a frame larger than the stage takes (``serve --max-message-bytes``),
         else the client's failure (:class:`~enginecore.stage.EngineDeadError`, or
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never waits: the
         frame is queued for sending before it returns.
@@ -508,12 +521,21 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         The stage applies them in order, as one burst. All or nothing: :class:`TypeError`
         for a bad pair or payload, :class:`ValueError` for an id that has a live stream or
         appears twice, both before anything is sent; else as :meth:`add`. Never waits.
-        """
+
+        Against a stage with a bound on frames (``serve --max-message-bytes``) that the
+        burst's frame is over, the requests go in several frames, each within it (halves,
+        in order), all built and checked before anything is registered or sent, with the
+        same streams in the same order: the stage applies them in order, but may step
+        between two frames. Only a request whose frame alone is over the bound, or an array
+        over it (each goes in a frame of its own), refuses the call, with nothing sent
+        (:class:`~enginecore.stage.MessageTooLargeError`)."""
         if self._pipeline_key is not None:
             raise self._piped_error("add_many")
         self._on_its_loop()
+        if self._max_frame is not None:  # kept: over the bound, the burst is split from it
+            items = list(items)
         ids, parts = ClientSession.adds_frame(items)
-        return self._send_requests(ids, parts, streams)
+        return self._send_requests(ids, parts, streams, items=items)
 
     async def abort(self, req_ids: Sequence[str]) -> None:
         """Ask the stage to abort *req_ids* (unknown ids are ignored).
@@ -521,7 +543,10 @@ class AsyncStageClient(_clientbase.ClientBase[AsyncRequestStream, asyncio.Future
         Their streams stop once the stage has applied the abort; no output of theirs follows.
         Raises :class:`TypeError` for a bare ``str``, else the client's failure; while this
         client's :meth:`shutdown` with a *drain* drains the stage, the abort is still sent.
-        Never waits.
+        Against a stage with a bound on frames (``serve --max-message-bytes``) that the
+        abort's frame is over, it goes as several ``abort`` messages, each within it (an
+        :class:`~enginecore.stage.Aborted` each); only an id that alone does not fit raises
+        :class:`~enginecore.stage.MessageTooLargeError`, with nothing sent. Never waits.
         """
         if self._pipeline_key is not None:
             raise self._piped_error("abort")

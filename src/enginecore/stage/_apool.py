@@ -163,6 +163,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
         ping_interval: float = _session.LAUNCHED_PING_S,
         ordered_events: bool = False,
         group: str | Sequence[str | None] | None = None,
@@ -176,6 +177,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
             "ping_interval": ping_interval,
         }
         return await cls._opened(
@@ -214,6 +216,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
         ordered_events: bool = False,
         group: str | Sequence[str | None] | None = None,
     ) -> AsyncStagePool:
@@ -236,6 +239,7 @@ class AsyncStagePool(PoolBase[AsyncPoolRequestStream]):
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
         }
         return await cls._opened(
             with_groups(ray_specs(factory, kwargs, replicas, placement, options), group),

@@ -336,6 +336,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
     ) -> StageClient:
         """Start a stage process running ``factory(**kwargs)`` and return its client.
 
@@ -367,6 +368,13 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         returns the latest (``docs/observability.md``).
         :class:`TypeError` / :class:`ValueError` for a value that is not seconds > 0.
 
+        Frame size: with *max_message_bytes* (an int >= 1024), the stage's input socket
+        takes no frame (message part) larger than that many bytes, as ``serve
+        --max-message-bytes`` (``docs/security.md``); the client refuses a bigger
+        ``add`` / ``add_many`` / utility call before sending it
+        (:class:`~enginecore.stage.MessageTooLargeError`). ``None``: unbounded.
+        :class:`TypeError` / :class:`ValueError` for another value, before anything starts.
+
         Blocks until the stage is ready, at most *startup_timeout* seconds (a number > 0:
         :class:`TypeError` / :class:`ValueError` otherwise, before anything starts). Raises
         :class:`~enginecore.stage.StageStartupError` (with the child's traceback if the
@@ -380,6 +388,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
         }
         return cls._launch(factory, kwargs, startup_timeout, ordered_events, options)
 
@@ -406,6 +415,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
     ) -> StageClient:
         """Place a stage running ``factory(**kwargs)`` on Ray, in an actor's own process,
         and return its client, which owns the actor (``pip install 'enginecore[ray]'``;
@@ -435,6 +445,7 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
             log_level=log_level,
             forward_logs=forward_logs,
             load_interval=load_interval,
+            max_message_bytes=max_message_bytes,
         )
         client: StageClient = open_on_ray(plan, cls._open, ordered_events=ordered_events)
         return client
@@ -600,6 +611,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         *data* may hold numpy arrays and buffers; they travel without a copy, so do not
         modify them after the call. Raises :class:`TypeError` (before sending) if *data* is
         not wire-encodable, :class:`ValueError` if *req_id* has a live stream in this client,
+        :class:`~enginecore.stage.MessageTooLargeError` (a :class:`ValueError`, before
+        sending) for a frame larger than the stage takes (``serve --max-message-bytes``),
         else the client's failure (:class:`~enginecore.stage.EngineDeadError`, or
         :class:`~enginecore.stage.StageClosedError` after :meth:`close`). Never blocks;
         thread-safe.
@@ -630,11 +643,20 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         for a bad pair or payload, :class:`ValueError` for an id that has a live stream or
         appears twice, both before anything is sent; else as :meth:`add`. Never blocks;
         thread-safe.
-        """
+
+        Against a stage with a bound on frames (``serve --max-message-bytes``) that the
+        burst's frame is over, the requests go in several frames, each within it (halves,
+        in order), all built and checked before anything is registered or sent, with the
+        same streams in the same order: the stage applies them in order, but may step
+        between two frames. Only a request whose frame alone is over the bound, or an array
+        over it (each goes in a frame of its own), refuses the call, with nothing sent
+        (:class:`~enginecore.stage.MessageTooLargeError`)."""
         if self._pipeline_key is not None:
             raise self._piped_error("add_many")
+        if self._max_frame is not None:  # kept: over the bound, the burst is split from it
+            items = list(items)
         ids, parts = ClientSession.adds_frame(items)
-        return self._send_requests(ids, parts, streams)
+        return self._send_requests(ids, parts, streams, items=items)
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """Ask the stage to abort *req_ids* (unknown ids are ignored).
@@ -642,7 +664,11 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         Their streams stop once the stage has applied the abort; no output of theirs follows.
         Raises :class:`TypeError` for a bare ``str``, else the client's failure; while this
         client's :meth:`shutdown` with a *drain* drains the stage, the abort is still sent.
-        Never blocks; thread-safe.
+        Against a stage with a bound on frames (``serve --max-message-bytes``) that the
+        abort's frame is over, it goes as several ``abort`` messages, each within it (an
+        :class:`~enginecore.stage.Aborted` each); only an id that alone does not fit raises
+        :class:`~enginecore.stage.MessageTooLargeError`, with nothing sent. Never blocks;
+        thread-safe.
         """
         if self._pipeline_key is not None:
             raise self._piped_error("abort")
@@ -713,6 +739,8 @@ class StageClient(ClientBase[RequestStream, _AnyWaiter]):
         call_id = session.new_call_id()
         # Encoded first: arguments that cannot cross the wire raise before anything else.
         parts = session.call_frame(call_id, name, args, stats)
+        if self._max_frame is not None:
+            self._check_frames(parts, f"utility call {name!r:.100}")
         waiter = _Waiter()
         try:
             try:

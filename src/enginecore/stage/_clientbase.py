@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
 import msgspec
@@ -22,7 +22,13 @@ from zmq.utils.monitor import recv_monitor_message
 from . import _codec, _session, _wire
 from ._address import check_address
 from ._curve import HANDSHAKE_EVENTS, CurveKeys, HandshakeWatch, secure_client
-from ._errors import AuthenticationError, StageClosedError, StageStartupError, positive_seconds
+from ._errors import (
+    AuthenticationError,
+    MessageTooLargeError,
+    StageClosedError,
+    StageStartupError,
+    positive_seconds,
+)
 from ._launch import Launched
 from ._session import ClientSession, Deliveries, Parts, StageHealth, StreamCore, output_address_for
 from ._statistics import StageLoad
@@ -66,6 +72,19 @@ class Target(NamedTuple):
     curve: CurveKeys | None = None  # the client's CURVE keys and the stage's public key
 
 
+def _track_sent(live: dict[str, Any], req_ids: list[str], streams: list[Any]) -> None:
+    """Under the lock, after a pool's burst with streams went to a member: each id's entry
+    in the pool's table of live requests (the pool's hold, ``PoolCore.reserve``) becomes
+    its stream. A stream that ended meanwhile already left the member's session, and the
+    reader, which takes out of the table only the stream itself, left the hold there: it
+    is dropped, else it would keep the id live in the pool for ever."""
+    for rid, stream in zip(req_ids, streams, strict=True):
+        if stream._ended is None:
+            live[rid] = stream
+        else:
+            live.pop(rid, None)
+
+
 class ClientBase(Generic[S, W]):
     """The part of a client that neither blocks nor awaits: its session, the operations that
     only register and send, and the properties.
@@ -97,6 +116,11 @@ class ClientBase(Generic[S, W]):
         """What the stage's ``welcome`` says it does beyond the protocol's version
         (``docs/wire.md`` section 3): a pipeline's stage of this build, ``"tags"`` and
         ``"gens"``."""
+        self._max_frame: int | None = welcome.max_message_bytes
+        """The largest frame the stage's input socket takes (``serve --max-message-bytes``,
+        said in its ``welcome``): a bigger message is refused before it is sent
+        (:meth:`_check_frames`), since the stage would drop the connection and the message
+        with it. ``None``: unbounded (or a stage too old to say)."""
         self._session: ClientSession[S, W] = ClientSession(
             pid=welcome.pid,
             address=target.address,
@@ -107,6 +131,90 @@ class ClientBase(Generic[S, W]):
             adopt_orphans=self._adopt_orphans,
             silent_after=self._silent_after,
         )
+
+    def _check_frames(self, parts: Parts, what: str) -> None:
+        """:class:`MessageTooLargeError` if a frame of *parts* (the body or an out-of-band
+        buffer: libzmq's bound is on each) is larger than the stage takes. Called before
+        anything is registered or sent: the message is refused whole, and nothing is lost
+        (a frame past the bound costs the connection, and libzmq's reconnection does not
+        send it again: its request would wait forever)."""
+        limit = self._max_frame
+        if limit is None:
+            return
+        for part in parts:
+            size = len(part) if type(part) is bytes else memoryview(part).nbytes
+            if size > limit:
+                raise self._too_large(what, size, limit)
+
+    def _too_large(self, what: str, size: int, limit: int) -> MessageTooLargeError:
+        return MessageTooLargeError(
+            f"{what} is too large for the stage at {self._session.address}: a frame "
+            f"of {size} bytes, and the stage takes frames of at most {limit} bytes "
+            f"(serve --max-message-bytes); nothing was sent",
+            size,
+            limit,
+        )
+
+    def _fit(
+        self,
+        count: int,
+        parts: Parts,
+        build: Callable[[int, int], Parts],
+        name: Callable[[int], str],
+        what: str,
+    ) -> list[tuple[int, int, Parts]] | None:
+        """Only with a bound (``_max_frame``): ``None`` if *parts*, a message of *count*
+        items, fits as it is; else the spans ``(lo, hi, parts)`` of the items, in order,
+        whose messages (``build(lo, hi)``) each fit, found by halving the items until they
+        do. :class:`MessageTooLargeError` for an out-of-band buffer over the bound (one
+        item's own frame: no split makes it smaller) or for an item whose message alone is
+        over it (*name* names it). Builds and checks everything before anything is sent."""
+        limit = self._max_frame
+        assert limit is not None
+        for part in parts[1:]:  # out-of-band buffers: each its own frame, whatever the split
+            size = len(part) if type(part) is bytes else memoryview(part).nbytes
+            if size > limit:
+                raise self._too_large(what, size, limit)
+        if len(parts[0]) <= limit:
+            return None
+        out: list[tuple[int, int, Parts]] = []
+        todo = [(0, count, parts)]
+        while todo:
+            lo, hi, p = todo.pop()
+            size = len(p[0])
+            if size <= limit:
+                out.append((lo, hi, p))
+            elif hi - lo == 1:
+                raise self._too_large(f"{name(lo)}, alone, in {what},", size, limit)
+            else:
+                mid = (lo + hi) // 2
+                todo.append((mid, hi, build(mid, hi)))  # popped after the first half
+                todo.append((lo, mid, build(lo, mid)))
+        return out
+
+    def _split_burst(
+        self, req_ids: list[str], parts: Parts, items: Iterable[tuple[str, Any]] | None
+    ) -> list[tuple[list[str], Parts]] | None:
+        """Only with a bound: ``None`` if the ``adds`` *parts* fit as one frame; else the
+        bursts, ``(ids, parts)`` in order, that each fit (:meth:`_fit`, re-encoding halves
+        of *items*, the ``(req_id, data)`` pairs of *req_ids*).
+        :class:`MessageTooLargeError` if a request alone does not fit (or, without *items*,
+        if the whole does not)."""
+        what = f"add_many() of {len(req_ids)} requests"
+        if items is None:
+            self._check_frames(parts, what)
+            return None
+        pairs = items if type(items) is list else list(items)
+        spans = self._fit(
+            len(req_ids),
+            parts,
+            lambda lo, hi: ClientSession.adds_frame(pairs[lo:hi])[1],
+            lambda i: f"request {req_ids[i]!r:.200}",
+            what,
+        )
+        if spans is None:
+            return None
+        return [(req_ids[lo:hi], p) for lo, hi, p in spans]
 
     def _send(self, parts: Parts) -> None:
         """Send one message; :class:`StageClosedError` once the sockets are closed."""
@@ -142,6 +250,8 @@ class ClientBase(Generic[S, W]):
         stage would refuse it ("draining")."""
         if stream is not True and stream is not False:  # "no" would make a stream
             check_flag(stream, "stream")
+        if self._max_frame is not None:
+            self._check_frames(parts, f"request {req_id!r}")
         if new is None and stream:
             new = self._stream_type(req_id, self._lock, time.monotonic())
         with self._lock:
@@ -178,6 +288,8 @@ class ClientBase(Generic[S, W]):
         live: dict[str, Any] | None = None,
         entry: Any = None,
         check: Callable[[list[str]], None] | None = None,
+        items: Iterable[tuple[str, Any]] | None = None,
+        bursts: list[tuple[list[str], Parts]] | None = None,
     ) -> list[S] | None:
         """:meth:`_send_request` for many requests in one message. A replica pool passes
         its table of live requests (*live*): without *streams*, it is filled with *entry*
@@ -199,9 +311,22 @@ class ClientBase(Generic[S, W]):
         *req_ids* (open, none live in its table), run first in the hold of the lock that
         registers the streams, instead of a reservation of the ids in the table before it.
         With it the burst goes only if its frame can leave at once; otherwise nothing is
-        registered or sent and ``None`` is returned (the pool takes its general path)."""
+        registered or sent and ``None`` is returned (the pool takes its general path).
+
+        With a bound on frames (``serve --max-message-bytes``) that *parts* are over, the
+        requests go in several frames, each within it (:meth:`_split_burst`, from *items*,
+        the ``(req_id, data)`` pairs; a pool passes the *bursts* it split already), all
+        built and checked before anything is registered or sent (:meth:`_send_bursts`);
+        with *check*, ``None`` instead (the pool's general path splits)."""
         if streams is not True and streams is not False:  # "no" would make streams
             check_flag(streams, "streams")
+        if self._max_frame is not None:
+            if bursts is None:
+                bursts = self._split_burst(req_ids, parts, items)
+            if bursts is not None:
+                if check is not None:
+                    return None
+                return self._send_bursts(req_ids, bursts, streams, live, entry)
         session = self._session
         lock = self._lock
         if streams and req_ids:
@@ -241,8 +366,47 @@ class ClientBase(Generic[S, W]):
                     session.cancel_streams(req_ids)
                 raise
         if live is not None and new is not None:
-            with lock:  # a stream that ended meanwhile already left the member's session
-                live.update((r, s) for r, s in zip(req_ids, new, strict=True) if s._ended is None)
+            with lock:
+                _track_sent(live, req_ids, new)
+        return new
+
+    def _send_bursts(
+        self,
+        req_ids: list[str],
+        bursts: list[tuple[list[str], Parts]],
+        streams: bool,
+        live: dict[str, Any] | None,
+        entry: Any,
+    ) -> list[S] | None:
+        """:meth:`_send_requests` of *req_ids* in several frames (*bursts*, in order, that
+        together name them all): every request registered first, as for one frame (the same
+        streams, in the same order, one ``sent_at``), then the frames sent one after the
+        other; the stage may step between them. If a send fails (the client failed or was
+        closed, or the wait for the socket was interrupted), the requests of the frames not
+        sent are forgotten and the failure raised; those sent stay registered."""
+        session = self._session
+        lock = self._lock
+        new: list[S] | None = None
+        if streams:
+            sent_at = time.monotonic()
+            stream_type = self._stream_type
+            new = [stream_type(rid, lock, sent_at) for rid in req_ids]
+        with lock:
+            session.open_requests(req_ids, new)
+            if live is not None and new is None:
+                live.update(dict.fromkeys(req_ids, entry))
+        done = 0
+        try:
+            for ids, parts in bursts:
+                self._send(parts)
+                done += len(ids)
+        except BaseException:
+            with lock:
+                session.cancel_streams(req_ids[done:])
+            raise
+        if live is not None and new is not None:
+            with lock:
+                _track_sent(live, req_ids, new)
         return new
 
     def _send_nowait(self, parts: Parts) -> bool:
@@ -273,6 +437,23 @@ class ClientBase(Generic[S, W]):
         found the ids' replica under)."""
         parts = ClientSession.abort_frame(req_ids)
         ids = list(req_ids)
+        if self._max_frame is not None:
+            try:
+                spans = self._fit(
+                    len(ids),
+                    parts,
+                    lambda lo, hi: ClientSession.abort_frame(ids[lo:hi]),
+                    lambda i: f"request id {ids[i]!r:.200}",
+                    f"abort() of {len(ids)} requests",
+                )
+            except MessageTooLargeError:
+                if noted:  # nothing goes: no answer comes
+                    with self._lock:
+                        self._session.unnote_abort(ids)
+                raise
+            if spans is not None:
+                self._send_aborts(ids, spans, noted)
+                return
         session = self._session
         with self._lock:
             session.check_abortable()  # a drain under way still takes aborts
@@ -285,6 +466,27 @@ class ClientBase(Generic[S, W]):
                 session.unnote_abort(ids)
             raise
 
+    def _send_aborts(
+        self, ids: list[str], spans: list[tuple[int, int, Parts]], noted: bool
+    ) -> None:
+        """:meth:`_send_abort` of *ids* over the bound on frames: noted all at once, then
+        one ``abort`` per span (:meth:`_fit`), in order; the stage answers each. If a send
+        fails, the ids not sent are unnoted and the failure raised."""
+        session = self._session
+        with self._lock:
+            session.check_abortable()
+            if not noted:
+                session.note_abort(ids)
+        done = 0
+        try:
+            for _lo, hi, parts in spans:
+                self._send(parts)
+                done = hi
+        except BaseException:
+            with self._lock:
+                session.unnote_abort(ids[done:])
+            raise
+
     def _start_call(
         self, name: str, args: tuple[Any, ...], waiter: W, *, stats: bool = False
     ) -> int:
@@ -294,6 +496,8 @@ class ClientBase(Generic[S, W]):
         session = self._session
         call_id = session.new_call_id()
         parts = session.call_frame(call_id, name, args, stats)
+        if self._max_frame is not None:
+            self._check_frames(parts, f"utility call {name!r:.100}")
         with self._lock:
             session.open_call(call_id, waiter, name, stats=stats)
         try:

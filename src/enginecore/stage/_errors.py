@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuthenticationError",
     "EngineDeadError",
+    "MessageTooLargeError",
     "NoReplicaError",
     "PipelineFullError",
     "PipelineRequestError",
@@ -175,6 +176,25 @@ class RequestError(EngineCoreError):
         """The request's id."""
         self.message = message
         """The stage's description of the problem."""
+
+
+class MessageTooLargeError(EngineCoreError, ValueError):
+    """Raised by a client's ``add()``, ``add_many()``, ``call_utility()`` and ``abort()``
+    when a frame of the message would be larger than the stage takes (for ``add_many()`` and
+    ``abort()``, which split a message over the bound into several frames: when one request,
+    one array or one id alone is): the stage said its bound (``serve --max-message-bytes``)
+    in its ``welcome``, and
+    a bigger frame would cost the client its connection, and the message with it
+    (``docs/security.md``). Nothing was sent or registered: the request ids are free, and
+    the session goes on. A :class:`ValueError`: the input is too big for this stage.
+    :attr:`size` is the frame's size, :attr:`limit` the stage's bound, in bytes."""
+
+    def __init__(self, message: str, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size = size
+        """The size of the largest frame of the refused message, in bytes."""
+        self.limit = limit
+        """The largest frame the stage takes, in bytes (its ``--max-message-bytes``)."""
 
 
 class ProtocolError(EngineCoreError):

@@ -38,6 +38,7 @@ from ._errors import (
 )
 from ._statistics import LOAD_INTERVAL, check_load_interval
 from ._watchdog import STEP_TIMEOUT, check_watchdog
+from ._wire import check_max_message_bytes
 
 __all__ = [
     "Launched",
@@ -283,6 +284,7 @@ def launch_process(
     log_level: int | str | None = None,
     forward_logs: bool = False,
     load_interval: float | None = LOAD_INTERVAL,
+    max_message_bytes: int | None = None,
     listen: TcpListen | None = None,
     cancel: multiprocessing.connection.Connection | None = None,
 ) -> Launched:
@@ -305,6 +307,7 @@ def launch_process(
         log_level=log_level,
         forward_logs=forward_logs,
         load_interval=load_interval,
+        max_message_bytes=max_message_bytes,
         listen=listen,
     )
     try:
@@ -326,6 +329,7 @@ async def launch_process_async(
     log_level: int | str | None = None,
     forward_logs: bool = False,
     load_interval: float | None = LOAD_INTERVAL,
+    max_message_bytes: int | None = None,
     listen: TcpListen | None = None,
 ) -> Launched:
     """:func:`launch_process`, awaited, holding no thread: the process is started on the
@@ -346,6 +350,7 @@ async def launch_process_async(
         log_level=log_level,
         forward_logs=forward_logs,
         load_interval=load_interval,
+        max_message_bytes=max_message_bytes,
         listen=listen,
     )
     try:
@@ -378,6 +383,7 @@ def start_process(
     log_level: int | str | None = None,
     forward_logs: bool = False,
     load_interval: float | None = LOAD_INTERVAL,
+    max_message_bytes: int | None = None,
     listen: TcpListen | None = None,
 ) -> Launched:
     """Spawn a stage process, without waiting for it: its ready report comes on
@@ -389,13 +395,15 @@ def start_process(
     records carry *name* (default: *factory*) as ``stage``; *log_level* is its root logger's
     level; with *forward_logs*, its records are re-emitted in this process (``_logs``).
     *load_interval* is the least time between two load reports (``None``: none;
-    ``_statistics``). With *listen* (:class:`TcpListen`), the stage listens on TCP with
-    CURVE instead of ipc; its addresses come with its ready report.
+    ``_statistics``). *max_message_bytes* bounds a frame on the stage's input socket
+    (``None``: unbounded; ``StageRuntime``). With *listen* (:class:`TcpListen`), the stage
+    listens on TCP with CURVE instead of ipc; its addresses come with its ready report.
     """
     _validate_factory(factory)
     check_watchdog(step_timeout, kill_after)
     level = _logs.check_log_level(log_level)
     load_interval = check_load_interval(load_interval)
+    check_max_message_bytes(max_message_bytes)
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     if not isinstance(forward_logs, bool):
@@ -447,6 +455,7 @@ def start_process(
             log_address,
             load_interval,
             None if listen is None else (listen.bind(), listen.server, listen.client.public_key),
+            max_message_bytes,
         ),
         name=name or f"enginecore-stage[{factory}]",
         daemon=False,

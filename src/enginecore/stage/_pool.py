@@ -220,6 +220,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
         ping_interval: float = _session.LAUNCHED_PING_S,
         ordered_events: bool = False,
         group: str | Sequence[str | None] | None = None,
@@ -242,6 +243,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
             "ping_interval": ping_interval,
         }
         return cls._opened(
@@ -280,6 +282,7 @@ class StagePool(PoolBase[PoolRequestStream]):
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
         ordered_events: bool = False,
         group: str | Sequence[str | None] | None = None,
     ) -> StagePool:
@@ -313,6 +316,7 @@ class StagePool(PoolBase[PoolRequestStream]):
             "log_level": log_level,
             "forward_logs": forward_logs,
             "load_interval": load_interval,
+            "max_message_bytes": max_message_bytes,
         }
         return cls._opened(
             with_groups(ray_specs(factory, kwargs, replicas, placement, options), group),
@@ -612,14 +616,23 @@ class StagePool(PoolBase[PoolRequestStream]):
         (``streams=False``: ``None``, as :meth:`add` with ``stream=False``). All or
         nothing before sending: :class:`TypeError` for a bad pair or payload,
         :class:`ValueError` for an id live in this pool or repeated; else as
-        :meth:`add`. Never blocks; thread-safe."""
+        :meth:`add`. Never blocks; thread-safe.
+
+        A replica whose stage has a bound on frames (``serve --max-message-bytes``) that its
+        part is over gets it in several frames, each within the bound (as
+        :meth:`StageClient.add_many <enginecore.stage.StageClient.add_many>`: its stage may
+        step between them). Every replica's part is built and checked before any is sent:
+        a request too large for its replica (alone, or an array over the bound) raises
+        :class:`~enginecore.stage.MessageTooLargeError` with nothing sent to any replica."""
         out = self._add_many(items, streams)
         return out if streams else None
 
     def abort(self, req_ids: Sequence[str]) -> None:
         """Abort *req_ids* on the replicas that serve them (ids not live in this pool are
         ignored). Their streams stop once the stage has applied the abort. Raises
-        :class:`TypeError` for a bare ``str``. Never blocks; thread-safe."""
+        :class:`TypeError` for a bare ``str``. To a replica with a bound on frames that its
+        ids' ``abort`` is over, they go in several, each within it. Never blocks;
+        thread-safe."""
         self._abort(req_ids)
 
     # -- the event stream --------------------------------------------------------------------

@@ -271,6 +271,7 @@ _LAUNCH_OPTIONS: Final = frozenset(
         "log_level",
         "forward_logs",
         "load_interval",
+        "max_message_bytes",
         "ping_interval",
         "group",
     }
@@ -597,7 +598,7 @@ class PoolBase(Generic[S]):
         if streams:
             replica = core._single
             if replica is not None and core.health_epoch[0] == core._routable_epoch:
-                single = self._add_many_single(replica, ids, whole)
+                single = self._add_many_single(replica, ids, whole, items)
                 if single is not None:
                     return single
         with self._lock:
@@ -620,22 +621,39 @@ class PoolBase(Generic[S]):
                 for i, r in enumerate(chosen):
                     index.setdefault(r, []).append(i)
                 groups = dict(index) if len(index) > 1 else {chosen[0]: None}
-            by_index: list[Any] = [None] * len(ids)
+            # Every replica's part is built, and checked against its stage's bound on
+            # frames (split into frames within it), before any part is sent: a request too
+            # large for its replica refuses the whole call with nothing sent anywhere.
+            plan = []
             for replica, idx in groups.items():
                 member: ClientBase[Any, Any] = replica._client
+                group_items: list[tuple[str, Any]]
                 if idx is None:  # the whole burst
-                    group_ids, parts = ids, whole
+                    group_ids, parts, group_items = ids, whole, items
                 else:
                     group_ids = [ids[i] for i in idx]
-                    parts = ClientSession.adds_frame([items[i] for i in idx])[1]
+                    group_items = [items[i] for i in idx]
+                    parts = ClientSession.adds_frame(group_items)[1]
+                bursts = None
+                if member._max_frame is not None:
+                    bursts = member._split_burst(group_ids, parts, group_items)
+                plan.append((replica, idx, member, group_ids, parts, bursts))
+            by_index: list[Any] = [None] * len(ids)
+            for replica, idx, member, group_ids, parts, bursts in plan:
                 sent: list[Any] | None
                 try:
                     if streams or keep:
                         sent = member._send_requests(
-                            group_ids, parts, streams, core._live if streams else None
+                            group_ids,
+                            parts,
+                            streams,
+                            core._live if streams else None,
+                            bursts=bursts,
                         )
                     else:  # the replica's QuietTable stands for them, set before the send
-                        member._send_requests(group_ids, parts, False, core._live, replica._quiet)
+                        member._send_requests(
+                            group_ids, parts, False, core._live, replica._quiet, bursts=bursts
+                        )
                         sent = []
                     if not streams and keep:
                         sent = self._quiet_records(member, replica, group_ids, idx, requests)
@@ -682,19 +700,26 @@ class PoolBase(Generic[S]):
         return out
 
     def _add_many_single(
-        self, replica: Replica, ids: list[str], whole: _session.Parts
+        self,
+        replica: Replica,
+        ids: list[str],
+        whole: _session.Parts,
+        items: list[tuple[str, Any]],
     ) -> list[S] | None:
         """``add_many()`` with streams on a pool of one routable replica and no hook, as
         :meth:`_add_one` sends: no reservation of the ids in the pool's table and no
         routing; the pool's check runs in the member's hold of the lock that registers
         the streams and puts them in the table. ``None``: nothing was sent (the frame
         could not leave at once, or the replica went away meanwhile), for the general
-        path."""
+        path; so is a burst over the member's bound on frames, which the general path
+        splits)."""
         core = self._core
         member: ClientBase[Any, Any] = replica._client
         live = core._live
         try:
-            sent = member._send_requests(ids, whole, True, live, check=core.check_burst)
+            sent = member._send_requests(
+                ids, whole, True, live, check=core.check_burst, items=items
+            )
         except (EngineDeadError, StageClosedError):
             if member._session.failure is None and not member._session.closing:
                 raise

@@ -121,6 +121,7 @@ def run_launched(
     log_address: str | None = None,
     load_interval: float | None = LOAD_INTERVAL,
     listen: tuple[str, ServerCurve, bytes] | None = None,
+    max_message_bytes: int | None = None,
 ) -> None:
     """Target of the spawned stage process (see ``_launch.launch_process``).
 
@@ -166,6 +167,7 @@ def run_launched(
             load_interval=load_interval,
             name=stage,
             curve=curve,
+            max_message_bytes=max_message_bytes,
         )
     except BaseException as exc:
         _report(conn, "error", describe(exc), traceback.format_exc())
@@ -198,6 +200,7 @@ def serve(
     keep_requests_on_detach: bool = False,
     max_clients: int = 1,
     client_buffer: int = CLIENT_BUFFER,
+    max_message_bytes: int | None = None,
     drain_timeout: float | None = None,
     step_timeout: float | None = STEP_TIMEOUT,
     kill_after: float | None = None,
@@ -237,6 +240,9 @@ def serve(
     With *max_clients* above 1 (``serve --max-clients``), up to that many clients are
     attached at once, each with an output socket of its own (``StageRuntime``); a client
     with more than *client_buffer* events queued is detached.
+
+    With *max_message_bytes* (``serve --max-message-bytes``), the input socket takes no
+    larger frame (``StageRuntime``).
     """
     label = name or factory
     configure_stage(label, log_level, None)
@@ -298,6 +304,7 @@ def serve(
             keep_requests_on_detach=keep_requests_on_detach,
             max_clients=max_clients,
             client_buffer=client_buffer,
+            max_message_bytes=max_message_bytes,
             step_timeout=step_timeout,
             kill_after=kill_after,
             load_interval=load_interval,

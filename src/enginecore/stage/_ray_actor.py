@@ -180,6 +180,7 @@ class _StageActor:
             load_interval=options.get("load_interval"),
             name=stage,
             curve=curve,
+            max_message_bytes=options.get("max_message_bytes"),
         )
         self._runtime = runtime
         threading.Thread(target=self._run, name="enginecore-stage-loop", daemon=True).start()

@@ -50,7 +50,7 @@ from ._stage_session import (
 )
 from ._statistics import LOAD_INTERVAL, StageStatistics, check_load_interval, stage_statistics
 from ._watchdog import StepWatchdog, check_watchdog
-from ._wire import is_ipv6_endpoint
+from ._wire import check_max_message_bytes, is_ipv6_endpoint
 
 __all__ = [
     "DETACHED_BUFFER",
@@ -84,6 +84,11 @@ _OUTPUT_LINGER_MS: Final = 1000
 # peer that has no key yet may announce a frame of gigabytes before its handshake, and
 # libzmq holds it in memory while it arrives (docs/security.md).
 _OUTPUT_MAX_FRAME: Final = 64 * 1024
+# What CURVE adds to each frame on the wire, and libzmq's MAXMSGSIZE counts: the MESSAGE
+# command's name (8 bytes), its short nonce (8), a flags byte and the box's MAC (16). The
+# input socket's MAXMSGSIZE is the bound plus this, so that the bound is the same with
+# CURVE as without: on the frame as the client encodes it.
+_CURVE_FRAME_OVERHEAD: Final = 33
 # How long authorize() waits for the input side to cut the peers of the keys removed.
 _SWEEP_WAIT_S: Final = 5.0
 
@@ -150,6 +155,14 @@ class StageRuntime:
     :data:`~._stage_session.OUTPUT_GRACE_S`), or that has more than *client_buffer* events
     (one per output) queued, is detached the same way, with a warning in the log.
     *keep_requests_on_detach* needs *max_clients* 1 (:class:`ValueError`).
+
+    Frame size: with *max_message_bytes* (``serve --max-message-bytes``; an int >=
+    :data:`~._wire.MIN_MESSAGE_BYTES`), the input socket takes no frame (message part)
+    larger than that many bytes (``ZMQ_MAXMSGSIZE``, on the frame as the client encodes
+    it, with CURVE too): libzmq drops the connection of a peer that announces a bigger one
+    before taking it in, and the peer's message is lost. Every ``welcome`` says the
+    bound, and the Python clients refuse a bigger message before sending it
+    (:class:`~enginecore.stage.MessageTooLargeError`). ``None`` (the default): unbounded.
     """
 
     def __init__(
@@ -170,8 +183,10 @@ class StageRuntime:
         curve: ServerCurve | None = None,
         max_clients: int = 1,
         client_buffer: int = CLIENT_BUFFER,
+        max_message_bytes: int | None = None,
     ) -> None:
         check_watchdog(step_timeout, kill_after)
+        check_max_message_bytes(max_message_bytes)
         check_max_clients(max_clients, keep_requests_on_detach=keep_requests_on_detach)
         check_client_buffer(client_buffer)
         check_client_paths(output_address, max_clients)
@@ -202,6 +217,13 @@ class StageRuntime:
             # connection is made again stays the same peer. Without it, libzmq ignores the
             # new connection's id and takes its next message for one.
             in_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if max_message_bytes is not None:
+                # A peer that announces a bigger frame is disconnected at its header: the
+                # frame is never held here (docs/security.md).
+                in_sock.setsockopt(
+                    zmq.MAXMSGSIZE,
+                    max_message_bytes + (_CURVE_FRAME_OVERHEAD if curve is not None else 0),
+                )
             out_sock = self._ctx.socket(zmq.PUSH)
             out_sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
             out_sock.setsockopt(zmq.MAXMSGSIZE, _OUTPUT_MAX_FRAME)
@@ -303,6 +325,7 @@ class StageRuntime:
                     # says so to the coordinator.
                     features=("tags", "gens") if hasattr(engine, "chase_abort") else (),
                     keep_requests=keep_requests_on_detach,
+                    max_message_bytes=max_message_bytes,
                 )
             else:
                 self._session = MultiStageSession(
@@ -314,6 +337,7 @@ class StageRuntime:
                     output_address=self.output_address,
                     session_timeout=session_timeout,
                     statistics=self._statistics,
+                    max_message_bytes=max_message_bytes,
                 )
             if self._auth is not None:
                 # A new connection to the input socket: the keys of its peers are read again.

@@ -328,6 +328,8 @@ class StageSession:
     ``welcome``; *session_timeout* is how long an attached client may be silent before a
     new ``hello`` can take its session over. *statistics* answers a ``stats`` message (the
     stage's statistics, :func:`~._statistics.stage_statistics`), on the calling thread.
+    *max_message_bytes* (the input socket's bound on a frame, ``None``: none) is said in
+    the ``welcome`` too.
     """
 
     def __init__(
@@ -341,8 +343,12 @@ class StageSession:
         statistics: Callable[[], Any] = dict,
         features: Sequence[str] = (),
         keep_requests: bool = False,
+        max_message_bytes: int | None = None,
     ) -> None:
         self._output = output
+        # The input socket's bound on a frame (serve --max-message-bytes), said in every
+        # welcome so that a client refuses a bigger message instead of losing it.
+        self.max_message_bytes = max_message_bytes
         # What became of a detached client's requests, for the reason a client whose
         # session was taken over is given (StageRuntime's keep_requests_on_detach).
         self._fate = (
@@ -356,7 +362,7 @@ class StageSession:
         # *features*: what the welcome says beyond the version (a pipeline's stage: "tags",
         # docs/wire.md section 8); none: the welcome as before, five elements.
         self._welcome = _wire.welcome_frame(
-            output_address, os.getpid(), engine_name, tuple(features)
+            output_address, os.getpid(), engine_name, tuple(features), max_message_bytes
         )
         self._session_timeout = session_timeout
         # shm: a pipeline's previous stage may send big arrays in shared memory (_shm).
@@ -992,6 +998,7 @@ class MultiStageSession(StageSession):
         output_address: str,
         session_timeout: float,
         statistics: Callable[[], Any] = dict,
+        max_message_bytes: int | None = None,
     ) -> None:
         if max_clients < 2:
             raise ValueError(f"a multi-client session needs max_clients >= 2, got {max_clients}")
@@ -1002,6 +1009,7 @@ class MultiStageSession(StageSession):
             output_address=output_address,
             session_timeout=session_timeout,
             statistics=statistics,
+            max_message_bytes=max_message_bytes,
         )
         self._clients = clients
         self._engine_name = engine_name
@@ -1108,7 +1116,9 @@ class MultiStageSession(StageSession):
                 logger.exception("enginecore: cannot open an output socket for a new client")
             self._reject(ident, f"the stage cannot open an output socket for this client: {exc}")
             return
-        welcome = _wire.welcome_frame(address, os.getpid(), self._engine_name)
+        welcome = _wire.welcome_frame(
+            address, os.getpid(), self._engine_name, max_message_bytes=self.max_message_bytes
+        )
         self.clients[ident] = _Client(ident, epoch, msg.client, now, welcome)
         self.expires = True
         self.to_loop.append(ClientJoined(self._clients, epoch))

@@ -211,14 +211,49 @@ class WelcomeMsg(msgspec.Struct, array_like=True, frozen=True, tag="welcome"):
     # (section 8, "Restarts": routes and links that name generations). Absent from
     # an older build's welcome, and from that of a stage that is no pipeline's.
     features: tuple[str, ...] = ()
+    # The largest frame (message part) the stage's input socket takes, in bytes, for a stage
+    # served with --max-message-bytes: a bigger one costs the sender its connection, and
+    # the message with it (docs/wire.md section 3). Absent (None): unbounded, or an older
+    # build's welcome.
+    max_message_bytes: int | None = None
 
 
-def welcome_frame(output: str, pid: int, engine: str, features: tuple[str, ...] = ()) -> bytes:
-    """A stage's ``welcome``: five elements, and *features* after them only if any (a
-    client that unpacks five, as section 10 of ``docs/wire.md`` did, still can)."""
+def welcome_frame(
+    output: str,
+    pid: int,
+    engine: str,
+    features: tuple[str, ...] = (),
+    max_message_bytes: int | None = None,
+) -> bytes:
+    """A stage's ``welcome``: five elements, then *features* only if any or if
+    *max_message_bytes* follows it (a client that unpacks five, as section 10 of
+    ``docs/wire.md`` did, still can with a stage that sets neither)."""
+    head = ("welcome", PROTOCOL_VERSION, output, pid, engine)
+    if max_message_bytes is not None:
+        return msgspec.msgpack.encode((*head, list(features), max_message_bytes))
     if features:
-        return msgspec.msgpack.encode(WelcomeMsg(PROTOCOL_VERSION, output, pid, engine, features))
-    return msgspec.msgpack.encode(("welcome", PROTOCOL_VERSION, output, pid, engine))
+        return msgspec.msgpack.encode((*head, list(features)))
+    return msgspec.msgpack.encode(head)
+
+
+MIN_MESSAGE_BYTES: Final = 1024
+"""The least bound a stage's input socket may have on a frame (``max_message_bytes``,
+``serve --max-message-bytes``): the handshakes' own frames go through the same check
+(CURVE's INITIATE is some 300 bytes)."""
+
+
+def check_max_message_bytes(max_message_bytes: int | None) -> None:
+    """:class:`TypeError` / :class:`ValueError` for a bad ``max_message_bytes``: ``None``
+    (unbounded) or an int >= :data:`MIN_MESSAGE_BYTES` (a smaller bound would refuse the
+    handshakes' own frames)."""
+    if max_message_bytes is None:
+        return
+    if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int):
+        raise TypeError(f"max_message_bytes must be an int or None, got {max_message_bytes!r}")
+    if max_message_bytes < MIN_MESSAGE_BYTES:
+        raise ValueError(
+            f"max_message_bytes must be >= {MIN_MESSAGE_BYTES}, got {max_message_bytes}"
+        )
 
 
 class RejectMsg(msgspec.Struct, array_like=True, frozen=True, tag="reject"):

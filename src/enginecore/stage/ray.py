@@ -652,6 +652,7 @@ class RayPlan:
         log_level: int | str | None = None,
         forward_logs: bool = False,
         load_interval: float | None = LOAD_INTERVAL,
+        max_message_bytes: int | None = None,
         link_kwarg: str | None = None,
     ) -> RayPlan:
         """Check everything before anything is placed. *link_kwarg* (a pipeline's): the
@@ -661,6 +662,7 @@ class RayPlan:
         check_watchdog(step_timeout, kill_after)
         level = _logs.check_log_level(log_level)
         load_interval = check_load_interval(load_interval)
+        _wire.check_max_message_bytes(max_message_bytes)
         heartbeat = _clientbase.check_heartbeat(heartbeat_interval, heartbeat_timeout)
         if placement is None:
             placement = RayPlacement()
@@ -697,6 +699,7 @@ class RayPlan:
                 "kill_after": kill_after,
                 "log_level": level,
                 "load_interval": load_interval,
+                "max_message_bytes": max_message_bytes,
                 "connect_timeout": float(connect_timeout),
             },
             curve=curve,
@@ -1000,6 +1003,7 @@ def launch_on_ray(
     log_level: int | str | None = None,
     forward_logs: bool = False,
     load_interval: float | None = LOAD_INTERVAL,
+    max_message_bytes: int | None = None,
 ) -> StageClient:
     """Start a stage running ``factory(**kwargs)`` in a Ray actor placed with *placement*
     (:class:`RayPlacement`; default: one CPU anywhere) and return its
@@ -1047,6 +1051,7 @@ def launch_on_ray(
         log_level=log_level,
         forward_logs=forward_logs,
         load_interval=load_interval,
+        max_message_bytes=max_message_bytes,
     )
     from ._client import StageClient
 
