@@ -104,6 +104,7 @@ class ModelMember:
     _lock = NO_LOCK
     _stream_type = AsyncPoolRequestStream
     _launched = None  # no process to kill
+    _max_frame = None  # a stage without --max-message-bytes: nothing split
 
     def __init__(self, pool: ModelPool, replica: Replica) -> None:
         self._pool = pool
