@@ -171,10 +171,7 @@ class ClientBase(Generic[S, W]):
         over it (*name* names it). Builds and checks everything before anything is sent."""
         limit = self._max_frame
         assert limit is not None
-        for part in parts[1:]:  # out-of-band buffers: each its own frame, whatever the split
-            size = len(part) if type(part) is bytes else memoryview(part).nbytes
-            if size > limit:
-                raise self._too_large(what, size, limit)
+        self._check_frames(parts[1:], what)  # out-of-band buffers: whatever the split
         if len(parts[0]) <= limit:
             return None
         out: list[tuple[int, int, Parts]] = []
